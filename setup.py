@@ -1,0 +1,46 @@
+"""megatron-rl: RL post-training on Megatron-Core with SGLang rollouts and rollout-correction.
+
+Install on a CPU machine (torch first, or pip resolves a multi-GB CUDA torch):
+    pip install torch==2.13.0 && pip install -e ".[dev]" -c tools/constraints-cpu.txt
+The Triton kernels in ``kernels/`` install as the package ``megatron_rl_kernels`` (the PyPI name
+``kernels`` belongs to an unrelated project).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="RL post-training backend on Megatron-Core: SGLang rollouts, fp32 vocab-parallel "
+    "log-probs, distributed rollout correction (TIS/MIS/RS).",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl_kernels"],
+    package_dir={"megatron_rl_kernels": "kernels"},
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.13,<0.17",
+        "pyyaml>=6",
+        "numpy>=1.24",
+        "safetensors>=0.4",
+    ],
+    extras_require={
+        # transformer-engine and apex are GPU-cluster extras; never install them on CPU machines
+        # (transformer-engine raises RuntimeError at import there, which breaks megatron.core).
+        "gpu": ["transformer-engine[pytorch]", "triton>=3.0"],
+        "sglang": ["sglang>=0.5", "requests>=2.28"],
+        "hf": ["transformers>=4.45", "tokenizers>=0.20"],
+        "wandb": ["wandb"],
+        "tensorboard": ["tensorboard"],
+        "report": ["matplotlib"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "triton>=3.0",
+            "transformers>=4.45",
+            "tokenizers>=0.20",
+            "requests>=2.28",
+            "matplotlib",
+        ],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)

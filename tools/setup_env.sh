@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project virtualenv for a CPU machine and install megatron-rl into it.
+# Order matters: torch==2.13.0 (CPU build) first, then everything else under a constraint that
+# keeps it, otherwise pip resolves a multi-GB CUDA torch.
+# Usage: bash tools/setup_env.sh            (venv at $MEGATRON_RL_VENV, default ./.venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${MEGATRON_RL_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[dev]" -c tools/constraints-cpu.txt
+"$PY" - <<'PY'
+import torch, megatron.core
+print(f"megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}")
+PY
