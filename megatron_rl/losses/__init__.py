@@ -1,0 +1,41 @@
+"""Policy losses for RL post-training with rollout correction.
+
+Modules (one job each):
+  config.py       ``PolicyLossConfig`` (loss_type, clip ratios, dual-clip, aggregation mode, KL loss)
+  policy.py       decoupled / bypass PPO-clip and REINFORCE (``compute_policy_loss``, ``select_loss_inputs``)
+  aggregation.py  the four aggregation modes with global denominators (exact over micro-batches and DP)
+  kl.py           KL estimators k1/abs/k2/k3 and the straight-through "+" variants (k3 value, k2 gradient)
+  metrics.py      (sum, count) metrics merged / all-reduced exactly
+  validation.py   shape / dtype / mask / NaN checks with one host sync
+
+Typical train-step use (per optimizer step)::
+
+    from megatron_rl.losses import (PolicyLossConfig, compute_policy_loss, global_denominators,
+                                    select_loss_inputs, merge_metrics, reduce_metrics, metrics_to_floats)
+    den = global_denominators([mb.response_mask for mb in micro_batches], group=dp_group)
+    for mb in micro_batches:
+        old, w = select_loss_inputs(cfg.loss_type, bypass_mode, mb.rollout_log_probs, mb.old_log_probs,
+                                    mb.is_weights)
+        out = compute_policy_loss(logp, old, mb.advantages, mb.response_mask, cfg, is_weights=w,
+                                  ref_log_probs=mb.ref_log_probs, denominators=den)
+        out.loss.backward()      # sum over micro-batches and DP ranks == full-batch loss
+
+Tests: ``pytest tests/test_losses*.py``.
+"""
+from .aggregation import (LossDenominators, aggregate_loss, global_denominators, local_denominators,
+                          sequence_token_counts)
+from .config import KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, PolicyLossConfig
+from .kl import kl_penalty
+from .metrics import SumCount, merge_metrics, metrics_to_floats, reduce_metrics
+from .policy import (PolicyLossOutput, compute_policy_loss, ppo_clip_per_token, reinforce_per_token,
+                     select_loss_inputs)
+
+__all__ = [
+    "PolicyLossConfig", "LOSS_TYPES", "LOSS_AGG_MODES", "KL_TYPES",
+    "compute_policy_loss", "select_loss_inputs", "PolicyLossOutput", "ppo_clip_per_token",
+    "reinforce_per_token",
+    "LossDenominators", "aggregate_loss", "global_denominators", "local_denominators",
+    "sequence_token_counts",
+    "kl_penalty",
+    "SumCount", "merge_metrics", "reduce_metrics", "metrics_to_floats",
+]
