@@ -1,0 +1,9 @@
+"""GPT / MoE models on megatron-core: typed model config, model builder, HF config mapping, sharding.
+
+    from megatron_rl.models import ModelConfig, build_gpt_model
+"""
+from megatron_rl.models.builder import build_gpt_model, make_transformer_config, transformer_engine_available
+from megatron_rl.models.config import ModelConfig, ModelConfigError, model_config_from_dict
+
+__all__ = ["ModelConfig", "ModelConfigError", "model_config_from_dict", "build_gpt_model",
+           "make_transformer_config", "transformer_engine_available"]

@@ -1,0 +1,181 @@
+"""Build megatron-core ``GPTModel`` chunks for this rank from ``ModelConfig`` + ``ParallelConfig``.
+
+Usage (megatron's parallel state must exist: ``megatron_rl.parallel.initialize_model_parallel``)::
+
+    tcfg = make_transformer_config(model_cfg, parallel_cfg)
+    chunks = build_gpt_model(model_cfg, parallel_cfg)       # list: one chunk, or VPP chunks
+    logits = chunks[0](input_ids, position_ids, attention_mask=None)  # [b, s, vocab/TP] on last stage
+
+Design decisions:
+  * Transformer Engine layer spec when ``transformer_engine`` imports, megatron's local spec otherwise
+    (CPU). ``use_transformer_engine`` overrides the detection.
+  * Always returns a list of model chunks (length VPP or 1) — what megatron's schedules and DDP take.
+    ``pre_process`` / ``post_process`` follow the (virtual) pipeline stage.
+  * ``params_dtype`` fp32 on CPU (the Megatron optimizer only supports fp32 params there); bf16 can be
+    requested on GPU with ``params_dtype``.
+  * ``variable_seq_lengths=True`` (micro-batches of different lengths through the pipeline schedules);
+    megatron then needs ``moe_token_dispatcher_type='alltoall'`` even for dense models, so it is set for
+    every model unless the config asks for allgather (which then disables variable_seq_lengths).
+  * No linear biases (``add_bias_linear=False``, required by MoE experts); QKV bias via add_qkv_bias.
+  * Dropout 0 (RL log-prob recompute must be deterministic); no fusions that need CUDA kernels on CPU.
+  * ``sequence_parallel`` is forced off at TP=1 (megatron refuses SP without TP).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.parallel.config import ParallelConfig
+
+__all__ = ["make_transformer_config", "build_gpt_model", "transformer_engine_available"]
+
+
+def transformer_engine_available() -> bool:
+    """True when ``import transformer_engine`` succeeds (and CUDA is there to run it)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises RuntimeError (not ImportError) on machines without CUDA
+        return False
+    return True
+
+
+def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
+                            params_dtype: Optional[torch.dtype] = None, variable_seq_lengths: bool = True,
+                            **overrides: Any):
+    """Megatron ``TransformerConfig`` for ``model`` under ``parallel``; ``overrides`` win (and
+    ``model.extra`` is applied before them)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model.validate()
+    if params_dtype is None:
+        params_dtype = torch.float32
+    on_gpu = torch.cuda.is_available()
+    tp = parallel.tensor_model_parallel_size
+    kw: Dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.dense_ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.etp,
+        sequence_parallel=parallel.sequence_parallel and tp > 1,
+        variable_seq_lengths=variable_seq_lengths,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+    )
+    if model.moe_token_dispatcher_type == "allgather":
+        kw["variable_seq_lengths"] = False
+    if model.is_moe:
+        pattern = model.moe_layer_pattern()
+        kw.update(
+            num_moe_experts=model.num_moe_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.dense_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=model.moe_shared_expert_gate,
+            moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_router_score_function=model.moe_router_score_function,
+            moe_router_pre_softmax=model.moe_router_pre_softmax,
+            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+            moe_grouped_gemm=model.moe_grouped_gemm and on_gpu,
+            moe_layer_freq=pattern,
+            moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+        )
+    kw.update(model.extra)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _layer_spec(tcfg, use_te: bool, vp_stage: Optional[int]):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm",
+                                      vp_stage=vp_stage)
+
+
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: Optional[torch.dtype] = None,
+                    use_transformer_engine: Optional[bool] = None, variable_seq_lengths: bool = True,
+                    parallel_output: bool = True, **config_overrides: Any) -> List[torch.nn.Module]:
+    """Build this rank's ``GPTModel`` chunk(s) (length = VPP or 1), on CPU or the current CUDA device.
+
+    ``parallel_output=True`` keeps logits sharded over the vocab (TP) — what vocab-parallel log-prob
+    code wants. Requires megatron's parallel state to match ``parallel``."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if not torch.cuda.is_available():
+        from megatron_rl.platform.cpu_compat import apply_cpu_patches
+
+        apply_cpu_patches()
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_gpt_model: megatron parallel state is not initialised "
+                           "(call megatron_rl.parallel.initialize_model_parallel first)")
+    expect = {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+              "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+              "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+              "context_parallel_size": parallel_state.get_context_parallel_world_size()}
+    wrong = {k: (getattr(parallel, k), v) for k, v in expect.items() if getattr(parallel, k) != v}
+    if wrong:
+        raise ValueError("build_gpt_model: ParallelConfig disagrees with megatron's parallel state "
+                         + ", ".join(f"{k}: config {a} vs initialised {b}" for k, (a, b) in wrong.items()))
+    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    tcfg = make_transformer_config(model, parallel, params_dtype=params_dtype,
+                                   variable_seq_lengths=variable_seq_lengths, **config_overrides)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    vp_stages = list(range(vpp)) if vpp and vpp > 1 else [None]
+    chunks = []
+    for vp_stage in vp_stages:
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunk = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=_layer_spec(tcfg, use_te, vp_stage),
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            rotary_base=int(model.rotary_base) if float(model.rotary_base).is_integer() else model.rotary_base,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks

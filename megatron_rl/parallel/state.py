@@ -1,0 +1,63 @@
+"""Create megatron's model-parallel groups from a validated ``ParallelConfig`` and seed its RNG tracker.
+
+Usage (after ``init_distributed()`` or inside ``run_ranks``)::
+
+    initialize_model_parallel(cfg, seed=1234, model=model_cfg)   # validates first
+    ...
+    destroy_model_parallel()
+
+On CPU the megatron CPU patches are applied first (the CUDA RNG tracker is then backed by the CPU
+generator, so ``model_parallel_cuda_manual_seed`` works and dropout regions are reproducible).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_rl.parallel.config import ParallelConfig, validate_parallel_config
+
+__all__ = ["initialize_model_parallel", "destroy_model_parallel"]
+
+
+def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any = None,
+                              distributed_timeout_minutes: int = 30) -> None:
+    """Validate ``cfg`` against the world (and ``model`` shape), then call megatron's
+    ``parallel_state.initialize_model_parallel`` and ``model_parallel_cuda_manual_seed(seed)``.
+
+    Requires an initialised default process group. Raises ``ParallelConfigError`` before creating
+    any group if the layout is invalid."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_model_parallel: torch.distributed is not initialised "
+                           "(call megatron_rl.parallel.init_distributed() first)")
+    validate_parallel_config(cfg, dist.get_world_size(), model)
+    if not torch.cuda.is_available():
+        from megatron_rl.platform.cpu_compat import apply_cpu_patches
+
+        apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.etp,
+        distributed_timeout_minutes=distributed_timeout_minutes,
+        create_gloo_process_groups=torch.cuda.is_available(),
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    """Tear down megatron's groups (safe if none exist)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
