@@ -39,7 +39,7 @@ def _finite_number(key: str, value: Any) -> float:
 
 def _choice(key: str, value: Any, choices) -> None:
     if value not in choices:
-        near = difflib.get_close_matches(str(value), choices, n=1)
+        near = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.4)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ValueError(f"PolicyLossConfig.{key} must be one of {list(choices)}, got {value!r}{hint}")
 
