@@ -1,0 +1,20 @@
+"""Vocab-parallel log-probs and entropy: fused, memory-bounded, exact across tensor parallelism.
+
+Public API::
+
+    from megatron_rl.logprobs import vocab_parallel_logprobs, fused_linear_logprobs
+    logp, ent = vocab_parallel_logprobs(logits_shard, target_ids, tp_group=g, temperature=1.0,
+                                        compute_entropy=True, chunk_size=None)
+    logp, ent = fused_linear_logprobs(hidden, output_weight_shard, target_ids, tp_group=g,
+                                      temperature=1.0, compute_entropy=True, chunk_size=None)
+
+Modules: ``validation`` (input checks, one small cross-rank check), ``torch_path`` (per-chunk torch
+primitives), ``combine`` (the TP combine: one MAX + one SUM all-reduce), ``backend`` (Triton on
+CUDA, torch elsewhere; default chunk size), ``vocab_parallel`` and ``fused_linear`` (autograd
+functions). Triton kernels live in the package ``megatron_rl_kernels`` (source dir ``kernels/``).
+Tests: ``pytest tests/test_logprobs*.py tests/test_kernels*.py``; benchmark: ``tools/bench_logprobs.py``.
+"""
+from .fused_linear import fused_linear_logprobs
+from .vocab_parallel import vocab_parallel_logprobs
+
+__all__ = ["vocab_parallel_logprobs", "fused_linear_logprobs"]

@@ -1,0 +1,78 @@
+"""Backend choice (Triton kernels on CUDA, torch elsewhere) and the default chunk size.
+
+``backend`` values accepted by the public functions:
+  * ``"auto"`` (default): Triton when the logits are on a CUDA device and ``triton`` imports,
+    else the torch path;
+  * ``"torch"``: the chunked torch path (``torch_path.py``) on any device;
+  * ``"triton"``: the Triton kernels (``megatron_rl_kernels``) - also on CPU tensors when
+    ``TRITON_INTERPRET=1`` was set before ``megatron_rl_kernels.logprob_kernels`` was imported
+    (that is how the kernels are tested without a GPU).
+
+Default chunk size (tokens per chunk) = max(1, CHUNK_ELEMENTS // width) where width is the number
+of vocab columns of the block. CPU: 2**20 elements (4 MiB per fp32 workspace, two workspaces): the
+torch path's peak extra memory is then ~8 MiB + O(tokens), far below 10% of one fp32 shard copy for
+any realistic shard, and the per-chunk buffers stay cache-friendly; ``tools/bench_logprobs.py``
+measured speed flat from 2**18 to 2**22 elements on CPU (see that file's docstring for the numbers).
+CUDA: 2**24 elements (64 MiB fp32), enough rows per launch / matmul to fill a GPU; the Triton
+forward of ``vocab_parallel_logprobs`` needs no workspace at all and runs on all tokens at once
+unless a ``chunk_size`` is given.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import torch_path
+
+CPU_CHUNK_ELEMENTS = 2 ** 20
+CUDA_CHUNK_ELEMENTS = 2 ** 24
+BACKENDS = ("auto", "torch", "triton")
+
+
+def default_chunk_rows(width: int, device: torch.device) -> int:
+    """Tokens per chunk for a block of ``width`` vocab columns on ``device``."""
+    budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
+    return max(1, budget // max(1, width))
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'torch' or 'triton' for ``backend`` in BACKENDS on ``device`` (raises ValueError otherwise)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import megatron_rl_kernels.logprob_kernels  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    if backend == "triton":
+        try:
+            import megatron_rl_kernels.logprob_kernels  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"backend='triton' but the Triton kernels cannot be imported: {e}") from e
+    return backend
+
+
+class BlockOps:
+    """The two per-block primitives for one backend, with a reusable workspace (torch path)."""
+
+    def __init__(self, backend: str, device: torch.device):
+        self.backend = backend
+        if backend == "triton":
+            from megatron_rl_kernels import logprob_kernels as k
+            self._k = k
+        else:
+            self._ws = torch_path.Workspace(device)
+
+    def partials(self, x, t_local, inv_temp):
+        """(m, s, tgt, spz) fp32 [c] for the block x [c, W]; see ``torch_path.chunk_partials``."""
+        if self.backend == "triton":
+            return self._k.block_partials(x, t_local, inv_temp)
+        return torch_path.chunk_partials(x, t_local, inv_temp, self._ws)
+
+    def grad(self, x, t_local, inv_temp, mx, log_s, ent, g_logp, g_ent, out):
+        """Write d(loss)/dx for the block x [c, W] into ``out``; see ``torch_path.chunk_grad``."""
+        if self.backend == "triton":
+            return self._k.block_grad(x, t_local, inv_temp, mx, log_s, ent, g_logp, g_ent, out)
+        return torch_path.chunk_grad(x, t_local, inv_temp, mx, log_s, ent, g_logp, g_ent, out, self._ws)

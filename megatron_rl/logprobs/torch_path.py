@@ -1,0 +1,101 @@
+"""Torch (CPU / any device) implementation of the two per-chunk primitives.
+
+``chunk_partials``: one softmax pass over a [c, W] block of logits -> fp32 per-row (m, s, tgt, spz)
+(see ``combine.py`` for their meaning). ``chunk_grad``: recomputes p from the saved global
+log-sum-exp and writes d(loss)/d(logits) for the block. Both work on any column block of the
+vocab shard (the fused linear backward uses vocab-column blocks), never modify the logits and use
+two caller-provided fp32 workspaces of at least [c, W] so that repeated chunks do not re-allocate
+(re-allocating large buffers on CPU costs page faults every chunk).
+
+Memory per call: the two workspaces (2 x 4 x c x W bytes) plus O(c) vectors.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class Workspace:
+    """Two reusable fp32 buffers of ``max_rows * width`` elements each (grown on demand)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.a = torch.empty(0, dtype=torch.float32, device=device)
+        self.b = torch.empty(0, dtype=torch.float32, device=device)
+
+    def get(self, rows: int, width: int):
+        """Two fp32 views of shape [rows, width]."""
+        n = rows * width
+        if self.a.numel() < n:
+            self.a = torch.empty(n, dtype=torch.float32, device=self.device)
+            self.b = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self.a[:n].view(rows, width), self.b[:n].view(rows, width)
+
+
+def _local_targets(t_local: torch.Tensor, width: int):
+    """Clamp local target columns into [0, width) and return (clamped, owned mask)."""
+    owned = (t_local >= 0) & (t_local < width)
+    return torch.where(owned, t_local, torch.zeros_like(t_local)), owned
+
+
+def chunk_partials(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, ws: Workspace):
+    """Per-row fp32 partials of softmax(x * inv_temp) over the block ``x`` [c, W] (any float dtype).
+
+    ``t_local``: [c] int64 target column inside this block (out-of-block -> not owned, tgt = 0).
+    Returns (m, s, tgt, spz), each fp32 [c], with d_j = (x_j - m) * inv_temp (= z_j - max z):
+    m = max x (raw logit units), s = sum exp(d), spz = sum exp(d) * d, tgt = x[target] (raw) or 0.
+    Subtracting the raw max BEFORE scaling keeps d exact-ish for the large probabilities
+    (x * inv_temp - max would carry ~ulp(|x|) absolute error into every p).
+    """
+    c, w = x.shape
+    a, b = ws.get(c, w)
+    m = torch.amax(x, dim=-1).float()  # read in x's dtype; the max of bf16 values is exact
+    torch.sub(x, m.unsqueeze(-1), out=a)  # x upcast to fp32 inside the op: one pass
+    if inv_temp != 1.0:
+        a.mul_(inv_temp)
+    torch.exp(a, out=b)
+    s = b.sum(dim=-1)
+    # sum p~ * d in place in the workspace (torch.bmm as a batched dot was ~10x less accurate)
+    spz = b.mul_(a).sum(dim=-1)
+    idx, owned = _local_targets(t_local, w)
+    tgt = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()
+    tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
+    return m, s, tgt, spz
+
+
+def chunk_grad(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, mx: torch.Tensor,
+               log_s: torch.Tensor, ent: torch.Tensor, g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
+               out: torch.Tensor, ws: Workspace) -> None:
+    """Write d(loss)/d(x) for the block ``x`` [c, W] into ``out`` [c, W] (any float dtype).
+
+    With z = x * inv_temp, log p = (x - mx) * inv_temp - log_s (mx: global raw max, log_s: log of the
+    global sum-exp relative to it), H = entropy:
+        dL/dz_j = g_logp * ([j == target] - p_j) - g_ent * p_j * (log p_j + H)
+        dL/dx   = inv_temp * dL/dz
+    ``g_logp`` / ``g_ent`` are fp32 [c] upstream gradients or None (treated as zero).
+    """
+    c, w = x.shape
+    a, b = ws.get(c, w)
+    torch.sub(x, mx.unsqueeze(-1), out=a)
+    if inv_temp != 1.0:
+        a.mul_(inv_temp)
+    a.sub_(log_s.unsqueeze(-1))  # log p
+    torch.exp(a, out=b)  # p
+    if g_ent is not None:
+        # coef_j = g_logp + g_ent * (log p_j + H);   grad = -p * coef
+        a.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1))
+        if g_logp is not None:
+            a.add_(g_logp.unsqueeze(-1))
+        b.mul_(a)
+    elif g_logp is not None:
+        b.mul_(g_logp.unsqueeze(-1))
+    else:
+        b.zero_()
+    b.neg_()
+    if g_logp is not None:
+        idx, owned = _local_targets(t_local, w)
+        b.scatter_add_(1, idx.unsqueeze(1), torch.where(owned, g_logp, torch.zeros_like(g_logp)).unsqueeze(1))
+    if inv_temp != 1.0:
+        b.mul_(inv_temp)
+    out.copy_(b)

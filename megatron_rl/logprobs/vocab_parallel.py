@@ -1,0 +1,127 @@
+"""``vocab_parallel_logprobs``: log-probs and entropy of the target tokens from vocab-sharded logits.
+
+Memory-bounded and exact across tensor parallelism:
+  * forward: token chunks; per chunk ONE softmax pass gives per-token (max, sum-exp, target logit,
+    sum p*z) partials in fp32 (``torch_path`` / Triton kernels); then two all-reduces over
+    ``tp_group`` for all tokens (a MAX, then a SUM of the packed partials, ``combine.py``).
+    Never an fp32 copy of the whole shard, never an in-place write to the inputs.
+  * backward: per chunk, recompute p from the saved fp32 log-sum-exp (O(tokens) saved state) and
+    write the gradient (dtype of the logits) chunk by chunk into the single returned gradient.
+Works for a loss built from log-probs, entropy or both (unused outputs cost nothing in backward).
+
+Usage::
+
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+    logp, ent = vocab_parallel_logprobs(logits_shard, target_ids, tp_group=tp_group, temperature=1.0)
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from .backend import BlockOps, default_chunk_rows, resolve_backend
+from .combine import combine_partials
+from .validation import (check_chunk_size, check_float_tensor, check_partition, check_targets,
+                         check_temperature, locate_nonfinite)
+
+
+def flatten_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """View ``t`` [..., W] as [N, W]; copies (with a warning) only if no view exists."""
+    w = t.shape[-1]
+    try:
+        return t.view(-1, w)
+    except RuntimeError:
+        warnings.warn(f"{name} of shape {tuple(t.shape)} / strides {t.stride()} cannot be viewed as "
+                      f"[tokens, {w}]; making a contiguous copy in {t.dtype} (pass a contiguous tensor "
+                      f"to avoid it)", stacklevel=3)
+        return t.reshape(-1, w)
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """Autograd wrapper: inputs (logits2d [N, Vp], local target columns [N]); outputs fp32 (logp, ent)."""
+
+    @staticmethod
+    def forward(ctx, logits2d, t_local, inv_temp, chunk_rows, tp_group, world_size, rank,
+                backend, token_shape):
+        ops = BlockOps(backend, logits2d.device)
+        n = logits2d.shape[0]
+        stats = torch.empty(4, n, dtype=torch.float32, device=logits2d.device)
+        for i in range(0, n, chunk_rows):
+            j = min(n, i + chunk_rows)
+            m, s, tgt, spz = ops.partials(logits2d[i:j], t_local[i:j], inv_temp)
+            stats[0, i:j], stats[1, i:j], stats[2, i:j], stats[3, i:j] = m, s, tgt, spz
+        del ops
+        logp, ent, mx, log_s, bad = combine_partials(stats[0], stats[1], stats[2], stats[3], inv_temp, tp_group,
+                                                        world_size)
+        if bool(bad.any()):
+            raise ValueError(locate_nonfinite(logits2d, bad, token_shape, rank))
+        ctx.save_for_backward(logits2d, t_local, mx, log_s, ent)
+        ctx.inv_temp, ctx.chunk_rows, ctx.backend = inv_temp, chunk_rows, backend
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits2d, t_local, mx, log_s, ent = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[0]:
+            grad = torch.empty_like(logits2d)
+            if g_logp is None and g_ent is None:
+                grad.zero_()
+            else:
+                ops = BlockOps(ctx.backend, logits2d.device)
+                g_logp = None if g_logp is None else g_logp.float()
+                g_ent = None if g_ent is None else g_ent.float()
+                n, step = logits2d.shape[0], ctx.chunk_rows
+                for i in range(0, n, step):
+                    j = min(n, i + step)
+                    ops.grad(logits2d[i:j], t_local[i:j], ctx.inv_temp, mx[i:j], log_s[i:j], ent[i:j],
+                             None if g_logp is None else g_logp[i:j],
+                             None if g_ent is None else g_ent[i:j], grad[i:j])
+        return grad, None, None, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor, tp_group=None,
+                            temperature: float = 1.0, compute_entropy: bool = True,
+                            chunk_size: Optional[int] = None, backend: str = "auto",
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of ``target_ids`` and entropy under softmax(logits / temperature), vocab-parallel.
+
+    Args:
+        logits_shard: [..., V/TP] fp32/bf16/fp16 logits of this TP rank's vocab slice; rank r owns
+            global ids [r * V/TP, (r + 1) * V/TP) (megatron ``VocabUtility``). Not modified.
+        target_ids: [...] integer global token ids in [0, V), identical on every TP rank.
+        tp_group: the tensor-model-parallel process group, or None for a single process (no TP).
+        temperature: > 0; logits are divided by it before the softmax (SGLang's sampled-token
+            log-probs are log_softmax(logits / T)).
+        compute_entropy: return the entropy of softmax(logits / T) (else None; costs nothing extra).
+        chunk_size: tokens per chunk (None: ``backend.default_chunk_rows``; memory ~ 8 B x chunk x V/TP).
+        backend: "auto" | "torch" | "triton" (see ``megatron_rl.logprobs.backend``).
+    Returns:
+        (logp, entropy): fp32 tensors of shape [...] (entropy None if not requested), differentiable
+        w.r.t. ``logits_shard``.
+    Raises:
+        ValueError naming the problem: bad dtype/shape, target ids outside [0, V), temperature <= 0,
+        token count / partition size / target ids differing across TP ranks (raised on every rank),
+        NaN/inf logits (count and first position; raised on every rank after the forward pass).
+    """
+    check_float_tensor(logits_shard, "logits_shard")
+    token_shape = tuple(logits_shard.shape[:-1])
+    check_targets(target_ids, token_shape, logits_shard.device)
+    temperature = check_temperature(temperature)
+    chunk_size = check_chunk_size(chunk_size)
+    backend = resolve_backend(backend, logits_shard.device)
+    vp = logits_shard.shape[-1]
+    targets = target_ids.reshape(-1).to(torch.int64)
+    info = check_partition(targets, token_shape, vp, tp_group, "logits_shard")
+    logits2d = flatten_rows(logits_shard, "logits_shard")
+    t_local = targets - info.vocab_start
+    if chunk_size is None:
+        # the Triton forward/backward stream over the vocab without a workspace: no chunking needed
+        chunk_size = max(1, logits2d.shape[0]) if backend == "triton" else default_chunk_rows(vp, logits2d.device)
+    logp, ent = _VocabParallelLogprobs.apply(logits2d, t_local, 1.0 / temperature, chunk_size, tp_group,
+                                             info.world_size, info.rank, backend, token_shape)
+    logp = logp.view(token_shape)
+    return logp, (ent.view(token_shape) if compute_entropy else None)
