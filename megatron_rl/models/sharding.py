@@ -1,0 +1,301 @@
+"""Full <-> per-rank megatron GPT state dicts (TP / PP / VPP / EP / ETP), pure tensor functions.
+
+"Full" state dict = the ``state_dict()`` of the same GPTModel built at TP1/PP1/EP1 with the same spec:
+global layer indices ``decoder.layers.{L}`` and global expert indices. A "shard" = the state dict of
+one model chunk on one rank. Used by the HF importer/exporter, checkpoint resharding and tests.
+
+Layout conventions (megatron-core 0.16, local and TE specs):
+  * ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [V, H]: vocab rows split over TP
+    (VocabParallelEmbedding / ColumnParallelLinear), contiguous blocks of V / TP.
+  * ``self_attention.linear_qkv.weight`` [ng*(q_per_g+2)*d, H] (and bias): rows are grouped per KV
+    group as [q heads of the group (q_per_g*d), k (d), v (d)] for group 0, 1, ...; TP takes
+    contiguous blocks of ng/TP groups — a plain dim-0 split.
+  * ``linear_fc1`` of a gated (SwiGLU) MLP [2F, H] = [gate (F); up (F)]; each TP rank holds
+    [gate block r; up block r] (NOT a contiguous block of the full matrix).
+  * row-parallel ``linear_proj`` [H, nh*d], ``linear_fc2`` [H, F]: split along dim 1.
+  * norms (``input_layernorm``, ``pre_mlp_layernorm``, ``final_layernorm``, q/k layernorm, TE's fused
+    ``layer_norm_weight``), the MoE ``router.weight`` / ``expert_bias`` and the shared-expert
+    ``gate_weight`` are replicated.
+  * routed experts: global expert e lives on EP rank e // (E/EP) as local index e % (E/EP); inside an
+    expert, fc1/fc2 split like the dense MLP but over the *expert* TP group (ETP).
+    SequentialMLP names ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; grouped GEMM names
+    ``mlp.experts.linear_fc{1,2}.weight{j}`` — both handled.
+  * pipeline: chunk c = vp_stage * PP + pp_rank holds layers [c*n, (c+1)*n) with n = L / (PP*VPP),
+    renumbered from 0. The embedding lives in the first chunk; ``final_layernorm`` and
+    ``output_layer`` in the last. With tied embeddings and PP > 1 the last chunk still has an
+    ``output_layer.weight`` (a copy of the embedding); with PP = 1 and tied embeddings it has none.
+
+Usage::
+
+    coords = RankCoords.from_parallel_state()            # inside a rank, after initialize_model_parallel
+    local = shard_state_dict(full, model_cfg, coords)    # for chunk 0 (coords.vp_stage)
+    full2 = unshard_state_dicts({c: sd for c, sd in shards}, model_cfg, parallel_cfg)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.parallel.config import ParallelConfig
+
+__all__ = ["RankCoords", "shard_state_dict", "unshard_state_dicts", "load_full_state_dict",
+           "param_kind", "all_rank_coords"]
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_GROUPED_EXPERT_RE = re.compile(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Position of one model chunk in the parallel layout (sizes and ranks per dimension)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    vp_stage: int = 0
+    """Virtual pipeline chunk index on this rank (0 without VPP)."""
+    vpp_size: int = 1
+    """Chunks per pipeline rank (1 without VPP)."""
+
+    @classmethod
+    def from_parallel_state(cls, vp_stage: int = 0) -> "RankCoords":
+        """This rank's coordinates from megatron's initialised ``parallel_state``."""
+        from megatron.core import parallel_state as ps
+
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        return cls(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                   pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+                   ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+                   etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+                   vp_stage=vp_stage, vpp_size=vpp)
+
+    @property
+    def chunk_index(self) -> int:
+        """Global pipeline chunk index (vp_stage * PP + pp_rank)."""
+        return self.vp_stage * self.pp_size + self.pp_rank
+
+    @property
+    def num_chunks(self) -> int:
+        """Total pipeline chunks (PP * VPP)."""
+        return self.pp_size * self.vpp_size
+
+    @property
+    def is_first_chunk(self) -> bool:
+        """Holds the embedding."""
+        return self.chunk_index == 0
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """Holds the final norm and the output layer."""
+        return self.chunk_index == self.num_chunks - 1
+
+
+def all_rank_coords(parallel: ParallelConfig) -> List[RankCoords]:
+    """Every distinct (TP, PP, VPP, EP, ETP) shard position of ``parallel`` (DP replicas excluded).
+
+    Dense weights depend on (tp, pp, vp); expert weights on (ep, etp, pp, vp). One coordinate per
+    combination of (tp, pp, vp, ep, etp) is returned; consumers pick what they need."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.etp
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    return [RankCoords(t, tp, p, pp, e, ep, et, etp, v, vpp)
+            for p in range(pp) for v in range(vpp) for t in range(tp) for e in range(ep) for et in range(etp)]
+
+
+def param_kind(local_name: str) -> str:
+    """How a (layer-local) parameter is split: 'vocab', 'column', 'glu_column', 'row', 'replicated',
+    'expert_glu_column', 'expert_row'. Raises KeyError for names this module does not know."""
+    name = local_name
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return "vocab"
+    if name.startswith("decoder.final_layernorm.") or name.endswith("layernorm.weight") \
+            or name.endswith("layernorm.bias") or ".layer_norm_" in name or name.endswith("_extra_state"):
+        return "replicated"
+    if name.startswith("mlp.router.") or name == "mlp.shared_experts.gate_weight":
+        return "replicated"
+    expert = name.startswith("mlp.experts.")
+    if name.startswith("self_attention.linear_qkv."):
+        return "column"
+    if name.startswith("self_attention.linear_proj."):
+        return "row" if name.endswith("weight") else "replicated"
+    if ".linear_fc1." in name or re.search(r"linear_fc1\.(weight|bias)\d*$", name):
+        return "expert_glu_column" if expert else "glu_column"
+    if ".linear_fc2." in name or re.search(r"linear_fc2\.(weight|bias)\d*$", name):
+        if re.search(r"linear_fc2\.bias\d*$", name):
+            return "replicated"
+        return "expert_row" if expert else "row"
+    raise KeyError(f"sharding: unknown megatron parameter {local_name!r} (no TP/EP layout rule)")
+
+
+def _split(t: torch.Tensor, kind: str, rank: int, size: int, name: str) -> torch.Tensor:
+    if size == 1 or kind == "replicated":
+        return t.clone()
+    if kind in ("vocab", "column"):
+        dim = 0
+    elif kind in ("row", "expert_row"):
+        dim = 1
+    elif kind in ("glu_column", "expert_glu_column"):
+        if t.shape[0] % (2 * size):
+            raise ValueError(f"{name}: gated fc1 rows {t.shape[0]} not divisible by 2 x {size}")
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0).clone()
+    else:  # pragma: no cover - param_kind returns only the kinds above
+        raise AssertionError(kind)
+    if t.shape[dim] % size:
+        raise ValueError(f"{name}: dim {dim} of shape {tuple(t.shape)} is not divisible by parallel size {size}")
+    return t.chunk(size, dim)[rank].clone()
+
+
+def _merge(parts: List[torch.Tensor], kind: str, name: str) -> torch.Tensor:
+    if len(parts) == 1 or kind == "replicated":
+        first = parts[0]
+        for i, p in enumerate(parts[1:], 1):
+            if p.shape != first.shape or not torch.equal(p, first):
+                raise ValueError(f"{name}: replicated parameter differs between shard 0 and shard {i}")
+        return first.clone()
+    if kind in ("vocab", "column"):
+        return torch.cat(parts, 0)
+    if kind in ("row", "expert_row"):
+        return torch.cat(parts, 1)
+    halves = [p.chunk(2, 0) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+
+
+def _layer_range(model: ModelConfig, c: RankCoords) -> Tuple[int, int]:
+    if model.num_layers % c.num_chunks:
+        raise ValueError(f"num_layers={model.num_layers} not divisible by PP x VPP = {c.num_chunks}")
+    n = model.num_layers // c.num_chunks
+    return c.chunk_index * n, (c.chunk_index + 1) * n
+
+
+def _expert_split(rest: str) -> Optional[Tuple[int, str]]:
+    """(expert index, format string with {} for the index) for an expert parameter name, else None."""
+    m = _SEQ_EXPERT_RE.match(rest)
+    if m:
+        return int(m.group(2)), m.group(1) + "{}" + m.group(3)
+    m = _GROUPED_EXPERT_RE.match(rest)
+    if m:
+        return int(m.group(2)), m.group(1) + "{}"
+    return None
+
+
+def shard_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig,
+                     coords: RankCoords) -> Dict[str, torch.Tensor]:
+    """The state dict of the model chunk at ``coords`` cut from the full (TP1/PP1/EP1) state dict."""
+    lo, hi = _layer_range(model, coords)
+    tied = not model.untie_embeddings_and_output_weights
+    experts = model.num_moe_experts or 0
+    if experts and experts % coords.ep_size:
+        raise ValueError(f"num_moe_experts={experts} not divisible by expert_model_parallel_size={coords.ep_size}")
+    per_ep = experts // coords.ep_size if experts else 0
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        m = _LAYER_RE.match(name)
+        if m:
+            layer, rest = int(m.group(1)), m.group(2)
+            if not lo <= layer < hi:
+                continue
+            ex = _expert_split(rest)
+            local_layer = f"decoder.layers.{layer - lo}."
+            if ex is not None:
+                e, fmt = ex
+                if e // per_ep != coords.ep_rank:
+                    continue
+                out[local_layer + fmt.format(e % per_ep)] = _split(
+                    t, param_kind(rest), coords.etp_rank, coords.etp_size, name)
+            else:
+                out[local_layer + rest] = _split(t, param_kind(rest), coords.tp_rank, coords.tp_size, name)
+            continue
+        if name.startswith("embedding."):
+            if coords.is_first_chunk:
+                out[name] = _split(t, param_kind(name), coords.tp_rank, coords.tp_size, name)
+            if tied and coords.is_last_chunk and coords.num_chunks > 1 and name == "embedding.word_embeddings.weight":
+                out["output_layer.weight"] = _split(t, "vocab", coords.tp_rank, coords.tp_size, name)
+            continue
+        if name.startswith("decoder.final_layernorm.") or name == "output_layer.weight":
+            if coords.is_last_chunk:
+                out[name] = _split(t, param_kind(name), coords.tp_rank, coords.tp_size, name)
+            continue
+        raise KeyError(f"shard_state_dict: unknown top-level parameter {name!r}")
+    return out
+
+
+def unshard_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], model: ModelConfig,
+                        parallel: ParallelConfig) -> Dict[str, torch.Tensor]:
+    """Inverse of ``shard_state_dict``: merge per-chunk state dicts (keyed by their coords; every
+    (tp, pp, vp, ep, etp) position needed must be present) into the full TP1/PP1/EP1 state dict.
+    Replicated tensors must agree across shards (else ValueError naming the parameter)."""
+    tied = not model.untie_embeddings_and_output_weights
+    pieces: Dict[str, Dict[Tuple[str, int], torch.Tensor]] = {}
+    kinds: Dict[str, str] = {}
+    for coords, sd in shards.items():
+        lo, _ = _layer_range(model, coords)
+        per_ep = (model.num_moe_experts or 0) // coords.ep_size
+        for name, t in sd.items():
+            if t is None:
+                continue
+            m = _LAYER_RE.match(name)
+            if m:
+                layer, rest = int(m.group(1)) + lo, m.group(2)
+                ex = _expert_split(rest)
+                kind = param_kind(rest)
+                if ex is not None:
+                    e, fmt = ex
+                    gname = f"decoder.layers.{layer}." + fmt.format(coords.ep_rank * per_ep + e)
+                    key = ("etp", coords.etp_rank)
+                else:
+                    gname = f"decoder.layers.{layer}.{rest}"
+                    key = ("tp", coords.tp_rank)
+            else:
+                if name == "output_layer.weight" and tied:
+                    continue  # copy of the embedding on the last stage
+                gname, kind, key = name, param_kind(name), ("tp", coords.tp_rank)
+            pieces.setdefault(gname, {})
+            kinds[gname] = kind
+            prev = pieces[gname].get(key)
+            if prev is not None and not torch.equal(prev, t):
+                raise ValueError(f"{gname}: copies at {key[0]} rank {key[1]} differ between data/expert replicas")
+            pieces[gname][key] = t
+    full: Dict[str, torch.Tensor] = {}
+    for gname, parts in pieces.items():
+        kind = kinds[gname]
+        if kind == "replicated":
+            full[gname] = _merge(list(parts.values()), kind, gname)
+            continue
+        size = parallel.etp if kind.startswith("expert") else parallel.tensor_model_parallel_size
+        axis = "etp" if kind.startswith("expert") else "tp"
+        missing = [r for r in range(size) if (axis, r) not in parts]
+        if missing:
+            raise ValueError(f"{gname}: missing {axis} shard(s) {missing}")
+        full[gname] = _merge([parts[(axis, r)] for r in range(size)], kind, gname)
+    return full
+
+
+def load_full_state_dict(chunks: List[torch.nn.Module], full: Mapping[str, torch.Tensor], model: ModelConfig,
+                         coords: Optional[RankCoords] = None) -> None:
+    """Load the full state dict into this rank's model chunk(s) (strict: every key must match, with
+    shapes). ``coords`` defaults to ``RankCoords.from_parallel_state()``; chunk i uses vp_stage i."""
+    for i, chunk in enumerate(chunks):
+        c = replace(coords, vp_stage=i) if coords is not None else RankCoords.from_parallel_state(vp_stage=i)
+        local = shard_state_dict(full, model, c)
+        own = chunk.state_dict()
+        missing = sorted(k for k in own if k not in local and not k.endswith("_extra_state"))
+        unexpected = sorted(k for k in local if k not in own)
+        bad_shape = [(k, tuple(local[k].shape), tuple(own[k].shape)) for k in local
+                     if k in own and own[k] is not None and hasattr(own[k], "shape") and local[k].shape != own[k].shape]
+        if missing or unexpected or bad_shape:
+            raise ValueError(f"load_full_state_dict (chunk {i}, {c}): missing={missing} unexpected={unexpected} "
+                             f"shape mismatch (name, given, model)={bad_shape}")
+        with torch.no_grad():
+            for k, t in local.items():
+                own[k].copy_(t)
