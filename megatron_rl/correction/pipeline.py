@@ -1,0 +1,58 @@
+"""Pipeline parallel: make the last stage's correction result available on every stage.
+
+Log-probs exist only on the last pipeline stage, so the correction runs there; stages that also need
+the weights / mask / metrics (e.g. for logging on rank 0 or loss bookkeeping) receive them with
+:func:`broadcast_from_last_stage` over the PP group: one small object broadcast (shapes, dtypes,
+metrics) plus one tensor broadcast per tensor, so it also works with NCCL (tensors on ``device``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.correction.core import CorrectionResult
+
+
+def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
+                              device: Optional[torch.device] = None) -> CorrectionResult:
+    """Return the last stage's ``result`` on every rank of ``pp_group``.
+
+    Args:
+        result: the :class:`CorrectionResult` on the last stage; ignored (may be None) elsewhere.
+        pp_group: the pipeline-parallel group; its last rank (in group order) is the source.
+        device: where received tensors live (default: CUDA if available, else CPU).
+    """
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        if result is None:
+            raise ValueError("broadcast_from_last_stage: no PP group and no result on this rank")
+        return result
+    ranks = dist.get_process_group_ranks(pp_group)
+    src = ranks[-1]
+    is_src = dist.get_rank() == src
+    if is_src and result is None:
+        raise ValueError(f"broadcast_from_last_stage: last stage (global rank {src}) has no result")
+    if device is None:
+        device = result.response_mask.device if is_src else torch.device(
+            "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    header = [None]
+    if is_src:
+        header[0] = {
+            "mask": (tuple(result.response_mask.shape), result.response_mask.dtype),
+            "weights": None if result.weights is None else (tuple(result.weights.shape), result.weights.dtype),
+            "metrics": dict(result.metrics), "num_collectives": result.num_collectives,
+        }
+    dist.broadcast_object_list(header, src=src, group=pp_group)
+    h = header[0]
+    mask = result.response_mask.contiguous() if is_src else torch.empty(h["mask"][0], dtype=h["mask"][1], device=device)
+    dist.broadcast(mask, src=src, group=pp_group)
+    weights = None
+    if h["weights"] is not None:
+        weights = result.weights.contiguous() if is_src else torch.empty(
+            h["weights"][0], dtype=h["weights"][1], device=device)
+        dist.broadcast(weights, src=src, group=pp_group)
+    if is_src:
+        return result
+    return CorrectionResult(weights=weights, response_mask=mask, metrics=h["metrics"],
+                            num_collectives=h["num_collectives"])
