@@ -1,0 +1,158 @@
+"""HF <-> Megatron checkpoint conversion: the functions the CLI, the trainer and tests call.
+
+All of it runs in one process without a process group (pure tensor slicing):
+
+    convert_hf_to_mcore(hf_dir, out_dir, ShardLayout(tensor_model_parallel_size=2, ...))
+    convert_mcore_to_hf(out_dir, hf_out_dir)                   # weights + config + tokenizer files
+    sd = load_rank_state_dict(out_dir_or_hf_dir, layout, tp_rank=..., pp_rank=..., ep_rank=..., etp_rank=...)
+    export_hf_from_full(full_sd, geometry, hf_out_dir, assets_dir)
+
+``load_rank_state_dict`` reshards on the fly when the requested layout differs from the saved one, and
+also accepts a HF directory directly (HF -> rank shard without an intermediate directory).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_rl.convert import storage
+from megatron_rl.convert.geometry import HFGeometry
+from megatron_rl.convert.mapping import hf_to_mcore, mcore_to_hf
+from megatron_rl.convert.sharding import (ShardLayout, dense_keys, dense_shard, expert_keys, expert_shard,
+                                          rank_state_dict, unshard)
+
+Tensor = torch.Tensor
+
+
+def read_hf_checkpoint(hf_dir: str) -> Tuple[HFGeometry, dict, Dict[str, Tensor]]:
+    """(geometry, config.json dict, HF state dict) of a HF model directory; the geometry is checked
+    (unsupported ``architectures`` raise) before any weight is read."""
+    cfg = storage.read_hf_config(hf_dir)
+    geom = HFGeometry.from_hf_config(cfg)
+    return geom, cfg, storage.read_hf_state_dict(hf_dir)
+
+
+def _model_config_dict(hf_cfg: dict) -> Optional[dict]:
+    """ModelConfig (as a dict) from the models package's HF mapping, when that package is present."""
+    try:
+        from megatron_rl.models import hf_config as mhf  # noqa: WPS433 - optional sibling package
+    except ImportError:
+        return None
+    fn = getattr(mhf, "model_config_from_hf", None) or getattr(mhf, "from_hf_config", None)
+    if fn is None:
+        return None
+    mc = fn(hf_cfg)
+    import dataclasses
+    return dataclasses.asdict(mc) if dataclasses.is_dataclass(mc) else dict(mc)
+
+
+def convert_hf_to_mcore(hf_dir: str, out_dir: str, layout: ShardLayout, overwrite: bool = False) -> dict:
+    """Import a HF safetensors checkpoint into per-rank Megatron shards in ``out_dir``.
+
+    Checks (in this order, before writing anything): supported architecture, layout fits the model
+    (divisibility by TP/PP/EP/ETP), ``out_dir`` empty (or ``overwrite``: then a previous converted
+    checkpoint there is removed first — only files of this format), every tensor name and shape.
+    Returns the metadata written.
+    """
+    geom = HFGeometry.from_hf_config(storage.read_hf_config(hf_dir))
+    layout.validate(geom)
+    storage.prepare_output_dir(out_dir, overwrite)
+    _, hf_cfg, hf_sd = read_hf_checkpoint(hf_dir)
+    full = hf_to_mcore(hf_sd, geom)
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in full.values()})
+    for tp, pp in dense_keys(layout):
+        storage.write_safetensors(storage.dense_file(out_dir, tp, pp), dense_shard(full, geom, layout, tp, pp))
+    for ep, etp, pp in expert_keys(geom, layout):
+        storage.write_safetensors(storage.expert_file(out_dir, ep, etp, pp),
+                                  expert_shard(full, geom, layout, ep, etp, pp))
+    assets = storage.copy_hf_assets(hf_dir, os.path.join(out_dir, storage.ASSETS_DIR))
+    meta = {
+        "geometry": geom.to_dict(),
+        "layout": layout.to_dict(),
+        "padded_vocab_size": layout.padded_vocab(geom.vocab_size),
+        "dtypes": dtypes,
+        "hf_assets": assets,
+        "source_hf_dir": os.path.abspath(hf_dir),
+        "model_config": _model_config_dict(hf_cfg),
+    }
+    storage.write_metadata(out_dir, meta)
+    return meta
+
+
+def _saved_layout(meta: dict) -> ShardLayout:
+    lay = dict(meta["layout"])
+    lay["padded_vocab_size"] = meta["padded_vocab_size"]
+    return ShardLayout(**lay)
+
+
+def read_mcore_checkpoint(mcore_dir: str) -> Tuple[HFGeometry, ShardLayout, dict]:
+    """(geometry, saved layout, metadata) of a converted shard directory."""
+    meta = storage.read_metadata(mcore_dir)
+    return HFGeometry.from_dict(meta["geometry"]), _saved_layout(meta), meta
+
+
+def read_full_mcore_state_dict(mcore_dir: str) -> Tuple[HFGeometry, Dict[str, Tensor]]:
+    """Read every shard of a converted directory and glue them into the full Megatron state dict."""
+    geom, layout, _ = read_mcore_checkpoint(mcore_dir)
+    dense = {(tp, pp): storage.read_shard(storage.dense_file(mcore_dir, tp, pp), f"shard tp={tp} pp={pp}")
+             for tp, pp in dense_keys(layout)}
+    experts = {(ep, etp, pp): storage.read_shard(storage.expert_file(mcore_dir, ep, etp, pp),
+                                                 f"expert shard ep={ep} etp={etp} pp={pp}")
+               for ep, etp, pp in expert_keys(geom, layout)}
+    return geom, unshard(dense, experts, geom, layout)
+
+
+def export_hf_from_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: str,
+                        assets_dir: Optional[str] = None) -> list:
+    """Write a full Megatron state dict as a HF model directory (weights + assets copied from
+    ``assets_dir``; a config.json is required there or already in ``out_dir``). Returns weight files."""
+    hf_sd = mcore_to_hf(full, geom)
+    os.makedirs(out_dir, exist_ok=True)
+    if assets_dir is not None:
+        storage.copy_hf_assets(assets_dir, out_dir)
+    if not os.path.isfile(os.path.join(out_dir, "config.json")):
+        raise storage.CheckpointFormatError(
+            f"export to {out_dir}: no config.json to write beside the weights (assets_dir={assets_dir!r})")
+    return storage.write_hf_state_dict(out_dir, hf_sd)
+
+
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str) -> list:
+    """Export a converted shard directory back to a HF safetensors directory (config + tokenizer from
+    the copy kept at import time). Returns the weight files written."""
+    geom, full = read_full_mcore_state_dict(mcore_dir)
+    return export_hf_from_full(full, geom, out_dir, os.path.join(mcore_dir, storage.ASSETS_DIR))
+
+
+def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0,
+                         ep_rank: int = 0, etp_rank: int = 0) -> Dict[str, Tensor]:
+    """State dict of one rank of ``layout`` (local-spec names), from a converted directory or a HF directory.
+
+    A converted directory saved with the same layout (and padded vocab) is read file-for-file; any other
+    layout is resharded in memory from the full state dict.
+    """
+    if not os.path.isfile(os.path.join(ckpt_dir, storage.METADATA_FILE)):
+        geom, _, hf_sd = read_hf_checkpoint(ckpt_dir)
+        layout.validate(geom)
+        return rank_state_dict(hf_to_mcore(hf_sd, geom), geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
+    geom, saved, _ = read_mcore_checkpoint(ckpt_dir)
+    layout.validate(geom)
+    same = (saved.tp, saved.pp, saved.ep, saved.etp) == (layout.tp, layout.pp, layout.ep, layout.etp) and \
+        saved.padded_vocab(geom.vocab_size) == layout.padded_vocab(geom.vocab_size)
+    if same:
+        sd = storage.read_shard(storage.dense_file(ckpt_dir, tp_rank, pp_rank), f"shard tp={tp_rank} pp={pp_rank}")
+        if geom.is_moe:
+            sd.update(storage.read_shard(storage.expert_file(ckpt_dir, ep_rank, etp_rank, pp_rank),
+                                         f"expert shard ep={ep_rank} etp={etp_rank} pp={pp_rank}"))
+        return sd
+    _, full = read_full_mcore_state_dict(ckpt_dir)
+    return rank_state_dict(full, geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
+
+
+def describe(mcore_dir: str) -> str:
+    """One-paragraph human summary of a converted directory (for the CLI)."""
+    geom, layout, meta = read_mcore_checkpoint(mcore_dir)
+    return json.dumps({"architecture": geom.architecture, "layout": layout.to_dict(),
+                       "dtypes": meta.get("dtypes")}, sort_keys=True)

@@ -1,0 +1,224 @@
+"""Pure tensor mapping between HF state dicts and the *full* Megatron GPTModel state dict.
+
+"Full" means the state dict a TP1/PP1/EP1 Megatron ``GPTModel`` built with the **local layer spec**
+(``get_gpt_layer_local_spec``, SequentialMLP experts) has: global layer numbers, global expert numbers,
+the HF vocab size (no padding). :mod:`megatron_rl.convert.sharding` cuts it into per-rank shards, and
+:func:`megatron_rl.convert.te_names.to_te_names` renames it for the Transformer Engine spec.
+
+Conventions (verified against megatron-core 0.16.1 ``attention.py`` / ``mlp.py``):
+  * ``self_attention.linear_qkv.weight`` rows are grouped per query group: for each of
+    ``num_query_groups`` groups, ``heads_per_group`` query heads, then 1 key head, then 1 value head,
+    each ``kv_channels`` rows. Same for the bias (Qwen2).
+  * ``mlp.linear_fc1.weight`` (dense, shared experts, each expert) is ``[gate; up]`` (SwiGLU).
+  * Norms, q/k layernorm, router and shared-expert gate are copied unchanged.
+  * Tied embeddings: no ``output_layer.weight`` in the full state dict (and no ``lm_head.weight`` in HF).
+
+Every mismatch raises :class:`CheckpointMismatchError` listing *all* missing / unexpected tensor names
+and every shape mismatch with the tensor name, before any tensor is combined.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_rl.convert.geometry import HFGeometry
+
+Tensor = torch.Tensor
+
+# How a Megatron tensor is split over tensor-parallel ranks (see sharding.py).
+REPLICATED = "replicated"
+COLUMN = "column"          # dim 0 (ColumnParallelLinear weight/bias; linear_qkv in Megatron's group order)
+ROW = "row"                # dim 1 (RowParallelLinear weight)
+GATED_COLUMN = "gated_column"  # [gate; up]: gate and up are each split on dim 0, rank r holds [gate_r; up_r]
+VOCAB = "vocab"            # dim 0 after padding the vocabulary (embedding, output layer)
+
+
+class CheckpointMismatchError(ValueError):
+    """Tensor names or shapes do not match what the geometry requires."""
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """One Megatron tensor and the HF tensors it is made of."""
+
+    mcore_template: str
+    """Megatron name with ``{layer}`` / ``{expert}`` placeholders (local indices go there when sharded)."""
+    hf_names: Tuple[str, ...]
+    """HF tensor names (global indices filled in), in combine order."""
+    combine: str
+    """'copy' (one HF tensor), 'qkv' (q, k, v -> grouped rows) or 'gated' (gate, up -> [gate; up])."""
+    shard: str
+    """Tensor-parallel split kind: replicated, column, row, gated_column, vocab."""
+    mcore_shape: Tuple[int, ...]
+    """Shape of the full (unsharded, unpadded) Megatron tensor."""
+    hf_shapes: Tuple[Tuple[int, ...], ...]
+    """Shapes of the HF tensors (same order as hf_names)."""
+    layer: Optional[int] = None
+    """Global decoder layer index (None for embedding / final norm / output layer)."""
+    expert: Optional[int] = None
+    """Global routed-expert index (None for non-expert tensors)."""
+
+    @property
+    def is_expert(self) -> bool:
+        """Routed-expert tensor (split by expert parallel and expert-tensor parallel)."""
+        return self.expert is not None
+
+    @property
+    def mcore_name(self) -> str:
+        """Full-state-dict name (global layer and expert indices)."""
+        return self.name_with(self.layer, self.expert)
+
+    def name_with(self, layer: Optional[int], expert: Optional[int]) -> str:
+        """Megatron name with the given (local) layer and expert indices."""
+        return self.mcore_template.format(layer=layer, expert=expert)
+
+
+def _attn_rules(g: HFGeometry, i: int) -> List[ParamRule]:
+    H, d, ng, hpg = g.hidden_size, g.kv_channels, g.num_query_groups, g.num_heads_per_group
+    p, m = f"model.layers.{i}.", "decoder.layers.{layer}."
+    qkv_rows = ng * (hpg + 2) * d
+    rules = [
+        ParamRule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", REPLICATED,
+                  (H,), ((H,),), layer=i),
+        ParamRule(m + "self_attention.linear_qkv.weight",
+                  (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                  "qkv", COLUMN, (qkv_rows, H), ((ng * hpg * d, H), (ng * d, H), (ng * d, H)), layer=i),
+        ParamRule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy", ROW,
+                  (H, ng * hpg * d), ((H, ng * hpg * d),), layer=i),
+        ParamRule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy", REPLICATED,
+                  (H,), ((H,),), layer=i),
+    ]
+    if g.add_qkv_bias:
+        rules.append(ParamRule(
+            m + "self_attention.linear_qkv.bias",
+            (p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"),
+            "qkv", COLUMN, (qkv_rows,), ((ng * hpg * d,), (ng * d,), (ng * d,)), layer=i))
+    if g.qk_layernorm:
+        rules += [
+            ParamRule(m + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",), "copy",
+                      REPLICATED, (d,), ((d,),), layer=i),
+            ParamRule(m + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",), "copy",
+                      REPLICATED, (d,), ((d,),), layer=i),
+        ]
+    return rules
+
+
+def _swiglu_rules(mpre: str, hpre: str, H: int, F: int, layer: int, expert: Optional[int]) -> List[ParamRule]:
+    return [
+        ParamRule(mpre + "linear_fc1.weight", (hpre + "gate_proj.weight", hpre + "up_proj.weight"), "gated",
+                  GATED_COLUMN, (2 * F, H), ((F, H), (F, H)), layer=layer, expert=expert),
+        ParamRule(mpre + "linear_fc2.weight", (hpre + "down_proj.weight",), "copy", ROW, (H, F), ((H, F),),
+                  layer=layer, expert=expert),
+    ]
+
+
+def _mlp_rules(g: HFGeometry, i: int) -> List[ParamRule]:
+    H = g.hidden_size
+    p, m = f"model.layers.{i}.mlp.", "decoder.layers.{layer}.mlp."
+    if not g.is_moe_layer(i):
+        return _swiglu_rules(m, p, H, g.ffn_hidden_size, i, None)
+    E = g.num_moe_experts
+    rules = [ParamRule(m + "router.weight", (p + "gate.weight",), "copy", REPLICATED, (E, H), ((E, H),), layer=i)]
+    for e in range(E):
+        rules += _swiglu_rules(m + "experts.local_experts.{expert}.", p + f"experts.{e}.", H,
+                               g.moe_ffn_hidden_size, i, e)
+    if g.moe_shared_expert_intermediate_size:
+        rules += _swiglu_rules(m + "shared_experts.", p + "shared_expert.", H,
+                               g.moe_shared_expert_intermediate_size, i, None)
+        if g.moe_shared_expert_gate:
+            rules.append(ParamRule(m + "shared_experts.gate_weight", (p + "shared_expert_gate.weight",), "copy",
+                                   REPLICATED, (1, H), ((1, H),), layer=i))
+    return rules
+
+
+def param_rules(g: HFGeometry) -> List[ParamRule]:
+    """Every tensor of the full Megatron state dict, with its HF sources and TP split kind."""
+    H, V = g.hidden_size, g.vocab_size
+    rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", VOCAB,
+                       (V, H), ((V, H),))]
+    for i in range(g.num_layers):
+        rules += _attn_rules(g, i) + _mlp_rules(g, i)
+    rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", REPLICATED,
+                           (H,), ((H,),)))
+    if not g.tie_word_embeddings:
+        rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "copy", VOCAB, (V, H), ((V, H),)))
+    return rules
+
+
+def _check_names_and_shapes(sd: Mapping[str, Tensor], expected: Dict[str, Tuple[int, ...]], what: str,
+                            allowed_extra: Tuple[str, ...] = ()) -> None:
+    missing = [n for n in expected if n not in sd]
+    unexpected = [n for n in sd if n not in expected and n not in allowed_extra]
+    bad = [f"{n}: got {tuple(sd[n].shape)}, expected {expected[n]}" for n in expected
+           if n in sd and tuple(sd[n].shape) != tuple(expected[n])]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): {missing}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s): {unexpected}")
+    if bad:
+        problems.append(f"{len(bad)} shape mismatch(es): {bad}")
+    if problems:
+        raise CheckpointMismatchError(f"{what}: " + "; ".join(problems))
+
+
+def _qkv_merge(q: Tensor, k: Tensor, v: Tensor, g: HFGeometry) -> Tensor:
+    ng, d, hpg = g.num_query_groups, g.kv_channels, g.num_heads_per_group
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(ng, hpg * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)],
+                     dim=1).reshape(ng * (hpg + 2) * d, *rest)
+
+
+def _qkv_split(t: Tensor, g: HFGeometry) -> List[Tensor]:
+    ng, d, hpg = g.num_query_groups, g.kv_channels, g.num_heads_per_group
+    rest = t.shape[1:]
+    q, k, v = t.reshape(ng, (hpg + 2) * d, *rest).split([hpg * d, d, d], dim=1)
+    return [q.reshape(ng * hpg * d, *rest).contiguous(), k.reshape(ng * d, *rest).contiguous(),
+            v.reshape(ng * d, *rest).contiguous()]
+
+
+def hf_to_mcore(hf_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]:
+    """HF state dict -> full Megatron state dict (local spec names, global indices, unpadded vocab).
+
+    A tied checkpoint may still carry ``lm_head.weight``; it is accepted only if it equals the embedding.
+    """
+    rules = param_rules(g)
+    expected = {n: s for r in rules for n, s in zip(r.hf_names, r.hf_shapes)}
+    extra = ()
+    if g.tie_word_embeddings and "lm_head.weight" in hf_sd:
+        if not torch.equal(hf_sd["lm_head.weight"], hf_sd.get("model.embed_tokens.weight", torch.empty(0))):
+            raise CheckpointMismatchError(
+                "HF checkpoint: tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
+        extra = ("lm_head.weight",)
+    _check_names_and_shapes(hf_sd, expected, f"HF checkpoint ({g.architecture})", extra)
+    out: Dict[str, Tensor] = {}
+    for r in rules:
+        src = [hf_sd[n] for n in r.hf_names]
+        if r.combine == "copy":
+            t = src[0]
+        elif r.combine == "qkv":
+            t = _qkv_merge(*src, g)
+        else:  # gated
+            t = torch.cat(src, dim=0)
+        out[r.mcore_name] = t
+    return out
+
+
+def mcore_to_hf(mcore_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]:
+    """Full Megatron state dict (as produced by :func:`hf_to_mcore` / unsharding) -> HF state dict."""
+    rules = param_rules(g)
+    _check_names_and_shapes(mcore_sd, {r.mcore_name: r.mcore_shape for r in rules},
+                            f"Megatron state dict ({g.architecture})")
+    out: Dict[str, Tensor] = {}
+    for r in rules:
+        t = mcore_sd[r.mcore_name]
+        if r.combine == "copy":
+            parts = [t]
+        elif r.combine == "qkv":
+            parts = _qkv_split(t, g)
+        else:
+            parts = [p.contiguous() for p in t.chunk(2, dim=0)]
+        out.update(zip(r.hf_names, parts))
+    return out

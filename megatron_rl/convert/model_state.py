@@ -1,0 +1,101 @@
+"""Put a converted rank state dict into a live Megatron model, and read one back out.
+
+Converted shards use megatron's **local-spec** names. A model built with the Transformer Engine
+spec fuses norms into linears and may group experts; :func:`adapt_names_to_model` renames:
+
+    input_layernorm.weight                      -> self_attention.linear_qkv.layer_norm_weight
+    pre_mlp_layernorm.weight (dense MLP)        -> mlp.linear_fc1.layer_norm_weight
+    mlp.experts.local_experts.E.linear_fcK.weight -> mlp.experts.linear_fcK.weightE   (TEGroupedMLP)
+
+choosing, per tensor, the name the model actually has. ``_extra_state`` entries (TE fp8 metadata) are
+never required. :func:`canonical_state_dict` does the reverse for export.
+
+Usage (on every rank, after building the model for that rank)::
+
+    sd = load_rank_state_dict(ckpt_dir, layout, tp_rank=..., pp_rank=..., ep_rank=..., etp_rank=...)
+    load_state_dict_into_model(model, sd)
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterable, List, Mapping
+
+import torch
+
+from megatron_rl.convert.mapping import CheckpointMismatchError
+
+Tensor = torch.Tensor
+
+_TO_TE = [
+    (re.compile(r"^(.*decoder\.layers\.\d+\.)input_layernorm\.weight$"), r"\1self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(r"^(.*decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
+    (re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"), r"\1\3.weight\2"),
+]
+_FROM_TE = [
+    (re.compile(r"^(.*decoder\.layers\.\d+\.)self_attention\.linear_qkv\.layer_norm_weight$"), r"\1input_layernorm.weight"),
+    (re.compile(r"^(.*decoder\.layers\.\d+\.)mlp\.linear_fc1\.layer_norm_weight$"), r"\1pre_mlp_layernorm.weight"),
+    (re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$"), r"\1local_experts.\3.\2.weight"),
+]
+
+
+def _is_extra_state(name: str) -> bool:
+    return name.endswith("_extra_state")
+
+
+def adapt_names_to_model(sd: Mapping[str, Tensor], model_keys: Iterable[str]) -> Dict[str, Tensor]:
+    """Rename local-spec keys to the names present in ``model_keys`` (TE spec, ``module.`` wrappers)."""
+    keys = set(model_keys)
+    prefix = ""
+    while keys and all(k.startswith(prefix + "module.") for k in keys):
+        prefix += "module."
+    out: Dict[str, Tensor] = {}
+    for k, v in sd.items():
+        cand = [prefix + k] + [prefix + pat.sub(rep, k) for pat, rep in _TO_TE if pat.match(k)]
+        hit = next((c for c in cand if c in keys), cand[0])
+        out[hit] = v
+    return out
+
+
+def canonical_state_dict(sd: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+    """A model's state dict with local-spec names: ``module.`` prefixes, ``_extra_state`` dropped, TE
+    fused names mapped back (inverse of :func:`adapt_names_to_model`)."""
+    out: Dict[str, Tensor] = {}
+    for k, v in sd.items():
+        if _is_extra_state(k) or v is None:
+            continue
+        while k.startswith("module."):
+            k = k[len("module."):]
+        for pat, rep in _FROM_TE:
+            if pat.match(k):
+                k = pat.sub(rep, k)
+                break
+        out[k] = v
+    return out
+
+
+def load_state_dict_into_model(model: torch.nn.Module, sd: Mapping[str, Tensor], where: str = "") -> List[str]:
+    """Copy ``sd`` into the model's parameters/buffers in place (dtype converted), strictly.
+
+    Raises CheckpointMismatchError listing every missing, unexpected or mis-shaped tensor (and
+    ``where``, e.g. the rank coordinates) before anything is copied. Returns the loaded model keys.
+    """
+    target = model.state_dict(keep_vars=True)
+    renamed = adapt_names_to_model(sd, target.keys())
+    missing = sorted(k for k in target if k not in renamed and not _is_extra_state(k) and target[k] is not None)
+    unexpected = sorted(k for k in renamed if k not in target)
+    bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(target[k].shape)}" for k, v in renamed.items()
+           if k in target and tuple(v.shape) != tuple(target[k].shape)]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} model tensor(s) missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} checkpoint tensor(s) the model does not have: {unexpected}")
+    if bad:
+        problems.append(f"{len(bad)} shape mismatch(es): {bad}")
+    if problems:
+        raise CheckpointMismatchError(f"loading into model{' (' + where + ')' if where else ''}: "
+                                      + "; ".join(problems))
+    with torch.no_grad():
+        for k, v in renamed.items():
+            target[k].copy_(v.to(device=target[k].device))
+    return sorted(renamed)

@@ -1,0 +1,190 @@
+"""On-disk formats: HF safetensors directories and the project's sharded Megatron checkpoint directory.
+
+Megatron shard directory (written by :func:`save_mcore_shards`)::
+
+    OUT/megatron_rl_checkpoint.json          metadata: format, geometry, layout, padded vocab, dtype,
+                                             model_config (ModelConfig dict when available)
+    OUT/hf_assets/                           config.json, generation_config.json, tokenizer files of the source
+    OUT/mp_rank_{tp:02d}_{pp:03d}/model.safetensors                 non-expert tensors of (tp, pp)
+    OUT/expert_rank_{etp:02d}_{pp:03d}_{ep:03d}/model.safetensors   routed experts of (ep, etp, pp) (MoE only)
+
+Tensor names inside the files are megatron local-spec names with stage-local layer numbers and
+EP-local expert numbers, exactly what ``model.state_dict()`` of that rank holds (see sharding.py).
+
+HF directories: ``model.safetensors`` or ``model-XXXXX-of-YYYYY.safetensors`` + ``model.safetensors.index.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+Tensor = torch.Tensor
+
+METADATA_FILE = "megatron_rl_checkpoint.json"
+FORMAT_NAME = "megatron_rl.mcore_shards"
+FORMAT_VERSION = 1
+ASSETS_DIR = "hf_assets"
+HF_ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                  "chat_template.jinja", "chat_template.json")
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint directory is missing files or has an unknown format."""
+
+
+def dense_file(root: str, tp: int, pp: int) -> str:
+    """Path of the non-expert shard of (tp, pp)."""
+    return os.path.join(root, f"mp_rank_{tp:02d}_{pp:03d}", "model.safetensors")
+
+
+def expert_file(root: str, ep: int, etp: int, pp: int) -> str:
+    """Path of the routed-expert shard of (ep, etp, pp)."""
+    return os.path.join(root, f"expert_rank_{etp:02d}_{pp:03d}_{ep:03d}", "model.safetensors")
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """``config.json`` of a HF model directory."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"{hf_dir}: no config.json (not a HF model directory)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def hf_weight_files(hf_dir: str) -> List[str]:
+    """The safetensors files of a HF model directory (single file or index)."""
+    index = os.path.join(hf_dir, SAFE_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(hf_dir, x) for x in files]
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise CheckpointFormatError(f"{hf_dir}: {SAFE_INDEX} lists missing files {missing}")
+        return paths
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointFormatError(f"{hf_dir}: no model.safetensors or {SAFE_INDEX} (only safetensors is supported)")
+
+
+def read_safetensors(paths: Iterable[str]) -> Dict[str, Tensor]:
+    """All tensors of the given safetensors files; a name present twice raises."""
+    out: Dict[str, Tensor] = {}
+    for p in paths:
+        with safe_open(p, framework="pt") as f:
+            for k in f.keys():
+                if k in out:
+                    raise CheckpointFormatError(f"tensor {k!r} appears in more than one file (again in {p})")
+                out[k] = f.get_tensor(k)
+    return out
+
+
+def read_hf_state_dict(hf_dir: str) -> Dict[str, Tensor]:
+    """All tensors of a HF safetensors model directory."""
+    return read_safetensors(hf_weight_files(hf_dir))
+
+
+def write_safetensors(path: str, sd: Mapping[str, Tensor]) -> None:
+    """Write a state dict to one safetensors file (tensors made contiguous, parent dirs created)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in sd.items()}, path, metadata={"format": "pt"})
+
+
+def write_hf_state_dict(out_dir: str, sd: Mapping[str, Tensor], max_shard_bytes: int = 5 * 2**30) -> List[str]:
+    """Write HF weights: one ``model.safetensors`` or, above ``max_shard_bytes``, shards + index."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = sorted(sd)
+    groups: List[List[str]] = [[]]
+    size = 0
+    for n in names:
+        b = sd[n].numel() * sd[n].element_size()
+        if groups[-1] and size + b > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += b
+    if len(groups) == 1:
+        path = os.path.join(out_dir, "model.safetensors")
+        write_safetensors(path, sd)
+        return [path]
+    paths, weight_map = [], {}
+    for i, g in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, fname), {n: sd[n] for n in g})
+        weight_map.update({n: fname for n in g})
+        paths.append(os.path.join(out_dir, fname))
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    with open(os.path.join(out_dir, SAFE_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return paths
+
+
+def copy_hf_assets(src_dir: str, dst_dir: str) -> List[str]:
+    """Copy config / generation config / tokenizer files that exist in ``src_dir``; returns their names."""
+    os.makedirs(dst_dir, exist_ok=True)
+    copied = []
+    for name in HF_ASSET_FILES:
+        p = os.path.join(src_dir, name)
+        if os.path.isfile(p):
+            shutil.copyfile(p, os.path.join(dst_dir, name))
+            copied.append(name)
+    return copied
+
+
+def prepare_output_dir(root: str, overwrite: bool) -> None:
+    """Make ``root`` ready for a new converted checkpoint: it must be empty or absent; with
+    ``overwrite`` a previous converted checkpoint (metadata, shard dirs, hf_assets) is deleted first.
+    Any other file in it raises (nothing of the user's is deleted)."""
+    if not os.path.isdir(root):
+        os.makedirs(root, exist_ok=True)
+        return
+    entries = sorted(os.listdir(root))
+    if not entries:
+        return
+    ours = [e for e in entries if e in (METADATA_FILE, ASSETS_DIR) or e.startswith(("mp_rank_", "expert_rank_"))]
+    foreign = sorted(set(entries) - set(ours))
+    if not overwrite or foreign:
+        raise CheckpointFormatError(
+            f"output directory {root} is not empty ({entries[:8]}{'...' if len(entries) > 8 else ''}); "
+            + ("pass overwrite=True / --overwrite to replace the converted checkpoint in it" if not foreign
+               else f"it holds files that are not a converted checkpoint: {foreign[:8]}"))
+    for e in ours:
+        p = os.path.join(root, e)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+
+
+def write_metadata(root: str, meta: dict) -> None:
+    """Write the shard directory's metadata JSON (adds format name and version)."""
+    os.makedirs(root, exist_ok=True)
+    meta = dict(meta, format=FORMAT_NAME, format_version=FORMAT_VERSION)
+    with open(os.path.join(root, METADATA_FILE), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+
+
+def read_metadata(root: str) -> dict:
+    """Read and check the shard directory's metadata JSON."""
+    path = os.path.join(root, METADATA_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"{root}: no {METADATA_FILE} (not a megatron-rl converted checkpoint)")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointFormatError(f"{path}: format {meta.get('format')!r} v{meta.get('format_version')} "
+                                    f"is not {FORMAT_NAME!r} v{FORMAT_VERSION}")
+    return meta
+
+
+def read_shard(path: str, what: str) -> Dict[str, Tensor]:
+    """One shard file; a missing file raises naming the shard."""
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"missing {what} file {path}")
+    return read_safetensors([path])
