@@ -1,0 +1,186 @@
+"""The rollout-engine interface shared by every engine (SGLang over HTTP, the embedded in-process engine).
+
+An engine turns prompts (token ids) into sampled responses with the log-probability of each sampled
+token under the engine's weights, with SGLang's semantics: ``log_softmax(logits / T)`` over the FULL
+vocabulary at the sampled token (temperature applied; top-k / top-p truncation NOT renormalised). The
+trainer recomputes log-probs with the same temperature and compares (rollout correction).
+
+Contract of ``RolloutEngine.generate``: all-or-nothing. It either returns ``len(prompt_ids) * n``
+rollouts, prompt-major (``[p0 s0, p0 s1, ..., p1 s0, ...]``), all produced by the same weight version,
+or it raises a ``RolloutError`` subclass — the caller must then not apply the training step.
+
+Usage::
+
+    engine = SGLangEngine(["http://127.0.0.1:30000"])          # or EmbeddedEngine(...)
+    rollouts = engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=16), n=4)
+    engine.update_weights("/ckpt/hf_step_10", version="step-10")
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+#: Finish reasons a ``Rollout`` can carry.
+FINISH_REASONS = ("stop", "length")
+
+
+class RolloutError(RuntimeError):
+    """A rollout step failed; the caller must not apply the step."""
+
+
+class MalformedResponseError(RolloutError):
+    """An engine's reply is missing a field or has a wrong one (the message names the field and server)."""
+
+
+class StaleRolloutError(RolloutError):
+    """A rollout was produced by a weight version other than the one the trainer expects."""
+
+
+class EngineUnavailableError(RolloutError):
+    """The engine could not be reached / did not answer after retries (the message names the URL and the
+    last failure)."""
+
+
+class WeightSyncError(RolloutError):
+    """Loading new weights into the engine failed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses (mirrors SGLang's ``sampling_params``)."""
+
+    #: Softmax temperature; ``0`` means greedy. Rollout log-probs are ``log_softmax(logits / T)``.
+    temperature: float = 1.0
+    #: Nucleus-sampling mass in (0, 1]; 1 disables it.
+    top_p: float = 1.0
+    #: Keep only the k most likely tokens; -1 disables it.
+    top_k: int = -1
+    #: Maximum number of generated tokens per response (>= 1).
+    max_new_tokens: int = 64
+    #: Extra token ids that end a response (the model's EOS always does unless ``ignore_eos``).
+    stop_token_ids: tuple[int, ...] = ()
+    #: Keep generating past EOS / stop ids until ``max_new_tokens`` (benchmarks).
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be a finite number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"SamplingParams.top_k={self.top_k!r} must be -1 (disabled) or an int >= 1")
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        stops = tuple(self.stop_token_ids)
+        for i, t in enumerate(stops):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids[{i}]={t!r} must be an int >= 0")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    def to_sglang(self, n: int = 1) -> dict[str, Any]:
+        """The ``sampling_params`` JSON object of SGLang's ``/generate`` for ``n`` samples per prompt."""
+        d: dict[str, Any] = {
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "max_new_tokens": int(self.max_new_tokens),
+            "n": int(n),
+        }
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            d["ignore_eos"] = True
+        return d
+
+
+@dataclass
+class Rollout:
+    """One sampled response to one prompt."""
+
+    #: Index of the prompt in the ``prompt_ids`` list passed to ``generate``.
+    prompt_index: int
+    #: The prompt's token ids (as sent).
+    prompt_ids: list[int]
+    #: The generated token ids (includes a final EOS / stop token when ``finish_reason == "stop"``).
+    response_ids: list[int]
+    #: Per response token: ``log_softmax(logits / T)[token]`` over the full vocabulary, as the engine computed it.
+    rollout_log_probs: list[float]
+    #: ``"stop"`` (EOS or a stop id) or ``"length"`` (hit ``max_new_tokens``).
+    finish_reason: str
+    #: The engine weight version that produced every token of this response.
+    weight_version: str
+    #: Which engine produced it (e.g. the server URL), for diagnostics.
+    source: str = ""
+    #: Extra engine-specific information (e.g. the matched stop token), not used by training.
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.response_ids) != len(self.rollout_log_probs):
+            raise ValueError(f"Rollout(prompt_index={self.prompt_index}): {len(self.response_ids)} response_ids "
+                             f"but {len(self.rollout_log_probs)} rollout_log_probs")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Rollout.finish_reason={self.finish_reason!r} must be one of {FINISH_REASONS}")
+
+
+def validate_prompts(prompt_ids: Sequence[Sequence[int]], vocab_size: int | None = None) -> list[list[int]]:
+    """Check ``prompt_ids`` is a non-empty list of non-empty lists of token ids (``0 <= id < vocab_size``
+    when given) and return it as plain ``list[list[int]]``; raise ``ValueError`` naming the bad entry."""
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or len(prompt_ids) == 0:
+        raise ValueError("prompt_ids must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompt_ids):
+        if hasattr(p, "tolist"):
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) == 0:
+            raise ValueError(f"prompt_ids[{i}] must be a non-empty list of token ids, got {type(p).__name__}"
+                             f"{' of length 0' if isinstance(p, Sequence) else ''}")
+        row = []
+        for j, t in enumerate(p):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bound = f" < vocab_size={vocab_size}" if vocab_size is not None else ""
+                raise ValueError(f"prompt_ids[{i}][{j}]={t!r} is not a token id (int >= 0{bound})")
+            row.append(int(t))
+        out.append(row)
+    return out
+
+
+def validate_n(n: int) -> int:
+    """Check the samples-per-prompt count ``n`` is an int >= 1."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n={n!r} (samples per prompt) must be an int >= 1")
+    return n
+
+
+class RolloutEngine(abc.ABC):
+    """Generates rollouts and loads new weights. Implementations: ``SGLangEngine`` (HTTP), the embedded engine."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Rollout]:
+        """Sample ``n`` responses per prompt; return ``len(prompt_ids) * n`` rollouts, prompt-major, all from
+        the current weight version, or raise ``RolloutError`` (nothing partial is returned)."""
+
+    @abc.abstractmethod
+    def update_weights(self, hf_dir: str, version: str) -> None:
+        """Load the HF-format weights in ``hf_dir`` and tag them ``version``; later rollouts must carry it."""
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, bool]:
+        """Cheap liveness check: a map from engine/server name to whether it is healthy."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> str | None:
+        """The weight version the engine is expected to serve (None until known)."""
+
+    def close(self) -> None:
+        """Release resources (connections, models). Default: nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
