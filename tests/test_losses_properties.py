@@ -11,7 +11,7 @@ from megatron_rl.losses import (LOSS_AGG_MODES, PolicyLossConfig, compute_policy
 from test_losses_reference import make_batch
 
 F64 = torch.float64
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=60, deadline=None)
 
 configs = st.builds(
     PolicyLossConfig,

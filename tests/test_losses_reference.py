@@ -312,3 +312,26 @@ def test_float32_inputs_match_float64_reference():
     (g2,) = torch.autograd.grad(ref_loss, lp2)
     torch.testing.assert_close(out.loss.detach().double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g.double(), g2, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_inputs_computed_in_float32():
+    """bf16 log-probs (e.g. straight from a bf16 model) are upcast: fp32 loss, finite, matching the
+    float64 reference on the same (bf16-rounded) values."""
+    d = {k: v.to(torch.bfloat16) for k, v in make_batch(4).items()}
+    cfg = PolicyLossConfig(loss_agg_mode="token-mean")
+    lp = d["logp"].clone().requires_grad_()
+    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, is_weights=d["weights"])
+    assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
+    d64 = {k: v.double() for k, v in d.items()}
+    ref_loss, _ = ref_policy_loss(d64, cfg, True, d64["logp"].clone().requires_grad_())
+    torch.testing.assert_close(out.loss.detach().double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_large_global_token_count_is_exact_in_float32():
+    """Token counts above 2^24 are not representable in fp32; the division happens in float64."""
+    from megatron_rl.losses import LossDenominators, aggregate_loss
+    loss = torch.tensor([[3.0, 5.0]], dtype=torch.float32)
+    n = 2 ** 24 + 1
+    out = aggregate_loss(loss, torch.ones(1, 2), "token-mean", LossDenominators(num_tokens=n, num_seqs=1))
+    assert out.dtype == torch.float32
+    assert float(out) == float(torch.tensor(8.0 / n, dtype=torch.float32))

@@ -16,10 +16,11 @@ exactly (and so do the summed gradients). Without denominators the local batch's
 (single-process semantics). Sequences with no valid token contribute 0 and are not counted; a batch
 with no valid token at all gives a loss of exactly 0 with a zero gradient (never NaN).
 
-Note for Megatron's pipeline schedules: they divide each micro-batch loss by the number of
-micro-batches and DDP averages gradients over DP ranks; since these losses are already globally
-normalised, multiply by ``num_microbatches * dp_size`` before returning them to the schedule (or
-use a schedule/DDP setting that sums), as verl does with its ``dp_size`` factor.
+Note for megatron-core's schedules (checked in 0.16.1): with a 2-tuple ``loss_func`` return the
+schedule multiplies each micro-batch loss by ``cp_size / num_microbatches`` and Megatron DDP scales
+gradients by ``1 / (dp_size * cp_size)``; since these losses are already globally normalised, return
+``loss * num_microbatches * dp_size`` (dp_size = data-parallel size WITHOUT context parallel) so the
+gradients are exactly those of the global loss — verl applies the same ``dp_size`` factor.
 
 Context parallel (each sequence split along time over a CP group): compute the denominators with
 ``global_denominators(masks, group=dp_group, cp_group=cp_group)`` and pass
@@ -110,8 +111,13 @@ def _as_denominator(name: str, value: Number, like: torch.Tensor) -> torch.Tenso
         value = value.reshape(())
     elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"LossDenominators.{name} must be a finite number >= 0, got {value!r}")
-    # Counts are integers, so clamping at 1 only changes an empty batch (numerator 0 -> loss 0).
-    return torch.as_tensor(value, dtype=like.dtype, device=like.device).clamp(min=1)
+    # float64 keeps token counts above 2^24 exact. Counts are integers, so clamping at 1 only
+    # changes an empty batch (numerator 0 -> loss 0, never 0/0).
+    return torch.as_tensor(value, dtype=torch.float64, device=like.device).clamp(min=1)
+
+
+def _divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    return (numerator.to(torch.float64) / denominator).to(numerator.dtype)
 
 
 def aggregate_loss(per_token_loss: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str,
@@ -144,15 +150,15 @@ def aggregate_loss(per_token_loss: torch.Tensor, response_mask: torch.Tensor, lo
         denominators = local_denominators(response_mask, seq_valid_tokens)
     seq_sum = loss.sum(dim=-1)
     if loss_agg_mode == "token-mean":
-        return seq_sum.sum() / _as_denominator("num_tokens", denominators.num_tokens, loss)
+        return _divide(seq_sum.sum(), _as_denominator("num_tokens", denominators.num_tokens, loss))
     num_seqs = _as_denominator("num_seqs", denominators.num_seqs, loss)
     if loss_agg_mode == "seq-mean-token-sum":
-        return seq_sum.sum() / num_seqs
+        return _divide(seq_sum.sum(), num_seqs)
     if loss_agg_mode == "seq-mean-token-mean":
         n = valid.sum(dim=-1) if seq_valid_tokens is None else seq_valid_tokens
         # Exact per-sequence mean (no epsilon): an empty sequence has seq_sum == 0 -> 0.
-        return (seq_sum / n.to(loss.dtype).clamp(min=1)).sum() / num_seqs
+        return _divide((seq_sum / n.to(loss.dtype).clamp(min=1)).sum(), num_seqs)
     factor = per_token_loss.shape[-1] if loss_scale_factor is None else loss_scale_factor
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
         raise ValueError(f"loss_scale_factor must be a finite number > 0, got {factor!r}")
-    return seq_sum.sum() / (num_seqs * float(factor))
+    return _divide(seq_sum.sum(), num_seqs * float(factor))
