@@ -88,6 +88,16 @@ def _hf_logprobs(hf_dir: str, tokens_key: bytes):
     return torch.log_softmax(logits, dim=-1)
 
 
+def _save_plain_hf(path, family, seed, **cfg):
+    """A random fp32 HF model saved with transformers (architectures tiny_hf does not build)."""
+    config = getattr(transformers, f"{family}Config")(**cfg)
+    config.architectures = [f"{family}ForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     from megatron_rl.testing.tiny_hf import build_tiny_hf_model
@@ -100,6 +110,13 @@ def tiny_models(tmp_path_factory):
         "qwen3_moe": build_tiny_hf_model(root / "qwen3_moe", arch="qwen3_moe", seed=4),
         "qwen3_moe_nonorm": build_tiny_hf_model(root / "qwen3_moe_nonorm", arch="qwen3_moe", seed=5,
                                                 norm_topk_prob=False),
+        "qwen3": _save_plain_hf(root / "qwen3", "Qwen3", 6, vocab_size=250, hidden_size=64, intermediate_size=96,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                tie_word_embeddings=True),
+        "qwen2_moe": _save_plain_hf(root / "qwen2_moe", "Qwen2Moe", 7, vocab_size=300, hidden_size=64,
+                                    intermediate_size=128, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
     }
 
 
@@ -119,6 +136,9 @@ CASES = [
     ("qwen3_moe", 1, 1, 2, None, False, 1),
     ("qwen3_moe", 2, 1, 2, 1, True, 1),
     ("qwen3_moe_nonorm", 1, 2, 2, None, False, 1),
+    ("qwen3", 2, 1, 1, None, False, 1),        # dense Qwen3: q/k norm, head_dim != hidden/heads, tied
+    ("qwen2_moe", 1, 1, 2, None, False, 1),    # shared expert + sigmoid gate, dense layer via mlp_only_layers
+    ("qwen2_moe", 2, 1, 1, None, True, 1),
 ]
 
 

@@ -3,7 +3,7 @@
 Pure tensor slicing — no process group, no megatron import. Conventions (megatron-core 0.16.1):
   * tensor parallel (TP): ColumnParallelLinear tensors split on dim 0, RowParallelLinear weights on
     dim 1, SwiGLU ``linear_fc1`` as ``[gate_r; up_r]`` per rank, embedding / output layer on the
-    vocab dim after padding the vocab to a multiple of ``make_vocab_size_divisible_by * TP`` (padded
+    vocab dim after padding the vocab to a multiple of ``make_vocab_size_divisible_by * TP`` (default 1; padded
     rows are zeros on import and dropped on export). Norms, router, q/k norms replicated.
   * pipeline parallel (PP): even split, stage ``s`` holds global layers ``[s*L/PP, (s+1)*L/PP)``
     renumbered from 0; the embedding lives on the first stage, final norm and output layer on the
@@ -50,8 +50,9 @@ class ShardLayout:
     """EP size (routed experts per EP rank = num_moe_experts / EP)."""
     expert_tensor_parallel_size: Optional[int] = None
     """Tensor-parallel size inside each routed expert; None means = TP (megatron's default)."""
-    make_vocab_size_divisible_by: int = 128
-    """Megatron pads the vocab to a multiple of this times TP."""
+    make_vocab_size_divisible_by: int = 1
+    """Pad the vocab to a multiple of this times TP (Megatron-LM uses 128; default 1 pads only when the
+    vocab is not divisible by TP). Padded logit columns must be masked by log-prob code."""
     padded_vocab_size: Optional[int] = None
     """Explicit padded vocab (rows of the full embedding / output layer); None: computed from the above."""
 

@@ -1,0 +1,40 @@
+"""``megatron-rl`` command line: one subcommand per job.
+
+    megatron-rl convert hf-to-mcore --hf-dir D --out O --tensor-model-parallel-size T ...
+    megatron-rl convert mcore-to-hf --mcore-dir O --out D2
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)`` (registers its arguments
+and sets ``func``) — ``convert`` is implemented; ``train``, ``score``, ``check`` and ``report`` are
+registered here as they land (add their module to ``_SUBCOMMANDS``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+# subcommand name -> module implementing add_parser(subparsers)
+_SUBCOMMANDS = {
+    "convert": "megatron_rl.cli.convert",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every available subcommand."""
+    p = argparse.ArgumentParser(prog="megatron-rl", description="RL post-training on Megatron-Core.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in _SUBCOMMANDS.items():
+        importlib.import_module(module).add_parser(sub)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``megatron-rl`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
