@@ -31,17 +31,18 @@ if [ ! -x "$PY" ]; then
   echo "ERROR: no python at $PY (create the venv first, e.g. bash tools/setup_env.sh)" >&2
   exit 1
 fi
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  echo "ERROR: torch is not importable in $VENV; install torch==2.13.0 first (tools/setup_env.sh)" >&2
-  exit 1
-fi
 
 STAMP="$VENV/.megatron_rl_sglang_cpu.stamp"
 WANT="sglang=$SGLANG_VERSION script=$(sha256sum "$0" | cut -c1-16)"
 if [ "${FORCE:-0}" != "1" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
-   && "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"; then
+   && [ -n "$(ls -d "$VENV"/lib/python3*/site-packages/sglang 2>/dev/null)" ]; then
   echo "sglang $SGLANG_VERSION (lean CPU install) already present in $VENV"
   exit 0
+fi
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "ERROR: torch is not importable in $VENV; install torch==2.13.0 first (tools/setup_env.sh)" >&2
+  exit 1
 fi
 
 TMP="$(mktemp -d)"
