@@ -1,0 +1,89 @@
+"""Whole-job validation in one place: every problem found is listed, each naming its dotted key.
+
+Runs before any process group exists (the launcher calls it on every rank with $WORLD_SIZE), so a bad
+value costs seconds, not a queue slot. Section dataclasses that validate themselves (ModelConfig,
+ParallelConfig, RolloutCorrectionConfig, PolicyLossConfig) are checked again here against each other
+and against the world size.
+"""
+from __future__ import annotations
+
+import os
+from typing import List
+
+from megatron_rl.config.load import ConfigError, JobConfig
+from megatron_rl.parallel.config import ParallelConfigError, validate_parallel_config
+
+ENGINES = ("embedded", "sglang")
+TASKS = ("copy", "reverse", "sort", "add", "file")
+ADV = ("grpo", "rloo")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def validate_job(cfg: JobConfig, world_size: int) -> None:
+    """Raise ConfigError listing every violation (dotted keys and values)."""
+    errs: List[str] = []
+    if cfg.model is None:
+        errs.append("model: missing (give a model section or actor.load_hf with a config.json)")
+    else:
+        try:
+            validate_parallel_config(cfg.parallel, world_size, cfg.model)
+        except ParallelConfigError as exc:
+            errs += [f"parallel: {v}" for v in exc.violations]
+        except ValueError as exc:
+            errs.append(f"model/parallel: {exc}")
+    r, d, a, ac, t = cfg.rollout, cfg.data, cfg.algorithm, cfg.actor, cfg.trainer
+    if r.engine not in ENGINES:
+        errs.append(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
+    if not r.temperature > 0:
+        errs.append(f"rollout.temperature: must be > 0, got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        errs.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    if r.max_new_tokens < 1:
+        errs.append(f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
+    if r.n_samples_per_prompt < 1:
+        errs.append(f"rollout.n_samples_per_prompt: must be >= 1, got {r.n_samples_per_prompt}")
+    if a.advantage_estimator in ADV and r.n_samples_per_prompt < 2:
+        errs.append(f"rollout.n_samples_per_prompt: {a.advantage_estimator} needs >= 2 samples per prompt, "
+                    f"got {r.n_samples_per_prompt}")
+    if r.dtype not in DTYPES:
+        errs.append(f"rollout.dtype: {r.dtype!r} is not one of {', '.join(DTYPES)}")
+    if r.engine == "sglang" and not r.sglang_urls and not r.sglang_launch:
+        errs.append("rollout.sglang_urls: empty while rollout.engine is 'sglang' and rollout.sglang_launch is false")
+    if d.task not in TASKS:
+        errs.append(f"data.task: {d.task!r} is not one of {', '.join(TASKS)}")
+    if d.task == "file":
+        if not d.path:
+            errs.append("data.path: required when data.task is 'file'")
+        elif not os.path.isfile(d.path):
+            errs.append(f"data.path: {d.path!r} does not exist")
+    if d.reward_fn is not None and (":" not in d.reward_fn or d.reward_fn.count(":") != 1):
+        errs.append(f"data.reward_fn: expected 'module:function', got {d.reward_fn!r}")
+    if d.prompts_per_step < 1:
+        errs.append(f"data.prompts_per_step: must be >= 1, got {d.prompts_per_step}")
+    if a.advantage_estimator not in ADV:
+        errs.append(f"algorithm.advantage_estimator: {a.advantage_estimator!r} is not one of {', '.join(ADV)}")
+    if not ac.lr > 0:
+        errs.append(f"actor.lr: must be > 0, got {ac.lr}")
+    if ac.clip_grad < 0:
+        errs.append(f"actor.clip_grad: must be >= 0, got {ac.clip_grad}")
+    for k in ("micro_batch_size", "ppo_mini_batches", "ppo_epochs"):
+        if getattr(ac, k) < 1:
+            errs.append(f"actor.{k}: must be >= 1, got {getattr(ac, k)}")
+    if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
+        errs.append(f"actor.load_hf: {ac.load_hf!r} is not a directory")
+    if t.steps < 1:
+        errs.append(f"trainer.steps: must be >= 1, got {t.steps}")
+    if t.save_interval < 0:
+        errs.append(f"trainer.save_interval: must be >= 0, got {t.save_interval}")
+    p = cfg.parallel
+    tp_pp_cp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    if world_size % tp_pp_cp == 0:
+        dp = world_size // tp_pp_cp
+        if d.prompts_per_step % dp:
+            errs.append(f"data.prompts_per_step: {d.prompts_per_step} is not divisible by the data-parallel "
+                        f"size {dp} (world {world_size} / TP x PP x CP {tp_pp_cp}); each DP rank takes whole groups")
+        if ac.ppo_mini_batches > 0 and (d.prompts_per_step // max(dp, 1)) % ac.ppo_mini_batches:
+            errs.append(f"actor.ppo_mini_batches: {ac.ppo_mini_batches} does not divide the "
+                        f"{d.prompts_per_step // max(dp, 1)} prompts per DP rank")
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
