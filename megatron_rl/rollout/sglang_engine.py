@@ -1,0 +1,357 @@
+"""``SGLangEngine``: rollouts from one or more SGLang servers (or an SGLang router) over HTTP.
+
+* ``/generate`` with ``input_ids``, ``sampling_params`` (temperature, top_p, top_k, max_new_tokens,
+  stop_token_ids, n) and ``return_logprob``; the prompts of a step are split into contiguous chunks, one per
+  server, sent concurrently; server choice rotates round-robin between calls.
+* Every reply is validated (``parse_generate_response``): the count, ``output_ids``,
+  ``meta_info.output_token_logprobs`` (``[[logprob, token_id, text|null], ...]``, token ids must equal
+  ``output_ids``), ``finish_reason``, ``prompt_tokens`` and ``weight_version``. A malformed reply raises
+  ``MalformedResponseError`` naming the field and the server; a reply from another weight version than
+  expected raises ``StaleRolloutError``.
+* Weight sync: ``update_weights(hf_dir, version)`` POSTs ``/update_weights_from_disk`` to every server and
+  checks the reported version; afterwards every response must echo ``version``.
+* Connection errors, timeouts and HTTP 5xx are retried with exponential backoff; then
+  ``EngineUnavailableError`` names the URL and the last failure. 4xx replies are not retried.
+* ``generate`` is all-or-nothing: on any failure it raises and returns nothing (the step is not applied).
+
+Log-prob semantics (SGLang default): ``log_softmax(logits / T)`` over the full vocabulary at the sampled
+token. A server started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` returns raw (T=1) log-probs instead.
+
+Usage::
+
+    engine = SGLangEngine(["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
+    engine.wait_until_ready(timeout=120)
+    rollouts = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=32), n=8)
+    engine.update_weights("/run/hf_export/step_3", version="3")
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import requests
+
+from megatron_rl.rollout.base import (
+    EngineUnavailableError,
+    MalformedResponseError,
+    Rollout,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    StaleRolloutError,
+    WeightSyncError,
+    validate_n,
+    validate_prompts,
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How HTTP calls are retried (connection errors, timeouts and 5xx only)."""
+
+    #: Total attempts per request (>= 1).
+    max_attempts: int = 4
+    #: Sleep before the 2nd attempt, in seconds; doubles each retry.
+    backoff_initial: float = 0.5
+    #: Upper bound on a single backoff sleep, in seconds.
+    backoff_max: float = 8.0
+
+    def __post_init__(self):
+        if self.max_attempts < 1:
+            raise ValueError(f"RetryPolicy.max_attempts={self.max_attempts} must be >= 1")
+        if self.backoff_initial < 0 or self.backoff_max < 0:
+            raise ValueError("RetryPolicy backoff times must be >= 0")
+
+    def sleep_before(self, attempt: int) -> float:
+        """Seconds to sleep before attempt number ``attempt`` (1-based; the first attempt does not sleep)."""
+        if attempt <= 1:
+            return 0.0
+        return min(self.backoff_max, self.backoff_initial * (2 ** (attempt - 2)))
+
+
+class _Retryable(Exception):
+    """Internal: a failure worth retrying (connection error, timeout, 5xx)."""
+
+
+def _field(obj: Any, path: str, key: str, where: str, types: tuple, allow_none: bool = False):
+    """Return ``obj[key]`` after checking it exists and has one of ``types``; raise MalformedResponseError."""
+    if not isinstance(obj, dict):
+        raise MalformedResponseError(f"{where}: {path} is {type(obj).__name__}, expected a JSON object")
+    if key not in obj:
+        raise MalformedResponseError(f"{where}: missing field {path}.{key}")
+    val = obj[key]
+    if val is None and allow_none:
+        return None
+    if not isinstance(val, types) or isinstance(val, bool) and bool not in types:
+        raise MalformedResponseError(f"{where}: field {path}.{key} is {type(val).__name__} ({_short(val)}), "
+                                     f"expected {'/'.join(t.__name__ for t in types)}")
+    return val
+
+
+def _short(val: Any, limit: int = 80) -> str:
+    s = repr(val)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, source: str,
+                            expected_version: str | None, prompt_offset: int = 0) -> list[Rollout]:
+    """Validate one ``/generate`` reply for ``prompts`` x ``n`` samples and turn it into ``Rollout`` objects.
+
+    Args:
+        payload: the decoded JSON (a list for batches / ``n > 1``; a single object for one prompt, n=1).
+        prompts: the prompts that were sent, in order.
+        n: samples per prompt that were requested.
+        source: the server URL (named in every error).
+        expected_version: the weight version every response must carry (None: any, but all equal).
+        prompt_offset: index of ``prompts[0]`` in the caller's full prompt list (``Rollout.prompt_index``).
+
+    Raises:
+        MalformedResponseError: a field is missing or wrong (message names the field path and the server).
+        StaleRolloutError: a response's ``meta_info.weight_version`` differs from ``expected_version``.
+        RolloutError: a request was aborted by the server.
+    """
+    where = f"SGLang /generate reply from {source}"
+    want = len(prompts) * n
+    if isinstance(payload, dict) and want == 1:
+        payload = [payload]
+    if not isinstance(payload, list):
+        raise MalformedResponseError(f"{where}: expected a JSON list of {want} responses, got "
+                                     f"{type(payload).__name__} ({_short(payload)})")
+    if len(payload) != want:
+        raise MalformedResponseError(f"{where}: expected {want} responses ({len(prompts)} prompts x n={n}), "
+                                     f"got {len(payload)}")
+    rollouts = []
+    seen_version = expected_version
+    for k, item in enumerate(payload):
+        p = k // n
+        path = f"response[{k}]"
+        output_ids = _field(item, path, "output_ids", where, (list,))
+        meta = _field(item, path, "meta_info", where, (dict,))
+        mpath = f"{path}.meta_info"
+        for j, t in enumerate(output_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise MalformedResponseError(f"{where}: {path}.output_ids[{j}]={_short(t)} is not a token id")
+        lps = _field(meta, mpath, "output_token_logprobs", where, (list,))
+        if len(lps) != len(output_ids):
+            raise MalformedResponseError(
+                f"{where}: {mpath}.output_token_logprobs has {len(lps)} entries but {path}.output_ids has "
+                f"{len(output_ids)}")
+        log_probs = []
+        for j, entry in enumerate(lps):
+            epath = f"{mpath}.output_token_logprobs[{j}]"
+            if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+                raise MalformedResponseError(f"{where}: {epath}={_short(entry)} is not [logprob, token_id, text]")
+            lp, tid = entry[0], entry[1]
+            if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp) or lp > 1e-4:
+                raise MalformedResponseError(f"{where}: {epath}[0] (logprob)={_short(lp)} is not a log-probability")
+            if tid != output_ids[j]:
+                raise MalformedResponseError(f"{where}: {epath}[1] (token id)={_short(tid)} != "
+                                             f"{path}.output_ids[{j}]={output_ids[j]}")
+            log_probs.append(float(lp))
+        fr = _field(meta, mpath, "finish_reason", where, (dict, str))
+        fr_type = fr if isinstance(fr, str) else _field(fr, f"{mpath}.finish_reason", "type", where, (str,))
+        if fr_type == "abort":
+            msg = fr.get("message", "") if isinstance(fr, dict) else ""
+            raise RolloutError(f"{where}: {path} was aborted by the server ({msg or 'no message'})")
+        if fr_type not in ("stop", "length"):
+            raise MalformedResponseError(f"{where}: {mpath}.finish_reason.type={fr_type!r} is not stop/length/abort")
+        if "prompt_tokens" in meta and meta["prompt_tokens"] != len(prompts[p]):
+            raise MalformedResponseError(
+                f"{where}: {mpath}.prompt_tokens={_short(meta['prompt_tokens'])} != length {len(prompts[p])} of "
+                f"prompt {prompt_offset + p} (responses out of order?)")
+        version = _field(meta, mpath, "weight_version", where, (str, int))
+        version = str(version)
+        if seen_version is None:
+            seen_version = version
+        if version != seen_version:
+            kind = "expected" if expected_version is not None else "the batch's first response had"
+            raise StaleRolloutError(f"{where}: {mpath}.weight_version={version!r} but {kind} {seen_version!r}; "
+                                    "the rollout is stale")
+        for seg in meta.get("weight_versions") or []:
+            seg_v = str(seg.get("version")) if isinstance(seg, dict) else None
+            if seg_v != seen_version:
+                raise StaleRolloutError(f"{where}: {mpath}.weight_versions has segment {_short(seg)} generated "
+                                        f"with a weight version other than {seen_version!r}")
+        info = {}
+        if isinstance(fr, dict) and "matched" in fr:
+            info["matched_stop"] = fr["matched"]
+        rollouts.append(Rollout(prompt_index=prompt_offset + p, prompt_ids=list(prompts[p]),
+                                response_ids=list(output_ids), rollout_log_probs=log_probs,
+                                finish_reason=fr_type, weight_version=version, source=source, info=info))
+    return rollouts
+
+
+class SGLangEngine(RolloutEngine):
+    """Rollout engine backed by SGLang HTTP servers (see the module docstring)."""
+
+    def __init__(self, urls: str | Sequence[str], *, request_timeout: float = 300.0, connect_timeout: float = 5.0,
+                 weight_sync_timeout: float = 600.0, retry: RetryPolicy | None = None,
+                 vocab_size: int | None = None, weight_version: str | None = None,
+                 check_local_paths: bool = True):
+        """
+        Args:
+            urls: one base URL (``http://127.0.0.1:30000``) or several (servers used round-robin; a router
+                URL counts as one server).
+            request_timeout: seconds to wait for a ``/generate`` reply (per attempt).
+            connect_timeout: seconds to wait for a TCP connection (per attempt).
+            weight_sync_timeout: seconds to wait for ``/update_weights_from_disk`` (per attempt).
+            retry: retry policy for connection errors, timeouts and 5xx.
+            vocab_size: when given, prompt token ids are checked against it before sending.
+            weight_version: the version the servers currently serve, if known (else learned from replies).
+            check_local_paths: check that ``update_weights``' directory exists locally (servers on this host).
+        """
+        if isinstance(urls, str):
+            urls = [urls]
+        urls = [u.rstrip("/") for u in urls]
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server URL")
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"SGLangEngine server URL {u!r} must start with http:// or https://")
+        for name, v in (("request_timeout", request_timeout), ("connect_timeout", connect_timeout),
+                        ("weight_sync_timeout", weight_sync_timeout)):
+            if not v > 0:
+                raise ValueError(f"SGLangEngine {name}={v!r} must be > 0")
+        self.urls = urls
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.weight_sync_timeout = weight_sync_timeout
+        self.retry = retry or RetryPolicy()
+        self.vocab_size = vocab_size
+        self.check_local_paths = check_local_paths
+        self._weight_version = None if weight_version is None else str(weight_version)
+        self._rr = itertools.count()
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ HTTP
+    def _session(self) -> requests.Session:
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = self._local.session = requests.Session()
+        return s
+
+    def _request(self, method: str, url: str, payload: Any = None, timeout: float | None = None,
+                 retry: RetryPolicy | None = None) -> Any:
+        """One HTTP call with retries; returns the decoded JSON (or text if not JSON on an empty body)."""
+        retry = retry or self.retry
+        timeout = (self.connect_timeout, timeout or self.request_timeout)
+        last = "no attempt made"
+        t0 = time.monotonic()
+        for attempt in range(1, retry.max_attempts + 1):
+            time.sleep(retry.sleep_before(attempt))
+            try:
+                resp = self._session().request(method, url, json=payload, timeout=timeout)
+                if resp.status_code >= 500:
+                    raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]!r}")
+            except (requests.ConnectionError, requests.Timeout, _Retryable) as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if resp.status_code >= 400:
+                raise RolloutError(f"{method} {url} returned HTTP {resp.status_code}: {resp.text[:500]!r}")
+            try:
+                return resp.json()
+            except ValueError as e:
+                raise MalformedResponseError(f"{method} {url}: reply is not JSON ({e}): {resp.text[:200]!r}") from None
+        raise EngineUnavailableError(f"{method} {url} failed after {retry.max_attempts} attempts in "
+                                     f"{time.monotonic() - t0:.1f} s; last failure: {last}")
+
+    # ------------------------------------------------------------- interface
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version every response must carry (None until the first update or reply)."""
+        return self._weight_version
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Rollout]:
+        """Sample ``n`` responses per prompt from the servers; all-or-nothing (see module docstring)."""
+        prompts = validate_prompts(prompt_ids, self.vocab_size)
+        n = validate_n(n)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        k = min(len(self.urls), len(prompts))
+        start = next(self._rr)
+        bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
+        jobs = [(self.urls[(start + i) % len(self.urls)], bounds[i], prompts[bounds[i]:bounds[i + 1]])
+                for i in range(k)]
+        expected = self._weight_version
+
+        def run(job):
+            url, offset, chunk = job
+            payload = {"input_ids": chunk if len(chunk) > 1 or n > 1 else chunk[0],
+                       "sampling_params": sampling.to_sglang(n), "return_logprob": True}
+            reply = self._request("POST", url + "/generate", payload)
+            return parse_generate_response(reply, chunk, n, url, expected, prompt_offset=offset)
+
+        if k == 1:
+            results = [run(jobs[0])]
+        else:
+            with ThreadPoolExecutor(max_workers=k) as pool:
+                futures = [pool.submit(run, j) for j in jobs]
+                results = [f.result() for f in futures]  # re-raises the first failure
+        rollouts = [r for chunk in results for r in chunk]
+        versions = {r.weight_version for r in rollouts}
+        if len(versions) > 1:
+            raise StaleRolloutError(f"rollouts of one step came from different weight versions {sorted(versions)} "
+                                    f"(servers {self.urls})")
+        if expected is None:
+            self._weight_version = versions.pop()
+        return rollouts
+
+    def update_weights(self, hf_dir: str, version: str) -> None:
+        """Make every server load the HF checkpoint in ``hf_dir`` as weight version ``version``."""
+        version = str(version)
+        if not version:
+            raise ValueError("update_weights: version must be a non-empty string")
+        path = os.path.abspath(hf_dir) if self.check_local_paths else str(hf_dir)
+        if self.check_local_paths and not os.path.isfile(os.path.join(path, "config.json")):
+            raise WeightSyncError(f"update_weights: {path} is not an HF checkpoint directory (no config.json)")
+        for url in self.urls:
+            reply = self._request("POST", url + "/update_weights_from_disk",
+                                  {"model_path": path, "weight_version": version},
+                                  timeout=self.weight_sync_timeout)
+            if not isinstance(reply, dict) or reply.get("success") is not True:
+                raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version "
+                                      f"{version!r}: {_short(reply, 400)}")
+            info = self._request("GET", url + "/get_model_info")
+            got = str(info.get("weight_version")) if isinstance(info, dict) else None
+            if got != version:
+                raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports weight_version="
+                                      f"{got!r}, expected {version!r}")
+        self._weight_version = version
+
+    def health(self, generate: bool = False) -> dict[str, bool]:
+        """``{url: healthy}`` via ``GET /health`` (or ``/health_generate``, which runs a tiny generation)."""
+        endpoint = "/health_generate" if generate else "/health"
+        out = {}
+        for url in self.urls:
+            try:
+                r = self._session().get(url + endpoint, timeout=(self.connect_timeout, 30.0 if generate else 5.0))
+                out[url] = r.status_code == 200
+            except (requests.ConnectionError, requests.Timeout):
+                out[url] = False
+        return out
+
+    def wait_until_ready(self, timeout: float = 300.0, poll: float = 1.0) -> None:
+        """Poll ``/health`` until every server answers 200, or raise ``EngineUnavailableError`` after ``timeout`` s
+        naming the servers that are not ready."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.health()
+            if all(status.values()):
+                return
+            if time.monotonic() >= deadline:
+                bad = [u for u, ok in status.items() if not ok]
+                raise EngineUnavailableError(f"SGLang servers not ready after {timeout:.0f} s: {bad}")
+            time.sleep(poll)
+
+    def close(self) -> None:
+        """Close this thread's HTTP session."""
+        s = getattr(self._local, "session", None)
+        if s is not None:
+            s.close()
+            self._local.session = None
