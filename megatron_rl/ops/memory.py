@@ -1,0 +1,333 @@
+"""Per-rank GPU memory plan of a megatron-rl job (what ``megatron-rl check`` prints).
+
+Usage::
+
+    cfg = load_job_config("configs/qwen2.5_7b_1x8.yaml", world_size=8)
+    plan = memory_plan(cfg, world_size=8, options=MemoryOptions(prompt_length=1024))
+    print(format_plan(plan, gpu_memory_gb=80))
+
+Everything is an estimate from the shapes; numbers are bytes per rank, one row per pipeline stage
+(all ranks of a stage hold the same amount; TP / CP / DP / EP ranks are symmetric).
+
+Parameters (per TP / PP / EP shard)
+    Layers are placed on stages like megatron-core (``get_transformer_layer_offset``): with P stages
+    and V virtual chunks, chunk c of stage s holds layers ``[(c*P + s) * L/(P*V), ...)``.
+    Per layer: RMSNorm weights 2h (+ 2d with qk_layernorm; replicated over TP);
+    QKV ``h*(a + 2g)*d / TP`` (+ bias ``(a + 2g)*d / TP``); output projection ``a*d*h / TP``;
+    dense SwiGLU MLP ``3*h*f / TP``; MoE layer: router ``E*h`` (replicated), ``E/EP`` local experts of
+    ``3*h*f_moe / ETP`` each, shared expert ``3*h*f_shared / TP`` (+ gate ``h``).
+    First stage: word embeddings ``V*h / TP``. Last stage: final norm ``h`` and the output layer
+    ``V*h / TP`` (untied), or with tied embeddings and PP > 1 megatron's copy of the embedding on the
+    last stage (same size). Expert weights are "expert parameters": their gradients are reduced and
+    their optimizer state sharded over the expert-data-parallel group (world / (ETP * EP * PP)); all
+    other parameters over the data-parallel group (DP * CP).
+
+Gradients
+    ``grad_bytes`` per parameter (4: megatron DDP fp32 main-grad buffer, the default with bf16;
+    2: bf16 grads, ``grad_reduce_in_fp32=False`` and no fp32 accumulation).
+
+Optimizer (Adam)
+    bf16 params: fp32 master copy + exp_avg + exp_avg_sq = 12 bytes/param; fp32 params: 8 (no
+    master copy). With the distributed optimizer this state is sharded over DP*CP (dense) or
+    expert-DP (experts); without it every rank holds all of it. (Megatron's docs: 18 bytes/param
+    without, 6 + 12/d with the distributed optimizer.)
+
+Activations per micro-batch (the formula, after Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per GPT layer
+with dropout and a 4h GeLU MLP; re-derived here the same way for this project's layer: RMSNorm,
+GQA, SwiGLU, no dropout, 16-bit activations). s = tokens per sequence on this rank (seq / CP), b =
+micro-batch size, t = TP, sp = t if sequence_parallel else 1, a = query heads, g = KV heads,
+d = head dim, f = FFN size, k = router top-k::
+
+    attention    = 2sbh/sp (norm in) + 2sbh/sp (QKV in) + 2sb(a+2g)d/t (Q, K, V)
+                   + 2sbad/t (core-attention out = proj in) + 2sbh/sp (residual)
+                   + core:   no recompute: 2*a*s*s*b/t (softmax probs, bf16) + 4*a*s*s*b/t (fp32 scores)
+                             selective / flash: 4*a*s*b/t (fp32 log-sum-exp only)
+    dense MLP    = 2sbh/sp (norm in) + 2sbh/sp (fc1 in) + 4sbf/t (fc1 out: gate, up) + 2sbf/t (fc2 in)
+    MoE MLP      = 2sbh/sp (norm in) + 4sbE/sp (fp32 router logits) + 2sbh/sp (dispatch in)
+                   + n*(2h + 2h) + n*(4 f_moe + 2 f_moe)/ETP  with n = s*b*k*ETP/sp token-expert pairs
+                   per rank after dispatch (balanced routing; permuted in / out, fc1 out, fc2 in)
+                   + shared expert as a dense MLP with f_shared
+    full recompute: per layer only its input 2sbh/sp is kept, plus one layer's full working set.
+
+The number of micro-batches in flight on stage s follows the 1F1B schedule: ``min(P - s, M)`` (M =
+micro-batches per mini-batch); interleaved (V > 1): ``min(2*(P - s - 1) + (V - 1)*P + 1, M*V)``
+model chunks, each holding L/(P*V) layers -- on stage 0 that is Korthikanti's ``L*(1 + (P-1)/(P*V))``.
+
+Log-prob logits buffer (last stage, one micro-batch of T = s*b tokens):
+    unfused: fp32 logits ``4*T*V/TP`` bytes (the copy megatron's cross entropy / our torch log-prob path
+    works on); fused linear log-prob path: one chunk of ``min(T, C // (V/TP)) * V/TP`` fp32 elements
+    with C = ``megatron_rl.logprobs.backend.CUDA_CHUNK_ELEMENTS``.
+
+Not counted: CUDA context / NCCL buffers (~1-3 GB), allocator fragmentation, the SGLang engine when
+colocated, checkpoint staging, MTP layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+GiB = float(1 << 30)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class MemoryOptions:
+    """Settings the memory plan needs that are not part of the job config (CLI flags of ``check``)."""
+
+    prompt_length: int = 1024
+    """Prompt tokens per sequence; sequence length = prompt_length + rollout.max_new_tokens."""
+    params_bytes: int = 2
+    """Bytes per model parameter (2 = bf16 on GPU, 4 = fp32 as on CPU)."""
+    grad_bytes: int = 4
+    """Bytes per gradient element (4 = fp32 main grads, megatron's default; 2 = bf16 grads)."""
+    distributed_optimizer: bool = True
+    """Shard the Adam state over the data-parallel (expert-data-parallel) group."""
+    recompute: str = "selective"
+    """Activation recomputation: "none", "selective" (core attention / flash attention), "full"."""
+    fused_logprobs: bool = True
+    """Use the fused linear log-prob path (only a chunk of logits exists at a time)."""
+
+
+@dataclass
+class StagePlan:
+    """Memory of one rank of pipeline stage ``stage`` (bytes)."""
+
+    stage: int
+    layers: List[int]
+    dense_params: int
+    expert_params: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: Dict[str, float]
+    microbatches_in_flight: float
+    logits_unfused: float
+    logits_fused: float
+
+    def total(self, recompute: str, fused: bool) -> float:
+        """Sum of all components for one recompute mode / log-prob path."""
+        logits = self.logits_fused if fused else self.logits_unfused
+        return self.params + self.grads + self.optimizer + self.activations[recompute] + logits
+
+
+@dataclass
+class MemoryPlan:
+    """The per-stage plan and the sizes it was computed with."""
+
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    expert_dp: int
+    seq_length: int
+    micro_batch_size: int
+    microbatches: int
+    total_params: int
+    options: MemoryOptions
+    stages: List[StagePlan] = field(default_factory=list)
+
+    def peak(self) -> StagePlan:
+        """The stage with the largest total for the configured options."""
+        o = self.options
+        return max(self.stages, key=lambda s: s.total(o.recompute, o.fused_logprobs))
+
+
+# ----------------------------------------------------------------------------- parameter counts
+def _layer_counts(m, tp: int, ep: int, etp: int, is_moe: bool):
+    """(dense params, expert params) of one layer on one rank."""
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    dense = 2 * h  # input + pre-MLP RMSNorm weights
+    if m.qk_layernorm:
+        dense += 2 * d
+    qkv_out = (a + 2 * g) * d
+    dense += h * qkv_out // tp + (qkv_out // tp if m.add_qkv_bias else 0)
+    dense += a * d * h // tp
+    expert = 0
+    if is_moe:
+        E = m.num_moe_experts
+        fm = m.moe_ffn_hidden_size or m.dense_ffn_hidden_size
+        dense += E * h  # router (replicated over TP, reduced over DP)
+        expert = (E // ep) * 3 * h * fm // etp
+        if m.moe_shared_expert_intermediate_size:
+            dense += 3 * h * m.moe_shared_expert_intermediate_size // tp
+            if m.moe_shared_expert_gate:
+                dense += h
+    else:
+        dense += 3 * h * m.dense_ffn_hidden_size // tp
+    return dense, expert
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int) -> List[List[int]]:
+    """Global layer indices held by each pipeline stage (megatron-core's placement)."""
+    per_chunk = num_layers // (pp * vpp)
+    out = []
+    for s in range(pp):
+        ids = []
+        for c in range(vpp):
+            start = (c * pp + s) * per_chunk
+            ids.extend(range(start, start + per_chunk))
+        out.append(ids)
+    return out
+
+
+def total_parameters(m) -> int:
+    """Parameters of the whole model (no sharding, embeddings counted once if tied)."""
+    pattern = m.moe_layer_pattern()
+    n = 0
+    for i in range(m.num_layers):
+        d, e = _layer_counts(m, 1, 1, 1, bool(pattern[i]))
+        n += d + e
+    n += m.vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1) + m.hidden_size
+    return n
+
+
+# ----------------------------------------------------------------------------- activations
+def layer_activation_bytes(m, s: int, b: int, tp: int, sp: bool, etp: int, is_moe: bool,
+                           recompute: str) -> float:
+    """Bytes of activations one layer keeps for backward for one micro-batch (see module docstring)."""
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
+    spd = tp if sp else 1
+    attn = 2 * s * b * h / spd * 3 + 2 * s * b * (a + 2 * g) * d / tp + 2 * s * b * a * d / tp
+    if recompute == "none":
+        attn += 6.0 * a * s * s * b / tp
+    else:
+        attn += 4.0 * a * s * b / tp
+    if is_moe:
+        E, k = m.num_moe_experts, m.moe_router_topk
+        fm = m.moe_ffn_hidden_size or m.dense_ffn_hidden_size
+        mlp = 2 * s * b * h / spd + 4.0 * s * b * E / spd + 2 * s * b * h / spd
+        n = s * b * k * etp / spd  # token-expert pairs on this rank after dispatch (+ ETP all-gather)
+        mlp += n * 4 * h + n * 6 * fm / etp
+        fs = m.moe_shared_expert_intermediate_size
+        if fs:
+            mlp += 2 * s * b * h / spd + 6.0 * s * b * fs / tp
+    else:
+        f = m.dense_ffn_hidden_size
+        mlp = 2 * s * b * h / spd * 2 + 6.0 * s * b * f / tp
+    return attn + mlp
+
+
+def _in_flight(stage: int, pp: int, vpp: int, microbatches: int) -> float:
+    """Micro-batches' worth of this stage's layers held at the 1F1B / interleaved peak."""
+    if vpp <= 1:
+        return float(min(pp - stage, microbatches))
+    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
+    return chunks / vpp
+
+
+# ----------------------------------------------------------------------------- the plan
+def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -> MemoryPlan:
+    """Per-stage memory plan of the validated job config ``cfg`` at ``world_size`` ranks."""
+    o = options or MemoryOptions()
+    if o.recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={o.recompute!r} is not one of {RECOMPUTE}")
+    if o.prompt_length < 0:
+        raise ValueError(f"prompt_length={o.prompt_length} must be >= 0")
+    m, p = cfg.model, cfg.parallel
+    if m is None:
+        raise ValueError("model: missing; the memory plan needs the model shape")
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    ep, etp = p.expert_model_parallel_size, p.etp
+    dp = p.data_parallel_size(world_size)
+    edp = p.expert_data_parallel_size(world_size)
+    sp = bool(p.sequence_parallel and tp > 1)
+    seq = o.prompt_length + cfg.rollout.max_new_tokens
+    s = -(-seq // cp)
+    b = cfg.actor.micro_batch_size
+    seqs_per_dp = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt // max(dp, 1)
+    per_minibatch = max(1, seqs_per_dp // max(1, cfg.actor.ppo_mini_batches))
+    micro = max(1, -(-per_minibatch // b))
+    pattern = m.moe_layer_pattern()
+    V, h = m.vocab_size, m.hidden_size
+    opt_bytes = 12 if o.params_bytes < 4 else 8
+    plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
+                      expert_dp=edp, seq_length=seq, micro_batch_size=b, microbatches=micro,
+                      total_params=total_parameters(m), options=o)
+    for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp)):
+        dense = expert = 0
+        for i in layers:
+            d_, e_ = _layer_counts(m, tp, ep, etp, bool(pattern[i]))
+            dense += d_
+            expert += e_
+        if st == 0:
+            dense += V * h // tp
+        if st == pp - 1:
+            dense += h
+            if m.untie_embeddings_and_output_weights or pp > 1:
+                dense += V * h // tp
+        n = dense + expert
+        dense_shard = dp * cp if o.distributed_optimizer else 1
+        expert_shard = edp if o.distributed_optimizer else 1
+        optimizer = opt_bytes * (dense / dense_shard + expert / expert_shard)
+        flight = _in_flight(st, pp, vpp, micro)
+        acts = {}
+        for mode in ("none", "selective"):
+            per = sum(layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), mode) for i in layers)
+            acts[mode] = flight * per
+        spd = tp if sp else 1
+        kept = flight * len(layers) * 2.0 * s * b * h / spd
+        work = max((layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), "selective") for i in layers),
+                   default=0.0)
+        acts["full"] = kept + work
+        logits_unfused = logits_fused = 0.0
+        if st == pp - 1:
+            T = s * b
+            vloc = V // tp
+            logits_unfused = 4.0 * T * vloc
+            from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
+
+            rows = min(T, max(1, CUDA_CHUNK_ELEMENTS // vloc))
+            logits_fused = 4.0 * rows * vloc
+        plan.stages.append(StagePlan(stage=st, layers=layers, dense_params=dense, expert_params=expert,
+                                     params=float(o.params_bytes * n), grads=float(o.grad_bytes * n),
+                                     optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
+                                     logits_unfused=logits_unfused, logits_fused=logits_fused))
+    return plan
+
+
+def _gb(x: float) -> str:
+    return f"{x / GiB:8.2f}"
+
+
+def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None) -> str:
+    """Human-readable table (GiB per rank) with a warning line when a stage exceeds ``gpu_memory_gb``."""
+    o = plan.options
+    lines = [
+        f"layout: world={plan.world_size} TP={plan.tp} PP={plan.pp} VPP={plan.vpp} CP={plan.cp} DP={plan.dp} "
+        f"EP={plan.ep} ETP={plan.etp} expert-DP={plan.expert_dp}",
+        f"model: {plan.total_params / 1e9:.2f} B parameters; sequence {plan.seq_length} tokens "
+        f"(prompt {o.prompt_length} + rollout.max_new_tokens), micro-batch {plan.micro_batch_size}, "
+        f"{plan.microbatches} micro-batches per mini-batch per DP rank",
+        f"options: params {o.params_bytes} B, grads {o.grad_bytes} B, distributed optimizer "
+        f"{'on' if o.distributed_optimizer else 'off'}, recompute {o.recompute}, log-prob path "
+        f"{'fused' if o.fused_logprobs else 'unfused'}",
+        "",
+        "per rank, GiB (activations: none / selective / full recompute; logits: unfused / fused)",
+        f"{'stage':>5} {'layers':>7} {'params':>8} {'grads':>8} {'optim':>8} {'act-none':>8} {'act-sel':>8} "
+        f"{'act-full':>8} {'logits':>8} {'logitsF':>8} {'TOTAL':>8}",
+    ]
+    for st in plan.stages:
+        a = st.activations
+        lines.append(f"{st.stage:>5} {len(st.layers):>7} {_gb(st.params)} {_gb(st.grads)} {_gb(st.optimizer)} "
+                     f"{_gb(a['none'])} {_gb(a['selective'])} {_gb(a['full'])} {_gb(st.logits_unfused)} "
+                     f"{_gb(st.logits_fused)} {_gb(st.total(o.recompute, o.fused_logprobs))}")
+    peak = plan.peak()
+    tot = peak.total(o.recompute, o.fused_logprobs)
+    lines.append("")
+    lines.append(f"peak: stage {peak.stage}, {tot / GiB:.2f} GiB (recompute={o.recompute}, "
+                 f"{'fused' if o.fused_logprobs else 'unfused'} log-probs; excludes CUDA context / NCCL buffers)")
+    if gpu_memory_gb is not None:
+        if tot > gpu_memory_gb * GiB:
+            lines.append(f"WARNING: stage {peak.stage} needs {tot / GiB:.2f} GiB > --gpu-memory-gb {gpu_memory_gb:g}; "
+                         f"raise TP/PP/EP, use --recompute full, smaller actor.micro_batch_size, or the fused "
+                         f"log-prob path")
+        else:
+            lines.append(f"fits: {tot / GiB:.2f} GiB <= {gpu_memory_gb:g} GiB "
+                         f"({100 * tot / (gpu_memory_gb * GiB):.0f}%)")
+    return "\n".join(lines)
