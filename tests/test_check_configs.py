@@ -1,0 +1,144 @@
+"""Shipped configs: each loads and validates at its intended world size, and the real-model configs carry
+the published shapes (numbers copied from the HF config.json files, written here independently of the YAML).
+
+    pytest tests/test_check_configs.py
+"""
+import glob
+import os
+
+import pytest
+import yaml
+
+from megatron_rl.config import load_job_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+# config file -> intended world size (nodes x GPUs per node)
+WORLD = {
+    "qwen2.5_7b_1x8.yaml": 1 * 8,
+    "qwen3_30b_a3b_2x8.yaml": 2 * 8,
+    "deepseek_v3_scale_64x8.yaml": 64 * 8,
+    "tiny_cpu.yaml": None,  # the lead's config: its own world size (read from its header or default 1..4)
+}
+
+# Published HF config.json values.
+QWEN25_7B = dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False)
+QWEN3_30B_A3B = dict(num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     vocab_size=151936, rope_theta=1e6, norm_topk_prob=True, tie_word_embeddings=False)
+DEEPSEEK_V3 = dict(num_hidden_layers=61, first_k_dense_replace=3, hidden_size=7168, intermediate_size=18432,
+                   num_attention_heads=128, n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048,
+                   num_experts_per_tok=8, scoring_func="sigmoid", routed_scaling_factor=2.5, vocab_size=129280,
+                   rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def _yaml(name):
+    with open(os.path.join(CONFIGS, name)) as fh:
+        return yaml.safe_load(fh)
+
+
+def test_every_shipped_config_is_listed():
+    shipped = sorted(os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.yaml")))
+    assert shipped, "no configs shipped"
+    missing = [s for s in shipped if s not in WORLD]
+    assert not missing, f"add {missing} with their intended world size to WORLD"
+
+
+@pytest.mark.parametrize("name", sorted(k for k, v in WORLD.items() if v is not None))
+def test_config_validates_at_intended_world(name):
+    cfg = load_job_config(os.path.join(CONFIGS, name), world_size=WORLD[name])
+    assert cfg.model is not None
+
+
+def test_tiny_cpu_validates_if_present():
+    path = os.path.join(CONFIGS, "tiny_cpu.yaml")
+    if not os.path.exists(path):
+        pytest.skip("configs/tiny_cpu.yaml is written by the lead and not there yet")
+    errors = {}
+    for ws in (1, 2, 4):
+        try:
+            load_job_config(path, world_size=ws)
+            return
+        except Exception as exc:  # noqa: BLE001 - report every world size tried
+            errors[ws] = str(exc)
+    pytest.fail(f"tiny_cpu.yaml validates at none of world sizes 1, 2, 4: {errors}")
+
+
+@pytest.mark.parametrize("name", sorted(k for k, v in WORLD.items() if v is not None))
+def test_config_fails_at_wrong_world(name):
+    from megatron_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="world_size|data-parallel"):
+        load_job_config(os.path.join(CONFIGS, name), world_size=WORLD[name] + 1)
+
+
+def test_qwen25_7b_shapes():
+    m = _yaml("qwen2.5_7b_1x8.yaml")["model"]
+    p = QWEN25_7B
+    assert m["num_layers"] == p["num_hidden_layers"]
+    assert m["hidden_size"] == p["hidden_size"]
+    assert m["ffn_hidden_size"] == p["intermediate_size"]
+    assert m["num_attention_heads"] == p["num_attention_heads"]
+    assert m["num_query_groups"] == p["num_key_value_heads"]
+    assert m.get("kv_channels", p["hidden_size"] // p["num_attention_heads"]) == 128
+    assert m["vocab_size"] == p["vocab_size"]
+    assert float(m["rotary_base"]) == p["rope_theta"]
+    assert float(m["norm_epsilon"]) == p["rms_norm_eps"]
+    assert m["add_qkv_bias"] is True and m.get("qk_layernorm", False) is False
+    assert m["untie_embeddings_and_output_weights"] is (not p["tie_word_embeddings"])
+    assert "num_moe_experts" not in m
+
+
+def test_qwen3_30b_a3b_shapes():
+    m = _yaml("qwen3_30b_a3b_2x8.yaml")["model"]
+    p = QWEN3_30B_A3B
+    assert m["num_layers"] == p["num_hidden_layers"]
+    assert m["hidden_size"] == p["hidden_size"]
+    assert m["num_attention_heads"] == p["num_attention_heads"]
+    assert m["num_query_groups"] == p["num_key_value_heads"]
+    assert m["kv_channels"] == p["head_dim"]
+    assert m["num_moe_experts"] == p["num_experts"]
+    assert m["moe_router_topk"] == p["num_experts_per_tok"]
+    assert m["moe_ffn_hidden_size"] == p["moe_intermediate_size"]
+    assert m["vocab_size"] == p["vocab_size"]
+    assert float(m["rotary_base"]) == p["rope_theta"]
+    assert m["qk_layernorm"] is True and m.get("add_qkv_bias", False) is False
+    # HF norm_topk_prob=True <=> megatron moe_router_pre_softmax=False
+    assert m["moe_router_pre_softmax"] is (not p["norm_topk_prob"])
+    assert m["untie_embeddings_and_output_weights"] is (not p["tie_word_embeddings"])
+    assert m.get("moe_layer_freq", 1) == 1 and m.get("first_k_dense_replace", 0) == 0
+
+
+def test_deepseek_v3_scale_shapes():
+    m = _yaml("deepseek_v3_scale_64x8.yaml")["model"]
+    p = DEEPSEEK_V3
+    # documented deviation: 3 extra MoE layers so that PP x VPP divides the layers (61 is prime)
+    assert m["num_layers"] == p["num_hidden_layers"] + 3
+    assert m["num_layers"] % (8 * 4) == 0
+    assert m["first_k_dense_replace"] == p["first_k_dense_replace"]
+    assert m["hidden_size"] == p["hidden_size"]
+    assert m["ffn_hidden_size"] == p["intermediate_size"]
+    assert m["num_attention_heads"] == p["num_attention_heads"]
+    assert m["num_moe_experts"] == p["n_routed_experts"]
+    assert m["moe_shared_expert_intermediate_size"] == p["n_shared_experts"] * p["moe_intermediate_size"]
+    assert m["moe_ffn_hidden_size"] == p["moe_intermediate_size"]
+    assert m["moe_router_topk"] == p["num_experts_per_tok"]
+    assert m["moe_router_score_function"] == p["scoring_func"]
+    assert m["moe_router_topk_scaling_factor"] == p["routed_scaling_factor"]
+    assert m["vocab_size"] == p["vocab_size"]
+    assert float(m["rotary_base"]) == p["rope_theta"]
+    assert m["untie_embeddings_and_output_weights"] is (not p["tie_word_embeddings"])
+    par = _yaml("deepseek_v3_scale_64x8.yaml")["parallel"]
+    assert par["pipeline_model_parallel_size"] > 1 and par["virtual_pipeline_model_parallel_size"] > 1
+    assert par["expert_model_parallel_size"] > 1
+
+
+def test_real_configs_use_verl_correction_keys():
+    from megatron_rl.correction.migration import LEGACY_KEYS
+
+    for name in ("qwen2.5_7b_1x8.yaml", "qwen3_30b_a3b_2x8.yaml", "deepseek_v3_scale_64x8.yaml"):
+        rc = _yaml(name)["algorithm"]["rollout_correction"]
+        assert not set(rc) & set(LEGACY_KEYS), f"{name} uses seed-era keys {set(rc) & set(LEGACY_KEYS)}"
