@@ -1,0 +1,22 @@
+"""The Megatron actor: rollout batch layout, log-prob pass, train step, checkpoints, HF export.
+
+Modules (one job each):
+  batch       ``RolloutBatch`` token layout ([B, L] tokens; per-token tensors [B, L-1], column t
+              scores token t+1), micro-batch / DP splitting
+  groups      ``ActorGroups``: process groups and coordinates read once from megatron's parallel state
+  cp          context-parallel zigzag split / gather (megatron's convention)
+  schedule    micro-batch model inputs and one call of megatron's pipeline schedule
+  forward     the log-prob pass (forward-only, vocab-parallel log-probs + entropy, PP broadcast)
+  train_step  one optimizer step of the policy loss (1F1B, Megatron DDP + optimizer, clipping)
+  optimizer   Megatron DDP wrapping and ``get_megatron_optimizer``
+  checkpoint  save / resume (model, optimizer, RNG, extra state)
+  hf_io       HF weights in (``actor.load_hf``) and out (export for SGLang / in-process sync)
+  actor       ``MegatronActor``, the facade used by the RL loop
+
+Tests: ``pytest tests/test_actor*.py``.
+"""
+from megatron_rl.actor.actor import MegatronActor
+from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks, scatter_rows
+from megatron_rl.actor.groups import ActorGroups
+
+__all__ = ["MegatronActor", "RolloutBatch", "BatchError", "ActorGroups", "row_blocks", "scatter_rows"]

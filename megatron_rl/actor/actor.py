@@ -1,0 +1,204 @@
+"""``MegatronActor``: the facade the RL loop uses — log-prob pass, train step, checkpoints, HF export.
+
+Life cycle (every rank; after ``init_distributed()`` and
+``initialize_model_parallel(job_cfg.parallel, seed=job_cfg.trainer.seed, model=job_cfg.model)``)::
+
+    actor = MegatronActor(job_cfg)                         # builds, loads actor.load_hf, DDP, optimizer
+    shard = batch.shard(actor.dp_rank, actor.dp_size)      # this DP rank's rows of the RolloutBatch
+    old_lp, ent = actor.compute_log_probs(shard, temperature)          # [B, L-1] on all ranks of the MP group
+    res = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, cfg,
+                                     group=actor.dp_cp_group, cp_group=None)
+    metrics = actor.train_step(shard, old_lp, advantages, res.response_mask, res.weights, temperature)
+    actor.save_checkpoint(dir, step, {"data_cursor": 7}); step, extra = actor.load_checkpoint(dir)
+    actor.export_hf(out_dir)                  # collective; rank 0 writes HF safetensors (SGLang sync)
+    sd = actor.full_state_dict_hf()           # collective; rank 0 gets {hf_name: tensor}, others None
+
+Every method is collective over all ranks (each rank passes its own DP shard; ranks of one
+model-parallel group pass the same shard). Per-token tensors are [B, L-1]: column t scores token t+1.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.batch import RolloutBatch, row_blocks
+from megatron_rl.actor.forward import check_token_ids, compute_log_probs
+from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.actor.hf_io import HFExporter, load_hf_weights
+from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.train_step import train_mini_batch
+from megatron_rl.losses import select_loss_inputs
+
+__all__ = ["MegatronActor"]
+
+
+class MegatronActor:
+    """The Megatron-Core policy model of this rank, its DDP wrapper and optimizer."""
+
+    def __init__(self, job_cfg, params_dtype: torch.dtype = torch.float32) -> None:
+        """Build the model chunks for this rank (``job_cfg.model`` under ``job_cfg.parallel``), load
+        ``job_cfg.actor.load_hf`` if set (any TP/PP/EP layout), wrap in Megatron DDP and build the
+        Megatron optimizer. Requires megatron's parallel state to match ``job_cfg.parallel``."""
+        from megatron_rl.models import build_gpt_model
+
+        if job_cfg.model is None:
+            raise ValueError("MegatronActor: job_cfg.model is None (give a model section or actor.load_hf)")
+        self.job_cfg = job_cfg
+        self.model_cfg = job_cfg.model
+        self.parallel_cfg = job_cfg.parallel
+        self.actor_cfg = job_cfg.actor
+        self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
+        chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=params_dtype)
+        self.hf_dir = self.actor_cfg.load_hf
+        if self.hf_dir:
+            load_hf_weights(chunks, self.hf_dir, self.model_cfg, self.parallel_cfg)
+        self.model = wrap_ddp(chunks)
+        self.optimizer = build_optimizer(self.model, self.actor_cfg, params_dtype)
+        self._exporter = HFExporter(self.model_cfg, self.parallel_cfg, self.groups, self.hf_dir)
+        vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
+        # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
+        self._trim = not (vpp and vpp > 1)
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def dp_group(self):
+        """Data-parallel group without CP (ranks holding different rows)."""
+        return self.groups.dp_group
+
+    @property
+    def dp_cp_group(self):
+        """Data-parallel group with CP (the ``group`` of compute_rollout_correction / metric reductions)."""
+        return self.groups.dp_cp_group
+
+    @property
+    def cp_group(self):
+        """Context-parallel group."""
+        return self.groups.cp_group
+
+    @property
+    def pp_group(self):
+        """Pipeline-parallel group."""
+        return self.groups.pp_group
+
+    @property
+    def tp_group(self):
+        """Tensor-parallel group."""
+        return self.groups.tp_group
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the DP shards (``RolloutBatch.shard(dp_rank, dp_size)``)."""
+        return self.groups.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Number of DP shards of the rollout batch (DP without CP)."""
+        return self.groups.dp_size
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank runs the output layer."""
+        return self.groups.is_last_stage
+
+    # ------------------------------------------------------------------ log-prob pass
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float,
+                          compute_entropy: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(log_probs [B, L-1], entropy [B, L-1]) of this rank's DP shard under softmax(logits / T), on
+        every rank of the model-parallel group; 0 at padding columns. fp32, no grad."""
+        check_token_ids(batch, self.model_cfg.vocab_size)
+        return compute_log_probs(self.model, batch, micro_batch_size=self.actor_cfg.micro_batch_size,
+                                 temperature=temperature, groups=self.groups, compute_entropy=compute_entropy,
+                                 trim=self._trim)
+
+    # ------------------------------------------------------------------ train step
+    def train_step(self, batch: RolloutBatch, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
+                   response_mask: torch.Tensor, is_weights: Optional[torch.Tensor], temperature: float,
+                   ref_log_probs: Optional[torch.Tensor] = None) -> Dict[str, float]:
+        """Train on this rank's DP shard: ``ppo_epochs`` passes x ``ppo_mini_batches`` optimizer steps.
+
+        Args:
+            batch: this rank's DP shard (``RolloutBatch``).
+            old_log_probs: [B, L-1] the trainer's log-probs before this step (``compute_log_probs``);
+                may be None in bypass mode (then ``batch.rollout_log_probs`` are the old policy).
+            advantages: [B] (broadcast over each row's tokens) or [B, L-1].
+            response_mask: [B, L-1] mask after rejection sampling (the correction's ``response_mask``).
+            is_weights: [B, L-1] the correction's IS weights (detached) or None.
+            temperature: the rollout temperature (logits are divided by it).
+            ref_log_probs: [B, L-1] reference-policy log-probs, needed when policy_loss.kl_loss_coef > 0.
+        Which old log-probs / weights the loss uses follows ``algorithm.rollout_correction`` (loss_type,
+        bypass_mode) through ``megatron_rl.losses.select_loss_inputs``.
+        Returns ``{"actor/<metric>": float}``: means over the optimizer steps of pg_loss, pg_clipfrac,
+        pg_clipfrac_lower, ppo_kl, entropy, grad_norm, num_tokens (and kl_loss), plus
+        actor/lr and actor/num_optimizer_steps. Identical on every rank.
+        """
+        B, W = batch.num_rows, batch.max_length - 1
+        check_token_ids(batch, self.model_cfg.vocab_size)
+        corr = self.job_cfg.algorithm.rollout_correction
+        if batch.rollout_log_probs is None and corr.bypass_mode:
+            raise ValueError("train_step: bypass_mode needs batch.rollout_log_probs (the rollout engine's)")
+        if advantages.dim() == 1:
+            if advantages.shape[0] != B:
+                raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [{B}] or [{B}, {W}]")
+            advantages = advantages.reshape(B, 1).expand(B, W)
+        old, w = select_loss_inputs(corr.loss_type, corr.bypass_mode, batch.rollout_log_probs, old_log_probs,
+                                    is_weights)
+        per_token = {"old_log_probs": old, "advantages": advantages.to(torch.float32),
+                     "response_mask": response_mask, "is_weights": w, "ref_log_probs": ref_log_probs}
+        for k, v in per_token.items():
+            if v is not None and tuple(v.shape) != (B, W):
+                raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
+        loss_cfg = self._loss_config()
+        ac = self.actor_cfg
+        blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
+        steps = []
+        for _ in range(ac.ppo_epochs):
+            for start, end in blocks:
+                sub = batch.select(start, end)
+                sub_tok = {k: None if v is None else v[start:end, : sub.max_length - 1] for k, v in per_token.items()}
+                steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
+                                              temperature=temperature, micro_batch_size=ac.micro_batch_size,
+                                              groups=self.groups, trim=self._trim))
+        out = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["actor/num_optimizer_steps"] = float(len(steps))
+        return out
+
+    def _loss_config(self):
+        import dataclasses
+
+        cfg = self.actor_cfg.policy_loss
+        loss_type = self.job_cfg.algorithm.rollout_correction.loss_type
+        return cfg if cfg.loss_type == loss_type else dataclasses.replace(cfg, loss_type=loss_type)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: str, step: int, extra_state: Optional[Dict[str, Any]] = None) -> str:
+        """Save model, optimizer and RNG state (+ ``extra_state``, picklable, from rank 0) under
+        ``ckpt_dir``; collective. Returns the directory written."""
+        from megatron_rl.actor.checkpoint import save_checkpoint
+
+        return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, self.groups, self.model_cfg,
+                               self.parallel_cfg, extra_state or {})
+
+    def load_checkpoint(self, ckpt_dir: str) -> Tuple[int, Dict[str, Any]]:
+        """Restore what ``save_checkpoint`` wrote; returns (step, extra_state). Raises
+        ``CheckpointLayoutError`` naming saved vs requested layout when they differ in a way that
+        cannot be loaded."""
+        from megatron_rl.actor.checkpoint import load_checkpoint
+
+        return load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
+                               self.parallel_cfg)
+
+    # ------------------------------------------------------------------ HF export
+    def full_state_dict_hf(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Collective: rank 0 returns the full model as a HF state dict (CPU tensors, HF names); other
+        ranks return None. For the embedded engine's in-process weight sync."""
+        return self._exporter.full_state_dict_hf(self.model)
+
+    def export_hf(self, out_dir: str) -> Optional[list]:
+        """Collective: rank 0 writes a HF safetensors directory (weights + config/tokenizer from
+        actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files."""
+        return self._exporter.export_hf(self.model, out_dir)

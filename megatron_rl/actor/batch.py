@@ -1,0 +1,227 @@
+"""``RolloutBatch``: the token layout every part of megatron-rl uses for rollouts, and its splitting.
+
+Layout (B sequences, padded length L):
+  * ``tokens [B, L]`` long = prompt ids followed by response ids, right-padded with ``pad_id``;
+  * ``prompt_lengths [B]`` and ``lengths [B]`` (prompt + response) long;
+  * every per-token quantity (log-probs, entropy, masks, advantages, IS weights) is ``[B, L-1]``:
+    **position t scores token t+1** (the model's logits at position t predict token t+1), so
+    ``response_mask[b, t] = 1`` iff ``prompt_lengths[b] <= t + 1 < lengths[b]``, i.e. response token
+    ``i`` (0-based) of row ``b`` sits at column ``prompt_lengths[b] - 1 + i``;
+  * ``rollout_log_probs [B, L-1]`` (float32, optional) hold the rollout engine's log-prob of each
+    response token at that same column (0 elsewhere).
+
+Usage::
+
+    batch = RolloutBatch.from_sequences(prompts, responses, rollout_log_probs, pad_id=0)
+    shard = batch.shard(dp_rank, dp_size)                    # contiguous rows for one DP rank
+    for rows, mb in shard.micro_batches(micro_batch_size=4, trim=True):   # variable lengths
+        ...                                                  # mb.tokens is [b, max(mb.lengths)]
+    full = scatter_rows([(rows, mb_values)], shard.num_rows, shard.max_length - 1)
+    per_seq = batch.response_values(log_probs)               # list of [response_len_b] tensors
+
+Tests: ``pytest tests/test_actor_batch.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["RolloutBatch", "BatchError", "scatter_rows", "row_blocks", "fit_columns"]
+
+
+class BatchError(ValueError):
+    """A malformed rollout batch (the message names the tensor / row / field)."""
+
+
+def row_blocks(num_rows: int, num_blocks: int, what: str = "rows") -> List[Tuple[int, int]]:
+    """Split ``range(num_rows)`` into ``num_blocks`` contiguous [start, end) blocks whose sizes differ by
+    at most one (the first ``num_rows % num_blocks`` blocks get the extra row). Every block must be
+    non-empty: raises BatchError when ``num_rows < num_blocks``."""
+    if num_blocks < 1:
+        raise BatchError(f"cannot split {what} into {num_blocks} blocks (need >= 1)")
+    if num_rows < num_blocks:
+        raise BatchError(f"cannot split {num_rows} {what} into {num_blocks} non-empty blocks")
+    base, extra = divmod(num_rows, num_blocks)
+    out, start = [], 0
+    for i in range(num_blocks):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def scatter_rows(parts: Sequence[Tuple[Tuple[int, int], torch.Tensor]], num_rows: int, width: int,
+                 dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Assemble ``[num_rows, width]`` from per-micro-batch ``((start, end), values [end-start, w])``
+    pieces (``w <= width``: a trimmed micro-batch); columns beyond ``w`` are 0."""
+    out = torch.zeros(num_rows, width, dtype=dtype, device=device)
+    for (start, end), vals in parts:
+        if vals.dim() != 2 or vals.shape[0] != end - start or vals.shape[1] > width:
+            raise BatchError(f"scatter_rows: piece for rows [{start}, {end}) has shape {tuple(vals.shape)}, "
+                             f"expected [{end - start}, <= {width}]")
+        out[start:end, : vals.shape[1]] = vals.to(dtype)
+    return out
+
+
+@dataclass
+class RolloutBatch:
+    """Prompt + response token sequences of one batch, right-padded (see the module docstring)."""
+
+    tokens: torch.Tensor
+    """[B, L] int64 token ids: prompt then response, right-padded with ``pad_id``."""
+    prompt_lengths: torch.Tensor
+    """[B] int64 prompt tokens per row (>= 1: the first response token is scored at column p-1)."""
+    lengths: torch.Tensor
+    """[B] int64 prompt + response tokens per row (<= L)."""
+    rollout_log_probs: Optional[torch.Tensor] = None
+    """[B, L-1] float32 rollout engine log-probs of the response tokens (column t scores token t+1),
+    0 outside the response; None when the engine gave none."""
+    pad_id: int = 0
+    """Id used for right padding (any valid id: padded positions are never scored)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                       rollout_log_probs: Optional[Sequence[Sequence[float]]] = None, pad_id: int = 0,
+                       pad_to: Optional[int] = None) -> "RolloutBatch":
+        """Build from per-row prompt ids, response ids and (optionally) the engine's per-response-token
+        log-probs. ``pad_to`` pads L to at least this length. Raises BatchError naming the row on
+        empty prompts or log-prob lists whose length differs from the response's."""
+        if len(prompts) != len(responses):
+            raise BatchError(f"from_sequences: {len(prompts)} prompts but {len(responses)} responses")
+        if rollout_log_probs is not None and len(rollout_log_probs) != len(responses):
+            raise BatchError(f"from_sequences: {len(responses)} responses but {len(rollout_log_probs)} "
+                             f"rollout_log_probs rows")
+        if not prompts:
+            raise BatchError("from_sequences: empty batch")
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            if len(p) < 1:
+                raise BatchError(f"from_sequences: row {b} has an empty prompt (need >= 1 prompt token: "
+                                 f"the first response token is scored from the last prompt position)")
+            if rollout_log_probs is not None and len(rollout_log_probs[b]) != len(r):
+                raise BatchError(f"from_sequences: row {b} has {len(r)} response tokens but "
+                                 f"{len(rollout_log_probs[b])} rollout log-probs")
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        L = max(max(lengths), 2, pad_to or 0)
+        tokens = torch.full((len(prompts), L), int(pad_id), dtype=torch.int64)
+        lp = None if rollout_log_probs is None else torch.zeros(len(prompts), L - 1, dtype=torch.float32)
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            seq = list(p) + list(r)
+            if seq:
+                tokens[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.int64)
+            if lp is not None and len(r):
+                lp[b, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(
+                    [float(x) for x in rollout_log_probs[b]], dtype=torch.float32)
+        return cls(tokens=tokens, prompt_lengths=torch.as_tensor([len(p) for p in prompts], dtype=torch.int64),
+                   lengths=torch.as_tensor(lengths, dtype=torch.int64), rollout_log_probs=lp, pad_id=int(pad_id))
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise BatchError naming the field if shapes / dtypes / lengths are inconsistent."""
+        t = self.tokens
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.int64:
+            raise BatchError(f"RolloutBatch.tokens must be an int64 [B, L] tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        B, L = t.shape
+        if B < 1 or L < 2:
+            raise BatchError(f"RolloutBatch.tokens shape {tuple(t.shape)}: need B >= 1 and L >= 2")
+        for name in ("prompt_lengths", "lengths"):
+            v = getattr(self, name)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != (B,) or v.dtype != torch.int64:
+                raise BatchError(f"RolloutBatch.{name} must be int64 [{B}], got "
+                                 f"{getattr(v, 'dtype', type(v).__name__)} {tuple(getattr(v, 'shape', ()))}")
+        bad = (self.prompt_lengths < 1) | (self.lengths < self.prompt_lengths) | (self.lengths > L)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise BatchError(f"RolloutBatch row {b}: need 1 <= prompt_length ({int(self.prompt_lengths[b])}) <= "
+                             f"length ({int(self.lengths[b])}) <= L ({L})")
+        lp = self.rollout_log_probs
+        if lp is not None and (not isinstance(lp, torch.Tensor) or tuple(lp.shape) != (B, L - 1)
+                               or not lp.is_floating_point()):
+            raise BatchError(f"RolloutBatch.rollout_log_probs must be a float [B, L-1] = [{B}, {L - 1}] tensor "
+                             f"(column t scores token t+1), got {tuple(getattr(lp, 'shape', ()))}")
+
+    # ------------------------------------------------------------------ derived tensors
+    @property
+    def num_rows(self) -> int:
+        """B."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        """L (padded length of ``tokens``)."""
+        return int(self.tokens.shape[1])
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """[B, L-1] float32: 1 at column t iff token t+1 is a response token."""
+        t = torch.arange(1, self.max_length, device=self.tokens.device).unsqueeze(0)
+        return ((t >= self.prompt_lengths.unsqueeze(1)) & (t < self.lengths.unsqueeze(1))).to(torch.float32)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] int64 response tokens per row."""
+        return self.lengths - self.prompt_lengths
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """[B, L-1] int64: the token each column scores (``tokens[:, 1:]``)."""
+        return self.tokens[:, 1:]
+
+    def response_values(self, values: torch.Tensor) -> List[torch.Tensor]:
+        """Per row, the [response_len] entries of a [B, L-1] per-token tensor at the response columns
+        (inverse of the placement ``from_sequences`` does for rollout log-probs)."""
+        if tuple(values.shape[:2]) != (self.num_rows, self.max_length - 1):
+            raise BatchError(f"response_values: expected [{self.num_rows}, {self.max_length - 1}], "
+                             f"got {tuple(values.shape)}")
+        return [values[b, int(p) - 1: int(n) - 1] for b, (p, n) in
+                enumerate(zip(self.prompt_lengths.tolist(), self.lengths.tolist()))]
+
+    # ------------------------------------------------------------------ splitting
+    def select(self, start: int, end: int, trim: bool = False, multiple_of: int = 1) -> "RolloutBatch":
+        """Rows [start, end). ``trim``: cut L to the longest selected row (at least 2), i.e. micro-batches
+        of variable length without the batch's padding. L is then rounded up to ``multiple_of`` (e.g. TP
+        for sequence parallel, 2 x CP for context parallel) by padding with ``pad_id``."""
+        if not 0 <= start < end <= self.num_rows:
+            raise BatchError(f"select: rows [{start}, {end}) outside [0, {self.num_rows})")
+        L = max(int(self.lengths[start:end].max()), 2) if trim else self.max_length
+        L = -(-L // multiple_of) * multiple_of
+        tokens = self.tokens[start:end, : min(L, self.max_length)]
+        if L > self.max_length:  # rounding up beyond the batch's own padding
+            tokens = torch.cat([tokens, tokens.new_full((end - start, L - self.max_length), self.pad_id)], 1)
+        lp = None
+        if self.rollout_log_probs is not None:
+            lp = fit_columns(self.rollout_log_probs[start:end], L - 1)
+        return RolloutBatch(tokens=tokens.contiguous(), prompt_lengths=self.prompt_lengths[start:end].clone(),
+                            lengths=self.lengths[start:end].clone(), rollout_log_probs=lp, pad_id=self.pad_id)
+
+    def shard(self, rank: int, size: int) -> "RolloutBatch":
+        """This data-parallel rank's contiguous block of rows (sizes differ by at most one)."""
+        if not 0 <= rank < size:
+            raise BatchError(f"shard: rank {rank} outside data-parallel size {size}")
+        start, end = row_blocks(self.num_rows, size, "rollout rows over data-parallel ranks")[rank]
+        return self.select(start, end)
+
+    def micro_batches(self, micro_batch_size: int, trim: bool = True,
+                      multiple_of: int = 1) -> List[Tuple[Tuple[int, int], "RolloutBatch"]]:
+        """Consecutive micro-batches of ``micro_batch_size`` rows (the last may be smaller), each with its
+        ``(start, end)`` rows; ``trim`` cuts each to its own longest row; lengths are rounded up to
+        ``multiple_of``."""
+        if micro_batch_size < 1:
+            raise BatchError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return [((s, min(s + micro_batch_size, self.num_rows)),
+                 self.select(s, min(s + micro_batch_size, self.num_rows), trim=trim, multiple_of=multiple_of))
+                for s in range(0, self.num_rows, micro_batch_size)]
+
+
+def fit_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Cut or zero-pad the last dim of ``x`` to ``width``."""
+    if x.shape[-1] >= width:
+        return x[..., :width].contiguous()
+    pad = x.new_zeros(*x.shape[:-1], width - x.shape[-1])
+    return torch.cat([x, pad], dim=-1)

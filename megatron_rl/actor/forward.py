@@ -1,0 +1,110 @@
+"""The log-prob pass: forward-only through megatron's pipeline schedule, log-probs + entropy of every
+scored token, made available on every pipeline stage.
+
+Flow (``compute_log_probs``):
+  1. micro-batches of variable length (``schedule.prepare_micro_batches``; trimmed per micro-batch);
+  2. ``get_forward_backward_func()(forward_only=True)``; on the last stage the model returns
+     vocab-parallel logits [b, s, V/TP] and ``megatron_rl.logprobs.vocab_parallel_logprobs`` turns them
+     into log-probs and entropy of softmax(logits / temperature) against ``targets`` (token t+1 at
+     position t) — exact across TP (two small all-reduces), never an fp32 copy of the logits;
+  3. per micro-batch results gathered over CP (zigzag inverse), placed into [B, L-1];
+  4. broadcast from the last stage over the PP group, so every rank of the model-parallel group holds
+     the log-probs of its DP shard (what the correction and the loss bookkeeping need).
+
+Choice: the logits path (GPTModel's output layer, then ``vocab_parallel_logprobs``) rather than
+``fused_linear_logprobs`` on the final hidden states: megatron-core's GPTModel has no public hook that
+returns the post-norm hidden states without also running the output layer, and the logits path keeps
+the TE / SP / tied-embedding handling of megatron's own output layer. Memory per micro-batch: one
+[b, s, V/TP] logits tensor in the params dtype (the log-prob kernel itself is chunked).
+
+Columns of padding (t + 1 >= length) are 0; prompt columns hold the prompt tokens' log-probs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.batch import RolloutBatch, scatter_rows
+from megatron_rl.actor.cp import cp_gather
+from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.actor.schedule import MicroBatch, actor_device, prepare_micro_batches, run_schedule
+from megatron_rl.logprobs import vocab_parallel_logprobs
+
+__all__ = ["compute_log_probs", "check_token_ids", "broadcast_from_last_stage_tensors"]
+
+
+def check_token_ids(batch: RolloutBatch, vocab_size: int) -> None:
+    """Raise ValueError naming the row/column of the first token id outside [0, vocab_size)."""
+    bad = (batch.tokens < 0) | (batch.tokens >= vocab_size)
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"RolloutBatch.tokens[{b}, {t}] = {int(batch.tokens[b, t])} is outside the model "
+                         f"vocabulary [0, {vocab_size})")
+
+
+def _logprob_loss_func(mb: MicroBatch, tp_group, temperature: float, compute_entropy: bool,
+                       logits: torch.Tensor):
+    logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
+                                        compute_entropy=compute_entropy)
+    out = {"log_probs": logp.detach()}
+    if compute_entropy:
+        out["entropy"] = ent.detach()
+    return logits.new_zeros(()), out
+
+
+def _forward_step(tp_group, temperature, compute_entropy, mb: MicroBatch, model):
+    output = model(mb.tokens, mb.position_ids, attention_mask=None)
+    return output, functools.partial(_logprob_loss_func, mb, tp_group, temperature, compute_entropy)
+
+
+def broadcast_from_last_stage_tensors(tensors: Sequence[torch.Tensor], groups: ActorGroups) -> None:
+    """In place: every rank of ``groups.pp_group`` receives the last stage's ``tensors`` (same shapes
+    and dtypes must already be allocated on every stage)."""
+    if groups.pp_size == 1:
+        return
+    src = dist.get_process_group_ranks(groups.pp_group)[-1]
+    for t in tensors:
+        dist.broadcast(t, src=src, group=groups.pp_group)
+
+
+def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *, micro_batch_size: int,
+                      temperature: float, groups: ActorGroups, compute_entropy: bool = True,
+                      trim: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropy) of every token of ``batch`` (this rank's DP shard) under
+    softmax(logits / temperature).
+
+    Returns fp32 ``(log_probs [B, L-1], entropy [B, L-1] or None)`` on every rank of the PP group
+    (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``trim=False`` pads every micro-batch to
+    the batch length (needed with interleaved VPP, whose schedule in megatron-core 0.16 cannot take
+    micro-batches of different lengths). Collective over the model-parallel group.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    mbs = prepare_micro_batches(batch, micro_batch_size, groups, trim=trim)
+    for chunk in model_chunks:
+        chunk.eval()
+    step = functools.partial(_forward_step, groups.tp_group, float(temperature), compute_entropy)
+    with torch.no_grad():
+        results = run_schedule(model_chunks, mbs, step, forward_only=True)
+    B, W = batch.num_rows, batch.max_length - 1
+    keys = ["log_probs"] + (["entropy"] if compute_entropy else [])
+    if groups.is_last_stage:
+        if len(results) != len(mbs):
+            raise RuntimeError(f"log-prob pass: {len(results)} results for {len(mbs)} micro-batches")
+        out = {}
+        for k in keys:
+            pieces = []
+            for mb, res in zip(mbs, results):
+                full = cp_gather(res[k], groups.cp_group, groups.cp_size)
+                pieces.append((mb.rows, full[:, : mb.full_length - 1]))
+            out[k] = scatter_rows(pieces, B, W, device=actor_device())
+        valid = torch.arange(1, W + 1, device=actor_device()).unsqueeze(0) < batch.lengths.to(actor_device()).unsqueeze(1)
+        for k in keys:
+            out[k] = out[k] * valid
+    else:
+        out = {k: torch.empty(B, W, dtype=torch.float32, device=actor_device()) for k in keys}
+    broadcast_from_last_stage_tensors([out[k] for k in keys], groups)
+    return out["log_probs"], out.get("entropy")

@@ -1,0 +1,56 @@
+"""Megatron DDP wrapping and the Megatron optimizer for the actor's model chunks.
+
+    ddp_chunks = wrap_ddp(chunks)                       # megatron DistributedDataParallel per chunk
+    optimizer = build_optimizer(ddp_chunks, actor_cfg)  # get_megatron_optimizer(OptimizerConfig(...))
+
+Choices (design.md section 3): fp32 params and no distributed optimizer on CPU (both fail there on
+``torch.cuda.*Tensor`` type checks); on GPU the same path runs with fp32 params too (bf16 params +
+the distributed optimizer are a later option). ``grad_reduce_in_fp32``, no overlap (the RL step is
+small and overlap needs CUDA streams). Adam is megatron's choice of implementation (torch AdamW when
+neither TE nor apex is installed); weight decay is decoupled and — megatron's default — not applied
+to biases and norm weights. The learning rate is constant (no scheduler): ``ActorConfig.lr``.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+__all__ = ["wrap_ddp", "build_optimizer", "optimizer_config"]
+
+
+def wrap_ddp(chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
+    """Wrap each model chunk in megatron's ``DistributedDataParallel`` and register
+    ``finalize_model_grads`` (DP all-reduce, tied embeddings, SP norms) on the model config."""
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+
+    tcfg = chunks[0].config
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False, check_for_nan_in_grad=True)
+    wrapped = [DistributedDataParallel(tcfg, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def optimizer_config(actor_cfg, params_dtype: torch.dtype = torch.float32):
+    """megatron ``OptimizerConfig`` from ``ActorConfig`` (lr, weight_decay, adam betas, clip_grad)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=float(actor_cfg.lr), min_lr=float(actor_cfg.lr),
+                           weight_decay=float(actor_cfg.weight_decay), adam_beta1=float(actor_cfg.adam_beta1),
+                           adam_beta2=float(actor_cfg.adam_beta2), adam_eps=1e-8,
+                           clip_grad=float(actor_cfg.clip_grad), bf16=params_dtype == torch.bfloat16,
+                           fp16=False, params_dtype=params_dtype, use_distributed_optimizer=False)
+
+
+def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dtype: torch.dtype = torch.float32):
+    """``get_megatron_optimizer`` over the DDP-wrapped chunks (separate dense / expert param groups,
+    chained by megatron). The model config's ``grad_scale_func`` is set to the optimizer's loss scaling
+    (identity for fp32)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
+                                 use_gloo_process_groups=torch.cuda.is_available())
+    ddp_chunks[0].config.grad_scale_func = opt.scale_loss
+    return opt

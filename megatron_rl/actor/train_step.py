@@ -1,0 +1,125 @@
+"""One optimizer step of the policy loss through megatron's 1F1B schedule, Megatron DDP and optimizer.
+
+``train_mini_batch`` (one optimizer step on this rank's rows of a mini-batch):
+  1. global loss denominators over the DP group (``megatron_rl.losses.global_denominators`` on the
+     whole rows, before any CP split; identical on every rank);
+  2. micro-batches of variable length; on the last stage: vocab-parallel log-probs + entropy of
+     softmax(logits / T) -> ``compute_policy_loss`` (correction weights multiplied in after clipping,
+     post-rejection mask, global denominators);
+  3. scaling for megatron-core 0.16.1 (checked in ``schedules.forward_step_calc_loss`` and
+     ``DistributedDataParallel``): with a 2-tuple ``loss_func`` return the schedule multiplies each
+     micro-batch loss by cp_size / num_microbatches, and DDP scales the reduced gradients by
+     1 / (dp_size * cp_size). The policy loss is already normalised over the global batch, so the
+     loss_func returns ``loss * num_microbatches * dp_size`` (dp_size WITHOUT CP): gradients are then
+     exactly those of the global loss (proved by the TP2xPP2 / DP2 vs TP1 weight-equality tests);
+  4. ``finalize_model_grads`` (DP all-reduce, tied-embedding and SP/TP norm grads) runs inside the
+     schedule; the Megatron optimizer clips the global grad norm and steps (Adam).
+Metrics are (sum, count) pairs reduced exactly over the DP x CP group on the last stage and broadcast
+to every pipeline stage, so every rank returns the same dict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.actor.schedule import MicroBatch, prepare_micro_batches, run_schedule
+from megatron_rl.logprobs import vocab_parallel_logprobs
+from megatron_rl.losses import (PolicyLossConfig, SumCount, compute_policy_loss, global_denominators,
+                                merge_metrics, reduce_metrics)
+from megatron_rl.losses.metrics import sum_count
+
+__all__ = ["train_mini_batch", "PER_TOKEN_INPUTS"]
+
+PER_TOKEN_INPUTS = ("old_log_probs", "advantages", "response_mask", "is_weights", "ref_log_probs")
+"""Per-token [B, L-1] inputs of the loss (is_weights / ref_log_probs may be None)."""
+
+
+def _loss_func(mb: MicroBatch, cfg: PolicyLossConfig, den, temperature: float, tp_group, scale: float,
+               logits: torch.Tensor):
+    logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
+                                        compute_entropy=True)
+    p = mb.per_token
+    out = compute_policy_loss(logp, p["old_log_probs"], p["advantages"], p["response_mask"], cfg,
+                              is_weights=p["is_weights"], ref_log_probs=p["ref_log_probs"], denominators=den,
+                              seq_valid_tokens=mb.seq_valid_tokens)
+    metrics = dict(out.metrics)
+    valid = p["response_mask"] != 0
+    metrics["entropy"] = sum_count(ent, valid)
+    one = torch.ones((), dtype=torch.float64)
+    metrics["pg_loss"] = SumCount(out.pg_loss.detach().to(torch.float64).reshape(()).cpu(), one)
+    metrics = {k: SumCount(v.sum.detach().cpu(), v.count.detach().cpu()) for k, v in metrics.items()}
+    return out.loss * scale, {"metrics": metrics}
+
+
+def _forward_step(loss_func, mb: MicroBatch, model):
+    output = model(mb.tokens, mb.position_ids, attention_mask=None)
+    return output, functools.partial(loss_func, mb)
+
+
+def _broadcast_object(obj, groups: ActorGroups):
+    if groups.pp_size == 1:
+        return obj
+    box = [obj]
+    src = dist.get_process_group_ranks(groups.pp_group)[-1]
+    dist.broadcast_object_list(box, src=src, group=groups.pp_group)
+    return box[0]
+
+
+def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
+                     per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, *,
+                     temperature: float, micro_batch_size: int, groups: ActorGroups,
+                     trim: bool = True) -> Dict[str, float]:
+    """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
+
+    ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
+    t+1) or None (is_weights, ref_log_probs). Returns floats: pg_loss (the global batch's aggregated
+    policy loss), pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss (with a KL loss; token means
+    of the KL estimate) — token means over the global batch's valid tokens —, num_tokens (valid tokens
+    of the global batch), grad_norm (before clipping), update_successful. Collective over every rank.
+    """
+    missing = [k for k in ("old_log_probs", "advantages", "response_mask") if per_token.get(k) is None]
+    if missing:
+        raise ValueError(f"train_mini_batch: missing per-token input(s) {missing}")
+    unknown = sorted(set(per_token) - set(PER_TOKEN_INPUTS))
+    if unknown:
+        raise ValueError(f"train_mini_batch: unknown per-token input(s) {unknown}; valid: {PER_TOKEN_INPUTS}")
+    inputs = {k: per_token.get(k) for k in PER_TOKEN_INPUTS}
+    if loss_cfg.loss_agg_mode == "seq-mean-token-sum-norm" and loss_cfg.loss_scale_factor is None:
+        # micro-batches are trimmed to different lengths: use the batch's padded length for all of them
+        loss_cfg = dataclasses.replace(loss_cfg, loss_scale_factor=float(batch.max_length - 1))
+    den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
+    mbs = prepare_micro_batches(batch, micro_batch_size, groups, trim=trim, per_token=inputs)
+    scale = float(len(mbs) * groups.dp_size)
+    loss_func = functools.partial(_loss_func, cfg=loss_cfg, den=den, temperature=float(temperature),
+                                  tp_group=groups.tp_group, scale=scale)
+    loss_func = _positional_logits(loss_func)
+    for chunk in model_chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    results = run_schedule(model_chunks, mbs, functools.partial(_forward_step, loss_func), forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    metrics: Optional[Dict[str, float]] = None
+    if groups.is_last_stage:
+        merged = merge_metrics(r["metrics"] for r in results)
+        merged = reduce_metrics(merged, group=groups.dp_cp_group if groups.dp_size * groups.cp_size > 1 else None)
+        metrics = {k: v.mean() for k, v in merged.items() if k != "pg_loss"}
+        metrics["pg_loss"] = float(merged["pg_loss"].sum)
+        metrics["num_tokens"] = float(merged["ppo_kl"].count)
+    metrics = _broadcast_object(metrics, groups)
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["update_successful"] = float(bool(update_successful))
+    return metrics
+
+
+def _positional_logits(fn):
+    """Adapt a partial with keyword config to megatron's ``loss_func(mb)(output)`` calling convention."""
+    def bound(mb, logits):
+        return fn(mb, logits=logits)
+    return bound
