@@ -57,6 +57,7 @@ class FaultServer:
         self.requests = []  # (path, body) per request received
         self.script = []    # per /generate call: a callable(body) -> (status, body_bytes, delay_s); last repeats
         self.version = "v0"
+        self.update_script = []  # per /update_weights_from_disk call: (status, reply); afterwards success
         srv = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -86,6 +87,10 @@ class FaultServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
                 srv.requests.append((self.path, body))
                 if self.path == "/update_weights_from_disk":
+                    k = sum(1 for p, _ in srv.requests if p == "/update_weights_from_disk") - 1
+                    if k < len(srv.update_script):
+                        status, reply = srv.update_script[k]
+                        return self._send(status, json.dumps(reply).encode())
                     srv.version = body["weight_version"]
                     return self._send(200, json.dumps({"success": True, "message": "ok"}).encode())
                 k = sum(1 for p, _ in srv.requests if p == "/generate") - 1
@@ -360,3 +365,35 @@ def test_bad_prompts_rejected_before_any_request(fault):
     with pytest.raises(ValueError, match="must start with http"):
         SGLangEngine("127.0.0.1:30000")
     assert fault.generate_calls() == []
+
+
+BUSY = {"success": False, "num_paused_requests": 0,
+        "message": "Weights were updated, but the cache was not flushed because requests are still running or "
+                   "queued. Retract or finish them, then call /flush_cache."}
+
+
+def test_update_weights_retries_while_server_cannot_flush_its_cache(fault, tmp_path):
+    """SGLang 0.5.23 answers 400 'cache was not flushed' when a just-finished request is still in its scheduler
+    (seen with the real server right after a stop-token finish); the engine must retry until it succeeds."""
+    (tmp_path / "config.json").write_text("{}")
+    fault.update_script = [(400, BUSY), (400, BUSY)]
+    eng = SGLangEngine(fault.url, retry=FAST_RETRY)
+    eng.update_weights(str(tmp_path), "v5")
+    assert len([p for p, _ in fault.requests if p == "/update_weights_from_disk"]) == 3
+    assert eng.weight_version == "v5"
+
+
+def test_update_weights_gives_up_on_a_real_failure_or_after_the_deadline(fault, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    fault.update_script = [(400, {"success": False, "message": "Failed to get weights iterator: bad file"})]
+    eng = SGLangEngine(fault.url, retry=FAST_RETRY)
+    with pytest.raises(WeightSyncError, match="did not load .* after 1 attempt.*bad file"):
+        eng.update_weights(str(tmp_path), "v5")
+    assert eng.weight_version is None
+    fault.requests.clear()
+    fault.update_script = [(400, BUSY)] * 100
+    eng = SGLangEngine(fault.url, retry=FAST_RETRY, weight_sync_timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="still busy"):
+        eng.update_weights(str(tmp_path), "v6")
+    assert time.monotonic() - t0 < 3

@@ -237,8 +237,9 @@ class SGLangEngine(RolloutEngine):
         return s
 
     def _request(self, method: str, url: str, payload: Any = None, timeout: float | None = None,
-                 retry: RetryPolicy | None = None) -> Any:
-        """One HTTP call with retries; returns the decoded JSON (or text if not JSON on an empty body)."""
+                 retry: RetryPolicy | None = None, json_4xx: bool = False) -> Any:
+        """One HTTP call with retries on connection errors, timeouts and 5xx; returns the decoded JSON.
+        A 4xx reply raises ``RolloutError`` unless ``json_4xx`` (then its JSON body is returned)."""
         retry = retry or self.retry
         timeout = (self.connect_timeout, timeout or self.request_timeout)
         last = "no attempt made"
@@ -252,7 +253,8 @@ class SGLangEngine(RolloutEngine):
             except (requests.ConnectionError, requests.Timeout, _Retryable) as e:
                 last = f"{type(e).__name__}: {e}"
                 continue
-            if resp.status_code >= 400:
+            if resp.status_code >= 400 and not (json_4xx and resp.headers.get("content-type", "").startswith(
+                    "application/json")):
                 raise RolloutError(f"{method} {url} returned HTTP {resp.status_code}: {resp.text[:500]!r}")
             try:
                 return resp.json()
@@ -311,18 +313,34 @@ class SGLangEngine(RolloutEngine):
         if self.check_local_paths and not os.path.isfile(os.path.join(path, "config.json")):
             raise WeightSyncError(f"update_weights: {path} is not an HF checkpoint directory (no config.json)")
         for url in self.urls:
-            reply = self._request("POST", url + "/update_weights_from_disk",
-                                  {"model_path": path, "weight_version": version},
-                                  timeout=self.weight_sync_timeout)
-            if not isinstance(reply, dict) or reply.get("success") is not True:
-                raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version "
-                                      f"{version!r}: {_short(reply, 400)}")
+            self._update_one(url, path, version)
             info = self._request("GET", url + "/get_model_info")
             got = str(info.get("weight_version")) if isinstance(info, dict) else None
             if got != version:
                 raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports weight_version="
                                       f"{got!r}, expected {version!r}")
         self._weight_version = version
+
+    def _update_one(self, url: str, path: str, version: str) -> None:
+        """``/update_weights_from_disk`` on one server. SGLang refuses to flush its prefix cache while a request
+        is still finishing (it then loads the weights but reports failure and keeps the old version tag, and
+        cached KV from the old weights could be reused); that case is retried with backoff until the server
+        is idle, up to ``weight_sync_timeout``."""
+        deadline = time.monotonic() + self.weight_sync_timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            reply = self._request("POST", url + "/update_weights_from_disk",
+                                  {"model_path": path, "weight_version": version},
+                                  timeout=self.weight_sync_timeout, json_4xx=True)
+            if isinstance(reply, dict) and reply.get("success") is True:
+                return
+            busy = isinstance(reply, dict) and "not flushed" in str(reply.get("message", ""))
+            if not busy or time.monotonic() >= deadline:
+                why = "server still busy (cache not flushed) " if busy else ""
+                raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version {version!r} "
+                                      f"{why}after {attempt} attempt(s): {_short(reply, 400)}")
+            time.sleep(min(2.0, 0.05 * 2 ** attempt))
 
     def health(self, generate: bool = False) -> dict[str, bool]:
         """``{url: healthy}`` via ``GET /health`` (or ``/health_generate``, which runs a tiny generation)."""
