@@ -17,6 +17,8 @@ from typing import List, Optional
 # subcommand name -> module implementing add_parser(subparsers)
 _SUBCOMMANDS = {
     "convert": "megatron_rl.cli.convert",
+    "check": "megatron_rl.cli.check",
+    "report": "megatron_rl.cli.report",
 }
 
 

@@ -1,0 +1,318 @@
+"""Run report: PNG plots and a Markdown health summary from ``RUN_DIR/metrics.jsonl``.
+
+    megatron-rl report runs/qwen2.5_7b            # writes runs/qwen2.5_7b/report/{report.md,*.png}
+    python -c "from megatron_rl.ops.report import write_report; write_report('runs/x')"
+
+Input: one JSON object per line, ``{"step": int, "time": float, "<metric>": number, ...}`` with flat
+metric keys (``reward/mean``, ``rollout_corr/k3_kl``, ``perf/tokens_per_s`` ...). Any key may be
+missing; a plot is drawn when at least one of its keys exists. A step logged twice (a resumed run)
+keeps its last record. Non-numeric values are ignored; NaN / inf are kept and flagged.
+
+Plots (matplotlib, Agg backend): ``reward_length.png`` (reward and response length),
+``mismatch_kl.png`` (rollout_corr kl, k3_kl, chi2_token, chi2_seq), ``is_ratio.png`` (IS weight mean
+and token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
+masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
+(policy loss, grad norm, entropy).
+
+Health thresholds (each check uses the mean over the LAST QUARTER of the run, at least one step, unless
+said otherwise; thresholds are module constants and are printed in report.md):
+
+==========================  ==================================================================  ========
+check                       rule                                                                severity
+==========================  ==================================================================  ========
+non-finite metrics          any NaN / inf in any metric at any step                             FAIL
+ESS                         rollout_corr/rollout_is_eff_sample_size < ESS_MIN (0.5)             FAIL
+veto fraction               rollout_corr/rollout_is_veto_fraction > VETO_MAX (0.05)             FAIL
+mean IS weight              abs(rollout_corr/rollout_is_mean - 1) > IS_MEAN_DEV_MAX (0.2)       FAIL
+RS masked fraction          rollout_corr/rollout_rs_masked_fraction > RS_MASKED_MAX (0.5)       WARN
+IS ratio tail               rollout_corr/rollout_is_p99 > IS_P99_MAX (10)                       WARN
+k3 KL rising                last-quarter mean of rollout_corr/k3_kl > K3_RISE_FACTOR (2) x the  WARN
+                            first-quarter mean and > K3_FLOOR (1e-4); needs >= MIN_STEPS (8)
+reward flat                 max - min of the reward/mean curve smoothed by a moving average     WARN
+                            over max(1, n/10) steps < REWARD_FLAT_RANGE (0.01); >= MIN_STEPS
+==========================  ==================================================================  ========
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ESS_MIN = 0.5
+VETO_MAX = 0.05
+IS_MEAN_DEV_MAX = 0.2
+RS_MASKED_MAX = 0.5
+IS_P99_MAX = 10.0
+K3_RISE_FACTOR = 2.0
+K3_FLOOR = 1e-4
+REWARD_FLAT_RANGE = 0.01
+MIN_STEPS = 8
+
+P = "rollout_corr/"
+# file name, title, panels (each panel: the keys drawn together on one axis)
+PLOTS: List[Tuple[str, str, List[List[str]]]] = [
+    ("reward_length.png", "Reward and response length", [["reward/mean"], ["response_length/mean"]]),
+    ("mismatch_kl.png", "Rollout / training mismatch",
+     [[P + "kl", P + "k3_kl"], [P + "chi2_token", P + "chi2_seq"]]),
+    ("is_ratio.png", "IS weights: mean and token-ratio quantiles",
+     [[P + "rollout_is_mean", P + "rollout_is_p50", P + "rollout_is_p90", P + "rollout_is_p99"]]),
+    ("ess.png", "Effective sample size of the IS weights (normalised)", [[P + "rollout_is_eff_sample_size"]]),
+    ("masked_fractions.png", "Rejected fractions",
+     [[P + "rollout_rs_masked_fraction", P + "rollout_is_veto_fraction"]]),
+    ("throughput.png", "Throughput and step time",
+     [["perf/tokens_per_s"], ["timing/rollout_s", "timing/logprob_s", "timing/train_s"]]),
+    ("actor.png", "Actor", [["actor/pg_loss"], ["actor/grad_norm"], ["actor/entropy"]]),
+]
+
+
+class MetricsError(ValueError):
+    """metrics.jsonl is missing or malformed (the message names the file and line)."""
+
+
+@dataclass
+class Finding:
+    """One health-check result."""
+
+    severity: str
+    """"FAIL" (the run is unhealthy) or "WARN" (look at it)."""
+    check: str
+    """Short name of the check."""
+    message: str
+    """What was measured against which threshold."""
+
+
+# ----------------------------------------------------------------------------- reading
+def read_metrics(path: str) -> List[dict]:
+    """Records of a metrics.jsonl sorted by step (last record wins for a repeated step)."""
+    if not os.path.isfile(path):
+        raise MetricsError(f"{path} does not exist (is this a run directory?)")
+    by_step: Dict[int, dict] = {}
+    with open(path) as fh:
+        for no, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise MetricsError(f"{path}:{no}: not valid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise MetricsError(f"{path}:{no}: expected a JSON object, got {type(rec).__name__}")
+            step = rec.get("step")
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or int(step) != step:
+                raise MetricsError(f"{path}:{no}: missing or non-integer 'step' ({step!r})")
+            by_step[int(step)] = rec
+    if not by_step:
+        raise MetricsError(f"{path}: no records")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def series(records: Sequence[dict], key: str) -> Tuple[List[int], List[float]]:
+    """(steps, values) of ``key`` over the records that have a numeric value for it."""
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        xs.append(int(r["step"]))
+        ys.append(float(v))
+    return xs, ys
+
+
+def _finite(ys: Sequence[float]) -> List[float]:
+    return [y for y in ys if math.isfinite(y)]
+
+
+def _mean(ys: Sequence[float]) -> float:
+    ys = _finite(ys)
+    return sum(ys) / len(ys) if ys else float("nan")
+
+
+def _quarter(ys: Sequence[float], last: bool) -> List[float]:
+    k = max(1, len(ys) // 4)
+    return list(ys[-k:] if last else ys[:k])
+
+
+def _smooth(ys: Sequence[float], w: int) -> List[float]:
+    out = []
+    for i in range(len(ys)):
+        win = ys[max(0, i - w + 1): i + 1]
+        out.append(_mean(win))
+    return out
+
+
+# ----------------------------------------------------------------------------- health
+def health_checks(records: Sequence[dict]) -> List[Finding]:
+    """Findings for the thresholds in the module docstring (empty list = healthy)."""
+    out: List[Finding] = []
+    keys = sorted({k for r in records for k in r if k not in ("step", "time")})
+    bad = []
+    for k in keys:
+        xs, ys = series(records, k)
+        for x, y in zip(xs, ys):
+            if not math.isfinite(y):
+                bad.append(f"{k} at step {x}")
+                break
+    if bad:
+        out.append(Finding("FAIL", "non-finite metrics", "NaN/inf in " + ", ".join(bad[:8])
+                           + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")))
+
+    def last_mean(key):
+        _, ys = series(records, key)
+        return (_mean(_quarter(ys, True)), len(ys)) if ys else (None, 0)
+
+    ess, _ = last_mean(P + "rollout_is_eff_sample_size")
+    if ess is not None and ess < ESS_MIN:
+        out.append(Finding("FAIL", "ESS", f"rollout_is_eff_sample_size = {ess:.3f} < {ESS_MIN} (last-quarter mean): "
+                           "a few sequences/tokens carry most of the IS weight"))
+    veto, _ = last_mean(P + "rollout_is_veto_fraction")
+    if veto is not None and veto > VETO_MAX:
+        out.append(Finding("FAIL", "veto fraction", f"rollout_is_veto_fraction = {veto:.3f} > {VETO_MAX} "
+                           "(last-quarter mean): many sequences contain a catastrophic token"))
+    ism, _ = last_mean(P + "rollout_is_mean")
+    if ism is not None and abs(ism - 1.0) > IS_MEAN_DEV_MAX:
+        out.append(Finding("FAIL", "mean IS weight", f"|rollout_is_mean - 1| = {abs(ism - 1):.3f} > "
+                           f"{IS_MEAN_DEV_MAX} (mean {ism:.3f}, last quarter): rollout and trainer disagree "
+                           "systematically (temperature, dtype, weight sync?)"))
+    rs, _ = last_mean(P + "rollout_rs_masked_fraction")
+    if rs is not None and rs > RS_MASKED_MAX:
+        out.append(Finding("WARN", "RS masked fraction", f"rollout_rs_masked_fraction = {rs:.3f} > {RS_MASKED_MAX} "
+                           "(last quarter): most tokens are rejected"))
+    p99, _ = last_mean(P + "rollout_is_p99")
+    if p99 is not None and p99 > IS_P99_MAX:
+        out.append(Finding("WARN", "IS ratio tail", f"rollout_is_p99 = {p99:.2f} > {IS_P99_MAX} (last quarter)"))
+    _, k3 = series(records, P + "k3_kl")
+    k3 = _finite(k3)
+    if len(k3) >= MIN_STEPS:
+        first, last = _mean(_quarter(k3, False)), _mean(_quarter(k3, True))
+        if last > K3_FLOOR and last > K3_RISE_FACTOR * max(first, 0.0):
+            out.append(Finding("WARN", "k3 KL rising", f"rollout_corr/k3_kl last-quarter mean {last:.3g} > "
+                               f"{K3_RISE_FACTOR} x first-quarter mean {first:.3g}: the mismatch is growing"))
+    _, rw = series(records, "reward/mean")
+    rw = _finite(rw)
+    if len(rw) >= MIN_STEPS:
+        sm = _smooth(rw, max(1, len(rw) // 10))
+        rng = max(sm) - min(sm)
+        if rng < REWARD_FLAT_RANGE:
+            out.append(Finding("WARN", "reward flat", f"smoothed reward/mean range {rng:.4f} < {REWARD_FLAT_RANGE} "
+                               f"over {len(rw)} steps: no learning signal"))
+    return out
+
+
+# ----------------------------------------------------------------------------- plots
+def make_plots(records: Sequence[dict], out_dir: str) -> List[str]:
+    """Write the PNGs whose keys exist; return their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for fname, title, panel_keys in PLOTS:
+        panels = []
+        for keys in panel_keys:
+            present = [(k, *series(records, k)) for k in keys]
+            present = [(k, xs, ys) for k, xs, ys in present if xs]
+            if present:
+                panels.append(present)
+        if not panels:
+            continue
+        fig, axes = plt.subplots(len(panels), 1, figsize=(8, 1.2 + 2.8 * len(panels)), sharex=True,
+                                 squeeze=False)
+        for ax, present in zip(axes[:, 0], panels):
+            for k, xs, ys in present:
+                ax.plot(xs, ys, label=k.replace(P, ""), marker="." if len(xs) < 60 else None, lw=1.2)
+            ax.grid(alpha=0.3)
+            keys = [k for k, _, _ in present]
+            if len(present) == 1 and not fname.startswith(("ess", "is_ratio", "masked")):
+                ax.set_ylabel(keys[0].replace(P, ""), fontsize=8)
+            if P + "rollout_is_mean" in keys:
+                ax.axhline(1.0, color="k", lw=0.8, ls=":")
+                ax.axhspan(1 - IS_MEAN_DEV_MAX, 1 + IS_MEAN_DEV_MAX, color="g", alpha=0.08,
+                           label=f"healthy mean: 1 +- {IS_MEAN_DEV_MAX}")
+            if P + "rollout_is_eff_sample_size" in keys:
+                ax.axhline(ESS_MIN, color="r", lw=1, ls="--", label=f"ESS_MIN = {ESS_MIN}")
+                ax.set_ylim(0, 1.05)
+            if P + "rollout_is_veto_fraction" in keys:
+                ax.axhline(VETO_MAX, color="r", lw=1, ls="--", label=f"VETO_MAX = {VETO_MAX}")
+            if P + "k3_kl" in keys or P + "chi2_token" in keys:
+                vals = [y for _, _, ys in present for y in ys if math.isfinite(y)]
+                if vals and min(vals) > 0 and max(vals) / min(vals) > 100:
+                    ax.set_yscale("log")
+            if len(present) > 1 or ax.get_legend_handles_labels()[0][1:]:
+                ax.legend(fontsize=8)
+            elif fname.startswith(("ess", "is_ratio", "masked")):
+                ax.legend(fontsize=8)
+        axes[-1, 0].set_xlabel("step")
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, fname), dpi=110)
+        plt.close(fig)
+        written.append(fname)
+    return written
+
+
+# ----------------------------------------------------------------------------- summary
+SUMMARY_KEYS = ["reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+                P + "kl", P + "k3_kl", P + "chi2_token", P + "chi2_seq", P + "rollout_is_mean",
+                P + "rollout_is_p99", P + "rollout_is_eff_sample_size", P + "rollout_rs_masked_fraction",
+                P + "rollout_is_veto_fraction", "perf/tokens_per_s"]
+
+
+def _fmt(v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots: Sequence[str],
+                     run_dir: str) -> str:
+    """The report.md text."""
+    steps = [int(r["step"]) for r in records]
+    status = "UNHEALTHY" if any(f.severity == "FAIL" for f in findings) else (
+        "CHECK WARNINGS" if findings else "HEALTHY")
+    lines = [f"# Run report: {run_dir}", "",
+             f"**Status: {status}** - {len(records)} steps ({steps[0]}..{steps[-1]}).", ""]
+    t0, t1 = series(records, "time")[1][:1], series(records, "time")[1][-1:]
+    if t0 and t1 and t1[0] > t0[0]:
+        lines[-2] += f" Wall time {t1[0] - t0[0]:.0f} s."
+    lines += ["## Findings", ""]
+    if findings:
+        lines += [f"- **{f.severity}** {f.check}: {f.message}" for f in findings]
+    else:
+        lines.append("- none: every check below passed (or its metric is absent).")
+    lines += ["", "## Metrics (first step / last step / last-quarter mean)", "",
+              "| metric | first | last | last-quarter mean |", "|---|---|---|---|"]
+    for k in SUMMARY_KEYS:
+        _, ys = series(records, k)
+        if ys:
+            lines.append(f"| `{k}` | {_fmt(ys[0])} | {_fmt(ys[-1])} | {_fmt(_mean(_quarter(ys, True)))} |")
+    lines += ["", "## Thresholds", "",
+              f"- FAIL: any NaN/inf metric; ESS < {ESS_MIN}; veto fraction > {VETO_MAX}; "
+              f"|mean IS weight - 1| > {IS_MEAN_DEV_MAX} (last-quarter means).",
+              f"- WARN: RS masked fraction > {RS_MASKED_MAX}; IS ratio p99 > {IS_P99_MAX}; k3 KL last-quarter mean > "
+              f"{K3_RISE_FACTOR} x first-quarter mean and > {K3_FLOOR}; smoothed reward range < {REWARD_FLAT_RANGE} "
+              f"(trend checks need >= {MIN_STEPS} steps).", ""]
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{p}]({p})" for p in plots]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str, out_dir: Optional[str] = None) -> Tuple[str, List[Finding], List[str]]:
+    """Read ``run_dir/metrics.jsonl``, write the PNGs and report.md to ``out_dir`` (default
+    ``run_dir/report``). Returns (report.md path, findings, plot file names)."""
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    out_dir = out_dir or os.path.join(run_dir, "report")
+    os.makedirs(out_dir, exist_ok=True)
+    findings = health_checks(records)
+    plots = make_plots(records, out_dir)
+    md = os.path.join(out_dir, "report.md")
+    with open(md, "w") as fh:
+        fh.write(summary_markdown(records, findings, plots, run_dir))
+    return md, findings, plots
