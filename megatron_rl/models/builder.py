@@ -19,6 +19,8 @@ Design decisions:
   * No linear biases (``add_bias_linear=False``, required by MoE experts); QKV bias via add_qkv_bias.
   * Dropout 0 (RL log-prob recompute must be deterministic); no fusions that need CUDA kernels on CPU.
   * ``sequence_parallel`` is forced off at TP=1 (megatron refuses SP without TP).
+  * With VPP (interleaved schedule) shapes are fixed (``variable_seq_lengths=False``): every micro-batch
+    must be padded to the ``seq_length`` given to the schedule (see the comment in the code).
 """
 from __future__ import annotations
 
@@ -96,6 +98,13 @@ def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
     )
     if model.moe_token_dispatcher_type == "allgather":
+        kw["variable_seq_lengths"] = False
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1:
+        # megatron-core 0.16's interleaved schedule is not symmetric in its shape handshake: with
+        # variable_seq_lengths=True ranks wait for shapes their peer never sends (observed on gloo: hang
+        # at PP4xVPP2). With fixed shapes PP4xVPP2 matches PP1 exactly; pad to the schedule's seq_length.
+        # (PP2xVPP2 is rejected by validate_parallel_config.)
         kw["variable_seq_lengths"] = False
     if model.is_moe:
         pattern = model.moe_layer_pattern()

@@ -117,9 +117,11 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, model: Any = 
         v.append(f"world_size={world_size} is not divisible by expert_tensor_parallel_size x "
                  f"expert_model_parallel_size x pipeline_model_parallel_size = {etp}x{ep}x{pp} = "
                  f"{etp * ep * pp} (megatron's expert layout: world = ETP x EP x PP x expert-DP)")
-    if vpp is not None and vpp > 1 and pp < 2:
-        v.append(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
-                 f"(got {pp})")
+    if vpp is not None and vpp > 1 and pp < 3:
+        # PP=2: prev and next stage are the same peer; megatron-core 0.16's interleaved schedule then
+        # pairs activations with grads in the wrong order (observed on gloo: wrong grads, hangs).
+        v.append(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 2 "
+                 f"(got {pp}; interleaving with 2 stages mis-pairs p2p messages in megatron-core 0.16)")
     if cfg.sequence_parallel and tp < 2:
         v.append(f"sequence_parallel=True needs tensor_model_parallel_size > 1 (got {tp})")
 
