@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Start one SGLang server (python -m sglang.launch_server) for a model; the process replaces this shell
+# (exec), so the caller's pid IS the server's pid and can be stopped by it.
+#
+# Usage:
+#   launch/sglang_server.sh --model DIR [options] [-- extra sglang.launch_server flags]
+#
+# GPU (tensor parallel over 8 GPUs of this node, reachable from the trainers):
+#   launch/sglang_server.sh --model /ckpt/Qwen2.5-7B --host 0.0.0.0 --port 30000 --tp 8
+# CPU, for development (tiny models; see /work/shared/design.md section 3):
+#   launch/sglang_server.sh --model /tmp/tiny_qwen2 --device cpu --port 30000
+#
+# Options (environment variable in brackets):
+#   --model DIR            HF checkpoint directory (config.json, weights, tokenizer)      [SGLANG_MODEL]
+#   --host H               bind address (default 127.0.0.1; 0.0.0.0 to serve other nodes) [SGLANG_HOST]
+#   --port P               HTTP port (default 30000)                                     [SGLANG_PORT]
+#   --device cuda|cpu      default cuda                                                  [SGLANG_DEVICE]
+#   --tp N                 tensor-parallel GPUs of this server (cuda only, default 1)    [SGLANG_TP]
+#   --mem-fraction F       --mem-fraction-static: weights + KV cache share of GPU memory
+#                          (default 0.85 on cuda -- use ~0.4 when colocated with training -- 0.05 on cpu)
+#                                                                                        [SGLANG_MEM_FRACTION]
+#   --dtype D              default bfloat16                                              [SGLANG_DTYPE]
+#   --log FILE             append the server's stdout+stderr to FILE                     [SGLANG_LOG]
+#   -h, --help             this help
+# Environment:
+#   MEGATRON_RL_SGLANG_PYTHON  interpreter that has sglang installed (default python3)
+#   DRY_RUN=1                  print the environment and command instead of running them
+#
+# CPU mode sets SGLANG_USE_CPU_ENGINE=1 (mandatory: without it the build imports vllm and the engine
+# hangs), passes --device cpu --skip-server-warmup, and prepends megatron_rl/platform/sglang_cpu (import
+# stand-ins for sgl_kernel and a text-only torchvision) to this server's PYTHONPATH only.
+# Readiness: poll GET http://HOST:PORT/health until it answers 200 (launch/slurm.sbatch does this).
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+die() { echo "launch/sglang_server.sh: error: $*" >&2; exit 2; }
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(dirname "$HERE")
+
+MODEL=${SGLANG_MODEL:-}
+HOST=${SGLANG_HOST:-127.0.0.1}
+PORT=${SGLANG_PORT:-30000}
+DEVICE=${SGLANG_DEVICE:-cuda}
+TP=${SGLANG_TP:-1}
+MEM_FRACTION=${SGLANG_MEM_FRACTION:-}
+DTYPE=${SGLANG_DTYPE:-bfloat16}
+LOG=${SGLANG_LOG:-}
+PY=${MEGATRON_RL_SGLANG_PYTHON:-python3}
+EXTRA=()
+
+need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --model) need "$@"; MODEL=$2; shift 2 ;;
+    --host) need "$@"; HOST=$2; shift 2 ;;
+    --port) need "$@"; PORT=$2; shift 2 ;;
+    --device) need "$@"; DEVICE=$2; shift 2 ;;
+    --tp) need "$@"; TP=$2; shift 2 ;;
+    --mem-fraction) need "$@"; MEM_FRACTION=$2; shift 2 ;;
+    --dtype) need "$@"; DTYPE=$2; shift 2 ;;
+    --log) need "$@"; LOG=$2; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) die "unknown option '$1' (extra sglang flags go after --; see --help)" ;;
+  esac
+done
+
+[[ -n "$MODEL" ]] || die "--model DIR is required"
+[[ "${DRY_RUN:-0}" == 1 || -f "$MODEL/config.json" ]] || die "--model '$MODEL' is not an HF model directory (no config.json)"
+[[ "$PORT" =~ ^[0-9]+$ ]] || die "--port must be an integer, got '$PORT'"
+[[ "$TP" =~ ^[0-9]+$ && "$TP" -ge 1 ]] || die "--tp must be an integer >= 1, got '$TP'"
+
+CMD=("$PY" -m sglang.launch_server --model-path "$MODEL" --host "$HOST" --port "$PORT" --dtype "$DTYPE")
+ENV=()
+case "$DEVICE" in
+  cuda)
+    CMD+=(--tp-size "$TP" --mem-fraction-static "${MEM_FRACTION:-0.85}")
+    ;;
+  cpu)
+    [[ "$TP" == 1 ]] || die "--tp $TP: the CPU engine runs tensor parallel size 1 only"
+    CMD+=(--device cpu --skip-server-warmup --mem-fraction-static "${MEM_FRACTION:-0.05}")
+    ENV+=(SGLANG_USE_CPU_ENGINE=1 "PYTHONPATH=$REPO/megatron_rl/platform/sglang_cpu${PYTHONPATH:+:$PYTHONPATH}"
+          "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
+    ;;
+  *) die "--device must be cuda or cpu, got '$DEVICE'" ;;
+esac
+CMD+=("${EXTRA[@]+"${EXTRA[@]}"}")
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  echo "${ENV[*]+${ENV[*]} }$(printf '%q ' "${CMD[@]}" | sed 's/ $//')"
+  exit 0
+fi
+for kv in "${ENV[@]+"${ENV[@]}"}"; do export "${kv?}"; done
+if [[ -n "$LOG" ]]; then
+  mkdir -p "$(dirname "$LOG")"
+  exec "${CMD[@]}" >>"$LOG" 2>&1
+fi
+exec "${CMD[@]}"

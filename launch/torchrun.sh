@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Launch megatron-rl training with torchrun on one node or many (c10d rendezvous), one log file per rank.
+#
+# Usage:
+#   launch/torchrun.sh [options] --config PATH [key.sub=value ...]
+#
+# Single node (8 GPUs):
+#   launch/torchrun.sh --config configs/qwen2.5_7b_1x8.yaml actor.load_hf=/ckpt/Qwen2.5-7B
+# Multi-node, c10d rendezvous (run the same line on every node; node ranks are assigned by the rendezvous):
+#   launch/torchrun.sh --nnodes 2 --rdzv-endpoint node01:29400 --rdzv-id job42 --config configs/qwen3_30b_a3b_2x8.yaml
+# Multi-node, static ranks (give each node its rank):
+#   launch/torchrun.sh --nnodes 2 --node-rank 1 --master-addr node01 --master-port 29500 --config ...
+#
+# Options (each also settable by the environment variable in brackets):
+#   --nproc-per-node N    processes (GPUs) per node                   [NPROC_PER_NODE, default: GPUs visible, else 1]
+#   --nnodes N            number of nodes                             [NNODES, default 1]
+#   --node-rank R         this node's rank: static rendezvous         [NODE_RANK]
+#   --master-addr A       static rendezvous host                      [MASTER_ADDR]
+#   --master-port P       static rendezvous port                      [MASTER_PORT, default 29500]
+#   --rdzv-endpoint H:P   c10d rendezvous endpoint                    [RDZV_ENDPOINT, default MASTER_ADDR:29400]
+#   --rdzv-id ID          c10d rendezvous id (same on every node)     [RDZV_ID, default SLURM_JOB_ID or "megatron-rl"]
+#   --log-dir DIR         per-rank logs: DIR[/<host> when nnodes > 1]/<run id>/attempt_0/<local rank>/{stdout,stderr}.log
+#                                                                     [LOG_DIR, default logs/torchrun]
+#   --max-restarts N      torchrun worker restarts                    [MAX_RESTARTS, default 0]
+#   --config PATH         job YAML (required); everything after it is passed to megatron_rl.train as overrides
+#   -h, --help            this help
+# Environment:
+#   OMP_NUM_THREADS       threads per rank (default 1: more oversubscribes the cores; the data loader is light)
+#   PYTHON                interpreter whose torchrun is used (default: python3 on PATH)
+#   DRY_RUN=1             print the command instead of running it
+#
+# Mode: single node and no rendezvous flags -> `torchrun --standalone`; --node-rank given -> static
+# (--master-addr/--master-port); otherwise -> c10d rendezvous at --rdzv-endpoint.
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+die() { echo "launch/torchrun.sh: error: $*" >&2; exit 2; }
+
+NPROC_PER_NODE=${NPROC_PER_NODE:-}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-}
+MASTER_ADDR=${MASTER_ADDR:-}
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-megatron-rl}}
+LOG_DIR=${LOG_DIR:-logs/torchrun}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+PYTHON=${PYTHON:-python3}
+CONFIG=""
+OVERRIDES=()
+
+need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --nproc-per-node) need "$@"; NPROC_PER_NODE=$2; shift 2 ;;
+    --nnodes) need "$@"; NNODES=$2; shift 2 ;;
+    --node-rank) need "$@"; NODE_RANK=$2; shift 2 ;;
+    --master-addr) need "$@"; MASTER_ADDR=$2; shift 2 ;;
+    --master-port) need "$@"; MASTER_PORT=$2; shift 2 ;;
+    --rdzv-endpoint) need "$@"; RDZV_ENDPOINT=$2; shift 2 ;;
+    --rdzv-id) need "$@"; RDZV_ID=$2; shift 2 ;;
+    --log-dir) need "$@"; LOG_DIR=$2; shift 2 ;;
+    --max-restarts) need "$@"; MAX_RESTARTS=$2; shift 2 ;;
+    --config) need "$@"; CONFIG=$2; shift 2; OVERRIDES=("$@"); break ;;
+    *) die "unknown option '$1' (options come before --config; see --help)" ;;
+  esac
+done
+
+[[ -n "$CONFIG" ]] || die "--config PATH is required (see --help)"
+[[ -f "$CONFIG" ]] || die "config file '$CONFIG' does not exist"
+for ov in "${OVERRIDES[@]+"${OVERRIDES[@]}"}"; do
+  [[ "$ov" == *=* && "$ov" != -* ]] || die "override '$ov' is not key.sub=value"
+done
+is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
+is_int "$NNODES" && (( NNODES >= 1 )) || die "--nnodes must be an integer >= 1, got '$NNODES'"
+if [[ -z "$NPROC_PER_NODE" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  [[ -n "$NPROC_PER_NODE" && "$NPROC_PER_NODE" != 0 ]] || NPROC_PER_NODE=1
+fi
+is_int "$NPROC_PER_NODE" && (( NPROC_PER_NODE >= 1 )) || die "--nproc-per-node must be an integer >= 1"
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if (( NNODES > 1 )); then LOG_DIR="$LOG_DIR/$(hostname -s)"; fi
+
+CMD=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+     --max-restarts "$MAX_RESTARTS" --log-dir "$LOG_DIR" --tee 3)
+if [[ -n "$NODE_RANK" ]]; then
+  is_int "$NODE_RANK" && (( NODE_RANK < NNODES )) || die "--node-rank must be in [0, $NNODES), got '$NODE_RANK'"
+  [[ -n "$MASTER_ADDR" ]] || die "--node-rank needs --master-addr (static rendezvous)"
+  CMD+=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+elif [[ "$NNODES" == 1 && -z "$RDZV_ENDPOINT" ]]; then
+  CMD+=(--standalone)
+else
+  if [[ -z "$RDZV_ENDPOINT" ]]; then
+    [[ -n "$MASTER_ADDR" ]] || die "multi-node needs --rdzv-endpoint HOST:PORT (or --master-addr, or --node-rank for static ranks)"
+    RDZV_ENDPOINT="$MASTER_ADDR:29400"
+  fi
+  CMD+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID")
+fi
+CMD+=(-m megatron_rl.train --config "$CONFIG" "${OVERRIDES[@]+"${OVERRIDES[@]}"}")
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS $(printf '%q ' "${CMD[@]}" | sed 's/ $//')"
+  exit 0
+fi
+mkdir -p "$LOG_DIR"
+exec "${CMD[@]}"
