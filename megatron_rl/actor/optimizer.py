@@ -8,7 +8,9 @@ Choices (design.md section 3): fp32 params and no distributed optimizer on CPU (
 the distributed optimizer are a later option). ``grad_reduce_in_fp32``, no overlap (the RL step is
 small and overlap needs CUDA streams). Adam is megatron's choice of implementation (torch AdamW when
 neither TE nor apex is installed); weight decay is decoupled and — megatron's default — not applied
-to biases and norm weights. The learning rate is constant (no scheduler): ``ActorConfig.lr``.
+to biases and 1-D params (norm weights). The learning rate is constant (no scheduler):
+``ActorConfig.lr``; ``apply_constant_schedule`` writes lr / weight decay into the param groups the
+way megatron's ``OptimizerParamScheduler`` does (megatron leaves that to the scheduler).
 """
 from __future__ import annotations
 
@@ -53,4 +55,15 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
     opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
                                  use_gloo_process_groups=torch.cuda.is_available())
     ddp_chunks[0].config.grad_scale_func = opt.scale_loss
+    apply_constant_schedule(opt, actor_cfg)
     return opt
+
+
+def apply_constant_schedule(opt, actor_cfg) -> None:
+    """Set every param group's ``lr`` / ``weight_decay`` as megatron's ``OptimizerParamScheduler`` would
+    for a constant schedule: ``lr * lr_mult`` and ``weight_decay * wd_mult``. Without this the torch
+    optimizer keeps its constructor defaults and megatron's per-group multipliers (wd_mult = 0 for
+    biases and 1-D params such as norm weights) are silently ignored."""
+    for group in opt.param_groups:
+        group["lr"] = float(actor_cfg.lr) * group.get("lr_mult", 1.0)
+        group["weight_decay"] = float(actor_cfg.weight_decay) * group.get("wd_mult", 1.0)
