@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import torch
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
 
 
 class Workspace:
@@ -50,14 +55,15 @@ def chunk_partials(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, ws: 
     """
     c, w = x.shape
     a, b = ws.get(c, w)
-    m = torch.amax(x, dim=-1).float()  # read in x's dtype; the max of bf16 values is exact
-    torch.sub(x, m.unsqueeze(-1), out=a)  # x upcast to fp32 inside the op: one pass
-    if inv_temp != 1.0:
-        a.mul_(inv_temp)
-    torch.exp(a, out=b)
+    # upcast into the workspace, then reduce in fp32: on CPU, copy_ + fp32 amax + in-place sub is ~2x
+    # faster than bf16 amax + mixed-dtype sub (measured); the max of the upcast values is exact
+    a.copy_(x)
+    m = torch.amax(a, dim=-1)
+    a.sub_(m.unsqueeze(-1)).mul_(inv_temp * LOG2E)  # d / ln 2
+    torch.exp2(a, out=b)  # exp(d); CPU exp2 is ~2x faster than exp (same accuracy where p matters)
     s = b.sum(dim=-1)
     # sum p~ * d in place in the workspace (torch.bmm as a batched dot was ~10x less accurate)
-    spz = b.mul_(a).sum(dim=-1)
+    spz = b.mul_(a).sum(dim=-1).mul_(LN2)
     idx, owned = _local_targets(t_local, w)
     tgt = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()
     tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
@@ -77,11 +83,12 @@ def chunk_grad(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, mx: torc
     """
     c, w = x.shape
     a, b = ws.get(c, w)
-    torch.sub(x, mx.unsqueeze(-1), out=a)
+    a.copy_(x)
+    a.sub_(mx.unsqueeze(-1))
     if inv_temp != 1.0:
         a.mul_(inv_temp)
     a.sub_(log_s.unsqueeze(-1))  # log p
-    torch.exp(a, out=b)  # p
+    torch.exp(a, out=b)  # p  (exp, not exp2: p multiplies the upstream gradient directly)
     if g_ent is not None:
         # coef_j = g_logp + g_ent * (log p_j + H);   grad = -p * coef
         a.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1))
