@@ -94,6 +94,29 @@ def _tail(path: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid`` (Linux ``/proc``; elsewhere: ``[pgid]`` if it exists)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except ProcessLookupError:
+            return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out
+
+
 @dataclass
 class SGLangServerHandle:
     """A running SGLang server started by ``launch_sglang_server``."""
@@ -130,10 +153,20 @@ class SGLangServerHandle:
         except ProcessLookupError:
             pass
 
+    def _wait_group_gone(self, timeout: float) -> list[int]:
+        """Wait until no live process is left in the server's group; return the survivors (empty if none)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = group_members(self.process.pid)
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.05)
+
     def kill(self) -> None:
-        """SIGKILL the server's process group immediately (fault injection in tests)."""
+        """SIGKILL the server's process group immediately (fault injection in tests) and wait for it to go."""
         self._signal_group(signal.SIGKILL)
         self.process.wait(timeout=30)
+        self._wait_group_gone(30)
 
     def terminate(self, timeout: float = 20.0) -> int | None:
         """Stop the server's process group: SIGTERM, wait up to ``timeout`` s, then SIGKILL. Returns the exit code."""
@@ -144,11 +177,13 @@ class SGLangServerHandle:
             except subprocess.TimeoutExpired:
                 pass
         # children (scheduler, detokenizer) may outlive the leader; the group id is still ours
-        self._signal_group(signal.SIGKILL)
+        if group_members(self.process.pid):
+            self._signal_group(signal.SIGKILL)
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        self._wait_group_gone(10)
         return self.process.returncode
 
     def wait_until_ready(self, timeout: float) -> None:

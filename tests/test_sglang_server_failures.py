@@ -1,0 +1,108 @@
+"""Failure paths with a REAL SGLang server process: the server is killed in the middle of a rollout loop, the
+server fails to start (bad checkpoint), the server is not ready before the deadline. Each error must be clear
+(names the URL / exit code / log tail) and arrive in bounded time; the process group must be gone afterwards.
+
+Uses its own server (it gets killed), separate from test_sglang_server.py's module server.
+Skipped (with the reason) only if sglang is not importable by the server interpreter.
+Run: OMP_NUM_THREADS=1 pytest tests/test_sglang_server_failures.py
+"""
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from megatron_rl.rollout.base import EngineUnavailableError, RolloutError, SamplingParams
+from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
+from megatron_rl.rollout.sglang_server import (
+    ServerLaunchError,
+    group_members,
+    launch_sglang_server,
+    sglang_available,
+)
+from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+
+_OK, _REASON = sglang_available()
+pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _group_gone(pgid):
+    """No live process left in the group (checked independently of the handle: /proc, then a signal-0 probe
+    of each survivor)."""
+    for pid in group_members(pgid):
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+    return True
+
+
+def test_server_killed_mid_run_gives_clear_error_in_bounded_time(tmp_path):
+    model = build_tiny_hf_model(tmp_path / "m", arch="qwen2", seed=0)
+    with launch_sglang_server(model, device="cpu", log_path=str(tmp_path / "server.log"),
+                              ready_timeout=600) as server:
+        eng = SGLangEngine(server.url, request_timeout=60,
+                           retry=RetryPolicy(max_attempts=3, backoff_initial=0.2, backoff_max=1.0))
+        sp = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
+        done, failure = [], []
+
+        def rollout_loop():
+            try:
+                while True:
+                    done.append(eng.generate([[5, 6, 7], [8, 9]], sp, n=4))
+            except RolloutError as e:
+                failure.append((time.monotonic(), e))
+
+        t = threading.Thread(target=rollout_loop, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 120
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done, f"no rollout step completed before the kill; log tail:\n{server.log_tail()}"
+        assert len(done[0]) == 8
+        killed_at = time.monotonic()
+        server.kill()
+        t.join(timeout=60)
+        assert not t.is_alive(), "generate() must not hang after the server dies"
+        assert not server.alive() and _group_gone(server.pid)
+
+    when, err = failure[0]
+    assert isinstance(err, EngineUnavailableError)
+    msg = str(err)
+    assert server.url + "/generate" in msg and "3 attempts" in msg and "ConnectionError" in msg
+    assert when - killed_at < 10, f"error took {when - killed_at:.1f} s after the kill"
+
+
+def test_bad_checkpoint_fails_launch_with_exit_code_and_log_tail(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"],
+                                                 "model_type": "no_such_model"}))
+    t0 = time.monotonic()
+    with pytest.raises(ServerLaunchError, match=r"exited with code -?\d+ before becoming ready") as ei:
+        launch_sglang_server(str(bad), device="cpu", log_path=str(tmp_path / "bad.log"), ready_timeout=600)
+    assert "no_such_model" in str(ei.value) or "NoSuchModel" in str(ei.value), "log tail must be included"
+    assert time.monotonic() - t0 < 300
+
+
+def test_readiness_deadline_terminates_the_process_group(tmp_path):
+    model = build_tiny_hf_model(tmp_path / "m", arch="llama", seed=1)
+    handle = launch_sglang_server(model, device="cpu", log_path=str(tmp_path / "s.log"), wait=False)
+    try:
+        with pytest.raises(ServerLaunchError, match=r"not ready after 1 s .*Log .*s\.log tail"):
+            handle.wait_until_ready(timeout=1)
+    finally:
+        t0 = time.monotonic()
+        handle.terminate(timeout=10)
+    assert time.monotonic() - t0 < 30
+    assert not handle.alive() and _group_gone(handle.pid)
+
+
+def test_launch_rejects_bad_arguments_before_starting(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        launch_sglang_server(str(tmp_path), device="cpu")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="device='tpu'"):
+        launch_sglang_server(str(tmp_path), device="tpu")
