@@ -17,6 +17,7 @@ from typing import List, Optional
 # subcommand name -> module implementing add_parser(subparsers)
 _SUBCOMMANDS = {
     "convert": "megatron_rl.cli.convert",
+    "train": "megatron_rl.train",
     "check": "megatron_rl.cli.check",
     "report": "megatron_rl.cli.report",
 }

@@ -1,0 +1,63 @@
+"""Entry point of RL training: ``python -m megatron_rl.train --config X.yaml [key.sub=value ...]``.
+
+Launch with torchrun (or srun, one task per GPU) — every rank runs this module::
+
+    torchrun --nproc-per-node 4 -m megatron_rl.train --config configs/tiny_cpu.yaml trainer.steps=50
+
+The config is loaded and validated against $WORLD_SIZE before any process group is created, so a bad
+value fails in seconds with the dotted key named. ``--resume`` continues from the newest complete
+checkpoint in ``trainer.run_dir``. Same as ``megatron-rl train``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by ``python -m megatron_rl.train`` and ``megatron-rl train``."""
+    p.add_argument("--config", required=False, default=None, help="YAML job config (see configs/)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in trainer.run_dir")
+    p.add_argument("--check-only", action="store_true", help="validate the config and exit")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-5 trainer.steps=10")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load + validate, then train; returns the exit code."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megatron_rl.config import ConfigError, load_job_config
+
+    overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
+    try:
+        cfg = load_job_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"megatron-rl: {exc}", file=sys.stderr)
+        return 2
+    if args.check_only:
+        print("config OK")
+        return 0
+    from megatron_rl.trainer.loop import train
+
+    train(cfg)
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Register ``megatron-rl train``."""
+    p = subparsers.add_parser("train", help="RL training (run under torchrun / srun)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_rl.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The RL loop: rollout phase, loop, metric sinks, preemption handling."""

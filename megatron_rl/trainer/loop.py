@@ -1,0 +1,238 @@
+"""The RL training loop (GRPO / RLOO with rollout correction) — what ``megatron-rl train`` runs.
+
+Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
+
+    rollouts  = rank 0: task prompts -> engine.generate (n per prompt) -> rewards; broadcast
+    shard     = this DP rank's whole prompt groups of the RolloutBatch
+    old_lp    = actor.compute_log_probs(shard, T)              # fp32 recompute, vocab-parallel
+    corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
+    adv       = group advantages with the post-rejection mask
+    metrics   = actor.train_step(shard, old_lp, adv, corr.response_mask, corr.weights, T)
+    weights   -> engine (in-process state dict, or HF export + /update_weights_from_disk)
+    metrics   -> console / metrics.jsonl / TensorBoard / W&B; checkpoint every N steps and on SIGTERM
+
+Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy; the
+forward-only pass still runs once per step because the correction (weights, rejection, diagnostics)
+needs pi_theta — verl computes the same quantity inside its loss.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import JobConfig
+from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
+from megatron_rl.trainer.signals import StopRequested
+from megatron_rl.trainer.sinks import MetricSinks
+
+
+def setup_distributed(cfg: JobConfig):
+    """Process groups, CPU patches, megatron's parallel state, the actor (in this order)."""
+    from megatron_rl.actor import MegatronActor
+    from megatron_rl.parallel.launch import init_distributed
+    from megatron_rl.parallel.state import initialize_model_parallel
+    from megatron_rl.platform.cpu_compat import apply_cpu_patches
+
+    if not dist.is_initialized():
+        init_distributed()
+    if not torch.cuda.is_available():
+        apply_cpu_patches()
+    initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model)
+    return MegatronActor(cfg)
+
+
+def build_engine(cfg: JobConfig):
+    """Rank 0's rollout engine for ``rollout.engine``."""
+    if cfg.rollout.engine == "embedded":
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(cfg.actor.load_hf, dtype=cfg.rollout.dtype, seed=cfg.trainer.seed)
+    from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
+
+    urls = list(cfg.rollout.sglang_urls)
+    if cfg.rollout.sglang_launch:
+        from megatron_rl.rollout.sglang_server import launch_sglang_server
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        server = launch_sglang_server(cfg.actor.load_hf, port=cfg.rollout.sglang_port, device=device,
+                                      log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"))
+        urls.append(server.url)
+    return SGLangEngine(urls, request_timeout=cfg.rollout.request_timeout_s,
+                        retry=RetryPolicy(max_attempts=cfg.rollout.max_retries + 1), weight_version="step-0")
+
+
+def build_task(cfg: JobConfig):
+    """Rank 0's task (prompts + reward) with the checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.tasks import build_task as _build
+
+    tok = AutoTokenizer.from_pretrained(cfg.actor.load_hf)
+    d = cfg.data
+    return _build(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                  reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
+
+
+def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool) -> None:
+    """Push the actor's current weights to the engine and tag them ``version`` (collective)."""
+    if cfg.rollout.engine == "embedded":
+        sd = actor.full_state_dict_hf()
+        if rank0:
+            engine.update_weights_from_state_dict(sd, version)
+        return
+    out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
+    path = os.path.join(out, version)
+    actor.export_hf(path)
+    if rank0:
+        engine.update_weights(path, version)
+    dist.barrier()
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest ``run_dir/checkpoints/step_N`` (by N), or None."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = sorted((int(d.split("_")[1]), d) for d in os.listdir(root) if d.startswith("step_") and
+                   os.path.isfile(os.path.join(root, d, "COMPLETE")))
+    return os.path.join(root, steps[-1][1]) if steps else None
+
+
+def save(actor, cfg: JobConfig, step: int, rank0: bool) -> str:
+    """Checkpoint after ``step`` completed steps; a COMPLETE marker makes it eligible for resume."""
+    path = os.path.join(cfg.trainer.run_dir, "checkpoints", f"step_{step}")
+    actor.save_checkpoint(path, step, {"config": cfg.to_dict()})
+    dist.barrier()
+    if rank0:
+        open(os.path.join(path, "COMPLETE"), "w").close()
+    dist.barrier()
+    return path
+
+
+def train(cfg: JobConfig) -> Dict[str, float]:
+    """Run ``cfg.trainer.steps`` steps (or the remainder after ``--resume``); returns the last metrics."""
+    from megatron_rl.actor import RolloutBatch
+    from megatron_rl.algo.advantages import compute_advantages
+    from megatron_rl.correction import compute_rollout_correction
+    from megatron_rl.rollout.base import RolloutError
+
+    actor = setup_distributed(cfg)
+    rank0 = dist.get_rank() == 0
+    corr_cfg, T = cfg.algorithm.rollout_correction, cfg.rollout.temperature
+    task = engine = tokenizer = None
+    if rank0:
+        task, tokenizer = build_task(cfg)
+        engine = build_engine(cfg)
+    start = 0
+    if cfg.trainer.resume:
+        ckpt = latest_checkpoint(cfg.trainer.run_dir)
+        if ckpt is not None:
+            start, _ = actor.load_checkpoint(ckpt)
+            if rank0:
+                print(f"[megatron-rl] resumed from {ckpt} at step {start}", flush=True)
+    sinks = MetricSinks(cfg.trainer.run_dir, cfg.trainer.steps, enabled=rank0, progress=cfg.trainer.progress,
+                        tensorboard=cfg.trainer.tensorboard, wandb=cfg.trainer.wandb,
+                        wandb_project=cfg.trainer.wandb_project, config=cfg.to_dict(), resume=start > 0)
+    version = f"step-{start}"
+    sync_weights(actor, engine, cfg, version, rank0)
+    stop = StopRequested()
+    pad_id = int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0
+    pad_id = share_from_rank0(pad_id)
+    metrics: Dict[str, float] = {}
+    step = start
+    try:
+        while step < cfg.trainer.steps:
+            t_step = time.perf_counter()
+            # 1. rollouts on rank 0 (an exception is shared so every rank stops, none hangs)
+            payload = None
+            if rank0:
+                try:
+                    payload = generate_step(task, engine, cfg, step, version)
+                except RolloutError as exc:
+                    payload = exc
+            payload = share_from_rank0(payload)
+            if isinstance(payload, Exception):
+                raise payload
+            t_roll = time.perf_counter() - t_step
+            # 2. this DP rank's whole groups
+            batch = RolloutBatch.from_sequences(payload.prompt_ids, payload.response_ids,
+                                                payload.rollout_log_probs, pad_id=pad_id)
+            shard = batch.shard(actor.dp_rank, actor.dp_size)
+            rows = _shard_rows(len(payload.rewards), actor.dp_rank, actor.dp_size)
+            rewards = torch.tensor(payload.rewards[rows.start:rows.stop], dtype=torch.float32)
+            n = cfg.rollout.n_samples_per_prompt
+            group_index = torch.arange(rows.start, rows.stop) // n
+            # 3. recompute log-probs (fp32), 4. correction
+            t0 = time.perf_counter()
+            old_lp, entropy = actor.compute_log_probs(shard, T)
+            t_lp = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, corr_cfg,
+                                              group=actor.dp_group)
+            t_corr = time.perf_counter() - t0
+            # 5. advantages with the post-rejection mask, 6. train
+            adv = compute_advantages(rewards, group_index, corr.response_mask.float(),
+                                     estimator=cfg.algorithm.advantage_estimator,
+                                     norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
+            t0 = time.perf_counter()
+            weights = corr.weights if corr_cfg.applies_is_weights else None
+            actor_metrics = actor.train_step(shard, old_lp, adv, corr.response_mask, weights, T)
+            t_train = time.perf_counter() - t0
+            step += 1
+            # 7. weight sync
+            t0 = time.perf_counter()
+            version = f"step-{step}"
+            sync_weights(actor, engine, cfg, version, rank0)
+            t_sync = time.perf_counter() - t0
+            # 8. metrics
+            dt = time.perf_counter() - t_step
+            resp_len = [len(r) for r in payload.response_ids]
+            tokens = sum(len(p) + len(r) for p, r in zip(payload.prompt_ids, payload.response_ids))
+            metrics = {
+                "reward/mean": sum(payload.rewards) / len(payload.rewards),
+                "reward/max": max(payload.rewards), "reward/min": min(payload.rewards),
+                "response_length/mean": sum(resp_len) / len(resp_len), "response_length/max": max(resp_len),
+                **actor_metrics, **corr.metrics,
+                "timing/rollout_s": t_roll, "timing/logprob_s": t_lp, "timing/correction_s": t_corr,
+                "timing/train_s": t_train, "timing/weight_sync_s": t_sync, "timing/step_s": dt,
+                "perf/tokens_per_s": tokens / dt,
+            }
+            sinks.log(step, metrics)
+            if rank0 and cfg.trainer.dump_rollouts:
+                _dump(cfg.trainer.run_dir, step, payload)
+            # 9. checkpoints: interval, end, or a signal seen by any rank
+            flag = torch.tensor([1.0 if stop.requested else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            interval = cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0
+            if interval or step == cfg.trainer.steps or flag.item() > 0:
+                path = save(actor, cfg, step, rank0)
+                if rank0:
+                    print(f"[megatron-rl] checkpoint {path}", flush=True)
+            if flag.item() > 0:
+                break
+    finally:
+        stop.restore()
+        sinks.close()
+    return metrics
+
+
+def _shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
+    """The rows ``RolloutBatch.shard`` gives this DP rank (whole groups: prompts_per_step % DP == 0)."""
+    from megatron_rl.actor.batch import row_blocks
+
+    start, end = row_blocks(num_rows, dp_size)[dp_rank]
+    return range(start, end)
+
+
+def _dump(run_dir: str, step: int, payload) -> None:
+    import json
+
+    with open(os.path.join(run_dir, "rollouts.jsonl"), "a") as fh:
+        for p, r, lp, rw in zip(payload.prompt_ids, payload.response_ids, payload.rollout_log_probs,
+                                payload.rewards):
+            fh.write(json.dumps({"step": step, "prompt_ids": p, "response_ids": r, "rollout_log_probs": lp,
+                                 "reward": rw, "weight_version": payload.weight_version}) + "\n")
