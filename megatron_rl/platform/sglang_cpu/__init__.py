@@ -4,7 +4,7 @@ This directory (``STANDIN_DIR``) is prepended to ``PYTHONPATH`` ONLY for the SGL
 CPU (see ``megatron_rl.rollout.sglang_server``); it is never on the path of the trainer or of the tests.
 It holds two top-level packages:
 
-* ``sgl_kernel`` — sglang imports 9 ``*_cpu`` op names from ``sgl_kernel`` at module load on CPU
+* ``sgl_kernel`` — sglang imports 9 ``*_cpu`` op names from ``sgl_kernel`` at module load on CPU (and 1 lazily)
   (KV-cache copy, request-to-token pool assignment, speculative-decoding helpers). The CPU build of
   sgl-kernel is not on PyPI, and none of these ops is called for plain Qwen2/Llama text generation.
   Each stand-in raises ``NotImplementedError`` naming itself if it is ever called.

@@ -1,13 +1,14 @@
 """Import-only stand-in for ``sgl_kernel`` on CPU (see ../README.md).
 
-sglang (0.5.23) does ``from sgl_kernel import <name>_cpu`` at module load when running on CPU. The CPU
+sglang (0.5.23) does ``from sgl_kernel import <name>_cpu`` at module load when running on CPU (9 names). The CPU
 build of sgl-kernel is not published on PyPI and none of these ops is executed for dense text
 generation with Qwen2/Llama, so each name is a function that raises if it is ever called.
 """
 
 __version__ = "0.0.0+megatron-rl-cpu-standin"
 
-#: The op names sglang imports from ``sgl_kernel`` at module load on CPU.
+#: The ``*_cpu`` op names sglang imports from ``sgl_kernel`` on CPU (9 at module load, 1 lazily);
+#: tests/test_sglang_cpu_standins.py checks this list against the installed sglang's source.
 CPU_OP_NAMES = (
     "assign_req_to_token_pool_cpu",          # srt/mem_cache/allocation.py
     "copy_all_layer_kv_cache_cpu",           # kernels/ops/kvcache/cache_move.py
@@ -18,6 +19,7 @@ CPU_OP_NAMES = (
     "rotate_input_ids_cpu",                  # kernels/ops/speculative/multi_layer_eagle.py
     "build_tree_kernel_efficient_cpu",       # kernels/ops/speculative/spec_tree.py
     "verify_tree_greedy_cpu",                # kernels/ops/speculative/spec_tree.py
+    "build_draft_decode_metadata_cpu",       # srt/layers/attention/intel_amx_backend.py (imported lazily)
 )
 
 
