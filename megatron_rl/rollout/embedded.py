@@ -1,0 +1,265 @@
+"""``EmbeddedEngine``: in-process rollouts from an HF ``transformers`` causal LM (Qwen2, Llama, ...) — the
+embedded default, no server.
+
+* Generation runs in ``dtype`` (bfloat16 by default, while the trainer runs fp32: a real rollout/training
+  mismatch, which the rollout correction repairs). All prompts x ``n`` samples form one batch: left padding,
+  an attention mask and explicit position ids; one prefill forward, then one cached decode step per token
+  (``use_cache=True``, ``past_key_values``); a row stops at EOS (unless ``ignore_eos``), at a stop id, or at
+  ``max_new_tokens`` (SGLang's precedence: hitting the length wins, ``finish_reason == "length"``).
+* Log-probs have SGLang's semantics (``embedded_sampling``): ``log_softmax(logits / T)`` over the full
+  vocabulary at the sampled token, computed in float32 from the engine-dtype logits; top-k / top-p truncate
+  sampling only; ``T == 0`` is greedy and reports ``log_softmax(logits)``.
+* Determinism: every rollout has its own random stream seeded by (call seed, prompt ids, occurrence, sample
+  index) — so results do not depend on batch composition, only on bf16 arithmetic of the padded batch.
+  The call seed is ``generate(..., seed=...)`` or else drawn from the engine's ``torch.Generator`` (seeded
+  with ``seed`` at construction): the same engine seed and the same calls give the same rollouts.
+* Weights: ``update_weights(hf_dir, version)`` (an HF export directory) or
+  ``update_weights_from_state_dict(state_dict, version)`` (in-process, HF names). Both check every name and
+  shape before copying anything (``WeightSyncError`` otherwise, weights and version unchanged). Every
+  ``Rollout`` carries the version its tokens were produced with.
+* All-or-nothing: ``generate`` returns ``len(prompts) * n`` rollouts prompt-major, or raises a
+  ``RolloutError`` (bad input raises ``ValueError`` before any work).
+
+Usage::
+
+    engine = EmbeddedEngine("/models/tiny_copy", dtype="bfloat16", seed=0, weight_version="0")
+    rollouts = engine.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_new_tokens=8), n=4)
+    engine.update_weights_from_state_dict(actor_hf_state_dict, version="1")
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+
+from megatron_rl.rollout.base import (
+    Rollout,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    WeightSyncError,
+    validate_n,
+    validate_prompts,
+)
+from megatron_rl.rollout.embedded_sampling import (
+    exponential_noise,
+    row_seed,
+    sample_next_tokens,
+    sampled_logprobs,
+)
+from megatron_rl.rollout.embedded_weights import load_state_dict_checked, read_hf_state_dict
+
+#: Engine compute dtypes by name.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _eos_ids(config, generation_config) -> tuple[int, ...]:
+    """EOS ids from the generation config (preferred) or the model config; ints or lists."""
+    for src in (generation_config, config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is None:
+            continue
+        return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ()
+
+
+class EmbeddedEngine(RolloutEngine):
+    """In-process generation with an HF ``transformers`` causal LM (see the module docstring)."""
+
+    def __init__(self, model_path: str | os.PathLike, dtype: str = "bfloat16", seed: int = 0,
+                 weight_version: str = "init", attn_implementation: str = "sdpa",
+                 max_batch_rows: int = 256, source: str = "embedded"):
+        """Load the HF checkpoint at ``model_path`` in ``dtype`` ("bfloat16" | "float16" | "float32").
+
+        Args:
+            seed: seeds the engine's generator (call seeds when ``generate`` gets none).
+            weight_version: the version tag of the initial weights.
+            attn_implementation: ``transformers`` attention backend ("sdpa" or "eager").
+            max_batch_rows: rows (prompts x n) generated together; larger requests run in chunks.
+            source: ``Rollout.source`` of every rollout.
+        """
+        if dtype not in DTYPES:
+            raise ValueError(f"EmbeddedEngine dtype={dtype!r} must be one of {sorted(DTYPES)}")
+        if not isinstance(max_batch_rows, int) or max_batch_rows < 1:
+            raise ValueError(f"EmbeddedEngine max_batch_rows={max_batch_rows!r} must be an int >= 1")
+        if not os.path.isdir(model_path):
+            raise ValueError(f"EmbeddedEngine model_path={str(model_path)!r} is not a directory")
+        import transformers
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        transformers.utils.logging.disable_progress_bar()
+        self.dtype = DTYPES[dtype]
+        self.dtype_name = dtype
+        self.model_path = str(model_path)
+        self.max_batch_rows = max_batch_rows
+        self.source = source
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                              attn_implementation=attn_implementation)
+        except Exception as e:
+            raise ValueError(f"EmbeddedEngine: cannot load an HF causal LM from {self.model_path!r}: "
+                             f"{type(e).__name__}: {e}") from e
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.config = self.model.config
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(self.model_path)
+        except Exception:  # no generation_config.json
+            gen_cfg = None
+        self.eos_token_ids = _eos_ids(self.config, gen_cfg)
+        pad = getattr(self.config, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0))
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.tied_lm_head = bool(getattr(self.config, "tie_word_embeddings", False))
+        self._generator = torch.Generator().manual_seed(int(seed))
+        self._version = str(weight_version)
+
+    # ------------------------------------------------------------------ interface
+    @property
+    def weight_version(self) -> str | None:
+        """The version tag of the weights currently loaded."""
+        return self._version
+
+    def health(self) -> dict[str, bool]:
+        """``{source: True}`` while the model is loaded."""
+        return {self.source: self.model is not None}
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None
+
+    def update_weights(self, hf_dir: str, version: str) -> None:
+        """Load the HF checkpoint tensors in ``hf_dir`` and tag them ``version`` (all-or-nothing)."""
+        self._require_model()
+        sd = read_hf_state_dict(hf_dir)
+        self.update_weights_from_state_dict(sd, version, _source=repr(str(hf_dir)))
+
+    def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor], version: str,
+                                       _source: str = "the state dict") -> None:
+        """Copy a full HF-named ``state_dict`` (any float dtype; cast to the engine dtype) into the model and
+        tag it ``version``. Every name and shape is checked first; on error the weights and version are
+        unchanged and ``WeightSyncError`` names the bad keys."""
+        self._require_model()
+        if not isinstance(version, str) or not version:
+            raise ValueError(f"update_weights: version={version!r} must be a non-empty string")
+        if not isinstance(state_dict, Mapping):
+            raise WeightSyncError(f"update_weights_from_state_dict: expected a mapping name -> tensor, got "
+                                  f"{type(state_dict).__name__}")
+        load_state_dict_checked(self.model, state_dict, source=_source, tied_lm_head=self.tied_lm_head)
+        self._version = version
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1,
+                 seed: int | None = None) -> list[Rollout]:
+        """Sample ``n`` responses per prompt (prompt-major), all tagged with the current weight version.
+
+        ``seed`` fixes this call's randomness (default: drawn from the engine's generator). Raises
+        ``ValueError`` for bad input (before any work) and ``RolloutError`` if generation fails."""
+        self._require_model()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        prompts = validate_prompts(prompt_ids, vocab_size=self.vocab_size)
+        n = validate_n(n)
+        for i, p in enumerate(prompts):
+            if len(p) + sampling.max_new_tokens > self.max_positions:
+                raise ValueError(f"prompt_ids[{i}] has {len(p)} tokens; with max_new_tokens="
+                                 f"{sampling.max_new_tokens} that exceeds the model's "
+                                 f"max_position_embeddings={self.max_positions}")
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=self._generator).item())
+        occurrence: dict[tuple[int, ...], int] = {}
+        rows = []  # (prompt_index, prompt, row seed)
+        for i, p in enumerate(prompts):
+            occ = occurrence.get(tuple(p), 0)
+            occurrence[tuple(p)] = occ + 1
+            for j in range(n):
+                rows.append((i, p, row_seed(seed, p, occ, j)))
+        version = self._version
+        out: list[Rollout] = []
+        try:
+            for start in range(0, len(rows), self.max_batch_rows):
+                chunk = rows[start:start + self.max_batch_rows]
+                out.extend(self._generate_rows(chunk, sampling, version))
+        except RolloutError:
+            raise
+        except Exception as e:
+            raise RolloutError(f"EmbeddedEngine.generate failed: {type(e).__name__}: {e}") from e
+        if self._version != version:  # weights changed concurrently: the batch mixes versions
+            raise RolloutError(f"EmbeddedEngine: weights changed from {version!r} to {self._version!r} "
+                               "during generate")
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _require_model(self):
+        if self.model is None:
+            raise RolloutError("EmbeddedEngine is closed")
+
+    @torch.no_grad()
+    def _generate_rows(self, rows, sampling: SamplingParams, version: str) -> list[Rollout]:
+        """Generate one batch of rows ``(prompt_index, prompt_ids, row_seed)``."""
+        B = len(rows)
+        L = max(len(p) for _, p, _ in rows)
+        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for r, (_, p, _) in enumerate(rows):
+            input_ids[r, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, L - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        greedy = sampling.temperature == 0
+        gens = None if greedy else [torch.Generator().manual_seed(s) for _, _, s in rows]
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= set(self.eos_token_ids)
+        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long)
+
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        reasons: list[str | None] = [None] * B
+        matched: list[int | None] = [None] * B
+        done = torch.zeros(B, dtype=torch.bool)
+
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :]
+        last_pos = positions[:, -1]
+        for step in range(sampling.max_new_tokens):
+            if not torch.isfinite(logits[~done].float()).all():
+                bad = [r for r in range(B) if not done[r] and not torch.isfinite(logits[r].float()).all()]
+                raise RolloutError(f"EmbeddedEngine: non-finite logits at generation step {step} for rows "
+                                   f"{bad[:8]} (prompt indices {[rows[r][0] for r in bad[:8]]}); "
+                                   f"weight version {version!r}")
+            noise = None if greedy else exponential_noise(gens, logits.shape[-1])
+            nxt = sample_next_tokens(logits, sampling.temperature, sampling.top_k, sampling.top_p, noise)
+            lp = sampled_logprobs(logits, nxt, sampling.temperature)
+            is_stop = torch.isin(nxt, stop_t) if len(stop_t) else torch.zeros(B, dtype=torch.bool)
+            for r in range(B):
+                if done[r]:
+                    continue
+                tokens[r].append(int(nxt[r]))
+                logps[r].append(float(lp[r]))
+                if len(tokens[r]) >= sampling.max_new_tokens:
+                    reasons[r] = "length"
+                    if is_stop[r]:
+                        matched[r] = int(nxt[r])
+                elif is_stop[r]:
+                    reasons[r] = "stop"
+                    matched[r] = int(nxt[r])
+            done |= torch.tensor([x is not None for x in reasons])
+            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+                break
+            feed = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt).unsqueeze(-1)
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(input_ids=feed, attention_mask=mask, position_ids=last_pos.unsqueeze(-1),
+                             past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :]
+
+        result = []
+        for r, (i, p, _) in enumerate(rows):
+            info = {"matched_stop": matched[r]} if matched[r] is not None else {}
+            result.append(Rollout(prompt_index=i, prompt_ids=list(p), response_ids=tokens[r],
+                                  rollout_log_probs=logps[r], finish_reason=reasons[r] or "length",
+                                  weight_version=version, source=self.source, info=info))
+        return result
