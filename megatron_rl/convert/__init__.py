@@ -6,13 +6,18 @@ Pure tensor work in one process (no process group). Modules, each with one job:
   sharding     full Megatron state dict <-> per-rank shards for a TP/PP/EP/ETP layout (ShardLayout)
   storage      HF safetensors directories and the converted shard directory format
   model_state  load a rank state dict into a live Megatron model (local or TE spec) / read it back
-  api          the conversion entry points used by ``megatron-rl convert`` and the trainer
+  model_config ModelConfig for a HF config.json (+ padded vocab) — what to build to load the shards
+  api          the conversion entry points used by ``megatron-rl convert`` (pure, one process)
+  live         load a checkpoint into a live parallel model / export a live model to HF (collective)
 
 Command line: ``megatron-rl convert hf-to-mcore ...`` / ``megatron-rl convert mcore-to-hf ...``.
 """
 from megatron_rl.convert.api import (convert_hf_to_mcore, convert_mcore_to_hf, export_hf_from_full,
                                      load_rank_state_dict, read_full_mcore_state_dict, read_hf_checkpoint,
                                      read_mcore_checkpoint)
+from megatron_rl.convert.live import (check_model_config_matches, export_model_to_hf, gather_full_state_dict,
+                                      load_checkpoint_into_model)
+from megatron_rl.convert.model_config import model_config_from_hf
 from megatron_rl.convert.geometry import HFGeometry, UnsupportedCheckpointError
 from megatron_rl.convert.mapping import CheckpointMismatchError, hf_to_mcore, mcore_to_hf, param_rules
 from megatron_rl.convert.model_state import (adapt_names_to_model, canonical_state_dict,
@@ -25,5 +30,6 @@ __all__ = [
     "load_rank_state_dict", "read_full_mcore_state_dict", "read_hf_checkpoint", "read_mcore_checkpoint",
     "hf_to_mcore", "mcore_to_hf", "param_rules", "rank_state_dict", "unshard", "adapt_names_to_model",
     "canonical_state_dict", "load_state_dict_into_model", "UnsupportedCheckpointError",
-    "CheckpointMismatchError", "LayoutError", "CheckpointFormatError",
+    "CheckpointMismatchError", "LayoutError", "CheckpointFormatError", "model_config_from_hf",
+    "load_checkpoint_into_model", "export_model_to_hf", "gather_full_state_dict", "check_model_config_matches",
 ]

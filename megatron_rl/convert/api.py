@@ -35,18 +35,11 @@ def read_hf_checkpoint(hf_dir: str) -> Tuple[HFGeometry, dict, Dict[str, Tensor]
     return geom, cfg, storage.read_hf_state_dict(hf_dir)
 
 
-def _model_config_dict(hf_cfg: dict) -> Optional[dict]:
-    """ModelConfig (as a dict) from the models package's HF mapping, when that package is present."""
-    try:
-        from megatron_rl.models import hf_config as mhf  # noqa: WPS433 - optional sibling package
-    except ImportError:
-        return None
-    fn = getattr(mhf, "model_config_from_hf", None) or getattr(mhf, "from_hf_config", None)
-    if fn is None:
-        return None
-    mc = fn(hf_cfg)
-    import dataclasses
-    return dataclasses.asdict(mc) if dataclasses.is_dataclass(mc) else dict(mc)
+def _model_config_dict(hf_cfg: dict, padded_vocab: int) -> dict:
+    """ModelConfig (as a dict) the Megatron model must be built with to load these shards."""
+    from megatron_rl.convert.model_config import model_config_from_hf
+
+    return model_config_from_hf(hf_cfg, padded_vocab_size=padded_vocab).to_dict()
 
 
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, layout: ShardLayout, overwrite: bool = False) -> dict:
@@ -76,7 +69,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, layout: ShardLayout, overwrit
         "dtypes": dtypes,
         "hf_assets": assets,
         "source_hf_dir": os.path.abspath(hf_dir),
-        "model_config": _model_config_dict(hf_cfg),
+        "model_config": _model_config_dict(hf_cfg, layout.padded_vocab(geom.vocab_size)),
     }
     storage.write_metadata(out_dir, meta)
     return meta
