@@ -298,3 +298,68 @@ def test_console_script_entry_point(models, tmp_path):
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     assert os.path.isfile(storage.dense_file(str(tmp_path / "mc"), 0, 1))
+
+
+def test_sharded_hf_directories(models, tmp_path):
+    """Export split into several files + index (as large HF checkpoints are); importing that directory
+    gives back the same tensors, and transformers loads it."""
+    import transformers
+
+    src = models["qwen3_moe"]
+    convert_hf_to_mcore(src, str(tmp_path / "mc"), ShardLayout(1, 2, 2))
+    files = convert_mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "sharded"), max_shard_bytes=40_000)
+    assert len(files) > 3 and os.path.isfile(tmp_path / "sharded" / storage.SAFE_INDEX)
+    convert_hf_to_mcore(str(tmp_path / "sharded"), str(tmp_path / "mc2"), ShardLayout(1, 1, 4))
+    convert_mcore_to_hf(str(tmp_path / "mc2"), str(tmp_path / "single"))
+    _assert_same_hf(src, tmp_path / "single")
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32)
+    ref = storage.read_hf_state_dict(src)["model.layers.1.self_attn.q_norm.weight"]
+    assert torch.equal(m.state_dict()["model.layers.1.self_attn.q_norm.weight"], ref)
+
+
+class _FakeModel(torch.nn.Module):
+    """Stands in for a Transformer-Engine-spec GPTModel: only its state_dict() key set matters."""
+
+    def __init__(self, sd):
+        super().__init__()
+        self._sd = sd
+
+    def state_dict(self, *args, keep_vars=False, **kwargs):
+        return self._sd
+
+
+def test_transformer_engine_names():
+    """Local-spec shard names are renamed to the TE spec's fused names (taken by hand from megatron-core
+    0.16.1 gpt_layer_specs / TEGroupedMLP), ``_extra_state`` is never required, and export maps back."""
+    from megatron_rl.convert import canonical_state_dict, load_state_dict_into_model
+
+    local = {
+        "decoder.layers.0.input_layernorm.weight": torch.full((4,), 1.0),
+        "decoder.layers.0.pre_mlp_layernorm.weight": torch.full((4,), 2.0),        # dense layer: fused into fc1
+        "decoder.layers.0.mlp.linear_fc1.weight": torch.full((8, 4), 3.0),
+        "decoder.layers.1.input_layernorm.weight": torch.full((4,), 4.0),
+        "decoder.layers.1.pre_mlp_layernorm.weight": torch.full((4,), 5.0),        # MoE layer: stays separate
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight": torch.full((8, 4), 6.0),
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight": torch.full((4, 4), 7.0),
+    }
+    te = {
+        "module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": torch.zeros(4),
+        "module.decoder.layers.0.self_attention.linear_qkv._extra_state": None,
+        "module.decoder.layers.0.mlp.linear_fc1.layer_norm_weight": torch.zeros(4),
+        "module.decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(8, 4),
+        "module.decoder.layers.1.self_attention.linear_qkv.layer_norm_weight": torch.zeros(4),
+        "module.decoder.layers.1.pre_mlp_layernorm.weight": torch.zeros(4),
+        "module.decoder.layers.1.mlp.experts.linear_fc1.weight1": torch.zeros(8, 4),
+        "module.decoder.layers.1.mlp.experts.linear_fc2.weight1": torch.zeros(4, 4),
+        "module.decoder.layers.1.mlp.experts.linear_fc1._extra_state": None,
+    }
+    load_state_dict_into_model(_FakeModel(te), local)
+    assert te["module.decoder.layers.0.mlp.linear_fc1.layer_norm_weight"].eq(2.0).all()
+    assert te["module.decoder.layers.1.pre_mlp_layernorm.weight"].eq(5.0).all()
+    assert te["module.decoder.layers.1.mlp.experts.linear_fc2.weight1"].eq(7.0).all()
+    back = canonical_state_dict(te)
+    assert sorted(back) == sorted(local) and all(torch.equal(back[k], local[k]) for k in local)
+    te["module.decoder.layers.2.self_attention.linear_proj.weight"] = torch.zeros(4, 4)
+    with pytest.raises(CheckpointMismatchError, match=r"missing from the checkpoint: "
+                                                      r"\['module.decoder.layers.2.self_attention.linear_proj"):
+        load_state_dict_into_model(_FakeModel(te), local, where="tp=0 pp=0")

@@ -12,7 +12,6 @@ also accepts a HF directory directly (HF -> rank shard without an intermediate d
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Mapping, Optional, Tuple
 
@@ -99,9 +98,10 @@ def read_full_mcore_state_dict(mcore_dir: str) -> Tuple[HFGeometry, Dict[str, Te
 
 
 def export_hf_from_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: str,
-                        assets_dir: Optional[str] = None) -> list:
+                        assets_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> list:
     """Write a full Megatron state dict as a HF model directory (weights + assets copied from
-    ``assets_dir``; a config.json is required there or already in ``out_dir``). Returns weight files."""
+    ``assets_dir``; a config.json is required there or already in ``out_dir``; weight files above
+    ``max_shard_bytes`` are split with a ``model.safetensors.index.json``). Returns weight files."""
     hf_sd = mcore_to_hf(full, geom)
     os.makedirs(out_dir, exist_ok=True)
     if assets_dir is not None:
@@ -109,14 +109,14 @@ def export_hf_from_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: s
     if not os.path.isfile(os.path.join(out_dir, "config.json")):
         raise storage.CheckpointFormatError(
             f"export to {out_dir}: no config.json to write beside the weights (assets_dir={assets_dir!r})")
-    return storage.write_hf_state_dict(out_dir, hf_sd)
+    return storage.write_hf_state_dict(out_dir, hf_sd, max_shard_bytes)
 
 
-def convert_mcore_to_hf(mcore_dir: str, out_dir: str) -> list:
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> list:
     """Export a converted shard directory back to a HF safetensors directory (config + tokenizer from
     the copy kept at import time). Returns the weight files written."""
     geom, full = read_full_mcore_state_dict(mcore_dir)
-    return export_hf_from_full(full, geom, out_dir, os.path.join(mcore_dir, storage.ASSETS_DIR))
+    return export_hf_from_full(full, geom, out_dir, os.path.join(mcore_dir, storage.ASSETS_DIR), max_shard_bytes)
 
 
 def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0,
@@ -142,10 +142,3 @@ def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, p
         return sd
     _, full = read_full_mcore_state_dict(ckpt_dir)
     return rank_state_dict(full, geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
-
-
-def describe(mcore_dir: str) -> str:
-    """One-paragraph human summary of a converted directory (for the CLI)."""
-    geom, layout, meta = read_mcore_checkpoint(mcore_dir)
-    return json.dumps({"architecture": geom.architecture, "layout": layout.to_dict(),
-                       "dtypes": meta.get("dtypes")}, sort_keys=True)
