@@ -1,0 +1,117 @@
+"""Outcome-reward advantage estimators: GRPO (group-normalised) and RLOO (leave-one-out baseline).
+
+Every response has one scalar reward; responses to the same prompt form a group (``group_index``). The
+per-sequence advantage scalar is broadcast over the response tokens and multiplied by ``response_mask``:
+
+* ``"grpo"``: ``A_i = (r_i - mean_g) / (std_g + epsilon)`` with ``std_g`` the UNBIASED (n-1) standard
+  deviation of the group, like ``torch.std`` in verl's ``compute_grpo_outcome_advantage``; with
+  ``norm_adv_by_std=False``: ``A_i = r_i - mean_g`` (Dr. GRPO). A group whose rewards are all equal gets 0.
+* ``"rloo"``: ``A_i = r_i - mean of the other n_g - 1 rewards of the group`` (= ``n/(n-1) * (r_i - mean_g)``,
+  verl's ``compute_rloo_outcome_advantage``).
+* Groups of size 1 get advantage 0 for both (no baseline is possible; verl instead leaves ``r_i`` / ``r_i / (1 +
+  eps)``, which turns a lone sample into an un-baselined REINFORCE term — we deliberately do not).
+
+Rejection sampling: pass the response mask AFTER rejection (the correction's ``rs`` mask times the response
+mask). Rejected tokens then get zero advantage, hence zero policy-gradient weight, through that mask.
+Group statistics: ``baseline_over="all"`` (default, verl's behaviour) uses every sample's reward — the reward is
+a valid outcome measurement of a rollout-policy sample whether or not its tokens are trusted for the gradient,
+and the baseline then does not depend on the correction thresholds. ``baseline_over="kept"`` uses only samples
+with at least one kept token (fully rejected sequences leave the statistics; a group with fewer than 2 kept
+samples gets advantage 0).
+
+All math in float64; results are float32. Pure functions, no process group: rewards of a whole group must be
+on the calling rank (the loop computes them where the rollouts are).
+
+Usage::
+
+    adv = compute_advantages(rewards, group_index, response_mask, estimator="grpo")   # [B, T]
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+#: Supported ``algorithm.advantage_estimator`` values.
+ESTIMATORS = ("grpo", "rloo")
+#: Supported ``baseline_over`` values.
+BASELINE_OVER = ("all", "kept")
+
+
+def _group_ids(group_index, batch: int) -> torch.Tensor:
+    """Map ``group_index`` (an int tensor, or a sequence of hashables such as prompt uids) to dense ints."""
+    if isinstance(group_index, torch.Tensor):
+        if group_index.dim() != 1 or group_index.shape[0] != batch:
+            raise ValueError(f"group_index must have shape [{batch}] (one per response), got "
+                             f"{tuple(group_index.shape)}")
+        if group_index.dtype.is_floating_point or group_index.dtype == torch.bool:
+            raise ValueError(f"group_index must be an integer tensor, got {group_index.dtype}")
+        return torch.unique(group_index, return_inverse=True)[1]
+    if isinstance(group_index, (str, bytes)) or not isinstance(group_index, Sequence) or len(group_index) != batch:
+        raise ValueError(f"group_index must be a sequence of {batch} group ids (one per response)")
+    dense: dict[Hashable, int] = {}
+    return torch.tensor([dense.setdefault(g, len(dense)) for g in group_index], dtype=torch.long)
+
+
+def group_advantage_scalars(rewards: torch.Tensor, group_index, estimator: str = "grpo",
+                            norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+                            include: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sequence advantages ``[B]`` (float32) from ``rewards`` ``[B]`` (see the module docstring).
+
+    ``include`` (bool ``[B]``, default all True) selects the samples that enter the group statistics; excluded
+    samples get 0 and groups with fewer than 2 included samples get 0."""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
+        raise ValueError(f"rewards must be a 1-D tensor [B], got "
+                         f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__}")
+    if not torch.isfinite(rewards).all():
+        bad = torch.nonzero(~torch.isfinite(rewards)).flatten()[:5].tolist()
+        raise ValueError(f"rewards has non-finite values at indices {bad}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"algorithm.advantage_estimator={estimator!r} must be one of {ESTIMATORS}")
+    if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
+        raise ValueError(f"epsilon={epsilon!r} must be a number >= 0")
+    B = rewards.shape[0]
+    gid = _group_ids(group_index, B)
+    inc = torch.ones(B, dtype=torch.bool) if include is None else include.to(torch.bool).cpu()
+    if inc.shape != (B,):
+        raise ValueError(f"include must have shape [{B}], got {tuple(inc.shape)}")
+    r = rewards.detach().to(torch.float64).cpu()
+    w = inc.to(torch.float64)
+    G = int(gid.max().item()) + 1 if B else 0
+    count = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, w)
+    total = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, r * w)
+    n = count[gid]
+    mean = total[gid] / n.clamp(min=1)
+    valid = inc & (n >= 2)
+    if estimator == "grpo":
+        adv = r - mean
+        if norm_adv_by_std:
+            sq = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, (r - mean) ** 2 * w)
+            std = (sq[gid] / (n - 1).clamp(min=1)).sqrt()
+            adv = adv / (std + epsilon)
+    else:  # rloo
+        adv = r - (total[gid] - r) / (n - 1).clamp(min=1)
+    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    return adv.to(torch.float32).to(rewards.device)
+
+
+def compute_advantages(rewards: torch.Tensor, group_index, response_mask: torch.Tensor, estimator: str = "grpo",
+                       norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+                       baseline_over: str = "all") -> torch.Tensor:
+    """Token-level advantages ``[B, T]`` (float32): the per-sequence scalar times ``response_mask`` (the mask
+    after rejection sampling). ``baseline_over``: "all" samples or only "kept" ones (>= 1 unmasked token)
+    enter the group statistics (see the module docstring)."""
+    if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
+        raise ValueError("response_mask must be a 2-D tensor [B, T]")
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"rewards must be [B={response_mask.shape[0]}] to match response_mask "
+                         f"{tuple(response_mask.shape)}, got "
+                         f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__}")
+    if baseline_over not in BASELINE_OVER:
+        raise ValueError(f"baseline_over={baseline_over!r} must be one of {BASELINE_OVER}")
+    m = response_mask.to(torch.float32)
+    if not ((m == 0) | (m == 1)).all():
+        raise ValueError("response_mask must contain only 0 and 1")
+    include = (m.sum(dim=-1) > 0) if baseline_over == "kept" else None
+    scalars = group_advantage_scalars(rewards, group_index, estimator, norm_adv_by_std, epsilon, include)
+    return scalars.to(m.device).unsqueeze(-1) * m
