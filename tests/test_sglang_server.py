@@ -159,15 +159,18 @@ def test_sampling_follows_the_temperature(engine, models):
 def test_greedy_follows_the_reference_argmax(engine, models):
     ref = models["refs"]["v1"]
     rs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True), n=1)
-    checked = 0
+    checked, err = 0, []
     for r in rs:
-        logits, _ = reference_logprobs(ref, r.prompt_ids, r.response_ids, 1.0)
+        logits, lp = reference_logprobs(ref, r.prompt_ids, r.response_ids, 1.0)
+        err.append((torch.tensor(r.rollout_log_probs, dtype=torch.float64) - lp).abs())
         top2 = logits.topk(2, -1).values
         chosen = logits.gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
         clear = (top2[:, 0] - top2[:, 1]) > 0.05  # bf16 can flip near-ties
         assert torch.equal(chosen[clear], top2[clear, 0])
         checked += int(clear.sum())
     assert checked >= 20
+    err = torch.cat(err)  # greedy (T=0) log-probs are reported at T=1: log_softmax(logits)
+    assert err.max() <= tol(1.0)[0] and err.mean() <= tol(1.0)[1], (err.max().item(), err.mean().item())
 
 
 def test_stop_token_ends_the_response_and_is_included(engine):

@@ -51,7 +51,8 @@ class WeightSyncError(RolloutError):
 class SamplingParams:
     """How to sample responses (mirrors SGLang's ``sampling_params``)."""
 
-    #: Softmax temperature; ``0`` means greedy. Rollout log-probs are ``log_softmax(logits / T)``.
+    #: Softmax temperature; ``0`` means greedy. Rollout log-probs are ``log_softmax(logits / T)``
+    #: (for greedy, SGLang treats T as 1: ``log_softmax(logits)``).
     temperature: float = 1.0
     #: Nucleus-sampling mass in (0, 1]; 1 disables it.
     top_p: float = 1.0
