@@ -129,6 +129,7 @@ class MemoryPlan:
     microbatches: int
     total_params: int
     options: MemoryOptions
+    is_moe: bool = False
     stages: List[StagePlan] = field(default_factory=list)
 
     def peak(self) -> StagePlan:
@@ -248,7 +249,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     opt_bytes = 12 if o.params_bytes < 4 else 8
     plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
                       expert_dp=edp, seq_length=seq, micro_batch_size=b, microbatches=micro,
-                      total_params=total_parameters(m), options=o)
+                      total_params=total_parameters(m), options=o, is_moe=m.is_moe)
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp)):
         dense = expert = 0
         for i in layers:
@@ -299,8 +300,8 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None) -> str:
     """Human-readable table (GiB per rank) with a warning line when a stage exceeds ``gpu_memory_gb``."""
     o = plan.options
     lines = [
-        f"layout: world={plan.world_size} TP={plan.tp} PP={plan.pp} VPP={plan.vpp} CP={plan.cp} DP={plan.dp} "
-        f"EP={plan.ep} ETP={plan.etp} expert-DP={plan.expert_dp}",
+        f"layout: world={plan.world_size} TP={plan.tp} PP={plan.pp} VPP={plan.vpp} CP={plan.cp} DP={plan.dp}"
+        + (f" EP={plan.ep} ETP={plan.etp} expert-DP={plan.expert_dp}" if plan.is_moe else ""),
         f"model: {plan.total_params / 1e9:.2f} B parameters; sequence {plan.seq_length} tokens "
         f"(prompt {o.prompt_length} + rollout.max_new_tokens), micro-batch {plan.micro_batch_size}, "
         f"{plan.microbatches} micro-batches per mini-batch per DP rank",
