@@ -227,14 +227,19 @@ class SGLangEngine(RolloutEngine):
         self.check_local_paths = check_local_paths
         self._weight_version = None if weight_version is None else str(weight_version)
         self._rr = itertools.count()
-        self._local = threading.local()
+        self._sessions: dict[str, requests.Session] = {}
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ HTTP
-    def _session(self) -> requests.Session:
-        s = getattr(self._local, "session", None)
-        if s is None:
-            s = self._local.session = requests.Session()
-        return s
+    def _session(self, url: str) -> requests.Session:
+        """One keep-alive session per server (a generate call talks to each server from one thread)."""
+        base = url.split("/", 3)
+        key = "/".join(base[:3])
+        with self._lock:
+            s = self._sessions.get(key)
+            if s is None:
+                s = self._sessions[key] = requests.Session()
+            return s
 
     def _request(self, method: str, url: str, payload: Any = None, timeout: float | None = None,
                  retry: RetryPolicy | None = None, json_4xx: bool = False) -> Any:
@@ -247,7 +252,7 @@ class SGLangEngine(RolloutEngine):
         for attempt in range(1, retry.max_attempts + 1):
             time.sleep(retry.sleep_before(attempt))
             try:
-                resp = self._session().request(method, url, json=payload, timeout=timeout)
+                resp = self._session(url).request(method, url, json=payload, timeout=timeout)
                 if resp.status_code >= 500:
                     raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]!r}")
             except (requests.ConnectionError, requests.Timeout, _Retryable) as e:
@@ -348,7 +353,7 @@ class SGLangEngine(RolloutEngine):
         out = {}
         for url in self.urls:
             try:
-                r = self._session().get(url + endpoint, timeout=(self.connect_timeout, 30.0 if generate else 5.0))
+                r = self._session(url).get(url + endpoint, timeout=(self.connect_timeout, 30.0 if generate else 5.0))
                 out[url] = r.status_code == 200
             except (requests.ConnectionError, requests.Timeout):
                 out[url] = False
@@ -368,8 +373,8 @@ class SGLangEngine(RolloutEngine):
             time.sleep(poll)
 
     def close(self) -> None:
-        """Close this thread's HTTP session."""
-        s = getattr(self._local, "session", None)
-        if s is not None:
-            s.close()
-            self._local.session = None
+        """Close the HTTP sessions."""
+        with self._lock:
+            for s in self._sessions.values():
+                s.close()
+            self._sessions.clear()
