@@ -363,3 +363,16 @@ def test_transformer_engine_names():
     with pytest.raises(CheckpointMismatchError, match=r"missing from the checkpoint: "
                                                       r"\['module.decoder.layers.2.self_attention.linear_proj"):
         load_state_dict_into_model(_FakeModel(te), local, where="tp=0 pp=0")
+
+
+def test_unshard_rejects_diverged_replicas(models):
+    """A replicated tensor (norm) that differs between TP ranks is an error, not silently rank 0's copy."""
+    g, _, hf = __import__("megatron_rl.convert", fromlist=["x"]).read_hf_checkpoint(models["llama"])
+    full = hf_to_mcore(hf, g)
+    lay = ShardLayout(2, 1)
+    dense = {k: dense_shard(full, g, lay, *k) for k in dense_keys(lay)}
+    dense[(1, 0)]["decoder.layers.1.pre_mlp_layernorm.weight"] = dense[(1, 0)][
+        "decoder.layers.1.pre_mlp_layernorm.weight"] + 1e-3
+    with pytest.raises(CheckpointMismatchError, match=r"replicated tensor 'decoder.layers.1.pre_mlp_layernorm"
+                                                      r".weight' differs between shard 0 and shard 1"):
+        unshard(dense, {}, g, lay)

@@ -33,6 +33,9 @@ def model_config_from_hf(cfg: Dict[str, Any], padded_vocab_size: Optional[int] =
     from megatron_rl.models.config import ModelConfig
 
     g = HFGeometry.from_hf_config(cfg)
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        raise UnsupportedCheckpointError("config.json: use_sliding_window=true (sliding-window attention) is "
+                                         "unsupported by the Megatron model")
     vocab = padded_vocab_size or g.vocab_size
     if vocab < g.vocab_size:
         raise ValueError(f"padded_vocab_size={vocab} is smaller than config.json vocab_size={g.vocab_size}")

@@ -149,8 +149,13 @@ def _split(t: Tensor, kind: str, n: int, r: int, padded_rows: int) -> Tensor:
     raise ValueError(f"unknown shard kind {kind!r}")
 
 
-def _merge(parts: List[Tensor], kind: str, full_rows: int) -> Tensor:
-    if kind == REPLICATED or len(parts) == 1 and kind != VOCAB:
+def _merge(parts: List[Tensor], kind: str, full_rows: int, name: str = "") -> Tensor:
+    if kind == REPLICATED:
+        for i, p in enumerate(parts[1:], 1):
+            if not torch.equal(p, parts[0]):
+                raise CheckpointMismatchError(f"replicated tensor {name!r} differs between shard 0 and shard {i}")
+        return parts[0].clone()
+    if len(parts) == 1 and kind != VOCAB:
         return parts[0].clone()
     if kind == COLUMN:
         return torch.cat(parts, dim=0)
@@ -282,7 +287,7 @@ def unshard(dense: Mapping[Tuple[int, int], Mapping[str, Tensor]],
             for t in range(layout.tp):
                 parts.append(_take(dense[(t, pp)], name, shape, f"shard tp={t} pp={pp}"))
                 used[(t, pp)].add(name)
-            full[r.mcore_name] = _merge(parts, r.shard, r.mcore_shape[0])
+            full[r.mcore_name] = _merge(parts, r.shard, r.mcore_shape[0], name)
         tied = _tied_output_rule(g, layout, pp)
         if tied is not None:
             shape = _local_shape(tied, layout.tp, pv)
@@ -308,7 +313,7 @@ def unshard(dense: Mapping[Tuple[int, int], Mapping[str, Tensor]],
             for t in range(layout.etp):
                 parts.append(_take(experts[(e, t, pp)], name, shape, f"expert shard ep={e} etp={t} pp={pp}"))
                 used_e[(e, t, pp)].add(name)
-            full[r.mcore_name] = _merge(parts, r.shard, r.mcore_shape[0])
+            full[r.mcore_name] = _merge(parts, r.shard, r.mcore_shape[0], name)
         for (e, t, p), names in used_e.items():
             extra = sorted(set(experts[(e, t, p)]) - names)
             if extra:
