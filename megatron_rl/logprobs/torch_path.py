@@ -11,9 +11,8 @@ Memory per call: the two workspaces (2 x 4 x c x W bytes) plus O(c) vectors.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 
