@@ -18,6 +18,7 @@ from typing import List, Optional
 _SUBCOMMANDS = {
     "convert": "megatron_rl.cli.convert",
     "train": "megatron_rl.train",
+    "score": "megatron_rl.score",
     "check": "megatron_rl.cli.check",
     "report": "megatron_rl.cli.report",
 }
