@@ -9,8 +9,8 @@ missing; a plot is drawn when at least one of its keys exists. A step logged twi
 keeps its last record. Non-numeric values are ignored; NaN / inf are kept and flagged.
 
 Plots (matplotlib, Agg backend): ``reward_length.png`` (reward and response length),
-``mismatch_kl.png`` (rollout_corr kl, k3_kl, chi2_token, chi2_seq), ``is_ratio.png`` (IS weight mean
-and token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
+``mismatch_kl.png`` (rollout_corr kl; k3_kl; chi2_token and chi2_seq), ``is_ratio.png`` (IS weight mean;
+token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
 masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
 (policy loss, grad norm, entropy).
 
@@ -55,9 +55,9 @@ P = "rollout_corr/"
 PLOTS: List[Tuple[str, str, List[List[str]]]] = [
     ("reward_length.png", "Reward and response length", [["reward/mean"], ["response_length/mean"]]),
     ("mismatch_kl.png", "Rollout / training mismatch",
-     [[P + "kl", P + "k3_kl"], [P + "chi2_token", P + "chi2_seq"]]),
+     [[P + "kl"], [P + "k3_kl"], [P + "chi2_token", P + "chi2_seq"]]),
     ("is_ratio.png", "IS weights: mean and token-ratio quantiles",
-     [[P + "rollout_is_mean", P + "rollout_is_p50", P + "rollout_is_p90", P + "rollout_is_p99"]]),
+     [[P + "rollout_is_mean"], [P + "rollout_is_p50", P + "rollout_is_p90", P + "rollout_is_p99"]]),
     ("ess.png", "Effective sample size of the IS weights (normalised)", [[P + "rollout_is_eff_sample_size"]]),
     ("masked_fractions.png", "Rejected fractions",
      [[P + "rollout_rs_masked_fraction", P + "rollout_is_veto_fraction"]]),
@@ -208,6 +208,7 @@ def make_plots(records: Sequence[dict], out_dir: str) -> List[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     written = []
     for fname, title, panel_keys in PLOTS:
@@ -226,12 +227,20 @@ def make_plots(records: Sequence[dict], out_dir: str) -> List[str]:
                 ax.plot(xs, ys, label=k.replace(P, ""), marker="." if len(xs) < 60 else None, lw=1.2)
             ax.grid(alpha=0.3)
             keys = [k for k, _, _ in present]
-            if len(present) == 1 and not fname.startswith(("ess", "is_ratio", "masked")):
+            if len(present) == 1 and not fname.startswith(("ess", "masked")):
                 ax.set_ylabel(keys[0].replace(P, ""), fontsize=8)
             if P + "rollout_is_mean" in keys:
                 ax.axhline(1.0, color="k", lw=0.8, ls=":")
                 ax.axhspan(1 - IS_MEAN_DEV_MAX, 1 + IS_MEAN_DEV_MAX, color="g", alpha=0.08,
                            label=f"healthy mean: 1 +- {IS_MEAN_DEV_MAX}")
+                vals = [y for _, _, ys in present for y in ys if math.isfinite(y)] + [1.0]
+                pad = max(1e-4, 0.1 * (max(vals) - min(vals)))
+                ax.set_ylim(min(vals) - pad, max(vals) + pad)   # zoom on the data, not on the band
+            if P + "rollout_is_p99" in keys or P + "rollout_is_p50" in keys:
+                ax.axhline(1.0, color="k", lw=0.8, ls=":")
+                vals = [y for _, _, ys in present for y in ys if math.isfinite(y)]
+                if vals and min(vals) > 0 and max(vals) / min(vals) > 20:
+                    ax.set_yscale("log")
             if P + "rollout_is_eff_sample_size" in keys:
                 ax.axhline(ESS_MIN, color="r", lw=1, ls="--", label=f"ESS_MIN = {ESS_MIN}")
                 ax.set_ylim(0, 1.05)
@@ -243,9 +252,10 @@ def make_plots(records: Sequence[dict], out_dir: str) -> List[str]:
                     ax.set_yscale("log")
             if len(present) > 1 or ax.get_legend_handles_labels()[0][1:]:
                 ax.legend(fontsize=8)
-            elif fname.startswith(("ess", "is_ratio", "masked")):
+            elif fname.startswith(("ess", "masked")) or P + "rollout_is_mean" in keys:
                 ax.legend(fontsize=8)
         axes[-1, 0].set_xlabel("step")
+        axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, fname), dpi=110)
@@ -279,7 +289,7 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
              f"**Status: {status}** - {len(records)} steps ({steps[0]}..{steps[-1]}).", ""]
     t0, t1 = series(records, "time")[1][:1], series(records, "time")[1][-1:]
     if t0 and t1 and t1[0] > t0[0]:
-        lines[-2] += f" Wall time {t1[0] - t0[0]:.0f} s."
+        lines[-2] += f" Wall time {t1[0] - t0[0]:.1f} s."
     lines += ["## Findings", ""]
     if findings:
         lines += [f"- **{f.severity}** {f.check}: {f.message}" for f in findings]
