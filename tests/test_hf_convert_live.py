@@ -98,6 +98,10 @@ def test_model_config_mismatch_names_fields(hf_models):
     bad = model_config_from_hf(dict(cfg, num_hidden_layers=3, moe_intermediate_size=64))
     with pytest.raises(CheckpointMismatchError, match=r"num_layers: checkpoint 2 vs model 3.*moe_ffn_hidden_size"):
         check_model_config_matches(geom, cfg, bad)
+    from megatron_rl.convert import model_config_for_checkpoint
+
+    assert model_config_for_checkpoint(hf_models["qwen3_moe"], 2, 100).vocab_size == 400  # 384 padded to 2*100
+    assert model_config_for_checkpoint(hf_models["qwen3_moe"]) == good
     small = model_config_from_hf(dict(cfg, vocab_size=300))
     with pytest.raises(CheckpointMismatchError, match=r"vocab_size: checkpoint 384 > model 300"):
         check_model_config_matches(geom, cfg, small)

@@ -17,7 +17,7 @@ from megatron_rl.convert.api import (convert_hf_to_mcore, convert_mcore_to_hf, e
                                      read_mcore_checkpoint)
 from megatron_rl.convert.live import (check_model_config_matches, export_model_to_hf, gather_full_state_dict,
                                       load_checkpoint_into_model)
-from megatron_rl.convert.model_config import model_config_from_hf
+from megatron_rl.convert.model_config import model_config_for_checkpoint, model_config_from_hf
 from megatron_rl.convert.geometry import HFGeometry, UnsupportedCheckpointError
 from megatron_rl.convert.mapping import CheckpointMismatchError, hf_to_mcore, mcore_to_hf, param_rules
 from megatron_rl.convert.model_state import (adapt_names_to_model, canonical_state_dict,
@@ -30,6 +30,6 @@ __all__ = [
     "load_rank_state_dict", "read_full_mcore_state_dict", "read_hf_checkpoint", "read_mcore_checkpoint",
     "hf_to_mcore", "mcore_to_hf", "param_rules", "rank_state_dict", "unshard", "adapt_names_to_model",
     "canonical_state_dict", "load_state_dict_into_model", "UnsupportedCheckpointError",
-    "CheckpointMismatchError", "LayoutError", "CheckpointFormatError", "model_config_from_hf",
+    "CheckpointMismatchError", "LayoutError", "CheckpointFormatError", "model_config_from_hf", "model_config_for_checkpoint",
     "load_checkpoint_into_model", "export_model_to_hf", "gather_full_state_dict", "check_model_config_matches",
 ]

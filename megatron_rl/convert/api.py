@@ -44,15 +44,17 @@ def _model_config_dict(hf_cfg: dict, padded_vocab: int) -> dict:
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, layout: ShardLayout, overwrite: bool = False) -> dict:
     """Import a HF safetensors checkpoint into per-rank Megatron shards in ``out_dir``.
 
-    Checks (in this order, before writing anything): supported architecture, layout fits the model
-    (divisibility by TP/PP/EP/ETP), ``out_dir`` empty (or ``overwrite``: then a previous converted
+    Checks (in this order, before writing anything): supported architecture and options, layout fits
+    the model (divisibility by TP/PP/EP/ETP), ``out_dir`` empty (or ``overwrite``: then a previous converted
     checkpoint there is removed first — only files of this format), every tensor name and shape.
     Returns the metadata written.
     """
-    geom = HFGeometry.from_hf_config(storage.read_hf_config(hf_dir))
+    hf_cfg = storage.read_hf_config(hf_dir)
+    geom = HFGeometry.from_hf_config(hf_cfg)
     layout.validate(geom)
+    model_config = _model_config_dict(hf_cfg, layout.padded_vocab(geom.vocab_size))
     storage.prepare_output_dir(out_dir, overwrite)
-    _, hf_cfg, hf_sd = read_hf_checkpoint(hf_dir)
+    hf_sd = storage.read_hf_state_dict(hf_dir)
     full = hf_to_mcore(hf_sd, geom)
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in full.values()})
     for tp, pp in dense_keys(layout):
@@ -68,7 +70,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, layout: ShardLayout, overwrit
         "dtypes": dtypes,
         "hf_assets": assets,
         "source_hf_dir": os.path.abspath(hf_dir),
-        "model_config": _model_config_dict(hf_cfg, layout.padded_vocab(geom.vocab_size)),
+        "model_config": model_config,
     }
     storage.write_metadata(out_dir, meta)
     return meta

@@ -58,3 +58,20 @@ def model_config_from_hf(cfg: Dict[str, Any], padded_vocab_size: Optional[int] =
             moe_layer_freq=[int(x) for x in g.moe_layers],
         )
     return ModelConfig(**kw)
+
+
+def model_config_for_checkpoint(ckpt_dir: str, tensor_model_parallel_size: int = 1,
+                                make_vocab_size_divisible_by: int = 1):
+    """``ModelConfig`` to build for a HF directory or a converted directory at this TP size: the vocab is
+    padded like the converter pads it (multiple of make_vocab_size_divisible_by x TP)."""
+    import os
+
+    from megatron_rl.convert import storage
+    from megatron_rl.convert.sharding import ShardLayout
+
+    if os.path.isfile(os.path.join(ckpt_dir, storage.METADATA_FILE)):
+        ckpt_dir = os.path.join(ckpt_dir, storage.ASSETS_DIR)
+    cfg = storage.read_hf_config(ckpt_dir)
+    lay = ShardLayout(tensor_model_parallel_size=tensor_model_parallel_size,
+                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    return model_config_from_hf(cfg, padded_vocab_size=lay.padded_vocab(int(cfg["vocab_size"])))
