@@ -1,0 +1,75 @@
+"""Tasks: prompts plus verifiable rewards.
+
+* ``base``: ``Task`` (``sample(n, rng)``, ``reward(prompt, response_ids)``) and ``Prompt``.
+* ``synthetic``: built-in digit tasks ``copy`` / ``reverse`` / ``sort`` / ``add`` (rewards in [0, 1]).
+* ``char_tokenizer``: the tiny char-level tokenizer and ``build_task_model`` (tiny Qwen2 + tokenizer).
+* ``datasets``: ``FileTask`` over JSONL / Parquet prompt files.
+* ``reward_fn``: ``load_reward_fn("module:function")``.
+
+``build_task(task, tokenizer, ...)`` maps the ``data:`` config section onto one of these.
+
+Usage::
+
+    tok = build_char_tokenizer()
+    task = build_task("copy", tok, task_kwargs={"min_digits": 1, "max_digits": 3})
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from megatron_rl.tasks.base import Prompt, Task, response_text, split_at_eos
+from megatron_rl.tasks.char_tokenizer import build_char_tokenizer, build_task_model, task_model_config
+from megatron_rl.tasks.datasets import FileTask, load_records
+from megatron_rl.tasks.reward_fn import RewardFunction, load_reward_fn
+from megatron_rl.tasks.synthetic import DIGIT_TASKS, DigitTask
+
+
+class RewardOverrideTask(Task):
+    """A task whose prompts come from ``inner`` and whose reward is a ``module:function`` reward of
+    ``(prompt.text, decoded response, prompt.answer)``."""
+
+    def __init__(self, inner: Task, reward_fn: RewardFunction):
+        self.name = inner.name
+        super().__init__(inner.tokenizer)
+        self.inner, self.reward_fn = inner, reward_fn
+
+    def sample(self, n, rng):
+        """The inner task's prompts."""
+        return self.inner.sample(n, rng)
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
+        """The override reward of the decoded response."""
+        text, _ = response_text(self.tokenizer, response_ids)
+        return self.reward_fn(prompt.text, text, prompt.answer)
+
+
+def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = "prompt",
+               answer_key: str = "answer", reward_fn: str | None = None,
+               task_kwargs: Mapping[str, Any] | None = None) -> Task:
+    """The ``Task`` for the ``data:`` config section: a built-in digit task (``task`` in ``DIGIT_TASKS``,
+    options in ``task_kwargs``) or ``task="file"`` reading ``path``. ``reward_fn`` ("module:function")
+    replaces the built-in reward. Errors name the config key."""
+    task_kwargs = dict(task_kwargs or {})
+    fn = load_reward_fn(reward_fn) if reward_fn is not None else None
+    if task == "file":
+        if path is None:
+            raise ValueError("data.task='file' needs data.path (a .jsonl or .parquet file)")
+        if task_kwargs:
+            raise ValueError(f"data.task_kwargs={task_kwargs!r} is not used by data.task='file'")
+        return FileTask(path, tokenizer, prompt_key=prompt_key, answer_key=answer_key, reward_fn=fn)
+    if task in DIGIT_TASKS:
+        allowed = {"min_digits", "max_digits", "partial_credit"}
+        unknown = sorted(set(task_kwargs) - allowed)
+        if unknown:
+            raise ValueError(f"data.task_kwargs has unknown key(s) {unknown} for task {task!r}; "
+                             f"allowed: {sorted(allowed)}")
+        inner = DigitTask(task, tokenizer, **task_kwargs)
+        return RewardOverrideTask(inner, fn) if fn is not None else inner
+    raise ValueError(f"data.task={task!r} must be one of {DIGIT_TASKS + ('file',)}")
+
+
+__all__ = [
+    "DIGIT_TASKS", "DigitTask", "FileTask", "Prompt", "RewardFunction", "RewardOverrideTask", "Task",
+    "build_char_tokenizer", "build_task", "build_task_model", "load_records", "load_reward_fn",
+    "response_text", "split_at_eos", "task_model_config",
+]

@@ -1,0 +1,87 @@
+"""The ``Task`` interface: a source of prompts plus a verifier that scores responses.
+
+A task owns a tokenizer (``transformers.PreTrainedTokenizerFast``); ``sample(n, rng)`` draws ``n`` prompts
+(``Prompt(prompt_ids, answer, text)``) with a ``random.Random``, and ``reward(prompt, response_ids)`` scores a
+generated response (token ids as the engine returned them, possibly ending in EOS) as a float.
+
+Usage::
+
+    prompts = task.sample(8, random.Random(0))
+    r = task.reward(prompts[0], rollout.response_ids)
+"""
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task."""
+
+    #: The token ids sent to the rollout engine.
+    prompt_ids: list[int]
+    #: The reference answer passed to the verifier (a string for the built-in tasks; any JSON value for files).
+    answer: Any
+    #: The prompt as text (what a ``module:function`` reward receives as ``prompt_text``).
+    text: str
+
+
+def split_at_eos(response_ids: Sequence[int], eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """``(ids before the first EOS, whether an EOS was found)`` for a response's token ids."""
+    eos = set(int(e) for e in eos_token_ids)
+    out = []
+    for t in response_ids:
+        if int(t) in eos:
+            return out, True
+        out.append(int(t))
+    return out, False
+
+
+def response_text(tokenizer, response_ids: Sequence[int], skip_special_tokens: bool = True) -> tuple[str, bool]:
+    """Decode a response up to (excluding) its first EOS; also say whether it ended with EOS. Other special
+    tokens (PAD, ...) are dropped when ``skip_special_tokens``, else decoded as their text."""
+    eos = tokenizer.eos_token_id
+    ids, terminated = split_at_eos(response_ids, [] if eos is None else [eos])
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), terminated
+
+
+def check_rng(rng, where: str) -> random.Random:
+    """``rng`` must be a ``random.Random`` (the loop keeps its state for exact resume)."""
+    if not isinstance(rng, random.Random):
+        raise TypeError(f"{where}: rng must be a random.Random, got {type(rng).__name__}")
+    return rng
+
+
+class Task(abc.ABC):
+    """Prompts plus a verifiable reward."""
+
+    #: Short name (e.g. "copy", or the dataset file name).
+    name: str = "task"
+
+    def __init__(self, tokenizer):
+        """``tokenizer``: a ``PreTrainedTokenizerFast`` with an ``eos_token_id``."""
+        if getattr(tokenizer, "eos_token_id", None) is None:
+            raise ValueError(f"task {self.name!r}: the tokenizer has no eos_token_id")
+        self.tokenizer = tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        """The EOS id responses should end with."""
+        return int(self.tokenizer.eos_token_id)
+
+    @abc.abstractmethod
+    def sample(self, n: int, rng: random.Random) -> list[Prompt]:
+        """Draw ``n`` prompts using ``rng`` (deterministic given its state)."""
+
+    @abc.abstractmethod
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
+        """Score one response (token ids, possibly ending in EOS) to ``prompt``."""
+
+    def rewards(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> list[float]:
+        """``reward`` for each (prompt, response) pair."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"task {self.name!r}: {len(prompts)} prompts but {len(responses)} responses")
+        return [float(self.reward(p, r)) for p, r in zip(prompts, responses)]

@@ -1,0 +1,132 @@
+"""The tiny character-level tokenizer of the synthetic digit tasks, and a builder for a task model directory.
+
+Vocabulary (ids in this order): ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), digits ``0``-``9`` (3-12),
+``:`` ``=`` ``+`` `` `` (space), and the task names ``copy`` ``reverse`` ``sort`` ``add`` as single tokens —
+so ``"copy:123="`` is 6 tokens. It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
+one character) wrapped in ``PreTrainedTokenizerFast``; built offline, deterministic.
+
+``build_task_model(out_dir, task, seed, hidden_size, num_layers)`` writes a randomly initialised tiny HF
+Qwen2 causal LM (fp32 safetensors) plus this tokenizer to ``out_dir`` — the model the embedded default config
+trains from scratch.
+
+Usage::
+
+    tok = build_char_tokenizer()                        # in memory; or build_char_tokenizer("/tmp/tok")
+    path = build_task_model("runs/tiny/model", task="copy", seed=0, hidden_size=64, num_layers=2)
+
+Command line: ``python -m megatron_rl.tasks.char_tokenizer OUT_DIR [--task copy] [--seed 0] [--hidden-size 64]
+[--num-layers 2]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+#: Special tokens, in id order: PAD=0, EOS=1, UNK=2.
+SPECIAL = ("<pad>", "<eos>", "<unk>")
+#: Task-name tokens (one token each).
+TASK_WORDS = ("copy", "reverse", "sort", "add")
+#: All vocabulary entries in id order.
+VOCAB = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + TASK_WORDS
+
+
+def build_char_tokenizer(out_dir: str | os.PathLike | None = None):
+    """Build the char-level ``PreTrainedTokenizerFast`` (see module docstring); save it to ``out_dir`` if
+    given. ``eos_token="<eos>"``, ``pad_token="<pad>"``, ``unk_token="<unk>"``; no BOS, nothing added on
+    encode."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    pattern = "|".join(TASK_WORDS) + "|."
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=256)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def task_model_config(hidden_size: int = 64, num_layers: int = 2, num_attention_heads: int = 4,
+                      num_key_value_heads: int = 2, intermediate_size: int | None = None,
+                      max_position_embeddings: int = 64, tie_word_embeddings: bool = False):
+    """The ``Qwen2Config`` of a task model over the char vocabulary (``intermediate_size`` defaults to
+    ``2 * hidden_size``). Bad sizes raise ``ValueError`` naming the argument."""
+    from transformers import Qwen2Config
+
+    for name, v in (("hidden_size", hidden_size), ("num_layers", num_layers),
+                    ("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_key_value_heads),
+                    ("max_position_embeddings", max_position_embeddings)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"build_task_model: {name}={v!r} must be an int >= 1")
+    if hidden_size % num_attention_heads:
+        raise ValueError(f"build_task_model: hidden_size={hidden_size} must be divisible by "
+                         f"num_attention_heads={num_attention_heads}")
+    if num_attention_heads % num_key_value_heads:
+        raise ValueError(f"build_task_model: num_attention_heads={num_attention_heads} must be divisible by "
+                         f"num_key_value_heads={num_key_value_heads}")
+    cfg = Qwen2Config(
+        vocab_size=len(VOCAB), hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6, hidden_act="silu", initializer_range=0.02, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=VOCAB.index("<eos>"), eos_token_id=VOCAB.index("<eos>"), pad_token_id=VOCAB.index("<pad>"),
+    )
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg
+
+
+def build_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int = 0, hidden_size: int = 64,
+                     num_layers: int = 2, **config_kwargs) -> str:
+    """Write a random-init tiny Qwen2 model (fp32 safetensors, seeded with ``seed``) and the char tokenizer to
+    ``out_dir``; return the path. ``task`` must be a built-in digit task (recorded in ``task_model.json``);
+    ``config_kwargs`` go to ``task_model_config`` (num_attention_heads, num_key_value_heads,
+    intermediate_size, max_position_embeddings, tie_word_embeddings). Same arguments -> identical weights."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if task not in TASK_WORDS:
+        raise ValueError(f"build_task_model: task={task!r} must be one of {TASK_WORDS}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"build_task_model: seed={seed!r} must be an int")
+    cfg = task_model_config(hidden_size=hidden_size, num_layers=num_layers, **config_kwargs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_char_tokenizer(out)
+    transformers.utils.logging.disable_progress_bar()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    cfg_path = out / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data["dtype"] = "float32"
+    cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    (out / "task_model.json").write_text(json.dumps(
+        {"task": task, "seed": seed, "hidden_size": hidden_size, "num_layers": num_layers, **config_kwargs},
+        indent=2, sort_keys=True) + "\n")
+    return str(out)
+
+
+def main(argv=None) -> None:
+    """Command-line entry point: build a task model and print its path."""
+    p = argparse.ArgumentParser(description="Build a tiny Qwen2 model + char tokenizer for a digit task.")
+    p.add_argument("out_dir")
+    p.add_argument("--task", default="copy", choices=TASK_WORDS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    a = p.parse_args(argv)
+    print(build_task_model(a.out_dir, a.task, a.seed, a.hidden_size, a.num_layers))
+
+
+if __name__ == "__main__":
+    main()
