@@ -8,6 +8,10 @@ Public API::
     logp, ent = fused_linear_logprobs(hidden, output_weight_shard, target_ids, tp_group=g,
                                       temperature=1.0, compute_entropy=True, chunk_size=None)
 
+Both also take ``backend="auto"|"torch"|"triton"`` (Triton kernels on CUDA by default) and the fused one
+``reduce_hidden_grad=True`` (all-reduce d hidden over tp_group in backward; set False when hidden comes
+out of megatron's copy_to_tensor_model_parallel_region / gather_from_sequence_parallel_region).
+
 Modules: ``validation`` (input checks, one small cross-rank check), ``torch_path`` (per-chunk torch
 primitives), ``combine`` (the TP combine: one MAX + one SUM all-reduce), ``backend`` (Triton on
 CUDA, torch elsewhere; default chunk size), ``vocab_parallel`` and ``fused_linear`` (autograd

@@ -5,8 +5,10 @@ Memory-bounded and exact across tensor parallelism:
     sum p*z) partials in fp32 (``torch_path`` / Triton kernels); then two all-reduces over
     ``tp_group`` for all tokens (a MAX, then a SUM of the packed partials, ``combine.py``).
     Never an fp32 copy of the whole shard, never an in-place write to the inputs.
-  * backward: per chunk, recompute p from the saved fp32 log-sum-exp (O(tokens) saved state) and
-    write the gradient (dtype of the logits) chunk by chunk into the single returned gradient.
+  * backward: per chunk, recompute p from the saved fp32 per-token raw max, log sum-exp and entropy
+    (O(tokens) saved state; the logits are saved by reference, not copied) and write the gradient
+    (dtype of the logits, computed in fp32 and rounded once) chunk by chunk into the single returned
+    gradient tensor.
 Works for a loss built from log-probs, entropy or both (unused outputs cost nothing in backward).
 
 Usage::
