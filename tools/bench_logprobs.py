@@ -14,7 +14,8 @@ and c's forward time / floor. Targets: c extra <= 10%, c time <= b, d extra <= 5
 
 Usage:
   OMP_NUM_THREADS=1 python tools/bench_logprobs.py            # 8192 x 32768 and 8192 x 37984
-  OMP_NUM_THREADS=1 python tools/bench_logprobs.py --quick    # 1024 x 4096 (seconds)
+  OMP_NUM_THREADS=1 python tools/bench_logprobs.py --quick    # 1024 x 4096 (seconds; a smoke run: the
+      ratio targets are meaningless there, c's ~8 MiB workspace is a large fraction of a 16 MiB fp32 copy)
   ... --cases c,d --chunk-size 64 --threads 1
 Runs single-threaded by default (shared machines); every number is from one run, so timings carry the
 noise of whatever else runs on the machine.
