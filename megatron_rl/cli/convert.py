@@ -4,7 +4,9 @@ process group — pure tensor slicing).
     megatron-rl convert hf-to-mcore --hf-dir D --out O --tensor-model-parallel-size T \\
         --pipeline-model-parallel-size P [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET] \\
         [--make-vocab-size-divisible-by 1] [--overwrite]
-    megatron-rl convert mcore-to-hf --mcore-dir O --out D2 [--overwrite]
+    megatron-rl convert mcore-to-hf --mcore-dir O --out D2 [--hf-assets-dir HF] [--overwrite]
+
+``--mcore-dir`` may also be a megatron torch_dist (dist_checkpointing) checkpoint of the model.
 
 Bad input (unsupported ``architectures``, a layout that does not divide heads / KV heads / FFN / experts /
 layers, missing or unexpected tensors, shape mismatches, a non-empty output directory) prints one
@@ -42,7 +44,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
         raise CheckpointFormatError(f"output directory {args.out} is not empty; pass --overwrite to write into it")
     t0 = time.time()
-    files = convert_mcore_to_hf(args.mcore_dir, args.out)
+    files = convert_mcore_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir)
     print(f"exported {args.mcore_dir} to HF safetensors in {args.out} ({len(files)} weight file(s), "
           f"{time.time() - t0:.1f}s)")
     return 0
@@ -82,7 +84,11 @@ def add_parser(subparsers) -> None:
     a.set_defaults(func=_run(_hf_to_mcore))
 
     b = sub.add_parser("mcore-to-hf", help="Megatron per-rank shards -> HF safetensors (+config, tokenizer)")
-    b.add_argument("--mcore-dir", required=True, help="directory written by hf-to-mcore")
+    b.add_argument("--mcore-dir", required=True,
+                   help="directory written by hf-to-mcore, or a megatron torch_dist (dist_checkpointing) checkpoint")
+    b.add_argument("--hf-assets-dir", default=None,
+                   help="HF directory whose config.json / tokenizer files go beside the weights (default: the "
+                        "copy in --mcore-dir/hf_assets; required for torch_dist checkpoints)")
     b.add_argument("--out", required=True, help="output HF model directory")
     b.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     b.set_defaults(func=_run(_mcore_to_hf))

@@ -8,6 +8,7 @@ Pure tensor work in one process (no process group). Modules, each with one job:
   model_state  load a rank state dict into a live Megatron model (local or TE spec) / read it back
   model_config ModelConfig for a HF config.json (+ padded vocab) — what to build to load the shards
   api          the conversion entry points used by ``megatron-rl convert`` (pure, one process)
+  torch_dist   read the model tensors of a megatron dist_checkpointing (torch_dist) checkpoint, one process
   live         load a checkpoint into a live parallel model / export a live model to HF (collective)
 
 Command line: ``megatron-rl convert hf-to-mcore ...`` / ``megatron-rl convert mcore-to-hf ...``.

@@ -114,11 +114,26 @@ def export_hf_from_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: s
     return storage.write_hf_state_dict(out_dir, hf_sd, max_shard_bytes)
 
 
-def convert_mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> list:
-    """Export a converted shard directory back to a HF safetensors directory (config + tokenizer from
-    the copy kept at import time). Returns the weight files written."""
-    geom, full = read_full_mcore_state_dict(mcore_dir)
-    return export_hf_from_full(full, geom, out_dir, os.path.join(mcore_dir, storage.ASSETS_DIR), max_shard_bytes)
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30,
+                        assets_dir: Optional[str] = None) -> list:
+    """Export a converted shard directory — or a megatron torch_dist (dist_checkpointing) checkpoint —
+    to a HF safetensors directory. Config and tokenizer files come from ``assets_dir`` (default: the
+    ``hf_assets`` copy kept at import time; required for torch_dist checkpoints without one).
+    Returns the weight files written."""
+    from megatron_rl.convert.torch_dist import is_torch_dist_checkpoint, read_torch_dist_model_state_dict
+
+    if assets_dir is None and os.path.isdir(os.path.join(mcore_dir, storage.ASSETS_DIR)):
+        assets_dir = os.path.join(mcore_dir, storage.ASSETS_DIR)
+    if is_torch_dist_checkpoint(mcore_dir):
+        if assets_dir is None:
+            raise storage.CheckpointFormatError(
+                f"{mcore_dir} is a torch_dist checkpoint without {storage.ASSETS_DIR}/: pass the original HF "
+                f"directory as assets_dir / --hf-assets-dir (config.json + tokenizer)")
+        geom = HFGeometry.from_hf_config(storage.read_hf_config(assets_dir))
+        full = read_torch_dist_model_state_dict(mcore_dir, geom)
+    else:
+        geom, full = read_full_mcore_state_dict(mcore_dir)
+    return export_hf_from_full(full, geom, out_dir, assets_dir, max_shard_bytes)
 
 
 def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0,
