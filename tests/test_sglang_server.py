@@ -1,5 +1,6 @@
 """SGLangEngine against a REAL SGLang server (python -m sglang.launch_server, CPU, bf16) serving a tiny model
-built offline by megatron_rl.testing.tiny_hf. One server for the whole module (start-up 16-60 s on 2 cores).
+built offline by megatron_rl.testing.tiny_hf. One server for the whole module (start-up 16-90 s on 2 busy
+cores); the last test kills it mid rollout loop (the fixture restarts it if a test needs it afterwards).
 
 References are independent of the code under test: Hugging Face transformers forward passes of the same
 checkpoint in fp32/float64 on prompt+response, ``log_softmax(logits / T)`` gathered at the sampled tokens.
@@ -15,16 +16,25 @@ Skipped (with the reason) only if sglang is not importable by the server interpr
 Run: OMP_NUM_THREADS=1 pytest tests/test_sglang_server.py
 """
 import math
+import os
 import shutil
+import threading
+import time
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_rl.rollout.base import SamplingParams, StaleRolloutError, WeightSyncError  # noqa: E402
+from megatron_rl.rollout.base import (  # noqa: E402
+    EngineUnavailableError,
+    RolloutError,
+    SamplingParams,
+    StaleRolloutError,
+    WeightSyncError,
+)
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine  # noqa: E402
-from megatron_rl.rollout.sglang_server import launch_sglang_server, sglang_available  # noqa: E402
+from megatron_rl.rollout.sglang_server import group_members, launch_sglang_server, sglang_available  # noqa: E402
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model  # noqa: E402
 
 _OK, _REASON = sglang_available()
@@ -55,11 +65,24 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("sglang_log") / "server.log")
-    with launch_sglang_server(models["v1"], device="cpu", extra_args=["--random-seed", "0"], log_path=log,
-                              ready_timeout=600) as handle:
-        yield handle
+def _server_box(tmp_path_factory):
+    box = {"log_dir": tmp_path_factory.mktemp("sglang_log")}
+    yield box
+    if box.get("handle") is not None:
+        box["handle"].terminate()
+
+
+@pytest.fixture
+def server(_server_box, models):
+    """The module's server; (re)started on demand, so the kill test (last in the file) may run in any order."""
+    h = _server_box.get("handle")
+    if h is None or not h.alive():
+        if h is not None:
+            h.terminate()
+        log = str(_server_box["log_dir"] / f"server{len(list(_server_box['log_dir'].iterdir()))}.log")
+        h = _server_box["handle"] = launch_sglang_server(
+            models["v1"], device="cpu", extra_args=["--random-seed", "0"], log_path=log, ready_timeout=600)
+    return h
 
 
 @pytest.fixture
@@ -225,3 +248,47 @@ def test_failed_weight_update_raises_and_keeps_serving(engine, tmp_path):
         eng.update_weights(missing, "v9")
     r = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0]
     assert r.weight_version == "v1"
+
+
+def _group_gone(pgid):
+    """No live process left in the group (from /proc, then a signal-0 probe of each survivor)."""
+    for pid in group_members(pgid):
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+    return True
+
+
+def test_server_killed_mid_run_gives_clear_error_in_bounded_time(server):
+    """Runs last: SIGKILLs the module's server (whole process group) while a rollout loop is sending requests."""
+    eng = SGLangEngine(server.url, request_timeout=60,
+                       retry=RetryPolicy(max_attempts=3, backoff_initial=0.2, backoff_max=1.0))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
+    done, failure = [], []
+
+    def rollout_loop():
+        try:
+            while True:
+                done.append(eng.generate(PROMPTS, sp, n=4))
+        except RolloutError as e:
+            failure.append((time.monotonic(), e))
+
+    t = threading.Thread(target=rollout_loop, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while len(done) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(done) >= 2, f"rollout steps did not complete before the kill; log tail:\n{server.log_tail()}"
+    assert all(len(step) == len(PROMPTS) * 4 for step in done)
+    killed_at = time.monotonic()
+    server.kill()
+    t.join(timeout=60)
+    assert not t.is_alive(), "generate() must not hang after the server dies"
+    assert not server.alive() and _group_gone(server.pid)
+    when, err = failure[0]
+    assert isinstance(err, EngineUnavailableError), repr(err)
+    msg = str(err)
+    assert server.url + "/generate" in msg and "3 attempts" in msg and "ConnectionError" in msg
+    assert when - killed_at < 10, f"error took {when - killed_at:.1f} s after the kill"
