@@ -196,3 +196,13 @@ def test_cli_options_after_overrides():
     r = _cli(Q30, "rollout.max_new_tokens=1024", "--nodes", "2", "--recompute", "full")
     assert r.returncode == 0, r.stderr
     assert "sequence 2048 tokens" in r.stdout and "recompute full" in r.stdout
+
+
+def test_cli_recompute_follows_model_extra():
+    r = _cli(Q7, "model.extra.recompute_granularity=full", "model.extra.recompute_method=uniform",
+             "model.extra.recompute_num_layers=1")
+    assert r.returncode == 0, r.stderr
+    assert "recompute full" in r.stdout
+    r = _cli(Q7, "model.extra.recompute_granularity=full", "--recompute", "none")
+    assert "recompute none" in r.stdout
+    assert "recompute selective" in _cli(Q7).stdout

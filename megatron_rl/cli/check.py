@@ -31,9 +31,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {args.config} at world size {world} ({args.nodes} node(s) x {args.gpus_per_node} GPU(s)):"
               f" {exc}", file=sys.stderr)
         return 2
+    recompute = args.recompute
+    if recompute is None:  # what the trainer will do: megatron's recompute_granularity passed via model.extra
+        granularity = (cfg.model.extra or {}).get("recompute_granularity") if cfg.model else None
+        recompute = "full" if granularity == "full" else "selective"
     opts = MemoryOptions(prompt_length=args.prompt_length, params_bytes=args.params_bytes,
                          grad_bytes=args.grad_bytes, distributed_optimizer=not args.no_distributed_optimizer,
-                         recompute=args.recompute, fused_logprobs=not args.unfused_logprobs)
+                         recompute=recompute, fused_logprobs=not args.unfused_logprobs)
     try:
         plan = memory_plan(cfg, world, opts)
     except ValueError as exc:
@@ -54,8 +58,11 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="GPU memory in GiB; warn when the plan exceeds it (e.g. 80)")
     p.add_argument("--prompt-length", type=int, default=1024,
                    help="prompt tokens per sequence; sequence = this + rollout.max_new_tokens (default 1024)")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective",
-                   help="activation recomputation assumed for the total (default selective)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                   help="activation recomputation assumed for the total: none (attention scores stored), "
+                        "selective (core attention not stored: flash attention or megatron's selective "
+                        "recompute), full. Default: full if model.extra.recompute_granularity is 'full', "
+                        "else selective")
     p.add_argument("--params-bytes", type=int, choices=(2, 4), default=2, help="bytes per parameter (2 = bf16)")
     p.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4,
                    help="bytes per gradient element (4 = fp32 main grads, megatron's default)")
