@@ -86,10 +86,12 @@ def model_config_from_hf(cfg: Dict[str, Any], padded_vocab_size: Optional[int] =
         untie_embeddings_and_output_weights=not bool(cfg.get("tie_word_embeddings", False)),
         init_method_std=float(cfg.get("initializer_range", 0.02)),
     )
-    if mt in ("qwen3_moe", "qwen2_moe") and int(cfg.get("num_experts", 0) or 0) > 0:
+    # newer transformers serialise num_experts as num_local_experts (attribute_map); hub files use num_experts
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    if mt in ("qwen3_moe", "qwen2_moe") and experts > 0:
         aux = bool(cfg.get("output_router_logits", False))
         kw.update(
-            num_moe_experts=int(cfg["num_experts"]),
+            num_moe_experts=experts,
             moe_router_topk=int(cfg["num_experts_per_tok"]),
             moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
             moe_router_pre_softmax=not bool(cfg.get("norm_topk_prob", False)),  # HF default False
@@ -133,7 +135,6 @@ def megatron_to_hf_config(mc: ModelConfig, model_type: str, vocab_size: Optional
         "num_hidden_layers": mc.num_layers,
         "num_attention_heads": mc.num_attention_heads,
         "num_key_value_heads": mc.query_groups,
-        "head_dim": mc.head_dim,
         "vocab_size": int(vocab_size or mc.vocab_size),
         "max_position_embeddings": mc.max_position_embeddings,
         "rope_theta": float(mc.rotary_base),
@@ -144,6 +145,8 @@ def megatron_to_hf_config(mc: ModelConfig, model_type: str, vocab_size: Optional
         "attention_dropout": 0.0,
         "torch_dtype": torch_dtype,
     }
+    if mc.kv_channels is not None or want_qk:  # Qwen3 configs default head_dim to 128: always explicit
+        out["head_dim"] = mc.head_dim
     if model_type in ("llama", "qwen3", "qwen3_moe"):
         out["attention_bias"] = False
     if model_type == "llama":
