@@ -142,3 +142,28 @@ def test_real_configs_use_verl_correction_keys():
     for name in ("qwen2.5_7b_1x8.yaml", "qwen3_30b_a3b_2x8.yaml", "deepseek_v3_scale_64x8.yaml"):
         rc = _yaml(name)["algorithm"]["rollout_correction"]
         assert not set(rc) & set(LEGACY_KEYS), f"{name} uses seed-era keys {set(rc) & set(LEGACY_KEYS)}"
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("qwen2.5_7b_1x8.yaml", []),
+    ("qwen3_30b_a3b_2x8.yaml", []),
+    ("deepseek_v3_scale_64x8.yaml", []),
+    # the 32-node variant documented in the config header
+    ("deepseek_v3_scale_64x8.yaml", ["parallel.expert_model_parallel_size=32", "parallel.tensor_model_parallel_size=4",
+                                     "model.extra.recompute_granularity=full", "model.extra.recompute_method=uniform",
+                                     "model.extra.recompute_num_layers=1"]),
+])
+def test_megatron_accepts_the_transformer_config(name, overrides):
+    """megatron-core's own TransformerConfig validation (an independent check of the model + layout)."""
+    import torch
+
+    from megatron_rl.models.builder import make_transformer_config
+
+    world = WORLD[name] if not overrides else 32 * 8
+    cfg = load_job_config(os.path.join(CONFIGS, name), overrides, world_size=world)
+    tc = make_transformer_config(cfg.model, cfg.parallel, params_dtype=torch.bfloat16)
+    assert tc.num_layers == cfg.model.num_layers
+    assert tc.tensor_model_parallel_size == cfg.parallel.tensor_model_parallel_size
+    if cfg.model.is_moe:
+        assert tc.num_moe_experts == cfg.model.num_moe_experts
+        assert sum(tc.moe_layer_freq) == sum(cfg.model.moe_layer_pattern())
