@@ -65,7 +65,8 @@ def _run(fn):
 def add_parser(subparsers) -> None:
     """Register ``convert`` and its two directions on the top-level subparsers."""
     p = subparsers.add_parser("convert", help="convert checkpoints between HF and Megatron layouts",
-                              description=__doc__.splitlines()[0])
+                              description="Convert checkpoints between HF safetensors and Megatron per-rank "
+                                          "shards (one process, pure tensor slicing; no GPU, no process group).")
     sub = p.add_subparsers(dest="direction", metavar="DIRECTION")
     sub.required = True
 

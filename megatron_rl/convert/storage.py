@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping
 
 import torch
 from safetensors import safe_open
