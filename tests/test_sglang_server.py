@@ -81,7 +81,8 @@ def server(_server_box, models):
             h.terminate()
         log = str(_server_box["log_dir"] / f"server{len(list(_server_box['log_dir'].iterdir()))}.log")
         h = _server_box["handle"] = launch_sglang_server(
-            models["v1"], device="cpu", extra_args=["--random-seed", "0"], log_path=log, ready_timeout=600)
+            models["v1"], device="cpu", extra_args=["--random-seed", "0"], log_path=log, ready_timeout=600,
+            max_total_tokens=32768)
     return h
 
 

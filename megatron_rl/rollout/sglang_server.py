@@ -217,7 +217,8 @@ class SGLangServerHandle:
 
 def launch_sglang_server(model_dir: str, port: int | None = None, device: str = "cpu",
                          extra_args: Sequence[str] = (), *, python: str | None = None, host: str = "127.0.0.1",
-                         dtype: str = "bfloat16", mem_fraction_static: float = 0.05, log_path: str | None = None,
+                         dtype: str = "bfloat16", mem_fraction_static: float = 0.05,
+                         max_total_tokens: int | None = None, log_path: str | None = None,
                          ready_timeout: float = 300.0, env: dict[str, str] | None = None,
                          wait: bool = True) -> SGLangServerHandle:
     """Start ``python -m sglang.launch_server`` serving ``model_dir`` and (by default) wait until it is ready.
@@ -231,7 +232,9 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         python: interpreter that has sglang (default ``sglang_python()``).
         host: bind address (127.0.0.1 by default).
         dtype: ``--dtype`` (bfloat16, as served in production).
-        mem_fraction_static: ``--mem-fraction-static`` (share of memory for weights + KV cache).
+        mem_fraction_static: ``--mem-fraction-static`` (share of memory for weights + KV cache; on CPU 0.05 of
+            the RAM, ~1.2 GB of KV cache even for a tiny model).
+        max_total_tokens: ``--max-total-tokens`` cap on the KV-cache pool (tests use a small one to save memory).
         log_path: where to write the server's output (default: a new temp file).
         ready_timeout: seconds to wait for ``/health``.
         env: extra environment variables for the server.
@@ -251,6 +254,10 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
     python = python or sglang_python()
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host, "--port", str(port),
            "--skip-server-warmup", "--dtype", dtype, "--mem-fraction-static", str(mem_fraction_static)]
+    if max_total_tokens is not None:
+        if int(max_total_tokens) < 1:
+            raise ValueError(f"launch_sglang_server: max_total_tokens={max_total_tokens!r} must be >= 1")
+        cmd += ["--max-total-tokens", str(int(max_total_tokens))]
     if device == "cpu":
         cmd += ["--device", "cpu"]
     cmd += list(extra_args)
