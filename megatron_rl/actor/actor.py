@@ -18,12 +18,9 @@ model-parallel group pass the same shard). Per-token tensors are [B, L-1]: colum
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, row_blocks
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
@@ -188,9 +185,12 @@ class MegatronActor:
         ``CheckpointLayoutError`` naming saved vs requested layout when they differ in a way that
         cannot be loaded."""
         from megatron_rl.actor.checkpoint import load_checkpoint
+        from megatron_rl.actor.optimizer import apply_constant_schedule
 
-        return load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
-                               self.parallel_cfg)
+        step, extra = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
+                                      self.parallel_cfg)
+        apply_constant_schedule(self.optimizer, self.actor_cfg)  # this run's lr / weight decay win
+        return step, extra
 
     # ------------------------------------------------------------------ HF export
     def full_state_dict_hf(self) -> Optional[Dict[str, torch.Tensor]]:

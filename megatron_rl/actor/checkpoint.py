@@ -1,0 +1,200 @@
+"""Actor checkpoints: megatron ``dist_checkpointing`` (torch_dist) for model + optimizer, plus RNG and
+loop state — resumable exactly, loadable at a different TP / PP / EP layout (resharding).
+
+Directory layout (``save_checkpoint(root, step, ...)``)::
+
+    root/iter_0000012/dist/              megatron dist_checkpointing (model and optimizer, sharded)
+    root/iter_0000012/megatron_rl.json   step, saved layout, model config (rank 0)
+    root/iter_0000012/extra_state.pt     the caller's extra_state dict (rank 0, torch.save)
+    root/iter_0000012/rng/rank_00003.pt  per-rank RNG: torch CPU (+CUDA), megatron's RNG tracker, random, numpy
+    root/latest                          "12", written last (a checkpoint without it is incomplete)
+
+Loading (``load_checkpoint(root_or_iter_dir, ...)``): the model config must match (else
+``CheckpointLayoutError`` listing the differing keys). A different TP / PP / EP / ETP / CP / DP layout is
+resharded by dist_checkpointing (model and Adam state); any failure there is re-raised as
+``CheckpointLayoutError`` naming the saved and the requested layout. RNG states are restored only when
+the world size and layout are unchanged (otherwise rank-to-rank mapping is meaningless; a warning
+says so). Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
+on CPU (``tests/test_actor_checkpoint.py``).
+
+CPU notes: dist_checkpointing's writer calls ``torch.cuda.synchronize``; its modules are imported and
+then covered by ``apply_cpu_patches()`` (the project's single patch point). Its async writer starts a
+``multiprocessing`` Manager (a child process per saving rank, shut down at interpreter exit): the
+saving process must not be daemonic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import warnings
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.groups import ActorGroups
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "resolve_checkpoint_dir",
+           "LATEST_FILE"]
+
+LATEST_FILE = "latest"
+META_FILE = "megatron_rl.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointLayoutError(RuntimeError):
+    """A checkpoint that cannot be loaded into this actor (model or layout mismatch)."""
+
+
+def _import_dist_checkpointing():
+    from megatron.core import dist_checkpointing
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+
+    if not torch.cuda.is_available():
+        from megatron_rl.platform.cpu_compat import apply_cpu_patches
+
+        apply_cpu_patches()  # covers the dist_checkpointing modules imported just now
+    return dist_checkpointing
+
+
+def _layout(parallel_cfg) -> Dict[str, Any]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    d = dict(parallel_cfg.to_dict())
+    d["expert_tensor_parallel_size"] = parallel_cfg.etp
+    d["world_size"] = world
+    return d
+
+
+def _model_sharded_state_dict(model: Sequence[torch.nn.Module]) -> Dict[str, Any]:
+    if len(model) == 1:
+        return {"model": model[0].module.sharded_state_dict()}
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def _rng_state() -> Dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a megatron dependency
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{int(step):07d}")
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """``path`` itself if it is an ``iter_*`` checkpoint, else the one named by ``path/latest``."""
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        return path
+    latest = os.path.join(path, LATEST_FILE)
+    if not os.path.isfile(latest):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: neither {META_FILE} nor a '{LATEST_FILE}' file "
+                                f"(an interrupted save leaves no '{LATEST_FILE}')")
+    with open(latest) as fh:
+        step = int(fh.read().strip())
+    d = _iter_dir(path, step)
+    if not os.path.isfile(os.path.join(d, META_FILE)):
+        raise FileNotFoundError(f"{latest} names step {step} but {d}/{META_FILE} is missing")
+    return d
+
+
+def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], optimizer, groups: ActorGroups,
+                    model_cfg, parallel_cfg, extra_state: Dict[str, Any]) -> str:
+    """Collective: write model + optimizer (dist_checkpointing), RNG (per rank), metadata and
+    ``extra_state`` (rank 0) for ``step`` under ``root``; ``root/latest`` is updated last. Returns the
+    iteration directory."""
+    dcp = _import_dist_checkpointing()
+    rank = dist.get_rank()
+    d = _iter_dir(root, step)
+    if rank == 0:
+        os.makedirs(os.path.join(d, "dist"), exist_ok=True)
+        os.makedirs(os.path.join(d, "rng"), exist_ok=True)
+    dist.barrier()
+    sd = _model_sharded_state_dict(model)
+    sd["optimizer"] = optimizer.sharded_state_dict(dict(sd))
+    dcp.save(sd, os.path.join(d, "dist"))
+    torch.save(_rng_state(), os.path.join(d, "rng", f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        torch.save(dict(extra_state), os.path.join(d, "extra_state.pt"))
+        meta = {"format_version": FORMAT_VERSION, "step": int(step), "layout": _layout(parallel_cfg),
+                "model": dataclasses.asdict(model_cfg)}
+        with open(os.path.join(d, META_FILE), "w") as fh:
+            json.dump(meta, fh, indent=2, sort_keys=True, default=str)
+    dist.barrier()
+    if rank == 0:
+        tmp = os.path.join(root, LATEST_FILE + ".tmp")
+        with open(tmp, "w") as fh:
+            fh.write(str(int(step)))
+        os.replace(tmp, os.path.join(root, LATEST_FILE))
+    dist.barrier()
+    return d
+
+
+def _check_model(saved: Dict[str, Any], model_cfg, where: str) -> None:
+    current = json.loads(json.dumps(dataclasses.asdict(model_cfg), default=str))
+    diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if diff:
+        raise CheckpointLayoutError(f"checkpoint {where}: model config differs from the actor's in "
+                                    + ", ".join(f"{k} (saved {saved.get(k)!r}, now {current.get(k)!r})" for k in diff))
+
+
+def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, groups: ActorGroups, model_cfg,
+                    parallel_cfg) -> Tuple[int, Dict[str, Any]]:
+    """Collective: restore model, optimizer and (same layout only) RNG from ``path`` (a root with
+    ``latest`` or an ``iter_*`` directory). Returns (step, extra_state)."""
+    dcp = _import_dist_checkpointing()
+    d = resolve_checkpoint_dir(path)
+    with open(os.path.join(d, META_FILE)) as fh:
+        meta = json.load(fh)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointLayoutError(f"checkpoint {d}: format_version {meta.get('format_version')!r}, "
+                                    f"this code reads {FORMAT_VERSION}")
+    _check_model(meta["model"], model_cfg, d)
+    saved_layout, now_layout = meta["layout"], _layout(parallel_cfg)
+    sd = _model_sharded_state_dict(model)
+    sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=True)
+    try:
+        loaded = dcp.load(sd, os.path.join(d, "dist"))
+    except Exception as exc:  # noqa: BLE001 - re-raised with the layouts named
+        raise CheckpointLayoutError(
+            f"checkpoint {d}: loading failed (saved layout {saved_layout}, requested layout {now_layout}): "
+            f"{type(exc).__name__}: {exc}") from exc
+    for i, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{i}"
+        chunk.module.load_state_dict(loaded[key])
+    optimizer.load_state_dict(loaded["optimizer"])
+    same = {k: v for k, v in saved_layout.items()} == now_layout
+    rng_file = os.path.join(d, "rng", f"rank_{dist.get_rank():05d}.pt")
+    if same and os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    elif not same:
+        warnings.warn(f"checkpoint {d}: layout changed ({saved_layout} -> {now_layout}); model and optimizer "
+                      f"resharded, RNG states not restored", stacklevel=2)
+    extra = torch.load(os.path.join(d, "extra_state.pt"), weights_only=False)
+    return int(meta["step"]), extra
