@@ -126,6 +126,41 @@ class Rollout:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Rollout.finish_reason={self.finish_reason!r} must be one of {FINISH_REASONS}")
 
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (one line of a recorded-rollouts JSONL file)."""
+        return {"prompt_index": self.prompt_index, "prompt_ids": list(self.prompt_ids),
+                "response_ids": list(self.response_ids), "rollout_log_probs": list(self.rollout_log_probs),
+                "finish_reason": self.finish_reason, "weight_version": self.weight_version,
+                "source": self.source, "info": dict(self.info)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "rollout") -> "Rollout":
+        """Inverse of ``to_dict``; a missing or wrong field raises ``ValueError`` naming it and ``where``
+        (e.g. ``"rollouts.jsonl line 7"``)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        for key in ("prompt_ids", "response_ids", "rollout_log_probs", "finish_reason", "weight_version"):
+            if key not in d:
+                raise ValueError(f"{where}: missing field {key!r}")
+        for key in ("prompt_ids", "response_ids", "rollout_log_probs"):
+            if not isinstance(d[key], list):
+                raise ValueError(f"{where}: field {key!r} must be a list, got {type(d[key]).__name__}")
+        for key in ("prompt_ids", "response_ids"):
+            for j, t in enumerate(d[key]):
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"{where}: {key}[{j}]={t!r} is not a token id")
+        for j, x in enumerate(d["rollout_log_probs"]):
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or math.isnan(x) or x > 1e-4:
+                raise ValueError(f"{where}: rollout_log_probs[{j}]={x!r} is not a log-probability")
+        try:
+            return cls(prompt_index=int(d.get("prompt_index", 0)), prompt_ids=list(d["prompt_ids"]),
+                       response_ids=list(d["response_ids"]),
+                       rollout_log_probs=[float(x) for x in d["rollout_log_probs"]],
+                       finish_reason=d["finish_reason"], weight_version=str(d["weight_version"]),
+                       source=str(d.get("source", "")), info=dict(d.get("info") or {}))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
 
 def validate_prompts(prompt_ids: Sequence[Sequence[int]], vocab_size: int | None = None) -> list[list[int]]:
     """Check ``prompt_ids`` is a non-empty list of non-empty lists of token ids (``0 <= id < vocab_size``
