@@ -376,3 +376,25 @@ def test_unshard_rejects_diverged_replicas(models):
     with pytest.raises(CheckpointMismatchError, match=r"replicated tensor 'decoder.layers.1.pre_mlp_layernorm"
                                                       r".weight' differs between shard 0 and shard 1"):
         unshard(dense, {}, g, lay)
+
+
+def test_forward_pass_options_the_model_cannot_reproduce_are_refused(models, tmp_path, monkeypatch):
+    """RoPE scaling is refused before anything is written; a disagreement between the converter's tensor
+    geometry and megatron_rl.models.hf_config's ModelConfig is caught and named."""
+    bad = _copy_hf(models["llama"], tmp_path / "rope",
+                   edit_cfg=lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}))
+    with pytest.raises(UnsupportedCheckpointError, match="llama3"):
+        convert_hf_to_mcore(bad, str(tmp_path / "out"), ShardLayout())
+    assert not os.path.exists(tmp_path / "out" / storage.METADATA_FILE)
+
+    import dataclasses
+
+    import megatron_rl.models.hf_config as mhf
+    from megatron_rl.convert.model_config import model_config_from_hf
+
+    real = mhf.model_config_from_hf
+    monkeypatch.setattr(mhf, "model_config_from_hf",
+                        lambda cfg, padded_vocab_size=None: dataclasses.replace(real(cfg, padded_vocab_size),
+                                                                                num_query_groups=4))
+    with pytest.raises(UnsupportedCheckpointError, match=r"num_query_groups: tensor geometry 2 vs ModelConfig 4"):
+        model_config_from_hf(storage.read_hf_config(models["qwen2"]))

@@ -1,14 +1,16 @@
-"""The project's ``ModelConfig`` (megatron_rl.models) for a HF ``config.json``, so a converted checkpoint
-can be built and loaded: ``build_gpt_model(model_config_from_hf(cfg, padded_vocab_size=...), parallel)``.
+"""The project's ``ModelConfig`` for a checkpoint, so converted shards can be built and loaded:
+``build_gpt_model(model_config_from_hf(cfg, padded_vocab_size=...), parallel)``.
 
-Only what changes the forward pass is mapped: shapes, RoPE theta, RMSNorm epsilon, QKV bias, q/k norm,
-tied embeddings, experts / top-k / router normalisation (HF ``norm_topk_prob=True`` == megatron softmax
-over the selected top-k, ``moe_router_pre_softmax=False``), MoE layer pattern, shared expert + gate.
-RoPE scaling (``rope_type`` other than ``default``) is refused with a clear error.
+The HF config.json -> ModelConfig mapping itself lives in ``megatron_rl.models.hf_config`` (one mapping
+for the whole project); this wrapper turns its errors into the converter's
+``UnsupportedCheckpointError`` and cross-checks the result against the converter's own tensor
+geometry (``HFGeometry``), so a disagreement between the two readings of config.json fails loudly
+instead of producing a model the shards do not fit.
 
 Usage::
 
     mcfg = model_config_from_hf(json.load(open("hf/config.json")), padded_vocab_size=meta["padded_vocab_size"])
+    mcfg = model_config_for_checkpoint("hf_or_converted_dir", tensor_model_parallel_size=2)
 """
 from __future__ import annotations
 
@@ -17,47 +19,39 @@ from typing import Any, Dict, Optional
 from megatron_rl.convert.geometry import HFGeometry, UnsupportedCheckpointError
 
 
-def _rope_theta(cfg: Dict[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UnsupportedCheckpointError(f"config.json: rope_type={rope_type!r} (RoPE scaling) is unsupported; "
-                                         "only default RoPE")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def _geometry_mismatches(g: HFGeometry, mc) -> list:
+    pairs = [("num_layers", g.num_layers, mc.num_layers), ("hidden_size", g.hidden_size, mc.hidden_size),
+             ("num_attention_heads", g.num_attention_heads, mc.num_attention_heads),
+             ("num_query_groups", g.num_query_groups, mc.query_groups), ("kv_channels", g.kv_channels, mc.head_dim),
+             ("ffn_hidden_size", g.ffn_hidden_size, mc.dense_ffn_hidden_size),
+             ("add_qkv_bias", g.add_qkv_bias, mc.add_qkv_bias), ("qk_layernorm", g.qk_layernorm, mc.qk_layernorm),
+             ("tied embeddings", g.tie_word_embeddings, not mc.untie_embeddings_and_output_weights),
+             ("num_moe_experts", g.num_moe_experts if g.is_moe else None, mc.num_moe_experts)]
+    if g.is_moe:
+        pairs += [("moe_ffn_hidden_size", g.moe_ffn_hidden_size, mc.moe_ffn_hidden_size),
+                  ("moe_router_topk", g.moe_router_topk, mc.moe_router_topk),
+                  ("moe layers", [int(x) for x in g.moe_layers], mc.moe_layer_pattern()),
+                  ("shared expert size", g.moe_shared_expert_intermediate_size, mc.moe_shared_expert_intermediate_size),
+                  ("shared expert gate", g.moe_shared_expert_gate, mc.moe_shared_expert_gate)]
+    return [f"{n}: tensor geometry {a!r} vs ModelConfig {b!r}" for n, a, b in pairs if a != b]
 
 
 def model_config_from_hf(cfg: Dict[str, Any], padded_vocab_size: Optional[int] = None):
     """``ModelConfig`` for the HF config dict ``cfg``; ``padded_vocab_size`` (>= vocab_size) sets the
     embedding rows the Megatron model is built with (the converter's padded vocab)."""
-    from megatron_rl.models.config import ModelConfig
+    from megatron_rl.models.hf_config import HFConfigError
+    from megatron_rl.models.hf_config import model_config_from_hf as _models_mapping
 
     g = HFGeometry.from_hf_config(cfg)
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise UnsupportedCheckpointError("config.json: use_sliding_window=true (sliding-window attention) is "
-                                         "unsupported by the Megatron model")
-    vocab = padded_vocab_size or g.vocab_size
-    if vocab < g.vocab_size:
-        raise ValueError(f"padded_vocab_size={vocab} is smaller than config.json vocab_size={g.vocab_size}")
-    kw: Dict[str, Any] = dict(
-        num_layers=g.num_layers, hidden_size=g.hidden_size, num_attention_heads=g.num_attention_heads,
-        vocab_size=vocab, ffn_hidden_size=g.ffn_hidden_size, num_query_groups=g.num_query_groups,
-        kv_channels=g.kv_channels, max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        rotary_base=_rope_theta(cfg), norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-        add_qkv_bias=g.add_qkv_bias, qk_layernorm=g.qk_layernorm,
-        untie_embeddings_and_output_weights=not g.tie_word_embeddings,
-    )
-    if g.is_moe:
-        kw.update(
-            num_moe_experts=g.num_moe_experts, moe_router_topk=g.moe_router_topk,
-            moe_ffn_hidden_size=g.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=g.moe_shared_expert_intermediate_size,
-            moe_shared_expert_gate=g.moe_shared_expert_gate,
-            moe_router_pre_softmax=not bool(cfg.get("norm_topk_prob", False)),
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_layer_freq=[int(x) for x in g.moe_layers],
-        )
-    return ModelConfig(**kw)
+    try:
+        mc = _models_mapping(cfg, padded_vocab_size=padded_vocab_size)
+    except HFConfigError as e:
+        raise UnsupportedCheckpointError(str(e)) from e
+    bad = _geometry_mismatches(g, mc)
+    if bad:
+        raise UnsupportedCheckpointError(f"config.json ({g.architecture}) is read differently by the converter and "
+                                         f"megatron_rl.models.hf_config: " + "; ".join(bad))
+    return mc
 
 
 def model_config_for_checkpoint(ckpt_dir: str, tensor_model_parallel_size: int = 1,
