@@ -61,8 +61,9 @@ def _forward_step(with_labels, data_iterator, model):
     return out, loss_func
 
 
-def _run_layout(rank, world, pc, mc, full_sd, microbatches):
-    """Build the layout, load weights, forward-only + one forward/backward; return local results."""
+def _run_layout(rank, world, pc, mc, full_sd, microbatches, optimizer_step=False):
+    """Build the layout, load weights, forward-only + one forward/backward (+ optionally one Megatron
+    Adam step with gradient clipping); return local results."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
@@ -80,6 +81,16 @@ def _run_layout(rank, world, pc, mc, full_sd, microbatches):
                                             use_distributed_optimizer=False)
     model = [DistributedDataParallel(tcfg, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     tcfg.finalize_model_grads_func = finalize_model_grads
+    opt = None
+    if optimizer_step:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        # clip_grad far below the grad norm so clipping (with the model-parallel grad norm) is active;
+        # adam_eps=1e-2: Adam's first step is lr*g/(|g|+eps), ill-conditioned for |g| << 1e-8 eps
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, adam_eps=1e-2, weight_decay=0.01, clip_grad=0.05,
+                               bf16=False,
+                               fp16=False, params_dtype=torch.float32, use_distributed_optimizer=False)
+        opt = get_megatron_optimizer(ocfg, model)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = microbatches[dp_rank::dp]
     fb = get_forward_backward_func()
@@ -102,6 +113,12 @@ def _run_layout(rank, world, pc, mc, full_sd, microbatches):
             n: p.main_grad.detach().clone() for n, p in m.module.named_parameters()}
     res = {"dp_rank": dp_rank, "dp": dp, "tp_rank": ps.get_tensor_model_parallel_rank(),
            "logits": logits, "grads": grads, "full_sd": full_sd if world == 1 else None}
+    if opt is not None:
+        ok, grad_norm, _ = opt.step()
+        res["step"] = (ok, grad_norm)
+        res["params"] = {RankCoords.from_parallel_state(vp_stage=i): {
+            k: v.detach().clone() for k, v in m.module.state_dict().items() if not k.endswith("_extra_state")}
+            for i, m in enumerate(model)}
     destroy_model_parallel()
     return res
 
@@ -119,10 +136,10 @@ def _gather_logits(results, n_mb):
     return [torch.cat([per_mb[i][t] for t in sorted(per_mb[i])], dim=-1) for i in range(n_mb)]
 
 
-def _gather_grads(results, mc, pc):
+def _gather_grads(results, mc, pc, key="grads"):
     shards = {}
     for r in results:
-        for coords, g in r["grads"].items():
+        for coords, g in r[key].items():
             if coords in shards:  # data-parallel replica: DDP all-reduced, must be identical
                 for k in g:
                     torch.testing.assert_close(g[k], shards[coords][k], rtol=0, atol=0)
@@ -180,3 +197,28 @@ def test_dense_interleaved_vpp_matches_tp1():
 ])
 def test_moe_layout_matches_tp1(name, pc, world):
     _check_layout("moe", pc, world)
+
+
+def _step(mc, pc, world, full_sd, mbs):
+    results = run_ranks(_run_layout, world, pc, mc, full_sd, mbs, True, timeout=90)
+    norms = {round(r["step"][1], 6) for r in results}
+    assert all(r["step"][0] for r in results) and len(norms) == 1, norms
+    return results[0]["step"][1], _gather_grads(results, mc, pc, key="params")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which,name,pc,world", [
+    ("dense", "tp2_pp2", ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4),
+    ("moe", "tp2_ep2_sp", ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                         expert_tensor_parallel_size=1, sequence_parallel=True), 2),
+])
+def test_megatron_optimizer_step_with_clipping_matches_tp1(which, name, pc, world):
+    mc, mbs, full_sd, _, _ = _reference(which)
+    ref_norm, ref_params = _step(mc, ParallelConfig(), 1, full_sd, mbs)
+    norm, params = _step(mc, pc, world, full_sd, mbs)
+    assert ref_norm > 0.05 * 5  # clipping is active
+    assert abs(norm - ref_norm) <= 1e-5 * ref_norm
+    assert sorted(params) == sorted(ref_params)
+    for k in ref_params:
+        assert not torch.equal(ref_params[k], full_sd[k]), f"{k} was not updated"
+        torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")

@@ -51,7 +51,7 @@ def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any 
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=cfg.etp,
         distributed_timeout_minutes=distributed_timeout_minutes,
-        create_gloo_process_groups=torch.cuda.is_available(),
+        create_gloo_process_groups=True,  # megatron defaults (optimizer, checkpointing) expect them
     )
     model_parallel_cuda_manual_seed(seed)
 
