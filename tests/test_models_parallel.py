@@ -20,7 +20,8 @@ from megatron_rl.platform.cpu_compat import apply_cpu_patches
 apply_cpu_patches()
 
 from megatron_rl.models import ModelConfig, build_gpt_model  # noqa: E402
-from megatron_rl.models.sharding import RankCoords, load_full_state_dict, unshard_state_dicts  # noqa: E402
+from megatron_rl.models.sharding import (RankCoords, gather_full_state_dict, load_full_state_dict,  # noqa: E402
+                                         unshard_state_dicts)
 from megatron_rl.parallel import ParallelConfig, destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_rl.testing.distributed import run_ranks  # noqa: E402
 
@@ -76,6 +77,11 @@ def _run_layout(rank, world, pc, mc, full_sd, microbatches, optimizer_step=False
         full_sd = {k: v.clone() for k, v in chunks[0].state_dict().items() if not k.endswith("_extra_state")}
     else:
         load_full_state_dict(chunks, full_sd, mc)
+    gathered = gather_full_state_dict(chunks, mc, pc)  # collective; full dict on rank 0
+    if rank == 0:
+        assert sorted(gathered) == sorted(full_sd), (sorted(set(gathered) ^ set(full_sd)))
+        for k in full_sd:
+            assert torch.equal(gathered[k], full_sd[k]), f"gather_full_state_dict: {k} differs"
     tcfg = chunks[0].config
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=False)

@@ -30,6 +30,8 @@ Usage::
     coords = RankCoords.from_parallel_state()            # inside a rank, after initialize_model_parallel
     local = shard_state_dict(full, model_cfg, coords)    # for chunk 0 (coords.vp_stage)
     full2 = unshard_state_dicts({c: sd for c, sd in shards}, model_cfg, parallel_cfg)
+    load_full_state_dict(chunks, full, model_cfg)        # this rank's chunks, strict names and shapes
+    full3 = gather_full_state_dict(chunks, model_cfg, parallel_cfg)   # collective; rank 0 gets the dict
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 __all__ = ["RankCoords", "shard_state_dict", "unshard_state_dicts", "load_full_state_dict",
-           "param_kind", "all_rank_coords"]
+           "gather_full_state_dict", "param_kind", "all_rank_coords"]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -299,3 +301,37 @@ def load_full_state_dict(chunks: List[torch.nn.Module], full: Mapping[str, torch
         with torch.no_grad():
             for k, t in local.items():
                 own[k].copy_(t)
+
+
+def gather_full_state_dict(chunks: List[torch.nn.Module], model: ModelConfig, parallel: ParallelConfig,
+                           dst: int = 0, group=None) -> Optional[Dict[str, torch.Tensor]]:
+    """Collective (every rank of ``group``, default WORLD, calls it): the full TP1/PP1/EP1 state dict
+    of the running model on rank ``dst`` (CPU tensors), None on the other ranks.
+
+    Every rank sends its chunks' state dicts (on CPU) to ``dst`` with ``gather_object``; data-parallel
+    replicas must agree (checked by ``unshard_state_dicts``). Memory on ``dst`` is O(model size):
+    meant for tests, small models and weight export; big models should go through per-rank files."""
+    import torch.distributed as dist
+
+    local = {}
+    for i, chunk in enumerate(chunks):
+        sd = chunk.module.state_dict() if hasattr(chunk, "module") else chunk.state_dict()
+        local[RankCoords.from_parallel_state(vp_stage=i)] = {
+            k: v.detach().cpu().clone() for k, v in sd.items()
+            if v is not None and torch.is_tensor(v) and not k.endswith("_extra_state")}
+    me = dist.get_rank(group)
+    gathered = [None] * dist.get_world_size(group) if me == dst else None
+    dist.gather_object(local, gathered, dst=dist.get_global_rank(group, dst) if group is not None else dst,
+                       group=group)
+    if me != dst:
+        return None
+    shards: Dict[RankCoords, Dict[str, torch.Tensor]] = {}
+    for per_rank in gathered:
+        for coords, sd in per_rank.items():
+            prev = shards.get(coords)
+            if prev is not None:
+                for k, t in sd.items():
+                    if not torch.equal(prev[k], t):
+                        raise ValueError(f"gather_full_state_dict: {k} differs between data-parallel replicas at {coords}")
+            shards[coords] = sd
+    return unshard_state_dicts(shards, model, parallel)
