@@ -80,7 +80,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, daemon=True,
+        # not daemonic: ranks may start processes of their own (e.g. megatron's checkpoint writers);
+        # the finally-block below kills every rank still alive, so none outlives the call
+        p = ctx.Process(target=_worker, daemon=False,
                         args=(fn, rank, world_size, store_path, child_conn, args, kwargs, timeout))
         p.start()
         child_conn.close()
