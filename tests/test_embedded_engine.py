@@ -191,9 +191,9 @@ def test_batching_matches_one_by_one_fp32(model_dirs):
 
 def test_batching_matches_one_by_one_bf16(model_dirs):
     """bf16 tolerance: on a peaked model (lm_head x 20) greedy tokens are identical and log-probs agree within
-    0.05 (bf16 logits of magnitude ~10 carry ~0.04 absolute rounding); with sampling, rows agree until the
-    first token whose sampled choice flips at a bf16-sized probability difference, log-probs within 5e-3 on
-    the shared prefix, and most rows agree completely."""
+    0.05 (bf16 logits of magnitude ~10 carry ~0.04 absolute rounding); with sampling (exponential race, flips
+    only at near-ties of two candidates), at least 14 of 16 rows are identical (measured: all), and every row
+    agrees within 5e-3 in log-probs up to its first differing token."""
     engine = EmbeddedEngine(model_dirs["qwen2"], dtype="bfloat16", seed=0)
     # near-uniform tiny-model logits first (sampling)
     sp = SamplingParams(temperature=1.0, max_new_tokens=10)
@@ -206,7 +206,7 @@ def test_batching_matches_one_by_one_bf16(model_dirs):
         identical += a.response_ids == b.response_ids
         if k:
             assert max(abs(x - y) for x, y in zip(a.rollout_log_probs[:k], b.rollout_log_probs[:k])) <= 5e-3
-    assert identical >= len(batched) // 2, identical
+    assert identical >= 14, identical
     # peaked model, greedy
     from safetensors.torch import load_file
     import os
