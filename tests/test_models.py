@@ -303,3 +303,38 @@ def test_transformer_config_choices():
     assert t.moe_token_dispatcher_type == "alltoall" and t.hidden_dropout == 0 and t.attention_dropout == 0
     t2 = make_transformer_config(dataclasses.replace(mc, moe_token_dispatcher_type="allgather"), ParallelConfig())
     assert t2.variable_seq_lengths is False
+
+
+def test_te_and_grouped_gemm_names_are_canonicalised():
+    from megatron_rl.models.sharding import canonical_name
+
+    assert canonical_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.3.input_layernorm.weight"
+    assert canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
+        "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert canonical_name("decoder.layers.1.mlp.experts.linear_fc2.weight12") == \
+        "decoder.layers.1.mlp.experts.local_experts.12.linear_fc2.weight"
+    assert canonical_name("decoder.layers.1.mlp.linear_fc1.weight") == "decoder.layers.1.mlp.linear_fc1.weight"
+    mc = ModelConfig(num_layers=1, hidden_size=4, num_attention_heads=2, vocab_size=8, ffn_hidden_size=4,
+                     num_moe_experts=2, moe_ffn_hidden_size=2)
+    g = torch.Generator().manual_seed(0)
+    te = {"embedding.word_embeddings.weight": torch.randn(8, 4, generator=g),
+          "output_layer.weight": torch.randn(8, 4, generator=g),
+          "decoder.final_layernorm.weight": torch.randn(4, generator=g),
+          "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": torch.randn(4, generator=g),
+          "decoder.layers.0.self_attention.linear_qkv.weight": torch.randn(12, 4, generator=g),
+          "decoder.layers.0.self_attention.linear_qkv._extra_state": None,
+          "decoder.layers.0.self_attention.linear_proj.weight": torch.randn(4, 4, generator=g),
+          "decoder.layers.0.pre_mlp_layernorm.weight": torch.randn(4, generator=g),
+          "decoder.layers.0.mlp.router.weight": torch.randn(2, 4, generator=g),
+          "decoder.layers.0.mlp.experts.linear_fc1.weight0": torch.randn(4, 4, generator=g),
+          "decoder.layers.0.mlp.experts.linear_fc1.weight1": torch.randn(4, 4, generator=g),
+          "decoder.layers.0.mlp.experts.linear_fc2.weight0": torch.randn(4, 2, generator=g),
+          "decoder.layers.0.mlp.experts.linear_fc2.weight1": torch.randn(4, 2, generator=g)}
+    local = shard_state_dict(te, dataclasses.replace(mc, untie_embeddings_and_output_weights=True),
+                             RankCoords(ep_rank=1, ep_size=2))
+    assert torch.equal(local["decoder.layers.0.input_layernorm.weight"],
+                       te["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"])
+    assert torch.equal(local["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"],
+                       te["decoder.layers.0.mlp.experts.linear_fc2.weight1"])
+    assert not any(k.endswith("_extra_state") for k in local)

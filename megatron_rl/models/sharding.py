@@ -45,7 +45,26 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 __all__ = ["RankCoords", "shard_state_dict", "unshard_state_dicts", "load_full_state_dict",
-           "gather_full_state_dict", "param_kind", "all_rank_coords"]
+           "gather_full_state_dict", "param_kind", "all_rank_coords", "canonical_name"]
+
+_CANON_RULES = (
+    # Transformer Engine spec fuses the pre-attention / pre-MLP norms into the following linear
+    (re.compile(r"^(.*\.)self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r"\1input_layernorm.\2"),
+    (re.compile(r"^(.*\.)mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r"\1pre_mlp_layernorm.\2"),
+    # grouped-GEMM experts (TEGroupedMLP) -> SequentialMLP names
+    (re.compile(r"^(.*\.)mlp\.experts\.linear_fc([12])\.(weight|bias)(\d+)$"),
+     r"\1mlp.experts.local_experts.\4.linear_fc\2.\3"),
+)
+
+
+def canonical_name(name: str) -> str:
+    """The "full state dict" name of a model parameter: local-spec / SequentialMLP naming.
+    TE-spec fused norm names and grouped-GEMM expert names map to it; other names are unchanged."""
+    for pattern, repl in _CANON_RULES:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    return name
+
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -202,6 +221,9 @@ def shard_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig,
     per_ep = experts // coords.ep_size if experts else 0
     out: Dict[str, torch.Tensor] = {}
     for name, t in full.items():
+        if name.endswith("_extra_state"):
+            continue
+        name = canonical_name(name)
         m = _LAYER_RE.match(name)
         if m:
             layer, rest = int(m.group(1)), m.group(2)
@@ -244,8 +266,9 @@ def unshard_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]],
         lo, _ = _layer_range(model, coords)
         per_ep = (model.num_moe_experts or 0) // coords.ep_size
         for name, t in sd.items():
-            if t is None:
+            if t is None or name.endswith("_extra_state"):
                 continue
+            name = canonical_name(name)
             m = _LAYER_RE.match(name)
             if m:
                 layer, rest = int(m.group(1)) + lo, m.group(2)
@@ -290,8 +313,10 @@ def load_full_state_dict(chunks: List[torch.nn.Module], full: Mapping[str, torch
     for i, chunk in enumerate(chunks):
         c = replace(coords, vp_stage=i) if coords is not None else RankCoords.from_parallel_state(vp_stage=i)
         local = shard_state_dict(full, model, c)
-        own = chunk.state_dict()
-        missing = sorted(k for k in own if k not in local and not k.endswith("_extra_state"))
+        own_all = chunk.state_dict()
+        # model names may be TE / grouped-GEMM names; compare in canonical names
+        own = {canonical_name(k): v for k, v in own_all.items() if not k.endswith("_extra_state")}
+        missing = sorted(k for k in own if k not in local)
         unexpected = sorted(k for k in local if k not in own)
         bad_shape = [(k, tuple(local[k].shape), tuple(own[k].shape)) for k in local
                      if k in own and own[k] is not None and hasattr(own[k], "shape") and local[k].shape != own[k].shape]
