@@ -338,3 +338,21 @@ def test_te_and_grouped_gemm_names_are_canonicalised():
     assert torch.equal(local["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"],
                        te["decoder.layers.0.mlp.experts.linear_fc2.weight1"])
     assert not any(k.endswith("_extra_state") for k in local)
+
+
+def _cp_body(rank, world):
+    pc = ParallelConfig(context_parallel_size=2)
+    mc = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=16)
+    initialize_model_parallel(pc, model=mc)
+    try:
+        build_gpt_model(mc, pc)
+    except ValueError as e:
+        return str(e)
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.timeout(60)
+def test_context_parallel_without_te_is_refused_clearly():
+    for msg in run_ranks(_cp_body, 2, timeout=45):
+        assert "context_parallel_size=2 needs Transformer Engine" in msg

@@ -18,6 +18,8 @@ Design decisions:
     every model unless the config asks for allgather (which then disables variable_seq_lengths).
   * No linear biases (``add_bias_linear=False``, required by MoE experts); QKV bias via add_qkv_bias.
   * Dropout 0 (RL log-prob recompute must be deterministic); no fusions that need CUDA kernels on CPU.
+  * Context parallel needs TE attention (GPU): the local spec's DotProductAttention asserts CP == 1, so
+    CP > 1 without TE is refused with a clear error before building.
   * ``sequence_parallel`` is forced off at TP=1 (megatron refuses SP without TP).
   * With VPP (interleaved schedule) shapes are fixed (``variable_seq_lengths=False``): every micro-batch
     must be padded to the ``seq_length`` given to the schedule (see the comment in the code).
@@ -163,6 +165,10 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: 
         raise ValueError("build_gpt_model: ParallelConfig disagrees with megatron's parallel state "
                          + ", ".join(f"{k}: config {a} vs initialised {b}" for k, (a, b) in wrong.items()))
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    if parallel.context_parallel_size > 1 and not use_te:
+        raise ValueError(f"context_parallel_size={parallel.context_parallel_size} needs Transformer Engine "
+                         f"attention (megatron's local DotProductAttention asserts context_parallel_size == 1; "
+                         f"TE needs CUDA) — use context_parallel_size=1 on CPU")
     tcfg = make_transformer_config(model, parallel, params_dtype=params_dtype,
                                    variable_seq_lengths=variable_seq_lengths, **config_overrides)
     vpp = parallel.virtual_pipeline_model_parallel_size
