@@ -172,6 +172,12 @@ def test_deterministic_given_seed(model_dirs):
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
     assert [r.rollout_log_probs for r in a] == [r.rollout_log_probs for r in b]
     assert [r.response_ids for r in a] != [r.response_ids for r in c]
+    # rng state round trip (resume): continuing from a saved state repeats the same rollouts
+    e = EmbeddedEngine(model_dirs["qwen2"], dtype="float32", seed=3)
+    state = e.get_rng_state()
+    first = e.generate(PROMPTS, sp, n=2)
+    e.set_rng_state(state)
+    assert [r.response_ids for r in e.generate(PROMPTS, sp, n=2)] == [r.response_ids for r in first]
     # identical prompts / samples in one call still get distinct random streams
     d = EmbeddedEngine(model_dirs["qwen2"], dtype="float32", seed=0).generate([PROMPTS[0]] * 2, sp, n=2)
     assert len({tuple(r.response_ids) for r in d}) == 4

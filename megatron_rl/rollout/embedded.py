@@ -12,7 +12,8 @@ embedded default, no server.
 * Determinism: every rollout has its own random stream seeded by (call seed, prompt ids, occurrence, sample
   index) — so results do not depend on batch composition, only on bf16 arithmetic of the padded batch.
   The call seed is ``generate(..., seed=...)`` or else drawn from the engine's ``torch.Generator`` (seeded
-  with ``seed`` at construction): the same engine seed and the same calls give the same rollouts.
+  with ``seed`` at construction): the same engine seed and the same calls give the same rollouts. For
+  resumable runs pass ``seed`` per step, or checkpoint ``get_rng_state()`` / ``set_rng_state()``.
 * Weights: ``update_weights(hf_dir, version)`` (an HF export directory) or
   ``update_weights_from_state_dict(state_dict, version)`` (in-process, HF names). Both check every name and
   shape before copying anything (``WeightSyncError`` otherwise, weights and version unchanged). Every
@@ -121,6 +122,14 @@ class EmbeddedEngine(RolloutEngine):
     def weight_version(self) -> str | None:
         """The version tag of the weights currently loaded."""
         return self._version
+
+    def get_rng_state(self) -> torch.Tensor:
+        """The engine generator's state (for checkpoints; or pass ``generate(..., seed=f(step))`` instead)."""
+        return self._generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore a state from ``get_rng_state`` (resume reproduces the uninterrupted run)."""
+        self._generator.set_state(state)
 
     def health(self) -> dict[str, bool]:
         """``{source: True}`` while the model is loaded."""
