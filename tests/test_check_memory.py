@@ -74,10 +74,11 @@ def qwen7b_layer_acts(s, b, recompute, tp=2):
     sp_part = s * b * h * bf16 / tp                 # one [s/tp, b, h] tensor
     attn = (sp_part                                 # input RMSNorm input
             + sp_part                               # QKV linear input (kept sequence-parallel)
-            + s * b * heads * d * bf16 / tp         # Q
-            + 2 * s * b * kv * d * bf16 / tp        # K, V
-            + s * b * heads * d * bf16 / tp         # attention output = o_proj input
-            + sp_part)                              # residual
+            + s * b * heads * d * bf16 / tp         # fused QKV output: Q part
+            + 2 * s * b * kv * d * bf16 / tp        # fused QKV output: K, V parts (V is a view: all kept)
+            + s * b * heads * d * bf16 / tp         # Q after RoPE
+            + s * b * kv * d * bf16 / tp            # K after RoPE
+            + s * b * heads * d * bf16 / tp)        # attention output = o_proj input (residual add: nothing)
     if recompute == "none":
         attn += heads / tp * s * s * b * (4 + 2)    # fp32 scores + bf16 probabilities
     else:
@@ -135,10 +136,11 @@ def test_qwen3_moe_per_stage():
     # activations, selective recompute: 1F1B keeps PP - stage micro-batches on each stage
     s, b, k = 1024 + 8192, 1, 8
     sp = lambda: s * b * h * 2 / tp                    # noqa: E731
-    attn_act = 3 * sp() + s * b * (heads + 2 * kv) * d * 2 / tp + s * b * heads * d * 2 / tp + heads / tp * s * b * 4
+    attn_act = (2 * sp() + s * b * (heads + 2 * kv) * d * 2 / tp + s * b * (heads + kv) * d * 2 / tp
+                + s * b * heads * d * 2 / tp + heads / tp * s * b * 4)
     pairs = s * b * k / tp                            # token-expert pairs after the all-to-all (balanced)
     moe_act = (sp() + s * b * E * 4 / tp + sp()       # norm in, fp32 router logits, dispatcher input
-               + pairs * h * 2 * 2                    # permuted tokens in and out
+               + pairs * h * 2                        # permuted tokens (expert input; outputs are not kept)
                + pairs * (2 * fm * 2 + fm * 2))       # fc1 out (gate, up) and fc2 in
     per_layer = attn_act + moe_act
     assert plan.stages[0].microbatches_in_flight == 2 and plan.stages[1].microbatches_in_flight == 1

@@ -34,21 +34,26 @@ Optimizer (Adam)
 
 Activations per micro-batch (the formula, after Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per GPT layer
-with dropout and a 4h GeLU MLP; re-derived here the same way for this project's layer: RMSNorm,
-GQA, SwiGLU, no dropout, 16-bit activations). s = tokens per sequence on this rank (seq / CP), b =
-micro-batch size, t = TP, sp = t if sequence_parallel else 1, a = query heads, g = KV heads,
-d = head dim, f = FFN size, k = router top-k::
+with dropout and a 4h GeLU MLP; re-derived here the same way for this project's layer: RMSNorm, GQA,
+RoPE, SwiGLU, no dropout). e = bytes per activation element (2 for bf16), s = tokens per sequence on
+this rank (seq / CP), b = micro-batch size, t = TP, sp = t if sequence_parallel else 1, a = query
+heads, g = KV heads, d = head dim, f = FFN size, k = router top-k, E = experts::
 
-    attention    = 2sbh/sp (norm in) + 2sbh/sp (QKV in) + 2sb(a+2g)d/t (Q, K, V)
-                   + 2sbad/t (core-attention out = proj in) + 2sbh/sp (residual)
-                   + core:   no recompute: 2*a*s*s*b/t (softmax probs, bf16) + 4*a*s*s*b/t (fp32 scores)
-                             selective / flash: 4*a*s*b/t (fp32 log-sum-exp only)
-    dense MLP    = 2sbh/sp (norm in) + 2sbh/sp (fc1 in) + 4sbf/t (fc1 out: gate, up) + 2sbf/t (fc2 in)
-    MoE MLP      = 2sbh/sp (norm in) + 4sbE/sp (fp32 router logits) + 2sbh/sp (dispatch in)
-                   + n*(2h + 2h) + n*(4 f_moe + 2 f_moe)/ETP  with n = s*b*k*ETP/sp token-expert pairs
-                   per rank after dispatch (balanced routing; permuted in / out, fc1 out, fc2 in)
-                   + shared expert as a dense MLP with f_shared
-    full recompute: per layer only its input 2sbh/sp is kept, plus one layer's full working set.
+    attention  = 2esbh/sp (input norm: in, out = QKV input) + esb(a+2g)d/t (QKV output; V is a view of it)
+                 + esb(a+g)d/t (Q, K after RoPE) + esbad/t (core-attention output = projection input)
+                 + core:  no recompute:        e*a*s*s*b/t (probabilities) + 4*a*s*s*b/t if e < 4 (fp32 softmax)
+                          selective / flash:   4*a*s*b/t (fp32 log-sum-exp)
+    dense MLP  = 2esbh/sp (pre-MLP norm: in, out = fc1 input) + 2esbf/t (fc1 out: gate, up) + esbf/t (fc2 in)
+    MoE MLP    = 2esbh/sp + 4sbE/sp (fp32 router logits) + n*e*h (permuted tokens = expert fc1 input)
+                 + n*3e*f_moe/ETP (fc1 out, fc2 in),  n = s*b*k*ETP/sp token-expert pairs on this rank after
+                 the dispatch (balanced routing); megatron-core 0.16 multiplies the routing probabilities
+                 inside the expert activation, so expert outputs are not kept; shared expert: + 3esb*f_shared/t
+    full recompute: per layer only its input esbh/sp is kept, plus one layer's full working set.
+
+Checked against megatron-core itself (tests/test_check_activation_measure.py): the bytes a GPTModel layer
+saves for backward (``torch.autograd.graph.saved_tensors_hooks``, fp32 on CPU, local layer spec) equal
+this formula plus CPU-only extras of the unfused local path (SwiGLU's silu output and product, the
+composite RMSNorm's normalised copy, RoPE cos/sin, the causal mask, rstd) -- exactly, byte for byte.
 
 The number of micro-batches in flight on stage s follows the 1F1B schedule: ``min(P - s, M)`` (M =
 micro-batches per mini-batch); interleaved (V > 1): ``min(2*(P - s - 1) + (V - 1)*P + 1, M*V)``
@@ -189,27 +194,33 @@ def total_parameters(m) -> int:
 
 # ----------------------------------------------------------------------------- activations
 def layer_activation_bytes(m, s: int, b: int, tp: int, sp: bool, etp: int, is_moe: bool,
-                           recompute: str) -> float:
-    """Bytes of activations one layer keeps for backward for one micro-batch (see module docstring)."""
+                           recompute: str, e: int = 2) -> float:
+    """Bytes of activations one layer keeps for backward for one micro-batch (see module docstring);
+    ``e`` = bytes per activation element (2 = bf16, 4 = fp32)."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     spd = tp if sp else 1
-    attn = 2 * s * b * h / spd * 3 + 2 * s * b * (a + 2 * g) * d / tp + 2 * s * b * a * d / tp
+    attn = (2 * e * s * b * h / spd                 # input norm: its input, its output (= QKV linear input)
+            + e * s * b * (a + 2 * g) * d / tp       # QKV linear output (V is a view of it: kept alive)
+            + e * s * b * (a + g) * d / tp           # Q and K after RoPE (new tensors)
+            + e * s * b * a * d / tp)                # core-attention output = output-projection input
     if recompute == "none":
-        attn += 6.0 * a * s * s * b / tp
+        attn += e * a * s * s * b / tp               # softmax probabilities (input of probs @ V)
+        if e < 4:
+            attn += 4.0 * a * s * s * b / tp         # fp32 softmax output (attention_softmax_in_fp32)
     else:
-        attn += 4.0 * a * s * b / tp
+        attn += 4.0 * a * s * b / tp                 # flash attention: fp32 log-sum-exp only
     if is_moe:
         E, k = m.num_moe_experts, m.moe_router_topk
         fm = m.moe_ffn_hidden_size or m.dense_ffn_hidden_size
-        mlp = 2 * s * b * h / spd + 4.0 * s * b * E / spd + 2 * s * b * h / spd
+        mlp = 2 * e * s * b * h / spd + 4.0 * s * b * E / spd  # pre-MLP norm in / out, fp32 router logits
         n = s * b * k * etp / spd  # token-expert pairs on this rank after dispatch (+ ETP all-gather)
-        mlp += n * 4 * h + n * 6 * fm / etp
+        mlp += n * e * h + n * 3 * e * fm / etp       # permuted tokens (fc1 input); fc1 out (2 f_moe), fc2 in
         fs = m.moe_shared_expert_intermediate_size
         if fs:
-            mlp += 2 * s * b * h / spd + 6.0 * s * b * fs / tp
+            mlp += 3.0 * e * s * b * fs / tp          # shared expert fc1 out + fc2 in (its input is the norm out)
     else:
         f = m.dense_ffn_hidden_size
-        mlp = 2 * s * b * h / spd * 2 + 6.0 * s * b * f / tp
+        mlp = 2 * e * s * b * h / spd + 3.0 * e * s * b * f / tp  # norm in / out; fc1 out (gate, up), fc2 in
     return attn + mlp
 
 
@@ -247,6 +258,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     pattern = m.moe_layer_pattern()
     V, h = m.vocab_size, m.hidden_size
     opt_bytes = 12 if o.params_bytes < 4 else 8
+    act = o.params_bytes  # activations are in the compute dtype = the parameter dtype
     plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
                       expert_dp=edp, seq_length=seq, micro_batch_size=b, microbatches=micro,
                       total_params=total_parameters(m), options=o, is_moe=m.is_moe)
@@ -269,11 +281,13 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         flight = _in_flight(st, pp, vpp, micro)
         acts = {}
         for mode in ("none", "selective"):
-            per = sum(layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), mode) for i in layers)
+            per = sum(layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), mode, act)
+                      for i in layers)
             acts[mode] = flight * per
         spd = tp if sp else 1
-        kept = flight * len(layers) * 2.0 * s * b * h / spd
-        work = max((layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), "selective") for i in layers),
+        kept = flight * len(layers) * act * s * b * h / spd
+        work = max((layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), "selective", act)
+                    for i in layers),
                    default=0.0)
         acts["full"] = kept + work
         logits_unfused = logits_fused = 0.0
