@@ -272,6 +272,14 @@ def test_build_task_model_loads_in_engine(tmp_path):
     rollouts = eng.generate([p.prompt_ids for p in prompts], SamplingParams(max_new_tokens=4), n=2)
     rewards = task.rewards([prompts[r.prompt_index] for r in rollouts], [r.response_ids for r in rollouts])
     assert len(rewards) == 6 and all(0.0 <= x <= 1.0 for x in rewards)
+    # ensure_task_model: builds when missing, never overwrites
+    from megatron_rl.tasks import ensure_task_model
+
+    before = (tmp_path / "m" / "model.safetensors").read_bytes()
+    assert ensure_task_model(tmp_path / "m", seed=99) == str(tmp_path / "m")
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
+    d3 = ensure_task_model(tmp_path / "m3", task="copy", seed=3, hidden_size=32, num_layers=1)
+    assert (tmp_path / "m3" / "model.safetensors").read_bytes() == before and d3 == str(tmp_path / "m3")
     with pytest.raises(ValueError, match="hidden_size=30 must be divisible"):
         build_task_model(tmp_path / "bad", hidden_size=30)
     with pytest.raises(ValueError, match="task='mul'"):

@@ -18,7 +18,12 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from megatron_rl.tasks.base import Prompt, Task, response_text, split_at_eos
-from megatron_rl.tasks.char_tokenizer import build_char_tokenizer, build_task_model, task_model_config
+from megatron_rl.tasks.char_tokenizer import (
+    build_char_tokenizer,
+    build_task_model,
+    ensure_task_model,
+    task_model_config,
+)
 from megatron_rl.tasks.datasets import FileTask, load_records
 from megatron_rl.tasks.reward_fn import RewardFunction, load_reward_fn
 from megatron_rl.tasks.synthetic import DIGIT_TASKS, DigitTask
@@ -70,6 +75,6 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
 
 __all__ = [
     "DIGIT_TASKS", "DigitTask", "FileTask", "Prompt", "RewardFunction", "RewardOverrideTask", "Task",
-    "build_char_tokenizer", "build_task", "build_task_model", "load_records", "load_reward_fn",
+    "build_char_tokenizer", "build_task", "build_task_model", "ensure_task_model", "load_records", "load_reward_fn",
     "response_text", "split_at_eos", "task_model_config",
 ]

@@ -13,6 +13,7 @@ Usage::
 
     tok = build_char_tokenizer()                        # in memory; or build_char_tokenizer("/tmp/tok")
     path = build_task_model("runs/tiny/model", task="copy", seed=0, hidden_size=64, num_layers=2)
+    path = ensure_task_model("runs/tiny/model")         # builds only if missing
 
 Command line: ``python -m megatron_rl.tasks.char_tokenizer OUT_DIR [--task copy] [--seed 0] [--hidden-size 64]
 [--num-layers 2]``.
@@ -114,6 +115,17 @@ def build_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int =
         {"task": task, "seed": seed, "hidden_size": hidden_size, "num_layers": num_layers, **config_kwargs},
         indent=2, sort_keys=True) + "\n")
     return str(out)
+
+
+def ensure_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int = 0, hidden_size: int = 64,
+                      num_layers: int = 2, **config_kwargs) -> str:
+    """Return ``out_dir`` if it already holds a model (``config.json`` + weights), else build it with
+    ``build_task_model`` (what the RL loop calls on first run; an existing model is never overwritten)."""
+    out = Path(out_dir)
+    has_weights = (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
+    if (out / "config.json").is_file() and has_weights:
+        return str(out)
+    return build_task_model(out, task, seed, hidden_size, num_layers, **config_kwargs)
 
 
 def main(argv=None) -> None:
