@@ -5,7 +5,8 @@ token t+1 by a plain gather, ``compute_policy_loss`` over the full batch (IS wei
 ``loss.backward()``, ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.AdamW`` (no weight decay on 1-D
 params, as megatron) — no megatron, no micro-batches, no parallelism.
 
-The actor loads the same HF checkpoint at TP1, TP2xPP2 (4 ranks), DP2 and EP2 (tiny Qwen3-MoE), splits
+The actor loads the same HF checkpoint at TP1, TP2xPP2 (4 ranks), DP2, TP2 + sequence parallel, EP2
+(tiny Qwen3-MoE), PP2 with tied embeddings and interleaved PP4 x VPP2 (equal-length micro-batches), splits
 its shard into micro-batches of different lengths and takes one optimizer step. Checked: gradients
 (after clipping; unsharded from every rank's Megatron ``main_grad``) <= 1e-6 abs / 1e-4 rel, the
 pre-clip grad norm, the loss, and the updated weights (HF export) <= 1e-5. Adam's first update is
@@ -38,7 +39,9 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("actor_train")
     return {"qwen2": str(build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=21, num_hidden_layers=4)),
-            "moe": str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=22))}
+            "moe": str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=22)),
+            "tied": str(build_tiny_hf_model(root / "tied", arch="qwen2", seed=23, tie_word_embeddings=True)),
+            "deep": str(build_tiny_hf_model(root / "deep", arch="qwen2", seed=24, num_hidden_layers=8))}
 
 
 def _data(vocab, B=8, seed=0):
@@ -72,13 +75,14 @@ def _model_section(hf_dir):
         return dataclasses.asdict(model_config_from_hf(json.load(fh)))
 
 
-def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, mbs=3, **actor):
+def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, mbs=3, vpp=None, **actor):
     return job_config_from_dict({
         "model": _model_section(hf_dir),
         "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP, "weight_decay": 0.1,
                   "policy_loss": LOSS, **actor},
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, "sequence_parallel": sp},
+                     "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, "sequence_parallel": sp,
+                     "virtual_pipeline_model_parallel_size": vpp},
         "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
                                              "bypass_mode": False, "loss_type": "ppo_clip"}},
     })
@@ -185,11 +189,13 @@ def _check(results, ref, job, hf_dir, check_grads=True):
 
 
 CASES = [("qwen2", dict(), 1), ("qwen2", dict(tp=2, pp=2), 4), ("qwen2", dict(), 2),
-         ("qwen2", dict(tp=2, sp=True), 2), ("moe", dict(ep=2), 2)]
+         ("qwen2", dict(tp=2, sp=True), 2), ("moe", dict(ep=2), 2), ("tied", dict(pp=2), 2),
+         ("deep", dict(pp=4, vpp=2, mbs=2), 4)]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("key,layout,world", CASES, ids=["tp1", "tp2pp2", "dp2", "tp2sp", "moe-ep2"])
+@pytest.mark.parametrize("key,layout,world", CASES,
+                         ids=["tp1", "tp2pp2", "dp2", "tp2sp", "moe-ep2", "tied-pp2", "pp4-vpp2"])
 def test_one_step_matches_reference(models, key, layout, world):
     job = _job(models[key], **layout)
     data = _data(job.model.vocab_size)

@@ -88,7 +88,7 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
         chunk.eval()
     step = functools.partial(_forward_step, groups.tp_group, float(temperature), compute_entropy)
     with torch.no_grad():
-        results = run_schedule(model_chunks, mbs, step, forward_only=True)
+        results = run_schedule(model_chunks, mbs, step, forward_only=True, pp_size=groups.pp_size)
     B, W = batch.num_rows, batch.max_length - 1
     keys = ["log_probs"] + (["entropy"] if compute_entropy else [])
     if groups.is_last_stage:

@@ -94,12 +94,19 @@ def prepare_micro_batches(batch: RolloutBatch, micro_batch_size: int, groups: Ac
 
 def run_schedule(model_chunks: Sequence[torch.nn.Module], micro_batches: List[MicroBatch],
                  forward_step: Callable[[MicroBatch, torch.nn.Module], Tuple[torch.Tensor, Callable]],
-                 forward_only: bool) -> List[dict]:
-    """One pass of megatron's schedule over ``micro_batches``; returns the loss_func dicts (last stage)."""
+                 forward_only: bool, pp_size: int = 1) -> List[dict]:
+    """One pass of megatron's schedule over ``micro_batches``; returns the loss_func dicts (last stage).
+    With interleaved VPP (several chunks) megatron needs at least ``pp_size`` micro-batches."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         raise ValueError("run_schedule: no micro-batches")
+    if len(model_chunks) > 1 and len(micro_batches) < pp_size:
+        rows = sum(mb.tokens.shape[0] for mb in micro_batches)
+        raise ValueError(f"interleaved pipeline (virtual_pipeline_model_parallel_size={len(model_chunks)}) needs "
+                         f">= pipeline_model_parallel_size={pp_size} micro-batches per step, got "
+                         f"{len(micro_batches)} ({rows} rows / actor.micro_batch_size); lower "
+                         f"actor.micro_batch_size or send more rows per DP rank / mini-batch")
 
     def step(data_iterator, model):
         return forward_step(next(data_iterator), model)

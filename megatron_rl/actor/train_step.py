@@ -103,7 +103,8 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    results = run_schedule(model_chunks, mbs, functools.partial(_forward_step, loss_func), forward_only=False)
+    results = run_schedule(model_chunks, mbs, functools.partial(_forward_step, loss_func), forward_only=False,
+                           pp_size=groups.pp_size)
     update_successful, grad_norm, _ = optimizer.step()
     metrics: Optional[Dict[str, float]] = None
     if groups.is_last_stage:
