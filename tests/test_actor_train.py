@@ -213,3 +213,49 @@ def test_mini_batches_and_epochs_match_reference(models):
     results = run_ranks(_rank_train, 4, job, data, timeout=150)
     assert results[0]["metrics"]["actor/num_optimizer_steps"] == 4
     _check(results, ref, job, models["qwen2"], check_grads=False)
+
+
+def _rank_recipe(rank, world, job, batch, adv):
+    """The loop's recipe: recompute old log-probs, correction over the DP group, train step."""
+    from megatron_rl.correction import compute_rollout_correction
+
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    actor = MegatronActor(job)
+    shard = batch.shard(actor.dp_rank, actor.dp_size)
+    start = sum(batch.shard(r, actor.dp_size).num_rows for r in range(actor.dp_rank))
+    old, _ = actor.compute_log_probs(shard, T)
+    res = compute_rollout_correction(old, shard.rollout_log_probs, shard.response_mask,
+                                     job.algorithm.rollout_correction, group=actor.dp_group)
+    metrics = actor.train_step(shard, old, adv[start:start + shard.num_rows], res.response_mask, res.weights, T)
+    return {"metrics": metrics, "grads": [], "hf_sd": actor.full_state_dict_hf(), "corr": res.metrics}
+
+
+@pytest.mark.timeout(180)
+def test_loop_recipe_with_correction_matches_reference(models):
+    """compute_log_probs -> compute_rollout_correction(group=actor.dp_group) -> train_step at TP2 x DP2
+    equals the single-process chain (HF log-probs, correction without groups, HF + AdamW step)."""
+    from megatron_rl.correction import compute_rollout_correction
+
+    job = _job(models["qwen2"], tp=2)
+    job.algorithm.rollout_correction = type(job.algorithm.rollout_correction).from_dict(
+        {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "token_k1",
+         "rollout_rs_threshold": "0.3_3.0"})
+    batch, _, adv, _, _ = _data(job.model.vocab_size, seed=3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["qwen2"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.tokens).logits[:, :-1] / T
+    old = torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    # rollout log-probs = the policy's plus bf16-like noise (some tokens beyond the RS bounds)
+    noise = 0.6 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4))
+    rollout = ((old + noise).clamp(max=-1e-4) * batch.response_mask).to(torch.float32)
+    batch = RolloutBatch(tokens=batch.tokens, prompt_lengths=batch.prompt_lengths, lengths=batch.lengths,
+                         rollout_log_probs=rollout)
+    ref_corr = compute_rollout_correction(old, batch.rollout_log_probs, batch.response_mask,
+                                          job.algorithm.rollout_correction)
+    assert 0 < ref_corr.response_mask.sum() < batch.response_mask.sum(), "rejection must drop some tokens"
+    data = (batch, old, adv, ref_corr.response_mask, ref_corr.weights)
+    ref = _reference(models["qwen2"], data, [list(range(batch.num_rows))])
+    results = run_ranks(_rank_recipe, 4, job, batch, adv, timeout=150)
+    for k, v in ref_corr.metrics.items():
+        assert results[0]["corr"][k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    _check(results, ref, job, models["qwen2"], check_grads=False)

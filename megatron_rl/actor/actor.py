@@ -7,7 +7,7 @@ Life cycle (every rank; after ``init_distributed()`` and
     shard = batch.shard(actor.dp_rank, actor.dp_size)      # this DP rank's rows of the RolloutBatch
     old_lp, ent = actor.compute_log_probs(shard, temperature)          # [B, L-1] on all ranks of the MP group
     res = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, cfg,
-                                     group=actor.dp_cp_group, cp_group=None)
+                                     group=actor.dp_group, cp_group=None)   # old_lp holds whole rows
     metrics = actor.train_step(shard, old_lp, advantages, res.response_mask, res.weights, temperature)
     actor.save_checkpoint(dir, step, {"data_cursor": 7}); step, extra = actor.load_checkpoint(dir)
     actor.export_hf(out_dir)                  # collective; rank 0 writes HF safetensors (SGLang sync)
@@ -63,12 +63,15 @@ class MegatronActor:
     # ------------------------------------------------------------------ groups
     @property
     def dp_group(self):
-        """Data-parallel group without CP (ranks holding different rows)."""
+        """Data-parallel group without CP (ranks holding different rows of the rollout batch): the
+        ``group`` for ``compute_rollout_correction`` on ``compute_log_probs`` output."""
         return self.groups.dp_group
 
     @property
     def dp_cp_group(self):
-        """Data-parallel group with CP (the ``group`` of compute_rollout_correction / metric reductions)."""
+        """Data-parallel group with CP (ranks holding distinct tokens when sequences are CP-split).
+        ``compute_log_probs`` returns whole (CP-gathered) rows, so reductions over its output — e.g.
+        ``compute_rollout_correction(group=actor.dp_group, cp_group=None)`` — use ``dp_group``."""
         return self.groups.dp_cp_group
 
     @property
