@@ -1,7 +1,7 @@
 """Actor checkpoints (megatron dist_checkpointing, torch_dist) on CPU.
 
 * Resume is exact: 2 train steps in one go == 1 step, save, a fresh set of processes loads, 1 step
-  (bitwise: weights, Adam state, metrics), at TP2xPP2 (4 gloo ranks) and at TP1.
+  (bitwise: weights, Adam state, metrics), at TP1, TP2xPP2 (4 gloo ranks) and MoE EP2.
 * A different layout loads by resharding: saved at TP2xPP2, loaded at TP1 (and the reverse) —
   weights equal the saved ones bitwise and the next step (resharded Adam state) equals the
   uninterrupted run at the saver's layout (<= 1e-6).
@@ -27,10 +27,15 @@ MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_grou
              ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
 
 
-def _job(tp=1, pp=1, model=None):
+MOE = dict(MODEL, num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+           moe_router_load_balancing_type="none", qk_layernorm=True, kv_channels=16)
+
+
+def _job(tp=1, pp=1, model=None, ep=1):
     return job_config_from_dict({
         "model": model or MODEL,
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "expert_model_parallel_size": ep},
         "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01},
         "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
     })
@@ -79,6 +84,13 @@ def _rank(rank, world, job, steps, save_dir, load_dir, init_seed):
             child.join(5)
 
 
+def _adam_state(opt_sd):
+    """[(optimizer index, param index, name, tensor)] of a (possibly chained: list) optimizer state dict."""
+    sds = opt_sd if isinstance(opt_sd, list) else [opt_sd]
+    return [((o, i), n, st[n]) for o, sd in enumerate(sds) for i, st in sorted((sd.get("state") or {}).items())
+            for n in sorted(st)]
+
+
 def _weights(results):
     sds = [r["final"]["weights"] for r in results if r["final"]["weights"] is not None]
     assert len(sds) == 1
@@ -92,9 +104,10 @@ def _assert_equal_sd(a, b, atol=0.0):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (2, 2, 4)], ids=["tp1", "tp2pp2"])
-def test_resume_is_exact(tmp_path, tp, pp, world):
-    job = _job(tp, pp)
+@pytest.mark.parametrize("tp,pp,ep,world", [(1, 1, 1, 1), (2, 2, 1, 4), (1, 1, 2, 2)],
+                         ids=["tp1", "tp2pp2", "moe-ep2"])
+def test_resume_is_exact(tmp_path, tp, pp, ep, world):
+    job = _job(tp, pp, model=MOE if ep > 1 else None, ep=ep)
     full = run_ranks(_rank, world, job, 2, None, None, 7, timeout=150)
     run_ranks(_rank, world, job, 1, str(tmp_path / "ck"), None, 7, timeout=150)
     # a different init seed: everything that matters must come from the checkpoint
@@ -104,8 +117,7 @@ def test_resume_is_exact(tmp_path, tp, pp, world):
     for r_full, r_res in zip(full, resumed):
         assert r_res["metrics"][0] == r_full["metrics"][1]
         sa, sb = r_full["final"]["opt"], r_res["final"]["opt"]
-        flat_a = [(i, n, st[n]) for i, st in sorted((sa.get("state") or {}).items()) for n in sorted(st)]
-        flat_b = [(i, n, st[n]) for i, st in sorted((sb.get("state") or {}).items()) for n in sorted(st)]
+        flat_a, flat_b = _adam_state(sa), _adam_state(sb)
         assert len(flat_a) == len(flat_b) > 0
         for (i, n, x), (j, m, y) in zip(flat_a, flat_b):
             assert (i, n) == (j, m) and torch.equal(torch.as_tensor(x), torch.as_tensor(y)), f"Adam state {i}.{n}"
