@@ -73,14 +73,14 @@ for ov in "${OVERRIDES[@]+"${OVERRIDES[@]}"}"; do
   [[ "$ov" == *=* && "$ov" != -* ]] || die "override '$ov' is not key.sub=value"
 done
 is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
-is_int "$NNODES" && (( NNODES >= 1 )) || die "--nnodes must be an integer >= 1, got '$NNODES'"
+if ! is_int "$NNODES" || (( NNODES < 1 )); then die "--nnodes must be an integer >= 1, got '$NNODES'"; fi
 if [[ -z "$NPROC_PER_NODE" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   fi
   [[ -n "$NPROC_PER_NODE" && "$NPROC_PER_NODE" != 0 ]] || NPROC_PER_NODE=1
 fi
-is_int "$NPROC_PER_NODE" && (( NPROC_PER_NODE >= 1 )) || die "--nproc-per-node must be an integer >= 1"
+if ! is_int "$NPROC_PER_NODE" || (( NPROC_PER_NODE < 1 )); then die "--nproc-per-node must be an integer >= 1"; fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if (( NNODES > 1 )); then LOG_DIR="$LOG_DIR/$(hostname -s)"; fi
@@ -88,7 +88,7 @@ if (( NNODES > 1 )); then LOG_DIR="$LOG_DIR/$(hostname -s)"; fi
 CMD=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
      --max-restarts "$MAX_RESTARTS" --log-dir "$LOG_DIR" --tee 3)
 if [[ -n "$NODE_RANK" ]]; then
-  is_int "$NODE_RANK" && (( NODE_RANK < NNODES )) || die "--node-rank must be in [0, $NNODES), got '$NODE_RANK'"
+  if ! is_int "$NODE_RANK" || (( NODE_RANK >= NNODES )); then die "--node-rank must be in [0, $NNODES), got '$NODE_RANK'"; fi
   [[ -n "$MASTER_ADDR" ]] || die "--node-rank needs --master-addr (static rendezvous)"
   CMD+=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 elif [[ "$NNODES" == 1 && -z "$RDZV_ENDPOINT" ]]; then

@@ -50,6 +50,16 @@ def test_bash_syntax_and_help(script):
     assert "pkill" not in open(path).read() and "killall" not in open(path).read()
 
 
+def test_shellcheck_clean_if_available():
+    import shutil
+
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (bash -n above still checks the syntax)")
+    r = subprocess.run(["shellcheck", "-x", *[os.path.join(LAUNCH, s) for s in SCRIPTS]], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout
+
+
 # ------------------------------------------------------------------ torchrun.sh
 def test_torchrun_single_node():
     r = _run("torchrun.sh", "--nproc-per-node", "8", "--config", Q7, "actor.lr=2e-6", "trainer.steps=3",
