@@ -133,7 +133,7 @@ def _write_jsonl(path, rows):
 def test_jsonl_and_parquet_give_same_prompts(tok, tmp_path):
     rows = [{"q": f"copy:{i}{i}=", "a": f"{i}{i}", "extra": i} for i in range(5)]
     j = _write_jsonl(tmp_path / "p.jsonl", rows)
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "p.parquet"))
