@@ -15,7 +15,9 @@
   4. ``finalize_model_grads`` (DP all-reduce, tied-embedding and SP/TP norm grads) runs inside the
      schedule; the Megatron optimizer clips the global grad norm and steps (Adam).
 Metrics are (sum, count) pairs reduced exactly over the DP x CP group on the last stage and broadcast
-to every pipeline stage, so every rank returns the same dict.
+to every pipeline stage, so every rank returns the same dict. A MoE load-balancing loss
+(``moe_aux_loss_coeff > 0``) keeps megatron's own scaling (mean over micro-batches and DP ranks); it is
+not part of the reported pg_loss.
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ PER_TOKEN_INPUTS = ("old_log_probs", "advantages", "response_mask", "is_weights"
 """Per-token [B, L-1] inputs of the loss (is_weights / ref_log_probs may be None)."""
 
 
-def _loss_func(mb: MicroBatch, cfg: PolicyLossConfig, den, temperature: float, tp_group, scale: float,
+def _loss_func(cfg: PolicyLossConfig, den, temperature: float, tp_group, scale: float, mb: MicroBatch,
                logits: torch.Tensor):
+    """Last stage: policy loss of one micro-batch from its vocab-parallel logits, scaled for megatron
+    (see the module docstring), plus its (sum, count) metrics."""
     logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
                                         compute_entropy=True)
     p = mb.per_token
@@ -96,9 +100,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
     mbs = prepare_micro_batches(batch, micro_batch_size, groups, trim=trim, per_token=inputs)
     scale = float(len(mbs) * groups.dp_size)
-    loss_func = functools.partial(_loss_func, cfg=loss_cfg, den=den, temperature=float(temperature),
-                                  tp_group=groups.tp_group, scale=scale)
-    loss_func = _positional_logits(loss_func)
+    loss_func = functools.partial(_loss_func, loss_cfg, den, float(temperature), groups.tp_group, scale)
     for chunk in model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()
@@ -118,9 +120,3 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     metrics["update_successful"] = float(bool(update_successful))
     return metrics
 
-
-def _positional_logits(fn):
-    """Adapt a partial with keyword config to megatron's ``loss_func(mb)(output)`` calling convention."""
-    def bound(mb, logits):
-        return fn(mb, logits=logits)
-    return bound
