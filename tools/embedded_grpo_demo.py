@@ -5,11 +5,14 @@ rollouts from the bf16 ``EmbeddedEngine``; the engine gets the trainer's weights
 ``update_weights_from_state_dict``. Loss: on-policy REINFORCE with GRPO advantages,
 ``-sum(A * logp_trainer) / #response tokens`` (token mean), temperature 1. It validates that the task is
 learnable at this scale and picks defaults for ``configs/tiny_cpu.yaml``; it prints one line per step and a
-summary (JSON) at the end.
+summary (JSON) at the end. The defaults are the measured best for copy with 1-3 digits (hidden 128, 2 layers,
+Adam lr 1e-3, 32 prompts x 8 samples per step, max_new_tokens 4, T=1): mean reward ~0.05 -> 0.7-0.8 and
+exact match ~0.5% -> 30-55% in 200 steps. Higher lr (>= 2e-3) or 16 prompts per step collapse the policy
+onto one constant digit of the right length (reward plateau 0.3-0.45).
 
-Run (about a minute on 2 cores)::
+Run (2-4 minutes on 2 cores)::
 
-    OMP_NUM_THREADS=1 python tools/embedded_grpo_demo.py --task copy --steps 150 --lr 3e-3
+    OMP_NUM_THREADS=1 python tools/embedded_grpo_demo.py --task copy --steps 200
 """
 from __future__ import annotations
 
@@ -30,13 +33,13 @@ def main(argv=None) -> dict:
     p.add_argument("--min-digits", type=int, default=1)
     p.add_argument("--max-digits", type=int, default=3)
     p.add_argument("--no-partial-credit", action="store_true")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--estimator", default="grpo")
     p.add_argument("--engine-dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
