@@ -16,7 +16,7 @@ Usage::
     path = build_task_model("runs/tiny/model", task="copy", seed=0, hidden_size=128, num_layers=2)
     path = ensure_task_model("runs/tiny/model")         # builds only if missing
 
-Command line: ``python -m megatron_rl.tasks.char_tokenizer OUT_DIR [--task copy] [--seed 0] [--hidden-size 128]
+Command line: ``python -m megatron_rl.tasks OUT_DIR [--task copy] [--seed 0] [--hidden-size 128]
 [--num-layers 2]``.
 """
 from __future__ import annotations
