@@ -3,7 +3,8 @@
 The reference is built independently of the actor's token layout: HF transformers runs each
 *unpadded* sequence alone, and a plain Python loop picks log_softmax(logits[t] / T)[token t+1] (and the
 entropy at t) into column t. The actor loads the same HF directory (``actor.load_hf``) at TP1, TP2xPP2
-(4 gloo ranks) and DP2, splits the batch into micro-batches of different lengths, and must agree to
+(4 gloo ranks), DP2 and TP2 with sequence parallel (micro-batches padded to a multiple of TP, beyond
+the batch's odd length), splits the batch into micro-batches of different lengths, and must agree to
 <= 1e-4 at every non-padding column, on every rank of the model-parallel group (PP broadcast).
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_actor_forward.py -q``
@@ -55,11 +56,11 @@ def _reference(hf_dir, prompts, responses, T):
     return lp, ent
 
 
-def _job(hf_dir, tp=1, pp=1, ep=1, mbs=2, **actor):
+def _job(hf_dir, tp=1, pp=1, ep=1, mbs=2, sp=False, **actor):
     return job_config_from_dict({
         "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, **actor},
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep},
+                     "expert_model_parallel_size": ep, "sequence_parallel": sp},
     })
 
 
@@ -87,9 +88,10 @@ def _assemble(results, B):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp,pp,world", [(1, 1, 1), (2, 2, 4), (1, 1, 2)], ids=["tp1", "tp2pp2", "dp2"])
-def test_log_probs_match_hf(hf_dir, tp, pp, world):
-    job = _job(hf_dir, tp=tp, pp=pp)
+@pytest.mark.parametrize("tp,pp,sp,world", [(1, 1, False, 1), (2, 2, False, 4), (1, 1, False, 2), (2, 1, True, 2)],
+                         ids=["tp1", "tp2pp2", "dp2", "tp2sp"])
+def test_log_probs_match_hf(hf_dir, tp, pp, sp, world):
+    job = _job(hf_dir, tp=tp, pp=pp, sp=sp)
     prompts, responses = _sequences(job.model.vocab_size)
     batch = RolloutBatch.from_sequences(prompts, responses)
     ref_lp, ref_ent = _reference(hf_dir, prompts, responses, TEMPERATURE)

@@ -99,7 +99,8 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
             pieces = []
             for mb, res in zip(mbs, results):
                 full = cp_gather(res[k], groups.cp_group, groups.cp_size)
-                pieces.append((mb.rows, full[:, : mb.full_length - 1]))
+                # a micro-batch padded beyond the batch length (to a multiple of TP for SP / 2 x CP) is cut back
+                pieces.append((mb.rows, full[:, : min(mb.full_length, batch.max_length) - 1]))
             out[k] = scatter_rows(pieces, B, W, device=actor_device())
         valid = torch.arange(1, W + 1, device=actor_device()).unsqueeze(0) < batch.lengths.to(actor_device()).unsqueeze(1)
         for k in keys:
