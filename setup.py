@@ -26,6 +26,7 @@ setup(
         # transformer-engine and apex are GPU-cluster extras; never install them on CPU machines
         # (transformer-engine raises RuntimeError at import there, which breaks megatron.core).
         "gpu": ["transformer-engine[pytorch]", "triton>=3.0"],
+        # On CPU machines use tools/install_sglang_cpu.sh instead: this extra pulls ~11 GB of CUDA packages.
         "sglang": ["sglang>=0.5", "requests>=2.28"],
         "hf": ["transformers>=4.45", "tokenizers>=0.20"],
         "wandb": ["wandb"],

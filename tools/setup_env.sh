@@ -13,6 +13,9 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q -e ".[dev]" -c tools/constraints-cpu.txt
+# SGLang without its ~11 GB of CUDA packages (the real-server tests and rollout.engine=sglang on CPU);
+# idempotent: a stamp file makes re-runs instant. pip prints expected "sglang requires ..." lines.
+bash tools/install_sglang_cpu.sh "$VENV"
 "$PY" - <<'PY'
 import torch, megatron.core
 print(f"megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}")
