@@ -12,6 +12,12 @@ On a machine without CUDA, ``apply_cpu_patches()`` makes megatron run on CPU ten
   * a few functions that cannot be fixed through that view are replaced one by one (listed in
     ``PATCHES`` with the megatron-core symbol each replaces and why).
 
+Consequences worth knowing: megatron's "CUDA" RNG is the CPU default generator, so
+``model_parallel_cuda_manual_seed(seed)`` reseeds ``torch``'s CPU generator with ``seed`` (megatron's
+tracked streams use seed + 2718 + tp_rank etc. as on GPU); while megatron's
+``LanguageModule.setup_embeddings_and_output_layer`` runs, ``torch.Tensor.cuda`` is the identity (the
+only patch visible outside megatron, for the duration of that call).
+
 Usage (call after importing torch, before building megatron models; safe to call many times — each
 call also covers megatron modules imported since the previous one)::
 
