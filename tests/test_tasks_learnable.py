@@ -21,7 +21,8 @@ def test_copy_one_digit_is_learned_from_scratch():
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
     s = demo.main(["--task", "copy", "--max-digits", "1", "--steps", "60", "--lr", "3e-3", "--max-new-tokens", "4",
-                   "--prompts-per-step", "16", "--n", "8", "--quiet"])
+                   "--prompts-per-step", "16", "--n", "8", "--hidden-size", "64", "--num-layers", "2",
+                   "--seed", "0", "--quiet"])
     rewards = s["curve_reward_per_10_steps"]
     exact = s["curve_exact_per_10_steps"]
     assert rewards[0] < 0.25 and exact[0] < 0.1, s
