@@ -24,7 +24,8 @@ Q7 = "configs/qwen2.5_7b_1x8.yaml"
 
 def _run(script, *args, env=None, timeout=120):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SGLANG_", "MASTER_", "NNODES",
-                                                                  "NODE_RANK", "RDZV", "LAUNCH_MODE"))}
+                                                                  "NODE_RANK", "RDZV", "LAUNCH_MODE",
+                                                                  "MEGATRON_RL_SGLANG_PYTHON", "DRY_RUN", "CHECK"))}
     e.update({"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
     e.update(env or {})
     return subprocess.run(["bash", os.path.join(LAUNCH, script), *args], capture_output=True, text=True,
