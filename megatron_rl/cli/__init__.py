@@ -1,11 +1,14 @@
 """``megatron-rl`` command line: one subcommand per job.
 
+    megatron-rl train   --config X.yaml [--resume] [key.sub=value ...]     (under torchrun / srun)
+    megatron-rl score   --config X.yaml --rollouts R.jsonl --out S.jsonl    (under torchrun / srun)
+    megatron-rl check   X.yaml --nodes N --gpus-per-node G --gpu-memory-gb M
+    megatron-rl report  RUN_DIR
     megatron-rl convert hf-to-mcore --hf-dir D --out O --tensor-model-parallel-size T ...
     megatron-rl convert mcore-to-hf --mcore-dir O --out D2
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)`` (registers its arguments
-and sets ``func``) — ``convert`` is implemented; ``train``, ``score``, ``check`` and ``report`` are
-registered here as they land (add their module to ``_SUBCOMMANDS``).
+and sets ``func``); ``_SUBCOMMANDS`` lists them.
 """
 from __future__ import annotations
 
