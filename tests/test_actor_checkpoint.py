@@ -141,6 +141,18 @@ def test_load_at_other_layout_reshards(tmp_path, saved, loaded):
 
 
 @pytest.mark.timeout(120)
+def test_save_before_first_step_resumes_like_fresh(tmp_path):
+    """A checkpoint written before any optimizer step (no Adam state yet) loads, and the next step
+    equals a fresh run's first step."""
+    job = _job(2, 1)
+    run_ranks(_rank, 2, job, 0, str(tmp_path / "ck"), None, 7, timeout=100)
+    resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=100)
+    fresh = run_ranks(_rank, 2, job, 1, None, None, 7, timeout=100)
+    _assert_equal_sd(_weights(resumed), _weights(fresh))
+    assert resumed[0]["metrics"] == fresh[0]["metrics"]
+
+
+@pytest.mark.timeout(120)
 def test_model_mismatch_is_a_clear_error(tmp_path):
     run_ranks(_rank, 1, _job(), 0, str(tmp_path / "ck"), None, 7, timeout=100)
     other = dict(MODEL, ffn_hidden_size=128)
@@ -148,3 +160,12 @@ def test_model_mismatch_is_a_clear_error(tmp_path):
         run_ranks(_rank, 1, _job(model=other), 0, None, str(tmp_path / "ck"), 7, timeout=100)
     with pytest.raises(RankError, match="no checkpoint at"):
         run_ranks(_rank, 1, _job(), 0, None, str(tmp_path / "nothing"), 7, timeout=100)
+    # a damaged checkpoint: the failure names the saved and the requested layout
+    dist_dir = tmp_path / "ck" / "iter_0000000" / "dist"
+    for f in dist_dir.iterdir():
+        if f.suffix == ".distcp":
+            f.unlink()
+    with pytest.raises(RankError, match=r"CheckpointLayoutError: checkpoint .* loading failed \(saved layout "
+                                        r"\{.*'tensor_model_parallel_size': 1.*\}, requested layout \{.*"
+                                        r"'tensor_model_parallel_size': 2"):
+        run_ranks(_rank, 2, _job(tp=2), 0, None, str(tmp_path / "ck"), 7, timeout=100)

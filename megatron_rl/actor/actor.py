@@ -105,12 +105,14 @@ class MegatronActor:
         return self.groups.is_last_stage
 
     # ------------------------------------------------------------------ log-prob pass
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float,
-                          compute_entropy: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float, compute_entropy: bool = True,
+                          micro_batch_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(log_probs [B, L-1], entropy [B, L-1]) of this rank's DP shard under softmax(logits / T), on
-        every rank of the model-parallel group; 0 at padding columns. fp32, no grad."""
+        every rank of the model-parallel group; 0 at padding columns. fp32, no grad.
+        ``micro_batch_size`` defaults to ``actor.micro_batch_size`` (forward-only can afford more)."""
         check_token_ids(batch, self.model_cfg.vocab_size)
-        return compute_log_probs(self.model, batch, micro_batch_size=self.actor_cfg.micro_batch_size,
+        mbs = micro_batch_size or self.actor_cfg.micro_batch_size
+        return compute_log_probs(self.model, batch, micro_batch_size=mbs,
                                  temperature=temperature, groups=self.groups, compute_entropy=compute_entropy,
                                  trim=self._trim)
 

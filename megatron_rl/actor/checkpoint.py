@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megatron_rl.actor.groups import ActorGroups
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "resolve_checkpoint_dir",
-           "LATEST_FILE"]
+           "ensure_adam_state", "LATEST_FILE"]
 
 LATEST_FILE = "latest"
 META_FILE = "megatron_rl.json"
@@ -104,6 +104,47 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a (chained) Megatron optimizer."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return [o.optimizer for o in (chained if chained is not None else [optimizer]) if o.optimizer is not None]
+
+
+def ensure_adam_state(optimizer) -> int:
+    """Give every parameter without optimizer state the state a fresh Adam starts from (zero moments,
+    step 0), so a checkpoint saved before the first step has a complete optimizer entry (megatron's
+    loader otherwise fails on the missing keys). Resuming from it is identical to a fresh optimizer.
+    Returns the number of parameters initialised."""
+    n = 0
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+                    n += 1
+    return n
+
+
+def _restore_zero_steps(obj) -> None:
+    """megatron saves the Adam step as ``common_step`` only ``if step:`` — a step of 0 (checkpoint taken
+    before the first update) is dropped and torch's Adam then refuses the state (KeyError 'step').
+    Put ``common_step = 0`` back into every loaded torch-optimizer state dict that lacks it."""
+    if isinstance(obj, dict):
+        state = obj.get("state")
+        if isinstance(state, dict) and "param_groups" in obj:
+            per_param = [v for k, v in state.items() if k != "common_step" and isinstance(v, dict)]
+            if "common_step" not in state and any("step" not in v for v in per_param):
+                state["common_step"] = torch.tensor(0.0, dtype=torch.float32)
+            return
+        for v in obj.values():
+            _restore_zero_steps(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _restore_zero_steps(v)
+
+
 def _iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{int(step):07d}")
 
@@ -136,6 +177,7 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
         os.makedirs(os.path.join(d, "dist"), exist_ok=True)
         os.makedirs(os.path.join(d, "rng"), exist_ok=True)
     dist.barrier()
+    ensure_adam_state(optimizer)
     sd = _model_sharded_state_dict(model)
     sd["optimizer"] = optimizer.sharded_state_dict(dict(sd))
     dcp.save(sd, os.path.join(d, "dist"))
@@ -179,15 +221,18 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
     saved_layout, now_layout = meta["layout"], _layout(parallel_cfg)
     sd = _model_sharded_state_dict(model)
     sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=True)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
+
     try:
         loaded = dcp.load(sd, os.path.join(d, "dist"))
-    except Exception as exc:  # noqa: BLE001 - re-raised with the layouts named
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the layouts named
         raise CheckpointLayoutError(
             f"checkpoint {d}: loading failed (saved layout {saved_layout}, requested layout {now_layout}): "
             f"{type(exc).__name__}: {exc}") from exc
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
         chunk.module.load_state_dict(loaded[key])
+    _restore_zero_steps(loaded["optimizer"])
     optimizer.load_state_dict(loaded["optimizer"])
     same = {k: v for k, v in saved_layout.items()} == now_layout
     rng_file = os.path.join(d, "rng", f"rank_{dist.get_rank():05d}.pt")
