@@ -228,7 +228,9 @@ class EmbeddedEngine(RolloutEngine):
         matched: list[int | None] = [None] * B
         done = torch.zeros(B, dtype=torch.bool)
 
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        # logits_to_keep=1: only the last position's logits (a [B, L, V] prefill tensor would not fit for real vocabularies)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
         cache = out.past_key_values
         logits = out.logits[:, -1, :]
         last_pos = positions[:, -1]
