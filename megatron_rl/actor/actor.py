@@ -55,7 +55,7 @@ class MegatronActor:
             load_hf_weights(chunks, self.hf_dir, self.model_cfg, self.parallel_cfg)
         self.model = wrap_ddp(chunks)
         self.optimizer = build_optimizer(self.model, self.actor_cfg, params_dtype)
-        self._exporter = HFExporter(self.model_cfg, self.parallel_cfg, self.groups, self.hf_dir)
+        self._exporter: Optional[HFExporter] = None  # built on first export (may need a HF model_type)
         vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
         # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
         self._trim = not (vpp and vpp > 1)
@@ -201,9 +201,16 @@ class MegatronActor:
     def full_state_dict_hf(self) -> Optional[Dict[str, torch.Tensor]]:
         """Collective: rank 0 returns the full model as a HF state dict (CPU tensors, HF names); other
         ranks return None. For the embedded engine's in-process weight sync."""
-        return self._exporter.full_state_dict_hf(self.model)
+        return self.exporter.full_state_dict_hf(self.model)
 
     def export_hf(self, out_dir: str) -> Optional[list]:
         """Collective: rank 0 writes a HF safetensors directory (weights + config/tokenizer from
         actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files."""
-        return self._exporter.export_hf(self.model, out_dir)
+        return self.exporter.export_hf(self.model, out_dir)
+
+    @property
+    def exporter(self) -> HFExporter:
+        """HF export helper (config from actor.load_hf, or generated from the model config)."""
+        if self._exporter is None:
+            self._exporter = HFExporter(self.model_cfg, self.parallel_cfg, self.groups, self.hf_dir)
+        return self._exporter
