@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.actor.groups import ActorGroups
-from megatron_rl.actor.schedule import MicroBatch, prepare_micro_batches, run_schedule
+from megatron_rl.actor.schedule import MicroBatch, actor_device, prepare_micro_batches, run_schedule
 from megatron_rl.logprobs import vocab_parallel_logprobs
 from megatron_rl.losses import (PolicyLossConfig, SumCount, compute_policy_loss, global_denominators,
                                 merge_metrics, reduce_metrics)
@@ -55,9 +55,9 @@ def _loss_func(cfg: PolicyLossConfig, den, temperature: float, tp_group, scale: 
     metrics = dict(out.metrics)
     valid = p["response_mask"] != 0
     metrics["entropy"] = sum_count(ent, valid)
-    one = torch.ones((), dtype=torch.float64)
-    metrics["pg_loss"] = SumCount(out.pg_loss.detach().to(torch.float64).reshape(()).cpu(), one)
-    metrics = {k: SumCount(v.sum.detach().cpu(), v.count.detach().cpu()) for k, v in metrics.items()}
+    # metrics stay on the logits' device: they are all-reduced (NCCL needs CUDA tensors on GPU)
+    one = torch.ones((), dtype=torch.float64, device=logits.device)
+    metrics["pg_loss"] = SumCount(out.pg_loss.detach().to(torch.float64).reshape(()), one)
     return out.loss * scale, {"metrics": metrics}
 
 
@@ -97,6 +97,8 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     if loss_cfg.loss_agg_mode == "seq-mean-token-sum-norm" and loss_cfg.loss_scale_factor is None:
         # micro-batches are trimmed to different lengths: use the batch's padded length for all of them
         loss_cfg = dataclasses.replace(loss_cfg, loss_scale_factor=float(batch.max_length - 1))
+    dev = actor_device()
+    inputs = {k: None if v is None else v.to(dev) for k, v in inputs.items()}
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
     mbs = prepare_micro_batches(batch, micro_batch_size, groups, trim=trim, per_token=inputs)
     scale = float(len(mbs) * groups.dp_size)
