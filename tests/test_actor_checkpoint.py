@@ -7,8 +7,8 @@
   uninterrupted run at the saver's layout (<= 1e-6).
 * A model that does not match the checkpoint fails with ``CheckpointLayoutError`` naming the keys.
 
-The forked test ranks are daemonic processes; megatron's checkpoint writer starts a multiprocessing
-Manager, so each rank clears its daemon flag and stops its own child processes before exiting.
+megatron's checkpoint writer starts a multiprocessing Manager in each saving rank (run_ranks' ranks are
+non-daemonic so they may); each rank also stops its own child processes before returning.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_actor_checkpoint.py -q``
 """
@@ -64,7 +64,6 @@ def _snapshot(actor):
 
 
 def _rank(rank, world, job, steps, save_dir, load_dir, init_seed):
-    multiprocessing.current_process()._config["daemon"] = False  # megatron's writer starts a Manager
     try:
         initialize_model_parallel(job.parallel, seed=init_seed, model=job.model)
         actor = MegatronActor(job)
