@@ -104,3 +104,35 @@ def test_log_probs_match_hf(hf_dir, tp, pp, sp, world):
     assert err_lp <= 1e-4, f"log-prob max error {err_lp:.3e}"
     assert err_ent <= 1e-4, f"entropy max error {err_ent:.3e}"
     assert torch.all(lp[~valid] == 0) and torch.all(ent[~valid] == 0)
+
+
+@pytest.mark.timeout(120)
+def test_log_probs_from_converted_checkpoint(hf_dir, tmp_path):
+    """actor.load_hf may name a ``megatron-rl convert hf-to-mcore`` directory saved at another layout
+    (TP2 here, resharded to TP1 x PP2 on load); the log-probs still equal HF's, and the HF export
+    (config from the converted directory's hf_assets) returns the original tensors bit for bit."""
+    from megatron_rl.convert.storage import read_hf_state_dict
+
+    import dataclasses
+
+    from megatron_rl.convert import ShardLayout, convert_hf_to_mcore
+
+    out = str(tmp_path / "mcore")
+    convert_hf_to_mcore(hf_dir, out, ShardLayout(tensor_model_parallel_size=2))
+    model = dataclasses.asdict(_job(hf_dir).model)
+    job = job_config_from_dict({"model": model, "actor": {"load_hf": out, "micro_batch_size": 2},
+                                "parallel": {"pipeline_model_parallel_size": 2}})
+    prompts, responses = _sequences(job.model.vocab_size, seed=1)
+    batch = RolloutBatch.from_sequences(prompts, responses)
+    ref_lp, _ = _reference(hf_dir, prompts, responses, TEMPERATURE)
+    lp, _ = _assemble(run_ranks(_rank_logprobs, 2, job, batch, TEMPERATURE, timeout=100), batch.num_rows)
+    valid = torch.arange(1, batch.max_length).unsqueeze(0) < batch.lengths.unsqueeze(1)
+    assert (lp.double() - ref_lp)[valid].abs().max().item() <= 1e-4
+    sd = run_ranks(_rank_export, 2, job, timeout=100)[0]
+    ref = read_hf_state_dict(hf_dir)
+    assert sorted(sd) == sorted(ref) and all(torch.equal(sd[k], v) for k, v in ref.items())
+
+
+def _rank_export(rank, world, job):
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    return MegatronActor(job).full_state_dict_hf()

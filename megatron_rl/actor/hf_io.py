@@ -1,7 +1,8 @@
 """HF weights in and out of the live actor (via ``megatron_rl.convert``).
 
 * ``load_hf_weights(chunks, hf_dir, model_cfg, parallel_cfg)``: this rank's shard of a HF checkpoint
-  (safetensors) into its model chunk(s), at any TP/PP/EP/ETP (and VPP) layout.
+  (safetensors) — or of a directory written by ``megatron-rl convert hf-to-mcore`` (any saved layout,
+  resharded on the fly) — into its model chunk(s), at any TP/PP/EP/ETP (and VPP) layout.
 * ``HFExporter.full_state_dict_hf(model)``: collective; every distinct shard (dense weights from DP/CP
   rank 0, expert weights from expert-DP rank 0) is gathered to global rank 0, unsharded
   (``megatron_rl.models.sharding.unshard_state_dicts``) and mapped to HF names
@@ -21,7 +22,21 @@ import torch.distributed as dist
 
 from megatron_rl.actor.groups import ActorGroups
 
-__all__ = ["load_hf_weights", "HFExporter", "infer_hf_model_type"]
+__all__ = ["load_hf_weights", "HFExporter", "infer_hf_model_type", "is_converted_dir", "hf_assets_dir"]
+
+
+def is_converted_dir(path: str) -> bool:
+    """True for a directory written by ``megatron_rl.convert.convert_hf_to_mcore`` (per-rank shards)."""
+    from megatron_rl.convert.storage import METADATA_FILE
+
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def hf_assets_dir(path: str) -> str:
+    """Where config.json / tokenizer files of ``path`` live (``hf_assets/`` of a converted directory)."""
+    from megatron_rl.convert.storage import ASSETS_DIR
+
+    return os.path.join(path, ASSETS_DIR) if is_converted_dir(path) else path
 
 
 def load_hf_weights(chunks: Sequence[torch.nn.Module], hf_dir: str, model_cfg, parallel_cfg) -> None:
@@ -40,11 +55,22 @@ def load_hf_weights(chunks: Sequence[torch.nn.Module], hf_dir: str, model_cfg, p
                                   ep_rank=coords.ep_rank, etp_rank=coords.etp_rank)
         load_state_dict_into_model(chunks[0], sd, where=f"{hf_dir} -> {coords}")
         return
-    geom, _, hf_sd = read_hf_checkpoint(hf_dir)
-    if geom.vocab_size != model_cfg.vocab_size:
-        raise ValueError(f"load_hf with virtual pipeline stages needs an unpadded vocab: config.json vocab_size="
-                         f"{geom.vocab_size}, model.vocab_size={model_cfg.vocab_size}")
-    load_full_state_dict(list(chunks), hf_to_mcore(hf_sd, geom), model_cfg)
+    if is_converted_dir(hf_dir):
+        from megatron_rl.convert import read_full_mcore_state_dict
+
+        geom, full = read_full_mcore_state_dict(hf_dir)
+    else:
+        geom, _, hf_sd = read_hf_checkpoint(hf_dir)
+        full = hf_to_mcore(hf_sd, geom)
+    V = model_cfg.vocab_size
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if k in full and full[k].shape[0] != V:
+            if full[k].shape[0] < geom.vocab_size or V < geom.vocab_size:
+                raise ValueError(f"{hf_dir}: {k} has {full[k].shape[0]} rows, model.vocab_size={V}, "
+                                 f"checkpoint vocab_size={geom.vocab_size}")
+            rows = full[k][: geom.vocab_size]
+            full[k] = torch.cat([rows, rows.new_zeros(V - geom.vocab_size, rows.shape[1])])
+    load_full_state_dict(list(chunks), full, model_cfg)
 
 
 def infer_hf_model_type(model_cfg) -> str:
@@ -73,7 +99,7 @@ class HFExporter:
 
         self.model_cfg, self.parallel_cfg, self.groups, self.hf_dir = model_cfg, parallel_cfg, groups, hf_dir
         if hf_dir:
-            self.hf_config = read_hf_config(hf_dir)
+            self.hf_config = read_hf_config(hf_assets_dir(hf_dir))
         else:
             self.hf_config = megatron_to_hf_config(model_cfg, infer_hf_model_type(model_cfg))
         self.geometry = HFGeometry.from_hf_config(self.hf_config)
@@ -136,7 +162,7 @@ class HFExporter:
         if sd is not None:
             os.makedirs(out_dir, exist_ok=True)
             if self.hf_dir:
-                copy_hf_assets(self.hf_dir, out_dir)
+                copy_hf_assets(hf_assets_dir(self.hf_dir), out_dir)
             else:
                 with open(os.path.join(out_dir, "config.json"), "w") as fh:
                     json.dump(self.hf_config, fh, indent=2, sort_keys=True)
