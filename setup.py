@@ -21,6 +21,10 @@ setup(
         "pyyaml>=6",
         "numpy>=1.24",
         "safetensors>=0.4",
+        # the embedded rollout engine (the CPU default), tokenizers and HF checkpoint I/O
+        "transformers>=4.56",
+        "tokenizers>=0.20",
+        "requests>=2.28",
     ],
     extras_require={
         # transformer-engine and apex are GPU-cluster extras; never install them on CPU machines
@@ -28,7 +32,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "triton>=3.0"],
         # On CPU machines use tools/install_sglang_cpu.sh instead: this extra pulls ~11 GB of CUDA packages.
         "sglang": ["sglang>=0.5", "requests>=2.28"],
-        "hf": ["transformers>=4.45", "tokenizers>=0.20"],
+        "parquet": ["pyarrow"],
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "report": ["matplotlib"],
@@ -37,10 +41,8 @@ setup(
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "triton>=3.0",
-            "transformers>=4.45",
-            "tokenizers>=0.20",
-            "requests>=2.28",
             "matplotlib",
+            "pyarrow",
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

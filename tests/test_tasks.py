@@ -264,7 +264,7 @@ def test_build_task_model_loads_in_engine(tmp_path):
     d2 = build_task_model(tmp_path / "m2", task="copy", seed=3, hidden_size=32, num_layers=1)
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == (tmp_path / "m2" / "model.safetensors").read_bytes()
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert cfg["vocab_size"] == len(VOCAB) and cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 1
+    assert cfg["vocab_size"] == -(-len(VOCAB) // 8) * 8 and cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 1
     assert cfg["eos_token_id"] == 1 and cfg["pad_token_id"] == 0
     eng = EmbeddedEngine(d, dtype="bfloat16")
     task = build_task("copy", build_char_tokenizer())

@@ -54,6 +54,9 @@ def build_char_tokenizer(out_dir: str | os.PathLike | None = None):
     return fast
 
 
+VOCAB_MULTIPLE = 8
+
+
 def task_model_config(hidden_size: int = 128, num_layers: int = 2, num_attention_heads: int = 4,
                       num_key_value_heads: int = 2, intermediate_size: int | None = None,
                       max_position_embeddings: int = 64, tie_word_embeddings: bool = False):
@@ -73,7 +76,9 @@ def task_model_config(hidden_size: int = 128, num_layers: int = 2, num_attention
         raise ValueError(f"build_task_model: num_attention_heads={num_attention_heads} must be divisible by "
                          f"num_key_value_heads={num_key_value_heads}")
     cfg = Qwen2Config(
-        vocab_size=len(VOCAB), hidden_size=hidden_size,
+        # unused rows up to a multiple of 8, as real checkpoints pad theirs: tensor_model_parallel_size
+        # 2, 4 or 8 then divides the vocabulary (megatron shards it over TP)
+        vocab_size=-(-len(VOCAB) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
@@ -130,7 +135,8 @@ def ensure_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int 
 
 
 def main(argv=None) -> None:
-    """Command-line entry point: build a task model and print its path."""
+    """Command-line entry point: build a task model (unless ``out_dir`` already holds one: never
+    overwritten) and print its path."""
     p = argparse.ArgumentParser(description="Build a tiny Qwen2 model + char tokenizer for a digit task.")
     p.add_argument("out_dir")
     p.add_argument("--task", default="copy", choices=TASK_WORDS)
@@ -138,7 +144,7 @@ def main(argv=None) -> None:
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
     a = p.parse_args(argv)
-    print(build_task_model(a.out_dir, a.task, a.seed, a.hidden_size, a.num_layers))
+    print(ensure_task_model(a.out_dir, a.task, a.seed, a.hidden_size, a.num_layers))
 
 
 if __name__ == "__main__":

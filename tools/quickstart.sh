@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The main job on the embedded default, from a fresh CPU machine, in one command:
+#   1. set up .venv (torch==2.13.0 CPU first, then megatron-rl),
+#   2. build the tiny task model + char tokenizer into runs/tiny_cpu/init_model (first run only),
+#   3. train on 4 gloo ranks (TP2 x PP2) with launch/torchrun.sh and configs/tiny_cpu.yaml,
+#   4. write the run report (PNG plots + report.md) into runs/tiny_cpu/report.
+# Usage: bash tools/quickstart.sh [key.sub=value ...]     e.g. trainer.steps=50
+# About 3-6 minutes on 2 cores (200 steps). Logs per rank: runs/tiny_cpu/logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup_env.sh
+VENV="${MEGATRON_RL_VENV:-.venv}"
+PY="$VENV/bin/python"
+RUN_DIR=runs/tiny_cpu
+"$PY" -m megatron_rl.tasks "$RUN_DIR/init_model" --task copy --hidden-size 128 --num-layers 2 --seed 0
+export OMP_NUM_THREADS=1
+PYTHON="$PY" NPROC_PER_NODE=4 LOG_DIR="$RUN_DIR/logs" bash launch/torchrun.sh --config configs/tiny_cpu.yaml "$@"
+"$PY" -m megatron_rl.cli report "$RUN_DIR" --out "$RUN_DIR/report"
+echo "report: $RUN_DIR/report/report.md"
