@@ -104,3 +104,18 @@ def test_resume_reproduces_uninterrupted_run(task_model, tmp_path):
         if key.startswith(("timing/", "perf/")) or key == "time":
             continue
         assert b[1][key] == v, f"step 2 {key}: resumed {b[1][key]!r} != uninterrupted {v!r}"
+
+
+@pytest.mark.timeout(300)
+def test_kl_to_reference_policy(task_model, tmp_path):
+    """With kl_loss_coef > 0 the loop scores a frozen reference: step 1's KL loss is 0 (actor == reference)
+    and step 2's is positive (the actor moved)."""
+    run_dir = str(tmp_path / "kl")
+    cfg = _cfg(task_model, run_dir, 1, ["actor.policy_loss.kl_loss_coef=0.1", "actor.policy_loss.kl_loss_type=k3",
+                                        "actor.lr=5e-3", "trainer.steps=4", "data.prompts_per_step=8"])
+    run_ranks(_train_body, 1, cfg, timeout=240)
+    m = _read_metrics(run_dir)
+    assert abs(m[0]["actor/kl_loss"]) < 1e-6
+    moved = [i for i in range(len(m) - 1) if m[i]["actor/grad_norm"] > 0]
+    assert moved, "no step had a nonzero gradient (all advantages zero?)"
+    assert all(m[i + 1]["actor/kl_loss"] > 1e-7 for i in moved[:1])

@@ -115,12 +115,15 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool) -> str:
 
 def train(cfg: JobConfig) -> Dict[str, float]:
     """Run ``cfg.trainer.steps`` steps (or the remainder after ``--resume``); returns the last metrics."""
-    from megatron_rl.actor import RolloutBatch
+    from megatron_rl.actor import MegatronActor, RolloutBatch
     from megatron_rl.algo.advantages import compute_advantages
     from megatron_rl.correction import compute_rollout_correction
     from megatron_rl.rollout.base import RolloutError
 
     actor = setup_distributed(cfg)
+    # KL to a reference policy: a frozen copy of the initial weights (actor.load_hf). It is built as a
+    # second MegatronActor whose optimizer is never stepped (memory for tiny / mid-size models only).
+    reference = MegatronActor(cfg) if cfg.actor.policy_loss.kl_loss_coef > 0 else None
     rank0 = dist.get_rank() == 0
     corr_cfg, T = cfg.algorithm.rollout_correction, cfg.rollout.temperature
     task = engine = tokenizer = None
@@ -180,7 +183,9 @@ def train(cfg: JobConfig) -> Dict[str, float]:
                                      norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
             t0 = time.perf_counter()
             weights = corr.weights if corr_cfg.applies_is_weights else None
-            actor_metrics = actor.train_step(shard, old_lp, adv, corr.response_mask, weights, T)
+            ref_lp = reference.compute_log_probs(shard, T, compute_entropy=False)[0] if reference else None
+            actor_metrics = actor.train_step(shard, old_lp, adv, corr.response_mask, weights, T,
+                                             ref_log_probs=ref_lp)
             t_train = time.perf_counter() - t0
             step += 1
             # 7. weight sync
