@@ -121,6 +121,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
             if not progressed:
                 time.sleep(0.005)
     finally:
+        if all(done) and not errors:
+            # finished ranks exit on their own; let them (and children they started, e.g. megatron's
+            # checkpoint-writer Manager) shut down instead of orphaning those children
+            for p in procs:
+                p.join(timeout=10)
         for p in procs:
             if p.is_alive():
                 p.kill()
