@@ -148,15 +148,18 @@ def _build(cls, d: Any, where: str):
 
 
 def _model_from_hf(path: str) -> ModelConfig:
-    import json
+    """ModelConfig of an HF directory or a ``megatron-rl convert hf-to-mcore`` directory (its hf_assets).
 
-    from megatron_rl.models.hf_config import model_config_from_hf
+    The vocabulary is not padded: a size that TP does not divide is rejected by validation, because
+    padded logit columns would change the softmax the rollout engine computes."""
+    from megatron_rl.convert import model_config_for_checkpoint
 
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ConfigError(f"actor.load_hf: {cfg_path} does not exist")
-    with open(cfg_path) as fh:
-        return model_config_from_hf(json.load(fh))
+    if not os.path.isdir(path):
+        raise ConfigError(f"actor.load_hf: {path!r} is not a directory")
+    try:
+        return model_config_for_checkpoint(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"actor.load_hf: cannot read a model config from {path!r}: {exc}") from None
 
 
 def job_config_from_dict(tree: Dict[str, Any]) -> JobConfig:
