@@ -1,35 +1,32 @@
-"""Cut a full Megatron state dict into per-rank shards for a TP/PP/EP/ETP layout, and glue them back.
+"""Per-rank shards of the converter's file format (TP/PP/EP/ETP ``ShardLayout``), and glue them back.
 
-Pure tensor slicing — no process group, no megatron import. Conventions (megatron-core 0.16.1):
-  * tensor parallel (TP): ColumnParallelLinear tensors split on dim 0, RowParallelLinear weights on
-    dim 1, SwiGLU ``linear_fc1`` as ``[gate_r; up_r]`` per rank, embedding / output layer on the
-    vocab dim after padding the vocab to a multiple of ``make_vocab_size_divisible_by * TP`` (default 1; padded
-    rows are zeros on import and dropped on export). Norms, router, q/k norms replicated.
-  * pipeline parallel (PP): even split, stage ``s`` holds global layers ``[s*L/PP, (s+1)*L/PP)``
-    renumbered from 0; the embedding lives on the first stage, final norm and output layer on the
-    last. With tied embeddings and PP > 1 the last stage also holds ``output_layer.weight`` (a copy
-    of the embedding shard, as megatron keeps it).
-  * expert parallel (EP): EP rank ``k`` holds global experts ``[k*E/EP, (k+1)*E/EP)`` renumbered from 0;
-    routed-expert tensors are split over the expert-tensor-parallel size ETP (default: TP, megatron's
-    default); shared experts follow TP.
-A rank's model state dict is ``dense_shard(tp, pp) | expert_shard(ep, etp, pp)``.
+A thin adapter over :mod:`megatron_rl.models.sharding`, the single implementation of the layout rules
+(TP column / row / gated ``[gate_r; up_r]`` / vocab / replicated splits, PP layer ranges and first /
+last-stage tensors incl. the tied output layer, EP expert ranges, ETP). This module adds what the
+converter's files need: the layout (``ShardLayout``) validated against a HF geometry with errors in HF
+config names, the vocab padded to a multiple of ``make_vocab_size_divisible_by * TP`` (padded rows
+are zeros on import and dropped on export), shards stored as non-expert ``(tp, pp)`` and routed-expert
+``(ep, etp, pp)`` files, and strict checks of every shard's tensor names and shapes on the way back.
+No process group, no megatron import. A rank's model state dict is
+``dense_shard(tp, pp) | expert_shard(ep, etp, pp)``.
 
 Usage::
 
     layout = ShardLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     sd = rank_state_dict(full_sd, geom, layout, tp_rank=1, pp_rank=0)
+    full = unshard({(tp, pp): sd, ...}, {(ep, etp, pp): sd, ...}, geom, layout)
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.mapping import (COLUMN, GATED_COLUMN, REPLICATED, ROW, VOCAB, CheckpointMismatchError,
-                                         ParamRule, param_rules)
+from megatron_rl.convert.mapping import CheckpointMismatchError, param_rules
+from megatron_rl.models.sharding import RankCoords, cut_state_dict, merge_state_dicts, merge_tensors
 
 Tensor = torch.Tensor
 
@@ -129,95 +126,20 @@ class ShardLayout:
             raise LayoutError(f"layout {self.to_dict()} does not fit {g.architecture}: " + "; ".join(errs))
 
 
-def _split(t: Tensor, kind: str, n: int, r: int, padded_rows: int) -> Tensor:
-    if kind == REPLICATED or n == 1 and kind != VOCAB:
-        return t.clone()
-    if kind == COLUMN:
-        return t.chunk(n, dim=0)[r].clone()
-    if kind == ROW:
-        return t.chunk(n, dim=1)[r].clone()
-    if kind == GATED_COLUMN:
-        gate, up = t.chunk(2, dim=0)
-        return torch.cat([gate.chunk(n, dim=0)[r], up.chunk(n, dim=0)[r]], dim=0)
-    if kind == VOCAB:
-        rows = padded_rows // n
-        out = t.new_zeros((rows,) + tuple(t.shape[1:]))
-        lo, hi = r * rows, min((r + 1) * rows, t.shape[0])
-        if hi > lo:
-            out[: hi - lo] = t[lo:hi]
-        return out
-    raise ValueError(f"unknown shard kind {kind!r}")
+def _coords(layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0,
+            etp_rank: int = 0) -> RankCoords:
+    return RankCoords(tp_rank, layout.tp, pp_rank, layout.pp, ep_rank, layout.ep, etp_rank, layout.etp)
 
 
-def _merge(parts: List[Tensor], kind: str, full_rows: int, name: str = "") -> Tensor:
-    if kind == REPLICATED:
-        for i, p in enumerate(parts[1:], 1):
-            if not torch.equal(p, parts[0]):
-                raise CheckpointMismatchError(f"replicated tensor {name!r} differs between shard 0 and shard {i}")
-        return parts[0].clone()
-    if len(parts) == 1 and kind != VOCAB:
-        return parts[0].clone()
-    if kind == COLUMN:
-        return torch.cat(parts, dim=0)
-    if kind == ROW:
-        return torch.cat(parts, dim=1)
-    if kind == GATED_COLUMN:
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    if kind == VOCAB:
-        return torch.cat(parts, dim=0)[:full_rows].clone()
-    raise ValueError(f"unknown shard kind {kind!r}")
-
-
-def _local_shape(r: ParamRule, n: int, padded_vocab: int) -> Tuple[int, ...]:
-    s = list(r.mcore_shape)
-    if r.shard in (COLUMN, GATED_COLUMN):
-        s[0] //= n
-    elif r.shard == ROW:
-        s[1] //= n
-    elif r.shard == VOCAB:
-        s[0] = padded_vocab // n
-    return tuple(s)
-
-
-def _stage_rules(g: HFGeometry, layout: ShardLayout, pp_rank: int, experts: bool):
-    """(rule, local name) pairs held by one pipeline stage, expert or non-expert tensors."""
-    layers = layout.stage_layers(g, pp_rank)
-    first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    n_local = (g.num_moe_experts // layout.ep) if g.is_moe else 0
-    out = []
-    for r in param_rules(g):
-        if r.is_expert != experts:
-            continue
-        if r.layer is None:
-            if r.mcore_template.startswith("embedding.") and not first:
-                continue
-            if not r.mcore_template.startswith("embedding.") and not last:
-                continue
-            out.append((r, r.mcore_template))
-        elif r.layer in layers:
-            e_local = None if r.expert is None else r.expert % n_local
-            out.append((r, r.name_with(r.layer - layers.start, e_local)))
-    return out
-
-
-def _tied_output_rule(g: HFGeometry, layout: ShardLayout, pp_rank: int) -> Optional[ParamRule]:
-    """Megatron's last stage keeps its own output_layer.weight when embeddings are tied and PP > 1."""
-    if g.tie_word_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1:
-        return param_rules(g)[0]  # the embedding rule
-    return None
+def _model_args(g: HFGeometry) -> dict:
+    return dict(num_layers=g.num_layers, tied=g.tie_word_embeddings, num_moe_experts=g.num_moe_experts or 0)
 
 
 def dense_shard(full: Mapping[str, Tensor], g: HFGeometry, layout: ShardLayout, tp_rank: int,
                 pp_rank: int) -> Dict[str, Tensor]:
     """Non-expert tensors of (tp_rank, pp_rank), with stage-local layer numbers."""
-    pv = layout.padded_vocab(g.vocab_size)
-    out = {name: _split(full[r.mcore_name], r.shard, layout.tp, tp_rank, pv)
-           for r, name in _stage_rules(g, layout, pp_rank, experts=False)}
-    tied = _tied_output_rule(g, layout, pp_rank)
-    if tied is not None:
-        out["output_layer.weight"] = _split(full[tied.mcore_name], VOCAB, layout.tp, tp_rank, pv)
-    return out
+    return cut_state_dict(full, _coords(layout, tp_rank, pp_rank), **_model_args(g),
+                          padded_vocab_size=layout.padded_vocab(g.vocab_size), experts=False)
 
 
 def expert_shard(full: Mapping[str, Tensor], g: HFGeometry, layout: ShardLayout, ep_rank: int, etp_rank: int,
@@ -225,10 +147,8 @@ def expert_shard(full: Mapping[str, Tensor], g: HFGeometry, layout: ShardLayout,
     """Routed-expert tensors of (ep_rank, etp_rank, pp_rank), with local layer and expert numbers."""
     if not g.is_moe:
         return {}
-    n_local = g.num_moe_experts // layout.ep
-    mine = range(ep_rank * n_local, (ep_rank + 1) * n_local)
-    return {name: _split(full[r.mcore_name], r.shard, layout.etp, etp_rank, 0)
-            for r, name in _stage_rules(g, layout, pp_rank, experts=True) if r.expert in mine}
+    return cut_state_dict(full, _coords(layout, pp_rank=pp_rank, ep_rank=ep_rank, etp_rank=etp_rank),
+                          **_model_args(g), dense=False)
 
 
 def rank_state_dict(full: Mapping[str, Tensor], g: HFGeometry, layout: ShardLayout, tp_rank: int = 0,
@@ -252,13 +172,17 @@ def expert_keys(g: HFGeometry, layout: ShardLayout) -> Iterable[Tuple[int, int, 
     return [(e, t, p) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.etp)]
 
 
-def _take(shard: Mapping[str, Tensor], name: str, shape: Tuple[int, ...], where: str) -> Tensor:
-    if name not in shard:
-        raise CheckpointMismatchError(f"{where}: missing tensor {name!r}")
-    t = shard[name]
-    if tuple(t.shape) != shape:
-        raise CheckpointMismatchError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-    return t
+def _check_shard(shard: Mapping[str, Tensor], expected: Mapping[str, Tensor], where: str) -> None:
+    """``shard`` holds exactly the names of ``expected`` (a shard cut from meta tensors), same shapes."""
+    for name, ref in expected.items():
+        if name not in shard:
+            raise CheckpointMismatchError(f"{where}: missing tensor {name!r}")
+        if tuple(shard[name].shape) != tuple(ref.shape):
+            raise CheckpointMismatchError(f"{where}: tensor {name!r} has shape {tuple(shard[name].shape)}, "
+                                          f"expected {tuple(ref.shape)}")
+    extra = sorted(set(shard) - set(expected))
+    if extra:
+        raise CheckpointMismatchError(f"{where}: unexpected tensor(s) {extra}")
 
 
 def unshard(dense: Mapping[Tuple[int, int], Mapping[str, Tensor]],
@@ -272,50 +196,29 @@ def unshard(dense: Mapping[Tuple[int, int], Mapping[str, Tensor]],
     stage's output_layer.weight must equal the embedding (megatron keeps them identical).
     """
     layout.validate(g)
-    pv = layout.padded_vocab(g.vocab_size)
     missing = [k for k in dense_keys(layout) if k not in dense] + \
               [k for k in expert_keys(g, layout) if k not in experts]
     if missing:
         raise CheckpointMismatchError(f"missing shards for layout {layout.to_dict()}: {missing}")
-    full: Dict[str, Tensor] = {}
-    n_local = (g.num_moe_experts // layout.ep) if g.is_moe else 0
-    for pp in range(layout.pp):
-        used = {(t, pp): set() for t in range(layout.tp)}
-        for r, name in _stage_rules(g, layout, pp, experts=False):
-            shape = _local_shape(r, layout.tp, pv)
-            parts = []
-            for t in range(layout.tp):
-                parts.append(_take(dense[(t, pp)], name, shape, f"shard tp={t} pp={pp}"))
-                used[(t, pp)].add(name)
-            full[r.mcore_name] = _merge(parts, r.shard, r.mcore_shape[0], name)
-        tied = _tied_output_rule(g, layout, pp)
-        if tied is not None:
-            shape = _local_shape(tied, layout.tp, pv)
-            out = _merge([_take(dense[(t, pp)], "output_layer.weight", shape, f"shard tp={t} pp={pp}")
-                          for t in range(layout.tp)], VOCAB, g.vocab_size)
-            for t in range(layout.tp):
-                used[(t, pp)].add("output_layer.weight")
-            emb = full.get(tied.mcore_name)
-            if emb is not None and not torch.equal(emb, out):
-                raise CheckpointMismatchError(
-                    "tied embeddings: last stage output_layer.weight differs from embedding.word_embeddings.weight")
-        for (t, p), names in used.items():
-            extra = sorted(set(dense[(t, p)]) - names)
-            if extra:
-                raise CheckpointMismatchError(f"shard tp={t} pp={p}: unexpected tensor(s) {extra}")
-        if not g.is_moe:
-            continue
-        used_e = {(e, t, pp): set() for e in range(layout.ep) for t in range(layout.etp)}
-        for r, name in _stage_rules(g, layout, pp, experts=True):
-            e = r.expert // n_local
-            shape = _local_shape(r, layout.etp, 0)
-            parts = []
-            for t in range(layout.etp):
-                parts.append(_take(experts[(e, t, pp)], name, shape, f"expert shard ep={e} etp={t} pp={pp}"))
-                used_e[(e, t, pp)].add(name)
-            full[r.mcore_name] = _merge(parts, r.shard, r.mcore_shape[0], name)
-        for (e, t, p), names in used_e.items():
-            extra = sorted(set(experts[(e, t, p)]) - names)
-            if extra:
-                raise CheckpointMismatchError(f"expert shard ep={e} etp={t} pp={p}: unexpected tensor(s) {extra}")
+    # expected names and shapes: the same cut applied to shape-only (meta) tensors
+    meta = {r.mcore_name: torch.empty(r.mcore_shape, device="meta") for r in param_rules(g)}
+    shards: Dict[RankCoords, Dict[str, Tensor]] = {}
+    for t, p in dense_keys(layout):
+        _check_shard(dense[(t, p)], dense_shard(meta, g, layout, t, p), f"shard tp={t} pp={p}")
+        shards.setdefault(_coords(layout, t, p), {}).update(dense[(t, p)])
+    for e, t, p in expert_keys(g, layout):
+        _check_shard(experts[(e, t, p)], expert_shard(meta, g, layout, e, t, p),
+                     f"expert shard ep={e} etp={t} pp={p}")
+        shards.setdefault(_coords(layout, pp_rank=p, ep_rank=e, etp_rank=t), {}).update(experts[(e, t, p)])
+    try:
+        full = merge_state_dicts(shards, tp_size=layout.tp, etp_size=layout.etp, vocab_size=g.vocab_size,
+                                 **_model_args(g))
+    except ValueError as err:  # replicated copies that differ between ranks
+        raise CheckpointMismatchError(str(err)) from err
+    if g.tie_word_embeddings and layout.pp > 1:
+        out = merge_tensors([dense[(t, layout.pp - 1)]["output_layer.weight"] for t in range(layout.tp)],
+                            "vocab", "output_layer.weight", g.vocab_size)
+        if not torch.equal(full["embedding.word_embeddings.weight"], out):
+            raise CheckpointMismatchError(
+                "tied embeddings: last stage output_layer.weight differs from embedding.word_embeddings.weight")
     return full

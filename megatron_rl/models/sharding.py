@@ -2,11 +2,15 @@
 
 "Full" state dict = the ``state_dict()`` of the same GPTModel built at TP1/PP1/EP1 with the same spec:
 global layer indices ``decoder.layers.{L}`` and global expert indices. A "shard" = the state dict of
-one model chunk on one rank. Used by the HF importer/exporter, checkpoint resharding and tests.
+one model chunk on one rank. The single implementation of these layout rules (``cut_state_dict`` /
+``merge_state_dicts`` over ``split_tensor`` / ``merge_tensors``): the trainer's resharding, the live
+HF import / export and the converter's file format (``megatron_rl.convert.sharding``, an adapter that
+adds vocab padding and strict per-file checks) all go through it.
 
 Layout conventions (megatron-core 0.16, local and TE specs):
   * ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [V, H]: vocab rows split over TP
-    (VocabParallelEmbedding / ColumnParallelLinear), contiguous blocks of V / TP.
+    (VocabParallelEmbedding / ColumnParallelLinear), contiguous blocks of V / TP (optionally after
+    zero-padding V to ``padded_vocab_size``; merging can drop the padding again).
   * ``self_attention.linear_qkv.weight`` [ng*(q_per_g+2)*d, H] (and bias): rows are grouped per KV
     group as [q heads of the group (q_per_g*d), k (d), v (d)] for group 0, 1, ...; TP takes
     contiguous blocks of ng/TP groups — a plain dim-0 split.
@@ -45,7 +49,8 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 __all__ = ["RankCoords", "shard_state_dict", "unshard_state_dicts", "load_full_state_dict",
-           "gather_full_state_dict", "param_kind", "all_rank_coords", "canonical_name"]
+           "gather_full_state_dict", "param_kind", "all_rank_coords", "canonical_name", "cut_state_dict",
+           "merge_state_dicts", "split_tensor", "merge_tensors"]
 
 _CANON_RULES = (
     # Transformer Engine spec fuses the pre-attention / pre-MLP norms into the following linear
@@ -158,7 +163,22 @@ def param_kind(local_name: str) -> str:
     raise KeyError(f"sharding: unknown megatron parameter {local_name!r} (no TP/EP layout rule)")
 
 
-def _split(t: torch.Tensor, kind: str, rank: int, size: int, name: str) -> torch.Tensor:
+def split_tensor(t: torch.Tensor, kind: str, rank: int, size: int, name: str,
+                 padded_rows: Optional[int] = None) -> torch.Tensor:
+    """Rank ``rank``'s piece (of ``size``) of full tensor ``t`` split as ``kind`` (see ``param_kind``).
+
+    ``padded_rows`` (vocab kind only): zero-pad ``t`` to that many rows before the split (Megatron's
+    padded vocab; None = no padding). Raises ValueError naming ``name`` when a dim does not divide."""
+    if kind == "vocab" and padded_rows is not None and padded_rows != t.shape[0]:
+        if padded_rows < t.shape[0] or padded_rows % size:
+            raise ValueError(f"{name}: padded vocab {padded_rows} must be >= {t.shape[0]} rows and divisible "
+                             f"by parallel size {size}")
+        rows = padded_rows // size
+        out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+        lo, hi = rank * rows, min((rank + 1) * rows, t.shape[0])
+        if hi > lo:
+            out[: hi - lo] = t[lo:hi]
+        return out
     if size == 1 or kind == "replicated":
         return t.clone()
     if kind in ("vocab", "column"):
@@ -177,14 +197,22 @@ def _split(t: torch.Tensor, kind: str, rank: int, size: int, name: str) -> torch
     return t.chunk(size, dim)[rank].clone()
 
 
-def _merge(parts: List[torch.Tensor], kind: str, name: str) -> torch.Tensor:
-    if len(parts) == 1 or kind == "replicated":
+def merge_tensors(parts: List[torch.Tensor], kind: str, name: str,
+                  vocab_rows: Optional[int] = None) -> torch.Tensor:
+    """Inverse of ``split_tensor``: the full tensor from the pieces of ranks 0..n-1 (in order).
+
+    Replicated pieces must be equal (else ValueError naming ``name`` and the shard). ``vocab_rows``
+    (vocab kind only): keep only the first that many rows (drop vocab padding; None = keep all)."""
+    if kind == "replicated" or len(parts) == 1 and kind != "vocab":
         first = parts[0]
         for i, p in enumerate(parts[1:], 1):
             if p.shape != first.shape or not torch.equal(p, first):
-                raise ValueError(f"{name}: replicated parameter differs between shard 0 and shard {i}")
+                raise ValueError(f"replicated tensor {name!r} differs between shard 0 and shard {i}")
         return first.clone()
-    if kind in ("vocab", "column"):
+    if kind == "vocab":
+        full = torch.cat(parts, 0)
+        return full if vocab_rows is None else full[:vocab_rows].clone()
+    if kind == "column":
         return torch.cat(parts, 0)
     if kind in ("row", "expert_row"):
         return torch.cat(parts, 1)
@@ -192,10 +220,10 @@ def _merge(parts: List[torch.Tensor], kind: str, name: str) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
 
 
-def _layer_range(model: ModelConfig, c: RankCoords) -> Tuple[int, int]:
-    if model.num_layers % c.num_chunks:
-        raise ValueError(f"num_layers={model.num_layers} not divisible by PP x VPP = {c.num_chunks}")
-    n = model.num_layers // c.num_chunks
+def _layer_range(num_layers: int, c: RankCoords) -> Tuple[int, int]:
+    if num_layers % c.num_chunks:
+        raise ValueError(f"num_layers={num_layers} not divisible by PP x VPP = {c.num_chunks}")
+    n = num_layers // c.num_chunks
     return c.chunk_index * n, (c.chunk_index + 1) * n
 
 
@@ -210,15 +238,21 @@ def _expert_split(rest: str) -> Optional[Tuple[int, str]]:
     return None
 
 
-def shard_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig,
-                     coords: RankCoords) -> Dict[str, torch.Tensor]:
-    """The state dict of the model chunk at ``coords`` cut from the full (TP1/PP1/EP1) state dict."""
-    lo, hi = _layer_range(model, coords)
-    tied = not model.untie_embeddings_and_output_weights
-    experts = model.num_moe_experts or 0
-    if experts and experts % coords.ep_size:
-        raise ValueError(f"num_moe_experts={experts} not divisible by expert_model_parallel_size={coords.ep_size}")
-    per_ep = experts // coords.ep_size if experts else 0
+def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_layers: int, tied: bool,
+                   num_moe_experts: int = 0, padded_vocab_size: Optional[int] = None, dense: bool = True,
+                   experts: bool = True) -> Dict[str, torch.Tensor]:
+    """The tensors of the model chunk at ``coords`` cut from the full (TP1/PP1/EP1) state dict.
+
+    The one implementation of the layout rules (layer ranges, first / last chunk tensors, the tied
+    output-layer copy, expert ranges, TP / ETP splits). ``tied``: embeddings shared with the output
+    layer; ``padded_vocab_size``: zero-pad the embedding / output layer to this many rows first (None:
+    no padding); ``dense`` / ``experts``: include the non-expert / routed-expert tensors."""
+    lo, hi = _layer_range(num_layers, coords)
+    if num_moe_experts and num_moe_experts % coords.ep_size:
+        raise ValueError(f"num_moe_experts={num_moe_experts} not divisible by "
+                         f"expert_model_parallel_size={coords.ep_size}")
+    per_ep = num_moe_experts // coords.ep_size if num_moe_experts else 0
+    tp_rank, tp_size = coords.tp_rank, coords.tp_size
     out: Dict[str, torch.Tensor] = {}
     for name, t in full.items():
         if name.endswith("_extra_state"):
@@ -233,38 +267,40 @@ def shard_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig,
             local_layer = f"decoder.layers.{layer - lo}."
             if ex is not None:
                 e, fmt = ex
-                if e // per_ep != coords.ep_rank:
+                if not experts or e // per_ep != coords.ep_rank:
                     continue
-                out[local_layer + fmt.format(e % per_ep)] = _split(
+                out[local_layer + fmt.format(e % per_ep)] = split_tensor(
                     t, param_kind(rest), coords.etp_rank, coords.etp_size, name)
-            else:
-                out[local_layer + rest] = _split(t, param_kind(rest), coords.tp_rank, coords.tp_size, name)
+            elif dense:
+                out[local_layer + rest] = split_tensor(t, param_kind(rest), tp_rank, tp_size, name)
             continue
         if name.startswith("embedding."):
-            if coords.is_first_chunk:
-                out[name] = _split(t, param_kind(name), coords.tp_rank, coords.tp_size, name)
-            if tied and coords.is_last_chunk and coords.num_chunks > 1 and name == "embedding.word_embeddings.weight":
-                out["output_layer.weight"] = _split(t, "vocab", coords.tp_rank, coords.tp_size, name)
+            if dense and coords.is_first_chunk:
+                out[name] = split_tensor(t, param_kind(name), tp_rank, tp_size, name, padded_vocab_size)
+            if dense and tied and coords.is_last_chunk and coords.num_chunks > 1 \
+                    and name == "embedding.word_embeddings.weight":
+                out["output_layer.weight"] = split_tensor(t, "vocab", tp_rank, tp_size, name, padded_vocab_size)
             continue
         if name.startswith("decoder.final_layernorm.") or name == "output_layer.weight":
-            if coords.is_last_chunk:
-                out[name] = _split(t, param_kind(name), coords.tp_rank, coords.tp_size, name)
+            if dense and coords.is_last_chunk:
+                out[name] = split_tensor(t, param_kind(name), tp_rank, tp_size, name, padded_vocab_size)
             continue
         raise KeyError(f"shard_state_dict: unknown top-level parameter {name!r}")
     return out
 
 
-def unshard_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], model: ModelConfig,
-                        parallel: ParallelConfig) -> Dict[str, torch.Tensor]:
-    """Inverse of ``shard_state_dict``: merge per-chunk state dicts (keyed by their coords; every
-    (tp, pp, vp, ep, etp) position needed must be present) into the full TP1/PP1/EP1 state dict.
-    Replicated tensors must agree across shards (else ValueError naming the parameter)."""
-    tied = not model.untie_embeddings_and_output_weights
+def merge_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], num_layers: int, tied: bool,
+                      tp_size: int, etp_size: int, num_moe_experts: int = 0,
+                      vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Inverse of ``cut_state_dict``: merge per-chunk tensors (keyed by their coords; every (tp, pp,
+    vp, ep, etp) position needed must be present) into the full TP1/PP1/EP1 state dict. The tied
+    output-layer copy is dropped; ``vocab_size``: keep only that many embedding / output rows (drop
+    padding; None keeps all). Replicated tensors must agree across shards (else ValueError naming it)."""
     pieces: Dict[str, Dict[Tuple[str, int], torch.Tensor]] = {}
     kinds: Dict[str, str] = {}
     for coords, sd in shards.items():
-        lo, _ = _layer_range(model, coords)
-        per_ep = (model.num_moe_experts or 0) // coords.ep_size
+        lo, _ = _layer_range(num_layers, coords)
+        per_ep = (num_moe_experts or 0) // coords.ep_size
         for name, t in sd.items():
             if t is None or name.endswith("_extra_state"):
                 continue
@@ -295,15 +331,31 @@ def unshard_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]],
     for gname, parts in pieces.items():
         kind = kinds[gname]
         if kind == "replicated":
-            full[gname] = _merge(list(parts.values()), kind, gname)
+            full[gname] = merge_tensors(list(parts.values()), kind, gname)
             continue
-        size = parallel.etp if kind.startswith("expert") else parallel.tensor_model_parallel_size
+        size = etp_size if kind.startswith("expert") else tp_size
         axis = "etp" if kind.startswith("expert") else "tp"
         missing = [r for r in range(size) if (axis, r) not in parts]
         if missing:
             raise ValueError(f"{gname}: missing {axis} shard(s) {missing}")
-        full[gname] = _merge([parts[(axis, r)] for r in range(size)], kind, gname)
+        full[gname] = merge_tensors([parts[(axis, r)] for r in range(size)], kind, gname, vocab_size)
     return full
+
+
+def shard_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig,
+                     coords: RankCoords) -> Dict[str, torch.Tensor]:
+    """The state dict of the model chunk at ``coords`` cut from the full (TP1/PP1/EP1) state dict."""
+    return cut_state_dict(full, coords, model.num_layers, not model.untie_embeddings_and_output_weights,
+                          model.num_moe_experts or 0)
+
+
+def unshard_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], model: ModelConfig,
+                        parallel: ParallelConfig) -> Dict[str, torch.Tensor]:
+    """Inverse of ``shard_state_dict``: merge per-chunk state dicts (keyed by their coords; every
+    (tp, pp, vp, ep, etp) position needed must be present) into the full TP1/PP1/EP1 state dict.
+    Replicated tensors must agree across shards (else ValueError naming the parameter)."""
+    return merge_state_dicts(shards, model.num_layers, not model.untie_embeddings_and_output_weights,
+                             parallel.tensor_model_parallel_size, parallel.etp, model.num_moe_experts or 0)
 
 
 def load_full_state_dict(chunks: List[torch.nn.Module], full: Mapping[str, torch.Tensor], model: ModelConfig,
