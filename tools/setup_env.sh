@@ -2,7 +2,9 @@
 # Create (or reuse) the project virtualenv for a CPU machine and install megatron-rl into it.
 # Order matters: torch==2.13.0 (CPU build) first, then everything else under a constraint that
 # keeps it, otherwise pip resolves a multi-GB CUDA torch.
-# Usage: bash tools/setup_env.sh            (venv at $MEGATRON_RL_VENV, default ./.venv)
+# Usage: bash tools/setup_env.sh [--sglang]   (venv at $MEGATRON_RL_VENV, default ./.venv)
+#   --sglang   also install SGLang the lean CPU way (the test suite's real-server tests need it;
+#              the quickstart's embedded engine does not)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${MEGATRON_RL_VENV:-.venv}"
@@ -15,7 +17,9 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q -e ".[dev]" -c tools/constraints-cpu.txt
 # SGLang without its ~11 GB of CUDA packages (the real-server tests and rollout.engine=sglang on CPU);
 # idempotent: a stamp file makes re-runs instant. pip prints expected "sglang requires ..." lines.
-bash tools/install_sglang_cpu.sh "$VENV"
+if [ "${1:-}" = "--sglang" ]; then
+  bash tools/install_sglang_cpu.sh "$VENV"
+fi
 "$PY" - <<'PY'
 import torch, megatron.core
 print(f"megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}")
