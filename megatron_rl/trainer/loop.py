@@ -46,14 +46,16 @@ def setup_distributed(cfg: JobConfig):
 
 
 def build_engine(cfg: JobConfig):
-    """Rank 0's rollout engine for ``rollout.engine``."""
+    """Rank 0's rollout engine for ``rollout.engine`` and the handle of the SGLang server it started
+    (``rollout.sglang_launch``; None otherwise) — the caller terminates it when training ends."""
     if cfg.rollout.engine == "embedded":
         from megatron_rl.rollout.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(cfg.actor.load_hf, dtype=cfg.rollout.dtype, seed=cfg.trainer.seed)
+        return EmbeddedEngine(cfg.actor.load_hf, dtype=cfg.rollout.dtype, seed=cfg.trainer.seed), None
     from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
 
     urls = list(cfg.rollout.sglang_urls)
+    server = None
     if cfg.rollout.sglang_launch:
         from megatron_rl.rollout.sglang_server import launch_sglang_server
 
@@ -61,8 +63,14 @@ def build_engine(cfg: JobConfig):
         server = launch_sglang_server(cfg.actor.load_hf, port=cfg.rollout.sglang_port, device=device,
                                       log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"))
         urls.append(server.url)
-    return SGLangEngine(urls, request_timeout=cfg.rollout.request_timeout_s,
-                        retry=RetryPolicy(max_attempts=cfg.rollout.max_retries + 1), weight_version="step-0")
+    try:
+        engine = SGLangEngine(urls, request_timeout=cfg.rollout.request_timeout_s,
+                              retry=RetryPolicy(max_attempts=cfg.rollout.max_retries + 1), weight_version="step-0")
+    except BaseException:
+        if server is not None:
+            server.terminate()
+        raise
+    return engine, server
 
 
 def build_task(cfg: JobConfig):
@@ -78,18 +86,28 @@ def build_task(cfg: JobConfig):
 
 
 def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool) -> None:
-    """Push the actor's current weights to the engine and tag them ``version`` (collective)."""
+    """Push the actor's current weights to the engine and tag them ``version`` (collective; an engine
+    failure on rank 0 is raised on every rank)."""
+    error = None
     if cfg.rollout.engine == "embedded":
         sd = actor.full_state_dict_hf()
         if rank0:
-            engine.update_weights_from_state_dict(sd, version)
-        return
-    out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
-    path = os.path.join(out, version)
-    actor.export_hf(path)
-    if rank0:
-        engine.update_weights(path, version)
-    dist.barrier()
+            try:
+                engine.update_weights_from_state_dict(sd, version)
+            except Exception as exc:  # noqa: BLE001 - shared below
+                error = exc
+    else:
+        out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
+        path = os.path.join(out, version)
+        actor.export_hf(path)
+        if rank0:
+            try:
+                engine.update_weights(path, version)
+            except Exception as exc:  # noqa: BLE001 - shared below
+                error = exc
+    error = share_from_rank0(error)
+    if error is not None:
+        raise error
 
 
 def latest_checkpoint(run_dir: str) -> Optional[str]:
@@ -115,21 +133,39 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool) -> str:
 
 def train(cfg: JobConfig) -> Dict[str, float]:
     """Run ``cfg.trainer.steps`` steps (or the remainder after ``--resume``); returns the last metrics."""
-    from megatron_rl.actor import MegatronActor, RolloutBatch
-    from megatron_rl.algo.advantages import compute_advantages
-    from megatron_rl.correction import compute_rollout_correction
-    from megatron_rl.rollout.base import RolloutError
+    from megatron_rl.actor import MegatronActor
 
     actor = setup_distributed(cfg)
     # KL to a reference policy: a frozen copy of the initial weights (actor.load_hf). It is built as a
     # second MegatronActor whose optimizer is never stepped (memory for tiny / mid-size models only).
     reference = MegatronActor(cfg) if cfg.actor.policy_loss.kl_loss_coef > 0 else None
     rank0 = dist.get_rank() == 0
+    task = engine = tokenizer = server = None
+    setup_error = None
+    if rank0:  # a failure here is shared, so the other ranks raise too instead of waiting in a collective
+        try:
+            task, tokenizer = build_task(cfg)
+            engine, server = build_engine(cfg)
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            setup_error = RuntimeError(f"rank 0 could not set up the task / rollout engine: "
+                                       f"{type(exc).__name__}: {exc}")
+    setup_error = share_from_rank0(setup_error)
+    if setup_error is not None:
+        raise setup_error
+    try:
+        return _train_loop(cfg, actor, reference, task, engine, tokenizer, rank0)
+    finally:
+        if server is not None:
+            server.terminate()
+
+
+def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0: bool) -> Dict[str, float]:
+    from megatron_rl.actor import RolloutBatch
+    from megatron_rl.algo.advantages import compute_advantages
+    from megatron_rl.correction import compute_rollout_correction
+    from megatron_rl.rollout.base import RolloutError
+
     corr_cfg, T = cfg.algorithm.rollout_correction, cfg.rollout.temperature
-    task = engine = tokenizer = None
-    if rank0:
-        task, tokenizer = build_task(cfg)
-        engine = build_engine(cfg)
     start = 0
     if cfg.trainer.resume:
         ckpt = latest_checkpoint(cfg.trainer.run_dir)
