@@ -60,6 +60,7 @@ def build_engine(cfg: JobConfig):
         from megatron_rl.rollout.sglang_server import launch_sglang_server
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         server = launch_sglang_server(cfg.actor.load_hf, port=cfg.rollout.sglang_port, device=device,
                                       log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"))
         urls.append(server.url)

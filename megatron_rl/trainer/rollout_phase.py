@@ -1,11 +1,14 @@
 """The rollout phase of a step: prompts -> engine -> rewards on global rank 0, shared with every rank.
 
 Rank 0 owns the task and the engine (the embedded engine, or the HTTP client of SGLang servers that do
-the heavy lifting). Prompt sampling and generation are seeded by (trainer.seed, step) so a resumed run
-draws exactly what the uninterrupted run drew, with no generator state to checkpoint.
+the heavy lifting). Prompt sampling and embedded generation are seeded by (trainer.seed, step) so a
+resumed run draws exactly what the uninterrupted run drew, with no generator state to checkpoint.
+SGLang samples server-side without a per-request seed, so with it a resumed run draws the same prompts
+but different responses.
 """
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass
 from typing import List, Optional
@@ -40,8 +43,10 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
     rng = random.Random(cfg.trainer.seed * 1_000_003 + step)
     prompts = task.sample(cfg.data.prompts_per_step, rng)
     n = cfg.rollout.n_samples_per_prompt
-    rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout), n=n,
-                               seed=cfg.trainer.seed * 7919 + step)
+    kwargs = {}
+    if "seed" in inspect.signature(engine.generate).parameters:  # the embedded engine; SGLang samples server-side
+        kwargs["seed"] = cfg.trainer.seed * 7919 + step
+    rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout), n=n, **kwargs)
     stale = [r.weight_version for r in rollouts if r.weight_version != expected_version]
     if stale:
         raise StaleRolloutError(f"step {step}: {len(stale)} rollouts from weight version {stale[0]!r}, "
