@@ -142,7 +142,7 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
         "sum_w": (w_tok * m0).sum(1), "sum_raw": (raw_tok * m0).sum(1),
         "n_tok_rs_reject_any": rej_any.to(f64).sum(1),
     }
-    for i, opt in enumerate(token_opts):
+    for opt in token_opts:
         cols[f"n_reject_{opt}"] = (~tok_keep[opt] & mask0).to(f64).sum(1)
     sum_names = list(_SUM_COLS) + [f"n_reject_{o}" for o in token_opts]
     maxes = {"max_k2": torch.where(mask0, k2, neg_inf).amax(1) if T else neg_inf.expand(B),
@@ -178,6 +178,7 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
     seq_values = {}  # per option: per-sequence statistic v [B]
     seq_keep_all = torch.ones(B, dtype=torch.bool, device=dev)
     opt_keep_tok = {}
+    opt_keep_seq = {}  # sequence options: per-sequence keep decision [B]
     for opt in cfg.rs_options:
         est = opt[-2:]
         lo, hi = cfg.rs_bounds[opt].stat_bounds
@@ -193,6 +194,7 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
                 v = torch.where(valid, seq[f"max_{est}"], torch.zeros_like(S))
             keep_s = (v >= lo) & (v <= hi) if est == "k1" else (v <= hi)
             seq_keep_all &= keep_s
+            opt_keep_seq[opt] = keep_s
             opt_keep_tok[opt] = keep_s[:, None].expand(B, T)
         seq_values[opt] = v
     vetoed = (seq["n_catastrophic"] > 0) & valid
@@ -218,7 +220,8 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
     if cfg.rollout_is is not None:
         _is_partials(red, cfg, w, raw, s_w, s_raw, seq_log, m, mb, dc, vf, valid, so, final_keep, kept_seq)
     for opt in cfg.rs_options:
-        _rs_partials(red, cfg, opt, stats, seq_values[opt], opt_keep_tok[opt], seq, m, mb, vf, valid, so, B, T)
+        _rs_partials(red, cfg, opt, stats, seq_values[opt], opt_keep_tok[opt], opt_keep_seq.get(opt), seq, m, mb,
+                     vf, valid, so, B, T)
     if cfg.rs_options:
         red.add_sum("rs/masked", ((~rs_keep_tok).to(f64) * m).sum())
         rs_seq_rej = valid & (~seq_keep_all | (seq["n_tok_rs_reject_any"] > 0))
@@ -317,7 +320,7 @@ def _is_partials(red, cfg, w, raw, s_w, s_raw, seq_log, m, mb, dc, vf, valid, so
             red.add_sum("bn/seq_den", kept_seq.to(w.dtype).sum() * so)
 
 
-def _rs_partials(red, cfg, opt, stats, v, keep_tok, seq, m, mb, vf, valid, so, B, T):
+def _rs_partials(red, cfg, opt, stats, v, keep_tok, keep_seq, seq, m, mb, vf, valid, so, B, T):
     est = opt[-2:]
     L, U = cfg.rs_bounds[opt].stat_bounds
     p = f"rs/{opt}/"
@@ -337,7 +340,7 @@ def _rs_partials(red, cfg, opt, stats, v, keep_tok, seq, m, mb, vf, valid, so, B
     else:
         red.add_sum(p + "high", ((v > U) & valid).to(f).sum() * so)
         red.add_sum(p + "low", ((v < L) & valid).to(f).sum() * so if est == "k1" else 0.0)
-        red.add_sum(p + "seq_masked", ((~keep_tok[:, 0] if T else torch.zeros_like(valid)) & valid).to(f).sum() * so)
+        red.add_sum(p + "seq_masked", (~keep_seq & valid).to(f).sum() * so)
     red.add_sum(p + "masked", ((~keep_tok).to(f) * m).sum())
     red.add_sum(p + "seq_sum", (v * vf).sum() * so)
     red.add_sum(p + "seq_sq", (v * v * vf).sum() * so)
