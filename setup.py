@@ -43,6 +43,7 @@ setup(
             "triton>=3.0",
             "matplotlib",
             "pyarrow",
+            "tensorboard",
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

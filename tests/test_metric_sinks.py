@@ -1,0 +1,67 @@
+"""Metric sinks: metrics.jsonl (one JSON object per step, non-finite values dropped), TensorBoard events
+read back with TensorBoard's own reader, a missing optional extra warns instead of failing, rank != 0
+writes nothing."""
+import builtins
+import json
+import math
+
+import pytest
+
+from megatron_rl.trainer.sinks import MetricSinks
+
+
+def test_jsonl_and_console(tmp_path, capsys):
+    s = MetricSinks(str(tmp_path), total_steps=2)
+    s.log(1, {"reward/mean": 0.25, "actor/pg_loss": float("nan"), "rollout_corr/kl": 1e-3})
+    s.log(2, {"reward/mean": 0.5})
+    s.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["reward/mean"] == 0.25 and "actor/pg_loss" not in rows[0] and rows[0]["rollout_corr/kl"] == 1e-3
+    out = capsys.readouterr().out
+    assert "step 1/2" in out and "reward=0.25" in out and "kl=0.001" in out
+
+
+def test_resume_appends(tmp_path):
+    MetricSinks(str(tmp_path), 3, progress=False).log(1, {"a": 1.0})
+    s = MetricSinks(str(tmp_path), 3, progress=False, resume=True)
+    s.log(2, {"a": 2.0})
+    s.close()
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_tensorboard_events_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    s = MetricSinks(str(tmp_path), 2, progress=False, tensorboard=True)
+    s.log(1, {"reward/mean": 0.25})
+    s.log(2, {"reward/mean": 0.75})
+    s.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    vals = [(e.step, e.value) for e in acc.Scalars("reward/mean")]
+    assert [v[0] for v in vals] == [1, 2] and math.isclose(vals[1][1], 0.75)
+
+
+def test_missing_extra_warns_and_continues(tmp_path, monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_wandb(name, *a, **k):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    s = MetricSinks(str(tmp_path), 1, progress=False, wandb=True)
+    s.log(1, {"x": 1.0})
+    s.close()
+    assert "trainer.wandb: disabled" in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    s = MetricSinks(str(tmp_path / "r1"), 1, enabled=False)
+    s.log(1, {"x": 1.0})
+    s.close()
+    assert not (tmp_path / "r1").exists()
