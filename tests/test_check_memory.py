@@ -108,9 +108,10 @@ def test_qwen7b_full_recompute_and_logits():
     kept = 28 * s * b * h * 2 / tp
     assert st.activations["full"] == pytest.approx(kept + qwen7b_layer_acts(s, b, "selective"))
     T = s * b
-    assert st.logits_unfused == 4 * T * V / tp
-    rows = (1 << 24) // (V // tp)                   # tokens per chunk of the fused path on GPU
+    rows = (1 << 24) // (V // tp)                   # tokens per fp32 chunk on GPU
     assert st.logits_fused == 4 * rows * (V // tp)
+    # the actor's vocab-parallel path: bf16 logits + their bf16 gradient + one fp32 chunk
+    assert st.logits_unfused == 2 * 2 * T * V / tp + 4 * rows * (V // tp)
     assert st.logits_fused < st.logits_unfused / 40
 
 
@@ -146,7 +147,9 @@ def test_qwen3_moe_per_stage():
     assert plan.stages[0].microbatches_in_flight == 2 and plan.stages[1].microbatches_in_flight == 1
     assert plan.stages[0].activations["selective"] == pytest.approx(2 * 24 * per_layer, rel=1e-12)
     assert plan.stages[1].activations["selective"] == pytest.approx(1 * 24 * per_layer, rel=1e-12)
-    assert plan.stages[0].logits_unfused == 0 and plan.stages[1].logits_unfused == 4 * s * b * V / tp
+    rows = min(s * b, (1 << 24) // (V // tp))
+    assert plan.stages[0].logits_unfused == 0
+    assert plan.stages[1].logits_unfused == 2 * 2 * s * b * V / tp + 4 * rows * (V // tp)
 
 
 def test_deepseek_interleaved_in_flight_matches_korthikanti():

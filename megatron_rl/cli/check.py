@@ -37,7 +37,7 @@ def _run(args: argparse.Namespace) -> int:
         recompute = "full" if granularity == "full" else "selective"
     opts = MemoryOptions(prompt_length=args.prompt_length, params_bytes=args.params_bytes,
                          grad_bytes=args.grad_bytes, distributed_optimizer=not args.no_distributed_optimizer,
-                         recompute=recompute, fused_logprobs=not args.unfused_logprobs)
+                         recompute=recompute, fused_logprobs=args.fused_logprobs)
     try:
         plan = memory_plan(cfg, world, opts)
     except ValueError as exc:
@@ -68,8 +68,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="bytes per gradient element (4 = fp32 main grads, megatron's default)")
     p.add_argument("--no-distributed-optimizer", action="store_true",
                    help="Adam state replicated on every DP rank instead of sharded")
-    p.add_argument("--unfused-logprobs", action="store_true",
-                   help="count the full fp32 logits (4*T*V/TP) instead of the fused path's chunk")
+    p.add_argument("--fused-logprobs", action="store_true",
+                   help="plan the fused linear log-prob path (a chunk of logits) instead of the actor's "
+                        "vocab-parallel path (logits + their gradient in the params dtype + a chunk)")
     p.add_argument("--strict", action="store_true", help="exit 3 when the plan exceeds --gpu-memory-gb")
 
 

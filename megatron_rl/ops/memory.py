@@ -59,10 +59,12 @@ The number of micro-batches in flight on stage s follows the 1F1B schedule: ``mi
 micro-batches per mini-batch); interleaved (V > 1): ``min(2*(P - s - 1) + (V - 1)*P + 1, M*V)``
 model chunks, each holding L/(P*V) layers -- on stage 0 that is Korthikanti's ``L*(1 + (P-1)/(P*V))``.
 
-Log-prob logits buffer (last stage, one micro-batch of T = s*b tokens):
-    unfused: fp32 logits ``4*T*V/TP`` bytes (the copy megatron's cross entropy / our torch log-prob path
-    works on); fused linear log-prob path: one chunk of ``min(T, C // (V/TP)) * V/TP`` fp32 elements
-    with C = ``megatron_rl.logprobs.backend.CUDA_CHUNK_ELEMENTS``.
+Log-prob logits buffer (last stage, one micro-batch of T = s*b tokens), with one fp32 chunk of
+``rows = min(T, C // (V/TP))`` tokens (C = ``megatron_rl.logprobs.backend.CUDA_CHUNK_ELEMENTS``):
+    vocab-parallel path (what the actor runs; the default): the output layer's logits and, in training,
+    their gradient, both in the params dtype, plus one fp32 chunk: ``2*P*T*V/TP + 4*rows*V/TP`` bytes
+    (P = params_bytes; no fp32 copy of the logits is made — peers' fp32-copy path adds ``4*T*V/TP``);
+    fused linear path (``--fused-logprobs``; the logits never exist): ``4*rows*V/TP``.
 
 Not counted: CUDA context / NCCL buffers (~1-3 GB), allocator fragmentation, the SGLang engine when
 colocated, checkpoint staging, MTP layers.
@@ -90,8 +92,9 @@ class MemoryOptions:
     """Shard the Adam state over the data-parallel (expert-data-parallel) group."""
     recompute: str = "selective"
     """Activation recomputation: "none", "selective" (core attention / flash attention), "full"."""
-    fused_logprobs: bool = True
-    """Use the fused linear log-prob path (only a chunk of logits exists at a time)."""
+    fused_logprobs: bool = False
+    """Plan for the fused linear log-prob path (only a chunk of logits exists at a time) instead of the
+    vocab-parallel path the actor runs (the logits and their gradient in the params dtype + one chunk)."""
 
 
 @dataclass
@@ -294,11 +297,11 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         if st == pp - 1:
             T = s * b
             vloc = V // tp
-            logits_unfused = 4.0 * T * vloc
             from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 
             rows = min(T, max(1, CUDA_CHUNK_ELEMENTS // vloc))
             logits_fused = 4.0 * rows * vloc
+            logits_unfused = 2.0 * o.params_bytes * T * vloc + logits_fused
         plan.stages.append(StagePlan(stage=st, layers=layers, dense_params=dense, expert_params=expert,
                                      params=float(o.params_bytes * n), grads=float(o.grad_bytes * n),
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
