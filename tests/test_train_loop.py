@@ -23,8 +23,8 @@ def task_model(tmp_path_factory):
                             hidden_size=64, num_layers=2)
 
 
-def _cfg(model_dir, run_dir, world, extra=()):
-    tp, pp = (2, 2) if world == 4 else (1, 1)
+def _cfg(model_dir, run_dir, world, extra=(), layout=None):
+    tp, pp = layout or ((2, 2) if world == 4 else (1, 1))
     return load_job_config(None, [
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
         "rollout.max_new_tokens=5", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=4",
@@ -62,10 +62,12 @@ def _hf_log_probs(model_dir, records):
 
 
 @pytest.mark.timeout(300)
-def test_tp2_pp2_training_logs_correct_mismatch_metrics(task_model, tmp_path):
+@pytest.mark.parametrize("world, layout", [(4, (2, 2)), (2, (1, 1))], ids=["tp2xpp2", "dp2"])
+def test_training_logs_correct_mismatch_metrics(task_model, tmp_path, world, layout):
+    """TP2 x PP2, and DP2 (each rank trains on its own prompt groups; the metrics are global)."""
     run_dir = str(tmp_path / "run")
-    cfg = _cfg(task_model, run_dir, 4)
-    run_ranks(_train_body, 4, cfg, timeout=240)
+    cfg = _cfg(task_model, run_dir, world, layout=layout)
+    run_ranks(_train_body, world, cfg, timeout=240)
     metrics = _read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -119,3 +121,15 @@ def test_kl_to_reference_policy(task_model, tmp_path):
     moved = [i for i in range(len(m) - 1) if m[i]["actor/grad_norm"] > 0]
     assert moved, "no step had a nonzero gradient (all advantages zero?)"
     assert all(m[i + 1]["actor/kl_loss"] > 1e-7 for i in moved[:1])
+
+
+def test_dp_rows_match_batch_shards():
+    """The rewards / group indices each DP rank takes are exactly the rows RolloutBatch.shard gives it."""
+    from megatron_rl.actor import RolloutBatch
+    from megatron_rl.trainer.loop import _shard_rows
+
+    for rows, dp in ((8, 1), (8, 2), (16, 4), (24, 3)):
+        batch = RolloutBatch.from_sequences([[i + 1] for i in range(rows)], [[5, 6]] * rows)
+        for r in range(dp):
+            got = batch.shard(r, dp).tokens[:, 0].tolist()
+            assert got == [i + 1 for i in _shard_rows(rows, r, dp)], (rows, dp, r)
