@@ -133,3 +133,22 @@ def test_dp_rows_match_batch_shards():
         for r in range(dp):
             got = batch.shard(r, dp).tokens[:, 0].tolist()
             assert got == [i + 1 for i in _shard_rows(rows, r, dp)], (rows, dp, r)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset", ["bypass_ppo_clip", "bypass_pg_is", "decoupled_geo_rs_seq_tis"])
+def test_presets_run_in_the_loop(task_model, tmp_path, preset):
+    """Bypass (rollout log-probs as the old policy; REINFORCE with weights) and decoupled RS presets train
+    for 2 steps with finite metrics; geo RS with a +-1e-6 band rejects sequences and the loop carries on."""
+    run_dir = str(tmp_path / preset)
+    extra = ", rs_threshold: 0.999999_1.000001" if preset == "decoupled_geo_rs_seq_tis" else ""
+    cfg = _cfg(task_model, run_dir, 1, [f"algorithm.rollout_correction={{preset: {preset}{extra}}}"])
+    run_ranks(_train_body, 1, cfg, timeout=240)
+    metrics = _read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["rollout_corr/kl"])
+    if preset == "decoupled_geo_rs_seq_tis":
+        m = metrics[0]
+        assert m["rollout_corr/rollout_rs_seq_masked_fraction"] > 0
+        assert m["rollout_corr/kept_token_count"] < m["rollout_corr/valid_token_count"]
