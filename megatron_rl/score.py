@@ -20,27 +20,22 @@ import os
 import sys
 from typing import List, Optional
 
+from megatron_rl.jsonl import read_json_objects
+
 
 def read_rollouts(path: str) -> List[dict]:
     """Records of a rollouts JSONL file; errors name the line and the missing / bad field."""
     if not os.path.isfile(path):
         raise ValueError(f"--rollouts: {path!r} does not exist")
     out = []
-    with open(path) as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{i}: not JSON ({exc})") from None
-            for k in ("prompt_ids", "response_ids", "rollout_log_probs"):
-                if k not in rec:
-                    raise ValueError(f"{path}:{i}: missing field {k!r}")
-            if len(rec["rollout_log_probs"]) != len(rec["response_ids"]):
-                raise ValueError(f"{path}:{i}: {len(rec['response_ids'])} response_ids but "
-                                 f"{len(rec['rollout_log_probs'])} rollout_log_probs")
-            out.append(rec)
+    for i, rec in read_json_objects(path):
+        for k in ("prompt_ids", "response_ids", "rollout_log_probs"):
+            if k not in rec:
+                raise ValueError(f"{path}:{i}: missing field {k!r}")
+        if len(rec["rollout_log_probs"]) != len(rec["response_ids"]):
+            raise ValueError(f"{path}:{i}: {len(rec['response_ids'])} response_ids but "
+                             f"{len(rec['rollout_log_probs'])} rollout_log_probs")
+        out.append(rec)
     if not out:
         raise ValueError(f"--rollouts: {path!r} holds no records")
     return out
@@ -48,7 +43,6 @@ def read_rollouts(path: str) -> List[dict]:
 
 def score(cfg, records: List[dict], out_path: Optional[str]) -> dict:
     """Recompute, correct, write; returns the metrics (identical on every rank)."""
-    import torch
     import torch.distributed as dist
 
     from megatron_rl.actor import RolloutBatch

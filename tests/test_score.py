@@ -77,5 +77,5 @@ def test_bad_rollout_files_name_line_and_field(tmp_path):
     with pytest.raises(ValueError, match=r":1: 2 response_ids but 1 rollout_log_probs"):
         read_rollouts(str(p))
     p.write_text("not json\n")
-    with pytest.raises(ValueError, match=r":1: not JSON"):
+    with pytest.raises(ValueError, match=r":1: not valid JSON"):
         read_rollouts(str(p))

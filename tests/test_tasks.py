@@ -159,8 +159,8 @@ def test_token_id_prompts(tok, tmp_path):
 
 
 @pytest.mark.parametrize("content,needle", [
-    ('{"prompt": "x", "answer": 1}\n{"prompt": \n', "line 2: invalid JSON"),
-    ('[1, 2]\n', "line 1: expected a JSON object"),
+    ('{"prompt": "x", "answer": 1}\n{"prompt": \n', ":2: not valid JSON"),
+    ('[1, 2]\n', ":1: expected a JSON object"),
     ('{"question": "x", "answer": 1}\n', "record 0: no data.prompt_key='prompt'"),
     ('{"prompt": "x"}\n', "record 0: no data.answer_key='answer'"),
     ('{"prompt": "", "answer": 1}\n', "record 0: 'prompt' is empty"),

@@ -34,11 +34,12 @@ reward flat                 max - min of the reward/mean curve smoothed by a mov
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_rl.jsonl import read_json_objects
 
 ESS_MIN = 0.5
 VETO_MAX = 0.05
@@ -89,21 +90,16 @@ def read_metrics(path: str) -> List[dict]:
     if not os.path.isfile(path):
         raise MetricsError(f"{path} does not exist (is this a run directory?)")
     by_step: Dict[int, dict] = {}
-    with open(path) as fh:
-        for no, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise MetricsError(f"{path}:{no}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise MetricsError(f"{path}:{no}: expected a JSON object, got {type(rec).__name__}")
+    try:
+        for no, rec in read_json_objects(path):
             step = rec.get("step")
             if isinstance(step, bool) or not isinstance(step, (int, float)) or int(step) != step:
                 raise MetricsError(f"{path}:{no}: missing or non-integer 'step' ({step!r})")
             by_step[int(step)] = rec
+    except MetricsError:
+        raise
+    except ValueError as exc:
+        raise MetricsError(str(exc)) from None
     if not by_step:
         raise MetricsError(f"{path}: no records")
     return [by_step[s] for s in sorted(by_step)]

@@ -18,13 +18,13 @@ Usage::
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
+from megatron_rl.jsonl import read_json_objects
 from megatron_rl.tasks.reward_fn import RewardFunction, load_reward_fn
 
 
@@ -35,19 +35,7 @@ def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
         raise ValueError(f"data.path={str(path)!r} does not exist or is not a file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        records = []
-        with p.open("r", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"data.path={str(path)!r} line {lineno}: invalid JSON ({e.msg})") from e
-                if not isinstance(rec, dict):
-                    raise ValueError(f"data.path={str(path)!r} line {lineno}: expected a JSON object, got "
-                                     f"{type(rec).__name__}")
-                records.append(rec)
+        records = [rec for _, rec in read_json_objects(p, where=f"data.path={str(path)!r}")]
         return records
     if suffix in (".parquet", ".pq"):
         try:
