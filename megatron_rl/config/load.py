@@ -14,7 +14,7 @@ import difflib
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import yaml
 

@@ -19,8 +19,6 @@ from typing import Any, Dict, List, Optional
 
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
-from megatron_rl.models.config import ModelConfig
-from megatron_rl.parallel.config import ParallelConfig
 
 
 @dataclass
