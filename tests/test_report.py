@@ -151,10 +151,14 @@ def _cli(*args):
 
 def test_cli(tmp_path):
     good, bad = str(tmp_path / "g"), str(tmp_path / "b")
-    _write(good, healthy_run(12))
+    recs = healthy_run(12)
+    _write(good, recs)
     _write(bad, unhealthy_run())
     r = _cli(good, "--out", str(tmp_path / "out"))
     assert r.returncode == 0 and "healthy" in r.stdout and os.path.isfile(tmp_path / "out" / "report.md")
+    rewards = [x["reward/mean"] for x in recs]  # 12 steps: quarters are the first and last 3
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert f"reward/mean: first-quarter mean {first:.4g} -> last-quarter mean {last:.4g} (12 steps)" in r.stdout
     r = _cli(bad)
     assert r.returncode == 0 and "FAIL: ESS" in r.stdout
     assert _cli(bad, "--strict").returncode == 1

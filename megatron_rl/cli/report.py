@@ -13,7 +13,9 @@ import sys
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_rl.ops.report import MetricsError, write_report
+    import os
+
+    from megatron_rl.ops.report import MetricsError, quarter_means, read_metrics, write_report
 
     try:
         md, findings, plots = write_report(args.run_dir, args.out)
@@ -21,6 +23,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {md} and {len(plots)} plot(s): {', '.join(plots) or '-'}")
+    records = read_metrics(os.path.join(args.run_dir, "metrics.jsonl"))
+    for key in ("reward/mean", "rollout_corr/k3_kl"):
+        q = quarter_means(records, key)
+        if q is not None:
+            print(f"{key}: first-quarter mean {q[0]:.4g} -> last-quarter mean {q[1]:.4g} ({len(records)} steps)")
     for f in findings:
         print(f"{f.severity}: {f.check}: {f.message}")
     if not findings:

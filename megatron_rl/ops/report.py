@@ -131,6 +131,14 @@ def _quarter(ys: Sequence[float], last: bool) -> List[float]:
     return list(ys[-k:] if last else ys[:k])
 
 
+def quarter_means(records: Sequence[dict], key: str) -> Optional[Tuple[float, float]]:
+    """(first-quarter mean, last-quarter mean) of ``key`` over the run, or None if it never appears."""
+    _, ys = series(records, key)
+    if not ys:
+        return None
+    return _mean(_quarter(ys, False)), _mean(_quarter(ys, True))
+
+
 def _smooth(ys: Sequence[float], w: int) -> List[float]:
     out = []
     for i in range(len(ys)):
