@@ -20,6 +20,7 @@ import os
 import sys
 from typing import List, Optional
 
+from megatron_rl.cli.entry import module_main, register
 from megatron_rl.jsonl import read_json_objects
 
 
@@ -95,17 +96,11 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
     """Register ``megatron-rl score``."""
-    p = subparsers.add_parser("score", help="recompute log-probs of recorded rollouts and print mismatch metrics",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run)
+    register(subparsers, "score", "recompute log-probs of recorded rollouts and print mismatch metrics", __doc__, add_arguments, run)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_rl.score", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("python -m megatron_rl.score", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

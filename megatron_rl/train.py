@@ -15,6 +15,8 @@ import os
 import sys
 from typing import List, Optional
 
+from megatron_rl.cli.entry import module_main, register
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments shared by ``python -m megatron_rl.train`` and ``megatron-rl train``."""
@@ -46,17 +48,11 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
     """Register ``megatron-rl train``."""
-    p = subparsers.add_parser("train", help="RL training (run under torchrun / srun)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run)
+    register(subparsers, "train", "RL training (run under torchrun / srun)", __doc__, add_arguments, run)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_rl.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return module_main("python -m megatron_rl.train", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
