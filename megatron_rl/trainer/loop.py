@@ -208,7 +208,7 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             group_index = torch.arange(rows.start, rows.stop) // n
             # 3. recompute log-probs (fp32), 4. correction
             t0 = time.perf_counter()
-            old_lp, entropy = actor.compute_log_probs(shard, T)
+            old_lp, _ = actor.compute_log_probs(shard, T, compute_entropy=False)  # train_step reports entropy
             t_lp = time.perf_counter() - t0
             t0 = time.perf_counter()
             corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, corr_cfg,
