@@ -25,6 +25,10 @@ setup(
         "transformers>=4.56",
         "tokenizers>=0.20",
         "requests>=2.28",
+        # megatron-core's checkpoint writer imports psutil lazily (it is not among megatron-core's own
+        # requirements); the run report's PNG plots need matplotlib
+        "psutil>=5.9",
+        "matplotlib>=3.7",
     ],
     extras_require={
         # transformer-engine and apex are GPU-cluster extras; never install them on CPU machines

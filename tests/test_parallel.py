@@ -288,7 +288,7 @@ def _init_child(rank, port, conn):
 
         env = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
                "SLURM_NODELIST": "localhost,otherhost", "MASTER_PORT": str(port)}
-        launch = init_distributed(env=env, timeout_minutes=1)
+        launch = init_distributed(env=env, timeout_s=60)
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         conn.send((launch.rank, launch.world_size, dist.get_backend(), float(t)))

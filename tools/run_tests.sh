@@ -4,7 +4,7 @@
 # pytest's exit code 5 (no tests collected) is turned into a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup_env.sh --sglang
+bash tools/setup_env.sh --tests
 VENV="${MEGATRON_RL_VENV:-.venv}"
 export OMP_NUM_THREADS=1
 set +e

@@ -17,10 +17,13 @@ the world size and layout are unchanged (otherwise rank-to-rank mapping is meani
 says so). Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
 on CPU (``tests/test_actor_checkpoint.py``).
 
+Writing: megatron's forked file writer is replaced by ``platform/checkpoint_writer`` (threads of the
+saving rank; it cannot hang on a dead child). A write that fails on any rank raises
+``CheckpointWriteError`` on **every** rank, naming each failing rank and its cause; ``latest`` is then
+not written, so the checkpoint is never taken for complete.
+
 CPU notes: dist_checkpointing's writer calls ``torch.cuda.synchronize``; its modules are imported and
-then covered by ``apply_cpu_patches()`` (the project's single patch point). Its async writer starts a
-``multiprocessing`` Manager (a child process per saving rank, shut down at interpreter exit): the
-saving process must not be daemonic.
+then covered by ``apply_cpu_patches()`` (the project's single patch point).
 """
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.platform import checkpoint_writer
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "resolve_checkpoint_dir",
-           "ensure_adam_state", "LATEST_FILE"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "CheckpointWriteError",
+           "resolve_checkpoint_dir", "ensure_adam_state", "LATEST_FILE"]
 
 LATEST_FILE = "latest"
 META_FILE = "megatron_rl.json"
@@ -48,11 +52,16 @@ class CheckpointLayoutError(RuntimeError):
     """A checkpoint that cannot be loaded into this actor (model or layout mismatch)."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed on at least one rank (raised on every rank, naming each failure)."""
+
+
 def _import_dist_checkpointing():
     from megatron.core import dist_checkpointing
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
 
+    checkpoint_writer.install()
     if not torch.cuda.is_available():
         from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
@@ -180,7 +189,19 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
     ensure_adam_state(optimizer)
     sd = _model_sharded_state_dict(model)
     sd["optimizer"] = optimizer.sharded_state_dict(dict(sd))
-    dcp.save(sd, os.path.join(d, "dist"))
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
+
+    try:
+        dcp.save(sd, os.path.join(d, "dist"))
+        error = None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - gathered and raised on every rank
+        error = checkpoint_writer.last_write_error() or f"rank {rank}: {type(exc).__name__}: {exc}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e]
+    if failed:
+        raise CheckpointWriteError(f"checkpoint step {step} under {root} was not written ({len(failed)} of "
+                                   f"{len(errors)} ranks failed): " + "; ".join(failed))
     torch.save(_rng_state(), os.path.join(d, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
         torch.save(dict(extra_state), os.path.join(d, "extra_state.pt"))

@@ -136,3 +136,15 @@ class TrainerConfig:
     """Write every step's rollouts to run_dir/rollouts.jsonl (the ``megatron-rl score`` format)."""
     progress: bool = True
     """Progress bar and compact metric table on the console (rank 0)."""
+    collective_timeout_s: float = 1800.0
+    """Process-group timeout (gloo / NCCL): a collective that waits longer raises on that rank. Ranks wait
+    in a broadcast while rank 0 generates rollouts, so it must exceed the longest rollout phase."""
+    phase_timeout_s: float = 1800.0
+    """Watchdog: one phase of a step (rollout, logprob, train, weight_sync, metrics) running longer ends
+    the rank with the phase named and its stacks printed; torchrun then stops the job (0: no limit)."""
+    checkpoint_timeout_s: float = 1800.0
+    """Watchdog limit of one checkpoint save (0: no limit). A save that fails or times out is never marked
+    COMPLETE; the previous COMPLETE checkpoint stays the one ``--resume`` loads."""
+    stop_timeout_s: float = 900.0
+    """After the first SIGTERM / SIGINT, seconds a rank may take to finish its step and checkpoint before it
+    exits without one (0: no limit). A second signal exits at once."""

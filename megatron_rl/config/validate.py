@@ -75,6 +75,11 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         errs.append(f"trainer.steps: must be >= 1, got {t.steps}")
     if t.save_interval < 0:
         errs.append(f"trainer.save_interval: must be >= 0, got {t.save_interval}")
+    if not t.collective_timeout_s > 0:
+        errs.append(f"trainer.collective_timeout_s: must be > 0, got {t.collective_timeout_s}")
+    for key in ("phase_timeout_s", "checkpoint_timeout_s", "stop_timeout_s"):
+        if not getattr(t, key) >= 0:
+            errs.append(f"trainer.{key}: must be >= 0 (0: no limit), got {getattr(t, key)}")
     p = cfg.parallel
     tp_pp_cp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     if world_size % tp_pp_cp == 0:

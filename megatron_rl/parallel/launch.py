@@ -142,12 +142,13 @@ def resolve_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
                      master_port=port, launcher=launcher)
 
 
-def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 30,
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
                      env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     """Create the default process group from the launcher environment (no-op if one exists).
 
     NCCL with ``torch.cuda.set_device(local_rank)`` when CUDA is available, gloo otherwise; on CPU the
-    megatron CPU patches are applied too. Returns the resolved ``LaunchEnv``."""
+    megatron CPU patches are applied too. ``timeout_s`` bounds every collective of the group
+    (``trainer.collective_timeout_s``). Returns the resolved ``LaunchEnv``."""
     import torch.distributed as dist
 
     launch = resolve_launch_env(env)
@@ -169,6 +170,6 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 30,
     dist.init_process_group(
         backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
         rank=launch.rank, world_size=launch.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     return launch

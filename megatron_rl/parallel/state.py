@@ -21,7 +21,7 @@ __all__ = ["initialize_model_parallel", "destroy_model_parallel"]
 
 
 def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any = None,
-                              distributed_timeout_minutes: int = 30) -> None:
+                              distributed_timeout_minutes: float = 30) -> None:
     """Validate ``cfg`` against the world (and ``model`` shape), then call megatron's
     ``parallel_state.initialize_model_parallel`` and ``model_parallel_cuda_manual_seed(seed)``.
 

@@ -11,6 +11,11 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     weights   -> engine (in-process state dict, or HF export + /update_weights_from_disk)
     metrics   -> console / metrics.jsonl / TensorBoard / W&B; checkpoint every N steps and on SIGTERM
 
+Bounded waits: every collective has the process-group timeout ``trainer.collective_timeout_s``; each phase
+of a step runs under the watchdog (``trainer.phase_timeout_s``, ``trainer.checkpoint_timeout_s``), which
+ends a rank that is stuck with the phase named; an exception on any rank ends that rank, and torchrun
+stops the rest. A checkpoint is marked COMPLETE only after every rank wrote it.
+
 Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy; the
 forward-only pass still runs once per step because the correction (weights, rejection, diagnostics)
 needs pi_theta — verl computes the same quantity inside its loss.
@@ -18,6 +23,7 @@ needs pi_theta — verl computes the same quantity inside its loss.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Dict, Optional
 
@@ -28,6 +34,7 @@ from megatron_rl.config import JobConfig
 from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
+from megatron_rl.trainer.watchdog import Watchdog
 
 
 def setup_distributed(cfg: JobConfig):
@@ -38,10 +45,11 @@ def setup_distributed(cfg: JobConfig):
     from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
     if not dist.is_initialized():
-        init_distributed()
+        init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     if not torch.cuda.is_available():
         apply_cpu_patches()
-    initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model)
+    initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model,
+                              distributed_timeout_minutes=cfg.trainer.collective_timeout_s / 60)
     return MegatronActor(cfg)
 
 
@@ -122,8 +130,13 @@ def latest_checkpoint(run_dir: str) -> Optional[str]:
 
 
 def save(actor, cfg: JobConfig, step: int, rank0: bool) -> str:
-    """Checkpoint after ``step`` completed steps; a COMPLETE marker makes it eligible for resume."""
+    """Checkpoint after ``step`` completed steps; a COMPLETE marker, written after every rank wrote its
+    part, makes it eligible for resume. What an earlier, failed save of the same step left is removed
+    first (it was never COMPLETE)."""
     path = os.path.join(cfg.trainer.run_dir, "checkpoints", f"step_{step}")
+    if rank0 and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "COMPLETE")):
+        shutil.rmtree(path)
+    dist.barrier()
     actor.save_checkpoint(path, step, {"config": cfg.to_dict()})
     dist.barrier()
     if rank0:
@@ -177,9 +190,12 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
     sinks = MetricSinks(cfg.trainer.run_dir, cfg.trainer.steps, enabled=rank0, progress=cfg.trainer.progress,
                         tensorboard=cfg.trainer.tensorboard, wandb=cfg.trainer.wandb,
                         wandb_project=cfg.trainer.wandb_project, config=cfg.to_dict(), resume=start > 0)
+    tc = cfg.trainer
+    watchdog = Watchdog(dist.get_rank(), tc.phase_timeout_s)
     version = f"step-{start}"
-    sync_weights(actor, engine, cfg, version, rank0)
-    stop = StopRequested()
+    with watchdog.phase("weight_sync", start):
+        sync_weights(actor, engine, cfg, version, rank0)
+    stop = StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
     pad_id = int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0
     pad_id = share_from_rank0(pad_id)
     metrics: Dict[str, float] = {}
@@ -189,12 +205,13 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             t_step = time.perf_counter()
             # 1. rollouts on rank 0 (an exception is shared so every rank stops, none hangs)
             payload = None
-            if rank0:
-                try:
-                    payload = generate_step(task, engine, cfg, step, version)
-                except RolloutError as exc:
-                    payload = exc
-            payload = share_from_rank0(payload)
+            with watchdog.phase("rollout", step + 1):
+                if rank0:
+                    try:
+                        payload = generate_step(task, engine, cfg, step, version)
+                    except RolloutError as exc:
+                        payload = exc
+                payload = share_from_rank0(payload)
             if isinstance(payload, Exception):
                 raise payload
             t_roll = time.perf_counter() - t_step
@@ -208,11 +225,13 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             group_index = torch.arange(rows.start, rows.stop) // n
             # 3. recompute log-probs (fp32), 4. correction
             t0 = time.perf_counter()
-            old_lp, _ = actor.compute_log_probs(shard, T, compute_entropy=False)  # train_step reports entropy
+            with watchdog.phase("logprob", step + 1):
+                old_lp, _ = actor.compute_log_probs(shard, T, compute_entropy=False)  # train_step reports entropy
             t_lp = time.perf_counter() - t0
             t0 = time.perf_counter()
-            corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, corr_cfg,
-                                              group=actor.dp_group)
+            with watchdog.phase("correction", step + 1):
+                corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, corr_cfg,
+                                                  group=actor.dp_group)
             t_corr = time.perf_counter() - t0
             # 5. advantages with the post-rejection mask, 6. train
             adv = compute_advantages(rewards, group_index, corr.response_mask.float(),
@@ -220,15 +239,17 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                                      norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
             t0 = time.perf_counter()
             weights = corr.weights if corr_cfg.applies_is_weights else None
-            ref_lp = reference.compute_log_probs(shard, T, compute_entropy=False)[0] if reference else None
-            actor_metrics = actor.train_step(shard, old_lp, adv, corr.response_mask, weights, T,
-                                             ref_log_probs=ref_lp)
+            with watchdog.phase("train", step + 1):
+                ref_lp = reference.compute_log_probs(shard, T, compute_entropy=False)[0] if reference else None
+                actor_metrics = actor.train_step(shard, old_lp, adv, corr.response_mask, weights, T,
+                                                 ref_log_probs=ref_lp)
             t_train = time.perf_counter() - t0
             step += 1
             # 7. weight sync
             t0 = time.perf_counter()
             version = f"step-{step}"
-            sync_weights(actor, engine, cfg, version, rank0)
+            with watchdog.phase("weight_sync", step):
+                sync_weights(actor, engine, cfg, version, rank0)
             t_sync = time.perf_counter() - t0
             # 8. metrics
             dt = time.perf_counter() - t_step
@@ -243,21 +264,25 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                 "timing/train_s": t_train, "timing/weight_sync_s": t_sync, "timing/step_s": dt,
                 "perf/tokens_per_s": tokens / dt,
             }
-            sinks.log(step, metrics)
-            if rank0 and cfg.trainer.dump_rollouts:
-                _dump(cfg.trainer.run_dir, step, payload)
-            # 9. checkpoints: interval, end, or a signal seen by any rank
-            flag = torch.tensor([1.0 if stop.requested else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            interval = cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0
-            if interval or step == cfg.trainer.steps or flag.item() > 0:
-                path = save(actor, cfg, step, rank0)
+            with watchdog.phase("metrics", step):
+                sinks.log(step, metrics)
+                if rank0 and tc.dump_rollouts:
+                    _dump(tc.run_dir, step, payload)
+                # 9. checkpoints: interval, end, or a signal seen by any rank
+                flag = torch.tensor([1.0 if stop.requested else 0.0])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            interval = tc.save_interval and step % tc.save_interval == 0
+            if interval or step == tc.steps or flag.item() > 0:
+                with watchdog.phase("checkpoint", step, timeout_s=tc.checkpoint_timeout_s,
+                                    config_key="trainer.checkpoint_timeout_s"):
+                    path = save(actor, cfg, step, rank0)
                 if rank0:
                     print(f"[megatron-rl] checkpoint {path}", flush=True)
             if flag.item() > 0:
                 break
     finally:
         stop.restore()
+        watchdog.close()
         sinks.close()
     return metrics
 

@@ -1,33 +1,99 @@
-"""SIGTERM / SIGINT (Slurm preemption, Ctrl-C) -> checkpoint at the next step boundary, then exit.
+"""SIGTERM / SIGINT (Slurm preemption, Ctrl-C, torchrun stopping the job) -> checkpoint at the end of the
+step, then exit 0; a second signal, or a step that cannot end, exits at once.
 
-The handler only sets a flag; the loop checks it between steps (all ranks agree through an
-all-reduce of the flag, since signals reach ranks at different times), saves a checkpoint and exits
-with code 0 so ``--resume`` continues exactly where it stopped. A second signal exits at once.
+* First signal: ``requested`` turns True. The loop reads it between steps (all ranks agree through an
+  all-reduce, since signals reach ranks at different times), saves a checkpoint and exits 0, so
+  ``--resume`` continues exactly where it stopped. From that moment the rank has ``stop_timeout_s``
+  seconds to finish; if it is still running then (blocked in a hung collective, a process join, a queue
+  wait, a checkpoint that cannot be written) it exits with ``128 + signum`` and its stacks printed —
+  a job that cannot checkpoint still stops.
+* Second signal: exit ``128 + signum`` at once, without checkpoint.
+
+Signals are seen by a watcher thread, not by a Python signal handler: Python runs handlers only when the
+main thread returns to the interpreter, which a rank blocked inside a gloo/NCCL collective or a lock never
+does (a handler calling ``sys.exit`` there does nothing). ``signal.set_wakeup_fd`` makes the C-level handler
+write each signal number to a pipe the moment it arrives; the thread reads it and, when the process must
+end, calls ``watchdog.abort`` (``os._exit``, which nothing can block).
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+import time
+from typing import Dict, Optional
+
+from megatron_rl.trainer.watchdog import abort
+
+__all__ = ["StopRequested"]
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequested:
-    """Installs the handlers; ``requested`` turns True on the first SIGTERM / SIGINT."""
+    """Installs the SIGTERM / SIGINT watcher (main thread only); ``requested`` turns True on the first."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_timeout_s: float = 900.0, rank: Optional[int] = None) -> None:
+        """``stop_timeout_s``: seconds a rank may take after the first signal before it exits without
+        checkpoint (<= 0: no limit). ``rank`` is named in messages (default: $RANK)."""
         self.requested = False
-        self.signum = None
-        self._old = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
+        self.signum: Optional[int] = None
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self._count = 0
+        self._closed = False
+        self._old: Dict[int, object] = {}
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # set_wakeup_fd requires a non-blocking fd
+        self._old_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for sig in _SIGNALS:
+            self._old[sig] = signal.signal(sig, self._python_handler)
+        self._thread = threading.Thread(target=self._watch, name="megatron-rl-signals", daemon=True)
+        self._thread.start()
 
-    def _handle(self, signum, frame) -> None:
-        if self.requested:  # second signal: give up immediately
-            sys.exit(128 + signum)
+    @staticmethod
+    def _python_handler(signum, frame) -> None:
+        """The watcher thread acts on the signal; the interpreter-level handler has nothing to do."""
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            if not data or self._closed:
+                os.close(self._read_fd)
+                return
+            for signum in data:
+                if signum in _SIGNALS:
+                    self._on_signal(int(signum))
+
+    def _on_signal(self, signum: int) -> None:
+        self._count += 1
+        if self._count > 1:
+            abort(128 + signum, f"second signal {signum}: exiting now without checkpoint", rank=self.rank)
         self.requested = True
         self.signum = signum
-        print(f"[megatron-rl] received signal {signum}: checkpointing at the end of this step", file=sys.stderr,
-              flush=True)
+        print(f"[megatron-rl] rank {self.rank}: received signal {signum}: checkpointing at the end of this step "
+              f"(a second signal exits at once)", file=sys.stderr, flush=True)
+        if self.stop_timeout_s > 0:
+            threading.Thread(target=self._deadline, args=(signum,), name="megatron-rl-stop-deadline",
+                             daemon=True).start()
+
+    def _deadline(self, signum: int) -> None:
+        time.sleep(self.stop_timeout_s)
+        abort(128 + signum, f"signal {signum} arrived {self.stop_timeout_s:g} s ago and this rank has not "
+                            f"finished its step and checkpoint (trainer.stop_timeout_s); exiting without "
+                            f"checkpoint", rank=self.rank)
 
     def restore(self) -> None:
+        """Put the previous handlers back. A deadline started by a signal keeps running: the process is
+        expected to exit within it."""
+        if self._closed:
+            return
+        self._closed = True
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        signal.set_wakeup_fd(self._old_wakeup)
+        os.close(self._write_fd)  # the watcher's read returns b"" and the thread ends
