@@ -195,13 +195,15 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
         dcp.save(sd, os.path.join(d, "dist"))
         error = None
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - gathered and raised on every rank
-        error = checkpoint_writer.last_write_error() or f"rank {rank}: {type(exc).__name__}: {exc}"
+        # (this rank's own writer error, or what megatron raised here because another rank failed)
+        error = (checkpoint_writer.last_write_error(), f"rank {rank}: {type(exc).__name__}: {exc}")
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e]
+    failed = [e for e in errors if e is not None]
     if failed:
-        raise CheckpointWriteError(f"checkpoint step {step} under {root} was not written ({len(failed)} of "
-                                   f"{len(errors)} ranks failed): " + "; ".join(failed))
+        causes = [own for own, _ in failed if own] or [seen for _, seen in failed]
+        raise CheckpointWriteError(f"checkpoint step {step} under {root} was not written ({len(causes)} of "
+                                   f"{len(errors)} ranks failed to write): " + "; ".join(causes))
     torch.save(_rng_state(), os.path.join(d, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
         torch.save(dict(extra_state), os.path.join(d, "extra_state.pt"))
