@@ -20,6 +20,7 @@ WORLD = {
     "qwen3_30b_a3b_2x8.yaml": 2 * 8,
     "deepseek_v3_scale_64x8.yaml": 64 * 8,
     "tiny_cpu.yaml": None,  # the lead's config: its own world size (read from its header or default 1..4)
+    "math_tiny_cpu.yaml": None,  # the math-task CPU config: its model is built first (tests/test_data_math_e2e.py)
 }
 
 # Published HF config.json values.
@@ -71,7 +72,7 @@ def test_tiny_cpu_validates_at_four_ranks(tmp_path):
 def test_config_fails_at_wrong_world(name):
     from megatron_rl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="world_size|data-parallel"):
+    with pytest.raises(ConfigError, match="world size|data-parallel"):
         load_job_config(os.path.join(CONFIGS, name), world_size=WORLD[name] + 1)
 
 

@@ -2,10 +2,13 @@
 
     cfg = load_job_config("configs/tiny_cpu.yaml", ["actor.lr=3e-4", "parallel.tensor_model_parallel_size=1"],
                           world_size=4)
+    cfg, errors = collect_job_config("configs/tiny_cpu.yaml", [], world_size=4)   # never raises ConfigError
 
-Values of overrides are parsed as YAML (``true``, ``1e-4``, ``[a, b]``, ``null``). Unknown keys at
-any depth raise :class:`ConfigError` naming the dotted key and the nearest valid one — before any
-process group exists.
+Values of overrides are parsed as YAML (``true``, ``1e-4``, ``[a, b]``, ``null``). Every value is checked
+against its dataclass field's type (:mod:`megatron_rl.config.types`), every unknown key is reported with a
+hint (:mod:`megatron_rl.config.hints`), and all problems of a file -- bad overrides, unknown keys, wrong
+types, values (:mod:`megatron_rl.config.validate`) -- are raised together in one :class:`ConfigError`,
+each line naming its dotted key, before any process group exists.
 """
 from __future__ import annotations
 
@@ -13,18 +16,34 @@ import dataclasses
 import difflib
 import os
 import re
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from megatron_rl.config.hints import unknown_key_message
+from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.sections import (
-    ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig,
+    ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, RolloutConfig, TrainerConfig,
 )
+from megatron_rl.config.types import check_value, field_types
+from megatron_rl.config.validate import job_errors
 from megatron_rl.correction import RolloutCorrectionConfig
+from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
-from megatron_rl.models.config import ModelConfig, model_config_from_dict
-from megatron_rl.parallel.config import ParallelConfig, parallel_config_from_dict
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.parallel.config import ParallelConfig
+
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", "job_config_from_dict",
+           "launch_world_size", "load_job_config", "yaml_load"]
+
+#: section (dotted) -> its dataclass
+SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": ParallelConfig,
+                   "rollout": RolloutConfig, "data": DataConfig, "algorithm": AlgorithmConfig,
+                   "algorithm.rollout_correction": RolloutCorrectionConfig, "actor": ActorConfig,
+                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig}
+#: extra keys the nested sections' from_dict accepts besides their fields
+_EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
+               "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}
 
 
 class _Loader(yaml.SafeLoader):
@@ -46,45 +65,8 @@ def yaml_load(text_or_stream):
     return yaml.load(text_or_stream, Loader=_Loader)
 
 
-class ConfigError(ValueError):
-    """A config problem, naming the dotted key."""
-
-
-@dataclass
-class JobConfig:
-    """A whole megatron-rl job (see :mod:`megatron_rl.config.sections`)."""
-
-    model: Optional[ModelConfig]
-    parallel: ParallelConfig
-    rollout: RolloutConfig
-    data: DataConfig
-    algorithm: AlgorithmConfig
-    actor: ActorConfig
-    trainer: TrainerConfig
-
-    def to_dict(self) -> Dict[str, Any]:
-        """Plain nested dict (YAML-dumpable; the checkpoint stores it)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            out[f.name] = _plain(getattr(self, f.name))
-        return out
-
-
-SECTIONS = ("model", "parallel", "rollout", "data", "algorithm", "actor", "trainer")
-
-
-def _plain(obj):
-    if obj is None or isinstance(obj, (int, float, str, bool)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if hasattr(obj, "to_dict"):
-        return _plain(obj.to_dict())
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
-    return obj
+def _all_fields() -> Dict[str, List[str]]:
+    return {s: list(field_types(c)) for s, c in SECTION_CLASSES.items()}
 
 
 def _near(key: str, options: Sequence[str]) -> str:
@@ -92,62 +74,128 @@ def _near(key: str, options: Sequence[str]) -> str:
     return f" (did you mean {m[0]!r}?)" if m else ""
 
 
+def _unknown_section(key: str) -> str:
+    homes = [s for s, names in _all_fields().items() if key in names]
+    hint = f" (it is a key of {' / '.join(f'{s}.{key}' for s in homes)})" if homes else _near(key, SECTIONS)
+    return f"{key}: unknown section{hint}; sections: {', '.join(SECTIONS)}"
+
+
 def apply_overrides(tree: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    """Apply ``a.b.c=value`` strings to a nested dict (values parsed as YAML)."""
-    tree = dict(tree)
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r}: expected key.sub=value")
-        key, raw = ov.split("=", 1)
-        parts = key.strip().split(".")
-        if parts[0] not in SECTIONS:
-            raise ConfigError(f"override {key!r}: unknown section {parts[0]!r}{_near(parts[0], SECTIONS)}; "
-                              f"sections: {', '.join(SECTIONS)}")
-        node = tree
-        for p in parts[:-1]:
-            if node.get(p) is None:
-                node[p] = {}
-            elif not isinstance(node[p], dict):
-                raise ConfigError(f"override {key!r}: {p!r} is not a section")
-            node[p] = dict(node[p])
-            node = node[p]
-        try:
-            node[parts[-1]] = yaml_load(raw)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {key!r}: cannot parse value {raw!r}: {exc}") from None
+    """Apply ``a.b.c=value`` strings to a nested dict (values parsed as YAML); raises one ConfigError
+    naming every bad override."""
+    tree, errors = _apply_overrides(tree, overrides)
+    if errors:
+        raise ConfigError(_format(errors))
     return tree
 
 
-def _build(cls, d: Any, where: str):
-    """Instantiate dataclass ``cls`` from dict ``d``; unknown keys named with their dotted path."""
-    if d is None:
-        d = {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for k in d:
-        if k not in names:
-            raise ConfigError(f"{where}.{k}: unknown key{_near(k, names)}")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in d:
+def _apply_overrides(tree: Dict[str, Any], overrides: Sequence[str]) -> Tuple[Dict[str, Any], List[str]]:
+    tree = dict(tree)
+    errors: List[str] = []
+    for ov in overrides:
+        if "=" not in ov:
+            errors.append(f"override {ov!r}: expected key.sub=value")
             continue
-        v = d[f.name]
+        key, raw = ov.split("=", 1)
+        parts = key.strip().split(".")
+        if parts[0] not in SECTIONS:
+            errors.append(f"override {key!r}: unknown section {parts[0]!r}{_near(parts[0], SECTIONS)}; "
+                          f"sections: {', '.join(SECTIONS)}")
+            continue
         try:
-            if f.name == "rollout_correction":
-                v = RolloutCorrectionConfig.from_dict(v)
-            elif f.name == "policy_loss":
-                v = PolicyLossConfig.from_dict(v or {})
-        except ValueError as exc:
-            raise ConfigError(f"{where}.{f.name}: {exc}") from None
-        kwargs[f.name] = v
+            value = yaml_load(raw)
+        except yaml.YAMLError as exc:
+            errors.append(f"override {key!r}: cannot parse value {raw!r}: {exc}")
+            continue
+        node = tree
+        for i, p in enumerate(parts[:-1]):
+            if node.get(p) is None:
+                node[p] = {}
+            elif not isinstance(node[p], dict):
+                errors.append(f"override {key!r}: {'.'.join(parts[:i + 1])!r} is not a section")
+                break
+            node[p] = dict(node[p])
+            node = node[p]
+        else:
+            node[parts[-1]] = value
+    return tree, errors
+
+
+def _checked_kwargs(where: str, d: Any, errors: List[str]) -> Dict[str, Any]:
+    """The keys of mapping ``d`` that are fields of section ``where`` with values of the right type;
+    every unknown key and wrong type is appended to ``errors``."""
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        errors.append(f"{where}: expected a mapping, got {d!r} ({type(d).__name__})")
+        return {}
+    types = field_types(SECTION_CLASSES[where])
+    extra = _EXTRA_KEYS.get(where, ())
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        if k in extra:
+            out[k] = v
+        elif k not in types:
+            if where == "algorithm.rollout_correction" and "preset" in d:
+                out[k] = v  # a preset's own arguments (threshold, ...): checked by the preset
+            else:
+                errors.append(unknown_key_message(where, str(k), list(types), _all_fields()))
+        elif f"{where}.{k}" in SECTION_CLASSES:
+            out[k] = v  # nested section: built by its own from_dict
+        else:
+            v, err = check_value(v, types[k], f"{where}.{k}")
+            if err:
+                errors.append(err)
+            else:
+                out[k] = v
+    return out
+
+
+def _nested(where: str, d: Any, errors: List[str]):
+    """algorithm.rollout_correction / actor.policy_loss through their own from_dict (presets, verl's keys)."""
+    cls = SECTION_CLASSES[where]
+    if d is None and where == "algorithm.rollout_correction":
+        kwargs = None
+    else:
+        kwargs = _checked_kwargs(where, d if d is not None else {}, errors)
+    try:
+        return cls.from_dict(kwargs)
+    except (TypeError, ValueError) as exc:
+        errors.append(f"{where}: {exc}")
+        return None
+
+
+def _section(where: str, d: Any, errors: List[str]):
+    """Section dataclass from mapping ``d``; keys with problems fall back to their defaults (so that the
+    rest of the file is still validated) and the problems go to ``errors``."""
+    cls = SECTION_CLASSES[where]
+    kwargs = _checked_kwargs(where, d, errors)
+    for f in dataclasses.fields(cls):
+        if f"{where}.{f.name}" in SECTION_CLASSES and f.name in kwargs:
+            built = _nested(f"{where}.{f.name}", kwargs.pop(f.name), errors)
+            if built is not None:
+                kwargs[f.name] = built
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        errors.append(f"{where}: {exc}")
+        return cls()
 
 
-def _model_from_hf(path: str) -> ModelConfig:
+def _model_section(d: Any, errors: List[str]) -> Optional[ModelConfig]:
+    before = len(errors)
+    kwargs = _checked_kwargs("model", d, errors)
+    required = [f.name for f in dataclasses.fields(ModelConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in kwargs and not any(e.startswith(f"model.{name}:") for e in errors[before:]):
+            errors.append(f"model.{name}: required (no default)")
+    if len(errors) > before:
+        return None
+    return ModelConfig(**kwargs)
+
+
+def _model_from_hf(path: str, errors: List[str]) -> Optional[ModelConfig]:
     """ModelConfig of an HF directory or a ``megatron-rl convert hf-to-mcore`` directory (its hf_assets).
 
     The vocabulary is not padded: a size that TP does not divide is rejected by validation, because
@@ -155,58 +203,98 @@ def _model_from_hf(path: str) -> ModelConfig:
     from megatron_rl.convert import model_config_for_checkpoint
 
     if not os.path.isdir(path):
-        raise ConfigError(f"actor.load_hf: {path!r} is not a directory")
+        errors.append(f"actor.load_hf: {path!r} is not a directory")
+        return None
     try:
         return model_config_for_checkpoint(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"actor.load_hf: cannot read a model config from {path!r}: {exc}") from None
+        errors.append(f"actor.load_hf: cannot read a model config from {path!r}: {exc}")
+        return None
+
+
+def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
+    """(JobConfig, problems): the typed config of nested dict ``tree`` with every key that has a problem
+    left at its default, and the list of those problems (dotted keys). No world-size checks."""
+    errors: List[str] = []
+    if not isinstance(tree, dict):
+        errors.append(f"config: expected a mapping at the top level, got {type(tree).__name__}")
+        tree = {}
+    for k in tree:
+        if k not in SECTIONS:
+            errors.append(_unknown_section(str(k)))
+    built = {s: _section(s, tree.get(s), errors) for s in ("cluster", "parallel", "rollout", "data",
+                                                           "algorithm", "actor", "trainer")}
+    model = None
+    if tree.get("model"):
+        model = _model_section(tree["model"], errors)
+    elif built["actor"].load_hf:
+        model = _model_from_hf(built["actor"].load_hf, errors)
+    return JobConfig(model=model, **built), errors
 
 
 def job_config_from_dict(tree: Dict[str, Any]) -> JobConfig:
-    """Typed JobConfig from a nested dict (no world-size checks; see validate_job)."""
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config: expected a mapping at the top level, got {type(tree).__name__}")
-    for k in tree:
-        if k not in SECTIONS:
-            raise ConfigError(f"{k}: unknown section{_near(k, SECTIONS)}; sections: {', '.join(SECTIONS)}")
-    actor = _build(ActorConfig, tree.get("actor"), "actor")
-    model = None
-    if tree.get("model"):
+    """Typed JobConfig from a nested dict (no world-size checks; see validate_job); raises one
+    ConfigError listing every problem."""
+    cfg, errors = build_job_config(tree)
+    if errors:
+        raise ConfigError(_format(errors))
+    return cfg
+
+
+def launch_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The world size torchrun ($WORLD_SIZE) or srun ($SLURM_NTASKS) launched this process with, or
+    None when it was not started by a launcher."""
+    env = os.environ if env is None else env
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(var, "").strip().isdigit():
+            return int(env[var])
+    return None
+
+
+def _read_tree(path: Optional[str]) -> Dict[str, Any]:
+    if path is None:
+        return {}
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as fh:
         try:
-            model = model_config_from_dict(dict(tree["model"]))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"model: {exc}") from None
-    elif actor.load_hf:
-        model = _model_from_hf(actor.load_hf)
-    try:
-        parallel = parallel_config_from_dict(dict(tree.get("parallel") or {}))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"parallel: {exc}") from None
-    return JobConfig(model=model, parallel=parallel,
-                     rollout=_build(RolloutConfig, tree.get("rollout"), "rollout"),
-                     data=_build(DataConfig, tree.get("data"), "data"),
-                     algorithm=_build(AlgorithmConfig, tree.get("algorithm"), "algorithm"),
-                     actor=actor, trainer=_build(TrainerConfig, tree.get("trainer"), "trainer"))
+            return yaml_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
+def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
+                       world_size: Union[int, str, None] = None) -> Tuple[JobConfig, List[str]]:
+    """(config, every problem found) -- for tools that report problems and go on (``megatron-rl check``).
+    Raises ConfigError only when the file itself cannot be read. ``world_size`` as in load_job_config, or
+    "cluster": the ``cluster:`` section's nodes x gpus_per_node."""
+    tree, errors = _apply_overrides(_read_tree(path), list(overrides))
+    cfg, build_errors = build_job_config(tree)
+    errors += build_errors
+    if world_size == "cluster":
+        ws = cfg.cluster.world_size
+    else:
+        ws = world_size if world_size is not None else (launch_world_size() or 1)
+    bad_keys = {e.split(":", 1)[0] for e in errors}
+    for e in job_errors(cfg, ws):  # a key (or section) whose value was rejected above is not reported twice
+        key = e.split(":", 1)[0]
+        if not any(b == key or b.startswith(key + ".") for b in bad_keys) and e not in errors:
+            errors.append(e)
+    return cfg, errors
 
 
 def load_job_config(path: Optional[str], overrides: Sequence[str] = (), world_size: Optional[int] = None) -> JobConfig:
-    """Read YAML ``path`` (None: all defaults), apply overrides, build and validate.
+    """Read YAML ``path`` (None: all defaults), apply overrides, build and validate; raises one
+    ConfigError listing every problem.
 
-    ``world_size`` (default: $WORLD_SIZE, else 1) is checked against the parallel layout.
+    ``world_size`` (default: the launcher's, $WORLD_SIZE or $SLURM_NTASKS, else 1) is checked against the
+    parallel layout.
     """
-    tree: Dict[str, Any] = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as fh:
-            try:
-                tree = yaml_load(fh) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    tree = apply_overrides(tree, list(overrides))
-    cfg = job_config_from_dict(tree)
-    from megatron_rl.config.validate import validate_job
-
-    ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    validate_job(cfg, ws)
+    cfg, errors = collect_job_config(path, overrides, world_size)
+    if errors:
+        raise ConfigError(_format(errors))
     return cfg
+
+
+def _format(errors: Sequence[str]) -> str:
+    return "invalid config:\n  - " + "\n  - ".join(errors)

@@ -1,5 +1,6 @@
 """Typed sections of a megatron-rl job config (the YAML file), one dataclass per section.
 
+    cluster:    ClusterConfig        (device, nodes, GPUs per node, GPU memory the file is written for)
     model:      megatron_rl.models.ModelConfig            (architecture; or taken from actor.load_hf)
     parallel:   megatron_rl.parallel.ParallelConfig       (Megatron's names)
     rollout:    RolloutConfig        (engine, sampling)
@@ -19,6 +20,26 @@ from typing import Any, Dict, List, Optional
 
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
+
+
+@dataclass
+class ClusterConfig:
+    """The machines the file is written for: ``megatron-rl check`` plans this job (flags override it) and
+    the launch hints use it. The trainer itself runs at the world size torchrun / srun gives it."""
+
+    device: str = "cuda"
+    """"cuda" (one rank per GPU, NCCL) or "cpu" (gloo ranks, fp32; what tiny_cpu.yaml runs)."""
+    nodes: int = 1
+    """Nodes of the job (world size = nodes x gpus_per_node)."""
+    gpus_per_node: int = 8
+    """Ranks per node: GPUs per node, or processes per node when device is "cpu"."""
+    gpu_memory_gb: Optional[float] = None
+    """Memory per GPU in GiB that ``megatron-rl check`` compares its plan with (None: no fit check)."""
+
+    @property
+    def world_size(self) -> int:
+        """nodes x gpus_per_node."""
+        return self.nodes * self.gpus_per_node
 
 
 @dataclass
@@ -61,17 +82,56 @@ class DataConfig:
     task: str = "copy"
     """Built-in verifiable task ("copy", "reverse", "sort", "add") or "file" to read ``path``."""
     path: Optional[str] = None
-    """JSONL or Parquet prompt file (task: file); one record per prompt."""
+    """JSONL or Parquet prompt file (task: file): verl's RL format (``data_source``, ``prompt`` as chat
+    messages, ``reward_model: {style, ground_truth}``, ``extra_info``) or ``prompt_key`` / ``answer_key`` rows."""
     prompt_key: str = "prompt"
-    """Record field holding the prompt text (or a list of token ids)."""
+    """Record field holding the prompt: text, a list of chat messages ({role, content}), or token ids."""
     answer_key: str = "answer"
-    """Record field passed to the reward function as the reference answer."""
+    """Record field holding the reference answer when the row has no ``reward_model.ground_truth``."""
     reward_fn: Optional[str] = None
-    """"module:function" computing a reward from (prompt, response, answer); default: the task's own."""
+    """"math" (math-verify), "exact", or "module:function"; default: the task's own (files: verl's dispatch
+    on ``data_source``, exact match for rows without one)."""
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the reward function (e.g. {extract: [boxed, hash, last_number]} for math)."""
+    reward_workers: int = 2
+    """Worker processes scoring file-task rewards in parallel (0: in the trainer's process, no timeout)."""
+    reward_timeout_s: float = 10.0
+    """Wall-clock limit of one sample's reward; past it the worker is killed and the reward is 0 (counted)."""
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of ``tokenizer.apply_chat_template`` for chat prompts (e.g. {enable_thinking: false})."""
+    max_prompt_length: Optional[int] = None
+    """Longest prompt in tokens after the chat template (None: no limit); see ``overlong_prompts``."""
+    overlong_prompts: str = "filter"
+    """Prompts longer than ``max_prompt_length``: "filter" (dropped) or "truncate" (keep the last tokens)."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to
+    ``overlong_penalty_factor`` reward, linearly (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """The reward a response of exactly max_new_tokens tokens loses under the overlong penalty."""
     prompts_per_step: int = 8
     """Prompts per training step (global, over all data-parallel ranks)."""
     task_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Options of the built-in task (e.g. {"min_digits": 1, "max_digits": 4})."""
+
+    def errors(self) -> List[str]:
+        """Violations of the reward / prompt-length / overlong settings, each naming its dotted key."""
+        errs = []
+        rf = self.reward_fn
+        if rf is not None and rf not in ("math", "exact") and (":" not in rf or not all(rf.rpartition(":")[::2])):
+            errs.append(f"data.reward_fn: expected 'math', 'exact' or 'module:function', got {rf!r}")
+        if self.reward_workers < 0:
+            errs.append(f"data.reward_workers: must be >= 0, got {self.reward_workers}")
+        if not self.reward_timeout_s > 0:
+            errs.append(f"data.reward_timeout_s: must be > 0, got {self.reward_timeout_s}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            errs.append(f"data.max_prompt_length: must be >= 1 (or null), got {self.max_prompt_length}")
+        if self.overlong_prompts not in ("filter", "truncate"):
+            errs.append(f"data.overlong_prompts: {self.overlong_prompts!r} is not one of filter, truncate")
+        if self.overlong_buffer_len < 0:
+            errs.append(f"data.overlong_buffer_len: must be >= 0, got {self.overlong_buffer_len}")
+        if self.overlong_penalty_factor < 0:
+            errs.append(f"data.overlong_penalty_factor: must be >= 0, got {self.overlong_penalty_factor}")
+        return errs
 
 
 @dataclass
@@ -136,6 +196,8 @@ class TrainerConfig:
     """Write every step's rollouts to run_dir/rollouts.jsonl (the ``megatron-rl score`` format)."""
     progress: bool = True
     """Progress bar and compact metric table on the console (rank 0)."""
+    console_table_interval: int = 10
+    """Print the compact metric table (one row per step since the last table) every N steps (0: bar only)."""
     collective_timeout_s: float = 1800.0
     """Process-group timeout (gloo / NCCL): a collective that waits longer raises on that rank. Ranks wait
     in a broadcast while rank 0 generates rollouts, so it must exceed the longest rollout phase."""

@@ -8,29 +8,83 @@ and against the world size.
 from __future__ import annotations
 
 import os
+import re
 from typing import List
 
-from megatron_rl.config.load import ConfigError, JobConfig
-from megatron_rl.parallel.config import ParallelConfigError, validate_parallel_config
+from megatron_rl.config.job import ConfigError, JobConfig
+from megatron_rl.config.types import field_types
+from megatron_rl.models.config import ModelConfig, ModelConfigError
+from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError, validate_parallel_config
 
 ENGINES = ("embedded", "sglang")
 TASKS = ("copy", "reverse", "sort", "add", "file")
 ADV = ("grpo", "rloo")
 DTYPES = ("bfloat16", "float16", "float32")
+DEVICES = ("cuda", "cpu")
 
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:
     """Raise ConfigError listing every violation (dotted keys and values)."""
+    errs = job_errors(cfg, world_size)
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+_PARALLEL_KEYS = list(field_types(ParallelConfig))
+_MODEL_KEYS = list(field_types(ModelConfig))
+
+
+def _dotted(violation: str) -> str:
+    """A layout / shape violation with its keys dotted (``parallel.tensor_model_parallel_size``,
+    ``model.num_layers``), prefixed by the key to change: the first parallel key it names, else the first
+    model key, else ``world size``."""
+    def sub(m):
+        name = m.group(0)
+        if name in _PARALLEL_KEYS:
+            return f"parallel.{name}"
+        return f"model.{name}" if name in _MODEL_KEYS else name
+
+    text = re.sub(r"(?<![\w.])[a-z_]+(?![\w.])", sub, violation)
+    keys = re.findall(r"\b(?:parallel|model)\.[a-z_]+", text)
+    if violation.startswith("world_size="):
+        return "world size: " + re.sub(r"^world_size=(\d+) is", r"\1 ranks are", text)
+    par = [k for k in keys if k.startswith("parallel.")]
+    return f"{(par or keys or ['parallel'])[0]}: {text}"
+
+
+def _layout_errors(cfg: JobConfig, world_size: int) -> List[str]:
+    """Model shape and parallel layout, each violation naming its dotted key. The expert layout
+    (world = ETP x EP x PP x expert-DP) is only checked for MoE models."""
     errs: List[str] = []
-    if cfg.model is None:
-        errs.append("model: missing (give a model section or actor.load_hf with a config.json)")
-    else:
+    if cfg.model is not None:
         try:
-            validate_parallel_config(cfg.parallel, world_size, cfg.model)
-        except ParallelConfigError as exc:
-            errs += [f"parallel: {v}" for v in exc.violations]
-        except ValueError as exc:
-            errs.append(f"model/parallel: {exc}")
+            cfg.model.validate()
+        except ModelConfigError as exc:
+            errs += [_dotted(v) for v in str(exc).split("\n  - ")[1:]]
+    try:
+        validate_parallel_config(cfg.parallel, world_size, cfg.model)
+    except ParallelConfigError as exc:
+        moe = cfg.model is not None and cfg.model.is_moe
+        errs += [_dotted(v) for v in exc.violations if moe or "expert layout" not in v]
+    except ValueError as exc:
+        errs.append(f"parallel: {exc}")
+    return errs
+
+
+def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
+    """Every violation of ``cfg`` at ``world_size`` ranks, each line starting with its dotted key."""
+    errs: List[str] = []
+    if cfg.model is None and not cfg.actor.load_hf:
+        errs.append("model: missing (give a model section or actor.load_hf with a config.json)")
+    errs += _layout_errors(cfg, world_size)
+    c = cfg.cluster
+    if c.device not in DEVICES:
+        errs.append(f"cluster.device: {c.device!r} is not one of {', '.join(DEVICES)}")
+    for k in ("nodes", "gpus_per_node"):
+        if getattr(c, k) < 1:
+            errs.append(f"cluster.{k}: must be >= 1, got {getattr(c, k)}")
+    if c.gpu_memory_gb is not None and not c.gpu_memory_gb > 0:
+        errs.append(f"cluster.gpu_memory_gb: must be > 0 (or null), got {c.gpu_memory_gb}")
     r, d, a, ac, t = cfg.rollout, cfg.data, cfg.algorithm, cfg.actor, cfg.trainer
     if r.engine not in ENGINES:
         errs.append(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
@@ -56,8 +110,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
             errs.append("data.path: required when data.task is 'file'")
         elif not os.path.isfile(d.path):
             errs.append(f"data.path: {d.path!r} does not exist")
-    if d.reward_fn is not None and (":" not in d.reward_fn or d.reward_fn.count(":") != 1):
-        errs.append(f"data.reward_fn: expected 'module:function', got {d.reward_fn!r}")
+    errs += d.errors()  # reward, prompt-length and overlong settings (DataConfig.errors)
     if d.prompts_per_step < 1:
         errs.append(f"data.prompts_per_step: must be >= 1, got {d.prompts_per_step}")
     if a.advantage_estimator not in ADV:
@@ -75,14 +128,24 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         errs.append(f"trainer.steps: must be >= 1, got {t.steps}")
     if t.save_interval < 0:
         errs.append(f"trainer.save_interval: must be >= 0, got {t.save_interval}")
+    if t.console_table_interval < 0:
+        errs.append(f"trainer.console_table_interval: must be >= 0 (0: no table), got {t.console_table_interval}")
     if not t.collective_timeout_s > 0:
         errs.append(f"trainer.collective_timeout_s: must be > 0, got {t.collective_timeout_s}")
     for key in ("phase_timeout_s", "checkpoint_timeout_s", "stop_timeout_s"):
         if not getattr(t, key) >= 0:
             errs.append(f"trainer.{key}: must be >= 0 (0: no limit), got {getattr(t, key)}")
+    errs += _dp_errors(cfg, world_size)
+    return errs
+
+
+def _dp_errors(cfg: JobConfig, world_size: int) -> List[str]:
+    """Batch sizes that the data-parallel size at ``world_size`` must divide."""
+    errs: List[str] = []
+    d, ac = cfg.data, cfg.actor
     p = cfg.parallel
     tp_pp_cp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    if world_size % tp_pp_cp == 0:
+    if tp_pp_cp >= 1 and world_size % tp_pp_cp == 0:
         dp = world_size // tp_pp_cp
         if d.prompts_per_step % dp:
             errs.append(f"data.prompts_per_step: {d.prompts_per_step} is not divisible by the data-parallel "
@@ -90,5 +153,10 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
         if ac.ppo_mini_batches > 0 and (d.prompts_per_step // max(dp, 1)) % ac.ppo_mini_batches:
             errs.append(f"actor.ppo_mini_batches: {ac.ppo_mini_batches} does not divide the "
                         f"{d.prompts_per_step // max(dp, 1)} prompts per DP rank")
-    if errs:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+    return errs
+
+
+def world_errors(cfg: JobConfig, world_size: int) -> List[str]:
+    """The violations that depend on the world size (a different node count may fix them)."""
+    layout = [e for e in _layout_errors(cfg, world_size) if e.startswith("world size:")]
+    return layout + _dp_errors(cfg, world_size)

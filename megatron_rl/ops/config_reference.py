@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 #: (YAML key, module, class) in the order of the YAML file.
 SECTIONS: Sequence[Tuple[str, str, str]] = (
+    ("cluster", "megatron_rl.config.sections", "ClusterConfig"),
     ("model", "megatron_rl.models.config", "ModelConfig"),
     ("parallel", "megatron_rl.parallel.config", "ParallelConfig"),
     ("rollout", "megatron_rl.config.sections", "RolloutConfig"),

@@ -1,0 +1,111 @@
+"""Messages for unknown config keys: this project's key for names users bring from verl / Megatron-LM,
+a key of another section, or the nearest valid spelling.
+
+    unknown_key_message("actor", "learning_rate", ["lr", ...], all_fields)
+    # "actor.learning_rate: unknown key (this project's key is actor.lr)"
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Dict, Mapping, Optional, Sequence
+
+#: Names from verl (``actor_rollout_ref.*``, ``data.*``, ``trainer.*``) and Megatron-LM's arguments ->
+#: (this project's dotted key or None, what to know about it).
+FOREIGN_KEYS: Dict[str, tuple] = {
+    # optimizer / schedule
+    "learning_rate": ("actor.lr", ""),
+    "optim": ("actor.lr", "optimizer settings are flat keys of actor: lr, weight_decay, adam_beta1/2, clip_grad"),
+    "lr_decay_style": (None, "the learning rate is constant (actor.lr); no scheduler is implemented"),
+    "lr_scheduler_type": (None, "the learning rate is constant (actor.lr); no scheduler is implemented"),
+    "warmup_style": (None, "the learning rate is constant (actor.lr); no warm-up is implemented"),
+    "lr_warmup_iters": (None, "the learning rate is constant (actor.lr); no warm-up is implemented"),
+    "lr_warmup_steps": (None, "the learning rate is constant (actor.lr); no warm-up is implemented"),
+    "lr_warmup_steps_ratio": (None, "the learning rate is constant (actor.lr); no warm-up is implemented"),
+    "min_lr": (None, "the learning rate is constant (actor.lr)"),
+    "lr_decay_iters": (None, "the learning rate is constant (actor.lr)"),
+    "grad_clip": ("actor.clip_grad", ""),
+    "max_grad_norm": ("actor.clip_grad", ""),
+    "betas": ("actor.adam_beta1", "and actor.adam_beta2"),
+    # batching / epochs
+    "ppo_epochs": ("actor.ppo_epochs", ""),
+    "ppo_mini_batch_size": ("actor.ppo_mini_batches", "a number of mini-batches per rollout batch, not a size"),
+    "ppo_micro_batch_size": ("actor.micro_batch_size", "sequences per micro-batch on each rank"),
+    "ppo_micro_batch_size_per_gpu": ("actor.micro_batch_size", "sequences per micro-batch on each rank"),
+    "micro_batch_size": ("actor.micro_batch_size", ""),
+    "global_batch_size": ("data.prompts_per_step", "sequences per step = data.prompts_per_step x "
+                                                   "rollout.n_samples_per_prompt"),
+    "train_batch_size": ("data.prompts_per_step", "prompts per step over all ranks"),
+    "train_iters": ("trainer.steps", ""),
+    "total_training_steps": ("trainer.steps", ""),
+    "total_epochs": ("trainer.steps", "training length is counted in steps"),
+    # rollout
+    "n": ("rollout.n_samples_per_prompt", ""),
+    "rollout_n": ("rollout.n_samples_per_prompt", ""),
+    "response_length": ("rollout.max_new_tokens", ""),
+    "max_response_length": ("rollout.max_new_tokens", ""),
+    "max_tokens": ("rollout.max_new_tokens", ""),
+    "max_prompt_length": (None, "prompts are used as the task / file gives them; "
+                                "rollout.max_new_tokens bounds the response"),
+    "temperature": ("rollout.temperature", ""),
+    "top_p": ("rollout.top_p", ""),
+    "top_k": ("rollout.top_k", ""),
+    "tensor_model_parallel_size": ("parallel.tensor_model_parallel_size", ""),
+    # model / checkpoints
+    "path": ("actor.load_hf", "the HF checkpoint directory the actor starts from (verl's model.path)"),
+    "model_path": ("actor.load_hf", ""),
+    "pretrained_checkpoint": ("actor.load_hf", ""),
+    "load": ("actor.load_hf", "an HF directory (or a `megatron-rl convert hf-to-mcore` output); "
+                              "resume a run with trainer.resume"),
+    "save": ("trainer.run_dir", "checkpoints go to trainer.run_dir/checkpoints"),
+    "default_local_dir": ("trainer.run_dir", ""),
+    "save_freq": ("trainer.save_interval", ""),
+    "project_name": ("trainer.wandb_project", ""),
+    "bf16": (None, "the actor trains in fp32 (not configurable); rollout.dtype sets the embedded engine's dtype"),
+    "fp16": (None, "the actor trains in fp32 (not configurable); rollout.dtype sets the embedded engine's dtype"),
+    "params_dtype": (None, "the actor trains in fp32 (not configurable); rollout.dtype sets the embedded "
+                           "engine's dtype"),
+    "use_distributed_optimizer": (None, "not configurable: the actor uses megatron's non-distributed optimizer"),
+    # algorithm / loss
+    "adv_estimator": ("algorithm.advantage_estimator", ""),
+    "norm_adv_by_std_in_grpo": ("algorithm.norm_adv_by_std", ""),
+    "use_kl_loss": ("actor.policy_loss.kl_loss_coef", "use_kl_loss is accepted inside actor.policy_loss"),
+    "kl_loss_coef": ("actor.policy_loss.kl_loss_coef", ""),
+    "clip_ratio": ("actor.policy_loss.clip_ratio", ""),
+    "clip_ratio_low": ("actor.policy_loss.clip_ratio_low", ""),
+    "clip_ratio_high": ("actor.policy_loss.clip_ratio_high", ""),
+    "loss_agg_mode": ("actor.policy_loss.loss_agg_mode", ""),
+    "loss_type": ("algorithm.rollout_correction.loss_type", ""),
+    "rollout_is": ("algorithm.rollout_correction.rollout_is", ""),
+    "rollout_rs": ("algorithm.rollout_correction.rollout_rs", ""),
+    "seed": ("trainer.seed", ""),
+}
+
+
+def _foreign(section: str, key: str) -> Optional[str]:
+    if key not in FOREIGN_KEYS:
+        return None
+    target, note = FOREIGN_KEYS[key]
+    if target is None:
+        return f"not supported here: {note}"
+    if target == f"{section}.{key}":
+        return None  # it IS a key of this section; the caller's section must be a different one
+    return f"this project's key is {target}" + (f" ({note})" if note else "")
+
+
+def unknown_key_message(section: str, key: str, valid: Sequence[str],
+                        other_sections: Optional[Mapping[str, Sequence[str]]] = None) -> str:
+    """``"<section>.<key>: unknown key (<hint>)"``; the hint names this project's key for a verl /
+    Megatron-LM name, the section that holds ``key``, or the nearest valid key of ``section``."""
+    where = f"{section}.{key}" if section else key
+    hint = _foreign(section, key)
+    if hint is None and other_sections:
+        homes = [s for s, names in other_sections.items() if s != section and key in names]
+        if homes:
+            hint = "it belongs to " + " / ".join(f"{s}.{key}" for s in homes)
+    if hint is None:
+        near = difflib.get_close_matches(key, list(valid), n=1)
+        if near:
+            hint = f"did you mean {near[0]!r}?"
+    if hint is None:
+        hint = f"valid keys: {', '.join(valid)}"
+    return f"{where}: unknown key ({hint})"
