@@ -161,9 +161,10 @@ def test_token_id_prompts(tok, tmp_path):
 @pytest.mark.parametrize("content,needle", [
     ('{"prompt": "x", "answer": 1}\n{"prompt": \n', ":2: not valid JSON"),
     ('[1, 2]\n', ":1: expected a JSON object"),
-    ('{"question": "x", "answer": 1}\n', "record 0: no data.prompt_key='prompt'"),
-    ('{"prompt": "x"}\n', "record 0: no data.answer_key='answer'"),
-    ('{"prompt": "", "answer": 1}\n', "record 0: 'prompt' is empty"),
+    ('{"question": "x", "answer": 1}\n', r"no usable rows \(1 malformed: row 0 \(line 1\): no data.prompt_key='prompt'"),
+    ('{"prompt": "x"}\n', r"row 0 \(line 1\): no ground truth: neither reward_model.ground_truth nor "
+                          "data.answer_key='answer'"),
+    ('{"prompt": "", "answer": 1}\n', r"row 0 \(line 1\): 'prompt' is empty"),
     ('{"prompt": [1, 999], "answer": 1}\n', "token ids < 21"),
     ('\n', "has no records"),
 ])

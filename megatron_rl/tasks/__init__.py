@@ -3,8 +3,13 @@
 * ``base``: ``Task`` (``sample(n, rng)``, ``reward(prompt, response_ids)``) and ``Prompt``.
 * ``synthetic``: built-in digit tasks ``copy`` / ``reverse`` / ``sort`` / ``add`` (rewards in [0, 1]).
 * ``char_tokenizer``: the tiny char-level tokenizer and ``build_task_model`` (tiny Qwen2 + tokenizer).
-* ``datasets``: ``FileTask`` over JSONL / Parquet prompt files.
-* ``reward_fn``: ``load_reward_fn("module:function")``.
+* ``datasets``: ``FileTask`` over JSONL / Parquet prompt files (verl's RL format or prompt/answer rows);
+  ``rows`` parses and checks rows, ``render`` applies the chat template and the prompt length limit.
+* ``rewards``: ``math_reward`` (math-verify) and verl's ``default_compute_score`` dispatch on data_source.
+* ``reward_fn``: reward specs (``"math"``, ``"exact"``, ``"module:function"``) and ``compute_reward``.
+* ``reward_pool``: rewards in worker processes with a per-sample timeout.
+* ``options``: ``DataOptions`` (chat template arguments, prompt length, reward workers).
+* ``chat_model``: a tiny chat model + tokenizer with a chat template (the math CPU config's model).
 
 ``build_task(task, tokenizer, ...)`` maps the ``data:`` config section onto one of these.
 
@@ -25,15 +30,18 @@ from megatron_rl.tasks.char_tokenizer import (
     task_model_config,
 )
 from megatron_rl.tasks.datasets import FileTask, load_records
-from megatron_rl.tasks.reward_fn import RewardFunction, load_reward_fn
+from megatron_rl.tasks.options import DataOptions
+from megatron_rl.tasks.reward_fn import RewardFunction, check_reward_spec, compute_reward, load_reward_fn
+from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
+from megatron_rl.tasks.rewards import default_compute_score, extract_answer, math_reward
 from megatron_rl.tasks.synthetic import DIGIT_TASKS, DigitTask
 
 
 class RewardOverrideTask(Task):
-    """A task whose prompts come from ``inner`` and whose reward is a ``module:function`` reward of
-    ``(prompt.text, decoded response, prompt.answer)``."""
+    """A task whose prompts come from ``inner`` and whose reward is ``reward_fn`` ("math", "exact" or a
+    ``module:function`` reward) of ``(prompt.text, decoded response, prompt.answer)``."""
 
-    def __init__(self, inner: Task, reward_fn: RewardFunction):
+    def __init__(self, inner: Task, reward_fn: RewardFunction | str):
         self.name = inner.name
         super().__init__(inner.tokenizer)
         self.inner, self.reward_fn = inner, reward_fn
@@ -45,23 +53,30 @@ class RewardOverrideTask(Task):
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """The override reward of the decoded response."""
         text, _ = response_text(self.tokenizer, response_ids)
+        if isinstance(self.reward_fn, str):
+            return compute_reward(self.reward_fn, prompt.text, text, prompt.answer)
         return self.reward_fn(prompt.text, text, prompt.answer)
 
 
 def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = "prompt",
                answer_key: str = "answer", reward_fn: str | None = None,
-               task_kwargs: Mapping[str, Any] | None = None) -> Task:
+               task_kwargs: Mapping[str, Any] | None = None, options: DataOptions | None = None) -> Task:
     """The ``Task`` for the ``data:`` config section: a built-in digit task (``task`` in ``DIGIT_TASKS``,
-    options in ``task_kwargs``) or ``task="file"`` reading ``path``. ``reward_fn`` ("module:function")
-    replaces the built-in reward. Errors name the config key."""
+    options in ``task_kwargs``) or ``task="file"`` reading ``path`` (with ``options``, see
+    ``DataOptions``). ``reward_fn`` ("math", "exact" or "module:function") replaces the default reward.
+    Errors name the config key."""
     task_kwargs = dict(task_kwargs or {})
-    fn = load_reward_fn(reward_fn) if reward_fn is not None else None
+    check_reward_spec(reward_fn)
     if task == "file":
         if path is None:
             raise ValueError("data.task='file' needs data.path (a .jsonl or .parquet file)")
         if task_kwargs:
             raise ValueError(f"data.task_kwargs={task_kwargs!r} is not used by data.task='file'")
-        return FileTask(path, tokenizer, prompt_key=prompt_key, answer_key=answer_key, reward_fn=fn)
+        return FileTask(path, tokenizer, prompt_key=prompt_key, answer_key=answer_key, reward_fn=reward_fn,
+                        options=options)
+    fn = None
+    if reward_fn is not None:
+        fn = reward_fn if ":" not in reward_fn else load_reward_fn(reward_fn)
     if task in DIGIT_TASKS:
         allowed = {"min_digits", "max_digits", "partial_credit"}
         unknown = sorted(set(task_kwargs) - allowed)
@@ -74,7 +89,8 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
 
 
 __all__ = [
-    "DIGIT_TASKS", "DigitTask", "FileTask", "Prompt", "RewardFunction", "RewardOverrideTask", "Task",
-    "build_char_tokenizer", "build_task", "build_task_model", "ensure_task_model", "load_records", "load_reward_fn",
-    "response_text", "split_at_eos", "task_model_config",
+    "DIGIT_TASKS", "DataOptions", "DigitTask", "FileTask", "Prompt", "RewardFunction", "RewardJob",
+    "RewardOverrideTask", "RewardPool", "RewardResult", "Task", "build_char_tokenizer", "build_task",
+    "build_task_model", "compute_reward", "default_compute_score", "ensure_task_model", "extract_answer",
+    "load_records", "load_reward_fn", "math_reward", "response_text", "split_at_eos", "task_model_config",
 ]

@@ -3,18 +3,24 @@
 A task owns a tokenizer (``transformers.PreTrainedTokenizerFast``); ``sample(n, rng)`` draws ``n`` prompts
 (``Prompt(prompt_ids, answer, text)``) with a ``random.Random``, and ``reward(prompt, response_ids)`` scores a
 generated response (token ids as the engine returned them, possibly ending in EOS) as a float.
+``score(prompts, responses)`` scores a step's batch and never raises for one sample's failure (reward
+0.0, counted in the ``RewardResult``); ``configure(options)`` applies ``DataOptions`` and ``stats()``
+reports dataset counts (malformed rows, filtered prompts) — no-ops for the built-in tasks.
 
 Usage::
 
     prompts = task.sample(8, random.Random(0))
     r = task.reward(prompts[0], rollout.response_ids)
+    result = task.score(prompts, [r.response_ids for r in rollouts])   # .rewards, .failed, .timed_out
 """
 from __future__ import annotations
 
 import abc
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Dict, Optional, Sequence
+
+from megatron_rl.tasks.reward_pool import RewardResult
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,10 @@ class Prompt:
     answer: Any
     #: The prompt as text (what a ``module:function`` reward receives as ``prompt_text``).
     text: str
+    #: verl's ``data_source`` of the row (selects the reward by default), or None.
+    data_source: Optional[str] = None
+    #: verl's ``extra_info`` of the row, or None.
+    extra_info: Any = None
 
 
 def split_at_eos(response_ids: Sequence[int], eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -85,3 +95,25 @@ class Task(abc.ABC):
         if len(prompts) != len(responses):
             raise ValueError(f"task {self.name!r}: {len(prompts)} prompts but {len(responses)} responses")
         return [float(self.reward(p, r)) for p, r in zip(prompts, responses)]
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> RewardResult:
+        """``reward`` for each pair in this process; a sample whose reward raises gets 0.0 and is counted
+        as failed (file tasks override this with parallel workers and a timeout)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"task {self.name!r}: {len(prompts)} prompts but {len(responses)} responses")
+        result = RewardResult(rewards=[0.0] * len(prompts))
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            try:
+                result.rewards[i] = float(self.reward(p, r))
+            except Exception as e:  # noqa: BLE001 - counted, never crashes the step
+                result.failed += 1
+                if len(result.errors) < 5:
+                    result.errors.append(f"sample {i}: {type(e).__name__}: {e}")
+        return result
+
+    def configure(self, options) -> None:
+        """Apply ``DataOptions`` (file tasks); the built-in tasks have none."""
+
+    def stats(self) -> Dict[str, float]:
+        """Dataset counts for the step metrics (file tasks: rows, malformed rows, filtered prompts)."""
+        return {}

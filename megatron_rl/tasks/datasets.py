@@ -1,42 +1,59 @@
-"""Prompt datasets from JSONL or Parquet files, as a ``Task``.
+"""Prompt datasets from JSONL or Parquet files, as a ``Task``: verl's RL format or the simple form.
 
 ``load_records(path)`` reads a ``.jsonl`` file (one JSON object per line; blank lines skipped) or a
 ``.parquet`` file (needs ``pyarrow``; a clear ImportError-style ``ValueError`` names the package otherwise).
-``FileTask`` turns records into prompts: ``record[prompt_key]`` is the prompt — text (encoded with the task's
-tokenizer, ``add_special_tokens=True``) or a list of token ids (decoded for ``Prompt.text``) —
-``record[answer_key]`` the reference answer (any JSON value; ``None`` if the key is absent in a record and
-``answer_required`` is False). Rewards: a ``module:function`` reward (see ``reward_fn``) or, by default, exact
-match of the stripped decoded response with ``str(answer).strip()`` (1.0 / 0.0).
+A line that is not JSON is a broken file (``ValueError`` naming file:line).
 
-Sampling: each ``sample(n, rng)`` call draws ``min(n, N)`` distinct records (``rng.sample``), then, if
+``FileTask`` turns records into prompts (``rows.parse_row``): verl's RL format (``data_source``,
+``prompt`` as chat messages, ``reward_model: {style, ground_truth}``, ``extra_info``), or the simple form
+``{prompt_key: text | token ids, answer_key: answer}``. Rows that cannot become prompts (missing or empty
+prompt, missing ground truth, wrong types) are skipped, counted (``stats()["data/malformed_rows"]``) and
+reported once with their row numbers; a file with no usable row raises ``ValueError``. Chat prompts go
+through the tokenizer's chat template, text stays plain (``render``); ``DataOptions.max_prompt_length``
+filters or truncates (counted).
+
+Rewards (``score``: in ``DataOptions.reward_workers`` worker processes, each sample under
+``reward_timeout_s``; failures and timeouts are 0.0 and counted): ``reward_fn`` = ``"math"`` /
+``"exact"`` / ``"module:function"`` for every row, or by default verl's dispatch on the row's
+``data_source`` (``rewards.default_compute_score``) and exact match for rows without one.
+
+Sampling: each ``sample(n, rng)`` call draws ``min(n, N)`` distinct prompts (``rng.sample``), then, if
 ``n > N``, the rest with replacement — deterministic given ``rng``'s state.
 
 Usage::
 
-    task = FileTask("prompts.jsonl", tokenizer, prompt_key="question", answer_key="answer",
-                    reward_fn="my_rewards:exact")
+    task = FileTask("gsm8k/train.parquet", tokenizer, reward_fn="math",
+                    options=DataOptions(max_prompt_length=512, chat_template_kwargs={"enable_thinking": False}))
 """
 from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
 from megatron_rl.jsonl import read_json_objects
-from megatron_rl.tasks.reward_fn import RewardFunction, load_reward_fn
+from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
+from megatron_rl.tasks.options import DataOptions
+from megatron_rl.tasks.render import fit_length, has_chat_template, render_prompt
+from megatron_rl.tasks.reward_fn import SOURCE, RewardFunction, check_reward_spec, compute_reward
+from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
+from megatron_rl.tasks.rewards import reward_name_for_source
+from megatron_rl.tasks.rows import CHAT, MalformedRow, Row, parse_row
+
+#: How many malformed rows the load-time report lists.
+REPORT_ROWS = 20
 
 
-def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a ``.jsonl`` / ``.json`` (JSON lines) or ``.parquet`` file, as dicts."""
+def read_records(path: str | os.PathLike) -> List[Tuple[Optional[int], Dict[str, Any]]]:
+    """``(line number or None, record)`` of every record of a JSONL or Parquet file (see module docstring)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data.path={str(path)!r} does not exist or is not a file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        records = [rec for _, rec in read_json_objects(p, where=f"data.path={str(path)!r}")]
-        return records
+        return list(read_json_objects(p, where=f"data.path={str(path)!r}"))
     if suffix in (".parquet", ".pq"):
         try:
             import pyarrow.parquet as pq
@@ -44,14 +61,24 @@ def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
             raise ValueError(f"data.path={str(path)!r}: reading Parquet needs the 'pyarrow' package, which is "
                              "not installed (pip install pyarrow), or convert the file to JSONL") from e
         try:
-            return pq.read_table(str(p)).to_pylist()
+            return [(None, rec) for rec in pq.read_table(str(p)).to_pylist()]
         except Exception as e:
             raise ValueError(f"data.path={str(path)!r}: cannot read Parquet: {type(e).__name__}: {e}") from e
     raise ValueError(f"data.path={str(path)!r}: unsupported extension {suffix!r}; use .jsonl or .parquet")
 
 
+def load_records(path: str | os.PathLike) -> List[Dict[str, Any]]:
+    """All records of a ``.jsonl`` / ``.json`` (JSON lines) or ``.parquet`` file, as dicts."""
+    return [rec for _, rec in read_records(path)]
+
+
+def row_label(index: int, line: Optional[int]) -> str:
+    """``"row 3"`` or ``"row 3 (line 5)"`` for JSONL files."""
+    return f"row {index}" + (f" (line {line})" if line is not None else "")
+
+
 def exact_match_reward(prompt_text: str, response_text: str, answer: Any) -> float:
-    """Default file-task reward: 1.0 if the stripped response equals ``str(answer).strip()``, else 0.0."""
+    """Exact match: 1.0 if the stripped response equals ``str(answer).strip()``, else 0.0."""
     return 1.0 if response_text.strip() == str(answer).strip() else 0.0
 
 
@@ -59,40 +86,110 @@ class FileTask(Task):
     """Prompts from a JSONL / Parquet file (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, tokenizer, prompt_key: str = "prompt", answer_key: str = "answer",
-                 reward_fn: str | RewardFunction | None = None, answer_required: bool = True):
-        """Load and validate every record now (errors name the file, the record index and the key)."""
+                 reward_fn: str | RewardFunction | None = None, answer_required: bool = True,
+                 options: Optional[DataOptions] = None, report=sys.stderr):
+        """Load and check every record now; malformed rows are skipped and reported to ``report`` (a text
+        stream, or None) with their row numbers. Configuration errors (no usable row, a chat prompt with a
+        tokenizer without a chat template, a data_source without a reward) raise ``ValueError`` naming the
+        file, the row and the key."""
         self.name = Path(path).name
         super().__init__(tokenizer)
         self.path = str(path)
-        if isinstance(reward_fn, str):
-            reward_fn = load_reward_fn(reward_fn)
-        self.reward_fn = reward_fn
-        records = load_records(path)
+        self.report = report
+        spec = reward_fn.spec if isinstance(reward_fn, RewardFunction) else reward_fn
+        self.reward_spec = check_reward_spec(spec)
+        records = read_records(path)
         if not records:
             raise ValueError(f"data.path={self.path!r} has no records")
         vocab = len(tokenizer)
-        self.prompts: list[Prompt] = []
-        for i, rec in enumerate(records):
-            if prompt_key not in rec:
-                raise ValueError(f"data.path={self.path!r} record {i}: no data.prompt_key={prompt_key!r} "
-                                 f"(keys: {sorted(rec)[:10]})")
-            if answer_required and answer_key not in rec:
-                raise ValueError(f"data.path={self.path!r} record {i}: no data.answer_key={answer_key!r} "
-                                 f"(keys: {sorted(rec)[:10]})")
-            raw = rec[prompt_key]
-            if isinstance(raw, str):
-                if not raw:
-                    raise ValueError(f"data.path={self.path!r} record {i}: {prompt_key!r} is empty")
-                ids = list(tokenizer.encode(raw, add_special_tokens=True))
-                text = raw
-            elif isinstance(raw, (list, tuple)) and raw and all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in raw):
-                ids = [int(t) for t in raw]
-                text = tokenizer.decode(ids)
-            else:
-                raise ValueError(f"data.path={self.path!r} record {i}: {prompt_key!r} must be a non-empty string "
-                                 f"or a non-empty list of token ids < {vocab}, got {str(raw)[:60]!r}")
-            self.prompts.append(Prompt(prompt_ids=ids, answer=rec.get(answer_key), text=text))
+        self.rows: List[Row] = []
+        self.row_lines: Dict[int, Optional[int]] = {}
+        #: ``(row label, reason)`` of every malformed row (load time and rendering).
+        self.malformed: List[Tuple[str, str]] = []
+        for i, (line, rec) in enumerate(records):
+            try:
+                row = parse_row(rec, i, prompt_key, answer_key, vocab, answer_required)
+            except MalformedRow as e:
+                self.malformed.append((row_label(i, line), str(e)))
+                continue
+            self.rows.append(row)
+            self.row_lines[i] = line
+        if not self.rows:
+            listed = "; ".join(f"{lab}: {why}" for lab, why in self.malformed[:5])
+            raise ValueError(f"data.path={self.path!r}: no usable rows ({len(self.malformed)} malformed: {listed})")
+        chat = [r for r in self.rows if r.kind == CHAT]
+        if chat and not has_chat_template(tokenizer):
+            raise ValueError(f"data.path={self.path!r} {row_label(chat[0].index, self.row_lines[chat[0].index])}: "
+                             "the prompt is a list of chat messages but the tokenizer (actor.load_hf) has no "
+                             "chat_template")
+        if self.reward_spec is None:
+            for r in self.rows:
+                if r.data_source is not None and reward_name_for_source(r.data_source) is None:
+                    raise ValueError(f"data.path={self.path!r} {row_label(r.index, self.row_lines[r.index])}: "
+                                     f"data_source={r.data_source!r} has no built-in reward; set "
+                                     "data.reward_fn to 'math', 'exact' or 'module:function'")
+        self.options: Optional[DataOptions] = None
+        self.pool: Optional[RewardPool] = None
+        self.prompts: List[Prompt] = []
+        self.filtered = self.truncated = 0
+        self.configure(options or DataOptions())
+        self._report_malformed()
+
+    def configure(self, options: DataOptions) -> None:
+        """Render the prompts with ``options`` (chat template arguments, length limit) and set up the
+        reward workers; nothing happens when the options did not change."""
+        if options == self.options:
+            return
+        old = self.options
+        if old is None or (old.chat_template_kwargs, old.max_prompt_length, old.overlong_prompts) != \
+                (options.chat_template_kwargs, options.max_prompt_length, options.overlong_prompts):
+            self._render(options)
+        if old is None or (old.reward_workers, old.reward_timeout_s) != (options.reward_workers,
+                                                                          options.reward_timeout_s):
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = RewardPool(options.reward_workers, options.reward_timeout_s)
+        self.options = options
+
+    def _render(self, options: DataOptions) -> None:
+        prompts, filtered, truncated = [], 0, 0
+        self.malformed = [m for m in self.malformed if not m[1].startswith("chat template failed")]
+        for row in self.rows:
+            label = row_label(row.index, self.row_lines[row.index])
+            try:
+                ids, text = render_prompt(self.tokenizer, row, options.chat_template_kwargs)
+            except Exception as e:  # noqa: BLE001 - a row the template rejects is malformed, not fatal
+                self.malformed.append((label, f"chat template failed: {type(e).__name__}: {e}"))
+                continue
+            ids, cut = fit_length(ids, options.max_prompt_length, options.overlong_prompts)
+            if ids is None:
+                filtered += 1
+                continue
+            truncated += int(cut)
+            if not ids:
+                self.malformed.append((label, "the prompt renders to no tokens"))
+                continue
+            prompts.append(Prompt(prompt_ids=ids, answer=row.ground_truth, text=text,
+                                  data_source=row.data_source, extra_info=row.extra_info))
+        if not prompts:
+            raise ValueError(f"data.path={self.path!r}: no prompt left after data.max_prompt_length="
+                             f"{options.max_prompt_length} ({filtered} filtered, {len(self.malformed)} malformed)")
+        self.prompts, self.filtered, self.truncated = prompts, filtered, truncated
+
+    def _report_malformed(self) -> None:
+        if not self.malformed or self.report is None:
+            return
+        listed = "\n".join(f"  {lab}: {why}" for lab, why in self.malformed[:REPORT_ROWS])
+        more = len(self.malformed) - REPORT_ROWS
+        print(f"[megatron-rl] data.path={self.path!r}: skipped {len(self.malformed)} malformed row(s) of "
+              f"{len(self.rows) + len(self.malformed)}:\n{listed}" + (f"\n  ... and {more} more" if more > 0 else ""),
+              file=self.report, flush=True)
+
+    def stats(self) -> Dict[str, float]:
+        """``data/rows`` (usable prompts), ``data/malformed_rows``, ``data/prompts_filtered``,
+        ``data/prompts_truncated``."""
+        return {"data/rows": float(len(self.prompts)), "data/malformed_rows": float(len(self.malformed)),
+                "data/prompts_filtered": float(self.filtered), "data/prompts_truncated": float(self.truncated)}
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -106,8 +203,32 @@ class FileTask(Task):
         idx += [rng.randrange(len(self.prompts)) for _ in range(n - len(idx))]
         return [self.prompts[i] for i in idx]
 
-    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
-        """The configured reward function (or exact match) of the decoded response."""
+    def spec_for(self, prompt: Prompt) -> str:
+        """The reward spec of ``prompt``: ``reward_fn``, else the data_source dispatch, else exact match."""
+        if self.reward_spec is not None:
+            return self.reward_spec
+        return SOURCE if prompt.data_source is not None else "exact"
+
+    def job(self, prompt: Prompt, response_ids: Sequence[int]) -> RewardJob:
+        """The ``RewardJob`` of one response (decoded up to EOS, special tokens skipped)."""
         text, _ = response_text(self.tokenizer, response_ids)
-        fn = self.reward_fn or exact_match_reward
-        return float(fn(prompt.text, text, prompt.answer))
+        kwargs = dict(self.options.reward_kwargs) if self.options is not None else {}
+        return RewardJob(self.spec_for(prompt), prompt.text, text, prompt.answer, prompt.data_source,
+                         prompt.extra_info, kwargs)
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
+        """One response's reward, in this process (no timeout; ``score`` is the step's path)."""
+        j = self.job(prompt, response_ids)
+        return compute_reward(j.spec, j.prompt_text, j.response_text, j.ground_truth, j.data_source,
+                              j.extra_info, j.kwargs)
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> RewardResult:
+        """The step's rewards in the worker pool (per-sample timeout; failures 0.0 and counted)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"task {self.name!r}: {len(prompts)} prompts but {len(responses)} responses")
+        return self.pool.score([self.job(p, r) for p, r in zip(prompts, responses)])
+
+    def close(self) -> None:
+        """Stop the reward workers."""
+        if self.pool is not None:
+            self.pool.close()

@@ -1,0 +1,195 @@
+"""Verifiable rewards for reasoning datasets: the ``math`` reward (checked with math-verify) and the
+dispatch by ``data_source`` that verl's ``default_compute_score`` does.
+
+``math_reward(response_text, ground_truth)`` extracts the response's final answer with the first extractor
+of ``extract`` that finds one —
+
+* ``"boxed"``: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces allowed;
+* ``"hash"``: after the last ``####``, the number it starts with (``#### $18 dollars`` -> ``18``, as verl's
+  GSM8K scorer reads it), else the text up to the end of its line (GSM8K's convention);
+* ``"last_number"``: the last number of the text (``-3``, ``1,234.5``, ``3/4``);
+
+— and compares it with the ground truth using math-verify (``parse`` + ``verify``: ``1/2`` == ``0.5`` ==
+``\\frac{1}{2}``, ``5\\text{ cm}`` == ``5``, ``1,000`` == ``1000``). 1.0 when equivalent, else 0.0 (no
+answer found: 0.0). math-verify is an optional extra (``pip install 'megatron-rl[math]'``); calling the
+math reward without it raises an ``ImportError`` that says so. math-verify's own signal-based timeouts are
+off here (they fail outside the main thread): the reward pool (``reward_pool``) bounds every call instead.
+
+``default_compute_score(data_source, solution_str, ground_truth, extra_info)`` — verl's signature — maps a
+row's ``data_source`` onto a built-in reward (``SOURCE_REWARDS``; GSM8K / MATH / other math sources ->
+``math``); an unknown source raises ``ValueError`` naming it.
+
+Usage::
+
+    math_reward("... so the answer is \\boxed{\\frac{1}{2}}", "0.5")           # -> 1.0
+    math_reward("#### 72", "72", extract=("hash",))                          # -> 1.0
+    default_compute_score("openai/gsm8k", "... #### 72", "72")                # -> 1.0
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Optional, Sequence
+
+#: The answer extractors ``math_reward`` knows, in their default order.
+EXTRACTORS = ("boxed", "hash", "last_number")
+
+#: ``data_source`` -> built-in reward name (what ``default_compute_score`` dispatches on). Sources that
+#: start with one of ``SOURCE_PREFIXES``' keys map to its value.
+SOURCE_REWARDS = {
+    "openai/gsm8k": "math",
+    "gsm8k": "math",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "math": "math",
+    "math_dapo": "math",
+    "BytedTsinghua-SIA/DAPO-Math-17k": "math",
+    "AI-MO/aimo-validation-aime": "math",
+    "numina_aops_forum": "math",
+    "numina_synthetic_math": "math",
+    "numina_amc_aime": "math",
+    "numina_olympiads": "math",
+    "numina_cn_k12": "math",
+    "megatron_rl/arith_tiny": "math",
+}
+#: Prefix rules of the dispatch (checked after the exact names).
+SOURCE_PREFIXES = {"numina_": "math", "aime": "math", "math": "math"}
+
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?")
+_HASH_NUMBER = re.compile(r"\s*(?:\\?\$)?\s*(" + _NUMBER.pattern + r")(?![\w^{}\\])")
+_THOUSANDS = re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])")
+
+
+def _last_braced(text: str, command: str) -> Optional[str]:
+    """The content of the last ``\\command{...}`` in ``text`` (balanced braces), or None."""
+    start = text.rfind("\\" + command)
+    while start >= 0:
+        i = start + len(command) + 1
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth, j = 0, i
+            while j < len(text):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1:j]
+                j += 1
+        start = text.rfind("\\" + command, 0, start)
+    return None
+
+
+def extract_answer(text: str, extract: Sequence[str] = EXTRACTORS) -> Optional[str]:
+    """The final answer of ``text`` by the first extractor of ``extract`` that finds one (see the module
+    docstring), stripped; None when none does. Unknown extractor names raise ``ValueError``."""
+    if isinstance(extract, str):
+        extract = (extract,)
+    for name in extract:
+        if name not in EXTRACTORS:
+            raise ValueError(f"math reward: extract={list(extract)!r}: unknown extractor {name!r}; "
+                             f"use some of {list(EXTRACTORS)}")
+    for name in extract:
+        if name == "boxed":
+            found = _last_braced(text, "boxed")
+            if found is None:
+                found = _last_braced(text, "fbox")
+        elif name == "hash":
+            k = text.rfind("####")
+            found = text[k + 4:].split("\n", 1)[0] if k >= 0 else None
+            lead = _HASH_NUMBER.match(found) if found is not None else None
+            if lead:  # "#### $18 dollars" -> "18", as verl's GSM8K scorer reads it
+                found = lead.group(1)
+        else:
+            numbers = _NUMBER.findall(text)
+            found = numbers[-1] if numbers else None
+        if found is not None and found.strip():
+            return found.strip()
+    return None
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError as e:
+        raise ImportError("the math reward (data.reward_fn: math, or a math data_source) needs the "
+                          "'math-verify' package: pip install 'megatron-rl[math]' (or pip install "
+                          "math-verify)") from e
+    # its "timeout is disabled" warning: intended here (the reward pool bounds each call)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return math_verify
+
+
+def _parse(mv, answer: str):
+    """math-verify's parse of one answer string, read as the content of a ``\\boxed{}``."""
+    answer = _THOUSANDS.sub(lambda m: m.group(1).replace(",", ""), answer.strip())
+    if "\\boxed" not in answer:
+        answer = "\\boxed{" + answer + "}"
+    configs = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+    return mv.parse(answer, configs, parsing_timeout=None)
+
+
+def math_reward(response_text: str, ground_truth: Any, extract: Sequence[str] = EXTRACTORS,
+                correct: float = 1.0, incorrect: float = 0.0) -> float:
+    """``correct`` if the final answer of ``response_text`` (see ``extract_answer``) is mathematically
+    equivalent to ``ground_truth`` by math-verify, else ``incorrect``. ``ground_truth`` may be a string, a
+    number, or a list of acceptable answers (any match counts)."""
+    mv = _math_verify()
+    answer = extract_answer(str(response_text), extract)
+    if answer is None:
+        return float(incorrect)
+    golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+    pred = _parse(mv, answer)
+    if not pred:
+        return float(incorrect)
+    for gold in golds:
+        g = _parse(mv, str(gold))
+        if g and mv.verify(g, pred, timeout_seconds=None):
+            return float(correct)
+    return float(incorrect)
+
+
+def exact_match(response_text: str, ground_truth: Any) -> float:
+    """1.0 if the stripped response equals ``str(ground_truth).strip()``, else 0.0."""
+    return 1.0 if str(response_text).strip() == str(ground_truth).strip() else 0.0
+
+
+#: Built-in reward names (``data.reward_fn``) -> functions of ``(response_text, ground_truth, **kwargs)``.
+BUILTIN_REWARDS = {"math": math_reward, "exact": exact_match}
+
+
+def reward_name_for_source(data_source: Optional[str]) -> Optional[str]:
+    """The built-in reward name for ``data_source`` (``SOURCE_REWARDS`` then ``SOURCE_PREFIXES``), or None."""
+    if not data_source:
+        return None
+    if data_source in SOURCE_REWARDS:
+        return SOURCE_REWARDS[data_source]
+    low = data_source.lower()
+    for prefix, name in SOURCE_PREFIXES.items():
+        if low.startswith(prefix):
+            return name
+    return None
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
+                          **kwargs) -> float:
+    """verl's ``default_compute_score``: the built-in reward for ``data_source`` applied to ``solution_str``;
+    ``kwargs`` go to that reward (e.g. ``extract=("hash",)``). Unknown sources raise ``ValueError``."""
+    name = reward_name_for_source(data_source)
+    if name is None:
+        raise ValueError(f"data_source={data_source!r} has no built-in reward (known: {sorted(SOURCE_REWARDS)} "
+                         f"and prefixes {sorted(SOURCE_PREFIXES)}); set data.reward_fn to 'math' or "
+                         "'module:function'")
+    return float(BUILTIN_REWARDS[name](solution_str, ground_truth, **kwargs))
+
+
+def warmup() -> None:
+    """Import math-verify and parse one expression (its LaTeX parser builds lazily; reward workers call
+    this before their first timed job). Does nothing when math-verify is not installed."""
+    try:
+        mv = _math_verify()
+    except ImportError:
+        return
+    mv.verify(_parse(mv, "\\frac{1}{2}"), _parse(mv, "0.5"), timeout_seconds=None)
