@@ -15,6 +15,8 @@ import os
 import sys
 from typing import List, Optional
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from megatron_rl.cli.entry import module_main, register
 
 
@@ -51,6 +53,7 @@ def add_parser(subparsers) -> None:
     register(subparsers, "train", "RL training (run under torchrun / srun)", __doc__, add_arguments, run)
 
 
+@record  # under torchrun, the failing rank's exception becomes the job summary's root cause
 def main(argv: Optional[List[str]] = None) -> int:
     return module_main("python -m megatron_rl.train", __doc__, add_arguments, run, argv)
 

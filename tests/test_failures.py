@@ -126,7 +126,8 @@ def test_checkpoint_write_error_on_one_rank_fails_every_rank(tmp_path, model_dir
     rc, out, end = _torchrun(tmp_path, model_dir, fault="ckpt_write_error:1:2")
     _assert_failed_fast(rc, out, end)
     # every rank raises, and every rank's error names the failing rank and the cause
-    errors = [line for line in out.splitlines() if "CheckpointWriteError" in line and "step 2" in line]
+    errors = [line for line in out.splitlines()
+              if line.startswith("[default") and "CheckpointWriteError" in line and "step 2" in line]
     assert len({line.split(":")[0] for line in errors}) == 2, out[-4000:]   # [default0] and [default1]
     assert all("rank 1: writing" in line and "No space left on device" in line for line in errors), errors
     assert _complete(tmp_path / "run") == [1]                      # step_2 exists but is not COMPLETE

@@ -154,26 +154,31 @@ def train(cfg: JobConfig) -> Dict[str, float]:
     # second MegatronActor whose optimizer is never stepped (memory for tiny / mid-size models only).
     reference = MegatronActor(cfg) if cfg.actor.policy_loss.kl_loss_coef > 0 else None
     rank0 = dist.get_rank() == 0
+    watchdog = Watchdog(dist.get_rank(), cfg.trainer.phase_timeout_s)
     task = engine = tokenizer = server = None
     setup_error = None
-    if rank0:  # a failure here is shared, so the other ranks raise too instead of waiting in a collective
-        try:
-            task, tokenizer = build_task(cfg)
-            engine, server = build_engine(cfg)
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            setup_error = RuntimeError(f"rank 0 could not set up the task / rollout engine: "
-                                       f"{type(exc).__name__}: {exc}")
-    setup_error = share_from_rank0(setup_error)
+    with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
+        if rank0:  # a failure here is shared, so the other ranks raise too instead of waiting in a collective
+            try:
+                task, tokenizer = build_task(cfg)
+                engine, server = build_engine(cfg)
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                setup_error = RuntimeError(f"rank 0 could not set up the task / rollout engine: "
+                                           f"{type(exc).__name__}: {exc}")
+        setup_error = share_from_rank0(setup_error)
     if setup_error is not None:
+        watchdog.close()
         raise setup_error
     try:
-        return _train_loop(cfg, actor, reference, task, engine, tokenizer, rank0)
+        return _train_loop(cfg, actor, reference, task, engine, tokenizer, rank0, watchdog)
     finally:
+        watchdog.close()
         if server is not None:
             server.terminate()
 
 
-def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0: bool) -> Dict[str, float]:
+def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0: bool,
+                watchdog: Watchdog) -> Dict[str, float]:
     from megatron_rl.actor import RolloutBatch
     from megatron_rl.algo.advantages import compute_advantages
     from megatron_rl.correction import compute_rollout_correction
@@ -191,7 +196,6 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                         tensorboard=cfg.trainer.tensorboard, wandb=cfg.trainer.wandb,
                         wandb_project=cfg.trainer.wandb_project, config=cfg.to_dict(), resume=start > 0)
     tc = cfg.trainer
-    watchdog = Watchdog(dist.get_rank(), tc.phase_timeout_s)
     version = f"step-{start}"
     with watchdog.phase("weight_sync", start):
         sync_weights(actor, engine, cfg, version, rank0)
@@ -282,8 +286,8 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                 break
     finally:
         stop.restore()
-        watchdog.close()
-        sinks.close()
+        with watchdog.phase("metrics_close", step):  # a W&B / TensorBoard flush must not hang the exit
+            sinks.close()
     return metrics
 
 
