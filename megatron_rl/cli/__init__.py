@@ -4,6 +4,7 @@
     megatron-rl score   --config X.yaml --rollouts R.jsonl --out S.jsonl    (under torchrun / srun)
     megatron-rl check   X.yaml --nodes N --gpus-per-node G --gpu-memory-gb M
     megatron-rl report  RUN_DIR
+    megatron-rl data inspect PATH --tokenizer DIR [-n 3]
     megatron-rl convert hf-to-mcore --hf-dir D --out O --tensor-model-parallel-size T ...
     megatron-rl convert mcore-to-hf --mcore-dir O --out D2
 
@@ -24,6 +25,7 @@ _SUBCOMMANDS = {
     "score": "megatron_rl.score",
     "check": "megatron_rl.cli.check",
     "report": "megatron_rl.cli.report",
+    "data": "megatron_rl.cli.data",
 }
 
 

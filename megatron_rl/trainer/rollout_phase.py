@@ -5,17 +5,27 @@ the heavy lifting). Prompt sampling and embedded generation are seeded by (train
 resumed run draws exactly what the uninterrupted run drew, with no generator state to checkpoint.
 SGLang samples server-side without a per-request seed, so with it a resumed run draws the same prompts
 but different responses.
+
+Before sampling, the task gets the ``data:`` section's ``DataOptions`` (chat template arguments, prompt
+length limit, reward workers; a no-op when unchanged). Rewards come from ``task.score`` (file tasks:
+worker processes with a per-sample timeout; a failing or timed-out sample scores 0 and is counted, the
+step goes on). A response that hit ``max_new_tokens`` (finish reason "length") is flagged ``truncated``;
+with ``data.overlong_buffer_len`` > 0 DAPO's soft overlong penalty is added to its reward. The payload's
+``metrics`` hold the data / reward / length counts of the step (``data/*``, ``reward/failed``,
+``reward/timed_out``, ``response/truncated_frac``, ...).
 """
 from __future__ import annotations
 
 import inspect
 import random
-from dataclasses import dataclass
-from typing import List, Optional
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
 from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.tasks.options import DataOptions
 
 
 @dataclass
@@ -27,6 +37,13 @@ class StepRollouts:
     rollout_log_probs: List[List[float]]
     rewards: List[float]
     weight_version: str
+    #: Per row: the response hit max_new_tokens (finish reason "length").
+    truncated: List[bool] = field(default_factory=list)
+    #: The step's data / reward / length metrics (see the module docstring).
+    metrics: Dict[str, float] = field(default_factory=dict)
+    #: Per row, per response token: the weight version (training steps done) that produced it; empty when
+    #: the engine reports only one version per rollout (then every token has ``weight_version``).
+    token_versions: List[List[int]] = field(default_factory=list)
 
 
 def sampling_params(rollout_cfg, eos_ids=()) -> SamplingParams:
@@ -35,11 +52,38 @@ def sampling_params(rollout_cfg, eos_ids=()) -> SamplingParams:
                           max_new_tokens=rollout_cfg.max_new_tokens, stop_token_ids=tuple(eos_ids))
 
 
+def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, buffer_len: int, factor: float) -> List[float]:
+    """DAPO's soft overlong punishment per response: 0 up to ``max_new_tokens - buffer_len`` tokens, then
+    linearly down to ``-factor`` at ``max_new_tokens`` (all zeros when ``buffer_len`` is 0)."""
+    if buffer_len <= 0:
+        return [0.0] * len(lengths)
+    expected = max_new_tokens - buffer_len
+    return [min(0.0, -(n - expected) / buffer_len * factor) for n in lengths]
+
+
+def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties: Sequence[float],
+                 result, task_stats: Dict[str, float]) -> Dict[str, float]:
+    """The data / reward / length metrics of one step."""
+    n = len(rollouts)
+    truncated = sum(r.finish_reason == "length" for r in rollouts)
+    plen = [len(p.prompt_ids) for p in prompt_rows]
+    m = dict(task_stats)
+    m.update({
+        "data/prompt_length_mean": sum(plen) / len(plen), "data/prompt_length_max": float(max(plen)),
+        "reward/failed": float(result.failed), "reward/timed_out": float(result.timed_out),
+        "reward/raw_mean": sum(raw_rewards) / n,
+        "response/truncated_frac": truncated / n, "response/truncated_count": float(truncated),
+        "response/overlong_penalty_mean": sum(penalties) / n,
+    })
+    return m
+
+
 def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRollouts:
     """Rank 0: sample prompts, generate n responses each, score them. Raises RolloutError on failure
     (the step is then not applied) or StaleRolloutError if the engine serves other weights."""
     from megatron_rl.rollout.base import StaleRolloutError
 
+    task.configure(DataOptions.from_config(cfg.data))
     rng = random.Random(cfg.trainer.seed * 1_000_003 + step)
     prompts = task.sample(cfg.data.prompts_per_step, rng)
     n = cfg.rollout.n_samples_per_prompt
@@ -52,11 +96,22 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
         raise StaleRolloutError(f"step {step}: {len(stale)} rollouts from weight version {stale[0]!r}, "
                                 f"expected {expected_version!r}")
     prompt_rows = [prompts[i // n] for i in range(len(rollouts))]
-    rewards = task.rewards(prompt_rows, [r.response_ids for r in rollouts])
+    result = task.score(prompt_rows, [r.response_ids for r in rollouts])
+    if result.failed or result.timed_out:
+        print(f"[megatron-rl] step {step + 1}: {result.failed} reward(s) failed and {result.timed_out} timed out "
+              f"(scored 0); first: {result.errors[0] if result.errors else '-'}", file=sys.stderr, flush=True)
+    d = cfg.data
+    penalties = overlong_penalty([len(r.response_ids) for r in rollouts], cfg.rollout.max_new_tokens,
+                                 d.overlong_buffer_len, d.overlong_penalty_factor)
+    rewards = [float(x) + p for x, p in zip(result.rewards, penalties)]
     return StepRollouts(prompt_ids=[list(p.prompt_ids) for p in prompt_rows],
                         response_ids=[list(r.response_ids) for r in rollouts],
                         rollout_log_probs=[list(r.rollout_log_probs) for r in rollouts],
-                        rewards=[float(x) for x in rewards], weight_version=expected_version)
+                        rewards=rewards, weight_version=expected_version,
+                        truncated=[r.finish_reason == "length" for r in rollouts],
+                        metrics=step_metrics(prompt_rows, rollouts, result.rewards, penalties, result, task.stats()),
+                        token_versions=[list(r.info["token_versions"]) for r in rollouts
+                                        if "token_versions" in r.info])
 
 
 def share_from_rank0(obj: Optional[object]) -> object:
