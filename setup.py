@@ -37,6 +37,8 @@ setup(
         # On CPU machines use tools/install_sglang_cpu.sh instead: this extra pulls ~11 GB of CUDA packages.
         "sglang": ["sglang>=0.5", "requests>=2.28"],
         "parquet": ["pyarrow"],
+        # data.reward_fn: math (and math data_sources): answer equivalence checked with math-verify
+        "math": ["math-verify>=0.9"],
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "report": ["matplotlib"],
@@ -48,6 +50,7 @@ setup(
             "matplotlib",
             "pyarrow",
             "tensorboard",
+            "math-verify>=0.9",
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
