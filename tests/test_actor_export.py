@@ -36,7 +36,7 @@ def models(tmp_path_factory):
 
 
 def _job(hf_dir, tp=1, pp=1, ep=1, **actor):
-    from megatron_rl.convert.model_config import model_config_from_hf
+    from megatron_rl.convert.hf_config import model_config_from_hf
 
     with open(os.path.join(hf_dir, "config.json")) as fh:
         model = dataclasses.asdict(model_config_from_hf(json.load(fh)))

@@ -63,13 +63,12 @@ def _data(vocab, B=8, seed=0):
 
 
 def _model_section(hf_dir):
-    """ModelConfig dict via the converter's HF mapping (megatron_rl.models.hf_config misses the
-    ``num_local_experts`` key newer transformers write for Qwen3-MoE; reported)."""
+    """ModelConfig dict of the HF directory's config.json (the project's one HF config reading)."""
     import dataclasses
     import json
     import os
 
-    from megatron_rl.convert.model_config import model_config_from_hf
+    from megatron_rl.convert.hf_config import model_config_from_hf
 
     with open(os.path.join(hf_dir, "config.json")) as fh:
         return dataclasses.asdict(model_config_from_hf(json.load(fh)))
@@ -90,7 +89,7 @@ def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, mbs=3, vpp=None, **actor)
 
 def _rank_train(rank, world, job, data):
     from megatron_rl.convert import canonical_state_dict
-    from megatron_rl.models.sharding import RankCoords
+    from megatron_rl.convert.partition import RankCoords
 
     batch, old, adv, mask, is_w = data
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
@@ -103,7 +102,7 @@ def _rank_train(rank, world, job, data):
     grads = []
     for i, chunk in enumerate(actor.model):
         named = {n: p.main_grad.detach().clone() for n, p in chunk.module.named_parameters()}
-        grads.append((RankCoords.from_parallel_state(vp_stage=i), canonical_state_dict(named)))
+        grads.append((RankCoords.from_groups(actor.groups, vp_stage=i), canonical_state_dict(named)))
     hf_sd = actor.full_state_dict_hf()
     return {"metrics": metrics, "grads": grads, "hf_sd": hf_sd}
 
@@ -158,7 +157,7 @@ def _reference(hf_dir, data, steps_rows, epochs=1):
 
 def _check(results, ref, job, hf_dir, check_grads=True):
     from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
-    from megatron_rl.models.sharding import unshard_state_dicts
+    from megatron_rl.convert.partition import merge_state_dicts
 
     m = results[0]["metrics"]
     for r in results:
@@ -171,7 +170,9 @@ def _check(results, ref, job, hf_dir, check_grads=True):
         for r in results:
             for coords, g in r["grads"]:
                 shards.setdefault(coords, {}).update(g)
-        grads = unshard_state_dicts(shards, job.model, job.parallel)
+        grads = merge_state_dicts(shards, job.model.num_layers, not job.model.untie_embeddings_and_output_weights,
+                                  job.parallel.tensor_model_parallel_size, job.parallel.etp,
+                                  job.model.num_moe_experts or 0)
         geom, _, _ = read_hf_checkpoint(hf_dir)
         ref_grads = hf_to_mcore(ref["grads"], geom)
         assert sorted(grads) == sorted(ref_grads)

@@ -16,14 +16,16 @@ import megatron.core  # noqa: F401  (import once in the parent: forked ranks sta
 from megatron_rl.convert import CheckpointMismatchError, ShardLayout, convert_hf_to_mcore
 from megatron_rl.convert import storage
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.live import check_model_config_matches, export_model_to_hf, load_checkpoint_into_model
-from megatron_rl.convert.model_config import model_config_from_hf
+from megatron_rl.convert.hf_config import model_config_from_hf
+from megatron_rl.convert.live import (check_model_config_matches, export_model_to_hf, hf_target,
+                                      load_checkpoint_into_model)
 from megatron_rl.testing.distributed import run_ranks
 
 pytest.importorskip("transformers")
 
 
 def _load_export(rank, world, ckpt, assets, out, pcfg_kw, padded_vocab, scale):
+    from megatron_rl.actor.groups import ActorGroups
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
 
@@ -32,13 +34,14 @@ def _load_export(rank, world, ckpt, assets, out, pcfg_kw, padded_vocab, scale):
         mcfg = model_config_from_hf(json.load(f), padded_vocab_size=padded_vocab)
     initialize_model_parallel(pcfg, seed=3, model=mcfg)
     chunks = build_gpt_model(mcfg, pcfg)
-    load_checkpoint_into_model(chunks, ckpt, mcfg)
+    groups = ActorGroups.from_parallel_state(sequence_parallel=pcfg.sequence_parallel)
+    load_checkpoint_into_model(chunks, ckpt, mcfg, groups)
     if scale != 1:
         with torch.no_grad():
             for c in chunks:
                 for p in c.parameters():
                     p.mul_(scale)
-    files = export_model_to_hf(chunks, mcfg, out, assets_dir=assets)
+    files = export_model_to_hf(chunks, mcfg, hf_target(mcfg, assets), out, groups)
     return files
 
 
@@ -92,16 +95,15 @@ def test_load_then_export_round_trip(hf_models, tmp_path, key, src, pcfg, world,
 
 def test_model_config_mismatch_names_fields(hf_models):
     cfg = storage.read_hf_config(hf_models["qwen3_moe"])
-    geom = HFGeometry.from_hf_config(cfg)
     good = model_config_from_hf(cfg)
-    check_model_config_matches(geom, cfg, good)
+    check_model_config_matches(cfg, good)
     bad = model_config_from_hf(dict(cfg, num_hidden_layers=3, moe_intermediate_size=64))
     with pytest.raises(CheckpointMismatchError, match=r"num_layers: checkpoint 2 vs model 3.*moe_ffn_hidden_size"):
-        check_model_config_matches(geom, cfg, bad)
+        check_model_config_matches(cfg, bad)
     from megatron_rl.convert import model_config_for_checkpoint
 
     assert model_config_for_checkpoint(hf_models["qwen3_moe"], 2, 100).vocab_size == 400  # 384 padded to 2*100
     assert model_config_for_checkpoint(hf_models["qwen3_moe"]) == good
     small = model_config_from_hf(dict(cfg, vocab_size=300))
     with pytest.raises(CheckpointMismatchError, match=r"vocab_size: checkpoint 384 > model 300"):
-        check_model_config_matches(geom, cfg, small)
+        check_model_config_matches(cfg, small)

@@ -28,7 +28,7 @@ SEQ, BATCH = 12, 2
 
 
 def _model_config(hf_dir: str, padded_vocab: int):
-    from megatron_rl.convert.model_config import model_config_from_hf
+    from megatron_rl.convert.hf_config import model_config_from_hf
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         return model_config_from_hf(json.load(f), padded_vocab_size=padded_vocab)

@@ -35,7 +35,6 @@ _SAVE_SCRIPT = textwrap.dedent('''
         from megatron_rl.platform.cpu_compat import apply_cpu_patches
         from megatron_rl.models import build_gpt_model
         from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
-        from megatron_rl.convert import model_config_for_checkpoint, load_checkpoint_into_model
 
         apply_cpu_patches()  # covers the dist_checkpointing modules imported above (torch.cuda.synchronize)
         for job in sys.argv[1:]:
@@ -46,6 +45,7 @@ _SAVE_SCRIPT = textwrap.dedent('''
 
     def save(hf, out, tp, ep, div):
         from megatron.core import dist_checkpointing
+        from megatron_rl.actor.groups import ActorGroups
         from megatron_rl.models import build_gpt_model
         from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
         from megatron_rl.convert import model_config_for_checkpoint, load_checkpoint_into_model
@@ -55,7 +55,7 @@ _SAVE_SCRIPT = textwrap.dedent('''
         mc = model_config_for_checkpoint(hf, tp, div)
         initialize_model_parallel(pc, seed=1, model=mc)
         chunks = build_gpt_model(mc, pc)
-        load_checkpoint_into_model(chunks, hf, mc)
+        load_checkpoint_into_model(chunks, hf, mc, ActorGroups.from_parallel_state())
         with torch.no_grad():
             for p in chunks[0].parameters():
                 p.mul_(2)

@@ -18,8 +18,9 @@ from megatron_rl.platform.cpu_compat import apply_cpu_patches
 apply_cpu_patches()
 
 from megatron_rl.models import ModelConfig, ModelConfigError, build_gpt_model, model_config_from_dict  # noqa: E402
-from megatron_rl.models.hf_config import HFConfigError, megatron_to_hf_config, model_config_from_hf  # noqa: E402
-from megatron_rl.models.sharding import RankCoords, param_kind, shard_state_dict, unshard_state_dicts  # noqa: E402
+from megatron_rl.convert.checks import UnsupportedCheckpointError  # noqa: E402
+from megatron_rl.convert.hf_config import megatron_to_hf_config, model_config_from_hf  # noqa: E402
+from megatron_rl.convert.partition import RankCoords, cut_state_dict, merge_state_dicts, param_kind  # noqa: E402
 from megatron_rl.parallel import ParallelConfig, destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_rl.testing.distributed import run_ranks  # noqa: E402
 
@@ -163,13 +164,13 @@ def test_hf_mapping_refuses_unsupported(change, key):
     cfg, _ = _hf_model("llama")
     cfg.update(change)
     cfg.pop("rope_parameters", None) if "rope_scaling" in change else None
-    with pytest.raises(HFConfigError, match=key):
+    with pytest.raises(UnsupportedCheckpointError, match=key):
         model_config_from_hf(cfg)
 
 
 def test_hf_mapping_refuses_small_padded_vocab():
     cfg, _ = _hf_model("qwen2")
-    with pytest.raises(HFConfigError, match="padded_vocab_size"):
+    with pytest.raises(UnsupportedCheckpointError, match="padded_vocab_size"):
         model_config_from_hf(cfg, padded_vocab_size=10)
 
 
@@ -197,6 +198,16 @@ def test_model_config_from_dict_errors_and_pattern():
 
 
 # ----------------------------------------------------------------------------- sharding helpers
+
+
+def shard_state_dict(full, mc, coords):
+    return cut_state_dict(full, coords, mc.num_layers, not mc.untie_embeddings_and_output_weights,
+                          mc.num_moe_experts or 0)
+
+
+def unshard_state_dicts(shards, mc, pc):
+    return merge_state_dicts(shards, mc.num_layers, not mc.untie_embeddings_and_output_weights,
+                             pc.tensor_model_parallel_size, pc.etp, mc.num_moe_experts or 0)
 
 
 def test_param_kind_rules_and_unknown_name():
@@ -306,7 +317,7 @@ def test_transformer_config_choices():
 
 
 def test_te_and_grouped_gemm_names_are_canonicalised():
-    from megatron_rl.models.sharding import canonical_name
+    from megatron_rl.convert.model_state import canonical_name
 
     assert canonical_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
         "decoder.layers.3.input_layernorm.weight"

@@ -1,7 +1,7 @@
 """Parallel layouts of the GPT / MoE builder match the TP1/PP1 megatron reference.
 
-A TP1/PP1 model is built once (world 1); its full state dict is sharded with
-``megatron_rl.models.sharding`` into each layout. Every layout then runs megatron's own
+A TP1/PP1 model is built once (world 1); its full state dict is loaded into each layout with
+``megatron_rl.convert.live`` (and gathered back, which must give it unchanged). Every layout then runs megatron's own
 ``get_forward_backward_func()`` (forward-only, then forward+backward with per-token CE through
 Megatron DDP + ``finalize_model_grads``) on micro-batches of *different lengths*; logits and the
 (unsharded) gradients must equal the reference. The PP schedules exercise the CPU patches (p2p,
@@ -19,9 +19,10 @@ from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
 apply_cpu_patches()
 
+from megatron_rl.actor.groups import ActorGroups  # noqa: E402
+from megatron_rl.convert.live import gather_full_state_dict, load_full_state_dict_into_model  # noqa: E402
+from megatron_rl.convert.partition import RankCoords, merge_state_dicts  # noqa: E402
 from megatron_rl.models import ModelConfig, build_gpt_model  # noqa: E402
-from megatron_rl.models.sharding import (RankCoords, gather_full_state_dict, load_full_state_dict,  # noqa: E402
-                                         unshard_state_dicts)
 from megatron_rl.parallel import ParallelConfig, destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_rl.testing.distributed import run_ranks  # noqa: E402
 
@@ -71,13 +72,14 @@ def _run_layout(rank, world, pc, mc, full_sd, microbatches, optimizer_step=False
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     initialize_model_parallel(pc, seed=123, model=mc)
+    groups = ActorGroups.from_parallel_state(sequence_parallel=pc.sequence_parallel)
     chunks = build_gpt_model(mc, pc)
     if full_sd is None:
         assert world == 1
         full_sd = {k: v.clone() for k, v in chunks[0].state_dict().items() if not k.endswith("_extra_state")}
     else:
-        load_full_state_dict(chunks, full_sd, mc)
-    gathered = gather_full_state_dict(chunks, mc, pc)  # collective; full dict on rank 0
+        load_full_state_dict_into_model(chunks, full_sd, mc, groups)
+    gathered = gather_full_state_dict(chunks, mc, groups)  # collective; full dict on rank 0
     if rank == 0:
         assert sorted(gathered) == sorted(full_sd), (sorted(set(gathered) ^ set(full_sd)))
         for k in full_sd:
@@ -115,14 +117,14 @@ def _run_layout(rank, world, pc, mc, full_sd, microbatches, optimizer_step=False
        forward_only=False, **common)
     grads = {}
     for i, m in enumerate(model):
-        grads[RankCoords.from_parallel_state(vp_stage=i)] = {
+        grads[RankCoords.from_groups(groups, vp_stage=i)] = {
             n: p.main_grad.detach().clone() for n, p in m.module.named_parameters()}
     res = {"dp_rank": dp_rank, "dp": dp, "tp_rank": ps.get_tensor_model_parallel_rank(),
            "logits": logits, "grads": grads, "full_sd": full_sd if world == 1 else None}
     if opt is not None:
         ok, grad_norm, _ = opt.step()
         res["step"] = (ok, grad_norm)
-        res["params"] = {RankCoords.from_parallel_state(vp_stage=i): {
+        res["params"] = {RankCoords.from_groups(groups, vp_stage=i): {
             k: v.detach().clone() for k, v in m.module.state_dict().items() if not k.endswith("_extra_state")}
             for i, m in enumerate(model)}
     destroy_model_parallel()
@@ -150,7 +152,8 @@ def _gather_grads(results, mc, pc, key="grads"):
                 for k in g:
                     torch.testing.assert_close(g[k], shards[coords][k], rtol=0, atol=0)
             shards[coords] = g
-    return unshard_state_dicts(shards, mc, pc)
+    return merge_state_dicts(shards, mc.num_layers, not mc.untie_embeddings_and_output_weights,
+                             pc.tensor_model_parallel_size, pc.etp, mc.num_moe_experts or 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ Modules (one job each):
   train_step  one optimizer step of the policy loss (1F1B, Megatron DDP + optimizer, clipping)
   optimizer   Megatron DDP wrapping and ``get_megatron_optimizer``
   checkpoint  save / resume (model, optimizer, RNG, extra state)
-  hf_io       HF weights in (``actor.load_hf``) and out (export for SGLang / in-process sync)
+  hf_io       export a saved checkpoint to a HF directory (live HF in / out: ``megatron_rl.convert.live``)
   actor       ``MegatronActor``, the facade used by the RL loop
 
 Tests: ``pytest tests/test_actor*.py``.

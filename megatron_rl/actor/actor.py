@@ -25,9 +25,10 @@ import torch
 from megatron_rl.actor.batch import RolloutBatch, row_blocks
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.groups import ActorGroups
-from megatron_rl.actor.hf_io import HFExporter, load_hf_weights
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.train_step import train_mini_batch
+from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
+                                 load_checkpoint_into_model)
 from megatron_rl.losses import select_loss_inputs
 
 __all__ = ["MegatronActor"]
@@ -52,10 +53,10 @@ class MegatronActor:
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=params_dtype)
         self.hf_dir = self.actor_cfg.load_hf
         if self.hf_dir:
-            load_hf_weights(chunks, self.hf_dir, self.model_cfg, self.parallel_cfg)
+            load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg, self.groups)
         self.model = wrap_ddp(chunks)
         self.optimizer = build_optimizer(self.model, self.actor_cfg, params_dtype)
-        self._exporter: Optional[HFExporter] = None  # built on first export (may need a HF model_type)
+        self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)
         vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
         # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
         self._trim = not (vpp and vpp > 1)
@@ -201,16 +202,16 @@ class MegatronActor:
     def full_state_dict_hf(self) -> Optional[Dict[str, torch.Tensor]]:
         """Collective: rank 0 returns the full model as a HF state dict (CPU tensors, HF names); other
         ranks return None. For the embedded engine's in-process weight sync."""
-        return self.exporter.full_state_dict_hf(self.model)
+        return gather_hf_state_dict(self.model, self.model_cfg, self.hf_target.geometry, self.groups)
 
     def export_hf(self, out_dir: str) -> Optional[list]:
         """Collective: rank 0 writes a HF safetensors directory (weights + config/tokenizer from
         actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files."""
-        return self.exporter.export_hf(self.model, out_dir)
+        return export_model_to_hf(self.model, self.model_cfg, self.hf_target, out_dir, self.groups)
 
     @property
-    def exporter(self) -> HFExporter:
-        """HF export helper (config from actor.load_hf, or generated from the model config)."""
-        if self._exporter is None:
-            self._exporter = HFExporter(self.model_cfg, self.parallel_cfg, self.groups, self.hf_dir)
-        return self._exporter
+    def hf_target(self) -> HFTarget:
+        """What the model is exported as (config / tokenizer of actor.load_hf, or a generated config)."""
+        if self._hf_target is None:
+            self._hf_target = hf_target(self.model_cfg, self.hf_dir)
+        return self._hf_target

@@ -43,6 +43,16 @@ class ActorGroups:
     """Expert-data-parallel rank (expert weights are replicated over this group)."""
     sequence_parallel: bool
     """Sequence parallel is on (micro-batch lengths must be a multiple of TP)."""
+    ep_group: Any = None
+    """Expert-model-parallel group (routed experts are divided over it)."""
+    etp_group: Any = None
+    """Expert-tensor-parallel group (each routed expert's weights are split over it)."""
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+    vpp_size: int = 1
+    """Virtual pipeline chunks per rank (1 without VPP)."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -85,4 +95,8 @@ class ActorGroups:
             dp_rank=ps.get_data_parallel_rank(with_context_parallel=False),
             edp_rank=ps.get_expert_data_parallel_rank(),
             sequence_parallel=bool(sequence_parallel and tp > 1),
+            ep_group=ps.get_expert_model_parallel_group(), etp_group=ps.get_expert_tensor_parallel_group(),
+            ep_size=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+            vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         )

@@ -1,172 +1,66 @@
-"""HF weights in and out of the live actor (via ``megatron_rl.convert``).
+"""Export a saved actor checkpoint (the ``actor/checkpoint.py`` layout the RL loop writes under
+``trainer.run_dir/checkpoints/step_N``) to a HF directory that ``transformers`` loads and SGLang serves.
 
-* ``load_hf_weights(chunks, hf_dir, model_cfg, parallel_cfg)``: this rank's shard of a HF checkpoint
-  (safetensors) — or of a directory written by ``megatron-rl convert hf-to-mcore`` (any saved layout,
-  resharded on the fly) — into its model chunk(s), at any TP/PP/EP/ETP (and VPP) layout.
-* ``HFExporter.full_state_dict_hf(model)``: collective; every distinct shard (dense weights from DP/CP
-  rank 0, expert weights from expert-DP rank 0) is gathered to global rank 0, unsharded
-  (``megatron_rl.models.sharding.unshard_state_dicts``) and mapped to HF names
-  (``megatron_rl.convert.mcore_to_hf``). ``export_hf(model, out_dir)`` also writes the directory
-  (safetensors + config.json/tokenizer copied from ``load_hf``, or a generated config.json).
-  The gather goes through ``gather_object`` (CPU copies): memory on rank 0 ~ one full model.
+The live actor loads and exports through ``megatron_rl.convert.live`` directly; this module only adds
+what a checkpoint on disk needs: find the iteration directory (``latest``), rebuild the model config it was
+saved with, find the HF files to put beside the weights, and read the model tensors of its torch_dist
+part in one process (any TP / PP / VPP / EP layout; optimizer state is skipped)::
+
+    files = export_checkpoint_to_hf("runs/tiny_cpu/checkpoints/step_200", "runs/tiny_cpu/hf_step_200")
+
+Config and tokenizer files come from ``assets_dir`` when given, else from the run's ``actor.load_hf``
+(recorded in the checkpoint's extra state by the RL loop) when that directory still exists, else a
+config.json is generated from the saved model config (no tokenizer files; a warning says so). Command
+line: ``megatron-rl convert mcore-to-hf --mcore-dir runs/tiny_cpu/checkpoints/step_200 --out DIR``.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
-from typing import Dict, List, Optional, Sequence
+import warnings
+from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.actor.checkpoint import LATEST_FILE, META_FILE, resolve_checkpoint_dir
+from megatron_rl.convert import export_torch_dist_to_hf, hf_target
+from megatron_rl.convert.storage import hf_assets_dir
+from megatron_rl.models.config import ModelConfig, model_config_from_dict
 
-__all__ = ["load_hf_weights", "HFExporter", "infer_hf_model_type", "is_converted_dir", "hf_assets_dir"]
+__all__ = ["is_actor_checkpoint", "export_checkpoint_to_hf"]
 
-
-def is_converted_dir(path: str) -> bool:
-    """True for a directory written by ``megatron_rl.convert.convert_hf_to_mcore`` (per-rank shards)."""
-    from megatron_rl.convert.storage import METADATA_FILE
-
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+_DIST_DIR = "dist"               # megatron dist_checkpointing part of an iteration directory
+_EXTRA_STATE_FILE = "extra_state.pt"
 
 
-def hf_assets_dir(path: str) -> str:
-    """Where config.json / tokenizer files of ``path`` live (``hf_assets/`` of a converted directory)."""
-    from megatron_rl.convert.storage import ASSETS_DIR
-
-    return os.path.join(path, ASSETS_DIR) if is_converted_dir(path) else path
+def is_actor_checkpoint(path: str) -> bool:
+    """True for an actor checkpoint root (with ``latest``) or one of its ``iter_*`` directories."""
+    return os.path.isfile(os.path.join(path, META_FILE)) or os.path.isfile(os.path.join(path, LATEST_FILE))
 
 
-def load_hf_weights(chunks: Sequence[torch.nn.Module], hf_dir: str, model_cfg, parallel_cfg) -> None:
-    """Load ``hf_dir`` into this rank's chunk(s). Raises the converter's errors (naming tensors and
-    shapes) on any mismatch between the checkpoint and the model config."""
-    from megatron_rl.convert import (ShardLayout, hf_to_mcore, load_rank_state_dict, load_state_dict_into_model,
-                                     read_hf_checkpoint)
-    from megatron_rl.models.sharding import RankCoords, load_full_state_dict
-
-    coords = RankCoords.from_parallel_state()
-    if len(chunks) == 1:
-        layout = ShardLayout(tensor_model_parallel_size=coords.tp_size, pipeline_model_parallel_size=coords.pp_size,
-                             expert_model_parallel_size=coords.ep_size, expert_tensor_parallel_size=coords.etp_size,
-                             padded_vocab_size=model_cfg.vocab_size)
-        sd = load_rank_state_dict(hf_dir, layout, tp_rank=coords.tp_rank, pp_rank=coords.pp_rank,
-                                  ep_rank=coords.ep_rank, etp_rank=coords.etp_rank)
-        load_state_dict_into_model(chunks[0], sd, where=f"{hf_dir} -> {coords}")
-        return
-    if is_converted_dir(hf_dir):
-        from megatron_rl.convert import read_full_mcore_state_dict
-
-        geom, full = read_full_mcore_state_dict(hf_dir)
-    else:
-        geom, _, hf_sd = read_hf_checkpoint(hf_dir)
-        full = hf_to_mcore(hf_sd, geom)
-    V = model_cfg.vocab_size
-    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if k in full and full[k].shape[0] != V:
-            if full[k].shape[0] < geom.vocab_size or V < geom.vocab_size:
-                raise ValueError(f"{hf_dir}: {k} has {full[k].shape[0]} rows, model.vocab_size={V}, "
-                                 f"checkpoint vocab_size={geom.vocab_size}")
-            rows = full[k][: geom.vocab_size]
-            full[k] = torch.cat([rows, rows.new_zeros(V - geom.vocab_size, rows.shape[1])])
-    load_full_state_dict(list(chunks), full, model_cfg)
+def _run_hf_dir(iter_dir: str) -> Optional[str]:
+    """The run's ``actor.load_hf`` if the checkpoint's extra state records it and it still holds a config."""
+    path = os.path.join(iter_dir, _EXTRA_STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    extra = torch.load(path, weights_only=False)
+    hf_dir = ((extra.get("config") or {}).get("actor") or {}).get("load_hf") if isinstance(extra, dict) else None
+    if hf_dir and os.path.isfile(os.path.join(hf_assets_dir(hf_dir), "config.json")):
+        return hf_dir
+    return None
 
 
-def infer_hf_model_type(model_cfg) -> str:
-    """HF model_type for a ModelConfig without a source checkpoint: qwen3(_moe) with q/k norm,
-    qwen2_moe with a shared expert, qwen2 with QKV bias, else llama / qwen3_moe."""
-    if model_cfg.is_moe:
-        if model_cfg.moe_shared_expert_intermediate_size:
-            return "qwen2_moe"
-        return "qwen3_moe"
-    if model_cfg.qk_layernorm:
-        return "qwen3"
-    return "qwen2" if model_cfg.add_qkv_bias else "llama"
-
-
-def _is_expert_param(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-class HFExporter:
-    """Gathers the actor's shards and maps them to a HF checkpoint (see the module docstring)."""
-
-    def __init__(self, model_cfg, parallel_cfg, groups: ActorGroups, hf_dir: Optional[str]) -> None:
-        from megatron_rl.convert import HFGeometry
-        from megatron_rl.convert.storage import read_hf_config
-        from megatron_rl.models.hf_config import megatron_to_hf_config
-
-        self.model_cfg, self.parallel_cfg, self.groups, self.hf_dir = model_cfg, parallel_cfg, groups, hf_dir
-        if hf_dir:
-            self.hf_config = read_hf_config(hf_assets_dir(hf_dir))
-        else:
-            self.hf_config = megatron_to_hf_config(model_cfg, infer_hf_model_type(model_cfg))
-        self.geometry = HFGeometry.from_hf_config(self.hf_config)
-
-    def _local_shards(self, model: Sequence[torch.nn.Module]) -> List[tuple]:
-        from megatron_rl.convert import canonical_state_dict
-        from megatron_rl.models.sharding import RankCoords
-
-        g = self.groups
-        send_dense = g.dp_rank == 0 and g.cp_rank == 0
-        send_expert = g.edp_rank == 0
-        out = []
-        base = RankCoords.from_parallel_state()
-        for i, chunk in enumerate(model):
-            sd = canonical_state_dict(chunk.state_dict())
-            keep = {k: v.detach().cpu().clone() for k, v in sd.items()
-                    if (send_expert if _is_expert_param(k) else send_dense)}
-            if keep:
-                out.append((replace(base, vp_stage=i), keep))
-        return out
-
-    def full_mcore_state_dict(self, model: Sequence[torch.nn.Module]) -> Optional[Dict[str, torch.Tensor]]:
-        """Collective: the full (TP1/PP1/EP1) Megatron state dict on global rank 0, None elsewhere."""
-        from megatron_rl.models.sharding import unshard_state_dicts
-
-        local = self._local_shards(model)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1:
-            gathered = [local]
-        else:
-            gathered = [None] * world if dist.get_rank() == 0 else None
-            dist.gather_object(local, gathered, dst=0)
-            if dist.get_rank() != 0:
-                return None
-        shards: Dict = {}
-        for rank_shards in gathered:
-            for coords, sd in rank_shards:
-                shards.setdefault(coords, {}).update(sd)
-        return unshard_state_dicts(shards, self.model_cfg, self.parallel_cfg)
-
-    def full_state_dict_hf(self, model: Sequence[torch.nn.Module]) -> Optional[Dict[str, torch.Tensor]]:
-        """Collective: {HF name: CPU tensor} on global rank 0, None elsewhere."""
-        from megatron_rl.convert import mcore_to_hf
-
-        full = self.full_mcore_state_dict(model)
-        if full is None:
-            return None
-        V = self.geometry.vocab_size
-        for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            if k in full and full[k].shape[0] > V:  # drop padded vocab rows
-                full[k] = full[k][:V].contiguous()
-        return mcore_to_hf(full, self.geometry)
-
-    def export_hf(self, model: Sequence[torch.nn.Module], out_dir: str) -> Optional[list]:
-        """Collective: rank 0 writes the HF directory ``out_dir``; returns its weight files there."""
-        from megatron_rl.convert.storage import copy_hf_assets, write_hf_state_dict
-
-        sd = self.full_state_dict_hf(model)
-        files = None
-        if sd is not None:
-            os.makedirs(out_dir, exist_ok=True)
-            if self.hf_dir:
-                copy_hf_assets(hf_assets_dir(self.hf_dir), out_dir)
-            else:
-                with open(os.path.join(out_dir, "config.json"), "w") as fh:
-                    json.dump(self.hf_config, fh, indent=2, sort_keys=True)
-            files = write_hf_state_dict(out_dir, sd)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-        return files
+def export_checkpoint_to_hf(path: str, out_dir: str, assets_dir: Optional[str] = None) -> List[str]:
+    """Write the model of the actor checkpoint ``path`` (a root with ``latest`` or an ``iter_*``
+    directory) as a HF directory ``out_dir``; returns the weight files. ``assets_dir``: HF (or converted)
+    directory whose config / tokenizer files go beside the weights; it must match the saved model."""
+    iter_dir = resolve_checkpoint_dir(path)
+    with open(os.path.join(iter_dir, META_FILE)) as fh:
+        model_cfg: ModelConfig = model_config_from_dict(json.load(fh)["model"])
+    source = assets_dir or _run_hf_dir(iter_dir)
+    if source is None:
+        warnings.warn(f"{iter_dir}: no HF directory to take config / tokenizer files from (pass --hf-assets-dir); "
+                      f"writing a config.json generated from the saved model config, without tokenizer files",
+                      stacklevel=2)
+    target = hf_target(model_cfg, source)
+    return export_torch_dist_to_hf(os.path.join(iter_dir, _DIST_DIR), out_dir, target.config, target.assets_dir)

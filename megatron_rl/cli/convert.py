@@ -6,7 +6,9 @@ process group — pure tensor slicing).
         [--make-vocab-size-divisible-by 1] [--overwrite]
     megatron-rl convert mcore-to-hf --mcore-dir O --out D2 [--hf-assets-dir HF] [--overwrite]
 
-``--mcore-dir`` may also be a megatron torch_dist (dist_checkpointing) checkpoint of the model.
+``--mcore-dir`` may also be a training checkpoint of the RL loop (``trainer.run_dir/checkpoints/step_N``,
+any TP/PP/EP layout; config and tokenizer files from ``--hf-assets-dir`` or the run's ``actor.load_hf``) or
+a megatron torch_dist (dist_checkpointing) checkpoint of the model.
 
 Bad input (unsupported ``architectures``, a layout that does not divide heads / KV heads / FFN / experts /
 layers, missing or unexpected tensors, shape mismatches, a non-empty output directory) prints one
@@ -19,10 +21,12 @@ import os
 import sys
 import time
 
+from megatron_rl.actor.hf_io import export_checkpoint_to_hf, is_actor_checkpoint
+from megatron_rl.convert import (CheckpointFormatError, CheckpointMismatchError, LayoutError, ShardLayout,
+                                 UnsupportedCheckpointError, convert_hf_to_mcore, convert_mcore_to_hf)
+
 
 def _hf_to_mcore(args: argparse.Namespace) -> int:
-    from megatron_rl.convert import ShardLayout, convert_hf_to_mcore
-
     layout = ShardLayout(tensor_model_parallel_size=args.tensor_model_parallel_size,
                          pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                          expert_model_parallel_size=args.expert_model_parallel_size,
@@ -38,13 +42,13 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
-    from megatron_rl.convert import convert_mcore_to_hf
-    from megatron_rl.convert.storage import CheckpointFormatError
-
     if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
         raise CheckpointFormatError(f"output directory {args.out} is not empty; pass --overwrite to write into it")
     t0 = time.time()
-    files = convert_mcore_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir)
+    if is_actor_checkpoint(args.mcore_dir):
+        files = export_checkpoint_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir)
+    else:
+        files = convert_mcore_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir)
     print(f"exported {args.mcore_dir} to HF safetensors in {args.out} ({len(files)} weight file(s), "
           f"{time.time() - t0:.1f}s)")
     return 0
@@ -52,11 +56,10 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
 
 def _run(fn):
     def wrapped(args: argparse.Namespace) -> int:
-        from megatron_rl.convert import (CheckpointFormatError, CheckpointMismatchError, LayoutError,
-                                         UnsupportedCheckpointError)
         try:
             return fn(args)
-        except (CheckpointFormatError, CheckpointMismatchError, LayoutError, UnsupportedCheckpointError) as e:
+        except (CheckpointFormatError, CheckpointMismatchError, LayoutError, UnsupportedCheckpointError,
+                FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     return wrapped
@@ -84,12 +87,14 @@ def add_parser(subparsers) -> None:
     a.add_argument("--overwrite", action="store_true", help="replace a converted checkpoint already in --out")
     a.set_defaults(func=_run(_hf_to_mcore))
 
-    b = sub.add_parser("mcore-to-hf", help="Megatron per-rank shards -> HF safetensors (+config, tokenizer)")
+    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors (+config, tokenizer)")
     b.add_argument("--mcore-dir", required=True,
-                   help="directory written by hf-to-mcore, or a megatron torch_dist (dist_checkpointing) checkpoint")
+                   help="directory written by hf-to-mcore, a training checkpoint (run_dir/checkpoints/step_N), "
+                        "or a megatron torch_dist (dist_checkpointing) checkpoint")
     b.add_argument("--hf-assets-dir", default=None,
                    help="HF directory whose config.json / tokenizer files go beside the weights (default: the "
-                        "copy in --mcore-dir/hf_assets; required for torch_dist checkpoints)")
+                        "copy in --mcore-dir/hf_assets, or a training run's actor.load_hf; required for other "
+                        "torch_dist checkpoints)")
     b.add_argument("--out", required=True, help="output HF model directory")
     b.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     b.set_defaults(func=_run(_mcore_to_hf))

@@ -6,6 +6,7 @@ All of it runs in one process without a process group (pure tensor slicing):
     convert_mcore_to_hf(out_dir, hf_out_dir)                   # weights + config + tokenizer files
     sd = load_rank_state_dict(out_dir_or_hf_dir, layout, tp_rank=..., pp_rank=..., ep_rank=..., etp_rank=...)
     export_hf_from_full(full_sd, geometry, hf_out_dir, assets_dir)
+    mcfg = model_config_for_checkpoint(hf_or_converted_dir, tensor_model_parallel_size=2)
 
 ``load_rank_state_dict`` reshards on the fly when the requested layout differs from the saved one, and
 also accepts a HF directory directly (HF -> rank shard without an intermediate directory).
@@ -18,10 +19,14 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 from megatron_rl.convert import storage
+from megatron_rl.convert.checks import CheckpointFormatError
 from megatron_rl.convert.geometry import HFGeometry
+from megatron_rl.convert.hf_config import model_config_from_hf
 from megatron_rl.convert.mapping import hf_to_mcore, mcore_to_hf
-from megatron_rl.convert.sharding import (ShardLayout, dense_keys, dense_shard, expert_keys, expert_shard,
-                                          rank_state_dict, unshard)
+from megatron_rl.convert.shard_files import (ShardLayout, dense_keys, dense_shard, expert_keys, expert_shard,
+                                             rank_state_dict, unshard)
+from megatron_rl.convert.torch_dist import is_torch_dist_checkpoint, read_torch_dist_model_state_dict
+from megatron_rl.models.config import ModelConfig
 
 Tensor = torch.Tensor
 
@@ -34,11 +39,14 @@ def read_hf_checkpoint(hf_dir: str) -> Tuple[HFGeometry, dict, Dict[str, Tensor]
     return geom, cfg, storage.read_hf_state_dict(hf_dir)
 
 
-def _model_config_dict(hf_cfg: dict, padded_vocab: int) -> dict:
-    """ModelConfig (as a dict) the Megatron model must be built with to load these shards."""
-    from megatron_rl.convert.model_config import model_config_from_hf
-
-    return model_config_from_hf(hf_cfg, padded_vocab_size=padded_vocab).to_dict()
+def model_config_for_checkpoint(ckpt_dir: str, tensor_model_parallel_size: int = 1,
+                                make_vocab_size_divisible_by: int = 1) -> ModelConfig:
+    """``ModelConfig`` to build for a HF directory or a converted directory at this TP size: the vocab is
+    padded like the converter pads it (multiple of make_vocab_size_divisible_by x TP)."""
+    cfg = storage.read_hf_config(storage.hf_assets_dir(ckpt_dir))
+    lay = ShardLayout(tensor_model_parallel_size=tensor_model_parallel_size,
+                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    return model_config_from_hf(cfg, padded_vocab_size=lay.padded_vocab(int(cfg["vocab_size"])))
 
 
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, layout: ShardLayout, overwrite: bool = False) -> dict:
@@ -52,7 +60,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, layout: ShardLayout, overwrit
     hf_cfg = storage.read_hf_config(hf_dir)
     geom = HFGeometry.from_hf_config(hf_cfg)
     layout.validate(geom)
-    model_config = _model_config_dict(hf_cfg, layout.padded_vocab(geom.vocab_size))
+    model_config = model_config_from_hf(hf_cfg, padded_vocab_size=layout.padded_vocab(geom.vocab_size)).to_dict()
     storage.prepare_output_dir(out_dir, overwrite)
     hf_sd = storage.read_hf_state_dict(hf_dir)
     full = hf_to_mcore(hf_sd, geom)
@@ -99,41 +107,50 @@ def read_full_mcore_state_dict(mcore_dir: str) -> Tuple[HFGeometry, Dict[str, Te
     return geom, unshard(dense, experts, geom, layout)
 
 
+def read_full_state_dict(ckpt_dir: str) -> Tuple[HFGeometry, Dict[str, Tensor]]:
+    """(geometry, full Megatron state dict with the HF vocab) of a HF directory or a converted directory."""
+    if storage.is_converted_dir(ckpt_dir):
+        return read_full_mcore_state_dict(ckpt_dir)
+    geom, _, hf_sd = read_hf_checkpoint(ckpt_dir)
+    return geom, hf_to_mcore(hf_sd, geom)
+
+
 def export_hf_from_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: str,
-                        assets_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> list:
+                        assets_dir: Optional[str] = None, max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES,
+                        config: Optional[dict] = None) -> list:
     """Write a full Megatron state dict as a HF model directory (weights + assets copied from
-    ``assets_dir``; a config.json is required there or already in ``out_dir``; weight files above
-    ``max_shard_bytes`` are split with a ``model.safetensors.index.json``). Returns weight files."""
-    hf_sd = mcore_to_hf(full, geom)
-    os.makedirs(out_dir, exist_ok=True)
-    if assets_dir is not None:
-        storage.copy_hf_assets(assets_dir, out_dir)
-    if not os.path.isfile(os.path.join(out_dir, "config.json")):
-        raise storage.CheckpointFormatError(
-            f"export to {out_dir}: no config.json to write beside the weights (assets_dir={assets_dir!r})")
-    return storage.write_hf_state_dict(out_dir, hf_sd, max_shard_bytes)
+    ``assets_dir``; a config.json is required there, in ``config`` or already in ``out_dir``; weight files
+    above ``max_shard_bytes`` are split with a ``model.safetensors.index.json``). Returns weight files."""
+    return storage.write_hf_model_dir(out_dir, mcore_to_hf(full, geom), assets_dir, config, max_shard_bytes)
 
 
-def convert_mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30,
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES,
                         assets_dir: Optional[str] = None) -> list:
     """Export a converted shard directory — or a megatron torch_dist (dist_checkpointing) checkpoint —
     to a HF safetensors directory. Config and tokenizer files come from ``assets_dir`` (default: the
     ``hf_assets`` copy kept at import time; required for torch_dist checkpoints without one).
     Returns the weight files written."""
-    from megatron_rl.convert.torch_dist import is_torch_dist_checkpoint, read_torch_dist_model_state_dict
-
     if assets_dir is None and os.path.isdir(os.path.join(mcore_dir, storage.ASSETS_DIR)):
         assets_dir = os.path.join(mcore_dir, storage.ASSETS_DIR)
     if is_torch_dist_checkpoint(mcore_dir):
         if assets_dir is None:
-            raise storage.CheckpointFormatError(
+            raise CheckpointFormatError(
                 f"{mcore_dir} is a torch_dist checkpoint without {storage.ASSETS_DIR}/: pass the original HF "
                 f"directory as assets_dir / --hf-assets-dir (config.json + tokenizer)")
-        geom = HFGeometry.from_hf_config(storage.read_hf_config(assets_dir))
-        full = read_torch_dist_model_state_dict(mcore_dir, geom)
-    else:
-        geom, full = read_full_mcore_state_dict(mcore_dir)
+        return export_torch_dist_to_hf(mcore_dir, out_dir, storage.read_hf_config(assets_dir), assets_dir,
+                                       max_shard_bytes)
+    geom, full = read_full_mcore_state_dict(mcore_dir)
     return export_hf_from_full(full, geom, out_dir, assets_dir, max_shard_bytes)
+
+
+def export_torch_dist_to_hf(dist_dir: str, out_dir: str, hf_cfg: dict, assets_dir: Optional[str] = None,
+                            max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES) -> list:
+    """Export the model tensors of a torch_dist checkpoint (any TP / PP / EP layout it was saved with) as
+    the HF model ``hf_cfg`` describes: config / tokenizer files from ``assets_dir`` when given, else
+    ``hf_cfg`` as config.json. Returns the weight files written."""
+    geom = HFGeometry.from_hf_config(hf_cfg)
+    full = read_torch_dist_model_state_dict(dist_dir, geom)
+    return export_hf_from_full(full, geom, out_dir, assets_dir, max_shard_bytes, config=hf_cfg)
 
 
 def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0,
@@ -143,10 +160,9 @@ def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, p
     A converted directory saved with the same layout (and padded vocab) is read file-for-file; any other
     layout is resharded in memory from the full state dict.
     """
-    if not os.path.isfile(os.path.join(ckpt_dir, storage.METADATA_FILE)):
-        geom, _, hf_sd = read_hf_checkpoint(ckpt_dir)
-        layout.validate(geom)
-        return rank_state_dict(hf_to_mcore(hf_sd, geom), geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
+    if not storage.is_converted_dir(ckpt_dir):
+        geom, full = read_full_state_dict(ckpt_dir)
+        return rank_state_dict(full, geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
     geom, saved, _ = read_mcore_checkpoint(ckpt_dir)
     layout.validate(geom)
     same = (saved.tp, saved.pp, saved.ep, saved.etp) == (layout.tp, layout.pp, layout.ep, layout.etp) and \

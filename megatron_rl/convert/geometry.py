@@ -1,9 +1,9 @@
-"""Tensor geometry of a HF causal-LM checkpoint, read from its ``config.json``.
+"""Tensor geometry of a HF causal-LM checkpoint: the shapes that decide how tensors are named, split and
+concatenated (layers, heads, KV groups, head dim, FFN sizes, experts, biases, norms, tied embeddings).
 
-The converter only needs the shapes that decide how tensors are named, split and concatenated
-(layers, heads, KV groups, head dim, FFN sizes, experts, biases, norms, tied embeddings). This module
-extracts them from a HF config dict, validates them, and says clearly when an architecture or an
-option is not supported. It is independent of megatron and of the model builder.
+It is a view of the one reading of ``config.json`` (``hf_config.model_config_from_hf``) plus the HF
+architecture and the unpadded vocab — config.json is never parsed here. Converted checkpoint directories
+store it (``to_dict`` / ``from_dict``). Independent of megatron.
 
 Usage::
 
@@ -19,17 +19,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
+from megatron_rl.convert.hf_config import ARCHITECTURES, hf_architecture, model_config_from_hf
+from megatron_rl.models.config import ModelConfig
 
-
-class UnsupportedCheckpointError(ValueError):
-    """The HF checkpoint uses an architecture or an option the converter does not handle."""
+#: Supported HF ``architectures[0]`` -> family (HF model_type).
+SUPPORTED_ARCHITECTURES = {arch: model_type for model_type, arch in ARCHITECTURES.items()}
 
 
 @dataclass(frozen=True)
@@ -97,73 +91,24 @@ class HFGeometry:
         return cls(**d)
 
     @classmethod
+    def from_model_config(cls, mc: ModelConfig, architecture: str, vocab_size: int) -> "HFGeometry":
+        """The tensor geometry of ``mc`` saved as HF ``architecture`` with ``vocab_size`` (unpadded) rows."""
+        family = SUPPORTED_ARCHITECTURES[architecture]
+        moe: Dict[str, Any] = {}
+        if mc.is_moe:
+            moe = dict(num_moe_experts=mc.num_moe_experts,
+                       moe_ffn_hidden_size=mc.moe_ffn_hidden_size or mc.dense_ffn_hidden_size,
+                       moe_router_topk=mc.moe_router_topk, moe_layers=[bool(x) for x in mc.moe_layer_pattern()],
+                       moe_shared_expert_intermediate_size=mc.moe_shared_expert_intermediate_size,
+                       moe_shared_expert_gate=mc.moe_shared_expert_gate)
+        return cls(architecture=architecture, family=family, num_layers=mc.num_layers, hidden_size=mc.hidden_size,
+                   num_attention_heads=mc.num_attention_heads, num_query_groups=mc.query_groups,
+                   kv_channels=mc.head_dim, ffn_hidden_size=mc.dense_ffn_hidden_size, vocab_size=int(vocab_size),
+                   tie_word_embeddings=not mc.untie_embeddings_and_output_weights, add_qkv_bias=mc.add_qkv_bias,
+                   qk_layernorm=mc.qk_layernorm, **moe)
+
+    @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any]) -> "HFGeometry":
-        """Read the geometry from a HF ``config.json`` dict; raise a clear error on anything unsupported."""
-        archs = cfg.get("architectures") or []
-        if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedCheckpointError(
-                f"config.json: unsupported architectures={archs!r}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
-        arch = archs[0]
-        family = SUPPORTED_ARCHITECTURES[arch]
-
-        def req(key):
-            if key not in cfg:
-                raise UnsupportedCheckpointError(f"config.json ({arch}): missing required key {key!r}")
-            return cfg[key]
-
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise UnsupportedCheckpointError(
-                    f"config.json: hidden_size={hidden} not divisible by num_attention_heads={heads} "
-                    f"and no head_dim given")
-            head_dim = hidden // heads
-        if heads % kv_heads:
-            raise UnsupportedCheckpointError(
-                f"config.json: num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedCheckpointError(f"config.json: hidden_act={act!r} unsupported (only 'silu' / SwiGLU)")
-
-        attention_bias = bool(cfg.get("attention_bias", False))
-        if family == "llama":
-            if attention_bias:
-                raise UnsupportedCheckpointError(
-                    "config.json (LlamaForCausalLM): attention_bias=True (bias on o_proj) is unsupported")
-            if cfg.get("mlp_bias", False):
-                raise UnsupportedCheckpointError("config.json (LlamaForCausalLM): mlp_bias=True is unsupported")
-            qkv_bias, qk_norm = False, False
-        elif family in ("qwen2", "qwen2_moe"):
-            qkv_bias, qk_norm = True, False
-        else:  # qwen3, qwen3_moe
-            if attention_bias:
-                raise UnsupportedCheckpointError(
-                    f"config.json ({arch}): attention_bias=True (bias on o_proj) is unsupported")
-            qkv_bias, qk_norm = False, True
-
-        num_layers = int(req("num_hidden_layers"))
-        moe = {}
-        if family in ("qwen2_moe", "qwen3_moe"):
-            n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
-            if n_exp is None:
-                raise UnsupportedCheckpointError(f"config.json ({arch}): missing 'num_experts'")
-            n_exp = int(n_exp)
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            dense_only = set(cfg.get("mlp_only_layers") or [])
-            layers = [n_exp > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(num_layers)]
-            moe = dict(num_moe_experts=n_exp, moe_ffn_hidden_size=int(req("moe_intermediate_size")),
-                       moe_router_topk=int(req("num_experts_per_tok")), moe_layers=layers)
-            if family == "qwen2_moe":
-                shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0)
-                moe["moe_shared_expert_intermediate_size"] = shared or None
-                moe["moe_shared_expert_gate"] = bool(shared)
-        return cls(
-            architecture=arch, family=family, num_layers=num_layers, hidden_size=hidden,
-            num_attention_heads=heads, num_query_groups=kv_heads, kv_channels=int(head_dim),
-            ffn_hidden_size=int(req("intermediate_size")), vocab_size=int(req("vocab_size")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            add_qkv_bias=qkv_bias, qk_layernorm=qk_norm, **moe)
+        """The geometry of a HF ``config.json`` dict, derived from its one reading
+        (:func:`megatron_rl.convert.hf_config.model_config_from_hf`); unsupported options raise there."""
+        return cls.from_model_config(model_config_from_hf(cfg), hf_architecture(cfg), cfg["vocab_size"])

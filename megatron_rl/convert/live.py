@@ -1,33 +1,58 @@
-"""Checkpoints <-> a live, parallel Megatron model (the trainer's entry points).
+"""Checkpoints <-> a live, parallel Megatron model: the one loader, gatherer and exporter.
 
-    chunks = build_gpt_model(model_cfg, parallel_cfg)                 # this rank's chunk(s)
-    load_checkpoint_into_model(chunks, "hf_or_converted_dir", model_cfg)
-    ...train...
-    export_model_to_hf(chunks, model_cfg, "out_hf_dir", assets_dir="hf_dir")   # collective, all ranks
+Every function takes this rank's ``ActorGroups`` (``megatron_rl.actor.groups``: TP / PP / EP / ETP / VPP
+ranks and groups, DP / CP / expert-DP ranks) and never reads megatron's global state::
 
-Both read the rank's coordinates from megatron's ``parallel_state`` (must be initialised).
-Loading: a converted directory saved for the same layout is read file-for-file (only this rank's
-shard); any other layout, VPP, or a HF directory goes through the full state dict, cut for each chunk
-by ``megatron_rl.models.sharding``. The model's ``vocab_size`` (padded) decides the padding rows.
-Exporting gathers the shards of the first data-parallel replica (and first expert-data-parallel
-replica for experts) onto ``dst_rank`` with ``gather_object`` over the default group, unshards them,
-drops vocab padding and writes HF safetensors + config/tokenizer from ``assets_dir`` — the directory
-the rollout engine (SGLang) reloads. Memory: ``dst_rank`` holds one full copy of the weights.
+    groups = ActorGroups.from_parallel_state()
+    load_checkpoint_into_model(chunks, "hf_or_converted_dir", model_cfg, groups)     # every rank
+    for hf_name, tensor in iter_hf_tensors(chunks, model_cfg, target.geometry, groups):  # stream, per stage
+        ...
+    sd = gather_hf_state_dict(chunks, model_cfg, target.geometry, groups)   # {hf_name: CPU tensor} on rank 0
+    export_model_to_hf(chunks, model_cfg, target, "out_dir", groups)        # rank 0 writes the HF directory
+
+Loading: the checkpoint's config.json must match ``model_cfg`` (every differing shape field is named);
+a single chunk reads only this rank's shard (file-for-file from a converted directory saved for the
+same layout, else resharded in memory); VPP chunks are cut from the full state dict. The model's
+``vocab_size`` (padded) decides the zero padding rows.
+
+Gathering (:func:`iter_full_tensors`, collective over the TP / EP / ETP groups of each pipeline stage):
+parameter by parameter, the first data-parallel replica (DP rank 0, CP rank 0) all-gathers each dense
+tensor over TP and the first expert-data-parallel replica gathers each routed expert over ETP then EP,
+so every rank of that replica holds the full tensor, named with global layer / expert indices. Memory:
+one full parameter at a time. :func:`iter_hf_tensors` maps each to HF names (vocab padding dropped) —
+the stream a bucketed in-memory weight sync reads; the full state dicts on global rank 0 and the HF
+export are built on it (the first rank of each stage collects, ``gather_object`` brings the stages
+to rank 0: memory there ~ one full model).
 """
 from __future__ import annotations
 
-import os
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.convert import api, storage
+from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.mapping import CheckpointMismatchError, hf_to_mcore
+from megatron_rl.convert.hf_config import infer_hf_model_type, megatron_to_hf_config, model_config_from_hf
+from megatron_rl.convert.mapping import hf_tensors, param_rules
 from megatron_rl.convert.model_state import canonical_state_dict, load_state_dict_into_model
-from megatron_rl.convert.sharding import ShardLayout
+from megatron_rl.convert.partition import (RankCoords, cut_state_dict, expert_index, layer_range, merge_tensors,
+                                           param_kind, split_layer_name)
+from megatron_rl.convert.shard_files import ShardLayout
+from megatron_rl.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the actor package imports this module: no runtime import back
+    from megatron_rl.actor.groups import ActorGroups
 
 Tensor = torch.Tensor
+
+__all__ = ["HFTarget", "hf_target", "check_model_config_matches", "load_checkpoint_into_model",
+           "load_full_state_dict_into_model", "iter_full_tensors", "iter_hf_tensors", "gather_full_state_dict",
+           "gather_hf_state_dict", "export_model_to_hf"]
+
+_VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # ModelConfig fields that must agree between a checkpoint and the model it is loaded into.
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "head_dim",
@@ -36,144 +61,202 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_grou
                  "moe_shared_expert_gate")
 
 
-def check_model_config_matches(geom: HFGeometry, hf_cfg: dict, model_cfg) -> None:
-    """Raise CheckpointMismatchError naming every shape field where the checkpoint (``hf_cfg``) and
-    ``model_cfg`` disagree, and when the model's vocab cannot hold the checkpoint's."""
-    from megatron_rl.convert.model_config import model_config_from_hf
+@dataclass(frozen=True)
+class HFTarget:
+    """What a live model is exported as: HF config, tensor geometry and where tokenizer files come from."""
 
-    ck = model_config_from_hf(hf_cfg, padded_vocab_size=max(model_cfg.vocab_size, geom.vocab_size))
+    config: dict
+    """config.json written beside the weights (when ``assets_dir`` has none)."""
+    geometry: HFGeometry
+    """HF tensor names and shapes (unpadded vocab) of the export."""
+    assets_dir: Optional[str] = None
+    """Directory whose config.json / tokenizer files are copied beside the weights (None: config only)."""
+
+
+def check_model_config_matches(hf_cfg: dict, model_cfg: ModelConfig) -> None:
+    """Raise CheckpointMismatchError naming every shape field where the checkpoint's config.json
+    (``hf_cfg``) and ``model_cfg`` disagree, and when the model's vocab cannot hold the checkpoint's."""
+    vocab = int(hf_cfg["vocab_size"])
+    ck = model_config_from_hf(hf_cfg, padded_vocab_size=max(model_cfg.vocab_size, vocab))
     diffs = [f"{f}: checkpoint {getattr(ck, f)!r} vs model {getattr(model_cfg, f)!r}" for f in _SHAPE_FIELDS
              if getattr(ck, f) != getattr(model_cfg, f)]
     if model_cfg.is_moe and ck.moe_layer_pattern() != model_cfg.moe_layer_pattern():
-        diffs.append(f"moe layer pattern: checkpoint {ck.moe_layer_pattern()} vs model {model_cfg.moe_layer_pattern()}")
-    if model_cfg.vocab_size < geom.vocab_size:
-        diffs.append(f"vocab_size: checkpoint {geom.vocab_size} > model {model_cfg.vocab_size}")
+        diffs.append(f"moe layer pattern: checkpoint {ck.moe_layer_pattern()} vs model "
+                     f"{model_cfg.moe_layer_pattern()}")
+    if model_cfg.vocab_size < vocab:
+        diffs.append(f"vocab_size: checkpoint {vocab} > model {model_cfg.vocab_size}")
     if diffs:
-        raise CheckpointMismatchError(f"checkpoint {geom.architecture} does not match the model config: "
-                                      + "; ".join(diffs))
+        raise CheckpointMismatchError("checkpoint config.json does not match the model config: " + "; ".join(diffs))
 
 
-def read_full_state_dict(ckpt_dir: str):
-    """(geometry, config.json dict, full Megatron state dict) from a HF directory or a converted one."""
-    if os.path.isfile(os.path.join(ckpt_dir, storage.METADATA_FILE)):
-        geom, full = api.read_full_mcore_state_dict(ckpt_dir)
-        hf_cfg = storage.read_hf_config(os.path.join(ckpt_dir, storage.ASSETS_DIR))
-        return geom, hf_cfg, full
-    geom, hf_cfg, hf_sd = api.read_hf_checkpoint(ckpt_dir)
-    return geom, hf_cfg, hf_to_mcore(hf_sd, geom)
+def hf_target(model_cfg: ModelConfig, hf_dir: Optional[str]) -> HFTarget:
+    """The HF form of ``model_cfg``: config and assets of ``hf_dir`` (a HF or converted directory; it
+    must match ``model_cfg``), or a config.json generated from ``model_cfg`` when ``hf_dir`` is None."""
+    if hf_dir:
+        assets = storage.hf_assets_dir(hf_dir)
+        cfg = storage.read_hf_config(assets)
+        check_model_config_matches(cfg, model_cfg)
+        return HFTarget(cfg, HFGeometry.from_hf_config(cfg), assets)
+    cfg = megatron_to_hf_config(model_cfg, infer_hf_model_type(model_cfg))
+    return HFTarget(cfg, HFGeometry.from_hf_config(cfg), None)
 
 
-def pad_vocab(full: Dict[str, Tensor], rows: int) -> Dict[str, Tensor]:
-    """Copy of ``full`` with embedding / output layer padded with zero rows up to ``rows``."""
-    out = dict(full)
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        t = full.get(name)
-        if t is not None and t.shape[0] < rows:
-            out[name] = torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
-    return out
+# ---------------------------------------------------------------------------------------------- loading
+
+def _tied(model_cfg: ModelConfig) -> bool:
+    return not model_cfg.untie_embeddings_and_output_weights
 
 
-def strip_vocab(full: Dict[str, Tensor], rows: int) -> Dict[str, Tensor]:
-    """Copy of ``full`` with embedding / output layer cut to the first ``rows`` rows (drop padding)."""
-    out = dict(full)
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in full:
-            out[name] = full[name][:rows].contiguous()
-    return out
+def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dict[str, Tensor],
+                                    model_cfg: ModelConfig, groups: "ActorGroups") -> None:
+    """Cut this rank's chunk(s) from the full (TP1/PP1/EP1) Megatron state dict — embedding / output rows
+    zero-padded to ``model_cfg.vocab_size`` — and load them strictly (names and shapes checked)."""
+    for i, chunk in enumerate(chunks):
+        coords = RankCoords.from_groups(groups, vp_stage=i)
+        sd = cut_state_dict(full, coords, model_cfg.num_layers, _tied(model_cfg), model_cfg.num_moe_experts or 0,
+                            padded_vocab_size=model_cfg.vocab_size)
+        load_state_dict_into_model(chunk, sd, where=str(coords))
 
 
-def _layout_from_state(model_cfg) -> ShardLayout:
-    from megatron.core import parallel_state as ps
-
-    return ShardLayout(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                       pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                       expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                       expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-                       padded_vocab_size=model_cfg.vocab_size)
-
-
-def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str, model_cfg) -> None:
+def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str, model_cfg: ModelConfig,
+                               groups: "ActorGroups") -> None:
     """Load a HF directory or a converted directory into this rank's model chunk(s), strictly.
 
-    Checks first that the checkpoint's shapes match ``model_cfg`` (error names each field), then
-    every tensor name and shape of each chunk (error names the chunk's coordinates).
-    """
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.models.sharding import RankCoords, shard_state_dict
-
-    is_converted = os.path.isfile(os.path.join(ckpt_dir, storage.METADATA_FILE))
-    cfg_dir = os.path.join(ckpt_dir, storage.ASSETS_DIR) if is_converted else ckpt_dir
-    hf_cfg = storage.read_hf_config(cfg_dir)
-    geom = HFGeometry.from_hf_config(hf_cfg)
-    check_model_config_matches(geom, hf_cfg, model_cfg)
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if is_converted and vpp == 1 and len(chunks) == 1:
-        layout = _layout_from_state(model_cfg)
-        coords = dict(tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                      ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank())
-        sd = api.load_rank_state_dict(ckpt_dir, layout, **coords)
-        load_state_dict_into_model(chunks[0], sd, where=str(coords))
+    Checks first that the checkpoint's shapes match ``model_cfg`` (error names each field), then every
+    tensor name and shape of each chunk (error names the chunk's coordinates)."""
+    check_model_config_matches(storage.read_hf_config(storage.hf_assets_dir(ckpt_dir)), model_cfg)
+    if len(chunks) > 1:
+        _, full = api.read_full_state_dict(ckpt_dir)
+        load_full_state_dict_into_model(chunks, full, model_cfg, groups)
         return
-    _, _, full = read_full_state_dict(ckpt_dir)
-    full = pad_vocab(full, model_cfg.vocab_size)
+    layout = ShardLayout(tensor_model_parallel_size=groups.tp_size, pipeline_model_parallel_size=groups.pp_size,
+                         expert_model_parallel_size=groups.ep_size, expert_tensor_parallel_size=groups.etp_size,
+                         padded_vocab_size=model_cfg.vocab_size)
+    coords = RankCoords.from_groups(groups)
+    sd = api.load_rank_state_dict(ckpt_dir, layout, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+                                  ep_rank=groups.ep_rank, etp_rank=groups.etp_rank)
+    load_state_dict_into_model(chunks[0], sd, where=f"{ckpt_dir} -> {coords}")
+
+
+# -------------------------------------------------------------------------------------------- gathering
+
+def _all_gather(t: Tensor, group, size: int) -> List[Tensor]:
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _merge(t: Tensor, kind: str, group, size: int, name: str) -> Tensor:
+    """The full tensor of the TP (or ETP) split ``t`` of parameter ``name``."""
+    if kind == "replicated":
+        return t
+    return merge_tensors(_all_gather(t, group, size), kind, name)
+
+
+def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
+                      groups: "ActorGroups") -> Iterator[Tuple[str, Tensor]]:
+    """Collective over the TP / EP / ETP groups of this rank's pipeline stage (every rank calls it): the
+    (full-state-dict name, full tensor) of each parameter of this stage's chunks, on every rank of the
+    first (expert-)data-parallel replica; other replicas skip what they do not send. Embedding / output
+    rows keep the model's padded vocab; the tied output-layer copy of the last stage is skipped. Tensors
+    stay on the parameters' device (a gathered tensor is new memory, a replicated one the parameter)."""
+    sends_dense = groups.dp_rank == 0 and groups.cp_rank == 0
+    sends_experts = groups.edp_rank == 0
+    per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
     for i, chunk in enumerate(chunks):
-        # cut with the models package's sharding (handles VPP), load with the strict, TE-aware loader
-        c = RankCoords.from_parallel_state(vp_stage=i)
-        load_state_dict_into_model(chunk, shard_state_dict(full, model_cfg, c), where=str(c))
+        first_layer, _ = layer_range(model_cfg.num_layers, RankCoords.from_groups(groups, vp_stage=i))
+        for name, t in canonical_state_dict(chunk.state_dict()).items():
+            t = t.detach()
+            in_layer = split_layer_name(name)
+            if in_layer is None:
+                if sends_dense and not (name == "output_layer.weight" and _tied(model_cfg)):
+                    yield name, _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name)
+                continue
+            layer, rest = in_layer
+            prefix = f"decoder.layers.{layer + first_layer}."
+            expert = expert_index(rest)
+            if expert is None:
+                if sends_dense:
+                    yield prefix + rest, _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name)
+                continue
+            if sends_experts:
+                local, fmt = expert
+                whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name)
+                for ep_rank, piece in enumerate(_all_gather(whole, groups.ep_group, groups.ep_size)):
+                    yield prefix + fmt.format(ep_rank * per_ep + local), piece
 
 
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
+def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
+                    groups: "ActorGroups") -> Iterator[Tuple[str, Tensor]]:
+    """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
+    collective contract). A parameter without a HF counterpart in ``geometry`` raises, naming it."""
+    rules = {r.mcore_name: r for r in param_rules(geometry)}
+    for name, t in iter_full_tensors(chunks, model_cfg, groups):
+        rule = rules.get(name)
+        if rule is None:
+            raise CheckpointMismatchError(f"model parameter {name!r} has no HF tensor in {geometry.architecture}")
+        if name in _VOCAB_TENSORS:
+            t = t[: geometry.vocab_size]
+        yield from hf_tensors(rule, t, geometry)
 
 
-def gather_full_state_dict(chunks: Sequence[torch.nn.Module], model_cfg, dst_rank: int = 0
-                           ) -> Optional[Dict[str, Tensor]]:
-    """Collective over the default group: the full Megatron state dict (local-spec names, padded vocab)
-    on ``dst_rank``, None elsewhere. Only the first (expert-)data-parallel replica sends its tensors."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+def _is_stage_leader(groups: "ActorGroups") -> bool:
+    """The first rank of its pipeline stage: it holds every gathered tensor of the stage."""
+    return (groups.tp_rank, groups.dp_rank, groups.cp_rank, groups.edp_rank, groups.ep_rank,
+            groups.etp_rank) == (0, 0, 0, 0, 0, 0)
 
-    from megatron_rl.models.sharding import RankCoords, unshard_state_dicts
-    from megatron_rl.parallel.config import ParallelConfig
 
-    send_dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    send_expert = ps.get_expert_data_parallel_rank() == 0
-    payload = []
-    for i, chunk in enumerate(chunks):
-        sd = canonical_state_dict(chunk.state_dict())
-        part = {k: v.detach().cpu() for k, v in sd.items() if (send_expert if _is_expert(k) else send_dense)}
-        payload.append((RankCoords.from_parallel_state(vp_stage=i), part))
+def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
+    """Run the (collective) stream on every rank; the stage leaders keep CPU copies, which are brought to
+    global rank 0 (the dict there, None elsewhere)."""
+    leader = _is_stage_leader(groups)
+    mine: Dict[str, Tensor] = {}
+    for name, t in pairs:
+        if leader:
+            mine[name] = t.to("cpu", copy=True).contiguous()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
     rank = dist.get_rank()
-    gathered: Optional[List] = [None] * dist.get_world_size() if rank == dst_rank else None
-    dist.gather_object(payload, gathered, dst=dst_rank)
-    if rank != dst_rank:
+    stages: Optional[List[Dict[str, Tensor]]] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine if leader else {}, stages, dst=0)
+    if rank != 0:
         return None
-    merged: Dict = {}
-    for items in gathered:
-        for coords, part in items:
-            merged.setdefault(coords, {}).update(part)
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    pcfg = ParallelConfig(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                          pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                          virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-                          expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                          expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
-    return unshard_state_dicts(merged, model_cfg, pcfg)
+    out: Dict[str, Tensor] = {}
+    for part in stages:
+        out.update(part)
+    return out
 
 
-def export_model_to_hf(chunks: Sequence[torch.nn.Module], model_cfg, out_dir: str, assets_dir: str,
-                       dst_rank: int = 0) -> Optional[List[str]]:
-    """Collective over the default group: write the live model as a HF safetensors directory on
-    ``dst_rank`` (config.json and tokenizer files copied from ``assets_dir``, the original HF directory
-    or a converted directory's ``hf_assets``). Returns the weight files on ``dst_rank``, None elsewhere.
-    Tensors keep the model's dtype (fp32 params -> fp32 safetensors)."""
-    if os.path.isdir(os.path.join(assets_dir, storage.ASSETS_DIR)):
-        assets_dir = os.path.join(assets_dir, storage.ASSETS_DIR)
-    hf_cfg = storage.read_hf_config(assets_dir)
-    geom = HFGeometry.from_hf_config(hf_cfg)
-    check_model_config_matches(geom, hf_cfg, model_cfg)
-    full = gather_full_state_dict(chunks, model_cfg, dst_rank)
-    if full is None:
-        return None
-    return api.export_hf_from_full(strip_vocab(full, geom.vocab_size), geom, out_dir, assets_dir)
+def gather_full_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
+                           groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
+    """Collective over all ranks: the full Megatron state dict (local-spec names, padded vocab, CPU) on
+    global rank 0, None elsewhere."""
+    return _collect_on_rank0(iter_full_tensors(chunks, model_cfg, groups), groups)
+
+
+def gather_hf_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
+                         groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
+    """Collective over all ranks: {HF name: CPU tensor} on global rank 0 (every HF tensor of ``geometry``
+    checked present, with its shape), None elsewhere."""
+    sd = _collect_on_rank0(iter_hf_tensors(chunks, model_cfg, geometry, groups), groups)
+    if sd is not None:
+        check_state_dict(sd, {n: s for r in param_rules(geometry) for n, s in zip(r.hf_names, r.hf_shapes)},
+                         f"HF export of the live model ({geometry.architecture})")
+    return sd
+
+
+def export_model_to_hf(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, target: HFTarget, out_dir: str,
+                       groups: "ActorGroups", max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES
+                       ) -> Optional[List[str]]:
+    """Collective over all ranks: global rank 0 writes the live model as the HF directory ``out_dir``
+    (safetensors in the model's dtype + the target's config / tokenizer files); returns the weight files
+    there, None elsewhere. Ends with a barrier, so the directory is complete when any rank returns."""
+    sd = gather_hf_state_dict(chunks, model_cfg, target.geometry, groups)
+    files = None
+    if sd is not None:
+        files = storage.write_hf_model_dir(out_dir, sd, target.assets_dir, target.config, max_shard_bytes)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return files

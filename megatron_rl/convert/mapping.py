@@ -2,8 +2,8 @@
 
 "Full" means the state dict a TP1/PP1/EP1 Megatron ``GPTModel`` built with the **local layer spec**
 (``get_gpt_layer_local_spec``, SequentialMLP experts) has: global layer numbers, global expert numbers,
-the HF vocab size (no padding). :mod:`megatron_rl.convert.sharding` cuts it into per-rank shards, and
-:func:`megatron_rl.convert.te_names.to_te_names` renames it for the Transformer Engine spec.
+the HF vocab size (no padding). :mod:`megatron_rl.convert.partition` cuts it into per-rank shards, and
+:mod:`megatron_rl.convert.model_state` renames it for the Transformer Engine spec.
 
 Conventions (verified against megatron-core 0.16.1 ``attention.py`` / ``mlp.py``):
   * ``self_attention.linear_qkv.weight`` rows are grouped per query group: for each of
@@ -13,30 +13,22 @@ Conventions (verified against megatron-core 0.16.1 ``attention.py`` / ``mlp.py``
   * Norms, q/k layernorm, router and shared-expert gate are copied unchanged.
   * Tied embeddings: no ``output_layer.weight`` in the full state dict (and no ``lm_head.weight`` in HF).
 
-Every mismatch raises :class:`CheckpointMismatchError` listing *all* missing / unexpected tensor names
-and every shape mismatch with the tensor name, before any tensor is combined.
+Every mismatch raises :class:`CheckpointMismatchError` (``checks.check_state_dict``) listing *all* missing /
+unexpected tensor names and every shape mismatch with the tensor name, before any tensor is combined.
+:func:`hf_tensors` maps one Megatron tensor at a time (what a streaming exporter needs);
+:func:`mcore_to_hf` is built on it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.convert.geometry import HFGeometry
 
 Tensor = torch.Tensor
-
-# How a Megatron tensor is split over tensor-parallel ranks (see sharding.py).
-REPLICATED = "replicated"
-COLUMN = "column"          # dim 0 (ColumnParallelLinear weight/bias; linear_qkv in Megatron's group order)
-ROW = "row"                # dim 1 (RowParallelLinear weight)
-GATED_COLUMN = "gated_column"  # [gate; up]: gate and up are each split on dim 0, rank r holds [gate_r; up_r]
-VOCAB = "vocab"            # dim 0 after padding the vocabulary (embedding, output layer)
-
-
-class CheckpointMismatchError(ValueError):
-    """Tensor names or shapes do not match what the geometry requires."""
 
 
 @dataclass(frozen=True)
@@ -44,13 +36,11 @@ class ParamRule:
     """One Megatron tensor and the HF tensors it is made of."""
 
     mcore_template: str
-    """Megatron name with ``{layer}`` / ``{expert}`` placeholders (local indices go there when sharded)."""
+    """Megatron name with ``{layer}`` / ``{expert}`` placeholders."""
     hf_names: Tuple[str, ...]
     """HF tensor names (global indices filled in), in combine order."""
     combine: str
     """'copy' (one HF tensor), 'qkv' (q, k, v -> grouped rows) or 'gated' (gate, up -> [gate; up])."""
-    shard: str
-    """Tensor-parallel split kind: replicated, column, row, gated_column, vocab."""
     mcore_shape: Tuple[int, ...]
     """Shape of the full (unsharded, unpadded) Megatron tensor."""
     hf_shapes: Tuple[Tuple[int, ...], ...]
@@ -61,18 +51,9 @@ class ParamRule:
     """Global routed-expert index (None for non-expert tensors)."""
 
     @property
-    def is_expert(self) -> bool:
-        """Routed-expert tensor (split by expert parallel and expert-tensor parallel)."""
-        return self.expert is not None
-
-    @property
     def mcore_name(self) -> str:
         """Full-state-dict name (global layer and expert indices)."""
-        return self.name_with(self.layer, self.expert)
-
-    def name_with(self, layer: Optional[int], expert: Optional[int]) -> str:
-        """Megatron name with the given (local) layer and expert indices."""
-        return self.mcore_template.format(layer=layer, expert=expert)
+        return self.mcore_template.format(layer=self.layer, expert=self.expert)
 
 
 def _attn_rules(g: HFGeometry, i: int) -> List[ParamRule]:
@@ -80,36 +61,31 @@ def _attn_rules(g: HFGeometry, i: int) -> List[ParamRule]:
     p, m = f"model.layers.{i}.", "decoder.layers.{layer}."
     qkv_rows = ng * (hpg + 2) * d
     rules = [
-        ParamRule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", REPLICATED,
-                  (H,), ((H,),), layer=i),
+        ParamRule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", (H,), ((H,),), layer=i),
         ParamRule(m + "self_attention.linear_qkv.weight",
                   (p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
-                  "qkv", COLUMN, (qkv_rows, H), ((ng * hpg * d, H), (ng * d, H), (ng * d, H)), layer=i),
-        ParamRule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy", ROW,
+                  "qkv", (qkv_rows, H), ((ng * hpg * d, H), (ng * d, H), (ng * d, H)), layer=i),
+        ParamRule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "copy",
                   (H, ng * hpg * d), ((H, ng * hpg * d),), layer=i),
-        ParamRule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy", REPLICATED,
+        ParamRule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "copy",
                   (H,), ((H,),), layer=i),
     ]
     if g.add_qkv_bias:
         rules.append(ParamRule(
             m + "self_attention.linear_qkv.bias",
             (p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"),
-            "qkv", COLUMN, (qkv_rows,), ((ng * hpg * d,), (ng * d,), (ng * d,)), layer=i))
+            "qkv", (qkv_rows,), ((ng * hpg * d,), (ng * d,), (ng * d,)), layer=i))
     if g.qk_layernorm:
-        rules += [
-            ParamRule(m + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",), "copy",
-                      REPLICATED, (d,), ((d,),), layer=i),
-            ParamRule(m + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",), "copy",
-                      REPLICATED, (d,), ((d,),), layer=i),
-        ]
+        rules += [ParamRule(m + f"self_attention.{x}_layernorm.weight", (p + f"self_attn.{x}_norm.weight",), "copy",
+                            (d,), ((d,),), layer=i) for x in "qk"]
     return rules
 
 
 def _swiglu_rules(mpre: str, hpre: str, H: int, F: int, layer: int, expert: Optional[int]) -> List[ParamRule]:
     return [
         ParamRule(mpre + "linear_fc1.weight", (hpre + "gate_proj.weight", hpre + "up_proj.weight"), "gated",
-                  GATED_COLUMN, (2 * F, H), ((F, H), (F, H)), layer=layer, expert=expert),
-        ParamRule(mpre + "linear_fc2.weight", (hpre + "down_proj.weight",), "copy", ROW, (H, F), ((H, F),),
+                  (2 * F, H), ((F, H), (F, H)), layer=layer, expert=expert),
+        ParamRule(mpre + "linear_fc2.weight", (hpre + "down_proj.weight",), "copy", (H, F), ((H, F),),
                   layer=layer, expert=expert),
     ]
 
@@ -120,7 +96,7 @@ def _mlp_rules(g: HFGeometry, i: int) -> List[ParamRule]:
     if not g.is_moe_layer(i):
         return _swiglu_rules(m, p, H, g.ffn_hidden_size, i, None)
     E = g.num_moe_experts
-    rules = [ParamRule(m + "router.weight", (p + "gate.weight",), "copy", REPLICATED, (E, H), ((E, H),), layer=i)]
+    rules = [ParamRule(m + "router.weight", (p + "gate.weight",), "copy", (E, H), ((E, H),), layer=i)]
     for e in range(E):
         rules += _swiglu_rules(m + "experts.local_experts.{expert}.", p + f"experts.{e}.", H,
                                g.moe_ffn_hidden_size, i, e)
@@ -129,39 +105,21 @@ def _mlp_rules(g: HFGeometry, i: int) -> List[ParamRule]:
                                g.moe_shared_expert_intermediate_size, i, None)
         if g.moe_shared_expert_gate:
             rules.append(ParamRule(m + "shared_experts.gate_weight", (p + "shared_expert_gate.weight",), "copy",
-                                   REPLICATED, (1, H), ((1, H),), layer=i))
+                                   (1, H), ((1, H),), layer=i))
     return rules
 
 
 def param_rules(g: HFGeometry) -> List[ParamRule]:
-    """Every tensor of the full Megatron state dict, with its HF sources and TP split kind."""
+    """Every tensor of the full Megatron state dict, with its HF sources."""
     H, V = g.hidden_size, g.vocab_size
-    rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", VOCAB,
-                       (V, H), ((V, H),))]
+    rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", (V, H),
+                       ((V, H),))]
     for i in range(g.num_layers):
         rules += _attn_rules(g, i) + _mlp_rules(g, i)
-    rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", REPLICATED,
-                           (H,), ((H,),)))
+    rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", (H,), ((H,),)))
     if not g.tie_word_embeddings:
-        rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "copy", VOCAB, (V, H), ((V, H),)))
+        rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "copy", (V, H), ((V, H),)))
     return rules
-
-
-def _check_names_and_shapes(sd: Mapping[str, Tensor], expected: Dict[str, Tuple[int, ...]], what: str,
-                            allowed_extra: Tuple[str, ...] = ()) -> None:
-    missing = [n for n in expected if n not in sd]
-    unexpected = [n for n in sd if n not in expected and n not in allowed_extra]
-    bad = [f"{n}: got {tuple(sd[n].shape)}, expected {expected[n]}" for n in expected
-           if n in sd and tuple(sd[n].shape) != tuple(expected[n])]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensor(s): {missing}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s): {unexpected}")
-    if bad:
-        problems.append(f"{len(bad)} shape mismatch(es): {bad}")
-    if problems:
-        raise CheckpointMismatchError(f"{what}: " + "; ".join(problems))
 
 
 def _qkv_merge(q: Tensor, k: Tensor, v: Tensor, g: HFGeometry) -> Tensor:
@@ -192,7 +150,7 @@ def hf_to_mcore(hf_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]
             raise CheckpointMismatchError(
                 "HF checkpoint: tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
         extra = ("lm_head.weight",)
-    _check_names_and_shapes(hf_sd, expected, f"HF checkpoint ({g.architecture})", extra)
+    check_state_dict(hf_sd, expected, f"HF checkpoint ({g.architecture})", optional=extra)
     out: Dict[str, Tensor] = {}
     for r in rules:
         src = [hf_sd[n] for n in r.hf_names]
@@ -206,19 +164,26 @@ def hf_to_mcore(hf_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]
     return out
 
 
+def hf_tensors(rule: ParamRule, t: Tensor, g: HFGeometry) -> Iterator[Tuple[str, Tensor]]:
+    """(HF name, tensor) pairs of one full Megatron tensor ``t`` of ``rule`` (its shape is checked)."""
+    if tuple(t.shape) != tuple(rule.mcore_shape):
+        check_state_dict({rule.mcore_name: t}, {rule.mcore_name: rule.mcore_shape},
+                         f"Megatron tensor ({g.architecture})")
+    if rule.combine == "copy":
+        parts = [t]
+    elif rule.combine == "qkv":
+        parts = _qkv_split(t, g)
+    else:
+        parts = [p.contiguous() for p in t.chunk(2, dim=0)]
+    return zip(rule.hf_names, parts)
+
+
 def mcore_to_hf(mcore_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]:
     """Full Megatron state dict (as produced by :func:`hf_to_mcore` / unsharding) -> HF state dict."""
     rules = param_rules(g)
-    _check_names_and_shapes(mcore_sd, {r.mcore_name: r.mcore_shape for r in rules},
-                            f"Megatron state dict ({g.architecture})")
+    check_state_dict(mcore_sd, {r.mcore_name: r.mcore_shape for r in rules},
+                     f"Megatron state dict ({g.architecture})")
     out: Dict[str, Tensor] = {}
     for r in rules:
-        t = mcore_sd[r.mcore_name]
-        if r.combine == "copy":
-            parts = [t]
-        elif r.combine == "qkv":
-            parts = _qkv_split(t, g)
-        else:
-            parts = [p.contiguous() for p in t.chunk(2, dim=0)]
-        out.update(zip(r.hf_names, parts))
+        out.update(hf_tensors(r, mcore_sd[r.mcore_name], g))
     return out

@@ -22,24 +22,37 @@ from typing import Dict, Iterable, List, Mapping
 
 import torch
 
-from megatron_rl.convert.mapping import CheckpointMismatchError
+from megatron_rl.convert.checks import check_state_dict
 
 Tensor = torch.Tensor
 
 _TO_TE = [
-    (re.compile(r"^(.*decoder\.layers\.\d+\.)input_layernorm\.weight$"), r"\1self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(r"^(.*decoder\.layers\.\d+\.)input_layernorm\.weight$"),
+     r"\1self_attention.linear_qkv.layer_norm_weight"),
     (re.compile(r"^(.*decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
     (re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"), r"\1\3.weight\2"),
 ]
-_FROM_TE = [
-    (re.compile(r"^(.*decoder\.layers\.\d+\.)self_attention\.linear_qkv\.layer_norm_weight$"), r"\1input_layernorm.weight"),
-    (re.compile(r"^(.*decoder\.layers\.\d+\.)mlp\.linear_fc1\.layer_norm_weight$"), r"\1pre_mlp_layernorm.weight"),
-    (re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$"), r"\1local_experts.\3.\2.weight"),
-]
+_FROM_TE = (
+    # Transformer Engine spec fuses the pre-attention / pre-MLP norms into the following linear
+    (re.compile(r"^(.*\.)self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r"\1input_layernorm.\2"),
+    (re.compile(r"^(.*\.)mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r"\1pre_mlp_layernorm.\2"),
+    # grouped-GEMM experts (TEGroupedMLP) -> SequentialMLP names
+    (re.compile(r"^(.*\.)mlp\.experts\.linear_fc([12])\.(weight|bias)(\d+)$"),
+     r"\1mlp.experts.local_experts.\4.linear_fc\2.\3"),
+)
 
 
 def _is_extra_state(name: str) -> bool:
     return name.endswith("_extra_state")
+
+
+def canonical_name(name: str) -> str:
+    """The local-spec / SequentialMLP name of a model parameter: TE-spec fused norm names and grouped-GEMM
+    expert names map to it; other names are unchanged (inverse of :func:`adapt_names_to_model`)."""
+    for pattern, repl in _FROM_TE:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    return name
 
 
 def adapt_names_to_model(sd: Mapping[str, Tensor], model_keys: Iterable[str]) -> Dict[str, Tensor]:
@@ -57,44 +70,30 @@ def adapt_names_to_model(sd: Mapping[str, Tensor], model_keys: Iterable[str]) ->
 
 
 def canonical_state_dict(sd: Mapping[str, Tensor]) -> Dict[str, Tensor]:
-    """A model's state dict with local-spec names: ``module.`` prefixes, ``_extra_state`` dropped, TE
-    fused names mapped back (inverse of :func:`adapt_names_to_model`)."""
+    """A model's state dict with local-spec names: ``module.`` prefixes and ``_extra_state`` / None entries
+    dropped, TE fused and grouped-GEMM names mapped back (:func:`canonical_name`)."""
     out: Dict[str, Tensor] = {}
     for k, v in sd.items():
         if _is_extra_state(k) or v is None:
             continue
         while k.startswith("module."):
             k = k[len("module."):]
-        for pat, rep in _FROM_TE:
-            if pat.match(k):
-                k = pat.sub(rep, k)
-                break
-        out[k] = v
+        out[canonical_name(k)] = v
     return out
 
 
 def load_state_dict_into_model(model: torch.nn.Module, sd: Mapping[str, Tensor], where: str = "") -> List[str]:
     """Copy ``sd`` into the model's parameters/buffers in place (dtype converted), strictly.
 
-    Raises CheckpointMismatchError listing every missing, unexpected or mis-shaped tensor (and
-    ``where``, e.g. the rank coordinates) before anything is copied. Returns the loaded model keys.
+    Raises CheckpointMismatchError (``checks.check_state_dict``) listing every missing, unexpected or
+    mis-shaped tensor (and ``where``, e.g. the rank coordinates) before anything is copied. Returns the
+    loaded model keys.
     """
     target = model.state_dict(keep_vars=True)
     renamed = adapt_names_to_model(sd, target.keys())
-    missing = sorted(k for k in target if k not in renamed and not _is_extra_state(k) and target[k] is not None)
-    unexpected = sorted(k for k in renamed if k not in target)
-    bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(target[k].shape)}" for k, v in renamed.items()
-           if k in target and tuple(v.shape) != tuple(target[k].shape)]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} model tensor(s) missing from the checkpoint: {missing}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} checkpoint tensor(s) the model does not have: {unexpected}")
-    if bad:
-        problems.append(f"{len(bad)} shape mismatch(es): {bad}")
-    if problems:
-        raise CheckpointMismatchError(f"loading into model{' (' + where + ')' if where else ''}: "
-                                      + "; ".join(problems))
+    check_state_dict(renamed, {k: v.shape for k, v in target.items() if v is not None},
+                     f"loading into model{' (' + where + ')' if where else ''}",
+                     optional=[k for k in target if _is_extra_state(k)], expected_name="model")
     with torch.no_grad():
         for k, v in renamed.items():
             target[k].copy_(v.to(device=target[k].device))

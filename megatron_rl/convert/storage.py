@@ -9,7 +9,7 @@ Megatron shard directory (written by :func:`save_mcore_shards`)::
     OUT/expert_rank_{etp:02d}_{pp:03d}_{ep:03d}/model.safetensors   routed experts of (ep, etp, pp) (MoE only)
 
 Tensor names inside the files are megatron local-spec names with stage-local layer numbers and
-EP-local expert numbers, exactly what ``model.state_dict()`` of that rank holds (see sharding.py).
+EP-local expert numbers, exactly what ``model.state_dict()`` of that rank holds (see shard_files.py).
 
 HF directories: ``model.safetensors`` or ``model-XXXXX-of-YYYYY.safetensors`` + ``model.safetensors.index.json``.
 """
@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, Iterable, List, Mapping
+from typing import Dict, Iterable, List, Mapping, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from megatron_rl.convert.checks import CheckpointFormatError
 
 Tensor = torch.Tensor
 
@@ -34,10 +36,8 @@ HF_ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "to
                   "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                   "chat_template.jinja", "chat_template.json")
 SAFE_INDEX = "model.safetensors.index.json"
-
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint directory is missing files or has an unknown format."""
+#: HF weight files above this size are split (``model-XXXXX-of-YYYYY.safetensors`` + index).
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 def dense_file(root: str, tp: int, pp: int) -> str:
@@ -48,6 +48,16 @@ def dense_file(root: str, tp: int, pp: int) -> str:
 def expert_file(root: str, ep: int, etp: int, pp: int) -> str:
     """Path of the routed-expert shard of (ep, etp, pp)."""
     return os.path.join(root, f"expert_rank_{etp:02d}_{pp:03d}_{ep:03d}", "model.safetensors")
+
+
+def is_converted_dir(path: str) -> bool:
+    """True for a directory written by ``convert_hf_to_mcore`` (per-rank shards + metadata)."""
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def hf_assets_dir(path: str) -> str:
+    """Where config.json / tokenizer files of ``path`` live (``hf_assets/`` of a converted directory)."""
+    return os.path.join(path, ASSETS_DIR) if is_converted_dir(path) else path
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -99,7 +109,8 @@ def write_safetensors(path: str, sd: Mapping[str, Tensor]) -> None:
     save_file({k: v.detach().contiguous() for k, v in sd.items()}, path, metadata={"format": "pt"})
 
 
-def write_hf_state_dict(out_dir: str, sd: Mapping[str, Tensor], max_shard_bytes: int = 5 * 2**30) -> List[str]:
+def write_hf_state_dict(out_dir: str, sd: Mapping[str, Tensor],
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> List[str]:
     """Write HF weights: one ``model.safetensors`` or, above ``max_shard_bytes``, shards + index."""
     os.makedirs(out_dir, exist_ok=True)
     names = sorted(sd)
@@ -138,6 +149,24 @@ def copy_hf_assets(src_dir: str, dst_dir: str) -> List[str]:
             shutil.copyfile(p, os.path.join(dst_dir, name))
             copied.append(name)
     return copied
+
+
+def write_hf_model_dir(out_dir: str, hf_sd: Mapping[str, Tensor], assets_dir: Optional[str] = None,
+                       config: Optional[dict] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> List[str]:
+    """Write a HF model directory: the config / tokenizer files of ``assets_dir`` (if given), ``config``
+    as config.json when none is there yet, then the weights. Without any config.json it raises before
+    writing weights. Returns the weight files."""
+    os.makedirs(out_dir, exist_ok=True)
+    if assets_dir is not None:
+        copy_hf_assets(assets_dir, out_dir)
+    cfg_path = os.path.join(out_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        if config is None:
+            raise CheckpointFormatError(
+                f"export to {out_dir}: no config.json to write beside the weights (assets_dir={assets_dir!r})")
+        with open(cfg_path, "w") as fh:
+            json.dump(config, fh, indent=2, sort_keys=True)
+    return write_hf_state_dict(out_dir, hf_sd, max_shard_bytes)
 
 
 def prepare_output_dir(root: str, overwrite: bool) -> None:

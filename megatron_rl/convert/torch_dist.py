@@ -30,7 +30,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.mapping import CheckpointMismatchError
+from megatron_rl.convert.checks import CheckpointMismatchError
 from megatron_rl.convert.model_state import canonical_state_dict
 
 Tensor = torch.Tensor

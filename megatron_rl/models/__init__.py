@@ -1,4 +1,4 @@
-"""GPT / MoE models on megatron-core: typed model config, model builder, HF config mapping, sharding.
+"""GPT / MoE models on megatron-core: typed model config and model builder (HF and checkpoint I/O: ``convert``).
 
     from megatron_rl.models import ModelConfig, build_gpt_model
 """

@@ -26,6 +26,8 @@ import json
 import os
 from pathlib import Path
 
+from megatron_rl.convert.random_model import write_random_hf_model
+
 #: Special tokens, in id order: PAD=0, EOS=1, UNK=2.
 SPECIAL = ("<pad>", "<eos>", "<unk>")
 #: Task-name tokens (one token each).
@@ -95,10 +97,6 @@ def build_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int =
     ``out_dir``; return the path. ``task`` must be a built-in digit task (recorded in ``task_model.json``);
     ``config_kwargs`` go to ``task_model_config`` (num_attention_heads, num_key_value_heads,
     intermediate_size, max_position_embeddings, tie_word_embeddings). Same arguments -> identical weights."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
     if task not in TASK_WORDS:
         raise ValueError(f"build_task_model: task={task!r} must be one of {TASK_WORDS}")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -107,16 +105,7 @@ def build_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_char_tokenizer(out)
-    transformers.utils.logging.disable_progress_bar()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(str(out), safe_serialization=True)
-    cfg_path = out / "config.json"
-    data = json.loads(cfg_path.read_text())
-    data["dtype"] = "float32"
-    cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_random_hf_model(cfg, out, seed)
     (out / "task_model.json").write_text(json.dumps(
         {"task": task, "seed": seed, "hidden_size": hidden_size, "num_layers": num_layers, **config_kwargs},
         indent=2, sort_keys=True) + "\n")

@@ -17,10 +17,11 @@ Command line: ``python -m megatron_rl.testing.tiny_hf OUT_DIR [--arch qwen2|llam
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from megatron_rl.convert.random_model import write_random_hf_model
 
 #: Architectures ``build_tiny_hf_model`` can build.
 ARCHS = ("qwen2", "llama", "qwen3_moe")
@@ -136,11 +137,8 @@ def build_tiny_hf_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: i
             ``tie_word_embeddings=True``). ``vocab_size`` defaults to the tokenizer's size and may
             only be larger (padded rows, as in real checkpoints).
 
-    Weights are saved in fp32 (``model.safetensors``); ``config.json`` records ``dtype: float32``.
+    Weights are saved in fp32 (``model.safetensors``) by ``convert.random_model.write_random_hf_model``.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(out, tokenizer_vocab_size)
@@ -152,24 +150,7 @@ def build_tiny_hf_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: i
     overrides.setdefault("bos_token_id", eos)
     overrides.setdefault("eos_token_id", eos)
     overrides.setdefault("pad_token_id", eos)
-    config = tiny_config(arch, vocab_size, **overrides)
-    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                             "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
-
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(rng_state)
-    model.eval()
-    model.save_pretrained(str(out), safe_serialization=True)
-    # Record the saved dtype explicitly (readers such as SGLang's --dtype auto look at it).
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["dtype"] = "float32"
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return str(out)
+    return write_random_hf_model(tiny_config(arch, vocab_size, **overrides), out, seed)
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,7 @@
-"""Per-rank shards of the converter's file format (TP/PP/EP/ETP ``ShardLayout``), and glue them back.
+"""The converter's shard files: a ``ShardLayout`` (TP/PP/EP/ETP + padded vocab) checked against a model,
+the non-expert / routed-expert shard of each file cut from a full state dict, and the files glued back.
 
-A thin adapter over :mod:`megatron_rl.models.sharding`, the single implementation of the layout rules
+A thin adapter over :mod:`megatron_rl.convert.partition`, the single implementation of the layout rules
 (TP column / row / gated ``[gate_r; up_r]`` / vocab / replicated splits, PP layer ranges and first /
 last-stage tensors incl. the tied output layer, EP expert ranges, ETP). This module adds what the
 converter's files need: the layout (``ShardLayout``) validated against a HF geometry with errors in HF
@@ -24,15 +25,12 @@ from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
+from megatron_rl.convert.checks import CheckpointMismatchError, LayoutError, check_state_dict
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.mapping import CheckpointMismatchError, param_rules
-from megatron_rl.models.sharding import RankCoords, cut_state_dict, merge_state_dicts, merge_tensors
+from megatron_rl.convert.mapping import param_rules
+from megatron_rl.convert.partition import RankCoords, cut_state_dict, merge_state_dicts, merge_tensors
 
 Tensor = torch.Tensor
-
-
-class LayoutError(ValueError):
-    """The parallel layout does not fit the model geometry."""
 
 
 @dataclass(frozen=True)
@@ -172,17 +170,8 @@ def expert_keys(g: HFGeometry, layout: ShardLayout) -> Iterable[Tuple[int, int, 
     return [(e, t, p) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.etp)]
 
 
-def _check_shard(shard: Mapping[str, Tensor], expected: Mapping[str, Tensor], where: str) -> None:
-    """``shard`` holds exactly the names of ``expected`` (a shard cut from meta tensors), same shapes."""
-    for name, ref in expected.items():
-        if name not in shard:
-            raise CheckpointMismatchError(f"{where}: missing tensor {name!r}")
-        if tuple(shard[name].shape) != tuple(ref.shape):
-            raise CheckpointMismatchError(f"{where}: tensor {name!r} has shape {tuple(shard[name].shape)}, "
-                                          f"expected {tuple(ref.shape)}")
-    extra = sorted(set(shard) - set(expected))
-    if extra:
-        raise CheckpointMismatchError(f"{where}: unexpected tensor(s) {extra}")
+def _shapes(shard: Mapping[str, Tensor]) -> Dict[str, Tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in shard.items()}
 
 
 def unshard(dense: Mapping[Tuple[int, int], Mapping[str, Tensor]],
@@ -204,11 +193,11 @@ def unshard(dense: Mapping[Tuple[int, int], Mapping[str, Tensor]],
     meta = {r.mcore_name: torch.empty(r.mcore_shape, device="meta") for r in param_rules(g)}
     shards: Dict[RankCoords, Dict[str, Tensor]] = {}
     for t, p in dense_keys(layout):
-        _check_shard(dense[(t, p)], dense_shard(meta, g, layout, t, p), f"shard tp={t} pp={p}")
+        check_state_dict(dense[(t, p)], _shapes(dense_shard(meta, g, layout, t, p)), f"shard tp={t} pp={p}")
         shards.setdefault(_coords(layout, t, p), {}).update(dense[(t, p)])
     for e, t, p in expert_keys(g, layout):
-        _check_shard(experts[(e, t, p)], expert_shard(meta, g, layout, e, t, p),
-                     f"expert shard ep={e} etp={t} pp={p}")
+        check_state_dict(experts[(e, t, p)], _shapes(expert_shard(meta, g, layout, e, t, p)),
+                         f"expert shard ep={e} etp={t} pp={p}")
         shards.setdefault(_coords(layout, pp_rank=p, ep_rank=e, etp_rank=t), {}).update(experts[(e, t, p)])
     try:
         full = merge_state_dicts(shards, tp_size=layout.tp, etp_size=layout.etp, vocab_size=g.vocab_size,

@@ -1,8 +1,10 @@
-"""HF ``config.json`` <-> ``ModelConfig`` mapping for Llama, Qwen2, Qwen3, Qwen3-MoE and Qwen2-MoE.
+"""HF ``config.json`` <-> ``ModelConfig``: the one reading of a HF config in the project.
 
-Only what changes the forward pass is mapped. Anything the Megatron model here cannot reproduce is
-refused with ``HFConfigError`` naming the config.json key (RoPE scaling, sliding-window attention,
-o_proj / MLP biases, activations other than SiLU, unknown ``model_type``).
+Llama, Qwen2, Qwen3, Qwen3-MoE and Qwen2-MoE. Only what changes the forward pass or the tensor layout is
+mapped; anything the Megatron model here cannot reproduce is refused with ``UnsupportedCheckpointError``
+naming the config.json key (unsupported ``architectures`` / ``model_type``, RoPE scaling, sliding-window
+attention, o_proj / MLP biases, activations other than SiLU). The converter's tensor geometry
+(``HFGeometry``) is derived from this reading, never from config.json again.
 
 Router equivalence (verified against HF's routing code): HF ``norm_topk_prob=True`` (softmax over all
 experts, top-k, renormalise) == megatron softmax over the top-k logits (``moe_router_pre_softmax=False``);
@@ -13,24 +15,52 @@ its own; coefficients carry over, values are not bit-identical to HF's).
 Usage::
 
     mcfg = model_config_from_hf(json.load(open("hf/config.json")), padded_vocab_size=None)
+    arch = hf_architecture(cfg)                                  # e.g. "Qwen2ForCausalLM"
     cfg_json = megatron_to_hf_config(mcfg, model_type="qwen2", vocab_size=151936)
+    cfg_json = megatron_to_hf_config(mcfg, infer_hf_model_type(mcfg))   # no source checkpoint
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from megatron_rl.models.config import ModelConfig
+from megatron_rl.convert.checks import UnsupportedCheckpointError
+from megatron_rl.models.config import ModelConfig, ModelConfigError
 
-__all__ = ["HFConfigError", "SUPPORTED_MODEL_TYPES", "model_config_from_hf", "hf_config_to_model_config",
-           "megatron_to_hf_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ARCHITECTURES", "model_config_from_hf", "hf_architecture",
+           "megatron_to_hf_config", "infer_hf_model_type"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+#: HF ``architectures[0]`` of each supported ``model_type``.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
-class HFConfigError(ValueError):
-    """A HF config.json this project cannot represent (message names the key)."""
+def _model_type(cfg: Dict[str, Any]) -> str:
+    """The supported model_type of ``cfg``; ``architectures`` (when given) must be one supported class that
+    agrees with ``model_type`` (a config without one of them takes it from the other)."""
+    archs = cfg.get("architectures") or []
+    by_arch = {a: t for t, a in ARCHITECTURES.items()}
+    if archs and (len(archs) != 1 or archs[0] not in by_arch):
+        raise UnsupportedCheckpointError(f"config.json: unsupported architectures={archs!r}; supported: "
+                                         f"{sorted(by_arch)}")
+    mt = cfg.get("model_type") or (by_arch[archs[0]] if archs else None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedCheckpointError(f"config.json model_type={mt!r} is not supported (supported: "
+                                         f"{SUPPORTED_MODEL_TYPES})")
+    if archs and by_arch[archs[0]] != mt:
+        raise UnsupportedCheckpointError(f"config.json: architectures={archs!r} does not match model_type={mt!r}")
+    return mt
+
+
+def hf_architecture(cfg: Dict[str, Any]) -> str:
+    """HF ``architectures[0]`` of a supported config (from ``model_type`` when the list is absent)."""
+    return ARCHITECTURES[_model_type(cfg)]
+
+
+def _required(cfg: Dict[str, Any], key: str, mt: str) -> Any:
+    if cfg.get(key) is None:
+        raise UnsupportedCheckpointError(f"config.json ({mt}): missing required key {key!r}")
+    return cfg[key]
 
 
 def _rope_theta(cfg: Dict[str, Any]) -> float:
@@ -38,8 +68,8 @@ def _rope_theta(cfg: Dict[str, Any]) -> float:
     scaling = cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
-        raise HFConfigError(f"config.json rope_scaling/rope_parameters rope_type={rope_type!r}: only default "
-                            f"RoPE is supported")
+        raise UnsupportedCheckpointError(f"config.json rope_scaling/rope_parameters rope_type={rope_type!r}: only "
+                                         f"default RoPE is supported")
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
@@ -51,32 +81,31 @@ def _moe_pattern(cfg: Dict[str, Any], num_layers: int) -> List[int]:
 
 def model_config_from_hf(cfg: Dict[str, Any], padded_vocab_size: Optional[int] = None) -> ModelConfig:
     """``ModelConfig`` for a HF config dict. ``padded_vocab_size`` (>= vocab_size) sets the embedding
-    rows of the Megatron model (pad so TP divides it)."""
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise HFConfigError(f"config.json model_type={mt!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+    rows of the Megatron model (pad so TP divides it; default: config.json's ``vocab_size``)."""
+    mt = _model_type(cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise HFConfigError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+        raise UnsupportedCheckpointError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
     if cfg.get("mlp_bias"):
-        raise HFConfigError("config.json mlp_bias=true: MLP biases are not supported")
+        raise UnsupportedCheckpointError("config.json mlp_bias=true: MLP biases are not supported")
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise HFConfigError("config.json use_sliding_window=true: sliding-window attention is not supported")
+        raise UnsupportedCheckpointError("config.json use_sliding_window=true: sliding-window attention is not "
+                                         "supported")
     if mt in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
-        raise HFConfigError(f"config.json attention_bias=true ({mt}): q/k/v/o biases are not supported "
-                            f"(only Qwen2's q/k/v bias)")
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    layers = int(cfg["num_hidden_layers"])
-    vocab = int(cfg["vocab_size"])
+        raise UnsupportedCheckpointError(f"config.json attention_bias=true ({mt}): q/k/v/o biases are not "
+                                         f"supported (only Qwen2's q/k/v bias)")
+    heads = int(_required(cfg, "num_attention_heads", mt))
+    hidden = int(_required(cfg, "hidden_size", mt))
+    layers = int(_required(cfg, "num_hidden_layers", mt))
+    vocab = int(_required(cfg, "vocab_size", mt))
     if padded_vocab_size is not None and padded_vocab_size < vocab:
-        raise HFConfigError(f"padded_vocab_size={padded_vocab_size} < config.json vocab_size={vocab}")
+        raise UnsupportedCheckpointError(f"padded_vocab_size={padded_vocab_size} < config.json vocab_size={vocab}")
     head_dim = cfg.get("head_dim")
     kw: Dict[str, Any] = dict(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
         kv_channels=int(head_dim) if head_dim else None,
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        ffn_hidden_size=int(_required(cfg, "intermediate_size", mt)),
         vocab_size=int(padded_vocab_size or vocab),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rotary_base=_rope_theta(cfg),
@@ -92,8 +121,8 @@ def model_config_from_hf(cfg: Dict[str, Any], padded_vocab_size: Optional[int] =
         aux = bool(cfg.get("output_router_logits", False))
         kw.update(
             num_moe_experts=experts,
-            moe_router_topk=int(cfg["num_experts_per_tok"]),
-            moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+            moe_router_topk=int(_required(cfg, "num_experts_per_tok", mt)),
+            moe_ffn_hidden_size=int(_required(cfg, "moe_intermediate_size", mt)),
             moe_router_pre_softmax=not bool(cfg.get("norm_topk_prob", False)),  # HF default False
             moe_router_score_function="softmax",
             moe_router_load_balancing_type="aux_loss" if aux else "none",
@@ -104,31 +133,41 @@ def model_config_from_hf(cfg: Dict[str, Any], padded_vocab_size: Optional[int] =
             kw.update(moe_shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
                       moe_shared_expert_gate=True)
     mc = ModelConfig(**kw)
-    mc.validate()
+    try:
+        mc.validate()
+    except ModelConfigError as err:
+        raise UnsupportedCheckpointError(f"config.json ({mt}): {err}") from err
     return mc
 
 
-#: Alias with the name used in issue 4.
-hf_config_to_model_config = model_config_from_hf
+def infer_hf_model_type(model_cfg: ModelConfig) -> str:
+    """HF model_type for a ModelConfig without a source checkpoint: qwen3(_moe) with q/k norm,
+    qwen2_moe with a shared expert, qwen2 with QKV bias, else llama / qwen3_moe."""
+    if model_cfg.is_moe:
+        return "qwen2_moe" if model_cfg.moe_shared_expert_intermediate_size else "qwen3_moe"
+    if model_cfg.qk_layernorm:
+        return "qwen3"
+    return "qwen2" if model_cfg.add_qkv_bias else "llama"
 
 
 def megatron_to_hf_config(mc: ModelConfig, model_type: str, vocab_size: Optional[int] = None,
                           torch_dtype: str = "float32", extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """HF config.json dict for ``mc`` as ``model_type``; ``vocab_size`` = the HF (unpadded) vocab
-    (default ``mc.vocab_size``). Raises ``HFConfigError`` if ``mc`` does not fit that model type."""
+    (default ``mc.vocab_size``). Raises ``UnsupportedCheckpointError`` if ``mc`` does not fit that model type."""
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise HFConfigError(f"model_type={model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        raise UnsupportedCheckpointError(f"model_type={model_type!r} is not supported (supported: "
+                                         f"{SUPPORTED_MODEL_TYPES})")
     want_bias = model_type in ("qwen2", "qwen2_moe")
     if mc.add_qkv_bias != want_bias:
-        raise HFConfigError(f"add_qkv_bias={mc.add_qkv_bias} does not fit model_type={model_type!r}")
+        raise UnsupportedCheckpointError(f"add_qkv_bias={mc.add_qkv_bias} does not fit model_type={model_type!r}")
     want_qk = model_type in ("qwen3", "qwen3_moe")
     if mc.qk_layernorm != want_qk:
-        raise HFConfigError(f"qk_layernorm={mc.qk_layernorm} does not fit model_type={model_type!r}")
+        raise UnsupportedCheckpointError(f"qk_layernorm={mc.qk_layernorm} does not fit model_type={model_type!r}")
     moe_type = model_type.endswith("_moe")
     if mc.is_moe != moe_type:
-        raise HFConfigError(f"num_moe_experts={mc.num_moe_experts} does not fit model_type={model_type!r}")
+        raise UnsupportedCheckpointError(f"num_moe_experts={mc.num_moe_experts} does not fit model_type={model_type!r}")
     out: Dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type]],
+        "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
         "hidden_size": mc.hidden_size,
         "intermediate_size": mc.dense_ffn_hidden_size,
@@ -161,13 +200,14 @@ def megatron_to_hf_config(mc: ModelConfig, model_type: str, vocab_size: Optional
             output_router_logits=mc.moe_aux_loss_coeff > 0, router_aux_loss_coef=mc.moe_aux_loss_coeff,
         )
         if mc.moe_router_score_function != "softmax" or mc.moe_router_topk_scaling_factor:
-            raise HFConfigError(f"{model_type}: router must be softmax without topk scaling")
+            raise UnsupportedCheckpointError(f"{model_type}: router must be softmax without topk scaling")
         if model_type == "qwen2_moe":
             if not mc.moe_shared_expert_intermediate_size or not mc.moe_shared_expert_gate:
-                raise HFConfigError("qwen2_moe needs a gated shared expert (moe_shared_expert_intermediate_size, "
-                                    "moe_shared_expert_gate=True)")
+                raise UnsupportedCheckpointError("qwen2_moe needs a gated shared expert "
+                                                 "(moe_shared_expert_intermediate_size, moe_shared_expert_gate=True)")
             out["shared_expert_intermediate_size"] = mc.moe_shared_expert_intermediate_size
         elif mc.moe_shared_expert_intermediate_size:
-            raise HFConfigError("qwen3_moe has no shared expert (moe_shared_expert_intermediate_size is set)")
+            raise UnsupportedCheckpointError("qwen3_moe has no shared expert "
+                                             "(moe_shared_expert_intermediate_size is set)")
     out.update(extra or {})
     return out

@@ -1,11 +1,11 @@
-"""Full <-> per-rank megatron GPT state dicts (TP / PP / VPP / EP / ETP), pure tensor functions.
+"""How a full Megatron GPT state dict is partitioned over TP / PP / VPP / EP / ETP ranks, and merged back.
 
-"Full" state dict = the ``state_dict()`` of the same GPTModel built at TP1/PP1/EP1 with the same spec:
+"Full" state dict = the ``state_dict()`` of the same GPTModel built at TP1/PP1/EP1 with the local spec:
 global layer indices ``decoder.layers.{L}`` and global expert indices. A "shard" = the state dict of
-one model chunk on one rank. The single implementation of these layout rules (``cut_state_dict`` /
-``merge_state_dicts`` over ``split_tensor`` / ``merge_tensors``): the trainer's resharding, the live
-HF import / export and the converter's file format (``megatron_rl.convert.sharding``, an adapter that
-adds vocab padding and strict per-file checks) all go through it.
+one model chunk on one rank, at its ``RankCoords``. The single implementation of these layout rules
+(``cut_state_dict`` / ``merge_state_dicts`` over ``split_tensor`` / ``merge_tensors``): the converter's
+shard files (``shard_files``), loading into a live model and gathering from it (``live``) all use it.
+Pure tensor functions: no process group, no megatron import.
 
 Layout conventions (megatron-core 0.16, local and TE specs):
   * ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [V, H]: vocab rows split over TP
@@ -31,45 +31,22 @@ Layout conventions (megatron-core 0.16, local and TE specs):
 
 Usage::
 
-    coords = RankCoords.from_parallel_state()            # inside a rank, after initialize_model_parallel
-    local = shard_state_dict(full, model_cfg, coords)    # for chunk 0 (coords.vp_stage)
-    full2 = unshard_state_dicts({c: sd for c, sd in shards}, model_cfg, parallel_cfg)
-    load_full_state_dict(chunks, full, model_cfg)        # this rank's chunks, strict names and shapes
-    full3 = gather_full_state_dict(chunks, model_cfg, parallel_cfg)   # collective; rank 0 gets the dict
+    coords = RankCoords.from_groups(groups, vp_stage=0)         # this rank's chunk 0 (ActorGroups)
+    local = cut_state_dict(full, coords, num_layers=L, tied=True, padded_vocab_size=V)
+    full2 = merge_state_dicts({coords: local, ...}, num_layers=L, tied=True, tp_size=2, etp_size=2)
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
-from typing import Dict, List, Mapping, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from megatron_rl.models.config import ModelConfig
-from megatron_rl.parallel.config import ParallelConfig
+from megatron_rl.convert.model_state import canonical_name
 
-__all__ = ["RankCoords", "shard_state_dict", "unshard_state_dicts", "load_full_state_dict",
-           "gather_full_state_dict", "param_kind", "all_rank_coords", "canonical_name", "cut_state_dict",
-           "merge_state_dicts", "split_tensor", "merge_tensors"]
-
-_CANON_RULES = (
-    # Transformer Engine spec fuses the pre-attention / pre-MLP norms into the following linear
-    (re.compile(r"^(.*\.)self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r"\1input_layernorm.\2"),
-    (re.compile(r"^(.*\.)mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r"\1pre_mlp_layernorm.\2"),
-    # grouped-GEMM experts (TEGroupedMLP) -> SequentialMLP names
-    (re.compile(r"^(.*\.)mlp\.experts\.linear_fc([12])\.(weight|bias)(\d+)$"),
-     r"\1mlp.experts.local_experts.\4.linear_fc\2.\3"),
-)
-
-
-def canonical_name(name: str) -> str:
-    """The "full state dict" name of a model parameter: local-spec / SequentialMLP naming.
-    TE-spec fused norm names and grouped-GEMM expert names map to it; other names are unchanged."""
-    for pattern, repl in _CANON_RULES:
-        if pattern.match(name):
-            return pattern.sub(repl, name)
-    return name
-
+__all__ = ["RankCoords", "param_kind", "cut_state_dict", "merge_state_dicts", "split_tensor", "merge_tensors",
+           "layer_range", "split_layer_name", "expert_index"]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -94,16 +71,11 @@ class RankCoords:
     """Chunks per pipeline rank (1 without VPP)."""
 
     @classmethod
-    def from_parallel_state(cls, vp_stage: int = 0) -> "RankCoords":
-        """This rank's coordinates from megatron's initialised ``parallel_state``."""
-        from megatron.core import parallel_state as ps
-
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-        return cls(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                   pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-                   ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-                   etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
-                   vp_stage=vp_stage, vpp_size=vpp)
+    def from_groups(cls, groups: Any, vp_stage: int = 0) -> "RankCoords":
+        """Coordinates of this rank's chunk ``vp_stage`` from its ``ActorGroups``."""
+        return cls(tp_rank=groups.tp_rank, tp_size=groups.tp_size, pp_rank=groups.pp_rank, pp_size=groups.pp_size,
+                   ep_rank=groups.ep_rank, ep_size=groups.ep_size, etp_rank=groups.etp_rank,
+                   etp_size=groups.etp_size, vp_stage=vp_stage, vpp_size=groups.vpp_size)
 
     @property
     def chunk_index(self) -> int:
@@ -124,18 +96,6 @@ class RankCoords:
     def is_last_chunk(self) -> bool:
         """Holds the final norm and the output layer."""
         return self.chunk_index == self.num_chunks - 1
-
-
-def all_rank_coords(parallel: ParallelConfig) -> List[RankCoords]:
-    """Every distinct (TP, PP, VPP, EP, ETP) shard position of ``parallel`` (DP replicas excluded).
-
-    Dense weights depend on (tp, pp, vp); expert weights on (ep, etp, pp, vp). One coordinate per
-    combination of (tp, pp, vp, ep, etp) is returned; consumers pick what they need."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    ep, etp = parallel.expert_model_parallel_size, parallel.etp
-    vpp = parallel.virtual_pipeline_model_parallel_size or 1
-    return [RankCoords(t, tp, p, pp, e, ep, et, etp, v, vpp)
-            for p in range(pp) for v in range(vpp) for t in range(tp) for e in range(ep) for et in range(etp)]
 
 
 def param_kind(local_name: str) -> str:
@@ -220,14 +180,21 @@ def merge_tensors(parts: List[torch.Tensor], kind: str, name: str,
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
 
 
-def _layer_range(num_layers: int, c: RankCoords) -> Tuple[int, int]:
+def layer_range(num_layers: int, c: RankCoords) -> Tuple[int, int]:
+    """[first, last + 1) global layers of the chunk at ``c``."""
     if num_layers % c.num_chunks:
         raise ValueError(f"num_layers={num_layers} not divisible by PP x VPP = {c.num_chunks}")
     n = num_layers // c.num_chunks
     return c.chunk_index * n, (c.chunk_index + 1) * n
 
 
-def _expert_split(rest: str) -> Optional[Tuple[int, str]]:
+def split_layer_name(name: str) -> Optional[Tuple[int, str]]:
+    """(layer index, name inside the layer) of a ``decoder.layers.{L}.`` name, else None."""
+    m = _LAYER_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def expert_index(rest: str) -> Optional[Tuple[int, str]]:
     """(expert index, format string with {} for the index) for an expert parameter name, else None."""
     m = _SEQ_EXPERT_RE.match(rest)
     if m:
@@ -247,7 +214,7 @@ def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_lay
     output-layer copy, expert ranges, TP / ETP splits). ``tied``: embeddings shared with the output
     layer; ``padded_vocab_size``: zero-pad the embedding / output layer to this many rows first (None:
     no padding); ``dense`` / ``experts``: include the non-expert / routed-expert tensors."""
-    lo, hi = _layer_range(num_layers, coords)
+    lo, hi = layer_range(num_layers, coords)
     if num_moe_experts and num_moe_experts % coords.ep_size:
         raise ValueError(f"num_moe_experts={num_moe_experts} not divisible by "
                          f"expert_model_parallel_size={coords.ep_size}")
@@ -258,12 +225,12 @@ def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_lay
         if name.endswith("_extra_state"):
             continue
         name = canonical_name(name)
-        m = _LAYER_RE.match(name)
-        if m:
-            layer, rest = int(m.group(1)), m.group(2)
+        in_layer = split_layer_name(name)
+        if in_layer:
+            layer, rest = in_layer
             if not lo <= layer < hi:
                 continue
-            ex = _expert_split(rest)
+            ex = expert_index(rest)
             local_layer = f"decoder.layers.{layer - lo}."
             if ex is not None:
                 e, fmt = ex
@@ -285,7 +252,7 @@ def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_lay
             if dense and coords.is_last_chunk:
                 out[name] = split_tensor(t, param_kind(name), tp_rank, tp_size, name, padded_vocab_size)
             continue
-        raise KeyError(f"shard_state_dict: unknown top-level parameter {name!r}")
+        raise KeyError(f"cut_state_dict: unknown top-level parameter {name!r}")
     return out
 
 
@@ -299,16 +266,16 @@ def merge_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], n
     pieces: Dict[str, Dict[Tuple[str, int], torch.Tensor]] = {}
     kinds: Dict[str, str] = {}
     for coords, sd in shards.items():
-        lo, _ = _layer_range(num_layers, coords)
+        lo, _ = layer_range(num_layers, coords)
         per_ep = (num_moe_experts or 0) // coords.ep_size
         for name, t in sd.items():
             if t is None or name.endswith("_extra_state"):
                 continue
             name = canonical_name(name)
-            m = _LAYER_RE.match(name)
-            if m:
-                layer, rest = int(m.group(1)) + lo, m.group(2)
-                ex = _expert_split(rest)
+            in_layer = split_layer_name(name)
+            if in_layer:
+                layer, rest = in_layer[0] + lo, in_layer[1]
+                ex = expert_index(rest)
                 kind = param_kind(rest)
                 if ex is not None:
                     e, fmt = ex
@@ -340,75 +307,3 @@ def merge_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], n
             raise ValueError(f"{gname}: missing {axis} shard(s) {missing}")
         full[gname] = merge_tensors([parts[(axis, r)] for r in range(size)], kind, gname, vocab_size)
     return full
-
-
-def shard_state_dict(full: Mapping[str, torch.Tensor], model: ModelConfig,
-                     coords: RankCoords) -> Dict[str, torch.Tensor]:
-    """The state dict of the model chunk at ``coords`` cut from the full (TP1/PP1/EP1) state dict."""
-    return cut_state_dict(full, coords, model.num_layers, not model.untie_embeddings_and_output_weights,
-                          model.num_moe_experts or 0)
-
-
-def unshard_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], model: ModelConfig,
-                        parallel: ParallelConfig) -> Dict[str, torch.Tensor]:
-    """Inverse of ``shard_state_dict``: merge per-chunk state dicts (keyed by their coords; every
-    (tp, pp, vp, ep, etp) position needed must be present) into the full TP1/PP1/EP1 state dict.
-    Replicated tensors must agree across shards (else ValueError naming the parameter)."""
-    return merge_state_dicts(shards, model.num_layers, not model.untie_embeddings_and_output_weights,
-                             parallel.tensor_model_parallel_size, parallel.etp, model.num_moe_experts or 0)
-
-
-def load_full_state_dict(chunks: List[torch.nn.Module], full: Mapping[str, torch.Tensor], model: ModelConfig,
-                         coords: Optional[RankCoords] = None) -> None:
-    """Load the full state dict into this rank's model chunk(s) (strict: every key must match, with
-    shapes). ``coords`` defaults to ``RankCoords.from_parallel_state()``; chunk i uses vp_stage i."""
-    for i, chunk in enumerate(chunks):
-        c = replace(coords, vp_stage=i) if coords is not None else RankCoords.from_parallel_state(vp_stage=i)
-        local = shard_state_dict(full, model, c)
-        own_all = chunk.state_dict()
-        # model names may be TE / grouped-GEMM names; compare in canonical names
-        own = {canonical_name(k): v for k, v in own_all.items() if not k.endswith("_extra_state")}
-        missing = sorted(k for k in own if k not in local)
-        unexpected = sorted(k for k in local if k not in own)
-        bad_shape = [(k, tuple(local[k].shape), tuple(own[k].shape)) for k in local
-                     if k in own and own[k] is not None and hasattr(own[k], "shape") and local[k].shape != own[k].shape]
-        if missing or unexpected or bad_shape:
-            raise ValueError(f"load_full_state_dict (chunk {i}, {c}): missing={missing} unexpected={unexpected} "
-                             f"shape mismatch (name, given, model)={bad_shape}")
-        with torch.no_grad():
-            for k, t in local.items():
-                own[k].copy_(t)
-
-
-def gather_full_state_dict(chunks: List[torch.nn.Module], model: ModelConfig, parallel: ParallelConfig,
-                           dst: int = 0, group=None) -> Optional[Dict[str, torch.Tensor]]:
-    """Collective (every rank of ``group``, default WORLD, calls it): the full TP1/PP1/EP1 state dict
-    of the running model on rank ``dst`` (CPU tensors), None on the other ranks.
-
-    Every rank sends its chunks' state dicts (on CPU) to ``dst`` with ``gather_object``; data-parallel
-    replicas must agree (checked by ``unshard_state_dicts``). Memory on ``dst`` is O(model size):
-    meant for tests, small models and weight export; big models should go through per-rank files."""
-    import torch.distributed as dist
-
-    local = {}
-    for i, chunk in enumerate(chunks):
-        sd = chunk.module.state_dict() if hasattr(chunk, "module") else chunk.state_dict()
-        local[RankCoords.from_parallel_state(vp_stage=i)] = {
-            k: v.detach().cpu().clone() for k, v in sd.items()
-            if v is not None and torch.is_tensor(v) and not k.endswith("_extra_state")}
-    me = dist.get_rank(group)
-    gathered = [None] * dist.get_world_size(group) if me == dst else None
-    dist.gather_object(local, gathered, dst=dist.get_global_rank(group, dst) if group is not None else dst,
-                       group=group)
-    if me != dst:
-        return None
-    shards: Dict[RankCoords, Dict[str, torch.Tensor]] = {}
-    for per_rank in gathered:
-        for coords, sd in per_rank.items():
-            prev = shards.get(coords)
-            if prev is not None:
-                for k, t in sd.items():
-                    if not torch.equal(prev[k], t):
-                        raise ValueError(f"gather_full_state_dict: {k} differs between data-parallel replicas at {coords}")
-            shards[coords] = sd
-    return unshard_state_dicts(shards, model, parallel)
