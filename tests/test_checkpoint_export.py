@@ -5,7 +5,7 @@ not the source), saves the checkpoint the way the RL loop does (``actor.save_che
 checkpoints/step_N, N, {"config": job.to_dict()})``) and records the actor's own log-probs. Then
 ``megatron-rl convert mcore-to-hf --mcore-dir run_dir/checkpoints/step_N`` (one process, no process group)
 writes a HF directory; HF transformers' log-probs on the same tokens must equal the actor's (<= 1e-4, fp32),
-at TP2xPP2, PP2xVPP2 and MoE EP2, with config / tokenizer files from the run's ``actor.load_hf``. Without a
+at TP2xPP2, PP4xVPP2 and MoE EP2, with config / tokenizer files from the run's ``actor.load_hf``. Without a
 HF directory to copy (``actor.load_hf`` gone) the config.json is generated from the saved model config.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_checkpoint_export.py -q``
@@ -35,6 +35,7 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ckpt_export")
     return {"qwen2": str(build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=41, num_hidden_layers=4)),
+            "deep": str(build_tiny_hf_model(root / "deep", arch="qwen2", seed=43, num_hidden_layers=8)),
             "moe": str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=42))}
 
 
@@ -57,7 +58,7 @@ def _job(hf_dir, tp=1, pp=1, ep=1, vpp=None):
                      moe_router_pre_softmax=not cfg["norm_topk_prob"])
     return job_config_from_dict({
         "model": model,
-        "actor": {"load_hf": hf_dir, "micro_batch_size": 2, "lr": 1e-2},
+        "actor": {"load_hf": hf_dir, "micro_batch_size": 1 if vpp else 2, "lr": 1e-2},
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                      "expert_model_parallel_size": ep, "virtual_pipeline_model_parallel_size": vpp},
     })
@@ -94,11 +95,11 @@ def _hf_log_probs(hf_dir, batch):
     return torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
 
 
-CASES = [("qwen2", dict(tp=2, pp=2), 4), ("qwen2", dict(pp=2, vpp=2), 2), ("moe", dict(ep=2), 2)]
+CASES = [("qwen2", dict(tp=2, pp=2), 4), ("deep", dict(pp=4, vpp=2), 4), ("moe", dict(ep=2), 2)]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("key,layout,world", CASES, ids=["tp2pp2", "pp2vpp2", "moe-ep2"])
+@pytest.mark.parametrize("key,layout,world", CASES, ids=["tp2pp2", "pp4vpp2", "moe-ep2"])
 def test_training_checkpoint_exports_to_hf(models, tmp_path, key, layout, world):
     job = _job(models[key], **layout)
     batch = _batch(job.model.vocab_size, length=12 if layout.get("vpp") else None)
@@ -111,7 +112,7 @@ def test_training_checkpoint_exports_to_hf(models, tmp_path, key, layout, world)
     assert (lp.double() - _hf_log_probs(out, batch))[valid].abs().max() <= 1e-4
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # from the run's actor.load_hf
         assert os.path.isfile(os.path.join(out, name)), name
-    if key == "qwen2" and world == 4:  # the run's HF directory is gone: a generated config.json
+    if key == "qwen2":  # the run's HF directory is gone: a generated config.json
         shutil.rmtree(models[key] + "_moved", ignore_errors=True)
         os.rename(models[key], models[key] + "_moved")
         try:
