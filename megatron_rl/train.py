@@ -31,14 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load + validate, then train; returns the exit code."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megatron_rl.platform.warnings import install_known_message_filter
+
+    install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
     from megatron_rl.config import ConfigError, load_job_config
 
     overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
     try:
         cfg = load_job_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"megatron-rl: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:  # once per launch, with how to launch when torchrun was forgotten
+        from megatron_rl.cli.config_errors import config_error_exit
+
+        return config_error_exit(exc, "megatron_rl.train", args.config, overrides)
     if args.check_only:
         print("config OK")
         return 0

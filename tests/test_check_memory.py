@@ -173,34 +173,75 @@ def _cli(*args):
 
 
 def test_cli_ok_prints_plan():
-    r = _cli(Q7, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80")
+    """No flags: the file's cluster: section (2 nodes x 8 GPUs, 80 GiB) is planned."""
+    r = _cli(Q30)
     assert r.returncode == 0, r.stderr
-    assert "TP=2" in r.stdout and "DP=4" in r.stdout and "fits:" in r.stdout
+    assert "world size 16 (2 node(s) x 8 GPU(s))" in r.stdout
+    assert "TP=2" in r.stdout and "DP=4" in r.stdout and "EP=8" in r.stdout and "fits:" in r.stdout
     assert "WARNING" not in r.stdout
 
 
+def test_cli_plans_what_the_actor_builds_and_flags_override():
+    """Default: fp32 params (4 B) and replicated Adam state (the actor's settings); the flags plan bf16 and
+    the distributed optimizer instead. Params of one rank of Qwen2.5-7B at TP=2 counted by hand."""
+    n = qwen7b_rank_params(tp=2)
+
+    def row(out):
+        line = [ln for ln in out.splitlines() if ln.split()[:1] == ["0"]][0].split()
+        return [float(x) for x in line[2:5]]  # params, grads, optim in GiB
+
+    r = _cli(Q7, "--gpu-memory-gb", "200")
+    assert r.returncode == 0, r.stderr
+    params, grads, optim = row(r.stdout)
+    assert params == pytest.approx(4 * n / 2**30, abs=0.01) and optim == pytest.approx(8 * n / 2**30, abs=0.01)
+    assert "params 4 B (the actor builds fp32)" in r.stdout and "on every DP rank" in r.stdout
+    r = _cli(Q7, "--params-bytes", "2", "--distributed-optimizer")
+    params, grads, optim = row(r.stdout)
+    assert params == pytest.approx(2 * n / 2**30, abs=0.01)
+    assert optim == pytest.approx(12 * n / 4 / 2**30, abs=0.01)  # sharded over DP=4
+    assert "fits:" in r.stdout
+
+
 def test_cli_warns_and_strict_exit():
-    r = _cli(Q7, "--gpu-memory-gb", "20", "--recompute", "none")
-    assert r.returncode == 0 and "WARNING" in r.stdout and "> --gpu-memory-gb 20" in r.stdout
+    r = _cli(Q7, "--recompute", "none")
+    assert r.returncode == 0 and "WARNING" in r.stdout and "> GPU memory 80 GiB" in r.stdout
     r = _cli(Q7, "--gpu-memory-gb", "20", "--strict")
     assert r.returncode == 3
 
 
-def test_cli_invalid_config_names_the_key():
+def test_cli_invalid_config_names_the_key_and_the_nodes_that_fit():
     r = _cli(Q30, "--nodes", "1", "--gpus-per-node", "8", "actor.lr=-1")
     assert r.returncode == 2
     assert "actor.lr: must be > 0" in r.stderr
-    assert "world_size=8 is not divisible by expert_tensor_parallel_size" in r.stderr
+    assert ("world size: 8 ranks are not divisible by parallel.expert_tensor_parallel_size x "
+            "parallel.expert_model_parallel_size x parallel.pipeline_model_parallel_size = 1x8x2 = 16") in r.stderr
+    assert "hint: --nodes 2 (world size 16) fits this layout" in r.stderr
+    r = _cli(DS, "--nodes", "32")
+    assert r.returncode == 2 and "hint: --nodes 64 (world size 512)" in r.stderr
     r = _cli(Q7, "parallel.tensor_model_paralel_size=4")
-    assert r.returncode == 2 and "tensor_model_parallel_size" in r.stderr
+    assert r.returncode == 2 and "parallel.tensor_model_paralel_size: unknown key (did you mean " \
+                                  "'tensor_model_parallel_size'?)" in r.stderr
     r = _cli(os.path.join(ROOT, "configs", "nope.yaml"))
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
 def test_cli_options_after_overrides():
-    r = _cli(Q30, "rollout.max_new_tokens=1024", "--nodes", "2", "--recompute", "full")
+    r = _cli(Q30, "rollout.max_new_tokens=1024", "--nodes", "2", "--recompute", "full", "--prompt-length", "1024")
     assert r.returncode == 0, r.stderr
     assert "sequence 2048 tokens" in r.stdout and "recompute full" in r.stdout
+    # default prompt: the task's longest prompt, 'add:99999+99999=' = 14 char-tokenizer tokens (add : 5 + 5 =)
+    r = _cli(Q30, "rollout.max_new_tokens=1024", "data.task=add", "data.path=null", "data.task_kwargs={max_digits: 5}")
+    assert "sequence 1038 tokens (prompt 14 + " in r.stdout, r.stdout + r.stderr
+
+
+def test_cli_prompt_length_of_a_prompt_file_without_tokenizer(tmp_path):
+    """No tokenizer available: the longest prompt's UTF-8 bytes (an upper bound for byte-level BPE)."""
+    p = tmp_path / "prompts.jsonl"
+    p.write_text('{"prompt": "short", "answer": "1"}\n{"prompt": "caf\u00e9 longer prompt", "answer": "2"}\n')
+    r = _cli(Q30, "data.task=file", f"data.path={p}", "data.task_kwargs={}", "rollout.max_new_tokens=100")
+    assert r.returncode == 0, r.stderr
+    assert "prompt 19 tokens (UTF-8 bytes of the longest prompt" in r.stdout  # 'café longer prompt': 18 chars, é = 2 B
+    assert "sequence 119 tokens" in r.stdout
 
 
 def test_cli_recompute_follows_model_extra():

@@ -1,77 +1,161 @@
-"""``megatron-rl check``: validate a job config at a given cluster size and print the per-rank memory plan.
+"""``megatron-rl check``: validate a job config on the cluster it is written for and print the per-rank memory plan.
 
-    megatron-rl check configs/qwen2.5_7b_1x8.yaml --nodes 1 --gpus-per-node 8 --gpu-memory-gb 80
-    megatron-rl check configs/deepseek_v3_scale_64x8.yaml --nodes 64 --gpus-per-node 8 --recompute full \\
+    megatron-rl check configs/qwen2.5_7b_1x8.yaml                  # plans the file's cluster: section
+    megatron-rl check configs/deepseek_v3_scale_64x8.yaml --nodes 32 --recompute full \\
         rollout.max_new_tokens=8192
 
-The config is loaded exactly as the trainer loads it (``load_job_config`` with world size
-nodes x gpus-per-node, overrides applied), so every error the trainer would raise at start-up is
-raised here, naming the dotted key; exit status 2. Then the memory plan of
-:mod:`megatron_rl.ops.memory` is printed (formulas in that module's docstring). Exit status 0 when
-it fits (or no --gpu-memory-gb was given); with ``--strict`` a plan above --gpu-memory-gb exits 3.
+The config is loaded as the trainer loads it, at the world size of its ``cluster:`` section (nodes x
+gpus_per_node; ``--nodes`` / ``--gpus-per-node`` / ``--gpu-memory-gb`` / ``--device`` override it). Every
+problem is listed at once, each naming its dotted key; when the world size does not fit the layout, the
+node counts that would are named. The memory plan of :mod:`megatron_rl.ops.memory` (formulas in that
+module's docstring) is printed for what the file runs (:mod:`megatron_rl.ops.run_profile`: device, the
+actor's params dtype and optimizer, the task's longest prompt + ``rollout.max_new_tokens``) whenever the
+model shapes are known, even if other keys are wrong. Exit status: 2 when there is a problem, 3 with
+``--strict`` when the plan exceeds the GPU memory, else 0.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import List, Optional
+
+
+DEFAULT_PROMPT_LENGTH = 1024
+
+
+def nodes_that_fit(cfg, gpus_per_node: int, limit: int = 4096) -> Optional[int]:
+    """The smallest node count whose world size (x ``gpus_per_node``) fits the config's layout and batch."""
+    from megatron_rl.config.validate import world_errors
+
+    for n in range(1, limit + 1):
+        if not world_errors(cfg, n * gpus_per_node):
+            return n
+    return None
+
+
+def _flag_overrides(args: argparse.Namespace) -> List[str]:
+    out = []
+    for flag, key in (("nodes", "nodes"), ("gpus_per_node", "gpus_per_node"), ("gpu_memory_gb", "gpu_memory_gb"),
+                      ("device", "device")):
+        if getattr(args, flag) is not None:
+            out.append(f"cluster.{key}={getattr(args, flag)}")
+    return out
+
+
+def _blocks_plan(problem: str) -> bool:
+    """Problems after which the plan's numbers would be wrong (shapes or layout)."""
+    return problem.startswith(("world size", "parallel.", "model.", "model:", "actor.micro_batch_size",
+                               "rollout.max_new_tokens", "data.prompts_per_step", "rollout.n_samples_per_prompt",
+                               "actor.ppo_mini_batches"))
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_rl.config import ConfigError, load_job_config
+    # imported here: torch / megatron are heavy and `megatron-rl --help` builds every subcommand's parser
+    from megatron_rl.platform.warnings import install_known_message_filter
+
+    install_known_message_filter()  # megatron's known CPU notices: once, with why
+    from megatron_rl.config import ConfigError, collect_job_config
+    from megatron_rl.config.validate import world_errors
     from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, memory_plan
+    from megatron_rl.ops.run_profile import run_profile
 
     for name in ("nodes", "gpus_per_node"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
             return 2
-    world = args.nodes * args.gpus_per_node
     try:
-        cfg = load_job_config(args.config, args.overrides, world_size=world)
+        cfg, problems = collect_job_config(args.config, list(args.overrides) + _flag_overrides(args),
+                                           world_size="cluster")
     except ConfigError as exc:
-        print(f"error: {args.config} at world size {world} ({args.nodes} node(s) x {args.gpus_per_node} GPU(s)):"
-              f" {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
+    c = cfg.cluster
+    world = c.world_size
+    where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "
+             f"{'GPU' if c.device == 'cuda' else 'CPU rank'}(s))")
+    if problems:
+        print(f"error: {where}: {len(problems)} problem(s):", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        if world_errors(cfg, world):
+            n = nodes_that_fit(cfg, c.gpus_per_node)
+            if n is not None:
+                print(f"hint: --nodes {n} (world size {n * c.gpus_per_node}) fits this layout", file=sys.stderr)
+            else:
+                print(f"hint: no node count of {c.gpus_per_node} rank(s) fits this layout; change the "
+                      f"parallel sizes or --gpus-per-node", file=sys.stderr)
+    else:
+        print(f"config OK: {where}")
+    if cfg.model is None:
+        print("memory plan: skipped (no model shapes: give a model: section, or an actor.load_hf directory with "
+              "a config.json)", file=sys.stderr)
+        return 2
+    blocking = [p for p in problems if _blocks_plan(p)]
+    if blocking:
+        print("memory plan: skipped until the layout / batch problems above are fixed", file=sys.stderr)
+        return 2
+    prof = run_profile(cfg)
+    prompt = args.prompt_length if args.prompt_length is not None else prof.prompt_length
+    prompt_src = "--prompt-length" if args.prompt_length is not None else prof.prompt_source
+    if prompt is None:
+        prompt, prompt_src = DEFAULT_PROMPT_LENGTH, f"default {DEFAULT_PROMPT_LENGTH}: {prof.prompt_source}; " \
+                                                    f"pass --prompt-length"
     recompute = args.recompute
     if recompute is None:  # what the trainer will do: megatron's recompute_granularity passed via model.extra
-        granularity = (cfg.model.extra or {}).get("recompute_granularity") if cfg.model else None
-        recompute = "full" if granularity == "full" else "selective"
-    opts = MemoryOptions(prompt_length=args.prompt_length, params_bytes=args.params_bytes,
-                         grad_bytes=args.grad_bytes, distributed_optimizer=not args.no_distributed_optimizer,
-                         recompute=recompute, fused_logprobs=args.fused_logprobs)
+        recompute = "full" if (cfg.model.extra or {}).get("recompute_granularity") == "full" else "selective"
+    params_bytes = args.params_bytes if args.params_bytes is not None else prof.params_bytes
+    dist_opt = args.distributed_optimizer if args.distributed_optimizer is not None else prof.distributed_optimizer
+    opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
+                         distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs)
     try:
         plan = memory_plan(cfg, world, opts)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"config OK: {args.config} at world size {world} ({args.nodes} x {args.gpus_per_node})")
-    print(format_plan(plan, args.gpu_memory_gb))
+    params_src = "--params-bytes" if args.params_bytes is not None else f"the actor builds {_dtype(params_bytes)}"
+    opt_src = "flag" if args.distributed_optimizer is not None else "the actor's optimizer"
+    print(f"runs: device {c.device}; params {params_bytes} B ({params_src}); Adam state "
+          f"{'sharded over DP' if dist_opt else 'on every DP rank'} ({opt_src}); prompt {prompt} tokens ({prompt_src})")
+    print(format_plan(plan, c.gpu_memory_gb, device=c.device))
     peak = plan.peak().total(opts.recompute, opts.fused_logprobs)
-    if args.strict and args.gpu_memory_gb is not None and peak > args.gpu_memory_gb * GiB:
+    if problems:
+        return 2
+    if args.strict and c.gpu_memory_gb is not None and peak > c.gpu_memory_gb * GiB:
         return 3
     return 0
 
 
+def _dtype(nbytes: int) -> str:
+    return {4: "fp32", 2: "bf16"}.get(nbytes, f"{nbytes}-byte")
+
+
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: cluster.nodes of the config)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs (ranks) per node (default: cluster.gpus_per_node of the config)")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
-                   help="GPU memory in GiB; warn when the plan exceeds it (e.g. 80)")
-    p.add_argument("--prompt-length", type=int, default=1024,
-                   help="prompt tokens per sequence; sequence = this + rollout.max_new_tokens (default 1024)")
+                   help="GPU memory in GiB; warn when the plan exceeds it (default: cluster.gpu_memory_gb)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cluster.device of the config")
+    p.add_argument("--prompt-length", type=int, default=None,
+                   help="prompt tokens per sequence; sequence = this + rollout.max_new_tokens (default: the "
+                        "longest prompt of the config's task / data file)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                    help="activation recomputation assumed for the total: none (attention scores stored), "
                         "selective (core attention not stored: flash attention or megatron's selective "
                         "recompute), full. Default: full if model.extra.recompute_granularity is 'full', "
                         "else selective")
-    p.add_argument("--params-bytes", type=int, choices=(2, 4), default=2, help="bytes per parameter (2 = bf16)")
+    p.add_argument("--params-bytes", type=int, choices=(2, 4), default=None,
+                   help="bytes per parameter (default: what the actor builds, 4 = fp32 today; 2 plans bf16)")
     p.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4,
                    help="bytes per gradient element (4 = fp32 main grads, megatron's default)")
-    p.add_argument("--no-distributed-optimizer", action="store_true",
-                   help="Adam state replicated on every DP rank instead of sharded")
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan the Adam state sharded over DP (--distributed-optimizer) or replicated "
+                        "(--no-distributed-optimizer); default: what the actor's optimizer does")
     p.add_argument("--fused-logprobs", action="store_true",
                    help="plan the fused linear log-prob path (a chunk of logits) instead of the actor's "
                         "vocab-parallel path (logits + their gradient in the params dtype + a chunk)")
-    p.add_argument("--strict", action="store_true", help="exit 3 when the plan exceeds --gpu-memory-gb")
+    p.add_argument("--strict", action="store_true", help="exit 3 when the plan exceeds the GPU memory")
 
 
 def _split_rest(args: argparse.Namespace) -> argparse.Namespace:

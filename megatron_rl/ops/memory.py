@@ -313,9 +313,11 @@ def _gb(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
 
-def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None) -> str:
-    """Human-readable table (GiB per rank) with a warning line when a stage exceeds ``gpu_memory_gb``."""
+def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device: str = "cuda") -> str:
+    """Human-readable table (GiB per rank) with a warning line when a stage exceeds ``gpu_memory_gb``
+    (``device`` "cpu": the numbers are host memory per rank)."""
     o = plan.options
+    mem = "GPU memory" if device == "cuda" else "host memory (CPU ranks)"
     lines = [
         f"layout: world={plan.world_size} TP={plan.tp} PP={plan.pp} VPP={plan.vpp} CP={plan.cp} DP={plan.dp}"
         + (f" EP={plan.ep} ETP={plan.etp} expert-DP={plan.expert_dp}" if plan.is_moe else ""),
@@ -326,7 +328,7 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None) -> str:
         f"{'on' if o.distributed_optimizer else 'off'}, recompute {o.recompute}, log-prob path "
         f"{'fused' if o.fused_logprobs else 'unfused'}",
         "",
-        "per rank, GiB (activations: none / selective / full recompute; logits: unfused / fused)",
+        f"{mem} per rank, GiB (activations: none / selective / full recompute; logits: unfused / fused)",
         f"{'stage':>5} {'layers':>7} {'params':>8} {'grads':>8} {'optim':>8} {'act-none':>8} {'act-sel':>8} "
         f"{'act-full':>8} {'logits':>8} {'logitsF':>8} {'TOTAL':>8}",
     ]
@@ -342,9 +344,10 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None) -> str:
                  f"{'fused' if o.fused_logprobs else 'unfused'} log-probs; excludes CUDA context / NCCL buffers)")
     if gpu_memory_gb is not None:
         if tot > gpu_memory_gb * GiB:
-            lines.append(f"WARNING: stage {peak.stage} needs {tot / GiB:.2f} GiB > --gpu-memory-gb {gpu_memory_gb:g}; "
-                         f"raise TP/PP/EP, use --recompute full, smaller actor.micro_batch_size, or the fused "
-                         f"log-prob path")
+            lines.append(f"WARNING: stage {peak.stage} needs {tot / GiB:.2f} GiB > GPU memory {gpu_memory_gb:g} GiB "
+                         f"(cluster.gpu_memory_gb / --gpu-memory-gb); "
+                         f"raise TP/PP/EP, use full recomputation, a smaller actor.micro_batch_size, or the "
+                         f"fused log-prob path")
         else:
             lines.append(f"fits: {tot / GiB:.2f} GiB <= {gpu_memory_gb:g} GiB "
                          f"({100 * tot / (gpu_memory_gb * GiB):.0f}%)")

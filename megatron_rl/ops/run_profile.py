@@ -1,0 +1,131 @@
+"""What a job config really runs, as ``megatron-rl check`` plans it: device, parameter dtype, optimizer
+sharding, and the task's real prompt length.
+
+    prof = run_profile(cfg)           # RunProfile(device="cpu", params_bytes=4, distributed_optimizer=False,
+                                      #            prompt_length=7, prompt_source="longest 'copy' prompt ...")
+
+* device: ``cluster.device`` of the config.
+* params dtype and optimizer: taken from the actor's own code -- ``MegatronActor``'s default
+  ``params_dtype`` (what ``train`` builds) and ``actor.optimizer.optimizer_config`` (Megatron's
+  ``use_distributed_optimizer``) -- so the plan follows the actor when it changes.
+* prompt length: the longest prompt of a built-in digit task (its longest operands, encoded with the
+  checkpoint's tokenizer, or with the char tokenizer those tasks are built for when ``actor.load_hf`` is
+  not there yet), or the longest prompt of ``data.path`` encoded with the checkpoint's tokenizer (without
+  it: the prompt's UTF-8 bytes, an upper bound for byte-level BPE tokenizers). When neither can be read,
+  ``None`` (the caller falls back to a flag).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from megatron_rl.actor import MegatronActor
+from megatron_rl.actor.optimizer import optimizer_config
+from megatron_rl.tasks import DIGIT_TASKS, DigitTask, FileTask, build_char_tokenizer, load_records
+
+
+@dataclass
+class RunProfile:
+    """The run settings the memory plan needs that follow from the config and the actor's code."""
+
+    device: str
+    """"cuda" or "cpu" (``cluster.device``)."""
+    params_bytes: int
+    """Bytes per model parameter of the actor (4: fp32)."""
+    distributed_optimizer: bool
+    """Whether the actor shards the Adam state over data-parallel ranks."""
+    prompt_length: Optional[int]
+    """Longest prompt in tokens (None: unknown)."""
+    prompt_source: str
+    """Where ``prompt_length`` comes from (printed by ``check``)."""
+
+
+def actor_precision(cfg) -> Tuple[int, bool]:
+    """(bytes per parameter, distributed optimizer) of the actor ``train`` builds for ``cfg``."""
+    dtype = inspect.signature(MegatronActor.__init__).parameters["params_dtype"].default
+    ocfg = optimizer_config(cfg.actor, dtype)
+    return torch.empty((), dtype=dtype).element_size(), bool(ocfg.use_distributed_optimizer)
+
+
+def _tokenizer(cfg):
+    """(tokenizer, description) of actor.load_hf, or (None, why not)."""
+    path = cfg.actor.load_hf
+    if not path or not os.path.isdir(path):
+        return None, f"actor.load_hf {path!r} is not there yet" if path else "no actor.load_hf"
+    from transformers import AutoTokenizer
+
+    for d in (path, os.path.join(path, "hf_assets")):  # an HF dir, or a converted (hf-to-mcore) dir
+        try:
+            return AutoTokenizer.from_pretrained(d), f"tokenizer of {d}"
+        except (OSError, ValueError):
+            continue
+    return None, f"no tokenizer in {path}"
+
+
+def task_prompt_length(cfg) -> Tuple[Optional[int], str]:
+    """(longest prompt in tokens, where it comes from) of the config's ``data:`` section."""
+    d = cfg.data
+    tok, tok_src = _tokenizer(cfg)
+    if d.task in DIGIT_TASKS:
+        if tok is None:
+            tok, tok_src = build_char_tokenizer(), f"char tokenizer ({tok_src})"
+        kwargs = {k: v for k, v in (d.task_kwargs or {}).items() if k in ("min_digits", "max_digits")}
+        try:
+            task = DigitTask(d.task, tok, **kwargs)
+        except ValueError as exc:
+            return None, f"data.task {d.task!r}: {exc}"
+        longest = "9" * task.max_digits
+        operands = f"{longest}+{longest}" if d.task == "add" else longest
+        n = len(task.make_prompt(operands).prompt_ids)
+        return n, f"longest {d.task!r} prompt (max_digits {task.max_digits}), {tok_src}"
+    if d.task == "file" and d.path and os.path.isfile(d.path):
+        if tok is None:
+            return _utf8_bound(d.path, d.prompt_key, tok_src)
+        try:
+            task = FileTask(d.path, tok, prompt_key=d.prompt_key, answer_key=d.answer_key, answer_required=False)
+        except ValueError:
+            return _utf8_bound(d.path, d.prompt_key, f"{tok_src} could not read it")
+        return max(len(p.prompt_ids) for p in task.prompts), f"longest prompt of {d.path} ({tok_src})"
+    return None, f"data.task {d.task!r}: prompts not readable"
+
+
+def _utf8_bound(path: str, key: str, tok_src: str) -> Tuple[Optional[int], str]:
+    """Without the model's tokenizer: the UTF-8 bytes of the longest prompt of ``path``, an upper bound of
+    its tokens under a byte-level BPE tokenizer (each token covers at least one byte)."""
+    try:
+        records = load_records(path)
+    except (OSError, ValueError) as exc:
+        return None, str(exc)
+    sizes = [_prompt_bytes(r.get(key)) for r in records]
+    sizes = [n for n in sizes if n is not None]
+    if not sizes:
+        return None, f"no {key!r} prompts in {path}"
+    return max(sizes), (f"UTF-8 bytes of the longest prompt of {path} (+{CHAT_TEMPLATE_TOKENS} per chat message), "
+                        f"about an upper bound of its tokens ({tok_src})")
+
+
+#: Tokens a chat template adds around one message (role markers, separators) -- an allowance, not exact.
+CHAT_TEMPLATE_TOKENS = 8
+
+
+def _prompt_bytes(prompt) -> Optional[int]:
+    """UTF-8 bytes of a prompt: text, token ids (their count), or chat messages (contents + template)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8"))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        return sum(len(str(m.get("content", "")).encode("utf-8")) + CHAT_TEMPLATE_TOKENS for m in prompt)
+    return None
+
+
+def run_profile(cfg) -> RunProfile:
+    """The :class:`RunProfile` of a (possibly invalid) job config."""
+    params_bytes, dist_opt = actor_precision(cfg)
+    n, src = task_prompt_length(cfg)
+    return RunProfile(device=cfg.cluster.device, params_bytes=params_bytes, distributed_optimizer=dist_opt,
+                      prompt_length=n, prompt_source=src)

@@ -1,0 +1,74 @@
+"""``megatron-rl check`` on the quickstart config: it plans what the file runs (4 CPU fp32 ranks, the copy
+task's real prompt), reports every problem in one pass, and plans from a ``model:`` section even when
+``actor.load_hf`` is missing.
+
+    pytest tests/test_check_cli.py
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
+
+
+def _cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from megatron_rl.tasks.char_tokenizer import build_task_model
+
+    return str(build_task_model(str(tmp_path_factory.mktemp("check") / "m"), task="copy", seed=0,
+                                hidden_size=128, num_layers=2))
+
+
+def test_tiny_cpu_plans_four_cpu_fp32_ranks_and_the_real_prompt(tiny_model):
+    r = _cli(TINY, f"actor.load_hf={tiny_model}")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "world size 4 (1 node(s) x 4 CPU rank(s))" in out
+    assert "device cpu" in out and "params 4 B (the actor builds fp32)" in out and "on every DP rank" in out
+    assert "host memory (CPU ranks) per rank" in out
+    # the longest copy prompt with max_digits 3 is "copy:999=", encoded by the checkpoint's tokenizer (what
+    # training uses); + rollout.max_new_tokens 4
+    from transformers import AutoTokenizer
+
+    n = len(AutoTokenizer.from_pretrained(tiny_model).encode("copy:999=", add_special_tokens=False))
+    assert f"prompt {n} tokens (longest 'copy' prompt (max_digits 3), tokenizer of {tiny_model})" in out
+    assert f"sequence {n + 4} tokens" in out
+    assert "TP=2 PP=2" in out and "DP=1" in out
+
+
+def test_tiny_cpu_before_the_model_exists_reports_every_problem(tmp_path):
+    missing = str(tmp_path / "not_built")
+    r = _cli(TINY, f"actor.load_hf={missing}", "parallel.tensor_model_parallel_size=3", "actor.lr=abc")
+    assert r.returncode == 2
+    err = r.stderr
+    assert f"actor.load_hf: '{missing}' is not a directory" in err
+    assert "world size: 4 ranks are not divisible by parallel.tensor_model_parallel_size x " \
+           "parallel.pipeline_model_parallel_size x parallel.context_parallel_size = 3x2x1 = 6" in err
+    assert "actor.lr: expected a number, got 'abc' (str)" in err
+    assert "3 problem(s)" in err
+    assert "expert" not in err
+    assert "memory plan: skipped (no model shapes" in err
+
+
+def test_missing_checkpoint_dir_does_not_stop_the_plan_when_the_model_section_gives_shapes():
+    r = _cli(Q7, "actor.load_hf=/nonexistent/Qwen2.5-7B")
+    assert r.returncode == 2
+    assert "actor.load_hf: '/nonexistent/Qwen2.5-7B' is not a directory" in r.stderr
+    assert "TP=2" in r.stdout and "peak: stage 0" in r.stdout
+
+
+def test_flags_override_the_cluster_section():
+    r = _cli(Q7, "--nodes", "2", "--gpu-memory-gb", "141")
+    assert r.returncode == 0, r.stderr
+    assert "world size 16 (2 node(s) x 8 GPU(s))" in r.stdout and "DP=8" in r.stdout
+    assert "<= 141 GiB" in r.stdout or "> GPU memory 141 GiB" in r.stdout
