@@ -65,3 +65,28 @@ def test_other_ranks_write_nothing(tmp_path):
     s.log(1, {"x": 1.0})
     s.close()
     assert not (tmp_path / "r1").exists()
+
+
+def test_console_table_every_n_steps(tmp_path, capsys):
+    """A progress line per step and, every table_interval steps and at the last one, a table with one row
+    per step since the last table (values as written in the rows below)."""
+    s = MetricSinks(str(tmp_path), total_steps=5, config={"trainer": {"console_table_interval": 2}})
+    for step in range(1, 6):
+        s.log(step, {"reward/mean": step / 10, "actor/grad_norm": 2.0 * step})
+    s.close()
+    out = capsys.readouterr().out.splitlines()
+    bars = [ln for ln in out if ln.startswith("[")]
+    assert len(bars) == 5 and "step 5/5" in bars[-1] and "eta" in bars[0]
+    headers = [i for i, ln in enumerate(out) if ln.split()[:1] == ["step"]]
+    assert len(headers) == 3  # after steps 2, 4 and the last step 5
+    assert out[headers[0]].split() == ["step", "reward", "gnorm"]
+    assert [ln.split() for ln in out[headers[0] + 1: headers[0] + 3]] == [["1", "0.1", "2"], ["2", "0.2", "4"]]
+    assert out[headers[2] + 1].split() == ["5", "0.5", "10"]
+
+
+def test_console_table_interval_zero_prints_bar_only(tmp_path, capsys):
+    s = MetricSinks(str(tmp_path), total_steps=2, table_interval=0)
+    s.log(1, {"reward/mean": 1.0})
+    s.log(2, {"reward/mean": 1.0})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all(ln.startswith("[") for ln in out)

@@ -1,4 +1,8 @@
-"""Metric sinks: ``metrics.jsonl`` (always), console table + progress bar, TensorBoard, W&B.
+"""Metric sinks: ``metrics.jsonl`` (always), console progress bar + compact table, TensorBoard, W&B.
+
+Console (``trainer.progress``): one progress-bar line per step (step, elapsed, ETA, reward), and every
+``trainer.console_table_interval`` steps (and at the last step) a compact table with one row per step
+since the previous table and one column per ``CONSOLE_KEYS`` metric that was logged.
 
 Only global rank 0 writes. ``metrics.jsonl`` holds one JSON object per step:
 ``{"step": int, "time": float, "<group>/<name>": float, ...}`` with groups ``reward``,
@@ -13,7 +17,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward"), ("response_length/mean", "len"), ("actor/pg_loss", "pg_loss"),
@@ -22,15 +26,45 @@ CONSOLE_KEYS = (
 )
 
 
+DEFAULT_TABLE_INTERVAL = 10
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    m, sec = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
+def format_table(rows: List[Tuple[int, Dict[str, float]]]) -> str:
+    """Compact table: one row per (step, metrics), one column per CONSOLE_KEYS metric present in any row."""
+    cols = [(k, label) for k, label in CONSOLE_KEYS if any(k in m for _, m in rows)]
+    width = max([9] + [len(label) for _, label in cols])
+    lines = [f"{'step':>6} " + " ".join(f"{label:>{width}}" for _, label in cols)]
+    for step, m in rows:
+        lines.append(f"{step:>6} " + " ".join(f"{m[k]:>{width}.4g}" if k in m else f"{'-':>{width}}"
+                                              for k, _ in cols))
+    return "\n".join(lines)
+
+
 class MetricSinks:
     """Fan one step's metrics out to every enabled sink (a no-op on ranks other than 0)."""
 
     def __init__(self, run_dir: str, total_steps: int, enabled: bool = True, progress: bool = True,
                  tensorboard: bool = False, wandb: bool = False, wandb_project: str = "megatron-rl",
-                 config: Optional[dict] = None, resume: bool = False) -> None:
+                 config: Optional[dict] = None, resume: bool = False, table_interval: Optional[int] = None) -> None:
+        """``table_interval``: steps between console tables (0: none); default: the job config's
+        ``trainer.console_table_interval`` (in ``config``), else ``DEFAULT_TABLE_INTERVAL``."""
         self.enabled = enabled
         self.total = total_steps
         self.progress = progress
+        if table_interval is None:
+            table_interval = ((config or {}).get("trainer") or {}).get("console_table_interval",
+                                                                       DEFAULT_TABLE_INTERVAL)
+        self.table_interval = int(table_interval)
+        self._rows: List[Tuple[int, Dict[str, float]]] = []
+        self._first_step: Optional[int] = None
         self._tb = self._wandb = None
         self._t0 = time.time()
         if not enabled:
@@ -70,14 +104,23 @@ class MetricSinks:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
         if self.progress:
+            if self._first_step is None:
+                self._first_step = step - 1
             print(self._line(step, clean), flush=True)
+            self._rows.append((step, clean))
+            if self.table_interval > 0 and (step % self.table_interval == 0 or step >= self.total):
+                print(format_table(self._rows), flush=True)
+                self._rows = []
 
     def _line(self, step: int, m: Dict[str, float]) -> str:
         width = 20
         done = int(width * step / max(self.total, 1))
         bar = "#" * done + "." * (width - done)
+        elapsed = time.time() - self._t0
+        steps_done = step - (self._first_step or 0)
+        eta = elapsed / steps_done * (self.total - step) if steps_done > 0 else float("nan")
         cells: List[str] = [f"{label}={m[k]:.4g}" for k, label in CONSOLE_KEYS if k in m]
-        return f"[{bar}] step {step}/{self.total} {time.time() - self._t0:6.0f}s | " + " ".join(cells)
+        return (f"[{bar}] step {step}/{self.total} {elapsed:6.0f}s eta {_duration(eta)} | " + " ".join(cells))
 
     def close(self) -> None:
         if not self.enabled:
