@@ -103,3 +103,19 @@ def test_correct_answers_score_through_the_step(tmp_path):
 def test_overlong_penalty_off_and_bounds():
     assert overlong_penalty([1, 10, 16], 16, 0, 1.0) == [0.0, 0.0, 0.0]
     assert overlong_penalty([12, 14, 16], 16, 4, 1.0) == [0.0, -0.5, -1.0]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(reward_fn="mathh"), "data.reward_fn: expected 'math', 'exact' or 'module:function', got 'mathh'"),
+    (dict(reward_fn="mod:"), "data.reward_fn"),
+    (dict(reward_workers=-1), "data.reward_workers: must be >= 0"),
+    (dict(reward_timeout_s=0.0), "data.reward_timeout_s: must be > 0"),
+    (dict(max_prompt_length=0), "data.max_prompt_length: must be >= 1"),
+    (dict(overlong_prompts="cut"), "data.overlong_prompts: 'cut' is not one of filter, truncate"),
+    (dict(overlong_buffer_len=-2), "data.overlong_buffer_len: must be >= 0"),
+    (dict(overlong_penalty_factor=-1.0), "data.overlong_penalty_factor: must be >= 0"),
+])
+def test_data_config_errors_name_the_key(kwargs, needle):
+    errs = DataConfig(**kwargs).errors()
+    assert len(errs) == 1 and needle in errs[0]
+    assert DataConfig(reward_fn="math").errors() == [] and DataConfig(reward_fn="pkg.mod:fn").errors() == []

@@ -60,6 +60,24 @@ def test_slow_checker_times_out_and_the_batch_finishes(slow_spec):
         pool.close()
 
 
+def test_pathological_math_answer_does_not_stall_the_step():
+    """A power tower that sympy would evaluate for minutes (measured: > 60 s, math-verify's own timeouts
+    are off in workers) is cut at the timeout; the other samples are scored by math-verify."""
+    pytest.importorskip("math_verify")
+    pool = RewardPool(num_workers=2, timeout_s=2.0)
+    try:
+        pool.score([RewardJob("math", "q", "\\boxed{1}", "1")] * 2)          # both workers started
+        t0 = time.monotonic()
+        res = pool.score([RewardJob("math", "q", "so #### 72", "72"),
+                          RewardJob("math", "q", "so \\boxed{9^{9^{9^{9}}}}", "1"),
+                          RewardJob("math", "q", "\\boxed{0.5}", "1/2")])
+        elapsed = time.monotonic() - t0
+        assert res.rewards == [1.0, 0.0, 1.0] and res.timed_out == 1 and res.failed == 0
+        assert elapsed < 15, elapsed
+    finally:
+        pool.close()
+
+
 def test_failures_are_counted_not_raised(slow_spec):
     pool = RewardPool(num_workers=1, timeout_s=10)
     try:

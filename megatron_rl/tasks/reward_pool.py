@@ -3,7 +3,8 @@
 A pathological response (a huge expression that sympy simplifies for minutes, a user reward that hangs)
 must not stall the training step: ``RewardPool(num_workers, timeout_s).score(jobs)`` sends each job to an
 idle worker (``python -m megatron_rl.tasks.reward_worker``, one job at a time per worker), waits with
-``select``, and a worker still busy ``timeout_s`` after it got its job is killed (SIGKILL) and replaced.
+``select``, and a worker still busy ``timeout_s`` after it got its job is killed (SIGKILL); a fresh one
+starts when a job needs it.
 A timed-out or failing job (the reward raised, returned a non-number, or the worker died) gets reward 0.0
 and is counted; ``score`` never raises for a job's failure.
 
@@ -192,11 +193,15 @@ class RewardPool:
                 else:
                     fail(i, value)
             return result
-        starting = [_Worker() for _ in range(min(self.num_workers, len(jobs)) - len(self._workers))]
-        self._workers.extend(w.wait_ready(self.start_timeout_s) for w in starting)
         pending = list(range(len(jobs)))[::-1]
         busy: Dict[Any, _Worker] = {}
         while pending or busy:
+            # (re)start workers only while jobs wait for one (a killed worker is not replaced for nothing)
+            idle = sum(w.job_index is None for w in self._workers)
+            want = min(self.num_workers - len(self._workers), len(pending) - idle)
+            if want > 0:
+                starting = [_Worker() for _ in range(want)]
+                self._workers.extend(w.wait_ready(self.start_timeout_s) for w in starting)
             for w in list(self._workers):
                 if not pending:
                     break
@@ -207,7 +212,7 @@ class RewardPool:
                         busy[w.proc.stdout] = w
                     except (BrokenPipeError, OSError) as e:
                         fail(i, f"worker died before the job ({type(e).__name__})")
-                        self._replace(w)
+                        self._drop(w)
             if not busy:
                 continue
             now = time.monotonic()
@@ -220,7 +225,7 @@ class RewardPool:
                     ok, value = read_frame(fh)
                 except (EOFError, pickle.UnpicklingError, OSError) as e:
                     fail(i, f"worker died ({type(e).__name__}: {e}; exit code {w.proc.poll()})")
-                    self._replace(w)
+                    self._drop(w)
                     continue
                 w.job_index = None
                 if ok:
@@ -232,11 +237,10 @@ class RewardPool:
                 if now >= w.deadline:
                     busy.pop(fh)
                     fail(w.job_index, f"timed out after {self.timeout_s:g} s", timed_out=True)
-                    self._replace(w)
+                    self._drop(w)
         return result
 
-    def _replace(self, worker: _Worker) -> None:
-        """Kill ``worker`` and start a fresh one in its place."""
+    def _drop(self, worker: _Worker) -> None:
+        """Kill ``worker`` and forget it (a fresh one starts when a job needs it)."""
         worker.kill()
-        idx = self._workers.index(worker)
-        self._workers[idx] = _Worker().wait_ready(self.start_timeout_s)
+        self._workers.remove(worker)
