@@ -19,19 +19,10 @@ from megatron_rl.convert import (CheckpointFormatError, CheckpointMismatchError,
                                  ShardLayout, UnsupportedCheckpointError, convert_hf_to_mcore, convert_mcore_to_hf,
                                  hf_to_mcore, load_rank_state_dict, mcore_to_hf, rank_state_dict, unshard)
 from megatron_rl.convert import storage
+from megatron_rl.convert.random_model import write_random_hf_model
 from megatron_rl.convert.shard_files import dense_keys, dense_shard, expert_keys, expert_shard
 
 pytest.importorskip("transformers")
-
-
-def _save_plain_hf(path, config, seed, dtype=torch.float32):
-    """A random HF model saved with transformers (no tokenizer) — for architectures tiny_hf lacks."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +40,11 @@ def models(tmp_path_factory):
     }
     c = Qwen3Config(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
-    c.architectures = ["Qwen3ForCausalLM"]
-    out["qwen3"] = _save_plain_hf(root / "qwen3", c, 4)
+    out["qwen3"] = write_random_hf_model(c, root / "qwen3", 4)
     c = Qwen2MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
-    c.architectures = ["Qwen2MoeForCausalLM"]
-    out["qwen2_moe"] = _save_plain_hf(root / "qwen2_moe", c, 5, dtype=torch.bfloat16)
+    out["qwen2_moe"] = write_random_hf_model(c, root / "qwen2_moe", 5, dtype="bfloat16")
     return out
 
 

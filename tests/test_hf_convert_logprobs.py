@@ -20,6 +20,7 @@ import torch
 import megatron.core  # noqa: F401  (import once in the parent: forked ranks start fast)
 from megatron_rl.convert import ShardLayout, convert_hf_to_mcore, load_rank_state_dict, load_state_dict_into_model
 from megatron_rl.convert.geometry import HFGeometry
+from megatron_rl.convert.random_model import write_random_hf_model
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -89,13 +90,8 @@ def _hf_logprobs(hf_dir: str, tokens_key: bytes):
 
 
 def _save_plain_hf(path, family, seed, **cfg):
-    """A random fp32 HF model saved with transformers (architectures tiny_hf does not build)."""
-    config = getattr(transformers, f"{family}Config")(**cfg)
-    config.architectures = [f"{family}ForCausalLM"]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(path))
-    return str(path)
+    """A random fp32 HF model (architectures tiny_hf does not build)."""
+    return write_random_hf_model(getattr(transformers, f"{family}Config")(**cfg), path, seed)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ to rank 0: memory there ~ one full model).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from megatron_rl.convert import api, storage
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.hf_config import infer_hf_model_type, megatron_to_hf_config, model_config_from_hf
+from megatron_rl.convert.hf_config import infer_hf_model_type, megatron_to_hf_config
 from megatron_rl.convert.mapping import hf_tensors, param_rules
 from megatron_rl.convert.model_state import canonical_state_dict, load_state_dict_into_model
 from megatron_rl.convert.partition import (RankCoords, cut_state_dict, expert_index, layer_range, merge_tensors,
@@ -54,11 +55,8 @@ __all__ = ["HFTarget", "hf_target", "check_model_config_matches", "load_checkpoi
 
 _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
-# ModelConfig fields that must agree between a checkpoint and the model it is loaded into.
-_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "head_dim",
-                 "dense_ffn_hidden_size", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
-                 "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                 "moe_shared_expert_gate")
+# geometry fields that may differ between a checkpoint and the model it is loaded into (not a tensor shape)
+_FREE_FIELDS = ("architecture", "family", "vocab_size", "moe_router_topk")
 
 
 @dataclass(frozen=True)
@@ -74,17 +72,15 @@ class HFTarget:
 
 
 def check_model_config_matches(hf_cfg: dict, model_cfg: ModelConfig) -> None:
-    """Raise CheckpointMismatchError naming every shape field where the checkpoint's config.json
+    """Raise CheckpointMismatchError naming every tensor-geometry field where the checkpoint's config.json
     (``hf_cfg``) and ``model_cfg`` disagree, and when the model's vocab cannot hold the checkpoint's."""
-    vocab = int(hf_cfg["vocab_size"])
-    ck = model_config_from_hf(hf_cfg, padded_vocab_size=max(model_cfg.vocab_size, vocab))
-    diffs = [f"{f}: checkpoint {getattr(ck, f)!r} vs model {getattr(model_cfg, f)!r}" for f in _SHAPE_FIELDS
-             if getattr(ck, f) != getattr(model_cfg, f)]
-    if model_cfg.is_moe and ck.moe_layer_pattern() != model_cfg.moe_layer_pattern():
-        diffs.append(f"moe layer pattern: checkpoint {ck.moe_layer_pattern()} vs model "
-                     f"{model_cfg.moe_layer_pattern()}")
-    if model_cfg.vocab_size < vocab:
-        diffs.append(f"vocab_size: checkpoint {vocab} > model {model_cfg.vocab_size}")
+    ck = HFGeometry.from_hf_config(hf_cfg)
+    model = HFGeometry.from_model_config(model_cfg, ck.architecture, ck.vocab_size)
+    diffs = [f"{f.name}: checkpoint {getattr(ck, f.name)!r} vs model {getattr(model, f.name)!r}"
+             for f in dataclasses.fields(HFGeometry)
+             if f.name not in _FREE_FIELDS and getattr(ck, f.name) != getattr(model, f.name)]
+    if model_cfg.vocab_size < ck.vocab_size:
+        diffs.append(f"vocab_size: checkpoint {ck.vocab_size} > model {model_cfg.vocab_size}")
     if diffs:
         raise CheckpointMismatchError("checkpoint config.json does not match the model config: " + "; ".join(diffs))
 

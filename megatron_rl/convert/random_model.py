@@ -4,7 +4,7 @@ The tiny task models (``megatron_rl.tasks.char_tokenizer.build_task_model``) and
 (``megatron_rl.testing.tiny_hf.build_tiny_hf_model``) choose a ``transformers`` config and a tokenizer;
 this module turns the config into weights on disk: ``architectures`` set from ``model_type``, weights
 initialised by ``transformers`` under ``torch.manual_seed(seed)`` (the caller's RNG state is left as it
-was), fp32 safetensors, ``config.json`` recording ``dtype: float32`` (readers such as SGLang's
+was), fp32 (or ``dtype``) safetensors, ``config.json`` recording the ``dtype`` (readers such as SGLang's
 ``--dtype auto`` look at it). Same config and seed -> byte-identical files.
 
     path = write_random_hf_model(transformers.Qwen2Config(...), "out_dir", seed=0)
@@ -20,9 +20,9 @@ from megatron_rl.convert.hf_config import ARCHITECTURES
 __all__ = ["write_random_hf_model"]
 
 
-def write_random_hf_model(config, out_dir: str | os.PathLike, seed: int) -> str:
+def write_random_hf_model(config, out_dir: str | os.PathLike, seed: int, dtype: str = "float32") -> str:
     """Write a random-init model for the ``transformers`` config ``config`` (a supported ``model_type``)
-    to ``out_dir`` (created; files in it overwritten) and return the path."""
+    to ``out_dir`` (created; files in it overwritten) with weights in ``dtype`` and return the path."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -35,11 +35,11 @@ def write_random_hf_model(config, out_dir: str | os.PathLike, seed: int) -> str:
     transformers.utils.logging.disable_progress_bar()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)
     cfg_path = out / "config.json"
     data = json.loads(cfg_path.read_text())
-    data["dtype"] = "float32"
+    data["dtype"] = dtype
     cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return str(out)

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.rollout.base import WeightSyncError
 
 
@@ -57,27 +58,18 @@ def load_state_dict_checked(model: torch.nn.Module, state_dict: Mapping[str, tor
     be unknown, every shape must match and every value must be a tensor; otherwise ``WeightSyncError`` names the
     offending keys (and ``source``) and the model is left unchanged."""
     own = model.state_dict()
-    expected = set(own)
     # Non-persistent or derived buffers never appear in checkpoints.
-    expected -= {k for k in own if k.endswith("rotary_emb.inv_freq") or k.endswith("original_inv_freq")}
+    expected = {k: v.shape for k, v in own.items()
+                if not (k.endswith("rotary_emb.inv_freq") or k.endswith("original_inv_freq"))}
     given = set(state_dict)
-    optional = {"lm_head.weight"} if tied_lm_head else set()
-    missing = sorted(expected - given - optional)
-    unknown = sorted(given - expected)
-    if missing or unknown:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} key(s), e.g. {missing[:5]}")
-        if unknown:
-            parts.append(f"{len(unknown)} unknown key(s), e.g. {unknown[:5]}")
-        raise WeightSyncError(f"weights from {source}: " + "; ".join(parts))
     for k in sorted(given):
-        v = state_dict[k]
-        if not isinstance(v, torch.Tensor):
-            raise WeightSyncError(f"weights from {source}: {k!r} is a {type(v).__name__}, not a tensor")
-        if tuple(v.shape) != tuple(own[k].shape):
-            raise WeightSyncError(f"weights from {source}: {k!r} has shape {tuple(v.shape)}, "
-                                  f"the engine's model expects {tuple(own[k].shape)}")
+        if not isinstance(state_dict[k], torch.Tensor):
+            raise WeightSyncError(f"weights from {source}: {k!r} is a {type(state_dict[k]).__name__}, not a tensor")
+    try:
+        check_state_dict(state_dict, expected, f"weights from {source}",
+                         optional=("lm_head.weight",) if tied_lm_head else (), expected_name="engine's model")
+    except CheckpointMismatchError as err:
+        raise WeightSyncError(str(err)) from err
     with torch.no_grad():
         for k in sorted(given):
             if tied_lm_head and k == "lm_head.weight":
