@@ -164,3 +164,68 @@ def test_cli(tmp_path):
     assert _cli(bad, "--strict").returncode == 1
     r = _cli(str(tmp_path / "missing"))
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def _figs(records):
+    import matplotlib.pyplot as plt
+
+    figs = dict(R.build_figures(records))
+    yield figs
+    for f in figs.values():
+        plt.close(f)
+
+
+def _recs(n, **series_fns):
+    return [{"step": s, "time": float(s), **{k.replace("__", "/"): fn(s) for k, fn in series_fns.items()}}
+            for s in range(1, n + 1)]
+
+
+def test_panels_have_units_and_the_kl_note():
+    recs = _recs(12, **{"perf__tokens_per_s": lambda s: 100.0 + s, "timing__rollout_s": lambda s: 1.0,
+                        "rollout_corr__rollout_is_eff_sample_size": lambda s: 0.9,
+                        "rollout_corr__rollout_rs_masked_fraction": lambda s: 0.01,
+                        "rollout_corr__rollout_is_veto_fraction": lambda s: 0.0,
+                        "rollout_corr__kl": lambda s: -1e-4 * s, "rollout_corr__k3_kl": lambda s: 1e-4})
+    for figs in _figs(recs):
+        labels = {name: [ax.get_ylabel() for ax in fig.axes] for name, fig in figs.items()}
+        assert labels["throughput.png"] == ["tokens / s", "seconds per step"]
+        assert labels["ess.png"] == ["ESS / N (fraction, 0..1)"]
+        assert labels["masked_fractions.png"] == ["fraction rejected (0..1)"]
+        note = " ".join(t.get_text() for t in figs["mismatch_kl.png"].texts)
+        assert "can be negative" in note and "k3 is >= 0" in note
+
+
+def _green_spans(ax):
+    from matplotlib.colors import to_rgb
+
+    return [p for p in ax.patches if tuple(p.get_facecolor()[:3]) == to_rgb("g")]
+
+
+def test_is_ratio_band_does_not_fill_a_panel_whose_data_lies_inside_it():
+    inside = _recs(12, rollout_corr__rollout_is_mean=lambda s: 0.997 + 0.0003 * s)   # 0.9973 .. 1.0006
+    outside = _recs(12, rollout_corr__rollout_is_mean=lambda s: 1.0 + 0.05 * s)      # up to 1.6
+    for figs in _figs(inside):
+        ax = figs["is_ratio.png"].axes[0]
+        assert _green_spans(ax) == []
+        assert any("all inside the healthy band" in t.get_text() for t in ax.get_legend().get_texts())
+    for figs in _figs(outside):
+        ax = figs["is_ratio.png"].axes[0]
+        (span,) = _green_spans(ax)
+        y0, y1 = ax.get_ylim()
+        assert y0 < 1.2 < y1   # the band's top edge is in view
+
+
+def test_report_md_last_column_is_a_window_mean(tmp_path):
+    """The quickstart's last step had pg_loss 0 and grad norm 0: the column shows the mean of the last 10."""
+    recs = _recs(40, actor__pg_loss=lambda s: 0.0 if s == 40 else 0.5, actor__grad_norm=lambda s: float(s))
+    run = str(tmp_path / "run")
+    _write(run, recs)
+    md, _, _ = R.write_report(run)
+    row = [ln for ln in open(md).read().splitlines() if ln.startswith("| `actor/pg_loss`")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:] == ["0.5", f"{(0.5 * 9 + 0.0) / 10:.4g}", f"{(0.5 * 9 + 0.0) / 10:.4g}"]
+    row = [ln for ln in open(md).read().splitlines() if ln.startswith("| `actor/grad_norm`")][0]
+    assert [c.strip() for c in row.strip("|").split("|")][1:] == [f"{sum(range(1, 11)) / 10:.4g}",
+                                                                   f"{sum(range(31, 41)) / 10:.4g}",
+                                                                   f"{sum(range(31, 41)) / 10:.4g}"]
+    assert "| metric | first 10 | last 10 | last-quarter mean |" in open(md).read()

@@ -9,10 +9,12 @@ missing; a plot is drawn when at least one of its keys exists. A step logged twi
 keeps its last record. Non-numeric values are ignored; NaN / inf are kept and flagged.
 
 Plots (matplotlib, Agg backend): ``reward_length.png`` (reward and response length),
-``mismatch_kl.png`` (rollout_corr kl; k3_kl; chi2_token and chi2_seq), ``is_ratio.png`` (IS weight mean;
-token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
+``mismatch_kl.png`` (rollout_corr kl; k3_kl; chi2_token and chi2_seq; a footnote says why kl / chi2 may be
+negative), ``is_ratio.png`` (IS weight mean with its healthy band; token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
 masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
-(policy loss, grad norm, entropy).
+(policy loss, grad norm, entropy). Every panel has a y label with its unit (``YLABELS``). report.md's
+table gives means over the first / last ``LAST_WINDOW`` steps (a single step is noisy) and the
+last-quarter mean.
 
 Health thresholds (each check uses the mean over the LAST QUARTER of the run, at least one step, unless
 said otherwise; thresholds are module constants and are printed in report.md):
@@ -66,6 +68,34 @@ PLOTS: List[Tuple[str, str, List[List[str]]]] = [
      [["perf/tokens_per_s"], ["timing/rollout_s", "timing/logprob_s", "timing/train_s"]]),
     ("actor.png", "Actor", [["actor/pg_loss"], ["actor/grad_norm"], ["actor/entropy"]]),
 ]
+
+
+#: y-axis label (with unit) of a panel, by the first key drawn on it
+YLABELS: Dict[str, str] = {
+    "reward/mean": "reward (mean)",
+    "response_length/mean": "response length (tokens)",
+    P + "kl": "kl (nats)",
+    P + "k3_kl": "k3 kl (nats)",
+    P + "chi2_token": "chi2",
+    P + "rollout_is_mean": "mean IS weight",
+    P + "rollout_is_p50": "token ratio pi_train / pi_rollout",
+    P + "rollout_is_eff_sample_size": "ESS / N (fraction, 0..1)",
+    P + "rollout_rs_masked_fraction": "fraction rejected (0..1)",
+    P + "rollout_is_veto_fraction": "fraction vetoed (0..1)",
+    "perf/tokens_per_s": "tokens / s",
+    "timing/rollout_s": "seconds per step",
+    "actor/pg_loss": "policy loss",
+    "actor/grad_norm": "grad norm (before clipping)",
+    "actor/entropy": "entropy (nats / token)",
+}
+#: footnotes printed under a figure
+NOTES: Dict[str, str] = {
+    "mismatch_kl.png": "kl = mean(log pi_rollout - log pi_train) and chi2 = E[ratio^2] - 1 are sample estimates: "
+                       "they can be negative on a batch even though the true divergences are >= 0; k3 is >= 0 "
+                       "per token.",
+}
+#: rows of report.md's "last" column: the mean of the last LAST_WINDOW steps (one step is noisy)
+LAST_WINDOW = 10
 
 
 class MetricsError(ValueError):
@@ -208,13 +238,41 @@ def health_checks(records: Sequence[dict]) -> List[Finding]:
 # ----------------------------------------------------------------------------- plots
 def make_plots(records: Sequence[dict], out_dir: str) -> List[str]:
     """Write the PNGs whose keys exist; return their file names."""
+    figures = build_figures(records)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    written = []
+    for fname, fig in figures:
+        fig.savefig(os.path.join(out_dir, fname), dpi=110)
+        plt.close(fig)
+        written.append(fname)
+    return written
+
+
+def _healthy_is_band(ax) -> None:
+    """The healthy band of the mean IS weight (1 +- IS_MEAN_DEV_MAX): filled where it ends inside the view;
+    when the whole view lies inside it, a legend note instead of a panel filled edge to edge."""
+    lo, hi = 1 - IS_MEAN_DEV_MAX, 1 + IS_MEAN_DEV_MAX
+    y0, y1 = ax.get_ylim()
+    if lo <= y0 and y1 <= hi:
+        ax.plot([], [], " ", label=f"all inside the healthy band 1 +- {IS_MEAN_DEV_MAX}")
+        return
+    ax.axhspan(max(lo, y0), min(hi, y1), color="g", alpha=0.08, label=f"healthy mean: 1 +- {IS_MEAN_DEV_MAX}")
+    for edge in (lo, hi):
+        if y0 < edge < y1:
+            ax.axhline(edge, color="g", lw=0.8, ls="--")
+    ax.set_ylim(y0, y1)
+
+
+def build_figures(records: Sequence[dict]):
+    """(file name, matplotlib figure) of every plot whose keys exist."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    written = []
+    figures = []
     for fname, title, panel_keys in PLOTS:
         panels = []
         for keys in panel_keys:
@@ -231,15 +289,13 @@ def make_plots(records: Sequence[dict], out_dir: str) -> List[str]:
                 ax.plot(xs, ys, label=k.replace(P, ""), marker="." if len(xs) < 60 else None, lw=1.2)
             ax.grid(alpha=0.3)
             keys = [k for k, _, _ in present]
-            if len(present) == 1 and not fname.startswith(("ess", "masked")):
-                ax.set_ylabel(keys[0].replace(P, ""), fontsize=8)
+            ax.set_ylabel(YLABELS.get(keys[0], keys[0].replace(P, "")), fontsize=8)
             if P + "rollout_is_mean" in keys:
                 ax.axhline(1.0, color="k", lw=0.8, ls=":")
-                ax.axhspan(1 - IS_MEAN_DEV_MAX, 1 + IS_MEAN_DEV_MAX, color="g", alpha=0.08,
-                           label=f"healthy mean: 1 +- {IS_MEAN_DEV_MAX}")
                 vals = [y for _, _, ys in present for y in ys if math.isfinite(y)] + [1.0]
                 pad = max(1e-4, 0.1 * (max(vals) - min(vals)))
                 ax.set_ylim(min(vals) - pad, max(vals) + pad)   # zoom on the data, not on the band
+                _healthy_is_band(ax)
             if P + "rollout_is_p99" in keys or P + "rollout_is_p50" in keys:
                 ax.axhline(1.0, color="k", lw=0.8, ls=":")
                 vals = [y for _, _, ys in present for y in ys if math.isfinite(y)]
@@ -261,11 +317,13 @@ def make_plots(records: Sequence[dict], out_dir: str) -> List[str]:
         axes[-1, 0].set_xlabel("step")
         axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.suptitle(title)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, fname), dpi=110)
-        plt.close(fig)
-        written.append(fname)
-    return written
+        if fname in NOTES:
+            fig.text(0.01, 0.005, NOTES[fname], fontsize=7, wrap=True, va="bottom")
+            fig.tight_layout(rect=(0, 0.05, 1, 1))
+        else:
+            fig.tight_layout()
+        figures.append((fname, fig))
+    return figures
 
 
 # ----------------------------------------------------------------------------- summary
@@ -299,12 +357,14 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
         lines += [f"- **{f.severity}** {f.check}: {f.message}" for f in findings]
     else:
         lines.append("- none: every check below passed (or its metric is absent).")
-    lines += ["", "## Metrics (first step / last step / last-quarter mean)", "",
-              "| metric | first | last | last-quarter mean |", "|---|---|---|---|"]
+    w = min(LAST_WINDOW, len(records))
+    lines += ["", f"## Metrics (mean of the first / last {w} steps, last-quarter mean)", "",
+              f"| metric | first {w} | last {w} | last-quarter mean |", "|---|---|---|---|"]
     for k in SUMMARY_KEYS:
         _, ys = series(records, k)
         if ys:
-            lines.append(f"| `{k}` | {_fmt(ys[0])} | {_fmt(ys[-1])} | {_fmt(_mean(_quarter(ys, True)))} |")
+            lines.append(f"| `{k}` | {_fmt(_mean(ys[:w]))} | {_fmt(_mean(ys[-w:]))} | "
+                         f"{_fmt(_mean(_quarter(ys, True)))} |")
     lines += ["", "## Thresholds", "",
               f"- FAIL: any NaN/inf metric; ESS < {ESS_MIN}; veto fraction > {VETO_MAX}; "
               f"|mean IS weight - 1| > {IS_MEAN_DEV_MAX} (last-quarter means).",
