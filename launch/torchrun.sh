@@ -20,13 +20,15 @@
 #   --rdzv-endpoint H:P   c10d rendezvous endpoint                    [RDZV_ENDPOINT, default MASTER_ADDR:29400]
 #   --rdzv-id ID          c10d rendezvous id (same on every node)     [RDZV_ID, default SLURM_JOB_ID or "megatron-rl"]
 #   --log-dir DIR         per-rank logs: DIR[/<host> when nnodes > 1]/<run id>/attempt_0/<local rank>/{stdout,stderr}.log
-#                                                                     [LOG_DIR, default logs/torchrun]
+#                                                                     [LOG_DIR, default logs/torchrun; logs/ is
+#                                                                      git-ignored]
 #   --max-restarts N      torchrun worker restarts                    [MAX_RESTARTS, default 0]
 #   --config PATH         job YAML (required); everything after it is passed to megatron_rl.train as overrides
 #   -h, --help            this help
 # Environment:
 #   OMP_NUM_THREADS       threads per rank (default 1: more oversubscribes the cores; the data loader is light)
-#   PYTHON                interpreter whose torchrun is used (default: python3 on PATH)
+#   PYTHON                interpreter whose torchrun is used (default: the repository's .venv/bin/python when
+#                         it exists -- the one tools/setup_env.sh builds -- else python3 on PATH)
 #   DRY_RUN=1             print the command instead of running it
 #
 # Mode: single node and no rendezvous flags -> `torchrun --standalone`; --node-rank given -> static
@@ -45,7 +47,10 @@ RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-megatron-rl}}
 LOG_DIR=${LOG_DIR:-logs/torchrun}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
-PYTHON=${PYTHON:-python3}
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
 CONFIG=""
 OVERRIDES=()
 

@@ -7,6 +7,7 @@ on SIGTERM).
 """
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -309,3 +310,30 @@ def test_sbatch_live_sigterm_stops_everything(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 143, err
     assert _dead(trainer_pid) and _dead(server_pid)
+
+
+def test_torchrun_sh_prefers_the_repository_venv(tmp_path):
+    """PYTHON unset: the repository's .venv/bin/python when it exists, else python3 (a copy of the script in a
+    tree without .venv)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "NPROC_PER_NODE")}
+    env.update(DRY_RUN="1", NPROC_PER_NODE="2")
+    r = subprocess.run(["bash", os.path.join(LAUNCH, "torchrun.sh"), "--config", Q7], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    argv = shlex.split(r.stdout.strip())[1:]  # after OMP_NUM_THREADS=...
+    venv_python = os.path.join(ROOT, ".venv", "bin", "python")
+    assert argv[0] == (venv_python if os.access(venv_python, os.X_OK) else "python3")
+    copy = tmp_path / "repo" / "launch"
+    copy.mkdir(parents=True)
+    shutil.copy(os.path.join(LAUNCH, "torchrun.sh"), copy / "torchrun.sh")
+    (tmp_path / "repo" / "configs").mkdir()
+    shutil.copy(os.path.join(ROOT, Q7), tmp_path / "repo" / Q7)
+    r = subprocess.run(["bash", str(copy / "torchrun.sh"), "--config", Q7], capture_output=True, text=True,
+                       env=env, cwd=tmp_path / "repo", timeout=60)
+    assert shlex.split(r.stdout.strip())[1] == "python3", r.stdout + r.stderr
+
+
+def test_default_log_dir_is_git_ignored():
+    r = subprocess.run(["git", "check-ignore", "-q", "logs/torchrun/x/attempt_0/0/stderr.log"], cwd=ROOT,
+                       timeout=30)
+    assert r.returncode == 0
