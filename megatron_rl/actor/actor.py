@@ -18,6 +18,7 @@ model-parallel group pass the same shard). Per-token tensors are [B, L-1]: colum
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -26,6 +27,8 @@ from megatron_rl.actor.batch import RolloutBatch, row_blocks
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.groups import ActorGroups
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.router_replay import RoutingReplay, finish_log_prob_pass, log_prob_pass, train_routing
+from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
@@ -60,6 +63,14 @@ class MegatronActor:
         vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
         # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
         self._trim = not (vpp and vpp > 1)
+        # MoE routing replay (megatron_rl.actor.router_replay): hooks in every router of an MoE model
+        self.routing_mode = self.actor_cfg.routing_replay
+        spec = RoutingSpec.from_model_config(self.model_cfg)
+        if spec is None and self.routing_mode != "none":
+            raise RoutingError(f"actor.routing_replay={self.routing_mode!r} needs an MoE model (model.num_moe_experts)")
+        self.routing = RoutingReplay(self.model, spec, self.groups) if spec is not None else None
+        self.routing_metrics: Dict[str, float] = {}  # rollout_corr/router_* of the last log-prob pass
+        self._r2_state = None  # r2: (tokens, lengths, routing) recorded by the last log-prob pass
 
     # ------------------------------------------------------------------ groups
     @property
@@ -113,9 +124,16 @@ class MegatronActor:
         ``micro_batch_size`` defaults to ``actor.micro_batch_size`` (forward-only can afford more)."""
         check_token_ids(batch, self.model_cfg.vocab_size)
         mbs = micro_batch_size or self.actor_cfg.micro_batch_size
-        return compute_log_probs(self.model, batch, micro_batch_size=mbs,
-                                 temperature=temperature, groups=self.groups, compute_entropy=compute_entropy,
-                                 trim=self._trim)
+        rp = log_prob_pass(self.routing, batch, self.routing_mode) if self.routing is not None else None
+        try:
+            out = compute_log_probs(self.model, batch, micro_batch_size=mbs, temperature=temperature,
+                                    groups=self.groups, compute_entropy=compute_entropy, trim=self._trim, replay=rp)
+            if rp is not None:  # router agreement with the rollout (reported by the next train_step); r2 record
+                self.routing_metrics, self._r2_state = finish_log_prob_pass(self.routing, rp, batch, self.routing_mode)
+        finally:
+            if rp is not None:
+                rp.close()
+        return out
 
     # ------------------------------------------------------------------ train step
     def train_step(self, batch: RolloutBatch, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
@@ -157,17 +175,27 @@ class MegatronActor:
         loss_cfg = self._loss_config()
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
+        replayed = train_routing(self.routing, batch, self.routing_mode, self._r2_state) if self.routing else None
+        if replayed is not None:  # r3: the rollout's routing; r2: the log-prob pass's; for every train forward
+            batch = dataclasses.replace(batch, routing=replayed)
         steps = []
         for _ in range(ac.ppo_epochs):
             for start, end in blocks:
                 sub = batch.select(start, end)
                 sub_tok = {k: None if v is None else v[start:end, : sub.max_length - 1] for k, v in per_token.items()}
-                steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
-                                              temperature=temperature, micro_batch_size=ac.micro_batch_size,
-                                              groups=self.groups, trim=self._trim))
+                rp = self.routing.begin(sub.lengths, sub.routing, record=False) if replayed is not None else None
+                try:
+                    steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
+                                                  temperature=temperature, micro_batch_size=ac.micro_batch_size,
+                                                  groups=self.groups, trim=self._trim, replay=rp))
+                finally:
+                    if rp is not None:
+                        rp.close()
         out = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["actor/num_optimizer_steps"] = float(len(steps))
+        out.update(self.routing_metrics)  # rollout_corr/router_agreement* of this batch's log-prob pass
+        self.routing_metrics = {}
         return out
 
     def _loss_config(self):

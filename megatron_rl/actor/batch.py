@@ -8,7 +8,9 @@ Layout (B sequences, padded length L):
     ``response_mask[b, t] = 1`` iff ``prompt_lengths[b] <= t + 1 < lengths[b]``, i.e. response token
     ``i`` (0-based) of row ``b`` sits at column ``prompt_lengths[b] - 1 + i``;
   * ``rollout_log_probs [B, L-1]`` (float32, optional) hold the rollout engine's log-prob of each
-    response token at that same column (0 elsewhere).
+    response token at that same column (0 elsewhere);
+  * ``routing [B, L-1, moe_layers, topk]`` (uint8 / int16, optional) the MoE experts the rollout engine
+    routed the token AT position t to (``megatron_rl.actor.routing``; read for t < lengths - 1 only).
 
 Usage::
 
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from megatron_rl.actor.routing import ROUTING_DTYPES, RoutingError, pack_routing
 
 __all__ = ["RolloutBatch", "BatchError", "scatter_rows", "row_blocks", "fit_columns"]
 
@@ -80,6 +84,10 @@ class RolloutBatch:
     0 outside the response; None when the engine gave none."""
     pad_id: int = 0
     """Id used for right padding (any valid id: padded positions are never scored)."""
+    routing: Optional[torch.Tensor] = None
+    """[B, L-1, moe_layers, topk] MoE expert ids (uint8 when experts <= 256, else int16) the rollout engine
+    routed the token at position t to, per MoE layer; read only for t < lengths - 1 (the last token's
+    output scores nothing); None when the engine captured no routing. See ``megatron_rl.actor.routing``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,10 +96,13 @@ class RolloutBatch:
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                        rollout_log_probs: Optional[Sequence[Sequence[float]]] = None, pad_id: int = 0,
-                       pad_to: Optional[int] = None) -> "RolloutBatch":
+                       pad_to: Optional[int] = None,
+                       routing: Optional[Sequence[Optional[torch.Tensor]]] = None) -> "RolloutBatch":
         """Build from per-row prompt ids, response ids and (optionally) the engine's per-response-token
-        log-probs. ``pad_to`` pads L to at least this length. Raises BatchError naming the row on
-        empty prompts or log-prob lists whose length differs from the response's."""
+        log-probs and per-row MoE routing (``[tokens >= prompt + response - 1, moe_layers, topk]`` each,
+        e.g. ``Rollout.routed_experts``; all rows or none). ``pad_to`` pads L to at least this length.
+        Raises BatchError naming the row on empty prompts, log-prob lists whose length differs from the
+        response's, or routing missing for some rows / of the wrong shape."""
         if len(prompts) != len(responses):
             raise BatchError(f"from_sequences: {len(prompts)} prompts but {len(responses)} responses")
         if rollout_log_probs is not None and len(rollout_log_probs) != len(responses):
@@ -117,8 +128,13 @@ class RolloutBatch:
             if lp is not None and len(r):
                 lp[b, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(
                     [float(x) for x in rollout_log_probs[b]], dtype=torch.float32)
+        try:
+            packed = pack_routing(routing, lengths, L - 1, what="from_sequences: routing")
+        except RoutingError as e:
+            raise BatchError(str(e)) from None
         return cls(tokens=tokens, prompt_lengths=torch.as_tensor([len(p) for p in prompts], dtype=torch.int64),
-                   lengths=torch.as_tensor(lengths, dtype=torch.int64), rollout_log_probs=lp, pad_id=int(pad_id))
+                   lengths=torch.as_tensor(lengths, dtype=torch.int64), rollout_log_probs=lp, pad_id=int(pad_id),
+                   routing=packed)
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -145,6 +161,12 @@ class RolloutBatch:
                                or not lp.is_floating_point()):
             raise BatchError(f"RolloutBatch.rollout_log_probs must be a float [B, L-1] = [{B}, {L - 1}] tensor "
                              f"(column t scores token t+1), got {tuple(getattr(lp, 'shape', ()))}")
+        r = self.routing
+        if r is not None and (not isinstance(r, torch.Tensor) or r.dtype not in ROUTING_DTYPES or r.dim() != 4
+                              or tuple(r.shape[:2]) != (B, L - 1)):
+            raise BatchError(f"RolloutBatch.routing must be an integer [B, L-1, moe_layers, topk] tensor with "
+                             f"[B, L-1] = [{B}, {L - 1}], got {getattr(r, 'dtype', type(r).__name__)} "
+                             f"{tuple(getattr(r, 'shape', ()))}")
 
     # ------------------------------------------------------------------ derived tensors
     @property
@@ -197,8 +219,12 @@ class RolloutBatch:
         lp = None
         if self.rollout_log_probs is not None:
             lp = fit_columns(self.rollout_log_probs[start:end], L - 1)
+        routing = None
+        if self.routing is not None:  # columns on dim 1: cut, or zero-pad (never read beyond lengths - 1)
+            routing = fit_columns(self.routing[start:end].transpose(1, -1), L - 1).transpose(1, -1).contiguous()
         return RolloutBatch(tokens=tokens.contiguous(), prompt_lengths=self.prompt_lengths[start:end].clone(),
-                            lengths=self.lengths[start:end].clone(), rollout_log_probs=lp, pad_id=self.pad_id)
+                            lengths=self.lengths[start:end].clone(), rollout_log_probs=lp, pad_id=self.pad_id,
+                            routing=routing)
 
     def shard(self, rank: int, size: int) -> "RolloutBatch":
         """This data-parallel rank's contiguous block of rows (sizes differ by at most one)."""

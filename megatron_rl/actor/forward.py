@@ -72,14 +72,16 @@ def broadcast_from_last_stage_tensors(tensors: Sequence[torch.Tensor], groups: A
 
 def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *, micro_batch_size: int,
                       temperature: float, groups: ActorGroups, compute_entropy: bool = True,
-                      trim: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      trim: bool = True, replay=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropy) of every token of ``batch`` (this rank's DP shard) under
     softmax(logits / temperature).
 
     Returns fp32 ``(log_probs [B, L-1], entropy [B, L-1] or None)`` on every rank of the PP group
     (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``trim=False`` pads every micro-batch to
     the batch length (needed with interleaved VPP, whose schedule in megatron-core 0.16 cannot take
-    micro-batches of different lengths). Collective over the model-parallel group.
+    micro-batches of different lengths). ``replay``: a ``router_replay.ReplayPass`` that sets / records
+    MoE routing around each chunk's forward (its ``micro_batches`` are set for ``assemble``). Collective
+    over the model-parallel group.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -87,8 +89,12 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
     for chunk in model_chunks:
         chunk.eval()
     step = functools.partial(_forward_step, groups.tp_group, float(temperature), compute_entropy)
+    if replay is not None:  # MoE routing replay / recording (megatron_rl.actor.router_replay.ReplayPass)
+        step = replay.wrap(step)
     with torch.no_grad():
         results = run_schedule(model_chunks, mbs, step, forward_only=True, pp_size=groups.pp_size)
+    if replay is not None:
+        replay.micro_batches = mbs
     B, W = batch.num_rows, batch.max_length - 1
     keys = ["log_probs"] + (["entropy"] if compute_entropy else [])
     if groups.is_last_stage:

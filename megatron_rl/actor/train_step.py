@@ -78,8 +78,10 @@ def _broadcast_object(obj, groups: ActorGroups):
 def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
                      per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, *,
                      temperature: float, micro_batch_size: int, groups: ActorGroups,
-                     trim: bool = True) -> Dict[str, float]:
+                     trim: bool = True, replay=None) -> Dict[str, float]:
     """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
+
+    ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
 
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
     t+1) or None (is_weights, ref_log_probs). Returns floats: pg_loss (the global batch's aggregated
@@ -107,8 +109,12 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    results = run_schedule(model_chunks, mbs, functools.partial(_forward_step, loss_func), forward_only=False,
-                           pp_size=groups.pp_size)
+    step = functools.partial(_forward_step, loss_func)
+    if replay is not None:
+        step = replay.wrap(step)
+    results = run_schedule(model_chunks, mbs, step, forward_only=False, pp_size=groups.pp_size)
+    if replay is not None:
+        replay.micro_batches = mbs
     update_successful, grad_norm, _ = optimizer.step()
     metrics: Optional[Dict[str, float]] = None
     if groups.is_last_stage:
@@ -121,4 +127,3 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["update_successful"] = float(bool(update_successful))
     return metrics
-

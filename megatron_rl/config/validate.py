@@ -124,6 +124,12 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
             errs.append(f"actor.{k}: must be >= 1, got {getattr(ac, k)}")
     if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
         errs.append(f"actor.load_hf: {ac.load_hf!r} is not a directory")
+    if ac.routing_replay not in ("none", "r2", "r3"):
+        errs.append(f"actor.routing_replay: {ac.routing_replay!r} is not one of none, r2, r3")
+    elif ac.routing_replay != "none" and cfg.model is not None and not cfg.model.is_moe:
+        errs.append(f"actor.routing_replay: {ac.routing_replay!r} needs an MoE model (model.num_moe_experts is not set)")
+    elif ac.routing_replay == "r3" and cfg.model is not None and cfg.model.extra.get("moe_router_fusion"):
+        errs.append("actor.routing_replay: 'r3' needs megatron's unfused router (model.extra.moe_router_fusion)")
     if t.steps < 1:
         errs.append(f"trainer.steps: must be >= 1, got {t.steps}")
     if t.save_interval < 0:

@@ -272,6 +272,36 @@ def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream:
     return tensor
 
 
+def _cpu_gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """CPU replacement of ``megatron.core.tensor_parallel.mappings._gather_along_first_dim``: gloo's
+    all_gather needs equal sizes, so uneven ``output_split_sizes`` are padded to the largest and cut."""
+    import megatron.core.tensor_parallel.mappings as mp
+
+    original = mp._mrl_cpu_original__gather_along_first_dim
+    if output_split_sizes is None or group.size() == 1 or len(set(output_split_sizes)) == 1:
+        return original(input_, group, output_split_sizes, use_global_buffer)
+    m = max(output_split_sizes)
+    padded = input_.new_zeros((m,) + tuple(input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in output_split_sizes]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)], dim=0)
+
+
+def _cpu_reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """CPU replacement of ``megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim``:
+    gloo has no list reduce_scatter, so uneven ``input_split_sizes`` all-reduce the whole input and cut."""
+    import megatron.core.tensor_parallel.mappings as mp
+
+    original = mp._mrl_cpu_original__reduce_scatter_along_first_dim
+    if input_split_sizes is None or group.size() == 1:
+        return original(input_, group, input_split_sizes, use_global_buffer)
+    full = input_.contiguous().clone()
+    torch.distributed.all_reduce(full, group=group)
+    start = sum(input_split_sizes[: group.rank()])
+    return full[start:start + input_split_sizes[group.rank()]].contiguous()
+
+
 def _wrapped_torch_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
                             zero_centered_gamma=False, normalization="LayerNorm"):
     """CPU replacement of ``megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__``: no
@@ -352,6 +382,11 @@ def _apply_function_patches() -> None:
         if hasattr(importlib.import_module(mod), "maybe_move_tensor_to_cpu"):
             _replace(mod, "maybe_move_tensor_to_cpu", _cpu_maybe_move_tensor_to_cpu,
                      "split sizes stay tensors on CPU; gloo all_to_all_single needs list/numpy splits")
+    _replace("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", _cpu_gather_along_first_dim,
+             "MoE at TP x EP gathers uneven token counts over TP; gloo's all_gather needs equal sizes")
+    _replace("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+             _cpu_reduce_scatter_along_first_dim,
+             "MoE at TP x EP reduce-scatters uneven token counts over TP; gloo has no list reduce_scatter")
     torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
     torch_norm.WrappedTorchNorm.__new__ = _wrapped_torch_norm_new
     PATCHES["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"] = (

@@ -1,0 +1,324 @@
+"""Routing replay in the actor's megatron model: megatron-core's ``RouterReplay`` hook, plus what it lacks.
+
+megatron-core 0.16.1 gives every ``TopKRouter`` a ``router_replay`` slot (filled with a ``RouterReplay``
+when ``moe_enable_routing_replay=True``) and routes top-k selection through
+``router_replay.get_replay_topk(scores, topk, ..., default_compute_topk)`` inside
+``topk_routing_with_score_function``: a replayed choice gathers the trainer's OWN scores at the replayed
+experts, and megatron then applies its softmax / sigmoid / expert bias / scaling to them — so only the
+choice of experts is replayed, the gate weights are the trainer's and gradients reach the router. We use
+that hook and ``RouterReplay``'s target / backward-list machinery, and add (``LayerReplay``, a subclass):
+
+  * a per-model registry (``RoutingReplay``) instead of the process-global instance list, which mixes the
+    routers of every model built in a process (actor + reference) and cannot tell PP / VPP stages apart;
+    each router is keyed by its global layer number, so each (virtual) stage replays only its layers;
+  * per-micro-batch targets set right before each forward of a model chunk, in megatron's token order
+    (CP zigzag split, sequence-parallel slice, trimmed micro-batch lengths — ``actor.routing``);
+  * partial replay: positions marked -1 (the last token, padding) keep the trainer's own top-k, so padding
+    never indexes a replayed expert;
+  * activation recomputation without a switch: a router call that runs inside autograd's backward is the
+    recompute of an earlier forward and pops that forward's target from ``replay_backward_list`` (FIFO per
+    router: megatron's schedules run backward in forward order), so the recomputed forward routes exactly
+    like the original one;
+  * recording the trainer's own top-k on every forward (also while replaying): the r2 routing and the
+    ``rollout_corr/router_agreement`` metric.
+
+Not covered: ``moe_router_fusion`` (TE's fused top-k bypasses the hook) and sinkhorn routing — refused.
+Token dropping (``moe_expert_capacity_factor``): the replayed experts are the choice; megatron then drops
+over-capacity tokens from the trainer's own probabilities, so with a capacity factor a replayed token can
+still be dropped where the engine (which never drops) kept it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.actor.routing import (RoutingError, RoutingSpec, agreement_counts, agreement_metrics,
+                                       check_routing, gather_micro_batch_records, micro_batch_targets,
+                                       routing_dtype, routing_valid_mask)
+
+__all__ = ["RoutingReplay", "ReplayPass", "agree_on_error", "log_prob_pass", "finish_log_prob_pass", "train_routing"]
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward (i.e. this forward is an activation recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@functools.lru_cache(maxsize=1)
+def _layer_replay_class():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class LayerReplay(RouterReplay):
+        """megatron's ``RouterReplay`` for one MoE layer, with partial replay, recompute detection and
+        recording of the trainer's own choice (see the module docstring)."""
+
+        def __init__(self, moe_index: int, layer: int):
+            super().__init__()
+            RouterReplay.global_router_replay_instances.remove(self)  # registry: RoutingReplay, per model
+            self.moe_index = moe_index
+            self.layer = layer
+            self.own: List[torch.Tensor] = []
+            self.used: List[torch.Tensor] = []
+            self.keep_used = False
+            self.recomputed = 0
+            """Router calls seen inside a backward (activation recompute) so far (a diagnostic)."""
+
+        def replaying(self, on: bool) -> None:
+            self.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD if on else None)
+
+        def reset(self) -> None:
+            self.clear_indices()
+            self.clear_router_replay_action()
+            self.own, self.used = [], []
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            recompute = _in_backward()
+            probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if recompute:
+                self.recomputed += 1
+            else:
+                self.own.append(own.detach())
+            if self.router_replay_action is None:
+                idx = own
+            else:
+                if recompute:
+                    if not self.replay_backward_list:
+                        raise RoutingError(f"routing replay, layer {self.layer}: an activation recompute found no "
+                                           f"recorded target (more recomputes than forwards)")
+                    target = self.replay_backward_list.pop(0)
+                else:
+                    target = self.target_topk_idx
+                if target is None or tuple(target.shape) != tuple(own.shape):
+                    raise RoutingError(f"routing replay, layer {self.layer}: router sees {tuple(own.shape)} "
+                                       f"(tokens, topk) but the target is "
+                                       f"{None if target is None else tuple(target.shape)}")
+                target = target.to(own.device)
+                idx = torch.where(target >= 0, target, own)
+                probs = scores.gather(1, idx)
+            if self.keep_used and not recompute:
+                self.used.append(idx.detach())
+            return probs, idx
+
+    return LayerReplay
+
+
+def agree_on_error(message: Optional[str], device=None, present: Optional[bool] = None) -> None:
+    """Collective over every rank (default group): if any rank has a ``message`` every rank raises
+    ``RoutingError`` naming the first such rank and its message — no rank is left waiting in a later
+    collective. ``present``: whether this rank's batch carries routing; it must be the same on every rank
+    (the passes' collectives depend on it). One small all-reduce when all is well."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if message:
+            raise RoutingError(message)
+        return
+    p = 1 if present else 0
+    flag = torch.tensor([1 if message else 0, p, -p], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag[0]) == 0 and present is not None and int(flag[1]) != -int(flag[2]):
+        raise RoutingError(f"RolloutBatch.routing is present on some ranks only (this rank: "
+                           f"{'present' if present else 'None'}); build every rank's batch from the same rollouts")
+    if int(flag[0]) == 0:
+        return
+    msgs: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, message)
+    bad = [(r, m) for r, m in enumerate(msgs) if m]
+    more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+    raise RoutingError(f"rank {bad[0][0]}: {bad[0][1]}{more}")
+
+
+class ReplayPass:
+    """One pass of the schedule (log-prob pass or one mini-batch's train pass) with routing: sets each
+    micro-batch's targets before a chunk's forward, collects the trainer's own choice after it."""
+
+    def __init__(self, owner: "RoutingReplay", lengths: torch.Tensor, targets: Optional[torch.Tensor],
+                 record: bool, keep_used: bool = False):
+        self.owner = owner
+        self.lengths = lengths
+        self.targets = targets
+        self.record = record
+        self.own: Dict[Tuple[int, int], Dict[int, torch.Tensor]] = {}
+        self.used: Dict[Tuple[int, int], Dict[int, torch.Tensor]] = {}
+        self.micro_batches: Optional[list] = None
+        """The pass's micro-batches (set by the caller after the schedule; ``assemble`` needs them)."""
+        for rep in owner.replays:
+            rep.reset()
+            rep.replaying(targets is not None)
+            rep.keep_used = keep_used
+
+    def wrap(self, step: Callable) -> Callable:
+        """``step(mb, model)`` -> the same with this pass's targets set / records collected around it."""
+
+        def wrapped(mb, model):
+            reps = self.owner.routers_of(model)
+            g = self.owner.groups
+            if self.targets is not None and reps:
+                t = micro_batch_targets(self.targets, self.lengths, mb.rows, mb.full_length, g.cp_rank, g.cp_size,
+                                        g.tp_rank if g.sequence_parallel else 0,
+                                        g.tp_size if g.sequence_parallel else 1, device=mb.tokens.device)
+                for rep in reps:
+                    rep.set_target_indices(t[rep.moe_index])
+            out = step(mb, model)
+            for rep in reps:
+                if self.record and rep.own:
+                    self.own.setdefault(mb.rows, {})[rep.moe_index] = rep.own[-1]
+                if rep.used:
+                    self.used.setdefault(mb.rows, {})[rep.moe_index] = rep.used[-1]
+                rep.own, rep.used = [], []
+            return out
+
+        return wrapped
+
+    def assemble(self, num_rows: int, width: int, which: str = "own") -> torch.Tensor:
+        """[num_rows, width, num_moe_layers, topk] int64 of the recorded (``which="own"``: the trainer's
+        own top-k; ``"used"``: the experts the forwards used) choice of this rank's layers (-1 elsewhere).
+        Collective over the TP (sequence parallel) and CP groups."""
+        g, spec = self.owner.groups, self.owner.spec
+        store = self.own if which == "own" else self.used
+        layers = self.owner.local_layers
+        out = torch.full((num_rows, width, spec.num_moe_layers, spec.topk), -1, dtype=torch.int64)
+        if not layers:
+            return out
+        for mb in self.micro_batches or []:
+            got = store.get(mb.rows, {})
+            if sorted(got) != layers:
+                raise RoutingError(f"routing record: micro-batch rows {mb.rows} recorded MoE layers {sorted(got)}, "
+                                   f"this rank holds {layers}")
+            local = torch.stack([got[j] for j in layers])                   # [n_local_layers, n_tok, k]
+            b = mb.rows[1] - mb.rows[0]
+            full = gather_micro_batch_records(local, b, g.tp_group, g.tp_size if g.sequence_parallel else 1,
+                                              g.cp_group, g.cp_size).cpu()  # [b, s, NLloc, k]
+            w = min(full.shape[1], width)
+            out[mb.rows[0]:mb.rows[1], :w][:, :, layers] = full[:, :w]
+        return out
+
+    def close(self) -> None:
+        """Drop every target and record (also on error)."""
+        for rep in self.owner.replays:
+            rep.reset()
+        self.own, self.used = {}, {}
+
+
+class RoutingReplay:
+    """The routers of one actor's model chunks (on this rank) and the passes over them."""
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], spec: RoutingSpec, groups: ActorGroups):
+        """Install a ``LayerReplay`` in every ``TopKRouter`` of ``model_chunks`` (DDP-wrapped or not)."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        cls = _layer_replay_class()
+        self.spec, self.groups = spec, groups
+        self._by_chunk: Dict[int, list] = {}
+        self.replays: list = []
+        for chunk in model_chunks:
+            reps = []
+            for m in chunk.modules():
+                if not isinstance(m, TopKRouter):
+                    continue
+                if getattr(m.config, "moe_router_fusion", False) or m.routing_type == "sinkhorn":
+                    raise RoutingError("routing replay needs megatron's unfused top-k router "
+                                       "(moe_router_fusion=False, load balancing other than sinkhorn)")
+                layer = int(m.layer_number) - 1
+                if layer not in spec.moe_layers:
+                    raise RoutingError(f"router of layer {layer} is not an MoE layer of the config "
+                                       f"({list(spec.moe_layers)})")
+                rep = cls(spec.moe_layers.index(layer), layer)
+                m.router_replay = rep
+                reps.append(rep)
+            self._by_chunk[id(chunk)] = reps
+            self.replays += reps
+        self.local_layers = sorted(r.moe_index for r in self.replays)
+
+    def routers_of(self, model_chunk) -> list:
+        """The ``LayerReplay`` of each router in ``model_chunk`` (one of the chunks given at construction)."""
+        return self._by_chunk.get(id(model_chunk), [])
+
+    def validate(self, routing: Optional[torch.Tensor], lengths: torch.Tensor, required: str = "",
+                 what: str = "RolloutBatch.routing") -> None:
+        """Collective (every rank): raise ``RoutingError`` on every rank if any rank's ``routing`` cannot be
+        replayed (or is None while ``required`` names why it is needed)."""
+        if routing is None:
+            msg = f"{what} is None but {required}" if required else None
+        else:
+            msg = check_routing(routing, lengths, self.spec, what)
+        agree_on_error(msg, device=_device(), present=routing is not None)
+
+    def begin(self, lengths: torch.Tensor, targets: Optional[torch.Tensor], record: bool,
+              keep_used: bool = False) -> ReplayPass:
+        """A pass replaying ``targets`` ([B, L-1, NL, k] or None) and recording the own choice if ``record``."""
+        return ReplayPass(self, lengths, targets, record, keep_used)
+
+    def agreement(self, own: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor,
+                  prefix: str = "rollout_corr/router") -> Dict[str, float]:
+        """Agreement of this rank's recorded ``own`` routing with ``reference`` (both [B, W, NL, k]), summed
+        over the PP group (disjoint layers) and the DP group (disjoint rows); identical on every rank."""
+        g, spec = self.groups, self.spec
+        valid = routing_valid_mask(lengths, own.shape[1])
+        mask = torch.zeros(spec.num_moe_layers, dtype=torch.bool)
+        mask[self.local_layers] = True
+        c = agreement_counts(own, reference, valid, mask)
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        per_layer, per_token = c["per_layer"].to(dev), c["per_token"].to(dev)
+        if g.pp_size > 1:
+            dist.all_reduce(per_layer, group=g.pp_group)
+            dist.all_reduce(per_token, group=g.pp_group)
+        full = ((per_token == spec.topk * spec.num_moe_layers) & valid.to(dev)).sum().to(torch.float64)
+        vec = torch.cat([per_layer, full.reshape(1), c["tokens"].to(dev).reshape(1)])
+        if g.dp_size > 1:
+            dist.all_reduce(vec, group=g.dp_group)
+        vec = vec.cpu()
+        return agreement_metrics(vec[:-2], float(vec[-2]), float(vec[-1]), spec, prefix=prefix)
+
+    @staticmethod
+    def compact(routing: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
+        """int64 routing with -1 (not recorded here) -> the compact dtype (-1 -> 0: never read)."""
+        return routing.clamp(min=0).to(routing_dtype(spec.num_experts))
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def log_prob_pass(replay: RoutingReplay, batch, mode: str) -> ReplayPass:
+    """Collective: validate ``batch.routing`` on every rank, then a log-prob pass that replays it (r3) and
+    records the trainer's own choice (when routing was captured, or for r2)."""
+    need = (f"actor.routing_replay='r3' replays the rollout engine's routing: the engine must capture it "
+            f"(EmbeddedEngine capture_routing, SGLang --enable-return-routed-experts) and the loop pass it to "
+            f"RolloutBatch.from_sequences(routing=...)") if mode == "r3" else ""
+    replay.validate(batch.routing, batch.lengths, required=need)
+    return replay.begin(batch.lengths, batch.routing if mode == "r3" else None,
+                        record=batch.routing is not None or mode == "r2")
+
+
+def finish_log_prob_pass(replay: RoutingReplay, rp: ReplayPass, batch, mode: str):
+    """After the log-prob pass: (metrics, r2 state). Metrics: ``rollout_corr/router_agreement*`` (own top-k
+    vs the rollout's) when the batch carries routing; r2 state: ``(tokens, lengths, routing)`` the train
+    forwards of this batch replay. Collective (TP / CP gathers, PP / DP sums)."""
+    if not rp.record:
+        return {}, None
+    own = rp.assemble(batch.num_rows, batch.max_length - 1)
+    metrics = replay.agreement(own, batch.routing, batch.lengths) if batch.routing is not None else {}
+    r2 = (batch.tokens, batch.lengths, RoutingReplay.compact(own, replay.spec)) if mode == "r2" else None
+    return metrics, r2
+
+
+def train_routing(replay: RoutingReplay, batch, mode: str, r2_state) -> Optional[torch.Tensor]:
+    """Collective: the routing every train forward of ``batch`` replays — r3: ``batch.routing`` (validated
+    on every rank); r2: what the log-prob pass of this same batch recorded; none: None."""
+    if mode == "r3":
+        log_prob_pass(replay, batch, mode).close()  # same validation as the log-prob pass
+        return batch.routing
+    if mode != "r2":
+        return None
+    msg = None
+    if r2_state is None:
+        msg = "actor.routing_replay='r2': train_step before any compute_log_probs (r2 replays its routing)"
+    elif not (torch.equal(r2_state[0], batch.tokens) and torch.equal(r2_state[1], batch.lengths)):
+        msg = ("actor.routing_replay='r2': train_step got a batch that the last compute_log_probs did not see "
+               f"(tokens {tuple(batch.tokens.shape)} vs {tuple(r2_state[0].shape)}); call compute_log_probs on "
+               f"the same shard first")
+    agree_on_error(msg, device=_device())
+    return r2_state[2]

@@ -1,0 +1,240 @@
+"""MoE routing replay in the actor (``actor.routing_replay``), against an independent reference.
+
+Reference = HF transformers fp32 forward of the same tiny Qwen3-MoE checkpoint with every router forced
+to given expert ids (the test patches ``mlp.gate.forward``: softmax of HF's own router logits gathered at
+the forced experts, renormalised — HF's norm_topk_prob), log_softmax(logits / T) picked at token t+1, the
+policy loss of ``megatron_rl.losses`` and ``loss.backward()`` — no megatron, no replay code.
+
+Checked (tiny Qwen3-MoE: 4 layers, 8 experts, top-2; routing forced to random distinct experts):
+  * r3 log-probs (recompute pass) == HF forced <= 1e-5, and differ from HF's natural routing (replay matters);
+  * r3 gradients of one train step (every parameter, routers included: gate weights are recomputed, so
+    gradients reach the router) == HF forced gradients; at TP1, TP2 x EP2 (sequence parallel) and
+    PP2 x EP2 on 4 gloo ranks, with and without full activation recompute — so replay is exact across
+    layouts;
+  * ``rollout_corr/router_agreement`` (and per layer) == the fraction of (token, layer, k) where HF's own
+    top-k (under the forced history) contains the forced expert;
+  * r2: the log-prob pass records the trainer's own routing (== HF's natural top-k at the initial
+    weights) and every train forward of both mini-batches replays it exactly (agreement 1.0) while the
+    weights change; the weights after the two steps equal HF + AdamW forced to that initial routing;
+  * bad routing (expert id out of range / wrong layer count / wrong top-k in one DP shard only; rows
+    missing) -> ``RoutingError`` / ``BatchError`` naming it on EVERY rank, before any model collective.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/test_routing_replay.py -q``
+"""
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+import megatron.core  # noqa: F401
+from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
+from megatron_rl.actor.batch import BatchError
+from megatron_rl.actor.routing import RoutingError
+from megatron_rl.config import job_config_from_dict
+from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
+from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.distributed import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+T = 0.8
+LOSS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "seq-mean-token-mean"}
+E, K, NL = 8, 2, 4
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("routing")
+    return str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=31, num_hidden_layers=NL, num_experts=E,
+                                   num_experts_per_tok=K))
+
+
+def _model_section(hf_dir, extra=None):
+    from megatron_rl.convert.hf_config import model_config_from_hf
+
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        m = dataclasses.asdict(model_config_from_hf(json.load(fh)))
+    m["moe_router_load_balancing_type"] = "none"
+    m["moe_aux_loss_coeff"] = 0.0
+    m["extra"] = dict(extra or {})
+    return m
+
+
+def _job(hf_dir, tp=1, pp=1, ep=1, sp=False, mbs=3, extra=None, lr=1e-3, **actor):
+    return job_config_from_dict({
+        "model": _model_section(hf_dir, extra),
+        "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, "lr": lr, "clip_grad": 0.0, "policy_loss": LOSS,
+                  **actor},
+        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "expert_model_parallel_size": ep, "sequence_parallel": sp},
+        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
+                                             "bypass_mode": False, "loss_type": "ppo_clip"}},
+    })
+
+
+def _data(vocab, B=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(1, 6, (B,), generator=g).tolist()
+    rlens = torch.randint(2, 10, (B,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p in plens]
+    responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for r in rlens]
+    rollout_lp = [(-torch.rand(r, generator=g) * 3 - 0.1).tolist() for r in rlens]
+    L = max(p + r for p, r in zip(plens, rlens))
+    # forced routing for every position (the engine's: prompt + response - 1 tokens per row are used)
+    forced = torch.rand(B, L, NL, E, generator=g).argsort(-1)[..., :K]
+    rows = [forced[b, : p + r - 1].to(torch.uint8) for b, (p, r) in enumerate(zip(plens, rlens))]
+    batch = RolloutBatch.from_sequences(prompts, responses, rollout_lp, routing=rows)
+    W = batch.max_length - 1
+    old = (batch.rollout_log_probs + 0.3 * torch.randn(B, W, generator=g) * batch.response_mask).clamp(max=-1e-3)
+    is_w = (torch.rand(B, W, generator=g) + 0.5) * batch.response_mask
+    adv = torch.randn(B, generator=g)
+    return batch, forced, old, adv, is_w
+
+
+# ----------------------------------------------------------------------------- HF reference
+def _loss_type():
+    import inspect
+
+    return {"loss_type": "ppo_clip"} if "loss_type" in inspect.signature(compute_policy_loss).parameters else {}
+
+
+def _moe_gates(model):
+    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+
+def _force(model, forced, own_out=None):
+    """Patch every HF router to route position (b, t) of layer j to ``forced[b, t, j]`` ([B, S, NL, k]);
+    ``forced=None`` keeps HF's routing. ``own_out`` collects HF's own top-k per layer ([B*S, k])."""
+    import torch.nn.functional as F
+
+    for j, gate in enumerate(_moe_gates(model)):
+        def fwd(hidden_states, gate=gate, j=j):
+            h = hidden_states.reshape(-1, gate.hidden_dim)
+            logits = F.linear(h, gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            own = torch.topk(probs, gate.top_k, dim=-1).indices
+            if own_out is not None:
+                own_out.append(own.detach())
+            idx = own if forced is None else forced[:, : hidden_states.shape[0] // forced.shape[0], j].reshape(-1, gate.top_k)
+            top = probs.gather(1, idx)
+            if gate.norm_topk_prob:
+                top = top / top.sum(-1, keepdim=True)
+            return logits, top.to(logits.dtype), idx
+
+        gate.forward = fwd
+
+
+def _hf_logp(model, tokens):
+    logits = model(input_ids=tokens).logits[:, :-1] / T
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def _unfuse(sd):
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            pre, f = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"], out[f"{pre}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
+        elif k.endswith("mlp.experts.down_proj"):
+            pre = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = v[e]
+        else:
+            out[k] = v
+    return out
+
+
+def _hf_reference(hf_dir, batch, forced, old, adv, is_w):
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        natural = _hf_logp(model, batch.tokens)
+    own = []
+    _force(model, forced, own)
+    with torch.no_grad():
+        logp = _hf_logp(model, batch.tokens)
+    B, S = batch.tokens.shape
+    own = torch.stack([o.reshape(B, S, K) for o in own], dim=2)[:, : S - 1]      # [B, S-1, NL, k]
+    model.train()
+    W = S - 1
+    out = compute_policy_loss(_hf_logp(model, batch.tokens), old, adv[:, None].expand(-1, W), batch.response_mask,
+                              PolicyLossConfig(**LOSS), is_weights=is_w, **_loss_type())
+    out.loss.backward()
+    grads = _unfuse({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    valid = torch.arange(W)[None] < (batch.lengths[:, None] - 1)
+    hit = (forced[:, :W].unsqueeze(-1) == own.unsqueeze(-2)).any(-1) & valid[:, :, None, None]
+    agreement = {"all": float(hit.sum()) / (float(valid.sum()) * NL * K),
+                 "layer": [float(hit[:, :, j].sum()) / (float(valid.sum()) * K) for j in range(NL)]}
+    return {"logp": logp, "natural": natural, "grads": grads,
+            "agreement": agreement, "valid": valid}
+
+
+# ----------------------------------------------------------------------------- actor ranks
+def _grads_hf(actor):
+    """Collective: the full HF-named gradient dict on rank 0 (main_grad copied into the weights, then the
+    actor's own HF gather)."""
+    for chunk in actor.model:
+        for p in chunk.module.parameters():
+            p.data.copy_(p.main_grad)
+    return actor.full_state_dict_hf()
+
+
+def _rank_r3(rank, world, job, data):
+    batch, _, old, adv, is_w = data
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    actor = MegatronActor(job)
+    start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
+    shard = batch.select(start, end)
+    W = shard.max_length - 1
+    lp, _ = actor.compute_log_probs(shard, T, compute_entropy=False)
+    metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], shard.response_mask, is_w[start:end, :W], T)
+    recomputed = sum(r.recomputed for r in actor.routing.replays)
+    return {"lp": lp, "rows": (start, end), "metrics": metrics, "grads": _grads_hf(actor), "recomputed": recomputed}
+
+
+CASES = [(dict(), 1), (dict(extra=RECOMPUTE), 1), (dict(tp=2, ep=2, sp=True), 4), (dict(pp=2, ep=2), 4),
+         (dict(pp=2, ep=2, extra=RECOMPUTE), 4)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,world", CASES, ids=["tp1", "tp1-recompute", "tp2ep2sp", "pp2ep2",
+                                                     "pp2ep2-recompute"])
+def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
+    job = _job(moe_dir, routing_replay="r3", **layout)
+    data = _data(job.model.vocab_size)
+    batch, forced = data[0], data[1]
+    ref = _hf_reference(moe_dir, *data)
+    mask = batch.response_mask.bool()
+    assert (ref["natural"] - ref["logp"])[mask].abs().max() > 1e-3, "forced routing must change the log-probs"
+    results = run_ranks(_rank_r3, world, job, data, timeout=200)
+    W = batch.max_length - 1
+    lp = torch.zeros(batch.num_rows, W)
+    for r in results:
+        s, e = r["rows"]
+        lp[s:e, : r["lp"].shape[1]] = r["lp"]
+    valid = torch.arange(W)[None] < (batch.lengths[:, None] - 1)
+    torch.testing.assert_close(lp[valid], ref["logp"][valid], rtol=0, atol=1e-5)
+    m = results[0]["metrics"]
+    assert all(r["metrics"] == m for r in results)
+    # with full recompute every router runs again inside backward and pops its forward's target
+    assert all((r["recomputed"] > 0) == ("recompute_granularity" in layout.get("extra", {})) for r in results)
+    assert m["rollout_corr/router_agreement"] == pytest.approx(ref["agreement"]["all"], abs=1e-12)
+    assert m["rollout_corr/router_agreement"] < 1.0
+    for j in range(NL):
+        assert m[f"rollout_corr/router_agreement_layer{j}"] == pytest.approx(ref["agreement"]["layer"][j], abs=1e-12)
+    grads = results[0]["grads"]
+    assert grads is not None and sorted(grads) == sorted(k for k in ref["grads"] if k in grads)
+    n = 0
+    for k, g in ref["grads"].items():
+        if k not in grads:
+            assert k == "lm_head.weight"
+            continue
+        torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=lambda s: f"grad {k}: {s}")
+        n += 1
+    assert n > 20 and any("mlp.gate.weight" in k and ref["grads"][k].abs().max() > 0 for k in ref["grads"])
