@@ -7,7 +7,7 @@
 #
 # GPU (tensor parallel over 8 GPUs of this node, reachable from the trainers):
 #   launch/sglang_server.sh --model /ckpt/Qwen2.5-7B --host 0.0.0.0 --port 30000 --tp 8
-# CPU, for development (tiny models; see /work/shared/design.md section 3):
+# CPU, for development (tiny models; see megatron_rl/platform/sglang_cpu/README.md):
 #   launch/sglang_server.sh --model /tmp/tiny_qwen2 --device cpu --port 30000
 #
 # Options (environment variable in brackets):
