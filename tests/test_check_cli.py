@@ -72,3 +72,22 @@ def test_flags_override_the_cluster_section():
     assert r.returncode == 0, r.stderr
     assert "world size 16 (2 node(s) x 8 GPU(s))" in r.stdout and "DP=8" in r.stdout
     assert "<= 141 GiB" in r.stdout or "> GPU memory 141 GiB" in r.stdout
+
+
+@pytest.mark.parametrize("name,world", [("qwen2.5_7b_1x8.yaml", 8), ("qwen3_30b_a3b_2x8.yaml", 16),
+                                        ("deepseek_v3_scale_64x8.yaml", 512)])
+def test_gpu_configs_check_with_no_flags_at_the_size_in_their_name(name, world):
+    r = _cli(os.path.join(ROOT, "configs", name))
+    assert r.returncode == 0, r.stderr
+    assert f"at world size {world} ({world // 8} node(s) x 8 GPU(s))" in r.stdout
+    assert "peak: stage" in r.stdout
+
+
+def test_every_shipped_config_names_its_cluster():
+    import glob
+
+    import yaml
+
+    for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
+        cluster = yaml.safe_load(open(path)).get("cluster")
+        assert cluster and {"device", "nodes", "gpus_per_node"} <= set(cluster), path
