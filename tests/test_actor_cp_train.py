@@ -82,7 +82,7 @@ def _rank(rank, world, cp, agg):
     per_token = {"old_log_probs": lp, "advantages": adv[rows], "response_mask": shard.response_mask,
                  "is_weights": is_w[rows], "ref_log_probs": None}
     cfg = PolicyLossConfig(loss_agg_mode=agg)
-    metrics = train_mini_batch(model, opt, shard, per_token, cfg, temperature=0.9, micro_batch_size=3,
+    metrics = train_mini_batch(model, opt, shard, per_token, cfg, "ppo_clip", temperature=0.9, micro_batch_size=3,
                                groups=groups)
     return {"dp_rank": groups.dp_rank, "lp": lp, "ent": ent, "metrics": metrics,
             "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()},

@@ -144,7 +144,7 @@ def _reference(hf_dir, data, steps_rows, epochs=1):
             logits = model(input_ids=batch.tokens[rows]).logits[:, :-1] / T
             logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[rows][:, 1:, None]).squeeze(-1)
             loss = compute_policy_loss(logp, old[rows], adv[rows, None].expand(-1, W), mask[rows], cfg,
-                                       is_weights=is_w[rows])
+                                       loss_type="ppo_clip", is_weights=is_w[rows])
             loss.loss.backward()
             out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             out["pg_loss"].append(float(loss.pg_loss.detach()))

@@ -3,13 +3,14 @@ Run: ``pytest tests/test_losses_bad_input.py``."""
 import pytest
 import torch
 
+from megatron_rl.config.load import ConfigError, job_config_from_dict
 from megatron_rl.losses import (LossDenominators, PolicyLossConfig, aggregate_loss, compute_policy_loss,
                                 global_denominators, kl_penalty, select_loss_inputs)
 from test_losses_reference import make_batch
 
 
 def call(d, cfg=None, **kw):
-    args = dict(is_weights=d["weights"])
+    args = dict(is_weights=d["weights"], loss_type="ppo_clip")
     args.update(kw)
     return compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], cfg or PolicyLossConfig(), **args)
 
@@ -37,7 +38,7 @@ def test_ref_shape_mismatch(d):
 def test_not_2d(d):
     with pytest.raises(ValueError, match=r"log_probs must be 2-D.*\(24,\)"):
         compute_policy_loss(d["logp"].flatten(), d["old"].flatten(), d["adv"].flatten(),
-                            d["mask"].flatten(), PolicyLossConfig())
+                            d["mask"].flatten(), PolicyLossConfig(), loss_type="ppo_clip")
 
 
 @pytest.mark.parametrize("name,arg", [("logp", "log_probs"), ("old", "old_log_probs"),
@@ -56,7 +57,8 @@ def test_nan_in_masked_position_is_allowed(d):
     d["old"][2, 4] = float("nan")
     d["weights"][2, 4] = float("inf")
     lp = d["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLossConfig(), is_weights=d["weights"])
+    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLossConfig(), loss_type="ppo_clip",
+                              is_weights=d["weights"])
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all() and lp.grad[2, 4] == 0
 
@@ -84,7 +86,7 @@ def test_negative_weights(d):
 
 def test_integer_dtype(d):
     with pytest.raises(ValueError, match=r"advantages must be a floating-point tensor, got dtype torch.int64"):
-        compute_policy_loss(d["logp"], d["old"], d["adv"].long(), d["mask"], PolicyLossConfig())
+        compute_policy_loss(d["logp"], d["old"], d["adv"].long(), d["mask"], PolicyLossConfig(), loss_type="ppo_clip")
 
 
 def test_kl_without_ref(d):
@@ -94,11 +96,10 @@ def test_kl_without_ref(d):
 
 def test_config_type(d):
     with pytest.raises(ValueError, match="config must be a PolicyLossConfig"):
-        compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], {"loss_type": "ppo_clip"})
+        compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], {"clip_ratio_low": 0.2}, loss_type="ppo_clip")
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(loss_type="ppo"), r"loss_type must be one of .*got 'ppo' \(did you mean 'ppo_clip'\?\)"),
     (dict(loss_agg_mode="token_mean"), r"loss_agg_mode .*'token_mean' \(did you mean 'token-mean'\?\)"),
     (dict(kl_loss_type="k4"), r"kl_loss_type must be one of"),
     (dict(clip_ratio_low=1.0), r"clip_ratio_low must be in \[0, 1\), got 1.0"),
@@ -113,6 +114,27 @@ def test_config_type(d):
 def test_config_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
         PolicyLossConfig(**kw)
+
+
+def test_loss_type_is_an_argument_with_a_hint(d):
+    with pytest.raises(ValueError, match=r"loss_type must be one of .*got 'ppo' \(did you mean 'ppo_clip'\?\)"):
+        call(d, loss_type="ppo")
+    with pytest.raises(TypeError, match="loss_type"):
+        PolicyLossConfig(loss_type="reinforce")  # not a field: one owner, the correction config
+
+
+def test_from_dict_rejects_loss_type_naming_its_owner():
+    """A user's actor.policy_loss.loss_type used to be silently overwritten by the correction's."""
+    with pytest.raises(ValueError, match=r"loss_type: not a policy_loss setting; it has one owner, "
+                                         r"algorithm\.rollout_correction\.loss_type \(move "
+                                         r"actor\.policy_loss\.loss_type: 'reinforce' to "
+                                         r"algorithm\.rollout_correction\.loss_type\)"):
+        PolicyLossConfig.from_dict({"loss_type": "reinforce", "clip_ratio": 0.2})
+
+
+def test_job_config_rejects_policy_loss_loss_type_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"actor\.policy_loss\.loss_type.*algorithm\.rollout_correction\.loss_type"):
+        job_config_from_dict({"actor": {"policy_loss": {"loss_type": "reinforce"}}})
 
 
 def test_from_dict():

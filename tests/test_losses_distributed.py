@@ -17,8 +17,9 @@ from megatron_rl.testing.distributed import run_ranks
 from test_losses_reference import make_batch
 
 F64 = torch.float64
-CONFIGS = [PolicyLossConfig(loss_type=lt, loss_agg_mode=mode, clip_ratio_c=3.0, clip_ratio_high=0.28,
-                            loss_scale_factor=8.0, kl_loss_coef=0.1, kl_loss_type="k3+")
+# (loss_type, PolicyLossConfig): the loss type is an argument of the loss (its owner is the correction config)
+CONFIGS = [(lt, PolicyLossConfig(loss_agg_mode=mode, clip_ratio_c=3.0, clip_ratio_high=0.28,
+                                 loss_scale_factor=8.0, kl_loss_coef=0.1, kl_loss_type="k3+"))
            for lt in ("ppo_clip", "reinforce") for mode in LOSS_AGG_MODES]
 # DP layout: per rank, micro-batches as (first row, end row, padded length)
 DP_LAYOUT = [[(0, 3, 8), (3, 5, None)],    # rank 0: two micro-batches, the second re-padded shorter
@@ -51,8 +52,9 @@ def model_log_probs(X, theta):
 def micro_loss(d, cfg, theta, sel, den, seq_valid_tokens=None):
     """Loss of the micro-batch given by index ``sel`` into every [N, T] tensor."""
     part = {k: d[k][sel] for k in ("old", "adv", "mask", "weights", "ref")}
+    loss_type, cfg = cfg
     return compute_policy_loss(model_log_probs(d["X"][sel], theta), part["old"], part["adv"], part["mask"],
-                               cfg, is_weights=part["weights"], ref_log_probs=part["ref"],
+                               cfg, loss_type=loss_type, is_weights=part["weights"], ref_log_probs=part["ref"],
                                denominators=den, seq_valid_tokens=seq_valid_tokens)
 
 

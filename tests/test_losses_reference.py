@@ -103,7 +103,7 @@ def ref_kl(lp, rf, kl_type):
     return v
 
 
-def ref_policy_loss(data, cfg, use_weights, logp_leaf):
+def ref_policy_loss(data, cfg, use_weights, logp_leaf, loss_type="ppo_clip"):
     """Full reference: per-sequence lists of valid-token losses, aggregated by explicit loops."""
     B, T = data["mask"].shape
     per_seq, kl_seq = [], []
@@ -117,7 +117,7 @@ def ref_policy_loss(data, cfg, use_weights, logp_leaf):
             lp = logp_leaf[i, t]
             old, a = float(data["old"][i, t]), float(data["adv"][i, t])
             w = float(data["weights"][i, t]) if use_weights else 1.0
-            loss, cl, cll = ref_token_loss(lp, old, a, w, cfg.loss_type, cfg.clip_ratio_low,
+            loss, cl, cll = ref_token_loss(lp, old, a, w, loss_type, cfg.clip_ratio_low,
                                            cfg.clip_ratio_high, cfg.clip_ratio_c)
             row.append(loss)
             n_tok += 1
@@ -156,15 +156,15 @@ def ref_policy_loss(data, cfg, use_weights, logp_leaf):
     return loss, metrics
 
 
-def run_both(data, cfg, use_weights):
+def run_both(data, cfg, use_weights, loss_type="ppo_clip"):
     """(ours, reference) as (loss, grad wrt logp, metrics)."""
     lp1 = data["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp1, data["old"], data["adv"], data["mask"], cfg,
+    out = compute_policy_loss(lp1, data["old"], data["adv"], data["mask"], cfg, loss_type=loss_type,
                               is_weights=data["weights"] if use_weights else None,
                               ref_log_probs=data["ref"] if cfg.kl_loss_coef > 0 else None)
     (g1,) = torch.autograd.grad(out.loss, lp1)
     lp2 = data["logp"].clone().requires_grad_()
-    ref_loss, ref_metrics = ref_policy_loss(data, cfg, use_weights, lp2)
+    ref_loss, ref_metrics = ref_policy_loss(data, cfg, use_weights, lp2, loss_type)
     (g2,) = torch.autograd.grad(ref_loss, lp2, allow_unused=True)
     g2 = torch.zeros_like(lp2) if g2 is None else g2
     return (out.loss.detach(), g1, metrics_to_floats(out.metrics)), (ref_loss.detach(), g2, ref_metrics)
@@ -178,11 +178,10 @@ def run_both(data, cfg, use_weights):
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
 def test_loss_matches_reference(loss_type, mode, clip_ratio_c, use_weights):
-    cfg = PolicyLossConfig(loss_type=loss_type, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                           clip_ratio_c=clip_ratio_c, loss_agg_mode=mode)
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_ratio_c, loss_agg_mode=mode)
     for seed in range(3):
         data = make_batch(seed, per_token_adv=bool(seed % 2))
-        (l1, g1, m1), (l2, g2, m2) = run_both(data, cfg, use_weights)
+        (l1, g1, m1), (l2, g2, m2) = run_both(data, cfg, use_weights, loss_type)
         torch.testing.assert_close(l1, l2, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-12)
         assert set(m1) == set(m2)
@@ -275,10 +274,10 @@ def test_bypass_mode_input_selection(loss_type):
     old2, w2 = select_loss_inputs(loss_type, False, rollout, d["ref"], d["weights"])
     assert old2 is d["ref"] and w2 is d["weights"]
     # bypass PPO-clip == plain PPO on pi_theta / pi_rollout (reference with no weights)
-    cfg = PolicyLossConfig(loss_type=loss_type)
+    cfg = PolicyLossConfig()
     lp = d["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, old, d["adv"], d["mask"], cfg, is_weights=w)
-    ref_loss, _ = ref_policy_loss(d, cfg, loss_type == "reinforce", d["logp"].clone().requires_grad_())
+    out = compute_policy_loss(lp, old, d["adv"], d["mask"], cfg, loss_type=loss_type, is_weights=w)
+    ref_loss, _ = ref_policy_loss(d, cfg, loss_type == "reinforce", d["logp"].clone().requires_grad_(), loss_type)
     torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
 
 
@@ -287,9 +286,9 @@ def test_all_tokens_rejected_gives_zero_loss_and_zero_grad():
     d["mask"].zero_()
     for mode in LOSS_AGG_MODES:
         for lt in ("ppo_clip", "reinforce"):
-            cfg = PolicyLossConfig(loss_type=lt, loss_agg_mode=mode, kl_loss_coef=0.1)
+            cfg = PolicyLossConfig(loss_agg_mode=mode, kl_loss_coef=0.1)
             lp = d["logp"].clone().requires_grad_()
-            out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, is_weights=d["weights"],
+            out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, loss_type=lt, is_weights=d["weights"],
                                       ref_log_probs=d["ref"])
             (g,) = torch.autograd.grad(out.loss, lp)
             assert float(out.loss.detach()) == 0.0 and torch.all(g == 0)
@@ -303,7 +302,8 @@ def test_float32_inputs_match_float64_reference():
     cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-mean", clip_ratio_c=3.0)
     d32 = {k: v.float() for k, v in d.items()}
     lp = d32["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, d32["old"], d32["adv"], d32["mask"], cfg, is_weights=d32["weights"])
+    out = compute_policy_loss(lp, d32["old"], d32["adv"], d32["mask"], cfg, loss_type="ppo_clip",
+                              is_weights=d32["weights"])
     assert out.loss.dtype == torch.float32
     (g,) = torch.autograd.grad(out.loss, lp)
     d64 = {k: v.double() for k, v in d32.items()}
@@ -320,7 +320,7 @@ def test_bfloat16_inputs_computed_in_float32():
     d = {k: v.to(torch.bfloat16) for k, v in make_batch(4).items()}
     cfg = PolicyLossConfig(loss_agg_mode="token-mean")
     lp = d["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, is_weights=d["weights"])
+    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, loss_type="ppo_clip", is_weights=d["weights"])
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     d64 = {k: v.double() for k, v in d.items()}
     ref_loss, _ = ref_policy_loss(d64, cfg, True, d64["logp"].clone().requires_grad_())

@@ -147,7 +147,8 @@ class MegatronActor:
                 may be None in bypass mode (then ``batch.rollout_log_probs`` are the old policy).
             advantages: [B] (broadcast over each row's tokens) or [B, L-1].
             response_mask: [B, L-1] mask after rejection sampling (the correction's ``response_mask``).
-            is_weights: [B, L-1] the correction's IS weights (detached) or None.
+            is_weights: [B, L-1] the correction's IS weights (detached) or None, passed as the correction
+                returned them: whether the loss applies them is decided here, once (``select_loss_inputs``).
             temperature: the rollout temperature (logits are divided by it).
             ref_log_probs: [B, L-1] reference-policy log-probs, needed when policy_loss.kl_loss_coef > 0.
         Which old log-probs / weights the loss uses follows ``algorithm.rollout_correction`` (loss_type,
@@ -172,7 +173,7 @@ class MegatronActor:
         for k, v in per_token.items():
             if v is not None and tuple(v.shape) != (B, W):
                 raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
-        loss_cfg = self._loss_config()
+        loss_cfg = self.actor_cfg.policy_loss  # loss_type: corr.loss_type (its one owner)
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
         replayed = train_routing(self.routing, batch, self.routing_mode, self._r2_state) if self.routing else None
@@ -186,7 +187,8 @@ class MegatronActor:
                 rp = self.routing.begin(sub.lengths, sub.routing, record=False) if replayed is not None else None
                 try:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
-                                                  temperature=temperature, micro_batch_size=ac.micro_batch_size,
+                                                  corr.loss_type, temperature=temperature,
+                                                  micro_batch_size=ac.micro_batch_size,
                                                   groups=self.groups, trim=self._trim, replay=rp))
                 finally:
                     if rp is not None:
@@ -197,13 +199,6 @@ class MegatronActor:
         out.update(self.routing_metrics)  # rollout_corr/router_agreement* of this batch's log-prob pass
         self.routing_metrics = {}
         return out
-
-    def _loss_config(self):
-        import dataclasses
-
-        cfg = self.actor_cfg.policy_loss
-        loss_type = self.job_cfg.algorithm.rollout_correction.loss_type
-        return cfg if cfg.loss_type == loss_type else dataclasses.replace(cfg, loss_type=loss_type)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str, step: int, extra_state: Optional[Dict[str, Any]] = None) -> str:

@@ -42,15 +42,16 @@ PER_TOKEN_INPUTS = ("old_log_probs", "advantages", "response_mask", "is_weights"
 """Per-token [B, L-1] inputs of the loss (is_weights / ref_log_probs may be None)."""
 
 
-def _loss_func(cfg: PolicyLossConfig, den, temperature: float, tp_group, scale: float, mb: MicroBatch,
-               logits: torch.Tensor):
+def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, tp_group, scale: float,
+               mb: MicroBatch, logits: torch.Tensor):
     """Last stage: policy loss of one micro-batch from its vocab-parallel logits, scaled for megatron
     (see the module docstring), plus its (sum, count) metrics."""
     logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
                                         compute_entropy=True)
     p = mb.per_token
     out = compute_policy_loss(logp, p["old_log_probs"], p["advantages"], p["response_mask"], cfg,
-                              is_weights=p["is_weights"], ref_log_probs=p["ref_log_probs"], denominators=den,
+                              loss_type=loss_type, is_weights=p["is_weights"], ref_log_probs=p["ref_log_probs"],
+                              denominators=den,
                               seq_valid_tokens=mb.seq_valid_tokens)
     metrics = dict(out.metrics)
     valid = p["response_mask"] != 0
@@ -76,13 +77,14 @@ def _broadcast_object(obj, groups: ActorGroups):
 
 
 def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
-                     per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, *,
+                     per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, loss_type: str, *,
                      temperature: float, micro_batch_size: int, groups: ActorGroups,
                      trim: bool = True, replay=None) -> Dict[str, float]:
     """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
 
     ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
 
+    ``loss_type`` ("ppo_clip" / "reinforce") is ``algorithm.rollout_correction.loss_type``.
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
     t+1) or None (is_weights, ref_log_probs). Returns floats: pg_loss (the global batch's aggregated
     policy loss), pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss (with a KL loss; token means
@@ -104,7 +106,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
     mbs = prepare_micro_batches(batch, micro_batch_size, groups, trim=trim, per_token=inputs)
     scale = float(len(mbs) * groups.dp_size)
-    loss_func = functools.partial(_loss_func, loss_cfg, den, float(temperature), groups.tp_group, scale)
+    loss_func = functools.partial(_loss_func, loss_cfg, loss_type, den, float(temperature), groups.tp_group, scale)
     for chunk in model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()

@@ -12,15 +12,17 @@ Differences from verl, on purpose:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from megatron_rl.correction.migration import translate
 from megatron_rl.correction.thresholds import (
     ISBounds, RSBound, parse_is_threshold, parse_rs_options, parse_rs_thresholds,
 )
+from megatron_rl.losses.config import check_loss_type
 
 IS_LEVELS = ("token", "sequence", "geometric")
-LOSS_TYPES = ("ppo_clip", "reinforce")
 ON_INVALID = ("raise", "reject")
 
 
@@ -64,7 +66,8 @@ class RolloutCorrectionConfig:
     loss_type: str = "ppo_clip"
     """"ppo_clip" (clipped surrogate; in bypass mode the PPO ratio pi_theta / pi_rollout already is
     the IS correction, so explicit weights are not applied) or "reinforce" (policy gradient with
-    explicit detached IS weights, no clipping)."""
+    explicit detached IS weights, no clipping). The one place the loss type is set (not
+    actor.policy_loss)."""
 
     on_invalid: str = "raise"
     """What to do with NaN / inf / positive (> 1e-3) log-probs on valid tokens: "raise" a ValueError
@@ -98,15 +101,9 @@ class RolloutCorrectionConfig:
         for key in ("bypass_mode",):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: expected a bool, got {getattr(self, key)!r}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type: {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+        check_loss_type(self.loss_type)
         if self.on_invalid not in ON_INVALID:
             raise ValueError(f"on_invalid: {self.on_invalid!r} is not one of {', '.join(ON_INVALID)}")
-
-    @property
-    def applies_is_weights(self) -> bool:
-        """Whether the policy loss multiplies the IS weights in (not for bypass + ppo_clip)."""
-        return self.rollout_is is not None and not (self.bypass_mode and self.loss_type == "ppo_clip")
 
     def to_dict(self) -> Dict[str, Any]:
         """The user-settable fields (verl's keys), e.g. for YAML dumps and metrics headers."""
@@ -117,12 +114,32 @@ class RolloutCorrectionConfig:
         """Build from verl's ``algorithm.rollout_correction`` block (as is) or seed-era flat keys.
 
         A ``preset`` key (``{"preset": "decoupled_token_is", "threshold": 3.0}``) calls that preset.
-        Unknown keys raise ValueError naming the key and the nearest valid one; seed-era keys are
-        translated with a one-line migration hint (logged as a warning).
+        Other preset keys override the preset's values. ``None`` is :meth:`disabled`. Unknown keys
+        raise ValueError naming each key and the nearest valid one; seed-era keys are translated with a
+        one-line migration hint (logged as a warning), see :mod:`megatron_rl.correction.migration`.
         """
-        from megatron_rl.correction.migration import translate
+        if d is None:
+            return cls.disabled()
+        valid_keys = [f.name for f in dataclasses.fields(cls) if f.init]
+        if isinstance(d, dict) and "preset" in d:
+            return cls._from_preset(dict(d), valid_keys)
+        return cls(**translate(d, valid_keys))
 
-        return cls(**translate(d, [f.name for f in dataclasses.fields(cls) if f.init], PRESETS))
+    @classmethod
+    def _from_preset(cls, d: Dict[str, Any], valid_keys: List[str]) -> "RolloutCorrectionConfig":
+        """``{"preset": name, <preset arguments>, <config keys overriding the preset>}``."""
+        name = d.pop("preset")
+        if name not in PRESETS:
+            near = difflib.get_close_matches(str(name), PRESETS, n=1)
+            raise ValueError(f"rollout_correction.preset: unknown preset {name!r}"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f"; presets: {', '.join(PRESETS)}")
+        overrides = {k: d.pop(k) for k in list(d) if k in valid_keys}
+        try:
+            preset = getattr(cls, name)(**d)
+        except TypeError as exc:
+            raise ValueError(f"rollout_correction.preset={name}: bad preset arguments {sorted(d)}: {exc}") from None
+        return dataclasses.replace(preset, **overrides) if overrides else preset
 
     # ------------------------------------------------------------------ presets: verl (latest)
     @classmethod

@@ -20,23 +20,23 @@ from typing import Dict, Iterable
 
 import torch
 
+from megatron_rl.numerics import LOG_RATIO_CLAMP, clamp_log_ratio
+
 SCALE = 1e-3
 DU = 5e-3
-U_MAX = math.asinh(20.0 / SCALE)
+U_MAX = math.asinh(LOG_RATIO_CLAMP / SCALE)
 NUM_BINS = int(math.ceil(2 * U_MAX / DU))
 
 
 def bin_counts(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Counts (float64, [NUM_BINS]) of ``log_ratio`` at positions where ``mask`` is set."""
-    x = log_ratio[mask.bool()].to(torch.float64).clamp(-20.0, 20.0)
-    idx = torch.floor((torch.asinh(x / SCALE) + U_MAX) / DU).long().clamp_(0, NUM_BINS - 1)
-    return torch.bincount(idx, minlength=NUM_BINS).to(torch.float64)
+    """Counts (float64, [NUM_BINS]) of ``log_ratio`` at positions where ``mask`` is set.
 
-
-def bin_log_edges(k: int) -> tuple:
-    """(low, high) edges of bin ``k`` in log-ratio space."""
-    lo = -U_MAX + k * DU
-    return SCALE * math.sinh(lo), SCALE * math.sinh(lo + DU)
+    The bin index is computed in ``log_ratio``'s dtype (float32 for float32 log-ratios: the index of a
+    value within ~1e-6 of a bin edge may differ by one from the float64 one)."""
+    u = torch.asinh(clamp_log_ratio(log_ratio) / SCALE)
+    idx = torch.floor((u + U_MAX) / DU).long().clamp_(0, NUM_BINS - 1)
+    idx = torch.where(mask, idx, NUM_BINS)  # positions outside the mask go to an overflow bin, dropped
+    return torch.bincount(idx.reshape(-1), minlength=NUM_BINS + 1)[:NUM_BINS].to(torch.float64)
 
 
 def quantiles(counts: torch.Tensor, qs: Iterable[float]) -> Dict[float, float]:

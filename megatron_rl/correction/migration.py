@@ -1,9 +1,8 @@
-"""Translate user dicts (verl's latest block, seed-era flat keys, presets) into config kwargs.
+"""Translate a user's ``rollout_correction`` dict (verl's latest block or seed-era keys) into config kwargs.
 
 Accepted, in one dict:
   * verl's latest ``algorithm.rollout_correction`` keys, as is (``debug_rollout_actor_probs`` is
     accepted and ignored: it is a verl diagnostic with no effect here);
-  * ``preset: <name>`` plus that preset's keyword arguments;
   * seed-era keys (verl PRs 2953 / 3694 / 3984 / 4070), each translated with a one-line hint:
 
     ======================================  ===================================================
@@ -13,6 +12,7 @@ Accepted, in one dict:
     rollout_is: true / false (bool)         rollout_is: <level> / null (metrics only)
     rollout_is_mode: truncate | mask        rollout_is_threshold: C | "lo_hi"
     rollout_is_threshold_lower: lo          the lo of "lo_hi" (mask); truncate derives 1/C
+    rollout_is_threshold: null              rollout_is: null
     rollout_is_veto_threshold: v            rollout_token_veto_threshold: v
     rollout_rs: token|sequence|geometric    rollout_rs: token_k1 | seq_sum_k1 | seq_mean_k1
     rollout_rs_threshold_lower: lo          rollout_rs_threshold: "lo_hi"
@@ -22,23 +22,27 @@ Accepted, in one dict:
     tis_imp_ratio_cap: C  (actor key)       rollout_is: token, rollout_is_threshold: C
     ======================================  ===================================================
 
-Unknown keys raise ValueError naming the key and the nearest valid one.
+:data:`TRANSLATORS` is the table: each entry names the keys it reads and a function from the given
+ones (only those present) to config kwargs. Entries run in table order; keys no entry reads are
+current keys and are applied last, so an explicit current key wins over a translated seed-era one.
+Presets (``preset: <name>``) are :class:`RolloutCorrectionConfig`'s business (``from_dict``); this
+module knows nothing of the config class, so there is no import circle.
 """
 from __future__ import annotations
 
 import difflib
 import logging
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 log = logging.getLogger("megatron_rl.correction")
 
-LEGACY_KEYS = (
-    "rollout_is_level", "rollout_is_mode", "rollout_is_threshold_lower", "rollout_is_veto_threshold",
-    "rollout_rs_threshold_lower", "bypass_old_logprob_for_rollout", "use_pure_rollout_correction",
-    "use_policy_gradient", "tis_imp_ratio_cap",
-)
 IGNORED_VERL_KEYS = ("debug_rollout_actor_probs",)
+"""verl keys accepted and ignored (verl-only diagnostics)."""
+
 _SEED_RS_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+_IS_MODES = ("truncate", "mask")
+
+Kwargs = Dict[str, Any]
 
 
 def _hint(old: str, new: str) -> None:
@@ -46,81 +50,50 @@ def _hint(old: str, new: str) -> None:
 
 
 def _lo_hi(upper: Any, lower: Optional[Any]) -> str:
+    """``"lo_hi"`` from an upper bound and an optional lower one (default 1/upper)."""
     upper = float(upper)
     return f"{(1.0 / upper) if lower is None else float(lower)}_{upper}"
 
 
-def translate(d: Optional[Dict[str, Any]], valid_keys: Iterable[str], presets: Iterable[str]) -> Dict[str, Any]:
-    """Return keyword arguments for ``RolloutCorrectionConfig`` (validation happens there)."""
-    if d is None:
-        return {"rollout_is": None, "rollout_rs": None}
-    if not isinstance(d, dict):
-        raise ValueError(f"rollout_correction: expected a mapping, got {type(d).__name__}")
-    d = dict(d)
-    valid_keys = list(valid_keys)
-    presets = list(presets)
-
-    if "preset" in d:
-        name = d.pop("preset")
-        if name not in presets:
-            near = difflib.get_close_matches(str(name), presets, n=1)
-            raise ValueError(f"rollout_correction.preset: unknown preset {name!r}"
-                             + (f" (did you mean {near[0]!r}?)" if near else "")
-                             + f"; presets: {', '.join(presets)}")
-        from megatron_rl.correction.config import RolloutCorrectionConfig
-
-        overrides = {k: d.pop(k) for k in list(d) if k in valid_keys}
-        try:
-            cfg = getattr(RolloutCorrectionConfig, name)(**d)
-        except TypeError as exc:
-            raise ValueError(f"rollout_correction.preset={name}: bad preset arguments {sorted(d)}: {exc}") from None
-        out = cfg.to_dict()
-        out.update(overrides)
-        return out
-
-    unknown = [k for k in d if k not in valid_keys and k not in LEGACY_KEYS and k not in IGNORED_VERL_KEYS]
-    if unknown:
-        k = unknown[0]
-        near = difflib.get_close_matches(k, valid_keys + list(LEGACY_KEYS), n=1)
-        raise ValueError(f"rollout_correction: unknown key {k!r}"
-                         + (f" (did you mean {near[0]!r}?)" if near else "")
-                         + f"; valid keys: {', '.join(valid_keys)}")
-    for k in IGNORED_VERL_KEYS:
-        if d.pop(k, None):
-            log.warning("rollout_correction: %s is a verl-only diagnostic; ignored", k)
-
-    out: Dict[str, Any] = {}
-    # --- IS level / on-off
-    level = d.pop("rollout_is_level", None)
+# ---------------------------------------------------------------------- one translator per key group
+def _is_level(given: Kwargs, out: Kwargs) -> None:
+    """rollout_is_level: L and rollout_is: <bool> -> rollout_is: L / None; a string rollout_is passes."""
+    level = given.get("rollout_is_level")
     if level is not None:
         _hint("rollout_is_level", f"rollout_is: {level}")
-    is_value = d.pop("rollout_is", None) if "rollout_is" in d else ("unset" if level is None else True)
-    if isinstance(is_value, bool):
-        _hint("rollout_is: <bool>", "rollout_is: <level> (or null for metrics only)")
-        out["rollout_is"] = (level or "token") if is_value else None
-    elif is_value == "unset":
-        pass
+    if "rollout_is" in given:
+        value = given["rollout_is"]
+    elif level is not None:
+        value = True  # seed era: a level alone switched IS on
     else:
-        out["rollout_is"] = is_value
-    if "tis_imp_ratio_cap" in d:
-        cap = d.pop("tis_imp_ratio_cap")
-        _hint("tis_imp_ratio_cap", f"rollout_is: token, rollout_is_threshold: {cap}")
-        if cap is not None:
-            out["rollout_is"] = "token"
-            out["rollout_is_threshold"] = float(cap)
+        return
+    if isinstance(value, bool):
+        _hint("rollout_is: <bool>", "rollout_is: <level> (or null for metrics only)")
+        out["rollout_is"] = (level or "token") if value else None
+    else:
+        out["rollout_is"] = value
 
-    # --- IS threshold / mode
-    mode = d.pop("rollout_is_mode", None)
-    lower = d.pop("rollout_is_threshold_lower", None)
-    if "rollout_is_threshold" in d:
-        thr = d.pop("rollout_is_threshold")
-        if thr is None:  # seed era: null threshold switched IS off
+
+def _tis_cap(given: Kwargs, out: Kwargs) -> None:
+    """Actor-era tis_imp_ratio_cap: C -> token TIS at C (null: nothing)."""
+    cap = given["tis_imp_ratio_cap"]
+    _hint("tis_imp_ratio_cap", f"rollout_is: token, rollout_is_threshold: {cap}")
+    if cap is not None:
+        out["rollout_is"] = "token"
+        out["rollout_is_threshold"] = float(cap)
+
+
+def _is_threshold(given: Kwargs, out: Kwargs) -> None:
+    """rollout_is_threshold (null switched IS off), rollout_is_mode, rollout_is_threshold_lower."""
+    if "rollout_is_threshold" in given:
+        if given["rollout_is_threshold"] is None:
             _hint("rollout_is_threshold: null", "rollout_is: null")
             out["rollout_is"] = None
         else:
-            out["rollout_is_threshold"] = thr
+            out["rollout_is_threshold"] = given["rollout_is_threshold"]
+    mode, lower = given.get("rollout_is_mode"), given.get("rollout_is_threshold_lower")
     if mode is not None:
-        if mode not in ("truncate", "mask"):
+        if mode not in _IS_MODES:
             raise ValueError(f"rollout_is_mode: {mode!r} is not 'truncate' or 'mask'")
         upper = out.get("rollout_is_threshold", 2.0)
         if mode == "mask":
@@ -132,40 +105,96 @@ def translate(d: Optional[Dict[str, Any]], valid_keys: Iterable[str], presets: I
     elif lower is not None:
         _hint("rollout_is_threshold_lower", '"lo_hi" in rollout_is_threshold (mask) — truncate derives 1/C')
 
-    # --- veto
-    if "rollout_is_veto_threshold" in d:
-        v = d.pop("rollout_is_veto_threshold")
-        _hint("rollout_is_veto_threshold", f"rollout_token_veto_threshold: {v}")
-        out["rollout_token_veto_threshold"] = v
 
-    # --- RS: seed-era level names and separate lower bound
-    rs_lower = d.pop("rollout_rs_threshold_lower", None)
-    rs = d.pop("rollout_rs", None) if "rollout_rs" in d else "unset"
-    if rs != "unset":
-        if isinstance(rs, str) and rs.strip() in _SEED_RS_LEVELS:
-            new = _SEED_RS_LEVELS[rs.strip()]
-            thr = d.get("rollout_rs_threshold")
-            spec = _lo_hi(thr, rs_lower) if thr is not None and not isinstance(thr, str) else thr
-            _hint(f"rollout_rs: {rs}", f'rollout_rs: {new}, rollout_rs_threshold: "{spec}"')
-            out["rollout_rs"] = new
-            if spec is not None:
-                d["rollout_rs_threshold"] = spec
-        else:
-            out["rollout_rs"] = rs
-    elif rs_lower is not None:
-        raise ValueError("rollout_rs_threshold_lower: set without rollout_rs")
+def _veto(given: Kwargs, out: Kwargs) -> None:
+    """rollout_is_veto_threshold: v -> rollout_token_veto_threshold: v."""
+    v = given["rollout_is_veto_threshold"]
+    _hint("rollout_is_veto_threshold", f"rollout_token_veto_threshold: {v}")
+    out["rollout_token_veto_threshold"] = v
 
-    # --- modes
-    for old in ("bypass_old_logprob_for_rollout",):
-        if old in d:
-            val = d.pop(old)
-            _hint(old, f"bypass_mode: {val}")
-            out["bypass_mode"] = bool(val)
+
+def _rs(given: Kwargs, out: Kwargs) -> None:
+    """rollout_rs seed levels (token / sequence / geometric) with a separate lower bound -> k1 options."""
+    lower = given.get("rollout_rs_threshold_lower")
+    if "rollout_rs_threshold" in given:
+        out["rollout_rs_threshold"] = given["rollout_rs_threshold"]
+    if "rollout_rs" not in given:
+        if lower is not None:
+            raise ValueError("rollout_rs_threshold_lower: set without rollout_rs")
+        return
+    rs = given["rollout_rs"]
+    if not (isinstance(rs, str) and rs.strip() in _SEED_RS_LEVELS):
+        out["rollout_rs"] = rs
+        return
+    new = _SEED_RS_LEVELS[rs.strip()]
+    thr = given.get("rollout_rs_threshold")
+    spec = _lo_hi(thr, lower) if thr is not None and not isinstance(thr, str) else thr
+    _hint(f"rollout_rs: {rs}", f'rollout_rs: {new}, rollout_rs_threshold: "{spec}"')
+    out["rollout_rs"] = new
+    if spec is not None:
+        out["rollout_rs_threshold"] = spec
+
+
+def _bypass(given: Kwargs, out: Kwargs) -> None:
+    """bypass_old_logprob_for_rollout: b -> bypass_mode: b."""
+    value = given["bypass_old_logprob_for_rollout"]
+    _hint("bypass_old_logprob_for_rollout", f"bypass_mode: {value}")
+    out["bypass_mode"] = bool(value)
+
+
+def _policy_gradient(given: Kwargs, out: Kwargs) -> None:
+    """use_pure_rollout_correction / use_policy_gradient: true -> loss_type: reinforce."""
     for old in ("use_pure_rollout_correction", "use_policy_gradient"):
-        if old in d:
-            val = d.pop(old)
-            _hint(old, "loss_type: reinforce" if val else "loss_type: ppo_clip")
-            out["loss_type"] = "reinforce" if val else out.get("loss_type", "ppo_clip")
+        if old in given:
+            value = given[old]
+            _hint(old, "loss_type: reinforce" if value else "loss_type: ppo_clip")
+            out["loss_type"] = "reinforce" if value else out.get("loss_type", "ppo_clip")
 
-    out.update(d)  # remaining keys are current ones
+
+TRANSLATORS: Tuple[Tuple[Tuple[str, ...], Callable[[Kwargs, Kwargs], None]], ...] = (
+    (("rollout_is_level", "rollout_is"), _is_level),
+    (("tis_imp_ratio_cap",), _tis_cap),
+    (("rollout_is_threshold", "rollout_is_mode", "rollout_is_threshold_lower"), _is_threshold),
+    (("rollout_is_veto_threshold",), _veto),
+    (("rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower"), _rs),
+    (("bypass_old_logprob_for_rollout",), _bypass),
+    (("use_pure_rollout_correction", "use_policy_gradient"), _policy_gradient),
+)
+"""(keys read, translator) in the order they run."""
+
+LEGACY_KEYS = ("rollout_is_level", "rollout_is_mode", "rollout_is_threshold_lower", "rollout_is_veto_threshold",
+               "rollout_rs_threshold_lower", "bypass_old_logprob_for_rollout", "use_pure_rollout_correction",
+               "use_policy_gradient", "tis_imp_ratio_cap")
+"""Seed-era keys that are not fields of today's config (accepted, translated with a hint)."""
+
+
+def unknown_keys_message(keys: List[str], valid_keys: List[str]) -> str:
+    """``rollout_correction: unknown key 'k' (did you mean ...?)`` for every key, then the valid keys."""
+    parts = []
+    for k in keys:
+        near = difflib.get_close_matches(k, valid_keys + list(LEGACY_KEYS), n=1)
+        parts.append(f"unknown key {k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return f"rollout_correction: {'; '.join(parts)}; valid keys: {', '.join(valid_keys)}"
+
+
+def translate(d: Dict[str, Any], valid_keys: Iterable[str]) -> Kwargs:
+    """Keyword arguments for ``RolloutCorrectionConfig`` from a user mapping (validation happens there).
+
+    Raises ValueError naming every unknown key (with the nearest valid one)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"rollout_correction: expected a mapping, got {type(d).__name__}")
+    valid_keys = list(valid_keys)
+    unknown = [k for k in d if k not in valid_keys and k not in LEGACY_KEYS and k not in IGNORED_VERL_KEYS]
+    if unknown:
+        raise ValueError(unknown_keys_message(unknown, valid_keys))
+    for k in IGNORED_VERL_KEYS:
+        if d.get(k):
+            log.warning("rollout_correction: %s is a verl-only diagnostic; ignored", k)
+    read = {k for keys, _ in TRANSLATORS for k in keys} | set(IGNORED_VERL_KEYS)
+    out: Kwargs = {}
+    for keys, translator in TRANSLATORS:
+        given = {k: d[k] for k in keys if k in d}
+        if given:
+            translator(given, out)
+    out.update({k: v for k, v in d.items() if k not in read})  # current keys, applied last
     return out

@@ -1,20 +1,24 @@
 """Packed reductions: every statistic of a correction call travels in at most three collectives.
 
-* ``cp_reduce_rows``: per-sequence partial sums / maxima of a sequence split along time over the
+* ``complete_over_cp``: per-sequence partial sums / maxima of sequences split along time over the
   context-parallel group -> one ``all_gather`` of a [B, K] float64 pack, then sum / max locally in
   rank order (bitwise identical on every CP rank, so every CP rank takes the same decisions).
-* ``Reducer``: named scalar / vector sums and maxima (minima are maxima of the negation) over the
-  data-parallel group -> one SUM ``all_reduce`` and one MAX ``all_reduce`` for all metrics.
+* ``Reducer``: named partial sums and maxima over the data-parallel group -> one SUM ``all_reduce``
+  and one MAX ``all_reduce`` for all metrics. Most metrics are sums or extrema over the valid
+  sequences of a per-sequence value: those are stacked and weighted / masked in one operation.
 
 Empty maxima are ``-inf`` and survive the reduction; finalisers map them to 0.0 (documented per
-metric). Collectives run only on the groups passed in, never on WORLD implicitly.
+metric). Collectives run only on the groups passed in, never on WORLD implicitly, and
+``check_groups`` refuses a CP group that is not part of the reduction group before any of them.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+
+F64 = torch.float64
 
 
 def group_size(group) -> int:
@@ -31,6 +35,26 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def check_groups(group, cp_group) -> None:
+    """Raise ValueError (no collective issued) unless every rank of ``cp_group`` is in ``group``.
+
+    The metrics are reduced over ``group`` only: with a CP group outside it, each CP rank's tokens would
+    be counted on their own and the call would return plausible, wrong (rank-local) metrics."""
+    if group_size(cp_group) == 1:
+        return
+    cp_ranks = dist.get_process_group_ranks(cp_group)
+    if group is None:
+        raise ValueError(f"compute_rollout_correction: cp_group has ranks {cp_ranks} but group is None, so the "
+                         f"metrics would be this rank's only; pass group= the data-parallel group with context "
+                         f"parallel (it must contain the cp_group's ranks)")
+    ranks = dist.get_process_group_ranks(group)
+    missing = [r for r in cp_ranks if r not in ranks]
+    if missing:
+        raise ValueError(f"compute_rollout_correction: cp_group ranks {cp_ranks} are not all in group "
+                         f"(ranks {ranks}; missing {missing}); group must be the data-parallel group with "
+                         f"context parallel, which contains every CP rank")
+
+
 class CollectiveCounter:
     """Counts the collectives one correction call issues (reported in the result)."""
 
@@ -38,66 +62,110 @@ class CollectiveCounter:
         self.count = 0
 
 
-def cp_reduce_rows(sum_cols: torch.Tensor, max_cols: torch.Tensor, cp_group,
-                   counter: CollectiveCounter) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sum ``sum_cols`` [B, Ks] and max ``max_cols`` [B, Km] over ``cp_group`` with one all_gather."""
-    if group_size(cp_group) == 1:
-        return sum_cols, max_cols
-    ks = sum_cols.shape[1]
-    pack = torch.cat([sum_cols, max_cols], dim=1).contiguous()
-    parts = [torch.empty_like(pack) for _ in range(group_size(cp_group))]
+def complete_over_cp(sums: Dict[str, torch.Tensor], maxes: Dict[str, torch.Tensor], cp_group,
+                     counter: CollectiveCounter) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Sum ``sums`` and max ``maxes`` (each ``[B]`` float64) over ``cp_group`` with one all_gather."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        return sums, maxes
+    pack = torch.stack(list(sums.values()) + list(maxes.values()), 1).contiguous()
+    parts = [torch.empty_like(pack) for _ in range(cp)]
     dist.all_gather(parts, pack, group=cp_group)
     counter.count += 1
     stacked = torch.stack(parts)  # [cp, B, K], rank order: identical result on every CP rank
-    return stacked[:, :, :ks].sum(0), stacked[:, :, ks:].amax(0)
+    n = len(sums)
+    total, top = stacked[:, :, :n].sum(0), stacked[:, :, n:].amax(0)
+    return ({k: total[:, i] for i, k in enumerate(sums)}, {k: top[:, i] for i, k in enumerate(maxes)})
 
 
 class Reducer:
-    """Collect named partial sums and maxima; reduce them all with one SUM and one MAX all_reduce."""
+    """Named partial sums and maxima of one rank; :meth:`reduce` adds them up over the group.
 
-    def __init__(self, device: torch.device) -> None:
+    ``seq_valid`` [B] marks the valid sequences of this rank's rows. ``owner`` is True on the rank that
+    contributes per-sequence sums (CP rank 0: after ``complete_over_cp`` every CP rank holds
+    whole-sequence values, which must be counted once); extrema count on every rank (max is
+    idempotent)."""
+
+    def __init__(self, device: torch.device, seq_valid: torch.Tensor, owner: bool) -> None:
         self.device = device
+        self.owner = 1.0 if owner else 0.0
+        """1.0 on the rank that adds per-sequence values, else 0.0."""
+        self.seq_valid = seq_valid
+        self.seq_weight = seq_valid.to(F64) * self.owner
         self._sums: Dict[str, torch.Tensor] = {}
+        self._seq_sums: Dict[str, torch.Tensor] = {}
         self._maxes: Dict[str, torch.Tensor] = {}
+        self._seq_maxes: Dict[str, torch.Tensor] = {}
+
+    def _new(self, name: str) -> None:
+        if name in self._sums or name in self._seq_sums or name in self._maxes or name in self._seq_maxes:
+            raise KeyError(f"Reducer: {name!r} added twice")
 
     def add_sum(self, name: str, value) -> None:
-        """Add a scalar or 1-D partial sum (float64)."""
-        t = torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(-1)
-        if name in self._sums:
-            raise KeyError(f"Reducer: sum {name!r} added twice")
-        self._sums[name] = t
+        """A scalar or 1-D partial sum (float64), added as is."""
+        self._new(name)
+        self._sums[name] = torch.as_tensor(value, dtype=F64, device=self.device).reshape(-1)
+
+    def add_seq_sum(self, name: str, per_seq: torch.Tensor) -> None:
+        """Sum over the valid sequences this rank owns of ``per_seq`` [B]."""
+        self._new(name)
+        self._seq_sums[name] = per_seq.to(F64)
+
+    def add_seq_count(self, name: str, per_seq: torch.Tensor) -> None:
+        """Number of valid sequences this rank owns where ``per_seq`` [B] (bool) is set."""
+        self.add_seq_sum(name, per_seq.to(F64))
 
     def add_max(self, name: str, values: torch.Tensor) -> None:
         """Maximum over ``values`` (any shape; -inf when empty)."""
-        v = values.to(torch.float64).reshape(-1)
-        m = v.max() if v.numel() else torch.tensor(float("-inf"), dtype=torch.float64, device=self.device)
-        if name in self._maxes:
-            raise KeyError(f"Reducer: max {name!r} added twice")
-        self._maxes[name] = m.reshape(1)
+        self._new(name)
+        v = values.to(F64).reshape(-1)
+        self._maxes[name] = (v.max() if v.numel() else torch.tensor(float("-inf"), dtype=F64,
+                                                                    device=self.device)).reshape(1)
 
     def add_min(self, name: str, values: torch.Tensor) -> None:
         """Minimum over ``values`` (stored as the max of the negation; +inf when empty)."""
-        self.add_max("-" + name, -values.to(torch.float64))
+        self.add_max("-" + name, -values.to(F64))
 
-    def reduce(self, group, counter: CollectiveCounter) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
-        """Return (sums by name as float64 tensors, maxima/minima by name as floats)."""
-        sum_names: List[str] = list(self._sums)
-        max_names: List[str] = list(self._maxes)
-        sums = torch.cat([self._sums[n] for n in sum_names]) if sum_names else torch.zeros(0, dtype=torch.float64)
-        maxes = torch.cat([self._maxes[n] for n in max_names]) if max_names else torch.zeros(0, dtype=torch.float64)
+    def add_seq_max(self, name: str, per_seq: torch.Tensor) -> None:
+        """Maximum over the valid sequences of ``per_seq`` [B] (-inf when there are none)."""
+        self._new(name)
+        self._seq_maxes[name] = per_seq.to(F64)
+
+    def add_seq_min(self, name: str, per_seq: torch.Tensor) -> None:
+        """Minimum over the valid sequences of ``per_seq`` [B] (+inf when there are none)."""
+        self.add_seq_max("-" + name, -per_seq.to(F64))
+
+    def _packed(self) -> Tuple[List[str], torch.Tensor, List[str], torch.Tensor]:
+        empty = torch.zeros(0, dtype=F64, device=self.device)
+        sums = [torch.stack(list(self._seq_sums.values())) @ self.seq_weight] if self._seq_sums else []
+        sums += list(self._sums.values())
+        maxes = []
+        if self._seq_maxes:
+            rows = torch.stack(list(self._seq_maxes.values()))
+            ninf = torch.tensor(float("-inf"), dtype=F64, device=self.device)
+            maxes.append(torch.where(self.seq_valid[None, :], rows, ninf).amax(1) if rows.shape[1]
+                         else ninf.expand(rows.shape[0]))
+        maxes += list(self._maxes.values())
+        return (list(self._seq_sums) + list(self._sums), torch.cat(sums) if sums else empty,
+                list(self._seq_maxes) + list(self._maxes), torch.cat(maxes) if maxes else empty)
+
+    def reduce(self, group, counter: CollectiveCounter) -> Tuple[Dict[str, object], Dict[str, float]]:
+        """Return (sums by name: floats, or float64 tensors for vectors; maxima/minima by name: floats)
+        over ``group``."""
+        sum_names, sums, max_names, maxes = self._packed()
         if group_size(group) > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
             counter.count += 2
-        out_sums: Dict[str, torch.Tensor] = {}
+        values = sums.tolist()  # one host transfer; vectors (histograms) stay tensors
+        out_sums: Dict[str, object] = {}
         off = 0
         for n in sum_names:
-            k = self._sums[n].numel()
-            out_sums[n] = sums[off:off + k] if k > 1 else sums[off]
+            k = self._sums[n].numel() if n in self._sums else 1
+            out_sums[n] = sums[off:off + k] if k > 1 else values[off]
             off += k
         out_ext: Dict[str, float] = {}
-        for i, n in enumerate(max_names):
-            v = float(maxes[i])
+        for n, v in zip(max_names, maxes.tolist()):
             if n.startswith("-"):
                 out_ext[n[1:]] = -v
             else:
@@ -122,8 +190,3 @@ def seq_std(total: float, total_sq: float, n: float) -> float:
         return 0.0
     mean = total / n
     return max(0.0, (total_sq - n * mean * mean) / (n - 1.0)) ** 0.5
-
-
-def optional_group_ranks(group) -> Optional[List[int]]:
-    """Global ranks of ``group`` (None for no group)."""
-    return None if group is None else dist.get_process_group_ranks(group)

@@ -1,7 +1,7 @@
 """Input checks of the correction step: shapes, dtypes, 0/1 masks, and invalid log-probs.
 
 Structural problems (shape, dtype, device, non-0/1 mask) raise at once with the tensor's name.
-Invalid *values* (NaN, inf, or a log-prob above ``POSITIVE_TOL`` on a valid token) are located here
+Invalid *values* (NaN, inf, or a log-prob above ``LOG_PROB_TOLERANCE`` on a valid token) are located here
 but the decision is taken after the first collective, so that every rank of the group raises (or
 rejects) together instead of one rank raising while the others wait in a collective.
 """
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-POSITIVE_TOL = 1e-3  # a log-prob above this is not a log-prob (rounding noise stays below it)
+from megatron_rl.numerics import LOG_PROB_TOLERANCE
 
 
 def _first_position(bad: torch.Tensor) -> tuple:
@@ -45,15 +45,15 @@ def check_structure(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tens
 
 
 def invalid_tokens(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Bool [B, T]: valid tokens whose log-prob is NaN, inf, or > POSITIVE_TOL."""
-    return mask & (~torch.isfinite(log_probs) | (log_probs > POSITIVE_TOL))
+    """Bool [B, T]: valid tokens whose log-prob is NaN, inf, or > LOG_PROB_TOLERANCE."""
+    return mask & (~torch.isfinite(log_probs) | (log_probs > LOG_PROB_TOLERANCE))
 
 
 def describe_invalid(name: str, log_probs: torch.Tensor, bad: torch.Tensor, rank_note: str,
                      global_count: Optional[int] = None) -> str:
     """One-line description: tensor, count, first position and value."""
     n = int(bad.sum())
-    msg = f"{name}: {n} invalid values (NaN, inf or > {POSITIVE_TOL}) on valid tokens{rank_note}"
+    msg = f"{name}: {n} invalid values (NaN, inf or > {LOG_PROB_TOLERANCE}) on valid tokens{rank_note}"
     if n:
         pos = _first_position(bad)
         msg += f", first at [seq {pos[0]}, token {pos[1]}] = {log_probs[pos].item()!r}"

@@ -1,23 +1,24 @@
 """Policy losses for RL post-training with rollout correction.
 
 Modules (one job each):
-  config.py       ``PolicyLossConfig`` (loss_type, clip ratios, dual-clip, aggregation mode, KL loss)
+  config.py       ``PolicyLossConfig`` (clip ratios, dual-clip, aggregation mode, KL loss), ``LOSS_TYPES``
   policy.py       decoupled / bypass PPO-clip and REINFORCE (``compute_policy_loss``, ``select_loss_inputs``)
   aggregation.py  the four aggregation modes with global denominators (exact over micro-batches and DP)
   kl.py           KL estimators k1/abs/k2/k3 and the straight-through "+" variants (k3 value, k2 gradient)
   metrics.py      (sum, count) metrics merged / all-reduced exactly
   validation.py   shape / dtype / mask / NaN checks with one host sync
 
-Typical train-step use (per optimizer step)::
+Typical train-step use (per optimizer step; ``loss_type`` and ``bypass_mode`` come from
+``algorithm.rollout_correction``, their one owner)::
 
     from megatron_rl.losses import (PolicyLossConfig, compute_policy_loss, global_denominators,
                                     select_loss_inputs, merge_metrics, reduce_metrics, metrics_to_floats)
     den = global_denominators([mb.response_mask for mb in micro_batches], group=dp_group)
     for mb in micro_batches:
-        old, w = select_loss_inputs(cfg.loss_type, bypass_mode, mb.rollout_log_probs, mb.old_log_probs,
+        old, w = select_loss_inputs(loss_type, bypass_mode, mb.rollout_log_probs, mb.old_log_probs,
                                     mb.is_weights)
-        out = compute_policy_loss(logp, old, mb.advantages, mb.response_mask, cfg, is_weights=w,
-                                  ref_log_probs=mb.ref_log_probs, denominators=den)
+        out = compute_policy_loss(logp, old, mb.advantages, mb.response_mask, cfg, loss_type=loss_type,
+                                  is_weights=w, ref_log_probs=mb.ref_log_probs, denominators=den)
         out.loss.backward()      # sum over micro-batches and DP ranks == full-batch loss
 
 Tests: ``pytest tests/test_losses*.py``.

@@ -4,11 +4,15 @@ Names and defaults follow verl's actor config (``clip_ratio_low`` / ``clip_ratio
 ``clip_ratio_c`` / ``loss_agg_mode`` / ``kl_loss_coef`` / ``kl_loss_type``), with one addition:
 ``clip_ratio_c=None`` disables dual-clip (verl always applies it).
 
+The loss type ("ppo_clip" / "reinforce") is not a field here: it has one owner,
+``algorithm.rollout_correction.loss_type`` (verl's key, ``RolloutCorrectionConfig.loss_type``), because
+it also decides which IS weights apply; the loss functions take it as an argument. ``from_dict``
+rejects ``loss_type`` with that hint. ``LOSS_TYPES`` below is its one list of valid values.
+
 Usage::
 
     from megatron_rl.losses import PolicyLossConfig
-    cfg = PolicyLossConfig(loss_type="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                           loss_agg_mode="seq-mean-token-mean")
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-mean")
     cfg = PolicyLossConfig.from_dict({"clip_ratio": 0.2, "loss_agg_mode": "token-mean"})
 """
 from __future__ import annotations
@@ -20,7 +24,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 LOSS_TYPES = ("ppo_clip", "reinforce")
-"""Valid ``PolicyLossConfig.loss_type`` values."""
+"""Valid loss types (``algorithm.rollout_correction.loss_type``): "ppo_clip" is the clipped surrogate
+with ratio pi_theta/pi_old; "reinforce" is -A * w * log pi_theta with detached IS weights w."""
+
+MOVED_KEYS = {"loss_type": "algorithm.rollout_correction.loss_type"}
+"""Keys users put under ``actor.policy_loss`` that live elsewhere (the key's one owner)."""
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Valid loss aggregation modes (verl's names); see ``megatron_rl.losses.aggregation``."""
@@ -41,17 +49,17 @@ def _choice(key: str, value: Any, choices) -> None:
     if value not in choices:
         near = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.4)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"PolicyLossConfig.{key} must be one of {list(choices)}, got {value!r}{hint}")
+        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}{hint}")
+
+
+def check_loss_type(loss_type: Any) -> None:
+    """Raise ValueError unless ``loss_type`` is one of ``LOSS_TYPES`` (with the nearest name)."""
+    _choice("loss_type", loss_type, LOSS_TYPES)
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """Settings of the per-token policy loss, its aggregation and the optional KL loss."""
-
-    loss_type: str = "ppo_clip"
-    """"ppo_clip": clipped surrogate with ratio pi_theta/pi_old (decoupled: old = recomputed
-    trainer log-probs; bypass: old = rollout log-probs). "reinforce": -A * w * log pi_theta with
-    detached IS weights w (1 when none)."""
 
     clip_ratio_low: float = 0.2
     """PPO lower clip: the ratio is clipped below at 1 - clip_ratio_low. In [0, 1)."""
@@ -82,9 +90,8 @@ class PolicyLossConfig:
     k2 gradient, ...). Aggregated with ``loss_agg_mode`` like the policy loss."""
 
     def __post_init__(self) -> None:
-        _choice("loss_type", self.loss_type, LOSS_TYPES)
-        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
+        _choice("PolicyLossConfig.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _choice("PolicyLossConfig.kl_loss_type", self.kl_loss_type, KL_TYPES)
         low = _finite_number("clip_ratio_low", self.clip_ratio_low)
         high = _finite_number("clip_ratio_high", self.clip_ratio_high)
         if not 0.0 <= low < 1.0:
@@ -107,9 +114,14 @@ class PolicyLossConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PolicyLossConfig":
         """Build from a flat mapping. Accepts verl's ``clip_ratio`` (sets low and high unless they
-        are given) and ``use_kl_loss`` (False forces ``kl_loss_coef=0``); other unknown keys raise
-        ValueError naming the key and the nearest valid one."""
+        are given) and ``use_kl_loss`` (False forces ``kl_loss_coef=0``); a key of ``MOVED_KEYS``
+        (``loss_type``) raises ValueError naming its owner; other unknown keys raise ValueError naming
+        the key and the nearest valid one."""
         d = dict(d)
+        for k, owner in MOVED_KEYS.items():
+            if k in d:
+                raise ValueError(f"{k}: not a policy_loss setting; it has one owner, {owner} "
+                                 f"(move actor.policy_loss.{k}: {d[k]!r} to {owner})")
         fields = [f.name for f in dataclasses.fields(cls)]
         clip = d.pop("clip_ratio", None)
         if clip is not None:

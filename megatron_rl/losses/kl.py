@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import KL_TYPES
+from megatron_rl.numerics import clamp_log_ratio
 
-LOG_RATIO_CLAMP = 20.0
-"""|log ratio| bound before exponentiation in k3 (exp(20) ~ 4.9e8, finite in fp32)."""
+from .config import KL_TYPES
 
 K3_VALUE_CLAMP = 10.0
 """k3 is clamped to [-K3_VALUE_CLAMP, K3_VALUE_CLAMP] after computation (verl's choice)."""
@@ -38,7 +37,7 @@ def _forward(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, base: str) ->
     if base in ("mse", "k2"):
         return 0.5 * diff.square()
     # k3 / low_var_kl: r = pi_ref / pi_theta, k3 = r - log r - 1
-    log_r = torch.clamp(-diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    log_r = clamp_log_ratio(-diff)
     return torch.clamp(torch.exp(log_r) - log_r - 1.0, min=-K3_VALUE_CLAMP, max=K3_VALUE_CLAMP)
 
 

@@ -13,8 +13,10 @@ recomputed log-probs before this step's updates) and pi_theta (being optimised).
 * REINFORCE (``loss_type="reinforce"``): l = -A * w.detach() * logp (w = IS weights, 1 when None).
   In bypass mode w = pi_theta/pi_rollout (detached) from the correction.
 
-``select_loss_inputs`` encodes which old log-probs and weights each mode uses; ``compute_policy_loss``
-then computes the aggregated loss (plus the optional KL loss) and exactly reducible metrics:
+The loss type is an argument, not a ``PolicyLossConfig`` field: its one owner is
+``algorithm.rollout_correction.loss_type`` (it also decides whether the IS weights apply).
+``select_loss_inputs`` is the one place that decides which old log-probs and weights each mode uses
+(callers pass the correction's weights as they are); ``compute_policy_loss`` then computes the aggregated loss (plus the optional KL loss) and exactly reducible metrics:
 ``pg_clipfrac`` (tokens where the clipped branch is taken), ``pg_clipfrac_lower`` (A < 0 tokens where
 the dual-clip cap is taken), ``ppo_kl`` (mean of old_logp - logp, log ratio clamped at +-20) and, with
 a KL loss, ``kl_loss`` (token mean of the KL estimate). All means are over valid tokens (mask after
@@ -22,9 +24,10 @@ rejection sampling); REINFORCE reports clip fractions of 0.
 
 Usage::
 
-    old, w = select_loss_inputs(cfg.loss_type, bypass_mode, rollout_log_probs, old_log_probs, res.weights)
+    old, w = select_loss_inputs(corr.loss_type, corr.bypass_mode, rollout_log_probs, old_log_probs, res.weights)
     den = global_denominators(all_micro_batch_masks, group=dp_group)
-    out = compute_policy_loss(logp, old, advantages, res.response_mask, cfg, is_weights=w, denominators=den)
+    out = compute_policy_loss(logp, old, advantages, res.response_mask, cfg, loss_type=corr.loss_type,
+                              is_weights=w, denominators=den)
     out.loss.backward()
 """
 from __future__ import annotations
@@ -34,14 +37,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron_rl.numerics import clamp_log_ratio
+
 from .aggregation import LossDenominators, aggregate_loss
-from .config import LOSS_TYPES, PolicyLossConfig
+from .config import PolicyLossConfig, check_loss_type
 from .kl import kl_penalty
 from .metrics import SumCount, sum_count
 from .validation import check_float_dtypes, check_shapes, sanitize, validate_values
-
-LOG_RATIO_CLAMP = 20.0
-"""|log pi_theta - log pi_old| bound before exp in the PPO ratio (verl's clamp)."""
 
 
 @dataclass
@@ -74,8 +76,7 @@ def select_loss_inputs(loss_type: str, bypass_mode: bool, rollout_log_probs: tor
     * bypass + reinforce: (``rollout_log_probs``, correction weights pi_theta/pi_rollout); the old
       log-probs then only feed the ``ppo_kl`` metric.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+    check_loss_type(loss_type)
     if bypass_mode:
         return rollout_log_probs, (is_weights if loss_type == "reinforce" else None)
     if old_log_probs is None:
@@ -92,7 +93,7 @@ def ppo_clip_per_token(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     Returns (loss, clipped, clipped_lower, log_ratio): ``clipped`` is True where the clipped branch
     exceeds the unclipped one (verl's pg_clipfrac indicator), ``clipped_lower`` where A < 0 and the
     dual-clip cap -A*c is taken, ``log_ratio`` the clamped logp - old_logp (detached)."""
-    log_ratio = torch.clamp(log_probs - old_log_probs, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    log_ratio = clamp_log_ratio(log_probs - old_log_probs)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped_branch = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
@@ -116,7 +117,7 @@ def reinforce_per_token(log_probs: torch.Tensor, advantages: torch.Tensor,
 
 
 def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                        response_mask: torch.Tensor, config: PolicyLossConfig, *,
+                        response_mask: torch.Tensor, config: PolicyLossConfig, *, loss_type: str,
                         is_weights: Optional[torch.Tensor] = None,
                         ref_log_probs: Optional[torch.Tensor] = None,
                         denominators: Optional[LossDenominators] = None,
@@ -130,7 +131,8 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
         advantages: [B, T] advantages (detached).
         response_mask: [B, T] 0/1 or bool; the correction's mask AFTER rejection sampling / veto.
             Masked tokens leave both numerator and denominator; their values are never read.
-        config: ``PolicyLossConfig``.
+        config: ``PolicyLossConfig`` (clip ratios, aggregation, KL loss).
+        loss_type: "ppo_clip" or "reinforce" (``algorithm.rollout_correction.loss_type``).
         is_weights: [B, T] IS weights (detached, >= 0) or None; multiplied into the per-token loss
             after clipping. Use ``select_loss_inputs`` to get the right ones for the mode.
         ref_log_probs: [B, T] reference-policy log-probs; required when ``config.kl_loss_coef > 0``.
@@ -142,6 +144,7 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
     """
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    check_loss_type(loss_type)
     use_kl = config.kl_loss_coef > 0
     if use_kl and ref_log_probs is None:
         raise ValueError(f"ref_log_probs is required because PolicyLossConfig.kl_loss_coef="
@@ -161,14 +164,14 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
     adv = sanitize(advantages.detach(), valid, dtype)
     w = sanitize(None if is_weights is None else is_weights.detach(), valid, dtype)
 
-    if config.loss_type == "ppo_clip":
+    if loss_type == "ppo_clip":
         per_token, clipped, clipped_lower, log_ratio = ppo_clip_per_token(
             logp, old, adv, config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c)
         if w is not None:
             per_token = per_token * w
     else:
         per_token = reinforce_per_token(logp, adv, w)
-        log_ratio = torch.clamp(logp.detach() - old, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+        log_ratio = clamp_log_ratio(logp.detach() - old)
         clipped = clipped_lower = torch.zeros_like(valid)
 
     agg = dict(loss_scale_factor=config.loss_scale_factor, seq_valid_tokens=seq_valid_tokens)

@@ -16,8 +16,7 @@ from typing import Dict, Iterable, Optional
 
 import torch
 
-LOG_PROB_TOLERANCE = 1e-3
-"""A log-probability above this is rejected as invalid (log p <= 0 up to rounding)."""
+from megatron_rl.numerics import LOG_PROB_TOLERANCE
 
 
 def _first_position(bad: torch.Tensor) -> tuple:

@@ -242,7 +242,7 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                                      estimator=cfg.algorithm.advantage_estimator,
                                      norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
             t0 = time.perf_counter()
-            weights = corr.weights if corr_cfg.applies_is_weights else None
+            weights = corr.weights  # whether the loss applies them: actor.train_step decides (select_loss_inputs)
             with watchdog.phase("train", step + 1):
                 ref_lp = reference.compute_log_probs(shard, T, compute_entropy=False)[0] if reference else None
                 actor_metrics = actor.train_step(shard, old_lp, adv, corr.response_mask, weights, T,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_rl.correction import RolloutCorrectionConfig, broadcast_from_last_stage, compute_rollout_correction
 from megatron_rl.testing.distributed import run_ranks
-from tests.correction.helpers import check_against_reference, make_batch
+from tests.correction_reference import check_against_reference, make_batch
 
 CFGS = {
     "token_all": dict(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
@@ -174,3 +174,35 @@ def test_pp_broadcast_from_last_stage():
     assert torch.equal(out[0].weights, out[1].weights)
     assert torch.equal(out[0].response_mask, out[1].response_mask)
     assert out[0].metrics == out[1].metrics
+
+
+def _cp_outside_group_body(rank, world, lt, lr, mask):
+    counts = _count_collectives()
+    cp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]  # DP without CP: misses the CP peer
+    counts["n"] = 0
+    half = lt.shape[1] // 2
+    sl = slice(0, half) if rank % 2 == 0 else slice(half, None)
+    cfg = RolloutCorrectionConfig(**CFGS["token_all"])
+    msgs = []
+    for group in (None, dp):
+        try:
+            compute_rollout_correction(lt[:, sl], lr[:, sl], mask[:, sl], cfg, group=group, cp_group=cp)
+            msgs.append(None)
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return {"msgs": msgs, "collectives": counts["n"]}
+
+
+@pytest.mark.timeout(120)
+def test_cp_group_outside_group_raises_before_any_collective():
+    """group=None or a group without the CP peers would give rank-local metrics: refused, naming ranks."""
+    lt, lr, mask = make_batch(13, B=4, T=8)
+    out = run_ranks(_cp_outside_group_body, 4, lt, lr, mask, timeout=90)
+    for rank, o in enumerate(out):
+        cp_ranks = [0, 1] if rank < 2 else [2, 3]
+        none_msg, dp_msg = o["msgs"]
+        assert none_msg is not None and f"cp_group has ranks {cp_ranks}" in none_msg and "group is None" in none_msg
+        dp_ranks = [0, 2] if rank % 2 == 0 else [1, 3]
+        assert dp_msg is not None and f"cp_group ranks {cp_ranks}" in dp_msg and f"ranks {dp_ranks}" in dp_msg
+        assert o["collectives"] == 0, f"rank {rank} issued {o['collectives']} collectives before raising"

@@ -1,12 +1,22 @@
-"""Independent reference of the rollout correction: plain Python floats, per-sequence loops.
+"""Independent reference of the rollout correction (plain Python floats, per-sequence loops) and the
+batch generator / comparison helpers of the ``tests/test_correction_*.py`` files.
 
-Written from ``shared/metrics_reference.md`` and the documented decisions of
-``megatron_rl.correction`` (per-sequence metrics over valid sequences, batch normalisation over the
-tokens / sequences kept after rejection, k1 bounds on r = pi_train / pi_rollout, empty sets -> 0.0).
-It shares no code with the implementation: thresholds are parsed again here.
+Written from the metric reference in ``megatron_rl/correction/finalize.py`` (module docstring) and the
+documented decisions of ``megatron_rl.correction`` (per-sequence metrics over valid sequences, batch
+normalisation over the tokens / sequences kept after rejection, k1 bounds on r = pi_train / pi_rollout,
+empty sets -> 0.0). It shares no code with the implementation: thresholds are parsed again here.
+
+Tolerances, per input dtype (``check_against_reference``): the implementation keeps per-token values
+in float32 for float32 log-probs (sums in float64), so a metric that is a difference of O(1) values
+(|w_s - 1|, chi^2 = E[r^2] - 1) carries ~1 float32 ulp of absolute error: atol 1e-7 for float32 inputs,
+1e-9 for float64 inputs; rtol 1e-6 for both; a standard deviation sqrt(E[x^2] - E[x]^2) of float32
+values may instead match in variance to 1e-6 absolute. Weights (returned in float32): rtol 2e-6 for float32
+inputs, 1e-7 (the float32 rounding of the output) for float64 inputs.
 """
 import math
 import statistics
+
+import torch
 
 B20 = 20.0
 
@@ -240,3 +250,78 @@ def reference(lt, lr, mask, rollout_is=None, rollout_is_threshold=2.0, rollout_i
             M["rollout_is_batch_norm_factor"] = factor
         weights = [[(w[(b, t)] / factor if final[b][t] else 0.0) for t in range(Tn)] for b in range(Bn)]
     return weights, final, M
+
+
+PREFIX = "rollout_corr/"
+
+
+def make_batch(seed, B=12, T=16, spread=0.3, empty_rows=(3,), extreme=True, pad_garbage=True):
+    """Random rollout / train log-probs with right padding, empty rows and out-of-clamp ratios."""
+    g = torch.Generator().manual_seed(seed)
+    lr = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4.0
+    lt = (lr + spread * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float32)
+    for r in empty_rows:
+        if r < B:
+            mask[r] = 0
+    if extreme and B > 1 and T > 1:
+        lr[1, 0], lt[1, 0] = -45.0, -0.01   # log-ratio ~ +45: beyond the +-20 clamp
+        lr[0, 1], lt[0, 1] = -0.02, -30.0   # log-ratio ~ -30
+        mask[0, :2] = 1
+        mask[1, 0] = 1
+    if pad_garbage:  # padding may hold anything (NaN, inf, positive): it must be ignored
+        lt = torch.where(mask.bool(), lt, torch.full_like(lt, float("nan")))
+        lr = torch.where(mask.bool(), lr, torch.full_like(lr, 7.0))
+    return lt.float(), lr.float(), mask
+
+
+def check_against_reference(res, lt, lr, mask, cfg, rtol=1e-6, atol=None):
+    """Compare a CorrectionResult with the independent reference (weights, mask, every metric).
+
+    ``atol`` defaults per input dtype (module docstring)."""
+    f64 = lt.dtype == torch.float64 and lr.dtype == torch.float64
+    if atol is None:
+        atol = 1e-9 if f64 else 1e-7
+    w_rtol, w_atol = (1e-7, 1e-12) if f64 else (2e-6, 1e-7)  # weights are returned in float32
+    ref_w, ref_mask, ref_m = reference(lt.double(), lr.double(), mask, **cfg.to_dict())
+    assert res.response_mask.tolist() == [[float(x) for x in row] for row in ref_mask] or \
+        res.response_mask.bool().tolist() == [[bool(x) for x in row] for row in ref_mask]
+    if ref_w is None:
+        assert res.weights is None
+    else:
+        assert res.weights.dtype == torch.float32 and not res.weights.requires_grad
+        torch.testing.assert_close(res.weights.double(), torch.tensor(ref_w, dtype=torch.float64),
+                                   rtol=w_rtol, atol=w_atol)
+    ratios = ref_m.pop("_ratios_sorted", None)
+    got = dict(res.metrics)
+    for k, v in ref_m.items():
+        key = PREFIX + k
+        assert key in got, f"missing metric {key}"
+        assert math.isfinite(got[key]), f"{key} = {got[key]}"
+        # std = sqrt(E[x^2] - E[x]^2): the cancellation leaves ~sqrt(eps)*|x| absolute noise near 0;
+        # with float32 per-token values (x ~ O(1)) the variance itself is good to ~1e-6 absolute
+        tol = max(atol, 1e-6) if key.endswith("_std") else atol
+        close = math.isclose(got[key], v, rel_tol=rtol, abs_tol=tol)
+        if not close and key.endswith("_std") and not f64:
+            close = abs(got[key] ** 2 - v ** 2) <= 1e-6
+        assert close, f"{key}: got {got[key]!r}, reference {v!r}"
+    extra = set(got) - {PREFIX + k for k in ref_m} - {PREFIX + f"rollout_is_p{q}" for q in (50, 90, 99)}
+    assert not extra, f"metrics without reference: {sorted(extra)}"
+    if ratios is not None:
+        check_quantiles(got, ratios)
+    return ref_m
+
+
+def check_quantiles(metrics, ratios_sorted):
+    """Histogram quantiles lie within the documented half-bin bound of the inverted-CDF quantile."""
+    n = len(ratios_sorted)
+    for q in (0.5, 0.9, 0.99):
+        est = metrics[PREFIX + f"rollout_is_p{int(q * 100)}"]
+        if n == 0:
+            assert est == 0.0
+            continue
+        true = ratios_sorted[max(1, math.ceil(q * n - 1e-9)) - 1]
+        lt = math.log(true)
+        tol = 1e-3 * math.cosh(math.asinh(abs(lt) / 1e-3) + 5e-3) * 5e-3 / 2 + 1e-12
+        assert abs(math.log(est) - lt) <= tol, f"p{int(q*100)}: {est} vs {true}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rl.correction import PRESETS, RolloutCorrectionConfig, compute_rollout_correction
-from tests.correction.helpers import check_against_reference, make_batch
+from tests.correction_reference import check_against_reference, make_batch
 
 # verl's latest RolloutCorrectionConfig presets (verl/trainer/config/algorithm.py): spec data.
 VERL_PRESETS = {
