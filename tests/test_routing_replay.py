@@ -238,3 +238,174 @@ def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
         torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=lambda s: f"grad {k}: {s}")
         n += 1
     assert n > 20 and any("mlp.gate.weight" in k and ref["grads"][k].abs().max() > 0 for k in ref["grads"])
+
+
+# ----------------------------------------------------------------------------- r2
+def _rank_r2(rank, world, job, data):
+    batch, _, old, adv, is_w = data
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    actor = MegatronActor(job)
+    passes = []
+    begin = actor.routing.begin
+
+    def begin_keep(lengths, targets, record, keep_used=False):  # also keep what each train forward used
+        rp = begin(lengths, targets, True, keep_used=True)
+        close = rp.close
+
+        def close_after_assemble():
+            W = targets.shape[1]
+            passes.append({"targets": targets.clone(), "lengths": lengths.clone(),
+                           "used": rp.assemble(len(lengths), W, which="used"),
+                           "own": rp.assemble(len(lengths), W, which="own")})
+            close()
+
+        rp.close = close_after_assemble
+        return rp
+
+    start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
+    shard = dataclasses.replace(batch.select(start, end), routing=None)  # r2 needs no engine routing
+    W = shard.max_length - 1
+    actor.compute_log_probs(shard, T, compute_entropy=False)
+    recorded = actor._r2_state[2].clone()
+    actor.routing.begin = begin_keep
+    metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], shard.response_mask, is_w[start:end, :W], T)
+    return {"rows": (start, end), "recorded": recorded, "passes": passes, "layers": actor.routing.local_layers,
+            "metrics": metrics, "hf_sd": actor.full_state_dict_hf()}
+
+
+def _hf_train(hf_dir, batch, forced, old, adv, is_w, lr, steps_rows):
+    """HF + AdamW over mini-batches, routers forced to ``forced`` (None: HF's own routing). Also returns
+    HF's own top-k at the weights each mini-batch starts from ([B_mb, S, NL, k])."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    B, S = batch.tokens.shape
+    W = S - 1
+    own_per_step = []
+    for rows in steps_rows:
+        rows = torch.tensor(rows)
+        own = []
+        _force(model, None if forced is None else forced[rows], own)
+        opt.zero_grad()
+        out = compute_policy_loss(_hf_logp(model, batch.tokens[rows]), old[rows], adv[rows, None].expand(-1, W),
+                                  batch.response_mask[rows], PolicyLossConfig(**LOSS), is_weights=is_w[rows],
+                                  **_loss_type())
+        out.loss.backward()
+        opt.step()
+        own_per_step.append(torch.stack([o.reshape(len(rows), S, K) for o in own], dim=2))
+    return _unfuse({n: p.detach().clone() for n, p in model.state_dict().items()}), own_per_step
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,world", [(dict(), 1), (dict(pp=2, ep=2, extra=RECOMPUTE), 4)],
+                         ids=["tp1", "pp2ep2-recompute"])
+def test_r2_replays_log_prob_pass_routing_in_every_train_forward(moe_dir, layout, world):
+    lr = 2e-2
+    job = _job(moe_dir, routing_replay="r2", ppo_mini_batches=2, lr=lr, mbs=2, **layout)
+    batch, _, old, adv, is_w = _data(job.model.vocab_size, seed=1)
+    B, S = batch.tokens.shape
+    results = run_ranks(_rank_r2, world, job, (batch, None, old, adv, is_w), timeout=200)
+    # HF's own routing at the initial weights: what the log-prob pass must have recorded
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    own0 = []
+    _force(model, None, own0)
+    with torch.no_grad():
+        model(input_ids=batch.tokens)
+    own0 = torch.stack([o.reshape(B, S, K) for o in own0], dim=2)
+    valid = torch.arange(S - 1)[None] < (batch.lengths[:, None] - 1)
+    for r in results:
+        s, e = r["rows"]
+        rec = r["recorded"].long()
+        for j in r["layers"]:
+            same = (rec[:, :, j].sort(-1).values == own0[s:e, : rec.shape[1], j].sort(-1).values).all(-1)
+            assert bool(same[valid[s:e, : rec.shape[1]]].all()), f"layer {j}: recorded != HF's own top-k at step start"
+        # every train forward (both mini-batches, recompute included) used exactly the recorded routing
+        assert len(r["passes"]) == 2
+        drift = 0
+        for p in r["passes"]:
+            v = torch.arange(p["targets"].shape[1])[None] < (p["lengths"][:, None] - 1)
+            for j in r["layers"]:
+                used, tgt, own = p["used"][:, :, j], p["targets"][:, :, j].long(), p["own"][:, :, j]
+                assert torch.equal(used[v], tgt[v]), f"layer {j}: a train forward did not replay the record"
+                drift += int((own.sort(-1).values != tgt.sort(-1).values).any(-1)[v].sum())
+        r["drift"] = drift
+    # the weights changed between the mini-batches enough to change the trainer's own routing somewhere
+    assert sum(r["drift"] for r in results) > 0
+    # optimizer step i trains block i of every DP shard
+    shards = sorted({r["rows"] for r in results})
+    blocks = [sum((list(range(s + bs, s + be)) for s, e in shards for bs, be in [row_blocks(e - s, 2)[i]]), [])
+              for i in range(2)]
+    ref, _ = _hf_train(moe_dir, batch, own0, old, adv, is_w, lr, blocks)
+    free, own_steps = _hf_train(moe_dir, batch, None, old, adv, is_w, lr, blocks)
+    hf_sd = results[0]["hf_sd"]
+    n = 0
+    for k, w in ref.items():
+        if k in hf_sd:
+            # Adam's second step amplifies fp32 noise of near-zero gradients (rare rows, experts with few tokens): 3 % of lr
+            torch.testing.assert_close(hf_sd[k], w, rtol=0, atol=lr * 3e-2, msg=lambda m: f"weight {k}: {m}")
+            n += 1
+    assert n > 20
+    gap = max(float((free[k] - ref[k]).abs().max()) for k in ref)
+    assert gap > lr * 0.5, f"replay must change the result beyond the tolerance (max gap {gap})"
+
+
+# ----------------------------------------------------------------------------- bad input
+def _rank_bad(rank, world, job, data):
+    batch = data[0]
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    actor = MegatronActor(job)
+    start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
+    shard = batch.select(start, end)
+    out = {}
+
+    def attempt(name, routing):
+        try:
+            actor.compute_log_probs(dataclasses.replace(shard, routing=routing), T, compute_entropy=False)
+            out[name] = None
+        except RoutingError as e:
+            out[name] = str(e)
+
+    r = shard.routing
+    bad = r.clone()
+    if actor.dp_rank == 1:  # only the second DP shard is broken: every rank must still raise
+        bad[0, 0, 1, 0] = E + 3
+    attempt("range", bad)
+    attempt("layers", r[:, :, :-1].contiguous())
+    attempt("topk", r[:, :, :, :1].contiguous())
+    dup = r.clone()
+    dup[-1, 1, 0, 1] = dup[-1, 1, 0, 0]
+    attempt("duplicate", dup)
+    attempt("missing", None)
+    attempt("good", r)  # nobody was left inside a collective: the next pass works on every rank
+    out["dp_rank"] = actor.dp_rank
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bad_routing_raises_named_error_on_every_rank(moe_dir):
+    job = _job(moe_dir, routing_replay="r3", pp=2)      # DP2 x PP2 on 4 ranks
+    data = _data(job.model.vocab_size)
+    results = run_ranks(_rank_bad, 4, job, data, timeout=100)
+    for r in results:
+        assert r["range"] is not None and r["range"].startswith("rank ") and "expert id outside [0, num_experts = 8)" in r["range"]
+        named = int(r["range"].split(":")[0].split()[1])
+        assert results[named]["dp_rank"] == 1 and "(and 1 more rank(s))" in r["range"]   # DP shard 1's 2 PP ranks
+        assert "has 3 MoE layers" in r["layers"] and "the model has 4" in r["layers"]
+        assert "top-1 expert ids" in r["topk"] and "moe_router_topk = 2" in r["topk"]
+        assert "repeats in one token's top-k" in r["duplicate"]
+        assert "RolloutBatch.routing is None but actor.routing_replay='r3'" in r["missing"]
+        assert r["good"] is None
+
+
+def test_routing_rows_missing_or_short_are_named():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, E, (n, NL, K), generator=g).to(torch.uint8) for n in (3, 5)]
+    with pytest.raises(BatchError, match=r"routing: missing for rows \[1\]"):
+        RolloutBatch.from_sequences([[1, 2], [3]], [[4, 5], [6, 7, 8, 9, 9]], routing=[rows[0], None])
+    with pytest.raises(BatchError, match=r"routing\[1\] covers 3 tokens, the row needs 5"):
+        RolloutBatch.from_sequences([[1, 2], [3]], [[4, 5], [6, 7, 8, 9, 9]], routing=[rows[0], rows[0]])
+    b = RolloutBatch.from_sequences([[1, 2], [3]], [[4, 5], [6, 7, 8, 9, 9]], routing=rows)
+    assert b.routing.dtype == torch.uint8 and tuple(b.routing.shape) == (2, 5, NL, K)
+    assert torch.equal(b.routing[0, :3], rows[0][:3]) and torch.equal(b.routing[1], rows[1][:5])
+    sub = b.select(1, 2, trim=True, multiple_of=4)
+    assert tuple(sub.routing.shape) == (1, 7, NL, K) and torch.equal(sub.routing[0, :5], rows[1][:5])
