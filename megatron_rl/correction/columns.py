@@ -173,8 +173,8 @@ def token_view(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, r
         if opt.startswith("token_"):
             keep = _token_stat_keep(opt, clamped, cfg)
             rs_keep = keep if rs_keep is None else rs_keep & keep
-    return TokenView(mask=mask, ok=ok, lp_train=lp_t, lp_rollout=lp_r, log_ratio=log_ratio, clamped=clamped, ratio=ratio, is_raw=is_raw,
-                     is_weight=is_weight, rs_keep=rs_keep)
+    return TokenView(mask=mask, ok=ok, lp_train=lp_t, lp_rollout=lp_r, log_ratio=log_ratio, clamped=clamped,
+                     ratio=ratio, is_raw=is_raw, is_weight=is_weight, rs_keep=rs_keep)
 
 
 def _k3(clamped: torch.Tensor) -> torch.Tensor:

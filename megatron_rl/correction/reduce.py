@@ -94,11 +94,10 @@ class Reducer:
         self.seq_weight = seq_valid.to(F64) * self.owner
         self._sums: Dict[str, torch.Tensor] = {}
         self._seq_sums: Dict[str, torch.Tensor] = {}
-        self._maxes: Dict[str, torch.Tensor] = {}
         self._seq_maxes: Dict[str, torch.Tensor] = {}
 
     def _new(self, name: str) -> None:
-        if name in self._sums or name in self._seq_sums or name in self._maxes or name in self._seq_maxes:
+        if name in self._sums or name in self._seq_sums or name in self._seq_maxes:
             raise KeyError(f"Reducer: {name!r} added twice")
 
     def add_sum(self, name: str, value) -> None:
@@ -115,17 +114,6 @@ class Reducer:
         """Number of valid sequences this rank owns where ``per_seq`` [B] (bool) is set."""
         self.add_seq_sum(name, per_seq.to(F64))
 
-    def add_max(self, name: str, values: torch.Tensor) -> None:
-        """Maximum over ``values`` (any shape; -inf when empty)."""
-        self._new(name)
-        v = values.to(F64).reshape(-1)
-        self._maxes[name] = (v.max() if v.numel() else torch.tensor(float("-inf"), dtype=F64,
-                                                                    device=self.device)).reshape(1)
-
-    def add_min(self, name: str, values: torch.Tensor) -> None:
-        """Minimum over ``values`` (stored as the max of the negation; +inf when empty)."""
-        self.add_max("-" + name, -values.to(F64))
-
     def add_seq_max(self, name: str, per_seq: torch.Tensor) -> None:
         """Maximum over the valid sequences of ``per_seq`` [B] (-inf when there are none)."""
         self._new(name)
@@ -139,15 +127,14 @@ class Reducer:
         empty = torch.zeros(0, dtype=F64, device=self.device)
         sums = [torch.stack(list(self._seq_sums.values())) @ self.seq_weight] if self._seq_sums else []
         sums += list(self._sums.values())
-        maxes = []
+        maxes = empty
         if self._seq_maxes:
             rows = torch.stack(list(self._seq_maxes.values()))
             ninf = torch.tensor(float("-inf"), dtype=F64, device=self.device)
-            maxes.append(torch.where(self.seq_valid[None, :], rows, ninf).amax(1) if rows.shape[1]
-                         else ninf.expand(rows.shape[0]))
-        maxes += list(self._maxes.values())
+            maxes = (torch.where(self.seq_valid[None, :], rows, ninf).amax(1) if rows.shape[1]
+                     else ninf.expand(rows.shape[0]).contiguous())
         return (list(self._seq_sums) + list(self._sums), torch.cat(sums) if sums else empty,
-                list(self._seq_maxes) + list(self._maxes), torch.cat(maxes) if maxes else empty)
+                list(self._seq_maxes), maxes)
 
     def reduce(self, group, counter: CollectiveCounter) -> Tuple[Dict[str, object], Dict[str, float]]:
         """Return (sums by name: floats, or float64 tensors for vectors; maxima/minima by name: floats)
