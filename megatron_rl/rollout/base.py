@@ -118,6 +118,10 @@ class Rollout:
     source: str = ""
     #: Extra engine-specific information (e.g. the matched stop token), not used by training.
     info: dict[str, Any] = field(default_factory=dict)
+    #: MoE routing the engine used (``[len(prompt) + len(response) - 1, moe_layers, topk]`` expert ids, uint8 /
+    #: int16: every token it fed through the model), or None when not captured. ``RolloutBatch.routing``
+    #: replays it (``actor.routing_replay: r3``); not part of ``to_dict``.
+    routed_experts: Any = None
 
     def __post_init__(self):
         if len(self.response_ids) != len(self.rollout_log_probs):

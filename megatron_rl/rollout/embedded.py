@@ -18,6 +18,10 @@ embedded default, no server.
   ``update_weights_from_state_dict(state_dict, version)`` (in-process, HF names). Both check every name and
   shape before copying anything (``WeightSyncError`` otherwise, weights and version unchanged). Every
   ``Rollout`` carries the version its tokens were produced with.
+* MoE routing (R3): with ``capture_routing`` (default: on for MoE models) forward hooks on the HF routers
+  record the top-k experts of every token fed through the model — the prompt in the prefill, then each
+  sampled token but the last — and each ``Rollout.routed_experts`` holds them (``[prompt + response - 1,
+  moe_layers, topk]``, uint8 / int16; ``megatron_rl.rollout.routing``).
 * All-or-nothing: ``generate`` returns ``len(prompts) * n`` rollouts prompt-major, or raises a
   ``RolloutError`` (bad input raises ``ValueError`` before any work).
 
@@ -50,6 +54,7 @@ from megatron_rl.rollout.embedded_sampling import (
     sampled_logprobs,
 )
 from megatron_rl.rollout.embedded_weights import load_state_dict_checked, read_hf_state_dict
+from megatron_rl.rollout.routing import RouterCapture
 
 #: Engine compute dtypes by name.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -70,7 +75,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, model_path: str | os.PathLike, dtype: str = "bfloat16", seed: int = 0,
                  weight_version: str = "init", attn_implementation: str = "sdpa",
-                 max_batch_rows: int = 256, source: str = "embedded"):
+                 max_batch_rows: int = 256, source: str = "embedded", capture_routing: bool | None = None):
         """Load the HF checkpoint at ``model_path`` in ``dtype`` ("bfloat16" | "float16" | "float32").
 
         Args:
@@ -79,6 +84,7 @@ class EmbeddedEngine(RolloutEngine):
             attn_implementation: ``transformers`` attention backend ("sdpa" or "eager").
             max_batch_rows: rows (prompts x n) generated together; larger requests run in chunks.
             source: ``Rollout.source`` of every rollout.
+            capture_routing: record MoE routing per rollout (None: when the model has MoE routers).
         """
         if dtype not in DTYPES:
             raise ValueError(f"EmbeddedEngine dtype={dtype!r} must be one of {sorted(DTYPES)}")
@@ -114,6 +120,10 @@ class EmbeddedEngine(RolloutEngine):
         self.vocab_size = int(self.config.vocab_size)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.tied_lm_head = bool(getattr(self.config, "tie_word_embeddings", False))
+        self._capture = RouterCapture(self.model)
+        if capture_routing and not self._capture.enabled:
+            raise ValueError(f"EmbeddedEngine capture_routing=True but {self.model_path!r} has no MoE routers")
+        self.capture_routing = self._capture.enabled if capture_routing is None else bool(capture_routing)
         self._generator = torch.Generator().manual_seed(int(seed))
         self._version = str(weight_version)
 
@@ -206,7 +216,14 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_rows(self, rows, sampling: SamplingParams, version: str) -> list[Rollout]:
-        """Generate one batch of rows ``(prompt_index, prompt_ids, row_seed)``."""
+        """Generate one batch of rows ``(prompt_index, prompt_ids, row_seed)`` (capturing routing if on)."""
+        if not self.capture_routing:
+            return self._generate_rows_inner(rows, sampling, version, None)
+        with self._capture as cap:
+            return self._generate_rows_inner(rows, sampling, version, cap)
+
+    def _generate_rows_inner(self, rows, sampling: SamplingParams, version: str,
+                             cap: RouterCapture | None) -> list[Rollout]:
         B = len(rows)
         L = max(len(p) for _, p, _ in rows)
         input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
@@ -234,6 +251,12 @@ class EmbeddedEngine(RolloutEngine):
         cache = out.past_key_values
         logits = out.logits[:, -1, :]
         last_pos = positions[:, -1]
+        routed: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        if cap is not None:  # prefill: [B * L, layers, k], left padding -> the prompt is the last len(p)
+            pre = cap.take()
+            pre = pre.reshape(B, L, pre.shape[-2], pre.shape[-1])
+            for r, (_, p, _) in enumerate(rows):
+                routed[r].append(pre[r, L - len(p):])
         for step in range(sampling.max_new_tokens):
             if not torch.isfinite(logits[~done].float()).all():
                 bad = [r for r in range(B) if not done[r] and not torch.isfinite(logits[r].float()).all()]
@@ -264,6 +287,11 @@ class EmbeddedEngine(RolloutEngine):
             last_pos = last_pos + 1
             out = self.model(input_ids=feed, attention_mask=mask, position_ids=last_pos.unsqueeze(-1),
                              past_key_values=cache, use_cache=True)
+            if cap is not None:  # decode: [B, layers, k]; rows still running fed their last sampled token
+                dec = cap.take()
+                for r in range(B):
+                    if not done[r]:
+                        routed[r].append(dec[r:r + 1])
             cache = out.past_key_values
             logits = out.logits[:, -1, :]
 
@@ -272,5 +300,6 @@ class EmbeddedEngine(RolloutEngine):
             info = {"matched_stop": matched[r]} if matched[r] is not None else {}
             result.append(Rollout(prompt_index=i, prompt_ids=list(p), response_ids=tokens[r],
                                   rollout_log_probs=logps[r], finish_reason=reasons[r] or "length",
-                                  weight_version=version, source=self.source, info=info))
+                                  weight_version=version, source=self.source, info=info,
+                                  routed_experts=torch.cat(routed[r]) if cap is not None else None))
         return result

@@ -37,6 +37,9 @@ class StepRollouts:
     rollout_log_probs: List[List[float]]
     rewards: List[float]
     weight_version: str
+    #: Per row: the engine's MoE routing ``[prompt + response - 1, moe_layers, topk]`` (uint8 / int16), or None
+    #: when the engine captured none — for ``RolloutBatch.from_sequences(..., routing=payload.routing)``.
+    routing: Optional[List[object]] = None
     #: Per row: the response hit max_new_tokens (finish reason "length").
     truncated: List[bool] = field(default_factory=list)
     #: The step's data / reward / length metrics (see the module docstring).
@@ -107,11 +110,18 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
     return StepRollouts(prompt_ids=[list(p.prompt_ids) for p in prompt_rows],
                         response_ids=[list(r.response_ids) for r in rollouts],
                         rollout_log_probs=[list(r.rollout_log_probs) for r in rollouts],
-                        rewards=rewards, weight_version=expected_version,
+                        rewards=rewards, weight_version=expected_version, routing=rollout_routing(rollouts),
                         truncated=[r.finish_reason == "length" for r in rollouts],
                         metrics=step_metrics(prompt_rows, rollouts, result.rewards, penalties, result, task.stats()),
                         token_versions=[list(r.info["token_versions"]) for r in rollouts
                                         if "token_versions" in r.info])
+
+
+def rollout_routing(rollouts) -> Optional[List[object]]:
+    """Each rollout's ``routed_experts`` (MoE routing captured by the engine), or None if no rollout has it
+    (a partial capture is kept: ``RolloutBatch.from_sequences`` names the rows that miss it)."""
+    routing = [getattr(r, "routed_experts", None) for r in rollouts]
+    return routing if any(x is not None for x in routing) else None
 
 
 def share_from_rank0(obj: Optional[object]) -> object:
