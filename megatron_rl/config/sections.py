@@ -73,6 +73,19 @@ class RolloutConfig:
     """Retries (exponential backoff) on connection errors, timeouts and 5xx before failing the step."""
     weight_sync_dir: Optional[str] = None
     """Where HF exports for /update_weights_from_disk go (default: <run_dir>/weight_sync)."""
+    mode: str = "sync"
+    """"sync": generate, then train, then sync weights, in sequence. "async": rank 0 generates the next
+    steps' rollouts in a background thread while the trainer trains (megatron_rl/trainer/async_rollout.py);
+    "sync" is "async" with max_staleness 0 and gives the same results."""
+    max_staleness: int = 1
+    """async: step t's rollouts come from weights of version max(t - max_staleness, start) (the version
+    after that many training steps); no trained token is older than this many versions. 1 = one step off."""
+    partial_rollout: str = "finish"
+    """async: "finish" — a generation in flight at a weight update finishes on the weights it started with
+    (bit-reproducible); "interrupt" — generation runs in segments of segment_tokens and unfinished rows
+    continue on the newest published weights (every token tagged with its version; timing-dependent)."""
+    segment_tokens: int = 0
+    """partial_rollout "interrupt": tokens per segment (>= 1 and < max_new_tokens to have an effect)."""
 
 
 @dataclass

@@ -136,6 +136,17 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
         errs.append(f"trainer.save_interval: must be >= 0, got {t.save_interval}")
     if t.console_table_interval < 0:
         errs.append(f"trainer.console_table_interval: must be >= 0 (0: no table), got {t.console_table_interval}")
+    if r.mode not in ("sync", "async"):
+        errs.append(f"rollout.mode: {r.mode!r} is not one of sync, async")
+    if r.max_staleness < 0:
+        errs.append(f"rollout.max_staleness: must be >= 0, got {r.max_staleness}")
+    if r.partial_rollout not in ("finish", "interrupt"):
+        errs.append(f"rollout.partial_rollout: {r.partial_rollout!r} is not one of finish, interrupt")
+    if r.partial_rollout == "interrupt" and r.segment_tokens < 1:
+        errs.append(f"rollout.segment_tokens: partial_rollout 'interrupt' needs segment_tokens >= 1, "
+                    f"got {r.segment_tokens}")
+    if r.segment_tokens < 0:
+        errs.append(f"rollout.segment_tokens: must be >= 0, got {r.segment_tokens}")
     if not t.collective_timeout_s > 0:
         errs.append(f"trainer.collective_timeout_s: must be > 0, got {t.collective_timeout_s}")
     for key in ("phase_timeout_s", "checkpoint_timeout_s", "stop_timeout_s"):

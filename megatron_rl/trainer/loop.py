@@ -31,6 +31,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
+from megatron_rl.correction.lag import policy_lag_metrics
+from megatron_rl.trainer.async_rollout import (RolloutProducer, check_staleness, overlap_seconds, parse_version,
+                                              token_lag_tensor, version_tag)
 from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
@@ -94,26 +97,44 @@ def build_task(cfg: JobConfig):
                   reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
 
 
-def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool) -> None:
-    """Push the actor's current weights to the engine and tag them ``version`` (collective; an engine
-    failure on rank 0 is raised on every rank)."""
-    error = None
+def weights_payload(actor, cfg: JobConfig, version: str, owned: bool = False):
+    """Collective: what rank 0 hands the engine for ``version`` — the full HF state dict (embedded engine;
+    ``owned``: a private copy, for a producer thread that loads it later) or the path of an HF export
+    (SGLang, /update_weights_from_disk). None on the other ranks."""
     if cfg.rollout.engine == "embedded":
         sd = actor.full_state_dict_hf()
-        if rank0:
-            try:
-                engine.update_weights_from_state_dict(sd, version)
-            except Exception as exc:  # noqa: BLE001 - shared below
-                error = exc
+        if sd is not None and owned:
+            sd = {k: v.detach().clone() for k, v in sd.items()}
+        return sd
+    out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
+    path = os.path.join(out, version)
+    actor.export_hf(path)
+    return path
+
+
+def apply_weights(engine, cfg: JobConfig, payload, version: str) -> None:
+    """Rank 0: load a ``weights_payload`` into the engine and tag it ``version``."""
+    if cfg.rollout.engine == "embedded":
+        engine.update_weights_from_state_dict(payload, version)
     else:
-        out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
-        path = os.path.join(out, version)
-        actor.export_hf(path)
-        if rank0:
-            try:
-                engine.update_weights(path, version)
-            except Exception as exc:  # noqa: BLE001 - shared below
-                error = exc
+        engine.update_weights(payload, version)
+
+
+def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, producer=None) -> None:
+    """Push the actor's current weights to the engine and tag them ``version`` (collective; an engine
+    failure on rank 0 is raised on every rank). With an async ``producer`` the weights are published to
+    it instead; it loads them in its own thread when the schedule needs them (a failure there surfaces at
+    the next step's rollouts, on every rank)."""
+    payload = weights_payload(actor, cfg, version, owned=producer is not None)
+    error = None
+    if rank0:
+        try:
+            if producer is not None:
+                producer.publish(parse_version(version), payload)
+            else:
+                apply_weights(engine, cfg, payload, version)
+        except Exception as exc:  # noqa: BLE001 - shared below
+            error = exc
     error = share_from_rank0(error)
     if error is not None:
         raise error
@@ -129,7 +150,7 @@ def latest_checkpoint(run_dir: str) -> Optional[str]:
     return os.path.join(root, steps[-1][1]) if steps else None
 
 
-def save(actor, cfg: JobConfig, step: int, rank0: bool) -> str:
+def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = None) -> str:
     """Checkpoint after ``step`` completed steps; a COMPLETE marker, written after every rank wrote its
     part, makes it eligible for resume. What an earlier, failed save of the same step left is removed
     first (it was never COMPLETE)."""
@@ -137,7 +158,7 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool) -> str:
     if rank0 and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "COMPLETE")):
         shutil.rmtree(path)
     dist.barrier()
-    actor.save_checkpoint(path, step, {"config": cfg.to_dict()})
+    actor.save_checkpoint(path, step, {"config": cfg.to_dict(), **(extra or {})})
     dist.barrier()
     if rank0:
         open(os.path.join(path, "COMPLETE"), "w").close()
@@ -185,21 +206,30 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
     from megatron_rl.rollout.base import RolloutError
 
     corr_cfg, T = cfg.algorithm.rollout_correction, cfg.rollout.temperature
-    start = 0
+    start, resumed = 0, {}
     if cfg.trainer.resume:
         ckpt = latest_checkpoint(cfg.trainer.run_dir)
         if ckpt is not None:
-            start, _ = actor.load_checkpoint(ckpt)
+            start, resumed = actor.load_checkpoint(ckpt)
             if rank0:
                 print(f"[megatron-rl] resumed from {ckpt} at step {start}", flush=True)
     sinks = MetricSinks(cfg.trainer.run_dir, cfg.trainer.steps, enabled=rank0, progress=cfg.trainer.progress,
                         tensorboard=cfg.trainer.tensorboard, wandb=cfg.trainer.wandb,
                         wandb_project=cfg.trainer.wandb_project, config=cfg.to_dict(), resume=start > 0)
     tc = cfg.trainer
-    version = f"step-{start}"
+    version = version_tag(start)
     with watchdog.phase("weight_sync", start):
         sync_weights(actor, engine, cfg, version, rank0)
     stop = StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
+    rc = cfg.rollout
+    producer = None
+    if rank0 and rc.mode == "async":  # generation overlaps training from here on (async_rollout.py)
+        producer = RolloutProducer(
+            engine, generate_fn=lambda s, view, tag: generate_step(task, view, cfg, s, tag),
+            apply_fn=lambda payload, tag: apply_weights(engine, cfg, payload, tag), start_step=start,
+            max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
+            segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, rc)).start_thread()
+    max_lag = rc.max_staleness if rc.mode == "async" else 0
     pad_id = int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0
     pad_id = share_from_rank0(pad_id)
     metrics: Dict[str, float] = {}
@@ -212,9 +242,19 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             with watchdog.phase("rollout", step + 1):
                 if rank0:
                     try:
-                        payload = generate_step(task, engine, cfg, step, version)
+                        if producer is not None:
+                            payload = producer.get(step)
+                        else:
+                            payload = generate_step(task, engine, cfg, step, version)
+                        if payload.token_versions:
+                            check_staleness(payload.token_versions, step, max_lag, step + 1)
                     except RolloutError as exc:
                         payload = exc
+                    except Exception as exc:  # noqa: BLE001 - the producer thread's failure, for every rank
+                        if producer is None:
+                            raise
+                        payload = RuntimeError(f"rank 0: async rollouts of step {step + 1} failed: "
+                                               f"{type(exc).__name__}: {exc}")
                 payload = share_from_rank0(payload)
             if isinstance(payload, Exception):
                 raise payload
@@ -236,6 +276,11 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             with watchdog.phase("correction", step + 1):
                 corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, corr_cfg,
                                                   group=actor.dp_group)
+                versions = payload.token_versions or [[step] * len(r) for r in payload.response_ids]
+                lag = token_lag_tensor([len(p) for p in payload.prompt_ids[rows.start:rows.stop]],
+                                       versions[rows.start:rows.stop], step, old_lp.shape[1])
+                lag_metrics = policy_lag_metrics(old_lp, shard.rollout_log_probs, shard.response_mask, lag,
+                                                 max_lag, group=actor.dp_group)
             t_corr = time.perf_counter() - t0
             # 5. advantages with the post-rejection mask, 6. train
             adv = compute_advantages(rewards, group_index, corr.response_mask.float(),
@@ -251,10 +296,14 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             step += 1
             # 7. weight sync
             t0 = time.perf_counter()
-            version = f"step-{step}"
+            version = version_tag(step)
             with watchdog.phase("weight_sync", step):
-                sync_weights(actor, engine, cfg, version, rank0)
+                sync_weights(actor, engine, cfg, version, rank0, producer)
             t_sync = time.perf_counter() - t0
+            # the share of this step's wall time in which the producer generated while the trainer worked
+            t_end = time.perf_counter()
+            overlap = (overlap_seconds(producer.busy, (_wall(t_step + t_roll), _wall(t_end))) / (t_end - t_step)
+                       if producer is not None else 0.0)
             # 8. metrics
             dt = time.perf_counter() - t_step
             resp_len = [len(r) for r in payload.response_ids]
@@ -263,7 +312,8 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                 "reward/mean": sum(payload.rewards) / len(payload.rewards),
                 "reward/max": max(payload.rewards), "reward/min": min(payload.rewards),
                 "response_length/mean": sum(resp_len) / len(resp_len), "response_length/max": max(resp_len),
-                **actor_metrics, **corr.metrics,
+                **actor_metrics, **corr.metrics, **lag_metrics, **payload.metrics,
+                "perf/rollout_overlap_frac": overlap,
                 "timing/rollout_s": t_roll, "timing/logprob_s": t_lp, "timing/correction_s": t_corr,
                 "timing/train_s": t_train, "timing/weight_sync_s": t_sync, "timing/step_s": dt,
                 "perf/tokens_per_s": tokens / dt,
@@ -279,16 +329,43 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             if interval or step == tc.steps or flag.item() > 0:
                 with watchdog.phase("checkpoint", step, timeout_s=tc.checkpoint_timeout_s,
                                     config_key="trainer.checkpoint_timeout_s"):
-                    path = save(actor, cfg, step, rank0)
+                    extra = _drain_async(producer, step, rc) if rank0 else None
+                    path = save(actor, cfg, step, rank0, extra if rank0 else None)
                 if rank0:
                     print(f"[megatron-rl] checkpoint {path}", flush=True)
             if flag.item() > 0:
                 break
     finally:
+        if producer is not None:
+            producer.close()  # rollouts in flight are discarded (see async_rollout.py)
         stop.restore()
         with watchdog.phase("metrics_close", step):  # a W&B / TensorBoard flush must not hang the exit
             sinks.close()
     return metrics
+
+
+def _drain_async(producer, step: int, rc) -> Dict:
+    """Rank 0, before a checkpoint after ``step`` steps: the rollouts the producer generated from versions older
+    than ``step`` (they cannot be regenerated from the checkpoint), saved with it (async_rollout.py)."""
+    if producer is None:
+        return {}
+    return {"async_rollouts": producer.snapshot(step), "async_schedule": (rc.max_staleness, rc.partial_rollout)}
+
+
+def _resumed_rollouts(extra: Dict, rc) -> Dict:
+    """The drained rollouts of a resumed checkpoint, if it was written with the same async schedule."""
+    saved = extra.get("async_rollouts") or {}
+    if saved and extra.get("async_schedule") != (rc.max_staleness, rc.partial_rollout):
+        print(f"[megatron-rl] the checkpoint's async rollouts were made with (max_staleness, partial_rollout) = "
+              f"{extra.get('async_schedule')}, this run uses {(rc.max_staleness, rc.partial_rollout)}: "
+              f"regenerating them", flush=True)
+        return {}
+    return dict(saved)
+
+
+def _wall(perf_t: float) -> float:
+    """A ``time.perf_counter()`` reading as wall time (the producer records ``time.time()``)."""
+    return time.time() - (time.perf_counter() - perf_t)
 
 
 def _shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:

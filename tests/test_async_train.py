@@ -1,0 +1,154 @@
+"""``rollout.mode: async`` in the real RL loop (megatron actor on 2 gloo ranks, embedded bf16 engine, copy task):
+
+* async with max_staleness 0 reproduces the sync run exactly (every metric but wall-clock timings);
+* async with max_staleness 1 generates step t from the weights after t - 1 steps (the dumped rollouts carry
+  that version), the lag metrics are non-zero exactly on the steps that have lagged tokens, and lag-0 mismatch
+  equals the correction's own k3 KL where every token is current;
+* a checkpoint + ``--resume`` in async mode reproduces the uninterrupted run (in-flight rollouts are dropped
+  at the checkpoint and regenerated deterministically);
+* the engine failing, or refusing published weights, inside the producer thread ends the step with the
+  cause on every rank.
+"""
+import json
+import math
+import os
+
+import pytest
+
+from megatron_rl.config import load_job_config
+from megatron_rl.tasks.char_tokenizer import build_task_model
+from megatron_rl.testing.distributed import run_ranks
+
+pytestmark = pytest.mark.timeout(400)
+TIMING = ("timing/", "perf/", "time")  # wall-clock readings differ between any two runs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_task_model(str(tmp_path_factory.mktemp("m") / "m"), task="copy", seed=0, hidden_size=64,
+                            num_layers=2)
+
+
+def _cfg(model_dir, run_dir, *extra, steps=4):
+    return load_job_config(None, [
+        "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=3", "rollout.n_samples_per_prompt=4",
+        "data.prompts_per_step=4", "data.task=copy", "data.task_kwargs={min_digits: 1, max_digits: 1}",
+        "algorithm.rollout_correction={rollout_is: token, rollout_is_threshold: 2.0}",
+        "actor.lr=3e-3", "actor.micro_batch_size=8", f"actor.load_hf={model_dir}", f"trainer.steps={steps}",
+        f"trainer.run_dir={run_dir}", "trainer.dump_rollouts=true", "trainer.progress=false", *extra],
+        world_size=2)
+
+
+def _train(rank, world, cfg, fault=None):
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.trainer.loop import train
+
+    if fault == "generate" and rank == 0:
+        real = EmbeddedEngine.generate
+
+        def generate(self, prompt_ids, sampling, n=1, seed=None):
+            if seed == cfg.trainer.seed * 7919 + 2:    # step 3's call
+                raise RuntimeError("engine process died (test)")
+            return real(self, prompt_ids, sampling, n=n, seed=seed)
+
+        EmbeddedEngine.generate = generate
+    if fault == "weights" and rank == 0:
+        real_update = EmbeddedEngine.update_weights_from_state_dict
+
+        def update(self, sd, version, *a, **k):
+            if version == "step-1":   # needed by step 3 (k = 1)
+                raise RuntimeError("engine refused weights step-1 (test)")
+            return real_update(self, sd, version, *a, **k)
+
+        EmbeddedEngine.update_weights_from_state_dict = update
+    try:
+        train(cfg)
+    except Exception as exc:  # noqa: BLE001 - the test checks every rank's error
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _rollouts(run_dir):
+    with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _same(a, b, keys_from):
+    keys = [k for k in keys_from if not k.startswith(TIMING)]
+    diff = {k: (a.get(k), b.get(k)) for k in keys if not (a.get(k) == b.get(k) or
+                                                         (isinstance(a.get(k), float) and math.isnan(a[k])
+                                                          and math.isnan(b.get(k, 0.0))))}
+    return diff
+
+
+def test_async_k0_reproduces_sync_exactly(model_dir, tmp_path):
+    sync, asy = str(tmp_path / "sync"), str(tmp_path / "async")
+    assert run_ranks(_train, 2, _cfg(model_dir, sync), timeout=300) == [None, None]
+    assert run_ranks(_train, 2, _cfg(model_dir, asy, "rollout.mode=async", "rollout.max_staleness=0"),
+                     timeout=300) == [None, None]
+    ms, ma = _metrics(sync), _metrics(asy)
+    assert len(ms) == len(ma) == 4
+    assert ms[-1]["actor/grad_norm"] > 0 and any(m["reward/mean"] > 0 for m in ms)   # the weights really moved
+    for a, b in zip(ms, ma):
+        assert _same(a, b, set(a) | set(b)) == {}
+    assert _rollouts(sync) == _rollouts(asy)
+
+
+def test_async_k1_versions_and_lag_metrics(model_dir, tmp_path):
+    run = str(tmp_path / "run")
+    assert run_ranks(_train, 2, _cfg(model_dir, run, "rollout.mode=async", "rollout.max_staleness=1"),
+                     timeout=300) == [None, None]
+    ms = _metrics(run)
+    for m in ms:
+        lagged = m["step"] >= 2                              # step t (1-based) uses version t - 2 for t >= 2
+        assert m["rollout_corr/lagged_token_fraction"] == (1.0 if lagged else 0.0)
+        assert m["rollout/staleness_mean"] == m["rollout/staleness_max"] == (1.0 if lagged else 0.0)
+        assert ("rollout_corr/lag1_k3_kl" in m) == lagged
+        assert ("rollout_corr/lag0_k3_kl" in m) == (not lagged)
+        # all of a step's tokens share one lag: that bucket is the whole batch, and it must agree with the
+        # correction's own k3 KL / k1 KL (two implementations of the same formula)
+        bucket = "lag1" if lagged else "lag0"
+        assert m[f"rollout_corr/{bucket}_k3_kl"] == pytest.approx(m["rollout_corr/k3_kl"], rel=1e-5, abs=1e-9)
+        assert m[f"rollout_corr/{bucket}_kl"] == pytest.approx(m["rollout_corr/kl"], rel=1e-5, abs=1e-9)
+    for rec in _rollouts(run):
+        assert rec["weight_version"] == f"step-{max(rec['step'] - 2, 0)}"
+
+
+def test_async_resume_reproduces_the_uninterrupted_run(model_dir, tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    extra = ("rollout.mode=async", "rollout.max_staleness=1", "trainer.save_interval=2")
+    assert run_ranks(_train, 2, _cfg(model_dir, full, *extra), timeout=300) == [None, None]
+    assert run_ranks(_train, 2, _cfg(model_dir, part, *extra, steps=2), timeout=300) == [None, None]
+    assert run_ranks(_train, 2, _cfg(model_dir, part, *extra, "trainer.resume=true"), timeout=300) == [None, None]
+    mf, mp = _metrics(full), _metrics(part)
+    assert [m["step"] for m in mp] == [1, 2, 3, 4]
+    for a, b in zip(mf, mp):
+        assert _same(a, b, set(a) | set(b)) == {}, a["step"]
+
+
+@pytest.mark.parametrize("fault, message", [("generate", "engine process died (test)"),
+                                            ("weights", "engine refused weights step-1 (test)")])
+def test_producer_failures_end_the_step_on_every_rank(model_dir, tmp_path, fault, message):
+    run = str(tmp_path / "run")
+    errors = run_ranks(_train, 2, _cfg(model_dir, run, "rollout.mode=async", "rollout.max_staleness=1"),
+                       fault=fault, timeout=300)
+    for rank, err in enumerate(errors):
+        assert err is not None and message in err and "async rollouts of step 3 failed" in err, (rank, err)
+    assert [m["step"] for m in _metrics(run)] == [1, 2]      # nothing of step 3 was applied
+
+
+def test_bad_async_settings_are_rejected_with_the_key(model_dir, tmp_path):
+    from megatron_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.segment_tokens"):
+        _cfg(model_dir, str(tmp_path), "rollout.mode=async", "rollout.partial_rollout=interrupt")
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        _cfg(model_dir, str(tmp_path), "rollout.mode=async", "rollout.max_staleness=-1")
+    with pytest.raises(ConfigError, match="rollout.mode"):
+        _cfg(model_dir, str(tmp_path), "rollout.mode=overlap")
+
