@@ -70,6 +70,28 @@ def _eos_ids(config, generation_config) -> tuple[int, ...]:
     return ()
 
 
+def fuse_expert_tensors(state_dict: Mapping[str, torch.Tensor], model_keys) -> Mapping[str, torch.Tensor]:
+    """Per-expert HF tensors (``...mlp.experts.{e}.gate_proj / up_proj / down_proj.weight``, the safetensors
+    format an export writes) -> the fused in-memory tensors transformers >= 5 keeps for Qwen2/3-MoE
+    (``...mlp.experts.gate_up_proj [E, 2F, H]``, ``...mlp.experts.down_proj [E, H, F]``) when the model has
+    those; anything else passes through (a missing expert is then reported by the strict check)."""
+    fused = [k[: -len("gate_up_proj")] for k in model_keys if k.endswith("mlp.experts.gate_up_proj")]
+    if not fused or any(k.endswith("mlp.experts.gate_up_proj") for k in state_dict):
+        return state_dict
+    out = dict(state_dict)
+    for pre in fused:
+        gates, ups, downs, e = [], [], [], 0
+        while f"{pre}{e}.gate_proj.weight" in out:
+            gates.append(out.pop(f"{pre}{e}.gate_proj.weight"))
+            ups.append(out.pop(f"{pre}{e}.up_proj.weight"))
+            downs.append(out.pop(f"{pre}{e}.down_proj.weight"))
+            e += 1
+        if e:
+            out[f"{pre}gate_up_proj"] = torch.stack([torch.cat([g, u], 0) for g, u in zip(gates, ups)])
+            out[f"{pre}down_proj"] = torch.stack(downs)
+    return out
+
+
 class EmbeddedEngine(RolloutEngine):
     """In-process generation with an HF ``transformers`` causal LM (see the module docstring)."""
 
@@ -166,6 +188,7 @@ class EmbeddedEngine(RolloutEngine):
         if not isinstance(state_dict, Mapping):
             raise WeightSyncError(f"update_weights_from_state_dict: expected a mapping name -> tensor, got "
                                   f"{type(state_dict).__name__}")
+        state_dict = fuse_expert_tensors(state_dict, self.model.state_dict().keys())
         load_state_dict_checked(self.model, state_dict, source=_source, tied_lm_head=self.tied_lm_head)
         self._version = version
 

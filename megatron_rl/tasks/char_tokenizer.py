@@ -61,7 +61,8 @@ VOCAB_MULTIPLE = 8
 
 def task_model_config(hidden_size: int = 128, num_layers: int = 2, num_attention_heads: int = 4,
                       num_key_value_heads: int = 2, intermediate_size: int | None = None,
-                      max_position_embeddings: int = 64, tie_word_embeddings: bool = False):
+                      max_position_embeddings: int = 64, tie_word_embeddings: bool = False, num_experts: int = 0,
+                      num_experts_per_tok: int = 2):
     """The ``Qwen2Config`` of a task model over the char vocabulary (``intermediate_size`` defaults to
     ``2 * hidden_size``). Bad sizes raise ``ValueError`` naming the argument."""
     from transformers import Qwen2Config
@@ -88,6 +89,15 @@ def task_model_config(hidden_size: int = 128, num_layers: int = 2, num_attention
         bos_token_id=VOCAB.index("<eos>"), eos_token_id=VOCAB.index("<eos>"), pad_token_id=VOCAB.index("<pad>"),
     )
     cfg.architectures = ["Qwen2ForCausalLM"]
+    if num_experts:  # --moe: the same model as Qwen3-MoE, every MLP routed (experts of half the dense width)
+        from transformers import Qwen3MoeConfig
+
+        d = cfg.to_dict()
+        d.update(head_dim=hidden_size // num_attention_heads, num_experts=num_experts,
+                 num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=cfg.intermediate_size // 2,
+                 decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], model_type="qwen3_moe")
+        cfg = Qwen3MoeConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
     return cfg
 
 
@@ -132,8 +142,10 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--moe", action="store_true", help="Qwen3-MoE instead of Qwen2 (8 experts, top-2)")
     a = p.parse_args(argv)
-    print(ensure_task_model(a.out_dir, a.task, a.seed, a.hidden_size, a.num_layers))
+    moe = {"num_experts": 8, "num_experts_per_tok": 2} if a.moe else {}
+    print(ensure_task_model(a.out_dir, a.task, a.seed, a.hidden_size, a.num_layers, **moe))
 
 
 if __name__ == "__main__":
