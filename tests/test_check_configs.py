@@ -21,6 +21,7 @@ WORLD = {
     "deepseek_v3_scale_64x8.yaml": 64 * 8,
     "tiny_cpu.yaml": None,  # the lead's config: its own world size (read from its header or default 1..4)
     "math_tiny_cpu.yaml": None,  # the math-task CPU config: its model is built first (tests/test_data_math_e2e.py)
+    "tiny_moe_cpu.yaml": None,  # MoE routing replay default; its model is built first (tests/test_routing_config.py)
 }
 
 # Published HF config.json values.
