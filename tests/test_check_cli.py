@@ -38,9 +38,10 @@ def test_tiny_cpu_plans_four_cpu_fp32_ranks_and_the_real_prompt(tiny_model):
     assert "host memory (CPU ranks) per rank" in out
     # the longest copy prompt with max_digits 3 is "copy:999=", encoded by the checkpoint's tokenizer (what
     # training uses); + rollout.max_new_tokens 4
-    from transformers import AutoTokenizer
+    from megatron_rl.tasks.char_tokenizer import build_char_tokenizer
 
-    n = len(AutoTokenizer.from_pretrained(tiny_model).encode("copy:999=", add_special_tokens=False))
+    n = len(build_char_tokenizer().encode("copy:999=", add_special_tokens=False))   # the saved tokenizer itself
+    assert n == 6                                                                  # "copy" ":" "9" "9" "9" "="
     assert f"prompt {n} tokens (longest 'copy' prompt (max_digits 3), tokenizer of {tiny_model})" in out
     assert f"sequence {n + 4} tokens" in out
     assert "TP=2 PP=2" in out and "DP=1" in out

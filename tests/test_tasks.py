@@ -285,3 +285,19 @@ def test_build_task_model_loads_in_engine(tmp_path):
         build_task_model(tmp_path / "bad", hidden_size=30)
     with pytest.raises(ValueError, match="task='mul'"):
         build_task_model(tmp_path / "bad", task="mul")
+
+
+def test_saved_task_tokenizer_reloads_as_itself(tmp_path):
+    """``AutoTokenizer`` turns the task model's word-level tokenizer (saved beside a Qwen2 config) into a BPE
+    Qwen2Tokenizer that drops the task word; the project's one loader must give back the tokenizer that was
+    saved, token for token (reference: the in-memory tokenizer before saving)."""
+    from megatron_rl.tasks.char_tokenizer import build_char_tokenizer, build_task_model
+    from megatron_rl.tokenizer import load_tokenizer
+
+    model = build_task_model(str(tmp_path / "m"), task="copy", seed=0, hidden_size=32, num_layers=1)
+    ref = build_char_tokenizer()
+    tok = load_tokenizer(model)
+    for text in ("copy:999=", "reverse:12=", "add:3+4=", "sort:31="):
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False), text
+    assert tok.decode(tok.encode("copy:42=", add_special_tokens=False)) == "copy:42="
+    assert (tok.eos_token_id, tok.pad_token_id) == (ref.eos_token_id, ref.pad_token_id)

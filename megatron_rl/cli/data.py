@@ -19,6 +19,7 @@ from megatron_rl.tasks.datasets import FileTask
 from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.reward_fn import SOURCE
 from megatron_rl.tasks.rewards import reward_name_for_source
+from megatron_rl.tokenizer import load_tokenizer
 
 
 def _json_object(text: str) -> dict:
@@ -33,10 +34,8 @@ def _json_object(text: str) -> dict:
 
 def inspect_file(args: argparse.Namespace, out=sys.stdout) -> int:
     """Print the summary and the first ``args.n`` rendered prompts; the exit code."""
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        tok = load_tokenizer(args.tokenizer)
     except Exception as e:  # noqa: BLE001 - reported with the path
         print(f"error: --tokenizer {args.tokenizer!r}: cannot load a tokenizer: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

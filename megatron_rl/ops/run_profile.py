@@ -25,6 +25,7 @@ import torch
 
 from megatron_rl.actor import MegatronActor
 from megatron_rl.actor.optimizer import optimizer_config
+from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.tasks import DIGIT_TASKS, DigitTask, FileTask, build_char_tokenizer, load_records
 
 
@@ -56,11 +57,9 @@ def _tokenizer(cfg):
     path = cfg.actor.load_hf
     if not path or not os.path.isdir(path):
         return None, f"actor.load_hf {path!r} is not there yet" if path else "no actor.load_hf"
-    from transformers import AutoTokenizer
-
     for d in (path, os.path.join(path, "hf_assets")):  # an HF dir, or a converted (hf-to-mcore) dir
         try:
-            return AutoTokenizer.from_pretrained(d), f"tokenizer of {d}"
+            return load_tokenizer(d), f"tokenizer of {d}"
         except (OSError, ValueError):
             continue
     return None, f"no tokenizer in {path}"

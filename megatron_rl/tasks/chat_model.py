@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+from megatron_rl.tokenizer import load_tokenizer
 
 #: Qwen-style ChatML template (``enable_thinking=False`` adds an empty think block, as Qwen3's does).
 CHATML_TEMPLATE = (
@@ -43,10 +44,8 @@ EOS_TOKEN = "<|im_end|>"
 def add_chat_template(model_dir: str | os.PathLike) -> str:
     """Give the tokenizer in ``model_dir`` the ChatML template and ``<|im_end|>`` as EOS, and make the
     model's config.json / generation_config.json stop at ``<|im_end|>``; return ``model_dir``."""
-    from transformers import AutoTokenizer
-
     out = Path(model_dir)
-    tok = AutoTokenizer.from_pretrained(str(out))
+    tok = load_tokenizer(out)
     eos = tok.convert_tokens_to_ids(EOS_TOKEN)
     if eos is None or eos == tok.unk_token_id:
         raise ValueError(f"{out}: the tokenizer has no {EOS_TOKEN!r} token to end a chat turn")

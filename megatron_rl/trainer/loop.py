@@ -37,6 +37,7 @@ from megatron_rl.trainer.async_rollout import (RolloutProducer, check_staleness,
 from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
+from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.trainer.watchdog import Watchdog
 
 
@@ -87,11 +88,9 @@ def build_engine(cfg: JobConfig):
 
 def build_task(cfg: JobConfig):
     """Rank 0's task (prompts + reward) with the checkpoint's tokenizer."""
-    from transformers import AutoTokenizer
-
     from megatron_rl.tasks import build_task as _build
 
-    tok = AutoTokenizer.from_pretrained(cfg.actor.load_hf)
+    tok = load_tokenizer(cfg.actor.load_hf)
     d = cfg.data
     return _build(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
                   reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
