@@ -224,3 +224,38 @@ def test_token_lag_tensor_aligns_with_the_batch_layout():
     assert parse_version("step-12") == 12
     with pytest.raises(ValueError, match="step-<int>"):
         parse_version("init")
+
+
+@pytest.mark.timeout(120)
+def test_segmented_generation_keeps_the_moe_routing_of_every_fed_token(tmp_path):
+    """Interrupt-mode segments joined back into one rollout carry routing for every fed position
+    (``[prompt + response - 1, layers, k]``), equal to the top-k of HF's own routers in a full-sequence fp32
+    forward (no weight change between segments here, so one reference holds for all positions)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+    from megatron_rl.trainer.async_rollout import SegmentedEngine
+
+    moe = str(build_tiny_hf_model(tmp_path / "moe", arch="qwen3_moe", seed=41, num_hidden_layers=3, num_experts=8,
+                                  num_experts_per_tok=2))
+    engine = EmbeddedEngine(moe, dtype="float32", seed=0, weight_version="step-0")
+    seg = SegmentedEngine(engine, 2, before_segment=lambda: None)
+    out = seg.generate([[5, 9, 11], [7, 8]], SamplingParams(max_new_tokens=7, ignore_eos=True), n=2, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).eval()
+    agree = total = 0
+    for r in out:
+        assert r.info["segments"] == 4 and len(r.response_ids) == 7
+        ids = list(r.prompt_ids) + list(r.response_ids)
+        routing = torch.as_tensor(r.routed_experts)
+        assert tuple(routing.shape) == (len(ids) - 1, 3, 2)
+        got = []
+        hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: got.append(o[2])) for layer in hf.model.layers]
+        with torch.no_grad():
+            hf(input_ids=torch.tensor([ids]))
+        for h in hooks:
+            h.remove()
+        ref = torch.stack(got, dim=1)[: len(ids) - 1]
+        same = routing.long().sort(-1).values == ref.long().sort(-1).values
+        agree += int(same.all(-1).sum())
+        total += same.shape[0] * same.shape[1]
+    assert agree / total >= 0.99, agree / total

@@ -89,7 +89,8 @@ class SegmentedEngine:
             return out
         out = self._call(prompt_ids, dataclasses.replace(sampling, max_new_tokens=seg), n, seed)
         rows = [dict(r=r, ids=list(r.response_ids), lps=list(r.rollout_log_probs),
-                     versions=[parse_version(r.weight_version)] * len(r.response_ids), finish=r.finish_reason)
+                     versions=[parse_version(r.weight_version)] * len(r.response_ids), finish=r.finish_reason,
+                     routing=r.routed_experts)
                 for r in out]
         done_tokens, segment = seg, 1
         while True:
@@ -102,6 +103,8 @@ class SegmentedEngine:
                               dataclasses.replace(sampling, max_new_tokens=step_tokens), 1,
                               None if seed is None else seed + 7919 * segment)
             for row, r in zip(open_rows, cont):
+                row["routing"] = _join_routing(row["routing"], r.routed_experts,
+                                               len(row["r"].prompt_ids) + len(row["ids"]) - 1)
                 row["ids"] += list(r.response_ids)
                 row["lps"] += list(r.rollout_log_probs)
                 row["versions"] += [parse_version(r.weight_version)] * len(r.response_ids)
@@ -114,8 +117,18 @@ class SegmentedEngine:
             info = dict(r.info, token_versions=row["versions"], segments=segment)
             result.append(Rollout(prompt_index=r.prompt_index, prompt_ids=list(r.prompt_ids), response_ids=row["ids"],
                                   rollout_log_probs=row["lps"], finish_reason=row["finish"],
-                                  weight_version=r.weight_version, source=r.source, info=info))
+                                  weight_version=r.weight_version, source=r.source, info=info,
+                                  routed_experts=row["routing"]))
         return result
+
+
+def _join_routing(before, cont, fed_before: int):
+    """MoE routing of a continued row: the first ``fed_before`` token positions as the earlier segments
+    routed them (the weights that sampled those tokens), the rest from the continuation call (whose prompt
+    re-feeds the earlier tokens with the new weights; only its new positions are kept)."""
+    if before is None or cont is None:
+        return None
+    return torch.cat([torch.as_tensor(before)[:fed_before], torch.as_tensor(cont)[fed_before:]], dim=0)
 
 
 class RolloutProducer:

@@ -260,7 +260,7 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             t_roll = time.perf_counter() - t_step
             # 2. this DP rank's whole groups
             batch = RolloutBatch.from_sequences(payload.prompt_ids, payload.response_ids,
-                                                payload.rollout_log_probs, pad_id=pad_id)
+                                                payload.rollout_log_probs, pad_id=pad_id, routing=payload.routing)
             shard = batch.shard(actor.dp_rank, actor.dp_size)
             rows = _shard_rows(len(payload.rewards), actor.dp_rank, actor.dp_size)
             rewards = torch.tensor(payload.rewards[rows.start:rows.stop], dtype=torch.float32)
