@@ -32,8 +32,18 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_rl.cli.entry import module_main, register
-from megatron_rl.jsonl import read_json_objects
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, set before torch is imported
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron_rl.actor import RolloutBatch  # noqa: E402
+from megatron_rl.cli.config_errors import config_error_exit, launch_rank  # noqa: E402
+from megatron_rl.cli.entry import module_main, register  # noqa: E402
+from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
+from megatron_rl.correction import compute_rollout_correction  # noqa: E402
+from megatron_rl.jsonl import read_json_objects  # noqa: E402
+from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
+from megatron_rl.trainer.loop import setup_distributed  # noqa: E402
 
 #: Version of the weights before the first step (the config's actor.load_hf).
 INITIAL_VERSION = "step-0"
@@ -132,11 +142,6 @@ def plan_versions(records: Sequence[dict], checkpoints: Optional[str] = None,
 
 def _score_records(actor, cfg, records: List[dict]):
     """(metrics, per-record train log-probs on rank 0 else None) of ``records`` with the actor's weights."""
-    import torch.distributed as dist
-
-    from megatron_rl.actor import RolloutBatch
-    from megatron_rl.correction import compute_rollout_correction
-
     batch = RolloutBatch.from_sequences([r["prompt_ids"] for r in records], [r["response_ids"] for r in records],
                                         [r["rollout_log_probs"] for r in records])
     shard = batch.shard(actor.dp_rank, actor.dp_size)
@@ -162,9 +167,7 @@ def score(cfg, records: List[dict], out_path: Optional[str], groups: Optional[Li
     """Recompute, correct, write; returns the metrics (identical on every rank). ``groups`` (from
     :func:`plan_versions`; default: every record with the config's weights) are scored one after the
     other, each with its checkpoint; with several groups the keys are ``"<version>/<metric>"``."""
-    import torch.distributed as dist
 
-    from megatron_rl.trainer.loop import setup_distributed
 
     actor = setup_distributed(cfg)
     groups = groups or [VersionGroup(None, list(range(len(records))), None)]
@@ -205,13 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megatron_rl.platform.warnings import install_known_message_filter
-
     install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
-    from megatron_rl.cli.config_errors import config_error_exit, launch_rank
-    from megatron_rl.config import ConfigError, load_job_config
-
     try:
         cfg = load_job_config(args.config, list(args.overrides))
     except ConfigError as exc:  # once per launch, with how to launch when torchrun was forgotten

@@ -15,9 +15,13 @@ import os
 import sys
 from typing import List, Optional
 
-from torch.distributed.elastic.multiprocessing.errors import record
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, set before torch is imported
 
-from megatron_rl.cli.entry import module_main, register
+from megatron_rl.cli.config_errors import config_error_exit  # noqa: E402
+from megatron_rl.cli.entry import module_main, register  # noqa: E402
+from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
+from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
+from megatron_rl.trainer.loop import train  # noqa: E402
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,24 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load + validate, then train; returns the exit code."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megatron_rl.platform.warnings import install_known_message_filter
-
     install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
-    from megatron_rl.config import ConfigError, load_job_config
-
     overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
     try:
         cfg = load_job_config(args.config, overrides)
     except ConfigError as exc:  # once per launch, with how to launch when torchrun was forgotten
-        from megatron_rl.cli.config_errors import config_error_exit
-
         return config_error_exit(exc, "megatron_rl.train", args.config, overrides)
     if args.check_only:
         print("config OK")
         return 0
-    from megatron_rl.trainer.loop import train
-
     train(cfg)
     return 0
 
@@ -57,9 +52,12 @@ def add_parser(subparsers) -> None:
     register(subparsers, "train", "RL training (run under torchrun / srun)", __doc__, add_arguments, run)
 
 
-@record  # under torchrun, the failing rank's exception becomes the job summary's root cause
 def main(argv: Optional[List[str]] = None) -> int:
-    return module_main("python -m megatron_rl.train", __doc__, add_arguments, run, argv)
+    # torch's @record: under torchrun the failing rank's exception becomes the job summary's root cause
+    # (imported here: torch is heavy and `megatron-rl --help` builds this module's parser)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(module_main)("python -m megatron_rl.train", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def test_async_k0_reproduces_sync_exactly(model_dir, tmp_path):
                      timeout=300) == [None, None]
     ms, ma = _metrics(sync), _metrics(asy)
     assert len(ms) == len(ma) == 4
-    assert ms[-1]["actor/grad_norm"] > 0 and any(m["reward/mean"] > 0 for m in ms)   # the weights really moved
+    assert any(m["actor/grad_norm"] > 0 for m in ms[:-1])   # the weights really moved between the steps
     for a, b in zip(ms, ma):
         assert _same(a, b, set(a) | set(b)) == {}
     assert _rollouts(sync) == _rollouts(asy)

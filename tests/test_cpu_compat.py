@@ -151,3 +151,24 @@ def test_local_norm_allows_sequence_parallel_and_tags_params():
 
 def test_module_docstring_lists_usage():
     assert "apply_cpu_patches" in cpu_compat.__doc__
+
+
+def test_megatron_modules_imported_after_the_one_call_are_patched_as_they_load():
+    """One ``apply_cpu_patches()`` covers megatron modules imported later (its import hook): in a fresh
+    interpreter, dist_checkpointing's writer module (not imported by the call) sees the CPU view of torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from megatron_rl.platform.cpu_compat import apply_cpu_patches\n"
+        "apply_cpu_patches()\n"
+        "name = 'megatron.core.dist_checkpointing.strategies.filesystem_async'\n"
+        "assert name not in sys.modules, 'imported too early: the test would prove nothing'\n"
+        "import megatron.core.dist_checkpointing.strategies.filesystem_async as fa\n"
+        "assert fa.torch is not torch, 'not patched'\n"
+        "assert fa.torch.cuda.current_device() == torch.device('cpu')\n"
+        "fa.torch.cuda.synchronize()\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -24,15 +24,17 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron_rl.actor.batch import RolloutBatch, row_blocks
+from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.groups import ActorGroups
-from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.optimizer import apply_constant_schedule, build_optimizer, wrap_ddp
 from megatron_rl.actor.router_replay import RoutingReplay, finish_log_prob_pass, log_prob_pass, train_routing
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
 from megatron_rl.losses import select_loss_inputs
+from megatron_rl.models import build_gpt_model
 
 __all__ = ["MegatronActor"]
 
@@ -44,8 +46,6 @@ class MegatronActor:
         """Build the model chunks for this rank (``job_cfg.model`` under ``job_cfg.parallel``), load
         ``job_cfg.actor.load_hf`` if set (any TP/PP/EP layout), wrap in Megatron DDP and build the
         Megatron optimizer. Requires megatron's parallel state to match ``job_cfg.parallel``."""
-        from megatron_rl.models import build_gpt_model
-
         if job_cfg.model is None:
             raise ValueError("MegatronActor: job_cfg.model is None (give a model section or actor.load_hf)")
         self.job_cfg = job_cfg
@@ -204,8 +204,6 @@ class MegatronActor:
     def save_checkpoint(self, ckpt_dir: str, step: int, extra_state: Optional[Dict[str, Any]] = None) -> str:
         """Save model, optimizer and RNG state (+ ``extra_state``, picklable, from rank 0) under
         ``ckpt_dir``; collective. Returns the directory written."""
-        from megatron_rl.actor.checkpoint import save_checkpoint
-
         return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, self.groups, self.model_cfg,
                                self.parallel_cfg, extra_state or {})
 
@@ -213,9 +211,6 @@ class MegatronActor:
         """Restore what ``save_checkpoint`` wrote; returns (step, extra_state). Raises
         ``CheckpointLayoutError`` naming saved vs requested layout when they differ in a way that
         cannot be loaded."""
-        from megatron_rl.actor.checkpoint import load_checkpoint
-        from megatron_rl.actor.optimizer import apply_constant_schedule
-
         step, extra = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
                                       self.parallel_cfg)
         apply_constant_schedule(self.optimizer, self.actor_cfg)  # this run's lr / weight decay win

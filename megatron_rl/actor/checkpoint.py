@@ -22,8 +22,8 @@ saving rank; it cannot hang on a dead child). A write that fails on any rank rai
 ``CheckpointWriteError`` on **every** rank, naming each failing rank and its cause; ``latest`` is then
 not written, so the checkpoint is never taken for complete.
 
-CPU notes: dist_checkpointing's writer calls ``torch.cuda.synchronize``; its modules are imported and
-then covered by ``apply_cpu_patches()`` (the project's single patch point).
+CPU notes: dist_checkpointing's writer calls ``torch.cuda.synchronize``; its modules are imported lazily
+and patched as they load by the import hook of ``platform/cpu_compat`` (the project's single patch point).
 """
 from __future__ import annotations
 
@@ -61,11 +61,7 @@ def _import_dist_checkpointing():
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
 
-    checkpoint_writer.install()
-    if not torch.cuda.is_available():
-        from megatron_rl.platform.cpu_compat import apply_cpu_patches
-
-        apply_cpu_patches()  # covers the dist_checkpointing modules imported just now
+    checkpoint_writer.install()  # (on CPU, cpu_compat's import hook patched these modules as they loaded)
     return dist_checkpointing
 
 

@@ -19,14 +19,18 @@ import argparse
 import sys
 from typing import List, Optional
 
+from megatron_rl.config import ConfigError, collect_job_config
+from megatron_rl.config.validate import world_errors
+from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, memory_plan
+from megatron_rl.ops.run_profile import run_profile
+from megatron_rl.platform.warnings import install_known_message_filter
+
 
 DEFAULT_PROMPT_LENGTH = 1024
 
 
 def nodes_that_fit(cfg, gpus_per_node: int, limit: int = 4096) -> Optional[int]:
     """The smallest node count whose world size (x ``gpus_per_node``) fits the config's layout and batch."""
-    from megatron_rl.config.validate import world_errors
-
     for n in range(1, limit + 1):
         if not world_errors(cfg, n * gpus_per_node):
             return n
@@ -50,14 +54,7 @@ def _blocks_plan(problem: str) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # imported here: torch / megatron are heavy and `megatron-rl --help` builds every subcommand's parser
-    from megatron_rl.platform.warnings import install_known_message_filter
-
     install_known_message_filter()  # megatron's known CPU notices: once, with why
-    from megatron_rl.config import ConfigError, collect_job_config
-    from megatron_rl.config.validate import world_errors
-    from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, memory_plan
-    from megatron_rl.ops.run_profile import run_profile
 
     for name in ("nodes", "gpus_per_node"):
         v = getattr(args, name)

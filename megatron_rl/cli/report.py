@@ -9,14 +9,13 @@ thresholds) to ``RUN_DIR/report`` (or --out) and prints the findings. Exit statu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from megatron_rl.ops.report import MetricsError, quarter_means, read_metrics, write_report
 
 
 def _run(args: argparse.Namespace) -> int:
-    import os
-
-    from megatron_rl.ops.report import MetricsError, quarter_means, read_metrics, write_report
-
     try:
         md, findings, plots = write_report(args.run_dir, args.out)
     except MetricsError as exc:

@@ -27,6 +27,7 @@ from megatron_rl.config.sections import (
 )
 from megatron_rl.config.types import check_value, field_types
 from megatron_rl.config.validate import job_errors
+from megatron_rl.convert import model_config_for_checkpoint
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
@@ -200,8 +201,6 @@ def _model_from_hf(path: str, errors: List[str]) -> Optional[ModelConfig]:
 
     The vocabulary is not padded: a size that TP does not divide is rejected by validation, because
     padded logit columns would change the softmax the rollout engine computes."""
-    from megatron_rl.convert import model_config_for_checkpoint
-
     if not os.path.isdir(path):
         errors.append(f"actor.load_hf: {path!r} is not a directory")
         return None

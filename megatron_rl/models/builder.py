@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
+from megatron_rl.platform.cpu_compat import cpu_patches_applied
 
 __all__ = ["make_transformer_config", "build_gpt_model", "transformer_engine_available"]
 
@@ -149,10 +150,10 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: 
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    if not torch.cuda.is_available():
-        from megatron_rl.platform.cpu_compat import apply_cpu_patches
-
-        apply_cpu_patches()
+    if not torch.cuda.is_available() and not cpu_patches_applied():
+        raise RuntimeError("build_gpt_model: megatron's CPU patches are not applied (call "
+                           "megatron_rl.parallel.initialize_model_parallel, or apply_cpu_patches() when setting up "
+                           "megatron's parallel state yourself)")
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_gpt_model: megatron parallel state is not initialised "
                            "(call megatron_rl.parallel.initialize_model_parallel first)")

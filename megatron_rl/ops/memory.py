@@ -74,6 +74,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
+
 GiB = float(1 << 30)
 RECOMPUTE = ("none", "selective", "full")
 
@@ -297,8 +299,6 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         if st == pp - 1:
             T = s * b
             vloc = V // tp
-            from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
-
             rows = min(T, max(1, CUDA_CHUNK_ELEMENTS // vloc))
             logits_fused = 4.0 * rows * vloc
             logits_unfused = 2.0 * o.params_bytes * T * vloc + logits_fused

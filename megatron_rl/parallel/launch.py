@@ -146,16 +146,12 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
                      env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     """Create the default process group from the launcher environment (no-op if one exists).
 
-    NCCL with ``torch.cuda.set_device(local_rank)`` when CUDA is available, gloo otherwise; on CPU the
-    megatron CPU patches are applied too. ``timeout_s`` bounds every collective of the group
+    NCCL with ``torch.cuda.set_device(local_rank)`` when CUDA is available, gloo otherwise (megatron's CPU
+    patches come with ``initialize_model_parallel``). ``timeout_s`` bounds every collective of the group
     (``trainer.collective_timeout_s``). Returns the resolved ``LaunchEnv``."""
     import torch.distributed as dist
 
     launch = resolve_launch_env(env)
-    if not torch.cuda.is_available():
-        from megatron_rl.platform.cpu_compat import apply_cpu_patches
-
-        apply_cpu_patches()
     if dist.is_initialized():
         if dist.get_world_size() != launch.world_size or dist.get_rank() != launch.rank:
             raise RuntimeError(f"process group already initialised as rank {dist.get_rank()}/"

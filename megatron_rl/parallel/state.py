@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_rl.parallel.config import ParallelConfig, validate_parallel_config
+from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
 __all__ = ["initialize_model_parallel", "destroy_model_parallel"]
 
@@ -34,9 +35,7 @@ def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any 
                            "(call megatron_rl.parallel.init_distributed() first)")
     validate_parallel_config(cfg, dist.get_world_size(), model)
     if not torch.cuda.is_available():
-        from megatron_rl.platform.cpu_compat import apply_cpu_patches
-
-        apply_cpu_patches()
+        apply_cpu_patches()  # the project's one call; its import hook covers megatron modules loaded later
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

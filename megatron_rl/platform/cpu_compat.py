@@ -18,11 +18,14 @@ tracked streams use seed + 2718 + tp_rank etc. as on GPU); while megatron's
 ``LanguageModule.setup_embeddings_and_output_layer`` runs, ``torch.Tensor.cuda`` is the identity (the
 only patch visible outside megatron, for the duration of that call).
 
-Usage (call after importing torch, before building megatron models; safe to call many times — each
-call also covers megatron modules imported since the previous one)::
+Usage: the project calls it once, in ``megatron_rl.parallel.initialize_model_parallel`` (every megatron
+model needs megatron's parallel state first); code that sets up megatron's parallel state by itself calls it
+before building models. The first call also installs an import hook (``_MegatronImportHook``), so megatron
+modules imported later — dist_checkpointing when a checkpoint is first saved, MoE modules, ... — get the CPU
+view as they load; nothing has to call it again::
 
     from megatron_rl.platform.cpu_compat import apply_cpu_patches
-    apply_cpu_patches()          # no-op when torch.cuda.is_available()
+    apply_cpu_patches()          # no-op when torch.cuda.is_available(); idempotent
 
 With CUDA available nothing is patched. Not covered (do not work on CPU): bf16/fp16 params with the
 Megatron optimizer and the distributed optimizer (type checks on ``torch.cuda.*Tensor``), CUDA graphs,
@@ -399,6 +402,44 @@ def _apply_function_patches() -> None:
             "setup_embeddings_and_output_layer"] = "calls weight.data.cuda() for tied embeddings with PP"
 
 
+class _PatchingLoader:
+    """Wraps a module loader: after the module executes, its ``torch`` global becomes the CPU view."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        _install_torch_view()
+
+
+class _MegatronImportHook:
+    """``sys.meta_path`` finder: megatron.core modules imported after ``apply_cpu_patches`` are patched as
+    they load (the spec comes from the other finders; only its loader is wrapped)."""
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if not fullname.startswith("megatron.core"):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+_HOOK = _MegatronImportHook()
+
+
 def cpu_patches_applied() -> bool:
     """True once ``apply_cpu_patches`` has patched megatron (never on a CUDA machine)."""
     return bool(_state["applied"])
@@ -407,10 +448,12 @@ def cpu_patches_applied() -> bool:
 def apply_cpu_patches(force: bool = False) -> bool:
     """Patch megatron-core for CPU execution if CUDA is unavailable (or ``force``). Idempotent.
 
-    Returns True when patches are active. Every call re-scans ``sys.modules`` so megatron modules
-    imported after the first call also get the CPU view of torch."""
+    Returns True when patches are active. Megatron modules imported after the first call are patched as
+    they load (import hook); a later call only re-checks what is loaded."""
     if torch.cuda.is_available() and not force:
         return False
+    if _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
     for name in _EAGER_MODULES:
         importlib.import_module(name)
     _install_torch_view()

@@ -22,6 +22,7 @@ needs pi_theta — verl computes the same quantity inside its loss.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -30,8 +31,19 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.actor.batch import row_blocks
+from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.config import JobConfig
+from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
+from megatron_rl.parallel.launch import init_distributed
+from megatron_rl.parallel.state import initialize_model_parallel
+from megatron_rl.rollout.base import RolloutError
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
+from megatron_rl.rollout.sglang_server import launch_sglang_server
+from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.trainer.async_rollout import (RolloutProducer, check_staleness, overlap_seconds, parse_version,
                                               token_lag_tensor, version_tag)
 from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
@@ -42,16 +54,9 @@ from megatron_rl.trainer.watchdog import Watchdog
 
 
 def setup_distributed(cfg: JobConfig):
-    """Process groups, CPU patches, megatron's parallel state, the actor (in this order)."""
-    from megatron_rl.actor import MegatronActor
-    from megatron_rl.parallel.launch import init_distributed
-    from megatron_rl.parallel.state import initialize_model_parallel
-    from megatron_rl.platform.cpu_compat import apply_cpu_patches
-
+    """Process groups, megatron's parallel state (with the CPU patches when there is no GPU), the actor."""
     if not dist.is_initialized():
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
-    if not torch.cuda.is_available():
-        apply_cpu_patches()
     initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model,
                               distributed_timeout_minutes=cfg.trainer.collective_timeout_s / 60)
     return MegatronActor(cfg)
@@ -61,16 +66,10 @@ def build_engine(cfg: JobConfig):
     """Rank 0's rollout engine for ``rollout.engine`` and the handle of the SGLang server it started
     (``rollout.sglang_launch``; None otherwise) — the caller terminates it when training ends."""
     if cfg.rollout.engine == "embedded":
-        from megatron_rl.rollout.embedded import EmbeddedEngine
-
         return EmbeddedEngine(cfg.actor.load_hf, dtype=cfg.rollout.dtype, seed=cfg.trainer.seed), None
-    from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
-
     urls = list(cfg.rollout.sglang_urls)
     server = None
     if cfg.rollout.sglang_launch:
-        from megatron_rl.rollout.sglang_server import launch_sglang_server
-
         device = "cuda" if torch.cuda.is_available() else "cpu"
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         server = launch_sglang_server(cfg.actor.load_hf, port=cfg.rollout.sglang_port, device=device,
@@ -88,12 +87,10 @@ def build_engine(cfg: JobConfig):
 
 def build_task(cfg: JobConfig):
     """Rank 0's task (prompts + reward) with the checkpoint's tokenizer."""
-    from megatron_rl.tasks import build_task as _build
-
     tok = load_tokenizer(cfg.actor.load_hf)
     d = cfg.data
-    return _build(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                  reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
+    return build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                          reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
 
 
 def weights_payload(actor, cfg: JobConfig, version: str, owned: bool = False):
@@ -167,8 +164,6 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = 
 
 def train(cfg: JobConfig) -> Dict[str, float]:
     """Run ``cfg.trainer.steps`` steps (or the remainder after ``--resume``); returns the last metrics."""
-    from megatron_rl.actor import MegatronActor
-
     actor = setup_distributed(cfg)
     # KL to a reference policy: a frozen copy of the initial weights (actor.load_hf). It is built as a
     # second MegatronActor whose optimizer is never stepped (memory for tiny / mid-size models only).
@@ -199,11 +194,6 @@ def train(cfg: JobConfig) -> Dict[str, float]:
 
 def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0: bool,
                 watchdog: Watchdog) -> Dict[str, float]:
-    from megatron_rl.actor import RolloutBatch
-    from megatron_rl.algo.advantages import compute_advantages
-    from megatron_rl.correction import compute_rollout_correction
-    from megatron_rl.rollout.base import RolloutError
-
     corr_cfg, T = cfg.algorithm.rollout_correction, cfg.rollout.temperature
     start, resumed = 0, {}
     if cfg.trainer.resume:
@@ -369,15 +359,11 @@ def _wall(perf_t: float) -> float:
 
 def _shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
     """The rows ``RolloutBatch.shard`` gives this DP rank (whole groups: prompts_per_step % DP == 0)."""
-    from megatron_rl.actor.batch import row_blocks
-
     start, end = row_blocks(num_rows, dp_size)[dp_rank]
     return range(start, end)
 
 
 def _dump(run_dir: str, step: int, payload) -> None:
-    import json
-
     with open(os.path.join(run_dir, "rollouts.jsonl"), "a") as fh:
         for p, r, lp, rw in zip(payload.prompt_ids, payload.response_ids, payload.rollout_log_probs,
                                 payload.rewards):

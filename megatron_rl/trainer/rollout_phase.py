@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.base import SamplingParams, StaleRolloutError
 from megatron_rl.tasks.options import DataOptions
 
 
@@ -84,8 +84,6 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
 def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRollouts:
     """Rank 0: sample prompts, generate n responses each, score them. Raises RolloutError on failure
     (the step is then not applied) or StaleRolloutError if the engine serves other weights."""
-    from megatron_rl.rollout.base import StaleRolloutError
-
     task.configure(DataOptions.from_config(cfg.data))
     rng = random.Random(cfg.trainer.seed * 1_000_003 + step)
     prompts = task.sample(cfg.data.prompts_per_step, rng)
