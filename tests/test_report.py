@@ -45,6 +45,9 @@ def healthy_run(n=40, seed=0):
             "rollout_corr/rollout_is_veto_fraction": 0.0,
             "perf/tokens_per_s": 5000 + 100 * rng.standard_normal(),
             "timing/rollout_s": 20.0, "timing/logprob_s": 3.0, "timing/train_s": 7.0,
+            "rollout/staleness_mean": 0.0 if s == 1 else 1.0, "rollout/staleness_max": 0.0 if s == 1 else 1.0,
+            "rollout_corr/lag0_k3_kl": kl / 2, "rollout_corr/lagged_k3_kl": kl,
+            "perf/rollout_overlap_frac": 0.0 if s == 1 else 0.6, "rollout_corr/router_agreement": 0.99,
         })
     return out
 
@@ -229,3 +232,22 @@ def test_report_md_last_column_is_a_window_mean(tmp_path):
                                                                    f"{sum(range(31, 41)) / 10:.4g}",
                                                                    f"{sum(range(31, 41)) / 10:.4g}"]
     assert "| metric | first 10 | last 10 | last-quarter mean |" in open(md).read()
+
+
+def test_async_and_routing_panels(tmp_path):
+    """async.png shows the staleness, the current-vs-lagged k3 KL and the overlap, with units and its note;
+    routing.png the router agreement. A run without those metrics gets neither file."""
+    recs = healthy_run(12)
+    figs = dict(R.build_figures(recs))
+    labels = [ax.get_ylabel() for ax in figs["async.png"].axes]
+    assert labels == ["token lag (weight versions)", "k3 kl (nats): current vs lagged tokens",
+                      "generation during training (fraction of step time)"]
+    drawn = {line.get_label() for ax in figs["async.png"].axes for line in ax.get_lines()}
+    assert {"rollout/staleness_mean", "rollout/staleness_max", "lag0_k3_kl", "lagged_k3_kl",
+            "perf/rollout_overlap_frac"} <= drawn
+    assert "max_staleness" in " ".join(t.get_text() for t in figs["async.png"].texts)
+    assert [ax.get_ylabel() for ax in figs["routing.png"].axes] == ["agreement (fraction of token x layer x k)"]
+    bare = [{k: v for k, v in r.items() if not k.startswith(("rollout/", "perf/rollout", "rollout_corr/lag",
+                                                               "rollout_corr/router"))} for r in recs]
+    names = {name for name, _ in R.build_figures(bare)}
+    assert "async.png" not in names and "routing.png" not in names

@@ -12,7 +12,9 @@ Plots (matplotlib, Agg backend): ``reward_length.png`` (reward and response leng
 ``mismatch_kl.png`` (rollout_corr kl; k3_kl; chi2_token and chi2_seq; a footnote says why kl / chi2 may be
 negative), ``is_ratio.png`` (IS weight mean with its healthy band; token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
 masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
-(policy loss, grad norm, entropy). Every panel has a y label with its unit (``YLABELS``). report.md's
+(policy loss, grad norm, entropy), ``async.png`` (token staleness, the k3 KL of current vs lagged tokens
+and the share of step time in which generation overlapped training), ``routing.png`` (MoE router
+agreement, when routing was captured). Every panel has a y label with its unit (``YLABELS``). report.md's
 table gives means over the first / last ``LAST_WINDOW`` steps (a single step is noisy) and the
 last-quarter mean.
 
@@ -67,6 +69,10 @@ PLOTS: List[Tuple[str, str, List[List[str]]]] = [
     ("throughput.png", "Throughput and step time",
      [["perf/tokens_per_s"], ["timing/rollout_s", "timing/logprob_s", "timing/train_s"]]),
     ("actor.png", "Actor", [["actor/pg_loss"], ["actor/grad_norm"], ["actor/entropy"]]),
+    ("async.png", "Asynchronous rollouts: policy lag and overlap",
+     [["rollout/staleness_mean", "rollout/staleness_max"], [P + "lag0_k3_kl", P + "lagged_k3_kl"],
+      ["perf/rollout_overlap_frac"]]),
+    ("routing.png", "MoE routing: trainer top-k equal to the rollout's", [[P + "router_agreement"]]),
 ]
 
 
@@ -87,9 +93,15 @@ YLABELS: Dict[str, str] = {
     "actor/pg_loss": "policy loss",
     "actor/grad_norm": "grad norm (before clipping)",
     "actor/entropy": "entropy (nats / token)",
+    "rollout/staleness_mean": "token lag (weight versions)",
+    P + "lag0_k3_kl": "k3 kl (nats): current vs lagged tokens",
+    "perf/rollout_overlap_frac": "generation during training (fraction of step time)",
+    P + "router_agreement": "agreement (fraction of token x layer x k)",
 }
 #: footnotes printed under a figure
 NOTES: Dict[str, str] = {
+    "async.png": "rollout.mode async: step t is generated from the weights after t - k steps (k = max_staleness); "
+                 "lag-0 tokens show the precision mismatch alone, lagged tokens lag + precision. Sync runs show 0.",
     "mismatch_kl.png": "kl = mean(log pi_rollout - log pi_train) and chi2 = E[ratio^2] - 1 are sample estimates: "
                        "they can be negative on a batch even though the true divergences are >= 0; k3 is >= 0 "
                        "per token.",
