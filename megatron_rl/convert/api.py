@@ -165,7 +165,11 @@ def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, p
         return rank_state_dict(full, geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
     geom, saved, _ = read_mcore_checkpoint(ckpt_dir)
     layout.validate(geom)
-    same = (saved.tp, saved.pp, saved.ep, saved.etp) == (layout.tp, layout.pp, layout.ep, layout.etp) and \
+    def key(lay: ShardLayout) -> tuple:
+        return (lay.tp, lay.pp, lay.ep, lay.etp, lay.num_layers_in_first_pipeline_stage,
+                lay.num_layers_in_last_pipeline_stage)
+
+    same = key(saved) == key(layout) and \
         saved.padded_vocab(geom.vocab_size) == layout.padded_vocab(geom.vocab_size)
     if same:
         sd = storage.read_shard(storage.dense_file(ckpt_dir, tp_rank, pp_rank), f"shard tp={tp_rank} pp={pp_rank}")

@@ -11,7 +11,8 @@ Usage::
     geom.is_moe_layer(3), geom.num_heads_per_group
 
 Supported ``architectures``: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM.
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM (multi-latent attention, shared experts,
+router expert bias; the checkpoint's MTP layers are recorded in ``num_mtp_layers`` and dropped).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from megatron_rl.convert.hf_config import ARCHITECTURES, hf_architecture, model_config_from_hf
+from megatron_rl.convert.hf_config import ARCHITECTURES, hf_architecture, hf_mtp_layers, model_config_from_hf
 from megatron_rl.models.config import ModelConfig
 
 #: Supported HF ``architectures[0]`` -> family (HF model_type).
@@ -66,6 +67,23 @@ class HFGeometry:
     """FFN width of the shared expert (Qwen2-MoE), None when there is none."""
     moe_shared_expert_gate: bool = False
     """The shared expert output is scaled by sigmoid(gate(x)) (Qwen2-MoE ``shared_expert_gate``)."""
+    moe_router_expert_bias: bool = False
+    """The router has a per-expert selection bias (DeepSeek-V3 ``gate.e_score_correction_bias``)."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V3): the q_lora / kv_lora / head-dim fields below apply."""
+    q_lora_rank: Optional[int] = None
+    """MLA query down-projection rank (None: full-rank ``q_proj``)."""
+    kv_lora_rank: Optional[int] = None
+    """MLA key/value latent rank."""
+    qk_head_dim: Optional[int] = None
+    """MLA per-head query/key dim without RoPE (``qk_nope_head_dim``)."""
+    qk_pos_emb_head_dim: Optional[int] = None
+    """MLA per-head RoPE dim (``qk_rope_head_dim``)."""
+    v_head_dim: Optional[int] = None
+    """MLA per-head value dim."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers stored after the decoder layers in the checkpoint (dropped on import;
+    not a tensor of the model)."""
 
     @property
     def num_heads_per_group(self) -> int:
@@ -100,7 +118,12 @@ class HFGeometry:
                        moe_ffn_hidden_size=mc.moe_ffn_hidden_size or mc.dense_ffn_hidden_size,
                        moe_router_topk=mc.moe_router_topk, moe_layers=[bool(x) for x in mc.moe_layer_pattern()],
                        moe_shared_expert_intermediate_size=mc.moe_shared_expert_intermediate_size,
-                       moe_shared_expert_gate=mc.moe_shared_expert_gate)
+                       moe_shared_expert_gate=mc.moe_shared_expert_gate,
+                       moe_router_expert_bias=mc.moe_router_enable_expert_bias)
+        if mc.multi_latent_attention:
+            moe.update(multi_latent_attention=True, q_lora_rank=mc.q_lora_rank, kv_lora_rank=mc.kv_lora_rank,
+                       qk_head_dim=mc.qk_head_dim, qk_pos_emb_head_dim=mc.qk_pos_emb_head_dim,
+                       v_head_dim=mc.v_head_dim)
         return cls(architecture=architecture, family=family, num_layers=mc.num_layers, hidden_size=mc.hidden_size,
                    num_attention_heads=mc.num_attention_heads, num_query_groups=mc.query_groups,
                    kv_channels=mc.head_dim, ffn_hidden_size=mc.dense_ffn_hidden_size, vocab_size=int(vocab_size),
@@ -111,4 +134,5 @@ class HFGeometry:
     def from_hf_config(cls, cfg: Dict[str, Any]) -> "HFGeometry":
         """The geometry of a HF ``config.json`` dict, derived from its one reading
         (:func:`megatron_rl.convert.hf_config.model_config_from_hf`); unsupported options raise there."""
-        return cls.from_model_config(model_config_from_hf(cfg), hf_architecture(cfg), cfg["vocab_size"])
+        geom = cls.from_model_config(model_config_from_hf(cfg), hf_architecture(cfg), cfg["vocab_size"])
+        return dataclasses.replace(geom, num_mtp_layers=hf_mtp_layers(cfg))

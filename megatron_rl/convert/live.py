@@ -56,7 +56,7 @@ __all__ = ["HFTarget", "hf_target", "check_model_config_matches", "load_checkpoi
 _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # geometry fields that may differ between a checkpoint and the model it is loaded into (not a tensor shape)
-_FREE_FIELDS = ("architecture", "family", "vocab_size", "moe_router_topk")
+_FREE_FIELDS = ("architecture", "family", "vocab_size", "moe_router_topk", "num_mtp_layers")
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,24 @@ def _tied(model_cfg: ModelConfig) -> bool:
     return not model_cfg.untie_embeddings_and_output_weights
 
 
+def _stage_sizes(chunk: torch.nn.Module) -> Dict[str, Optional[int]]:
+    """Uneven pipeline-stage sizes of a built chunk (its TransformerConfig; None = even split)."""
+    cfg = getattr(chunk, "config", None)
+    return {"first_stage_layers": getattr(cfg, "num_layers_in_first_pipeline_stage", None),
+            "last_stage_layers": getattr(cfg, "num_layers_in_last_pipeline_stage", None)}
+
+
+def _chunk_coords(groups: "ActorGroups", chunk: torch.nn.Module, vp_stage: int) -> RankCoords:
+    """This rank's coordinates of model chunk ``vp_stage`` (uneven stages read from the chunk's config)."""
+    return RankCoords.from_groups(groups, vp_stage=vp_stage, **_stage_sizes(chunk))
+
+
 def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dict[str, Tensor],
                                     model_cfg: ModelConfig, groups: "ActorGroups") -> None:
     """Cut this rank's chunk(s) from the full (TP1/PP1/EP1) Megatron state dict — embedding / output rows
     zero-padded to ``model_cfg.vocab_size`` — and load them strictly (names and shapes checked)."""
     for i, chunk in enumerate(chunks):
-        coords = RankCoords.from_groups(groups, vp_stage=i)
+        coords = _chunk_coords(groups, chunk, i)
         sd = cut_state_dict(full, coords, model_cfg.num_layers, _tied(model_cfg), model_cfg.num_moe_experts or 0,
                             padded_vocab_size=model_cfg.vocab_size)
         load_state_dict_into_model(chunk, sd, where=str(coords))
@@ -121,7 +133,7 @@ def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str,
     Checks first that the checkpoint's shapes match ``model_cfg`` (error names each field), then every
     tensor name and shape of each chunk (error names the chunk's coordinates)."""
     check_model_config_matches(storage.read_hf_config(storage.hf_assets_dir(ckpt_dir)), model_cfg)
-    if len(chunks) > 1:
+    if len(chunks) > 1 or any(v is not None for v in _stage_sizes(chunks[0]).values()):
         _, full = api.read_full_state_dict(ckpt_dir)
         load_full_state_dict_into_model(chunks, full, model_cfg, groups)
         return
@@ -162,7 +174,7 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
     sends_experts = groups.edp_rank == 0
     per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
     for i, chunk in enumerate(chunks):
-        first_layer, _ = layer_range(model_cfg.num_layers, RankCoords.from_groups(groups, vp_stage=i))
+        first_layer, _ = layer_range(model_cfg.num_layers, _chunk_coords(groups, chunk, i))
         for name, t in canonical_state_dict(chunk.state_dict()).items():
             t = t.detach()
             in_layer = split_layer_name(name)

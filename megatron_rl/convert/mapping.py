@@ -12,6 +12,15 @@ Conventions (verified against megatron-core 0.16.1 ``attention.py`` / ``mlp.py``
   * ``mlp.linear_fc1.weight`` (dense, shared experts, each expert) is ``[gate; up]`` (SwiGLU).
   * Norms, q/k layernorm, router and shared-expert gate are copied unchanged.
   * Tied embeddings: no ``output_layer.weight`` in the full state dict (and no ``lm_head.weight`` in HF).
+  * Multi-latent attention (DeepSeek-V3, megatron ``multi_latent_attention.py``) is copied tensor for tensor:
+    q_a_proj -> linear_q_down_proj, q_a_layernorm -> q_layernorm, q_b_proj -> linear_q_up_proj (or
+    q_proj -> linear_q_proj without q_lora_rank), kv_a_proj_with_mqa -> linear_kv_down_proj ([latent;
+    rope key] rows in both), kv_a_layernorm -> kv_layernorm, kv_b_proj -> linear_kv_up_proj (per head
+    [k_nope; v] rows in both), o_proj -> linear_proj. RoPE dims stay interleaved: megatron's MLA RoPE
+    de-interleaves them itself, as HF's ``rope_interleave=True`` does.
+  * DeepSeek-V3 MoE: ``mlp.gate.e_score_correction_bias`` -> ``mlp.router.expert_bias`` (fp32 buffer),
+    ``mlp.shared_experts.*`` -> ``mlp.shared_experts.*``. MTP layers of the checkpoint
+    (``model.layers.{L..L+n-1}.*``, n = ``num_mtp_layers``) are dropped by :func:`hf_to_mcore`.
 
 Every mismatch raises :class:`CheckpointMismatchError` (``checks.check_state_dict``) listing *all* missing /
 unexpected tensor names and every shape mismatch with the tensor name, before any tensor is combined.
@@ -56,9 +65,38 @@ class ParamRule:
         return self.mcore_template.format(layer=self.layer, expert=self.expert)
 
 
+def _copy(mname: str, hname: str, shape: Tuple[int, ...], layer: int) -> ParamRule:
+    return ParamRule(mname, (hname,), "copy", shape, (shape,), layer=layer)
+
+
+def _mla_rules(g: HFGeometry, i: int) -> List[ParamRule]:
+    H, n = g.hidden_size, g.num_attention_heads
+    qk = g.qk_head_dim + g.qk_pos_emb_head_dim
+    p, m = f"model.layers.{i}.self_attn.", "decoder.layers.{layer}.self_attention."
+    rules = []
+    if g.q_lora_rank:
+        rules += [_copy(m + "linear_q_down_proj.weight", p + "q_a_proj.weight", (g.q_lora_rank, H), i),
+                  _copy(m + "q_layernorm.weight", p + "q_a_layernorm.weight", (g.q_lora_rank,), i),
+                  _copy(m + "linear_q_up_proj.weight", p + "q_b_proj.weight", (n * qk, g.q_lora_rank), i)]
+    else:
+        rules.append(_copy(m + "linear_q_proj.weight", p + "q_proj.weight", (n * qk, H), i))
+    return rules + [
+        _copy(m + "linear_kv_down_proj.weight", p + "kv_a_proj_with_mqa.weight",
+              (g.kv_lora_rank + g.qk_pos_emb_head_dim, H), i),
+        _copy(m + "kv_layernorm.weight", p + "kv_a_layernorm.weight", (g.kv_lora_rank,), i),
+        _copy(m + "linear_kv_up_proj.weight", p + "kv_b_proj.weight",
+              (n * (g.qk_head_dim + g.v_head_dim), g.kv_lora_rank), i),
+        _copy(m + "linear_proj.weight", p + "o_proj.weight", (H, n * g.v_head_dim), i),
+    ]
+
+
 def _attn_rules(g: HFGeometry, i: int) -> List[ParamRule]:
     H, d, ng, hpg = g.hidden_size, g.kv_channels, g.num_query_groups, g.num_heads_per_group
     p, m = f"model.layers.{i}.", "decoder.layers.{layer}."
+    if g.multi_latent_attention:
+        return [_copy(m + "input_layernorm.weight", p + "input_layernorm.weight", (H,), i),
+                _copy(m + "pre_mlp_layernorm.weight", p + "post_attention_layernorm.weight", (H,), i)] \
+            + _mla_rules(g, i)
     qkv_rows = ng * (hpg + 2) * d
     rules = [
         ParamRule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "copy", (H,), ((H,),), layer=i),
@@ -97,11 +135,14 @@ def _mlp_rules(g: HFGeometry, i: int) -> List[ParamRule]:
         return _swiglu_rules(m, p, H, g.ffn_hidden_size, i, None)
     E = g.num_moe_experts
     rules = [ParamRule(m + "router.weight", (p + "gate.weight",), "copy", (E, H), ((E, H),), layer=i)]
+    if g.moe_router_expert_bias:
+        rules.append(_copy(m + "router.expert_bias", p + "gate.e_score_correction_bias", (E,), i))
     for e in range(E):
         rules += _swiglu_rules(m + "experts.local_experts.{expert}.", p + f"experts.{e}.", H,
                                g.moe_ffn_hidden_size, i, e)
     if g.moe_shared_expert_intermediate_size:
-        rules += _swiglu_rules(m + "shared_experts.", p + "shared_expert.", H,
+        hf_shared = "shared_experts." if g.family == "deepseek_v3" else "shared_expert."
+        rules += _swiglu_rules(m + "shared_experts.", p + hf_shared, H,
                                g.moe_shared_expert_intermediate_size, i, None)
         if g.moe_shared_expert_gate:
             rules.append(ParamRule(m + "shared_experts.gate_weight", (p + "shared_expert_gate.weight",), "copy",
@@ -137,6 +178,15 @@ def _qkv_split(t: Tensor, g: HFGeometry) -> List[Tensor]:
             v.reshape(ng * d, *rest).contiguous()]
 
 
+def drop_mtp_layers(hf_sd: Mapping[str, Tensor], g: HFGeometry) -> Mapping[str, Tensor]:
+    """``hf_sd`` without the checkpoint's multi-token-prediction layers (``model.layers.{L..L+n-1}.*``,
+    n = ``g.num_mtp_layers``); tensors of layers beyond those stay (and are then reported unexpected)."""
+    if not g.num_mtp_layers:
+        return hf_sd
+    mtp = tuple(f"model.layers.{i}." for i in range(g.num_layers, g.num_layers + g.num_mtp_layers))
+    return {k: v for k, v in hf_sd.items() if not k.startswith(mtp)}
+
+
 def hf_to_mcore(hf_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]:
     """HF state dict -> full Megatron state dict (local spec names, global indices, unpadded vocab).
 
@@ -144,6 +194,7 @@ def hf_to_mcore(hf_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]
     """
     rules = param_rules(g)
     expected = {n: s for r in rules for n, s in zip(r.hf_names, r.hf_shapes)}
+    hf_sd = drop_mtp_layers(hf_sd, g)
     extra = ()
     if g.tie_word_embeddings and "lm_head.weight" in hf_sd:
         if not torch.equal(hf_sd["lm_head.weight"], hf_sd.get("model.embed_tokens.weight", torch.empty(0))):

@@ -31,11 +31,16 @@ _TO_TE = [
      r"\1self_attention.linear_qkv.layer_norm_weight"),
     (re.compile(r"^(.*decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
     (re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"), r"\1\3.weight\2"),
+    # MLA: TE fuses the q / kv latent norms into the up-projections
+    (re.compile(r"^(.*\.self_attention\.)q_layernorm\.weight$"), r"\1linear_q_up_proj.layer_norm_weight"),
+    (re.compile(r"^(.*\.self_attention\.)kv_layernorm\.weight$"), r"\1linear_kv_up_proj.layer_norm_weight"),
 ]
 _FROM_TE = (
     # Transformer Engine spec fuses the pre-attention / pre-MLP norms into the following linear
     (re.compile(r"^(.*\.)self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r"\1input_layernorm.\2"),
     (re.compile(r"^(.*\.)mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r"\1pre_mlp_layernorm.\2"),
+    (re.compile(r"^(.*\.self_attention\.)linear_q_up_proj\.layer_norm_weight$"), r"\1q_layernorm.weight"),
+    (re.compile(r"^(.*\.self_attention\.)linear_kv_up_proj\.layer_norm_weight$"), r"\1kv_layernorm.weight"),
     # grouped-GEMM experts (TEGroupedMLP) -> SequentialMLP names
     (re.compile(r"^(.*\.)mlp\.experts\.linear_fc([12])\.(weight|bias)(\d+)$"),
      r"\1mlp.experts.local_experts.\4.linear_fc\2.\3"),

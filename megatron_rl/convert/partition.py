@@ -24,8 +24,15 @@ Layout conventions (megatron-core 0.16, local and TE specs):
     expert, fc1/fc2 split like the dense MLP but over the *expert* TP group (ETP).
     SequentialMLP names ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; grouped GEMM names
     ``mlp.experts.linear_fc{1,2}.weight{j}`` — both handled.
+  * multi-latent attention: ``linear_q_proj`` / ``linear_q_up_proj`` / ``linear_kv_up_proj`` are
+    column-parallel (dim-0 blocks of whole heads), ``linear_q_down_proj`` / ``linear_kv_down_proj`` and
+    ``q_layernorm`` / ``kv_layernorm`` replicated (TE's ``TELinear`` 'duplicated'; the builder gives the
+    local spec the same layout), ``linear_proj`` row-parallel.
   * pipeline: chunk c = vp_stage * PP + pp_rank holds layers [c*n, (c+1)*n) with n = L / (PP*VPP),
-    renumbered from 0. The embedding lives in the first chunk; ``final_layernorm`` and
+    renumbered from 0; with uneven stages (``RankCoords.first_stage_layers`` / ``last_stage_layers`` =
+    megatron's ``num_layers_in_first/last_pipeline_stage``) :func:`chunk_layer_range` follows megatron's
+    ``get_transformer_layer_offset``: each virtual chunk of stage s holds (layers of s) / VPP layers, and the
+    chunks are ordered by (vp_stage, pp_rank). The embedding lives in the first chunk; ``final_layernorm`` and
     ``output_layer`` in the last. With tied embeddings and PP > 1 the last chunk still has an
     ``output_layer.weight`` (a copy of the embedding); with PP = 1 and tied embeddings it has none.
 
@@ -46,11 +53,14 @@ import torch
 from megatron_rl.convert.model_state import canonical_name
 
 __all__ = ["RankCoords", "param_kind", "cut_state_dict", "merge_state_dicts", "split_tensor", "merge_tensors",
-           "layer_range", "split_layer_name", "expert_index"]
+           "layer_range", "chunk_layer_range", "split_layer_name", "expert_index"]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT_RE = re.compile(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+_COLUMN_ATTENTION = tuple(f"self_attention.{x}." for x in (
+    "linear_qkv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"))
+_REPLICATED_ATTENTION = ("self_attention.linear_q_down_proj.", "self_attention.linear_kv_down_proj.")
 
 
 @dataclass(frozen=True)
@@ -69,13 +79,20 @@ class RankCoords:
     """Virtual pipeline chunk index on this rank (0 without VPP)."""
     vpp_size: int = 1
     """Chunks per pipeline rank (1 without VPP)."""
+    first_stage_layers: Optional[int] = None
+    """Layers of the first pipeline stage when it is uneven (megatron num_layers_in_first_pipeline_stage)."""
+    last_stage_layers: Optional[int] = None
+    """Layers of the last pipeline stage when it is uneven (megatron num_layers_in_last_pipeline_stage)."""
 
     @classmethod
-    def from_groups(cls, groups: Any, vp_stage: int = 0) -> "RankCoords":
-        """Coordinates of this rank's chunk ``vp_stage`` from its ``ActorGroups``."""
+    def from_groups(cls, groups: Any, vp_stage: int = 0, first_stage_layers: Optional[int] = None,
+                    last_stage_layers: Optional[int] = None) -> "RankCoords":
+        """Coordinates of this rank's chunk ``vp_stage`` from its ``ActorGroups`` (and the uneven-stage sizes
+        of the layout, e.g. from the model's TransformerConfig)."""
         return cls(tp_rank=groups.tp_rank, tp_size=groups.tp_size, pp_rank=groups.pp_rank, pp_size=groups.pp_size,
                    ep_rank=groups.ep_rank, ep_size=groups.ep_size, etp_rank=groups.etp_rank,
-                   etp_size=groups.etp_size, vp_stage=vp_stage, vpp_size=groups.vpp_size)
+                   etp_size=groups.etp_size, vp_stage=vp_stage, vpp_size=groups.vpp_size,
+                   first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
 
     @property
     def chunk_index(self) -> int:
@@ -107,10 +124,11 @@ def param_kind(local_name: str) -> str:
     if name.startswith("decoder.final_layernorm.") or name.endswith("layernorm.weight") \
             or name.endswith("layernorm.bias") or ".layer_norm_" in name or name.endswith("_extra_state"):
         return "replicated"
-    if name.startswith("mlp.router.") or name == "mlp.shared_experts.gate_weight":
+    if name.startswith("mlp.router.") or name == "mlp.shared_experts.gate_weight" \
+            or name.startswith(_REPLICATED_ATTENTION):
         return "replicated"
     expert = name.startswith("mlp.experts.")
-    if name.startswith("self_attention.linear_qkv."):
+    if name.startswith(_COLUMN_ATTENTION):
         return "column"
     if name.startswith("self_attention.linear_proj."):
         return "row" if name.endswith("weight") else "replicated"
@@ -180,12 +198,38 @@ def merge_tensors(parts: List[torch.Tensor], kind: str, name: str,
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
 
 
+def chunk_layer_range(num_layers: int, pp_rank: int, pp_size: int, vp_stage: int = 0, vpp_size: int = 1,
+                      first_stage_layers: Optional[int] = None,
+                      last_stage_layers: Optional[int] = None) -> Tuple[int, int]:
+    """[first, last + 1) global layers of chunk (pp_rank, vp_stage), megatron-core's placement (even split, or
+    uneven first / last stages). Raises ValueError naming the sizes when the layers do not split."""
+    if first_stage_layers is None and last_stage_layers is None or pp_size == 1:
+        chunks = pp_size * vpp_size
+        if num_layers % chunks:
+            raise ValueError(f"num_layers={num_layers} not divisible by PP x VPP = {chunks}")
+        n = num_layers // chunks
+        c = vp_stage * pp_size + pp_rank
+        return c * n, (c + 1) * n
+    middle_stages = pp_size - (first_stage_layers is not None) - (last_stage_layers is not None)
+    middle = num_layers - (first_stage_layers or 0) - (last_stage_layers or 0)
+    counts = [middle // middle_stages if middle_stages else 0] * pp_size
+    if first_stage_layers is not None:
+        counts[0] = first_stage_layers
+    if last_stage_layers is not None:
+        counts[-1] = last_stage_layers
+    if middle < 0 or sum(counts) != num_layers or any(n % vpp_size or n < vpp_size for n in counts):
+        raise ValueError(f"num_layers={num_layers} does not split into pipeline stages of {counts} layers "
+                         f"(num_layers_in_first_pipeline_stage={first_stage_layers}, "
+                         f"num_layers_in_last_pipeline_stage={last_stage_layers}, PP={pp_size}, VPP={vpp_size})")
+    per_chunk = [n // vpp_size for n in counts]
+    lo = vp_stage * sum(per_chunk) + sum(per_chunk[:pp_rank])
+    return lo, lo + per_chunk[pp_rank]
+
+
 def layer_range(num_layers: int, c: RankCoords) -> Tuple[int, int]:
     """[first, last + 1) global layers of the chunk at ``c``."""
-    if num_layers % c.num_chunks:
-        raise ValueError(f"num_layers={num_layers} not divisible by PP x VPP = {c.num_chunks}")
-    n = num_layers // c.num_chunks
-    return c.chunk_index * n, (c.chunk_index + 1) * n
+    return chunk_layer_range(num_layers, c.pp_rank, c.pp_size, c.vp_stage, c.vpp_size, c.first_stage_layers,
+                             c.last_stage_layers)
 
 
 def split_layer_name(name: str) -> Optional[Tuple[int, str]]:

@@ -28,7 +28,8 @@ import torch
 from megatron_rl.convert.checks import CheckpointMismatchError, LayoutError, check_state_dict
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.mapping import param_rules
-from megatron_rl.convert.partition import RankCoords, cut_state_dict, merge_state_dicts, merge_tensors
+from megatron_rl.convert.partition import (RankCoords, chunk_layer_range, cut_state_dict, merge_state_dicts,
+                                           merge_tensors)
 
 Tensor = torch.Tensor
 
@@ -50,6 +51,10 @@ class ShardLayout:
     vocab is not divisible by TP). Padded logit columns must be masked by log-prob code."""
     padded_vocab_size: Optional[int] = None
     """Explicit padded vocab (rows of the full embedding / output layer); None: computed from the above."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: layers of the first stage (None: even split), megatron's name."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: layers of the last stage (None: even split), megatron's name."""
 
     @property
     def tp(self) -> int:
@@ -78,8 +83,8 @@ class ShardLayout:
 
     def stage_layers(self, g: HFGeometry, pp_rank: int) -> range:
         """Global layer indices held by pipeline stage ``pp_rank``."""
-        n = g.num_layers // self.pp
-        return range(pp_rank * n, (pp_rank + 1) * n)
+        return range(*chunk_layer_range(g.num_layers, pp_rank, self.pp, 0, 1, self.num_layers_in_first_pipeline_stage,
+                                        self.num_layers_in_last_pipeline_stage))
 
     def to_dict(self) -> dict:
         """JSON-serialisable form."""
@@ -105,8 +110,19 @@ class ShardLayout:
             (g.num_attention_heads, "num_attention_heads", tp, "tensor_model_parallel_size"),
             (g.num_query_groups, "num_key_value_heads (num_query_groups)", tp, "tensor_model_parallel_size"),
             (g.ffn_hidden_size, "intermediate_size (ffn_hidden_size)", tp, "tensor_model_parallel_size"),
-            (g.num_layers, "num_hidden_layers", self.pp, "pipeline_model_parallel_size"),
         ]
+        if self.num_layers_in_first_pipeline_stage is None and self.num_layers_in_last_pipeline_stage is None:
+            checks.append((g.num_layers, "num_hidden_layers", self.pp, "pipeline_model_parallel_size"))
+        else:
+            try:
+                for r in range(self.pp):
+                    chunk_layer_range(g.num_layers, r, self.pp, 0, 1, self.num_layers_in_first_pipeline_stage,
+                                      self.num_layers_in_last_pipeline_stage)
+            except ValueError as err:
+                errs.append(f"num_hidden_layers: {err}")
+        if g.multi_latent_attention:
+            checks = [c for c in checks if c[1] != "num_key_value_heads (num_query_groups)"]
+
         if g.is_moe:
             checks += [
                 (g.num_moe_experts, "num_experts", self.ep, "expert_model_parallel_size"),
@@ -126,7 +142,9 @@ class ShardLayout:
 
 def _coords(layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0,
             etp_rank: int = 0) -> RankCoords:
-    return RankCoords(tp_rank, layout.tp, pp_rank, layout.pp, ep_rank, layout.ep, etp_rank, layout.etp)
+    return RankCoords(tp_rank, layout.tp, pp_rank, layout.pp, ep_rank, layout.ep, etp_rank, layout.etp,
+                      first_stage_layers=layout.num_layers_in_first_pipeline_stage,
+                      last_stage_layers=layout.num_layers_in_last_pipeline_stage)
 
 
 def _model_args(g: HFGeometry) -> dict:

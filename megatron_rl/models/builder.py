@@ -23,6 +23,17 @@ Design decisions:
   * ``sequence_parallel`` is forced off at TP=1 (megatron refuses SP without TP).
   * With VPP (interleaved schedule) shapes are fixed (``variable_seq_lengths=False``): every micro-batch
     must be padded to the ``seq_length`` given to the schedule (see the comment in the code).
+  * Uneven pipeline stages: ``ParallelConfig.num_layers_in_first_pipeline_stage`` /
+    ``num_layers_in_last_pipeline_stage`` go to megatron's TransformerConfig fields of the same name.
+  * Multi-latent attention (DeepSeek-V3): ``MLATransformerConfig`` with the q / kv latent RMSNorms
+    (megatron's ``qk_layernorm`` switch builds them for MLA). The q / kv down-projections are replicated
+    over TP in both specs: TE's spec uses ``TELinear`` 'duplicated'; the local spec's column-parallel
+    down-projections are swapped for megatron's replicated ``Linear`` (modelopt layers). Reason: with a
+    column-parallel kv down-projection megatron-core 0.16.1's MLA gathers ``[kv latent; rope key]`` over TP
+    and each rank back-propagates only its own heads' share of the RoPE-key gradient (measured: ~50 %
+    error on those rows at TP2); the replicated path gathers the RoPE key over the sequence-parallel
+    region, whose backward reduce-scatters the full gradient. That path needs sequence parallelism at
+    TP > 1 (``validate_parallel_config`` requires it for MLA).
 """
 from __future__ import annotations
 
@@ -100,6 +111,25 @@ def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         persist_layer_norm=False,
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
     )
+    first, last = parallel.num_layers_in_first_pipeline_stage, parallel.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None:
+        kw.update(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+    config_cls = TransformerConfig
+    if model.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_cls = MLATransformerConfig
+        kw.update(
+            multi_latent_attention=True, q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank,
+            qk_head_dim=model.qk_head_dim, qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
+            v_head_dim=model.v_head_dim, qk_layernorm=True, kv_channels=model.v_head_dim,
+            num_query_groups=model.num_attention_heads, rope_type=model.rope_type,
+            rotary_base=model.rotary_base, rotary_scaling_factor=model.rotary_scaling_factor,
+            original_max_position_embeddings=(model.original_max_position_embeddings
+                                              or model.max_position_embeddings),
+            beta_fast=model.beta_fast, beta_slow=model.beta_slow, mscale=model.mscale,
+            mscale_all_dim=model.mscale_all_dim,
+        )
     if model.moe_token_dispatcher_type == "allgather":
         kw["variable_seq_lengths"] = False
     vpp = parallel.virtual_pipeline_model_parallel_size
@@ -123,6 +153,9 @@ def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
             moe_router_pre_softmax=model.moe_router_pre_softmax,
             moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
             moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+            moe_router_num_groups=model.moe_router_num_groups,
+            moe_router_group_topk=model.moe_router_group_topk,
             moe_grouped_gemm=model.moe_grouped_gemm and on_gpu,
             moe_layer_freq=pattern,
             moe_permute_fusion=False,
@@ -130,14 +163,23 @@ def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         )
     kw.update(model.extra)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return config_cls(**kw)
 
 
 def _layer_spec(tcfg, use_te: bool, vp_stage: Optional[int]):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm",
+    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm",
                                       vp_stage=vp_stage)
+    if not use_te and getattr(tcfg, "multi_latent_attention", False):
+        # replicated q / kv down-projections, as TE's spec has them (see the module docstring)
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        for layer in spec.layer_specs:
+            attn = layer.submodules.self_attention.submodules
+            attn.linear_q_down_proj = Linear
+            attn.linear_kv_down_proj = Linear
+    return spec
 
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: Optional[torch.dtype] = None,

@@ -1,5 +1,6 @@
-"""Typed model shape (the YAML ``model:`` section) for Llama/Qwen2-style dense and Qwen3-MoE /
-DeepSeek-style MoE GPT models, with megatron-core's field names.
+"""Typed model shape (the YAML ``model:`` section) for Llama/Qwen2-style dense, Qwen3-MoE and the
+DeepSeek-V3 family (multi-latent attention, shared experts, sigmoid group-limited routing), with
+megatron-core's field names.
 
 Usage::
 
@@ -7,7 +8,18 @@ Usage::
     cfg.validate()                                       # shape errors, before building anything
 
 Fixed architecture choices (what this project supports): RMSNorm, SwiGLU MLP (gated linear unit +
-SiLU), RoPE, GQA, no linear biases except the optional QKV bias, causal attention.
+SiLU), RoPE, GQA or multi-latent attention (MLA), no linear biases except the optional QKV bias, causal
+attention.
+
+DeepSeek-V3 decisions (documented in the README too):
+  * ``e_score_correction_bias`` (megatron ``expert_bias``, aux-loss-free balancing) is loaded, used for
+    expert *selection* exactly as HF does, exported unchanged and NOT trained or updated in RL:
+    ``moe_router_bias_update_rate`` defaults to 0 here (megatron's default 1e-3 would move the bias every
+    optimizer step from the RL batch's token counts, so the trained policy's routing would drift away from
+    the rollout engine's for reasons unrelated to the policy gradient). Set it > 0 to re-enable updates.
+  * Multi-token-prediction (MTP) layers of a checkpoint are dropped on import (their tensors are checked
+    to be exactly the ``num_nextn_predict_layers`` extra layers) and never exported: RL trains the trunk
+    only; a stale MTP head would not match the updated trunk anyway.
 """
 from __future__ import annotations
 
@@ -54,6 +66,35 @@ class ModelConfig:
     """True = separate output layer (Llama, big Qwen); False = tied to the input embedding."""
     init_method_std: float = 0.02
     """Std of the normal weight init (random init only; checkpoints overwrite it)."""
+    # ---- multi-latent attention (DeepSeek-V2/V3, Kimi-K2)
+    multi_latent_attention: bool = False
+    """Multi-latent attention (megatron ``MLASelfAttention``) instead of GQA; needs kv_lora_rank,
+    qk_head_dim, qk_pos_emb_head_dim, v_head_dim. num_query_groups / kv_channels are then unused."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the query down-projection (HF q_lora_rank); None = a full-rank query projection."""
+    kv_lora_rank: Optional[int] = None
+    """Rank of the joint key/value latent (HF kv_lora_rank)."""
+    qk_head_dim: Optional[int] = None
+    """Per-head query/key dim without RoPE (HF qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: Optional[int] = None
+    """Per-head decoupled RoPE dim of queries and the shared RoPE key (HF qk_rope_head_dim)."""
+    v_head_dim: Optional[int] = None
+    """Per-head value dim (HF v_head_dim)."""
+    rope_type: str = "rope"
+    """'rope' (plain RoPE) or 'yarn' (YaRN scaling; MLA only, as megatron implements it)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN: context extension factor (HF rope_scaling.factor)."""
+    original_max_position_embeddings: Optional[int] = None
+    """YaRN: pre-extension context length (HF rope_scaling.original_max_position_embeddings)."""
+    beta_fast: float = 32.0
+    """YaRN: high-frequency ramp boundary (HF beta_fast)."""
+    beta_slow: float = 1.0
+    """YaRN: low-frequency ramp boundary (HF beta_slow)."""
+    mscale: float = 1.0
+    """YaRN: attention-magnitude scale numerator (HF mscale)."""
+    mscale_all_dim: float = 0.0
+    """YaRN: attention-magnitude scale denominator, also squared into the softmax scale (HF mscale_all_dim;
+    0 = none)."""
     # ---- MoE
     num_moe_experts: Optional[int] = None
     """Routed experts per MoE layer (None = dense model)."""
@@ -77,7 +118,16 @@ class ModelConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiply routing weights by this (DeepSeek routed_scaling_factor)."""
     moe_router_enable_expert_bias: bool = False
-    """Aux-loss-free expert bias (DeepSeek-V3; sigmoid score function only)."""
+    """Aux-loss-free expert bias (DeepSeek-V3 e_score_correction_bias; sigmoid score function only): added
+    to the scores for expert selection only."""
+    moe_router_bias_update_rate: float = 0.0
+    """Per-step update of the expert bias from token counts (megatron's aux-loss-free balancing). 0 = the
+    bias stays as loaded (the RL default, see the module docstring)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: experts form this many equal groups (HF n_group); None = no groups."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: groups kept per token, ranked by the sum of their top-(topk/group_topk)
+    scores (HF topk_group)."""
     moe_grouped_gemm: bool = False
     """Grouped GEMM experts (TEGroupedMLP on GPU); False = SequentialMLP (works on CPU)."""
     moe_token_dispatcher_type: str = "alltoall"
@@ -110,6 +160,11 @@ class ModelConfig:
         """Dense MLP intermediate size."""
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def q_head_dim(self) -> int:
+        """MLA: per-head query/key width (qk_head_dim + qk_pos_emb_head_dim)."""
+        return (self.qk_head_dim or 0) + (self.qk_pos_emb_head_dim or 0)
+
     def moe_layer_pattern(self) -> List[int]:
         """0/1 per layer (1 = MoE), combining moe_layer_freq and first_k_dense_replace."""
         if not self.is_moe:
@@ -131,10 +186,30 @@ class ModelConfig:
                 v.append(f"{name}={val!r} must be an integer >= 1")
         if v:
             raise ModelConfigError("invalid model config:\n  - " + "\n  - ".join(v))
+        if self.multi_latent_attention:
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                val = getattr(self, name)
+                if not isinstance(val, int) or val < 1:
+                    v.append(f"multi_latent_attention=True needs {name} (an integer >= 1), got {val!r}")
+            if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+                v.append(f"q_lora_rank={self.q_lora_rank!r} must be None or an integer >= 1")
+            if self.qk_pos_emb_head_dim and self.qk_pos_emb_head_dim % 2:
+                v.append(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+            if self.add_qkv_bias or self.qk_layernorm:
+                v.append("multi_latent_attention=True excludes add_qkv_bias / qk_layernorm (MLA has its own "
+                         "q / kv latent norms)")
+        if self.rope_type not in ("rope", "yarn"):
+            v.append(f"rope_type={self.rope_type!r} must be rope|yarn")
+        elif self.rope_type == "yarn":
+            if not self.multi_latent_attention:
+                v.append("rope_type='yarn' needs multi_latent_attention=True (megatron applies YaRN in MLA only)")
+            if not self.original_max_position_embeddings or self.rotary_scaling_factor <= 0:
+                v.append("rope_type='yarn' needs original_max_position_embeddings and rotary_scaling_factor > 0")
         if self.num_attention_heads % self.query_groups:
             v.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                      f"num_query_groups={self.query_groups}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        if not self.multi_latent_attention and self.kv_channels is None \
+                and self.hidden_size % self.num_attention_heads:
             v.append(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                      f"{self.num_attention_heads}; set kv_channels")
         if self.is_moe:
@@ -148,6 +223,19 @@ class ModelConfig:
                          f"alltoall|allgather (flex needs DeepEP on GPU)")
             if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
                 v.append("moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid'")
+            if self.moe_router_bias_update_rate < 0:
+                v.append(f"moe_router_bias_update_rate={self.moe_router_bias_update_rate} must be >= 0")
+            ng, gk = self.moe_router_num_groups, self.moe_router_group_topk
+            if (ng is None) != (gk is None):
+                v.append("moe_router_num_groups and moe_router_group_topk must be set together")
+            elif ng is not None:
+                if ng < 1 or self.num_moe_experts % ng:
+                    v.append(f"moe_router_num_groups={ng} must divide num_moe_experts={self.num_moe_experts}")
+                if not 1 <= gk <= ng:
+                    v.append(f"moe_router_group_topk={gk} must be in [1, moe_router_num_groups={ng}]")
+                elif self.moe_router_topk % gk:
+                    v.append(f"moe_router_topk={self.moe_router_topk} must be divisible by "
+                             f"moe_router_group_topk={gk}")
             if not isinstance(self.moe_layer_freq, int) and len(self.moe_layer_freq) != self.num_layers:
                 v.append(f"moe_layer_freq list has {len(self.moe_layer_freq)} entries, num_layers="
                          f"{self.num_layers}")

@@ -49,6 +49,37 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """SP: split activations outside attention/MLP along the sequence over the TP group (needs TP > 1;
     required for MoE with TP > 1)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: layers of the first stage (None = even split); the other stages share the rest
+    evenly (megatron's TransformerConfig field / Megatron-LM --decoder-first-pipeline-num-layers)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: layers of the last stage (None = even split; Megatron-LM
+    --decoder-last-pipeline-num-layers). E.g. 61 layers at PP 8: first 7, last 6, 8 on each middle stage."""
+
+    @property
+    def uneven_pipeline(self) -> bool:
+        """True when the first or last pipeline stage has its own layer count."""
+        return self.num_layers_in_first_pipeline_stage is not None or \
+            self.num_layers_in_last_pipeline_stage is not None
+
+    def stage_layer_counts(self, num_layers: int) -> List[int]:
+        """Layers per pipeline stage (over all of its virtual chunks), megatron's split; call after
+        validation."""
+        pp = self.pipeline_model_parallel_size
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        if pp == 1:
+            return [num_layers]
+        if first is None and last is None:
+            return [num_layers // pp] * pp
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle = num_layers - (first or 0) - (last or 0)
+        per = middle // middle_stages if middle_stages else 0
+        counts = [per] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
 
     @property
     def etp(self) -> int:
@@ -84,6 +115,23 @@ def _get(model: Any, name: str, default: Any = None) -> Any:
     if isinstance(model, dict):
         return model.get(name, default)
     return getattr(model, name, default)
+
+
+def _uneven_stage_violations(cfg: ParallelConfig, layers: int) -> List[str]:
+    """Megatron's rules for uneven first / last stages (TransformerConfig.__post_init__), named by key."""
+    pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
+    first, last = cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle = layers - (first or 0) - (last or 0)
+    keys = " + ".join(f"parallel.{k}" for k, n in (("num_layers_in_first_pipeline_stage", first),
+                                                   ("num_layers_in_last_pipeline_stage", last)) if n is not None)
+    if middle < 0 or (middle_stages == 0 and middle != 0):
+        return [f"{keys} = {(first or 0) + (last or 0)} layers does not fit model.num_layers={layers} with "
+                f"parallel.pipeline_model_parallel_size={pp} ({middle} layers left for {middle_stages} middle stages)"]
+    if middle_stages and (middle < middle_stages * vpp or middle % (middle_stages * vpp)):
+        return [f"model.num_layers={layers} minus {keys} leaves {middle} layers, not a positive multiple of the "
+                f"{middle_stages} other pipeline stage(s) x virtual_pipeline_model_parallel_size={vpp}"]
+    return []
 
 
 def validate_parallel_config(cfg: ParallelConfig, world_size: int, model: Any = None) -> None:
@@ -124,6 +172,21 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, model: Any = 
                  f"(got {pp}; interleaving with 2 stages mis-pairs p2p messages in megatron-core 0.16)")
     if cfg.sequence_parallel and tp < 2:
         v.append(f"sequence_parallel=True needs tensor_model_parallel_size > 1 (got {tp})")
+    first, last = cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
+    uneven_bad = False
+    for key, n in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+        if n is None:
+            continue
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            v.append(f"parallel.{key}={n!r} must be an integer >= 1 (or null for an even split)")
+            uneven_bad = True
+        elif pp < 2:
+            v.append(f"parallel.{key}={n} needs parallel.pipeline_model_parallel_size > 1 (got {pp})")
+            uneven_bad = True
+        elif n % (vpp or 1):
+            v.append(f"parallel.{key}={n} is not divisible by parallel.virtual_pipeline_model_parallel_size="
+                     f"{vpp} (each virtual chunk of the stage gets the same number of layers)")
+            uneven_bad = True
 
     if model is not None:
         layers = _get(model, "num_layers")
@@ -135,14 +198,17 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, model: Any = 
         experts = _get(model, "num_moe_experts")
         moe_ffn = _get(model, "moe_ffn_hidden_size") or ffn
         chunks = pp * (vpp or 1)
-        if layers is not None and layers % chunks:
+        if cfg.uneven_pipeline:
+            if layers is not None and not uneven_bad:
+                v += _uneven_stage_violations(cfg, layers)
+        elif layers is not None and layers % chunks:
             v.append(f"num_layers={layers} is not divisible by pipeline_model_parallel_size x "
                      f"virtual_pipeline_model_parallel_size = {pp}x{vpp or 1} = {chunks}")
-        if layers is not None and layers < chunks:
+        if layers is not None and layers < chunks and not cfg.uneven_pipeline:
             v.append(f"num_layers={layers} < pipeline stages x virtual chunks = {chunks}")
         if heads is not None and heads % tp:
             v.append(f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}")
-        if groups is not None and groups % tp:
+        if groups is not None and groups % tp and not _get(model, "multi_latent_attention"):
             v.append(f"num_query_groups={groups} (KV heads) is not divisible by tensor_model_parallel_size={tp}")
         if heads is not None and groups and heads % groups:
             v.append(f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
@@ -154,6 +220,9 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, model: Any = 
         if hidden is not None and heads and _get(model, "kv_channels") is None and hidden % heads:
             v.append(f"hidden_size={hidden} is not divisible by num_attention_heads={heads} "
                      f"(set kv_channels explicitly)")
+        if _get(model, "multi_latent_attention") and tp > 1 and not cfg.sequence_parallel:
+            v.append(f"multi_latent_attention with tensor_model_parallel_size={tp} requires sequence_parallel=True "
+                     f"(megatron-core 0.16's MLA reduces the RoPE-key gradient over TP only in that path)")
         if experts:
             if experts % ep:
                 v.append(f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}")

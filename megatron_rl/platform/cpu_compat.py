@@ -344,6 +344,21 @@ def _wrap_setup_embeddings(original):
     return setup_embeddings_and_output_layer
 
 
+def _wrap_dot_product_attention_init(original):
+    """Local ``DotProductAttention.__init__`` that accepts MLA's ``k_channels`` / ``v_channels``: the forward
+    already handles a key head dim different from the value head dim; the output width comes from
+    ``config.kv_channels``, which the builder sets to the value head dim for MLA (checked here)."""
+    def __init__(self, config, *args: Any, k_channels: Optional[int] = None, v_channels: Optional[int] = None,
+                 **kwargs: Any):
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(f"local DotProductAttention: v_channels={v_channels} must equal config.kv_channels="
+                             f"{config.kv_channels} (MLA: set kv_channels to v_head_dim)")
+        original(self, config, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
 def _replace(module_name: str, attr: str, new: Any, reason: str) -> None:
     module = importlib.import_module(module_name)
     if not hasattr(module, "_mrl_cpu_original_" + attr):
@@ -390,6 +405,13 @@ def _apply_function_patches() -> None:
     _replace("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
              _cpu_reduce_scatter_along_first_dim,
              "MoE at TP x EP reduce-scatters uneven token counts over TP; gloo has no list reduce_scatter")
+    _replace("megatron.core.transformer.multi_latent_attention", "HAVE_TE", False,
+             "TE placeholders import without Transformer Engine, so MLA's isinstance(linear_proj, TELinear) fails")
+    dpa = importlib.import_module("megatron.core.transformer.dot_product_attention").DotProductAttention
+    if not hasattr(dpa.__init__, "__wrapped__"):
+        dpa.__init__ = _wrap_dot_product_attention_init(dpa.__init__)
+    PATCHES["megatron.core.transformer.dot_product_attention.DotProductAttention.__init__"] = (
+        "multi-latent attention passes k_channels / v_channels, which only TE's attention accepts (TypeError)")
     torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
     torch_norm.WrappedTorchNorm.__new__ = _wrapped_torch_norm_new
     PATCHES["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"] = (

@@ -12,7 +12,14 @@ Usage::
     path = build_tiny_hf_model(tmp_path / "tiny", arch="qwen2", seed=0, num_hidden_layers=3)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
 
-Command line: ``python -m megatron_rl.testing.tiny_hf OUT_DIR [--arch qwen2|llama|qwen3_moe] [--seed 0]``.
+``arch="deepseek_v3"`` is a tiny DeepSeek-V3 with the real config keys: 3 layers (the first dense), MLA with
+small ranks (q_lora 24, kv_lora 16, nope 16, rope 8, v 12) and YaRN RoPE, 8 routed experts in 2 groups
+(top-2 from the best group) + 1 shared expert, sigmoid routing with ``routed_scaling_factor`` 2.5 and a
+random (seeded) ``e_score_correction_bias`` — transformers initialises it to zeros, which would leave the
+bias path untested.
+
+Command line: ``python -m megatron_rl.testing.tiny_hf OUT_DIR [--arch qwen2|llama|qwen3_moe|deepseek_v3]
+[--seed 0]``.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ from typing import Any
 from megatron_rl.convert.random_model import write_random_hf_model
 
 #: Architectures ``build_tiny_hf_model`` can build.
-ARCHS = ("qwen2", "llama", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3_moe", "deepseek_v3")
 
 #: Special tokens of the tiny tokenizer; ``<|endoftext|>`` is BOS, EOS and PAD.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -56,6 +63,30 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1,
         norm_topk_prob=True,
         mlp_only_layers=[],
+    ),
+    "deepseek_v3": dict(
+        _COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
     ),
 }
 
@@ -109,11 +140,12 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = DEFAULT_T
 def tiny_config(arch: str, vocab_size: int, **overrides):
     """The tiny ``transformers`` config for ``arch`` (see ``_ARCH_DEFAULTS``), with ``overrides`` applied.
     Unknown override keys raise ``ValueError`` naming the key."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
+           "deepseek_v3": DeepseekV3Config}[arch]
     kwargs = dict(_ARCH_DEFAULTS[arch])
     kwargs.update(vocab_size=vocab_size)
     known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(kwargs)
@@ -150,7 +182,25 @@ def build_tiny_hf_model(out_dir: str | os.PathLike, arch: str = "qwen2", seed: i
     overrides.setdefault("bos_token_id", eos)
     overrides.setdefault("eos_token_id", eos)
     overrides.setdefault("pad_token_id", eos)
-    return write_random_hf_model(tiny_config(arch, vocab_size, **overrides), out, seed)
+    path = write_random_hf_model(tiny_config(arch, vocab_size, **overrides), out, seed)
+    if arch == "deepseek_v3":
+        _randomize_expert_bias(path, seed)
+    return path
+
+
+def _randomize_expert_bias(path: str, seed: int) -> None:
+    """Give every ``e_score_correction_bias`` seeded values of the size of the sigmoid-score gaps (so it
+    changes which experts are selected) and rewrite the safetensors file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    g = torch.Generator().manual_seed(seed + 1000)
+    for k in sorted(sd):
+        if k.endswith("e_score_correction_bias"):
+            sd[k] = (0.05 * torch.randn(sd[k].shape, generator=g)).to(sd[k].dtype)
+    save_file(sd, f, metadata={"format": "pt"})
 
 
 def main(argv=None) -> None:
