@@ -364,8 +364,14 @@ def _shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
 
 
 def _dump(run_dir: str, step: int, payload) -> None:
+    """Append the step's rollouts to run_dir/rollouts.jsonl (``weight_version`` = the version the step's
+    generation started from; ``token_versions`` per response token when the engine was segmented)."""
+    versions = payload.token_versions or [None] * len(payload.response_ids)
     with open(os.path.join(run_dir, "rollouts.jsonl"), "a") as fh:
-        for p, r, lp, rw in zip(payload.prompt_ids, payload.response_ids, payload.rollout_log_probs,
-                                payload.rewards):
-            fh.write(json.dumps({"step": step, "prompt_ids": p, "response_ids": r, "rollout_log_probs": lp,
-                                 "reward": rw, "weight_version": payload.weight_version}) + "\n")
+        for p, r, lp, rw, tv in zip(payload.prompt_ids, payload.response_ids, payload.rollout_log_probs,
+                                    payload.rewards, versions):
+            rec = {"step": step, "prompt_ids": p, "response_ids": r, "rollout_log_probs": lp, "reward": rw,
+                   "weight_version": payload.weight_version}
+            if tv is not None:
+                rec["token_versions"] = tv
+            fh.write(json.dumps(rec) + "\n")
