@@ -19,6 +19,7 @@ WORLD = {
     "qwen2.5_7b_1x8.yaml": 1 * 8,
     "qwen3_30b_a3b_2x8.yaml": 2 * 8,
     "deepseek_v3_scale_64x8.yaml": 64 * 8,
+    "deepseek_v3_671b_64x8.yaml": 64 * 8,
     "tiny_cpu.yaml": None,  # the lead's config: its own world size (read from its header or default 1..4)
     "math_tiny_cpu.yaml": None,  # the math-task CPU config: its model is built first (tests/test_data_math_e2e.py)
     "tiny_moe_cpu.yaml": None,  # MoE routing replay default; its model is built first (tests/test_routing_config.py)

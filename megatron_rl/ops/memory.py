@@ -11,7 +11,12 @@ Everything is an estimate from the shapes; numbers are bytes per rank, one row p
 
 Parameters (per TP / PP / EP shard)
     Layers are placed on stages like megatron-core (``get_transformer_layer_offset``): with P stages
-    and V virtual chunks, chunk c of stage s holds layers ``[(c*P + s) * L/(P*V), ...)``.
+    and V virtual chunks, chunk c of stage s holds layers ``[(c*P + s) * L/(P*V), ...)``; with uneven
+    first / last stages (``parallel.num_layers_in_first/last_pipeline_stage``) as
+    ``convert.partition.chunk_layer_range``.
+    Multi-latent attention (DeepSeek-V3) instead of QKV: q down-projection ``h*r_q`` + norm ``r_q`` and kv
+    down-projection ``h*(r_kv + d_rope)`` + norm ``r_kv`` (replicated over TP), q up-projection
+    ``r_q*a*(d_nope + d_rope) / TP``, kv up-projection ``r_kv*a*(d_nope + d_v) / TP``, output ``a*d_v*h / TP``.
     Per layer: RMSNorm weights 2h (+ 2d with qk_layernorm; replicated over TP);
     QKV ``h*(a + 2g)*d / TP`` (+ bias ``(a + 2g)*d / TP``); output projection ``a*d*h / TP``;
     dense SwiGLU MLP ``3*h*f / TP``; MoE layer: router ``E*h`` (replicated), ``E/EP`` local experts of
@@ -73,6 +78,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from megatron_rl.convert.partition import chunk_layer_range
 
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 
@@ -140,6 +147,8 @@ class MemoryPlan:
     total_params: int
     options: MemoryOptions
     is_moe: bool = False
+    active_params: int = 0
+    """Parameters one token passes through (MoE: top-k experts; = total_params for dense models)."""
     stages: List[StagePlan] = field(default_factory=list)
 
     def peak(self) -> StagePlan:
@@ -153,16 +162,21 @@ def _layer_counts(m, tp: int, ep: int, etp: int, is_moe: bool):
     """(dense params, expert params) of one layer on one rank."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     dense = 2 * h  # input + pre-MLP RMSNorm weights
-    if m.qk_layernorm:
-        dense += 2 * d
-    qkv_out = (a + 2 * g) * d
-    dense += h * qkv_out // tp + (qkv_out // tp if m.add_qkv_bias else 0)
-    dense += a * d * h // tp
+    if m.multi_latent_attention:
+        dense += _mla_counts(m, tp)
+    else:
+        if m.qk_layernorm:
+            dense += 2 * d
+        qkv_out = (a + 2 * g) * d
+        dense += h * qkv_out // tp + (qkv_out // tp if m.add_qkv_bias else 0)
+        dense += a * d * h // tp
     expert = 0
     if is_moe:
         E = m.num_moe_experts
         fm = m.moe_ffn_hidden_size or m.dense_ffn_hidden_size
         dense += E * h  # router (replicated over TP, reduced over DP)
+        if m.moe_router_enable_expert_bias:
+            dense += E  # expert bias (a buffer: no grad / optimizer state, counted as a parameter here)
         expert = (E // ep) * 3 * h * fm // etp
         if m.moe_shared_expert_intermediate_size:
             dense += 3 * h * m.moe_shared_expert_intermediate_size // tp
@@ -173,17 +187,42 @@ def _layer_counts(m, tp: int, ep: int, etp: int, is_moe: bool):
     return dense, expert
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int) -> List[List[int]]:
-    """Global layer indices held by each pipeline stage (megatron-core's placement)."""
-    per_chunk = num_layers // (pp * vpp)
+def _mla_counts(m, tp: int) -> int:
+    """Multi-latent attention parameters on one TP rank: replicated q / kv down-projections and latent
+    norms, column-parallel q / kv up-projections, row-parallel output projection."""
+    h, a, qk, v = m.hidden_size, m.num_attention_heads, m.q_head_dim, m.v_head_dim
+    n = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank  # kv down-projection + kv norm
+    if m.q_lora_rank:
+        n += h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * a * qk // tp
+    else:
+        n += h * a * qk // tp
+    n += m.kv_lora_rank * a * (m.qk_head_dim + v) // tp + a * v * h // tp
+    return n
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int, first: Optional[int] = None,
+                 last: Optional[int] = None) -> List[List[int]]:
+    """Global layer indices held by each pipeline stage (megatron-core's placement, uneven first / last
+    stages included)."""
     out = []
     for s in range(pp):
         ids = []
         for c in range(vpp):
-            start = (c * pp + s) * per_chunk
-            ids.extend(range(start, start + per_chunk))
+            ids.extend(range(*chunk_layer_range(num_layers, s, pp, c, vpp, first, last)))
         out.append(ids)
     return out
+
+
+def active_parameters(m) -> int:
+    """Parameters one token passes through (MoE: top-k routed experts + shared experts + router), embeddings
+    and the output layer included — how "37B active" is counted for DeepSeek-V3."""
+    pattern = m.moe_layer_pattern()
+    n = 0
+    for i in range(m.num_layers):
+        d, e = _layer_counts(m, 1, 1, 1, bool(pattern[i]))
+        n += d + (e * m.moe_router_topk // m.num_moe_experts if pattern[i] else 0)
+    n += m.vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1) + m.hidden_size
+    return n
 
 
 def total_parameters(m) -> int:
@@ -204,10 +243,17 @@ def layer_activation_bytes(m, s: int, b: int, tp: int, sp: bool, etp: int, is_mo
     ``e`` = bytes per activation element (2 = bf16, 4 = fp32)."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     spd = tp if sp else 1
-    attn = (2 * e * s * b * h / spd                 # input norm: its input, its output (= QKV linear input)
-            + e * s * b * (a + 2 * g) * d / tp       # QKV linear output (V is a view of it: kept alive)
-            + e * s * b * (a + g) * d / tp           # Q and K after RoPE (new tensors)
-            + e * s * b * a * d / tp)                # core-attention output = output-projection input
+    if m.multi_latent_attention:  # estimate (not measured): latents, up-projected q / k / v, core output
+        qk, v = m.q_head_dim, m.v_head_dim
+        attn = (2 * e * s * b * h / spd
+                + e * s * b * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim)
+                + e * s * b * a * (2 * qk + v) / tp + e * s * b * a * 2 * qk / tp + e * s * b * a * v / tp)
+        d = qk
+    else:
+        attn = (2 * e * s * b * h / spd             # input norm: its input, its output (= QKV linear input)
+                + e * s * b * (a + 2 * g) * d / tp   # QKV linear output (V is a view of it: kept alive)
+                + e * s * b * (a + g) * d / tp       # Q and K after RoPE (new tensors)
+                + e * s * b * a * d / tp)            # core-attention output = output-projection input
     if recompute == "none":
         attn += e * a * s * s * b / tp               # softmax probabilities (input of probs @ V)
         if e < 4:
@@ -266,8 +312,10 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     act = o.params_bytes  # activations are in the compute dtype = the parameter dtype
     plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
                       expert_dp=edp, seq_length=seq, micro_batch_size=b, microbatches=micro,
-                      total_params=total_parameters(m), options=o, is_moe=m.is_moe)
-    for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp)):
+                      total_params=total_parameters(m), options=o, is_moe=m.is_moe,
+                      active_params=active_parameters(m) if m.is_moe else total_parameters(m))
+    for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
+                                             p.num_layers_in_last_pipeline_stage)):
         dense = expert = 0
         for i in layers:
             d_, e_ = _layer_counts(m, tp, ep, etp, bool(pattern[i]))
@@ -321,7 +369,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
     lines = [
         f"layout: world={plan.world_size} TP={plan.tp} PP={plan.pp} VPP={plan.vpp} CP={plan.cp} DP={plan.dp}"
         + (f" EP={plan.ep} ETP={plan.etp} expert-DP={plan.expert_dp}" if plan.is_moe else ""),
-        f"model: {plan.total_params / 1e9:.2f} B parameters; sequence {plan.seq_length} tokens "
+        f"model: {plan.total_params / 1e9:.2f} B parameters"
+        + (f" ({plan.active_params / 1e9:.2f} B active per token)" if plan.is_moe else "")
+        + f"; sequence {plan.seq_length} tokens "
         f"(prompt {o.prompt_length} + rollout.max_new_tokens), micro-batch {plan.micro_batch_size}, "
         f"{plan.microbatches} micro-batches per mini-batch per DP rank",
         f"options: params {o.params_bytes} B, grads {o.grad_bytes} B, distributed optimizer "
