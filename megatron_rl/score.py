@@ -42,6 +42,7 @@ from megatron_rl.cli.entry import module_main, register  # noqa: E402
 from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
 from megatron_rl.correction import compute_rollout_correction  # noqa: E402
 from megatron_rl.jsonl import read_json_objects  # noqa: E402
+from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
 from megatron_rl.trainer.loop import setup_distributed  # noqa: E402
 
@@ -222,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     for w in warnings if launch_rank() == 0 else []:
         print(f"megatron-rl score: warning: {w}", file=sys.stderr)
     score(cfg, records, args.out, groups)
+    shutdown_distributed()
     return 0
 
 

@@ -20,6 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, set before
 from megatron_rl.cli.config_errors import config_error_exit  # noqa: E402
 from megatron_rl.cli.entry import module_main, register  # noqa: E402
 from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
+from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
 from megatron_rl.trainer.loop import train  # noqa: E402
 
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         print("config OK")
         return 0
     train(cfg)
+    shutdown_distributed()
     return 0
 
 

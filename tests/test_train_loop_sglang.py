@@ -20,6 +20,22 @@ _OK, _REASON = sglang_available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow]
 
 
+def _assert_step1_kl_matches_hf_fp32(model, metrics, recs):
+    """Independent reference: step 1's logged kl equals the one recomputed from the dumped rollouts with HF
+    transformers' fp32 forward of the initial checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    d = []
+    with torch.no_grad():
+        for rec in (r for r in recs if r["step"] == 1):
+            p, r = rec["prompt_ids"], rec["response_ids"]
+            lsm = torch.log_softmax(hf(torch.tensor([p + r])).logits[0].double(), -1)
+            d += [float(lsm[len(p) - 1 + j, r[j]]) - lp for j, lp in enumerate(rec["rollout_log_probs"])]
+    assert metrics[0]["rollout_corr/valid_token_count"] == len(d)
+    assert math.isclose(metrics[0]["rollout_corr/kl"], sum(-x for x in d) / len(d), rel_tol=1e-3, abs_tol=1e-6)
+
+
 def _train_body(rank, world, cfg):
     from megatron_rl.trainer.loop import train
 
@@ -46,17 +62,7 @@ def test_loop_with_real_sglang_server(tmp_path):
     with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
         recs = [json.loads(line) for line in fh]
     assert {r["weight_version"] for r in recs if r["step"] == 2} == {"step-1"}  # synced after step 1
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    d = []
-    with torch.no_grad():
-        for rec in (r for r in recs if r["step"] == 1):
-            p, r = rec["prompt_ids"], rec["response_ids"]
-            lsm = torch.log_softmax(hf(torch.tensor([p + r])).logits[0].double(), -1)
-            d += [float(lsm[len(p) - 1 + j, r[j]]) - lp for j, lp in enumerate(rec["rollout_log_probs"])]
-    assert metrics[0]["rollout_corr/valid_token_count"] == len(d)
-    assert math.isclose(metrics[0]["rollout_corr/kl"], sum(-x for x in d) / len(d), rel_tol=1e-3, abs_tol=1e-6)
+    _assert_step1_kl_matches_hf_fp32(model, metrics, recs)
 
 
 def _async_body(rank, world, cfg, delay_s):
@@ -85,8 +91,6 @@ def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp
     at least one response continued on newer weights than it started with (the server really served the
     new version mid-rollout: its log-probs are the ones it sampled with), the lag metrics see the lagged
     tokens, and step 1's kl equals an HF fp32 recompute of the dumped rollouts."""
-    from transformers import AutoModelForCausalLM
-
     from megatron_rl.rollout.sglang_server import find_free_port
     from megatron_rl.tasks.char_tokenizer import build_task_model
 
@@ -118,12 +122,4 @@ def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp
     for m in metrics[1:]:
         assert 0.0 < m["rollout_corr/lagged_token_fraction"] <= 1.0
     assert metrics[0]["rollout_corr/lagged_token_fraction"] == 0.0
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    d = []
-    with torch.no_grad():
-        for rec in (r for r in recs if r["step"] == 1):
-            p, r = rec["prompt_ids"], rec["response_ids"]
-            lsm = torch.log_softmax(hf(torch.tensor([p + r])).logits[0].double(), -1)
-            d += [float(lsm[len(p) - 1 + j, r[j]]) - lp for j, lp in enumerate(rec["rollout_log_probs"])]
-    assert metrics[0]["rollout_corr/valid_token_count"] == len(d)
-    assert math.isclose(metrics[0]["rollout_corr/kl"], sum(-x for x in d) / len(d), rel_tol=1e-3, abs_tol=1e-6)
+    _assert_step1_kl_matches_hf_fp32(model, metrics, recs)

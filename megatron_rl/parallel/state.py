@@ -18,7 +18,7 @@ import torch
 from megatron_rl.parallel.config import ParallelConfig, validate_parallel_config
 from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
-__all__ = ["initialize_model_parallel", "destroy_model_parallel"]
+__all__ = ["initialize_model_parallel", "destroy_model_parallel", "shutdown_distributed"]
 
 
 def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any = None,
@@ -60,3 +60,17 @@ def destroy_model_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+def shutdown_distributed() -> None:
+    """End of a successful job: every rank reaches a barrier, then megatron's groups and the default process
+    group are destroyed, so gloo / NCCL threads stop before the interpreter exits (a group left to the
+    interpreter's exit could abort a rank that already finished its work, e.g. ``terminate called without an
+    active exception``, and turn a finished job into a failed one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    destroy_model_parallel()
+    dist.destroy_process_group()
