@@ -73,6 +73,26 @@ class RolloutConfig:
     """Retries (exponential backoff) on connection errors, timeouts and 5xx before failing the step."""
     weight_sync_dir: Optional[str] = None
     """Where HF exports for /update_weights_from_disk go (default: <run_dir>/weight_sync)."""
+    weight_sync: str = "auto"
+    """How weights reach the engine after each step (megatron_rl/trainer/weight_sync.py): "disk" (HF export
+    + reload; full model on rank 0), "tensor" (buckets in memory: in process for the embedded engine,
+    /update_weights_from_tensor for an SGLang server on the same host), "distributed" (SGLang: buckets
+    broadcast over a gloo / NCCL group, /update_weights_from_distributed). "auto": tensor for embedded,
+    distributed for SGLang, disk for SGLang in mode async."""
+    weight_sync_bucket_mb: float = 512.0
+    """Bucket size of the in-memory modes in MiB: peak extra host memory of a sync is about one bucket plus
+    the parameter being gathered (a larger parameter travels alone)."""
+    weight_sync_verify_interval: int = 1
+    """Verify the engine's weights after every N-th version (checksums of sampled tensors compared with the
+    trainer's; a mismatch fails the step naming the tensors). 0 = never. In-memory modes only."""
+    weight_sync_verify_tensors: int = 16
+    """Tensors compared per verification, spread over the whole model (every pipeline stage) and rotated
+    by version; -1 = every tensor the engine can report."""
+    weight_sync_timeout_s: float = 600.0
+    """Timeout of each weight-sync request to a server (a bucket, the group set-up)."""
+    weight_sync_master_address: Optional[str] = None
+    """distributed: the address SGLang servers use to reach trainer rank 0 (default: 127.0.0.1 when every
+    server URL is local, else this host's IP)."""
     mode: str = "sync"
     """"sync": generate, then train, then sync weights, in sequence. "async": rank 0 generates the next
     steps' rollouts in a background thread while the trainer trains (megatron_rl/trainer/async_rollout.py);

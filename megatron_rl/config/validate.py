@@ -15,6 +15,7 @@ from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError, validate_parallel_config
+from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 
 ENGINES = ("embedded", "sglang")
 TASKS = ("copy", "reverse", "sort", "add", "file")
@@ -138,6 +139,7 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
         errs.append(f"trainer.console_table_interval: must be >= 0 (0: no table), got {t.console_table_interval}")
     if r.mode not in ("sync", "async"):
         errs.append(f"rollout.mode: {r.mode!r} is not one of sync, async")
+    errs += _weight_sync_errors(r)
     if r.max_staleness < 0:
         errs.append(f"rollout.max_staleness: must be >= 0, got {r.max_staleness}")
     if r.partial_rollout not in ("finish", "interrupt"):
@@ -177,3 +179,27 @@ def world_errors(cfg: JobConfig, world_size: int) -> List[str]:
     """The violations that depend on the world size (a different node count may fix them)."""
     layout = [e for e in _layout_errors(cfg, world_size) if e.startswith("world size:")]
     return layout + _dp_errors(cfg, world_size)
+
+
+def _weight_sync_errors(r) -> List[str]:
+    """rollout.weight_sync* against the engine and rollout.mode."""
+    errs: List[str] = []
+    modes = ("auto",) + WEIGHT_SYNC_MODES
+    if r.weight_sync not in modes:
+        errs.append(f"rollout.weight_sync: {r.weight_sync!r} is not one of {', '.join(modes)}")
+    elif r.engine == "embedded" and r.weight_sync == "distributed":
+        errs.append("rollout.weight_sync: 'distributed' needs rollout.engine 'sglang' (the embedded engine "
+                    "runs in process: use tensor or disk)")
+    elif r.engine == "sglang" and r.mode == "async" and r.weight_sync in ("tensor", "distributed"):
+        errs.append(f"rollout.weight_sync: {r.weight_sync!r} streams the weights from every trainer rank at sync "
+                    f"time, but rollout.mode 'async' applies them later in rank 0's producer thread alone — use "
+                    f"rollout.weight_sync: disk (or auto) with rollout.mode: async")
+    if not r.weight_sync_bucket_mb > 0:
+        errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")
+    if r.weight_sync_verify_interval < 0:
+        errs.append(f"rollout.weight_sync_verify_interval: must be >= 0 (0: never), got {r.weight_sync_verify_interval}")
+    if r.weight_sync_verify_tensors < -1:
+        errs.append(f"rollout.weight_sync_verify_tensors: must be >= 0 or -1 (all), got {r.weight_sync_verify_tensors}")
+    if not r.weight_sync_timeout_s > 0:
+        errs.append(f"rollout.weight_sync_timeout_s: must be > 0, got {r.weight_sync_timeout_s}")
+    return errs

@@ -50,8 +50,8 @@ if TYPE_CHECKING:  # the actor package imports this module: no runtime import ba
 Tensor = torch.Tensor
 
 __all__ = ["HFTarget", "hf_target", "check_model_config_matches", "load_checkpoint_into_model",
-           "load_full_state_dict_into_model", "iter_full_tensors", "iter_hf_tensors", "gather_full_state_dict",
-           "gather_hf_state_dict", "export_model_to_hf"]
+           "load_full_state_dict_into_model", "iter_full_tensors", "iter_hf_tensors", "is_stage_leader",
+           "gather_full_state_dict", "gather_hf_state_dict", "export_model_to_hf"]
 
 _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -210,8 +210,9 @@ def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, g
         yield from hf_tensors(rule, t, geometry)
 
 
-def _is_stage_leader(groups: "ActorGroups") -> bool:
-    """The first rank of its pipeline stage: it holds every gathered tensor of the stage."""
+def is_stage_leader(groups: "ActorGroups") -> bool:
+    """The first rank of its pipeline stage: it holds every gathered tensor of the stage (the rank that
+    sends the stage's :func:`iter_hf_tensors` stream on, e.g. as weight-sync buckets)."""
     return (groups.tp_rank, groups.dp_rank, groups.cp_rank, groups.edp_rank, groups.ep_rank,
             groups.etp_rank) == (0, 0, 0, 0, 0, 0)
 
@@ -219,7 +220,7 @@ def _is_stage_leader(groups: "ActorGroups") -> bool:
 def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
     """Run the (collective) stream on every rank; the stage leaders keep CPU copies, which are brought to
     global rank 0 (the dict there, None elsewhere)."""
-    leader = _is_stage_leader(groups)
+    leader = is_stage_leader(groups)
     mine: Dict[str, Tensor] = {}
     for name, t in pairs:
         if leader:

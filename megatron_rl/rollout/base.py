@@ -47,6 +47,31 @@ class WeightSyncError(RolloutError):
     """Loading new weights into the engine failed."""
 
 
+#: How weights reach an engine (``rollout.weight_sync``): an HF export directory, in-memory buckets handed
+#: over in the same host / process, or buckets broadcast over a process group to the engine's ranks.
+WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
+
+
+class WeightReceiver(abc.ABC):
+    """One in-memory weight update of an engine, bucket by bucket (``RolloutEngine.begin_weight_sync``).
+
+    Until ``commit`` the engine serves no version the trainer expects (a request answered in between is
+    rejected as stale); ``abort`` — allowed before or after ``commit`` — leaves the engine refusing to
+    generate until a later sync succeeds, so partially updated weights are never served."""
+
+    @abc.abstractmethod
+    def load(self, bucket) -> None:
+        """Load one ``weight_buckets.Bucket`` (HF names) into the engine."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Every bucket was loaded: tag the engine with the update's version (checked on every server)."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """The update failed (``reason``): make sure no server serves the partial weights."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample responses (mirrors SGLang's ``sampling_params``)."""
@@ -206,6 +231,42 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, hf_dir: str, version: str) -> None:
         """Load the HF-format weights in ``hf_dir`` and tag them ``version``; later rollouts must carry it."""
+
+    #: The ``rollout.weight_sync`` modes this engine can receive (see ``WEIGHT_SYNC_MODES``).
+    weight_sync_modes: tuple = ("disk",)
+
+    def begin_weight_sync(self, mode: str, version: str) -> WeightReceiver:
+        """Start an in-memory update to ``version`` in ``mode`` ("tensor" / "distributed")."""
+        raise WeightSyncError(f"{type(self).__name__} cannot receive weights in mode {mode!r} "
+                              f"(it supports {', '.join(self.weight_sync_modes)})")
+
+    def sync_weights(self, source, version: str, mode: str = "disk") -> None:
+        """Load new weights and tag them ``version``: ``source`` is an HF directory (mode "disk") or an
+        iterable of ``weight_buckets.Bucket`` (the other modes; all-or-nothing as ``WeightReceiver`` says)."""
+        if mode == "disk":
+            self.update_weights(source, version)
+            return
+        receiver = self.begin_weight_sync(mode, version)
+        try:
+            for bucket in source:
+                receiver.load(bucket)
+            receiver.commit()
+        except BaseException as exc:
+            receiver.abort(f"{type(exc).__name__}: {exc}")
+            raise
+
+    @property
+    def weight_dtype(self):
+        """The torch dtype the engine keeps its weights in (buckets are cast to it), None if unknown."""
+        return None
+
+    def checkable_weight_names(self) -> set:
+        """HF names whose engine copy ``weight_checksums`` can report (empty: no verification)."""
+        return set()
+
+    def weight_checksums(self, names) -> dict:
+        """``{HF name: tensor_checksum of the engine's copy}`` for ``names`` (every server must agree)."""
+        raise WeightSyncError(f"{type(self).__name__} cannot report weight checksums")
 
     @abc.abstractmethod
     def health(self) -> dict[str, bool]:

@@ -53,7 +53,8 @@ from megatron_rl.rollout.embedded_sampling import (
     sample_next_tokens,
     sampled_logprobs,
 )
-from megatron_rl.rollout.embedded_weights import load_state_dict_checked, read_hf_state_dict
+from megatron_rl.rollout.embedded_weights import BucketLoader, load_state_dict_checked, read_hf_state_dict
+from megatron_rl.rollout.weight_buckets import tensor_checksum
 from megatron_rl.rollout.routing import RouterCapture
 
 #: Engine compute dtypes by name.
@@ -148,6 +149,7 @@ class EmbeddedEngine(RolloutEngine):
         self.capture_routing = self._capture.enabled if capture_routing is None else bool(capture_routing)
         self._generator = torch.Generator().manual_seed(int(seed))
         self._version = str(weight_version)
+        self._invalid: str | None = None  # why the weights must not be served (a failed bucketed sync)
 
     # ------------------------------------------------------------------ interface
     @property
@@ -173,7 +175,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def update_weights(self, hf_dir: str, version: str) -> None:
         """Load the HF checkpoint tensors in ``hf_dir`` and tag them ``version`` (all-or-nothing)."""
-        self._require_model()
+        self._require_model(generating=False)
         sd = read_hf_state_dict(hf_dir)
         self.update_weights_from_state_dict(sd, version, _source=repr(str(hf_dir)))
 
@@ -182,7 +184,7 @@ class EmbeddedEngine(RolloutEngine):
         """Copy a full HF-named ``state_dict`` (any float dtype; cast to the engine dtype) into the model and
         tag it ``version``. Every name and shape is checked first; on error the weights and version are
         unchanged and ``WeightSyncError`` names the bad keys."""
-        self._require_model()
+        self._require_model(generating=False)
         if not isinstance(version, str) or not version:
             raise ValueError(f"update_weights: version={version!r} must be a non-empty string")
         if not isinstance(state_dict, Mapping):
@@ -190,7 +192,45 @@ class EmbeddedEngine(RolloutEngine):
                                   f"{type(state_dict).__name__}")
         state_dict = fuse_expert_tensors(state_dict, self.model.state_dict().keys())
         load_state_dict_checked(self.model, state_dict, source=_source, tied_lm_head=self.tied_lm_head)
+        self._mark_synced(version)
+
+    # ------------------------------------------------------------------ bucketed sync (rollout.weight_sync)
+    weight_sync_modes = ("disk", "tensor")
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The engine's compute dtype (buckets arrive cast to it)."""
+        return self.dtype
+
+    def begin_weight_sync(self, mode: str, version: str) -> BucketLoader:
+        """Mode "tensor": a ``BucketLoader`` copying each bucket into the model as it arrives."""
+        self._require_model(generating=False)
+        if mode != "tensor":
+            return super().begin_weight_sync(mode, version)
+        if not isinstance(version, str) or not version:
+            raise ValueError(f"begin_weight_sync: version={version!r} must be a non-empty string")
+        return BucketLoader(self, version)
+
+    def checkable_weight_names(self) -> set:
+        """The model's own tensor names (fused expert tensors and rotary buffers excluded)."""
+        self._require_model(generating=False)
+        return {k for k in self.model.state_dict() if not k.endswith(("inv_freq", "gate_up_proj", "experts.down_proj"))}
+
+    def weight_checksums(self, names) -> dict:
+        """``tensor_checksum`` of the engine's copy of each HF tensor in ``names``."""
+        self._require_model(generating=False)
+        own = self.model.state_dict()
+        missing = [n for n in names if n not in own]
+        if missing:
+            raise WeightSyncError(f"EmbeddedEngine has no tensor(s) {missing[:8]}")
+        return {n: tensor_checksum(own[n]) for n in names}
+
+    def _mark_synced(self, version: str) -> None:
         self._version = version
+        self._invalid = None
+
+    def _mark_invalid(self, reason: str) -> None:
+        self._invalid = reason
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1,
                  seed: int | None = None) -> list[Rollout]:
@@ -233,9 +273,11 @@ class EmbeddedEngine(RolloutEngine):
         return out
 
     # ------------------------------------------------------------------ internals
-    def _require_model(self):
+    def _require_model(self, generating: bool = True):
         if self.model is None:
             raise RolloutError("EmbeddedEngine is closed")
+        if generating and self._invalid is not None:
+            raise WeightSyncError(f"EmbeddedEngine will not generate until a weight sync succeeds: {self._invalid}")
 
     @torch.no_grad()
     def _generate_rows(self, rows, sampling: SamplingParams, version: str) -> list[Rollout]:

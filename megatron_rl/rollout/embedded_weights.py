@@ -5,18 +5,22 @@ Usage::
 
     sd = read_hf_state_dict("/run/hf_export/step_3")          # model.safetensors or a sharded index
     load_state_dict_checked(model, sd, source="/run/hf_export/step_3")
+
+``BucketLoader`` is the bucketed in-process receiver (``rollout.weight_sync: tensor``): the trainer streams
+``weight_buckets.Bucket`` objects and each is copied in as it arrives (never a full state dict).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
-from megatron_rl.rollout.base import WeightSyncError
+from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
 
 
 def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -75,3 +79,87 @@ def load_state_dict_checked(model: torch.nn.Module, state_dict: Mapping[str, tor
             if tied_lm_head and k == "lm_head.weight":
                 continue  # shares storage with the embedding, which is copied
             own[k].copy_(state_dict[k].detach().to(device=own[k].device, dtype=own[k].dtype))
+
+
+def _expert_target(own: Mapping[str, torch.Tensor], name: str):
+    """The slice of transformers-5's fused expert tensors (``...mlp.experts.gate_up_proj [E, 2F, H]`` /
+    ``...mlp.experts.down_proj [E, H, F]``) that per-expert HF tensor ``name`` fills, or None."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    pre, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj == "down_proj":
+        fused = own.get(f"{pre}down_proj")
+        return None if fused is None else fused[e]
+    fused = own.get(f"{pre}gate_up_proj")
+    if fused is None:
+        return None
+    f = fused.shape[1] // 2
+    return fused[e, :f] if proj == "gate_proj" else fused[e, f:]
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class BucketLoader(WeightReceiver):
+    """In-process receiver of the embedded engine (``rollout.weight_sync: tensor``): each bucket's names and
+    shapes are checked before any of it is copied; ``commit`` checks that every tensor of the model was
+    loaded exactly once. Per-expert HF tensors go straight into the fused expert slices."""
+
+    def __init__(self, engine, version: str):
+        self.engine = engine
+        self.version = version
+        self.own = engine.model.state_dict()
+        self.tied = engine.tied_lm_head
+        self.expected = {k for k in self.own if not (k.endswith("rotary_emb.inv_freq") or
+                                                     k.endswith("original_inv_freq"))}
+        self.seen: dict[str, int] = {}
+        self.fused_rows: dict[str, int] = {}
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        if name in self.own:
+            return self.own[name]
+        return _expert_target(self.own, name)
+
+    def load(self, bucket) -> None:
+        pairs = bucket.tensors()
+        errors = []
+        for name, t in pairs:
+            dst = self._target(name)
+            if dst is None:
+                errors.append(f"{name!r}: not a tensor of the engine's model")
+            elif tuple(dst.shape) != tuple(t.shape):
+                errors.append(f"{name!r}: shape {tuple(t.shape)} != engine's {tuple(dst.shape)}")
+            elif name in self.seen:
+                errors.append(f"{name!r}: sent twice")
+        if errors:
+            raise WeightSyncError(f"weight bucket for version {self.version!r} does not match the engine's model: "
+                                  + "; ".join(errors))
+        with torch.no_grad():
+            for name, t in pairs:
+                self.seen[name] = 1
+                if self.tied and name == "lm_head.weight":
+                    continue  # shares storage with the embedding, which is copied
+                self._target(name).copy_(t)
+                m = _EXPERT.match(name)
+                if m is not None and name not in self.own:  # count the fused slices filled
+                    fused = m.group(1) + ("down_proj" if m.group(3) == "down_proj" else "gate_up_proj")
+                    self.fused_rows[fused] = self.fused_rows.get(fused, 0) + 1
+
+    def commit(self) -> None:
+        missing = []
+        for k in sorted(self.expected):
+            if k in self.seen or (self.tied and k == "lm_head.weight"):
+                continue
+            if k.endswith("gate_up_proj") or k.endswith("experts.down_proj"):
+                need = self.own[k].shape[0] * (2 if k.endswith("gate_up_proj") else 1)
+                if self.fused_rows.get(k, 0) == need:
+                    continue
+            missing.append(k)
+        if missing:
+            raise WeightSyncError(f"weight sync to version {self.version!r}: {len(missing)} tensor(s) of the engine's "
+                                  f"model were not sent: {missing[:8]}")
+        self.engine._mark_synced(self.version)
+
+    def abort(self, reason: str) -> None:
+        self.engine._mark_invalid(f"weight sync to version {self.version!r} failed: {reason}")

@@ -44,13 +44,14 @@ from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
 from megatron_rl.rollout.sglang_server import launch_sglang_server
 from megatron_rl.tasks import build_task as build_task_for
-from megatron_rl.trainer.async_rollout import (RolloutProducer, check_staleness, overlap_seconds, parse_version,
+from megatron_rl.trainer.async_rollout import (RolloutProducer, check_staleness, overlap_seconds,
                                               token_lag_tensor, version_tag)
 from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.trainer.watchdog import Watchdog
+from megatron_rl.trainer.weight_sync import apply_weights, sync_weights
 
 
 def setup_distributed(cfg: JobConfig):
@@ -91,49 +92,6 @@ def build_task(cfg: JobConfig):
     d = cfg.data
     return build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
                           reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
-
-
-def weights_payload(actor, cfg: JobConfig, version: str, owned: bool = False):
-    """Collective: what rank 0 hands the engine for ``version`` — the full HF state dict (embedded engine;
-    ``owned``: a private copy, for a producer thread that loads it later) or the path of an HF export
-    (SGLang, /update_weights_from_disk). None on the other ranks."""
-    if cfg.rollout.engine == "embedded":
-        sd = actor.full_state_dict_hf()
-        if sd is not None and owned:
-            sd = {k: v.detach().clone() for k, v in sd.items()}
-        return sd
-    out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
-    path = os.path.join(out, version)
-    actor.export_hf(path)
-    return path
-
-
-def apply_weights(engine, cfg: JobConfig, payload, version: str) -> None:
-    """Rank 0: load a ``weights_payload`` into the engine and tag it ``version``."""
-    if cfg.rollout.engine == "embedded":
-        engine.update_weights_from_state_dict(payload, version)
-    else:
-        engine.update_weights(payload, version)
-
-
-def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, producer=None) -> None:
-    """Push the actor's current weights to the engine and tag them ``version`` (collective; an engine
-    failure on rank 0 is raised on every rank). With an async ``producer`` the weights are published to
-    it instead; it loads them in its own thread when the schedule needs them (a failure there surfaces at
-    the next step's rollouts, on every rank)."""
-    payload = weights_payload(actor, cfg, version, owned=producer is not None)
-    error = None
-    if rank0:
-        try:
-            if producer is not None:
-                producer.publish(parse_version(version), payload)
-            else:
-                apply_weights(engine, cfg, payload, version)
-        except Exception as exc:  # noqa: BLE001 - shared below
-            error = exc
-    error = share_from_rank0(error)
-    if error is not None:
-        raise error
 
 
 def latest_checkpoint(run_dir: str) -> Optional[str]:
@@ -287,7 +245,7 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             t0 = time.perf_counter()
             version = version_tag(step)
             with watchdog.phase("weight_sync", step):
-                sync_weights(actor, engine, cfg, version, rank0, producer)
+                sync_metrics = sync_weights(actor, engine, cfg, version, rank0, producer)
             t_sync = time.perf_counter() - t0
             # the share of this step's wall time in which the producer generated while the trainer worked
             t_end = time.perf_counter()
@@ -304,7 +262,7 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                 **actor_metrics, **corr.metrics, **lag_metrics, **payload.metrics,
                 "perf/rollout_overlap_frac": overlap,
                 "timing/rollout_s": t_roll, "timing/logprob_s": t_lp, "timing/correction_s": t_corr,
-                "timing/train_s": t_train, "timing/weight_sync_s": t_sync, "timing/step_s": dt,
+                "timing/train_s": t_train, "timing/weight_sync_s": t_sync, "timing/step_s": dt, **sync_metrics,
                 "perf/tokens_per_s": tokens / dt,
             }
             with watchdog.phase("metrics", step):

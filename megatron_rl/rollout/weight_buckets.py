@@ -1,0 +1,113 @@
+"""Weight buckets: the unit of an in-memory weight sync (``rollout.weight_sync: tensor | distributed``).
+
+A ``Bucket`` is one flat byte buffer holding several HF-named tensors of ONE dtype back to back (no
+padding: the layout of SGLang's ``FlattenedTensorBucket``, so the buffer can be broadcast as it is to
+``/update_weights_from_distributed`` with ``load_format: flattened_bucket``) plus their names and shapes.
+``bucketize`` fills buffers of ``bucket_bytes`` from a ``(name, tensor)`` stream, copying (and casting)
+each tensor straight into the buffer, so a sender holds one bucket + the tensor being copied, never the
+model. ``tensor_checksum`` is SGLang's ``/weights_checker`` checksum (sha256 of the bytes, first 8 bytes
+as 16 hex digits), so the trainer and the engine can compare a tensor without moving it.
+
+Usage::
+
+    for bucket in bucketize(iter_hf_tensors(...), 512 << 20, torch.bfloat16):
+        receiver.load(bucket)                 # bucket.tensors(): [(name, view into bucket.flat)]
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+__all__ = ["Bucket", "bucketize", "tensor_checksum", "DTYPE_NAMES"]
+
+#: torch dtype -> the name SGLang's HTTP API uses (``getattr(torch, name)``).
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+               torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """SGLang's weight checksum of ``t``: sha256 of its contiguous CPU bytes, first 8 bytes in hex."""
+    t = t.detach().cpu().contiguous()
+    digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
+    return f"{int.from_bytes(digest[:8], 'big'):016x}"
+
+
+@dataclass
+class Bucket:
+    """Tensors of one dtype packed back to back in ``flat`` (uint8)."""
+
+    names: List[str]
+    """HF tensor names, in buffer order."""
+    shapes: List[Tuple[int, ...]]
+    """Their shapes."""
+    dtype: torch.dtype
+    """The one dtype of every tensor in the bucket."""
+    flat: torch.Tensor
+    """The bytes (1-D uint8, exactly ``nbytes`` long)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the bucket."""
+        return int(self.flat.numel())
+
+    def meta(self) -> dict:
+        """Everything but the bytes (picklable; sent ahead of the buffer)."""
+        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes], "dtype": DTYPE_NAMES[self.dtype],
+                "nbytes": self.nbytes}
+
+    @classmethod
+    def empty(cls, meta: dict, device="cpu") -> "Bucket":
+        """A bucket for ``meta`` with an uninitialised buffer (to receive into)."""
+        return cls(list(meta["names"]), [tuple(s) for s in meta["shapes"]], getattr(torch, meta["dtype"]),
+                   torch.empty(int(meta["nbytes"]), dtype=torch.uint8, device=device))
+
+    def tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` views into ``flat`` (no copy)."""
+        out, off = [], 0
+        item = torch.empty((), dtype=self.dtype).element_size()
+        for name, shape in zip(self.names, self.shapes):
+            n = 1
+            for s in shape:
+                n *= int(s)
+            out.append((name, self.flat[off:off + n * item].view(self.dtype).view(shape)))
+            off += n * item
+        return out
+
+
+def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
+              dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
+    """Pack a ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` (a tensor larger than that
+    gets a bucket of its own). Floating tensors are cast to ``dtype`` (None: kept); a dtype change starts a
+    new bucket. Each tensor is copied into the buffer as it arrives and not kept."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucketize: bucket_bytes={bucket_bytes} must be >= 1")
+    buf: Optional[torch.Tensor] = None
+    names: List[str] = []
+    shapes: List[Tuple[int, ...]] = []
+    cur_dtype = None
+    used = 0
+
+    def flush() -> Optional[Bucket]:
+        if not names:
+            return None
+        return Bucket(list(names), list(shapes), cur_dtype, buf[:used])
+
+    for name, t in pairs:
+        want = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        n = t.numel() * torch.empty((), dtype=want).element_size()
+        if names and (want != cur_dtype or used + n > buf.numel()):
+            yield flush()
+            names, shapes, used = [], [], 0
+        if not names:
+            cur_dtype = want
+            buf = torch.empty(max(bucket_bytes, n), dtype=torch.uint8)
+        buf[used:used + n].view(want).view(t.shape).copy_(t.detach())
+        names.append(name)
+        shapes.append(tuple(t.shape))
+        used += n
+    last = flush()
+    if last is not None:
+        yield last
