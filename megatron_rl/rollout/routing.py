@@ -27,8 +27,9 @@ __all__ = ["hf_moe_routers", "RouterCapture"]
 
 
 def hf_moe_routers(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The router modules of ``model``'s MoE layers, in layer order (empty for dense models)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    """The router modules of ``model``'s MoE layers, in layer order (empty for dense models): Qwen's
+    ``*TopKRouter`` and DeepSeek-V3's ``DeepseekV3TopkRouter`` (same ``(logits, weights, indices)`` output)."""
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
 
 
 class RouterCapture:
