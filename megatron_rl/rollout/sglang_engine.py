@@ -8,6 +8,12 @@
   ``output_ids``), ``finish_reason``, ``prompt_tokens`` and ``weight_version``. A malformed reply raises
   ``MalformedResponseError`` naming the field and the server; a reply from another weight version than
   expected raises ``StaleRolloutError``.
+* MoE routing (R3): when a server was started with ``--enable-return-routed-experts`` (``launch_sglang_server``
+  adds it for MoE checkpoints) and serves an MoE model, every request asks ``return_routed_experts`` and each
+  reply's ``meta_info.routed_experts`` (base64 int32 ``[prompt + response - 1, layers, topk]``) becomes
+  ``Rollout.routed_experts`` ``[prompt + response - 1, moe_layers, topk]`` uint8/int16
+  (``megatron_rl.rollout.sglang_routing``). ``capture_routing`` forces it on (a server without the flag is
+  then an error) or off.
 * Weight sync: ``update_weights(hf_dir, version)`` POSTs ``/update_weights_from_disk`` to every server and
   checks the reported version; afterwards every response must echo ``version``.
 * Connection errors, timeouts and HTTP 5xx are retried with exponential backoff; then
@@ -49,6 +55,7 @@ from megatron_rl.rollout.base import (
     validate_n,
     validate_prompts,
 )
+from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,8 @@ def _short(val: Any, limit: int = 80) -> str:
 
 
 def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, source: str,
-                            expected_version: str | None, prompt_offset: int = 0) -> list[Rollout]:
+                            expected_version: str | None, prompt_offset: int = 0,
+                            routing: SGLangRoutingLayout | None = None) -> list[Rollout]:
     """Validate one ``/generate`` reply for ``prompts`` x ``n`` samples and turn it into ``Rollout`` objects.
 
     Args:
@@ -110,6 +118,8 @@ def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, sour
         source: the server URL (named in every error).
         expected_version: the weight version every response must carry (None: any, but all equal).
         prompt_offset: index of ``prompts[0]`` in the caller's full prompt list (``Rollout.prompt_index``).
+        routing: the model's routing layout when ``return_routed_experts`` was requested: every response
+            must then carry ``meta_info.routed_experts`` (-> ``Rollout.routed_experts``).
 
     Raises:
         MalformedResponseError: a field is missing or wrong (message names the field path and the server).
@@ -181,9 +191,14 @@ def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, sour
         info = {}
         if isinstance(fr, dict) and "matched" in fr:
             info["matched_stop"] = fr["matched"]
+        routed = None
+        if routing is not None:
+            routed = decode_routed_experts(meta.get("routed_experts"), len(prompts[p]) + len(output_ids) - 1,
+                                           routing, where, mpath)
         rollouts.append(Rollout(prompt_index=prompt_offset + p, prompt_ids=list(prompts[p]),
                                 response_ids=list(output_ids), rollout_log_probs=log_probs,
-                                finish_reason=fr_type, weight_version=version, source=source, info=info))
+                                finish_reason=fr_type, weight_version=version, source=source, info=info,
+                                routed_experts=routed))
     return rollouts
 
 
@@ -193,7 +208,8 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, urls: str | Sequence[str], *, request_timeout: float = 300.0, connect_timeout: float = 5.0,
                  weight_sync_timeout: float = 600.0, retry: RetryPolicy | None = None,
                  vocab_size: int | None = None, weight_version: str | None = None,
-                 check_local_paths: bool = True):
+                 check_local_paths: bool = True, capture_routing: bool | None = None,
+                 routing_layout: SGLangRoutingLayout | None = None):
         """
         Args:
             urls: one base URL (``http://127.0.0.1:30000``) or several (servers used round-robin; a router
@@ -205,6 +221,11 @@ class SGLangEngine(RolloutEngine):
             vocab_size: when given, prompt token ids are checked against it before sending.
             weight_version: the version the servers currently serve, if known (else learned from replies).
             check_local_paths: check that ``update_weights``' directory exists locally (servers on this host).
+            capture_routing: MoE routing capture (R3). None (auto): on for a server whose ``/server_info`` says
+                ``enable_return_routed_experts`` and whose model is MoE; True: required (a server without the
+                flag or a dense model raises ``RolloutError``); False: never asked for.
+            routing_layout: the served model's routing layout; default: read from the ``config.json`` of the
+                ``model_path`` the server reports (a directory on this host).
         """
         if isinstance(urls, str):
             urls = [urls]
@@ -226,6 +247,9 @@ class SGLangEngine(RolloutEngine):
         self.vocab_size = vocab_size
         self.check_local_paths = check_local_paths
         self._weight_version = None if weight_version is None else str(weight_version)
+        self.capture_routing = capture_routing
+        self._routing_layout = routing_layout
+        self._routing: dict[str, SGLangRoutingLayout | None] = {}  # per server, once known
         self._rr = itertools.count()
         self._sessions: dict[str, requests.Session] = {}
         self._lock = threading.Lock()
@@ -291,8 +315,11 @@ class SGLangEngine(RolloutEngine):
             url, offset, chunk = job
             payload = {"input_ids": chunk if len(chunk) > 1 or n > 1 else chunk[0],
                        "sampling_params": sampling.to_sglang(n), "return_logprob": True}
+            layout = self._routing_for(url)
+            if layout is not None:
+                payload["return_routed_experts"] = True
             reply = self._request("POST", url + "/generate", payload)
-            return parse_generate_response(reply, chunk, n, url, expected, prompt_offset=offset)
+            return parse_generate_response(reply, chunk, n, url, expected, prompt_offset=offset, routing=layout)
 
         if k == 1:
             results = [run(jobs[0])]
@@ -308,6 +335,39 @@ class SGLangEngine(RolloutEngine):
         if expected is None:
             self._weight_version = versions.pop()
         return rollouts
+
+    def _routing_for(self, url: str) -> SGLangRoutingLayout | None:
+        """The routing layout to request from ``url``, or None (see ``capture_routing``). Auto mode asks
+        ``/server_info`` once (one attempt; a server that cannot answer it is asked again next time)."""
+        if self.capture_routing is False:
+            return None
+        if url in self._routing:
+            return self._routing[url]
+        want = self.capture_routing is True
+        try:
+            info = self._request("GET", url + "/server_info", timeout=30.0, json_4xx=True,
+                                 retry=None if want else RetryPolicy(max_attempts=1))
+        except RolloutError:
+            if want:
+                raise
+            return None
+        info = info if isinstance(info, dict) else {}
+        enabled = info.get("enable_return_routed_experts") is True
+        layout = self._routing_layout
+        if enabled and layout is None:
+            model_path = info.get("model_path")
+            if isinstance(model_path, str) and os.path.isfile(os.path.join(model_path, "config.json")):
+                layout = SGLangRoutingLayout.from_hf_dir(model_path)
+        if want and not enabled:
+            raise RolloutError(f"{url}: capture_routing=True but the server was not started with "
+                               f"{ROUTED_EXPERTS_FLAG} (/server_info enable_return_routed_experts="
+                               f"{_short(info.get('enable_return_routed_experts'))})")
+        if want and layout is None:
+            raise RolloutError(f"{url}: capture_routing=True but the routing layout is unknown: the served model "
+                               f"{_short(info.get('model_path'))} is dense or its config.json is not on this host "
+                               "(pass routing_layout=)")
+        self._routing[url] = layout if enabled else None
+        return self._routing[url]
 
     def update_weights(self, hf_dir: str, version: str) -> None:
         """Make every server load the HF checkpoint in ``hf_dir`` as weight version ``version``."""

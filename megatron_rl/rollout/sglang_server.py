@@ -11,13 +11,16 @@ stand-ins of ``megatron_rl/platform/sglang_cpu`` (``sgl_kernel``, text-only ``to
 ``PYTHONPATH`` — only for this subprocess.
 
 The server's interpreter is ``$MEGATRON_RL_SGLANG_PYTHON`` if set (sglang installed in a separate venv), else
-the current one. Usage::
+the current one. For an MoE checkpoint it adds ``--enable-return-routed-experts`` (the server returns each
+token's routed experts when a request asks: MoE routing replay R3; ``return_routed_experts`` overrides).
+Usage::
 
     with launch_sglang_server("/tmp/tiny", port=find_free_port(), device="cpu") as server:
         engine = SGLangEngine(server.url)
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -30,6 +33,8 @@ from pathlib import Path
 from typing import Sequence
 
 import requests
+
+from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, hf_config_is_moe
 
 #: Directory holding the CPU-only import stand-ins (prepended to the server's PYTHONPATH on CPU).
 CPU_STANDIN_DIR = str(Path(__file__).resolve().parent.parent / "platform" / "sglang_cpu")
@@ -220,7 +225,7 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
                          dtype: str = "bfloat16", mem_fraction_static: float = 0.05,
                          max_total_tokens: int | None = None, log_path: str | None = None,
                          ready_timeout: float = 300.0, env: dict[str, str] | None = None,
-                         wait: bool = True) -> SGLangServerHandle:
+                         wait: bool = True, return_routed_experts: bool | None = None) -> SGLangServerHandle:
     """Start ``python -m sglang.launch_server`` serving ``model_dir`` and (by default) wait until it is ready.
 
     Args:
@@ -239,6 +244,8 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         ready_timeout: seconds to wait for ``/health``.
         env: extra environment variables for the server.
         wait: wait for readiness before returning.
+        return_routed_experts: add ``--enable-return-routed-experts`` (capture MoE routing for R3; on CPU the
+            ``sitecustomize`` stand-in lets its host buffer be allocated). None: when ``config.json`` is MoE.
 
     Raises:
         FileNotFoundError: ``model_dir`` has no config.json.
@@ -260,6 +267,11 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         cmd += ["--max-total-tokens", str(int(max_total_tokens))]
     if device == "cpu":
         cmd += ["--device", "cpu"]
+    if return_routed_experts is None:
+        with open(os.path.join(model_dir, "config.json")) as fh:
+            return_routed_experts = hf_config_is_moe(json.load(fh))
+    if return_routed_experts and ROUTED_EXPERTS_FLAG not in extra_args:
+        cmd.append(ROUTED_EXPERTS_FLAG)
     cmd += list(extra_args)
 
     child_env = dict(os.environ)
