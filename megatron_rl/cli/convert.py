@@ -3,6 +3,7 @@ process group — pure tensor slicing).
 
     megatron-rl convert hf-to-mcore --hf-dir D --out O --tensor-model-parallel-size T \\
         --pipeline-model-parallel-size P [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET] \\
+        [--num-layers-in-first-pipeline-stage F] [--num-layers-in-last-pipeline-stage L] \\
         [--make-vocab-size-divisible-by 1] [--overwrite]
     megatron-rl convert mcore-to-hf --mcore-dir O --out D2 [--hf-assets-dir HF] [--overwrite]
 
@@ -31,7 +32,9 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
                          pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                          expert_model_parallel_size=args.expert_model_parallel_size,
                          expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                         num_layers_in_first_pipeline_stage=args.num_layers_in_first_pipeline_stage,
+                         num_layers_in_last_pipeline_stage=args.num_layers_in_last_pipeline_stage)
     t0 = time.time()
     meta = convert_hf_to_mcore(args.hf_dir, args.out, layout, overwrite=args.overwrite)
     g = meta["geometry"]
@@ -81,6 +84,10 @@ def add_parser(subparsers) -> None:
     a.add_argument("--expert-model-parallel-size", type=int, default=1)
     a.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallel size inside experts (default: = TP, megatron's default)")
+    a.add_argument("--num-layers-in-first-pipeline-stage", type=int, default=None,
+                   help="uneven pipeline: layers of the first stage (default: even split; megatron's option)")
+    a.add_argument("--num-layers-in-last-pipeline-stage", type=int, default=None,
+                   help="uneven pipeline: layers of the last stage (default: even split; megatron's option)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
                    help="pad the vocab to a multiple of this x TP (default 1: pad only to a multiple of TP; "
                         "padded logit columns must be masked by the log-prob code)")
