@@ -235,8 +235,9 @@ class RolloutEngine(abc.ABC):
     #: The ``rollout.weight_sync`` modes this engine can receive (see ``WEIGHT_SYNC_MODES``).
     weight_sync_modes: tuple = ("disk",)
 
-    def begin_weight_sync(self, mode: str, version: str) -> WeightReceiver:
-        """Start an in-memory update to ``version`` in ``mode`` ("tensor" / "distributed")."""
+    def begin_weight_sync(self, mode: str, version: str, **options) -> WeightReceiver:
+        """Start an in-memory update to ``version`` in ``mode`` ("tensor" / "distributed"); ``options``:
+        engine-specific settings (``master_address``, ``timeout_s``), ignored where they do not apply."""
         raise WeightSyncError(f"{type(self).__name__} cannot receive weights in mode {mode!r} "
                               f"(it supports {', '.join(self.weight_sync_modes)})")
 

@@ -202,7 +202,7 @@ class EmbeddedEngine(RolloutEngine):
         """The engine's compute dtype (buckets arrive cast to it)."""
         return self.dtype
 
-    def begin_weight_sync(self, mode: str, version: str) -> BucketLoader:
+    def begin_weight_sync(self, mode: str, version: str, **options) -> BucketLoader:
         """Mode "tensor": a ``BucketLoader`` copying each bucket into the model as it arrives."""
         self._require_model(generating=False)
         if mode != "tensor":

@@ -15,7 +15,10 @@
   (``megatron_rl.rollout.sglang_routing``). ``capture_routing`` forces it on (a server without the flag is
   then an error) or off.
 * Weight sync: ``update_weights(hf_dir, version)`` POSTs ``/update_weights_from_disk`` to every server and
-  checks the reported version; afterwards every response must echo ``version``.
+  checks the reported version; afterwards every response must echo ``version``. In memory
+  (``begin_weight_sync``, ``rollout.weight_sync: tensor | distributed``): bucket by bucket through
+  ``/update_weights_from_tensor`` or a gloo / NCCL group (``sglang_weights`` documents what each needs);
+  after a failed in-memory sync the engine refuses to generate until a sync succeeds.
 * Connection errors, timeouts and HTTP 5xx are retried with exponential backoff; then
   ``EngineUnavailableError`` names the URL and the last failure. 4xx replies are not retried.
 * ``generate`` is all-or-nothing: on any failure it raises and returns nothing (the step is not applied).
@@ -56,6 +59,8 @@ from megatron_rl.rollout.base import (
     validate_prompts,
 )
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
+from megatron_rl.rollout.sglang_weights import (SGLangDistributedReceiver, SGLangTensorReceiver, UpdateGroup,
+                                                checksums_by_name, master_address_for)
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,9 @@ class SGLangEngine(RolloutEngine):
         self._rr = itertools.count()
         self._sessions: dict[str, requests.Session] = {}
         self._lock = threading.Lock()
+        self._invalid: str | None = None  # why no server may be used (a failed in-memory weight sync)
+        self._group: UpdateGroup | None = None  # weight_sync distributed: rank 0 + the servers' TP ranks
+        self._server_info: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ HTTP
     def _session(self, url: str) -> requests.Session:
@@ -302,6 +310,8 @@ class SGLangEngine(RolloutEngine):
         """Sample ``n`` responses per prompt from the servers; all-or-nothing (see module docstring)."""
         prompts = validate_prompts(prompt_ids, self.vocab_size)
         n = validate_n(n)
+        if self._invalid is not None:
+            raise WeightSyncError(f"SGLangEngine will not generate until a weight sync succeeds: {self._invalid}")
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         k = min(len(self.urls), len(prompts))
@@ -385,6 +395,92 @@ class SGLangEngine(RolloutEngine):
                 raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports weight_version="
                                       f"{got!r}, expected {version!r}")
         self._weight_version = version
+        self._invalid = None
+
+    # ------------------------------------------------- in-memory weight sync (rollout.weight_sync; sglang_weights)
+    weight_sync_modes = ("disk", "tensor", "distributed")
+
+    def begin_weight_sync(self, mode: str, version: str, master_address: str | None = None,
+                          timeout_s: float | None = None, **options):
+        """A receiver for ``mode`` "tensor" (servers on this host) or "distributed" (gloo on CPU, NCCL on GPU;
+        the update group is set up on first use and kept)."""
+        timeout_s = timeout_s or self.weight_sync_timeout
+        if mode == "tensor":
+            return SGLangTensorReceiver(self, str(version), timeout_s)
+        if mode != "distributed":
+            return super().begin_weight_sync(mode, version)
+        if self._group is None:
+            import torch
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            self._group = UpdateGroup(self, master_address_for(self.urls, master_address), timeout_s, backend)
+        return SGLangDistributedReceiver(self, str(version), timeout_s, self._group)
+
+    @property
+    def weight_dtype(self):
+        """The dtype the servers run in (``/get_server_info`` ``dtype``; None for "auto")."""
+        import torch
+
+        dt = self._info(self.urls[0]).get("dtype")
+        return getattr(torch, dt) if isinstance(dt, str) and isinstance(getattr(torch, dt, None), torch.dtype) else None
+
+    def server_tp_size(self, url: str) -> int:
+        """Tensor-parallel size of the server at ``url`` (``/get_server_info``)."""
+        return int(self._info(url).get("tp_size") or 1)
+
+    def checkable_weight_names(self) -> set:
+        """Tensor names the servers' ``/weights_checker`` reports under their HF name."""
+        return set(checksums_by_name(self._request("POST", self.urls[0] + "/weights_checker", {"action": "checksum"},
+                                                   timeout=self.weight_sync_timeout, json_4xx=True), self.urls[0]))
+
+    def weight_checksums(self, names) -> dict:
+        """Checksums of ``names`` on every server; a server that disagrees with the first raises, naming both."""
+        out: dict = {}
+        for url in self.urls:
+            got = checksums_by_name(self._request("POST", url + "/weights_checker", {"action": "checksum"},
+                                                  timeout=self.weight_sync_timeout, json_4xx=True), url)
+            mine = {n: got.get(n) for n in names}
+            if out and mine != out:
+                bad = [n for n in names if mine[n] != out[n]]
+                raise WeightSyncError(f"{url} and {self.urls[0]} hold different weights for {bad[:8]}")
+            out = mine
+        return out
+
+    def _info(self, url: str) -> dict:
+        if url not in self._server_info:
+            info = self._request("GET", url + "/get_server_info")
+            self._server_info[url] = info if isinstance(info, dict) else {}
+        return self._server_info[url]
+
+    def _post_ok(self, url: str, path: str, payload: dict, timeout: float) -> dict:
+        """POST once (no retry: an update must not be applied twice); raise WeightSyncError unless success."""
+        try:
+            reply = self._request("POST", url + path, payload, timeout=timeout, retry=RetryPolicy(max_attempts=1),
+                                  json_4xx=True)
+        except RolloutError as exc:
+            raise WeightSyncError(f"{url}{path}: {exc}") from exc
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise WeightSyncError(f"{url}{path} refused: {_short(reply.get('message'), 400)}")
+        return reply
+
+    def _check_versions(self, version: str) -> None:
+        """Every server reports ``version`` (``/get_model_info``); then the engine serves it."""
+        for url in self.urls:
+            info = self._request("GET", url + "/get_model_info")
+            got = str(info.get("weight_version")) if isinstance(info, dict) else None
+            if got != version:
+                raise WeightSyncError(f"{url}: after the weight sync the server reports weight_version={got!r}, "
+                                      f"expected {version!r}")
+        self._weight_version = version
+        self._invalid = None
+
+    def _mark_invalid(self, reason: str) -> None:
+        self._invalid = reason
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            group, self._group = self._group, None
+            group.close()
 
     def _update_one(self, url: str, path: str, version: str) -> None:
         """``/update_weights_from_disk`` on one server. SGLang refuses to flush its prefix cache while a request
@@ -433,7 +529,8 @@ class SGLangEngine(RolloutEngine):
             time.sleep(poll)
 
     def close(self) -> None:
-        """Close the HTTP sessions."""
+        """Close the weight-update group and the HTTP sessions."""
+        self._drop_group()
         with self._lock:
             for s in self._sessions.values():
                 s.close()

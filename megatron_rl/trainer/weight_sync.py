@@ -164,7 +164,8 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
     plan = None
     if rank0:
         try:
-            receiver = engine.begin_weight_sync(mode, version)
+            receiver = engine.begin_weight_sync(mode, version, master_address=rc.weight_sync_master_address,
+                                                timeout_s=rc.weight_sync_timeout_s)
             names = _expected_names(actor)
             v = _version_number(version)
             verify = rc.weight_sync_verify_interval > 0 and v % rc.weight_sync_verify_interval == 0
