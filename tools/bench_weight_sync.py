@@ -82,7 +82,7 @@ def main(argv=None):
     root = tempfile.mkdtemp(prefix="bench_ws_")
     hf = build_tiny_hf_model(os.path.join(root, "model"), arch="qwen2", seed=0, hidden_size=a.hidden,
                              intermediate_size=a.hidden * 11 // 4, num_hidden_layers=a.layers,
-                             num_attention_heads=a.hidden // 64, num_key_value_heads=max(1, a.hidden // 256),
+                             num_attention_heads=a.hidden // 64, num_key_value_heads=4,
                              vocab_size=a.vocab)
     with open(os.path.join(hf, "config.json")) as fh:
         model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
