@@ -429,9 +429,11 @@ class SGLangEngine(RolloutEngine):
         return int(self._info(url).get("tp_size") or 1)
 
     def checkable_weight_names(self) -> set:
-        """Tensor names the servers' ``/weights_checker`` reports under their HF name."""
-        return set(checksums_by_name(self._request("POST", self.urls[0] + "/weights_checker", {"action": "checksum"},
-                                                   timeout=self.weight_sync_timeout, json_4xx=True), self.urls[0]))
+        """Tensor names the servers' ``/weights_checker`` reports under their HF name, less the vocabulary
+        tensors (SGLang pads their rows to a multiple of 64, so their checksums cover more than the HF tensor)."""
+        names = checksums_by_name(self._request("POST", self.urls[0] + "/weights_checker", {"action": "checksum"},
+                                                timeout=self.weight_sync_timeout, json_4xx=True), self.urls[0])
+        return {n for n in names if not n.endswith(("embed_tokens.weight", "lm_head.weight"))}
 
     def weight_checksums(self, names) -> dict:
         """Checksums of ``names`` on every server; a server that disagrees with the first raises, naming both."""

@@ -15,8 +15,9 @@ the pinned SGLang (0.5.23, CPU server):
   engine; per bucket ``/update_weights_from_distributed`` with ``load_format: flattened_bucket`` while rank 0
   broadcasts the bucket's bytes in the group — one broadcast reaches every server.
 * Verification reads ``/weights_checker`` (``action: checksum``): sha256 checksums of the server's own
-  tensors by SGLang name; names equal to HF names (embeddings, o_proj, down_proj, norms, lm_head) are
-  comparable with the trainer's (fused qkv / gate_up are not). Only TP1 servers report whole tensors.
+  tensors by SGLang name; names equal to HF names (o_proj, down_proj, norms) are comparable with the
+  trainer's (fused qkv / gate_up are not, nor embed_tokens / lm_head, whose rows SGLang pads to a multiple
+  of 64). Only TP1 servers report whole tensors.
   ``/get_weights_by_name`` is not implemented for Qwen2 in this version.
 * Failure (any server): every reachable server is tagged ``sync-failed:<version>`` and the engine refuses
   to generate until a later sync succeeds — no server is left serving a mix of versions as a valid one.
