@@ -245,7 +245,8 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             t0 = time.perf_counter()
             version = version_tag(step)
             with watchdog.phase("weight_sync", step):
-                sync_metrics = sync_weights(actor, engine, cfg, version, rank0, producer)
+                sync_metrics = sync_weights(actor, engine, cfg, version, rank0, producer,
+                                            deferred=rc.mode == "async")
             t_sync = time.perf_counter() - t0
             # the share of this step's wall time in which the producer generated while the trainer worked
             t_end = time.perf_counter()

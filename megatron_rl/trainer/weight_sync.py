@@ -255,15 +255,18 @@ def apply_weights(engine, cfg: JobConfig, payload, version: str) -> None:
 
 
 def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, producer=None,
-                 corrupt=None) -> Dict[str, float]:
+                 corrupt=None, deferred: bool = False) -> Dict[str, float]:
     """Push the actor's current weights to the engine and tag them ``version`` (collective; an engine failure
     on rank 0 is raised on every rank). With an async ``producer`` the weights are published to it instead;
     it loads them in its own thread when the schedule needs them (a failure there surfaces at the next
-    step's rollouts, on every rank). Returns the ``weight_sync/*`` metrics."""
+    step's rollouts, on every rank). ``deferred`` must be the same on every rank (only rank 0 holds the
+    producer): True in async mode after the producer started. Returns the ``weight_sync/*`` metrics."""
     mode = resolve_mode(cfg)
-    if producer is None and mode != "disk":
+    if rank0 and deferred != (producer is not None):
+        raise RuntimeError("sync_weights: rank 0 must hold the async producer exactly when deferred is True")
+    if not deferred and mode != "disk":
         return _stream_sync(actor, engine, cfg, mode, version, rank0, corrupt).metrics()
-    payload = weights_payload(actor, cfg, version, owned=producer is not None)
+    payload = weights_payload(actor, cfg, version, owned=deferred)
     error = None
     report = SyncReport()
     if rank0:

@@ -50,15 +50,15 @@ def _install(kind: str, rank: int, step: int) -> None:
     if kind == "sync_error":
         from megatron_rl.rollout.embedded import EmbeddedEngine
 
-        real_update = EmbeddedEngine.update_weights_from_state_dict
+        real_begin = EmbeddedEngine.begin_weight_sync
 
-        def update(self, state_dict, version, *args, **kwargs):
+        def begin(self, mode, version, *args, **kwargs):
             if version == f"step-{step}":
                 fire()
                 raise RuntimeError(f"engine refused weights {version} (injected by tests/faults)")
-            return real_update(self, state_dict, version, *args, **kwargs)
+            return real_begin(self, mode, version, *args, **kwargs)
 
-        EmbeddedEngine.update_weights_from_state_dict = update
+        EmbeddedEngine.begin_weight_sync = begin
         return
     from megatron_rl.actor import train_step as train_step_module
     from megatron_rl.actor.actor import MegatronActor
