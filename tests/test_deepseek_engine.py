@@ -13,7 +13,7 @@ per-expert safetensors tensors), HF's own router top-k, and the actor's exported
   while differing from the pre-step weights' (the sync changed something);
 * ``trainer.loop.train`` on 4 gloo ranks (TP2+SP x EP2) with the bf16 embedded engine and routing replay r3:
   two steps, finite metrics, step 1's mismatch KL == the one recomputed from the dumped rollouts with HF fp32;
-  ``rollout.weight_sync: disk`` passes, ``tensor`` is a strict xfail (see ``TENSOR_SYNC_BUG``).
+  ``rollout.weight_sync: disk`` and ``tensor`` (fp32-kept tensors sent uncast) both pass.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_deepseek_engine.py -q``
 """
@@ -33,7 +33,7 @@ from megatron_rl.convert.hf_config import model_config_from_hf
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.testing.distributed import RankError, run_ranks
+from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -205,16 +205,13 @@ def _train_body(rank, world, cfg):
     return train(cfg)
 
 
-# rollout.weight_sync tensor (the "auto" choice for the embedded engine) casts every bucket to the engine's
-# compute dtype, but transformers keeps DeepSeek-V3's e_score_correction_bias in fp32 in a bf16 model
-# (_keep_in_fp32_modules_strict): the bias arrives bf16-rounded and the checksum verification refuses the sync.
-# Strict xfail: it turns into a failure (remove the mark) once the bucket stream keeps that tensor's dtype.
-TENSOR_SYNC_BUG = pytest.mark.xfail(strict=True, raises=RankError, reason=(
-    "bucketed sync casts the fp32-kept e_score_correction_bias to bf16 (checksum mismatch)"))
+# rollout.weight_sync tensor (the "auto" choice for the embedded engine) must keep the dtype of tensors
+# transformers keeps in fp32 in a bf16 model (_keep_in_fp32_modules_strict: DeepSeek-V3's
+# e_score_correction_bias); cast to bf16 they failed the checksum verification (fixed: keep_dtype).
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("sync", ["disk", pytest.param("tensor", marks=TENSOR_SYNC_BUG)])
+@pytest.mark.parametrize("sync", ["disk", "tensor"])
 def test_rl_loop_runs_with_embedded_engine(task_model, tmp_path, sync):
     run_dir = str(tmp_path / "run")
     cfg = load_job_config(None, [

@@ -261,6 +261,10 @@ class RolloutEngine(abc.ABC):
         """The torch dtype the engine keeps its weights in (buckets are cast to it), None if unknown."""
         return None
 
+    def full_precision_weight_names(self) -> set:
+        """HF names the engine keeps in a higher precision than ``weight_dtype`` (sent uncast)."""
+        return set()
+
     def checkable_weight_names(self) -> set:
         """HF names whose engine copy ``weight_checksums`` can report (empty: no verification)."""
         return set()

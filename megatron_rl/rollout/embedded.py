@@ -202,6 +202,12 @@ class EmbeddedEngine(RolloutEngine):
         """The engine's compute dtype (buckets arrive cast to it)."""
         return self.dtype
 
+    def full_precision_weight_names(self) -> set:
+        """Floating parameters / buffers transformers keeps in another dtype than the engine's (e.g. fp32
+        ``e_score_correction_bias`` of DeepSeek-V3 in a bf16 model)."""
+        self._require_model(generating=False)
+        return {n for n, t in self.model.state_dict().items() if t.is_floating_point() and t.dtype != self.dtype}
+
     def begin_weight_sync(self, mode: str, version: str, **options) -> BucketLoader:
         """Mode "tensor": a ``BucketLoader`` copying each bucket into the model as it arrives."""
         self._require_model(generating=False)

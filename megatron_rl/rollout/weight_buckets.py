@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -78,10 +78,13 @@ class Bucket:
 
 
 def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
-              dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
+              dtype: Optional[torch.dtype] = None, keep_dtype: Optional[Set[str]] = None) -> Iterator[Bucket]:
     """Pack a ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` (a tensor larger than that
-    gets a bucket of its own). Floating tensors are cast to ``dtype`` (None: kept); a dtype change starts a
-    new bucket. Each tensor is copied into the buffer as it arrives and not kept."""
+    gets a bucket of its own). Floating tensors are cast to ``dtype`` (None: kept), except those named in
+    ``keep_dtype`` (tensors the engine keeps in higher precision than its compute dtype, e.g. DeepSeek-V3's
+    fp32 ``e_score_correction_bias`` in a bf16 model); a dtype change starts a new bucket. Each tensor is
+    copied into the buffer as it arrives and not kept."""
+    keep_dtype = keep_dtype or set()
     if bucket_bytes < 1:
         raise ValueError(f"bucketize: bucket_bytes={bucket_bytes} must be >= 1")
     buf: Optional[torch.Tensor] = None
@@ -96,7 +99,7 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
         return Bucket(list(names), list(shapes), cur_dtype, buf[:used])
 
     for name, t in pairs:
-        want = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        want = dtype if (dtype is not None and t.is_floating_point() and name not in keep_dtype) else t.dtype
         n = t.numel() * torch.empty((), dtype=want).element_size()
         if names and (want != cur_dtype or used + n > buf.numel()):
             yield flush()

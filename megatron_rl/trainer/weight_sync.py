@@ -96,7 +96,8 @@ def _recv_bucket(src: int) -> Optional[Bucket]:
     return bucket
 
 
-def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype]) -> Iterator[Bucket]:
+def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
+                   keep_dtype: Optional[set] = None) -> Iterator[Bucket]:
     """Collective over every trainer rank: on global rank 0, the model's HF tensors as buckets (stage 0's,
     then each later stage's, received from its leader); on other ranks nothing (they gather and send).
     Consume it to the end on every rank."""
@@ -106,7 +107,7 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype]) -> It
     rank = dist.get_rank() if dist.is_initialized() else 0
     leader = is_stage_leader(groups)
     if world == 1:
-        yield from bucketize(pairs, bucket_bytes, dtype)
+        yield from bucketize(pairs, bucket_bytes, dtype, keep_dtype)
         return
     roles = [None] * world
     dist.all_gather_object(roles, (groups.pp_rank, leader))
@@ -114,7 +115,7 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype]) -> It
     if rank == 0:
         if not leader or groups.pp_rank != 0:
             raise WeightSyncError("weight sync: global rank 0 is not the leader of pipeline stage 0")
-        yield from bucketize(pairs, bucket_bytes, dtype)
+        yield from bucketize(pairs, bucket_bytes, dtype, keep_dtype)
         for _, src in senders:
             while True:
                 bucket = _recv_bucket(src)
@@ -122,7 +123,7 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype]) -> It
                     break
                 yield bucket
     elif leader and groups.pp_rank > 0:
-        for bucket in bucketize(pairs, bucket_bytes, dtype):
+        for bucket in bucketize(pairs, bucket_bytes, dtype, keep_dtype):
             _send_bucket(bucket, 0)
             del bucket
         _send_bucket(None, 0)
@@ -172,16 +173,17 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
             checkable = engine.checkable_weight_names() if verify else set()
             sample = _sample([n for n in names if n in checkable], rc.weight_sync_verify_tensors, v)
             dt = engine.weight_dtype
-            plan = (DTYPE_NAMES.get(dt), set(sample), names)
+            plan = (DTYPE_NAMES.get(dt), set(sample), names, sorted(engine.full_precision_weight_names()))
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc
-    box = share_from_rank0((error, plan[0] if plan else None))
+    box = share_from_rank0((error, plan[0] if plan else None, plan[3] if plan else None))
     if box[0] is not None:
         raise box[0]
     dtype = getattr(torch, box[1]) if box[1] else None
+    keep = set(box[2] or ())
     expected: Dict[str, str] = {}
     seen: Dict[str, int] = {}
-    for bucket in stream_buckets(actor, int(rc.weight_sync_bucket_mb * (1 << 20)), dtype):
+    for bucket in stream_buckets(actor, int(rc.weight_sync_bucket_mb * (1 << 20)), dtype, keep):
         if not rank0 or error is not None:
             continue  # drain: the other ranks are still sending
         try:
@@ -244,8 +246,9 @@ def weights_payload(actor, cfg: JobConfig, version: str, owned: bool = False):
     if mode != "tensor" or cfg.rollout.engine != "embedded":
         raise WeightSyncError(f"rollout.weight_sync {mode!r} with rollout.engine {cfg.rollout.engine!r} cannot be "
                               f"applied later by the async producer (use rollout.weight_sync: disk)")
-    dtype = getattr(torch, cfg.rollout.dtype)
-    buckets = list(stream_buckets(actor, int(cfg.rollout.weight_sync_bucket_mb * (1 << 20)), dtype))
+    # uncast (the trainer's dtype): the engine casts on load, and tensors it keeps in higher precision than its
+    # compute dtype (DeepSeek-V3's fp32 e_score_correction_bias) arrive exact; only rank 0 knows the engine
+    buckets = list(stream_buckets(actor, int(cfg.rollout.weight_sync_bucket_mb * (1 << 20)), None))
     return buckets if dist.get_rank() == 0 else None
 
 
