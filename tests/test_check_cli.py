@@ -92,3 +92,24 @@ def test_every_shipped_config_names_its_cluster():
     for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
         cluster = yaml.safe_load(open(path)).get("cluster")
         assert cluster and {"device", "nodes", "gpus_per_node"} <= set(cluster), path
+
+
+def test_plan_includes_the_weight_sync():
+    """The plan states what one trainer -> engine sync moves and holds. Reference: Qwen3-30B-A3B's published
+    30.5 B parameters in bf16 (~61 GB, what the weight-sync issue quotes), the 512 MiB buckets of the config
+    and the V x h output layer from its config (151936 x 2048 in bf16) gathered beside two buckets (PP2)."""
+    import re
+
+    r = _cli("configs/qwen3_30b_a3b_2x8.yaml")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"weight sync \((\w+), buckets of 512 MiB\): ([\d.]+) GB per sync, rank 0 \+([\d.]+) GiB host, "
+                  r"later-stage leaders \+([\d.]+) GiB; ~([\d.]+) s at an assumed 20 GB/s", r.stdout)
+    assert m, r.stdout[-2000:]
+    assert m.group(1) == "distributed"
+    assert abs(float(m.group(2)) - 30.5e9 * 2 / 1e9) / 61.0 < 0.01
+    out_layer = 151936 * 2048 * 2
+    assert float(m.group(3)) == pytest.approx((2 * 512 * 2**20 + out_layer) / 2**30, abs=0.01)
+    assert float(m.group(4)) == pytest.approx((512 * 2**20 + out_layer) / 2**30, abs=0.01)
+    r = _cli("configs/qwen3_30b_a3b_2x8.yaml", "rollout.weight_sync=disk")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"weight sync \(disk\): ([\d.]+) GB per sync, rank 0 \+56\.\d\d GiB host", r.stdout), r.stdout[-800:]

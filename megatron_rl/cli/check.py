@@ -23,6 +23,7 @@ from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.validate import world_errors
 from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, memory_plan
 from megatron_rl.ops.run_profile import run_profile
+from megatron_rl.ops.sync_plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
 
 
@@ -115,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"runs: device {c.device}; params {params_bytes} B ({params_src}); Adam state "
           f"{'sharded over DP' if dist_opt else 'on every DP rank'} ({opt_src}); prompt {prompt} tokens ({prompt_src})")
     print(format_plan(plan, c.gpu_memory_gb, device=c.device))
+    print(weight_sync_plan(cfg, plan.total_params).line())
     peak = plan.peak().total(opts.recompute, opts.fused_logprobs)
     if problems:
         return 2

@@ -1,0 +1,73 @@
+"""The weight-sync part of ``megatron-rl check``: what one trainer -> engine sync moves and holds.
+
+``weight_sync_plan(cfg, total_params)`` -> ``SyncPlan`` for the job's resolved ``rollout.weight_sync`` mode
+(megatron_rl/trainer/weight_sync.py):
+
+* bytes per sync = every parameter once, in the engine's dtype (``rollout.dtype``);
+* host memory of the sync on rank 0: disk — the whole model in the engine's dtype (the HF export is built
+  there); tensor / distributed — two buckets (the one being packed and, with PP, the one received from a
+  later stage's leader) plus the largest tensor being gathered (the embedding / output layer, V x h);
+  on a later stage's leader one bucket + that tensor. (Async mode with the embedded engine keeps a copy of
+  the whole model on rank 0, in the trainer's dtype, for the producer.)
+* estimated time at a stated, assumed bandwidth: ``DISK_GBPS`` for writing + reading the export,
+  ``LINK_GBPS`` for the in-memory modes (intra-node copy / broadcast). Measure yours with
+  ``tools/bench_weight_sync.py``; the numbers here are for planning only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.trainer.weight_sync import resolve_mode
+
+__all__ = ["SyncPlan", "weight_sync_plan", "DISK_GBPS", "LINK_GBPS"]
+
+DISK_GBPS = 2.0
+"""Assumed disk bandwidth (GB/s) of the disk mode: the export is written once and read once."""
+LINK_GBPS = 20.0
+"""Assumed bandwidth (GB/s) of the in-memory modes (host copy / NCCL broadcast to the engine)."""
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class SyncPlan:
+    """One weight sync of the job (bytes, seconds)."""
+
+    mode: str
+    """The resolved rollout.weight_sync mode."""
+    bytes_per_sync: float
+    """Every parameter once, in the engine's dtype."""
+    bucket_bytes: float
+    """rollout.weight_sync_bucket_mb in bytes (0 for disk)."""
+    rank0_host_bytes: float
+    """Extra host memory of a sync on global rank 0."""
+    leader_host_bytes: float
+    """Extra host memory on the leader of a later pipeline stage (0 without PP or for disk)."""
+    seconds: float
+    """Estimated time at the assumed bandwidth."""
+    gbps: float
+    """The bandwidth the estimate assumes."""
+
+    def line(self) -> str:
+        """One line for the check output."""
+        mem = f"rank 0 +{self.rank0_host_bytes / 2**30:.2f} GiB host"
+        if self.leader_host_bytes:
+            mem += f", later-stage leaders +{self.leader_host_bytes / 2**30:.2f} GiB"
+        bucket = f", buckets of {self.bucket_bytes / 2**20:g} MiB" if self.bucket_bytes else ""
+        return (f"weight sync ({self.mode}{bucket}): {self.bytes_per_sync / 1e9:.2f} GB per sync, {mem}; "
+                f"~{self.seconds:.1f} s at an assumed {self.gbps:g} GB/s (measure: tools/bench_weight_sync.py)")
+
+
+def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
+    """The sync plan of the validated job ``cfg`` whose model has ``total_params`` parameters."""
+    r, m = cfg.rollout, cfg.model
+    mode = resolve_mode(cfg)
+    dtype_bytes = DTYPE_BYTES.get(r.dtype, 2)
+    total = float(total_params) * dtype_bytes
+    largest = float(m.vocab_size) * m.hidden_size * dtype_bytes
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if mode == "disk":
+        return SyncPlan(mode, total, 0.0, total, 0.0, 2 * total / (DISK_GBPS * 1e9), DISK_GBPS)
+    bucket = r.weight_sync_bucket_mb * 2**20
+    rank0 = (2 if pp > 1 else 1) * bucket + largest
+    leader = bucket + largest if pp > 1 else 0.0
+    return SyncPlan(mode, total, bucket, rank0, leader, total / (LINK_GBPS * 1e9), LINK_GBPS)
