@@ -123,3 +123,35 @@ def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp
         assert 0.0 < m["rollout_corr/lagged_token_fraction"] <= 1.0
     assert metrics[0]["rollout_corr/lagged_token_fraction"] == 0.0
     _assert_step1_kl_matches_hf_fp32(model, metrics, recs)
+
+
+@pytest.mark.timeout(900)
+def test_loop_with_real_sglang_server_replays_its_moe_routing(tmp_path):
+    """routing_replay r3 through the whole loop with a real server: a tiny Qwen3-MoE, the loop launches the
+    server (which captures routing because the model is MoE), 2 steps at EP2: the trainer replays the
+    server's experts, router_agreement (trainer's own top-k vs the server's, measured on the recompute pass)
+    is logged and below 1 for the bf16 server vs the fp32 trainer (there was something to replay), and the
+    weights synced after step 1 serve step 2."""
+    from megatron_rl.rollout.sglang_server import find_free_port
+    from megatron_rl.tasks.char_tokenizer import build_task_model
+
+    model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2,
+                             num_experts=8, num_experts_per_tok=2)
+    run_dir = str(tmp_path / "run")
+    cfg = load_job_config(None, [
+        "parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2",
+        f"actor.load_hf={model}", f"trainer.run_dir={run_dir}", "actor.routing_replay=r3",
+        "rollout.engine=sglang", "rollout.sglang_launch=true", f"rollout.sglang_port={find_free_port()}",
+        "rollout.max_new_tokens=4", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=4",
+        "trainer.steps=2", "trainer.dump_rollouts=true", "trainer.progress=false", "actor.micro_batch_size=8",
+        "actor.lr=1e-3"], world_size=2)
+    run_ranks(_train_body, 2, cfg, timeout=840)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        metrics = [json.loads(line) for line in fh]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 0.5 < m["rollout_corr/router_agreement"] <= 1.0
+    assert min(m["rollout_corr/router_agreement"] for m in metrics) < 1.0
+    with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
+        recs = [json.loads(line) for line in fh]
+    assert {r["weight_version"] for r in recs if r["step"] == 2} == {"step-1"}
