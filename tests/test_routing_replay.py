@@ -65,13 +65,14 @@ def _model_section(hf_dir, extra=None):
     return m
 
 
-def _job(hf_dir, tp=1, pp=1, ep=1, sp=False, mbs=3, extra=None, lr=1e-3, **actor):
+def _job(hf_dir, tp=1, pp=1, ep=1, sp=False, mbs=3, extra=None, lr=1e-3, etp=None, **actor):
     return job_config_from_dict({
         "model": _model_section(hf_dir, extra),
         "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, "lr": lr, "clip_grad": 0.0, "policy_loss": LOSS,
                   **actor},
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "sequence_parallel": sp},
+                     "expert_model_parallel_size": ep, "sequence_parallel": sp,
+                     **({"expert_tensor_parallel_size": etp} if etp else {})},
         "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
                                              "bypass_mode": False, "loss_type": "ppo_clip"}},
     })
@@ -199,12 +200,12 @@ def _rank_r3(rank, world, job, data):
 
 
 CASES = [(dict(), 1), (dict(extra=RECOMPUTE), 1), (dict(tp=2, ep=2, sp=True), 4), (dict(pp=2, ep=2), 4),
-         (dict(pp=2, ep=2, extra=RECOMPUTE), 4)]
+         (dict(pp=2, ep=2, extra=RECOMPUTE), 4), (dict(tp=2, pp=2, ep=2, etp=1, sp=True), 4)]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout,world", CASES, ids=["tp1", "tp1-recompute", "tp2ep2sp", "pp2ep2",
-                                                     "pp2ep2-recompute"])
+                                                     "pp2ep2-recompute", "tp2sp-pp2-ep2"])
 def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
     job = _job(moe_dir, routing_replay="r3", **layout)
     data = _data(job.model.vocab_size)
