@@ -38,9 +38,11 @@ def test_math_tiny_cpu_two_steps_under_megatron_rl_train(tmp_path):
     assert os.path.isfile(run / "checkpoints" / "step_2" / "COMPLETE")
     # the prompts the engine got are the chat-templated sample rows (enable_thinking: false adds the empty
     # think block), within max_prompt_length; no reward failed or timed out (nothing printed about it)
-    from transformers import AutoTokenizer
+    # the tokenizer the model directory holds (transformers' own fast tokenizer over its tokenizer.json;
+    # AutoTokenizer would swap in Qwen2Tokenizer's digit-splitting pre-tokenizer for model_type qwen2)
+    from transformers import PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = PreTrainedTokenizerFast.from_pretrained(model)
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "examples", "math_tiny", "train.jsonl"))]
     rendered = {tuple(tok.encode(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True,
                                                          enable_thinking=False), add_special_tokens=False))
