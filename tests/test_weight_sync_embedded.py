@@ -23,11 +23,14 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
-from megatron_rl.config import job_config_from_dict
+from megatron_rl.config import job_config_from_dict, load_job_config
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams, WeightSyncError
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import RankError, run_ranks
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+from megatron_rl.trainer.weight_sync import verify_disk_sync
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,3 +171,22 @@ def test_peak_memory_is_one_bucket_not_the_model(models):
     for rank, (peaks, _) in enumerate(out):
         assert peaks["bucketed"] <= bound, (rank, peaks, bound)
     assert out[0][0]["full"] > bound, out[0][0]  # the full-model path would not fit: the measurement can fail
+
+
+@pytest.mark.timeout(120)
+def test_disk_sync_is_verified_against_the_export(tmp_path):
+    """Disk mode: after the engine loaded an HF export, sampled tensors of the export (read with safetensors,
+    cast to the bf16 engine's dtype) must equal the engine's copies; one tensor changed in the engine after the
+    load is named."""
+    model = build_task_model(str(tmp_path / "m"), task="copy", seed=0, hidden_size=32, num_layers=2)
+    cfg = load_job_config(None, [f"actor.load_hf={model}", "rollout.weight_sync=disk",
+                                 "rollout.weight_sync_verify_tensors=-1", f"trainer.run_dir={tmp_path / 'run'}"],
+                          world_size=1)
+    engine = EmbeddedEngine(model, dtype="bfloat16", seed=0, weight_version="step-0")
+    engine.update_weights(model, "step-1")
+    checked = verify_disk_sync(engine, cfg, model, "step-1")
+    assert "model.layers.1.mlp.down_proj.weight" in checked and len(checked) >= 10
+    with torch.no_grad():
+        engine.model.model.layers[1].mlp.down_proj.weight[0, 0] += 0.5
+    with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        verify_disk_sync(engine, cfg, model, "step-1")

@@ -17,6 +17,8 @@ SGLang in ``rollout.mode: async``):
 * Failures: a bucket the engine rejects, a dead server or a timeout is caught on rank 0, the rest of the
   stream is drained (so no rank waits in a send), ``WeightReceiver.abort`` makes sure no server serves the
   partial weights, and the error is raised on every rank.
+* Verification of the disk mode (``verify_disk_sync``): after the engine loaded the export, sampled tensors
+  of the export (cast as the engine's loader casts them) are compared with the engine's copies.
 * Verification (every ``rollout.weight_sync_verify_interval`` versions): rank 0 takes the checksum
   (``weight_buckets.tensor_checksum``, SGLang's ``/weights_checker`` format) of
   ``rollout.weight_sync_verify_tensors`` sampled tensors as they stream — spread over the whole model,
@@ -231,6 +233,44 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
     return share_from_rank0(report)
 
 
+def verify_disk_sync(engine, cfg: JobConfig, export_dir: str, version: str) -> List[str]:
+    """Rank 0, after the engine loaded ``export_dir``: compare the engine's copies of
+    ``rollout.weight_sync_verify_tensors`` sampled tensors with the export's own tensors (cast to the engine's
+    dtype, the cast the engine's loader makes) on every ``weight_sync_verify_interval``-th version; a mismatch
+    raises ``WeightSyncError`` naming each tensor. Returns the names checked (empty: not due, or the engine
+    cannot report checksums)."""
+    from safetensors import safe_open
+
+    rc = cfg.rollout
+    v = _version_number(version)
+    if rc.weight_sync_verify_interval <= 0 or v % rc.weight_sync_verify_interval:
+        return []
+    checkable = engine.checkable_weight_names()
+    files = sorted(f for f in os.listdir(export_dir) if f.endswith(".safetensors"))
+    where = {}
+    for f in files:
+        with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
+            for name in fh.keys():
+                if name in checkable:
+                    where[name] = f
+    sample = _sample(sorted(where), rc.weight_sync_verify_tensors, v)
+    if not sample:
+        return []
+    keep, dt = engine.full_precision_weight_names(), engine.weight_dtype
+    expected = {}
+    for name in sample:
+        with safe_open(os.path.join(export_dir, where[name]), framework="pt") as fh:
+            t = fh.get_tensor(name)
+        expected[name] = tensor_checksum(t if (dt is None or name in keep or not t.is_floating_point()) else t.to(dt))
+    got = engine.weight_checksums(sample)
+    bad = [f"{n} (export {expected[n]}, engine {got.get(n)})" for n in sample if got.get(n) != expected[n]]
+    if bad:
+        raise WeightSyncError(f"weight sync to {version!r} (disk): verification failed, the engine's copy of "
+                              f"{len(bad)} of {len(sample)} sampled tensor(s) differs from {export_dir}: "
+                              + "; ".join(bad))
+    return sample
+
+
 # ------------------------------------------------------------------------------- the loop's entry points
 
 def weights_payload(actor, cfg: JobConfig, version: str, owned: bool = False):
@@ -283,6 +323,9 @@ def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, produ
                 producer.publish(parse_version(version), payload)
             else:
                 apply_weights(engine, cfg, payload, version)
+                if isinstance(payload, str):
+                    report.checked = verify_disk_sync(engine, cfg, payload, version)
+                    report.verified = bool(report.checked)
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc
     error = share_from_rank0(error)
