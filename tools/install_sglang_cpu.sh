@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lean, CPU-only install of SGLang into an existing venv (design.md section 3 "SGLang").
+# Lean, CPU-only install of SGLang into an existing venv (what it needs on CPU: README, "Two commands").
 #
 # `pip install sglang` pulls ~11 GB of CUDA packages and a different torch. Instead this script:
 #   1. installs the sglang wheel itself with --no-deps (version $SGLANG_VERSION, default 0.5.23), and

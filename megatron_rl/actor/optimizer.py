@@ -3,7 +3,7 @@
     ddp_chunks = wrap_ddp(chunks)                       # megatron DistributedDataParallel per chunk
     optimizer = build_optimizer(ddp_chunks, actor_cfg)  # get_megatron_optimizer(OptimizerConfig(...))
 
-Choices (design.md section 3): fp32 params and no distributed optimizer on CPU (both fail there on
+Choices (README, Known limits): fp32 params and no distributed optimizer on CPU (both fail there on
 ``torch.cuda.*Tensor`` type checks); on GPU the same path runs with fp32 params too (bf16 params +
 the distributed optimizer are a later option). ``grad_reduce_in_fp32``, no overlap (the RL step is
 small and overlap needs CUDA streams). Adam is megatron's choice of implementation (torch AdamW when

@@ -1,6 +1,6 @@
 """CPU compatibility patches for megatron-core 0.16.x — the ONE place the project patches megatron.
 
-megatron-core assumes a CUDA device in many places (design.md section 3 lists the verified ones).
+megatron-core assumes a CUDA device in many places (``PATCHES`` below lists each one patched, with why).
 On a machine without CUDA, ``apply_cpu_patches()`` makes megatron run on CPU tensors with gloo:
 
   * every loaded ``megatron.core.*`` module sees a *CPU view of torch* (``module.torch`` is replaced
