@@ -82,7 +82,9 @@ def _body(rank, world, job, url, fault=None):
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
-    engine = SGLangEngine(url, weight_sync_timeout=120) if rank == 0 else None
+    # the kill fault: HTTP waits on the dead server are bounded by this timeout (x retries)
+    sync_timeout = 30 if fault and fault[0] == "kill" else 120
+    engine = SGLangEngine(url, weight_sync_timeout=sync_timeout) if rank == 0 else None
     seen = []
 
     def corrupt(bucket):
@@ -92,7 +94,7 @@ def _body(rank, world, job, url, fault=None):
                 if name == fault[1]:
                     t.add_(0.5)
         if fault and fault[0] == "kill" and len(seen) == 3:
-            os.kill(fault[1], 9)
+            os.killpg(fault[1], 9)  # the whole server (its scheduler processes too), as when its node dies
 
     try:
         m = sync_weights(actor, engine, job, "step-1", rank == 0, corrupt=corrupt if fault else None)
@@ -155,8 +157,18 @@ def test_group_init_rejected(models, server):
     engine.close()
 
 
+@pytest.fixture()
+def own_server(models, tmp_path):
+    """A server of this test alone (it is killed): nothing earlier tests did to the shared one carries over."""
+    h = launch_sglang_server(models["other"], port=find_free_port(), device="cpu", max_total_tokens=2048,
+                             log_path=str(tmp_path / "server.log"), ready_timeout=400)
+    yield h
+    h.terminate()
+
+
 @pytest.mark.timeout(900)
-def test_server_killed_mid_sync(models, server):
+def test_server_killed_mid_sync(models, own_server):
+    server = own_server
     url = server.url
     _disk_load(url, models["other"], "step-0")
     # a short sync timeout: whatever the trainer waits on after the kill must end within it
