@@ -211,13 +211,7 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
                                           f"and sent twice {twice[:8]}")
                 receiver.commit()
                 if expected:
-                    got = engine.weight_checksums(sorted(expected))
-                    bad = [f"{n} (trainer {expected[n]}, engine {got.get(n)})" for n in sorted(expected)
-                           if got.get(n) != expected[n]]
-                    if bad:
-                        raise WeightSyncError(f"weight sync to {version!r}: verification failed, the engine's copy of "
-                                              f"{len(bad)} of {len(expected)} sampled tensor(s) differs from the "
-                                              f"trainer's: " + "; ".join(bad))
+                    _check_engine_copies(engine, expected, f"weight sync to {version!r}", "trainer", "the trainer's")
                     report.verified = True
                     report.checked = sorted(expected)
         except Exception as exc:  # noqa: BLE001 - shared below
@@ -262,18 +256,24 @@ def verify_disk_sync(engine, cfg: JobConfig, export_dir: str, version: str) -> L
         with safe_open(os.path.join(export_dir, where[name]), framework="pt") as fh:
             t = fh.get_tensor(name)
         expected[name] = tensor_checksum(t if (dt is None or name in keep or not t.is_floating_point()) else t.to(dt))
-    got = engine.weight_checksums(sample)
-    bad = [f"{n} (export {expected[n]}, engine {got.get(n)})" for n in sample if got.get(n) != expected[n]]
-    if bad:
-        raise WeightSyncError(f"weight sync to {version!r} (disk): verification failed, the engine's copy of "
-                              f"{len(bad)} of {len(sample)} sampled tensor(s) differs from {export_dir}: "
-                              + "; ".join(bad))
+    _check_engine_copies(engine, expected, f"weight sync to {version!r} (disk)", "export", export_dir)
     return sample
+
+
+def _check_engine_copies(engine, expected: Dict[str, str], what: str, source: str, source_text: str) -> None:
+    """Compare ``{name: checksum}`` taken from ``source`` with the engine's copies; a mismatch raises
+    ``WeightSyncError`` naming every tensor that differs."""
+    names = sorted(expected)
+    got = engine.weight_checksums(names)
+    bad = [f"{n} ({source} {expected[n]}, engine {got.get(n)})" for n in names if got.get(n) != expected[n]]
+    if bad:
+        raise WeightSyncError(f"{what}: verification failed, the engine's copy of {len(bad)} of {len(expected)} "
+                              f"sampled tensor(s) differs from {source_text}: " + "; ".join(bad))
 
 
 # ------------------------------------------------------------------------------- the loop's entry points
 
-def weights_payload(actor, cfg: JobConfig, version: str, owned: bool = False):
+def weights_payload(actor, cfg: JobConfig, version: str):
     """Collective: what rank 0 hands the engine for ``version`` when it is applied later (async producer) or
     from disk: the path of an HF export (mode disk), or the list of owned buckets (mode tensor, embedded
     engine: the full model on rank 0). None on the other ranks for the buckets."""
@@ -309,7 +309,7 @@ def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, produ
         raise RuntimeError("sync_weights: rank 0 must hold the async producer exactly when deferred is True")
     if not deferred and mode != "disk":
         return _stream_sync(actor, engine, cfg, mode, version, rank0, corrupt).metrics()
-    payload = weights_payload(actor, cfg, version, owned=deferred)
+    payload = weights_payload(actor, cfg, version)
     error = None
     report = SyncReport()
     if rank0:
