@@ -17,7 +17,9 @@ setup(
     package_dir={"megatron_rl_kernels": "kernels"},
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.13,<0.17",
+        # tested at both ends: 0.16.1 and 0.19.2 (docs/megatron_versions.md); 0.17+ wheels say Python >=3.12,
+        # on Python 3.11 install 0.19.x first with --ignore-requires-python (tools/setup_env.sh --mcore)
+        "megatron-core>=0.16.1,<0.20",
         "pyyaml>=6",
         "numpy>=1.24",
         "safetensors>=0.4",

@@ -23,12 +23,16 @@
 #   --log FILE             append the server's stdout+stderr to FILE                     [SGLANG_LOG]
 #   -h, --help             this help
 # Environment:
-#   MEGATRON_RL_SGLANG_PYTHON  interpreter that has sglang installed (default python3)
+#   MEGATRON_RL_SGLANG_PYTHON  interpreter that has sglang installed (default: the repository's .venv/bin/python
+#                              when it exists, as launch/torchrun.sh does, else python3 on PATH)
 #   DRY_RUN=1                  print the environment and command instead of running them
 #
 # CPU mode sets SGLANG_USE_CPU_ENGINE=1 (mandatory: without it the build imports vllm and the engine
 # hangs), passes --device cpu --skip-server-warmup, and prepends megatron_rl/platform/sglang_cpu (import
 # stand-ins for sgl_kernel and a text-only torchvision) to this server's PYTHONPATH only.
+# The server runs without the launcher's rendezvous variables (torchrun's RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_*,
+# Slurm's SLURM_*/PMI_*/PMIX_*: megatron_rl/parallel/child_env.py strips them and execs the server, same pid);
+# with them SGLang's scheduler waits forever at "Init parallel begin".
 # Readiness: poll GET http://HOST:PORT/health until it answers 200 (launch/slurm.sbatch does this).
 set -euo pipefail
 
@@ -45,7 +49,9 @@ TP=${SGLANG_TP:-1}
 MEM_FRACTION=${SGLANG_MEM_FRACTION:-}
 DTYPE=${SGLANG_DTYPE:-bfloat16}
 LOG=${SGLANG_LOG:-}
-PY=${MEGATRON_RL_SGLANG_PYTHON:-python3}
+if [[ -n "${MEGATRON_RL_SGLANG_PYTHON:-}" ]]; then PY=$MEGATRON_RL_SGLANG_PYTHON
+elif [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"  # tools/setup_env.sh's venv, as torchrun.sh
+else PY=python3; fi
 EXTRA=()
 
 need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
@@ -91,8 +97,9 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   exit 0
 fi
 for kv in "${ENV[@]+"${ENV[@]}"}"; do export "${kv?}"; done
+CLEAN=("$PY" "$REPO/megatron_rl/parallel/child_env.py" --)  # stdlib-only script: exec without launcher variables
 if [[ -n "$LOG" ]]; then
   mkdir -p "$(dirname "$LOG")"
-  exec "${CMD[@]}" >>"$LOG" 2>&1
+  exec "${CLEAN[@]}" "${CMD[@]}" >>"$LOG" 2>&1
 fi
-exec "${CMD[@]}"
+exec "${CLEAN[@]}" "${CMD[@]}"

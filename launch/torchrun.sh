@@ -23,6 +23,8 @@
 #                                                                     [LOG_DIR, default logs/torchrun; logs/ is
 #                                                                      git-ignored]
 #   --max-restarts N      torchrun worker restarts                    [MAX_RESTARTS, default 0]
+#   --resume              continue the run in trainer.run_dir from its newest complete checkpoint (also
+#                         accepted after --config, among the overrides)
 #   --config PATH         job YAML (required); everything after it is passed to megatron_rl.train as overrides
 #   -h, --help            this help
 # Environment:
@@ -30,9 +32,20 @@
 #   PYTHON                interpreter whose torchrun is used (default: the repository's .venv/bin/python when
 #                         it exists -- the one tools/setup_env.sh builds -- else python3 on PATH)
 #   DRY_RUN=1             print the command instead of running it
+#   CHECK=0               skip the config check before torchrun starts
 #
 # Mode: single node and no rendezvous flags -> `torchrun --standalone`; --node-rank given -> static
 # (--master-addr/--master-port); otherwise -> c10d rendezvous at --rdzv-endpoint.
+#
+# Before torchrun starts, the config is validated for the job's world size (`python -m megatron_rl.train
+# --check-world-size N`: values, layout, a trainer.run_dir holding another run's outputs, a reward that cannot
+# import): a problem exits 2 with the message alone, in seconds.
+#
+# Stopping (Ctrl-C, or SIGTERM / SIGINT to this script): the signal is forwarded to the training ranks, which
+# finish the step, checkpoint, print one line and exit 0 -- and so does this script. A second signal stops
+# them at once (exit 128 + signal). The torchrun agent runs in its own session with SIGINT / SIGTERM ignored
+# (its own handler would re-signal the ranks, SIGKILL them after 30 s and print a traceback); inside a Slurm
+# step, which signals every process of the step itself, nothing is forwarded.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -53,6 +66,7 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 CONFIG=""
 OVERRIDES=()
+RESUME=()
 
 need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
 while [[ $# -gt 0 ]]; do
@@ -67,6 +81,7 @@ while [[ $# -gt 0 ]]; do
     --rdzv-id) need "$@"; RDZV_ID=$2; shift 2 ;;
     --log-dir) need "$@"; LOG_DIR=$2; shift 2 ;;
     --max-restarts) need "$@"; MAX_RESTARTS=$2; shift 2 ;;
+    --resume) RESUME=(--resume); shift ;;
     --config) need "$@"; CONFIG=$2; shift 2; OVERRIDES=("$@"); break ;;
     *) die "unknown option '$1' (options come before --config; see --help)" ;;
   esac
@@ -74,9 +89,13 @@ done
 
 [[ -n "$CONFIG" ]] || die "--config PATH is required (see --help)"
 [[ -f "$CONFIG" ]] || die "config file '$CONFIG' does not exist"
+KEPT=()
 for ov in "${OVERRIDES[@]+"${OVERRIDES[@]}"}"; do
-  [[ "$ov" == *=* && "$ov" != -* ]] || die "override '$ov' is not key.sub=value"
+  if [[ "$ov" == --resume ]]; then RESUME=(--resume); continue; fi
+  [[ "$ov" == *=* && "$ov" != -* ]] || die "override '$ov' is not key.sub=value (or --resume)"
+  KEPT+=("$ov")
 done
+OVERRIDES=("${KEPT[@]+"${KEPT[@]}"}")
 is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
 if ! is_int "$NNODES" || (( NNODES < 1 )); then die "--nnodes must be an integer >= 1, got '$NNODES'"; fi
 if [[ -z "$NPROC_PER_NODE" ]]; then
@@ -105,11 +124,44 @@ else
   fi
   CMD+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID")
 fi
-CMD+=(-m megatron_rl.train --config "$CONFIG" "${OVERRIDES[@]+"${OVERRIDES[@]}"}")
+TRAIN_ARGS=(--config "$CONFIG" "${OVERRIDES[@]+"${OVERRIDES[@]}"}" "${RESUME[@]+"${RESUME[@]}"}")
+CMD+=(-m megatron_rl.train "${TRAIN_ARGS[@]}")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS $(printf '%q ' "${CMD[@]}" | sed 's/ $//')"
   exit 0
 fi
+# config errors in seconds, the message alone, before any rank starts
+if [[ "${CHECK:-1}" == 1 ]]; then
+  "$PYTHON" -m megatron_rl.train --check-world-size $(( NNODES * NPROC_PER_NODE )) "${TRAIN_ARGS[@]}" || exit $?
+fi
 mkdir -p "$LOG_DIR"
-exec "${CMD[@]}"
+
+# torchrun in its own session with SIGINT / SIGTERM ignored (inherited through exec); its ranks restore them
+# (MEGATRON_RL_RESTORE_SIGNALS) and get the signal from forward_stop below
+( trap '' INT TERM; export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT MEGATRON_RL_RESTORE_SIGNALS=1
+  exec setsid "${CMD[@]}" ) < /dev/null &
+AGENT=$!
+STOPS=0
+# shellcheck disable=SC2317  # invoked by the INT / TERM traps
+forward_stop() {
+  local sig=$1 ranks
+  STOPS=$(( STOPS + 1 ))
+  [[ -n "${SLURM_STEP_ID:-}" ]] && return 0  # Slurm signals every process of the step itself
+  ranks=$(ps -o pid= --ppid "$AGENT" 2>/dev/null || true)
+  if [[ -z "${ranks// /}" ]]; then  # no rank yet (rendezvous): stop the agent itself
+    kill -HUP "$AGENT" 2>/dev/null || true
+    return 0
+  fi
+  # shellcheck disable=SC2086
+  kill -s "$sig" $ranks 2>/dev/null || true
+}
+trap 'forward_stop INT' INT
+trap 'forward_stop TERM' TERM
+while kill -0 "$AGENT" 2>/dev/null; do  # `wait` also returns when a trapped signal arrives
+  wait "$AGENT" || true
+done
+set +e
+wait "$AGENT"
+rc=$?
+exit "$rc"

@@ -37,6 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, set before
 import torch.distributed as dist  # noqa: E402
 
 from megatron_rl.actor import RolloutBatch  # noqa: E402
+from megatron_rl.actor.schedule import actor_device  # noqa: E402
 from megatron_rl.cli.config_errors import config_error_exit, launch_rank  # noqa: E402
 from megatron_rl.cli.entry import module_main, register  # noqa: E402
 from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
@@ -145,7 +146,7 @@ def _score_records(actor, cfg, records: List[dict]):
     """(metrics, per-record train log-probs on rank 0 else None) of ``records`` with the actor's weights."""
     batch = RolloutBatch.from_sequences([r["prompt_ids"] for r in records], [r["response_ids"] for r in records],
                                         [r["rollout_log_probs"] for r in records])
-    shard = batch.shard(actor.dp_rank, actor.dp_size)
+    shard = batch.shard(actor.dp_rank, actor.dp_size).to(actor_device())  # where the actor's log-probs are
     lp, _ = actor.compute_log_probs(shard, cfg.rollout.temperature, compute_entropy=False)
     res = compute_rollout_correction(lp, shard.rollout_log_probs, shard.response_mask,
                                      cfg.algorithm.rollout_correction, group=actor.dp_group)

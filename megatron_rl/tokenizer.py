@@ -7,6 +7,8 @@ tokenizer. The project's task models are such a case: a char/word-level tokenize
 config, which ``AutoTokenizer`` silently turned into a BPE ``Qwen2Tokenizer`` that dropped the task word
 ("copy:12=" encoded as ":12="). Here, a directory that declares the generic backend and has a
 ``tokenizer.json`` is loaded from that file exactly; every other directory goes through ``AutoTokenizer``.
+(Task models built now also load correctly with plain ``AutoTokenizer``: the char tokenizer declares its
+multi-character words as added tokens, see ``megatron_rl.tasks.char_tokenizer``.)
 Every place that loads a tokenizer (the RL loop, ``megatron-rl check``, ``megatron-rl data inspect``, the
 task-model builders) calls this function.
 """

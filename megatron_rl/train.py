@@ -5,8 +5,11 @@ Launch with torchrun (or srun, one task per GPU) — every rank runs this module
     torchrun --nproc-per-node 4 -m megatron_rl.train --config configs/tiny_cpu.yaml trainer.steps=50
 
 The config is loaded and validated against $WORLD_SIZE before any process group is created, so a bad
-value fails in seconds with the dotted key named. ``--resume`` continues from the newest complete
-checkpoint in ``trainer.run_dir``. Same as ``megatron-rl train``.
+value fails in seconds with the dotted key named; so do a ``trainer.run_dir`` holding another run's outputs
+(unless ``--resume`` or ``trainer.overwrite=true``) and a ``data.reward_fn`` that cannot import.
+``--resume`` continues from the newest complete checkpoint in ``trainer.run_dir``. ``--check-world-size N``
+runs these checks alone for N ranks and exits (0 silently, 2 with the problems): ``launch/torchrun.sh``
+runs it before starting torchrun. Same as ``megatron-rl train``.
 """
 from __future__ import annotations
 
@@ -22,7 +25,10 @@ from megatron_rl.cli.entry import module_main, register  # noqa: E402
 from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
+from megatron_rl.tasks.reward_fn import reward_import_error  # noqa: E402
 from megatron_rl.trainer.loop import train  # noqa: E402
+from megatron_rl.trainer.run_dir import run_dir_error  # noqa: E402
+from megatron_rl.trainer.signals import restore_default_signals  # noqa: E402
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,23 +36,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=False, default=None, help="YAML job config (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in trainer.run_dir")
     p.add_argument("--check-only", action="store_true", help="validate the config and exit")
+    p.add_argument("--check-world-size", type=int, default=None, metavar="N",
+                   help="validate for N ranks (config, run directory, reward imports) and exit: silent when OK, "
+                        "the problems alone and status 2 otherwise (what launch/torchrun.sh runs first)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-5 trainer.steps=10")
 
 
 def run(args: argparse.Namespace) -> int:
     """Load + validate, then train; returns the exit code."""
     install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
+    restore_default_signals()  # launch/torchrun.sh: the agent ignores SIGINT / SIGTERM, the ranks must not
     overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
     try:
-        cfg = load_job_config(args.config, overrides)
+        cfg = load_job_config(args.config, overrides, world_size=args.check_world_size)
+        problems = start_problems(cfg)
+        if problems:
+            raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     except ConfigError as exc:  # once per launch, with how to launch when torchrun was forgotten
+        if args.check_world_size is not None:  # before torchrun: the message alone
+            print(f"megatron-rl train: {exc}", file=sys.stderr, flush=True)
+            return 2
         return config_error_exit(exc, "megatron_rl.train", args.config, overrides)
+    if args.check_world_size is not None:
+        return 0
     if args.check_only:
         print("config OK")
         return 0
     train(cfg)
     shutdown_distributed()
     return 0
+
+
+def start_problems(cfg) -> List[str]:
+    """What stops a valid config from starting here, found before any process group exists: a run directory
+    holding another run's outputs, a reward function that cannot import."""
+    t = cfg.trainer
+    problems = [run_dir_error(t.run_dir, t.resume, t.overwrite), reward_import_error(cfg.data.reward_fn)]
+    return [p for p in problems if p]
 
 
 def add_parser(subparsers) -> None:

@@ -121,9 +121,9 @@ def test_eos_and_stop_ids(dirs, tmp_path):
     # ignore_eos keeps going to max_new_tokens
     r = eng.generate([PROMPTS[0]], GREEDY)[0]
     assert r.response_ids == base and r.finish_reason == "length"
-    # the EOS as the last allowed token: SGLang reports "length" (the length check comes first)
+    # the EOS as the last allowed token ends the response: "stop" (as SGLang 0.5.23 reports; never continued)
     r = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=3))[0]
-    assert r.response_ids == base[:3] and r.finish_reason == "length"
+    assert r.response_ids == base[:3] and r.finish_reason == "stop" and r.info["matched_stop"] == eos
     # extra stop ids (on the original model, whose EOS is never emitted here)
     eng_a = EmbeddedEngine(dirs["a"], dtype="float32")
     r = eng_a.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=8,

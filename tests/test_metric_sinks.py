@@ -67,21 +67,22 @@ def test_other_ranks_write_nothing(tmp_path):
     assert not (tmp_path / "r1").exists()
 
 
-def test_console_table_every_n_steps(tmp_path, capsys):
-    """A progress line per step and, every table_interval steps and at the last one, a table with one row
-    per step since the last table (values as written in the rows below)."""
+def test_console_summary_every_n_steps(tmp_path, capsys):
+    """A progress line per step and, every table_interval steps and at the last one, ONE summary line of
+    the window (mean / min / max reward, change from the previous window) -- not a repeat of the lines."""
     s = MetricSinks(str(tmp_path), total_steps=5, config={"trainer": {"console_table_interval": 2}})
     for step in range(1, 6):
-        s.log(step, {"reward/mean": step / 10, "actor/grad_norm": 2.0 * step})
+        s.log(step, {"reward/mean": step / 10, "actor/grad_norm": 2.0 * step, "timing/step_s": 1.0 + step})
     s.close()
     out = capsys.readouterr().out.splitlines()
-    bars = [ln for ln in out if ln.startswith("[")]
+    bars = [ln for ln in out if ln.startswith("[#") or ln.startswith("[.")]
     assert len(bars) == 5 and "step 5/5" in bars[-1] and "eta" in bars[0]
-    headers = [i for i, ln in enumerate(out) if ln.split()[:1] == ["step"]]
-    assert len(headers) == 3  # after steps 2, 4 and the last step 5
-    assert out[headers[0]].split() == ["step", "reward", "gnorm"]
-    assert [ln.split() for ln in out[headers[0] + 1: headers[0] + 3]] == [["1", "0.1", "2"], ["2", "0.2", "4"]]
-    assert out[headers[2] + 1].split() == ["5", "0.5", "10"]
+    summaries = [ln for ln in out if ln.startswith("[megatron-rl] step")]
+    assert len(summaries) == 3 and len(out) == 8, out  # after steps 2, 4 and the last step 5
+    assert summaries[0].startswith("[megatron-rl] steps 1-2 (2 step(s)): reward mean 0.15 (min 0.1, max 0.2)")
+    assert "step 2.5 s" in summaries[0]
+    assert "reward mean 0.35 (min 0.3, max 0.4), +0.2 vs previous" in summaries[1]
+    assert summaries[2].startswith("[megatron-rl] step 5 (1 step(s)): reward mean 0.5 (min 0.5, max 0.5), +0.15")
 
 
 def test_console_table_interval_zero_prints_bar_only(tmp_path, capsys):

@@ -4,7 +4,10 @@
 #   2. build the tiny task model + char tokenizer into runs/tiny_cpu/init_model (first run only),
 #   3. train on 4 gloo ranks (TP2 x PP2) with launch/torchrun.sh and configs/tiny_cpu.yaml,
 #   4. write the run report (PNG plots + report.md) into runs/tiny_cpu/report.
-# Usage: bash tools/quickstart.sh [key.sub=value ...]     e.g. trainer.steps=50
+# Usage: bash tools/quickstart.sh [key.sub=value ...] [--resume]     e.g. trainer.steps=50
+# A demo: each run starts over in runs/tiny_cpu (trainer.overwrite=true: the previous run's metrics,
+# checkpoints and report are removed; the model in runs/tiny_cpu/init_model is kept) unless --resume
+# (or trainer.resume=true) continues it, or trainer.overwrite=false is given.
 # About 3-6 minutes on 2 cores (200 steps). Logs per rank: runs/tiny_cpu/logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +17,11 @@ PY="$VENV/bin/python"
 RUN_DIR=runs/tiny_cpu
 "$PY" -m megatron_rl.tasks "$RUN_DIR/init_model" --task copy --hidden-size 128 --num-layers 2 --seed 0
 export OMP_NUM_THREADS=1
-PYTHON="$PY" NPROC_PER_NODE=4 LOG_DIR="$RUN_DIR/logs" bash launch/torchrun.sh --config configs/tiny_cpu.yaml "$@"
+START=(trainer.overwrite=true)
+for a in "$@"; do
+  case "$a" in --resume|trainer.resume=*|trainer.overwrite=*) START=() ;; esac
+done
+PYTHON="$PY" NPROC_PER_NODE=4 LOG_DIR="$RUN_DIR/logs" bash launch/torchrun.sh --config configs/tiny_cpu.yaml \
+  "${START[@]+"${START[@]}"}" "$@"
 "$PY" -m megatron_rl.cli report "$RUN_DIR" --out "$RUN_DIR/report"
 echo "report: $RUN_DIR/report/report.md"

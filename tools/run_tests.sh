@@ -1,18 +1,51 @@
 #!/usr/bin/env bash
-# The project's whole test suite, from a fresh CPU machine: sets up the venv, then runs pytest.
-# Usage: bash tools/run_tests.sh [pytest args...]
-# pytest's exit code 5 (no tests collected) is turned into a failure.
+# The project's whole test suite, from a fresh CPU machine, at both ends of the supported megatron-core range:
+#   leg 1: the full suite on megatron-core 0.16.1 in .venv (with SGLang: the real-server tests);
+#   leg 2: every test marked `mcore` (all that touches megatron: models, actor, checkpoints, routing replay,
+#          DeepSeek-V3, conversion, the loop; the list is tests/conftest.py's MCORE_TEST_FILES) on
+#          megatron-core 0.19.2 in .venv-mcore019 (no SGLang).
+# Usage: bash tools/run_tests.sh [pytest args...]      (the args go to both legs)
+#   MEGATRON_RL_VENV / MEGATRON_RL_VENV_NEWEST   the two venvs (default .venv / .venv-mcore019)
+#   MEGATRON_RL_MCORE_NEWEST=0.19.x              the newest leg's release (default 0.19.2)
+#   MEGATRON_RL_TEST_LEGS=both|oldest|newest     which legs run (default both)
+# Both legs always run; the command fails if either fails. pytest's exit code 5 (no tests collected) is a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup_env.sh --tests
-VENV="${MEGATRON_RL_VENV:-.venv}"
+OLDEST=0.16.1
+NEWEST="${MEGATRON_RL_MCORE_NEWEST:-0.19.2}"
+OLD_VENV="${MEGATRON_RL_VENV:-.venv}"
+NEW_VENV="${MEGATRON_RL_VENV_NEWEST:-.venv-mcore019}"
+LEGS="${MEGATRON_RL_TEST_LEGS:-both}"
+case "$LEGS" in both|oldest|newest) ;; *)
+  echo "tools/run_tests.sh: MEGATRON_RL_TEST_LEGS='$LEGS' (expected both, oldest or newest)" >&2; exit 2 ;;
+esac
 export OMP_NUM_THREADS=1
-set +e
-"$VENV/bin/python" -m pytest tests "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "ERROR: pytest collected no tests" >&2
-  exit 1
+
+run_leg() {  # run_leg NAME PYTHON PYTEST_ARGS... ; prints and returns the leg's status (5 -> 1)
+  local name="$1" py="$2"; shift 2
+  echo "=== tools/run_tests.sh: $name: $("$py" -c 'from importlib.metadata import version as v; print("megatron-core", v("megatron-core"))')"
+  set +e
+  "$py" -m pytest "$@"
+  local rc=$?
+  set -e
+  if [ "$rc" -eq 5 ]; then
+    echo "ERROR: $name: pytest collected no tests" >&2
+    rc=1
+  fi
+  echo "=== tools/run_tests.sh: $name: exit code $rc"
+  return "$rc"
+}
+
+rc_old=0
+rc_new=0
+if [ "$LEGS" != newest ]; then
+  MEGATRON_RL_VENV="$OLD_VENV" bash tools/setup_env.sh --tests --mcore "$OLDEST"
+  run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" tests "$@" || rc_old=$?
 fi
-exit "$rc"
+if [ "$LEGS" != oldest ]; then
+  MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST"
+  run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" tests -m mcore "$@" || rc_new=$?
+fi
+echo "tools/run_tests.sh: megatron-core $OLDEST leg: exit $rc_old; megatron-core $NEWEST leg: exit $rc_new"
+if [ "$rc_old" -ne 0 ]; then exit "$rc_old"; fi
+exit "$rc_new"

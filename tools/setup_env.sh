@@ -2,28 +2,83 @@
 # Create (or reuse) the project virtualenv for a CPU machine and install megatron-rl into it.
 # Order matters: torch==2.13.0 (CPU build) first, then everything else under a constraint that
 # keeps it, otherwise pip resolves a multi-GB CUDA torch.
-# Usage: bash tools/setup_env.sh [--tests]   (venv at $MEGATRON_RL_VENV, default ./.venv)
-#   (no flag)  what the main job needs and nothing more: the project and its install_requires
-#              (the quickstart uses this, so CI proves the main job's dependencies on their own)
-#   --tests    also the `dev` extra (pytest, triton, ...) and SGLang the lean CPU way (the test
-#              suite's real-server tests need it; the quickstart's embedded engine does not)
+# Usage: bash tools/setup_env.sh [--tests | --dev] [--mcore VERSION]
+#   (no flag)      what the main job needs and nothing more: the project and its install_requires
+#                  (the quickstart uses this, so CI proves the main job's dependencies on their own)
+#   --tests        also the `dev` extra (pytest, triton, ...) and SGLang the lean CPU way (the test
+#                  suite's real-server tests need it; the quickstart's embedded engine does not)
+#   --dev          the `dev` extra without SGLang (the megatron-core 0.19 leg of tools/run_tests.sh)
+#   --mcore V      megatron-core==V (setup.py admits 0.16.1 <= V < 0.20), installed before the project so
+#                  pip keeps it; also $MEGATRON_RL_MCORE. Without it pip picks the newest release the
+#                  Python admits (0.16.1 on Python 3.11, 0.19.x on 3.12+).
+# The venv is $MEGATRON_RL_VENV; by default ./.venv, or ./.venv-mcoreMMM with --mcore (0.19.2 -> .venv-mcore019,
+# 0.16.1 -> .venv-mcore016), so a second megatron-core lives next to the main venv.
+# megatron-core 0.17+ wheels say Requires-Python >=3.12, but 0.19.2's wheel is a cp311 build that imports
+# and passes the suite on Python 3.11: there it is installed with --ignore-requires-python, plus triton
+# (0.19 imports it at `import megatron.core`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${MEGATRON_RL_VENV:-.venv}"
+MODE=""
+MCORE="${MEGATRON_RL_MCORE:-}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests|--dev) MODE="$1"; shift ;;
+    --mcore)
+      [ $# -ge 2 ] || { echo "tools/setup_env.sh: --mcore needs a version (e.g. --mcore 0.19.2)" >&2; exit 2; }
+      MCORE="$2"; shift 2 ;;
+    *) echo "tools/setup_env.sh: unknown option '$1' (expected --tests, --dev, --mcore VERSION)" >&2; exit 2 ;;
+  esac
+done
+if [ -n "$MCORE" ] && ! [[ "$MCORE" =~ ^0\.(1[6-9])\.[0-9]+$ ]] || [ "$MCORE" = "0.16.0" ]; then
+  echo "tools/setup_env.sh: --mcore '$MCORE': the project supports megatron-core 0.16.1 through 0.19.x" >&2
+  exit 2
+fi
+if [ -n "$MCORE" ]; then
+  MINOR="${MCORE#0.}"; MINOR="${MINOR%%.*}"
+  VENV="${MEGATRON_RL_VENV:-.venv-mcore0$MINOR}"
+else
+  VENV="${MEGATRON_RL_VENV:-.venv}"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q "torch==2.13.0"
-case "${1:-}" in
-  "") "$PY" -m pip install -q -e . -c tools/constraints-cpu.txt ;;
+CONSTRAINTS=(-c tools/constraints-cpu.txt)
+if [ -n "$MCORE" ]; then
+  EXTRA=()
+  if [ "$MINOR" -ge 17 ] && ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+    EXTRA=(--ignore-requires-python)   # cp311 wheel whose metadata says >=3.12 (see above)
+  fi
+  TRITON=()
+  if [ "$MINOR" -ge 19 ]; then TRITON=("triton>=3.0"); fi
+  "$PY" -m pip install -q --no-deps "${EXTRA[@]}" "megatron-core==$MCORE"
+  # its own requirements, resolved for this Python (with --ignore-requires-python pip would also take
+  # numpy sdists that need 3.12+); extras' requirements are left out
+  REQS="$VENV/.megatron_rl_mcore_requires.txt"
+  "$PY" - > "$REQS" <<'PY'
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+for line in requires("megatron-core") or []:
+    req = Requirement(line)
+    if req.marker is None or req.marker.evaluate({"extra": ""}):
+        print(str(req).split(";")[0])
+PY
+  "$PY" -m pip install -q -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt
+  # keep exactly this megatron-core while the project and its extras install
+  PIN="$VENV/.megatron_rl_mcore_pin.txt"
+  echo "megatron-core==$MCORE" > "$PIN"
+  CONSTRAINTS+=(-c "$PIN")
+fi
+case "$MODE" in
+  "") "$PY" -m pip install -q -e . "${CONSTRAINTS[@]}" ;;
+  --dev) "$PY" -m pip install -q -e ".[dev]" "${CONSTRAINTS[@]}" ;;
   --tests)
-    "$PY" -m pip install -q -e ".[dev]" -c tools/constraints-cpu.txt
+    "$PY" -m pip install -q -e ".[dev]" "${CONSTRAINTS[@]}"
     # SGLang without its ~11 GB of CUDA packages (the real-server tests and rollout.engine=sglang on
     # CPU); idempotent: a stamp file makes re-runs instant. pip prints expected "sglang requires ..." lines.
     bash tools/install_sglang_cpu.sh "$VENV" ;;
-  *) echo "tools/setup_env.sh: unknown option '$1' (expected nothing or --tests)" >&2; exit 2 ;;
 esac
 "$PY" - <<'PY'
 import torch, megatron.core

@@ -16,6 +16,7 @@ Usage::
 
     batch = RolloutBatch.from_sequences(prompts, responses, rollout_log_probs, pad_id=0)
     shard = batch.shard(dp_rank, dp_size)                    # contiguous rows for one DP rank
+    shard = shard.to(device)                                 # the actor's device, once per step
     for rows, mb in shard.micro_batches(micro_batch_size=4, trim=True):   # variable lengths
         ...                                                  # mb.tokens is [b, max(mb.lengths)]
     full = scatter_rows([(rows, mb_values)], shard.num_rows, shard.max_length - 1)
@@ -136,6 +137,19 @@ class RolloutBatch:
                    lengths=torch.as_tensor(lengths, dtype=torch.int64), rollout_log_probs=lp, pad_id=int(pad_id),
                    routing=packed)
 
+    def to(self, device) -> "RolloutBatch":
+        """The batch with its token, length and rollout log-prob tensors on ``device`` (the actor's device:
+        the loop moves each step's shard once, so the correction meets the actor's log-probs on one device).
+        ``routing`` stays where it is (host memory; the replay moves each micro-batch's targets to the router's
+        device). ``self`` when nothing moves."""
+        device = torch.device(device)
+        lp = self.rollout_log_probs
+        if self.tokens.device == device and (lp is None or lp.device == device):
+            return self
+        return RolloutBatch(tokens=self.tokens.to(device), prompt_lengths=self.prompt_lengths.to(device),
+                            lengths=self.lengths.to(device), rollout_log_probs=None if lp is None else lp.to(device),
+                            pad_id=self.pad_id, routing=self.routing)
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise BatchError naming the field if shapes / dtypes / lengths are inconsistent."""
@@ -151,6 +165,11 @@ class RolloutBatch:
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != (B,) or v.dtype != torch.int64:
                 raise BatchError(f"RolloutBatch.{name} must be int64 [{B}], got "
                                  f"{getattr(v, 'dtype', type(v).__name__)} {tuple(getattr(v, 'shape', ()))}")
+        for name in ("prompt_lengths", "lengths", "rollout_log_probs"):
+            v = getattr(self, name)
+            if isinstance(v, torch.Tensor) and v.device != t.device:
+                raise BatchError(f"RolloutBatch.{name} is on {v.device} but tokens on {t.device}: move the whole "
+                                 f"batch with RolloutBatch.to(device)")
         bad = (self.prompt_lengths < 1) | (self.lengths < self.prompt_lengths) | (self.lengths > L)
         if bool(bad.any()):
             b = int(bad.nonzero()[0, 0])

@@ -39,6 +39,7 @@ from megatron_rl.actor.groups import ActorGroups
 from megatron_rl.actor.routing import (RoutingError, RoutingSpec, agreement_counts, agreement_metrics,
                                        check_routing, gather_micro_batch_records, micro_batch_targets,
                                        routing_dtype, routing_valid_mask)
+from megatron_rl.parallel.devices import all_reduce_
 
 __all__ = ["RoutingReplay", "ReplayPass", "agree_on_error", "log_prob_pass", "finish_log_prob_pass", "train_routing"]
 
@@ -106,7 +107,7 @@ def _layer_replay_class():
     return LayerReplay
 
 
-def agree_on_error(message: Optional[str], device=None, present: Optional[bool] = None) -> None:
+def agree_on_error(message: Optional[str], present: Optional[bool] = None) -> None:
     """Collective over every rank (default group): if any rank has a ``message`` every rank raises
     ``RoutingError`` naming the first such rank and its message — no rank is left waiting in a later
     collective. ``present``: whether this rank's batch carries routing; it must be the same on every rank
@@ -116,8 +117,7 @@ def agree_on_error(message: Optional[str], device=None, present: Optional[bool] 
             raise RoutingError(message)
         return
     p = 1 if present else 0
-    flag = torch.tensor([1 if message else 0, p, -p], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = all_reduce_(torch.tensor([1 if message else 0, p, -p], dtype=torch.int32), op=dist.ReduceOp.MAX)
     if int(flag[0]) == 0 and present is not None and int(flag[1]) != -int(flag[2]):
         raise RoutingError(f"RolloutBatch.routing is present on some ranks only (this rank: "
                            f"{'present' if present else 'None'}); build every rank's batch from the same rollouts")
@@ -244,7 +244,7 @@ class RoutingReplay:
             msg = f"{what} is None but {required}" if required else None
         else:
             msg = check_routing(routing, lengths, self.spec, what)
-        agree_on_error(msg, device=_device(), present=routing is not None)
+        agree_on_error(msg, present=routing is not None)
 
     def begin(self, lengths: torch.Tensor, targets: Optional[torch.Tensor], record: bool,
               keep_used: bool = False) -> ReplayPass:
@@ -256,30 +256,26 @@ class RoutingReplay:
         """Agreement of this rank's recorded ``own`` routing with ``reference`` (both [B, W, NL, k]), summed
         over the PP group (disjoint layers) and the DP group (disjoint rows); identical on every rank."""
         g, spec = self.groups, self.spec
-        valid = routing_valid_mask(lengths, own.shape[1])
-        mask = torch.zeros(spec.num_moe_layers, dtype=torch.bool)
+        dev = own.device  # the batch's routing stays on the host (RolloutBatch.to); the counts are made here
+        valid = routing_valid_mask(lengths.to(dev), own.shape[1])
+        mask = torch.zeros(spec.num_moe_layers, dtype=torch.bool, device=dev)
         mask[self.local_layers] = True
-        c = agreement_counts(own, reference, valid, mask)
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        per_layer, per_token = c["per_layer"].to(dev), c["per_token"].to(dev)
+        c = agreement_counts(own, reference.to(dev), valid, mask)
+        per_layer, per_token = c["per_layer"], c["per_token"]
         if g.pp_size > 1:
-            dist.all_reduce(per_layer, group=g.pp_group)
-            dist.all_reduce(per_token, group=g.pp_group)
-        full = ((per_token == spec.topk * spec.num_moe_layers) & valid.to(dev)).sum().to(torch.float64)
-        vec = torch.cat([per_layer, full.reshape(1), c["tokens"].to(dev).reshape(1)])
+            all_reduce_(per_layer, group=g.pp_group)
+            all_reduce_(per_token, group=g.pp_group)
+        full = ((per_token == spec.topk * spec.num_moe_layers) & valid.to(per_token.device)).sum().to(torch.float64)
+        vec = torch.cat([per_layer, full.reshape(1), c["tokens"].to(per_layer.device).reshape(1)])
         if g.dp_size > 1:
-            dist.all_reduce(vec, group=g.dp_group)
-        vec = vec.cpu()
+            all_reduce_(vec, group=g.dp_group)
+        vec = vec.cpu()  # metrics: host floats
         return agreement_metrics(vec[:-2], float(vec[-2]), float(vec[-1]), spec, prefix=prefix)
 
     @staticmethod
     def compact(routing: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
         """int64 routing with -1 (not recorded here) -> the compact dtype (-1 -> 0: never read)."""
         return routing.clamp(min=0).to(routing_dtype(spec.num_experts))
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def log_prob_pass(replay: RoutingReplay, batch, mode: str) -> ReplayPass:
@@ -320,5 +316,5 @@ def train_routing(replay: RoutingReplay, batch, mode: str, r2_state) -> Optional
         msg = ("actor.routing_replay='r2': train_step got a batch that the last compute_log_probs did not see "
                f"(tokens {tuple(batch.tokens.shape)} vs {tuple(r2_state[0].shape)}); call compute_log_probs on "
                f"the same shard first")
-    agree_on_error(msg, device=_device())
+    agree_on_error(msg)
     return r2_state[2]

@@ -19,8 +19,9 @@ and the baseline then does not depend on the correction thresholds. ``baseline_o
 with at least one kept token (fully rejected sequences leave the statistics; a group with fewer than 2 kept
 samples gets advantage 0).
 
-All math in float64; results are float32. Pure functions, no process group: rewards of a whole group must be
-on the calling rank (the loop computes them where the rollouts are).
+All math in float64 on the device of ``rewards`` (the loop makes rewards, group index and mask on the actor's
+device; inputs on different devices are an error, nothing is moved behind the caller's back); results are
+float32. Pure functions, no process group: rewards of a whole group must be on the calling rank.
 
 Usage::
 
@@ -38,9 +39,13 @@ ESTIMATORS = ("grpo", "rloo")
 BASELINE_OVER = ("all", "kept")
 
 
-def _group_ids(group_index, batch: int) -> torch.Tensor:
-    """Map ``group_index`` (an int tensor, or a sequence of hashables such as prompt uids) to dense ints."""
+def _group_ids(group_index, batch: int, device: torch.device) -> torch.Tensor:
+    """Map ``group_index`` (an int tensor on ``device``, or a sequence of hashables such as prompt uids) to dense
+    ints on ``device``."""
     if isinstance(group_index, torch.Tensor):
+        if group_index.device != device:
+            raise ValueError(f"group_index is on {group_index.device}, rewards on {device}: build both on one "
+                             f"device (the actor's)")
         if group_index.dim() != 1 or group_index.shape[0] != batch:
             raise ValueError(f"group_index must have shape [{batch}] (one per response), got "
                              f"{tuple(group_index.shape)}")
@@ -50,7 +55,7 @@ def _group_ids(group_index, batch: int) -> torch.Tensor:
     if isinstance(group_index, (str, bytes)) or not isinstance(group_index, Sequence) or len(group_index) != batch:
         raise ValueError(f"group_index must be a sequence of {batch} group ids (one per response)")
     dense: dict[Hashable, int] = {}
-    return torch.tensor([dense.setdefault(g, len(dense)) for g in group_index], dtype=torch.long)
+    return torch.tensor([dense.setdefault(g, len(dense)) for g in group_index], dtype=torch.long, device=device)
 
 
 def group_advantage_scalars(rewards: torch.Tensor, group_index, estimator: str = "grpo",
@@ -71,28 +76,31 @@ def group_advantage_scalars(rewards: torch.Tensor, group_index, estimator: str =
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
         raise ValueError(f"epsilon={epsilon!r} must be a number >= 0")
     B = rewards.shape[0]
-    gid = _group_ids(group_index, B)
-    inc = torch.ones(B, dtype=torch.bool) if include is None else include.to(torch.bool).cpu()
+    dev = rewards.device
+    gid = _group_ids(group_index, B, dev)
+    inc = torch.ones(B, dtype=torch.bool, device=dev) if include is None else include.to(torch.bool)
     if inc.shape != (B,):
         raise ValueError(f"include must have shape [{B}], got {tuple(inc.shape)}")
-    r = rewards.detach().to(torch.float64).cpu()
+    if inc.device != dev:
+        raise ValueError(f"include is on {inc.device}, rewards on {dev}")
+    r = rewards.detach().to(torch.float64)
     w = inc.to(torch.float64)
     G = int(gid.max().item()) + 1 if B else 0
-    count = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, w)
-    total = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, r * w)
+    count = torch.zeros(G, dtype=torch.float64, device=dev).index_add_(0, gid, w)
+    total = torch.zeros(G, dtype=torch.float64, device=dev).index_add_(0, gid, r * w)
     n = count[gid]
     mean = total[gid] / n.clamp(min=1)
     valid = inc & (n >= 2)
     if estimator == "grpo":
         adv = r - mean
         if norm_adv_by_std:
-            sq = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, (r - mean) ** 2 * w)
+            sq = torch.zeros(G, dtype=torch.float64, device=dev).index_add_(0, gid, (r - mean) ** 2 * w)
             std = (sq[gid] / (n - 1).clamp(min=1)).sqrt()
             adv = adv / (std + epsilon)
     else:  # rloo
         adv = r - (total[gid] - r) / (n - 1).clamp(min=1)
     adv = torch.where(valid, adv, torch.zeros_like(adv))
-    return adv.to(torch.float32).to(rewards.device)
+    return adv.to(torch.float32)
 
 
 def compute_advantages(rewards: torch.Tensor, group_index, response_mask: torch.Tensor, estimator: str = "grpo",
@@ -109,9 +117,12 @@ def compute_advantages(rewards: torch.Tensor, group_index, response_mask: torch.
                          f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__}")
     if baseline_over not in BASELINE_OVER:
         raise ValueError(f"baseline_over={baseline_over!r} must be one of {BASELINE_OVER}")
+    if rewards.device != response_mask.device:
+        raise ValueError(f"rewards are on {rewards.device}, response_mask on {response_mask.device}: build the "
+                         f"step's rewards on the actor's device")
     m = response_mask.to(torch.float32)
     if not ((m == 0) | (m == 1)).all():
         raise ValueError("response_mask must contain only 0 and 1")
     include = (m.sum(dim=-1) > 0) if baseline_over == "kept" else None
     scalars = group_advantage_scalars(rewards, group_index, estimator, norm_adv_by_std, epsilon, include)
-    return scalars.to(m.device).unsqueeze(-1) * m
+    return scalars.unsqueeze(-1) * m

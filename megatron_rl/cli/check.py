@@ -16,6 +16,8 @@ model shapes are known, even if other keys are wrong. Exit status: 2 when there 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import List, Optional
 
@@ -25,6 +27,9 @@ from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, memory_plan
 from megatron_rl.ops.run_profile import run_profile
 from megatron_rl.ops.sync_plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
+from megatron_rl.tasks import DIGIT_TASKS
+from megatron_rl.tasks.datasets import usable_rows
+from megatron_rl.tasks.reward_fn import reward_import_error
 
 
 DEFAULT_PROMPT_LENGTH = 1024
@@ -35,6 +40,38 @@ def nodes_that_fit(cfg, gpus_per_node: int, limit: int = 4096) -> Optional[int]:
     for n in range(1, limit + 1):
         if not world_errors(cfg, n * gpus_per_node):
             return n
+    return None
+
+
+def data_problems(cfg, problems: List[str]) -> List[str]:
+    """The data file read as the trainer reads it: a ``data.task: file`` file with no usable row is a problem
+    (unless ``data.path`` was already reported)."""
+    d = cfg.data
+    if d.task != "file" or not d.path or any(p.startswith("data.path") for p in problems):
+        return []
+    try:
+        usable_rows(d.path, d.prompt_key, d.answer_key)
+    except ValueError as exc:
+        return [f"data.path: {exc}"]
+    return []
+
+
+def build_command(config_path: Optional[str], cfg) -> Optional[str]:
+    """How to build a missing ``actor.load_hf`` directory: the ``python -m megatron_rl...`` command the config
+    file's own comments give for that directory, else the digit-task model builder; None for other models."""
+    path = cfg.actor.load_hf
+    if not path or os.path.isdir(path):
+        return None
+    try:
+        with open(config_path) as fh:
+            text = fh.read()
+    except (OSError, TypeError):
+        text = ""
+    m = re.search(r"(python -m megatron_rl\.[\w.]+ " + re.escape(path) + r"(?: --[\w-]+(?: [\w.][\w.-]*)?)*)", text)
+    if m:
+        return m.group(1)
+    if cfg.data.task in DIGIT_TASKS:
+        return f"python -m megatron_rl.tasks {path} --task {cfg.data.task}"
     return None
 
 
@@ -68,6 +105,10 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    problems += data_problems(cfg, problems)
+    reward_error = reward_import_error(cfg.data.reward_fn)  # e.g. the math reward without math-verify
+    if reward_error and not any(p.startswith("data.reward_fn") for p in problems):
+        problems.append(reward_error)
     c = cfg.cluster
     world = c.world_size
     where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "
@@ -85,6 +126,9 @@ def _run(args: argparse.Namespace) -> int:
                       f"parallel sizes or --gpus-per-node", file=sys.stderr)
     else:
         print(f"config OK: {where}")
+    build = build_command(args.config, cfg)
+    if build is not None and any(p.startswith("actor.load_hf:") for p in problems):
+        print(f"hint: build actor.load_hf first: {build}", file=sys.stderr)
     if cfg.model is None:
         print("memory plan: skipped (no model shapes: give a model: section, or an actor.load_hf directory with "
               "a config.json)", file=sys.stderr)

@@ -130,6 +130,9 @@ class DataConfig:
     """Worker processes scoring file-task rewards in parallel (0: in the trainer's process, no timeout)."""
     reward_timeout_s: float = 10.0
     """Wall-clock limit of one sample's reward; past it the worker is killed and the reward is 0 (counted)."""
+    max_reward_failure_frac: float = 0.5
+    """A step where more than this fraction of the rewards failed or timed out (scored 0) ends the job with
+    the cause named, before the step trains (1.0: never)."""
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra arguments of ``tokenizer.apply_chat_template`` for chat prompts (e.g. {enable_thinking: false})."""
     max_prompt_length: Optional[int] = None
@@ -222,7 +225,11 @@ class TrainerConfig:
     save_interval: int = 0
     """Checkpoint every N steps (0: only at the end and on SIGTERM / SIGINT)."""
     resume: bool = False
-    """Resume from the newest checkpoint in run_dir/checkpoints."""
+    """Resume from the newest checkpoint in run_dir/checkpoints (``--resume``); metrics.jsonl and rollouts.jsonl
+    continue from its step, later records and stale checkpoints are removed."""
+    overwrite: bool = False
+    """Start over in a run_dir that holds another run's outputs (metrics.jsonl, checkpoints/, ...): they are
+    removed first. Without it (or resume) such a run_dir is refused before anything starts."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard extra)."""
     wandb: bool = False
@@ -232,9 +239,10 @@ class TrainerConfig:
     dump_rollouts: bool = False
     """Write every step's rollouts to run_dir/rollouts.jsonl (the ``megatron-rl score`` format)."""
     progress: bool = True
-    """Progress bar and compact metric table on the console (rank 0)."""
+    """One progress line per step and a periodic summary line on the console (rank 0)."""
     console_table_interval: int = 10
-    """Print the compact metric table (one row per step since the last table) every N steps (0: bar only)."""
+    """Every N steps (and at the last), one summary line of the steps since the previous one: mean / min / max
+    reward and its change, mean length, step time, throughput (0: per-step lines only)."""
     collective_timeout_s: float = 1800.0
     """Process-group timeout (gloo / NCCL): a collective that waits longer raises on that rank. Ranks wait
     in a broadcast while rank 0 generates rollouts, so it must exceed the longest rollout phase."""

@@ -131,6 +131,11 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
         errs.append(f"actor.routing_replay: {ac.routing_replay!r} needs an MoE model (model.num_moe_experts is not set)")
     elif ac.routing_replay == "r3" and cfg.model is not None and cfg.model.extra.get("moe_router_fusion"):
         errs.append("actor.routing_replay: 'r3' needs megatron's unfused router (model.extra.moe_router_fusion)")
+    if t.resume and t.overwrite:
+        errs.append("trainer.overwrite: true together with trainer.resume (--resume): choose one (resume continues "
+                    "the run in trainer.run_dir, overwrite removes it)")
+    if not 0 <= d.max_reward_failure_frac <= 1:
+        errs.append(f"data.max_reward_failure_frac: must be in [0, 1] (1: never), got {d.max_reward_failure_frac}")
     if t.steps < 1:
         errs.append(f"trainer.steps: must be >= 1, got {t.steps}")
     if t.save_interval < 0:

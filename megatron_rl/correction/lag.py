@@ -7,7 +7,8 @@ rejection of ``compute_rollout_correction`` correct both together. These metrics
 lag 0 carry the precision mismatch alone, lagged tokens carry lag + precision.
 
 ``policy_lag_metrics(train_lp, rollout_lp, mask, lag, max_lag, group)`` -> (keys are exact over ``group``:
-token sums and counts are all-reduced in float64, one collective):
+token sums and counts are all-reduced in float64, two collectives). Every input lives on one device (the
+actor's) and the sums are made there; ``parallel.devices`` stages them for the group's backend.
 
 * ``rollout/staleness_mean``, ``rollout/staleness_max`` — lag in versions over valid tokens;
 * ``rollout/staleness_frac_lag{l}`` for l = 0..max_lag — the histogram (fractions of valid tokens);
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.numerics import clamp_log_ratio
+from megatron_rl.parallel.devices import all_reduce_
 
 __all__ = ["policy_lag_metrics"]
 
@@ -37,6 +39,11 @@ def policy_lag_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.T
               "response_mask": response_mask.shape, "token_lag": token_lag.shape}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"policy_lag_metrics: shapes differ: {shapes}")
+    devices = {"train_log_probs": train_log_probs.device, "rollout_log_probs": rollout_log_probs.device,
+               "response_mask": response_mask.device, "token_lag": token_lag.device}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"policy_lag_metrics: tensors on different devices: "
+                         f"{ {k: str(v) for k, v in devices.items()} }")
     if max_lag < 0:
         raise ValueError(f"policy_lag_metrics: max_lag must be >= 0, got {max_lag}")
     m = response_mask.bool()
@@ -49,17 +56,19 @@ def policy_lag_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.T
     k3 = torch.exp(d) - d - 1.0
     L = max_lag + 1
     # per lag: [count, sum k1, sum k3]; then the sum of lags and the max lag
-    sums = torch.zeros(3 * L + 1, dtype=torch.float64)
+    dev = train_log_probs.device
+    sums = torch.zeros(3 * L + 1, dtype=torch.float64, device=dev)
     for lv in range(L):
         sel = m & (lag == lv)
         sums[3 * lv] = sel.sum()
         sums[3 * lv + 1] = k1[sel].sum()
         sums[3 * lv + 2] = k3[sel].sum()
     sums[3 * L] = lag[m].double().sum()
-    max_seen = torch.tensor([float(lag[m].max()) if bool(m.any()) else -1.0], dtype=torch.float64)
+    lag_valid = torch.where(m, lag, torch.full_like(lag, -1))  # -1: no valid token on this rank
+    max_seen = (lag_valid.amax() if lag.numel() else torch.full((), -1, device=dev)).to(torch.float64).reshape(1)
     if group is not None:  # None: this process holds the whole batch
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(max_seen, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(sums, group=group)
+        all_reduce_(max_seen, op=dist.ReduceOp.MAX, group=group)
     counts = sums[0::3][:L]
     total = float(counts.sum())
     out: Dict[str, float] = {}

@@ -35,7 +35,9 @@ def check_structure(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tens
             raise ValueError(f"{name}: shape {tuple(t.shape)} does not match response_mask "
                              f"shape {tuple(response_mask.shape)}")
         if t.device != response_mask.device:
-            raise ValueError(f"{name}: on {t.device}, response_mask on {response_mask.device}")
+            raise ValueError(f"{name}: on {t.device}, response_mask on {response_mask.device}: the correction "
+                             f"runs where the actor's log-probs are; move the rollout batch there once "
+                             f"(RolloutBatch.to(device))")
     if response_mask.dtype != torch.bool:
         bad = (response_mask != 0) & (response_mask != 1)
         if bad.any():

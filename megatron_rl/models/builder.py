@@ -33,7 +33,10 @@ Design decisions:
     and each rank back-propagates only its own heads' share of the RoPE-key gradient (measured: ~50 %
     error on those rows at TP2); the replicated path gathers the RoPE key over the sequence-parallel
     region, whose backward reduce-scatters the full gradient. That path needs sequence parallelism at
-    TP > 1 (``validate_parallel_config`` requires it for MLA).
+    TP > 1 (``validate_parallel_config`` requires it for MLA). The bug is still open in megatron-core 0.19
+    (Megatron-LM #1699), so the replicated path stays; 0.19 recognises that ``Linear`` only when Transformer
+    Engine imports, and ``platform/cpu_compat`` restores the binding on CPU.
+  * megatron-core 0.16.1 through 0.19.x (``platform/mcore_version``): anything else is refused before building.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 from megatron_rl.platform.cpu_compat import cpu_patches_applied
+from megatron_rl.platform.mcore_version import check_supported_mcore
 
 __all__ = ["make_transformer_config", "build_gpt_model", "transformer_engine_available"]
 
@@ -192,6 +196,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: 
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    check_supported_mcore()
     if not torch.cuda.is_available() and not cpu_patches_applied():
         raise RuntimeError("build_gpt_model: megatron's CPU patches are not applied (call "
                            "megatron_rl.parallel.initialize_model_parallel, or apply_cpu_patches() when setting up "

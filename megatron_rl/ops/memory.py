@@ -357,6 +357,14 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     return plan
 
 
+def format_count(n: float) -> str:
+    """A parameter count with the unit that keeps it readable: ``7.62 B``, ``1.2 M``, ``35.1 K``, ``512``."""
+    for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{int(n)}"
+
+
 def _gb(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
@@ -369,8 +377,8 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
     lines = [
         f"layout: world={plan.world_size} TP={plan.tp} PP={plan.pp} VPP={plan.vpp} CP={plan.cp} DP={plan.dp}"
         + (f" EP={plan.ep} ETP={plan.etp} expert-DP={plan.expert_dp}" if plan.is_moe else ""),
-        f"model: {plan.total_params / 1e9:.2f} B parameters"
-        + (f" ({plan.active_params / 1e9:.2f} B active per token)" if plan.is_moe else "")
+        f"model: {format_count(plan.total_params)} parameters"
+        + (f" ({format_count(plan.active_params)} active per token)" if plan.is_moe else "")
         + f"; sequence {plan.seq_length} tokens "
         f"(prompt {o.prompt_length} + rollout.max_new_tokens), micro-batch {plan.micro_batch_size}, "
         f"{plan.microbatches} micro-batches per mini-batch per DP rank",

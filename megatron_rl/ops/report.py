@@ -25,6 +25,9 @@ said otherwise; thresholds are module constants and are printed in report.md):
 check                       rule                                                                severity
 ==========================  ==================================================================  ========
 non-finite metrics          any NaN / inf in any metric at any step                             FAIL
+failed rewards              reward/failed_frac > REWARD_FAILED_FRAC_MAX (0.5) at any step       FAIL
+                            (failed + timed-out rewards / samples); any reward/failed or
+                            reward/timed_out > 0 otherwise                                      WARN
 ESS                         rollout_corr/rollout_is_eff_sample_size < ESS_MIN (0.5)             FAIL
 veto fraction               rollout_corr/rollout_is_veto_fraction > VETO_MAX (0.05)             FAIL
 mean IS weight              abs(rollout_corr/rollout_is_mean - 1) > IS_MEAN_DEV_MAX (0.2)       FAIL
@@ -53,6 +56,7 @@ IS_P99_MAX = 10.0
 K3_RISE_FACTOR = 2.0
 K3_FLOOR = 1e-4
 REWARD_FLAT_RANGE = 0.01
+REWARD_FAILED_FRAC_MAX = 0.5  # the trainer's default data.max_reward_failure_frac
 MIN_STEPS = 8
 
 P = "rollout_corr/"
@@ -205,6 +209,8 @@ def health_checks(records: Sequence[dict]) -> List[Finding]:
         out.append(Finding("FAIL", "non-finite metrics", "NaN/inf in " + ", ".join(bad[:8])
                            + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")))
 
+    out += _reward_failure_findings(records)
+
     def last_mean(key):
         _, ys = series(records, key)
         return (_mean(_quarter(ys, True)), len(ys)) if ys else (None, 0)
@@ -245,6 +251,23 @@ def health_checks(records: Sequence[dict]) -> List[Finding]:
             out.append(Finding("WARN", "reward flat", f"smoothed reward/mean range {rng:.4f} < {REWARD_FLAT_RANGE} "
                                f"over {len(rw)} steps: no learning signal"))
     return out
+
+
+def _reward_failure_findings(records: Sequence[dict]) -> List[Finding]:
+    """FAIL when a step's failed + timed-out reward fraction exceeds REWARD_FAILED_FRAC_MAX, WARN when any
+    reward failed (the failed samples were scored 0 and trained on)."""
+    xs, fr = series(records, "reward/failed_frac")
+    worst = max(((y, x) for x, y in zip(xs, fr) if math.isfinite(y)), default=None)
+    if worst is not None and worst[0] > REWARD_FAILED_FRAC_MAX:
+        return [Finding("FAIL", "failed rewards", f"reward/failed_frac = {worst[0]:.3f} > {REWARD_FAILED_FRAC_MAX} "
+                        f"at step {worst[1]}: most rewards failed or timed out (scored 0) -- a missing reward "
+                        "dependency, a reward function that raises, or data.reward_timeout_s too short")]
+    counts = [(x, y) for key in ("reward/failed", "reward/timed_out")
+              for x, y in zip(*series(records, key)) if math.isfinite(y) and y > 0]
+    if counts:
+        return [Finding("WARN", "failed rewards", f"{len({x for x, _ in counts})} step(s) had failed or timed-out "
+                        f"rewards (first at step {min(x for x, _ in counts)}), scored 0")]
+    return []
 
 
 # ----------------------------------------------------------------------------- plots
@@ -378,9 +401,10 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
             lines.append(f"| `{k}` | {_fmt(_mean(ys[:w]))} | {_fmt(_mean(ys[-w:]))} | "
                          f"{_fmt(_mean(_quarter(ys, True)))} |")
     lines += ["", "## Thresholds", "",
-              f"- FAIL: any NaN/inf metric; ESS < {ESS_MIN}; veto fraction > {VETO_MAX}; "
+              f"- FAIL: any NaN/inf metric; failed-reward fraction > {REWARD_FAILED_FRAC_MAX} at a step; "
+              f"ESS < {ESS_MIN}; veto fraction > {VETO_MAX}; "
               f"|mean IS weight - 1| > {IS_MEAN_DEV_MAX} (last-quarter means).",
-              f"- WARN: RS masked fraction > {RS_MASKED_MAX}; IS ratio p99 > {IS_P99_MAX}; k3 KL last-quarter mean > "
+              f"- WARN: any failed / timed-out reward; RS masked fraction > {RS_MASKED_MAX}; IS ratio p99 > {IS_P99_MAX}; k3 KL last-quarter mean > "
               f"{K3_RISE_FACTOR} x first-quarter mean and > {K3_FLOOR}; smoothed reward range < {REWARD_FLAT_RANGE} "
               f"(trend checks need >= {MIN_STEPS} steps).", ""]
     if plots:

@@ -10,7 +10,9 @@ sharding, and the task's real prompt length.
   ``use_distributed_optimizer``) -- so the plan follows the actor when it changes.
 * prompt length: the longest prompt of a built-in digit task (its longest operands, encoded with the
   checkpoint's tokenizer, or with the char tokenizer those tasks are built for when ``actor.load_hf`` is
-  not there yet), or the longest prompt of ``data.path`` encoded with the checkpoint's tokenizer (without
+  not there yet), or the longest prompt of ``data.path`` rendered as the trainer renders it (the
+  checkpoint's tokenizer and chat template with ``data.chat_template_kwargs``, ``data.max_prompt_length``;
+  without
   it: the prompt's UTF-8 bytes, an upper bound for byte-level BPE tokenizers). When neither can be read,
   ``None`` (the caller falls back to a flag).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -27,6 +29,7 @@ from megatron_rl.actor import MegatronActor
 from megatron_rl.actor.optimizer import optimizer_config
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.tasks import DIGIT_TASKS, DigitTask, FileTask, build_char_tokenizer, load_records
+from megatron_rl.tasks.options import DataOptions
 
 
 @dataclass
@@ -84,11 +87,16 @@ def task_prompt_length(cfg) -> Tuple[Optional[int], str]:
     if d.task == "file" and d.path and os.path.isfile(d.path):
         if tok is None:
             return _utf8_bound(d.path, d.prompt_key, tok_src)
+        # rendered as the trainer renders them: chat template arguments, length limit (filter / truncate)
         try:
-            task = FileTask(d.path, tok, prompt_key=d.prompt_key, answer_key=d.answer_key, answer_required=False)
+            options = replace(DataOptions.from_config(d), reward_workers=0)
+            task = FileTask(d.path, tok, prompt_key=d.prompt_key, answer_key=d.answer_key, answer_required=False,
+                            reward_fn="exact", options=options, report=None)  # the reward plays no part here
         except ValueError:
             return _utf8_bound(d.path, d.prompt_key, f"{tok_src} could not read it")
-        return max(len(p.prompt_ids) for p in task.prompts), f"longest prompt of {d.path} ({tok_src})"
+        task.close()
+        kwargs = f", chat_template_kwargs {options.chat_template_kwargs}" if options.chat_template_kwargs else ""
+        return max(len(p.prompt_ids) for p in task.prompts), f"longest prompt of {d.path} ({tok_src}{kwargs})"
     return None, f"data.task {d.task!r}: prompts not readable"
 
 

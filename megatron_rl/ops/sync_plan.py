@@ -5,7 +5,7 @@
 
 * bytes per sync = every parameter once, in the engine's dtype (``rollout.dtype``);
 * host memory of the sync on rank 0: disk — the whole model in the engine's dtype (the HF export is built
-  there); tensor / distributed — two buckets (the one being packed and, with PP, the one received from a
+  there); tensor / distributed — two buckets (a bucket holds at most the whole model) (the one being packed and, with PP, the one received from a
   later stage's leader) plus the largest tensor being gathered (the embedding / output layer, V x h);
   on a later stage's leader one bucket + that tensor. (Async mode with the embedded engine keeps a copy of
   the whole model on rank 0, in the trainer's dtype, for the producer.)
@@ -49,12 +49,19 @@ class SyncPlan:
 
     def line(self) -> str:
         """One line for the check output."""
-        mem = f"rank 0 +{self.rank0_host_bytes / 2**30:.2f} GiB host"
+        mem = f"rank 0 +{_binary(self.rank0_host_bytes)} host"
         if self.leader_host_bytes:
-            mem += f", later-stage leaders +{self.leader_host_bytes / 2**30:.2f} GiB"
+            mem += f", later-stage leaders +{_binary(self.leader_host_bytes)}"
         bucket = f", buckets of {self.bucket_bytes / 2**20:g} MiB" if self.bucket_bytes else ""
-        return (f"weight sync ({self.mode}{bucket}): {self.bytes_per_sync / 1e9:.2f} GB per sync, {mem}; "
+        per_sync = (f"{self.bytes_per_sync / 1e9:.2f} GB" if self.bytes_per_sync >= 1e8
+                    else f"{self.bytes_per_sync / 1e6:.2f} MB")
+        return (f"weight sync ({self.mode}{bucket}): {per_sync} per sync, {mem}; "
                 f"~{self.seconds:.1f} s at an assumed {self.gbps:g} GB/s (measure: tools/bench_weight_sync.py)")
+
+
+def _binary(nbytes: float) -> str:
+    """Host bytes in GiB, or MiB below 0.1 GiB (a tiny model's sync is not "0.00 GiB")."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 0.1 * 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
@@ -68,6 +75,7 @@ def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
     if mode == "disk":
         return SyncPlan(mode, total, 0.0, total, 0.0, 2 * total / (DISK_GBPS * 1e9), DISK_GBPS)
     bucket = r.weight_sync_bucket_mb * 2**20
-    rank0 = (2 if pp > 1 else 1) * bucket + largest
-    leader = bucket + largest if pp > 1 else 0.0
+    filled = min(bucket, total)  # a bucket never holds more than the whole model
+    rank0 = (2 if pp > 1 else 1) * filled + largest
+    leader = filled + largest if pp > 1 else 0.0
     return SyncPlan(mode, total, bucket, rank0, leader, total / (LINK_GBPS * 1e9), LINK_GBPS)

@@ -407,6 +407,13 @@ def _apply_function_patches() -> None:
              "MoE at TP x EP reduce-scatters uneven token counts over TP; gloo has no list reduce_scatter")
     _replace("megatron.core.transformer.multi_latent_attention", "HAVE_TE", False,
              "TE placeholders import without Transformer Engine, so MLA's isinstance(linear_proj, TELinear) fails")
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    if getattr(mla, "Linear", None) is None:
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        _replace("megatron.core.transformer.multi_latent_attention", "Linear", Linear,
+                 "0.19 binds the replicated MLA down-projection (modelopt Linear) only with TE, so the local spec's "
+                 "replicated q/kv down-projection is refused ('Unsupported linear_q_down_proj')")
     dpa = importlib.import_module("megatron.core.transformer.dot_product_attention").DotProductAttention
     if not hasattr(dpa.__init__, "__wrapped__"):
         dpa.__init__ = _wrap_dot_product_attention_init(dpa.__init__)

@@ -4,8 +4,13 @@
 
 A run on CPU otherwise prints ~36 of them (8 per rank plus megatron's rerun-machine notice): Transformer
 Engine / Apex are not installed, a deprecated cuda-graph scope default, the CUDA_DEVICE_MAX_CONNECTIONS
-hint, "Implicit initialization of Rerun State Machine!". Every other warning is shown as Python would.
-``MEGATRON_RL_SHOW_KNOWN_WARNINGS=1`` turns the filter off (megatron's messages verbatim, every rank).
+hint, "Implicit initialization of Rerun State Machine!", and library deprecation notices our dependencies
+raise from their own code (checkpoint loading, the embedded engine's KV cache argument).
+
+Other warnings: deprecation notices (``FutureWarning``, ``DeprecationWarning``, ``PendingDeprecationWarning``)
+concern code, which is the same on every rank, so they are shown on rank 0 only; every other warning on the
+rank that raised it. Each distinct message is shown once per process, on one line with its origin.
+``MEGATRON_RL_SHOW_KNOWN_WARNINGS=1`` turns the filter off (messages verbatim, every rank).
 """
 from __future__ import annotations
 
@@ -27,7 +32,15 @@ KNOWN: List[Tuple[str, str]] = [
      "megatron's fault-reproduction machinery, created on first use and disabled"),
     (r"RerunStateMachine initialized in mode RerunMode\.DISABLED",
      "megatron's fault-reproduction machinery, created on first use and disabled"),
+    (r"`load_state_dict` is deprecated and will be removed",
+     "megatron-core's checkpoint loader calls torch's older load API; the checkpoint loads the same"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor",
+     "megatron-core's checkpoint format is built on ShardedTensor; a torch deprecation notice"),
+    (r"`past_key_values`(/`cache_params`)? (is|are) deprecated",
+     "transformers renamed the KV-cache argument the embedded engine passes; generation is unchanged"),
 ]
+#: Deprecation notices: about code, identical on every rank -- shown on rank 0 only.
+RANK0_ONLY = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 _PATTERNS = [(re.compile(p), why) for p, why in KNOWN]
 _shown: Set[str] = set()
 _installed = False
@@ -57,6 +70,18 @@ def _show_once(message: str, why: str) -> None:
     print(f"[megatron-rl] known, harmless: {first_line} -- {why}", file=sys.stderr, flush=True)
 
 
+def _show_other(message, category, filename: str, lineno: int) -> None:
+    """An unknown warning: once per distinct (category, first line), deprecation notices on rank 0 only."""
+    text = str(message).strip()
+    first_line = text.splitlines()[0] if text else text
+    key = f"{category.__name__}: {first_line}"
+    if key in _shown or (issubclass(category, RANK0_ONLY) and _rank() != 0):
+        return
+    _shown.add(key)
+    where = f"{os.path.basename(filename)}:{lineno}"
+    print(f"[megatron-rl] warning from {where}: {category.__name__}: {first_line}", file=sys.stderr, flush=True)
+
+
 class _KnownLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -78,8 +103,11 @@ def install_known_message_filter() -> None:
     def showwarning(message, category, filename, lineno, file=None, line=None):
         why = known_reason(str(message))
         if why is None:
-            return previous(message, category, filename, lineno, file, line)
+            if file is not None:  # an explicit stream (warnings.showwarning called directly): as Python would
+                return previous(message, category, filename, lineno, file, line)
+            return _show_other(message, category, filename, lineno)
         _show_once(str(message), why)
 
     warnings.showwarning = showwarning
-    logging.getLogger("megatron.core.rerun_state_machine").addFilter(_KnownLogFilter())
+    for name in ("megatron.core.rerun_state_machine", "transformers.utils.generic"):
+        logging.getLogger(name).addFilter(_KnownLogFilter())

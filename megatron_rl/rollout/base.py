@@ -265,12 +265,18 @@ class RolloutEngine(abc.ABC):
         """HF names the engine keeps in a higher precision than ``weight_dtype`` (sent uncast)."""
         return set()
 
-    def checkable_weight_names(self) -> set:
-        """HF names whose engine copy ``weight_checksums`` can report (empty: no verification)."""
-        return set()
+    def weight_layout(self, hf_names, geometry) -> list:
+        """The engine tensors ``weight_checksums`` can report, as ``weight_layout.EngineTensor`` objects built
+        from the HF tensors ``hf_names`` (model of ``geometry``: ``convert.geometry.HFGeometry``); empty: no
+        verification."""
+        return []
+
+    def weight_tp_sizes(self) -> tuple:
+        """The TP sizes of the engine's servers (one checksum per TP rank and tensor)."""
+        return (1,)
 
     def weight_checksums(self, names) -> dict:
-        """``{HF name: tensor_checksum of the engine's copy}`` for ``names`` (every server must agree)."""
+        """``{server: {engine tensor name: (tensor_checksum of TP rank 0's copy, rank 1's, ...)}}`` for ``names``."""
         raise WeightSyncError(f"{type(self).__name__} cannot report weight checksums")
 
     @abc.abstractmethod

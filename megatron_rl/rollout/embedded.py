@@ -5,7 +5,8 @@ embedded default, no server.
   mismatch, which the rollout correction repairs). All prompts x ``n`` samples form one batch: left padding,
   an attention mask and explicit position ids; one prefill forward, then one cached decode step per token
   (``use_cache=True``, ``past_key_values``); a row stops at EOS (unless ``ignore_eos``), at a stop id, or at
-  ``max_new_tokens`` (SGLang's precedence: hitting the length wins, ``finish_reason == "length"``).
+  ``max_new_tokens``. A stop token that is also the last allowed token wins: ``finish_reason == "stop"``
+  (``megatron_rl.rollout.finish``; async interrupt mode continues "length" rows, never past an EOS).
 * Log-probs have SGLang's semantics (``embedded_sampling``): ``log_softmax(logits / T)`` over the full
   vocabulary at the sampled token, computed in float32 from the engine-dtype logits; top-k / top-p truncate
   sampling only; ``T == 0`` is greedy and reports ``log_softmax(logits)``.
@@ -54,7 +55,9 @@ from megatron_rl.rollout.embedded_sampling import (
     sampled_logprobs,
 )
 from megatron_rl.rollout.embedded_weights import BucketLoader, load_state_dict_checked, read_hf_state_dict
+from megatron_rl.rollout.finish import stop_ids
 from megatron_rl.rollout.weight_buckets import tensor_checksum
+from megatron_rl.rollout.weight_layout import transformers_layout
 from megatron_rl.rollout.routing import RouterCapture
 
 #: Engine compute dtypes by name.
@@ -217,19 +220,19 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"begin_weight_sync: version={version!r} must be a non-empty string")
         return BucketLoader(self, version)
 
-    def checkable_weight_names(self) -> set:
-        """The model's own tensor names (fused expert tensors and rotary buffers excluded)."""
+    def weight_layout(self, hf_names, geometry) -> list:
+        """The model's own tensors built from ``hf_names`` (fused expert tensors included; rotary buffers not)."""
         self._require_model(generating=False)
-        return {k for k in self.model.state_dict() if not k.endswith(("inv_freq", "gate_up_proj", "experts.down_proj"))}
+        return transformers_layout(hf_names, {k for k in self.model.state_dict() if not k.endswith("inv_freq")})
 
     def weight_checksums(self, names) -> dict:
-        """``tensor_checksum`` of the engine's copy of each HF tensor in ``names``."""
+        """``{"embedded": {name: (tensor_checksum of the engine's copy,)}}``."""
         self._require_model(generating=False)
         own = self.model.state_dict()
         missing = [n for n in names if n not in own]
         if missing:
             raise WeightSyncError(f"EmbeddedEngine has no tensor(s) {missing[:8]}")
-        return {n: tensor_checksum(own[n]) for n in names}
+        return {"embedded": {n: (tensor_checksum(own[n]),) for n in names}}
 
     def _mark_synced(self, version: str) -> None:
         self._version = version
@@ -305,10 +308,7 @@ class EmbeddedEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         greedy = sampling.temperature == 0
         gens = None if greedy else [torch.Generator().manual_seed(s) for _, _, s in rows]
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids |= set(self.eos_token_ids)
-        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        stop_t = torch.tensor(sorted(stop_ids(sampling, self.eos_token_ids)), dtype=torch.long)
 
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
@@ -343,13 +343,11 @@ class EmbeddedEngine(RolloutEngine):
                     continue
                 tokens[r].append(int(nxt[r]))
                 logps[r].append(float(lp[r]))
-                if len(tokens[r]) >= sampling.max_new_tokens:
-                    reasons[r] = "length"
-                    if is_stop[r]:
-                        matched[r] = int(nxt[r])
-                elif is_stop[r]:
+                if is_stop[r]:  # a stop token ends the response, also when it is the last allowed one
                     reasons[r] = "stop"
                     matched[r] = int(nxt[r])
+                elif len(tokens[r]) >= sampling.max_new_tokens:
+                    reasons[r] = "length"
             done |= torch.tensor([x is not None for x in reasons])
             if bool(done.all()) or step == sampling.max_new_tokens - 1:
                 break

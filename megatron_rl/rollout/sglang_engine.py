@@ -58,9 +58,11 @@ from megatron_rl.rollout.base import (
     validate_n,
     validate_prompts,
 )
+from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
-from megatron_rl.rollout.sglang_weights import (SGLangDistributedReceiver, SGLangTensorReceiver, UpdateGroup,
-                                                checksums_by_name, master_address_for)
+from megatron_rl.rollout.sglang_weights import (FP32_KEPT_SUFFIXES, SGLangDistributedReceiver, SGLangTensorReceiver,
+                                                UpdateGroup, checksums_by_name, master_address_for)
+from megatron_rl.rollout.weight_layout import sglang_layout
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ def _short(val: Any, limit: int = 80) -> str:
 
 def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, source: str,
                             expected_version: str | None, prompt_offset: int = 0,
-                            routing: SGLangRoutingLayout | None = None) -> list[Rollout]:
+                            routing: SGLangRoutingLayout | None = None,
+                            stops: frozenset = frozenset()) -> list[Rollout]:
     """Validate one ``/generate`` reply for ``prompts`` x ``n`` samples and turn it into ``Rollout`` objects.
 
     Args:
@@ -125,6 +128,8 @@ def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, sour
         prompt_offset: index of ``prompts[0]`` in the caller's full prompt list (``Rollout.prompt_index``).
         routing: the model's routing layout when ``return_routed_experts`` was requested: every response
             must then carry ``meta_info.routed_experts`` (-> ``Rollout.routed_experts``).
+        stops: the ids that end a response (``finish.stop_ids``): a "length" reply whose last token is one of
+            them finished with "stop" (a scheduler that checks the length limit before EOS says "length").
 
     Raises:
         MalformedResponseError: a field is missing or wrong (message names the field path and the server).
@@ -196,6 +201,8 @@ def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, sour
         info = {}
         if isinstance(fr, dict) and "matched" in fr:
             info["matched_stop"] = fr["matched"]
+        if fr_type == "length" and normalised_finish(fr_type, output_ids, stops) == "stop":
+            fr_type, info["matched_stop"] = "stop", output_ids[-1]
         routed = None
         if routing is not None:
             routed = decode_routed_experts(meta.get("routed_experts"), len(prompts[p]) + len(output_ids) - 1,
@@ -221,7 +228,8 @@ class SGLangEngine(RolloutEngine):
                 URL counts as one server).
             request_timeout: seconds to wait for a ``/generate`` reply (per attempt).
             connect_timeout: seconds to wait for a TCP connection (per attempt).
-            weight_sync_timeout: seconds to wait for ``/update_weights_from_disk`` (per attempt).
+            weight_sync_timeout: bound of every weight-sync request (``/update_weights_from_disk`` with its
+                busy retries, ``/weights_checker``, each in-memory update call); ``rollout.weight_sync_timeout_s``.
             retry: retry policy for connection errors, timeouts and 5xx.
             vocab_size: when given, prompt token ids are checked against it before sending.
             weight_version: the version the servers currently serve, if known (else learned from replies).
@@ -261,6 +269,7 @@ class SGLangEngine(RolloutEngine):
         self._invalid: str | None = None  # why no server may be used (a failed in-memory weight sync)
         self._group: UpdateGroup | None = None  # weight_sync distributed: rank 0 + the servers' TP ranks
         self._server_info: dict[str, dict] = {}
+        self._reported: set | None = None  # tensor names /weights_checker reports (fixed for a server)
 
     # ------------------------------------------------------------------ HTTP
     def _session(self, url: str) -> requests.Session:
@@ -274,17 +283,26 @@ class SGLangEngine(RolloutEngine):
             return s
 
     def _request(self, method: str, url: str, payload: Any = None, timeout: float | None = None,
-                 retry: RetryPolicy | None = None, json_4xx: bool = False) -> Any:
+                 retry: RetryPolicy | None = None, json_4xx: bool = False, budget: float | None = None) -> Any:
         """One HTTP call with retries on connection errors, timeouts and 5xx; returns the decoded JSON.
-        A 4xx reply raises ``RolloutError`` unless ``json_4xx`` (then its JSON body is returned)."""
+        A 4xx reply raises ``RolloutError`` unless ``json_4xx`` (then its JSON body is returned). ``budget``:
+        seconds for every attempt and backoff together (each attempt's timeouts are cut to what is left)."""
         retry = retry or self.retry
-        timeout = (self.connect_timeout, timeout or self.request_timeout)
+        read = timeout or self.request_timeout
         last = "no attempt made"
         t0 = time.monotonic()
+        deadline = None if budget is None else t0 + budget
         for attempt in range(1, retry.max_attempts + 1):
-            time.sleep(retry.sleep_before(attempt))
+            pause = retry.sleep_before(attempt)
+            left = None if deadline is None else deadline - time.monotonic() - pause
+            if left is not None and left <= 0:
+                raise EngineUnavailableError(f"{method} {url} did not succeed within its bound of {budget:.1f} s "
+                                             f"({attempt - 1} attempt(s)); last failure: {last}")
+            time.sleep(pause)
+            timeouts = (self.connect_timeout, read) if left is None else (min(self.connect_timeout, left),
+                                                                           min(read, left))
             try:
-                resp = self._session(url).request(method, url, json=payload, timeout=timeout)
+                resp = self._session(url).request(method, url, json=payload, timeout=timeouts)
                 if resp.status_code >= 500:
                     raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]!r}")
             except (requests.ConnectionError, requests.Timeout, _Retryable) as e:
@@ -329,7 +347,8 @@ class SGLangEngine(RolloutEngine):
             if layout is not None:
                 payload["return_routed_experts"] = True
             reply = self._request("POST", url + "/generate", payload)
-            return parse_generate_response(reply, chunk, n, url, expected, prompt_offset=offset, routing=layout)
+            return parse_generate_response(reply, chunk, n, url, expected, prompt_offset=offset, routing=layout,
+                                           stops=stop_ids(sampling))
 
         if k == 1:
             results = [run(jobs[0])]
@@ -380,20 +399,27 @@ class SGLangEngine(RolloutEngine):
         return self._routing[url]
 
     def update_weights(self, hf_dir: str, version: str) -> None:
-        """Make every server load the HF checkpoint in ``hf_dir`` as weight version ``version``."""
+        """Make every server load the HF checkpoint in ``hf_dir`` as weight version ``version``. A failure
+        leaves the engine refusing to generate until a later sync succeeds (as the in-memory modes do)."""
         version = str(version)
         if not version:
             raise ValueError("update_weights: version must be a non-empty string")
         path = os.path.abspath(hf_dir) if self.check_local_paths else str(hf_dir)
         if self.check_local_paths and not os.path.isfile(os.path.join(path, "config.json")):
             raise WeightSyncError(f"update_weights: {path} is not an HF checkpoint directory (no config.json)")
-        for url in self.urls:
-            self._update_one(url, path, version)
-            info = self._request("GET", url + "/get_model_info")
-            got = str(info.get("weight_version")) if isinstance(info, dict) else None
-            if got != version:
-                raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports weight_version="
-                                      f"{got!r}, expected {version!r}")
+        try:
+            for url in self.urls:
+                self._update_one(url, path, version)
+                info = self._request("GET", url + "/get_model_info", budget=self.weight_sync_timeout)
+                got = str(info.get("weight_version")) if isinstance(info, dict) else None
+                if got != version:
+                    raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports "
+                                          f"weight_version={got!r}, expected {version!r}")
+        except BaseException as exc:
+            self._mark_invalid(f"weight sync to {version!r} from disk failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, RolloutError) and not isinstance(exc, WeightSyncError):
+                raise WeightSyncError(f"weight sync to {version!r} from disk: {exc}") from exc
+            raise
         self._weight_version = version
         self._invalid = None
 
@@ -428,25 +454,37 @@ class SGLangEngine(RolloutEngine):
         """Tensor-parallel size of the server at ``url`` (``/get_server_info``)."""
         return int(self._info(url).get("tp_size") or 1)
 
-    def checkable_weight_names(self) -> set:
-        """Tensor names the servers' ``/weights_checker`` reports under their HF name, less the vocabulary
-        tensors (SGLang pads their rows to a multiple of 64, so their checksums cover more than the HF tensor)."""
-        names = checksums_by_name(self._request("POST", self.urls[0] + "/weights_checker", {"action": "checksum"},
-                                                timeout=self.weight_sync_timeout, json_4xx=True), self.urls[0])
-        return {n for n in names if not n.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    def _checker(self, url: str) -> dict:
+        """``{name: (checksum per TP rank)}`` from ``url``'s ``/weights_checker`` (bounded by the sync timeout)."""
+        reply = self._request("POST", url + "/weights_checker", {"action": "checksum"},
+                              timeout=self.weight_sync_timeout, json_4xx=True, budget=self.weight_sync_timeout)
+        return checksums_by_name(reply, url)
+
+    def _checker_names(self) -> set:
+        if self._reported is None:
+            self._reported = set(self._checker(self.urls[0]))
+        return self._reported
+
+    def weight_layout(self, hf_names, geometry) -> list:
+        """SGLang's tensors (fused qkv / gate_up / experts, padded vocabulary; ``weight_layout.sglang_layout``)
+        that the servers' ``/weights_checker`` reports; fused experts only without expert parallelism."""
+        reported = self._checker_names()
+        ep = max(int(self._info(u).get("ep_size") or 1) for u in self.urls)
+        return [t for t in sglang_layout(hf_names, geometry.num_query_groups)
+                if t.name in reported and not (ep > 1 and t.experts)]
+
+    def weight_tp_sizes(self) -> tuple:
+        return tuple(sorted({self.server_tp_size(u) for u in self.urls}))
+
+    def full_precision_weight_names(self) -> set:
+        """Tensors SGLang keeps in fp32 in a bf16 model: DeepSeek-V3's ``e_score_correction_bias``
+        (``noaux_tc`` routing; SGLang's ``MoEGate`` allocates it fp32)."""
+        return {n for n in self._checker_names() if n.endswith(FP32_KEPT_SUFFIXES)}
 
     def weight_checksums(self, names) -> dict:
-        """Checksums of ``names`` on every server; a server that disagrees with the first raises, naming both."""
-        out: dict = {}
-        for url in self.urls:
-            got = checksums_by_name(self._request("POST", url + "/weights_checker", {"action": "checksum"},
-                                                  timeout=self.weight_sync_timeout, json_4xx=True), url)
-            mine = {n: got.get(n) for n in names}
-            if out and mine != out:
-                bad = [n for n in names if mine[n] != out[n]]
-                raise WeightSyncError(f"{url} and {self.urls[0]} hold different weights for {bad[:8]}")
-            out = mine
-        return out
+        """``{url: {name: (checksum of TP rank 0's shard, ...)}}`` of every server."""
+        return {url: {n: got[n] for n in names if n in got}
+                for url, got in ((u, self._checker(u)) for u in self.urls)}
 
     def _info(self, url: str) -> dict:
         if url not in self._server_info:
@@ -458,7 +496,7 @@ class SGLangEngine(RolloutEngine):
         """POST once (no retry: an update must not be applied twice); raise WeightSyncError unless success."""
         try:
             reply = self._request("POST", url + path, payload, timeout=timeout, retry=RetryPolicy(max_attempts=1),
-                                  json_4xx=True)
+                                  json_4xx=True, budget=timeout)
         except RolloutError as exc:
             raise WeightSyncError(f"{url}{path}: {exc}") from exc
         if isinstance(reply, dict) and reply.get("success") is False:
@@ -493,9 +531,19 @@ class SGLangEngine(RolloutEngine):
         attempt = 0
         while True:
             attempt += 1
-            reply = self._request("POST", url + "/update_weights_from_disk",
-                                  {"model_path": path, "weight_version": version},
-                                  timeout=self.weight_sync_timeout, json_4xx=True)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version {version!r} "
+                                      f"within rollout.weight_sync_timeout_s={self.weight_sync_timeout:g} s "
+                                      f"({attempt - 1} attempt(s))")
+            try:
+                reply = self._request("POST", url + "/update_weights_from_disk",
+                                      {"model_path": path, "weight_version": version}, timeout=left,
+                                      json_4xx=True, budget=left, retry=RetryPolicy(max_attempts=1))
+            except EngineUnavailableError as exc:
+                raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version {version!r} "
+                                      f"within rollout.weight_sync_timeout_s={self.weight_sync_timeout:g} s: "
+                                      f"{exc}") from exc
             if isinstance(reply, dict) and reply.get("success") is True:
                 return
             busy = isinstance(reply, dict) and "not flushed" in str(reply.get("message", ""))
@@ -503,7 +551,7 @@ class SGLangEngine(RolloutEngine):
                 why = "server still busy (cache not flushed) " if busy else ""
                 raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version {version!r} "
                                       f"{why}after {attempt} attempt(s): {_short(reply, 400)}")
-            time.sleep(min(2.0, 0.05 * 2 ** attempt))
+            time.sleep(max(0.0, min(2.0, 0.05 * 2 ** attempt, deadline - time.monotonic())))
 
     def health(self, generate: bool = False) -> dict[str, bool]:
         """``{url: healthy}`` via ``GET /health`` (or ``/health_generate``, which runs a tiny generation)."""

@@ -8,7 +8,9 @@ the tail of the server log.
 
 On ``device="cpu"`` it sets ``SGLANG_USE_CPU_ENGINE=1`` (mandatory on CPU) and prepends the import-only
 stand-ins of ``megatron_rl/platform/sglang_cpu`` (``sgl_kernel``, text-only ``torchvision``) to the server's
-``PYTHONPATH`` — only for this subprocess.
+``PYTHONPATH`` — only for this subprocess. The server's environment is ``child_environment()``: the trainer's
+without the launcher's rendezvous variables (under torchrun the server otherwise waits forever at "Init parallel
+begin"); ``env`` is applied on top.
 
 The server's interpreter is ``$MEGATRON_RL_SGLANG_PYTHON`` if set (sglang installed in a separate venv), else
 the current one. For an MoE checkpoint it adds ``--enable-return-routed-experts`` (the server returns each
@@ -34,6 +36,7 @@ from typing import Sequence
 
 import requests
 
+from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, hf_config_is_moe
 
 #: Directory holding the CPU-only import stand-ins (prepended to the server's PYTHONPATH on CPU).
@@ -242,7 +245,7 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         max_total_tokens: ``--max-total-tokens`` cap on the KV-cache pool (tests use a small one to save memory).
         log_path: where to write the server's output (default: a new temp file).
         ready_timeout: seconds to wait for ``/health``.
-        env: extra environment variables for the server.
+        env: extra environment variables for the server (on top of ``child_environment()``).
         wait: wait for readiness before returning.
         return_routed_experts: add ``--enable-return-routed-experts`` (capture MoE routing for R3; on CPU the
             ``sitecustomize`` stand-in lets its host buffer be allocated). None: when ``config.json`` is MoE.
@@ -274,19 +277,19 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         cmd.append(ROUTED_EXPERTS_FLAG)
     cmd += list(extra_args)
 
-    child_env = dict(os.environ)
-    child_env.setdefault("OMP_NUM_THREADS", "1")
+    server_env = child_environment()  # without torchrun's / Slurm's rendezvous variables (it hangs with them)
+    server_env.setdefault("OMP_NUM_THREADS", "1")
     if device == "cpu":
-        child_env["SGLANG_USE_CPU_ENGINE"] = "1"
-        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STANDIN_DIR, child_env.get("PYTHONPATH")) if p)
-    child_env.update(env or {})
+        server_env["SGLANG_USE_CPU_ENGINE"] = "1"
+        server_env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STANDIN_DIR, server_env.get("PYTHONPATH")) if p)
+    server_env.update(env or {})
 
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"sglang_{port}_", suffix=".log")
         os.close(fd)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=child_env, start_new_session=True)
+                                env=server_env, start_new_session=True)
     handle = SGLangServerHandle(process=proc, url=f"http://{host}:{port}", port=port, log_path=log_path,
                                 model_dir=model_dir, command=cmd)
     if wait:

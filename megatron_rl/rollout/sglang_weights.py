@@ -15,10 +15,15 @@ the pinned SGLang (0.5.23, CPU server):
   engine; per bucket ``/update_weights_from_distributed`` with ``load_format: flattened_bucket`` while rank 0
   broadcasts the bucket's bytes in the group — one broadcast reaches every server.
 * Verification reads ``/weights_checker`` (``action: checksum``): sha256 checksums of the server's own
-  tensors by SGLang name; names equal to HF names (o_proj, down_proj, norms) are comparable with the
-  trainer's (fused qkv / gate_up are not, nor embed_tokens / lm_head, whose rows SGLang pads to a multiple
-  of 64). Only TP1 servers report whole tensors.
+  tensors by SGLang name, one entry per scheduler rank (``parallelism_info.tp_rank``: each TP rank reports
+  its shard). ``checksums_by_name`` turns that into ``{name: (rank 0's checksum, rank 1's, ...)}``; the
+  trainer builds the same fused / padded / sharded tensors (``weight_layout.sglang_layout``) to compare.
   ``/get_weights_by_name`` is not implemented for Qwen2 in this version.
+* fp32-kept tensors (``FP32_KEPT_SUFFIXES``): DeepSeek-V3's ``e_score_correction_bias`` is an fp32 parameter
+  of SGLang's bf16 model; it is sent and compared in fp32.
+* The update group's store is the trainer's own ``TCPStore(is_master=True)`` (never torch's rendezvous,
+  which makes a client of the launcher's agent store under ``TORCHELASTIC_USE_AGENT_STORE=True``), at the
+  address of this host's interface that routes to the servers (``master_address_for``).
 * Failure (any server): every reachable server is tagged ``sync-failed:<version>`` and the engine refuses
   to generate until a later sync succeeds — no server is left serving a mix of versions as a valid one.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import io
+import ipaddress
 import socket
 import threading
 from datetime import timedelta
@@ -39,7 +45,10 @@ from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.rollout.weight_buckets import DTYPE_NAMES
 
 __all__ = ["SGLangTensorReceiver", "SGLangDistributedReceiver", "UpdateGroup", "serialize_for_server",
-           "master_address_for"]
+           "master_address_for", "checksums_by_name", "FP32_KEPT_SUFFIXES"]
+
+#: Tensors SGLang keeps in fp32 in a bf16 model (its DeepSeek MoEGate allocates the bias in fp32).
+FP32_KEPT_SUFFIXES = ("e_score_correction_bias",)
 
 
 def serialize_for_server(named: List) -> str:
@@ -57,15 +66,42 @@ def serialize_for_server(named: List) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _url_host_port(url: str) -> tuple:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
 def master_address_for(urls: List[str], configured: str | None) -> str:
-    """The address servers use to reach trainer rank 0: ``configured``, else 127.0.0.1 when every server
-    is local, else this host's IP."""
+    """The address servers use to reach trainer rank 0: ``configured``, else the address of this host's
+    interface that routes to the servers (a UDP ``connect`` sends nothing; the kernel picks the source
+    address): 127.0.0.1 for servers on loopback, never a loopback alias such as Debian's 127.0.1.1 for a
+    remote server. Servers reached through different interfaces raise ``WeightSyncError`` (set
+    ``rollout.weight_sync_master_address``)."""
     if configured:
         return configured
-    local = ("127.0.0.1", "localhost", "[::1]")
-    if all(u.split("://", 1)[-1].split(":")[0].split("/")[0] in local for u in urls):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    found = {}
+    for url in urls:
+        host, port = _url_host_port(url)
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(addr[:2])
+                mine = s.getsockname()[0]
+        except OSError as exc:
+            raise WeightSyncError(f"master address: no route from this host to the SGLang server {url} ({exc}); "
+                                  "set rollout.weight_sync_master_address") from exc
+        remote = not ipaddress.ip_address(addr[0]).is_loopback
+        if remote and ipaddress.ip_address(mine).is_loopback:
+            raise WeightSyncError(f"master address: the route to {url} leaves through loopback address {mine}, "
+                                  "which the server cannot reach; set rollout.weight_sync_master_address")
+        found[url] = mine
+    addrs = set(found.values())
+    if len(addrs) != 1:
+        raise WeightSyncError(f"master address: the servers are reached through different local addresses "
+                              f"{found}; set rollout.weight_sync_master_address")
+    return addrs.pop()
 
 
 def _parallel(fns: List[Callable[[], Any]]) -> List[Any]:
@@ -91,6 +127,7 @@ class UpdateGroup:
 
     def __init__(self, engine, master_address: str, timeout_s: float, backend: str):
         self.engine = engine
+        self.store = None  # the trainer's TCPStore (master) of the group
         self.name = f"megatron_rl_weight_sync_{find_free_port()}"
         sizes = [engine.server_tp_size(u) for u in engine.urls]
         self.world = 1 + sum(sizes)
@@ -103,11 +140,13 @@ class UpdateGroup:
                 "world_size": self.world, "group_name": self.name, "backend": backend}, timeout_s)
 
         def own():
-            from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                            _world, rendezvous)
+            from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-            store, _, _ = next(rendezvous(f"tcp://{master_address}:{port}", 0, self.world,
-                                          timeout=timedelta(seconds=timeout_s)))
+            # the trainer serves this store itself: rendezvous("tcp://") would connect to the launcher's
+            # agent store instead under TORCHELASTIC_USE_AGENT_STORE=True (torchrun), which nobody serves here
+            store = dist.TCPStore(master_address, port, self.world, is_master=True,
+                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+            self.store = store
             store = PrefixStore(self.name, store)
             pg, _ = _new_process_group_helper(self.world, 0, [], Backend(backend), store, group_name=self.name,
                                               backend_options=None, timeout=timedelta(seconds=timeout_s))
@@ -131,6 +170,7 @@ class UpdateGroup:
             except Exception:  # noqa: BLE001 - best effort (the server may be gone)
                 pass
         self.pg = None  # not destroyed: a broadcast to a dead server may still hold it (gloo times it out)
+        self.store = None
 
 
 class _SessionReceiver(WeightReceiver):
@@ -219,12 +259,26 @@ class SGLangDistributedReceiver(_SessionReceiver):
                                   f"{bucket.names[0]} .. {bucket.names[-1]}: " + "; ".join(errors))
 
 
-def checksums_by_name(reply: Dict, url: str) -> Dict[str, str]:
-    """``/weights_checker`` reply -> ``{name: checksum}`` of a TP1 server (else WeightSyncError)."""
+def checksums_by_name(reply: Dict, url: str) -> Dict[str, tuple]:
+    """``/weights_checker`` reply -> ``{name: (TP rank 0's checksum, rank 1's, ...)}``: ranks of the first data-
+    parallel replica, pipeline stages merged; a rank without its placement, or a TP rank missing, raises."""
     ranks = reply.get("ranks") if isinstance(reply, dict) else None
-    if not reply.get("success") or not isinstance(ranks, list) or not ranks:
+    if not isinstance(reply, dict) or not reply.get("success") or not isinstance(ranks, list) or not ranks:
         raise WeightSyncError(f"{url}/weights_checker: no checksums ({str(reply)[:300]})")
-    if len(ranks) != 1:
-        raise WeightSyncError(f"{url}/weights_checker: {len(ranks)} TP ranks report shards; verification needs "
-                              "whole tensors (TP1 servers)")
-    return dict(ranks[0]["checksums"])
+    by_tp: Dict[int, Dict[str, str]] = {}
+    tp_size = 1
+    for i, r in enumerate(ranks):
+        info = r.get("parallelism_info") if isinstance(r, dict) else None
+        if isinstance(info, list):  # one entry per model role; the served model is "target"
+            info = next((x for x in info if isinstance(x, dict) and x.get("role", "target") == "target"), None)
+        if not isinstance(info, dict) and len(ranks) > 1:
+            raise WeightSyncError(f"{url}/weights_checker: ranks[{i}] has no parallelism_info (its TP rank)")
+        info = info or {}
+        if int(info.get("dp_rank") or 0) != 0:
+            continue
+        tp_size = int(info.get("tp_size") or 1)
+        by_tp.setdefault(int(info.get("tp_rank") or 0), {}).update(r["checksums"])
+    if sorted(by_tp) != list(range(tp_size)):
+        raise WeightSyncError(f"{url}/weights_checker: TP ranks {sorted(by_tp)} reported, expected 0..{tp_size - 1}")
+    names = set().union(*by_tp.values())
+    return {n: tuple(by_tp[r].get(n) for r in range(tp_size)) for n in names}

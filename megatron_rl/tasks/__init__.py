@@ -34,7 +34,7 @@ from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.reward_fn import RewardFunction, check_reward_spec, compute_reward, load_reward_fn
 from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
 from megatron_rl.tasks.rewards import default_compute_score, extract_answer, math_reward
-from megatron_rl.tasks.synthetic import DIGIT_TASKS, DigitTask
+from megatron_rl.tasks.synthetic import DIGIT_TASK_OPTIONS, DIGIT_TASKS, DigitTask
 
 
 class RewardOverrideTask(Task):
@@ -45,6 +45,10 @@ class RewardOverrideTask(Task):
         self.name = inner.name
         super().__init__(inner.tokenizer)
         self.inner, self.reward_fn = inner, reward_fn
+
+    def begin_step(self, step):
+        """The inner task's curriculum."""
+        self.inner.begin_step(step)
 
     def sample(self, n, rng):
         """The inner task's prompts."""
@@ -78,7 +82,7 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
     if reward_fn is not None:
         fn = reward_fn if ":" not in reward_fn else load_reward_fn(reward_fn)
     if task in DIGIT_TASKS:
-        allowed = {"min_digits", "max_digits", "partial_credit"}
+        allowed = set(DIGIT_TASK_OPTIONS)
         unknown = sorted(set(task_kwargs) - allowed)
         if unknown:
             raise ValueError(f"data.task_kwargs has unknown key(s) {unknown} for task {task!r}; "

@@ -111,6 +111,10 @@ class Task(abc.ABC):
                     result.errors.append(f"sample {i}: {type(e).__name__}: {e}")
         return result
 
+    def begin_step(self, step: int) -> None:
+        """Called by the loop before it samples the prompts of 0-based training step ``step`` (a task with a
+        curriculum reads it); a no-op by default."""
+
     def configure(self, options) -> None:
         """Apply ``DataOptions`` (file tasks); the built-in tasks have none."""
 

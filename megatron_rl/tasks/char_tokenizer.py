@@ -5,6 +5,14 @@ Vocabulary (ids in this order): ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), dig
 so ``"copy:123="`` is 6 tokens. It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
 one character) wrapped in ``PreTrainedTokenizerFast``; built offline, deterministic.
 
+Standard loading: ``transformers.AutoTokenizer`` on a Qwen2 directory ignores the declared generic class and
+builds a byte-level BPE ``Qwen2Tokenizer`` from the vocabulary, which dropped the task word ("copy:12=" ->
+":12="), so an exported trained model looked untrained. The special tokens, the task words and the space are
+therefore also saved as added tokens (same ids; matched before any pre-tokenizer): ``AutoTokenizer`` then
+encodes and decodes every string over the vocabulary exactly as this tokenizer does. (Characters outside the
+vocabulary still differ: ``<unk>`` here, dropped by a BPE loader; task prompts never contain any.)
+``ensure_task_model`` rewrites the tokenizer files of a task model built before this (the ids are unchanged).
+
 ``build_task_model(out_dir, task, seed, hidden_size, num_layers)`` writes a randomly initialised tiny HF
 Qwen2 causal LM (fp32 safetensors) plus this tokenizer to ``out_dir`` — the model the embedded default config
 trains from scratch. Defaults (hidden 128, 2 layers, 4 heads / 2 KV heads, FFN 256, 64 positions) are the
@@ -34,13 +42,16 @@ SPECIAL = ("<pad>", "<eos>", "<unk>")
 TASK_WORDS = ("copy", "reverse", "sort", "add")
 #: All vocabulary entries in id order.
 VOCAB = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + TASK_WORDS
+#: Entries also declared as added tokens (see ``build_char_tokenizer``): the ones a byte-level BPE loader
+#: would otherwise drop (multi-character words; the space, which byte-level pre-tokenizers rewrite).
+ADDED_WORDS = TASK_WORDS + (" ",)
 
 
 def build_char_tokenizer(out_dir: str | os.PathLike | None = None):
     """Build the char-level ``PreTrainedTokenizerFast`` (see module docstring); save it to ``out_dir`` if
     given. ``eos_token="<eos>"``, ``pad_token="<pad>"``, ``unk_token="<unk>"``; no BOS, nothing added on
     encode."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(VOCAB)}
@@ -48,6 +59,10 @@ def build_char_tokenizer(out_dir: str | os.PathLike | None = None):
     pattern = "|".join(TASK_WORDS) + "|."
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    # the same ids again as added tokens (matched on the raw text before any pre-tokenizer): a loader that
+    # rebuilds its own BPE from the vocabulary (AutoTokenizer -> Qwen2Tokenizer) still keeps them
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok.add_tokens([AddedToken(t, normalized=False) for t in ADDED_WORDS])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>", model_max_length=256)
     if out_dir is not None:
@@ -129,8 +144,19 @@ def ensure_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int 
     out = Path(out_dir)
     has_weights = (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
     if (out / "config.json").is_file() and has_weights:
+        if (out / "task_model.json").is_file() and not _has_added_words(out / "tokenizer.json"):
+            build_char_tokenizer(out)   # built before the added tokens: same ids, loads with AutoTokenizer
         return str(out)
     return build_task_model(out, task, seed, hidden_size, num_layers, **config_kwargs)
+
+
+def _has_added_words(tokenizer_json: Path) -> bool:
+    """Whether a saved char tokenizer declares ``ADDED_WORDS`` as added tokens (False if unreadable)."""
+    try:
+        added = {t.get("content") for t in json.loads(tokenizer_json.read_text()).get("added_tokens", [])}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return set(ADDED_WORDS) <= added
 
 
 def main(argv=None) -> None:

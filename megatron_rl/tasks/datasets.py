@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -77,6 +78,41 @@ def row_label(index: int, line: Optional[int]) -> str:
     return f"row {index}" + (f" (line {line})" if line is not None else "")
 
 
+@dataclass
+class FileRows:
+    """The rows of a data file that can become prompts, and why the others cannot."""
+
+    rows: List[Row]
+    lines: Dict[int, Optional[int]]
+    """Row index -> JSONL line number (None for Parquet)."""
+    malformed: List[Tuple[str, str]]
+    """``(row label, reason)`` of every row that cannot become a prompt."""
+
+
+def usable_rows(path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
+                vocab_size: Optional[int] = None, answer_required: bool = True) -> FileRows:
+    """Parse every record of ``path`` (no tokenizer needed: ``vocab_size`` None skips the token-id range
+    check). Raises ``ValueError`` naming the file, the keys and the first malformed rows when no row can
+    become a prompt -- what ``megatron-rl check`` and the trainer run before any model is built."""
+    records = read_records(path)
+    if not records:
+        raise ValueError(f"data.path={str(path)!r} has no records")
+    out = FileRows(rows=[], lines={}, malformed=[])
+    for i, (line, rec) in enumerate(records):
+        try:
+            row = parse_row(rec, i, prompt_key, answer_key, vocab_size, answer_required)
+        except MalformedRow as e:
+            out.malformed.append((row_label(i, line), str(e)))
+            continue
+        out.rows.append(row)
+        out.lines[i] = line
+    if not out.rows:
+        listed = "; ".join(f"{lab}: {why}" for lab, why in out.malformed[:3])
+        raise ValueError(f"data.path={str(path)!r}: no usable rows ({len(out.malformed)} malformed: {listed}"
+                         f"{'; ...' if len(out.malformed) > 3 else ''})")
+    return out
+
+
 def exact_match_reward(prompt_text: str, response_text: str, answer: Any) -> float:
     """Exact match: 1.0 if the stripped response equals ``str(answer).strip()``, else 0.0."""
     return 1.0 if response_text.strip() == str(answer).strip() else 0.0
@@ -98,25 +134,11 @@ class FileTask(Task):
         self.report = report
         spec = reward_fn.spec if isinstance(reward_fn, RewardFunction) else reward_fn
         self.reward_spec = check_reward_spec(spec)
-        records = read_records(path)
-        if not records:
-            raise ValueError(f"data.path={self.path!r} has no records")
-        vocab = len(tokenizer)
-        self.rows: List[Row] = []
-        self.row_lines: Dict[int, Optional[int]] = {}
+        rows = usable_rows(path, prompt_key, answer_key, len(tokenizer), answer_required)
+        self.rows: List[Row] = rows.rows
+        self.row_lines: Dict[int, Optional[int]] = rows.lines
         #: ``(row label, reason)`` of every malformed row (load time and rendering).
-        self.malformed: List[Tuple[str, str]] = []
-        for i, (line, rec) in enumerate(records):
-            try:
-                row = parse_row(rec, i, prompt_key, answer_key, vocab, answer_required)
-            except MalformedRow as e:
-                self.malformed.append((row_label(i, line), str(e)))
-                continue
-            self.rows.append(row)
-            self.row_lines[i] = line
-        if not self.rows:
-            listed = "; ".join(f"{lab}: {why}" for lab, why in self.malformed[:5])
-            raise ValueError(f"data.path={self.path!r}: no usable rows ({len(self.malformed)} malformed: {listed})")
+        self.malformed: List[Tuple[str, str]] = rows.malformed
         chat = [r for r in self.rows if r.kind == CHAT]
         if chat and not has_chat_template(tokenizer):
             raise ValueError(f"data.path={self.path!r} {row_label(chat[0].index, self.row_lines[chat[0].index])}: "

@@ -11,7 +11,8 @@ A ``data.reward_fn`` value is one of
   exact match (``"exact"``).
 
 ``compute_reward(spec, ...)`` evaluates one sample with a spec string (what the reward worker processes
-run: specs are plain strings, so they travel to workers). Loading errors (malformed spec, module not
+run: specs are plain strings, so they travel to workers). ``reward_import_error(spec)`` says, before anything
+starts, why a spec cannot load here (math-verify missing, a module that does not import). Loading errors (malformed spec, module not
 importable, no such attribute, not callable) and call errors (an exception, a non-number or non-finite
 return value) raise ``ValueError`` naming the spec string the user gave.
 
@@ -31,7 +32,7 @@ import inspect
 import os
 from typing import Any, Callable, Dict, Mapping, Optional
 
-from megatron_rl.tasks.rewards import BUILTIN_REWARDS, default_compute_score
+from megatron_rl.tasks.rewards import BUILTIN_REWARDS, default_compute_score, math_verify_error
 
 #: The spec that means "dispatch on the row's data_source" (verl's ``default_compute_score``).
 SOURCE = "source"
@@ -121,6 +122,20 @@ def check_reward_spec(spec: Optional[str]) -> Optional[str]:
                          "'module:function'")
     load_reward_fn(spec)
     return spec
+
+
+def reward_import_error(spec: Optional[str]) -> Optional[str]:
+    """Why the ``data.reward_fn`` value ``spec`` cannot be loaded in this environment (the math reward without
+    math-verify, a ``module:function`` that does not import or has no such function), naming the key; None when
+    it loads. Run before any process group starts (``megatron-rl train``, ``megatron-rl check``)."""
+    if spec == "math":
+        err = math_verify_error()
+        return None if err is None else f"data.reward_fn: 'math': {err}"
+    try:
+        check_reward_spec(spec)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 _LOADED: Dict[str, RewardFunction] = {}

@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.tasks.reward_fn import compute_reward
 
 _HEADER = struct.Struct("<Q")
@@ -109,7 +110,7 @@ class _Worker:
         """Start the process (``wait_ready`` waits for its start-up)."""
         # the parent's import path, so `module:function` rewards import in the worker as they do here
         path = os.pathsep.join(p for p in sys.path if p)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
+        env = child_environment({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
         self.proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.tasks.reward_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.job_index: Optional[int] = None

@@ -122,6 +122,16 @@ def _math_verify():
     return math_verify
 
 
+def math_verify_error() -> Optional[str]:
+    """Why the math reward cannot run here (math-verify missing or failing to import), or None."""
+    try:
+        _math_verify()
+    except ImportError as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        return f"{e} ({type(cause).__name__}: {cause})"
+    return None
+
+
 def _parse(mv, answer: str):
     """math-verify's parse of one answer string, read as the content of a ``\\boxed{}``."""
     answer = _THOUSANDS.sub(lambda m: m.group(1).replace(",", ""), answer.strip())

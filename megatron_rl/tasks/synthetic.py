@@ -20,6 +20,17 @@ pad an answer):
     (e.g. answer "12": "12<eos>" -> 1, "12" (no EOS) -> 2/3, "13<eos>" -> 2/3, "1<eos>" -> 1/3, "" -> 0);
   * otherwise 0.0.
 
+Held-out split (``heldout_frac`` > 0): an operand string is HELD OUT when ``crc32("<task>:<operands>") %
+10_000 < heldout_frac * 10_000`` — a fixed, seed-independent subset of about that fraction of all strings.
+``sample`` never draws a held-out string (it redraws); ``heldout_prompts()`` enumerates every held-out
+prompt in ``[min_digits, max_digits]``, the evaluation set of a trained model (``tools/quickstart_results.py``).
+
+Curriculum (``curriculum_steps`` > 0): the longest operand drawn grows with the training step (the loop calls
+``begin_step(step)`` before sampling): at 0-based step ``s`` it is ``min_digits + (max_digits - min_digits + 1) *
+s // curriculum_steps`` (capped at ``max_digits``), lengths uniform up to it — e.g. 1-3 digits over 60 steps:
+1 digit for steps 0-19, 1-2 digits for 20-39, 1-3 digits from step 40 on. A function of the step alone, so a
+resumed run draws what the uninterrupted run drew.
+
 Works with any tokenizer that can encode the prompt text (the char tokenizer of ``char_tokenizer`` is the
 tiny one used for learning from scratch).
 
@@ -31,13 +42,19 @@ Usage::
 """
 from __future__ import annotations
 
+import itertools
 import random
+import zlib
 from typing import Sequence
 
 from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
 
 #: The built-in digit tasks.
 DIGIT_TASKS = ("copy", "reverse", "sort", "add")
+#: The ``data.task_kwargs`` keys a digit task accepts.
+DIGIT_TASK_OPTIONS = ("min_digits", "max_digits", "partial_credit", "heldout_frac", "curriculum_steps")
+#: ``heldout_prompts`` refuses to enumerate more operand strings than this.
+MAX_ENUMERATED = 1_000_000
 
 
 def digit_answer(task: str, digits: str) -> str:
@@ -66,16 +83,26 @@ def score_text(text: str, terminated: bool, answer: str, partial_credit: bool) -
     return matches / max(len(target), len(got))
 
 
+def is_heldout(task: str, operands: str, heldout_frac: float) -> bool:
+    """Whether ``operands`` of ``task`` belongs to the held-out split of fraction ``heldout_frac`` (module
+    docstring): a fixed hash of the prompt text, the same on every machine and for every seed."""
+    return zlib.crc32(f"{task}:{operands}".encode()) % 10_000 < round(heldout_frac * 10_000)
+
+
 class DigitTask(Task):
     """One of ``copy`` / ``reverse`` / ``sort`` / ``add`` (see the module docstring)."""
 
     def __init__(self, task: str, tokenizer, min_digits: int = 1, max_digits: int = 3,
-                 partial_credit: bool = True):
+                 partial_credit: bool = True, heldout_frac: float = 0.0, curriculum_steps: int = 0):
         """Args:
             task: "copy", "reverse", "sort" or "add".
             tokenizer: encodes the prompt text and decodes responses (needs an ``eos_token_id``).
             min_digits / max_digits: digit-string length range (``add``: digits per operand), 1 <= min <= max.
             partial_credit: award the fraction of correct positions (EOS included) to non-exact responses.
+            heldout_frac: fraction in [0, 0.5] of operand strings kept out of ``sample`` for evaluation
+                (``heldout_prompts``); 0 disables the split.
+            curriculum_steps: steps over which the longest drawn operand grows from min_digits to max_digits
+                (module docstring); 0: every length from the first step.
         """
         if task not in DIGIT_TASKS:
             raise ValueError(f"data.task={task!r} is not a built-in task; expected one of {DIGIT_TASKS}")
@@ -88,7 +115,15 @@ class DigitTask(Task):
             raise ValueError(f"data.task_kwargs.min_digits={min_digits} > max_digits={max_digits}")
         if not isinstance(partial_credit, bool):
             raise ValueError(f"data.task_kwargs.partial_credit={partial_credit!r} must be true or false")
+        if isinstance(heldout_frac, bool) or not isinstance(heldout_frac, (int, float)) \
+                or not 0.0 <= heldout_frac <= 0.5:
+            raise ValueError(f"data.task_kwargs.heldout_frac={heldout_frac!r} must be a number in [0, 0.5]")
         self.min_digits, self.max_digits, self.partial_credit = min_digits, max_digits, partial_credit
+        self.heldout_frac = float(heldout_frac)
+        if not isinstance(curriculum_steps, int) or isinstance(curriculum_steps, bool) or curriculum_steps < 0:
+            raise ValueError(f"data.task_kwargs.curriculum_steps={curriculum_steps!r} must be an int >= 0")
+        self.curriculum_steps = curriculum_steps
+        self._step = None  # set by begin_step; None: no curriculum cap (e.g. sampling outside the loop)
         probe = f"{task}:0123456789+="
         ids = tokenizer.encode(probe, add_special_tokens=False)
         unk = getattr(tokenizer, "unk_token_id", None)
@@ -96,16 +131,53 @@ class DigitTask(Task):
             raise ValueError(f"task {task!r}: the tokenizer cannot encode the prompt alphabet {probe!r} "
                              "(it produced the unknown token)")
 
+    def begin_step(self, step: int) -> None:
+        """The loop is about to sample the prompts of 0-based training step ``step`` (sets the curriculum)."""
+        self._step = int(step)
+
+    def longest_operand(self) -> int:
+        """The longest operand length ``sample`` draws now (``max_digits`` unless the curriculum caps it)."""
+        if not self.curriculum_steps or self._step is None:
+            return self.max_digits
+        span = self.max_digits - self.min_digits + 1
+        return min(self.max_digits, self.min_digits + span * max(0, self._step) // self.curriculum_steps)
+
     def _operands(self, rng: random.Random) -> str:
+        longest = self.longest_operand()
         if self.name == "add":
             nums = []
             for _ in range(2):
-                k = rng.randint(self.min_digits, self.max_digits)
+                k = rng.randint(self.min_digits, longest)
                 lo = 0 if k == 1 else 10 ** (k - 1)
                 nums.append(str(rng.randint(lo, 10 ** k - 1)))
             return "+".join(nums)
-        k = rng.randint(self.min_digits, self.max_digits)
+        k = rng.randint(self.min_digits, longest)
         return "".join(str(rng.randint(0, 9)) for _ in range(k))
+
+    def _all_operands(self):
+        """Every operand string with lengths in ``[min_digits, max_digits]`` (``add``: both operands)."""
+        lengths = range(self.min_digits, self.max_digits + 1)
+        if self.name != "add":
+            for k in lengths:
+                for t in itertools.product("0123456789", repeat=k):
+                    yield "".join(t)
+            return
+        nums = [str(v) for k in lengths for v in range(0 if k == 1 else 10 ** (k - 1), 10 ** k)]
+        for a, b in itertools.product(nums, nums):
+            yield f"{a}+{b}"
+
+    def heldout_prompts(self) -> list[Prompt]:
+        """Every held-out prompt (module docstring), in a fixed order; ValueError without a split or when
+        the operand space is larger than ``MAX_ENUMERATED``."""
+        if self.heldout_frac <= 0:
+            raise ValueError(f"task {self.name!r}: no held-out split (data.task_kwargs.heldout_frac is 0)")
+        per_len = [10 ** k for k in range(self.min_digits, self.max_digits + 1)]
+        size = sum(per_len) ** 2 if self.name == "add" else sum(per_len)
+        if size > MAX_ENUMERATED:
+            raise ValueError(f"task {self.name!r}: {size} operand strings for digits {self.min_digits}-"
+                             f"{self.max_digits}: too many to enumerate (> {MAX_ENUMERATED})")
+        return [self.make_prompt(o) for o in self._all_operands()
+                if is_heldout(self.name, o, self.heldout_frac)]
 
     def make_prompt(self, operands: str) -> Prompt:
         """The ``Prompt`` for an explicit operand string (``"123"``, or ``"12+3"`` for add)."""
@@ -118,7 +190,16 @@ class DigitTask(Task):
         check_rng(rng, f"task {self.name!r}.sample")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"task {self.name!r}.sample: n={n!r} must be an int >= 1")
-        return [self.make_prompt(self._operands(rng)) for _ in range(n)]
+        out, misses = [], 0
+        while len(out) < n:
+            ops = self._operands(rng)
+            if not (self.heldout_frac and is_heldout(self.name, ops, self.heldout_frac)):
+                out.append(self.make_prompt(ops))
+                misses = 0
+            elif (misses := misses + 1) >= 1000:  # e.g. 1-digit strings with a large fraction: all held out
+                raise ValueError(f"task {self.name!r}: 1000 draws in a row were held out; lower "
+                                 f"data.task_kwargs.heldout_frac={self.heldout_frac} or widen the digit range")
+        return out
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """Exact match 1.0; else partial credit (see module docstring)."""

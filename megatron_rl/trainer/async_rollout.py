@@ -17,7 +17,11 @@ published finishes on the weights it started with (every token of the step has i
 ``interrupt`` — generation runs in segments of ``rollout.segment_tokens``; between segments the producer
 loads the newest published version (<= t) and the unfinished rows continue on it (prompt + tokens so far as
 the new prompt); every token is tagged with the version that produced it and its log-prob is the one the
-engine really sampled with. Interrupt mode depends on timing (which version is ready at a segment
+engine really sampled with. Only rows that hit the segment's length limit continue, and never a row whose
+last token is EOS or a stop id: both engines report such a row as "stop", and the view applies the same rule
+(``megatron_rl.rollout.finish``: the sampling's stop ids plus the engine's ``eos_token_ids`` where it has
+them) before choosing the rows to continue, so an engine that says "length" for an EOS at the limit cannot
+put tokens after an EOS. Interrupt mode depends on timing (which version is ready at a segment
 boundary), so it is not bit-reproducible; finish mode is.
 
 Checkpoints (drained): a checkpoint after step ``s`` waits until the producer has generated every step whose
@@ -42,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_rl.rollout.base import Rollout, SamplingParams, StaleRolloutError
+from megatron_rl.rollout.finish import normalised_finish, stop_ids
 
 __all__ = ["version_tag", "parse_version", "SegmentedEngine", "RolloutProducer", "token_lag_tensor",
            "check_staleness", "overlap_seconds"]
@@ -87,10 +92,11 @@ class SegmentedEngine:
             for r in out:
                 r.info["token_versions"] = [parse_version(r.weight_version)] * len(r.response_ids)
             return out
+        stops = stop_ids(sampling, getattr(self.engine, "eos_token_ids", ()))
         out = self._call(prompt_ids, dataclasses.replace(sampling, max_new_tokens=seg), n, seed)
         rows = [dict(r=r, ids=list(r.response_ids), lps=list(r.rollout_log_probs),
-                     versions=[parse_version(r.weight_version)] * len(r.response_ids), finish=r.finish_reason,
-                     routing=r.routed_experts)
+                     versions=[parse_version(r.weight_version)] * len(r.response_ids),
+                     finish=normalised_finish(r.finish_reason, r.response_ids, stops), routing=r.routed_experts)
                 for r in out]
         done_tokens, segment = seg, 1
         while True:
@@ -108,7 +114,7 @@ class SegmentedEngine:
                 row["ids"] += list(r.response_ids)
                 row["lps"] += list(r.rollout_log_probs)
                 row["versions"] += [parse_version(r.weight_version)] * len(r.response_ids)
-                row["finish"] = r.finish_reason
+                row["finish"] = normalised_finish(r.finish_reason, row["ids"], stops)
             done_tokens += step_tokens
             segment += 1
         result = []
@@ -164,6 +170,12 @@ class RolloutProducer:
     def start_thread(self) -> "RolloutProducer":
         self._thread.start()
         return self
+
+    def versions_in_use(self) -> set:
+        """Versions whose payload the engine may still load or holds: published and not yet loaded, being
+        loaded, or loaded (weight sync keeps their disk exports, deletes older ones)."""
+        with self._cond:
+            return set(self._published) | {self._loaded}
 
     def publish(self, version: int, payload: Any) -> None:
         """The trainer finished ``version``: hand its weights over (loaded by the producer when needed)."""

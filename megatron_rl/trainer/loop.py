@@ -16,6 +16,19 @@ of a step runs under the watchdog (``trainer.phase_timeout_s``, ``trainer.checkp
 ends a rank that is stuck with the phase named; an exception on any rank ends that rank, and torchrun
 stops the rest. A checkpoint is marked COMPLETE only after every rank wrote it.
 
+Run directory (``run_dir.py``): one run per ``trainer.run_dir`` -- a directory holding another run's outputs is
+refused before any process group exists unless the run resumes (metrics and rollouts then continue from the
+checkpoint's step; later records and stale checkpoints are dropped) or starts over (``trainer.overwrite``:
+they are removed). Rank 0 says which on one line.
+
+Rewards: a step where more than ``data.max_reward_failure_frac`` of the rewards failed or timed out raises
+``RewardFailureError`` on every rank before it trains (``reward_failures.py``).
+
+Async checkpoints: the drain of the producer's rollouts (rank 0) is shared with every rank and bounded by half
+of ``trainer.checkpoint_timeout_s``; when it fails, the trained step is still checkpointed (without the
+drained rollouts: ``--resume`` regenerates them from its weights) and then ``AsyncDrainError`` is raised on
+every rank.
+
 Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy; the
 forward-only pass still runs once per step because the correction (weights, rejection, diagnostics)
 needs pi_theta — verl computes the same quantity inside its loss.
@@ -25,16 +38,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor import MegatronActor, RolloutBatch
-from megatron_rl.actor.batch import row_blocks
+from megatron_rl.actor import MegatronActor
+from megatron_rl.actor.schedule import actor_device
 from megatron_rl.algo.advantages import compute_advantages
-from megatron_rl.config import JobConfig
+from megatron_rl.config import ConfigError, JobConfig
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.parallel.launch import init_distributed
@@ -45,10 +59,14 @@ from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
 from megatron_rl.rollout.sglang_server import launch_sglang_server
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.trainer.async_rollout import (RolloutProducer, check_staleness, overlap_seconds,
-                                              token_lag_tensor, version_tag)
+                                              version_tag)
+from megatron_rl.trainer.reward_failures import failed_fraction, reward_failure_error
 from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
+from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step
 from megatron_rl.trainer.signals import StopRequested
+from megatron_rl.trainer.step_inputs import any_rank, step_inputs
 from megatron_rl.trainer.sinks import MetricSinks
+from megatron_rl.trainer.startup import check_data, layout_line
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.trainer.watchdog import Watchdog
 from megatron_rl.trainer.weight_sync import apply_weights, sync_weights
@@ -78,6 +96,7 @@ def build_engine(cfg: JobConfig):
         urls.append(server.url)
     try:
         engine = SGLangEngine(urls, request_timeout=cfg.rollout.request_timeout_s,
+                              weight_sync_timeout=cfg.rollout.weight_sync_timeout_s,
                               retry=RetryPolicy(max_attempts=cfg.rollout.max_retries + 1), weight_version="step-0")
     except BaseException:
         if server is not None:
@@ -94,14 +113,14 @@ def build_task(cfg: JobConfig):
                           reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
 
 
+class AsyncDrainError(RuntimeError):
+    """The async producer could not hand over the rollouts a checkpoint must hold (raised on every rank)."""
+
+
 def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest ``run_dir/checkpoints/step_N`` (by N), or None."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    steps = sorted((int(d.split("_")[1]), d) for d in os.listdir(root) if d.startswith("step_") and
-                   os.path.isfile(os.path.join(root, d, "COMPLETE")))
-    return os.path.join(root, steps[-1][1]) if steps else None
+    """The newest COMPLETE ``run_dir/checkpoints/step_N`` (by N), or None."""
+    steps = complete_steps(run_dir)
+    return os.path.join(run_dir, "checkpoints", f"step_{steps[-1]}") if steps else None
 
 
 def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = None) -> str:
@@ -122,17 +141,26 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = 
 
 def train(cfg: JobConfig) -> Dict[str, float]:
     """Run ``cfg.trainer.steps`` steps (or the remainder after ``--resume``); returns the last metrics."""
+    tc = cfg.trainer
+    refusal = run_dir_error(tc.run_dir, tc.resume, tc.overwrite)  # before any process group or model
+    if refusal:
+        raise ConfigError(refusal)
+    check_data(cfg)  # a data file with no usable row fails here, before any model is built
     actor = setup_distributed(cfg)
     # KL to a reference policy: a frozen copy of the initial weights (actor.load_hf). It is built as a
     # second MegatronActor whose optimizer is never stepped (memory for tiny / mid-size models only).
     reference = MegatronActor(cfg) if cfg.actor.policy_loss.kl_loss_coef > 0 else None
     rank0 = dist.get_rank() == 0
+    if rank0:
+        print(layout_line(cfg, actor.groups, dist.get_world_size()), flush=True)
     watchdog = Watchdog(dist.get_rank(), cfg.trainer.phase_timeout_s)
     task = engine = tokenizer = server = None
     setup_error = None
     with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
         if rank0:  # a failure here is shared, so the other ranks raise too instead of waiting in a collective
             try:
+                if tc.overwrite:  # before anything (a launched server's log) is written into run_dir
+                    print(start_over(tc.run_dir), flush=True)
                 task, tokenizer = build_task(cfg)
                 engine, server = build_engine(cfg)
             except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
@@ -158,8 +186,13 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
         ckpt = latest_checkpoint(cfg.trainer.run_dir)
         if ckpt is not None:
             start, resumed = actor.load_checkpoint(ckpt)
-            if rank0:
-                print(f"[megatron-rl] resumed from {ckpt} at step {start}", flush=True)
+        if rank0:  # the history continues from the checkpoint's step: nothing later may mix in
+            dropped = trim_to_step(cfg.trainer.run_dir, start)
+            print(f"[megatron-rl] resumed from {ckpt} at step {start}{dropped}" if ckpt is not None else
+                  f"[megatron-rl] --resume: no complete checkpoint in {cfg.trainer.run_dir}: starting at step 0"
+                  f"{dropped}", flush=True)
+    elif rank0 and not cfg.trainer.overwrite:
+        print(f"[megatron-rl] new run in {cfg.trainer.run_dir}", flush=True)
     sinks = MetricSinks(cfg.trainer.run_dir, cfg.trainer.steps, enabled=rank0, progress=cfg.trainer.progress,
                         tensorboard=cfg.trainer.tensorboard, wandb=cfg.trainer.wandb,
                         wandb_project=cfg.trainer.wandb_project, config=cfg.to_dict(), resume=start > 0)
@@ -173,7 +206,7 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
     if rank0 and rc.mode == "async":  # generation overlaps training from here on (async_rollout.py)
         producer = RolloutProducer(
             engine, generate_fn=lambda s, view, tag: generate_step(task, view, cfg, s, tag),
-            apply_fn=lambda payload, tag: apply_weights(engine, cfg, payload, tag), start_step=start,
+            apply_fn=lambda payload, tag: apply_weights(engine, cfg, payload, tag, actor), start_step=start,
             max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
             segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, rc)).start_thread()
     max_lag = rc.max_staleness if rc.mode == "async" else 0
@@ -195,6 +228,10 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                             payload = generate_step(task, engine, cfg, step, version)
                         if payload.token_versions:
                             check_staleness(payload.token_versions, step, max_lag, step + 1)
+                        failure = reward_failure_error(payload.metrics, len(payload.rewards),
+                                                       cfg.data.max_reward_failure_frac, step + 1)
+                        if failure is not None:
+                            raise failure
                     except RolloutError as exc:
                         payload = exc
                     except Exception as exc:  # noqa: BLE001 - the producer thread's failure, for every rank
@@ -206,14 +243,10 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             if isinstance(payload, Exception):
                 raise payload
             t_roll = time.perf_counter() - t_step
-            # 2. this DP rank's whole groups
-            batch = RolloutBatch.from_sequences(payload.prompt_ids, payload.response_ids,
-                                                payload.rollout_log_probs, pad_id=pad_id, routing=payload.routing)
-            shard = batch.shard(actor.dp_rank, actor.dp_size)
-            rows = _shard_rows(len(payload.rewards), actor.dp_rank, actor.dp_size)
-            rewards = torch.tensor(payload.rewards[rows.start:rows.stop], dtype=torch.float32)
-            n = cfg.rollout.n_samples_per_prompt
-            group_index = torch.arange(rows.start, rows.stop) // n
+            # 2. this DP rank's whole groups, on the actor's device (the one place they move there)
+            inputs = step_inputs(payload, step, cfg.rollout.n_samples_per_prompt, pad_id, actor.dp_rank,
+                                 actor.dp_size, actor_device())
+            shard, rewards, group_index = inputs.shard, inputs.rewards, inputs.group_index
             # 3. recompute log-probs (fp32), 4. correction
             t0 = time.perf_counter()
             with watchdog.phase("logprob", step + 1):
@@ -223,11 +256,8 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             with watchdog.phase("correction", step + 1):
                 corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, corr_cfg,
                                                   group=actor.dp_group)
-                versions = payload.token_versions or [[step] * len(r) for r in payload.response_ids]
-                lag = token_lag_tensor([len(p) for p in payload.prompt_ids[rows.start:rows.stop]],
-                                       versions[rows.start:rows.stop], step, old_lp.shape[1])
-                lag_metrics = policy_lag_metrics(old_lp, shard.rollout_log_probs, shard.response_mask, lag,
-                                                 max_lag, group=actor.dp_group)
+                lag_metrics = policy_lag_metrics(old_lp, shard.rollout_log_probs, shard.response_mask,
+                                                 inputs.token_lag, max_lag, group=actor.dp_group)
             t_corr = time.perf_counter() - t0
             # 5. advantages with the post-rejection mask, 6. train
             adv = compute_advantages(rewards, group_index, corr.response_mask.float(),
@@ -259,6 +289,7 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
             metrics = {
                 "reward/mean": sum(payload.rewards) / len(payload.rewards),
                 "reward/max": max(payload.rewards), "reward/min": min(payload.rewards),
+                "reward/failed_frac": failed_fraction(payload.metrics, len(payload.rewards)),
                 "response_length/mean": sum(resp_len) / len(resp_len), "response_length/max": max(resp_len),
                 **actor_metrics, **corr.metrics, **lag_metrics, **payload.metrics,
                 "perf/rollout_overlap_frac": overlap,
@@ -271,17 +302,21 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                 if rank0 and tc.dump_rollouts:
                     _dump(tc.run_dir, step, payload)
                 # 9. checkpoints: interval, end, or a signal seen by any rank
-                flag = torch.tensor([1.0 if stop.requested else 0.0])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stopping = any_rank(stop.requested)  # the flag is staged for the default group's backend
             interval = tc.save_interval and step % tc.save_interval == 0
-            if interval or step == tc.steps or flag.item() > 0:
+            if interval or step == tc.steps or stopping:
                 with watchdog.phase("checkpoint", step, timeout_s=tc.checkpoint_timeout_s,
                                     config_key="trainer.checkpoint_timeout_s"):
-                    extra = _drain_async(producer, step, rc) if rank0 else None
+                    extra, drain_error = (_drain_async(producer, step, rc, tc.checkpoint_timeout_s / 2)
+                                          if rank0 else (None, None))
+                    drain_error = share_from_rank0(drain_error)  # every rank learns it; the save still happens
                     path = save(actor, cfg, step, rank0, extra if rank0 else None)
+                if drain_error is not None:
+                    raise drain_error
                 if rank0:
-                    print(f"[megatron-rl] checkpoint {path}", flush=True)
-            if flag.item() > 0:
+                    print(f"[megatron-rl] stopped by signal {stop.signum} after step {step}: checkpoint {path}; "
+                          f"continue with --resume" if stopping else f"[megatron-rl] checkpoint {path}", flush=True)
+            if stopping:
                 break
     finally:
         if producer is not None:
@@ -292,12 +327,31 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
     return metrics
 
 
-def _drain_async(producer, step: int, rc) -> Dict:
-    """Rank 0, before a checkpoint after ``step`` steps: the rollouts the producer generated from versions older
-    than ``step`` (they cannot be regenerated from the checkpoint), saved with it (async_rollout.py)."""
+def _drain_async(producer, step: int, rc, timeout_s: float):
+    """Rank 0, before a checkpoint after ``step`` steps: ``(extra, None)`` with the rollouts the producer generated
+    from versions older than ``step`` (they cannot be regenerated from the checkpoint; async_rollout.py), or
+    ``({}, AsyncDrainError)`` when the producer failed or did not hand them over within ``timeout_s`` (<= 0: no
+    limit) -- the checkpoint is then written without them."""
     if producer is None:
-        return {}
-    return {"async_rollouts": producer.snapshot(step), "async_schedule": (rc.max_staleness, rc.partial_rollout)}
+        return {}, None
+    box: Dict[str, object] = {}
+
+    def drain() -> None:
+        try:
+            box["rollouts"] = producer.snapshot(step)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank by the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=drain, name="megatron-rl-drain", daemon=True)
+    worker.start()  # a thread, so the wait has a bound even when the producer hangs
+    worker.join(timeout_s if timeout_s > 0 else None)
+    if "rollouts" in box:
+        return {"async_rollouts": box["rollouts"], "async_schedule": (rc.max_staleness, rc.partial_rollout)}, None
+    cause = (f"{type(box['error']).__name__}: {box['error']}" if "error" in box else
+             f"the producer did not hand them over within {timeout_s:g} s (half of trainer.checkpoint_timeout_s)")
+    return {}, AsyncDrainError(f"rank 0: draining the async rollouts for the checkpoint of step {step} failed: "
+                               f"{cause}. The checkpoint of step {step} is written without them (--resume "
+                               f"regenerates them from its weights)")
 
 
 def _resumed_rollouts(extra: Dict, rc) -> Dict:
@@ -314,12 +368,6 @@ def _resumed_rollouts(extra: Dict, rc) -> Dict:
 def _wall(perf_t: float) -> float:
     """A ``time.perf_counter()`` reading as wall time (the producer records ``time.time()``)."""
     return time.time() - (time.perf_counter() - perf_t)
-
-
-def _shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
-    """The rows ``RolloutBatch.shard`` gives this DP rank (whole groups: prompts_per_step % DP == 0)."""
-    start, end = row_blocks(num_rows, dp_size)[dp_rank]
-    return range(start, end)
 
 
 def _dump(run_dir: str, step: int, payload) -> None:

@@ -13,6 +13,11 @@ step goes on). A response that hit ``max_new_tokens`` (finish reason "length") i
 with ``data.overlong_buffer_len`` > 0 DAPO's soft overlong penalty is added to its reward. The payload's
 ``metrics`` hold the data / reward / length counts of the step (``data/*``, ``reward/failed``,
 ``reward/timed_out``, ``response/truncated_frac``, ...).
+
+The engine is asked to stop at the task tokenizer's EOS too (``task_eos_ids``), so a response ends where its
+reward is cut, on either engine. MoE routing captured by the engine is passed on only when every rollout has
+it; a partial capture fails the step only with ``actor.routing_replay: r3`` (which replays it), and is
+otherwise dropped and counted (``routing/missing_rows``; see ``step_routing``).
 """
 from __future__ import annotations
 
@@ -20,11 +25,13 @@ import inspect
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.base import SamplingParams, StaleRolloutError
+from megatron_rl.actor.routing import RoutingError
+from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
+from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
 from megatron_rl.tasks.options import DataOptions
 
 
@@ -53,6 +60,13 @@ def sampling_params(rollout_cfg, eos_ids=()) -> SamplingParams:
     """SamplingParams from the ``rollout`` config section."""
     return SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
                           max_new_tokens=rollout_cfg.max_new_tokens, stop_token_ids=tuple(eos_ids))
+
+
+def task_eos_ids(task) -> tuple:
+    """The task tokenizer's EOS id (what the reward cuts the response at), as stop ids for the engine: both
+    engines then end a response there, and a client that only sees the reply (SGLang's) knows the stop set."""
+    eos = getattr(getattr(task, "tokenizer", None), "eos_token_id", None)
+    return () if eos is None else (int(eos),)
 
 
 def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, buffer_len: int, factor: float) -> List[float]:
@@ -86,16 +100,19 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
     (the step is then not applied) or StaleRolloutError if the engine serves other weights."""
     task.configure(DataOptions.from_config(cfg.data))
     rng = random.Random(cfg.trainer.seed * 1_000_003 + step)
+    task.begin_step(step)  # a task's curriculum (e.g. data.task_kwargs.curriculum_steps) follows the step
     prompts = task.sample(cfg.data.prompts_per_step, rng)
     n = cfg.rollout.n_samples_per_prompt
     kwargs = {}
     if "seed" in inspect.signature(engine.generate).parameters:  # the embedded engine; SGLang samples server-side
         kwargs["seed"] = cfg.trainer.seed * 7919 + step
-    rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout), n=n, **kwargs)
+    rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout, task_eos_ids(task)),
+                               n=n, **kwargs)
     stale = [r.weight_version for r in rollouts if r.weight_version != expected_version]
     if stale:
         raise StaleRolloutError(f"step {step}: {len(stale)} rollouts from weight version {stale[0]!r}, "
                                 f"expected {expected_version!r}")
+    routing, routing_stats = step_routing(rollouts, required=cfg.actor.routing_replay == "r3", step=step)
     prompt_rows = [prompts[i // n] for i in range(len(rollouts))]
     result = task.score(prompt_rows, [r.response_ids for r in rollouts])
     if result.failed or result.timed_out:
@@ -108,11 +125,16 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
     return StepRollouts(prompt_ids=[list(p.prompt_ids) for p in prompt_rows],
                         response_ids=[list(r.response_ids) for r in rollouts],
                         rollout_log_probs=[list(r.rollout_log_probs) for r in rollouts],
-                        rewards=rewards, weight_version=expected_version, routing=rollout_routing(rollouts),
+                        rewards=rewards, weight_version=expected_version, routing=routing,
                         truncated=[r.finish_reason == "length" for r in rollouts],
-                        metrics=step_metrics(prompt_rows, rollouts, result.rewards, penalties, result, task.stats()),
+                        metrics={**step_metrics(prompt_rows, rollouts, result.rewards, penalties, result,
+                                                task.stats()), **routing_stats},
                         token_versions=[list(r.info["token_versions"]) for r in rollouts
                                         if "token_versions" in r.info])
+
+
+class PartialRoutingError(RolloutError, RoutingError):
+    """The engine captured MoE routing for some rollouts only, and ``actor.routing_replay: r3`` needs all."""
 
 
 def rollout_routing(rollouts) -> Optional[List[object]]:
@@ -120,6 +142,29 @@ def rollout_routing(rollouts) -> Optional[List[object]]:
     (a partial capture is kept: ``RolloutBatch.from_sequences`` names the rows that miss it)."""
     routing = [getattr(r, "routed_experts", None) for r in rollouts]
     return routing if any(x is not None for x in routing) else None
+
+
+def step_routing(rollouts, required: bool, step: int = 0) -> Tuple[Optional[List[object]], Dict[str, float]]:
+    """A step's MoE routing for the actor (``rollout_routing``, or None) and its routing metrics.
+
+    Only replay of the engine's routing (``required``: ``actor.routing_replay: r3``) needs it. A partial
+    capture (some rows without routing: e.g. one of several SGLang servers started without
+    ``--enable-return-routed-experts``, or one that did not answer ``/server_info``) is then a
+    ``PartialRoutingError`` naming the rows (a ``RolloutError``: the loop ends the step with it on every rank); otherwise it is dropped for the step (the actor's agreement metrics
+    skip it) and counted: ``routing/missing_rows`` (rows without routing; 0 on a full capture)."""
+    routing = rollout_routing(rollouts)
+    if routing is None:
+        return None, {}
+    missing = [b for b, x in enumerate(routing) if x is None]
+    if missing and required:
+        prompts = sorted({rollouts[b].prompt_index for b in missing})
+        raise PartialRoutingError(
+            f"step {step + 1}: actor.routing_replay='r3' replays the rollout engine's MoE routing, but the engine "
+            f"returned none for {len(missing)} of {len(routing)} rollouts (rows {missing[:16]}"
+            f"{' ...' if len(missing) > 16 else ''}, prompts {prompts[:16]}{' ...' if len(prompts) > 16 else ''}; "
+            f"sources {sorted({rollouts[b].source for b in missing})}): every server must capture routing "
+            f"({ROUTED_EXPERTS_FLAG}), or set actor.routing_replay to none / r2")
+    return (None if missing else routing), {"routing/missing_rows": float(len(missing))}
 
 
 def share_from_rank0(obj: Optional[object]) -> object:

@@ -1,9 +1,9 @@
 """SIGTERM / SIGINT (Slurm preemption, Ctrl-C, torchrun stopping the job) -> checkpoint at the end of the
 step, then exit 0; a second signal, or a step that cannot end, exits at once.
 
-* First signal: ``requested`` turns True. The loop reads it between steps (all ranks agree through an
-  all-reduce, since signals reach ranks at different times), saves a checkpoint and exits 0, so
-  ``--resume`` continues exactly where it stopped. From that moment the rank has ``stop_timeout_s``
+* First signal: ``requested`` turns True (rank 0 says so on one line). The loop reads it between steps (all
+  ranks agree through an all-reduce, since signals reach ranks at different times), saves a checkpoint,
+  prints one line naming it and exits 0, so ``--resume`` continues exactly where it stopped. From that moment the rank has ``stop_timeout_s``
   seconds to finish; if it is still running then (blocked in a hung collective, a process join, a queue
   wait, a checkpoint that cannot be written) it exits with ``128 + signum`` and its stacks printed —
   a job that cannot checkpoint still stops.
@@ -26,9 +26,21 @@ from typing import Dict, Optional
 
 from megatron_rl.trainer.watchdog import abort
 
-__all__ = ["StopRequested"]
+__all__ = ["StopRequested", "restore_default_signals"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def restore_default_signals(env=None) -> bool:
+    """Under ``launch/torchrun.sh`` (``MEGATRON_RL_RESTORE_SIGNALS=1``) the ranks inherit SIGINT / SIGTERM
+    ignored from the agent, which must not act on them; put the defaults back so a signal ends a rank that is
+    still starting. Returns whether it did."""
+    env = os.environ if env is None else env
+    if env.get("MEGATRON_RL_RESTORE_SIGNALS") != "1":
+        return False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return True
 
 
 class StopRequested:
@@ -75,8 +87,9 @@ class StopRequested:
             abort(128 + signum, f"second signal {signum}: exiting now without checkpoint", rank=self.rank)
         self.requested = True
         self.signum = signum
-        print(f"[megatron-rl] rank {self.rank}: received signal {signum}: checkpointing at the end of this step "
-              f"(a second signal exits at once)", file=sys.stderr, flush=True)
+        if self.rank == 0:  # one line per job: every rank got the signal (launch/torchrun.sh forwards it)
+            print(f"[megatron-rl] received signal {signum}: checkpointing at the end of this step "
+                  f"(a second signal exits at once)", file=sys.stderr, flush=True)
         if self.stop_timeout_s > 0:
             threading.Thread(target=self._deadline, args=(signum,), name="megatron-rl-stop-deadline",
                              daemon=True).start()

@@ -1,8 +1,9 @@
 """Metric sinks: ``metrics.jsonl`` (always), console progress bar + compact table, TensorBoard, W&B.
 
-Console (``trainer.progress``): one progress-bar line per step (step, elapsed, ETA, reward), and every
-``trainer.console_table_interval`` steps (and at the last step) a compact table with one row per step
-since the previous table and one column per ``CONSOLE_KEYS`` metric that was logged.
+Console (``trainer.progress``): one progress-bar line per step (step, elapsed, ETA, reward, ...), and every
+``trainer.console_table_interval`` steps (and at the last step) one summary line of the steps since the
+previous summary -- what the per-step lines do not show: the window's mean, min and max reward, its change
+from the previous window, the mean step time and response length (``format_summary``).
 
 Only global rank 0 writes. ``metrics.jsonl`` holds one JSON object per step:
 ``{"step": int, "time": float, "<group>/<name>": float, ...}`` with groups ``reward``,
@@ -37,15 +38,30 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
 
 
-def format_table(rows: List[Tuple[int, Dict[str, float]]]) -> str:
-    """Compact table: one row per (step, metrics), one column per CONSOLE_KEYS metric present in any row."""
-    cols = [(k, label) for k, label in CONSOLE_KEYS if any(k in m for _, m in rows)]
-    width = max([9] + [len(label) for _, label in cols])
-    lines = [f"{'step':>6} " + " ".join(f"{label:>{width}}" for _, label in cols)]
-    for step, m in rows:
-        lines.append(f"{step:>6} " + " ".join(f"{m[k]:>{width}.4g}" if k in m else f"{'-':>{width}}"
-                                              for k, _ in cols))
-    return "\n".join(lines)
+def _mean(values: List[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def format_summary(rows: List[Tuple[int, Dict[str, float]]], previous_reward: Optional[float] = None) -> str:
+    """One line summarising the steps of ``rows`` ((step, metrics) pairs): reward mean / min / max over the
+    window (and its change from ``previous_reward``, the previous window's mean), mean response length,
+    mean step time and mean throughput -- each only when logged."""
+    first, last = rows[0][0], rows[-1][0]
+    cells = []
+    rewards = [m["reward/mean"] for _, m in rows if "reward/mean" in m]
+    if rewards:
+        mean = _mean(rewards)
+        cell = f"reward mean {mean:.4g} (min {min(rewards):.4g}, max {max(rewards):.4g})"
+        if previous_reward is not None and math.isfinite(previous_reward):
+            cell += f", {mean - previous_reward:+.4g} vs previous"
+        cells.append(cell)
+    for key, label, unit in (("response_length/mean", "len", ""), ("timing/step_s", "step", " s"),
+                             ("perf/tokens_per_s", "tok/s", "")):
+        vals = [m[key] for _, m in rows if key in m]
+        if vals:
+            cells.append(f"{label} {_mean(vals):.4g}{unit}")
+    span = f"step {first}" if first == last else f"steps {first}-{last}"
+    return f"[megatron-rl] {span} ({len(rows)} step(s)): " + ("; ".join(cells) if cells else "no metrics")
 
 
 class MetricSinks:
@@ -54,7 +70,7 @@ class MetricSinks:
     def __init__(self, run_dir: str, total_steps: int, enabled: bool = True, progress: bool = True,
                  tensorboard: bool = False, wandb: bool = False, wandb_project: str = "megatron-rl",
                  config: Optional[dict] = None, resume: bool = False, table_interval: Optional[int] = None) -> None:
-        """``table_interval``: steps between console tables (0: none); default: the job config's
+        """``table_interval``: steps between console summary lines (0: none); default: the job config's
         ``trainer.console_table_interval`` (in ``config``), else ``DEFAULT_TABLE_INTERVAL``."""
         self.enabled = enabled
         self.total = total_steps
@@ -64,6 +80,7 @@ class MetricSinks:
                                                                        DEFAULT_TABLE_INTERVAL)
         self.table_interval = int(table_interval)
         self._rows: List[Tuple[int, Dict[str, float]]] = []
+        self._previous_reward: Optional[float] = None
         self._first_step: Optional[int] = None
         self._tb = self._wandb = None
         self._t0 = time.time()
@@ -109,7 +126,9 @@ class MetricSinks:
             print(self._line(step, clean), flush=True)
             self._rows.append((step, clean))
             if self.table_interval > 0 and (step % self.table_interval == 0 or step >= self.total):
-                print(format_table(self._rows), flush=True)
+                print(format_summary(self._rows, self._previous_reward), flush=True)
+                rewards = [m["reward/mean"] for _, m in self._rows if "reward/mean" in m]
+                self._previous_reward = _mean(rewards) if rewards else None
                 self._rows = []
 
     def _line(self, step: int, m: Dict[str, float]) -> str:

@@ -17,23 +17,29 @@ SGLang in ``rollout.mode: async``):
 * Failures: a bucket the engine rejects, a dead server or a timeout is caught on rank 0, the rest of the
   stream is drained (so no rank waits in a send), ``WeightReceiver.abort`` makes sure no server serves the
   partial weights, and the error is raised on every rank.
-* Verification of the disk mode (``verify_disk_sync``): after the engine loaded the export, sampled tensors
-  of the export (cast as the engine's loader casts them) are compared with the engine's copies.
-* Verification (every ``rollout.weight_sync_verify_interval`` versions): rank 0 takes the checksum
-  (``weight_buckets.tensor_checksum``, SGLang's ``/weights_checker`` format) of
-  ``rollout.weight_sync_verify_tensors`` sampled tensors as they stream — spread over the whole model,
-  so every stage is sampled, rotated by version — and compares them with the engine's own copies
-  (``RolloutEngine.weight_checksums``); a mismatch aborts the sync naming every tensor that differs.
+* Verification (``weight_verify.WeightVerifier``, every ``rollout.weight_sync_verify_interval``-th version,
+  in every mode, sync and async): ``rollout.weight_sync_verify_tensors`` of the ENGINE's tensors (-1: all),
+  spread over the model and rotated by version, are rebuilt from the trainer's HF tensors as the engine
+  holds them (fused qkv / gate_up / experts, zero-padded vocabulary rows, one shard per server TP rank:
+  ``rollout.weight_layout``) and their checksums compared with the engine's (``weights_checker`` on SGLang);
+  a mismatch fails the sync naming each engine tensor, its HF sources and the TP rank. Streamed: taken from
+  the buckets as they pass; disk: from the export after the engine loaded it; async: by the producer after
+  it applied the version (a failure surfaces at the next step's rollouts).
+* Disk exports: only the versions an engine may still load or holds are kept (sync: the last one; async:
+  ``RolloutProducer.versions_in_use``); older ``step-N`` exports are deleted.
 * Async rollouts (``rollout.mode: async``): the producer thread applies weights later, on rank 0 alone.
   disk: the export directory is the payload; tensor (embedded engine): the buckets are collected on rank 0
   (owned copies: the full model there, as before) and applied by the producer. distributed / SGLang
   tensor need the engine's group at apply time and are rejected by config validation.
 
-Metrics: ``weight_sync/bytes``, ``weight_sync/buckets``, ``weight_sync/verified`` (1 when verified);
+Metrics: ``weight_sync/bytes``, ``weight_sync/buckets``, ``weight_sync/verified`` (1 when verified),
+``weight_sync/verified_param_frac`` (parameters inside the compared engine tensors / all parameters; in async
+mode the producer verifies later, so the step's metric is 0 and a failure surfaces at the next rollouts);
 the loop times the call as ``timing/weight_sync_s``.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
@@ -44,12 +50,15 @@ import torch.distributed as dist
 from megatron_rl.config import JobConfig
 from megatron_rl.convert.live import is_stage_leader, iter_hf_tensors
 from megatron_rl.convert.mapping import param_rules
+from megatron_rl.parallel.devices import recv_, send_
 from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.rollout.weight_buckets import DTYPE_NAMES, Bucket, bucketize, tensor_checksum
+from megatron_rl.rollout.weight_buckets import DTYPE_NAMES, Bucket, bucketize
 from megatron_rl.trainer.async_rollout import parse_version
 from megatron_rl.trainer.rollout_phase import share_from_rank0
+from megatron_rl.trainer.weight_verify import WeightVerifier
 
-__all__ = ["resolve_mode", "stream_buckets", "weights_payload", "apply_weights", "sync_weights", "SyncReport"]
+__all__ = ["resolve_mode", "stream_buckets", "weights_payload", "apply_weights", "sync_weights", "SyncReport",
+           "prune_exports", "verify_disk_sync"]
 
 
 def resolve_mode(cfg: JobConfig) -> str:
@@ -73,19 +82,24 @@ class SyncReport:
     verified: bool = False
     """The engine's copies of the sampled tensors matched the trainer's."""
     checked: List[str] = field(default_factory=list)
-    """The tensors whose checksums were compared."""
+    """The engine tensors whose checksums were compared."""
+    verified_frac: float = 0.0
+    """Fraction of the model's parameters (elements) inside the engine tensors compared."""
 
     def metrics(self) -> Dict[str, float]:
         return {"weight_sync/bytes": float(self.bytes), "weight_sync/buckets": float(self.buckets),
-                "weight_sync/verified": 1.0 if self.verified else 0.0}
+                "weight_sync/verified": 1.0 if self.verified else 0.0,
+                "weight_sync/verified_param_frac": float(self.verified_frac)}
 
 
 # ------------------------------------------------------------------------------------- bucket stream
 
 def _send_bucket(bucket: Optional[Bucket], dst: int) -> None:
+    """A later stage's leader -> ``dst``: the bucket's meta, then its host bytes (staged on the default group's
+    device: NCCL takes CUDA tensors only)."""
     dist.send_object_list([None if bucket is None else bucket.meta()], dst=dst)
     if bucket is not None:
-        dist.send(bucket.flat.contiguous(), dst=dst)
+        send_(bucket.flat, dst=dst)
 
 
 def _recv_bucket(src: int) -> Optional[Bucket]:
@@ -94,7 +108,7 @@ def _recv_bucket(src: int) -> Optional[Bucket]:
     if box[0] is None:
         return None
     bucket = Bucket.empty(box[0])
-    dist.recv(bucket.flat, src=src)
+    recv_(bucket.flat, src=src)
     return bucket
 
 
@@ -142,16 +156,6 @@ def _version_number(tag: str) -> int:
         return 0
 
 
-def _sample(names: List[str], k: int, version: int) -> List[str]:
-    """``k`` names spread evenly over ``names`` (model order, so every stage), rotated by ``version``."""
-    if k < 0 or k >= len(names):
-        return list(names)
-    if k == 0:
-        return []
-    step = len(names) / k
-    return sorted({names[(int(i * step) + version) % len(names)] for i in range(k)}, key=names.index)
-
-
 def _expected_names(actor) -> List[str]:
     return [n for r in param_rules(actor.hf_target.geometry) for n in r.hf_names]
 
@@ -165,17 +169,16 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
     error: Optional[BaseException] = None
     receiver = None
     plan = None
+    verifier = None
     if rank0:
         try:
             receiver = engine.begin_weight_sync(mode, version, master_address=rc.weight_sync_master_address,
                                                 timeout_s=rc.weight_sync_timeout_s)
             names = _expected_names(actor)
-            v = _version_number(version)
-            verify = rc.weight_sync_verify_interval > 0 and v % rc.weight_sync_verify_interval == 0
-            checkable = engine.checkable_weight_names() if verify else set()
-            sample = _sample([n for n in names if n in checkable], rc.weight_sync_verify_tensors, v)
             dt = engine.weight_dtype
-            plan = (DTYPE_NAMES.get(dt), set(sample), names, sorted(engine.full_precision_weight_names()))
+            keep_names = engine.full_precision_weight_names()
+            verifier = _verifier(actor.hf_target.geometry, engine, cfg, names, version, dt, keep_names)
+            plan = (DTYPE_NAMES.get(dt), None, names, sorted(keep_names))
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc
     box = share_from_rank0((error, plan[0] if plan else None, plan[3] if plan else None))
@@ -183,7 +186,6 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
         raise box[0]
     dtype = getattr(torch, box[1]) if box[1] else None
     keep = set(box[2] or ())
-    expected: Dict[str, str] = {}
     seen: Dict[str, int] = {}
     for bucket in stream_buckets(actor, int(rc.weight_sync_bucket_mb * (1 << 20)), dtype, keep):
         if not rank0 or error is not None:
@@ -191,8 +193,7 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
         try:
             for name, t in bucket.tensors():
                 seen[name] = seen.get(name, 0) + 1
-                if name in plan[1]:
-                    expected[name] = tensor_checksum(t)
+                verifier.offer(name, t)
             if corrupt is not None:
                 corrupt(bucket)
             receiver.load(bucket)
@@ -210,10 +211,7 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
                     raise WeightSyncError(f"weight sync to {version!r}: the trainer's stream missed {missing[:8]} "
                                           f"and sent twice {twice[:8]}")
                 receiver.commit()
-                if expected:
-                    _check_engine_copies(engine, expected, f"weight sync to {version!r}", "trainer", "the trainer's")
-                    report.verified = True
-                    report.checked = sorted(expected)
+                _finish_verify(verifier, report, f"weight sync to {version!r}", "the trainer's tensors")
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc
         if error is not None and receiver is not None:
@@ -227,48 +225,68 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
     return share_from_rank0(report)
 
 
-def verify_disk_sync(engine, cfg: JobConfig, export_dir: str, version: str) -> List[str]:
-    """Rank 0, after the engine loaded ``export_dir``: compare the engine's copies of
-    ``rollout.weight_sync_verify_tensors`` sampled tensors with the export's own tensors (cast to the engine's
-    dtype, the cast the engine's loader makes) on every ``weight_sync_verify_interval``-th version; a mismatch
-    raises ``WeightSyncError`` naming each tensor. Returns the names checked (empty: not due, or the engine
-    cannot report checksums)."""
-    from safetensors import safe_open
-
+def _verifier(geometry, engine, cfg: JobConfig, names: List[str], version: str, dtype, keep) -> WeightVerifier:
+    """Rank 0: the verifier of this version (samples nothing unless a verification is due)."""
     rc = cfg.rollout
     v = _version_number(version)
-    if rc.weight_sync_verify_interval <= 0 or v % rc.weight_sync_verify_interval:
-        return []
-    checkable = engine.checkable_weight_names()
+    due = rc.weight_sync_verify_interval > 0 and v % rc.weight_sync_verify_interval == 0
+    return WeightVerifier(engine, names, geometry, rc.weight_sync_verify_tensors if due else 0, v, dtype, keep)
+
+
+def _finish_verify(verifier: WeightVerifier, report: SyncReport, what: str, source_text: str) -> None:
+    report.checked = verifier.check(what, source_text)
+    report.verified = bool(report.checked)
+    report.verified_frac = verifier.verified_frac
+
+
+def verify_disk_sync(engine, cfg: JobConfig, export_dir: str, version: str) -> List[str]:
+    """Rank 0, after the engine loaded ``export_dir``: compare the engine's copies of sampled engine tensors
+    with the same fusion of the export's tensors (cast to the engine's dtype as its loader casts them;
+    fp32-kept tensors in their own dtype) when due; a mismatch raises ``WeightSyncError`` naming each tensor.
+    Returns the engine tensors checked (empty: not due, or the engine cannot report checksums)."""
+    return _verify_export(engine, cfg, export_dir, version).checked
+
+
+def _verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> SyncReport:
+    from safetensors import safe_open
+
+    from megatron_rl.convert.geometry import HFGeometry
+
+    with open(os.path.join(export_dir, "config.json")) as fh:
+        geometry = HFGeometry.from_hf_config(json.load(fh))
     files = sorted(f for f in os.listdir(export_dir) if f.endswith(".safetensors"))
-    where = {}
+    names = []
+    for f in files:
+        with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
+            names += list(fh.keys())
+    verifier = _verifier(geometry, engine, cfg, names, version, engine.weight_dtype,
+                         engine.full_precision_weight_names())
+    report = SyncReport()
+    if not verifier.tensors:
+        return report
     for f in files:
         with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
             for name in fh.keys():
-                if name in checkable:
-                    where[name] = f
-    sample = _sample(sorted(where), rc.weight_sync_verify_tensors, v)
-    if not sample:
-        return []
-    keep, dt = engine.full_precision_weight_names(), engine.weight_dtype
-    expected = {}
-    for name in sample:
-        with safe_open(os.path.join(export_dir, where[name]), framework="pt") as fh:
-            t = fh.get_tensor(name)
-        expected[name] = tensor_checksum(t if (dt is None or name in keep or not t.is_floating_point()) else t.to(dt))
-    _check_engine_copies(engine, expected, f"weight sync to {version!r} (disk)", "export", export_dir)
-    return sample
+                if verifier.needs(name):
+                    verifier.offer(name, fh.get_tensor(name))
+                else:
+                    n = 1
+                    for d in fh.get_slice(name).get_shape():
+                        n *= int(d)
+                    verifier.count(name, n)
+    _finish_verify(verifier, report, f"weight sync to {version!r} (disk)", export_dir)
+    return report
 
 
-def _check_engine_copies(engine, expected: Dict[str, str], what: str, source: str, source_text: str) -> None:
-    """Compare ``{name: checksum}`` taken from ``source`` with the engine's copies; a mismatch raises
-    ``WeightSyncError`` naming every tensor that differs."""
-    names = sorted(expected)
-    got = engine.weight_checksums(names)
-    bad = [f"{n} ({source} {expected[n]}, engine {got.get(n)})" for n in names if got.get(n) != expected[n]]
-    if bad:
-        raise WeightSyncError(f"{what}: verification failed, the engine's copy of {len(bad)} of {len(expected)} "
-                              f"sampled tensor(s) differs from {source_text}: " + "; ".join(bad))
+def _verify_buckets(engine, verifier: WeightVerifier, buckets, version: str) -> SyncReport:
+    """Rank 0, after the engine applied owned ``buckets`` (async tensor mode): as ``verify_disk_sync``."""
+    report = SyncReport()
+    if verifier.tensors:
+        for bucket in buckets:
+            for name, t in bucket.tensors():
+                verifier.offer(name, t)
+        _finish_verify(verifier, report, f"weight sync to {version!r}", "the trainer's tensors")
+    return report
 
 
 # ------------------------------------------------------------------------------- the loop's entry points
@@ -292,9 +310,40 @@ def weights_payload(actor, cfg: JobConfig, version: str):
     return buckets if dist.get_rank() == 0 else None
 
 
-def apply_weights(engine, cfg: JobConfig, payload, version: str) -> None:
-    """Rank 0: load a ``weights_payload`` into the engine and tag it ``version``."""
+def prune_exports(out_dir: str, keep_versions: set) -> List[str]:
+    """Rank 0, disk mode: delete the ``step-N`` exports in ``out_dir`` whose N is not in ``keep_versions`` (what
+    an engine may still load or holds); other entries are left alone. Returns the deleted paths."""
+    import shutil
+
+    gone = []
+    for entry in sorted(os.listdir(out_dir)):
+        try:
+            v = parse_version(entry)
+        except ValueError:
+            continue
+        if v not in keep_versions and os.path.isdir(os.path.join(out_dir, entry)):
+            shutil.rmtree(os.path.join(out_dir, entry))
+            gone.append(os.path.join(out_dir, entry))
+    return gone
+
+
+def apply_weights(engine, cfg: JobConfig, payload, version: str, actor=None) -> SyncReport:
+    """Rank 0: load a ``weights_payload`` into the engine, tag it ``version`` and verify it when due (every
+    ``rollout.weight_sync_verify_interval``-th version, sync and async alike; owned buckets need ``actor``
+    for the model's geometry: None, not verified). A failed verification marks the engine invalid."""
     engine.sync_weights(payload, version, "disk" if isinstance(payload, str) else resolve_mode(cfg))
+    try:
+        if isinstance(payload, str):
+            return _verify_export(engine, cfg, payload, version)
+        if actor is None:
+            return SyncReport()
+        names = [n for b in payload for n in b.names]
+        verifier = _verifier(actor.hf_target.geometry, engine, cfg, names, version, engine.weight_dtype,
+                             engine.full_precision_weight_names())
+        return _verify_buckets(engine, verifier, payload, version)
+    except Exception as exc:
+        engine._mark_invalid(f"weight sync to {version!r}: {type(exc).__name__}: {exc}")
+        raise
 
 
 def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, producer=None,
@@ -321,11 +370,14 @@ def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, produ
                 report.bytes, report.buckets = sum(b.nbytes for b in payload), len(payload)
             if producer is not None:
                 producer.publish(parse_version(version), payload)
-            else:
-                apply_weights(engine, cfg, payload, version)
                 if isinstance(payload, str):
-                    report.checked = verify_disk_sync(engine, cfg, payload, version)
-                    report.verified = bool(report.checked)
+                    prune_exports(os.path.dirname(payload), producer.versions_in_use())
+            else:
+                done = apply_weights(engine, cfg, payload, version, actor)
+                report.checked, report.verified, report.verified_frac = done.checked, done.verified, \
+                    done.verified_frac
+                if isinstance(payload, str) and version.startswith("step-"):
+                    prune_exports(os.path.dirname(payload), {parse_version(version)})
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc
     error = share_from_rank0(error)

@@ -1,0 +1,33 @@
+"""What the trainer checks and says once at start: the data file before any model is built, then the layout
+the job actually runs with (rank 0, one line).
+
+    check_data(cfg)                         # every rank, first thing in ``train``: ValueError naming data.path
+    print(layout_line(cfg, actor.groups, world_size))   # rank 0, after the process groups exist
+"""
+from __future__ import annotations
+
+from megatron_rl.tasks.datasets import usable_rows
+from megatron_rl.trainer.weight_sync import resolve_mode
+
+
+def check_data(cfg) -> None:
+    """Raise ``ValueError`` (naming ``data.path``, the keys and the first bad rows) when a ``data.task: file``
+    job's file has no row that can become a prompt -- seconds after start, not after the model is built."""
+    d = cfg.data
+    if d.task == "file":
+        usable_rows(d.path, d.prompt_key, d.answer_key)
+
+
+def layout_line(cfg, groups, world_size: int) -> str:
+    """The parallel layout megatron built (``groups``: the actor's ``ActorGroups``), the rollout engine and
+    the weight-sync mode, as one line."""
+    g, r = groups, cfg.rollout
+    parts = f"TP={g.tp_size} PP={g.pp_size}"
+    if g.vpp_size > 1:
+        parts += f" VPP={g.vpp_size}"
+    parts += f" CP={g.cp_size} DP={g.dp_size}"
+    if g.ep_size > 1 or g.etp_size > 1:
+        parts += f" EP={g.ep_size} ETP={g.etp_size}"
+    engine = r.engine if r.engine == "embedded" else f"sglang ({len(r.sglang_urls) + int(r.sglang_launch)} server(s))"
+    return (f"[megatron-rl] layout: world size {world_size}, {parts}; rollout engine {engine}, {r.mode} rollouts; "
+            f"weight sync {resolve_mode(cfg)}")

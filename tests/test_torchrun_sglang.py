@@ -1,0 +1,131 @@
+"""The RL loop with a real SGLang server under the real launcher (``launch/torchrun.sh``, not forked ranks).
+
+torchrun gives each rank ``RANK``, ``WORLD_SIZE``, ``MASTER_*`` and ``TORCHELASTIC_USE_AGENT_STORE=True``; a server
+that inherits them waits forever at "Init parallel begin" (issue 21). Jobs (2 ranks, DP=2, 2 steps each):
+
+* ``rollout.sglang_launch=true`` (rank 0 starts the server): disk + sync, tensor + async, distributed + sync;
+* an external server started with ``launch/sglang_server.sh``, two jobs against it: distributed + async, then
+  disk + sync.
+
+Each job: both steps logged, step 2's rollouts carry weight version ``step-1`` (the sync reached the server),
+and — on a server that holds the initial checkpoint — step 1's mismatch KL equals the one recomputed with HF
+transformers' fp32 forward (independent reference). Skipped when sglang is not importable.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from megatron_rl.rollout.sglang_server import find_free_port, sglang_available, sglang_python
+from tests.test_train_loop_sglang import _assert_step1_kl_matches_hf_fp32
+
+_OK, _REASON = sglang_available()
+pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+JOB = """\
+rollout:
+  engine: sglang
+  max_new_tokens: 4
+  n_samples_per_prompt: 4
+data:
+  task: copy
+  prompts_per_step: 4
+actor:
+  lr: 1.0e-3
+  micro_batch_size: 4
+  load_hf: {model}
+trainer:
+  steps: 2
+  run_dir: {run}
+  progress: false
+  dump_rollouts: true
+"""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from megatron_rl.tasks.char_tokenizer import build_task_model
+
+    return build_task_model(str(tmp_path_factory.mktemp("m") / "model"), task="copy", seed=0, hidden_size=64,
+                            num_layers=2)
+
+
+def run_torchrun_job(tmp, model, overrides, timeout=420, nproc=2, async_lag=False):
+    """``launch/torchrun.sh`` with ``nproc`` ranks on the job above; returns (metrics, rollouts) of the run."""
+    run = tmp / "run"
+    job = tmp / "job.yaml"
+    job.write_text(JOB.format(model=model, run=run))
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    cmd = ["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--nproc-per-node", str(nproc), "--log-dir",
+           str(tmp / "logs"), "--config", str(job), *overrides]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate(timeout=60)
+        server_log = run / "sglang_server.log"
+        pytest.fail(f"torchrun job not done after {timeout} s:\n{out[-4000:]}\n"
+                    f"server log: {server_log.read_text()[-2000:] if server_log.exists() else '-'}")
+    assert p.returncode == 0, out[-5000:]
+    with open(run / "metrics.jsonl") as fh:
+        metrics = [json.loads(line) for line in fh if line.strip()]
+    with open(run / "rollouts.jsonl") as fh:
+        recs = [json.loads(line) for line in fh if line.strip()]
+    assert [m["step"] for m in metrics] == [1, 2], out[-3000:]
+    versions = {r["weight_version"] for r in recs if r["step"] == 2}
+    assert versions == {"step-1"} or (async_lag and versions <= {"step-0", "step-1"}), versions  # synced after step 1
+    return metrics, recs
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sync,mode", [("disk", "sync"), ("tensor", "async"), ("distributed", "sync")])
+def test_launched_server_under_torchrun(tmp_path, model, sync, mode):
+    metrics, recs = run_torchrun_job(tmp_path, model, [
+        "rollout.sglang_launch=true", f"rollout.sglang_port={find_free_port()}", f"rollout.weight_sync={sync}",
+        f"rollout.mode={mode}"], async_lag=mode == "async")
+    if mode == "sync":
+        _assert_step1_kl_matches_hf_fp32(model, metrics, recs)
+
+
+@pytest.mark.timeout(900)
+def test_external_server_script_under_torchrun(tmp_path, model):
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    env = dict(os.environ, MEGATRON_RL_SGLANG_PYTHON=sglang_python(), OMP_NUM_THREADS="1")
+    server = subprocess.Popen(["bash", os.path.join(ROOT, "launch", "sglang_server.sh"), "--model", str(model),
+                               "--device", "cpu", "--port", str(port), "--log", str(log), "--", "--random-seed", "0"],
+                              env=env, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f"server exited with {server.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"server not ready after 300 s:\n{log.read_text()[-3000:]}"
+            time.sleep(1)
+        common = [f'rollout.sglang_urls=["{url}"]']
+        (tmp_path / "a").mkdir()
+        metrics, recs = run_torchrun_job(tmp_path / "a", model, common + [
+            "rollout.weight_sync=distributed", "rollout.mode=async", "rollout.max_staleness=0"])
+        _assert_step1_kl_matches_hf_fp32(model, metrics, recs)   # the server still had the initial weights
+        (tmp_path / "b").mkdir()
+        run_torchrun_job(tmp_path / "b", model, common + ["rollout.weight_sync=disk", "rollout.mode=sync"])
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=20)

@@ -1,0 +1,192 @@
+"""The quickstart's results table, generated from a finished run: ``python tools/quickstart_results.py RUN_DIR``.
+
+Reads ``RUN_DIR/metrics.jsonl`` (the reward curve, entropy, step times) and the newest COMPLETE checkpoint
+under ``RUN_DIR/checkpoints`` (exported to ``RUN_DIR/hf_final`` with the project's own exporter), then
+evaluates the trained model GREEDILY (temperature 0, fp32, the project's ``EmbeddedEngine``) on the task's
+held-out prompts — operand strings the run never trained on (``data.task_kwargs.heldout_frac``, see
+``megatron_rl.tasks.synthetic``). Writes the markdown table to ``--out`` (default ``docs/results.md``) and
+prints it; no number in it is typed by hand. The task and its options come from the config saved in the
+checkpoint, so the evaluation matches what the run trained on.
+
+Usage::
+
+    bash tools/quickstart.sh trainer.run_dir=runs/qs
+    .venv/bin/python tools/quickstart_results.py runs/qs                  # -> docs/results.md
+    .venv/bin/python tools/quickstart_results.py runs/qs --out /tmp/r.md --json /tmp/r.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_rl.actor.checkpoint import resolve_checkpoint_dir
+from megatron_rl.actor.hf_io import export_checkpoint_to_hf
+from megatron_rl.ops.report import quarter_means, read_metrics, series
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.tasks import build_task
+from megatron_rl.tokenizer import load_tokenizer
+from megatron_rl.trainer.loop import latest_checkpoint
+
+#: Windows of the reward-curve summary (the run is cut into this many equal parts).
+CURVE_WINDOWS = 10
+
+
+def saved_config(ckpt: str) -> Dict:
+    """The job config (as a dict) the RL loop saved with checkpoint ``ckpt``."""
+    path = os.path.join(resolve_checkpoint_dir(ckpt), "extra_state.pt")
+    extra = torch.load(path, weights_only=False) if os.path.isfile(path) else None
+    cfg = extra.get("config") if isinstance(extra, dict) else None
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"quickstart_results: {path} holds no saved job config (not written by the RL loop?)")
+    return cfg
+
+
+def greedy_heldout(hf_dir: str, cfg: Dict) -> Dict:
+    """Greedy exact-match rate of the model in ``hf_dir`` on the held-out prompts of the run's task, overall
+    and by operand length."""
+    data = cfg["data"]
+    kwargs = dict(data.get("task_kwargs") or {})
+    if not kwargs.get("heldout_frac"):
+        raise SystemExit("quickstart_results: the run has no held-out split (data.task_kwargs.heldout_frac is 0 "
+                         "or unset): every prompt may have been trained on, so there is nothing to evaluate")
+    task = build_task(data["task"], load_tokenizer(hf_dir), task_kwargs=kwargs)
+    prompts = task.heldout_prompts()
+    engine = EmbeddedEngine(hf_dir, dtype="float32", seed=0)
+    try:
+        outs = engine.generate([p.prompt_ids for p in prompts],
+                               SamplingParams(temperature=0.0, max_new_tokens=int(cfg["rollout"]["max_new_tokens"])))
+    finally:
+        engine.close()
+    by_len: Dict[int, List[bool]] = {}
+    for r in outs:
+        p = prompts[r.prompt_index]
+        ok = task.reward(p, r.response_ids) == 1.0
+        by_len.setdefault(len(str(p.text).split(":", 1)[1].rstrip("=")), []).append(ok)
+    hits = sum(sum(v) for v in by_len.values())
+    examples = [f"{prompts[r.prompt_index].text} -> {task.tokenizer.decode(r.response_ids)!r}" for r in outs[:: max(1, len(outs) // 6)]]
+    return {"n": len(prompts), "exact": hits / len(prompts), "examples": examples,
+            "by_length": {k: (sum(v), len(v)) for k, v in sorted(by_len.items())}}
+
+
+def curve_summary(records: Sequence[dict], windows: int = CURVE_WINDOWS) -> List[tuple]:
+    """(first step, last step, mean reward) of ``windows`` consecutive equal parts of the run."""
+    xs, ys = series(records, "reward/mean")
+    n = len(ys)
+    out = []
+    for i in range(min(windows, n)):
+        a, b = i * n // windows, (i + 1) * n // windows
+        if b > a:
+            out.append((xs[a], xs[b - 1], sum(ys[a:b]) / (b - a)))
+    return out
+
+
+def run_facts(records: Sequence[dict]) -> Dict[str, float]:
+    """Reward quarters, end-of-run entropy, zero-gradient steps, seconds per step and wall time."""
+    first_q, last_q = quarter_means(records, "reward/mean")
+    _, ent = series(records, "actor/entropy")
+    _, gn = series(records, "actor/grad_norm")
+    _, step_s = series(records, "timing/step_s")
+    _, times = series(records, "time")
+    k = max(1, len(ent) // 10)
+    return {"steps": len(records), "reward_first": series(records, "reward/mean")[1][0],
+            "reward_last": series(records, "reward/mean")[1][-1], "first_quarter": first_q, "last_quarter": last_q,
+            "entropy_start": sum(ent[:k]) / k if ent else float("nan"),
+            "entropy_end": sum(ent[-k:]) / k if ent else float("nan"),
+            "zero_grad_steps": sum(1 for g in gn if g == 0.0),
+            "s_per_step": sum(step_s) / len(step_s) if step_s else float("nan"),
+            "wall_s": (times[-1] - times[0] + step_s[0]) if times and step_s else float("nan")}
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit (short) plus "+changes" when the tree differs, or "unknown"."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=20, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=20).stdout.strip()
+        return head + (" +uncommitted changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def render(run_dir: str, cfg: Dict, facts: Dict, curve: List[tuple], ev: Dict, ckpt: str) -> str:
+    """The markdown page."""
+    par, ro, data, tr = cfg["parallel"], cfg["rollout"], cfg["data"], cfg["trainer"]
+    lines = [
+        "# Quickstart results",
+        "",
+        f"Generated by `tools/quickstart_results.py {run_dir}` from that run's `metrics.jsonl` and its final "
+        "checkpoint; do not edit by hand. See [quickstart.md](quickstart.md) for what the job does and how to "
+        "read these numbers.",
+        "",
+        f"Run: task `{data['task']}` {json.dumps(data.get('task_kwargs') or {})}, {data['prompts_per_step']} prompts "
+        f"x {ro['n_samples_per_prompt']} samples per step, {facts['steps']} steps, seed {tr['seed']}, "
+        f"TP{par.get('tensor_model_parallel_size', 1)} x PP{par.get('pipeline_model_parallel_size', 1)}, "
+        f"engine {ro['engine']} ({ro['dtype']}); code at commit {git_commit()}; checkpoint `{ckpt}`.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| mean reward, first step -> last step | {facts['reward_first']:.3f} -> {facts['reward_last']:.3f} |",
+        f"| mean reward, first quarter / last quarter of the steps | {facts['first_quarter']:.3f} / "
+        f"{facts['last_quarter']:.3f} |",
+        f"| greedy exact copies, held-out prompts | {100 * ev['exact']:.1f} % ({round(ev['exact'] * ev['n'])} of "
+        f"{ev['n']}) |",
+        *(f"| ... held-out prompts with {k} digit(s) | {h} of {n} |" for k, (h, n) in ev["by_length"].items()),
+        f"| policy entropy (nats/token), first / last 10 % of steps | {facts['entropy_start']:.3f} / "
+        f"{facts['entropy_end']:.3f} |",
+        f"| steps with zero gradient (every group's samples scored alike) | {facts['zero_grad_steps']} |",
+        f"| seconds per step (mean) | {facts['s_per_step']:.2f} |",
+        f"| wall time of the training steps | {facts['wall_s'] / 60:.1f} min |",
+        "",
+        "Reward curve (mean reward per tenth of the run):",
+        "",
+        "| steps | " + " | ".join(f"{a}-{b}" for a, b, _ in curve) + " |",
+        "|---|" + "---|" * len(curve),
+        "| reward | " + " | ".join(f"{m:.2f}" for _, _, m in curve) + " |",
+        "",
+        "Greedy answers on held-out prompts (a sample):",
+        "",
+        *(f"    {e}" for e in ev["examples"]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict:
+    """Command-line entry point; returns the numbers it wrote."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                 "docs", "results.md"))
+    p.add_argument("--json", default=None, help="also write the numbers as JSON to this file")
+    a = p.parse_args(argv)
+    records = read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))
+    ckpt = latest_checkpoint(a.run_dir)
+    if ckpt is None:
+        raise SystemExit(f"quickstart_results: {a.run_dir}/checkpoints has no COMPLETE checkpoint")
+    cfg = saved_config(ckpt)
+    hf_dir = os.path.join(a.run_dir, "hf_final")
+    export_checkpoint_to_hf(ckpt, hf_dir)
+    ev = greedy_heldout(hf_dir, cfg)
+    facts = run_facts(records)
+    page = render(a.run_dir, cfg, facts, curve_summary(records), ev, os.path.relpath(ckpt, a.run_dir))
+    with open(a.out, "w") as fh:
+        fh.write(page)
+    print(page)
+    result = {**facts, "heldout_exact": ev["exact"], "heldout_n": ev["n"]}
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
