@@ -65,13 +65,13 @@ def test_missing_checkpoint_dir_does_not_stop_the_plan_when_the_model_section_gi
     r = _cli(Q7, "actor.load_hf=/nonexistent/Qwen2.5-7B")
     assert r.returncode == 2
     assert "actor.load_hf: '/nonexistent/Qwen2.5-7B' is not a directory" in r.stderr
-    assert "TP=2" in r.stdout and "peak: stage 0" in r.stdout
+    assert "TP=4" in r.stdout and "peak: stage 0" in r.stdout
 
 
 def test_flags_override_the_cluster_section():
     r = _cli(Q7, "--nodes", "2", "--gpu-memory-gb", "141")
     assert r.returncode == 0, r.stderr
-    assert "world size 16 (2 node(s) x 8 GPU(s))" in r.stdout and "DP=8" in r.stdout
+    assert "world size 16 (2 node(s) x 8 GPU(s))" in r.stdout and "DP=4" in r.stdout  # TP=4
     assert "<= 141 GiB" in r.stdout or "> GPU memory 141 GiB" in r.stdout
 
 

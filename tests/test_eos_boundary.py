@@ -7,6 +7,7 @@ EOS no response may hold another token, and a response that ends in EOS has fini
 * the embedded engine: an EOS sampled as the last allowed token is "stop" (not "length");
 * ``SegmentedEngine`` (interrupt mode, 1-token segments) over the embedded engine and over a real SGLang server:
   no response goes on after an EOS, and rows that hit EOS at a boundary exist (the test can see the defect);
+* the SGLang client turns a "length" reply whose last token is a stop id into "stop";
 * the RL loop (tiny_cpu, ``rollout.mode=async rollout.partial_rollout=interrupt rollout.segment_tokens=1
   trainer.dump_rollouts=true``, 2 steps): zero dumped responses continue after an EOS (the issue measured
   57 of 512).
@@ -99,6 +100,27 @@ def test_segmented_sglang_never_continues_after_eos(model_dir, tmp_path):
         engine.close()
     finally:
         server.terminate()
+
+
+def test_sglang_reply_saying_length_for_an_eos_at_the_limit_is_parsed_as_stop():
+    """A reply in the shape an SGLang scheduler that checks the length first sends (finish reason "length" with
+    EOS as the last token; SGLang 0.5.23 itself puts EOS first, which the server test above checks) is a
+    "stop" rollout for the client; with ``ignore_eos`` the EOS is an ordinary token and it stays "length"."""
+    from megatron_rl.rollout.finish import stop_ids
+    from megatron_rl.rollout.sglang_engine import parse_generate_response
+
+    def reply(ids):
+        return {"output_ids": ids, "meta_info": {
+            "output_token_logprobs": [[-1.0, t, None] for t in ids], "finish_reason": {"type": "length", "length": 2},
+            "prompt_tokens": 3, "weight_version": "v"}}
+
+    eos = 1
+    on = stop_ids(SamplingParams(max_new_tokens=2, stop_token_ids=(eos,)))
+    off = stop_ids(SamplingParams(max_new_tokens=2, ignore_eos=True), eos_ids=(eos,))
+    got = parse_generate_response([reply([5, eos]), reply([eos, 5])], [[3, 4, 5]], 2, "http://s", "v", stops=on)
+    assert [(r.finish_reason, r.info.get("matched_stop")) for r in got] == [("stop", eos), ("length", None)]
+    got = parse_generate_response([reply([5, eos])], [[3, 4, 5]], 1, "http://s", "v", stops=off)
+    assert [r.finish_reason for r in got] == ["length"]
 
 
 def _train(rank, world, cfg):

@@ -125,7 +125,8 @@ def test_sglang_server_cpu_and_gpu_commands():
     r = _run("sglang_server.sh", "--model", "/m", "--tp", "8", "--host", "0.0.0.0", "--mem-fraction", "0.4",
              env={"DRY_RUN": "1"})
     argv = shlex.split(r.stdout.strip())
-    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    venv = os.path.join(ROOT, ".venv", "bin", "python")   # the repository's venv when there is one (as torchrun.sh)
+    assert argv[:3] == [venv if os.access(venv, os.X_OK) else "python3", "-m", "sglang.launch_server"]
     assert argv[argv.index("--tp-size") + 1] == "8" and argv[argv.index("--mem-fraction-static") + 1] == "0.4"
     assert "--device" not in argv and not any(a.startswith("SGLANG_USE_CPU_ENGINE") for a in argv)
     r = _run("sglang_server.sh", "--model", "/m", "--device", "cpu", "--tp", "2", env={"DRY_RUN": "1"})

@@ -1,15 +1,16 @@
 """Several hosts on one machine, for real (issue 21, item 6): network namespaces with their own addresses
-(``megatron_rl.testing.netns``), hostnames that resolve to loopback as on a default Debian host.
+(``megatron_rl.testing.netns``), each with its own hostname and /etc/hosts laid out as on a default Debian host
+(the other hosts' names resolve to their addresses, the host's own name to 127.0.1.1).
 
 * ``test_two_hosts_torchrun_matches_one_host``: ``launch/torchrun.sh --nnodes 2`` on two hosts (1 rank each, c10d
-  rendezvous at host 0's address) trains the tiny copy task with the embedded engine; its metrics equal those
+  rendezvous at host 0's name) trains the tiny copy task with the embedded engine; its metrics equal those
   of the same job as 2 ranks on one host (launch/torchrun.sh outside the namespaces, same seed).
 * ``test_sglang_server_on_its_own_host``: an SGLang server started with ``launch/sglang_server.sh`` on host 2,
   the trainer on hosts 0 and 1, ``rollout.weight_sync=distributed``: the servers reach trainer rank 0 at its
   host address (found by the master-address function, not configured), both steps run, step 2's rollouts come
   from the synced weights, and step 1's mismatch KL equals HF transformers' fp32 recompute.
 
-gloo finds its interface through ``GLOO_SOCKET_IFNAME=eth0`` (the hostname resolves to loopback on every host).
+gloo finds its interface through ``GLOO_SOCKET_IFNAME=eth0`` (each host's own name resolves to 127.0.1.1).
 Skipped with the reason where network namespaces cannot be made (no iproute2, not root).
 """
 import json
@@ -35,7 +36,7 @@ _HOST_ENV = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHON": sys
 def _train_on_hosts(hosts, tmp, overrides, timeout):
     """launch/torchrun.sh --nnodes 2 on hosts 0 and 1 (c10d rendezvous at host 0); returns run metrics."""
     run = tmp / "run"
-    rdzv = f"{hosts.addr(0)}:{find_free_port()}"
+    rdzv = f"{hosts.hostname(0)}:{find_free_port()}"   # as on a cluster: the first node's name
     procs = []
     for i in (0, 1):
         log = open(tmp / f"node{i}.out", "w")

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from megatron_rl.ops.report import health_checks, write_report
 from megatron_rl.tasks.char_tokenizer import build_task_model
-from megatron_rl.tasks.reward_fn import reward_import_error
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +74,8 @@ def test_math_reward_without_math_verify_is_a_config_error_before_process_groups
                          cwd=ROOT, env=_env(no_math_verify), capture_output=True, text=True, timeout=180)
     assert chk.returncode == 2 and "data.reward_fn: 'math'" in chk.stderr and MISSING in chk.stderr, chk.stderr
     # in process: the same error, returned before any process group exists
+    from megatron_rl.tasks.reward_fn import reward_import_error
+
     monkeypatch.setitem(sys.modules, "math_verify", None)    # `import math_verify` raises ImportError
     assert MISSING in reward_import_error("math")
     from megatron_rl.train import run as train_run

@@ -87,10 +87,10 @@ def test_resume_history_reads_1_to_n_and_stale_checkpoints_are_gone(first_run):
     r = _train(run, model, "trainer.steps=4", "--resume")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    assert f"resumed from {run / 'checkpoints' / 'step_2'} at step 2" in out, out[-3000:]
-    assert "1 record(s) of metrics.jsonl after step 2" in out and "stale checkpoint(s) step_3" in out, out[-3000:]
     assert _steps(run) == [1, 2, 3, 4]                 # the old step 3 is gone, the new one follows step 2
     assert _ckpts(run) == ["step_2", "step_4"]         # the incomplete step_3 can never be picked up
+    assert f"resumed from {run / 'checkpoints' / 'step_2'} at step 2" in out, out[-3000:]
+    assert "1 record(s) of metrics.jsonl after step 2" in out and "stale checkpoint(s) step_3" in out, out[-3000:]
 
 
 def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run):

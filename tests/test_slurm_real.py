@@ -1,7 +1,9 @@
 """``launch/slurm.sbatch`` for real: a private Slurm controller and node daemon (``megatron_rl.testing.slurm``)
 run ``sbatch launch/slurm.sbatch`` on the tiny copy-task config (2 gloo ranks through torchrun, embedded engine),
 and the job's metrics equal those of the same config started directly with ``launch/torchrun.sh`` (same seed;
-timings excluded) — the reference run is an independent launch of the same job outside Slurm.
+timings excluded) — the reference run is an independent launch of the same job outside Slurm. A second job
+starts an SGLang server with ``SGLANG_MODE=colocated`` (srun step, ``launch/sglang_server.sh``) and syncs weights
+to it in ``distributed`` mode.
 
 Skipped with the reason when ``slurm-wlm`` is missing and cannot be installed (needs root + apt-get).
 One node only: Debian's slurmd is built without multiple-slurmd support, so the several-host part of the
@@ -14,7 +16,9 @@ import sys
 
 import pytest
 
+from megatron_rl.rollout.sglang_server import find_free_port, sglang_available, sglang_python
 from megatron_rl.testing.slurm import SlurmCluster, ensure_slurm_installed
+from tests.test_train_loop_sglang import _assert_step1_kl_matches_hf_fp32
 
 pytestmark = [pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +87,7 @@ def test_sbatch_slurm_script_matches_torchrun(tmp_path, slurm_ready):
                               f"actor.load_hf={model}", f"trainer.run_dir={run}"],
                              cwd=ROOT, env={"GPUS_PER_NODE": "2", "LAUNCH_MODE": "torchrun", "PYTHON": sys.executable,
                                             "LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1",
-                                            "RDZV_PORT": str(_free_port())})
+                                            "RDZV_PORT": str(find_free_port())})
         state = cluster.wait_job(job, timeout=800)
         text = out.read_text() if out.exists() else "<no job output>"
         assert state == "COMPLETED", f"job {job}: {state}\n{text[-4000:]}\nslurmd: {cluster.log_tail('slurmd')}"
@@ -93,9 +97,34 @@ def test_sbatch_slurm_script_matches_torchrun(tmp_path, slurm_ready):
     assert "slurm.sbatch" in text and "trainer exited with status 0" in text
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not sglang_available()[0], reason=sglang_available()[1])
+def test_sbatch_with_colocated_sglang_server(tmp_path, slurm_ready):
+    """SGLANG_MODE=colocated: slurm.sbatch starts an SGLang server with srun (through launch/sglang_server.sh, which
+    drops the step's SLURM_* variables), waits for it, and the trainer syncs weights to it in ``distributed``
+    mode. Step 1's mismatch KL equals HF transformers' fp32 recompute; step 2 runs on the synced weights."""
+    model = tiny_model(tmp_path / "model")
+    run = tmp_path / "slurm_run"
+    out = tmp_path / "job.out"
+    logs = tmp_path / "logs"
+    with SlurmCluster(tmp_path / "slurm", cpus=os.cpu_count()) as cluster:
+        job = cluster.sbatch(["--nodes=1", "--gpus-per-node=0", f"--output={out}", "--chdir", ROOT,
+                              os.path.join(ROOT, "launch", "slurm.sbatch"), "--config", CONFIG, *TINY,
+                              f"actor.load_hf={model}", f"trainer.run_dir={run}", "rollout.weight_sync=distributed",
+                              "trainer.dump_rollouts=true"],
+                             cwd=ROOT, env={"GPUS_PER_NODE": "2", "LAUNCH_MODE": "torchrun", "PYTHON": sys.executable,
+                                            "LOG_DIR": str(logs), "OMP_NUM_THREADS": "1", "RDZV_PORT": str(find_free_port()),
+                                            "SGLANG_MODE": "colocated", "SGLANG_MODEL": model, "SGLANG_DEVICE": "cpu",
+                                            "SGLANG_TP": "1", "SGLANG_MEM_FRACTION": "0.05",
+                                            "SGLANG_PORT": str(find_free_port()), "SGLANG_READY_TIMEOUT": "500",
+                                            "MEGATRON_RL_SGLANG_PYTHON": sglang_python()})
+        state = cluster.wait_job(job, timeout=1000)
+        text = out.read_text() if out.exists() else "<no job output>"
+        server_logs = "".join(p.read_text()[-2000:] for p in logs.glob("sglang-*.log"))
+        assert state == "COMPLETED", f"job {job}: {state}\n{text[-4000:]}\nserver: {server_logs}"
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2], text[-3000:]
+    with open(run / "rollouts.jsonl") as fh:
+        recs = [json.loads(line) for line in fh if line.strip()]
+    assert {r["weight_version"] for r in recs if r["step"] == 2} == {"step-1"}
+    _assert_step1_kl_matches_hf_fp32(model, metrics, recs)

@@ -1,11 +1,14 @@
 """The RL loop with a real SGLang server under the real launcher (``launch/torchrun.sh``, not forked ranks).
 
 torchrun gives each rank ``RANK``, ``WORLD_SIZE``, ``MASTER_*`` and ``TORCHELASTIC_USE_AGENT_STORE=True``; a server
-that inherits them waits forever at "Init parallel begin" (issue 21). Jobs (2 ranks, DP=2, 2 steps each):
+that inherits them waits forever at "Init parallel begin" (issue 21). Jobs (2 ranks, DP=2, 2 steps each, 3 in async mode):
 
-* ``rollout.sglang_launch=true`` (rank 0 starts the server): disk + sync, tensor + async, distributed + sync;
-* an external server started with ``launch/sglang_server.sh``, two jobs against it: distributed + async, then
-  disk + sync.
+* ``rollout.sglang_launch=true`` (rank 0 starts the server): disk + async, tensor + sync, distributed + sync;
+* an external server started with ``launch/sglang_server.sh``, two jobs against it: distributed + sync, then
+  disk + async.
+
+``rollout.mode: async`` takes ``disk`` sync only (the in-memory modes stream from every trainer rank at sync time;
+the config check refuses them with async), so every mode runs in sync and ``disk`` runs in async too.
 
 Each job: both steps logged, step 2's rollouts carry weight version ``step-1`` (the sync reached the server),
 and — on a server that holds the initial checkpoint — step 1's mismatch KL equals the one recomputed with HF
@@ -57,20 +60,25 @@ def model(tmp_path_factory):
 
 
 def run_torchrun_job(tmp, model, overrides, timeout=420, nproc=2, async_lag=False):
-    """``launch/torchrun.sh`` with ``nproc`` ranks on the job above; returns (metrics, rollouts) of the run."""
+    """``launch/torchrun.sh`` with ``nproc`` ranks on the job above (2 steps; 3 with ``async_lag``, so that the
+    last step's rollouts come from synced weights); returns (metrics, rollouts) of the run."""
     run = tmp / "run"
     job = tmp / "job.yaml"
     job.write_text(JOB.format(model=model, run=run))
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     cmd = ["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--nproc-per-node", str(nproc), "--log-dir",
-           str(tmp / "logs"), "--config", str(job), *overrides]
+           str(tmp / "logs"), "--config", str(job), *overrides, f"trainer.steps={3 if async_lag else 2}"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate(timeout=60)
+        os.killpg(p.pid, signal.SIGTERM)   # torchrun forwards it; rank 0 stops the server it launched
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate(timeout=60)
         server_log = run / "sglang_server.log"
         pytest.fail(f"torchrun job not done after {timeout} s:\n{out[-4000:]}\n"
                     f"server log: {server_log.read_text()[-2000:] if server_log.exists() else '-'}")
@@ -79,20 +87,23 @@ def run_torchrun_job(tmp, model, overrides, timeout=420, nproc=2, async_lag=Fals
         metrics = [json.loads(line) for line in fh if line.strip()]
     with open(run / "rollouts.jsonl") as fh:
         recs = [json.loads(line) for line in fh if line.strip()]
-    assert [m["step"] for m in metrics] == [1, 2], out[-3000:]
-    versions = {r["weight_version"] for r in recs if r["step"] == 2}
-    assert versions == {"step-1"} or (async_lag and versions <= {"step-0", "step-1"}), versions  # synced after step 1
+    steps = 3 if async_lag else 2
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1)), out[-3000:]
+    versions = {r["weight_version"] for r in recs if r["step"] == steps}
+    if async_lag:   # the last step's rollouts come from a synced version (staleness 1: not the initial one)
+        assert versions and "step-0" not in versions, versions
+    else:           # synced after step 1, before step 2's rollouts
+        assert versions == {"step-1"}, versions
     return metrics, recs
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sync,mode", [("disk", "sync"), ("tensor", "async"), ("distributed", "sync")])
+@pytest.mark.parametrize("sync,mode", [("disk", "async"), ("tensor", "sync"), ("distributed", "sync")])
 def test_launched_server_under_torchrun(tmp_path, model, sync, mode):
     metrics, recs = run_torchrun_job(tmp_path, model, [
         "rollout.sglang_launch=true", f"rollout.sglang_port={find_free_port()}", f"rollout.weight_sync={sync}",
         f"rollout.mode={mode}"], async_lag=mode == "async")
-    if mode == "sync":
-        _assert_step1_kl_matches_hf_fp32(model, metrics, recs)
+    _assert_step1_kl_matches_hf_fp32(model, metrics, recs)   # step 1 is generated on the initial weights
 
 
 @pytest.mark.timeout(900)
@@ -118,10 +129,11 @@ def test_external_server_script_under_torchrun(tmp_path, model):
         common = [f'rollout.sglang_urls=["{url}"]']
         (tmp_path / "a").mkdir()
         metrics, recs = run_torchrun_job(tmp_path / "a", model, common + [
-            "rollout.weight_sync=distributed", "rollout.mode=async", "rollout.max_staleness=0"])
+            "rollout.weight_sync=distributed", "rollout.mode=sync"])
         _assert_step1_kl_matches_hf_fp32(model, metrics, recs)   # the server still had the initial weights
         (tmp_path / "b").mkdir()
-        run_torchrun_job(tmp_path / "b", model, common + ["rollout.weight_sync=disk", "rollout.mode=sync"])
+        run_torchrun_job(tmp_path / "b", model, common + ["rollout.weight_sync=disk", "rollout.mode=async"],
+                         async_lag=True)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -126,7 +126,7 @@ def test_kl_to_reference_policy(task_model, tmp_path):
 def test_dp_rows_match_batch_shards():
     """The rewards / group indices each DP rank takes are exactly the rows RolloutBatch.shard gives it."""
     from megatron_rl.actor import RolloutBatch
-    from megatron_rl.trainer.loop import _shard_rows
+    from megatron_rl.trainer.step_inputs import shard_rows as _shard_rows
 
     for rows, dp in ((8, 1), (8, 2), (16, 4), (24, 3)):
         batch = RolloutBatch.from_sequences([[i + 1] for i in range(rows)], [[5, 6]] * rows)

@@ -129,7 +129,8 @@ def test_every_class_named_embedded(models):
 
 
 def _async_body(rank, world, job, engine_dir, broken):
-    """Async apply (the producer's path): owned buckets loaded, then a load fault in the engine."""
+    """Async apply (the producer's path, as the loop calls it): a disk export loaded, then the same with a load
+    fault in the engine."""
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
@@ -147,28 +148,28 @@ def _async_body(rank, world, job, engine_dir, broken):
             engine.model.state_dict()[broken].view(-1)[0] += 0.5
 
     payload = weights_payload(actor, job, "step-1")
-    good = apply_weights(engine, job, payload, "step-1", actor).metrics()
+    good = apply_weights(engine, job, payload, "step-1")
     engine.sync_weights = faulty_load
     try:
-        apply_weights(engine, job, payload, "step-2", actor)
-        return {"good": good, "error": None}
+        apply_weights(engine, job, payload, "step-2")
+        return {"good": good.metrics() if good else {}, "error": None}
     except WeightSyncError as exc:
         try:
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
             refused = False
         except WeightSyncError:
             refused = True
-        return {"good": good, "error": str(exc), "refused": refused}
+        return {"good": good.metrics() if good else {}, "error": str(exc), "refused": refused}
 
 
 @pytest.mark.timeout(600)
-def test_async_apply_is_verified_embedded(models):
-    job = _job(models["actor"], "embedded", weight_sync="tensor", mode="async")
+def test_async_apply_is_verified_embedded(models, tmp_path):
+    job = _job(models["actor"], "embedded", run_dir=tmp_path / "run", weight_sync="disk", mode="async")
     broken = "model.layers.1.mlp.experts.gate_up_proj"
     out = run_ranks(_async_body, 1, job, models["other"], broken, timeout=540)[0]
-    assert out["good"]["weight_sync/verified_param_frac"] == 1.0
     assert out["error"] and "verification failed" in out["error"] and broken in out["error"], out
     assert out["refused"]
+    assert out["good"]["weight_sync/verified_param_frac"] == 1.0
 
 
 def _disk_body(rank, world, job, engine_dir, n):

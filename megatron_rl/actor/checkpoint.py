@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.groups import ActorGroups
 from megatron_rl.platform import checkpoint_writer
+from megatron_rl.platform.mcore_version import write_legacy_common_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "CheckpointWriteError",
            "resolve_checkpoint_dir", "ensure_adam_state", "LATEST_FILE"]
@@ -202,6 +203,7 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
                                    f"{len(errors)} ranks failed to write): " + "; ".join(causes))
     torch.save(_rng_state(), os.path.join(d, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
+        write_legacy_common_state(os.path.join(d, "dist"))  # 0.19 writes no common.pt; 0.16 needs it
         torch.save(dict(extra_state), os.path.join(d, "extra_state.pt"))
         meta = {"format_version": FORMAT_VERSION, "step": int(step), "layout": _layout(parallel_cfg),
                 "model": dataclasses.asdict(model_cfg)}

@@ -7,7 +7,9 @@
 The config is loaded as the trainer loads it, at the world size of its ``cluster:`` section (nodes x
 gpus_per_node; ``--nodes`` / ``--gpus-per-node`` / ``--gpu-memory-gb`` / ``--device`` override it). Every
 problem is listed at once, each naming its dotted key; when the world size does not fit the layout, the
-node counts that would are named. The memory plan of :mod:`megatron_rl.ops.memory` (formulas in that
+node counts that would are named. A ``data.task: file`` data file with no usable row is a problem (read as
+the trainer reads it); a missing ``actor.load_hf`` comes with the command that builds it when the config's
+comments or the built-in digit tasks name one. The memory plan of :mod:`megatron_rl.ops.memory` (formulas in that
 module's docstring) is printed for what the file runs (:mod:`megatron_rl.ops.run_profile`: device, the
 actor's params dtype and optimizer, the task's longest prompt + ``rollout.max_new_tokens``) whenever the
 model shapes are known, even if other keys are wrong. Exit status: 2 when there is a problem, 3 with

@@ -243,7 +243,8 @@ def seq_columns(tok: TokenView, cfg: RolloutCorrectionConfig, cp_group,
     if "k2" in estimators:
         sums["sum_k2"] = (0.5 * tok.clamped * tok.clamped).sum(1, dtype=F64)
     if "seq_max_k2" in cfg.rs_options:
-        a = tok.clamped.abs().amax(1) if T else torch.zeros(mask.shape[0], dtype=tok.clamped.dtype)
+        a = (tok.clamped.abs().amax(1) if T
+             else torch.zeros(mask.shape[0], dtype=tok.clamped.dtype, device=mask.device))
         maxes["max_k2"] = torch.where(n_local > 0, (0.5 * a * a).to(F64), torch.full_like(n_local, float("-inf")))
     if "seq_max_k3" in cfg.rs_options:
         maxes["max_k3"] = _row_max(k3, n_local)

@@ -48,7 +48,7 @@ def quantiles(counts: torch.Tensor, qs: Iterable[float]) -> Dict[float, float]:
     cum = torch.cumsum(counts, 0)
     for q in qs:
         rank = max(1.0, math.ceil(q * total - 1e-9))
-        k = int(torch.searchsorted(cum, torch.tensor([rank], dtype=cum.dtype)).item())
+        k = int(torch.searchsorted(cum, torch.tensor([rank], dtype=cum.dtype, device=cum.device)).item())
         k = min(k, NUM_BINS - 1)
         u_c = -U_MAX + (k + 0.5) * DU
         out[q] = math.exp(SCALE * math.sinh(u_c))

@@ -12,9 +12,10 @@ Plots (matplotlib, Agg backend): ``reward_length.png`` (reward and response leng
 ``mismatch_kl.png`` (rollout_corr kl; k3_kl; chi2_token and chi2_seq; a footnote says why kl / chi2 may be
 negative), ``is_ratio.png`` (IS weight mean with its healthy band; token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
 masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
-(policy loss, grad norm, entropy), ``async.png`` (token staleness, the k3 KL of current vs lagged tokens
+(policy loss, grad norm, entropy), ``async.png`` (async runs only: token staleness, the k3 KL of current vs lagged tokens
 and the share of step time in which generation overlapped training), ``routing.png`` (MoE router
-agreement, when routing was captured). Every panel has a y label with its unit (``YLABELS``). report.md's
+agreement, when routing was captured). Every panel has a y label with its unit (``YLABELS``); panels of
+fractions (``FRACTIONS``) are drawn on [0, 1]. report.md's
 table gives means over the first / last ``LAST_WINDOW`` steps (a single step is noisy) and the
 last-quarter mean.
 
@@ -102,10 +103,15 @@ YLABELS: Dict[str, str] = {
     "perf/rollout_overlap_frac": "generation during training (fraction of step time)",
     P + "router_agreement": "agreement (fraction of token x layer x k)",
 }
+#: metrics that are fractions: their panels are drawn on [0, 1] (a constant 0 is not blown up into noise)
+FRACTIONS = frozenset({P + "rollout_is_eff_sample_size", P + "rollout_rs_masked_fraction",
+                       P + "rollout_is_veto_fraction", "perf/rollout_overlap_frac", P + "router_agreement"})
+#: async.png is drawn only for runs that were asynchronous: one of these is non-zero at some step
+ASYNC_EVIDENCE = ("rollout/staleness_max", "rollout/staleness_mean", "perf/rollout_overlap_frac")
 #: footnotes printed under a figure
 NOTES: Dict[str, str] = {
     "async.png": "rollout.mode async: step t is generated from the weights after t - k steps (k = max_staleness); "
-                 "lag-0 tokens show the precision mismatch alone, lagged tokens lag + precision. Sync runs show 0.",
+                 "lag-0 tokens show the precision mismatch alone, lagged tokens lag + precision.",
     "mismatch_kl.png": "kl = mean(log pi_rollout - log pi_train) and chi2 = E[ratio^2] - 1 are sample estimates: "
                        "they can be negative on a batch even though the true divergences are >= 0; k3 is >= 0 "
                        "per token.",
@@ -299,6 +305,11 @@ def _healthy_is_band(ax) -> None:
     ax.set_ylim(y0, y1)
 
 
+def was_async(records: Sequence[dict]) -> bool:
+    """Whether the run generated asynchronously: a token lag or an overlap above 0 at some step."""
+    return any(y > 0 for k in ASYNC_EVIDENCE for y in _finite(series(records, k)[1]))
+
+
 def build_figures(records: Sequence[dict]):
     """(file name, matplotlib figure) of every plot whose keys exist."""
     import matplotlib
@@ -309,6 +320,8 @@ def build_figures(records: Sequence[dict]):
 
     figures = []
     for fname, title, panel_keys in PLOTS:
+        if fname == "async.png" and not was_async(records):
+            continue  # a sync run: no lag, no overlap -- nothing to show
         panels = []
         for keys in panel_keys:
             present = [(k, *series(records, k)) for k in keys]
@@ -338,7 +351,8 @@ def build_figures(records: Sequence[dict]):
                     ax.set_yscale("log")
             if P + "rollout_is_eff_sample_size" in keys:
                 ax.axhline(ESS_MIN, color="r", lw=1, ls="--", label=f"ESS_MIN = {ESS_MIN}")
-                ax.set_ylim(0, 1.05)
+            if all(k in FRACTIONS for k in keys):
+                ax.set_ylim(0, 1)
             if P + "rollout_is_veto_fraction" in keys:
                 ax.axhline(VETO_MAX, color="r", lw=1, ls="--", label=f"VETO_MAX = {VETO_MAX}")
             if P + "k3_kl" in keys or P + "chi2_token" in keys:
@@ -404,7 +418,8 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
               f"- FAIL: any NaN/inf metric; failed-reward fraction > {REWARD_FAILED_FRAC_MAX} at a step; "
               f"ESS < {ESS_MIN}; veto fraction > {VETO_MAX}; "
               f"|mean IS weight - 1| > {IS_MEAN_DEV_MAX} (last-quarter means).",
-              f"- WARN: any failed / timed-out reward; RS masked fraction > {RS_MASKED_MAX}; IS ratio p99 > {IS_P99_MAX}; k3 KL last-quarter mean > "
+              f"- WARN: any failed / timed-out reward; RS masked fraction > {RS_MASKED_MAX}; "
+              f"IS ratio p99 > {IS_P99_MAX}; k3 KL last-quarter mean > "
               f"{K3_RISE_FACTOR} x first-quarter mean and > {K3_FLOOR}; smoothed reward range < {REWARD_FLAT_RANGE} "
               f"(trend checks need >= {MIN_STEPS} steps).", ""]
     if plots:

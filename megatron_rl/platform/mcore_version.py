@@ -14,11 +14,12 @@ only reads the version and states each difference once, with its reason.
 from __future__ import annotations
 
 import dataclasses
+import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Tuple
 
 __all__ = ["MIN_SUPPORTED", "MAX_EXCLUSIVE", "McoreRelease", "MCORE", "parse_release", "installed_release",
-           "check_supported_mcore", "UnsupportedMegatronCore"]
+           "check_supported_mcore", "UnsupportedMegatronCore", "write_legacy_common_state"]
 
 #: oldest supported megatron-core release (setup.py's lower bound)
 MIN_SUPPORTED: Tuple[int, int, int] = (0, 16, 1)
@@ -90,6 +91,28 @@ def check_supported_mcore(release: "McoreRelease | None" = None) -> McoreRelease
             f"megatron-core {rel.text} is installed; megatron-rl supports {lo} <= megatron-core < {hi} "
             f"(tested: 0.16.1 and 0.19.2; see docs/megatron_versions.md)")
     return rel
+
+
+def write_legacy_common_state(checkpoint_dir: str) -> bool:
+    """Make a torch_dist checkpoint readable by megatron-core 0.16-0.18; call on one rank after the save.
+
+    0.19 keeps the common (non-sharded) state inside the shards (a ``common_state`` object) and writes no
+    ``common.pt``; 0.16 reads the common state from ``common.pt`` only and fails without it. This copies the
+    stored common state into ``common.pt`` (0.19 itself reads ``common.pt`` first when it exists: same content).
+    Returns True when the file was written (False: already there, as every release before 0.19 writes it)."""
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+    if os.path.exists(path):
+        return False
+    import torch
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    common = load_common_state_dict(checkpoint_dir)
+    tmp = path + ".tmp"
+    torch.save(common, tmp)
+    os.replace(tmp, path)
+    return True
 
 
 #: the installed release (read once at import)

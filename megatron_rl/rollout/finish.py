@@ -9,8 +9,10 @@ wins, the reason is ``"stop"``. Both engines normalise their rollouts with it, a
 ``trainer/async_rollout`` applies it again before deciding which rows continue (a third-party engine that
 still reports ``"length"`` is then harmless too).
 
-* ``stop_ids(sampling, eos_ids)``: the ids that end a response — ``sampling.stop_token_ids``, plus the
-  model's ``eos_ids`` unless ``sampling.ignore_eos`` (the embedded engine's rule).
+* ``stop_ids(sampling, eos_ids)``: the ids that end a response — ``sampling.stop_token_ids`` plus the
+  model's ``eos_ids``; none at all with ``sampling.ignore_eos`` ("keep generating past EOS / stop ids":
+  SGLang 0.5.23's ``Req._check_token_based_finish`` returns before it looks at ``stop_token_ids`` when
+  ``ignore_eos`` is set, and the embedded engine follows the same rule).
 * ``normalised_finish(reason, response_ids, stops)``: ``"stop"`` when the last response token is in
   ``stops``, else ``reason`` unchanged.
 
@@ -28,9 +30,11 @@ __all__ = ["stop_ids", "normalised_finish"]
 
 def stop_ids(sampling, eos_ids: Iterable[int] = ()) -> frozenset:
     """The token ids that end a response under ``sampling`` (a ``SamplingParams``) for a model whose EOS ids
-    are ``eos_ids``: the stop ids, plus ``eos_ids`` unless ``sampling.ignore_eos``."""
-    stops = frozenset(int(t) for t in sampling.stop_token_ids)
-    return stops if sampling.ignore_eos else stops | frozenset(int(t) for t in eos_ids)
+    are ``eos_ids``: the stop ids plus ``eos_ids``; empty with ``sampling.ignore_eos`` (as SGLang: it then
+    ignores ``stop_token_ids`` too)."""
+    if sampling.ignore_eos:
+        return frozenset()
+    return frozenset(int(t) for t in sampling.stop_token_ids) | frozenset(int(t) for t in eos_ids)
 
 
 def normalised_finish(reason: str, response_ids: Sequence[int], stops: frozenset) -> str:

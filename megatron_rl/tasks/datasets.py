@@ -8,7 +8,9 @@ A line that is not JSON is a broken file (``ValueError`` naming file:line).
 ``prompt`` as chat messages, ``reward_model: {style, ground_truth}``, ``extra_info``), or the simple form
 ``{prompt_key: text | token ids, answer_key: answer}``. Rows that cannot become prompts (missing or empty
 prompt, missing ground truth, wrong types) are skipped, counted (``stats()["data/malformed_rows"]``) and
-reported once with their row numbers; a file with no usable row raises ``ValueError``. Chat prompts go
+reported once with their row numbers; a file with no usable row raises ``ValueError``. ``usable_rows``
+does that parsing alone, without a tokenizer (``megatron-rl check`` and the trainer's first step run it
+before any model is built). Chat prompts go
 through the tokenizer's chat template, text stays plain (``render``); ``DataOptions.max_prompt_length``
 filters or truncates (counted).
 

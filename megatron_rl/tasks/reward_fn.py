@@ -10,11 +10,11 @@ A ``data.reward_fn`` value is one of
 * unset: rows with a ``data_source`` use verl's ``default_compute_score`` dispatch (``SOURCE``), other rows
   exact match (``"exact"``).
 
-``compute_reward(spec, ...)`` evaluates one sample with a spec string (what the reward worker processes
-run: specs are plain strings, so they travel to workers). ``reward_import_error(spec)`` says, before anything
-starts, why a spec cannot load here (math-verify missing, a module that does not import). Loading errors (malformed spec, module not
-importable, no such attribute, not callable) and call errors (an exception, a non-number or non-finite
-return value) raise ``ValueError`` naming the spec string the user gave.
+``compute_reward(spec, ...)`` evaluates one sample with a spec string (what the reward worker processes run:
+specs are plain strings, so they travel to workers). ``reward_import_error(spec)`` says, before anything
+starts, why a spec cannot load here (math-verify missing, a module that does not import). Loading errors
+(malformed spec, module not importable, no such attribute, not callable) and call errors (an exception, a
+non-number or non-finite return value) raise ``ValueError`` naming the spec string the user gave.
 
 Usage::
 

@@ -20,6 +20,14 @@ pad an answer):
     (e.g. answer "12": "12<eos>" -> 1, "12" (no EOS) -> 2/3, "13<eos>" -> 2/3, "1<eos>" -> 1/3, "" -> 0);
   * otherwise 0.0.
 
+With ``eos_credit: false`` the partial credit counts answer characters only — ending at the right place earns
+nothing by itself: ``matches / (max(len(answer), len(text)) + (0 if terminated else 1))`` over the decoded
+characters (a missing EOS still costs one position). Answer "8": "8<eos>" -> 1, "4<eos>" -> 0 (it is 1/2 with
+EOS credit), "84<eos>" -> 1/2, "8" (no EOS) -> 1/2. Why it matters for learning from scratch: with EOS credit,
+every response of the right length is worth 1/(len+1) whatever its digits, the policy-gradient push toward
+the right length carries whatever digits were sampled with it, and the policy collapses onto one constant
+digit string (reward plateau ~0.5 on 1-3 digit copy); without it, only correct digits pay.
+
 Held-out split (``heldout_frac`` > 0): an operand string is HELD OUT when ``crc32("<task>:<operands>") %
 10_000 < heldout_frac * 10_000`` — a fixed, seed-independent subset of about that fraction of all strings.
 ``sample`` never draws a held-out string (it redraws); ``heldout_prompts()`` enumerates every held-out
@@ -52,7 +60,8 @@ from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
 #: The built-in digit tasks.
 DIGIT_TASKS = ("copy", "reverse", "sort", "add")
 #: The ``data.task_kwargs`` keys a digit task accepts.
-DIGIT_TASK_OPTIONS = ("min_digits", "max_digits", "partial_credit", "heldout_frac", "curriculum_steps")
+DIGIT_TASK_OPTIONS = ("min_digits", "max_digits", "partial_credit", "eos_credit", "heldout_frac",
+                      "curriculum_steps")
 #: ``heldout_prompts`` refuses to enumerate more operand strings than this.
 MAX_ENUMERATED = 1_000_000
 
@@ -71,12 +80,15 @@ def digit_answer(task: str, digits: str) -> str:
     raise ValueError(f"unknown digit task {task!r}; expected one of {DIGIT_TASKS}")
 
 
-def score_text(text: str, terminated: bool, answer: str, partial_credit: bool) -> float:
+def score_text(text: str, terminated: bool, answer: str, partial_credit: bool, eos_credit: bool = True) -> float:
     """The digit-task reward of a decoded response ``text`` (see the module docstring)."""
     if terminated and text == answer:
         return 1.0
     if not partial_credit:
         return 0.0
+    if not eos_credit:
+        matches = sum(1 for a, b in zip(text, answer) if a == b)
+        return matches / (max(len(answer), len(text)) + (0 if terminated else 1))
     target = list(answer) + [None]  # None stands for EOS
     got = list(text) + ([None] if terminated else [])
     matches = sum(1 for a, b in zip(got, target) if a == b)
@@ -93,12 +105,15 @@ class DigitTask(Task):
     """One of ``copy`` / ``reverse`` / ``sort`` / ``add`` (see the module docstring)."""
 
     def __init__(self, task: str, tokenizer, min_digits: int = 1, max_digits: int = 3,
-                 partial_credit: bool = True, heldout_frac: float = 0.0, curriculum_steps: int = 0):
+                 partial_credit: bool = True, heldout_frac: float = 0.0, curriculum_steps: int = 0,
+                 eos_credit: bool = True):
         """Args:
             task: "copy", "reverse", "sort" or "add".
             tokenizer: encodes the prompt text and decodes responses (needs an ``eos_token_id``).
             min_digits / max_digits: digit-string length range (``add``: digits per operand), 1 <= min <= max.
             partial_credit: award the fraction of correct positions (EOS included) to non-exact responses.
+            eos_credit: with partial credit, count a correctly placed EOS as a matching position (False: only
+                answer characters earn credit, see the module docstring).
             heldout_frac: fraction in [0, 0.5] of operand strings kept out of ``sample`` for evaluation
                 (``heldout_prompts``); 0 disables the split.
             curriculum_steps: steps over which the longest drawn operand grows from min_digits to max_digits
@@ -113,8 +128,10 @@ class DigitTask(Task):
                 raise ValueError(f"data.task_kwargs.{key}={v!r} must be an int >= 1")
         if min_digits > max_digits:
             raise ValueError(f"data.task_kwargs.min_digits={min_digits} > max_digits={max_digits}")
-        if not isinstance(partial_credit, bool):
-            raise ValueError(f"data.task_kwargs.partial_credit={partial_credit!r} must be true or false")
+        for key, v in (("partial_credit", partial_credit), ("eos_credit", eos_credit)):
+            if not isinstance(v, bool):
+                raise ValueError(f"data.task_kwargs.{key}={v!r} must be true or false")
+        self.eos_credit = eos_credit
         if isinstance(heldout_frac, bool) or not isinstance(heldout_frac, (int, float)) \
                 or not 0.0 <= heldout_frac <= 0.5:
             raise ValueError(f"data.task_kwargs.heldout_frac={heldout_frac!r} must be a number in [0, 0.5]")
@@ -204,4 +221,4 @@ class DigitTask(Task):
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """Exact match 1.0; else partial credit (see module docstring)."""
         text, terminated = response_text(self.tokenizer, response_ids, skip_special_tokens=False)
-        return score_text(text, terminated, str(prompt.answer), self.partial_credit)
+        return score_text(text, terminated, str(prompt.answer), self.partial_credit, self.eos_credit)

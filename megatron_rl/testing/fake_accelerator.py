@@ -9,8 +9,9 @@ unnoticed. This module gives tests the GPU's two refusals on the CPU:
   tensor (``.raw``) and every aten op runs on it; mixing a ``fakegpu`` tensor with a CPU tensor of dim >= 1
   raises like CUDA + CPU does (0-dim CPU scalars are allowed, as with CUDA); ``.cpu()`` / ``.to(...)`` copy;
 * the process-group backend ``fakeccl`` (registered for ``fakegpu`` only): gloo underneath, but like NCCL it
-  refuses any tensor that is not on ``fakegpu``, naming the collective and the device; real gloo refuses
-  ``fakegpu`` tensors itself ("No backend type associated with device type fakegpu").
+  refuses any tensor that is not on ``fakegpu``, naming the collective and the device; a gloo collective on a
+  ``fakegpu`` tensor raises "No backend type associated with device type fakegpu", as torch does for a
+  device its backend lacks.
 
 Usage (in a forked rank, after ``install()`` in the parent or the rank)::
 
@@ -22,20 +23,26 @@ Usage (in a forked rank, after ``install()`` in the parent or the rank)::
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import List
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["DEVICE", "BACKEND", "install", "make_default_group", "FakeCCLGroup", "FakeGPUTensor"]
+__all__ = ["DEVICE", "BACKEND", "TRAFFIC", "install", "make_default_group", "FakeCCLGroup", "FakeGPUTensor"]
 
 DEVICE = "fakegpu"
 BACKEND = "fakeccl"
-_LIB = None
-_KEEP: list = []
-# composite factories that must run here, not as torch's composite kernel (it resizes an out= wrapper)
-_COMPOSITE_OWN = ("arange", "arange.start", "arange.start_step")
+_LIBS: list = []  # the torch.library registrations (kept alive); empty until install()
+TRAFFIC: Counter = Counter()
+"""Bytes of the tensors handed to this process's ``fakeccl`` collectives, by kind ("send", "gather", ...;
+output buffers included): what a test can bound, e.g. that an export sends no padding from ranks that hold
+nothing."""
+# kernels registered by name, not only through the fallback: composite factories (torch's composite kernel
+# resizes an out= wrapper, whose shape would not follow) and copy_ (torch.tensor(..., device=) copies with the
+# Python key excluded, where torch's Python fallback asserts)
+_OWN_KERNELS = ("arange", "arange.start", "arange.start_step", "copy_")
 # ops that take tensors of two devices by design (copies)
 _CROSS_DEVICE = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}
 
@@ -67,6 +74,13 @@ class FakeGPUTensor(torch.Tensor):
     def __repr__(self) -> str:
         return f"FakeGPUTensor({self.raw!r})"
 
+    def tolist(self):  # a device-to-host read, as on CUDA
+        return self.raw.tolist()
+
+    def numpy(self, *, force: bool = False):
+        raise TypeError(f"can't convert {DEVICE}:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        f"tensor to host memory first.")
+
 
 def _written_arguments(op, args, kwargs):
     """For an op whose results are its mutated arguments (``add_``, ``cat.out``): those arguments, else None."""
@@ -85,6 +99,8 @@ def _written_arguments(op, args, kwargs):
 def _run(op, *args, **kwargs):
     """Every aten op on a ``fakegpu`` tensor or making one: run it on the carried CPU tensors, wrap the results."""
     name = op.name()
+    if name.startswith("c10d::"):  # a collective of a backend without fakegpu support (gloo)
+        raise RuntimeError(f"{name}: No backend type associated with device type {DEVICE}")
     device = kwargs.get("device")
     to_fake = device is not None and torch.device(device).type == DEVICE
     if to_fake:
@@ -104,8 +120,8 @@ def _run(op, *args, **kwargs):
     written = _written_arguments(op, args, kwargs)
     if written is not None:  # in place / out=: the caller's tensors (their carried tensors were written)
         return written
-    if name == "aten::_to_copy" and not to_fake:
-        return out
+    if name == "aten::_to_copy" and device is not None and not to_fake:
+        return out  # .cpu() / .to("cpu")
     if to_fake or any(_is_fake(a) for a in tensors):
         return tree_map(lambda o: FakeGPUTensor(o) if isinstance(o, torch.Tensor) else o, out)
     return out
@@ -140,6 +156,7 @@ class FakeCCLGroup(dist.ProcessGroup):
             if not _is_fake(t):
                 raise RuntimeError(f"{BACKEND} {what}: a tensor on {t.device} (shape {tuple(t.shape)}, {t.dtype}); "
                                    f"this backend, like NCCL, takes {DEVICE} tensors only")
+            TRAFFIC[what] += t.numel() * t.element_size()
         return [t.raw for t in tensors]
 
     @staticmethod
@@ -177,8 +194,7 @@ def _create(store, rank, size, timeout):
 
 def install() -> None:
     """Register the ``fakegpu`` device and the ``fakeccl`` backend in this process (idempotent)."""
-    global _LIB
-    if _LIB is not None:
+    if _LIBS:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
@@ -186,14 +202,13 @@ def install() -> None:
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(_run, dispatch_key="PrivateUse1")  # factories: torch.zeros(..., device="fakegpu")
     aten = torch.library.Library("aten", "IMPL")
-    for name in _COMPOSITE_OWN:  # composite factories that would resize an out= wrapper
+    for name in _OWN_KERNELS:
         base, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, base), overload or "default")
         aten.impl(name, functools.partial(_run, op), "PrivateUse1")
-    _KEEP.append(aten)
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, devices=[DEVICE])
-    _LIB = lib
+    _LIBS.extend([lib, aten])
 
 
 def make_default_group() -> dist.ProcessGroup:

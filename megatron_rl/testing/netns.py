@@ -2,9 +2,11 @@
 
 ``NetnsHosts(n)`` creates ``n`` namespaces (unique names ``mrl<id>h<i>``), a bridge ``mrl<id>br`` in the root
 namespace and one veth pair per host (the host's end is ``eth0``, address ``10.<a>.<b>.<i+1>/24``, loopback up).
-A host reaches the others only through its ``eth0`` address — as on a cluster — and its hostname still resolves
-to this machine's loopback address, which is exactly the trap a multi-host launch must avoid (a process that
-advertises its hostname's address is unreachable from the other hosts; gloo needs ``GLOO_SOCKET_IFNAME=eth0``).
+A host reaches the others only through its ``eth0`` address — as on a cluster. Each host has its own hostname
+(its namespace name, set in a UTS namespace per command) and its own ``/etc/hosts`` (``ip netns exec`` mounts
+``/etc/netns/<name>/hosts``) laid out as on a default Debian/Ubuntu host: the other hosts' names resolve to their
+addresses, the host's own name to ``127.0.1.1`` — the trap a multi-host launch must avoid (a process that
+advertises its own hostname's address is unreachable from the other hosts; gloo needs ``GLOO_SOCKET_IFNAME=eth0``).
 ``popen(i, argv)`` starts a process inside host ``i`` (own process group, tracked); ``close()`` stops the tracked
 processes by pid and deletes the namespaces and the bridge. ``netns_unavailable()`` returns the reason a test
 must skip (no ``ip`` command, not root, or the kernel refuses namespaces / veth / bridges), or None.
@@ -28,6 +30,9 @@ from typing import Optional, Sequence
 from megatron_rl.parallel.child_env import child_environment
 
 __all__ = ["NetnsHosts", "netns_unavailable"]
+
+#: ``ip netns exec NAME`` bind-mounts the files of ``/etc/netns/NAME/`` over ``/etc`` (iproute2 convention).
+_ETC_NETNS = "/etc/netns"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -67,6 +72,10 @@ class NetnsHosts:
         self._made_ns: list[str] = []
         self._made_bridge = False
 
+    def hostname(self, i: int) -> str:
+        """Host ``i``'s name (resolves to its address on the other hosts, to 127.0.1.1 on itself)."""
+        return self.names[i]
+
     def addr(self, i: int) -> str:
         """Host ``i``'s address."""
         return f"{self._prefix}.{i + 1}"
@@ -87,14 +96,21 @@ class NetnsHosts:
                 _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+            for i, ns in enumerate(self.names):
+                etc = os.path.join(_ETC_NETNS, ns)
+                os.makedirs(etc, exist_ok=True)
+                others = "".join(f"{self.addr(j)} {other}\n" for j, other in enumerate(self.names) if j != i)
+                with open(os.path.join(etc, "hosts"), "w") as fh:
+                    fh.write(f"127.0.0.1 localhost\n127.0.1.1 {ns}\n{others}")
         except BaseException:
             self.close()
             raise
         return self
 
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run inside host ``i``."""
-        return ["ip", "netns", "exec", self.names[i], *argv]
+        """``argv`` wrapped to run inside host ``i`` (its network namespace, hostname and /etc/hosts)."""
+        return ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                self.names[i], *argv]
 
     def popen(self, i: int, argv: Sequence[str], env: Optional[dict] = None, **kw) -> subprocess.Popen:
         """Start ``argv`` inside host ``i`` in its own process group (stopped by ``close``). ``env`` is added to
@@ -139,6 +155,7 @@ class NetnsHosts:
         self.stop_processes()
         for ns in reversed(self._made_ns):
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(os.path.join(_ETC_NETNS, ns), ignore_errors=True)
         self._made_ns.clear()
         if self._made_bridge:
             _ip("link", "del", self.bridge, check=False)

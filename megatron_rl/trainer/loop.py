@@ -314,7 +314,8 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
                 if drain_error is not None:
                     raise drain_error
                 if rank0:
-                    print(f"[megatron-rl] stopped by signal {stop.signum} after step {step}: checkpoint {path}; "
+                    why = f"signal {stop.signum}" if stop.signum is not None else "a signal to another rank"
+                    print(f"[megatron-rl] stopped by {why} after step {step}: checkpoint {path}; "
                           f"continue with --resume" if stopping else f"[megatron-rl] checkpoint {path}", flush=True)
             if stopping:
                 break

@@ -112,7 +112,9 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
     if stale:
         raise StaleRolloutError(f"step {step}: {len(stale)} rollouts from weight version {stale[0]!r}, "
                                 f"expected {expected_version!r}")
-    routing, routing_stats = step_routing(rollouts, required=cfg.actor.routing_replay == "r3", step=step)
+    routing, routing_stats = None, {}
+    if rollout_routing(rollouts) is not None:  # an MoE engine captured routing (for some rows at least)
+        routing, routing_stats = step_routing(rollouts, required=cfg.actor.routing_replay == "r3", step=step)
     prompt_rows = [prompts[i // n] for i in range(len(rollouts))]
     result = task.score(prompt_rows, [r.response_ids for r in rollouts])
     if result.failed or result.timed_out:

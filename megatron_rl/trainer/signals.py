@@ -2,11 +2,11 @@
 step, then exit 0; a second signal, or a step that cannot end, exits at once.
 
 * First signal: ``requested`` turns True (rank 0 says so on one line). The loop reads it between steps (all
-  ranks agree through an all-reduce, since signals reach ranks at different times), saves a checkpoint,
-  prints one line naming it and exits 0, so ``--resume`` continues exactly where it stopped. From that moment the rank has ``stop_timeout_s``
-  seconds to finish; if it is still running then (blocked in a hung collective, a process join, a queue
-  wait, a checkpoint that cannot be written) it exits with ``128 + signum`` and its stacks printed —
-  a job that cannot checkpoint still stops.
+  ranks agree through an all-reduce, since signals reach ranks at different times), saves a checkpoint, prints
+  one line naming it and exits 0, so ``--resume`` continues exactly where it stopped. From that moment the
+  rank has ``stop_timeout_s`` seconds to finish; if it is still running then (blocked in a hung collective, a
+  process join, a queue wait, a checkpoint that cannot be written) it exits with ``128 + signum`` and its
+  stacks printed — a job that cannot checkpoint still stops.
 * Second signal: exit ``128 + signum`` at once, without checkpoint.
 
 Signals are seen by a watcher thread, not by a Python signal handler: Python runs handlers only when the

@@ -1,0 +1,89 @@
+"""The quickstart's task options: ``eos_credit: false`` (partial credit for answer characters only) and
+``curriculum_steps`` (the longest operand grows with the training step, set by the loop's rollout phase)."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.config.sections import DataConfig, RolloutConfig
+from megatron_rl.rollout.base import Rollout
+from megatron_rl.tasks import build_char_tokenizer, build_task
+from megatron_rl.trainer.rollout_phase import generate_step
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _ids(tok, text, eos=True):
+    return tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+
+
+@pytest.mark.parametrize("answer,response,eos,with_eos_credit,without", [
+    ("8", "8", True, 1.0, 1.0),
+    ("8", "4", True, 1 / 2, 0.0),        # right length, wrong digit: paid only with EOS credit
+    ("8", "84", True, 1 / 3, 1 / 2),
+    ("8", "8", False, 1 / 2, 1 / 2),     # missing EOS costs one position either way
+    ("12", "13", True, 2 / 3, 1 / 2),
+    ("123", "444", True, 1 / 4, 0.0),
+    ("123", "1", True, 1 / 4, 1 / 3),
+    ("12", "", True, 0.0, 0.0),          # EOS in the wrong place is no match
+])
+def test_eos_credit_scores(tok, answer, response, eos, with_eos_credit, without):
+    p = build_task("copy", tok).make_prompt(answer)
+    ids = _ids(tok, response, eos)
+    assert build_task("copy", tok).reward(p, ids) == pytest.approx(with_eos_credit)
+    assert build_task("copy", tok, task_kwargs={"eos_credit": False}).reward(p, ids) == pytest.approx(without)
+
+
+def test_eos_credit_must_be_bool(tok):
+    with pytest.raises(ValueError, match="data.task_kwargs.eos_credit"):
+        build_task("copy", tok, task_kwargs={"eos_credit": "no"})
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_curriculum_steps_must_be_int(tok, bad):
+    with pytest.raises(ValueError, match="data.task_kwargs.curriculum_steps"):
+        build_task("copy", tok, task_kwargs={"curriculum_steps": bad})
+
+
+def test_curriculum_caps_the_length_by_step(tok):
+    task = build_task("copy", tok, task_kwargs={"min_digits": 1, "max_digits": 3, "curriculum_steps": 60})
+    for step, allowed in ((0, {1}), (19, {1}), (20, {1, 2}), (39, {1, 2}), (40, {1, 2, 3}), (500, {1, 2, 3})):
+        task.begin_step(step)
+        lengths = {len(p.answer) for p in task.sample(300, random.Random(step))}
+        assert lengths == allowed, (step, lengths)
+
+
+class _EchoEngine:
+    """Answers every prompt with its own digits (a perfect copier), n times."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, prompt_ids, sampling, n=1, seed=None):
+        out = []
+        for i, p in enumerate(prompt_ids):
+            digits = self.tok.decode(p).split(":")[1].rstrip("=")
+            ids = _ids(self.tok, digits)
+            out += [Rollout(prompt_index=i, prompt_ids=list(p), response_ids=ids, rollout_log_probs=[-0.1] * len(ids),
+                            finish_reason="stop", weight_version="v0") for _ in range(n)]
+        return out
+
+
+def test_rollout_phase_drives_the_curriculum(tok):
+    """The loop's rollout phase tells the task its step: step 0 draws 1-digit prompts only, step 45 all lengths
+    (without the call, every step would draw 1-3 digits)."""
+    kw = {"min_digits": 1, "max_digits": 3, "curriculum_steps": 60}
+    cfg = SimpleNamespace(data=DataConfig(task="copy", prompts_per_step=64, task_kwargs=kw),
+                          rollout=RolloutConfig(max_new_tokens=4, n_samples_per_prompt=1), trainer=SimpleNamespace(seed=0))
+    task = build_task("copy", tok, task_kwargs=kw)
+    lengths = {}
+    for step in (0, 45):
+        out = generate_step(task, _EchoEngine(tok), cfg, step=step, expected_version="v0")
+        lengths[step] = {len(r) - 1 for r in out.response_ids}
+        assert out.rewards == [1.0] * 64
+    assert lengths == {0: {1}, 45: {1, 2, 3}}
