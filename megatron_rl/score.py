@@ -150,7 +150,7 @@ def _score_records(actor, cfg, records: List[dict]):
     lp, _ = actor.compute_log_probs(shard, cfg.rollout.temperature, compute_entropy=False)
     res = compute_rollout_correction(lp, shard.rollout_log_probs, shard.response_mask,
                                      cfg.algorithm.rollout_correction, group=actor.dp_group)
-    per_row = [t.tolist() for t in shard.response_values(lp)]
+    per_row = [t.tolist() for t in shard.response_values(lp.cpu())]  # one device-to-host copy, not one per row
     gathered = [None] * actor.dp_size
     dist.all_gather_object(gathered, per_row, group=actor.dp_group)
     rows = [r for part in gathered for r in part] if dist.get_rank() == 0 else None

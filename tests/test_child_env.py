@@ -29,13 +29,14 @@ _LAUNCHER = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZ
              "SLURM_JOB_ID": "7", "SLURM_NODELIST": "n[1-2]", "PMI_RANK": "0", "PMIX_RANK": "0"}
 
 
-def _environ_of(pid: int, timeout: float = 30.0) -> dict:
+def _environ_of(pid: int, timeout: float = 120.0) -> dict:
     """``/proc/<pid>/environ`` once the process runs ``sglang.launch_server`` or the reward worker (after exec)."""
     deadline = time.monotonic() + timeout
     while True:
         cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-        if b"sglang.launch_server" in cmd or b"reward_worker" in cmd or time.monotonic() > deadline:
-            break
+        if cmd.split(b"\0")[1:3] in ([b"-m", b"sglang.launch_server"], [b"-m", b"megatron_rl.tasks.reward_worker"]):
+            break   # exec'd into the server / worker itself (not the bash or child_env.py stage before it)
+        assert time.monotonic() < deadline, f"pid {pid} still runs {cmd!r} after {timeout} s"
         time.sleep(0.05)
     raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)

@@ -117,3 +117,35 @@ def test_export_gather_sends_each_stage_once_without_padding():
     # rank 0 receives the later stage once (not world_size buffers of the largest stage); its leader sends it once
     assert out[0]["traffic"] < stage1 + meta, (out[0]["traffic"], stage1)
     assert out[2]["traffic"] < stage1 + meta, (out[2]["traffic"], stage1)
+
+
+# ------------------------------------------------------------ correction result from the last PP stage
+
+def _pp_broadcast_body(rank, world, where):
+    from megatron_rl.correction import broadcast_from_last_stage
+
+    fa.install()
+    pp = dist.new_group([0, 1], backend=fa.BACKEND if where == "host_result_nccl_group" else None)
+    dev = torch.device("cpu") if where == "host_result_nccl_group" else torch.device(fa.DEVICE, 0)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    weights = torch.tensor([[0.5, 0.0, 2.0], [0.0, 1.5, 1.0]])
+    result = None
+    if rank == 1:  # the last stage
+        from megatron_rl.correction.core import CorrectionResult
+        result = CorrectionResult(weights=weights.to(dev), response_mask=mask.to(dev), metrics={"m": 1.0},
+                                  num_collectives=0)
+    got = broadcast_from_last_stage(result, pp)
+    return {"mask": got.response_mask.cpu(), "weights": got.weights.cpu(), "metrics": got.metrics,
+            "device": str(got.response_mask.device), "ref": (mask, weights)}
+
+
+@pytest.mark.parametrize("where", ["host_result_nccl_group", "device_result_gloo_group"])
+def test_correction_broadcast_from_last_stage_is_staged_for_the_group(where):
+    out = run_ranks(_pp_broadcast_body, 2, where, timeout=120)
+    for o in out:
+        mask, weights = o["ref"]
+        torch.testing.assert_close(o["mask"], mask, rtol=0, atol=0)
+        torch.testing.assert_close(o["weights"], weights, rtol=0, atol=0)
+        assert o["metrics"] == {"m": 1.0}
+    # a receiving stage gets its tensors on the group's device (fakeccl: fakegpu; gloo: the CPU)
+    assert out[0]["device"] == ("fakegpu:0" if where == "host_result_nccl_group" else "cpu")

@@ -65,6 +65,8 @@ def _check_segmented(view, eos, sampling, n, **kw):
     assert len(ended) >= 3, f"only {len(ended)} rows ended in EOS: the test cannot see the defect"
     assert {r.finish_reason for r in ended} == {"stop"}
     assert all(len(r.response_ids) == sampling.max_new_tokens for r in out if r.finish_reason == "length")
+    # one log-prob and one weight version per response token, whatever the finish reason became
+    assert all(len(r.rollout_log_probs) == len(r.response_ids) == len(r.info["token_versions"]) for r in out)
     return out
 
 

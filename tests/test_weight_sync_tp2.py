@@ -110,8 +110,10 @@ def test_distributed_sync_tp2_under_torchrun_env(models, server):
     assert _checksums(url) != want
     job = _job(models["actor"], weight_sync="distributed", weight_sync_bucket_mb=0.02)
     out = run_ranks(_body, 1, job, url, timeout=800)[0]
+    after = _checksums(url)
+    diff = [(r, n) for r in range(2) for n in want[r] if after[r].get(n) != want[r][n]]
+    assert not diff, (diff, out)  # every shard of every tensor == the server's own disk load
     assert "metrics" in out, out
-    assert _checksums(url) == want  # every shard of every tensor == the server's own disk load
     m = out["metrics"]
     assert m["weight_sync/verified"] == 1.0 and m["weight_sync/verified_param_frac"] == 1.0, m
 

@@ -36,14 +36,16 @@ run_leg() {  # run_leg NAME PYTHON PYTEST_ARGS... ; prints and returns the leg's
   return "$rc"
 }
 
+# both venvs first: leg 1's cross-release checkpoint test (tests/test_mcore_cross_checkpoint.py) uses both
+MEGATRON_RL_VENV="$OLD_VENV" bash tools/setup_env.sh --tests --mcore "$OLDEST"
+MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST"
+export MEGATRON_RL_VENV="$OLD_VENV" MEGATRON_RL_VENV_NEWEST="$NEW_VENV"
 rc_old=0
 rc_new=0
 if [ "$LEGS" != newest ]; then
-  MEGATRON_RL_VENV="$OLD_VENV" bash tools/setup_env.sh --tests --mcore "$OLDEST"
   run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" tests "$@" || rc_old=$?
 fi
 if [ "$LEGS" != oldest ]; then
-  MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST"
   run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" tests -m mcore "$@" || rc_new=$?
 fi
 echo "tools/run_tests.sh: megatron-core $OLDEST leg: exit $rc_old; megatron-core $NEWEST leg: exit $rc_new"

@@ -83,16 +83,18 @@ class RolloutConfig:
     """Bucket size of the in-memory modes in MiB: peak extra host memory of a sync is about one bucket plus
     the parameter being gathered (a larger parameter travels alone)."""
     weight_sync_verify_interval: int = 1
-    """Verify the engine's weights after every N-th version (checksums of sampled tensors compared with the
-    trainer's; a mismatch fails the step naming the tensors). 0 = never. In-memory modes only."""
+    """Verify the engine's weights after every N-th version (checksums of sampled engine tensors — fused,
+    padded and per TP rank as the engine holds them — compared with the trainer's; a mismatch fails the step
+    naming the tensors). 0 = never. Every mode, sync and async (docs/weight_sync.md)."""
     weight_sync_verify_tensors: int = 16
-    """Tensors compared per verification, spread over the whole model (every pipeline stage) and rotated
-    by version; -1 = every tensor the engine can report."""
+    """Engine tensors compared per verification, spread over the whole model (every pipeline stage) and
+    rotated by version; -1 = every tensor the engine can report (weight_sync/verified_param_frac 1)."""
     weight_sync_timeout_s: float = 600.0
-    """Timeout of each weight-sync request to a server (a bucket, the group set-up)."""
+    """Bound of each weight-sync request to a server, retries included (a bucket, the group set-up, a disk
+    load, the weight checksums)."""
     weight_sync_master_address: Optional[str] = None
-    """distributed: the address SGLang servers use to reach trainer rank 0 (default: 127.0.0.1 when every
-    server URL is local, else this host's IP)."""
+    """distributed: the address SGLang servers use to reach trainer rank 0 (default: the address of this
+    host's interface that routes to the servers; 127.0.0.1 when every server is on loopback)."""
     mode: str = "sync"
     """"sync": generate, then train, then sync weights, in sequence. "async": rank 0 generates the next
     steps' rollouts in a background thread while the trainer trains (megatron_rl/trainer/async_rollout.py);

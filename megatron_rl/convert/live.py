@@ -21,8 +21,8 @@ tensor over TP and the first expert-data-parallel replica gathers each routed ex
 so every rank of that replica holds the full tensor, named with global layer / expert indices. Memory:
 one full parameter at a time. :func:`iter_hf_tensors` maps each to HF names (vocab padding dropped) —
 the stream a bucketed in-memory weight sync reads; the full state dicts on global rank 0 and the HF
-export are built on it (the first rank of each stage collects, ``gather_object`` brings the stages
-to rank 0: memory there ~ one full model).
+export are built on it (the first rank of each stage collects, and sends its stage to rank 0 tensor by
+tensor: memory there ~ one full model on the host; no rank stages more than one tensor on its device).
 """
 from __future__ import annotations
 
@@ -218,8 +218,15 @@ def is_stage_leader(groups: "ActorGroups") -> bool:
 
 
 def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
-    """Run the (collective) stream on every rank; the stage leaders keep CPU copies, which are brought to
-    global rank 0 (the dict there, None elsewhere)."""
+    """Run the (collective) stream on every rank; the stage leaders keep CPU copies, which the other leaders
+    send to global rank 0 point to point, tensor by tensor (the dict there, None elsewhere).
+
+    Not ``gather_object``: it pads every rank's pickle to the largest stage and has rank 0 allocate world_size
+    times that on its device (NCCL stages object bytes on the GPU): a full model per rank, for ranks that send
+    nothing. Here only leaders send, each tensor once, staged for the default group's backend one tensor at a
+    time (``parallel.devices``)."""
+    from megatron_rl.parallel.devices import recv_, send_
+
     leader = is_stage_leader(groups)
     mine: Dict[str, Tensor] = {}
     for name, t in pairs:
@@ -228,14 +235,22 @@ def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: "ActorGroups"
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     rank = dist.get_rank()
-    stages: Optional[List[Dict[str, Tensor]]] = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine if leader else {}, stages, dst=0)
-    if rank != 0:
-        return None
-    out: Dict[str, Tensor] = {}
-    for part in stages:
-        out.update(part)
-    return out
+    leaders: List[Optional[bool]] = [None] * dist.get_world_size()
+    dist.all_gather_object(leaders, leader)
+    senders = [r for r, lead in enumerate(leaders) if lead and r != 0]
+    if rank == 0:
+        out: Dict[str, Tensor] = dict(mine)
+        for src in senders:
+            box: List[Optional[list]] = [None]
+            dist.recv_object_list(box, src=src)
+            for name, shape, dtype in box[0]:
+                out[name] = recv_(torch.empty(shape, dtype=dtype), src=src)
+        return out
+    if leader:
+        dist.send_object_list([[(n, tuple(t.shape), t.dtype) for n, t in mine.items()]], dst=0)
+        for t in mine.values():
+            send_(t, dst=0)
+    return None
 
 
 def gather_full_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,

@@ -3,7 +3,8 @@
 Log-probs exist only on the last pipeline stage, so the correction runs there; stages that also need
 the weights / mask / metrics (e.g. for logging on rank 0 or loss bookkeeping) receive them with
 :func:`broadcast_from_last_stage` over the PP group: one small object broadcast (shapes, dtypes,
-metrics) plus one tensor broadcast per tensor, so it also works with NCCL (tensors on ``device``).
+metrics) plus one tensor broadcast per tensor, each staged for the group's backend by ``parallel.devices``
+(NCCL: CUDA, gloo: CPU), whatever device the result lives on.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.correction.core import CorrectionResult
+from megatron_rl.parallel.devices import broadcast_, collective_device
 
 
 def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
@@ -22,7 +24,8 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
     Args:
         result: the :class:`CorrectionResult` on the last stage; ignored (may be None) elsewhere.
         pp_group: the pipeline-parallel group; its last rank (in group order) is the source.
-        device: where received tensors live (default: CUDA if available, else CPU).
+        device: where received tensors live (default: the device the PP group's backend takes,
+            ``parallel.devices.collective_device``).
     """
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         if result is None:
@@ -34,8 +37,7 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
     if is_src and result is None:
         raise ValueError(f"broadcast_from_last_stage: last stage (global rank {src}) has no result")
     if device is None:
-        device = result.response_mask.device if is_src else torch.device(
-            "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = result.response_mask.device if is_src else collective_device(pp_group)
     header = [None]
     if is_src:
         header[0] = {
@@ -46,12 +48,12 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
     dist.broadcast_object_list(header, src=src, group=pp_group)
     h = header[0]
     mask = result.response_mask.contiguous() if is_src else torch.empty(h["mask"][0], dtype=h["mask"][1], device=device)
-    dist.broadcast(mask, src=src, group=pp_group)
+    broadcast_(mask, src=src, group=pp_group)
     weights = None
     if h["weights"] is not None:
         weights = result.weights.contiguous() if is_src else torch.empty(
             h["weights"][0], dtype=h["weights"][1], device=device)
-        dist.broadcast(weights, src=src, group=pp_group)
+        broadcast_(weights, src=src, group=pp_group)
     if is_src:
         return result
     return CorrectionResult(weights=weights, response_mask=mask, metrics=h["metrics"],

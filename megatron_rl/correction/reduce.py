@@ -18,6 +18,8 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.devices import all_reduce_
+
 F64 = torch.float64
 
 
@@ -141,8 +143,8 @@ class Reducer:
         over ``group``."""
         sum_names, sums, max_names, maxes = self._packed()
         if group_size(group) > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_(sums, op=dist.ReduceOp.SUM, group=group)  # staged for the group's backend
+            all_reduce_(maxes, op=dist.ReduceOp.MAX, group=group)
             counter.count += 2
         values = sums.tolist()  # one host transfer; vectors (histograms) stay tensors
         out_sums: Dict[str, object] = {}

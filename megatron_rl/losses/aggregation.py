@@ -59,8 +59,8 @@ def sequence_token_counts(response_mask: torch.Tensor, cp_group=None) -> torch.T
     counts. ``cp_group=None`` means no communication."""
     counts = (response_mask != 0).sum(dim=-1).to(torch.float64)
     if cp_group is not None:
-        import torch.distributed as dist
-        dist.all_reduce(counts, group=cp_group)
+        from megatron_rl.parallel.devices import all_reduce_
+        all_reduce_(counts, group=cp_group)
     return counts
 
 
@@ -95,12 +95,12 @@ def global_denominators(response_masks: Union[torch.Tensor, Sequence[torch.Tenso
                              f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
     counts = torch.cat([(m != 0).sum(dim=-1).to(torch.float64) for m in masks])
     if cp_group is not None:
-        import torch.distributed as dist
-        dist.all_reduce(counts, group=cp_group)
+        from megatron_rl.parallel.devices import all_reduce_
+        all_reduce_(counts, group=cp_group)
     packed = torch.stack([counts.sum(), (counts > 0).sum().to(torch.float64)])
     if group is not None:
-        import torch.distributed as dist
-        dist.all_reduce(packed, group=group)
+        from megatron_rl.parallel.devices import all_reduce_
+        all_reduce_(packed, group=group)  # staged for the group's backend
     return LossDenominators(num_tokens=packed[0], num_seqs=packed[1])
 
 

@@ -58,10 +58,10 @@ def reduce_metrics(metrics: Mapping[str, SumCount], group=None) -> Dict[str, Sum
     metrics unchanged (no communication). All ranks must pass the same keys."""
     if group is None or not metrics:
         return dict(metrics)
-    import torch.distributed as dist
+    from megatron_rl.parallel.devices import all_reduce_
     keys = sorted(metrics)
     packed = torch.stack([t for k in keys for t in (metrics[k].sum, metrics[k].count)]).to(torch.float64)
-    dist.all_reduce(packed, group=group)
+    all_reduce_(packed, group=group)  # staged for the group's backend
     return {k: SumCount(packed[2 * i], packed[2 * i + 1]) for i, k in enumerate(keys)}
 
 

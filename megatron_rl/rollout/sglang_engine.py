@@ -532,10 +532,10 @@ class SGLangEngine(RolloutEngine):
         while True:
             attempt += 1
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version {version!r} "
-                                      f"within rollout.weight_sync_timeout_s={self.weight_sync_timeout:g} s "
-                                      f"({attempt - 1} attempt(s))")
+            if left <= 0:  # only after a busy reply (the first attempt always has time left)
+                raise WeightSyncError(f"{url}/update_weights_from_disk did not load {path} as version {version!r}: "
+                                      f"server still busy (cache not flushed) after {attempt - 1} attempt(s) within "
+                                      f"rollout.weight_sync_timeout_s={self.weight_sync_timeout:g} s")
             try:
                 reply = self._request("POST", url + "/update_weights_from_disk",
                                       {"model_path": path, "weight_version": version}, timeout=left,
