@@ -1,8 +1,10 @@
 """Weight sync into a REAL SGLang server at TP=2 (CPU backend: two scheduler ranks, one core each through
 ``SGLANG_CPU_OMP_THREADS_BIND=0|1``; without it SGLang refuses more ranks than NUMA nodes).
 
-The model has ONE KV head, so SGLang replicates k/v over the two ranks while q, gate/up, o/down and the
-padded vocabulary are split: every sharding rule of ``weight_layout.sglang_layout`` is exercised.
+The model has two KV heads, so q, k/v, gate/up, o/down and the padded vocabulary are all split over the two
+ranks. KV-head replication (fewer KV heads than ranks) is NOT exercised against a real server: SGLang's CPU
+backend pads the heads in that case (``adjust_config_with_unaligned_cpu_tp``) where its GPU path replicates
+them; ``weight_layout.HeadSplit`` models the GPU rule.
 
 * The trainer runs under torchrun's environment (``TORCHELASTIC_USE_AGENT_STORE=True``, ``MASTER_ADDR``,
   ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): the weight-update group's store is the trainer's own.

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from megatron_rl.rollout.weight_buckets import tensor_checksum
+
 #: Finish reasons a ``Rollout`` can carry.
 FINISH_REASONS = ("stop", "length")
 
@@ -261,9 +263,16 @@ class RolloutEngine(abc.ABC):
         """The torch dtype the engine keeps its weights in (buckets are cast to it), None if unknown."""
         return None
 
-    def full_precision_weight_names(self) -> set:
-        """HF names the engine keeps in a higher precision than ``weight_dtype`` (sent uncast)."""
+    def full_precision_weight_names(self, hf_names=()) -> set:
+        """HF names (of ``hf_names``, the tensors of the sync) the engine keeps in a higher precision than
+        ``weight_dtype`` (sent uncast)."""
         return set()
+
+    def weight_checksum_fn(self):
+        """The function that hashes a tensor exactly as ``weight_checksums`` does (default: sha256 of its CPU
+        bytes, ``weight_buckets.tensor_checksum``), or None when this process cannot reproduce the engine's
+        hash (verification is then skipped and reported as 0 verified)."""
+        return tensor_checksum
 
     def weight_layout(self, hf_names, geometry) -> list:
         """The engine tensors ``weight_checksums`` can report, as ``weight_layout.EngineTensor`` objects built

@@ -206,7 +206,7 @@ class EmbeddedEngine(RolloutEngine):
         """The engine's compute dtype (buckets arrive cast to it)."""
         return self.dtype
 
-    def full_precision_weight_names(self) -> set:
+    def full_precision_weight_names(self, hf_names=()) -> set:
         """Floating parameters / buffers transformers keeps in another dtype than the engine's (e.g. fp32
         ``e_score_correction_bias`` of DeepSeek-V3 in a bf16 model)."""
         self._require_model(generating=False)

@@ -62,6 +62,7 @@ from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
 from megatron_rl.rollout.sglang_weights import (FP32_KEPT_SUFFIXES, SGLangDistributedReceiver, SGLangTensorReceiver,
                                                 UpdateGroup, checksums_by_name, master_address_for)
+from megatron_rl.rollout.weight_buckets import tensor_checksum
 from megatron_rl.rollout.weight_layout import sglang_layout
 
 
@@ -476,10 +477,27 @@ class SGLangEngine(RolloutEngine):
     def weight_tp_sizes(self) -> tuple:
         return tuple(sorted({self.server_tp_size(u) for u in self.urls}))
 
-    def full_precision_weight_names(self) -> set:
+    def full_precision_weight_names(self, hf_names=()) -> set:
         """Tensors SGLang keeps in fp32 in a bf16 model: DeepSeek-V3's ``e_score_correction_bias``
-        (``noaux_tc`` routing; SGLang's ``MoEGate`` allocates it fp32)."""
-        return {n for n in self._checker_names() if n.endswith(FP32_KEPT_SUFFIXES)}
+        (``noaux_tc`` routing; SGLang's ``MoEGate`` allocates it fp32). Decided from the HF names, so a sync
+        that does not verify never needs ``/weights_checker``."""
+        return {n for n in hf_names if n.endswith(FP32_KEPT_SUFFIXES)}
+
+    def weight_checksum_fn(self):
+        """SGLang's ``/weights_checker`` hashes CPU tensors with sha256 (``tensor_checksum``) but CUDA tensors
+        with its Triton ``gpu_tensor_hash`` (``sglang.srt.managers.mm_utils.tensor_hash``): for servers on a
+        GPU the trainer needs that kernel (SGLang importable here and a CUDA device), else None."""
+        devices = {str((self._info(u).get("device") or "cuda")).lower() for u in self.urls}
+        if devices == {"cpu"}:
+            return tensor_checksum
+        try:
+            import torch
+            from sglang.srt.managers.mm_utils import gpu_tensor_hash
+        except Exception:  # noqa: BLE001 - SGLang not importable in the trainer's environment
+            return None
+        if not torch.cuda.is_available():
+            return None
+        return lambda t: f"{gpu_tensor_hash(t.detach().contiguous().cuda()):016x}"
 
     def weight_checksums(self, names) -> dict:
         """``{url: {name: (checksum of TP rank 0's shard, ...)}}`` of every server."""

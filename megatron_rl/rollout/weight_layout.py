@@ -10,7 +10,8 @@ concatenated along dim 0 and, for fused MoE experts, the per-expert concatenatio
   gate/up -> ``gate_up_proj`` (each split over ranks), o_proj / down_proj split on the input dim, experts
   -> ``experts.w13_weight [E, 2I, H]`` / ``experts.w2_weight [E, H, I]`` (split over ranks on I),
   embed_tokens / lm_head padded with zero rows to a multiple of 64 (x TP when needed) and split over ranks,
-  everything else (norms, router, fp32 ``e_score_correction_bias``) replicated.
+  norms, router, fp32 ``e_score_correction_bias`` replicated; any other tensor (e.g. DeepSeek MLA projections)
+  is left out (unverified), never assumed whole.
 * ``transformers_layout`` (the embedded engine's transformers model): HF names as they are, except the
   fused experts of transformers 5 (``mlp.experts.gate_up_proj [E, 2F, H]``, ``mlp.experts.down_proj [E, H, F]``).
 
@@ -128,6 +129,10 @@ _GATE_UP = re.compile(r"^(.*\.)(gate|up)_proj\.weight$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
+#: Tensors every SGLang TP rank holds whole. Any other tensor the rules above do not map (e.g. DeepSeek's MLA
+#: projections, which SGLang splits its own way) is left out of the layout: unverified, never assumed whole.
+_REPLICATED = re.compile(r"(norm\.weight|norm\.bias|\.mlp\.gate\.weight|e_score_correction_bias|"
+                         r"shared_expert_gate\.weight)$")
 
 
 def _grouped(names: Iterable[str], pattern: re.Pattern, key: Callable) -> Dict[tuple, Dict[str, str]]:
@@ -188,8 +193,10 @@ def sglang_layout(hf_names: Sequence[str], num_kv_heads: int) -> List[EngineTens
             shard: Shard = VocabSplit(SGLANG_VOCAB_PADDING)
         elif _ROW.search(n):
             shard = Split(1)
-        else:
+        elif _REPLICATED.search(n):
             shard = Replicated()
+        else:
+            continue
         out.append(EngineTensor(n, (Piece(n, shard),)))
     return out
 

@@ -176,7 +176,7 @@ def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: 
                                                 timeout_s=rc.weight_sync_timeout_s)
             names = _expected_names(actor)
             dt = engine.weight_dtype
-            keep_names = engine.full_precision_weight_names()
+            keep_names = engine.full_precision_weight_names(names)
             verifier = _verifier(actor.hf_target.geometry, engine, cfg, names, version, dt, keep_names)
             plan = (DTYPE_NAMES.get(dt), None, names, sorted(keep_names))
         except Exception as exc:  # noqa: BLE001 - shared below
@@ -230,7 +230,17 @@ def _verifier(geometry, engine, cfg: JobConfig, names: List[str], version: str, 
     rc = cfg.rollout
     v = _version_number(version)
     due = rc.weight_sync_verify_interval > 0 and v % rc.weight_sync_verify_interval == 0
-    return WeightVerifier(engine, names, geometry, rc.weight_sync_verify_tensors if due else 0, v, dtype, keep)
+    verifier = WeightVerifier(engine, names, geometry, rc.weight_sync_verify_tensors if due else 0, v, dtype, keep)
+    if due and verifier.hash is None and not _UNVERIFIABLE_SAID:
+        _UNVERIFIABLE_SAID.append(True)
+        print(f"[megatron-rl] WARNING: weight-sync verification skipped: {type(engine).__name__}'s checksums "
+              f"cannot be reproduced in this process (SGLang on a GPU hashes with its Triton kernel: install "
+              f"sglang in the trainer's environment on a GPU node); weight_sync/verified_param_frac stays 0",
+              flush=True)
+    return verifier
+
+
+_UNVERIFIABLE_SAID: List[bool] = []  # the warning above, once per process
 
 
 def _finish_verify(verifier: WeightVerifier, report: SyncReport, what: str, source_text: str) -> None:
@@ -260,7 +270,7 @@ def _verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> Syn
         with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
             names += list(fh.keys())
     verifier = _verifier(geometry, engine, cfg, names, version, engine.weight_dtype,
-                         engine.full_precision_weight_names())
+                         engine.full_precision_weight_names(names))
     report = SyncReport()
     if not verifier.tensors:
         return report
@@ -339,7 +349,7 @@ def apply_weights(engine, cfg: JobConfig, payload, version: str, actor=None) -> 
             return SyncReport()
         names = [n for b in payload for n in b.names]
         verifier = _verifier(actor.hf_target.geometry, engine, cfg, names, version, engine.weight_dtype,
-                             engine.full_precision_weight_names())
+                             engine.full_precision_weight_names(names))
         return _verify_buckets(engine, verifier, payload, version)
     except Exception as exc:
         engine._mark_invalid(f"weight sync to {version!r}: {type(exc).__name__}: {exc}")

@@ -21,7 +21,6 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.rollout.weight_buckets import tensor_checksum
 
 __all__ = ["WeightVerifier", "sample_spread"]
 
@@ -45,7 +44,10 @@ class WeightVerifier:
         self.dtype = dtype
         self.keep = set(keep)
         self.hf_names = set(hf_names)
-        layout = engine.weight_layout(list(hf_names), geometry) if k != 0 else []
+        # the engine's own hash (SGLang on a GPU: its Triton hash); None: this process cannot reproduce it,
+        # so nothing is compared and verified_frac stays 0 (said once per job by ``unverifiable_notice``)
+        self.hash = engine.weight_checksum_fn() if k != 0 else None
+        layout = engine.weight_layout(list(hf_names), geometry) if self.hash is not None else []
         chosen = set(sample_spread([t.name for t in layout], k, version))
         self.tensors = [t for t in layout if t.name in chosen]
         self.tp_sizes = sorted(set(engine.weight_tp_sizes())) if self.tensors else []
@@ -77,7 +79,7 @@ class WeightVerifier:
         for et in self.tensors:
             if name in et.sources and all(s in self._held for s in et.sources):
                 for tp in self.tp_sizes:
-                    self.expected[tp][et.name] = tuple(tensor_checksum(et.shard(self._held, r, tp))
+                    self.expected[tp][et.name] = tuple(self.hash(et.shard(self._held, r, tp))
                                                        for r in range(tp))
                 for s in et.sources:
                     self._need[s] -= 1
