@@ -47,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
     install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
     restore_default_signals()  # launch/torchrun.sh: the agent ignores SIGINT / SIGTERM, the ranks must not
     overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
+    restart = restart_count()
+    if restart > 0:  # an elastic restart / Slurm requeue continues its own run: never refused, never wiped
+        overrides += ["trainer.resume=true", "trainer.overwrite=false"]
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[megatron-rl] restart {restart} of this job: continuing from its newest complete checkpoint",
+                  flush=True)
     try:
         cfg = load_job_config(args.config, overrides, world_size=args.check_world_size)
         problems = start_problems(cfg)
@@ -65,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
     train(cfg)
     shutdown_distributed()
     return 0
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this job (torchrun ``--max-restarts``: TORCHELASTIC_RESTART_COUNT;
+    a Slurm requeue: SLURM_RESTART_COUNT); 0 for a first start."""
+    counts = [os.environ.get(k, "0") for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")]
+    return max(int(c) if c.strip().isdigit() else 0 for c in counts)
 
 
 def start_problems(cfg) -> List[str]:

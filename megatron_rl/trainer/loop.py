@@ -160,7 +160,7 @@ def train(cfg: JobConfig) -> Dict[str, float]:
         if rank0:  # a failure here is shared, so the other ranks raise too instead of waiting in a collective
             try:
                 if tc.overwrite:  # before anything (a launched server's log) is written into run_dir
-                    print(start_over(tc.run_dir), flush=True)
+                    print(start_over(tc.run_dir, keep=cfg.actor.load_hf), flush=True)
                 task, tokenizer = build_task(cfg)
                 engine, server = build_engine(cfg)
             except Exception as exc:  # noqa: BLE001 - re-raised on every rank below

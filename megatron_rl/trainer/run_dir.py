@@ -77,9 +77,16 @@ def run_dir_error(run_dir: str, resume: bool, overwrite: bool) -> Optional[str]:
             f"them), or choose another trainer.run_dir")
 
 
-def start_over(run_dir: str) -> str:
-    """Remove the run outputs of ``run_dir`` (rank 0, ``trainer.overwrite``); returns the line to print."""
+def start_over(run_dir: str, keep: Optional[str] = None) -> str:
+    """Remove the run outputs of ``run_dir`` (rank 0, ``trainer.overwrite``); returns the line to print.
+    ``keep`` (the model the job loads, ``actor.load_hf``) must not lie inside what would be removed."""
     found = run_outputs(run_dir)
+    if keep:
+        inside = [n for n in found if _is_within(keep, os.path.join(run_dir, n.rstrip("/")))]
+        if inside:
+            raise ValueError(f"trainer.overwrite: actor.load_hf={keep!r} lies inside {inside[0]!r} of "
+                             f"trainer.run_dir={run_dir!r}, which starting over would delete: copy the model "
+                             f"elsewhere or choose another trainer.run_dir")
     for name in found:
         path = os.path.join(run_dir, name.rstrip("/"))
         if os.path.isdir(path):
@@ -91,13 +98,21 @@ def start_over(run_dir: str) -> str:
     return f"[megatron-rl] trainer.overwrite: removed the previous run's {', '.join(found)} from {run_dir}; new run"
 
 
+def _is_within(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def _trim_jsonl(path: str, step: int) -> int:
     """Keep the records of steps <= ``step`` (and unreadable lines, untouched); returns how many were dropped."""
     if not os.path.isfile(path):
         return 0
-    kept, dropped = [], 0
+    kept, dropped, torn = [], 0, False
     with open(path) as fh:
         for line in fh:
+            if not line.endswith("\n"):  # the last record of a killed writer: appending would glue onto it
+                dropped, torn = dropped + 1, True
+                continue
             try:
                 s = json.loads(line).get("step")
             except (ValueError, AttributeError):
@@ -106,7 +121,7 @@ def _trim_jsonl(path: str, step: int) -> int:
                 dropped += 1
             else:
                 kept.append(line)
-    if dropped:
+    if dropped or torn:
         tmp = path + ".trim"
         with open(tmp, "w") as fh:
             fh.writelines(kept)
