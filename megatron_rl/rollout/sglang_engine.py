@@ -506,7 +506,8 @@ class SGLangEngine(RolloutEngine):
 
     def _info(self, url: str) -> dict:
         if url not in self._server_info:
-            info = self._request("GET", url + "/get_server_info")
+            info = self._request("GET", url + "/get_server_info", timeout=self.weight_sync_timeout,
+                                 budget=self.weight_sync_timeout)
             self._server_info[url] = info if isinstance(info, dict) else {}
         return self._server_info[url]
 
@@ -524,7 +525,8 @@ class SGLangEngine(RolloutEngine):
     def _check_versions(self, version: str) -> None:
         """Every server reports ``version`` (``/get_model_info``); then the engine serves it."""
         for url in self.urls:
-            info = self._request("GET", url + "/get_model_info")
+            info = self._request("GET", url + "/get_model_info", timeout=self.weight_sync_timeout,
+                                 budget=self.weight_sync_timeout)  # part of the sync: its bound
             got = str(info.get("weight_version")) if isinstance(info, dict) else None
             if got != version:
                 raise WeightSyncError(f"{url}: after the weight sync the server reports weight_version={got!r}, "
