@@ -76,7 +76,8 @@ def tiny_runs(tmp_path_factory):
     model = build_task_model(str(tmp / "m"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run = str(tmp / "run")
     common = [f"actor.load_hf={model}", f"trainer.run_dir={run}", "parallel.tensor_model_parallel_size=1",
-              "parallel.pipeline_model_parallel_size=1", "data.prompts_per_step=4", "trainer.save_interval=1",
+              "parallel.pipeline_model_parallel_size=1", "data.prompts_per_step=4", "actor.ppo_mini_batches=1",
+              "trainer.save_interval=1",
               "trainer.console_table_interval=2"]
     first = _launch("configs/tiny_cpu.yaml", 2, *common, "trainer.steps=2")
     resumed = _launch("configs/tiny_cpu.yaml", 2, *common, "trainer.steps=3", "trainer.resume=true")
