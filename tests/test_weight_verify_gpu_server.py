@@ -80,3 +80,33 @@ def test_unknown_tensors_are_left_out_not_assumed_replicated():
         assert isinstance(layout[pre + n].pieces[0].shard, Replicated)
     assert pre + "self_attn.o_proj.weight" in layout
     assert tensor_checksum(torch.zeros(2)) == _engine("cpu").weight_checksum_fn()(torch.zeros(2))
+
+
+def test_fp32_kept_bias_is_compared_in_fp32_as_sglang_holds_it():
+    """Stand-in for a real DeepSeek-V3 SGLang server (the CPU backend cannot serve MLA, docs/limits.md): SGLang's
+    MoEGate keeps ``e_score_correction_bias`` fp32 in a bf16 model and its checker hashes those fp32 bytes
+    (sha256 on CPU). The verifier, given the names ``full_precision_weight_names`` picks, expects exactly that;
+    cast to bf16 (the old behaviour) the same sync would be reported as corrupted."""
+    from hashlib import sha256
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.weight_verify import WeightVerifier
+
+    bias_name = "model.layers.3.mlp.gate.e_score_correction_bias"
+    bias = torch.randn(16, dtype=torch.float32) * 1e-3  # values bf16 cannot hold exactly
+    eng = _engine("cpu")
+    sglang_hash = f"{int.from_bytes(sha256(memoryview(bias.view(torch.uint8).numpy())).digest()[:8], 'big'):016x}"
+    eng._checker_names = lambda: {bias_name}
+    eng.weight_tp_sizes = lambda: (1,)
+    eng._info = lambda url: {"device": "cpu", "ep_size": 1}
+    eng.weight_checksums = lambda names: {eng.urls[0]: {bias_name: (sglang_hash,)}}
+    geometry = SimpleNamespace(num_query_groups=1)
+    keep = eng.full_precision_weight_names([bias_name])
+    for kept, ok in ((keep, True), (set(), False)):
+        v = WeightVerifier(eng, [bias_name], geometry, -1, 0, torch.bfloat16, kept)
+        v.offer(bias_name, bias)
+        if ok:
+            assert v.check("sync", "the trainer's") == [bias_name] and v.verified_frac == 1.0
+        else:
+            with pytest.raises(Exception, match="e_score_correction_bias"):
+                v.check("sync", "the trainer's")
