@@ -183,7 +183,8 @@ def _train_loop(cfg: JobConfig, actor, reference, task, engine, tokenizer, rank0
     corr_cfg, T = cfg.algorithm.rollout_correction, cfg.rollout.temperature
     start, resumed = 0, {}
     if cfg.trainer.resume:
-        ckpt = latest_checkpoint(cfg.trainer.run_dir)
+        # rank 0 chooses, every rank loads the same step (a shared file system may show ranks different sets)
+        ckpt = share_from_rank0(latest_checkpoint(cfg.trainer.run_dir) if rank0 else None)
         if ckpt is not None:
             start, resumed = actor.load_checkpoint(ckpt)
         if rank0:  # the history continues from the checkpoint's step: nothing later may mix in
