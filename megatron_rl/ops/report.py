@@ -47,6 +47,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_rl.config.sections import DataConfig
 from megatron_rl.jsonl import read_json_objects
 
 ESS_MIN = 0.5
@@ -57,7 +58,7 @@ IS_P99_MAX = 10.0
 K3_RISE_FACTOR = 2.0
 K3_FLOOR = 1e-4
 REWARD_FLAT_RANGE = 0.01
-REWARD_FAILED_FRAC_MAX = 0.5  # the trainer's default data.max_reward_failure_frac
+REWARD_FAILED_FRAC_MAX = DataConfig.max_reward_failure_frac  # the trainer's default, one owner
 MIN_STEPS = 8
 
 P = "rollout_corr/"
