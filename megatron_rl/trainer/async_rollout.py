@@ -48,7 +48,7 @@ import torch
 from megatron_rl.rollout.base import Rollout, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
 
-__all__ = ["version_tag", "parse_version", "SegmentedEngine", "RolloutProducer", "token_lag_tensor",
+__all__ = ["version_tag", "parse_version", "SegmentedEngine", "RolloutProducer", "SnapshotTimeout", "token_lag_tensor",
            "check_staleness", "overlap_seconds"]
 
 
@@ -137,6 +137,10 @@ def _join_routing(before, cont, fed_before: int):
     return torch.cat([torch.as_tensor(before)[:fed_before], torch.as_tensor(cont)[fed_before:]], dim=0)
 
 
+class SnapshotTimeout(TimeoutError):
+    """``RolloutProducer.snapshot`` did not get its rollouts within its ``timeout_s``."""
+
+
 class RolloutProducer:
     """Rank 0's background generator (see the module docstring).
 
@@ -184,7 +188,7 @@ class RolloutProducer:
             self._latest = max(self._latest, int(version))
             self._cond.notify_all()
 
-    def _wait_ready(self, step: int, poll_s: float):
+    def _wait_ready(self, step: int, poll_s: float, deadline: Optional[float] = None):
         with self._cond:
             while step not in self._ready:
                 errors = [v for v in self._ready.values() if isinstance(v, BaseException)]
@@ -192,6 +196,8 @@ class RolloutProducer:
                     raise errors[0]
                 if not self._thread.is_alive():
                     raise RuntimeError(f"rollout producer thread ended without producing step {step}")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise SnapshotTimeout(f"rollouts of step {step} not ready by the deadline")
                 self._cond.wait(poll_s)
             item = self._ready[step]
         if isinstance(item, BaseException):
@@ -206,11 +212,13 @@ class RolloutProducer:
             self._ready.pop(step, None)
         return item
 
-    def snapshot(self, next_step: int, poll_s: float = 0.5) -> Dict[int, Any]:
+    def snapshot(self, next_step: int, poll_s: float = 0.5, timeout_s: Optional[float] = None) -> Dict[int, Any]:
         """For a checkpoint taken before ``next_step``: wait for and return (without handing over) the
         rollouts of every step whose pinned version is older than ``next_step`` — steps ``next_step ..
-        next_step + k - 1`` — so ``--resume`` can replay them (see the module docstring)."""
-        return {t: self._wait_ready(t, poll_s) for t in range(next_step, next_step + self.k)}
+        next_step + k - 1`` — so ``--resume`` can replay them (see the module docstring). ``timeout_s``
+        bounds the whole wait (``SnapshotTimeout``); None: no bound."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return {t: self._wait_ready(t, poll_s, deadline) for t in range(next_step, next_step + self.k)}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop producing; rollouts in flight are discarded (the thread is a daemon: a generation that does

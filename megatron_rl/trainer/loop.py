@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 from typing import Dict, Optional
 
@@ -58,8 +57,8 @@ from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
 from megatron_rl.rollout.sglang_server import launch_sglang_server
 from megatron_rl.tasks import build_task as build_task_for
-from megatron_rl.trainer.async_rollout import (RolloutProducer, check_staleness, overlap_seconds,
-                                              version_tag)
+from megatron_rl.trainer.async_rollout import (RolloutProducer, SnapshotTimeout, check_staleness,
+                                              overlap_seconds, version_tag)
 from megatron_rl.trainer.reward_failures import failed_fraction, reward_failure_error
 from megatron_rl.trainer.rollout_phase import generate_step, share_from_rank0
 from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step
@@ -336,21 +335,13 @@ def _drain_async(producer, step: int, rc, timeout_s: float):
     limit) -- the checkpoint is then written without them."""
     if producer is None:
         return {}, None
-    box: Dict[str, object] = {}
-
-    def drain() -> None:
-        try:
-            box["rollouts"] = producer.snapshot(step)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank by the caller
-            box["error"] = exc
-
-    worker = threading.Thread(target=drain, name="megatron-rl-drain", daemon=True)
-    worker.start()  # a thread, so the wait has a bound even when the producer hangs
-    worker.join(timeout_s if timeout_s > 0 else None)
-    if "rollouts" in box:
-        return {"async_rollouts": box["rollouts"], "async_schedule": (rc.max_staleness, rc.partial_rollout)}, None
-    cause = (f"{type(box['error']).__name__}: {box['error']}" if "error" in box else
-             f"the producer did not hand them over within {timeout_s:g} s (half of trainer.checkpoint_timeout_s)")
+    try:
+        rollouts = producer.snapshot(step, timeout_s=timeout_s if timeout_s > 0 else None)
+        return {"async_rollouts": rollouts, "async_schedule": (rc.max_staleness, rc.partial_rollout)}, None
+    except SnapshotTimeout:
+        cause = f"the producer did not hand them over within {timeout_s:g} s (half of trainer.checkpoint_timeout_s)"
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+        cause = f"{type(exc).__name__}: {exc}"
     return {}, AsyncDrainError(f"rank 0: draining the async rollouts for the checkpoint of step {step} failed: "
                                f"{cause}. The checkpoint of step {step} is written without them (--resume "
                                f"regenerates them from its weights)")
