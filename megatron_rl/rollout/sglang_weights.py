@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.devices import collective_device
 from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
 from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.rollout.weight_buckets import DTYPE_NAMES
@@ -161,7 +162,7 @@ class UpdateGroup:
             raise WeightSyncError(f"weight-update group {self.name!r} ({backend}, world {self.world}) could not be "
                                   "set up: " + "; ".join(errors))
         self.pg = results[0]
-        self.device = "cuda" if backend == "nccl" else "cpu"
+        self.device = collective_device(self.pg)  # the one owner of "which device for this backend"
 
     def close(self) -> None:
         for url in self.engine.urls:
