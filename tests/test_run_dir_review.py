@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 from megatron_rl.train import restart_count
 from megatron_rl.trainer.run_dir import start_over, trim_to_step
 
@@ -54,8 +55,10 @@ def test_a_restarted_job_resumes_instead_of_being_refused(tmp_path, monkeypatch)
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    model = tmp_path / "model"  # its own model: a clean clone has no runs/tiny_cpu/init_model yet
+    build_tiny_hf_model(str(model))
     cmd = [sys.executable, "-m", "megatron_rl.train", "--config", os.path.join(root, "configs", "tiny_cpu.yaml"),
-           "--check-world-size", "4", f"trainer.run_dir={run}"]
+           "--check-world-size", "4", f"trainer.run_dir={run}", f"actor.load_hf={model}"]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")}
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert first.returncode == 2 and "holds another run's outputs" in first.stderr
