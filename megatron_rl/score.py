@@ -45,7 +45,7 @@ from megatron_rl.correction import compute_rollout_correction  # noqa: E402
 from megatron_rl.jsonl import read_json_objects  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
-from megatron_rl.trainer.loop import setup_distributed  # noqa: E402
+from megatron_rl.trainer.job import setup_distributed  # noqa: E402
 
 #: Version of the weights before the first step (the config's actor.load_hf).
 INITIAL_VERSION = "step-0"

@@ -63,7 +63,7 @@ def _data():
 
 def _rank(rank, world, cp, agg):
     from megatron_rl.actor.forward import compute_log_probs
-    from megatron_rl.actor.groups import ActorGroups
+    from megatron_rl.parallel.groups import ActorGroups
     from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
     from megatron_rl.actor.train_step import train_mini_batch
     from megatron_rl.config import ActorConfig

@@ -9,8 +9,6 @@
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_actor_export.py -q``
 """
-import dataclasses
-import json
 import os
 
 import pytest
@@ -18,31 +16,24 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import actor_job
 from megatron_rl.testing.distributed import RankError, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("actor_export")
-    return {"qwen2": str(build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=31, num_hidden_layers=4)),
-            "tied": str(build_tiny_hf_model(root / "tied", arch="qwen2", seed=32, tie_word_embeddings=True)),
-            "moe": str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=33))}
+def models(tiny_hf_model):
+    return {"qwen2": tiny_hf_model("qwen2", seed=31, num_hidden_layers=4),
+            "tied": tiny_hf_model("qwen2", seed=32, tie_word_embeddings=True),
+            "moe": tiny_hf_model("qwen3_moe", seed=33)}
 
 
 def _job(hf_dir, tp=1, pp=1, ep=1, **actor):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2, **actor},
-                                 "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                              "expert_model_parallel_size": ep}})
+    return actor_job(hf_dir, {"micro_batch_size": 2, **actor},
+                     {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                      "expert_model_parallel_size": ep})
 
 
 def _batch(vocab, seed=0):

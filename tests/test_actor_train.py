@@ -20,77 +20,37 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, parallel_section
+from megatron_rl.testing.actor_reference import hf_adamw, hf_token_log_probs, load_hf_reference, unfuse_experts
+from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
 T = 0.8
-LR = 1e-3
-CLIP = 0.02
-LOSS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "seq-mean-token-mean"}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("actor_train")
-    return {"qwen2": str(build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=21, num_hidden_layers=4)),
-            "moe": str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=22)),
-            "tied": str(build_tiny_hf_model(root / "tied", arch="qwen2", seed=23, tie_word_embeddings=True)),
-            "deep": str(build_tiny_hf_model(root / "deep", arch="qwen2", seed=24, num_hidden_layers=8))}
+def models(tiny_hf_model):
+    return {"qwen2": tiny_hf_model("qwen2", seed=21, num_hidden_layers=4),
+            "moe": tiny_hf_model("qwen3_moe", seed=22),
+            "tied": tiny_hf_model("qwen2", seed=23, tie_word_embeddings=True),
+            "deep": tiny_hf_model("qwen2", seed=24, num_hidden_layers=8)}
 
 
 def _data(vocab, B=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    plens = torch.randint(1, 6, (B,), generator=g).tolist()
-    rlens = torch.randint(1, 10, (B,), generator=g).tolist()
-    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p in plens]
-    responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for r in rlens]
-    rollout_lp = [(-torch.rand(r, generator=g) * 3 - 0.1).tolist() for r in rlens]
-    batch = RolloutBatch.from_sequences(prompts, responses, rollout_lp)
-    W = batch.max_length - 1
-    mask = batch.response_mask.clone()
-    mask[1, int(batch.prompt_lengths[1]) - 1] = 0          # a rejected token
-    old = batch.rollout_log_probs + 0.3 * torch.randn(B, W, generator=g) * batch.response_mask
-    old = old.clamp(max=-1e-3)
-    is_w = (torch.rand(B, W, generator=g) + 0.5) * mask
-    adv = torch.randn(B, generator=g)
-    return batch, old, adv, mask, is_w
-
-
-def _model_section(hf_dir):
-    """ModelConfig dict of the HF directory's config.json (the project's one HF config reading)."""
-    import dataclasses
-    import json
-    import os
-
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        return dataclasses.asdict(model_config_from_hf(json.load(fh)))
+    return policy_data(vocab, B, seed, prompt_len=(1, 6), response_len=(1, 10), reject_token=True)
 
 
 def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, mbs=3, vpp=None, **actor):
-    return job_config_from_dict({
-        "model": _model_section(hf_dir),
-        "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP, "weight_decay": 0.1,
-                  "policy_loss": LOSS, **actor},
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, "sequence_parallel": sp,
-                     "virtual_pipeline_model_parallel_size": vpp},
-        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
-                                             "bypass_mode": False, "loss_type": "ppo_clip"}},
-    })
+    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP_GRAD, "weight_decay": 0.1,
+                              "policy_loss": PPO_LOSS, **actor},
+                     parallel_section(tp=tp, pp=pp, ep=ep, etp=etp, sp=sp, vpp=vpp), correction=TOKEN_IS)
 
 
 def _rank_train(rank, world, job, data):
-    from megatron_rl.convert import canonical_state_dict
-    from megatron_rl.convert.partition import RankCoords
-
     batch, old, adv, mask, is_w = data
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
     actor = MegatronActor(job)
@@ -99,80 +59,46 @@ def _rank_train(rank, world, job, data):
     W = shard.max_length - 1
     metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], mask[start:end, :W],
                                is_w[start:end, :W], T)
-    grads = []
-    for i, chunk in enumerate(actor.model):
-        named = {n: p.main_grad.detach().clone() for n, p in chunk.module.named_parameters()}
-        grads.append((RankCoords.from_groups(actor.groups, vp_stage=i), canonical_state_dict(named)))
-    hf_sd = actor.full_state_dict_hf()
-    return {"metrics": metrics, "grads": grads, "hf_sd": hf_sd}
-
-
-def _unfuse_experts(sd):
-    """transformers keeps Qwen3-MoE experts fused in memory ([E, 2F, H] gate_up_proj, [E, H, F] down_proj)
-    and writes per-expert tensors to safetensors; map the in-memory names to the saved ones."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            pre, f = k[: -len("gate_up_proj")], v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{pre}{e}.gate_proj.weight"], out[f"{pre}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
-        elif k.endswith("mlp.experts.down_proj"):
-            pre = k[: -len("down_proj")]
-            for e in range(v.shape[0]):
-                out[f"{pre}{e}.down_proj.weight"] = v[e]
-        else:
-            out[k] = v
-    return out
+    return {"metrics": metrics, "grads": rank_main_grads(actor, job.parallel), "hf_sd": actor.full_state_dict_hf()}
 
 
 def _reference(hf_dir, data, steps_rows, epochs=1):
     """HF + torch AdamW; ``steps_rows``: the rows of each optimizer step (one list per mini-batch)."""
     batch, old, adv, mask, is_w = data
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = load_hf_reference(hf_dir)
     model.train()
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.999), eps=1e-8)
-    cfg = PolicyLossConfig(**LOSS)
+    opt = hf_adamw(model, LR, weight_decay=0.1)
+    cfg = PolicyLossConfig(**PPO_LOSS)
     W = batch.max_length - 1
     out = {"grad_norm": [], "pg_loss": [], "grads": None}
     for _ in range(epochs):
         for rows in steps_rows:
             rows = torch.tensor(rows)
             opt.zero_grad()
-            logits = model(input_ids=batch.tokens[rows]).logits[:, :-1] / T
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[rows][:, 1:, None]).squeeze(-1)
+            logp = hf_token_log_probs(model, batch.tokens[rows], T)
             loss = compute_policy_loss(logp, old[rows], adv[rows, None].expand(-1, W), mask[rows], cfg,
                                        loss_type="ppo_clip", is_weights=is_w[rows])
             loss.loss.backward()
-            out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)))
             out["pg_loss"].append(float(loss.pg_loss.detach()))
             if out["grads"] is None:
-                out["grads"] = _unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+                out["grads"] = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})
             opt.step()
-    out["weights"] = _unfuse_experts({n: p.detach().clone() for n, p in model.state_dict().items()})
+    out["weights"] = unfuse_experts({n: p.detach().clone() for n, p in model.state_dict().items()})
     return out
 
 
 def _check(results, ref, job, hf_dir, check_grads=True):
     from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
-    from megatron_rl.convert.partition import merge_state_dicts
 
     m = results[0]["metrics"]
     for r in results:
         assert r["metrics"] == m, "metrics differ between ranks"
     assert m["actor/pg_loss"] == pytest.approx(sum(ref["pg_loss"]) / len(ref["pg_loss"]), rel=1e-5, abs=1e-7)
     assert m["actor/grad_norm"] == pytest.approx(sum(ref["grad_norm"]) / len(ref["grad_norm"]), rel=1e-5)
-    assert max(ref["grad_norm"]) > CLIP, "clipping must be active (in some step) for the test to cover it"
+    assert max(ref["grad_norm"]) > CLIP_GRAD, "clipping must be active (in some step) for the test to cover it"
     if check_grads:
-        shards = {}
-        for r in results:
-            for coords, g in r["grads"]:
-                shards.setdefault(coords, {}).update(g)
-        grads = merge_state_dicts(shards, job.model.num_layers, not job.model.untie_embeddings_and_output_weights,
-                                  job.parallel.tensor_model_parallel_size, job.parallel.etp,
-                                  job.model.num_moe_experts or 0)
+        grads = merge_rank_grads([r["grads"] for r in results], job)
         geom, _, _ = read_hf_checkpoint(hf_dir)
         ref_grads = hf_to_mcore(ref["grads"], geom)
         assert sorted(grads) == sorted(ref_grads)
@@ -242,10 +168,9 @@ def test_loop_recipe_with_correction_matches_reference(models):
         {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "token_k1",
          "rollout_rs_threshold": "0.3_3.0"})
     batch, _, adv, _, _ = _data(job.model.vocab_size, seed=3)
-    model = transformers.AutoModelForCausalLM.from_pretrained(models["qwen2"], dtype=torch.float32).eval()
+    model = load_hf_reference(models["qwen2"]).eval()
     with torch.no_grad():
-        logits = model(input_ids=batch.tokens).logits[:, :-1] / T
-    old = torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+        old = hf_token_log_probs(model, batch.tokens, T)
     # rollout log-probs = the policy's plus bf16-like noise (some tokens beyond the RS bounds)
     noise = 0.6 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4))
     rollout = ((old + noise).clamp(max=-1e-4) * batch.response_mask).to(torch.float32)

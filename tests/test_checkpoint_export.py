@@ -30,13 +30,10 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("ckpt_export")
-    return {"qwen2": str(build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=41, num_hidden_layers=4)),
-            "deep": str(build_tiny_hf_model(root / "deep", arch="qwen2", seed=43, num_hidden_layers=8)),
-            "moe": str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=42))}
+def models(tiny_hf_model):
+    return {"qwen2": tiny_hf_model("qwen2", seed=41, num_hidden_layers=4),
+            "deep": tiny_hf_model("qwen2", seed=43, num_hidden_layers=8),
+            "moe": tiny_hf_model("qwen3_moe", seed=42)}
 
 
 def _job(hf_dir, tp=1, pp=1, ep=1, vpp=None):

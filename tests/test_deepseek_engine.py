@@ -17,7 +17,6 @@ per-expert safetensors tensors), HF's own router top-k, and the actor's exported
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_deepseek_engine.py -q``
 """
-import dataclasses
 import json
 import math
 import os
@@ -28,11 +27,12 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import MegatronActor, RolloutBatch
-from megatron_rl.config import job_config_from_dict, load_job_config
-from megatron_rl.convert.hf_config import model_config_from_hf
+from megatron_rl.config import load_job_config
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.testing.actor_reference import (TOKEN_IS, actor_job, load_hf_reference, parallel_section,
+                                                 unfuse_experts)
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -42,14 +42,12 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    return build_tiny_hf_model(tmp_path_factory.mktemp("dsv3_engine") / "m", arch="deepseek_v3", seed=11)
+def hf_dir(tiny_hf_model):
+    return tiny_hf_model("deepseek_v3", seed=11)
 
 
 def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_hf_reference(path).eval()
 
 
 def _hf_response_logprobs(model, prompt, response, temperature):
@@ -57,22 +55,6 @@ def _hf_response_logprobs(model, prompt, response, temperature):
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0].double()
     lsm = torch.log_softmax(logits / (temperature or 1.0), -1)
     return torch.tensor([float(lsm[len(prompt) - 1 + j, t]) for j, t in enumerate(response)], dtype=torch.float64)
-
-
-def _unfuse(sd):
-    """transformers keeps routed experts fused in memory; map to the per-expert names an export writes."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            pre, f = k[: -len("gate_up_proj")], v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{pre}{e}.gate_proj.weight"], out[f"{pre}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
-        elif k.endswith("mlp.experts.down_proj"):
-            for e in range(v.shape[0]):
-                out[f"{k[: -len('down_proj')]}{e}.down_proj.weight"] = v[e]
-        elif not k.endswith("inv_freq"):
-            out[k] = v
-    return out
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [100, 7, 250, 3]]
@@ -111,17 +93,9 @@ def test_generation_and_routing_match_hf(hf_dir):
 
 
 def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, first=None, last=None):
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({
-        "model": model,
-        "actor": {"load_hf": hf_dir, "micro_batch_size": 2, "lr": 1e-2, "clip_grad": 1.0},
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, "sequence_parallel": sp,
-                     "num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last},
-        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
-                                             "bypass_mode": False, "loss_type": "ppo_clip"}},
-    })
+    return actor_job(hf_dir, {"micro_batch_size": 2, "lr": 1e-2, "clip_grad": 1.0},
+                     parallel_section(tp=tp, pp=pp, ep=ep, etp=etp, sp=sp, first=first, last=last),
+                     correction=TOKEN_IS)
 
 
 def _train_and_export(rank, world, job):
@@ -156,7 +130,7 @@ def test_weight_sync_after_train_step_is_exact(hf_dir, tmp_path, name, layout, w
     engine.update_weights_from_state_dict(exported, version="1")
     assert engine.weight_version == "1"
     # bit for bit: every exported tensor lands in the engine (fused expert slices included), nothing else there
-    own = _unfuse(engine.model.state_dict())
+    own = unfuse_experts(engine.model.state_dict(), drop_suffixes=("inv_freq",))
     assert sorted(own) == sorted(exported)
     for k, v in exported.items():
         assert torch.equal(own[k], v.to(torch.float32)), f"{name}: engine {k} != exported"
@@ -185,7 +159,7 @@ def test_weight_sync_after_train_step_is_exact(hf_dir, tmp_path, name, layout, w
 
 # ------------------------------------------------------------------ the RL loop end to end
 @pytest.fixture(scope="module")
-def task_model(tmp_path_factory):
+def dsv3_task_model(tmp_path_factory):
     """The tiny DeepSeek-V3 over the copy task's char vocabulary."""
     from megatron_rl.convert.random_model import write_random_hf_model
     from megatron_rl.tasks.char_tokenizer import VOCAB, VOCAB_MULTIPLE, build_char_tokenizer
@@ -212,7 +186,7 @@ def _train_body(rank, world, cfg):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sync", ["disk", "tensor"])
-def test_rl_loop_runs_with_embedded_engine(task_model, tmp_path, sync):
+def test_rl_loop_runs_with_embedded_engine(dsv3_task_model, tmp_path, sync):
     run_dir = str(tmp_path / "run")
     cfg = load_job_config(None, [
         "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
@@ -220,7 +194,7 @@ def test_rl_loop_runs_with_embedded_engine(task_model, tmp_path, sync):
         "rollout.max_new_tokens=4", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=4",
         "data.task=copy", "data.task_kwargs={min_digits: 1, max_digits: 2}",
         "algorithm.rollout_correction={rollout_is: token, rollout_is_threshold: 2.0}",
-        "actor.lr=1e-3", "actor.micro_batch_size=4", f"actor.load_hf={task_model}", "actor.routing_replay=r3",
+        "actor.lr=1e-3", "actor.micro_batch_size=4", f"actor.load_hf={dsv3_task_model}", "actor.routing_replay=r3",
         "trainer.steps=2", f"trainer.run_dir={run_dir}", "trainer.dump_rollouts=true", "trainer.progress=false",
         f"rollout.weight_sync={sync}",
     ], world_size=4)
@@ -235,7 +209,7 @@ def test_rl_loop_runs_with_embedded_engine(task_model, tmp_path, sync):
     # step 1's mismatch KL (bf16 engine vs fp32 actor) == recomputed from the dumped rollouts with HF fp32
     with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
         recs = [r for r in map(json.loads, fh) if r["step"] == 1]
-    model = _hf(task_model)
+    model = _hf(dsv3_task_model)
     d = [t - r for rec in recs
          for t, r in zip(_hf_response_logprobs(model, rec["prompt_ids"], rec["response_ids"], 1.0).tolist(),
                          rec["rollout_log_probs"])]

@@ -16,71 +16,41 @@ single-process HF + torch AdamW step (the ``test_actor_train`` recipe) for the t
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_deepseek_v3.py -q``
 """
-import dataclasses
-import json
-import os
-
 import pytest
 import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
-from megatron_rl.actor import MegatronActor, RolloutBatch
-from megatron_rl.config import job_config_from_dict
-from megatron_rl.convert.hf_config import model_config_from_hf
+from megatron_rl.actor import MegatronActor
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, parallel_section
+from megatron_rl.testing.actor_reference import hf_adamw, hf_token_log_probs, load_hf_reference, unfuse_experts
+from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
 T = 0.9
-LR = 1e-3
-CLIP = 0.02
-LOSS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "seq-mean-token-mean"}
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    return build_tiny_hf_model(tmp_path_factory.mktemp("dsv3") / "m", arch="deepseek_v3", seed=11)
+def hf_dir(tiny_hf_model):
+    return tiny_hf_model("deepseek_v3", seed=11)
 
 
 def _data(vocab, B=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    plens = torch.randint(2, 6, (B,), generator=g).tolist()
-    rlens = torch.randint(2, 9, (B,), generator=g).tolist()
-    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p in plens]
-    responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for r in rlens]
-    rollout_lp = [(-torch.rand(r, generator=g) * 3 - 0.1).tolist() for r in rlens]
-    batch = RolloutBatch.from_sequences(prompts, responses, rollout_lp)
-    W = batch.max_length - 1
-    mask = batch.response_mask.clone()
-    old = (batch.rollout_log_probs + 0.3 * torch.randn(B, W, generator=g) * mask).clamp(max=-1e-3)
-    is_w = (torch.rand(B, W, generator=g) + 0.5) * mask
-    adv = torch.randn(B, generator=g)
-    return batch, old, adv, mask, is_w
+    return policy_data(vocab, B, seed, prompt_len=(2, 6), response_len=(2, 9), reject_token=False)
 
 
 def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, first=None, last=None, mbs=2):
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({
-        "model": model,
-        "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP, "weight_decay": 0.1,
-                  "policy_loss": LOSS},
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, "sequence_parallel": sp,
-                     "num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last},
-        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
-                                             "bypass_mode": False, "loss_type": "ppo_clip"}},
-    })
+    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP_GRAD, "weight_decay": 0.1,
+                              "policy_loss": PPO_LOSS},
+                     parallel_section(tp=tp, pp=pp, ep=ep, etp=etp, sp=sp, first=first, last=last),
+                     correction=TOKEN_IS)
 
 
 def _rank(rank, world, job, data):
     from megatron_rl.actor import row_blocks
-    from megatron_rl.convert import canonical_state_dict
-    from megatron_rl.convert.partition import RankCoords
 
     batch, old, adv, mask, is_w = data
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
@@ -91,65 +61,38 @@ def _rank(rank, world, job, data):
     lp, _ = actor.compute_log_probs(shard, T)
     metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], mask[start:end, :W],
                                is_w[start:end, :W], T)
-    grads = []
-    p = job.parallel
-    for i, chunk in enumerate(actor.model):
-        named = {n: q.main_grad.detach().clone() for n, q in chunk.module.named_parameters()}
-        coords = RankCoords.from_groups(actor.groups, vp_stage=i, first_stage_layers=p.num_layers_in_first_pipeline_stage,
-                                        last_stage_layers=p.num_layers_in_last_pipeline_stage)
-        grads.append((coords, canonical_state_dict(named)))
-    return {"rows": (start, end), "lp": lp, "metrics": metrics, "grads": grads, "hf_sd": actor.full_state_dict_hf()}
-
-
-def _unfuse(sd):
-    """transformers keeps routed experts fused in memory; map to the per-expert names it saves."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            pre, f = k[: -len("gate_up_proj")], v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{pre}{e}.gate_proj.weight"], out[f"{pre}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
-        elif k.endswith("mlp.experts.down_proj"):
-            for e in range(v.shape[0]):
-                out[f"{k[: -len('down_proj')]}{e}.down_proj.weight"] = v[e]
-        else:
-            out[k] = v
-    return out
+    return {"rows": (start, end), "lp": lp, "metrics": metrics, "grads": rank_main_grads(actor, job.parallel),
+            "hf_sd": actor.full_state_dict_hf()}
 
 
 def _hf_logprobs(model, tokens):
-    logits = model(input_ids=tokens).logits[:, :-1] / T
-    return torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return hf_token_log_probs(model, tokens, T, double=True)
 
 
 def _reference(hf_dir, data):
     """HF forward log-probs, then one HF + torch AdamW step on the whole batch."""
     batch, old, adv, mask, is_w = data
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = load_hf_reference(hf_dir)
     model.train()
     with torch.no_grad():
         lp = _hf_logprobs(model, batch.tokens) * batch.response_mask
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    opt = hf_adamw(model, LR, weight_decay=0.1)
     W = batch.max_length - 1
-    logits = model(input_ids=batch.tokens).logits[:, :-1] / T
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
-    loss = compute_policy_loss(logp, old, adv[:, None].expand(-1, W), mask, PolicyLossConfig(**LOSS),
+    logp = hf_token_log_probs(model, batch.tokens, T)
+    loss = compute_policy_loss(logp, old, adv[:, None].expand(-1, W), mask, PolicyLossConfig(**PPO_LOSS),
                                loss_type="ppo_clip", is_weights=is_w)
     loss.loss.backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
-    grads = _unfuse({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD))
+    grads = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})
     opt.step()
     return {"lp": lp, "pg_loss": float(loss.pg_loss.detach()), "grad_norm": norm, "grads": grads,
-            "weights": _unfuse({n: p.detach().clone() for n, p in model.state_dict().items()})}
+            "weights": unfuse_experts({n: p.detach().clone() for n, p in model.state_dict().items()})}
 
 
 def test_expert_bias_changes_hf_routing(hf_dir):
     """The tiny model's e_score_correction_bias changes which experts HF selects (else the bias path of the
     comparisons below would be untested)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = load_hf_reference(hf_dir).eval()
     tokens = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = _hf_logprobs(model, tokens)
@@ -172,7 +115,6 @@ CASES = [("tp1", dict(), 1),
 @pytest.mark.parametrize("name,layout,world", CASES, ids=[c[0] for c in CASES])
 def test_logprobs_and_train_step_match_hf(hf_dir, name, layout, world):
     from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
-    from megatron_rl.convert.partition import merge_state_dicts
 
     job = _job(hf_dir, **layout)
     data = _data(384)
@@ -190,12 +132,7 @@ def test_logprobs_and_train_step_match_hf(hf_dir, name, layout, world):
     m = results[0]["metrics"]
     assert all(r["metrics"] == m for r in results), "metrics differ between ranks"
     assert m["actor/pg_loss"] == pytest.approx(ref["pg_loss"], rel=1e-5, abs=1e-7)
-    shards = {}
-    for r in results:
-        for coords, g in r["grads"]:
-            shards.setdefault(coords, {}).update(g)
-    grads = merge_state_dicts(shards, job.model.num_layers, False, job.parallel.tensor_model_parallel_size,
-                              job.parallel.etp, job.model.num_moe_experts)
+    grads = merge_rank_grads([r["grads"] for r in results], job)
     geom, _, hf_sd = read_hf_checkpoint(hf_dir)
     ref_grads = dict(ref["grads"])
     for k, v in hf_sd.items():  # the expert bias is a buffer (no grad): filled in, then left out
@@ -206,7 +143,7 @@ def test_logprobs_and_train_step_match_hf(hf_dir, name, layout, world):
     for k, g in ref_grads.items():
         torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=lambda s: f"{name} grad {k}: {s}")
     assert m["actor/grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    assert ref["grad_norm"] > CLIP, "clipping must be active for the test to cover it"
+    assert ref["grad_norm"] > CLIP_GRAD, "clipping must be active for the test to cover it"
     out = results[0]["hf_sd"]
     assert out is not None and all(r["hf_sd"] is None for r in results[1:])
     assert sorted(out) == sorted(ref["weights"])

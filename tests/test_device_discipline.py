@@ -4,7 +4,7 @@ and with NCCL-like groups that refuse any other device (``megatron_rl.testing.fa
 * ``parallel.devices`` stages a tensor on the device its group's backend takes and copies the result back
   (gloo: CPU, the NCCL-like ``fakeccl``: ``fakegpu``); the shim itself refuses the wrong device, so these
   tests can fail.
-* The step logic of the loop on 2 DP ranks — ``step_inputs`` (the batch, rewards, group index and lag moved
+* The step logic of the loop on 2 DP ranks — ``StepBatch.shard`` (the batch, rewards, group index and lag moved
   to the actor's device once), the rollout correction, the policy-lag metrics, the advantages and the stop
   flag — with the actor's log-probs on ``fakegpu``, the DP group and the default group ``fakeccl``: the
   results equal the same step computed in one process on the CPU, and the lag / advantage values equal
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_rl.correction.lag as lag_module
-import megatron_rl.trainer.step_inputs as step_inputs_module
+import megatron_rl.trainer.step_batch as step_batch_module
 import megatron_rl.trainer.weight_sync as weight_sync_module
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.algo.advantages import compute_advantages
@@ -35,8 +35,7 @@ from megatron_rl.correction.config import RolloutCorrectionConfig
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.testing import fake_accelerator as fa
 from megatron_rl.testing.distributed import RankError, run_ranks
-from megatron_rl.trainer.rollout_phase import StepRollouts
-from megatron_rl.trainer.step_inputs import any_rank, step_inputs
+from megatron_rl.trainer.step_batch import StepBatch, any_rank
 
 N_SAMPLES, STEP, MAX_LAG = 2, 3, 1
 CORR = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
@@ -56,8 +55,8 @@ def _payload(seed=0, prompts=4):
         r_lp.append((-torch.rand(r, generator=g) * 3).tolist())
         versions.append((STEP - torch.randint(0, MAX_LAG + 1, (r,), generator=g)).tolist())
     rewards = torch.randint(0, 3, (prompts * N_SAMPLES,), generator=g).float().tolist()
-    payload = StepRollouts(prompt_ids=p_ids, response_ids=r_ids, rollout_log_probs=r_lp, rewards=rewards,
-                           weight_version=f"step-{STEP - 1}", token_versions=versions)
+    payload = StepBatch(prompt_ids=p_ids, response_ids=r_ids, rollout_log_probs=r_lp, rewards=rewards,
+                        weight_version=f"step-{STEP - 1}", token_versions=versions)
     batch = RolloutBatch.from_sequences(p_ids, r_ids, r_lp)
     noise = torch.randn(batch.rollout_log_probs.shape, generator=g) * 0.3
     train_lp = (batch.rollout_log_probs + noise).clamp(max=-0.01) * batch.response_mask
@@ -65,10 +64,10 @@ def _payload(seed=0, prompts=4):
 
 
 def _step(payload, train_lp, device, dp_rank=0, dp_size=1, group=None):
-    """The loop's step logic after the log-prob pass (trainer/loop.py, steps 2, 4, 5 and 9)."""
-    inputs = step_inputs(payload, STEP, N_SAMPLES, 0, dp_rank, dp_size, device)
+    """The step's logic after the log-prob pass (trainer/step.py) and the loop's stop flag (trainer/loop.py)."""
+    inputs = payload.shard(STEP, N_SAMPLES, 0, dp_rank, dp_size, device)
     old_lp = train_lp[inputs.rows.start:inputs.rows.stop].to(device)  # the actor's output, on its device
-    shard = inputs.shard
+    shard = inputs.batch
     corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, CORR, group=group)
     lag = policy_lag_metrics(old_lp, shard.rollout_log_probs, shard.response_mask, inputs.token_lag, MAX_LAG,
                              group=group)
@@ -232,7 +231,7 @@ OLD_SITES = {
                            "response_mask on cpu"),
     "lag_sums_on_host": ((lag_module, "all_reduce_", _host_all_reduce),
                          "fakeccl all_reduce: a tensor on cpu"),
-    "stop_flag_on_host": ((step_inputs_module, "all_reduce_", _plain_all_reduce),
+    "stop_flag_on_host": ((step_batch_module, "all_reduce_", _plain_all_reduce),
                           "fakeccl all_reduce: a tensor on cpu"),
     "bucket_sent_from_host": ((weight_sync_module, "send_", _plain_send),
                               "fakeccl (send|recv): a tensor on cpu"),

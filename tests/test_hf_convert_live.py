@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 
 def _load_export(rank, world, ckpt, assets, out, pcfg_kw, padded_vocab, scale):
-    from megatron_rl.actor.groups import ActorGroups
+    from megatron_rl.parallel.groups import ActorGroups
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
 

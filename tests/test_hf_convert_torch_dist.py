@@ -45,7 +45,7 @@ _SAVE_SCRIPT = textwrap.dedent('''
 
     def save(hf, out, tp, ep, div):
         from megatron.core import dist_checkpointing
-        from megatron_rl.actor.groups import ActorGroups
+        from megatron_rl.parallel.groups import ActorGroups
         from megatron_rl.models import build_gpt_model
         from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
         from megatron_rl.convert import model_config_for_checkpoint, load_checkpoint_into_model

@@ -13,10 +13,12 @@ import time
 
 import pytest
 
-from megatron_rl.rollout.sglang_server import find_free_port, sglang_available, sglang_python
+from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
 
 requests = pytest.importorskip("requests")
 pytest.importorskip("transformers")
+
+from megatron_rl.testing.sglang_script import start_server_script, wait_healthy  # noqa: E402
 
 _OK, _REASON = sglang_available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow, pytest.mark.timeout(900)]
@@ -40,29 +42,14 @@ def _alive(pid):
         return False
 
 
-def test_cpu_server_via_launch_script(tmp_path):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    model = build_tiny_hf_model(tmp_path / "tiny", arch="qwen2", seed=0)
+def test_cpu_server_via_launch_script(tmp_path, dense_model):
     port = find_free_port()
     log = tmp_path / "server.log"
-    env = dict(os.environ, MEGATRON_RL_SGLANG_PYTHON=sglang_python(), OMP_NUM_THREADS="1")
-    p = subprocess.Popen(["bash", os.path.join(ROOT, "launch", "sglang_server.sh"), "--model", str(model),
-                          "--device", "cpu", "--port", str(port), "--log", str(log), "--", "--random-seed", "0"],
-                         env=env, cwd=ROOT)
+    p = start_server_script(ROOT, dense_model, port, log)
     url = f"http://127.0.0.1:{port}"
     children = []
     try:
-        deadline = time.time() + 600
-        while True:
-            assert p.poll() is None, f"server exited with {p.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.time() < deadline, f"not ready after 600 s:\n{log.read_text()[-3000:]}"
-            time.sleep(2)
+        wait_healthy(p, url, log, timeout=600, poll=2)
         # the script exec'ed the server: the pid we hold is python -m sglang.launch_server
         cmdline = open(f"/proc/{p.pid}/cmdline", "rb").read().split(b"\0")
         assert b"sglang.launch_server" in cmdline and b"--device" in cmdline

@@ -17,40 +17,11 @@ import time
 
 import pytest
 
-from megatron_rl.tasks.char_tokenizer import build_task_model
+from megatron_rl.testing.jobs import copy_job, write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch", "torchrun.sh")
-
-JOB = """\
-parallel:
-  tensor_model_parallel_size: 2
-rollout:
-  max_new_tokens: 4
-  n_samples_per_prompt: 2
-data:
-  task: copy
-  prompts_per_step: 4
-  task_kwargs: {{min_digits: 1, max_digits: 2}}
-actor:
-  lr: 1.0e-3
-  micro_batch_size: 4
-  load_hf: {model}
-trainer:
-  steps: 100000
-  run_dir: {run}
-  progress: false
-  collective_timeout_s: 120
-  phase_timeout_s: 120
-"""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_task_model(str(tmp_path_factory.mktemp("model") / "m"), task="copy", seed=0, hidden_size=32,
-                            num_layers=1)
-
 
 def _env():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID",
@@ -59,9 +30,8 @@ def _env():
 
 
 def _job(tmp_path, model_dir):
-    job = tmp_path / "job.yaml"
-    job.write_text(JOB.format(model=model_dir, run=tmp_path / "run"))
-    return job
+    return write_job(tmp_path / "job.yaml", copy_job(model_dir, tmp_path / "run", steps=100000, progress=False,
+                                                     collective_timeout_s=120, phase_timeout_s=120))
 
 
 def _steps(run):
@@ -109,8 +79,8 @@ def _assert_clean_stop(proc, out, run, signum):
     return done
 
 
-def test_config_error_is_reported_before_torchrun_starts(tmp_path, model_dir):
-    job = _job(tmp_path, model_dir)
+def test_config_error_is_reported_before_torchrun_starts(tmp_path, copy_model):
+    job = _job(tmp_path, copy_model)
     t0 = time.time()
     r = subprocess.run(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--config",
                         str(job), "actor.lr=abc"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
@@ -123,8 +93,8 @@ def test_config_error_is_reported_before_torchrun_starts(tmp_path, model_dir):
     assert took < 60, took
 
 
-def test_ctrl_c_checkpoints_exits_0_and_resume_continues_through_the_launcher(tmp_path, model_dir):
-    job = _job(tmp_path, model_dir)
+def test_ctrl_c_checkpoints_exits_0_and_resume_continues_through_the_launcher(tmp_path, copy_model):
+    job = _job(tmp_path, copy_model)
     run = tmp_path / "run"
     proc = _launch(tmp_path, job)
     # a terminal's Ctrl-C: SIGINT to the foreground process group (the launcher's)
@@ -139,8 +109,8 @@ def test_ctrl_c_checkpoints_exits_0_and_resume_continues_through_the_launcher(tm
     assert _steps(run) == list(range(1, done + 2))
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_0(tmp_path, model_dir):
-    job = _job(tmp_path, model_dir)
+def test_sigterm_to_the_launcher_checkpoints_and_exits_0(tmp_path, copy_model):
+    job = _job(tmp_path, copy_model)
     run = tmp_path / "run"
     proc = _launch(tmp_path, job)
     out, took = _stop_after_two_steps(proc, run, lambda p: p.send_signal(signal.SIGTERM))

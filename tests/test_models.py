@@ -268,15 +268,21 @@ def test_shard_unshard_round_trip_is_exact():
         unshard_state_dicts(bad, mc, pc)
 
 
-def _mismatch_body(rank, world):
-    initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=2))
-    mc = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=16)
+def _build_error(mc, pc):
+    """The ValueError message ``build_gpt_model`` raises (None if it builds); the model-parallel state is torn
+    down either way."""
     try:
-        build_gpt_model(mc, ParallelConfig())
+        build_gpt_model(mc, pc)
     except ValueError as e:
         return str(e)
     finally:
         destroy_model_parallel()
+
+
+def _mismatch_body(rank, world):
+    initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=2))
+    mc = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=16)
+    return _build_error(mc, ParallelConfig())
 
 
 @pytest.mark.timeout(60)
@@ -355,12 +361,7 @@ def _cp_body(rank, world):
     pc = ParallelConfig(context_parallel_size=2)
     mc = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=16)
     initialize_model_parallel(pc, model=mc)
-    try:
-        build_gpt_model(mc, pc)
-    except ValueError as e:
-        return str(e)
-    finally:
-        destroy_model_parallel()
+    return _build_error(mc, pc)
 
 
 @pytest.mark.timeout(60)

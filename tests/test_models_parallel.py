@@ -15,11 +15,11 @@ import functools
 import pytest
 import torch
 
+from megatron_rl.parallel.groups import ActorGroups  # noqa: E402
 from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
 apply_cpu_patches()
 
-from megatron_rl.actor.groups import ActorGroups  # noqa: E402
 from megatron_rl.convert.live import gather_full_state_dict, load_full_state_dict_into_model  # noqa: E402
 from megatron_rl.convert.partition import RankCoords, merge_state_dicts  # noqa: E402
 from megatron_rl.models import ModelConfig, build_gpt_model  # noqa: E402

@@ -18,39 +18,26 @@ Run: ``OMP_NUM_THREADS=1 pytest tests/test_moe_grad_norm.py -q``
 import math
 
 import pytest
-import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import MegatronActor
-from megatron_rl.config import job_config_from_dict
-from megatron_rl.convert.hf_config import model_config_from_hf
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.platform.mcore_version import MCORE
+from megatron_rl.testing.actor_reference import actor_job, load_hf_reference
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    return str(build_tiny_hf_model(tmp_path_factory.mktemp("moe_gn") / "m", arch="qwen3_moe", seed=31))
+def hf_dir(tiny_hf_model):
+    return tiny_hf_model("qwen3_moe", seed=31)
 
 
 def _job(hf_dir, tp, ep, etp):
-    import dataclasses
-    import json
-    import os
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({
-        "model": model,
-        "actor": {"load_hf": hf_dir, "micro_batch_size": 2, "lr": 1e-3, "clip_grad": 0.5},
-        "parallel": {"tensor_model_parallel_size": tp, "expert_model_parallel_size": ep,
-                     "expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1},
-    })
+    return actor_job(hf_dir, {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 0.5},
+                     {"tensor_model_parallel_size": tp, "expert_model_parallel_size": ep,
+                      "expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1})
 
 
 def _rank_norm_of_ones(rank, world, job):
@@ -66,7 +53,7 @@ def _rank_norm_of_ones(rank, world, job):
 
 def _counts(hf_dir):
     """(all parameters, routed-expert parameters) of the single-process HF model."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = load_hf_reference(hf_dir)
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     assert 0 < experts < total

@@ -22,8 +22,6 @@ Checked (tiny Qwen3-MoE: 4 layers, 8 experts, top-2; routing forced to random di
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_routing_replay.py -q``
 """
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -32,50 +30,30 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
 from megatron_rl.actor.batch import BatchError
 from megatron_rl.actor.routing import RoutingError
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import PPO_LOSS, TOKEN_IS, actor_job, load_hf_reference, parallel_section
+from megatron_rl.testing.actor_reference import hf_token_log_probs, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
 T = 0.8
-LOSS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "seq-mean-token-mean"}
 E, K, NL = 8, 2, 4
 RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("routing")
-    return str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=31, num_hidden_layers=NL, num_experts=E,
-                                   num_experts_per_tok=K))
-
-
-def _model_section(hf_dir, extra=None):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        m = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    m["moe_router_load_balancing_type"] = "none"
-    m["moe_aux_loss_coeff"] = 0.0
-    m["extra"] = dict(extra or {})
-    return m
+def moe_dir(tiny_hf_model):
+    return tiny_hf_model("qwen3_moe", seed=31, num_hidden_layers=NL, num_experts=E, num_experts_per_tok=K)
 
 
 def _job(hf_dir, tp=1, pp=1, ep=1, sp=False, mbs=3, extra=None, lr=1e-3, etp=None, **actor):
-    return job_config_from_dict({
-        "model": _model_section(hf_dir, extra),
-        "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, "lr": lr, "clip_grad": 0.0, "policy_loss": LOSS,
-                  **actor},
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "sequence_parallel": sp,
-                     **({"expert_tensor_parallel_size": etp} if etp else {})},
-        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
-                                             "bypass_mode": False, "loss_type": "ppo_clip"}},
-    })
+    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": lr, "clip_grad": 0.0, "policy_loss": PPO_LOSS, **actor},
+                     parallel_section(tp=tp, pp=pp, ep=ep, sp=sp, etp=etp or None),
+                     model={"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+                            "extra": dict(extra or {})},
+                     correction=TOKEN_IS)
 
 
 def _data(vocab, B=8, seed=0):
@@ -131,28 +109,11 @@ def _force(model, forced, own_out=None):
 
 
 def _hf_logp(model, tokens):
-    logits = model(input_ids=tokens).logits[:, :-1] / T
-    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-
-
-def _unfuse(sd):
-    out = {}
-    for k, v in sd.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            pre, f = k[: -len("gate_up_proj")], v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{pre}{e}.gate_proj.weight"], out[f"{pre}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
-        elif k.endswith("mlp.experts.down_proj"):
-            pre = k[: -len("down_proj")]
-            for e in range(v.shape[0]):
-                out[f"{pre}{e}.down_proj.weight"] = v[e]
-        else:
-            out[k] = v
-    return out
+    return hf_token_log_probs(model, tokens, T)
 
 
 def _hf_reference(hf_dir, batch, forced, old, adv, is_w):
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = load_hf_reference(hf_dir)
     model.eval()
     with torch.no_grad():
         natural = _hf_logp(model, batch.tokens)
@@ -165,9 +126,9 @@ def _hf_reference(hf_dir, batch, forced, old, adv, is_w):
     model.train()
     W = S - 1
     out = compute_policy_loss(_hf_logp(model, batch.tokens), old, adv[:, None].expand(-1, W), batch.response_mask,
-                              PolicyLossConfig(**LOSS), is_weights=is_w, **_loss_type())
+                              PolicyLossConfig(**PPO_LOSS), is_weights=is_w, **_loss_type())
     out.loss.backward()
-    grads = _unfuse({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    grads = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})
     valid = torch.arange(W)[None] < (batch.lengths[:, None] - 1)
     hit = (forced[:, :W].unsqueeze(-1) == own.unsqueeze(-2)).any(-1) & valid[:, :, None, None]
     agreement = {"all": float(hit.sum()) / (float(valid.sum()) * NL * K),
@@ -277,7 +238,7 @@ def _rank_r2(rank, world, job, data):
 def _hf_train(hf_dir, batch, forced, old, adv, is_w, lr, steps_rows):
     """HF + AdamW over mini-batches, routers forced to ``forced`` (None: HF's own routing). Also returns
     HF's own top-k at the weights each mini-batch starts from ([B_mb, S, NL, k])."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = load_hf_reference(hf_dir)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     B, S = batch.tokens.shape
@@ -289,12 +250,12 @@ def _hf_train(hf_dir, batch, forced, old, adv, is_w, lr, steps_rows):
         _force(model, None if forced is None else forced[rows], own)
         opt.zero_grad()
         out = compute_policy_loss(_hf_logp(model, batch.tokens[rows]), old[rows], adv[rows, None].expand(-1, W),
-                                  batch.response_mask[rows], PolicyLossConfig(**LOSS), is_weights=is_w[rows],
+                                  batch.response_mask[rows], PolicyLossConfig(**PPO_LOSS), is_weights=is_w[rows],
                                   **_loss_type())
         out.loss.backward()
         opt.step()
         own_per_step.append(torch.stack([o.reshape(len(rows), S, K) for o in own], dim=2))
-    return _unfuse({n: p.detach().clone() for n, p in model.state_dict().items()}), own_per_step
+    return unfuse_experts({n: p.detach().clone() for n, p in model.state_dict().items()}), own_per_step
 
 
 @pytest.mark.timeout(240)
@@ -307,7 +268,7 @@ def test_r2_replays_log_prob_pass_routing_in_every_train_forward(moe_dir, layout
     B, S = batch.tokens.shape
     results = run_ranks(_rank_r2, world, job, (batch, None, old, adv, is_w), timeout=200)
     # HF's own routing at the initial weights: what the log-prob pass must have recorded
-    model = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    model = load_hf_reference(moe_dir).eval()
     own0 = []
     _force(model, None, own0)
     with torch.no_grad():

@@ -19,9 +19,6 @@ Run: OMP_NUM_THREADS=1 pytest tests/test_routing_sglang.py -q
 """
 import base64
 import copy
-import dataclasses
-import json
-import os
 
 import numpy as np
 import pytest
@@ -31,15 +28,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import megatron.core  # noqa: E402,F401
-from megatron_rl.actor import MegatronActor, RolloutBatch  # noqa: E402
-from megatron_rl.config import job_config_from_dict  # noqa: E402
-from megatron_rl.parallel import initialize_model_parallel  # noqa: E402
 from megatron_rl.rollout.base import MalformedResponseError, SamplingParams  # noqa: E402
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine, parse_generate_response  # noqa: E402
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout  # noqa: E402
 from megatron_rl.rollout.sglang_server import launch_sglang_server, sglang_available  # noqa: E402
+from megatron_rl.testing.actor_reference import load_hf_reference  # noqa: E402
 from megatron_rl.testing.distributed import run_ranks  # noqa: E402
-from megatron_rl.testing.tiny_hf import build_tiny_hf_model  # noqa: E402
+from megatron_rl.testing.routing_reference import (hf_own_routing, random_prompts, rank_replay_mismatch,  # noqa: E402
+                                                   replay_job, rollouts_batch)
 from megatron_rl.trainer.rollout_phase import rollout_routing  # noqa: E402
 
 _OK, _REASON = sglang_available()
@@ -53,10 +49,8 @@ MIN_AGREEMENT = 0.95
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang_moe")
-    return str(build_tiny_hf_model(root / "moe", arch="qwen3_moe", seed=41, num_hidden_layers=NL, num_experts=E,
-                                   num_experts_per_tok=K))
+def moe_dir(tiny_hf_model):
+    return tiny_hf_model("qwen3_moe", seed=41, num_hidden_layers=NL, num_experts=E, num_experts_per_tok=K)
 
 
 @pytest.fixture(scope="module")
@@ -71,26 +65,9 @@ def server(moe_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollouts(server):
     engine = SGLangEngine(server.url, request_timeout=120, retry=RetryPolicy(max_attempts=2, backoff_initial=0.5))
-    rs = engine.generate(_prompts(8, seed=1), SamplingParams(temperature=T, max_new_tokens=12), n=2)
+    rs = engine.generate(random_prompts(8, seed=1), SamplingParams(temperature=T, max_new_tokens=12), n=2)
     engine.close()
     return rs
-
-
-def _prompts(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 300, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-def _hf_own_routing(model, ids):
-    """HF's own top-k per MoE layer for one unpadded sequence (fp32, no KV cache): [len(ids), NL, k]."""
-    got = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: got.append(o[2])) for layer in model.model.layers]
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
-    return torch.stack(got, dim=1)
 
 
 def test_server_is_launched_with_the_routed_experts_flag(server):
@@ -100,14 +77,14 @@ def test_server_is_launched_with_the_routed_experts_flag(server):
 
 
 def test_captured_routing_matches_hf_routers(rollouts, moe_dir):
-    model = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    model = load_hf_reference(moe_dir).eval()
     agree = shifted = total = 0
     lengths = set()
     for r in rollouts:
         n = len(r.prompt_ids) + len(r.response_ids) - 1
         assert r.routed_experts is not None, "the engine must ask for routing from a server started with the flag"
         assert r.routed_experts.dtype == torch.uint8 and tuple(r.routed_experts.shape) == (n, NL, K)
-        ref = _hf_own_routing(model, (r.prompt_ids + r.response_ids)[:n]).sort(-1).values
+        ref = hf_own_routing(model, (r.prompt_ids + r.response_ids)[:n]).sort(-1).values
         got = r.routed_experts.long().sort(-1).values
         agree += int((got == ref).all(-1).sum())
         shifted += int((got[1:] == ref[:-1]).all(-1).sum())
@@ -127,36 +104,12 @@ def test_capture_off_returns_no_routing(server):
     assert r.routed_experts is None
 
 
-def _job(hf_dir, mode):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        m = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    m.update(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
-    return job_config_from_dict({"model": m, "actor": {"load_hf": hf_dir, "micro_batch_size": 4,
-                                                       "routing_replay": mode}})
-
-
-def _rank_kl(rank, world, job, batch, temperature):
-    initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
-    out = {}
-    for mode in ("none", "r3"):
-        actor.routing_mode = mode
-        lp, _ = actor.compute_log_probs(batch, temperature, compute_entropy=False)
-        mask = batch.response_mask.bool()
-        d = (batch.rollout_log_probs - lp)[mask]
-        out[mode] = {"k3": float((torch.exp(d) - 1 - d).mean()), "metrics": dict(actor.routing_metrics)}
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_r3_replay_of_sglang_routing_lowers_mismatch(rollouts, moe_dir):
     routing = rollout_routing(rollouts)
     assert routing is not None and len(routing) == len(rollouts)
-    batch = RolloutBatch.from_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
-                                        [r.rollout_log_probs for r in rollouts], routing=routing)
-    res = run_ranks(_rank_kl, 1, _job(moe_dir, "r3"), batch, T, timeout=240)[0]
+    res = run_ranks(rank_replay_mismatch, 1, replay_job(moe_dir, "r3"), rollouts_batch(rollouts, routing), T,
+                    timeout=240)[0]
     agreement = res["none"]["metrics"]["rollout_corr/router_agreement"]
     print("SGLang: router_agreement", agreement, "k3 none", res["none"]["k3"], "k3 r3", res["r3"]["k3"])
     assert 0.5 < agreement < 1.0, f"bf16 SGLang vs fp32 trainer routing agreement {agreement}"

@@ -140,7 +140,7 @@ def _score_versions_body(rank, world, cfg, records, out, ckpt_root):
     import torch.distributed as dist
 
     from megatron_rl.score import plan_versions, score
-    from megatron_rl.trainer.loop import setup_distributed
+    from megatron_rl.trainer.job import setup_distributed
 
     # a "step_1" checkpoint whose weights are the initial ones x 0.9 (linear in every HF tensor)
     actor = setup_distributed(cfg)

@@ -16,7 +16,6 @@ Skipped (with the reason) only if sglang is not importable by the server interpr
 Run: OMP_NUM_THREADS=1 pytest tests/test_sglang_server.py
 """
 import math
-import os
 import shutil
 import threading
 import time
@@ -26,15 +25,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_rl.rollout.base import (  # noqa: E402
-    EngineUnavailableError,
-    RolloutError,
-    SamplingParams,
-    StaleRolloutError,
-    WeightSyncError,
-)
+from megatron_rl.rollout.base import (EngineUnavailableError, RolloutError, SamplingParams,  # noqa: E402
+                                      StaleRolloutError, WeightSyncError)
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine  # noqa: E402
-from megatron_rl.rollout.sglang_server import group_members, launch_sglang_server, sglang_available  # noqa: E402
+from megatron_rl.rollout.sglang_server import launch_sglang_server, sglang_available  # noqa: E402
+from megatron_rl.testing.sglang_script import group_gone  # noqa: E402
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model  # noqa: E402
 
 _OK, _REASON = sglang_available()
@@ -251,17 +246,6 @@ def test_failed_weight_update_raises_and_keeps_serving(engine, tmp_path):
     assert r.weight_version == "v1"
 
 
-def _group_gone(pgid):
-    """No live process left in the group (from /proc, then a signal-0 probe of each survivor)."""
-    for pid in group_members(pgid):
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            pass
-    return True
-
-
 def test_server_killed_mid_run_gives_clear_error_in_bounded_time(server):
     """Runs last: SIGKILLs the module's server (whole process group) while a rollout loop is sending requests."""
     eng = SGLangEngine(server.url, request_timeout=60,
@@ -287,7 +271,7 @@ def test_server_killed_mid_run_gives_clear_error_in_bounded_time(server):
     server.kill()
     t.join(timeout=60)
     assert not t.is_alive(), "generate() must not hang after the server dies"
-    assert not server.alive() and _group_gone(server.pid)
+    assert not server.alive() and group_gone(server.pid)
     when, err = failure[0]
     assert isinstance(err, EngineUnavailableError), repr(err)
     msg = str(err)

@@ -6,33 +6,15 @@ Skipped (with the reason) only if sglang is not importable by the server interpr
 Run: OMP_NUM_THREADS=1 pytest tests/test_sglang_server_failures.py
 """
 import json
-import os
 import time
 
 import pytest
 
-from megatron_rl.rollout.sglang_server import (
-    ServerLaunchError,
-    group_members,
-    launch_sglang_server,
-    sglang_available,
-)
-from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+from megatron_rl.rollout.sglang_server import ServerLaunchError, launch_sglang_server, sglang_available
+from megatron_rl.testing.sglang_script import group_gone
 
 _OK, _REASON = sglang_available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _group_gone(pgid):
-    """No live process left in the group (checked independently of the handle: /proc, then a signal-0 probe
-    of each survivor)."""
-    for pid in group_members(pgid):
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            pass
-    return True
 
 
 def test_bad_checkpoint_fails_launch_with_exit_code_and_log_tail(tmp_path):
@@ -47,8 +29,8 @@ def test_bad_checkpoint_fails_launch_with_exit_code_and_log_tail(tmp_path):
     assert time.monotonic() - t0 < 300
 
 
-def test_readiness_deadline_terminates_the_process_group(tmp_path):
-    model = build_tiny_hf_model(tmp_path / "m", arch="llama", seed=1)
+def test_readiness_deadline_terminates_the_process_group(tmp_path, tiny_hf_model):
+    model = tiny_hf_model("llama", seed=1)
     handle = launch_sglang_server(model, device="cpu", log_path=str(tmp_path / "s.log"), wait=False)
     try:
         with pytest.raises(ServerLaunchError, match=r"not ready after 1 s .*Log .*s\.log tail"):
@@ -57,7 +39,7 @@ def test_readiness_deadline_terminates_the_process_group(tmp_path):
         t0 = time.monotonic()
         handle.terminate(timeout=10)
     assert time.monotonic() - t0 < 30
-    assert not handle.alive() and _group_gone(handle.pid)
+    assert not handle.alive() and group_gone(handle.pid)
 
 
 def test_launch_rejects_bad_arguments_before_starting(tmp_path):

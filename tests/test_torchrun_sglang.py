@@ -19,12 +19,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-import requests
 
-from megatron_rl.rollout.sglang_server import find_free_port, sglang_available, sglang_python
+from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
+from megatron_rl.testing.sglang_script import start_server_script, wait_healthy
 from tests.test_train_loop_sglang import _assert_step1_kl_matches_hf_fp32
 
 _OK, _REASON = sglang_available()
@@ -52,11 +51,8 @@ trainer:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    return build_task_model(str(tmp_path_factory.mktemp("m") / "model"), task="copy", seed=0, hidden_size=64,
-                            num_layers=2)
+def model(task_model):
+    return task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
 
 
 def run_torchrun_job(tmp, model, overrides, timeout=420, nproc=2, async_lag=False):
@@ -111,21 +107,9 @@ def test_external_server_script_under_torchrun(tmp_path, model):
     port = find_free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    env = dict(os.environ, MEGATRON_RL_SGLANG_PYTHON=sglang_python(), OMP_NUM_THREADS="1")
-    server = subprocess.Popen(["bash", os.path.join(ROOT, "launch", "sglang_server.sh"), "--model", str(model),
-                               "--device", "cpu", "--port", str(port), "--log", str(log), "--", "--random-seed", "0"],
-                              env=env, cwd=ROOT, start_new_session=True)
+    server = start_server_script(ROOT, model, port, log, new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, f"server exited with {server.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, f"server not ready after 300 s:\n{log.read_text()[-3000:]}"
-            time.sleep(1)
+        wait_healthy(server, url, log, timeout=300, poll=1)
         common = [f'rollout.sglang_urls=["{url}"]']
         (tmp_path / "a").mkdir()
         metrics, recs = run_torchrun_job(tmp_path / "a", model, common + [

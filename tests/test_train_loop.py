@@ -124,15 +124,22 @@ def test_kl_to_reference_policy(task_model, tmp_path):
 
 
 def test_dp_rows_match_batch_shards():
-    """The rewards / group indices each DP rank takes are exactly the rows RolloutBatch.shard gives it."""
-    from megatron_rl.actor import RolloutBatch
-    from megatron_rl.trainer.step_inputs import shard_rows as _shard_rows
+    """Each DP rank's rewards, group indices and lag are those of exactly the rows its RolloutBatch shard holds
+    (StepBatch.shard carries a step's rows as one unit)."""
+    import torch
 
-    for rows, dp in ((8, 1), (8, 2), (16, 4), (24, 3)):
-        batch = RolloutBatch.from_sequences([[i + 1] for i in range(rows)], [[5, 6]] * rows)
+    from megatron_rl.trainer.step_batch import StepBatch
+
+    for rows, dp, n in ((8, 1, 2), (8, 2, 2), (16, 4, 4), (24, 3, 8)):
+        batch = StepBatch(prompt_ids=[[i + 1] for i in range(rows)], response_ids=[[5, 6]] * rows,
+                          rollout_log_probs=[[-0.5, -0.5]] * rows, rewards=[float(i + 1) for i in range(rows)],
+                          weight_version="step-3", token_versions=[[3 - i % 2, 3] for i in range(rows)])
         for r in range(dp):
-            got = batch.shard(r, dp).tokens[:, 0].tolist()
-            assert got == [i + 1 for i in _shard_rows(rows, r, dp)], (rows, dp, r)
+            shard = batch.shard(3, n, 0, r, dp, torch.device("cpu"))
+            first = shard.batch.tokens[:, 0].tolist()
+            assert shard.rewards.tolist() == [float(t) for t in first], (rows, dp, r)
+            assert shard.group_index.tolist() == [(t - 1) // n for t in first], (rows, dp, r)
+            assert shard.token_lag[:, 0].tolist() == [(t - 1) % 2 for t in first], (rows, dp, r)
 
 
 @pytest.mark.timeout(300)

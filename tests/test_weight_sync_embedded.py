@@ -64,7 +64,7 @@ def _reference(hf_dir):
 
 def _sync_body(rank, world, job, engine_dir, dtype, corrupt_name=None):
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_sync import sync_weights
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -76,7 +76,7 @@ def _sync_body(rank, world, job, engine_dir, dtype, corrupt_name=None):
                 t.add_(1e-2)
 
     try:
-        metrics = sync_weights(actor, engine, job, "step-1", rank == 0, corrupt=corrupt if corrupt_name else None)
+        metrics = build_weight_publisher(job, actor, engine, corrupt=corrupt if corrupt_name else None).publish("step-1")
     except WeightSyncError as exc:
         refused = None
         if rank == 0:
@@ -132,7 +132,7 @@ def _rss_kb() -> int:
 
 def _memory_body(rank, world, job, engine_dir):
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_sync import sync_weights
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
 
     # large blocks straight from / back to the kernel (glibc would otherwise keep freed buckets on its heap
     # after raising its mmap threshold, and RSS would count allocator retention instead of live tensors)
@@ -140,7 +140,7 @@ def _memory_body(rank, world, job, engine_dir):
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
     engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0") if rank == 0 else None
-    sync_weights(actor, engine, job, "step-1", rank == 0)  # warm-up: first-call imports / buffers
+    build_weight_publisher(job, actor, engine).publish("step-1")  # warm-up: first-call imports / buffers
     out = {}
     for label in ("bucketed", "full"):
         torch.distributed.barrier()
@@ -148,7 +148,7 @@ def _memory_body(rank, world, job, engine_dir):
             fh.write("5")  # reset the peak-RSS high-water mark to the current RSS
         base = _rss_kb()
         if label == "bucketed":
-            sync_weights(actor, engine, job, "step-2", rank == 0)
+            build_weight_publisher(job, actor, engine).publish("step-2")
             sd = None
         else:
             sd = actor.full_state_dict_hf()

@@ -78,7 +78,7 @@ def _body(rank, world, job, url, fault=None):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.trainer.weight_sync import sync_weights
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -97,7 +97,7 @@ def _body(rank, world, job, url, fault=None):
             os.killpg(fault[1], 9)  # the whole server (its scheduler processes too), as when its node dies
 
     try:
-        m = sync_weights(actor, engine, job, "step-1", rank == 0, corrupt=corrupt if fault else None)
+        m = build_weight_publisher(job, actor, engine, corrupt=corrupt if fault else None).publish("step-1")
         return {"metrics": m}
     except WeightSyncError as exc:
         refused = None

@@ -82,7 +82,7 @@ def _body(rank, world, job, url, corrupt_name=None):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.trainer.weight_sync import sync_weights
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -98,8 +98,8 @@ def _body(rank, world, job, url, corrupt_name=None):
                 t.view(-1)[0] += 0.5
 
     try:
-        return {"metrics": sync_weights(actor, engine, job, "step-1", True,
-                                        corrupt=corrupt if corrupt_name else None)}
+        publisher = build_weight_publisher(job, actor, engine, corrupt=corrupt if corrupt_name else None)
+        return {"metrics": publisher.publish("step-1")}
     except WeightSyncError as exc:
         return {"error": str(exc)}
     finally:

@@ -77,7 +77,7 @@ def _classes_body(rank, world, job, make_engine, classes):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import WeightSyncError
-    from megatron_rl.trainer.weight_sync import sync_weights
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -91,11 +91,11 @@ def _classes_body(rank, world, job, make_engine, classes):
                         t.view(-1)[0] += 0.5
 
             try:
-                sync_weights(actor, engine, job, f"step-{i + 1}", True, corrupt=corrupt)
+                build_weight_publisher(job, actor, engine, corrupt=corrupt).publish(f"step-{i + 1}")
                 out[cls] = "no error"
             except WeightSyncError as exc:
                 out[cls] = str(exc)
-        out["clean"] = sync_weights(actor, engine, job, "step-20", True)
+        out["clean"] = build_weight_publisher(job, actor, engine).publish("step-20")
     finally:
         engine.close()
     return out
@@ -135,7 +135,7 @@ def _async_body(rank, world, job, engine_dir, broken):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_sync import apply_weights, weights_payload
+    from megatron_rl.trainer.weight_publisher import make_payload, weight_sync_mode
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -147,11 +147,11 @@ def _async_body(rank, world, job, engine_dir, broken):
         with torch.no_grad():
             engine.model.state_dict()[broken].view(-1)[0] += 0.5
 
-    payload = weights_payload(actor, job, "step-1")
-    good = apply_weights(engine, job, payload, "step-1")
+    payload = make_payload(actor, job, weight_sync_mode(job), "step-1")
+    good = payload.apply(engine, job, "step-1")
     engine.sync_weights = faulty_load
     try:
-        apply_weights(engine, job, payload, "step-2")
+        payload.apply(engine, job, "step-2")
         return {"good": good.metrics() if good else {}, "error": None}
     except WeightSyncError as exc:
         try:
@@ -176,7 +176,7 @@ def _disk_body(rank, world, job, engine_dir, n):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_sync import sync_weights
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -184,7 +184,7 @@ def _disk_body(rank, world, job, engine_dir, n):
     out_dir = os.path.join(job.trainer.run_dir, "weight_sync")
     counts, metrics = [], []
     for v in range(1, n + 1):
-        metrics.append(sync_weights(actor, engine, job, f"step-{v}", True))
+        metrics.append(build_weight_publisher(job, actor, engine).publish(f"step-{v}"))
         counts.append(sorted(os.listdir(out_dir)))
     return {"counts": counts, "metrics": metrics, "version": engine.weight_version}
 

@@ -3,7 +3,6 @@
 Modules (one job each):
   batch       ``RolloutBatch`` token layout ([B, L] tokens; per-token tensors [B, L-1], column t
               scores token t+1), micro-batch / DP splitting
-  groups      ``ActorGroups``: process groups and coordinates read once from megatron's parallel state
   cp          context-parallel zigzag split / gather (megatron's convention)
   schedule    micro-batch model inputs and one call of megatron's pipeline schedule
   forward     the log-prob pass (forward-only, vocab-parallel log-probs + entropy, PP broadcast)
@@ -17,6 +16,5 @@ Tests: ``pytest tests/test_actor*.py``.
 """
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks, scatter_rows
-from megatron_rl.actor.groups import ActorGroups
 
-__all__ = ["MegatronActor", "RolloutBatch", "BatchError", "ActorGroups", "row_blocks", "scatter_rows"]
+__all__ = ["MegatronActor", "RolloutBatch", "BatchError", "row_blocks", "scatter_rows"]

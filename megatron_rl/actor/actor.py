@@ -26,7 +26,6 @@ import torch
 from megatron_rl.actor.batch import RolloutBatch, row_blocks
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
-from megatron_rl.actor.groups import ActorGroups
 from megatron_rl.actor.optimizer import apply_constant_schedule, build_optimizer, wrap_ddp
 from megatron_rl.actor.router_replay import RoutingReplay, finish_log_prob_pass, log_prob_pass, train_routing
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
@@ -35,6 +34,7 @@ from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_d
                                  load_checkpoint_into_model)
 from megatron_rl.losses import select_loss_inputs
 from megatron_rl.models import build_gpt_model
+from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["MegatronActor"]
 

@@ -37,7 +37,7 @@ from typing import Any, Dict, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.platform import checkpoint_writer
 from megatron_rl.platform.mcore_version import write_legacy_common_state
 

@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, scatter_rows
 from megatron_rl.actor.cp import cp_gather
-from megatron_rl.actor.groups import ActorGroups
 from megatron_rl.actor.schedule import MicroBatch, actor_device, prepare_micro_batches, run_schedule
 from megatron_rl.logprobs import vocab_parallel_logprobs
+from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["compute_log_probs", "check_token_ids", "broadcast_from_last_stage_tensors"]
 

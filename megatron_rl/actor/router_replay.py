@@ -35,11 +35,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.groups import ActorGroups
 from megatron_rl.actor.routing import (RoutingError, RoutingSpec, agreement_counts, agreement_metrics,
                                        check_routing, gather_micro_batch_records, micro_batch_targets,
                                        routing_dtype, routing_valid_mask)
 from megatron_rl.parallel.devices import all_reduce_
+from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["RoutingReplay", "ReplayPass", "agree_on_error", "log_prob_pass", "finish_log_prob_pass", "train_routing"]
 

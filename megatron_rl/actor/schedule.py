@@ -22,7 +22,7 @@ import torch
 
 from megatron_rl.actor.batch import RolloutBatch, fit_columns
 from megatron_rl.actor.cp import cp_split
-from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["MicroBatch", "prepare_micro_batches", "run_schedule", "actor_device"]
 

@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch
-from megatron_rl.actor.groups import ActorGroups
 from megatron_rl.actor.schedule import MicroBatch, actor_device, prepare_micro_batches, run_schedule
 from megatron_rl.logprobs import vocab_parallel_logprobs
 from megatron_rl.losses import (PolicyLossConfig, SumCount, compute_policy_loss, global_denominators,
                                 merge_metrics, reduce_metrics)
 from megatron_rl.losses.metrics import sum_count
+from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["train_mini_batch", "PER_TOKEN_INPUTS"]
 

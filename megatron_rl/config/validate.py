@@ -2,8 +2,8 @@
 
 Runs before any process group exists (the launcher calls it on every rank with $WORLD_SIZE), so a bad
 value costs seconds, not a queue slot. Section dataclasses that validate themselves (ModelConfig,
-ParallelConfig, RolloutCorrectionConfig, PolicyLossConfig) are checked again here against each other
-and against the world size.
+RolloutCorrectionConfig, PolicyLossConfig) are checked again here against each other and against the
+world size; the parallel layout is the one check of ``ParallelDims.build`` (megatron_rl.parallel.dims).
 """
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from typing import List
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.models.config import ModelConfig, ModelConfigError
-from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError, validate_parallel_config
+from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
+from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
+from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
 
-ENGINES = ("embedded", "sglang")
 TASKS = ("copy", "reverse", "sort", "add", "file")
 ADV = ("grpo", "rloo")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -63,7 +64,7 @@ def _layout_errors(cfg: JobConfig, world_size: int) -> List[str]:
         except ModelConfigError as exc:
             errs += [_dotted(v) for v in str(exc).split("\n  - ")[1:]]
     try:
-        validate_parallel_config(cfg.parallel, world_size, cfg.model)
+        ParallelDims.build(cfg.parallel, world_size, cfg.model)
     except ParallelConfigError as exc:
         moe = cfg.model is not None and cfg.model.is_moe
         errs += [_dotted(v) for v in exc.violations if moe or "expert layout" not in v]
@@ -87,8 +88,8 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
     if c.gpu_memory_gb is not None and not c.gpu_memory_gb > 0:
         errs.append(f"cluster.gpu_memory_gb: must be > 0 (or null), got {c.gpu_memory_gb}")
     r, d, a, ac, t = cfg.rollout, cfg.data, cfg.algorithm, cfg.actor, cfg.trainer
-    if r.engine not in ENGINES:
-        errs.append(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
+    if r.engine not in ENGINE_KINDS:
+        errs.append(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINE_KINDS)}")
     if not r.temperature > 0:
         errs.append(f"rollout.temperature: must be > 0, got {r.temperature}")
     if not 0 < r.top_p <= 1:
@@ -102,8 +103,8 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
                     f"got {r.n_samples_per_prompt}")
     if r.dtype not in DTYPES:
         errs.append(f"rollout.dtype: {r.dtype!r} is not one of {', '.join(DTYPES)}")
-    if r.engine == "sglang" and not r.sglang_urls and not r.sglang_launch:
-        errs.append("rollout.sglang_urls: empty while rollout.engine is 'sglang' and rollout.sglang_launch is false")
+    if r.engine in ENGINE_KINDS:
+        errs += engine_class(r.engine).config_errors(r)  # what that engine needs (SGLang: a server)
     if d.task not in TASKS:
         errs.append(f"data.task: {d.task!r} is not one of {', '.join(TASKS)}")
     if d.task == "file":
@@ -168,9 +169,9 @@ def _dp_errors(cfg: JobConfig, world_size: int) -> List[str]:
     errs: List[str] = []
     d, ac = cfg.data, cfg.actor
     p = cfg.parallel
-    tp_pp_cp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    if tp_pp_cp >= 1 and world_size % tp_pp_cp == 0:
-        dp = world_size // tp_pp_cp
+    dp = data_parallel_size(p, world_size)  # None: the layout errors name the world size
+    if dp is not None:
+        tp_pp_cp = world_size // dp
         if d.prompts_per_step % dp:
             errs.append(f"data.prompts_per_step: {d.prompts_per_step} is not divisible by the data-parallel "
                         f"size {dp} (world {world_size} / TP x PP x CP {tp_pp_cp}); each DP rank takes whole groups")
@@ -192,13 +193,18 @@ def _weight_sync_errors(r) -> List[str]:
     modes = ("auto",) + WEIGHT_SYNC_MODES
     if r.weight_sync not in modes:
         errs.append(f"rollout.weight_sync: {r.weight_sync!r} is not one of {', '.join(modes)}")
-    elif r.engine == "embedded" and r.weight_sync == "distributed":
-        errs.append("rollout.weight_sync: 'distributed' needs rollout.engine 'sglang' (the embedded engine "
-                    "runs in process: use tensor or disk)")
-    elif r.engine == "sglang" and r.mode == "async" and r.weight_sync in ("tensor", "distributed"):
-        errs.append(f"rollout.weight_sync: {r.weight_sync!r} streams the weights from every trainer rank at sync "
-                    f"time, but rollout.mode 'async' applies them later in rank 0's producer thread alone — use "
-                    f"rollout.weight_sync: disk (or auto) with rollout.mode: async")
+    elif r.weight_sync != "auto" and r.engine in ENGINE_KINDS:
+        engine = engine_class(r.engine)
+        if r.weight_sync not in engine.weight_sync_modes:
+            able = [k for k in ENGINE_KINDS if r.weight_sync in engine_class(k).weight_sync_modes]
+            errs.append(f"rollout.weight_sync: {r.weight_sync!r} needs rollout.engine "
+                        f"{' or '.join(repr(k) for k in able)} (the {r.engine} engine takes "
+                        f"{' or '.join(engine.weight_sync_modes)})")
+        elif r.mode == "async" and r.weight_sync not in engine.deferred_weight_sync_modes:
+            errs.append(f"rollout.weight_sync: {r.weight_sync!r} streams the weights from every trainer rank at "
+                        f"sync time, but rollout.mode 'async' applies them later in rank 0's producer thread alone "
+                        f"— use rollout.weight_sync: {' or '.join(engine.deferred_weight_sync_modes)} (or auto) "
+                        f"with rollout.mode: async")
     if not r.weight_sync_bucket_mb > 0:
         errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")
     if r.weight_sync_verify_interval < 0:

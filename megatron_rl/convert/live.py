@@ -1,7 +1,8 @@
 """Checkpoints <-> a live, parallel Megatron model: the one loader, gatherer and exporter.
 
-Every function takes this rank's ``ActorGroups`` (``megatron_rl.actor.groups``: TP / PP / EP / ETP / VPP
-ranks and groups, DP / CP / expert-DP ranks) and never reads megatron's global state::
+Every function takes this rank's ``ActorGroups`` (``megatron_rl.parallel.groups``: TP / PP / EP / ETP / VPP
+ranks and groups, DP / CP / expert-DP ranks; the sizes are its ``ParallelDims``, ``groups.dims``) and never
+reads megatron's global state::
 
     groups = ActorGroups.from_parallel_state()
     load_checkpoint_into_model(chunks, "hf_or_converted_dir", model_cfg, groups)     # every rank
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,7 @@ from megatron_rl.convert.partition import (RankCoords, cut_state_dict, expert_in
                                            param_kind, split_layer_name)
 from megatron_rl.convert.shard_files import ShardLayout
 from megatron_rl.models.config import ModelConfig
-
-if TYPE_CHECKING:  # the actor package imports this module: no runtime import back
-    from megatron_rl.actor.groups import ActorGroups
+from megatron_rl.parallel.groups import ActorGroups
 
 Tensor = torch.Tensor
 
@@ -110,13 +109,13 @@ def _stage_sizes(chunk: torch.nn.Module) -> Dict[str, Optional[int]]:
             "last_stage_layers": getattr(cfg, "num_layers_in_last_pipeline_stage", None)}
 
 
-def _chunk_coords(groups: "ActorGroups", chunk: torch.nn.Module, vp_stage: int) -> RankCoords:
+def _chunk_coords(groups: ActorGroups, chunk: torch.nn.Module, vp_stage: int) -> RankCoords:
     """This rank's coordinates of model chunk ``vp_stage`` (uneven stages read from the chunk's config)."""
     return RankCoords.from_groups(groups, vp_stage=vp_stage, **_stage_sizes(chunk))
 
 
 def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dict[str, Tensor],
-                                    model_cfg: ModelConfig, groups: "ActorGroups") -> None:
+                                    model_cfg: ModelConfig, groups: ActorGroups) -> None:
     """Cut this rank's chunk(s) from the full (TP1/PP1/EP1) Megatron state dict — embedding / output rows
     zero-padded to ``model_cfg.vocab_size`` — and load them strictly (names and shapes checked)."""
     for i, chunk in enumerate(chunks):
@@ -127,7 +126,7 @@ def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dic
 
 
 def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str, model_cfg: ModelConfig,
-                               groups: "ActorGroups") -> None:
+                               groups: ActorGroups) -> None:
     """Load a HF directory or a converted directory into this rank's model chunk(s), strictly.
 
     Checks first that the checkpoint's shapes match ``model_cfg`` (error names each field), then every
@@ -137,8 +136,9 @@ def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str,
         _, full = api.read_full_state_dict(ckpt_dir)
         load_full_state_dict_into_model(chunks, full, model_cfg, groups)
         return
-    layout = ShardLayout(tensor_model_parallel_size=groups.tp_size, pipeline_model_parallel_size=groups.pp_size,
-                         expert_model_parallel_size=groups.ep_size, expert_tensor_parallel_size=groups.etp_size,
+    d = groups.dims
+    layout = ShardLayout(tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
+                         expert_model_parallel_size=d.ep, expert_tensor_parallel_size=d.etp,
                          padded_vocab_size=model_cfg.vocab_size)
     coords = RankCoords.from_groups(groups)
     sd = api.load_rank_state_dict(ckpt_dir, layout, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
@@ -164,7 +164,7 @@ def _merge(t: Tensor, kind: str, group, size: int, name: str) -> Tensor:
 
 
 def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
-                      groups: "ActorGroups") -> Iterator[Tuple[str, Tensor]]:
+                      groups: ActorGroups) -> Iterator[Tuple[str, Tensor]]:
     """Collective over the TP / EP / ETP groups of this rank's pipeline stage (every rank calls it): the
     (full-state-dict name, full tensor) of each parameter of this stage's chunks, on every rank of the
     first (expert-)data-parallel replica; other replicas skip what they do not send. Embedding / output
@@ -197,7 +197,7 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
 
 
 def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
-                    groups: "ActorGroups") -> Iterator[Tuple[str, Tensor]]:
+                    groups: ActorGroups) -> Iterator[Tuple[str, Tensor]]:
     """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
     collective contract). A parameter without a HF counterpart in ``geometry`` raises, naming it."""
     rules = {r.mcore_name: r for r in param_rules(geometry)}
@@ -210,14 +210,14 @@ def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, g
         yield from hf_tensors(rule, t, geometry)
 
 
-def is_stage_leader(groups: "ActorGroups") -> bool:
+def is_stage_leader(groups: ActorGroups) -> bool:
     """The first rank of its pipeline stage: it holds every gathered tensor of the stage (the rank that
     sends the stage's :func:`iter_hf_tensors` stream on, e.g. as weight-sync buckets)."""
     return (groups.tp_rank, groups.dp_rank, groups.cp_rank, groups.edp_rank, groups.ep_rank,
             groups.etp_rank) == (0, 0, 0, 0, 0, 0)
 
 
-def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
+def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: ActorGroups) -> Optional[Dict[str, Tensor]]:
     """Run the (collective) stream on every rank; the stage leaders keep CPU copies, which the other leaders
     send to global rank 0 point to point, tensor by tensor (the dict there, None elsewhere).
 
@@ -254,14 +254,14 @@ def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: "ActorGroups"
 
 
 def gather_full_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
-                           groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
+                           groups: ActorGroups) -> Optional[Dict[str, Tensor]]:
     """Collective over all ranks: the full Megatron state dict (local-spec names, padded vocab, CPU) on
     global rank 0, None elsewhere."""
     return _collect_on_rank0(iter_full_tensors(chunks, model_cfg, groups), groups)
 
 
 def gather_hf_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
-                         groups: "ActorGroups") -> Optional[Dict[str, Tensor]]:
+                         groups: ActorGroups) -> Optional[Dict[str, Tensor]]:
     """Collective over all ranks: {HF name: CPU tensor} on global rank 0 (every HF tensor of ``geometry``
     checked present, with its shape), None elsewhere."""
     sd = _collect_on_rank0(iter_hf_tensors(chunks, model_cfg, geometry, groups), groups)
@@ -272,7 +272,7 @@ def gather_hf_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConf
 
 
 def export_model_to_hf(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, target: HFTarget, out_dir: str,
-                       groups: "ActorGroups", max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES
+                       groups: ActorGroups, max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES
                        ) -> Optional[List[str]]:
     """Collective over all ranks: global rank 0 writes the live model as the HF directory ``out_dir``
     (safetensors in the model's dtype + the target's config / tokenizer files); returns the weight files

@@ -38,7 +38,7 @@ Layout conventions (megatron-core 0.16, local and TE specs):
 
 Usage::
 
-    coords = RankCoords.from_groups(groups, vp_stage=0)         # this rank's chunk 0 (ActorGroups)
+    coords = RankCoords.from_groups(groups, vp_stage=0)         # this rank's chunk 0 (parallel.ActorGroups)
     local = cut_state_dict(full, coords, num_layers=L, tied=True, padded_vocab_size=V)
     full2 = merge_state_dicts({coords: local, ...}, num_layers=L, tied=True, tp_size=2, etp_size=2)
 """
@@ -46,11 +46,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from megatron_rl.convert.model_state import canonical_name
+
+if TYPE_CHECKING:  # only the type: this module stays free of process groups
+    from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["RankCoords", "param_kind", "cut_state_dict", "merge_state_dicts", "split_tensor", "merge_tensors",
            "layer_range", "chunk_layer_range", "split_layer_name", "expert_index"]
@@ -85,14 +88,15 @@ class RankCoords:
     """Layers of the last pipeline stage when it is uneven (megatron num_layers_in_last_pipeline_stage)."""
 
     @classmethod
-    def from_groups(cls, groups: Any, vp_stage: int = 0, first_stage_layers: Optional[int] = None,
+    def from_groups(cls, groups: "ActorGroups", vp_stage: int = 0, first_stage_layers: Optional[int] = None,
                     last_stage_layers: Optional[int] = None) -> "RankCoords":
-        """Coordinates of this rank's chunk ``vp_stage`` from its ``ActorGroups`` (and the uneven-stage sizes
-        of the layout, e.g. from the model's TransformerConfig)."""
-        return cls(tp_rank=groups.tp_rank, tp_size=groups.tp_size, pp_rank=groups.pp_rank, pp_size=groups.pp_size,
-                   ep_rank=groups.ep_rank, ep_size=groups.ep_size, etp_rank=groups.etp_rank,
-                   etp_size=groups.etp_size, vp_stage=vp_stage, vpp_size=groups.vpp_size,
-                   first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+        """Coordinates of this rank's chunk ``vp_stage``: ranks from its ``ActorGroups``, sizes from their
+        ``ParallelDims`` (and the uneven-stage sizes of the layout, e.g. from the model's TransformerConfig)."""
+        d = groups.dims
+        return cls(tp_rank=groups.tp_rank, tp_size=d.tp, pp_rank=groups.pp_rank, pp_size=d.pp,
+                   ep_rank=groups.ep_rank, ep_size=d.ep, etp_rank=groups.etp_rank, etp_size=d.etp,
+                   vp_stage=vp_stage, vpp_size=d.vpp, first_stage_layers=first_stage_layers,
+                   last_stage_layers=last_stage_layers)
 
     @property
     def chunk_index(self) -> int:

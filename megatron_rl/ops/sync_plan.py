@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.trainer.weight_sync import resolve_mode
+from megatron_rl.trainer.weight_publisher import weight_sync_mode
 
 __all__ = ["SyncPlan", "weight_sync_plan", "DISK_GBPS", "LINK_GBPS"]
 
@@ -67,7 +67,7 @@ def _binary(nbytes: float) -> str:
 def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
     """The sync plan of the validated job ``cfg`` whose model has ``total_params`` parameters."""
     r, m = cfg.rollout, cfg.model
-    mode = resolve_mode(cfg)
+    mode = weight_sync_mode(cfg)
     dtype_bytes = DTYPE_BYTES.get(r.dtype, 2)
     total = float(total_params) * dtype_bytes
     largest = float(m.vocab_size) * m.hidden_size * dtype_bytes

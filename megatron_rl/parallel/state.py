@@ -1,8 +1,8 @@
-"""Create megatron's model-parallel groups from a validated ``ParallelConfig`` and seed its RNG tracker.
+"""Create megatron's model-parallel groups from the ``ParallelDims`` of a ``ParallelConfig`` and seed its RNG tracker.
 
 Usage (after ``init_distributed()`` or inside ``run_ranks``)::
 
-    initialize_model_parallel(cfg, seed=1234, model=model_cfg)   # validates first
+    dims = initialize_model_parallel(cfg, seed=1234, model=model_cfg)   # ParallelDims.build validates first
     ...
     destroy_model_parallel()
 
@@ -11,20 +11,22 @@ generator, so ``model_parallel_cuda_manual_seed`` works and dropout regions are 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from megatron_rl.parallel.config import ParallelConfig, validate_parallel_config
+from megatron_rl.parallel.config import ParallelConfig
+from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
 __all__ = ["initialize_model_parallel", "destroy_model_parallel", "shutdown_distributed"]
 
 
 def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any = None,
-                              distributed_timeout_minutes: float = 30) -> None:
-    """Validate ``cfg`` against the world (and ``model`` shape), then call megatron's
-    ``parallel_state.initialize_model_parallel`` and ``model_parallel_cuda_manual_seed(seed)``.
+                              distributed_timeout_minutes: float = 30) -> ParallelDims:
+    """Build the ``ParallelDims`` of ``cfg`` at the world size (validated, also against ``model``'s shape), call
+    megatron's ``parallel_state.initialize_model_parallel`` with its sizes and ``model_parallel_cuda_manual_seed(seed)``,
+    and return the dims.
 
     Requires an initialised default process group. Raises ``ParallelConfigError`` before creating
     any group if the layout is invalid."""
@@ -33,7 +35,7 @@ def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any 
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialised "
                            "(call megatron_rl.parallel.init_distributed() first)")
-    validate_parallel_config(cfg, dist.get_world_size(), model)
+    dims = ParallelDims.build(cfg, dist.get_world_size(), model)
     if not torch.cuda.is_available():
         apply_cpu_patches()  # the project's one call; its import hook covers megatron modules loaded later
     from megatron.core import parallel_state
@@ -41,18 +43,18 @@ def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any 
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    vpp = cfg.virtual_pipeline_model_parallel_size
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-        context_parallel_size=cfg.context_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=cfg.etp,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
         distributed_timeout_minutes=distributed_timeout_minutes,
         create_gloo_process_groups=True,  # megatron defaults (optimizer, checkpointing) expect them
     )
     model_parallel_cuda_manual_seed(seed)
+    return dims
 
 
 def destroy_model_parallel() -> None:

@@ -7,7 +7,14 @@ trainer recomputes log-probs with the same temperature and compares (rollout cor
 
 Contract of ``RolloutEngine.generate``: all-or-nothing. It either returns ``len(prompt_ids) * n``
 rollouts, prompt-major (``[p0 s0, p0 s1, ..., p1 s0, ...]``), all produced by the same weight version,
-or it raises a ``RolloutError`` subclass — the caller must then not apply the training step.
+or it raises a ``RolloutError`` subclass — the caller must then not apply the training step. Every engine
+has the same signature ``generate(prompt_ids, sampling, n=1, seed=None)``.
+
+Capabilities are class attributes, readable before an engine is built (``rollout.factory.engine_class``
+maps ``rollout.engine`` to the class): ``weight_sync_modes`` (what it can receive),
+``deferred_weight_sync_modes`` (what rank 0 can apply later, alone: async rollouts),
+``default_weight_sync_mode(async_rollouts)`` (what ``rollout.weight_sync: auto`` means) and
+``seeded_sampling`` (whether ``seed`` reproduces a sample).
 
 Usage::
 
@@ -225,17 +232,48 @@ def validate_n(n: int) -> int:
 class RolloutEngine(abc.ABC):
     """Generates rollouts and loads new weights. Implementations: ``SGLangEngine`` (HTTP), the embedded engine."""
 
+    # ------------------------------------------------------------ capabilities (read before building one)
+    #: The ``rollout.weight_sync`` modes this engine can receive (see ``WEIGHT_SYNC_MODES``).
+    weight_sync_modes: tuple = ("disk",)
+
+    #: The modes of ``weight_sync_modes`` whose payload rank 0 alone can apply later, after every trainer rank
+    #: prepared it (``rollout.mode: async``: the producer thread loads it between segments). A mode that
+    #: streams from every trainer rank at sync time ("distributed"; SGLang's "tensor") is not one of them.
+    deferred_weight_sync_modes: tuple = ("disk",)
+
+    #: True: ``generate(..., seed=s)`` reproduces a sample (the same seed, weights and call give the same
+    #: rollouts; a different seed draws others). False: the engine samples on its own (SGLang samples
+    #: server-side) and ignores ``seed``.
+    seeded_sampling: bool = False
+
+    @classmethod
+    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
+        """The mode ``rollout.weight_sync: auto`` means for this engine: one of ``weight_sync_modes``, and of
+        ``deferred_weight_sync_modes`` when ``async_rollouts`` (``rollout.mode: async``)."""
+        return "disk"
+
+    @classmethod
+    def config_errors(cls, rollout) -> list[str]:
+        """What this engine needs of the ``rollout`` config section that is missing (one message per
+        problem, naming its dotted key); checked by ``config.validate`` before anything is built."""
+        return []
+
+    @classmethod
+    def describe(cls, rollout) -> str:
+        """The engine of the ``rollout`` config section in a few words (the trainer's start-up line)."""
+        return cls.__name__
+
+    # ------------------------------------------------------------------------------------------ interface
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Rollout]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1,
+                 seed: int | None = None) -> list[Rollout]:
         """Sample ``n`` responses per prompt; return ``len(prompt_ids) * n`` rollouts, prompt-major, all from
-        the current weight version, or raise ``RolloutError`` (nothing partial is returned)."""
+        the current weight version, or raise ``RolloutError`` (nothing partial is returned). ``seed`` fixes
+        this call's randomness where ``seeded_sampling``; other engines accept and ignore it."""
 
     @abc.abstractmethod
     def update_weights(self, hf_dir: str, version: str) -> None:
         """Load the HF-format weights in ``hf_dir`` and tag them ``version``; later rollouts must carry it."""
-
-    #: The ``rollout.weight_sync`` modes this engine can receive (see ``WEIGHT_SYNC_MODES``).
-    weight_sync_modes: tuple = ("disk",)
 
     def begin_weight_sync(self, mode: str, version: str, **options) -> WeightReceiver:
         """Start an in-memory update to ``version`` in ``mode`` ("tensor" / "distributed"); ``options``:

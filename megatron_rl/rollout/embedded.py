@@ -55,7 +55,7 @@ from megatron_rl.rollout.embedded_sampling import (
     sample_next_tokens,
     sampled_logprobs,
 )
-from megatron_rl.rollout.embedded_weights import BucketLoader, load_state_dict_checked, read_hf_state_dict
+from megatron_rl.rollout.embedded_weights import BucketLoader, load_state_dict_checked, read_weight_update
 from megatron_rl.rollout.finish import stop_ids
 from megatron_rl.rollout.weight_buckets import tensor_checksum
 from megatron_rl.rollout.weight_layout import transformers_layout
@@ -99,6 +99,23 @@ def fuse_expert_tensors(state_dict: Mapping[str, torch.Tensor], model_keys) -> M
 
 class EmbeddedEngine(RolloutEngine):
     """In-process generation with an HF ``transformers`` causal LM (see the module docstring)."""
+
+    #: Disk exports or in-process buckets ("distributed" has no servers to reach).
+    weight_sync_modes = ("disk", "tensor")
+    #: Both arrive whole on rank 0 (the export path; the model's buckets), so the async producer can load them later.
+    deferred_weight_sync_modes = ("disk", "tensor")
+    #: Every rollout's random stream is seeded by the call's ``seed`` (see the module docstring).
+    seeded_sampling = True
+
+    @classmethod
+    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
+        """"tensor": in-process buckets, sync or async."""
+        return "tensor"
+
+    @classmethod
+    def describe(cls, rollout) -> str:
+        """"embedded" (one in-process model on rank 0)."""
+        return "embedded"
 
     def __init__(self, model_path: str | os.PathLike, dtype: str = "bfloat16", seed: int = 0,
                  weight_version: str = "init", attn_implementation: str = "sdpa",
@@ -180,7 +197,7 @@ class EmbeddedEngine(RolloutEngine):
     def update_weights(self, hf_dir: str, version: str) -> None:
         """Load the HF checkpoint tensors in ``hf_dir`` and tag them ``version`` (all-or-nothing)."""
         self._require_model(generating=False)
-        sd = read_hf_state_dict(hf_dir)
+        sd = read_weight_update(hf_dir)
         self.update_weights_from_state_dict(sd, version, _source=repr(str(hf_dir)))
 
     def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor], version: str,
@@ -199,8 +216,6 @@ class EmbeddedEngine(RolloutEngine):
         self._mark_synced(version)
 
     # ------------------------------------------------------------------ bucketed sync (rollout.weight_sync)
-    weight_sync_modes = ("disk", "tensor")
-
     @property
     def weight_dtype(self) -> torch.dtype:
         """The engine's compute dtype (buckets arrive cast to it)."""

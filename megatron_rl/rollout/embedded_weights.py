@@ -3,7 +3,7 @@ dict into a live ``transformers`` model, all-or-nothing (every name and shape is
 
 Usage::
 
-    sd = read_hf_state_dict("/run/hf_export/step_3")          # model.safetensors or a sharded index
+    sd = read_weight_update("/run/hf_export/step_3")          # model.safetensors, a sharded index or .bin
     load_state_dict_checked(model, sd, source="/run/hf_export/step_3")
 
 ``BucketLoader`` is the bucketed in-process receiver (``rollout.weight_sync: tensor``): the trainer streams
@@ -23,9 +23,11 @@ from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
 
 
-def read_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of the HF checkpoint in ``hf_dir`` (``model.safetensors``, a ``model.safetensors.index.json``
-    shard set, or ``pytorch_model.bin``); raises ``WeightSyncError`` naming the directory if none is readable."""
+def read_weight_update(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of one ``update_weights(hf_dir, ...)``: every tensor of the HF checkpoint in ``hf_dir``
+    (``model.safetensors``, a ``model.safetensors.index.json`` shard set, or ``pytorch_model.bin``). Any failure
+    is a ``WeightSyncError`` naming the directory (the engine's contract), unlike the checkpoint converter's
+    ``convert.storage.read_hf_state_dict`` (safetensors only, ``CheckpointFormatError``)."""
     d = Path(hf_dir)
     if not d.is_dir():
         raise WeightSyncError(f"update_weights: {str(d)!r} is not a directory")

@@ -218,6 +218,31 @@ def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, sour
 class SGLangEngine(RolloutEngine):
     """Rollout engine backed by SGLang HTTP servers (see the module docstring)."""
 
+    #: Every mode: a disk export, local in-memory buckets or a broadcast group (``sglang_weights``).
+    weight_sync_modes = ("disk", "tensor", "distributed")
+    #: Only a disk export: "tensor" and "distributed" stream from every trainer rank at sync time.
+    deferred_weight_sync_modes = ("disk",)
+    #: The servers sample on their own; ``generate`` ignores ``seed``.
+    seeded_sampling = False
+
+    @classmethod
+    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
+        """"distributed" (the trainer broadcasts to the servers' ranks), "disk" with async rollouts (the only
+        deferred mode)."""
+        return "disk" if async_rollouts else "distributed"
+
+    @classmethod
+    def config_errors(cls, rollout) -> list[str]:
+        """``rollout.sglang_urls`` or ``rollout.sglang_launch``: at least one server."""
+        if not rollout.sglang_urls and not rollout.sglang_launch:
+            return ["rollout.sglang_urls: empty while rollout.engine is 'sglang' and rollout.sglang_launch is false"]
+        return []
+
+    @classmethod
+    def describe(cls, rollout) -> str:
+        """"sglang (N server(s))": the listed URLs plus the one it launches."""
+        return f"sglang ({len(rollout.sglang_urls) + int(rollout.sglang_launch)} server(s))"
+
     def __init__(self, urls: str | Sequence[str], *, request_timeout: float = 300.0, connect_timeout: float = 5.0,
                  weight_sync_timeout: float = 600.0, retry: RetryPolicy | None = None,
                  vocab_size: int | None = None, weight_version: str | None = None,
@@ -325,8 +350,10 @@ class SGLangEngine(RolloutEngine):
         """The weight version every response must carry (None until the first update or reply)."""
         return self._weight_version
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Rollout]:
-        """Sample ``n`` responses per prompt from the servers; all-or-nothing (see module docstring)."""
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1,
+                 seed: int | None = None) -> list[Rollout]:
+        """Sample ``n`` responses per prompt from the servers; all-or-nothing (see module docstring).
+        ``seed`` is accepted and ignored: the servers sample on their own (``seeded_sampling`` is False)."""
         prompts = validate_prompts(prompt_ids, self.vocab_size)
         n = validate_n(n)
         if self._invalid is not None:
@@ -425,8 +452,6 @@ class SGLangEngine(RolloutEngine):
         self._invalid = None
 
     # ------------------------------------------------- in-memory weight sync (rollout.weight_sync; sglang_weights)
-    weight_sync_modes = ("disk", "tensor", "distributed")
-
     def begin_weight_sync(self, mode: str, version: str, master_address: str | None = None,
                           timeout_s: float | None = None, **options):
         """A receiver for ``mode`` "tensor" (servers on this host) or "distributed" (gloo on CPU, NCCL on GPU;

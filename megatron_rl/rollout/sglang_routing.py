@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,6 +27,7 @@ import torch
 
 from megatron_rl.actor.routing import RoutingSpec, routing_dtype
 from megatron_rl.convert.hf_config import model_config_from_hf
+from megatron_rl.convert.storage import read_hf_config
 from megatron_rl.rollout.base import MalformedResponseError
 
 __all__ = ["ROUTED_EXPERTS_FLAG", "SGLangRoutingLayout", "hf_config_is_moe", "decode_routed_experts"]
@@ -67,8 +66,7 @@ class SGLangRoutingLayout:
     @classmethod
     def from_hf_dir(cls, path: str) -> Optional["SGLangRoutingLayout"]:
         """The layout of the checkpoint in ``path`` (its ``config.json``); None for dense models."""
-        with open(os.path.join(path, "config.json")) as fh:
-            return cls.from_hf_config(json.load(fh))
+        return cls.from_hf_config(read_hf_config(path))
 
     @property
     def dtype(self) -> torch.dtype:

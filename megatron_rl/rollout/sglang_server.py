@@ -22,7 +22,6 @@ Usage::
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -36,6 +35,7 @@ from typing import Sequence
 
 import requests
 
+from megatron_rl.convert.storage import read_hf_config
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, hf_config_is_moe
 
@@ -271,8 +271,7 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
     if device == "cpu":
         cmd += ["--device", "cpu"]
     if return_routed_experts is None:
-        with open(os.path.join(model_dir, "config.json")) as fh:
-            return_routed_experts = hf_config_is_moe(json.load(fh))
+        return_routed_experts = hf_config_is_moe(read_hf_config(model_dir))
     if return_routed_experts and ROUTED_EXPERTS_FLAG not in extra_args:
         cmd.append(ROUTED_EXPERTS_FLAG)
     cmd += list(extra_args)

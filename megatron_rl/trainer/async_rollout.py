@@ -38,7 +38,6 @@ the loop shares with every rank.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -74,15 +73,13 @@ class SegmentedEngine:
         self.engine = engine
         self.segment_tokens = int(segment_tokens)
         self.before_segment = before_segment
-        self._takes_seed = "seed" in inspect.signature(engine.generate).parameters
 
     @property
     def weight_version(self):
         return self.engine.weight_version
 
     def _call(self, prompts, sampling, n, seed):
-        kwargs = {"seed": seed} if (self._takes_seed and seed is not None) else {}
-        return self.engine.generate(prompts, sampling, n=n, **kwargs)
+        return self.engine.generate(prompts, sampling, n=n, seed=seed)  # ignored where not engine.seeded_sampling
 
     def generate(self, prompt_ids: List[List[int]], sampling: SamplingParams, n: int = 1,
                  seed: Optional[int] = None) -> List[Rollout]:
@@ -144,7 +141,7 @@ class SnapshotTimeout(TimeoutError):
 class RolloutProducer:
     """Rank 0's background generator (see the module docstring).
 
-    ``generate_fn(step, engine_view, version_tag) -> StepRollouts`` makes one step's rollouts with the
+    ``generate_fn(step, engine_view, version_tag) -> StepBatch`` makes one step's rollouts with the
     engine view it is given; ``apply_fn(payload, version_tag)`` loads published weights into the engine
     (called in the producer thread only)."""
 

@@ -1,4 +1,4 @@
-"""The rollout phase of a step: prompts -> engine -> rewards on global rank 0, shared with every rank.
+"""The rollout phase of a step on global rank 0: prompts -> engine -> rewards -> a ``StepBatch``.
 
 Rank 0 owns the task and the engine (the embedded engine, or the HTTP client of SGLang servers that do
 the heavy lifting). Prompt sampling and embedded generation are seeded by (trainer.seed, step) so a
@@ -21,39 +21,15 @@ otherwise dropped and counted (``routing/missing_rows``; see ``step_routing``).
 """
 from __future__ import annotations
 
-import inspect
 import random
 import sys
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
-
-import torch.distributed as dist
 
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
 from megatron_rl.tasks.options import DataOptions
-
-
-@dataclass
-class StepRollouts:
-    """One step's rollouts, prompt-major (n consecutive rows per prompt)."""
-
-    prompt_ids: List[List[int]]
-    response_ids: List[List[int]]
-    rollout_log_probs: List[List[float]]
-    rewards: List[float]
-    weight_version: str
-    #: Per row: the engine's MoE routing ``[prompt + response - 1, moe_layers, topk]`` (uint8 / int16), or None
-    #: when the engine captured none — for ``RolloutBatch.from_sequences(..., routing=payload.routing)``.
-    routing: Optional[List[object]] = None
-    #: Per row: the response hit max_new_tokens (finish reason "length").
-    truncated: List[bool] = field(default_factory=list)
-    #: The step's data / reward / length metrics (see the module docstring).
-    metrics: Dict[str, float] = field(default_factory=dict)
-    #: Per row, per response token: the weight version (training steps done) that produced it; empty when
-    #: the engine reports only one version per rollout (then every token has ``weight_version``).
-    token_versions: List[List[int]] = field(default_factory=list)
+from megatron_rl.trainer.step_batch import StepBatch
 
 
 def sampling_params(rollout_cfg, eos_ids=()) -> SamplingParams:
@@ -95,7 +71,7 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
     return m
 
 
-def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRollouts:
+def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepBatch:
     """Rank 0: sample prompts, generate n responses each, score them. Raises RolloutError on failure
     (the step is then not applied) or StaleRolloutError if the engine serves other weights."""
     task.configure(DataOptions.from_config(cfg.data))
@@ -103,11 +79,9 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
     task.begin_step(step)  # a task's curriculum (e.g. data.task_kwargs.curriculum_steps) follows the step
     prompts = task.sample(cfg.data.prompts_per_step, rng)
     n = cfg.rollout.n_samples_per_prompt
-    kwargs = {}
-    if "seed" in inspect.signature(engine.generate).parameters:  # the embedded engine; SGLang samples server-side
-        kwargs["seed"] = cfg.trainer.seed * 7919 + step
+    # the embedded engine reproduces a sample from its seed; SGLang samples server-side (engine.seeded_sampling)
     rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout, task_eos_ids(task)),
-                               n=n, **kwargs)
+                               n=n, seed=cfg.trainer.seed * 7919 + step)
     stale = [r.weight_version for r in rollouts if r.weight_version != expected_version]
     if stale:
         raise StaleRolloutError(f"step {step}: {len(stale)} rollouts from weight version {stale[0]!r}, "
@@ -124,14 +98,14 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepRo
     penalties = overlong_penalty([len(r.response_ids) for r in rollouts], cfg.rollout.max_new_tokens,
                                  d.overlong_buffer_len, d.overlong_penalty_factor)
     rewards = [float(x) + p for x, p in zip(result.rewards, penalties)]
-    return StepRollouts(prompt_ids=[list(p.prompt_ids) for p in prompt_rows],
+    return StepBatch(prompt_ids=[list(p.prompt_ids) for p in prompt_rows],
                         response_ids=[list(r.response_ids) for r in rollouts],
                         rollout_log_probs=[list(r.rollout_log_probs) for r in rollouts],
-                        rewards=rewards, weight_version=expected_version, routing=routing,
-                        truncated=[r.finish_reason == "length" for r in rollouts],
-                        metrics={**step_metrics(prompt_rows, rollouts, result.rewards, penalties, result,
-                                                task.stats()), **routing_stats},
-                        token_versions=[list(r.info["token_versions"]) for r in rollouts
+                     rewards=rewards, weight_version=expected_version, routing=routing,
+                     truncated=[r.finish_reason == "length" for r in rollouts],
+                     metrics={**step_metrics(prompt_rows, rollouts, result.rewards, penalties, result,
+                                             task.stats()), **routing_stats},
+                     token_versions=[list(r.info["token_versions"]) for r in rollouts
                                         if "token_versions" in r.info])
 
 
@@ -167,10 +141,3 @@ def step_routing(rollouts, required: bool, step: int = 0) -> Tuple[Optional[List
             f"sources {sorted({rollouts[b].source for b in missing})}): every server must capture routing "
             f"({ROUTED_EXPERTS_FLAG}), or set actor.routing_replay to none / r2")
     return (None if missing else routing), {"routing/missing_rows": float(len(missing))}
-
-
-def share_from_rank0(obj: Optional[object]) -> object:
-    """Broadcast a picklable object (rollouts, or an exception to re-raise) from global rank 0."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

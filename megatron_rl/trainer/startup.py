@@ -7,7 +7,7 @@ the job actually runs with (rank 0, one line).
 from __future__ import annotations
 
 from megatron_rl.tasks.datasets import usable_rows
-from megatron_rl.trainer.weight_sync import resolve_mode
+from megatron_rl.trainer.weight_publisher import weight_sync_mode
 
 
 def check_data(cfg) -> None:
@@ -28,6 +28,7 @@ def layout_line(cfg, groups, world_size: int) -> str:
     parts += f" CP={g.cp_size} DP={g.dp_size}"
     if g.ep_size > 1 or g.etp_size > 1:
         parts += f" EP={g.ep_size} ETP={g.etp_size}"
-    engine = r.engine if r.engine == "embedded" else f"sglang ({len(r.sglang_urls) + int(r.sglang_launch)} server(s))"
+    servers = len(r.sglang_urls) + int(r.sglang_launch)  # SGLang servers (none for the embedded engine)
+    engine = r.engine + (f" ({servers} server(s))" if servers else "")
     return (f"[megatron-rl] layout: world size {world_size}, {parts}; rollout engine {engine}, {r.mode} rollouts; "
-            f"weight sync {resolve_mode(cfg)}")
+            f"weight sync {weight_sync_mode(cfg)}")

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional
 
 __all__ = ["Watchdog", "abort", "kill_children", "EXIT_HUNG"]
 
@@ -87,6 +87,8 @@ class Watchdog:
         self.poll_s = poll_s
         self._lock = threading.Lock()
         self._current: Optional[tuple] = None  # (name, step, deadline, limit, key)
+        self.elapsed: Dict[str, float] = {}
+        """Seconds the last run of each phase took (by name): the loop's ``timing/*`` metrics."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megatron-rl-watchdog", daemon=True)
         self._thread.start()
@@ -94,15 +96,18 @@ class Watchdog:
     @contextmanager
     def phase(self, name: str, step: int, timeout_s: Optional[float] = None,
               config_key: Optional[str] = None) -> Iterator[None]:
-        """Bound the body: it must finish within ``timeout_s`` (default: the watchdog's) seconds."""
+        """Bound the body: it must finish within ``timeout_s`` (default: the watchdog's) seconds; its duration is
+        kept in ``elapsed[name]``."""
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
         key = config_key or self.config_key
         with self._lock:
             outer = self._current
             self._current = (name, step, time.monotonic() + limit, limit, key) if limit > 0 else None
+        t0 = time.perf_counter()
         try:
             yield
         finally:
+            self.elapsed[name] = time.perf_counter() - t0
             with self._lock:
                 self._current = outer
 

@@ -1,7 +1,7 @@
 """Trainer -> rollout engine weight sync (``rollout.weight_sync``), collective over every trainer rank.
 
-Modes (``resolve_mode``; "auto" picks tensor for the embedded engine, distributed for SGLang, and disk for
-SGLang in ``rollout.mode: async``):
+The mechanics behind ``weight_publisher.py`` (which chooses the mode once, from ``rollout.weight_sync`` or the engine
+class's default: tensor for the embedded engine, distributed for SGLang, disk for SGLang in ``rollout.mode: async``):
 
 * ``disk`` — rank 0 writes an HF export (``actor.export_hf``) and the engine loads the directory
   (SGLang ``/update_weights_from_disk``). Memory: the full model on rank 0; the fallback.
@@ -54,21 +54,11 @@ from megatron_rl.parallel.devices import recv_, send_
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.rollout.weight_buckets import DTYPE_NAMES, Bucket, bucketize
 from megatron_rl.trainer.async_rollout import parse_version
-from megatron_rl.trainer.rollout_phase import share_from_rank0
+from megatron_rl.parallel.rank0 import share_from_rank0
 from megatron_rl.trainer.weight_verify import WeightVerifier
 
-__all__ = ["resolve_mode", "stream_buckets", "weights_payload", "apply_weights", "sync_weights", "SyncReport",
+__all__ = ["stream_buckets", "stream_sync", "SyncReport", "verify_export", "verify_buckets", "export_report",
            "prune_exports", "verify_disk_sync"]
-
-
-def resolve_mode(cfg: JobConfig) -> str:
-    """The weight-sync mode of ``cfg`` ("auto" resolved per engine and rollout mode)."""
-    r = cfg.rollout
-    if r.weight_sync != "auto":
-        return r.weight_sync
-    if r.engine == "embedded":
-        return "tensor"
-    return "disk" if r.mode == "async" else "distributed"
 
 
 @dataclass
@@ -160,7 +150,7 @@ def _expected_names(actor) -> List[str]:
     return [n for r in param_rules(actor.hf_target.geometry) for n in r.hf_names]
 
 
-def _stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: bool,
+def stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: bool,
                  corrupt=None) -> SyncReport:
     """Collective: stream buckets to rank 0's engine receiver, verify, share any error; see the module doc.
     ``corrupt(bucket)`` (tests) alters a bucket after its checksums were taken, like a fault in transit."""
@@ -254,10 +244,10 @@ def verify_disk_sync(engine, cfg: JobConfig, export_dir: str, version: str) -> L
     with the same fusion of the export's tensors (cast to the engine's dtype as its loader casts them;
     fp32-kept tensors in their own dtype) when due; a mismatch raises ``WeightSyncError`` naming each tensor.
     Returns the engine tensors checked (empty: not due, or the engine cannot report checksums)."""
-    return _verify_export(engine, cfg, export_dir, version).checked
+    return verify_export(engine, cfg, export_dir, version).checked
 
 
-def _verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> SyncReport:
+def verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> SyncReport:
     from safetensors import safe_open
 
     from megatron_rl.convert.geometry import HFGeometry
@@ -288,8 +278,11 @@ def _verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> Syn
     return report
 
 
-def _verify_buckets(engine, verifier: WeightVerifier, buckets, version: str) -> SyncReport:
+def verify_buckets(engine, cfg: JobConfig, actor, buckets, version: str) -> SyncReport:
     """Rank 0, after the engine applied owned ``buckets`` (async tensor mode): as ``verify_disk_sync``."""
+    names = [n for b in buckets for n in b.names]
+    verifier = _verifier(actor.hf_target.geometry, engine, cfg, names, version, engine.weight_dtype,
+                         engine.full_precision_weight_names(names))
     report = SyncReport()
     if verifier.tensors:
         for bucket in buckets:
@@ -299,26 +292,13 @@ def _verify_buckets(engine, verifier: WeightVerifier, buckets, version: str) -> 
     return report
 
 
-# ------------------------------------------------------------------------------- the loop's entry points
+def export_report(path: str) -> SyncReport:
+    """What an HF export moves: the bytes of its safetensors files."""
+    return SyncReport(bytes=sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                                if f.endswith(".safetensors")))
 
-def weights_payload(actor, cfg: JobConfig, version: str):
-    """Collective: what rank 0 hands the engine for ``version`` when it is applied later (async producer) or
-    from disk: the path of an HF export (mode disk), or the list of owned buckets (mode tensor, embedded
-    engine: the full model on rank 0). None on the other ranks for the buckets."""
-    mode = resolve_mode(cfg)
-    if mode == "disk":
-        out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
-        path = os.path.join(out, version)
-        actor.export_hf(path)
-        return path
-    if mode != "tensor" or cfg.rollout.engine != "embedded":
-        raise WeightSyncError(f"rollout.weight_sync {mode!r} with rollout.engine {cfg.rollout.engine!r} cannot be "
-                              f"applied later by the async producer (use rollout.weight_sync: disk)")
-    # uncast (the trainer's dtype): the engine casts on load, and tensors it keeps in higher precision than its
-    # compute dtype (DeepSeek-V3's fp32 e_score_correction_bias) arrive exact; only rank 0 knows the engine
-    buckets = list(stream_buckets(actor, int(cfg.rollout.weight_sync_bucket_mb * (1 << 20)), None))
-    return buckets if dist.get_rank() == 0 else None
 
+# ------------------------------------------------------------------------------------------ disk exports
 
 def prune_exports(out_dir: str, keep_versions: set) -> List[str]:
     """Rank 0, disk mode: delete the ``step-N`` exports in ``out_dir`` whose N is not in ``keep_versions`` (what
@@ -335,62 +315,3 @@ def prune_exports(out_dir: str, keep_versions: set) -> List[str]:
             shutil.rmtree(os.path.join(out_dir, entry))
             gone.append(os.path.join(out_dir, entry))
     return gone
-
-
-def apply_weights(engine, cfg: JobConfig, payload, version: str, actor=None) -> SyncReport:
-    """Rank 0: load a ``weights_payload`` into the engine, tag it ``version`` and verify it when due (every
-    ``rollout.weight_sync_verify_interval``-th version, sync and async alike; owned buckets need ``actor``
-    for the model's geometry: None, not verified). A failed verification marks the engine invalid."""
-    engine.sync_weights(payload, version, "disk" if isinstance(payload, str) else resolve_mode(cfg))
-    try:
-        if isinstance(payload, str):
-            return _verify_export(engine, cfg, payload, version)
-        if actor is None:
-            return SyncReport()
-        names = [n for b in payload for n in b.names]
-        verifier = _verifier(actor.hf_target.geometry, engine, cfg, names, version, engine.weight_dtype,
-                             engine.full_precision_weight_names(names))
-        return _verify_buckets(engine, verifier, payload, version)
-    except Exception as exc:
-        engine._mark_invalid(f"weight sync to {version!r}: {type(exc).__name__}: {exc}")
-        raise
-
-
-def sync_weights(actor, engine, cfg: JobConfig, version: str, rank0: bool, producer=None,
-                 corrupt=None, deferred: bool = False) -> Dict[str, float]:
-    """Push the actor's current weights to the engine and tag them ``version`` (collective; an engine failure
-    on rank 0 is raised on every rank). With an async ``producer`` the weights are published to it instead;
-    it loads them in its own thread when the schedule needs them (a failure there surfaces at the next
-    step's rollouts, on every rank). ``deferred`` must be the same on every rank (only rank 0 holds the
-    producer): True in async mode after the producer started. Returns the ``weight_sync/*`` metrics."""
-    mode = resolve_mode(cfg)
-    if rank0 and deferred != (producer is not None):
-        raise RuntimeError("sync_weights: rank 0 must hold the async producer exactly when deferred is True")
-    if not deferred and mode != "disk":
-        return _stream_sync(actor, engine, cfg, mode, version, rank0, corrupt).metrics()
-    payload = weights_payload(actor, cfg, version)
-    error = None
-    report = SyncReport()
-    if rank0:
-        try:
-            if isinstance(payload, str):
-                report.bytes = sum(os.path.getsize(os.path.join(payload, f)) for f in os.listdir(payload)
-                                   if f.endswith(".safetensors"))
-            else:
-                report.bytes, report.buckets = sum(b.nbytes for b in payload), len(payload)
-            if producer is not None:
-                producer.publish(parse_version(version), payload)
-                if isinstance(payload, str):
-                    prune_exports(os.path.dirname(payload), producer.versions_in_use())
-            else:
-                done = apply_weights(engine, cfg, payload, version, actor)
-                report.checked, report.verified, report.verified_frac = done.checked, done.verified, \
-                    done.verified_frac
-                if isinstance(payload, str) and version.startswith("step-"):
-                    prune_exports(os.path.dirname(payload), {parse_version(version)})
-        except Exception as exc:  # noqa: BLE001 - shared below
-            error = exc
-    error = share_from_rank0(error)
-    if error is not None:
-        raise error
-    return share_from_rank0(report).metrics()

@@ -1,0 +1,165 @@
+"""The actor-vs-HF-reference set-up shared by the actor tests and the ranks they fork.
+
+A test of ``MegatronActor`` builds a job from a tiny HF directory (``tiny_hf.build_tiny_hf_model``), forks
+ranks that run the actor (``distributed.run_ranks``; fixtures do not reach a forked rank, so the pieces here
+are plain functions), and compares with an independent single-process reference: HF transformers in fp32
+plus torch's AdamW. This module holds the pieces every such test wrote again:
+
+* ``hf_model_section`` / ``actor_job``: the job (model section read from the directory's ``config.json`` by
+  the project's one HF config reading, actor, parallel layout, token-level IS correction);
+* ``policy_data``: a random rollout batch with old log-probs, advantages, a response mask and IS weights;
+* ``load_hf_reference``, ``hf_token_log_probs``, ``hf_adamw``, ``unfuse_experts``: the HF side;
+* ``rank_main_grads`` / ``merge_rank_grads``: each rank's Megatron ``main_grad`` by ``RankCoords``, and
+  their merge into one unsharded state dict on the parent.
+
+conftest.py's ``hf_reference`` and ``actor_job`` fixtures hand these to tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Optional
+
+import torch
+
+#: The reference train step's learning rate (AdamW on both sides).
+LR = 1e-3
+#: The reference train step's gradient clipping (small: clipping is active in every test step).
+CLIP_GRAD = 0.02
+#: The PPO-clip policy loss the actor reference tests train with (``actor.policy_loss``).
+PPO_LOSS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "seq-mean-token-mean"}
+#: The correction every actor reference test trains with: token-level IS, threshold 2, PPO-clip loss.
+TOKEN_IS = {"rollout_is": "token", "rollout_is_threshold": 2.0, "bypass_mode": False, "loss_type": "ppo_clip"}
+
+
+def hf_model_section(hf_dir: str, **overrides: Any) -> dict:
+    """The ``model:`` section (a dict) of the HF directory's ``config.json``, through
+    ``convert.hf_config.model_config_from_hf``, with ``overrides`` applied."""
+    from megatron_rl.convert.hf_config import model_config_from_hf
+
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        section = dataclasses.asdict(model_config_from_hf(json.load(fh)))
+    section.update(overrides)
+    return section
+
+
+def parallel_section(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None, sp: bool = False,
+                     vpp: Optional[int] = None, first: Optional[int] = None,
+                     last: Optional[int] = None) -> dict:
+    """The ``parallel:`` section of a layout given by its short names (megatron's names in the dict)."""
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, "sequence_parallel": sp,
+            "virtual_pipeline_model_parallel_size": vpp, "num_layers_in_first_pipeline_stage": first,
+            "num_layers_in_last_pipeline_stage": last}
+
+
+def actor_job(hf_dir: str, actor: dict, parallel: Optional[dict] = None, model: Optional[dict] = None,
+              correction: Optional[dict] = None):
+    """``JobConfig`` of an actor that loads ``hf_dir``: ``actor`` (``load_hf`` added), ``parallel`` (see
+    ``parallel_section``), ``model`` overrides of the directory's own section and the rollout ``correction``
+    (``algorithm.rollout_correction``; left at its default when None)."""
+    from megatron_rl.config import job_config_from_dict
+
+    d = {"model": hf_model_section(hf_dir, **(model or {})), "actor": {"load_hf": hf_dir, **actor},
+         "parallel": parallel or {}}
+    if correction is not None:
+        d["algorithm"] = {"rollout_correction": dict(correction)}
+    return job_config_from_dict(d)
+
+
+def policy_data(vocab: int, rows: int, seed: int, prompt_len: tuple[int, int], response_len: tuple[int, int],
+                reject_token: bool):
+    """A random ``RolloutBatch`` of ``rows`` sequences (prompt/response lengths drawn in ``[lo, hi)``) and
+    its train-step inputs ``(batch, old_log_probs, advantages, response_mask, is_weights)``; with
+    ``reject_token`` the last prompt position of row 1 is masked (a rejected token)."""
+    from megatron_rl.actor import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(*prompt_len, (rows,), generator=g).tolist()
+    rlens = torch.randint(*response_len, (rows,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p in plens]
+    responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for r in rlens]
+    rollout_lp = [(-torch.rand(r, generator=g) * 3 - 0.1).tolist() for r in rlens]
+    batch = RolloutBatch.from_sequences(prompts, responses, rollout_lp)
+    W = batch.max_length - 1
+    mask = batch.response_mask.clone()
+    if reject_token:
+        mask[1, int(batch.prompt_lengths[1]) - 1] = 0
+    old = batch.rollout_log_probs + 0.3 * torch.randn(rows, W, generator=g) * batch.response_mask
+    old = old.clamp(max=-1e-3)
+    is_w = (torch.rand(rows, W, generator=g) + 0.5) * mask
+    adv = torch.randn(rows, generator=g)
+    return batch, old, adv, mask, is_w
+
+
+def load_hf_reference(hf_dir: str):
+    """The HF model of ``hf_dir`` in fp32 (train mode as ``from_pretrained`` leaves it: eval)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+
+
+def hf_token_log_probs(model, tokens: torch.Tensor, temperature: float, double: bool = False) -> torch.Tensor:
+    """``log_softmax(logits / T)`` of ``model`` picked at token t+1: ``[B, S-1]`` (float64 with ``double``)."""
+    logits = model(input_ids=tokens).logits[:, :-1] / temperature
+    if double:
+        logits = logits.double()
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def hf_adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """torch AdamW over ``model`` as megatron builds it: no weight decay on 1-D parameters."""
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+
+
+def unfuse_experts(sd: dict, drop_suffixes: Iterable[str] = ()) -> dict:
+    """transformers keeps MoE experts fused in memory (``[E, 2F, H]`` gate_up_proj, ``[E, H, F]`` down_proj) and
+    writes per-expert tensors to safetensors: map the in-memory names to the saved ones; keys ending in one of
+    ``drop_suffixes`` are left out."""
+    drop = tuple(drop_suffixes)
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            pre, f = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"], out[f"{pre}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
+        elif k.endswith("mlp.experts.down_proj"):
+            pre = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = v[e]
+        elif not (drop and k.endswith(drop)):
+            out[k] = v
+    return out
+
+
+def rank_main_grads(actor, parallel) -> list:
+    """On one rank: ``[(RankCoords, canonical main_grad state dict)]``, one entry per model chunk (uneven
+    first/last stages read from ``parallel``)."""
+    from megatron_rl.convert import canonical_state_dict
+    from megatron_rl.convert.partition import RankCoords
+
+    grads = []
+    for i, chunk in enumerate(actor.model):
+        named = {n: p.main_grad.detach().clone() for n, p in chunk.module.named_parameters()}
+        coords = RankCoords.from_groups(actor.groups, vp_stage=i,
+                                        first_stage_layers=parallel.num_layers_in_first_pipeline_stage,
+                                        last_stage_layers=parallel.num_layers_in_last_pipeline_stage)
+        grads.append((coords, canonical_state_dict(named)))
+    return grads
+
+
+def merge_rank_grads(per_rank: list, job) -> dict:
+    """On the parent: every rank's ``rank_main_grads`` merged into one unsharded megatron state dict."""
+    from megatron_rl.convert.partition import merge_state_dicts
+
+    shards: dict = {}
+    for grads in per_rank:
+        for coords, g in grads:
+            shards.setdefault(coords, {}).update(g)
+    return merge_state_dicts(shards, job.model.num_layers, not job.model.untie_embeddings_and_output_weights,
+                             job.parallel.tensor_model_parallel_size, job.parallel.etp,
+                             job.model.num_moe_experts or 0)

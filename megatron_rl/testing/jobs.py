@@ -1,0 +1,28 @@
+"""Job files of the small runs the launcher tests start through ``launch/torchrun.sh`` (a real job YAML on disk).
+
+``copy_job`` is the 2-rank job they share (TP2, the copy task with 1-2 digits, 4 prompts x 2 samples of 4 new
+tokens, micro-batch 4); ``write_job`` writes a job dict as the YAML ``--config`` reads.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def copy_job(model: str | os.PathLike, run_dir: str | os.PathLike, steps: int, **trainer: Any) -> dict:
+    """The small 2-rank copy-task job on ``model`` writing to ``run_dir``; ``trainer`` adds ``trainer.*`` keys."""
+    return {"parallel": {"tensor_model_parallel_size": 2},
+            "rollout": {"max_new_tokens": 4, "n_samples_per_prompt": 2},
+            "data": {"task": "copy", "prompts_per_step": 4, "task_kwargs": {"min_digits": 1, "max_digits": 2}},
+            "actor": {"lr": 1.0e-3, "micro_batch_size": 4, "load_hf": str(model)},
+            "trainer": {"steps": steps, "run_dir": str(run_dir), **trainer}}
+
+
+def write_job(path: str | os.PathLike, job: dict) -> Path:
+    """Write ``job`` as YAML to ``path`` and return the path."""
+    import yaml
+
+    path = Path(path)
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path

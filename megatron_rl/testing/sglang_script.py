@@ -1,0 +1,50 @@
+"""Start an SGLang server the way a user does (``bash launch/sglang_server.sh``) and wait until it is healthy.
+
+``group_gone`` checks, independently of a server handle, that none of a process group is left. Used by the tests of the launch script itself and of jobs that talk to an external server. The script execs
+``python -m sglang.launch_server``, so the returned ``Popen``'s pid is the server's.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import requests
+
+from megatron_rl.rollout.sglang_server import group_members, sglang_python
+
+
+def start_server_script(root: str, model: str | os.PathLike, port: int, log: str | os.PathLike,
+                        new_session: bool = False) -> subprocess.Popen:
+    """``bash ROOT/launch/sglang_server.sh --model MODEL --device cpu --port PORT --log LOG -- --random-seed 0``
+    (``OMP_NUM_THREADS=1``; in a new session with ``new_session``)."""
+    env = dict(os.environ, MEGATRON_RL_SGLANG_PYTHON=sglang_python(), OMP_NUM_THREADS="1")
+    return subprocess.Popen(["bash", os.path.join(root, "launch", "sglang_server.sh"), "--model", str(model),
+                             "--device", "cpu", "--port", str(port), "--log", str(log), "--", "--random-seed", "0"],
+                            env=env, cwd=root, start_new_session=new_session)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float, poll: float) -> None:
+    """Poll ``url``/health every ``poll`` s until it answers 200; ``AssertionError`` (with the log's tail) if the
+    server exits or is not ready within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, f"server not ready after {timeout} s:\n{log.read_text()[-3000:]}"
+        time.sleep(poll)
+
+
+def group_gone(pgid: int) -> bool:
+    """No live process left in the group (from /proc, then a signal-0 probe of each survivor)."""
+    for pid in group_members(pgid):
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+    return True

@@ -1,0 +1,238 @@
+"""Building an RL job: everything a step needs, with every mode chosen once, and its checkpoints.
+
+    job = build_job(cfg)        # every rank: process groups, actor, reference, task + engine (rank 0), resume,
+                                # the first weight sync, the rollout source (sync / async) and its publisher
+    ... train_step(job, step) ...
+    job.checkpoint(step, stopping)
+    job.close(step)
+
+Set-up order (``build_job``): the run directory is refused or accepted before any process group or model
+(``run_dir.py``); the data file is checked; process groups, the actor and (``kl_loss_coef`` > 0) the frozen
+reference are built; rank 0 starts over (``trainer.overwrite``), builds the task and the engine
+(``rollout.factory``; a failure there is raised on every rank); ``--resume`` loads the newest COMPLETE checkpoint
+rank 0 chose; the engine gets the starting weights; then the rollout source starts (async: the producer thread).
+
+Checkpoints (``Job.checkpoint``): the source's drain (async rollouts a checkpoint must hold, bounded by half of
+``trainer.checkpoint_timeout_s``), then every rank writes its part and rank 0 marks it COMPLETE. A failed drain
+still writes the checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises
+``AsyncDrainError`` on every rank.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor import MegatronActor
+from megatron_rl.config import ConfigError, JobConfig
+from megatron_rl.parallel.launch import init_distributed
+from megatron_rl.parallel.rank0 import on_rank0, share_from_rank0
+from megatron_rl.parallel.state import initialize_model_parallel
+from megatron_rl.rollout.factory import build_engine
+from megatron_rl.tasks import build_task as build_task_for
+from megatron_rl.tokenizer import load_tokenizer
+from megatron_rl.trainer.async_rollout import version_tag
+from megatron_rl.trainer.rollout_source import RolloutSource, build_rollout_source
+from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step
+from megatron_rl.trainer.signals import StopRequested
+from megatron_rl.trainer.sinks import MetricSinks
+from megatron_rl.trainer.startup import check_data, layout_line
+from megatron_rl.trainer.step_batch import StepBatch
+from megatron_rl.trainer.watchdog import Watchdog
+from megatron_rl.trainer.weight_publisher import build_weight_publisher
+
+__all__ = ["Job", "build_job", "setup_distributed", "build_task", "latest_checkpoint", "save", "KLReference",
+           "NoReference"]
+
+
+def setup_distributed(cfg: JobConfig):
+    """Process groups, megatron's parallel state (with the CPU patches when there is no GPU), the actor."""
+    if not dist.is_initialized():
+        init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
+    initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model,
+                              distributed_timeout_minutes=cfg.trainer.collective_timeout_s / 60)
+    return MegatronActor(cfg)
+
+
+def build_task(cfg: JobConfig):
+    """Rank 0's task (prompts + reward) with the checkpoint's tokenizer."""
+    tok = load_tokenizer(cfg.actor.load_hf)
+    d = cfg.data
+    return build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                          reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest COMPLETE ``run_dir/checkpoints/step_N`` (by N), or None."""
+    steps = complete_steps(run_dir)
+    return os.path.join(run_dir, "checkpoints", f"step_{steps[-1]}") if steps else None
+
+
+def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = None) -> str:
+    """Checkpoint after ``step`` completed steps; a COMPLETE marker, written after every rank wrote its
+    part, makes it eligible for resume. What an earlier, failed save of the same step left is removed
+    first (it was never COMPLETE)."""
+    path = os.path.join(cfg.trainer.run_dir, "checkpoints", f"step_{step}")
+    if rank0 and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "COMPLETE")):
+        shutil.rmtree(path)
+    dist.barrier()
+    actor.save_checkpoint(path, step, {"config": cfg.to_dict(), **(extra or {})})
+    dist.barrier()
+    if rank0:
+        open(os.path.join(path, "COMPLETE"), "w").close()
+    dist.barrier()
+    return path
+
+
+class KLReference:
+    """The frozen initial policy of the KL loss: a second ``MegatronActor`` from ``actor.load_hf`` whose optimizer
+    is never stepped (memory for tiny / mid-size models only)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def log_probs(self, batch, temperature: float) -> Optional[torch.Tensor]:
+        return self.actor.compute_log_probs(batch, temperature, compute_entropy=False)[0]
+
+
+class NoReference:
+    """No KL loss (``kl_loss_coef`` 0): no reference log-probs."""
+
+    def log_probs(self, batch, temperature: float) -> Optional[torch.Tensor]:
+        return None
+
+
+@dataclass
+class Job:
+    """What every step of a run uses (built once by ``build_job``)."""
+
+    cfg: JobConfig
+    """The validated job configuration."""
+    actor: MegatronActor
+    """The trained policy."""
+    reference: object
+    """``KLReference`` or ``NoReference``: the reference log-probs of the KL loss."""
+    source: RolloutSource
+    """Hands each step's batch (sync or async) and owns the publisher of trained weights."""
+    watchdog: Watchdog
+    """Bounds and times each phase of a step."""
+    sinks: MetricSinks
+    """Console / metrics.jsonl / TensorBoard / W&B (rank 0)."""
+    stop: StopRequested
+    """SIGTERM / SIGINT seen by this rank."""
+    start_step: int
+    """Completed steps at start (> 0 after ``--resume``)."""
+    pad_id: int
+    """The tokenizer's pad id (rank 0's, shared)."""
+    rank0: bool
+    """This is global rank 0 (it owns the task, the engine and the run directory's files)."""
+    server: object = None
+    """The SGLang server this job launched (``rollout.sglang_launch``; rank 0), terminated by ``close``."""
+
+    def dump(self, step: int, batch: StepBatch) -> None:
+        """Rank 0, ``trainer.dump_rollouts``: append the step's rows to run_dir/rollouts.jsonl."""
+        if self.rank0 and self.cfg.trainer.dump_rollouts:
+            with open(os.path.join(self.cfg.trainer.run_dir, "rollouts.jsonl"), "a") as fh:
+                for line in batch.records(step):
+                    fh.write(line + "\n")
+
+    def checkpoint_due(self, step: int, stopping: bool) -> bool:
+        tc = self.cfg.trainer
+        return bool(tc.save_interval and step % tc.save_interval == 0) or step == tc.steps or stopping
+
+    def checkpoint(self, step: int, stopping: bool) -> None:
+        """Collective: save the checkpoint after ``step`` steps (see the module docstring)."""
+        tc = self.cfg.trainer
+        with self.watchdog.phase("checkpoint", step, timeout_s=tc.checkpoint_timeout_s,
+                                 config_key="trainer.checkpoint_timeout_s"):
+            extra, drain_error = self.source.drain(step, tc.checkpoint_timeout_s / 2)
+            path = save(self.actor, self.cfg, step, self.rank0, extra if self.rank0 else None)
+        if drain_error is not None:
+            raise drain_error
+        if self.rank0:
+            why = f"signal {self.stop.signum}" if self.stop.signum is not None else "a signal to another rank"
+            print(f"[megatron-rl] stopped by {why} after step {step}: checkpoint {path}; continue with --resume"
+                  if stopping else f"[megatron-rl] checkpoint {path}", flush=True)
+
+    def close(self, step: int) -> None:
+        """Stop the source, restore the signal handlers, flush the sinks (bounded), stop the watchdog and the
+        launched server."""
+        try:
+            self.source.close()
+            self.stop.restore()
+            with self.watchdog.phase("metrics_close", step):  # a W&B / TensorBoard flush must not hang the exit
+                self.sinks.close()
+        finally:
+            self.watchdog.close()
+            if self.server is not None:
+                self.server.terminate()
+
+
+def build_job(cfg: JobConfig) -> Job:
+    """Every rank: build the job (see the module docstring)."""
+    tc = cfg.trainer
+    refusal = run_dir_error(tc.run_dir, tc.resume, tc.overwrite)  # before any process group or model
+    if refusal:
+        raise ConfigError(refusal)
+    check_data(cfg)  # a data file with no usable row fails here, before any model is built
+    actor = setup_distributed(cfg)
+    reference = KLReference(MegatronActor(cfg)) if cfg.actor.policy_loss.kl_loss_coef > 0 else NoReference()
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(layout_line(cfg, actor.groups, dist.get_world_size()), flush=True)
+    watchdog = Watchdog(dist.get_rank(), tc.phase_timeout_s)
+    server = None
+    try:
+        with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
+            task, tokenizer, engine, server = on_rank0(lambda: _rank0_setup(cfg),
+                                                       what="setting up the task / rollout engine") or (None,) * 4
+        start, resumed = _resume(cfg, actor, rank0)
+        sinks = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress, tensorboard=tc.tensorboard,
+                            wandb=tc.wandb, wandb_project=tc.wandb_project, config=cfg.to_dict(), resume=start > 0)
+        immediate = build_weight_publisher(cfg, actor, engine)
+        with watchdog.phase("weight_sync", start):
+            immediate.publish(version_tag(start))
+        stop = StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
+        source = build_rollout_source(cfg, task, engine, actor, immediate, start, resumed, rank0)
+        pad_id = share_from_rank0(int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0)
+    except BaseException:
+        watchdog.close()
+        if server is not None:
+            server.terminate()
+        raise
+    return Job(cfg=cfg, actor=actor, reference=reference, source=source, watchdog=watchdog, sinks=sinks, stop=stop,
+               start_step=start, pad_id=pad_id, rank0=rank0, server=server)
+
+
+def _rank0_setup(cfg: JobConfig) -> Tuple:
+    """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task,
+    the engine."""
+    if cfg.trainer.overwrite:
+        print(start_over(cfg.trainer.run_dir, keep=cfg.actor.load_hf), flush=True)
+    task, tokenizer = build_task(cfg)
+    engine, server = build_engine(cfg)
+    return task, tokenizer, engine, server
+
+
+def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:
+    """``(start step, the checkpoint's extra state)``: with ``--resume`` the newest COMPLETE checkpoint rank 0
+    chose (a shared file system may show ranks different sets), loaded on every rank; later history is
+    trimmed."""
+    tc = cfg.trainer
+    start, resumed = 0, {}
+    if tc.resume:
+        ckpt = share_from_rank0(latest_checkpoint(tc.run_dir) if rank0 else None)
+        if ckpt is not None:
+            start, resumed = actor.load_checkpoint(ckpt)
+        if rank0:  # the history continues from the checkpoint's step: nothing later may mix in
+            dropped = trim_to_step(tc.run_dir, start)
+            print(f"[megatron-rl] resumed from {ckpt} at step {start}{dropped}" if ckpt is not None else
+                  f"[megatron-rl] --resume: no complete checkpoint in {tc.run_dir}: starting at step 0"
+                  f"{dropped}", flush=True)
+    elif rank0 and not tc.overwrite:
+        print(f"[megatron-rl] new run in {tc.run_dir}", flush=True)
+    return start, resumed

@@ -1,0 +1,167 @@
+"""The rollout source: where each step's ``StepBatch`` comes from, chosen once when the job is built.
+
+    source = build_rollout_source(cfg, task, engine, actor, immediate_publisher, start, resumed)
+    batch = source.next(step)                 # collective: rank 0 makes it, every rank receives it
+    publisher = source.publisher              # how trained versions reach the engine from now on
+    extra, error = source.drain(step, s)      # rollouts a checkpoint must hold (async), and a drain failure
+
+* ``SyncRollouts`` (``rollout.mode: sync``): rank 0 generates step ``t`` from version ``t`` when asked; the
+  publisher loads each version into the engine right away.
+* ``AsyncRollouts`` (``rollout.mode: async``): rank 0's ``RolloutProducer`` generates ahead in its thread, at most
+  ``rollout.max_staleness`` versions behind; the publisher hands versions to the producer (``DeferredPublisher``).
+
+The staleness bound lives here, once: ``max_lag`` (0 sync, ``rollout.max_staleness`` async) is what every token of
+a batch is checked against before the batch leaves rank 0 (``check_staleness``; the producer's schedule keeps to
+it by construction, the check proves it) and the range of the lag metrics. The reward-failure limit
+(``data.max_reward_failure_frac``) is checked at the same point. A failure on rank 0 is raised on every rank
+(``parallel.rank0``): a ``RolloutError`` as raised, any other failure of the async producer thread wrapped in a
+``RuntimeError`` naming the step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, Optional, Tuple
+
+from megatron_rl.config import JobConfig
+from megatron_rl.parallel.rank0 import from_rank0, share_from_rank0
+from megatron_rl.rollout.base import RolloutError
+from megatron_rl.trainer.async_rollout import (RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds,
+                                              version_tag)
+from megatron_rl.trainer.reward_failures import reward_failure_error
+from megatron_rl.trainer.rollout_phase import generate_step
+from megatron_rl.trainer.step_batch import StepBatch
+from megatron_rl.trainer.weight_publisher import WeightPublisher, deferred_publisher
+
+__all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source"]
+
+
+class AsyncDrainError(RuntimeError):
+    """The async producer could not hand over the rollouts a checkpoint must hold (raised on every rank)."""
+
+
+class RolloutSource:
+    """Hands the loop each step's batch (see the module docstring)."""
+
+    max_lag: int = 0
+    """The staleness bound: the most weight versions a token of a batch may lag the trainer."""
+    publisher: WeightPublisher
+    """How each trained version reaches the engine while this source runs."""
+
+    def __init__(self, cfg: JobConfig, publisher: WeightPublisher):
+        self.cfg = cfg
+        self.publisher = publisher
+
+    def next(self, step: int) -> StepBatch:
+        """Collective: step ``step``'s (0-based) batch on every rank."""
+        raise NotImplementedError
+
+    def drain(self, step: int, timeout_s: float) -> Tuple[Dict, Optional[BaseException]]:
+        """Collective, before the checkpoint after ``step`` steps: what it must hold besides the weights (rank
+        0; {} elsewhere) and the failure of handing it over (on every rank; the checkpoint is written anyway)."""
+        return {}, None
+
+    def overlap_s(self, t_start: float, t_end: float) -> float:
+        """Seconds of ``[t_start, t_end]`` (``time.perf_counter``) in which rollouts were generated while the
+        trainer worked (rank 0; 0 elsewhere)."""
+        return 0.0
+
+    def close(self) -> None:
+        """Stop generating (rollouts in flight are discarded)."""
+
+    def _checked(self, batch: StepBatch, step: int) -> StepBatch:
+        """Rank 0: the staleness bound and the reward-failure limit, before the batch leaves."""
+        if batch.token_versions:
+            check_staleness(batch.token_versions, step, self.max_lag, step + 1)
+        failure = reward_failure_error(batch.metrics, batch.num_rows, self.cfg.data.max_reward_failure_frac, step + 1)
+        if failure is not None:
+            raise failure
+        return batch
+
+
+class SyncRollouts(RolloutSource):
+    """Rank 0 generates step ``t`` from version ``t`` when the loop asks for it."""
+
+    def __init__(self, cfg: JobConfig, task, engine, publisher: WeightPublisher):
+        super().__init__(cfg, publisher)
+        self.task, self.engine = task, engine
+
+    def next(self, step: int) -> StepBatch:
+        return from_rank0(lambda: self._checked(
+            generate_step(self.task, self.engine, self.cfg, step, version_tag(step)), step))
+
+
+class AsyncRollouts(RolloutSource):
+    """Rank 0's producer thread generates ahead (``async_rollout.RolloutProducer``)."""
+
+    def __init__(self, cfg: JobConfig, task, engine, actor, start: int, resumed: Dict, rank0: bool):
+        rc = cfg.rollout
+        self.max_lag = rc.max_staleness
+        self.producer = None
+        if rank0:  # generation overlaps training from here on
+            self.producer = RolloutProducer(
+                engine, generate_fn=lambda s, view, tag: generate_step(task, view, cfg, s, tag),
+                apply_fn=lambda payload, tag: payload.apply(engine, cfg, tag, actor), start_step=start,
+                max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
+                segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, rc)).start_thread()
+        super().__init__(cfg, deferred_publisher(cfg, actor, self.producer))
+
+    def next(self, step: int) -> StepBatch:
+        return from_rank0(lambda: self._checked(self.producer.get(step), step),
+                          what=f"async rollouts of step {step + 1}", passthrough=(RolloutError,))
+
+    def drain(self, step: int, timeout_s: float) -> Tuple[Dict, Optional[BaseException]]:
+        extra, error = self._snapshot(step, timeout_s) if self.producer is not None else ({}, None)
+        return extra, share_from_rank0(error)
+
+    def _snapshot(self, step: int, timeout_s: float) -> Tuple[Dict, Optional[BaseException]]:
+        """Rank 0: the rollouts the producer generated from versions older than ``step`` (they cannot be
+        regenerated from the checkpoint; async_rollout.py), within ``timeout_s`` (<= 0: no limit)."""
+        rc = self.cfg.rollout
+        try:
+            rollouts = self.producer.snapshot(step, timeout_s=timeout_s if timeout_s > 0 else None)
+            rollouts = {t: dataclasses.asdict(batch) for t, batch in rollouts.items()}  # plain data in the checkpoint
+            return {"async_rollouts": rollouts, "async_schedule": (rc.max_staleness, rc.partial_rollout)}, None
+        except SnapshotTimeout:
+            cause = (f"the producer did not hand them over within {timeout_s:g} s (half of "
+                     f"trainer.checkpoint_timeout_s)")
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by drain
+            cause = f"{type(exc).__name__}: {exc}"
+        return {}, AsyncDrainError(f"rank 0: draining the async rollouts for the checkpoint of step {step} failed: "
+                                   f"{cause}. The checkpoint of step {step} is written without them (--resume "
+                                   f"regenerates them from its weights)")
+
+    def overlap_s(self, t_start: float, t_end: float) -> float:
+        if self.producer is None:
+            return 0.0
+        return overlap_seconds(self.producer.busy, (_wall(t_start), _wall(t_end)))
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+
+
+def build_rollout_source(cfg: JobConfig, task, engine, actor, immediate: WeightPublisher, start: int,
+                         resumed: Dict, rank0: bool) -> RolloutSource:
+    """The job's source for ``rollout.mode`` (``task`` / ``engine``: rank 0's, None elsewhere; ``immediate``: the
+    publisher that loads a version right away; ``resumed``: the resumed checkpoint's extra state). Call after the
+    engine holds version ``start``."""
+    if cfg.rollout.mode == "async":
+        return AsyncRollouts(cfg, task, engine, actor, start, resumed, rank0)
+    return SyncRollouts(cfg, task, engine, immediate)
+
+
+def _resumed_rollouts(extra: Dict, rc) -> Dict:
+    """The drained rollouts of a resumed checkpoint, if it was written with the same async schedule."""
+    saved = extra.get("async_rollouts") or {}
+    if saved and extra.get("async_schedule") != (rc.max_staleness, rc.partial_rollout):
+        print(f"[megatron-rl] the checkpoint's async rollouts were made with (max_staleness, partial_rollout) = "
+              f"{extra.get('async_schedule')}, this run uses {(rc.max_staleness, rc.partial_rollout)}: "
+              f"regenerating them", flush=True)
+        return {}
+    return {int(t): StepBatch(**batch) for t, batch in saved.items()}
+
+
+def _wall(perf_t: float) -> float:
+    """A ``time.perf_counter()`` reading as wall time (the producer records ``time.time()``)."""
+    return time.time() - (time.perf_counter() - perf_t)

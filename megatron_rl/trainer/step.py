@@ -1,0 +1,73 @@
+"""One RL step (GRPO / RLOO with rollout correction), the same for every mode: ``train_step(job, step)``.
+
+Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
+
+    batch     = job.source.next(step)                         # rank 0 generates (sync) or takes (async); all get it
+    shard     = this DP rank's whole prompt groups, on the actor's device
+    old_lp    = actor.compute_log_probs(shard, T)              # fp32 recompute, vocab-parallel
+    corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
+    adv       = group advantages with the post-rejection mask
+    metrics   = actor.train_step(shard, old_lp, adv, corr.response_mask, corr.weights, T)
+    weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
+
+Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``).
+
+Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy; the
+forward-only pass still runs once per step because the correction (weights, rejection, diagnostics)
+needs pi_theta — verl computes the same quantity inside its loss.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Tuple
+
+from megatron_rl.actor.schedule import actor_device
+from megatron_rl.algo.advantages import compute_advantages
+from megatron_rl.correction import compute_rollout_correction
+from megatron_rl.correction.lag import policy_lag_metrics
+from megatron_rl.trainer.async_rollout import version_tag
+from megatron_rl.trainer.reward_failures import failed_fraction
+from megatron_rl.trainer.step_batch import StepBatch
+
+__all__ = ["train_step"]
+
+
+def train_step(job, step: int) -> Tuple[Dict[str, float], StepBatch]:
+    """Train step ``step`` (0-based; ``step`` versions done) and publish version ``step + 1``. Returns the step's
+    metrics and its batch (collective over every rank)."""
+    cfg, actor, wd, source = job.cfg, job.actor, job.watchdog, job.source
+    T = cfg.rollout.temperature
+    t_step = time.perf_counter()
+    with wd.phase("rollout", step + 1):
+        batch = source.next(step)
+    t_rolled = time.perf_counter()
+    shard = batch.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor.dp_rank, actor.dp_size,
+                        actor_device())
+    rows = shard.batch
+    with wd.phase("logprob", step + 1):
+        old_lp, _ = actor.compute_log_probs(rows, T, compute_entropy=False)  # train_step reports entropy
+    with wd.phase("correction", step + 1):
+        corr = compute_rollout_correction(old_lp, rows.rollout_log_probs, rows.response_mask,
+                                          cfg.algorithm.rollout_correction, group=actor.dp_group)
+        lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
+                                         source.max_lag, group=actor.dp_group)
+    adv = compute_advantages(shard.rewards, shard.group_index, corr.response_mask.float(),
+                             estimator=cfg.algorithm.advantage_estimator, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
+    with wd.phase("train", step + 1):  # whether the loss applies corr.weights: actor.train_step decides
+        actor_metrics = actor.train_step(rows, old_lp, adv, corr.response_mask, corr.weights, T,
+                                         ref_log_probs=job.reference.log_probs(rows, T))
+    with wd.phase("weight_sync", step + 1):
+        sync_metrics = source.publisher.publish(version_tag(step + 1))
+    t_end = time.perf_counter()
+    dt = t_end - t_step
+    timing = {f"timing/{name}_s": wd.elapsed[name] for name in ("rollout", "logprob", "correction", "train",
+                                                                 "weight_sync")}
+    metrics = {
+        **batch.summary(failed_fraction(batch.metrics, batch.num_rows)),
+        **actor_metrics, **corr.metrics, **lag_metrics, **batch.metrics,
+        # the share of this step's wall time in which the producer generated while the trainer worked
+        "perf/rollout_overlap_frac": source.overlap_s(t_rolled, t_end) / dt,
+        **timing, "timing/step_s": dt, **sync_metrics,
+        "perf/tokens_per_s": batch.num_tokens / dt,
+    }
+    return metrics, batch

@@ -1,0 +1,127 @@
+"""One step's rows as one unit: ``StepBatch`` (what the rollout source hands the loop) and ``StepShard`` (this DP
+rank's part of it, as tensors on the actor's device).
+
+Every per-row quantity of a step -- prompt and response ids, rollout log-probs, rewards, prompt group, token
+versions, MoE routing, truncation -- lives in ``StepBatch`` and is sharded by ``StepBatch.shard`` in one go, so no
+parallel list can fall out of step with the rows of the ``RolloutBatch``:
+
+    batch = source.next(step)                                        # every rank: the same StepBatch
+    shard = batch.shard(step, n_samples, pad_id, dp_rank, dp_size, device)
+    shard.batch, shard.rewards, shard.group_index, shard.token_lag  # this DP rank's whole prompt groups
+
+``StepShard`` tensors all sit on ``device`` (the actor's: its log-probs are there, so the correction, the lag
+metrics and the advantages meet one device; the one place rollouts move there). ``any_rank(flag)`` is the loop's
+stop flag: True on every rank when any rank raised it (one MAX all-reduce through ``parallel.devices``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.batch import RolloutBatch, row_blocks
+from megatron_rl.parallel.devices import all_reduce_
+from megatron_rl.trainer.async_rollout import token_lag_tensor
+
+__all__ = ["StepBatch", "StepShard", "shard_rows", "any_rank"]
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts, prompt-major (n consecutive rows per prompt)."""
+
+    prompt_ids: List[List[int]]
+    """Per row: the prompt's token ids."""
+    response_ids: List[List[int]]
+    """Per row: the response's token ids, exactly as the engine sampled them."""
+    rollout_log_probs: List[List[float]]
+    """Per row, per response token: the engine's log-prob of it."""
+    rewards: List[float]
+    """Per row: the reward (with any overlong penalty)."""
+    weight_version: str
+    """The weight version the step's generation started from (``step-N``)."""
+    routing: Optional[List[object]] = None
+    """Per row: the engine's MoE routing ``[prompt + response - 1, moe_layers, topk]`` (uint8 / int16), or None
+    when the engine captured none."""
+    truncated: List[bool] = field(default_factory=list)
+    """Per row: the response hit max_new_tokens (finish reason "length")."""
+    metrics: Dict[str, float] = field(default_factory=dict)
+    """The step's data / reward / length metrics (``rollout_phase`` module docstring)."""
+    token_versions: List[List[int]] = field(default_factory=list)
+    """Per row, per response token: the weight version (training steps done) that produced it; empty when the
+    engine reports only one version per rollout (then every token has ``weight_version``)."""
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rewards)
+
+    def shard(self, step: int, n_samples: int, pad_id: int, dp_rank: int, dp_size: int,
+              device: torch.device) -> "StepShard":
+        """This DP rank's whole prompt groups (``prompts_per_step % DP == 0``), every tensor on ``device``;
+        ``step``: completed steps (the trainer's weight version, for the per-token lag)."""
+        full = RolloutBatch.from_sequences(self.prompt_ids, self.response_ids, self.rollout_log_probs,
+                                           pad_id=pad_id, routing=self.routing)
+        batch = full.shard(dp_rank, dp_size).to(device)
+        rows = shard_rows(self.num_rows, dp_rank, dp_size)
+        rewards = torch.tensor(self.rewards[rows.start:rows.stop], dtype=torch.float32).to(device)
+        group_index = torch.arange(rows.start, rows.stop, device=device) // n_samples
+        versions = self.token_versions or [[step] * len(r) for r in self.response_ids]
+        lag = token_lag_tensor([len(p) for p in self.prompt_ids[rows.start:rows.stop]],
+                               versions[rows.start:rows.stop], step, batch.max_length - 1).to(device)
+        return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=rows)
+
+    def summary(self, failed_frac: float) -> Dict[str, float]:
+        """The step's reward and length metrics (``failed_frac``: the share of rewards that failed)."""
+        resp_len = [len(r) for r in self.response_ids]
+        return {"reward/mean": sum(self.rewards) / len(self.rewards),
+                "reward/max": max(self.rewards), "reward/min": min(self.rewards),
+                "reward/failed_frac": failed_frac,
+                "response_length/mean": sum(resp_len) / len(resp_len), "response_length/max": max(resp_len)}
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + response tokens of every row."""
+        return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
+
+    def records(self, step: int) -> Iterator[str]:
+        """One JSON line per row for ``rollouts.jsonl`` (``token_versions`` per response token when the engine
+        was segmented)."""
+        versions = self.token_versions or [None] * len(self.response_ids)
+        for p, r, lp, rw, tv in zip(self.prompt_ids, self.response_ids, self.rollout_log_probs, self.rewards,
+                                    versions):
+            rec = {"step": step, "prompt_ids": p, "response_ids": r, "rollout_log_probs": lp, "reward": rw,
+                   "weight_version": self.weight_version}
+            if tv is not None:
+                rec["token_versions"] = tv
+            yield json.dumps(rec)
+
+
+@dataclass
+class StepShard:
+    """This DP rank's part of a step (every tensor on the actor's device)."""
+
+    batch: RolloutBatch
+    """The rows of the rollout batch this DP rank trains on."""
+    rewards: torch.Tensor
+    """[b] float32 reward per row."""
+    group_index: torch.Tensor
+    """[b] int64 prompt group of each row (global row // n_samples_per_prompt)."""
+    token_lag: torch.Tensor
+    """[b, L-1] int64 weight versions between each response token's generation and this step (0 in sync mode)."""
+    rows: range
+    """The global rows of the shard."""
+
+
+def shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
+    """The rows ``RolloutBatch.shard`` gives this DP rank (whole groups: prompts_per_step % DP == 0)."""
+    start, end = row_blocks(num_rows, dp_size)[dp_rank]
+    return range(start, end)
+
+
+def any_rank(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Collective over ``group`` (default: every rank): True when ``flag`` is True on any rank."""
+    t = all_reduce_(torch.tensor([1.0 if flag else 0.0]), op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
