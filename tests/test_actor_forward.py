@@ -16,6 +16,7 @@ import megatron.core  # noqa: F401  (imported once in the parent: forked ranks s
 from megatron_rl.actor import MegatronActor, RolloutBatch
 from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import load_hf_reference
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -24,11 +25,8 @@ TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    return str(build_tiny_hf_model(tmp_path_factory.mktemp("actor_fwd") / "qwen2", arch="qwen2", seed=11,
-                                   num_hidden_layers=4))
+def hf_dir(tiny_hf_model):
+    return tiny_hf_model("qwen2", seed=11, num_hidden_layers=4)
 
 
 def _sequences(vocab, seed=0):
@@ -41,7 +39,7 @@ def _sequences(vocab, seed=0):
 
 def _reference(hf_dir, prompts, responses, T):
     """[B, L-1] log-probs / entropies by a plain loop over per-sequence HF logits (float64)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = load_hf_reference(hf_dir).eval()
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
     lp = torch.zeros(len(prompts), L - 1, dtype=torch.float64)
     ent = torch.zeros_like(lp)

@@ -22,11 +22,8 @@ def _cli(*args):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    return str(build_task_model(str(tmp_path_factory.mktemp("check") / "m"), task="copy", seed=0,
-                                hidden_size=128, num_layers=2))
+def tiny_model(task_model):
+    return task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
 
 
 def test_tiny_cpu_plans_four_cpu_fp32_ranks_and_the_real_prompt(tiny_model):

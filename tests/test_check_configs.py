@@ -56,18 +56,17 @@ def test_config_validates_at_intended_world(name):
     assert cfg.model is not None
 
 
-def test_tiny_cpu_validates_at_four_ranks(tmp_path):
+def test_tiny_cpu_validates_at_four_ranks(task_model, tiny_job):
     """The embedded default (TP2 x PP2) validates at world 4 once its model is built (the quickstart builds
     it into actor.load_hf first), and is rejected at other world sizes."""
     from megatron_rl.config import ConfigError
-    from megatron_rl.tasks.char_tokenizer import build_task_model
 
-    model = build_task_model(str(tmp_path / "m"), task="copy", seed=0, hidden_size=128, num_layers=2)
-    cfg = load_job_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), [f"actor.load_hf={model}"], world_size=4)
+    model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
+    cfg = tiny_job(model=model, world_size=4)
     assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.pipeline_model_parallel_size == 2
     assert cfg.model.vocab_size % 8 == 0
     with pytest.raises(ConfigError):
-        load_job_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), [f"actor.load_hf={model}"], world_size=2)
+        tiny_job(model=model, world_size=2)
 
 
 @pytest.mark.parametrize("name", sorted(k for k, v in WORLD.items() if v is not None))

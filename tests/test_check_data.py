@@ -90,13 +90,11 @@ def test_planned_prompt_length_uses_chat_template_kwargs(chat_model):
     assert m and int(m.group(1)) == longest[True], (r.stdout[-1500:], longest)
 
 
-def test_tiny_model_counts_and_sync_memory(tmp_path):
+def test_tiny_model_counts_and_sync_memory(task_model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    path = build_task_model(str(tmp_path / "m"), task="copy", seed=0, hidden_size=64, num_layers=2)
+    path = task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     n = sum(p.numel() for p in hf.parameters())
     r = _cli(TINY, f"actor.load_hf={path}")

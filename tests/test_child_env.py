@@ -59,11 +59,9 @@ def test_strips_everything_torchrun_adds(tmp_path):
     assert set(launcher_variables(worker)) == added - _BENIGN
 
 
-def test_launch_sglang_server_gets_a_clean_environment(tmp_path, monkeypatch):
+def test_launch_sglang_server_gets_a_clean_environment(tmp_path, monkeypatch, dense_model):
     from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    model = build_tiny_hf_model(tmp_path / "tiny", arch="qwen2", seed=0)
+    model = dense_model
     for k, v in _LAUNCHER.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("MY_SETTING", "kept")
@@ -77,9 +75,7 @@ def test_launch_sglang_server_gets_a_clean_environment(tmp_path, monkeypatch):
     assert env["MY_SETTING"] == "kept" and env["EXTRA_FOR_SERVER"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
 
 
-def test_sglang_server_script_finds_venv_and_cleans_environment(tmp_path):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
+def test_sglang_server_script_finds_venv_and_cleans_environment(tmp_path, dense_model):
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_SGLANG_PYTHON"}
     dry = subprocess.run(["bash", os.path.join(ROOT, "launch", "sglang_server.sh"), "--model", "/m", "--device",
                           "cpu"], env=dict(env, DRY_RUN="1"), capture_output=True, text=True, timeout=30)
@@ -87,7 +83,7 @@ def test_sglang_server_script_finds_venv_and_cleans_environment(tmp_path):
     expected = venv if os.access(venv, os.X_OK) else "python3"
     assert f" {expected} -m sglang.launch_server " in dry.stdout, dry.stdout + dry.stderr
 
-    model = build_tiny_hf_model(tmp_path / "tiny", arch="qwen2", seed=0)
+    model = dense_model
     p = subprocess.Popen(["bash", os.path.join(ROOT, "launch", "sglang_server.sh"), "--model", str(model),
                           "--device", "cpu", "--port", "1", "--log", str(tmp_path / "s.log")],
                          env=dict(env, **_LAUNCHER, MEGATRON_RL_SGLANG_PYTHON=sys.executable),

@@ -68,12 +68,10 @@ def _rank_lines(lines, rank):
 
 
 @pytest.fixture(scope="module")
-def tiny_runs(tmp_path_factory):
+def tiny_runs(tmp_path_factory, task_model):
     """A 2-rank (DP=2) tiny run of 2 steps with a checkpoint per step, then --resume to step 3."""
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
     tmp = tmp_path_factory.mktemp("console")
-    model = build_task_model(str(tmp / "m"), task="copy", seed=0, hidden_size=64, num_layers=2)
+    model = task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
     run = str(tmp / "run")
     common = [f"actor.load_hf={model}", f"trainer.run_dir={run}", "parallel.tensor_model_parallel_size=1",
               "parallel.pipeline_model_parallel_size=1", "data.prompts_per_step=4", "actor.ppo_mini_batches=1",

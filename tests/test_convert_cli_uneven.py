@@ -19,10 +19,8 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    return build_tiny_hf_model(tmp_path_factory.mktemp("dsv3_cli") / "m", arch="deepseek_v3", seed=3)
+def hf_dir(tiny_hf_model):
+    return tiny_hf_model("deepseek_v3", seed=3)
 
 
 def _stage_layers(path):

@@ -24,17 +24,14 @@ from megatron_rl.convert import (CheckpointMismatchError, HFGeometry, LayoutErro
 from megatron_rl.convert import storage
 from megatron_rl.convert.hf_config import megatron_to_hf_config, model_config_from_hf
 from megatron_rl.convert.partition import chunk_layer_range
-from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError, validate_parallel_config
+from megatron_rl.parallel import ParallelConfig, ParallelConfigError, validate_parallel_config
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    return build_tiny_hf_model(tmp_path_factory.mktemp("dsv3_conv") / "m", arch="deepseek_v3", seed=5,
-                               num_hidden_layers=4)
+def hf_dir(tiny_hf_model):
+    return tiny_hf_model("deepseek_v3", seed=5, num_hidden_layers=4)
 
 
 def _cfg(hf_dir):

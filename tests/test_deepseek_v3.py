@@ -20,12 +20,10 @@ import pytest
 import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
-from megatron_rl.actor import MegatronActor
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
-from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, parallel_section
-from megatron_rl.testing.actor_reference import hf_adamw, hf_token_log_probs, load_hf_reference, unfuse_experts
-from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads
+from megatron_rl.testing.actor_reference import actor_on_shard, hf_adamw, hf_token_log_probs, load_hf_reference
+from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -50,13 +48,8 @@ def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, first=None, last=None, mb
 
 
 def _rank(rank, world, job, data):
-    from megatron_rl.actor import row_blocks
-
     batch, old, adv, mask, is_w = data
-    initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
-    start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
-    shard = batch.select(start, end)
+    actor, shard, start, end = actor_on_shard(job, batch)
     W = shard.max_length - 1
     lp, _ = actor.compute_log_probs(shard, T)
     metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], mask[start:end, :W],

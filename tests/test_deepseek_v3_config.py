@@ -21,6 +21,7 @@ import pytest
 from megatron_rl.config import load_job_config
 from megatron_rl.convert.hf_config import model_config_from_hf
 from megatron_rl.ops.memory import active_parameters, total_parameters
+from megatron_rl.testing.actor_reference import hf_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "deepseek_v3_671b_64x8.yaml")
@@ -64,20 +65,15 @@ def test_parameter_totals_match_published(cfg):
     assert abs(active / 37e9 - 1) < 0.015, active
 
 
-def test_parameter_formula_matches_transformers(tmp_path):
-    import json
-
+def test_parameter_formula_matches_transformers(tiny_hf_model):
     import torch
     import transformers
 
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    path = build_tiny_hf_model(tmp_path / "m", arch="deepseek_v3", seed=0, num_hidden_layers=4)
+    path = tiny_hf_model("deepseek_v3", seed=0, num_hidden_layers=4)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf = sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
-    with open(os.path.join(path, "config.json")) as fh:
-        mc = model_config_from_hf(json.load(fh))
+    mc = hf_model_config(path)
     assert total_parameters(mc) == hf
 
 

@@ -17,11 +17,9 @@ import os
 
 import pytest
 
-from megatron_rl.config import load_job_config
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.sglang_server import sglang_available
-from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.trainer.async_rollout import SegmentedEngine
 
@@ -29,9 +27,8 @@ PROMPTS = [[17, 13] + [3 + d] * k + [14] for d in range(10) for k in (1, 2, 3)] 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_task_model(str(tmp_path_factory.mktemp("m") / "m"), task="copy", seed=0, hidden_size=64,
-                            num_layers=2)
+def model_dir(task_model):
+    return task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
 
 
 def _eos(model_dir):
@@ -132,15 +129,13 @@ def _train(rank, world, cfg):
 
 
 @pytest.mark.timeout(900)
-def test_async_interrupt_loop_dumps_no_response_continued_after_eos(model_dir, tmp_path):
+def test_async_interrupt_loop_dumps_no_response_continued_after_eos(model_dir, tiny_job):
     """The issue's measurement: tiny_cpu, async interrupt, 1-token segments, 2 steps, dumped rollouts."""
-    run_dir = str(tmp_path / "run")
-    cfg = load_job_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_cpu.yaml"), [
-        "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
-        "cluster.gpus_per_node=1", f"actor.load_hf={model_dir}", f"trainer.run_dir={run_dir}",
-        "rollout.mode=async", "rollout.partial_rollout=interrupt", "rollout.segment_tokens=1",
-        "trainer.steps=2", "trainer.dump_rollouts=true", "trainer.progress=false", "trainer.save_interval=0"],
-        world_size=1)
+    cfg = tiny_job("parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                   "cluster.gpus_per_node=1", "rollout.mode=async", "rollout.partial_rollout=interrupt",
+                   "rollout.segment_tokens=1", "trainer.steps=2", "trainer.dump_rollouts=true",
+                   "trainer.progress=false", "trainer.save_interval=0", model=model_dir)
+    run_dir = cfg.trainer.run_dir
     run_ranks(_train, 1, cfg, timeout=840)
     with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
         recs = [json.loads(line) for line in fh]

@@ -26,17 +26,15 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, tiny_hf_model):
     from transformers import Qwen2MoeConfig, Qwen3Config
-
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny_conv")
     out = {
-        "qwen2": build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=0, num_hidden_layers=4),
-        "llama": build_tiny_hf_model(root / "llama", arch="llama", seed=1),
-        "qwen2_tied": build_tiny_hf_model(root / "qwen2_tied", arch="qwen2", seed=2, tie_word_embeddings=True),
-        "qwen3_moe": build_tiny_hf_model(root / "qwen3_moe", arch="qwen3_moe", seed=3, num_hidden_layers=4),
+        "qwen2": tiny_hf_model("qwen2", seed=0, num_hidden_layers=4),
+        "llama": tiny_hf_model("llama", seed=1),
+        "qwen2_tied": tiny_hf_model("qwen2", seed=2, tie_word_embeddings=True),
+        "qwen3_moe": tiny_hf_model("qwen3_moe", seed=3, num_hidden_layers=4),
     }
     c = Qwen3Config(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)

@@ -6,7 +6,6 @@ Run: ``pytest tests/test_hf_convert_live.py``.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -19,6 +18,7 @@ from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.hf_config import model_config_from_hf
 from megatron_rl.convert.live import (check_model_config_matches, export_model_to_hf, hf_target,
                                       load_checkpoint_into_model)
+from megatron_rl.testing.actor_reference import hf_model_config
 from megatron_rl.testing.distributed import run_ranks
 
 pytest.importorskip("transformers")
@@ -30,8 +30,7 @@ def _load_export(rank, world, ckpt, assets, out, pcfg_kw, padded_vocab, scale):
     from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
 
     pcfg = ParallelConfig(**pcfg_kw)
-    with open(os.path.join(assets, "config.json")) as f:
-        mcfg = model_config_from_hf(json.load(f), padded_vocab_size=padded_vocab)
+    mcfg = hf_model_config(assets, padded_vocab_size=padded_vocab)
     initialize_model_parallel(pcfg, seed=3, model=mcfg)
     chunks = build_gpt_model(mcfg, pcfg)
     groups = ActorGroups.from_parallel_state(sequence_parallel=pcfg.sequence_parallel)
@@ -46,15 +45,11 @@ def _load_export(rank, world, ckpt, assets, out, pcfg_kw, padded_vocab, scale):
 
 
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("tiny_live")
+def hf_models(tiny_hf_model):
     return {
-        "qwen2": build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=11, num_hidden_layers=4),
-        "llama8": build_tiny_hf_model(root / "llama8", arch="llama", seed=12, num_hidden_layers=8,
-                                      tie_word_embeddings=True),
-        "qwen3_moe": build_tiny_hf_model(root / "qwen3_moe", arch="qwen3_moe", seed=13),
+        "qwen2": tiny_hf_model("qwen2", seed=11, num_hidden_layers=4),
+        "llama8": tiny_hf_model("llama", seed=12, num_hidden_layers=8, tie_word_embeddings=True),
+        "qwen3_moe": tiny_hf_model("qwen3_moe", seed=13),
     }
 
 

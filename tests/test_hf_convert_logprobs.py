@@ -11,8 +11,6 @@ Run: ``pytest tests/test_hf_convert_logprobs.py``.
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import pytest
 import torch
@@ -21,18 +19,12 @@ import megatron.core  # noqa: F401  (import once in the parent: forked ranks sta
 from megatron_rl.convert import ShardLayout, convert_hf_to_mcore, load_rank_state_dict, load_state_dict_into_model
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.random_model import write_random_hf_model
+from megatron_rl.testing.actor_reference import hf_model_config
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
 SEQ, BATCH = 12, 2
-
-
-def _model_config(hf_dir: str, padded_vocab: int):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return model_config_from_hf(json.load(f), padded_vocab_size=padded_vocab)
 
 
 def _rank_logits(rank, world, ckpt_dir, hf_dir, pcfg_kw, padded_vocab, tokens):
@@ -46,7 +38,7 @@ def _rank_logits(rank, world, ckpt_dir, hf_dir, pcfg_kw, padded_vocab, tokens):
     from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
 
     pcfg = ParallelConfig(**pcfg_kw)
-    mcfg = _model_config(hf_dir, padded_vocab)
+    mcfg = hf_model_config(hf_dir, padded_vocab_size=padded_vocab)
     initialize_model_parallel(pcfg, seed=1)
     chunks = build_gpt_model(mcfg, pcfg)
     model = chunks[0]
@@ -95,17 +87,14 @@ def _save_plain_hf(path, family, seed, **cfg):
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
+def tiny_models(tmp_path_factory, tiny_hf_model):
     root = tmp_path_factory.mktemp("tiny_lp")
     return {
-        "qwen2": build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=1, num_hidden_layers=4),
-        "llama": build_tiny_hf_model(root / "llama", arch="llama", seed=2, num_hidden_layers=4),
-        "qwen2_tied": build_tiny_hf_model(root / "qwen2_tied", arch="qwen2", seed=3, tie_word_embeddings=True),
-        "qwen3_moe": build_tiny_hf_model(root / "qwen3_moe", arch="qwen3_moe", seed=4),
-        "qwen3_moe_nonorm": build_tiny_hf_model(root / "qwen3_moe_nonorm", arch="qwen3_moe", seed=5,
-                                                norm_topk_prob=False),
+        "qwen2": tiny_hf_model("qwen2", seed=1, num_hidden_layers=4),
+        "llama": tiny_hf_model("llama", seed=2, num_hidden_layers=4),
+        "qwen2_tied": tiny_hf_model("qwen2", seed=3, tie_word_embeddings=True),
+        "qwen3_moe": tiny_hf_model("qwen3_moe", seed=4),
+        "qwen3_moe_nonorm": tiny_hf_model("qwen3_moe", seed=5, norm_topk_prob=False),
         "qwen3": _save_plain_hf(root / "qwen3", "Qwen3", 6, vocab_size=250, hidden_size=64, intermediate_size=96,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                 tie_word_embeddings=True),

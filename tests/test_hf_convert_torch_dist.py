@@ -67,12 +67,9 @@ _SAVE_SCRIPT = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
-    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("tiny_td")
-    return {"qwen2": build_tiny_hf_model(root / "qwen2", arch="qwen2", seed=21, num_hidden_layers=4),
-            "qwen3_moe": build_tiny_hf_model(root / "qwen3_moe", arch="qwen3_moe", seed=22)}
+def hf_models(tiny_hf_model):
+    return {"qwen2": tiny_hf_model("qwen2", seed=21, num_hidden_layers=4),
+            "qwen3_moe": tiny_hf_model("qwen3_moe", seed=22)}
 
 
 CASES = [("qwen2", 2, 1, 100),    # dense: layers stacked on a leading axis, TP2, padded vocab 384 -> 400

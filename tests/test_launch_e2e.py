@@ -38,11 +38,9 @@ trainer:
 """
 
 
-def test_torchrun_two_ranks_then_report(tmp_path):
+def test_torchrun_two_ranks_then_report(tmp_path, task_model):
     pytest.importorskip("transformers")
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
+    model = task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
     run = tmp_path / "run"
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(model=model, run=run))

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megatron_rl.testing.jobs import copy_job, write_job
+from megatron_rl.testing.jobs import copy_job, wait_for_steps, write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,16 +46,8 @@ def _launch(tmp_path, job, *args, logs="logs"):
 
 def _stop_after_two_steps(proc, run, send):
     """Wait until two steps were logged, then ``send(proc)``; returns (output, seconds from signal to exit)."""
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 300
     try:
-        while time.time() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            time.sleep(0.3)
-        else:
-            raise AssertionError("the job did not log two steps in 300 s")
+        wait_for_steps(proc, run / "metrics.jsonl", 2, timeout=300, poll=0.3)
         t0 = time.time()
         send(proc)
         out, _ = proc.communicate(timeout=240)

@@ -39,11 +39,9 @@ def _results_tool():
     return mod
 
 
-def test_quickstart_config_learns_copy(tmp_path):
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
+def test_quickstart_config_learns_copy(tmp_path, task_model):
     # the model tools/quickstart.sh builds (same arguments -> identical weights)
-    model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=128, num_layers=2)
+    model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
     run = tmp_path / "run"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="4")
     r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),

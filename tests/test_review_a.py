@@ -73,12 +73,9 @@ def test_stop_set_is_sglangs_token_finish_rule():
     assert cases == 2 * 3 * 3 * 10
 
 
-def test_embedded_ignore_eos_also_ignores_stop_ids(tmp_path):
+def test_embedded_ignore_eos_also_ignores_stop_ids(copy_model):
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    d = build_task_model(str(tmp_path / "m"), task="copy", seed=0, hidden_size=32, num_layers=1)
-    engine = EmbeddedEngine(d, dtype="float32", weight_version="v")
+    engine = EmbeddedEngine(copy_model, dtype="float32", weight_version="v")
     prompt = [[17, 13, 4, 5, 14]]
     free = engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))[0]
     assert len(free.response_ids) == 6 and free.finish_reason == "length"

@@ -22,17 +22,10 @@ import pytest
 import torch.distributed as dist
 
 from megatron_rl.ops.report import health_checks, write_report
-from megatron_rl.tasks.char_tokenizer import build_task_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = "needs the 'math-verify' package"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_task_model(str(tmp_path_factory.mktemp("m") / "m"), task="copy", seed=0, hidden_size=32,
-                            num_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +56,10 @@ def _train(run, model, *extra, pythonpath=None, timeout=240):
                           env=_env(pythonpath), capture_output=True, text=True, timeout=timeout)
 
 
-def test_math_reward_without_math_verify_is_a_config_error_before_process_groups(model_dir, no_math_verify,
+def test_math_reward_without_math_verify_is_a_config_error_before_process_groups(copy_model, no_math_verify,
                                                                                      tmp_path, monkeypatch):
     run = tmp_path / "run"
-    r = _train(run, model_dir, "data.reward_fn=math", pythonpath=no_math_verify, timeout=120)
+    r = _train(run, copy_model, "data.reward_fn=math", pythonpath=no_math_verify, timeout=120)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "data.reward_fn: 'math'" in r.stderr and MISSING in r.stderr, r.stderr
     assert not run.exists()                                  # nothing started
@@ -81,23 +74,23 @@ def test_math_reward_without_math_verify_is_a_config_error_before_process_groups
     from megatron_rl.train import run as train_run
 
     args = argparse.Namespace(config=None, resume=False, check_only=False, check_world_size=None,
-                              overrides=_args(run, model_dir) + ["data.reward_fn=math"])
+                              overrides=_args(run, copy_model) + ["data.reward_fn=math"])
     assert train_run(args) == 2
     assert not dist.is_initialized()
 
 
-def test_reward_module_that_does_not_import_is_a_config_error(model_dir, tmp_path):
-    r = _train(tmp_path / "run", model_dir, "data.reward_fn=no_such_reward_module:score", timeout=120)
+def test_reward_module_that_does_not_import_is_a_config_error(copy_model, tmp_path):
+    r = _train(tmp_path / "run", copy_model, "data.reward_fn=no_such_reward_module:score", timeout=120)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "data.reward_fn='no_such_reward_module:score': module 'no_such_reward_module' not found" in r.stderr
 
 
-def test_failed_rewards_end_the_run_with_the_cause_and_the_report_fails(model_dir, tmp_path):
+def test_failed_rewards_end_the_run_with_the_cause_and_the_report_fails(copy_model, tmp_path):
     rewards = tmp_path / "my_rewards.py"
     rewards.write_text("def score(prompt_text, response_text, answer):\n"
                        "    raise KeyError('verifier has no entry for this answer')\n")
     spec = f"data.reward_fn={rewards}:score"
-    r = _train(tmp_path / "run", model_dir, spec, "trainer.steps=3")
+    r = _train(tmp_path / "run", copy_model, spec, "trainer.steps=3")
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert "RewardFailureError: step 1: 4 reward(s) failed and 0 timed out of 4 samples" in out, out[-3000:]
@@ -106,7 +99,7 @@ def test_failed_rewards_end_the_run_with_the_cause_and_the_report_fails(model_di
     assert not (tmp_path / "run" / "checkpoints").exists()                    # the step was never trained
     # the limit lifted: the run trains on the zeros, and the report says what happened
     run = tmp_path / "run2"
-    r = _train(run, model_dir, spec, "trainer.steps=2", "data.max_reward_failure_frac=1.0")
+    r = _train(run, copy_model, spec, "trainer.steps=2", "data.max_reward_failure_frac=1.0")
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["reward/failed_frac"] for m in records] == [1.0, 1.0]

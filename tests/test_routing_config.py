@@ -11,11 +11,8 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 
 @pytest.fixture(scope="module")
-def moe_task_model(tmp_path_factory):
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    return build_task_model(tmp_path_factory.mktemp("moe_task") / "m", num_layers=4, num_experts=8,
-                            num_experts_per_tok=2)
+def moe_task_model(task_model):
+    return task_model(num_layers=4, num_experts=8, num_experts_per_tok=2)
 
 
 def test_tiny_moe_cpu_validates_with_r3_at_four_ranks(moe_task_model):
@@ -32,10 +29,7 @@ def test_bad_routing_replay_names_the_key(moe_task_model):
         load_job_config(path, [f"actor.load_hf={moe_task_model}", "actor.routing_replay=r4"], world_size=4)
 
 
-def test_replay_on_a_dense_model_names_the_key(tmp_path):
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    dense = build_task_model(tmp_path / "dense", num_layers=2)
+def test_replay_on_a_dense_model_names_the_key(task_model, tiny_job):
+    dense = task_model(num_layers=2)
     with pytest.raises(ConfigError, match=r"actor\.routing_replay: 'r3' needs an MoE model"):
-        load_job_config(os.path.join(CONFIGS, "tiny_cpu.yaml"), [f"actor.load_hf={dense}", "actor.routing_replay=r3"],
-                        world_size=4)
+        tiny_job("actor.routing_replay=r3", model=dense, world_size=4)

@@ -16,17 +16,16 @@ import os
 import pytest
 
 from megatron_rl.config import load_job_config
-from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import train_or_error
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 N = 4            # samples per prompt
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return build_task_model(str(tmp_path_factory.mktemp("moe") / "m"), task="copy", seed=0, hidden_size=64,
-                            num_layers=2, num_experts=4, num_experts_per_tok=2)
+def moe_dir(task_model):
+    return task_model(task="copy", seed=0, hidden_size=64, num_layers=2, num_experts=4, num_experts_per_tok=2)
 
 
 def _cfg(moe_dir, run_dir, replay, world):
@@ -40,7 +39,6 @@ def _cfg(moe_dir, run_dir, replay, world):
 
 def _train(rank, world, cfg):
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.loop import train
 
     if rank == 0:
         real = EmbeddedEngine.generate
@@ -54,11 +52,7 @@ def _train(rank, world, cfg):
             return out
 
         EmbeddedEngine.generate = generate
-    try:
-        train(cfg)
-    except Exception as exc:  # noqa: BLE001 - the test checks every rank's error
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return train_or_error(cfg)
 
 
 @pytest.mark.timeout(600)

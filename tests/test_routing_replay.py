@@ -33,7 +33,7 @@ from megatron_rl.actor.routing import RoutingError
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import PPO_LOSS, TOKEN_IS, actor_job, load_hf_reference, parallel_section
-from megatron_rl.testing.actor_reference import hf_token_log_probs, unfuse_experts
+from megatron_rl.testing.actor_reference import actor_on_shard, hf_token_log_probs, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -149,10 +149,7 @@ def _grads_hf(actor):
 
 def _rank_r3(rank, world, job, data):
     batch, _, old, adv, is_w = data
-    initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
-    start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
-    shard = batch.select(start, end)
+    actor, shard, start, end = actor_on_shard(job, batch)
     W = shard.max_length - 1
     lp, _ = actor.compute_log_probs(shard, T, compute_entropy=False)
     metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], shard.response_mask, is_w[start:end, :W], T)
@@ -314,10 +311,7 @@ def test_r2_replays_log_prob_pass_routing_in_every_train_forward(moe_dir, layout
 # ----------------------------------------------------------------------------- bad input
 def _rank_bad(rank, world, job, data):
     batch = data[0]
-    initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
-    start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
-    shard = batch.select(start, end)
+    actor, shard, start, end = actor_on_shard(job, batch)
     out = {}
 
     def attempt(name, routing):

@@ -31,11 +31,12 @@ import megatron.core  # noqa: E402,F401
 from megatron_rl.rollout.base import MalformedResponseError, SamplingParams  # noqa: E402
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine, parse_generate_response  # noqa: E402
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout  # noqa: E402
-from megatron_rl.rollout.sglang_server import launch_sglang_server, sglang_available  # noqa: E402
+from megatron_rl.rollout.sglang_server import sglang_available  # noqa: E402
 from megatron_rl.testing.actor_reference import load_hf_reference  # noqa: E402
 from megatron_rl.testing.distributed import run_ranks  # noqa: E402
 from megatron_rl.testing.routing_reference import (hf_own_routing, random_prompts, rank_replay_mismatch,  # noqa: E402
                                                    replay_job, rollouts_batch)
+from megatron_rl.testing.sglang_script import served  # noqa: E402
 from megatron_rl.trainer.rollout_phase import rollout_routing  # noqa: E402
 
 _OK, _REASON = sglang_available()
@@ -55,11 +56,8 @@ def moe_dir(tiny_hf_model):
 
 @pytest.fixture(scope="module")
 def server(moe_dir, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("sglang_moe_log") / "server.log")
-    h = launch_sglang_server(moe_dir, device="cpu", extra_args=["--random-seed", "0"], log_path=log,
-                             ready_timeout=600, max_total_tokens=8192)
-    yield h
-    h.terminate()
+    yield from served(moe_dir, tmp_path_factory.mktemp("sglang_moe_log"), extra_args=["--random-seed", "0"],
+                      ready_timeout=600, max_total_tokens=8192)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,12 @@ from megatron_rl.testing.distributed import run_ranks
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+def recorded(tmp_path_factory, task_model):
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.tasks.char_tokenizer import build_task_model
 
     d = tmp_path_factory.mktemp("score")
-    model = build_task_model(str(d / "model"), task="copy", seed=1, hidden_size=64, num_layers=2)
+    model = task_model(task="copy", seed=1, hidden_size=64, num_layers=2)
     engine = EmbeddedEngine(model, dtype="bfloat16", seed=3)
     prompts = [[5, 6, 7, 3], [8, 9, 3], [4, 4, 4, 4, 3], [6, 3]]
     rollouts = engine.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=5), n=2)
@@ -37,9 +36,7 @@ def _score_body(rank, world, cfg, records, out):
 
 
 @pytest.mark.timeout(240)
-def test_score_matches_hf_fp32_and_reports_global_metrics(recorded):
-    from transformers import AutoModelForCausalLM
-
+def test_score_matches_hf_fp32_and_reports_global_metrics(recorded, hf_reference):
     model_dir, path, d = recorded
     cfg = load_job_config(None, [f"actor.load_hf={model_dir}", "rollout.temperature=0.8", "actor.micro_batch_size=3",
                                  "data.prompts_per_step=2",
@@ -49,7 +46,7 @@ def test_score_matches_hf_fp32_and_reports_global_metrics(recorded):
     out = str(d / "scored.jsonl")
     metrics = run_ranks(_score_body, 2, cfg, records, out, timeout=200)
     assert metrics[0] == metrics[1]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_reference(model_dir).model
     scored = [json.loads(line) for line in open(out)]
     diffs = []
     with torch.no_grad():
@@ -158,11 +155,9 @@ def _score_versions_body(rank, world, cfg, records, out, ckpt_root):
 
 
 @pytest.mark.timeout(300)
-def test_each_version_is_scored_with_its_own_checkpoint(recorded):
+def test_each_version_is_scored_with_its_own_checkpoint(recorded, hf_reference):
     """Records of step-0 match HF fp32 of the initial model; records of step-1 match HF fp32 of the
     step_1 checkpoint's weights (the initial weights x 0.9, built independently in HF)."""
-    from transformers import AutoModelForCausalLM
-
     model_dir, path, d = recorded
     cfg = load_job_config(None, [f"actor.load_hf={model_dir}", "rollout.temperature=0.8", "data.prompts_per_step=2"],
                           world_size=2)
@@ -175,8 +170,8 @@ def test_each_version_is_scored_with_its_own_checkpoint(recorded):
     metrics = run_ranks(_score_versions_body, 2, cfg, records, out, str(ckpt_root), timeout=280)
     assert metrics[0] == metrics[1]
     assert "step-0/rollout_corr/kl" in metrics[0] and "step-1/rollout_corr/kl" in metrics[0]
-    hf0 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf1 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf0 = hf_reference(model_dir).model
+    hf1 = hf_reference(model_dir).model
     with torch.no_grad():
         for p in hf1.parameters():
             p.mul_(0.9)

@@ -16,16 +16,16 @@ model (``test_weight_sync_tp2.py``).
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_weight_verify_coverage.py -q``
 """
-import dataclasses
-import json
 import os
 
 import pytest
 import torch
 
 from megatron_rl.config import job_config_from_dict
-from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server, sglang_available
+from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
+from megatron_rl.testing.actor_reference import hf_model_section
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.sglang_script import served
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -60,12 +60,8 @@ def models(tmp_path_factory):
 
 
 def _job(hf_dir, engine, run_dir=None, **rollout):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
     extra = {"sglang_urls": ["http://x:1"]} if engine == "sglang" else {}
-    d = {"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
+    d = {"model": hf_model_section(hf_dir), "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
          "rollout": {"engine": engine, "weight_sync_verify_tensors": -1, **extra, **rollout}}
     if run_dir:
         d["trainer"] = {"run_dir": str(run_dir)}
@@ -208,11 +204,8 @@ _OK, _REASON = sglang_available()
 def server(models, tmp_path_factory):
     if not _OK:
         pytest.skip(_REASON)
-    log = str(tmp_path_factory.mktemp("ws_cover_log") / "server.log")
-    h = launch_sglang_server(models["moe_other"], port=find_free_port(), device="cpu", max_total_tokens=2048,
-                             log_path=log, ready_timeout=600)
-    yield h
-    h.terminate()
+    yield from served(models["moe_other"], tmp_path_factory.mktemp("ws_cover_log"), port=find_free_port(),
+                      max_total_tokens=2048, ready_timeout=600)
 
 
 def _sglang(url):

@@ -3,7 +3,7 @@
     python tools/metrics_equal.py RUN_A RUN_B [RUN_A2 RUN_B2 ...]
 
 Compares every record of ``RUN_A/metrics.jsonl`` with the same record of ``RUN_B/metrics.jsonl``, key by key, as
-exact floats; ``timing/*`` and ``perf/*`` (wall-clock measurements) are left out. Prints one line per pair (records,
+exact floats; ``time``, ``timing/*`` and ``perf/*`` (wall-clock measurements) are left out. Prints one line per pair (records,
 keys compared, first difference) and exits 1 when any pair differs. ``tools/step_equivalence.sh`` makes the runs.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-SKIP = ("timing/", "perf/")
+SKIP = ("timing/", "perf/", "time")  # wall-clock: the record's time stamp, durations, rates
 
 
 def records(run_dir: str):

@@ -25,8 +25,8 @@ __all__ = ["initialize_model_parallel", "destroy_model_parallel", "shutdown_dist
 def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any = None,
                               distributed_timeout_minutes: float = 30) -> ParallelDims:
     """Build the ``ParallelDims`` of ``cfg`` at the world size (validated, also against ``model``'s shape), call
-    megatron's ``parallel_state.initialize_model_parallel`` with its sizes and ``model_parallel_cuda_manual_seed(seed)``,
-    and return the dims.
+    megatron's ``parallel_state.initialize_model_parallel`` with its sizes and
+    ``model_parallel_cuda_manual_seed(seed)``, and return the dims.
 
     Requires an initialised default process group. Raises ``ParallelConfigError`` before creating
     any group if the layout is invalid."""

@@ -5,20 +5,20 @@ ranks that run the actor (``distributed.run_ranks``; fixtures do not reach a for
 are plain functions), and compares with an independent single-process reference: HF transformers in fp32
 plus torch's AdamW. This module holds the pieces every such test wrote again:
 
-* ``hf_model_section`` / ``actor_job``: the job (model section read from the directory's ``config.json`` by
-  the project's one HF config reading, actor, parallel layout, token-level IS correction);
+* ``hf_model_config`` / ``hf_model_section`` / ``actor_job``: the job (model section read from the directory's
+  ``config.json`` by the project's one HF config reading, actor, parallel layout, token-level IS correction);
 * ``policy_data``: a random rollout batch with old log-probs, advantages, a response mask and IS weights;
 * ``load_hf_reference``, ``hf_token_log_probs``, ``hf_adamw``, ``unfuse_experts``: the HF side;
+* ``actor_on_shard``: on a rank, the actor and its DP block of the batch;
 * ``rank_main_grads`` / ``merge_rank_grads``: each rank's Megatron ``main_grad`` by ``RankCoords``, and
   their merge into one unsharded state dict on the parent.
 
-conftest.py's ``hf_reference`` and ``actor_job`` fixtures hand these to tests.
+In tests, conftest.py's ``tiny_hf_model`` fixture builds the directories and its ``hf_reference`` fixture loads
+the HF side; a forked rank calls the functions here directly.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Iterable, Optional
 
 import torch
@@ -33,13 +33,18 @@ PPO_LOSS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "se
 TOKEN_IS = {"rollout_is": "token", "rollout_is_threshold": 2.0, "bypass_mode": False, "loss_type": "ppo_clip"}
 
 
-def hf_model_section(hf_dir: str, **overrides: Any) -> dict:
-    """The ``model:`` section (a dict) of the HF directory's ``config.json``, through
-    ``convert.hf_config.model_config_from_hf``, with ``overrides`` applied."""
+def hf_model_config(hf_dir: str, **kwargs: Any):
+    """The ``ModelConfig`` of the HF directory's ``config.json`` (``convert.hf_config.model_config_from_hf``,
+    the project's one HF config reading; ``kwargs`` go to it, e.g. ``padded_vocab_size``)."""
     from megatron_rl.convert.hf_config import model_config_from_hf
+    from megatron_rl.convert.storage import read_hf_config
 
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        section = dataclasses.asdict(model_config_from_hf(json.load(fh)))
+    return model_config_from_hf(read_hf_config(hf_dir), **kwargs)
+
+
+def hf_model_section(hf_dir: str, **overrides: Any) -> dict:
+    """The ``model:`` section (a dict) of ``hf_model_config(hf_dir)``, with ``overrides`` applied."""
+    section = dataclasses.asdict(hf_model_config(hf_dir))
     section.update(overrides)
     return section
 
@@ -94,7 +99,7 @@ def policy_data(vocab: int, rows: int, seed: int, prompt_len: tuple[int, int], r
 
 
 def load_hf_reference(hf_dir: str):
-    """The HF model of ``hf_dir`` in fp32 (train mode as ``from_pretrained`` leaves it: eval)."""
+    """The HF model of ``hf_dir`` in fp32, as ``from_pretrained`` returns it (eval mode)."""
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -134,6 +139,18 @@ def unfuse_experts(sd: dict, drop_suffixes: Iterable[str] = ()) -> dict:
         elif not (drop and k.endswith(drop)):
             out[k] = v
     return out
+
+
+def actor_on_shard(job, batch):
+    """On one rank: initialise model parallelism (seed 5), build ``MegatronActor(job)`` and select this DP rank's
+    block of ``batch`` (``row_blocks``); returns ``(actor, shard, start, end)``."""
+    from megatron_rl.actor import MegatronActor, row_blocks
+    from megatron_rl.parallel import initialize_model_parallel
+
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    actor = MegatronActor(job)
+    start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
+    return actor, batch.select(start, end), start, end
 
 
 def rank_main_grads(actor, parallel) -> list:

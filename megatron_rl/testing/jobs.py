@@ -1,11 +1,15 @@
 """Job files of the small runs the launcher tests start through ``launch/torchrun.sh`` (a real job YAML on disk).
 
 ``copy_job`` is the 2-rank job they share (TP2, the copy task with 1-2 digits, 4 prompts x 2 samples of 4 new
-tokens, micro-batch 4); ``write_job`` writes a job dict as the YAML ``--config`` reads.
+tokens, micro-batch 4); ``write_job`` writes a job dict as the YAML ``--config`` reads; ``train_or_error`` is the
+body of a forked rank that runs the RL loop and reports how it ended; ``wait_for_steps`` waits until a
+running job has logged some steps.
 """
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +30,27 @@ def write_job(path: str | os.PathLike, job: dict) -> Path:
     path = Path(path)
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
+
+
+def train_or_error(cfg) -> str | None:
+    """Run ``trainer.loop.train(cfg)`` on this rank: None when it completes, else ``"ExcType: message"`` (the
+    tests check every rank's error)."""
+    from megatron_rl.trainer.loop import train
+
+    try:
+        train(cfg)
+    except Exception as exc:  # noqa: BLE001 - the test checks every rank's error
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float, poll: float) -> None:
+    """Poll until ``metrics`` (a run's metrics.jsonl) holds ``steps`` records; ``AssertionError`` with the tail
+    of the job's output if ``proc`` exits first, or when ``timeout`` s pass."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(poll)
+    raise AssertionError(f"the job did not log {steps} steps in {timeout} s")

@@ -3,9 +3,10 @@
 * ``random_prompts``: the seeded token-id prompts the capture tests generate from;
 * ``hf_own_routing``: HF transformers' own router top-k of one unpadded sequence (a full fp32 forward, no KV
   cache) — the independent reference a captured ``routed_experts`` is compared with;
-* ``replay_job`` / ``rollouts_batch`` / ``rank_replay_mismatch``: an actor job of a MoE directory and the forked rank that
-  measures the engine-vs-trainer mismatch (k3 KL and ``rollout_corr/router_agreement``) with routing replay
-  off and with ``r3``, on the same batch.
+* ``replay_job`` / ``rollouts_batch`` / ``rank_replay_mismatch``: an actor job of a MoE directory, the batch of
+  engine rollouts, and the forked rank that measures the engine-vs-trainer mismatch (k3 KL and
+  ``rollout_corr/router_agreement``) with routing replay off and with ``r3``, on the same batch.
+
 """
 from __future__ import annotations
 

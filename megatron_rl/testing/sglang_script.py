@@ -1,17 +1,21 @@
-"""Start an SGLang server the way a user does (``bash launch/sglang_server.sh``) and wait until it is healthy.
+"""SGLang servers for tests: started the way a user does (``bash launch/sglang_server.sh``) and waited for until
+healthy, or through ``launch_sglang_server`` for the length of a module fixture (``served``).
 
-``group_gone`` checks, independently of a server handle, that none of a process group is left. Used by the tests of the launch script itself and of jobs that talk to an external server. The script execs
-``python -m sglang.launch_server``, so the returned ``Popen``'s pid is the server's.
+``group_gone`` checks, independently of a server handle, that none of a process group is left. Used by the tests of
+the launch script itself and of jobs that talk to an external server. The script execs ``python -m
+sglang.launch_server``, so the returned ``Popen``'s pid is the server's.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import time
+from pathlib import Path
+from typing import Any, Iterator
 
 import requests
 
-from megatron_rl.rollout.sglang_server import group_members, sglang_python
+from megatron_rl.rollout.sglang_server import group_members, launch_sglang_server, sglang_python
 
 
 def start_server_script(root: str, model: str | os.PathLike, port: int, log: str | os.PathLike,
@@ -48,3 +52,13 @@ def group_gone(pgid: int) -> bool:
         except ProcessLookupError:
             pass
     return True
+
+
+def served(model_dir: str | os.PathLike, log_dir: str | os.PathLike, **launch: Any) -> Iterator:
+    """For a fixture (``yield from served(...)``): a CPU server for ``model_dir`` (``launch_sglang_server`` with
+    ``launch``; its log in ``log_dir/server.log``), its handle yielded, terminated afterwards."""
+    handle = launch_sglang_server(str(model_dir), device="cpu", log_path=str(Path(log_dir) / "server.log"), **launch)
+    try:
+        yield handle
+    finally:
+        handle.terminate()

@@ -36,6 +36,7 @@ from megatron_rl.rollout.factory import build_engine
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.trainer.async_rollout import version_tag
+from megatron_rl.trainer.rollout_phase import build_step_generator
 from megatron_rl.trainer.rollout_source import RolloutSource, build_rollout_source
 from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step
 from megatron_rl.trainer.signals import StopRequested
@@ -188,8 +189,8 @@ def build_job(cfg: JobConfig) -> Job:
     server = None
     try:
         with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
-            task, tokenizer, engine, server = on_rank0(lambda: _rank0_setup(cfg),
-                                                       what="setting up the task / rollout engine") or (None,) * 4
+            generator, tokenizer, engine, server = on_rank0(lambda: _rank0_setup(cfg),
+                                                            what="setting up the task / rollout engine") or (None,) * 4
         start, resumed = _resume(cfg, actor, rank0)
         sinks = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress, tensorboard=tc.tensorboard,
                             wandb=tc.wandb, wandb_project=tc.wandb_project, config=cfg.to_dict(), resume=start > 0)
@@ -197,7 +198,7 @@ def build_job(cfg: JobConfig) -> Job:
         with watchdog.phase("weight_sync", start):
             immediate.publish(version_tag(start))
         stop = StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
-        source = build_rollout_source(cfg, task, engine, actor, immediate, start, resumed, rank0)
+        source = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0)
         pad_id = share_from_rank0(int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0)
     except BaseException:
         watchdog.close()
@@ -209,13 +210,13 @@ def build_job(cfg: JobConfig) -> Job:
 
 
 def _rank0_setup(cfg: JobConfig) -> Tuple:
-    """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task,
-    the engine."""
+    """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task and
+    its step generator, the engine."""
     if cfg.trainer.overwrite:
         print(start_over(cfg.trainer.run_dir, keep=cfg.actor.load_hf), flush=True)
     task, tokenizer = build_task(cfg)
     engine, server = build_engine(cfg)
-    return task, tokenizer, engine, server
+    return build_step_generator(cfg, task), tokenizer, engine, server
 
 
 def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:

@@ -141,3 +141,22 @@ def step_routing(rollouts, required: bool, step: int = 0) -> Tuple[Optional[List
             f"sources {sorted({rollouts[b].source for b in missing})}): every server must capture routing "
             f"({ROUTED_EXPERTS_FLAG}), or set actor.routing_replay to none / r2")
     return (None if missing else routing), {"routing/missing_rows": float(len(missing))}
+
+
+class SingleTurn:
+    """The step generator of single-turn tasks: each prompt -> ``n_samples_per_prompt`` responses (``generate_step``).
+
+    A step generator is chosen once per job (``build_step_generator``) and hands the rollout source each step's
+    ``StepBatch``: ``generate(engine, step, version)`` on rank 0, with the engine (or the async producer's view of
+    it) to sample from and the weight version the rollouts must carry."""
+
+    def __init__(self, task, cfg):
+        self.task, self.cfg = task, cfg
+
+    def generate(self, engine, step: int, version: str) -> StepBatch:
+        return generate_step(self.task, engine, self.cfg, step, version)
+
+
+def build_step_generator(cfg, task):
+    """Rank 0: the job's step generator (single-turn prompt -> response)."""
+    return SingleTurn(task, cfg)

@@ -1,6 +1,6 @@
 """The rollout source: where each step's ``StepBatch`` comes from, chosen once when the job is built.
 
-    source = build_rollout_source(cfg, task, engine, actor, immediate_publisher, start, resumed)
+    source = build_rollout_source(cfg, generator, engine, actor, immediate_publisher, start, resumed, rank0)
     batch = source.next(step)                 # collective: rank 0 makes it, every rank receives it
     publisher = source.publisher              # how trained versions reach the engine from now on
     extra, error = source.drain(step, s)      # rollouts a checkpoint must hold (async), and a drain failure
@@ -29,7 +29,6 @@ from megatron_rl.rollout.base import RolloutError
 from megatron_rl.trainer.async_rollout import (RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds,
                                               version_tag)
 from megatron_rl.trainer.reward_failures import reward_failure_error
-from megatron_rl.trainer.rollout_phase import generate_step
 from megatron_rl.trainer.step_batch import StepBatch
 from megatron_rl.trainer.weight_publisher import WeightPublisher, deferred_publisher
 
@@ -82,25 +81,24 @@ class RolloutSource:
 class SyncRollouts(RolloutSource):
     """Rank 0 generates step ``t`` from version ``t`` when the loop asks for it."""
 
-    def __init__(self, cfg: JobConfig, task, engine, publisher: WeightPublisher):
+    def __init__(self, cfg: JobConfig, generator, engine, publisher: WeightPublisher):
         super().__init__(cfg, publisher)
-        self.task, self.engine = task, engine
+        self.generator, self.engine = generator, engine
 
     def next(self, step: int) -> StepBatch:
-        return from_rank0(lambda: self._checked(
-            generate_step(self.task, self.engine, self.cfg, step, version_tag(step)), step))
+        return from_rank0(lambda: self._checked(self.generator.generate(self.engine, step, version_tag(step)), step))
 
 
 class AsyncRollouts(RolloutSource):
     """Rank 0's producer thread generates ahead (``async_rollout.RolloutProducer``)."""
 
-    def __init__(self, cfg: JobConfig, task, engine, actor, start: int, resumed: Dict, rank0: bool):
+    def __init__(self, cfg: JobConfig, generator, engine, actor, start: int, resumed: Dict, rank0: bool):
         rc = cfg.rollout
         self.max_lag = rc.max_staleness
         self.producer = None
         if rank0:  # generation overlaps training from here on
             self.producer = RolloutProducer(
-                engine, generate_fn=lambda s, view, tag: generate_step(task, view, cfg, s, tag),
+                engine, generate_fn=lambda s, view, tag: generator.generate(view, s, tag),
                 apply_fn=lambda payload, tag: payload.apply(engine, cfg, tag, actor), start_step=start,
                 max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
                 segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, rc)).start_thread()
@@ -141,14 +139,15 @@ class AsyncRollouts(RolloutSource):
             self.producer.close()
 
 
-def build_rollout_source(cfg: JobConfig, task, engine, actor, immediate: WeightPublisher, start: int,
+def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: WeightPublisher, start: int,
                          resumed: Dict, rank0: bool) -> RolloutSource:
-    """The job's source for ``rollout.mode`` (``task`` / ``engine``: rank 0's, None elsewhere; ``immediate``: the
+    """The job's source for ``rollout.mode`` (``generator`` / ``engine``: rank 0's step generator
+    (``rollout_phase.build_step_generator``) and engine, None elsewhere; ``immediate``: the
     publisher that loads a version right away; ``resumed``: the resumed checkpoint's extra state). Call after the
     engine holds version ``start``."""
     if cfg.rollout.mode == "async":
-        return AsyncRollouts(cfg, task, engine, actor, start, resumed, rank0)
-    return SyncRollouts(cfg, task, engine, immediate)
+        return AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0)
+    return SyncRollouts(cfg, generator, engine, immediate)
 
 
 def _resumed_rollouts(extra: Dict, rc) -> Dict:

@@ -6,6 +6,7 @@ the job actually runs with (rank 0, one line).
 """
 from __future__ import annotations
 
+from megatron_rl.rollout.factory import engine_class
 from megatron_rl.tasks.datasets import usable_rows
 from megatron_rl.trainer.weight_publisher import weight_sync_mode
 
@@ -21,14 +22,8 @@ def check_data(cfg) -> None:
 def layout_line(cfg, groups, world_size: int) -> str:
     """The parallel layout megatron built (``groups``: the actor's ``ActorGroups``), the rollout engine and
     the weight-sync mode, as one line."""
-    g, r = groups, cfg.rollout
-    parts = f"TP={g.tp_size} PP={g.pp_size}"
-    if g.vpp_size > 1:
-        parts += f" VPP={g.vpp_size}"
-    parts += f" CP={g.cp_size} DP={g.dp_size}"
-    if g.ep_size > 1 or g.etp_size > 1:
-        parts += f" EP={g.ep_size} ETP={g.etp_size}"
-    servers = len(r.sglang_urls) + int(r.sglang_launch)  # SGLang servers (none for the embedded engine)
-    engine = r.engine + (f" ({servers} server(s))" if servers else "")
-    return (f"[megatron-rl] layout: world size {world_size}, {parts}; rollout engine {engine}, {r.mode} rollouts; "
+    r = cfg.rollout
+    engine = engine_class(r.engine).describe(r)
+    return (f"[megatron-rl] layout: world size {world_size}, {groups.dims.describe()}; rollout engine {engine}, "
+            f"{r.mode} rollouts; "
             f"weight sync {weight_sync_mode(cfg)}")
