@@ -32,7 +32,7 @@ def _body(rank, world, job, modes, url, repeats):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.trainer.weight_sync import sync_weights
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     initialize_model_parallel(job.parallel, seed=0, model=job.model)
@@ -53,7 +53,7 @@ def _body(rank, world, job, modes, url, repeats):
                 fh.write("5")
             base = _rss_kb("VmRSS")
             t0 = time.perf_counter()
-            m = sync_weights(actor, engine, cfg, f"step-{i + 1}", rank == 0)
+            m = build_weight_publisher(cfg, actor, engine).publish(f"step-{i + 1}")
             if i:
                 times.append(time.perf_counter() - t0)
                 peaks.append((_rss_kb("VmHWM") - base) * 1024)

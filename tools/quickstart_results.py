@@ -32,7 +32,7 @@ from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.tasks import build_task
 from megatron_rl.tokenizer import load_tokenizer
-from megatron_rl.trainer.loop import latest_checkpoint
+from megatron_rl.trainer.job import latest_checkpoint
 
 #: Windows of the reward-curve summary (the run is cut into this many equal parts).
 CURVE_WINDOWS = 10

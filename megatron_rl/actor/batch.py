@@ -10,11 +10,17 @@ Layout (B sequences, padded length L):
   * ``rollout_log_probs [B, L-1]`` (float32, optional) hold the rollout engine's log-prob of each
     response token at that same column (0 elsewhere);
   * ``routing [B, L-1, moe_layers, topk]`` (uint8 / int16, optional) the MoE experts the rollout engine
-    routed the token AT position t to (``megatron_rl.actor.routing``; read for t < lengths - 1 only).
+    routed the token AT position t to (``megatron_rl.actor.routing``; read for t < lengths - 1 only);
+  * ``loss_mask [B, L-1]`` (float32 0/1, optional; None = all ones) 1 where the token at column t+1 was
+    sampled by the model, 0 where an environment wrote it (multi-turn: tool responses, chat-template
+    wrappers; ``megatron_rl.rollout.trajectory``). ``response_mask`` multiplies it in, so the correction,
+    the losses, the advantages and every metric built on ``response_mask`` see model tokens only, while
+    environment tokens stay in ``tokens`` (the model reads them in the forward pass).
 
 Usage::
 
     batch = RolloutBatch.from_sequences(prompts, responses, rollout_log_probs, pad_id=0)
+    batch = RolloutBatch.from_sequences(prompts, responses, loss_masks=[[1, 1, 0, 0, 1], ...])  # multi-turn
     shard = batch.shard(dp_rank, dp_size)                    # contiguous rows for one DP rank
     shard = shard.to(device)                                 # the actor's device, once per step
     for rows, mb in shard.micro_batches(micro_batch_size=4, trim=True):   # variable lengths
@@ -89,6 +95,10 @@ class RolloutBatch:
     """[B, L-1, moe_layers, topk] MoE expert ids (uint8 when experts <= 256, else int16) the rollout engine
     routed the token at position t to, per MoE layer; read only for t < lengths - 1 (the last token's
     output scores nothing); None when the engine captured no routing. See ``megatron_rl.actor.routing``."""
+    loss_mask: Optional[torch.Tensor] = None
+    """[B, L-1] float32 0/1: 1 at column t iff token t+1 was sampled by the model (0 at environment tokens of a
+    multi-turn trajectory; values outside the response are not read); None = every response token is the
+    model's. Multiplied into ``response_mask``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,17 +108,22 @@ class RolloutBatch:
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                        rollout_log_probs: Optional[Sequence[Sequence[float]]] = None, pad_id: int = 0,
                        pad_to: Optional[int] = None,
-                       routing: Optional[Sequence[Optional[torch.Tensor]]] = None) -> "RolloutBatch":
+                       routing: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                       loss_masks: Optional[Sequence[Sequence[int]]] = None) -> "RolloutBatch":
         """Build from per-row prompt ids, response ids and (optionally) the engine's per-response-token
-        log-probs and per-row MoE routing (``[tokens >= prompt + response - 1, moe_layers, topk]`` each,
-        e.g. ``Rollout.routed_experts``; all rows or none). ``pad_to`` pads L to at least this length.
-        Raises BatchError naming the row on empty prompts, log-prob lists whose length differs from the
-        response's, or routing missing for some rows / of the wrong shape."""
+        log-probs, per-row MoE routing (``[tokens >= prompt + response - 1, moe_layers, topk]`` each,
+        e.g. ``Rollout.routed_experts``; all rows or none) and per-response-token loss masks (1 model-sampled,
+        0 environment; ``Trajectory.loss_mask``; None = all ones). ``pad_to`` pads L to at least this length.
+        Raises BatchError naming the row on empty prompts, log-prob or loss-mask lists whose length differs
+        from the response's, loss masks that are not 0/1, or routing missing for some rows / of the wrong
+        shape."""
         if len(prompts) != len(responses):
             raise BatchError(f"from_sequences: {len(prompts)} prompts but {len(responses)} responses")
         if rollout_log_probs is not None and len(rollout_log_probs) != len(responses):
             raise BatchError(f"from_sequences: {len(responses)} responses but {len(rollout_log_probs)} "
                              f"rollout_log_probs rows")
+        if loss_masks is not None and len(loss_masks) != len(responses):
+            raise BatchError(f"from_sequences: {len(responses)} responses but {len(loss_masks)} loss_masks rows")
         if not prompts:
             raise BatchError("from_sequences: empty batch")
         for b, (p, r) in enumerate(zip(prompts, responses)):
@@ -118,10 +133,19 @@ class RolloutBatch:
             if rollout_log_probs is not None and len(rollout_log_probs[b]) != len(r):
                 raise BatchError(f"from_sequences: row {b} has {len(r)} response tokens but "
                                  f"{len(rollout_log_probs[b])} rollout log-probs")
+            if loss_masks is not None:
+                if len(loss_masks[b]) != len(r):
+                    raise BatchError(f"from_sequences: row {b} has {len(r)} response tokens but "
+                                     f"{len(loss_masks[b])} loss_masks entries")
+                bad = [x for x in loss_masks[b] if x not in (0, 1)]
+                if bad:
+                    raise BatchError(f"from_sequences: row {b} loss_masks must hold only 0/1 (1 model-sampled, "
+                                     f"0 environment), got {bad[0]!r}")
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         L = max(max(lengths), 2, pad_to or 0)
         tokens = torch.full((len(prompts), L), int(pad_id), dtype=torch.int64)
         lp = None if rollout_log_probs is None else torch.zeros(len(prompts), L - 1, dtype=torch.float32)
+        lm = None if loss_masks is None else torch.zeros(len(prompts), L - 1, dtype=torch.float32)
         for b, (p, r) in enumerate(zip(prompts, responses)):
             seq = list(p) + list(r)
             if seq:
@@ -129,26 +153,29 @@ class RolloutBatch:
             if lp is not None and len(r):
                 lp[b, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(
                     [float(x) for x in rollout_log_probs[b]], dtype=torch.float32)
+            if lm is not None and len(r):
+                lm[b, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(
+                    [float(x) for x in loss_masks[b]], dtype=torch.float32)
         try:
             packed = pack_routing(routing, lengths, L - 1, what="from_sequences: routing")
         except RoutingError as e:
             raise BatchError(str(e)) from None
         return cls(tokens=tokens, prompt_lengths=torch.as_tensor([len(p) for p in prompts], dtype=torch.int64),
                    lengths=torch.as_tensor(lengths, dtype=torch.int64), rollout_log_probs=lp, pad_id=int(pad_id),
-                   routing=packed)
+                   routing=packed, loss_mask=lm)
 
     def to(self, device) -> "RolloutBatch":
-        """The batch with its token, length and rollout log-prob tensors on ``device`` (the actor's device:
+        """The batch with its token, length, rollout log-prob and loss-mask tensors on ``device`` (the actor's device:
         the loop moves each step's shard once, so the correction meets the actor's log-probs on one device).
         ``routing`` stays where it is (host memory; the replay moves each micro-batch's targets to the router's
         device). ``self`` when nothing moves."""
         device = torch.device(device)
-        lp = self.rollout_log_probs
-        if self.tokens.device == device and (lp is None or lp.device == device):
+        lp, lm = self.rollout_log_probs, self.loss_mask
+        if self.tokens.device == device and all(x is None or x.device == device for x in (lp, lm)):
             return self
         return RolloutBatch(tokens=self.tokens.to(device), prompt_lengths=self.prompt_lengths.to(device),
                             lengths=self.lengths.to(device), rollout_log_probs=None if lp is None else lp.to(device),
-                            pad_id=self.pad_id, routing=self.routing)
+                            pad_id=self.pad_id, routing=self.routing, loss_mask=None if lm is None else lm.to(device))
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -165,7 +192,7 @@ class RolloutBatch:
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != (B,) or v.dtype != torch.int64:
                 raise BatchError(f"RolloutBatch.{name} must be int64 [{B}], got "
                                  f"{getattr(v, 'dtype', type(v).__name__)} {tuple(getattr(v, 'shape', ()))}")
-        for name in ("prompt_lengths", "lengths", "rollout_log_probs"):
+        for name in ("prompt_lengths", "lengths", "rollout_log_probs", "loss_mask"):
             v = getattr(self, name)
             if isinstance(v, torch.Tensor) and v.device != t.device:
                 raise BatchError(f"RolloutBatch.{name} is on {v.device} but tokens on {t.device}: move the whole "
@@ -180,6 +207,16 @@ class RolloutBatch:
                                or not lp.is_floating_point()):
             raise BatchError(f"RolloutBatch.rollout_log_probs must be a float [B, L-1] = [{B}, {L - 1}] tensor "
                              f"(column t scores token t+1), got {tuple(getattr(lp, 'shape', ()))}")
+        m = self.loss_mask
+        if m is not None:
+            if not isinstance(m, torch.Tensor) or tuple(m.shape) != (B, L - 1) or m.dtype != torch.float32:
+                raise BatchError(f"RolloutBatch.loss_mask must be a float32 [B, L-1] = [{B}, {L - 1}] tensor "
+                                 f"(column t: 1 iff token t+1 was sampled by the model), got "
+                                 f"{getattr(m, 'dtype', type(m).__name__)} {tuple(getattr(m, 'shape', ()))}")
+            not01 = (m != 0) & (m != 1)
+            if bool(not01.any()):
+                b, t = (int(i) for i in not01.nonzero()[0])
+                raise BatchError(f"RolloutBatch.loss_mask[{b}, {t}] = {float(m[b, t])}: must be 0 or 1")
         r = self.routing
         if r is not None and (not isinstance(r, torch.Tensor) or r.dtype not in ROUTING_DTYPES or r.dim() != 4
                               or tuple(r.shape[:2]) != (B, L - 1)):
@@ -200,13 +237,15 @@ class RolloutBatch:
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """[B, L-1] float32: 1 at column t iff token t+1 is a response token."""
+        """[B, L-1] float32: 1 at column t iff token t+1 is a response token sampled by the model (times
+        ``loss_mask``: environment tokens are 0)."""
         t = torch.arange(1, self.max_length, device=self.tokens.device).unsqueeze(0)
-        return ((t >= self.prompt_lengths.unsqueeze(1)) & (t < self.lengths.unsqueeze(1))).to(torch.float32)
+        mask = ((t >= self.prompt_lengths.unsqueeze(1)) & (t < self.lengths.unsqueeze(1))).to(torch.float32)
+        return mask if self.loss_mask is None else mask * self.loss_mask
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """[B] int64 response tokens per row."""
+        """[B] int64 response tokens per row (model and environment tokens)."""
         return self.lengths - self.prompt_lengths
 
     @property
@@ -238,12 +277,15 @@ class RolloutBatch:
         lp = None
         if self.rollout_log_probs is not None:
             lp = fit_columns(self.rollout_log_probs[start:end], L - 1)
+        lm = None
+        if self.loss_mask is not None:
+            lm = fit_columns(self.loss_mask[start:end], L - 1)
         routing = None
         if self.routing is not None:  # columns on dim 1: cut, or zero-pad (never read beyond lengths - 1)
             routing = fit_columns(self.routing[start:end].transpose(1, -1), L - 1).transpose(1, -1).contiguous()
         return RolloutBatch(tokens=tokens.contiguous(), prompt_lengths=self.prompt_lengths[start:end].clone(),
                             lengths=self.lengths[start:end].clone(), rollout_log_probs=lp, pad_id=self.pad_id,
-                            routing=routing)
+                            routing=routing, loss_mask=lm)
 
     def shard(self, rank: int, size: int) -> "RolloutBatch":
         """This data-parallel rank's contiguous block of rows (sizes differ by at most one)."""

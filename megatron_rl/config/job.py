@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from megatron_rl.config.sections import (
-    ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, RolloutConfig, TrainerConfig,
+    ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, MultiTurnConfig, RolloutConfig, TrainerConfig,
 )
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 #: YAML sections in file order.
-SECTIONS = ("cluster", "model", "parallel", "rollout", "data", "algorithm", "actor", "trainer")
+SECTIONS = ("cluster", "model", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer")
 
 
 class ConfigError(ValueError):
@@ -36,6 +36,7 @@ class JobConfig:
     actor: ActorConfig
     trainer: TrainerConfig
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain nested dict (YAML-dumpable; the checkpoint stores it)."""

@@ -23,7 +23,7 @@ import yaml
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.sections import (
-    ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, RolloutConfig, TrainerConfig,
+    ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, MultiTurnConfig, RolloutConfig, TrainerConfig,
 )
 from megatron_rl.config.types import check_value, field_types
 from megatron_rl.config.validate import job_errors
@@ -39,7 +39,8 @@ __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", 
 
 #: section (dotted) -> its dataclass
 SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": ParallelConfig,
-                   "rollout": RolloutConfig, "data": DataConfig, "algorithm": AlgorithmConfig,
+                   "rollout": RolloutConfig, "data": DataConfig, "multi_turn": MultiTurnConfig,
+                   "algorithm": AlgorithmConfig,
                    "algorithm.rollout_correction": RolloutCorrectionConfig, "actor": ActorConfig,
                    "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
@@ -221,7 +222,7 @@ def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
     for k in tree:
         if k not in SECTIONS:
             errors.append(_unknown_section(str(k)))
-    built = {s: _section(s, tree.get(s), errors) for s in ("cluster", "parallel", "rollout", "data",
+    built = {s: _section(s, tree.get(s), errors) for s in ("cluster", "parallel", "rollout", "data", "multi_turn",
                                                            "algorithm", "actor", "trainer")}
     model = None
     if tree.get("model"):

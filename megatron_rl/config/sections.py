@@ -5,6 +5,7 @@
     parallel:   megatron_rl.parallel.ParallelConfig       (Megatron's names)
     rollout:    RolloutConfig        (engine, sampling)
     data:       DataConfig           (task / prompts, reward)
+    multi_turn: MultiTurnConfig      (environment, turn and token limits of multi-turn rollouts)
     algorithm:  AlgorithmConfig      (advantages, rollout_correction in verl's keys)
     actor:      ActorConfig          (optimizer, micro-batching, policy_loss)
     trainer:    TrainerConfig        (steps, seed, run dir, checkpoints, metric sinks)
@@ -170,6 +171,40 @@ class DataConfig:
         if self.overlong_penalty_factor < 0:
             errs.append(f"data.overlong_penalty_factor: must be >= 0, got {self.overlong_penalty_factor}")
         return errs
+
+
+#: Qwen-style chat markup around an environment's observation: the tool / user turn, then the next assistant
+#: header. The model's turn already ends with its stop token (``<|im_end|>``: sampled, kept in the response).
+QWEN_OBSERVATION_TEMPLATE = "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts (megatron_rl/rollout/multi_turn.py): the model and an environment take turns; only
+    the model's tokens are trained on. ``env: null`` keeps single-turn prompt -> response."""
+
+    env: Optional[str] = None
+    """The environment class, "module:Class" or "path/to/file.py:Class" (a megatron_rl.envs.Environment
+    subclass); null: single turn."""
+    env_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment class (each worker builds ``Class(**env_kwargs)``)."""
+    max_turns: int = 4
+    """Model turns per trajectory at most (finish "max_turns")."""
+    max_total_tokens: int = 0
+    """Response tokens per trajectory at most, model and environment tokens counted (finish "max_tokens";
+    0: rollout.max_new_tokens * max_turns)."""
+    max_tokens_per_turn: int = 0
+    """Tokens one model turn may sample (0: rollout.max_new_tokens); a turn cut there without a stop token ends
+    the trajectory (finish "length")."""
+    env_step_timeout_s: float = 30.0
+    """Wall-clock limit of one environment call (reset or step); past it the worker is killed and replaced,
+    the trajectory ends (finish "env_error", reward 0, counted as env_timeout)."""
+    env_workers: int = 2
+    """Environment worker processes (0: in the trainer's process, no timeout: debugging)."""
+    observation_template: str = QWEN_OBSERVATION_TEMPLATE
+    """Chat markup around an observation, tokenized once and appended after the model's turn (which ends with
+    its stop token): "{observation}" is replaced by the environment's text; the rest closes the tool / user
+    turn and opens the next assistant turn."""
 
 
 @dataclass

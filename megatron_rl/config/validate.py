@@ -13,13 +13,14 @@ from typing import List
 
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
+from megatron_rl.envs.base import env_import_error
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
 
-TASKS = ("copy", "reverse", "sort", "add", "file")
+TASKS = ("copy", "reverse", "sort", "add", "lookup", "file")
 ADV = ("grpo", "rloo")
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("cuda", "cpu")
@@ -160,7 +161,29 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
     for key in ("phase_timeout_s", "checkpoint_timeout_s", "stop_timeout_s"):
         if not getattr(t, key) >= 0:
             errs.append(f"trainer.{key}: must be >= 0 (0: no limit), got {getattr(t, key)}")
+    errs += _multi_turn_errors(cfg)
     errs += _dp_errors(cfg, world_size)
+    return errs
+
+
+def _multi_turn_errors(cfg: JobConfig) -> List[str]:
+    """The ``multi_turn`` section; its environment class is imported here (a bad ``module:Class`` fails in
+    ``megatron-rl check`` and before any process group)."""
+    m, errs = cfg.multi_turn, []
+    env_error = env_import_error(m.env)
+    if env_error:
+        errs.append(f"multi_turn.env: {m.env!r}: " + env_error.removeprefix(f"multi_turn.env={m.env!r}: "))
+    if m.max_turns < 1:
+        errs.append(f"multi_turn.max_turns: must be >= 1, got {m.max_turns}")
+    for key in ("max_total_tokens", "max_tokens_per_turn"):
+        if getattr(m, key) < 0:
+            errs.append(f"multi_turn.{key}: must be >= 0 (0: from rollout.max_new_tokens), got {getattr(m, key)}")
+    if not m.env_step_timeout_s > 0:
+        errs.append(f"multi_turn.env_step_timeout_s: must be > 0, got {m.env_step_timeout_s}")
+    if m.env_workers < 0:
+        errs.append(f"multi_turn.env_workers: must be >= 0 (0: in the trainer's process), got {m.env_workers}")
+    if "{observation}" not in m.observation_template:
+        errs.append(f"multi_turn.observation_template: must contain {{observation}}, got {m.observation_template!r}")
     return errs
 
 

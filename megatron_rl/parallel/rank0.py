@@ -4,15 +4,18 @@ Rank 0 owns the task, the rollout engine and the file system side of a run; the 
 whether that work failed, or they would wait in their next collective until its timeout. The pattern is
 written once here:
 
-    engine = on_rank0(lambda: build_engine(cfg), what="set up the rollout engine")   # rank 0: the engine; others: None
-    batch = from_rank0(lambda: source.next(step))                                  # every rank: rank 0's batch
+    engine = on_rank0(lambda: build_engine(cfg), what="setting up the rollout engine")  # rank 0: the engine; others: None
+    batch = from_rank0(lambda: generator.generate(engine, step, version))           # every rank: rank 0's batch
     choice = share_from_rank0(value if rank0 else None)                             # a plain broadcast
 
 An exception on rank 0 is raised on every rank (``what`` given: wrapped in a ``RuntimeError`` naming it, except
-the types in ``passthrough``, which arrive as they were raised). Collective over the default group.
+the types in ``passthrough``, which arrive as they were raised): rank 0 raises its own exception, the others a
+copy (an exception that cannot be pickled arrives as a ``RuntimeError`` with its text). Collective over the default
+group; ``fn`` runs on rank 0 alone, so it must not be a collective itself.
 """
 from __future__ import annotations
 
+import pickle
 from typing import Callable, Optional, Tuple, Type, TypeVar
 
 import torch.distributed as dist
@@ -36,7 +39,17 @@ def share_from_rank0(obj: Optional[object]) -> object:
     return box[0]
 
 
+def _shareable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it pickles (the other ranks raise the same type), else a ``RuntimeError`` with its text."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:  # noqa: BLE001 - e.g. an exception holding a lock, a socket or a handle
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
 def _run(fn: Callable[[], T], what: Optional[str], passthrough: Tuple[Type[BaseException], ...]):
+    """Rank 0: ``(result, None)`` or ``(None, the exception to raise everywhere)``."""
     try:
         return fn(), None
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank by the caller
@@ -47,23 +60,28 @@ def _run(fn: Callable[[], T], what: Optional[str], passthrough: Tuple[Type[BaseE
         return None, error
 
 
+def _finish(result, local: Optional[BaseException], shared: Optional[BaseException]):
+    """Raise the failure on every rank: rank 0 its own exception (with its traceback), the others rank 0's copy."""
+    if local is not None:
+        raise local
+    if shared is not None:
+        raise shared
+    return result
+
+
 def on_rank0(fn: Callable[[], T], what: Optional[str] = None,
              passthrough: Tuple[Type[BaseException], ...] = ()) -> Optional[T]:
     """Run ``fn`` on rank 0 only and share only whether it failed: its result on rank 0, None elsewhere
     (for what cannot or need not travel: an engine, a task). A failure is raised on every rank."""
-    result, error = _run(fn, what, passthrough) if is_rank0() else (None, None)
-    error = share_from_rank0(error)
-    if error is not None:
-        raise error
-    return result
+    result, local = _run(fn, what, passthrough) if is_rank0() else (None, None)
+    shared = share_from_rank0(None if local is None else _shareable(local))
+    return _finish(result, local, shared)
 
 
 def from_rank0(fn: Callable[[], T], what: Optional[str] = None,
                passthrough: Tuple[Type[BaseException], ...] = ()) -> T:
     """Run ``fn`` on rank 0 only and return its (picklable) result on every rank; a failure is raised on every
-    rank."""
-    box = _run(fn, what, passthrough) if is_rank0() else (None, None)
-    result, error = share_from_rank0(box)
-    if error is not None:
-        raise error
-    return result
+    rank. ``fn`` must not itself be a collective (it runs on rank 0 alone)."""
+    result, local = _run(fn, what, passthrough) if is_rank0() else (None, None)
+    result, shared = share_from_rank0((result, None if local is None else _shareable(local)))
+    return _finish(result, local, shared)

@@ -6,7 +6,8 @@ Every MoE layer of Qwen2-MoE / Qwen3-MoE (transformers >= 5) has a router module
 The engine turns the calls of one generation into per-rollout tensors ``[prompt + response - 1,
 moe_layers, topk]`` (uint8 when experts <= 256, else int16): every token the engine fed through the
 model — the prompt, then each sampled token but the last — which is what ``RolloutBatch.routing``
-replays (``megatron_rl.actor.routing``).
+replays (``megatron_rl.actor.routing``). ``join_routing`` stitches the routing of a row generated in several
+calls (async segments, multi-turn turns) so every token keeps the routing it was sampled with.
 
 Usage::
 
@@ -23,7 +24,7 @@ import torch
 
 from megatron_rl.actor.routing import routing_dtype
 
-__all__ = ["hf_moe_routers", "RouterCapture"]
+__all__ = ["hf_moe_routers", "RouterCapture", "join_routing"]
 
 
 def hf_moe_routers(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -77,3 +78,13 @@ class RouterCapture:
         out = torch.stack([c[0] for c in self._calls], dim=1).to(self.dtype)
         self._calls = [[] for _ in self.routers]
         return out
+
+
+def join_routing(before, cont, fed_before: int):
+    """MoE routing of a row continued in a later engine call (an async segment, the next turn of a multi-turn
+    trajectory): the first ``fed_before`` token positions as the earlier calls routed them (the weights and
+    the context that sampled those tokens), the rest from the continuation call (whose prompt re-feeds the
+    earlier tokens; only its new positions are kept). None when either call captured none."""
+    if before is None or cont is None:
+        return None
+    return torch.cat([torch.as_tensor(before)[:fed_before], torch.as_tensor(cont)[fed_before:]], dim=0)

@@ -2,6 +2,7 @@
 
 * ``base``: ``Task`` (``sample(n, rng)``, ``reward(prompt, response_ids)``) and ``Prompt``.
 * ``synthetic``: built-in digit tasks ``copy`` / ``reverse`` / ``sort`` / ``add`` (rewards in [0, 1]).
+* ``tool_lookup``: the multi-turn ``lookup`` tool task (its environment: ``megatron_rl.envs.lookup:LookupEnv``).
 * ``char_tokenizer``: the tiny char-level tokenizer and ``build_task_model`` (tiny Qwen2 + tokenizer).
 * ``datasets``: ``FileTask`` over JSONL / Parquet prompt files (verl's RL format or prompt/answer rows);
   ``rows`` parses and checks rows, ``render`` applies the chat template and the prompt length limit.
@@ -35,6 +36,7 @@ from megatron_rl.tasks.reward_fn import RewardFunction, check_reward_spec, compu
 from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
 from megatron_rl.tasks.rewards import default_compute_score, extract_answer, math_reward
 from megatron_rl.tasks.synthetic import DIGIT_TASK_OPTIONS, DIGIT_TASKS, DigitTask
+from megatron_rl.tasks.tool_lookup import LOOKUP_TASK, LOOKUP_TASK_OPTIONS, LookupTask
 
 
 class RewardOverrideTask(Task):
@@ -66,7 +68,7 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
                answer_key: str = "answer", reward_fn: str | None = None,
                task_kwargs: Mapping[str, Any] | None = None, options: DataOptions | None = None) -> Task:
     """The ``Task`` for the ``data:`` config section: a built-in digit task (``task`` in ``DIGIT_TASKS``,
-    options in ``task_kwargs``) or ``task="file"`` reading ``path`` (with ``options``, see
+    options in ``task_kwargs``), the ``lookup`` tool task (``LOOKUP_TASK``) or ``task="file"`` reading ``path`` (with ``options``, see
     ``DataOptions``). ``reward_fn`` ("math", "exact" or "module:function") replaces the default reward.
     Errors name the config key."""
     task_kwargs = dict(task_kwargs or {})
@@ -89,11 +91,21 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
                              f"allowed: {sorted(allowed)}")
         inner = DigitTask(task, tokenizer, **task_kwargs)
         return RewardOverrideTask(inner, fn) if fn is not None else inner
-    raise ValueError(f"data.task={task!r} must be one of {DIGIT_TASKS + ('file',)}")
+    if task == LOOKUP_TASK:
+        unknown = sorted(set(task_kwargs) - set(LOOKUP_TASK_OPTIONS))
+        if unknown:
+            raise ValueError(f"data.task_kwargs has unknown key(s) {unknown} for task {task!r}; "
+                             f"allowed: {sorted(LOOKUP_TASK_OPTIONS)}")
+        if fn is not None:
+            raise ValueError(f"data.reward_fn={reward_fn!r} is not used by data.task={task!r}: its environment "
+                             "(multi_turn.env) scores the episode")
+        return LookupTask(tokenizer, **task_kwargs)
+    raise ValueError(f"data.task={task!r} must be one of {DIGIT_TASKS + (LOOKUP_TASK, 'file')}")
 
 
 __all__ = [
-    "DIGIT_TASKS", "DataOptions", "DigitTask", "FileTask", "Prompt", "RewardFunction", "RewardJob",
+    "DIGIT_TASKS", "DataOptions", "DigitTask", "FileTask", "LOOKUP_TASK", "LookupTask", "Prompt", "RewardFunction",
+    "RewardJob",
     "RewardOverrideTask", "RewardPool", "RewardResult", "Task", "build_char_tokenizer", "build_task",
     "build_task_model", "compute_reward", "default_compute_score", "ensure_task_model", "extract_answer",
     "load_records", "load_reward_fn", "math_reward", "response_text", "split_at_eos", "task_model_config",

@@ -1,8 +1,8 @@
 """The tiny character-level tokenizer of the synthetic digit tasks, and a builder for a task model directory.
 
 Vocabulary (ids in this order): ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), digits ``0``-``9`` (3-12),
-``:`` ``=`` ``+`` `` `` (space), and the task names ``copy`` ``reverse`` ``sort`` ``add`` as single tokens —
-so ``"copy:123="`` is 6 tokens. It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
+``:`` ``=`` ``+`` `` `` (space), the task names ``copy`` ``reverse`` ``sort`` ``add`` ``lookup`` as single tokens
+— so ``"copy:123="`` is 6 tokens — and the tool-call characters ``?`` ``>`` of the ``lookup`` task. It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
 one character) wrapped in ``PreTrainedTokenizerFast``; built offline, deterministic.
 
 Standard loading: ``transformers.AutoTokenizer`` on a Qwen2 directory ignores the declared generic class and
@@ -39,9 +39,13 @@ from megatron_rl.convert.random_model import write_random_hf_model
 #: Special tokens, in id order: PAD=0, EOS=1, UNK=2.
 SPECIAL = ("<pad>", "<eos>", "<unk>")
 #: Task-name tokens (one token each).
-TASK_WORDS = ("copy", "reverse", "sort", "add")
+TASK_WORDS = ("copy", "reverse", "sort", "add", "lookup")
+#: The tool-call characters of the ``lookup`` task (``tasks/tool_lookup.py``): ``?`` opens a call, ``>`` opens
+#: the tool's answer. Appended last: with them the vocabulary is 24 entries, the padded size it had before
+#: (``VOCAB_MULTIPLE``), so a task model's random weights are unchanged.
+TOOL_CHARS = ("?", ">")
 #: All vocabulary entries in id order.
-VOCAB = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + TASK_WORDS
+VOCAB = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + TASK_WORDS + TOOL_CHARS
 #: Entries also declared as added tokens (see ``build_char_tokenizer``): the ones a byte-level BPE loader
 #: would otherwise drop (multi-character words; the space, which byte-level pre-tokenizers rewrite).
 ADDED_WORDS = TASK_WORDS + (" ",)
@@ -119,7 +123,7 @@ def task_model_config(hidden_size: int = 128, num_layers: int = 2, num_attention
 def build_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int = 0, hidden_size: int = 128,
                      num_layers: int = 2, **config_kwargs) -> str:
     """Write a random-init tiny Qwen2 model (fp32 safetensors, seeded with ``seed``) and the char tokenizer to
-    ``out_dir``; return the path. ``task`` must be a built-in digit task (recorded in ``task_model.json``);
+    ``out_dir``; return the path. ``task`` must be one of ``TASK_WORDS`` (recorded in ``task_model.json``);
     ``config_kwargs`` go to ``task_model_config`` (num_attention_heads, num_key_value_heads,
     intermediate_size, max_position_embeddings, tie_word_embeddings). Same arguments -> identical weights."""
     if task not in TASK_WORDS:
@@ -162,7 +166,7 @@ def _has_added_words(tokenizer_json: Path) -> bool:
 def main(argv=None) -> None:
     """Command-line entry point: build a task model (unless ``out_dir`` already holds one: never
     overwritten) and print its path."""
-    p = argparse.ArgumentParser(description="Build a tiny Qwen2 model + char tokenizer for a digit task.")
+    p = argparse.ArgumentParser(description="Build a tiny Qwen2 model + char tokenizer for a digit task or the lookup tool task.")
     p.add_argument("out_dir")
     p.add_argument("--task", default="copy", choices=TASK_WORDS)
     p.add_argument("--seed", type=int, default=0)

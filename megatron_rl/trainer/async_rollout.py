@@ -46,6 +46,7 @@ import torch
 
 from megatron_rl.rollout.base import Rollout, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
+from megatron_rl.rollout.routing import join_routing
 
 __all__ = ["version_tag", "parse_version", "SegmentedEngine", "RolloutProducer", "SnapshotTimeout", "token_lag_tensor",
            "check_staleness", "overlap_seconds"]
@@ -106,7 +107,7 @@ class SegmentedEngine:
                               dataclasses.replace(sampling, max_new_tokens=step_tokens), 1,
                               None if seed is None else seed + 7919 * segment)
             for row, r in zip(open_rows, cont):
-                row["routing"] = _join_routing(row["routing"], r.routed_experts,
+                row["routing"] = join_routing(row["routing"], r.routed_experts,
                                                len(row["r"].prompt_ids) + len(row["ids"]) - 1)
                 row["ids"] += list(r.response_ids)
                 row["lps"] += list(r.rollout_log_probs)
@@ -123,15 +124,6 @@ class SegmentedEngine:
                                   weight_version=r.weight_version, source=r.source, info=info,
                                   routed_experts=row["routing"]))
         return result
-
-
-def _join_routing(before, cont, fed_before: int):
-    """MoE routing of a continued row: the first ``fed_before`` token positions as the earlier segments
-    routed them (the weights that sampled those tokens), the rest from the continuation call (whose prompt
-    re-feeds the earlier tokens with the new weights; only its new positions are kept)."""
-    if before is None or cont is None:
-        return None
-    return torch.cat([torch.as_tensor(before)[:fed_before], torch.as_tensor(cont)[fed_before:]], dim=0)
 
 
 class SnapshotTimeout(TimeoutError):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from megatron_rl.parallel.launch import init_distributed
 from megatron_rl.parallel.rank0 import on_rank0, share_from_rank0
 from megatron_rl.parallel.state import initialize_model_parallel
 from megatron_rl.rollout.factory import build_engine
+from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.trainer.async_rollout import version_tag
@@ -115,8 +116,8 @@ class Job:
     """The validated job configuration."""
     actor: MegatronActor
     """The trained policy."""
-    reference: object
-    """``KLReference`` or ``NoReference``: the reference log-probs of the KL loss."""
+    reference: Union[KLReference, NoReference]
+    """The reference log-probs of the KL loss."""
     source: RolloutSource
     """Hands each step's batch (sync or async) and owns the publisher of trained weights."""
     watchdog: Watchdog
@@ -131,7 +132,7 @@ class Job:
     """The tokenizer's pad id (rank 0's, shared)."""
     rank0: bool
     """This is global rank 0 (it owns the task, the engine and the run directory's files)."""
-    server: object = None
+    server: Optional[SGLangServerHandle] = None
     """The SGLang server this job launched (``rollout.sglang_launch``; rank 0), terminated by ``close``."""
 
     def dump(self, step: int, batch: StepBatch) -> None:
@@ -142,6 +143,7 @@ class Job:
                     fh.write(line + "\n")
 
     def checkpoint_due(self, step: int, stopping: bool) -> bool:
+        """A checkpoint after ``step`` steps: every ``trainer.save_interval`` steps, at the end, or on a stop."""
         tc = self.cfg.trainer
         return bool(tc.save_interval and step % tc.save_interval == 0) or step == tc.steps or stopping
 
@@ -162,19 +164,31 @@ class Job:
     def close(self, step: int) -> None:
         """Stop the source, restore the signal handlers, flush the sinks (bounded), stop the watchdog and the
         launched server."""
+        _teardown(self.watchdog, step, self.source, self.stop, self.sinks, self.server)
+
+
+def _teardown(watchdog: Watchdog, step: int, source=None, stop=None, sinks=None, server=None) -> None:
+    """Release what a job holds, whatever exists of it (a half-built job too), each even if another failed."""
+    try:
+        if source is not None:
+            source.close()  # rollouts in flight are discarded (async_rollout.py)
+    finally:
         try:
-            self.source.close()
-            self.stop.restore()
-            with self.watchdog.phase("metrics_close", step):  # a W&B / TensorBoard flush must not hang the exit
-                self.sinks.close()
+            if stop is not None:
+                stop.restore()
         finally:
-            self.watchdog.close()
-            if self.server is not None:
-                self.server.terminate()
+            try:
+                if sinks is not None:
+                    with watchdog.phase("metrics_close", step):  # a W&B / TensorBoard flush must not hang the exit
+                        sinks.close()
+            finally:
+                watchdog.close()
+                if server is not None:
+                    server.terminate()
 
 
 def build_job(cfg: JobConfig) -> Job:
-    """Every rank: build the job (see the module docstring)."""
+    """Every rank: build the job (see the module docstring). A failure half-way releases what was built."""
     tc = cfg.trainer
     refusal = run_dir_error(tc.run_dir, tc.resume, tc.overwrite)  # before any process group or model
     if refusal:
@@ -186,27 +200,26 @@ def build_job(cfg: JobConfig) -> Job:
     if rank0:
         print(layout_line(cfg, actor.groups, dist.get_world_size()), flush=True)
     watchdog = Watchdog(dist.get_rank(), tc.phase_timeout_s)
-    server = None
+    held: Dict[str, object] = {}  # what exists so far, for _teardown
     try:
         with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
-            generator, tokenizer, engine, server = on_rank0(lambda: _rank0_setup(cfg),
-                                                            what="setting up the task / rollout engine") or (None,) * 4
+            generator, tokenizer, engine, held["server"] = on_rank0(
+                lambda: _rank0_setup(cfg), what="setting up the task / rollout engine") or (None,) * 4
         start, resumed = _resume(cfg, actor, rank0)
-        sinks = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress, tensorboard=tc.tensorboard,
-                            wandb=tc.wandb, wandb_project=tc.wandb_project, config=cfg.to_dict(), resume=start > 0)
+        held["sinks"] = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress,
+                                    tensorboard=tc.tensorboard, wandb=tc.wandb, wandb_project=tc.wandb_project,
+                                    config=cfg.to_dict(), resume=start > 0)
         immediate = build_weight_publisher(cfg, actor, engine)
         with watchdog.phase("weight_sync", start):
             immediate.publish(version_tag(start))
-        stop = StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
-        source = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0)
+        held["stop"] = StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
+        held["source"] = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0)
         pad_id = share_from_rank0(int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0)
     except BaseException:
-        watchdog.close()
-        if server is not None:
-            server.terminate()
+        _teardown(watchdog, 0, **held)
         raise
-    return Job(cfg=cfg, actor=actor, reference=reference, source=source, watchdog=watchdog, sinks=sinks, stop=stop,
-               start_step=start, pad_id=pad_id, rank0=rank0, server=server)
+    return Job(cfg=cfg, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
+               rank0=rank0, **held)
 
 
 def _rank0_setup(cfg: JobConfig) -> Tuple:

@@ -18,6 +18,11 @@ The engine is asked to stop at the task tokenizer's EOS too (``task_eos_ids``), 
 reward is cut, on either engine. MoE routing captured by the engine is passed on only when every rollout has
 it; a partial capture fails the step only with ``actor.routing_replay: r3`` (which replays it), and is
 otherwise dropped and counted (``routing/missing_rows``; see ``step_routing``).
+
+Two step generators, chosen once by ``build_step_generator``: ``SingleTurn`` (``generate_step``) and, with
+``multi_turn.env`` set, ``MultiTurn`` (trajectories of model turns and environment replies, token in, token out:
+``megatron_rl.rollout.multi_turn``; environments out of process in an ``envs.EnvPool`` the generator owns).
+Both draw a step's prompts with ``sample_prompts`` and have ``close()`` (the job calls it at its end).
 """
 from __future__ import annotations
 
@@ -26,10 +31,18 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_rl.actor.routing import RoutingError
+from megatron_rl.envs.pool import EnvPool
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
+from megatron_rl.rollout.multi_turn import ObservationEncoder, TurnLimits, run_trajectories
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
+from megatron_rl.rollout.trajectory import COUNT_KEYS, FINISH_REASONS
+from megatron_rl.tasks.base import response_text
 from megatron_rl.tasks.options import DataOptions
+from megatron_rl.trainer.async_rollout import SegmentedEngine
 from megatron_rl.trainer.step_batch import StepBatch
+
+
+StepRollouts = StepBatch  # the old name: async checkpoints written before the rename unpickle through it
 
 
 def sampling_params(rollout_cfg, eos_ids=()) -> SamplingParams:
@@ -71,13 +84,19 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
     return m
 
 
-def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepBatch:
-    """Rank 0: sample prompts, generate n responses each, score them. Raises RolloutError on failure
-    (the step is then not applied) or StaleRolloutError if the engine serves other weights."""
+def sample_prompts(task, cfg, step: int) -> list:
+    """Rank 0: step ``step``'s prompts (``data.prompts_per_step``), seeded by (trainer.seed, step), after the
+    task got the ``data:`` options and the step (its curriculum and held-out split follow it)."""
     task.configure(DataOptions.from_config(cfg.data))
     rng = random.Random(cfg.trainer.seed * 1_000_003 + step)
     task.begin_step(step)  # a task's curriculum (e.g. data.task_kwargs.curriculum_steps) follows the step
-    prompts = task.sample(cfg.data.prompts_per_step, rng)
+    return task.sample(cfg.data.prompts_per_step, rng)
+
+
+def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepBatch:
+    """Rank 0: sample prompts, generate n responses each, score them. Raises RolloutError on failure
+    (the step is then not applied) or StaleRolloutError if the engine serves other weights."""
+    prompts = sample_prompts(task, cfg, step)
     n = cfg.rollout.n_samples_per_prompt
     # the embedded engine reproduces a sample from its seed; SGLang samples server-side (engine.seeded_sampling)
     rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout, task_eos_ids(task)),
@@ -156,7 +175,121 @@ class SingleTurn:
     def generate(self, engine, step: int, version: str) -> StepBatch:
         return generate_step(self.task, engine, self.cfg, step, version)
 
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class MultiTurn:
+    """The step generator of multi-turn tasks (``multi_turn.env`` set): each prompt -> ``n_samples_per_prompt``
+    trajectories of model turns and environment replies (``rollout.multi_turn.run_trajectories``), the
+    environments in ``pool`` (an ``envs.EnvPool`` this generator owns: ``close`` stops its workers).
+
+    Prompts are drawn exactly as ``generate_step`` draws them (``sample_prompts``) and the first turn is sampled
+    as a single-turn step samples its responses (same seed, ``n`` per prompt). Rewards are the environments'
+    (0 for a trajectory that never got an answer, or whose environment failed). Rows carry ``loss_masks``
+    (environment tokens 0) and, with the async producer's view, per-token versions (an environment token has
+    the version of the model turn before it, so only model tokens decide staleness). Environment failures
+    count as failed rewards (``reward/failed``: exceptions and garbage, ``reward/timed_out``: timeouts) under
+    ``data.max_reward_failure_frac``; metrics ``multi_turn/*`` (turns, environment token share, finish reasons,
+    per-trajectory counts)."""
+
+    def __init__(self, task, cfg, pool, tokenizer):
+        self.task, self.cfg, self.pool, self.tokenizer = task, cfg, pool, tokenizer
+        self.limits = TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens)
+        self.encode = ObservationEncoder(tokenizer, cfg.multi_turn.observation_template)
+
+    def decode(self, ids: List[int]) -> str:
+        """The text of a model turn the environment reads: up to its EOS, special tokens dropped."""
+        return response_text(self.tokenizer, ids)[0]
+
+    def generate(self, engine, step: int, version: str) -> StepBatch:
+        cfg, task = self.cfg, self.task
+        prompts = sample_prompts(task, cfg, step)
+        n = cfg.rollout.n_samples_per_prompt
+        env_seed = cfg.trainer.seed * 1_000_003 + step
+        samples = [{"prompt": p.text, "answer": p.answer, "data_source": p.data_source, "extra_info": p.extra_info,
+                    "seed": env_seed * 1009 + i} for i, p in enumerate(prompts)]
+        failures: list = []
+        trajs = run_trajectories(engine, self.pool, [p.prompt_ids for p in prompts], samples, n,
+                                 sampling_params(cfg.rollout, task_eos_ids(task)), self.limits, self.encode,
+                                 self.decode, seed=cfg.trainer.seed * 7919 + step,
+                                 keys=[(step, b) for b in range(len(prompts) * n)], expected_version=version,
+                                 failures=failures)
+        if failures:
+            print(f"[megatron-rl] step {step + 1}: {len(failures)} environment call(s) failed (trajectory ended, "
+                  f"reward 0); first: {failures[0][1].kind}: {failures[0][1].message}", file=sys.stderr, flush=True)
+        routing, routing_stats = trajectory_routing(trajs, required=cfg.actor.routing_replay == "r3", step=step)
+        prompt_rows = [prompts[b // n] for b in range(len(trajs))]
+        return StepBatch(prompt_ids=[list(t.prompt_ids) for t in trajs],
+                         response_ids=[t.response_ids for t in trajs],
+                         rollout_log_probs=[t.rollout_log_probs for t in trajs],
+                         rewards=[float(t.reward) for t in trajs], weight_version=version, routing=routing,
+                         truncated=[t.finish in TRUNCATED_FINISHES for t in trajs],
+                         metrics={**multi_turn_metrics(prompt_rows, trajs, task.stats()), **routing_stats},
+                         token_versions=([t.token_versions for t in trajs] if isinstance(engine, SegmentedEngine)
+                                         else []),
+                         loss_masks=[t.loss_mask for t in trajs])
+
+    def close(self) -> None:
+        """Stop the environment workers (by pid)."""
+        self.pool.close()
+
+
+#: Trajectory finishes that cut the response short (``StepBatch.truncated``).
+TRUNCATED_FINISHES = ("length", "max_tokens")
+
+
+def multi_turn_metrics(prompt_rows, trajs, task_stats: Dict[str, float]) -> Dict[str, float]:
+    """The data / reward / length metrics of a multi-turn step and its ``multi_turn/*`` metrics: turns per
+    trajectory, the share of response tokens written by environments, the share of each finish, and every
+    per-trajectory count (``Trajectory.counts``) per trajectory."""
+    n = len(trajs)
+    plen = [len(p.prompt_ids) for p in prompt_rows]
+    truncated = sum(t.finish in TRUNCATED_FINISHES for t in trajs)
+    env_tokens = sum(t.num_env_tokens for t in trajs)
+    all_tokens = sum(t.num_env_tokens + t.num_model_tokens for t in trajs)
+    counts = {k: sum(float(t.counts.get(k, 0.0)) for t in trajs)
+              for k in sorted(set(COUNT_KEYS) | {k for t in trajs for k in t.counts})}
+    m = dict(task_stats)
+    m.update({
+        "data/prompt_length_mean": sum(plen) / len(plen), "data/prompt_length_max": float(max(plen)),
+        "reward/failed": counts.get("env_exception", 0.0) + counts.get("env_garbage", 0.0),
+        "reward/timed_out": counts.get("env_timeout", 0.0),
+        "reward/raw_mean": sum(t.reward for t in trajs) / n,
+        "response/truncated_frac": truncated / n, "response/truncated_count": float(truncated),
+        "multi_turn/turns_mean": sum(t.turns for t in trajs) / n,
+        "multi_turn/env_token_frac": env_tokens / all_tokens if all_tokens else 0.0,
+    })
+    for reason in FINISH_REASONS:
+        if reason:
+            m[f"multi_turn/finish_{reason}_frac"] = sum(t.finish == reason for t in trajs) / n
+    for k, v in counts.items():
+        m[f"multi_turn/{k}_per_traj"] = v / n
+    return m
+
+
+def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[List[object]], Dict[str, float]]:
+    """``step_routing`` for trajectories: every row's joined routing (``Trajectory.routing``), or None when no
+    row has it; a partial capture fails with ``actor.routing_replay: r3`` (``PartialRoutingError``), else it is
+    dropped and counted (``routing/missing_rows``)."""
+    routing = [t.routing for t in trajs]
+    if all(x is None for x in routing):
+        return None, {}
+    missing = [b for b, x in enumerate(routing) if x is None]
+    if missing and required:
+        raise PartialRoutingError(
+            f"step {step + 1}: actor.routing_replay='r3' replays the rollout engine's MoE routing, but "
+            f"{len(missing)} of {len(routing)} trajectories have none for some turn (rows {missing[:16]}"
+            f"{' ...' if len(missing) > 16 else ''}): every server must capture routing ({ROUTED_EXPERTS_FLAG}), "
+            f"or set actor.routing_replay to none / r2")
+    return (None if missing else routing), {"routing/missing_rows": float(len(missing))}
+
 
 def build_step_generator(cfg, task):
-    """Rank 0: the job's step generator (single-turn prompt -> response)."""
-    return SingleTurn(task, cfg)
+    """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
+    ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response). The job calls ``close()`` at its end."""
+    m = cfg.multi_turn
+    if m.env is None:
+        return SingleTurn(task, cfg)
+    pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
+    return MultiTurn(task, cfg, pool, task.tokenizer)

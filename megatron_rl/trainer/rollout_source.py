@@ -94,6 +94,7 @@ class AsyncRollouts(RolloutSource):
 
     def __init__(self, cfg: JobConfig, generator, engine, actor, start: int, resumed: Dict, rank0: bool):
         rc = cfg.rollout
+        super().__init__(cfg, deferred_publisher(cfg, actor))  # a mode that cannot be deferred fails before any thread
         self.max_lag = rc.max_staleness
         self.producer = None
         if rank0:  # generation overlaps training from here on
@@ -102,7 +103,7 @@ class AsyncRollouts(RolloutSource):
                 apply_fn=lambda payload, tag: payload.apply(engine, cfg, tag, actor), start_step=start,
                 max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
                 segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, rc)).start_thread()
-        super().__init__(cfg, deferred_publisher(cfg, actor, self.producer))
+        self.publisher.producer = self.producer
 
     def next(self, step: int) -> StepBatch:
         return from_rank0(lambda: self._checked(self.producer.get(step), step),
@@ -118,7 +119,7 @@ class AsyncRollouts(RolloutSource):
         rc = self.cfg.rollout
         try:
             rollouts = self.producer.snapshot(step, timeout_s=timeout_s if timeout_s > 0 else None)
-            rollouts = {t: dataclasses.asdict(batch) for t, batch in rollouts.items()}  # plain data in the checkpoint
+            rollouts = {t: _fields(batch) for t, batch in rollouts.items()}  # plain data in the checkpoint
             return {"async_rollouts": rollouts, "async_schedule": (rc.max_staleness, rc.partial_rollout)}, None
         except SnapshotTimeout:
             cause = (f"the producer did not hand them over within {timeout_s:g} s (half of "
@@ -158,7 +159,14 @@ def _resumed_rollouts(extra: Dict, rc) -> Dict:
               f"{extra.get('async_schedule')}, this run uses {(rc.max_staleness, rc.partial_rollout)}: "
               f"regenerating them", flush=True)
         return {}
-    return {int(t): StepBatch(**batch) for t, batch in saved.items()}
+    return {int(t): StepBatch(**(batch if isinstance(batch, dict) else _fields(batch))) for t, batch in saved.items()}
+
+
+def _fields(batch) -> Dict:
+    """A batch's fields as a shallow dict (no copy of its arrays). Also reads the ``StepRollouts`` objects that
+    checkpoints written before the ``StepBatch`` rename hold (their fields are a subset)."""
+    names = [f.name for f in dataclasses.fields(StepBatch)]
+    return {n: getattr(batch, n) for n in names if hasattr(batch, n)}
 
 
 def _wall(perf_t: float) -> float:

@@ -53,6 +53,9 @@ class StepBatch:
     token_versions: List[List[int]] = field(default_factory=list)
     """Per row, per response token: the weight version (training steps done) that produced it; empty when the
     engine reports only one version per rollout (then every token has ``weight_version``)."""
+    loss_masks: List[List[int]] = field(default_factory=list)
+    """Per row, per response token: 1 sampled by the model, 0 written by an environment (multi-turn
+    ``Trajectory.loss_mask``); empty when every response token is the model's (single turn)."""
 
     @property
     def num_rows(self) -> int:
@@ -63,7 +66,7 @@ class StepBatch:
         """This DP rank's whole prompt groups (``prompts_per_step % DP == 0``), every tensor on ``device``;
         ``step``: completed steps (the trainer's weight version, for the per-token lag)."""
         full = RolloutBatch.from_sequences(self.prompt_ids, self.response_ids, self.rollout_log_probs,
-                                           pad_id=pad_id, routing=self.routing)
+                                           pad_id=pad_id, routing=self.routing, loss_masks=self.loss_masks or None)
         batch = full.shard(dp_rank, dp_size).to(device)
         rows = shard_rows(self.num_rows, dp_rank, dp_size)
         rewards = torch.tensor(self.rewards[rows.start:rows.stop], dtype=torch.float32).to(device)
@@ -88,14 +91,17 @@ class StepBatch:
 
     def records(self, step: int) -> Iterator[str]:
         """One JSON line per row for ``rollouts.jsonl`` (``token_versions`` per response token when the engine
-        was segmented)."""
+        was segmented; ``loss_mask`` per response token when the rows are multi-turn)."""
         versions = self.token_versions or [None] * len(self.response_ids)
-        for p, r, lp, rw, tv in zip(self.prompt_ids, self.response_ids, self.rollout_log_probs, self.rewards,
-                                    versions):
+        masks = self.loss_masks or [None] * len(self.response_ids)
+        for p, r, lp, rw, tv, lm in zip(self.prompt_ids, self.response_ids, self.rollout_log_probs, self.rewards,
+                                        versions, masks):
             rec = {"step": step, "prompt_ids": p, "response_ids": r, "rollout_log_probs": lp, "reward": rw,
                    "weight_version": self.weight_version}
             if tv is not None:
                 rec["token_versions"] = tv
+            if lm is not None:
+                rec["loss_mask"] = lm
             yield json.dumps(rec)
 
 

@@ -160,7 +160,8 @@ class DiskPublisher(WeightPublisher):
         def apply() -> SyncReport:
             moved, done = payload.report(), payload.apply(self.engine, self.cfg, version, self.actor)
             moved.checked, moved.verified, moved.verified_frac = done.checked, done.verified, done.verified_frac
-            payload.release({parse_version(version)} if version.startswith("step-") else set())
+            if version.startswith("step-"):  # a training version: older exports are no longer needed
+                payload.release({parse_version(version)})
             return moved
 
         return from_rank0(apply).metrics()
@@ -171,7 +172,7 @@ class DeferredPublisher(WeightPublisher):
     its schedule needs it -- a failure there surfaces at a later step's rollouts; this step's
     ``weight_sync/verified_param_frac`` is 0."""
 
-    def __init__(self, actor, cfg: JobConfig, mode: str, producer):
+    def __init__(self, actor, cfg: JobConfig, mode: str, producer=None):
         if mode not in engine_class(cfg.rollout.engine).deferred_weight_sync_modes:
             raise WeightSyncError(f"rollout.weight_sync {mode!r} with rollout.engine {cfg.rollout.engine!r} cannot "
                                   f"be applied later by the async producer (use rollout.weight_sync: disk)")
@@ -197,6 +198,7 @@ def build_weight_publisher(cfg: JobConfig, actor, engine, corrupt=None) -> Weigh
     return StreamPublisher(actor, engine, cfg, mode, corrupt)
 
 
-def deferred_publisher(cfg: JobConfig, actor, producer) -> DeferredPublisher:
-    """The publisher of async rollouts once the producer runs (``producer``: rank 0's, None elsewhere)."""
-    return DeferredPublisher(actor, cfg, weight_sync_mode(cfg), producer)
+def deferred_publisher(cfg: JobConfig, actor) -> DeferredPublisher:
+    """The publisher of async rollouts (its ``producer``, rank 0's, is set once it runs; None elsewhere). Raises
+    ``WeightSyncError`` when the mode cannot be applied later -- before any producer exists."""
+    return DeferredPublisher(actor, cfg, weight_sync_mode(cfg))

@@ -1,0 +1,212 @@
+"""The ``lookup`` tool task: the answer is a value only a tool knows, so the model must call it, read it, answer.
+
+A multi-turn task small enough for a from-scratch char model on CPU (``configs/tool_tiny_cpu.yaml``); the
+environment that answers the calls and scores the episode is ``megatron_rl/envs/lookup.py:LookupEnv``.
+
+Episode (compact call syntax of the char tokenizer, ``?`` and ``>`` are single tokens)::
+
+    prompt            lookup:37=                 "what is the value of key 37 in your table?"
+    model turn 1      ?37<eos>                   a tool call: look up key 37
+    environment       >529=                      the tool's answer (">" + value, then "=": "answer now")
+    model turn 2      529<eos>                   the final answer (a turn that is not a call)
+
+The table is RANDOM PER PROMPT: each prompt draws a ``table_seed`` and the value of any key is
+``table_value(table_seed, key, ...)`` (a fixed hash, 1-2 digits by default), so nothing in the prompt or in
+the model's weights can predict it — only the call can. Both behaviours are copies (the key from the prompt into
+the call, the value from the observation into the answer), the kind of skill the tiny model learns in ~100
+steps on the copy task.
+
+Compact syntax vs Hermes: ``?37`` stands for ``<tool_call>{"name": "lookup", "arguments": {"key": "37"}}
+</tool_call>`` and ``>529`` for ``<tool_response>529</tool_response>``; the char model has neither braces nor
+quotes in its vocabulary and would need ~50 sampled tokens per call. ``LookupEnv(call_format="hermes")`` plays
+the same game in the Hermes format (``megatron_rl.envs.tool_calls``) for chat models.
+
+Rewards (``LookupEnv``; ``score_answer`` and ``key_credit`` here), read when the model answers:
+
+    reward = call_weight * call_credit + (1 - call_weight) * answer_credit
+    call_credit   = best ``key_credit`` over the well-formed calls made: 1.0 for the right key, else 0.5 plus
+                    half the fraction of its positions right, 0 without a call;
+    answer_credit = ``score_answer``: 1.0 for the exact value ended with EOS, else the fraction of correct
+                    value characters (``score_text`` with ``eos_credit=False``: a right-length guess earns nothing
+                    by itself, so a constant answer is worth chance only).
+
+The call credit is the shaping: a well-formed call pays even before the answer is copied right (half of it
+for any call: a from-scratch model that only guesses must find calling worth more than guessing; the other half
+for the right key), but only in an episode that ends with an answer (an episode cut by ``multi_turn.max_turns``
+or a token limit scores 0). Measured without the half for any call, and with credit for an answer of the right
+length: the tiny model settled on guessing (see docs/multi_turn.md). ``Task.reward`` (single-turn use, no tool) is ``score_answer`` of the response: guessing.
+
+Chat models (``prompt_format: chat``): the prompt is a user message asking for the key's value, rendered with
+the tokenizer's chat template and the ``lookup`` tool's JSON schema (``LOOKUP_TOOL``, passed as
+``apply_chat_template(..., tools=[LOOKUP_TOOL])`` plus ``data.chat_template_kwargs``: the Qwen / Hermes templates
+then describe the tool and the ``<tool_call>`` format in the system turn); use it with
+``LookupEnv(call_format="hermes")`` (``configs/qwen3_30b_a3b_tools_2x8.yaml``).
+
+Prompt rows carry what the environment needs: ``Prompt.answer`` is the value, ``Prompt.extra_info`` is
+``{"key", "table_seed", "min_value_digits", "max_value_digits"}``.
+
+Held-out split (``heldout_frac`` > 0): a KEY is held out when ``crc32("lookup:<key>") % 10_000 < heldout_frac *
+10_000`` (the digit tasks' rule); ``sample`` never draws one; ``heldout_prompts()`` gives one prompt per held-out
+key, each with a fixed table seed (``crc32`` of the key), so an evaluation is the same on every machine.
+
+Usage::
+
+    task = LookupTask(tokenizer, min_key_digits=1, max_key_digits=2, heldout_frac=0.1)
+    prompts = task.sample(4, random.Random(0))     # Prompt(text="lookup:37=", answer="529", extra_info={...})
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import zlib
+from typing import Sequence
+
+from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
+from megatron_rl.tasks.synthetic import is_heldout, score_text
+
+#: The task's name (``data.task``) and its prompt word.
+LOOKUP_TASK = "lookup"
+#: The ``data.task_kwargs`` keys the lookup task accepts.
+LOOKUP_TASK_OPTIONS = ("min_key_digits", "max_key_digits", "min_value_digits", "max_value_digits", "heldout_frac",
+                       "prompt_format")
+#: ``prompt_format`` values: the char model's ``lookup:KEY=``, or a chat-template user turn with the tool schema.
+PROMPT_FORMATS = ("char", "chat")
+#: The tool's JSON schema for chat templates (``tools=[LOOKUP_TOOL]``).
+LOOKUP_TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "Look up the value stored under a key in this conversation's table.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key (digits)"}},
+                   "required": ["key"]}}}
+#: The user turn of a chat prompt.
+CHAT_QUESTION = ("What is the value stored under key {key} in the table? The table is different in every "
+                 "conversation: look it up with the lookup tool, then reply with the value only.")
+#: The compact call marker (``?KEY``) and tool-answer marker (``>VALUE``) of the char tokenizer.
+CALL_MARK, ANSWER_MARK = "?", ">"
+
+
+def table_value(table_seed: int, key: str, min_digits: int, max_digits: int) -> str:
+    """The value of ``key`` in the table of ``table_seed``: a digit string of ``min_digits``-``max_digits``
+    characters drawn from a ``random.Random`` seeded with ``crc32("<table_seed>:<key>")`` (any digit string is a
+    key; the same on every machine)."""
+    rng = random.Random(zlib.crc32(f"{int(table_seed)}:{key}".encode()))
+    k = rng.randint(min_digits, max_digits)
+    return "".join(str(rng.randint(0, 9)) for _ in range(k))
+
+
+def key_credit(called: str, key: str) -> float:
+    """Credit of a well-formed call naming ``called`` when the prompt asked for ``key``: 1.0 if equal, else
+    ``(1 + fraction of key positions right) / 2`` (``score_text`` without EOS credit over the longer of the two):
+    half for making a call at all, the rest for the right key."""
+    if called == key:
+        return 1.0
+    return 0.5 + 0.5 * score_text(called, True, key, partial_credit=True, eos_credit=False)
+
+
+def score_answer(text: str, terminated: bool, value: str) -> float:
+    """Credit of a final answer ``text`` (``terminated``: it ended with EOS) for the true ``value``: 1.0 exact
+    and terminated, else the fraction of correct value characters (``score_text`` without EOS credit)."""
+    return score_text(text, terminated, value, partial_credit=True, eos_credit=False)
+
+
+def lookup_reward(call_credit: float, answer_credit: float, call_weight: float) -> float:
+    """The episode reward: ``call_weight * call_credit + (1 - call_weight) * answer_credit``."""
+    return call_weight * call_credit + (1.0 - call_weight) * answer_credit
+
+
+def _check_int(name: str, v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"data.task_kwargs.{name}={v!r} must be an int >= 1")
+    return v
+
+
+class LookupTask(Task):
+    """Prompts ``lookup:<key>=`` whose answer is the value of ``key`` in a per-prompt random table (module
+    docstring); the reward of an episode comes from ``envs/lookup.py:LookupEnv``."""
+
+    name = LOOKUP_TASK
+
+    def __init__(self, tokenizer, min_key_digits: int = 1, max_key_digits: int = 2, min_value_digits: int = 1,
+                 max_value_digits: int = 2, heldout_frac: float = 0.0, prompt_format: str = "char"):
+        """Args:
+            tokenizer: encodes the prompt text (the char tokenizer: ``lookup`` ``?`` ``>`` are tokens of it).
+            min_key_digits / max_key_digits: key length range, 1 <= min <= max (keys uniform over lengths, then
+                digits; leading zeros allowed).
+            min_value_digits / max_value_digits: value length range of the tables, 1 <= min <= max.
+            heldout_frac: fraction in [0, 0.5] of keys kept out of ``sample`` (``heldout_prompts``); 0: none.
+            prompt_format: "char" (``lookup:KEY=``, the char tokenizer) or "chat" (the tokenizer's chat template
+                with ``LOOKUP_TOOL``; module docstring).
+        """
+        super().__init__(tokenizer)
+        for (lo_name, lo), (hi_name, hi) in ((("min_key_digits", min_key_digits), ("max_key_digits", max_key_digits)),
+                                             (("min_value_digits", min_value_digits),
+                                              ("max_value_digits", max_value_digits))):
+            if _check_int(lo_name, lo) > _check_int(hi_name, hi):
+                raise ValueError(f"data.task_kwargs.{lo_name}={lo} > {hi_name}={hi}")
+        if isinstance(heldout_frac, bool) or not isinstance(heldout_frac, (int, float)) \
+                or not 0.0 <= heldout_frac <= 0.5:
+            raise ValueError(f"data.task_kwargs.heldout_frac={heldout_frac!r} must be a number in [0, 0.5]")
+        self.min_key_digits, self.max_key_digits = min_key_digits, max_key_digits
+        self.min_value_digits, self.max_value_digits = min_value_digits, max_value_digits
+        self.heldout_frac = float(heldout_frac)
+        if prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"data.task_kwargs.prompt_format={prompt_format!r} must be one of {PROMPT_FORMATS}")
+        self.prompt_format, self.chat_template_kwargs = prompt_format, {}
+        if prompt_format == "chat":
+            return
+        probe = f"{LOOKUP_TASK}:0123456789={CALL_MARK}{ANSWER_MARK}"
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if unk is not None and unk in tokenizer.encode(probe, add_special_tokens=False):
+            raise ValueError(f"task {LOOKUP_TASK!r}: the tokenizer cannot encode {probe!r} (it produced the unknown "
+                             "token); build the model with `python -m megatron_rl.tasks OUT --task lookup`")
+
+    def configure(self, options) -> None:
+        """Keep ``data.chat_template_kwargs`` for chat prompts (``DataOptions``)."""
+        self.chat_template_kwargs = dict(options.chat_template_kwargs or {})
+
+    def _held(self, key: str) -> bool:
+        return bool(self.heldout_frac) and is_heldout(LOOKUP_TASK, key, self.heldout_frac)
+
+    def make_prompt(self, key: str, table_seed: int) -> Prompt:
+        """The ``Prompt`` asking for ``key`` in the table of ``table_seed``."""
+        text = f"{LOOKUP_TASK}:{key}="
+        if self.prompt_format == "chat":
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": CHAT_QUESTION.format(key=key)}], tools=[LOOKUP_TOOL], tokenize=False,
+                add_generation_prompt=True, **self.chat_template_kwargs)
+        value = table_value(table_seed, key, self.min_value_digits, self.max_value_digits)
+        return Prompt(prompt_ids=list(self.tokenizer.encode(text, add_special_tokens=False)), answer=value,
+                      text=text, data_source=LOOKUP_TASK,
+                      extra_info={"key": key, "table_seed": int(table_seed),
+                                  "min_value_digits": self.min_value_digits,
+                                  "max_value_digits": self.max_value_digits})
+
+    def sample(self, n: int, rng: random.Random) -> list[Prompt]:
+        """``n`` prompts drawn with ``rng`` (a key outside the held-out split and a fresh table seed each)."""
+        check_rng(rng, f"task {LOOKUP_TASK!r}.sample")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"task {LOOKUP_TASK!r}.sample: n={n!r} must be an int >= 1")
+        out, misses = [], 0
+        while len(out) < n:
+            k = rng.randint(self.min_key_digits, self.max_key_digits)
+            key = "".join(str(rng.randint(0, 9)) for _ in range(k))
+            if self._held(key):
+                if (misses := misses + 1) >= 1000:
+                    raise ValueError(f"task {LOOKUP_TASK!r}: 1000 draws in a row were held out; lower "
+                                     f"data.task_kwargs.heldout_frac={self.heldout_frac} or widen the key range")
+                continue
+            misses = 0
+            out.append(self.make_prompt(key, rng.randrange(2 ** 31)))
+        return out
+
+    def heldout_prompts(self) -> list[Prompt]:
+        """One prompt per held-out key (table seed ``crc32(key)``), in a fixed order; ValueError without a
+        split."""
+        if self.heldout_frac <= 0:
+            raise ValueError(f"task {LOOKUP_TASK!r}: no held-out split (data.task_kwargs.heldout_frac is 0)")
+        keys = ("".join(t) for k in range(self.min_key_digits, self.max_key_digits + 1)
+                for t in itertools.product("0123456789", repeat=k))
+        return [self.make_prompt(key, zlib.crc32(key.encode())) for key in keys if self._held(key)]
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
+        """Single-turn use (no tool): ``score_answer`` of the response against the value — a guess."""
+        text, terminated = response_text(self.tokenizer, response_ids, skip_special_tokens=False)
+        return score_answer(text, terminated, str(prompt.answer))
