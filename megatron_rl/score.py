@@ -144,8 +144,11 @@ def plan_versions(records: Sequence[dict], checkpoints: Optional[str] = None,
 
 def _score_records(actor, cfg, records: List[dict]):
     """(metrics, per-record train log-probs on rank 0 else None) of ``records`` with the actor's weights."""
+    # multi-turn records carry loss_mask (environment tokens 0): the correction then sees model tokens only
+    masks = [r.get("loss_mask") or [1] * len(r["response_ids"]) for r in records]
     batch = RolloutBatch.from_sequences([r["prompt_ids"] for r in records], [r["response_ids"] for r in records],
-                                        [r["rollout_log_probs"] for r in records])
+                                        [r["rollout_log_probs"] for r in records],
+                                        loss_masks=masks if any("loss_mask" in r for r in records) else None)
     shard = batch.shard(actor.dp_rank, actor.dp_size).to(actor_device())  # where the actor's log-probs are
     lp, _ = actor.compute_log_probs(shard, cfg.rollout.temperature, compute_entropy=False)
     res = compute_rollout_correction(lp, shard.rollout_log_probs, shard.response_mask,

@@ -18,11 +18,13 @@ CONFIGS = os.path.join(ROOT, "configs")
 WORLD = {
     "qwen2.5_7b_1x8.yaml": 1 * 8,
     "qwen3_30b_a3b_2x8.yaml": 2 * 8,
+    "qwen3_30b_a3b_tools_2x8.yaml": 2 * 8,  # multi-turn tool calling (docs/multi_turn.md)
     "deepseek_v3_scale_64x8.yaml": 64 * 8,
     "deepseek_v3_671b_64x8.yaml": 64 * 8,
     "tiny_cpu.yaml": None,  # the lead's config: its own world size (read from its header or default 1..4)
     "math_tiny_cpu.yaml": None,  # the math-task CPU config: its model is built first (tests/test_data_math_e2e.py)
     "tiny_moe_cpu.yaml": None,  # MoE routing replay default; its model is built first (tests/test_routing_config.py)
+    "tool_tiny_cpu.yaml": None,  # the multi-turn tool task; its model is built first (tests/test_tool_task_learns.py)
 }
 
 # Published HF config.json values.
@@ -94,8 +96,9 @@ def test_qwen25_7b_shapes():
     assert "num_moe_experts" not in m
 
 
-def test_qwen3_30b_a3b_shapes():
-    m = _yaml("qwen3_30b_a3b_2x8.yaml")["model"]
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b_2x8.yaml", "qwen3_30b_a3b_tools_2x8.yaml"])
+def test_qwen3_30b_a3b_shapes(name):
+    m = _yaml(name)["model"]
     p = QWEN3_30B_A3B
     assert m["num_layers"] == p["num_hidden_layers"]
     assert m["hidden_size"] == p["hidden_size"]

@@ -101,16 +101,22 @@ def test_call_then_answer_pays_one(task):
     assert env.step(p.answer) == EnvStep(observation="", reward=1.0, done=True, info={})
 
 
-def test_wrong_key_gets_that_keys_value_and_little_credit(task):
-    p = task.make_prompt("37", 11)
+@pytest.mark.parametrize("table_seed", [11, 12, 13, 14])
+def test_wrong_key_gets_that_keys_value_and_little_credit(task, table_seed):
+    p = task.make_prompt("37", table_seed)
     env = LookupEnv(call_weight=0.3)
     env.reset(_row(p))
-    out = env.step("?38")
-    assert out.observation == ">" + _value(11, "38")
-    final = env.step(_value(11, "38"))
-    # call credit: half for a call, plus half of 1 of 2 key digits right; answer credit: digits right
-    want_answer = _credit(_value(11, "38"), p.answer)
-    assert final.done and final.reward == pytest.approx(0.3 * (0.5 + 0.5 * 1 / 2) + 0.7 * want_answer)
+    other = _value(table_seed, "38")
+    assert env.step("?38").observation == ">" + other
+    final = env.step(other)   # repeats what the tool said for the wrong key
+    # call credit: half for a call, plus half of 1 of 2 key digits right; answer credit: digits right against
+    # the true value, or half for repeating the tool's answer
+    want = 0.3 * (0.5 + 0.5 * 1 / 2) + 0.7 * max(_credit(other, p.answer), 0.5)
+    assert final.done and final.reward == pytest.approx(want)
+    env.reset(_row(p))
+    env.step("?38")
+    env.step("?37")           # the right key after all: the best call counts, the tool's last answer is the value
+    assert env.step(p.answer).reward == pytest.approx(1.0)
 
 
 def _credit(got: str, want: str) -> float:
@@ -126,6 +132,13 @@ def test_guess_without_call_gets_answer_credit_only(task):
     env.reset(_row(p))
     out = env.step(p.answer)  # right by luck: no call credit
     assert out.done and out.reward == pytest.approx(0.7)
+    # the shaping: any well-formed call, then any answer, beats a wrong guess without a call
+    wrong = "9" if p.answer[0] != "9" else "8"
+    env.reset(_row(p))
+    guess = env.step(wrong).reward
+    env.reset(_row(p))
+    env.step("?6")
+    assert env.step(wrong).reward >= guess + 0.15
     assert task.reward(p, task.tokenizer.encode(p.answer + "<eos>", add_special_tokens=False)) == 1.0
 
 

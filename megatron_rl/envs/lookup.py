@@ -19,7 +19,8 @@ Two call formats, the same game:
   handling); the final answer is the last digit run of the turn after any ``</think>``.
 
 Reward when the model answers (``done``): ``lookup_reward(call_credit, answer_credit, call_weight)`` — the best
-``key_credit`` of the calls made (0 without a call) and the answer's credit; see ``tasks/tool_lookup.py``.
+``key_credit`` of the calls made (0 without a call) and ``answer_credit`` of the answer (against the true value,
+or half against the tool's last answer); see ``tasks/tool_lookup.py``.
 
 Usage::
 
@@ -38,9 +39,9 @@ from megatron_rl.envs.tool_env import ToolEnvironment
 from megatron_rl.tasks.tool_lookup import (
     ANSWER_MARK,
     CALL_MARK,
+    answer_credit,
     key_credit,
     lookup_reward,
-    score_answer,
     table_value,
 )
 
@@ -78,7 +79,7 @@ class LookupEnv(ToolEnvironment):
         self.key, self.value = str(meta["key"]), str(sample["answer"])
         self.table_seed = int(meta["table_seed"])
         self.value_digits = (int(meta["min_value_digits"]), int(meta["max_value_digits"]))
-        self.call_credit = 0.0
+        self.call_credit, self.tool_said = 0.0, None
 
     def lookup(self, key) -> str:
         """The tool: the value of ``key`` in this episode's table (records the call's key credit)."""
@@ -86,9 +87,8 @@ class LookupEnv(ToolEnvironment):
         if not key.isascii() or not key.isdigit():
             raise ValueError(f"key {key!r} is not a digit string")
         self.call_credit = max(self.call_credit, key_credit(key, self.key))
-        if key == self.key:
-            return self.value
-        return table_value(self.table_seed, key, *self.value_digits)
+        self.tool_said = self.value if key == self.key else table_value(self.table_seed, key, *self.value_digits)
+        return self.tool_said
 
     def step(self, action: str) -> EnvStep:
         """A call -> the tool's answer; anything else -> the scored final answer (``done``)."""
@@ -98,7 +98,7 @@ class LookupEnv(ToolEnvironment):
         # trajectory there), decoded up to it; a decoder that keeps special tokens leaves the EOS text
         text = action[:-len(EOS_TEXT)] if action.endswith(EOS_TEXT) else action
         if not text.startswith(CALL_MARK):
-            return self._answer(score_answer(text, True, self.value))
+            return self._answer(text)
         try:
             value = self.lookup(text[len(CALL_MARK):])
         except ValueError:
@@ -108,9 +108,10 @@ class LookupEnv(ToolEnvironment):
     def score(self, answer_text: str) -> float:
         """Hermes final answer: the last digit run after any ``</think>``, scored as a terminated answer."""
         runs = re.findall(r"\d+", answer_text.rpartition("</think>")[2])
-        return lookup_reward(self.call_credit, score_answer(runs[-1] if runs else "", True, self.value),
-                             self.call_weight)
+        return self._reward(runs[-1] if runs else "")
 
-    def _answer(self, answer_credit: float) -> EnvStep:
-        return EnvStep(observation="", reward=lookup_reward(self.call_credit, answer_credit, self.call_weight),
-                       done=True)
+    def _reward(self, answer: str) -> float:
+        return lookup_reward(self.call_credit, answer_credit(answer, self.value, self.tool_said), self.call_weight)
+
+    def _answer(self, answer: str) -> EnvStep:
+        return EnvStep(observation="", reward=self._reward(answer), done=True)

@@ -46,7 +46,7 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Union
 from megatron_rl.envs.base import EnvFailure, EnvStep, load_env_class
 from megatron_rl.envs.env_worker import EnvHost
 from megatron_rl.parallel.child_env import child_environment
-from megatron_rl.tasks.reward_pool import read_frame, write_frame
+from megatron_rl.frames import read_frame, write_frame
 
 
 @dataclass

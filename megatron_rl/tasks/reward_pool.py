@@ -27,7 +27,6 @@ import atexit
 import os
 import pickle
 import select
-import struct
 import subprocess
 import sys
 import time
@@ -35,10 +34,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_rl.frames import read_frame, write_frame
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.tasks.reward_fn import compute_reward
 
-_HEADER = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -73,25 +72,6 @@ class RewardResult:
     timed_out: int = 0
     #: The first few error messages, for the log.
     errors: List[str] = field(default_factory=list)
-
-
-def write_frame(fh, obj) -> None:
-    """Write one length-prefixed pickle to a binary stream and flush."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    fh.write(_HEADER.pack(len(data)) + data)
-    fh.flush()
-
-
-def read_frame(fh):
-    """Read one length-prefixed pickle; EOFError when the stream ended."""
-    head = fh.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        raise EOFError("reward worker stream closed")
-    size = _HEADER.unpack(head)[0]
-    data = fh.read(size)
-    if len(data) < size:
-        raise EOFError("reward worker stream closed mid-message")
-    return pickle.loads(data)
 
 
 def run_job(job: RewardJob) -> tuple[bool, Any]:

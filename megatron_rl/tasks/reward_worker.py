@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_rl.tasks.reward_pool import read_frame, run_job, write_frame
+from megatron_rl.frames import read_frame, write_frame
+from megatron_rl.tasks.reward_pool import run_job
 from megatron_rl.tasks.rewards import warmup
 
 

@@ -26,15 +26,19 @@ Rewards (``LookupEnv``; ``score_answer`` and ``key_credit`` here), read when the
     reward = call_weight * call_credit + (1 - call_weight) * answer_credit
     call_credit   = best ``key_credit`` over the well-formed calls made: 1.0 for the right key, else 0.5 plus
                     half the fraction of its positions right, 0 without a call;
-    answer_credit = ``score_answer``: 1.0 for the exact value ended with EOS, else the fraction of correct
-                    value characters (``score_text`` with ``eos_credit=False``: a right-length guess earns nothing
-                    by itself, so a constant answer is worth chance only).
+    answer_credit = ``answer_credit``: ``score_answer`` against the true value — 1.0 for the exact value ended
+                    with EOS, else the fraction of correct value characters (``score_text`` with
+                    ``eos_credit=False``: a right-length guess earns nothing by itself, so a constant answer is
+                    worth chance only) — or HALF the ``score_answer`` against what the tool last said, if more.
 
 The call credit is the shaping: a well-formed call pays even before the answer is copied right (half of it
 for any call: a from-scratch model that only guesses must find calling worth more than guessing; the other half
 for the right key), but only in an episode that ends with an answer (an episode cut by ``multi_turn.max_turns``
-or a token limit scores 0). Measured without the half for any call, and with credit for an answer of the right
-length: the tiny model settled on guessing (see docs/multi_turn.md). ``Task.reward`` (single-turn use, no tool) is ``score_answer`` of the response: guessing.
+or a token limit scores 0). The half credit for repeating the tool's answer breaks a chicken-and-egg: copying
+the observation pays only once the key is right, and the key is right by chance ~5 % of the time, so without it
+the tiny model learned to call but not to use the answer (reward flat at ~0.22 over steps 40-100). Measured
+without the half for any call, and with credit for an answer of the right length: the tiny model settled on
+guessing (see docs/multi_turn.md). ``Task.reward`` (single-turn use, no tool) is ``score_answer`` of the response: guessing.
 
 Chat models (``prompt_format: chat``): the prompt is a user message asking for the key's value, rendered with
 the tokenizer's chat template and the ``lookup`` tool's JSON schema (``LOOKUP_TOOL``, passed as
@@ -105,6 +109,13 @@ def score_answer(text: str, terminated: bool, value: str) -> float:
     """Credit of a final answer ``text`` (``terminated``: it ended with EOS) for the true ``value``: 1.0 exact
     and terminated, else the fraction of correct value characters (``score_text`` without EOS credit)."""
     return score_text(text, terminated, value, partial_credit=True, eos_credit=False)
+
+
+def answer_credit(text: str, value: str, tool_said: str | None) -> float:
+    """Credit of a final answer ``text`` (ended with EOS): ``score_answer`` against ``value``, or half of it
+    against ``tool_said`` (the tool's last answer in the episode; None: no call) when that is more."""
+    own = score_answer(text, True, value)
+    return own if tool_said is None else max(own, 0.5 * score_answer(text, True, tool_said))
 
 
 def lookup_reward(call_credit: float, answer_credit: float, call_weight: float) -> float:
