@@ -380,6 +380,31 @@ def test_multi_turn_generator_batch(tiny_job, envs, copy_model):
     assert isinstance(build_step_generator(_one_rank(tiny_job), task), SingleTurn)
 
 
+def test_multi_turn_generator_through_the_async_view_tags_every_token(tiny_job, envs):
+    from megatron_rl.trainer.job import build_task
+
+    cfg = _mt_cfg(tiny_job, envs, "rollout.max_new_tokens=6", "data.prompts_per_step=2",
+                  "actor.ppo_mini_batches=1", "rollout.n_samples_per_prompt=2")
+    task, tok = build_task(cfg)
+    one, two, eq = tok.convert_tokens_to_ids(["1", "2", "="])
+    engine = ScriptedEngine([one, two, one, two, EOS], version=2, mark=eq)
+    view = SegmentedEngine(engine, 2, lambda: setattr(engine, "version", 3))   # newer weights after a segment
+    gen = build_step_generator(cfg, task)
+    try:
+        batch = gen.generate(view, 3, "step-2")
+    finally:
+        gen.close()
+    assert len(batch.token_versions) == batch.num_rows
+    for versions, mask, ids, lps in zip(batch.token_versions, batch.loss_masks, batch.response_ids,
+                                        batch.rollout_log_probs):
+        assert versions[:2] == [2, 2] and set(versions) == {2, 3} and 0 in mask
+        for v, m, x, lp in zip(versions, mask, ids, lps):
+            if m:   # the version each model token carries is the one that sampled it
+                assert lp == ScriptedEngine.log_prob(x, v)
+    check_staleness(batch.token_versions, 3, 1, 4)
+    assert batch.rewards == [1.0] * batch.num_rows
+
+
 def test_config_section_errors_name_keys(tiny_job, envs):
     with pytest.raises(ConfigError) as e:
         _one_rank(tiny_job, "multi_turn.env=no_such_module_xyz:Env", "multi_turn.max_turns=0",
@@ -390,6 +415,9 @@ def test_config_section_errors_name_keys(tiny_job, envs):
                 "multi_turn.env_step_timeout_s:", "multi_turn.observation_template:", "multi_turn.max_total_tokens:"):
         assert key in msg, (key, msg)
     assert "no_such_module_xyz" in msg
+    with pytest.raises(ConfigError, match="data.overlong_buffer_len: .*multi-turn") as e:
+        _one_rank(tiny_job, f"multi_turn.env={envs('Echo')}", "data.overlong_buffer_len=2", "data.reward_fn=exact")
+    assert "data.reward_fn: multi-turn rewards come from the environment" in str(e.value)
     cfg = _one_rank(tiny_job, f"multi_turn.env={envs('Echo')}", "rollout.max_new_tokens=5", "multi_turn.max_turns=3")
     limits = TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens)
     assert limits == TurnLimits(max_turns=3, max_total_tokens=15, max_tokens_per_turn=5)

@@ -165,7 +165,7 @@ def test_token_id_prompts(tok, tmp_path):
     ('{"prompt": "x"}\n', r"row 0 \(line 1\): no ground truth: neither reward_model.ground_truth nor "
                           "data.answer_key='answer'"),
     ('{"prompt": "", "answer": 1}\n', r"row 0 \(line 1\): 'prompt' is empty"),
-    ('{"prompt": [1, 999], "answer": 1}\n', "token ids < 21"),
+    ('{"prompt": [1, 999], "answer": 1}\n', "token ids < 24"),
     ('\n', "has no records"),
 ])
 def test_bad_files(tok, tmp_path, content, needle):

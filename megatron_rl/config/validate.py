@@ -182,6 +182,12 @@ def _multi_turn_errors(cfg: JobConfig) -> List[str]:
         errs.append(f"multi_turn.env_step_timeout_s: must be > 0, got {m.env_step_timeout_s}")
     if m.env_workers < 0:
         errs.append(f"multi_turn.env_workers: must be >= 0 (0: in the trainer's process), got {m.env_workers}")
+    if m.env is not None and cfg.data.overlong_buffer_len > 0:
+        errs.append("data.overlong_buffer_len: DAPO's overlong penalty applies to single-turn responses; multi-turn "
+                    "trajectories end at multi_turn.max_total_tokens (finish max_tokens): set it to 0")
+    if m.env is not None and cfg.data.reward_fn is not None:
+        errs.append("data.reward_fn: multi-turn rewards come from the environment (multi_turn.env), not a reward "
+                    "function: leave data.reward_fn unset")
     if "{observation}" not in m.observation_template:
         errs.append(f"multi_turn.observation_template: must contain {{observation}}, got {m.observation_template!r}")
     return errs

@@ -20,14 +20,13 @@ Usage::
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
+
+from megatron_rl.imports import import_object
 
 #: The kinds of ``EnvFailure``, each counted per trajectory under its name.
 FAILURE_KINDS = ("env_exception", "env_timeout", "env_garbage")
@@ -112,35 +111,10 @@ def _short(value: Any, limit: int = 60) -> str:
 def load_env_class(spec: str) -> type:
     """Import ``spec`` = ``"module.path:Class"`` (or ``"file.py:Class"``) and check it is an ``Environment``
     subclass; ``ValueError`` naming ``multi_turn.env`` otherwise."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"{ENV_KEY}={spec!r} must be a string 'module:Class'")
-    mod_name, _, cls_name = spec.rpartition(":")
-    if not mod_name or not cls_name:
-        raise ValueError(f"{ENV_KEY}={spec!r} must be 'module:Class' (both parts non-empty)")
-    if mod_name.endswith(".py"):
-        if not os.path.isfile(mod_name):
-            raise ValueError(f"{ENV_KEY}={spec!r}: file {mod_name!r} does not exist")
-        try:
-            mspec = importlib.util.spec_from_file_location(f"_megatron_rl_env_{abs(hash(mod_name))}", mod_name)
-            module = importlib.util.module_from_spec(mspec)
-            mspec.loader.exec_module(module)
-        except Exception as e:
-            raise ValueError(f"{ENV_KEY}={spec!r}: importing {mod_name!r} failed: {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"{ENV_KEY}={spec!r}: module {mod_name!r} not found ({e}); is it on PYTHONPATH?") from e
-        except Exception as e:
-            raise ValueError(f"{ENV_KEY}={spec!r}: importing module {mod_name!r} failed: "
-                             f"{type(e).__name__}: {e}") from e
-    if not hasattr(module, cls_name):
-        classes = sorted(n for n, v in vars(module).items()
-                         if inspect.isclass(v) and issubclass(v, Environment) and v is not Environment)
-        raise ValueError(f"{ENV_KEY}={spec!r}: module {mod_name!r} has no attribute {cls_name!r} "
-                         f"(Environment classes there: {classes[:10]})")
-    cls = getattr(module, cls_name)
+    cls = import_object(spec, ENV_KEY, "module:Class", "Environment classes",
+                        lambda v: inspect.isclass(v) and issubclass(v, Environment) and v is not Environment)
     if not inspect.isclass(cls) or not issubclass(cls, Environment):
+        mod_name, _, cls_name = spec.rpartition(":")
         what = f"class {cls.__name__}" if inspect.isclass(cls) else type(cls).__name__
         raise ValueError(f"{ENV_KEY}={spec!r}: {mod_name}.{cls_name} is a {what}, not a subclass of "
                          "megatron_rl.envs.base.Environment")

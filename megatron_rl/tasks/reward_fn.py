@@ -24,14 +24,12 @@ Usage::
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import numbers
 import inspect
-import os
 from typing import Any, Callable, Dict, Mapping, Optional
 
+from megatron_rl.imports import import_object
 from megatron_rl.tasks.rewards import BUILTIN_REWARDS, default_compute_score, math_verify_error
 
 #: The spec that means "dispatch on the row's data_source" (verl's ``default_compute_score``).
@@ -78,37 +76,10 @@ class RewardFunction:
 
 def load_reward_fn(spec: str) -> RewardFunction:
     """Import ``spec`` = ``"module.path:function"`` (or ``"file.py:function"``) and wrap it."""
-    if not isinstance(spec, str) or spec.count(":") < 1:
-        raise ValueError(f"data.reward_fn={spec!r} must be a string 'module:function'")
-    mod_name, _, fn_name = spec.rpartition(":")
-    if not mod_name or not fn_name:
-        raise ValueError(f"data.reward_fn={spec!r} must be 'module:function' (both parts non-empty)")
-    if mod_name.endswith(".py"):
-        if not os.path.isfile(mod_name):
-            raise ValueError(f"data.reward_fn={spec!r}: file {mod_name!r} does not exist")
-        try:
-            mspec = importlib.util.spec_from_file_location(f"_megatron_rl_reward_{abs(hash(mod_name))}", mod_name)
-            module = importlib.util.module_from_spec(mspec)
-            mspec.loader.exec_module(module)
-        except Exception as e:
-            raise ValueError(f"data.reward_fn={spec!r}: importing {mod_name!r} failed: "
-                             f"{type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"data.reward_fn={spec!r}: module {mod_name!r} not found ({e}); is it on "
-                             "PYTHONPATH?") from e
-        except Exception as e:
-            raise ValueError(f"data.reward_fn={spec!r}: importing module {mod_name!r} failed: "
-                             f"{type(e).__name__}: {e}") from e
-    if not hasattr(module, fn_name):
-        public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(f"data.reward_fn={spec!r}: module {mod_name!r} has no attribute {fn_name!r} "
-                         f"(callables there: {public[:10]})")
-    fn = getattr(module, fn_name)
+    fn = import_object(spec, "data.reward_fn", "module:function", "callables", callable)
     if not callable(fn):
-        raise ValueError(f"data.reward_fn={spec!r}: {mod_name}.{fn_name} is a {type(fn).__name__}, not callable")
+        raise ValueError(f"data.reward_fn={spec!r}: {spec.rpartition(':')[0]}.{spec.rpartition(':')[2]} is a "
+                         f"{type(fn).__name__}, not callable")
     return RewardFunction(spec, fn)
 
 

@@ -35,10 +35,9 @@ The call credit is the shaping: a well-formed call pays even before the answer i
 for any call: a from-scratch model that only guesses must find calling worth more than guessing; the other half
 for the right key), but only in an episode that ends with an answer (an episode cut by ``multi_turn.max_turns``
 or a token limit scores 0). The half credit for repeating the tool's answer breaks a chicken-and-egg: copying
-the observation pays only once the key is right, and the key is right by chance ~5 % of the time, so without it
-the tiny model learned to call but not to use the answer (reward flat at ~0.22 over steps 40-100). Measured
-without the half for any call, and with credit for an answer of the right length: the tiny model settled on
-guessing (see docs/multi_turn.md). ``Task.reward`` (single-turn use, no tool) is ``score_answer`` of the response: guessing.
+the observation pays only once the key is right, and a constant key is right ~5 % of the time; without it the
+tiny model learned to call but not to use the answer (reward flat at ~0.22 over steps 40-100). Each rung was
+measured on the from-scratch model (the table in docs/multi_turn.md).
 
 Chat models (``prompt_format: chat``): the prompt is a user message asking for the key's value, rendered with
 the tokenizer's chat template and the ``lookup`` tool's JSON schema (``LOOKUP_TOOL``, passed as
