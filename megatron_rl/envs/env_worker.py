@@ -19,7 +19,7 @@ import traceback
 from typing import Any, Dict, Hashable, Tuple
 
 from megatron_rl.envs.base import Environment, check_env_step, load_env_class
-from megatron_rl.frames import read_frame, write_frame
+from megatron_rl.worker_pipes import read_frame, write_frame
 
 
 def _last_line(e: BaseException) -> str:

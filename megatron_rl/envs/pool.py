@@ -46,7 +46,7 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Union
 from megatron_rl.envs.base import EnvFailure, EnvStep, load_env_class
 from megatron_rl.envs.env_worker import EnvHost
 from megatron_rl.parallel.child_env import child_environment
-from megatron_rl.frames import read_frame, write_frame
+from megatron_rl.worker_pipes import kill_worker, read_frame, write_frame
 
 
 @dataclass
@@ -112,14 +112,7 @@ class _Worker:
 
     def kill(self) -> None:
         """Kill the process (by its pid) and close its pipes."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for fh in (self.proc.stdin, self.proc.stdout):
-            try:
-                fh.close()
-            except OSError:
-                pass
+        kill_worker(self.proc)
 
 
 Result = Union[EnvStep, EnvFailure, None]

@@ -20,6 +20,7 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("parallel", "megatron_rl.parallel.config", "ParallelConfig"),
     ("rollout", "megatron_rl.config.sections", "RolloutConfig"),
     ("data", "megatron_rl.config.sections", "DataConfig"),
+    ("multi_turn", "megatron_rl.config.sections", "MultiTurnConfig"),
     ("algorithm", "megatron_rl.config.sections", "AlgorithmConfig"),
     ("algorithm.rollout_correction", "megatron_rl.correction.config", "RolloutCorrectionConfig"),
     ("actor", "megatron_rl.config.sections", "ActorConfig"),

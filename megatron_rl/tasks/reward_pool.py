@@ -34,7 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_rl.frames import read_frame, write_frame
+from megatron_rl.worker_pipes import kill_worker, read_frame, write_frame
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.tasks.reward_fn import compute_reward
 
@@ -118,14 +118,7 @@ class _Worker:
         write_frame(self.proc.stdin, job)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for fh in (self.proc.stdin, self.proc.stdout):
-            try:
-                fh.close()
-            except OSError:
-                pass
+        kill_worker(self.proc)
 
 
 class RewardPool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_rl.frames import read_frame, write_frame
+from megatron_rl.worker_pipes import read_frame, write_frame
 from megatron_rl.tasks.reward_pool import run_job
 from megatron_rl.tasks.rewards import warmup
 

@@ -201,6 +201,7 @@ def build_job(cfg: JobConfig) -> Job:
         print(layout_line(cfg, actor.groups, dist.get_world_size()), flush=True)
     watchdog = Watchdog(dist.get_rank(), tc.phase_timeout_s)
     held: Dict[str, object] = {}  # what exists so far, for _teardown
+    generator = None
     try:
         with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
             generator, tokenizer, engine, held["server"] = on_rank0(
@@ -216,6 +217,8 @@ def build_job(cfg: JobConfig) -> Job:
         held["source"] = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0)
         pad_id = share_from_rank0(int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0)
     except BaseException:
+        if "source" not in held and generator is not None:  # the source did not take it over
+            generator.close()
         _teardown(watchdog, 0, **held)
         raise
     return Job(cfg=cfg, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,

@@ -47,9 +47,10 @@ class RolloutSource:
     publisher: WeightPublisher
     """How each trained version reaches the engine while this source runs."""
 
-    def __init__(self, cfg: JobConfig, publisher: WeightPublisher):
+    def __init__(self, cfg: JobConfig, publisher: WeightPublisher, generator=None):
         self.cfg = cfg
         self.publisher = publisher
+        self.generator = generator
 
     def next(self, step: int) -> StepBatch:
         """Collective: step ``step``'s (0-based) batch on every rank."""
@@ -66,7 +67,10 @@ class RolloutSource:
         return 0.0
 
     def close(self) -> None:
-        """Stop generating (rollouts in flight are discarded)."""
+        """Stop generating (rollouts in flight are discarded) and release the step generator (rank 0: e.g. the
+        environment workers of multi-turn rollouts)."""
+        if self.generator is not None:
+            self.generator.close()
 
     def _checked(self, batch: StepBatch, step: int) -> StepBatch:
         """Rank 0: the staleness bound and the reward-failure limit, before the batch leaves."""
@@ -82,8 +86,8 @@ class SyncRollouts(RolloutSource):
     """Rank 0 generates step ``t`` from version ``t`` when the loop asks for it."""
 
     def __init__(self, cfg: JobConfig, generator, engine, publisher: WeightPublisher):
-        super().__init__(cfg, publisher)
-        self.generator, self.engine = generator, engine
+        super().__init__(cfg, publisher, generator)
+        self.engine = engine
 
     def next(self, step: int) -> StepBatch:
         return from_rank0(lambda: self._checked(self.generator.generate(self.engine, step, version_tag(step)), step))
@@ -94,7 +98,7 @@ class AsyncRollouts(RolloutSource):
 
     def __init__(self, cfg: JobConfig, generator, engine, actor, start: int, resumed: Dict, rank0: bool):
         rc = cfg.rollout
-        super().__init__(cfg, deferred_publisher(cfg, actor))  # a mode that cannot be deferred fails before any thread
+        super().__init__(cfg, deferred_publisher(cfg, actor), generator)  # fails before any thread if not deferrable
         self.max_lag = rc.max_staleness
         self.producer = None
         if rank0:  # generation overlaps training from here on
@@ -136,8 +140,11 @@ class AsyncRollouts(RolloutSource):
         return overlap_seconds(self.producer.busy, (_wall(t_start), _wall(t_end)))
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
+        try:
+            if self.producer is not None:
+                self.producer.close()  # no generation uses the step generator after this
+        finally:
+            super().close()
 
 
 def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: WeightPublisher, start: int,

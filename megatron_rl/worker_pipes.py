@@ -1,15 +1,17 @@
-"""Length-prefixed pickle frames: how a process talks to its worker processes (reward workers, environment workers)
-over their stdin / stdout. A light module on purpose: a worker imports it first and starts without torch.
+"""The pipes between a process and its worker processes (reward workers, environment workers): length-prefixed
+pickle frames over the worker's stdin / stdout, and ending a worker. A light module on purpose: a worker imports
+it first and starts without torch.
 
     write_frame(proc.stdin, request)     # one frame: 8-byte little-endian length + pickle
     reply = read_frame(proc.stdout)      # EOFError when the other side closed the stream
+    kill_worker(proc)                    # SIGKILL by its pid, reap it, close its pipes
 """
 from __future__ import annotations
 
 import pickle
 import struct
 
-__all__ = ["write_frame", "read_frame"]
+__all__ = ["write_frame", "read_frame", "kill_worker"]
 
 _HEADER = struct.Struct("<Q")
 
@@ -31,3 +33,15 @@ def read_frame(fh):
     if len(data) < size:
         raise EOFError("worker stream closed mid-message")
     return pickle.loads(data)
+
+
+def kill_worker(proc) -> None:
+    """Kill a worker ``subprocess.Popen`` (by its pid), reap it and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for fh in (proc.stdin, proc.stdout):
+        try:
+            fh.close()
+        except OSError:
+            pass
