@@ -6,11 +6,21 @@ tested by the quickstart tests), then its metrics are read.
 
 Asserted, with margins from measured runs (table below): the mean reward of the first ``WINDOW`` steps is near
 zero (a random model rarely ends a turn within 4 tokens and never calls), the mean over the last ``WINDOW`` steps
-is at least ``MIN_LAST_REWARD`` — above what guessing without the tool earns (the guessing policy of an
-earlier reward design plateaued at ~0.17 with 1.0 of its reward from answers, docs/multi_turn.md) — and the
-model CALLS the tool in at least ``MIN_LAST_CALLS`` of its trajectories (0 at the start), taking ~2 turns.
+is at least ``MIN_LAST_REWARD`` — twice what guessing without the tool can earn (0.7 x 1/10 for a random
+1-digit value) — and the model CALLS the tool in at least ``MIN_LAST_CALLS`` of its trajectories (0 at the
+start), taking ~2 turns with the tool's answers in the sequence.
 
-MEASURED_TABLE
+Measured with exactly this run (1 rank, 60 steps), three seeds (``trainer.seed``), on the shared 2-core machine
+under a load of 12-20:
+
+    seed   first 10 steps: reward  calls/traj   last 10 steps: reward  calls/traj  turns   s/step  wall
+    0                      0.006   0.00                        0.236   0.98        2.01    0.90    1m35s
+    1                      0.004   0.00                        0.246   0.96        1.99    1.31    2m36s
+    2                      0.006   0.01                        0.238   0.97        1.99    0.96    1m50s
+
+(calls appear at steps ~20-30; at 60 steps the model calls and echoes the tool's answer, the right key comes
+later: docs/multi_turn.md). The margins: reward 0.15 vs >= 0.236 measured, calls 0.7 vs >= 0.96. Not timed on
+an idle machine (none was available); the wall times above include start-up under that load.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/test_tool_task_learns.py -m slow``
 """
@@ -31,9 +41,9 @@ WINDOW = 10
 #: Mean reward of the first WINDOW steps must stay below this (an untrained start).
 MAX_FIRST_REWARD = 0.05
 #: Mean reward of the last WINDOW steps must reach this.
-MIN_LAST_REWARD = 0.12
+MIN_LAST_REWARD = 0.15
 #: Tool calls per trajectory over the last WINDOW steps must reach this.
-MIN_LAST_CALLS = 0.6
+MIN_LAST_CALLS = 0.7
 #: Ranks, and the run's overrides (the config as shipped otherwise).
 NPROC = 1
 OVERRIDES = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",

@@ -131,7 +131,7 @@ def _async_body(rank, world, job, engine_dir, broken):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_publisher import make_payload, weight_sync_mode
+    from megatron_rl.trainer.weight_publisher import payload_maker, weight_sync_mode
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -143,7 +143,7 @@ def _async_body(rank, world, job, engine_dir, broken):
         with torch.no_grad():
             engine.model.state_dict()[broken].view(-1)[0] += 0.5
 
-    payload = make_payload(actor, job, weight_sync_mode(job), "step-1")
+    payload = payload_maker(actor, job, weight_sync_mode(job))("step-1")
     good = payload.apply(engine, job, "step-1")
     engine.sync_weights = faulty_load
     try:

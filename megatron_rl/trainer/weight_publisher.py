@@ -33,7 +33,7 @@ from megatron_rl.trainer.weight_sync import (SyncReport, export_report, prune_ex
                                              stream_sync, verify_buckets, verify_export)
 
 __all__ = ["weight_sync_mode", "WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher",
-           "DiskPublisher", "DeferredPublisher", "build_weight_publisher", "deferred_publisher", "make_payload"]
+           "DiskPublisher", "DeferredPublisher", "build_weight_publisher", "deferred_publisher", "payload_maker"]
 
 
 def weight_sync_mode(cfg: JobConfig) -> str:
@@ -120,11 +120,12 @@ def bucket_payload(actor, cfg: JobConfig, version: str, mode: str) -> Optional[O
     return OwnedBuckets(buckets, mode) if is_rank0() else None
 
 
-def make_payload(actor, cfg: JobConfig, mode: str, version: str) -> Optional[WeightPayload]:
-    """Collective: ``version``'s payload in ``mode`` (disk: an export; otherwise owned buckets on rank 0)."""
+def payload_maker(actor, cfg: JobConfig, mode: str) -> Callable[[str], Optional[WeightPayload]]:
+    """The collective ``version -> payload`` of ``mode``, chosen once (disk: an export; otherwise owned buckets on
+    rank 0)."""
     if mode == "disk":
-        return export_payload(actor, cfg, version)
-    return bucket_payload(actor, cfg, version, mode)
+        return functools.partial(export_payload, actor, cfg)
+    return lambda version: bucket_payload(actor, cfg, version, mode)
 
 
 # --------------------------------------------------------------------------------------------- publishers
@@ -177,7 +178,7 @@ class DeferredPublisher(WeightPublisher):
             raise WeightSyncError(f"rollout.weight_sync {mode!r} with rollout.engine {cfg.rollout.engine!r} cannot "
                                   f"be applied later by the async producer (use rollout.weight_sync: disk)")
         self.actor, self.cfg, self.mode, self.producer = actor, cfg, mode, producer
-        self.make = functools.partial(make_payload, actor, cfg, mode)  # the payload kind, chosen once
+        self.make = payload_maker(actor, cfg, mode)
 
     def publish(self, version: str) -> Dict[str, float]:
         payload = self.make(version)
