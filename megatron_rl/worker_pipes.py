@@ -5,13 +5,20 @@ it first and starts without torch.
     write_frame(proc.stdin, request)     # one frame: 8-byte little-endian length + pickle
     reply = read_frame(proc.stdout)      # EOFError when the other side closed the stream
     kill_worker(proc)                    # SIGKILL by its pid, reap it, close its pipes
+    serve_as_worker()                    # in the worker, first: the job's signals are the parent's business
+
+A worker ignores SIGINT / SIGTERM (a Ctrl-C or a Slurm preemption signals every process of the job: the trainer
+must be able to finish its step and checkpoint while its workers keep answering; the parent ends them by pid) and
+asks the kernel to SIGKILL it when its parent dies (a trainer killed outright leaves no worker behind).
 """
 from __future__ import annotations
 
+import ctypes
 import pickle
+import signal
 import struct
 
-__all__ = ["write_frame", "read_frame", "kill_worker"]
+__all__ = ["write_frame", "read_frame", "kill_worker", "serve_as_worker"]
 
 _HEADER = struct.Struct("<Q")
 
@@ -45,3 +52,16 @@ def kill_worker(proc) -> None:
             fh.close()
         except OSError:
             pass
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def serve_as_worker() -> None:
+    """In a worker process, before anything else: ignore SIGINT / SIGTERM and die with the parent (Linux)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent's kill by pid still ends it
+        pass

@@ -45,8 +45,13 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Union
 
 from megatron_rl.envs.base import EnvFailure, EnvStep, load_env_class
 from megatron_rl.envs.env_worker import EnvHost
+from megatron_rl.rollout.base import RolloutError
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.worker_pipes import kill_worker, read_frame, write_frame
+
+
+class EnvPoolError(RolloutError):
+    """The pool could not serve a call (a worker that does not start): the step fails on every rank."""
 
 
 @dataclass
@@ -245,7 +250,18 @@ class EnvPool:
 
     def _run(self, jobs: List[_Job]) -> Dict[int, Result]:
         """Answers of ``jobs`` by ``job.index`` (releases answer nothing): in process, or sent to their slots'
-        workers one at a time per worker, each under the timeout."""
+        workers one at a time per worker, each under the timeout. If the pool itself fails half-way (a
+        replacement worker that does not start), the workers with requests in flight are killed and replaced
+        first, so the pool stays consistent, and ``EnvPoolError`` names the cause."""
+        try:
+            return self._run_jobs(jobs)
+        except Exception as exc:
+            for slot, w in enumerate(self._workers):
+                if w is not None and w.job is not None:
+                    self._fail(slot, w.job, {}, "env_exception", f"the pool failed: {type(exc).__name__}: {exc}")
+            raise EnvPoolError(f"environment pool of {self.spec}: {type(exc).__name__}: {exc}") from exc
+
+    def _run_jobs(self, jobs: List[_Job]) -> Dict[int, Result]:
         answers: Dict[int, Result] = {}
         if self._host is not None:
             for job in jobs:

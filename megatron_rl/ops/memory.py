@@ -82,6 +82,7 @@ from typing import Dict, List, Optional
 from megatron_rl.convert.partition import chunk_layer_range
 
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
+from megatron_rl.rollout.multi_turn import response_budget
 
 GiB = float(1 << 30)
 RECOMPUTE = ("none", "selective", "full")
@@ -142,6 +143,8 @@ class MemoryPlan:
     etp: int
     expert_dp: int
     seq_length: int
+    response_source: str
+    """The config key that bounds a row's response side (``multi_turn.max_total_tokens`` for multi-turn jobs)."""
     micro_batch_size: int
     microbatches: int
     total_params: int
@@ -300,7 +303,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     dp = p.data_parallel_size(world_size)
     edp = p.expert_data_parallel_size(world_size)
     sp = bool(p.sequence_parallel and tp > 1)
-    seq = o.prompt_length + cfg.rollout.max_new_tokens
+    response, response_source = response_budget(cfg)
+    seq = o.prompt_length + response
     s = -(-seq // cp)
     b = cfg.actor.micro_batch_size
     seqs_per_dp = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt // max(dp, 1)
@@ -311,7 +315,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     opt_bytes = 12 if o.params_bytes < 4 else 8
     act = o.params_bytes  # activations are in the compute dtype = the parameter dtype
     plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
-                      expert_dp=edp, seq_length=seq, micro_batch_size=b, microbatches=micro,
+                      expert_dp=edp, seq_length=seq, response_source=response_source, micro_batch_size=b, microbatches=micro,
                       total_params=total_parameters(m), options=o, is_moe=m.is_moe,
                       active_params=active_parameters(m) if m.is_moe else total_parameters(m))
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
@@ -380,7 +384,7 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"model: {format_count(plan.total_params)} parameters"
         + (f" ({format_count(plan.active_params)} active per token)" if plan.is_moe else "")
         + f"; sequence {plan.seq_length} tokens "
-        f"(prompt {o.prompt_length} + rollout.max_new_tokens), micro-batch {plan.micro_batch_size}, "
+        f"(prompt {o.prompt_length} + {plan.response_source}), micro-batch {plan.micro_batch_size}, "
         f"{plan.microbatches} micro-batches per mini-batch per DP rank",
         f"options: params {o.params_bytes} B, grads {o.grad_bytes} B, distributed optimizer "
         f"{'on' if o.distributed_optimizer else 'off'}, recompute {o.recompute}, log-prob path "

@@ -28,7 +28,7 @@ import torch
 from megatron_rl.actor import MegatronActor
 from megatron_rl.actor.optimizer import optimizer_config
 from megatron_rl.tokenizer import load_tokenizer
-from megatron_rl.tasks import DIGIT_TASKS, DigitTask, FileTask, build_char_tokenizer, load_records
+from megatron_rl.tasks import FileTask, build_char_tokenizer, build_task, load_records
 from megatron_rl.tasks.options import DataOptions
 
 
@@ -72,18 +72,18 @@ def task_prompt_length(cfg) -> Tuple[Optional[int], str]:
     """(longest prompt in tokens, where it comes from) of the config's ``data:`` section."""
     d = cfg.data
     tok, tok_src = _tokenizer(cfg)
-    if d.task in DIGIT_TASKS:
+    if d.task != "file":  # a built-in task: its longest prompt
         if tok is None:
             tok, tok_src = build_char_tokenizer(), f"char tokenizer ({tok_src})"
-        kwargs = {k: v for k, v in (d.task_kwargs or {}).items() if k in ("min_digits", "max_digits")}
         try:
-            task = DigitTask(d.task, tok, **kwargs)
+            task = build_task(d.task, tok, task_kwargs=d.task_kwargs)
+            longest = task.longest_prompt()
         except ValueError as exc:
             return None, f"data.task {d.task!r}: {exc}"
-        longest = "9" * task.max_digits
-        operands = f"{longest}+{longest}" if d.task == "add" else longest
-        n = len(task.make_prompt(operands).prompt_ids)
-        return n, f"longest {d.task!r} prompt (max_digits {task.max_digits}), {tok_src}"
+        if longest is None:
+            return None, f"data.task {d.task!r}: prompts not readable"
+        limits = {k: v for k, v in vars(task).items() if k.startswith("max_") and k.endswith("digits")}
+        return len(longest.prompt_ids), f"longest {d.task!r} prompt ({_kv(limits)}), {tok_src}"
     if d.task == "file" and d.path and os.path.isfile(d.path):
         if tok is None:
             return _utf8_bound(d.path, d.prompt_key, tok_src)
@@ -98,6 +98,10 @@ def task_prompt_length(cfg) -> Tuple[Optional[int], str]:
         kwargs = f", chat_template_kwargs {options.chat_template_kwargs}" if options.chat_template_kwargs else ""
         return max(len(p.prompt_ids) for p in task.prompts), f"longest prompt of {d.path} ({tok_src}{kwargs})"
     return None, f"data.task {d.task!r}: prompts not readable"
+
+
+def _kv(d) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
 
 
 def _utf8_bound(path: str, key: str, tok_src: str) -> Tuple[Optional[int], str]:

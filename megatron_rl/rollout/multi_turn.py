@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from megatron_rl.envs.base import EnvFailure
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
@@ -86,6 +86,15 @@ class TurnLimits:
         return cls(max_turns=turns,
                    max_total_tokens=int(multi_turn.max_total_tokens) or int(max_new_tokens) * turns,
                    max_tokens_per_turn=int(multi_turn.max_tokens_per_turn) or int(max_new_tokens))
+
+
+def response_budget(cfg) -> Tuple[int, str]:
+    """(the most response-side tokens a row of the job holds, the config key it comes from): a multi-turn
+    trajectory's ``max_total_tokens`` (model and environment segments), else ``rollout.max_new_tokens``."""
+    if cfg.multi_turn.env is None:
+        return int(cfg.rollout.max_new_tokens), "rollout.max_new_tokens"
+    return TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens).max_total_tokens, \
+        "multi_turn.max_total_tokens"
 
 
 class ObservationEncoder:

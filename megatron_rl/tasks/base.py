@@ -82,6 +82,10 @@ class Task(abc.ABC):
         """The EOS id responses should end with."""
         return int(self.tokenizer.eos_token_id)
 
+    def longest_prompt(self) -> Optional[Prompt]:
+        """The longest prompt this task can draw (what ``check`` plans memory with); None: not known up front."""
+        return None
+
     @abc.abstractmethod
     def sample(self, n: int, rng: random.Random) -> list[Prompt]:
         """Draw ``n`` prompts using ``rng`` (deterministic given its state)."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_rl.worker_pipes import read_frame, write_frame
+from megatron_rl.worker_pipes import read_frame, serve_as_worker, write_frame
 from megatron_rl.tasks.reward_pool import run_job
 from megatron_rl.tasks.rewards import warmup
 
 
 def main() -> None:
     """Serve jobs until stdin closes."""
+    serve_as_worker()
     proto_in = os.fdopen(os.dup(0), "rb")
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints of user rewards go to stderr

@@ -196,6 +196,11 @@ class DigitTask(Task):
         return [self.make_prompt(o) for o in self._all_operands()
                 if is_heldout(self.name, o, self.heldout_frac)]
 
+    def longest_prompt(self) -> Prompt:
+        """The prompt of the longest operands (``max_digits``; both operands for add)."""
+        longest = "9" * self.max_digits
+        return self.make_prompt(f"{longest}+{longest}" if self.name == "add" else longest)
+
     def make_prompt(self, operands: str) -> Prompt:
         """The ``Prompt`` for an explicit operand string (``"123"``, or ``"12+3"`` for add)."""
         text = f"{self.name}:{operands}="

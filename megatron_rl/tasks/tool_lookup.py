@@ -175,6 +175,10 @@ class LookupTask(Task):
     def _held(self, key: str) -> bool:
         return bool(self.heldout_frac) and is_heldout(LOOKUP_TASK, key, self.heldout_frac)
 
+    def longest_prompt(self) -> Prompt:
+        """The prompt of the longest key (``max_key_digits``)."""
+        return self.make_prompt("9" * self.max_key_digits, 0)
+
     def make_prompt(self, key: str, table_seed: int) -> Prompt:
         """The ``Prompt`` asking for ``key`` in the table of ``table_seed``."""
         text = f"{LOOKUP_TASK}:{key}="

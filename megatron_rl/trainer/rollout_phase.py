@@ -179,6 +179,13 @@ class SingleTurn:
         """Nothing to release."""
 
 
+def trained_mask(traj) -> List[int]:
+    """The loss mask of a trajectory's response: its model tokens, or none at all when its environment failed
+    (``env_error``: an infrastructure fault must not push the policy away from what it sampled; the row still
+    counts in its group's reward baseline with reward 0, and in ``multi_turn/*`` and the failure counts)."""
+    return [0] * len(traj.loss_mask) if traj.finish == "env_error" else traj.loss_mask
+
+
 class MultiTurn:
     """The step generator of multi-turn tasks (``multi_turn.env`` set): each prompt -> ``n_samples_per_prompt``
     trajectories of model turns and environment replies (``rollout.multi_turn.run_trajectories``), the
@@ -228,7 +235,7 @@ class MultiTurn:
                          metrics={**multi_turn_metrics(prompt_rows, trajs, task.stats()), **routing_stats},
                          token_versions=([t.token_versions for t in trajs] if isinstance(engine, SegmentedEngine)
                                          else []),
-                         loss_masks=[t.loss_mask for t in trajs])
+                         loss_masks=[trained_mask(t) for t in trajs])
 
     def close(self) -> None:
         """Stop the environment workers (by pid)."""
