@@ -14,7 +14,7 @@ Two kernels over a block of logits x [rows, W] (any row/column strides, fp32/bf1
 No workspace, no fp32 copy of the logits: the logits are read once per kernel.
 
 Tested on CPU with the Triton interpreter (``TRITON_INTERPRET=1`` must be set BEFORE this module is
-imported; see tests/test_kernels_interpret.py, which runs scripts in a subprocess). Interpreter limits
+imported; see tests/integration/test_kernels_interpret.py, which runs scripts in a subprocess). Interpreter limits
 this code respects: numpy has no bf16, so bf16 tensors are handled as their int16 bit pattern and are
 cast to fp32 right after every load (``.to(tl.float32)``) - never do arithmetic on a loaded bf16 value;
 the interpreter's fp32 -> bf16 cast truncates, so the gradient kernel rounds to bf16 explicitly (RTNE by

@@ -1,5 +1,5 @@
 """Independent reference of the rollout correction (plain Python floats, per-sequence loops) and the
-batch generator / comparison helpers of the ``tests/test_correction_*.py`` files.
+batch generator / comparison helpers of the ``tests/*/test_correction_*.py`` files.
 
 Written from the metric reference in ``megatron_rl/correction/finalize.py`` (module docstring) and the
 documented decisions of ``megatron_rl.correction`` (per-sequence metrics over valid sequences, batch

@@ -36,7 +36,7 @@ run_leg() {  # run_leg NAME PYTHON PYTEST_ARGS... ; prints and returns the leg's
   return "$rc"
 }
 
-# both venvs first: leg 1's cross-release checkpoint test (tests/test_mcore_cross_checkpoint.py) uses both
+# both venvs first: leg 1's cross-release checkpoint test (tests/integration/test_mcore_cross_checkpoint.py) uses both
 MEGATRON_RL_VENV="$OLD_VENV" bash tools/setup_env.sh --tests --mcore "$OLDEST"
 MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST"
 export MEGATRON_RL_VENV="$OLD_VENV" MEGATRON_RL_VENV_NEWEST="$NEW_VENV"

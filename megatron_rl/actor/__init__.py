@@ -12,7 +12,7 @@ Modules (one job each):
   hf_io       export a saved checkpoint to a HF directory (live HF in / out: ``megatron_rl.convert.live``)
   actor       ``MegatronActor``, the facade used by the RL loop
 
-Tests: ``pytest tests/test_actor*.py``.
+Tests: ``pytest tests/*/test_actor*.py``.
 """
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks, scatter_rows

@@ -28,7 +28,7 @@ Usage::
     full = scatter_rows([(rows, mb_values)], shard.num_rows, shard.max_length - 1)
     per_seq = batch.response_values(log_probs)               # list of [response_len_b] tensors
 
-Tests: ``pytest tests/test_actor_batch.py``.
+Tests: ``pytest tests/unit/test_actor_batch.py``.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ resharded by dist_checkpointing (model and Adam state); any failure there is re-
 ``CheckpointLayoutError`` naming the saved and the requested layout. RNG states are restored only when
 the world size and layout are unchanged (otherwise rank-to-rank mapping is meaningless; a warning
 says so). Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
-on CPU (``tests/test_actor_checkpoint.py``).
+on CPU (``tests/integration/test_actor_checkpoint.py``).
 
 Writing: megatron's forked file writer is replaced by ``platform/checkpoint_writer`` (threads of the
 saving rank; it cannot hang on a dead child). A write that fails on any rank raises

@@ -8,7 +8,7 @@ per-token tensor ([b, s, ...], sequence on dim 1); ``cp_gather`` is its inverse 
 
 On CPU CP cannot run: megatron's local ``DotProductAttention`` asserts "Context parallelism is only
 supported by TEDotProductAttention!" and transformer-engine does not install without CUDA. These
-functions are tested on their own (``tests/test_actor_cp.py``) and used by the log-prob pass and the
+functions are tested on their own (``tests/integration/test_actor_cp.py``) and used by the log-prob pass and the
 train step when ``context_parallel_size > 1`` on GPU.
 """
 from __future__ import annotations

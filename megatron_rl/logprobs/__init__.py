@@ -16,7 +16,7 @@ Modules: ``validation`` (input checks, one small cross-rank check), ``torch_path
 primitives), ``combine`` (the TP combine: one MAX + one SUM all-reduce), ``backend`` (Triton on
 CUDA, torch elsewhere; default chunk size), ``vocab_parallel`` and ``fused_linear`` (autograd
 functions). Triton kernels live in the package ``megatron_rl_kernels`` (source dir ``kernels/``).
-Tests: ``pytest tests/test_logprobs*.py tests/test_kernels*.py``; benchmark: ``tools/bench_logprobs.py``.
+Tests: ``pytest tests/*/test_logprobs*.py tests/integration/test_kernels*.py``; benchmark: ``tools/bench_logprobs.py``.
 """
 from .fused_linear import fused_linear_logprobs
 from .vocab_parallel import vocab_parallel_logprobs

@@ -21,7 +21,7 @@ Typical train-step use (per optimizer step; ``loss_type`` and ``bypass_mode`` co
                                   is_weights=w, ref_log_probs=mb.ref_log_probs, denominators=den)
         out.loss.backward()      # sum over micro-batches and DP ranks == full-batch loss
 
-Tests: ``pytest tests/test_losses*.py``.
+Tests: ``pytest tests/*/test_losses*.py``.
 """
 from .aggregation import (LossDenominators, aggregate_loss, global_denominators, local_denominators,
                           sequence_token_counts)

@@ -6,7 +6,7 @@ For every ``configs/*.yaml`` that is not a CPU config (``*_cpu.yaml``), ``megatr
 in this process exactly as on the command line (the file's ``cluster:`` section, no flags), and the row is
 read back from the lines it printed: the cluster, the layout, the model size, the sequence planned, the
 recomputation, the peak memory per GPU and whether it fits. Nothing is copied by hand, so the table
-changes when a config or the planner changes (tests/test_config_table.py compares the file with this
+changes when a config or the planner changes (tests/integration/test_config_table.py compares the file with this
 output).
 """
 from __future__ import annotations

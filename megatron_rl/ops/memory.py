@@ -55,7 +55,7 @@ heads, g = KV heads, d = head dim, f = FFN size, k = router top-k, E = experts::
                  inside the expert activation, so expert outputs are not kept; shared expert: + 3esb*f_shared/t
     full recompute: per layer only its input esbh/sp is kept, plus one layer's full working set.
 
-Checked against megatron-core itself (tests/test_check_activation_measure.py): the bytes a GPTModel layer
+Checked against megatron-core itself (tests/integration/test_check_activation_measure.py): the bytes a GPTModel layer
 saves for backward (``torch.autograd.graph.saved_tensors_hooks``, fp32 on CPU, local layer spec) equal
 this formula plus CPU-only extras of the unfused local path (SwiGLU's silu output and product, the
 composite RMSNorm's normalised copy, RoPE cos/sin, the causal mask, rstd) -- exactly, byte for byte.

@@ -1,6 +1,6 @@
 """Decode SGLang's routed experts (R3 capture) into ``Rollout.routed_experts``.
 
-What SGLang 0.5.23 returns (verified on a CPU server with a tiny Qwen3-MoE, ``tests/test_routing_sglang.py``):
+What SGLang 0.5.23 returns (verified on a CPU server with a tiny Qwen3-MoE, ``tests/integration/test_routing_sglang.py``):
 a server started with ``--enable-return-routed-experts`` answers a ``/generate`` request carrying
 ``"return_routed_experts": true`` with ``meta_info.routed_experts`` = base64 of little-endian int32 expert ids
 (``srt/state_capturer/routed_experts.py``, ``extract_routed_experts_from_meta_info``), flattened from

@@ -17,7 +17,7 @@ the ids the environment's observation was encoded to once. Per response token it
 Environment tokens stay in the sequence the actor reads (the forward pass) but are masked out of the loss, the
 rollout correction and every metric (``RolloutBatch.loss_mask``). A malformed segment (a model segment whose ids,
 log-probs and versions differ in length; an environment segment carrying log-probs) raises ValueError naming
-the field. Tests: ``pytest tests/test_multi_turn_masks.py``.
+the field. Tests: ``pytest tests/integration/test_multi_turn_masks.py``.
 """
 from __future__ import annotations
 

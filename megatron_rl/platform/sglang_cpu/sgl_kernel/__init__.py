@@ -8,7 +8,7 @@ generation with Qwen2/Llama, so each name is a function that raises if it is eve
 __version__ = "0.0.0+megatron-rl-cpu-standin"
 
 #: The ``*_cpu`` op names sglang imports from ``sgl_kernel`` on CPU (9 at module load, 1 lazily);
-#: tests/test_sglang_cpu_standins.py checks this list against the installed sglang's source.
+#: tests/integration/test_sglang_cpu_standins.py checks this list against the installed sglang's source.
 CPU_OP_NAMES = (
     "assign_req_to_token_pool_cpu",          # srt/mem_cache/allocation.py
     "copy_all_layer_kv_cache_cpu",           # kernels/ops/kvcache/cache_move.py

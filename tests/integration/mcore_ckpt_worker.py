@@ -1,0 +1,47 @@
+"""Worker of ``tests/integration/test_mcore_cross_checkpoint.py``, run by one megatron-core venv's python per call.
+
+    python tests/integration/mcore_ckpt_worker.py save CKPT_DIR OUT.pt   # init (seed 7), 1 step, save, snapshot, 1 step
+    python tests/integration/mcore_ckpt_worker.py load CKPT_DIR OUT.pt   # init (seed 99), load, snapshot, 1 step
+
+Layout: MoE at TP2 + SP x EP2 (ETP1) on 2 forked gloo ranks (dense, TP-sharded and expert-sharded tensors,
+Adam state of both optimizers). OUT.pt (rank 0): megatron-core version, the HF state dict and log-probs of a
+fixed batch right after save / load, and the HF state dict after one more step (which uses Adam's state).
+"""
+import sys
+
+import torch
+
+import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
+from megatron_rl.actor import MegatronActor
+from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.platform.mcore_version import MCORE
+from megatron_rl.testing.distributed import run_ranks
+from test_actor_checkpoint import MOE, _batch, _job, _step
+
+
+def _rank(rank, world, mode, ckpt_dir):
+    job = _job(tp=2, ep=2, model=MOE)
+    job.parallel.expert_tensor_parallel_size = 1
+    job.parallel.sequence_parallel = True
+    initialize_model_parallel(job.parallel, seed=7 if mode == "save" else 99, model=job.model)
+    actor = MegatronActor(job)
+    if mode == "save":
+        _step(actor, 100)
+        actor.save_checkpoint(ckpt_dir, 1, {"written_by": MCORE.text})
+        extra = None
+    else:
+        _, extra = actor.load_checkpoint(ckpt_dir)
+    batch, _ = _batch(200)
+    logprobs, _ = actor.compute_log_probs(batch, 1.0)
+    weights = actor.full_state_dict_hf()
+    _step(actor, 101)
+    return {"mcore": MCORE.text, "weights": weights, "logprobs": logprobs, "extra": extra,
+            "weights_after_step": actor.full_state_dict_hf()}
+
+
+if __name__ == "__main__":
+    mode, ckpt, out = sys.argv[1:4]
+    if mode not in ("save", "load"):
+        raise SystemExit(f"mcore_ckpt_worker: mode must be save or load, got {mode!r}")
+    results = run_ranks(_rank, 2, mode, ckpt, timeout=240)
+    torch.save(results[0], out)

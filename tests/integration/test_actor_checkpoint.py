@@ -1,0 +1,170 @@
+"""Actor checkpoints (megatron dist_checkpointing, torch_dist) on CPU.
+
+* Resume is exact: 2 train steps in one go == 1 step, save, a fresh set of processes loads, 1 step
+  (bitwise: weights, Adam state, metrics), at TP1, TP2xPP2 (4 gloo ranks) and MoE EP2.
+* A different layout loads by resharding: saved at TP2xPP2, loaded at TP1 (and the reverse) —
+  weights equal the saved ones bitwise and the next step (resharded Adam state) equals the
+  uninterrupted run at the saver's layout (<= 1e-6).
+* A model that does not match the checkpoint fails with ``CheckpointLayoutError`` naming the keys.
+
+megatron's checkpoint writer starts a multiprocessing Manager in each saving rank (run_ranks' ranks are
+non-daemonic so they may); each rank also stops its own child processes before returning.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_checkpoint.py -q``
+"""
+import multiprocessing
+
+import pytest
+import torch
+
+import megatron.core  # noqa: F401
+from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.config import job_config_from_dict
+from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.distributed import RankError, run_ranks
+
+MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
+             ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
+
+
+MOE = dict(MODEL, num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+           moe_router_load_balancing_type="none", qk_layernorm=True, kv_channels=16)
+
+
+def _job(tp=1, pp=1, model=None, ep=1):
+    return job_config_from_dict({
+        "model": model or MODEL,
+        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "expert_model_parallel_size": ep},
+        "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01},
+        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
+    })
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(4)]
+    responses = [torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(4)]
+    lps = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
+    return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(4, generator=g)
+
+
+def _step(actor, seed):
+    batch, adv = _batch(seed)
+    old, _ = actor.compute_log_probs(batch, 1.0)
+    return actor.train_step(batch, old, adv, batch.response_mask, None, 1.0)
+
+
+def _snapshot(actor):
+    sd = actor.full_state_dict_hf()
+    opt = actor.optimizer.state_dict()
+    return {"weights": sd, "opt": opt}
+
+
+def _rank(rank, world, job, steps, save_dir, load_dir, init_seed):
+    try:
+        initialize_model_parallel(job.parallel, seed=init_seed, model=job.model)
+        actor = MegatronActor(job)
+        start = 0
+        extra = None
+        if load_dir:
+            start, extra = actor.load_checkpoint(load_dir)
+        loaded = _snapshot(actor)
+        metrics = [_step(actor, 100 + s) for s in range(start, start + steps)]
+        if save_dir:
+            actor.save_checkpoint(save_dir, start + steps, {"cursor": start + steps, "note": "x"})
+        out = _snapshot(actor)
+        return {"metrics": metrics, "final": out, "loaded": loaded, "extra": extra, "start": start}
+    finally:
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(5)
+
+
+def _adam_state(opt_sd):
+    """[(optimizer index, param index, name, tensor)] of a (possibly chained: list) optimizer state dict."""
+    sds = opt_sd if isinstance(opt_sd, list) else [opt_sd]
+    return [((o, i), n, st[n]) for o, sd in enumerate(sds) for i, st in sorted((sd.get("state") or {}).items())
+            for n in sorted(st)]
+
+
+def _weights(results):
+    sds = [r["final"]["weights"] for r in results if r["final"]["weights"] is not None]
+    assert len(sds) == 1
+    return sds[0]
+
+
+def _assert_equal_sd(a, b, atol=0.0):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp,pp,ep,world", [(1, 1, 1, 1), (2, 2, 1, 4), (1, 1, 2, 2)],
+                         ids=["tp1", "tp2pp2", "moe-ep2"])
+def test_resume_is_exact(tmp_path, tp, pp, ep, world):
+    job = _job(tp, pp, model=MOE if ep > 1 else None, ep=ep)
+    full = run_ranks(_rank, world, job, 2, None, None, 7, timeout=150)
+    run_ranks(_rank, world, job, 1, str(tmp_path / "ck"), None, 7, timeout=150)
+    # a different init seed: everything that matters must come from the checkpoint
+    resumed = run_ranks(_rank, world, job, 1, None, str(tmp_path / "ck"), 99, timeout=150)
+    assert resumed[0]["start"] == 1 and resumed[0]["extra"] == {"cursor": 1, "note": "x"}
+    _assert_equal_sd(_weights(resumed), _weights(full))
+    for r_full, r_res in zip(full, resumed):
+        assert r_res["metrics"][0] == r_full["metrics"][1]
+        sa, sb = r_full["final"]["opt"], r_res["final"]["opt"]
+        flat_a, flat_b = _adam_state(sa), _adam_state(sb)
+        assert len(flat_a) == len(flat_b) > 0
+        for (i, n, x), (j, m, y) in zip(flat_a, flat_b):
+            assert (i, n) == (j, m) and torch.equal(torch.as_tensor(x), torch.as_tensor(y)), f"Adam state {i}.{n}"
+    # the checkpointed step changed the weights (non-vacuous)
+    first = run_ranks(_rank, world, job, 0, None, None, 7, timeout=150)
+    assert any(not torch.equal(_weights(first)[k], _weights(full)[k]) for k in _weights(full))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("saved,loaded", [((2, 2, 4), (1, 1, 1)), ((1, 1, 1), (2, 2, 4))],
+                         ids=["tp2pp2-to-tp1", "tp1-to-tp2pp2"])
+def test_load_at_other_layout_reshards(tmp_path, saved, loaded):
+    (stp, spp, sw), (ltp, lpp, lw) = saved, loaded
+    saver = run_ranks(_rank, sw, _job(stp, spp), 1, str(tmp_path / "ck"), None, 7, timeout=150)
+    res = run_ranks(_rank, lw, _job(ltp, lpp), 1, None, str(tmp_path / "ck"), 99, timeout=150)
+    loaded_w = [r["loaded"]["weights"] for r in res if r["loaded"]["weights"] is not None][0]
+    _assert_equal_sd(loaded_w, _weights(saver))
+    full = run_ranks(_rank, sw, _job(stp, spp), 2, None, None, 7, timeout=150)  # uninterrupted, saver's layout
+    _assert_equal_sd(_weights(res), _weights(full), atol=1e-6)
+    assert res[0]["metrics"][0]["actor/pg_loss"] == pytest.approx(full[0]["metrics"][1]["actor/pg_loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_save_before_first_step_resumes_like_fresh(tmp_path):
+    """A checkpoint written before any optimizer step (no Adam state yet) loads, and the next step
+    equals a fresh run's first step."""
+    job = _job(2, 1)
+    run_ranks(_rank, 2, job, 0, str(tmp_path / "ck"), None, 7, timeout=100)
+    resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=100)
+    fresh = run_ranks(_rank, 2, job, 1, None, None, 7, timeout=100)
+    _assert_equal_sd(_weights(resumed), _weights(fresh))
+    assert resumed[0]["metrics"] == fresh[0]["metrics"]
+
+
+@pytest.mark.timeout(120)
+def test_model_mismatch_is_a_clear_error(tmp_path):
+    run_ranks(_rank, 1, _job(), 0, str(tmp_path / "ck"), None, 7, timeout=100)
+    other = dict(MODEL, ffn_hidden_size=128)
+    with pytest.raises(RankError, match=r"CheckpointLayoutError.*ffn_hidden_size \(saved 96, now 128\)"):
+        run_ranks(_rank, 1, _job(model=other), 0, None, str(tmp_path / "ck"), 7, timeout=100)
+    with pytest.raises(RankError, match="no checkpoint at"):
+        run_ranks(_rank, 1, _job(), 0, None, str(tmp_path / "nothing"), 7, timeout=100)
+    # a damaged checkpoint: the failure names the saved and the requested layout
+    dist_dir = tmp_path / "ck" / "iter_0000000" / "dist"
+    for f in dist_dir.iterdir():
+        if f.suffix == ".distcp":
+            f.unlink()
+    with pytest.raises(RankError, match=r"CheckpointLayoutError: checkpoint .* loading failed \(saved layout "
+                                        r"\{.*'tensor_model_parallel_size': 1.*\}, requested layout \{.*"
+                                        r"'tensor_model_parallel_size': 2"):
+        run_ranks(_rank, 2, _job(tp=2), 0, None, str(tmp_path / "ck"), 7, timeout=100)

@@ -1,0 +1,256 @@
+"""``megatron-rl check``: memory plan of the shipped 7B and MoE configs vs figures computed here by hand
+(HF-style per-module parameter counts and the activation terms written out tensor by tensor), the
+published total parameter counts, and the CLI's exit codes / messages.
+
+    pytest tests/integration/test_check_memory.py
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config import load_job_config
+from megatron_rl.ops.memory import MemoryOptions, memory_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
+#: the hand-derived Qwen2.5-7B numbers below are for TP=2 / DP=4 (the shipped file runs TP=4 to fit 80 GiB)
+Q7_TP2 = ["parallel.tensor_model_parallel_size=2"]
+Q30 = os.path.join(ROOT, "configs", "qwen3_30b_a3b_2x8.yaml")
+DS = os.path.join(ROOT, "configs", "deepseek_v3_scale_64x8.yaml")
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+# ------------------------------------------------------------------ published totals (model cards)
+def test_total_parameters_match_published_counts():
+    from megatron_rl.ops.memory import total_parameters
+
+    q7 = load_job_config(Q7, Q7_TP2, world_size=8).model
+    assert rel(total_parameters(q7), 7.61e9) < 0.005          # Qwen2.5-7B: 7.61B
+    q30 = load_job_config(Q30, world_size=16).model
+    assert rel(total_parameters(q30), 30.5e9) < 0.005         # Qwen3-30B-A3B: 30.5B total
+    ds = load_job_config(DS, world_size=512).model
+    # DeepSeek-V3: 671B main model; ours has 3 extra MoE layers and GQA instead of MLA (documented).
+    h, fm = 7168, 2048
+    extra_layers = 3 * (257 * 3 * h * fm + 256 * h + 2 * h + h * (128 + 16) * 128 + 128 * 128 * h)
+    assert rel(total_parameters(ds) - extra_layers, 671e9) < 0.01
+
+
+# ------------------------------------------------------------------ Qwen2.5-7B, TP=2, DP=4, 1 stage
+def qwen7b_rank_params(tp=2):
+    h, f, V, heads, kv, d = 3584, 18944, 152064, 28, 4, 128
+    q_proj = h * heads * d / tp + heads * d / tp          # weight + bias
+    k_proj = h * kv * d / tp + kv * d / tp
+    v_proj = h * kv * d / tp + kv * d / tp
+    o_proj = heads * d * h / tp
+    gate = up = h * f / tp
+    down = f * h / tp
+    norms = 2 * h
+    layer = q_proj + k_proj + v_proj + o_proj + gate + up + down + norms
+    return 28 * layer + V * h / tp + V * h / tp + h      # embed_tokens + lm_head + final norm
+
+
+def test_qwen7b_params_grads_optimizer():
+    cfg = load_job_config(Q7, Q7_TP2, world_size=8)
+    plan = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024))
+    (st,) = plan.stages
+    n = qwen7b_rank_params()
+    assert st.dense_params + st.expert_params == n
+    assert st.params == 2 * n                   # bf16
+    assert st.grads == 4 * n                    # fp32 main grads
+    assert st.optimizer == pytest.approx(12 * n / 4)   # fp32 master + 2 moments, sharded over DP=4
+    no_dist = memory_plan(cfg, 8, MemoryOptions(distributed_optimizer=False)).stages[0]
+    assert no_dist.optimizer == pytest.approx(12 * n)
+    fp32 = memory_plan(cfg, 8, MemoryOptions(params_bytes=4)).stages[0]
+    assert fp32.params == 4 * n and fp32.optimizer == pytest.approx(8 * n / 4)   # no master copy
+
+
+def qwen7b_layer_acts(s, b, recompute, tp=2):
+    """One Qwen2.5-7B layer, TP=2 with sequence parallel, bf16 activations, no dropout."""
+    h, f, heads, kv, d = 3584, 18944, 28, 4, 128
+    bf16 = 2
+    sp_part = s * b * h * bf16 / tp                 # one [s/tp, b, h] tensor
+    attn = (sp_part                                 # input RMSNorm input
+            + sp_part                               # QKV linear input (kept sequence-parallel)
+            + s * b * heads * d * bf16 / tp         # fused QKV output: Q part
+            + 2 * s * b * kv * d * bf16 / tp        # fused QKV output: K, V parts (V is a view: all kept)
+            + s * b * heads * d * bf16 / tp         # Q after RoPE
+            + s * b * kv * d * bf16 / tp            # K after RoPE
+            + s * b * heads * d * bf16 / tp)        # attention output = o_proj input (residual add: nothing)
+    if recompute == "none":
+        attn += heads / tp * s * s * b * (4 + 2)    # fp32 scores + bf16 probabilities
+    else:
+        attn += heads / tp * s * b * 4              # flash attention's fp32 log-sum-exp
+    mlp = (sp_part + sp_part                        # pre-MLP norm input, fc1 input
+           + s * b * 2 * f * bf16 / tp              # gate and up outputs
+           + s * b * f * bf16 / tp)                 # SiLU(gate) * up = down_proj input
+    return attn + mlp
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_qwen7b_activations(recompute):
+    cfg = load_job_config(Q7, Q7_TP2, world_size=8)
+    plan = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, recompute=recompute))
+    (st,) = plan.stages
+    s, b = 1024 + 4096, 2
+    # 64 prompts x 8 samples / DP 4 = 128 sequences per DP rank, 4 mini-batches -> 32 -> 16 micro-batches of 2;
+    # PP = 1: one micro-batch in flight
+    assert plan.microbatches == 16 and st.microbatches_in_flight == 1
+    assert st.activations[recompute] == pytest.approx(28 * qwen7b_layer_acts(s, b, recompute), rel=1e-12)
+
+
+def test_qwen7b_full_recompute_and_logits():
+    cfg = load_job_config(Q7, Q7_TP2, world_size=8)
+    st = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024)).stages[0]
+    s, b, h, V, tp = 5120, 2, 3584, 152064, 2
+    kept = 28 * s * b * h * 2 / tp
+    assert st.activations["full"] == pytest.approx(kept + qwen7b_layer_acts(s, b, "selective"))
+    T = s * b
+    rows = (1 << 24) // (V // tp)                   # tokens per fp32 chunk on GPU
+    assert st.logits_fused == 4 * rows * (V // tp)
+    # the actor's vocab-parallel path: bf16 logits + their bf16 gradient + one fp32 chunk
+    assert st.logits_unfused == 2 * 2 * T * V / tp + 4 * rows * (V // tp)
+    assert st.logits_fused < st.logits_unfused / 40
+
+
+# ------------------------------------------------------------------ Qwen3-30B-A3B, TP2 PP2 EP8 ETP1 on 16
+def test_qwen3_moe_per_stage():
+    cfg = load_job_config(Q30, world_size=16)
+    plan = memory_plan(cfg, 16, MemoryOptions(prompt_length=1024))
+    assert (plan.dp, plan.expert_dp) == (4, 1)
+    h, heads, kv, d, E, fm, V, tp, ep = 2048, 32, 4, 128, 128, 768, 151936, 2, 8
+    attn = h * heads * d / tp + 2 * h * kv * d / tp + heads * d * h / tp
+    norms = 2 * h + 2 * d                              # input/post-attn RMSNorm + q_norm/k_norm
+    router = E * h
+    experts = (E / ep) * (3 * h * fm)                  # gate, up, down of the local experts (ETP=1)
+    dense_layer = attn + norms + router
+    emb = V * h / tp
+    s0_dense, s0_exp = 24 * dense_layer + emb, 24 * experts
+    s1_dense, s1_exp = 24 * dense_layer + emb + h, 24 * experts   # lm_head + final norm on the last stage
+    for st, dn, ex in ((plan.stages[0], s0_dense, s0_exp), (plan.stages[1], s1_dense, s1_exp)):
+        assert st.dense_params == dn and st.expert_params == ex
+        assert st.params == 2 * (dn + ex) and st.grads == 4 * (dn + ex)
+        # dense Adam state over DP=4, expert state over expert-DP=1
+        assert st.optimizer == pytest.approx(12 * dn / 4 + 12 * ex / 1)
+    # activations, selective recompute: 1F1B keeps PP - stage micro-batches on each stage
+    s, b, k = 1024 + 8192, 1, 8
+    sp = lambda: s * b * h * 2 / tp                    # noqa: E731
+    attn_act = (2 * sp() + s * b * (heads + 2 * kv) * d * 2 / tp + s * b * (heads + kv) * d * 2 / tp
+                + s * b * heads * d * 2 / tp + heads / tp * s * b * 4)
+    pairs = s * b * k / tp                            # token-expert pairs after the all-to-all (balanced)
+    moe_act = (sp() + s * b * E * 4 / tp + sp()       # norm in, fp32 router logits, dispatcher input
+               + pairs * h * 2                        # permuted tokens (expert input; outputs are not kept)
+               + pairs * (2 * fm * 2 + fm * 2))       # fc1 out (gate, up) and fc2 in
+    per_layer = attn_act + moe_act
+    assert plan.stages[0].microbatches_in_flight == 2 and plan.stages[1].microbatches_in_flight == 1
+    assert plan.stages[0].activations["selective"] == pytest.approx(2 * 24 * per_layer, rel=1e-12)
+    assert plan.stages[1].activations["selective"] == pytest.approx(1 * 24 * per_layer, rel=1e-12)
+    rows = min(s * b, (1 << 24) // (V // tp))
+    assert plan.stages[0].logits_unfused == 0
+    assert plan.stages[1].logits_unfused == 2 * 2 * s * b * V / tp + 4 * rows * (V // tp)
+
+
+def test_deepseek_interleaved_in_flight_matches_korthikanti():
+    cfg = load_job_config(DS, world_size=512)
+    plan = memory_plan(cfg, 512)
+    p, v = 8, 4
+    # stage 0 of the interleaved schedule holds L*(1 + (p-1)/(p*v)) layers' activations (Korthikanti eq. 5)
+    layers_per_stage = 64 / p
+    assert plan.stages[0].microbatches_in_flight * layers_per_stage == pytest.approx(64 * (1 + (p - 1) / (p * v)))
+    # dense layers 0-2 are on stages 0, 0, 1 (chunk 0 of stages 0..1 holds layers 0-1 and 2-3)
+    assert plan.stages[0].layers[:2] == [0, 1] and plan.stages[1].layers[:2] == [2, 3]
+    assert plan.stages[0].layers[2:4] == [16, 17]
+    assert plan.stages[0].expert_params == 6 * (256 // 64) * 3 * 7168 * 2048
+
+
+# ------------------------------------------------------------------ CLI
+def _cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_cli_ok_prints_plan():
+    """No flags: the file's cluster: section (2 nodes x 8 GPUs, 80 GiB) is planned."""
+    r = _cli(Q30)
+    assert r.returncode == 0, r.stderr
+    assert "world size 16 (2 node(s) x 8 GPU(s))" in r.stdout
+    assert "TP=2" in r.stdout and "DP=4" in r.stdout and "EP=8" in r.stdout and "fits:" in r.stdout
+    assert "WARNING" not in r.stdout
+
+
+def test_cli_plans_what_the_actor_builds_and_flags_override():
+    """Default: fp32 params (4 B) and replicated Adam state (the actor's settings); the flags plan bf16 and
+    the distributed optimizer instead. Params of one rank of Qwen2.5-7B at TP=2 counted by hand."""
+    n = qwen7b_rank_params(tp=2)
+
+    def row(out):
+        line = [ln for ln in out.splitlines() if ln.split()[:1] == ["0"]][0].split()
+        return [float(x) for x in line[2:5]]  # params, grads, optim in GiB
+
+    r = _cli(Q7, *Q7_TP2, "--gpu-memory-gb", "200")
+    assert r.returncode == 0, r.stderr
+    params, grads, optim = row(r.stdout)
+    assert params == pytest.approx(4 * n / 2**30, abs=0.01) and optim == pytest.approx(8 * n / 2**30, abs=0.01)
+    assert "params 4 B (the actor builds fp32)" in r.stdout and "on every DP rank" in r.stdout
+    r = _cli(Q7, *Q7_TP2, "--params-bytes", "2", "--distributed-optimizer")
+    params, grads, optim = row(r.stdout)
+    assert params == pytest.approx(2 * n / 2**30, abs=0.01)
+    assert optim == pytest.approx(12 * n / 4 / 2**30, abs=0.01)  # sharded over DP=4
+    assert "fits:" in r.stdout
+
+
+def test_cli_warns_and_strict_exit():
+    r = _cli(Q7, *Q7_TP2, "--recompute", "none")
+    assert r.returncode == 0 and "WARNING" in r.stdout and "> GPU memory 80 GiB" in r.stdout
+    r = _cli(Q7, "--gpu-memory-gb", "20", "--strict")
+    assert r.returncode == 3
+
+
+def test_cli_invalid_config_names_the_key_and_the_nodes_that_fit():
+    r = _cli(Q30, "--nodes", "1", "--gpus-per-node", "8", "actor.lr=-1")
+    assert r.returncode == 2
+    assert "actor.lr: must be > 0" in r.stderr
+    assert ("world size: 8 ranks are not divisible by parallel.expert_tensor_parallel_size x "
+            "parallel.expert_model_parallel_size x parallel.pipeline_model_parallel_size = 1x8x2 = 16") in r.stderr
+    assert "hint: --nodes 2 (world size 16) fits this layout" in r.stderr
+    r = _cli(DS, "--nodes", "32")
+    assert r.returncode == 2 and "hint: --nodes 64 (world size 512)" in r.stderr
+    r = _cli(Q7, "parallel.tensor_model_paralel_size=4")
+    assert r.returncode == 2 and "parallel.tensor_model_paralel_size: unknown key (did you mean " \
+                                  "'tensor_model_parallel_size'?)" in r.stderr
+    r = _cli(os.path.join(ROOT, "configs", "nope.yaml"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_cli_options_after_overrides():
+    r = _cli(Q30, "rollout.max_new_tokens=1024", "--nodes", "2", "--recompute", "full", "--prompt-length", "1024")
+    assert r.returncode == 0, r.stderr
+    assert "sequence 2048 tokens" in r.stdout and "recompute full" in r.stdout
+    # default prompt: the task's longest prompt, 'add:99999+99999=' = 14 char-tokenizer tokens (add : 5 + 5 =)
+    r = _cli(Q30, "rollout.max_new_tokens=1024", "data.task=add", "data.path=null", "data.task_kwargs={max_digits: 5}")
+    assert "sequence 1038 tokens (prompt 14 + " in r.stdout, r.stdout + r.stderr
+
+
+def test_cli_prompt_length_of_a_prompt_file_without_tokenizer(tmp_path):
+    """No tokenizer available: the longest prompt's UTF-8 bytes (an upper bound for byte-level BPE)."""
+    p = tmp_path / "prompts.jsonl"
+    p.write_text('{"prompt": "short", "answer": "1"}\n{"prompt": "caf\u00e9 longer prompt", "answer": "2"}\n')
+    r = _cli(Q30, "data.task=file", f"data.path={p}", "data.task_kwargs={}", "rollout.max_new_tokens=100")
+    assert r.returncode == 0, r.stderr
+    assert "prompt 19 tokens (UTF-8 bytes of the longest prompt" in r.stdout  # 'café longer prompt': 18 chars, é = 2 B
+    assert "sequence 119 tokens" in r.stdout
+
+
+def test_cli_recompute_follows_model_extra():
+    r = _cli(Q7, "model.extra.recompute_granularity=full", "model.extra.recompute_method=uniform",
+             "model.extra.recompute_num_layers=1")
+    assert r.returncode == 0, r.stderr
+    assert "recompute full" in r.stdout
+    r = _cli(Q7, "model.extra.recompute_granularity=full", "--recompute", "none")
+    assert "recompute none" in r.stdout
+    assert "recompute selective" in _cli(Q7).stdout

@@ -1,0 +1,160 @@
+"""Triton kernels (megatron_rl_kernels.logprob_kernels) against float64 torch math and the torch path.
+
+On CPU the kernels run under the Triton interpreter: TRITON_INTERPRET=1 must be set before the kernels
+are defined, so the checks run in a fresh subprocess (this file executed as a script). The same checks
+run in-process on CUDA in the ``gpu``-marked test. Covered: fp32 and bf16 logits, vocab widths that are
+not multiples of the block (block forced small so the online log-sum-exp loop and masked tails run),
+temperature, losses on log-probs + entropy, the fused linear path, NaN/inf detection, and TP=2 over
+gloo (the combine of per-rank kernel partials).
+Run: OMP_NUM_THREADS=1 pytest tests/integration/test_kernels_interpret.py -q
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+TOL_LOGP = 1e-5
+TOL_ENT = 1e-5
+TOL_GRAD = 1e-6
+
+
+def _ref(x, t, temperature, g_lp, g_ent):
+    xd = x.detach().double().requires_grad_()
+    ls = torch.log_softmax(xd / temperature, dim=-1)
+    lp = ls.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    ent = -(ls.exp() * ls).sum(-1)
+    (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
+    return lp.detach(), ent.detach(), xd.grad
+
+
+def _errors(x, t, temperature, device, chunk_size=None):
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+    g = torch.Generator().manual_seed(2)
+    g_lp, g_ent = torch.rand(t.shape, generator=g) * 2 - 1, torch.rand(t.shape, generator=g) * 2 - 1
+    out = {}
+    for backend in ("triton", "torch"):
+        xin = x.to(device).clone().requires_grad_()
+        lp, ent = vocab_parallel_logprobs(xin, t.to(device), temperature=temperature, backend=backend,
+                                          chunk_size=chunk_size)
+        (lp * g_lp.to(device) + ent * g_ent.to(device)).sum().backward()
+        out[backend] = (lp.cpu(), ent.cpu(), xin.grad.cpu())
+    r_lp, r_ent, r_g = _ref(x, t, temperature, g_lp, g_ent)
+    lp, ent, gr = out["triton"]
+    rel = r_g.abs() * (2 ** -8 if x.dtype == torch.bfloat16 else 0.0)
+    return dict(logp=float((lp.detach().double() - r_lp).abs().max()),
+                ent=float((ent.detach().double() - r_ent).abs().max()),
+                grad_excess=float(((gr.double() - r_g).abs() - rel).max()),
+                vs_torch_logp=float((lp - out["torch"][0]).detach().abs().max()),
+                grad_dtype=str(gr.dtype), unchanged=True)
+
+
+def _tp_rank(rank, world, x, t, temperature):
+    import torch.distributed as dist
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+    vp = x.shape[-1] // world
+    xin = x[..., rank * vp:(rank + 1) * vp].clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(xin, t, tp_group=dist.group.WORLD, temperature=temperature,
+                                      backend="triton")
+    (lp * 0.5 + ent * -0.25).sum().backward()
+    return lp.detach(), ent.detach(), xin.grad
+
+
+def run_checks(device: str) -> dict:
+    """All kernel checks on ``device``; returns a dict of named error figures (asserted by the tests)."""
+    from megatron_rl_kernels import logprob_kernels as k
+    k.MAX_BLOCK = 32  # widths below are not multiples of 32: online loop + masked tails
+    res = {}
+    g = torch.Generator().manual_seed(0)
+    for name, dtype, width, temp in [("fp32_w100", torch.float32, 100, 1.0), ("fp32_w77_t07", torch.float32, 77, 0.7),
+                                     ("bf16_w100", torch.bfloat16, 100, 1.0), ("bf16_w45_t13", torch.bfloat16, 45, 1.3),
+                                     ("fp32_w5", torch.float32, 5, 1.0)]:
+        x = (torch.randn(3, 5, width, generator=g) * 2).to(dtype)
+        t = torch.randint(0, width, (3, 5), generator=g)
+        x0 = x.clone()
+        res[name] = _errors(x, t, temp, device, chunk_size=4)
+        res[name]["unchanged"] = bool(torch.equal(x, x0))
+    # fused linear with the Triton row kernels on recomputed chunks
+    from megatron_rl.logprobs import fused_linear_logprobs
+    h = torch.randn(9, 8, generator=g) / 2
+    w = torch.randn(70, 8, generator=g) / 2
+    t = torch.randint(0, 70, (9,), generator=g)
+    hin, win = h.to(device).clone().requires_grad_(), w.to(device).clone().requires_grad_()
+    lp, ent = fused_linear_logprobs(hin, win, t.to(device), chunk_size=4, backend="triton")
+    (lp * 0.5 - ent * 0.25).sum().backward()
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    ls = torch.log_softmax(hd @ wd.t(), -1)
+    r_lp, r_ent = ls.gather(-1, t[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
+    (r_lp * 0.5 - r_ent * 0.25).sum().backward()
+    res["fused"] = dict(logp=float((lp.detach().cpu().double() - r_lp.detach()).abs().max()),
+                        ent=float((ent.detach().cpu().double() - r_ent.detach()).abs().max()),
+                        dh=float((hin.grad.cpu().double() - hd.grad).abs().max()),
+                        dw=float((win.grad.cpu().double() - wd.grad).abs().max()))
+    # non-finite logits are detected from the kernel partials
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+    msgs = {}
+    for label, val in [("nan", float("nan")), ("inf", float("inf")), ("ninf", float("-inf"))]:
+        x = torch.randn(4, 50, generator=g)
+        x[2, 33] = val
+        try:
+            vocab_parallel_logprobs(x.to(device), torch.zeros(4, dtype=torch.long, device=device), backend="triton")
+            msgs[label] = None
+        except ValueError as e:
+            msgs[label] = str(e)
+    res["nonfinite"] = msgs
+    # TP=2 over gloo (CPU only: gloo)
+    if device == "cpu":
+        from megatron_rl.testing.distributed import run_ranks
+        x = torch.randn(2, 6, 90, generator=g) * 2  # 45 per rank: not a multiple of the block
+        t = torch.randint(0, 90, (2, 6), generator=g)
+        out = run_ranks(_tp_rank, 2, x, t, 0.8, timeout=300)
+        g_lp, g_ent = torch.full(t.shape, 0.5), torch.full(t.shape, -0.25)
+        r_lp, r_ent, r_g = _ref(x, t, 0.8, g_lp, g_ent)
+        res["tp2"] = dict(logp=max(float((o[0].double() - r_lp).abs().max()) for o in out),
+                          ent=max(float((o[1].double() - r_ent).abs().max()) for o in out),
+                          grad=float((torch.cat([o[2] for o in out], -1).double() - r_g).abs().max()))
+    return res
+
+
+def _assert_results(res):
+    for name, r in res.items():
+        if name in ("fused", "nonfinite", "tp2"):
+            continue
+        assert r["logp"] <= TOL_LOGP and r["ent"] <= TOL_ENT, (name, r)
+        assert r["grad_excess"] <= TOL_GRAD, (name, r)
+        assert r["vs_torch_logp"] <= TOL_LOGP, (name, r)
+        assert r["unchanged"], name
+        assert r["grad_dtype"] == ("torch.bfloat16" if name.startswith("bf16") else "torch.float32"), (name, r)
+    f = res["fused"]
+    assert f["logp"] <= TOL_LOGP and f["ent"] <= TOL_ENT and f["dh"] <= TOL_GRAD and f["dw"] <= TOL_GRAD, f
+    for label, msg in res["nonfinite"].items():
+        assert msg is not None and "1 non-finite value(s)" in msg and "local vocab column 33" in msg, (label, msg)
+    if "tp2" in res:
+        t = res["tp2"]
+        assert t["logp"] <= TOL_LOGP and t["ent"] <= TOL_ENT and t["grad"] <= TOL_GRAD, t
+
+
+@pytest.mark.timeout(300)
+def test_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
+    _assert_results(json.loads(line[len("RESULTS "):]))
+
+
+@pytest.mark.gpu
+def test_kernels_on_gpu():
+    pytest.importorskip("triton")
+    _assert_results(run_checks("cuda"))
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available(), \
+        "run with TRITON_INTERPRET=1 on CPU"
+    torch.set_num_threads(1)
+    print("RESULTS " + json.dumps(run_checks("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")))

@@ -1,0 +1,110 @@
+"""The commands the README gives, through the real launcher (``launch/torchrun.sh``, 2 gloo ranks, a tiny model):
+
+* a config error is found before torchrun starts: exit 2, the message alone (no torchrun summary, no traceback);
+* Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) and SIGTERM to the launcher: the ranks
+  finish the step, checkpoint, and the job exits 0 with one line naming the checkpoint -- no SignalException
+  traceback from the torchrun agent;
+* ``--resume`` after the overrides continues from that checkpoint, the history reading 1..N+1.
+
+Run: OMP_NUM_THREADS=1 pytest tests/integration/test_launcher_commands.py   (~2-3 min on 2 cores)
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_rl.testing.jobs import copy_job, wait_for_steps, write_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH = os.path.join(ROOT, "launch", "torchrun.sh")
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID",
+                                                             "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS")}
+    return dict(env, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def _job(tmp_path, model_dir):
+    return write_job(tmp_path / "job.yaml", copy_job(model_dir, tmp_path / "run", steps=100000, progress=False,
+                                                     collective_timeout_s=120, phase_timeout_s=120))
+
+
+def _steps(run):
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _launch(tmp_path, job, *args, logs="logs"):
+    return subprocess.Popen(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / logs),
+                             "--config", str(job), *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _stop_after_two_steps(proc, run, send):
+    """Wait until two steps were logged, then ``send(proc)``; returns (output, seconds from signal to exit)."""
+    try:
+        wait_for_steps(proc, run / "metrics.jsonl", 2, timeout=300, poll=0.3)
+        t0 = time.time()
+        send(proc)
+        out, _ = proc.communicate(timeout=240)
+        return out, time.time() - t0
+    finally:
+        if proc.poll() is None:  # never leave a job behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _assert_clean_stop(proc, out, run, signum):
+    assert proc.returncode == 0, out[-4000:]
+    assert "Traceback" not in out and "SignalException" not in out, out[-4000:]
+    done = _steps(run)[-1]
+    ckpt = run / "checkpoints" / f"step_{done}"
+    assert (ckpt / "COMPLETE").is_file(), out[-4000:]
+    stop_lines = [line for line in out.splitlines() if "stopped by signal" in line]
+    assert len(stop_lines) == 1 and f"stopped by signal {signum} after step {done}: checkpoint {ckpt}" in \
+        stop_lines[0], out[-4000:]
+    assert out.count(f"received signal {signum}") == 1, out[-4000:]   # one acknowledgement, not one per rank
+    return done
+
+
+def test_config_error_is_reported_before_torchrun_starts(tmp_path, copy_model):
+    job = _job(tmp_path, copy_model)
+    t0 = time.time()
+    r = subprocess.run(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--config",
+                        str(job), "actor.lr=abc"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    took = time.time() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("actor.lr: expected a number, got 'abc' (str)") == 1, r.stderr
+    assert "torch.distributed" not in r.stderr and "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 3, r.stderr
+    assert not (tmp_path / "logs").exists()          # torchrun never started
+    assert took < 60, took
+
+
+def test_ctrl_c_checkpoints_exits_0_and_resume_continues_through_the_launcher(tmp_path, copy_model):
+    job = _job(tmp_path, copy_model)
+    run = tmp_path / "run"
+    proc = _launch(tmp_path, job)
+    # a terminal's Ctrl-C: SIGINT to the foreground process group (the launcher's)
+    out, took = _stop_after_two_steps(proc, run, lambda p: os.killpg(p.pid, signal.SIGINT))
+    done = _assert_clean_stop(proc, out, run, signal.SIGINT)
+    # --resume among the overrides, as the README writes it
+    r = subprocess.run(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs2"), "--config",
+                        str(job), f"trainer.steps={done + 1}", "--resume"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert f"resumed from {run / 'checkpoints' / f'step_{done}'} at step {done}" in r.stdout + r.stderr
+    assert _steps(run) == list(range(1, done + 2))
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_0(tmp_path, copy_model):
+    job = _job(tmp_path, copy_model)
+    run = tmp_path / "run"
+    proc = _launch(tmp_path, job)
+    out, took = _stop_after_two_steps(proc, run, lambda p: p.send_signal(signal.SIGTERM))
+    _assert_clean_stop(proc, out, run, signal.SIGTERM)
+    assert took < 120, took

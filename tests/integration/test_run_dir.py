@@ -1,0 +1,107 @@
+"""A run directory belongs to one run (issue 20 item 4): real single-rank ``python -m megatron_rl.train`` jobs.
+
+* a re-run into a directory holding a run's outputs is refused before any process group exists, naming the
+  directory and both ways out, and leaves the old run untouched;
+* ``--resume`` continues the history from the checkpoint's step: metrics.jsonl reads 1..N once, and a
+  checkpoint that was not COMPLETE (a crash while it was written, after its step was logged) is removed;
+* ``trainer.overwrite=true`` removes the old outputs (and only them: a model directory inside the run
+  directory is kept) and says so on one line.
+
+Run: OMP_NUM_THREADS=1 pytest tests/integration/test_run_dir.py   (~1-2 min on 2 cores)
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from megatron_rl.tasks.char_tokenizer import build_task_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID",
+                                                             "SLURM_NTASKS")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def _args(run, model):
+    return [f"actor.load_hf={model}", f"trainer.run_dir={run}", "rollout.max_new_tokens=4",
+            "rollout.n_samples_per_prompt=2", "data.prompts_per_step=2", "trainer.progress=false",
+            "actor.micro_batch_size=4"]
+
+
+def _train(run, model, *extra, timeout=240):
+    return subprocess.run([sys.executable, "-m", "megatron_rl.train", *_args(run, model), *extra], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _steps(run):
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ckpts(run):
+    return sorted(os.listdir(run / "checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """A 3-step run with checkpoints at steps 2 and 3 whose step-3 checkpoint never got its COMPLETE marker
+    (the process died while writing it, after step 3 was logged): the model lives inside the run directory,
+    as the quickstart's does."""
+    run = tmp_path_factory.mktemp("runs") / "run"
+    model = build_task_model(str(run / "init_model"), task="copy", seed=0, hidden_size=32, num_layers=1)
+    r = _train(run, model, "trainer.steps=3", "trainer.save_interval=2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert _steps(run) == [1, 2, 3] and _ckpts(run) == ["step_2", "step_3"]
+    os.remove(run / "checkpoints" / "step_3" / "COMPLETE")   # the crash a real writer cannot stage on demand
+    return run, model
+
+
+def test_rerun_into_a_used_run_dir_is_refused_before_anything_starts(first_run):
+    run, model = first_run
+    before = (run / "metrics.jsonl").read_bytes()
+    r = _train(run, model, "trainer.steps=5", timeout=120)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    msg = r.stderr
+    assert f"trainer.run_dir: '{run}' holds another run's outputs: metrics.jsonl, checkpoints/" in msg, msg
+    assert "--resume (trainer.resume=true)" in msg and "trainer.overwrite=true" in msg, msg
+    assert "complete checkpoints up to step_2" in msg, msg
+    assert (run / "metrics.jsonl").read_bytes() == before and _ckpts(run) == ["step_2", "step_3"]
+    # in process: the refusal returns before any process group exists
+    from megatron_rl.train import run as train_run
+
+    args = argparse.Namespace(config=None, resume=False, check_only=False, check_world_size=None,
+                              overrides=_args(run, model))
+    assert train_run(args) == 2
+    assert not dist.is_initialized()
+
+
+def test_resume_history_reads_1_to_n_and_stale_checkpoints_are_gone(first_run):
+    run, model = first_run
+    r = _train(run, model, "trainer.steps=4", "--resume")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert _steps(run) == [1, 2, 3, 4]                 # the old step 3 is gone, the new one follows step 2
+    assert _ckpts(run) == ["step_2", "step_4"]         # the incomplete step_3 can never be picked up
+    assert f"resumed from {run / 'checkpoints' / 'step_2'} at step 2" in out, out[-3000:]
+    assert "1 record(s) of metrics.jsonl after step 2" in out and "stale checkpoint(s) step_3" in out, out[-3000:]
+
+
+def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run):
+    run, model = first_run
+    r = _train(run, model, "trainer.steps=1", "trainer.overwrite=true")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "trainer.overwrite" in line]
+    assert len(lines) == 1 and "removed the previous run's metrics.jsonl, checkpoints/" in lines[0], out[-3000:]
+    assert _steps(run) == [1] and _ckpts(run) == ["step_1"]
+    assert os.path.isfile(os.path.join(model, "config.json"))   # not an output: kept
+    # resume and overwrite exclude each other
+    r = _train(run, model, "trainer.overwrite=true", "--resume", timeout=120)
+    assert r.returncode == 2 and "trainer.overwrite: true together with trainer.resume" in r.stderr, r.stderr

@@ -1,0 +1,130 @@
+"""``launch/slurm.sbatch`` for real: a private Slurm controller and node daemon (``megatron_rl.testing.slurm``)
+run ``sbatch launch/slurm.sbatch`` on the tiny copy-task config (2 gloo ranks through torchrun, embedded engine),
+and the job's metrics equal those of the same config started directly with ``launch/torchrun.sh`` (same seed;
+timings excluded) — the reference run is an independent launch of the same job outside Slurm. A second job
+starts an SGLang server with ``SGLANG_MODE=colocated`` (srun step, ``launch/sglang_server.sh``) and syncs weights
+to it in ``distributed`` mode.
+
+Skipped with the reason when ``slurm-wlm`` is missing and cannot be installed (needs root + apt-get).
+One node only: Debian's slurmd is built without multiple-slurmd support, so the several-host part of the
+cluster path is covered by tests/integration/test_multihost.py (network namespaces).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.rollout.sglang_server import find_free_port, sglang_available, sglang_python
+from megatron_rl.testing.slurm import SlurmCluster, ensure_slurm_installed
+from tests.integration.test_train_loop_sglang import _assert_step1_kl_matches_hf_fp32
+
+pytestmark = [pytest.mark.slow]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+
+#: Overrides of configs/tiny_cpu.yaml for a 2-rank (DP=2) job of 2 small steps.
+TINY = ["cluster.gpus_per_node=2", "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+        "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "actor.micro_batch_size=8", "trainer.steps=2",
+        "trainer.save_interval=0", "trainer.progress=false", "actor.ppo_mini_batches=1"]
+
+
+def comparable(metrics):
+    """Metrics without wall-clock values (timing/*, perf/*, time)."""
+    return [{k: v for k, v in m.items() if k != "time" and not k.startswith(("timing/", "perf/"))} for m in metrics]
+
+
+def metric_differences(got, ref):
+    """``[(step, key, got, ref)]`` where two runs' comparable metrics differ (empty when equal)."""
+    out = [(i + 1, "<steps>", len(got), len(ref))] if len(got) != len(ref) else []
+    for i, (g, r) in enumerate(zip(comparable(got), comparable(ref))):
+        out += [(i + 1, k, g.get(k), r.get(k)) for k in sorted(set(g) | set(r)) if g.get(k) != r.get(k)]
+    return out
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def tiny_model(path):
+    from megatron_rl.tasks.char_tokenizer import build_task_model
+
+    return build_task_model(str(path), task="copy", seed=0, hidden_size=64, num_layers=2)
+
+
+def torchrun_reference(tmp, model, extra=(), timeout=500):
+    """The tiny job started directly with launch/torchrun.sh (2 ranks): its metrics."""
+    run = tmp / "ref_run"
+    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--nproc-per-node", "2", "--log-dir",
+                        str(tmp / "ref_logs"), "--config", CONFIG, *TINY, f"actor.load_hf={model}",
+                        f"trainer.run_dir={run}", *extra],
+                       cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def slurm_ready():
+    reason = ensure_slurm_installed()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.timeout(1200)
+def test_sbatch_slurm_script_matches_torchrun(tmp_path, slurm_ready):
+    model = tiny_model(tmp_path / "model")
+    ref = torchrun_reference(tmp_path, model)
+    run = tmp_path / "slurm_run"
+    out = tmp_path / "job.out"
+    with SlurmCluster(tmp_path / "slurm", cpus=os.cpu_count()) as cluster:
+        job = cluster.sbatch(["--nodes=1", "--gpus-per-node=0", f"--output={out}", "--chdir", ROOT,
+                              os.path.join(ROOT, "launch", "slurm.sbatch"), "--config", CONFIG, *TINY,
+                              f"actor.load_hf={model}", f"trainer.run_dir={run}"],
+                             cwd=ROOT, env={"GPUS_PER_NODE": "2", "LAUNCH_MODE": "torchrun", "PYTHON": sys.executable,
+                                            "LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1",
+                                            "RDZV_PORT": str(find_free_port())})
+        state = cluster.wait_job(job, timeout=800)
+        text = out.read_text() if out.exists() else "<no job output>"
+        assert state == "COMPLETED", f"job {job}: {state}\n{text[-4000:]}\nslurmd: {cluster.log_tail('slurmd')}"
+    got = read_metrics(run)
+    assert [m["step"] for m in got] == [1, 2], text[-3000:]
+    assert not metric_differences(got, ref), metric_differences(got, ref)
+    assert "slurm.sbatch" in text and "trainer exited with status 0" in text
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not sglang_available()[0], reason=sglang_available()[1])
+def test_sbatch_with_colocated_sglang_server(tmp_path, slurm_ready):
+    """SGLANG_MODE=colocated: slurm.sbatch starts an SGLang server with srun (through launch/sglang_server.sh, which
+    drops the step's SLURM_* variables), waits for it, and the trainer syncs weights to it in ``distributed``
+    mode. Step 1's mismatch KL equals HF transformers' fp32 recompute; step 2 runs on the synced weights."""
+    model = tiny_model(tmp_path / "model")
+    run = tmp_path / "slurm_run"
+    out = tmp_path / "job.out"
+    logs = tmp_path / "logs"
+    with SlurmCluster(tmp_path / "slurm", cpus=os.cpu_count()) as cluster:
+        job = cluster.sbatch(["--nodes=1", "--gpus-per-node=0", f"--output={out}", "--chdir", ROOT,
+                              os.path.join(ROOT, "launch", "slurm.sbatch"), "--config", CONFIG, *TINY,
+                              f"actor.load_hf={model}", f"trainer.run_dir={run}", "rollout.weight_sync=distributed",
+                              "trainer.dump_rollouts=true"],
+                             cwd=ROOT, env={"GPUS_PER_NODE": "2", "LAUNCH_MODE": "torchrun", "PYTHON": sys.executable,
+                                            "LOG_DIR": str(logs), "OMP_NUM_THREADS": "1", "RDZV_PORT": str(find_free_port()),
+                                            "SGLANG_MODE": "colocated", "SGLANG_MODEL": model, "SGLANG_DEVICE": "cpu",
+                                            "SGLANG_TP": "1", "SGLANG_MEM_FRACTION": "0.05",
+                                            "SGLANG_PORT": str(find_free_port()), "SGLANG_READY_TIMEOUT": "500",
+                                            "MEGATRON_RL_SGLANG_PYTHON": sglang_python()})
+        state = cluster.wait_job(job, timeout=1000)
+        text = out.read_text() if out.exists() else "<no job output>"
+        server_logs = "".join(p.read_text()[-2000:] for p in logs.glob("sglang-*.log"))
+        assert state == "COMPLETED", f"job {job}: {state}\n{text[-4000:]}\nserver: {server_logs}"
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2], text[-3000:]
+    with open(run / "rollouts.jsonl") as fh:
+        recs = [json.loads(line) for line in fh if line.strip()]
+    assert {r["weight_version"] for r in recs if r["step"] == 2} == {"step-1"}
+    _assert_step1_kl_matches_hf_fp32(model, metrics, recs)

@@ -1,0 +1,180 @@
+"""In-memory weight sync into a REAL SGLang server (CPU, bf16; the pinned lean SGLang 0.5.23).
+
+Reference (independent of the code under test): the same server loading the actor's checkpoint through
+``/update_weights_from_disk`` (the disk path); SGLang's own ``/weights_checker`` checksums of EVERY server
+tensor (fused qkv / gate_up included) must be equal after an in-memory sync, and differ from the server's
+starting weights (another checkpoint).
+
+* distributed (gloo group, flattened buckets) from a TP2 actor, tensor (shared memory) from a TP2 x PP2
+  actor: every server tensor == the disk path; verified; the server reports the new version.
+* a tensor perturbed in one bucket after its checksum was taken is caught by the verification (SGLang's
+  checksums), named on every rank; the server is tagged ``sync-failed:<version>`` and the engine refuses to
+  generate.
+* faults: the server killed in the middle of a sync -> a WeightSyncError naming the server on every rank;
+  a group init the server rejects (NCCL on the CPU server) -> WeightSyncError naming the group and server.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_weight_sync_sglang.py -q``
+"""
+import dataclasses
+import json
+import os
+
+import pytest
+import requests
+
+from megatron_rl.config import job_config_from_dict
+from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server, sglang_available
+from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+
+_OK, _REASON = sglang_available()
+pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ws_sglang")
+    return {"actor": build_tiny_hf_model(root / "actor", arch="qwen2", seed=1, num_hidden_layers=4),
+            "other": build_tiny_hf_model(root / "other", arch="qwen2", seed=2, num_hidden_layers=4)}
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("ws_sglang_log") / "server.log")
+    h = launch_sglang_server(models["other"], port=find_free_port(), device="cpu", max_total_tokens=2048,
+                             log_path=log, ready_timeout=400)
+    yield h
+    h.terminate()
+
+
+def _checksums(url):
+    r = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=120).json()
+    assert r["success"], r
+    return r["ranks"][0]["checksums"]
+
+
+def _disk_load(url, path, version):
+    r = requests.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": version},
+                      timeout=300).json()
+    assert r["success"], r
+
+
+def _version(url):
+    return requests.get(url + "/get_model_info", timeout=30).json()["weight_version"]
+
+
+def _job(hf_dir, tp, pp, **rollout):
+    from megatron_rl.convert.hf_config import model_config_from_hf
+
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
+    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
+                                 "rollout": {"engine": "sglang", "sglang_urls": ["http://x:1"], **rollout},
+                                 "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
+
+
+def _body(rank, world, job, url, fault=None):
+    from megatron_rl.actor import MegatronActor
+    from megatron_rl.parallel import initialize_model_parallel
+    from megatron_rl.rollout.base import SamplingParams, WeightSyncError
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+
+    initialize_model_parallel(job.parallel, seed=3, model=job.model)
+    actor = MegatronActor(job)
+    # the kill fault: HTTP waits on the dead server are bounded by this timeout (x retries)
+    sync_timeout = 30 if fault and fault[0] == "kill" else 120
+    engine = SGLangEngine(url, weight_sync_timeout=sync_timeout) if rank == 0 else None
+    seen = []
+
+    def corrupt(bucket):
+        seen.append(bucket)
+        if fault and fault[0] == "perturb":
+            for name, t in bucket.tensors():
+                if name == fault[1]:
+                    t.add_(0.5)
+        if fault and fault[0] == "kill" and len(seen) == 3:
+            os.killpg(fault[1], 9)  # the whole server (its scheduler processes too), as when its node dies
+
+    try:
+        m = build_weight_publisher(job, actor, engine, corrupt=corrupt if fault else None).publish("step-1")
+        return {"metrics": m}
+    except WeightSyncError as exc:
+        refused = None
+        if rank == 0:
+            try:
+                engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+            except WeightSyncError as e2:
+                refused = "will not generate" in str(e2)
+        return {"error": str(exc), "refused": refused}
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode,tp,pp", [("distributed", 2, 1), ("tensor", 2, 2)])
+def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
+    url = server.url
+    _disk_load(url, models["actor"], "disk-ref")
+    want = _checksums(url)
+    _disk_load(url, models["other"], "step-0")
+    start = _checksums(url)
+    assert sum(start[k] != want[k] for k in want) > len(want) // 2
+    job = _job(models["actor"], tp, pp, weight_sync=mode, weight_sync_bucket_mb=0.02, weight_sync_verify_tensors=-1)
+    out = run_ranks(_body, tp * pp, job, url, timeout=800)
+    assert _checksums(url) == want  # every server tensor, fused ones included
+    assert _version(url) == "step-1"
+    m = out[0]["metrics"]
+    assert m["weight_sync/verified"] == 1.0 and m["weight_sync/buckets"] >= 10
+    assert all(o["metrics"] == m for o in out)
+
+
+@pytest.mark.timeout(900)
+def test_corrupted_bucket_is_named_and_server_tagged_failed(models, server):
+    url = server.url
+    _disk_load(url, models["other"], "step-0")
+    name = "model.layers.2.self_attn.o_proj.weight"
+    job = _job(models["actor"], 2, 1, weight_sync="distributed", weight_sync_bucket_mb=0.02,
+               weight_sync_verify_tensors=-1)
+    out = run_ranks(_body, 2, job, url, ("perturb", name), timeout=800)
+    for r in out:
+        assert "verification failed" in r["error"] and name in r["error"], r
+        assert r["error"].count("model.layers") == 1
+    assert out[0]["refused"]
+    assert _version(url) == "sync-failed:step-1"
+
+
+@pytest.mark.timeout(900)
+def test_group_init_rejected(models, server):
+    from megatron_rl.rollout.base import WeightSyncError
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.sglang_weights import UpdateGroup
+
+    engine = SGLangEngine(server.url)
+    with pytest.raises(WeightSyncError, match=r"weight-update group .* \(nccl.*could not be set up.*" + server.url):
+        UpdateGroup(engine, "127.0.0.1", 30, "nccl")
+    engine.close()
+
+
+@pytest.fixture()
+def own_server(models, tmp_path):
+    """A server of this test alone (it is killed): nothing earlier tests did to the shared one carries over."""
+    h = launch_sglang_server(models["other"], port=find_free_port(), device="cpu", max_total_tokens=2048,
+                             log_path=str(tmp_path / "server.log"), ready_timeout=400)
+    yield h
+    h.terminate()
+
+
+@pytest.mark.timeout(900)
+def test_server_killed_mid_sync(models, own_server):
+    server = own_server
+    url = server.url
+    _disk_load(url, models["other"], "step-0")
+    # a short sync timeout: whatever the trainer waits on after the kill must end within it
+    job = _job(models["actor"], 2, 1, weight_sync="distributed", weight_sync_bucket_mb=0.02, weight_sync_timeout_s=60)
+    out = run_ranks(_body, 2, job, url, ("kill", server.pid), timeout=300)
+    for r in out:
+        assert "error" in r and url in r["error"], r
+    assert out[0]["refused"]
+    assert not server.alive()

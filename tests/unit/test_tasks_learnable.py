@@ -1,0 +1,32 @@
+"""Slow: a tiny Qwen2 learns the 1-digit copy task FROM SCRATCH with GRPO on EmbeddedEngine (bf16) rollouts
+(``tools/embedded_grpo_demo.py``, single process, plain torch Adam). Reward and exact-match rate must rise
+clearly within 100 steps (measured with the 24-row padded vocabulary: mean reward 0.05 -> ~0.62, exact match
+0.5% -> ~27%; with 16 prompts per step or lr 3e-3 the policy collapses onto "0<eos>", worth 0.5 with partial
+credit).
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/unit/test_tasks_learnable.py -q -m slow``
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).resolve().parents[2] / "tools" / "embedded_grpo_demo.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_copy_one_digit_is_learned_from_scratch():
+    spec = importlib.util.spec_from_file_location("embedded_grpo_demo", DEMO)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    s = demo.main(["--task", "copy", "--max-digits", "1", "--steps", "100", "--lr", "1e-3", "--max-new-tokens", "4",
+                   "--prompts-per-step", "32", "--n", "8", "--hidden-size", "64", "--num-layers", "2",
+                   "--seed", "0", "--quiet"])
+    rewards = s["curve_reward_per_10_steps"]
+    exact = s["curve_exact_per_10_steps"]
+    assert rewards[0] < 0.25 and exact[0] < 0.1, s
+    assert rewards[-1] >= rewards[0] + 0.3, s
+    assert exact[-1] >= 0.15, s
