@@ -74,7 +74,7 @@ def task_prompt_length(cfg) -> Tuple[Optional[int], str]:
     tok, tok_src = _tokenizer(cfg)
     if d.task != "file":  # a built-in task: its longest prompt
         if tok is None:
-            tok, tok_src = build_char_tokenizer(), f"char tokenizer ({tok_src})"
+            tok, tok_src = build_char_tokenizer(task=d.task), f"char tokenizer ({tok_src})"
         try:
             task = build_task(d.task, tok, task_kwargs=d.task_kwargs)
             longest = task.longest_prompt()

@@ -1,8 +1,9 @@
 """The tiny character-level tokenizer of the synthetic digit tasks, and a builder for a task model directory.
 
 Vocabulary (ids in this order): ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), digits ``0``-``9`` (3-12),
-``:`` ``=`` ``+`` `` `` (space), the task names ``copy`` ``reverse`` ``sort`` ``add`` ``lookup`` as single tokens
-— so ``"copy:123="`` is 6 tokens — and the tool-call characters ``?`` ``>`` of the ``lookup`` task. It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
+``:`` ``=`` ``+`` `` `` (space), the task names ``copy`` ``reverse`` ``sort`` ``add`` as single tokens — so
+``"copy:123="`` is 6 tokens; the ``lookup`` tool task's tokenizer adds ``lookup`` ``?`` ``>`` (ids 21-23;
+``task_vocabulary``). It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
 one character) wrapped in ``PreTrainedTokenizerFast``; built offline, deterministic.
 
 Standard loading: ``transformers.AutoTokenizer`` on a Qwen2 directory ignores the declared generic class and
@@ -38,35 +39,46 @@ from megatron_rl.convert.random_model import write_random_hf_model
 
 #: Special tokens, in id order: PAD=0, EOS=1, UNK=2.
 SPECIAL = ("<pad>", "<eos>", "<unk>")
-#: Task-name tokens (one token each).
-TASK_WORDS = ("copy", "reverse", "sort", "add", "lookup")
-#: The tool-call characters of the ``lookup`` task (``tasks/tool_lookup.py``): ``?`` opens a call, ``>`` opens
-#: the tool's answer. Appended last: with them the vocabulary is 24 entries, the padded size it had before
-#: (``VOCAB_MULTIPLE``), so a task model's random weights are unchanged.
+#: Task-name tokens of the digit tasks (one token each).
+DIGIT_WORDS = ("copy", "reverse", "sort", "add")
+#: The ``lookup`` tool task's own tokens (``tasks/tool_lookup.py``): its name, ``?`` (opens a call) and ``>``
+#: (opens the tool's answer). Only its tokenizer has them: a digit-task model's vocabulary, and so what its
+#: responses decode to, is unchanged; the padded model vocabulary (24) is the same for both.
+TOOL_WORDS = ("lookup",)
 TOOL_CHARS = ("?", ">")
-#: All vocabulary entries in id order.
-VOCAB = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + TASK_WORDS + TOOL_CHARS
-#: Entries also declared as added tokens (see ``build_char_tokenizer``): the ones a byte-level BPE loader
-#: would otherwise drop (multi-character words; the space, which byte-level pre-tokenizers rewrite).
-ADDED_WORDS = TASK_WORDS + (" ",)
+#: Every task name ``build_task_model`` accepts.
+TASK_WORDS = DIGIT_WORDS + TOOL_WORDS
+#: The digit tasks' vocabulary in id order (21 entries).
+DIGIT_VOCAB = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + DIGIT_WORDS
+#: The lookup task's vocabulary: the digit vocabulary, then its own tokens (ids 21-23).
+VOCAB = DIGIT_VOCAB + TOOL_WORDS + TOOL_CHARS
 
 
-def build_char_tokenizer(out_dir: str | os.PathLike | None = None):
-    """Build the char-level ``PreTrainedTokenizerFast`` (see module docstring); save it to ``out_dir`` if
-    given. ``eos_token="<eos>"``, ``pad_token="<pad>"``, ``unk_token="<unk>"``; no BOS, nothing added on
+def task_vocabulary(task: str = "copy") -> tuple:
+    """The vocabulary (in id order) of ``task``'s char tokenizer."""
+    return VOCAB if task in TOOL_WORDS else DIGIT_VOCAB
+
+
+def build_char_tokenizer(out_dir: str | os.PathLike | None = None, task: str = "copy"):
+    """Build the char-level ``PreTrainedTokenizerFast`` of ``task`` (see module docstring); save it to ``out_dir``
+    if given. ``eos_token="<eos>"``, ``pad_token="<pad>"``, ``unk_token="<unk>"``; no BOS, nothing added on
     encode."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(VOCAB)}
+    entries = task_vocabulary(task)
+    words = tuple(w for w in TASK_WORDS if w in entries)
+    vocab = {t: i for i, t in enumerate(entries)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    pattern = "|".join(TASK_WORDS) + "|."
+    pattern = "|".join(words) + "|."
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
     # the same ids again as added tokens (matched on the raw text before any pre-tokenizer): a loader that
     # rebuilds its own BPE from the vocabulary (AutoTokenizer -> Qwen2Tokenizer) still keeps them
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok.add_tokens([AddedToken(t, normalized=False) for t in ADDED_WORDS])
+    # the added tokens: what a byte-level BPE loader would otherwise drop (multi-character words; the space,
+    # which byte-level pre-tokenizers rewrite)
+    tok.add_tokens([AddedToken(t, normalized=False) for t in words + (" ",)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>", model_max_length=256)
     if out_dir is not None:
@@ -133,7 +145,7 @@ def build_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int =
     cfg = task_model_config(hidden_size=hidden_size, num_layers=num_layers, **config_kwargs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_char_tokenizer(out)
+    build_char_tokenizer(out, task)
     write_random_hf_model(cfg, out, seed)
     (out / "task_model.json").write_text(json.dumps(
         {"task": task, "seed": seed, "hidden_size": hidden_size, "num_layers": num_layers, **config_kwargs},
@@ -149,18 +161,19 @@ def ensure_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int 
     has_weights = (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
     if (out / "config.json").is_file() and has_weights:
         if (out / "task_model.json").is_file() and not _has_added_words(out / "tokenizer.json"):
-            build_char_tokenizer(out)   # built before the added tokens: same ids, loads with AutoTokenizer
+            build_char_tokenizer(out, task)   # built before the added tokens: same ids, loads with AutoTokenizer
         return str(out)
     return build_task_model(out, task, seed, hidden_size, num_layers, **config_kwargs)
 
 
 def _has_added_words(tokenizer_json: Path) -> bool:
-    """Whether a saved char tokenizer declares ``ADDED_WORDS`` as added tokens (False if unreadable)."""
+    """Whether a saved char tokenizer declares the digit-task words and the space as added tokens (False if
+    unreadable)."""
     try:
         added = {t.get("content") for t in json.loads(tokenizer_json.read_text()).get("added_tokens", [])}
     except (OSError, ValueError, AttributeError):
         return False
-    return set(ADDED_WORDS) <= added
+    return set(DIGIT_WORDS + (" ",)) <= added
 
 
 def main(argv=None) -> None:

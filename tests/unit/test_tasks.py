@@ -21,7 +21,7 @@ from megatron_rl.tasks import (
     load_records,
     load_reward_fn,
 )
-from megatron_rl.tasks.char_tokenizer import VOCAB
+from megatron_rl.tasks.char_tokenizer import DIGIT_VOCAB as VOCAB  # the digit tasks' tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_token_id_prompts(tok, tmp_path):
     ('{"prompt": "x"}\n', r"row 0 \(line 1\): no ground truth: neither reward_model.ground_truth nor "
                           "data.answer_key='answer'"),
     ('{"prompt": "", "answer": 1}\n', r"row 0 \(line 1\): 'prompt' is empty"),
-    ('{"prompt": [1, 999], "answer": 1}\n', "token ids < 24"),
+    ('{"prompt": [1, 999], "answer": 1}\n', "token ids < 21"),
     ('\n', "has no records"),
 ])
 def test_bad_files(tok, tmp_path, content, needle):

@@ -21,7 +21,7 @@ from megatron_rl.tasks.char_tokenizer import VOCAB, task_model_config
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_char_tokenizer()
+    return build_char_tokenizer(task="lookup")
 
 
 @pytest.fixture(scope="module")
