@@ -19,6 +19,7 @@ from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.rollout.base import RolloutError, SamplingParams, WeightSyncError
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.tasks.char_tokenizer import build_task_model
+from megatron_rl.testing.routing_reference import hf_own_routing
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.trainer.async_rollout import RolloutProducer, parse_version, token_lag_tensor
 
@@ -248,13 +249,7 @@ def test_segmented_generation_keeps_the_moe_routing_of_every_fed_token(tmp_path)
         ids = list(r.prompt_ids) + list(r.response_ids)
         routing = torch.as_tensor(r.routed_experts)
         assert tuple(routing.shape) == (len(ids) - 1, 3, 2)
-        got = []
-        hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: got.append(o[2])) for layer in hf.model.layers]
-        with torch.no_grad():
-            hf(input_ids=torch.tensor([ids]))
-        for h in hooks:
-            h.remove()
-        ref = torch.stack(got, dim=1)[: len(ids) - 1]
+        ref = hf_own_routing(hf, ids)[: len(ids) - 1]
         same = routing.long().sort(-1).values == ref.long().sort(-1).values
         agree += int(same.all(-1).sum())
         total += same.shape[0] * same.shape[1]
