@@ -173,9 +173,6 @@ class DataConfig:
         return errs
 
 
-#: Qwen-style chat markup around an environment's observation: the tool / user turn, then the next assistant
-#: header. The model's turn already ends with its stop token (``<|im_end|>``: sampled, kept in the response).
-QWEN_OBSERVATION_TEMPLATE = "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @dataclass
@@ -201,7 +198,7 @@ class MultiTurnConfig:
     the trajectory ends (finish "env_error", reward 0, counted as env_timeout)."""
     env_workers: int = 2
     """Environment worker processes (0: in the trainer's process, no timeout: debugging)."""
-    observation_template: str = QWEN_OBSERVATION_TEMPLATE
+    observation_template: str = "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
     """Chat markup around an observation, tokenized once and appended after the model's turn (which ends with
     its stop token): "{observation}" is replaced by the environment's text; the rest closes the tool / user
     turn and opens the next assistant turn."""

@@ -77,7 +77,8 @@ def parse_check(config: str, status: int, text: str) -> ConfigRow:
     where = _find(r"^config OK: \S+ at world size (\d+) \((\d+) node\(s\) x (\d+) GPU\(s\)\)", text, config)
     layout = _find(r"^layout: world=\d+ (.*)$", text, config).group(1)
     model = _find(r"^model: (.*?) parameters( \((.*?) active per token\))?;", text, config)
-    seq = _find(r"sequence (\d+) tokens \(prompt (\d+) \+ rollout\.max_new_tokens\), micro-batch (\d+)", text, config)
+    seq = _find(r"sequence (\d+) tokens \(prompt (\d+) \+ (?:rollout\.max_new_tokens|multi_turn\.max_total_tokens)\), "
+                r"micro-batch (\d+)", text, config)
     recompute = _find(r"^options: .*recompute (\w+),", text, config).group(1)
     peak = float(_find(r"^peak: stage \d+, ([\d.]+) GiB", text, config).group(1))
     mem = re.search(r"^(?:fits: [\d.]+ GiB <=|WARNING: .*> GPU memory) ([\d.]+) GiB", text, flags=re.M)
