@@ -62,3 +62,17 @@ def served(model_dir: str | os.PathLike, log_dir: str | os.PathLike, **launch: A
         yield handle
     finally:
         handle.terminate()
+
+
+def server_checksums(url: str) -> list:
+    """A server's per-tensor checksums, one dict per TP rank (``/weights_checker``)."""
+    r = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=120).json()
+    assert r["success"], r
+    return [x["checksums"] for x in r["ranks"]]
+
+
+def load_from_disk(url: str, path: str, version: str) -> None:
+    """Make the server load the HF directory ``path`` as ``version`` (``/update_weights_from_disk``)."""
+    r = requests.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": version},
+                      timeout=300).json()
+    assert r["success"], r

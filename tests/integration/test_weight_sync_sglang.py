@@ -25,6 +25,7 @@ import requests
 from megatron_rl.config import job_config_from_dict
 from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server, sglang_available
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.sglang_script import load_from_disk, server_checksums
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
 _OK, _REASON = sglang_available()
@@ -48,15 +49,7 @@ def server(models, tmp_path_factory):
 
 
 def _checksums(url):
-    r = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=120).json()
-    assert r["success"], r
-    return r["ranks"][0]["checksums"]
-
-
-def _disk_load(url, path, version):
-    r = requests.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": version},
-                      timeout=300).json()
-    assert r["success"], r
+    return server_checksums(url)[0]
 
 
 def _version(url):
@@ -116,9 +109,9 @@ def _body(rank, world, job, url, fault=None):
 @pytest.mark.parametrize("mode,tp,pp", [("distributed", 2, 1), ("tensor", 2, 2)])
 def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
     url = server.url
-    _disk_load(url, models["actor"], "disk-ref")
+    load_from_disk(url, models["actor"], "disk-ref")
     want = _checksums(url)
-    _disk_load(url, models["other"], "step-0")
+    load_from_disk(url, models["other"], "step-0")
     start = _checksums(url)
     assert sum(start[k] != want[k] for k in want) > len(want) // 2
     job = _job(models["actor"], tp, pp, weight_sync=mode, weight_sync_bucket_mb=0.02, weight_sync_verify_tensors=-1)
@@ -133,7 +126,7 @@ def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
 @pytest.mark.timeout(900)
 def test_corrupted_bucket_is_named_and_server_tagged_failed(models, server):
     url = server.url
-    _disk_load(url, models["other"], "step-0")
+    load_from_disk(url, models["other"], "step-0")
     name = "model.layers.2.self_attn.o_proj.weight"
     job = _job(models["actor"], 2, 1, weight_sync="distributed", weight_sync_bucket_mb=0.02,
                weight_sync_verify_tensors=-1)
@@ -170,7 +163,7 @@ def own_server(models, tmp_path):
 def test_server_killed_mid_sync(models, own_server):
     server = own_server
     url = server.url
-    _disk_load(url, models["other"], "step-0")
+    load_from_disk(url, models["other"], "step-0")
     # a short sync timeout: whatever the trainer waits on after the kill must end within it
     job = _job(models["actor"], 2, 1, weight_sync="distributed", weight_sync_bucket_mb=0.02, weight_sync_timeout_s=60)
     out = run_ranks(_body, 2, job, url, ("kill", server.pid), timeout=300)

@@ -20,11 +20,11 @@ import json
 import os
 
 import pytest
-import requests
 
 from megatron_rl.config import job_config_from_dict
 from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server, sglang_available
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.sglang_script import load_from_disk, server_checksums
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
 _OK, _REASON = sglang_available()
@@ -54,16 +54,9 @@ def server(models, tmp_path_factory):
 
 
 def _checksums(url):
-    r = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=120).json()
-    assert r["success"], r
-    assert len(r["ranks"]) == 2, r  # one entry per TP rank
-    return [x["checksums"] for x in r["ranks"]]
-
-
-def _disk_load(url, path, version):
-    r = requests.post(url + "/update_weights_from_disk", json={"model_path": path, "weight_version": version},
-                      timeout=300).json()
-    assert r["success"], r
+    ranks = server_checksums(url)
+    assert len(ranks) == 2, ranks  # one entry per TP rank
+    return ranks
 
 
 def _job(hf_dir, **rollout):
@@ -109,9 +102,9 @@ def _body(rank, world, job, url, corrupt_name=None):
 @pytest.mark.timeout(900)
 def test_distributed_sync_tp2_under_torchrun_env(models, server):
     url = server.url
-    _disk_load(url, models["actor"], "disk-ref")
+    load_from_disk(url, models["actor"], "disk-ref")
     want = _checksums(url)
-    _disk_load(url, models["other"], "step-0")
+    load_from_disk(url, models["other"], "step-0")
     assert _checksums(url) != want
     job = _job(models["actor"], weight_sync="distributed", weight_sync_bucket_mb=0.02)
     out = run_ranks(_body, 1, job, url, timeout=800)[0]
@@ -125,7 +118,7 @@ def test_distributed_sync_tp2_under_torchrun_env(models, server):
 
 @pytest.mark.timeout(900)
 def test_corrupted_kv_named_with_tp_ranks(models, server):
-    _disk_load(server.url, models["other"], "step-0")
+    load_from_disk(server.url, models["other"], "step-0")
     job = _job(models["actor"], weight_sync="distributed", weight_sync_bucket_mb=0.02)
     name = "model.layers.1.self_attn.k_proj.weight"
     out = run_ranks(_body, 1, job, server.url, name, timeout=800)[0]
