@@ -1,6 +1,6 @@
-"""Job files of the small runs the launcher tests start through ``launch/torchrun.sh`` (a real job YAML on disk).
+"""Jobs of the small runs tests start: job files for ``launch/torchrun.sh`` (a real job YAML on disk) and loop configs.
 
-``copy_job`` is the 2-rank job they share (TP2, the copy task with 1-2 digits, 4 prompts x 2 samples of 4 new
+``sglang_loop_job`` is the JobConfig of a short loop on a launched real SGLang server (the loop tests); ``copy_job`` is the 2-rank job they share (TP2, the copy task with 1-2 digits, 4 prompts x 2 samples of 4 new
 tokens, micro-batch 4); ``write_job`` writes a job dict as the YAML ``--config`` reads; ``train_or_error`` is the
 body of a forked rank that runs the RL loop and reports how it ended; ``wait_for_steps`` waits until a
 running job has logged some steps.
@@ -54,3 +54,16 @@ def wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: f
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         time.sleep(poll)
     raise AssertionError(f"the job did not log {steps} steps in {timeout} s")
+
+
+def sglang_loop_job(model: str | os.PathLike, run_dir: str | os.PathLike, world_size: int, *overrides: str):
+    """The JobConfig of a short loop on a real SGLang server the job launches (``model``: a tiny task model; 2
+    steps, 4 samples per prompt, rollouts dumped); ``overrides`` (dotted ``key=value``) come last and win."""
+    from megatron_rl.config import load_job_config
+    from megatron_rl.rollout.sglang_server import find_free_port
+
+    return load_job_config(None, [
+        f"actor.load_hf={model}", f"trainer.run_dir={run_dir}", "rollout.engine=sglang", "rollout.sglang_launch=true",
+        f"rollout.sglang_port={find_free_port()}", "rollout.n_samples_per_prompt=4", "trainer.steps=2",
+        "trainer.dump_rollouts=true", "trainer.progress=false", "actor.micro_batch_size=8", "actor.lr=1e-3",
+        *overrides], world_size=world_size)

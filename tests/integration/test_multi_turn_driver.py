@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config import ConfigError, load_job_config
+from megatron_rl.config import ConfigError
 from megatron_rl.envs.pool import EnvPool
 from megatron_rl.rollout.base import Rollout, SamplingParams
 from megatron_rl.rollout.finish import stop_ids
@@ -578,23 +578,20 @@ def _train_body(rank, world, cfg):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_multi_turn_loop_with_real_sglang_server(tmp_path, envs):
-    from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
+    from megatron_rl.rollout.sglang_server import sglang_available
     from megatron_rl.tasks.char_tokenizer import build_task_model
     from megatron_rl.testing.distributed import run_ranks
+    from megatron_rl.testing.jobs import sglang_loop_job
 
     ok, reason = sglang_available()
     if not ok:
         pytest.skip(reason)
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run_dir = str(tmp_path / "run")
-    cfg = load_job_config(None, [
-        "parallel.tensor_model_parallel_size=1", f"actor.load_hf={model}", f"trainer.run_dir={run_dir}",
-        "rollout.engine=sglang", "rollout.sglang_launch=true", f"rollout.sglang_port={find_free_port()}",
-        "rollout.max_new_tokens=12", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=2",
-        f"multi_turn.env={envs('Echo')}", "multi_turn.env_kwargs={turns: 2}", "multi_turn.env_workers=1",
-        "multi_turn.observation_template='{observation}='", "multi_turn.max_turns=3",
-        "trainer.steps=2", "trainer.dump_rollouts=true", "trainer.progress=false", "actor.micro_batch_size=8",
-        "actor.lr=1e-3"], world_size=1)
+    cfg = sglang_loop_job(model, run_dir, 1, "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=12",
+                          "data.prompts_per_step=2", f"multi_turn.env={envs('Echo')}", "multi_turn.env_kwargs={turns: 2}",
+                          "multi_turn.env_workers=1", "multi_turn.observation_template='{observation}='",
+                          "multi_turn.max_turns=3")
     run_ranks(_train_body, 1, cfg, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from megatron_rl.config import load_job_config
 from megatron_rl.rollout.sglang_server import sglang_available
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import sglang_loop_job
 
 _OK, _REASON = sglang_available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow]
@@ -44,17 +44,12 @@ def _train_body(rank, world, cfg):
 
 @pytest.mark.timeout(900)
 def test_loop_with_real_sglang_server(tmp_path):
-    from megatron_rl.rollout.sglang_server import find_free_port
     from megatron_rl.tasks.char_tokenizer import build_task_model
 
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run_dir = str(tmp_path / "run")
-    cfg = load_job_config(None, [
-        "parallel.tensor_model_parallel_size=2", f"actor.load_hf={model}", f"trainer.run_dir={run_dir}",
-        "rollout.engine=sglang", "rollout.sglang_launch=true", f"rollout.sglang_port={find_free_port()}",
-        "rollout.max_new_tokens=4", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=4",
-        "trainer.steps=2", "trainer.dump_rollouts=true", "trainer.progress=false", "actor.micro_batch_size=8",
-        "actor.lr=1e-3"], world_size=2)
+    cfg = sglang_loop_job(model, run_dir, 2, "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=4",
+                          "data.prompts_per_step=4")
     run_ranks(_train_body, 2, cfg, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
@@ -91,18 +86,14 @@ def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp
     at least one response continued on newer weights than it started with (the server really served the
     new version mid-rollout: its log-probs are the ones it sampled with), the lag metrics see the lagged
     tokens, and step 1's kl equals an HF fp32 recompute of the dumped rollouts."""
-    from megatron_rl.rollout.sglang_server import find_free_port
     from megatron_rl.tasks.char_tokenizer import build_task_model
 
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run_dir = str(tmp_path / "run")
-    cfg = load_job_config(None, [
-        "parallel.tensor_model_parallel_size=2", f"actor.load_hf={model}", f"trainer.run_dir={run_dir}",
-        "rollout.engine=sglang", "rollout.sglang_launch=true", f"rollout.sglang_port={find_free_port()}",
-        "rollout.max_new_tokens=8", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=4",
-        "rollout.mode=async", "rollout.max_staleness=1", "rollout.partial_rollout=interrupt",
-        "rollout.segment_tokens=2", "trainer.steps=3", "trainer.dump_rollouts=true", "trainer.progress=false",
-        "actor.micro_batch_size=8", "actor.lr=1e-2"], world_size=2)
+    cfg = sglang_loop_job(model, run_dir, 2, "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=8",
+                          "data.prompts_per_step=4", "rollout.mode=async", "rollout.max_staleness=1",
+                          "rollout.partial_rollout=interrupt", "rollout.segment_tokens=2", "trainer.steps=3",
+                          "actor.lr=1e-2")
     run_ranks(_async_body, 2, cfg, 1.0, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
@@ -132,19 +123,14 @@ def test_loop_with_real_sglang_server_replays_its_moe_routing(tmp_path):
     server's experts (r3 raises on every rank when routing is missing), router_agreement (trainer's own top-k
     vs the server's, measured on the recompute pass) is logged, and the weights synced after step 1 serve
     step 2."""
-    from megatron_rl.rollout.sglang_server import find_free_port
     from megatron_rl.tasks.char_tokenizer import build_task_model
 
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2,
                              num_experts=8, num_experts_per_tok=2)
     run_dir = str(tmp_path / "run")
-    cfg = load_job_config(None, [
-        "parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2",
-        f"actor.load_hf={model}", f"trainer.run_dir={run_dir}", "actor.routing_replay=r3",
-        "rollout.engine=sglang", "rollout.sglang_launch=true", f"rollout.sglang_port={find_free_port()}",
-        "rollout.max_new_tokens=4", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=4",
-        "trainer.steps=2", "trainer.dump_rollouts=true", "trainer.progress=false", "actor.micro_batch_size=8",
-        "actor.lr=1e-3"], world_size=2)
+    cfg = sglang_loop_job(model, run_dir, 2, "parallel.tensor_model_parallel_size=1",
+                          "parallel.expert_model_parallel_size=2", "actor.routing_replay=r3",
+                          "rollout.max_new_tokens=4", "data.prompts_per_step=4")
     run_ranks(_train_body, 2, cfg, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
