@@ -50,7 +50,7 @@ from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutE
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.routing import join_routing
 from megatron_rl.rollout.trajectory import Segment, Trajectory
-from megatron_rl.trainer.async_rollout import parse_version
+from megatron_rl.rollout.versions import parse_version
 
 __all__ = ["TurnLimits", "ObservationEncoder", "run_trajectories", "OBSERVATION_FIELD"]
 

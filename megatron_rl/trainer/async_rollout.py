@@ -46,22 +46,11 @@ import torch
 
 from megatron_rl.rollout.base import Rollout, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
+from megatron_rl.rollout.versions import parse_version, version_tag
 from megatron_rl.rollout.routing import join_routing
 
-__all__ = ["version_tag", "parse_version", "SegmentedEngine", "RolloutProducer", "SnapshotTimeout", "token_lag_tensor",
+__all__ = ["SegmentedEngine", "RolloutProducer", "SnapshotTimeout", "token_lag_tensor",
            "check_staleness", "overlap_seconds"]
-
-
-def version_tag(v: int) -> str:
-    """The engine weight-version tag of version ``v``."""
-    return f"step-{int(v)}"
-
-
-def parse_version(tag: str) -> int:
-    """Inverse of ``version_tag`` (``"step-7"`` -> 7); ValueError naming the tag otherwise."""
-    if not isinstance(tag, str) or not tag.startswith("step-") or not tag[5:].isdigit():
-        raise ValueError(f"weight version {tag!r} is not of the form 'step-<int>'")
-    return int(tag[5:])
 
 
 class SegmentedEngine:

@@ -36,7 +36,7 @@ from megatron_rl.rollout.factory import build_engine
 from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tokenizer import load_tokenizer
-from megatron_rl.trainer.async_rollout import version_tag
+from megatron_rl.rollout.versions import version_tag
 from megatron_rl.trainer.rollout_phase import build_step_generator
 from megatron_rl.trainer.rollout_source import RolloutSource, build_rollout_source
 from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step

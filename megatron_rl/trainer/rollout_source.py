@@ -26,8 +26,8 @@ from typing import Dict, Optional, Tuple
 from megatron_rl.config import JobConfig
 from megatron_rl.parallel.rank0 import from_rank0, share_from_rank0
 from megatron_rl.rollout.base import RolloutError
-from megatron_rl.trainer.async_rollout import (RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds,
-                                              version_tag)
+from megatron_rl.rollout.versions import version_tag
+from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds
 from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.step_batch import StepBatch
 from megatron_rl.trainer.weight_publisher import WeightPublisher, deferred_publisher

@@ -25,7 +25,7 @@ from megatron_rl.actor.schedule import actor_device
 from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
-from megatron_rl.trainer.async_rollout import version_tag
+from megatron_rl.rollout.versions import version_tag
 from megatron_rl.trainer.reward_failures import failed_fraction
 from megatron_rl.trainer.step_batch import StepBatch
 

@@ -28,7 +28,7 @@ from megatron_rl.config import JobConfig
 from megatron_rl.parallel.rank0 import from_rank0, is_rank0
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.rollout.factory import engine_class
-from megatron_rl.trainer.async_rollout import parse_version
+from megatron_rl.rollout.versions import parse_version
 from megatron_rl.trainer.weight_sync import (SyncReport, export_report, prune_exports, stream_buckets,
                                              stream_sync, verify_buckets, verify_export)
 

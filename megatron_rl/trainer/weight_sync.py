@@ -53,7 +53,7 @@ from megatron_rl.convert.mapping import param_rules
 from megatron_rl.parallel.devices import recv_, send_
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.rollout.weight_buckets import DTYPE_NAMES, Bucket, bucketize
-from megatron_rl.trainer.async_rollout import parse_version
+from megatron_rl.rollout.versions import parse_version
 from megatron_rl.parallel.rank0 import share_from_rank0
 from megatron_rl.trainer.weight_verify import WeightVerifier
 

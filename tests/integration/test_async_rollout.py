@@ -21,7 +21,8 @@ from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.routing_reference import hf_own_routing
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.trainer.async_rollout import RolloutProducer, parse_version, token_lag_tensor
+from megatron_rl.rollout.versions import parse_version
+from megatron_rl.trainer.async_rollout import RolloutProducer, token_lag_tensor
 
 PROMPTS = [[3, 4, 5], [6, 7]]
 

@@ -33,7 +33,8 @@ from megatron_rl.rollout.base import Rollout, SamplingParams
 from megatron_rl.rollout.finish import stop_ids
 from megatron_rl.rollout.multi_turn import ObservationEncoder, TurnLimits, run_trajectories
 from megatron_rl.tasks.base import response_text
-from megatron_rl.trainer.async_rollout import SegmentedEngine, check_staleness, parse_version, version_tag
+from megatron_rl.rollout.versions import parse_version, version_tag
+from megatron_rl.trainer.async_rollout import SegmentedEngine, check_staleness
 from megatron_rl.trainer.rollout_phase import MultiTurn, SingleTurn, build_step_generator, generate_step
 
 EOS, MARK, OBS = 1, 20, 21
