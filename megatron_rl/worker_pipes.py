@@ -5,7 +5,7 @@ it first and starts without torch.
     write_frame(proc.stdin, request)     # one frame: 8-byte little-endian length + pickle
     reply = read_frame(proc.stdout)      # EOFError when the other side closed the stream
     kill_worker(proc)                    # SIGKILL by its pid, reap it, close its pipes
-    serve_as_worker()                    # in the worker, first: the job's signals are the parent's business
+    proto_in, proto_out = worker_streams()   # in the worker, first: its end of the pipes
 
 A worker ignores SIGINT / SIGTERM (a Ctrl-C or a Slurm preemption signals every process of the job: the trainer
 must be able to finish its step and checkpoint while its workers keep answering; the parent ends them by pid) and
@@ -14,11 +14,13 @@ asks the kernel to SIGKILL it when its parent dies (a trainer killed outright le
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
 import signal
 import struct
+import sys
 
-__all__ = ["write_frame", "read_frame", "kill_worker", "serve_as_worker"]
+__all__ = ["write_frame", "read_frame", "kill_worker", "worker_streams"]
 
 _HEADER = struct.Struct("<Q")
 
@@ -57,11 +59,18 @@ def kill_worker(proc) -> None:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def serve_as_worker() -> None:
-    """In a worker process, before anything else: ignore SIGINT / SIGTERM and die with the parent (Linux)."""
+def worker_streams():
+    """In a worker process, before anything else: ignore SIGINT / SIGTERM, die with the parent (Linux), and
+    return ``(proto_in, proto_out)``, the binary streams of the parent's pipes; ``print`` in user code (rewards,
+    environments) then goes to stderr and cannot corrupt the frames."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the parent's kill by pid still ends it
         pass
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return proto_in, proto_out

@@ -13,13 +13,11 @@ worker exits when stdin closes.
 """
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 from typing import Any, Dict, Hashable, Tuple
 
 from megatron_rl.envs.base import Environment, check_env_step, load_env_class
-from megatron_rl.worker_pipes import read_frame, serve_as_worker, write_frame
+from megatron_rl.worker_pipes import read_frame, worker_streams, write_frame
 
 
 def _last_line(e: BaseException) -> str:
@@ -75,11 +73,7 @@ class EnvHost:
 
 def main() -> None:
     """Load the environment class, then serve requests until stdin closes."""
-    serve_as_worker()
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # prints of user environments go to stderr
-    sys.stdout = sys.stderr
+    proto_in, proto_out = worker_streams()  # prints of user environments go to stderr
     try:
         spec, env_kwargs = read_frame(proto_in)
     except EOFError:

@@ -7,21 +7,14 @@ exits when stdin closes.
 """
 from __future__ import annotations
 
-import os
-import sys
-
-from megatron_rl.worker_pipes import read_frame, serve_as_worker, write_frame
 from megatron_rl.tasks.reward_pool import run_job
 from megatron_rl.tasks.rewards import warmup
+from megatron_rl.worker_pipes import read_frame, worker_streams, write_frame
 
 
 def main() -> None:
     """Serve jobs until stdin closes."""
-    serve_as_worker()
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # prints of user rewards go to stderr
-    sys.stdout = sys.stderr
+    proto_in, proto_out = worker_streams()  # prints of user rewards go to stderr
     warmup()
     write_frame(proto_out, "ready")
     while True:
