@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.envs.pool import EnvPool
@@ -147,18 +147,30 @@ def step_routing(rollouts, required: bool, step: int = 0) -> Tuple[Optional[List
     ``--enable-return-routed-experts``, or one that did not answer ``/server_info``) is then a
     ``PartialRoutingError`` naming the rows (a ``RolloutError``: the loop ends the step with it on every rank); otherwise it is dropped for the step (the actor's agreement metrics
     skip it) and counted: ``routing/missing_rows`` (rows without routing; 0 on a full capture)."""
-    routing = rollout_routing(rollouts)
-    if routing is None:
+    def what(missing: List[int]) -> str:
+        prompts = sorted({rollouts[b].prompt_index for b in missing})
+        return (f"the engine returned none for {len(missing)} of {len(rollouts)} rollouts (rows {_head(missing)}, "
+                f"prompts {_head(prompts)}; sources {sorted({rollouts[b].source for b in missing})})")
+
+    return _replayable(rollout_routing(rollouts), required, step, what)
+
+
+def _head(items: List[int]) -> str:
+    """The first 16 of ``items`` for a message (`` ...`` when there are more)."""
+    return f"{items[:16]}{' ...' if len(items) > 16 else ''}"
+
+
+def _replayable(routing: Optional[List[object]], required: bool, step: int,
+                what: Callable[[List[int]], str]) -> Tuple[Optional[List[object]], Dict[str, float]]:
+    """The rows' routing for the actor and ``routing/missing_rows``: None when no row has routing; a partial
+    capture raises ``PartialRoutingError`` (``what(missing rows)`` says which) when ``required``, else is dropped."""
+    if routing is None or all(x is None for x in routing):
         return None, {}
     missing = [b for b, x in enumerate(routing) if x is None]
     if missing and required:
-        prompts = sorted({rollouts[b].prompt_index for b in missing})
         raise PartialRoutingError(
-            f"step {step + 1}: actor.routing_replay='r3' replays the rollout engine's MoE routing, but the engine "
-            f"returned none for {len(missing)} of {len(routing)} rollouts (rows {missing[:16]}"
-            f"{' ...' if len(missing) > 16 else ''}, prompts {prompts[:16]}{' ...' if len(prompts) > 16 else ''}; "
-            f"sources {sorted({rollouts[b].source for b in missing})}): every server must capture routing "
-            f"({ROUTED_EXPERTS_FLAG}), or set actor.routing_replay to none / r2")
+            f"step {step + 1}: actor.routing_replay='r3' replays the rollout engine's MoE routing, but {what(missing)}"
+            f": every server must capture routing ({ROUTED_EXPERTS_FLAG}), or set actor.routing_replay to none / r2")
     return (None if missing else routing), {"routing/missing_rows": float(len(missing))}
 
 
@@ -279,17 +291,9 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
     """``step_routing`` for trajectories: every row's joined routing (``Trajectory.routing``), or None when no
     row has it; a partial capture fails with ``actor.routing_replay: r3`` (``PartialRoutingError``), else it is
     dropped and counted (``routing/missing_rows``)."""
-    routing = [t.routing for t in trajs]
-    if all(x is None for x in routing):
-        return None, {}
-    missing = [b for b, x in enumerate(routing) if x is None]
-    if missing and required:
-        raise PartialRoutingError(
-            f"step {step + 1}: actor.routing_replay='r3' replays the rollout engine's MoE routing, but "
-            f"{len(missing)} of {len(routing)} trajectories have none for some turn (rows {missing[:16]}"
-            f"{' ...' if len(missing) > 16 else ''}): every server must capture routing ({ROUTED_EXPERTS_FLAG}), "
-            f"or set actor.routing_replay to none / r2")
-    return (None if missing else routing), {"routing/missing_rows": float(len(missing))}
+    return _replayable([t.routing for t in trajs], required, step,
+                       lambda missing: f"{len(missing)} of {len(trajs)} trajectories have none for some turn "
+                                       f"(rows {_head(missing)})")
 
 
 def build_step_generator(cfg, task):
