@@ -25,43 +25,58 @@ from megatron_rl.convert.storage import write_hf_model_dir
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.tasks import DigitTask, build_char_tokenizer, ensure_task_model
-from megatron_rl.tasks.char_tokenizer import SPECIAL, VOCAB
+from megatron_rl.tasks.char_tokenizer import SPECIAL, VOCAB, task_vocabulary
 from megatron_rl.tasks.synthetic import score_text
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def cli_dir(tmp_path_factory):
-    """A task model built by the command line, as a user builds it."""
-    out = str(tmp_path_factory.mktemp("cli") / "model")
-    subprocess.run([sys.executable, "-m", "megatron_rl.tasks", out, "--hidden-size", "64", "--num-layers", "2"],
-                   check=True, capture_output=True, timeout=300)
+def _cli_model(tmp_path_factory, task):
+    out = str(tmp_path_factory.mktemp(f"cli_{task}") / "model")
+    subprocess.run([sys.executable, "-m", "megatron_rl.tasks", out, "--task", task, "--hidden-size", "64",
+                    "--num-layers", "2"], check=True, capture_output=True, timeout=300)
     return out
 
 
-def _random_strings(n, seed):
+@pytest.fixture(scope="module")
+def cli_dir(tmp_path_factory):
+    """A copy task model built by the command line, as a user builds it."""
+    return _cli_model(tmp_path_factory, "copy")
+
+
+def _random_strings(n, seed, vocab):
     rng = random.Random(seed)
-    return ["".join(rng.choice(VOCAB) for _ in range(rng.randint(1, 12))) for _ in range(n)]
+    return ["".join(rng.choice(vocab) for _ in range(rng.randint(1, 12))) for _ in range(n)]
 
 
-def _assert_auto_matches_project(model_dir):
+def _assert_auto_matches_project(model_dir, task="copy"):
+    """Every string over ``task``'s vocabulary (the only strings its prompts and responses hold: characters
+    outside it are ``<unk>`` here and dropped by a BPE loader, as the tokenizer's docstring says)."""
     from transformers import AutoTokenizer
 
+    vocab = task_vocabulary(task)
     auto = AutoTokenizer.from_pretrained(model_dir)
-    ref = build_char_tokenizer()
-    for s in _random_strings(400, 0) + ["copy:12=", "reverse:3 45=", "add:12+345=", "sort:3141=31<eos>"]:
+    ref = build_char_tokenizer(task=task)
+    examples = ["copy:12=", "reverse:3 45=", "add:12+345=", "sort:3141=31<eos>"]
+    if task == "lookup":
+        examples += ["lookup:12=?7>3<eos>", "lookup:5=?5>9<eos>9<eos>"]
+    for s in _random_strings(400, 0, vocab) + examples:
         assert auto.encode(s, add_special_tokens=False) == ref.encode(s, add_special_tokens=False), \
             (s, type(auto).__name__)
     rng = random.Random(1)
     for _ in range(400):
-        ids = [rng.randrange(len(VOCAB)) for _ in range(rng.randint(1, 10))]
+        ids = [rng.randrange(len(vocab)) for _ in range(rng.randint(1, 10))]
         assert auto.decode(ids) == ref.decode(ids), ids
     assert (auto.eos_token_id, auto.pad_token_id) == (VOCAB.index("<eos>"), VOCAB.index("<pad>"))
 
 
 def test_autotokenizer_of_a_cli_built_task_model_encodes_like_the_project(cli_dir):
     _assert_auto_matches_project(cli_dir)
+
+
+def test_autotokenizer_of_a_cli_built_lookup_model_encodes_like_the_project(tmp_path_factory):
+    """The tool task's model (its own tokens ``lookup`` ``?`` ``>``)."""
+    _assert_auto_matches_project(_cli_model(tmp_path_factory, "lookup"), task="lookup")
 
 
 def test_old_task_model_directory_is_repaired_by_ensure_task_model(cli_dir, tmp_path):
