@@ -23,11 +23,13 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_rl.actor.batch import RolloutBatch, row_blocks
+from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
+from megatron_rl.actor.micro_batching import MicroBatchPlan, plan_micro_batches
 from megatron_rl.actor.optimizer import apply_constant_schedule, build_optimizer, wrap_ddp
-from megatron_rl.actor.router_replay import RoutingReplay, finish_log_prob_pass, log_prob_pass, train_routing
+from megatron_rl.actor.router_replay import (RoutingReplay, agree_on_error, finish_log_prob_pass, log_prob_pass,
+                                             train_routing)
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
@@ -117,23 +119,60 @@ class MegatronActor:
         return self.groups.is_last_stage
 
     # ------------------------------------------------------------------ log-prob pass
+    def _plan(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None) -> MicroBatchPlan:
+        """This pass's micro-batches (``actor.micro_batch_size`` rows, or ``actor.max_tokens_per_micro_batch``
+        tokens, packed or not). Collective: a row that fits no micro-batch raises on every rank."""
+        ac, g = self.actor_cfg, self.groups
+        plan, msg = None, None
+        try:
+            plan = plan_micro_batches(batch.lengths.tolist(), micro_batch_size=micro_batch_size or ac.micro_batch_size,
+                                      max_tokens=ac.max_tokens_per_micro_batch, packed=ac.sequence_packing,
+                                      seq_multiple=g.seq_multiple,
+                                      row_multiple=2 * g.cp_size if ac.sequence_packing and g.cp_size > 1 else 1,
+                                      min_micro_batches=g.pp_size if len(self.model) > 1 else 1)
+        except ValueError as e:
+            msg = f"micro-batches of this DP shard: {e}"
+        if ac.max_tokens_per_micro_batch is None:  # fixed row counts: the same outcome on every rank
+            if msg:
+                raise BatchError(msg)
+            return plan
+        agree_on_error(msg, error=BatchError)  # a row over the budget on one rank ends the pass on all
+        return plan
+
+    @staticmethod
+    def _in_plan_order(batch: RolloutBatch, plan: MicroBatchPlan):
+        """(the batch with its rows in the plan's order, the inverse permutation or None when unchanged)."""
+        if list(plan.order) == list(range(batch.num_rows)):
+            return batch, None
+        inv = torch.empty(batch.num_rows, dtype=torch.int64)
+        inv[torch.as_tensor(plan.order, dtype=torch.int64)] = torch.arange(batch.num_rows)
+        return batch.take(plan.order), inv
+
     def compute_log_probs(self, batch: RolloutBatch, temperature: float, compute_entropy: bool = True,
                           micro_batch_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(log_probs [B, L-1], entropy [B, L-1]) of this rank's DP shard under softmax(logits / T), on
         every rank of the model-parallel group; 0 at padding columns. fp32, no grad.
-        ``micro_batch_size`` defaults to ``actor.micro_batch_size`` (forward-only can afford more)."""
+        ``micro_batch_size`` defaults to ``actor.micro_batch_size`` (forward-only can afford more; not used with
+        ``actor.max_tokens_per_micro_batch``)."""
         check_token_ids(batch, self.model_cfg.vocab_size)
-        mbs = micro_batch_size or self.actor_cfg.micro_batch_size
-        rp = log_prob_pass(self.routing, batch, self.routing_mode) if self.routing is not None else None
+        plan = self._plan(batch, micro_batch_size)
+        ordered, inv = self._in_plan_order(batch, plan)
+        rp = log_prob_pass(self.routing, ordered, self.routing_mode) if self.routing is not None else None
         try:
-            out = compute_log_probs(self.model, batch, micro_batch_size=mbs, temperature=temperature,
-                                    groups=self.groups, compute_entropy=compute_entropy, trim=self._trim, replay=rp)
+            out = compute_log_probs(self.model, ordered, bounds=plan.bounds, temperature=temperature,
+                                    groups=self.groups, compute_entropy=compute_entropy, trim=self._trim,
+                                    packed=self.actor_cfg.sequence_packing, replay=rp)
             if rp is not None:  # router agreement with the rollout (reported by the next train_step); r2 record
-                self.routing_metrics, self._r2_state = finish_log_prob_pass(self.routing, rp, batch, self.routing_mode)
+                self.routing_metrics, self._r2_state = finish_log_prob_pass(self.routing, rp, ordered,
+                                                                            self.routing_mode)
         finally:
             if rp is not None:
                 rp.close()
-        return out
+        if inv is None:
+            return out
+        if self._r2_state is not None and rp is not None:  # r2 record back in the batch's row order
+            self._r2_state = (batch.tokens, batch.lengths, self._r2_state[2][inv])
+        return tuple(None if x is None else x[inv.to(x.device)] for x in out)
 
     # ------------------------------------------------------------------ train step
     def train_step(self, batch: RolloutBatch, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
@@ -184,12 +223,17 @@ class MegatronActor:
             for start, end in blocks:
                 sub = batch.select(start, end)
                 sub_tok = {k: None if v is None else v[start:end, : sub.max_length - 1] for k, v in per_token.items()}
+                plan = self._plan(sub)
+                sub, inv = self._in_plan_order(sub, plan)
+                if inv is not None:
+                    order = torch.as_tensor(plan.order, dtype=torch.int64)
+                    sub_tok = {k: None if v is None else v[order.to(v.device)] for k, v in sub_tok.items()}
                 rp = self.routing.begin(sub.lengths, sub.routing, record=False) if replayed is not None else None
                 try:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
-                                                  corr.loss_type, temperature=temperature,
-                                                  micro_batch_size=ac.micro_batch_size,
-                                                  groups=self.groups, trim=self._trim, replay=rp))
+                                                  corr.loss_type, temperature=temperature, bounds=plan.bounds,
+                                                  groups=self.groups, trim=self._trim,
+                                                  packed=ac.sequence_packing, replay=rp))
                 finally:
                     if rp is not None:
                         rp.close()

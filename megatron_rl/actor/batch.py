@@ -287,6 +287,23 @@ class RolloutBatch:
                             lengths=self.lengths[start:end].clone(), rollout_log_probs=lp, pad_id=self.pad_id,
                             routing=routing, loss_mask=lm)
 
+    def take(self, rows: Sequence[int]) -> "RolloutBatch":
+        """The rows ``rows`` (any order, each once or more), same padded length L (a token-budget plan's
+        permutation, ``megatron_rl.actor.micro_batching``)."""
+        if not len(rows):
+            raise BatchError("take: no rows")
+        bad = [r for r in rows if not 0 <= int(r) < self.num_rows]
+        if bad:
+            raise BatchError(f"take: row {bad[0]} outside [0, {self.num_rows})")
+        idx = torch.as_tensor([int(r) for r in rows], dtype=torch.int64, device=self.tokens.device)
+
+        def pick(x):
+            return None if x is None else x.index_select(0, idx.to(x.device)).contiguous()
+
+        return RolloutBatch(tokens=pick(self.tokens), prompt_lengths=pick(self.prompt_lengths),
+                            lengths=pick(self.lengths), rollout_log_probs=pick(self.rollout_log_probs),
+                            pad_id=self.pad_id, routing=pick(self.routing), loss_mask=pick(self.loss_mask))
+
     def shard(self, rank: int, size: int) -> "RolloutBatch":
         """This data-parallel rank's contiguous block of rows (sizes differ by at most one)."""
         if not 0 <= rank < size:

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, scatter_rows
-from megatron_rl.actor.cp import cp_gather
 from megatron_rl.actor.schedule import MicroBatch, actor_device, prepare_micro_batches, run_schedule
 from megatron_rl.logprobs import vocab_parallel_logprobs
 from megatron_rl.parallel.groups import ActorGroups
@@ -56,7 +55,7 @@ def _logprob_loss_func(mb: MicroBatch, tp_group, temperature: float, compute_ent
 
 
 def _forward_step(tp_group, temperature, compute_entropy, mb: MicroBatch, model):
-    output = model(mb.tokens, mb.position_ids, attention_mask=None)
+    output = model(mb.tokens, mb.position_ids, attention_mask=None, **mb.model_kwargs)
     return output, functools.partial(_logprob_loss_func, mb, tp_group, temperature, compute_entropy)
 
 
@@ -70,22 +69,24 @@ def broadcast_from_last_stage_tensors(tensors: Sequence[torch.Tensor], groups: A
         dist.broadcast(t, src=src, group=groups.pp_group)
 
 
-def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *, micro_batch_size: int,
-                      temperature: float, groups: ActorGroups, compute_entropy: bool = True,
-                      trim: bool = True, replay=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *,
+                      bounds: Sequence[Tuple[int, int]], temperature: float, groups: ActorGroups,
+                      compute_entropy: bool = True, trim: bool = True, packed: bool = False,
+                      replay=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropy) of every token of ``batch`` (this rank's DP shard) under
     softmax(logits / temperature).
 
     Returns fp32 ``(log_probs [B, L-1], entropy [B, L-1] or None)`` on every rank of the PP group
-    (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``trim=False`` pads every micro-batch to
-    the batch length (needed with interleaved VPP, whose schedule in megatron-core 0.16 cannot take
-    micro-batches of different lengths). ``replay``: a ``router_replay.ReplayPass`` that sets / records
+    (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``bounds``: the micro-batches, contiguous
+    [start, end) row blocks (``micro_batching.plan_micro_batches``); ``packed``: each packed into one sequence
+    (``schedule.PackedRows``). ``trim=False`` pads every micro-batch to one length (needed with interleaved
+    VPP, whose schedule in megatron-core 0.16 cannot take micro-batches of different lengths). ``replay``: a ``router_replay.ReplayPass`` that sets / records
     MoE routing around each chunk's forward (its ``micro_batches`` are set for ``assemble``). Collective
     over the model-parallel group.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    mbs = prepare_micro_batches(batch, micro_batch_size, groups, trim=trim)
+    mbs = prepare_micro_batches(batch, bounds, groups, trim=trim, packed=packed)
     for chunk in model_chunks:
         chunk.eval()
     step = functools.partial(_forward_step, groups.tp_group, float(temperature), compute_entropy)
@@ -104,9 +105,9 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
         for k in keys:
             pieces = []
             for mb, res in zip(mbs, results):
-                full = cp_gather(res[k], groups.cp_group, groups.cp_size)
+                full = mb.layout.gather_rows(res[k], groups)
                 # a micro-batch padded beyond the batch length (to a multiple of TP for SP / 2 x CP) is cut back
-                pieces.append((mb.rows, full[:, : min(mb.full_length, batch.max_length) - 1]))
+                pieces.append((mb.rows, full[:, : min(full.shape[1], batch.max_length) - 1]))
             out[k] = scatter_rows(pieces, B, W, device=actor_device())
         valid = torch.arange(1, W + 1, device=actor_device()).unsqueeze(0) < batch.lengths.to(actor_device()).unsqueeze(1)
         for k in keys:

@@ -12,7 +12,8 @@ that hook and ``RouterReplay``'s target / backward-list machinery, and add (``La
     routers of every model built in a process (actor + reference) and cannot tell PP / VPP stages apart;
     each router is keyed by its global layer number, so each (virtual) stage replays only its layers;
   * per-micro-batch targets set right before each forward of a model chunk, in megatron's token order
-    (CP zigzag split, sequence-parallel slice, trimmed micro-batch lengths — ``actor.routing``);
+    (CP zigzag split, sequence-parallel slice, trimmed micro-batch lengths, packed sequences — the micro-batch's
+    ``layout``, ``actor.schedule``);
   * partial replay: positions marked -1 (the last token, padding) keep the trainer's own top-k, so padding
     never indexes a replayed expert;
   * activation recomputation without a switch: a router call that runs inside autograd's backward is the
@@ -36,8 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.routing import (RoutingError, RoutingSpec, agreement_counts, agreement_metrics,
-                                       check_routing, gather_micro_batch_records, micro_batch_targets,
-                                       routing_dtype, routing_valid_mask)
+                                       check_routing, routing_dtype, routing_valid_mask)
 from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.parallel.groups import ActorGroups
 
@@ -107,14 +107,14 @@ def _layer_replay_class():
     return LayerReplay
 
 
-def agree_on_error(message: Optional[str], present: Optional[bool] = None) -> None:
+def agree_on_error(message: Optional[str], present: Optional[bool] = None, error: type = RoutingError) -> None:
     """Collective over every rank (default group): if any rank has a ``message`` every rank raises
-    ``RoutingError`` naming the first such rank and its message — no rank is left waiting in a later
+    ``error`` naming the first such rank and its message — no rank is left waiting in a later
     collective. ``present``: whether this rank's batch carries routing; it must be the same on every rank
     (the passes' collectives depend on it). One small all-reduce when all is well."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if message:
-            raise RoutingError(message)
+            raise error(message)
         return
     p = 1 if present else 0
     flag = all_reduce_(torch.tensor([1 if message else 0, p, -p], dtype=torch.int32), op=dist.ReduceOp.MAX)
@@ -127,7 +127,7 @@ def agree_on_error(message: Optional[str], present: Optional[bool] = None) -> No
     dist.all_gather_object(msgs, message)
     bad = [(r, m) for r, m in enumerate(msgs) if m]
     more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-    raise RoutingError(f"rank {bad[0][0]}: {bad[0][1]}{more}")
+    raise error(f"rank {bad[0][0]}: {bad[0][1]}{more}")
 
 
 class ReplayPass:
@@ -156,9 +156,7 @@ class ReplayPass:
             reps = self.owner.routers_of(model)
             g = self.owner.groups
             if self.targets is not None and reps:
-                t = micro_batch_targets(self.targets, self.lengths, mb.rows, mb.full_length, g.cp_rank, g.cp_size,
-                                        g.tp_rank if g.sequence_parallel else 0,
-                                        g.tp_size if g.sequence_parallel else 1, device=mb.tokens.device)
+                t = mb.layout.routing_targets(self.targets, self.lengths, g, device=mb.tokens.device)
                 for rep in reps:
                     rep.set_target_indices(t[rep.moe_index])
             out = step(mb, model)
@@ -188,9 +186,7 @@ class ReplayPass:
                 raise RoutingError(f"routing record: micro-batch rows {mb.rows} recorded MoE layers {sorted(got)}, "
                                    f"this rank holds {layers}")
             local = torch.stack([got[j] for j in layers])                   # [n_local_layers, n_tok, k]
-            b = mb.rows[1] - mb.rows[0]
-            full = gather_micro_batch_records(local, b, g.tp_group, g.tp_size if g.sequence_parallel else 1,
-                                              g.cp_group, g.cp_size).cpu()  # [b, s, NLloc, k]
+            full = mb.layout.gather_records(local, g).cpu()                # [b, s, NLloc, k]
             w = min(full.shape[1], width)
             out[mb.rows[0]:mb.rows[1], :w][:, :, layers] = full[:, :w]
         return out

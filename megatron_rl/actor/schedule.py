@@ -15,16 +15,21 @@ loss_func)``; it returns megatron's list of per-micro-batch loss_func dicts (las
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, fit_columns
-from megatron_rl.actor.cp import cp_split
+from megatron_rl.actor.cp import cp_gather, cp_split
+from megatron_rl.actor.micro_batching import PackedLayout, pack_layout, packed_cp_gather_index, packed_cp_positions
+from megatron_rl.actor.routing import (RoutingError, gather_micro_batch_records, micro_batch_targets,
+                                       routing_valid_mask)
 from megatron_rl.parallel.groups import ActorGroups
 
-__all__ = ["MicroBatch", "prepare_micro_batches", "run_schedule", "actor_device"]
+__all__ = ["MicroBatch", "PaddedRows", "PackedRows", "prepare_micro_batches", "run_schedule", "actor_device"]
 
 
 def actor_device() -> torch.device:
@@ -34,40 +39,185 @@ def actor_device() -> torch.device:
     return torch.device("cpu")
 
 
+class PaddedRows:
+    """A micro-batch of rows [start, end) as b rows of the model's input, right-padded to ``full_length``
+    (before the CP split): the per-token inputs of the loss share the model's layout."""
+
+    def __init__(self, start: int, end: int, full_length: int):
+        self.start, self.end, self.full_length = start, end, full_length
+
+    def loss_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """The model's per-position output on this rank -> the layout of ``MicroBatch.per_token`` (the same)."""
+        return y
+
+    def gather_rows(self, y: torch.Tensor, groups: ActorGroups) -> torch.Tensor:
+        """Forward-only: this rank's [b, s/CP] output -> [b, full_length] whole rows (CP zigzag gather)."""
+        return cp_gather(y, groups.cp_group, groups.cp_size)
+
+    def routing_targets(self, routing: torch.Tensor, lengths: torch.Tensor, groups: ActorGroups,
+                        device) -> torch.Tensor:
+        """Replay targets in megatron's router token order (``routing.micro_batch_targets``)."""
+        sp = groups.sequence_parallel
+        return micro_batch_targets(routing, lengths, (self.start, self.end), self.full_length, groups.cp_rank,
+                                   groups.cp_size, groups.tp_rank if sp else 0, groups.tp_size if sp else 1,
+                                   device=device)
+
+    def gather_records(self, local: torch.Tensor, groups: ActorGroups) -> torch.Tensor:
+        """Routing recorded on this rank ``[n_layers, n_local, k]`` -> ``[b, full_length, n_layers, k]``."""
+        sp = groups.sequence_parallel
+        return gather_micro_batch_records(local, self.end - self.start, groups.tp_group,
+                                          groups.tp_size if sp else 1, groups.cp_group, groups.cp_size)
+
+
+class PackedRows:
+    """A micro-batch of rows [start, end) packed into ONE sequence of ``layout.total`` positions (THD): each
+    row its own segment (``micro_batching.PackedLayout``), CP ranks holding megatron's per-segment zigzag
+    chunks (``packed_cp_positions``). The loss's per-token inputs stay in row layout ``[n, s_rows]``
+    (``s_rows``: the longest row); the model's output is gathered into it (``loss_rows``), so the loss,
+    its denominators and every metric see exactly the rows of an unpacked micro-batch."""
+
+    def __init__(self, start: int, end: int, layout: PackedLayout, s_rows: int, groups: ActorGroups, device):
+        self.start, self.end, self.layout, self.s_rows = start, end, layout, s_rows
+        self.full_length = layout.total
+        n = end - start
+        row, col = layout.row_col(device=device)
+        self.row, self.col = row, col
+        if groups.cp_size > 1:
+            segs = layout.segments
+            self.positions = packed_cp_positions(segs, groups.cp_rank, groups.cp_size, device=device)
+            self.gather_index = packed_cp_gather_index(segs, groups.cp_size, device=device)
+        else:
+            self.positions = torch.arange(layout.total, device=device)
+            self.gather_index = None
+        # src_full[r, c]: packed position of (row r, column c); -1 where the row has no token
+        src_full = torch.full((n, s_rows), -1, dtype=torch.int64, device=device)
+        real = row >= 0
+        pos = torch.arange(layout.total, device=device)
+        src_full[row[real], col[real]] = pos[real]
+        self.src_full = src_full
+        # src_local[r, c]: index into this CP rank's positions; -1 where another CP rank holds it
+        local_of = torch.full((layout.total,), -1, dtype=torch.int64, device=device)
+        local_of[self.positions] = torch.arange(self.positions.numel(), device=device)
+        self.src_local = torch.where(src_full >= 0, local_of[src_full.clamp(min=0)], src_full)
+        self.held = self.src_local >= 0
+        """[n, s_rows] bool: (row, column) positions this CP rank computes (every real one without CP)."""
+
+    @staticmethod
+    def _take(y: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``y [1, m, ...]`` at ``src [n, w]`` (-1 -> 0); differentiable."""
+        flat = y.reshape(y.shape[1], *y.shape[2:])
+        ext = torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))])
+        return ext[torch.where(src >= 0, src, torch.full_like(src, flat.shape[0]))]
+
+    def place(self, x: torch.Tensor, fill) -> torch.Tensor:
+        """Row-layout ``x [n, s_rows, ...]`` -> this CP rank's packed positions ``[1, s_loc, ...]`` (``fill`` at
+        padding)."""
+        row, col = self.row, self.col
+        full = x.new_full((self.layout.total,) + tuple(x.shape[2:]), fill)
+        real = row >= 0
+        full[real] = x[row[real], col[real]]
+        return full[self.positions].unsqueeze(0)
+
+    def loss_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[1, s_loc]`` output -> ``[n, s_rows]`` rows (0 where another CP rank holds it)."""
+        return self._take(y, self.src_local)
+
+    def gather_rows(self, y: torch.Tensor, groups: ActorGroups) -> torch.Tensor:
+        """Forward-only: this rank's ``[1, s_loc, ...]`` output -> ``[n, s_rows, ...]`` whole rows."""
+        return self._take(self._gather_seq(y, groups), self.src_full)
+
+    def _gather_seq(self, y: torch.Tensor, groups: ActorGroups) -> torch.Tensor:
+        if self.gather_index is None:
+            return y
+        parts = [torch.empty_like(y) for _ in range(groups.cp_size)]
+        dist.all_gather(parts, y.contiguous(), group=groups.cp_group)
+        full = torch.empty((y.shape[0], self.layout.total) + tuple(y.shape[2:]), dtype=y.dtype, device=y.device)
+        full[:, self.gather_index] = torch.cat(parts, dim=1)
+        return full
+
+    def routing_targets(self, routing: torch.Tensor, lengths: torch.Tensor, groups: ActorGroups,
+                        device) -> torch.Tensor:
+        """Replay targets ``[n_layers, n_local, k]`` in megatron's router token order for the packed sequence
+        (-1: the trainer's own choice at each row's last token and at padding)."""
+        r = routing[self.start:self.end, : self.s_rows].to(device=device, dtype=torch.int64)
+        valid = routing_valid_mask(lengths[self.start:self.end].to(r.device), r.shape[1])
+        r = torch.where(valid[:, :, None, None], r, torch.full_like(r, -1))
+        if r.shape[1] < self.s_rows:
+            r = torch.cat([r, r.new_full((r.shape[0], self.s_rows - r.shape[1]) + tuple(r.shape[2:]), -1)], 1)
+        seq = self.place(r, -1)[0]                                  # [s_loc, NL, k]
+        if groups.sequence_parallel and groups.tp_size > 1:
+            if seq.shape[0] % groups.tp_size:
+                raise RoutingError(f"packed micro-batch of {seq.shape[0]} positions per CP rank is not divisible "
+                                   f"by the sequence-parallel size {groups.tp_size}")
+            seq = seq.chunk(groups.tp_size, dim=0)[groups.tp_rank]
+        return seq.permute(1, 0, 2).contiguous()
+
+    def gather_records(self, local: torch.Tensor, groups: ActorGroups) -> torch.Tensor:
+        """Routing recorded on this rank ``[n_layers, n_local, k]`` -> ``[n, s_rows, n_layers, k]`` (-1 where
+        the row has no token)."""
+        x = local.permute(1, 0, 2).contiguous()                     # [s_loc / SP, NL, k]
+        if groups.sequence_parallel and groups.tp_size > 1:
+            parts = [torch.empty_like(x) for _ in range(groups.tp_size)]
+            dist.all_gather(parts, x, group=groups.tp_group)
+            x = torch.cat(parts, dim=0)
+        full = self._gather_seq(x.unsqueeze(0), groups)[0]          # [total, NL, k]
+        ext = torch.cat([full, full.new_full((1,) + tuple(full.shape[1:]), -1)])
+        src = torch.where(self.src_full >= 0, self.src_full, torch.full_like(self.src_full, full.shape[0]))
+        return ext[src]
+
+
 @dataclass
 class MicroBatch:
     """Inputs of one micro-batch on this rank (sequence dims already cut to this CP rank)."""
 
     rows: Tuple[int, int]
-    """[start, end) rows of the (DP-shard) batch."""
+    """[start, end) rows of the (DP-shard, plan-ordered) batch."""
     full_length: int
-    """Padded sequence length s before the CP split (tokens / positions / targets span s)."""
+    """Sequence length s of the model input before the CP split (padded rows: the padded row length; packed:
+    the packed length)."""
     tokens: torch.Tensor
-    """[b, s/CP] int64 input ids."""
+    """[b, s/CP] int64 input ids (packed: b = 1)."""
     position_ids: torch.Tensor
-    """[b, s/CP] int64 positions (0-based per row)."""
+    """[b, s/CP] int64 positions (0-based per row; packed: per segment)."""
     targets: torch.Tensor
-    """[b, s/CP] int64: the token each position scores (token t+1 for position t)."""
+    """[b, s/CP] int64: the token each position scores (token t+1 for position t; the pad id at each row's last
+    token)."""
+    layout: "PaddedRows | PackedRows"
+    """Where each row's positions are in the model input, and the way back (``loss_rows``, ``gather_rows``,
+    routing targets and records)."""
     per_token: Dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
-    """Per-token tensors at the same positions ([b, s/CP]); e.g. old_log_probs, advantages, mask."""
+    """Per-token tensors of the loss in the layout ``layout.loss_rows`` returns: [b, s/CP] for padded rows,
+    [n, s_rows] rows for packed ones (``response_mask`` 0 where another CP rank holds the position)."""
     seq_valid_tokens: Optional[torch.Tensor] = None
-    """[b] float64 valid tokens of each whole row under ``per_token['response_mask']`` (before the CP
+    """[n] float64 valid tokens of each whole row under ``per_token['response_mask']`` (before the CP
     split) — what seq-mean-token-mean divides by."""
+    packed_seq_params: Optional[object] = None
+    """megatron's ``PackedSeqParams`` (THD, cu_seqlens) of a packed micro-batch; None for padded rows."""
+
+    @property
+    def model_kwargs(self) -> Dict[str, object]:
+        """Keyword arguments of the model call beyond (tokens, position_ids, attention_mask)."""
+        return {} if self.packed_seq_params is None else {"packed_seq_params": self.packed_seq_params}
 
 
-def prepare_micro_batches(batch: RolloutBatch, micro_batch_size: int, groups: ActorGroups, trim: bool = True,
-                          per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None) -> List[MicroBatch]:
-    """Cut ``batch`` (and ``per_token`` [B, L-1] tensors; None values stay None) into micro-batches."""
+def prepare_micro_batches(batch: RolloutBatch, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
+                          trim: bool = True, per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None,
+                          packed: bool = False) -> List[MicroBatch]:
+    """Cut ``batch`` (and ``per_token`` [B, L-1] tensors; None values stay None) into micro-batches of the
+    contiguous row blocks ``bounds`` (``micro_batching.plan_micro_batches``), padded rows or ``packed``."""
     per_token = per_token or {}
     B, Lm1 = batch.num_rows, batch.max_length - 1
     for name, t in per_token.items():
         if t is not None and tuple(t.shape) != (B, Lm1):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [B, L-1] = [{B}, {Lm1}] "
                              f"(column t scores token t+1 of RolloutBatch.tokens)")
+    if packed:
+        return _packed_micro_batches(batch, bounds, groups, trim, per_token)
     mult = groups.seq_multiple
     dev = actor_device()
     out = []
-    for (start, end), mb in batch.micro_batches(micro_batch_size, trim=trim, multiple_of=mult):
+    for start, end in bounds:
+        mb = batch.select(start, end, trim=trim, multiple_of=mult)
         s = mb.max_length
         b = end - start
         tokens = mb.tokens.to(dev)
@@ -88,7 +238,52 @@ def prepare_micro_batches(batch: RolloutBatch, micro_batch_size: int, groups: Ac
                               tokens=cp_split(tokens, groups.cp_rank, groups.cp_size),
                               position_ids=cp_split(pos, groups.cp_rank, groups.cp_size),
                               targets=cp_split(targets, groups.cp_rank, groups.cp_size),
-                              per_token=extras, seq_valid_tokens=svt))
+                              layout=PaddedRows(start, end, s), per_token=extras, seq_valid_tokens=svt))
+    return out
+
+
+def _packed_micro_batches(batch: RolloutBatch, bounds, groups: ActorGroups, trim: bool,
+                          per_token: Dict[str, Optional[torch.Tensor]]) -> List[MicroBatch]:
+    """``prepare_micro_batches`` with each block of rows packed into one sequence (see ``PackedRows``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    dev = actor_device()
+    row_mult = 2 * groups.cp_size if groups.cp_size > 1 else 1
+    layouts = [pack_layout(batch.lengths[s:e].tolist(), row_multiple=row_mult, total_multiple=groups.seq_multiple)
+               for s, e in bounds]
+    if not trim:  # interleaved pipeline: every micro-batch the same shape (a longer trailing pad segment)
+        longest = max(lay.total for lay in layouts)
+        layouts = [dataclasses.replace(lay, total=longest) for lay in layouts]
+    tokens_all = batch.tokens.to(dev)
+    lengths_all = batch.lengths.to(dev)
+    out = []
+    for (start, end), lay in zip(bounds, layouts):
+        s_rows = max(int(batch.lengths[start:end].max()), 2)
+        pr = PackedRows(start, end, lay, s_rows, groups, dev)
+        rows_tok = tokens_all[start:end, :s_rows]
+        nxt = torch.cat([rows_tok[:, 1:], rows_tok.new_full((end - start, 1), batch.pad_id)], dim=1)
+        col = torch.arange(s_rows, device=dev).unsqueeze(0)
+        nxt = torch.where(col + 1 < lengths_all[start:end].unsqueeze(1), nxt, torch.full_like(nxt, batch.pad_id))
+        extras: Dict[str, Optional[torch.Tensor]] = {}
+        svt = None
+        for name, t in per_token.items():
+            if t is None:
+                extras[name] = None
+                continue
+            placed = fit_columns(fit_columns(t[start:end].to(dev), s_rows - 1), s_rows)
+            if name == "response_mask":
+                svt = (placed != 0).sum(dim=-1).to(torch.float64)
+                placed = placed * pr.held   # another CP rank computes these positions
+            extras[name] = placed
+        cu, cu_pad = lay.cu_seqlens(device=dev), lay.cu_seqlens_padded(device=dev)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                              cu_seqlens_kv_padded=cu_pad, max_seqlen_q=lay.max_seqlen(),
+                              max_seqlen_kv=lay.max_seqlen())
+        out.append(MicroBatch(rows=(start, end), full_length=lay.total,
+                              tokens=pr.place(rows_tok, batch.pad_id),
+                              position_ids=lay.position_ids(device=dev)[pr.positions].unsqueeze(0),
+                              targets=pr.place(nxt, batch.pad_id),
+                              layout=pr, per_token=extras, seq_valid_tokens=svt, packed_seq_params=psp))
     return out
 
 
@@ -105,8 +300,8 @@ def run_schedule(model_chunks: Sequence[torch.nn.Module], micro_batches: List[Mi
         rows = sum(mb.tokens.shape[0] for mb in micro_batches)
         raise ValueError(f"interleaved pipeline (virtual_pipeline_model_parallel_size={len(model_chunks)}) needs "
                          f">= pipeline_model_parallel_size={pp_size} micro-batches per step, got "
-                         f"{len(micro_batches)} ({rows} rows / actor.micro_batch_size); lower "
-                         f"actor.micro_batch_size or send more rows per DP rank / mini-batch")
+                         f"{len(micro_batches)} ({rows} rows); lower actor.micro_batch_size (or "
+                         f"actor.max_tokens_per_micro_batch) or send more rows per DP rank / mini-batch")
 
     def step(data_iterator, model):
         return forward_step(next(data_iterator), model)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,8 @@ def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, t
     (see the module docstring), plus its (sum, count) metrics."""
     logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
                                         compute_entropy=True)
+    # packed: the packed sequence's positions -> the rows the loss's inputs are laid out in (padded: as is)
+    logp, ent = mb.layout.loss_rows(logp), mb.layout.loss_rows(ent)
     p = mb.per_token
     out = compute_policy_loss(logp, p["old_log_probs"], p["advantages"], p["response_mask"], cfg,
                               loss_type=loss_type, is_weights=p["is_weights"], ref_log_probs=p["ref_log_probs"],
@@ -63,7 +65,7 @@ def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, t
 
 
 def _forward_step(loss_func, mb: MicroBatch, model):
-    output = model(mb.tokens, mb.position_ids, attention_mask=None)
+    output = model(mb.tokens, mb.position_ids, attention_mask=None, **mb.model_kwargs)
     return output, functools.partial(loss_func, mb)
 
 
@@ -78,11 +80,14 @@ def _broadcast_object(obj, groups: ActorGroups):
 
 def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
                      per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, loss_type: str, *,
-                     temperature: float, micro_batch_size: int, groups: ActorGroups,
-                     trim: bool = True, replay=None) -> Dict[str, float]:
+                     temperature: float, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
+                     trim: bool = True, packed: bool = False, replay=None) -> Dict[str, float]:
     """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
 
     ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
+    ``bounds``: the micro-batches, contiguous [start, end) row blocks (``micro_batching.plan_micro_batches``);
+    ``packed``: each packed into one sequence. Neither changes the loss: its denominators are global and the
+    loss sees each micro-batch's rows (``MicroBatch.layout.loss_rows``).
 
     ``loss_type`` ("ppo_clip" / "reinforce") is ``algorithm.rollout_correction.loss_type``.
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
@@ -104,7 +109,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     dev = actor_device()
     inputs = {k: None if v is None else v.to(dev) for k, v in inputs.items()}
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
-    mbs = prepare_micro_batches(batch, micro_batch_size, groups, trim=trim, per_token=inputs)
+    mbs = prepare_micro_batches(batch, bounds, groups, trim=trim, per_token=inputs, packed=packed)
     scale = float(len(mbs) * groups.dp_size)
     loss_func = functools.partial(_loss_func, loss_cfg, loss_type, den, float(temperature), groups.tp_group, scale)
     for chunk in model_chunks:

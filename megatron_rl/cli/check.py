@@ -12,7 +12,10 @@ the trainer reads it); a missing ``actor.load_hf`` comes with the command that b
 comments or the built-in digit tasks name one. The memory plan of :mod:`megatron_rl.ops.memory` (formulas in that
 module's docstring) is printed for what the file runs (:mod:`megatron_rl.ops.run_profile`: device, the
 actor's params dtype and optimizer, the task's longest prompt + ``rollout.max_new_tokens``) whenever the
-model shapes are known, even if other keys are wrong. Exit status: 2 when there is a problem, 3 with
+model shapes are known, even if other keys are wrong. With ``actor.max_tokens_per_micro_batch`` a budget below the
+longest possible row (that prompt + the response budget, rounded up to the sequence multiple of TP / SP and CP) is
+a problem naming the key and how that row was computed; the plan then sizes one micro-batch from the budget
+(:mod:`megatron_rl.ops.memory`, "Token-budget micro-batches"). Exit status: 2 when there is a problem, 3 with
 ``--strict`` when the plan exceeds the GPU memory, else 0.
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import List, Optional
 
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.validate import world_errors
-from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, memory_plan
+from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, longest_row, memory_plan, token_budget_error
 from megatron_rl.ops.run_profile import run_profile
 from megatron_rl.ops.sync_plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
@@ -89,6 +92,7 @@ def _flag_overrides(args: argparse.Namespace) -> List[str]:
 def _blocks_plan(problem: str) -> bool:
     """Problems after which the plan's numbers would be wrong (shapes or layout)."""
     return problem.startswith(("world size", "parallel.", "model.", "model:", "actor.micro_batch_size",
+                               "actor.max_tokens_per_micro_batch",
                                "rollout.max_new_tokens", "data.prompts_per_step", "rollout.n_samples_per_prompt",
                                "actor.ppo_mini_batches"))
 
@@ -115,6 +119,12 @@ def _run(args: argparse.Namespace) -> int:
     world = c.world_size
     where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "
              f"{'GPU' if c.device == 'cuda' else 'CPU rank'}(s))")
+    prof = prompt = prompt_src = None
+    if cfg.model is not None and not any(_blocks_plan(p) for p in problems):  # the longest row needs the layout
+        prof, prompt, prompt_src = _prompt(args, cfg)
+        budget_problem = token_budget_error(cfg, longest_row(cfg, prompt, world), prompt_src)
+        if budget_problem is not None:
+            problems.append(budget_problem)
     if problems:
         print(f"error: {where}: {len(problems)} problem(s):", file=sys.stderr)
         for p in problems:
@@ -139,12 +149,6 @@ def _run(args: argparse.Namespace) -> int:
     if blocking:
         print("memory plan: skipped until the layout / batch problems above are fixed", file=sys.stderr)
         return 2
-    prof = run_profile(cfg)
-    prompt = args.prompt_length if args.prompt_length is not None else prof.prompt_length
-    prompt_src = "--prompt-length" if args.prompt_length is not None else prof.prompt_source
-    if prompt is None:
-        prompt, prompt_src = DEFAULT_PROMPT_LENGTH, f"default {DEFAULT_PROMPT_LENGTH}: {prof.prompt_source}; " \
-                                                    f"pass --prompt-length"
     recompute = args.recompute
     if recompute is None:  # what the trainer will do: megatron's recompute_granularity passed via model.extra
         recompute = "full" if (cfg.model.extra or {}).get("recompute_granularity") == "full" else "selective"
@@ -169,6 +173,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.strict and c.gpu_memory_gb is not None and peak > c.gpu_memory_gb * GiB:
         return 3
     return 0
+
+
+def _prompt(args: argparse.Namespace, cfg):
+    """(run profile, prompt tokens the plan assumes, where they come from): ``--prompt-length``, else the
+    task's longest prompt, else the default."""
+    prof = run_profile(cfg)
+    prompt = args.prompt_length if args.prompt_length is not None else prof.prompt_length
+    prompt_src = "--prompt-length" if args.prompt_length is not None else prof.prompt_source
+    if prompt is None:
+        prompt, prompt_src = DEFAULT_PROMPT_LENGTH, f"default {DEFAULT_PROMPT_LENGTH}: {prof.prompt_source}; " \
+                                                    f"pass --prompt-length"
+    return prof, prompt, prompt_src
 
 
 def _dtype(nbytes: int) -> str:

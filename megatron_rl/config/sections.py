@@ -231,7 +231,19 @@ class ActorConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clipping (0 disables)."""
     micro_batch_size: int = 4
-    """Sequences per micro-batch (forward / backward through the pipeline schedule)."""
+    """Sequences per micro-batch (forward / backward through the pipeline schedule); not used when
+    ``max_tokens_per_micro_batch`` is set."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget of one micro-batch on each rank (verl's ``ppo_max_token_len_per_gpu``): rows are grouped
+    by token count instead of a fixed row count — padded tokens (rows x longest row) without
+    ``sequence_packing``, the packed length with it — and the prompt groups of a step are spread over the DP
+    ranks balancing their tokens. The loss and every metric do not depend on the grouping. Must hold the
+    longest row (prompt + response, rounded up to the sequence multiple of TP/SP and CP). None: fixed
+    ``micro_batch_size`` rows."""
+    sequence_packing: bool = False
+    """Concatenate the rows of a micro-batch into one sequence (THD: per-row positions, attention that never
+    crosses rows; Transformer Engine's ``PackedSeqParams`` on GPU, a block-diagonal causal mask in megatron's
+    local attention on CPU), so no compute goes to padding. Combine with ``max_tokens_per_micro_batch``."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = 1

@@ -125,6 +125,9 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
     for k in ("micro_batch_size", "ppo_mini_batches", "ppo_epochs"):
         if getattr(ac, k) < 1:
             errs.append(f"actor.{k}: must be >= 1, got {getattr(ac, k)}")
+    if ac.max_tokens_per_micro_batch is not None and ac.max_tokens_per_micro_batch < 1:
+        errs.append(f"actor.max_tokens_per_micro_batch: must be >= 1 (or null: fixed micro_batch_size rows), "
+                    f"got {ac.max_tokens_per_micro_batch}")
     if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
         errs.append(f"actor.load_hf: {ac.load_hf!r} is not a directory")
     if ac.routing_replay not in ("none", "r2", "r3"):

@@ -64,6 +64,22 @@ The number of micro-batches in flight on stage s follows the 1F1B schedule: ``mi
 micro-batches per mini-batch); interleaved (V > 1): ``min(2*(P - s - 1) + (V - 1)*P + 1, M*V)``
 model chunks, each holding L/(P*V) layers -- on stage 0 that is Korthikanti's ``L*(1 + (P-1)/(P*V))``.
 
+Token-budget micro-batches (``actor.max_tokens_per_micro_batch`` = B tokens before the CP split)
+    A micro-batch holds at most B tokens (rows x longest row without ``actor.sequence_packing``, the packed
+    length with it), so its activations and logits are planned as one row of B tokens: b = 1,
+    s = ceil(B / CP). Every term above is linear in the token count s*b, so for those this is exact for a
+    full micro-batch; the quadratic attention-score term of ``recompute="none"`` (the unfused local path) is
+    an upper bound: r rows of L tokens hold r*L^2 <= B*L <= B^2 scores, and a packed micro-batch on the
+    local path materialises the full B x B scores under its block-diagonal mask (exactly B^2); with flash /
+    Transformer Engine attention (``selective``) the core keeps only its fp32 log-sum-exp, linear in B.
+    Micro-batches per mini-batch (for the pipeline's in-flight count) are estimated with every row at the
+    longest padded row R (prompt + response rounded up to the sequence multiple: TP with sequence
+    parallel, x 2*CP with context parallel, ``ParallelDims.seq_multiple``): ``floor(B / R)`` rows per
+    micro-batch, ``M = ceil(rows / floor(B / R))`` -- the most micro-batches a mini-batch splits into when
+    all rows are at R, so the in-flight count ``min(P - s, M)`` is not underestimated. A budget below R can
+    hold no row: the plan refuses it (``token_budget_error``, a ``check`` error). ``actor.sequence_packing``
+    without a budget packs ``micro_batch_size`` rows: planned as the padded rows (an upper bound).
+
 Log-prob logits buffer (last stage, one micro-batch of T = s*b tokens), with one fp32 chunk of
 ``rows = min(T, C // (V/TP))`` tokens (C = ``megatron_rl.logprobs.backend.CUDA_CHUNK_ELEMENTS``):
     vocab-parallel path (what the actor runs; the default): the output layer's logits and, in training,
@@ -82,6 +98,7 @@ from typing import Dict, List, Optional
 from megatron_rl.convert.partition import chunk_layer_range
 
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
+from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.rollout.multi_turn import response_budget
 
 GiB = float(1 << 30)
@@ -105,6 +122,70 @@ class MemoryOptions:
     fused_logprobs: bool = False
     """Plan for the fused linear log-prob path (only a chunk of logits exists at a time) instead of the
     vocab-parallel path the actor runs (the logits and their gradient in the params dtype + one chunk)."""
+
+
+@dataclass(frozen=True)
+class LongestRow:
+    """The longest row (prompt + response) a micro-batch of the job must hold, as the actor pads it."""
+
+    prompt: int
+    """Prompt tokens (the longest prompt the plan assumes)."""
+    response: int
+    """Response-side tokens (``rollout.max_new_tokens``, or ``multi_turn.max_total_tokens``)."""
+    response_source: str
+    """The config key ``response`` comes from."""
+    multiple: int
+    """Sequence lengths are padded to a multiple of this (``ParallelDims.seq_multiple``)."""
+    multiple_source: str
+    """How ``multiple`` follows from the layout, e.g. ``TP 4 with sequence parallel x 2*CP 4``."""
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + response."""
+        return self.prompt + self.response
+
+    @property
+    def padded(self) -> int:
+        """``tokens`` rounded up to ``multiple``: the fewest tokens one micro-batch needs."""
+        return -(-self.tokens // self.multiple) * self.multiple
+
+    def describe(self, prompt_source: Optional[str] = None) -> str:
+        """How ``padded`` was computed, e.g. ``4272 tokens: prompt 174 + rollout.max_new_tokens 4096 = 4270,
+        rounded up to a multiple of 8 (TP 8 with sequence parallel)``."""
+        src = f" ({prompt_source})" if prompt_source else ""
+        out = f"{self.padded} tokens: prompt {self.prompt}{src} + {self.response_source} {self.response}"
+        if self.multiple > 1:
+            out += f" = {self.tokens}, rounded up to a multiple of {self.multiple} ({self.multiple_source})"
+        return out
+
+
+def longest_row(cfg, prompt_length: int, world_size: int) -> LongestRow:
+    """The longest row of the validated job config ``cfg`` at ``world_size`` ranks with prompts of at most
+    ``prompt_length`` tokens."""
+    p = cfg.parallel
+    dims = ParallelDims(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                        vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size,
+                        ep=p.expert_model_parallel_size, etp=p.etp, dp=p.data_parallel_size(world_size),
+                        edp=p.expert_data_parallel_size(world_size), world_size=world_size,
+                        sequence_parallel=bool(p.sequence_parallel))
+    parts = []
+    if dims.sequence_parallel and dims.tp > 1:
+        parts.append(f"TP {dims.tp} with sequence parallel")
+    if dims.cp > 1:
+        parts.append(f"2*CP {2 * dims.cp} with context parallel")
+    response, response_source = response_budget(cfg)
+    return LongestRow(prompt=prompt_length, response=response, response_source=response_source,
+                      multiple=dims.seq_multiple, multiple_source=" x ".join(parts) or "no SP / CP padding")
+
+
+def token_budget_error(cfg, row: LongestRow, prompt_source: Optional[str] = None) -> Optional[str]:
+    """The problem (naming ``actor.max_tokens_per_micro_batch``) when the job's token budget cannot hold
+    ``row``; None without a budget or when it fits."""
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is None or budget >= row.padded:
+        return None
+    return (f"actor.max_tokens_per_micro_batch: {budget} tokens cannot hold the longest possible row, "
+            f"{row.describe(prompt_source)}; set it to at least {row.padded}")
 
 
 @dataclass
@@ -146,12 +227,21 @@ class MemoryPlan:
     response_source: str
     """The config key that bounds a row's response side (``multi_turn.max_total_tokens`` for multi-turn jobs)."""
     micro_batch_size: int
+    """Rows per micro-batch (``actor.micro_batch_size``; 1 row of ``max_tokens_per_micro_batch`` tokens
+    when the token budget is set)."""
     microbatches: int
+    """Micro-batches per mini-batch per DP rank (with a token budget: the most, every row at the longest)."""
     total_params: int
     options: MemoryOptions
     is_moe: bool = False
     active_params: int = 0
     """Parameters one token passes through (MoE: top-k experts; = total_params for dense models)."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """``actor.max_tokens_per_micro_batch`` (None: fixed ``micro_batch_size`` rows)."""
+    sequence_packing: bool = False
+    """``actor.sequence_packing``: the rows of a micro-batch are packed into one sequence."""
+    longest_row: Optional[LongestRow] = None
+    """The longest row a micro-batch holds (prompt + response, padded to the sequence multiple)."""
     stages: List[StagePlan] = field(default_factory=list)
 
     def peak(self) -> StagePlan:
@@ -303,13 +393,22 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     dp = p.data_parallel_size(world_size)
     edp = p.expert_data_parallel_size(world_size)
     sp = bool(p.sequence_parallel and tp > 1)
-    response, response_source = response_budget(cfg)
-    seq = o.prompt_length + response
-    s = -(-seq // cp)
-    b = cfg.actor.micro_batch_size
+    row = longest_row(cfg, o.prompt_length, world_size)
+    problem = token_budget_error(cfg, row)
+    if problem is not None:
+        raise ValueError(problem)
+    response_source, seq = row.response_source, row.tokens
     seqs_per_dp = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt // max(dp, 1)
     per_minibatch = max(1, seqs_per_dp // max(1, cfg.actor.ppo_mini_batches))
-    micro = max(1, -(-per_minibatch // b))
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is None:  # fixed rows of the longest sequence
+        s = -(-seq // cp)
+        b = cfg.actor.micro_batch_size
+        micro = max(1, -(-per_minibatch // b))
+    else:  # one row of the whole budget (module docstring); at most floor(B / R) longest rows per micro-batch
+        s = -(-budget // cp)
+        b = 1
+        micro = max(1, -(-per_minibatch // max(1, budget // max(1, row.padded))))
     pattern = m.moe_layer_pattern()
     V, h = m.vocab_size, m.hidden_size
     opt_bytes = 12 if o.params_bytes < 4 else 8
@@ -317,7 +416,9 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
                       expert_dp=edp, seq_length=seq, response_source=response_source, micro_batch_size=b, microbatches=micro,
                       total_params=total_parameters(m), options=o, is_moe=m.is_moe,
-                      active_params=active_parameters(m) if m.is_moe else total_parameters(m))
+                      active_params=active_parameters(m) if m.is_moe else total_parameters(m),
+                      max_tokens_per_micro_batch=budget, sequence_packing=bool(cfg.actor.sequence_packing),
+                      longest_row=row)
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
                                              p.num_layers_in_last_pipeline_stage)):
         dense = expert = 0
@@ -373,6 +474,21 @@ def _gb(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
 
+def micro_batching(plan: MemoryPlan) -> str:
+    """How the plan's micro-batches are formed, e.g. ``micro-batch 2 rows, 8 micro-batches per mini-batch per
+    DP rank`` or ``micro-batch <= 16384 tokens, packed (planned as 1 row of 16384 tokens), at most 4
+    micro-batches per mini-batch per DP rank``."""
+    packed = ", packed" if plan.sequence_packing else ""
+    budget = plan.max_tokens_per_micro_batch
+    if budget is None:
+        how = f"micro-batch {plan.micro_batch_size} rows{packed}"
+        if plan.sequence_packing:
+            how += " (planned as padded rows: an upper bound)"
+        return f"{how}, {plan.microbatches} micro-batches per mini-batch per DP rank"
+    return (f"micro-batch <= {budget} tokens{packed} (actor.max_tokens_per_micro_batch; planned as 1 row of "
+            f"{budget} tokens), at most {plan.microbatches} micro-batches per mini-batch per DP rank")
+
+
 def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device: str = "cuda") -> str:
     """Human-readable table (GiB per rank) with a warning line when a stage exceeds ``gpu_memory_gb``
     (``device`` "cpu": the numbers are host memory per rank)."""
@@ -384,8 +500,7 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"model: {format_count(plan.total_params)} parameters"
         + (f" ({format_count(plan.active_params)} active per token)" if plan.is_moe else "")
         + f"; sequence {plan.seq_length} tokens "
-        f"(prompt {o.prompt_length} + {plan.response_source}), micro-batch {plan.micro_batch_size}, "
-        f"{plan.microbatches} micro-batches per mini-batch per DP rank",
+        f"(prompt {o.prompt_length} + {plan.response_source}), {micro_batching(plan)}",
         f"options: params {o.params_bytes} B, grads {o.grad_bytes} B, distributed optimizer "
         f"{'on' if o.distributed_optimizer else 'off'}, recompute {o.recompute}, log-prob path "
         f"{'fused' if o.fused_logprobs else 'unfused'}",
@@ -405,11 +520,11 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
     lines.append(f"peak: stage {peak.stage}, {tot / GiB:.2f} GiB (recompute={o.recompute}, "
                  f"{'fused' if o.fused_logprobs else 'unfused'} log-probs; excludes CUDA context / NCCL buffers)")
     if gpu_memory_gb is not None:
+        knob = "actor.micro_batch_size" if plan.max_tokens_per_micro_batch is None else "actor.max_tokens_per_micro_batch"
         if tot > gpu_memory_gb * GiB:
             lines.append(f"WARNING: stage {peak.stage} needs {tot / GiB:.2f} GiB > GPU memory {gpu_memory_gb:g} GiB "
                          f"(cluster.gpu_memory_gb / --gpu-memory-gb); "
-                         f"raise TP/PP/EP, use full recomputation, a smaller actor.micro_batch_size, or the "
-                         f"fused log-prob path")
+                         f"raise TP/PP/EP, use full recomputation, a smaller {knob}, or the fused log-prob path")
         else:
             lines.append(f"fits: {tot / GiB:.2f} GiB <= {gpu_memory_gb:g} GiB "
                          f"({100 * tot / (gpu_memory_gb * GiB):.0f}%)")

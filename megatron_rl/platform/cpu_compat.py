@@ -10,7 +10,10 @@ On a machine without CUDA, ``apply_cpu_patches()`` makes megatron run on CPU ten
     allocate on CPU. Tensors and classes are the real torch objects; only the module-global name
     ``torch`` inside megatron modules changes, so nothing outside megatron is affected;
   * a few functions that cannot be fixed through that view are replaced one by one (listed in
-    ``PATCHES`` with the megatron-core symbol each replaces and why).
+    ``PATCHES`` with the megatron-core symbol each replaces and why). Among them, megatron's local
+    ``DotProductAttention`` runs packed (THD) sequences (``packed_seq_params``, context parallel 1) under
+    the block-diagonal causal mask of ``packed_causal_mask``; megatron's own THD RoPE path (pure torch with
+    ``apply_rope_fusion=False``) already restarts rotary positions at each segment.
 
 Consequences worth knowing: megatron's "CUDA" RNG is the CPU default generator, so
 ``model_parallel_cuda_manual_seed(seed)`` reseeds ``torch``'s CPU generator with ``seed`` (megatron's
@@ -41,7 +44,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["apply_cpu_patches", "cpu_patches_applied", "PATCHES", "CpuStream", "CpuEvent"]
+__all__ = ["apply_cpu_patches", "cpu_patches_applied", "packed_causal_mask", "PATCHES", "CpuStream",
+           "CpuEvent"]
 
 #: megatron-core modules imported eagerly by ``apply_cpu_patches`` so their ``torch`` global is
 #: replaced before first use (lazily imported megatron modules are covered by a later call).
@@ -359,6 +363,74 @@ def _wrap_dot_product_attention_init(original):
     return __init__
 
 
+def packed_causal_mask(cu_seqlens: torch.Tensor, total: int, device: Any = None) -> torch.Tensor:
+    """Block-diagonal causal mask ``[1, 1, total, total]`` of a packed (THD) sequence, megatron's convention
+    (True = masked): token i attends to token j only when both lie in the same segment of ``cu_seqlens``
+    (int ``[n_segments + 1]``, 0 first, ``total`` last, non-decreasing) and j <= i."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"packed_causal_mask: cu_seqlens must be non-decreasing from 0 to total={total}, "
+                         f"got {cu_seqlens.tolist()}")
+    pos = torch.arange(total, device=cu.device)
+    segment = torch.searchsorted(cu[1:], pos, right=True)  # segment index of each token
+    masked = (segment.unsqueeze(1) != segment.unsqueeze(0)) | (pos.unsqueeze(0) > pos.unsqueeze(1))
+    return masked.view(1, 1, total, total)
+
+
+def _wrap_dot_product_attention_forward(original):
+    """Local ``DotProductAttention.forward`` that runs packed (THD) sequences: megatron's attention passes
+    q/k/v as ``[t, heads, dim]`` with ``packed_seq_params``; they run as one ``[t, 1, heads, dim]`` sequence
+    under the block-diagonal causal mask of ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), so no token
+    attends across segments. The output is TE's THD layout ``[t, heads * value dim]``, which megatron's
+    attention reshapes to ``[t, 1, -1]`` (0.19's MLA first trims its padded value dim off it).
+    Without ``packed_seq_params`` the original forward runs untouched."""
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias)
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"local DotProductAttention: packed_seq_params.qkv_format="
+                             f"{packed_seq_params.qkv_format!r}; only 'thd' is supported on CPU")
+        if self.config.context_parallel_size != 1:
+            raise ValueError(f"local DotProductAttention: packed (THD) sequences need context_parallel_size=1, "
+                             f"got {self.config.context_parallel_size} (context parallelism needs TE attention)")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask_type != AttnMaskType.causal or self.scale_mask_softmax.window_size is not None:
+            raise ValueError(f"local DotProductAttention: packed (THD) sequences support full causal attention "
+                             f"only, got attn_mask_type={mask_type} window_size="
+                             f"{self.scale_mask_softmax.window_size}")
+        cu_q = packed_seq_params.cu_seqlens_q_padded
+        if cu_q is None:
+            cu_q = packed_seq_params.cu_seqlens_q
+        cu_kv = packed_seq_params.cu_seqlens_kv_padded
+        if cu_kv is None:
+            cu_kv = packed_seq_params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
+            raise ValueError("local DotProductAttention: packed (THD) self-attention needs the same query and "
+                             f"key/value segments, got cu_seqlens_q {cu_q.tolist()} vs kv {cu_kv.tolist()}")
+        if query.dim() != 3 or key.size(0) != query.size(0):
+            raise ValueError(f"local DotProductAttention: packed (THD) q/k/v must be [t, heads, dim] of one "
+                             f"length, got query {tuple(query.shape)} key {tuple(key.shape)}")
+        mask = packed_causal_mask(cu_q, query.size(0), query.device)
+        # the output width follows the value head dim: megatron-core 0.19's MLA pads THD values to the
+        # query head dim (and trims the output back), so it can differ from config.kv_channels here
+        width = self.num_attention_heads_per_partition * value.size(-1)
+        saved = self.hidden_size_per_partition
+        self.hidden_size_per_partition = width
+        try:
+            out = original(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                           attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None)
+        finally:
+            self.hidden_size_per_partition = saved
+        return out.view(query.size(0), width)  # TE's THD layout [t, heads * dim]
+
+    forward.__wrapped__ = original
+    return forward
+
+
 def _replace(module_name: str, attr: str, new: Any, reason: str) -> None:
     module = importlib.import_module(module_name)
     if not hasattr(module, "_mrl_cpu_original_" + attr):
@@ -419,6 +491,11 @@ def _apply_function_patches() -> None:
         dpa.__init__ = _wrap_dot_product_attention_init(dpa.__init__)
     PATCHES["megatron.core.transformer.dot_product_attention.DotProductAttention.__init__"] = (
         "multi-latent attention passes k_channels / v_channels, which only TE's attention accepts (TypeError)")
+    if not hasattr(dpa.forward, "__wrapped__"):
+        dpa.forward = _wrap_dot_product_attention_forward(dpa.forward)
+    PATCHES["megatron.core.transformer.dot_product_attention.DotProductAttention.forward"] = (
+        "asserts packed_seq_params is None: packed (THD) sequences run only in TE's attention; here they run "
+        "under a block-diagonal causal mask")
     torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
     torch_norm.WrappedTorchNorm.__new__ = _wrapped_torch_norm_new
     PATCHES["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"] = (

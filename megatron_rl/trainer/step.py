@@ -42,7 +42,7 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], StepBatch]:
         batch = source.next(step)
     t_rolled = time.perf_counter()
     shard = batch.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor.dp_rank, actor.dp_size,
-                        actor_device())
+                        actor_device(), balance_tokens=cfg.actor.max_tokens_per_micro_batch is not None)
     rows = shard.batch
     with wd.phase("logprob", step + 1):
         old_lp, _ = actor.compute_log_probs(rows, T, compute_entropy=False)  # train_step reports entropy

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, row_blocks
+from megatron_rl.actor.micro_batching import balance_groups
 from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.trainer.async_rollout import token_lag_tensor
 
-__all__ = ["StepBatch", "StepShard", "shard_rows", "any_rank"]
+__all__ = ["StepBatch", "StepShard", "shard_rows", "balanced_rows", "any_rank"]
 
 
 @dataclass
@@ -62,18 +63,26 @@ class StepBatch:
         return len(self.rewards)
 
     def shard(self, step: int, n_samples: int, pad_id: int, dp_rank: int, dp_size: int,
-              device: torch.device) -> "StepShard":
+              device: torch.device, balance_tokens: bool = False) -> "StepShard":
         """This DP rank's whole prompt groups (``prompts_per_step % DP == 0``), every tensor on ``device``;
-        ``step``: completed steps (the trainer's weight version, for the per-token lag)."""
+        ``step``: completed steps (the trainer's weight version, for the per-token lag). ``balance_tokens``
+        (with ``actor.max_tokens_per_micro_batch``): the groups are spread over the DP ranks balancing their
+        tokens (``micro_batching.balance_groups``; every rank the same number of groups) instead of contiguous
+        blocks — the loss's denominators are global, so the step's result does not depend on it."""
         full = RolloutBatch.from_sequences(self.prompt_ids, self.response_ids, self.rollout_log_probs,
                                            pad_id=pad_id, routing=self.routing, loss_masks=self.loss_masks or None)
-        batch = full.shard(dp_rank, dp_size).to(device)
         rows = shard_rows(self.num_rows, dp_rank, dp_size)
-        rewards = torch.tensor(self.rewards[rows.start:rows.stop], dtype=torch.float32).to(device)
-        group_index = torch.arange(rows.start, rows.stop, device=device) // n_samples
+        if balance_tokens and dp_size > 1 and self.num_rows % n_samples == 0:
+            rows = balanced_rows([len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)], n_samples,
+                                 dp_rank, dp_size)
+            batch = full.take(rows).to(device)
+        else:
+            batch = full.shard(dp_rank, dp_size).to(device)
+        rewards = torch.tensor([self.rewards[i] for i in rows], dtype=torch.float32).to(device)
+        group_index = torch.as_tensor(list(rows), dtype=torch.int64, device=device) // n_samples
         versions = self.token_versions or [[step] * len(r) for r in self.response_ids]
-        lag = token_lag_tensor([len(p) for p in self.prompt_ids[rows.start:rows.stop]],
-                               versions[rows.start:rows.stop], step, batch.max_length - 1).to(device)
+        lag = token_lag_tensor([len(self.prompt_ids[i]) for i in rows], [versions[i] for i in rows], step,
+                               batch.max_length - 1).to(device)
         return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=rows)
 
     def summary(self, failed_frac: float) -> Dict[str, float]:
@@ -117,14 +126,22 @@ class StepShard:
     """[b] int64 prompt group of each row (global row // n_samples_per_prompt)."""
     token_lag: torch.Tensor
     """[b, L-1] int64 weight versions between each response token's generation and this step (0 in sync mode)."""
-    rows: range
-    """The global rows of the shard."""
+    rows: Sequence[int]
+    """The global rows of the shard, in the shard's order (a ``range`` unless balanced by tokens)."""
 
 
 def shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
     """The rows ``RolloutBatch.shard`` gives this DP rank (whole groups: prompts_per_step % DP == 0)."""
     start, end = row_blocks(num_rows, dp_size)[dp_rank]
     return range(start, end)
+
+
+def balanced_rows(row_tokens: Sequence[int], n_samples: int, dp_rank: int, dp_size: int) -> List[int]:
+    """The rows of this DP rank when whole prompt groups (``n_samples`` consecutive rows) are spread over the DP
+    ranks balancing their tokens (``micro_batching.balance_groups``)."""
+    groups = [sum(row_tokens[g * n_samples:(g + 1) * n_samples]) for g in range(len(row_tokens) // n_samples)]
+    mine = balance_groups(groups, dp_size)[dp_rank]
+    return [g * n_samples + i for g in mine for i in range(n_samples)]
 
 
 def any_rank(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:

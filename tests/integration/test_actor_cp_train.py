@@ -78,11 +78,12 @@ def _rank(rank, world, cp, agg):
     shard = batch.shard(groups.dp_rank, groups.dp_size)
     start = sum(batch.shard(r, groups.dp_size).num_rows for r in range(groups.dp_rank))
     rows = slice(start, start + shard.num_rows)
-    lp, ent = compute_log_probs(model, shard, micro_batch_size=3, temperature=0.9, groups=groups)
+    bounds = [(s, min(s + 3, shard.num_rows)) for s in range(0, shard.num_rows, 3)]   # micro-batches of 3 rows
+    lp, ent = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups)
     per_token = {"old_log_probs": lp, "advantages": adv[rows], "response_mask": shard.response_mask,
                  "is_weights": is_w[rows], "ref_log_probs": None}
     cfg = PolicyLossConfig(loss_agg_mode=agg)
-    metrics = train_mini_batch(model, opt, shard, per_token, cfg, "ppo_clip", temperature=0.9, micro_batch_size=3,
+    metrics = train_mini_batch(model, opt, shard, per_token, cfg, "ppo_clip", temperature=0.9, bounds=bounds,
                                groups=groups)
     return {"dp_rank": groups.dp_rank, "lp": lp, "ent": ent, "metrics": metrics,
             "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()},

@@ -105,6 +105,29 @@ def test_log_probs_match_hf(hf_dir, tp, pp, sp, world):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,pp,sp,world,actor", [
+    (1, 1, False, 1, {"sequence_packing": True}),
+    (1, 1, False, 1, {"max_tokens_per_micro_batch": 16}),
+    (1, 1, False, 1, {"max_tokens_per_micro_batch": 16, "sequence_packing": True}),
+    (2, 2, True, 4, {"max_tokens_per_micro_batch": 16, "sequence_packing": True}),
+    (1, 1, False, 2, {"max_tokens_per_micro_batch": 12, "sequence_packing": True})],
+    ids=["tp1-packed", "tp1-budget", "tp1-budget-packed", "tp2sp-pp2-budget-packed", "dp2-budget-packed"])
+def test_packed_and_token_budget_log_probs_match_hf(hf_dir, tp, pp, sp, world, actor):
+    """Issue 25: rows grouped by tokens (padded or packed into one THD sequence per micro-batch, attention
+    within each row only) give every row's log-probs and entropy as HF on that row alone, in the batch's own
+    row order (the plan permutes rows; the results are put back)."""
+    job = _job(hf_dir, tp=tp, pp=pp, sp=sp, **actor)
+    prompts, responses = _sequences(job.model.vocab_size)
+    batch = RolloutBatch.from_sequences(prompts, responses)
+    ref_lp, ref_ent = _reference(hf_dir, prompts, responses, TEMPERATURE)
+    lp, ent = _assemble(run_ranks(_rank_logprobs, world, job, batch, TEMPERATURE, timeout=100), batch.num_rows)
+    valid = torch.arange(1, batch.max_length).unsqueeze(0) < batch.lengths.unsqueeze(1)
+    assert (lp.double() - ref_lp)[valid].abs().max().item() <= 1e-4
+    assert (ent.double() - ref_ent)[valid].abs().max().item() <= 1e-4
+    assert torch.all(lp[~valid] == 0) and torch.all(ent[~valid] == 0)
+
+
+@pytest.mark.timeout(120)
 def test_log_probs_from_converted_checkpoint(hf_dir, tmp_path):
     """actor.load_hf may name a ``megatron-rl convert hf-to-mcore`` directory saved at another layout
     (TP2 here, resharded to TP1 x PP2 on load); the log-probs still equal HF's, and the HF export

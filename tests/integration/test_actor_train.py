@@ -128,6 +128,29 @@ def test_one_step_matches_reference(models, key, layout, world):
     _check(results, ref, job, models[key])
 
 
+#: token-budget micro-batches (issue 25): padded (rows x longest row <= budget) and packed (THD sequences);
+#: the rows of the 8-row batch are 2..15 tokens long, so a budget of 24 groups 1-5 rows per micro-batch
+PACKING = {"budget": {"max_tokens_per_micro_batch": 24}, "packed": {"sequence_packing": True, "mbs": 3},
+           "budget-packed": {"max_tokens_per_micro_batch": 24, "sequence_packing": True}}
+PACKING_CASES = [("qwen2", dict(), 1, "budget"), ("qwen2", dict(), 1, "packed"), ("qwen2", dict(), 1, "budget-packed"),
+                 ("qwen2", dict(), 2, "budget-packed"), ("qwen2", dict(tp=2, pp=2, sp=True), 4, "budget-packed"),
+                 ("moe", dict(ep=2), 2, "budget-packed"), ("deep", dict(pp=4, vpp=2, mbs=2), 4, "budget-packed")]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("key,layout,world,batching", PACKING_CASES,
+                         ids=["tp1-budget", "tp1-packed", "tp1-budget-packed", "dp2-budget-packed",
+                              "tp2sp-pp2-budget-packed", "moe-ep2-budget-packed", "pp4-vpp2-budget-packed"])
+def test_one_step_with_token_budget_and_packing_matches_reference(models, key, layout, world, batching):
+    """The same single-process reference as above (no micro-batches at all): grouping rows by tokens and packing
+    them into THD sequences leaves the gradients, the loss, the grad norm and the updated weights unchanged."""
+    job = _job(models[key], **{**layout, **PACKING[batching]})
+    data = _data(job.model.vocab_size)
+    ref = _reference(models[key], data, [list(range(data[0].num_rows))])
+    results = run_ranks(_rank_train, world, job, data, timeout=150)
+    _check(results, ref, job, models[key])
+
+
 @pytest.mark.timeout(180)
 def test_mini_batches_and_epochs_match_reference(models):
     job = _job(models["qwen2"], tp=2, pp=2, ppo_mini_batches=2, ppo_epochs=2, mbs=2)

@@ -1,0 +1,321 @@
+"""Token-budget micro-batch planning and packed (THD) sequence layouts: pure functions, no model, no process group.
+
+One job: decide which rows go into which micro-batch, how prompt groups spread over data-parallel ranks, and
+where every row's tokens sit in a packed sequence (and which packed positions each context-parallel rank holds).
+The actor (``schedule`` / ``forward`` / ``train_step``) turns these plans into tensors.
+
+* ``micro_batch_cost(lengths, packed, seq_multiple, row_multiple)``: model tokens of one micro-batch before the
+  CP split: padded = rows x longest row (rounded up to ``seq_multiple``); packed = the sum of the rows' segments
+  (each rounded up to ``row_multiple``), rounded up to ``seq_multiple``.
+* ``plan_micro_batches(lengths, micro_batch_size=..., max_tokens=..., packed=...)`` -> ``MicroBatchPlan``:
+  ``max_tokens=None`` keeps today's consecutive blocks of ``micro_batch_size`` rows; a budget
+  (``actor.max_tokens_per_micro_batch``) groups rows by first-fit-decreasing so every micro-batch costs at most
+  the budget.
+* ``balance_groups(group_tokens, num_ranks)``: the same number of prompt groups on every DP rank, greedy
+  largest-first onto the lightest rank (LPT with a cardinality limit).
+* ``pack_layout(lengths, row_multiple, total_multiple)`` -> ``PackedLayout``: offsets, ``cu_seqlens`` /
+  ``cu_seqlens_padded`` / ``max_seqlen`` for ``PackedSeqParams``, per-segment ``position_ids`` and the inverse
+  map ``row_col`` (packed position -> (row, column); -1 at padding).
+* ``packed_cp_positions`` / ``packed_cp_gather_index``: megatron/TE's THD context-parallel split of a packed
+  sequence and its inverse.
+
+Usage::
+
+    plan = plan_micro_batches(lengths, micro_batch_size=4, max_tokens=8192, packed=True,
+                              seq_multiple=tp_sp * 2 * cp, row_multiple=2 * cp)
+    for (s, e), tokens in zip(plan.bounds, plan.tokens):
+        rows = plan.order[s:e]                    # row indices of this micro-batch, ascending
+        layout = pack_layout([lengths[r] for r in rows], row_multiple=2 * cp, total_multiple=tp_sp * 2 * cp)
+        assert layout.total == tokens
+        pos = packed_cp_positions(layout.segments, cp_rank, cp)   # this CP rank's packed positions
+    ranks = balance_groups(tokens_per_group, dp_size)            # ranks[r]: the prompt groups of DP rank r
+
+Tests: ``pytest tests/unit/test_micro_batching.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["MicroBatchPlan", "micro_batch_cost", "plan_micro_batches", "balance_groups", "PackedLayout",
+           "pack_layout", "packed_cp_positions", "packed_cp_gather_index"]
+
+BUDGET_KEY = "actor.max_tokens_per_micro_batch"
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _check_multiple(name: str, m: int) -> None:
+    if int(m) != m or m < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {m!r}")
+
+
+def _check_lengths(lengths: Sequence[int], what: str) -> List[int]:
+    out = [int(x) for x in lengths]
+    if not out:
+        raise ValueError(f"{what}: no rows (empty lengths)")
+    for i, (x, raw) in enumerate(zip(out, lengths)):
+        if x != raw or x < 1:
+            raise ValueError(f"{what}: row {i} has length {raw!r}; every row needs an integer length >= 1")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- micro-batches
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Which rows go into which micro-batch, in which order."""
+
+    order: Tuple[int, ...]
+    """A permutation of ``range(num_rows)``: micro-batch i holds rows ``order[s:e]`` for ``(s, e) = bounds[i]``
+    (ascending row index inside a micro-batch)."""
+    bounds: Tuple[Tuple[int, int], ...]
+    """Contiguous, non-empty ``[start, end)`` blocks of ``order``, in order, covering it."""
+    tokens: Tuple[int, ...]
+    """Model tokens of each micro-batch before the CP split (``micro_batch_cost`` of its rows)."""
+
+    @property
+    def num_micro_batches(self) -> int:
+        """``len(bounds)``."""
+        return len(self.bounds)
+
+    def rows(self, i: int) -> Tuple[int, ...]:
+        """Row indices of micro-batch ``i`` (ascending)."""
+        s, e = self.bounds[i]
+        return self.order[s:e]
+
+
+def micro_batch_cost(lengths: Sequence[int], packed: bool, seq_multiple: int, row_multiple: int = 1) -> int:
+    """Model tokens of one micro-batch holding rows of these ``lengths`` (before the CP split).
+
+    padded (``packed=False``): ``len(lengths) * round_up(max(lengths), seq_multiple)`` (every row padded to the
+    longest; ``row_multiple`` is not used). packed: ``round_up(sum(round_up(l, row_multiple)), seq_multiple)``
+    (each row's segment padded to ``row_multiple`` — 2 x CP under context parallelism — and the packed
+    sequence to ``seq_multiple``)."""
+    _check_multiple("seq_multiple", seq_multiple)
+    _check_multiple("row_multiple", row_multiple)
+    ls = [int(x) for x in lengths]
+    if not ls:
+        raise ValueError("micro_batch_cost: no rows (empty lengths)")
+    if packed:
+        return _round_up(sum(_round_up(x, row_multiple) for x in ls), seq_multiple)
+    return len(ls) * _round_up(max(ls), seq_multiple)
+
+
+def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tokens: Optional[int],
+                       packed: bool, seq_multiple: int = 1, row_multiple: int = 1,
+                       min_micro_batches: int = 1) -> MicroBatchPlan:
+    """Group the rows (token ``lengths``, prompt + response) into micro-batches.
+
+    ``max_tokens is None``: identity order, consecutive blocks of ``micro_batch_size`` rows (the last may be
+    smaller), packed or not — today's behaviour (``RolloutBatch.micro_batches``).
+
+    ``max_tokens`` set (``micro_batch_size`` ignored): every micro-batch's ``micro_batch_cost`` is at most
+    ``max_tokens``, with few micro-batches: first-fit-decreasing over the rows sorted by length (descending,
+    ties by row index), a bin's cost recomputed with ``micro_batch_cost`` (padded: adding a shorter row costs
+    its padded length, the bin's longest row). For packed rows this is classical bin packing (at most
+    11/9 OPT + 6/9 micro-batches); for padded rows it is optimal. Rows inside a micro-batch ascend by index and
+    micro-batches are ordered by their smallest row index, so the plan depends on ``lengths`` only.
+
+    ``min_micro_batches`` (the interleaved pipeline schedule needs >= PP micro-batches): a token-budget plan
+    with fewer is split further — the micro-batch with the most tokens (then the most rows) cut in two halves
+    of its rows — while it has a micro-batch of more than one row.
+
+    Raises ValueError on empty ``lengths``, a length < 1, ``micro_batch_size`` / ``max_tokens`` < 1, and when a
+    single row's own cost exceeds ``max_tokens`` (naming the row, its length, its cost and
+    ``actor.max_tokens_per_micro_batch``)."""
+    ls = _check_lengths(lengths, "plan_micro_batches")
+    _check_multiple("seq_multiple", seq_multiple)
+    _check_multiple("row_multiple", row_multiple)
+    n = len(ls)
+
+    def cost(rows: Sequence[int]) -> int:
+        return micro_batch_cost([ls[r] for r in rows], packed, seq_multiple, row_multiple)
+
+    if max_tokens is None:
+        if int(micro_batch_size) != micro_batch_size or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
+        bounds = tuple((s, min(s + micro_batch_size, n)) for s in range(0, n, micro_batch_size))
+        return MicroBatchPlan(order=tuple(range(n)), bounds=bounds,
+                              tokens=tuple(cost(range(s, e)) for s, e in bounds))
+
+    if int(max_tokens) != max_tokens or max_tokens < 1:
+        raise ValueError(f"{BUDGET_KEY} must be an integer >= 1 (or null), got {max_tokens!r}")
+    for r in range(n):
+        c = cost([r])
+        if c > max_tokens:
+            raise ValueError(f"row {r} of length {ls[r]} costs {c} tokens ("
+                             f"{'packed' if packed else 'padded'}, rounded up to the sequence multiple "
+                             f"{seq_multiple}{f' and row multiple {row_multiple}' if packed else ''}), more than "
+                             f"{BUDGET_KEY} = {max_tokens}: raise {BUDGET_KEY} to at least {c}")
+    bins: List[List[int]] = []
+    for r in sorted(range(n), key=lambda i: (-ls[i], i)):
+        for b in bins:
+            if cost(b + [r]) <= max_tokens:
+                b.append(r)
+                break
+        else:
+            bins.append([r])
+    while len(bins) < min_micro_batches and any(len(b) > 1 for b in bins):
+        big = max((b for b in bins if len(b) > 1), key=lambda b: (cost(b), len(b), -min(b)))
+        bins.remove(big)
+        big = sorted(big)
+        bins += [big[: len(big) // 2], big[len(big) // 2:]]
+    groups = sorted((sorted(b) for b in bins), key=lambda b: b[0])
+    order, bounds, start = [], [], 0
+    for g in groups:
+        order.extend(g)
+        bounds.append((start, start + len(g)))
+        start += len(g)
+    return MicroBatchPlan(order=tuple(order), bounds=tuple(bounds), tokens=tuple(cost(g) for g in groups))
+
+
+# ---------------------------------------------------------------------------------------------- DP balancing
+def balance_groups(group_tokens: Sequence[int], num_ranks: int) -> List[List[int]]:
+    """Spread prompt groups (their token counts) over ``num_ranks`` data-parallel ranks: every rank the same
+    number of groups, the largest per-rank token sum kept small. Greedy: groups by tokens descending (ties by
+    group index), each to the rank with the smallest sum that still has room (ties by rank index).
+    Returns, per rank, its group indices ascending. Raises ValueError when ``len(group_tokens)`` is not a
+    multiple of ``num_ranks`` (naming both) or ``num_ranks < 1``."""
+    if int(num_ranks) != num_ranks or num_ranks < 1:
+        raise ValueError(f"balance_groups: num_ranks must be an integer >= 1, got {num_ranks!r}")
+    toks = [int(t) for t in group_tokens]
+    if len(toks) % num_ranks:
+        raise ValueError(f"balance_groups: {len(toks)} prompt groups cannot be split evenly over {num_ranks} "
+                         f"data-parallel ranks (need a multiple of {num_ranks})")
+    cap = len(toks) // num_ranks
+    sums = [0] * num_ranks
+    out: List[List[int]] = [[] for _ in range(num_ranks)]
+    for g in sorted(range(len(toks)), key=lambda i: (-toks[i], i)):
+        r = min((r for r in range(num_ranks) if len(out[r]) < cap), key=lambda r: (sums[r], r))
+        out[r].append(g)
+        sums[r] += toks[g]
+    return [sorted(x) for x in out]
+
+
+# ---------------------------------------------------------------------------------------------- packed layout
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each row of one micro-batch sits in its packed (THD) sequence.
+
+    Row i occupies ``[offsets[i], offsets[i] + lengths[i])``; the rest of its segment (up to ``padded[i]``) and
+    the trailing pad segment (``total - sum(padded)`` positions, present only when non-zero) are padding.
+    The tail is its own attention segment: Transformer Engine rejects empty segments and needs every packed
+    position inside some ``cu_seqlens_padded`` segment. ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded``
+    differ when ``row_multiple > 1``: TE takes both (``PackedSeqParams.cu_seqlens_q`` / ``cu_seqlens_q_padded``),
+    megatron's RoPE and the THD CP split use the padded one."""
+
+    lengths: Tuple[int, ...]
+    """Real tokens of each row, in packing order."""
+    padded: Tuple[int, ...]
+    """Each row's segment length (its length rounded up to ``row_multiple``)."""
+    offsets: Tuple[int, ...]
+    """Start of each row's segment in the packed sequence."""
+    total: int
+    """Packed length: ``sum(padded)`` plus a trailing pad segment up to a multiple of ``total_multiple``."""
+
+    @property
+    def tail(self) -> int:
+        """Length of the trailing pad segment (0: none)."""
+        return self.total - sum(self.padded)
+
+    @property
+    def segments(self) -> Tuple[int, ...]:
+        """Padded segment lengths including the tail when non-zero (what ``cu_seqlens_padded`` accumulates;
+        the argument of ``packed_cp_positions``)."""
+        return self.padded + ((self.tail,) if self.tail else ())
+
+    def _cu(self, seg: Sequence[int], device) -> torch.Tensor:
+        cu = [0]
+        for x in seg:
+            cu.append(cu[-1] + x)
+        return torch.tensor(cu, dtype=torch.int32, device=device)
+
+    def cu_seqlens(self, device=None) -> torch.Tensor:
+        """int32 ``[segments + 1]``: cumulative real lengths; the tail pad segment counts as a segment of its
+        full length."""
+        return self._cu(self.lengths + ((self.tail,) if self.tail else ()), device)
+
+    def cu_seqlens_padded(self, device=None) -> torch.Tensor:
+        """int32 ``[segments + 1]``: cumulative padded segment lengths (tail included); last entry == total."""
+        return self._cu(self.segments, device)
+
+    def max_seqlen(self) -> int:
+        """Longest padded segment (tail included)."""
+        return max(self.segments)
+
+    def position_ids(self, device=None) -> torch.Tensor:
+        """int64 ``[total]``: each packed position's index within its own padded segment (0, 1, ... per
+        segment, the tail too)."""
+        seg = torch.tensor(self.segments, dtype=torch.int64, device=device)
+        starts = torch.cumsum(seg, 0) - seg
+        return torch.arange(self.total, dtype=torch.int64, device=device) - torch.repeat_interleave(starts, seg)
+
+    def row_col(self, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``[total]`` each: the row (0..n-1, packing order) and the column within that row of every packed
+        position; -1 for both at padding (segment padding and tail)."""
+        n = len(self.padded)
+        seg = torch.tensor(self.segments, dtype=torch.int64, device=device)
+        seg_id = torch.repeat_interleave(torch.arange(len(self.segments), dtype=torch.int64, device=device), seg)
+        pos = self.position_ids(device)
+        lens = torch.tensor(self.lengths + ((0,) if self.tail else ()), dtype=torch.int64, device=device)
+        real = (seg_id < n) & (pos < lens[seg_id])
+        minus = torch.full_like(pos, -1)
+        return torch.where(real, seg_id, minus), torch.where(real, pos, minus)
+
+
+def pack_layout(lengths: Sequence[int], row_multiple: int = 1, total_multiple: int = 1) -> PackedLayout:
+    """The packed layout of rows of these ``lengths`` (>= 1 each), in the given order: each row's segment
+    rounded up to ``row_multiple`` (2 x CP with context parallelism), the whole to ``total_multiple`` (a
+    trailing pad segment; with CP it must itself be a multiple of 2 x CP, so pick ``total_multiple`` a
+    multiple of ``row_multiple``)."""
+    ls = _check_lengths(lengths, "pack_layout")
+    _check_multiple("row_multiple", row_multiple)
+    _check_multiple("total_multiple", total_multiple)
+    padded = tuple(_round_up(x, row_multiple) for x in ls)
+    offsets, o = [], 0
+    for p in padded:
+        offsets.append(o)
+        o += p
+    return PackedLayout(lengths=tuple(ls), padded=padded, offsets=tuple(offsets), total=_round_up(o, total_multiple))
+
+
+# ---------------------------------------------------------------------------------------------- THD CP split
+def packed_cp_positions(padded: Sequence[int], cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """int64 packed positions that CP rank ``cp_rank`` of ``cp_size`` holds, in megatron/TE's THD order.
+
+    Convention (``transformer_engine.pytorch.cpp_extensions.thd_get_partitioned_indices(cu_seqlens_padded,
+    total, cp_size, cp_rank)``, used by megatron-core's ``get_thd_batch_on_this_cp_rank`` and the THD branch of
+    its models): the zigzag split of ``get_batch_on_this_cp_rank`` applied to every segment on its own. Each
+    segment (``padded``: the padded segment lengths, tail included — ``PackedLayout.segments``; each divisible
+    by 2 x cp_size, else ValueError) is cut into 2 x cp_size equal chunks; the rank holds chunk ``cp_rank``
+    then chunk ``2*cp_size-1-cp_rank`` of every segment, segments in order. Every rank holds
+    ``sum(padded) / cp_size`` positions. ``cp_size == 1``: every position in order (any segment lengths >= 1)."""
+    _check_multiple("cp_size", cp_size)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"packed_cp_positions: cp_rank {cp_rank} outside context_parallel_size {cp_size}")
+    parts, off = [], 0
+    for i, p in enumerate(int(x) for x in padded):
+        if p < 1 or (cp_size > 1 and p % (2 * cp_size)):
+            raise ValueError(f"packed_cp_positions: segment {i} has padded length {p}, not a positive multiple "
+                             f"of 2 x context_parallel_size = {2 * cp_size}")
+        if cp_size == 1:
+            parts.append(torch.arange(off, off + p, dtype=torch.int64, device=device))
+            off += p
+            continue
+        c = p // (2 * cp_size)
+        for k in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(off + k * c, off + (k + 1) * c, dtype=torch.int64, device=device))
+        off += p
+    if not parts:
+        raise ValueError("packed_cp_positions: no segments")
+    return torch.cat(parts)
+
+
+def packed_cp_gather_index(padded: Sequence[int], cp_size: int, device=None) -> torch.Tensor:
+    """int64 ``[sum(padded)]``: the concatenation over CP ranks 0..cp_size-1 of ``packed_cp_positions`` — so
+    ``full[index] = torch.cat(parts_of_ranks)`` (e.g. after an all-gather) restores the packed order."""
+    return torch.cat([packed_cp_positions(padded, r, cp_size, device) for r in range(cp_size)])
