@@ -32,6 +32,12 @@ FOREIGN_KEYS: Dict[str, tuple] = {
     "ppo_micro_batch_size": ("actor.micro_batch_size", "sequences per micro-batch on each rank"),
     "ppo_micro_batch_size_per_gpu": ("actor.micro_batch_size", "sequences per micro-batch on each rank"),
     "micro_batch_size": ("actor.micro_batch_size", ""),
+    "ppo_max_token_len_per_gpu": ("actor.max_tokens_per_micro_batch", "token budget of one micro-batch per rank"),
+    "log_prob_max_token_len_per_gpu": ("actor.max_tokens_per_micro_batch", "one budget serves both passes"),
+    "use_dynamic_bsz": ("actor.max_tokens_per_micro_batch", "set the token budget (null: fixed rows)"),
+    "use_remove_padding": ("actor.sequence_packing", "true packs each micro-batch's rows into one sequence"),
+    "rl_use_sequence_packing": ("actor.sequence_packing", ""),
+    "rl_sequence_packing_bin_size": ("actor.max_tokens_per_micro_batch", ""),
     "global_batch_size": ("data.prompts_per_step", "sequences per step = data.prompts_per_step x "
                                                    "rollout.n_samples_per_prompt"),
     "train_batch_size": ("data.prompts_per_step", "prompts per step over all ranks"),

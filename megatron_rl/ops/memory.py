@@ -76,7 +76,8 @@ Token-budget micro-batches (``actor.max_tokens_per_micro_batch`` = B tokens befo
     longest padded row R (prompt + response rounded up to the sequence multiple: TP with sequence
     parallel, x 2*CP with context parallel, ``ParallelDims.seq_multiple``): ``floor(B / R)`` rows per
     micro-batch, ``M = ceil(rows / floor(B / R))`` -- the most micro-batches a mini-batch splits into when
-    all rows are at R, so the in-flight count ``min(P - s, M)`` is not underestimated. A budget below R can
+    all rows are at R, so the in-flight count ``min(P - s, M)`` is not underestimated; interleaved (V > 1):
+    at least ``min(P, rows)``, as the actor splits micro-batches for that schedule. A budget below R can
     hold no row: the plan refuses it (``token_budget_error``, a ``check`` error). ``actor.sequence_packing``
     without a budget packs ``micro_batch_size`` rows: planned as the padded rows (an upper bound).
 
@@ -409,6 +410,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         s = -(-budget // cp)
         b = 1
         micro = max(1, -(-per_minibatch // max(1, budget // max(1, row.padded))))
+        if vpp > 1:  # the interleaved schedule needs >= PP micro-batches: the actor splits them further
+            micro = max(micro, min(pp, per_minibatch))
     pattern = m.moe_layer_pattern()
     V, h = m.vocab_size, m.hidden_size
     opt_bytes = 12 if o.params_bytes < 4 else 8

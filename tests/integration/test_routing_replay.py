@@ -157,13 +157,19 @@ def _rank_r3(rank, world, job, data):
     return {"lp": lp, "rows": (start, end), "metrics": metrics, "grads": _grads_hf(actor), "recomputed": recomputed}
 
 
+#: token-budget micro-batches packed into THD sequences (issue 25): the replayed experts follow the packed positions
+PACKED = dict(max_tokens_per_micro_batch=24, sequence_packing=True)
 CASES = [(dict(), 1), (dict(extra=RECOMPUTE), 1), (dict(tp=2, ep=2, sp=True), 4), (dict(pp=2, ep=2), 4),
-         (dict(pp=2, ep=2, extra=RECOMPUTE), 4), (dict(tp=2, pp=2, ep=2, etp=1, sp=True), 4)]
+         (dict(pp=2, ep=2, extra=RECOMPUTE), 4), (dict(tp=2, pp=2, ep=2, etp=1, sp=True), 4),
+         (dict(PACKED), 1), (dict(PACKED, extra=RECOMPUTE), 1), (dict(PACKED, tp=2, ep=2, sp=True), 4),
+         (dict(PACKED, tp=2, pp=2, ep=2, etp=1, sp=True), 4)]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout,world", CASES, ids=["tp1", "tp1-recompute", "tp2ep2sp", "pp2ep2",
-                                                     "pp2ep2-recompute", "tp2sp-pp2-ep2"])
+                                                     "pp2ep2-recompute", "tp2sp-pp2-ep2", "tp1-packed",
+                                                     "tp1-packed-recompute", "tp2ep2sp-packed",
+                                                     "tp2sp-pp2-ep2-packed"])
 def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
     job = _job(moe_dir, routing_replay="r3", **layout)
     data = _data(job.model.vocab_size)
@@ -256,8 +262,9 @@ def _hf_train(hf_dir, batch, forced, old, adv, is_w, lr, steps_rows):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,world", [(dict(), 1), (dict(pp=2, ep=2, extra=RECOMPUTE), 4)],
-                         ids=["tp1", "pp2ep2-recompute"])
+@pytest.mark.parametrize("layout,world", [(dict(), 1), (dict(pp=2, ep=2, extra=RECOMPUTE), 4),
+                                          (dict(PACKED, pp=2, ep=2, extra=RECOMPUTE), 4)],
+                         ids=["tp1", "pp2ep2-recompute", "pp2ep2-recompute-packed"])
 def test_r2_replays_log_prob_pass_routing_in_every_train_forward(moe_dir, layout, world):
     lr = 2e-2
     job = _job(moe_dir, routing_replay="r2", ppo_mini_batches=2, lr=lr, mbs=2, **layout)

@@ -43,9 +43,9 @@ def job(tmp_path):
     return str(path)
 
 
-def _plan(job, *overrides, recompute="selective"):
-    cfg = load_job_config(job, list(overrides), world_size=WORLD)
-    return memory_plan(cfg, WORLD, MemoryOptions(prompt_length=PROMPT, params_bytes=2, recompute=recompute))
+def _plan(job, *overrides, recompute="selective", world=WORLD):
+    cfg = load_job_config(job, list(overrides), world_size=world)
+    return memory_plan(cfg, world, MemoryOptions(prompt_length=PROMPT, params_bytes=2, recompute=recompute))
 
 
 def hand_layer(tokens, recompute, e=2):
@@ -93,6 +93,18 @@ def test_budget_micro_batch_count_sets_the_pipeline_in_flight(job):
     assert plan.microbatches == 1
     assert [st.microbatches_in_flight for st in plan.stages] == [1, 1]
     assert plan.stages[0].activations["selective"] == pytest.approx(2 * hand_layer(512, "selective"))
+
+
+def test_budget_interleaved_pipeline_gets_at_least_pp_micro_batches(job):
+    # PP 4 x VPP 2 (8 layers: 1 per model chunk) on 32 GPUs (DP 2): 4 rows per DP rank per mini-batch fit one
+    # micro-batch, which the actor splits into PP = 4 for the interleaved schedule; the peak on stage 0 is
+    # min(2*(PP-1) + (VPP-1)*PP + 1, M*VPP) = min(11, 8) = 8 chunks = 4 micro-batches of its 2 layers
+    plan = _plan(job, "actor.max_tokens_per_micro_batch=1024", "actor.ppo_mini_batches=4",
+                 "parallel.pipeline_model_parallel_size=4", "parallel.virtual_pipeline_model_parallel_size=2",
+                 "model.num_layers=8", world=32)
+    assert plan.microbatches == 4
+    assert plan.stages[0].microbatches_in_flight == 4
+    assert plan.stages[0].activations["selective"] == pytest.approx(4 * 2 * hand_layer(512, "selective"))
 
 
 def test_without_a_budget_the_plan_is_fixed_rows_packed_or_not(job):
