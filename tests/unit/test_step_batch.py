@@ -55,3 +55,60 @@ def test_checkpoint_written_before_the_rename_resumes():
     saved = pickle.loads(raw)
     back = _resumed_rollouts(saved, types.SimpleNamespace(max_staleness=1, partial_rollout="finish"))
     assert back == {3: b}
+
+
+def _long_tailed_step(groups=6, n=2, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    prompts, responses, versions = [], [], []
+    for g in range(groups):
+        p = [rng.randrange(3, 20) for _ in range(rng.randint(1, 4))]
+        for _ in range(n):
+            r = [rng.randrange(3, 20) for _ in range(rng.choice([1, 2, 3, 20 * (g % 3 == 0)]) or 1)]
+            prompts.append(p)
+            responses.append(r)
+            versions.append([7 - (i % 2) for i in range(len(r))])
+    return StepBatch(prompt_ids=prompts, response_ids=responses,
+                     rollout_log_probs=[[-0.5] * len(r) for r in responses],
+                     rewards=[float(i) for i in range(len(responses))], weight_version="step-7",
+                     token_versions=versions)
+
+
+def test_dp_shards_balanced_by_tokens_keep_whole_groups_and_their_rows():
+    """``balance_tokens`` (with actor.max_tokens_per_micro_batch): the DP ranks' rows are disjoint whole prompt
+    groups covering the step, the same number of groups each, the largest token sum no more than the best
+    equal-count split (brute force) + the largest group; each shard's rewards, groups, token lags and tokens are
+    those of its rows."""
+    import itertools
+
+    import torch
+
+    from megatron_rl.trainer.async_rollout import token_lag_tensor
+
+    n, dp = 2, 2
+    sb = _long_tailed_step(groups=6, n=n)
+    tokens = [len(p) + len(r) for p, r in zip(sb.prompt_ids, sb.response_ids)]
+    group_tokens = [sum(tokens[g * n:(g + 1) * n]) for g in range(6)]
+    shards = [sb.shard(7, n, 0, r, dp, torch.device("cpu"), balance_tokens=True) for r in range(dp)]
+    rows = [list(s.rows) for s in shards]
+    assert sorted(rows[0] + rows[1]) == list(range(sb.num_rows))
+    for rr in rows:
+        assert len(rr) == sb.num_rows // dp and all(rr[i] // n == rr[i + 1] // n for i in range(0, len(rr), n))
+    best = min(max(sum(group_tokens[g] for g in c), sum(group_tokens) - sum(group_tokens[g] for g in c))
+               for c in itertools.combinations(range(6), 3))
+    got = max(sum(tokens[i] for i in rr) for rr in rows)
+    assert got <= best + max(group_tokens)
+    contiguous = max(sum(tokens[:6]), sum(tokens[6:]))
+    assert got <= contiguous
+    for s, rr in zip(shards, rows):
+        assert s.rewards.tolist() == [sb.rewards[i] for i in rr]
+        assert s.group_index.tolist() == [i // n for i in rr]
+        for j, i in enumerate(rr):
+            L = len(sb.prompt_ids[i]) + len(sb.response_ids[i])
+            assert s.batch.tokens[j, :L].tolist() == sb.prompt_ids[i] + sb.response_ids[i]
+        ref_lag = token_lag_tensor([len(sb.prompt_ids[i]) for i in rr], [sb.token_versions[i] for i in rr], 7,
+                                   s.batch.max_length - 1)
+        assert torch.equal(s.token_lag, ref_lag)
+    plain = [sb.shard(7, n, 0, r, dp, torch.device("cpu")) for r in range(dp)]
+    assert [list(s.rows) for s in plain] == [list(range(0, 6)), list(range(6, 12))]
