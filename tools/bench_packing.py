@@ -20,11 +20,11 @@ kernel's peak-RSS counter reset (``/proc/self/clear_refs`` = 5), the pass, then 
 parent's). It is measured on the first timed repeat of each pass, each variant in a fresh process.
 
 Agreement: the log-probs of every variant vs padded (max abs diff over real tokens, first pass = the same
-weights) and the train step's pg_loss / grad_norm (first step).
+weights) and the train step's pg_loss (first step).
 
-Breakdown (log-prob pass, one extra pass with forward hooks): seconds inside megatron's core attention
-(``core_attention`` modules: scores, mask, softmax, PV; on CPU the packed path builds the
-``[t, t]`` block-diagonal causal mask and a full ``[heads, t, t]`` score matrix per layer, quadratic in the
+Breakdown (log-prob pass: ``--repeats`` extra passes with forward hooks, the fastest kept): seconds inside
+megatron's core attention (``core_attention`` modules: scores, mask, softmax, PV; on CPU the packed path builds
+the ``[t, t]`` block-diagonal causal mask and a full ``[heads, t, t]`` score matrix per layer, quadratic in the
 packed length t) and inside the output layer (logits), the rest (projections, MLP, norms, log-prob kernel).
 
 Usage:
@@ -38,6 +38,12 @@ Prints: the batch (real tokens, longest row), then one line per variant/budget: 
 log-prob max abs diff and pg_loss diff vs padded, and the attention / output-layer share of the log-prob
 pass. Targets (issue 25): packed (log-prob + train step) >= 2x padded throughput; peak memory <= padded at
 the same budget. Timings carry the noise of whatever else runs on the machine (every ratio is from one run).
+
+Measured (2026-11-24, commit beaafb1, CPU, 1 thread, 2 shared cores; defaults + ``--budgets 1024,512,400``; full
+table and reading in docs/packing.md): packed B=512 2.19x padded throughput (log-prob + train step), memory
+0.21x / 0.24x; packed at padded's budget B=3176 0.50x and 1.42x / 2.29x memory — the CPU attention of a packed
+micro-batch is one [heads, t, t] score matrix (82 % of that log-prob pass), while the parts linear in tokens
+run 2.1x faster. Log-probs agree with padded to 1e-6, the loss to 2e-8.
 """
 from __future__ import annotations
 
@@ -145,7 +151,7 @@ def _rank_variant(rank, world, job, batch, old, adv, repeats, threads):
             t0 = time.perf_counter()
             train()
             tr_t.append(time.perf_counter() - t0)
-    # breakdown of one more log-prob pass: forward time inside core attention and the output layer
+    # breakdown of ``repeats`` more log-prob passes (the fastest kept): time inside core attention / output layer
     spent = {"attention": 0.0, "output_layer": 0.0}
     handles = []
     for chunk in actor.model:
@@ -164,9 +170,15 @@ def _rank_variant(rank, world, job, batch, old, adv, repeats, threads):
                 spent[kind] += time.perf_counter() - _m._bench_t0
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-    t0 = time.perf_counter()
-    logprobs()
-    spent["total"] = time.perf_counter() - t0
+    best = None
+    for _ in range(repeats):
+        spent.update(attention=0.0, output_layer=0.0)
+        t0 = time.perf_counter()
+        logprobs()
+        spent["total"] = time.perf_counter() - t0
+        if best is None or spent["total"] < best["total"]:
+            best = dict(spent)
+    spent = best
     for h in handles:
         h.remove()
     return {"lp0": lp0, "metrics0": m0, "logprob_s": statistics.median(lp_t), "train_s": statistics.median(tr_t),
@@ -299,8 +311,8 @@ def report(results, batch):
     for r in (pad, same, best):
         bd = r["breakdown"]
         rest = bd["total"] - bd["attention"] - bd["output_layer"]
-        print(f"  breakdown {r['name']} B={r['budget']} (one log-prob pass, {bd['total']:.2f} s): core attention "
-              f"{bd['attention']:.2f} s, output layer {bd['output_layer']:.2f} s, rest {rest:.2f} s")
+        print(f"  breakdown {r['name']} B={r['budget']} (fastest hooked log-prob pass, {bd['total']:.2f} s): "
+              f"core attention {bd['attention']:.2f} s, output layer {bd['output_layer']:.2f} s, rest {rest:.2f} s")
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ class ActorConfig:
     ``micro_batch_size`` rows."""
     sequence_packing: bool = False
     """Concatenate the rows of a micro-batch into one sequence (THD: per-row positions, attention that never
-    crosses rows; Transformer Engine's ``PackedSeqParams`` on GPU, a block-diagonal causal mask in megatron's
+    crosses rows; Transformer Engine's ``PackedSeqParams`` on GPU, one causal segment at a time in megatron's
     local attention on CPU), so no compute goes to padding. Combine with ``max_tokens_per_micro_batch``."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""

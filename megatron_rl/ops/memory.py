@@ -69,8 +69,8 @@ Token-budget micro-batches (``actor.max_tokens_per_micro_batch`` = B tokens befo
     length with it), so its activations and logits are planned as one row of B tokens: b = 1,
     s = ceil(B / CP). Every term above is linear in the token count s*b, so for those this is exact for a
     full micro-batch; the quadratic attention-score term of ``recompute="none"`` (the unfused local path) is
-    an upper bound: r rows of L tokens hold r*L^2 <= B*L <= B^2 scores, and a packed micro-batch on the
-    local path materialises the full B x B scores under its block-diagonal mask (exactly B^2); with flash /
+    an upper bound: r rows of L tokens hold r*L^2 <= B*L <= B^2 scores (a packed micro-batch on the local
+    path runs one row's segment at a time: the sum of its rows' squares, also <= B^2); with flash /
     Transformer Engine attention (``selective``) the core keeps only its fp32 log-sum-exp, linear in B.
     Micro-batches per mini-batch (for the pipeline's in-flight count) are estimated with every row at the
     longest padded row R (prompt + response rounded up to the sequence multiple: TP with sequence

@@ -11,8 +11,8 @@ On a machine without CUDA, ``apply_cpu_patches()`` makes megatron run on CPU ten
     ``torch`` inside megatron modules changes, so nothing outside megatron is affected;
   * a few functions that cannot be fixed through that view are replaced one by one (listed in
     ``PATCHES`` with the megatron-core symbol each replaces and why). Among them, megatron's local
-    ``DotProductAttention`` runs packed (THD) sequences (``packed_seq_params``, context parallel 1) under
-    the block-diagonal causal mask of ``packed_causal_mask``; megatron's own THD RoPE path (pure torch with
+    ``DotProductAttention`` runs packed (THD) sequences (``packed_seq_params``, context parallel 1) one causal
+    segment at a time (``packed_segments``); megatron's own THD RoPE path (pure torch with
     ``apply_rope_fusion=False``) already restarts rotary positions at each segment.
 
 Consequences worth knowing: megatron's "CUDA" RNG is the CPU default generator, so
@@ -40,11 +40,11 @@ import contextlib
 import importlib
 import sys
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["apply_cpu_patches", "cpu_patches_applied", "packed_causal_mask", "PATCHES", "CpuStream",
+__all__ = ["apply_cpu_patches", "cpu_patches_applied", "packed_segments", "PATCHES", "CpuStream",
            "CpuEvent"]
 
 #: megatron-core modules imported eagerly by ``apply_cpu_patches`` so their ``torch`` global is
@@ -363,27 +363,23 @@ def _wrap_dot_product_attention_init(original):
     return __init__
 
 
-def packed_causal_mask(cu_seqlens: torch.Tensor, total: int, device: Any = None) -> torch.Tensor:
-    """Block-diagonal causal mask ``[1, 1, total, total]`` of a packed (THD) sequence, megatron's convention
-    (True = masked): token i attends to token j only when both lie in the same segment of ``cu_seqlens``
-    (int ``[n_segments + 1]``, 0 first, ``total`` last, non-decreasing) and j <= i."""
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"packed_causal_mask: cu_seqlens must be non-decreasing from 0 to total={total}, "
-                         f"got {cu_seqlens.tolist()}")
-    pos = torch.arange(total, device=cu.device)
-    segment = torch.searchsorted(cu[1:], pos, right=True)  # segment index of each token
-    masked = (segment.unsqueeze(1) != segment.unsqueeze(0)) | (pos.unsqueeze(0) > pos.unsqueeze(1))
-    return masked.view(1, 1, total, total)
+def packed_segments(cu_seqlens: torch.Tensor, total: int) -> List[Tuple[int, int]]:
+    """The non-empty ``[start, end)`` segments of a packed (THD) sequence of ``total`` tokens given by
+    ``cu_seqlens`` (int ``[n_segments + 1]``, 0 first, ``total`` last, non-decreasing; ValueError otherwise)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"packed_segments: cu_seqlens must be non-decreasing from 0 to total={total}, got {cu}")
+    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
 
 
 def _wrap_dot_product_attention_forward(original):
     """Local ``DotProductAttention.forward`` that runs packed (THD) sequences: megatron's attention passes
-    q/k/v as ``[t, heads, dim]`` with ``packed_seq_params``; they run as one ``[t, 1, heads, dim]`` sequence
-    under the block-diagonal causal mask of ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), so no token
-    attends across segments. The output is TE's THD layout ``[t, heads * value dim]``, which megatron's
-    attention reshapes to ``[t, 1, -1]`` (0.19's MLA first trims its padded value dim off it).
-    Without ``packed_seq_params`` the original forward runs untouched."""
+    q/k/v as ``[t, heads, dim]`` with ``packed_seq_params``; each segment of ``cu_seqlens_q_padded`` (else
+    ``cu_seqlens_q``) runs as its own causal ``[len, 1, heads, dim]`` sequence through the original forward, so
+    no token attends across segments and the work is the sum of the segments' squares (one masked
+    ``[t, t]`` product would cost more than the padded rows it replaces). The output is TE's THD layout
+    ``[t, heads * value dim]``, which megatron's attention reshapes to ``[t, 1, -1]`` (0.19's MLA first trims
+    its padded value dim off it). Without ``packed_seq_params`` the original forward runs untouched."""
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is None:
@@ -414,18 +410,20 @@ def _wrap_dot_product_attention_forward(original):
         if query.dim() != 3 or key.size(0) != query.size(0):
             raise ValueError(f"local DotProductAttention: packed (THD) q/k/v must be [t, heads, dim] of one "
                              f"length, got query {tuple(query.shape)} key {tuple(key.shape)}")
-        mask = packed_causal_mask(cu_q, query.size(0), query.device)
+        segments = packed_segments(cu_q, query.size(0))
         # the output width follows the value head dim: megatron-core 0.19's MLA pads THD values to the
         # query head dim (and trims the output back), so it can differ from config.kv_channels here
         width = self.num_attention_heads_per_partition * value.size(-1)
         saved = self.hidden_size_per_partition
         self.hidden_size_per_partition = width
         try:
-            out = original(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
-                           attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None)
+            outs = [original(self, query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
+                             attn_mask_type=AttnMaskType.causal, attention_bias=attention_bias,
+                             packed_seq_params=None).reshape(b - a, width)
+                    for a, b in segments]
         finally:
             self.hidden_size_per_partition = saved
-        return out.view(query.size(0), width)  # TE's THD layout [t, heads * dim]
+        return torch.cat(outs, dim=0)  # TE's THD layout [t, heads * dim]
 
     forward.__wrapped__ = original
     return forward

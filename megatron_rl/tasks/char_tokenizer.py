@@ -6,13 +6,23 @@ Vocabulary (ids in this order): ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), dig
 ``task_vocabulary``). It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
 one character) wrapped in ``PreTrainedTokenizerFast``; built offline, deterministic.
 
+Reserved tokens: the model's vocabulary is padded to a multiple of ``VOCAB_MULTIPLE`` (``MODEL_VOCAB_SIZE``,
+24), and every id the model can emit has a token, as real tokenizers reserve their padded ids (Llama-3's
+``<|reserved_special_token_N|>``): the digit tasks' tokenizer names ids 21-23 ``<r21>`` ``<r22>`` ``<r23>``
+(``RESERVED``). They are never in a prompt or an answer; a sampled one decodes to visible text that the digit
+reward scores as wrong characters. (Before, ids 21-23 decoded to nothing: ``4<id22>0<eos>`` scored like
+``40<eos>``, free noise the reward could not see.) They are ordinary added tokens, not special ones, so
+``decode(..., skip_special_tokens=True)`` keeps them too.
+
 Standard loading: ``transformers.AutoTokenizer`` on a Qwen2 directory ignores the declared generic class and
 builds a byte-level BPE ``Qwen2Tokenizer`` from the vocabulary, which dropped the task word ("copy:12=" ->
-":12="), so an exported trained model looked untrained. The special tokens, the task words and the space are
-therefore also saved as added tokens (same ids; matched before any pre-tokenizer): ``AutoTokenizer`` then
-encodes and decodes every string over the vocabulary exactly as this tokenizer does. (Characters outside the
-vocabulary still differ: ``<unk>`` here, dropped by a BPE loader; task prompts never contain any.)
-``ensure_task_model`` rewrites the tokenizer files of a task model built before this (the ids are unchanged).
+":12="), so an exported trained model looked untrained. The special tokens, the task words, the reserved
+tokens and the space are therefore also saved as added tokens (same ids; matched before any pre-tokenizer):
+``AutoTokenizer`` then encodes and decodes every string over the vocabulary exactly as this tokenizer does.
+(Characters outside the vocabulary still differ: ``<unk>`` here, dropped by a BPE loader; task prompts never
+contain any.) ``ensure_task_model`` rewrites the tokenizer files of a task model built before either fix (a
+saved vocabulary or added tokens other than ``task_vocabulary`` of the task in its ``task_model.json``); the
+ids of the existing tokens, and the weights, are unchanged.
 
 ``build_task_model(out_dir, task, seed, hidden_size, num_layers)`` writes a randomly initialised tiny HF
 Qwen2 causal LM (fp32 safetensors) plus this tokenizer to ``out_dir`` — the model the embedded default config
@@ -23,7 +33,7 @@ Usage::
 
     tok = build_char_tokenizer()                        # in memory; or build_char_tokenizer("/tmp/tok")
     path = build_task_model("runs/tiny/model", task="copy", seed=0, hidden_size=128, num_layers=2)
-    path = ensure_task_model("runs/tiny/model")         # builds only if missing
+    path = ensure_task_model("runs/tiny/model")         # builds only if missing (repairs an old tokenizer)
 
 Command line: ``python -m megatron_rl.tasks OUT_DIR [--task copy] [--seed 0] [--hidden-size 128]
 [--num-layers 2]``.
@@ -42,20 +52,30 @@ SPECIAL = ("<pad>", "<eos>", "<unk>")
 #: Task-name tokens of the digit tasks (one token each).
 DIGIT_WORDS = ("copy", "reverse", "sort", "add")
 #: The ``lookup`` tool task's own tokens (``tasks/tool_lookup.py``): its name, ``?`` (opens a call) and ``>``
-#: (opens the tool's answer). Only its tokenizer has them: a digit-task model's vocabulary, and so what its
-#: responses decode to, is unchanged; the padded model vocabulary (24) is the same for both.
+#: (opens the tool's answer). Only its tokenizer has them (a digit-task tokenizer has reserved tokens at their
+#: ids); the padded model vocabulary (24) is the same for both.
 TOOL_WORDS = ("lookup",)
 TOOL_CHARS = ("?", ">")
 #: Every task name ``build_task_model`` accepts.
 TASK_WORDS = DIGIT_WORDS + TOOL_WORDS
-#: The digit tasks' vocabulary in id order (21 entries).
-DIGIT_VOCAB = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + DIGIT_WORDS
-#: The lookup task's vocabulary: the digit vocabulary, then its own tokens (ids 21-23).
-VOCAB = DIGIT_VOCAB + TOOL_WORDS + TOOL_CHARS
+#: The characters and words of the digit tasks, in id order (21 entries).
+DIGIT_ALPHABET = SPECIAL + tuple("0123456789") + (":", "=", "+", " ") + DIGIT_WORDS
+#: The lookup task's vocabulary: the digit alphabet, then its own tokens (ids 21-23).
+VOCAB = DIGIT_ALPHABET + TOOL_WORDS + TOOL_CHARS
+#: The task models' vocabulary is padded to a multiple of this, as real checkpoints pad theirs:
+#: tensor_model_parallel_size 2, 4 or 8 then divides it (megatron shards it over TP).
+VOCAB_MULTIPLE = 8
+#: The task models' vocabulary size: the largest task vocabulary padded to ``VOCAB_MULTIPLE`` (24).
+MODEL_VOCAB_SIZE = -(-len(VOCAB) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+#: The digit tasks' reserved tokens: one per model id above the alphabet (``<r21>`` ``<r22>`` ``<r23>``).
+RESERVED = tuple(f"<r{i}>" for i in range(len(DIGIT_ALPHABET), MODEL_VOCAB_SIZE))
+#: The digit tasks' vocabulary in id order: the alphabet, then the reserved tokens (``MODEL_VOCAB_SIZE``
+#: entries: every id the model can emit).
+DIGIT_VOCAB = DIGIT_ALPHABET + RESERVED
 
 
 def task_vocabulary(task: str = "copy") -> tuple:
-    """The vocabulary (in id order) of ``task``'s char tokenizer."""
+    """The vocabulary (in id order) of ``task``'s char tokenizer (``MODEL_VOCAB_SIZE`` entries either way)."""
     return VOCAB if task in TOOL_WORDS else DIGIT_VOCAB
 
 
@@ -78,7 +98,8 @@ def build_char_tokenizer(out_dir: str | os.PathLike | None = None, task: str = "
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
     # the added tokens: what a byte-level BPE loader would otherwise drop (multi-character words; the space,
     # which byte-level pre-tokenizers rewrite)
-    tok.add_tokens([AddedToken(t, normalized=False) for t in words + (" ",)])
+    # reserved tokens: ordinary (not special) added tokens, so that skip_special_tokens keeps them visible
+    tok.add_tokens([AddedToken(t, normalized=False) for t in words + (" ",) + _reserved(entries)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>", model_max_length=256)
     if out_dir is not None:
@@ -87,7 +108,9 @@ def build_char_tokenizer(out_dir: str | os.PathLike | None = None, task: str = "
     return fast
 
 
-VOCAB_MULTIPLE = 8
+def _reserved(entries: tuple) -> tuple:
+    """The reserved tokens among ``entries``."""
+    return tuple(t for t in entries if t in RESERVED)
 
 
 def task_model_config(hidden_size: int = 128, num_layers: int = 2, num_attention_heads: int = 4,
@@ -110,9 +133,7 @@ def task_model_config(hidden_size: int = 128, num_layers: int = 2, num_attention
         raise ValueError(f"build_task_model: num_attention_heads={num_attention_heads} must be divisible by "
                          f"num_key_value_heads={num_key_value_heads}")
     cfg = Qwen2Config(
-        # unused rows up to a multiple of 8, as real checkpoints pad theirs: tensor_model_parallel_size
-        # 2, 4 or 8 then divides the vocabulary (megatron shards it over TP)
-        vocab_size=-(-len(VOCAB) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, hidden_size=hidden_size,
+        vocab_size=MODEL_VOCAB_SIZE, hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
@@ -156,24 +177,41 @@ def build_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int =
 def ensure_task_model(out_dir: str | os.PathLike, task: str = "copy", seed: int = 0, hidden_size: int = 128,
                       num_layers: int = 2, **config_kwargs) -> str:
     """Return ``out_dir`` if it already holds a model (``config.json`` + weights), else build it with
-    ``build_task_model`` (what the RL loop calls on first run; an existing model is never overwritten)."""
+    ``build_task_model`` (what the RL loop calls on first run; an existing model is never overwritten). A task
+    model built before the current tokenizer (module docstring) gets its tokenizer files rewritten, for the
+    task its ``task_model.json`` records; its weights are untouched."""
     out = Path(out_dir)
     has_weights = (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
     if (out / "config.json").is_file() and has_weights:
-        if (out / "task_model.json").is_file() and not _has_added_words(out / "tokenizer.json"):
-            build_char_tokenizer(out, task)   # built before the added tokens: same ids, loads with AutoTokenizer
+        built_task = _recorded_task(out / "task_model.json")
+        if built_task is not None and not _tokenizer_is_current(out / "tokenizer.json", built_task):
+            build_char_tokenizer(out, built_task)   # same ids for the old tokens; the reserved ones added
         return str(out)
     return build_task_model(out, task, seed, hidden_size, num_layers, **config_kwargs)
 
 
-def _has_added_words(tokenizer_json: Path) -> bool:
-    """Whether a saved char tokenizer declares the digit-task words and the space as added tokens (False if
-    unreadable)."""
+def _recorded_task(task_model_json: Path) -> str | None:
+    """The task ``build_task_model`` recorded in ``task_model.json`` (None without one, or not a task name)."""
     try:
-        added = {t.get("content") for t in json.loads(tokenizer_json.read_text()).get("added_tokens", [])}
+        task = json.loads(task_model_json.read_text()).get("task", "copy")
     except (OSError, ValueError, AttributeError):
+        return None
+    return task if task in TASK_WORDS else None
+
+
+def _tokenizer_is_current(tokenizer_json: Path, task: str) -> bool:
+    """Whether a saved char tokenizer has ``task``'s vocabulary and declares its special tokens, words, space
+    and reserved tokens as added tokens with their ids (False if unreadable)."""
+    entries = task_vocabulary(task)
+    try:
+        saved = json.loads(tokenizer_json.read_text())
+        vocab = saved["model"]["vocab"]
+        added = {t["content"]: t["id"] for t in saved.get("added_tokens", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    return set(DIGIT_WORDS + (" ",)) <= added
+    required = SPECIAL + tuple(w for w in TASK_WORDS if w in entries) + (" ",) + _reserved(entries)
+    return vocab == {t: i for i, t in enumerate(entries)} and all(added.get(t) == entries.index(t)
+                                                                   for t in required)
 
 
 def main(argv=None) -> None:

@@ -9,8 +9,11 @@ a Qwen2Tokenizer that dropped the task word, so a trained model looked untrained
   ``AutoTokenizer`` + ``AutoModelForCausalLM`` and decoded greedily with ``generate`` on text prompts, gets
   per prompt the same greedy response and reward as the training-side evaluation (embedded engine on the
   task's prompt ids, ``task.reward``) — and that reward is clearly above zero;
-* a task model directory built before the fix (tokenizer without added tokens) is repaired by
-  ``ensure_task_model``.
+* every id of the model's (padded) vocabulary, read from its ``config.json``, decodes with ``AutoTokenizer`` to
+  the project tokenizer's text, visible (non-empty) for all but the special tokens also with
+  ``skip_special_tokens`` — the copy model's ids 21-23 are its reserved tokens (issue 23);
+* a task model directory built before either fix (tokenizer without added tokens; a 21-entry vocabulary
+  without the reserved tokens) is repaired by ``ensure_task_model``, its weights untouched.
 """
 import json
 import os
@@ -25,7 +28,7 @@ from megatron_rl.convert.storage import write_hf_model_dir
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.tasks import DigitTask, build_char_tokenizer, ensure_task_model
-from megatron_rl.tasks.char_tokenizer import SPECIAL, VOCAB, task_vocabulary
+from megatron_rl.tasks.char_tokenizer import RESERVED, SPECIAL, VOCAB, task_vocabulary
 from megatron_rl.tasks.synthetic import score_text
 
 pytestmark = pytest.mark.timeout(600)
@@ -68,6 +71,13 @@ def _assert_auto_matches_project(model_dir, task="copy"):
         ids = [rng.randrange(len(vocab)) for _ in range(rng.randint(1, 10))]
         assert auto.decode(ids) == ref.decode(ids), ids
     assert (auto.eos_token_id, auto.pad_token_id) == (VOCAB.index("<eos>"), VOCAB.index("<pad>"))
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        model_vocab = json.load(fh)["vocab_size"]
+    for i in range(model_vocab):   # every id the model can emit
+        assert auto.decode([i]) == ref.decode([i]) != "", i
+        if i >= len(SPECIAL):
+            assert auto.decode([i], skip_special_tokens=True) == ref.decode([i], skip_special_tokens=True) \
+                == auto.decode([i]), i
 
 
 def test_autotokenizer_of_a_cli_built_task_model_encodes_like_the_project(cli_dir):
@@ -91,6 +101,27 @@ def test_old_task_model_directory_is_repaired_by_ensure_task_model(cli_dir, tmp_
     weights = open(os.path.join(old, "model.safetensors"), "rb").read()
     assert ensure_task_model(old) == old
     assert open(os.path.join(old, "model.safetensors"), "rb").read() == weights   # the model is never rebuilt
+    _assert_auto_matches_project(old)
+
+
+def test_task_model_directory_without_reserved_tokens_is_repaired(cli_dir, tmp_path):
+    """A copy model built when ids 21-23 had no tokens (decoded to nothing) gets the reserved tokens."""
+    old = str(tmp_path / "old")
+    subprocess.run(["cp", "-r", cli_dir, old], check=True)
+    path = os.path.join(old, "tokenizer.json")
+    with open(path) as fh:
+        tj = json.load(fh)
+    tj["model"]["vocab"] = {t: i for t, i in tj["model"]["vocab"].items() if t not in RESERVED}
+    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] not in RESERVED]
+    with open(path, "w") as fh:
+        json.dump(tj, fh)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(old).decode([21, 22, 23]) == ""   # the old directory, as built before
+    weights = open(os.path.join(old, "model.safetensors"), "rb").read()
+    assert ensure_task_model(old) == old
+    assert open(os.path.join(old, "model.safetensors"), "rb").read() == weights
+    assert AutoTokenizer.from_pretrained(old).decode([21, 22, 23]) == "<r21><r22><r23>"
     _assert_auto_matches_project(old)
 
 

@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from megatron_rl.platform.cpu_compat import apply_cpu_patches, packed_causal_mask
+from megatron_rl.platform.cpu_compat import apply_cpu_patches, packed_segments
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU attention patch is inactive with CUDA")
 
@@ -133,20 +133,16 @@ def _check(out, rows):
     assert (out["perturbed"][sl0] - out["packed"][sl0]).abs().max() > 100 * ATOL
 
 
-# ----------------------------------------------------------------------------- mask builder
+# ----------------------------------------------------------------------------- segments
 
 
-def test_packed_causal_mask_matches_a_loop():
+def test_packed_segments_are_the_non_empty_spans_of_cu_seqlens():
     cu = torch.tensor([0, 3, 4, 4, 8], dtype=torch.int32)
-    mask = packed_causal_mask(cu, 8, torch.device("cpu"))
-    seg = [0, 0, 0, 1, 3, 3, 3, 3]
-    ref = torch.tensor([[not (seg[i] == seg[j] and j <= i) for j in range(8)] for i in range(8)])
-    assert mask.shape == (1, 1, 8, 8) and mask.dtype == torch.bool
-    assert torch.equal(mask[0, 0], ref)
+    assert packed_segments(cu, 8) == [(0, 3), (3, 4), (4, 8)]  # the empty segment [4, 4) is skipped
     with pytest.raises(ValueError, match="cu_seqlens"):
-        packed_causal_mask(cu, 9, torch.device("cpu"))
+        packed_segments(cu, 9)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        packed_causal_mask(torch.tensor([0, 5, 3, 8]), 8, torch.device("cpu"))
+        packed_segments(torch.tensor([0, 5, 3, 8]), 8)
 
 
 # ----------------------------------------------------------------------------- packed vs per row

@@ -234,3 +234,137 @@ def test_packed_micro_batches_at_cp2_match_reference():
         total_mask = res[0]["mbs"][i]["mask"] + res[1]["mbs"][i]["mask"]
         s, e = [(0, 2), (2, 5)][i]
         assert float(total_mask.sum()) == float(res[0]["mask"][s:e].sum())
+
+
+# ------------------------------------------------------------------------------------------- plan vs model input
+def _groups(seq_multiple=1):
+    return SimpleNamespace(cp_size=1, cp_rank=0, tp_size=1, tp_rank=0, sequence_parallel=False, cp_group=None,
+                           tp_group=None, seq_multiple=seq_multiple)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("shapes,budget", [
+    ([(1, 0), (1, 0), (1, 0)], 3),                   # prompt-only rows of length 1
+    ([(1, 0), (1, 1), (2, 0), (1, 0)], 4),           # lengths 1, 2, 2, 1
+    ([(3, 4), (1, 0), (2, 5), (6, 1), (1, 1)], 14)])
+def test_budget_bounds_the_model_input(shapes, budget, packed):
+    """Every micro-batch's model input (rows x sequence positions before the CP split) holds at most
+    ``actor.max_tokens_per_micro_batch`` tokens, and ``MicroBatchPlan.tokens`` is exactly that size."""
+    from megatron_rl.actor.batch import RolloutBatch
+    from megatron_rl.actor.micro_batching import plan_micro_batches
+    from megatron_rl.actor.schedule import prepare_micro_batches
+
+    batch = RolloutBatch.from_sequences([[5] * p for p, _ in shapes], [[6] * r for _, r in shapes], pad_id=0)
+    plan = plan_micro_batches(batch.lengths.tolist(), micro_batch_size=1, max_tokens=budget, packed=packed)
+    ordered = batch.take(plan.order)
+    mbs = prepare_micro_batches(ordered, plan.bounds, _groups(), packed=packed)
+    for mb, tokens in zip(mbs, plan.tokens):
+        assert mb.tokens.numel() == tokens, (mb.rows, tuple(mb.tokens.shape), tokens)
+        assert mb.tokens.numel() <= budget
+
+
+# ------------------------------------------------------------------------------------------- devices
+def _rank_devices(rank, world, cp_size):
+    """On a stand-in accelerator (``fake_accelerator``: mixing its tensors with CPU tensors raises, like CUDA):
+    every tensor of a packed micro-batch is on the actor's device, cu_seqlens int32; the layout's round trips
+    run on device outputs; replay targets come from the host-side routing."""
+    import megatron_rl.actor.schedule as schedule
+    from megatron_rl.actor.batch import RolloutBatch
+    from megatron_rl.testing import fake_accelerator as fa
+
+    fa.install()
+    dev = torch.device(fa.DEVICE)
+    schedule.actor_device = lambda: dev
+    groups = _groups(seq_multiple=2 * cp_size if cp_size > 1 else 1)
+    groups.cp_size = cp_size
+    shapes = [(3, 4), (1, 0), (2, 5), (6, 1), (1, 1)]
+    batch = RolloutBatch.from_sequences([[5] * p for p, _ in shapes], [[6] * r for _, r in shapes], pad_id=0)
+    routing = torch.randint(0, 4, (batch.num_rows, batch.max_length - 1, 2, 2))
+    mask = batch.response_mask
+    on_dev = batch.to(dev)
+    per_token = {"response_mask": mask.to(dev), "advantages": torch.ones_like(mask).to(dev), "is_weights": None}
+    mbs = schedule.prepare_micro_batches(on_dev, [(0, 2), (2, 5)], groups, per_token=per_token, packed=True)
+    seen = []
+    for mb in mbs:
+        psp = mb.packed_seq_params
+        tensors = {"tokens": mb.tokens, "position_ids": mb.position_ids, "targets": mb.targets,
+                   "seq_valid_tokens": mb.seq_valid_tokens, "cu_seqlens_q": psp.cu_seqlens_q,
+                   "cu_seqlens_kv": psp.cu_seqlens_kv, "cu_seqlens_q_padded": psp.cu_seqlens_q_padded,
+                   "cu_seqlens_kv_padded": psp.cu_seqlens_kv_padded,
+                   **{f"per_token.{k}": v for k, v in mb.per_token.items() if v is not None},
+                   **{f"layout.{k}": v for k, v in vars(mb.layout).items() if isinstance(v, torch.Tensor)}}
+        for name, t in tensors.items():
+            seen.append((name, t.device.type, str(t.dtype)))
+        assert isinstance(psp.max_seqlen_q, int)
+        # the model's output on the device, back into rows (loss) and whole rows (log-prob pass)
+        y = torch.randn(mb.tokens.shape).to(dev)
+        seen.append(("loss_rows", mb.layout.loss_rows(y).device.type, ""))
+        if cp_size == 1:
+            seen.append(("gather_rows", mb.layout.gather_rows(y, groups).device.type, ""))
+        t = mb.layout.routing_targets(routing, batch.lengths, groups, device=mb.tokens.device)
+        seen.append(("routing_targets", t.device.type, str(t.dtype)))
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_packed_micro_batch_tensors_live_on_the_actor_device(cp):
+    (seen,) = run_ranks(_rank_devices, 1, cp, timeout=100)
+    off = [s for s in seen if s[1] != "fakegpu"]
+    assert not off, off
+    for name, _, dtype in seen:
+        if name.startswith("cu_seqlens"):
+            assert dtype == "torch.int32", name
+
+
+# ------------------------------------------------------------------------------------------- balanced DP shards
+def test_step_batch_balanced_shards_are_whole_groups_with_their_own_data():
+    """``StepBatch.shard(balance_tokens=True)``: the DP ranks' rows partition the step's rows into whole prompt
+    groups with balanced tokens, and every per-row tensor of a shard (tokens, lengths, rollout log-probs, loss
+    mask, rewards, group index, token lag) belongs to the row it is next to — checked against the step's rows
+    taken one by one."""
+    import itertools
+
+    from megatron_rl.actor.batch import RolloutBatch
+    from megatron_rl.trainer.step_batch import StepBatch
+
+    n, groups_resp = 2, [[9, 8], [1, 2], [7, 7], [1, 1], [3, 2], [2, 3]]   # 6 prompt groups of 2 samples
+    g = torch.Generator().manual_seed(0)
+    prompts, responses, lps, versions, masks = [], [], [], [], []
+    for gi, lens in enumerate(groups_resp):
+        p = torch.randint(3, 50, (2 + gi % 3,), generator=g).tolist()
+        for r in lens:
+            prompts.append(p)
+            responses.append(torch.randint(3, 50, (r,), generator=g).tolist())
+            lps.append((-torch.rand(r, generator=g)).tolist())
+            versions.append(torch.randint(3, 6, (r,), generator=g).tolist())
+            masks.append(torch.randint(0, 2, (r,), generator=g).tolist())
+    rewards = torch.rand(len(prompts), generator=g).tolist()
+    sb = StepBatch(prompt_ids=prompts, response_ids=responses, rollout_log_probs=lps, rewards=rewards,
+                   weight_version="step-5", token_versions=versions, loss_masks=masks)
+    full = RolloutBatch.from_sequences(prompts, responses, lps, pad_id=0, loss_masks=masks)
+    shards = [sb.shard(6, n, 0, r, 2, torch.device("cpu"), balance_tokens=True) for r in range(2)]
+    rows = [list(s.rows) for s in shards]
+    assert sorted(rows[0] + rows[1]) == list(range(len(prompts)))
+    assert rows[0] != list(range(6)), "the balanced split differs from contiguous blocks here"
+    tok = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    # best split into two halves of 3 whole groups (brute force) vs the shards' larger sum: greedy within 4/3
+    gt = [tok[2 * i] + tok[2 * i + 1] for i in range(6)]
+    best = min(max(sum(gt[i] for i in c), sum(gt) - sum(gt[i] for i in c)) for c in itertools.combinations(range(6), 3))
+    got = max(sum(tok[i] for i in r) for r in rows)
+    assert 3 * got <= 4 * best
+    for s, rs in zip(shards, rows):
+        for i, row in enumerate(rs):
+            assert row // n == rs[i - i % n] // n, "whole groups, samples of a group consecutive"
+            ref = full.select(row, row + 1)
+            assert torch.equal(s.batch.tokens[i], ref.tokens[0])
+            assert int(s.batch.lengths[i]) == int(ref.lengths[0])
+            assert int(s.batch.prompt_lengths[i]) == int(ref.prompt_lengths[0])
+            assert torch.equal(s.batch.rollout_log_probs[i], ref.rollout_log_probs[0])
+            assert torch.equal(s.batch.loss_mask[i], ref.loss_mask[0])
+            assert float(s.rewards[i]) == pytest.approx(rewards[row])
+            assert int(s.group_index[i]) == row // n
+            p = len(prompts[row])
+            lag = torch.zeros(full.max_length - 1, dtype=torch.int64)
+            lag[p - 1: p - 1 + len(versions[row])] = 6 - torch.tensor(versions[row])
+            assert torch.equal(s.token_lag[i], lag)

@@ -7,6 +7,7 @@ Run: ``OMP_NUM_THREADS=1 pytest tests/unit/test_tasks.py -q``
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 import sys
 
@@ -44,6 +45,24 @@ def test_char_tokenizer_roundtrip_and_save(tok, tmp_path):
 
     again = AutoTokenizer.from_pretrained(str(tmp_path))
     assert again.encode("sort:4401=", add_special_tokens=False) == tok.encode("sort:4401=", add_special_tokens=False)
+
+
+def test_every_model_id_decodes_to_text_the_reward_scores_wrong(tok, tmp_path):
+    """The ids above the digit alphabet (the model's vocabulary padded to 24, from its config) decode to visible
+    reserved tokens, also with skip_special_tokens; a sampled one costs reward (it decoded to nothing before:
+    "4<id22>0<eos>" scored like "40<eos>")."""
+    cfg = json.loads((pathlib.Path(build_task_model(tmp_path / "m", hidden_size=32, num_layers=1))
+                      / "config.json").read_text())
+    assert cfg["vocab_size"] == len(tok) == 24
+    task = DigitTask("copy", tok)
+    p = task.make_prompt("40")
+    four, zero = tok.convert_tokens_to_ids(["4", "0"])
+    assert task.reward(p, [four, zero, tok.eos_token_id]) == 1.0
+    for i in range(21, cfg["vocab_size"]):
+        text = tok.decode([i], skip_special_tokens=True)
+        assert text == f"<r{i}>" and tok.decode([four, i, zero], skip_special_tokens=True) == f"4<r{i}>0"
+        # partial credit: 8 positions "4<r2N>0" + EOS against "40" + EOS, only the first right
+        assert task.reward(p, [four, i, zero, tok.eos_token_id]) == 1 / 8
 
 
 @pytest.mark.parametrize("name", ["copy", "reverse", "sort", "add"])
@@ -165,7 +184,7 @@ def test_token_id_prompts(tok, tmp_path):
     ('{"prompt": "x"}\n', r"row 0 \(line 1\): no ground truth: neither reward_model.ground_truth nor "
                           "data.answer_key='answer'"),
     ('{"prompt": "", "answer": 1}\n', r"row 0 \(line 1\): 'prompt' is empty"),
-    ('{"prompt": [1, 999], "answer": 1}\n', "token ids < 21"),
+    ('{"prompt": [1, 999], "answer": 1}\n', f"token ids < {len(VOCAB)}"),
     ('\n', "has no records"),
 ])
 def test_bad_files(tok, tmp_path, content, needle):
