@@ -23,9 +23,8 @@ Agreement: the log-probs of every variant vs padded (max abs diff over real toke
 weights) and the train step's pg_loss (first step).
 
 Breakdown (log-prob pass: ``--repeats`` extra passes with forward hooks, the fastest kept): seconds inside
-megatron's core attention (``core_attention`` modules: scores, mask, softmax, PV; on CPU the packed path builds
-the ``[t, t]`` block-diagonal causal mask and a full ``[heads, t, t]`` score matrix per layer, quadratic in the
-packed length t) and inside the output layer (logits), the rest (projections, MLP, norms, log-prob kernel).
+megatron's core attention (``core_attention`` modules: scores, mask, softmax, PV; on CPU the packed path runs each
+row's segment as its own causal sequence, ``platform.cpu_compat.packed_segments``) and inside the output layer (logits), the rest (projections, MLP, norms, log-prob kernel).
 
 Usage:
   OMP_NUM_THREADS=1 python tools/bench_packing.py                       # defaults (a few minutes on 1 core)
@@ -39,11 +38,9 @@ log-prob max abs diff and pg_loss diff vs padded, and the attention / output-lay
 pass. Targets (issue 25): packed (log-prob + train step) >= 2x padded throughput; peak memory <= padded at
 the same budget. Timings carry the noise of whatever else runs on the machine (every ratio is from one run).
 
-Measured (2026-11-24, commit beaafb1, CPU, 1 thread, 2 shared cores; defaults + ``--budgets 1024,512,400``; full
-table and reading in docs/packing.md): packed B=512 2.19x padded throughput (log-prob + train step), memory
-0.21x / 0.24x; packed at padded's budget B=3176 0.50x and 1.42x / 2.29x memory — the CPU attention of a packed
-micro-batch is one [heads, t, t] score matrix (82 % of that log-prob pass), while the parts linear in tokens
-run 2.1x faster. Log-probs agree with padded to 1e-6, the loss to 2e-8.
+Measured (2026-11-24, commit c47ccee, CPU, 1 thread, 2 shared cores; defaults + ``--budgets 1024,512``; full
+table and reading in docs/packing.md): packed at padded's budget B=3176 2.28x padded throughput (log-prob + train
+step), peak memory 0.62x / 0.94x; packed B=512 2.34x. Log-probs agree with padded to 1e-6, the loss to 2e-8.
 """
 from __future__ import annotations
 

@@ -493,7 +493,7 @@ def _apply_function_patches() -> None:
         dpa.forward = _wrap_dot_product_attention_forward(dpa.forward)
     PATCHES["megatron.core.transformer.dot_product_attention.DotProductAttention.forward"] = (
         "asserts packed_seq_params is None: packed (THD) sequences run only in TE's attention; here they run "
-        "under a block-diagonal causal mask")
+        "one segment at a time as causal sequences")
     torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
     torch_norm.WrappedTorchNorm.__new__ = _wrapped_torch_norm_new
     PATCHES["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"] = (

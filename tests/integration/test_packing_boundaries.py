@@ -6,11 +6,14 @@ denominators are global, so how rows are grouped (1 row, all rows, a padded budg
 the plan) must not change any metric of ``actor.train_step`` nor any log-prob of ``compute_log_probs``.
 
 Covered: rows of length 1 (prompt only) and 2 (one response token), rows exactly at the budget, every
-micro-batch a single row; token-mean / seq-mean-token-mean / seq-mean-token-sum (the packed loss stays per
-ROW); uneven DP shards with a one-row shard (whose only row is prompt-only); ppo_mini_batches=2; interleaved
-VPP (equal shapes, a budget that fits everything, so the plan is split for VPP); a row over the budget on ONE
-DP rank (BatchError naming ``actor.max_tokens_per_micro_batch`` on every rank, no hang); the RL loop (embedded
-engine, 2 sync steps) with budget + packing vs without, at DP1 and DP2 (token-balanced DP shards).
+micro-batch a single row; token-mean / seq-mean-token-mean / seq-mean-token-sum / seq-mean-token-sum-norm (the
+packed loss stays per ROW); uneven DP shards with a one-row shard (whose only row is prompt-only);
+ppo_mini_batches=2; interleaved PP4 x VPP2 (equal shapes; a budget that fits everything, so the plan is split for
+VPP; xfail, bugs: a plan of 5 micro-batches, a padded budget); a row over the budget on ONE DP rank (BatchError
+naming ``actor.max_tokens_per_micro_batch`` on every rank, no hang); CP2 and DP2 x CP2 packed vs CP1 unpacked on a
+position-dependent model without attention (megatron's attention cannot run CP on CPU): log-probs, metrics,
+gradients, weights; the RL loop (embedded engine, 2 sync steps) with budget + packing vs without, at DP1 and DP2
+(token-balanced DP shards): step 1's rollouts identical, its metrics equal.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_packing_boundaries.py -q``
 """
@@ -86,15 +89,6 @@ def _assert_same_metrics(got, ref, what):
     assert got.keys() == ref.keys(), what
     for k, v in ref.items():
         assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), f"{what}: {k} = {got[k]} vs {v}"
-
-
-def _whole(results, idx, key, B):
-    """The [B, W] tensor ``key`` of job ``idx`` assembled from every rank's DP block."""
-    parts = {}
-    for r in results:
-        s, e = r[idx]["rows"]
-        parts[s] = r[idx][key]
-    return torch.cat([parts[s] for s in sorted(parts)])[:B]
 
 
 # -------------------------------------------------------------------------------- grouping independence (TP1)
@@ -173,7 +167,6 @@ def test_uneven_dp_shards_match_one_rank(models, shapes, batching):
                     timeout=200)
     for rank, r in enumerate(res):
         _assert_same_metrics(r[0]["metrics"], ref[0]["metrics"], f"DP2 rank {rank}")
-    B = data[0].num_rows
     W = data[0].max_length - 1
     lp = torch.cat([torch.nn.functional.pad(r[0]["lp"], (0, W - r[0]["lp"].shape[1])) for r in res])
     torch.testing.assert_close(lp, ref[0]["lp"], rtol=0, atol=2e-6)
@@ -195,6 +188,10 @@ def test_interleaved_vpp_with_packed_budget_matches_one_rank(models):
         torch.testing.assert_close(r[0]["lp"], ref[0]["lp"], rtol=0, atol=2e-6)
 
 
+#: BUG (actor/schedule.run_schedule): megatron-core 0.16's interleaved schedule needs num_microbatches % PP == 0 (its
+#: microbatch_group_size_per_vp_stage defaults to PP); a token-budget plan only guarantees >= PP micro-batches.
+#: Remove the xfail with the fix.
+@pytest.mark.xfail(strict=True, reason="interleaved schedule refuses a micro-batch count that is not a multiple of PP")
 @pytest.mark.timeout(300)
 def test_interleaved_vpp_with_a_budget_plan_of_five_micro_batches(models):
     """PP4 x VPP2 with the packed budget 13 on the 8 rows: the plan has 5 micro-batches (a token-budget plan's
@@ -222,6 +219,9 @@ def _rank_vpp_padded(rank, world, job, data):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+#: BUG (actor.MegatronActor._plan / config validation): a padded budget plan has micro-batches of different row
+#: counts, the interleaved schedule has fixed shapes: a shape error deep inside. Remove the xfail with the fix.
+@pytest.mark.xfail(strict=True, reason="padded token budget + interleaved VPP: micro-batches of different row counts")
 @pytest.mark.timeout(300)
 def test_interleaved_vpp_with_padded_budget_works_or_is_refused_clearly(models):
     """PP4 x VPP2 with a PADDED budget: the plan's micro-batches hold different numbers of rows (3, 2, 3 here),
@@ -233,8 +233,12 @@ def test_interleaved_vpp_with_padded_budget_works_or_is_refused_clearly(models):
     assert len({e - s for s, e in plan.bounds}) > 1, "micro-batches of different row counts"
     (ref,) = run_ranks(_rank_train_many, 1, [_job(models["deep"], "seq-mean-token-mean", micro_batch_size=1)],
                        data, timeout=150)
-    res = run_ranks(_rank_vpp_padded, 4, _job(models["deep"], "seq-mean-token-mean", pp=4, vpp=2,
-                                              max_tokens_per_micro_batch=26), data, timeout=250)
+    try:  # refused by the config's validation: fine too
+        job = _job(models["deep"], "seq-mean-token-mean", pp=4, vpp=2, max_tokens_per_micro_batch=26)
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        assert "sequence_packing" in str(e), str(e)
+        return
+    res = run_ranks(_rank_vpp_padded, 4, job, data, timeout=250)
     errors = [r.get("error") for r in res]
     for r in res:
         if "error" in r:

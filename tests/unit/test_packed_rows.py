@@ -6,6 +6,9 @@ segment of ``cu_seqlens_padded`` is cut into 2 x CP equal chunks and CP rank r h
 2CP-1-r of every segment, segments in order; with sequence parallel the rank's [s_loc] positions are then cut
 into TP equal contiguous pieces. Written here from the rule as lists of ints, not from the code under test.
 
+Also: the plan's token count is the model input's size (padded rows of length 1: xfail, a bug); every tensor of a
+packed micro-batch on the actor's device (``fake_accelerator``); ``StepBatch.shard(balance_tokens=True)``.
+
 Checked: ``positions`` / ``held``; ``place`` (inputs on this rank's positions); ``loss_rows`` (sum over CP ranks of
 value x held rebuilds the rows); ``gather_rows`` after ``place`` returns the rows on a 2-rank CP group (and at
 TP2 + SP x CP2); ``routing_targets`` and ``gather_records`` invert each other; ``prepare_micro_batches(packed=True)``
@@ -156,7 +159,7 @@ def _rank_roundtrip(rank, world, cp, tp, lengths):
 def test_gather_rows_and_records_invert_place_and_targets(cp, tp):
     lengths = [7, 1, 2, 12, 3]
     res = run_ranks(_rank_roundtrip, cp * tp, cp, tp, lengths, timeout=100)
-    segs, _, total = ref_segments(lengths, cp, res[0]["seq_multiple"])
+    _, _, total = ref_segments(lengths, cp, res[0]["seq_multiple"])
     real = torch.zeros(len(lengths), max(lengths), dtype=torch.bool)
     valid = torch.zeros_like(real)
     for i, ln in enumerate(lengths):
@@ -207,7 +210,7 @@ def test_packed_micro_batches_at_cp2_match_reference():
             seq_tok = ref_packed(rows_tok, ls, offsets, total, fill=0)
             nxt = [[tok[i, c + 1].item() if c + 1 < ln else 0 for c in range(ln)] for i, ln in zip(range(s, e), ls)]
             seq_tgt = ref_packed(nxt, ls, offsets, total, fill=0)
-            seq_pos, off = [], 0
+            seq_pos = []
             for p in segs:
                 seq_pos += list(range(p))
             assert mb["tokens"].tolist() == [[seq_tok[p] for p in pos]]
@@ -242,7 +245,16 @@ def _groups(seq_multiple=1):
                            tp_group=None, seq_multiple=seq_multiple)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+#: BUG (micro_batching.micro_batch_cost): a padded micro-batch is at least 2 columns wide
+#: (RolloutBatch.select(trim=True) and the per-token [B, L-1] layout), but its planned cost uses the longest row
+#: as is: rows of length 1 (prompt only) cost 1 in the plan and 2 in the model. Remove the xfail with the fix
+#: (``max(max(ls), 2)`` in the cost).
+PADDED_MIN_WIDTH = pytest.mark.xfail(strict=True, reason="micro_batch_cost ignores the 2-column minimum of a "
+                                                         "padded micro-batch (rows of length 1)")
+
+
+@pytest.mark.parametrize("packed", [pytest.param(False, marks=PADDED_MIN_WIDTH, id="padded"),
+                                    pytest.param(True, id="packed")])
 @pytest.mark.parametrize("shapes,budget", [
     ([(1, 0), (1, 0), (1, 0)], 3),                   # prompt-only rows of length 1
     ([(1, 0), (1, 1), (2, 0), (1, 0)], 4),           # lengths 1, 2, 2, 1
@@ -350,7 +362,8 @@ def test_step_batch_balanced_shards_are_whole_groups_with_their_own_data():
     tok = [len(p) + len(r) for p, r in zip(prompts, responses)]
     # best split into two halves of 3 whole groups (brute force) vs the shards' larger sum: greedy within 4/3
     gt = [tok[2 * i] + tok[2 * i + 1] for i in range(6)]
-    best = min(max(sum(gt[i] for i in c), sum(gt) - sum(gt[i] for i in c)) for c in itertools.combinations(range(6), 3))
+    best = min(max(sum(gt[i] for i in c), sum(gt) - sum(gt[i] for i in c))
+               for c in itertools.combinations(range(6), 3))
     got = max(sum(tok[i] for i in r) for r in rows)
     assert 3 * got <= 4 * best
     for s, rs in zip(shards, rows):
