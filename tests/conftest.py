@@ -37,7 +37,8 @@ MCORE_TEST_FILES = frozenset({
     "test_cpu_compat.py", "test_mcore_versions.py", "test_moe_grad_norm.py", "test_models.py",
     "test_parallel.py", "test_actor_forward.py", "test_actor_train.py",
     "test_actor_checkpoint.py", "test_routing_replay.py", "test_deepseek_v3.py", "test_deepseek_convert.py",
-    "test_hf_convert_torch_dist.py", "test_hf_convert_logprobs.py", "test_train_loop.py", "test_packed_attention.py",
+    "test_hf_convert_torch_dist.py", "test_hf_convert_logprobs.py", "test_train_loop.py",
+    "test_packing_boundaries.py", "test_packed_attention.py",
 })
 
 

@@ -32,6 +32,7 @@ from megatron_rl.actor.router_replay import (RoutingReplay, agree_on_error, fini
                                              train_routing)
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
+from megatron_rl.config.validate import token_budget_layout_error
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
 from megatron_rl.losses import select_loss_inputs
@@ -65,6 +66,9 @@ class MegatronActor:
         vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
         # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
         self._trim = not (vpp and vpp > 1)
+        budget_error = token_budget_layout_error(self.actor_cfg, self.parallel_cfg)
+        if budget_error:  # also a config error (validate.job_errors): here for actors built without it
+            raise ValueError(budget_error)
         # MoE routing replay (megatron_rl.actor.router_replay): hooks in every router of an MoE model
         self.routing_mode = self.actor_cfg.routing_replay
         spec = RoutingSpec.from_model_config(self.model_cfg)

@@ -91,8 +91,9 @@ class MicroBatchPlan:
 def micro_batch_cost(lengths: Sequence[int], packed: bool, seq_multiple: int, row_multiple: int = 1) -> int:
     """Model tokens of one micro-batch holding rows of these ``lengths`` (before the CP split).
 
-    padded (``packed=False``): ``len(lengths) * round_up(max(lengths), seq_multiple)`` (every row padded to the
-    longest; ``row_multiple`` is not used). packed: ``round_up(sum(round_up(l, row_multiple)), seq_multiple)``
+    padded (``packed=False``): ``len(lengths) * round_up(max(max(lengths), 2), seq_multiple)`` (every row padded
+    to the longest, at least 2 columns as ``RolloutBatch.select(trim=True)`` makes them; ``row_multiple`` is not
+    used). packed: ``round_up(sum(round_up(l, row_multiple)), seq_multiple)``
     (each row's segment padded to ``row_multiple`` — 2 x CP under context parallelism — and the packed
     sequence to ``seq_multiple``)."""
     _check_multiple("seq_multiple", seq_multiple)
@@ -102,7 +103,7 @@ def micro_batch_cost(lengths: Sequence[int], packed: bool, seq_multiple: int, ro
         raise ValueError("micro_batch_cost: no rows (empty lengths)")
     if packed:
         return _round_up(sum(_round_up(x, row_multiple) for x in ls), seq_multiple)
-    return len(ls) * _round_up(max(ls), seq_multiple)
+    return len(ls) * _round_up(max(max(ls), 2), seq_multiple)   # a padded micro-batch is >= 2 columns wide
 
 
 def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tokens: Optional[int],

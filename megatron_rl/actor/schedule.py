@@ -303,6 +303,14 @@ def run_schedule(model_chunks: Sequence[torch.nn.Module], micro_batches: List[Mi
                          f"{len(micro_batches)} ({rows} rows); lower actor.micro_batch_size (or "
                          f"actor.max_tokens_per_micro_batch) or send more rows per DP rank / mini-batch")
 
+    if len(model_chunks) > 1:
+        # megatron-core's interleaved schedule needs num_microbatches % microbatch_group_size_per_vp_stage == 0
+        # (the group size defaults to PP); a token-budget plan has any count >= PP: one group of all of them
+        from megatron.core.utils import get_model_config
+
+        m = len(micro_batches)
+        get_model_config(model_chunks[0]).microbatch_group_size_per_vp_stage = pp_size if m % pp_size == 0 else m
+
     def step(data_iterator, model):
         return forward_step(next(data_iterator), model)
 

@@ -68,7 +68,9 @@ class StepBatch:
         ``step``: completed steps (the trainer's weight version, for the per-token lag). ``balance_tokens``
         (with ``actor.max_tokens_per_micro_batch``): the groups are spread over the DP ranks balancing their
         tokens (``micro_batching.balance_groups``; every rank the same number of groups) instead of contiguous
-        blocks — the loss's denominators are global, so the step's result does not depend on it."""
+        blocks. With one mini-batch per step the result does not depend on it (the loss's denominators are
+        global); with ``actor.ppo_mini_batches > 1`` each optimizer step takes a block of every rank's rows, so
+        which rows share a step follows the split."""
         full = RolloutBatch.from_sequences(self.prompt_ids, self.response_ids, self.rollout_log_probs,
                                            pad_id=pad_id, routing=self.routing, loss_masks=self.loss_masks or None)
         rows = shard_rows(self.num_rows, dp_rank, dp_size)

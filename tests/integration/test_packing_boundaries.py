@@ -9,8 +9,8 @@ Covered: rows of length 1 (prompt only) and 2 (one response token), rows exactly
 micro-batch a single row; token-mean / seq-mean-token-mean / seq-mean-token-sum / seq-mean-token-sum-norm (the
 packed loss stays per ROW); uneven DP shards with a one-row shard (whose only row is prompt-only);
 ppo_mini_batches=2; interleaved PP4 x VPP2 (equal shapes; a budget that fits everything, so the plan is split for
-VPP; xfail, bugs: a plan of 5 micro-batches, a padded budget); a row over the budget on ONE DP rank (BatchError
-naming ``actor.max_tokens_per_micro_batch`` on every rank, no hang); CP2 and DP2 x CP2 packed vs CP1 unpacked on a
+VPP; a plan of 5 micro-batches; a padded budget refused naming actor.sequence_packing); a row over the budget on
+ONE DP rank (BatchError naming ``actor.max_tokens_per_micro_batch`` on every rank, no hang); CP2 and DP2 x CP2 packed vs CP1 unpacked on a
 position-dependent model without attention (megatron's attention cannot run CP on CPU): log-probs, metrics,
 gradients, weights; the RL loop (embedded engine, 2 sync steps) with budget + packing vs without, at DP1 and DP2
 (token-balanced DP shards): step 1's rollouts identical, its metrics equal.
@@ -188,10 +188,8 @@ def test_interleaved_vpp_with_packed_budget_matches_one_rank(models):
         torch.testing.assert_close(r[0]["lp"], ref[0]["lp"], rtol=0, atol=2e-6)
 
 
-#: BUG (actor/schedule.run_schedule): megatron-core 0.16's interleaved schedule needs num_microbatches % PP == 0 (its
-#: microbatch_group_size_per_vp_stage defaults to PP); a token-budget plan only guarantees >= PP micro-batches.
-#: Remove the xfail with the fix.
-@pytest.mark.xfail(strict=True, reason="interleaved schedule refuses a micro-batch count that is not a multiple of PP")
+#: megatron-core's interleaved schedule needs num_microbatches % microbatch_group_size_per_vp_stage == 0 (PP by
+#: default); a token-budget plan only guarantees >= PP micro-batches (run_schedule makes them one group).
 @pytest.mark.timeout(300)
 def test_interleaved_vpp_with_a_budget_plan_of_five_micro_batches(models):
     """PP4 x VPP2 with the packed budget 13 on the 8 rows: the plan has 5 micro-batches (a token-budget plan's
@@ -219,9 +217,8 @@ def _rank_vpp_padded(rank, world, job, data):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-#: BUG (actor.MegatronActor._plan / config validation): a padded budget plan has micro-batches of different row
-#: counts, the interleaved schedule has fixed shapes: a shape error deep inside. Remove the xfail with the fix.
-@pytest.mark.xfail(strict=True, reason="padded token budget + interleaved VPP: micro-batches of different row counts")
+#: A padded budget plan has micro-batches of different row counts; the interleaved schedule has fixed shapes: the
+#: actor (and the config's validation) refuse it naming actor.sequence_packing.
 @pytest.mark.timeout(300)
 def test_interleaved_vpp_with_padded_budget_works_or_is_refused_clearly(models):
     """PP4 x VPP2 with a PADDED budget: the plan's micro-batches hold different numbers of rows (3, 2, 3 here),

@@ -6,7 +6,7 @@ segment of ``cu_seqlens_padded`` is cut into 2 x CP equal chunks and CP rank r h
 2CP-1-r of every segment, segments in order; with sequence parallel the rank's [s_loc] positions are then cut
 into TP equal contiguous pieces. Written here from the rule as lists of ints, not from the code under test.
 
-Also: the plan's token count is the model input's size (padded rows of length 1: xfail, a bug); every tensor of a
+Also: the plan's token count is the model input's size (padded rows of length 1 too); every tensor of a
 packed micro-batch on the actor's device (``fake_accelerator``); ``StepBatch.shard(balance_tokens=True)``.
 
 Checked: ``positions`` / ``held``; ``place`` (inputs on this rank's positions); ``loss_rows`` (sum over CP ranks of
@@ -245,15 +245,7 @@ def _groups(seq_multiple=1):
                            tp_group=None, seq_multiple=seq_multiple)
 
 
-#: BUG (micro_batching.micro_batch_cost): a padded micro-batch is at least 2 columns wide
-#: (RolloutBatch.select(trim=True) and the per-token [B, L-1] layout), but its planned cost uses the longest row
-#: as is: rows of length 1 (prompt only) cost 1 in the plan and 2 in the model. Remove the xfail with the fix
-#: (``max(max(ls), 2)`` in the cost).
-PADDED_MIN_WIDTH = pytest.mark.xfail(strict=True, reason="micro_batch_cost ignores the 2-column minimum of a "
-                                                         "padded micro-batch (rows of length 1)")
-
-
-@pytest.mark.parametrize("packed", [pytest.param(False, marks=PADDED_MIN_WIDTH, id="padded"),
+@pytest.mark.parametrize("packed", [pytest.param(False, id="padded"),
                                     pytest.param(True, id="packed")])
 @pytest.mark.parametrize("shapes,budget", [
     ([(1, 0), (1, 0), (1, 0)], 3),                   # prompt-only rows of length 1
