@@ -80,25 +80,28 @@ class PackedRows:
         self.start, self.end, self.layout, self.s_rows = start, end, layout, s_rows
         self.full_length = layout.total
         n = end - start
-        row, col = layout.row_col(device=device)
-        self.row, self.col = row, col
+        # index maps built on the host (boolean indexing there costs no device sync), moved once
+        cpu = torch.device("cpu")
+        row, col = layout.row_col(device=cpu)
         if groups.cp_size > 1:
             segs = layout.segments
-            self.positions = packed_cp_positions(segs, groups.cp_rank, groups.cp_size, device=device)
-            self.gather_index = packed_cp_gather_index(segs, groups.cp_size, device=device)
+            positions = packed_cp_positions(segs, groups.cp_rank, groups.cp_size, device=cpu)
+            self.gather_index = packed_cp_gather_index(segs, groups.cp_size, device=cpu).to(device)
         else:
-            self.positions = torch.arange(layout.total, device=device)
+            positions = torch.arange(layout.total)
             self.gather_index = None
         # src_full[r, c]: packed position of (row r, column c); -1 where the row has no token
-        src_full = torch.full((n, s_rows), -1, dtype=torch.int64, device=device)
         real = row >= 0
-        pos = torch.arange(layout.total, device=device)
-        src_full[row[real], col[real]] = pos[real]
-        self.src_full = src_full
+        real_pos = torch.arange(layout.total)[real]
+        src_full = torch.full((n, s_rows), -1, dtype=torch.int64)
+        src_full[row[real], col[real]] = real_pos
         # src_local[r, c]: index into this CP rank's positions; -1 where another CP rank holds it
-        local_of = torch.full((layout.total,), -1, dtype=torch.int64, device=device)
-        local_of[self.positions] = torch.arange(self.positions.numel(), device=device)
-        self.src_local = torch.where(src_full >= 0, local_of[src_full.clamp(min=0)], src_full)
+        local_of = torch.full((layout.total,), -1, dtype=torch.int64)
+        local_of[positions] = torch.arange(positions.numel())
+        src_local = torch.where(src_full >= 0, local_of[src_full.clamp(min=0)], src_full)
+        self.positions = positions.to(device)
+        self.real_pos, self.real_row, self.real_col = (x.to(device) for x in (real_pos, row[real], col[real]))
+        self.src_full, self.src_local = src_full.to(device), src_local.to(device)
         self.held = self.src_local >= 0
         """[n, s_rows] bool: (row, column) positions this CP rank computes (every real one without CP)."""
 
@@ -112,10 +115,8 @@ class PackedRows:
     def place(self, x: torch.Tensor, fill) -> torch.Tensor:
         """Row-layout ``x [n, s_rows, ...]`` -> this CP rank's packed positions ``[1, s_loc, ...]`` (``fill`` at
         padding)."""
-        row, col = self.row, self.col
         full = x.new_full((self.layout.total,) + tuple(x.shape[2:]), fill)
-        real = row >= 0
-        full[real] = x[row[real], col[real]]
+        full[self.real_pos] = x[self.real_row, self.real_col]
         return full[self.positions].unsqueeze(0)
 
     def loss_rows(self, y: torch.Tensor) -> torch.Tensor:
@@ -249,7 +250,8 @@ def _packed_micro_batches(batch: RolloutBatch, bounds, groups: ActorGroups, trim
 
     dev = actor_device()
     row_mult = 2 * groups.cp_size if groups.cp_size > 1 else 1
-    layouts = [pack_layout(batch.lengths[s:e].tolist(), row_multiple=row_mult, total_multiple=groups.seq_multiple)
+    lengths = batch.lengths.tolist()   # one host copy for the whole pass
+    layouts = [pack_layout(lengths[s:e], row_multiple=row_mult, total_multiple=groups.seq_multiple)
                for s, e in bounds]
     if not trim:  # interleaved pipeline: every micro-batch the same shape (a longer trailing pad segment)
         longest = max(lay.total for lay in layouts)
@@ -258,7 +260,7 @@ def _packed_micro_batches(batch: RolloutBatch, bounds, groups: ActorGroups, trim
     lengths_all = batch.lengths.to(dev)
     out = []
     for (start, end), lay in zip(bounds, layouts):
-        s_rows = max(int(batch.lengths[start:end].max()), 2)
+        s_rows = max(max(lengths[start:end]), 2)
         pr = PackedRows(start, end, lay, s_rows, groups, dev)
         rows_tok = tokens_all[start:end, :s_rows]
         nxt = torch.cat([rows_tok[:, 1:], rows_tok.new_full((end - start, 1), batch.pad_id)], dim=1)
