@@ -224,23 +224,27 @@ def prepare_micro_batches(batch: RolloutBatch, bounds: Sequence[Tuple[int, int]]
         tokens = mb.tokens.to(dev)
         targets = torch.cat([tokens[:, 1:], tokens.new_full((b, 1), batch.pad_id)], dim=1)
         pos = torch.arange(s, dtype=torch.int64, device=dev).unsqueeze(0).expand(b, s).contiguous()
-        extras: Dict[str, Optional[torch.Tensor]] = {}
-        svt = None
-        for name, t in per_token.items():
-            if t is None:
-                extras[name] = None
-                continue
-            # columns [0, s-1) of the batch tensor, then one zero column (position s-1 scores nothing)
-            placed = fit_columns(fit_columns(t[start:end].to(dev), s - 1), s)
-            if name == "response_mask":
-                svt = (placed != 0).sum(dim=-1).to(torch.float64)
-            extras[name] = cp_split(placed, groups.cp_rank, groups.cp_size)
+        rows, svt = _per_token_rows(per_token, start, end, s, dev)
+        extras = {k: None if v is None else cp_split(v, groups.cp_rank, groups.cp_size) for k, v in rows.items()}
         out.append(MicroBatch(rows=(start, end), full_length=s,
                               tokens=cp_split(tokens, groups.cp_rank, groups.cp_size),
                               position_ids=cp_split(pos, groups.cp_rank, groups.cp_size),
                               targets=cp_split(targets, groups.cp_rank, groups.cp_size),
                               layout=PaddedRows(start, end, s), per_token=extras, seq_valid_tokens=svt))
     return out
+
+
+def _per_token_rows(per_token: Dict[str, Optional[torch.Tensor]], start: int, end: int, width: int, dev):
+    """Rows [start, end) of each per-token [B, L-1] tensor at positions [0, width): columns [0, width-1) of the
+    batch tensor, then one zero column (the last position scores nothing); None stays None. Also the valid
+    tokens of each whole row under ``response_mask`` (float64 [n], None without one)."""
+    out: Dict[str, Optional[torch.Tensor]] = {}
+    svt = None
+    for name, t in per_token.items():
+        out[name] = None if t is None else fit_columns(fit_columns(t[start:end].to(dev), width - 1), width)
+        if name == "response_mask" and t is not None:
+            svt = (out[name] != 0).sum(dim=-1).to(torch.float64)
+    return out, svt
 
 
 def _packed_micro_batches(batch: RolloutBatch, bounds, groups: ActorGroups, trim: bool,
@@ -266,17 +270,9 @@ def _packed_micro_batches(batch: RolloutBatch, bounds, groups: ActorGroups, trim
         nxt = torch.cat([rows_tok[:, 1:], rows_tok.new_full((end - start, 1), batch.pad_id)], dim=1)
         col = torch.arange(s_rows, device=dev).unsqueeze(0)
         nxt = torch.where(col + 1 < lengths_all[start:end].unsqueeze(1), nxt, torch.full_like(nxt, batch.pad_id))
-        extras: Dict[str, Optional[torch.Tensor]] = {}
-        svt = None
-        for name, t in per_token.items():
-            if t is None:
-                extras[name] = None
-                continue
-            placed = fit_columns(fit_columns(t[start:end].to(dev), s_rows - 1), s_rows)
-            if name == "response_mask":
-                svt = (placed != 0).sum(dim=-1).to(torch.float64)
-                placed = placed * pr.held   # another CP rank computes these positions
-            extras[name] = placed
+        extras, svt = _per_token_rows(per_token, start, end, s_rows, dev)
+        if extras.get("response_mask") is not None:
+            extras["response_mask"] = extras["response_mask"] * pr.held   # another CP rank computes the rest
         cu, cu_pad = lay.cu_seqlens(device=dev), lay.cu_seqlens_padded(device=dev)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
                               cu_seqlens_kv_padded=cu_pad, max_seqlen_q=lay.max_seqlen(),

@@ -17,35 +17,13 @@ import torch
 import megatron.core  # noqa: F401
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.positionwise_lm import positionwise_lm
 
 VOCAB, HIDDEN = 64, 16
 
 
 def _build(cp):
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    class PositionwiseLM(MegatronModule):
-        """logits[b, t] = W e[token[b, t]]: no mixing across positions (CP-split exact)."""
-
-        def __init__(self, config):
-            from megatron.core.enums import ModelType
-
-            super().__init__(config=config)
-            self.model_type = ModelType.encoder_or_decoder
-            g = torch.Generator().manual_seed(0)
-            self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g) * 0.5)
-            self.out = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g) * 0.5)
-
-        def set_input_tensor(self, tensor):  # pipeline hook (single stage: unused)
-            pass
-
-        def forward(self, input_ids, position_ids, attention_mask=None):
-            return torch.tanh(self.embed[input_ids]) @ self.out.t()
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, context_parallel_size=cp,
-                            use_cpu_initialization=True, pipeline_dtype=torch.float32)
-    return PositionwiseLM(cfg)
+    return positionwise_lm(cp, vocab=VOCAB, hidden=HIDDEN)
 
 
 def _data():

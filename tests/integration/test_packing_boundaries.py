@@ -28,6 +28,7 @@ from megatron_rl.actor import RolloutBatch
 from megatron_rl.actor.micro_batching import plan_micro_batches
 from megatron_rl.testing.actor_reference import TOKEN_IS, actor_job, parallel_section
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.positionwise_lm import positionwise_lm
 
 pytest.importorskip("transformers")
 
@@ -335,32 +336,10 @@ VOCAB_CP, HIDDEN_CP = 64, 16
 
 
 def _build_positionwise(cp):
-    """A language model with no attention (megatron's attention cannot run CP on CPU): logits at a position
-    depend on its token AND its position id, so a packed sequence gives each row's log-probs only when every
-    segment's positions restart at 0 and each CP rank gets megatron's per-segment chunks (tokens, positions and
-    targets moved together)."""
-    from megatron.core.enums import ModelType
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    class PositionwiseLM(MegatronModule):
-        def __init__(self, config):
-            super().__init__(config=config)
-            self.model_type = ModelType.encoder_or_decoder
-            g = torch.Generator().manual_seed(0)
-            self.embed = torch.nn.Parameter(torch.randn(VOCAB_CP, HIDDEN_CP, generator=g) * 0.5)
-            self.pos = torch.nn.Parameter(torch.randn(64, HIDDEN_CP, generator=g) * 0.5)
-            self.out = torch.nn.Parameter(torch.randn(VOCAB_CP, HIDDEN_CP, generator=g) * 0.5)
-
-        def set_input_tensor(self, tensor):
-            pass
-
-        def forward(self, input_ids, position_ids, attention_mask=None, packed_seq_params=None):
-            return torch.tanh(self.embed[input_ids] + self.pos[position_ids]) @ self.out.t()
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN_CP, num_attention_heads=1, context_parallel_size=cp,
-                            use_cpu_initialization=True, pipeline_dtype=torch.float32)
-    return PositionwiseLM(cfg)
+    """No attention (megatron's cannot run CP on CPU), and the position id enters the logits: a packed sequence
+    gives each row's log-probs only when every segment's positions restart at 0 and each CP rank gets megatron's
+    per-segment chunks (``testing.positionwise_lm``)."""
+    return positionwise_lm(cp, vocab=VOCAB_CP, hidden=HIDDEN_CP, use_positions=True)
 
 
 def _cp_data():
