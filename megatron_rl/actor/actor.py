@@ -26,13 +26,12 @@ import torch
 from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
-from megatron_rl.actor.micro_batching import MicroBatchPlan, plan_micro_batches
+from megatron_rl.actor.micro_batching import MicroBatchPlan, plan_micro_batches, token_budget_layout_error
 from megatron_rl.actor.optimizer import apply_constant_schedule, build_optimizer, wrap_ddp
 from megatron_rl.actor.router_replay import (RoutingReplay, agree_on_error, finish_log_prob_pass, log_prob_pass,
                                              train_routing)
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
-from megatron_rl.config.validate import token_budget_layout_error
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
 from megatron_rl.losses import select_loss_inputs
@@ -66,7 +65,8 @@ class MegatronActor:
         vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
         # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
         self._trim = not (vpp and vpp > 1)
-        budget_error = token_budget_layout_error(self.actor_cfg, self.parallel_cfg)
+        budget_error = token_budget_layout_error(self.actor_cfg.max_tokens_per_micro_batch,
+                                                 self.actor_cfg.sequence_packing, vpp)
         if budget_error:  # also a config error (validate.job_errors): here for actors built without it
             raise ValueError(budget_error)
         # MoE routing replay (megatron_rl.actor.router_replay): hooks in every router of an MoE model

@@ -40,7 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["MicroBatchPlan", "micro_batch_cost", "plan_micro_batches", "balance_groups", "PackedLayout",
-           "pack_layout", "packed_cp_positions", "packed_cp_gather_index"]
+           "pack_layout", "packed_cp_positions", "packed_cp_gather_index", "token_budget_layout_error"]
 
 BUDGET_KEY = "actor.max_tokens_per_micro_batch"
 
@@ -320,3 +320,15 @@ def packed_cp_gather_index(padded: Sequence[int], cp_size: int, device=None) -> 
     """int64 ``[sum(padded)]``: the concatenation over CP ranks 0..cp_size-1 of ``packed_cp_positions`` — so
     ``full[index] = torch.cat(parts_of_ranks)`` (e.g. after an all-gather) restores the packed order."""
     return torch.cat([packed_cp_positions(padded, r, cp_size, device) for r in range(cp_size)])
+
+
+def token_budget_layout_error(max_tokens: Optional[int], packed: bool, vpp: Optional[int]) -> Optional[str]:
+    """Why a token budget cannot run on a layout with ``virtual_pipeline_model_parallel_size=vpp`` (None: it
+    can). A padded budget groups different numbers of rows per micro-batch, but megatron-core's interleaved
+    pipeline schedule takes micro-batches of one shape; packed ones are all ``[1, s]``. Checked by the config's
+    validation and by the actor (built without it in tests and tools)."""
+    if max_tokens is not None and not packed and vpp and vpp > 1:
+        return (f"{BUDGET_KEY}: with parallel.virtual_pipeline_model_parallel_size={vpp} it needs "
+                f"actor.sequence_packing=true (the interleaved schedule takes micro-batches of one shape; a padded "
+                f"token budget groups different numbers of rows)")
+    return None

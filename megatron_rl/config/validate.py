@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import List, Optional
+from typing import List
 
+from megatron_rl.actor.micro_batching import token_budget_layout_error
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.envs.base import env_import_error
@@ -128,7 +129,8 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
     if ac.max_tokens_per_micro_batch is not None and ac.max_tokens_per_micro_batch < 1:
         errs.append(f"actor.max_tokens_per_micro_batch: must be >= 1 (or null: fixed micro_batch_size rows), "
                     f"got {ac.max_tokens_per_micro_batch}")
-    budget_error = token_budget_layout_error(ac, cfg.parallel)
+    budget_error = token_budget_layout_error(ac.max_tokens_per_micro_batch, ac.sequence_packing,
+                                             cfg.parallel.virtual_pipeline_model_parallel_size)
     if budget_error:
         errs.append(budget_error)
     if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
@@ -170,18 +172,6 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
     errs += _multi_turn_errors(cfg)
     errs += _dp_errors(cfg, world_size)
     return errs
-
-
-def token_budget_layout_error(actor, parallel) -> Optional[str]:
-    """Why ``actor``'s token budget cannot run on ``parallel``'s layout (None: it can). A padded budget groups
-    different numbers of rows per micro-batch, but megatron-core's interleaved pipeline schedule
-    (virtual_pipeline_model_parallel_size > 1) takes micro-batches of one shape; packed ones are all [1, s]."""
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    if actor.max_tokens_per_micro_batch is not None and not actor.sequence_packing and vpp and vpp > 1:
-        return (f"actor.max_tokens_per_micro_batch: with parallel.virtual_pipeline_model_parallel_size={vpp} it "
-                f"needs actor.sequence_packing=true (the interleaved schedule takes micro-batches of one shape; a "
-                f"padded token budget groups different numbers of rows)")
-    return None
 
 
 def _multi_turn_errors(cfg: JobConfig) -> List[str]:

@@ -61,8 +61,9 @@ this formula plus CPU-only extras of the unfused local path (SwiGLU's silu outpu
 composite RMSNorm's normalised copy, RoPE cos/sin, the causal mask, rstd) -- exactly, byte for byte.
 
 The number of micro-batches in flight on stage s follows the 1F1B schedule: ``min(P - s, M)`` (M =
-micro-batches per mini-batch); interleaved (V > 1): ``min(2*(P - s - 1) + (V - 1)*P + 1, M*V)``
-model chunks, each holding L/(P*V) layers -- on stage 0 that is Korthikanti's ``L*(1 + (P-1)/(P*V))``.
+micro-batches per mini-batch); interleaved (V > 1): ``min(2*(P - s - 1) + (V - 1)*G + 1, M*V)``
+model chunks, each holding L/(P*V) layers, with the micro-batch group G = P (G = M when M is not a multiple of
+P: the actor then runs all of them as one group) -- on stage 0 that is Korthikanti's ``L*(1 + (P-1)/(P*V))``.
 
 Token-budget micro-batches (``actor.max_tokens_per_micro_batch`` = B tokens before the CP split)
     A micro-batch holds at most B tokens (rows x longest row without ``actor.sequence_packing``, the packed
@@ -373,7 +374,10 @@ def _in_flight(stage: int, pp: int, vpp: int, microbatches: int) -> float:
     """Micro-batches' worth of this stage's layers held at the 1F1B / interleaved peak."""
     if vpp <= 1:
         return float(min(pp - stage, microbatches))
-    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
+    # the interleaved warm-up runs (vpp - 1) micro-batch groups ahead; a group is PP micro-batches, or all of them
+    # when their count is not a multiple of PP (actor.schedule.run_schedule: token-budget plans)
+    group = pp if microbatches % pp == 0 else microbatches
+    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * group + 1, microbatches * vpp)
     return chunks / vpp
 
 

@@ -99,7 +99,7 @@ def test_budget_interleaved_pipeline_gets_at_least_pp_micro_batches(job):
     # PP 4 x VPP 2 (8 layers: 1 per model chunk) on 32 GPUs (DP 2): 4 rows per DP rank per mini-batch fit one
     # micro-batch, which the actor splits into PP = 4 for the interleaved schedule; the peak on stage 0 is
     # min(2*(PP-1) + (VPP-1)*PP + 1, M*VPP) = min(11, 8) = 8 chunks = 4 micro-batches of its 2 layers
-    plan = _plan(job, "actor.max_tokens_per_micro_batch=1024", "actor.ppo_mini_batches=4",
+    plan = _plan(job, "actor.max_tokens_per_micro_batch=1024", "actor.sequence_packing=true", "actor.ppo_mini_batches=4",
                  "parallel.pipeline_model_parallel_size=4", "parallel.virtual_pipeline_model_parallel_size=2",
                  "model.num_layers=8", world=32)
     assert plan.microbatches == 4
@@ -145,3 +145,14 @@ def test_check_says_packing_without_a_budget_is_planned_padded(job, capsys):
     assert rc == 0, err
     assert f"micro-batch {MBS} rows, packed (planned as padded rows: an upper bound), " \
            f"{ROWS_PER_DP // MBS} micro-batches per mini-batch per DP rank" in out
+
+
+def test_interleaved_count_not_a_multiple_of_pp_runs_as_one_group(job):
+    # 5 micro-batches on PP 4 x VPP 2: megatron's interleaved schedule needs a multiple of its group size, so the
+    # actor makes all 5 one group; the warm-up then runs (VPP-1) x 5 micro-batches ahead on stage 0:
+    # min(2*(PP-1) + (VPP-1)*5 + 1, 5*VPP) = min(12, 10) = 10 chunks = 5 micro-batches of its layers
+    from megatron_rl.ops.memory import _in_flight
+
+    assert _in_flight(0, 4, 2, 5) == 10 / 2
+    assert _in_flight(3, 4, 2, 9) == (0 + 9 + 1) / 2            # last stage: (VPP-1) x 9 + 1 chunks
+    assert _in_flight(3, 4, 2, 8) == (0 + 4 + 1) / 2            # a multiple of PP: groups of PP
