@@ -14,12 +14,16 @@ cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
 VENV="${MEGATRON_RL_VENV:-.venv}"
 PY="$VENV/bin/python"
+# the model configs/tiny_cpu.yaml loads (actor.load_hf), built once; the run's own directory follows trainer.run_dir
+"$PY" -m megatron_rl.tasks runs/tiny_cpu/init_model --task copy --hidden-size 128 --num-layers 2 --seed 0
 RUN_DIR=runs/tiny_cpu
-"$PY" -m megatron_rl.tasks "$RUN_DIR/init_model" --task copy --hidden-size 128 --num-layers 2 --seed 0
 export OMP_NUM_THREADS=1
 START=(trainer.overwrite=true)
 for a in "$@"; do
-  case "$a" in --resume|trainer.resume=*|trainer.overwrite=*) START=() ;; esac
+  case "$a" in
+    --resume|trainer.resume=*|trainer.overwrite=*) START=() ;;
+    trainer.run_dir=*) RUN_DIR="${a#trainer.run_dir=}" ;;
+  esac
 done
 PYTHON="$PY" NPROC_PER_NODE=4 LOG_DIR="$RUN_DIR/logs" bash launch/torchrun.sh --config configs/tiny_cpu.yaml \
   "${START[@]+"${START[@]}"}" "$@"
