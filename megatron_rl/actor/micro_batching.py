@@ -21,11 +21,13 @@ The actor (``schedule`` / ``forward`` / ``train_step``) turns these plans into t
 
 Usage::
 
+    # with context parallelism (cp > 1): rows padded to 2 x CP, the pack to the TP/SP x 2 x CP multiple
+    # (ParallelDims.seq_multiple); without it row_multiple = 1
     plan = plan_micro_batches(lengths, micro_batch_size=4, max_tokens=8192, packed=True,
-                              seq_multiple=tp_sp * 2 * cp, row_multiple=2 * cp)
+                              seq_multiple=seq_multiple, row_multiple=row_multiple)
     for (s, e), tokens in zip(plan.bounds, plan.tokens):
         rows = plan.order[s:e]                    # row indices of this micro-batch, ascending
-        layout = pack_layout([lengths[r] for r in rows], row_multiple=2 * cp, total_multiple=tp_sp * 2 * cp)
+        layout = pack_layout([lengths[r] for r in rows], row_multiple=row_multiple, total_multiple=seq_multiple)
         assert layout.total == tokens
         pos = packed_cp_positions(layout.segments, cp_rank, cp)   # this CP rank's packed positions
     ranks = balance_groups(tokens_per_group, dp_size)            # ranks[r]: the prompt groups of DP rank r

@@ -1,13 +1,17 @@
 """Model inputs per micro-batch and one call of megatron's pipeline schedule over them.
 
-``prepare_micro_batches`` turns a (DP-shard) ``RolloutBatch`` plus per-token tensors ([B, L-1], column
-t scores token t+1) into ``MicroBatch`` objects the model consumes:
-  * rows split into ``micro_batch_size`` chunks, each cut to its own longest row (variable sequence
-    lengths) rounded up to ``groups.seq_multiple`` (TP with sequence parallel, 2 x CP with CP);
-  * ``targets[:, t] = tokens[:, t+1]`` (pad id in the last column) so the log-prob at position t of
-    the model output scores token t+1 — computed on the full logits tensor, no shifted copy;
-  * per-token tensors placed at the same positions (one zero column at the end), then every
-    sequence-shaped tensor cut to this CP rank's zigzag part (``cp_split``).
+``prepare_micro_batches`` turns a (DP-shard, plan-ordered) ``RolloutBatch`` plus per-token tensors ([B, L-1],
+column t scores token t+1) into ``MicroBatch`` objects the model consumes, one per contiguous row block of
+``bounds`` (``micro_batching.plan_micro_batches``: fixed ``micro_batch_size`` rows or a token budget):
+  * padded rows (``PaddedRows``): each block cut to its own longest row (variable sequence lengths) rounded up
+    to ``groups.seq_multiple`` (TP with sequence parallel, 2 x CP with CP); per-token tensors placed at the same
+    positions (one zero column at the end), then every sequence-shaped tensor cut to this CP rank's zigzag part
+    (``cp_split``);
+  * packed rows (``PackedRows``, ``packed=True``): each block one THD sequence ``[1, s]`` (``PackedSeqParams``,
+    per-segment positions, megatron's per-segment CP chunks); the per-token tensors stay in row layout and the
+    model's output is gathered into it (``loss_rows``);
+  * ``targets`` at position t = the row's token t+1 (the pad id at each row's last token) so the log-prob at
+    position t of the model output scores token t+1 — computed on the full logits tensor, no shifted copy.
 
 ``run_schedule`` calls ``megatron.core.pipeline_parallel.get_forward_backward_func()`` (1F1B with PP,
 no-pipelining otherwise; interleaved with VPP) with ``forward_step_func(mb, model) -> (output,

@@ -237,8 +237,9 @@ class ActorConfig:
     """Token budget of one micro-batch on each rank (verl's ``ppo_max_token_len_per_gpu``): rows are grouped
     by token count instead of a fixed row count — padded tokens (rows x longest row) without
     ``sequence_packing``, the packed length with it — and the prompt groups of a step are spread over the DP
-    ranks balancing their tokens. The loss and every metric do not depend on the grouping. Must hold the
-    longest row (prompt + response, rounded up to the sequence multiple of TP/SP and CP). None: fixed
+    ranks balancing their tokens. The grouping changes neither the loss nor any metric (beyond fp32 summation
+    order); with DP > 1 and ``ppo_mini_batches`` > 1 the balanced split decides which rows share an optimizer
+    step. Must hold the longest row (prompt + response, rounded up to the sequence multiple of TP/SP and CP). None: fixed
     ``micro_batch_size`` rows."""
     sequence_packing: bool = False
     """Concatenate the rows of a micro-batch into one sequence (THD: per-row positions, attention that never

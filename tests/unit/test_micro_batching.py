@@ -316,3 +316,26 @@ def test_packed_cp_layout_segments_and_errors():
         packed_cp_positions([8, 6], 0, 2)
     with pytest.raises(ValueError):
         packed_cp_positions([8], 2, 2)
+
+
+def test_padded_budget_with_an_interleaved_pipeline_is_refused_by_the_config():
+    """A padded token budget groups different numbers of rows per micro-batch; megatron's interleaved schedule
+    takes one shape: `check` / the launcher refuse it naming actor.sequence_packing (packed: allowed)."""
+    from megatron_rl.config import job_config_from_dict
+    from megatron_rl.config.validate import job_errors
+    from megatron_rl.actor.micro_batching import token_budget_layout_error
+
+    assert "actor.sequence_packing" in token_budget_layout_error(64, False, 2)
+    for ok in ((64, True, 2), (None, False, 2), (64, False, None), (64, False, 1)):
+        assert token_budget_layout_error(*ok) is None, ok
+
+    def errors(**actor):
+        cfg = job_config_from_dict({"model": {"num_layers": 4, "hidden_size": 16, "num_attention_heads": 2,
+                                              "vocab_size": 32},
+                                    "actor": actor,
+                                    "parallel": {"pipeline_model_parallel_size": 2,
+                                                 "virtual_pipeline_model_parallel_size": 2}})
+        return [e for e in job_errors(cfg, world_size=2) if e.startswith("actor.max_tokens_per_micro_batch")]
+
+    assert errors(max_tokens_per_micro_batch=64) and "sequence_packing" in errors(max_tokens_per_micro_batch=64)[0]
+    assert errors(max_tokens_per_micro_batch=64, sequence_packing=True) == []
