@@ -125,7 +125,8 @@ class MegatronActor:
     # ------------------------------------------------------------------ log-prob pass
     def _plan(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None) -> MicroBatchPlan:
         """This pass's micro-batches (``actor.micro_batch_size`` rows, or ``actor.max_tokens_per_micro_batch``
-        tokens, packed or not). Collective: a row that fits no micro-batch raises on every rank."""
+        tokens, packed or not). Collective with a token budget or an interleaved pipeline: a row that fits no
+        micro-batch, or a shard too small for the interleaved schedule, raises on every rank."""
         ac, g = self.actor_cfg, self.groups
         plan, msg = None, None
         try:
@@ -136,11 +137,17 @@ class MegatronActor:
                                       min_micro_batches=g.pp_size if len(self.model) > 1 else 1)
         except ValueError as e:
             msg = f"micro-batches of this DP shard: {e}"
-        if ac.max_tokens_per_micro_batch is None:  # fixed row counts: the same outcome on every rank
+        interleaved = len(self.model) > 1
+        if plan is not None and interleaved and plan.num_micro_batches < g.pp_size:
+            msg = (f"interleaved pipeline (virtual_pipeline_model_parallel_size={len(self.model)}) needs >= "
+                   f"pipeline_model_parallel_size={g.pp_size} micro-batches per pass, this DP shard has "
+                   f"{batch.num_rows} row(s): send more rows per DP rank / mini-batch")
+        if ac.max_tokens_per_micro_batch is None and not interleaved:  # cannot differ between ranks
             if msg:
                 raise BatchError(msg)
             return plan
-        agree_on_error(msg, error=BatchError)  # a row over the budget on one rank ends the pass on all
+        # a row over the budget, or too few rows for the interleaved schedule, on one DP rank ends the pass on all
+        agree_on_error(msg, error=BatchError)
         return plan
 
     @staticmethod

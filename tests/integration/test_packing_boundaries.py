@@ -236,6 +236,18 @@ def test_interleaved_vpp_with_padded_budget_is_refused_on_every_rank(models):
     assert all(e and "actor.sequence_packing" in e for e in errors), errors
 
 
+@pytest.mark.timeout(300)
+def test_interleaved_shard_too_small_on_one_dp_rank_is_refused_on_every_rank(models):
+    """PP4 x VPP2 x DP2 with 7 rows: one DP rank's shard has 4 rows, the other's 3 — fewer micro-batches than PP
+    for the interleaved schedule on that rank only. Every rank raises a BatchError naming the layout (no rank is
+    left waiting in the other DP group's collectives)."""
+    data = _data(300, shapes=[(2, 3), (3, 2), (1, 4), (2, 2), (1, 1), (3, 3), (2, 1)])
+    job = _job(models["deep"], "token-mean", pp=4, vpp=2, micro_batch_size=1)
+    res = run_ranks(_rank_vpp_padded, 8, job, data, timeout=250)
+    errors = [r.get("error") for r in res]
+    assert all(e and "BatchError" in e and "pipeline_model_parallel_size=4" in e for e in errors), errors
+
+
 # -------------------------------------------------------------------------------- a row over the budget
 def _rank_over_budget(rank, world, job, data, phase):
     from megatron_rl.actor import BatchError, MegatronActor, row_blocks
