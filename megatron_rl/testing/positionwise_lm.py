@@ -45,3 +45,19 @@ def positionwise_lm(cp: int, vocab: int = 64, hidden: int = 16, use_positions: b
     cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, context_parallel_size=cp,
                             use_cpu_initialization=True, pipeline_dtype=torch.float32)
     return PositionwiseLM(cfg)
+
+
+def positionwise_batch(prompt_lengths, response_lengths, vocab: int = 64, seed: int = 1):
+    """A random rollout batch for these lengths with the train step's inputs: ``(batch, advantages [B, L-1],
+    IS weights [B, L-1])`` (rollout log-probs in [-4, -1]; weights in [0.5, 1.5) on response tokens)."""
+    from megatron_rl.actor.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p in prompt_lengths]
+    responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for r in response_lengths]
+    lps = [(-torch.rand(r, generator=g) * 3 - 1).tolist() for r in response_lengths]
+    batch = RolloutBatch.from_sequences(prompts, responses, lps)
+    W = batch.max_length - 1
+    adv = torch.randn(len(prompt_lengths), generator=g)[:, None].expand(-1, W).contiguous()
+    is_w = (torch.rand(len(prompt_lengths), W, generator=g) + 0.5) * batch.response_mask
+    return batch, adv, is_w

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import megatron.core  # noqa: F401
-from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.positionwise_lm import positionwise_lm
+from megatron_rl.testing.positionwise_lm import positionwise_batch, positionwise_lm
 
 VOCAB, HIDDEN = 64, 16
 
@@ -27,16 +26,7 @@ def _build(cp):
 
 
 def _data():
-    g = torch.Generator().manual_seed(1)
-    plens, rlens = [2, 5, 1, 3, 4, 2, 6, 1], [7, 3, 9, 2, 5, 8, 1, 4]
-    prompts = [torch.randint(0, VOCAB, (p,), generator=g).tolist() for p in plens]
-    responses = [torch.randint(0, VOCAB, (r,), generator=g).tolist() for r in rlens]
-    lps = [(-torch.rand(r, generator=g) * 3 - 1).tolist() for r in rlens]
-    batch = RolloutBatch.from_sequences(prompts, responses, lps)
-    W = batch.max_length - 1
-    adv = torch.randn(len(plens), generator=g)[:, None].expand(-1, W).contiguous()
-    is_w = (torch.rand(len(plens), W, generator=g) + 0.5) * batch.response_mask
-    return batch, adv, is_w
+    return positionwise_batch([2, 5, 1, 3, 4, 2, 6, 1], [7, 3, 9, 2, 5, 8, 1, 4], vocab=VOCAB)
 
 
 def _rank(rank, world, cp, agg):

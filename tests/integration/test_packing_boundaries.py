@@ -28,7 +28,7 @@ from megatron_rl.actor import RolloutBatch
 from megatron_rl.actor.micro_batching import plan_micro_batches
 from megatron_rl.testing.actor_reference import TOKEN_IS, actor_job, parallel_section
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.positionwise_lm import positionwise_lm
+from megatron_rl.testing.positionwise_lm import positionwise_batch, positionwise_lm
 
 pytest.importorskip("transformers")
 
@@ -346,16 +346,7 @@ def _build_positionwise(cp):
 
 
 def _cp_data():
-    g = torch.Generator().manual_seed(1)
-    plens, rlens = [2, 5, 1, 3, 1, 2, 6, 1], [7, 3, 9, 2, 0, 8, 1, 1]
-    prompts = [torch.randint(0, VOCAB_CP, (p,), generator=g).tolist() for p in plens]
-    responses = [torch.randint(0, VOCAB_CP, (r,), generator=g).tolist() for r in rlens]
-    lps = [(-torch.rand(r, generator=g) * 3 - 1).tolist() for r in rlens]
-    batch = RolloutBatch.from_sequences(prompts, responses, lps)
-    W = batch.max_length - 1
-    adv = torch.randn(len(plens), generator=g)[:, None].expand(-1, W).contiguous()
-    is_w = (torch.rand(len(plens), W, generator=g) + 0.5) * batch.response_mask
-    return batch, adv, is_w
+    return positionwise_batch([2, 5, 1, 3, 1, 2, 6, 1], [7, 3, 9, 2, 0, 8, 1, 1], vocab=VOCAB_CP)
 
 
 def _rank_cp(rank, world, cp, agg, packed, budget):
