@@ -151,13 +151,17 @@ class MegatronActor:
         return plan
 
     @staticmethod
-    def _in_plan_order(batch: RolloutBatch, plan: MicroBatchPlan):
-        """(the batch with its rows in the plan's order, the inverse permutation or None when unchanged)."""
+    def _in_plan_order(batch: RolloutBatch, plan: MicroBatchPlan, per_token: Optional[Dict] = None):
+        """(the batch and the ``per_token`` [B, L-1] tensors with their rows in the plan's order, the inverse
+        permutation — a host index, moved to each tensor it reorders — or None when the order is unchanged)."""
         if list(plan.order) == list(range(batch.num_rows)):
-            return batch, None
-        inv = torch.empty(batch.num_rows, dtype=torch.int64)
-        inv[torch.as_tensor(plan.order, dtype=torch.int64)] = torch.arange(batch.num_rows)
-        return batch.take(plan.order), inv
+            return batch, per_token, None
+        order = torch.as_tensor(plan.order, dtype=torch.int64, device="cpu")
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(batch.num_rows)
+        per_token = None if per_token is None else {
+            k: None if v is None else v[order.to(v.device)] for k, v in per_token.items()}
+        return batch.take(plan.order), per_token, inv
 
     def compute_log_probs(self, batch: RolloutBatch, temperature: float, compute_entropy: bool = True,
                           micro_batch_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -167,7 +171,7 @@ class MegatronActor:
         ``actor.max_tokens_per_micro_batch``)."""
         check_token_ids(batch, self.model_cfg.vocab_size)
         plan = self._plan(batch, micro_batch_size)
-        ordered, inv = self._in_plan_order(batch, plan)
+        ordered, _, inv = self._in_plan_order(batch, plan)
         rp = log_prob_pass(self.routing, ordered, self.routing_mode) if self.routing is not None else None
         try:
             out = compute_log_probs(self.model, ordered, bounds=plan.bounds, temperature=temperature,
@@ -235,10 +239,7 @@ class MegatronActor:
                 sub = batch.select(start, end)
                 sub_tok = {k: None if v is None else v[start:end, : sub.max_length - 1] for k, v in per_token.items()}
                 plan = self._plan(sub)
-                sub, inv = self._in_plan_order(sub, plan)
-                if inv is not None:
-                    order = torch.as_tensor(plan.order, dtype=torch.int64)
-                    sub_tok = {k: None if v is None else v[order.to(v.device)] for k, v in sub_tok.items()}
+                sub, sub_tok, _ = self._in_plan_order(sub, plan, sub_tok)
                 rp = self.routing.begin(sub.lengths, sub.routing, record=False) if replayed is not None else None
                 try:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,

@@ -80,9 +80,9 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
     (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``bounds``: the micro-batches, contiguous
     [start, end) row blocks (``micro_batching.plan_micro_batches``); ``packed``: each packed into one sequence
     (``schedule.PackedRows``). ``trim=False`` pads every micro-batch to one length (needed with interleaved
-    VPP, whose schedule in megatron-core 0.16 cannot take micro-batches of different lengths). ``replay``: a ``router_replay.ReplayPass`` that sets / records
-    MoE routing around each chunk's forward (its ``micro_batches`` are set for ``assemble``). Collective
-    over the model-parallel group.
+    VPP, whose schedule in megatron-core 0.16 cannot take micro-batches of different lengths). ``replay``: a
+    ``router_replay.ReplayPass`` that sets / records MoE routing around each chunk's forward (its
+    ``micro_batches`` are set for ``assemble``). Collective over the model-parallel group.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from megatron_rl.actor.cp import cp_gather, cp_split
 
 __all__ = ["REPLAY_MODES", "ROUTING_DTYPES", "RoutingError", "RoutingSpec", "routing_dtype", "pack_routing",
-           "routing_valid_mask", "check_routing", "micro_batch_targets", "gather_micro_batch_records",
+           "routing_valid_mask", "check_routing", "row_targets", "sp_slice", "sp_gather", "micro_batch_targets",
+           "gather_micro_batch_records",
            "agreement_counts", "agreement_metrics", "routing_bytes_per_token"]
 
 REPLAY_MODES = ("none", "r2", "r3")
@@ -166,25 +167,47 @@ def check_routing(routing: torch.Tensor, lengths: torch.Tensor, spec: RoutingSpe
     return None
 
 
+def row_targets(routing: torch.Tensor, lengths: torch.Tensor, rows: Tuple[int, int], width: int,
+                device=None) -> torch.Tensor:
+    """Rows [start, end) of ``routing`` as replay targets ``[b, width, num_moe_layers, topk]`` int64 on ``device``:
+    -1 (the trainer keeps its own choice) where ``t >= lengths - 1`` and beyond the stored columns."""
+    start, end = rows
+    r = routing[start:end, :width].to(device=device, dtype=torch.int64)
+    valid = routing_valid_mask(lengths[start:end].to(r.device), r.shape[1])
+    r = torch.where(valid[:, :, None, None], r, torch.full_like(r, -1))
+    if r.shape[1] < width:
+        pad = r.new_full((r.shape[0], width - r.shape[1]) + tuple(r.shape[2:]), -1)
+        r = torch.cat([r, pad], dim=1)
+    return r
+
+
+def sp_slice(r: torch.Tensor, sp_rank: int, sp_size: int) -> torch.Tensor:
+    """This sequence-parallel rank's part of ``r`` (positions on dim 0), as megatron splits activations."""
+    if sp_size == 1:
+        return r
+    if r.shape[0] % sp_size:
+        raise RoutingError(f"micro-batch of {r.shape[0]} positions per CP rank is not divisible by the "
+                           f"sequence-parallel size {sp_size}")
+    return r.chunk(sp_size, dim=0)[sp_rank]
+
+
+def sp_gather(x: torch.Tensor, sp_group=None, sp_size: int = 1) -> torch.Tensor:
+    """Inverse of ``sp_slice`` over ``sp_group`` (positions on dim 0). Collective when ``sp_size > 1``."""
+    if sp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(sp_size)]
+    dist.all_gather(parts, x.contiguous(), group=sp_group)
+    return torch.cat(parts, dim=0)
+
+
 def micro_batch_targets(routing: torch.Tensor, lengths: torch.Tensor, rows: Tuple[int, int], full_length: int,
                         cp_rank: int = 0, cp_size: int = 1, sp_rank: int = 0, sp_size: int = 1,
                         device=None) -> torch.Tensor:
     """The replay targets of one micro-batch in megatron's router token order: ``[num_moe_layers,
     n_local, topk]`` int64, ``n_local = (full_length / cp_size / sp_size) * b``; -1 where the trainer keeps
     its own choice (``t >= lengths - 1``, micro-batch padding)."""
-    start, end = rows
-    r = routing[start:end, :full_length].to(device=device, dtype=torch.int64)
-    valid = routing_valid_mask(lengths[start:end].to(r.device), r.shape[1])
-    r = torch.where(valid[:, :, None, None], r, torch.full_like(r, -1))
-    if r.shape[1] < full_length:
-        pad = r.new_full((r.shape[0], full_length - r.shape[1]) + tuple(r.shape[2:]), -1)
-        r = torch.cat([r, pad], dim=1)
-    r = cp_split(r, cp_rank, cp_size).transpose(0, 1)        # [s_cp, b, NL, k]
-    if sp_size > 1:
-        if r.shape[0] % sp_size:
-            raise RoutingError(f"micro-batch of {r.shape[0]} positions per CP rank is not divisible by the "
-                               f"sequence-parallel size {sp_size}")
-        r = r.chunk(sp_size, dim=0)[sp_rank]
+    r = row_targets(routing, lengths, rows, full_length, device)
+    r = sp_slice(cp_split(r, cp_rank, cp_size).transpose(0, 1), sp_rank, sp_size)   # [s_cp / SP, b, NL, k]
     nl, k = r.shape[2], r.shape[3]
     return r.reshape(-1, nl, k).permute(1, 0, 2).contiguous()
 
@@ -195,11 +218,7 @@ def gather_micro_batch_records(local: torch.Tensor, b: int, sp_group=None, sp_si
     topk]`` -> ``[b, s, n_layers, topk]`` (whole sequences: all-gather over the sequence-parallel group,
     then the CP zigzag gather). Collective over ``sp_group`` / ``cp_group`` when their size is > 1."""
     nl, n, k = local.shape
-    x = local.permute(1, 0, 2).reshape(n // b, b, nl, k)       # [s_loc, b, NL, k]
-    if sp_size > 1:
-        parts = [torch.empty_like(x) for _ in range(sp_size)]
-        dist.all_gather(parts, x.contiguous(), group=sp_group)
-        x = torch.cat(parts, dim=0)
+    x = sp_gather(local.permute(1, 0, 2).reshape(n // b, b, nl, k), sp_group, sp_size)   # [s_loc, b, NL, k]
     return cp_gather(x.transpose(0, 1).contiguous(), cp_group, cp_size)
 
 

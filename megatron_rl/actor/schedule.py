@@ -29,8 +29,8 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import RolloutBatch, fit_columns
 from megatron_rl.actor.cp import cp_gather, cp_split
 from megatron_rl.actor.micro_batching import PackedLayout, pack_layout, packed_cp_gather_index, packed_cp_positions
-from megatron_rl.actor.routing import (RoutingError, gather_micro_batch_records, micro_batch_targets,
-                                       routing_valid_mask)
+from megatron_rl.actor.routing import (gather_micro_batch_records, micro_batch_targets, row_targets, sp_gather,
+                                       sp_slice)
 from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["MicroBatch", "PaddedRows", "PackedRows", "prepare_micro_batches", "run_schedule", "actor_device"]
@@ -92,15 +92,15 @@ class PackedRows:
             positions = packed_cp_positions(segs, groups.cp_rank, groups.cp_size, device=cpu)
             self.gather_index = packed_cp_gather_index(segs, groups.cp_size, device=cpu).to(device)
         else:
-            positions = torch.arange(layout.total)
+            positions = torch.arange(layout.total, device=cpu)
             self.gather_index = None
         # src_full[r, c]: packed position of (row r, column c); -1 where the row has no token
         real = row >= 0
-        real_pos = torch.arange(layout.total)[real]
-        src_full = torch.full((n, s_rows), -1, dtype=torch.int64)
+        real_pos = torch.arange(layout.total, device=cpu)[real]
+        src_full = torch.full((n, s_rows), -1, dtype=torch.int64, device=cpu)
         src_full[row[real], col[real]] = real_pos
         # src_local[r, c]: index into this CP rank's positions; -1 where another CP rank holds it
-        local_of = torch.full((layout.total,), -1, dtype=torch.int64)
+        local_of = torch.full((layout.total,), -1, dtype=torch.int64, device=cpu)
         local_of[positions] = torch.arange(positions.numel())
         src_local = torch.where(src_full >= 0, local_of[src_full.clamp(min=0)], src_full)
         self.positions = positions.to(device)
@@ -110,10 +110,10 @@ class PackedRows:
         """[n, s_rows] bool: (row, column) positions this CP rank computes (every real one without CP)."""
 
     @staticmethod
-    def _take(y: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """``y [1, m, ...]`` at ``src [n, w]`` (-1 -> 0); differentiable."""
+    def _take(y: torch.Tensor, src: torch.Tensor, fill=0) -> torch.Tensor:
+        """``y [1, m, ...]`` at ``src [n, w]`` (``fill`` where src is -1); differentiable."""
         flat = y.reshape(y.shape[1], *y.shape[2:])
-        ext = torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))])
+        ext = torch.cat([flat, flat.new_full((1,) + tuple(flat.shape[1:]), fill)])
         return ext[torch.where(src >= 0, src, torch.full_like(src, flat.shape[0]))]
 
     def place(self, x: torch.Tensor, fill) -> torch.Tensor:
@@ -144,31 +144,17 @@ class PackedRows:
                         device) -> torch.Tensor:
         """Replay targets ``[n_layers, n_local, k]`` in megatron's router token order for the packed sequence
         (-1: the trainer's own choice at each row's last token and at padding)."""
-        r = routing[self.start:self.end, : self.s_rows].to(device=device, dtype=torch.int64)
-        valid = routing_valid_mask(lengths[self.start:self.end].to(r.device), r.shape[1])
-        r = torch.where(valid[:, :, None, None], r, torch.full_like(r, -1))
-        if r.shape[1] < self.s_rows:
-            r = torch.cat([r, r.new_full((r.shape[0], self.s_rows - r.shape[1]) + tuple(r.shape[2:]), -1)], 1)
-        seq = self.place(r, -1)[0]                                  # [s_loc, NL, k]
-        if groups.sequence_parallel and groups.tp_size > 1:
-            if seq.shape[0] % groups.tp_size:
-                raise RoutingError(f"packed micro-batch of {seq.shape[0]} positions per CP rank is not divisible "
-                                   f"by the sequence-parallel size {groups.tp_size}")
-            seq = seq.chunk(groups.tp_size, dim=0)[groups.tp_rank]
-        return seq.permute(1, 0, 2).contiguous()
+        r = row_targets(routing, lengths, (self.start, self.end), self.s_rows, device)
+        sp = groups.sequence_parallel
+        seq = sp_slice(self.place(r, -1)[0], groups.tp_rank if sp else 0, groups.tp_size if sp else 1)
+        return seq.permute(1, 0, 2).contiguous()                   # [NL, s_loc / SP, k]
 
     def gather_records(self, local: torch.Tensor, groups: ActorGroups) -> torch.Tensor:
         """Routing recorded on this rank ``[n_layers, n_local, k]`` -> ``[n, s_rows, n_layers, k]`` (-1 where
         the row has no token)."""
-        x = local.permute(1, 0, 2).contiguous()                     # [s_loc / SP, NL, k]
-        if groups.sequence_parallel and groups.tp_size > 1:
-            parts = [torch.empty_like(x) for _ in range(groups.tp_size)]
-            dist.all_gather(parts, x, group=groups.tp_group)
-            x = torch.cat(parts, dim=0)
-        full = self._gather_seq(x.unsqueeze(0), groups)[0]          # [total, NL, k]
-        ext = torch.cat([full, full.new_full((1,) + tuple(full.shape[1:]), -1)])
-        src = torch.where(self.src_full >= 0, self.src_full, torch.full_like(self.src_full, full.shape[0]))
-        return ext[src]
+        sp = groups.sequence_parallel
+        x = sp_gather(local.permute(1, 0, 2), groups.tp_group, groups.tp_size if sp else 1)   # [s_loc, NL, k]
+        return self._take(self._gather_seq(x.unsqueeze(0), groups), self.src_full, fill=-1)
 
 
 @dataclass
