@@ -89,15 +89,24 @@ def test_autotokenizer_of_a_cli_built_lookup_model_encodes_like_the_project(tmp_
     _assert_auto_matches_project(_cli_model(tmp_path_factory, "lookup"), task="lookup")
 
 
-def test_old_task_model_directory_is_repaired_by_ensure_task_model(cli_dir, tmp_path):
+def _old_copy(cli_dir, tmp_path, edit):
+    """A copy of the task model directory whose tokenizer.json ``edit(tokenizer_json)`` turns into an older one."""
     old = str(tmp_path / "old")
     subprocess.run(["cp", "-r", cli_dir, old], check=True)
     path = os.path.join(old, "tokenizer.json")
     with open(path) as fh:
         tj = json.load(fh)
-    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] in SPECIAL]   # as built before the fix
+    edit(tj)
     with open(path, "w") as fh:
         json.dump(tj, fh)
+    return old
+
+
+def test_old_task_model_directory_is_repaired_by_ensure_task_model(cli_dir, tmp_path):
+    def before_added_words(tj):  # as built before the fix
+        tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] in SPECIAL]
+
+    old = _old_copy(cli_dir, tmp_path, before_added_words)
     weights = open(os.path.join(old, "model.safetensors"), "rb").read()
     assert ensure_task_model(old) == old
     assert open(os.path.join(old, "model.safetensors"), "rb").read() == weights   # the model is never rebuilt
@@ -106,15 +115,11 @@ def test_old_task_model_directory_is_repaired_by_ensure_task_model(cli_dir, tmp_
 
 def test_task_model_directory_without_reserved_tokens_is_repaired(cli_dir, tmp_path):
     """A copy model built when ids 21-23 had no tokens (decoded to nothing) gets the reserved tokens."""
-    old = str(tmp_path / "old")
-    subprocess.run(["cp", "-r", cli_dir, old], check=True)
-    path = os.path.join(old, "tokenizer.json")
-    with open(path) as fh:
-        tj = json.load(fh)
-    tj["model"]["vocab"] = {t: i for t, i in tj["model"]["vocab"].items() if t not in RESERVED}
-    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] not in RESERVED]
-    with open(path, "w") as fh:
-        json.dump(tj, fh)
+    def before_reserved(tj):
+        tj["model"]["vocab"] = {t: i for t, i in tj["model"]["vocab"].items() if t not in RESERVED}
+        tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] not in RESERVED]
+
+    old = _old_copy(cli_dir, tmp_path, before_reserved)
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(old).decode([21, 22, 23]) == ""   # the old directory, as built before
