@@ -42,7 +42,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["MicroBatchPlan", "micro_batch_cost", "plan_micro_batches", "balance_groups", "PackedLayout",
-           "pack_layout", "packed_cp_positions", "packed_cp_gather_index", "token_budget_layout_error"]
+           "pack_layout", "packed_cp_positions", "packed_cp_gather_index", "token_budget_layout_error",
+           "interleaved_group_size"]
 
 BUDGET_KEY = "actor.max_tokens_per_micro_batch"
 
@@ -334,3 +335,10 @@ def token_budget_layout_error(max_tokens: Optional[int], packed: bool, vpp: Opti
                 f"actor.sequence_packing=true (the interleaved schedule takes micro-batches of one shape; a padded "
                 f"token budget groups different numbers of rows)")
     return None
+
+
+def interleaved_group_size(num_micro_batches: int, pp: int) -> int:
+    """megatron-core's ``microbatch_group_size_per_vp_stage`` for a pass of ``num_micro_batches`` under an
+    interleaved pipeline of ``pp`` stages: its schedule needs the count to be a multiple of the group size (PP by
+    default); a token-budget plan has any count >= PP, so a count that is not a multiple runs as one group."""
+    return pp if num_micro_batches % pp == 0 else num_micro_batches

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, fit_columns
 from megatron_rl.actor.cp import cp_gather, cp_split
-from megatron_rl.actor.micro_batching import PackedLayout, pack_layout, packed_cp_gather_index, packed_cp_positions
+from megatron_rl.actor.micro_batching import (PackedLayout, interleaved_group_size, pack_layout,
+                                             packed_cp_gather_index, packed_cp_positions)
 from megatron_rl.actor.routing import (gather_micro_batch_records, micro_batch_targets, row_targets, sp_gather,
                                        sp_slice)
 from megatron_rl.parallel.groups import ActorGroups
@@ -292,12 +293,10 @@ def run_schedule(model_chunks: Sequence[torch.nn.Module], micro_batches: List[Mi
                          f"actor.max_tokens_per_micro_batch) or send more rows per DP rank / mini-batch")
 
     if len(model_chunks) > 1:
-        # megatron-core's interleaved schedule needs num_microbatches % microbatch_group_size_per_vp_stage == 0
-        # (the group size defaults to PP); a token-budget plan has any count >= PP: one group of all of them
         from megatron.core.utils import get_model_config
 
-        m = len(micro_batches)
-        get_model_config(model_chunks[0]).microbatch_group_size_per_vp_stage = pp_size if m % pp_size == 0 else m
+        get_model_config(model_chunks[0]).microbatch_group_size_per_vp_stage = interleaved_group_size(
+            len(micro_batches), pp_size)
 
     def step(data_iterator, model):
         return forward_step(next(data_iterator), model)

@@ -97,6 +97,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megatron_rl.actor.micro_batching import interleaved_group_size
 from megatron_rl.convert.partition import chunk_layer_range
 
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
@@ -374,9 +375,8 @@ def _in_flight(stage: int, pp: int, vpp: int, microbatches: int) -> float:
     """Micro-batches' worth of this stage's layers held at the 1F1B / interleaved peak."""
     if vpp <= 1:
         return float(min(pp - stage, microbatches))
-    # the interleaved warm-up runs (vpp - 1) micro-batch groups ahead; a group is PP micro-batches, or all of them
-    # when their count is not a multiple of PP (actor.schedule.run_schedule: token-budget plans)
-    group = pp if microbatches % pp == 0 else microbatches
+    # the interleaved warm-up runs (vpp - 1) micro-batch groups ahead (the actor's group size)
+    group = interleaved_group_size(microbatches, pp)
     chunks = min(2 * (pp - stage - 1) + (vpp - 1) * group + 1, microbatches * vpp)
     return chunks / vpp
 
