@@ -28,6 +28,16 @@ every response of the right length is worth 1/(len+1) whatever its digits, the p
 the right length carries whatever digits were sampled with it, and the policy collapses onto one constant
 digit string (reward plateau ~0.5 on 1-3 digit copy); without it, only correct digits pay.
 
+With ``prefix_credit: true`` only the positions before the first wrong one count (same denominators): answer
+"254": "244<eos>" -> 1/4 (3/4 per position), "253<eos>" -> 2/4, "154<eos>" -> 0. A right digit after a wrong one
+earns nothing, so a response is paid for the digits it gets right in order — which is what separates a copy
+from a response that only has the right length and the right last digit.
+
+Operand lengths (``length_sampling``): ``uniform`` (the default) draws each length in ``[min_digits,
+max_digits]`` equally often — 1-3 digit copy trains a third of the time on the 10 one-digit strings;
+``by_count`` draws every operand string equally often (a length in proportion to its number of strings: 10,
+100, 1000), the distribution the held-out split is drawn from.
+
 Held-out split (``heldout_frac`` > 0): an operand string is HELD OUT when ``crc32("<task>:<operands>") %
 10_000 < heldout_frac * 10_000`` — a fixed, seed-independent subset of about that fraction of all strings.
 ``sample`` never draws a held-out string (it redraws); ``heldout_prompts()`` enumerates every held-out
@@ -60,8 +70,11 @@ from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
 #: The built-in digit tasks.
 DIGIT_TASKS = ("copy", "reverse", "sort", "add")
 #: The ``data.task_kwargs`` keys a digit task accepts.
-DIGIT_TASK_OPTIONS = ("min_digits", "max_digits", "partial_credit", "eos_credit", "heldout_frac",
-                      "curriculum_steps")
+DIGIT_TASK_OPTIONS = ("min_digits", "max_digits", "partial_credit", "eos_credit", "prefix_credit",
+                      "length_sampling", "heldout_frac", "curriculum_steps")
+#: How ``sample`` draws an operand length: ``uniform`` (every length equally likely) or ``by_count`` (every
+#: operand string equally likely, so a length is drawn in proportion to how many strings it has).
+LENGTH_SAMPLING = ("uniform", "by_count")
 #: ``heldout_prompts`` refuses to enumerate more operand strings than this.
 MAX_ENUMERATED = 1_000_000
 
@@ -80,19 +93,34 @@ def digit_answer(task: str, digits: str) -> str:
     raise ValueError(f"unknown digit task {task!r}; expected one of {DIGIT_TASKS}")
 
 
-def score_text(text: str, terminated: bool, answer: str, partial_credit: bool, eos_credit: bool = True) -> float:
+def _matches(got: Sequence, target: Sequence, prefix: bool) -> int:
+    """Positions where ``got`` agrees with ``target``: all of them, or (``prefix``) those before the first
+    disagreement."""
+    pairs = [a == b for a, b in zip(got, target)]
+    return pairs.index(False) if prefix and False in pairs else sum(pairs)
+
+
+def score_text(text: str, terminated: bool, answer: str, partial_credit: bool, eos_credit: bool = True,
+               prefix_credit: bool = False) -> float:
     """The digit-task reward of a decoded response ``text`` (see the module docstring)."""
     if terminated and text == answer:
         return 1.0
     if not partial_credit:
         return 0.0
     if not eos_credit:
-        matches = sum(1 for a, b in zip(text, answer) if a == b)
+        matches = _matches(text, answer, prefix_credit)
         return matches / (max(len(answer), len(text)) + (0 if terminated else 1))
     target = list(answer) + [None]  # None stands for EOS
     got = list(text) + ([None] if terminated else [])
-    matches = sum(1 for a, b in zip(got, target) if a == b)
-    return matches / max(len(target), len(got))
+    return _matches(got, target, prefix_credit) / max(len(target), len(got))
+
+
+def operand_count(task: str, k: int) -> int:
+    """How many operands of ``k`` digits ``task`` has: ``10**k`` digit strings; ``add``: integers without
+    leading zeros (10 of 1 digit, ``9 * 10**(k-1)`` of more)."""
+    if task == "add" and k > 1:
+        return 9 * 10 ** (k - 1)
+    return 10 ** k
 
 
 def is_heldout(task: str, operands: str, heldout_frac: float) -> bool:
@@ -106,7 +134,7 @@ class DigitTask(Task):
 
     def __init__(self, task: str, tokenizer, min_digits: int = 1, max_digits: int = 3,
                  partial_credit: bool = True, heldout_frac: float = 0.0, curriculum_steps: int = 0,
-                 eos_credit: bool = True):
+                 eos_credit: bool = True, prefix_credit: bool = False, length_sampling: str = "uniform"):
         """Args:
             task: "copy", "reverse", "sort" or "add".
             tokenizer: encodes the prompt text and decodes responses (needs an ``eos_token_id``).
@@ -114,6 +142,10 @@ class DigitTask(Task):
             partial_credit: award the fraction of correct positions (EOS included) to non-exact responses.
             eos_credit: with partial credit, count a correctly placed EOS as a matching position (False: only
                 answer characters earn credit, see the module docstring).
+            prefix_credit: with partial credit, count only the positions before the first wrong one (module
+                docstring); False: every matching position counts.
+            length_sampling: "uniform" (every operand length equally likely) or "by_count" (every operand
+                string equally likely; module docstring).
             heldout_frac: fraction in [0, 0.5] of operand strings kept out of ``sample`` for evaluation
                 (``heldout_prompts``); 0 disables the split.
             curriculum_steps: steps over which the longest drawn operand grows from min_digits to max_digits
@@ -128,10 +160,14 @@ class DigitTask(Task):
                 raise ValueError(f"data.task_kwargs.{key}={v!r} must be an int >= 1")
         if min_digits > max_digits:
             raise ValueError(f"data.task_kwargs.min_digits={min_digits} > max_digits={max_digits}")
-        for key, v in (("partial_credit", partial_credit), ("eos_credit", eos_credit)):
+        for key, v in (("partial_credit", partial_credit), ("eos_credit", eos_credit),
+                       ("prefix_credit", prefix_credit)):
             if not isinstance(v, bool):
                 raise ValueError(f"data.task_kwargs.{key}={v!r} must be true or false")
-        self.eos_credit = eos_credit
+        if length_sampling not in LENGTH_SAMPLING:
+            raise ValueError(f"data.task_kwargs.length_sampling={length_sampling!r} must be one of "
+                             f"{LENGTH_SAMPLING}")
+        self.eos_credit, self.prefix_credit, self.length_sampling = eos_credit, prefix_credit, length_sampling
         if isinstance(heldout_frac, bool) or not isinstance(heldout_frac, (int, float)) \
                 or not 0.0 <= heldout_frac <= 0.5:
             raise ValueError(f"data.task_kwargs.heldout_frac={heldout_frac!r} must be a number in [0, 0.5]")
@@ -159,16 +195,24 @@ class DigitTask(Task):
         span = self.max_digits - self.min_digits + 1
         return min(self.max_digits, self.min_digits + span * max(0, self._step) // self.curriculum_steps)
 
+    def _length(self, rng: random.Random, longest: int) -> int:
+        """One operand length in ``[min_digits, longest]``, drawn as ``length_sampling`` says."""
+        if self.length_sampling == "uniform":
+            return rng.randint(self.min_digits, longest)
+        lengths = range(self.min_digits, longest + 1)
+        counts = [operand_count(self.name, k) for k in lengths]
+        return rng.choices(lengths, weights=counts)[0]
+
     def _operands(self, rng: random.Random) -> str:
         longest = self.longest_operand()
         if self.name == "add":
             nums = []
             for _ in range(2):
-                k = rng.randint(self.min_digits, longest)
+                k = self._length(rng, longest)
                 lo = 0 if k == 1 else 10 ** (k - 1)
                 nums.append(str(rng.randint(lo, 10 ** k - 1)))
             return "+".join(nums)
-        k = rng.randint(self.min_digits, longest)
+        k = self._length(rng, longest)
         return "".join(str(rng.randint(0, 9)) for _ in range(k))
 
     def _all_operands(self):
@@ -226,4 +270,5 @@ class DigitTask(Task):
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """Exact match 1.0; else partial credit (see module docstring)."""
         text, terminated = response_text(self.tokenizer, response_ids, skip_special_tokens=False)
-        return score_text(text, terminated, str(prompt.answer), self.partial_credit, self.eos_credit)
+        return score_text(text, terminated, str(prompt.answer), self.partial_credit, self.eos_credit,
+                          self.prefix_credit)

@@ -1,7 +1,10 @@
-"""The quickstart's task options: ``eos_credit: false`` (partial credit for answer characters only) and
-``curriculum_steps`` (the longest operand grows with the training step, set by the loop's rollout phase)."""
+"""The quickstart's task options: ``eos_credit: false`` (partial credit for answer characters only),
+``prefix_credit`` (partial credit up to the first wrong position), ``length_sampling`` (uniform lengths or every
+string equally likely) and ``curriculum_steps`` (the longest operand grows with the training step, set by the
+loop's rollout phase)."""
 from __future__ import annotations
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -42,6 +45,76 @@ def test_eos_credit_scores(tok, answer, response, eos, with_eos_credit, without)
 def test_eos_credit_must_be_bool(tok):
     with pytest.raises(ValueError, match="data.task_kwargs.eos_credit"):
         build_task("copy", tok, task_kwargs={"eos_credit": "no"})
+
+
+# prefix credit: the positions before the first wrong one, over max(len(target), len(got)) as before
+@pytest.mark.parametrize("answer,response,eos,prefix,prefix_without_eos", [
+    ("254", "254", True, 1.0, 1.0),
+    ("254", "244", True, 1 / 4, 1 / 3),   # the middle digit wrong: 3/4 with per-position credit
+    ("254", "253", True, 2 / 4, 2 / 3),
+    ("254", "154", True, 0.0, 0.0),       # first digit wrong: nothing after it counts
+    ("254", "25", True, 2 / 4, 2 / 3),    # EOS one position early
+    ("254", "2545", True, 3 / 5, 3 / 4),  # EOS one position late: all answer characters, EOS missed
+    ("254", "254", False, 3 / 4, 3 / 4),  # no EOS at all
+    ("8", "4", True, 0.0, 0.0),
+])
+def test_prefix_credit_scores(tok, answer, response, eos, prefix, prefix_without_eos):
+    p = build_task("copy", tok).make_prompt(answer)
+    ids = _ids(tok, response, eos)
+    kw = {"prefix_credit": True}
+    assert build_task("copy", tok, task_kwargs=kw).reward(p, ids) == pytest.approx(prefix)
+    assert build_task("copy", tok, task_kwargs={**kw, "eos_credit": False}).reward(p, ids) \
+        == pytest.approx(prefix_without_eos)
+
+
+def test_prefix_credit_never_exceeds_position_credit(tok):
+    """Every response of up to 4 characters over a small alphabet, with and without EOS: prefix credit is
+    never above per-position credit."""
+    task, pre = build_task("copy", tok), build_task("copy", tok, task_kwargs={"prefix_credit": True})
+    p = task.make_prompt("254")
+    for n in range(5):
+        for chars in itertools.product("245", repeat=n):
+            for eos in (True, False):
+                ids = _ids(tok, "".join(chars), eos)
+                assert pre.reward(p, ids) <= task.reward(p, ids) + 1e-12
+
+
+@pytest.mark.parametrize("key,bad", [("prefix_credit", "yes"), ("length_sampling", "by_length"),
+                                     ("length_sampling", 1)])
+def test_credit_and_length_options_are_checked(tok, key, bad):
+    with pytest.raises(ValueError, match=f"data.task_kwargs.{key}"):
+        build_task("copy", tok, task_kwargs={key: bad})
+
+
+def test_by_count_draws_every_string_equally(tok):
+    """``by_count``: lengths in proportion to their string counts (1:10:100 for 1-3 digits), so each string is
+    about equally likely; ``uniform``: a third each. Checked on 30000 draws against 5 standard deviations."""
+    n = 30000
+    for mode, expected in (("by_count", [10 / 1110, 100 / 1110, 1000 / 1110]), ("uniform", [1 / 3] * 3)):
+        task = build_task("copy", tok, task_kwargs={"length_sampling": mode})
+        lengths = [len(p.answer) for p in task.sample(n, random.Random(0))]
+        for k, q in zip((1, 2, 3), expected):
+            sd = (n * q * (1 - q)) ** 0.5
+            assert abs(lengths.count(k) - n * q) < 5 * sd, (mode, k, lengths.count(k), n * q)
+
+
+def test_by_count_respects_curriculum_and_heldout(tok):
+    task = build_task("copy", tok, task_kwargs={"length_sampling": "by_count", "curriculum_steps": 60,
+                                                "heldout_frac": 0.1})
+    heldout = {p.text for p in task.heldout_prompts()}
+    task.begin_step(25)  # 1-2 digits: 10 and 100 strings
+    prompts = task.sample(5000, random.Random(1))
+    assert {len(p.answer) for p in prompts} == {1, 2}
+    assert not heldout & {p.text for p in prompts}
+    assert sum(len(p.answer) == 1 for p in prompts) < 0.2 * 5000
+
+
+def test_add_by_count_weights_operand_lengths(tok):
+    """add: 10 one-digit operands, 90 two-digit ones (no leading zeros)."""
+    task = build_task("add", tok, task_kwargs={"min_digits": 1, "max_digits": 2, "length_sampling": "by_count"})
+    ops = [o for p in task.sample(4000, random.Random(2)) for o in p.text[4:-1].split("+")]
+    share = sum(len(o) == 2 for o in ops) / len(ops)
+    assert abs(share - 0.9) < 0.02, share
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
