@@ -33,10 +33,12 @@ With ``prefix_credit: true`` only the positions before the first wrong one count
 earns nothing, so a response is paid for the digits it gets right in order — which is what separates a copy
 from a response that only has the right length and the right last digit.
 
-Operand lengths (``length_sampling``): ``uniform`` (the default) draws each length in ``[min_digits,
-max_digits]`` equally often — 1-3 digit copy trains a third of the time on the 10 one-digit strings;
-``by_count`` draws every operand string equally often (a length in proportion to its number of strings: 10,
-100, 1000), the distribution the held-out split is drawn from.
+Operand lengths (``length_alpha``, mT5's temperature sampling across groups): a length ``k`` in ``[min_digits,
+max_digits]`` is drawn with probability proportional to ``count(k) ** length_alpha``, ``count(k)`` the number
+of operand strings of that length (10, 100, 1000 digit strings of 1, 2, 3 digits). 0 (the default): every
+length equally often — 1-3 digit copy trains a third of the time on the 10 one-digit strings; 1: every string
+equally often, the distribution the held-out split is drawn from — and 1 % one-digit prompts; in between
+(0.5: 7 / 23 / 70 %) the long strings dominate and the short ones are still seen.
 
 Held-out split (``heldout_frac`` > 0): an operand string is HELD OUT when ``crc32("<task>:<operands>") %
 10_000 < heldout_frac * 10_000`` — a fixed, seed-independent subset of about that fraction of all strings.
@@ -71,10 +73,7 @@ from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
 DIGIT_TASKS = ("copy", "reverse", "sort", "add")
 #: The ``data.task_kwargs`` keys a digit task accepts.
 DIGIT_TASK_OPTIONS = ("min_digits", "max_digits", "partial_credit", "eos_credit", "prefix_credit",
-                      "length_sampling", "heldout_frac", "curriculum_steps")
-#: How ``sample`` draws an operand length: ``uniform`` (every length equally likely) or ``by_count`` (every
-#: operand string equally likely, so a length is drawn in proportion to how many strings it has).
-LENGTH_SAMPLING = ("uniform", "by_count")
+                      "length_alpha", "heldout_frac", "curriculum_steps")
 #: ``heldout_prompts`` refuses to enumerate more operand strings than this.
 MAX_ENUMERATED = 1_000_000
 
@@ -134,7 +133,7 @@ class DigitTask(Task):
 
     def __init__(self, task: str, tokenizer, min_digits: int = 1, max_digits: int = 3,
                  partial_credit: bool = True, heldout_frac: float = 0.0, curriculum_steps: int = 0,
-                 eos_credit: bool = True, prefix_credit: bool = False, length_sampling: str = "uniform"):
+                 eos_credit: bool = True, prefix_credit: bool = False, length_alpha: float = 0.0):
         """Args:
             task: "copy", "reverse", "sort" or "add".
             tokenizer: encodes the prompt text and decodes responses (needs an ``eos_token_id``).
@@ -144,8 +143,8 @@ class DigitTask(Task):
                 answer characters earn credit, see the module docstring).
             prefix_credit: with partial credit, count only the positions before the first wrong one (module
                 docstring); False: every matching position counts.
-            length_sampling: "uniform" (every operand length equally likely) or "by_count" (every operand
-                string equally likely; module docstring).
+            length_alpha: in [0, 1]: draw an operand length with probability proportional to its number of
+                strings to this power (0: every length equally likely, 1: every string; module docstring).
             heldout_frac: fraction in [0, 0.5] of operand strings kept out of ``sample`` for evaluation
                 (``heldout_prompts``); 0 disables the split.
             curriculum_steps: steps over which the longest drawn operand grows from min_digits to max_digits
@@ -164,10 +163,10 @@ class DigitTask(Task):
                        ("prefix_credit", prefix_credit)):
             if not isinstance(v, bool):
                 raise ValueError(f"data.task_kwargs.{key}={v!r} must be true or false")
-        if length_sampling not in LENGTH_SAMPLING:
-            raise ValueError(f"data.task_kwargs.length_sampling={length_sampling!r} must be one of "
-                             f"{LENGTH_SAMPLING}")
-        self.eos_credit, self.prefix_credit, self.length_sampling = eos_credit, prefix_credit, length_sampling
+        if isinstance(length_alpha, bool) or not isinstance(length_alpha, (int, float)) \
+                or not 0.0 <= length_alpha <= 1.0:
+            raise ValueError(f"data.task_kwargs.length_alpha={length_alpha!r} must be a number in [0, 1]")
+        self.eos_credit, self.prefix_credit, self.length_alpha = eos_credit, prefix_credit, float(length_alpha)
         if isinstance(heldout_frac, bool) or not isinstance(heldout_frac, (int, float)) \
                 or not 0.0 <= heldout_frac <= 0.5:
             raise ValueError(f"data.task_kwargs.heldout_frac={heldout_frac!r} must be a number in [0, 0.5]")
@@ -196,12 +195,12 @@ class DigitTask(Task):
         return min(self.max_digits, self.min_digits + span * max(0, self._step) // self.curriculum_steps)
 
     def _length(self, rng: random.Random, longest: int) -> int:
-        """One operand length in ``[min_digits, longest]``, drawn as ``length_sampling`` says."""
-        if self.length_sampling == "uniform":
+        """One operand length in ``[min_digits, longest]``, drawn as ``length_alpha`` says."""
+        if self.length_alpha == 0.0:  # the original draw (same random stream as before the option existed)
             return rng.randint(self.min_digits, longest)
         lengths = range(self.min_digits, longest + 1)
-        counts = [operand_count(self.name, k) for k in lengths]
-        return rng.choices(lengths, weights=counts)[0]
+        weights = [operand_count(self.name, k) ** self.length_alpha for k in lengths]
+        return rng.choices(lengths, weights=weights)[0]
 
     def _operands(self, rng: random.Random) -> str:
         longest = self.longest_operand()

@@ -1,6 +1,6 @@
 """The quickstart's task options: ``eos_credit: false`` (partial credit for answer characters only),
-``prefix_credit`` (partial credit up to the first wrong position), ``length_sampling`` (uniform lengths or every
-string equally likely) and ``curriculum_steps`` (the longest operand grows with the training step, set by the
+``prefix_credit`` (partial credit up to the first wrong position), ``length_alpha`` (operand lengths drawn in
+proportion to their string counts to a power) and ``curriculum_steps`` (the longest operand grows with the training step, set by the
 loop's rollout phase)."""
 from __future__ import annotations
 
@@ -79,27 +79,44 @@ def test_prefix_credit_never_exceeds_position_credit(tok):
                 assert pre.reward(p, ids) <= task.reward(p, ids) + 1e-12
 
 
-@pytest.mark.parametrize("key,bad", [("prefix_credit", "yes"), ("length_sampling", "by_length"),
-                                     ("length_sampling", 1)])
+@pytest.mark.parametrize("key,bad", [("prefix_credit", "yes"), ("length_alpha", "by_count"),
+                                     ("length_alpha", 1.5), ("length_alpha", -0.1), ("length_alpha", True)])
 def test_credit_and_length_options_are_checked(tok, key, bad):
     with pytest.raises(ValueError, match=f"data.task_kwargs.{key}"):
         build_task("copy", tok, task_kwargs={key: bad})
 
 
-def test_by_count_draws_every_string_equally(tok):
-    """``by_count``: lengths in proportion to their string counts (1:10:100 for 1-3 digits), so each string is
-    about equally likely; ``uniform``: a third each. Checked on 30000 draws against 5 standard deviations."""
+@pytest.mark.parametrize("alpha,expected", [
+    (1.0, [10 / 1110, 100 / 1110, 1000 / 1110]),          # every string equally likely
+    (0.5, [10 ** 0.5 / (10 ** 0.5 + 10 + 1000 ** 0.5), 10 / (10 ** 0.5 + 10 + 1000 ** 0.5),
+           1000 ** 0.5 / (10 ** 0.5 + 10 + 1000 ** 0.5)]),
+    (0.0, [1 / 3] * 3),                                     # every length equally likely
+])
+def test_length_alpha_draw_frequencies(tok, alpha, expected):
+    """Lengths 1-3 drawn in proportion to (10, 100, 1000) ** alpha, on 30000 draws within 5 standard
+    deviations."""
     n = 30000
-    for mode, expected in (("by_count", [10 / 1110, 100 / 1110, 1000 / 1110]), ("uniform", [1 / 3] * 3)):
-        task = build_task("copy", tok, task_kwargs={"length_sampling": mode})
-        lengths = [len(p.answer) for p in task.sample(n, random.Random(0))]
-        for k, q in zip((1, 2, 3), expected):
-            sd = (n * q * (1 - q)) ** 0.5
-            assert abs(lengths.count(k) - n * q) < 5 * sd, (mode, k, lengths.count(k), n * q)
+    task = build_task("copy", tok, task_kwargs={"length_alpha": alpha})
+    lengths = [len(p.answer) for p in task.sample(n, random.Random(0))]
+    for k, q in zip((1, 2, 3), expected):
+        sd = (n * q * (1 - q)) ** 0.5
+        assert abs(lengths.count(k) - n * q) < 5 * sd, (alpha, k, lengths.count(k), n * q)
 
 
-def test_by_count_respects_curriculum_and_heldout(tok):
-    task = build_task("copy", tok, task_kwargs={"length_sampling": "by_count", "curriculum_steps": 60,
+def test_length_alpha_zero_keeps_the_original_draws(tok):
+    """The default draws exactly what the task drew before the option existed (uniform randint lengths), so
+    earlier runs' prompts are reproduced."""
+    rng, ref = random.Random(3), random.Random(3)
+    got = [p.answer for p in build_task("copy", tok).sample(200, rng)]
+    want = []
+    for _ in range(200):
+        k = ref.randint(1, 3)
+        want.append("".join(str(ref.randint(0, 9)) for _ in range(k)))
+    assert got == want
+
+
+def test_length_alpha_respects_curriculum_and_heldout(tok):
+    task = build_task("copy", tok, task_kwargs={"length_alpha": 1.0, "curriculum_steps": 60,
                                                 "heldout_frac": 0.1})
     heldout = {p.text for p in task.heldout_prompts()}
     task.begin_step(25)  # 1-2 digits: 10 and 100 strings
@@ -109,9 +126,9 @@ def test_by_count_respects_curriculum_and_heldout(tok):
     assert sum(len(p.answer) == 1 for p in prompts) < 0.2 * 5000
 
 
-def test_add_by_count_weights_operand_lengths(tok):
+def test_add_length_alpha_weights_operand_lengths(tok):
     """add: 10 one-digit operands, 90 two-digit ones (no leading zeros)."""
-    task = build_task("add", tok, task_kwargs={"min_digits": 1, "max_digits": 2, "length_sampling": "by_count"})
+    task = build_task("add", tok, task_kwargs={"min_digits": 1, "max_digits": 2, "length_alpha": 1})
     ops = [o for p in task.sample(4000, random.Random(2)) for o in p.text[4:-1].split("+")]
     share = sum(len(o) == 2 for o in ops) / len(ops)
     assert abs(share - 0.9) < 0.02, share
