@@ -39,6 +39,11 @@ if [ -n "$MCORE" ]; then
 else
   VENV="${MEGATRON_RL_VENV:-.venv}"
 fi
+mkdir -p "$VENV"
+# one set-up of a venv at a time: two quickstarts started together would both `pip install -e .` into it and
+# the second fails midway (a removed console script); the later one waits here, then finds it ready
+exec 9>"$VENV/.megatron_rl_setup.lock"
+flock 9
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
