@@ -41,9 +41,14 @@ else
 fi
 mkdir -p "$VENV"
 # one set-up of a venv at a time: two quickstarts started together would both `pip install -e .` into it and
-# the second fails midway (a removed console script); the later one waits here, then finds it ready
-exec 9>"$VENV/.megatron_rl_setup.lock"
-flock 9
+# the second fails midway (a removed console script); the later one waits here, then its pip steps are no-ops.
+# flock is util-linux (every Linux image); where it is missing (macOS) set-ups are not serialised.
+if command -v flock > /dev/null; then
+  exec 9>"$VENV/.megatron_rl_setup.lock"
+  flock 9
+else
+  echo "tools/setup_env.sh: flock not found: do not run two set-ups of $VENV at once" >&2
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi

@@ -6,8 +6,9 @@ followed by EOS:
     copy:3141=   -> 3141<eos>        reverse:3141= -> 1413<eos>
     sort:3141=   -> 1134<eos>        add:12+345=   -> 357<eos>
 
-Digit strings have a uniformly drawn length in ``[min_digits, max_digits]`` and uniform digits (leading zeros
-allowed); ``add`` operands are integers with that many digits each (no leading zeros).
+Digit strings have a length in ``[min_digits, max_digits]`` (each length equally likely by default; see
+``length_alpha`` below) and uniform digits (leading zeros allowed); ``add`` operands are integers with that
+many digits each (no leading zeros).
 
 Reward in [0, 1] (the response is decoded up to its first EOS; other special tokens such as PAD are NOT
 skipped — they decode to their text, e.g. "<pad>", and count as wrong characters, so they cannot be used to
@@ -38,7 +39,7 @@ max_digits]`` is drawn with probability proportional to ``count(k) ** length_alp
 of operand strings of that length (10, 100, 1000 digit strings of 1, 2, 3 digits). 0 (the default): every
 length equally often — 1-3 digit copy trains a third of the time on the 10 one-digit strings; 1: every string
 equally often, the distribution the held-out split is drawn from — and 1 % one-digit prompts; in between
-(0.5: 7 / 23 / 70 %) the long strings dominate and the short ones are still seen.
+(0.5: 7 / 22 / 71 %) the long strings dominate and the short ones are still seen.
 
 Held-out split (``heldout_frac`` > 0): an operand string is HELD OUT when ``crc32("<task>:<operands>") %
 10_000 < heldout_frac * 10_000`` — a fixed, seed-independent subset of about that fraction of all strings.
@@ -47,9 +48,9 @@ prompt in ``[min_digits, max_digits]``, the evaluation set of a trained model (`
 
 Curriculum (``curriculum_steps`` > 0): the longest operand drawn grows with the training step (the loop calls
 ``begin_step(step)`` before sampling): at 0-based step ``s`` it is ``min_digits + (max_digits - min_digits + 1) *
-s // curriculum_steps`` (capped at ``max_digits``), lengths uniform up to it — e.g. 1-3 digits over 60 steps:
-1 digit for steps 0-19, 1-2 digits for 20-39, 1-3 digits from step 40 on. A function of the step alone, so a
-resumed run draws what the uninterrupted run drew.
+s // curriculum_steps`` (capped at ``max_digits``), lengths drawn up to it as ``length_alpha`` says — e.g. 1-3
+digits over 60 steps: 1 digit for steps 0-19, 1-2 digits for 20-39, 1-3 digits from step 40 on. A function of
+the step alone, so a resumed run draws what the uninterrupted run drew.
 
 Works with any tokenizer that can encode the prompt text (the char tokenizer of ``char_tokenizer`` is the
 tiny one used for learning from scratch).
@@ -63,6 +64,7 @@ Usage::
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import zlib
 from typing import Sequence
@@ -199,7 +201,9 @@ class DigitTask(Task):
         if self.length_alpha == 0.0:  # the original draw (same random stream as before the option existed)
             return rng.randint(self.min_digits, longest)
         lengths = range(self.min_digits, longest + 1)
-        weights = [operand_count(self.name, k) ** self.length_alpha for k in lengths]
+        # count ** alpha in log space, relative to the largest: no float overflow for long operands
+        logs = [self.length_alpha * math.log(operand_count(self.name, k)) for k in lengths]
+        weights = [math.exp(v - max(logs)) for v in logs]
         return rng.choices(lengths, weights=weights)[0]
 
     def _operands(self, rng: random.Random) -> str:

@@ -1,7 +1,7 @@
 """The quickstart's task options: ``eos_credit: false`` (partial credit for answer characters only),
 ``prefix_credit`` (partial credit up to the first wrong position), ``length_alpha`` (operand lengths drawn in
-proportion to their string counts to a power) and ``curriculum_steps`` (the longest operand grows with the training step, set by the
-loop's rollout phase)."""
+proportion to their string counts to a power) and ``curriculum_steps`` (the longest operand grows with the
+training step, set by the loop's rollout phase)."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +13,7 @@ import pytest
 from megatron_rl.config.sections import ActorConfig, DataConfig, RolloutConfig
 from megatron_rl.rollout.base import Rollout
 from megatron_rl.tasks import build_char_tokenizer, build_task
+from megatron_rl.tasks.synthetic import operand_count
 from megatron_rl.trainer.rollout_phase import generate_step
 
 
@@ -80,7 +81,8 @@ def test_prefix_credit_never_exceeds_position_credit(tok):
 
 
 @pytest.mark.parametrize("key,bad", [("prefix_credit", "yes"), ("length_alpha", "by_count"),
-                                     ("length_alpha", 1.5), ("length_alpha", -0.1), ("length_alpha", True)])
+                                     ("length_alpha", 1.5), ("length_alpha", -0.1), ("length_alpha", True),
+                                     ("length_alpha", float("nan")), ("length_alpha", float("inf"))])
 def test_credit_and_length_options_are_checked(tok, key, bad):
     with pytest.raises(ValueError, match=f"data.task_kwargs.{key}"):
         build_task("copy", tok, task_kwargs={key: bad})
@@ -115,6 +117,14 @@ def test_length_alpha_zero_keeps_the_original_draws(tok):
     assert got == want
 
 
+def test_length_alpha_handles_long_operands(tok):
+    """Weights are computed relative to the largest in log space: 1000 ** alpha * ... would overflow a float
+    for operands of hundreds of digits."""
+    task = build_task("copy", tok, task_kwargs={"min_digits": 300, "max_digits": 400, "length_alpha": 0.5})
+    lengths = [len(p.answer) for p in task.sample(50, random.Random(0))]
+    assert min(lengths) >= 380  # 10 ** (0.5 * k): the longest lengths dominate
+
+
 def test_length_alpha_respects_curriculum_and_heldout(tok):
     task = build_task("copy", tok, task_kwargs={"length_alpha": 1.0, "curriculum_steps": 60,
                                                 "heldout_frac": 0.1})
@@ -124,6 +134,13 @@ def test_length_alpha_respects_curriculum_and_heldout(tok):
     assert {len(p.answer) for p in prompts} == {1, 2}
     assert not heldout & {p.text for p in prompts}
     assert sum(len(p.answer) == 1 for p in prompts) < 0.2 * 5000
+
+
+def test_operand_counts():
+    """The string counts length_alpha weighs: digit strings 10**k; add operands are integers without leading
+    zeros (10 of one digit, 9 * 10**(k-1) of k > 1)."""
+    assert [operand_count("copy", k) for k in (1, 2, 3)] == [10, 100, 1000]
+    assert [operand_count("add", k) for k in (1, 2, 3)] == [10, 90, 900]
 
 
 def test_add_length_alpha_weights_operand_lengths(tok):
