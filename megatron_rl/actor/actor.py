@@ -128,16 +128,16 @@ class MegatronActor:
         tokens, packed or not). Collective with a token budget or an interleaved pipeline: a row that fits no
         micro-batch, or a shard too small for the interleaved schedule, raises on every rank."""
         ac, g = self.actor_cfg, self.groups
+        interleaved = len(self.model) > 1
         plan, msg = None, None
         try:
             plan = plan_micro_batches(batch.lengths.tolist(), micro_batch_size=micro_batch_size or ac.micro_batch_size,
                                       max_tokens=ac.max_tokens_per_micro_batch, packed=ac.sequence_packing,
                                       seq_multiple=g.seq_multiple,
                                       row_multiple=2 * g.cp_size if ac.sequence_packing and g.cp_size > 1 else 1,
-                                      min_micro_batches=g.pp_size if len(self.model) > 1 else 1)
+                                      min_micro_batches=g.pp_size if interleaved else 1)
         except ValueError as e:
             msg = f"micro-batches of this DP shard: {e}"
-        interleaved = len(self.model) > 1
         if plan is not None and interleaved and plan.num_micro_batches < g.pp_size:
             msg = (f"interleaved pipeline (virtual_pipeline_model_parallel_size={len(self.model)}) needs >= "
                    f"pipeline_model_parallel_size={g.pp_size} micro-batches per pass, this DP shard has "

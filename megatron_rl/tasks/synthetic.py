@@ -203,7 +203,8 @@ class DigitTask(Task):
         lengths = range(self.min_digits, longest + 1)
         # count ** alpha in log space, relative to the largest: no float overflow for long operands
         logs = [self.length_alpha * math.log(operand_count(self.name, k)) for k in lengths]
-        weights = [math.exp(v - max(logs)) for v in logs]
+        top = max(logs)
+        weights = [math.exp(v - top) for v in logs]
         return rng.choices(lengths, weights=weights)[0]
 
     def _operands(self, rng: random.Random) -> str:
