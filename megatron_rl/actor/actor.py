@@ -28,6 +28,7 @@ from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.micro_batching import MicroBatchPlan, plan_micro_batches, token_budget_layout_error
 from megatron_rl.actor.optimizer import apply_constant_schedule, build_optimizer, wrap_ddp
+from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.router_replay import (RoutingReplay, agree_on_error, finish_log_prob_pass, log_prob_pass,
                                              train_routing)
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
@@ -44,10 +45,11 @@ __all__ = ["MegatronActor"]
 class MegatronActor:
     """The Megatron-Core policy model of this rank, its DDP wrapper and optimizer."""
 
-    def __init__(self, job_cfg, params_dtype: torch.dtype = torch.float32) -> None:
-        """Build the model chunks for this rank (``job_cfg.model`` under ``job_cfg.parallel``), load
-        ``job_cfg.actor.load_hf`` if set (any TP/PP/EP layout), wrap in Megatron DDP and build the
-        Megatron optimizer. Requires megatron's parallel state to match ``job_cfg.parallel``."""
+    def __init__(self, job_cfg) -> None:
+        """Build the model chunks for this rank (``job_cfg.model`` under ``job_cfg.parallel``, in the precision
+        of ``actor.bf16`` / ``actor.fp32_output_layer``), load ``job_cfg.actor.load_hf`` if set (any TP/PP/EP
+        layout), wrap in Megatron DDP and build the Megatron optimizer (``actor.use_distributed_optimizer``).
+        Requires megatron's parallel state to match ``job_cfg.parallel``."""
         if job_cfg.model is None:
             raise ValueError("MegatronActor: job_cfg.model is None (give a model section or actor.load_hf)")
         self.job_cfg = job_cfg
@@ -55,12 +57,14 @@ class MegatronActor:
         self.parallel_cfg = job_cfg.parallel
         self.actor_cfg = job_cfg.actor
         self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
-        chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=params_dtype)
+        self.precision = Precision.from_actor_config(self.actor_cfg)
+        chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype)
+        self.precision.apply_output_layer(chunks)
         self.hf_dir = self.actor_cfg.load_hf
         if self.hf_dir:
             load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg, self.groups)
-        self.model = wrap_ddp(chunks)
-        self.optimizer = build_optimizer(self.model, self.actor_cfg, params_dtype)
+        self.model = wrap_ddp(chunks, self.actor_cfg)
+        self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
         self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)
         vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
         # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths

@@ -1,16 +1,19 @@
 """Megatron DDP wrapping and the Megatron optimizer for the actor's model chunks.
 
-    ddp_chunks = wrap_ddp(chunks)                       # megatron DistributedDataParallel per chunk
+    ddp_chunks = wrap_ddp(chunks, actor_cfg)            # megatron DistributedDataParallel per chunk
     optimizer = build_optimizer(ddp_chunks, actor_cfg)  # get_megatron_optimizer(OptimizerConfig(...))
 
-Choices (README, Known limits): fp32 params and no distributed optimizer on CPU (both fail there on
-``torch.cuda.*Tensor`` type checks); on GPU the same path runs with fp32 params too (bf16 params +
-the distributed optimizer are a later option). ``grad_reduce_in_fp32``, no overlap (the RL step is
-small and overlap needs CUDA streams). Adam is megatron's choice of implementation (torch AdamW when
-neither TE nor apex is installed); weight decay is decoupled and — megatron's default — not applied
-to biases and 1-D params (norm weights). The learning rate is constant (no scheduler):
-``ActorConfig.lr``; ``apply_constant_schedule`` writes lr / weight decay into the param groups the
-way megatron's ``OptimizerParamScheduler`` does (megatron leaves that to the scheduler).
+Choices: gradients are accumulated and reduced in fp32 (``grad_reduce_in_fp32``, Megatron-LM's
+``--accumulate-allreduce-grads-in-fp32``) whatever the parameter dtype; with ``actor.bf16`` the optimizer keeps
+fp32 main parameters (megatron's mixed-precision optimizer, no loss scaling for bf16).
+``actor.use_distributed_optimizer`` shards the fp32 main parameters and Adam state over the data-parallel
+ranks (gradients reduce-scattered, parameters all-gathered after the step). No overlap (the RL step is small
+and overlap needs CUDA streams). Adam is megatron's choice of implementation (torch AdamW when neither TE nor
+apex is installed); weight decay is decoupled and — megatron's default — not applied to biases and 1-D params
+(norm weights). The learning rate is constant (no scheduler): ``ActorConfig.lr``; ``apply_constant_schedule``
+writes lr / weight decay into the param groups the way megatron's ``OptimizerParamScheduler`` does (megatron
+leaves that to the scheduler). On CPU, megatron's ``torch.cuda.*Tensor`` type checks of the mixed-precision and
+distributed optimizers are met by ``platform/cpu_compat`` (CPU stand-ins).
 """
 from __future__ import annotations
 
@@ -21,29 +24,37 @@ import torch
 __all__ = ["wrap_ddp", "build_optimizer", "optimizer_config"]
 
 
-def wrap_ddp(chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
-    """Wrap each model chunk in megatron's ``DistributedDataParallel`` and register
-    ``finalize_model_grads`` (DP all-reduce, tied embeddings, SP norms) on the model config."""
+def wrap_ddp(chunks: Sequence[torch.nn.Module], actor_cfg=None) -> List[torch.nn.Module]:
+    """Wrap each model chunk in megatron's ``DistributedDataParallel`` (fp32 gradient buffers; sharded for
+    ``actor_cfg.use_distributed_optimizer``) and register ``finalize_model_grads`` (DP all-reduce,
+    tied embeddings, SP norms) on the model config."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
 
     tcfg = chunks[0].config
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False, check_for_nan_in_grad=True)
+                                            use_distributed_optimizer=_distributed(actor_cfg),
+                                            check_for_nan_in_grad=True)
     wrapped = [DistributedDataParallel(tcfg, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     tcfg.finalize_model_grads_func = finalize_model_grads
     return wrapped
 
 
+def _distributed(actor_cfg) -> bool:
+    return bool(getattr(actor_cfg, "use_distributed_optimizer", False))
+
+
 def optimizer_config(actor_cfg, params_dtype: torch.dtype = torch.float32):
-    """megatron ``OptimizerConfig`` from ``ActorConfig`` (lr, weight_decay, adam betas, clip_grad)."""
+    """megatron ``OptimizerConfig`` from ``ActorConfig`` (lr, weight_decay, adam betas, clip_grad,
+    use_distributed_optimizer) for parameters of ``params_dtype`` (bf16: fp32 main parameters)."""
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(optimizer="adam", lr=float(actor_cfg.lr), min_lr=float(actor_cfg.lr),
                            weight_decay=float(actor_cfg.weight_decay), adam_beta1=float(actor_cfg.adam_beta1),
                            adam_beta2=float(actor_cfg.adam_beta2), adam_eps=1e-8,
                            clip_grad=float(actor_cfg.clip_grad), bf16=params_dtype == torch.bfloat16,
-                           fp16=False, params_dtype=params_dtype, use_distributed_optimizer=False)
+                           fp16=False, params_dtype=params_dtype,
+                           use_distributed_optimizer=_distributed(actor_cfg))
 
 
 def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dtype: torch.dtype = torch.float32):

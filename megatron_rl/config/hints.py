@@ -66,11 +66,11 @@ FOREIGN_KEYS: Dict[str, tuple] = {
     "default_local_dir": ("trainer.run_dir", ""),
     "save_freq": ("trainer.save_interval", ""),
     "project_name": ("trainer.wandb_project", ""),
-    "bf16": (None, "the actor trains in fp32 (not configurable); rollout.dtype sets the embedded engine's dtype"),
-    "fp16": (None, "the actor trains in fp32 (not configurable); rollout.dtype sets the embedded engine's dtype"),
-    "params_dtype": (None, "the actor trains in fp32 (not configurable); rollout.dtype sets the embedded "
-                           "engine's dtype"),
-    "use_distributed_optimizer": (None, "not configurable: the actor uses megatron's non-distributed optimizer"),
+    "bf16": ("actor.bf16", ""),
+    "fp16": (None, "the actor trains in fp32 or bf16 (actor.bf16); rollout.dtype sets the embedded engine's dtype"),
+    "params_dtype": ("actor.bf16", "bf16 parameters with fp32 main weights; false: fp32"),
+    "accumulate_allreduce_grads_in_fp32": (None, "always on: gradients are accumulated and all-reduced in fp32"),
+    "use_distributed_optimizer": ("actor.use_distributed_optimizer", ""),
     # algorithm / loss
     "adv_estimator": ("algorithm.advantage_estimator", ""),
     "norm_adv_by_std_in_grpo": ("algorithm.norm_adv_by_std", ""),

@@ -245,6 +245,19 @@ class ActorConfig:
     """Concatenate the rows of a micro-batch into one sequence (THD: per-row positions, attention that never
     crosses rows; Transformer Engine's ``PackedSeqParams`` on GPU, one causal segment at a time in megatron's
     local attention on CPU), so no compute goes to padding. Combine with ``max_tokens_per_micro_batch``."""
+    bf16: bool = False
+    """Megatron's ``--bf16``: bf16 parameters and compute, fp32 main parameters in the optimizer, gradients
+    accumulated and all-reduced in fp32 (Megatron's ``accumulate_allreduce_grads_in_fp32``); log-probs and
+    entropy are computed in fp32 from the logits. false: fp32 end to end (the CPU default). Weight sync hands
+    the bf16 parameters to the rollout engine as they are."""
+    fp32_output_layer: bool = False
+    """With ``bf16``: keep the output layer's weight in fp32 and run the output layer (hidden x vocabulary) in
+    fp32, so the logits are never rounded to bf16. Costs one fp32 vocabulary matmul and twice that weight's
+    memory; with tied embeddings the shared weight is the fp32 one and the embedding's output is cast to bf16."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: fp32 main parameters and Adam state sharded over the data-parallel
+    ranks (ZeRO-1), gradients reduce-scattered and parameters all-gathered. Same updates as without it up
+    to fp32 reduction order."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = 1

@@ -133,6 +133,8 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
                                              cfg.parallel.virtual_pipeline_model_parallel_size)
     if budget_error:
         errs.append(budget_error)
+    if ac.fp32_output_layer and not ac.bf16:
+        errs.append("actor.fp32_output_layer: only with actor.bf16: true (an fp32 actor's output layer is fp32 already)")
     if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
         errs.append(f"actor.load_hf: {ac.load_hf!r} is not a directory")
     if ac.routing_replay not in ("none", "r2", "r3"):

@@ -5,8 +5,8 @@ sharding, and the task's real prompt length.
                                       #            prompt_length=7, prompt_source="longest 'copy' prompt ...")
 
 * device: ``cluster.device`` of the config.
-* params dtype and optimizer: taken from the actor's own code -- ``MegatronActor``'s default
-  ``params_dtype`` (what ``train`` builds) and ``actor.optimizer.optimizer_config`` (Megatron's
+* params dtype and optimizer: taken from the actor's own code -- ``actor.precision.Precision`` (what
+  ``train`` builds from ``actor.bf16``) and ``actor.optimizer.optimizer_config`` (Megatron's
   ``use_distributed_optimizer``) -- so the plan follows the actor when it changes.
 * prompt length: the longest prompt of a built-in digit task (its longest operands, encoded with the
   checkpoint's tokenizer, or with the char tokenizer those tasks are built for when ``actor.load_hf`` is
@@ -18,15 +18,12 @@ sharding, and the task's real prompt length.
 """
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-import torch
-
-from megatron_rl.actor import MegatronActor
 from megatron_rl.actor.optimizer import optimizer_config
+from megatron_rl.actor.precision import Precision
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.tasks import FileTask, build_char_tokenizer, build_task, load_records
 from megatron_rl.tasks.options import DataOptions
@@ -50,9 +47,9 @@ class RunProfile:
 
 def actor_precision(cfg) -> Tuple[int, bool]:
     """(bytes per parameter, distributed optimizer) of the actor ``train`` builds for ``cfg``."""
-    dtype = inspect.signature(MegatronActor.__init__).parameters["params_dtype"].default
-    ocfg = optimizer_config(cfg.actor, dtype)
-    return torch.empty((), dtype=dtype).element_size(), bool(ocfg.use_distributed_optimizer)
+    prec = Precision.from_actor_config(cfg.actor)
+    ocfg = optimizer_config(cfg.actor, prec.params_dtype)
+    return prec.params_bytes, bool(ocfg.use_distributed_optimizer)
 
 
 def _tokenizer(cfg):
