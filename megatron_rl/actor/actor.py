@@ -35,9 +35,10 @@ from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
-from megatron_rl.losses import select_loss_inputs
+from megatron_rl.losses import select_loss_inputs, with_norm_divisor
 from megatron_rl.models import build_gpt_model
 from megatron_rl.parallel.groups import ActorGroups
+from megatron_rl.rollout.multi_turn import response_budget
 
 __all__ = ["MegatronActor"]
 
@@ -56,6 +57,7 @@ class MegatronActor:
         self.model_cfg = job_cfg.model
         self.parallel_cfg = job_cfg.parallel
         self.actor_cfg = job_cfg.actor
+        self.loss_cfg = with_norm_divisor(self.actor_cfg.policy_loss, response_budget(job_cfg)[0])
         self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
         self.precision = Precision.from_actor_config(self.actor_cfg)
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype)
@@ -231,7 +233,7 @@ class MegatronActor:
         for k, v in per_token.items():
             if v is not None and tuple(v.shape) != (B, W):
                 raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
-        loss_cfg = self.actor_cfg.policy_loss  # loss_type: corr.loss_type (its one owner)
+        loss_cfg = self.loss_cfg  # loss_type: corr.loss_type (its one owner)
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
         replayed = train_routing(self.routing, batch, self.routing_mode, self._r2_state) if self.routing else None

@@ -21,7 +21,6 @@ not part of the reported pg_loss.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -104,8 +103,9 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
         raise ValueError(f"train_mini_batch: unknown per-token input(s) {unknown}; valid: {PER_TOKEN_INPUTS}")
     inputs = {k: per_token.get(k) for k in PER_TOKEN_INPUTS}
     if loss_cfg.loss_agg_mode == "seq-mean-token-sum-norm" and loss_cfg.loss_scale_factor is None:
-        # micro-batches are trimmed to different lengths: use the batch's padded length for all of them
-        loss_cfg = dataclasses.replace(loss_cfg, loss_scale_factor=float(batch.max_length - 1))
+        # a micro-batch's width is not verl's response-mask width: the caller gives the response budget
+        raise ValueError("train_mini_batch: seq-mean-token-sum-norm needs loss_cfg.loss_scale_factor (the job's "
+                         "response budget, losses.with_norm_divisor); rows here hold prompt + response")
     dev = actor_device()
     inputs = {k: None if v is None else v.to(dev) for k, v in inputs.items()}
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)

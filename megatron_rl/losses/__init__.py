@@ -24,7 +24,7 @@ Typical train-step use (per optimizer step; ``loss_type`` and ``bypass_mode`` co
 Tests: ``pytest tests/*/test_losses*.py``.
 """
 from .aggregation import (LossDenominators, aggregate_loss, global_denominators, local_denominators,
-                          sequence_token_counts)
+                          sequence_token_counts, with_norm_divisor)
 from .config import KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, PolicyLossConfig
 from .kl import kl_penalty
 from .metrics import SumCount, merge_metrics, metrics_to_floats, reduce_metrics
@@ -36,7 +36,7 @@ __all__ = [
     "compute_policy_loss", "select_loss_inputs", "PolicyLossOutput", "ppo_clip_per_token",
     "reinforce_per_token",
     "LossDenominators", "aggregate_loss", "global_denominators", "local_denominators",
-    "sequence_token_counts",
+    "sequence_token_counts", "with_norm_divisor",
     "kl_penalty",
     "SumCount", "merge_metrics", "reduce_metrics", "metrics_to_floats",
 ]

@@ -6,8 +6,12 @@ N_tok = valid tokens in the global batch, N_seq = sequences with >= 1 valid toke
 * ``token-mean``:              sum_{i,t} m*L / N_tok
 * ``seq-mean-token-sum``:      sum_i (sum_t m*L) / N_seq
 * ``seq-mean-token-mean``:     sum_i (sum_t m*L / n_i) / N_seq     (n_i = valid tokens of sequence i)
-* ``seq-mean-token-sum-norm``: sum_{i,t} m*L / (N_seq * loss_scale_factor)  (Dr. GRPO; factor defaults
-  to the padded length T like verl's ``loss_mask.shape[-1]``)
+* ``seq-mean-token-sum-norm``: sum_{i,t} m*L / (N_seq * loss_scale_factor)  (Dr. GRPO; verl 0.9's
+  ``agg_loss``: the seq-mean-token-sum loss divided by ``loss_scale_factor``, by default verl's
+  ``loss_mask.shape[-1]``, the width of its response tensors = the configured response budget, a constant
+  of the config. Here rows hold prompt + response, so the actor passes the job's response budget
+  (``with_norm_divisor``: ``rollout.max_new_tokens``, multi-turn ``multi_turn.max_total_tokens``);
+  ``aggregate_loss`` alone falls back to the tensor's width T, verl's default for response-only tensors)
 
 Every mode is a SUM of per-sequence terms divided by a global constant, so when each micro-batch on
 each data-parallel rank is aggregated with the global ``LossDenominators`` (``global_denominators``),
@@ -30,13 +34,14 @@ nothing more than the global denominators. Summing the losses over CP ranks then
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 
-from .config import LOSS_AGG_MODES
+from .config import LOSS_AGG_MODES, PolicyLossConfig
 
 Number = Union[int, float, torch.Tensor]
 
@@ -102,6 +107,17 @@ def global_denominators(response_masks: Union[torch.Tensor, Sequence[torch.Tenso
         from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(packed, group=group)  # staged for the group's backend
     return LossDenominators(num_tokens=packed[0], num_seqs=packed[1])
+
+
+def with_norm_divisor(cfg: PolicyLossConfig, response_budget: int) -> PolicyLossConfig:
+    """``cfg`` with the ``seq-mean-token-sum-norm`` divisor set to ``response_budget`` (the most response-side
+    tokens a row of the job holds) when it is not configured: verl's default, the width of its response mask,
+    which verl pads to the configured response length. Other modes, or a set factor: ``cfg`` as is."""
+    if cfg.loss_agg_mode != "seq-mean-token-sum-norm" or cfg.loss_scale_factor is not None:
+        return cfg
+    if isinstance(response_budget, bool) or not isinstance(response_budget, int) or response_budget < 1:
+        raise ValueError(f"with_norm_divisor: response_budget must be an int >= 1, got {response_budget!r}")
+    return dataclasses.replace(cfg, loss_scale_factor=float(response_budget))
 
 
 def _as_denominator(name: str, value: Number, like: torch.Tensor) -> torch.Tensor:

@@ -77,9 +77,9 @@ class PolicyLossConfig:
 
     loss_scale_factor: Optional[float] = None
     """Only for "seq-mean-token-sum-norm": the constant the per-sequence token sums are divided by
-    (verl's ``loss_scale_factor``). None means the padded response length ``T`` of the tensor passed
-    in (verl's default) — which differs between micro-batches padded to different lengths, so set
-    a constant (e.g. the max response length) when micro-batches are padded separately."""
+    (verl's ``loss_scale_factor``). None means verl's default, the width of its response mask = the
+    configured response budget: the actor uses ``rollout.max_new_tokens`` (multi-turn:
+    ``multi_turn.max_total_tokens``), a constant of the config that does not move with prompt lengths."""
 
     kl_loss_coef: float = 0.0
     """Coefficient of the KL(pi_theta || pi_ref) loss added to the policy loss; 0 disables it
