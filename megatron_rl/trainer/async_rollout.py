@@ -190,13 +190,26 @@ class RolloutProducer:
             self._ready.pop(step, None)
         return item
 
-    def snapshot(self, next_step: int, poll_s: float = 0.5, timeout_s: Optional[float] = None) -> Dict[int, Any]:
+    def snapshot(self, next_step: int, poll_s: float = 0.5, timeout_s: Optional[float] = None,
+                 ready_only: bool = False) -> Dict[int, Any]:
         """For a checkpoint taken before ``next_step``: wait for and return (without handing over) the
         rollouts of every step whose pinned version is older than ``next_step`` — steps ``next_step ..
         next_step + k - 1`` — so ``--resume`` can replay them (see the module docstring). ``timeout_s``
-        bounds the whole wait (``SnapshotTimeout``); None: no bound."""
+        bounds the whole wait (``SnapshotTimeout``); None: no bound. ``ready_only`` (the run's last checkpoint:
+        no step will train on them): no wait, only the leading steps already generated, none after a gap or
+        an error."""
+        steps = range(next_step, next_step + self.k)
+        if ready_only:
+            out: Dict[int, Any] = {}
+            with self._cond:
+                for t in steps:
+                    item = self._ready.get(t)
+                    if item is None or isinstance(item, BaseException):
+                        break
+                    out[t] = item
+            return out
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        return {t: self._wait_ready(t, poll_s, deadline) for t in range(next_step, next_step + self.k)}
+        return {t: self._wait_ready(t, poll_s, deadline) for t in steps}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop producing; rollouts in flight are discarded (the thread is a daemon: a generation that does

@@ -13,9 +13,10 @@ reference are built; rank 0 starts over (``trainer.overwrite``), builds the task
 rank 0 chose; the engine gets the starting weights; then the rollout source starts (async: the producer thread).
 
 Checkpoints (``Job.checkpoint``): the source's drain (async rollouts a checkpoint must hold, bounded by half of
-``trainer.checkpoint_timeout_s``), then every rank writes its part and rank 0 marks it COMPLETE. A failed drain
-still writes the checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises
-``AsyncDrainError`` on every rank.
+``trainer.checkpoint_timeout_s``; the last checkpoint, after ``trainer.steps``, waits for none and keeps those
+already made), then every rank writes its part and rank 0 marks it COMPLETE. A failed drain still writes the
+checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises ``AsyncDrainError`` on every
+rank.
 """
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ class Job:
         tc = self.cfg.trainer
         with self.watchdog.phase("checkpoint", step, timeout_s=tc.checkpoint_timeout_s,
                                  config_key="trainer.checkpoint_timeout_s"):
-            extra, drain_error = self.source.drain(step, tc.checkpoint_timeout_s / 2)
+            # the last checkpoint keeps only rollouts already made: no step of this run trains on them
+            extra, drain_error = self.source.drain(step, tc.checkpoint_timeout_s / 2, last=step >= tc.steps)
             path = save(self.actor, self.cfg, step, self.rank0, extra if self.rank0 else None)
         if drain_error is not None:
             raise drain_error

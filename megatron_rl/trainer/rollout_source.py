@@ -3,7 +3,7 @@
     source = build_rollout_source(cfg, generator, engine, actor, immediate_publisher, start, resumed, rank0)
     batch = source.next(step)                 # collective: rank 0 makes it, every rank receives it
     publisher = source.publisher              # how trained versions reach the engine from now on
-    extra, error = source.drain(step, s)      # rollouts a checkpoint must hold (async), and a drain failure
+    extra, error = source.drain(step, s, last)  # rollouts a checkpoint must hold (async), and a drain failure
 
 * ``SyncRollouts`` (``rollout.mode: sync``): rank 0 generates step ``t`` from version ``t`` when asked; the
   publisher loads each version into the engine right away.
@@ -32,7 +32,7 @@ from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.step_batch import StepBatch
 from megatron_rl.trainer.weight_publisher import WeightPublisher, deferred_publisher
 
-__all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source"]
+__all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule"]
 
 
 class AsyncDrainError(RuntimeError):
@@ -56,9 +56,10 @@ class RolloutSource:
         """Collective: step ``step``'s (0-based) batch on every rank."""
         raise NotImplementedError
 
-    def drain(self, step: int, timeout_s: float) -> Tuple[Dict, Optional[BaseException]]:
+    def drain(self, step: int, timeout_s: float, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
         """Collective, before the checkpoint after ``step`` steps: what it must hold besides the weights (rank
-        0; {} elsewhere) and the failure of handing it over (on every rank; the checkpoint is written anyway)."""
+        0; {} elsewhere) and the failure of handing it over (on every rank; the checkpoint is written anyway).
+        ``last``: the run's final checkpoint (``trainer.steps`` done): nothing is waited for."""
         return {}, None
 
     def overlap_s(self, t_start: float, t_end: float) -> float:
@@ -106,25 +107,26 @@ class AsyncRollouts(RolloutSource):
                 engine, generate_fn=lambda s, view, tag: generator.generate(view, s, tag),
                 apply_fn=lambda payload, tag: payload.apply(engine, cfg, tag, actor), start_step=start,
                 max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
-                segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, rc)).start_thread()
+                segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, cfg)).start_thread()
         self.publisher.producer = self.producer
 
     def next(self, step: int) -> StepBatch:
         return from_rank0(lambda: self._checked(self.producer.get(step), step),
                           what=f"async rollouts of step {step + 1}", passthrough=(RolloutError,))
 
-    def drain(self, step: int, timeout_s: float) -> Tuple[Dict, Optional[BaseException]]:
-        extra, error = self._snapshot(step, timeout_s) if self.producer is not None else ({}, None)
+    def drain(self, step: int, timeout_s: float, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
+        extra, error = self._snapshot(step, timeout_s, last) if self.producer is not None else ({}, None)
         return extra, share_from_rank0(error)
 
-    def _snapshot(self, step: int, timeout_s: float) -> Tuple[Dict, Optional[BaseException]]:
+    def _snapshot(self, step: int, timeout_s: float, last: bool) -> Tuple[Dict, Optional[BaseException]]:
         """Rank 0: the rollouts the producer generated from versions older than ``step`` (they cannot be
-        regenerated from the checkpoint; async_rollout.py), within ``timeout_s`` (<= 0: no limit)."""
-        rc = self.cfg.rollout
+        regenerated from the checkpoint; async_rollout.py), within ``timeout_s`` (<= 0: no limit). ``last``: no
+        step of this run trains on them, so only those already generated are kept (a run extended with
+        ``--resume`` regenerates the others) and nothing is waited for."""
         try:
-            rollouts = self.producer.snapshot(step, timeout_s=timeout_s if timeout_s > 0 else None)
+            rollouts = self.producer.snapshot(step, timeout_s=timeout_s if timeout_s > 0 else None, ready_only=last)
             rollouts = {t: _fields(batch) for t, batch in rollouts.items()}  # plain data in the checkpoint
-            return {"async_rollouts": rollouts, "async_schedule": (rc.max_staleness, rc.partial_rollout)}, None
+            return {"async_rollouts": rollouts, "async_schedule": async_schedule(self.cfg)}, None
         except SnapshotTimeout:
             cause = (f"the producer did not hand them over within {timeout_s:g} s (half of "
                      f"trainer.checkpoint_timeout_s)")
@@ -158,15 +160,41 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
     return SyncRollouts(cfg, generator, engine, immediate)
 
 
-def _resumed_rollouts(extra: Dict, rc) -> Dict:
-    """The drained rollouts of a resumed checkpoint, if it was written with the same async schedule."""
+def async_schedule(cfg: JobConfig) -> Dict[str, object]:
+    """What a checkpoint's drained rollouts were made with, by dotted config key: the async schedule and the
+    prompt groups (``StepBatch.shard`` groups rows by the current ``rollout.n_samples_per_prompt``)."""
+    rc = cfg.rollout
+    return {"rollout.max_staleness": rc.max_staleness, "rollout.partial_rollout": rc.partial_rollout,
+            "rollout.n_samples_per_prompt": rc.n_samples_per_prompt, "data.prompts_per_step": cfg.data.prompts_per_step}
+
+
+def _saved_schedule(saved) -> Dict[str, object]:
+    """A checkpoint's ``async_schedule``; checkpoints written before the prompt groups were stored hold the tuple
+    ``(max_staleness, partial_rollout)`` (their group keys then count as not recorded)."""
+    if isinstance(saved, (tuple, list)) and len(saved) == 2:
+        return {"rollout.max_staleness": saved[0], "rollout.partial_rollout": saved[1]}
+    return dict(saved) if isinstance(saved, dict) else {}
+
+
+def _resumed_rollouts(extra: Dict, cfg: JobConfig) -> Dict:
+    """The drained rollouts of a resumed checkpoint when they were made with this run's ``async_schedule``;
+    otherwise none (the producer regenerates them) and one line naming each key that differs."""
     saved = extra.get("async_rollouts") or {}
-    if saved and extra.get("async_schedule") != (rc.max_staleness, rc.partial_rollout):
-        print(f"[megatron-rl] the checkpoint's async rollouts were made with (max_staleness, partial_rollout) = "
-              f"{extra.get('async_schedule')}, this run uses {(rc.max_staleness, rc.partial_rollout)}: "
-              f"regenerating them", flush=True)
+    if not saved:
         return {}
-    return {int(t): StepBatch(**(batch if isinstance(batch, dict) else _fields(batch))) for t, batch in saved.items()}
+    then, now = _saved_schedule(extra.get("async_schedule")), async_schedule(cfg)
+    diff = [f"{k}={then[k]!r} (this run: {v!r})" if k in then else f"{k} not recorded (this run: {v!r})"
+            for k, v in now.items() if k not in then or then[k] != v]
+    batches = {int(t): StepBatch(**(b if isinstance(b, dict) else _fields(b))) for t, b in saved.items()}
+    rows = cfg.rollout.n_samples_per_prompt * cfg.data.prompts_per_step
+    if not diff and any(b.num_rows != rows for b in batches.values()):
+        diff = [f"{b.num_rows} rows per step (this run: {rows})" for b in batches.values() if b.num_rows != rows][:1]
+    if diff:
+        print(f"[megatron-rl] the checkpoint's async rollouts were made with {', '.join(diff)}: regenerating them "
+              f"from the checkpoint's weights", flush=True)
+        return {}
+    return batches
+
 
 
 def _fields(batch) -> Dict:

@@ -89,3 +89,16 @@ def test_producer_hang_in_the_drain_ends_within_its_bound(model_dir, tmp_path):
     run = str(tmp_path / "run")
     results = run_ranks(_train, 2, _cfg(model_dir, run, "trainer.checkpoint_timeout_s=20"), "hang", timeout=300)
     _check(run, results, "did not hand them over within 10 s (half of trainer.checkpoint_timeout_s)")
+
+
+def test_last_checkpoint_does_not_wait_for_rollouts_no_step_trains_on(model_dir, tmp_path):
+    """The run's last checkpoint (after trainer.steps = 2) would drain step 3's rollouts, which no step of this run
+    trains on: their generation hangs, yet the run checkpoints step 2 and ends without an error, well within the
+    drain's bound (20 s here)."""
+    run = str(tmp_path / "run")
+    results = run_ranks(_train, 2, _cfg(model_dir, run, "trainer.steps=2", "trainer.checkpoint_timeout_s=40"),
+                        "hang", timeout=300)
+    assert [err for err, _ in results] == [None, None]
+    assert all(seconds < 60 for _, seconds in results), results
+    assert os.path.isfile(os.path.join(run, "checkpoints", "step_2", "COMPLETE"))
+    assert _extra(run, 2)["async_rollouts"] == {}     # step 3's rollouts were never made: none kept

@@ -124,16 +124,37 @@ def test_async_k1_versions_and_lag_metrics(model_dir, tmp_path):
         assert rec["weight_version"] == f"step-{max(rec['step'] - 2, 0)}"
 
 
+def _interrupted_after_step_2(model_dir, run_dir, *extra):
+    """A run of 3 steps whose step-3 checkpoint never completed (as if killed while writing it): ``--resume``
+    continues from step 2's, which holds step 3's rollouts (made from the weights after step 1)."""
+    assert run_ranks(_train, 2, _cfg(model_dir, run_dir, *extra, steps=3), timeout=300) == [None, None]
+    os.remove(os.path.join(run_dir, "checkpoints", "step_3", "COMPLETE"))
+
+
 def test_async_resume_reproduces_the_uninterrupted_run(model_dir, tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     extra = ("rollout.mode=async", "rollout.max_staleness=1", "trainer.save_interval=2")
     assert run_ranks(_train, 2, _cfg(model_dir, full, *extra), timeout=300) == [None, None]
-    assert run_ranks(_train, 2, _cfg(model_dir, part, *extra, steps=2), timeout=300) == [None, None]
+    _interrupted_after_step_2(model_dir, part, *extra)
     assert run_ranks(_train, 2, _cfg(model_dir, part, *extra, "trainer.resume=true"), timeout=300) == [None, None]
     mf, mp = _metrics(full), _metrics(part)
     assert [m["step"] for m in mp] == [1, 2, 3, 4]
     for a, b in zip(mf, mp):
         assert _same(a, b, set(a) | set(b)) == {}, a["step"]
+
+
+def test_async_resume_with_other_prompt_groups_regenerates_the_drained_rollouts(model_dir, tmp_path):
+    """Step 3's rollouts in step 2's checkpoint were made with 2 samples per prompt; a resume with 4 groups rows
+    by 4 (row // n): it must train on 16 rows, each group of 4 one prompt, not on the 8 saved rows regrouped."""
+    part = str(tmp_path / "part")
+    extra = ("rollout.mode=async", "rollout.max_staleness=1", "trainer.save_interval=2")
+    _interrupted_after_step_2(model_dir, part, *extra, "rollout.n_samples_per_prompt=2")
+    assert run_ranks(_train, 2, _cfg(model_dir, part, *extra, "trainer.resume=true"), timeout=300) == [None, None]
+    rows = [r for r in _rollouts(part) if r["step"] == 3]
+    assert len(rows) == 16
+    for g in range(4):
+        assert len({tuple(r["prompt_ids"]) for r in rows[4 * g: 4 * g + 4]}) == 1, g
+    assert [m["step"] for m in _metrics(part)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("fault, message", [("generate", "engine process died (test)"),

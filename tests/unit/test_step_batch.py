@@ -1,12 +1,21 @@
 """``StepBatch``: the rows of a step as one unit -- its rollouts.jsonl records, its summary metrics against
 direct formulas, and resume of async checkpoints (drained rollouts stored as plain fields, and those written
-before the ``StepRollouts`` -> ``StepBatch`` rename)."""
+before the ``StepRollouts`` -> ``StepBatch`` rename; reused only with the schedule and prompt groups they were
+made with)."""
 import json
 import pickle
-import types
 
-from megatron_rl.trainer.rollout_source import _fields, _resumed_rollouts
+import pytest
+
+from megatron_rl.config import job_config_from_dict
+from megatron_rl.trainer.rollout_source import _fields, _resumed_rollouts, async_schedule
 from megatron_rl.trainer.step_batch import StepBatch
+
+
+def _cfg(k=1, partial="finish", n=2, prompts=2):
+    return job_config_from_dict({"rollout": {"mode": "async", "max_staleness": k, "partial_rollout": partial,
+                                             "n_samples_per_prompt": n},
+                                 "data": {"prompts_per_step": prompts}})
 
 
 def _batch():
@@ -31,12 +40,32 @@ def test_summary_and_records_match_direct_formulas():
 
 def test_drained_rollouts_round_trip_as_plain_fields():
     b = _batch()
-    saved = pickle.loads(pickle.dumps({"async_rollouts": {5: _fields(b)}, "async_schedule": (1, "finish")}))
+    saved = pickle.loads(pickle.dumps({"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(_cfg())}))
     assert isinstance(saved["async_rollouts"][5], dict)  # no class reference in the checkpoint
-    back = _resumed_rollouts(saved, types.SimpleNamespace(max_staleness=1, partial_rollout="finish"))
+    back = _resumed_rollouts(saved, _cfg())
     assert back == {5: b}
-    other = _resumed_rollouts(saved, types.SimpleNamespace(max_staleness=2, partial_rollout="finish"))
+    other = _resumed_rollouts(saved, _cfg(k=2))
     assert other == {}  # another schedule: regenerated
+
+
+@pytest.mark.parametrize("change, key", [(dict(n=4, prompts=1), "rollout.n_samples_per_prompt=2 (this run: 4)"),
+                                         (dict(n=1, prompts=4), "rollout.n_samples_per_prompt=2 (this run: 1)"),
+                                         (dict(prompts=3), "data.prompts_per_step=2 (this run: 3)"),
+                                         (dict(partial="interrupt"), "rollout.partial_rollout='finish'")])
+def test_drained_rollouts_of_other_prompt_groups_are_regenerated(change, key, capsys):
+    """Rows are grouped by the current n_samples_per_prompt (row // n): rollouts made with other groups -- even
+    with the same number of rows per step -- are not reused, and the line says which key differs."""
+    b = _batch()                      # 2 prompts x 2 samples
+    saved = {"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(_cfg())}
+    assert _resumed_rollouts(saved, _cfg(**change)) == {}
+    assert key in capsys.readouterr().out
+
+
+def test_checkpoint_without_recorded_groups_is_regenerated(capsys):
+    """A checkpoint that recorded only (max_staleness, partial_rollout) cannot show its prompt groups."""
+    saved = {"async_rollouts": {5: _fields(_batch())}, "async_schedule": (1, "finish")}
+    assert _resumed_rollouts(saved, _cfg()) == {}
+    assert "rollout.n_samples_per_prompt not recorded" in capsys.readouterr().out
 
 
 def test_checkpoint_written_before_the_rename_resumes():
@@ -49,11 +78,11 @@ def test_checkpoint_written_before_the_rename_resumes():
                                                "token_versions")}
     for name in fresh:  # fields the old class did not have
         delattr(old, name)
-    raw = pickle.dumps({"async_rollouts": {3: old}, "async_schedule": (1, "finish")}, protocol=2)
+    raw = pickle.dumps({"async_rollouts": {3: old}, "async_schedule": async_schedule(_cfg())}, protocol=2)
     assert b"megatron_rl.trainer.step_batch\nStepBatch\n" in raw
     raw = raw.replace(b"megatron_rl.trainer.step_batch\nStepBatch\n", b"megatron_rl.trainer.rollout_phase\nStepRollouts\n")
     saved = pickle.loads(raw)
-    back = _resumed_rollouts(saved, types.SimpleNamespace(max_staleness=1, partial_rollout="finish"))
+    back = _resumed_rollouts(saved, _cfg())
     assert back == {3: b}
 
 
