@@ -1,0 +1,56 @@
+"""What the docs and shipped configs say about multi-turn rows and routing metrics is what the code does.
+
+* ``check`` plans a multi-turn job's rows as prompt + the key ``ops.memory.longest_row`` reports
+  (``multi_turn.max_total_tokens``): every sentence of docs/multi_turn.md and of the Qwen3 tools config that says
+  what ``check`` plans with names that key, not ``rollout.max_new_tokens``.
+* ``rollout_corr/router_agreement*`` counts every position whose routing is replayed (``routing_valid_mask``:
+  each token of a row but its last, prompt positions included): docs/routing_replay.md says so.
+"""
+import os
+import re
+
+import torch
+
+from megatron_rl.actor.routing import agreement_counts, routing_valid_mask
+from megatron_rl.config import load_job_config
+from megatron_rl.ops.memory import longest_row
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(ROOT, "configs", "qwen3_30b_a3b_tools_2x8.yaml")
+
+
+def _read(*parts):
+    with open(os.path.join(ROOT, *parts)) as fh:
+        return fh.read()
+
+
+def _sentences_about_check(text):
+    """The sentences (or comment blocks, newlines folded) that say what `check` sizes / plans rows with."""
+    flat = re.sub(r"\s*\n\s*#?\s*", " ", text)
+    return [s for s in re.split(r"(?<=[.;:])\s+", flat)
+            if re.search(r"check`? (sizes|plans)", s) and "token" in s]
+
+
+def test_check_plans_multi_turn_rows_with_the_key_the_docs_name():
+    cfg = load_job_config(TOOLS, world_size=16)
+    row = longest_row(cfg, prompt_length=100, world_size=16)
+    assert row.response_source == "multi_turn.max_total_tokens"
+    assert row.response == cfg.multi_turn.max_total_tokens
+    for where, text in (("docs/multi_turn.md", _read("docs", "multi_turn.md")), ("the tools config", _read(TOOLS))):
+        claims = _sentences_about_check(text)
+        assert claims, f"{where}: no sentence says what check plans rows with"
+        for s in claims:
+            assert row.response_source in s, f"{where}: {s!r}"
+            assert not re.search(r"prompt \+ `?rollout\.max_new_tokens", s), f"{where}: {s!r}"
+
+
+def test_router_agreement_counts_prompt_positions_as_documented():
+    lengths = torch.tensor([5, 3])                     # rows of prompt + response tokens
+    valid = routing_valid_mask(lengths, 4)
+    own = torch.zeros(2, 4, 1, 2, dtype=torch.int64)
+    own[..., 1] = 1
+    c = agreement_counts(own, own.clone(), valid)
+    assert float(c["tokens"]) == (5 - 1) + (3 - 1)     # every position but each row's last, prompt included
+    doc = re.sub(r"\s+", " ", _read("docs", "routing_replay.md"))
+    claim = doc[doc.index("`rollout_corr/router_agreement`"):][:600]
+    assert "prompt, model **and** environment tokens alike" in claim and "each token of a row but its last" in claim
