@@ -54,3 +54,17 @@ def test_router_agreement_counts_prompt_positions_as_documented():
     doc = re.sub(r"\s+", " ", _read("docs", "routing_replay.md"))
     claim = doc[doc.index("`rollout_corr/router_agreement`"):][:600]
     assert "prompt, model **and** environment tokens alike" in claim and "each token of a row but its last" in claim
+
+
+def test_readme_and_cluster_doc_say_what_ran_on_a_gpu_and_what_has_not():
+    """The one GPU run (an H200, one rank, megatron-core 0.19.2, no Transformer Engine / SGLang, a named commit) is
+    reported, and so is what has not run on a GPU; no doc still says that nothing ran on one."""
+    for name in ("README.md", "docs/cluster.md", "docs/limits.md"):
+        text = re.sub(r"\s+", " ", _read(name))
+        for stale in ("Nothing here has run on a GPU", "none of it has run on GPUs", "No GPU here"):
+            assert stale not in text, (name, stale)
+    for name in ("README.md", "docs/cluster.md"):
+        text = re.sub(r"\s+", " ", _read(name))
+        for fact in ("H200", "megatron-core 0.19.2", "31399e1", "Not yet run on a GPU", "several GPUs",
+                     "Transformer Engine", "SGLang on a GPU"):
+            assert fact in text, (name, fact)
