@@ -61,11 +61,16 @@ class BlockOps:
 
     def __init__(self, backend: str, device: torch.device):
         self.backend = backend
+        self.fused_final = backend == "triton"  #: ``logprobs`` (one pass, no TP) is available
         if backend == "triton":
             from megatron_rl_kernels import logprob_kernels as k
             self._k = k
         else:
             self._ws = torch_path.Workspace(device)
+
+    def logprobs(self, x, t_local, inv_temp):
+        """Without TP: (logp, ent, M, log_s, status) of the block x [c, W] (Triton only)."""
+        return self._k.block_logprobs(x, t_local, inv_temp)
 
     def partials(self, x, t_local, inv_temp):
         """(m, s, tgt, spz) fp32 [c] for the block x [c, W]; see ``torch_path.chunk_partials``."""

@@ -104,20 +104,30 @@ def _first_bad_target(flat_targets: torch.Tensor, vocab_size: int, shape) -> tup
                    f"size x tensor_model_parallel_size); first at index {pos}: {int(flat_targets[first])}")
 
 
+def target_range_error(flat_targets: torch.Tensor, vocab_size: int, token_shape) -> str:
+    """The error message for target ids outside [0, vocab_size) ("" when all are inside)."""
+    return _first_bad_target(flat_targets, vocab_size, token_shape)[1]
+
+
 def check_partition(flat_targets: torch.Tensor, token_shape, partition_vocab_size: int,
-                    tp_group, what: str = "logits_shard") -> PartitionInfo:
+                    tp_group, what: str = "logits_shard", defer_range_check: bool = False) -> PartitionInfo:
     """Target range check plus the cross-rank consistency check (one int64 MAX all-reduce).
 
     Checks, identically on every rank: target ids in [0, V); the same number of tokens, the same
     partition vocab size and the same target ids (order-sensitive checksum) on every TP rank.
+    ``defer_range_check`` (single process only): skip the range check here - the caller checks the
+    targets on the device together with its own results (one host synchronisation instead of two) and
+    raises ``target_range_error`` before returning anything.
     """
     rank, world = group_rank_and_size(tp_group)
     vocab_size = partition_vocab_size * world
-    n_bad, bad_msg = _first_bad_target(flat_targets, vocab_size, token_shape)
     if world == 1:
-        if n_bad:
-            raise ValueError(bad_msg)
+        if not defer_range_check:
+            n_bad, bad_msg = _first_bad_target(flat_targets, vocab_size, token_shape)
+            if n_bad:
+                raise ValueError(bad_msg)
         return PartitionInfo(rank, world, partition_vocab_size, 0, vocab_size)
+    n_bad, bad_msg = _first_bad_target(flat_targets, vocab_size, token_shape)
     n = flat_targets.numel()
     # order-sensitive checksum of the targets (wrap-around in int64 is fine: equal inputs, equal sums)
     weights = torch.arange(1, n + 1, device=flat_targets.device, dtype=torch.int64) % 1000003 + 1

@@ -26,7 +26,7 @@ import torch
 from .backend import BlockOps, default_chunk_rows, resolve_backend
 from .combine import combine_partials
 from .validation import (check_chunk_size, check_float_tensor, check_partition, check_targets,
-                         check_temperature, locate_nonfinite)
+                         check_temperature, locate_nonfinite, target_range_error)
 
 
 def flatten_rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -49,16 +49,25 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 backend, token_shape):
         ops = BlockOps(backend, logits2d.device)
         n = logits2d.shape[0]
-        stats = torch.empty(4, n, dtype=torch.float32, device=logits2d.device)
-        for i in range(0, n, chunk_rows):
-            j = min(n, i + chunk_rows)
-            m, s, tgt, spz = ops.partials(logits2d[i:j], t_local[i:j], inv_temp)
-            stats[0, i:j], stats[1, i:j], stats[2, i:j], stats[3, i:j] = m, s, tgt, spz
+        if ops.fused_final and world_size == 1 and chunk_rows >= n:
+            # one pass, statistics finished on the device; the status read is the only host sync
+            logp, ent, mx, log_s, status = ops.logprobs(logits2d, t_local, inv_temp)
+            flags = int(status.max()) if n else 0
+            if flags & 2:
+                raise ValueError(target_range_error(t_local, logits2d.shape[1], token_shape))
+            if flags & 1:
+                raise ValueError(locate_nonfinite(logits2d, status != 0, token_shape, rank))
+        else:
+            stats = torch.empty(4, n, dtype=torch.float32, device=logits2d.device)
+            for i in range(0, n, chunk_rows):
+                j = min(n, i + chunk_rows)
+                m, s, tgt, spz = ops.partials(logits2d[i:j], t_local[i:j], inv_temp)
+                stats[0, i:j], stats[1, i:j], stats[2, i:j], stats[3, i:j] = m, s, tgt, spz
+            logp, ent, mx, log_s, bad = combine_partials(stats[0], stats[1], stats[2], stats[3], inv_temp,
+                                                            tp_group, world_size)
+            if bool(bad.any()):
+                raise ValueError(locate_nonfinite(logits2d, bad, token_shape, rank))
         del ops
-        logp, ent, mx, log_s, bad = combine_partials(stats[0], stats[1], stats[2], stats[3], inv_temp, tp_group,
-                                                        world_size)
-        if bool(bad.any()):
-            raise ValueError(locate_nonfinite(logits2d, bad, token_shape, rank))
         ctx.save_for_backward(logits2d, t_local, mx, log_s, ent)
         ctx.inv_temp, ctx.chunk_rows, ctx.backend = inv_temp, chunk_rows, backend
         ctx.set_materialize_grads(False)
@@ -117,12 +126,15 @@ def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor
     backend = resolve_backend(backend, logits_shard.device)
     vp = logits_shard.shape[-1]
     targets = target_ids.reshape(-1).to(torch.int64)
-    info = check_partition(targets, token_shape, vp, tp_group, "logits_shard")
+    n = targets.numel()
+    # the one-pass Triton forward checks the target range on the device (see _VocabParallelLogprobs)
+    fused = backend == "triton" and (chunk_size is None or chunk_size >= n)
+    info = check_partition(targets, token_shape, vp, tp_group, "logits_shard", defer_range_check=fused)
     logits2d = flatten_rows(logits_shard, "logits_shard")
-    t_local = targets - info.vocab_start
+    t_local = targets - info.vocab_start if info.vocab_start else targets
     if chunk_size is None:
         # the Triton forward/backward stream over the vocab without a workspace: no chunking needed
-        chunk_size = max(1, logits2d.shape[0]) if backend == "triton" else default_chunk_rows(vp, logits2d.device)
+        chunk_size = max(1, n) if backend == "triton" else default_chunk_rows(vp, logits2d.device)
     logp, ent = _VocabParallelLogprobs.apply(logits2d, t_local, 1.0 / temperature, chunk_size, tp_group,
                                              info.world_size, info.rank, backend, token_shape)
     logp = logp.view(token_shape)
