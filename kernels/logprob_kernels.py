@@ -92,7 +92,7 @@ def _fwd_kernel(X, TL, WS, width, n_splits, chunk, total, stride_row, stride_col
     c_full = c0 + n_full * BLOCK
     for start in range(c0 + BLOCK, c_full, BLOCK):
         x = tl.load(x_row + (start + offs) * stride_col).to(tl.float32)
-        m, s_acc, z_acc = _accumulate(x, None, m, s_acc, z_acc, scale2, MASKED=False)
+        m, s_acc, z_acc = _accumulate(x, mask, m, s_acc, z_acc, scale2, MASKED=False)  # mask unused
     if (n_full > 0) & (c_full < c1):
         cols = c_full + offs
         mask = cols < c1
@@ -290,7 +290,7 @@ def _row_bucket(rows: int) -> int:
 def _launch_fwd(x, t_local, cfg: FwdConfig, inv_temp: float, ws_cache: dict):
     c, w = x.shape
     if SPLIT_COLS is not None:
-        chunk = max(cfg.block, SPLIT_COLS)
+        chunk = triton.cdiv(SPLIT_COLS, cfg.block) * cfg.block
     elif cfg.blocks_per_program == 0:
         chunk = w
     else:

@@ -12,6 +12,21 @@ Peak extra memory = peak RSS (VmHWM, reset via /proc/self/clear_refs after the i
 Ratios printed: peak extra / one fp32 copy of the shard (4 * tokens * vocab bytes), time / case b,
 and c's forward time / floor. Targets: c extra <= 10%, c time <= b, d extra <= 5%, c fwd <= 3x floor.
 
+Device table (``--device cuda|cpu``; in one process): for each shape, paths naive (fp32 log_softmax +
+entropy, autograd), triton (``backend="triton"``) and torch (``backend="torch"``): forward ms and
+forward + backward ms (loss = sum(g1 * logp + g2 * entropy)), each over its bandwidth floor (the bf16
+logits read once / the copy bandwidth measured in the same run; forward + backward: read once + the bf16
+gradient written once = twice that), peak extra device memory over one fp32 copy of the logits (the
+returned gradient not counted), and float64 errors of the same run (log-prob / entropy max abs error and
+gradient relative error on the first and last 64 rows). Then a correctness sweep (fp32 / bf16 logits,
+temperatures 0.7 / 1.0 / 1.3, three widths, both backends) and, on CUDA, a shape past 2**31 elements
+(``--no-big`` skips it). The tuned kernel configurations (``megatron_rl_kernels.logprob_kernels.TUNER``)
+are printed: the winners always, every candidate's time with ``--sweep``. On CPU the Triton kernels run
+under the interpreter (``TRITON_INTERPRET=1`` is set by the tool), on small default shapes: a check that
+the tool and the kernels run, not a measurement.
+  PYTHONPATH=.:<dir holding megatron_rl_kernels> python tools/bench_logprobs.py --device cuda [--sweep]
+  python tools/bench_logprobs.py --device cpu                 # seconds (tests run this)
+
 Usage:
   OMP_NUM_THREADS=1 python tools/bench_logprobs.py            # 8192 x 32768 and 8192 x 37984
   OMP_NUM_THREADS=1 python tools/bench_logprobs.py --quick    # 1024 x 4096 (seconds; a smoke run: the
@@ -188,6 +203,227 @@ def worker(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+# ---------------------------------------------------------------- device table (one process)
+DEVICE_SHAPES = {"cuda": [(8192, 151936), (16384, 37984), (16384, 18992)], "cpu": [(12, 2000), (16, 517)]}
+BIG_SHAPE = (16384, 151936)  # 2.49e9 elements: offsets past 2**31
+
+
+def _sync(torch, dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(torch, dev) -> float:
+    """Device-to-device copy rate in GB/s, counting the bytes read plus the bytes written (median of 10)."""
+    n = (2 * 1024 ** 3 if dev.type == "cuda" else 64 * 1024 ** 2) // 4
+    x = torch.empty(n, dtype=torch.float32, device=dev).normal_()
+    y = torch.empty_like(x)
+    ts = [_timed(torch, dev, lambda: y.copy_(x)) for _ in range(12)][2:]
+    del x, y
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * n * 4 / sorted(ts)[len(ts) // 2] / 1e9
+
+
+def _timed(torch, dev, fn) -> float:
+    if dev.type == "cuda":
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _median_time(torch, dev, fn, reps):
+    fn()
+    fn()  # warm-up (compilation, tuning, allocator)
+    _sync(torch, dev)
+    ts = sorted(_timed(torch, dev, fn) for _ in range(reps))
+    return ts[len(ts) // 2]
+
+
+def _paths(torch):
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+
+    def naive(x, t, temperature):
+        ls = torch.log_softmax(x.float() / temperature, dim=-1)
+        return ls.gather(-1, t.unsqueeze(-1)).squeeze(-1), -(ls.exp() * ls).sum(-1)
+
+    def ours(backend):
+        return lambda x, t, temperature: vocab_parallel_logprobs(x, t, temperature=temperature, backend=backend)
+    return {"naive": naive, "triton": ours("triton"), "torch": ours("torch")}
+
+
+def _ref_rows(torch, x, t, g1, g2, temperature, rows):
+    """float64 (logp, entropy, grad) of the given rows (the loss is a sum over rows)."""
+    xd = x[rows].double().requires_grad_()
+    ls = torch.log_softmax(xd / temperature, dim=-1)
+    lp = ls.gather(-1, t[rows].unsqueeze(-1)).squeeze(-1)
+    ent = -(ls.exp() * ls).sum(-1)
+    (lp * g1[rows].double() + ent * g2[rows].double()).sum().backward()
+    return lp.detach(), ent.detach(), xd.grad
+
+
+def _errors(torch, lp, ent, grad, ref, rows):
+    r_lp, r_ent, r_g = ref
+    g = grad[rows].double()
+    return dict(err_logp=float((lp.detach()[rows].double() - r_lp).abs().max()),
+                err_ent=float((ent.detach()[rows].double() - r_ent).abs().max()),
+                grad_rel=float((g - r_g).norm() / r_g.norm()))
+
+
+def bench_shape(torch, dev, n, v, bw, paths, reps, temperature=1.0, seed=0, only=None):
+    """One table row per path for bf16 logits [n, v]; returns a list of dicts."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = (torch.randn(n, v, device=dev, generator=g) * 3).to(torch.bfloat16) if dev.type == "cuda" else \
+        (torch.randn(n, v, generator=g) * 3).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    g1 = torch.rand(n, device=dev, generator=g) * 2 - 1
+    g2 = torch.rand(n, device=dev, generator=g) * 2 - 1
+    rows = torch.cat([torch.arange(0, min(64, n)), torch.arange(max(0, n - 64), n)]).unique().to(dev)
+    ref = _ref_rows(torch, x, t, g1, g2, temperature, rows)
+    nbytes = x.numel() * x.element_size()
+    floor_f = nbytes / (bw * 1e9)
+    out = []
+    for name, fn in paths.items():
+        if only and name not in only:
+            continue
+        r = dict(shape=f"{n}x{v}", path=name)
+        try:
+            def fwd():
+                with torch.no_grad():
+                    return fn(x, t, temperature)
+
+            def fwd_bwd():
+                xi = x.detach().requires_grad_()
+                lp, ent = fn(xi, t, temperature)
+                (lp * g1 + ent * g2).sum().backward()
+                return lp, ent, xi.grad
+            for label, f, floor, grad_bytes in (("fwd", fwd, floor_f, 0), ("fwdbwd", fwd_bwd, 2 * floor_f, nbytes)):
+                _sync(torch, dev)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                s = _median_time(torch, dev, f, reps)
+                r[label + "_ms"] = s * 1e3
+                r[label + "_x_floor"] = s / floor
+                if dev.type == "cuda":
+                    peak = torch.cuda.max_memory_allocated() - base - grad_bytes
+                    r[label + "_extra_over_fp32"] = peak / (4 * x.numel())
+            lp, ent, grad = fwd_bwd()
+            r.update(_errors(torch, lp, ent, grad, ref, rows))
+            del lp, ent, grad
+        except Exception as e:  # noqa: BLE001 - reported in the table (e.g. out of memory for naive)
+            r["error"] = repr(e)[:200]
+        out.append(r)
+    del x
+    return out
+
+
+def correctness_sweep(torch, dev, backends):
+    """float64 errors for fp32 / bf16 logits x temperatures x widths, every backend."""
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+    g = torch.Generator().manual_seed(0)
+    cases = [(513, 151936), (1000, 37984), (77, 50001)] if dev.type == "cuda" else [(9, 300), (5, 1031)]
+    res = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for (n, v), temp in zip(cases, (1.0, 0.7, 1.3)):
+            x = (torch.randn(n, v, generator=g) * 3).to(dtype)
+            t = torch.randint(0, v, (n,), generator=g)
+            g1, g2 = torch.rand(n, generator=g) * 2 - 1, torch.rand(n, generator=g) * 2 - 1
+            rows = torch.arange(n)
+            ref = _ref_rows(torch, x, t, g1, g2, temp, rows)
+            for backend in backends:
+                xin = x.to(dev).clone().requires_grad_()
+                lp, ent = vocab_parallel_logprobs(xin, t.to(dev), temperature=temp, backend=backend)
+                (lp * g1.to(dev) + ent * g2.to(dev)).sum().backward()
+                e = _errors(torch, lp.cpu(), ent.cpu(), xin.grad.cpu(), ref, rows)
+                res.append(dict(dtype=str(dtype).replace("torch.", ""), n=n, v=v, T=temp, backend=backend, **e,
+                                grad_dtype=str(xin.grad.dtype).replace("torch.", "")))
+    return res
+
+
+def _fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def print_table(rows, bw, dev_name):
+    print(f"\nDevice: {dev_name}; measured copy bandwidth {bw:.0f} GB/s (read + write). Floor: bf16 logits read "
+          f"once (forward); read once + bf16 gradient written once (forward + backward).")
+    print("| shape | path | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | peak extra / fp32 copy (fwd / "
+          "fwd+bwd) | logp err | ent err | grad rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['path']} | error: {r['error']} |||||||")
+            continue
+        mem = f"{_fmt(r.get('fwd_extra_over_fp32'), '.3f')} / {_fmt(r.get('fwdbwd_extra_over_fp32'), '.3f')}"
+        print(f"| {r['shape']} | {r['path']} | {r['fwd_ms']:.3f} | {r['fwd_x_floor']:.2f} | {r['fwdbwd_ms']:.3f} | "
+              f"{r['fwdbwd_x_floor']:.2f} | {mem} | {r['err_logp']:.1e} | {r['err_ent']:.1e} | {r['grad_rel']:.1e} |")
+
+
+def device_main(args):
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    import torch
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
+    import triton
+    from megatron_rl_kernels import logprob_kernels as k
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {dev_name}", flush=True)
+    bw = copy_bandwidth(torch, dev)
+    print(f"RESULT {json.dumps(dict(case='bandwidth', copy_GBs=round(bw, 1)))}", flush=True)
+    shapes = [tuple(int(s) for s in sh.lower().split("x")) for sh in args.shape] if args.shape else \
+        DEVICE_SHAPES[dev.type]
+    paths = _paths(torch)
+    only = [p.strip() for p in args.paths.split(",")] if args.paths else None
+    reps = args.reps or (10 if dev.type == "cuda" else 2)
+    table = []
+    for n, v in shapes:
+        for r in bench_shape(torch, dev, n, v, bw, paths, reps, only=only):
+            print("RESULT " + json.dumps(r), flush=True)
+            table.append(r)
+    big = []
+    if dev.type == "cuda" and not args.no_big:
+        n, v = BIG_SHAPE
+        big = bench_shape(torch, dev, n, v, bw, paths, 3, temperature=0.8, only=["triton", "torch"])
+        for r in big:
+            r["shape"] += " (T=0.8, past 2**31)"
+            print("RESULT " + json.dumps(r), flush=True)
+    sweep = correctness_sweep(torch, dev, ["triton", "torch"])
+    for r in sweep:
+        print("RESULT " + json.dumps(dict(case="fp64", **r)), flush=True)
+    print_table(table + big, bw, dev_name)
+    print("\nfloat64 correctness (all rows): dtype, rows x width, T, backend: logp err / ent err / grad rel err")
+    for r in sweep:
+        print(f"  {r['dtype']:<8} {r['n']}x{r['v']:<7} T={r['T']:<4} {r['backend']:<7} {r['err_logp']:.1e} / "
+              f"{r['err_ent']:.1e} / {r['grad_rel']:.1e} ({r['grad_dtype']} grad)")
+    print("\nkernel configurations chosen on this device (fwd: block, warps, blocks per program; 0 = whole row):")
+    for entry in k.TUNER.log:
+        if "best" in entry:
+            print(f"  {entry['kind']:<5} {entry['key']}: {entry['best']}")
+            if args.sweep:
+                for cfg, ms in sorted(entry["times_ms"].items(), key=lambda kv: kv[1]):
+                    print(f"      {ms:9.4f} ms  {cfg}")
+        else:
+            print(f"  {entry['kind']:<5} {entry['key']}: skipped {entry['skipped']}: {entry['error']}")
+    if not k.TUNER.log:
+        print("  (none tuned: heuristic configurations; tuning runs on CUDA for inputs >= "
+              f"{k.TUNE_MIN_ELEMENTS} elements)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev_name, copy_GBs=bw, table=table + big, fp64=sweep, tuner=k.TUNER.log), f,
+                      indent=1, default=str)
+    return table + big, sweep
+
+
 # ---------------------------------------------------------------- driver
 def run_case(case, n, v, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", case, "--tokens", str(n), "--vocab", str(v),
@@ -236,6 +472,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per case (default 1)")
     ap.add_argument("--shape", action="append", default=None, help="TOKENSxVOCAB, repeatable")
     ap.add_argument("--json", default=None, help="also write all results to this file")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="device table mode (one process): time / floor / memory / float64 errors per path")
+    ap.add_argument("--paths", default=None, help="device mode: comma list of naive,triton,torch")
+    ap.add_argument("--reps", type=int, default=None, help="device mode: timed repetitions (median)")
+    ap.add_argument("--sweep", action="store_true", help="device mode: print every tuned candidate's time")
+    ap.add_argument("--no-big", action="store_true", help="device mode: skip the shape past 2**31 elements")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
@@ -243,6 +485,8 @@ def main(argv=None):
     if args.worker:
         args.case = args.worker
         return worker(args)
+    if args.device:
+        return device_main(args)
     shapes = [tuple(int(s) for s in sh.lower().split("x")) for sh in args.shape] if args.shape else \
         (SHAPES_QUICK if args.quick else SHAPES_FULL)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]

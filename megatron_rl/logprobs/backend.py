@@ -15,9 +15,11 @@ any realistic shard, and the per-chunk buffers stay cache-friendly; ``tools/benc
 measured time flat (within noise) from 8 to 128 rows x 32768 columns (2**18 - 2**22 elements) while
 memory grows linearly (3.7 -> 32.5 MiB), so the budget sits at the small end that still amortises the
 per-chunk Python overhead (see that file's docstring for the numbers).
-CUDA: 2**24 elements (64 MiB fp32), enough rows per launch / matmul to fill a GPU; the Triton
-forward of ``vocab_parallel_logprobs`` needs no workspace at all and runs on all tokens at once
-unless a ``chunk_size`` is given.
+CUDA: up to 2**25 elements per chunk (two fp32 workspaces of 128 MiB), fewer when free device memory is
+short (at most 1/64 of it, at least 2**22): few, large chunks keep the per-chunk launch overhead small
+(each chunk is ~10 kernel launches) while the extra memory stays a few percent of one fp32 copy of a
+large shard. The Triton path of ``vocab_parallel_logprobs`` needs no workspace at all and runs on all
+tokens at once unless a ``chunk_size`` is given.
 """
 from __future__ import annotations
 
@@ -26,13 +28,18 @@ import torch
 from . import torch_path
 
 CPU_CHUNK_ELEMENTS = 2 ** 20
-CUDA_CHUNK_ELEMENTS = 2 ** 24
+CUDA_CHUNK_ELEMENTS = 2 ** 25
+CUDA_MIN_CHUNK_ELEMENTS = 2 ** 22
 BACKENDS = ("auto", "torch", "triton")
 
 
 def default_chunk_rows(width: int, device: torch.device) -> int:
     """Tokens per chunk for a block of ``width`` vocab columns on ``device``."""
-    budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = max(CUDA_MIN_CHUNK_ELEMENTS, min(CUDA_CHUNK_ELEMENTS, free // 64))
+    else:
+        budget = CPU_CHUNK_ELEMENTS
     return max(1, budget // max(1, width))
 
 
@@ -67,6 +74,9 @@ class BlockOps:
             self._k = k
         else:
             self._ws = torch_path.Workspace(device)
+            fewer = device.type == "cuda"
+            self._partials = torch_path.chunk_partials_fewer_passes if fewer else torch_path.chunk_partials
+            self._grad = torch_path.chunk_grad_fewer_passes if fewer else torch_path.chunk_grad
 
     def logprobs(self, x, t_local, inv_temp):
         """Without TP: (logp, ent, M, log_s, status) of the block x [c, W] (Triton only)."""
@@ -76,10 +86,10 @@ class BlockOps:
         """(m, s, tgt, spz) fp32 [c] for the block x [c, W]; see ``torch_path.chunk_partials``."""
         if self.backend == "triton":
             return self._k.block_partials(x, t_local, inv_temp)
-        return torch_path.chunk_partials(x, t_local, inv_temp, self._ws)
+        return self._partials(x, t_local, inv_temp, self._ws)
 
     def grad(self, x, t_local, inv_temp, mx, log_s, ent, g_logp, g_ent, out):
         """Write d(loss)/dx for the block x [c, W] into ``out``; see ``torch_path.chunk_grad``."""
         if self.backend == "triton":
             return self._k.block_grad(x, t_local, inv_temp, mx, log_s, ent, g_logp, g_ent, out)
-        return torch_path.chunk_grad(x, t_local, inv_temp, mx, log_s, ent, g_logp, g_ent, out, self._ws)
+        return self._grad(x, t_local, inv_temp, mx, log_s, ent, g_logp, g_ent, out, self._ws)

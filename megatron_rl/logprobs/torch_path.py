@@ -8,6 +8,12 @@ two caller-provided fp32 workspaces of at least [c, W] so that repeated chunks d
 (re-allocating large buffers on CPU costs page faults every chunk).
 
 Memory per call: the two workspaces (2 x 4 x c x W bytes) plus O(c) vectors.
+
+Two variants of each primitive, chosen once per device by ``backend.BlockOps``: the CPU ones upcast into
+the workspace first (measured ~2x faster on CPU than mixed-dtype ops); the ``*_fewer_passes`` ones
+(CUDA, where time is memory traffic) read the low-precision logits directly in mixed-dtype fp32 ops and
+fold the gradient's coefficients, so a forward chunk costs ~36 bytes of traffic per element (the fp32
+``log_softmax`` + entropy of the naive path ~40) and a gradient chunk ~40 (naive autograd ~60).
 """
 from __future__ import annotations
 
@@ -105,3 +111,52 @@ def chunk_grad(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, mx: torc
     if inv_temp != 1.0:
         b.mul_(inv_temp)
     out.copy_(b)
+
+
+def chunk_partials_fewer_passes(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, ws: Workspace):
+    """``chunk_partials`` with fewer passes over memory (same results up to fp32 rounding order)."""
+    c, w = x.shape
+    a, b = ws.get(c, w)
+    m = torch.amax(x, dim=-1).float()  # the max of the low-precision values is exact
+    torch.sub(x, m.unsqueeze(-1), out=a)  # fp32 (type promotion), the upcast happens inside the kernel
+    if inv_temp != 1.0:
+        a.mul_(inv_temp)  # d
+    torch.exp(a, out=b)
+    s = b.sum(dim=-1)
+    spz = b.mul_(a).sum(dim=-1)
+    idx, owned = _local_targets(t_local, w)
+    tgt = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()
+    tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
+    return m, s, tgt, spz
+
+
+def chunk_grad_fewer_passes(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, mx: torch.Tensor,
+                            log_s: torch.Tensor, ent: torch.Tensor, g_logp: Optional[torch.Tensor],
+                            g_ent: Optional[torch.Tensor], out: torch.Tensor, ws: Workspace) -> None:
+    """``chunk_grad`` with fewer passes: dL/dx = p * (k0 + k1 * log p) (+ inv_temp * g_logp at the target).
+
+    k0 = -inv_temp * (g_logp + g_ent * H), k1 = -inv_temp * g_ent; the product is rounded once into
+    ``out``, and the target column is recomputed from the same fp32 values with the one-hot term added
+    before its single rounding (so every element equals the fp32 value rounded once, as in ``chunk_grad``).
+    """
+    c, w = x.shape
+    a, b = ws.get(c, w)
+    torch.sub(x, mx.unsqueeze(-1), out=a)
+    if inv_temp != 1.0:
+        a.mul_(inv_temp)
+    a.sub_(log_s.unsqueeze(-1))  # log p
+    torch.exp(a, out=b)  # p
+    zero = torch.zeros_like(mx)
+    k0 = -inv_temp * ((g_logp if g_logp is not None else zero) + (g_ent * ent if g_ent is not None else zero))
+    if g_ent is not None:
+        coef = torch.addcmul(k0.unsqueeze(-1), a, (-inv_temp * g_ent).unsqueeze(-1), out=a)
+    else:
+        coef = k0.unsqueeze(-1)
+    torch.mul(b, coef, out=out)
+    if g_logp is not None:
+        idx, owned = _local_targets(t_local, w)
+        col = idx.unsqueeze(1)
+        coef_t = coef.gather(1, col).squeeze(1) if g_ent is not None else k0
+        fixed = b.gather(1, col).squeeze(1) * coef_t + inv_temp * g_logp
+        keep = out.gather(1, col).squeeze(1)
+        out.scatter_(1, col, torch.where(owned, fixed.to(out.dtype), keep).unsqueeze(1))
