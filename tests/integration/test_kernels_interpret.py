@@ -2,10 +2,13 @@
 
 On CPU the kernels run under the Triton interpreter: TRITON_INTERPRET=1 must be set before the kernels
 are defined, so the checks run in a fresh subprocess (this file executed as a script). The same checks
-run in-process on CUDA in the ``gpu``-marked test. Covered: fp32 and bf16 logits, vocab widths that are
+run in-process on CUDA in the ``gpu``-marked tests. Covered: fp32 and bf16 logits, vocab widths that are
 not multiples of the block (block forced small so the online log-sum-exp loop and masked tails run),
-temperature, losses on log-probs + entropy, the fused linear path, NaN/inf detection, and TP=2 over
-gloo (the combine of per-rank kernel partials).
+rows split across programs (forced column splits, merged by the finalize kernel), the one-pass path
+(statistics finished on the device) and the chunked partials path, temperature, losses on log-probs +
+entropy and on one of them, padded rows (constant logits, zero upstream gradient), the fused linear path,
+NaN/inf detection, target ids out of range, and TP=2 over gloo (the combine of per-rank kernel partials).
+On a GPU also a shape past 2**31 elements (int64 offsets) against float64 on its first and last rows.
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_kernels_interpret.py -q
 """
 import json
@@ -30,10 +33,11 @@ def _ref(x, t, temperature, g_lp, g_ent):
     return lp.detach(), ent.detach(), xd.grad
 
 
-def _errors(x, t, temperature, device, chunk_size=None):
+def _errors(x, t, temperature, device, chunk_size=None, g_lp=None, g_ent=None):
     from megatron_rl.logprobs import vocab_parallel_logprobs
     g = torch.Generator().manual_seed(2)
-    g_lp, g_ent = torch.rand(t.shape, generator=g) * 2 - 1, torch.rand(t.shape, generator=g) * 2 - 1
+    if g_lp is None:
+        g_lp, g_ent = torch.rand(t.shape, generator=g) * 2 - 1, torch.rand(t.shape, generator=g) * 2 - 1
     out = {}
     for backend in ("triton", "torch"):
         xin = x.to(device).clone().requires_grad_()
@@ -44,10 +48,12 @@ def _errors(x, t, temperature, device, chunk_size=None):
     r_lp, r_ent, r_g = _ref(x, t, temperature, g_lp, g_ent)
     lp, ent, gr = out["triton"]
     rel = r_g.abs() * (2 ** -8 if x.dtype == torch.bfloat16 else 0.0)
+    zero_rows = (g_lp == 0) & (g_ent == 0)
     return dict(logp=float((lp.detach().double() - r_lp).abs().max()),
                 ent=float((ent.detach().double() - r_ent).abs().max()),
                 grad_excess=float(((gr.double() - r_g).abs() - rel).max()),
                 vs_torch_logp=float((lp - out["torch"][0]).detach().abs().max()),
+                zero_rows_grad=float(gr[zero_rows].abs().max()) if bool(zero_rows.any()) else 0.0,
                 grad_dtype=str(gr.dtype), unchanged=True)
 
 
@@ -68,14 +74,49 @@ def run_checks(device: str) -> dict:
     k.MAX_BLOCK = 32  # widths below are not multiples of 32: online loop + masked tails
     res = {}
     g = torch.Generator().manual_seed(0)
-    for name, dtype, width, temp in [("fp32_w100", torch.float32, 100, 1.0), ("fp32_w77_t07", torch.float32, 77, 0.7),
-                                     ("bf16_w100", torch.bfloat16, 100, 1.0), ("bf16_w45_t13", torch.bfloat16, 45, 1.3),
-                                     ("fp32_w5", torch.float32, 5, 1.0)]:
-        x = (torch.randn(3, 5, width, generator=g) * 2).to(dtype)
-        t = torch.randint(0, width, (3, 5), generator=g)
-        x0 = x.clone()
-        res[name] = _errors(x, t, temp, device, chunk_size=4)
-        res[name]["unchanged"] = bool(torch.equal(x, x0))
+    cases = [("fp32_w100", torch.float32, 100, 1.0), ("fp32_w77_t07", torch.float32, 77, 0.7),
+             ("bf16_w100", torch.bfloat16, 100, 1.0), ("bf16_w45_t13", torch.bfloat16, 45, 1.3),
+             ("fp32_w5", torch.float32, 5, 1.0)]
+    # chunked partials path (chunk_size=4) / one pass (None) / one pass with rows split in 64-column programs
+    for mode, chunk, split in [("chunked", 4, None), ("onepass", None, None), ("split", None, 64)]:
+        k.SPLIT_COLS = split
+        for name, dtype, width, temp in cases:
+            x = (torch.randn(3, 5, width, generator=g) * 2).to(dtype)
+            t = torch.randint(0, width, (3, 5), generator=g)
+            x0 = x.clone()
+            res[f"{mode}_{name}"] = _errors(x, t, temp, device, chunk_size=chunk)
+            res[f"{mode}_{name}"]["unchanged"] = bool(torch.equal(x, x0))
+    k.SPLIT_COLS = 64
+    # padded rows: constant logits and zero upstream gradients (exactly zero gradient there)
+    x = torch.randn(6, 150, generator=g) * 2
+    x[4:] = 0.0
+    t = torch.randint(0, 150, (6,), generator=g)
+    g_lp, g_ent = torch.rand(6, generator=g) * 2 - 1, torch.rand(6, generator=g) * 2 - 1
+    g_lp[4:], g_ent[4:] = 0.0, 0.0
+    res["padded_bf16"] = _errors(x.to(torch.bfloat16), t, 0.9, device, g_lp=g_lp, g_ent=g_ent)
+    res["padded_fp32_logp_only"] = _errors(x, t, 1.0, device, g_lp=g_lp, g_ent=torch.zeros(6))
+    k.SPLIT_COLS = None
+    # a loss on one output only (the other's upstream gradient is None in backward)
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+    x = torch.randn(7, 90, generator=g) * 2
+    t = torch.randint(0, 90, (7,), generator=g)
+    single = {}
+    for which in ("logp", "ent"):
+        xin = x.to(device).clone().requires_grad_()
+        lp, ent = vocab_parallel_logprobs(xin, t.to(device), backend="triton")
+        (lp if which == "logp" else ent).sum().backward()
+        ones, zeros = torch.ones(7), torch.zeros(7)
+        r_g = _ref(x, t, 1.0, ones if which == "logp" else zeros, zeros if which == "logp" else ones)[2]
+        single[which] = float((xin.grad.cpu().double() - r_g).abs().max())
+    res["single_output"] = single
+    # target ids outside the vocab: named, also on the one-pass path (checked on the device)
+    bad_t = t.clone()
+    bad_t[3] = 90
+    try:
+        vocab_parallel_logprobs(x.to(device), bad_t.to(device), backend="triton")
+        res["bad_target"] = None
+    except ValueError as e:
+        res["bad_target"] = str(e)
     # fused linear with the Triton row kernels on recomputed chunks
     from megatron_rl.logprobs import fused_linear_logprobs
     h = torch.randn(9, 8, generator=g) / 2
@@ -95,14 +136,18 @@ def run_checks(device: str) -> dict:
     # non-finite logits are detected from the kernel partials
     from megatron_rl.logprobs import vocab_parallel_logprobs
     msgs = {}
-    for label, val in [("nan", float("nan")), ("inf", float("inf")), ("ninf", float("-inf"))]:
-        x = torch.randn(4, 50, generator=g)
-        x[2, 33] = val
-        try:
-            vocab_parallel_logprobs(x.to(device), torch.zeros(4, dtype=torch.long, device=device), backend="triton")
-            msgs[label] = None
-        except ValueError as e:
-            msgs[label] = str(e)
+    for split in (None, 32):  # one program per row / two column splits (the bad value in the second)
+        k.SPLIT_COLS = split
+        for label, val in [("nan", float("nan")), ("inf", float("inf")), ("ninf", float("-inf"))]:
+            x = torch.randn(4, 50, generator=g)
+            x[2, 33] = val
+            try:
+                vocab_parallel_logprobs(x.to(device), torch.zeros(4, dtype=torch.long, device=device),
+                                        backend="triton")
+                msgs[f"{label}_split{split}"] = None
+            except ValueError as e:
+                msgs[f"{label}_split{split}"] = str(e)
+    k.SPLIT_COLS = None
     res["nonfinite"] = msgs
     # TP=2 over gloo (CPU only: gloo)
     if device == "cpu":
@@ -120,15 +165,21 @@ def run_checks(device: str) -> dict:
 
 def _assert_results(res):
     for name, r in res.items():
-        if name in ("fused", "nonfinite", "tp2"):
+        if name in ("fused", "nonfinite", "tp2", "single_output", "bad_target"):
             continue
         assert r["logp"] <= TOL_LOGP and r["ent"] <= TOL_ENT, (name, r)
         assert r["grad_excess"] <= TOL_GRAD, (name, r)
         assert r["vs_torch_logp"] <= TOL_LOGP, (name, r)
+        assert r["zero_rows_grad"] == 0.0, (name, r)
         assert r["unchanged"], name
-        assert r["grad_dtype"] == ("torch.bfloat16" if name.startswith("bf16") else "torch.float32"), (name, r)
+        assert r["grad_dtype"] == ("torch.bfloat16" if "bf16" in name else "torch.float32"), (name, r)
+    assert len([n for n in res if n.startswith(("chunked_", "onepass_", "split_"))]) == 15
+    assert max(res["single_output"].values()) <= TOL_GRAD, res["single_output"]
+    assert res["bad_target"] is not None and "target_ids has 1 id(s) outside [0, 90)" in res["bad_target"] \
+        and "index (3,): 90" in res["bad_target"], res["bad_target"]
     f = res["fused"]
     assert f["logp"] <= TOL_LOGP and f["ent"] <= TOL_ENT and f["dh"] <= TOL_GRAD and f["dw"] <= TOL_GRAD, f
+    assert len(res["nonfinite"]) == 6
     for label, msg in res["nonfinite"].items():
         assert msg is not None and "1 non-finite value(s)" in msg and "local vocab column 33" in msg, (label, msg)
     if "tp2" in res:
@@ -151,6 +202,31 @@ def test_kernels_under_triton_interpreter():
 def test_kernels_on_gpu():
     pytest.importorskip("triton")
     _assert_results(run_checks("cuda"))
+
+
+@pytest.mark.gpu
+def test_past_2_pow_31_elements_on_gpu():
+    """16384 x 151936 bf16 logits (2.49e9 elements): first / last rows against float64 (int64 offsets)."""
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2 ** 30:
+        pytest.skip("needs ~16 GiB of device memory")
+    from megatron_rl.logprobs import vocab_parallel_logprobs
+    n, v = 16384, 151936
+    x = torch.empty(n, v, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for i in range(0, n, 2048):
+        x[i:i + 2048] = torch.randn(2048, v, device="cuda", generator=g) * 3
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    rows = torch.cat([torch.arange(64), torch.arange(n - 64, n)]).cuda()
+    g_lp, g_ent = torch.rand(n, device="cuda") * 2 - 1, torch.rand(n, device="cuda") * 2 - 1
+    xin = x.requires_grad_()
+    lp, ent = vocab_parallel_logprobs(xin, t, temperature=0.8, backend="triton")
+    (lp * g_lp + ent * g_ent).sum().backward()
+    r_lp, r_ent, r_g = _ref(x.detach()[rows], t[rows], 0.8, g_lp[rows], g_ent[rows])
+    assert (lp.detach()[rows].double() - r_lp).abs().max() <= TOL_LOGP
+    assert (ent.detach()[rows].double() - r_ent).abs().max() <= TOL_ENT
+    gr = xin.grad[rows].double()
+    assert ((gr - r_g).abs() - r_g.abs() * 2 ** -8).max() <= TOL_GRAD
 
 
 if __name__ == "__main__":

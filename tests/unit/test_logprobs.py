@@ -278,3 +278,35 @@ def test_property_matches_reference(n, vocab, chunk, temperature, scale, seed):
     assert (ent.double() - r_ent).abs().max() <= TOL_ENT * big
     (logp * g_lp + ent * g_ent).sum().backward()
     assert (xin.grad.double() - ref_grad(x, t, g_lp, g_ent, temperature)).abs().max() <= TOL_GRAD * big * 2
+
+
+# ---------------------------------------------------------------- the CUDA variant of the torch path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("which", ["both", "logp", "entropy"])
+def test_fewer_passes_torch_primitives_match_float64(dtype, temperature, which):
+    """The CUDA torch primitives (mixed-dtype ops, folded coefficients), run here on CPU tensors."""
+    from megatron_rl.logprobs import torch_path
+    from megatron_rl.logprobs.combine import combine_partials
+    x, t = make((29,), 1001, dtype=dtype, scale=3.0)
+    t[3] = 1000  # last column
+    g_lp, g_ent = upstream((29,))
+    g_lp = None if which == "entropy" else g_lp
+    g_ent = None if which == "logp" else g_ent
+    ws = torch_path.Workspace(x.device)
+    inv = 1.0 / temperature
+    m, s, tgt, spz = torch_path.chunk_partials_fewer_passes(x, t, inv, ws)
+    logp, ent, mx, log_s, bad = combine_partials(m, s, tgt, spz, inv, None, 1)
+    r_lp, r_ent = ref64(x, t, temperature)
+    assert not bad.any()
+    assert (logp.double() - r_lp).abs().max() <= TOL_LOGP
+    assert (ent.double() - r_ent).abs().max() <= TOL_ENT
+    out = torch.empty_like(x)
+    torch_path.chunk_grad_fewer_passes(x, t, inv, mx, log_s, ent, g_logp=g_lp, g_ent=g_ent, out=out, ws=ws)
+    r_g = ref_grad(x, t, g_lp, g_ent, temperature)
+    rel = 2 ** -8 if dtype == torch.bfloat16 else 0.0
+    assert out.dtype == dtype
+    assert ((out.double() - r_g).abs() <= r_g.abs() * rel + TOL_GRAD).all()
+    # out-of-shard targets (TP): no one-hot term, tgt 0
+    m2, s2, tgt2, spz2 = torch_path.chunk_partials_fewer_passes(x, t + 1001, inv, ws)
+    assert torch.equal(tgt2, torch.zeros_like(tgt2)) and torch.equal(m2, m)
