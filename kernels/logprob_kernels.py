@@ -209,9 +209,10 @@ class GradConfig:
     warps: int  #: num_warps
 
 
-FWD_CANDIDATES = (FwdConfig(4096, 8, 0), FwdConfig(2048, 4, 0), FwdConfig(8192, 16, 0), FwdConfig(4096, 8, 4),
-                  FwdConfig(2048, 4, 4), FwdConfig(2048, 8, 2))
-GRAD_CANDIDATES = (GradConfig(2048, 4), GradConfig(4096, 8), GradConfig(1024, 4), GradConfig(8192, 8))
+FWD_CANDIDATES = (FwdConfig(4096, 8, 0), FwdConfig(8192, 8, 0), FwdConfig(4096, 4, 0), FwdConfig(2048, 4, 0),
+                  FwdConfig(8192, 16, 0), FwdConfig(4096, 8, 4), FwdConfig(2048, 4, 8))
+GRAD_CANDIDATES = (GradConfig(2048, 4), GradConfig(4096, 8), GradConfig(1024, 4), GradConfig(8192, 8),
+                   GradConfig(4096, 4))
 
 
 def _interpreting() -> bool:
