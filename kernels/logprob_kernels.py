@@ -90,8 +90,14 @@ def _fwd_kernel(X, TL, WS, width, n_splits, chunk, total, stride_row, stride_col
     z_acc = tl.where(mask, s_acc * d, 0.0)
     n_full = (c1 - c0) // BLOCK
     c_full = c0 + n_full * BLOCK
+    # full blocks, unmasked; the next block is loaded before this one is reduced (its load is in flight
+    # during the reduction); its mask is all-true or all-false (c_full - start is a multiple of BLOCK)
+    cols = c0 + BLOCK + offs
+    x_next = tl.load(x_row + cols * stride_col, mask=cols < c_full, other=0.0)
     for start in range(c0 + BLOCK, c_full, BLOCK):
-        x = tl.load(x_row + (start + offs) * stride_col).to(tl.float32)
+        x = x_next.to(tl.float32)
+        cols = start + BLOCK + offs
+        x_next = tl.load(x_row + cols * stride_col, mask=cols < c_full, other=0.0)
         m, s_acc, z_acc = _accumulate(x, mask, m, s_acc, z_acc, scale2, MASKED=False)  # mask unused
     if (n_full > 0) & (c_full < c1):
         cols = c_full + offs
