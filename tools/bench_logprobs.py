@@ -250,7 +250,8 @@ def _paths(torch):
     from megatron_rl.logprobs import vocab_parallel_logprobs
 
     def naive(x, t, temperature):
-        ls = torch.log_softmax(x.float() / temperature, dim=-1)
+        z = x.float() if temperature == 1.0 else x.float() / temperature
+        ls = torch.log_softmax(z, dim=-1)
         return ls.gather(-1, t.unsqueeze(-1)).squeeze(-1), -(ls.exp() * ls).sum(-1)
 
     def ours(backend):
