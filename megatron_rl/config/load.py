@@ -12,6 +12,7 @@ each line naming its dotted key, before any process group exists.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -31,6 +32,7 @@ from megatron_rl.convert import model_config_for_checkpoint
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
+from megatron_rl.losses.config import loss_type_for_loss_mode
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
@@ -212,6 +214,45 @@ def _model_from_hf(path: str, errors: List[str]) -> Optional[ModelConfig]:
         return None
 
 
+def _move_loss_mode(tree: Dict[str, Any], errors: List[str]) -> Dict[str, Any]:
+    """verl's ``actor.policy_loss.loss_mode`` -> ``algorithm.rollout_correction.loss_type`` (its one owner
+    here). verl runs loss_mode only in decoupled mode (bypass mode replaces it), so with bypass_mode true a
+    loss_mode other than vanilla is an error; a loss_type already set to a different objective is too."""
+    loss = ((tree.get("actor") or {}).get("policy_loss") if isinstance(tree.get("actor"), dict) else None)
+    if not isinstance(loss, dict) or "loss_mode" not in loss:
+        return tree
+    tree = copy.deepcopy(tree)
+    mode = tree["actor"]["policy_loss"].pop("loss_mode")
+    try:
+        loss_type = loss_type_for_loss_mode(mode)
+    except ValueError as exc:
+        errors.append(str(exc))
+        return tree
+    algo = tree.get("algorithm")
+    algo = tree.setdefault("algorithm", {}) if algo is None else algo
+    if not isinstance(algo, dict):
+        return tree
+    corr = algo.get("rollout_correction")
+    corr = {} if corr is None else corr
+    if not isinstance(corr, dict):
+        return tree
+    corr = dict(corr)
+    current = corr.get("loss_type")
+    if corr.get("bypass_mode"):
+        if loss_type not in ("vanilla", "ppo_clip"):
+            errors.append(f"actor.policy_loss.loss_mode: {mode!r} with algorithm.rollout_correction.bypass_mode: "
+                          f"true (verl runs its bypass_mode loss there, ppo_clip or reinforce by loss_type, and "
+                          f"ignores loss_mode); set bypass_mode: false to train with {mode!r}")
+        return tree
+    if current not in (None, "ppo_clip", "vanilla", loss_type):
+        errors.append(f"actor.policy_loss.loss_mode: {mode!r} conflicts with algorithm.rollout_correction."
+                      f"loss_type: {current!r} (the loss type has one owner; keep one of them)")
+        return tree
+    corr["loss_type"] = loss_type
+    algo["rollout_correction"] = corr
+    return tree
+
+
 def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
     """(JobConfig, problems): the typed config of nested dict ``tree`` with every key that has a problem
     left at its default, and the list of those problems (dotted keys). No world-size checks."""
@@ -222,6 +263,7 @@ def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
     for k in tree:
         if k not in SECTIONS:
             errors.append(_unknown_section(str(k)))
+    tree = _move_loss_mode(tree, errors)
     built = {s: _section(s, tree.get(s), errors) for s in ("cluster", "parallel", "rollout", "data", "multi_turn",
                                                            "algorithm", "actor", "trainer")}
     model = None

@@ -15,6 +15,7 @@ from megatron_rl.actor.micro_batching import token_budget_layout_error
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.envs.base import env_import_error
+from megatron_rl.losses.config import mode_parameter_errors
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
@@ -119,6 +120,8 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
         errs.append(f"data.prompts_per_step: must be >= 1, got {d.prompts_per_step}")
     if a.advantage_estimator not in ADV:
         errs.append(f"algorithm.advantage_estimator: {a.advantage_estimator!r} is not one of {', '.join(ADV)}")
+    if a.rollout_correction is not None and ac.policy_loss is not None:
+        errs += mode_parameter_errors(a.rollout_correction.loss_type, ac.policy_loss)
     if not ac.lr > 0:
         errs.append(f"actor.lr: must be > 0, got {ac.lr}")
     if ac.clip_grad < 0:

@@ -20,7 +20,7 @@ from megatron_rl.correction.migration import translate
 from megatron_rl.correction.thresholds import (
     ISBounds, RSBound, parse_is_threshold, parse_rs_options, parse_rs_thresholds,
 )
-from megatron_rl.losses.config import check_loss_type
+from megatron_rl.losses.config import BYPASS_LOSS_TYPES, check_loss_type
 
 IS_LEVELS = ("token", "sequence", "geometric")
 ON_INVALID = ("raise", "reject")
@@ -64,10 +64,13 @@ class RolloutCorrectionConfig:
     rollout -> old gap."""
 
     loss_type: str = "ppo_clip"
-    """"ppo_clip" (clipped surrogate; in bypass mode the PPO ratio pi_theta / pi_rollout already is
-    the IS correction, so explicit weights are not applied) or "reinforce" (policy gradient with
-    explicit detached IS weights, no clipping). The one place the loss type is set (not
-    actor.policy_loss)."""
+    """The policy objective, one of ``megatron_rl.losses.LOSS_TYPES``: "ppo_clip" (= verl's "vanilla";
+    clipped surrogate; in bypass mode the PPO ratio pi_theta / pi_rollout already is the IS correction, so
+    explicit weights are not applied), "reinforce" (policy gradient with explicit detached IS weights, no
+    clipping), verl's loss modes "gspo", "geo_mean", "cispo", "sapo", "dppo_tv", "dppo_kl", "gpg",
+    "clip_cov", "kl_cov", "dro", and "opsm" (slime) / "m2po" (AReaL); their parameters live in
+    actor.policy_loss. Bypass mode takes ppo_clip / vanilla / reinforce only. The one place the loss type
+    is set (verl's actor.policy_loss.loss_mode is moved here when a config is loaded)."""
 
     on_invalid: str = "raise"
     """What to do with NaN / inf / positive (> 1e-3) log-probs on valid tokens: "raise" a ValueError
@@ -102,6 +105,10 @@ class RolloutCorrectionConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: expected a bool, got {getattr(self, key)!r}")
         check_loss_type(self.loss_type)
+        if self.bypass_mode and self.loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(f"loss_type: {self.loss_type!r} cannot run with bypass_mode: true (bypass mode "
+                             f"takes {', '.join(BYPASS_LOSS_TYPES)}; verl's bypass_mode loss replaces any "
+                             f"loss_mode); set bypass_mode: false to use {self.loss_type!r}")
         if self.on_invalid not in ON_INVALID:
             raise ValueError(f"on_invalid: {self.on_invalid!r} is not one of {', '.join(ON_INVALID)}")
 

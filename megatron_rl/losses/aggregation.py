@@ -4,6 +4,7 @@ Modes (verl's names and definitions; m = response mask after rejection sampling,
 N_tok = valid tokens in the global batch, N_seq = sequences with >= 1 valid token in the global batch):
 
 * ``token-mean``:              sum_{i,t} m*L / N_tok
+* ``token-sum``:               sum_{i,t} m*L                        (no denominator)
 * ``seq-mean-token-sum``:      sum_i (sum_t m*L) / N_seq
 * ``seq-mean-token-mean``:     sum_i (sum_t m*L / n_i) / N_seq     (n_i = valid tokens of sequence i)
 * ``seq-mean-token-sum-norm``: sum_{i,t} m*L / (N_seq * loss_scale_factor)  (Dr. GRPO; verl 0.9's
@@ -167,6 +168,8 @@ def aggregate_loss(per_token_loss: torch.Tensor, response_mask: torch.Tensor, lo
     seq_sum = loss.sum(dim=-1)
     if loss_agg_mode == "token-mean":
         return _divide(seq_sum.sum(), _as_denominator("num_tokens", denominators.num_tokens, loss))
+    if loss_agg_mode == "token-sum":
+        return seq_sum.sum()
     num_seqs = _as_denominator("num_seqs", denominators.num_seqs, loss)
     if loss_agg_mode == "seq-mean-token-sum":
         return _divide(seq_sum.sum(), num_seqs)

@@ -1,13 +1,18 @@
 """Typed configuration of the policy loss (``PolicyLossConfig``), validated on construction.
 
-Names and defaults follow verl's actor config (``clip_ratio_low`` / ``clip_ratio_high`` /
-``clip_ratio_c`` / ``loss_agg_mode`` / ``kl_loss_coef`` / ``kl_loss_type``), with one addition:
-``clip_ratio_c=None`` disables dual-clip (verl always applies it).
+Names and defaults follow verl 0.9.1's actor config (``clip_ratio_low`` / ``clip_ratio_high`` /
+``clip_ratio_c`` / ``tau_pos`` / ``tau_neg`` / ``loss_agg_mode`` / ``kl_loss_coef`` / ``kl_loss_type``) and
+its ``actor.policy_loss`` block (``clip_cov_ratio`` / ``clip_cov_lb`` / ``clip_cov_ub`` / ``kl_cov_ratio`` /
+``ppo_kl_coef`` / ``dro_beta``), plus slime's ``opsm_delta`` and AReaL's ``m2_threshold``; all live under
+``actor.policy_loss`` here. One addition: ``clip_ratio_c=None`` disables dual-clip (verl always applies it).
 
-The loss type ("ppo_clip" / "reinforce") is not a field here: it has one owner,
-``algorithm.rollout_correction.loss_type`` (verl's key, ``RolloutCorrectionConfig.loss_type``), because
-it also decides which IS weights apply; the loss functions take it as an argument. ``from_dict``
-rejects ``loss_type`` with that hint. ``LOSS_TYPES`` below is its one list of valid values.
+The loss type is not a field here: it has one owner, ``algorithm.rollout_correction.loss_type``
+(``RolloutCorrectionConfig.loss_type``), because it also decides which IS weights apply; the loss
+functions take it as an argument. It accepts verl's ``actor.policy_loss.loss_mode`` names (``vanilla`` =
+``ppo_clip``, ``gspo``, ``geo_mean``, ...); a verl config's ``loss_mode`` is moved there when the job config
+is loaded (``loss_type_for_loss_mode``). ``LOSS_TYPES`` below is its one list of valid values and
+``MODE_PARAMETERS`` says which parameters each loss type reads (``mode_parameter_errors`` names a parameter
+set for a loss type that ignores it).
 
 Usage::
 
@@ -23,14 +28,51 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-LOSS_TYPES = ("ppo_clip", "reinforce")
-"""Valid loss types (``algorithm.rollout_correction.loss_type``): "ppo_clip" is the clipped surrogate
-with ratio pi_theta/pi_old; "reinforce" is -A * w * log pi_theta with detached IS weights w."""
+VERL_LOSS_MODES = ("vanilla", "gspo", "geo_mean", "cispo", "sapo", "dppo_tv", "dppo_kl", "gpg", "clip_cov",
+                   "kl_cov", "dro")
+"""verl 0.9.1's ``actor.policy_loss.loss_mode`` objectives (its ``bypass_mode`` loss mode is this project's
+``algorithm.rollout_correction.bypass_mode: true`` with loss_type ppo_clip or reinforce)."""
 
-MOVED_KEYS = {"loss_type": "algorithm.rollout_correction.loss_type"}
+PEER_LOSS_TYPES = ("opsm", "m2po")
+"""Objectives from other systems: OPSM (slime / Miles ``--use-opsm``), M2PO (AReaL ``m2_threshold``)."""
+
+LOSS_TYPES = ("ppo_clip", "reinforce") + VERL_LOSS_MODES + PEER_LOSS_TYPES
+"""Valid loss types (``algorithm.rollout_correction.loss_type``): "ppo_clip" (= verl's "vanilla") is the
+clipped surrogate with ratio pi_theta/pi_old; "reinforce" is -A * w * log pi_theta with detached IS weights
+w; the others are documented in ``megatron_rl.losses.objectives`` / ``sequence`` / ``selection``."""
+
+BYPASS_LOSS_TYPES = ("ppo_clip", "vanilla", "reinforce")
+"""Loss types bypass mode runs (verl's ``bypass_mode`` loss replaces any other ``loss_mode``)."""
+
+SEQUENCE_LOSS_TYPES = ("gspo", "geo_mean", "opsm")
+"""Objectives that need per-sequence sums (reduced over the context-parallel group)."""
+
+BATCH_LOSS_TYPES = ("clip_cov", "kl_cov", "m2po")
+"""Objectives whose token selection needs batch statistics (``megatron_rl.losses.selection``)."""
+
+MODE_PARAMETERS = {
+    "clip_ratio_low": ("ppo_clip", "vanilla", "gspo", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "clip_cov",
+                       "opsm", "m2po"),
+    "clip_ratio_high": ("ppo_clip", "vanilla", "gspo", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "clip_cov",
+                        "opsm", "m2po"),
+    "clip_ratio_c": ("ppo_clip", "vanilla", "dppo_tv", "dppo_kl", "opsm", "m2po"),
+    "tau_pos": ("sapo",), "tau_neg": ("sapo",),
+    "clip_cov_ratio": ("clip_cov",), "clip_cov_lb": ("clip_cov",), "clip_cov_ub": ("clip_cov",),
+    "clip_cov_seed": ("clip_cov",),
+    "kl_cov_ratio": ("kl_cov",), "ppo_kl_coef": ("kl_cov",),
+    "dro_beta": ("dro",), "opsm_delta": ("opsm",), "m2_threshold": ("m2po",),
+}
+"""Which loss types read each objective parameter; a parameter set to a non-default value for a loss
+type that ignores it is an error (``mode_parameter_errors``)."""
+
+REQUIRED_PARAMETERS = {"dro": "dro_beta", "m2po": "m2_threshold"}
+"""Parameters without a default that a loss type needs."""
+
+MOVED_KEYS = {"loss_type": "algorithm.rollout_correction.loss_type",
+              "loss_mode": "algorithm.rollout_correction.loss_type"}
 """Keys users put under ``actor.policy_loss`` that live elsewhere (the key's one owner)."""
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Valid loss aggregation modes (verl's names); see ``megatron_rl.losses.aggregation``."""
 
 # Every name verl's kl_penalty accepts (the "+" variants use the k2 gradient, see kl.py).
@@ -47,14 +89,52 @@ def _finite_number(key: str, value: Any) -> float:
 
 def _choice(key: str, value: Any, choices) -> None:
     if value not in choices:
-        near = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.4)
+        prefixed = [c for c in choices if str(c).startswith(str(value))] if str(value) else []
+        near = prefixed[:1] or difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.4)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}{hint}")
 
 
 def check_loss_type(loss_type: Any) -> None:
     """Raise ValueError unless ``loss_type`` is one of ``LOSS_TYPES`` (with the nearest name)."""
+    if loss_type == "bypass_mode":
+        raise ValueError("loss_type: 'bypass_mode' is verl's loss mode for algorithm.rollout_correction."
+                         "bypass_mode: true; set that and loss_type 'ppo_clip' or 'reinforce'")
     _choice("loss_type", loss_type, LOSS_TYPES)
+
+
+def loss_type_for_loss_mode(loss_mode: Any) -> str:
+    """This project's loss type for verl's ``actor.policy_loss.loss_mode`` (the same name; ``vanilla`` is
+    kept as an alias of ``ppo_clip``). Raises ValueError for unknown names (nearest name) and for
+    ``bypass_mode`` (use ``algorithm.rollout_correction.bypass_mode: true``)."""
+    if loss_mode == "bypass_mode":
+        raise ValueError("actor.policy_loss.loss_mode: 'bypass_mode' is set by verl itself when "
+                         "algorithm.rollout_correction.bypass_mode is true; set that (loss_type 'ppo_clip' or "
+                         "'reinforce') instead of loss_mode")
+    _choice("actor.policy_loss.loss_mode", loss_mode, LOSS_TYPES)
+    return str(loss_mode)
+
+
+def is_ppo_clip(loss_type: str) -> bool:
+    """True for the clipped surrogate under either of its names ("ppo_clip", verl's "vanilla")."""
+    return loss_type in ("ppo_clip", "vanilla")
+
+
+def mode_parameter_errors(loss_type: str, config: "PolicyLossConfig") -> list:
+    """Problems of ``config`` for ``loss_type``: a parameter set (to a value other than its default) that
+    ``loss_type`` does not read, or a required parameter left unset. Messages name the dotted key."""
+    errors = []
+    defaults = {f.name: f.default for f in dataclasses.fields(PolicyLossConfig)}
+    for key, modes in MODE_PARAMETERS.items():
+        value = getattr(config, key)
+        if loss_type not in modes and value != defaults[key]:
+            errors.append(f"actor.policy_loss.{key}: set to {value!r} but loss_type {loss_type!r} "
+                          f"(algorithm.rollout_correction.loss_type) does not use it; it is read by "
+                          f"{', '.join(m for m in modes if m != 'vanilla')}")
+    required = REQUIRED_PARAMETERS.get(loss_type)
+    if required and getattr(config, required) is None:
+        errors.append(f"actor.policy_loss.{required}: required by loss_type {loss_type!r} (no default)")
+    return errors
 
 
 @dataclass(frozen=True)
@@ -80,6 +160,47 @@ class PolicyLossConfig:
     (verl's ``loss_scale_factor``). None means verl's default, the width of its response mask = the
     configured response budget: the actor uses ``rollout.max_new_tokens`` (multi-turn:
     ``multi_turn.max_total_tokens``), a constant of the config that does not move with prompt lengths."""
+
+    tau_pos: float = 1.0
+    """SAPO (``sapo``): temperature of the gate for A > 0, f(r) = sigmoid(tau (r - 1)) * 4 / tau. > 0;
+    verl's default 1.0."""
+
+    tau_neg: float = 1.05
+    """SAPO: temperature of the gate for A <= 0. > 0; verl's default 1.05."""
+
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov (``clip_cov``): fraction of the batch's valid tokens whose gradient is cut, chosen at random
+    among tokens with covariance in (clip_cov_lb, clip_cov_ub). In (0, 1]; verl's default 0.0002."""
+
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower covariance bound of the candidates (verl's default 1.0)."""
+
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper covariance bound of the candidates (> clip_cov_lb; verl's default 5.0)."""
+
+    clip_cov_seed: int = 0
+    """Clip-Cov: seed of the random choice among candidates (a hash of each token's values, the same on
+    every rank and layout; verl draws ``torch.randperm`` from the global RNG)."""
+
+    kl_cov_ratio: float = 0.0002
+    """KL-Cov (``kl_cov``): fraction of the batch's valid tokens (those with the largest covariance) that
+    get the |log ratio| penalty. In (0, 1]; verl's default 0.0002."""
+
+    ppo_kl_coef: float = 0.1
+    """KL-Cov: coefficient of the |log ratio| penalty (>= 0; verl's default 0.1)."""
+
+    dro_beta: Optional[float] = None
+    """DRO (``dro``): coefficient of the quadratic log-ratio penalty 0.5 * beta * (log r)^2. Required
+    (> 0) with loss_type dro; verl has no default either."""
+
+    opsm_delta: float = 1e-4
+    """OPSM (``opsm``, slime's ``--opsm-delta``): a sequence whose mean log(pi_old / pi_theta) exceeds it
+    has its negative-advantage tokens masked. >= 0; slime's default 1e-4."""
+
+    m2_threshold: Optional[float] = None
+    """M2PO (``m2po``, AReaL's ``m2_threshold``): the batch's tokens with the largest
+    (log pi_old - log pi_rollout)^2 are masked until the mean of the rest is below it. Required (> 0)
+    with loss_type m2po."""
 
     kl_loss_coef: float = 0.0
     """Coefficient of the KL(pi_theta || pi_ref) loss added to the policy loss; 0 disables it
@@ -107,6 +228,23 @@ class PolicyLossConfig:
             f = _finite_number("loss_scale_factor", self.loss_scale_factor)
             if f <= 0:
                 raise ValueError(f"PolicyLossConfig.loss_scale_factor must be > 0, got {self.loss_scale_factor!r}")
+        for key in ("tau_pos", "tau_neg"):
+            if _finite_number(key, getattr(self, key)) <= 0:
+                raise ValueError(f"PolicyLossConfig.{key} must be > 0, got {getattr(self, key)!r}")
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0.0 < _finite_number(key, getattr(self, key)) <= 1.0:
+                raise ValueError(f"PolicyLossConfig.{key} must be in (0, 1], got {getattr(self, key)!r}")
+        if _finite_number("clip_cov_lb", self.clip_cov_lb) >= _finite_number("clip_cov_ub", self.clip_cov_ub):
+            raise ValueError(f"PolicyLossConfig.clip_cov_lb ({self.clip_cov_lb!r}) must be < clip_cov_ub "
+                             f"({self.clip_cov_ub!r})")
+        if isinstance(self.clip_cov_seed, bool) or not isinstance(self.clip_cov_seed, int) or self.clip_cov_seed < 0:
+            raise ValueError(f"PolicyLossConfig.clip_cov_seed must be an integer >= 0, got {self.clip_cov_seed!r}")
+        for key in ("ppo_kl_coef", "opsm_delta"):
+            if _finite_number(key, getattr(self, key)) < 0:
+                raise ValueError(f"PolicyLossConfig.{key} must be >= 0, got {getattr(self, key)!r}")
+        for key in ("dro_beta", "m2_threshold"):
+            if getattr(self, key) is not None and _finite_number(key, getattr(self, key)) <= 0:
+                raise ValueError(f"PolicyLossConfig.{key} must be > 0 (or unset), got {getattr(self, key)!r}")
         coef = _finite_number("kl_loss_coef", self.kl_loss_coef)
         if coef < 0:
             raise ValueError(f"PolicyLossConfig.kl_loss_coef must be >= 0, got {self.kl_loss_coef!r}")

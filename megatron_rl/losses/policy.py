@@ -1,4 +1,8 @@
-"""Policy losses: decoupled / bypass PPO-clip (with dual-clip) and REINFORCE, with IS weights.
+"""Policy losses: every objective (``LOSS_TYPES``) composed with the rollout correction's IS weights and mask.
+
+The objectives themselves are in ``objectives.py`` (token-local, verl's), ``sequence.py`` (GSPO, GMPO,
+OPSM: per-sequence sums over the CP group) and ``selection.py`` (Clip-Cov / KL-Cov / M2PO batch
+selections over the DP group); this module validates inputs, runs the objective and aggregates.
 
 Three policies take part: pi_rollout (SGLang, produced the tokens), pi_old (the trainer's
 recomputed log-probs before this step's updates) and pi_theta (being optimised).
@@ -20,7 +24,10 @@ The loss type is an argument, not a ``PolicyLossConfig`` field: its one owner is
 ``pg_clipfrac`` (tokens where the clipped branch is taken), ``pg_clipfrac_lower`` (A < 0 tokens where
 the dual-clip cap is taken), ``ppo_kl`` (mean of old_logp - logp, log ratio clamped at +-20) and, with
 a KL loss, ``kl_loss`` (token mean of the KL estimate). All means are over valid tokens (mask after
-rejection sampling); REINFORCE reports clip fractions of 0.
+rejection sampling); REINFORCE reports clip fractions of 0. Every other objective reports the same three
+metrics with its own meaning (``objectives.py``), plus ``opsm_clipfrac`` for opsm.
+* Other loss types in decoupled mode use (old log-probs, IS weights) like PPO-clip; bypass mode accepts
+  ppo_clip / vanilla / reinforce only (verl's ``bypass_mode`` loss replaces any ``loss_mode``).
 
 Usage::
 
@@ -37,12 +44,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_rl.numerics import clamp_log_ratio
-
 from .aggregation import LossDenominators, aggregate_loss
-from .config import PolicyLossConfig, check_loss_type
+from .config import BYPASS_LOSS_TYPES, PolicyLossConfig, check_loss_type
 from .kl import kl_penalty
 from .metrics import SumCount, sum_count
+from .objectives import OBJECTIVES, ObjectiveInputs, ppo_clip_per_token, reinforce_per_token  # noqa: F401
 from .validation import check_float_dtypes, check_shapes, sanitize, validate_values
 
 
@@ -78,6 +84,9 @@ def select_loss_inputs(loss_type: str, bypass_mode: bool, rollout_log_probs: tor
     """
     check_loss_type(loss_type)
     if bypass_mode:
+        if loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(f"loss_type {loss_type!r} with bypass_mode=True: bypass mode runs "
+                             f"{', '.join(BYPASS_LOSS_TYPES)} only (verl's bypass_mode loss replaces loss_mode)")
         return rollout_log_probs, (is_weights if loss_type == "reinforce" else None)
     if old_log_probs is None:
         raise ValueError("old_log_probs is None but bypass_mode=False: the decoupled loss needs the "
@@ -85,43 +94,13 @@ def select_loss_inputs(loss_type: str, bypass_mode: bool, rollout_log_probs: tor
     return old_log_probs, is_weights
 
 
-def ppo_clip_per_token(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                       clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float]
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unmasked per-token PPO-clip loss (no IS weights, no validation).
-
-    Returns (loss, clipped, clipped_lower, log_ratio): ``clipped`` is True where the clipped branch
-    exceeds the unclipped one (verl's pg_clipfrac indicator), ``clipped_lower`` where A < 0 and the
-    dual-clip cap -A*c is taken, ``log_ratio`` the clamped logp - old_logp (detached)."""
-    log_ratio = clamp_log_ratio(log_probs - old_log_probs)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped_branch = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = torch.maximum(unclipped, clipped_branch)
-    clipped = clipped_branch > unclipped
-    if clip_ratio_c is None:
-        clipped_lower = torch.zeros_like(clipped)
-    else:
-        cap = -advantages * clip_ratio_c
-        negative = advantages < 0
-        clipped_lower = (loss > cap) & negative
-        loss = torch.where(negative, torch.minimum(loss, cap), loss)
-    return loss, clipped.detach(), clipped_lower.detach(), log_ratio.detach()
-
-
-def reinforce_per_token(log_probs: torch.Tensor, advantages: torch.Tensor,
-                        is_weights: Optional[torch.Tensor]) -> torch.Tensor:
-    """Unmasked per-token REINFORCE loss -A * w.detach() * logp (w = 1 when ``is_weights`` is None)."""
-    loss = -advantages * log_probs
-    return loss if is_weights is None else loss * is_weights.detach()
-
-
 def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, config: PolicyLossConfig, *, loss_type: str,
                         is_weights: Optional[torch.Tensor] = None,
                         ref_log_probs: Optional[torch.Tensor] = None,
                         denominators: Optional[LossDenominators] = None,
-                        seq_valid_tokens: Optional[torch.Tensor] = None) -> PolicyLossOutput:
+                        seq_valid_tokens: Optional[torch.Tensor] = None,
+                        cp_group=None, token_select: Optional[torch.Tensor] = None) -> PolicyLossOutput:
     """Aggregated policy loss of one micro-batch, plus metrics.
 
     Args:
@@ -131,13 +110,17 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
         advantages: [B, T] advantages (detached).
         response_mask: [B, T] 0/1 or bool; the correction's mask AFTER rejection sampling / veto.
             Masked tokens leave both numerator and denominator; their values are never read.
-        config: ``PolicyLossConfig`` (clip ratios, aggregation, KL loss).
-        loss_type: "ppo_clip" or "reinforce" (``algorithm.rollout_correction.loss_type``).
+        config: ``PolicyLossConfig`` (clip ratios, objective parameters, aggregation, KL loss).
+        loss_type: one of ``LOSS_TYPES`` (``algorithm.rollout_correction.loss_type``).
         is_weights: [B, T] IS weights (detached, >= 0) or None; multiplied into the per-token loss
-            after clipping. Use ``select_loss_inputs`` to get the right ones for the mode.
+            after the objective. Use ``select_loss_inputs`` to get the right ones for the mode.
         ref_log_probs: [B, T] reference-policy log-probs; required when ``config.kl_loss_coef > 0``.
         denominators: global ``LossDenominators`` (see ``global_denominators``); None = this batch's.
         seq_valid_tokens: [B] full-sequence valid-token counts under context parallelism.
+        cp_group: the context-parallel group the sequences are split over (gspo / geo_mean / opsm sum
+            per-sequence values over it); None = whole sequences on this rank.
+        token_select: [B, T] 0/1 batch selection of clip_cov / kl_cov (``selection.batch_selection``);
+            None = selected inside this batch from the current log-probs (verl's per-micro-batch way).
     Raises:
         ValueError: shape mismatch, non-float dtype, mask not 0/1, NaN/inf or positive log-probs or
             negative weights at valid positions — naming the tensor, count and first position.
@@ -150,9 +133,11 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
         raise ValueError(f"ref_log_probs is required because PolicyLossConfig.kl_loss_coef="
                          f"{config.kl_loss_coef} > 0")
     tensors = {"old_log_probs": old_log_probs, "advantages": advantages, "response_mask": response_mask,
-               "is_weights": is_weights, "ref_log_probs": ref_log_probs if use_kl else None}
+               "is_weights": is_weights, "ref_log_probs": ref_log_probs if use_kl else None,
+               "token_select": token_select}
     check_shapes("log_probs", log_probs, tensors)
-    floats = {"log_probs": log_probs, **{k: v for k, v in tensors.items() if k != "response_mask"}}
+    floats = {"log_probs": log_probs, **{k: v for k, v in tensors.items()
+                                         if k not in ("response_mask", "token_select")}}
     check_float_dtypes(floats)
     valid = validate_values(response_mask, floats,
                             log_prob_names=("log_probs", "old_log_probs", "ref_log_probs"),
@@ -160,27 +145,22 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
 
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
     logp = sanitize(log_probs, valid, dtype)
-    old = sanitize(old_log_probs.detach(), valid, dtype)
-    adv = sanitize(advantages.detach(), valid, dtype)
-    w = sanitize(None if is_weights is None else is_weights.detach(), valid, dtype)
-
-    if loss_type == "ppo_clip":
-        per_token, clipped, clipped_lower, log_ratio = ppo_clip_per_token(
-            logp, old, adv, config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c)
-        if w is not None:
-            per_token = per_token * w
-    else:
-        per_token = reinforce_per_token(logp, adv, w)
-        log_ratio = clamp_log_ratio(logp.detach() - old)
-        clipped = clipped_lower = torch.zeros_like(valid)
+    inputs = ObjectiveInputs(
+        log_probs=logp, old_log_probs=sanitize(old_log_probs.detach(), valid, dtype),
+        advantages=sanitize(advantages.detach(), valid, dtype),
+        is_weights=sanitize(None if is_weights is None else is_weights.detach(), valid, dtype),
+        valid=valid, config=config, seq_valid_tokens=seq_valid_tokens, cp_group=cp_group,
+        token_select=None if token_select is None else token_select.detach())
+    terms = OBJECTIVES[loss_type](inputs)
 
     agg = dict(loss_scale_factor=config.loss_scale_factor, seq_valid_tokens=seq_valid_tokens)
-    pg_loss = aggregate_loss(per_token, valid, config.loss_agg_mode, denominators, **agg)
+    pg_loss = aggregate_loss(terms.loss, valid, terms.agg_mode or config.loss_agg_mode, denominators, **agg)
     metrics = {
-        "pg_clipfrac": sum_count(clipped.to(torch.float64), valid),
-        "pg_clipfrac_lower": sum_count(clipped_lower.to(torch.float64), valid),
-        "ppo_kl": sum_count(-log_ratio, valid),
+        "pg_clipfrac": sum_count(terms.clipfrac, valid),
+        "pg_clipfrac_lower": sum_count(terms.clipfrac_lower, valid),
+        "ppo_kl": sum_count(terms.kl, valid),
     }
+    metrics.update({k: sum_count(v, valid) for k, v in terms.extra.items()})
     kl_loss = None
     loss = pg_loss
     if use_kl:

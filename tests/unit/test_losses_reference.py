@@ -138,6 +138,8 @@ def ref_policy_loss(data, cfg, use_weights, logp_leaf, loss_type="ppo_clip"):
             return logp_leaf.sum() * 0.0
         if cfg.loss_agg_mode == "token-mean":
             return sum(x for s in nonempty for x in s) / n_tok
+        if cfg.loss_agg_mode == "token-sum":
+            return sum(x for s in nonempty for x in s)
         if cfg.loss_agg_mode == "seq-mean-token-sum":
             return sum(sum(s) for s in nonempty) / n_seq
         if cfg.loss_agg_mode == "seq-mean-token-mean":
