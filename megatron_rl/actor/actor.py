@@ -36,6 +36,7 @@ from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
 from megatron_rl.losses import select_loss_inputs, with_norm_divisor
+from megatron_rl.losses.selection import batch_selection
 from megatron_rl.models import build_gpt_model
 from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.rollout.multi_turn import response_budget
@@ -228,8 +229,14 @@ class MegatronActor:
             advantages = advantages.reshape(B, 1).expand(B, W)
         old, w = select_loss_inputs(corr.loss_type, corr.bypass_mode, batch.rollout_log_probs, old_log_probs,
                                     is_weights)
+        # clip_cov / kl_cov / m2po: token selection over this step's whole batch (all DP ranks), before any split
+        select, response_mask, select_metrics = batch_selection(
+            corr.loss_type, self.actor_cfg.policy_loss, old, None if corr.bypass_mode else batch.rollout_log_probs,
+            advantages.to(torch.float32), response_mask,
+            group=self.groups.dp_group if self.groups.dp_size > 1 else None)
         per_token = {"old_log_probs": old, "advantages": advantages.to(torch.float32),
-                     "response_mask": response_mask, "is_weights": w, "ref_log_probs": ref_log_probs}
+                     "response_mask": response_mask, "is_weights": w, "ref_log_probs": ref_log_probs,
+                     "token_select": select}
         for k, v in per_token.items():
             if v is not None and tuple(v.shape) != (B, W):
                 raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
@@ -258,6 +265,7 @@ class MegatronActor:
         out = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
         out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["actor/num_optimizer_steps"] = float(len(steps))
+        out.update({f"actor/{k}": v for k, v in select_metrics.items()})
         out.update(self.routing_metrics)  # rollout_corr/router_agreement* of this batch's log-prob pass
         self.routing_metrics = {}
         return out

@@ -37,12 +37,13 @@ from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["train_mini_batch", "PER_TOKEN_INPUTS"]
 
-PER_TOKEN_INPUTS = ("old_log_probs", "advantages", "response_mask", "is_weights", "ref_log_probs")
-"""Per-token [B, L-1] inputs of the loss (is_weights / ref_log_probs may be None)."""
+PER_TOKEN_INPUTS = ("old_log_probs", "advantages", "response_mask", "is_weights", "ref_log_probs", "token_select")
+"""Per-token [B, L-1] inputs of the loss (is_weights / ref_log_probs / token_select may be None;
+token_select: the clip_cov / kl_cov batch selection, ``megatron_rl.losses.selection.batch_selection``)."""
 
 
 def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, tp_group, scale: float,
-               mb: MicroBatch, logits: torch.Tensor):
+               cp_group, mb: MicroBatch, logits: torch.Tensor):
     """Last stage: policy loss of one micro-batch from its vocab-parallel logits, scaled for megatron
     (see the module docstring), plus its (sum, count) metrics."""
     logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
@@ -53,7 +54,8 @@ def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, t
     out = compute_policy_loss(logp, p["old_log_probs"], p["advantages"], p["response_mask"], cfg,
                               loss_type=loss_type, is_weights=p["is_weights"], ref_log_probs=p["ref_log_probs"],
                               denominators=den,
-                              seq_valid_tokens=mb.seq_valid_tokens)
+                              seq_valid_tokens=mb.seq_valid_tokens, cp_group=cp_group,
+                              token_select=p.get("token_select"))
     metrics = dict(out.metrics)
     valid = p["response_mask"] != 0
     metrics["entropy"] = sum_count(ent, valid)
@@ -111,7 +113,9 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
     mbs = prepare_micro_batches(batch, bounds, groups, trim=trim, per_token=inputs, packed=packed)
     scale = float(len(mbs) * groups.dp_size)
-    loss_func = functools.partial(_loss_func, loss_cfg, loss_type, den, float(temperature), groups.tp_group, scale)
+    cp_group = groups.cp_group if groups.cp_size > 1 else None   # per-sequence sums of gspo / geo_mean / opsm
+    loss_func = functools.partial(_loss_func, loss_cfg, loss_type, den, float(temperature), groups.tp_group, scale,
+                                  cp_group)
     for chunk in model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()

@@ -265,7 +265,8 @@ class ActorConfig:
     load_hf: Optional[str] = None
     """Initialise from this HF checkpoint directory (its config.json supplies ``model`` if omitted)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """Clip ratios, dual-clip, aggregation mode, KL loss (loss_type comes from rollout_correction)."""
+    """Clip ratios, dual-clip, the objectives' parameters (verl's names), aggregation mode, KL loss (the objective,
+    loss_type, comes from algorithm.rollout_correction)."""
     routing_replay: str = "none"
     """MoE routing replay: none | r2 (train forwards replay the routing the log-prob pass chose) | r3
     (log-prob pass and train forwards replay the rollout engine's routing; needs an MoE model and an engine

@@ -1,0 +1,105 @@
+"""DP2 x CP2 (4 forked gloo ranks) runs of every policy objective equal the single-process whole-batch run.
+
+Rank r is DP rank r // 2 and CP rank r % 2. The DP ranks hold uneven row blocks (3 and 5 rows, one rank
+with fully masked rows); each CP rank holds a zigzag half of every sequence's columns. Per rank: the
+batch selection (clip_cov / kl_cov / m2po) over the DP group on whole rows, then the CP split, global
+denominators, ``seq_valid_tokens`` and ``compute_policy_loss(..., cp_group=...)``. The losses summed over
+all ranks, the all-reduced gradient and the all-reduced metrics must equal one process with the whole
+batch, for every sequence-level and batch-level objective (and the token-local ones). No token is
+gathered. Run: ``pytest tests/integration/test_losses_objectives_distributed.py``.
+"""
+import pytest
+import torch
+
+from megatron_rl.losses import (LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss, global_denominators,
+                                merge_metrics, metrics_to_floats, reduce_metrics, sequence_token_counts)
+from megatron_rl.losses.config import LOSS_TYPES
+from megatron_rl.losses.selection import batch_selection
+from megatron_rl.testing.distributed import run_ranks
+from tests.integration.test_losses_distributed import make_problem, model_log_probs
+
+F64 = torch.float64
+PARAMS = {"dro": dict(dro_beta=0.3), "m2po": dict(m2_threshold=0.02), "opsm": dict(opsm_delta=0.01),
+          "clip_cov": dict(clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=5.0), "kl_cov": dict(kl_cov_ratio=0.2)}
+CASES = [(lt, PolicyLossConfig(loss_agg_mode=agg, loss_scale_factor=8.0, **PARAMS.get(lt, {})))
+         for lt in LOSS_TYPES for agg in (LOSS_AGG_MODES if lt in ("gspo", "opsm", "ppo_clip") else ("token-mean",))]
+DP_ROWS = [(0, 3), (3, 8)]
+
+
+def problem():
+    d = make_problem(seed=5)
+    g = torch.Generator().manual_seed(11)
+    d["rollout"] = d["old"] + torch.where(torch.rand(d["old"].shape, generator=g) < 0.3,
+                                          0.4 * torch.randn(d["old"].shape, generator=g, dtype=F64),
+                                          torch.zeros((), dtype=F64))
+    d["adv"] = torch.randn(d["adv"].shape, generator=g, dtype=F64)   # per-token: covariances spread out
+    return d
+
+
+def _zigzag(T, world, rank):
+    n = T // (2 * world)
+    chunks = torch.arange(T).reshape(2 * world, n)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]])
+
+
+def _run(d, loss_type, cfg, rows, cols, dp_group, cp_group):
+    """Loss output of the block ``rows`` x ``cols`` with the selection made on whole rows over dp_group."""
+    r = slice(*rows)
+    select, mask, sel_metrics = batch_selection(loss_type, cfg, d["old"][r], d["rollout"][r], d["adv"][r],
+                                                d["mask"][r], group=dp_group)
+    theta = d["theta"].clone().requires_grad_()
+    c = (r, cols)
+    local_mask = mask[:, cols]
+    den = global_denominators(local_mask, group=dp_group, cp_group=cp_group)
+    seq_n = sequence_token_counts(local_mask, cp_group=cp_group)
+    out = compute_policy_loss(model_log_probs(d["X"][c], theta), d["old"][c], d["adv"][c], local_mask, cfg,
+                              loss_type=loss_type, is_weights=d["weights"][c], ref_log_probs=d["ref"][c],
+                              denominators=den, seq_valid_tokens=seq_n, cp_group=cp_group,
+                              token_select=None if select is None else select[:, cols])
+    out.loss.backward()
+    return out, theta.grad, sel_metrics
+
+
+def _body(rank, world, d):
+    import torch.distributed as dist
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp, cp = rank // 2, rank % 2
+    cols = _zigzag(d["mask"].shape[1], 2, cp)
+    results = []
+    for loss_type, cfg in CASES:
+        out, grad, sel_metrics = _run(d, loss_type, cfg, DP_ROWS[dp], cols, dp_groups[cp], cp_groups[dp])
+        loss = out.loss.detach().clone()
+        grad = grad.clone()
+        dist.all_reduce(loss)
+        dist.all_reduce(grad)
+        m = metrics_to_floats(reduce_metrics(out.metrics, group=dist.group.WORLD), prefix="")
+        results.append((loss, grad, m, sel_metrics))
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_dp2_cp2_equals_single_process_for_every_objective():
+    d = problem()
+    per_rank = run_ranks(_body, 4, d, timeout=240)
+    T = d["mask"].shape[1]
+    for i, (loss_type, cfg) in enumerate(CASES):
+        out, grad, sel_metrics = _run(d, loss_type, cfg, (0, 8), torch.arange(T), None, None)
+        loss = out.loss.detach()
+        m = metrics_to_floats(out.metrics, prefix="")
+        assert float(loss) != 0.0 and float(grad.abs().sum()) > 0, loss_type
+        for rank in range(4):
+            r_loss, r_grad, r_m, r_sel = per_rank[rank][i]
+            torch.testing.assert_close(r_loss, loss, rtol=1e-9, atol=1e-12, msg=f"{loss_type} {cfg.loss_agg_mode}")
+            torch.testing.assert_close(r_grad, grad, rtol=1e-9, atol=1e-12, msg=f"{loss_type} {cfg.loss_agg_mode}")
+            assert r_m.keys() == m.keys()
+            for k in m:
+                assert r_m[k] == pytest.approx(m[k], rel=1e-9, abs=1e-12), (loss_type, k)
+            assert r_sel == pytest.approx(sel_metrics), loss_type
+    # the batch-level objectives really select something here (else the test would prove little)
+    for loss_type in ("clip_cov", "kl_cov"):
+        cfg = dict(CASES)[loss_type]
+        sel, _, _ = batch_selection(loss_type, cfg, d["old"], d["rollout"], d["adv"], d["mask"])
+        assert 0 < int(sel.sum()) < int((d["mask"] != 0).sum()), loss_type
+    _, mask, frac = batch_selection("m2po", dict(CASES)["m2po"], d["old"], d["rollout"], d["adv"], d["mask"])
+    assert 0 < frac["m2po_maskfrac"] < 1
