@@ -26,6 +26,7 @@ import re
 import sys
 from typing import List, Optional
 
+from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.validate import world_errors
 from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, longest_row, memory_plan, token_budget_error
@@ -138,6 +139,9 @@ def _run(args: argparse.Namespace) -> int:
                       f"parallel sizes or --gpus-per-node", file=sys.stderr)
     else:
         print(f"config OK: {where}")
+    corr = cfg.algorithm.rollout_correction
+    if corr is not None:
+        print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
     build = build_command(args.config, cfg)
     if build is not None and any(p.startswith("actor.load_hf:") for p in problems):
         print(f"hint: build actor.load_hf first: {build}", file=sys.stderr)

@@ -137,6 +137,16 @@ def mode_parameter_errors(loss_type: str, config: "PolicyLossConfig") -> list:
     return errors
 
 
+def objective_summary(loss_type: str, bypass_mode: bool, config: "PolicyLossConfig") -> str:
+    """One line naming the objective, its mode and the parameters it reads (``megatron-rl check``)."""
+    params = [f"{k}={getattr(config, k)!r}" for k, modes in MODE_PARAMETERS.items() if loss_type in modes]
+    agg = "seq-mean-token-mean (sapo's own)" if loss_type == "sapo" else (
+        "seq-mean (geo_mean's own)" if loss_type == "geo_mean" else config.loss_agg_mode)
+    return (f"objective: {loss_type} ({'bypass' if bypass_mode else 'decoupled'}; "
+            f"{', '.join(params) if params else 'no objective parameters'}; loss_agg_mode={agg}"
+            + (f"; kl_loss {config.kl_loss_type} x {config.kl_loss_coef}" if config.kl_loss_coef > 0 else "") + ")")
+
+
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """Settings of the per-token policy loss, its aggregation and the optional KL loss."""
