@@ -241,21 +241,38 @@ def _grad_default(width: int) -> GradConfig:
     return GradConfig(block, 8 if block >= 4096 else 4)
 
 
+def cuda_time_ms(fn: Callable[[], None], reps: int = 3) -> float:
+    """Median time of ``fn`` in ms over ``reps`` runs after one warm-up run (compilation), by CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return sorted(ts)[len(ts) // 2]
+
+
 class Tuner:
     """Times candidate configurations once per key on the device and remembers the fastest.
 
-    ``log`` holds one dict per tuned key: kind, key, the winner and every candidate's time (ms).
+    ``log`` holds one dict per tuned key: kind, key, the winner and every candidate's time (ms), and one
+    per candidate that could not run (skipped, with its error). ``timer(fn) -> ms`` measures a candidate.
     """
 
-    def __init__(self):
+    def __init__(self, timer: Callable = cuda_time_ms):
         self.best: dict = {}
         self.log: list = []
+        self.timer = timer
 
     def enabled(self, device: torch.device, numel: int) -> bool:
         return (device.type == "cuda" and not _interpreting() and numel >= TUNE_MIN_ELEMENTS
                 and os.environ.get("MEGATRON_RL_KERNEL_TUNE", "1") != "0")
 
-    def pick(self, kind: str, key: tuple, candidates: Sequence, launch: Callable, reps: int = 3):
+    def pick(self, kind: str, key: tuple, candidates: Sequence, launch: Callable):
         """The fastest of ``candidates`` for ``key`` (``launch(cfg)`` runs one; its outputs are overwritten)."""
         full = (kind,) + key
         if full in self.best:
@@ -263,23 +280,13 @@ class Tuner:
         times = {}
         for cfg in candidates:
             try:
-                launch(cfg)  # compile + warm up
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(reps):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    launch(cfg)
-                    e1.record()
-                    e1.synchronize()
-                    ts.append(e0.elapsed_time(e1))
-                times[cfg] = sorted(ts)[len(ts) // 2]
+                times[cfg] = self.timer(lambda: launch(cfg))
             except Exception as e:  # noqa: BLE001 - a candidate the device cannot run is skipped
-                times[cfg] = float("inf")
                 self.log.append(dict(kind=kind, key=key, skipped=str(cfg), error=repr(e)[:200]))
+        if not times:
+            raise RuntimeError(f"no {kind} kernel configuration runs on this device for {key}: "
+                               + "; ".join(e["error"] for e in self.log[-len(candidates):]))
         best = min(times, key=times.get)
-        if times[best] == float("inf"):
-            raise RuntimeError(f"no {kind} kernel configuration runs on this device for {key}")
         self.best[full] = best
         self.log.append(dict(kind=kind, key=key, best=str(best),
                              times_ms={str(c): round(t, 4) for c, t in times.items()}))

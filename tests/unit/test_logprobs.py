@@ -310,3 +310,26 @@ def test_fewer_passes_torch_primitives_match_float64(dtype, temperature, which):
     # out-of-shard targets (TP): no one-hot term, tgt 0
     m2, s2, tgt2, spz2 = torch_path.chunk_partials_fewer_passes(x, t + 1001, inv, ws)
     assert torch.equal(tgt2, torch.zeros_like(tgt2)) and torch.equal(m2, m)
+
+
+# ---------------------------------------------------------------- kernel configuration tuner
+def test_tuner_picks_fastest_caches_and_skips_failures():
+    k = pytest.importorskip("megatron_rl_kernels.logprob_kernels")
+    fake_ms = {"a": 3.0, "b": 1.0, "c": 2.0}
+    calls = []
+
+    def launch(cfg):
+        calls.append(cfg)
+        if cfg == "bad":
+            raise RuntimeError("out of resources")
+
+    tuner = k.Tuner(timer=lambda fn: (fn(), fake_ms[calls[-1]])[1])
+    assert tuner.pick("fwd", ("bf16", 100), ["a", "bad", "b", "c"], launch) == "b"
+    assert tuner.pick("fwd", ("bf16", 100), ["a", "b", "c"], launch) == "b"  # cached: no new launches
+    assert calls == ["a", "bad", "b", "c"]
+    assert tuner.log[0]["skipped"] == "bad" and "out of resources" in tuner.log[0]["error"]
+    assert tuner.log[1]["best"] == "b" and tuner.log[1]["times_ms"] == {"a": 3.0, "b": 1.0, "c": 2.0}
+    assert tuner.pick("grad", ("bf16", 100), ["c", "a"], launch) == "c"  # another kind: tuned on its own
+    with pytest.raises(RuntimeError, match="no fwd kernel configuration runs on this device.*out of resources"):
+        tuner.pick("fwd", ("fp32", 7), ["bad"], launch)
+    assert not tuner.enabled(torch.device("cpu"), 1 << 30)  # only CUDA tensors are tuned
