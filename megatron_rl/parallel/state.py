@@ -6,18 +6,17 @@ Usage (after ``init_distributed()`` or inside ``run_ranks``)::
     ...
     destroy_model_parallel()
 
-On CPU the megatron CPU patches are applied first (the CUDA RNG tracker is then backed by the CPU
-generator, so ``model_parallel_cuda_manual_seed`` works and dropout regions are reproducible).
+The platform patches this machine needs are applied first (``platform.select``: megatron's local layers
+without Transformer Engine; on CPU also the CUDA stand-ins, so the CUDA RNG tracker is backed by the CPU
+generator, ``model_parallel_cuda_manual_seed`` works and dropout regions are reproducible).
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from megatron_rl.parallel.config import ParallelConfig
 from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.platform.cpu_compat import apply_cpu_patches
+from megatron_rl.platform.select import apply_platform_patches
 
 __all__ = ["initialize_model_parallel", "destroy_model_parallel", "shutdown_distributed"]
 
@@ -36,8 +35,7 @@ def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any 
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialised "
                            "(call megatron_rl.parallel.init_distributed() first)")
     dims = ParallelDims.build(cfg, dist.get_world_size(), model)
-    if not torch.cuda.is_available():
-        apply_cpu_patches()  # the project's one call; its import hook covers megatron modules loaded later
+    apply_platform_patches()  # the project's one call (what this machine lacks: TE, CUDA); idempotent
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -1,7 +1,8 @@
-"""CPU compatibility patches for megatron-core 0.16.x — the ONE place the project patches megatron.
+"""What a CPU lacks for megatron-core: CUDA API stand-ins, applied when CUDA is absent (``platform.select``
+decides; what megatron's local, non-TE layers lack is ``platform.local_layers``, applied whenever TE is absent).
 
-megatron-core assumes a CUDA device in many places (``PATCHES`` below lists each one patched, with why).
-On a machine without CUDA, ``apply_cpu_patches()`` makes megatron run on CPU tensors with gloo:
+megatron-core assumes a CUDA device in many places (``PATCHES`` lists each one patched, with why).
+Without CUDA, ``apply_cpu_stand_ins()`` makes megatron run on CPU tensors with gloo:
 
   * every loaded ``megatron.core.*`` module sees a *CPU view of torch* (``module.torch`` is replaced
     by ``_CpuTorchView``): ``torch.cuda.current_device()`` returns ``torch.device("cpu")``,
@@ -10,10 +11,9 @@ On a machine without CUDA, ``apply_cpu_patches()`` makes megatron run on CPU ten
     allocate on CPU. Tensors and classes are the real torch objects; only the module-global name
     ``torch`` inside megatron modules changes, so nothing outside megatron is affected;
   * a few functions that cannot be fixed through that view are replaced one by one (listed in
-    ``PATCHES`` with the megatron-core symbol each replaces and why). Among them, megatron's local
-    ``DotProductAttention`` runs packed (THD) sequences (``packed_seq_params``, context parallel 1) one causal
-    segment at a time (``packed_segments``); megatron's own THD RoPE path (pure torch with
-    ``apply_rope_fusion=False``) already restarts rotary positions at each segment.
+    ``PATCHES`` with the megatron-core symbol each replaces and why): the CUDA RNG state, gradient clipping's
+    CUDA type check, and the collectives gloo cannot run as megatron calls them (uneven all-gather /
+    reduce-scatter, tensor split sizes).
 
 Consequences worth knowing: megatron's "CUDA" RNG is the CPU default generator, so
 ``model_parallel_cuda_manual_seed(seed)`` reseeds ``torch``'s CPU generator with ``seed`` (megatron's
@@ -21,18 +21,18 @@ tracked streams use seed + 2718 + tp_rank etc. as on GPU); while megatron's
 ``LanguageModule.setup_embeddings_and_output_layer`` runs, ``torch.Tensor.cuda`` is the identity (the
 only patch visible outside megatron, for the duration of that call).
 
-Usage: the project calls it once, in ``megatron_rl.parallel.initialize_model_parallel`` (every megatron
-model needs megatron's parallel state first); code that sets up megatron's parallel state by itself calls it
-before building models. The first call also installs an import hook (``_MegatronImportHook``), so megatron
-modules imported later — dist_checkpointing when a checkpoint is first saved, MoE modules, ... — get the CPU
-view as they load; nothing has to call it again::
+Usage: the project applies the patches once, in ``megatron_rl.parallel.initialize_model_parallel`` (every
+megatron model needs megatron's parallel state first); code that sets up megatron's parallel state by itself
+calls ``apply_cpu_patches()`` (both sets, as a CPU needs) before building models. The first call also installs
+an import hook (``_MegatronImportHook``), so megatron modules imported later — dist_checkpointing when a
+checkpoint is first saved, MoE modules, ... — get the CPU view as they load; nothing has to call it again::
 
     from megatron_rl.platform.cpu_compat import apply_cpu_patches
     apply_cpu_patches()          # no-op when torch.cuda.is_available(); idempotent
 
-With CUDA available nothing is patched. Not covered (do not work on CPU): bf16/fp16 params with the
-Megatron optimizer and the distributed optimizer (type checks on ``torch.cuda.*Tensor``), CUDA graphs,
-fused kernels (TE / apex) — use fp32 params and the local layer spec on CPU.
+Not covered (do not work on CPU): bf16/fp16 params with the Megatron optimizer and the distributed optimizer
+(type checks on ``torch.cuda.*Tensor``), CUDA graphs, fused kernels (TE / apex) — use fp32 params and the
+local layer spec on CPU.
 """
 from __future__ import annotations
 
@@ -40,12 +40,15 @@ import contextlib
 import importlib
 import sys
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 
-__all__ = ["apply_cpu_patches", "cpu_patches_applied", "packed_segments", "PATCHES", "CpuStream",
-           "CpuEvent"]
+from megatron_rl.platform.packed_attention import packed_segments  # noqa: F401  (re-exported)
+from megatron_rl.platform.registry import PATCHES, original, replace
+
+__all__ = ["apply_cpu_patches", "apply_cpu_stand_ins", "cpu_patches_applied", "packed_segments", "PATCHES",
+           "CpuStream", "CpuEvent"]
 
 #: megatron-core modules imported eagerly by ``apply_cpu_patches`` so their ``torch`` global is
 #: replaced before first use (lazily imported megatron modules are covered by a later call).
@@ -77,8 +80,6 @@ _EAGER_MODULES = (
     "megatron.core.optimizer.clip_grads",
 )
 
-#: Human-readable record of what ``apply_cpu_patches`` replaced: megatron-core symbol -> reason.
-PATCHES: Dict[str, str] = {}
 
 _state = {"applied": False, "patched_modules": set()}
 
@@ -282,11 +283,9 @@ def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream:
 def _cpu_gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
     """CPU replacement of ``megatron.core.tensor_parallel.mappings._gather_along_first_dim``: gloo's
     all_gather needs equal sizes, so uneven ``output_split_sizes`` are padded to the largest and cut."""
-    import megatron.core.tensor_parallel.mappings as mp
-
-    original = mp._mrl_cpu_original__gather_along_first_dim
+    fallback = original("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim")
     if output_split_sizes is None or group.size() == 1 or len(set(output_split_sizes)) == 1:
-        return original(input_, group, output_split_sizes, use_global_buffer)
+        return fallback(input_, group, output_split_sizes, use_global_buffer)
     m = max(output_split_sizes)
     padded = input_.new_zeros((m,) + tuple(input_.shape[1:]))
     padded[: input_.shape[0]] = input_
@@ -298,33 +297,13 @@ def _cpu_gather_along_first_dim(input_, group, output_split_sizes=None, use_glob
 def _cpu_reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
     """CPU replacement of ``megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim``:
     gloo has no list reduce_scatter, so uneven ``input_split_sizes`` all-reduce the whole input and cut."""
-    import megatron.core.tensor_parallel.mappings as mp
-
-    original = mp._mrl_cpu_original__reduce_scatter_along_first_dim
+    fallback = original("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim")
     if input_split_sizes is None or group.size() == 1:
-        return original(input_, group, input_split_sizes, use_global_buffer)
+        return fallback(input_, group, input_split_sizes, use_global_buffer)
     full = input_.contiguous().clone()
     torch.distributed.all_reduce(full, group=group)
     start = sum(input_split_sizes[: group.rank()])
     return full[start:start + input_split_sizes[group.rank()]].contiguous()
-
-
-def _wrapped_torch_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                            zero_centered_gamma=False, normalization="LayerNorm"):
-    """CPU replacement of ``megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__``: no
-    ``sequence_parallel`` assert; norm params get ``param.sequence_parallel`` like TE's norms, so
-    ``finalize_model_grads`` all-reduces their grads over TP (the norm math is per token)."""
-    if config.layernorm_zero_centered_gamma or config.persist_layer_norm or \
-            config.memory_efficient_layer_norm:
-        raise ValueError("local torch norm (CPU) does not support layernorm_zero_centered_gamma, "
-                         "persist_layer_norm or memory_efficient_layer_norm")
-    norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
-    if norm_cls is None:
-        raise ValueError(f"config.normalization={config.normalization!r}: only LayerNorm / RMSNorm on CPU")
-    module = norm_cls(normalized_shape=hidden_size, eps=eps)
-    for param in module.parameters():
-        setattr(param, "sequence_parallel", bool(config.sequence_parallel))
-    return module
 
 
 @contextlib.contextmanager
@@ -348,95 +327,6 @@ def _wrap_setup_embeddings(original):
     return setup_embeddings_and_output_layer
 
 
-def _wrap_dot_product_attention_init(original):
-    """Local ``DotProductAttention.__init__`` that accepts MLA's ``k_channels`` / ``v_channels``: the forward
-    already handles a key head dim different from the value head dim; the output width comes from
-    ``config.kv_channels``, which the builder sets to the value head dim for MLA (checked here)."""
-    def __init__(self, config, *args: Any, k_channels: Optional[int] = None, v_channels: Optional[int] = None,
-                 **kwargs: Any):
-        if v_channels is not None and v_channels != config.kv_channels:
-            raise ValueError(f"local DotProductAttention: v_channels={v_channels} must equal config.kv_channels="
-                             f"{config.kv_channels} (MLA: set kv_channels to v_head_dim)")
-        original(self, config, *args, **kwargs)
-
-    __init__.__wrapped__ = original
-    return __init__
-
-
-def packed_segments(cu_seqlens: torch.Tensor, total: int) -> List[Tuple[int, int]]:
-    """The non-empty ``[start, end)`` segments of a packed (THD) sequence of ``total`` tokens given by
-    ``cu_seqlens`` (int ``[n_segments + 1]``, 0 first, ``total`` last, non-decreasing; ValueError otherwise)."""
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"packed_segments: cu_seqlens must be non-decreasing from 0 to total={total}, got {cu}")
-    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
-
-
-def _wrap_dot_product_attention_forward(original):
-    """Local ``DotProductAttention.forward`` that runs packed (THD) sequences: megatron's attention passes
-    q/k/v as ``[t, heads, dim]`` with ``packed_seq_params``; each segment of ``cu_seqlens_q_padded`` (else
-    ``cu_seqlens_q``) runs as its own causal ``[len, 1, heads, dim]`` sequence through the original forward, so
-    no token attends across segments and the work is the sum of the segments' squares (one masked
-    ``[t, t]`` product would cost more than the padded rows it replaces). The output is TE's THD layout
-    ``[t, heads * value dim]``, which megatron's attention reshapes to ``[t, 1, -1]`` (0.19's MLA first trims
-    its padded value dim off it). Without ``packed_seq_params`` the original forward runs untouched."""
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is None:
-            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                            attention_bias=attention_bias)
-        from megatron.core.transformer.enums import AttnMaskType
-
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"local DotProductAttention: packed_seq_params.qkv_format="
-                             f"{packed_seq_params.qkv_format!r}; only 'thd' is supported on CPU")
-        if self.config.context_parallel_size != 1:
-            raise ValueError(f"local DotProductAttention: packed (THD) sequences need context_parallel_size=1, "
-                             f"got {self.config.context_parallel_size} (context parallelism needs TE attention)")
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if mask_type != AttnMaskType.causal or self.scale_mask_softmax.window_size is not None:
-            raise ValueError(f"local DotProductAttention: packed (THD) sequences support full causal attention "
-                             f"only, got attn_mask_type={mask_type} window_size="
-                             f"{self.scale_mask_softmax.window_size}")
-        cu_q = packed_seq_params.cu_seqlens_q_padded
-        if cu_q is None:
-            cu_q = packed_seq_params.cu_seqlens_q
-        cu_kv = packed_seq_params.cu_seqlens_kv_padded
-        if cu_kv is None:
-            cu_kv = packed_seq_params.cu_seqlens_kv
-        if cu_kv is not None and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
-            raise ValueError("local DotProductAttention: packed (THD) self-attention needs the same query and "
-                             f"key/value segments, got cu_seqlens_q {cu_q.tolist()} vs kv {cu_kv.tolist()}")
-        if query.dim() != 3 or key.size(0) != query.size(0):
-            raise ValueError(f"local DotProductAttention: packed (THD) q/k/v must be [t, heads, dim] of one "
-                             f"length, got query {tuple(query.shape)} key {tuple(key.shape)}")
-        segments = packed_segments(cu_q, query.size(0))
-        # the output width follows the value head dim: megatron-core 0.19's MLA pads THD values to the
-        # query head dim (and trims the output back), so it can differ from config.kv_channels here
-        width = self.num_attention_heads_per_partition * value.size(-1)
-        saved = self.hidden_size_per_partition
-        self.hidden_size_per_partition = width
-        try:
-            outs = [original(self, query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
-                             attn_mask_type=AttnMaskType.causal, attention_bias=attention_bias,
-                             packed_seq_params=None).reshape(b - a, width)
-                    for a, b in segments]
-        finally:
-            self.hidden_size_per_partition = saved
-        return torch.cat(outs, dim=0)  # TE's THD layout [t, heads * dim]
-
-    forward.__wrapped__ = original
-    return forward
-
-
-def _replace(module_name: str, attr: str, new: Any, reason: str) -> None:
-    module = importlib.import_module(module_name)
-    if not hasattr(module, "_mrl_cpu_original_" + attr):
-        setattr(module, "_mrl_cpu_original_" + attr, getattr(module, attr, None))
-    setattr(module, attr, new)
-    PATCHES[f"{module_name}.{attr}"] = reason
-
-
 def _install_torch_view() -> None:
     """Replace the module-global ``torch`` of every loaded megatron.core module by the CPU view."""
     global _TORCH_VIEW
@@ -455,49 +345,22 @@ def _install_torch_view() -> None:
 
 
 def _apply_function_patches() -> None:
-    _replace("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _cpu_get_rng_state,
+    replace("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _cpu_get_rng_state,
              "the CUDA RNG tracker saves/restores CUDA generator state; on CPU it is the CPU generator")
-    _replace("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _cpu_set_rng_state,
+    replace("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _cpu_set_rng_state,
              "the CUDA RNG tracker saves/restores CUDA generator state; on CPU it is the CPU generator")
     for mod in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
-        _replace(mod, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32,
+        replace(mod, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32,
                  "asserts grad.type() == 'torch.cuda.FloatTensor' and uses a CUDA multi-tensor kernel")
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):
-        _replace("megatron.core.transformer.moe.moe_utils", "te_general_gemm", None,
-                 "the router GEMM references te_general_gemm, undefined without TE (NameError)")
     for mod in ("megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"):
         if hasattr(importlib.import_module(mod), "maybe_move_tensor_to_cpu"):
-            _replace(mod, "maybe_move_tensor_to_cpu", _cpu_maybe_move_tensor_to_cpu,
+            replace(mod, "maybe_move_tensor_to_cpu", _cpu_maybe_move_tensor_to_cpu,
                      "split sizes stay tensors on CPU; gloo all_to_all_single needs list/numpy splits")
-    _replace("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", _cpu_gather_along_first_dim,
+    replace("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", _cpu_gather_along_first_dim,
              "MoE at TP x EP gathers uneven token counts over TP; gloo's all_gather needs equal sizes")
-    _replace("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+    replace("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
              _cpu_reduce_scatter_along_first_dim,
              "MoE at TP x EP reduce-scatters uneven token counts over TP; gloo has no list reduce_scatter")
-    _replace("megatron.core.transformer.multi_latent_attention", "HAVE_TE", False,
-             "TE placeholders import without Transformer Engine, so MLA's isinstance(linear_proj, TELinear) fails")
-    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
-    if getattr(mla, "Linear", None) is None:
-        from megatron.core.post_training.modelopt.layers import Linear
-
-        _replace("megatron.core.transformer.multi_latent_attention", "Linear", Linear,
-                 "0.19 binds the replicated MLA down-projection (modelopt Linear) only with TE, so the local spec's "
-                 "replicated q/kv down-projection is refused ('Unsupported linear_q_down_proj')")
-    dpa = importlib.import_module("megatron.core.transformer.dot_product_attention").DotProductAttention
-    if not hasattr(dpa.__init__, "__wrapped__"):
-        dpa.__init__ = _wrap_dot_product_attention_init(dpa.__init__)
-    PATCHES["megatron.core.transformer.dot_product_attention.DotProductAttention.__init__"] = (
-        "multi-latent attention passes k_channels / v_channels, which only TE's attention accepts (TypeError)")
-    if not hasattr(dpa.forward, "__wrapped__"):
-        dpa.forward = _wrap_dot_product_attention_forward(dpa.forward)
-    PATCHES["megatron.core.transformer.dot_product_attention.DotProductAttention.forward"] = (
-        "asserts packed_seq_params is None: packed (THD) sequences run only in TE's attention; here they run "
-        "one segment at a time as causal sequences")
-    torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
-    torch_norm.WrappedTorchNorm.__new__ = _wrapped_torch_norm_new
-    PATCHES["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"] = (
-        "asserts sequence_parallel is off (MoE + TP requires SP) and does not tag params for SP grad all-reduce")
     lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
     cls = lm.LanguageModule
     if not hasattr(cls.setup_embeddings_and_output_layer, "__wrapped__"):
@@ -545,17 +408,14 @@ _HOOK = _MegatronImportHook()
 
 
 def cpu_patches_applied() -> bool:
-    """True once ``apply_cpu_patches`` has patched megatron (never on a CUDA machine)."""
+    """True once the CPU stand-ins are applied (never on a CUDA machine unless forced)."""
     return bool(_state["applied"])
 
 
-def apply_cpu_patches(force: bool = False) -> bool:
-    """Patch megatron-core for CPU execution if CUDA is unavailable (or ``force``). Idempotent.
-
-    Returns True when patches are active. Megatron modules imported after the first call are patched as
-    they load (import hook); a later call only re-checks what is loaded."""
-    if torch.cuda.is_available() and not force:
-        return False
+def apply_cpu_stand_ins() -> None:
+    """Apply the CPU stand-ins of this module (idempotent; ``platform.select`` calls it when CUDA is absent).
+    Megatron modules imported later are patched as they load (import hook); a later call only re-checks what
+    is loaded."""
     if _HOOK not in sys.meta_path:
         sys.meta_path.insert(0, _HOOK)
     for name in _EAGER_MODULES:
@@ -564,4 +424,14 @@ def apply_cpu_patches(force: bool = False) -> bool:
     if not _state["applied"]:
         _apply_function_patches()
         _state["applied"] = True
+
+
+def apply_cpu_patches(force: bool = False) -> bool:
+    """Everything a machine without CUDA needs: the local-layer patches (no TE without CUDA) and the CPU
+    stand-ins. A no-op returning False when CUDA is available (unless ``force``); True otherwise. Idempotent."""
+    if torch.cuda.is_available() and not force:
+        return False
+    from megatron_rl.platform.select import Platform, apply_platform_patches
+
+    apply_platform_patches(Platform(has_cuda=False, has_te=False))
     return True

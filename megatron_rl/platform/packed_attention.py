@@ -1,0 +1,116 @@
+"""Causal attention over packed (THD) sequences without Transformer Engine: pure functions of tensors.
+
+A packed sequence is ``t`` tokens holding several independent rows back to back; ``cu_seqlens`` (int
+``[n + 1]``, 0 first, ``t`` last) marks where each starts. Every token attends causally to the earlier tokens
+of its own segment only. Two kernels, same result (``PACKED_ATTENTION_KERNELS``):
+
+* ``"sdpa"`` (the default): ``torch.nn.functional.scaled_dot_product_attention`` once per segment, ``is_causal``.
+  On CUDA that runs the flash (bf16 / fp16) or memory-efficient (fp32) kernel, so no ``[len, len]`` score
+  matrix is kept and the work is the sum of the segments' squares; forward and backward on every device.
+* ``"flex"``: one ``torch.nn.attention.flex_attention`` call over the whole packed sequence with a
+  document-causal block mask (blocks of other segments are skipped). On CUDA the kernel is compiled once
+  (``torch.compile``) and has a backward; on CPU torch runs it eagerly and forward only (torch raises for
+  a backward on CPU), so on CPU it serves log-prob passes, not training.
+
+Usage::
+
+    out = packed_causal_attention(q, k, v, cu_seqlens, scale, kernel="sdpa")   # [t, heads, v_dim]
+
+``q`` is ``[t, heads, d]``, ``k`` ``[t, groups, d]``, ``v`` ``[t, groups, dv]`` (grouped-query attention:
+``heads`` a multiple of ``groups``, each key / value head serves ``heads / groups`` query heads, as
+megatron's ``repeat_interleave``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["packed_segments", "packed_causal_attention", "sdpa_per_segment", "flex_document_causal",
+           "PACKED_ATTENTION_KERNELS", "DEFAULT_KERNEL"]
+
+DEFAULT_KERNEL = "sdpa"
+
+
+def packed_segments(cu_seqlens: torch.Tensor, total: int) -> List[Tuple[int, int]]:
+    """The non-empty ``[start, end)`` segments of a packed (THD) sequence of ``total`` tokens given by
+    ``cu_seqlens`` (int ``[n_segments + 1]``, 0 first, ``total`` last, non-decreasing; ValueError otherwise)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"packed_segments: cu_seqlens must be non-decreasing from 0 to total={total}, got {cu}")
+    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Heads per key / value group; ValueError naming the shapes when q / k / v do not fit together."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not q.size(0) == k.size(0) == v.size(0) \
+            or k.size(1) != v.size(1) or q.size(-1) != k.size(-1) or q.size(1) % k.size(1):
+        raise ValueError(f"packed attention: q [t, heads, d], k [t, groups, d], v [t, groups, dv] with heads a "
+                         f"multiple of groups expected, got q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)}")
+    return q.size(1) // k.size(1)
+
+
+def sdpa_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of each segment alone through ``scaled_dot_product_attention``: ``[t, heads, dv]``."""
+    rep = _check_shapes(q, k, v)
+    if rep > 1:  # grouped-query attention: each key / value head serves `rep` consecutive query heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    outs = []
+    for a, b in packed_segments(cu_seqlens, q.size(0)):
+        # [len, heads, d] -> [1, heads, len, d]
+        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+_COMPILED: Dict[str, Callable] = {}
+
+
+def _flex_fn(device: torch.device) -> Callable:
+    """flex_attention itself on CPU (eager), compiled once per process on CUDA (eager flex is a reference
+    implementation that materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _COMPILED:
+        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED["cuda"]
+
+
+def flex_document_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """One FlexAttention call with a document-causal mask (same segment and not in the future):
+    ``[t, heads, dv]``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rep = _check_shapes(q, k, v)
+    t = q.size(0)
+    segments = packed_segments(cu_seqlens, t)
+    lengths = torch.tensor([b - a for a, b in segments], device=q.device)
+    doc = torch.repeat_interleave(torch.arange(len(segments), device=q.device), lengths)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    mask = create_block_mask(document_causal, None, None, t, t, device=q.device)
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out = _flex_fn(q.device)(qs, ks, vs, block_mask=mask, scale=scale, enable_gqa=rep > 1)
+    return out[0].transpose(0, 1)
+
+
+#: kernel name -> implementation (same signature, same result)
+PACKED_ATTENTION_KERNELS: Dict[str, Callable] = {"sdpa": sdpa_per_segment, "flex": flex_document_causal}
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            scale: float, kernel: str = DEFAULT_KERNEL) -> torch.Tensor:
+    """Causal attention within each segment of a packed sequence (module docstring): ``[t, heads, dv]``."""
+    fn = PACKED_ATTENTION_KERNELS.get(kernel)
+    if fn is None:
+        raise ValueError(f"packed attention kernel {kernel!r} is not one of {', '.join(PACKED_ATTENTION_KERNELS)}")
+    return fn(q, k, v, cu_seqlens, scale)
