@@ -24,7 +24,7 @@ weights) and the train step's pg_loss (first step).
 
 Breakdown (log-prob pass: ``--repeats`` extra passes with forward hooks, the fastest kept): seconds inside
 megatron's core attention (``core_attention`` modules: scores, mask, softmax, PV; on CPU the packed path runs each
-row's segment as its own causal sequence, ``platform.cpu_compat.packed_segments``) and inside the output layer (logits), the rest (projections, MLP, norms, log-prob kernel).
+row's segment as its own causal sequence, ``platform.packed_attention``) and inside the output layer (logits), the rest (projections, MLP, norms, log-prob kernel).
 
 Usage:
   OMP_NUM_THREADS=1 python tools/bench_packing.py                       # defaults (a few minutes on 1 core)

@@ -243,8 +243,8 @@ class ActorConfig:
     ``micro_batch_size`` rows."""
     sequence_packing: bool = False
     """Concatenate the rows of a micro-batch into one sequence (THD: per-row positions, attention that never
-    crosses rows; Transformer Engine's ``PackedSeqParams`` on GPU, one causal segment at a time in megatron's
-    local attention on CPU), so no compute goes to padding. Combine with ``max_tokens_per_micro_batch``."""
+    crosses rows; Transformer Engine's THD attention through ``PackedSeqParams`` with TE (needs ``bf16``),
+    without TE megatron's local attention running SDPA once per causal segment), so no compute goes to padding. Combine with ``max_tokens_per_micro_batch``."""
     bf16: bool = False
     """Megatron's ``--bf16``: bf16 parameters and compute, fp32 main parameters in the optimizer, gradients
     accumulated and all-reduced in fp32 (Megatron's ``accumulate_allreduce_grads_in_fp32``); log-probs and

@@ -7,8 +7,10 @@ Usage (megatron's parallel state must exist: ``megatron_rl.parallel.initialize_m
     logits = chunks[0](input_ids, position_ids, attention_mask=None)  # [b, s, vocab/TP] on last stage
 
 Design decisions:
-  * Transformer Engine layer spec when ``transformer_engine`` imports, megatron's local spec otherwise
-    (CPU). ``use_transformer_engine`` overrides the detection.
+  * Transformer Engine layer spec when TE is installed and CUDA is there, megatron's local spec otherwise
+    (CPU, or CUDA without TE; ``platform.local_layers`` supplies what that spec lacks, and its final norm is
+    megatron's torch norm, as apex's fused norm is LayerNorm only). ``use_transformer_engine`` overrides the
+    detection. Which attention that gives a job, and what it refuses, is ``models.attention``.
   * Always returns a list of model chunks (length VPP or 1) — what megatron's schedules and DDP take.
     ``pre_process`` / ``post_process`` follow the (virtual) pipeline stage.
   * ``params_dtype`` fp32 on CPU (the Megatron optimizer only supports fp32 params there); bf16 can be
@@ -35,7 +37,7 @@ Design decisions:
     region, whose backward reduce-scatters the full gradient. That path needs sequence parallelism at
     TP > 1 (``validate_parallel_config`` requires it for MLA). The bug is still open in megatron-core 0.19
     (Megatron-LM #1699), so the replicated path stays; 0.19 recognises that ``Linear`` only when Transformer
-    Engine imports, and ``platform/cpu_compat`` restores the binding on CPU.
+    Engine imports, and ``platform/local_layers`` restores the binding without TE.
   * megatron-core 0.16.1 through 0.19.x (``platform/mcore_version``): anything else is refused before building.
 """
 from __future__ import annotations
@@ -49,19 +51,14 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 from megatron_rl.platform.cpu_compat import cpu_patches_applied
 from megatron_rl.platform.mcore_version import check_supported_mcore
+from megatron_rl.platform.select import Platform, apply_platform_patches
 
 __all__ = ["make_transformer_config", "build_gpt_model", "transformer_engine_available"]
 
 
 def transformer_engine_available() -> bool:
-    """True when ``import transformer_engine`` succeeds (and CUDA is there to run it)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # TE raises RuntimeError (not ImportError) on machines without CUDA
-        return False
-    return True
+    """True when Transformer Engine is installed and CUDA is there to run it (``Platform.detect``)."""
+    return Platform.detect().has_te
 
 
 def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
@@ -175,6 +172,11 @@ def _layer_spec(tcfg, use_te: bool, vp_stage: Optional[int]):
 
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm",
                                       vp_stage=vp_stage)
+    if not use_te:
+        # the final norm: megatron picks apex's fused norm when apex imports, which is LayerNorm only
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        spec.layer_norm = WrappedTorchNorm
     if not use_te and getattr(tcfg, "multi_latent_attention", False):
         # replicated q / kv down-projections, as TE's spec has them (see the module docstring)
         from megatron.core.post_training.modelopt.layers import Linear
@@ -217,6 +219,8 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: 
         raise ValueError(f"context_parallel_size={parallel.context_parallel_size} needs Transformer Engine "
                          f"attention (megatron's local DotProductAttention asserts context_parallel_size == 1; "
                          f"TE needs CUDA) — use context_parallel_size=1 on CPU")
+    if not use_te:  # megatron's local spec: what it lacks (idempotent; on CPU already applied)
+        apply_platform_patches(Platform(has_cuda=torch.cuda.is_available(), has_te=False))
     tcfg = make_transformer_config(model, parallel, params_dtype=params_dtype,
                                    variable_seq_lengths=variable_seq_lengths, **config_overrides)
     vpp = parallel.virtual_pipeline_model_parallel_size

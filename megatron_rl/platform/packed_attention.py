@@ -22,6 +22,7 @@ megatron's ``repeat_interleave``).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -99,7 +100,9 @@ def flex_document_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
     mask = create_block_mask(document_causal, None, None, t, t, device=q.device)
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    out = _flex_fn(q.device)(qs, ks, vs, block_mask=mask, scale=scale, enable_gqa=rep > 1)
+    with warnings.catch_warnings():  # eager on CPU on purpose (compiling costs minutes there)
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        out = _flex_fn(q.device)(qs, ks, vs, block_mask=mask, scale=scale, enable_gqa=rep > 1)
     return out[0].transpose(0, 1)
 
 

@@ -1,5 +1,5 @@
-"""Packed (THD) sequences through megatron's local attention on CPU (``platform.cpu_compat``'s
-``DotProductAttention.forward`` patch) against each row run alone through the same megatron ``GPTModel``.
+"""Packed (THD) sequences through megatron's local attention on CPU (``platform.local_layers``'s
+``DotProductAttention.forward`` patch, default SDPA kernel) against each row run alone through the same megatron ``GPTModel``.
 
 A packed micro-batch is one sequence ``[1, t]``: the rows concatenated (each optionally padded to a multiple
 of ``align``) plus a trailing padding segment, passed with ``PackedSeqParams(qkv_format="thd", ...)``. The
@@ -19,7 +19,8 @@ import copy
 import pytest
 import torch
 
-from megatron_rl.platform.cpu_compat import apply_cpu_patches, packed_segments
+from megatron_rl.platform.cpu_compat import apply_cpu_patches
+from megatron_rl.platform.packed_attention import packed_segments
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU attention patch is inactive with CUDA")
 
