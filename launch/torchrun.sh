@@ -41,11 +41,14 @@
 # --check-world-size N`: values, layout, a trainer.run_dir holding another run's outputs, a reward that cannot
 # import): a problem exits 2 with the message alone, in seconds.
 #
-# Stopping (Ctrl-C, or SIGTERM / SIGINT to this script): the signal is forwarded to the training ranks, which
-# finish the step, checkpoint, print one line and exit 0 -- and so does this script. A second signal stops
-# them at once (exit 128 + signal). The torchrun agent runs in its own session with SIGINT / SIGTERM ignored
-# (its own handler would re-signal the ranks, SIGKILL them after 30 s and print a traceback); inside a Slurm
-# step, which signals every process of the step itself, nothing is forwarded.
+# Stopping (Ctrl-C, or SIGTERM / SIGINT to this script): the request is written to a stop file the ranks read
+# every half second and the signal is forwarded to them; they finish the step, checkpoint, print one line and
+# exit 0 -- and so does this script, which says in one line when every rank of its node has confirmed the stop.
+# A second signal stops them at once (exit 128 + signal). The torchrun agent runs in its own session with
+# SIGINT / SIGTERM ignored (its own handler would re-signal the ranks, SIGKILL them after 30 s and print a
+# traceback); inside a Slurm step, which signals every process of the step itself, no signal is forwarded.
+# A job never outlives this script: the kernel kills the agent when the script ends (kill -9, a closed
+# terminal, a crash), and each rank exits when its agent or this script has ended.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -137,29 +140,62 @@ if [[ "${CHECK:-1}" == 1 ]]; then
 fi
 mkdir -p "$LOG_DIR"
 
-# torchrun in its own session with SIGINT / SIGTERM ignored (inherited through exec); its ranks restore them
-# (MEGATRON_RL_RESTORE_SIGNALS) and get the signal from forward_stop below
-( trap '' INT TERM; export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT MEGATRON_RL_RESTORE_SIGNALS=1
-  exec setsid "${CMD[@]}" ) < /dev/null &
+# The launcher's link to its job (megatron_rl.lifeline): a private directory holding the stop request and the
+# ranks' acknowledgements, removed at exit.
+LINK=$(mktemp -d "${TMPDIR:-/tmp}/megatron-rl-launch.XXXXXX")
+SLEEPER=""
+trap 'rm -rf "$LINK"; [[ -z "$SLEEPER" ]] || kill "$SLEEPER" 2>/dev/null' EXIT
+# torchrun in its own session with SIGINT / SIGTERM ignored (inherited through exec), killed by the kernel when
+# this script ends (PR_SET_PDEATHSIG); its ranks restore the signals (MEGATRON_RL_RESTORE_SIGNALS), exit when the
+# agent or this script ends, and take a stop from the signal forwarded below or from the stop file
+( trap '' INT TERM
+  export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT MEGATRON_RL_RESTORE_SIGNALS=1 \
+         MEGATRON_RL_LAUNCHER_PID=$$ MEGATRON_RL_STOP_FILE="$LINK/stop"
+  exec "$PYTHON" -m megatron_rl.lifeline --parent $$ -- "${CMD[@]}" ) < /dev/null &
 AGENT=$!
-STOPS=0
-# shellcheck disable=SC2317  # invoked by the INT / TERM traps
-forward_stop() {
-  local sig=$1 ranks
-  STOPS=$(( STOPS + 1 ))
+STOPS=0       # signals received
+SENT=0        # stop requests delivered
+STOP_SIG=""   # name of the last signal received
+STOP_AT=0     # when the first request was delivered (for the confirmation line)
+CONFIRMED=0   # 1 once the confirmation line was printed
+# shellcheck disable=SC2317  # invoked by the INT / TERM traps: note the request, the loop below delivers it
+on_stop() { STOPS=$(( STOPS + 1 )); STOP_SIG=$1; }
+deliver_stop() {  # the stop file first (a rank reads it even if the signal is lost), then the signal itself
+  local ranks
+  SENT=$STOPS
+  printf '%s %s\n' "$SENT" "$(kill -l "$STOP_SIG")" > "$LINK/stop.tmp" && mv -f "$LINK/stop.tmp" "$LINK/stop"
+  (( SENT == 1 )) && STOP_AT=$SECONDS
+  if (( SENT > 1 )); then echo "launch/torchrun.sh: second SIG$STOP_SIG: the ranks exit now, without checkpoint" >&2; fi
   [[ -n "${SLURM_STEP_ID:-}" ]] && return 0  # Slurm signals every process of the step itself
   ranks=$(ps -o pid= --ppid "$AGENT" 2>/dev/null || true)
   if [[ -z "${ranks// /}" ]]; then  # no rank yet (rendezvous): stop the agent itself
+    echo "launch/torchrun.sh: SIG$STOP_SIG before any rank started: stopping torchrun" >&2
     kill -HUP "$AGENT" 2>/dev/null || true
+    CONFIRMED=1
     return 0
   fi
   # shellcheck disable=SC2086
-  kill -s "$sig" $ranks 2>/dev/null || true
+  kill -s "$STOP_SIG" $ranks 2>/dev/null || true
 }
-trap 'forward_stop INT' INT
-trap 'forward_stop TERM' TERM
-while kill -0 "$AGENT" 2>/dev/null; do  # `wait` also returns when a trapped signal arrives
-  wait "$AGENT" || true
+confirm_stop() {  # one line once every rank of this node acknowledged, or what is missing after a while
+  local acks
+  acks=$(find "$LINK" -maxdepth 1 -name 'ack.*' ! -name '*.tmp' 2>/dev/null | wc -l)
+  if (( acks >= NPROC_PER_NODE )); then
+    echo "launch/torchrun.sh: SIG$STOP_SIG reached all $acks ranks on $(hostname -s): they checkpoint after this step and exit (a second signal stops them at once)" >&2
+    CONFIRMED=1
+  elif (( SECONDS - STOP_AT >= 60 )); then
+    echo "launch/torchrun.sh: SIG$STOP_SIG: $acks of $NPROC_PER_NODE ranks on $(hostname -s) confirmed after 60 s (the others take it when they reach their signal handler; a second signal stops them at once)" >&2
+    CONFIRMED=1
+  fi
+}
+trap 'on_stop INT' INT
+trap 'on_stop TERM' TERM
+while kill -0 "$AGENT" 2>/dev/null; do
+  if (( STOPS > SENT )); then deliver_stop; fi
+  if (( SENT == 1 && CONFIRMED == 0 )); then confirm_stop; fi
+  sleep 0.5 < /dev/null &
+  SLEEPER=$!
+  wait "$SLEEPER" 2>/dev/null || true  # returns at once when a trapped signal arrives
 done
 set +e
 wait "$AGENT"

@@ -23,6 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, set before
 from megatron_rl.cli.config_errors import config_error_exit  # noqa: E402
 from megatron_rl.cli.entry import module_main, register  # noqa: E402
 from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
+from megatron_rl.lifeline import watch_job_owners  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
 from megatron_rl.tasks.reward_fn import reward_import_error  # noqa: E402
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     """Load + validate, then train; returns the exit code."""
     install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
     restore_default_signals()  # launch/torchrun.sh: the agent ignores SIGINT / SIGTERM, the ranks must not
+    watch_job_owners()  # under torchrun: exit when the agent or launch/torchrun.sh has ended
     overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
     restart = restart_count()
     if restart > 0:  # an elastic restart / Slurm requeue continues its own run: never refused, never wiped

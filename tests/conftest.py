@@ -1,5 +1,6 @@
-"""Shared pytest setup: one thread per process, GPU tests skipped without CUDA, the ``mcore`` marker, and the
-fixtures every test tree shares (tiny models, the HF reference, a job builder).
+"""Shared pytest setup: one thread per process, GPU tests skipped without CUDA, the ``mcore`` marker on every
+test file that imports megatron (``imports_megatron``), a check that no test leaves a process of its job running,
+and the fixtures every test tree shares (tiny models, the HF reference, a job builder).
 
 Fixtures (session-scoped models are built once per session per arguments, under pytest's tmp dir; a test
 must leave a shared model directory as it found it):
@@ -18,7 +19,9 @@ must leave a shared model directory as it found it):
 Forked ranks (``megatron_rl.testing.distributed.run_ranks``) do not see fixtures: the actor-vs-HF pieces they
 need are functions in ``megatron_rl.testing.actor_reference``.
 """
+import ast
 import dataclasses
+import functools
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -26,26 +29,60 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_rl.testing.processes import become_subreaper, describe, kill_processes, leftovers, process_ids  # noqa: E402
+
 torch.set_num_threads(1)
 
 #: the repository root (configs/, launch/, tools/ live there)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: test files that touch megatron-core: marked ``mcore``, run again on the newest megatron-core by
-#: tools/run_tests.sh (its second leg, ``-m mcore``; budget ~8 min on 2 cores)
-MCORE_TEST_FILES = frozenset({
-    "test_cpu_compat.py", "test_mcore_versions.py", "test_moe_grad_norm.py", "test_models.py",
-    "test_parallel.py", "test_actor_forward.py", "test_actor_train.py",
-    "test_actor_checkpoint.py", "test_routing_replay.py", "test_deepseek_v3.py", "test_deepseek_convert.py",
-    "test_hf_convert_torch_dist.py", "test_hf_convert_logprobs.py", "test_train_loop.py",
-    "test_packing_boundaries.py", "test_packed_attention.py",
-})
+def _imported_names(path: str):
+    """Every module name an ``import`` in ``path`` names (anywhere in the file), ``from a import b`` as
+    ``a`` and ``a.b``."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _source_of(module: str):
+    """The file of a project module (``megatron_rl.x.y`` or ``tests.x``), or None."""
+    base = os.path.join(ROOT, *module.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _is_megatron(name: str) -> bool:
+    return name == "megatron" or name.startswith("megatron.")
+
+
+@functools.lru_cache(maxsize=None)
+def imports_megatron(path: str) -> bool:
+    """Whether a test file imports megatron: itself, or through a project module it imports whose own code
+    imports megatron (at any depth of that module's file: a function importing megatron when called counts)."""
+    names = _imported_names(path)
+    if any(map(_is_megatron, names)):
+        return True
+    for name in names:
+        if name.split(".")[0] in ("megatron_rl", "tests"):
+            src = _source_of(name)
+            if src is not None and any(map(_is_megatron, _imported_names(src))):
+                return True
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
-    mcore = pytest.mark.mcore
+    mcore = pytest.mark.mcore  # tools/run_tests.sh runs these again on the newest megatron-core (-m mcore)
     for item in items:
-        if item.path.name in MCORE_TEST_FILES:
+        if imports_megatron(str(item.path)):
             item.add_marker(mcore)
     if torch.cuda.is_available():
         return
@@ -53,6 +90,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionstart(session):
+    become_subreaper()  # a job whose launcher died is re-parented to pytest: the fixture below still sees it
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Fail a test that leaves a process it started running (a job's launcher, torchrun agent, ranks, servers):
+    after the test, every process started during it (not by a server shared across tests) must end within
+    15 s; what is left is killed and named in the failure."""
+    before = process_ids()
+    yield
+    left = leftovers(before)
+    if left:
+        text = describe(left)
+        kill_processes(left)
+        pytest.fail(f"the test left {len(left)} process(es) of its job running (killed now):\n{text}",
+                    pytrace=False)
 
 
 def _cached_builder(root, build):

@@ -20,6 +20,8 @@ import torch
 from megatron_rl.convert import CheckpointFormatError, convert_mcore_to_hf, storage
 from megatron_rl.convert.torch_dist import is_torch_dist_checkpoint
 
+pytestmark = pytest.mark.mcore  # megatron saves the checkpoints (torchrun ranks): runs on the 0.19 leg too
+
 pytest.importorskip("transformers")
 
 _SAVE_SCRIPT = textwrap.dedent('''

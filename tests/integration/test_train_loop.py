@@ -14,6 +14,8 @@ import torch
 from megatron_rl.config import load_job_config
 from megatron_rl.testing.distributed import run_ranks
 
+pytestmark = pytest.mark.mcore  # megatron runs inside the RL loop's ranks: runs on the 0.19 leg too
+
 
 @pytest.fixture(scope="module")
 def task_model(tmp_path_factory):

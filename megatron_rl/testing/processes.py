@@ -1,0 +1,128 @@
+"""The processes a test starts, found by ancestry (whatever session or process group they moved to) and ended.
+
+    become_subreaper()            # orphans of our descendants are re-parented to us: a job whose launcher
+                                  # died stays findable (and its zombies are ours to reap)
+    before = process_ids()        # every live descendant of this process
+    left = leftovers(before)      # new descendants not started by one of ``before``, after a grace period
+    kill_job(proc)                # SIGKILL a started job: the Popen's process, its group and every descendant
+
+Used by ``tests/conftest.py`` (a test that leaves a process of its job behind fails) and by the tests that start
+jobs (``launch/torchrun.sh``, ``megatron_rl.train``, servers), which call ``kill_job`` on every way out.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from typing import Iterable, List, Optional, Set
+
+import psutil
+
+__all__ = ["become_subreaper", "process_ids", "leftovers", "kill_job", "kill_processes", "describe"]
+
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+#: long-lived helpers a library starts once per process on first use; not a test's job
+_SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux); returns whether it worked."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _descendants(pid: Optional[int] = None) -> List[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def process_ids(pid: Optional[int] = None) -> Set[int]:
+    """Pids of the live descendants of ``pid`` (default: this process)."""
+    return {p.pid for p in _descendants(pid)}
+
+
+def _reap_zombies() -> None:
+    """Reap this process's zombie children (orphans re-parented to a subreaper, killed jobs nobody waited)."""
+    for p in psutil.Process().children():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
+def _new_job_processes(before: Set[int]) -> List[psutil.Process]:
+    """Live descendants not in ``before`` and not started by a process in ``before`` (a shared server's own
+    children are the server's business), shared library helpers excepted."""
+    me = os.getpid()
+    out = []
+    for p in _descendants():
+        try:
+            if p.pid in before or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if any(a.pid in before for a in p.parents() if a.pid != me):
+                continue
+            if any(h in " ".join(p.cmdline()) for h in _SHARED_HELPERS):
+                continue
+        except psutil.Error:  # ended meanwhile
+            continue
+        out.append(p)
+    return out
+
+
+def describe(procs: Iterable[psutil.Process]) -> str:
+    """``pid (sid S): cmdline`` per process, one per line."""
+    lines = []
+    for p in procs:
+        try:
+            lines.append(f"  pid {p.pid} (session {os.getsid(p.pid)}): {' '.join(p.cmdline())[:200]}")
+        except (psutil.Error, OSError):
+            lines.append(f"  pid {p.pid}: (ended)")
+    return "\n".join(lines)
+
+
+def leftovers(before: Set[int], grace_s: float = 15.0, poll_s: float = 0.2) -> List[psutil.Process]:
+    """The processes started since ``before`` (see ``_new_job_processes``) still alive after ``grace_s`` seconds
+    (a job's ranks get that long to notice their launcher ended)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        _reap_zombies()
+        left = _new_job_processes(before)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(poll_s)
+
+
+def kill_processes(procs: Iterable[psutil.Process]) -> None:
+    """SIGKILL each process (and the group it leads), then reap what is ours."""
+    for p in procs:
+        try:
+            if os.getpgid(p.pid) == p.pid:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.kill()
+        except (psutil.Error, OSError):
+            pass
+    psutil.wait_procs(list(procs), timeout=10)
+    _reap_zombies()
+
+
+def kill_job(proc) -> None:
+    """End a job a test started (a ``subprocess.Popen``), whatever state it is in: SIGKILL every descendant of
+    it (the torchrun agent and the ranks run in sessions of their own), its process group, then itself; wait."""
+    kids = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # started with start_new_session: its group is its pid
+    except (ProcessLookupError, PermissionError):
+        pass
+    kill_processes(kids)
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(timeout=30)
+    except Exception:  # noqa: BLE001 - a process that cannot be reaped in 30 s is reported by the fixture
+        pass
