@@ -5,8 +5,9 @@ stop request cannot be lost. Light on purpose (no torch): the torchrun agent sta
   with the kernel's parent-death signal set to SIGKILL, so the agent ends the moment the launcher (``PID``) ends,
   however it ends (SIGKILL, SIGHUP, a crash).
 * A rank (``watch_job_owners``, called by ``megatron_rl.train``): when started by torchrun, a daemon thread waits
-  for its agent (its parent) and for the launcher (``$MEGATRON_RL_LAUNCHER_PID``) to end; when either does, the
-  rank exits at once (its worker processes with it) -- a job nobody watches does not keep running.
+  for its agent (its parent, ``$MEGATRON_RL_AGENT_PID``) and for the launcher (``$MEGATRON_RL_LAUNCHER_PID``) to
+  end; when either does, the rank exits at once (its worker processes with it) -- a job nobody watches does not
+  keep running.
 * The stop request (``StopChannel``): the launcher writes ``"<count> <signum>"`` to ``$MEGATRON_RL_STOP_FILE``
   *before* it signals the ranks, and each rank, once it has taken a stop request, writes ``ack.<rank>`` into the
   file's directory. A rank reads the file every ``poll_s`` as well as on every signal, so a signal that never
@@ -29,6 +30,7 @@ __all__ = ["StopChannel", "watch_job_owners", "set_parent_death_signal", "main"]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCHER_PID_ENV = "MEGATRON_RL_LAUNCHER_PID"
+AGENT_PID_ENV = "MEGATRON_RL_AGENT_PID"
 STOP_FILE_ENV = "MEGATRON_RL_STOP_FILE"
 
 
@@ -118,7 +120,8 @@ def watch_job_owners(env=None, on_orphan: Optional[Callable[[str], None]] = None
     env = os.environ if env is None else env
     if not env.get("TORCHELASTIC_RUN_ID"):
         return None
-    parent = os.getppid()
+    agent = env.get(AGENT_PID_ENV, "")
+    parent = int(agent) if agent.isdigit() else os.getppid()  # an agent that died before this line: orphaned
     owners = [parent] + [int(p) for p in [env.get(LAUNCHER_PID_ENV, "")] if p.isdigit()]
     if on_orphan is None:
         def on_orphan(message: str) -> None:
@@ -148,6 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("no command after --")
     os.setsid()
     set_parent_death_signal(signal.SIGKILL)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # exec keeps the pid: the ranks' parent
     if os.getppid() != args.parent:  # the launcher ended before the signal was armed
         print(f"megatron_rl.lifeline: launcher pid {args.parent} has already ended; not starting "
               f"{cmd[0]}", file=sys.stderr)

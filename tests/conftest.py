@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_rl.testing.processes import become_subreaper, describe, kill_processes, leftovers, process_ids  # noqa: E402
+from megatron_rl.testing import processes  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    become_subreaper()  # a job whose launcher died is re-parented to pytest: the fixture below still sees it
+    processes.become_subreaper()  # a job whose launcher died is re-parented to pytest: the fixture below still sees it
 
 
 @pytest.fixture(autouse=True)
@@ -101,12 +101,12 @@ def no_process_left_behind():
     """Fail a test that leaves a process it started running (a job's launcher, torchrun agent, ranks, servers):
     after the test, every process started during it (not by a server shared across tests) must end within
     15 s; what is left is killed and named in the failure."""
-    before = process_ids()
+    before = processes.process_ids()
     yield
-    left = leftovers(before)
+    left = processes.leftovers(before)
     if left:
-        text = describe(left)
-        kill_processes(left)
+        text = processes.describe(left)
+        processes.kill_processes(left)
         pytest.fail(f"the test left {len(left)} process(es) of its job running (killed now):\n{text}",
                     pytrace=False)
 

@@ -113,8 +113,11 @@ def kill_processes(procs: Iterable[psutil.Process]) -> None:
 
 def kill_job(proc) -> None:
     """End a job a test started (a ``subprocess.Popen``), whatever state it is in: SIGKILL every descendant of
-    it (the torchrun agent and the ranks run in sessions of their own), its process group, then itself; wait."""
-    kids = _descendants(proc.pid)
+    it (the torchrun agent and the ranks run in sessions of their own), its process group, then itself; wait.
+    A process already waited for is left alone (its pid may belong to another process by now)."""
+    if proc.returncode is not None:
+        return
+    kids = _descendants(proc.pid)  # not reaped yet: the pid is still this process's
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # started with start_new_session: its group is its pid
     except (ProcessLookupError, PermissionError):

@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from megatron_rl.tasks.char_tokenizer import build_task_model
+from megatron_rl.testing.processes import kill_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,9 +90,7 @@ def _torchrun(tmp_path, model_dir, fault=None, overrides=(), resume=False):
     try:
         out, _ = proc.communicate(timeout=400)
     finally:
-        if proc.poll() is None:  # never leave a job behind, even when the test fails
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_job(proc)  # never leave a job behind, even when the test fails
     return proc.returncode, out, time.time()
 
 
@@ -233,8 +232,7 @@ def test_second_sigterm_ends_a_rank_blocked_in_the_checkpoint_writer(tmp_path, m
         proc.send_signal(signal.SIGTERM)
         out = _finish(proc, lines, 20)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_job(proc)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "received signal 15: checkpointing at the end of this step" in out
     assert "rank 0: second signal 15: exiting now without checkpoint" in out
@@ -251,8 +249,7 @@ def test_stop_timeout_ends_a_blocked_rank_after_one_sigterm(tmp_path, model_dir)
         out = _finish(proc, lines, 30)
         took = time.time() - t0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_job(proc)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert 4 <= took < 30, took
     assert "has not finished its step and checkpoint (trainer.stop_timeout_s)" in out

@@ -3,7 +3,9 @@
 * a config error is found before torchrun starts: exit 2, the message alone (no torchrun summary, no traceback);
 * Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) and SIGTERM to the launcher: the ranks
   finish the step, checkpoint, and the job exits 0 with one line naming the checkpoint -- no SignalException
-  traceback from the torchrun agent;
+  traceback from the torchrun agent -- and the launcher says in one line that every rank confirmed the stop;
+* a launcher that ends without a word (SIGKILL while the ranks train, SIGHUP while they start) takes its job with
+  it: the torchrun agent and every rank end within seconds;
 * ``--resume`` after the overrides continues from that checkpoint, the history reading 1..N+1.
 
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_launcher_commands.py   (~2-3 min on 2 cores)
@@ -11,13 +13,16 @@ Run: OMP_NUM_THREADS=1 pytest tests/integration/test_launcher_commands.py   (~2-
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from megatron_rl.testing.jobs import copy_job, wait_for_steps, write_job
+from megatron_rl.testing.processes import kill_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,9 +58,7 @@ def _stop_after_two_steps(proc, run, send):
         out, _ = proc.communicate(timeout=240)
         return out, time.time() - t0
     finally:
-        if proc.poll() is None:  # never leave a job behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_job(proc)  # never leave a job behind: launcher, agent (its own session) and ranks
 
 
 def _assert_clean_stop(proc, out, run, signum):
@@ -68,6 +71,10 @@ def _assert_clean_stop(proc, out, run, signum):
     assert len(stop_lines) == 1 and f"stopped by signal {signum} after step {done}: checkpoint {ckpt}" in \
         stop_lines[0], out[-4000:]
     assert out.count(f"received signal {signum}") == 1, out[-4000:]   # one acknowledgement, not one per rank
+    confirmed = [line for line in out.splitlines() if line.startswith("launch/torchrun.sh: ")]
+    assert confirmed == [f"launch/torchrun.sh: {signal.Signals(signum).name} reached all 2 ranks on "
+                         f"{socket.gethostname().split('.')[0]}: they checkpoint after this step and exit (a second "
+                         f"signal stops them at once)"], out[-4000:]
     return done
 
 
@@ -108,3 +115,44 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0(tmp_path, copy_model):
     out, took = _stop_after_two_steps(proc, run, lambda p: p.send_signal(signal.SIGTERM))
     _assert_clean_stop(proc, out, run, signal.SIGTERM)
     assert took < 120, took
+
+
+def _cmd(p):
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # ended (or a zombie) meanwhile
+        return ""
+
+
+def _job_processes(launcher_pid, nranks, timeout):
+    """The agent and the ``nranks`` ranks under the launcher, once they all exist."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        procs = psutil.Process(launcher_pid).children(recursive=True)
+        ranks = [p for p in procs if "megatron_rl.train" in _cmd(p) and "torch.distributed.run" not in _cmd(p)]
+        if len(ranks) == nranks:
+            return procs
+        time.sleep(0.2)
+    raise AssertionError(f"{nranks} ranks did not start within {timeout} s")
+
+
+@pytest.mark.parametrize("when,sig", [("starting", signal.SIGHUP), ("training", signal.SIGKILL)])
+def test_a_job_never_outlives_its_launcher(tmp_path, copy_model, when, sig):
+    job = _job(tmp_path, copy_model)
+    proc = _launch(tmp_path, job)
+    try:
+        job_procs = _job_processes(proc.pid, 2, timeout=120)
+        if when == "training":
+            wait_for_steps(proc, tmp_path / "run" / "metrics.jsonl", 1, timeout=300, poll=0.3)
+            job_procs = psutil.Process(proc.pid).children(recursive=True)
+        assert any("torch.distributed.run" in _cmd(p) for p in job_procs)
+        assert all(os.getsid(p.pid) != os.getsid(proc.pid) for p in job_procs
+                   if "megatron_rl" in _cmd(p))  # out of reach of the launcher's group
+        t0 = time.time()
+        proc.send_signal(sig)   # the launcher alone, as kill -9 or a closed terminal does
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(job_procs, timeout=20)
+        assert not alive, [_cmd(p)[:120] for p in alive]
+        assert time.time() - t0 < 20
+    finally:
+        kill_job(proc)

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from megatron_rl.testing.processes import kill_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,8 +37,7 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_job(proc)  # the trainer and its worker processes, whatever happened
     assert proc.returncode == 0, out
     assert "received signal 15" in out
     done = len(metrics.read_text().splitlines())

@@ -24,6 +24,7 @@ import pytest
 
 from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
 from megatron_rl.testing.sglang_script import start_server_script, wait_healthy
+from megatron_rl.testing.processes import kill_job
 from tests.integration.test_train_loop_sglang import _assert_step1_kl_matches_hf_fp32
 
 _OK, _REASON = sglang_available()
@@ -73,7 +74,7 @@ def run_torchrun_job(tmp, model, overrides, timeout=420, nproc=2, async_lag=Fals
         try:
             out, _ = p.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_job(p)
             out, _ = p.communicate(timeout=60)
         server_log = run / "sglang_server.log"
         pytest.fail(f"torchrun job not done after {timeout} s:\n{out[-4000:]}\n"
