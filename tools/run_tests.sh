@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The project's whole test suite, from a fresh CPU machine, at both ends of the supported megatron-core range:
 #   leg 1: the full suite on megatron-core 0.16.1 in .venv (with SGLang: the real-server tests);
-#   leg 2: every test marked `mcore` (all that touches megatron: models, actor, checkpoints, routing replay,
-#          DeepSeek-V3, conversion, the loop; the list is tests/conftest.py's MCORE_TEST_FILES) on
-#          megatron-core 0.19.2 in .venv-mcore019 (no SGLang).
+#   leg 2: every test marked `mcore` on megatron-core 0.19.2 in .venv-mcore019 (no SGLang): each test file that
+#          imports megatron, itself or through a project module that does (tests/conftest.py imports_megatron),
+#          and the files that mark themselves (megatron only in the ranks they start).
+# Each leg prints its 25 slowest tests (--durations=25).
 # Usage: bash tools/run_tests.sh [pytest args...]      (the args go to both legs)
 #   MEGATRON_RL_VENV / MEGATRON_RL_VENV_NEWEST   the two venvs (default .venv / .venv-mcore019)
 #   MEGATRON_RL_MCORE_NEWEST=0.19.x              the newest leg's release (default 0.19.2)
@@ -25,7 +26,7 @@ run_leg() {  # run_leg NAME PYTHON PYTEST_ARGS... ; prints and returns the leg's
   local name="$1" py="$2"; shift 2
   echo "=== tools/run_tests.sh: $name: $("$py" -c 'from importlib.metadata import version as v; print("megatron-core", v("megatron-core"))')"
   set +e
-  "$py" -m pytest "$@"
+  "$py" -m pytest --durations=25 "$@"
   local rc=$?
   set -e
   if [ "$rc" -eq 5 ]; then

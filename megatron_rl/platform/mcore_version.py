@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Tuple
 
 __all__ = ["MIN_SUPPORTED", "MAX_EXCLUSIVE", "McoreRelease", "MCORE", "parse_release", "installed_release",
-           "check_supported_mcore", "UnsupportedMegatronCore", "write_legacy_common_state"]
+           "check_supported_mcore", "UnsupportedMegatronCore", "write_legacy_common_state", "megatron_cp_batch"]
 
 #: oldest supported megatron-core release (setup.py's lower bound)
 MIN_SUPPORTED: Tuple[int, int, int] = (0, 16, 1)
@@ -70,6 +70,12 @@ class McoreRelease:
         (Megatron-LM #5916); before, expert params were deduplicated with the dense TP group."""
         return self.release >= (0, 19, 0)
 
+    @property
+    def cp_batch_needs_hybrid_flag(self) -> bool:
+        """``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=...)``: 0.19.0 added the required
+        ``is_hybrid_cp`` argument (and reads the group's size and rank through ``torch.distributed``)."""
+        return self.release >= (0, 19, 0)
+
 
 def installed_release() -> McoreRelease:
     """The installed megatron-core (from its distribution metadata; ``megatron.core.__version__`` appends the
@@ -113,6 +119,17 @@ def write_legacy_common_state(checkpoint_dir: str) -> bool:
     torch.save(common, tmp)
     os.replace(tmp, path)
     return True
+
+
+def megatron_cp_batch(batch: dict, cp_group) -> dict:
+    """megatron-core's own context-parallel split of ``batch`` (``megatron.core.utils.get_batch_on_this_cp_rank``:
+    each sequence in ``2 x cp`` chunks, chunks ``r`` and ``2cp-1-r`` to rank ``r``) for this process's rank of
+    ``cp_group`` (a registered process group), whatever the installed release's signature."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if MCORE.cp_batch_needs_hybrid_flag:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
 
 
 #: the installed release (read once at import)

@@ -11,28 +11,18 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor.cp import cp_gather, cp_split
+from megatron_rl.platform.mcore_version import megatron_cp_batch
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.fake_group import fake_process_group
 
 
-class _Group:
-    """Stand-in with the group API megatron's helper reads (size / rank) for any CP rank."""
-
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
-def _megatron_split(rank, world, x, tok, cp):
-    """megatron's slicing for every CP rank (needs torch.distributed initialised, hence a rank)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    return [get_batch_on_this_cp_rank({"x": x.clone(), "tokens": tok.clone()}, cp_group=_Group(cp, r))
-            for r in range(cp)]
+def _megatron_split(x, tok, cp):
+    """megatron's slicing for every CP rank (this process as each rank of a fake group of ``cp``)."""
+    out = []
+    for r in range(cp):
+        with fake_process_group(r, cp) as group:
+            out.append(megatron_cp_batch({"x": x.clone(), "tokens": tok.clone()}, group))
+    return out
 
 
 @pytest.mark.timeout(60)
@@ -40,7 +30,7 @@ def _megatron_split(rank, world, x, tok, cp):
 def test_split_matches_megatron(cp):
     x = torch.arange(2 * 24 * 3).view(2, 24, 3)
     tok = torch.arange(2 * 24).view(2, 24)
-    (refs,) = run_ranks(_megatron_split, 1, x, tok, cp, timeout=50)
+    refs = _megatron_split(x, tok, cp)
     for r, ref in enumerate(refs):
         assert ref["x"].shape[1] == 24 // cp
         assert torch.equal(cp_split(x, r, cp), ref["x"])

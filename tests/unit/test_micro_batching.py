@@ -284,17 +284,17 @@ def test_packed_cp_positions_vs_chunk_rule(padded, cp):
 
 
 @pytest.mark.parametrize("s,cp", [(8, 2), (12, 3), (16, 4), (24, 2)])
-def test_packed_cp_single_segment_is_cp_split(s, cp, monkeypatch):
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
+def test_packed_cp_single_segment_is_cp_split(s, cp):
+    import megatron.core  # noqa: F401  megatron's own split is the reference
+    from megatron_rl.platform.mcore_version import megatron_cp_batch
+    from megatron_rl.testing.fake_group import fake_process_group
 
     x = torch.arange(100, 100 + s).view(1, s)
     for r in range(cp):
         got = x[:, packed_cp_positions([s], r, cp)]
         assert torch.equal(got, cp_split(x, r, cp))
-        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
-        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=r: r)
-        assert torch.equal(got, get_batch_on_this_cp_rank({"tokens": x.clone()})["tokens"])
+        with fake_process_group(r, cp) as cp_group:
+            assert torch.equal(got, megatron_cp_batch({"tokens": x.clone()}, cp_group)["tokens"])
 
 
 @pytest.mark.parametrize("padded,cp", [([8, 4, 12], 2), ([6, 12, 6], 3), ([16, 8, 24, 8], 4), ([7, 2], 1)])

@@ -10,21 +10,21 @@ Transformer Engine's attention to run a model (GPU only), so this checks the rou
 import pytest
 import torch
 
-from megatron.core import parallel_state
-from megatron.core.utils import get_batch_on_this_cp_rank
+import megatron.core  # noqa: F401
 from megatron_rl.actor.routing import micro_batch_targets
+from megatron_rl.platform.mcore_version import megatron_cp_batch
+from megatron_rl.testing.fake_group import fake_process_group
 
 
 @pytest.mark.parametrize("cp_size, sp_size", [(2, 1), (4, 1), (2, 2), (1, 2)])
-def test_targets_follow_megatrons_cp_zigzag_and_sp_scatter(monkeypatch, cp_size, sp_size):
+def test_targets_follow_megatrons_cp_zigzag_and_sp_scatter(cp_size, sp_size):
     B, L, NL, K, E = 3, 16, 2, 2, 8
     g = torch.Generator().manual_seed(cp_size * 10 + sp_size)
     routing = torch.rand(B, L, NL, E, generator=g).argsort(-1)[..., :K].to(torch.uint8)
     lengths = torch.tensor([16, 11, 7])
     for cp_rank in range(cp_size):
-        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp_size)
-        monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda r=cp_rank: r)
-        pos = get_batch_on_this_cp_rank({"tokens": torch.arange(L).expand(B, L).clone()})["tokens"]  # [B, L/cp]
+        with fake_process_group(cp_rank, cp_size) as cp_group:
+            pos = megatron_cp_batch({"tokens": torch.arange(L).expand(B, L).clone()}, cp_group)["tokens"]  # [B, L/cp]
         for sp_rank in range(sp_size):
             local = pos.chunk(sp_size, dim=1)[sp_rank]                      # SP scatters the sequence dim
             got = micro_batch_targets(routing, lengths, (0, B), L, cp_rank, cp_size, sp_rank, sp_size)
