@@ -12,6 +12,7 @@ jobs (``launch/torchrun.sh``, ``megatron_rl.train``, servers), which call ``kill
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import time
@@ -89,6 +90,7 @@ def describe(procs: Iterable[psutil.Process]) -> str:
 def leftovers(before: Set[int], grace_s: float = 15.0, poll_s: float = 0.2) -> List[psutil.Process]:
     """The processes started since ``before`` (see ``_new_job_processes``) still alive after ``grace_s`` seconds
     (a job's ranks get that long to notice their launcher ended)."""
+    gc.collect()  # worker pools end their workers when collected
     deadline = time.monotonic() + grace_s
     while True:
         _reap_zombies()
