@@ -1,0 +1,131 @@
+"""Sequence- and batch-level objectives through ``MegatronActor.train_step`` equal a single-process reference.
+
+The actor (megatron-core, 1F1B schedule, DDP) trains one step with loss_type gspo / geo_mean / clip_cov at
+DP2 and PP2 (the loss on the last stage); the reference is HF transformers on the whole batch in one process
+with ``compute_policy_loss`` (and, for clip_cov, ``batch_selection`` over the whole batch). Checked: the
+loss, the pre-clip grad norm and every parameter gradient. Context parallelism (megatron's attention needs
+TE for it) runs ``train_mini_batch`` on the position-wise model of ``test_actor_cp_train``: CP2 and DP2 x CP2
+with gspo / geo_mean / opsm (old log-probs perturbed so the per-sequence sums matter) equal CP1. Run:
+``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_objectives.py -q``
+"""
+import pytest
+import torch
+
+import megatron.core  # noqa: F401
+from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
+from megatron_rl.losses.selection import batch_selection
+from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, TOKEN_IS, actor_job, parallel_section
+from megatron_rl.testing.actor_reference import hf_adamw, hf_token_log_probs, load_hf_reference
+from megatron_rl.testing.actor_reference import merge_rank_grads, unfuse_experts
+from megatron_rl.testing.distributed import run_ranks
+from tests.integration.test_actor_train import T, _data, _rank_train
+
+transformers = pytest.importorskip("transformers")
+
+LOSS = {"gspo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "seq-mean-token-mean"},
+        "geo_mean": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
+        "opsm": {"opsm_delta": 0.0, "loss_agg_mode": "token-mean"},
+        "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.01, "clip_cov_ub": 50.0}}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tiny_hf_model):
+    return tiny_hf_model("qwen2", seed=31, num_hidden_layers=4)
+
+
+def _job(hf_dir, loss_type, tp=1, pp=1, cp=1, mbs=3):
+    parallel = {**parallel_section(tp=tp, pp=pp), "context_parallel_size": cp}
+    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP_GRAD,
+                              "policy_loss": LOSS[loss_type]},
+                     parallel, correction={**TOKEN_IS, "loss_type": loss_type})
+
+
+def _reference(hf_dir, data, loss_type):
+    batch, old, adv, mask, is_w = data
+    model = load_hf_reference(hf_dir)
+    model.train()
+    hf_adamw(model, LR, weight_decay=0.0)
+    cfg = PolicyLossConfig(**LOSS[loss_type])
+    W = batch.max_length - 1
+    adv = adv[:, None].expand(-1, W).to(torch.float32)
+    select, mask, _ = batch_selection(loss_type, cfg, old, None, adv, mask)
+    logp = hf_token_log_probs(model, batch.tokens, T)
+    out = compute_policy_loss(logp, old, adv, mask, cfg, loss_type=loss_type, is_weights=is_w, token_select=select)
+    out.loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    grads = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return float(out.pg_loss.detach()), norm, grads, (None if select is None else int(select.sum()))
+
+
+CASES = [("gspo", dict(), 2), ("gspo", dict(pp=2), 2), ("geo_mean", dict(pp=2), 2), ("clip_cov", dict(), 2),
+         ("clip_cov", dict(pp=2), 2)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("loss_type,layout,world", CASES,
+                         ids=["gspo-dp2", "gspo-pp2", "geo_mean-pp2", "clip_cov-dp2", "clip_cov-pp2"])
+def test_objective_train_step_matches_single_process(hf_dir, loss_type, layout, world):
+    from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
+
+    job = _job(hf_dir, loss_type, **layout)
+    data = _data(job.model.vocab_size)
+    pg_loss, norm, ref_grads, selected = _reference(hf_dir, data, loss_type)
+    assert selected is None or selected > 0
+    results = run_ranks(_rank_train, world, job, data, timeout=200)
+    m = results[0]["metrics"]
+    assert all(r["metrics"] == m for r in results)
+    assert m["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-7)
+    assert m["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
+    grads = merge_rank_grads([r["grads"] for r in results], job)
+    geom, _, _ = read_hf_checkpoint(hf_dir)
+    ref = hf_to_mcore(ref_grads, geom)
+    scale = min(1.0, CLIP_GRAD / norm)        # the actor's main_grad is read after clipping
+    for k, g in ref.items():
+        torch.testing.assert_close(grads[k], g * scale, rtol=1e-4, atol=1e-6, msg=lambda s: f"grad {k}: {s}")
+
+
+def _cp_rank(rank, world, cp, loss_type):
+    from megatron_rl.actor.forward import compute_log_probs
+    from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+    from megatron_rl.actor.train_step import train_mini_batch
+    from megatron_rl.config import ActorConfig
+    from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
+    from megatron_rl.parallel.groups import ActorGroups
+    from tests.integration.test_actor_cp_train import _build, _data as cp_data
+
+    initialize_model_parallel(ParallelConfig(context_parallel_size=cp), seed=1)
+    groups = ActorGroups.from_parallel_state()
+    model = wrap_ddp([_build(cp)])
+    opt = build_optimizer(model, ActorConfig(lr=1e-2, clip_grad=1e6, weight_decay=0.0))
+    batch, adv, is_w = cp_data()
+    shard = batch.shard(groups.dp_rank, groups.dp_size)
+    start = sum(batch.shard(r, groups.dp_size).num_rows for r in range(groups.dp_rank))
+    rows = slice(start, start + shard.num_rows)
+    bounds = [(s, min(s + 3, shard.num_rows)) for s in range(0, shard.num_rows, 3)]
+    lp, _ = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups)
+    g = torch.Generator().manual_seed(3)
+    noise = 0.3 * torch.randn(batch.num_rows, batch.max_length - 1, generator=g)[rows, : lp.shape[1]]
+    old = torch.clamp(lp + noise, max=-1e-4)
+    per_token = {"old_log_probs": old, "advantages": adv[rows], "response_mask": shard.response_mask,
+                 "is_weights": is_w[rows], "ref_log_probs": None}
+    cfg = PolicyLossConfig(**LOSS[loss_type])
+    metrics = train_mini_batch(model, opt, shard, per_token, cfg, loss_type, temperature=0.9, bounds=bounds,
+                               groups=groups)
+    return {"metrics": metrics, "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()}}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loss_type", ["gspo", "geo_mean", "opsm"])
+@pytest.mark.parametrize("cp,world", [(2, 2), (2, 4)], ids=["cp2", "dp2xcp2"])
+def test_sequence_objectives_under_context_parallel_match_cp1(cp, world, loss_type):
+    (ref,) = run_ranks(_cp_rank, 1, 1, loss_type, timeout=100)
+    res = run_ranks(_cp_rank, world, cp, loss_type, timeout=150)
+    if loss_type == "opsm":
+        assert ref["metrics"]["opsm_clipfrac"] > 0
+    for r in res:
+        assert r["metrics"].keys() == ref["metrics"].keys()
+        for k, v in ref["metrics"].items():
+            assert r["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+        for n, g in ref["grads"].items():
+            assert g.abs().max() > 0
+            torch.testing.assert_close(r["grads"][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"grad {n}: {m}")
