@@ -90,7 +90,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     ``packed``: each packed into one sequence. Neither changes the loss: its denominators are global and the
     loss sees each micro-batch's rows (``MicroBatch.layout.loss_rows``).
 
-    ``loss_type`` ("ppo_clip" / "reinforce") is ``algorithm.rollout_correction.loss_type``.
+    ``loss_type`` (one of ``megatron_rl.losses.LOSS_TYPES``) is ``algorithm.rollout_correction.loss_type``.
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
     t+1) or None (is_weights, ref_log_probs). Returns floats: pg_loss (the global batch's aggregated
     policy loss), pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss (with a KL loss; token means

@@ -1,9 +1,12 @@
 """Policy losses for RL post-training with rollout correction.
 
 Modules (one job each):
-  config.py       ``PolicyLossConfig`` (clip ratios, dual-clip, aggregation mode, KL loss), ``LOSS_TYPES``
-  policy.py       decoupled / bypass PPO-clip and REINFORCE (``compute_policy_loss``, ``select_loss_inputs``)
-  aggregation.py  the four aggregation modes with global denominators (exact over micro-batches and DP)
+  config.py       ``PolicyLossConfig`` (clip ratios, objective parameters, aggregation, KL loss), ``LOSS_TYPES``
+  policy.py       every objective composed with the IS weights / mask (``compute_policy_loss``, ``select_loss_inputs``)
+  objectives.py   token-local objectives: PPO-clip, REINFORCE and verl's cispo, sapo, dppo_*, gpg, dro, clip/kl_cov
+  sequence.py     GSPO, GMPO (geo_mean), OPSM from per-sequence sums over the CP group
+  selection.py    Clip-Cov / KL-Cov / M2PO batch token selections over the DP group (radix select, no gather)
+  aggregation.py  the five aggregation modes with global denominators (exact over micro-batches and DP)
   kl.py           KL estimators k1/abs/k2/k3 and the straight-through "+" variants (k3 value, k2 gradient)
   metrics.py      (sum, count) metrics merged / all-reduced exactly
   validation.py   shape / dtype / mask / NaN checks with one host sync
