@@ -45,6 +45,13 @@ __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "Check
            "resolve_checkpoint_dir", "ensure_adam_state", "LATEST_FILE"]
 
 LATEST_FILE = "latest"
+#: How megatron's distributed optimizer lays out its sharded state (ignored by the other optimizers):
+#: per parameter, in model space, so it loads at any DP / TP / PP / EP layout (megatron's default
+#: ``fully_sharded_model_space`` needs flattened tensors that dist_checkpointing no longer takes). Saving
+#: gathers the shards on DP rank 0 over the gloo DP group (host memory there: the optimizer state of one
+#: model-parallel shard, what every rank holds without the distributed optimizer), not on every rank.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
 META_FILE = "megatron_rl.json"
 FORMAT_VERSION = 1
 
@@ -185,7 +192,7 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
     dist.barrier()
     ensure_adam_state(optimizer)
     sd = _model_sharded_state_dict(model)
-    sd["optimizer"] = optimizer.sharded_state_dict(dict(sd))
+    sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), metadata=OPTIMIZER_METADATA)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
     try:
@@ -241,7 +248,8 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
     _check_model(meta["model"], model_cfg, d)
     saved_layout, now_layout = meta["layout"], _layout(parallel_cfg)
     sd = _model_sharded_state_dict(model)
-    sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=True)
+    ensure_adam_state(optimizer)  # the distributed optimizer describes its state from existing Adam state
+    sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=True, metadata=OPTIMIZER_METADATA)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
     try:

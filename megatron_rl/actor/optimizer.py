@@ -63,8 +63,13 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
     (identity for fp32)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
+    if _distributed(actor_cfg):
+        from megatron_rl.platform import distrib_optimizer
+
+        distrib_optimizer.install()  # its checkpoints load with torch's Adam (see that module)
+
     opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
-                                 use_gloo_process_groups=torch.cuda.is_available())
+                                 use_gloo_process_groups=True)  # the distributed optimizer saves over gloo
     ddp_chunks[0].config.grad_scale_func = opt.scale_loss
     apply_constant_schedule(opt, actor_cfg)
     return opt

@@ -13,8 +13,9 @@ Design decisions:
     detection. Which attention that gives a job, and what it refuses, is ``models.attention``.
   * Always returns a list of model chunks (length VPP or 1) — what megatron's schedules and DDP take.
     ``pre_process`` / ``post_process`` follow the (virtual) pipeline stage.
-  * ``params_dtype`` fp32 on CPU (the Megatron optimizer only supports fp32 params there); bf16 can be
-    requested on GPU with ``params_dtype``.
+  * ``params_dtype`` (the actor's ``actor.bf16``): fp32 by default; with bf16 every parameter (norm weights
+    included) is cast to bf16 after building, as megatron's ``Float16Module`` does, without that wrapper
+    (the logits stay bf16; the project's log-prob code computes in fp32 from them).
   * ``variable_seq_lengths=True`` (micro-batches of different lengths through the pipeline schedules);
     megatron then needs ``moe_token_dispatcher_type='alltoall'`` even for dense models, so it is set for
     every model unless the config asks for allgather (which then disables variable_seq_lengths).
@@ -242,6 +243,8 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: 
             rotary_base=int(model.rotary_base) if float(model.rotary_base).is_integer() else model.rotary_base,
             vp_stage=vp_stage,
         )
+        if tcfg.params_dtype != torch.float32:  # every parameter in the model dtype, as megatron's Float16Module
+            chunk.to(dtype=tcfg.params_dtype)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

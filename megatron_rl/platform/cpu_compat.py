@@ -30,9 +30,9 @@ checkpoint is first saved, MoE modules, ... — get the CPU view as they load; n
     from megatron_rl.platform.cpu_compat import apply_cpu_patches
     apply_cpu_patches()          # no-op when torch.cuda.is_available(); idempotent
 
-Not covered (do not work on CPU): bf16/fp16 params with the Megatron optimizer and the distributed optimizer
-(type checks on ``torch.cuda.*Tensor``), CUDA graphs, fused kernels (TE / apex) — use fp32 params and the
-local layer spec on CPU.
+With CUDA available nothing is patched. bf16 params with megatron's mixed-precision optimizer and the
+distributed optimizer run on CPU through ``_apply_optimizer_standins`` (their ``torch.cuda.*Tensor`` type
+checks). Not covered (do not work on CPU): CUDA graphs, fused kernels (TE / apex) — use the local layer spec.
 """
 from __future__ import annotations
 
@@ -369,6 +369,52 @@ def _apply_function_patches() -> None:
             "setup_embeddings_and_output_layer"] = "calls weight.data.cuda() for tied embeddings with PP"
 
 
+# ----------------------------------------------------------------------------- CPU stand-ins: optimizers
+def _cuda_type_name(name: str) -> str:
+    """``"torch.BFloat16Tensor"`` -> ``"torch.cuda.BFloat16Tensor"`` (other names unchanged)."""
+    if name.startswith("torch.") and not name.startswith("torch.cuda.") and name.endswith("Tensor"):
+        return "torch.cuda." + name[len("torch."):]
+    return name
+
+
+@contextlib.contextmanager
+def _tensor_type_names_cuda():
+    """While active, ``Tensor.type()`` (no argument) names a CPU tensor by its CUDA type."""
+    original = torch.Tensor.type
+
+    def type_(self, *args: Any, **kwargs: Any):
+        out = original(self, *args, **kwargs)
+        return _cuda_type_name(out) if not args and not kwargs and isinstance(out, str) else out
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _wrap_type_checked_init(original):
+    def __init__(self, *args: Any, **kwargs: Any):
+        with _tensor_type_names_cuda():
+            return original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+def _apply_optimizer_standins() -> None:
+    """CPU stand-ins for the parameter type checks of megatron's mixed-precision (bf16 params, fp32 main
+    params) and distributed optimizers: while they are constructed, CPU tensors report their CUDA type names."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        if not hasattr(cls.__init__, "__wrapped__"):
+            cls.__init__ = _wrap_type_checked_init(cls.__init__)
+        PATCHES[f"{cls.__module__}.{cls.__name__}.__init__"] = (
+            "accepts only param.type() in torch.cuda.{Float,Half,BFloat16}Tensor (TypeError for CPU tensors)")
+
+
 class _PatchingLoader:
     """Wraps a module loader: after the module executes, its ``torch`` global becomes the CPU view."""
 
@@ -423,6 +469,7 @@ def apply_cpu_stand_ins() -> None:
     _install_torch_view()
     if not _state["applied"]:
         _apply_function_patches()
+        _apply_optimizer_standins()
         _state["applied"] = True
 
 

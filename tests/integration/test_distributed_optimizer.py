@@ -1,0 +1,131 @@
+"""``actor.use_distributed_optimizer`` (megatron's distributed optimizer: fp32 main parameters and Adam state
+sharded over the data-parallel ranks) on CPU, gloo, DP2, fp32 parameters.
+
+* Same training: 3 optimizer steps with it equal 3 steps without it (weights <= 1e-6: fp32 reduction order;
+  reduce-scatter + all-gather instead of all-reduce), with metrics equal to the same tolerance, and each rank
+  holds only its shard of the Adam state (about half of the elements, not all of them).
+* Checkpoints: 2 steps in one go == 1 step, save, a fresh set of processes loads, 1 step (bitwise: weights,
+  metrics); the checkpoint loads at another DP size (DP2 -> DP1: same weights, next step equal to the
+  uninterrupted run to fp32 reduction order).
+* HF export: ``megatron-rl convert mcore-to-hf`` of its checkpoint (``export_checkpoint_to_hf``) equals the live
+  actor's HF state dict bitwise.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_distributed_optimizer.py -q``
+"""
+import multiprocessing
+
+import pytest
+import torch
+
+import megatron.core  # noqa: F401
+from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.config import job_config_from_dict
+from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.distributed import run_ranks
+
+MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
+             ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
+
+
+def _job(dist_opt: bool, **actor):
+    return job_config_from_dict({
+        "model": MODEL,
+        "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01,
+                  "use_distributed_optimizer": dist_opt, **actor},
+        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
+    })
+
+
+def _batch(seed, rows=4):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(rows)]
+    responses = [torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(rows)]
+    lps = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
+    return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(rows, generator=g)
+
+
+def _step(actor, seed):
+    """One train step on this DP rank's half of an 8-row batch (the same global batch at every DP size)."""
+    batch, adv = _batch(seed, rows=8)
+    rows = 8 // actor.dp_size
+    lo = actor.dp_rank * rows
+    shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]
+    old, _ = actor.compute_log_probs(shard, 1.0)
+    return actor.train_step(shard, old, adv, shard.response_mask, None, 1.0)
+
+
+def _adam_numel(actor) -> int:
+    """Elements of Adam's exp_avg held by this rank."""
+    return sum(st["exp_avg"].numel() for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+               for st in o.optimizer.state.values() if "exp_avg" in st)
+
+
+def _rank(rank, world, job, steps, save_dir=None, load_dir=None, init_seed=7):
+    try:
+        initialize_model_parallel(job.parallel, seed=init_seed, model=job.model)
+        actor = MegatronActor(job)
+        start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
+        loaded = actor.full_state_dict_hf()
+        metrics = [_step(actor, 100 + s) for s in range(start, start + steps)]
+        ckpt = actor.save_checkpoint(save_dir, start + steps) if save_dir else None
+        return {"metrics": metrics, "weights": actor.full_state_dict_hf(), "loaded": loaded, "ckpt": ckpt,
+                "adam_numel": _adam_numel(actor), "start": start}
+    finally:
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(5)
+
+
+def _weights(results, key="weights"):
+    sds = [r[key] for r in results if r[key] is not None]
+    assert len(sds) == 1
+    return sds[0]
+
+
+def _assert_close_sd(a, b, atol=0.0):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.timeout(240)
+def test_same_training_as_without_it_and_adam_state_sharded():
+    plain = run_ranks(_rank, 2, _job(False), 3, timeout=200)
+    dist = run_ranks(_rank, 2, _job(True), 3, timeout=200)
+    _assert_close_sd(_weights(dist), _weights(plain), atol=1e-6)
+    for a, b in zip(dist[0]["metrics"], plain[0]["metrics"]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    moved = [k for k in _weights(plain) if not torch.equal(_weights(plain)[k], _weights(plain, "loaded")[k])]
+    assert len(moved) > 5, "the steps must change the weights for the comparison to mean anything"
+    full = plain[0]["adam_numel"]
+    assert all(r["adam_numel"] == full for r in plain)
+    # each rank's shard of the Adam state: about half of the buffer (shard bounds cut through parameters)
+    assert all(0.45 * full < r["adam_numel"] < 0.55 * full for r in dist), ([r["adam_numel"] for r in dist], full)
+    assert sum(r["adam_numel"] for r in dist) >= full
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_resume_is_exact_reshards_to_dp1_and_exports(tmp_path):
+    from megatron_rl.actor.hf_io import export_checkpoint_to_hf
+    from megatron_rl.convert import read_hf_checkpoint
+
+    job = _job(True)
+    full = run_ranks(_rank, 2, job, 2, timeout=200)
+    saved = run_ranks(_rank, 2, job, 1, str(tmp_path / "ck"), timeout=200)
+    resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
+    assert resumed[0]["start"] == 1
+    _assert_close_sd(_weights(resumed), _weights(full))
+    assert resumed[0]["metrics"][0] == full[0]["metrics"][1]
+    # another DP size: the sharded Adam state is resharded by megatron's dist_checkpointing
+    dp1 = run_ranks(_rank, 1, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
+    _assert_close_sd(_weights(dp1, "loaded"), _weights(saved))
+    _assert_close_sd(_weights(dp1), _weights(full), atol=1e-6)
+    assert dp1[0]["metrics"][0]["actor/pg_loss"] == pytest.approx(full[0]["metrics"][1]["actor/pg_loss"], abs=1e-6)
+    # HF export of the checkpoint on disk == the live actor's weights at save time
+    export_checkpoint_to_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    _, _, exported = read_hf_checkpoint(str(tmp_path / "hf"))
+    _assert_close_sd(exported, _weights(saved))
