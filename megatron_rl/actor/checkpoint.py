@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import warnings
 from typing import Any, Dict, Sequence, Tuple
 
@@ -158,6 +159,59 @@ def _restore_zero_steps(obj) -> None:
             _restore_zero_steps(v)
 
 
+#: the fp32 main parameter of a model weight: megatron's mixed-precision optimizer (``fp32_param``) and its
+#: distributed optimizer (``param``, fully reshardable format)
+_MAIN_PARAM_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(?:fp32_param|param)\.(.+)$")
+
+
+def _main_params_from_model_weights(optimizer_sd, saved_keys) -> int:
+    """A checkpoint of an fp32 actor (megatron's fp32 optimizer saves no fp32 main parameters) loading into a bf16
+    actor: each fp32 main parameter is read from the checkpoint's model weight it copies (fp32 there, so the main
+    parameters are the saved weights exactly). Returns the number of main parameters redirected."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    n = 0
+
+    def redirect(x):
+        nonlocal n
+        m = _MAIN_PARAM_KEY.match(x.key) if isinstance(x, (ShardedTensor, ShardedTensorFactory)) else None
+        if m and x.key not in saved_keys and m.group(1) in saved_keys:
+            x.key = m.group(1)
+            n += 1
+        return x
+
+    dict_list_map_inplace(redirect, optimizer_sd)
+    return n
+
+
+def _fp32_optimizer_state_as_mixed(optimizer_sd):
+    """The same conversion for the non-tensor part: megatron's fp32 optimizer saved its param groups and common
+    step at the top of its state dict, where the mixed-precision optimizer keeps them under ``optimizer``; move
+    them there (a chained optimizer's state dict is a list of such dicts)."""
+    if isinstance(optimizer_sd, list):
+        for sd in optimizer_sd:
+            _fp32_optimizer_state_as_mixed(sd)
+        return
+    if not isinstance(optimizer_sd, dict) or "param_groups" not in optimizer_sd:
+        return
+    inner = optimizer_sd.setdefault("optimizer", {})  # (the distributed optimizer requests none: all from disk)
+    saved_state = optimizer_sd.pop("state", {})
+    step = saved_state.get("common_step")
+    # the distributed optimizer (torch Adam) reads the step from its param groups, the mixed-precision one from
+    # the common step of its state; param ids are this run's (the distributed optimizer matches groups by their
+    # lr / wd multipliers)
+    saved_groups = optimizer_sd.pop("param_groups")
+    now_groups = inner.get("param_groups") or [{} for _ in saved_groups]
+    inner["param_groups"] = [{**saved, **({"params": now["params"]} if "params" in now else {}),
+                              "step": int(step) if step is not None else 0}
+                             for saved, now in zip(saved_groups, now_groups)]
+    if step is not None:
+        inner.setdefault("state", {})["common_step"] = step
+    if "param_state" in optimizer_sd:  # the distributed optimizer's format marker (common state, not on disk)
+        optimizer_sd.setdefault("param_state_sharding_type", OPTIMIZER_METADATA["distrib_optim_sharding_type"])
+
+
 def _iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{int(step):07d}")
 
@@ -253,7 +307,14 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
     try:
-        loaded = dcp.load(sd, os.path.join(d, "dist"))
+        saved_keys = set(dcp.load_tensors_metadata(os.path.join(d, "dist")))
+        if _main_params_from_model_weights(sd["optimizer"], saved_keys):
+            # the same saved tensors as bf16 model weights and as fp32 main parameters: one load per dtype
+            loaded = dcp.load({k: v for k, v in sd.items() if k != "optimizer"}, os.path.join(d, "dist"))
+            loaded.update(dcp.load({"optimizer": sd["optimizer"]}, os.path.join(d, "dist")))
+            _fp32_optimizer_state_as_mixed(loaded["optimizer"])
+        else:
+            loaded = dcp.load(sd, os.path.join(d, "dist"))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the layouts named
         raise CheckpointLayoutError(
             f"checkpoint {d}: loading failed (saved layout {saved_layout}, requested layout {now_layout}): "

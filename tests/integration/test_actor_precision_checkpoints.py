@@ -1,16 +1,25 @@
-"""``actor.use_distributed_optimizer`` (megatron's distributed optimizer: fp32 main parameters and Adam state
-sharded over the data-parallel ranks) on CPU, gloo, DP2, fp32 parameters.
+"""Checkpoints of the mixed-precision actor (``actor.bf16``) and of megatron's distributed optimizer
+(``actor.use_distributed_optimizer``: fp32 main parameters and Adam state sharded over the data-parallel ranks) on
+CPU, gloo.
 
-* Same training: 3 optimizer steps with it equal 3 steps without it (weights <= 1e-6: fp32 reduction order;
-  reduce-scatter + all-gather instead of all-reduce), with metrics equal to the same tolerance, and each rank
-  holds only its shard of the Adam state (about half of the elements, not all of them).
-* Checkpoints: 2 steps in one go == 1 step, save, a fresh set of processes loads, 1 step (bitwise: weights,
-  metrics); the checkpoint loads at another DP size (DP2 -> DP1: same weights, next step equal to the
-  uninterrupted run to fp32 reduction order).
-* HF export: ``megatron-rl convert mcore-to-hf`` of its checkpoint (``export_checkpoint_to_hf``) equals the live
+Distributed optimizer (DP2, fp32 parameters):
+
+* same training: 3 optimizer steps with it equal 3 steps without it (weights <= 1e-6: fp32 reduction order;
+  reduce-scatter + all-gather instead of all-reduce), metrics to the same tolerance, and each rank holds only
+  its shard of the Adam state (about half of the elements);
+* 2 steps in one go == 1 step, save, a fresh set of processes loads, 1 step (bitwise: weights, metrics); the
+  checkpoint loads at another DP size (DP2 -> DP1: same weights, next step equal to the uninterrupted run to fp32
+  reduction order); ``megatron-rl convert mcore-to-hf`` of it (``export_checkpoint_to_hf``) equals the live
   actor's HF state dict bitwise.
 
-Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_distributed_optimizer.py -q``
+bf16 (with and without the distributed optimizer):
+
+* resume is bit-exact: weights, fp32 main parameters and metrics of 1 + save/load + 1 steps == 2 steps;
+* an fp32 checkpoint loads into a bf16 run: model weights are the saved fp32 weights rounded to bf16, the fp32
+  main parameters and the Adam moments are the saved ones exactly (no double rounding), and the next step is
+  within bf16 tolerance of the fp32 run's next step.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_precision_checkpoints.py -q``
 """
 import multiprocessing
 
@@ -27,7 +36,7 @@ MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
              ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
 
 
-def _job(dist_opt: bool, **actor):
+def _job(dist_opt: bool = False, **actor):
     return job_config_from_dict({
         "model": MODEL,
         "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01,
@@ -62,16 +71,44 @@ def _adam_numel(actor) -> int:
                for st in o.optimizer.state.values() if "exp_avg" in st)
 
 
+def _optimizers(actor):
+    return getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+
+
+def _main_params(actor) -> torch.Tensor:
+    """This rank's fp32 main parameters (what the torch Adam inside megatron's optimizer steps), flattened."""
+    return torch.cat([p.detach().flatten() for o in _optimizers(actor) for g in o.optimizer.param_groups
+                      for p in g["params"]])
+
+
+def _named_main_state(actor) -> dict:
+    """Non-distributed optimizers: {model parameter name: {param, exp_avg, exp_avg_sq}} of the fp32 main copy."""
+    names = {id(p): n for c in actor.model for n, p in c.module.named_parameters()}
+    out = {}
+    for o in _optimizers(actor):
+        pairs = ([(p, p) for g in o.optimizer.param_groups for p in g["params"]] if not hasattr(o, "float16_groups")
+                 else [pm for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups) for pm in zip(mg, fg)]
+                 + [(p, p) for g in o.fp32_from_fp32_groups for p in g])
+        for model_p, main in pairs:
+            st = o.optimizer.state.get(main, {})
+            out[names[id(model_p)]] = {"param": main.detach().clone(),
+                                       **{k: st[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in st}}
+    return out
+
+
 def _rank(rank, world, job, steps, save_dir=None, load_dir=None, init_seed=7):
     try:
         initialize_model_parallel(job.parallel, seed=init_seed, model=job.model)
         actor = MegatronActor(job)
         start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
         loaded = actor.full_state_dict_hf()
+        distributed = job.actor.use_distributed_optimizer
+        loaded_main = None if distributed else _named_main_state(actor)
         metrics = [_step(actor, 100 + s) for s in range(start, start + steps)]
         ckpt = actor.save_checkpoint(save_dir, start + steps) if save_dir else None
         return {"metrics": metrics, "weights": actor.full_state_dict_hf(), "loaded": loaded, "ckpt": ckpt,
-                "adam_numel": _adam_numel(actor), "start": start}
+                "adam_numel": _adam_numel(actor), "start": start, "main": _main_params(actor),
+                "loaded_main": loaded_main, "final_main": None if distributed else _named_main_state(actor)}
     finally:
         for child in multiprocessing.active_children():
             child.terminate()
@@ -129,3 +166,42 @@ def test_checkpoint_resume_is_exact_reshards_to_dp1_and_exports(tmp_path):
     export_checkpoint_to_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))
     _, _, exported = read_hf_checkpoint(str(tmp_path / "hf"))
     _assert_close_sd(exported, _weights(saved))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dist_opt,world", [(False, 1), (True, 2)], ids=["bf16", "bf16-distopt-dp2"])
+def test_bf16_resume_is_exact(tmp_path, dist_opt, world):
+    job = _job(dist_opt, bf16=True)
+    full = run_ranks(_rank, world, job, 2, timeout=200)
+    run_ranks(_rank, world, job, 1, str(tmp_path / "ck"), timeout=200)
+    resumed = run_ranks(_rank, world, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
+    assert all(v.dtype == torch.bfloat16 for v in _weights(full).values())
+    _assert_close_sd(_weights(resumed), _weights(full))
+    assert resumed[0]["metrics"][0] == full[0]["metrics"][1]
+    for r_full, r_res in zip(full, resumed):
+        assert r_full["main"].dtype == torch.float32 and torch.equal(r_res["main"], r_full["main"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dist_opt,world", [(False, 1), (True, 2)], ids=["to-bf16", "to-bf16-distopt-dp2"])
+def test_fp32_checkpoint_loads_into_bf16_run(tmp_path, dist_opt, world):
+    fp32 = _job()
+    saved = run_ranks(_rank, world, fp32, 1, str(tmp_path / "ck"), timeout=200)
+    res = run_ranks(_rank, world, _job(dist_opt, bf16=True), 1, None, str(tmp_path / "ck"), 99, timeout=200)
+    saved_w, loaded_w = _weights(saved), _weights(res, "loaded")
+    assert sorted(saved_w) == sorted(loaded_w)
+    for k, w in saved_w.items():
+        assert w.dtype == torch.float32 and loaded_w[k].dtype == torch.bfloat16
+        assert torch.equal(loaded_w[k], w.to(torch.bfloat16)), k
+    if not dist_opt:  # the fp32 main copy and Adam's moments are the saved fp32 ones, bit for bit
+        want, got = saved[0]["final_main"], res[0]["loaded_main"]
+        assert sorted(want) == sorted(got)
+        for name, st in want.items():
+            assert sorted(st) == sorted(got[name]) == ["exp_avg", "exp_avg_sq", "param"]
+            for k in st:
+                assert torch.equal(got[name][k], st[k]), f"{name} {k}"
+    full = run_ranks(_rank, world, fp32, 2, timeout=200)
+    for k, w in _weights(full).items():
+        torch.testing.assert_close(_weights(res)[k].float(), w, rtol=0, atol=2e-2 * w.abs().max().item() + 1e-3,
+                                   msg=lambda m: f"{k}: {m}")
+    assert res[0]["metrics"][0]["actor/pg_loss"] == pytest.approx(full[0]["metrics"][1]["actor/pg_loss"], rel=2e-2)
