@@ -178,3 +178,33 @@ def test_fp32_output_layer_computes_logits_in_fp32(models):
     torch.testing.assert_close(r["y"], r["x"] @ r["w"].t(), rtol=1e-6, atol=1e-6)
     assert not torch.equal(r["y"].to(torch.bfloat16).float(), r["y"]), "fp32 logits are not bf16 values"
     assert all(v == v for v in r["metrics"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quickstart_three_steps_with_bf16_actor_are_finite(tmp_path, task_model):
+    """``configs/tiny_cpu.yaml`` (4 gloo ranks, TP2 x PP2, the quickstart's model) with ``actor.bf16=true``: 3 RL
+    steps and the final checkpoint, every logged number finite."""
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    r = subprocess.run(["bash", os.path.join(root, "launch", "torchrun.sh"), "--nproc-per-node", "4", "--log-dir",
+                        str(tmp_path / "logs"), "--config", "configs/tiny_cpu.yaml", f"actor.load_hf={model}",
+                        "actor.bf16=true", "trainer.steps=3", f"trainer.run_dir={run}", "trainer.progress=false"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=850)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(run / "metrics.jsonl") as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    assert [m["step"] for m in records] == [1, 2, 3]
+    for m in records:
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout_corr/training_ppl"):
+            assert k in m and math.isfinite(m[k]), (m["step"], k, m.get(k))
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    assert (run / "checkpoints" / "step_3" / "COMPLETE").is_file()
