@@ -15,8 +15,8 @@ Three kernels over a block of logits x [rows, W] (any row/column strides, fp32/b
   * ``_finalize_kernel`` - one program per ROWS rows merges the splits (the same rescale) and writes
     either the per-row partials (m, s, tgt, spz) in natural units for the TP combine
     (``megatron_rl.logprobs.combine``), or - without TP - the final (logp, entropy, M, log_s) and a
-    status per row (1: non-finite statistics, 2: target outside [0, W)), so one small read of the status
-    is the only host synchronisation of the forward.
+    status per row (1: non-finite statistics, 2: target outside [0, W)); the caller reduces it on the
+    device and reads it without stalling the device (``megatron_rl.logprobs.vocab_parallel.ErrorFlags``).
   * ``_grad_kernel`` - 1-D grid over (row, column block), column blocks fastest (contiguous streaming);
     recomputes log p = (x - M) * inv_temp - log_s from the saved row statistics and writes
     dL/dx = inv_temp * (g_logp * ([j == target] - p) - g_ent * p * (log p + H)) in the output dtype.

@@ -13,8 +13,11 @@ Ratios printed: peak extra / one fp32 copy of the shard (4 * tokens * vocab byte
 and c's forward time / floor. Targets: c extra <= 10%, c time <= b, d extra <= 5%, c fwd <= 3x floor.
 
 Device table (``--device cuda|cpu``; in one process): for each shape, paths naive (fp32 log_softmax +
-entropy, autograd), triton (``backend="triton"``) and torch (``backend="torch"``): forward ms and
-forward + backward ms (loss = sum(g1 * logp + g2 * entropy)), each over its bandwidth floor (the bf16
+entropy, autograd), triton (``backend="triton"``) and torch (``backend="torch"``): forward ms (no_grad,
+and with logits that require grad as in a training step), forward + backward ms (loss = sum(g1 * logp
++ g2 * entropy), a fresh leaf per call, so the gradient is assigned, not accumulated), timed as calls back
+to back between two CUDA events (what a training step pays: the host's launch time hides behind the
+device's work unless the call synchronises), each over its bandwidth floor (the bf16
 logits read once / the copy bandwidth measured in the same run; forward + backward: read once + the bf16
 gradient written once = twice that), peak extra device memory over one fp32 copy of the logits (the
 returned gradient not counted), and float64 errors of the same run (log-prob / entropy max abs error and
@@ -206,6 +209,7 @@ def worker(args):
 # ---------------------------------------------------------------- device table (one process)
 DEVICE_SHAPES = {"cuda": [(8192, 151936), (16384, 37984), (16384, 18992)], "cpu": [(12, 2000), (16, 517)]}
 BIG_SHAPE = (16384, 151936)  # 2.49e9 elements: offsets past 2**31
+BATCH = 5  # calls per timed sample on CUDA, back to back (see _median_time)
 
 
 def _sync(torch, dev):
@@ -238,11 +242,23 @@ def _timed(torch, dev, fn) -> float:
     return time.perf_counter() - t0
 
 
-def _median_time(torch, dev, fn, reps):
+def _median_time(torch, dev, fn, reps, batch=1):
+    """Median over ``reps`` samples of the time per call of ``fn``, each sample ``batch`` calls back to back.
+
+    Calls in a batch are not separated by a host synchronisation: as in a training step, where the host
+    queues work ahead of the device, the host's Python and launch time is hidden behind the device's
+    work unless ``fn`` itself synchronises (then it shows, as it does in training). One call per sample
+    with a synchronisation in between would instead add the host time before the first kernel to every
+    call.
+    """
     fn()
     fn()  # warm-up (compilation, tuning, allocator)
     _sync(torch, dev)
-    ts = sorted(_timed(torch, dev, fn) for _ in range(reps))
+
+    def calls():
+        for _ in range(batch):
+            fn()
+    ts = sorted(_timed(torch, dev, calls) / batch for _ in range(reps))
     return ts[len(ts) // 2]
 
 
@@ -299,18 +315,23 @@ def bench_shape(torch, dev, n, v, bw, paths, reps, temperature=1.0, seed=0, only
                 with torch.no_grad():
                     return fn(x, t, temperature)
 
+            def fwd_train():  # the forward of a training step: the logits require grad (backward not run)
+                return fn(x.detach().requires_grad_(), t, temperature)
+
             def fwd_bwd():
                 xi = x.detach().requires_grad_()
                 lp, ent = fn(xi, t, temperature)
                 (lp * g1 + ent * g2).sum().backward()
                 return lp, ent, xi.grad
-            for label, f, floor, grad_bytes in (("fwd", fwd, floor_f, 0), ("fwdbwd", fwd_bwd, 2 * floor_f, nbytes)):
+            timed = (("fwd", fwd, floor_f, 0), ("fwdtrain", fwd_train, floor_f, 0),
+                     ("fwdbwd", fwd_bwd, 2 * floor_f, nbytes))
+            for label, f, floor, grad_bytes in timed:
                 _sync(torch, dev)
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
                     base = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-                s = _median_time(torch, dev, f, reps)
+                s = _median_time(torch, dev, f, reps, batch=BATCH if dev.type == "cuda" else 1)
                 r[label + "_ms"] = s * 1e3
                 r[label + "_x_floor"] = s / floor
                 if dev.type == "cuda":
@@ -368,16 +389,20 @@ def _fmt(v, spec):
 def print_table(rows, bw, dev_name):
     print(f"\nDevice: {dev_name}; measured copy bandwidth {bw:.0f} GB/s (read + write). Floor: bf16 logits read "
           f"once (forward); read once + bf16 gradient written once (forward + backward).")
-    print("| shape | path | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | peak extra / fp32 copy (fwd / "
-          "fwd+bwd) | logp err | ent err | grad rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("fwd: no_grad (inference; the error check blocks before returning); train fwd: the logits require grad "
+          "(the check is read in the backward); fwd+bwd: a training step's forward + backward. Each time: calls back "
+          f"to back ({BATCH} per sample on CUDA), median of the samples.")
+    print("| shape | path | fwd ms | fwd / floor | train fwd ms | train fwd / floor | fwd+bwd ms | fwd+bwd / floor | "
+          "peak extra / fp32 copy (fwd / fwd+bwd) | logp err | ent err | grad rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['path']} | error: {r['error']} |||||||")
+            print(f"| {r['shape']} | {r['path']} | error: {r['error']} |||||||||")
             continue
         mem = f"{_fmt(r.get('fwd_extra_over_fp32'), '.3f')} / {_fmt(r.get('fwdbwd_extra_over_fp32'), '.3f')}"
-        print(f"| {r['shape']} | {r['path']} | {r['fwd_ms']:.3f} | {r['fwd_x_floor']:.2f} | {r['fwdbwd_ms']:.3f} | "
-              f"{r['fwdbwd_x_floor']:.2f} | {mem} | {r['err_logp']:.1e} | {r['err_ent']:.1e} | {r['grad_rel']:.1e} |")
+        print(f"| {r['shape']} | {r['path']} | {r['fwd_ms']:.3f} | {r['fwd_x_floor']:.2f} | {r['fwdtrain_ms']:.3f} | "
+              f"{r['fwdtrain_x_floor']:.2f} | {r['fwdbwd_ms']:.3f} | {r['fwdbwd_x_floor']:.2f} | {mem} | "
+              f"{r['err_logp']:.1e} | {r['err_ent']:.1e} | {r['grad_rel']:.1e} |")
 
 
 def device_main(args):

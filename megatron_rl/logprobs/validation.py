@@ -116,8 +116,9 @@ def check_partition(flat_targets: torch.Tensor, token_shape, partition_vocab_siz
     Checks, identically on every rank: target ids in [0, V); the same number of tokens, the same
     partition vocab size and the same target ids (order-sensitive checksum) on every TP rank.
     ``defer_range_check`` (single process only): skip the range check here - the caller checks the
-    targets on the device together with its own results (one host synchronisation instead of two) and
-    raises ``target_range_error`` before returning anything.
+    targets on the device together with its own results (no extra host synchronisation) and raises
+    ``target_range_error`` from its forward, or - when a gradient will be taken - from its backward,
+    before the gradient is returned.
     """
     rank, world = group_rank_and_size(tp_group)
     vocab_size = partition_vocab_size * world

@@ -10,6 +10,10 @@ Memory-bounded and exact across tensor parallelism:
     (dtype of the logits, computed in fp32 and rounded once) chunk by chunk into the single returned
     gradient tensor.
 Works for a loss built from log-probs, entropy or both (unused outputs cost nothing in backward).
+Errors found on the device (non-finite logits; without TP, target ids outside the vocab) are one int32
+flag copied to the host without blocking (``ErrorFlags``): read before the forward returns when no
+gradient will be taken, else in the backward before the gradient is returned (the forward never stalls
+a training step's host).
 
 Usage::
 
@@ -46,17 +50,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits2d, t_local, inv_temp, chunk_rows, tp_group, world_size, rank,
-                backend, token_shape):
+                backend, token_shape, defer_check):
         ops = BlockOps(backend, logits2d.device)
-        n = logits2d.shape[0]
+        n, vp = logits2d.shape
         if ops.fused_final and world_size == 1 and chunk_rows >= n:
-            # one pass, statistics finished on the device; the status read is the only host sync
+            # one pass, statistics finished on the device: status bit 1 = non-finite, bit 2 = bad target
             logp, ent, mx, log_s, status = ops.logprobs(logits2d, t_local, inv_temp)
-            flags = int(status.max()) if n else 0
-            if flags & 2:
-                raise ValueError(target_range_error(t_local, logits2d.shape[1], token_shape))
-            if flags & 1:
-                raise ValueError(locate_nonfinite(logits2d, status != 0, token_shape, rank))
+            bad = status
+            flags = status.max() if n else None
         else:
             stats = torch.empty(4, n, dtype=torch.float32, device=logits2d.device)
             for i in range(0, n, chunk_rows):
@@ -65,11 +66,18 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 stats[0, i:j], stats[1, i:j], stats[2, i:j], stats[3, i:j] = m, s, tgt, spz
             logp, ent, mx, log_s, bad = combine_partials(stats[0], stats[1], stats[2], stats[3], inv_temp,
                                                             tp_group, world_size)
-            if bool(bad.any()):
-                raise ValueError(locate_nonfinite(logits2d, bad, token_shape, rank))
+            flags = None
+            if n:
+                flags = bad.any().to(torch.int32)
+                if world_size == 1:  # the target range check was left to this device-side flag
+                    flags = flags + 2 * ((t_local < 0) | (t_local >= vp)).any().to(torch.int32)
         del ops
+        check = ErrorFlags(flags, (logits2d, t_local, bad, token_shape, rank))
+        if not defer_check:
+            check.raise_if_set()  # the forward's only host synchronisation
         ctx.save_for_backward(logits2d, t_local, mx, log_s, ent)
         ctx.inv_temp, ctx.chunk_rows, ctx.backend = inv_temp, chunk_rows, backend
+        ctx.check = check if defer_check else None
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -91,7 +99,47 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                     ops.grad(logits2d[i:j], t_local[i:j], ctx.inv_temp, mx[i:j], log_s[i:j], ent[i:j],
                              None if g_logp is None else g_logp[i:j],
                              None if g_ent is None else g_ent[i:j], grad[i:j])
-        return grad, None, None, None, None, None, None, None, None
+        if ctx.check is not None:
+            # the forward's deferred check, read after the gradient kernels are queued (the flag was
+            # copied to the host right after the forward, so this waits for the forward only) and before
+            # the gradient is returned
+            check, ctx.check = ctx.check, None
+            check.raise_if_set()
+        return grad, None, None, None, None, None, None, None, None, None
+
+
+class ErrorFlags:
+    """The forward's error flags (int32 on the device: bit 1 = non-finite statistics, bit 2 = target id
+    outside [0, V)), copied to the host without blocking; ``raise_if_set`` reads them (waiting for the
+    forward only) and raises the named error.
+
+    ``where`` = (logits2d, t_local, bad_rows, token_shape, rank), used for the message (error path only).
+    """
+
+    def __init__(self, flags: Optional[torch.Tensor], where):
+        self.where, self.event = where, None
+        if flags is None:
+            self.host = None
+        elif flags.device.type == "cuda":
+            self.host = torch.empty((), dtype=flags.dtype, pin_memory=True)
+            self.host.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flags
+
+    def raise_if_set(self) -> None:
+        if self.host is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        value = int(self.host)
+        if not value:
+            return
+        logits2d, t_local, bad, token_shape, rank = self.where
+        if value & 2:
+            raise ValueError(target_range_error(t_local, logits2d.shape[1], token_shape))
+        raise ValueError(locate_nonfinite(logits2d, bad != 0, token_shape, rank))
 
 
 def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor, tp_group=None,
@@ -116,7 +164,10 @@ def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor
     Raises:
         ValueError naming the problem: bad dtype/shape, target ids outside [0, V), temperature <= 0,
         token count / partition size / target ids differing across TP ranks (raised on every rank),
-        NaN/inf logits (count and first position; raised on every rank after the forward pass).
+        NaN/inf logits (count and first position; raised on every rank after the forward pass). Without
+        TP, target ids outside [0, V) are found on the device with the NaN/inf check. When a gradient will
+        be taken (grad mode on and ``logits_shard.requires_grad``) these two are raised from the backward,
+        before the gradient is returned; otherwise from this call.
     """
     check_float_tensor(logits_shard, "logits_shard")
     token_shape = tuple(logits_shard.shape[:-1])
@@ -127,15 +178,17 @@ def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor
     vp = logits_shard.shape[-1]
     targets = target_ids.reshape(-1).to(torch.int64)
     n = targets.numel()
-    # the one-pass Triton forward checks the target range on the device (see _VocabParallelLogprobs)
-    fused = backend == "triton" and (chunk_size is None or chunk_size >= n)
-    info = check_partition(targets, token_shape, vp, tp_group, "logits_shard", defer_range_check=fused)
+    # without TP the forward checks the target range on the device, together with the logits
+    info = check_partition(targets, token_shape, vp, tp_group, "logits_shard", defer_range_check=True)
     logits2d = flatten_rows(logits_shard, "logits_shard")
     t_local = targets - info.vocab_start if info.vocab_start else targets
     if chunk_size is None:
         # the Triton forward/backward stream over the vocab without a workspace: no chunking needed
         chunk_size = max(1, n) if backend == "triton" else default_chunk_rows(vp, logits2d.device)
+    # training (a gradient will be taken): the error check waits for the backward, so the forward never
+    # blocks the host; otherwise (no_grad, inference) it is read before returning
+    defer_check = torch.is_grad_enabled() and logits_shard.requires_grad
     logp, ent = _VocabParallelLogprobs.apply(logits2d, t_local, 1.0 / temperature, chunk_size, tp_group,
-                                             info.world_size, info.rank, backend, token_shape)
+                                             info.world_size, info.rank, backend, token_shape, defer_check)
     logp = logp.view(token_shape)
     return logp, (ent.view(token_shape) if compute_entropy else None)

@@ -22,7 +22,7 @@ def test_bench_device_table_on_cpu(tmp_path):
                            "--reps", "1", "--sweep", "--json", str(out)], capture_output=True, text=True, env=env,
                           timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| shape | path | fwd ms | fwd / floor |" in proc.stdout
+    assert "| shape | path | fwd ms | fwd / floor | train fwd ms |" in proc.stdout
     res = json.loads(out.read_text())
     assert res["copy_GBs"] > 0
     table = res["table"]
@@ -33,6 +33,7 @@ def test_bench_device_table_on_cpu(tmp_path):
         n, v = (int(a) for a in r["shape"].split("x"))
         floor_ms = 2 * n * v / (res["copy_GBs"] * 1e9) * 1e3
         assert r["fwd_x_floor"] == pytest.approx(r["fwd_ms"] / floor_ms, rel=1e-6)
+        assert r["fwdtrain_x_floor"] == pytest.approx(r["fwdtrain_ms"] / floor_ms, rel=1e-6)
         assert r["fwdbwd_x_floor"] == pytest.approx(r["fwdbwd_ms"] / (2 * floor_ms), rel=1e-6)
         assert r["err_logp"] <= 1e-5 and r["err_ent"] <= 1e-5, r
         assert r["grad_rel"] <= 2 ** -7, r  # bf16 gradient: rounded once (relative 2**-9 per element)
@@ -42,3 +43,22 @@ def test_bench_device_table_on_cpu(tmp_path):
         assert r["err_logp"] <= 1e-5 and r["err_ent"] <= 1e-5, r
         assert r["grad_rel"] <= (2 ** -7 if r["dtype"] == "bfloat16" else 1e-6), r
         assert r["grad_dtype"] == r["dtype"], r
+
+
+def test_median_time_is_per_call_over_back_to_back_batches():
+    """Each sample times ``batch`` calls without a synchronisation in between and reports time per call."""
+    import time
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import bench_logprobs
+    finally:
+        sys.path.pop(0)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.02)
+    t = bench_logprobs._median_time(torch, torch.device("cpu"), fn, reps=3, batch=4)
+    assert len(calls) == 2 + 3 * 4  # two warm-up calls, then 3 samples of 4
+    assert 0.018 <= t <= 0.05, t  # one call's time, not a batch's (0.08 s)

@@ -192,6 +192,42 @@ def test_nonfinite_logits_named_with_count_and_position(value, dtype):
         vocab_parallel_logprobs(x, t, chunk_size=5, compute_entropy=False)
 
 
+@pytest.mark.parametrize("case", ["nan", "target"])
+def test_training_forward_defers_the_check_to_backward(case):
+    """Logits that require grad: the forward does not block on its error flags; the backward raises the same
+    named error before returning a gradient. Without grad (no_grad or plain tensors) the forward raises."""
+    x, t = make((2, 5), 40)
+    if case == "nan":
+        x[1, 2, 7] = float("nan")
+        match = r"1 non-finite value\(s\) .* in 1 token\(s\); first at token index \(1, 2\), local vocab column 7"
+    else:
+        t = t.clone()
+        t[1, 3] = 40
+        match = r"target_ids has 1 id\(s\) outside \[0, 40\).*index \(1, 3\): 40"
+    for chunk in (None, 3):  # one chunk / several chunks
+        xin = x.clone().requires_grad_()
+        logp, ent = vocab_parallel_logprobs(xin, t, chunk_size=chunk)  # no raise: checked in backward
+        with pytest.raises(ValueError, match=match):
+            (logp.nan_to_num() + ent.nan_to_num()).sum().backward()
+        assert xin.grad is None
+        with torch.no_grad(), pytest.raises(ValueError, match=match):
+            vocab_parallel_logprobs(xin, t, chunk_size=chunk)
+        with pytest.raises(ValueError, match=match):
+            vocab_parallel_logprobs(x, t, chunk_size=chunk)
+
+
+def test_training_forward_gradient_unchanged_by_deferred_check():
+    """The deferred path returns the float64 reference values and gradient (finite inputs)."""
+    x, t = make((3, 4), 50, scale=3.0)
+    g_lp, g_ent = upstream((3, 4))
+    xin = x.clone().requires_grad_()
+    logp, ent = vocab_parallel_logprobs(xin, t, temperature=0.8, chunk_size=5)
+    ((logp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    r_lp, r_ent = ref64(x, t, 0.8)
+    assert (logp.double() - r_lp).abs().max() <= TOL_LOGP and (ent.double() - r_ent).abs().max() <= TOL_ENT
+    assert (xin.grad.double() - ref_grad(x, t, g_lp, g_ent, 0.8)).abs().max() <= TOL_GRAD
+
+
 # ---------------------------------------------------------------- fused linear
 def fused_ref(h, w, t, g_lp, g_ent, temperature=1.0):
     hd = h.detach().double().requires_grad_()
@@ -310,6 +346,19 @@ def test_fewer_passes_torch_primitives_match_float64(dtype, temperature, which):
     # out-of-shard targets (TP): no one-hot term, tgt 0
     m2, s2, tgt2, spz2 = torch_path.chunk_partials_fewer_passes(x, t + 1001, inv, ws)
     assert torch.equal(tgt2, torch.zeros_like(tgt2)) and torch.equal(m2, m)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_passes_partials_flag_nonfinite_rows(value, dtype):
+    """A NaN / +inf / -inf logit makes exactly its row's combined statistics non-finite (CUDA variant)."""
+    from megatron_rl.logprobs import torch_path
+    from megatron_rl.logprobs.combine import combine_partials
+    x, t = make((6,), 300, dtype=dtype)
+    x[4, 17] = value
+    m, s, tgt, spz = torch_path.chunk_partials_fewer_passes(x, t, 1.0 / 0.9, torch_path.Workspace(x.device))
+    bad = combine_partials(m, s, tgt, spz, 1.0 / 0.9, None, 1)[4]
+    assert bad.tolist() == [False, False, False, False, True, False]
 
 
 # ---------------------------------------------------------------- kernel configuration tuner
