@@ -72,7 +72,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 if world_size == 1:  # the target range check was left to this device-side flag
                     flags = flags + 2 * ((t_local < 0) | (t_local >= vp)).any().to(torch.int32)
         del ops
-        check = ErrorFlags(flags, (logits2d, t_local, bad, token_shape, rank))
+        check = ErrorFlags(flags, (logits2d, t_local, bad, token_shape, rank), asynchronous=defer_check)
         if not defer_check:
             check.raise_if_set()  # the forward's only host synchronisation
         ctx.save_for_backward(logits2d, t_local, mx, log_s, ent)
@@ -110,17 +110,18 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
 class ErrorFlags:
     """The forward's error flags (int32 on the device: bit 1 = non-finite statistics, bit 2 = target id
-    outside [0, V)), copied to the host without blocking; ``raise_if_set`` reads them (waiting for the
-    forward only) and raises the named error.
+    outside [0, V)); ``raise_if_set`` reads them and raises the named error.
 
-    ``where`` = (logits2d, t_local, bad_rows, token_shape, rank), used for the message (error path only).
+    ``asynchronous`` (CUDA): the flags are copied to pinned host memory without blocking and
+    ``raise_if_set`` waits for the work queued before that copy only (the forward), not for the work
+    queued since. ``where`` = (logits2d, t_local, bad_rows, token_shape, rank), for the message.
     """
 
-    def __init__(self, flags: Optional[torch.Tensor], where):
+    def __init__(self, flags: Optional[torch.Tensor], where, asynchronous: bool):
         self.where, self.event = where, None
         if flags is None:
             self.host = None
-        elif flags.device.type == "cuda":
+        elif asynchronous and flags.device.type == "cuda":
             self.host = torch.empty((), dtype=flags.dtype, pin_memory=True)
             self.host.copy_(flags, non_blocking=True)
             self.event = torch.cuda.Event()
