@@ -90,7 +90,9 @@ def describe(procs: Iterable[psutil.Process]) -> str:
 def leftovers(before: Set[int], grace_s: float = 15.0, poll_s: float = 0.2) -> List[psutil.Process]:
     """The processes started since ``before`` (see ``_new_job_processes``) still alive after ``grace_s`` seconds
     (a job's ranks get that long to notice their launcher ended)."""
-    gc.collect()  # worker pools end their workers when collected
+    if process_ids() <= before:  # the common case, in one scan of /proc
+        return []
+    gc.collect()  # worker pools end their workers when collected (a full collection: only when needed)
     deadline = time.monotonic() + grace_s
     while True:
         _reap_zombies()
