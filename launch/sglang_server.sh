@@ -20,6 +20,9 @@
 #                          (default 0.85 on cuda -- use ~0.4 when colocated with training -- 0.05 on cpu)
 #                                                                                        [SGLANG_MEM_FRACTION]
 #   --dtype D              default bfloat16                                              [SGLANG_DTYPE]
+#   --routed-experts       return each token's routed experts (--enable-return-routed-experts; MoE models,
+#                          needed by actor.routing_replay: r3; launch/slurm.sbatch adds it for r3 jobs)
+#                                                                                  [SGLANG_ROUTED_EXPERTS=1]
 #   --log FILE             append the server's stdout+stderr to FILE                     [SGLANG_LOG]
 #   -h, --help             this help
 # Environment:
@@ -49,6 +52,7 @@ TP=${SGLANG_TP:-1}
 MEM_FRACTION=${SGLANG_MEM_FRACTION:-}
 DTYPE=${SGLANG_DTYPE:-bfloat16}
 LOG=${SGLANG_LOG:-}
+ROUTED=${SGLANG_ROUTED_EXPERTS:-0}
 if [[ -n "${MEGATRON_RL_SGLANG_PYTHON:-}" ]]; then PY=$MEGATRON_RL_SGLANG_PYTHON
 elif [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"  # tools/setup_env.sh's venv, as torchrun.sh
 else PY=python3; fi
@@ -66,6 +70,7 @@ while [[ $# -gt 0 ]]; do
     --mem-fraction) need "$@"; MEM_FRACTION=$2; shift 2 ;;
     --dtype) need "$@"; DTYPE=$2; shift 2 ;;
     --log) need "$@"; LOG=$2; shift 2 ;;
+    --routed-experts) ROUTED=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     *) die "unknown option '$1' (extra sglang flags go after --; see --help)" ;;
   esac
@@ -90,6 +95,7 @@ case "$DEVICE" in
     ;;
   *) die "--device must be cuda or cpu, got '$DEVICE'" ;;
 esac
+if [[ "$ROUTED" == 1 ]]; then CMD+=(--enable-return-routed-experts); fi
 CMD+=("${EXTRA[@]+"${EXTRA[@]}"}")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

@@ -20,6 +20,7 @@ import torch
 from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
+from megatron_rl.rollout.sglang_routing import SGLangRoutingLayout
 from megatron_rl.rollout.sglang_server import launch_sglang_server
 
 if TYPE_CHECKING:  # config.validate imports this module: a run-time import of the config package would cycle
@@ -54,9 +55,12 @@ def build_engine(cfg: JobConfig):
                                       log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"))
         urls.append(server.url)
     try:
+        r3 = cfg.actor.routing_replay == "r3"  # every server must capture routing: checked at construction
+        layout = SGLangRoutingLayout.from_hf_dir(cfg.actor.load_hf) if r3 and cfg.actor.load_hf else None
         engine = SGLangEngine(urls, request_timeout=cfg.rollout.request_timeout_s,
                               weight_sync_timeout=cfg.rollout.weight_sync_timeout_s,
-                              retry=RetryPolicy(max_attempts=cfg.rollout.max_retries + 1), weight_version="step-0")
+                              retry=RetryPolicy(max_attempts=cfg.rollout.max_retries + 1), weight_version="step-0",
+                              capture_routing=True if r3 else None, routing_layout=layout)
     except BaseException:
         if server is not None:
             server.terminate()

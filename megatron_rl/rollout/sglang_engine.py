@@ -261,8 +261,9 @@ class SGLangEngine(RolloutEngine):
             weight_version: the version the servers currently serve, if known (else learned from replies).
             check_local_paths: check that ``update_weights``' directory exists locally (servers on this host).
             capture_routing: MoE routing capture (R3). None (auto): on for a server whose ``/server_info`` says
-                ``enable_return_routed_experts`` and whose model is MoE; True: required (a server without the
-                flag or a dense model raises ``RolloutError``); False: never asked for.
+                ``enable_return_routed_experts`` and whose model is MoE; True: required, checked here for every
+                server (a server without the flag or a dense model raises ``RolloutError`` before any rollout);
+                False: never asked for.
             routing_layout: the served model's routing layout; default: read from the ``config.json`` of the
                 ``model_path`` the server reports (a directory on this host).
         """
@@ -296,6 +297,9 @@ class SGLangEngine(RolloutEngine):
         self._group: UpdateGroup | None = None  # weight_sync distributed: rank 0 + the servers' TP ranks
         self._server_info: dict[str, dict] = {}
         self._reported: set | None = None  # tensor names /weights_checker reports (fixed for a server)
+        if capture_routing is True:  # required: refuse a server that cannot capture now, not at the first rollout
+            for url in self.urls:
+                self._routing_for(url)
 
     # ------------------------------------------------------------------ HTTP
     def _session(self, url: str) -> requests.Session:
@@ -416,9 +420,10 @@ class SGLangEngine(RolloutEngine):
             if isinstance(model_path, str) and os.path.isfile(os.path.join(model_path, "config.json")):
                 layout = SGLangRoutingLayout.from_hf_dir(model_path)
         if want and not enabled:
-            raise RolloutError(f"{url}: capture_routing=True but the server was not started with "
-                               f"{ROUTED_EXPERTS_FLAG} (/server_info enable_return_routed_experts="
-                               f"{_short(info.get('enable_return_routed_experts'))})")
+            raise RolloutError(f"{url}: routing capture is required (actor.routing_replay: r3) but the server was not "
+                               f"started with {ROUTED_EXPERTS_FLAG} (/server_info enable_return_routed_experts="
+                               f"{_short(info.get('enable_return_routed_experts'))}); launch/sglang_server.sh "
+                               f"--routed-experts and launch/slurm.sbatch (r3 jobs) add it")
         if want and layout is None:
             raise RolloutError(f"{url}: capture_routing=True but the routing layout is unknown: the served model "
                                f"{_short(info.get('model_path'))} is dense or its config.json is not on this host "

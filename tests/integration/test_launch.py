@@ -338,3 +338,26 @@ def test_default_log_dir_is_git_ignored():
     r = subprocess.run(["git", "check-ignore", "-q", "logs/torchrun/x/attempt_0/0/stderr.log"], cwd=ROOT,
                        timeout=30)
     assert r.returncode == 0
+
+
+def test_sbatch_r3_servers_capture_routes_and_take_extra_flags():
+    """An r3 job's servers start with --routed-experts (-> SGLang's --enable-return-routed-experts), then the user's
+    SGLANG_EXTRA_ARGS after --; a job without r3 gets neither."""
+    q3 = "configs/qwen3_30b_a3b_2x8.yaml"
+    extra = "--context-length 32768 --chunked-prefill-size 8192"
+    r = _run("slurm.sbatch", "--config", q3, env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3",
+                                                     SGLANG_EXTRA_ARGS=extra, CHECK="0"))
+    assert r.returncode == 0, r.stderr
+    server = _cmds(r.stdout)[0]
+    script = server.index(os.path.join(ROOT, "launch", "sglang_server.sh"))
+    assert server[script + 1:] == ["--model", "/ckpt/q3", "--host", "0.0.0.0", "--port", "30000", "--tp", "8",
+                                   "--routed-experts", "--", *extra.split()]
+    r = _run("slurm.sbatch", "--config", q3, "actor.routing_replay=none",
+             env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3", CHECK="0"))
+    assert "--routed-experts" not in _cmds(r.stdout)[0]
+    # sglang_server.sh turns the option into SGLang's flag, before the extra flags
+    r = _run("sglang_server.sh", "--model", "/m", "--routed-experts", "--", "--random-seed", "0", env={"DRY_RUN": "1"})
+    argv = shlex.split(r.stdout.strip())
+    assert argv[-3:] == ["--enable-return-routed-experts", "--random-seed", "0"]
+    r = _run("sglang_server.sh", "--model", "/m", env={"DRY_RUN": "1"})
+    assert "--enable-return-routed-experts" not in r.stdout

@@ -1,0 +1,45 @@
+"""The ``launch/sglang_server.sh`` options a job's SGLang servers need, read from the job's config.
+
+    python -m megatron_rl.rollout.server_flags CONFIG [key.sub=value ...]    # one option per line
+
+``launch/slurm.sbatch`` starts its servers with these (then ``SGLANG_EXTRA_ARGS``):
+
+* ``--routed-experts`` when ``actor.routing_replay: r3``: the server returns each token's routed experts
+  (SGLang's ``--enable-return-routed-experts``), which r3 replays; ``SGLangEngine`` refuses a server without it
+  when the job is built.
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Sequence
+
+__all__ = ["server_options", "main"]
+
+
+def server_options(cfg) -> List[str]:
+    """The ``launch/sglang_server.sh`` options the servers of job config ``cfg`` need."""
+    return ["--routed-experts"] if cfg.actor.routing_replay == "r3" else []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print ``server_options`` of ``CONFIG [overrides]``; exit 2 naming the problem when the file cannot be read
+    (other config problems are ``megatron-rl check``'s to report)."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.config.load import collect_job_config
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args else 2
+    try:
+        cfg, _ = collect_job_config(args[0], args[1:], world_size=1)
+    except ConfigError as exc:
+        print(f"server_flags: {exc}", file=sys.stderr)
+        return 2
+    for option in server_options(cfg):
+        print(option)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
