@@ -10,7 +10,8 @@ import difflib
 from typing import Dict, Mapping, Optional, Sequence
 
 #: Names from verl (``actor_rollout_ref.*``, ``data.*``, ``trainer.*``) and Megatron-LM's arguments ->
-#: (this project's dotted key or None, what to know about it).
+#: (this project's dotted key or None, what to know about it). A ``section.key`` entry applies in that section only
+#: and comes first (verl's ``rollout.tensor_model_parallel_size`` is the servers', not the trainer's).
 FOREIGN_KEYS: Dict[str, tuple] = {
     # optimizer / schedule
     "learning_rate": ("actor.lr", ""),
@@ -50,12 +51,15 @@ FOREIGN_KEYS: Dict[str, tuple] = {
     "response_length": ("rollout.max_new_tokens", ""),
     "max_response_length": ("rollout.max_new_tokens", ""),
     "max_tokens": ("rollout.max_new_tokens", ""),
-    "max_prompt_length": (None, "prompts are used as the task / file gives them; "
-                                "rollout.max_new_tokens bounds the response"),
+    "max_prompt_length": ("data.max_prompt_length", "longer prompts are filtered or truncated: data.overlong_prompts"),
+    "prompt_length": ("data.max_prompt_length", "longer prompts are filtered or truncated: data.overlong_prompts"),
     "temperature": ("rollout.temperature", ""),
     "top_p": ("rollout.top_p", ""),
     "top_k": ("rollout.top_k", ""),
     "tensor_model_parallel_size": ("parallel.tensor_model_parallel_size", ""),
+    "rollout.tensor_model_parallel_size": (None, "the SGLang servers' tensor parallelism is set where they start: "
+                                                 "launch/sglang_server.sh --tp, SGLANG_TP of launch/slurm.sbatch; "
+                                                 "parallel.tensor_model_parallel_size is the trainer's"),
     # model / checkpoints
     "path": ("actor.load_hf", "the HF checkpoint directory the actor starts from (verl's model.path)"),
     "model_path": ("actor.load_hf", ""),
@@ -96,11 +100,13 @@ FOREIGN_KEYS: Dict[str, tuple] = {
 
 
 def _foreign(section: str, key: str) -> Optional[str]:
-    if key not in FOREIGN_KEYS:
+    here = FOREIGN_KEYS.get(f"{section}.{key}")
+    entry = here or FOREIGN_KEYS.get(key)
+    if entry is None:
         return None
-    target, note = FOREIGN_KEYS[key]
+    target, note = entry
     if target is None:
-        return f"not supported here: {note}"
+        return f"not a job config key: {note}" if here else f"not supported here: {note}"
     if target == f"{section}.{key}":
         return None  # it IS a key of this section; the caller's section must be a different one
     return f"this project's key is {target}" + (f" ({note})" if note else "")

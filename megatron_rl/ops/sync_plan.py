@@ -11,10 +11,13 @@
   the whole model on rank 0, in the trainer's dtype, for the producer.)
 * estimated time at a stated, assumed bandwidth: ``DISK_GBPS`` for writing + reading the export,
   ``LINK_GBPS`` for the in-memory modes (intra-node copy / broadcast). Measure yours with
-  ``tools/bench_weight_sync.py``; the numbers here are for planning only.
+  ``tools/bench_weight_sync.py``; the numbers here are for planning only;
+* disk mode with SGLang servers (also every async job with them: async syncs through disk): the export
+  directory must be on a filesystem the trainer and the servers share, which the line says.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from megatron_rl.trainer.weight_publisher import weight_sync_mode
@@ -46,6 +49,9 @@ class SyncPlan:
     """Estimated time at the assumed bandwidth."""
     gbps: float
     """The bandwidth the estimate assumes."""
+    shared_dir: str = ""
+    """disk mode with SGLang servers: the export directory, which the servers load by path, so it must be on a
+    filesystem the trainer's rank 0 and every server share ("" otherwise)."""
 
     def line(self) -> str:
         """One line for the check output."""
@@ -55,8 +61,12 @@ class SyncPlan:
         bucket = f", buckets of {self.bucket_bytes / 2**20:g} MiB" if self.bucket_bytes else ""
         per_sync = (f"{self.bytes_per_sync / 1e9:.2f} GB" if self.bytes_per_sync >= 1e8
                     else f"{self.bytes_per_sync / 1e6:.2f} MB")
-        return (f"weight sync ({self.mode}{bucket}): {per_sync} per sync, {mem}; "
-                f"~{self.seconds:.1f} s at an assumed {self.gbps:g} GB/s (measure: tools/bench_weight_sync.py)")
+        out = (f"weight sync ({self.mode}{bucket}): {per_sync} per sync, {mem}; "
+               f"~{self.seconds:.1f} s at an assumed {self.gbps:g} GB/s (measure: tools/bench_weight_sync.py)")
+        if self.shared_dir:
+            out += (f"\n  the SGLang servers load each export from {self.shared_dir} by path: it must be on a "
+                    f"filesystem shared by the trainer's rank 0 and every server node (rollout.weight_sync_dir)")
+        return out
 
 
 def _binary(nbytes: float) -> str:
@@ -73,7 +83,8 @@ def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
     largest = float(m.vocab_size) * m.hidden_size * dtype_bytes
     pp = cfg.parallel.pipeline_model_parallel_size
     if mode == "disk":
-        return SyncPlan(mode, total, 0.0, total, 0.0, 2 * total / (DISK_GBPS * 1e9), DISK_GBPS)
+        shared = (r.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")) if r.engine == "sglang" else ""
+        return SyncPlan(mode, total, 0.0, total, 0.0, 2 * total / (DISK_GBPS * 1e9), DISK_GBPS, shared)
     bucket = r.weight_sync_bucket_mb * 2**20
     filled = min(bucket, total)  # a bucket never holds more than the whole model
     rank0 = (2 if pp > 1 else 1) * filled + largest

@@ -7,7 +7,7 @@
 Usage::
 
     env = resolve_launch_env()          # pure: reads os.environ (or a given mapping)
-    init_distributed()                  # NCCL on GPU (sets the CUDA device), gloo on CPU
+    init_distributed()                  # NCCL on GPU (sets the CUDA device: cuda_device_index), gloo on CPU
 
 ``parse_slurm_nodelist("node[01-03,07],gpu5")`` -> ["node01", "node02", "node03", "node07", "gpu5"].
 """
@@ -21,7 +21,7 @@ from typing import List, Mapping, Optional
 
 import torch
 
-__all__ = ["LaunchEnv", "parse_slurm_nodelist", "resolve_launch_env", "init_distributed"]
+__all__ = ["LaunchEnv", "parse_slurm_nodelist", "resolve_launch_env", "init_distributed", "cuda_device_index"]
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -142,6 +142,19 @@ def resolve_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
                      master_port=port, launcher=launcher)
 
 
+def cuda_device_index(launch: LaunchEnv, visible: int) -> int:
+    """The CUDA device of this rank among the ``visible`` ones: its local rank when the node's GPUs are all
+    visible; 0 when a Slurm task sees exactly one GPU (``srun --gpus-per-task=1`` / ``--gpu-bind`` give each task
+    its own device as index 0). ``RuntimeError`` naming the local rank and the count otherwise."""
+    if 0 <= launch.local_rank < visible:
+        return launch.local_rank
+    if visible == 1 and launch.launcher == "slurm":
+        return 0
+    raise RuntimeError(f"{launch.launcher} launch: local rank {launch.local_rank} but only {visible} GPU(s) visible to "
+                       f"this process (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+                       f"give each node's ranks all its GPUs, or each Slurm task exactly one")
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
                      env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     """Create the default process group from the launcher environment (no-op if one exists).
@@ -160,9 +173,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0,
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        if launch.local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {launch.local_rank} but only {torch.cuda.device_count()} GPUs visible")
-        torch.cuda.set_device(launch.local_rank)
+        torch.cuda.set_device(cuda_device_index(launch, torch.cuda.device_count()))
     dist.init_process_group(
         backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
         rank=launch.rank, world_size=launch.world_size,

@@ -223,10 +223,12 @@ def _verifier(geometry, engine, cfg: JobConfig, names: List[str], version: str, 
     verifier = WeightVerifier(engine, names, geometry, rc.weight_sync_verify_tensors if due else 0, v, dtype, keep)
     if due and verifier.hash is None and not _UNVERIFIABLE_SAID:
         _UNVERIFIABLE_SAID.append(True)
-        print(f"[megatron-rl] WARNING: weight-sync verification skipped: {type(engine).__name__}'s checksums "
-              f"cannot be reproduced in this process (SGLang on a GPU hashes with its Triton kernel: install "
-              f"sglang in the trainer's environment on a GPU node); weight_sync/verified_param_frac stays 0",
-              flush=True)
+        print(f"[megatron-rl] WARNING: weight-sync verification skipped -- OFF for this whole run: "
+              f"{type(engine).__name__}'s checksums cannot be reproduced in this process. SGLang on a GPU hashes "
+              f"its tensors with its Triton kernel, which the trainer runs only with sglang importable in its own "
+              f"environment and a CUDA device (SGLang in a separate venv, MEGATRON_RL_SGLANG_PYTHON, cannot be "
+              f"verified); weight_sync/verified_param_frac stays 0. To verify: install sglang in the trainer's "
+              f"environment on the GPU nodes", flush=True)
     return verifier
 
 

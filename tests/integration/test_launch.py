@@ -210,7 +210,8 @@ def _free_port():
 def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
     """bin/srun (drops its options, runs the command), a fake SGLang interpreter serving /health on 127.0.0.1
     after 1 s (mode ok), exiting at once (mode die) or never listening (mode mute), and a fake trainer
-    interpreter recording its argv."""
+    interpreter recording its argv (and, at SIGTERM, writing trainer.term and exiting 0 after 1 s, as the trainer
+    does after its checkpoint)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (tmp_path / "config.json").write_text("{}")  # the "model directory" the servers are given
@@ -234,7 +235,12 @@ def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
     """))
     trainer = tmp_path / "fake_trainer_python"
     trainer.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""
-        import json, os, sys, time, urllib.request
+        import json, os, signal, sys, time, urllib.request
+        def term(*a):
+            open(os.path.join({str(tmp_path)!r}, "trainer.term"), "w").write("TERM")
+            time.sleep(1.0)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, term)
         urls = [a for a in sys.argv if a.startswith("rollout.sglang_urls=")]
         health = urllib.request.urlopen(json.loads(urls[0].split("=", 1)[1])[0] + "/health").status if urls else None
         json.dump({{"argv": sys.argv[1:], "pid": os.getpid(), "health": health,
@@ -311,6 +317,27 @@ def test_sbatch_live_sigterm_stops_everything(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 143, err
     assert _dead(trainer_pid) and _dead(server_pid)
+
+
+def test_sbatch_live_time_limit_signal_stops_the_trainer_cleanly(tmp_path):
+    """The header asks Slurm for SIGUSR1 before the time limit (--signal=B:USR1@...); at it the script sends SIGTERM to
+    the trainer alone, waits for it to checkpoint and exit, and exits with its status (0), then stops the servers."""
+    header = [line for line in open(os.path.join(LAUNCH, "slurm.sbatch")) if line.startswith("#SBATCH --signal=")]
+    assert header == ["#SBATCH --signal=B:USR1@900\n"]
+    env = _stand_ins(tmp_path, train_sleep=600)
+    e = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    p = subprocess.Popen(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "--config", Q7], cwd=ROOT, env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "trainer.json").exists():
+        assert time.time() < deadline and p.poll() is None, "trainer never started"
+        time.sleep(0.2)
+    (server_pid,) = _pids(tmp_path / "server.pid")
+    p.send_signal(signal.SIGUSR1)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert (tmp_path / "trainer.term").read_text() == "TERM"
+    assert "trainer exited with status 0" in err and _dead(server_pid)
 
 
 def test_torchrun_sh_prefers_the_repository_venv(tmp_path):
