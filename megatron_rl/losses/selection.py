@@ -35,7 +35,7 @@ import torch
 
 from megatron_rl.numerics import clamp_log_ratio
 
-from .config import PolicyLossConfig
+from .config import BATCH_LOSS_TYPES, PolicyLossConfig
 
 M31 = (1 << 31) - 1
 
@@ -175,18 +175,22 @@ def batch_selection(loss_type: str, config: PolicyLossConfig, old_log_probs: tor
     clip_cov / kl_cov (pass it to ``compute_policy_loss``), else None; ``response_mask`` is the mask with
     M2PO's masked tokens removed (unchanged otherwise, same dtype); ``metrics`` holds ``m2po_maskfrac``
     (masked fraction of the batch's valid tokens) for m2po."""
-    valid = response_mask != 0
+    if loss_type not in BATCH_LOSS_TYPES:
+        return None, response_mask, {}
+    dev = old_log_probs.device                      # the inputs may come from different places (host / device)
+    advantages = advantages.to(dev)
+    valid = response_mask.to(dev) != 0
     if loss_type in ("clip_cov", "kl_cov"):
         sel = covariance_selection(loss_type, config, old_log_probs, old_log_probs, advantages, valid, group)
         return sel.to(torch.float32), response_mask, {}
     if loss_type == "m2po":
         if config.m2_threshold is None:
             raise ValueError("actor.policy_loss.m2_threshold must be set (> 0) with loss_type 'm2po'")
-        rollout = old_log_probs if rollout_log_probs is None else rollout_log_probs
+        rollout = old_log_probs if rollout_log_probs is None else rollout_log_probs.to(dev)
         keep = m2po_keep_mask(old_log_probs, rollout, valid, config.m2_threshold, group)
         counts = torch.stack([valid.sum(), (valid & ~keep).sum()]).to(torch.float64)
         _all_reduce(counts, group)
         frac = float(counts[1] / counts[0]) if float(counts[0]) > 0 else 0.0
+        keep = keep.to(response_mask.device)
         mask = torch.where(keep, response_mask, torch.zeros_like(response_mask))
         return None, mask, {"m2po_maskfrac": frac}
-    return None, response_mask, {}
