@@ -60,10 +60,15 @@ def install_verl(path):
     subprocess.run(cmd, check=True)
 
 
-def load_verl(path):
-    """verl's ``compute_rollout_correction_and_rejection_mask``, or (None, why)."""
+def add_verl_path(path):
+    """Put the scratch directory holding verl (``install_verl``) first on ``sys.path`` if it exists."""
     if path and os.path.isdir(path) and path not in sys.path:
         sys.path.insert(0, path)
+
+
+def load_verl(path):
+    """verl's ``compute_rollout_correction_and_rejection_mask``, or (None, why)."""
+    add_verl_path(path)
     try:
         from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
         import verl

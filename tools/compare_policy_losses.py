@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl.losses import LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss  # noqa: E402
-from tools.bench_correction import DEFAULT_VERL_PATH, install_verl  # noqa: E402
+from tools.bench_correction import DEFAULT_VERL_PATH, add_verl_path, install_verl  # noqa: E402
 
 MODES = ("vanilla", "gspo", "geo_mean", "cispo", "sapo", "dppo_tv", "dppo_kl", "gpg", "clip_cov", "kl_cov", "dro",
          "reinforce")
@@ -40,9 +40,8 @@ POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_rati
 
 
 def load_verl(path):
-    """(core_algos module, ActorConfig, PolicyLossConfig, version) or (None, why)."""
-    if path and os.path.isdir(path) and path not in sys.path:
-        sys.path.insert(0, path)
+    """((core_algos module, ActorConfig, PolicyLossConfig), version) or (None, why)."""
+    add_verl_path(path)
     try:
         import verl
         from verl.trainer.ppo import core_algos

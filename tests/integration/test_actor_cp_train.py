@@ -29,7 +29,9 @@ def _data():
     return positionwise_batch([2, 5, 1, 3, 4, 2, 6, 1], [7, 3, 9, 2, 5, 8, 1, 4], vocab=VOCAB)
 
 
-def _rank(rank, world, cp, agg):
+def _rank(rank, world, cp, agg, loss_type="ppo_clip", loss=None, old_noise=0.0):
+    """One rank's log-prob pass and train step; ``loss_type`` / ``loss`` (PolicyLossConfig keys) pick the
+    objective, ``old_noise`` > 0 perturbs the old log-probs (a fixed draw) so that ratios differ from 1."""
     from megatron_rl.actor.forward import compute_log_probs
     from megatron_rl.parallel.groups import ActorGroups
     from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
@@ -48,10 +50,15 @@ def _rank(rank, world, cp, agg):
     rows = slice(start, start + shard.num_rows)
     bounds = [(s, min(s + 3, shard.num_rows)) for s in range(0, shard.num_rows, 3)]   # micro-batches of 3 rows
     lp, ent = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups)
-    per_token = {"old_log_probs": lp, "advantages": adv[rows], "response_mask": shard.response_mask,
+    old = lp
+    if old_noise:
+        g = torch.Generator().manual_seed(3)
+        noise = old_noise * torch.randn(batch.num_rows, batch.max_length - 1, generator=g)[rows, : lp.shape[1]]
+        old = torch.clamp(lp + noise, max=-1e-4)
+    per_token = {"old_log_probs": old, "advantages": adv[rows], "response_mask": shard.response_mask,
                  "is_weights": is_w[rows], "ref_log_probs": None}
-    cfg = PolicyLossConfig(loss_agg_mode=agg)
-    metrics = train_mini_batch(model, opt, shard, per_token, cfg, "ppo_clip", temperature=0.9, bounds=bounds,
+    cfg = PolicyLossConfig(**{"loss_agg_mode": agg, **(loss or {})})
+    metrics = train_mini_batch(model, opt, shard, per_token, cfg, loss_type, temperature=0.9, bounds=bounds,
                                groups=groups)
     return {"dp_rank": groups.dp_rank, "lp": lp, "ent": ent, "metrics": metrics,
             "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()},
@@ -68,6 +75,14 @@ def test_cp_matches_cp1(cp, world, agg):
     lp = torch.cat([next(r["lp"] for r in res if r["dp_rank"] == d) for d in range(world // cp)])
     torch.testing.assert_close(lp, ref["lp"], rtol=0, atol=1e-6)
     assert ref["lp"][batch.response_mask.bool()].std() > 0.1
+    assert_ranks_match(ref, res)
+    for r in res:
+        for n, w in ref["weights"].items():
+            torch.testing.assert_close(r["weights"][n], w, rtol=0, atol=1e-6)
+
+
+def assert_ranks_match(ref, res):
+    """Every rank's metrics and (non-zero) gradients equal the CP1 reference's."""
     for r in res:
         assert r["metrics"].keys() == ref["metrics"].keys()
         for k, v in ref["metrics"].items():
@@ -75,4 +90,3 @@ def test_cp_matches_cp1(cp, world, agg):
         for n, g in ref["grads"].items():
             assert g.abs().max() > 0
             torch.testing.assert_close(r["grads"][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"grad {n}: {m}")
-            torch.testing.assert_close(r["weights"][n], ref["weights"][n], rtol=0, atol=1e-6)

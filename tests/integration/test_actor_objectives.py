@@ -18,6 +18,7 @@ from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, TOKEN_IS, actor_j
 from megatron_rl.testing.actor_reference import hf_adamw, hf_token_log_probs, load_hf_reference
 from megatron_rl.testing.actor_reference import merge_rank_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
+from tests.integration.test_actor_cp_train import _rank, assert_ranks_match
 from tests.integration.test_actor_train import T, _data, _rank_train
 
 transformers = pytest.importorskip("transformers")
@@ -85,33 +86,8 @@ def test_objective_train_step_matches_single_process(hf_dir, loss_type, layout, 
 
 
 def _cp_rank(rank, world, cp, loss_type):
-    from megatron_rl.actor.forward import compute_log_probs
-    from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
-    from megatron_rl.actor.train_step import train_mini_batch
-    from megatron_rl.config import ActorConfig
-    from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
-    from megatron_rl.parallel.groups import ActorGroups
-    from tests.integration.test_actor_cp_train import _build, _data as cp_data
-
-    initialize_model_parallel(ParallelConfig(context_parallel_size=cp), seed=1)
-    groups = ActorGroups.from_parallel_state()
-    model = wrap_ddp([_build(cp)])
-    opt = build_optimizer(model, ActorConfig(lr=1e-2, clip_grad=1e6, weight_decay=0.0))
-    batch, adv, is_w = cp_data()
-    shard = batch.shard(groups.dp_rank, groups.dp_size)
-    start = sum(batch.shard(r, groups.dp_size).num_rows for r in range(groups.dp_rank))
-    rows = slice(start, start + shard.num_rows)
-    bounds = [(s, min(s + 3, shard.num_rows)) for s in range(0, shard.num_rows, 3)]
-    lp, _ = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups)
-    g = torch.Generator().manual_seed(3)
-    noise = 0.3 * torch.randn(batch.num_rows, batch.max_length - 1, generator=g)[rows, : lp.shape[1]]
-    old = torch.clamp(lp + noise, max=-1e-4)
-    per_token = {"old_log_probs": old, "advantages": adv[rows], "response_mask": shard.response_mask,
-                 "is_weights": is_w[rows], "ref_log_probs": None}
-    cfg = PolicyLossConfig(**LOSS[loss_type])
-    metrics = train_mini_batch(model, opt, shard, per_token, cfg, loss_type, temperature=0.9, bounds=bounds,
-                               groups=groups)
-    return {"metrics": metrics, "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()}}
+    loss = dict(LOSS[loss_type])
+    return _rank(rank, world, cp, loss.pop("loss_agg_mode", "token-mean"), loss_type, loss, old_noise=0.3)
 
 
 @pytest.mark.timeout(180)
@@ -122,10 +98,4 @@ def test_sequence_objectives_under_context_parallel_match_cp1(cp, world, loss_ty
     res = run_ranks(_cp_rank, world, cp, loss_type, timeout=150)
     if loss_type == "opsm":
         assert ref["metrics"]["opsm_clipfrac"] > 0
-    for r in res:
-        assert r["metrics"].keys() == ref["metrics"].keys()
-        for k, v in ref["metrics"].items():
-            assert r["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
-        for n, g in ref["grads"].items():
-            assert g.abs().max() > 0
-            torch.testing.assert_close(r["grads"][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"grad {n}: {m}")
+    assert_ranks_match(ref, res)

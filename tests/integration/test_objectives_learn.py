@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.integration.test_quickstart_learns import ROOT, _results_tool
+from tests.integration.test_quickstart_learns import run_quickstart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 STEPS = 60
@@ -30,21 +27,12 @@ MIN_RISE = 0.1
 
 @pytest.mark.parametrize("loss_type", ["gspo", "cispo"])
 def test_quickstart_learns_with_objective(tmp_path, task_model, loss_type):
-    model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
-    run = tmp_path / "run"
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="4")
-    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),
-                        "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), f"actor.load_hf={model}",
-                        f"trainer.run_dir={run}", f"trainer.steps={STEPS}", "trainer.save_interval=0",
-                        "trainer.progress=false", f"algorithm.rollout_correction.loss_type={loss_type}"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run, out = run_quickstart(tmp_path, task_model, STEPS, f"algorithm.rollout_correction.loss_type={loss_type}")
     with open(run / "metrics.jsonl") as fh:
         records = [json.loads(line) for line in fh if line.strip()]
     for rec in records:
         bad = {k: v for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, (rec.get("step"), bad)
-    out = _results_tool().main([str(run), "--out", str(tmp_path / "results.md"), "--json", str(tmp_path / "r.json")])
     summary = json.dumps(out, indent=1)
     assert out["steps"] == STEPS, summary
     assert out["last_quarter"] - out["first_quarter"] >= MIN_RISE, summary

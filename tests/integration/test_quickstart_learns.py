@@ -43,18 +43,25 @@ def _results_tool():
     return mod
 
 
-def test_quickstart_config_learns_copy(tmp_path, task_model):
-    # the model tools/quickstart.sh builds (same arguments -> identical weights)
+def run_quickstart(tmp_path, task_model, steps, *overrides):
+    """configs/tiny_cpu.yaml on 4 ranks with launch/torchrun.sh for ``steps`` steps (plus ``overrides``), on the
+    model tools/quickstart.sh builds (same arguments -> identical weights); returns (run dir, results dict of
+    tools/quickstart_results.py)."""
     model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
     run = tmp_path / "run"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="4")
     r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),
                         "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), f"actor.load_hf={model}",
-                        f"trainer.run_dir={run}", f"trainer.steps={STEPS}", "trainer.save_interval=0",
-                        "trainer.progress=false"],
+                        f"trainer.run_dir={run}", f"trainer.steps={steps}", "trainer.save_interval=0",
+                        "trainer.progress=false", *overrides],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = _results_tool().main([str(run), "--out", str(tmp_path / "results.md"), "--json", str(tmp_path / "r.json")])
+    return run, _results_tool().main([str(run), "--out", str(tmp_path / "results.md"),
+                                      "--json", str(tmp_path / "r.json")])
+
+
+def test_quickstart_config_learns_copy(tmp_path, task_model):
+    _, out = run_quickstart(tmp_path, task_model, STEPS)
     summary = json.dumps(out, indent=1)
     assert out["steps"] == STEPS, summary
     assert out["first_quarter"] < 0.5 * out["last_quarter"], summary            # it rose, from an untrained start
