@@ -71,6 +71,12 @@ class McoreRelease:
         return self.release >= (0, 19, 0)
 
     @property
+    def moe_permute_saves_sort_index(self) -> bool:
+        """The MoE token permutation saves for backward an int64 sort index over 2 x (token, expert) pairs
+        instead of the ``[experts, tokens]`` bool routing map and its fp32 probabilities (0.19.0; measured)."""
+        return self.release >= (0, 19, 0)
+
+    @property
     def cp_batch_needs_hybrid_flag(self) -> bool:
         """``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=...)``: 0.19.0 added the required
         ``is_hybrid_cp`` argument (and reads the group's size and rank through ``torch.distributed``)."""

@@ -17,6 +17,7 @@ import torch
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.ops.memory import layer_activation_bytes
+from megatron_rl.platform.mcore_version import MCORE
 from megatron_rl.testing.distributed import run_ranks
 
 S, B = 128, 2
@@ -92,6 +93,8 @@ def test_moe_layer_matches_megatron_byte_for_byte():
     n = S * B * K                                   # token-expert pairs (any routing: only the total matters)
     expert_act_extra = 3 * 4 * n * FM               # silu(gate), * up, * routing prob (fc2 input is counted)
     routing_meta = 8 * S * B * K + 4 * S * B * K + 8 * n + 4 * n + E * S * B
+    if MCORE.moe_permute_saves_sort_index:          # its int64 sort index, not the [E, tokens] map and probs
+        routing_meta += 8 * 2 * n - E * S * B - 4 * E * S * B
     for m in measured:
         assert m == layer_activation_bytes(mc, S, B, 1, False, 1, True, "none", e=4) + expert_act_extra \
             + routing_meta + _cpu_extras_common()
