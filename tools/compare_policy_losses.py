@@ -79,13 +79,14 @@ def verl_side(verl, mode, agg, params, logp, old, adv, mask, w):
     return float(loss.detach()), grad, {k.split("/")[-1]: float(torch.as_tensor(v).detach()) for k, v in metrics.items()}
 
 
-def our_side(mode, agg, params, logp, old, adv, mask, w):
+def our_side(mode, agg, params, logp, old, adv, mask, w, device="cpu"):
     cfg = PolicyLossConfig(loss_agg_mode=agg, loss_scale_factor=8.0 if agg == "seq-mean-token-sum-norm" else None,
                            **params)
-    lp = logp.clone().requires_grad_(True)
-    out = compute_policy_loss(lp, old, adv, mask, cfg, loss_type=mode, is_weights=w)
+    lp = logp.to(device).requires_grad_(True)
+    old, adv, mask = old.to(device), adv.to(device), mask.to(device)
+    out = compute_policy_loss(lp, old, adv, mask, cfg, loss_type=mode, is_weights=None if w is None else w.to(device))
     grad, = torch.autograd.grad(out.loss, lp)
-    return float(out.loss.detach()), grad, {k: v.mean() for k, v in out.metrics.items()}
+    return float(out.loss.detach()), grad.cpu(), {k: v.mean() for k, v in out.metrics.items()}
 
 
 def main():
@@ -93,6 +94,7 @@ def main():
     ap.add_argument("--verl-path", default=os.environ.get("MEGATRON_RL_BENCH_VERL", DEFAULT_VERL_PATH))
     ap.add_argument("--install-verl", action="store_true", help="pip --no-deps verl 0.9.1 into --verl-path first")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="where megatron_rl's side runs (e.g. cuda; verl's runs on CPU)")
     args = ap.parse_args()
     if args.install_verl:
         install_verl(args.verl_path)
@@ -100,7 +102,7 @@ def main():
     if verl is None:
         print(f"verl not importable from {args.verl_path}: {version} (run with --install-verl)")
         return 2
-    print(f"verl {version} vs megatron_rl.losses, float32, {args.seeds} seeds x {len(LOSS_AGG_MODES)} aggregation "
+    print(f"verl {version} (cpu) vs megatron_rl.losses ({args.device}), float32, {args.seeds} seeds x {len(LOSS_AGG_MODES)} aggregation "
           f"modes x IS weights on/off")
     print(f"{'loss_mode':10s} {'max |dloss|':>12s} {'max rel':>9s} {'max |dgrad|':>12s} {'max |dmetric|':>14s}")
     bad = False
@@ -112,7 +114,7 @@ def main():
             for agg in LOSS_AGG_MODES:
                 for w in (None, weights):
                     lv, gv, mv = verl_side(verl, mode, agg, params, logp, old, adv, mask, w)
-                    lo, go, mo = our_side(mode, agg, params, logp, old, adv, mask, w)
+                    lo, go, mo = our_side(mode, agg, params, logp, old, adv, mask, w, args.device)
                     dl = abs(lv - lo)
                     dg = float((gv - go).abs().max())
                     dm = max([abs(mv[k] - mo[k]) for k in mv if k in mo] or [0.0])

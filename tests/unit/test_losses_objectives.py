@@ -160,3 +160,32 @@ def test_kl_cov_selection_is_the_top_k_covariances():
     top = torch.zeros_like(cov, dtype=torch.bool)
     top[torch.topk(cov, k).indices] = True
     assert torch.equal(sel[valid], top) and int(sel[~valid].sum()) == 0
+
+
+@pytest.mark.gpu
+def test_every_objective_on_cuda_equals_cpu():
+    """The same float32 inputs on CUDA and on CPU: loss, gradient, metrics and batch selections agree."""
+    from megatron_rl.losses.config import LOSS_TYPES
+    d = batch(9, empty_rows=(), per_token_adv=True)
+    rollout = d["old"] + 0.2 * torch.randn(d["old"].shape, generator=torch.Generator().manual_seed(2), dtype=F64)
+    params = {**PARAMS, "m2po": dict(m2_threshold=0.01),
+              "clip_cov": dict(clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=5.0)}
+    for loss_type in LOSS_TYPES:
+        cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-mean", **params.get(loss_type, {}))
+        results = []
+        for dev in ("cpu", "cuda"):
+            t = {k: v.to(dev, torch.float32) for k, v in d.items()}
+            sel, mask, sel_metrics = batch_selection(loss_type, cfg, t["old"], rollout.to(dev, torch.float32),
+                                                     t["adv"], t["mask"])
+            lp = t["logp"].clone().requires_grad_(True)
+            out = compute_policy_loss(lp, t["old"], t["adv"], mask, cfg, loss_type=loss_type, is_weights=t["weights"],
+                                      token_select=sel)
+            grad, = torch.autograd.grad(out.loss, lp)
+            results.append((out.loss.detach().cpu(), grad.cpu(), metrics_to_floats(out.metrics, prefix=""),
+                            None if sel is None else sel.cpu(), mask.cpu(), sel_metrics))
+        (l1, g1, m1, s1, k1, x1), (l2, g2, m2, s2, k2, x2) = results
+        torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6, msg=loss_type)
+        torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-6, msg=loss_type)
+        assert m2 == pytest.approx(m1, abs=1e-5) and x2 == pytest.approx(x1), loss_type
+        assert (s1 is None) == (s2 is None) and (s1 is None or torch.equal(s1, s2)), loss_type
+        assert torch.equal(k1, k2), loss_type
