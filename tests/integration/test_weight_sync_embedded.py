@@ -2,7 +2,8 @@
 
 * TP2 and PP2 actors sync into an engine that was loaded from ANOTHER checkpoint (same shapes, other
   seed): afterwards every engine tensor equals the actor's checkpoint read by safetensors (independent
-  reference; the actor loaded it losslessly), bit for bit in fp32 and == its bf16 cast in a bf16 engine;
+  reference; the actor loaded it losslessly), bit for bit in fp32 and == its bf16 cast in a bf16 engine, from
+  an fp32 actor and from a bf16 one (``actor.bf16``);
   the buckets are many (bucket << model) and the sync reports them.
 * A tensor perturbed in one bucket after its checksum was taken (a fault in transit) is caught by the
   verification, which names it, on every rank; the engine then refuses to generate.
@@ -46,12 +47,12 @@ def models(tmp_path_factory):
             "big_other": build_tiny_hf_model(root / "big_other", arch="qwen2", seed=4, **big)}
 
 
-def _job(hf_dir, tp=1, pp=1, **rollout):
+def _job(hf_dir, tp=1, pp=1, bf16=False, **rollout):
     from megatron_rl.convert.hf_config import model_config_from_hf
 
     with open(os.path.join(hf_dir, "config.json")) as fh:
         model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
+    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2, "bf16": bf16},
                                  "rollout": {"weight_sync": "tensor", **rollout},
                                  "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
 
@@ -91,9 +92,12 @@ def _sync_body(rank, world, job, engine_dir, dtype, corrupt_name=None):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp,pp,dtype", [(2, 1, "float32"), (1, 2, "float32"), (2, 1, "bfloat16")])
-def test_bucketed_sync_equals_checkpoint(models, tp, pp, dtype):
-    job = _job(models["actor"], tp=tp, pp=pp, weight_sync_bucket_mb=0.02, weight_sync_verify_tensors=-1)
+@pytest.mark.parametrize("tp,pp,dtype,bf16", [(2, 1, "float32", False), (1, 2, "float32", False),
+                                             (2, 1, "bfloat16", False), (1, 2, "bfloat16", True)],
+                         ids=["tp2-fp32", "pp2-fp32", "tp2-bf16-engine", "pp2-bf16-actor-bf16-engine"])
+def test_bucketed_sync_equals_checkpoint(models, tp, pp, dtype, bf16):
+    """(the bf16 actor, ``actor.bf16``, holds the checkpoint rounded to bf16: its sync equals that exactly)"""
+    job = _job(models["actor"], tp=tp, pp=pp, bf16=bf16, weight_sync_bucket_mb=0.02, weight_sync_verify_tensors=-1)
     out = run_ranks(_sync_body, 2, job, models["other"], dtype, timeout=540)
     ref, got = _reference(models["actor"]), out[0]["state"]
     before = _reference(models["other"])
