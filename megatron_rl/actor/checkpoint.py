@@ -267,7 +267,7 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
         write_legacy_common_state(os.path.join(d, "dist"))  # 0.19 writes no common.pt; 0.16 needs it
         torch.save(dict(extra_state), os.path.join(d, "extra_state.pt"))
         meta = {"format_version": FORMAT_VERSION, "step": int(step), "layout": _layout(parallel_cfg),
-                "model": dataclasses.asdict(model_cfg)}
+                "model": dataclasses.asdict(model_cfg), "bf16": _is_bf16(model)}
         with open(os.path.join(d, META_FILE), "w") as fh:
             json.dump(meta, fh, indent=2, sort_keys=True, default=str)
     dist.barrier()
@@ -278,6 +278,20 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
         os.replace(tmp, os.path.join(root, LATEST_FILE))
     dist.barrier()
     return d
+
+
+def _is_bf16(model: Sequence[torch.nn.Module]) -> bool:
+    """The actor's parameters are bf16 (``actor.bf16``; an fp32 output layer does not change that)."""
+    return any(p.dtype == torch.bfloat16 for chunk in model for p in chunk.parameters())
+
+
+def _check_precision(meta: Dict[str, Any], model: Sequence[torch.nn.Module], where: str) -> None:
+    """A bf16 checkpoint (fp32 main parameters in its optimizer part) cannot load into an fp32 actor; checkpoints
+    written before the ``bf16`` entry existed are fp32 ones."""
+    if meta.get("bf16", False) and not _is_bf16(model):
+        raise CheckpointLayoutError(
+            f"checkpoint {where} was written by a bf16 actor (actor.bf16: true); loading it into an fp32 actor is not "
+            f"supported: set actor.bf16: true, or export it (megatron-rl convert mcore-to-hf) and start from that")
 
 
 def _check_model(saved: Dict[str, Any], model_cfg, where: str) -> None:
@@ -300,6 +314,7 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
         raise CheckpointLayoutError(f"checkpoint {d}: format_version {meta.get('format_version')!r}, "
                                     f"this code reads {FORMAT_VERSION}")
     _check_model(meta["model"], model_cfg, d)
+    _check_precision(meta, model, d)
     saved_layout, now_layout = meta["layout"], _layout(parallel_cfg)
     sd = _model_sharded_state_dict(model)
     ensure_adam_state(optimizer)  # the distributed optimizer describes its state from existing Adam state

@@ -17,11 +17,13 @@ bf16 (with and without the distributed optimizer):
 * resume is bit-exact: weights, fp32 main parameters and metrics of 1 + save/load + 1 steps == 2 steps;
 * an fp32 checkpoint loads into a bf16 run: model weights are the saved fp32 weights rounded to bf16, the fp32
   main parameters and the Adam moments are the saved ones exactly (no double rounding), and the next step is
-  within bf16 tolerance of the fp32 run's next step.
+  within bf16 tolerance of the fp32 run's next step;
+* a bf16 checkpoint into an fp32 run is refused by name (``actor.bf16``), before any tensor is read.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_precision_checkpoints.py -q``
 """
 import multiprocessing
+import re
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
 from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.distributed import RankError, run_ranks
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
              ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
@@ -205,3 +207,10 @@ def test_fp32_checkpoint_loads_into_bf16_run(tmp_path, dist_opt, world):
         torch.testing.assert_close(_weights(res)[k].float(), w, rtol=0, atol=2e-2 * w.abs().max().item() + 1e-3,
                                    msg=lambda m: f"{k}: {m}")
     assert res[0]["metrics"][0]["actor/pg_loss"] == pytest.approx(full[0]["metrics"][1]["actor/pg_loss"], rel=2e-2)
+
+
+@pytest.mark.timeout(200)
+def test_bf16_checkpoint_into_fp32_run_is_refused_by_name(tmp_path):
+    run_ranks(_rank, 1, _job(bf16=True), 0, str(tmp_path / "ck"), timeout=150)
+    with pytest.raises(RankError, match=re.escape("written by a bf16 actor (actor.bf16: true)")):
+        run_ranks(_rank, 1, _job(), 0, None, str(tmp_path / "ck"), timeout=150)
