@@ -153,6 +153,8 @@ def bench_precision(s: Dict[str, int], bf16: bool, device: str, repeats: int) ->
     out["train"] = {"seconds": sec, "peak_gib": peak}
     out["check"] = {"mean_log_prob": float(old[batch.response_mask.bool()].mean()),
                     "grad_norm": float(state["m"]["actor/grad_norm"]),
+                    "pg_loss": float(state["m"].get("actor/pg_loss", float("nan"))),
+                    "update_successful": float(state["m"].get("actor/update_successful", float("nan"))),
                     "param_dtype": str(next(actor.model[0].module.parameters()).dtype),
                     # the weights the FLOP count assumes: every 2-D parameter but the input embedding
                     "matmul_params": sum(p.numel() for c in actor.model for n, p in c.module.named_parameters()
@@ -211,7 +213,8 @@ def _print(res: dict) -> None:
             mfu = f"{100 * x['mfu_vs_bf16_matmul']:5.1f}%" if "mfu_vs_bf16_matmul" in x else f"{'-':>6}"
             print(f"{name:>9} {pass_:>8} {x['seconds']:8.3f} {x['tokens_per_s']:10.0f} {x['peak_gib']:9.2f} {tf} {mfu}")
         print(f"{'':>9} check: params {r['check']['param_dtype']}, mean log-prob {r['check']['mean_log_prob']:.4f}, "
-              f"grad norm {r['check']['grad_norm']:.4g}")
+              f"grad norm {r['check']['grad_norm']:.4g}, pg_loss {r['check']['pg_loss']:.4g}, "
+              f"update {r['check']['update_successful']:.0f}")
     p = res["precisions"]
     if "fp32" in p and "bf16" in p:
         print("bf16 / fp32: " + ", ".join(
