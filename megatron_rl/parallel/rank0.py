@@ -6,6 +6,7 @@ written once here:
 
     engine = on_rank0(lambda: build_engine(cfg), what="setting up the rollout engine")  # rank 0: the engine; others: None
     batch = from_rank0(lambda: generator.generate(engine, step, version))           # every rank: rank 0's batch
+    part, whole = scatter_from_rank0(make, split)   # each rank: only its own piece of rank 0's result
     choice = share_from_rank0(value if rank0 else None)                             # a plain broadcast
 
 An exception on rank 0 is raised on every rank (``what`` given: wrapped in a ``RuntimeError`` naming it, except
@@ -16,11 +17,11 @@ group; ``fn`` runs on rank 0 alone, so it must not be a collective itself.
 from __future__ import annotations
 
 import pickle
-from typing import Callable, Optional, Tuple, Type, TypeVar
+from typing import Callable, List, Optional, Tuple, Type, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["share_from_rank0", "on_rank0", "from_rank0", "is_rank0"]
+__all__ = ["share_from_rank0", "on_rank0", "from_rank0", "scatter_from_rank0", "is_rank0"]
 
 T = TypeVar("T")
 
@@ -85,3 +86,29 @@ def from_rank0(fn: Callable[[], T], what: Optional[str] = None,
     result, local = _run(fn, what, passthrough) if is_rank0() else (None, None)
     result, shared = share_from_rank0((result, None if local is None else _shareable(local)))
     return _finish(result, local, shared)
+
+
+def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], List[object]], what: Optional[str] = None,
+                       passthrough: Tuple[Type[BaseException], ...] = ()) -> Tuple[object, Optional[T]]:
+    """Run ``fn`` on rank 0 only, cut its result into one picklable piece per global rank (``split``: a list of
+    world-size pieces) and send each rank its own piece alone (``scatter_object_list``). Returns ``(this rank's
+    piece, fn's result on rank 0 / None elsewhere)``; a failure of ``fn`` or ``split`` is raised on every rank."""
+    if not dist.is_initialized():
+        result = fn()
+        return split(result)[0], result
+    pieces, local, result = None, None, None
+    if is_rank0():
+        def run():
+            out = fn()
+            parts = split(out)
+            if len(parts) != dist.get_world_size():
+                raise RuntimeError(f"scatter_from_rank0: {len(parts)} pieces for {dist.get_world_size()} ranks")
+            return out, parts
+        both, local = _run(run, what, passthrough)
+        if both is not None:
+            result, pieces = both
+    shared = share_from_rank0(None if local is None else _shareable(local))
+    _finish(None, local, shared)
+    box: List[object] = [None]
+    dist.scatter_object_list(box, pieces if is_rank0() else None, src=0)
+    return box[0], result

@@ -1,7 +1,8 @@
 """The rollout source: where each step's ``StepBatch`` comes from, chosen once when the job is built.
 
     source = build_rollout_source(cfg, generator, engine, actor, immediate_publisher, start, resumed, rank0)
-    batch = source.next(step)                 # collective: rank 0 makes it, every rank receives it
+    got = source.next(step)                   # collective: rank 0 makes the batch, each rank receives its rows
+    got.rows, got.whole                       # this rank's DP shard (StepRows); rank 0: the whole StepBatch
     publisher = source.publisher              # how trained versions reach the engine from now on
     extra, error = source.drain(step, s, last)  # rollouts a checkpoint must hold (async), and a drain failure
 
@@ -16,45 +17,95 @@ it by construction, the check proves it) and the range of the lag metrics. The r
 (``data.max_reward_failure_frac``) is checked at the same point. A failure on rank 0 is raised on every rank
 (``parallel.rank0``): a ``RolloutError`` as raised, any other failure of the async producer thread wrapped in a
 ``RuntimeError`` naming the step.
+
+Each rank receives only what it trains on (``RowSplit``): the rows of its DP shard with their routing, and the
+step's whole-batch metrics -- rank 0 cuts the batch and scatters the pieces (``parallel.rank0.scatter_from_rank0``),
+so a rank's share of a step's bytes, and of its host memory, is its shard's.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
-from megatron_rl.parallel.rank0 import from_rank0, share_from_rank0
+from megatron_rl.parallel.rank0 import scatter_from_rank0, share_from_rank0
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.versions import version_tag
 from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds
 from megatron_rl.trainer.reward_failures import reward_failure_error
-from megatron_rl.trainer.step_batch import StepBatch
+from megatron_rl.trainer.reward_failures import failed_fraction
+from megatron_rl.trainer.step_batch import StepBatch, StepRows
 from megatron_rl.trainer.weight_publisher import WeightPublisher, deferred_publisher
 
-__all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule"]
+__all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule",
+           "RowSplit"]
 
 
 class AsyncDrainError(RuntimeError):
     """The async producer could not hand over the rollouts a checkpoint must hold (raised on every rank)."""
 
 
+@dataclass(frozen=True)
+class RowSplit:
+    """Which rows of a step each global rank trains: its DP rank's (``StepBatch.dp_rows``)."""
+
+    dp_rank_of: List[int]
+    """The DP rank of each global rank."""
+    dp_size: int
+    """Data-parallel size."""
+    n_samples: int
+    """rollout.n_samples_per_prompt (prompt groups stay whole)."""
+    balance_tokens: bool
+    """Groups spread over DP ranks balancing tokens (with actor.max_tokens_per_micro_batch)."""
+
+    @classmethod
+    def gather(cls, cfg: JobConfig, dp_rank: int, dp_size: int) -> "RowSplit":
+        """Collective over every rank: each rank's DP rank (one all_gather_object)."""
+        ranks: List[int] = [dp_rank]
+        if dist.is_initialized():
+            ranks = [0] * dist.get_world_size()
+            dist.all_gather_object(ranks, int(dp_rank))
+        return cls(ranks, int(dp_size), cfg.rollout.n_samples_per_prompt, cfg.actor.max_tokens_per_micro_batch is not None)
+
+    def pieces(self, batch: StepBatch) -> List[StepRows]:
+        """One ``StepRows`` per global rank (ranks of one DP rank share theirs)."""
+        failed = failed_fraction(batch.metrics, batch.num_rows)
+        by_dp = {d: batch.part(batch.dp_rows(self.n_samples, d, self.dp_size, self.balance_tokens), failed)
+                 for d in sorted(set(self.dp_rank_of))}
+        return [by_dp[d] for d in self.dp_rank_of]
+
+
 class RolloutSource:
-    """Hands the loop each step's batch (see the module docstring)."""
+    """Hands the loop each step's rows (see the module docstring)."""
 
     max_lag: int = 0
     """The staleness bound: the most weight versions a token of a batch may lag the trainer."""
     publisher: WeightPublisher
     """How each trained version reaches the engine while this source runs."""
 
+    split: Optional[RowSplit] = None
+    """Which rows each rank receives (set by ``build_rollout_source``; None: every rank gets all rows)."""
+
     def __init__(self, cfg: JobConfig, publisher: WeightPublisher, generator=None):
         self.cfg = cfg
         self.publisher = publisher
         self.generator = generator
 
-    def next(self, step: int) -> StepBatch:
-        """Collective: step ``step``'s (0-based) batch on every rank."""
+    def next(self, step: int) -> StepRows:
+        """Collective: step ``step``'s (0-based) rows of this rank; rank 0 also gets the whole batch."""
         raise NotImplementedError
+
+    def _scatter(self, make, step: int, **kw) -> StepRows:
+        """Rank 0 makes the batch (``make``) and checks it; each rank receives its rows."""
+        split = self.split or RowSplit([0] * (dist.get_world_size() if dist.is_initialized() else 1), 1,
+                                       self.cfg.rollout.n_samples_per_prompt, False)
+        piece, whole = scatter_from_rank0(lambda: self._checked(make(), step), split.pieces, **kw)
+        piece.whole = whole
+        return piece
 
     def drain(self, step: int, timeout_s: float, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
         """Collective, before the checkpoint after ``step`` steps: what it must hold besides the weights (rank
@@ -90,8 +141,8 @@ class SyncRollouts(RolloutSource):
         super().__init__(cfg, publisher, generator)
         self.engine = engine
 
-    def next(self, step: int) -> StepBatch:
-        return from_rank0(lambda: self._checked(self.generator.generate(self.engine, step, version_tag(step)), step))
+    def next(self, step: int) -> StepRows:
+        return self._scatter(lambda: self.generator.generate(self.engine, step, version_tag(step)), step)
 
 
 class AsyncRollouts(RolloutSource):
@@ -110,9 +161,9 @@ class AsyncRollouts(RolloutSource):
                 segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, cfg)).start_thread()
         self.publisher.producer = self.producer
 
-    def next(self, step: int) -> StepBatch:
-        return from_rank0(lambda: self._checked(self.producer.get(step), step),
-                          what=f"async rollouts of step {step + 1}", passthrough=(RolloutError,))
+    def next(self, step: int) -> StepRows:
+        return self._scatter(lambda: self.producer.get(step), step, what=f"async rollouts of step {step + 1}",
+                             passthrough=(RolloutError,))
 
     def drain(self, step: int, timeout_s: float, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
         extra, error = self._snapshot(step, timeout_s, last) if self.producer is not None else ({}, None)
@@ -156,8 +207,11 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
     publisher that loads a version right away; ``resumed``: the resumed checkpoint's extra state). Call after the
     engine holds version ``start``."""
     if cfg.rollout.mode == "async":
-        return AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0)
-    return SyncRollouts(cfg, generator, engine, immediate)
+        source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0)
+    else:
+        source = SyncRollouts(cfg, generator, engine, immediate)
+    source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size)
+    return source
 
 
 def async_schedule(cfg: JobConfig) -> Dict[str, object]:

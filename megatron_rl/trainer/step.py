@@ -2,8 +2,8 @@
 
 Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
-    batch     = job.source.next(step)                         # rank 0 generates (sync) or takes (async); all get it
-    shard     = this DP rank's whole prompt groups, on the actor's device
+    got       = job.source.next(step)                         # rank 0 generates (sync) or takes (async); each
+    shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
     old_lp    = actor.compute_log_probs(shard, T)              # fp32 recompute, vocab-parallel
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
     adv       = group advantages with the post-rejection mask
@@ -19,30 +19,28 @@ needs pi_theta — verl computes the same quantity inside its loss.
 from __future__ import annotations
 
 import time
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from megatron_rl.actor.schedule import actor_device
 from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.rollout.versions import version_tag
-from megatron_rl.trainer.reward_failures import failed_fraction
 from megatron_rl.trainer.step_batch import StepBatch
 
 __all__ = ["train_step"]
 
 
-def train_step(job, step: int) -> Tuple[Dict[str, float], StepBatch]:
+def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     """Train step ``step`` (0-based; ``step`` versions done) and publish version ``step + 1``. Returns the step's
-    metrics and its batch (collective over every rank)."""
+    metrics and its whole batch on rank 0 (None elsewhere: a rank receives only its rows). Collective."""
     cfg, actor, wd, source = job.cfg, job.actor, job.watchdog, job.source
     T = cfg.rollout.temperature
     t_step = time.perf_counter()
     with wd.phase("rollout", step + 1):
-        batch = source.next(step)
+        got = source.next(step)   # this rank's rows (its DP shard) and the step's whole-batch metrics
     t_rolled = time.perf_counter()
-    shard = batch.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor.dp_rank, actor.dp_size,
-                        actor_device(), balance_tokens=cfg.actor.max_tokens_per_micro_batch is not None)
+    shard = got.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor_device())
     rows = shard.batch
     with wd.phase("logprob", step + 1):
         old_lp, _ = actor.compute_log_probs(rows, T, compute_entropy=False)  # train_step reports entropy
@@ -63,11 +61,11 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], StepBatch]:
     timing = {f"timing/{name}_s": wd.elapsed[name] for name in ("rollout", "logprob", "correction", "train",
                                                                  "weight_sync")}
     metrics = {
-        **batch.summary(failed_fraction(batch.metrics, batch.num_rows)),
-        **actor_metrics, **corr.metrics, **lag_metrics, **batch.metrics,
+        **got.summary,
+        **actor_metrics, **corr.metrics, **lag_metrics, **got.metrics,
         # the share of this step's wall time in which the producer generated while the trainer worked
         "perf/rollout_overlap_frac": source.overlap_s(t_rolled, t_end) / dt,
         **timing, "timing/step_s": dt, **sync_metrics,
-        "perf/tokens_per_s": batch.num_tokens / dt,
+        "perf/tokens_per_s": got.num_tokens / dt,
     }
-    return metrics, batch
+    return metrics, got.whole

@@ -5,9 +5,11 @@ Every per-row quantity of a step -- prompt and response ids, rollout log-probs, 
 versions, MoE routing, truncation -- lives in ``StepBatch`` and is sharded by ``StepBatch.shard`` in one go, so no
 parallel list can fall out of step with the rows of the ``RolloutBatch``:
 
-    batch = source.next(step)                                        # every rank: the same StepBatch
-    shard = batch.shard(step, n_samples, pad_id, dp_rank, dp_size, device)
-    shard.batch, shard.rewards, shard.group_index, shard.token_lag  # this DP rank's whole prompt groups
+    got = source.next(step)                                          # StepRows: this rank's rows only
+    shard = got.shard(step, n_samples, pad_id, device)               # = batch.shard(step, n_samples, pad_id,
+    shard.batch, shard.rewards, shard.group_index, shard.token_lag  #   dp_rank, dp_size, device) of the whole batch
+
+Rank 0 cuts the whole batch with ``dp_rows`` + ``part`` and sends each rank its ``StepRows`` (``rollout_source``).
 
 ``StepShard`` tensors all sit on ``device`` (the actor's: its log-probs are there, so the correction, the lag
 metrics and the advantages meet one device; the one place rollouts move there). ``any_rank(flag)`` is the loop's
@@ -27,7 +29,7 @@ from megatron_rl.actor.micro_batching import balance_groups
 from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.trainer.async_rollout import token_lag_tensor
 
-__all__ = ["StepBatch", "StepShard", "shard_rows", "balanced_rows", "any_rank"]
+__all__ = ["StepBatch", "StepRows", "StepShard", "shard_rows", "balanced_rows", "any_rank"]
 
 
 @dataclass
@@ -70,22 +72,34 @@ class StepBatch:
         tokens (``micro_batching.balance_groups``; every rank the same number of groups) instead of contiguous
         blocks. With one mini-batch per step the result does not depend on it (the loss's denominators are
         global); with ``actor.ppo_mini_batches > 1`` each optimizer step takes a block of every rank's rows, so
-        which rows share a step follows the split."""
-        full = RolloutBatch.from_sequences(self.prompt_ids, self.response_ids, self.rollout_log_probs,
-                                           pad_id=pad_id, routing=self.routing, loss_masks=self.loss_masks or None)
-        rows = shard_rows(self.num_rows, dp_rank, dp_size)
+        which rows share a step follows the split. The same as ``self.part(...).shard(...)``, which is what a rank
+        that received only its rows does."""
+        return self.part(self.dp_rows(n_samples, dp_rank, dp_size, balance_tokens), 0.0).shard(
+            step, n_samples, pad_id, device)
+
+    def dp_rows(self, n_samples: int, dp_rank: int, dp_size: int, balance_tokens: bool = False) -> List[int]:
+        """The global rows of DP rank ``dp_rank`` (see ``shard``), in the order that rank trains them."""
         if balance_tokens and dp_size > 1 and self.num_rows % n_samples == 0:
-            rows = balanced_rows([len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)], n_samples,
+            return balanced_rows([len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)], n_samples,
                                  dp_rank, dp_size)
-            batch = full.take(rows).to(device)
-        else:
-            batch = full.shard(dp_rank, dp_size).to(device)
-        rewards = torch.tensor([self.rewards[i] for i in rows], dtype=torch.float32).to(device)
-        group_index = torch.as_tensor(list(rows), dtype=torch.int64, device=device) // n_samples
-        versions = self.token_versions or [[step] * len(r) for r in self.response_ids]
-        lag = token_lag_tensor([len(self.prompt_ids[i]) for i in rows], [versions[i] for i in rows], step,
-                               batch.max_length - 1).to(device)
-        return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=rows)
+        return list(shard_rows(self.num_rows, dp_rank, dp_size))
+
+    def part(self, rows: Sequence[int], failed_frac: float) -> "StepRows":
+        """What a rank that trains ``rows`` needs of this step: those rows (their routing included) and the
+        step's whole-batch metrics (``failed_frac``: the share of rewards that failed)."""
+        pick = [int(i) for i in rows]
+
+        def sel(values):
+            return [values[i] for i in pick] if values else values
+
+        sub = StepBatch(prompt_ids=sel(self.prompt_ids), response_ids=sel(self.response_ids),
+                        rollout_log_probs=sel(self.rollout_log_probs), rewards=sel(self.rewards),
+                        weight_version=self.weight_version, routing=sel(self.routing) if self.routing else None,
+                        truncated=sel(self.truncated), metrics={}, token_versions=sel(self.token_versions),
+                        loss_masks=sel(self.loss_masks))
+        width = max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
+        return StepRows(rows=sub, global_rows=pick, width=width, summary=self.summary(failed_frac),
+                        metrics=dict(self.metrics), num_tokens=self.num_tokens)
 
     def summary(self, failed_frac: float) -> Dict[str, float]:
         """The step's reward and length metrics (``failed_frac``: the share of rewards that failed)."""
@@ -114,6 +128,41 @@ class StepBatch:
             if lm is not None:
                 rec["loss_mask"] = lm
             yield json.dumps(rec)
+
+
+@dataclass
+class StepRows:
+    """What one rank receives of a step (``StepBatch.part``): the rows it trains, where they sit in the step, and
+    the step's whole-batch metrics -- not the other ranks' rows. Rank 0 also keeps the whole batch (``whole``)."""
+
+    rows: StepBatch
+    """This rank's rows (its DP shard, in training order), each with everything a row carries."""
+    global_rows: List[int]
+    """Their indices in the step's batch (prompt group = index // n_samples_per_prompt)."""
+    width: int
+    """The step's longest row (prompt + response): every rank pads its rows to it, as the whole batch is padded."""
+    summary: Dict[str, float]
+    """``StepBatch.summary`` of the whole step (reward and length metrics)."""
+    metrics: Dict[str, float]
+    """The whole step's data / reward metrics (``StepBatch.metrics``)."""
+    num_tokens: int
+    """Prompt + response tokens of the whole step."""
+    whole: Optional[StepBatch] = None
+    """Rank 0: the whole batch (rollouts.jsonl); None elsewhere."""
+
+    def shard(self, step: int, n_samples: int, pad_id: int, device: torch.device) -> "StepShard":
+        """These rows as tensors on ``device`` (``StepBatch.shard``); ``step``: completed steps (for the lag)."""
+        r = self.rows
+        batch = RolloutBatch.from_sequences(r.prompt_ids, r.response_ids, r.rollout_log_probs, pad_id=pad_id,
+                                            routing=r.routing, loss_masks=r.loss_masks or None)
+        if batch.max_length < self.width:  # the whole batch's padded length (rounded up to it exactly)
+            batch = batch.select(0, batch.num_rows, multiple_of=self.width)
+        batch = batch.to(device)
+        rewards = torch.tensor(r.rewards, dtype=torch.float32).to(device)
+        group_index = torch.as_tensor(self.global_rows, dtype=torch.int64, device=device) // n_samples
+        versions = r.token_versions or [[step] * len(x) for x in r.response_ids]
+        lag = token_lag_tensor([len(p) for p in r.prompt_ids], versions, step, batch.max_length - 1).to(device)
+        return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=self.global_rows)
 
 
 @dataclass

@@ -300,7 +300,8 @@ def test_sbatch_live_readiness_deadline_kills_server(tmp_path):
     assert _dead(server_pid) and not (tmp_path / "trainer.json").exists()
 
 
-def test_sbatch_live_sigterm_stops_everything(tmp_path):
+def _start_live_job(tmp_path):
+    """slurm.sbatch with the stand-ins (a trainer that would run 10 minutes), once its trainer has started."""
     env = _stand_ins(tmp_path, train_sleep=600)
     e = dict(os.environ, OMP_NUM_THREADS="1", **env)
     p = subprocess.Popen(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "--config", Q7], cwd=ROOT, env=e,
@@ -309,6 +310,11 @@ def test_sbatch_live_sigterm_stops_everything(tmp_path):
     while not (tmp_path / "trainer.json").exists():
         assert time.time() < deadline and p.poll() is None, "trainer never started"
         time.sleep(0.2)
+    return p
+
+
+def test_sbatch_live_sigterm_stops_everything(tmp_path):
+    p = _start_live_job(tmp_path)
     import json
 
     trainer_pid = json.load(open(tmp_path / "trainer.json"))["pid"]
@@ -324,14 +330,7 @@ def test_sbatch_live_time_limit_signal_stops_the_trainer_cleanly(tmp_path):
     the trainer alone, waits for it to checkpoint and exit, and exits with its status (0), then stops the servers."""
     header = [line for line in open(os.path.join(LAUNCH, "slurm.sbatch")) if line.startswith("#SBATCH --signal=")]
     assert header == ["#SBATCH --signal=B:USR1@900\n"]
-    env = _stand_ins(tmp_path, train_sleep=600)
-    e = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    p = subprocess.Popen(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "--config", Q7], cwd=ROOT, env=e,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (tmp_path / "trainer.json").exists():
-        assert time.time() < deadline and p.poll() is None, "trainer never started"
-        time.sleep(0.2)
+    p = _start_live_job(tmp_path)
     (server_pid,) = _pids(tmp_path / "server.pid")
     p.send_signal(signal.SIGUSR1)
     out, err = p.communicate(timeout=60)
