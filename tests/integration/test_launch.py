@@ -152,7 +152,7 @@ def test_sbatch_torchrun_per_node_with_separate_servers():
                       os.path.join(ROOT, "launch", "sglang_server.sh"), "--model", "/ckpt/q7", "--host", "0.0.0.0",
                       "--port", "30000", "--tp", "8"]
     assert "wait_ready: curl -sf -m 5 http://gpu09:30000/health" in r.stdout
-    assert train == ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=gpu07,gpu08", "--kill-on-bad-exit=1",
+    assert train == ["srun", "--job-name=megatron-rl-trainer", "--nodes=2", "--ntasks-per-node=1", "--nodelist=gpu07,gpu08", "--kill-on-bad-exit=1",
                      "--output=logs/4242/node-%N.log", "env", f"PYTHON={sys.executable}",
                      os.path.join(ROOT, "launch", "torchrun.sh"), "--nnodes", "2", "--nproc-per-node", "8",
                      "--rdzv-endpoint", "gpu07:29400", "--rdzv-id", "4242", "--log-dir", "logs/4242/torchrun",
@@ -169,7 +169,7 @@ def test_sbatch_srun_per_gpu_with_colocated_servers():
     for s, host in ((s1, "gpu07"), (s2, "gpu08")):
         assert s[:5] == ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap"]
         assert s[s.index("--mem-fraction") + 1] == "0.4" and s[s.index("--tp") + 1] == "4"
-    assert train == ["srun", "--nodes=2", "--ntasks-per-node=4", "--nodelist=gpu07,gpu08", "--kill-on-bad-exit=1",
+    assert train == ["srun", "--job-name=megatron-rl-trainer", "--nodes=2", "--ntasks-per-node=4", "--nodelist=gpu07,gpu08", "--kill-on-bad-exit=1",
                      "--overlap", "--output=logs/4242/rank-%t.log", "env", "MASTER_ADDR=gpu07", "MASTER_PORT=29555",
                      "OMP_NUM_THREADS=1", sys.executable, "-m", "megatron_rl.train", "--config", Q7,
                      "rollout.engine=sglang", 'rollout.sglang_urls=["http://gpu07:31000","http://gpu08:31000"]']
@@ -215,7 +215,36 @@ def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (tmp_path / "config.json").write_text("{}")  # the "model directory" the servers are given
-    (bindir / "srun").write_text("#!/usr/bin/env bash\nwhile [[ $# -gt 0 && $1 == --* ]]; do shift; done\nexec \"$@\"\n")
+    steps = tmp_path / "steps"   # "<job>.<step> <step name> <task pid>" per srun step, for squeue / scancel
+    (bindir / "srun").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        # Slurm's srun, as far as the script relies on it: runs the command as the step's one task and handles
+        # signals as srun does (src/srun/srun.c, _forward_signal): SIGTERM / SIGHUP / SIGQUIT -> SIGKILL to the
+        # tasks, other signals forwarded as they are.
+        name=""
+        while [[ $# -gt 0 && $1 == --* ]]; do [[ $1 == --job-name=* ]] && name=${{1#--job-name=}}; shift; done
+        "$@" &
+        task=$!
+        echo "$SLURM_JOB_ID.$(wc -l < {str(steps)!r} 2>/dev/null || echo 0) ${{name:-step}} $task" >> {str(steps)!r}
+        trap 'kill -KILL $task' TERM HUP QUIT
+        trap 'kill -USR1 $task' USR1
+        trap 'kill -INT $task' INT
+        wait $task; rc=$?
+        while kill -0 $task 2>/dev/null; do wait $task; rc=$?; done
+        exit $rc
+        """))
+    (bindir / "squeue").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        # squeue --steps --noheader --jobs=ID --format='%i %j': the steps' ids and names
+        [[ " $* " == *" --steps "* && " $* " == *" --format=%i %j "* ]] || {{ echo "squeue: unexpected $*" >&2; exit 1; }}
+        cut -d' ' -f1,2 {str(steps)!r}
+        """))
+    (bindir / "scancel").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        # scancel --signal=SIG JOB.STEP: SIG to the step's tasks (slurmstepd delivers it; srun is not a task)
+        sig=${{1#--signal=}}
+        kill -"$sig" "$(awk -v s="$2" '$1 == s {{print $3}}' {str(steps)!r})"
+        """))
     server = tmp_path / "fake_sglang_python"
     server.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""
         import http.server, os, sys, time
@@ -247,7 +276,7 @@ def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
                    "master": os.environ.get("MASTER_ADDR")}}, open(os.path.join({str(tmp_path)!r}, "trainer.json"), "w"))
         time.sleep({train_sleep})
     """))
-    for f in (bindir / "srun", server, trainer):
+    for f in (bindir / "srun", bindir / "squeue", bindir / "scancel", server, trainer):
         f.chmod(0o755)
     env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "localhost,127.0.0.1",
            "LAUNCH_MODE": "srun", "GPUS_PER_NODE": "1", "SGLANG_MODE": "separate", "SGLANG_MODEL": str(tmp_path),
