@@ -17,7 +17,9 @@ batch; tokens tied with the k-th value are all selected (a tie needs two equal f
   max(1, int(kl_cov_ratio * N)) valid tokens with the largest cov.
 * ``m2po_keep_mask`` — AReaL ``_apply_m2po_masking`` / ``_get_m2po_loss_mask``
   (areal/trainer/ppo/actor.py): m2 = (log pi_rollout - log pi_old)^2; the largest m2 are masked until the
-  mean of the rest is below ``m2_threshold`` (if no such set, all but the smallest are masked).
+  mean of the rest is below ``m2_threshold`` (if no such set, all but the smallest are masked). Difference:
+  tokens with equal m2 are kept or masked together (AReaL's sort order splits such ties arbitrarily; they are
+  common, as the responses to one prompt share prefixes and so log-probs).
 
 Scope: the actor calls ``batch_selection`` once per training step on its whole batch, before the
 micro-batches are cut, over the DP group (rows are whole there), so the selection does not depend on
@@ -140,7 +142,8 @@ def m2po_keep_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
     count, total = below(big)
     if count == 0 or total / count < threshold:
         return valid.clone()
-    lo_t = torch.where(valid, keys, torch.full_like(keys, big)).min().reshape(1)
+    # (a rank may hold no rows: the sentinel keeps min() defined, and its MIN-reduce still joins the group)
+    lo_t = torch.cat([keys[valid], torch.full((1,), big, dtype=keys.dtype, device=keys.device)]).min().reshape(1)
     if group is not None:
         _min_reduce(lo_t, group)
     lo = int(lo_t)
@@ -186,8 +189,10 @@ def batch_selection(loss_type: str, config: PolicyLossConfig, old_log_probs: tor
     if loss_type == "m2po":
         if config.m2_threshold is None:
             raise ValueError("actor.policy_loss.m2_threshold must be set (> 0) with loss_type 'm2po'")
-        rollout = old_log_probs if rollout_log_probs is None else rollout_log_probs.to(dev)
-        keep = m2po_keep_mask(old_log_probs, rollout, valid, config.m2_threshold, group)
+        if rollout_log_probs is None:
+            raise ValueError("loss_type 'm2po' needs the rollout engine's log-probs (its second moment is of "
+                             "log pi_rollout - log pi_old); the batch has none")
+        keep = m2po_keep_mask(old_log_probs, rollout_log_probs.to(dev), valid, config.m2_threshold, group)
         counts = torch.stack([valid.sum(), (valid & ~keep).sum()]).to(torch.float64)
         _all_reduce(counts, group)
         frac = float(counts[1] / counts[0]) if float(counts[0]) > 0 else 0.0

@@ -21,7 +21,8 @@ reduction give the single-process result.
   slime/backends/megatron_utils/loss.py): PPO-clip (with this config's dual-clip) whose tokens with A < 0
   in a sequence with mean_seq(log pi_old - log pi_theta) > opsm_delta are masked (loss 0, still counted
   in the denominators, as slime multiplies the loss); metric ``opsm_clipfrac`` = fraction of valid tokens
-  masked (slime: the sum over sequences of each one's masked fraction).
+  masked (slime: the sum over sequences of each one's masked fraction). The sequence mean is over the tokens
+  the rejection kept (slime averages over its loss mask before rejection sampling).
 """
 from __future__ import annotations
 

@@ -103,3 +103,33 @@ def test_dp2_cp2_equals_single_process_for_every_objective():
         assert 0 < int(sel.sum()) < int((d["mask"] != 0).sum()), loss_type
     _, mask, frac = batch_selection("m2po", dict(CASES)["m2po"], d["old"], d["rollout"], d["adv"], d["mask"])
     assert 0 < frac["m2po_maskfrac"] < 1
+
+
+def _selection_body(rank, world, d, blocks):
+    import torch.distributed as dist
+    r = slice(*blocks[rank])
+    out = []
+    for loss_type in ("clip_cov", "kl_cov", "m2po"):
+        sel, mask, metrics = batch_selection(loss_type, dict(CASES)[loss_type], d["old"][r], d["rollout"][r],
+                                             d["adv"][r], d["mask"][r], group=dist.group.WORLD)
+        out.append((sel, mask, metrics))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("blocks", [[(0, 0), (0, 8)], [(2, 3), (0, 8)]], ids=["no-rows", "no-valid-token"])
+def test_batch_selection_with_a_rank_without_valid_tokens(blocks):
+    """A DP rank holding no rows (or only a fully masked row) joins every collective of the selections and
+    gets the single-process selection of the other rank's rows; no crash, no hang."""
+    d = problem()
+    assert int((d["mask"][2:3] != 0).sum()) == 0
+    per_rank = run_ranks(_selection_body, 2, d, blocks, timeout=90)
+    r = slice(*blocks[1])
+    for i, loss_type in enumerate(("clip_cov", "kl_cov", "m2po")):
+        sel, mask, metrics = batch_selection(loss_type, dict(CASES)[loss_type], d["old"][r], d["rollout"][r],
+                                             d["adv"][r], d["mask"][r])
+        assert per_rank[1][i][2] == pytest.approx(metrics) and per_rank[0][i][2] == pytest.approx(metrics)
+        assert torch.equal(per_rank[1][i][1], mask), loss_type
+        assert sel is None or torch.equal(per_rank[1][i][0], sel), loss_type
+        if sel is not None:
+            assert int(per_rank[0][i][0].sum()) == 0, loss_type

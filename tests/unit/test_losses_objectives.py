@@ -189,3 +189,21 @@ def test_every_objective_on_cuda_equals_cpu():
         assert m2 == pytest.approx(m1, abs=1e-5) and x2 == pytest.approx(x1), loss_type
         assert (s1 is None) == (s2 is None) and (s1 is None or torch.equal(s1, s2)), loss_type
         assert torch.equal(k1, k2), loss_type
+
+
+def test_m2po_without_rollout_log_probs_is_a_named_error():
+    d = batch(3)
+    with pytest.raises(ValueError, match="m2po.*rollout"):
+        batch_selection("m2po", PolicyLossConfig(m2_threshold=0.01), d["old"], None, d["adv"], d["mask"])
+
+
+def test_m2po_ties_are_kept_or_masked_together():
+    """Equal m2 values (shared prefixes) are one block: kept together when their mean with the smaller values
+    is below the threshold, masked together otherwise."""
+    old = torch.full((2, 3), -1.0, dtype=F64)
+    rollout = old + torch.tensor([[0.3, 0.3, 0.0], [0.3, 0.0, 0.0]], dtype=F64)   # m2: 0.09 x3, 0 x3
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    keep = m2po_keep_mask(old, rollout, valid, 0.05)        # all: mean 0.045 < 0.05 -> keep all
+    assert bool(keep.all())
+    keep = m2po_keep_mask(old, rollout, valid, 0.04)        # the tied 0.09s go together
+    assert torch.equal(keep, rollout == old)
