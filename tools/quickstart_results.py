@@ -2,9 +2,10 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` (the reward curve, entropy, step times) and the newest COMPLETE checkpoint
 under ``RUN_DIR/checkpoints`` (exported to ``RUN_DIR/hf_final`` with the project's own exporter), then
-evaluates the trained model GREEDILY (temperature 0, fp32, the project's ``EmbeddedEngine``) on the task's
-held-out prompts — operand strings the run never trained on (``data.task_kwargs.heldout_frac``, see
-``megatron_rl.tasks.synthetic``). Writes the markdown table to ``--out`` (default ``docs/results.md``) and
+evaluates the trained model GREEDILY (temperature 0, fp32, the project's ``EmbeddedEngine``) on every prompt of
+the task, reported per operand length: on the held-out prompts of each length that has any — operand strings
+the run never trained on (``data.task_kwargs.heldout_frac``, see ``megatron_rl.tasks.synthetic``) — and on
+every string of each length (the rate strings drawn with uniform lengths measure, length by length). Writes the markdown table to ``--out`` (default ``docs/results.md``) and
 prints it; no number in it is typed by hand. The task and its options come from the config saved in the
 checkpoint, so the evaluation matches what the run trained on.
 
@@ -48,31 +49,47 @@ def saved_config(ckpt: str) -> Dict:
     return cfg
 
 
-def greedy_heldout(hf_dir: str, cfg: Dict) -> Dict:
-    """Greedy exact-match rate of the model in ``hf_dir`` on the held-out prompts of the run's task, overall
-    and by operand length."""
+def greedy_by_length(hf_dir: str, cfg: Dict) -> Dict:
+    """Greedy exact-match rates of the model in ``hf_dir`` on the run's task, per operand length: on the
+    held-out prompts of that length (strings never trained on) and on every string of that length (trained-on
+    and held-out alike: what strings drawn with uniform lengths measure, length by length); plus the held-out
+    rate over all lengths together (each length weighted by its number of held-out strings)."""
     data = cfg["data"]
     kwargs = dict(data.get("task_kwargs") or {})
     if not kwargs.get("heldout_frac"):
         raise SystemExit("quickstart_results: the run has no held-out split (data.task_kwargs.heldout_frac is 0 "
                          "or unset): every prompt may have been trained on, so there is nothing to evaluate")
     task = build_task(data["task"], load_tokenizer(hf_dir), task_kwargs=kwargs)
-    prompts = task.heldout_prompts()
+    prompts = task.every_prompt()
     engine = EmbeddedEngine(hf_dir, dtype="float32", seed=0)
     try:
         outs = engine.generate([p.prompt_ids for p in prompts],
                                SamplingParams(temperature=0.0, max_new_tokens=int(cfg["rollout"]["max_new_tokens"])))
     finally:
         engine.close()
-    by_len: Dict[int, List[bool]] = {}
+    held: Dict[int, List[bool]] = {}
+    every: Dict[int, List[bool]] = {}
+    shown: Dict[int, List[str]] = {}
     for r in outs:
         p = prompts[r.prompt_index]
+        k, out = task.operand_digits(p), task.tokenizer.decode(r.response_ids)
         ok = task.reward(p, r.response_ids) == 1.0
-        by_len.setdefault(len(str(p.text).split(":", 1)[1].rstrip("=")), []).append(ok)
-    hits = sum(sum(v) for v in by_len.values())
-    examples = [f"{prompts[r.prompt_index].text} -> {task.tokenizer.decode(r.response_ids)!r}" for r in outs[:: max(1, len(outs) // 6)]]
-    return {"n": len(prompts), "exact": hits / len(prompts), "examples": examples,
-            "by_length": {k: (sum(v), len(v)) for k, v in sorted(by_len.items())}}
+        every.setdefault(k, []).append(ok)
+        if task.is_heldout(p):
+            held.setdefault(k, []).append(ok)
+            shown.setdefault(k, []).append(f"{p.text} -> {out!r} (held out)")
+        elif k not in held:
+            shown.setdefault(-k, []).append(f"{p.text} -> {out!r}")
+    examples = [e for k in sorted(every) for e in (shown.get(k) or shown.get(-k, []))[::7][:3]]
+    n_held = sum(len(v) for v in held.values())
+    rates = {k: sum(v) / len(v) for k, v in every.items()}
+    rates_held = {k: sum(v) / len(v) for k, v in held.items()}
+    return {"n": n_held, "exact": sum(sum(v) for v in held.values()) / n_held,
+            "examples": examples,
+            "by_length": {k: {"heldout": (sum(held[k]), len(held[k])) if k in held else None,
+                              "every": (sum(v), len(v))} for k, v in sorted(every.items())},
+            "uniform_lengths": sum(rates.values()) / len(rates),
+            "worst_length": min([*rates.values(), *rates_held.values()])}
 
 
 def curve_summary(records: Sequence[dict], windows: int = CURVE_WINDOWS) -> List[tuple]:
@@ -117,6 +134,14 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _rate(hits_n) -> str:
+    """``"h of n (p %)"``, or "none" for a length without such strings."""
+    if hits_n is None:
+        return "none held out"
+    h, n = hits_n
+    return f"{h} of {n} ({100 * h / n:.0f} %)"
+
+
 def render(run_dir: str, cfg: Dict, facts: Dict, curve: List[tuple], ev: Dict, ckpt: str) -> str:
     """The markdown page."""
     par, ro, data, tr = cfg["parallel"], cfg["rollout"], cfg["data"], cfg["trainer"]
@@ -137,9 +162,20 @@ def render(run_dir: str, cfg: Dict, facts: Dict, curve: List[tuple], ev: Dict, c
         f"| mean reward, first step -> last step | {facts['reward_first']:.3f} -> {facts['reward_last']:.3f} |",
         f"| mean reward, first quarter / last quarter of the steps | {facts['first_quarter']:.3f} / "
         f"{facts['last_quarter']:.3f} |",
-        f"| greedy exact copies, held-out prompts | {100 * ev['exact']:.1f} % ({round(ev['exact'] * ev['n'])} of "
-        f"{ev['n']}) |",
-        *(f"| ... held-out prompts with {k} digit(s) | {h} of {n} |" for k, (h, n) in ev["by_length"].items()),
+        f"| greedy exact answers, all held-out prompts | {100 * ev['exact']:.1f} % ({round(ev['exact'] * ev['n'])} "
+        f"of {ev['n']}) |",
+        f"| greedy exact answers, lengths equally weighted (mean of the per-length rates on every string) | "
+        f"{100 * ev['uniform_lengths']:.1f} % |",
+        f"| greedy exact answers, worst length (held-out or every string) | {100 * ev['worst_length']:.1f} % |",
+        "",
+        "Greedy exact answers per operand length:",
+        "",
+        "| digits | held-out strings | every string of that length (trained-on and held-out) |",
+        "|---|---|---|",
+        *(f"| {k} | {_rate(v['heldout'])} | {_rate(v['every'])} |" for k, v in ev["by_length"].items()),
+        "",
+        "| metric | value |",
+        "|---|---|",
         f"| policy entropy (nats/token), first / last 10 % of steps | {facts['entropy_start']:.3f} / "
         f"{facts['entropy_end']:.3f} |",
         f"| steps with zero gradient (every group's samples scored alike) | {facts['zero_grad_steps']} |",
@@ -152,7 +188,7 @@ def render(run_dir: str, cfg: Dict, facts: Dict, curve: List[tuple], ev: Dict, c
         "|---|" + "---|" * len(curve),
         "| reward | " + " | ".join(f"{m:.2f}" for _, _, m in curve) + " |",
         "",
-        "Greedy answers on held-out prompts (a sample):",
+        "Greedy answers (a sample per length; held-out strings where the length has any):",
         "",
         *(f"    {e}" for e in ev["examples"]),
         "",
@@ -175,13 +211,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     cfg = saved_config(ckpt)
     hf_dir = os.path.join(a.run_dir, "hf_final")
     export_checkpoint_to_hf(ckpt, hf_dir)
-    ev = greedy_heldout(hf_dir, cfg)
+    ev = greedy_by_length(hf_dir, cfg)
     facts = run_facts(records)
     page = render(a.run_dir, cfg, facts, curve_summary(records), ev, os.path.relpath(ckpt, a.run_dir))
     with open(a.out, "w") as fh:
         fh.write(page)
     print(page)
-    result = {**facts, "heldout_exact": ev["exact"], "heldout_n": ev["n"]}
+    result = {**facts, "heldout_exact": ev["exact"], "heldout_n": ev["n"], "uniform_lengths": ev["uniform_lengths"],
+              "worst_length": ev["worst_length"],
+              "by_length": {str(k): v for k, v in ev["by_length"].items()}}
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(result, fh, indent=2)

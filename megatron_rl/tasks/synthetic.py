@@ -75,7 +75,7 @@ from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
 DIGIT_TASKS = ("copy", "reverse", "sort", "add")
 #: The ``data.task_kwargs`` keys a digit task accepts.
 DIGIT_TASK_OPTIONS = ("min_digits", "max_digits", "partial_credit", "eos_credit", "prefix_credit",
-                      "length_alpha", "heldout_frac", "curriculum_steps")
+                      "length_alpha", "length_floor", "heldout_frac", "curriculum_steps")
 #: ``heldout_prompts`` refuses to enumerate more operand strings than this.
 MAX_ENUMERATED = 1_000_000
 
@@ -135,7 +135,8 @@ class DigitTask(Task):
 
     def __init__(self, task: str, tokenizer, min_digits: int = 1, max_digits: int = 3,
                  partial_credit: bool = True, heldout_frac: float = 0.0, curriculum_steps: int = 0,
-                 eos_credit: bool = True, prefix_credit: bool = False, length_alpha: float = 0.0):
+                 eos_credit: bool = True, prefix_credit: bool = False, length_alpha: float = 0.0,
+                 length_floor: float = 0.0):
         """Args:
             task: "copy", "reverse", "sort" or "add".
             tokenizer: encodes the prompt text and decodes responses (needs an ``eos_token_id``).
@@ -147,6 +148,8 @@ class DigitTask(Task):
                 docstring); False: every matching position counts.
             length_alpha: in [0, 1]: draw an operand length with probability proportional to its number of
                 strings to this power (0: every length equally likely, 1: every string; module docstring).
+            length_floor: in [0, 1]: the share of draws whose length is uniform over the lengths (the rest as
+                ``length_alpha`` says), so each of the L lengths is drawn at least ``length_floor / L`` of the time.
             heldout_frac: fraction in [0, 0.5] of operand strings kept out of ``sample`` for evaluation
                 (``heldout_prompts``); 0 disables the split.
             curriculum_steps: steps over which the longest drawn operand grows from min_digits to max_digits
@@ -168,7 +171,11 @@ class DigitTask(Task):
         if isinstance(length_alpha, bool) or not isinstance(length_alpha, (int, float)) \
                 or not 0.0 <= length_alpha <= 1.0:
             raise ValueError(f"data.task_kwargs.length_alpha={length_alpha!r} must be a number in [0, 1]")
+        if isinstance(length_floor, bool) or not isinstance(length_floor, (int, float)) \
+                or not 0.0 <= length_floor <= 1.0:
+            raise ValueError(f"data.task_kwargs.length_floor={length_floor!r} must be a number in [0, 1]")
         self.eos_credit, self.prefix_credit, self.length_alpha = eos_credit, prefix_credit, float(length_alpha)
+        self.length_floor = float(length_floor)
         if isinstance(heldout_frac, bool) or not isinstance(heldout_frac, (int, float)) \
                 or not 0.0 <= heldout_frac <= 0.5:
             raise ValueError(f"data.task_kwargs.heldout_frac={heldout_frac!r} must be a number in [0, 0.5]")
@@ -197,14 +204,18 @@ class DigitTask(Task):
         return min(self.max_digits, self.min_digits + span * max(0, self._step) // self.curriculum_steps)
 
     def _length(self, rng: random.Random, longest: int) -> int:
-        """One operand length in ``[min_digits, longest]``, drawn as ``length_alpha`` says."""
-        if self.length_alpha == 0.0:  # the original draw (same random stream as before the option existed)
+        """One operand length in ``[min_digits, longest]``, drawn as ``length_alpha`` and ``length_floor``
+        say."""
+        if self.length_alpha == 0.0:  # the original draw (same random stream as before the options existed)
             return rng.randint(self.min_digits, longest)
         lengths = range(self.min_digits, longest + 1)
         # count ** alpha in log space, relative to the largest: no float overflow for long operands
         logs = [self.length_alpha * math.log(operand_count(self.name, k)) for k in lengths]
         top = max(logs)
         weights = [math.exp(v - top) for v in logs]
+        if self.length_floor:  # a share length_floor of the mass spread evenly over the lengths
+            total = sum(weights)
+            weights = [self.length_floor / len(weights) + (1 - self.length_floor) * w / total for w in weights]
         return rng.choices(lengths, weights=weights)[0]
 
     def _operands(self, rng: random.Random) -> str:
@@ -231,18 +242,32 @@ class DigitTask(Task):
         for a, b in itertools.product(nums, nums):
             yield f"{a}+{b}"
 
-    def heldout_prompts(self) -> list[Prompt]:
-        """Every held-out prompt (module docstring), in a fixed order; ValueError without a split or when
-        the operand space is larger than ``MAX_ENUMERATED``."""
-        if self.heldout_frac <= 0:
-            raise ValueError(f"task {self.name!r}: no held-out split (data.task_kwargs.heldout_frac is 0)")
+    def every_prompt(self) -> list[Prompt]:
+        """Every prompt with operands in ``[min_digits, max_digits]`` (held-out and trained-on alike), in a
+        fixed order; ValueError when the operand space is larger than ``MAX_ENUMERATED``."""
         per_len = [10 ** k for k in range(self.min_digits, self.max_digits + 1)]
         size = sum(per_len) ** 2 if self.name == "add" else sum(per_len)
         if size > MAX_ENUMERATED:
             raise ValueError(f"task {self.name!r}: {size} operand strings for digits {self.min_digits}-"
                              f"{self.max_digits}: too many to enumerate (> {MAX_ENUMERATED})")
-        return [self.make_prompt(o) for o in self._all_operands()
-                if is_heldout(self.name, o, self.heldout_frac)]
+        return [self.make_prompt(o) for o in self._all_operands()]
+
+    def is_heldout(self, prompt: Prompt) -> bool:
+        """Whether ``prompt`` (one of this task's) is in the held-out split (False without a split)."""
+        operands = str(prompt.text).split(":", 1)[1].rstrip("=")
+        return bool(self.heldout_frac) and is_heldout(self.name, operands, self.heldout_frac)
+
+    @staticmethod
+    def operand_digits(prompt: Prompt) -> int:
+        """The length in digits of ``prompt``'s operand (``add``: of its longer operand)."""
+        return max(len(o) for o in str(prompt.text).split(":", 1)[1].rstrip("=").split("+"))
+
+    def heldout_prompts(self) -> list[Prompt]:
+        """Every held-out prompt (module docstring), in a fixed order; ValueError without a split or when
+        the operand space is larger than ``MAX_ENUMERATED``."""
+        if self.heldout_frac <= 0:
+            raise ValueError(f"task {self.name!r}: no held-out split (data.task_kwargs.heldout_frac is 0)")
+        return [p for p in self.every_prompt() if self.is_heldout(p)]
 
     def longest_prompt(self) -> Prompt:
         """The prompt of the longest operands (``max_digits``; both operands for add)."""

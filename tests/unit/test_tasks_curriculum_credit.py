@@ -82,7 +82,9 @@ def test_prefix_credit_never_exceeds_position_credit(tok):
 
 @pytest.mark.parametrize("key,bad", [("prefix_credit", "yes"), ("length_alpha", "by_count"),
                                      ("length_alpha", 1.5), ("length_alpha", -0.1), ("length_alpha", True),
-                                     ("length_alpha", float("nan")), ("length_alpha", float("inf"))])
+                                     ("length_alpha", float("nan")), ("length_alpha", float("inf")),
+                                     ("length_floor", 1.5), ("length_floor", -0.1), ("length_floor", True),
+                                     ("length_floor", "0.5"), ("length_floor", float("nan"))])
 def test_credit_and_length_options_are_checked(tok, key, bad):
     with pytest.raises(ValueError, match=f"data.task_kwargs.{key}"):
         build_task("copy", tok, task_kwargs={key: bad})
@@ -94,15 +96,23 @@ def test_credit_and_length_options_are_checked(tok, key, bad):
            1000 ** 0.5 / (10 ** 0.5 + 10 + 1000 ** 0.5)]),
     (0.0, [1 / 3] * 3),                                     # every length equally likely
 ])
-def test_length_alpha_draw_frequencies(tok, alpha, expected):
+def test_length_alpha_draw_frequencies(tok, alpha, expected, floor=0.0):
     """Lengths 1-3 drawn in proportion to (10, 100, 1000) ** alpha, on 30000 draws within 5 standard
     deviations."""
     n = 30000
-    task = build_task("copy", tok, task_kwargs={"length_alpha": alpha})
+    task = build_task("copy", tok, task_kwargs={"length_alpha": alpha, "length_floor": floor})
     lengths = [len(p.answer) for p in task.sample(n, random.Random(0))]
     for k, q in zip((1, 2, 3), expected):
         sd = (n * q * (1 - q)) ** 0.5
         assert abs(lengths.count(k) - n * q) < 5 * sd, (alpha, k, lengths.count(k), n * q)
+
+
+@pytest.mark.parametrize("alpha,floor", [(1.0, 0.5), (0.5, 0.3), (1.0, 1.0)])
+def test_length_floor_mixes_uniform_lengths_in(tok, alpha, floor):
+    """A share ``floor`` of the draws has uniform lengths: P(k) = floor / 3 + (1 - floor) * count(k) ** alpha
+    / sum, written out independently."""
+    w = [c ** alpha for c in (10, 100, 1000)]
+    test_length_alpha_draw_frequencies(tok, alpha, [floor / 3 + (1 - floor) * x / sum(w) for x in w], floor)
 
 
 def test_length_alpha_zero_keeps_the_original_draws(tok):

@@ -62,3 +62,17 @@ def test_no_split_and_oversized_space_are_errors(tok):
         build_task("copy", tok).heldout_prompts()
     with pytest.raises(ValueError, match="too many to enumerate"):
         build_task("copy", tok, task_kwargs={"max_digits": 7, "heldout_frac": 0.1}).heldout_prompts()
+
+
+def test_every_prompt_covers_each_string_once_and_marks_the_split(tok):
+    task = build_task("copy", tok, task_kwargs={"min_digits": 1, "max_digits": 3, "heldout_frac": 0.1})
+    every = task.every_prompt()
+    ref = {f"copy:{''.join(t)}=" for k in range(1, 4) for t in itertools.product("0123456789", repeat=k)}
+    assert len(every) == 1110 and {p.text for p in every} == ref
+    assert {p.text for p in every if task.is_heldout(p)} == _reference_heldout("copy", range(1, 4), 0.1)
+    assert [task.operand_digits(p) for p in every].count(2) == 100
+    assert task.operand_digits(build_task("add", tok).make_prompt("7+345")) == 3
+    plain = build_task("copy", tok)  # no split: nothing is held out, every string is still enumerated
+    assert len(plain.every_prompt()) == 1110 and not any(plain.is_heldout(p) for p in plain.every_prompt())
+    with pytest.raises(ValueError, match="too many to enumerate"):
+        build_task("copy", tok, task_kwargs={"max_digits": 7}).every_prompt()
