@@ -67,9 +67,9 @@ import itertools
 import math
 import random
 import zlib
-from typing import Sequence
+from typing import Dict, Sequence
 
-from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
+from megatron_rl.tasks.base import Prompt, RewardResult, Task, check_rng, response_text
 
 #: The built-in digit tasks.
 DIGIT_TASKS = ("copy", "reverse", "sort", "add")
@@ -185,6 +185,7 @@ class DigitTask(Task):
             raise ValueError(f"data.task_kwargs.curriculum_steps={curriculum_steps!r} must be an int >= 0")
         self.curriculum_steps = curriculum_steps
         self._step = None  # set by begin_step; None: no curriculum cap (e.g. sampling outside the loop)
+        self._length_rewards: Dict[int, float] = {}  # mean reward per operand length of the last scored batch
         probe = f"{task}:0123456789+="
         ids = tokenizer.encode(probe, add_special_tokens=False)
         unk = getattr(tokenizer, "unk_token_id", None)
@@ -295,6 +296,20 @@ class DigitTask(Task):
                 raise ValueError(f"task {self.name!r}: 1000 draws in a row were held out; lower "
                                  f"data.task_kwargs.heldout_frac={self.heldout_frac} or widen the digit range")
         return out
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> RewardResult:
+        """``Task.score``; also keeps the batch's mean reward per operand length for ``stats``."""
+        result = super().score(prompts, responses)
+        by_len: Dict[int, list] = {}
+        for p, r in zip(prompts, result.rewards):
+            by_len.setdefault(self.operand_digits(p), []).append(r)
+        self._length_rewards = {k: sum(v) / len(v) for k, v in by_len.items()}
+        return result
+
+    def stats(self) -> Dict[str, float]:
+        """``reward/digits_<k>``: the mean reward of the last scored batch's samples whose operand has ``k``
+        digits (only the lengths it had)."""
+        return {f"reward/digits_{k}": v for k, v in sorted(self._length_rewards.items())}
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """Exact match 1.0; else partial credit (see module docstring)."""

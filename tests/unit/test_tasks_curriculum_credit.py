@@ -205,3 +205,21 @@ def test_rollout_phase_drives_the_curriculum(tok):
         lengths[step] = {len(r) - 1 for r in out.response_ids}
         assert out.rewards == [1.0] * 64
     assert lengths == {0: {1}, 45: {1, 2, 3}}
+
+
+def test_stats_report_the_last_batch_mean_reward_per_length(tok):
+    """``reward/digits_<k>``: mean reward of the scored samples whose operand has k digits, from the rewards
+    computed one by one."""
+    task = build_task("copy", tok, task_kwargs={"prefix_credit": True})
+    assert task.stats() == {}
+    prompts = [task.make_prompt(o) for o in ("7", "7", "12", "345")]
+    eos = tok.eos_token_id
+    responses = [tok.encode("7", add_special_tokens=False) + [eos], tok.encode("77", add_special_tokens=False) + [eos],
+                 tok.encode("13", add_special_tokens=False) + [eos], tok.encode("345", add_special_tokens=False) + [eos]]
+    want = [task.reward(p, r) for p, r in zip(prompts, responses)]
+    assert want == [1.0, 1 / 3, 1 / 3, 1.0]
+    task.score(prompts, responses)
+    assert task.stats() == pytest.approx({"reward/digits_1": (want[0] + want[1]) / 2, "reward/digits_2": want[2],
+                                          "reward/digits_3": want[3]})
+    task.score(prompts[2:3], responses[2:3])  # the last batch only
+    assert task.stats() == pytest.approx({"reward/digits_2": want[2]})
