@@ -40,11 +40,20 @@ of operand strings of that length (10, 100, 1000 digit strings of 1, 2, 3 digits
 length equally often — 1-3 digit copy trains a third of the time on the 10 one-digit strings; 1: every string
 equally often, the distribution the held-out split is drawn from — and 1 % one-digit prompts; in between
 (0.5: 7 / 22 / 71 %) the long strings dominate and the short ones are still seen.
+``length_floor`` (in [0, 1]) mixes uniform lengths in: a share ``length_floor`` of the probability is spread
+evenly over the lengths, the rest follows ``length_alpha`` — 1-3 digits with ``length_alpha: 1,
+length_floor: 0.5``: 17 / 21 / 62 %, so every length is drawn at least ``length_floor / 3`` of the time while
+the long strings stay the majority.
+
+Per-length rewards: ``stats()`` reports ``reward/digits_<k>``, the mean reward of the last scored batch's
+samples with a ``k``-digit operand (the loop adds it to the step metrics).
 
 Held-out split (``heldout_frac`` > 0): an operand string is HELD OUT when ``crc32("<task>:<operands>") %
 10_000 < heldout_frac * 10_000`` — a fixed, seed-independent subset of about that fraction of all strings.
 ``sample`` never draws a held-out string (it redraws); ``heldout_prompts()`` enumerates every held-out
-prompt in ``[min_digits, max_digits]``, the evaluation set of a trained model (``tools/quickstart_results.py``).
+prompt in ``[min_digits, max_digits]``; ``every_prompt()`` every prompt, held out or not (``is_heldout(prompt)``
+tells which) — the evaluation sets of a trained model, per length (``operand_digits``), in
+``tools/quickstart_results.py``.
 
 Curriculum (``curriculum_steps`` > 0): the longest operand drawn grows with the training step (the loop calls
 ``begin_step(step)`` before sampling): at 0-based step ``s`` it is ``min_digits + (max_digits - min_digits + 1) *
