@@ -79,7 +79,7 @@ class BlockOps:
             self._grad = torch_path.chunk_grad_fewer_passes if fewer else torch_path.chunk_grad
 
     def logprobs(self, x, t_local, inv_temp):
-        """Without TP: (logp, ent, M, log_s, status) of the block x [c, W] (Triton only)."""
+        """Without TP: (logp, ent, M, log_s, status, flag) of the block x [c, W] (Triton only)."""
         return self._k.block_logprobs(x, t_local, inv_temp)
 
     def partials(self, x, t_local, inv_temp):
