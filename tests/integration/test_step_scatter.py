@@ -72,3 +72,40 @@ def test_each_rank_receives_only_its_dp_shard(balance):
         assert x["received"] < 1.2 * x["share"] * whole + 2000, (rank, x, whole)
         assert x["received"] < 0.5 * whole, (rank, x, whole)
     assert sum(x["received"] for x in res) < 1.1 * whole
+
+
+def _rank_model_parallel(rank, world, tp, pp, cp):
+    """RowSplit.gather on megatron's groups (TP x PP x CP x DP on ``world`` gloo ranks), then the scatter."""
+    from types import SimpleNamespace
+
+    from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
+    from megatron_rl.parallel.groups import ActorGroups
+    from megatron_rl.parallel.rank0 import scatter_from_rank0
+    from megatron_rl.trainer.rollout_source import RowSplit
+
+    initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp), seed=1)
+    groups = ActorGroups.from_parallel_state()
+    cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=N_SAMPLES),
+                          actor=SimpleNamespace(max_tokens_per_micro_batch=None))
+    split = RowSplit.gather(cfg, groups.dp_rank, groups.dp_size)
+    piece, _ = scatter_from_rank0(_batch, split.pieces)
+    ref = _batch().shard(4, N_SAMPLES, 0, groups.dp_rank, groups.dp_size, torch.device("cpu"))
+    got = piece.shard(4, N_SAMPLES, 0, torch.device("cpu"))
+    for name in ("tokens", "routing", "response_mask"):
+        torch.testing.assert_close(getattr(got.batch, name), getattr(ref.batch, name), rtol=0, atol=0, msg=name)
+    return {"dp_rank": groups.dp_rank, "dp_size": groups.dp_size, "rows": list(got.rows)}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2xdp2", "pp2xdp2", "cp2xdp2"])
+def test_ranks_of_one_dp_shard_receive_the_same_rows(tp, pp, cp):
+    """With TP, PP or CP > 1 the ranks of one DP shard (megatron's data-parallel rank) all receive its rows, and
+    the DP shards together hold every row once."""
+    res = run_ranks(_rank_model_parallel, 4, tp, pp, cp, timeout=130)
+    assert {x["dp_size"] for x in res} == {2}
+    by_dp = {}
+    for x in res:
+        by_dp.setdefault(x["dp_rank"], []).append(x["rows"])
+    assert sorted(by_dp) == [0, 1] and all(len(v) == 2 and v[0] == v[1] for v in by_dp.values()), by_dp
+    assert sorted(r for v in by_dp.values() for r in v[0]) == list(range(GROUPS * N_SAMPLES))
