@@ -407,6 +407,13 @@ def test_sbatch_r3_servers_capture_routes_and_take_extra_flags():
     script = server.index(os.path.join(ROOT, "launch", "sglang_server.sh"))
     assert server[script + 1:] == ["--model", "/ckpt/q3", "--host", "0.0.0.0", "--port", "30000", "--tp", "8",
                                    "--routed-experts", "--", *extra.split()]
+    # split at any whitespace, newlines included (a value written over several lines loses none of its flags)
+    r = _run("slurm.sbatch", "--config", q3, env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3",
+                                                     SGLANG_EXTRA_ARGS="--context-length 32768\n  --random-seed 0\n",
+                                                     CHECK="0"))
+    assert r.returncode == 0, r.stderr
+    server = _cmds(r.stdout)[0]
+    assert server[server.index("--"):] == ["--", "--context-length", "32768", "--random-seed", "0"]
     r = _run("slurm.sbatch", "--config", q3, "actor.routing_replay=none",
              env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3", CHECK="0"))
     assert "--routed-experts" not in _cmds(r.stdout)[0]
