@@ -5,7 +5,9 @@ the batch split over the ranks of ``group``, they are computed from all-reduced 
 means from (sum, count); the k largest values by a radix select on the values' order-preserving 64-bit
 keys (8 rounds of one 256-bin histogram all_reduce); M2PO's cut-off by bisection on the same keys (one
 (count, sum) all_reduce per step). The result equals the single-process selection on the concatenated
-batch; tokens tied with the k-th value are all selected (a tie needs two equal float64 values).
+batch; tokens tied with the k-th value are all selected, so a selection can exceed its k. Ties are not rare:
+responses to one prompt that share a prefix and an advantage have equal log-probs, covariances and Clip-Cov
+hashes at the same column (verl's ``topk`` / ``randperm`` pick among such tokens arbitrarily).
 
 * ``covariance_selection("clip_cov", ...)`` — verl 0.9.1 ``compute_policy_loss_clip_cov``
   (verl/trainer/ppo/core_algos.py): cov_t = (A_t - mean A)(log pi_t - mean log pi) over the batch's valid

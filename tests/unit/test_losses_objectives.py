@@ -207,3 +207,19 @@ def test_m2po_ties_are_kept_or_masked_together():
     assert bool(keep.all())
     keep = m2po_keep_mask(old, rollout, valid, 0.04)        # the tied 0.09s go together
     assert torch.equal(keep, rollout == old)
+
+
+def test_selections_take_tied_tokens_together():
+    """Identical rows (one prompt, shared response and advantage): their tokens tie in covariance and in
+    Clip-Cov's hash, and are selected together, so a selection of k = 1 holds one token of every row."""
+    d = batch(6, empty_rows=(), per_token_adv=True)
+    B = d["mask"].shape[0]
+    for k in ("logp", "old", "adv", "mask"):
+        d[k][:] = d[k][0]
+    valid = d["mask"] != 0
+    n = int(valid.sum())
+    kl = covariance_selection("kl_cov", PolicyLossConfig(kl_cov_ratio=1.0 / n), d["logp"], d["old"], d["adv"], valid)
+    clip = covariance_selection("clip_cov", PolicyLossConfig(clip_cov_ratio=1.0 / n, clip_cov_lb=-1e9, clip_cov_ub=1e9),
+                                d["old"], d["old"], d["adv"], valid)
+    for sel in (kl, clip):
+        assert int(sel.sum()) == B and all(torch.equal(sel[0], sel[i]) for i in range(B))
