@@ -133,3 +133,40 @@ def test_batch_selection_with_a_rank_without_valid_tokens(blocks):
         assert sel is None or torch.equal(per_rank[1][i][0], sel), loss_type
         if sel is not None:
             assert int(per_rank[0][i][0].sum()) == 0, loss_type
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_selections_and_sequence_sums_on_a_nccl_group_equal_cpu(tmp_path):
+    """The batch selections, sequence sums, denominators and metrics with CUDA inputs and their collectives on
+    a (1-rank) NCCL group equal the group-less CPU run."""
+    import torch.distributed as dist
+    d = problem()
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        for loss_type, cfg in CASES:
+            if cfg.loss_agg_mode != "token-mean":
+                continue
+            for dev, g in (("cpu", None), ("cuda", group)):
+                t = {k: v.to(dev) for k, v in d.items() if isinstance(v, torch.Tensor)}
+                sel, mask, sel_metrics = batch_selection(loss_type, cfg, t["old"], t["rollout"], t["adv"], t["mask"],
+                                                         group=g)
+                theta = t["theta"].clone().requires_grad_()
+                out = compute_policy_loss(model_log_probs(t["X"], theta), t["old"], t["adv"], mask, cfg,
+                                          loss_type=loss_type, is_weights=t["weights"], ref_log_probs=t["ref"],
+                                          denominators=global_denominators(mask, group=g),
+                                          seq_valid_tokens=sequence_token_counts(mask, cp_group=g), cp_group=g,
+                                          token_select=sel)
+                out.loss.backward()
+                m = metrics_to_floats(reduce_metrics(out.metrics, group=g), prefix="")
+                res = (out.loss.detach().cpu(), theta.grad.cpu(), m, sel_metrics,
+                       None if sel is None else sel.cpu(), mask.cpu())
+                if dev == "cpu":
+                    cpu = res
+            torch.testing.assert_close(res[0], cpu[0], rtol=1e-9, atol=1e-12, msg=loss_type)
+            torch.testing.assert_close(res[1], cpu[1], rtol=1e-9, atol=1e-12, msg=loss_type)
+            assert res[2] == pytest.approx(cpu[2], rel=1e-9, abs=1e-12) and res[3] == pytest.approx(cpu[3]), loss_type
+            assert (res[4] is None or torch.equal(res[4], cpu[4])) and torch.equal(res[5], cpu[5]), loss_type
+    finally:
+        dist.destroy_process_group()
