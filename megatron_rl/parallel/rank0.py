@@ -89,9 +89,11 @@ def from_rank0(fn: Callable[[], T], what: Optional[str] = None,
 
 
 def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], List[object]], what: Optional[str] = None,
-                       passthrough: Tuple[Type[BaseException], ...] = ()) -> Tuple[object, Optional[T]]:
+                       passthrough: Tuple[Type[BaseException], ...] = (),
+                       group: Optional[dist.ProcessGroup] = None) -> Tuple[object, Optional[T]]:
     """Run ``fn`` on rank 0 only, cut its result into one picklable piece per global rank (``split``: a list of
-    world-size pieces) and send each rank its own piece alone (``scatter_object_list``). Returns ``(this rank's
+    world-size pieces) and send each rank its own piece alone (``scatter_object_list`` over ``group``: every rank,
+    default the default group; a gloo group keeps the pickled pieces in host memory). Returns ``(this rank's
     piece, fn's result on rank 0 / None elsewhere)``; a failure of ``fn`` or ``split`` is raised on every rank."""
     if not dist.is_initialized():
         result = fn()
@@ -110,5 +112,5 @@ def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], List[object]], 
     shared = share_from_rank0(None if local is None else _shareable(local))
     _finish(None, local, shared)
     box: List[object] = [None]
-    dist.scatter_object_list(box, pieces if is_rank0() else None, src=0)
+    dist.scatter_object_list(box, pieces if is_rank0() else None, src=0, group=group)
     return box[0], result

@@ -20,11 +20,14 @@ it by construction, the check proves it) and the range of the lag metrics. The r
 
 Each rank receives only what it trains on (``RowSplit``): the rows of its DP shard with their routing, and the
 step's whole-batch metrics -- rank 0 cuts the batch and scatters the pieces (``parallel.rank0.scatter_from_rank0``),
-so a rank's share of a step's bytes, and of its host memory, is its shard's.
+so a rank's share of a step's bytes, and of its host memory, is its shard's (rank 0 pickles one piece per global
+rank). On NCCL jobs the pieces travel in a gloo group of every rank (``RowSplit.group``), so none is staged in GPU
+memory.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -61,15 +64,24 @@ class RowSplit:
     """rollout.n_samples_per_prompt (prompt groups stay whole)."""
     balance_tokens: bool
     """Groups spread over DP ranks balancing tokens (with actor.max_tokens_per_micro_batch)."""
+    group: Optional[dist.ProcessGroup] = None
+    """The group the pieces travel in: every rank, gloo (host memory). None: the default group, when it is gloo."""
 
     @classmethod
     def gather(cls, cfg: JobConfig, dp_rank: int, dp_size: int) -> "RowSplit":
-        """Collective over every rank: each rank's DP rank (one all_gather_object)."""
+        """Collective over every rank: each rank's DP rank (one all_gather_object), and, when the default group is
+        not gloo (NCCL), a gloo group of every rank for the pieces: an object collective over NCCL stages every
+        pickled piece in GPU memory, on rank 0 one per global rank (each DP shard's rows TP x PP x CP times)."""
         ranks: List[int] = [dp_rank]
+        group = None
         if dist.is_initialized():
             ranks = [0] * dist.get_world_size()
             dist.all_gather_object(ranks, int(dp_rank))
-        return cls(ranks, int(dp_size), cfg.rollout.n_samples_per_prompt, cfg.actor.max_tokens_per_micro_batch is not None)
+            if dist.get_backend() != "gloo":
+                group = dist.new_group(backend="gloo",
+                                       timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
+        return cls(ranks, int(dp_size), cfg.rollout.n_samples_per_prompt, cfg.actor.max_tokens_per_micro_batch is not None,
+                   group)
 
     def pieces(self, batch: StepBatch) -> List[StepRows]:
         """One ``StepRows`` per global rank (ranks of one DP rank share theirs)."""
@@ -103,7 +115,7 @@ class RolloutSource:
         """Rank 0 makes the batch (``make``) and checks it; each rank receives its rows."""
         split = self.split or RowSplit([0] * (dist.get_world_size() if dist.is_initialized() else 1), 1,
                                        self.cfg.rollout.n_samples_per_prompt, False)
-        piece, whole = scatter_from_rank0(lambda: self._checked(make(), step), split.pieces, **kw)
+        piece, whole = scatter_from_rank0(lambda: self._checked(make(), step), split.pieces, group=split.group, **kw)
         piece.whole = whole
         return piece
 

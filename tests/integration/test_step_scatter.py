@@ -109,3 +109,42 @@ def test_ranks_of_one_dp_shard_receive_the_same_rows(tp, pp, cp):
         by_dp.setdefault(x["dp_rank"], []).append(x["rows"])
     assert sorted(by_dp) == [0, 1] and all(len(v) == 2 and v[0] == v[1] for v in by_dp.values()), by_dp
     assert sorted(r for v in by_dp.values() for r in v[0]) == list(range(GROUPS * N_SAMPLES))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_nccl_job_scatters_pieces_through_host_memory():
+    """On NCCL the pieces travel in a gloo group (``RowSplit.gather``): no pickled piece is staged in GPU memory
+    (an object collective over NCCL puts each one there, on rank 0 one per global rank). One rank, one GPU."""
+    import socket
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_rl.parallel.rank0 import scatter_from_rank0
+    from megatron_rl.trainer.rollout_source import RowSplit
+    from megatron_rl.trainer.step_batch import StepBatch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2), trainer=SimpleNamespace(
+            collective_timeout_s=60.0), actor=SimpleNamespace(max_tokens_per_micro_batch=None))
+        split = RowSplit.gather(cfg, 0, 1)
+        rows, length = 16, 2000     # routing: 16 x 1999 x 48 x 8 bytes = 12 MB pickled
+        batch = StepBatch(prompt_ids=[[5] * 1000] * rows, response_ids=[[7] * 1000] * rows,
+                          rollout_log_probs=[[-0.5] * 1000] * rows, rewards=[1.0] * rows, weight_version="step-0",
+                          routing=[torch.zeros(length - 1, 48, 8, dtype=torch.uint8)] * rows)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        piece, whole = scatter_from_rank0(lambda: batch, split.pieces, group=split.group)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base < 1 << 20, torch.cuda.max_memory_allocated() - base
+        assert whole is batch and piece.global_rows == list(range(rows))
+        assert torch.equal(piece.rows.routing[3], batch.routing[3])
+    finally:
+        dist.destroy_process_group()
