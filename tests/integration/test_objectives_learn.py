@@ -4,9 +4,11 @@
 trained from scratch) with ``algorithm.rollout_correction.loss_type`` set to gspo / cispo, launched with
 ``launch/torchrun.sh`` for ``STEPS`` steps and scored by ``tools/quickstart_results.py``: the mean sampled
 reward of the last quarter of the steps must exceed the first quarter's by ``MIN_RISE`` (an untrained start
-earns almost nothing), and every logged metric must be finite. Measured (seed 0, 2 busy cores, ~3 min per
-run): gspo 0.018 -> 0.236, cispo 0.017 -> 0.215 (first / last quarter); the bound 0.1 is below half of both
-rises. (Held-out greedy copies still 0 % after 60 steps; the 200-step quickstart reaches them.)
+earns about 0.01), and every logged metric must be finite. Measured (seed 0; runs are deterministic, the first
+40 steps of a 60-step run are those of a 40-step run): 60 steps, gspo 0.018 -> 0.236, cispo 0.017 -> 0.215
+(first / last quarter); 40 steps (the reward rises steadily from step 5), gspo 0.013 -> 0.138, cispo
+0.013 -> 0.116. The bound 0.05 is below half of both 40-step rises. (Held-out greedy copies are still 0 %
+here; the 200-step quickstart reaches them.)
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_objectives_learn.py -m slow``
 """
@@ -20,9 +22,9 @@ import pytest
 from tests.integration.test_quickstart_learns import run_quickstart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-STEPS = 60
+STEPS = 40
 #: last-quarter mean reward minus first-quarter mean reward must reach this.
-MIN_RISE = 0.1
+MIN_RISE = 0.05
 
 
 @pytest.mark.parametrize("loss_type", ["gspo", "cispo"])
