@@ -29,6 +29,7 @@ from typing import List, Optional
 from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.validate import world_errors
+from megatron_rl.models.attention import expected_te, job_attention_backend
 from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, longest_row, memory_plan, token_budget_error
 from megatron_rl.ops.run_profile import run_profile
 from megatron_rl.ops.sync_plan import weight_sync_plan
@@ -108,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     try:
         cfg, problems = collect_job_config(args.config, list(args.overrides) + _flag_overrides(args),
-                                           world_size="cluster")
+                                           world_size="cluster", has_te=args.transformer_engine)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -155,11 +156,14 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     recompute = args.recompute
     if recompute is None:  # what the trainer will do: megatron's recompute_granularity passed via model.extra
-        recompute = "full" if (cfg.model.extra or {}).get("recompute_granularity") == "full" else "selective"
+        recompute = (cfg.model.extra or {}).get("recompute_granularity") or "none"
     params_bytes = args.params_bytes if args.params_bytes is not None else prof.params_bytes
     dist_opt = args.distributed_optimizer if args.distributed_optimizer is not None else prof.distributed_optimizer
+    has_te, te_source = expected_te(c.device, args.transformer_engine)
+    backend = job_attention_backend(cfg, has_te)
     opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
-                         distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs)
+                         distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
+                         attention=backend.name)
     try:
         plan = memory_plan(cfg, world, opts)
     except ValueError as exc:
@@ -169,6 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     opt_src = "flag" if args.distributed_optimizer is not None else "the actor's optimizer"
     print(f"runs: device {c.device}; params {params_bytes} B ({params_src}); Adam state "
           f"{'sharded over DP' if dist_opt else 'on every DP rank'} ({opt_src}); prompt {prompt} tokens ({prompt_src})")
+    print(f"attention: {backend.name}: {backend.description}; Transformer Engine: {te_source}")
     print(format_plan(plan, c.gpu_memory_gb, device=c.device))
     print(weight_sync_plan(cfg, plan.total_params).line())
     peak = plan.peak().total(opts.recompute, opts.fused_logprobs)
@@ -206,10 +211,11 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per sequence; sequence = this + rollout.max_new_tokens (default: the "
                         "longest prompt of the config's task / data file)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
-                   help="activation recomputation assumed for the total: none (attention scores stored), "
-                        "selective (core attention not stored: flash attention or megatron's selective "
-                        "recompute), full. Default: full if model.extra.recompute_granularity is 'full', "
-                        "else selective")
+                   help="megatron's activation recomputation assumed for the total: none, selective (core "
+                        "attention recomputed), full. Default: model.extra.recompute_granularity, else none")
+    p.add_argument("--transformer-engine", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan (and validate) with / without Transformer Engine on the cluster; default: detected "
+                        "on a CUDA machine, assumed installed when planning a CUDA job from a machine without CUDA")
     p.add_argument("--params-bytes", type=int, choices=(2, 4), default=None,
                    help="bytes per parameter (default: what the actor builds, 4 = fp32 today; 2 plans bf16)")
     p.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4,

@@ -306,10 +306,12 @@ def _read_tree(path: Optional[str]) -> Dict[str, Any]:
 
 
 def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
-                       world_size: Union[int, str, None] = None) -> Tuple[JobConfig, List[str]]:
+                       world_size: Union[int, str, None] = None,
+                       has_te: Optional[bool] = None) -> Tuple[JobConfig, List[str]]:
     """(config, every problem found) -- for tools that report problems and go on (``megatron-rl check``).
     Raises ConfigError only when the file itself cannot be read. ``world_size`` as in load_job_config, or
-    "cluster": the ``cluster:`` section's nodes x gpus_per_node."""
+    "cluster": the ``cluster:`` section's nodes x gpus_per_node. ``has_te``: Transformer Engine on the cluster
+    (None: ``models.attention.expected_te``)."""
     tree, errors = _apply_overrides(_read_tree(path), list(overrides))
     cfg, build_errors = build_job_config(tree)
     errors += build_errors
@@ -318,7 +320,7 @@ def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
     else:
         ws = world_size if world_size is not None else (launch_world_size() or 1)
     bad_keys = {e.split(":", 1)[0] for e in errors}
-    for e in job_errors(cfg, ws):  # a key (or section) whose value was rejected above is not reported twice
+    for e in job_errors(cfg, ws, has_te=has_te):  # a key (or section) whose value was rejected above is not reported twice
         key = e.split(":", 1)[0]
         if not any(b == key or b.startswith(key + ".") for b in bad_keys) and e not in errors:
             errors.append(e)

@@ -7,15 +7,18 @@ world size; the parallel layout is the one check of ``ParallelDims.build`` (mega
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
-from typing import List
+from typing import List, Optional
 
 from megatron_rl.actor.micro_batching import token_budget_layout_error
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.envs.base import env_import_error
 from megatron_rl.losses.config import mode_parameter_errors
+from megatron_rl.models.attention import attention_errors, job_attention_backend
+from megatron_rl.models.builder import EXTRA_OWNED, transformer_config_fields
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
@@ -28,9 +31,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("cuda", "cpu")
 
 
-def validate_job(cfg: JobConfig, world_size: int) -> None:
+def validate_job(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -> None:
     """Raise ConfigError listing every violation (dotted keys and values)."""
-    errs = job_errors(cfg, world_size)
+    errs = job_errors(cfg, world_size, has_te=has_te)
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
 
@@ -76,8 +79,10 @@ def _layout_errors(cfg: JobConfig, world_size: int) -> List[str]:
     return errs
 
 
-def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
-    """Every violation of ``cfg`` at ``world_size`` ranks, each line starting with its dotted key."""
+def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -> List[str]:
+    """Every violation of ``cfg`` at ``world_size`` ranks, each line starting with its dotted key. ``has_te``:
+    Transformer Engine on the machines the job runs on (None: ``models.attention.expected_te`` -- detected on
+    a CUDA machine), which decides the attention backend and what it refuses."""
     errs: List[str] = []
     if cfg.model is None and not cfg.actor.load_hf:
         errs.append("model: missing (give a model section or actor.load_hf with a config.json)")
@@ -176,6 +181,25 @@ def job_errors(cfg: JobConfig, world_size: int) -> List[str]:
             errs.append(f"trainer.{key}: must be >= 0 (0: no limit), got {getattr(t, key)}")
     errs += _multi_turn_errors(cfg)
     errs += _dp_errors(cfg, world_size)
+    if c.device in DEVICES:
+        errs += attention_errors(job_attention_backend(cfg, has_te), cfg)
+    errs += _model_extra_errors(cfg.model)
+    return errs
+
+
+def _model_extra_errors(model) -> List[str]:
+    """``model.extra`` keys that are not megatron-core TransformerConfig fields, or that a project key sets."""
+    if model is None or not model.extra:
+        return []
+    errs: List[str] = []
+    fields = transformer_config_fields()
+    for key in model.extra:
+        if key in EXTRA_OWNED:
+            errs.append(f"model.extra.{key}: set from {EXTRA_OWNED[key]}; use that key instead")
+        elif key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            errs.append(f"model.extra.{key}: not a megatron-core TransformerConfig field"
+                        + (f" (did you mean {close[0]!r}?)" if close else ""))
     return errs
 
 

@@ -54,7 +54,32 @@ from megatron_rl.platform.cpu_compat import cpu_patches_applied
 from megatron_rl.platform.mcore_version import check_supported_mcore
 from megatron_rl.platform.select import Platform, apply_platform_patches
 
-__all__ = ["make_transformer_config", "build_gpt_model", "transformer_engine_available"]
+__all__ = ["make_transformer_config", "build_gpt_model", "transformer_engine_available", "transformer_config_fields",
+           "EXTRA_OWNED"]
+
+#: TransformerConfig fields the builder sets from a project key (``model.extra`` may not override them)
+EXTRA_OWNED = {
+    "bf16": "actor.bf16", "fp16": "actor.bf16", "params_dtype": "actor.bf16", "pipeline_dtype": "actor.bf16",
+    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "parallel.virtual_pipeline_model_parallel_size",
+    "context_parallel_size": "parallel.context_parallel_size",
+    "expert_model_parallel_size": "parallel.expert_model_parallel_size",
+    "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "num_layers_in_first_pipeline_stage": "parallel.num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage": "parallel.num_layers_in_last_pipeline_stage",
+}
+
+
+def transformer_config_fields() -> frozenset:
+    """Names of megatron-core's ``MLATransformerConfig`` fields (a superset of ``TransformerConfig``'s): what
+    ``model.extra`` may set."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(MLATransformerConfig))
 
 
 def transformer_engine_available() -> bool:

@@ -37,6 +37,12 @@ Optimizer (Adam)
     expert-DP (experts); without it every rank holds all of it. (Megatron's docs: 18 bytes/param
     without, 6 + 12/d with the distributed optimizer.)
 
+KL reference model (``actor.policy_loss.kl_loss_coef > 0``)
+    The trainer builds the reference as a second actor that is never stepped: its parameters (params dtype),
+    its DDP gradient buffer (``grad_bytes``, allocated when DDP wraps the model) and, with bf16 parameters, the
+    optimizer's fp32 main copy (4 bytes/param, sharded like the Adam state); Adam's moments are created at the
+    first step, so none.
+
 Activations per micro-batch (the formula, after Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per GPT layer
 with dropout and a 4h GeLU MLP; re-derived here the same way for this project's layer: RMSNorm, GQA,
@@ -46,14 +52,23 @@ heads, g = KV heads, d = head dim, f = FFN size, k = router top-k, E = experts::
 
     attention  = 2esbh/sp (input norm: in, out = QKV input) + esb(a+2g)d/t (QKV output; V is a view of it)
                  + esb(a+g)d/t (Q, K after RoPE) + esbad/t (core-attention output = projection input)
-                 + core:  no recompute:        e*a*s*s*b/t (probabilities) + 4*a*s*s*b/t if e < 4 (fp32 softmax)
-                          selective / flash:   4*a*s*b/t (fp32 log-sum-exp)
+                 + core: the scores are kept (no recompute, attention that materialises them: below):
+                              e*a*s*s*b/t (probabilities) + 4*a*s*s*b/t if e < 4 (fp32 softmax)
+                          else 4*a*s*b/t (flash attention's fp32 log-sum-exp; with selective recompute the
+                              core keeps at most that)
     dense MLP  = 2esbh/sp (pre-MLP norm: in, out = fc1 input) + 2esbf/t (fc1 out: gate, up) + esbf/t (fc2 in)
     MoE MLP    = 2esbh/sp + 4sbE/sp (fp32 router logits) + n*e*h (permuted tokens = expert fc1 input)
                  + n*3e*f_moe/ETP (fc1 out, fc2 in),  n = s*b*k*ETP/sp token-expert pairs on this rank after
                  the dispatch (balanced routing); megatron-core 0.16 multiplies the routing probabilities
                  inside the expert activation, so expert outputs are not kept; shared expert: + 3esb*f_shared/t
     full recompute: per layer only its input esbh/sp is kept, plus one layer's full working set.
+
+Attention backend (``models.attention``: ``MemoryOptions.attention``): Transformer Engine's flash / fused
+attention keeps only the log-sum-exp; TE's unfused attention (fp32) and megatron's local attention materialise
+the ``[b, a/t, s, s]`` scores of padded rows (packed rows on the local backend run through SDPA per segment,
+which does not). With such a backend the scores are kept per layer without recompute; with selective recompute
+(megatron's ``core_attn``) one layer's scores exist at a time (added once to the stage); with full recompute
+they are part of the working layer.
 
 Checked against megatron-core itself (tests/integration/test_check_activation_measure.py): the bytes a GPTModel layer
 saves for backward (``torch.autograd.graph.saved_tensors_hooks``, fp32 on CPU, local layer spec) equal
@@ -101,6 +116,7 @@ from megatron_rl.actor.micro_batching import interleaved_group_size
 from megatron_rl.convert.partition import chunk_layer_range
 
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
+from megatron_rl.models.attention import BACKENDS
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.rollout.multi_turn import response_budget
 
@@ -120,8 +136,12 @@ class MemoryOptions:
     """Bytes per gradient element (4 = fp32 main grads, megatron's default; 2 = bf16 grads)."""
     distributed_optimizer: bool = True
     """Shard the Adam state over the data-parallel (expert-data-parallel) group."""
-    recompute: str = "selective"
-    """Activation recomputation: "none", "selective" (core attention / flash attention), "full"."""
+    recompute: str = "none"
+    """Megatron's activation recomputation (``recompute_granularity``): "none", "selective" (core attention),
+    "full"."""
+    attention: str = "te-fused"
+    """The core attention the job gets (``models.attention.BACKENDS``): "te-fused" keeps no scores; "te-unfused"
+    and "local" materialise the ``[b, heads, s, s]`` scores of padded rows."""
     fused_logprobs: bool = False
     """Plan for the fused linear log-prob path (only a chunk of logits exists at a time) instead of the
     vocab-parallel path the actor runs (the logits and their gradient in the params dtype + one chunk)."""
@@ -206,11 +226,13 @@ class StagePlan:
     microbatches_in_flight: float
     logits_unfused: float
     logits_fused: float
+    reference: float = 0.0
+    """The KL reference model on this rank (0 without a KL loss)."""
 
     def total(self, recompute: str, fused: bool) -> float:
         """Sum of all components for one recompute mode / log-prob path."""
         logits = self.logits_fused if fused else self.logits_unfused
-        return self.params + self.grads + self.optimizer + self.activations[recompute] + logits
+        return self.params + self.grads + self.optimizer + self.reference + self.activations[recompute] + logits
 
 
 @dataclass
@@ -245,6 +267,10 @@ class MemoryPlan:
     """``actor.sequence_packing``: the rows of a micro-batch are packed into one sequence."""
     longest_row: Optional[LongestRow] = None
     """The longest row a micro-batch holds (prompt + response, padded to the sequence multiple)."""
+    keeps_scores: bool = False
+    """The attention backend materialises the ``[b, heads, s, s]`` scores of this job's micro-batches."""
+    reference_model: bool = False
+    """A KL reference model is held (``actor.policy_loss.kl_loss_coef > 0``)."""
     stages: List[StagePlan] = field(default_factory=list)
 
     def peak(self) -> StagePlan:
@@ -333,9 +359,20 @@ def total_parameters(m) -> int:
 
 
 # ----------------------------------------------------------------------------- activations
+def attention_score_bytes(m, s: int, b: int, tp: int, e: int = 2) -> float:
+    """Bytes of one layer's materialised attention scores for one micro-batch: the probabilities in the
+    activation dtype plus, below fp32, the fp32 softmax output (megatron's ``attention_softmax_in_fp32``)."""
+    a = m.num_attention_heads
+    out = e * a * s * s * b / tp
+    if e < 4:
+        out += 4.0 * a * s * s * b / tp
+    return out
+
+
 def layer_activation_bytes(m, s: int, b: int, tp: int, sp: bool, etp: int, is_moe: bool,
-                           recompute: str, e: int = 2) -> float:
-    """Bytes of activations one layer keeps for backward for one micro-batch (see module docstring);
+                           scores: bool, e: int = 2) -> float:
+    """Bytes of activations one layer keeps for backward for one micro-batch (see module docstring):
+    ``scores`` True when the core attention keeps its ``[b, heads, s, s]`` scores (else the fp32 log-sum-exp);
     ``e`` = bytes per activation element (2 = bf16, 4 = fp32)."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     spd = tp if sp else 1
@@ -350,10 +387,8 @@ def layer_activation_bytes(m, s: int, b: int, tp: int, sp: bool, etp: int, is_mo
                 + e * s * b * (a + 2 * g) * d / tp   # QKV linear output (V is a view of it: kept alive)
                 + e * s * b * (a + g) * d / tp       # Q and K after RoPE (new tensors)
                 + e * s * b * a * d / tp)            # core-attention output = output-projection input
-    if recompute == "none":
-        attn += e * a * s * s * b / tp               # softmax probabilities (input of probs @ V)
-        if e < 4:
-            attn += 4.0 * a * s * s * b / tp         # fp32 softmax output (attention_softmax_in_fp32)
+    if scores:
+        attn += attention_score_bytes(m, s, b, tp, e)  # probabilities (input of probs @ V), fp32 softmax
     else:
         attn += 4.0 * a * s * b / tp                 # flash attention: fp32 log-sum-exp only
     if is_moe:
@@ -387,6 +422,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     o = options or MemoryOptions()
     if o.recompute not in RECOMPUTE:
         raise ValueError(f"recompute={o.recompute!r} is not one of {RECOMPUTE}")
+    if o.attention not in BACKENDS:
+        raise ValueError(f"attention={o.attention!r} is not one of {tuple(BACKENDS)}")
     if o.prompt_length < 0:
         raise ValueError(f"prompt_length={o.prompt_length} must be >= 0")
     m, p = cfg.model, cfg.parallel
@@ -419,13 +456,16 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     pattern = m.moe_layer_pattern()
     V, h = m.vocab_size, m.hidden_size
     opt_bytes = 12 if o.params_bytes < 4 else 8
+    main_bytes = 4 if o.params_bytes < 4 else 0  # fp32 main copy of bf16 parameters (part of opt_bytes)
     act = o.params_bytes  # activations are in the compute dtype = the parameter dtype
+    keep = BACKENDS[o.attention].keeps_scores(packed=bool(cfg.actor.sequence_packing))
     plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
                       expert_dp=edp, seq_length=seq, response_source=response_source, micro_batch_size=b, microbatches=micro,
                       total_params=total_parameters(m), options=o, is_moe=m.is_moe,
                       active_params=active_parameters(m) if m.is_moe else total_parameters(m),
                       max_tokens_per_micro_batch=budget, sequence_packing=bool(cfg.actor.sequence_packing),
-                      longest_row=row)
+                      longest_row=row, keeps_scores=keep,
+                      reference_model=cfg.actor.policy_loss.kl_loss_coef > 0)
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
                                              p.num_layers_in_last_pipeline_stage)):
         dense = expert = 0
@@ -443,18 +483,23 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         dense_shard = dp * cp if o.distributed_optimizer else 1
         expert_shard = edp if o.distributed_optimizer else 1
         optimizer = opt_bytes * (dense / dense_shard + expert / expert_shard)
+        reference = 0.0
+        if plan.reference_model:  # params + DDP grad buffer + fp32 main copy (module docstring)
+            reference = (o.params_bytes + o.grad_bytes) * n + main_bytes * (dense / dense_shard
+                                                                            + expert / expert_shard)
         flight = _in_flight(st, pp, vpp, micro)
-        acts = {}
-        for mode in ("none", "selective"):
-            per = sum(layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), mode, act)
-                      for i in layers)
-            acts[mode] = flight * per
+
+        def per_layer(with_scores: bool) -> List[float]:
+            return [layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), with_scores, act)
+                    for i in layers]
+
+        one_layer_scores = attention_score_bytes(m, s, b, tp, act) if keep and layers else 0.0
+        acts = {"none": flight * sum(per_layer(keep)),
+                # selective recompute: no scores kept per layer; one layer's exist while it runs
+                "selective": flight * sum(per_layer(False)) + one_layer_scores}
         spd = tp if sp else 1
         kept = flight * len(layers) * act * s * b * h / spd
-        work = max((layer_activation_bytes(m, s, b, tp, sp, etp, bool(pattern[i]), "selective", act)
-                    for i in layers),
-                   default=0.0)
-        acts["full"] = kept + work
+        acts["full"] = kept + max(per_layer(keep), default=0.0)  # one layer's whole working set
         logits_unfused = logits_fused = 0.0
         if st == pp - 1:
             T = s * b
@@ -465,7 +510,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         plan.stages.append(StagePlan(stage=st, layers=layers, dense_params=dense, expert_params=expert,
                                      params=float(o.params_bytes * n), grads=float(o.grad_bytes * n),
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
-                                     logits_unfused=logits_unfused, logits_fused=logits_fused))
+                                     logits_unfused=logits_unfused, logits_fused=logits_fused,
+                                     reference=reference))
     return plan
 
 
@@ -510,16 +556,19 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"(prompt {o.prompt_length} + {plan.response_source}), {micro_batching(plan)}",
         f"options: params {o.params_bytes} B, grads {o.grad_bytes} B, distributed optimizer "
         f"{'on' if o.distributed_optimizer else 'off'}, recompute {o.recompute}, log-prob path "
-        f"{'fused' if o.fused_logprobs else 'unfused'}",
+        f"{'fused' if o.fused_logprobs else 'unfused'}, attention {o.attention} "
+        f"({'[b, heads, s, s] scores materialised' if plan.keeps_scores else 'no score matrix kept'})"
+        f"{', KL reference model' if plan.reference_model else ''}",
         "",
-        f"{mem} per rank, GiB (activations: none / selective / full recompute; logits: unfused / fused)",
-        f"{'stage':>5} {'layers':>7} {'params':>8} {'grads':>8} {'optim':>8} {'act-none':>8} {'act-sel':>8} "
-        f"{'act-full':>8} {'logits':>8} {'logitsF':>8} {'TOTAL':>8}",
+        f"{mem} per rank, GiB (ref: KL reference model; activations: none / selective / full recompute; "
+        f"logits: unfused / fused)",
+        f"{'stage':>5} {'layers':>7} {'params':>8} {'grads':>8} {'optim':>8} {'ref':>8} {'act-none':>8} "
+        f"{'act-sel':>8} {'act-full':>8} {'logits':>8} {'logitsF':>8} {'TOTAL':>8}",
     ]
     for st in plan.stages:
         a = st.activations
         lines.append(f"{st.stage:>5} {len(st.layers):>7} {_gb(st.params)} {_gb(st.grads)} {_gb(st.optimizer)} "
-                     f"{_gb(a['none'])} {_gb(a['selective'])} {_gb(a['full'])} {_gb(st.logits_unfused)} "
+                     f"{_gb(st.reference)} {_gb(a['none'])} {_gb(a['selective'])} {_gb(a['full'])} {_gb(st.logits_unfused)} "
                      f"{_gb(st.logits_fused)} {_gb(st.total(o.recompute, o.fused_logprobs))}")
     peak = plan.peak()
     tot = peak.total(o.recompute, o.fused_logprobs)

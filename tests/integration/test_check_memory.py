@@ -69,8 +69,14 @@ def test_qwen7b_params_grads_optimizer():
     assert fp32.params == 4 * n and fp32.optimizer == pytest.approx(8 * n / 4)   # no master copy
 
 
-def qwen7b_layer_acts(s, b, recompute, tp=2):
-    """One Qwen2.5-7B layer, TP=2 with sequence parallel, bf16 activations, no dropout."""
+def qwen7b_scores(s, b, tp=2):
+    """One Qwen2.5-7B layer's materialised attention scores: fp32 softmax output + bf16 probabilities."""
+    return 28 / tp * s * s * b * (4 + 2)
+
+
+def qwen7b_layer_acts(s, b, scores, tp=2):
+    """One Qwen2.5-7B layer, TP=2 with sequence parallel, bf16 activations, no dropout; ``scores``: the core
+    attention keeps its [b, heads, s, s] scores (else flash attention's log-sum-exp)."""
     h, f, heads, kv, d = 3584, 18944, 28, 4, 128
     bf16 = 2
     sp_part = s * b * h * bf16 / tp                 # one [s/tp, b, h] tensor
@@ -81,8 +87,8 @@ def qwen7b_layer_acts(s, b, recompute, tp=2):
             + s * b * heads * d * bf16 / tp         # Q after RoPE
             + s * b * kv * d * bf16 / tp            # K after RoPE
             + s * b * heads * d * bf16 / tp)        # attention output = o_proj input (residual add: nothing)
-    if recompute == "none":
-        attn += heads / tp * s * s * b * (4 + 2)    # fp32 scores + bf16 probabilities
+    if scores:
+        attn += qwen7b_scores(s, b, tp)             # fp32 scores + bf16 probabilities
     else:
         attn += heads / tp * s * b * 4              # flash attention's fp32 log-sum-exp
     mlp = (sp_part + sp_part                        # pre-MLP norm input, fc1 input
@@ -91,16 +97,51 @@ def qwen7b_layer_acts(s, b, recompute, tp=2):
     return attn + mlp
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_qwen7b_activations(recompute):
+@pytest.mark.parametrize("attention", ["te-fused", "te-unfused", "local"])
+def test_qwen7b_activations(attention):
+    """Flash attention keeps a log-sum-exp; TE's unfused and megatron's local attention materialise the scores:
+    kept per layer without recompute, one layer's at a time with selective recompute, part of the working
+    layer with full recompute."""
     cfg = load_job_config(Q7, Q7_TP2, world_size=8)
-    plan = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, recompute=recompute))
+    plan = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, attention=attention))
     (st,) = plan.stages
-    s, b = 1024 + 4096, 2
+    s, b, h, tp = 1024 + 4096, 2, 3584, 2
     # 64 prompts x 8 samples / DP 4 = 128 sequences per DP rank, 4 mini-batches -> 32 -> 16 micro-batches of 2;
     # PP = 1: one micro-batch in flight
     assert plan.microbatches == 16 and st.microbatches_in_flight == 1
-    assert st.activations[recompute] == pytest.approx(28 * qwen7b_layer_acts(s, b, recompute), rel=1e-12)
+    scores = attention != "te-fused"
+    assert plan.keeps_scores == scores
+    assert st.activations["none"] == pytest.approx(28 * qwen7b_layer_acts(s, b, scores), rel=1e-12)
+    once = qwen7b_scores(s, b) if scores else 0
+    assert st.activations["selective"] == pytest.approx(28 * qwen7b_layer_acts(s, b, False) + once, rel=1e-12)
+    kept = 28 * s * b * h * 2 / tp
+    assert st.activations["full"] == pytest.approx(kept + qwen7b_layer_acts(s, b, scores), rel=1e-12)
+
+
+def test_packed_rows_on_the_local_backend_keep_no_scores():
+    """Without TE packed rows run through SDPA per segment: no [b, heads, s, s] scores; TE's unfused backend
+    refuses packing (validation) and would materialise them."""
+    cfg = load_job_config(Q7, Q7_TP2 + ["actor.sequence_packing=true", "actor.max_tokens_per_micro_batch=16384"],
+                          world_size=8)
+    assert not memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, attention="local")).keeps_scores
+    assert memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, attention="te-unfused")).keeps_scores
+
+
+@pytest.mark.parametrize("bf16,dist_opt", [(True, True), (True, False), (False, False)])
+def test_kl_reference_model(bf16, dist_opt):
+    """kl_loss_coef > 0: the never-stepped reference actor holds its parameters, its DDP grad buffer and (bf16)
+    the optimizer's fp32 main copy (sharded over DP=4 with the distributed optimizer); no Adam moments."""
+    n = qwen7b_rank_params()
+    pb = 2 if bf16 else 4
+    opts = MemoryOptions(prompt_length=1024, params_bytes=pb, distributed_optimizer=dist_opt)
+    cfg = load_job_config(Q7, Q7_TP2 + ["actor.policy_loss.kl_loss_coef=0.1"], world_size=8)
+    plan = memory_plan(cfg, 8, opts)
+    (st,) = plan.stages
+    main = (4 * n / (4 if dist_opt else 1)) if bf16 else 0
+    assert plan.reference_model and st.reference == pytest.approx(pb * n + 4 * n + main)
+    without = memory_plan(load_job_config(Q7, Q7_TP2, world_size=8), 8, opts).stages[0]
+    assert without.reference == 0
+    assert st.total("none", False) - without.total("none", False) == pytest.approx(st.reference)
 
 
 def test_qwen7b_full_recompute_and_logits():
@@ -108,7 +149,7 @@ def test_qwen7b_full_recompute_and_logits():
     st = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024)).stages[0]
     s, b, h, V, tp = 5120, 2, 3584, 152064, 2
     kept = 28 * s * b * h * 2 / tp
-    assert st.activations["full"] == pytest.approx(kept + qwen7b_layer_acts(s, b, "selective"))
+    assert st.activations["full"] == pytest.approx(kept + qwen7b_layer_acts(s, b, False))
     T = s * b
     rows = (1 << 24) // (V // tp)                   # tokens per fp32 chunk on GPU
     assert st.logits_fused == 4 * rows * (V // tp)
@@ -183,29 +224,55 @@ def test_cli_ok_prints_plan():
     assert "WARNING" not in r.stdout
 
 
+def _row(out):
+    line = [ln for ln in out.splitlines() if ln.split()[:1] == ["0"]][0].split()
+    return [float(x) for x in line[2:6]]  # params, grads, optim, ref in GiB
+
+
 def test_cli_plans_what_the_actor_builds_and_flags_override():
-    """Default: fp32 params (4 B) and replicated Adam state (the actor's settings); the flags plan bf16 and
-    the distributed optimizer instead. Params of one rank of Qwen2.5-7B at TP=2 counted by hand."""
+    """The shipped file: bf16 params (2 B) and Adam state sharded over DP=4 (actor.bf16,
+    actor.use_distributed_optimizer); fp32 and replicated state when the keys say so, or by the flags. Params of
+    one rank of Qwen2.5-7B at TP=2 counted by hand."""
     n = qwen7b_rank_params(tp=2)
-
-    def row(out):
-        line = [ln for ln in out.splitlines() if ln.split()[:1] == ["0"]][0].split()
-        return [float(x) for x in line[2:5]]  # params, grads, optim in GiB
-
-    r = _cli(Q7, *Q7_TP2, "--gpu-memory-gb", "200")
+    r = _cli(Q7, *Q7_TP2)
     assert r.returncode == 0, r.stderr
-    params, grads, optim = row(r.stdout)
+    params, grads, optim, ref = _row(r.stdout)
+    assert params == pytest.approx(2 * n / 2**30, abs=0.01) and grads == pytest.approx(4 * n / 2**30, abs=0.01)
+    assert optim == pytest.approx(12 * n / 4 / 2**30, abs=0.01) and ref == 0  # sharded over DP=4
+    assert "params 2 B (the actor builds bf16)" in r.stdout and "sharded over DP" in r.stdout
+    assert "fits:" in r.stdout
+    r = _cli(Q7, *Q7_TP2, "actor.bf16=false", "actor.use_distributed_optimizer=false", "--gpu-memory-gb", "200")
+    assert r.returncode == 0, r.stderr
+    params, grads, optim, ref = _row(r.stdout)
     assert params == pytest.approx(4 * n / 2**30, abs=0.01) and optim == pytest.approx(8 * n / 2**30, abs=0.01)
     assert "params 4 B (the actor builds fp32)" in r.stdout and "on every DP rank" in r.stdout
-    r = _cli(Q7, *Q7_TP2, "--params-bytes", "2", "--distributed-optimizer")
-    params, grads, optim = row(r.stdout)
-    assert params == pytest.approx(2 * n / 2**30, abs=0.01)
-    assert optim == pytest.approx(12 * n / 4 / 2**30, abs=0.01)  # sharded over DP=4
-    assert "fits:" in r.stdout
+    r = _cli(Q7, *Q7_TP2, "--params-bytes", "4", "--no-distributed-optimizer", "--gpu-memory-gb", "200")
+    assert _row(r.stdout)[:3] == [params, grads, optim]
+
+
+def test_cli_plans_the_kl_reference_model():
+    n = qwen7b_rank_params(tp=2)
+    r = _cli(Q7, *Q7_TP2, "actor.policy_loss.kl_loss_coef=0.05")
+    assert r.returncode == 0, r.stderr
+    ref = _row(r.stdout)[3]
+    assert ref == pytest.approx((2 * n + 4 * n + 4 * n / 4) / 2**30, abs=0.01)  # bf16 params, fp32 grads, main/4
+    assert "KL reference model" in r.stdout
+
+
+def test_cli_attention_backend_and_its_scores():
+    """The attention line names the backend; without TE (local attention) the bf16 scores of Qwen2.5-7B's
+    padded rows are planned, and they do not fit 80 GiB; fp32 on TE (unfused) likewise."""
+    r = _cli(Q7, *Q7_TP2)
+    assert "attention: te-fused" in r.stdout and "assumed installed" in r.stdout and "WARNING" not in r.stdout
+    r = _cli(Q7, *Q7_TP2, "--no-transformer-engine")
+    assert r.returncode == 0, r.stderr
+    assert "attention: local" in r.stdout and "scores materialised" in r.stdout and "WARNING" in r.stdout
+    r = _cli(Q7, *Q7_TP2, "actor.bf16=false", "--transformer-engine")
+    assert "attention: te-unfused" in r.stdout and "WARNING" in r.stdout
 
 
 def test_cli_warns_and_strict_exit():
-    r = _cli(Q7, *Q7_TP2, "--recompute", "none")
+    r = _cli(Q7, *Q7_TP2, "--recompute", "none", "--no-transformer-engine")
     assert r.returncode == 0 and "WARNING" in r.stdout and "> GPU memory 80 GiB" in r.stdout
     r = _cli(Q7, "--gpu-memory-gb", "20", "--strict")
     assert r.returncode == 3
@@ -253,4 +320,4 @@ def test_cli_recompute_follows_model_extra():
     assert "recompute full" in r.stdout
     r = _cli(Q7, "model.extra.recompute_granularity=full", "--recompute", "none")
     assert "recompute none" in r.stdout
-    assert "recompute selective" in _cli(Q7).stdout
+    assert "recompute none" in _cli(Q7).stdout  # the trainer's default: no recompute
