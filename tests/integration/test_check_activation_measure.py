@@ -80,7 +80,7 @@ def test_dense_layer_matches_megatron_byte_for_byte():
     (measured,) = run_ranks(_measure, 1, mc, S, B, timeout=240)
     swiglu_extra = 2 * 4 * S * B * F
     for m in measured:
-        assert m == layer_activation_bytes(mc, S, B, 1, False, 1, False, "none", e=4) + swiglu_extra \
+        assert m == layer_activation_bytes(mc, S, B, 1, False, 1, False, True, e=4) + swiglu_extra \
             + _cpu_extras_common()
 
 
@@ -96,7 +96,7 @@ def test_moe_layer_matches_megatron_byte_for_byte():
     if MCORE.moe_permute_saves_sort_index:          # its int64 sort index, not the [E, tokens] map and probs
         routing_meta += 8 * 2 * n - E * S * B - 4 * E * S * B
     for m in measured:
-        assert m == layer_activation_bytes(mc, S, B, 1, False, 1, True, "none", e=4) + expert_act_extra \
+        assert m == layer_activation_bytes(mc, S, B, 1, False, 1, True, True, e=4) + expert_act_extra \
             + routing_meta + _cpu_extras_common()
 
 
@@ -104,9 +104,9 @@ def test_bf16_core_attention_terms():
     """bf16: softmax computed in fp32 (megatron's attention_softmax_in_fp32) -> 2 + 4 bytes per score."""
     mc = ModelConfig(num_layers=1, hidden_size=H, num_attention_heads=A, kv_channels=D, vocab_size=256,
                      ffn_hidden_size=F)
-    none2 = layer_activation_bytes(mc, S, B, 1, False, 1, False, "none", e=2)
-    sel2 = layer_activation_bytes(mc, S, B, 1, False, 1, False, "selective", e=2)
+    none2 = layer_activation_bytes(mc, S, B, 1, False, 1, False, True, e=2)
+    sel2 = layer_activation_bytes(mc, S, B, 1, False, 1, False, False, e=2)
     assert none2 - sel2 == (2 + 4) * A * S * S * B - 4 * A * S * B
-    none4 = layer_activation_bytes(mc, S, B, 1, False, 1, False, "none", e=4)
-    sel4 = layer_activation_bytes(mc, S, B, 1, False, 1, False, "selective", e=4)
+    none4 = layer_activation_bytes(mc, S, B, 1, False, 1, False, True, e=4)
+    sel4 = layer_activation_bytes(mc, S, B, 1, False, 1, False, False, e=4)
     assert none4 - sel4 == 4 * A * S * S * B - 4 * A * S * B

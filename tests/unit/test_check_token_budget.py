@@ -32,7 +32,7 @@ JOB = {
                  "context_parallel_size": CP, "sequence_parallel": True},
     "rollout": {"engine": "embedded", "max_new_tokens": NEW, "n_samples_per_prompt": 4},
     "data": {"task": "copy", "prompts_per_step": 8},
-    "actor": {"micro_batch_size": MBS, "ppo_mini_batches": 1},
+    "actor": {"micro_batch_size": MBS, "ppo_mini_batches": 1, "bf16": True},  # CP needs TE's bf16 attention
 }
 
 
@@ -43,18 +43,19 @@ def job(tmp_path):
     return str(path)
 
 
-def _plan(job, *overrides, recompute="selective", world=WORLD):
+def _plan(job, *overrides, recompute="selective", world=WORLD, attention="te-fused"):
     cfg = load_job_config(job, list(overrides), world_size=world)
-    return memory_plan(cfg, world, MemoryOptions(prompt_length=PROMPT, params_bytes=2, recompute=recompute))
+    return memory_plan(cfg, world, MemoryOptions(prompt_length=PROMPT, params_bytes=2, recompute=recompute,
+                                                 attention=attention))
 
 
-def hand_layer(tokens, recompute, e=2):
+def hand_layer(tokens, scores, e=2):
     """One layer on one rank holding ``tokens`` tokens (after the CP split), TP 2 with sequence parallel."""
     sp = tokens * H * e / TP                          # one sequence-parallel [tokens/TP, h] tensor
     qkv = tokens * (HEADS + 2 * GROUPS) * D * e / TP  # fused QKV output (V is a view of it)
     qk_rope = tokens * (HEADS + GROUPS) * D * e / TP  # Q and K after RoPE
     core_out = tokens * HEADS * D * e / TP
-    if recompute == "none":                           # bf16 probabilities + fp32 softmax output, [tokens x tokens]
+    if scores:                                        # bf16 probabilities + fp32 softmax output, [tokens x tokens]
         core = HEADS * tokens * tokens * (e + 4) / TP
     else:                                             # flash: fp32 log-sum-exp
         core = 4 * HEADS * tokens / TP
@@ -68,11 +69,14 @@ def hand_logits(tokens, e=2):
     return 2 * e * tokens * vloc + chunk   # logits + their gradient (params dtype) + one fp32 chunk
 
 
-@pytest.mark.parametrize("recompute", ["selective", "none"])
-def test_budget_plans_one_row_of_the_budget(job, recompute):
+@pytest.mark.parametrize("recompute,attention,scores", [("selective", "te-fused", False), ("none", "te-fused", False),
+                                                       ("none", "te-unfused", True)])
+def test_budget_plans_one_row_of_the_budget(job, recompute, attention, scores):
+    """Flash attention keeps no scores; an attention that materialises them (TE's unfused, which would refuse
+    this packed CP job: the plan alone) keeps the [tokens x tokens] scores of the whole budget, an upper bound."""
     budget = 1000
     plan = _plan(job, f"actor.max_tokens_per_micro_batch={budget}", "actor.sequence_packing=true",
-                 recompute=recompute)
+                 recompute=recompute, attention=attention)
     tokens = 500                                       # 1000 tokens / CP 2
     # longest row 100 + 150 = 250 -> multiple of TP 2 x 2*CP 4 = 8 -> 256; floor(1000 / 256) = 3 rows per
     # micro-batch at worst -> ceil(16 / 3) = 6 micro-batches
@@ -81,7 +85,7 @@ def test_budget_plans_one_row_of_the_budget(job, recompute):
     layers_per_stage = LAYERS // PP
     for st, in_flight in zip(plan.stages, (2, 1)):     # 1F1B: min(PP - stage, 6)
         assert st.microbatches_in_flight == in_flight
-        assert st.activations[recompute] == pytest.approx(in_flight * layers_per_stage * hand_layer(tokens, recompute))
+        assert st.activations[recompute] == pytest.approx(in_flight * layers_per_stage * hand_layer(tokens, scores))
     assert plan.stages[0].logits_unfused == 0
     assert plan.stages[-1].logits_unfused == pytest.approx(hand_logits(tokens))
 
@@ -92,7 +96,7 @@ def test_budget_micro_batch_count_sets_the_pipeline_in_flight(job):
     plan = _plan(job, "actor.max_tokens_per_micro_batch=1024", "actor.ppo_mini_batches=4")
     assert plan.microbatches == 1
     assert [st.microbatches_in_flight for st in plan.stages] == [1, 1]
-    assert plan.stages[0].activations["selective"] == pytest.approx(2 * hand_layer(512, "selective"))
+    assert plan.stages[0].activations["selective"] == pytest.approx(2 * hand_layer(512, False))
 
 
 def test_budget_interleaved_pipeline_gets_at_least_pp_micro_batches(job):
@@ -104,7 +108,7 @@ def test_budget_interleaved_pipeline_gets_at_least_pp_micro_batches(job):
                  "model.num_layers=8", world=32)
     assert plan.microbatches == 4
     assert plan.stages[0].microbatches_in_flight == 4
-    assert plan.stages[0].activations["selective"] == pytest.approx(4 * 2 * hand_layer(512, "selective"))
+    assert plan.stages[0].activations["selective"] == pytest.approx(4 * 2 * hand_layer(512, False))
 
 
 def test_without_a_budget_the_plan_is_fixed_rows_packed_or_not(job):
@@ -112,7 +116,7 @@ def test_without_a_budget_the_plan_is_fixed_rows_packed_or_not(job):
     for overrides in ((), ("actor.sequence_packing=true",)):
         plan = _plan(job, *overrides)
         assert plan.micro_batch_size == MBS and plan.microbatches == ROWS_PER_DP // MBS
-        assert plan.stages[0].activations["selective"] == pytest.approx(2 * 2 * hand_layer(tokens, "selective"))
+        assert plan.stages[0].activations["selective"] == pytest.approx(2 * 2 * hand_layer(tokens, False))
         assert plan.stages[-1].logits_unfused == pytest.approx(hand_logits(tokens))
 
 
