@@ -3,8 +3,9 @@
 
 Kernel level: both kernels against an independent float64 reference (an explicit masked softmax over each
 segment alone), for multi-head, grouped-query and a value head dim different from the key's (MLA), with empty
-segments; the SDPA kernel's gradients against the reference's. FlexAttention has no backward on CPU (torch
-raises): stated, so the claim in the module docstring fails if torch changes.
+segments; gradients against the reference's (SDPA; with CUDA also compiled FlexAttention). FlexAttention has
+no backward on CPU (torch raises): stated, so the claim in the module docstring fails if torch changes. With
+CUDA the kernel tests run on the GPU as well.
 
 Model level: a packed micro-batch through megatron's ``GPTModel`` (local spec) with each kernel equals HF
 transformers run on each row alone (fp32 logits, atol 1e-4) for Qwen2 (GQA) and DeepSeek-V3 (multi-latent
@@ -24,7 +25,9 @@ from megatron_rl.platform.packed_attention import (PACKED_ATTENTION_KERNELS, fle
                                                    packed_causal_attention, sdpa_per_segment)
 from megatron_rl.testing.distributed import run_ranks
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU test (the GPU run checks CUDA kernels)")
+#: the kernels run on every device here; with CUDA also on the GPU (flash / memory-efficient SDPA, compiled flex)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+ATOL = {"cpu": 2e-6, "cuda": 1e-4}
 
 CU = torch.tensor([0, 5, 6, 6, 15, 19], dtype=torch.int32)  # segments of 5, 1, (empty), 9, 4 tokens
 
@@ -44,38 +47,40 @@ def _reference(q, k, v, cu, scale):
     return out
 
 
-def _qkv(heads, groups, d, dv, seed=0, grad=False):
+def _qkv(heads, groups, d, dv, seed=0, grad=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     t = int(CU[-1])
-    return [torch.randn(t, n, dim, generator=g).requires_grad_(grad)
+    return [torch.randn(t, n, dim, generator=g).to(device).requires_grad_(grad)
             for n, dim in ((heads, d), (groups, d), (groups, dv))]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kernel", sorted(PACKED_ATTENTION_KERNELS))
 @pytest.mark.parametrize("heads,groups,d,dv", [(4, 4, 8, 8), (4, 2, 8, 8), (6, 2, 16, 12)],
                          ids=["mha", "gqa", "v-dim"])
-def test_kernel_equals_per_segment_reference(kernel, heads, groups, d, dv):
-    q, k, v = _qkv(heads, groups, d, dv)
+def test_kernel_equals_per_segment_reference(kernel, heads, groups, d, dv, device):
+    q, k, v = _qkv(heads, groups, d, dv, device=device)
     scale = 0.7 / math.sqrt(d)
-    out = packed_causal_attention(q, k, v, CU, scale, kernel=kernel)
+    out = packed_causal_attention(q, k, v, CU.to(device), scale, kernel=kernel)
+    q, k, v = (x.cpu() for x in (q, k, v))
     ref = _reference(q, k, v, CU, scale)
     assert out.shape == (int(CU[-1]), heads, dv)
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=ATOL[device])
     # non-vacuity: one causal sequence over all tokens (segments ignored) is far from the reference
     whole = _reference(q, k, v, torch.tensor([0, int(CU[-1])]), scale)
     assert (whole - ref).abs().max() > 1e-2
 
 
-def test_sdpa_gradients_equal_the_reference():
-    q, k, v = _qkv(4, 2, 8, 6, seed=1, grad=True)
-    w = torch.randn(int(CU[-1]), 4, 6, generator=torch.Generator().manual_seed(2))
-    (sdpa_per_segment(q, k, v, CU, 0.3) * w).sum().backward()
-    got = [x.grad.clone() for x in (q, k, v)]
-    for x in (q, k, v):
-        x.grad = None
-    (_reference(q, k, v, CU, 0.3) * w.double()).sum().backward()
-    for a, b in zip(got, (q.grad, k.grad, v.grad)):
-        torch.testing.assert_close(a, b, rtol=0, atol=5e-6)
+@pytest.mark.parametrize("kernel,device", [("sdpa", d) for d in DEVICES] + [("flex", "cuda")] * ("cuda" in DEVICES))
+def test_gradients_equal_the_reference(kernel, device):
+    q, k, v = _qkv(4, 2, 8, 8, seed=1, grad=True, device=device)
+    w = torch.randn(int(CU[-1]), 4, 8, generator=torch.Generator().manual_seed(2))
+    (packed_causal_attention(q, k, v, CU.to(device), 0.3, kernel=kernel) * w.to(device)).sum().backward()
+    got = [x.grad.cpu() for x in (q, k, v)]
+    leaves = [x.detach().cpu().requires_grad_(True) for x in (q, k, v)]
+    (_reference(*leaves, CU, 0.3) * w.double()).sum().backward()
+    for a, b in zip(got, leaves):
+        torch.testing.assert_close(a, b.grad, rtol=0, atol=5e-6 if device == "cpu" else 1e-4)
 
 
 def test_flex_has_no_backward_on_cpu():
@@ -138,6 +143,7 @@ def _rank_packed_vs_hf(rank, world, hf_dir, kernels):
     return out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the model-level check runs megatron on CPU ranks (gloo)")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3"])
 def test_packed_kernels_equal_hf_per_row(tiny_hf_model, arch):
