@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from megatron_rl.config import load_job_config
+from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -151,11 +152,11 @@ def test_qwen7b_full_recompute_and_logits():
     kept = 28 * s * b * h * 2 / tp
     assert st.activations["full"] == pytest.approx(kept + qwen7b_layer_acts(s, b, False))
     T = s * b
-    rows = (1 << 24) // (V // tp)                   # tokens per fp32 chunk on GPU
+    rows = CUDA_CHUNK_ELEMENTS // (V // tp)                   # tokens per fp32 chunk on GPU
     assert st.logits_fused == 4 * rows * (V // tp)
     # the actor's vocab-parallel path: bf16 logits + their bf16 gradient + one fp32 chunk
     assert st.logits_unfused == 2 * 2 * T * V / tp + 4 * rows * (V // tp)
-    assert st.logits_fused < st.logits_unfused / 40
+    assert st.logits_fused < st.logits_unfused / 20
 
 
 # ------------------------------------------------------------------ Qwen3-30B-A3B, TP2 PP2 EP8 ETP1 on 16
@@ -190,7 +191,7 @@ def test_qwen3_moe_per_stage():
     assert plan.stages[0].microbatches_in_flight == 2 and plan.stages[1].microbatches_in_flight == 1
     assert plan.stages[0].activations["selective"] == pytest.approx(2 * 24 * per_layer, rel=1e-12)
     assert plan.stages[1].activations["selective"] == pytest.approx(1 * 24 * per_layer, rel=1e-12)
-    rows = min(s * b, (1 << 24) // (V // tp))
+    rows = min(s * b, CUDA_CHUNK_ELEMENTS // (V // tp))
     assert plan.stages[0].logits_unfused == 0
     assert plan.stages[1].logits_unfused == 2 * 2 * s * b * V / tp + 4 * rows * (V // tp)
 
