@@ -148,3 +148,34 @@ def test_nccl_job_scatters_pieces_through_host_memory():
         assert torch.equal(piece.rows.routing[3], batch.routing[3])
     finally:
         dist.destroy_process_group()
+
+
+def _rank_nccl_like(rank, world):
+    """The default group NCCL-like (``fakeccl``: objects staged on the ``fakegpu`` device): RowSplit.gather makes
+    a gloo group and the pieces travel there; TRAFFIC counts the bytes handed to fakeccl collectives."""
+    from types import SimpleNamespace
+
+    from megatron_rl.parallel.rank0 import scatter_from_rank0
+    from megatron_rl.testing import fake_accelerator as fa
+    from megatron_rl.trainer.rollout_source import RowSplit
+
+    fa.install()
+    fa.make_default_group()
+    cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=N_SAMPLES), trainer=SimpleNamespace(
+        collective_timeout_s=60.0), actor=SimpleNamespace(max_tokens_per_micro_batch=None))
+    split = RowSplit.gather(cfg, rank, world)
+    fa.TRAFFIC.clear()
+    piece, _ = scatter_from_rank0(_batch, split.pieces, group=split.group)
+    ref = _batch().shard(4, N_SAMPLES, 0, rank, world, torch.device("cpu"))
+    torch.testing.assert_close(piece.shard(4, N_SAMPLES, 0, torch.device("cpu")).batch.routing, ref.batch.routing,
+                               rtol=0, atol=0)
+    return {"device_bytes": sum(fa.TRAFFIC.values()), "piece": len(pickle.dumps(piece))}
+
+
+@pytest.mark.timeout(120)
+def test_pieces_of_an_nccl_like_job_travel_in_host_memory():
+    """With an NCCL-like default group the pieces go through a gloo group: what the device collectives carry is
+    the few bytes of rank 0's outcome, not the rows."""
+    res = run_ranks(_rank_nccl_like, 2, timeout=100)
+    for x in res:
+        assert x["piece"] > 5_000 and x["device_bytes"] < 200, res
