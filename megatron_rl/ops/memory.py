@@ -65,10 +65,10 @@ heads, g = KV heads, d = head dim, f = FFN size, k = router top-k, E = experts::
 
 Attention backend (``models.attention``: ``MemoryOptions.attention``): Transformer Engine's flash / fused
 attention keeps only the log-sum-exp; TE's unfused attention (fp32) and megatron's local attention materialise
-the ``[b, a/t, s, s]`` scores of padded rows (packed rows on the local backend run through SDPA per segment,
-which does not). With such a backend the scores are kept per layer without recompute; with selective recompute
-(megatron's ``core_attn``) one layer's scores exist at a time (added once to the stage); with full recompute
-they are part of the working layer.
+the ``[b, a/t, s, s]`` scores of padded rows (packed rows on the local backend run through varlen flash
+attention or SDPA per segment, which do not). With such a backend the scores are kept per layer without
+recompute; with selective recompute (megatron's ``core_attn``) one layer's scores exist at a time (added once to
+the stage); with full recompute they are part of the working layer.
 
 Checked against megatron-core itself (tests/integration/test_check_activation_measure.py): the bytes a GPTModel layer
 saves for backward (``torch.autograd.graph.saved_tensors_hooks``, fp32 on CPU, local layer spec) equal

@@ -2,8 +2,9 @@
 Engine is absent, on CPU and on CUDA alike (``platform.select`` decides; ``PATCHES`` records each symbol).
 
 * Packed (THD) sequences in the local ``DotProductAttention`` (megatron asserts ``packed_seq_params is None``):
-  they run through :mod:`megatron_rl.platform.packed_attention` (SDPA per segment by default, or FlexAttention
-  with a document-causal mask; ``set_packed_attention_kernel``), causal within each segment of
+  they run through :mod:`megatron_rl.platform.packed_attention` (by default varlen flash attention on CUDA
+  bf16, SDPA per segment elsewhere; or FlexAttention with a document-causal mask;
+  ``set_packed_attention_kernel``), causal within each segment of
   ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``); megatron's THD RoPE path (pure torch with
   ``apply_rope_fusion=False``) already restarts rotary positions at each segment. The output is TE's THD layout
   ``[t, heads * value dim]``.
@@ -30,7 +31,8 @@ _state = {"applied": False, "kernel": DEFAULT_KERNEL}
 
 
 def set_packed_attention_kernel(name: str) -> None:
-    """Choose the kernel packed sequences run through in the local attention (``"sdpa"`` or ``"flex"``)."""
+    """Choose the kernel packed sequences run through in the local attention (``"auto"``, ``"varlen"``, ``"sdpa"``
+    or ``"flex"``)."""
     if name not in PACKED_ATTENTION_KERNELS:
         raise ValueError(f"packed attention kernel {name!r} is not one of {', '.join(PACKED_ATTENTION_KERNELS)}")
     _state["kernel"] = name
@@ -155,7 +157,7 @@ def apply_local_layer_patches() -> None:
         dpa.forward = _wrap_dot_product_attention_forward(dpa.forward)
     PATCHES["megatron.core.transformer.dot_product_attention.DotProductAttention.forward"] = (
         "asserts packed_seq_params is None: packed (THD) sequences run only in TE's attention; here they run "
-        "through SDPA per segment or FlexAttention with a document-causal mask")
+        "through varlen flash attention / SDPA per segment (platform.packed_attention)")
     torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
     torch_norm.WrappedTorchNorm.__new__ = _wrapped_torch_norm_new
     PATCHES["megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"] = (

@@ -4,13 +4,19 @@ A packed sequence is ``t`` tokens holding several independent rows back to back;
 ``[n + 1]``, 0 first, ``t`` last) marks where each starts. Every token attends causally to the earlier tokens
 of its own segment only. Two kernels, same result (``PACKED_ATTENTION_KERNELS``):
 
-* ``"sdpa"`` (the default): ``torch.nn.functional.scaled_dot_product_attention`` once per segment, ``is_causal``.
+* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` once per segment, ``is_causal``.
   On CUDA that runs the flash (bf16 / fp16) or memory-efficient (fp32) kernel, so no ``[len, len]`` score
   matrix is kept and the work is the sum of the segments' squares; forward and backward on every device.
 * ``"flex"``: one ``torch.nn.attention.flex_attention`` call over the whole packed sequence with a
   document-causal block mask (blocks of other segments are skipped). On CUDA the kernel is compiled once
   (``torch.compile``) and has a backward; on CPU torch runs it eagerly and forward only (torch raises for
   a backward on CPU), so on CPU it serves log-prob passes, not training.
+
+* ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``, one call, forward
+  and backward) -- CUDA, bf16 / fp16, equal query and value head dims, a torch that has it (2.10+). Not
+  available elsewhere: ``"auto"`` falls back to ``"sdpa"`` there.
+* ``"auto"`` (what the local layers use): ``"varlen"`` where it can run, else ``"sdpa"`` -- chosen per call from the
+  tensors (device, dtype, head dims), so one job on CPU and on a GPU gets the kernel each can run.
 
 Usage::
 
@@ -22,16 +28,17 @@ megatron's ``repeat_interleave``).
 """
 from __future__ import annotations
 
+import inspect
 import warnings
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["packed_segments", "packed_causal_attention", "sdpa_per_segment", "flex_document_causal",
-           "PACKED_ATTENTION_KERNELS", "DEFAULT_KERNEL"]
+           "varlen_causal", "varlen_supported", "PACKED_ATTENTION_KERNELS", "DEFAULT_KERNEL"]
 
-DEFAULT_KERNEL = "sdpa"
+DEFAULT_KERNEL = "auto"
 
 
 def packed_segments(cu_seqlens: torch.Tensor, total: int) -> List[Tuple[int, int]]:
@@ -106,8 +113,59 @@ def flex_document_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     return out[0].transpose(0, 1)
 
 
+def _varlen_attn() -> Optional[Callable]:
+    """torch's varlen flash attention, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_supported(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``varlen_causal`` can run on these tensors: CUDA, bf16 / fp16, value head dim = query head dim
+    (flash attention's constraint; MLA's differ), and a torch with ``torch.nn.attention.varlen``."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) == v.size(-1)
+            and _varlen_attn() is not None)
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Causal attention within each segment in one varlen flash-attention call: ``[t, heads, dv]``."""
+    rep = _check_shapes(q, k, v)
+    fn = _varlen_attn()
+    if fn is None or not varlen_supported(q, v):
+        raise ValueError(f"packed attention kernel 'varlen' needs CUDA bf16/fp16 tensors with equal query and value "
+                         f"head dims and torch.nn.attention.varlen; got {q.device} {q.dtype}, head dims "
+                         f"{q.size(-1)}/{v.size(-1)} (kernel 'auto' falls back to 'sdpa')")
+    segments = packed_segments(cu_seqlens, q.size(0))
+    max_len = max(b - a for a, b in segments)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    params = inspect.signature(fn).parameters
+    kwargs = {"scale": scale}
+    if "is_causal" in params:          # torch 2.9/2.10 spelling
+        kwargs["is_causal"] = True
+    else:                              # later: a (left, right) window, (-1, 0) = causal
+        kwargs["window_size"] = (-1, 0)
+    if rep > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, **kwargs)
+
+
+def auto_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """``varlen_causal`` where it can run (``varlen_supported``), else ``sdpa_per_segment``."""
+    if varlen_supported(q, v):
+        return varlen_causal(q, k, v, cu_seqlens, scale)
+    return sdpa_per_segment(q, k, v, cu_seqlens, scale)
+
+
 #: kernel name -> implementation (same signature, same result)
-PACKED_ATTENTION_KERNELS: Dict[str, Callable] = {"sdpa": sdpa_per_segment, "flex": flex_document_causal}
+PACKED_ATTENTION_KERNELS: Dict[str, Callable] = {"auto": auto_kernel, "sdpa": sdpa_per_segment,
+                                                 "flex": flex_document_causal, "varlen": varlen_causal}
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -22,7 +22,8 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.platform.packed_attention import (PACKED_ATTENTION_KERNELS, flex_document_causal,
-                                                   packed_causal_attention, sdpa_per_segment)
+                                                   packed_causal_attention, sdpa_per_segment, varlen_causal,
+                                                   varlen_supported)
 from megatron_rl.testing.distributed import run_ranks
 
 #: the kernels run on every device here; with CUDA also on the GPU (flash / memory-efficient SDPA, compiled flex)
@@ -30,6 +31,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ATOL = {"cpu": 2e-6, "cuda": 1e-4}
 
 CU = torch.tensor([0, 5, 6, 6, 15, 19], dtype=torch.int32)  # segments of 5, 1, (empty), 9, 4 tokens
+
+#: the kernels that take fp32 tensors on every device ("varlen" is CUDA bf16 / fp16 only: its own tests)
+FP32_KERNELS = sorted(k for k in PACKED_ATTENTION_KERNELS if k != "varlen")
 
 
 def _reference(q, k, v, cu, scale):
@@ -55,7 +59,7 @@ def _qkv(heads, groups, d, dv, seed=0, grad=False, device="cpu"):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kernel", sorted(PACKED_ATTENTION_KERNELS))
+@pytest.mark.parametrize("kernel", FP32_KERNELS)
 @pytest.mark.parametrize("heads,groups,d,dv", [(4, 4, 8, 8), (4, 2, 8, 8), (6, 2, 16, 12)],
                          ids=["mha", "gqa", "v-dim"])
 def test_kernel_equals_per_segment_reference(kernel, heads, groups, d, dv, device):
@@ -81,6 +85,37 @@ def test_gradients_equal_the_reference(kernel, device):
     (_reference(*leaves, CU, 0.3) * w.double()).sum().backward()
     for a, b in zip(got, leaves):
         torch.testing.assert_close(a, b.grad, rtol=0, atol=5e-6 if device == "cpu" else 1e-4)
+
+
+def test_auto_is_sdpa_where_varlen_cannot_run_and_varlen_refuses_by_name():
+    """On CPU (and for fp32, or MLA's unequal head dims, on CUDA) "auto" is exactly the per-segment SDPA path;
+    "varlen" asked for there raises naming what it needs."""
+    q, k, v = _qkv(4, 2, 8, 8)
+    assert not varlen_supported(q, v)
+    torch.testing.assert_close(packed_causal_attention(q, k, v, CU, 0.3, kernel="auto"),
+                               sdpa_per_segment(q, k, v, CU, 0.3), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="'varlen' needs CUDA bf16/fp16"):
+        varlen_causal(q, k, v, CU, 0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_varlen_on_cuda_bf16_equals_the_reference_with_gradients(heads, groups):
+    """torch's varlen flash attention (one call over cu_seqlens): output and gradients against the float64
+    per-segment reference at bf16 tolerance; "auto" picks it for CUDA bf16."""
+    q, k, v = (x.to("cuda", torch.bfloat16).requires_grad_(True) for x in _qkv(heads, groups, 64, 64, seed=3))
+    assert varlen_supported(q, v)
+    w = torch.randn(int(CU[-1]), heads, 64, generator=torch.Generator().manual_seed(4))
+    out = packed_causal_attention(q, k, v, CU.cuda(), 0.125, kernel="auto")
+    (out.float() * w.cuda()).sum().backward()
+    leaves = [x.detach().double().cpu().requires_grad_(True) for x in (q, k, v)]
+    ref = _reference(*leaves, CU, 0.125)
+    (ref * w.double()).sum().backward()
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=2e-2)
+    for a, b in zip((q, k, v), leaves):
+        torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=0, atol=5e-2 * max(1.0, b.grad.abs().max()))
+    whole = _reference(*[x.detach() for x in leaves], torch.tensor([0, int(CU[-1])]), 0.125)
+    assert (whole - ref).abs().max() > 5e-2  # segments matter at this tolerance
 
 
 def test_flex_has_no_backward_on_cpu():
@@ -148,7 +183,7 @@ def _rank_packed_vs_hf(rank, world, hf_dir, kernels):
 @pytest.mark.parametrize("arch", ["qwen2", "deepseek_v3"])
 def test_packed_kernels_equal_hf_per_row(tiny_hf_model, arch):
     hf_dir = tiny_hf_model(arch, seed=11)
-    kernels = sorted(PACKED_ATTENTION_KERNELS)
+    kernels = FP32_KERNELS
     (out,) = run_ranks(_rank_packed_vs_hf, 1, hf_dir, kernels, timeout=280)
     cu = out["cu"]
     for kernel in kernels:
