@@ -14,9 +14,9 @@ Three kernels over a block of logits x [rows, W] (any row/column strides, fp32/b
     rows enough programs to fill the device (the chosen configuration is tuned on the device).
   * ``_finalize_kernel`` - one program per ROWS rows merges the splits (the same rescale) and writes
     either the per-row partials (m, s, tgt, spz) in natural units for the TP combine
-    (``megatron_rl.logprobs.combine``), or - without TP - the final (logp, entropy, M, log_s), a
-    status per row (1: non-finite statistics, 2: target outside [0, W)) and its max over the rows as one
-    int32 flag (atomic max; the forward kernel zeroes it), which the caller reads without stalling the device (``megatron_rl.logprobs.vocab_parallel.ErrorFlags``).
+    (``megatron_rl.logprobs.combine``), or - without TP - the final (logp, entropy, M, log_s) and a
+    status per row (1: non-finite statistics, 2: target outside [0, W)); the caller reduces it on the
+    device and reads it without stalling the device (``megatron_rl.logprobs.vocab_parallel.ErrorFlags``).
   * ``_grad_kernel`` - 1-D grid over (row, column block), column blocks fastest (contiguous streaming);
     recomputes log p = (x - M) * inv_temp - log_s from the saved row statistics and writes
     dL/dx = inv_temp * (g_logp * ([j == target] - p) - g_ent * p * (log p + H)) in the output dtype.
@@ -72,10 +72,8 @@ def _accumulate(x, mask, m, s_acc, z_acc, scale2, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(X, TL, WS, FLAG, width, n_splits, chunk, total, stride_row, stride_col, scale2,
-                BLOCK: tl.constexpr):
+def _fwd_kernel(X, TL, WS, width, n_splits, chunk, total, stride_row, stride_col, scale2, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    tl.store(FLAG, 0, mask=pid == 0)  # the error flag the finalize kernel (launched next) raises
     row32 = pid // n_splits
     c0 = (pid - row32 * n_splits) * chunk
     c1 = tl.minimum(width, c0 + chunk)
@@ -117,7 +115,7 @@ def _fwd_kernel(X, TL, WS, FLAG, width, n_splits, chunk, total, stride_row, stri
 
 
 @triton.jit
-def _finalize_kernel(WS, TL, OUT, STATUS, FLAG, n_rows, n_splits, total, width, inv_temp, scale2,
+def _finalize_kernel(WS, TL, OUT, STATUS, n_rows, n_splits, total, width, inv_temp, scale2,
                      FINAL: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ks = tl.arange(0, SPLITS)
@@ -146,9 +144,7 @@ def _finalize_kernel(WS, TL, OUT, STATUS, FLAG, n_rows, n_splits, total, width, 
         tl.store(OUT + n_rows + rows, ent, mask=rmask)
         tl.store(OUT + 2 * n_rows + rows, mx, mask=rmask)
         tl.store(OUT + 3 * n_rows + rows, log_s, mask=rmask)
-        status = tl.where(rmask, status, 0).to(tl.int32)
-        tl.store(STATUS + rows, status, mask=rmask)
-        tl.atomic_max(FLAG, tl.max(status, axis=0))  # the max over all rows, as one int32
+        tl.store(STATUS + rows, status.to(tl.int32), mask=rmask)
     else:
         tl.store(OUT + rows, mx, mask=rmask)
         tl.store(OUT + n_rows + rows, s, mask=rmask)
@@ -245,22 +241,18 @@ def _grad_default(width: int) -> GradConfig:
     return GradConfig(block, 8 if block >= 4096 else 4)
 
 
-def cuda_time_ms(fn: Callable[[], None], reps: int = 5, batch: int = 4) -> float:
-    """Time per run of ``fn`` in ms by CUDA events: the median over ``reps`` samples of ``batch`` runs back to
-    back, after one warm-up run (compilation). Back-to-back runs keep the device busy, so the host's launch
-    latency (tens of microseconds, and jittery) is not added to every run: candidates a few percent apart
-    are ordered by their kernel time, not by launch noise."""
+def cuda_time_ms(fn: Callable[[], None], reps: int = 3) -> float:
+    """Median time of ``fn`` in ms over ``reps`` runs after one warm-up run (compilation), by CUDA events."""
     fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        for _ in range(batch):
-            fn()
+        fn()
         e1.record()
         e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / batch)
+        ts.append(e0.elapsed_time(e1))
     return sorted(ts)[len(ts) // 2]
 
 
@@ -309,7 +301,7 @@ def _row_bucket(rows: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- launchers
-def _launch_fwd(x, t_local, cfg: FwdConfig, inv_temp: float, ws_cache: dict, flag: torch.Tensor):
+def _launch_fwd(x, t_local, cfg: FwdConfig, inv_temp: float, ws_cache: dict):
     c, w = x.shape
     if SPLIT_COLS is not None:
         chunk = triton.cdiv(SPLIT_COLS, cfg.block) * cfg.block
@@ -326,7 +318,7 @@ def _launch_fwd(x, t_local, cfg: FwdConfig, inv_temp: float, ws_cache: dict, fla
     ws = ws_cache.get(total)
     if ws is None:
         ws = ws_cache[total] = torch.empty(4 * total, dtype=torch.float32, device=x.device)
-    _fwd_kernel[(total,)](x, t_local, ws, flag, w, splits, chunk, total, x.stride(0), x.stride(1),
+    _fwd_kernel[(total,)](x, t_local, ws, w, splits, chunk, total, x.stride(0), x.stride(1),
                           float(inv_temp) * LOG2E, BLOCK=cfg.block, num_warps=cfg.warps)
     return ws, splits
 
@@ -335,18 +327,16 @@ def _forward(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, final: boo
     c, w = x.shape
     t_local = t_local.to(torch.int64).contiguous()
     ws_cache: dict = {}
-    # status: one int32 per row, then the flag (the max over rows; zeroed by the forward kernel)
-    status = torch.empty(c + 1 if final else 1, dtype=torch.int32, device=x.device)
-    flag = status[c:] if final else status
     if TUNER.enabled(x.device, c * w):
         cfg = TUNER.pick("fwd", (x.dtype, w, _row_bucket(c)), FWD_CANDIDATES,
-                         lambda k: _launch_fwd(x, t_local, k, inv_temp, ws_cache, flag))
+                         lambda k: _launch_fwd(x, t_local, k, inv_temp, ws_cache))
     else:
         cfg = _fwd_default(c, w)
-    ws, splits = _launch_fwd(x, t_local, cfg, inv_temp, ws_cache, flag)
+    ws, splits = _launch_fwd(x, t_local, cfg, inv_temp, ws_cache)
     out = torch.empty(4, c, dtype=torch.float32, device=x.device)
+    status = torch.empty(c if final else 1, dtype=torch.int32, device=x.device)
     rows = 64 if splits <= 8 else 16
-    _finalize_kernel[(triton.cdiv(c, rows),)](ws, t_local, out, status, flag, c, splits, c * splits, w, float(inv_temp),
+    _finalize_kernel[(triton.cdiv(c, rows),)](ws, t_local, out, status, c, splits, c * splits, w, float(inv_temp),
                                               float(inv_temp) * LOG2E, FINAL=final, ROWS=rows,
                                               SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out, status
@@ -366,18 +356,17 @@ def block_partials(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float):
 
 
 def block_logprobs(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float):
-    """Without TP: (logp, entropy, M, log_s, status, flag) of the block ``x`` [c, W] in one pass over the logits.
+    """Without TP: (logp, entropy, M, log_s, status) of the block ``x`` [c, W] in one pass over the logits.
 
     M: raw row max, log_s: log sum exp((x - M) * inv_temp) (so lse = M * inv_temp + log_s); status int32
-    per row: bit 1 = non-finite statistics (NaN/inf logits), bit 2 = target outside [0, W); flag: 0-dim
-    int32, the max of status over the rows (from the finalize kernel: no reduction launch); None if c == 0.
+    per row: bit 1 = non-finite statistics (NaN/inf logits), bit 2 = target outside [0, W).
     """
     c = x.shape[0]
     if c == 0:
         e = torch.empty(0, dtype=torch.float32, device=x.device)
-        return e, e, e, e, torch.empty(0, dtype=torch.int32, device=x.device), None
+        return e, e, e, e, torch.empty(0, dtype=torch.int32, device=x.device)
     out, status = _forward(x, t_local, inv_temp, final=True)
-    return out[0], out[1], out[2], out[3], status[:c], status[c]
+    return out[0], out[1], out[2], out[3], status
 
 
 def _launch_grad(x, t_local, inv_temp, mx, log_s, ent, glp, gent, has_glp, has_gent, out, cfg: GradConfig):

@@ -23,9 +23,7 @@ gradient written once = twice that), peak extra device memory over one fp32 copy
 returned gradient not counted), and float64 errors of the same run (log-prob / entropy max abs error and
 gradient relative error on the first and last 64 rows). Then a correctness sweep (fp32 / bf16 logits,
 temperatures 0.7 / 1.0 / 1.3, three widths, both backends) and, on CUDA, a shape past 2**31 elements
-(``--no-big`` skips it), and every path on 64 x 1024 logits (CUDA; 4 x 64 on CPU): the per-call floor of the host's work
-(Python, launches, autograd, the error check's wait), the time a large shape approaches when the loop is
-bound by the host rather than by its kernels. The tuned kernel configurations (``megatron_rl_kernels.logprob_kernels.TUNER``)
+(``--no-big`` skips it). The tuned kernel configurations (``megatron_rl_kernels.logprob_kernels.TUNER``)
 are printed: the winners always, every candidate's time with ``--sweep``. On CPU the Triton kernels run
 under the interpreter (``TRITON_INTERPRET=1`` is set by the tool), on small default shapes: a check that
 the tool and the kernels run, not a measurement.
@@ -211,8 +209,6 @@ def worker(args):
 # ---------------------------------------------------------------- device table (one process)
 DEVICE_SHAPES = {"cuda": [(8192, 151936), (16384, 37984), (16384, 18992)], "cpu": [(12, 2000), (16, 517)]}
 BIG_SHAPE = (16384, 151936)  # 2.49e9 elements: offsets past 2**31
-# kernels of microseconds: the time per call is the host's (Python, launches, autograd); cpu: a check only
-OVERHEAD_SHAPE = {"cuda": (64, 1024), "cpu": (4, 64)}
 BATCH = 5  # calls per timed sample on CUDA, back to back (see _median_time)
 
 
@@ -439,23 +435,10 @@ def device_main(args):
         for r in big:
             r["shape"] += " (T=0.8, past 2**31)"
             print("RESULT " + json.dumps(r), flush=True)
-    overhead = bench_shape(torch, dev, *OVERHEAD_SHAPE[dev.type], bw, paths, reps, only=only)
-    for r in overhead:
-        print("RESULT " + json.dumps(dict(case="overhead", **r)), flush=True)
     sweep = correctness_sweep(torch, dev, ["triton", "torch"])
     for r in sweep:
         print("RESULT " + json.dumps(dict(case="fp64", **r)), flush=True)
     print_table(table + big, bw, dev_name)
-    if overhead:
-        print(f"\nper-call floor of the host's work ({overhead[0]['shape']} logits, the same "
-              "calls and timing; the kernels take microseconds, so this is Python + launches + autograd + the "
-              "error check's wait; a row above whose time is near this is bound by the host, not by its kernels):")
-        for r in overhead:
-            if "error" in r:
-                print(f"  {r['path']:<7} error: {r['error']}")
-            else:
-                print(f"  {r['path']:<7} fwd {r['fwd_ms']:.3f} ms, train fwd {r['fwdtrain_ms']:.3f} ms, "
-                      f"fwd+bwd {r['fwdbwd_ms']:.3f} ms")
     print("\nfloat64 correctness (all rows): dtype, rows x width, T, backend: logp err / ent err / grad rel err")
     for r in sweep:
         print(f"  {r['dtype']:<8} {r['n']}x{r['v']:<7} T={r['T']:<4} {r['backend']:<7} {r['err_logp']:.1e} / "
@@ -474,8 +457,7 @@ def device_main(args):
               f"{k.TUNE_MIN_ELEMENTS} elements)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=dev_name, copy_GBs=bw, table=table + big, overhead=overhead, fp64=sweep,
-                           tuner=k.TUNER.log), f,
+            json.dump(dict(device=dev_name, copy_GBs=bw, table=table + big, fp64=sweep, tuner=k.TUNER.log), f,
                       indent=1, default=str)
     return table + big, sweep
 

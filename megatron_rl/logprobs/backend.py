@@ -75,11 +75,11 @@ class BlockOps:
         else:
             self._ws = torch_path.Workspace(device)
             fewer = device.type == "cuda"
-            self._partials = torch_path.chunk_partials_log_softmax if fewer else torch_path.chunk_partials
+            self._partials = torch_path.chunk_partials_fewer_passes if fewer else torch_path.chunk_partials
             self._grad = torch_path.chunk_grad_fewer_passes if fewer else torch_path.chunk_grad
 
     def logprobs(self, x, t_local, inv_temp):
-        """Without TP: (logp, ent, M, log_s, status, flag) of the block x [c, W] (Triton only)."""
+        """Without TP: (logp, ent, M, log_s, status) of the block x [c, W] (Triton only)."""
         return self._k.block_logprobs(x, t_local, inv_temp)
 
     def partials(self, x, t_local, inv_temp):

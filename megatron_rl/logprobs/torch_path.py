@@ -10,11 +10,10 @@ two caller-provided fp32 workspaces of at least [c, W] so that repeated chunks d
 Memory per call: the two workspaces (2 x 4 x c x W bytes) plus O(c) vectors.
 
 Two variants of each primitive, chosen once per device by ``backend.BlockOps``: the CPU ones upcast into
-the workspace first (measured ~2x faster on CPU than mixed-dtype ops); the CUDA ones (where time is
-memory traffic): ``chunk_partials_log_softmax`` runs the naive path's own passes (upcast, fused
-``log_softmax``, exp / mul / sum; no broadcast elementwise ops, no allocation) plus one bf16 row max, and
-``chunk_grad_fewer_passes`` reads the low-precision logits directly in mixed-dtype fp32 ops and folds the
-gradient's coefficients (~40 bytes of traffic per element; naive autograd ~60).
+the workspace first (measured ~2x faster on CPU than mixed-dtype ops); the ``*_fewer_passes`` ones
+(CUDA, where time is memory traffic) read the low-precision logits directly in mixed-dtype fp32 ops and
+fold the gradient's coefficients, so a forward chunk costs ~32 bytes of traffic per element (the fp32
+``log_softmax`` + entropy of the naive path ~46) and a gradient chunk ~40 (naive autograd ~60).
 """
 from __future__ import annotations
 
@@ -114,32 +113,28 @@ def chunk_grad(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, mx: torc
     out.copy_(b)
 
 
-def chunk_partials_log_softmax(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, ws: Workspace):
-    """``chunk_partials`` by the naive path's own passes (the CUDA variant): same results up to fp32 rounding.
+def chunk_partials_fewer_passes(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, ws: Workspace):
+    """``chunk_partials`` with fewer passes over memory (same results up to fp32 rounding).
 
-    Per chunk: the row max and its column (one reduction over the low-precision logits: 2 B per element
-    for bf16), the upcast into the workspace, the scale by inv_temp when T != 1, the fused ``log_softmax``
-    kernel (max, sum-exp and output in one launch), then exp / mul / sum over its output - the passes of
-    ``log_softmax(x.float() / T)`` + ``-(ls.exp() * ls).sum(-1)``, plus the max, without allocations and
-    without broadcast elementwise ops. At the max column log p = -log s exactly, so
-    log s = -log p[argmax] and spz = s * (log s + sum p log p). Non-finite logits: NaN / +inf make the
-    max non-finite; a -inf logit makes its term 0 * -inf = NaN in sum p log p.
+    One fp32 workspace, all in place: e = exp(d) overwrites d, then spz = sum e * d = -sum entr(e)
+    (entr(e) = -e ln e, d recovered as ln e: absolute error ~1e-7 per element where e matters, exact 0
+    where e underflows). The row min comes with the max (one pass): a -inf logit makes e 0 and its term
+    0, so ``min * 0`` (NaN for an infinite min) keeps such rows non-finite, as in ``chunk_partials``.
     """
     c, w = x.shape
-    a, b = ws.get(c, w)
-    m, arg = torch.max(x, dim=-1)  # exact in the input dtype
-    a.copy_(x)
+    a, _ = ws.get(c, w)
+    mn, m = torch.aminmax(x, dim=-1)  # the min / max of the low-precision values are exact
+    m = m.float()
+    torch.sub(x, m.unsqueeze(-1), out=a)  # fp32 (type promotion), the upcast happens inside the kernel
     if inv_temp != 1.0:
-        a.mul_(inv_temp)  # z
-    torch.log_softmax(a, dim=-1, out=b)  # log p
-    log_s = b.gather(1, arg.unsqueeze(1)).squeeze(1).neg_()
-    plogp = torch.exp(b, out=a).mul_(b).sum(dim=-1)
-    s = torch.exp(log_s)
-    spz = (log_s + plogp).mul_(s)
+        a.mul_(inv_temp)  # d
+    a.exp_()  # e
+    s = a.sum(dim=-1)
+    spz = torch.special.entr(a, out=a).sum(dim=-1).neg_().add_(mn.float() * 0.0)
     idx, owned = _local_targets(t_local, w)
     tgt = x.gather(1, idx.unsqueeze(1)).squeeze(1).float()
     tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
-    return m.float(), s, tgt, spz
+    return m, s, tgt, spz
 
 
 def chunk_grad_fewer_passes(x: torch.Tensor, t_local: torch.Tensor, inv_temp: float, mx: torch.Tensor,

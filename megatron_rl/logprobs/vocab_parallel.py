@@ -55,7 +55,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         n, vp = logits2d.shape
         if ops.fused_final and world_size == 1 and chunk_rows >= n:
             # one pass, statistics finished on the device: status bit 1 = non-finite, bit 2 = bad target
-            logp, ent, mx, log_s, bad, flags = ops.logprobs(logits2d, t_local, inv_temp)
+            logp, ent, mx, log_s, status = ops.logprobs(logits2d, t_local, inv_temp)
+            bad = status
+            flags = status.max() if n else None
         else:
             stats = torch.empty(4, n, dtype=torch.float32, device=logits2d.device)
             for i in range(0, n, chunk_rows):
