@@ -6,6 +6,11 @@ precision in ``--precisions`` (each in turn, the previous actor freed first):
   logprob  ``actor.compute_log_probs`` (forward only, log-probs + entropy in fp32 from the logits);
   train    ``actor.train_step`` (forward, backward, fp32 gradient reduction, Adam step; PPO-clip loss).
 One warm-up each (the first train step allocates Adam's state), then the median of ``--repeats``.
+Every train step trains on the same batch against the same old log-probs (PPO-clip, no IS weights): the first
+step's ratios are 1, later steps see the ratios the earlier updates moved, and once every token's ratio is clipped
+on its advantage's side the gradient is exactly 0 (a large model at lr 1e-5 gets there within the 4 steps). The
+check line therefore reports the FIRST step's grad norm / pg_loss / clip fraction (the run fails when that grad
+norm is not > 0) and the later steps' grad norms and clip fractions beside them.
 
 Reported per precision and pass: seconds, tokens/s, peak memory (CUDA: ``torch.cuda.max_memory_allocated`` over
 the pass, everything resident included: weights, main weights, gradients, Adam state, activations; CPU: the
@@ -84,7 +89,7 @@ def model_flops_per_token(s: Dict[str, int]) -> float:
     return 2.0 * matmul_params(s) + s["layers"] * 2.0 * s["seq"] * s["heads"] * s["head_dim"]
 
 
-def _job(s: Dict[str, int], bf16: bool):
+def _job(s: Dict[str, int], bf16: bool, lr: float = 1e-5):
     from megatron_rl.config import job_config_from_dict
 
     return job_config_from_dict({
@@ -92,7 +97,7 @@ def _job(s: Dict[str, int], bf16: bool):
                   "num_query_groups": s["kv_heads"], "kv_channels": s["head_dim"], "ffn_hidden_size": s["ffn"],
                   "vocab_size": s["vocab"], "max_position_embeddings": max(4096, s["seq"]),
                   "untie_embeddings_and_output_weights": True},
-        "actor": {"micro_batch_size": s["rows"], "lr": 1e-5, "clip_grad": 1.0, "bf16": bf16},
+        "actor": {"micro_batch_size": s["rows"], "lr": lr, "clip_grad": 1.0, "bf16": bf16},
         "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
     })
 
@@ -130,11 +135,11 @@ def _timed(fn, device: str, repeats: int):
     return statistics.median(times), _peak_gib(device)
 
 
-def bench_precision(s: Dict[str, int], bf16: bool, device: str, repeats: int) -> Dict[str, dict]:
+def bench_precision(s: Dict[str, int], bf16: bool, device: str, repeats: int, lr: float = 1e-5) -> Dict[str, dict]:
     """Build the actor in this precision and time its log-prob pass and train step."""
     from megatron_rl.actor import MegatronActor
 
-    actor = MegatronActor(_job(s, bf16))
+    actor = MegatronActor(_job(s, bf16, lr))
     batch, adv = _batch(s)
     out: Dict[str, dict] = {}
     state = {}
@@ -146,27 +151,36 @@ def bench_precision(s: Dict[str, int], bf16: bool, device: str, repeats: int) ->
     out["logprob"] = {"seconds": sec, "peak_gib": peak}
     old = state["lp"]
 
+    steps = []
+
     def train():
-        state["m"] = actor.train_step(batch, old, adv, batch.response_mask, None, 1.0)
+        steps.append(actor.train_step(batch, old, adv, batch.response_mask, None, 1.0))
 
     sec, peak = _timed(train, device, repeats)
     out["train"] = {"seconds": sec, "peak_gib": peak}
+    # the check reads the FIRST train step (the warm-up): every step trains on the same batch against the same
+    # old log-probs, so later steps see ratios the earlier updates moved; once every token's ratio is clipped on
+    # its advantage's side PPO's gradient is exactly 0 (their clip fractions are reported beside it)
+    first = steps[0]
     out["check"] = {"mean_log_prob": float(old[batch.response_mask.bool()].mean()),
-                    "grad_norm": float(state["m"]["actor/grad_norm"]),
-                    "pg_loss": float(state["m"].get("actor/pg_loss", float("nan"))),
-                    "update_successful": float(state["m"].get("actor/update_successful", float("nan"))),
+                    "grad_norm": float(first["actor/grad_norm"]),
+                    "pg_loss": float(first.get("actor/pg_loss", float("nan"))),
+                    "pg_clipfrac": float(first.get("actor/pg_clipfrac", float("nan"))),
+                    "update_successful": float(first.get("actor/update_successful", float("nan"))),
+                    "later_grad_norms": [float(m["actor/grad_norm"]) for m in steps[1:]],
+                    "later_pg_clipfracs": [float(m.get("actor/pg_clipfrac", float("nan"))) for m in steps[1:]],
                     "param_dtype": str(next(actor.model[0].module.parameters()).dtype),
                     # the weights the FLOP count assumes: every 2-D parameter but the input embedding
                     "matmul_params": sum(p.numel() for c in actor.model for n, p in c.module.named_parameters()
                                          if p.dim() == 2 and "word_embeddings" not in n)}
-    del actor, state, old
+    del actor, state, old, steps
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
-def run(s: Dict[str, int], precisions: List[str], device: str, repeats: int) -> dict:
+def run(s: Dict[str, int], precisions: List[str], device: str, repeats: int, lr: float = 1e-5) -> dict:
     """The whole benchmark in this process (initialises a one-rank process group and megatron's parallel state)."""
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.parallel.launch import init_distributed
@@ -185,7 +199,7 @@ def run(s: Dict[str, int], precisions: List[str], device: str, repeats: int) -> 
         result["bf16_matmul_flops"] = matmul_rate(torch.bfloat16)
         result["fp32_matmul_flops"] = matmul_rate(torch.float32)
     for name in precisions:
-        r = bench_precision(s, name == "bf16", device, repeats)
+        r = bench_precision(s, name == "bf16", device, repeats, lr)
         for pass_, mult in (("logprob", 1.0), ("train", 3.0)):
             r[pass_]["tokens_per_s"] = tokens / r[pass_]["seconds"]
             if device == "cuda":
@@ -213,8 +227,11 @@ def _print(res: dict) -> None:
             mfu = f"{100 * x['mfu_vs_bf16_matmul']:5.1f}%" if "mfu_vs_bf16_matmul" in x else f"{'-':>6}"
             print(f"{name:>9} {pass_:>8} {x['seconds']:8.3f} {x['tokens_per_s']:10.0f} {x['peak_gib']:9.2f} {tf} {mfu}")
         print(f"{'':>9} check: params {r['check']['param_dtype']}, mean log-prob {r['check']['mean_log_prob']:.4f}, "
-              f"grad norm {r['check']['grad_norm']:.4g}, pg_loss {r['check']['pg_loss']:.4g}, "
-              f"update {r['check']['update_successful']:.0f}")
+              f"first step: grad norm {r['check']['grad_norm']:.4g}, pg_loss {r['check']['pg_loss']:.4g}, "
+              f"clipfrac {r['check']['pg_clipfrac']:.3g}, update {r['check']['update_successful']:.0f}; later "
+              f"steps (same batch, same old log-probs): grad norms "
+              f"{', '.join(f'{g:.3g}' for g in r['check']['later_grad_norms'])}, clipfracs "
+              f"{', '.join(f'{c:.3g}' for c in r['check']['later_pg_clipfracs'])}")
     p = res["precisions"]
     if "fp32" in p and "bf16" in p:
         print("bf16 / fp32: " + ", ".join(
@@ -230,6 +247,7 @@ def main(argv=None) -> dict:
                         f"CPU {CPU_SHAPE[k]}")
     ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate of the train steps")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     shape = dict(CUDA_SHAPE if args.device == "cuda" else CPU_SHAPE)
@@ -240,7 +258,7 @@ def main(argv=None) -> dict:
         ap.error(f"--precisions: {bad or precisions} (choose from fp32, bf16)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device")
-    res = run(shape, precisions, args.device, args.repeats)
+    res = run(shape, precisions, args.device, args.repeats, args.lr)
     _print(res)
     if args.json:
         with open(args.json, "w") as fh:
@@ -249,6 +267,11 @@ def main(argv=None) -> dict:
                  for r in res["precisions"].values())
     if not finite:
         raise SystemExit("non-finite log-probs or gradient norm")
+    # the first step's ratios are 1 (old log-probs from the same weights): nothing is clipped, so a zero gradient
+    # there means the gradients never reached the optimizer
+    dead = [n for n, r in res["precisions"].items() if not r["check"]["grad_norm"] > 0]
+    if dead:
+        raise SystemExit(f"zero gradient norm on the first train step ({', '.join(dead)})")
     return res
 
 
