@@ -43,7 +43,8 @@
 #
 # Stopping (Ctrl-C, or SIGTERM / SIGINT to this script): the request is written to a stop file the ranks read
 # every half second and the signal is forwarded to them; they finish the step, checkpoint, print one line and
-# exit 0 -- and so does this script, which says in one line when every rank of its node has confirmed the stop.
+# exit 0 (ranks still starting: after their first step) -- and so does this script, which says in one line when
+# every rank of its node has confirmed the stop.
 # A second signal stops them at once (exit 128 + signal). The torchrun agent runs in its own session with
 # SIGINT / SIGTERM ignored (its own handler would re-signal the ranks, SIGKILL them after 30 s and print a
 # traceback); inside a Slurm step, which signals every process of the step itself, no signal is forwarded.
@@ -146,10 +147,11 @@ LINK=$(mktemp -d "${TMPDIR:-/tmp}/megatron-rl-launch.XXXXXX")
 SLEEPER=""
 trap 'rm -rf "$LINK"; [[ -z "$SLEEPER" ]] || kill "$SLEEPER" 2>/dev/null' EXIT
 # torchrun in its own session with SIGINT / SIGTERM ignored (inherited through exec), killed by the kernel when
-# this script ends (PR_SET_PDEATHSIG); its ranks restore the signals (MEGATRON_RL_RESTORE_SIGNALS), exit when the
-# agent or this script ends, and take a stop from the signal forwarded below or from the stop file
+# this script ends (PR_SET_PDEATHSIG); its ranks inherit the ignored signals until their stop watcher is installed
+# (a stop sent before that waits in the stop file), exit when the agent or this script ends, and take a stop from
+# the signal forwarded below or from the stop file
 ( trap '' INT TERM
-  export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT MEGATRON_RL_RESTORE_SIGNALS=1 \
+  export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT \
          MEGATRON_RL_LAUNCHER_PID=$$ MEGATRON_RL_STOP_FILE="$LINK/stop"
   exec "$PYTHON" -m megatron_rl.lifeline --parent $$ -- "${CMD[@]}" ) < /dev/null &
 AGENT=$!

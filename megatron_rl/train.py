@@ -29,7 +29,7 @@ from megatron_rl.platform.warnings import install_known_message_filter  # noqa: 
 from megatron_rl.tasks.reward_fn import reward_import_error  # noqa: E402
 from megatron_rl.trainer.loop import train  # noqa: E402
 from megatron_rl.trainer.run_dir import run_dir_error  # noqa: E402
-from megatron_rl.trainer.signals import restore_default_signals  # noqa: E402
+from megatron_rl.trainer.signals import StopRequested  # noqa: E402
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load + validate, then train; returns the exit code."""
     install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
-    restore_default_signals()  # launch/torchrun.sh: the agent ignores SIGINT / SIGTERM, the ranks must not
     watch_job_owners()  # under torchrun: exit when the agent or launch/torchrun.sh has ended
     overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
     restart = restart_count()
@@ -70,7 +69,13 @@ def run(args: argparse.Namespace) -> int:
     if args.check_only:
         print("config OK")
         return 0
-    train(cfg)
+    # SIGTERM / SIGINT from here on (also while the job is built) stop the job after its first step, with a
+    # checkpoint; under launch/torchrun.sh a signal that came earlier (ignored until now) is in the stop file
+    stop = StopRequested(stop_timeout_s=cfg.trainer.stop_timeout_s)
+    try:
+        train(cfg, stop)
+    finally:
+        stop.restore()
     shutdown_distributed()
     return 0
 

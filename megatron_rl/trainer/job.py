@@ -189,8 +189,9 @@ def _teardown(watchdog: Watchdog, step: int, source=None, stop=None, sinks=None,
                     server.terminate()
 
 
-def build_job(cfg: JobConfig) -> Job:
-    """Every rank: build the job (see the module docstring). A failure half-way releases what was built."""
+def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
+    """Every rank: build the job (see the module docstring). A failure half-way releases what was built.
+    ``stop``: the rank's stop watcher when the caller installed it earlier (the job then owns it)."""
     tc = cfg.trainer
     refusal = run_dir_error(tc.run_dir, tc.resume, tc.overwrite)  # before any process group or model
     if refusal:
@@ -215,7 +216,7 @@ def build_job(cfg: JobConfig) -> Job:
         immediate = build_weight_publisher(cfg, actor, engine)
         with watchdog.phase("weight_sync", start):
             immediate.publish(version_tag(start))
-        held["stop"] = StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
+        held["stop"] = stop or StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
         held["source"] = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0)
         pad_id = share_from_rank0(int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0)
     except BaseException:

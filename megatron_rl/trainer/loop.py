@@ -25,19 +25,22 @@ is still checkpointed, then ``AsyncDrainError`` is raised on every rank).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from megatron_rl.config import JobConfig
 from megatron_rl.trainer.job import build_job
+from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.step import train_step
 from megatron_rl.trainer.step_batch import any_rank
 
 __all__ = ["train"]
 
 
-def train(cfg: JobConfig) -> Dict[str, float]:
-    """Run ``cfg.trainer.steps`` steps (or the remainder after ``--resume``); returns the last metrics."""
-    job = build_job(cfg)
+def train(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Dict[str, float]:
+    """Run ``cfg.trainer.steps`` steps (or the remainder after ``--resume``); returns the last metrics. ``stop``:
+    a watcher installed before the job was built (a stop requested while the ranks start is taken at the end
+    of the first step); default: one installed once the job is built."""
+    job = build_job(cfg, stop)
     metrics: Dict[str, float] = {}
     step = job.start_step
     try:

@@ -33,21 +33,9 @@ from typing import Dict, Optional
 from megatron_rl.lifeline import StopChannel
 from megatron_rl.trainer.watchdog import abort
 
-__all__ = ["StopRequested", "restore_default_signals"]
+__all__ = ["StopRequested"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def restore_default_signals(env=None) -> bool:
-    """Under ``launch/torchrun.sh`` (``MEGATRON_RL_RESTORE_SIGNALS=1``) the ranks inherit SIGINT / SIGTERM
-    ignored from the agent, which must not act on them; put the defaults back so a signal ends a rank that is
-    still starting. Returns whether it did."""
-    env = os.environ if env is None else env
-    if env.get("MEGATRON_RL_RESTORE_SIGNALS") != "1":
-        return False
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    return True
 
 
 class StopRequested:

@@ -6,6 +6,8 @@
   traceback from the torchrun agent -- and the launcher says in one line that every rank confirmed the stop;
 * a launcher that ends without a word (SIGKILL while the ranks train, SIGHUP while they start) takes its job with
   it: the torchrun agent and every rank end within seconds;
+* Ctrl-C while the ranks are still starting (one rank paused while its job is built): the same clean stop, after
+  the first step -- not a KeyboardInterrupt in one rank and a failed job;
 * ``--resume`` after the overrides continues from that checkpoint, the history reading 1..N+1.
 
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_launcher_commands.py   (~2-3 min on 2 cores)
@@ -16,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -28,9 +31,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = os.path.join(ROOT, "launch", "torchrun.sh")
 
-def _env():
+FAULTS = os.path.join(ROOT, "tests", "integration", "faults")
+
+
+def _env(fault=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID",
-                                                             "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS")}
+                                                             "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS",
+                                                             "MEGATRON_RL_FAULT")}
+    if fault:  # tests/integration/faults/sitecustomize.py
+        env["PYTHONPATH"] = os.pathsep.join([FAULTS, ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        env["MEGATRON_RL_FAULT"] = fault
     return dict(env, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
@@ -43,9 +53,9 @@ def _steps(run):
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _launch(tmp_path, job, *args, logs="logs"):
+def _launch(tmp_path, job, *args, logs="logs", fault=None):
     return subprocess.Popen(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / logs),
-                             "--config", str(job), *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             "--config", str(job), *args], cwd=ROOT, env=_env(fault), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -115,6 +125,26 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0(tmp_path, copy_model):
     out, took = _stop_after_two_steps(proc, run, lambda p: p.send_signal(signal.SIGTERM))
     _assert_clean_stop(proc, out, run, signal.SIGTERM)
     assert took < 120, took
+
+
+def test_ctrl_c_while_the_ranks_start_stops_cleanly_after_the_first_step(tmp_path, copy_model):
+    run = tmp_path / "run"
+    proc = _launch(tmp_path, _job(tmp_path, copy_model), fault="setup_pause:1:8")
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # the output, as it comes
+    reader.start()
+    try:
+        deadline = time.time() + 300
+        while not any("FAULT setup_pause rank=1" in line for line in lines):  # rank 1 is building its job
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=240)
+        reader.join(timeout=30)
+    finally:
+        kill_job(proc)
+    out = "".join(lines)
+    assert _assert_clean_stop(proc, out, run, signal.SIGINT) == 1
 
 
 def _cmd(p):

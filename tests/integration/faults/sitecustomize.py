@@ -16,6 +16,7 @@ it is the step whose checkpoint is written):
 * ``loss_raise``        the policy loss raises on that rank, inside megatron's schedule
 * ``train_hang``        the rank blocks forever at the start of that train step
 * ``sync_error``        rank 0's embedded engine refuses the weights of that step (version step-<s>)
+* ``setup_pause``       the rank pauses <s> seconds while its job is built, before its process group exists
 """
 import os
 
@@ -46,6 +47,18 @@ def _install(kind: str, rank: int, step: int) -> None:
             return real(transform_list, use_msc, bucket)
 
         checkpoint_writer.write_bucket = write_bucket
+        return
+    if kind == "setup_pause":
+        from megatron_rl.trainer import job
+
+        real_check = job.check_data
+
+        def check_data(cfg):
+            fire()
+            time.sleep(step)
+            return real_check(cfg)
+
+        job.check_data = check_data
         return
     if kind == "sync_error":
         from megatron_rl.rollout.embedded import EmbeddedEngine
