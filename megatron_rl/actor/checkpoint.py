@@ -48,9 +48,10 @@ __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "Check
 LATEST_FILE = "latest"
 #: How megatron's distributed optimizer lays out its sharded state (ignored by the other optimizers):
 #: per parameter, in model space, so it loads at any DP / TP / PP / EP layout (megatron's default
-#: ``fully_sharded_model_space`` needs flattened tensors that dist_checkpointing no longer takes). Saving
-#: gathers the shards on DP rank 0 over the gloo DP group (host memory there: the optimizer state of one
-#: model-parallel shard, what every rank holds without the distributed optimizer), not on every rank.
+#: ``fully_sharded_model_space`` needs flattened tensors that dist_checkpointing no longer takes). Host memory
+#: (``ops.memory.checkpoint_host_bytes``, printed by ``check``): saving gathers the shards on DP rank 0 over the
+#: gloo DP group (12 bytes per parameter of its model-parallel shard + the gather's buffers); loading allocates
+#: the same 12 bytes per parameter on EVERY rank (each reads every parameter's state and keeps its shard).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                       "distrib_optim_fully_reshardable_mem_efficient": True}
 META_FILE = "megatron_rl.json"

@@ -30,7 +30,8 @@ from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.validate import world_errors
 from megatron_rl.models.attention import expected_te, job_attention_backend
-from megatron_rl.ops.memory import GiB, MemoryOptions, format_plan, longest_row, memory_plan, token_budget_error
+from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
+                                    token_budget_error)
 from megatron_rl.ops.run_profile import run_profile
 from megatron_rl.ops.sync_plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
@@ -176,6 +177,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"attention: {backend.name}: {backend.description}; Transformer Engine: {te_source}")
     print(format_plan(plan, c.gpu_memory_gb, device=c.device))
     print(weight_sync_plan(cfg, plan.total_params).line())
+    ckpt_line = format_checkpoint_host(plan, min(c.gpus_per_node, world))
+    if ckpt_line:
+        print(ckpt_line)
     peak = plan.peak().total(opts.recompute, opts.fused_logprobs)
     if problems:
         return 2

@@ -106,6 +106,14 @@ Log-prob logits buffer (last stage, one micro-batch of T = s*b tokens), with one
 
 Not counted: CUDA context / NCCL buffers (~1-3 GB), allocator fragmentation, the SGLang engine when
 colocated, checkpoint staging, MTP layers.
+
+Checkpoint host memory of the distributed optimizer (``checkpoint_host_bytes``; a separate line of ``check``)
+    megatron's ``fully_reshardable`` format (what ``actor/checkpoint`` writes) builds, per gradient buffer, one
+    fp32 CPU tensor per state key (main parameter, exp_avg, exp_avg_sq) of the whole buffer, i.e. of the
+    rank's model-parallel shard: 12 bytes per parameter of the rank. Loading allocates them on EVERY rank;
+    saving on each data-parallel rank 0, plus, while gathering one key of one buffer over gloo, the received
+    pieces and their concatenation (2 x 4 bytes per parameter of the buffer) and the rank's own shards
+    (12 bytes per parameter / DP). Without the distributed optimizer nothing is gathered on the host.
 """
 from __future__ import annotations
 
@@ -513,6 +521,30 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
                                      reference=reference))
     return plan
+
+
+def checkpoint_host_bytes(plan: MemoryPlan) -> Dict[str, float]:
+    """Host memory (bytes) one rank allocates for the distributed optimizer's state when a checkpoint is saved
+    or loaded (module docstring), for the stage that needs the most: ``{"load": every rank, "save": each
+    data-parallel rank 0}``; zeros without the distributed optimizer."""
+    if not plan.options.distributed_optimizer:
+        return {"load": 0.0, "save": 0.0}
+    st = max(plan.stages, key=lambda x: x.dense_params + x.expert_params)
+    world = 12.0 * (st.dense_params + st.expert_params)
+    gather = max(8.0 * n + 12.0 * n / max(1, d) for n, d in ((st.dense_params, plan.dp * plan.cp),
+                                                            (st.expert_params, plan.expert_dp)))
+    return {"load": world, "save": world + gather}
+
+
+def format_checkpoint_host(plan: MemoryPlan, ranks_per_node: int) -> Optional[str]:
+    """The ``check`` line for ``checkpoint_host_bytes`` (None without the distributed optimizer)."""
+    b = checkpoint_host_bytes(plan)
+    if not b["load"]:
+        return None
+    return (f"checkpoint host memory (distributed optimizer, fully_reshardable; CPU RAM, not GPU): loading "
+            f"{b['load'] / GiB:.2f} GiB on every rank ({ranks_per_node} ranks per node: "
+            f"{ranks_per_node * b['load'] / GiB:.1f} GiB per node), saving up to {b['save'] / GiB:.2f} GiB on each "
+            f"data-parallel rank 0")
 
 
 def format_count(n: float) -> str:

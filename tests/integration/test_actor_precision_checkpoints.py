@@ -147,6 +147,55 @@ def test_same_training_as_without_it_and_adam_state_sharded():
     assert sum(r["adam_numel"] for r in dist) >= full
 
 
+def _host_state_rank(rank, world, job):
+    """Bytes of the CPU tensors megatron's distributed optimizer allocates when loading / saving a fully_reshardable
+    checkpoint (``get_parameter_state_dp_zero`` as ``sharded_param_state_fully_reshardable`` calls it), and this
+    rank's parameter count."""
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        actor = MegatronActor(job)
+        _step(actor, 100)
+        opts = _optimizers(actor)
+
+        def world_bytes(**kw):
+            total = 0
+            for o in opts:
+                state = o.get_parameter_state_dp_zero(use_gloo_comm=True, **kw)
+                for gbuf, per_dtype in (state or {}).items():
+                    if gbuf == "buckets_coalesced":
+                        continue
+                    for tensors in per_dtype.values():
+                        total += sum(t.numel() * t.element_size() for t in tensors.values() if torch.is_tensor(t))
+            return total
+
+        return {"load": world_bytes(empty_data=True, return_on_all_ranks=True),
+                "save": world_bytes(),
+                "params": sum(p.numel() for c in actor.model for p in c.module.parameters())}
+    finally:
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(5)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_checkpoint_host_memory_plan_matches_megatron(bf16):
+    """``ops.memory.checkpoint_host_bytes`` (what ``check`` prints) against the CPU tensors megatron allocates:
+    12 bytes per parameter of the rank on every rank when loading, on DP rank 0 only when saving."""
+    from megatron_rl.ops.memory import MemoryOptions, checkpoint_host_bytes, memory_plan
+
+    job = _job(True, bf16=bf16)
+    res = run_ranks(_host_state_rank, 2, job, timeout=200)
+    plan = memory_plan(job, 2, MemoryOptions(distributed_optimizer=True, params_bytes=2 if bf16 else 4))
+    planned = checkpoint_host_bytes(plan)
+    for r in res:
+        assert r["load"] == 12 * r["params"] == planned["load"], (r, planned)
+    assert res[0]["save"] == res[0]["load"] and res[1]["save"] == 0  # gathered on DP rank 0 only
+    assert planned["save"] > planned["load"]  # + the gather's buffers
+    off = memory_plan(job, 2, MemoryOptions(distributed_optimizer=False))
+    assert checkpoint_host_bytes(off) == {"load": 0.0, "save": 0.0}
+
+
 @pytest.mark.timeout(300)
 def test_checkpoint_resume_is_exact_reshards_to_dp1_and_exports(tmp_path):
     from megatron_rl.actor.hf_io import export_checkpoint_to_hf
