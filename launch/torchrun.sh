@@ -162,6 +162,16 @@ STOP_AT=0     # when the first request was delivered (for the confirmation line)
 CONFIRMED=0   # 1 once the confirmation line was printed
 # shellcheck disable=SC2317  # invoked by the INT / TERM traps: note the request, the loop below delivers it
 on_stop() { STOPS=$(( STOPS + 1 )); STOP_SIG=$1; }
+children_of() {  # pids whose parent is $1, from /proc (no procps needed: slim containers lack `ps`)
+  local stat fields
+  for stat in /proc/[0-9]*/stat; do
+    fields=$(< "$stat") 2>/dev/null || continue   # ended meanwhile
+    fields=${fields##*) }                         # after "pid (comm) ": state ppid ...
+    fields=${fields#* }
+    [[ "${fields%% *}" == "$1" ]] && { stat=${stat#/proc/}; echo "${stat%/stat}"; }
+  done
+  return 0
+}
 deliver_stop() {  # the stop file first (a rank reads it even if the signal is lost), then the signal itself
   local ranks
   SENT=$STOPS
@@ -169,8 +179,8 @@ deliver_stop() {  # the stop file first (a rank reads it even if the signal is l
   (( SENT == 1 )) && STOP_AT=$SECONDS
   if (( SENT > 1 )); then echo "launch/torchrun.sh: second SIG$STOP_SIG: the ranks exit now, without checkpoint" >&2; fi
   [[ -n "${SLURM_STEP_ID:-}" ]] && return 0  # Slurm signals every process of the step itself
-  ranks=$(ps -o pid= --ppid "$AGENT" 2>/dev/null || true)
-  if [[ -z "${ranks// /}" ]]; then  # no rank yet (rendezvous): stop the agent itself
+  ranks=$(children_of "$AGENT")
+  if [[ -z "$ranks" ]]; then  # no rank yet (rendezvous): stop the agent itself
     echo "launch/torchrun.sh: SIG$STOP_SIG before any rank started: stopping torchrun" >&2
     kill -HUP "$AGENT" 2>/dev/null || true
     CONFIRMED=1

@@ -3,7 +3,8 @@
 * a config error is found before torchrun starts: exit 2, the message alone (no torchrun summary, no traceback);
 * Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) and SIGTERM to the launcher: the ranks
   finish the step, checkpoint, and the job exits 0 with one line naming the checkpoint -- no SignalException
-  traceback from the torchrun agent -- and the launcher says in one line that every rank confirmed the stop;
+  traceback from the torchrun agent -- and the launcher says in one line that every rank confirmed the stop (also
+  where `ps` is missing: the launcher finds the ranks in /proc);
 * a launcher that ends without a word (SIGKILL while the ranks train, SIGHUP while they start) takes its job with
   it: the torchrun agent and every rank end within seconds;
 * Ctrl-C while the ranks are still starting (one rank paused while its job is built): the same clean stop, after
@@ -53,9 +54,9 @@ def _steps(run):
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _launch(tmp_path, job, *args, logs="logs", fault=None):
+def _launch(tmp_path, job, *args, logs="logs", fault=None, env=None):
     return subprocess.Popen(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / logs),
-                             "--config", str(job), *args], cwd=ROOT, env=_env(fault), stdout=subprocess.PIPE,
+                             "--config", str(job), *args], cwd=ROOT, env=env or _env(fault), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -118,10 +119,15 @@ def test_ctrl_c_checkpoints_exits_0_and_resume_continues_through_the_launcher(tm
     assert _steps(run) == list(range(1, done + 2))
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_0(tmp_path, copy_model):
+def test_sigterm_to_the_launcher_checkpoints_and_exits_0_also_without_ps(tmp_path, copy_model):
     job = _job(tmp_path, copy_model)
     run = tmp_path / "run"
-    proc = _launch(tmp_path, job)
+    no_ps = tmp_path / "bin"   # a slim container without procps: the launcher must find the ranks without `ps`
+    no_ps.mkdir()
+    (no_ps / "ps").write_text("#!/bin/sh\necho 'ps: command not found' >&2\nexit 127\n")
+    (no_ps / "ps").chmod(0o755)
+    env = _env()
+    proc = _launch(tmp_path, job, env=dict(env, PATH=f"{no_ps}{os.pathsep}{env['PATH']}"))
     out, took = _stop_after_two_steps(proc, run, lambda p: p.send_signal(signal.SIGTERM))
     _assert_clean_stop(proc, out, run, signal.SIGTERM)
     assert took < 120, took
