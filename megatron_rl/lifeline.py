@@ -149,7 +149,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("no command after --")
-    os.setsid()
+    if os.getpgrp() != os.getpid():  # a group leader (started by a shell with job control) cannot setsid, and
+        os.setsid()                  # is out of the launcher's process group already
     set_parent_death_signal(signal.SIGKILL)
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # exec keeps the pid: the ranks' parent
     if os.getppid() != args.parent:  # the launcher ended before the signal was armed

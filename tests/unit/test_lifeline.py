@@ -57,6 +57,13 @@ def test_command_does_not_start_under_another_parent():
     assert "launcher pid 1 has already ended" in r.stderr
 
 
+def test_command_starts_when_it_already_leads_its_process_group():
+    # a shell with job control (set -m) starts each background job as the leader of its own process group
+    r = subprocess.run([sys.executable, "-m", "megatron_rl.lifeline", "--parent", str(os.getpid()), "--", "echo",
+                        "started"], capture_output=True, text=True, timeout=60, process_group=0)
+    assert r.returncode == 0 and r.stdout == "started\n", r.stderr
+
+
 def test_rank_notices_its_launcher_ended():
     launcher = subprocess.Popen(["sleep", "120"])
     ended = threading.Event()
