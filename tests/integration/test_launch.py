@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from megatron_rl.testing.processes import kill_job
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = os.path.join(ROOT, "launch")
 SCRIPTS = ["torchrun.sh", "slurm.sbatch", "sglang_server.sh"]
@@ -335,10 +337,14 @@ def _start_live_job(tmp_path):
     e = dict(os.environ, OMP_NUM_THREADS="1", **env)
     p = subprocess.Popen(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "--config", Q7], cwd=ROOT, env=e,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (tmp_path / "trainer.json").exists():
-        assert time.time() < deadline and p.poll() is None, "trainer never started"
-        time.sleep(0.2)
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "trainer.json").exists():
+            assert time.time() < deadline and p.poll() is None, "trainer never started"
+            time.sleep(0.2)
+    except BaseException:
+        kill_job(p)
+        raise
     return p
 
 
@@ -346,10 +352,13 @@ def test_sbatch_live_sigterm_stops_everything(tmp_path):
     p = _start_live_job(tmp_path)
     import json
 
-    trainer_pid = json.load(open(tmp_path / "trainer.json"))["pid"]
-    (server_pid,) = _pids(tmp_path / "server.pid")
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=60)
+    try:
+        trainer_pid = json.load(open(tmp_path / "trainer.json"))["pid"]
+        (server_pid,) = _pids(tmp_path / "server.pid")
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        kill_job(p)  # every way out: the job's stand-in trainer and servers too
     assert p.returncode == 143, err
     assert _dead(trainer_pid) and _dead(server_pid)
 
@@ -360,9 +369,12 @@ def test_sbatch_live_time_limit_signal_stops_the_trainer_cleanly(tmp_path):
     header = [line for line in open(os.path.join(LAUNCH, "slurm.sbatch")) if line.startswith("#SBATCH --signal=")]
     assert header == ["#SBATCH --signal=B:USR1@900\n"]
     p = _start_live_job(tmp_path)
-    (server_pid,) = _pids(tmp_path / "server.pid")
-    p.send_signal(signal.SIGUSR1)
-    out, err = p.communicate(timeout=60)
+    try:
+        (server_pid,) = _pids(tmp_path / "server.pid")
+        p.send_signal(signal.SIGUSR1)
+        out, err = p.communicate(timeout=60)
+    finally:
+        kill_job(p)
     assert p.returncode == 0, err
     assert (tmp_path / "trainer.term").read_text() == "TERM"
     assert "trainer exited with status 0" in err and _dead(server_pid)
