@@ -399,6 +399,7 @@ def _wrap_type_checked_init(original):
             return original(self, *args, **kwargs)
 
     __init__.__wrapped__ = original
+    __init__.cpu_type_standin = True  # (platform/distrib_optimizer also wraps __init__: a marker of its own)
     return __init__
 
 
@@ -409,7 +410,7 @@ def _apply_optimizer_standins() -> None:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
-        if not hasattr(cls.__init__, "__wrapped__"):
+        if not getattr(cls.__init__, "cpu_type_standin", False):
             cls.__init__ = _wrap_type_checked_init(cls.__init__)
         PATCHES[f"{cls.__module__}.{cls.__name__}.__init__"] = (
             "accepts only param.type() in torch.cuda.{Float,Half,BFloat16}Tensor (TypeError for CPU tensors)")

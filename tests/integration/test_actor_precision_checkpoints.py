@@ -18,7 +18,9 @@ bf16 (with and without the distributed optimizer):
 * an fp32 checkpoint loads into a bf16 run: model weights are the saved fp32 weights rounded to bf16, the fp32
   main parameters and the Adam moments are the saved ones exactly (no double rounding), and the next step is
   within bf16 tolerance of the fp32 run's next step;
-* a bf16 checkpoint into an fp32 run is refused by name (``actor.bf16``), before any tensor is read.
+* a bf16 checkpoint into an fp32 run is refused by name (``actor.bf16``), before any tensor is read;
+* ``actor.fp32_output_layer`` with the distributed optimizer (a param group mixing fp32 and bf16 weights) resumes
+  bit-exactly.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_precision_checkpoints.py -q``
 """
@@ -231,6 +233,21 @@ def test_bf16_resume_is_exact(tmp_path, dist_opt, world):
     assert resumed[0]["metrics"][0] == full[0]["metrics"][1]
     for r_full, r_res in zip(full, resumed):
         assert r_full["main"].dtype == torch.float32 and torch.equal(r_res["main"], r_full["main"])
+
+
+@pytest.mark.timeout(300)
+def test_fp32_output_layer_with_distributed_optimizer_resumes_exactly(tmp_path):
+    """bf16 + ``actor.fp32_output_layer`` + the distributed optimizer at DP2: the output layer's fp32 weight shares a
+    param group with bf16 weights; megatron looks each main shard up by model order while the group holds the fp32
+    shards first (``platform/distrib_optimizer``), which crashed the save (or read another parameter's state)."""
+    job = _job(True, bf16=True, fp32_output_layer=True)
+    full = run_ranks(_rank, 2, job, 2, timeout=200)
+    run_ranks(_rank, 2, job, 1, str(tmp_path / "ck"), timeout=200)
+    resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
+    _assert_close_sd(_weights(resumed), _weights(full))
+    assert resumed[0]["metrics"][0] == full[0]["metrics"][1]
+    for r_full, r_res in zip(full, resumed):
+        assert torch.equal(r_res["main"], r_full["main"])
 
 
 @pytest.mark.timeout(300)
