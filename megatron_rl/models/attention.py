@@ -10,9 +10,9 @@ backend        when                                   what it can do
                                                       only): refuses THD and context parallelism; materialises
                                                       the ``[b, heads, s, s]`` scores
 ``local``      no TE (CPU, or CUDA without TE)        megatron's local ``DotProductAttention``: materialises the
-                                                      scores of padded rows; packed rows run through SDPA per
-                                                      segment (``platform.local_layers``); no context
-                                                      parallelism (megatron asserts it)
+                                                      scores of padded rows; packed rows run through varlen
+                                                      flash / SDPA per segment (``platform.local_layers``);
+                                                      no context parallelism (megatron asserts it)
 =============  =====================================  =========================================================
 
 Usage::
@@ -51,7 +51,7 @@ class AttentionBackend:
 
     def keeps_scores(self, packed: bool) -> bool:
         """Whether the ``[b, heads, s, s]`` scores exist for a micro-batch (packed rows on the local backend run
-        through SDPA per segment, which keeps none)."""
+        through varlen flash attention or SDPA per segment, which keep none)."""
         return self.padded_scores and not (packed and self.name == "local")
 
 
@@ -61,7 +61,8 @@ BACKENDS = {
     "te-unfused": AttentionBackend("te-unfused", "Transformer Engine unfused attention (fp32: flash / fused "
                                    "attention take bf16 / fp16 only)", True, False, False, True),
     "local": AttentionBackend("local", "megatron's local DotProductAttention (no Transformer Engine; packed rows "
-                              "through SDPA per segment)", False, True, False, True),
+                              "through varlen flash attention on CUDA bf16, else SDPA per segment)", False, True,
+                              False, True),
 }
 
 
