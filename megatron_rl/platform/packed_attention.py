@@ -13,8 +13,8 @@ of its own segment only. Two kernels, same result (``PACKED_ATTENTION_KERNELS``)
   a backward on CPU), so on CPU it serves log-prob passes, not training.
 
 * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``, one call, forward
-  and backward) -- CUDA, bf16 / fp16, equal query and value head dims, a torch that has it (2.10+). Not
-  available elsewhere: ``"auto"`` falls back to ``"sdpa"`` there.
+  and backward) -- CUDA sm80+, bf16 / fp16, equal query and value head dims (<= 256, multiples of 8), a torch
+  that has it (2.10+) (``varlen_eligible``). Not available elsewhere: ``"auto"`` falls back to ``"sdpa"`` there.
 * ``"auto"`` (what the local layers use): ``"varlen"`` where it can run, else ``"sdpa"`` -- chosen per call from the
   tensors (device, dtype, head dims), so one job on CPU and on a GPU gets the kernel each can run.
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["packed_segments", "packed_causal_attention", "sdpa_per_segment", "flex_document_causal",
-           "varlen_causal", "varlen_supported", "PACKED_ATTENTION_KERNELS", "DEFAULT_KERNEL"]
+           "varlen_causal", "varlen_supported", "varlen_eligible", "PACKED_ATTENTION_KERNELS", "DEFAULT_KERNEL"]
 
 DEFAULT_KERNEL = "auto"
 
@@ -122,11 +122,25 @@ def _varlen_attn() -> Optional[Callable]:
     return varlen_attn
 
 
+#: flash attention's limits: head dims up to 256 in multiples of 8, GPUs from sm80 (Ampere) on
+VARLEN_MAX_HEAD_DIM = 256
+VARLEN_MIN_CAPABILITY = (8, 0)
+
+
+def varlen_eligible(device_type: str, dtype: torch.dtype, qk_dim: int, v_dim: int,
+                    capability: Optional[Tuple[int, int]], available: bool) -> bool:
+    """Whether varlen flash attention runs here: CUDA, bf16 / fp16, value head dim = query head dim (MLA's
+    differ), a head dim flash attention takes, a GPU of compute capability >= ``VARLEN_MIN_CAPABILITY`` and a
+    torch with ``torch.nn.attention.varlen`` (``available``). Anything else gets SDPA per segment from "auto"."""
+    return (device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and qk_dim == v_dim
+            and qk_dim % 8 == 0 and qk_dim <= VARLEN_MAX_HEAD_DIM
+            and capability is not None and tuple(capability) >= VARLEN_MIN_CAPABILITY and available)
+
+
 def varlen_supported(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``varlen_causal`` can run on these tensors: CUDA, bf16 / fp16, value head dim = query head dim
-    (flash attention's constraint; MLA's differ), and a torch with ``torch.nn.attention.varlen``."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) == v.size(-1)
-            and _varlen_attn() is not None)
+    """``varlen_eligible`` for these tensors on their device."""
+    cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    return varlen_eligible(q.device.type, q.dtype, q.size(-1), v.size(-1), cap, _varlen_attn() is not None)
 
 
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -136,8 +150,10 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     fn = _varlen_attn()
     if fn is None or not varlen_supported(q, v):
         raise ValueError(f"packed attention kernel 'varlen' needs CUDA bf16/fp16 tensors with equal query and value "
-                         f"head dims and torch.nn.attention.varlen; got {q.device} {q.dtype}, head dims "
-                         f"{q.size(-1)}/{v.size(-1)} (kernel 'auto' falls back to 'sdpa')")
+                         f"head dims (a multiple of 8, <= {VARLEN_MAX_HEAD_DIM}) on a GPU of compute capability >= "
+                         f"{VARLEN_MIN_CAPABILITY[0]}.{VARLEN_MIN_CAPABILITY[1]} and torch.nn.attention.varlen; got "
+                         f"{q.device} {q.dtype}, head dims {q.size(-1)}/{v.size(-1)} (kernel 'auto' falls back to "
+                         f"'sdpa')")
     segments = packed_segments(cu_seqlens, q.size(0))
     max_len = max(b - a for a, b in segments)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)

@@ -23,7 +23,7 @@ import torch
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.platform.packed_attention import (PACKED_ATTENTION_KERNELS, flex_document_causal,
                                                    packed_causal_attention, sdpa_per_segment, varlen_causal,
-                                                   varlen_supported)
+                                                   varlen_eligible, varlen_supported)
 from megatron_rl.testing.distributed import run_ranks
 
 #: the kernels run on every device here; with CUDA also on the GPU (flash / memory-efficient SDPA, compiled flex)
@@ -96,6 +96,18 @@ def test_auto_is_sdpa_where_varlen_cannot_run_and_varlen_refuses_by_name():
                                sdpa_per_segment(q, k, v, CU, 0.3), rtol=0, atol=0)
     with pytest.raises(ValueError, match="'varlen' needs CUDA bf16/fp16"):
         varlen_causal(q, k, v, CU, 0.3)
+
+
+def test_varlen_eligibility_follows_flash_attention_limits():
+    """"auto" takes varlen flash attention only where flash attention runs: CUDA, bf16 / fp16, equal head dims
+    that are multiples of 8 up to 256, compute capability 8.0+ (an sm75 T4 or sm70 V100 gets SDPA per segment),
+    and a torch that has it."""
+    ok = dict(device_type="cuda", dtype=torch.bfloat16, qk_dim=128, v_dim=128, capability=(9, 0), available=True)
+    assert varlen_eligible(**ok) and varlen_eligible(**{**ok, "dtype": torch.float16, "capability": (8, 0)})
+    for bad in ({"device_type": "cpu", "capability": None}, {"dtype": torch.float32}, {"v_dim": 64},
+                {"qk_dim": 512, "v_dim": 512}, {"qk_dim": 100, "v_dim": 100}, {"capability": (7, 5)},
+                {"capability": (7, 0)}, {"available": False}):
+        assert not varlen_eligible(**{**ok, **bad}), bad
 
 
 @pytest.mark.gpu
