@@ -66,7 +66,7 @@ def _payload(seed=0, prompts=4):
 def _step(payload, train_lp, device, dp_rank=0, dp_size=1, group=None):
     """The step's logic after the log-prob pass (trainer/step.py) and the loop's stop flag (trainer/loop.py)."""
     inputs = payload.shard(STEP, N_SAMPLES, 0, dp_rank, dp_size, device)
-    old_lp = train_lp[inputs.rows.start:inputs.rows.stop].to(device)  # the actor's output, on its device
+    old_lp = train_lp[list(inputs.rows)].to(device)  # the actor's output for the shard's rows, on its device
     shard = inputs.batch
     corr = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, CORR, group=group)
     lag = policy_lag_metrics(old_lp, shard.rollout_log_probs, shard.response_mask, inputs.token_lag, MAX_LAG,
@@ -76,7 +76,7 @@ def _step(payload, train_lp, device, dp_rank=0, dp_size=1, group=None):
     devices = {str(t.device) for t in (shard.tokens, shard.rollout_log_probs, inputs.rewards, inputs.group_index,
                                        inputs.token_lag, corr.weights, corr.response_mask, adv)}
     return {"metrics": corr.metrics, "lag": lag, "weights": corr.weights.cpu(), "mask": corr.response_mask.cpu(),
-            "adv": adv.cpu(), "stopping": stopping, "devices": devices, "rows": (inputs.rows.start, inputs.rows.stop)}
+            "adv": adv.cpu(), "stopping": stopping, "devices": devices, "rows": list(inputs.rows)}
 
 
 def _fake_step_body(rank, world, payload, train_lp):
@@ -132,7 +132,7 @@ def test_step_logic_on_an_accelerator_with_nccl_like_groups():
         for k, v in ref["metrics"].items():  # exact over DP: global statistics, not means of rank means
             assert r["metrics"][k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
         assert r["lag"] == pytest.approx(ref["lag"], rel=1e-12)
-    rows = torch.cat([torch.arange(*r["rows"]) for r in ranks])
+    rows = torch.tensor([i for r in ranks for i in r["rows"]])
     assert rows.tolist() == list(range(len(payload.rewards)))
     width = ref["weights"].shape[1]
 
