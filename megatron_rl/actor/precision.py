@@ -8,16 +8,32 @@
 parameters (``OptimizerConfig.bf16``) and DDP accumulates and all-reduces gradients in fp32
 (``grad_reduce_in_fp32``, Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``). The loss and the log-prob
 pass compute log-softmax / entropy in fp32 from the logits (``megatron_rl.logprobs``), whatever their dtype.
-``actor.fp32_output_layer``: the output layer's weight stays fp32 and its matmul runs in fp32 (fp32 logits).
+``actor.fp32_output_layer``: the output layer's weight stays fp32 and its matmul runs in fp32 (fp32 logits); it
+needs ``actor.use_distributed_optimizer`` (``precision_error``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["Precision"]
+__all__ = ["Precision", "precision_error"]
+
+
+def precision_error(actor_cfg) -> Optional[str]:
+    """The problem with ``actor.bf16`` / ``actor.fp32_output_layer`` / ``actor.use_distributed_optimizer`` together
+    (naming the key), or None. megatron's non-distributed mixed-precision optimizer cannot checkpoint a param group
+    that mixes fp32 and bf16 weights (its sharded state dict numbers the bf16 parameters only: KeyError on save),
+    so the fp32 output layer needs the distributed optimizer (``platform/distrib_optimizer`` orders its map)."""
+    bf16 = bool(getattr(actor_cfg, "bf16", False))
+    fp32_out = bool(getattr(actor_cfg, "fp32_output_layer", False))
+    if fp32_out and not bf16:
+        return "actor.fp32_output_layer: only with actor.bf16: true (an fp32 actor's output layer is fp32 already)"
+    if fp32_out and not getattr(actor_cfg, "use_distributed_optimizer", False):
+        return ("actor.fp32_output_layer: needs actor.use_distributed_optimizer: true (megatron's non-distributed "
+                "mixed-precision optimizer cannot checkpoint fp32 and bf16 weights in one param group)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -31,7 +47,11 @@ class Precision:
 
     @classmethod
     def from_actor_config(cls, actor_cfg) -> "Precision":
-        """``actor.bf16`` / ``actor.fp32_output_layer`` (checked by ``config.validate``)."""
+        """``actor.bf16`` / ``actor.fp32_output_layer`` (checked by ``config.validate``; ValueError here as well, for
+        actors built without it)."""
+        problem = precision_error(actor_cfg)
+        if problem is not None:
+            raise ValueError(problem)
         bf16 = bool(getattr(actor_cfg, "bf16", False))
         return cls(params_dtype=torch.bfloat16 if bf16 else torch.float32,
                    fp32_output_layer=bool(getattr(actor_cfg, "fp32_output_layer", False)) and bf16)

@@ -251,9 +251,10 @@ class ActorConfig:
     entropy are computed in fp32 from the logits. false: fp32 end to end (the CPU default). Weight sync hands
     the bf16 parameters to the rollout engine as they are."""
     fp32_output_layer: bool = False
-    """With ``bf16``: keep the output layer's weight in fp32 and run the output layer (hidden x vocabulary) in
-    fp32, so the logits are never rounded to bf16. Costs one fp32 vocabulary matmul and twice that weight's
-    memory; with tied embeddings the shared weight is the fp32 one and the embedding's output is cast to bf16."""
+    """With ``bf16`` and ``use_distributed_optimizer``: keep the output layer's weight in fp32 and run the output
+    layer (hidden x vocabulary) in fp32, so the logits are never rounded to bf16. Costs one fp32 vocabulary matmul
+    and twice that weight's memory; with tied embeddings the shared weight is the fp32 one and the embedding's
+    output is cast to bf16."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer: fp32 main parameters and Adam state sharded over the data-parallel
     ranks (ZeRO-1), gradients reduce-scattered and parameters all-gathered. Same updates as without it up

@@ -13,6 +13,7 @@ import re
 from typing import List, Optional
 
 from megatron_rl.actor.micro_batching import token_budget_layout_error
+from megatron_rl.actor.precision import precision_error
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.envs.base import env_import_error
@@ -141,8 +142,9 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
                                              cfg.parallel.virtual_pipeline_model_parallel_size)
     if budget_error:
         errs.append(budget_error)
-    if ac.fp32_output_layer and not ac.bf16:
-        errs.append("actor.fp32_output_layer: only with actor.bf16: true (an fp32 actor's output layer is fp32 already)")
+    precision_problem = precision_error(ac)
+    if precision_problem:
+        errs.append(precision_problem)
     if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
         errs.append(f"actor.load_hf: {ac.load_hf!r} is not a directory")
     if ac.routing_replay not in ("none", "r2", "r3"):

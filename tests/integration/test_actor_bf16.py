@@ -168,7 +168,7 @@ def _rank_output_layer(rank, world, job, data):
 
 @pytest.mark.timeout(200)
 def test_fp32_output_layer_computes_logits_in_fp32(models):
-    job = _job(models["qwen2"], {}, False, bf16=True, fp32_output_layer=True)
+    job = _job(models["qwen2"], {}, False, bf16=True, fp32_output_layer=True, use_distributed_optimizer=True)
     data = _data(job.model.vocab_size, False)
     r = run_ranks(_rank_output_layer, 1, job, data, timeout=150)[0]
     assert r["weight_dtype"] == torch.float32 and r["other"] == {torch.bfloat16}

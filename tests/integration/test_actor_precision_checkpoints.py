@@ -235,6 +235,22 @@ def test_bf16_resume_is_exact(tmp_path, dist_opt, world):
         assert r_full["main"].dtype == torch.float32 and torch.equal(r_res["main"], r_full["main"])
 
 
+def test_fp32_output_layer_needs_the_distributed_optimizer():
+    """megatron's non-distributed mixed-precision optimizer numbers only the bf16 parameters in its sharded state
+    dict (KeyError saving a group that holds the fp32 output layer too): the config and the actor refuse the
+    combination by name, before any process group or model."""
+    from megatron_rl.actor.precision import Precision
+    from megatron_rl.config.validate import job_errors
+
+    bad = _job(False, bf16=True, fp32_output_layer=True)
+    assert any(e.startswith("actor.fp32_output_layer: needs actor.use_distributed_optimizer")
+               for e in job_errors(bad, 1)), job_errors(bad, 1)
+    with pytest.raises(ValueError, match="actor.fp32_output_layer: needs actor.use_distributed_optimizer"):
+        Precision.from_actor_config(bad.actor)
+    assert not any("fp32_output_layer" in e for e in job_errors(_job(True, bf16=True, fp32_output_layer=True), 2))
+    assert any("only with actor.bf16" in e for e in job_errors(_job(True, fp32_output_layer=True), 2))
+
+
 @pytest.mark.timeout(300)
 def test_fp32_output_layer_with_distributed_optimizer_resumes_exactly(tmp_path):
     """bf16 + ``actor.fp32_output_layer`` + the distributed optimizer at DP2: the output layer's fp32 weight shares a
