@@ -163,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     has_te, te_source = expected_te(c.device, args.transformer_engine)
     backend = job_attention_backend(cfg, has_te)
     opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
+                         fp32_output_layer=bool(cfg.actor.bf16 and cfg.actor.fp32_output_layer and params_bytes < 4),
                          distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
                          attention=backend.name)
     try:

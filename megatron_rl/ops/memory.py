@@ -33,7 +33,9 @@ Gradients
 
 Optimizer (Adam)
     bf16 params: fp32 master copy + exp_avg + exp_avg_sq = 12 bytes/param; fp32 params: 8 (no
-    master copy). With the distributed optimizer this state is sharded over DP*CP (dense) or
+    master copy). ``actor.fp32_output_layer`` (``MemoryOptions.fp32_output_layer``): the output layer's weight
+    (the shared embedding, on the first and the last stage, when tied) is an fp32 parameter, 4 bytes, its own main
+    copy (Adam 8 bytes), and the log-prob logits buffer is fp32. With the distributed optimizer this state is sharded over DP*CP (dense) or
     expert-DP (experts); without it every rank holds all of it. (Megatron's docs: 18 bytes/param
     without, 6 + 12/d with the distributed optimizer.)
 
@@ -140,6 +142,9 @@ class MemoryOptions:
     """Prompt tokens per sequence; sequence length = prompt_length + rollout.max_new_tokens."""
     params_bytes: int = 2
     """Bytes per model parameter (2 = bf16 on GPU, 4 = fp32 as on CPU)."""
+    fp32_output_layer: bool = False
+    """``actor.fp32_output_layer`` with bf16 parameters: the output layer's weight (the shared embedding when tied)
+    is fp32 (4 bytes, its own main copy: Adam 8 bytes) and the logits are fp32."""
     grad_bytes: int = 4
     """Bytes per gradient element (4 = fp32 main grads, megatron's default; 2 = bf16 grads)."""
     distributed_optimizer: bool = True
@@ -491,10 +496,17 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         dense_shard = dp * cp if o.distributed_optimizer else 1
         expert_shard = edp if o.distributed_optimizer else 1
         optimizer = opt_bytes * (dense / dense_shard + expert / expert_shard)
+        # fp32 output layer (bf16 actor): that weight is fp32 on its stage(s), its own main parameter
+        fp32_w = 0
+        if o.fp32_output_layer and o.params_bytes < 4:
+            tied = not m.untie_embeddings_and_output_weights
+            fp32_w = (V * h // tp) * ((st == pp - 1) + (st == 0 and tied and pp > 1))
+        optimizer -= main_bytes * fp32_w / dense_shard
         reference = 0.0
         if plan.reference_model:  # params + DDP grad buffer + fp32 main copy (module docstring)
             reference = (o.params_bytes + o.grad_bytes) * n + main_bytes * (dense / dense_shard
                                                                             + expert / expert_shard)
+            reference += (4 - o.params_bytes) * fp32_w - main_bytes * fp32_w / dense_shard
         flight = _in_flight(st, pp, vpp, micro)
 
         def per_layer(with_scores: bool) -> List[float]:
@@ -514,9 +526,11 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
             vloc = V // tp
             rows = min(T, max(1, CUDA_CHUNK_ELEMENTS // vloc))
             logits_fused = 4.0 * rows * vloc
-            logits_unfused = 2.0 * o.params_bytes * T * vloc + logits_fused
+            logit_bytes = 4 if o.fp32_output_layer else o.params_bytes
+            logits_unfused = 2.0 * logit_bytes * T * vloc + logits_fused
         plan.stages.append(StagePlan(stage=st, layers=layers, dense_params=dense, expert_params=expert,
-                                     params=float(o.params_bytes * n), grads=float(o.grad_bytes * n),
+                                     params=float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w),
+                                     grads=float(o.grad_bytes * n),
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
                                      reference=reference))

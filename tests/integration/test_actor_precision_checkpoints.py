@@ -251,6 +251,50 @@ def test_fp32_output_layer_needs_the_distributed_optimizer():
     assert any("only with actor.bf16" in e for e in job_errors(_job(True, fp32_output_layer=True), 2))
 
 
+def _resident_rank(rank, world, job):
+    """Bytes of this rank's model parameters and of its optimizer state after one step (fp32 main parameters that
+    are not the model parameters themselves, Adam's moments)."""
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        actor = MegatronActor(job)
+        _step(actor, 100)
+        model_ptrs = {p.untyped_storage().data_ptr() for c in actor.model for p in c.module.parameters()}
+        opt = 0
+        for o in _optimizers(actor):
+            for g in o.optimizer.param_groups:
+                for p in g["params"]:
+                    if p.untyped_storage().data_ptr() not in model_ptrs:
+                        opt += p.numel() * p.element_size()
+                    st = o.optimizer.state.get(p, {})
+                    opt += sum(st[k].numel() * st[k].element_size() for k in ("exp_avg", "exp_avg_sq") if k in st)
+        return {"params": sum(p.numel() * p.element_size() for c in actor.model for p in c.module.parameters()),
+                "optimizer": opt}
+    finally:
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(5)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_memory_plan_of_the_fp32_output_layer_matches_the_actor(tied):
+    """``check``'s plan with ``actor.fp32_output_layer`` (bf16, distributed optimizer, one rank): parameter bytes
+    (the output layer's / shared embedding's weight at 4 bytes) and optimizer bytes (no separate main copy of that
+    weight) equal what the built actor holds."""
+    from megatron_rl.ops.memory import MemoryOptions, memory_plan
+
+    job = job_config_from_dict({
+        "model": {**MODEL, "untie_embeddings_and_output_weights": not tied},
+        "actor": {"micro_batch_size": 2, "lr": 1e-3, "bf16": True, "fp32_output_layer": True,
+                  "use_distributed_optimizer": True},
+        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}}})
+    got = run_ranks(_resident_rank, 1, job, timeout=150)[0]
+    st = memory_plan(job, 1, MemoryOptions(params_bytes=2, fp32_output_layer=True, distributed_optimizer=True))
+    assert st.stages[0].params == got["params"] and st.stages[0].optimizer == got["optimizer"], (st.stages[0], got)
+    plain = memory_plan(job, 1, MemoryOptions(params_bytes=2, distributed_optimizer=True))
+    assert plain.stages[0].params < got["params"]  # without the option the plan is short of the fp32 weight
+
+
 @pytest.mark.timeout(300)
 def test_fp32_output_layer_with_distributed_optimizer_resumes_exactly(tmp_path):
     """bf16 + ``actor.fp32_output_layer`` + the distributed optimizer at DP2: the output layer's fp32 weight shares a
