@@ -5,6 +5,8 @@
     before = process_ids()        # every live descendant of this process
     left = leftovers(before)      # new descendants not started by one of ``before``, after a grace period
     kill_job(proc)                # SIGKILL a started job: the Popen's process, its group and every descendant
+    with shared(lambda: pool.worker_pids()):   # a fixture shared across tests (module / session scope) that
+        yield pool                             # starts processes lazily, during a test, names them as its own
 
 Used by ``tests/conftest.py`` (a test that leaves a process of its job behind fails) and by the tests that start
 jobs (``launch/torchrun.sh``, ``megatron_rl.train``, servers), which call ``kill_job`` on every way out.
@@ -15,16 +17,34 @@ import ctypes
 import gc
 import os
 import signal
+import contextlib
 import time
-from typing import Iterable, List, Optional, Set
+from typing import Callable, Iterable, Iterator, List, Optional, Set
 
 import psutil
 
-__all__ = ["become_subreaper", "process_ids", "leftovers", "kill_job", "kill_processes", "describe"]
+__all__ = ["become_subreaper", "process_ids", "leftovers", "kill_job", "kill_processes", "describe", "shared"]
 
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 #: long-lived helpers a library starts once per process on first use; not a test's job
 _SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+#: pid sources of fixtures shared across tests (``shared``): their processes outlive a test by design
+_SHARED_SOURCES: List[Callable[[], Iterable[Optional[int]]]] = []
+
+
+@contextlib.contextmanager
+def shared(pids: Callable[[], Iterable[Optional[int]]]) -> Iterator[None]:
+    """While open, the processes whose pids ``pids()`` returns (None entries ignored) belong to a fixture shared
+    across tests (started lazily by whichever test uses it first), not to the test that was running."""
+    _SHARED_SOURCES.append(pids)
+    try:
+        yield
+    finally:
+        _SHARED_SOURCES.remove(pids)
+
+
+def _shared_pids() -> Set[int]:
+    return {int(p) for source in _SHARED_SOURCES for p in source() if p is not None}
 
 
 def become_subreaper() -> bool:
@@ -62,6 +82,7 @@ def _new_job_processes(before: Set[int]) -> List[psutil.Process]:
     children are the server's business), shared library helpers excepted."""
     me = os.getpid()
     out = []
+    before = set(before) | _shared_pids()
     for p in _descendants():
         try:
             if p.pid in before or p.status() == psutil.STATUS_ZOMBIE:

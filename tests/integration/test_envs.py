@@ -22,6 +22,7 @@ from megatron_rl.envs.base import EnvFailure, Environment, EnvStep, env_import_e
 from megatron_rl.envs.pool import EnvPool
 from megatron_rl.envs.tool_calls import ToolCall, format_tool_response, parse_tool_calls
 from megatron_rl.envs.tool_env import ToolEnvironment
+from megatron_rl.testing import processes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -331,7 +332,8 @@ def env_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pool(env_file):
     p = EnvPool(f"{env_file}:Faulty", {"tag": "T"}, workers=2, step_timeout_s=TIMEOUT, start_timeout_s=240)
-    yield p
+    with processes.shared(p.worker_pids):  # its workers start (and are replaced) during the tests that use it
+        yield p
     p.close()
 
 
