@@ -39,7 +39,7 @@ from megatron_rl.losses import select_loss_inputs, with_norm_divisor
 from megatron_rl.losses.selection import batch_selection
 from megatron_rl.models import build_gpt_model
 from megatron_rl.parallel.groups import ActorGroups
-from megatron_rl.rollout.multi_turn import response_budget
+from megatron_rl.rollout.budget import response_budget
 
 __all__ = ["MegatronActor"]
 

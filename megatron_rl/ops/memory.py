@@ -128,7 +128,7 @@ from megatron_rl.convert.partition import chunk_layer_range
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.models.attention import BACKENDS
 from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.rollout.multi_turn import response_budget
+from megatron_rl.rollout.budget import response_budget
 
 GiB = float(1 << 30)
 RECOMPUTE = ("none", "selective", "full")

@@ -134,12 +134,12 @@ def test_async_interrupt_loop_dumps_no_response_continued_after_eos(model_dir, t
     cfg = tiny_job("parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                    "cluster.gpus_per_node=1", "rollout.mode=async", "rollout.partial_rollout=interrupt",
                    "rollout.segment_tokens=1", "trainer.steps=2", "trainer.dump_rollouts=true",
-                   "trainer.progress=false", "trainer.save_interval=0", model=model_dir)
+                   "trainer.progress=false", "trainer.save_interval=0", "data.prompts_per_step=32", model=model_dir)
     run_dir = cfg.trainer.run_dir
     run_ranks(_train, 1, cfg, timeout=840)
     with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
         recs = [json.loads(line) for line in fh]
-    assert len(recs) == 2 * 32 * 8
+    assert len(recs) == 2 * cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
     eos = _eos(model_dir)
     bad = _after_eos([r["response_ids"] for r in recs], eos)
     assert not bad, f"{len(bad)} of {len(recs)} dumped responses go on after an EOS, e.g. {bad[:3]}"
