@@ -100,6 +100,13 @@ def _named_main_state(actor) -> dict:
     return out
 
 
+def _reap_children() -> None:
+    """End the worker processes megatron's checkpoint writer may have left in this rank."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
+
+
 def _rank(rank, world, job, steps, save_dir=None, load_dir=None, init_seed=7):
     try:
         initialize_model_parallel(job.parallel, seed=init_seed, model=job.model)
@@ -114,9 +121,7 @@ def _rank(rank, world, job, steps, save_dir=None, load_dir=None, init_seed=7):
                 "adam_numel": _adam_numel(actor), "start": start, "main": _main_params(actor),
                 "loaded_main": loaded_main, "final_main": None if distributed else _named_main_state(actor)}
     finally:
-        for child in multiprocessing.active_children():
-            child.terminate()
-            child.join(5)
+        _reap_children()
 
 
 def _weights(results, key="weights"):
@@ -174,9 +179,7 @@ def _host_state_rank(rank, world, job):
                 "save": world_bytes(),
                 "params": sum(p.numel() for c in actor.model for p in c.module.parameters())}
     finally:
-        for child in multiprocessing.active_children():
-            child.terminate()
-            child.join(5)
+        _reap_children()
 
 
 @pytest.mark.timeout(240)
@@ -270,9 +273,7 @@ def _resident_rank(rank, world, job):
         return {"params": sum(p.numel() * p.element_size() for c in actor.model for p in c.module.parameters()),
                 "optimizer": opt}
     finally:
-        for child in multiprocessing.active_children():
-            child.terminate()
-            child.join(5)
+        _reap_children()
 
 
 @pytest.mark.timeout(200)
