@@ -4,7 +4,9 @@
 #   leg 2: every test marked `mcore` on megatron-core 0.19.2 in .venv-mcore019 (no SGLang): each test file that
 #          imports megatron, itself or through a project module that does (tests/conftest.py imports_megatron),
 #          and the files that mark themselves (megatron only in the ranks they start).
-# Each leg prints its 25 slowest tests (--durations=25).
+# Each leg prints its 25 slowest tests (--durations=25). With both legs, leg 2 runs beside leg 1 (much of leg 1 waits
+# on servers, launchers and timeouts, so leg 2's CPU-bound megatron tests use the idle core), each with its own
+# pytest temporary directory; leg 2's output follows leg 1's. MEGATRON_RL_TEST_SERIAL=1 runs them one after the other.
 # Usage: bash tools/run_tests.sh [pytest args...]      (the args go to both legs)
 #   MEGATRON_RL_VENV / MEGATRON_RL_VENV_NEWEST   the two venvs (default .venv / .venv-mcore019)
 #   MEGATRON_RL_MCORE_NEWEST=0.19.x              the newest leg's release (default 0.19.2)
@@ -43,12 +45,30 @@ MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST"
 export MEGATRON_RL_VENV="$OLD_VENV" MEGATRON_RL_VENV_NEWEST="$NEW_VENV"
 rc_old=0
 rc_new=0
-if [ "$LEGS" != newest ]; then
-  run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" tests "$@" || rc_old=$?
+TMP_ROOT="$(mktemp -d -t megatron_rl_tests.XXXXXX)"
+LEG2_LOG="$TMP_ROOT/leg2.log"
+LEG2_PID=""
+cleanup() {  # an interrupted run takes leg 2 with it
+  if [ -n "$LEG2_PID" ] && kill -0 "$LEG2_PID" 2>/dev/null; then kill "$LEG2_PID" 2>/dev/null || true; fi
+}
+trap cleanup EXIT
+leg1() { run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" tests \
+           --basetemp="$TMP_ROOT/leg1" "$@"; }
+leg2() { run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" tests -m mcore \
+           --basetemp="$TMP_ROOT/leg2" "$@"; }
+if [ "$LEGS" = both ] && [ "${MEGATRON_RL_TEST_SERIAL:-0}" != 1 ]; then
+  echo "=== tools/run_tests.sh: leg 2 runs beside leg 1; its output follows leg 1's"
+  leg2 "$@" > "$LEG2_LOG" 2>&1 &
+  LEG2_PID=$!
+  leg1 "$@" || rc_old=$?
+  wait "$LEG2_PID" || rc_new=$?
+  LEG2_PID=""
+  cat "$LEG2_LOG"
+else
+  if [ "$LEGS" != newest ]; then leg1 "$@" || rc_old=$?; fi
+  if [ "$LEGS" != oldest ]; then leg2 "$@" || rc_new=$?; fi
 fi
-if [ "$LEGS" != oldest ]; then
-  run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" tests -m mcore "$@" || rc_new=$?
-fi
+rm -rf "$TMP_ROOT"
 echo "tools/run_tests.sh: megatron-core $OLDEST leg: exit $rc_old; megatron-core $NEWEST leg: exit $rc_new"
 if [ "$rc_old" -ne 0 ]; then exit "$rc_old"; fi
 exit "$rc_new"
