@@ -29,6 +29,7 @@ from megatron_rl.rollout.base import (EngineUnavailableError, RolloutError, Samp
                                       StaleRolloutError, WeightSyncError)
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine  # noqa: E402
 from megatron_rl.rollout.sglang_server import launch_sglang_server, sglang_available  # noqa: E402
+from megatron_rl.testing import processes  # noqa: E402
 from megatron_rl.testing.sglang_script import group_gone  # noqa: E402
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model  # noqa: E402
 
@@ -62,7 +63,9 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def _server_box(tmp_path_factory):
     box = {"log_dir": tmp_path_factory.mktemp("sglang_log")}
-    yield box
+    # the server (re)starts inside whichever test needs it first: the module's, not that test's
+    with processes.shared(lambda: [box["handle"].pid] if box.get("handle") is not None else []):
+        yield box
     if box.get("handle") is not None:
         box["handle"].terminate()
 
