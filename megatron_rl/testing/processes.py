@@ -27,7 +27,8 @@ __all__ = ["become_subreaper", "process_ids", "leftovers", "kill_job", "kill_pro
 
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 #: long-lived helpers a library starts once per process on first use; not a test's job
-_SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+_SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker",
+                   "torch_shm_manager")
 #: pid sources of fixtures shared across tests (``shared``): their processes outlive a test by design
 _SHARED_SOURCES: List[Callable[[], Iterable[Optional[int]]]] = []
 
