@@ -11,7 +11,8 @@ plus torch's AdamW. This module holds the pieces every such test wrote again:
 * ``load_hf_reference``, ``hf_token_log_probs``, ``hf_adamw``, ``unfuse_experts``: the HF side;
 * ``actor_on_shard``: on a rank, the actor and its DP block of the batch;
 * ``rank_main_grads`` / ``merge_rank_grads``: each rank's Megatron ``main_grad`` by ``RankCoords``, and
-  their merge into one unsharded state dict on the parent.
+  their merge into one unsharded state dict on the parent;
+* ``assert_state_dicts_close``: two state dicts with the same keys, every tensor within ``atol`` (0: equal).
 
 In tests, conftest.py's ``tiny_hf_model`` fixture builds the directories and its ``hf_reference`` fixture loads
 the HF side; a forked rank calls the functions here directly.
@@ -180,3 +181,11 @@ def merge_rank_grads(per_rank: list, job) -> dict:
     return merge_state_dicts(shards, job.model.num_layers, not job.model.untie_embeddings_and_output_weights,
                              job.parallel.tensor_model_parallel_size, job.parallel.etp,
                              job.model.num_moe_experts or 0)
+
+
+def assert_state_dicts_close(a: dict, b: dict, atol: float = 0.0) -> None:
+    """The same keys, and every tensor of ``a`` within ``atol`` of ``b``'s (``atol=0``: bit-equal values); the
+    failure names the key."""
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")

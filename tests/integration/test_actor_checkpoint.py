@@ -21,6 +21,7 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
 from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import assert_state_dicts_close
 from megatron_rl.testing.distributed import RankError, run_ranks
 
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
@@ -96,11 +97,6 @@ def _weights(results):
     return sds[0]
 
 
-def _assert_equal_sd(a, b, atol=0.0):
-    assert sorted(a) == sorted(b)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
-
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tp,pp,ep,world", [(1, 1, 1, 1), (2, 2, 1, 4), (1, 1, 2, 2)],
@@ -112,7 +108,7 @@ def test_resume_is_exact(tmp_path, tp, pp, ep, world):
     # a different init seed: everything that matters must come from the checkpoint
     resumed = run_ranks(_rank, world, job, 1, None, str(tmp_path / "ck"), 99, timeout=150)
     assert resumed[0]["start"] == 1 and resumed[0]["extra"] == {"cursor": 1, "note": "x"}
-    _assert_equal_sd(_weights(resumed), _weights(full))
+    assert_state_dicts_close(_weights(resumed), _weights(full))
     for r_full, r_res in zip(full, resumed):
         assert r_res["metrics"][0] == r_full["metrics"][1]
         sa, sb = r_full["final"]["opt"], r_res["final"]["opt"]
@@ -133,9 +129,9 @@ def test_load_at_other_layout_reshards(tmp_path, saved, loaded):
     saver = run_ranks(_rank, sw, _job(stp, spp), 1, str(tmp_path / "ck"), None, 7, timeout=150)
     res = run_ranks(_rank, lw, _job(ltp, lpp), 1, None, str(tmp_path / "ck"), 99, timeout=150)
     loaded_w = [r["loaded"]["weights"] for r in res if r["loaded"]["weights"] is not None][0]
-    _assert_equal_sd(loaded_w, _weights(saver))
+    assert_state_dicts_close(loaded_w, _weights(saver))
     full = run_ranks(_rank, sw, _job(stp, spp), 2, None, None, 7, timeout=150)  # uninterrupted, saver's layout
-    _assert_equal_sd(_weights(res), _weights(full), atol=1e-6)
+    assert_state_dicts_close(_weights(res), _weights(full), atol=1e-6)
     assert res[0]["metrics"][0]["actor/pg_loss"] == pytest.approx(full[0]["metrics"][1]["actor/pg_loss"], abs=1e-6)
 
 
@@ -147,7 +143,7 @@ def test_save_before_first_step_resumes_like_fresh(tmp_path):
     run_ranks(_rank, 2, job, 0, str(tmp_path / "ck"), None, 7, timeout=100)
     resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=100)
     fresh = run_ranks(_rank, 2, job, 1, None, None, 7, timeout=100)
-    _assert_equal_sd(_weights(resumed), _weights(fresh))
+    assert_state_dicts_close(_weights(resumed), _weights(fresh))
     assert resumed[0]["metrics"] == fresh[0]["metrics"]
 
 

@@ -34,6 +34,7 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
 from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import assert_state_dicts_close
 from megatron_rl.testing.distributed import RankError, run_ranks
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
@@ -130,17 +131,12 @@ def _weights(results, key="weights"):
     return sds[0]
 
 
-def _assert_close_sd(a, b, atol=0.0):
-    assert sorted(a) == sorted(b)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
-
 
 @pytest.mark.timeout(240)
 def test_same_training_as_without_it_and_adam_state_sharded():
     plain = run_ranks(_rank, 2, _job(False), 3, timeout=200)
     dist = run_ranks(_rank, 2, _job(True), 3, timeout=200)
-    _assert_close_sd(_weights(dist), _weights(plain), atol=1e-6)
+    assert_state_dicts_close(_weights(dist), _weights(plain), atol=1e-6)
     for a, b in zip(dist[0]["metrics"], plain[0]["metrics"]):
         assert a.keys() == b.keys()
         for k in a:
@@ -211,17 +207,17 @@ def test_checkpoint_resume_is_exact_reshards_to_dp1_and_exports(tmp_path):
     saved = run_ranks(_rank, 2, job, 1, str(tmp_path / "ck"), timeout=200)
     resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
     assert resumed[0]["start"] == 1
-    _assert_close_sd(_weights(resumed), _weights(full))
+    assert_state_dicts_close(_weights(resumed), _weights(full))
     assert resumed[0]["metrics"][0] == full[0]["metrics"][1]
     # another DP size: the sharded Adam state is resharded by megatron's dist_checkpointing
     dp1 = run_ranks(_rank, 1, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
-    _assert_close_sd(_weights(dp1, "loaded"), _weights(saved))
-    _assert_close_sd(_weights(dp1), _weights(full), atol=1e-6)
+    assert_state_dicts_close(_weights(dp1, "loaded"), _weights(saved))
+    assert_state_dicts_close(_weights(dp1), _weights(full), atol=1e-6)
     assert dp1[0]["metrics"][0]["actor/pg_loss"] == pytest.approx(full[0]["metrics"][1]["actor/pg_loss"], abs=1e-6)
     # HF export of the checkpoint on disk == the live actor's weights at save time
     export_checkpoint_to_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))
     _, _, exported = read_hf_checkpoint(str(tmp_path / "hf"))
-    _assert_close_sd(exported, _weights(saved))
+    assert_state_dicts_close(exported, _weights(saved))
 
 
 @pytest.mark.timeout(300)
@@ -232,7 +228,7 @@ def test_bf16_resume_is_exact(tmp_path, dist_opt, world):
     run_ranks(_rank, world, job, 1, str(tmp_path / "ck"), timeout=200)
     resumed = run_ranks(_rank, world, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
     assert all(v.dtype == torch.bfloat16 for v in _weights(full).values())
-    _assert_close_sd(_weights(resumed), _weights(full))
+    assert_state_dicts_close(_weights(resumed), _weights(full))
     assert resumed[0]["metrics"][0] == full[0]["metrics"][1]
     for r_full, r_res in zip(full, resumed):
         assert r_full["main"].dtype == torch.float32 and torch.equal(r_res["main"], r_full["main"])
@@ -305,7 +301,7 @@ def test_fp32_output_layer_with_distributed_optimizer_resumes_exactly(tmp_path):
     full = run_ranks(_rank, 2, job, 2, timeout=200)
     run_ranks(_rank, 2, job, 1, str(tmp_path / "ck"), timeout=200)
     resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
-    _assert_close_sd(_weights(resumed), _weights(full))
+    assert_state_dicts_close(_weights(resumed), _weights(full))
     assert resumed[0]["metrics"][0] == full[0]["metrics"][1]
     for r_full, r_res in zip(full, resumed):
         assert torch.equal(r_res["main"], r_full["main"])
