@@ -150,8 +150,11 @@ trap 'rm -rf "$LINK"; [[ -z "$SLEEPER" ]] || kill "$SLEEPER" 2>/dev/null' EXIT
 # this script ends (PR_SET_PDEATHSIG); its ranks inherit the ignored signals until their stop watcher is installed
 # (a stop sent before that waits in the stop file), exit when the agent or this script ends, and take a stop from
 # the signal forwarded below or from the stop file
+# torchrun's --signals-to-handle (env PET_SIGNALS_TO_HANDLE; older torch reads TORCHELASTIC_SIGNALS_TO_HANDLE): by
+# default the agent installs handlers for SIGINT / SIGTERM, and a handled signal is reset to default in the ranks it
+# starts -- a Ctrl-C before a rank's stop watcher exists would be a KeyboardInterrupt there
 ( trap '' INT TERM
-  export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT \
+  export PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT \
          MEGATRON_RL_LAUNCHER_PID=$$ MEGATRON_RL_STOP_FILE="$LINK/stop"
   exec "$PYTHON" -m megatron_rl.lifeline --parent $$ -- "${CMD[@]}" ) < /dev/null &
 AGENT=$!

@@ -7,8 +7,10 @@
   where `ps` is missing: the launcher finds the ranks in /proc);
 * a launcher that ends without a word (SIGKILL while the ranks train, SIGHUP while they start) takes its job with
   it: the torchrun agent and every rank end within seconds;
-* Ctrl-C while the ranks are still starting (one rank paused while its job is built): the same clean stop, after
-  the first step -- not a KeyboardInterrupt in one rank and a failed job;
+* Ctrl-C while the ranks are still starting (one rank paused as its interpreter starts, before its stop watcher
+  exists; the other building its job): the same clean stop, after the first step -- not a KeyboardInterrupt in
+  one rank and a failed job (torchrun >= 2.x hands its ranks a default SIGINT unless told which signals to
+  handle: launch/torchrun.sh sets PET_SIGNALS_TO_HANDLE);
 * ``--resume`` after the overrides continues from that checkpoint, the history reading 1..N+1.
 
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_launcher_commands.py   (~2-3 min on 2 cores)
@@ -135,13 +137,13 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0_also_without_ps(tmp_pat
 
 def test_ctrl_c_while_the_ranks_start_stops_cleanly_after_the_first_step(tmp_path, copy_model):
     run = tmp_path / "run"
-    proc = _launch(tmp_path, _job(tmp_path, copy_model), fault="setup_pause:1:8")
+    proc = _launch(tmp_path, _job(tmp_path, copy_model), fault="start_pause:1:8")
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # the output, as it comes
     reader.start()
     try:
         deadline = time.time() + 300
-        while not any("FAULT setup_pause rank=1" in line for line in lines):  # rank 1 is building its job
+        while not any("FAULT start_pause rank=1" in line for line in lines):  # rank 1's interpreter is starting
             assert proc.poll() is None and time.time() < deadline, "".join(lines)[-4000:]
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGINT)

@@ -17,6 +17,9 @@ it is the step whose checkpoint is written):
 * ``train_hang``        the rank blocks forever at the start of that train step
 * ``sync_error``        rank 0's embedded engine refuses the weights of that step (version step-<s>)
 * ``setup_pause``       the rank pauses <s> seconds while its job is built, before its process group exists
+* ``start_pause``       the rank pauses <s> seconds as its interpreter starts (here), before any project code runs:
+                        before its stop watcher exists, so a stop signal then meets the disposition the rank
+                        inherited from the torchrun agent
 """
 import os
 
@@ -47,6 +50,10 @@ def _install(kind: str, rank: int, step: int) -> None:
             return real(transform_list, use_msc, bucket)
 
         checkpoint_writer.write_bucket = write_bucket
+        return
+    if kind == "start_pause":
+        fire()
+        time.sleep(step)
         return
     if kind == "setup_pause":
         from megatron_rl.trainer import job
