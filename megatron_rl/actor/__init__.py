@@ -8,6 +8,7 @@ Modules (one job each):
   forward     the log-prob pass (forward-only, vocab-parallel log-probs + entropy, PP broadcast)
   train_step  one optimizer step of the policy loss (1F1B, Megatron DDP + optimizer, clipping)
   optimizer   Megatron DDP wrapping and ``get_megatron_optimizer``
+  lr_schedule warm-up / decay of the learning rate (megatron-core's ``OptimizerParamScheduler``)
   checkpoint  save / resume (model, optimizer, RNG, extra state)
   hf_io       export a saved checkpoint to a HF directory (live HF in / out: ``megatron_rl.convert.live``)
   actor       ``MegatronActor``, the facade used by the RL loop

@@ -27,7 +27,8 @@ from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.micro_batching import MicroBatchPlan, plan_micro_batches, token_budget_layout_error
-from megatron_rl.actor.optimizer import apply_constant_schedule, build_optimizer, wrap_ddp
+from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
+from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.router_replay import (RoutingReplay, agree_on_error, finish_log_prob_pass, log_prob_pass,
                                              train_routing)
@@ -42,6 +43,8 @@ from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.rollout.budget import response_budget
 
 __all__ = ["MegatronActor"]
+
+_SCHEDULER_KEY = "opt_param_scheduler"  # megatron's scheduler state inside a checkpoint's extra state
 
 
 class MegatronActor:
@@ -68,6 +71,8 @@ class MegatronActor:
             load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg, self.groups)
         self.model = wrap_ddp(chunks, self.actor_cfg)
         self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
+        # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
+        self.scheduler = LRSchedule.from_job(job_cfg).build(self.optimizer)
         self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)
         vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
         # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
@@ -215,8 +220,9 @@ class MegatronActor:
         Which old log-probs / weights the loss uses follows ``algorithm.rollout_correction`` (loss_type,
         bypass_mode) through ``megatron_rl.losses.select_loss_inputs``.
         Returns ``{"actor/<metric>": float}``: means over the optimizer steps of pg_loss, pg_clipfrac,
-        pg_clipfrac_lower, ppo_kl, entropy, grad_norm, num_tokens (and kl_loss), plus
-        actor/lr and actor/num_optimizer_steps. Identical on every rank.
+        pg_clipfrac_lower, ppo_kl, entropy, grad_norm, num_tokens (and kl_loss) and of the learning rate each
+        applied (actor/lr; the schedule advances after each applied update), plus actor/num_optimizer_steps.
+        Identical on every rank.
         """
         B, W = batch.num_rows, batch.max_length - 1
         check_token_ids(batch, self.model_cfg.vocab_size)
@@ -246,7 +252,7 @@ class MegatronActor:
         replayed = train_routing(self.routing, batch, self.routing_mode, self._r2_state) if self.routing else None
         if replayed is not None:  # r3: the rollout's routing; r2: the log-prob pass's; for every train forward
             batch = dataclasses.replace(batch, routing=replayed)
-        steps = []
+        steps, lrs = [], []
         for _ in range(ac.ppo_epochs):
             for start, end in blocks:
                 sub = batch.select(start, end)
@@ -254,6 +260,7 @@ class MegatronActor:
                 plan = self._plan(sub)
                 sub, sub_tok, _ = self._in_plan_order(sub, plan, sub_tok)
                 rp = self.routing.begin(sub.lengths, sub.routing, record=False) if replayed is not None else None
+                lrs.append(float(self.optimizer.param_groups[0]["lr"]))  # the lr this optimizer step applies
                 try:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
                                                   corr.loss_type, temperature=temperature, bounds=plan.bounds,
@@ -262,8 +269,10 @@ class MegatronActor:
                 finally:
                     if rp is not None:
                         rp.close()
+                if steps[-1]["update_successful"]:  # megatron advances its schedule on applied updates only
+                    self.scheduler.step(increment=1)
         out = {f"actor/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-        out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["actor/lr"] = sum(lrs) / len(lrs)
         out["actor/num_optimizer_steps"] = float(len(steps))
         out.update({f"actor/{k}": v for k, v in select_metrics.items()})
         out.update(self.routing_metrics)  # rollout_corr/router_agreement* of this batch's log-prob pass
@@ -272,10 +281,14 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str, step: int, extra_state: Optional[Dict[str, Any]] = None) -> str:
-        """Save model, optimizer and RNG state (+ ``extra_state``, picklable, from rank 0) under
-        ``ckpt_dir``; collective. Returns the directory written."""
+        """Save model, optimizer, learning-rate schedule and RNG state (+ ``extra_state``, picklable, from rank 0)
+        under ``ckpt_dir``; collective. Returns the directory written."""
+        extra = dict(extra_state or {})
+        if _SCHEDULER_KEY in extra:
+            raise ValueError(f"save_checkpoint: extra_state key {_SCHEDULER_KEY!r} is the actor's own")
+        extra[_SCHEDULER_KEY] = self.scheduler.state_dict()
         return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, self.groups, self.model_cfg,
-                               self.parallel_cfg, extra_state or {})
+                               self.parallel_cfg, extra)
 
     def load_checkpoint(self, ckpt_dir: str) -> Tuple[int, Dict[str, Any]]:
         """Restore what ``save_checkpoint`` wrote; returns (step, extra_state). Raises
@@ -283,7 +296,10 @@ class MegatronActor:
         cannot be loaded."""
         step, extra = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
                                       self.parallel_cfg)
-        apply_constant_schedule(self.optimizer, self.actor_cfg)  # this run's lr / weight decay win
+        # the schedule continues at the saved optimizer step (a checkpoint without one: step x optimizer steps per
+        # training step); this run's lr / weight decay settings win
+        restore_scheduler(self.scheduler, extra.pop(_SCHEDULER_KEY, None),
+                          step * optimizer_steps_per_train_step(self.actor_cfg))
         return step, extra
 
     # ------------------------------------------------------------------ HF export

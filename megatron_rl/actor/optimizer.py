@@ -10,9 +10,9 @@ fp32 main parameters (megatron's mixed-precision optimizer, no loss scaling for 
 ranks (gradients reduce-scattered, parameters all-gathered after the step). No overlap (the RL step is small
 and overlap needs CUDA streams). Adam is megatron's choice of implementation (torch AdamW when neither TE nor
 apex is installed); weight decay is decoupled and — megatron's default — not applied to biases and 1-D params
-(norm weights). The learning rate is constant (no scheduler): ``ActorConfig.lr``; ``apply_constant_schedule``
-writes lr / weight decay into the param groups the way megatron's ``OptimizerParamScheduler`` does (megatron
-leaves that to the scheduler). On CPU, megatron's ``torch.cuda.*Tensor`` type checks of the mixed-precision and
+(norm weights). ``apply_constant_schedule`` writes ``actor.lr`` / weight decay into the param groups the way
+megatron's ``OptimizerParamScheduler`` does for a constant schedule (megatron leaves that to the scheduler); the
+actor then drives megatron's scheduler itself (``lr_schedule``: warm-up and decay). On CPU, megatron's ``torch.cuda.*Tensor`` type checks of the mixed-precision and
 distributed optimizers are met by ``platform/cpu_compat`` (CPU stand-ins).
 """
 from __future__ import annotations
@@ -45,11 +45,11 @@ def _distributed(actor_cfg) -> bool:
 
 
 def optimizer_config(actor_cfg, params_dtype: torch.dtype = torch.float32):
-    """megatron ``OptimizerConfig`` from ``ActorConfig`` (lr, weight_decay, adam betas, clip_grad,
-    use_distributed_optimizer) for parameters of ``params_dtype`` (bf16: fp32 main parameters)."""
+    """megatron ``OptimizerConfig`` from ``ActorConfig`` (lr, min_lr — each param group's ``max_lr`` / ``min_lr`` of
+    megatron's scheduler —, weight_decay, adam betas, clip_grad, use_distributed_optimizer) for parameters of ``params_dtype`` (bf16: fp32 main parameters)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer="adam", lr=float(actor_cfg.lr), min_lr=float(actor_cfg.lr),
+    return OptimizerConfig(optimizer="adam", lr=float(actor_cfg.lr), min_lr=float(actor_cfg.min_lr),
                            weight_decay=float(actor_cfg.weight_decay), adam_beta1=float(actor_cfg.adam_beta1),
                            adam_beta2=float(actor_cfg.adam_beta2), adam_eps=1e-8,
                            clip_grad=float(actor_cfg.clip_grad), bf16=params_dtype == torch.bfloat16,

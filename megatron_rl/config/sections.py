@@ -221,7 +221,25 @@ class ActorConfig:
     """The Megatron actor: optimizer, micro-batching, loss."""
 
     lr: float = 1e-4
-    """Adam learning rate (constant)."""
+    """Adam learning rate: the peak of the schedule (after warm-up, before decay; Megatron's ``--lr``)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from ``lr_warmup_init`` to ``lr`` (Megatron's ``--lr-warmup-iters``). A
+    training step makes ``ppo_epochs x ppo_mini_batches`` optimizer steps; the schedule counts optimizer steps."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warm-up as a fraction of ``lr_decay_steps``, rounded down to whole optimizer steps (Megatron's
+    ``--lr-warmup-fraction``, verl's ``lr_warmup_steps_ratio``); give this or ``lr_warmup_steps``, not both."""
+    lr_warmup_init: float = 0.0
+    """Learning rate of the first optimizer step of the warm-up (Megatron's ``--lr-warmup-init``)."""
+    lr_decay_style: str = "constant"
+    """After warm-up: "constant" (``lr``), "linear" / "cosine" (from ``lr`` to ``min_lr`` at ``lr_decay_steps``),
+    "inverse-square-root" (``lr * sqrt(warmup / step)``, at least ``min_lr``) — megatron-core's
+    ``OptimizerParamScheduler``, stepped once per optimizer step and saved with the checkpoint."""
+    lr_decay_steps: Optional[int] = None
+    """Optimizer step at which the decay reaches ``min_lr`` (Megatron's ``--lr-decay-iters``; null: every
+    optimizer step of the run, ``trainer.steps x ppo_epochs x ppo_mini_batches``)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay and after it (Megatron's ``--min-lr``; verl's
+    ``min_lr_ratio x lr``)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9

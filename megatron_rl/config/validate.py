@@ -12,6 +12,7 @@ import os
 import re
 from typing import List, Optional
 
+from megatron_rl.actor.lr_schedule import lr_schedule_errors
 from megatron_rl.actor.micro_batching import token_budget_layout_error
 from megatron_rl.actor.precision import precision_error
 from megatron_rl.config.job import ConfigError, JobConfig
@@ -130,6 +131,8 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
         errs += mode_parameter_errors(a.rollout_correction.loss_type, ac.policy_loss)
     if not ac.lr > 0:
         errs.append(f"actor.lr: must be > 0, got {ac.lr}")
+    else:
+        errs += lr_schedule_errors(ac, t.steps)  # warm-up / decay keys (megatron_rl.actor.lr_schedule)
     if ac.clip_grad < 0:
         errs.append(f"actor.clip_grad: must be >= 0, got {ac.clip_grad}")
     for k in ("micro_batch_size", "ppo_mini_batches", "ppo_epochs"):

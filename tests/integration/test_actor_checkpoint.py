@@ -1,7 +1,8 @@
 """Actor checkpoints (megatron dist_checkpointing, torch_dist) on CPU.
 
 * Resume is exact: 2 train steps in one go == 1 step, save, a fresh set of processes loads, 1 step
-  (bitwise: weights, Adam state, metrics), at TP1, TP2xPP2 (4 gloo ranks) and MoE EP2.
+  (bitwise: weights, Adam state, metrics), at TP1, TP2xPP2 (4 gloo ranks) and MoE EP2 — in the middle of a
+  learning-rate warm-up, whose per-step lr equals megatron-core's ``OptimizerParamScheduler`` driven here.
 * A different layout loads by resharding: saved at TP2xPP2, loaded at TP1 (and the reverse) —
   weights equal the saved ones bitwise and the next step (resharded Adam state) equals the
   uninterrupted run at the saver's layout (<= 1e-6).
@@ -32,12 +33,31 @@ MOE = dict(MODEL, num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=32, moe_r
            moe_router_load_balancing_type="none", qk_layernorm=True, kv_channels=16)
 
 
+#: a warm-up of 3 optimizer steps from 2e-4, then cosine decay: the resume below happens mid-warm-up
+SCHEDULE = {"lr_warmup_steps": 3, "lr_warmup_init": 2e-4, "lr_decay_style": "cosine", "lr_decay_steps": 8}
+
+
+def _megatron_lrs(n):
+    """The lr of the first ``n`` optimizer steps from megatron-core's own scheduler with SCHEDULE's settings."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    sched = OptimizerParamScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), init_lr=2e-4,
+                                    max_lr=1e-3, min_lr=0.0, lr_warmup_steps=3, lr_decay_steps=8,
+                                    lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=8,
+                                    wd_incr_style="constant")
+    out = []
+    for _ in range(n):
+        out.append(sched.optimizer.param_groups[0]["lr"])
+        sched.step(increment=1)
+    return out
+
+
 def _job(tp=1, pp=1, model=None, ep=1):
     return job_config_from_dict({
         "model": model or MODEL,
         "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                      "expert_model_parallel_size": ep},
-        "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01},
+        "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01, **SCHEDULE},
         "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
     })
 
@@ -77,6 +97,7 @@ def _rank(rank, world, job, steps, save_dir, load_dir, init_seed):
         if save_dir:
             actor.save_checkpoint(save_dir, start + steps, {"cursor": start + steps, "note": "x"})
         out = _snapshot(actor)
+        out["next_lr"] = float(actor.optimizer.param_groups[0]["lr"])  # the schedule's lr for the next step
         return {"metrics": metrics, "final": out, "loaded": loaded, "extra": extra, "start": start}
     finally:
         for child in multiprocessing.active_children():
@@ -109,8 +130,10 @@ def test_resume_is_exact(tmp_path, tp, pp, ep, world):
     resumed = run_ranks(_rank, world, job, 1, None, str(tmp_path / "ck"), 99, timeout=150)
     assert resumed[0]["start"] == 1 and resumed[0]["extra"] == {"cursor": 1, "note": "x"}
     assert_state_dicts_close(_weights(resumed), _weights(full))
+    assert [m["actor/lr"] for m in full[0]["metrics"]] == _megatron_lrs(2) == [2e-4, pytest.approx(4.667e-4, rel=1e-3)]
     for r_full, r_res in zip(full, resumed):
-        assert r_res["metrics"][0] == r_full["metrics"][1]
+        assert r_res["metrics"][0] == r_full["metrics"][1]  # actor/lr included: the warm-up continues
+        assert r_res["final"]["next_lr"] == r_full["final"]["next_lr"] == _megatron_lrs(3)[2]
         sa, sb = r_full["final"]["opt"], r_res["final"]["opt"]
         flat_a, flat_b = _adam_state(sa), _adam_state(sb)
         assert len(flat_a) == len(flat_b) > 0

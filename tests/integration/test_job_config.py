@@ -92,10 +92,10 @@ def test_integers_are_accepted_for_float_fields():
 
 
 def test_all_unknown_keys_are_reported_with_hints_for_verl_and_megatron_names():
-    errs = _errors(["actor.learning_rate=1e-5", "actor.lr_decay_style=cosine", "trainer.ppo_epochs=2",
+    errs = _errors(["actor.learning_rate=1e-5", "actor.lr_warmup_steps_ratio=0.1", "trainer.ppo_epochs=2",
                     "parallel.lr=1", "actor.zzz=1", "trainer.stepz=3"])
     assert "actor.learning_rate: unknown key (this project's key is actor.lr)" in errs
-    assert any(e.startswith("actor.lr_decay_style: unknown key (not supported here: the learning rate is constant")
+    assert any(e.startswith("actor.lr_warmup_steps_ratio: unknown key (this project's key is actor.lr_warmup_fraction")
                for e in errs)
     assert "trainer.ppo_epochs: unknown key (this project's key is actor.ppo_epochs)" in errs
     assert "parallel.lr: unknown key (it belongs to actor.lr)" in errs
