@@ -19,7 +19,7 @@ import math
 
 import pytest
 
-from tests.integration.test_quickstart_learns import run_quickstart
+from tests.integration.quickstart_run import run_quickstart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 STEPS = 40

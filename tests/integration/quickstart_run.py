@@ -1,0 +1,41 @@
+"""The quickstart job for tests: ``configs/tiny_cpu.yaml`` through ``launch/torchrun.sh`` on 4 gloo ranks, scored by
+``tools/quickstart_results.py`` (shared by test_quickstart_fresh.py and test_objectives_learn.py)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+with open(os.path.join(ROOT, "configs", "tiny_cpu.yaml")) as _fh:
+    #: The quickstart's steps, as shipped.
+    STEPS = int(yaml.safe_load(_fh)["trainer"]["steps"])
+
+
+def results_tool():
+    """``tools/quickstart_results.py`` as a module (its ``main(argv)`` returns the results dict)."""
+    spec = importlib.util.spec_from_file_location("quickstart_results", os.path.join(ROOT, "tools",
+                                                                                      "quickstart_results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_quickstart(tmp_path, task_model, steps, *overrides):
+    """configs/tiny_cpu.yaml on 4 ranks with launch/torchrun.sh for ``steps`` steps (plus ``overrides``), on the
+    model tools/quickstart.sh builds (same arguments -> identical weights); returns (run dir, results dict of
+    tools/quickstart_results.py)."""
+    model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="4")
+    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),
+                        "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), f"actor.load_hf={model}",
+                        f"trainer.run_dir={run}", f"trainer.steps={steps}", "trainer.save_interval=0",
+                        "trainer.progress=false", *overrides],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return run, results_tool().main([str(run), "--out", str(tmp_path / "results.md"),
+                                     "--json", str(tmp_path / "r.json")])
