@@ -24,7 +24,8 @@ import yaml
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.sections import (
-    ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, MultiTurnConfig, RolloutConfig, TrainerConfig,
+    ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, FilterGroupsConfig, MultiTurnConfig, RolloutConfig,
+    TrainerConfig,
 )
 from megatron_rl.config.types import check_value, field_types
 from megatron_rl.config.validate import job_errors
@@ -43,7 +44,8 @@ __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", 
 SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": ParallelConfig,
                    "rollout": RolloutConfig, "data": DataConfig, "multi_turn": MultiTurnConfig,
                    "algorithm": AlgorithmConfig,
-                   "algorithm.rollout_correction": RolloutCorrectionConfig, "actor": ActorConfig,
+                   "algorithm.rollout_correction": RolloutCorrectionConfig,
+                   "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,
                    "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),

@@ -6,7 +6,7 @@
     rollout:    RolloutConfig        (engine, sampling)
     data:       DataConfig           (task / prompts, reward)
     multi_turn: MultiTurnConfig      (environment, turn and token limits of multi-turn rollouts)
-    algorithm:  AlgorithmConfig      (advantages, rollout_correction in verl's keys)
+    algorithm:  AlgorithmConfig      (advantages, rollout_correction and filter_groups in verl's keys)
     actor:      ActorConfig          (optimizer, micro-batching, policy_loss)
     trainer:    TrainerConfig        (steps, seed, run dir, checkpoints, metric sinks)
 
@@ -204,6 +204,60 @@ class MultiTurnConfig:
     turn and opens the next assistant turn."""
 
 
+FILTER_GROUPS_METRICS = ("seq_reward", "seq_final_reward", "score")
+"""The per-row values ``algorithm.filter_groups.metric`` compares within a group (``filter_groups_errors``)."""
+FILTER_GROUPS_EXHAUSTED = ("train", "skip", "error")
+"""What a step does when its rounds found too few groups with signal (``algorithm.filter_groups.on_exhausted``)."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling, verl's ``algorithm.filter_groups`` (megatron_rl/trainer/dynamic_sampling.py): a
+    prompt group whose samples all scored alike has advantage 0 for every sample (no learning signal); such
+    groups are dropped and more prompts are generated, round after round, until ``data.prompts_per_step`` groups
+    with signal fill the batch."""
+
+    enable: bool = False
+    """Drop the groups whose samples all have the same ``metric`` and generate more prompts to fill the batch."""
+    metric: str = "seq_reward"
+    """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
+    verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
+    verifier's reward before the overlong penalty). verl's "acc" has no separate value here (a reward is one
+    float per sample): use "score"."""
+    max_num_gen_batches: int = 10
+    """Generation rounds per step at most (each draws ``data.prompts_per_step`` fresh prompts); >= 1 (verl's
+    0 = unlimited is refused: a task whose groups all score alike would generate forever)."""
+    on_exhausted: str = "train"
+    """When ``max_num_gen_batches`` rounds found fewer groups with signal than the batch needs (always with a
+    ``FilterGroupsExhaustedWarning``): "train" -- train on them, the batch topped up with groups without signal
+    (advantage 0) to ``data.prompts_per_step`` groups; "skip" -- the step trains nothing (no optimizer step;
+    the unchanged weights are published as the next version); "error" -- the job ends with
+    ``FilterGroupsExhaustedError`` (verl's behaviour)."""
+
+    @classmethod
+    def from_dict(cls, d: Optional[Dict[str, Any]]) -> "FilterGroupsConfig":
+        """Build from the (checked) keys of the YAML block; an empty or null block is the default (off)."""
+        return cls(**(d or {}))
+
+    def errors(self) -> List[str]:
+        """Violations, each naming its dotted key (checked whether or not ``enable`` is set)."""
+        errs = []
+        key = "algorithm.filter_groups"
+        if self.metric == "acc":
+            errs.append(f"{key}.metric: 'acc' (verl's per-sample accuracy) has no separate value here: a reward "
+                        f"is one float per sample; use 'score' (alike within a group exactly when acc is, for "
+                        f"0/1 or +-1 verifiers) or 'seq_reward'")
+        elif self.metric not in FILTER_GROUPS_METRICS:
+            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}")
+        if self.max_num_gen_batches < 1:
+            errs.append(f"{key}.max_num_gen_batches: must be >= 1, got {self.max_num_gen_batches} (verl's 0 = "
+                        f"unlimited is not offered: a task whose groups all score alike would generate forever)")
+        if self.on_exhausted not in FILTER_GROUPS_EXHAUSTED:
+            errs.append(f"{key}.on_exhausted: {self.on_exhausted!r} is not one of "
+                        f"{', '.join(FILTER_GROUPS_EXHAUSTED)}")
+        return errs
+
+
 @dataclass
 class AlgorithmConfig:
     """Advantage estimation and the rollout correction."""
@@ -214,6 +268,9 @@ class AlgorithmConfig:
     """GRPO: divide by the group's standard deviation (+1e-6)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig.decoupled_token_is)
     """verl's ``algorithm.rollout_correction`` block (or ``{preset: name, ...}``); see README."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): groups whose samples all scored alike are
+    dropped and more prompts generated until the batch is full."""
 
 
 @dataclass

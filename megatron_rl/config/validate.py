@@ -127,6 +127,8 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
         errs.append(f"data.prompts_per_step: must be >= 1, got {d.prompts_per_step}")
     if a.advantage_estimator not in ADV:
         errs.append(f"algorithm.advantage_estimator: {a.advantage_estimator!r} is not one of {', '.join(ADV)}")
+    if a.filter_groups is not None:
+        errs += a.filter_groups.errors()  # dynamic sampling (FilterGroupsConfig.errors)
     if a.rollout_correction is not None and ac.policy_loss is not None:
         errs += mode_parameter_errors(a.rollout_correction.loss_type, ac.policy_loss)
     if not ac.lr > 0:

@@ -23,6 +23,7 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("multi_turn", "megatron_rl.config.sections", "MultiTurnConfig"),
     ("algorithm", "megatron_rl.config.sections", "AlgorithmConfig"),
     ("algorithm.rollout_correction", "megatron_rl.correction.config", "RolloutCorrectionConfig"),
+    ("algorithm.filter_groups", "megatron_rl.config.sections", "FilterGroupsConfig"),
     ("actor", "megatron_rl.config.sections", "ActorConfig"),
     ("actor.policy_loss", "megatron_rl.losses.config", "PolicyLossConfig"),
     ("trainer", "megatron_rl.config.sections", "TrainerConfig"),

@@ -22,7 +22,10 @@ otherwise dropped and counted (``routing/missing_rows``; see ``step_routing``).
 Two step generators, chosen once by ``build_step_generator``: ``SingleTurn`` (``generate_step``) and, with
 ``multi_turn.env`` set, ``MultiTurn`` (trajectories of model turns and environment replies, token in, token out:
 ``megatron_rl.rollout.multi_turn``; environments out of process in an ``envs.EnvPool`` the generator owns).
-Both draw a step's prompts with ``sample_prompts`` and have ``close()`` (the job calls it at its end).
+Both draw a step's prompts with ``sample_prompts`` and have ``close()`` (the job calls it at its end). With
+``algorithm.filter_groups.enable`` the chosen one is wrapped in ``dynamic_sampling.DynamicSampling``, which calls
+it for more generation rounds (``rnd``: fresh prompts and samples, ``round_seed``) until the batch is full of
+prompt groups whose samples did not all score alike.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from megatron_rl.rollout.trajectory import COUNT_KEYS, FINISH_REASONS
 from megatron_rl.tasks.base import response_text
 from megatron_rl.tasks.options import DataOptions
 from megatron_rl.trainer.async_rollout import SegmentedEngine
+from megatron_rl.trainer.dynamic_sampling import DynamicSampling
 from megatron_rl.trainer.step_batch import StepBatch
 
 
@@ -84,23 +88,35 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
     return m
 
 
-def sample_prompts(task, cfg, step: int) -> list:
-    """Rank 0: step ``step``'s prompts (``data.prompts_per_step``), seeded by (trainer.seed, step), after the
-    task got the ``data:`` options and the step (its curriculum and held-out split follow it)."""
+ROUND_SEED_STRIDE = 1_000_000_007
+"""Seed offset between generation rounds of one step (larger than any step count: no round meets another step)."""
+
+
+def round_seed(base: int, rnd: int) -> int:
+    """The seed of generation round ``rnd`` of a step whose round 0 uses ``base``: dynamic sampling's extra rounds
+    (``algorithm.filter_groups``) draw fresh prompts and samples; round 0 is what every run draws."""
+    return base + ROUND_SEED_STRIDE * rnd
+
+
+def sample_prompts(task, cfg, step: int, rnd: int = 0) -> list:
+    """Rank 0: step ``step``'s prompts (``data.prompts_per_step``) of generation round ``rnd``, seeded by
+    (trainer.seed, step, rnd), after the task got the ``data:`` options and the step (its curriculum and held-out
+    split follow it)."""
     task.configure(DataOptions.from_config(cfg.data))
-    rng = random.Random(cfg.trainer.seed * 1_000_003 + step)
+    rng = random.Random(round_seed(cfg.trainer.seed * 1_000_003 + step, rnd))
     task.begin_step(step)  # a task's curriculum (e.g. data.task_kwargs.curriculum_steps) follows the step
     return task.sample(cfg.data.prompts_per_step, rng)
 
 
-def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepBatch:
-    """Rank 0: sample prompts, generate n responses each, score them. Raises RolloutError on failure
-    (the step is then not applied) or StaleRolloutError if the engine serves other weights."""
-    prompts = sample_prompts(task, cfg, step)
+def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int = 0) -> StepBatch:
+    """Rank 0: sample prompts, generate n responses each, score them (``rnd``: the generation round of the step,
+    ``round_seed``). Raises RolloutError on failure (the step is then not applied) or StaleRolloutError if the
+    engine serves other weights."""
+    prompts = sample_prompts(task, cfg, step, rnd)
     n = cfg.rollout.n_samples_per_prompt
     # the embedded engine reproduces a sample from its seed; SGLang samples server-side (engine.seeded_sampling)
     rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout, task_eos_ids(task)),
-                               n=n, seed=cfg.trainer.seed * 7919 + step)
+                               n=n, seed=round_seed(cfg.trainer.seed * 7919 + step, rnd))
     stale = [r.weight_version for r in rollouts if r.weight_version != expected_version]
     if stale:
         raise StaleRolloutError(f"step {step}: {len(stale)} rollouts from weight version {stale[0]!r}, "
@@ -120,7 +136,8 @@ def generate_step(task, engine, cfg, step: int, expected_version: str) -> StepBa
     return StepBatch(prompt_ids=[list(p.prompt_ids) for p in prompt_rows],
                         response_ids=[list(r.response_ids) for r in rollouts],
                         rollout_log_probs=[list(r.rollout_log_probs) for r in rollouts],
-                     rewards=rewards, weight_version=expected_version, routing=routing,
+                     rewards=rewards, scores=[float(x) for x in result.rewards] if any(penalties) else [],
+                     weight_version=expected_version, routing=routing,
                      truncated=[r.finish_reason == "length" for r in rollouts],
                      metrics={**step_metrics(prompt_rows, rollouts, result.rewards, penalties, result,
                                              task.stats()), **routing_stats},
@@ -178,14 +195,15 @@ class SingleTurn:
     """The step generator of single-turn tasks: each prompt -> ``n_samples_per_prompt`` responses (``generate_step``).
 
     A step generator is chosen once per job (``build_step_generator``) and hands the rollout source each step's
-    ``StepBatch``: ``generate(engine, step, version)`` on rank 0, with the engine (or the async producer's view of
-    it) to sample from and the weight version the rollouts must carry."""
+    ``StepBatch``: ``generate(engine, step, version, rnd=0)`` on rank 0, with the engine (or the async producer's
+    view of it) to sample from, the weight version the rollouts must carry and the generation round of the step
+    (dynamic sampling's extra rounds draw fresh prompts: ``round_seed``)."""
 
     def __init__(self, task, cfg):
         self.task, self.cfg = task, cfg
 
-    def generate(self, engine, step: int, version: str) -> StepBatch:
-        return generate_step(self.task, engine, self.cfg, step, version)
+    def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
+        return generate_step(self.task, engine, self.cfg, step, version, rnd)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -221,18 +239,19 @@ class MultiTurn:
         """The text of a model turn the environment reads: up to its EOS, special tokens dropped."""
         return response_text(self.tokenizer, ids)[0]
 
-    def generate(self, engine, step: int, version: str) -> StepBatch:
+    def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
         cfg, task = self.cfg, self.task
-        prompts = sample_prompts(task, cfg, step)
+        prompts = sample_prompts(task, cfg, step, rnd)
         n = cfg.rollout.n_samples_per_prompt
-        env_seed = cfg.trainer.seed * 1_000_003 + step
+        env_seed = round_seed(cfg.trainer.seed * 1_000_003 + step, rnd)
         samples = [{"prompt": p.text, "answer": p.answer, "data_source": p.data_source, "extra_info": p.extra_info,
                     "seed": env_seed * 1009 + i} for i, p in enumerate(prompts)]
         failures: list = []
         trajs = run_trajectories(engine, self.pool, [p.prompt_ids for p in prompts], samples, n,
                                  sampling_params(cfg.rollout, task_eos_ids(task)), self.limits, self.encode,
-                                 self.decode, seed=cfg.trainer.seed * 7919 + step,
-                                 keys=[(step, b) for b in range(len(prompts) * n)], expected_version=version,
+                                 self.decode, seed=round_seed(cfg.trainer.seed * 7919 + step, rnd),
+                                 keys=[(step, b) if rnd == 0 else (step, rnd, b) for b in range(len(prompts) * n)],
+                                 expected_version=version,
                                  failures=failures)
         if failures:
             print(f"[megatron-rl] step {step + 1}: {len(failures)} environment call(s) failed (trajectory ended, "
@@ -298,9 +317,12 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
 
 def build_step_generator(cfg, task):
     """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
-    ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response). The job calls ``close()`` at its end."""
+    ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` with
+    ``algorithm.filter_groups.enable``. The job calls ``close()`` at its end."""
     m = cfg.multi_turn
     if m.env is None:
-        return SingleTurn(task, cfg)
-    pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
-    return MultiTurn(task, cfg, pool, task.tokenizer)
+        gen = SingleTurn(task, cfg)
+    else:
+        pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
+        gen = MultiTurn(task, cfg, pool, task.tokenizer)
+    return DynamicSampling(gen, cfg) if cfg.algorithm.filter_groups.enable else gen

@@ -85,7 +85,7 @@ class RowSplit:
 
     def pieces(self, batch: StepBatch) -> List[StepRows]:
         """One ``StepRows`` per global rank (ranks of one DP rank share theirs)."""
-        failed = failed_fraction(batch.metrics, batch.num_rows)
+        failed = failed_fraction(batch.metrics, batch.num_generated)
         by_dp = {d: batch.part(batch.dp_rows(self.n_samples, d, self.dp_size, self.balance_tokens), failed)
                  for d in sorted(set(self.dp_rank_of))}
         return [by_dp[d] for d in self.dp_rank_of]
@@ -140,7 +140,8 @@ class RolloutSource:
         """Rank 0: the staleness bound and the reward-failure limit, before the batch leaves."""
         if batch.token_versions:
             check_staleness(batch.token_versions, step, self.max_lag, step + 1)
-        failure = reward_failure_error(batch.metrics, batch.num_rows, self.cfg.data.max_reward_failure_frac, step + 1)
+        failure = reward_failure_error(batch.metrics, batch.num_generated, self.cfg.data.max_reward_failure_frac,
+                                       step + 1)
         if failure is not None:
             raise failure
         return batch

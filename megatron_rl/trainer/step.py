@@ -12,6 +12,10 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
 Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``).
 
+A step that dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: skip``: the metric
+``filter_groups/skipped`` every rank receives with its rows) trains nothing and only publishes the unchanged
+weights as the next version.
+
 Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy; the
 forward-only pass still runs once per step because the correction (weights, rejection, diagnostics)
 needs pi_theta — verl computes the same quantity inside its loss.
@@ -26,7 +30,8 @@ from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.rollout.versions import version_tag
-from megatron_rl.trainer.step_batch import StepBatch
+from megatron_rl.trainer.dynamic_sampling import SKIPPED
+from megatron_rl.trainer.step_batch import StepBatch, StepRows
 
 __all__ = ["train_step"]
 
@@ -40,6 +45,8 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     with wd.phase("rollout", step + 1):
         got = source.next(step)   # this rank's rows (its DP shard) and the step's whole-batch metrics
     t_rolled = time.perf_counter()
+    if got.metrics.get(SKIPPED):  # dynamic sampling found too few groups with signal: every rank skips the same step
+        return _skipped(job, step, got, t_step, t_rolled)
     shard = got.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor_device())
     rows = shard.batch
     with wd.phase("logprob", step + 1):
@@ -69,3 +76,15 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
         "perf/tokens_per_s": got.num_tokens / dt,
     }
     return metrics, got.whole
+
+
+def _skipped(job, step: int, got: StepRows, t_step: float, t_rolled: float) -> Tuple[Dict[str, float], Optional[StepBatch]]:
+    """A step dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: skip``; rank 0 warned): nothing is
+    trained, the unchanged weights are published as version ``step + 1`` (the schedule of versions, sync and async,
+    goes on); its metrics are the rollout's and the timings of what ran."""
+    with job.watchdog.phase("weight_sync", step + 1):
+        sync_metrics = job.source.publisher.publish(version_tag(step + 1))
+    t_end = time.perf_counter()
+    return {**got.summary, **got.metrics, "timing/rollout_s": t_rolled - t_step,
+            "timing/weight_sync_s": job.watchdog.elapsed["weight_sync"], "timing/step_s": t_end - t_step,
+            **sync_metrics}, got.whole

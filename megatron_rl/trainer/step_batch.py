@@ -59,10 +59,20 @@ class StepBatch:
     loss_masks: List[List[int]] = field(default_factory=list)
     """Per row, per response token: 1 sampled by the model, 0 written by an environment (multi-turn
     ``Trajectory.loss_mask``); empty when every response token is the model's (single turn)."""
+    scores: List[float] = field(default_factory=list)
+    """Per row: the verifier's reward before the overlong penalty; empty when it equals ``rewards``."""
+    rows_generated: int = 0
+    """Rows generated and scored to make this batch (more than ``num_rows`` when dynamic sampling dropped prompt
+    groups: the counts in ``metrics`` cover all of them); 0: ``num_rows``."""
 
     @property
     def num_rows(self) -> int:
         return len(self.rewards)
+
+    @property
+    def num_generated(self) -> int:
+        """Rows generated and scored for this step (``rows_generated``, or ``num_rows``)."""
+        return self.rows_generated or self.num_rows
 
     def shard(self, step: int, n_samples: int, pad_id: int, dp_rank: int, dp_size: int,
               device: torch.device, balance_tokens: bool = False) -> "StepShard":
@@ -96,7 +106,7 @@ class StepBatch:
                         rollout_log_probs=sel(self.rollout_log_probs), rewards=sel(self.rewards),
                         weight_version=self.weight_version, routing=sel(self.routing) if self.routing else None,
                         truncated=sel(self.truncated), metrics={}, token_versions=sel(self.token_versions),
-                        loss_masks=sel(self.loss_masks))
+                        loss_masks=sel(self.loss_masks), scores=sel(self.scores))
         width = max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
         return StepRows(rows=sub, global_rows=pick, width=width, summary=self.summary(failed_frac),
                         metrics=dict(self.metrics), num_tokens=self.num_tokens)

@@ -1,0 +1,177 @@
+"""DAPO's dynamic sampling (``algorithm.filter_groups``, verl's names): a step trains the prompt groups whose
+samples did not all score alike, and draws more prompts until ``data.prompts_per_step`` such groups fill its batch.
+
+    gen = DynamicSampling(inner, cfg)               # build_step_generator wraps SingleTurn / MultiTurn when enabled
+    batch = gen.generate(engine, step, version)     # rank 0: rounds of inner.generate(engine, step, version, rnd)
+    keep = groups_with_signal(values, n)            # the selection rule, a pure function
+
+Why: a group whose ``n`` samples all have the same reward gets advantage 0 on every sample under GRPO and RLOO,
+so it adds no policy-gradient signal and only dilutes the batch. A group has signal when its values (``metric``:
+the reward, or the score before the overlong penalty) are not all equal -- compared exactly: verl's
+``std > 0`` on floats can keep an alike group through rounding.
+
+Where: the step generator is what every rollout mode calls on rank 0 -- the sync source when the loop asks, the
+async producer in its thread -- for single- and multi-turn tasks alike, so the filter runs there, once, on the
+rank that owns the task and the engine. Its result (the batch and the ``filter_groups/*`` metrics) reaches every
+rank in the step's scatter (``rollout_source``): every rank trains the same groups and skips the same steps.
+
+Rounds: round ``r`` of step ``t`` draws ``data.prompts_per_step`` fresh prompts and their samples with the seeds of
+(trainer.seed, t, r) (``rollout_phase.round_seed``); round 0 is exactly what a run without dynamic sampling
+draws. Nothing about the rounds is state: a resumed run draws the same prompts in the same rounds. A round
+ends the step as soon as the groups with signal fill the batch (the first ``prompts_per_step`` of them, in the
+order drawn). Async interrupt mode may load newer weights between a round's segments; the next round then
+starts from the version the engine holds (every token keeps its version; the staleness bound still holds).
+
+Exhausted: after ``max_num_gen_batches`` rounds with fewer groups with signal than the batch needs, rank 0
+warns (``FilterGroupsExhaustedWarning``, naming the step and the counts) and ``on_exhausted`` decides: "train"
+-- the batch is those groups topped up, in the order drawn, with groups without signal (advantage 0) to
+``prompts_per_step`` groups (DP shards stay whole and equal); "skip" -- the same batch is shipped for the metrics
+and the rollout dump but not trained (``filter_groups/skipped`` 1: ``step.train_step`` publishes the unchanged
+weights as the next version); "error" -- ``FilterGroupsExhaustedError`` (verl's behaviour) ends the job.
+
+Metrics (every step with dynamic sampling): ``filter_groups/rounds`` (generation rounds, verl's
+``num_gen_batches``), ``filter_groups/groups_drawn``, ``filter_groups/groups_kept`` (drawn with signal),
+``filter_groups/groups_dropped`` (drawn without), ``filter_groups/groups_filled`` (without signal, in the
+batch), ``filter_groups/exhausted`` and ``filter_groups/skipped`` (0 / 1). The step's data metrics (``data/*``,
+``reward/raw_mean``, ``reward/failed``, ``response/*``, ...) cover every generated row of every round (counts
+summed, ``*_max`` / ``*_min`` over the rounds, other values row-weighted means); ``reward/mean`` and
+``response_length/*`` describe the trained batch; the reward-failure limit is checked against every generated
+row (``StepBatch.rows_generated``).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Dict, List, Sequence, Tuple
+
+from megatron_rl.rollout.base import RolloutError
+from megatron_rl.trainer.async_rollout import SegmentedEngine
+from megatron_rl.trainer.step_batch import StepBatch
+
+__all__ = ["DynamicSampling", "FilterGroupsExhaustedWarning", "FilterGroupsExhaustedError", "groups_with_signal",
+           "SKIPPED", "merge_round_metrics"]
+
+SKIPPED = "filter_groups/skipped"
+"""The metric every rank reads to skip a step's training (1.0: skipped)."""
+
+#: Step metrics that are counts: summed over the rounds (every other one is a row-weighted mean, or max / min).
+COUNT_METRICS = ("reward/failed", "reward/timed_out", "response/truncated_count", "routing/missing_rows")
+
+#: Per-row fields of a ``StepBatch`` (lists with one entry per row, or empty / None when the batch has none).
+ROW_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "rewards", "routing", "truncated",
+              "token_versions", "loss_masks", "scores")
+
+
+class FilterGroupsExhaustedWarning(UserWarning):
+    """``algorithm.filter_groups.max_num_gen_batches`` rounds found fewer groups with signal than the batch needs."""
+
+
+class FilterGroupsExhaustedError(RolloutError):
+    """The same, with ``algorithm.filter_groups.on_exhausted: error`` (raised on every rank; the step is not trained)."""
+
+
+def groups_with_signal(values: Sequence[float], n: int) -> List[bool]:
+    """Per prompt group (``n`` consecutive values): True when its values are not all equal (exact comparison);
+    a group of one sample is kept (nothing to compare, as verl does)."""
+    if n < 1 or len(values) % n:
+        raise ValueError(f"groups_with_signal: {len(values)} values do not split into groups of {n}")
+    groups = [values[g * n:(g + 1) * n] for g in range(len(values) // n)]
+    return [n == 1 or max(v) != min(v) for v in groups]
+
+
+def metric_values(batch: StepBatch, metric: str) -> List[float]:
+    """The per-row values ``algorithm.filter_groups.metric`` compares: "score" -> the scores before the overlong
+    penalty (the rewards when there was none); "seq_reward" / "seq_final_reward" -> the rewards."""
+    return list(batch.scores) if metric == "score" and batch.scores else list(batch.rewards)
+
+
+def merge_round_metrics(rounds: Sequence[Tuple[Dict[str, float], int]]) -> Dict[str, float]:
+    """One step's data metrics from those of its rounds (``(metrics, rows)`` each): counts (``COUNT_METRICS``)
+    summed, ``*_max`` / ``*_min`` the max / min, every other value the row-weighted mean."""
+    total = sum(rows for _, rows in rounds)
+    out: Dict[str, float] = {}
+    for key in dict.fromkeys(k for m, _ in rounds for k in m):
+        have = [(float(m[key]), rows) for m, rows in rounds if key in m]
+        if key in COUNT_METRICS:
+            out[key] = sum(v for v, _ in have)
+        elif key.endswith("_max"):
+            out[key] = max(v for v, _ in have)
+        elif key.endswith("_min"):
+            out[key] = min(v for v, _ in have)
+        else:
+            weight = sum(rows for _, rows in have) or total
+            out[key] = sum(v * rows for v, rows in have) / weight if weight else have[-1][0]
+    return out
+
+
+def take_groups(rounds: Sequence[StepBatch], picks: Sequence[Tuple[int, int]], n: int) -> StepBatch:
+    """A batch of the prompt groups ``picks`` (``(round, group)`` pairs, in batch order) of ``rounds``, every
+    per-row field with them; a field that some picked round lacks (routing, token versions, loss masks, scores)
+    is left out for the whole batch, except scores, which default to the rewards. ``weight_version`` is round 0's."""
+    rows = [(r, g * n + i) for r, g in picks for i in range(n)]
+    fields = {}
+    used = sorted({r for r, _ in picks})
+    for name in ROW_FIELDS:
+        per_round = [getattr(b, name) for b in rounds]
+        if name == "scores" and any(per_round[r] for r in used):
+            per_round = [b.scores or b.rewards for b in rounds]
+        if all(per_round[r] for r in used):
+            fields[name] = [per_round[r][i] for r, i in rows]
+        else:
+            fields[name] = None if name == "routing" else []
+    return StepBatch(weight_version=rounds[0].weight_version, **fields)
+
+
+class DynamicSampling:
+    """A step generator (``rollout_phase.SingleTurn`` / ``MultiTurn``'s interface) that filters the prompt groups of
+    ``inner`` and draws more rounds until the batch is full (see the module docstring)."""
+
+    def __init__(self, inner, cfg):
+        self.inner, self.cfg = inner, cfg
+        fg = cfg.algorithm.filter_groups
+        self.metric, self.max_rounds, self.on_exhausted = fg.metric, fg.max_num_gen_batches, fg.on_exhausted
+        self.n, self.prompts = cfg.rollout.n_samples_per_prompt, cfg.data.prompts_per_step
+
+    def generate(self, engine, step: int, version: str) -> StepBatch:
+        rounds: List[StepBatch] = []
+        kept: List[Tuple[int, int]] = []
+        dropped: List[Tuple[int, int]] = []
+        for rnd in range(self.max_rounds):
+            # interrupt mode may have loaded newer weights during the previous round: start from those
+            tag = engine.weight_version if rnd and isinstance(engine, SegmentedEngine) else version
+            batch = self.inner.generate(engine, step, tag, rnd)
+            rounds.append(batch)
+            for g, signal in enumerate(groups_with_signal(metric_values(batch, self.metric), self.n)):
+                (kept if signal else dropped).append((rnd, g))
+            if len(kept) >= self.prompts:
+                break
+        exhausted = len(kept) < self.prompts
+        if exhausted:
+            self._exhausted(step, len(rounds), len(kept), len(kept) + len(dropped))
+        filled = dropped[:max(0, self.prompts - len(kept))]
+        out = take_groups(rounds, kept[:self.prompts] + filled, self.n)
+        out.metrics = merge_round_metrics([(b.metrics, b.num_rows) for b in rounds])
+        out.metrics.update({
+            "filter_groups/rounds": float(len(rounds)), "filter_groups/groups_drawn": float(len(kept) + len(dropped)),
+            "filter_groups/groups_kept": float(len(kept)), "filter_groups/groups_dropped": float(len(dropped)),
+            "filter_groups/groups_filled": float(len(filled)), "filter_groups/exhausted": float(exhausted),
+            SKIPPED: float(exhausted and self.on_exhausted == "skip")})
+        out.rows_generated = sum(b.num_rows for b in rounds)
+        return out
+
+    def _exhausted(self, step: int, rounds: int, kept: int, drawn: int) -> None:
+        """Warn (rank 0) and raise with ``on_exhausted: error``."""
+        what = {"train": "training on them, the batch topped up with groups without signal (advantage 0)",
+                "skip": "the step is skipped (nothing trained; the weights are published unchanged)",
+                "error": "ending the job (algorithm.filter_groups.on_exhausted: error)"}[self.on_exhausted]
+        msg = (f"step {step + 1}: dynamic sampling found {kept} of the {self.prompts} prompt groups with reward "
+               f"signal the batch needs in {rounds} round(s) ({drawn} groups drawn; algorithm.filter_groups."
+               f"max_num_gen_batches={self.max_rounds}): {what}. The samples of most groups score alike: the task "
+               f"may be too easy or too hard for the model, or the reward may not vary")
+        if self.on_exhausted == "error":
+            raise FilterGroupsExhaustedError(msg)
+        warnings.warn(msg, FilterGroupsExhaustedWarning, stacklevel=2)
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        self.inner.close()
