@@ -5,8 +5,9 @@ engine, the copy task with a reward the test controls through ``data.reward_fn``
   others vary with the response. Every group the ranks train on -- read back from the dumped rollouts -- has
   reward variance > 0, the batch is full, the rounds are bounded and reported, and the trained prompts are
   those the rounds' seeds draw (recomputed here with the task and ``random``: a resumed run draws the same).
-* A reward that never varies: after max rounds the named warning, and ``on_exhausted`` decides -- "skip": the
-  actor's train step is never called and the step says so; "train": it trains and says the batch had no signal.
+* A reward that never varies: after max rounds the named warning, and ``on_exhausted`` decides -- "skip" (async
+  rollouts, one step off): the actor's train step is never called, the step says so and the weight versions go
+  on; "train" (sync): it trains and says the batch had no signal.
 """
 import json
 import os
@@ -101,21 +102,28 @@ def test_every_trained_group_has_signal_and_the_batch_is_full(copy_model, tmp_pa
     assert max(m["filter_groups/rounds"] for m in metrics) > 1     # (seeded) a step needed more prompts
 
 
-@pytest.mark.parametrize("mode", ["skip", "train"])
-def test_groups_alike_for_max_rounds_warn_and_skip_or_train(copy_model, tmp_path, mode):
+@pytest.mark.parametrize("mode, rollouts", [("skip", "async"), ("train", "sync")])
+def test_groups_alike_for_max_rounds_warn_and_skip_or_train(copy_model, tmp_path, mode, rollouts):
+    """Skipping in async mode (one step off) also proves that a skipped step still publishes its version: the
+    producer waits for it before it generates the step after next."""
+    steps = 3 if rollouts == "async" else 2
     cfg = _cfg(copy_model, tmp_path, "alike", 1, "algorithm.filter_groups.max_num_gen_batches=2",
-               f"algorithm.filter_groups.on_exhausted={mode}")
+               f"algorithm.filter_groups.on_exhausted={mode}", f"rollout.mode={rollouts}",
+               f"trainer.steps={steps}")
     [(trained, warned)] = run_ranks(_train, 1, cfg, timeout=240)
-    assert [w[0] for w in warned] == ["FilterGroupsExhaustedWarning"] * 2
+    # one per generated step (the async producer also generates ahead, steps the run never trains)
+    assert {w[0] for w in warned} == {"FilterGroupsExhaustedWarning"}
+    assert {w[1].split(":")[0] for w in warned} >= {f"step {t}" for t in range(1, steps + 1)}
     assert all("found 0 of the 4 prompt groups" in w[1] and "max_num_gen_batches=2" in w[1] for w in warned)
     metrics = _read(cfg.trainer.run_dir, "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:
         assert m["filter_groups/rounds"] == 2 and m["filter_groups/groups_drawn"] == 8
         assert m["filter_groups/groups_kept"] == 0 and m["filter_groups/groups_filled"] == 4
         assert m["filter_groups/exhausted"] == 1
         assert m["filter_groups/skipped"] == (1 if mode == "skip" else 0)
         assert ("actor/grad_norm" in m) == (mode == "train")
-    assert trained == (0 if mode == "skip" else 2)
-    rows = _read(cfg.trainer.run_dir, "rollouts.jsonl")
-    assert [r["weight_version"] for r in rows] == ["step-0"] * 16 + ["step-1"] * 16   # versions go on when skipped
+    assert trained == (0 if mode == "skip" else steps)
+    lag = 1 if rollouts == "async" else 0          # step t (1-based) generated from version max(t - 1 - lag, 0)
+    versions = [r["weight_version"] for r in _read(cfg.trainer.run_dir, "rollouts.jsonl")]
+    assert versions == [f"step-{max(t - 1 - lag, 0)}" for t in range(1, steps + 1) for _ in range(16)]

@@ -406,6 +406,41 @@ def test_multi_turn_generator_through_the_async_view_tags_every_token(tiny_job, 
     assert batch.rewards == [1.0] * batch.num_rows
 
 
+def test_dynamic_sampling_over_multi_turn_through_the_async_view(tiny_job, envs):
+    """The scripted policy answers alike on every sample (reward 1): every group is alike, so dynamic sampling
+    draws ``max_num_gen_batches`` rounds of fresh prompts (fresh environment seeds and keys), warns, and trains a
+    full batch. Round 0 loaded newer weights between its segments (interrupt mode): round 1 starts from them
+    instead of failing as stale (the first turn's version check expects the round's start version)."""
+    from megatron_rl.trainer.dynamic_sampling import DynamicSampling, FilterGroupsExhaustedWarning
+    from megatron_rl.trainer.job import build_task
+    from megatron_rl.trainer.rollout_phase import sample_prompts
+
+    cfg = _mt_cfg(tiny_job, envs, "rollout.max_new_tokens=6", "data.prompts_per_step=2",
+                  "actor.ppo_mini_batches=1", "rollout.n_samples_per_prompt=2", "algorithm.filter_groups.enable=true",
+                  "algorithm.filter_groups.max_num_gen_batches=2")
+    task, tok = build_task(cfg)
+    one, two, eq = tok.convert_tokens_to_ids(["1", "2", "="])
+    engine = ScriptedEngine([one, two, one, two, EOS], version=2, mark=eq)
+    view = SegmentedEngine(engine, 2, lambda: setattr(engine, "version", 3))   # newer weights after a segment
+    gen = build_step_generator(cfg, task)
+    assert isinstance(gen, DynamicSampling) and isinstance(gen.inner, MultiTurn)
+    try:
+        with pytest.warns(FilterGroupsExhaustedWarning, match="found 0 of the 2 prompt groups"):
+            batch = gen.generate(view, 3, "step-2")
+    finally:
+        gen.close()
+    first_turns = [c for c in engine.calls if c["n"] == 2]    # each round's first turn: n samples per prompt
+    assert [c["prompts"] for c in first_turns] == [[p.prompt_ids for p in sample_prompts(task, cfg, 3, r)]
+                                                   for r in (0, 1)]
+    assert first_turns[0]["seed"] != first_turns[1]["seed"]
+    m = batch.metrics
+    assert (m["filter_groups/rounds"], m["filter_groups/groups_drawn"], m["filter_groups/groups_filled"]) == (2, 4, 2)
+    assert batch.num_rows == 4 and batch.rows_generated == 8 and batch.rewards == [1.0] * 4
+    assert batch.weight_version == "step-2" and batch.token_versions[0][:2] == [2, 2]
+    assert len(batch.loss_masks) == 4 and all(0 in mask for mask in batch.loss_masks)
+    check_staleness(batch.token_versions, 3, 1, 4)
+
+
 def test_config_section_errors_name_keys(tiny_job, envs):
     with pytest.raises(ConfigError) as e:
         _one_rank(tiny_job, "multi_turn.env=no_such_module_xyz:Env", "multi_turn.max_turns=0",
