@@ -38,7 +38,9 @@ k3 KL rising                last-quarter mean of rollout_corr/k3_kl > K3_RISE_FA
                             first-quarter mean and > K3_FLOOR (1e-4); needs >= MIN_STEPS (8)
 reward flat                 max - min of the reward/mean curve smoothed by a moving average     WARN
                             over max(1, n/10) steps < REWARD_FLAT_RANGE (0.01); >= MIN_STEPS
-==========================  ==================================================================  ========
+dynamic sampling exhausted  filter_groups/exhausted = 1 at any step (too few groups with signal     WARN
+                            after max_num_gen_batches rounds: trained topped up, or skipped)
+==========================  ========
 """
 from __future__ import annotations
 
@@ -217,6 +219,7 @@ def health_checks(records: Sequence[dict]) -> List[Finding]:
                            + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")))
 
     out += _reward_failure_findings(records)
+    out += _filter_groups_findings(records)
 
     def last_mean(key):
         _, ys = series(records, key)
@@ -275,6 +278,20 @@ def _reward_failure_findings(records: Sequence[dict]) -> List[Finding]:
         return [Finding("WARN", "failed rewards", f"{len({x for x, _ in counts})} step(s) had failed or timed-out "
                         f"rewards (first at step {min(x for x, _ in counts)}), scored 0")]
     return []
+
+
+def _filter_groups_findings(records: Sequence[dict]) -> List[Finding]:
+    """WARN when dynamic sampling ran out of rounds at some step (``filter_groups/exhausted``): the step trained
+    groups without signal (advantage 0) to fill its batch, or was skipped (``filter_groups/skipped``)."""
+    steps = [x for x, y in zip(*series(records, "filter_groups/exhausted")) if y > 0]
+    if not steps:
+        return []
+    skipped = [x for x, y in zip(*series(records, "filter_groups/skipped")) if y > 0]
+    return [Finding("WARN", "dynamic sampling exhausted",
+                    f"{len(steps)} step(s) found too few prompt groups with reward signal in "
+                    f"algorithm.filter_groups.max_num_gen_batches rounds (first at step {steps[0]}; {len(skipped)} "
+                    f"skipped, the others topped up with groups of advantage 0): most groups score alike -- the "
+                    f"task may be too easy or too hard for the model")]
 
 
 # ----------------------------------------------------------------------------- plots

@@ -7,6 +7,7 @@
   the bound, the counts match the script, the data metrics cover every generated row;
 * exhausted: the named warning, then "train" (topped up with alike groups), "skip" (the skip flag) or "error";
 * round r draws fresh prompts with its own seed and round 0 is the draw of a run without dynamic sampling;
+* the reward-failure fraction counts every generated row; ``megatron-rl report`` warns about exhausted steps;
 * the config keys' errors name the key.
 """
 import random
@@ -161,3 +162,20 @@ def test_config_errors_name_the_key(tiny_job, override, needle):
     with pytest.raises(ConfigError) as e:
         tiny_job(*ONE_RANK, "algorithm.filter_groups.enable=true", override)
     assert needle in str(e.value)
+
+
+def test_failure_fraction_counts_every_generated_row_and_the_report_warns():
+    from megatron_rl.ops.report import health_checks
+    from megatron_rl.trainer.rollout_source import RowSplit
+
+    gen = DynamicSampling(Scripted([[ALIKE, SIGNAL, ALIKE], [SIGNAL, ALIKE, ALIKE], [ALIKE, SIGNAL, SIGNAL]]), _Cfg())
+    batch = gen.generate(None, 0, "step-0")
+    piece = RowSplit([0], 1, 2, False).pieces(batch)[0]
+    assert piece.summary["reward/failed_frac"] == pytest.approx(3 / 18)   # 1 failure per round of 6 rows
+    assert piece.summary["reward/mean"] == pytest.approx(sum(batch.rewards) / 6)
+    records = [{"step": 1, "filter_groups/exhausted": 0.0}, {"step": 2, "filter_groups/exhausted": 1.0,
+                                                             "filter_groups/skipped": 1.0}]
+    [finding] = health_checks(records)
+    assert (finding.severity, finding.check) == ("WARN", "dynamic sampling exhausted")
+    assert "first at step 2; 1 skipped" in finding.message
+    assert health_checks(records[:1]) == []
