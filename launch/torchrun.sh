@@ -44,7 +44,8 @@
 # Stopping (Ctrl-C, or SIGTERM / SIGINT to this script): the request is written to a stop file the ranks read
 # every half second and the signal is forwarded to them; they finish the step, checkpoint, print one line and
 # exit 0 (ranks still starting: after their first step) -- and so does this script, which says in one line when
-# every rank of its node has confirmed the stop.
+# every rank of its node has confirmed the stop. A stop before any rank has started (a multi-node rendezvous
+# still waiting) ends torchrun at once and exits 128 + signal (130 for Ctrl-C): there is nothing to checkpoint.
 # A second signal stops them at once (exit 128 + signal). The torchrun agent runs in its own session with
 # SIGINT / SIGTERM ignored (its own handler would re-signal the ranks, SIGKILL them after 30 s and print a
 # traceback); inside a Slurm step, which signals every process of the step itself, no signal is forwarded.
@@ -163,6 +164,7 @@ SENT=0        # stop requests delivered
 STOP_SIG=""   # name of the last signal received
 STOP_AT=0     # when the first request was delivered (for the confirmation line)
 CONFIRMED=0   # 1 once the confirmation line was printed
+EARLY_STOP=0  # 128 + signal when a stop came before any rank started (the launcher's exit status)
 # shellcheck disable=SC2317  # invoked by the INT / TERM traps: note the request, the loop below delivers it
 on_stop() { STOPS=$(( STOPS + 1 )); STOP_SIG=$1; }
 children_of() {  # pids whose parent is $1, from /proc (no procps needed: slim containers lack `ps`)
@@ -183,10 +185,12 @@ deliver_stop() {  # the stop file first (a rank reads it even if the signal is l
   if (( SENT > 1 )); then echo "launch/torchrun.sh: second SIG$STOP_SIG: the ranks exit now, without checkpoint" >&2; fi
   [[ -n "${SLURM_STEP_ID:-}" ]] && return 0  # Slurm signals every process of the step itself
   ranks=$(children_of "$AGENT")
-  if [[ -z "$ranks" ]]; then  # no rank yet (rendezvous): stop the agent itself
-    echo "launch/torchrun.sh: SIG$STOP_SIG before any rank started: stopping torchrun" >&2
-    kill -HUP "$AGENT" 2>/dev/null || true
+  if [[ -z "$ranks" ]]; then  # no rank yet (rendezvous): nothing to checkpoint; end the agent (a rank it starts
+    # meanwhile exits with it: it watches its agent), exit 128 + signal
+    echo "launch/torchrun.sh: SIG$STOP_SIG before any rank started: torchrun stopped, nothing to checkpoint" >&2
+    kill -KILL "$AGENT" 2>/dev/null || true
     CONFIRMED=1
+    EARLY_STOP=$(( 128 + $(kill -l "$STOP_SIG") ))
     return 0
   fi
   # shellcheck disable=SC2086
@@ -215,4 +219,5 @@ done
 set +e
 wait "$AGENT"
 rc=$?
+if (( EARLY_STOP )); then exit "$EARLY_STOP"; fi
 exit "$rc"

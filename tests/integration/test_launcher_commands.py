@@ -11,6 +11,8 @@
   exists; the other building its job): the same clean stop, after the first step -- not a KeyboardInterrupt in
   one rank and a failed job (torchrun >= 2.x hands its ranks a default SIGINT unless told which signals to
   handle: launch/torchrun.sh sets PET_SIGNALS_TO_HANDLE);
+* Ctrl-C while a multi-node rendezvous still waits for another node (no rank exists): torchrun ends at once, the
+  launcher says so in one line and exits 130, with no traceback and nothing left running;
 * ``--resume`` after the overrides continues from that checkpoint, the history reading 1..N+1.
 
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_launcher_commands.py   (~2-3 min on 2 cores)
@@ -56,10 +58,17 @@ def _steps(run):
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _launch(tmp_path, job, *args, logs="logs", fault=None, env=None):
-    return subprocess.Popen(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / logs),
-                             "--config", str(job), *args], cwd=ROOT, env=env or _env(fault), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _launch(tmp_path, job, *args, logs="logs", fault=None, env=None, stdout_file=None):
+    """``launch/torchrun.sh`` with launcher options ``args``, then ``--config job``; the output piped (or written to
+    ``stdout_file``)."""
+    out = open(stdout_file, "w") if stdout_file else subprocess.PIPE
+    try:
+        return subprocess.Popen(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / logs), *args,
+                                 "--config", str(job)], cwd=ROOT, env=env or _env(fault), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    finally:
+        if stdout_file:
+            out.close()
 
 
 def _stop_after_two_steps(proc, run, send):
@@ -153,6 +162,34 @@ def test_ctrl_c_while_the_ranks_start_stops_cleanly_after_the_first_step(tmp_pat
         kill_job(proc)
     out = "".join(lines)
     assert _assert_clean_stop(proc, out, run, signal.SIGINT) == 1
+
+
+def test_ctrl_c_during_the_rendezvous_exits_130_at_once(tmp_path, copy_model):
+    with socket.socket() as s:  # a free port for the c10d rendezvous; the second node never comes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _launch(tmp_path, _job(tmp_path, copy_model), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                   "--rdzv-id", "alone", stdout_file=tmp_path / "out.txt")
+    try:
+        deadline = time.time() + 120
+        while not any("torch.distributed.run" in _cmd(p) for p in psutil.Process(proc.pid).children(recursive=True)):
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.txt").read_text()[-4000:]
+            time.sleep(0.2)
+        time.sleep(3)  # the agent is in the rendezvous (it waits for the second node up to its timeout)
+        agent_and_all = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        took = time.time() - t0
+        gone, alive = psutil.wait_procs(agent_and_all, timeout=20)
+    finally:
+        kill_job(proc)
+    out = (tmp_path / "out.txt").read_text()
+    assert proc.returncode == 130, out[-4000:]
+    assert took < 10, (took, out[-4000:])
+    assert "launch/torchrun.sh: SIGINT before any rank started: torchrun stopped, nothing to checkpoint" in out, out
+    assert "Traceback" not in out, out[-4000:]
+    assert not alive, [_cmd(p)[:120] for p in alive]
 
 
 def _cmd(p):
