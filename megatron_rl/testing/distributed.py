@@ -50,6 +50,7 @@ def _worker(fn, rank, world_size, store_path, conn, args, kwargs, timeout):
             "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        open(f"{store_path}.joined.{rank}", "w").close()
         out = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()
         torch.save(out, buf)
@@ -59,10 +60,22 @@ def _worker(fn, rank, world_size, store_path, conn, args, kwargs, timeout):
     finally:
         try:
             if dist.is_initialized():
+                _wait_joined(store_path, world_size, timeout)
                 dist.destroy_process_group()
         except Exception:
             pass
         conn.close()
+
+
+def _wait_joined(store_path: str, world_size: int, timeout: float) -> None:
+    """Before a rank tears its process group down: wait (bounded) until every rank has finished joining it. A rank
+    that returns at once (a test whose body needs no collective) would otherwise close its gloo sockets while a
+    slower rank is still connecting its mesh ("Connection closed by peer" there, under load)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(f"{store_path}.joined.{r}") for r in range(world_size)):
+            return
+        time.sleep(0.01)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0,
