@@ -7,6 +7,7 @@
     megatron-rl data inspect PATH --tokenizer DIR [-n 3]
     megatron-rl convert hf-to-mcore --hf-dir D --out O --tensor-model-parallel-size T ...
     megatron-rl convert mcore-to-hf --mcore-dir O --out D2
+    megatron-rl migrate verl VERL.yaml -o JOB.yaml
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)`` (registers its arguments
 and sets ``func``); ``_SUBCOMMANDS`` lists them.
@@ -26,6 +27,7 @@ _SUBCOMMANDS = {
     "check": "megatron_rl.cli.check",
     "report": "megatron_rl.cli.report",
     "data": "megatron_rl.cli.data",
+    "migrate": "megatron_rl.cli.migrate",
 }
 
 

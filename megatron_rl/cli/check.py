@@ -28,6 +28,7 @@ from typing import List, Optional
 
 from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
+from megatron_rl.config.load import VERL_FILE_MESSAGE
 from megatron_rl.config.validate import world_errors
 from megatron_rl.models.attention import expected_te, job_attention_backend
 from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
@@ -113,6 +114,9 @@ def _run(args: argparse.Namespace) -> int:
                                            world_size="cluster", has_te=args.transformer_engine)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if VERL_FILE_MESSAGE in problems:
+        print(f"error: {args.config}: {VERL_FILE_MESSAGE.replace('FILE', args.config)}", file=sys.stderr)
         return 2
     problems += data_problems(cfg, problems)
     reward_error = reward_import_error(cfg.data.reward_fn)  # e.g. the math reward without math-verify

@@ -28,6 +28,7 @@ from megatron_rl.config.sections import (
     TrainerConfig,
 )
 from megatron_rl.config.types import check_value, field_types
+from megatron_rl.config.verl_keys import is_verl_config
 from megatron_rl.config.validate import job_errors
 from megatron_rl.convert import model_config_for_checkpoint
 from megatron_rl.correction import RolloutCorrectionConfig
@@ -255,19 +256,30 @@ def _move_loss_mode(tree: Dict[str, Any], errors: List[str]) -> Dict[str, Any]:
     return tree
 
 
+_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer")
+#: The one problem reported for a verl config (its keys are not this project's).
+VERL_FILE_MESSAGE = ("actor_rollout_ref: this is a verl config (its actor_rollout_ref: section), not a megatron-rl "
+                     "one; convert it with `megatron-rl migrate verl FILE -o JOB.yaml`, which maps every key to "
+                     "this project's and lists those it cannot map with the reason")
+
+
 def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
     """(JobConfig, problems): the typed config of nested dict ``tree`` with every key that has a problem
-    left at its default, and the list of those problems (dotted keys). No world-size checks."""
+    left at its default, and the list of those problems (dotted keys). No world-size checks. A verl config
+    (``actor_rollout_ref:``) is one problem pointing to ``megatron-rl migrate verl``, with every section at its
+    defaults."""
     errors: List[str] = []
     if not isinstance(tree, dict):
         errors.append(f"config: expected a mapping at the top level, got {type(tree).__name__}")
         tree = {}
+    if is_verl_config(tree):
+        errors.append(VERL_FILE_MESSAGE)
+        return JobConfig(model=None, **{s: _section(s, None, []) for s in _BUILT}), errors
     for k in tree:
         if k not in SECTIONS:
             errors.append(_unknown_section(str(k)))
     tree = _move_loss_mode(tree, errors)
-    built = {s: _section(s, tree.get(s), errors) for s in ("cluster", "parallel", "rollout", "data", "multi_turn",
-                                                           "algorithm", "actor", "trainer")}
+    built = {s: _section(s, tree.get(s), errors) for s in _BUILT}
     model = None
     if tree.get("model"):
         model = _model_section(tree["model"], errors)
@@ -321,6 +333,8 @@ def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
         ws = cfg.cluster.world_size
     else:
         ws = world_size if world_size is not None else (launch_world_size() or 1)
+    if VERL_FILE_MESSAGE in errors:
+        return cfg, errors  # nothing else of a verl file is this project's config
     bad_keys = {e.split(":", 1)[0] for e in errors}
     for e in job_errors(cfg, ws, has_te=has_te):  # a key (or section) whose value was rejected above is not reported twice
         key = e.split(":", 1)[0]

@@ -1,0 +1,829 @@
+"""Every verl config key and what it is here: the one owner of verl-name knowledge.
+
+``VERL_KEYS`` lists rules in order; the first whose pattern matches a verl key (dotted, after Hydra
+interpolations are resolved) decides it. A pattern is dotted; ``*`` matches one level, a trailing ``**`` any number
+of levels (a whole sub-tree), a leading ``**`` any key ending in the rest. Each rule is one of
+
+* ``MAPPED``: the key has a home here -- ``target`` (this project's dotted key, Megatron's parameter names), or
+  ``convert``, a function of (value, the verl config) returning ``{our key: value}`` (e.g. verl's
+  ``ppo_mini_batch_size`` in prompts becomes ``actor.ppo_mini_batches``, a count);
+* ``UNSUPPORTED``: a feature this project does not have yet;
+* ``NO_MEANING``: a setting of verl's own machinery (Ray, FSDP, Hydra, its profiler, its critic) that has no
+  counterpart here;
+* ``SERVER``: a setting of the SGLang server (memory fraction, its own tensor parallelism, ...), given where
+  the servers start, not in the trainer's config.
+
+A non-mapped rule may name ``neutral`` values (what this project does anyway: ``param_offload: false``) and an
+``inactive`` test (the key has no effect in that verl config, e.g. ``kl_ctrl.*`` while ``use_kl_in_reward`` is
+false); such keys are reported as changing nothing. :mod:`megatron_rl.config.migrate_verl` applies the table;
+:mod:`megatron_rl.config.hints` derives its hints for verl names users put in this project's sections from it
+(:func:`hint_entries`).
+
+Features that are being added (learning-rate schedule, entropy bonus, validation, dynamic sampling) are in
+``PENDING``: each verl key names the key it will map to, and the rule maps as soon as that key exists in this
+project's config dataclasses (until then the key is reported as not supported yet).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from megatron_rl.config.interpolation import lookup
+from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
+from megatron_rl.losses import PolicyLossConfig
+
+MAPPED = "mapped"
+UNSUPPORTED = "not supported yet"
+NO_MEANING = "no meaning here"
+SERVER = "the SGLang server's setting"
+
+#: The top-level sections only a verl config has (``data`` / ``trainer`` / ``algorithm`` are both's).
+VERL_ONLY_SECTIONS = ("actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "reward_manager",
+                      "global_profiler", "transfer_queue", "ray_kwargs")
+
+
+class Skip(Exception):
+    """Raised by a converter: the key is not mapped for the reason given (``kind``, ``reason``)."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+class Verl:
+    """A verl config (interpolations resolved) as the rules read it."""
+
+    def __init__(self, tree: Mapping[str, Any]):
+        self.tree = tree
+
+    def get(self, dotted: str, default: Any = None) -> Any:
+        """The value at ``dotted`` (``default`` when absent)."""
+        return lookup(self.tree, dotted, default)
+
+    def has(self, dotted: str) -> bool:
+        """Whether the file sets ``dotted``."""
+        return lookup(self.tree, dotted, _ABSENT) is not _ABSENT
+
+    @property
+    def strategy(self) -> Optional[str]:
+        """verl's actor backend: ``actor.strategy``, else "megatron" when the file has an ``actor.megatron``
+        block, "fsdp" when it has an ``actor.fsdp_config`` block, else None (unknown)."""
+        s = self.get("actor_rollout_ref.actor.strategy")
+        if s is not None:
+            return "megatron" if s == "megatron" else "fsdp"
+        if self.has("actor_rollout_ref.actor.megatron"):
+            return "megatron"
+        if self.has("actor_rollout_ref.actor.fsdp_config"):
+            return "fsdp"
+        return None
+
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one verl key (or sub-tree) is here; see the module docstring."""
+
+    pattern: str
+    """Dotted verl key; ``*`` one level, trailing ``**`` a sub-tree, leading ``**`` any prefix."""
+    kind: str
+    """MAPPED, UNSUPPORTED, NO_MEANING or SERVER."""
+    target: Optional[str] = None
+    """MAPPED: this project's dotted key (the value is copied); otherwise the key that covers it, if any."""
+    note: str = ""
+    """Why / what to know: the reason of a key that is not mapped, a remark on a mapped one."""
+    convert: Optional[Callable[[Any, Verl], Dict[str, Any]]] = None
+    """MAPPED with a computed value: (value, verl config) -> {our dotted key: value}; may raise Skip."""
+    neutral: Tuple[Any, ...] = ()
+    """Values that are this project's behaviour anyway (nothing to set)."""
+    inactive: Optional[Callable[[Verl], Optional[str]]] = None
+    """Verl config -> why the key has no effect in it (None: it has)."""
+    hint: bool = True
+    """Whether the key's last name is distinctive enough to hint on when found in this project's sections."""
+
+    def matches(self, key: str) -> bool:
+        """Whether verl key ``key`` (dotted) falls under this rule."""
+        pat, parts = self.pattern.split("."), key.split(".")
+        if pat[0] == "**":  # any key ending in the rest
+            return len(parts) >= len(pat) - 1 and all(
+                fnmatch.fnmatchcase(k, p) for k, p in zip(parts[len(parts) - len(pat) + 1:], pat[1:]))
+        if pat[-1] == "**":
+            return len(parts) >= len(pat) and all(fnmatch.fnmatchcase(k, p) for k, p in zip(parts, pat[:-1]))
+        return len(parts) == len(pat) and all(fnmatch.fnmatchcase(k, p) for k, p in zip(parts, pat))
+
+    def reason(self) -> str:
+        """``"<kind>: <note>"`` of a key that is not mapped."""
+        return f"{self.kind}: {self.note}" if self.note else self.kind
+
+
+def _m(pattern: str, target: Optional[str] = None, note: str = "", convert=None, hint: bool = True) -> Rule:
+    return Rule(pattern, MAPPED, target=target, note=note, convert=convert, hint=hint)
+
+
+def _u(pattern: str, note: str, neutral: Tuple[Any, ...] = (), inactive=None, target: Optional[str] = None,
+       hint: bool = True) -> Rule:
+    return Rule(pattern, UNSUPPORTED, target=target, note=note, neutral=neutral, inactive=inactive, hint=hint)
+
+
+def _n(pattern: str, note: str, neutral: Tuple[Any, ...] = (), inactive=None, target: Optional[str] = None,
+       hint: bool = False) -> Rule:
+    return Rule(pattern, NO_MEANING, target=target, note=note, neutral=neutral, inactive=inactive, hint=hint)
+
+
+def _s(pattern: str, note: str, hint: bool = True) -> Rule:
+    return Rule(pattern, SERVER, note=note, hint=hint)
+
+
+# ------------------------------------------------------------------------------------------------ conditions
+def _unless(key: str, on: Callable[[Any], bool], what: str) -> Callable[[Verl], Optional[str]]:
+    """inactive unless ``on(value of key)``: "no effect in verl while <key> is <value>"."""
+    def test(v: Verl) -> Optional[str]:
+        value = v.get(key)
+        return None if on(value) else f"no effect in verl while {key} is {_show(value)}{what}"
+    return test
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _strategy_is(strategy: str) -> Callable[[Verl], Optional[str]]:
+    def test(v: Verl) -> Optional[str]:
+        s = v.strategy
+        return None if s in (None, strategy) else f"a setting of verl's {strategy} actor; this file's actor is {s}"
+    return test
+
+
+_RM = "actor_rollout_ref"
+_A, _R, _REF, _MODEL = f"{_RM}.actor", f"{_RM}.rollout", f"{_RM}.ref", f"{_RM}.model"
+_DYN = _unless(f"{_A}.use_dynamic_bsz", bool, " (fixed micro-batches of ppo_micro_batch_size_per_gpu rows)")
+
+
+# ------------------------------------------------------------------------------------------------ converters
+def _mini_batches(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's ppo_mini_batch_size counts prompts per optimizer step (verl multiplies it by rollout.n)."""
+    total = v.get("data.train_batch_size")
+    if not isinstance(value, int) or value < 1 or not isinstance(total, int):
+        raise Skip(UNSUPPORTED, f"needs integer data.train_batch_size and ppo_mini_batch_size (got {total!r}, "
+                                f"{value!r}) to count mini-batches")
+    if total % value:
+        raise Skip(UNSUPPORTED, f"{value} prompts per mini-batch do not divide data.train_batch_size {total}; "
+                                f"here a step is split into actor.ppo_mini_batches equal mini-batches")
+    return {"actor.ppo_mini_batches": total // value}
+
+
+def _dynamic_bsz(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value:
+        raise Skip(NO_MEANING, "false: micro-batches of a fixed number of rows, this project's default too "
+                               "(actor.max_tokens_per_micro_batch: null)")
+    return {}
+
+
+def _betas(value: Any, v: Verl) -> Dict[str, Any]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise Skip(UNSUPPORTED, f"expected [beta1, beta2], got {value!r}")
+    return {"actor.adam_beta1": float(value[0]), "actor.adam_beta2": float(value[1])}
+
+
+def _token_budget(value: Any, v: Verl) -> Dict[str, Any]:
+    return {"actor.max_tokens_per_micro_batch": value}
+
+
+def _remove_padding(value: Any, v: Verl) -> Dict[str, Any]:
+    return {"actor.sequence_packing": bool(value)}
+
+
+def _dtype(value: Any, v: Verl) -> Dict[str, Any]:
+    if value not in ("bfloat16", "bf16", "float32", "fp32"):
+        raise Skip(UNSUPPORTED, f"the actor trains in bf16 (with fp32 main weights) or fp32, not {value!r}")
+    return {"actor.bf16": value in ("bfloat16", "bf16")}
+
+
+def _kl_loss_coef(value: Any, v: Verl) -> Dict[str, Any]:
+    if not v.get(f"{_A}.use_kl_loss", False):
+        raise Skip(NO_MEANING, f"no effect in verl while {_A}.use_kl_loss is {_show(v.get(f'{_A}.use_kl_loss'))} "
+                               f"(actor.policy_loss.kl_loss_coef stays 0)")
+    return {"actor.policy_loss.kl_loss_coef": value}
+
+
+def _clip_ratio(value: Any, v: Verl) -> Dict[str, Any]:
+    if v.get(f"{_A}.clip_ratio_low") is not None and v.get(f"{_A}.clip_ratio_high") is not None:
+        raise Skip(NO_MEANING, "verl uses clip_ratio_low / clip_ratio_high when they are set (both are)")
+    return {"actor.policy_loss.clip_ratio": value}
+
+
+def _loss_mode(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl runs actor.policy_loss.loss_mode in decoupled mode; bypass_mode replaces it by its own loss."""
+    from megatron_rl.losses.config import loss_type_for_loss_mode
+    if v.get("algorithm.rollout_correction.bypass_mode"):
+        raise Skip(NO_MEANING, "verl ignores loss_mode when algorithm.rollout_correction.bypass_mode is true "
+                               "(its loss_type decides)")
+    try:
+        return {"algorithm.rollout_correction.loss_type": loss_type_for_loss_mode(value)}
+    except ValueError as exc:
+        raise Skip(UNSUPPORTED, str(exc)) from None
+
+
+def _correction_loss_type(value: Any, v: Verl) -> Dict[str, Any]:
+    if not v.get("algorithm.rollout_correction.bypass_mode"):
+        raise Skip(NO_MEANING, "verl reads rollout_correction.loss_type only in bypass_mode; the objective is "
+                               f"{_A}.policy_loss.loss_mode")
+    return {"algorithm.rollout_correction.loss_type": value}
+
+
+def _adv_estimator(value: Any, v: Verl) -> Dict[str, Any]:
+    if value not in ("grpo", "rloo"):
+        raise Skip(UNSUPPORTED, f"advantage estimator {value!r}: algorithm.advantage_estimator is grpo or rloo "
+                                f"(no critic, so no gae)")
+    return {"algorithm.advantage_estimator": value}
+
+
+def _engine(value: Any, v: Verl) -> Dict[str, Any]:
+    if value not in ("sglang", "vllm"):
+        raise Skip(UNSUPPORTED, f"rollout engine {value!r}: rollouts come from SGLang servers (rollout.engine: "
+                                f"sglang) or the embedded engine")
+    return {"rollout.engine": "sglang", "rollout.sglang_urls": ["http://127.0.0.1:30000"]}
+
+
+def _routing_replay(value: Any, v: Verl) -> Dict[str, Any]:
+    mode = str(value).lower()
+    if mode not in ("disabled", "r2", "r3"):
+        raise Skip(UNSUPPORTED, f"router_replay.mode {value!r}: actor.routing_replay is none, r2 or r3")
+    return {"actor.routing_replay": "none" if mode == "disabled" else mode}
+
+
+def _train_files(value: Any, v: Verl) -> Dict[str, Any]:
+    files = [value] if isinstance(value, str) else list(value or [])
+    if len(files) != 1:
+        raise Skip(UNSUPPORTED, f"{len(files)} training files: data.path reads one file (concatenate them)")
+    return {"data.task": "file", "data.path": str(files[0])}
+
+
+def _overlong_prompts(value: Any, v: Verl) -> Dict[str, Any]:
+    if value:
+        return {"data.overlong_prompts": "filter"}
+    raise Skip(NO_MEANING, "false: data.truncation decides what happens to an overlong prompt")
+
+
+def _truncation(value: Any, v: Verl) -> Dict[str, Any]:
+    if v.get("data.filter_overlong_prompts"):
+        raise Skip(NO_MEANING, "data.filter_overlong_prompts is true: overlong prompts are dropped first")
+    if value == "left":
+        return {"data.overlong_prompts": "truncate"}
+    raise Skip(UNSUPPORTED, f"with truncation {value!r} verl {'stops on' if value == 'error' else 'cuts'} an "
+                            f"overlong prompt; here data.overlong_prompts is filter (drop it, the default) or "
+                            f"truncate (keep its last tokens: verl's truncation left)")
+
+
+def _reward_fn(value: Any, v: Verl) -> Dict[str, Any]:
+    if value is None:
+        raise Skip(NO_MEANING, "no custom reward file: verl's default_compute_score dispatch on data_source, "
+                               "which is this project's default too")
+    return {"data.reward_fn": f"{value}:{v.get('custom_reward_function.name') or 'compute_score'}"}
+
+
+def _overlong_len(prefix: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        if not v.get(f"{prefix}.enable"):
+            raise Skip(NO_MEANING, f"no effect in verl while {prefix}.enable is {_show(v.get(f'{prefix}.enable'))}")
+        return {"data.overlong_buffer_len": value}
+    return convert
+
+
+def _overlong_factor(prefix: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        if not v.get(f"{prefix}.enable"):
+            raise Skip(NO_MEANING, f"no effect in verl while {prefix}.enable is {_show(v.get(f'{prefix}.enable'))}")
+        return {"data.overlong_penalty_factor": value}
+    return convert
+
+
+def _logger(value: Any, v: Verl) -> Dict[str, Any]:
+    names = [value] if isinstance(value, str) else list(value or [])
+    known = {"console", "wandb", "tensorboard"}
+    other = [n for n in names if n not in known]
+    if other:
+        raise Skip(UNSUPPORTED, f"logger(s) {other}: metrics go to metrics.jsonl, the console (trainer.progress), "
+                                f"W&B (trainer.wandb) and TensorBoard (trainer.tensorboard)")
+    return {"trainer.progress": "console" in names, "trainer.wandb": "wandb" in names,
+            "trainer.tensorboard": "tensorboard" in names}
+
+
+def _save_freq(value: Any, v: Verl) -> Dict[str, Any]:
+    return {"trainer.save_interval": max(int(value), 0)}
+
+
+def _steps(value: Any, v: Verl) -> Dict[str, Any]:
+    if value is None:
+        raise Skip(NO_MEANING, "null: verl counts trainer.total_epochs over the data instead (see there)")
+    return {"trainer.steps": value}
+
+
+def _total_epochs(value: Any, v: Verl) -> Dict[str, Any]:
+    if v.get("trainer.total_training_steps") is not None:
+        raise Skip(NO_MEANING, "trainer.total_training_steps is set and wins in verl")
+    raise Skip(UNSUPPORTED, "training length is trainer.steps here (each step draws data.prompts_per_step prompts "
+                            "at random); verl's = total_epochs x rows of the data / data.train_batch_size: set "
+                            "trainer.steps")
+
+
+def _resume_mode(value: Any, v: Verl) -> Dict[str, Any]:
+    if value == "disable":
+        return {"trainer.resume": False}
+    raise Skip(UNSUPPORTED, f"resume_mode {value!r}: resuming is explicit here (trainer.resume: true, or --resume, "
+                            f"continues the newest complete checkpoint in trainer.run_dir)")
+
+
+def _rollout_dump(value: Any, v: Verl) -> Dict[str, Any]:
+    if value is None:
+        raise Skip(NO_MEANING, "null: rollouts are not dumped (trainer.dump_rollouts: false, the default)")
+    return {"trainer.dump_rollouts": True}
+
+
+def _pick_device(value: Any, v: Verl) -> Dict[str, Any]:
+    if value not in ("cuda", "cpu"):
+        raise Skip(UNSUPPORTED, f"device {value!r}: cluster.device is cuda or cpu")
+    return {"cluster.device": value}
+
+
+def _seed(value: Any, v: Verl) -> Dict[str, Any]:
+    if value is None:
+        raise Skip(NO_MEANING, "null: verl's default seed; trainer.seed seeds data, sampling and init here")
+    return {"trainer.seed": value}
+
+
+# ------------------------------------------------------------------------------------------------ pending
+def _field(dotted: str) -> bool:
+    """Whether ``dotted`` is a key of this project's config (section dataclass field)."""
+    section, _, name = dotted.rpartition(".")
+    cls = {"actor": ActorConfig, "actor.policy_loss": PolicyLossConfig, "algorithm": AlgorithmConfig,
+           "data": DataConfig, "rollout": RolloutConfig, "trainer": TrainerConfig}.get(section)
+    return cls is not None and name in {f.name for f in dataclasses.fields(cls)}
+
+
+#: Features being added: verl key pattern -> (the keys it will map to, first that exists wins; why not yet;
+#: values that change nothing; inactive test). Each maps as soon as its key exists in the config dataclasses.
+PENDING: Dict[str, tuple] = {
+    f"{_A}.optim.lr_warmup_steps": (("actor.lr_warmup_steps",), "the learning rate is constant (actor.lr); no "
+                                    "warm-up is implemented", (-1, 0, None), None),
+    f"{_A}.optim.lr_warmup_steps_ratio": (("actor.lr_warmup_fraction",), "the learning rate is constant "
+                                          "(actor.lr); no warm-up is implemented", (0, 0.0, None), None),
+    f"{_A}.optim.lr_decay_style": (("actor.lr_decay_style",), "the learning rate is constant (actor.lr); no "
+                                   "scheduler is implemented", ("constant",), None),
+    f"{_A}.optim.warmup_style": (("actor.lr_decay_style",), "the learning rate is constant (actor.lr); no "
+                                 "scheduler is implemented", ("constant",), None),
+    f"{_A}.optim.lr_scheduler_type": (("actor.lr_decay_style",), "the learning rate is constant (actor.lr); no "
+                                      "scheduler is implemented", ("constant",), None),
+    f"{_A}.optim.lr_decay_steps": (("actor.lr_decay_steps",), "the learning rate is constant (actor.lr)",
+                                   (None,), None),
+    f"{_A}.optim.min_lr": (("actor.min_lr",), "the learning rate is constant (actor.lr)", (0, 0.0),
+                           _unless(f"{_A}.optim.lr_decay_style", lambda s: s not in (None, "constant"), "")),
+    f"{_A}.optim.min_lr_ratio": (("actor.min_lr",), "the learning rate is constant (actor.lr)", (0, 0.0, None),
+                                 None),
+    f"{_A}.entropy_coeff": (("actor.policy_loss.entropy_coeff", "algorithm.entropy_coeff", "actor.entropy_coeff"),
+                            "no entropy bonus is implemented", (0, 0.0), None),
+    "data.val_files": (("data.val_path",), "no validation set is evaluated during training", (None,), None),
+    "data.val_batch_size": (("data.val_batch_size",), "no validation set is evaluated during training",
+                            (None,), None),
+    "data.val_max_samples": (("data.val_max_samples",), "no validation set is evaluated during training",
+                             (-1, None), None),
+    "data.validation_shuffle": ((), "no validation set is evaluated during training", (False,), None),
+    "trainer.test_freq": (("trainer.val_interval",), "no validation set is evaluated during training", (-1, 0),
+                          None),
+    "trainer.val_before_train": (("trainer.val_before_train",), "no validation set is evaluated during training",
+                                 (False,), None),
+    "trainer.validation_data_dir": ((), "no validation set is evaluated during training", (), None),
+    "trainer.val_only": ((), "no validation set is evaluated during training", (False,), None),
+    "trainer.log_val_generations": ((), "no validation set is evaluated during training", (0,), None),
+    f"{_R}.val_kwargs.**": ((), "no validation set is evaluated during training (its sampling settings)", (),
+                            None),
+    "algorithm.filter_groups.**": ((), "no dynamic sampling (DAPO's filter_groups: drop groups whose rewards are "
+                                   "all equal, draw more prompts)", (),
+                                   _unless("algorithm.filter_groups.enable", bool, "")),
+    "data.gen_batch_size": ((), "no dynamic sampling: verl draws gen_batch_size prompts per generation round for "
+                            "filter_groups", (), _unless("algorithm.filter_groups.enable", bool, "")),
+}
+
+
+def _pending_rules() -> List[Rule]:
+    rules = []
+    for pattern, (targets, why, neutral, inactive) in PENDING.items():
+        landed = [t for t in targets if _field(t)]
+        if landed and "**" not in pattern:
+            rules.append(_m(pattern, landed[0]))
+        else:
+            rules.append(_u(pattern, why, neutral=neutral, inactive=inactive, target=None))
+    return rules
+
+
+# ------------------------------------------------------------------------------------------------ the table
+_SGLANG = "give it where the servers start: launch/sglang_server.sh -- <sglang flag>, SGLANG_EXTRA_ARGS of " \
+          "launch/slurm.sbatch"
+_TRAINER_ONLY = "the actor's own layout is parallel.*"
+_PROFILER = "verl's profiler; profile with your own tools (nsys, torch.profiler) around launch/torchrun.sh"
+_NO_CRITIC = "verl's critic: the advantage estimators here (grpo, rloo) need no critic"
+_LOGPROB_MB = "one micro-batch setting serves the log-prob and the train pass here (actor.micro_batch_size / " \
+              "actor.max_tokens_per_micro_batch)"
+_REF_NOTE = "the reference model (KL loss) runs with the actor's layout and micro-batches here"
+_RAY = "verl's Ray set-up; processes here are started by torchrun / srun"
+_TARGET = "Hydra's class name of a verl config block"
+_MULTI_TURN = "multi-turn rollouts here run an Environment class (multi_turn.env, docs/multi_turn.md); verl's " \
+              "tool / interaction configs do not carry over"
+_RM_OFF = _unless("reward_model.enable", bool, " (rewards come from functions: data.reward_fn)")
+
+
+def _rules() -> List[Rule]:
+    return [
+        _n("**._target_", _TARGET),
+        *_pending_rules(),
+        # ---- actor: optimizer
+        _m(f"{_A}.optim.lr", "actor.lr"),
+        _m(f"{_A}.optim.weight_decay", "actor.weight_decay"),
+        _m(f"{_A}.optim.betas", "actor.adam_beta1", convert=_betas, note="and actor.adam_beta2"),
+        _m(f"{_A}.optim.clip_grad", "actor.clip_grad"),
+        _m(f"{_A}.grad_clip", "actor.clip_grad"),
+        _u(f"{_A}.optim.optimizer", "the optimizer is Adam (megatron-core's, with decoupled weight decay)",
+           neutral=("adam", "adamw", "AdamW")),
+        _n(f"{_A}.optim.total_training_steps", "verl fills it from the trainer at run time (the schedule's length)",
+           neutral=(-1, None)),
+        _u(f"{_A}.optim.lr_warmup_init", "the learning rate is constant (actor.lr); no warm-up is implemented",
+           neutral=(0, 0.0)),
+        _u(f"{_A}.optim.num_cycles", "the learning rate is constant (actor.lr); no cosine schedule",
+           inactive=_unless(f"{_A}.optim.warmup_style", lambda s: s == "cosine", "")),
+        _u(f"{_A}.optim.weight_decay_incr_style", "weight decay is constant (actor.weight_decay)",
+           neutral=("constant",)),
+        _u(f"{_A}.optim.lr_wsd_*", "the learning rate is constant (actor.lr); no WSD schedule",
+           inactive=_unless(f"{_A}.optim.lr_decay_style", lambda s: s == "wsd", "")),
+        _n(f"{_A}.optim.use_checkpoint_opt_param_scheduler", "the optimizer state is always restored from the "
+           "checkpoint on resume", neutral=(False,)),
+        _u(f"{_A}.optim.override_optimizer_config.**", "Megatron optimizer overrides (CPU offload, "
+           "precision-aware optimizer) are not exposed"),
+        _n(f"{_A}.optim.override_optimizer_config", "no overrides given", neutral=({},)),
+        _u(f"{_A}.optim.**", "an optimizer option the Adam optimizer here does not have"),
+        # ---- actor: Megatron engine
+        _m(f"{_A}.megatron.tensor_model_parallel_size", "parallel.tensor_model_parallel_size"),
+        _m(f"{_A}.megatron.pipeline_model_parallel_size", "parallel.pipeline_model_parallel_size"),
+        _m(f"{_A}.megatron.virtual_pipeline_model_parallel_size", "parallel.virtual_pipeline_model_parallel_size"),
+        _m(f"{_A}.megatron.context_parallel_size", "parallel.context_parallel_size"),
+        _m(f"{_A}.megatron.expert_model_parallel_size", "parallel.expert_model_parallel_size"),
+        _m(f"{_A}.megatron.expert_tensor_parallel_size", "parallel.expert_tensor_parallel_size"),
+        _m(f"{_A}.megatron.sequence_parallel", convert=lambda value, v: {"parallel.sequence_parallel": bool(
+            value and (v.get(f"{_A}.megatron.tensor_model_parallel_size") or 1) > 1)},
+           note="Megatron turns sequence parallelism off at TP 1; it is written as that"),
+        _m(f"{_A}.megatron.use_distributed_optimizer", "actor.use_distributed_optimizer"),
+        _m(f"{_A}.megatron.seed", "trainer.seed", convert=_seed, note="one seed (trainer.seed) drives data, sampling and init"),
+        _m(f"{_A}.megatron.dtype", convert=_dtype),
+        _m(f"{_A}.megatron.use_remove_padding", "actor.sequence_packing", convert=_remove_padding,
+           note="true packs each micro-batch's rows into one sequence"),
+        _u(f"{_A}.megatron.param_offload", "no CPU offload of parameters", neutral=(False,)),
+        _u(f"{_A}.megatron.grad_offload", "no CPU offload of gradients", neutral=(False,)),
+        _u(f"{_A}.megatron.optimizer_offload", "no CPU offload of the optimizer state", neutral=(False,)),
+        _n(f"{_A}.megatron.use_dist_checkpointing", "checkpoints are always megatron-core distributed "
+           "checkpoints; the actor starts from actor.load_hf (or a `megatron-rl convert hf-to-mcore` output)",
+           neutral=(False,)),
+        _n(f"{_A}.megatron.dist_checkpointing_*", "the actor starts from actor.load_hf",
+           neutral=(None, "")),
+        _n(f"{_A}.megatron.use_mbridge", "HF weights are converted by this project's own converter "
+           "(megatron_rl.convert)"),
+        _n(f"{_A}.megatron.vanilla_mbridge", "HF weights are converted by this project's own converter"),
+        _n(f"{_A}.megatron.forward_only", "a flag verl sets per role (the reference model)"),
+        _u(f"{_A}.megatron.override_transformer_config.recompute_*", "write model.extra.<this name> in a model: "
+           "section (megatron TransformerConfig fields; the model section then gives the shapes too)",
+           neutral=(None, ["core_attn"])),
+        _u(f"{_A}.megatron.override_transformer_config.attention_backend", "the attention backend is chosen from "
+           "the device and Transformer Engine (`megatron-rl check` prints it)", neutral=("flash", "auto")),
+        _u(f"{_A}.megatron.override_transformer_config.**", "write model.extra.<this name> (a megatron "
+           "TransformerConfig field) or the model: key of that name, in a model: section with the shapes"),
+        _n(f"{_A}.megatron.override_transformer_config", "no overrides given", neutral=({},)),
+        _u(f"{_A}.megatron.override_ddp_config.**", "megatron DDP overrides are not exposed"),
+        _n(f"{_A}.megatron.override_ddp_config", "no overrides given", neutral=({},)),
+        _u(f"{_A}.megatron.override_mcore_model_config.**", "megatron model overrides go to a model: section"),
+        _n(f"{_A}.megatron.override_mcore_model_config", "no overrides given", neutral=({},)),
+        # ---- actor: FSDP engine (verl's other backend)
+        Rule(f"{_A}.fsdp_config.dtype", MAPPED, convert=_dtype, inactive=_strategy_is("fsdp"), hint=False,
+             note="verl's FSDP actor computes in this dtype over fp32 parameters: actor.bf16 (bf16 compute, fp32 "
+                  "main weights)"),
+        _n(f"{_A}.fsdp_config.**", "verl's FSDP actor; the actor here is Megatron (parallel.*, "
+           "actor.use_distributed_optimizer, actor.bf16)"),
+        _n(f"{_A}.ulysses_sequence_parallel_size", "DeepSpeed-Ulysses sequence parallelism of verl's FSDP actor; "
+           "the Megatron actor splits long sequences with parallel.context_parallel_size", neutral=(1,)),
+        Rule(f"{_A}.use_remove_padding", MAPPED, convert=_remove_padding, inactive=_strategy_is("fsdp"),
+             hint=False, note="verl's FSDP actor's packing switch"),
+        _n(f"{_A}.entropy_from_logits_with_chunking", "a memory option of verl's FSDP entropy computation"),
+        _n(f"{_A}.entropy_checkpointing", "a memory option of verl's FSDP entropy computation"),
+        _u(f"{_A}.calculate_sum_pi_squared", "no sum-of-squared-probabilities output", neutral=(False,)),
+        _n(f"{_A}.sum_pi_squared_checkpointing", "a memory option of calculate_sum_pi_squared"),
+        _n(f"{_A}.strategy", "the actor is always Megatron", neutral=("megatron",)),
+        _n(f"{_A}.rollout_n", "verl's copy of actor_rollout_ref.rollout.n"),
+        # ---- actor: batching
+        _m(f"{_A}.ppo_mini_batch_size", "actor.ppo_mini_batches", convert=_mini_batches,
+           note="verl counts prompts per mini-batch; here actor.ppo_mini_batches counts mini-batches per step"),
+        _m(f"{_A}.ppo_micro_batch_size_per_gpu", "actor.micro_batch_size",
+           note="sequences per micro-batch on each rank"),
+        _u(f"{_A}.ppo_micro_batch_size", "verl's deprecated global micro-batch size; set "
+           "ppo_micro_batch_size_per_gpu (actor.micro_batch_size, per rank)", neutral=(None,)),
+        _m(f"{_A}.use_dynamic_bsz", "actor.max_tokens_per_micro_batch", convert=_dynamic_bsz,
+           note="true: the token budget ppo_max_token_len_per_gpu is actor.max_tokens_per_micro_batch"),
+        Rule(f"{_A}.ppo_max_token_len_per_gpu", MAPPED, target="actor.max_tokens_per_micro_batch", convert=_token_budget, inactive=_DYN,
+             note="token budget of one micro-batch per rank (padded tokens unless actor.sequence_packing)"),
+        _m(f"{_A}.ppo_epochs", "actor.ppo_epochs"),
+        _u(f"{_A}.shuffle", "mini-batches are taken in order from the step's rows", neutral=(False,)),
+        _n(f"{_A}.data_loader_seed", "one seed (trainer.seed) drives data, sampling and init"),
+        # ---- actor: loss
+        _m(f"{_A}.clip_ratio", "actor.policy_loss.clip_ratio", convert=_clip_ratio),
+        _m(f"{_A}.clip_ratio_low", "actor.policy_loss.clip_ratio_low"),
+        _m(f"{_A}.clip_ratio_high", "actor.policy_loss.clip_ratio_high"),
+        _m(f"{_A}.clip_ratio_c", "actor.policy_loss.clip_ratio_c"),
+        _m(f"{_A}.tau_pos", "actor.policy_loss.tau_pos"),
+        _m(f"{_A}.tau_neg", "actor.policy_loss.tau_neg"),
+        _m(f"{_A}.loss_agg_mode", "actor.policy_loss.loss_agg_mode"),
+        _m(f"{_A}.loss_scale_factor", "actor.policy_loss.loss_scale_factor"),
+        _m(f"{_A}.policy_loss.loss_mode", convert=_loss_mode, target="algorithm.rollout_correction.loss_type",
+           note="verl's actor.policy_loss.loss_mode is moved there on load"),
+        _m(f"{_A}.policy_loss.*", hint=False),  # clip_cov_ratio, kl_cov_ratio, ...: same names under actor.policy_loss
+        _m(f"{_A}.use_kl_loss", "actor.policy_loss.kl_loss_coef", convert=lambda value, v: {},
+           note="use_kl_loss decides whether kl_loss_coef applies"),
+        _m(f"{_A}.kl_loss_coef", convert=_kl_loss_coef, target="actor.policy_loss.kl_loss_coef"),
+        _m(f"{_A}.kl_loss_type", "actor.policy_loss.kl_loss_type"),
+        _n(f"{_A}.calculate_entropy", "the train step always reports the entropy (actor/entropy)"),
+        _u(f"{_A}.use_prefix_grouper", "no shared-prefix grouping of a group's rows", neutral=(False,)),
+        _n(f"{_A}.use_torch_compile", "torch.compile of verl's FSDP log-prob function"),
+        _n(f"{_A}.use_fused_kernels", "this project picks its log-prob kernel itself (docs/logprob_kernels.md)"),
+        _u(f"{_A}.freeze_vision_tower", "vision-language models are not supported", neutral=(False,)),
+        _n(f"{_A}.checkpoint.**", "a checkpoint holds the model, optimizer and loop state, always "
+           "(trainer.save_interval, trainer.checkpoint_timeout_s)"),
+        _n(f"{_A}.profiler.**", _PROFILER),
+        _m(f"{_A}.router_replay.mode", convert=_routing_replay),
+        _n(f"{_A}.router_replay.*", "routing is replayed in memory (actor.routing_replay), not through files",
+           neutral=(None,)),
+        _n(f"{_A}.load_weight", "the actor always starts from actor.load_hf", neutral=(True,)),
+        # ---- reference model
+        _n(f"{_REF}.log_prob_*", _LOGPROB_MB),
+        _n(f"{_REF}.**", _REF_NOTE),
+        # ---- rollout
+        _m(f"{_R}.name", convert=_engine, note="rollout.sglang_urls is the local default; launch/slurm.sbatch "
+           "replaces it"),
+        _n(f"{_R}.mode", "verl's sync / async server mode of its rollout workers (rollout.mode here is async "
+           "off-policy generation, a different thing)", hint=False),
+        _m(f"{_R}.temperature", "rollout.temperature"),
+        _m(f"{_R}.top_k", "rollout.top_k"),
+        _m(f"{_R}.top_p", "rollout.top_p"),
+        _m(f"{_R}.n", "rollout.n_samples_per_prompt", note="the group size"),
+        _m(f"{_R}.prompt_length", "data.max_prompt_length",
+           note="longer prompts are filtered or truncated: data.overlong_prompts"),
+        _m(f"{_R}.response_length", "rollout.max_new_tokens"),
+        _s(f"{_R}.tensor_model_parallel_size", "the SGLang servers' tensor parallelism is set where they start: "
+           "launch/sglang_server.sh --tp, SGLANG_TP of launch/slurm.sbatch; parallel.tensor_model_parallel_size "
+           "is the trainer's"),
+        _s(f"{_R}.gpu_memory_utilization", "launch/sglang_server.sh --mem-fraction (SGLang's "
+           "--mem-fraction-static), SGLANG_MEM_FRACTION of launch/slurm.sbatch"),
+        _s(f"{_R}.dtype", "launch/sglang_server.sh --dtype, SGLANG_DTYPE (rollout.dtype here is the embedded "
+           "engine's)", hint=False),
+        _s(f"{_R}.data_parallel_size", _SGLANG + " (or more servers in rollout.sglang_urls)"),
+        _s(f"{_R}.expert_parallel_size", _SGLANG),
+        _s(f"{_R}.pipeline_model_parallel_size", _SGLANG),
+        _s(f"{_R}.enforce_eager", _SGLANG + " (--disable-cuda-graph)"),
+        _s(f"{_R}.cudagraph_capture_sizes", _SGLANG),
+        _s(f"{_R}.free_cache_engine", _SGLANG),
+        _s(f"{_R}.max_num_batched_tokens", _SGLANG + " (--chunked-prefill-size / --max-prefill-tokens)"),
+        _s(f"{_R}.max_model_len", _SGLANG + " (--context-length)"),
+        _s(f"{_R}.max_num_seqs", _SGLANG + " (--max-running-requests)"),
+        _s(f"{_R}.enable_chunked_prefill", _SGLANG),
+        _s(f"{_R}.enable_prefix_caching", _SGLANG),
+        _s(f"{_R}.enable_sleep_mode", _SGLANG),
+        _s(f"{_R}.scheduling_policy", _SGLANG + " (--schedule-policy)"),
+        _s(f"{_R}.load_format", _SGLANG + " (--load-format)"),
+        _s(f"{_R}.disable_log_stats", _SGLANG),
+        _s(f"{_R}.engine_kwargs.**", _SGLANG),
+        _s(f"{_R}.quantization*", _SGLANG),
+        _s(f"{_R}.skip_tokenizer_init", _SGLANG),
+        _s(f"{_R}.layer_name_map.**", "how verl names fused layers of its rollout engine; weight sync here "
+           "reads SGLang's own names"),
+        _s(f"{_R}.prometheus.**", _SGLANG + " (--enable-metrics)"),
+        _s(f"{_R}.mtp.**", _SGLANG + " (speculative decoding)", hint=False),
+        _n(f"{_R}.log_prob_*", _LOGPROB_MB),
+        _u(f"{_R}.ignore_eos", "generation always stops at EOS", neutral=(False,)),
+        _u(f"{_R}.logprobs_mode", "the engine's log-probs are of the processed (temperature-scaled) "
+           "distribution, which the trainer scores too", neutral=("processed_logprobs",)),
+        _u(f"{_R}.do_sample", "rollouts are sampled (rollout.temperature > 0)", neutral=(True,)),
+        _u(f"{_R}.over_sample_rate", "no over-sampling of prompts", neutral=(0, 0.0)),
+        _n(f"{_R}.layered_summon", "how verl's FSDP actor gathers weights for its engine; weight sync here is "
+           "rollout.weight_sync"),
+        _n(f"{_R}.multi_stage_wake_up", "verl's colocated engine memory management"),
+        _n(f"{_R}.calculate_log_probs", "the engine always returns the sampled tokens' log-probs (the rollout "
+           "correction needs them)"),
+        _u(f"{_R}.multi_turn.enable", _MULTI_TURN, neutral=(False,)),
+        _u(f"{_R}.multi_turn.**", _MULTI_TURN, inactive=_unless(f"{_R}.multi_turn.enable", bool, "")),
+        _n(f"{_R}.agent.**", "verl's agent-loop workers; generation requests are sent from rank 0 here"),
+        _m(f"{_R}.checkpoint_engine.update_weights_bucket_megabytes", "rollout.weight_sync_bucket_mb"),
+        _n(f"{_R}.checkpoint_engine.**", "how weights reach the engine is rollout.weight_sync here"),
+        _n(f"{_R}.trace.**", "verl's rollout tracing; trainer.dump_rollouts writes every rollout"),
+        _u(f"{_R}.skip_rollout", "no replay of dumped rollouts in training", neutral=(False,)),
+        _n(f"{_R}.skip_dump_dir", "used by skip_rollout only"),
+        _n(f"{_R}.enable_rollout_routing_replay", "actor.routing_replay: r3 asks the engine for the routing "
+           "(set from actor.router_replay.mode)"),
+        _n(f"{_R}.profiler.**", _PROFILER),
+        # ---- model
+        _m(f"{_MODEL}.path", "actor.load_hf", note="the HF checkpoint directory the actor starts from (verl's "
+           "model.path)"),
+        _u(f"{_MODEL}.hf_config_path", "the model config is actor.load_hf's config.json (or a model: section)",
+           neutral=(None,)),
+        _u(f"{_MODEL}.tokenizer_path", "the tokenizer is read from actor.load_hf", neutral=(None,)),
+        _u(f"{_MODEL}.custom_chat_template", "the tokenizer's own chat template is used", neutral=(None,)),
+        _u(f"{_MODEL}.external_lib", "custom model code is not imported", neutral=(None,)),
+        _n(f"{_MODEL}.use_shm", "verl's shared-memory model copy"),
+        _n(f"{_MODEL}.trust_remote_code", "models are built by megatron-core from the config's shapes"),
+        _u(f"{_MODEL}.override_config.moe_config.freeze_moe_router", "the router is trained", neutral=(False,)),
+        _u(f"{_MODEL}.override_config.**", "HF config overrides: write a model: section (the shapes, "
+           "max_position_embeddings, ...) instead of relying on actor.load_hf's config.json"),
+        _n(f"{_MODEL}.override_config", "no overrides given", neutral=({},)),
+        _n(f"{_MODEL}.enable_gradient_checkpointing", "activation recomputation of verl's FSDP actor; for the "
+           "Megatron actor: model.extra.recompute_granularity"),
+        _u(f"{_MODEL}.enable_activation_offload", "no activation offload", neutral=(False,)),
+        Rule(f"{_MODEL}.use_remove_padding", MAPPED, convert=_remove_padding, inactive=_strategy_is("fsdp"),
+             hint=False, note="verl's FSDP actor's packing switch (the Megatron actor's is "
+                              "actor.megatron.use_remove_padding)"),
+        _u(f"{_MODEL}.lora_rank", "LoRA is not supported: the whole model trains", neutral=(0,)),
+        _u(f"{_MODEL}.lora.**", "LoRA is not supported: the whole model trains",
+           inactive=_unless(f"{_MODEL}.lora.rank", lambda r: bool(r), "")),
+        _u(f"{_MODEL}.lora_*", "LoRA is not supported: the whole model trains",
+           inactive=_unless(f"{_MODEL}.lora_rank", lambda r: bool(r), "")),
+        _u(f"{_MODEL}.target_modules", "LoRA is not supported", inactive=_unless(f"{_MODEL}.lora_rank", bool, "")),
+        _u(f"{_MODEL}.exclude_modules", "LoRA is not supported", inactive=_unless(f"{_MODEL}.lora_rank", bool, "")),
+        _n(f"{_MODEL}.use_liger", "Liger kernels of verl's FSDP actor"),
+        _n(f"{_MODEL}.use_fused_kernels", "this project picks its log-prob kernel itself "
+           "(docs/logprob_kernels.md)"),
+        _n(f"{_MODEL}.fused_kernel_options.**", "this project picks its log-prob kernel itself"),
+        _u(f"{_MODEL}.tiled_mlp.**", "no tiled MLP", inactive=_unless(f"{_MODEL}.tiled_mlp.enabled", bool, "")),
+        _u(f"{_MODEL}.mtp.**", "multi-token prediction is not trained",
+           inactive=_unless(f"{_MODEL}.mtp.enable", bool, "")),
+        _n(f"{_RM}.hybrid_engine", "whether SGLang shares the trainer's GPUs is chosen at launch "
+           "(launch/slurm.sbatch SGLANG_MODE=colocated / separate)"),
+        _n(f"{_RM}.nccl_timeout", "verl's worker NCCL timeout; trainer.collective_timeout_s here must also cover "
+           "the rollout phase (ranks wait in a collective while rank 0 generates)"),
+        # ---- critic (none here)
+        _n("critic.**", _NO_CRITIC),
+        # ---- data
+        _m("data.train_files", "data.path", convert=_train_files, note="with data.task: file"),
+        _m("data.prompt_key", "data.prompt_key"),
+        _m("data.max_prompt_length", "data.max_prompt_length",
+           note="longer prompts are filtered or truncated: data.overlong_prompts"),
+        _m("data.max_response_length", "rollout.max_new_tokens"),
+        _m("data.train_batch_size", "data.prompts_per_step", note="prompts per step over all ranks; sequences per "
+           "step = data.prompts_per_step x rollout.n_samples_per_prompt"),
+        _m("data.filter_overlong_prompts", convert=_overlong_prompts),
+        _m("data.truncation", convert=_truncation),
+        _m("data.apply_chat_template_kwargs", "data.chat_template_kwargs"),
+        _m("data.seed", convert=_seed),
+        _u("data.tokenizer", "the tokenizer is read from actor.load_hf", neutral=(None,)),
+        _n("data.use_shm", "verl's shared-memory data copy"),
+        _u("data.train_max_samples", "the whole file is used", neutral=(-1, None)),
+        _n("data.reward_fn_key", "the reward is dispatched on each row's data_source (verl's default key)",
+           neutral=("data_source",)),
+        _n("data.tool_config_path", _MULTI_TURN, neutral=(None,)),
+        _n("data.return_raw_input_ids", "how verl's dataset hands prompts to its workers"),
+        _n("data.return_raw_chat", "how verl's dataset hands prompts to its workers"),
+        _n("data.return_full_prompt", "how verl's dataset hands prompts to its workers"),
+        _n("data.return_multi_modal_inputs", "text-only prompts"),
+        _n("data.shuffle", "every step draws its prompts at random (seeded by trainer.seed)", neutral=(True,)),
+        _n("data.dataloader_num_workers", "prompts are read once at start-up"),
+        _u("data.image_key", "vision-language data is not supported", neutral=("images",)),
+        _u("data.video_key", "vision-language data is not supported", neutral=("videos",)),
+        _n("data.image_patch_size", "vision-language data is not supported"),
+        _n("data.filter_overlong_prompts_workers", "prompts are filtered once at start-up"),
+        _n("data.trust_remote_code", "the tokenizer is read from actor.load_hf"),
+        _u("data.custom_cls.**", "custom dataset classes are not supported; rows are verl's RL format or "
+           "prompt_key / answer_key records", neutral=(None,)),
+        _u("data.sampler.**", "custom samplers are not supported (curricula: data.task_kwargs of the built-in "
+           "tasks)", neutral=(None,)),
+        _u("data.datagen.**", "dynamic data generation is not supported", neutral=(None,)),
+        # ---- rewards
+        _m("custom_reward_function.path", convert=_reward_fn, note="data.reward_fn: path:name, verl's "
+           "compute_score signature is recognised", hint=False),
+        _m("custom_reward_function.name", convert=lambda value, v: {}, hint=False,
+           note="part of data.reward_fn (custom_reward_function.path:name)"),
+        _u("custom_reward_function.reward_kwargs.**", "write them under data.reward_kwargs"),
+        _u("reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
+           "functions (data.reward_fn)", neutral=(False,)),
+        _m("reward_model.overlong_buffer.len", convert=_overlong_len("reward_model.overlong_buffer"), hint=False),
+        _m("reward_model.overlong_buffer.penalty_factor",
+           convert=_overlong_factor("reward_model.overlong_buffer"), hint=False),
+        _m("reward_model.overlong_buffer.enable", convert=lambda value, v: {},
+           note="decides whether len / penalty_factor apply (data.overlong_buffer_len)", hint=False),
+        _n("reward_model.overlong_buffer.log", "the penalty is in the metrics (reward/*) always"),
+        _m("reward_model.reward_kwargs.overlong_buffer_cfg.len",
+           convert=_overlong_len("reward_model.reward_kwargs.overlong_buffer_cfg"), hint=False),
+        _m("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
+           convert=_overlong_factor("reward_model.reward_kwargs.overlong_buffer_cfg"), hint=False),
+        _m("reward_model.reward_kwargs.overlong_buffer_cfg.enable", convert=lambda value, v: {},
+           note="decides whether len / penalty_factor apply (data.overlong_buffer_len)", hint=False),
+        _n("reward_model.reward_kwargs.overlong_buffer_cfg.log", "the penalty is in the metrics always"),
+        _n("reward_model.reward_kwargs.max_resp_len", "the DAPO penalty reads rollout.max_new_tokens"),
+        _u("reward_model.reward_kwargs.**", "write the reward function's arguments under data.reward_kwargs"),
+        _n("reward_model.reward_manager", "rewards are scored by data.reward_fn in worker processes "
+           "(data.reward_workers); DAPO's overlong penalty is data.overlong_buffer_len",
+           neutral=("naive", "dapo")),
+        _u("reward_model.reward_manager", "reward managers other than naive / dapo are not supported"),
+        _u("reward_model.sandbox_fusion.**", "no sandbox code execution for rewards",
+           inactive=_unless("reward_model.sandbox_fusion.url", bool, "")),
+        _n("reward_model.launch_reward_fn_async", "rewards are scored in worker processes (data.reward_workers)"),
+        _n("reward_model.reward_loop_*", "verl's reward-loop workers; rewards are scored in worker processes here"),
+        _n("reward_model.use_reward_loop", "verl's reward-loop workers; rewards are scored in worker processes here"),
+        _n("reward_model.num_workers", "verl's reward-loop workers; data.reward_workers here", hint=False),
+        _u("reward_model.**", "model-based rewards (a reward model) are not supported", inactive=_RM_OFF),
+        _n("reward_manager.**", "rewards are scored by data.reward_fn in worker processes (data.reward_workers)"),
+        # ---- algorithm
+        _m("algorithm.rollout_correction.loss_type", "algorithm.rollout_correction.loss_type",
+           convert=_correction_loss_type),
+        _m("algorithm.rollout_correction.*", hint=False),  # verl's keys, pasted as they are
+        _m("algorithm.adv_estimator", convert=_adv_estimator, target="algorithm.advantage_estimator"),
+        _m("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
+        _n("algorithm.gamma", "GAE's discount; grpo / rloo do not use it", neutral=(1, 1.0)),
+        _n("algorithm.lam", "GAE's lambda; grpo / rloo do not use it", neutral=(1, 1.0)),
+        _u("algorithm.use_kl_in_reward", "no KL penalty in the reward; use the KL loss "
+           "(actor.policy_loss.kl_loss_coef)", neutral=(False,)),
+        _u("algorithm.kl_penalty", "no KL penalty in the reward (the KL loss's estimator is "
+           "actor.policy_loss.kl_loss_type)", inactive=_unless("algorithm.use_kl_in_reward", bool, "")),
+        _u("algorithm.kl_ctrl.**", "no KL penalty in the reward",
+           inactive=_unless("algorithm.use_kl_in_reward", bool, "")),
+        _u("algorithm.use_pf_ppo", "no preference-feedback PPO reweighting", neutral=(False,)),
+        _u("algorithm.pf_ppo.**", "no preference-feedback PPO reweighting",
+           inactive=_unless("algorithm.use_pf_ppo", bool, "")),
+        # ---- trainer
+        _m("trainer.total_training_steps", convert=_steps, target="trainer.steps"),
+        _m("trainer.total_epochs", convert=_total_epochs, target="trainer.steps",
+           note="training length is counted in steps"),
+        _m("trainer.project_name", "trainer.wandb_project"),
+        _n("trainer.experiment_name", "the run is named by its directory, trainer.run_dir"),
+        _m("trainer.default_local_dir", "trainer.run_dir", note="checkpoints go to trainer.run_dir/checkpoints"),
+        _m("trainer.logger", convert=_logger),
+        _m("trainer.nnodes", "cluster.nodes", note="what `megatron-rl check` plans; the job runs at the "
+           "launcher's world size"),
+        _m("trainer.n_gpus_per_node", "cluster.gpus_per_node"),
+        _m("trainer.device", convert=_pick_device),
+        _m("trainer.save_freq", convert=_save_freq, target="trainer.save_interval",
+           note="-1 -> 0 (at the end and on SIGTERM / SIGINT only)"),
+        _m("trainer.resume_mode", convert=_resume_mode),
+        _u("trainer.resume_from_path", "trainer.resume continues from trainer.run_dir/checkpoints",
+           neutral=(None,)),
+        _m("trainer.rollout_data_dir", convert=_rollout_dump,
+           note="trainer.dump_rollouts writes run_dir/rollouts.jsonl"),
+        _n("trainer.balance_batch", "with actor.max_tokens_per_micro_batch the prompt groups of a step are spread "
+           "over the DP ranks balancing their tokens"),
+        _n("trainer.critic_warmup", _NO_CRITIC, neutral=(0,)),
+        _n("trainer.esi_redundant_time", "verl's elastic-server checkpoint timing; a SIGTERM checkpoints "
+           "(trainer.stop_timeout_s)"),
+        _n("trainer.del_local_ckpt_after_load", "verl's checkpoint housekeeping", neutral=(False,)),
+        _n("trainer.default_hdfs_dir", "no HDFS upload", neutral=(None,)),
+        _u("trainer.max_actor_ckpt_to_keep", "every checkpoint is kept", neutral=(None,)),
+        _n("trainer.max_critic_ckpt_to_keep", _NO_CRITIC),
+        _n("trainer.ray_wait_register_center_timeout", _RAY),
+        _n("trainer.use_legacy_worker_impl", "verl's worker implementation choice"),
+        # ---- verl's infrastructure
+        _n("global_profiler.**", _PROFILER),
+        _n("transfer_queue.**", "verl's data transfer queue between Ray workers"),
+        _n("ray_kwargs.**", _RAY),
+        _n("ray_init.**", _RAY),
+    ]
+
+
+VERL_KEYS: List[Rule] = _rules()
+
+
+def rule_for(key: str) -> Optional[Rule]:
+    """The first rule of ``VERL_KEYS`` matching dotted verl ``key`` (None: a key the table does not know)."""
+    for rule in VERL_KEYS:
+        if rule.matches(key):
+            return rule
+    return None
+
+
+def is_verl_config(tree: Any) -> bool:
+    """Whether a loaded YAML tree is a verl config (it has verl's ``actor_rollout_ref:`` section)."""
+    return isinstance(tree, dict) and "actor_rollout_ref" in tree
+
+
+#: verl blocks whose direct keys users put in this project's section of that name.
+_OUR_SECTION = {f"{_A}.": "actor", f"{_A}.optim.": "actor", f"{_A}.megatron.": "actor", f"{_MODEL}.": "actor",
+                f"{_R}.": "rollout", "data.": "data", "trainer.": "trainer", "algorithm.": "algorithm"}
+
+
+def hint_entries() -> Iterator[Tuple[str, Optional[str], str]]:
+    """(hint key, this project's key or None, note) for :mod:`megatron_rl.config.hints`, from the table: the last
+    name of every rule with a concrete last name. A mapped rule is keyed by the name alone; one that is not mapped
+    by ``<our section>.<name>``, for a key of a verl block users put in that section (it is what the name means
+    there only: verl's rollout TP is the server's)."""
+    for rule in VERL_KEYS:
+        leaf = rule.pattern.rsplit(".", 1)[-1]
+        if not rule.hint or any(c in leaf for c in "*?["):
+            continue
+        if rule.kind == MAPPED:
+            if rule.target is not None:
+                yield leaf, rule.target, rule.note
+            continue
+        section = next((s for p, s in _OUR_SECTION.items() if rule.pattern == p + leaf), None)
+        if section is not None:
+            yield f"{section}.{leaf}", None, rule.reason()
