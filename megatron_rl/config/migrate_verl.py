@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from megatron_rl.config.interpolation import resolve_interpolations
 from megatron_rl.config.job import SECTIONS
-from megatron_rl.config.verl_keys import MAPPED, NO_MEANING, SERVER, UNSUPPORTED, Rule, Skip, Verl, rule_for
+from megatron_rl.config.verl_keys import MAPPED, NO_MEANING, SERVER, UNSUPPORTED, Rule, Skip, Verl, rule_for, same_value
 
 UNCHANGED = "unchanged"
 UNRESOLVED = "unresolved"
@@ -118,11 +118,6 @@ def flatten(tree: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
             yield key, v
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal with the type kept apart for booleans (``False`` is not ``0`` here)."""
-    return isinstance(a, bool) == isinstance(b, bool) and a == b
-
-
 def _set(tree: Dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -139,7 +134,7 @@ def _decide(rule: Rule, key: str, value: Any, verl: Verl) -> Entry:
     if rule.kind != MAPPED:
         if value is None or value == {} or value == []:
             return Entry(key, value, UNCHANGED, "not set in verl (nothing to carry over)", rule=rule)
-        if any(_same(value, n) for n in rule.neutral):
+        if any(same_value(value, n) for n in rule.neutral):
             return Entry(key, value, UNCHANGED, f"{_short(value)} is this project's behaviour too ({rule.note})",
                          rule=rule)
         return Entry(key, value, rule.kind, rule.note, rule=rule)
@@ -179,7 +174,7 @@ def migrate_verl(verl_tree: Dict[str, Any]) -> Migration:
             continue
         entry = _decide(rule, key, value, verl)
         if entry.kind == MAPPED:
-            clash = [(t, v) for t, v in entry.targets.items() if t in written and not _same(written[t][0], v)]
+            clash = [(t, v) for t, v in entry.targets.items() if t in written and not same_value(written[t][0], v)]
             if clash:
                 t, v = clash[0]
                 entry = Entry(key, value, CONFLICT, f"{t} is already {_short(written[t][0])} from {written[t][1]}; "

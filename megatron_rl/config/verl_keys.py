@@ -285,20 +285,23 @@ def _reward_fn(value: Any, v: Verl) -> Dict[str, Any]:
     return {"data.reward_fn": f"{value}:{v.get('custom_reward_function.name') or 'compute_score'}"}
 
 
-def _overlong_len(prefix: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+def _overlong(prefix: str, target: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """DAPO's overlong buffer key -> ``target``, when ``<prefix>.enable`` is true."""
     def convert(value: Any, v: Verl) -> Dict[str, Any]:
         if not v.get(f"{prefix}.enable"):
             raise Skip(NO_MEANING, f"no effect in verl while {prefix}.enable is {_show(v.get(f'{prefix}.enable'))}")
-        return {"data.overlong_buffer_len": value}
+        return {target: value}
     return convert
 
 
-def _overlong_factor(prefix: str) -> Callable[[Any, Verl], Dict[str, Any]]:
-    def convert(value: Any, v: Verl) -> Dict[str, Any]:
-        if not v.get(f"{prefix}.enable"):
-            raise Skip(NO_MEANING, f"no effect in verl while {prefix}.enable is {_show(v.get(f'{prefix}.enable'))}")
-        return {"data.overlong_penalty_factor": value}
-    return convert
+def _overlong_rules(prefix: str) -> List[Rule]:
+    """DAPO's overlong buffer (``reward_model.overlong_buffer`` of the DAPO recipe, or the reward manager's
+    ``overlong_buffer_cfg``) -> ``data.overlong_buffer_len`` / ``data.overlong_penalty_factor``."""
+    return [_m(f"{prefix}.len", convert=_overlong(prefix, "data.overlong_buffer_len"), hint=False),
+            _m(f"{prefix}.penalty_factor", convert=_overlong(prefix, "data.overlong_penalty_factor"), hint=False),
+            _m(f"{prefix}.enable", convert=lambda value, v: {}, hint=False,
+               note="decides whether len / penalty_factor apply (data.overlong_buffer_len)"),
+            _n(f"{prefix}.log", "the penalty is in the metrics (reward/*) always")]
 
 
 def _logger(value: Any, v: Verl) -> Dict[str, Any]:
@@ -364,58 +367,83 @@ def _field(dotted: str) -> bool:
     return cls is not None and name in {f.name for f in dataclasses.fields(cls)}
 
 
-#: Features being added: verl key pattern -> (the keys it will map to, first that exists wins; why not yet;
-#: values that change nothing; inactive test). Each maps as soon as its key exists in the config dataclasses.
-PENDING: Dict[str, tuple] = {
-    f"{_A}.optim.lr_warmup_steps": (("actor.lr_warmup_steps",), "the learning rate is constant (actor.lr); no "
-                                    "warm-up is implemented", (-1, 0, None), None),
-    f"{_A}.optim.lr_warmup_steps_ratio": (("actor.lr_warmup_fraction",), "the learning rate is constant "
-                                          "(actor.lr); no warm-up is implemented", (0, 0.0, None), None),
-    f"{_A}.optim.lr_decay_style": (("actor.lr_decay_style",), "the learning rate is constant (actor.lr); no "
-                                   "scheduler is implemented", ("constant",), None),
-    f"{_A}.optim.warmup_style": (("actor.lr_decay_style",), "the learning rate is constant (actor.lr); no "
-                                 "scheduler is implemented", ("constant",), None),
-    f"{_A}.optim.lr_scheduler_type": (("actor.lr_decay_style",), "the learning rate is constant (actor.lr); no "
-                                      "scheduler is implemented", ("constant",), None),
-    f"{_A}.optim.lr_decay_steps": (("actor.lr_decay_steps",), "the learning rate is constant (actor.lr)",
-                                   (None,), None),
-    f"{_A}.optim.min_lr": (("actor.min_lr",), "the learning rate is constant (actor.lr)", (0, 0.0),
-                           _unless(f"{_A}.optim.lr_decay_style", lambda s: s not in (None, "constant"), "")),
-    f"{_A}.optim.min_lr_ratio": (("actor.min_lr",), "the learning rate is constant (actor.lr)", (0, 0.0, None),
-                                 None),
-    f"{_A}.entropy_coeff": (("actor.policy_loss.entropy_coeff", "algorithm.entropy_coeff", "actor.entropy_coeff"),
-                            "no entropy bonus is implemented", (0, 0.0), None),
-    "data.val_files": (("data.val_path",), "no validation set is evaluated during training", (None,), None),
-    "data.val_batch_size": (("data.val_batch_size",), "no validation set is evaluated during training",
-                            (None,), None),
-    "data.val_max_samples": (("data.val_max_samples",), "no validation set is evaluated during training",
-                             (-1, None), None),
-    "data.validation_shuffle": ((), "no validation set is evaluated during training", (False,), None),
-    "trainer.test_freq": (("trainer.val_interval",), "no validation set is evaluated during training", (-1, 0),
-                          None),
-    "trainer.val_before_train": (("trainer.val_before_train",), "no validation set is evaluated during training",
-                                 (False,), None),
-    "trainer.validation_data_dir": ((), "no validation set is evaluated during training", (), None),
-    "trainer.val_only": ((), "no validation set is evaluated during training", (False,), None),
-    "trainer.log_val_generations": ((), "no validation set is evaluated during training", (0,), None),
-    f"{_R}.val_kwargs.**": ((), "no validation set is evaluated during training (its sampling settings)", (),
-                            None),
-    "algorithm.filter_groups.**": ((), "no dynamic sampling (DAPO's filter_groups: drop groups whose rewards are "
-                                   "all equal, draw more prompts)", (),
-                                   _unless("algorithm.filter_groups.enable", bool, "")),
-    "data.gen_batch_size": ((), "no dynamic sampling: verl draws gen_batch_size prompts per generation round for "
-                            "filter_groups", (), _unless("algorithm.filter_groups.enable", bool, "")),
+@dataclass(frozen=True)
+class Pending:
+    """A verl key of a feature being added; see ``PENDING``."""
+
+    targets: Tuple[str, ...]
+    """The keys it will map to (the first that exists in the config dataclasses wins)."""
+    why: str
+    """Why it is not supported yet."""
+    neutral: Tuple[Any, ...] = ()
+    """Values that set nothing (verl's "off")."""
+    inactive: Optional[Callable[[Verl], Optional[str]]] = None
+    """Verl config -> why the key has no effect in it."""
+    transform: Optional[Callable[[Any, Verl], Any]] = None
+    """Value in verl's units -> value in the target's (None: the same)."""
+
+
+_NO_LR = "the learning rate is constant (actor.lr); no scheduler is implemented"
+_NO_WARMUP = "the learning rate is constant (actor.lr); no warm-up is implemented"
+_NO_VAL = "no validation set is evaluated during training"
+_NO_DYN = "no dynamic sampling (DAPO's filter_groups: drop groups whose rewards are all equal, draw more prompts)"
+_STEPS_SET = _unless(f"{_A}.optim.lr_warmup_steps", lambda n: n is None or n <= 0,
+                     " (verl then warms up for that many steps, not this ratio)")
+
+#: Features being added: verl key pattern -> Pending. Each maps as soon as its key exists in the config
+#: dataclasses (until then: not supported yet), so the mapping lands with the feature and nowhere else.
+PENDING: Dict[str, Pending] = {
+    f"{_A}.optim.lr_warmup_steps": Pending(("actor.lr_warmup_steps",), _NO_WARMUP, (-1, 0, None)),
+    f"{_A}.optim.lr_warmup_steps_ratio": Pending(("actor.lr_warmup_fraction",), _NO_WARMUP, (0, 0.0, None),
+                                                 _STEPS_SET),
+    f"{_A}.optim.lr_decay_style": Pending(("actor.lr_decay_style",), _NO_LR, ("constant",)),
+    f"{_A}.optim.warmup_style": Pending(("actor.lr_decay_style",), _NO_LR, ("constant",)),
+    f"{_A}.optim.lr_scheduler_type": Pending(("actor.lr_decay_style",), _NO_LR, ("constant",)),
+    f"{_A}.optim.lr_decay_steps": Pending(("actor.lr_decay_steps",), _NO_LR, (None,)),
+    f"{_A}.optim.min_lr": Pending(("actor.min_lr",), _NO_LR, (0, 0.0),
+                                  _unless(f"{_A}.optim.lr_decay_style", lambda s: s not in (None, "constant"), "")),
+    f"{_A}.optim.min_lr_ratio": Pending(("actor.min_lr",), _NO_LR, (0, 0.0, None),
+                                        transform=lambda r, v: r * v.get(f"{_A}.optim.lr")),
+    f"{_A}.entropy_coeff": Pending(("actor.policy_loss.entropy_coeff", "algorithm.entropy_coeff",
+                                    "actor.entropy_coeff"), "no entropy bonus is implemented", (0, 0.0)),
+    "data.val_files": Pending(("data.val_files",), _NO_VAL, (None,)),
+    "data.val_batch_size": Pending(("data.val_batch_size",), _NO_VAL, (None,)),
+    "data.val_max_samples": Pending(("data.val_max_samples",), _NO_VAL, (-1, None)),
+    "data.validation_shuffle": Pending((), _NO_VAL, (False,)),
+    "trainer.test_freq": Pending(("trainer.test_freq",), _NO_VAL, (-1, 0)),
+    "trainer.val_before_train": Pending(("trainer.val_before_train",), _NO_VAL, (False,)),
+    "trainer.validation_data_dir": Pending((), _NO_VAL),
+    "trainer.val_only": Pending((), _NO_VAL, (False,)),
+    "trainer.log_val_generations": Pending((), _NO_VAL, (0,)),
+    f"{_R}.val_kwargs.**": Pending((), _NO_VAL + " (its sampling settings)"),
+    "algorithm.filter_groups.**": Pending((), _NO_DYN, inactive=_unless("algorithm.filter_groups.enable", bool, "")),
+    "data.gen_batch_size": Pending((), "no dynamic sampling: verl draws gen_batch_size prompts per generation round "
+                                       "for filter_groups", inactive=_unless("algorithm.filter_groups.enable", bool,
+                                                                             "")),
 }
+
+
+def _landed(target: str, p: Pending) -> Callable[[Any, Verl], Dict[str, Any]]:
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        if any(same_value(value, n) for n in p.neutral):
+            raise Skip(NO_MEANING, f"{_show(value)}: verl's off (nothing to set)")
+        return {target: p.transform(value, v) if p.transform else value}
+    return convert
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal with booleans kept apart from numbers (``False`` is not ``0``)."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
 
 
 def _pending_rules() -> List[Rule]:
     rules = []
-    for pattern, (targets, why, neutral, inactive) in PENDING.items():
-        landed = [t for t in targets if _field(t)]
+    for pattern, p in PENDING.items():
+        landed = [t for t in p.targets if _field(t)]
         if landed and "**" not in pattern:
-            rules.append(_m(pattern, landed[0]))
+            rules.append(Rule(pattern, MAPPED, target=landed[0], convert=_landed(landed[0], p), inactive=p.inactive))
         else:
-            rules.append(_u(pattern, why, neutral=neutral, inactive=inactive, target=None))
+            rules.append(_u(pattern, p.why, neutral=p.neutral, inactive=p.inactive))
     return rules
 
 
@@ -433,6 +461,13 @@ _TARGET = "Hydra's class name of a verl config block"
 _MULTI_TURN = "multi-turn rollouts here run an Environment class (multi_turn.env, docs/multi_turn.md); verl's " \
               "tool / interaction configs do not carry over"
 _RM_OFF = _unless("reward_model.enable", bool, " (rewards come from functions: data.reward_fn)")
+
+
+_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                   "expert_tensor_parallel_size")
+_LOSS_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg", "loss_agg_mode",
+              "loss_scale_factor", "kl_loss_type")
 
 
 def _rules() -> List[Rule]:
@@ -464,17 +499,13 @@ def _rules() -> List[Rule]:
         _n(f"{_A}.optim.override_optimizer_config", "no overrides given", neutral=({},)),
         _u(f"{_A}.optim.**", "an optimizer option the Adam optimizer here does not have"),
         # ---- actor: Megatron engine
-        _m(f"{_A}.megatron.tensor_model_parallel_size", "parallel.tensor_model_parallel_size"),
-        _m(f"{_A}.megatron.pipeline_model_parallel_size", "parallel.pipeline_model_parallel_size"),
-        _m(f"{_A}.megatron.virtual_pipeline_model_parallel_size", "parallel.virtual_pipeline_model_parallel_size"),
-        _m(f"{_A}.megatron.context_parallel_size", "parallel.context_parallel_size"),
-        _m(f"{_A}.megatron.expert_model_parallel_size", "parallel.expert_model_parallel_size"),
-        _m(f"{_A}.megatron.expert_tensor_parallel_size", "parallel.expert_tensor_parallel_size"),
+        *[_m(f"{_A}.megatron.{k}", f"parallel.{k}") for k in _PARALLEL_SIZES],  # Megatron's names on both sides
         _m(f"{_A}.megatron.sequence_parallel", convert=lambda value, v: {"parallel.sequence_parallel": bool(
             value and (v.get(f"{_A}.megatron.tensor_model_parallel_size") or 1) > 1)},
            note="Megatron turns sequence parallelism off at TP 1; it is written as that"),
         _m(f"{_A}.megatron.use_distributed_optimizer", "actor.use_distributed_optimizer"),
-        _m(f"{_A}.megatron.seed", "trainer.seed", convert=_seed, note="one seed (trainer.seed) drives data, sampling and init"),
+        _m(f"{_A}.megatron.seed", "trainer.seed", convert=_seed,
+           note="one seed (trainer.seed) drives data, sampling and init"),
         _m(f"{_A}.megatron.dtype", convert=_dtype),
         _m(f"{_A}.megatron.use_remove_padding", "actor.sequence_packing", convert=_remove_padding,
            note="true packs each micro-batch's rows into one sequence"),
@@ -527,27 +558,21 @@ def _rules() -> List[Rule]:
            "ppo_micro_batch_size_per_gpu (actor.micro_batch_size, per rank)", neutral=(None,)),
         _m(f"{_A}.use_dynamic_bsz", "actor.max_tokens_per_micro_batch", convert=_dynamic_bsz,
            note="true: the token budget ppo_max_token_len_per_gpu is actor.max_tokens_per_micro_batch"),
-        Rule(f"{_A}.ppo_max_token_len_per_gpu", MAPPED, target="actor.max_tokens_per_micro_batch", convert=_token_budget, inactive=_DYN,
+        Rule(f"{_A}.ppo_max_token_len_per_gpu", MAPPED, target="actor.max_tokens_per_micro_batch",
+             convert=_token_budget, inactive=_DYN,
              note="token budget of one micro-batch per rank (padded tokens unless actor.sequence_packing)"),
         _m(f"{_A}.ppo_epochs", "actor.ppo_epochs"),
         _u(f"{_A}.shuffle", "mini-batches are taken in order from the step's rows", neutral=(False,)),
         _n(f"{_A}.data_loader_seed", "one seed (trainer.seed) drives data, sampling and init"),
         # ---- actor: loss
         _m(f"{_A}.clip_ratio", "actor.policy_loss.clip_ratio", convert=_clip_ratio),
-        _m(f"{_A}.clip_ratio_low", "actor.policy_loss.clip_ratio_low"),
-        _m(f"{_A}.clip_ratio_high", "actor.policy_loss.clip_ratio_high"),
-        _m(f"{_A}.clip_ratio_c", "actor.policy_loss.clip_ratio_c"),
-        _m(f"{_A}.tau_pos", "actor.policy_loss.tau_pos"),
-        _m(f"{_A}.tau_neg", "actor.policy_loss.tau_neg"),
-        _m(f"{_A}.loss_agg_mode", "actor.policy_loss.loss_agg_mode"),
-        _m(f"{_A}.loss_scale_factor", "actor.policy_loss.loss_scale_factor"),
+        *[_m(f"{_A}.{k}", f"actor.policy_loss.{k}") for k in _LOSS_KEYS],  # verl keeps them on actor
         _m(f"{_A}.policy_loss.loss_mode", convert=_loss_mode, target="algorithm.rollout_correction.loss_type",
            note="verl's actor.policy_loss.loss_mode is moved there on load"),
         _m(f"{_A}.policy_loss.*", hint=False),  # clip_cov_ratio, kl_cov_ratio, ...: same names under actor.policy_loss
         _m(f"{_A}.use_kl_loss", "actor.policy_loss.kl_loss_coef", convert=lambda value, v: {},
            note="use_kl_loss decides whether kl_loss_coef applies"),
         _m(f"{_A}.kl_loss_coef", convert=_kl_loss_coef, target="actor.policy_loss.kl_loss_coef"),
-        _m(f"{_A}.kl_loss_type", "actor.policy_loss.kl_loss_type"),
         _n(f"{_A}.calculate_entropy", "the train step always reports the entropy (actor/entropy)"),
         _u(f"{_A}.use_prefix_grouper", "no shared-prefix grouping of a group's rows", neutral=(False,)),
         _n(f"{_A}.use_torch_compile", "torch.compile of verl's FSDP log-prob function"),
@@ -708,19 +733,8 @@ def _rules() -> List[Rule]:
         _u("custom_reward_function.reward_kwargs.**", "write them under data.reward_kwargs"),
         _u("reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
            "functions (data.reward_fn)", neutral=(False,)),
-        _m("reward_model.overlong_buffer.len", convert=_overlong_len("reward_model.overlong_buffer"), hint=False),
-        _m("reward_model.overlong_buffer.penalty_factor",
-           convert=_overlong_factor("reward_model.overlong_buffer"), hint=False),
-        _m("reward_model.overlong_buffer.enable", convert=lambda value, v: {},
-           note="decides whether len / penalty_factor apply (data.overlong_buffer_len)", hint=False),
-        _n("reward_model.overlong_buffer.log", "the penalty is in the metrics (reward/*) always"),
-        _m("reward_model.reward_kwargs.overlong_buffer_cfg.len",
-           convert=_overlong_len("reward_model.reward_kwargs.overlong_buffer_cfg"), hint=False),
-        _m("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
-           convert=_overlong_factor("reward_model.reward_kwargs.overlong_buffer_cfg"), hint=False),
-        _m("reward_model.reward_kwargs.overlong_buffer_cfg.enable", convert=lambda value, v: {},
-           note="decides whether len / penalty_factor apply (data.overlong_buffer_len)", hint=False),
-        _n("reward_model.reward_kwargs.overlong_buffer_cfg.log", "the penalty is in the metrics always"),
+        *_overlong_rules("reward_model.overlong_buffer"),
+        *_overlong_rules("reward_model.reward_kwargs.overlong_buffer_cfg"),
         _n("reward_model.reward_kwargs.max_resp_len", "the DAPO penalty reads rollout.max_new_tokens"),
         _u("reward_model.reward_kwargs.**", "write the reward function's arguments under data.reward_kwargs"),
         _n("reward_model.reward_manager", "rewards are scored by data.reward_fn in worker processes "

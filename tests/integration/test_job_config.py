@@ -93,12 +93,12 @@ def test_integers_are_accepted_for_float_fields():
 
 def test_all_unknown_keys_are_reported_with_hints_for_verl_and_megatron_names():
     errs = _errors(["actor.learning_rate=1e-5", "actor.lr_warmup_steps_ratio=0.1", "trainer.ppo_epochs=2",
-                    "parallel.lr=1", "actor.zzz=1", "trainer.stepz=3"])
+                    "parallel.adam_beta1=1", "actor.zzz=1", "trainer.stepz=3"])
     assert "actor.learning_rate: unknown key (this project's key is actor.lr)" in errs
     assert any(e.startswith("actor.lr_warmup_steps_ratio: unknown key (this project's key is actor.lr_warmup_fraction")
                for e in errs)
     assert "trainer.ppo_epochs: unknown key (this project's key is actor.ppo_epochs)" in errs
-    assert "parallel.lr: unknown key (it belongs to actor.lr)" in errs
+    assert "parallel.adam_beta1: unknown key (it belongs to actor.adam_beta1)" in errs
     assert any(e.startswith("actor.zzz: unknown key (valid keys: lr, ") for e in errs)
     assert "trainer.stepz: unknown key (did you mean 'steps'?)" in errs
     assert len(errs) == 6
@@ -106,14 +106,18 @@ def test_all_unknown_keys_are_reported_with_hints_for_verl_and_megatron_names():
 
 def test_unknown_sections_and_bad_overrides_all_reported(tmp_path):
     p = tmp_path / "job.yaml"
-    p.write_text("lr: 1\nactor_rollout_ref: {}\nmodel: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, "
+    p.write_text("lr: 1\nactor_rollou_ref: {}\nmodel: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, "
                  "vocab_size: 256}\n")
     with pytest.raises(ConfigError) as ei:
         load_job_config(str(p), ["trainr.steps=1", "novalue"], world_size=1)
     msg = str(ei.value)
     assert "trainr" in msg and "'novalue': expected key.sub=value" in msg
     assert "lr: unknown section (it is a key of actor.lr)" in msg
-    assert "actor_rollout_ref: unknown section" in msg
+    assert "actor_rollou_ref: unknown section" in msg
+    p.write_text("actor_rollout_ref: {actor: {optim: {lr: 1.0e-6}}}\ndata: {train_batch_size: 8}\n")
+    with pytest.raises(ConfigError) as ei:   # a verl file: one problem, pointing to the migration
+        load_job_config(str(p), [], world_size=1)
+    assert str(ei.value).count("\n  - ") == 1 and "megatron-rl migrate verl" in str(ei.value)
 
 
 def test_dense_model_world_size_error_names_keys_without_an_expert_line():

@@ -1,0 +1,199 @@
+"""``megatron-rl migrate verl`` on verl's own configs (tests/data/verl: verl's generated Megatron and FSDP trainer
+configs, and three of its example run scripts written as YAML).
+
+The expected values come from verl's documented semantics, read off the verl files by hand (not from the
+table): ``optim.lr`` is the actor's learning rate, ``data.train_batch_size`` counts prompts per step and
+``rollout.n`` is the group size, ``ppo_mini_batch_size`` counts prompts per optimizer step (verl multiplies it by
+``n``), ``ppo_micro_batch_size_per_gpu`` counts rows per micro-batch per GPU, ``ppo_max_token_len_per_gpu`` is a
+per-GPU token budget used only with ``use_dynamic_bsz``, ``use_remove_padding`` packs rows, and the rollout's
+``tensor_model_parallel_size`` is the inference engine's own.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from megatron_rl.cli import main as cli_main
+from megatron_rl.config import collect_job_config
+from megatron_rl.config.interpolation import resolve_interpolations
+from megatron_rl.config.load import yaml_load
+from megatron_rl.config.migrate_verl import CONFLICT, UNCHANGED, UNKNOWN, UNRESOLVED, migrate_verl
+from megatron_rl.config.verl_keys import MAPPED, NO_MEANING, SERVER, UNSUPPORTED
+from megatron_rl.config.sections import ActorConfig
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "verl")
+MEGATRON_BASE = os.path.join(DATA, "ppo_megatron_trainer.yaml")
+FSDP_BASE = os.path.join(DATA, "ppo_trainer.yaml")
+#: example -> the verl config its run script overrides
+EXAMPLES = {"grpo_qwen2_7b_math_megatron.yaml": MEGATRON_BASE, "grpo_qwen3moe_30b_megatron.yaml": MEGATRON_BASE,
+            "dapo_minimal.yaml": FSDP_BASE}
+#: the published HF shapes of each example's model, as model: overrides (the HF directory is on the user's cluster)
+SHAPES = {
+    "grpo_qwen2_7b_math_megatron.yaml": dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
+                                             num_attention_heads=28, num_query_groups=4, vocab_size=152064,
+                                             add_qkv_bias=True, untie_embeddings_and_output_weights=True),
+    "grpo_qwen3moe_30b_megatron.yaml": dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144,
+                                            num_attention_heads=32, num_query_groups=4, kv_channels=128,
+                                            vocab_size=151936, qk_layernorm=True, num_moe_experts=128,
+                                            moe_router_topk=8, moe_ffn_hidden_size=768,
+                                            untie_embeddings_and_output_weights=True),
+    "dapo_minimal.yaml": dict(num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14,
+                              num_query_groups=2, vocab_size=151936, add_qkv_bias=True),
+}
+
+
+def _load(name):
+    with open(os.path.join(DATA, name)) as fh:
+        return yaml_load(fh)
+
+
+def _leaves(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _entry(m, key):
+    [e] = [e for e in m.entries if e.key == key]
+    return e
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(DATA)))
+def test_every_key_is_mapped_or_listed_with_its_reason(name):
+    tree = _load(name)
+    m = migrate_verl(tree)
+    resolved, _ = resolve_interpolations(tree)
+    assert sorted(e.key for e in m.entries) == sorted(_leaves(resolved)), "one entry per key of the file"
+    assert not m.of_kind(UNKNOWN, CONFLICT), [(e.key, e.detail) for e in m.of_kind(UNKNOWN, CONFLICT)]
+    for e in m.entries:
+        assert e.kind in (MAPPED, UNCHANGED, UNSUPPORTED, NO_MEANING, SERVER, UNRESOLVED)
+        assert e.detail or e.kind == MAPPED, e.key
+        assert e.targets or e.kind != MAPPED or e.rule.convert is not None, e.key
+    # verl's generated configs leave the rollout engine to the run script (Hydra's ???): the one unresolved key
+    assert [e.key for e in m.of_kind(UNRESOLVED)] == (["actor_rollout_ref.rollout.name"]
+                                                      if name.startswith("ppo_") else [])
+    report = "\n".join(m.report())
+    for e in m.of_kind(UNSUPPORTED, SERVER, NO_MEANING, UNRESOLVED):
+        assert e.detail in report
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_migrated_example_passes_check(name, tmp_path):
+    """The example as verl runs it (its overrides on verl's config) -> `megatron-rl migrate verl --base` ->
+    this project's loader and validation at the file's cluster size, with the two paths that only exist on the
+    user's cluster (the model directory, replaced by the model's published shapes, and the data file) given."""
+    out = tmp_path / "job.yaml"
+    assert cli_main(["migrate", "verl", os.path.join(DATA, name), "--base", EXAMPLES[name], "-o", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Migrated from the verl config") and "not mapped" in text
+    local = ["actor.load_hf=null", "data.path=examples/math_tiny/train.jsonl"]
+    local += [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in SHAPES[name].items()]
+    cfg, problems = collect_job_config(str(out), local, world_size="cluster")
+    assert problems == [], problems
+    assert cfg.cluster.world_size == 8 and cfg.rollout.engine == "sglang"
+
+
+def test_grpo_moe_recipe_maps_as_verl_means_it():
+    verl = _load("grpo_qwen3moe_30b_megatron.yaml")
+    m = migrate_verl(verl)
+    t = m.tree
+    a = verl["actor_rollout_ref"]
+    assert t["actor"]["lr"] == a["actor"]["optim"]["lr"] == 1e-6
+    assert t["actor"]["weight_decay"] == 0.1
+    # prompts per step and group size; mini-batches = 512 prompts / 128 prompts per mini-batch
+    assert t["data"]["prompts_per_step"] == 512 and t["rollout"]["n_samples_per_prompt"] == 16
+    assert t["actor"]["ppo_mini_batches"] == 4
+    assert t["actor"]["micro_batch_size"] == 2
+    assert t["actor"]["max_tokens_per_micro_batch"] == 10240  # use_dynamic_bsz: true
+    assert t["rollout"]["max_new_tokens"] == 8192 and t["data"]["max_prompt_length"] == 2048
+    assert t["data"]["overlong_prompts"] == "truncate"  # verl's truncation: left keeps the last tokens
+    assert t["data"]["overlong_buffer_len"] == 4096 and t["data"]["overlong_penalty_factor"] == 1.0
+    assert t["actor"]["policy_loss"] == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 10.0,
+                                         "loss_agg_mode": "token-mean"}  # use_kl_loss false: no kl_loss_coef
+    # the trainer's layout is actor.megatron's; the rollout TP (4) is the SGLang servers'
+    assert t["parallel"]["tensor_model_parallel_size"] == 1 and t["parallel"]["expert_model_parallel_size"] == 8
+    tp = _entry(m, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    assert tp.kind == SERVER and "launch/sglang_server.sh --tp" in tp.detail and "SGLANG_TP" in tp.detail
+    assert _entry(m, "actor_rollout_ref.rollout.gpu_memory_utilization").kind == SERVER
+    assert _entry(m, "actor_rollout_ref.actor.megatron.param_offload").kind == UNSUPPORTED
+    warmup = _entry(m, "actor_rollout_ref.actor.optim.lr_warmup_steps")
+    if "lr_warmup_steps" in {f for f in ActorConfig.__dataclass_fields__}:
+        assert warmup.kind == MAPPED and warmup.targets == {"actor.lr_warmup_steps": 10}
+    else:
+        assert warmup.kind == UNSUPPORTED and "no warm-up" in warmup.detail
+    assert _entry(m, "actor_rollout_ref.actor.optim.lr_decay_style").kind in (UNCHANGED, MAPPED)  # constant
+    assert _entry(m, "trainer.test_freq").kind in (UNSUPPORTED, MAPPED)
+
+
+def test_full_megatron_config_maps_its_defaults():
+    verl = _load("ppo_megatron_trainer.yaml")
+    m = migrate_verl(verl)
+    t = m.tree
+    assert t["actor"]["sequence_packing"] is True  # actor.megatron.use_remove_padding: true
+    assert t["actor"]["bf16"] is True and t["actor"]["use_distributed_optimizer"] is True
+    assert (t["actor"]["adam_beta1"], t["actor"]["adam_beta2"]) == (0.9, 0.999)
+    assert "max_tokens_per_micro_batch" not in t["actor"]  # use_dynamic_bsz: false
+    assert _entry(m, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu").kind == UNCHANGED
+    # verl's rollout_correction block pastes as it is; its loss_type only counts in bypass mode, the objective
+    # is actor.policy_loss.loss_mode (vanilla)
+    block = dict(verl["algorithm"]["rollout_correction"])
+    block.pop("loss_type")
+    corr = dict(t["algorithm"]["rollout_correction"])
+    assert corr.pop("loss_type") == "vanilla" and corr == block
+    assert _entry(m, "algorithm.adv_estimator").kind == UNSUPPORTED  # gae needs a critic
+    assert all(e.kind in (NO_MEANING, UNCHANGED) for e in m.entries if e.key.startswith("critic."))
+    # interpolations resolved within the file: ${oc.select:data.max_prompt_length,512}, a path with two refs
+    assert _entry(m, "actor_rollout_ref.rollout.prompt_length").value == 512
+    assert t["trainer"]["run_dir"] == "checkpoints/verl_examples/gsm8k"
+
+
+def test_fsdp_dapo_recipe():
+    m = migrate_verl(_load("dapo_minimal.yaml"))
+    t = m.tree
+    assert t["actor"]["sequence_packing"] is True  # FSDP's model.use_remove_padding
+    assert t["data"]["overlong_buffer_len"] == 128 and t["actor"]["ppo_mini_batches"] == 2  # 256 / 128 prompts
+    assert t["trainer"]["steps"] == 1  # total_training_steps wins over total_epochs
+    assert _entry(m, "trainer.total_epochs").kind == UNCHANGED
+    for key in ("algorithm.filter_groups.enable", "data.gen_batch_size"):
+        assert _entry(m, key).kind in (UNSUPPORTED, MAPPED)
+
+
+def test_interpolations_resolve_within_the_file_or_are_named():
+    tree = {"a": {"x": 3, "y": "${.x}", "z": "${oc.select:b.missing,7}", "w": "${oc.select:a.x,9}",
+                  "s": "run/${a.x}/${b.name}", "d": "${oc.select:b.nothing,{}}", "sub": {"up": "${..x}"}},
+            "b": {"name": "n", "env": "${oc.env:HOME}", "gone": "${b.nope}", "c1": "${b.c2}", "c2": "${b.c1}",
+                  "req": "???", "whole": "${a.sub}"}}
+    out, bad = resolve_interpolations(tree)
+    assert out["a"] == {"x": 3, "y": 3, "z": 7, "w": 3, "s": "run/3/n", "d": {}, "sub": {"up": 3}}
+    assert out["b"]["whole"] == {"up": 3}
+    assert set(bad) == {"b.env", "b.gone", "b.c1", "b.c2", "b.req"}
+    assert "oc.env" in bad["b.env"] and "b.nope" in bad["b.gone"] and "cycle" in bad["b.c1"]
+    assert out["b"]["env"] == "${oc.env:HOME}"  # left as written
+
+
+def test_check_on_a_verl_file_points_to_migrate(capsys):
+    path = os.path.join(DATA, "grpo_qwen2_7b_math_megatron.yaml")
+    assert cli_main(["check", path]) == 2
+    err = capsys.readouterr().err
+    assert f"megatron-rl migrate verl {path}" in err and "unknown section" not in err
+    assert err.count("\n") == 1, err
+
+
+def test_migrate_writes_yaml_to_stdout_and_the_report_to_stderr(capsys):
+    assert cli_main(["migrate", "verl", os.path.join(DATA, "dapo_minimal.yaml")]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["rollout"]["n_samples_per_prompt"] == 4
+    assert err.startswith("46 verl keys: ") and "the SGLang server's setting (2):" in err
+
+
+def test_two_verl_keys_writing_one_key_differently_is_a_conflict():
+    m = migrate_verl({"actor_rollout_ref": {"rollout": {"response_length": 256}}, "data": {"max_response_length": 512}})
+    assert m.tree["rollout"]["max_new_tokens"] == 256  # the first wins
+    c = _entry(m, "data.max_response_length")
+    assert c.kind == CONFLICT and "rollout.max_new_tokens is already 256" in c.detail
