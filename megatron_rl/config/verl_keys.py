@@ -19,7 +19,7 @@ false); such keys are reported as changing nothing. :mod:`megatron_rl.config.mig
 :mod:`megatron_rl.config.hints` derives its hints for verl names users put in this project's sections from it
 (:func:`hint_entries`).
 
-Features that are being added (learning-rate schedule, entropy bonus, validation, dynamic sampling) are in
+Features that are being added (entropy bonus, validation, dynamic sampling) are in
 ``PENDING``: each verl key names the key it will map to, and the rule maps as soon as that key exists in this
 project's config dataclasses (until then the key is reported as not supported yet).
 """
@@ -180,6 +180,31 @@ def _dynamic_bsz(value: Any, v: Verl) -> Dict[str, Any]:
         raise Skip(NO_MEANING, "false: micro-batches of a fixed number of rows, this project's default too "
                                "(actor.max_tokens_per_micro_batch: null)")
     return {}
+
+
+def _optimizer_steps(target: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """verl steps its learning-rate scheduler once per training step; this project once per optimizer step
+    (ppo_epochs x mini-batches of each training step)."""
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        if value is None or (isinstance(value, int) and value <= 0 and target == "actor.lr_warmup_steps"):
+            raise Skip(NO_MEANING, f"{_show(value)}: verl then warms up for lr_warmup_steps_ratio of the run")
+        total, mini = v.get("data.train_batch_size", 1024), v.get(f"{_A}.ppo_mini_batch_size", 256)
+        epochs = v.get(f"{_A}.ppo_epochs", 1)
+        if not all(isinstance(x, int) and x > 0 for x in (total, mini, epochs)) or total % mini:
+            raise Skip(UNSUPPORTED, f"cannot count optimizer steps per training step from data.train_batch_size "
+                                    f"{total!r}, ppo_mini_batch_size {mini!r}, ppo_epochs {epochs!r}")
+        return {target: value * epochs * (total // mini)}
+    return convert
+
+
+def _warmup_ratio(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value:
+        raise Skip(NO_MEANING, f"{_show(value)}: no warm-up, this project's default too")
+    return {"actor.lr_warmup_fraction": value}
+
+
+_WARMUP_STEPS_SET = _unless(f"{_A}.optim.lr_warmup_steps", lambda n: n is None or n <= 0,
+                            " (verl then warms up for that many steps, not this ratio)")
 
 
 def _betas(value: Any, v: Verl) -> Dict[str, Any]:
@@ -383,27 +408,12 @@ class Pending:
     """Value in verl's units -> value in the target's (None: the same)."""
 
 
-_NO_LR = "the learning rate is constant (actor.lr); no scheduler is implemented"
-_NO_WARMUP = "the learning rate is constant (actor.lr); no warm-up is implemented"
 _NO_VAL = "no validation set is evaluated during training"
 _NO_DYN = "no dynamic sampling (DAPO's filter_groups: drop groups whose rewards are all equal, draw more prompts)"
-_STEPS_SET = _unless(f"{_A}.optim.lr_warmup_steps", lambda n: n is None or n <= 0,
-                     " (verl then warms up for that many steps, not this ratio)")
 
-#: Features being added: verl key pattern -> Pending. Each maps as soon as its key exists in the config
+#: Features being added (entropy bonus, validation, dynamic sampling): verl key pattern -> Pending. Each maps as soon as its key exists in the config
 #: dataclasses (until then: not supported yet), so the mapping lands with the feature and nowhere else.
 PENDING: Dict[str, Pending] = {
-    f"{_A}.optim.lr_warmup_steps": Pending(("actor.lr_warmup_steps",), _NO_WARMUP, (-1, 0, None)),
-    f"{_A}.optim.lr_warmup_steps_ratio": Pending(("actor.lr_warmup_fraction",), _NO_WARMUP, (0, 0.0, None),
-                                                 _STEPS_SET),
-    f"{_A}.optim.lr_decay_style": Pending(("actor.lr_decay_style",), _NO_LR, ("constant",)),
-    f"{_A}.optim.warmup_style": Pending(("actor.lr_decay_style",), _NO_LR, ("constant",)),
-    f"{_A}.optim.lr_scheduler_type": Pending(("actor.lr_decay_style",), _NO_LR, ("constant",)),
-    f"{_A}.optim.lr_decay_steps": Pending(("actor.lr_decay_steps",), _NO_LR, (None,)),
-    f"{_A}.optim.min_lr": Pending(("actor.min_lr",), _NO_LR, (0, 0.0),
-                                  _unless(f"{_A}.optim.lr_decay_style", lambda s: s not in (None, "constant"), "")),
-    f"{_A}.optim.min_lr_ratio": Pending(("actor.min_lr",), _NO_LR, (0, 0.0, None),
-                                        transform=lambda r, v: r * v.get(f"{_A}.optim.lr")),
     f"{_A}.entropy_coeff": Pending(("actor.policy_loss.entropy_coeff", "algorithm.entropy_coeff",
                                     "actor.entropy_coeff"), "no entropy bonus is implemented", (0, 0.0)),
     "data.val_files": Pending(("data.val_files",), _NO_VAL, (None,)),
@@ -484,13 +494,31 @@ def _rules() -> List[Rule]:
            neutral=("adam", "adamw", "AdamW")),
         _n(f"{_A}.optim.total_training_steps", "verl fills it from the trainer at run time (the schedule's length)",
            neutral=(-1, None)),
-        _u(f"{_A}.optim.lr_warmup_init", "the learning rate is constant (actor.lr); no warm-up is implemented",
-           neutral=(0, 0.0)),
-        _u(f"{_A}.optim.num_cycles", "the learning rate is constant (actor.lr); no cosine schedule",
-           inactive=_unless(f"{_A}.optim.warmup_style", lambda s: s == "cosine", "")),
+        # learning-rate schedule: megatron-core's OptimizerParamScheduler on both sides; verl steps it once per
+        # training step, this project once per optimizer step
+        _m(f"{_A}.optim.lr_warmup_steps", "actor.lr_warmup_steps", convert=_optimizer_steps("actor.lr_warmup_steps"),
+           note="counted in optimizer steps: verl's training steps x actor.ppo_epochs x actor.ppo_mini_batches"),
+        Rule(f"{_A}.optim.lr_warmup_steps_ratio", MAPPED, target="actor.lr_warmup_fraction",
+             convert=_warmup_ratio, inactive=_WARMUP_STEPS_SET,
+             note="a fraction of the decay length (the whole run) on both sides"),
+        _m(f"{_A}.optim.lr_warmup_init", "actor.lr_warmup_init"),
+        _m(f"{_A}.optim.lr_decay_style", "actor.lr_decay_style", note="constant, linear, cosine or "
+           "inverse-square-root"),
+        _m(f"{_A}.optim.warmup_style", "actor.lr_decay_style", note="verl's warmup_style names the decay after "
+           "the warm-up"),
+        _m(f"{_A}.optim.lr_scheduler_type", "actor.lr_decay_style", note="constant, linear, cosine or "
+           "inverse-square-root"),
+        _m(f"{_A}.optim.lr_decay_steps", "actor.lr_decay_steps", convert=_optimizer_steps("actor.lr_decay_steps"),
+           note="counted in optimizer steps"),
+        _m(f"{_A}.optim.min_lr", "actor.min_lr"),
+        _m(f"{_A}.optim.min_lr_ratio", "actor.min_lr", convert=lambda value, v: {
+            "actor.min_lr": value * v.get(f"{_A}.optim.lr", 1e-6)}, note="an absolute learning rate: min_lr_ratio x "
+           "actor.lr"),
+        _u(f"{_A}.optim.num_cycles", "the cosine decays once, from actor.lr to actor.min_lr (verl's default "
+           "num_cycles 0.5)", neutral=(0.5,)),
         _u(f"{_A}.optim.weight_decay_incr_style", "weight decay is constant (actor.weight_decay)",
            neutral=("constant",)),
-        _u(f"{_A}.optim.lr_wsd_*", "the learning rate is constant (actor.lr); no WSD schedule",
+        _u(f"{_A}.optim.lr_wsd_*", "no warmup-stable-decay schedule (lr_decay_style wsd)",
            inactive=_unless(f"{_A}.optim.lr_decay_style", lambda s: s == "wsd", "")),
         _n(f"{_A}.optim.use_checkpoint_opt_param_scheduler", "the optimizer state is always restored from the "
            "checkpoint on resume", neutral=(False,)),

@@ -21,7 +21,6 @@ from megatron_rl.config.interpolation import resolve_interpolations
 from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import CONFLICT, UNCHANGED, UNKNOWN, UNRESOLVED, migrate_verl
 from megatron_rl.config.verl_keys import MAPPED, NO_MEANING, SERVER, UNSUPPORTED
-from megatron_rl.config.sections import ActorConfig
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "verl")
 MEGATRON_BASE = os.path.join(DATA, "ppo_megatron_trainer.yaml")
@@ -122,12 +121,9 @@ def test_grpo_moe_recipe_maps_as_verl_means_it():
     assert tp.kind == SERVER and "launch/sglang_server.sh --tp" in tp.detail and "SGLANG_TP" in tp.detail
     assert _entry(m, "actor_rollout_ref.rollout.gpu_memory_utilization").kind == SERVER
     assert _entry(m, "actor_rollout_ref.actor.megatron.param_offload").kind == UNSUPPORTED
-    warmup = _entry(m, "actor_rollout_ref.actor.optim.lr_warmup_steps")
-    if "lr_warmup_steps" in {f for f in ActorConfig.__dataclass_fields__}:
-        assert warmup.kind == MAPPED and warmup.targets == {"actor.lr_warmup_steps": 10}
-    else:
-        assert warmup.kind == UNSUPPORTED and "no warm-up" in warmup.detail
-    assert _entry(m, "actor_rollout_ref.actor.optim.lr_decay_style").kind in (UNCHANGED, MAPPED)  # constant
+    # verl steps its scheduler once per training step (megatron_workers.update_actor), this project once per
+    # optimizer step: 10 training steps of 4 mini-batches (1 epoch) = 40
+    assert t["actor"]["lr_warmup_steps"] == 40 and t["actor"]["lr_decay_style"] == "constant"
     assert _entry(m, "trainer.test_freq").kind in (UNSUPPORTED, MAPPED)
 
 
@@ -151,6 +147,16 @@ def test_full_megatron_config_maps_its_defaults():
     # interpolations resolved within the file: ${oc.select:data.max_prompt_length,512}, a path with two refs
     assert _entry(m, "actor_rollout_ref.rollout.prompt_length").value == 512
     assert t["trainer"]["run_dir"] == "checkpoints/verl_examples/gsm8k"
+
+
+def test_fsdp_schedule_keys():
+    m = migrate_verl({"actor_rollout_ref": {"actor": {"optim": {"lr": 2e-6, "lr_warmup_steps": -1,
+                                                                "lr_warmup_steps_ratio": 0.1,
+                                                                "warmup_style": "cosine", "min_lr_ratio": 0.1}}}})
+    a = m.tree["actor"]
+    assert a["lr_warmup_fraction"] == 0.1 and a["lr_decay_style"] == "cosine"
+    assert a["min_lr"] == pytest.approx(2e-7)  # verl's min_lr_ratio x lr
+    assert "lr_warmup_steps" not in a  # -1: verl takes the ratio
 
 
 def test_fsdp_dapo_recipe():
