@@ -228,11 +228,17 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
 
 
 def async_schedule(cfg: JobConfig) -> Dict[str, object]:
-    """What a checkpoint's drained rollouts were made with, by dotted config key: the async schedule and the
-    prompt groups (``StepBatch.shard`` groups rows by the current ``rollout.n_samples_per_prompt``)."""
+    """What a checkpoint's drained rollouts were made with, by dotted config key: the async schedule, the
+    prompt groups (``StepBatch.shard`` groups rows by the current ``rollout.n_samples_per_prompt``) and, when
+    enabled, dynamic sampling's settings (rollouts drawn without it are regenerated for a run with it)."""
     rc = cfg.rollout
-    return {"rollout.max_staleness": rc.max_staleness, "rollout.partial_rollout": rc.partial_rollout,
-            "rollout.n_samples_per_prompt": rc.n_samples_per_prompt, "data.prompts_per_step": cfg.data.prompts_per_step}
+    schedule = {"rollout.max_staleness": rc.max_staleness, "rollout.partial_rollout": rc.partial_rollout,
+                "rollout.n_samples_per_prompt": rc.n_samples_per_prompt,
+                "data.prompts_per_step": cfg.data.prompts_per_step}
+    fg = cfg.algorithm.filter_groups
+    if fg.enable:
+        schedule.update({f"algorithm.filter_groups.{k}": getattr(fg, k) for k in ("metric", "max_num_gen_batches")})
+    return schedule
 
 
 def _saved_schedule(saved) -> Dict[str, object]:

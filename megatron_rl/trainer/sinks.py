@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 CONSOLE_KEYS = (
     ("reward/mean", "reward"), ("response_length/mean", "len"), ("actor/pg_loss", "pg_loss"),
     ("actor/grad_norm", "gnorm"), ("rollout_corr/kl", "kl"), ("rollout_corr/rollout_is_mean", "is_mean"),
-    ("rollout_corr/rollout_rs_masked_fraction", "rs_mask"), ("perf/tokens_per_s", "tok/s"),
+    ("rollout_corr/rollout_rs_masked_fraction", "rs_mask"), ("filter_groups/rounds", "rounds"),
+    ("perf/tokens_per_s", "tok/s"),
 )
 
 

@@ -12,10 +12,10 @@ from megatron_rl.trainer.rollout_source import _fields, _resumed_rollouts, async
 from megatron_rl.trainer.step_batch import StepBatch
 
 
-def _cfg(k=1, partial="finish", n=2, prompts=2):
+def _cfg(k=1, partial="finish", n=2, prompts=2, fg=None):
     return job_config_from_dict({"rollout": {"mode": "async", "max_staleness": k, "partial_rollout": partial,
                                              "n_samples_per_prompt": n},
-                                 "data": {"prompts_per_step": prompts}})
+                                 "data": {"prompts_per_step": prompts}, "algorithm": {"filter_groups": fg}})
 
 
 def _batch():
@@ -51,10 +51,12 @@ def test_drained_rollouts_round_trip_as_plain_fields():
 @pytest.mark.parametrize("change, key", [(dict(n=4, prompts=1), "rollout.n_samples_per_prompt=2 (this run: 4)"),
                                          (dict(n=1, prompts=4), "rollout.n_samples_per_prompt=2 (this run: 1)"),
                                          (dict(prompts=3), "data.prompts_per_step=2 (this run: 3)"),
-                                         (dict(partial="interrupt"), "rollout.partial_rollout='finish'")])
+                                         (dict(partial="interrupt"), "rollout.partial_rollout='finish'"),
+                                         (dict(fg={"enable": True}), "algorithm.filter_groups.metric not recorded")])
 def test_drained_rollouts_of_other_prompt_groups_are_regenerated(change, key, capsys):
     """Rows are grouped by the current n_samples_per_prompt (row // n): rollouts made with other groups -- even
-    with the same number of rows per step -- are not reused, and the line says which key differs."""
+    with the same number of rows per step -- are not reused, and the line says which key differs. Rollouts drawn
+    without dynamic sampling are not reused by a run with it (their groups were never filtered)."""
     b = _batch()                      # 2 prompts x 2 samples
     saved = {"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(_cfg())}
     assert _resumed_rollouts(saved, _cfg(**change)) == {}
