@@ -5,7 +5,7 @@
      whole rows, before any CP split; identical on every rank);
   2. micro-batches of variable length; on the last stage: vocab-parallel log-probs + entropy of
      softmax(logits / T) -> ``compute_policy_loss`` (correction weights multiplied in after clipping,
-     post-rejection mask, global denominators);
+     post-rejection mask, global denominators; the entropy bonus from the same pass's entropy);
   3. scaling for megatron-core 0.16.1 (checked in ``schedules.forward_step_calc_loss`` and
      ``DistributedDataParallel``): with a 2-tuple ``loss_func`` return the schedule multiplies each
      micro-batch loss by cp_size / num_microbatches, and DDP scales the reduced gradients by
@@ -42,6 +42,11 @@ PER_TOKEN_INPUTS = ("old_log_probs", "advantages", "response_mask", "is_weights"
 token_select: the clip_cov / kl_cov batch selection, ``megatron_rl.losses.selection.batch_selection``)."""
 
 
+_GLOBAL_LOSSES = ("pg_loss", "entropy_loss")
+"""Aggregated losses (global denominators in every micro-batch): the step's value is their sum over micro-batches
+and ranks, not a mean."""
+
+
 def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, tp_group, scale: float,
                cp_group, mb: MicroBatch, logits: torch.Tensor):
     """Last stage: policy loss of one micro-batch from its vocab-parallel logits, scaled for megatron
@@ -55,13 +60,15 @@ def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, t
                               loss_type=loss_type, is_weights=p["is_weights"], ref_log_probs=p["ref_log_probs"],
                               denominators=den,
                               seq_valid_tokens=mb.seq_valid_tokens, cp_group=cp_group,
-                              token_select=p.get("token_select"))
+                              token_select=p.get("token_select"), entropy=ent)
     metrics = dict(out.metrics)
     valid = p["response_mask"] != 0
     metrics["entropy"] = sum_count(ent, valid)
     # metrics stay on the logits' device: they are all-reduced (NCCL needs CUDA tensors on GPU)
     one = torch.ones((), dtype=torch.float64, device=logits.device)
     metrics["pg_loss"] = SumCount(out.pg_loss.detach().to(torch.float64).reshape(()), one)
+    if out.entropy_loss is not None:  # the entropy bonus's aggregated entropy (global denominators: summed)
+        metrics["entropy_loss"] = SumCount(out.entropy_loss.detach().to(torch.float64).reshape(()), one)
     return out.loss * scale, {"metrics": metrics}
 
 
@@ -93,8 +100,9 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     ``loss_type`` (one of ``megatron_rl.losses.LOSS_TYPES``) is ``algorithm.rollout_correction.loss_type``.
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
     t+1) or None (is_weights, ref_log_probs). Returns floats: pg_loss (the global batch's aggregated
-    policy loss), pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss (with a KL loss; token means
-    of the KL estimate) — token means over the global batch's valid tokens —, num_tokens (valid tokens
+    policy loss), entropy_loss (with an entropy bonus: the global batch's aggregated entropy), pg_clipfrac,
+    pg_clipfrac_lower, ppo_kl, entropy, kl_loss (with a KL loss; token means of the KL estimate) — token means
+    over the global batch's valid tokens —, num_tokens (valid tokens
     of the global batch), grad_norm (before clipping), update_successful. Collective over every rank.
     """
     missing = [k for k in ("old_log_probs", "advantages", "response_mask") if per_token.get(k) is None]
@@ -131,8 +139,8 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     if groups.is_last_stage:
         merged = merge_metrics(r["metrics"] for r in results)
         merged = reduce_metrics(merged, group=groups.dp_cp_group if groups.dp_size * groups.cp_size > 1 else None)
-        metrics = {k: v.mean() for k, v in merged.items() if k != "pg_loss"}
-        metrics["pg_loss"] = float(merged["pg_loss"].sum)
+        metrics = {k: v.mean() for k, v in merged.items() if k not in _GLOBAL_LOSSES}
+        metrics.update({k: float(merged[k].sum) for k in _GLOBAL_LOSSES if k in merged})
         metrics["num_tokens"] = float(merged["ppo_kl"].count)
     metrics = _broadcast_object(metrics, groups)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

@@ -144,12 +144,13 @@ def objective_summary(loss_type: str, bypass_mode: bool, config: "PolicyLossConf
         "seq-mean (geo_mean's own)" if loss_type == "geo_mean" else config.loss_agg_mode)
     return (f"objective: {loss_type} ({'bypass' if bypass_mode else 'decoupled'}; "
             f"{', '.join(params) if params else 'no objective parameters'}; loss_agg_mode={agg}"
-            + (f"; kl_loss {config.kl_loss_type} x {config.kl_loss_coef}" if config.kl_loss_coef > 0 else "") + ")")
+            + (f"; kl_loss {config.kl_loss_type} x {config.kl_loss_coef}" if config.kl_loss_coef > 0 else "")
+            + (f"; entropy bonus x {config.entropy_coeff}" if config.entropy_coeff != 0 else "") + ")")
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Settings of the per-token policy loss, its aggregation and the optional KL loss."""
+    """Settings of the per-token policy loss, its aggregation, the optional KL loss and entropy bonus."""
 
     clip_ratio_low: float = 0.2
     """PPO lower clip: the ratio is clipped below at 1 - clip_ratio_low. In [0, 1)."""
@@ -220,6 +221,11 @@ class PolicyLossConfig:
     """KL estimator of the KL loss: one of ``KL_TYPES`` ("low_var_kl" = k3, "k3+" = k3 value with
     k2 gradient, ...). Aggregated with ``loss_agg_mode`` like the policy loss."""
 
+    entropy_coeff: float = 0.0
+    """Entropy bonus (verl's ``actor.entropy_coeff``): the loss is ``pg_loss - entropy_coeff * entropy_loss``,
+    ``entropy_loss`` the entropy of softmax(logits / T) at each valid token aggregated with ``loss_agg_mode``
+    like the policy loss (metric ``actor/entropy_loss``). 0 disables it; a negative value penalises entropy."""
+
     def __post_init__(self) -> None:
         _choice("PolicyLossConfig.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _choice("PolicyLossConfig.kl_loss_type", self.kl_loss_type, KL_TYPES)
@@ -255,6 +261,7 @@ class PolicyLossConfig:
         for key in ("dro_beta", "m2_threshold"):
             if getattr(self, key) is not None and _finite_number(key, getattr(self, key)) <= 0:
                 raise ValueError(f"PolicyLossConfig.{key} must be > 0 (or unset), got {getattr(self, key)!r}")
+        _finite_number("entropy_coeff", self.entropy_coeff)
         coef = _finite_number("kl_loss_coef", self.kl_loss_coef)
         if coef < 0:
             raise ValueError(f"PolicyLossConfig.kl_loss_coef must be >= 0, got {self.kl_loss_coef!r}")

@@ -26,6 +26,8 @@ the dual-clip cap is taken), ``ppo_kl`` (mean of old_logp - logp, log ratio clam
 a KL loss, ``kl_loss`` (token mean of the KL estimate). All means are over valid tokens (mask after
 rejection sampling); REINFORCE reports clip fractions of 0. Every other objective reports the same three
 metrics with its own meaning (``objectives.py``), plus ``opsm_clipfrac`` for opsm.
+* Entropy bonus (``entropy_coeff``, verl's): ``- entropy_coeff * entropy_loss``, the entropy of every valid
+  token aggregated with ``loss_agg_mode`` and the same global denominators as the policy loss.
 * Other loss types in decoupled mode use (old log-probs, IS weights) like PPO-clip; bypass mode accepts
   ppo_clip / vanilla / reinforce only (verl's ``bypass_mode`` loss replaces any ``loss_mode``).
 
@@ -57,7 +59,7 @@ class PolicyLossOutput:
     """Result of ``compute_policy_loss``."""
 
     loss: torch.Tensor
-    """Scalar to back-propagate: ``pg_loss + kl_loss_coef * kl_loss``."""
+    """Scalar to back-propagate: ``pg_loss + kl_loss_coef * kl_loss - entropy_coeff * entropy_loss``."""
 
     pg_loss: torch.Tensor
     """Aggregated policy-gradient loss (scalar)."""
@@ -68,6 +70,10 @@ class PolicyLossOutput:
     metrics: Dict[str, SumCount]
     """"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl" (+ "kl_loss"): (sum, count) over valid tokens,
     to be merged over micro-batches / ranks with ``merge_metrics`` / ``reduce_metrics``."""
+
+    entropy_loss: Optional[torch.Tensor] = None
+    """Aggregated entropy (scalar, before the coefficient; verl's ``entropy_loss``); None when
+    ``entropy_coeff == 0``."""
 
 
 def select_loss_inputs(loss_type: str, bypass_mode: bool, rollout_log_probs: torch.Tensor,
@@ -100,7 +106,8 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
                         ref_log_probs: Optional[torch.Tensor] = None,
                         denominators: Optional[LossDenominators] = None,
                         seq_valid_tokens: Optional[torch.Tensor] = None,
-                        cp_group=None, token_select: Optional[torch.Tensor] = None) -> PolicyLossOutput:
+                        cp_group=None, token_select: Optional[torch.Tensor] = None,
+                        entropy: Optional[torch.Tensor] = None) -> PolicyLossOutput:
     """Aggregated policy loss of one micro-batch, plus metrics.
 
     Args:
@@ -121,6 +128,8 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
             per-sequence values over it); None = whole sequences on this rank.
         token_select: [B, T] 0/1 batch selection of clip_cov / kl_cov (``selection.batch_selection``);
             None = selected inside this batch from the current log-probs (verl's per-micro-batch way).
+        entropy: [B, T] entropy of pi_theta at each token (differentiable; from the same pass as
+            ``log_probs``); required when ``config.entropy_coeff != 0``, unused otherwise.
     Raises:
         ValueError: shape mismatch, non-float dtype, mask not 0/1, NaN/inf or positive log-probs or
             negative weights at valid positions — naming the tensor, count and first position.
@@ -132,9 +141,12 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
     if use_kl and ref_log_probs is None:
         raise ValueError(f"ref_log_probs is required because PolicyLossConfig.kl_loss_coef="
                          f"{config.kl_loss_coef} > 0")
+    use_entropy = config.entropy_coeff != 0
+    if use_entropy and entropy is None:
+        raise ValueError(f"entropy is required because PolicyLossConfig.entropy_coeff={config.entropy_coeff} != 0")
     tensors = {"old_log_probs": old_log_probs, "advantages": advantages, "response_mask": response_mask,
                "is_weights": is_weights, "ref_log_probs": ref_log_probs if use_kl else None,
-               "token_select": token_select}
+               "token_select": token_select, "entropy": entropy if use_entropy else None}
     check_shapes("log_probs", log_probs, tensors)
     floats = {"log_probs": log_probs, **{k: v for k, v in tensors.items()
                                          if k not in ("response_mask", "token_select")}}
@@ -168,4 +180,9 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
         kl_loss = aggregate_loss(kl, valid, config.loss_agg_mode, denominators, **agg)
         loss = pg_loss + config.kl_loss_coef * kl_loss
         metrics["kl_loss"] = sum_count(kl, valid)
-    return PolicyLossOutput(loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, metrics=metrics)
+    entropy_loss = None
+    if use_entropy:  # verl: pg_loss - entropy_coeff * agg_loss(entropy, mask, loss_agg_mode)
+        entropy_loss = aggregate_loss(sanitize(entropy, valid, dtype), valid, config.loss_agg_mode, denominators,
+                                      **agg)
+        loss = loss - config.entropy_coeff * entropy_loss
+    return PolicyLossOutput(loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, metrics=metrics, entropy_loss=entropy_loss)

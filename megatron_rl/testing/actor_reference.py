@@ -108,10 +108,18 @@ def load_hf_reference(hf_dir: str):
 
 def hf_token_log_probs(model, tokens: torch.Tensor, temperature: float, double: bool = False) -> torch.Tensor:
     """``log_softmax(logits / T)`` of ``model`` picked at token t+1: ``[B, S-1]`` (float64 with ``double``)."""
+    return hf_token_log_probs_and_entropy(model, tokens, temperature, double)[0]
+
+
+def hf_token_log_probs_and_entropy(model, tokens: torch.Tensor, temperature: float,
+                                   double: bool = False) -> tuple:
+    """(``hf_token_log_probs``, the entropy ``-sum p log p`` of softmax(logits / T) at each position): ``[B, S-1]``
+    each, differentiable, plain torch over the full vocabulary."""
     logits = model(input_ids=tokens).logits[:, :-1] / temperature
     if double:
         logits = logits.double()
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    lsm = torch.log_softmax(logits, dim=-1)
+    return lsm.gather(-1, tokens[:, 1:, None]).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
 
 
 def hf_adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:

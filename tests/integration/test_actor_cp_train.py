@@ -7,7 +7,7 @@ exact. Everything else is the real actor code and megatron machinery — ``prepa
 (zigzag split of tokens / targets / per-token tensors), megatron's schedule, Megatron DDP (grads
 scaled by 1/(DP x CP)), ``finalize_model_grads``, the Megatron optimizer, ``cp_gather`` of log-probs,
 metric reduction over DP x CP. CP2 (2 ranks) and DP2 x CP2 (4 ranks) must equal CP1: log-probs,
-metrics, gradients and updated weights.
+metrics, gradients and updated weights (with the entropy bonus).
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_cp_train.py -q``
 """
@@ -19,6 +19,7 @@ from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.positionwise_lm import positionwise_batch, positionwise_lm
 
 VOCAB, HIDDEN = 64, 16
+ENTROPY = {"entropy_coeff": 0.1}  # policy_loss keys: verl's entropy bonus
 
 
 def _build(cp):
@@ -69,8 +70,10 @@ def _rank(rank, world, cp, agg, loss_type="ppo_clip", loss=None, old_noise=0.0):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("cp,world", [(2, 2), (2, 4)], ids=["cp2", "dp2xcp2"])
 def test_cp_matches_cp1(cp, world, agg):
-    (ref,) = run_ranks(_rank, 1, 1, agg, timeout=100)
-    res = run_ranks(_rank, world, cp, agg, timeout=100)
+    """With verl's entropy bonus (its aggregated entropy is a metric: actor/entropy_loss)."""
+    (ref,) = run_ranks(_rank, 1, 1, agg, "ppo_clip", ENTROPY, timeout=100)
+    res = run_ranks(_rank, world, cp, agg, "ppo_clip", ENTROPY, timeout=100)
+    assert ref["metrics"]["entropy_loss"] > 0
     batch = _data()[0]
     lp = torch.cat([next(r["lp"] for r in res if r["dp_rank"] == d) for d in range(world // cp)])
     torch.testing.assert_close(lp, ref["lp"], rtol=0, atol=1e-6)

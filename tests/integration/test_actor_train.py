@@ -23,7 +23,7 @@ from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, parallel_section
-from megatron_rl.testing.actor_reference import actor_on_shard, hf_adamw, hf_token_log_probs, load_hf_reference
+from megatron_rl.testing.actor_reference import actor_on_shard, hf_adamw, hf_token_log_probs_and_entropy, load_hf_reference
 from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
 
@@ -59,25 +59,28 @@ def _rank_train(rank, world, job, data):
     return {"metrics": metrics, "grads": rank_main_grads(actor, job.parallel), "hf_sd": actor.full_state_dict_hf()}
 
 
-def _reference(hf_dir, data, steps_rows, epochs=1):
-    """HF + torch AdamW; ``steps_rows``: the rows of each optimizer step (one list per mini-batch)."""
+def _reference(hf_dir, data, steps_rows, epochs=1, loss=None):
+    """HF + torch AdamW; ``steps_rows``: the rows of each optimizer step (one list per mini-batch); ``loss``: the
+    job's PolicyLossConfig (default PPO_LOSS); with an entropy bonus the entropy is -sum p log p of HF's logits."""
     batch, old, adv, mask, is_w = data
     model = load_hf_reference(hf_dir)
     model.train()
     opt = hf_adamw(model, LR, weight_decay=0.1)
-    cfg = PolicyLossConfig(**PPO_LOSS)
+    cfg = loss or PolicyLossConfig(**PPO_LOSS)
     W = batch.max_length - 1
-    out = {"grad_norm": [], "pg_loss": [], "grads": None}
+    out = {"grad_norm": [], "pg_loss": [], "entropy_loss": [], "grads": None}
     for _ in range(epochs):
         for rows in steps_rows:
             rows = torch.tensor(rows)
             opt.zero_grad()
-            logp = hf_token_log_probs(model, batch.tokens[rows], T)
+            logp, ent = hf_token_log_probs_and_entropy(model, batch.tokens[rows], T)
             loss = compute_policy_loss(logp, old[rows], adv[rows, None].expand(-1, W), mask[rows], cfg,
-                                       loss_type="ppo_clip", is_weights=is_w[rows])
+                                       loss_type="ppo_clip", is_weights=is_w[rows], entropy=ent)
             loss.loss.backward()
             out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)))
             out["pg_loss"].append(float(loss.pg_loss.detach()))
+            if loss.entropy_loss is not None:
+                out["entropy_loss"].append(float(loss.entropy_loss.detach()))
             if out["grads"] is None:
                 out["grads"] = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})
             opt.step()
@@ -94,6 +97,10 @@ def _check(results, ref, job, hf_dir, check_grads=True):
     assert m["actor/pg_loss"] == pytest.approx(sum(ref["pg_loss"]) / len(ref["pg_loss"]), rel=1e-5, abs=1e-7)
     assert m["actor/grad_norm"] == pytest.approx(sum(ref["grad_norm"]) / len(ref["grad_norm"]), rel=1e-5)
     assert max(ref["grad_norm"]) > CLIP_GRAD, "clipping must be active (in some step) for the test to cover it"
+    if ref["entropy_loss"]:
+        assert m["actor/entropy_loss"] == pytest.approx(sum(ref["entropy_loss"]) / len(ref["entropy_loss"]), rel=1e-5)
+    else:
+        assert "actor/entropy_loss" not in m
     if check_grads:
         grads = merge_rank_grads([r["grads"] for r in results], job)
         geom, _, _ = read_hf_checkpoint(hf_dir)
@@ -112,18 +119,20 @@ def _check(results, ref, job, hf_dir, check_grads=True):
     assert moved > 10
 
 
-CASES = [("qwen2", dict(), 1), ("qwen2", dict(tp=2, pp=2), 4), ("qwen2", dict(), 2),
+#: verl's entropy bonus (actor.policy_loss.entropy_coeff), large enough to move the gradients visibly
+ENTROPY = {"policy_loss": {**PPO_LOSS, "entropy_coeff": 0.1}}
+CASES = [("qwen2", dict(), 1), ("qwen2", dict(tp=2, pp=2, **ENTROPY), 4), ("qwen2", dict(), 2),
          ("qwen2", dict(tp=2, sp=True), 2), ("moe", dict(ep=2), 2), ("tied", dict(pp=2), 2),
          ("deep", dict(pp=4, vpp=2, mbs=2), 4)]
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("key,layout,world", CASES,
-                         ids=["tp1", "tp2pp2", "dp2", "tp2sp", "moe-ep2", "tied-pp2", "pp4-vpp2"])
+                         ids=["tp1", "tp2pp2-entropy", "dp2", "tp2sp", "moe-ep2", "tied-pp2", "pp4-vpp2"])
 def test_one_step_matches_reference(models, key, layout, world):
     job = _job(models[key], **layout)
     data = _data(job.model.vocab_size)
-    ref = _reference(models[key], data, [list(range(data[0].num_rows))])
+    ref = _reference(models[key], data, [list(range(data[0].num_rows))], loss=job.actor.policy_loss)
     results = run_ranks(_rank_train, world, job, data, timeout=150)
     _check(results, ref, job, models[key])
 

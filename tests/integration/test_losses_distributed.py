@@ -5,7 +5,7 @@ tokens are all masked) each aggregate their micro-batches with ``global_denomina
 the sum of the losses over ranks, the all-reduced parameter gradient and the all-reduced metrics
 equal the single-process full-batch result (float64). CP: 2 ranks hold contiguous or zigzag time
 slices of every sequence; with ``cp_group`` denominators and ``seq_valid_tokens`` the summed loss
-and gradient equal the unsplit result. Run: ``pytest tests/integration/test_losses_distributed.py``.
+and gradient equal the unsplit result. Every configuration carries a KL loss and an entropy bonus. Run: ``pytest tests/integration/test_losses_distributed.py``.
 """
 import pytest
 import torch
@@ -19,7 +19,7 @@ from tests.unit.test_losses_reference import make_batch
 F64 = torch.float64
 # (loss_type, PolicyLossConfig): the loss type is an argument of the loss (its owner is the correction config)
 CONFIGS = [(lt, PolicyLossConfig(loss_agg_mode=mode, clip_ratio_c=3.0, clip_ratio_high=0.28,
-                                 loss_scale_factor=8.0, kl_loss_coef=0.1, kl_loss_type="k3+"))
+                                 loss_scale_factor=8.0, kl_loss_coef=0.1, kl_loss_type="k3+", entropy_coeff=0.05))
            for lt in ("ppo_clip", "reinforce") for mode in LOSS_AGG_MODES]
 # DP layout: per rank, micro-batches as (first row, end row, padded length)
 DP_LAYOUT = [[(0, 3, 8), (3, 5, None)],    # rank 0: two micro-batches, the second re-padded shorter
@@ -49,13 +49,19 @@ def model_log_probs(X, theta):
     return -Fnn.softplus(X @ theta)
 
 
+def model_entropy(X, theta):
+    """The tiny policy's per-token 'entropy' (>= 0, differentiable in theta), for the entropy bonus."""
+    return Fnn.softplus(0.5 * X @ theta)
+
+
 def micro_loss(d, cfg, theta, sel, den, seq_valid_tokens=None):
-    """Loss of the micro-batch given by index ``sel`` into every [N, T] tensor."""
+    """Loss of the micro-batch given by index ``sel`` into every [N, T] tensor (policy, KL and entropy terms)."""
     part = {k: d[k][sel] for k in ("old", "adv", "mask", "weights", "ref")}
     loss_type, cfg = cfg
     return compute_policy_loss(model_log_probs(d["X"][sel], theta), part["old"], part["adv"], part["mask"],
                                cfg, loss_type=loss_type, is_weights=part["weights"], ref_log_probs=part["ref"],
-                               denominators=den, seq_valid_tokens=seq_valid_tokens)
+                               denominators=den, seq_valid_tokens=seq_valid_tokens,
+                               entropy=model_entropy(d["X"][sel], theta))
 
 
 def full_batch(d, cfg):

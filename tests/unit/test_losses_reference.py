@@ -45,7 +45,8 @@ def make_batch(seed, B=6, T=9, empty_rows=(1,), big_fraction=0.15, per_token_adv
         adv = torch.randn(B, 1, generator=g, dtype=F64).expand(B, T).clone()
     weights = 2.0 * torch.rand(B, T, generator=g, dtype=F64)
     ref = torch.clamp(logp + 0.5 * torch.randn(B, T, generator=g, dtype=F64), max=-1e-4)
-    return dict(logp=logp, old=old, adv=adv, mask=mask.to(F64), weights=weights, ref=ref)
+    ent = 3.0 * torch.rand(B, T, generator=g, dtype=F64)   # per-token entropy of the policy
+    return dict(logp=logp, old=old, adv=adv, mask=mask.to(F64), weights=weights, ref=ref, ent=ent)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,10 +104,11 @@ def ref_kl(lp, rf, kl_type):
     return v
 
 
-def ref_policy_loss(data, cfg, use_weights, logp_leaf, loss_type="ppo_clip"):
-    """Full reference: per-sequence lists of valid-token losses, aggregated by explicit loops."""
+def ref_policy_loss(data, cfg, use_weights, logp_leaf, loss_type="ppo_clip", ent_leaf=None):
+    """Full reference: per-sequence lists of valid-token losses, aggregated by explicit loops; with
+    ``cfg.entropy_coeff`` verl's bonus, ``- entropy_coeff * agg(entropy)`` in the same aggregation."""
     B, T = data["mask"].shape
-    per_seq, kl_seq = [], []
+    per_seq, kl_seq, ent_seq = [], [], []
     n_clip = n_lower = n_tok = 0
     kl_sum, ppo_kl_sum = 0.0, 0.0
     for i in range(B):
@@ -130,6 +132,7 @@ def ref_policy_loss(data, cfg, use_weights, logp_leaf, loss_type="ppo_clip"):
                 kl_sum += float(k.detach())
         per_seq.append(row)
         kl_seq.append(krow)
+        ent_seq.append([ent_leaf[i, t] for t in range(T) if data["mask"][i, t] == 1] if ent_leaf is not None else [])
 
     def agg(seqs):
         nonempty = [s for s in seqs if s]
@@ -150,6 +153,8 @@ def ref_policy_loss(data, cfg, use_weights, logp_leaf, loss_type="ppo_clip"):
     loss = agg(per_seq)
     if cfg.kl_loss_coef > 0:
         loss = loss + cfg.kl_loss_coef * agg(kl_seq)
+    if cfg.entropy_coeff != 0:
+        loss = loss - cfg.entropy_coeff * agg(ent_seq)
     denom = max(n_tok, 1)
     metrics = {"actor/pg_clipfrac": n_clip / denom, "actor/pg_clipfrac_lower": n_lower / denom,
                "actor/ppo_kl": ppo_kl_sum / denom}
@@ -220,6 +225,46 @@ def test_kl_loss_term_matches_reference(kl_type, mode):
     torch.testing.assert_close(l1, l2, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-12)
     assert m1["actor/kl_loss"] == pytest.approx(m2["actor/kl_loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_entropy_bonus_matches_reference(loss_type, mode):
+    """verl's entropy bonus: loss = pg_loss (+ KL) - entropy_coeff * agg(entropy, mask, loss_agg_mode); value
+    and gradients (w.r.t. log-probs and entropy) equal the loop reference's autograd."""
+    cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.013, kl_loss_coef=0.2, loss_scale_factor=5.0)
+    data = make_batch(5, per_token_adv=True)
+    lp1, e1 = data["logp"].clone().requires_grad_(), data["ent"].clone().requires_grad_()
+    out = compute_policy_loss(lp1, data["old"], data["adv"], data["mask"], cfg, loss_type=loss_type,
+                              is_weights=data["weights"], ref_log_probs=data["ref"], entropy=e1)
+    g_lp1, g_e1 = torch.autograd.grad(out.loss, (lp1, e1))
+    lp2, e2 = data["logp"].clone().requires_grad_(), data["ent"].clone().requires_grad_()
+    ref_loss, _ = ref_policy_loss(data, cfg, True, lp2, loss_type, ent_leaf=e2)
+    g_lp2, g_e2 = torch.autograd.grad(ref_loss, (lp2, e2))
+    torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_lp1, g_lp2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_e1, g_e2, rtol=1e-12, atol=1e-12)
+    valid = data["mask"] == 1
+    assert torch.all(g_e1[valid] < 0) and torch.all(g_e1[~valid] == 0)  # more entropy lowers the loss
+    no_bonus = compute_policy_loss(data["logp"], data["old"], data["adv"], data["mask"],
+                                   PolicyLossConfig(loss_agg_mode=mode, kl_loss_coef=0.2, loss_scale_factor=5.0),
+                                   loss_type=loss_type, is_weights=data["weights"], ref_log_probs=data["ref"])
+    assert no_bonus.entropy_loss is None
+    torch.testing.assert_close(out.loss.detach(), no_bonus.loss - 0.013 * out.entropy_loss.detach(), rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_entropy_bonus_needs_the_entropy():
+    with pytest.raises(ValueError, match=r"entropy is required because PolicyLossConfig.entropy_coeff=0.1"):
+        d = make_batch(0)
+        compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], PolicyLossConfig(entropy_coeff=0.1),
+                            loss_type="ppo_clip")
+    d = make_batch(0)
+    d["ent"][0, 0] = float("nan")
+    d["mask"][0, 0] = 1.0
+    with pytest.raises(ValueError, match=r"entropy has NaN/inf values at valid \(mask=1\) positions"):
+        compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], PolicyLossConfig(entropy_coeff=0.1),
+                            loss_type="ppo_clip", entropy=d["ent"])
 
 
 KL_CLOSED_FORM = {
