@@ -23,7 +23,8 @@ from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, parallel_section
-from megatron_rl.testing.actor_reference import actor_on_shard, hf_adamw, hf_token_log_probs_and_entropy, load_hf_reference
+from megatron_rl.testing.actor_reference import actor_on_shard, hf_adamw, hf_token_log_probs, load_hf_reference
+from megatron_rl.testing.actor_reference import hf_token_log_probs_and_entropy
 from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
 
