@@ -12,7 +12,7 @@ Plots (matplotlib, Agg backend): ``reward_length.png`` (reward and response leng
 ``mismatch_kl.png`` (rollout_corr kl; k3_kl; chi2_token and chi2_seq; a footnote says why kl / chi2 may be
 negative), ``is_ratio.png`` (IS weight mean with its healthy band; token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
 masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
-(policy loss, grad norm, entropy), ``async.png`` (async runs only: token staleness, the k3 KL of current vs lagged tokens
+(policy loss, grad norm, entropy, learning rate), ``async.png`` (async runs only: token staleness, the k3 KL of current vs lagged tokens
 and the share of step time in which generation overlapped training), ``routing.png`` (MoE router
 agreement, when routing was captured). Every panel has a y label with its unit (``YLABELS``); panels of
 fractions (``FRACTIONS``) are drawn on [0, 1]. report.md's
@@ -76,7 +76,7 @@ PLOTS: List[Tuple[str, str, List[List[str]]]] = [
      [[P + "rollout_rs_masked_fraction", P + "rollout_is_veto_fraction"]]),
     ("throughput.png", "Throughput and step time",
      [["perf/tokens_per_s"], ["timing/rollout_s", "timing/logprob_s", "timing/train_s"]]),
-    ("actor.png", "Actor", [["actor/pg_loss"], ["actor/grad_norm"], ["actor/entropy"]]),
+    ("actor.png", "Actor", [["actor/pg_loss"], ["actor/grad_norm"], ["actor/entropy"], ["actor/lr"]]),
     ("async.png", "Asynchronous rollouts: policy lag and overlap",
      [["rollout/staleness_mean", "rollout/staleness_max"], [P + "lag0_k3_kl", P + "lagged_k3_kl"],
       ["perf/rollout_overlap_frac"]]),
@@ -101,6 +101,7 @@ YLABELS: Dict[str, str] = {
     "actor/pg_loss": "policy loss",
     "actor/grad_norm": "grad norm (before clipping)",
     "actor/entropy": "entropy (nats / token)",
+    "actor/lr": "learning rate (mean of the step's updates)",
     "rollout/staleness_mean": "token lag (weight versions)",
     P + "lag0_k3_kl": "k3 kl (nats): current vs lagged tokens",
     "perf/rollout_overlap_frac": "generation during training (fraction of step time)",
