@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from megatron_rl.config.interpolation import lookup
 from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
-from megatron_rl.losses import PolicyLossConfig
 
 MAPPED = "mapped"
 UNSUPPORTED = "not supported yet"
@@ -386,10 +386,17 @@ def _seed(value: Any, v: Verl) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ pending
 def _field(dotted: str) -> bool:
     """Whether ``dotted`` is a key of this project's config (section dataclass field)."""
-    section, _, name = dotted.rpartition(".")
-    cls = {"actor": ActorConfig, "actor.policy_loss": PolicyLossConfig, "algorithm": AlgorithmConfig,
-           "data": DataConfig, "rollout": RolloutConfig, "trainer": TrainerConfig}.get(section)
-    return cls is not None and name in {f.name for f in dataclasses.fields(cls)}
+    first, *rest = dotted.split(".")
+    cls: Any = {"actor": ActorConfig, "algorithm": AlgorithmConfig, "data": DataConfig, "rollout": RolloutConfig,
+                "trainer": TrainerConfig}.get(first)
+    for name in rest:  # through nested sections (actor.policy_loss, algorithm.filter_groups, ...)
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return False
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            return False
+        cls = hints[name]
+    return bool(rest) and cls is not None
 
 
 @dataclass(frozen=True)
@@ -411,6 +418,26 @@ class Pending:
 _NO_VAL = "no validation set is evaluated during training"
 _NO_DYN = "no dynamic sampling (DAPO's filter_groups: drop groups whose rewards are all equal, draw more prompts)"
 
+_FG_OFF = _unless("algorithm.filter_groups.enable", bool, "")
+
+
+def _filter_metric(value: Any) -> Any:
+    """verl's filter_groups.metric -> this project's (``acc`` is a reward function's extra output here unknown)."""
+    if value == "acc":
+        raise Skip(UNSUPPORTED, "acc: a verl reward function's extra output; a reward here is one float per "
+                                "sample: set algorithm.filter_groups.metric to score (alike within a group exactly "
+                                "when acc is, for 0/1 or +-1 verifiers) or seq_reward")
+    return value
+
+
+def _max_rounds(value: Any) -> Any:
+    """verl's max_num_gen_batches (0: unlimited) -> this project's (at least 1: rounds are always bounded)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+        raise Skip(UNSUPPORTED, f"{value}: verl's unlimited rounds; here they are bounded (set "
+                                f"algorithm.filter_groups.max_num_gen_batches >= 1, default 10)")
+    return value
+
+
 #: Features being added (entropy bonus, validation, dynamic sampling): verl key pattern -> Pending. Each maps as soon as its key exists in the config
 #: dataclasses (until then: not supported yet), so the mapping lands with the feature and nowhere else.
 PENDING: Dict[str, Pending] = {
@@ -426,10 +453,12 @@ PENDING: Dict[str, Pending] = {
     "trainer.val_only": Pending((), _NO_VAL, (False,)),
     "trainer.log_val_generations": Pending((), _NO_VAL, (0,)),
     f"{_R}.val_kwargs.**": Pending((), _NO_VAL + " (its sampling settings)"),
-    "algorithm.filter_groups.**": Pending((), _NO_DYN, inactive=_unless("algorithm.filter_groups.enable", bool, "")),
-    "data.gen_batch_size": Pending((), "no dynamic sampling: verl draws gen_batch_size prompts per generation round "
-                                       "for filter_groups", inactive=_unless("algorithm.filter_groups.enable", bool,
-                                                                             "")),
+    "algorithm.filter_groups.enable": Pending(("algorithm.filter_groups.enable",), _NO_DYN, (False,)),
+    "algorithm.filter_groups.metric": Pending(("algorithm.filter_groups.metric",), _NO_DYN, inactive=_FG_OFF,
+                                              transform=lambda value, v: _filter_metric(value)),
+    "algorithm.filter_groups.max_num_gen_batches": Pending(
+        ("algorithm.filter_groups.max_num_gen_batches",), _NO_DYN, inactive=_FG_OFF,
+        transform=lambda value, v: _max_rounds(value)),
 }
 
 
@@ -733,6 +762,8 @@ def _rules() -> List[Rule]:
         _m("data.seed", convert=_seed),
         _u("data.tokenizer", "the tokenizer is read from actor.load_hf", neutral=(None,)),
         _n("data.use_shm", "verl's shared-memory data copy"),
+        _n("data.gen_batch_size", "each round of dynamic sampling (algorithm.filter_groups) draws "
+                                  "data.prompts_per_step fresh prompts", inactive=_FG_OFF),
         _u("data.train_max_samples", "the whole file is used", neutral=(-1, None)),
         _n("data.reward_fn_key", "the reward is dispatched on each row's data_source (verl's default key)",
            neutral=("data_source",)),

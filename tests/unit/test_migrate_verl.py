@@ -166,8 +166,15 @@ def test_fsdp_dapo_recipe():
     assert t["data"]["overlong_buffer_len"] == 128 and t["actor"]["ppo_mini_batches"] == 2  # 256 / 128 prompts
     assert t["trainer"]["steps"] == 1  # total_training_steps wins over total_epochs
     assert _entry(m, "trainer.total_epochs").kind == UNCHANGED
-    for key in ("algorithm.filter_groups.enable", "data.gen_batch_size"):
-        assert _entry(m, key).kind in (UNSUPPORTED, MAPPED)
+    fg = t["algorithm"]["filter_groups"]  # DAPO's dynamic sampling: verl's keys are ours
+    assert fg == {"enable": True, "metric": "seq_reward", "max_num_gen_batches": 10}
+    assert _entry(m, "data.gen_batch_size").kind == NO_MEANING  # each round draws prompts_per_step prompts
+    # verl's 'acc' (a reward function's extra output) and 0 rounds (unlimited) have no equal here: named, not copied
+    m = migrate_verl({"algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 0}}})
+    assert "metric" not in m.tree["algorithm"]["filter_groups"]
+    assert "max_num_gen_batches" not in m.tree["algorithm"]["filter_groups"]
+    for key in ("metric", "max_num_gen_batches"):
+        assert _entry(m, f"algorithm.filter_groups.{key}").kind == UNSUPPORTED
 
 
 def test_interpolations_resolve_within_the_file_or_are_named():
