@@ -6,7 +6,8 @@ Launch with torchrun (or srun, one task per GPU) — every rank runs this module
 
 The config is loaded and validated against $WORLD_SIZE before any process group is created, so a bad
 value fails in seconds with the dotted key named; so do a ``trainer.run_dir`` holding another run's outputs
-(unless ``--resume`` or ``trainer.overwrite=true``) and a ``data.reward_fn`` that cannot import.
+(unless ``--resume`` or ``trainer.overwrite=true``), a ``data.reward_fn`` that cannot import and a
+``data.val_files`` file with no usable row.
 ``--resume`` continues from the newest complete checkpoint in ``trainer.run_dir``. ``--check-world-size N``
 runs these checks alone for N ranks and exits (0 silently, 2 with the problems): ``launch/torchrun.sh``
 runs it before starting torchrun. Same as ``megatron-rl train``.
@@ -27,6 +28,7 @@ from megatron_rl.lifeline import watch_job_owners  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
 from megatron_rl.tasks.reward_fn import reward_import_error  # noqa: E402
+from megatron_rl.tasks.val_set import val_file_problems  # noqa: E402
 from megatron_rl.trainer.loop import train  # noqa: E402
 from megatron_rl.trainer.run_dir import run_dir_error  # noqa: E402
 from megatron_rl.trainer.signals import StopRequested  # noqa: E402
@@ -89,9 +91,10 @@ def restart_count() -> int:
 
 def start_problems(cfg) -> List[str]:
     """What stops a valid config from starting here, found before any process group exists: a run directory
-    holding another run's outputs, a reward function that cannot import."""
+    holding another run's outputs, a reward function that cannot import, a validation file with no usable row."""
     t = cfg.trainer
-    problems = [run_dir_error(t.run_dir, t.resume, t.overwrite), reward_import_error(cfg.data.reward_fn)]
+    problems = [run_dir_error(t.run_dir, t.resume, t.overwrite), reward_import_error(cfg.data.reward_fn),
+                *val_file_problems(cfg.data)]
     return [p for p in problems if p]
 
 

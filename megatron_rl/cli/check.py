@@ -7,8 +7,8 @@
 The config is loaded as the trainer loads it, at the world size of its ``cluster:`` section (nodes x
 gpus_per_node; ``--nodes`` / ``--gpus-per-node`` / ``--gpu-memory-gb`` / ``--device`` override it). Every
 problem is listed at once, each naming its dotted key; when the world size does not fit the layout, the
-node counts that would are named. A ``data.task: file`` data file with no usable row is a problem (read as
-the trainer reads it); a missing ``actor.load_hf`` comes with the command that builds it when the config's
+node counts that would are named. A ``data.task: file`` data file, or a validation file (``data.val_files``),
+with no usable row is a problem (read as the trainer reads it); a missing ``actor.load_hf`` comes with the command that builds it when the config's
 comments or the built-in digit tasks name one. The memory plan of :mod:`megatron_rl.ops.memory` (formulas in that
 module's docstring) is printed for what the file runs (:mod:`megatron_rl.ops.run_profile`: device, the
 actor's params dtype and optimizer, the task's longest prompt + ``rollout.max_new_tokens``) whenever the
@@ -38,6 +38,7 @@ from megatron_rl.ops.sync_plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks import DIGIT_TASKS
 from megatron_rl.tasks.datasets import usable_rows
+from megatron_rl.tasks.val_set import val_file_problems
 from megatron_rl.tasks.reward_fn import reward_import_error
 
 
@@ -53,16 +54,17 @@ def nodes_that_fit(cfg, gpus_per_node: int, limit: int = 4096) -> Optional[int]:
 
 
 def data_problems(cfg, problems: List[str]) -> List[str]:
-    """The data file read as the trainer reads it: a ``data.task: file`` file with no usable row is a problem
-    (unless ``data.path`` was already reported)."""
+    """The data files read as the trainer reads them: a ``data.task: file`` file, or a ``data.val_files`` file,
+    with no usable row is a problem (unless its key was already reported)."""
     d = cfg.data
+    out = [] if any(p.startswith("data.val_files") for p in problems) else val_file_problems(d)
     if d.task != "file" or not d.path or any(p.startswith("data.path") for p in problems):
-        return []
+        return out
     try:
         usable_rows(d.path, d.prompt_key, d.answer_key)
     except ValueError as exc:
-        return [f"data.path: {exc}"]
-    return []
+        return [f"data.path: {exc}"] + out
+    return out
 
 
 def build_command(config_path: Optional[str], cfg) -> Optional[str]:

@@ -25,7 +25,7 @@ from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.sections import (
     ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, FilterGroupsConfig, MultiTurnConfig, RolloutConfig,
-    TrainerConfig,
+    TrainerConfig, ValKwargsConfig,
 )
 from megatron_rl.config.types import check_value, field_types
 from megatron_rl.config.verl_keys import is_verl_config
@@ -43,7 +43,7 @@ __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", 
 
 #: section (dotted) -> its dataclass
 SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": ParallelConfig,
-                   "rollout": RolloutConfig, "data": DataConfig, "multi_turn": MultiTurnConfig,
+                   "rollout": RolloutConfig, "rollout.val_kwargs": ValKwargsConfig, "data": DataConfig, "multi_turn": MultiTurnConfig,
                    "algorithm": AlgorithmConfig,
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
                    "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,

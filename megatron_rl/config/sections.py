@@ -16,8 +16,10 @@ Field checks are in :func:`megatron_rl.config.validate.validate_job`.
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
@@ -41,6 +43,47 @@ class ClusterConfig:
     def world_size(self) -> int:
         """nodes x gpus_per_node."""
         return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class ValKwargsConfig:
+    """How validation responses are sampled (verl's ``actor_rollout_ref.rollout.val_kwargs``): greedy by default
+    (``do_sample: false``), or sampled with these settings; the response budget is ``rollout.max_new_tokens``."""
+
+    do_sample: bool = False
+    """Sample with ``temperature`` / ``top_p`` / ``top_k``; false: greedy (argmax), whatever the temperature."""
+    temperature: float = 0.0
+    """Sampling temperature when ``do_sample`` (> 0 then)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass when ``do_sample``."""
+    top_k: int = -1
+    """Top-k when ``do_sample`` (-1 = off)."""
+    n: int = 1
+    """Responses per validation prompt (greedy: 1)."""
+
+    @classmethod
+    def from_dict(cls, d: Optional[Dict[str, Any]]) -> "ValKwargsConfig":
+        """Build from the (checked) keys of the YAML block; an empty or null block is the default (greedy)."""
+        return cls(**(d or {}))
+
+    def errors(self) -> List[str]:
+        """Violations, each naming its dotted key."""
+        key, errs = "rollout.val_kwargs", []
+        if self.do_sample and not self.temperature > 0:
+            errs.append(f"{key}.temperature: must be > 0 when do_sample is true, got {self.temperature} (greedy: "
+                        f"do_sample: false)")
+        if self.temperature < 0:
+            errs.append(f"{key}.temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            errs.append(f"{key}.top_p: must be in (0, 1], got {self.top_p}")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            errs.append(f"{key}.top_k: must be -1 (off) or >= 1, got {self.top_k}")
+        if self.n < 1:
+            errs.append(f"{key}.n: must be >= 1, got {self.n}")
+        elif self.n > 1 and not self.do_sample:
+            errs.append(f"{key}.n: {self.n} greedy responses per prompt are all the same; set n: 1 or do_sample: "
+                        f"true")
+        return errs
 
 
 @dataclass
@@ -109,6 +152,8 @@ class RolloutConfig:
     continue on the newest published weights (every token tagged with its version; timing-dependent)."""
     segment_tokens: int = 0
     """partial_rollout "interrupt": tokens per segment (>= 1 and < max_new_tokens to have an effect)."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling of the validation responses (``trainer.test_freq``): greedy by default."""
 
 
 @dataclass
@@ -151,10 +196,35 @@ class DataConfig:
     """Prompts per training step (global, over all data-parallel ranks)."""
     task_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Options of the built-in task (e.g. {"min_digits": 1, "max_digits": 4})."""
+    val_files: Union[str, List[str], None] = None
+    """Validation set: JSONL / Parquet files read as ``path`` is (verl's RL format or prompt / answer rows; a
+    single path is a one-file list), evaluated every ``trainer.test_freq`` steps, never trained on."""
+    val_heldout: bool = False
+    """Validation set: the built-in task's held-out prompts (``task_kwargs.heldout_frac`` > 0), which training
+    never draws; together with ``val_files`` both are evaluated."""
+    val_max_samples: int = -1
+    """Validation prompts at most, the first of each set in file / split order (-1: all)."""
+
+    @property
+    def val_paths(self) -> List[str]:
+        """``val_files`` as a list (a single path is a one-file list; unset: none)."""
+        v = self.val_files
+        return [] if v is None else [v] if isinstance(v, str) else list(v)
 
     def errors(self) -> List[str]:
-        """Violations of the reward / prompt-length / overlong settings, each naming its dotted key."""
+        """Violations of the reward / prompt-length / overlong / validation settings, each naming its dotted key."""
         errs = []
+        if not (self.val_max_samples == -1 or self.val_max_samples >= 1):
+            errs.append(f"data.val_max_samples: must be -1 (all) or >= 1, got {self.val_max_samples}")
+        for path in self.val_paths:
+            if not os.path.isfile(path):
+                errs.append(f"data.val_files: {path!r} does not exist or is not a file")
+        if self.val_heldout and self.task == "file":
+            errs.append("data.val_heldout: data.task 'file' has no held-out split; give the validation prompts in "
+                        "data.val_files")
+        elif self.val_heldout and not self.task_kwargs.get("heldout_frac"):
+            errs.append("data.val_heldout: needs data.task_kwargs.heldout_frac > 0 (the fraction of the task's "
+                        "prompts held out of training)")
         rf = self.reward_fn
         if rf is not None and rf not in ("math", "exact") and (":" not in rf or not all(rf.rpartition(":")[::2])):
             errs.append(f"data.reward_fn: expected 'math', 'exact' or 'module:function', got {rf!r}")
@@ -392,3 +462,12 @@ class TrainerConfig:
     stop_timeout_s: float = 900.0
     """After the first SIGTERM / SIGINT, seconds a rank may take to finish its step and checkpoint before it
     exits without one (0: no limit). A second signal exits at once."""
+    test_freq: int = 0
+    """Evaluate the validation set (``data.val_files`` / ``data.val_heldout``) every N steps and after the last
+    (0: never; verl's -1 is 0 here). Metrics ``val/*`` join that step's record."""
+    val_before_train: bool = True
+    """Also evaluate it before the first step of a fresh run (logged as step 0; not on ``--resume``), as verl does,
+    whenever a validation set is given."""
+    val_timeout_s: float = 1800.0
+    """Watchdog limit of one validation (generation and rewards); past it the rank ends with this key named
+    (0: no limit)."""

@@ -186,6 +186,7 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
     for key in ("phase_timeout_s", "checkpoint_timeout_s", "stop_timeout_s"):
         if not getattr(t, key) >= 0:
             errs.append(f"trainer.{key}: must be >= 0 (0: no limit), got {getattr(t, key)}")
+    errs += _validation_errors(cfg)
     errs += _multi_turn_errors(cfg)
     errs += _dp_errors(cfg, world_size)
     if c.device in DEVICES:
@@ -207,6 +208,30 @@ def _model_extra_errors(model) -> List[str]:
             close = difflib.get_close_matches(key, sorted(fields), n=1)
             errs.append(f"model.extra.{key}: not a megatron-core TransformerConfig field"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return errs
+
+
+def _validation_errors(cfg: JobConfig) -> List[str]:
+    """The validation keys (``trainer.test_freq``, ``trainer.val_timeout_s``, ``rollout.val_kwargs``) and what
+    validation during training runs with (DataConfig.errors checks the validation set itself)."""
+    t, d = cfg.trainer, cfg.data
+    errs = cfg.rollout.val_kwargs.errors() if cfg.rollout.val_kwargs is not None else []
+    if t.test_freq < 0:
+        errs.append(f"trainer.test_freq: must be >= 0 (0: never; verl's -1 is 0 here), got {t.test_freq}")
+    if not t.val_timeout_s >= 0:
+        errs.append(f"trainer.val_timeout_s: must be >= 0 (0: no limit), got {t.val_timeout_s}")
+    has_set = bool(d.val_paths) or d.val_heldout
+    if t.test_freq > 0 and not has_set:
+        errs.append(f"trainer.test_freq: {t.test_freq} but there is no validation set: give data.val_files or "
+                    f"data.val_heldout: true (with data.task_kwargs.heldout_frac), or set test_freq: 0")
+    if has_set and (t.test_freq > 0 or t.val_before_train):
+        if cfg.rollout.mode != "sync":
+            errs.append("trainer.test_freq: validation during training runs with rollout.mode 'sync' only (the "
+                        "async producer owns the engine); set test_freq: 0 and val_before_train: false, or "
+                        "rollout.mode: sync")
+        if cfg.multi_turn.env is not None:
+            errs.append("trainer.test_freq: validation during training evaluates single-turn prompts; with "
+                        "multi_turn.env set, set test_freq: 0 and val_before_train: false")
     return errs
 
 

@@ -49,25 +49,26 @@ from megatron_rl.tasks.rows import CHAT, MalformedRow, Row, parse_row
 REPORT_ROWS = 20
 
 
-def read_records(path: str | os.PathLike) -> List[Tuple[Optional[int], Dict[str, Any]]]:
-    """``(line number or None, record)`` of every record of a JSONL or Parquet file (see module docstring)."""
+def read_records(path: str | os.PathLike, key: str = "data.path") -> List[Tuple[Optional[int], Dict[str, Any]]]:
+    """``(line number or None, record)`` of every record of a JSONL or Parquet file (see module docstring); errors
+    name the config ``key`` that gave the file."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"data.path={str(path)!r} does not exist or is not a file")
+        raise ValueError(f"{key}={str(path)!r} does not exist or is not a file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        return list(read_json_objects(p, where=f"data.path={str(path)!r}"))
+        return list(read_json_objects(p, where=f"{key}={str(path)!r}"))
     if suffix in (".parquet", ".pq"):
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
-            raise ValueError(f"data.path={str(path)!r}: reading Parquet needs the 'pyarrow' package, which is "
+            raise ValueError(f"{key}={str(path)!r}: reading Parquet needs the 'pyarrow' package, which is "
                              "not installed (pip install pyarrow), or convert the file to JSONL") from e
         try:
             return [(None, rec) for rec in pq.read_table(str(p)).to_pylist()]
         except Exception as e:
-            raise ValueError(f"data.path={str(path)!r}: cannot read Parquet: {type(e).__name__}: {e}") from e
-    raise ValueError(f"data.path={str(path)!r}: unsupported extension {suffix!r}; use .jsonl or .parquet")
+            raise ValueError(f"{key}={str(path)!r}: cannot read Parquet: {type(e).__name__}: {e}") from e
+    raise ValueError(f"{key}={str(path)!r}: unsupported extension {suffix!r}; use .jsonl or .parquet")
 
 
 def load_records(path: str | os.PathLike) -> List[Dict[str, Any]]:
@@ -92,13 +93,13 @@ class FileRows:
 
 
 def usable_rows(path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
-                vocab_size: Optional[int] = None, answer_required: bool = True) -> FileRows:
+                vocab_size: Optional[int] = None, answer_required: bool = True, key: str = "data.path") -> FileRows:
     """Parse every record of ``path`` (no tokenizer needed: ``vocab_size`` None skips the token-id range
     check). Raises ``ValueError`` naming the file, the keys and the first malformed rows when no row can
     become a prompt -- what ``megatron-rl check`` and the trainer run before any model is built."""
-    records = read_records(path)
+    records = read_records(path, key)
     if not records:
-        raise ValueError(f"data.path={str(path)!r} has no records")
+        raise ValueError(f"{key}={str(path)!r} has no records")
     out = FileRows(rows=[], lines={}, malformed=[])
     for i, (line, rec) in enumerate(records):
         try:
@@ -110,7 +111,7 @@ def usable_rows(path: str | os.PathLike, prompt_key: str = "prompt", answer_key:
         out.lines[i] = line
     if not out.rows:
         listed = "; ".join(f"{lab}: {why}" for lab, why in out.malformed[:3])
-        raise ValueError(f"data.path={str(path)!r}: no usable rows ({len(out.malformed)} malformed: {listed}"
+        raise ValueError(f"{key}={str(path)!r}: no usable rows ({len(out.malformed)} malformed: {listed}"
                          f"{'; ...' if len(out.malformed) > 3 else ''})")
     return out
 
@@ -125,31 +126,32 @@ class FileTask(Task):
 
     def __init__(self, path: str | os.PathLike, tokenizer, prompt_key: str = "prompt", answer_key: str = "answer",
                  reward_fn: str | RewardFunction | None = None, answer_required: bool = True,
-                 options: Optional[DataOptions] = None, report=sys.stderr):
+                 options: Optional[DataOptions] = None, report=sys.stderr, key: str = "data.path"):
         """Load and check every record now; malformed rows are skipped and reported to ``report`` (a text
         stream, or None) with their row numbers. Configuration errors (no usable row, a chat prompt with a
         tokenizer without a chat template, a data_source without a reward) raise ``ValueError`` naming the
-        file, the row and the key."""
+        file, the row and the key (``key``: the config key that gave the file)."""
         self.name = Path(path).name
+        self.key = key
         super().__init__(tokenizer)
         self.path = str(path)
         self.report = report
         spec = reward_fn.spec if isinstance(reward_fn, RewardFunction) else reward_fn
         self.reward_spec = check_reward_spec(spec)
-        rows = usable_rows(path, prompt_key, answer_key, len(tokenizer), answer_required)
+        rows = usable_rows(path, prompt_key, answer_key, len(tokenizer), answer_required, key)
         self.rows: List[Row] = rows.rows
         self.row_lines: Dict[int, Optional[int]] = rows.lines
         #: ``(row label, reason)`` of every malformed row (load time and rendering).
         self.malformed: List[Tuple[str, str]] = rows.malformed
         chat = [r for r in self.rows if r.kind == CHAT]
         if chat and not has_chat_template(tokenizer):
-            raise ValueError(f"data.path={self.path!r} {row_label(chat[0].index, self.row_lines[chat[0].index])}: "
+            raise ValueError(f"{self.key}={self.path!r} {row_label(chat[0].index, self.row_lines[chat[0].index])}: "
                              "the prompt is a list of chat messages but the tokenizer (actor.load_hf) has no "
                              "chat_template")
         if self.reward_spec is None:
             for r in self.rows:
                 if r.data_source is not None and reward_name_for_source(r.data_source) is None:
-                    raise ValueError(f"data.path={self.path!r} {row_label(r.index, self.row_lines[r.index])}: "
+                    raise ValueError(f"{self.key}={self.path!r} {row_label(r.index, self.row_lines[r.index])}: "
                                      f"data_source={r.data_source!r} has no built-in reward; set "
                                      "data.reward_fn to 'math', 'exact' or 'module:function'")
         self.options: Optional[DataOptions] = None
@@ -196,7 +198,7 @@ class FileTask(Task):
             prompts.append(Prompt(prompt_ids=ids, answer=row.ground_truth, text=text,
                                   data_source=row.data_source, extra_info=row.extra_info))
         if not prompts:
-            raise ValueError(f"data.path={self.path!r}: no prompt left after data.max_prompt_length="
+            raise ValueError(f"{self.key}={self.path!r}: no prompt left after data.max_prompt_length="
                              f"{options.max_prompt_length} ({filtered} filtered, {len(self.malformed)} malformed)")
         self.prompts, self.filtered, self.truncated = prompts, filtered, truncated
 
@@ -205,7 +207,7 @@ class FileTask(Task):
             return
         listed = "\n".join(f"  {lab}: {why}" for lab, why in self.malformed[:REPORT_ROWS])
         more = len(self.malformed) - REPORT_ROWS
-        print(f"[megatron-rl] data.path={self.path!r}: skipped {len(self.malformed)} malformed row(s) of "
+        print(f"[megatron-rl] {self.key}={self.path!r}: skipped {len(self.malformed)} malformed row(s) of "
               f"{len(self.rows) + len(self.malformed)}:\n{listed}" + (f"\n  ... and {more} more" if more > 0 else ""),
               file=self.report, flush=True)
 

@@ -44,6 +44,8 @@ from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_ove
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
 from megatron_rl.trainer.startup import check_data, layout_line
+from megatron_rl.tasks.val_set import build_val_set
+from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
 from megatron_rl.trainer.watchdog import Watchdog
 from megatron_rl.trainer.weight_publisher import build_weight_publisher
@@ -133,6 +135,8 @@ class Job:
     """The tokenizer's pad id (rank 0's, shared)."""
     rank0: bool
     """This is global rank 0 (it owns the task, the engine and the run directory's files)."""
+    validation: Optional[Validation] = None
+    """Evaluates the validation set (``trainer.test_freq``; rank 0 holds its prompts and the engine)."""
     server: Optional[SGLangServerHandle] = None
     """The SGLang server this job launched (``rollout.sglang_launch``; rank 0), terminated by ``close``."""
 
@@ -166,14 +170,19 @@ class Job:
     def close(self, step: int) -> None:
         """Stop the source, restore the signal handlers, flush the sinks (bounded), stop the watchdog and the
         launched server."""
-        _teardown(self.watchdog, step, self.source, self.stop, self.sinks, self.server)
+        _teardown(self.watchdog, step, self.source, self.stop, self.sinks, self.server, self.validation)
 
 
-def _teardown(watchdog: Watchdog, step: int, source=None, stop=None, sinks=None, server=None) -> None:
+def _teardown(watchdog: Watchdog, step: int, source=None, stop=None, sinks=None, server=None,
+              validation=None) -> None:
     """Release what a job holds, whatever exists of it (a half-built job too), each even if another failed."""
     try:
-        if source is not None:
-            source.close()  # rollouts in flight are discarded (async_rollout.py)
+        try:
+            if source is not None:
+                source.close()  # rollouts in flight are discarded (async_rollout.py)
+        finally:
+            if validation is not None:
+                validation.close()  # the validation files' reward workers
     finally:
         try:
             if stop is not None:
@@ -207,8 +216,9 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
     generator = None
     try:
         with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
-            generator, tokenizer, engine, held["server"] = on_rank0(
-                lambda: _rank0_setup(cfg), what="setting up the task / rollout engine") or (None,) * 4
+            generator, tokenizer, engine, held["server"], val_groups = on_rank0(
+                lambda: _rank0_setup(cfg), what="setting up the task / rollout engine") or (None,) * 5
+        held["validation"] = Validation(cfg, val_groups, engine)
         start, resumed = _resume(cfg, actor, rank0)
         held["sinks"] = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress,
                                     tensorboard=tc.tensorboard, wandb=tc.wandb, wandb_project=tc.wandb_project,
@@ -230,12 +240,17 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
 
 def _rank0_setup(cfg: JobConfig) -> Tuple:
     """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task and
-    its step generator, the engine."""
+    its step generator, the engine, the validation set (when it is evaluated)."""
     if cfg.trainer.overwrite:
         print(start_over(cfg.trainer.run_dir, keep=cfg.actor.load_hf), flush=True)
     task, tokenizer = build_task(cfg)
-    engine, server = build_engine(cfg)
-    return build_step_generator(cfg, task), tokenizer, engine, server
+    val_groups = build_val_set(task, cfg.data, tokenizer) if Validation(cfg, None, None).enabled else None
+    try:
+        engine, server = build_engine(cfg)
+    except BaseException:
+        Validation(cfg, val_groups, None).close()
+        raise
+    return build_step_generator(cfg, task), tokenizer, engine, server, val_groups
 
 
 def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:

@@ -1,8 +1,10 @@
 """The RL training loop -- what ``megatron-rl train`` runs: ``train(cfg)``.
 
     job = build_job(cfg)                      # job.py: every mode chosen once (source, publisher, reference)
+    validate before training (trainer.val_before_train, a fresh run: logged as step 0)
     for step in range(start, trainer.steps):
         metrics, batch = train_step(job, step)          # step.py: the same for every mode
+        validate every trainer.test_freq steps and after the last (validation.py): val/* join the step's metrics
         log metrics (console / metrics.jsonl / TensorBoard / W&B), dump rollouts
         checkpoint every trainer.save_interval steps, at the end, and when any rank saw SIGTERM / SIGINT
 
@@ -44,9 +46,13 @@ def train(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Dict[str, flo
     metrics: Dict[str, float] = {}
     step = job.start_step
     try:
+        if job.validation.due_before_train(step):
+            job.sinks.log_validation(step, _validate(job, step))
         while step < cfg.trainer.steps:
             metrics, batch = train_step(job, step)
             step += 1
+            if job.validation.due(step):
+                metrics = {**metrics, **_validate(job, step)}
             with job.watchdog.phase("metrics", step):
                 job.sinks.log(step, metrics)
                 job.dump(step, batch)
@@ -58,3 +64,10 @@ def train(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Dict[str, flo
     finally:
         job.close(step)
     return metrics
+
+
+def _validate(job, done: int) -> Dict[str, float]:
+    """Collective: the validation after ``done`` steps, under the watchdog (``trainer.val_timeout_s``)."""
+    with job.watchdog.phase("validation", done, timeout_s=job.cfg.trainer.val_timeout_s,
+                            config_key="trainer.val_timeout_s"):
+        return job.validation.run(done)

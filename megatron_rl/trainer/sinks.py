@@ -3,11 +3,13 @@
 Console (``trainer.progress``): one progress-bar line per step (step, elapsed, ETA, reward, ...), and every
 ``trainer.console_table_interval`` steps (and at the last step) one summary line of the steps since the
 previous summary -- what the per-step lines do not show: the window's mean, min and max reward, its change
-from the previous window, the mean step time and response length (``format_summary``).
+from the previous window, the mean step time and response length, its last validation reward
+(``format_summary``). A validation (``val/*``) adds one line (``format_validation``): the mean reward over the set
+and per data source; one before training has its own record (step 0) and only that line.
 
 Only global rank 0 writes. ``metrics.jsonl`` holds one JSON object per step:
 ``{"step": int, "time": float, "<group>/<name>": float, ...}`` with groups ``reward``,
-``response_length``, ``actor``, ``rollout_corr``, ``timing`` and ``perf`` — the input of
+``response_length``, ``actor``, ``rollout_corr``, ``timing``, ``perf`` and ``val`` (validation) — the input of
 ``megatron-rl report``. TensorBoard / W&B are used when enabled in ``trainer`` and importable; when
 enabled but not installed, a warning names the missing extra and the run continues.
 """
@@ -46,7 +48,7 @@ def _mean(values: List[float]) -> float:
 def format_summary(rows: List[Tuple[int, Dict[str, float]]], previous_reward: Optional[float] = None) -> str:
     """One line summarising the steps of ``rows`` ((step, metrics) pairs): reward mean / min / max over the
     window (and its change from ``previous_reward``, the previous window's mean), mean response length,
-    mean step time and mean throughput -- each only when logged."""
+    mean step time and mean throughput, the window's last validation reward -- each only when logged."""
     first, last = rows[0][0], rows[-1][0]
     cells = []
     rewards = [m["reward/mean"] for _, m in rows if "reward/mean" in m]
@@ -61,8 +63,24 @@ def format_summary(rows: List[Tuple[int, Dict[str, float]]], previous_reward: Op
         vals = [m[key] for _, m in rows if key in m]
         if vals:
             cells.append(f"{label} {_mean(vals):.4g}{unit}")
+    validated = [(s, m["val/reward_mean"]) for s, m in rows if "val/reward_mean" in m]
+    if validated:
+        cells.append(f"val reward {validated[-1][1]:.4g} (step {validated[-1][0]})")
     span = f"step {first}" if first == last else f"steps {first}-{last}"
     return f"[megatron-rl] {span} ({len(rows)} step(s)): " + ("; ".join(cells) if cells else "no metrics")
+
+
+def format_validation(step: int, m: Dict[str, float]) -> str:
+    """One console line of a validation's ``val/*`` metrics: the mean reward over the set, then per data source
+    (``val/<source>/reward_mean``), the prompts and the mean response length."""
+    per_source = [(k[len("val/"):-len("/reward_mean")], v) for k, v in m.items()
+                  if k.startswith("val/") and k.endswith("/reward_mean") and k != "val/reward_mean"]
+    cells = [f"reward {m.get('val/reward_mean', float('nan')):.4g}"]
+    if len(per_source) > 1:
+        cells.append("; ".join(f"{src} {v:.4g}" for src, v in sorted(per_source)))
+    cells.append(f"{int(m.get('val/prompts', 0))} prompt(s), len {m.get('val/response_length_mean', float('nan')):.4g}")
+    when = "before training" if step == 0 else f"after step {step}"
+    return f"[megatron-rl] validation {when}: " + " | ".join(cells)
 
 
 class MetricSinks:
@@ -112,6 +130,31 @@ class MetricSinks:
         """Record ``metrics`` of ``step`` everywhere."""
         if not self.enabled:
             return
+        clean = self._write(step, metrics)
+        if self.progress:
+            if self._first_step is None:
+                self._first_step = step - 1
+            print(self._line(step, clean), flush=True)
+            if "val/reward_mean" in clean:
+                print(format_validation(step, clean), flush=True)
+            self._rows.append((step, clean))
+            if self.table_interval > 0 and (step % self.table_interval == 0 or step >= self.total):
+                print(format_summary(self._rows, self._previous_reward), flush=True)
+                rewards = [m["reward/mean"] for _, m in self._rows if "reward/mean" in m]
+                self._previous_reward = _mean(rewards) if rewards else None
+                self._rows = []
+
+    def log_validation(self, step: int, metrics: Dict[str, float]) -> None:
+        """Record a validation outside a training step (before the first: ``step`` 0) everywhere: its own
+        record, and one console line (``format_validation``) instead of a progress line."""
+        if not self.enabled:
+            return
+        clean = self._write(step, metrics)
+        if self.progress:
+            print(format_validation(step, clean), flush=True)
+
+    def _write(self, step: int, metrics: Dict[str, float]) -> Dict[str, float]:
+        """The finite numbers of ``metrics`` as ``step``'s record in metrics.jsonl, TensorBoard and W&B."""
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         rec = {"step": step, "time": time.time(), **clean}
         self._fh.write(json.dumps(rec) + "\n")
@@ -121,16 +164,7 @@ class MetricSinks:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
-        if self.progress:
-            if self._first_step is None:
-                self._first_step = step - 1
-            print(self._line(step, clean), flush=True)
-            self._rows.append((step, clean))
-            if self.table_interval > 0 and (step % self.table_interval == 0 or step >= self.total):
-                print(format_summary(self._rows, self._previous_reward), flush=True)
-                rewards = [m["reward/mean"] for _, m in self._rows if "reward/mean" in m]
-                self._previous_reward = _mean(rewards) if rewards else None
-                self._rows = []
+        return clean
 
     def _line(self, step: int, m: Dict[str, float]) -> str:
         width = 20

@@ -1,22 +1,28 @@
 """What the trainer checks and says once at start: the data file before any model is built, then the layout
 the job actually runs with (rank 0, one line).
 
-    check_data(cfg)                         # every rank, first thing in ``train``: ValueError naming data.path
+    check_data(cfg)                         # every rank, first thing in ``train``: ValueError naming data.path /
+                                            # data.val_files
     print(layout_line(cfg, actor.groups, world_size))   # rank 0, after the process groups exist
 """
 from __future__ import annotations
 
 from megatron_rl.rollout.factory import engine_class
 from megatron_rl.tasks.datasets import usable_rows
+from megatron_rl.tasks.val_set import val_file_problems
 from megatron_rl.trainer.weight_publisher import weight_sync_mode
 
 
 def check_data(cfg) -> None:
-    """Raise ``ValueError`` (naming ``data.path``, the keys and the first bad rows) when a ``data.task: file``
-    job's file has no row that can become a prompt -- seconds after start, not after the model is built."""
+    """Raise ``ValueError`` (naming ``data.path`` / ``data.val_files``, the keys and the first bad rows) when a
+    ``data.task: file`` job's file, or a validation file, has no row that can become a prompt -- seconds after
+    start, not after the model is built."""
     d = cfg.data
     if d.task == "file":
         usable_rows(d.path, d.prompt_key, d.answer_key)
+    problems = val_file_problems(d)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def layout_line(cfg, groups, world_size: int) -> str:
