@@ -19,7 +19,7 @@ false); such keys are reported as changing nothing. :mod:`megatron_rl.config.mig
 :mod:`megatron_rl.config.hints` derives its hints for verl names users put in this project's sections from it
 (:func:`hint_entries`).
 
-Features that are being added (entropy bonus, validation, dynamic sampling) are in
+Features that are being added (entropy bonus, dynamic sampling) are in
 ``PENDING``: each verl key names the key it will map to, and the rule maps as soon as that key exists in this
 project's config dataclasses (until then the key is reported as not supported yet).
 """
@@ -287,6 +287,37 @@ def _train_files(value: Any, v: Verl) -> Dict[str, Any]:
     return {"data.task": "file", "data.path": str(files[0])}
 
 
+def _val_paths(v: Verl) -> List[str]:
+    """verl's ``data.val_files`` as a list of the non-empty paths (a launch script's unset variable gives '')."""
+    value = v.get("data.val_files")
+    files = [value] if isinstance(value, str) else list(value or [])
+    return [str(f) for f in files if f is not None and str(f).strip()]
+
+
+def _val_files(value: Any, v: Verl) -> Dict[str, Any]:
+    files = _val_paths(v)
+    if not files:
+        raise Skip(NO_MEANING, f"{_show(value)}: no validation file (nothing is validated)")
+    return {"data.val_files": files[0] if len(files) == 1 else files}
+
+
+def _val_max_samples(value: Any, v: Verl) -> Dict[str, Any]:
+    if value is None or (isinstance(value, int) and value < 0):
+        raise Skip(NO_MEANING, f"{_show(value)}: every validation row, this project's default too")
+    return {"data.val_max_samples": value}
+
+
+def _with_val_set(target: str, off: Tuple[Any, ...]) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """A validation schedule key: copied when verl's config has validation files and the value is not verl's off."""
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        if any(same_value(value, o) for o in off):
+            raise Skip(NO_MEANING, f"{_show(value)}: verl's off (nothing to set)")
+        if not _val_paths(v):
+            raise Skip(NO_MEANING, "no effect in verl without data.val_files")
+        return {target: value}
+    return convert
+
+
 def _overlong_prompts(value: Any, v: Verl) -> Dict[str, Any]:
     if value:
         return {"data.overlong_prompts": "filter"}
@@ -415,7 +446,6 @@ class Pending:
     """Value in verl's units -> value in the target's (None: the same)."""
 
 
-_NO_VAL = "no validation set is evaluated during training"
 _NO_DYN = "no dynamic sampling (DAPO's filter_groups: drop groups whose rewards are all equal, draw more prompts)"
 
 _FG_OFF = _unless("algorithm.filter_groups.enable", bool, "")
@@ -438,21 +468,11 @@ def _max_rounds(value: Any) -> Any:
     return value
 
 
-#: Features being added (entropy bonus, validation, dynamic sampling): verl key pattern -> Pending. Each maps as soon as its key exists in the config
+#: Features being added (entropy bonus, dynamic sampling): verl key pattern -> Pending. Each maps as soon as its key exists in the config
 #: dataclasses (until then: not supported yet), so the mapping lands with the feature and nowhere else.
 PENDING: Dict[str, Pending] = {
     f"{_A}.entropy_coeff": Pending(("actor.policy_loss.entropy_coeff", "algorithm.entropy_coeff",
                                     "actor.entropy_coeff"), "no entropy bonus is implemented", (0, 0.0)),
-    "data.val_files": Pending(("data.val_files",), _NO_VAL, (None,)),
-    "data.val_batch_size": Pending(("data.val_batch_size",), _NO_VAL, (None,)),
-    "data.val_max_samples": Pending(("data.val_max_samples",), _NO_VAL, (-1, None)),
-    "data.validation_shuffle": Pending((), _NO_VAL, (False,)),
-    "trainer.test_freq": Pending(("trainer.test_freq",), _NO_VAL, (-1, 0)),
-    "trainer.val_before_train": Pending(("trainer.val_before_train",), _NO_VAL, (False,)),
-    "trainer.validation_data_dir": Pending((), _NO_VAL),
-    "trainer.val_only": Pending((), _NO_VAL, (False,)),
-    "trainer.log_val_generations": Pending((), _NO_VAL, (0,)),
-    f"{_R}.val_kwargs.**": Pending((), _NO_VAL + " (its sampling settings)"),
     "algorithm.filter_groups.enable": Pending(("algorithm.filter_groups.enable",), _NO_DYN, (False,)),
     "algorithm.filter_groups.metric": Pending(("algorithm.filter_groups.metric",), _NO_DYN, inactive=_FG_OFF,
                                               transform=lambda value, v: _filter_metric(value)),
@@ -837,6 +857,25 @@ def _rules() -> List[Rule]:
            "launcher's world size"),
         _m("trainer.n_gpus_per_node", "cluster.gpus_per_node"),
         _m("trainer.device", convert=_pick_device),
+        # ---- validation during training
+        _m("data.val_files", "data.val_files", convert=_val_files, note="read as data.path is"),
+        _m("data.val_max_samples", "data.val_max_samples", convert=_val_max_samples),
+        _n("data.val_batch_size", "validation sends as many rows per engine call as a training step generates",
+           neutral=(None,)),
+        _u("data.validation_shuffle", "validation prompts are taken in file order (data.val_max_samples keeps the "
+           "first)", neutral=(False,)),
+        _m("trainer.test_freq", "trainer.test_freq", convert=_with_val_set("trainer.test_freq", (-1, 0)),
+           note="-1 -> 0 (never)"),
+        _m("trainer.val_before_train", "trainer.val_before_train",
+           convert=_with_val_set("trainer.val_before_train", ())),
+        _u("trainer.validation_data_dir", "validation generations are not written; the val/* metrics are",
+           neutral=(None,)),
+        _u("trainer.val_only", "no validation-only run: validation runs during training (trainer.test_freq)",
+           neutral=(False,)),
+        _u("trainer.log_val_generations", "validation generations are not logged; the val/* metrics are",
+           neutral=(0,)),
+        *[_m(f"{_R}.val_kwargs.{k}", f"rollout.val_kwargs.{k}") for k in ("do_sample", "temperature", "top_p",
+                                                                          "top_k", "n")],
         _m("trainer.save_freq", convert=_save_freq, target="trainer.save_interval",
            note="-1 -> 0 (at the end and on SIGTERM / SIGINT only)"),
         _m("trainer.resume_mode", convert=_resume_mode),

@@ -85,13 +85,15 @@ def test_every_key_is_mapped_or_listed_with_its_reason(name):
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_migrated_example_passes_check(name, tmp_path):
     """The example as verl runs it (its overrides on verl's config) -> `megatron-rl migrate verl --base` ->
-    this project's loader and validation at the file's cluster size, with the two paths that only exist on the
-    user's cluster (the model directory, replaced by the model's published shapes, and the data file) given."""
+    this project's loader and validation at the file's cluster size, with the paths that only exist on the
+    user's cluster (the model directory, replaced by the model's published shapes, and the data / validation
+    files) given."""
     out = tmp_path / "job.yaml"
     assert cli_main(["migrate", "verl", os.path.join(DATA, name), "--base", EXAMPLES[name], "-o", str(out)]) == 0
     text = out.read_text()
     assert text.startswith("# Migrated from the verl config") and "not mapped" in text
     local = ["actor.load_hf=null", "data.path=examples/math_tiny/train.jsonl"]
+    local += ["data.val_files=examples/math_tiny/train.jsonl"] if "val_files:" in text else []
     local += [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in SHAPES[name].items()]
     cfg, problems = collect_job_config(str(out), local, world_size="cluster")
     assert problems == [], problems
@@ -124,7 +126,27 @@ def test_grpo_moe_recipe_maps_as_verl_means_it():
     # verl steps its scheduler once per training step (megatron_workers.update_actor), this project once per
     # optimizer step: 10 training steps of 4 mini-batches (1 epoch) = 40
     assert t["actor"]["lr_warmup_steps"] == 40 and t["actor"]["lr_decay_style"] == "constant"
-    assert _entry(m, "trainer.test_freq").kind in (UNSUPPORTED, MAPPED)
+    # the launch script's TEST_FILE is unset: val_files is [''], so nothing is validated and test_freq does nothing
+    assert _entry(m, "data.val_files").kind == UNCHANGED
+    freq = _entry(m, "trainer.test_freq")
+    assert freq.kind == UNCHANGED and "without data.val_files" in freq.detail and "test_freq" not in t["trainer"]
+
+
+def test_validation_keys_map_as_verl_means_them():
+    """verl's validation: val_files (a list of two), test_freq, val_before_train (verl's default true) and the
+    val_kwargs sampling map key by key; the -1 / null "off" values set nothing."""
+    m = migrate_verl(_load("grpo_qwen2_7b_math_megatron.yaml"))
+    t = m.tree
+    assert t["data"]["val_files"] == ["~/data/gsm8k/test.parquet", "~/data/math/test.parquet"]
+    assert t["trainer"]["test_freq"] == 5
+    assert "val_max_samples" not in t["data"]
+    full = migrate_verl(_load("ppo_megatron_trainer.yaml"))
+    assert full.tree["rollout"]["val_kwargs"] == {"do_sample": False, "temperature": 0, "top_p": 1.0, "top_k": -1,
+                                                  "n": 1}
+    assert _entry(full, "data.val_max_samples").kind == UNCHANGED  # -1: every row
+    moe = migrate_verl(_load("grpo_qwen3moe_30b_megatron.yaml"))
+    assert moe.tree["rollout"]["val_kwargs"] == {"temperature": 1.0, "top_p": 0.7, "top_k": -1, "do_sample": True,
+                                                 "n": 1}
 
 
 def test_full_megatron_config_maps_its_defaults():
