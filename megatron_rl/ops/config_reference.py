@@ -19,6 +19,7 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("model", "megatron_rl.models.config", "ModelConfig"),
     ("parallel", "megatron_rl.parallel.config", "ParallelConfig"),
     ("rollout", "megatron_rl.config.sections", "RolloutConfig"),
+    ("rollout.val_kwargs", "megatron_rl.config.sections", "ValKwargsConfig"),
     ("data", "megatron_rl.config.sections", "DataConfig"),
     ("multi_turn", "megatron_rl.config.sections", "MultiTurnConfig"),
     ("algorithm", "megatron_rl.config.sections", "AlgorithmConfig"),

@@ -14,7 +14,8 @@ negative), ``is_ratio.png`` (IS weight mean with its healthy band; token-ratio p
 masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
 (policy loss, grad norm, entropy, learning rate), ``async.png`` (async runs only: token staleness, the k3 KL of current vs lagged tokens
 and the share of step time in which generation overlapped training), ``routing.png`` (MoE router
-agreement, when routing was captured). Every panel has a y label with its unit (``YLABELS``); panels of
+agreement, when routing was captured), ``validation.png`` (``val/*``: the validation set's mean reward and
+response length, overall and per data source, at the steps it was evaluated). Every panel has a y label with its unit (``YLABELS``); panels of
 fractions (``FRACTIONS``) are drawn on [0, 1]. report.md's
 table gives means over the first / last ``LAST_WINDOW`` steps (a single step is noisy) and the
 last-quarter mean.
@@ -44,6 +45,7 @@ dynamic sampling exhausted  filter_groups/exhausted = 1 at any step (too few gro
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 from dataclasses import dataclass
@@ -81,6 +83,8 @@ PLOTS: List[Tuple[str, str, List[List[str]]]] = [
      [["rollout/staleness_mean", "rollout/staleness_max"], [P + "lag0_k3_kl", P + "lagged_k3_kl"],
       ["perf/rollout_overlap_frac"]]),
     ("routing.png", "MoE routing: trainer top-k equal to the rollout's", [[P + "router_agreement"]]),
+    ("validation.png", "Validation set (never trained on): reward and response length",
+     [["val/reward_mean", "val/*/reward_mean"], ["val/response_length_mean", "val/*/response_length_mean"]]),
 ]
 
 
@@ -106,6 +110,8 @@ YLABELS: Dict[str, str] = {
     P + "lag0_k3_kl": "k3 kl (nats): current vs lagged tokens",
     "perf/rollout_overlap_frac": "generation during training (fraction of step time)",
     P + "router_agreement": "agreement (fraction of token x layer x k)",
+    "val/reward_mean": "validation reward (mean)",
+    "val/response_length_mean": "validation response length (tokens)",
 }
 #: metrics that are fractions: their panels are drawn on [0, 1] (a constant 0 is not blown up into noise)
 FRACTIONS = frozenset({P + "rollout_is_eff_sample_size", P + "rollout_rs_masked_fraction",
@@ -329,6 +335,21 @@ def was_async(records: Sequence[dict]) -> bool:
     return any(y > 0 for k in ASYNC_EVIDENCE for y in _finite(series(records, k)[1]))
 
 
+def expand_keys(keys: Sequence[str], records: Sequence[dict]) -> List[str]:
+    """``keys`` with each pattern (``*``: e.g. ``val/*/reward_mean``, one line per data source) replaced by the
+    matching keys of ``records``, sorted."""
+    out: List[str] = []
+    names = None
+    for k in keys:
+        if "*" not in k:
+            out.append(k)
+            continue
+        if names is None:
+            names = sorted({n for r in records for n in r})
+        out += [n for n in names if fnmatch.fnmatchcase(n, k) and n not in keys]
+    return out
+
+
 def build_figures(records: Sequence[dict]):
     """(file name, matplotlib figure) of every plot whose keys exist."""
     import matplotlib
@@ -343,7 +364,7 @@ def build_figures(records: Sequence[dict]):
             continue  # a sync run: no lag, no overlap -- nothing to show
         panels = []
         for keys in panel_keys:
-            present = [(k, *series(records, k)) for k in keys]
+            present = [(k, *series(records, k)) for k in expand_keys(keys, records)]
             present = [(k, xs, ys) for k, xs, ys in present if xs]
             if present:
                 panels.append(present)
@@ -398,7 +419,7 @@ def build_figures(records: Sequence[dict]):
 SUMMARY_KEYS = ["reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
                 P + "kl", P + "k3_kl", P + "chi2_token", P + "chi2_seq", P + "rollout_is_mean",
                 P + "rollout_is_p99", P + "rollout_is_eff_sample_size", P + "rollout_rs_masked_fraction",
-                P + "rollout_is_veto_fraction", "perf/tokens_per_s"]
+                P + "rollout_is_veto_fraction", "perf/tokens_per_s", "val/reward_mean"]
 
 
 def _fmt(v: Optional[float]) -> str:

@@ -49,6 +49,10 @@ def healthy_run(n=40, seed=0):
             "rollout_corr/lag0_k3_kl": kl / 2, "rollout_corr/lagged_k3_kl": kl,
             "perf/rollout_overlap_frac": 0.0 if s == 1 else 0.6, "rollout_corr/router_agreement": 0.99,
         })
+        if s % 10 == 0:  # validation every 10 steps, two data sources
+            out[-1].update({"val/reward_mean": 0.1 + s / n / 2, "val/copy/reward_mean": s / n / 2,
+                            "val/gsm8k/reward_mean": 0.2 + s / n / 2, "val/response_length_mean": 40.0,
+                            "val/copy/response_length_mean": 30.0, "val/gsm8k/response_length_mean": 50.0})
     return out
 
 
@@ -67,6 +71,16 @@ def unhealthy_run(n=40):
             "actor/grad_norm": float("nan") if s == 33 else 1.0,
         })
     return out
+
+
+def test_validation_plot_has_a_line_per_data_source():
+    """validation.png: the overall val/* curves and one per data source, at the validated steps only."""
+    figures = dict(R.build_figures(healthy_run()))
+    reward, length = figures["validation.png"].axes
+    lines = {ln.get_label(): list(ln.get_xdata()) for ln in reward.get_lines()}
+    assert lines == {k: [10, 20, 30, 40] for k in ("val/reward_mean", "val/copy/reward_mean", "val/gsm8k/reward_mean")}
+    assert {ln.get_label() for ln in length.get_lines()} == {"val/response_length_mean", "val/copy/response_length_mean",
+                                                             "val/gsm8k/response_length_mean"}
 
 
 def test_healthy_run_has_no_findings_and_all_plots(tmp_path):
