@@ -88,7 +88,7 @@ class Validation:
     def due(self, done: int) -> bool:
         """A validation after ``done`` completed steps: every ``trainer.test_freq`` steps and after the last."""
         t = self.cfg.trainer
-        return self.enabled and t.test_freq > 0 and (done % t.test_freq == 0 or done == t.steps)
+        return self.enabled and t.test_freq > 0 and done >= 1 and (done % t.test_freq == 0 or done == t.steps)
 
     def due_before_train(self, start: int) -> bool:
         """A validation before the first step: ``trainer.val_before_train`` on a fresh run (``start`` 0)."""

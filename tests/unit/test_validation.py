@@ -1,0 +1,149 @@
+"""Validation during training, the parts that need no ranks: the ``val/*`` metrics against hand-computed means,
+the schedule (``trainer.test_freq`` / ``val_before_train``), the validation set's bound
+(``data.val_max_samples``) and held-out prompts, the config keys' errors, and a validation file that does not load
+failing ``megatron-rl check``, the launcher's start check and the trainer's first check with ``data.val_files``
+named. The loop itself: tests/integration/test_validation_loop.py."""
+import json
+import os
+
+import pytest
+
+from megatron_rl.config import collect_job_config
+from megatron_rl.trainer.validation import Validation, val_metrics, val_sampling
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
+MATH_DATA = os.path.join(ROOT, "examples", "math_tiny", "train.jsonl")
+
+
+def _cfg(*overrides):
+    cfg, problems = collect_job_config(Q7, list(overrides), world_size="cluster")
+    return cfg, problems
+
+
+def test_val_metrics_are_the_means_per_data_source():
+    # 3 prompts x n=2: prompt 0 (source a), prompts 1-2 (source b)
+    m = val_metrics(["a", "a", "b", "b", "b", "b"], [1.0, 0.0, 0.5, 0.5, 1.0, 0.0], [3, 5, 2, 2, 4, 4],
+                    [False, True, False, False, True, True], n=2)
+    assert m == pytest.approx({
+        "val/reward_mean": 3.0 / 6, "val/response_length_mean": 20 / 6, "val/prompts": 3,
+        "val/a/reward_mean": 0.5, "val/a/response_length_mean": 4.0, "val/a/truncated_frac": 0.5, "val/a/prompts": 1,
+        "val/b/reward_mean": 0.5, "val/b/response_length_mean": 3.0, "val/b/truncated_frac": 0.5, "val/b/prompts": 2,
+    }, abs=1e-12)
+    with pytest.raises(ValueError, match="equal and > 0"):
+        val_metrics([], [], [], [], n=1)
+
+
+def test_schedule_every_test_freq_steps_the_last_and_before_training():
+    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "trainer.test_freq=2", "trainer.steps=5")
+    v = Validation(cfg, None, None)
+    assert [s for s in range(0, 6) if v.due(s)] == [2, 4, 5]
+    assert v.due_before_train(0) and not v.due_before_train(3)   # --resume at step 3: not again
+    cfg.trainer.val_before_train = False
+    assert not v.due_before_train(0)
+    cfg.trainer.test_freq = 0
+    assert not any(v.due(s) for s in range(6))
+    no_set, _ = _cfg("trainer.test_freq=0")
+    assert not Validation(no_set, None, None).enabled and not Validation(no_set, None, None).due_before_train(0)
+
+
+def test_sampling_is_greedy_unless_do_sample():
+    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "rollout.val_kwargs={temperature: 0.7, top_p: 0.5}")
+    greedy = val_sampling(cfg, (7,))
+    assert (greedy.temperature, greedy.top_p, greedy.stop_token_ids) == (0.0, 1.0, (7,))
+    cfg.rollout.val_kwargs.do_sample = True
+    sampled = val_sampling(cfg)
+    assert (sampled.temperature, sampled.top_p, sampled.max_new_tokens) == (0.7, 0.5, cfg.rollout.max_new_tokens)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.test_freq=-1"], "trainer.test_freq: must be >= 0 (0: never; verl's -1 is 0 here)"),
+    (["trainer.test_freq=5"], "trainer.test_freq: 5 but there is no validation set"),
+    (["data.val_files=nowhere.jsonl"], "data.val_files: 'nowhere.jsonl' does not exist or is not a file"),
+    ([f"data.val_files={MATH_DATA}", "data.val_max_samples=0"], "data.val_max_samples: must be -1 (all) or >= 1"),
+    (["data.val_heldout=true"], "data.val_heldout: data.task 'file' has no held-out split"),
+    (["rollout.val_kwargs.n=4"], "rollout.val_kwargs.n: 4 greedy responses per prompt are all the same"),
+    (["rollout.val_kwargs.do_sample=true"], "rollout.val_kwargs.temperature: must be > 0 when do_sample is true"),
+    (["trainer.val_timeout_s=-1"], "trainer.val_timeout_s: must be >= 0"),
+    ([f"data.val_files={MATH_DATA}", "rollout.mode=async"], "trainer.test_freq: validation during training runs "
+                                                              "with rollout.mode 'sync' only"),
+])
+def test_bad_validation_keys_are_named(overrides, message):
+    _, problems = _cfg(*overrides)
+    assert any(p.startswith(message) for p in problems), problems
+
+
+def test_heldout_needs_a_split():
+    _, problems = collect_job_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+                                     ["data.val_heldout=true", "data.task_kwargs={min_digits: 1, max_digits: 2}"],
+                                     world_size="cluster")
+    assert any(p.startswith("data.val_heldout: needs data.task_kwargs.heldout_frac > 0") for p in problems), problems
+
+
+def test_val_set_is_held_out_prompts_then_files_bounded_by_val_max_samples(tmp_path):
+    from megatron_rl.tasks import DigitTask, build_char_tokenizer
+    from megatron_rl.tasks.val_set import build_val_set
+    import random
+
+    tok = build_char_tokenizer()
+    task = DigitTask("copy", tok, min_digits=1, max_digits=2, heldout_frac=0.2)
+    held = [p.text for p in task.every_prompt() if task.is_heldout(p)]
+    assert held and not {p.text for p in task.sample(500, random.Random(0))} & set(held)  # training never draws them
+    path = tmp_path / "v.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"copy:{i}=", "answer": str(i), "data_source": "mine"}) + "\n"
+                            for i in range(3)) + json.dumps({"prompt": "copy:7=", "answer": "7"}) + "\n")
+    cfg, _ = collect_job_config(None, ["data.task=copy", "data.task_kwargs={min_digits: 1, max_digits: 2, "
+                                       "heldout_frac: 0.2}", "data.val_heldout=true", f"data.val_files={path}",
+                                       "data.reward_fn=exact", "data.reward_workers=0"], world_size=1)
+    groups = build_val_set(task, cfg.data, tok)
+    try:
+        assert [p.text for p in groups[0].prompts] == held and set(groups[0].sources) == {"copy"}
+        assert [p.text for p in groups[1].prompts] == ["copy:0=", "copy:1=", "copy:2=", "copy:7="]
+        assert groups[1].sources == ["mine", "mine", "mine", "v.jsonl"]   # data_source, else the file's name
+    finally:
+        for g in groups:
+            g.close()
+    cfg.data.val_max_samples = len(held) + 2
+    groups = build_val_set(task, cfg.data, tok)
+    try:
+        assert [len(g.prompts) for g in groups] == [len(held), 2]
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_a_validation_file_that_does_not_load_fails_check_start_and_training(tmp_path, capsys):
+    from megatron_rl.cli import main as cli_main
+    from megatron_rl.train import start_problems
+    from megatron_rl.trainer.startup import check_data
+
+    bad = tmp_path / "questions.jsonl"
+    bad.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    assert cli_main(["check", Q7, f"data.val_files={bad}", "trainer.test_freq=5"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.val_files: data.val_files='{bad}': no usable rows (4 malformed" in err, err
+    cfg, problems = _cfg(f"data.val_files={bad}", "trainer.test_freq=5")
+    assert problems == []  # the file exists: only reading it tells
+    assert [p for p in start_problems(cfg) if p.startswith("data.val_files:")], start_problems(cfg)
+    with pytest.raises(ValueError, match=r"data.val_files: data.val_files='.*questions.jsonl': no usable rows"):
+        check_data(cfg)
+
+
+def test_metrics_file_and_console_carry_validation(tmp_path, capsys):
+    from megatron_rl.trainer.sinks import MetricSinks
+
+    sinks = MetricSinks(str(tmp_path), total_steps=2, table_interval=2)
+    val = {"val/reward_mean": 0.25, "val/a/reward_mean": 0.5, "val/b/reward_mean": 0.0, "val/prompts": 4.0,
+           "val/response_length_mean": 3.0}
+    sinks.log_validation(0, val)
+    sinks.log(1, {"reward/mean": 0.1})
+    sinks.log(2, {"reward/mean": 0.3, **{k: v + 0.5 for k, v in val.items() if k.endswith("reward_mean")}})
+    sinks.close()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert {k: records[0][k] for k in val} == val and "val/reward_mean" not in records[1]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[megatron-rl] validation before training: reward 0.25 | a 0.5; b 0 | 4 prompt(s), len 3"
+    assert out[3].startswith("[megatron-rl] validation after step 2: reward 0.75 | a 1; b 0.5")
+    assert out[4].startswith("[megatron-rl] steps 1-2 (2 step(s)): reward mean 0.2") and \
+        out[4].endswith("val reward 0.75 (step 2)")
