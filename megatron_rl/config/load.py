@@ -43,7 +43,8 @@ __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", 
 
 #: section (dotted) -> its dataclass
 SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": ParallelConfig,
-                   "rollout": RolloutConfig, "rollout.val_kwargs": ValKwargsConfig, "data": DataConfig, "multi_turn": MultiTurnConfig,
+                   "rollout": RolloutConfig, "rollout.val_kwargs": ValKwargsConfig,
+                   "data": DataConfig, "multi_turn": MultiTurnConfig,
                    "algorithm": AlgorithmConfig,
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
                    "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,

@@ -7,10 +7,10 @@
     job.close(step)
 
 Set-up order (``build_job``): the run directory is refused or accepted before any process group or model
-(``run_dir.py``); the data file is checked; process groups, the actor and (``kl_loss_coef`` > 0) the frozen
-reference are built; rank 0 starts over (``trainer.overwrite``), builds the task and the engine
-(``rollout.factory``; a failure there is raised on every rank); ``--resume`` loads the newest COMPLETE checkpoint
-rank 0 chose; the engine gets the starting weights; then the rollout source starts (async: the producer thread).
+(``run_dir.py``); the data file and the validation files are checked; process groups, the actor and
+(``kl_loss_coef`` > 0) the frozen reference are built; rank 0 starts over (``trainer.overwrite``), builds the task,
+the engine (``rollout.factory``; a failure there is raised on every rank) and, when it is evaluated, the validation
+set (``tasks.val_set``); ``--resume`` loads the newest COMPLETE checkpoint rank 0 chose; the engine gets the starting weights; then the rollout source starts (async: the producer thread).
 
 Checkpoints (``Job.checkpoint``): the source's drain (async rollouts a checkpoint must hold, bounded by half of
 ``trainer.checkpoint_timeout_s``; the last checkpoint, after ``trainer.steps``, waits for none and keeps those
