@@ -75,8 +75,12 @@ def unhealthy_run(n=40):
 
 def test_validation_plot_has_a_line_per_data_source():
     """validation.png: the overall val/* curves and one per data source, at the validated steps only."""
+    import matplotlib.pyplot as plt
+
     figures = dict(R.build_figures(healthy_run()))
     reward, length = figures["validation.png"].axes
+    for fig in figures.values():
+        plt.close(fig)
     lines = {ln.get_label(): list(ln.get_xdata()) for ln in reward.get_lines()}
     assert lines == {k: [10, 20, 30, 40] for k in ("val/reward_mean", "val/copy/reward_mean", "val/gsm8k/reward_mean")}
     assert {ln.get_label() for ln in length.get_lines()} == {"val/response_length_mean", "val/copy/response_length_mean",
