@@ -119,7 +119,9 @@ def test_a_validation_file_that_does_not_load_fails_check_start_and_training(tmp
 
     bad = tmp_path / "questions.jsonl"
     bad.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
-    assert cli_main(["check", Q7, f"data.val_files={bad}", "trainer.test_freq=5"]) == 2
+    # the math CPU config without its model built: no memory plan to size (seconds on a 7B config), the same check
+    assert cli_main(["check", os.path.join(ROOT, "configs", "math_tiny_cpu.yaml"), f"data.val_files={bad}",
+                     "trainer.test_freq=5"]) == 2
     err = capsys.readouterr().err
     assert f"data.val_files: data.val_files='{bad}': no usable rows (4 malformed" in err, err
     cfg, problems = _cfg(f"data.val_files={bad}", "trainer.test_freq=5")
