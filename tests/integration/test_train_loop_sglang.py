@@ -49,7 +49,8 @@ def test_loop_with_real_sglang_server(tmp_path):
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run_dir = str(tmp_path / "run")
     cfg = sglang_loop_job(model, run_dir, 2, "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=4",
-                          "data.prompts_per_step=4")
+                          "data.prompts_per_step=4", "data.task_kwargs={min_digits: 1, max_digits: 2, heldout_frac: 0.1}",
+                          "data.val_heldout=true", "trainer.test_freq=2", "trainer.val_before_train=false")
     run_ranks(_train_body, 2, cfg, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
@@ -58,6 +59,14 @@ def test_loop_with_real_sglang_server(tmp_path):
         recs = [json.loads(line) for line in fh]
     assert {r["weight_version"] for r in recs if r["step"] == 2} == {"step-1"}  # synced after step 1
     _assert_step1_kl_matches_hf_fp32(model, metrics, recs)
+    # validation through the server after the last step: every response carried the server's weight version
+    # "step-2" (else the step fails with StaleRolloutError), one greedy response per held-out prompt
+    from megatron_rl.tasks import DigitTask
+    from megatron_rl.tokenizer import load_tokenizer
+
+    heldout = DigitTask("copy", load_tokenizer(model), min_digits=1, max_digits=2, heldout_frac=0.1).heldout_prompts()
+    assert "val/reward_mean" not in metrics[0] and metrics[1]["val/copy/prompts"] == len(heldout)
+    assert 0 <= metrics[1]["val/copy/reward_mean"] <= 1 and 1 <= metrics[1]["val/response_length_mean"] <= 4
 
 
 def _async_body(rank, world, cfg, delay_s):
