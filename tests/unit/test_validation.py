@@ -149,3 +149,32 @@ def test_metrics_file_and_console_carry_validation(tmp_path, capsys):
     assert out[3].startswith("[megatron-rl] validation after step 2: reward 0.75 | a 1; b 0.5")
     assert out[4].startswith("[megatron-rl] steps 1-2 (2 step(s)): reward mean 0.2") and \
         out[4].endswith("val reward 0.75 (step 2)")
+
+
+def _hung_validation(err_path):
+    """Child: a validation that never returns, under the loop's watchdog phase with trainer.val_timeout_s 0.3."""
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.loop import _validate
+    from megatron_rl.trainer.watchdog import Watchdog
+
+    sys.stderr = open(err_path, "w")  # abort's message (pytest captures the parent's)
+    job = SimpleNamespace(watchdog=Watchdog(0, 1800.0, poll_s=0.05),
+                          cfg=SimpleNamespace(trainer=SimpleNamespace(val_timeout_s=0.3)),
+                          validation=SimpleNamespace(run=lambda done: time.sleep(60)))
+    _validate(job, 4)
+
+
+def test_a_validation_past_val_timeout_s_ends_the_rank_naming_the_key(tmp_path):
+    import multiprocessing
+
+    from megatron_rl.trainer.watchdog import EXIT_HUNG
+
+    err = tmp_path / "stderr"
+    child = multiprocessing.get_context("fork").Process(target=_hung_validation, args=(str(err),))
+    child.start()
+    child.join(30)
+    assert child.exitcode == EXIT_HUNG, child.exitcode
+    assert "validation of step 4 did not finish within 0.3 s (trainer.val_timeout_s)" in err.read_text()
