@@ -23,7 +23,8 @@ from typing import Callable, Iterable, Iterator, List, Optional, Set
 
 import psutil
 
-__all__ = ["become_subreaper", "process_ids", "leftovers", "kill_job", "kill_processes", "describe", "shared"]
+__all__ = ["become_subreaper", "process_ids", "leftovers", "kill_job", "kill_processes", "describe", "shared",
+           "terminal_signals"]
 
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 #: long-lived helpers a library starts once per process on first use; not a test's job
@@ -42,6 +43,14 @@ def shared(pids: Callable[[], Iterable[Optional[int]]]) -> Iterator[None]:
         yield
     finally:
         _SHARED_SOURCES.remove(pids)
+
+
+def terminal_signals() -> None:
+    """``preexec_fn`` of a launcher a test signals: SIGINT, SIGQUIT, SIGHUP and SIGTERM at their defaults, as in a
+    terminal's foreground job, whatever the test process inherited -- a shell cannot trap a signal that was ignored
+    when it started, and pytest run under ``nohup`` or as a background job ignores SIGINT / SIGHUP."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _shared_pids() -> Set[int]:

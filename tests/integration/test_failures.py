@@ -8,7 +8,7 @@ sync, a rank stuck in a step) and asserts:
 * the job exits non-zero within ``BOUND_S`` seconds of the fault, and no rank process is left;
 * its output names the cause and the rank;
 * the last COMPLETE checkpoint is intact, no partial checkpoint is marked COMPLETE, and ``--resume``
-  continues from the last COMPLETE one.
+  continues from the last COMPLETE one (resumed once: past the partial checkpoint a disk error left).
 
 The SIGTERM tests use one process (no torchrun, which would SIGKILL a stuck rank itself after 30 s) whose
 checkpoint writer hangs in a queue-like wait, exactly as the quickstart hung without psutil: the second
@@ -68,7 +68,9 @@ def model_dir(tmp_path_factory):
 
 
 def _env(fault=None):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    # CHECK=0: the launcher's config check before torchrun (one more interpreter start per job) is
+    # test_launcher_commands' subject, not these tests'
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", CHECK="0")
     env["PYTHONPATH"] = os.pathsep.join([FAULTS, ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.pop("MEGATRON_RL_FAULT", None)
     if fault:
@@ -148,8 +150,7 @@ def test_rank_killed_mid_step_ends_the_job(tmp_path, model_dir):
     rc, out, end = _torchrun(tmp_path, model_dir, fault="kill:1:2")
     _assert_failed_fast(rc, out, end)
     assert re.search(r"rank\s*:\s*1 .*\n.*exitcode\s*:\s*-9", out) or "Signal 9 (SIGKILL)" in out, out[-4000:]
-    assert _complete(tmp_path / "run") == [1]
-    _assert_resume_continues(tmp_path, model_dir, 1)
+    assert _complete(tmp_path / "run") == [1]   # (resume past a failed step: the write-error test above)
 
 
 def test_loss_raising_on_one_rank_ends_the_job(tmp_path, model_dir):

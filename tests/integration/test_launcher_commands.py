@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from megatron_rl.testing.jobs import copy_job, wait_for_steps, write_job
-from megatron_rl.testing.processes import kill_job
+from megatron_rl.testing.processes import kill_job, terminal_signals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,7 +46,8 @@ def _env(fault=None):
     if fault:  # tests/integration/faults/sitecustomize.py
         env["PYTHONPATH"] = os.pathsep.join([FAULTS, ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         env["MEGATRON_RL_FAULT"] = fault
-    return dict(env, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # CHECK=0: the config check before torchrun (one more interpreter start per job) is tested on its own below
+    return dict(env, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CHECK="0")
 
 
 def _job(tmp_path, model_dir):
@@ -65,7 +66,8 @@ def _launch(tmp_path, job, *args, logs="logs", fault=None, env=None, stdout_file
     try:
         return subprocess.Popen(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / logs), *args,
                                  "--config", str(job)], cwd=ROOT, env=env or _env(fault), stdout=out,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=terminal_signals)
     finally:
         if stdout_file:
             out.close()
@@ -104,7 +106,8 @@ def test_config_error_is_reported_before_torchrun_starts(tmp_path, copy_model):
     job = _job(tmp_path, copy_model)
     t0 = time.time()
     r = subprocess.run(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--config",
-                        str(job), "actor.lr=abc"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                        str(job), "actor.lr=abc"], cwd=ROOT, env=dict(_env(), CHECK="1"), capture_output=True,
+                       text=True, timeout=120)
     took = time.time() - t0
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.count("actor.lr: expected a number, got 'abc' (str)") == 1, r.stderr

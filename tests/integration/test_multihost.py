@@ -24,7 +24,8 @@ import pytest
 
 from megatron_rl.rollout.sglang_server import find_free_port, sglang_available, sglang_python
 from megatron_rl.testing.netns import NetnsHosts, netns_unavailable
-from tests.integration.test_slurm_real import CONFIG, TINY, metric_differences, read_metrics, tiny_model, torchrun_reference
+from tests.integration.test_slurm_real import CONFIG, TINY, metric_differences, read_metrics, tiny_model
+from tests.integration.test_slurm_real import tiny_reference  # noqa: F401  (a fixture)
 from tests.integration.test_train_loop_sglang import _assert_step1_kl_matches_hf_fp32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,9 +64,8 @@ def _outs(tmp):
 
 
 @pytest.mark.timeout(1200)
-def test_two_hosts_torchrun_matches_one_host(tmp_path):
-    model = tiny_model(tmp_path / "model")
-    ref = torchrun_reference(tmp_path, model)
+def test_two_hosts_torchrun_matches_one_host(tmp_path, tiny_reference):
+    model, ref = tiny_reference
     with NetnsHosts(2) as hosts:
         got, _ = _train_on_hosts(hosts, tmp_path, [f"actor.load_hf={model}"], timeout=600)
     assert not metric_differences(got, ref), metric_differences(got, ref)

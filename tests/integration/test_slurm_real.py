@@ -68,6 +68,15 @@ def torchrun_reference(tmp, model, extra=(), timeout=500):
     return metrics
 
 
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory):
+    """``(model, metrics)``: the tiny model and its job's metrics through launch/torchrun.sh on 2 ranks of one host,
+    once per session -- the reference of the Slurm and several-host jobs of the same model and config."""
+    tmp = tmp_path_factory.mktemp("tiny_reference")
+    model = tiny_model(tmp / "model")
+    return model, torchrun_reference(tmp, model)
+
+
 @pytest.fixture(scope="module")
 def slurm_ready():
     reason = ensure_slurm_installed()
@@ -76,9 +85,8 @@ def slurm_ready():
 
 
 @pytest.mark.timeout(1200)
-def test_sbatch_slurm_script_matches_torchrun(tmp_path, slurm_ready):
-    model = tiny_model(tmp_path / "model")
-    ref = torchrun_reference(tmp_path, model)
+def test_sbatch_slurm_script_matches_torchrun(tmp_path, slurm_ready, tiny_reference):
+    model, ref = tiny_reference
     run = tmp_path / "slurm_run"
     out = tmp_path / "job.out"
     with SlurmCluster(tmp_path / "slurm", cpus=os.cpu_count()) as cluster:
