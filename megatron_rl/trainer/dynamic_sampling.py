@@ -7,8 +7,8 @@ samples did not all score alike, and draws more prompts until ``data.prompts_per
 
 Why: a group whose ``n`` samples all have the same reward gets advantage 0 on every sample under GRPO and RLOO,
 so it adds no policy-gradient signal and only dilutes the batch. A group has signal when its values (``metric``:
-the reward, or the score before the overlong penalty) are not all equal -- compared exactly: verl's
-``std > 0`` on floats can keep an alike group through rounding.
+the reward, or the score before the overlong penalty) are not all equal -- compared exactly, in float32 as the
+trainer reads rewards: verl's ``std > 0`` on floats can keep an alike group through rounding.
 
 Where: the step generator is what every rollout mode calls on rank 0 -- the sync source when the loop asks, the
 async producer in its thread -- for single- and multi-turn tasks alike, so the filter runs there, once, on the
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from array import array
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_rl.rollout.base import RolloutError
@@ -71,10 +72,13 @@ class FilterGroupsExhaustedError(RolloutError):
 
 
 def groups_with_signal(values: Sequence[float], n: int) -> List[bool]:
-    """Per prompt group (``n`` consecutive values): True when its values are not all equal (exact comparison);
-    a group of one sample is kept (nothing to compare, as verl does)."""
+    """Per prompt group (``n`` consecutive values): True when its values are not all equal, compared exactly in
+    float32 -- the precision the trainer's advantages read rewards in (``StepRows.shard``): values that differ
+    only beyond it (``0.1 + 0.2`` and ``0.3``) are alike there and get advantage 0; a group of one sample is
+    kept (nothing to compare, as verl does)."""
     if n < 1 or len(values) % n:
         raise ValueError(f"groups_with_signal: {len(values)} values do not split into groups of {n}")
+    values = array("f", values)  # float32, as the trainer's reward tensor
     groups = [values[g * n:(g + 1) * n] for g in range(len(values) // n)]
     return [n == 1 or max(v) != min(v) for v in groups]
 

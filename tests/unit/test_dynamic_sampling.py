@@ -29,14 +29,19 @@ def test_dropped_exactly_when_every_advantage_is_zero():
     rng = random.Random(0)
     n, groups = 4, 300
     # rewards on a coarse grid: many groups alike, many not
-    values = [rng.choice([0.0, 0.5, 1.0]) if g % 3 else 0.25 for g in range(groups) for _ in range(n)]
+    # ... and rewards that differ only beyond float32 (0.1 + 0.2 vs 0.3): alike to the trainer, which reads
+    # rewards as float32 (StepRows.shard)
+    grid = [0.0, 0.5, 1.0, 0.3, 0.1 + 0.2]
+    values = [rng.choice(grid) if g % 3 else 0.25 for g in range(groups - 1) for _ in range(n)]
+    values += [0.3, 0.1 + 0.2, 0.3, 0.3]
     keep = groups_with_signal(values, n)
     index = torch.arange(groups * n) // n
     for estimator in ("grpo", "rloo"):
-        adv = compute_advantages(torch.tensor(values), index, torch.ones(groups * n, 1), estimator=estimator)
+        adv = compute_advantages(torch.tensor(values, dtype=torch.float32), index, torch.ones(groups * n, 1),
+                                 estimator=estimator)
         zero = (adv.view(groups, n) == 0).all(dim=1).tolist()
         assert keep == [not z for z in zero], estimator
-    assert 0 < sum(keep) < groups
+    assert 0 < sum(keep) < groups and not keep[-1]
     assert groups_with_signal([1.0, 1.0, 2.0], 1) == [True] * 3      # one sample per prompt: nothing to compare
     with pytest.raises(ValueError, match="groups of 4"):
         groups_with_signal([1.0] * 6, 4)
