@@ -230,14 +230,17 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
 def async_schedule(cfg: JobConfig) -> Dict[str, object]:
     """What a checkpoint's drained rollouts were made with, by dotted config key: the async schedule, the
     prompt groups (``StepBatch.shard`` groups rows by the current ``rollout.n_samples_per_prompt``) and, when
-    enabled, dynamic sampling's settings (rollouts drawn without it are regenerated for a run with it)."""
+    enabled, dynamic sampling's settings (rollouts drawn without it are regenerated for a run with it, and those
+    drawn with it for a run without it or with other settings: their steps were filtered, and skipped or not by
+    ``on_exhausted``)."""
     rc = cfg.rollout
     schedule = {"rollout.max_staleness": rc.max_staleness, "rollout.partial_rollout": rc.partial_rollout,
                 "rollout.n_samples_per_prompt": rc.n_samples_per_prompt,
                 "data.prompts_per_step": cfg.data.prompts_per_step}
     fg = cfg.algorithm.filter_groups
     if fg.enable:
-        schedule.update({f"algorithm.filter_groups.{k}": getattr(fg, k) for k in ("metric", "max_num_gen_batches")})
+        keys = ("metric", "max_num_gen_batches", "on_exhausted")
+        schedule.update({f"algorithm.filter_groups.{k}": getattr(fg, k) for k in keys})
     return schedule
 
 
@@ -258,6 +261,7 @@ def _resumed_rollouts(extra: Dict, cfg: JobConfig) -> Dict:
     then, now = _saved_schedule(extra.get("async_schedule")), async_schedule(cfg)
     diff = [f"{k}={then[k]!r} (this run: {v!r})" if k in then else f"{k} not recorded (this run: {v!r})"
             for k, v in now.items() if k not in then or then[k] != v]
+    diff += [f"{k}={v!r} (this run: not set)" for k, v in then.items() if k not in now]
     batches = {int(t): StepBatch(**(b if isinstance(b, dict) else _fields(b))) for t, b in saved.items()}
     rows = cfg.rollout.n_samples_per_prompt * cfg.data.prompts_per_step
     if not diff and any(b.num_rows != rows for b in batches.values()):

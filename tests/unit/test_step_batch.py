@@ -63,6 +63,21 @@ def test_drained_rollouts_of_other_prompt_groups_are_regenerated(change, key, ca
     assert key in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("now, key", [
+    (None, "algorithm.filter_groups.metric='seq_reward' (this run: not set)"),
+    ({"enable": True, "on_exhausted": "train"}, "algorithm.filter_groups.on_exhausted='skip' (this run: 'train')")])
+def test_drained_rollouts_of_dynamic_sampling_are_regenerated_for_other_settings(now, key, capsys):
+    """Rollouts drained by a run with dynamic sampling carry its decisions (filtered groups, the skip flag of an
+    exhausted step): a run without it, or with another on_exhausted, regenerates them."""
+    b = _batch()
+    b.metrics["filter_groups/skipped"] = 1.0
+    made = _cfg(fg={"enable": True, "on_exhausted": "skip"})
+    saved = {"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(made)}
+    assert _resumed_rollouts(saved, made) == {5: b}
+    assert _resumed_rollouts(saved, _cfg(fg=now)) == {}
+    assert key in capsys.readouterr().out
+
+
 def test_checkpoint_without_recorded_groups_is_regenerated(capsys):
     """A checkpoint that recorded only (max_staleness, partial_rollout) cannot show its prompt groups."""
     saved = {"async_rollouts": {5: _fields(_batch())}, "async_schedule": (1, "finish")}
