@@ -36,7 +36,9 @@ batch), ``filter_groups/exhausted`` and ``filter_groups/skipped`` (0 / 1). The s
 ``reward/raw_mean``, ``reward/failed``, ``response/*``, ...) cover every generated row of every round (counts
 summed, ``*_max`` / ``*_min`` over the rounds, other values row-weighted means); ``reward/mean`` and
 ``response_length/*`` describe the trained batch; the reward-failure limit is checked against every generated
-row (``StepBatch.rows_generated``).
+row (``StepBatch.rows_generated``), and against each round as it arrives: a round in which more than
+``data.max_reward_failure_frac`` of the rewards failed ends the step with ``RewardFailureError`` at once (failed
+rewards all score 0, so a broken reward would otherwise draw every round and end as an exhausted step).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.trainer.async_rollout import SegmentedEngine
+from megatron_rl.trainer.reward_failures import RewardFailureError, reward_failure_error
 from megatron_rl.trainer.step_batch import StepBatch
 
 __all__ = ["DynamicSampling", "FilterGroupsExhaustedWarning", "FilterGroupsExhaustedError", "groups_with_signal",
@@ -135,6 +138,7 @@ class DynamicSampling:
         fg = cfg.algorithm.filter_groups
         self.metric, self.max_rounds, self.on_exhausted = fg.metric, fg.max_num_gen_batches, fg.on_exhausted
         self.n, self.prompts = cfg.rollout.n_samples_per_prompt, cfg.data.prompts_per_step
+        self.max_failed = cfg.data.max_reward_failure_frac
 
     def generate(self, engine, step: int, version: str) -> StepBatch:
         rounds: List[StepBatch] = []
@@ -144,6 +148,10 @@ class DynamicSampling:
             # interrupt mode may have loaded newer weights during the previous round: start from those
             tag = engine.weight_version if rnd and isinstance(engine, SegmentedEngine) else version
             batch = self.inner.generate(engine, step, tag, rnd)
+            failure = reward_failure_error(batch.metrics, batch.num_rows, self.max_failed, step + 1)
+            if failure is not None:  # failed rewards score alike: more rounds would only fail alike
+                raise RewardFailureError(f"{failure} (dynamic sampling: generation round {rnd + 1}; no further "
+                                         f"round is drawn)")
             rounds.append(batch)
             for g, signal in enumerate(groups_with_signal(metric_values(batch, self.metric), self.n)):
                 (kept if signal else dropped).append((rnd, g))

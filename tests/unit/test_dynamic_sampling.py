@@ -21,6 +21,7 @@ from megatron_rl.config.sections import FilterGroupsConfig
 from megatron_rl.trainer.dynamic_sampling import (
     DynamicSampling, FilterGroupsExhaustedError, FilterGroupsExhaustedWarning, groups_with_signal,
 )
+from megatron_rl.trainer.reward_failures import RewardFailureError
 from megatron_rl.trainer.rollout_phase import sample_prompts
 from megatron_rl.trainer.step_batch import StepBatch
 
@@ -52,7 +53,7 @@ class _Cfg:
 
     def __init__(self, prompts=3, n=2, rounds=4, on_exhausted="train", metric="seq_reward"):
         self.rollout = type("R", (), {"n_samples_per_prompt": n})()
-        self.data = type("D", (), {"prompts_per_step": prompts})()
+        self.data = type("D", (), {"prompts_per_step": prompts, "max_reward_failure_frac": 0.5})()
         self.algorithm = type("A", (), {"filter_groups": FilterGroupsConfig(True, metric, rounds, on_exhausted)})()
 
 
@@ -60,8 +61,9 @@ class Scripted:
     """A step generator whose round ``r`` has the rewards ``script[r]`` (one list per group); a row's prompt is
     ``[step, round, group]`` and its response ``[row]``. Records its calls."""
 
-    def __init__(self, script, n=2, scores=None):
+    def __init__(self, script, n=2, scores=None, failed=None):
         self.script, self.n, self.scores, self.calls, self.closed = script, n, scores, [], False
+        self.failed = failed or [1.0] * len(script)   # reward/failed per round
 
     def generate(self, engine, step, version, rnd=0):
         self.calls.append((step, version, rnd))
@@ -71,7 +73,7 @@ class Scripted:
                          rollout_log_probs=[[-1.0] for _ in rows], rewards=[groups[g][i] for g, i in rows],
                          scores=[self.scores[rnd][g][i] for g, i in rows] if self.scores else [],
                          truncated=[False] * len(rows), weight_version=version,
-                         metrics={"reward/failed": 1.0, "reward/raw_mean": float(rnd), "data/prompt_length_max": rnd,
+                         metrics={"reward/failed": self.failed[rnd], "reward/raw_mean": float(rnd), "data/prompt_length_max": rnd,
                                   "data/rows": 7.0})
 
     def close(self):
@@ -136,6 +138,24 @@ def test_exhausted_with_error_raises_and_metric_score_ignores_the_penalty():
     by_reward = DynamicSampling(Scripted(script, scores=scores), _Cfg(prompts=1, rounds=1))
     batch = by_reward.generate(None, 0, "step-0")
     assert _groups(batch) == [(0, 0)] and batch.scores == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["train", "error"])
+def test_a_round_whose_rewards_mostly_failed_ends_the_step_at_once(mode):
+    """Failed rewards all score 0, so their groups are alike: a broken reward must end the step as a reward
+    failure at its first round, not draw every round and end as an exhausted step (with on_exhausted: error,
+    naming the wrong cause). A round at the limit goes on."""
+    zeros = [0.0, 0.0]
+    inner = Scripted([[zeros] * 3] * 4, failed=[6.0] * 4)
+    gen = DynamicSampling(inner, _Cfg(rounds=4, on_exhausted=mode))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # no exhausted warning either
+        with pytest.raises(RewardFailureError, match=r"step 3: 6 reward\(s\) failed .* of 6 samples .*round 1"):
+            gen.generate(None, 2, "step-2")
+    assert len(inner.calls) == 1
+    at_limit = Scripted([[zeros, zeros, zeros], [SIGNAL] * 3], failed=[3.0, 0.0])   # 3 of 6 = the limit, 0.5
+    batch = DynamicSampling(at_limit, _Cfg(rounds=4, on_exhausted=mode)).generate(None, 2, "step-2")
+    assert len(at_limit.calls) == 2 and batch.metrics["reward/failed"] == 3.0
 
 
 def test_each_round_draws_fresh_prompts_round_zero_unchanged(tiny_job):
