@@ -80,7 +80,11 @@ class LRSchedule:
 def restore_scheduler(scheduler, state: Optional[dict], num_steps: int) -> None:
     """Continue ``scheduler`` from a checkpoint: the step count of its saved ``state`` (megatron's
     ``state_dict``), or ``num_steps`` for a checkpoint written without one; the running job's settings win
-    (``override_opt_param_scheduler``)."""
+    (``override_opt_param_scheduler``), also over the ``max_lr`` / ``min_lr`` that loading the optimizer's
+    state put back into its param groups (torch restores a group's every key, and megatron's scheduler reads
+    these before its own)."""
+    for group in scheduler.optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
     scheduler.num_steps = 0  # megatron's load_state_dict adds the saved count to the current one
     if state is None:
         scheduler.step(increment=int(num_steps))

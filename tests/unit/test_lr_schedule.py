@@ -98,6 +98,31 @@ def test_restore_continues_the_schedule():
     assert longer.lr_decay_steps == 40 and longer.num_steps == 4
 
 
+def test_restore_uses_this_jobs_lr_over_the_loaded_optimizer_groups():
+    """Resuming with a changed actor.lr / min_lr: loading the optimizer's state puts the saved run's ``max_lr`` /
+    ``min_lr`` back into its param groups (torch restores every group key; megatron's scheduler reads them first);
+    the resumed lr must follow megatron-core's scheduler with this job's settings from the saved step on."""
+    sched = ["actor.lr_decay_style=cosine", "actor.lr_warmup_steps=3", "actor.lr_decay_steps=8", "trainer.steps=8"]
+    old_job = _job("actor.lr=1e-3", *sched)
+    new_job = _job("actor.lr=2e-3", "actor.min_lr=1e-4", *sched)
+
+    def megatron_groups(job):  # megatron's get_megatron_optimizer: each group carries max_lr / min_lr
+        return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": job.actor.lr,
+                                 "min_lr": job.actor.min_lr}], lr=123.0)
+
+    first = LRSchedule.from_job(old_job).build(megatron_groups(old_job))
+    _lrs(first, 4)
+    resumed = LRSchedule.from_job(new_job).build(megatron_groups(new_job))
+    resumed.optimizer.load_state_dict(first.optimizer.state_dict())
+    restore_scheduler(resumed, first.state_dict(), num_steps=0)
+    ref = OptimizerParamScheduler(_optimizer(), init_lr=0.0, max_lr=2e-3, min_lr=1e-4, lr_warmup_steps=3,
+                                  lr_decay_steps=8, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                  wd_incr_steps=1, wd_incr_style="constant")
+    want = _lrs(ref, 10)[4:]
+    assert want[0] > 1e-3 and want[-1] == 1e-4  # above the saved run's lr; this job's min_lr after the decay
+    assert _lrs(resumed, 6) == want
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["actor.lr_warmup_steps=2", "actor.lr_warmup_fraction=0.1"],
      r"actor\.lr_warmup_fraction: set together with actor\.lr_warmup_steps"),
