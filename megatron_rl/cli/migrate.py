@@ -59,10 +59,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.base:
         try:
             with open(args.base) as fh:
-                tree = merge_overrides(yaml_load(fh) or {}, tree or {})
+                base = yaml_load(fh)
         except (OSError, yaml.YAMLError) as exc:
             print(f"error: --base {args.base}: {exc}", file=sys.stderr)
             return 2
+        for name, given in ((f"--base {args.base}", base), (args.config, tree)):
+            if given is not None and not isinstance(given, dict):
+                print(f"error: {name}: not a verl config (a YAML mapping of sections), got a "
+                      f"{type(given).__name__}", file=sys.stderr)
+                return 2
+        tree = merge_overrides(base or {}, tree or {})
     if not is_verl_config(tree):
         print(f"error: {args.config}: not a verl config (no actor_rollout_ref: section)", file=sys.stderr)
         return 2
@@ -70,8 +76,12 @@ def _run(args: argparse.Namespace) -> int:
     text = render(args.config, migration, args.verbose)
     report = "\n".join(migration.report(verbose=args.verbose))
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        try:
+            with open(args.out, "w") as fh:
+                fh.write(text)
+        except OSError as exc:
+            print(f"error: cannot write {args.out}: {exc}", file=sys.stderr)
+            return 2
         print(report)
         print(f"wrote {args.out}; next: megatron-rl check {args.out}")
     else:

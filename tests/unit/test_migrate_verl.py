@@ -232,3 +232,20 @@ def test_two_verl_keys_writing_one_key_differently_is_a_conflict():
     assert m.tree["rollout"]["max_new_tokens"] == 256  # the first wins
     c = _entry(m, "data.max_response_length")
     assert c.kind == CONFLICT and "rollout.max_new_tokens is already 256" in c.detail
+
+
+def test_cli_errors_name_the_file(tmp_path, capsys):
+    """A --base or config that is not a mapping, and an output path that cannot be written: one error line naming
+    the file, exit code 2, nothing written (no traceback)."""
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    verl = os.path.join(DATA, "dapo_minimal.yaml")
+    cases = [(["--base", str(listing)], f"--base {listing}: not a verl config"),
+             ([str(listing), "--base", FSDP_BASE], f"{listing}: not a verl config"),
+             ([verl, "-o", str(tmp_path / "no_dir" / "job.yaml")], f"cannot write {tmp_path / 'no_dir' / 'job.yaml'}")]
+    for args, message in cases:
+        argv = ["migrate", "verl"] + (args if args[0] != "--base" else [verl] + args)
+        assert cli_main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert out == ""
