@@ -186,7 +186,7 @@ def _optimizer_steps(target: str) -> Callable[[Any, Verl], Dict[str, Any]]:
     """verl steps its learning-rate scheduler once per training step; this project once per optimizer step
     (ppo_epochs x mini-batches of each training step)."""
     def convert(value: Any, v: Verl) -> Dict[str, Any]:
-        if value is None or (isinstance(value, int) and value <= 0 and target == "actor.lr_warmup_steps"):
+        if target == "actor.lr_warmup_steps" and _ratio_decides_warmup(value, v):
             raise Skip(NO_MEANING, f"{_show(value)}: verl then warms up for lr_warmup_steps_ratio of the run")
         total, mini = v.get("data.train_batch_size", 1024), v.get(f"{_A}.ppo_mini_batch_size", 256)
         epochs = v.get(f"{_A}.ppo_epochs", 1)
@@ -197,14 +197,28 @@ def _optimizer_steps(target: str) -> Callable[[Any, Verl], Dict[str, Any]]:
     return convert
 
 
+def _ratio_decides_warmup(steps: Any, v: Verl) -> bool:
+    """Whether verl warms up for ``lr_warmup_steps_ratio`` of the run rather than ``lr_warmup_steps``: its Megatron
+    actor when lr_warmup_steps is null or <= 0, its FSDP actor when it is < 0 (0 there: no warm-up)."""
+    if not isinstance(steps, (int, float)) or isinstance(steps, bool):
+        return True
+    return steps < 0 if v.strategy == "fsdp" else steps <= 0
+
+
+def _warmup_steps_set(v: Verl) -> Optional[str]:
+    steps = v.get(f"{_A}.optim.lr_warmup_steps")
+    if _ratio_decides_warmup(steps, v):
+        return None
+    return (f"no effect in verl while {_A}.optim.lr_warmup_steps is {_show(steps)} (verl then warms up for that "
+            f"many steps, not this ratio)")
+
+
 def _warmup_ratio(value: Any, v: Verl) -> Dict[str, Any]:
     if not value:
         raise Skip(NO_MEANING, f"{_show(value)}: no warm-up, this project's default too")
     return {"actor.lr_warmup_fraction": value}
 
 
-_WARMUP_STEPS_SET = _unless(f"{_A}.optim.lr_warmup_steps", lambda n: n is None or n <= 0,
-                            " (verl then warms up for that many steps, not this ratio)")
 
 
 def _betas(value: Any, v: Verl) -> Dict[str, Any]:
@@ -548,15 +562,17 @@ def _rules() -> List[Rule]:
         _m(f"{_A}.optim.lr_warmup_steps", "actor.lr_warmup_steps", convert=_optimizer_steps("actor.lr_warmup_steps"),
            note="counted in optimizer steps: verl's training steps x actor.ppo_epochs x actor.ppo_mini_batches"),
         Rule(f"{_A}.optim.lr_warmup_steps_ratio", MAPPED, target="actor.lr_warmup_fraction",
-             convert=_warmup_ratio, inactive=_WARMUP_STEPS_SET,
+             convert=_warmup_ratio, inactive=_warmup_steps_set,
              note="a fraction of the decay length (the whole run) on both sides"),
         _m(f"{_A}.optim.lr_warmup_init", "actor.lr_warmup_init"),
         _m(f"{_A}.optim.lr_decay_style", "actor.lr_decay_style", note="constant, linear, cosine or "
            "inverse-square-root"),
         _m(f"{_A}.optim.warmup_style", "actor.lr_decay_style", note="verl's warmup_style names the decay after "
            "the warm-up"),
-        _m(f"{_A}.optim.lr_scheduler_type", "actor.lr_decay_style", note="constant, linear, cosine or "
-           "inverse-square-root"),
+        Rule(f"{_A}.optim.lr_scheduler_type", MAPPED, target="actor.lr_decay_style",
+             inactive=_unless(f"{_A}.optim.warmup_style", lambda s: s is None,
+                              " (verl's FSDP optimizer config then takes the decay style from warmup_style)"),
+             note="constant, linear, cosine or inverse-square-root"),
         _m(f"{_A}.optim.lr_decay_steps", "actor.lr_decay_steps", convert=_optimizer_steps("actor.lr_decay_steps"),
            note="counted in optimizer steps"),
         _m(f"{_A}.optim.min_lr", "actor.min_lr"),

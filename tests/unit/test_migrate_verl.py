@@ -181,6 +181,24 @@ def test_fsdp_schedule_keys():
     assert "lr_warmup_steps" not in a  # -1: verl takes the ratio
 
 
+def test_schedule_keys_follow_each_verl_backend():
+    """verl's FSDP actor takes lr_warmup_steps_ratio only when lr_warmup_steps < 0 (0: no warm-up), its Megatron
+    actor when <= 0 (verl/workers/fsdp_workers.py, verl/utils/megatron/optimizer.py); its FSDP optimizer config
+    replaces lr_scheduler_type by the deprecated warmup_style when that is set (FSDPOptimizerConfig)."""
+    def optim(strategy, **keys):
+        return migrate_verl({"actor_rollout_ref": {"actor": {"strategy": strategy, "optim": {"lr": 2e-6, **keys}}}})
+
+    fsdp = optim("fsdp", lr_warmup_steps=0, lr_warmup_steps_ratio=0.1)
+    assert "lr_warmup_fraction" not in fsdp.tree["actor"] and fsdp.tree["actor"].get("lr_warmup_steps", 0) == 0
+    assert _entry(fsdp, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio").kind == UNCHANGED
+    megatron = optim("megatron", lr_warmup_steps=0, lr_warmup_steps_ratio=0.1)
+    assert megatron.tree["actor"]["lr_warmup_fraction"] == 0.1 and "lr_warmup_steps" not in megatron.tree["actor"]
+    assert optim("fsdp", lr_warmup_steps=-1, lr_warmup_steps_ratio=0.1).tree["actor"]["lr_warmup_fraction"] == 0.1
+    old_name = optim("fsdp", lr_scheduler_type="constant", warmup_style="cosine")
+    assert old_name.tree["actor"]["lr_decay_style"] == "cosine" and not old_name.of_kind(CONFLICT)
+    assert optim("fsdp", lr_scheduler_type="cosine", warmup_style=None).tree["actor"]["lr_decay_style"] == "cosine"
+
+
 def test_fsdp_dapo_recipe():
     m = migrate_verl(_load("dapo_minimal.yaml"))
     t = m.tree
