@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -298,14 +299,20 @@ def _train_files(value: Any, v: Verl) -> Dict[str, Any]:
     files = [value] if isinstance(value, str) else list(value or [])
     if len(files) != 1:
         raise Skip(UNSUPPORTED, f"{len(files)} training files: data.path reads one file (concatenate them)")
-    return {"data.task": "file", "data.path": str(files[0])}
+    return {"data.task": "file", "data.path": _local_path(files[0])}
+
+
+def _local_path(path: Any) -> str:
+    """A data file path as verl opens it: ``~`` expanded (verl's default paths are ``~/data/...``; this project reads
+    a path as written)."""
+    return os.path.expanduser(str(path))
 
 
 def _val_paths(v: Verl) -> List[str]:
     """verl's ``data.val_files`` as a list of the non-empty paths (a launch script's unset variable gives '')."""
     value = v.get("data.val_files")
     files = [value] if isinstance(value, str) else list(value or [])
-    return [str(f) for f in files if f is not None and str(f).strip()]
+    return [_local_path(f) for f in files if f is not None and str(f).strip()]
 
 
 def _val_files(value: Any, v: Verl) -> Dict[str, Any]:
@@ -785,7 +792,7 @@ def _rules() -> List[Rule]:
         # ---- critic (none here)
         _n("critic.**", _NO_CRITIC),
         # ---- data
-        _m("data.train_files", "data.path", convert=_train_files, note="with data.task: file"),
+        _m("data.train_files", "data.path", convert=_train_files, note="with data.task: file; ~ expanded as verl does"),
         _m("data.prompt_key", "data.prompt_key"),
         _m("data.max_prompt_length", "data.max_prompt_length",
            note="longer prompts are filtered or truncated: data.overlong_prompts"),
@@ -874,7 +881,7 @@ def _rules() -> List[Rule]:
         _m("trainer.n_gpus_per_node", "cluster.gpus_per_node"),
         _m("trainer.device", convert=_pick_device),
         # ---- validation during training
-        _m("data.val_files", "data.val_files", convert=_val_files, note="read as data.path is"),
+        _m("data.val_files", "data.val_files", convert=_val_files, note="read as data.path is; ~ expanded as verl does"),
         _m("data.val_max_samples", "data.val_max_samples", convert=_val_max_samples),
         _n("data.val_batch_size", "validation sends as many rows per engine call as a training step generates",
            neutral=(None,)),

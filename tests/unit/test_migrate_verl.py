@@ -137,10 +137,12 @@ def test_validation_keys_map_as_verl_means_them():
     val_kwargs sampling map key by key; the -1 / null "off" values set nothing."""
     m = migrate_verl(_load("grpo_qwen2_7b_math_megatron.yaml"))
     t = m.tree
-    assert t["data"]["val_files"] == ["~/data/gsm8k/test.parquet", "~/data/math/test.parquet"]
+    home = os.path.expanduser("~")  # verl opens its ~/data/... defaults with ~ expanded; the paths here are read as given
+    assert t["data"]["val_files"] == [f"{home}/data/gsm8k/test.parquet", f"{home}/data/math/test.parquet"]
     assert t["trainer"]["test_freq"] == 5
     assert "val_max_samples" not in t["data"]
     full = migrate_verl(_load("ppo_megatron_trainer.yaml"))
+    assert full.tree["data"]["path"] == f"{home}/data/rlhf/gsm8k/train.parquet"
     assert full.tree["rollout"]["val_kwargs"] == {"do_sample": False, "temperature": 0, "top_p": 1.0, "top_k": -1,
                                                   "n": 1}
     assert _entry(full, "data.val_max_samples").kind == UNCHANGED  # -1: every row
