@@ -289,14 +289,15 @@ class FilterGroupsConfig:
 
     enable: bool = False
     """Drop the groups whose samples all have the same ``metric`` and generate more prompts to fill the batch."""
-    metric: str = "seq_reward"
+    metric: Optional[str] = "seq_reward"
     """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
     verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
     verifier's reward before the overlong penalty). verl's "acc" has no separate value here (a reward is one
-    float per sample): use "score"."""
+    float per sample): use "score". null (verl's default block, disabled) only without ``enable``."""
     max_num_gen_batches: int = 10
     """Generation rounds per step at most (each draws ``data.prompts_per_step`` fresh prompts); >= 1 (verl's
-    0 = unlimited is refused: a task whose groups all score alike would generate forever)."""
+    0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
+    ``enable``, as verl's disabled default block has it)."""
     on_exhausted: str = "train"
     """When ``max_num_gen_batches`` rounds found fewer groups with signal than the batch needs (always with a
     ``FilterGroupsExhaustedWarning``): "train" -- train on them, the batch topped up with groups without signal
@@ -310,16 +311,20 @@ class FilterGroupsConfig:
         return cls(**(d or {}))
 
     def errors(self) -> List[str]:
-        """Violations, each naming its dotted key (checked whether or not ``enable`` is set)."""
+        """Violations, each naming its dotted key (checked whether or not ``enable`` is set, except verl's disabled
+        defaults: ``metric`` null and ``max_num_gen_batches`` <= 0 pass without ``enable``)."""
         errs = []
         key = "algorithm.filter_groups"
-        if self.metric == "acc":
+        if self.metric is None:
+            if self.enable:
+                errs.append(f"{key}.metric: null; dynamic sampling needs one of {', '.join(FILTER_GROUPS_METRICS)}")
+        elif self.metric == "acc":
             errs.append(f"{key}.metric: 'acc' (verl's per-sample accuracy) has no separate value here: a reward "
                         f"is one float per sample; use 'score' (alike within a group exactly when acc is, for "
                         f"0/1 or +-1 verifiers) or 'seq_reward'")
         elif self.metric not in FILTER_GROUPS_METRICS:
             errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}")
-        if self.max_num_gen_batches < 1:
+        if self.max_num_gen_batches < 1 and self.enable:
             errs.append(f"{key}.max_num_gen_batches: must be >= 1, got {self.max_num_gen_batches} (verl's 0 = "
                         f"unlimited is not offered: a task whose groups all score alike would generate forever)")
         if self.on_exhausted not in FILTER_GROUPS_EXHAUSTED:

@@ -189,6 +189,19 @@ def test_config_errors_name_the_key(tiny_job, override, needle):
     assert needle in str(e.value)
 
 
+def test_verl_disabled_default_block_pastes_and_needs_a_metric_once_enabled(tiny_job):
+    """verl's own default block (``enable: False, metric: null, max_num_gen_batches: 0``, its DAPO trainer config)
+    pastes as is; enabled, both keys are errors naming them."""
+    from megatron_rl.config import ConfigError
+
+    block = ("algorithm.filter_groups={enable: false, metric: null, max_num_gen_batches: 0}",)
+    assert not tiny_job(*ONE_RANK, *block).algorithm.filter_groups.enable
+    with pytest.raises(ConfigError) as e:
+        tiny_job(*ONE_RANK, *block, "algorithm.filter_groups.enable=true")
+    assert "algorithm.filter_groups.metric: null" in str(e.value)
+    assert "algorithm.filter_groups.max_num_gen_batches: must be >= 1" in str(e.value)
+
+
 def test_failure_fraction_counts_every_generated_row_and_the_report_warns():
     from megatron_rl.ops.report import health_checks
     from megatron_rl.trainer.rollout_source import RowSplit
