@@ -249,6 +249,16 @@ def _kl_loss_coef(value: Any, v: Verl) -> Dict[str, Any]:
     return {"actor.policy_loss.kl_loss_coef": value}
 
 
+VERL_KL_LOSS_COEF = 0.001
+"""verl's default ``actor.kl_loss_coef`` (its trainer configs), what ``use_kl_loss: true`` alone turns on."""
+
+
+def _use_kl_loss(value: Any, v: Verl) -> Dict[str, Any]:
+    if value and not v.has(f"{_A}.kl_loss_coef"):  # verl then applies its default coefficient
+        return {"actor.policy_loss.kl_loss_coef": VERL_KL_LOSS_COEF}
+    return {}
+
+
 def _clip_ratio(value: Any, v: Verl) -> Dict[str, Any]:
     if v.get(f"{_A}.clip_ratio_low") is not None and v.get(f"{_A}.clip_ratio_high") is not None:
         raise Skip(NO_MEANING, "verl uses clip_ratio_low / clip_ratio_high when they are set (both are)")
@@ -553,6 +563,9 @@ _LOSS_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "t
 def _rules() -> List[Rule]:
     return [
         _n("**._target_", _TARGET),
+        _n("defaults", "Hydra's composition: the file builds on the verl configs it lists; give that config (verl's "
+           "generated one, e.g. _generated_ppo_trainer.yaml) as --base so its keys are read too"),
+        _n("hydra.**", "Hydra's own settings (config search path, output directory)"),
         *_pending_rules(),
         # ---- actor: optimizer
         _m(f"{_A}.optim.lr", "actor.lr"),
@@ -670,8 +683,9 @@ def _rules() -> List[Rule]:
         _m(f"{_A}.policy_loss.loss_mode", convert=_loss_mode, target="algorithm.rollout_correction.loss_type",
            note="verl's actor.policy_loss.loss_mode is moved there on load"),
         _m(f"{_A}.policy_loss.*", hint=False),  # clip_cov_ratio, kl_cov_ratio, ...: same names under actor.policy_loss
-        _m(f"{_A}.use_kl_loss", "actor.policy_loss.kl_loss_coef", convert=lambda value, v: {},
-           note="use_kl_loss decides whether kl_loss_coef applies"),
+        _m(f"{_A}.use_kl_loss", "actor.policy_loss.kl_loss_coef", convert=_use_kl_loss,
+           note=f"use_kl_loss decides whether kl_loss_coef applies (verl's default {VERL_KL_LOSS_COEF} when the "
+                f"file does not set it)"),
         _m(f"{_A}.kl_loss_coef", convert=_kl_loss_coef, target="actor.policy_loss.kl_loss_coef"),
         _n(f"{_A}.calculate_entropy", "the train step always reports the entropy (actor/entropy)"),
         _u(f"{_A}.use_prefix_grouper", "no shared-prefix grouping of a group's rows", neutral=(False,)),

@@ -269,3 +269,21 @@ def test_cli_errors_name_the_file(tmp_path, capsys):
         out, err = capsys.readouterr()
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
         assert out == ""
+
+
+def test_hydra_composition_and_use_kl_loss_alone():
+    """A recipe written as Hydra composition (``defaults:``, ``hydra:``) names them with the reason instead of
+    'unknown'; ``use_kl_loss: true`` without ``kl_loss_coef`` applies verl's default coefficient 0.001 (verl's
+    trainer configs), not this project's 0 (no KL loss)."""
+    def actor(**keys):
+        return {"hydra": {"searchpath": ["file://verl/trainer/config"]}, "defaults": ["ppo_trainer", "_self_"],
+                "actor_rollout_ref": {"actor": keys}}
+
+    m = migrate_verl(actor(use_kl_loss=True))
+    assert not m.of_kind(UNKNOWN)
+    assert _entry(m, "defaults").kind == NO_MEANING and "--base" in _entry(m, "defaults").detail
+    assert _entry(m, "hydra.searchpath").kind == NO_MEANING
+    assert m.tree["actor"]["policy_loss"]["kl_loss_coef"] == 0.001
+    assert migrate_verl(actor(use_kl_loss=True, kl_loss_coef=0.01)).tree["actor"]["policy_loss"] == {
+        "kl_loss_coef": 0.01}
+    assert "actor" not in migrate_verl(actor(use_kl_loss=False, kl_loss_coef=0.01)).tree
