@@ -1,5 +1,6 @@
-"""The quickstart job for tests: ``configs/tiny_cpu.yaml`` through ``launch/torchrun.sh`` on 4 gloo ranks, scored by
-``tools/quickstart_results.py`` (shared by test_quickstart_fresh.py and test_objectives_learn.py)."""
+"""Shipped configs run for tests through ``launch/torchrun.sh`` (``launch_config``), and the quickstart job
+(``configs/tiny_cpu.yaml`` on 4 gloo ranks) scored by ``tools/quickstart_results.py`` (``run_quickstart``): shared by
+test_quickstart_fresh.py, test_objectives_learn.py and test_tool_task_learns.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,18 +25,25 @@ def results_tool():
     return mod
 
 
+def launch_config(tmp_path, config: str, model: str, steps: int, nproc: int, *overrides, timeout: float = 2400):
+    """``configs/<config>`` on ``nproc`` ranks through launch/torchrun.sh for ``steps`` steps with ``actor.load_hf``
+    at ``model`` (plus ``overrides``), the run in ``tmp_path/run``, no checkpoints; returns the run directory."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE=str(nproc))
+    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),
+                        "--config", os.path.join(ROOT, "configs", config), f"actor.load_hf={model}",
+                        f"trainer.run_dir={run}", f"trainer.steps={steps}", "trainer.save_interval=0",
+                        "trainer.progress=false", *overrides],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return run
+
+
 def run_quickstart(tmp_path, task_model, steps, *overrides):
     """configs/tiny_cpu.yaml on 4 ranks with launch/torchrun.sh for ``steps`` steps (plus ``overrides``), on the
     model tools/quickstart.sh builds (same arguments -> identical weights); returns (run dir, results dict of
     tools/quickstart_results.py)."""
     model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
-    run = tmp_path / "run"
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="4")
-    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),
-                        "--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), f"actor.load_hf={model}",
-                        f"trainer.run_dir={run}", f"trainer.steps={steps}", "trainer.save_interval=0",
-                        "trainer.progress=false", *overrides],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = launch_config(tmp_path, "tiny_cpu.yaml", model, steps, 4, *overrides)
     return run, results_tool().main([str(run), "--out", str(tmp_path / "results.md"),
                                      "--json", str(tmp_path / "r.json")])

@@ -29,14 +29,12 @@ Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_tool_task_learns.py -m sl
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.integration.quickstart_run import launch_config
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 60
 #: Steps averaged at each end of the run.
 WINDOW = 10
@@ -59,14 +57,7 @@ def _mean(rows, key):
 def test_tool_config_learns_to_call(tmp_path, task_model):
     # the model the config's header builds (same arguments -> identical weights)
     model = task_model(task="lookup", seed=0, hidden_size=128, num_layers=2)
-    run = tmp_path / "run"
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE=str(NPROC))
-    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),
-                        "--config", os.path.join(ROOT, "configs", "tool_tiny_cpu.yaml"), f"actor.load_hf={model}",
-                        f"trainer.run_dir={run}", f"trainer.steps={STEPS}", "trainer.save_interval=0",
-                        "trainer.progress=false", *OVERRIDES],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = launch_config(tmp_path, "tool_tiny_cpu.yaml", model, STEPS, NPROC, *OVERRIDES, timeout=1400)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [x for x in rows if "reward/raw_mean" in x]
     assert len(rows) == STEPS
