@@ -22,6 +22,7 @@ from megatron_rl.convert import storage
 from megatron_rl.convert.checks import CheckpointFormatError
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.hf_config import model_config_from_hf
+from megatron_rl.convert.hf_slices import read_chunk_shard
 from megatron_rl.convert.mapping import hf_to_mcore, mcore_to_hf
 from megatron_rl.convert.shard_files import (ShardLayout, dense_keys, dense_shard, expert_keys, expert_shard,
                                              rank_state_dict, unshard)
@@ -96,23 +97,25 @@ def read_mcore_checkpoint(mcore_dir: str) -> Tuple[HFGeometry, ShardLayout, dict
     return HFGeometry.from_dict(meta["geometry"]), _saved_layout(meta), meta
 
 
-def read_full_mcore_state_dict(mcore_dir: str) -> Tuple[HFGeometry, Dict[str, Tensor]]:
+def read_full_mcore_state_dict(mcore_dir: str, count: Optional[storage.ReadCount] = None
+                               ) -> Tuple[HFGeometry, Dict[str, Tensor]]:
     """Read every shard of a converted directory and glue them into the full Megatron state dict."""
     geom, layout, _ = read_mcore_checkpoint(mcore_dir)
-    dense = {(tp, pp): storage.read_shard(storage.dense_file(mcore_dir, tp, pp), f"shard tp={tp} pp={pp}")
+    dense = {(tp, pp): storage.read_shard(storage.dense_file(mcore_dir, tp, pp), f"shard tp={tp} pp={pp}", count)
              for tp, pp in dense_keys(layout)}
     experts = {(ep, etp, pp): storage.read_shard(storage.expert_file(mcore_dir, ep, etp, pp),
-                                                 f"expert shard ep={ep} etp={etp} pp={pp}")
+                                                 f"expert shard ep={ep} etp={etp} pp={pp}", count)
                for ep, etp, pp in expert_keys(geom, layout)}
     return geom, unshard(dense, experts, geom, layout)
 
 
-def read_full_state_dict(ckpt_dir: str) -> Tuple[HFGeometry, Dict[str, Tensor]]:
+def read_full_state_dict(ckpt_dir: str, count: Optional[storage.ReadCount] = None
+                         ) -> Tuple[HFGeometry, Dict[str, Tensor]]:
     """(geometry, full Megatron state dict with the HF vocab) of a HF directory or a converted directory."""
     if storage.is_converted_dir(ckpt_dir):
-        return read_full_mcore_state_dict(ckpt_dir)
-    geom, _, hf_sd = read_hf_checkpoint(ckpt_dir)
-    return geom, hf_to_mcore(hf_sd, geom)
+        return read_full_mcore_state_dict(ckpt_dir, count)
+    geom = HFGeometry.from_hf_config(storage.read_hf_config(ckpt_dir))
+    return geom, hf_to_mcore(storage.read_hf_state_dict(ckpt_dir, count), geom)
 
 
 def export_hf_from_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: str,
@@ -154,15 +157,20 @@ def export_torch_dist_to_hf(dist_dir: str, out_dir: str, hf_cfg: dict, assets_di
 
 
 def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0,
-                         ep_rank: int = 0, etp_rank: int = 0) -> Dict[str, Tensor]:
-    """State dict of one rank of ``layout`` (local-spec names), from a converted directory or a HF directory.
+                         ep_rank: int = 0, etp_rank: int = 0, count: Optional[storage.ReadCount] = None
+                         ) -> Dict[str, Tensor]:
+    """State dict of one rank of ``layout`` (local-spec names), from a converted directory or a HF directory;
+    the bytes read are added to ``count``.
 
-    A converted directory saved with the same layout (and padded vocab) is read file-for-file; any other
-    layout is resharded in memory from the full state dict.
+    A HF directory is read slice by slice: only this rank's rows / columns (``hf_slices``). A converted
+    directory saved with the same layout (and padded vocab) is read file-for-file; any other layout is
+    resharded in memory from the full state dict (every rank reads the whole checkpoint).
     """
     if not storage.is_converted_dir(ckpt_dir):
-        geom, full = read_full_state_dict(ckpt_dir)
-        return rank_state_dict(full, geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
+        geom = HFGeometry.from_hf_config(storage.read_hf_config(ckpt_dir))
+        layout.validate(geom)
+        return read_chunk_shard(storage.SafetensorsReader.for_hf_dir(ckpt_dir, count), geom,
+                                layout.coords(tp_rank, pp_rank, ep_rank, etp_rank), layout.padded_vocab(geom.vocab_size))
     geom, saved, _ = read_mcore_checkpoint(ckpt_dir)
     layout.validate(geom)
     def key(lay: ShardLayout) -> tuple:
@@ -172,10 +180,11 @@ def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, p
     same = key(saved) == key(layout) and \
         saved.padded_vocab(geom.vocab_size) == layout.padded_vocab(geom.vocab_size)
     if same:
-        sd = storage.read_shard(storage.dense_file(ckpt_dir, tp_rank, pp_rank), f"shard tp={tp_rank} pp={pp_rank}")
+        sd = storage.read_shard(storage.dense_file(ckpt_dir, tp_rank, pp_rank), f"shard tp={tp_rank} pp={pp_rank}",
+                                count)
         if geom.is_moe:
             sd.update(storage.read_shard(storage.expert_file(ckpt_dir, ep_rank, etp_rank, pp_rank),
-                                         f"expert shard ep={ep_rank} etp={etp_rank} pp={pp_rank}"))
+                                         f"expert shard ep={ep_rank} etp={etp_rank} pp={pp_rank}", count))
         return sd
-    _, full = read_full_mcore_state_dict(ckpt_dir)
+    _, full = read_full_mcore_state_dict(ckpt_dir, count)
     return rank_state_dict(full, geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)

@@ -12,8 +12,9 @@ reads megatron's global state::
     export_model_to_hf(chunks, model_cfg, target, "out_dir", groups)        # rank 0 writes the HF directory
 
 Loading: the checkpoint's config.json must match ``model_cfg`` (every differing shape field is named);
-a single chunk reads only this rank's shard (file-for-file from a converted directory saved for the
-same layout, else resharded in memory); VPP chunks are cut from the full state dict. The model's
+each rank reads only its shard: from a HF directory the slices of its chunks (any layout, VPP and uneven
+stages included), from a converted directory saved for the same layout its files; a converted directory
+of another layout (or loaded with VPP) is read whole by every rank and cut in memory. The model's
 ``vocab_size`` (padded) decides the zero padding rows.
 
 Gathering (:func:`iter_full_tensors`, collective over the TP / EP / ETP groups of each pipeline stage):
@@ -38,6 +39,7 @@ from megatron_rl.convert import api, storage
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.hf_config import infer_hf_model_type, megatron_to_hf_config
+from megatron_rl.convert.hf_slices import read_chunk_shard
 from megatron_rl.convert.mapping import hf_tensors, param_rules
 from megatron_rl.convert.model_state import canonical_state_dict, load_state_dict_into_model
 from megatron_rl.convert.partition import (RankCoords, cut_state_dict, expert_index, layer_range, merge_tensors,
@@ -126,24 +128,42 @@ def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dic
 
 
 def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str, model_cfg: ModelConfig,
-                               groups: ActorGroups) -> None:
-    """Load a HF directory or a converted directory into this rank's model chunk(s), strictly.
+                               groups: ActorGroups) -> storage.ReadCount:
+    """Load a HF directory or a converted directory into this rank's model chunk(s), strictly; returns what
+    this rank read from the checkpoint files.
 
     Checks first that the checkpoint's shapes match ``model_cfg`` (error names each field), then every
-    tensor name and shape of each chunk (error names the chunk's coordinates)."""
+    tensor name and shape of each chunk (error names the chunk's coordinates). From a HF directory each
+    chunk reads only its slices (``hf_slices``: any TP / PP / uneven PP / VPP / EP / ETP layout); from a
+    converted directory saved for this layout, its own files; from one saved for another layout (or with
+    VPP), every rank reads the whole checkpoint and cuts its chunks from it."""
     check_model_config_matches(storage.read_hf_config(storage.hf_assets_dir(ckpt_dir)), model_cfg)
-    if len(chunks) > 1 or any(v is not None for v in _stage_sizes(chunks[0]).values()):
-        _, full = api.read_full_state_dict(ckpt_dir)
+    count = storage.ReadCount()
+    if not storage.is_converted_dir(ckpt_dir):
+        geom = HFGeometry.from_hf_config(storage.read_hf_config(ckpt_dir))
+        reader = storage.SafetensorsReader.for_hf_dir(ckpt_dir, count)
+        for i, chunk in enumerate(chunks):
+            coords = _chunk_coords(groups, chunk, i)
+            sd = read_chunk_shard(reader, geom, coords, padded_vocab_size=model_cfg.vocab_size)
+            load_state_dict_into_model(chunk, sd, where=f"{ckpt_dir} -> {coords}")
+            del sd
+        return count
+    if len(chunks) > 1:
+        _, full = api.read_full_state_dict(ckpt_dir, count)
         load_full_state_dict_into_model(chunks, full, model_cfg, groups)
-        return
+        return count
     d = groups.dims
+    stages = _stage_sizes(chunks[0])
     layout = ShardLayout(tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
                          expert_model_parallel_size=d.ep, expert_tensor_parallel_size=d.etp,
-                         padded_vocab_size=model_cfg.vocab_size)
-    coords = RankCoords.from_groups(groups)
+                         padded_vocab_size=model_cfg.vocab_size,
+                         num_layers_in_first_pipeline_stage=stages["first_stage_layers"],
+                         num_layers_in_last_pipeline_stage=stages["last_stage_layers"])
+    coords = _chunk_coords(groups, chunks[0], 0)
     sd = api.load_rank_state_dict(ckpt_dir, layout, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
-                                  ep_rank=groups.ep_rank, etp_rank=groups.etp_rank)
+                                  ep_rank=groups.ep_rank, etp_rank=groups.etp_rank, count=count)
     load_state_dict_into_model(chunks[0], sd, where=f"{ckpt_dir} -> {coords}")
+    return count
 
 
 # -------------------------------------------------------------------------------------------- gathering

@@ -30,7 +30,7 @@ unexpected tensor names and every shape mismatch with the tensor name, before an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -202,17 +202,25 @@ def hf_to_mcore(hf_sd: Mapping[str, Tensor], g: HFGeometry) -> Dict[str, Tensor]
                 "HF checkpoint: tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
         extra = ("lm_head.weight",)
     check_state_dict(hf_sd, expected, f"HF checkpoint ({g.architecture})", optional=extra)
-    out: Dict[str, Tensor] = {}
-    for r in rules:
-        src = [hf_sd[n] for n in r.hf_names]
-        if r.combine == "copy":
-            t = src[0]
-        elif r.combine == "qkv":
-            t = _qkv_merge(*src, g)
-        else:  # gated
-            t = torch.cat(src, dim=0)
-        out[r.mcore_name] = t
-    return out
+    return {r.mcore_name: combine(r, [hf_sd[n] for n in r.hf_names], g) for r in rules}
+
+
+def combine(rule: ParamRule, parts: Sequence[Tensor], g: HFGeometry) -> Tensor:
+    """The Megatron tensor of ``rule`` from its HF tensors ``parts`` (in ``rule.hf_names`` order), or the same
+    positions of it from the same positions (rows of each part: dim 0 is where the parts interleave)."""
+    if rule.combine == "copy":
+        return parts[0]
+    if rule.combine == "qkv":
+        return _qkv_merge(*parts, g)
+    return torch.cat(list(parts), dim=0)  # gated
+
+
+def hf_row_sources(rule: ParamRule, g: HFGeometry) -> Tuple[Tensor, Tensor]:
+    """(part, row) of every row of the full Megatron tensor of ``rule``: which HF tensor (index into
+    ``rule.hf_names``) and which row of it each row is (:func:`combine` applied to row numbers)."""
+    parts = [torch.full((s[0],), i, dtype=torch.long) for i, s in enumerate(rule.hf_shapes)]
+    rows = [torch.arange(s[0]) for s in rule.hf_shapes]
+    return combine(rule, parts, g), combine(rule, rows, g)
 
 
 def hf_tensors(rule: ParamRule, t: Tensor, g: HFGeometry) -> Iterator[Tuple[str, Tensor]]:

@@ -55,7 +55,7 @@ from megatron_rl.convert.model_state import canonical_name
 if TYPE_CHECKING:  # only the type: this module stays free of process groups
     from megatron_rl.parallel.groups import ActorGroups
 
-__all__ = ["RankCoords", "param_kind", "cut_state_dict", "merge_state_dicts", "split_tensor", "merge_tensors",
+__all__ = ["RankCoords", "CutEntry", "param_kind", "cut_plan", "cut_state_dict", "split_selection", "take_positions", "merge_state_dicts", "split_tensor", "merge_tensors",
            "layer_range", "chunk_layer_range", "split_layer_name", "expert_index"]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -145,38 +145,59 @@ def param_kind(local_name: str) -> str:
     raise KeyError(f"sharding: unknown megatron parameter {local_name!r} (no TP/EP layout rule)")
 
 
-def split_tensor(t: torch.Tensor, kind: str, rank: int, size: int, name: str,
-                 padded_rows: Optional[int] = None) -> torch.Tensor:
-    """Rank ``rank``'s piece (of ``size``) of full tensor ``t`` split as ``kind`` (see ``param_kind``).
+def split_selection(kind: str, shape: Tuple[int, ...], rank: int, size: int, name: str,
+                    padded_rows: Optional[int] = None) -> Tuple[Optional[int], Optional[torch.Tensor]]:
+    """Which positions of a full tensor of ``shape`` rank ``rank``'s piece (of ``size``) holds when split as
+    ``kind`` (see ``param_kind``): ``(dim, index)``, ``index`` the source positions along ``dim`` in order
+    (-1: a zero padding row), or ``(None, None)`` for the whole tensor. The one implementation of the split
+    rules: ``split_tensor`` applies it to a tensor, a sliced loader reads just these positions.
 
-    ``padded_rows`` (vocab kind only): zero-pad ``t`` to that many rows before the split (Megatron's
-    padded vocab; None = no padding). Raises ValueError naming ``name`` when a dim does not divide."""
-    if kind == "vocab" and padded_rows is not None and padded_rows != t.shape[0]:
-        if padded_rows < t.shape[0] or padded_rows % size:
-            raise ValueError(f"{name}: padded vocab {padded_rows} must be >= {t.shape[0]} rows and divisible "
+    ``padded_rows`` (vocab kind only): zero-pad to that many rows before the split (Megatron's padded
+    vocab; None = no padding). Raises ValueError naming ``name`` when a dim does not divide."""
+    if kind == "vocab" and padded_rows is not None and padded_rows != shape[0]:
+        if padded_rows < shape[0] or padded_rows % size:
+            raise ValueError(f"{name}: padded vocab {padded_rows} must be >= {shape[0]} rows and divisible "
                              f"by parallel size {size}")
         rows = padded_rows // size
-        out = t.new_zeros((rows,) + tuple(t.shape[1:]))
-        lo, hi = rank * rows, min((rank + 1) * rows, t.shape[0])
-        if hi > lo:
-            out[: hi - lo] = t[lo:hi]
-        return out
+        idx = torch.arange(rank * rows, (rank + 1) * rows)
+        return 0, torch.where(idx < shape[0], idx, torch.full_like(idx, -1))
     if size == 1 or kind == "replicated":
-        return t.clone()
+        return None, None
     if kind in ("vocab", "column"):
         dim = 0
     elif kind in ("row", "expert_row"):
         dim = 1
     elif kind in ("glu_column", "expert_glu_column"):
-        if t.shape[0] % (2 * size):
-            raise ValueError(f"{name}: gated fc1 rows {t.shape[0]} not divisible by 2 x {size}")
-        gate, up = t.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0).clone()
+        if shape[0] % (2 * size):
+            raise ValueError(f"{name}: gated fc1 rows {shape[0]} not divisible by 2 x {size}")
+        half, n = shape[0] // 2, shape[0] // (2 * size)
+        block = torch.arange(rank * n, (rank + 1) * n)
+        return 0, torch.cat([block, block + half])
     else:  # pragma: no cover - param_kind returns only the kinds above
         raise AssertionError(kind)
-    if t.shape[dim] % size:
-        raise ValueError(f"{name}: dim {dim} of shape {tuple(t.shape)} is not divisible by parallel size {size}")
-    return t.chunk(size, dim)[rank].clone()
+    if shape[dim] % size:
+        raise ValueError(f"{name}: dim {dim} of shape {tuple(shape)} is not divisible by parallel size {size}")
+    n = shape[dim] // size
+    return dim, torch.arange(rank * n, (rank + 1) * n)
+
+
+def take_positions(t: torch.Tensor, dim: Optional[int], index: Optional[torch.Tensor]) -> torch.Tensor:
+    """A new tensor of the positions ``index`` of ``t`` along ``dim`` (-1: zeros); ``dim`` None: a copy."""
+    if dim is None:
+        return t.clone()
+    valid = index >= 0
+    if bool(valid.all()):
+        return t.index_select(dim, index)
+    out = t.new_zeros(t.shape[:dim] + (index.numel(),) + t.shape[dim + 1:])
+    out.index_copy_(dim, valid.nonzero().flatten(), t.index_select(dim, index[valid]))
+    return out
+
+
+def split_tensor(t: torch.Tensor, kind: str, rank: int, size: int, name: str,
+                 padded_rows: Optional[int] = None) -> torch.Tensor:
+    """Rank ``rank``'s piece (of ``size``) of full tensor ``t`` split as ``kind`` (``split_selection``);
+    always new memory."""
+    return take_positions(t, *split_selection(kind, tuple(t.shape), rank, size, name, padded_rows))
 
 
 def merge_tensors(parts: List[torch.Tensor], kind: str, name: str,
@@ -253,10 +274,32 @@ def expert_index(rest: str) -> Optional[Tuple[int, str]]:
     return None
 
 
-def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_layers: int, tied: bool,
-                   num_moe_experts: int = 0, padded_vocab_size: Optional[int] = None, dense: bool = True,
-                   experts: bool = True) -> Dict[str, torch.Tensor]:
-    """The tensors of the model chunk at ``coords`` cut from the full (TP1/PP1/EP1) state dict.
+@dataclass(frozen=True)
+class CutEntry:
+    """One tensor of a chunk's shard: where it comes from in the full state dict and how it is split."""
+
+    local_name: str
+    """Name in the chunk's state dict (stage-local layer, EP-local expert)."""
+    full_name: str
+    """Key of the full state dict it is cut from."""
+    kind: str
+    """Split kind (``param_kind``)."""
+    rank: int
+    """Rank of the split (TP or ETP rank)."""
+    size: int
+    """Size of the split (TP or ETP size)."""
+    padded_rows: Optional[int] = None
+    """Vocab rows after zero padding (vocab kind only)."""
+
+    def selection(self, shape: Tuple[int, ...]) -> Tuple[Optional[int], Optional[torch.Tensor]]:
+        """``split_selection`` of a full tensor of ``shape``."""
+        return split_selection(self.kind, shape, self.rank, self.size, canonical_name(self.full_name),
+                               self.padded_rows)
+
+
+def cut_plan(names, coords: RankCoords, num_layers: int, tied: bool, num_moe_experts: int = 0,
+             padded_vocab_size: Optional[int] = None, dense: bool = True, experts: bool = True) -> List[CutEntry]:
+    """The tensors of the model chunk at ``coords`` among the full-state-dict ``names``, each with its split.
 
     The one implementation of the layout rules (layer ranges, first / last chunk tensors, the tied
     output-layer copy, expert ranges, TP / ETP splits). ``tied``: embeddings shared with the output
@@ -268,11 +311,11 @@ def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_lay
                          f"expert_model_parallel_size={coords.ep_size}")
     per_ep = num_moe_experts // coords.ep_size if num_moe_experts else 0
     tp_rank, tp_size = coords.tp_rank, coords.tp_size
-    out: Dict[str, torch.Tensor] = {}
-    for name, t in full.items():
-        if name.endswith("_extra_state"):
+    out: List[CutEntry] = []
+    for key in names:
+        if key.endswith("_extra_state"):
             continue
-        name = canonical_name(name)
+        name = canonical_name(key)
         in_layer = split_layer_name(name)
         if in_layer:
             layer, rest = in_layer
@@ -284,24 +327,34 @@ def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_lay
                 e, fmt = ex
                 if not experts or e // per_ep != coords.ep_rank:
                     continue
-                out[local_layer + fmt.format(e % per_ep)] = split_tensor(
-                    t, param_kind(rest), coords.etp_rank, coords.etp_size, name)
+                out.append(CutEntry(local_layer + fmt.format(e % per_ep), key, param_kind(rest), coords.etp_rank,
+                                    coords.etp_size))
             elif dense:
-                out[local_layer + rest] = split_tensor(t, param_kind(rest), tp_rank, tp_size, name)
+                out.append(CutEntry(local_layer + rest, key, param_kind(rest), tp_rank, tp_size))
             continue
         if name.startswith("embedding."):
             if dense and coords.is_first_chunk:
-                out[name] = split_tensor(t, param_kind(name), tp_rank, tp_size, name, padded_vocab_size)
+                out.append(CutEntry(name, key, param_kind(name), tp_rank, tp_size, padded_vocab_size))
             if dense and tied and coords.is_last_chunk and coords.num_chunks > 1 \
                     and name == "embedding.word_embeddings.weight":
-                out["output_layer.weight"] = split_tensor(t, "vocab", tp_rank, tp_size, name, padded_vocab_size)
+                out.append(CutEntry("output_layer.weight", key, "vocab", tp_rank, tp_size, padded_vocab_size))
             continue
         if name.startswith("decoder.final_layernorm.") or name == "output_layer.weight":
             if dense and coords.is_last_chunk:
-                out[name] = split_tensor(t, param_kind(name), tp_rank, tp_size, name, padded_vocab_size)
+                out.append(CutEntry(name, key, param_kind(name), tp_rank, tp_size, padded_vocab_size))
             continue
         raise KeyError(f"cut_state_dict: unknown top-level parameter {name!r}")
     return out
+
+
+def cut_state_dict(full: Mapping[str, torch.Tensor], coords: RankCoords, num_layers: int, tied: bool,
+                   num_moe_experts: int = 0, padded_vocab_size: Optional[int] = None, dense: bool = True,
+                   experts: bool = True) -> Dict[str, torch.Tensor]:
+    """The tensors of the model chunk at ``coords`` cut from the full (TP1/PP1/EP1) state dict
+    (``cut_plan`` applied to ``full``; every tensor new memory)."""
+    plan = cut_plan(list(full), coords, num_layers, tied, num_moe_experts, padded_vocab_size, dense, experts)
+    return {e.local_name: take_positions(full[e.full_name], *e.selection(tuple(full[e.full_name].shape)))
+            for e in plan}
 
 
 def merge_state_dicts(shards: Mapping[RankCoords, Mapping[str, torch.Tensor]], num_layers: int, tied: bool,

@@ -86,6 +86,12 @@ class ShardLayout:
         return range(*chunk_layer_range(g.num_layers, pp_rank, self.pp, 0, 1, self.num_layers_in_first_pipeline_stage,
                                         self.num_layers_in_last_pipeline_stage))
 
+    def coords(self, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> RankCoords:
+        """``RankCoords`` of the rank with these coordinates in this layout."""
+        return RankCoords(tp_rank, self.tp, pp_rank, self.pp, ep_rank, self.ep, etp_rank, self.etp,
+                          first_stage_layers=self.num_layers_in_first_pipeline_stage,
+                          last_stage_layers=self.num_layers_in_last_pipeline_stage)
+
     def to_dict(self) -> dict:
         """JSON-serialisable form."""
         return dataclasses.asdict(self)
@@ -142,9 +148,7 @@ class ShardLayout:
 
 def _coords(layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0,
             etp_rank: int = 0) -> RankCoords:
-    return RankCoords(tp_rank, layout.tp, pp_rank, layout.pp, ep_rank, layout.ep, etp_rank, layout.etp,
-                      first_stage_layers=layout.num_layers_in_first_pipeline_stage,
-                      last_stage_layers=layout.num_layers_in_last_pipeline_stage)
+    return layout.coords(tp_rank, pp_rank, ep_rank, etp_rank)
 
 
 def _model_args(g: HFGeometry) -> dict:

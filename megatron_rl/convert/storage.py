@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, Iterable, List, Mapping, Optional
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -86,21 +87,82 @@ def hf_weight_files(hf_dir: str) -> List[str]:
     raise CheckpointFormatError(f"{hf_dir}: no model.safetensors or {SAFE_INDEX} (only safetensors is supported)")
 
 
-def read_safetensors(paths: Iterable[str]) -> Dict[str, Tensor]:
-    """All tensors of the given safetensors files; a name present twice raises."""
-    out: Dict[str, Tensor] = {}
-    for p in paths:
-        with safe_open(p, framework="pt") as f:
-            for k in f.keys():
-                if k in out:
+@dataclass
+class ReadCount:
+    """Bytes copied out of checkpoint files (by one or more :class:`SafetensorsReader`)."""
+
+    bytes_read: int = 0
+    """Bytes of every tensor read so far."""
+    largest_read: int = 0
+    """Bytes of the largest single tensor read so far."""
+
+    def add(self, nbytes: int) -> None:
+        """Count one tensor of ``nbytes`` bytes."""
+        self.bytes_read += nbytes
+        self.largest_read = max(self.largest_read, nbytes)
+
+
+class SafetensorsReader:
+    """Reads tensors, or slices of them, from a set of safetensors files; every byte copied out of the files
+    goes through :meth:`read` and is counted in ``count`` (what a loader's host memory grows by).
+
+    Slices are read with ``safe_open(...).get_slice(name)[...]``: only the requested rows / columns are
+    copied, never the whole tensor. A name present in two files raises, naming both."""
+
+    def __init__(self, paths: Iterable[str], count: Optional[ReadCount] = None):
+        self._handles: Dict[str, object] = {}
+        self._where: Dict[str, str] = {}
+        self.count = count if count is not None else ReadCount()
+        """What this reader (and any other sharing the count) has read."""
+        for p in paths:
+            h = safe_open(p, framework="pt")
+            self._handles[p] = h
+            for k in h.keys():
+                if k in self._where:
                     raise CheckpointFormatError(f"tensor {k!r} appears in more than one file (again in {p})")
-                out[k] = f.get_tensor(k)
-    return out
+                self._where[k] = p
+
+    @classmethod
+    def for_hf_dir(cls, hf_dir: str, count: Optional[ReadCount] = None) -> "SafetensorsReader":
+        """A reader over the weight files of a HF model directory."""
+        return cls(hf_weight_files(hf_dir), count)
+
+    def keys(self) -> List[str]:
+        """Every tensor name, in file order."""
+        return list(self._where)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """Shape of tensor ``name`` (nothing is read)."""
+        return tuple(self._handles[self._file(name)].get_slice(name).get_shape())
+
+    def _file(self, name: str) -> str:
+        if name not in self._where:
+            raise CheckpointFormatError(f"tensor {name!r} is not in {sorted(set(self._where.values()))}")
+        return self._where[name]
+
+    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> Tensor:
+        """Tensor ``name``, or only its positions [start, stop) along ``dim`` (None: the whole tensor)."""
+        handle = self._handles[self._file(name)]
+        if dim is None:
+            t = handle.get_tensor(name)
+        else:
+            t = handle.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+        self.count.add(t.numel() * t.element_size())
+        return t
+
+    def read_all(self) -> Dict[str, Tensor]:
+        """Every tensor of the files."""
+        return {k: self.read(k) for k in self._where}
 
 
-def read_hf_state_dict(hf_dir: str) -> Dict[str, Tensor]:
+def read_safetensors(paths: Iterable[str], count: Optional[ReadCount] = None) -> Dict[str, Tensor]:
+    """All tensors of the given safetensors files (counted in ``count``); a name present twice raises."""
+    return SafetensorsReader(paths, count).read_all()
+
+
+def read_hf_state_dict(hf_dir: str, count: Optional[ReadCount] = None) -> Dict[str, Tensor]:
     """All tensors of a HF safetensors model directory."""
-    return read_safetensors(hf_weight_files(hf_dir))
+    return read_safetensors(hf_weight_files(hf_dir), count)
 
 
 def write_safetensors(path: str, sd: Mapping[str, Tensor]) -> None:
@@ -212,8 +274,8 @@ def read_metadata(root: str) -> dict:
     return meta
 
 
-def read_shard(path: str, what: str) -> Dict[str, Tensor]:
+def read_shard(path: str, what: str, count: Optional[ReadCount] = None) -> Dict[str, Tensor]:
     """One shard file; a missing file raises naming the shard."""
     if not os.path.isfile(path):
         raise CheckpointFormatError(f"missing {what} file {path}")
-    return read_safetensors([path])
+    return read_safetensors([path], count)
