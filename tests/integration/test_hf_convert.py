@@ -6,6 +6,7 @@ Run: ``pytest tests/integration/test_hf_convert.py`` (single process, a few seco
 from __future__ import annotations
 
 import filecmp
+import itertools
 import json
 import os
 import subprocess
@@ -104,10 +105,10 @@ def test_layout_matches_loop_reference(models):
     layout = ShardLayout(tp, pp, ep, etp, make_vocab_size_divisible_by=100)  # 384 -> 400 rows
     ng, hpg, d, H = g.num_query_groups, g.num_heads_per_group, g.kv_channels, g.hidden_size
     per_stage, per_ep = g.num_layers // pp, g.num_moe_experts // ep
-    for t in range(tp):
-        for p in range(pp):
-            for e in range(ep):
-                sd = rank_state_dict(full, g, layout, t, p, e, t)
+    for t, p, e in itertools.product(range(tp), range(pp), range(ep)):
+        # cut from the full load, and read slice by slice from the HF files: both against the same loops
+        for sd in (rank_state_dict(full, g, layout, t, p, e, t),
+                   load_rank_state_dict(models["qwen3_moe"], layout, t, p, e, t)):
                 for local in range(per_stage):
                     L = p * per_stage + local
                     pre = f"model.layers.{L}."
@@ -161,6 +162,46 @@ def test_load_rank_state_dict_reshards(models, tmp_path):
     back = unshard(dense, {}, g, lay)
     assert sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
     assert mcore_to_hf(back, g).keys() == hf.keys()
+
+
+SLICE_CASES = [
+    # model, (TP, PP, EP, ETP), VPP, uneven (first, last) stage layers, make_vocab_size_divisible_by
+    ("qwen2", (2, 2, 1, 2), 1, (1, None), 7),
+    ("qwen2", (1, 2, 1, 1), 2, None, 1),
+    ("qwen2_tied", (2, 2, 1, 2), 1, None, 5),
+    ("qwen3_moe", (2, 2, 2, 1), 1, (1, 3), 1),
+    ("qwen2_moe", (2, 1, 2, 2), 1, None, 1),
+    ("deepseek_v3", (2, 3, 2, 1), 1, None, 1),
+]
+
+
+@pytest.mark.parametrize("key,sizes,vpp,uneven,divisible", SLICE_CASES, ids=[c[0] for c in SLICE_CASES])
+def test_rank_slices_equal_the_full_load_and_read_only_the_shard(models, tiny_hf_model, key, sizes, vpp, uneven,
+                                                                 divisible):
+    """Each chunk read slice by slice from the HF files equals the chunk cut from the full load (bitwise, for
+    TP / PP / VPP / uneven stages / EP / ETP / vocab padding / tied / shared experts / MLA), and the bytes read
+    for it are at most its shard's bytes."""
+    from megatron_rl.convert.hf_slices import read_chunk_shard
+    from megatron_rl.convert.partition import RankCoords, cut_state_dict
+
+    src = tiny_hf_model("deepseek_v3", seed=6) if key == "deepseek_v3" else models[key]
+    g = HFGeometry.from_hf_config(storage.read_hf_config(src))
+    full_count = storage.ReadCount()
+    full = hf_to_mcore(storage.read_hf_state_dict(src, full_count), g)
+    tp, pp, ep, etp = sizes
+    first, last = uneven or (None, None)
+    padded = ShardLayout(tp, make_vocab_size_divisible_by=divisible).padded_vocab(g.vocab_size)
+    E = g.num_moe_experts or 0
+    for t, p, e, et, v in itertools.product(range(tp), range(pp), range(ep), range(etp), range(vpp)):
+        c = RankCoords(t, tp, p, pp, e, ep, et, etp, v, vpp, first, last)
+        want = cut_state_dict(full, c, g.num_layers, g.tie_word_embeddings, E, padded_vocab_size=padded)
+        count = storage.ReadCount()
+        got = read_chunk_shard(storage.SafetensorsReader.for_hf_dir(src, count), g, c, padded)
+        assert sorted(got) == sorted(want), c
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (c, k)
+        shard = sum(x.numel() * x.element_size() for x in want.values())
+        assert 0 < count.bytes_read <= shard < full_count.bytes_read, (c, count, shard)
 
 
 # ----------------------------------------------------------------------------------------- errors
