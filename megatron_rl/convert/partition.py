@@ -185,11 +185,11 @@ def take_positions(t: torch.Tensor, dim: Optional[int], index: Optional[torch.Te
     """A new tensor of the positions ``index`` of ``t`` along ``dim`` (-1: zeros); ``dim`` None: a copy."""
     if dim is None:
         return t.clone()
-    valid = index >= 0
+    valid = index >= 0  # on the host: ``t`` may be a meta (shape-only) or a device tensor
     if bool(valid.all()):
-        return t.index_select(dim, index)
+        return t.index_select(dim, index.to(t.device))
     out = t.new_zeros(t.shape[:dim] + (index.numel(),) + t.shape[dim + 1:])
-    out.index_copy_(dim, valid.nonzero().flatten(), t.index_select(dim, index[valid]))
+    out.index_copy_(dim, valid.nonzero().flatten().to(t.device), t.index_select(dim, index[valid].to(t.device)))
     return out
 
 
