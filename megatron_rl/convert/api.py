@@ -169,8 +169,9 @@ def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, p
     if not storage.is_converted_dir(ckpt_dir):
         geom = HFGeometry.from_hf_config(storage.read_hf_config(ckpt_dir))
         layout.validate(geom)
-        return read_chunk_shard(storage.SafetensorsReader.for_hf_dir(ckpt_dir, count), geom,
-                                layout.coords(tp_rank, pp_rank, ep_rank, etp_rank), layout.padded_vocab(geom.vocab_size))
+        coords = layout.coords(tp_rank, pp_rank, ep_rank, etp_rank)
+        return read_chunk_shard(storage.SafetensorsReader.for_hf_dir(ckpt_dir, count), geom, coords,
+                                layout.padded_vocab(geom.vocab_size))
     geom, saved, _ = read_mcore_checkpoint(ckpt_dir)
     layout.validate(geom)
     def key(lay: ShardLayout) -> tuple:

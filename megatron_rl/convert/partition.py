@@ -55,8 +55,9 @@ from megatron_rl.convert.model_state import canonical_name
 if TYPE_CHECKING:  # only the type: this module stays free of process groups
     from megatron_rl.parallel.groups import ActorGroups
 
-__all__ = ["RankCoords", "CutEntry", "param_kind", "cut_plan", "cut_state_dict", "split_selection", "take_positions", "merge_state_dicts", "split_tensor", "merge_tensors",
-           "layer_range", "chunk_layer_range", "split_layer_name", "expert_index"]
+__all__ = ["RankCoords", "CutEntry", "param_kind", "cut_plan", "cut_state_dict", "split_selection", "take_positions",
+           "merge_state_dicts", "split_tensor", "merge_tensors", "layer_range", "chunk_layer_range", "split_layer_name",
+           "expert_index"]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")

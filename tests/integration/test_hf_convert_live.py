@@ -67,8 +67,8 @@ CASES = [
     ("qwen3_moe", "hf", dict(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                              expert_tensor_parallel_size=1, sequence_parallel=True), 2, 2),
     ("qwen3_moe", (1, 1), dict(expert_model_parallel_size=2), 2, 1),
-    ("qwen3_moe", "hf", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                             expert_model_parallel_size=2, expert_tensor_parallel_size=1, sequence_parallel=True), 4, 1),
+    ("qwen3_moe", "hf", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                             expert_tensor_parallel_size=1, sequence_parallel=True), 4, 1),
     ("qwen2", "hf", dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1), 2, 1),
 ]
 
@@ -81,8 +81,8 @@ def _layout(spec) -> ShardLayout:
 
 
 @pytest.mark.parametrize("key,src,pcfg,world,scale", CASES,
-                         ids=[f"{c[0]}-from{'conv' if isinstance(c[1], dict) else c[1]}-{'-'.join(f'{k[:3]}{v}' for k, v in c[2].items())}-x{c[4]}"
-                              for c in CASES])
+                         ids=[f"{c[0]}-from{'conv' if isinstance(c[1], dict) else c[1]}-"
+                              f"{'-'.join(f'{k[:3]}{v}' for k, v in c[2].items())}-x{c[4]}" for c in CASES])
 def test_load_then_export_round_trip(hf_models, tmp_path, key, src, pcfg, world, scale):
     hf_dir = hf_models[key]
     ckpt = hf_dir
