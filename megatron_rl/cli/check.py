@@ -37,7 +37,7 @@ from megatron_rl.ops.run_profile import run_profile
 from megatron_rl.ops.sync_plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks import DIGIT_TASKS
-from megatron_rl.tasks.datasets import usable_rows
+from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
 from megatron_rl.tasks.reward_fn import reward_import_error
 
@@ -61,7 +61,7 @@ def data_problems(cfg, problems: List[str]) -> List[str]:
     if d.task != "file" or not d.path or any(p.startswith("data.path") for p in problems):
         return out
     try:
-        usable_rows(d.path, d.prompt_key, d.answer_key)
+        scorable_rows(d.path, d)
     except ValueError as exc:
         return [f"data.path: {exc}"] + out
     return out

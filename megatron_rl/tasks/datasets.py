@@ -116,6 +116,27 @@ def usable_rows(path: str | os.PathLike, prompt_key: str = "prompt", answer_key:
     return out
 
 
+def check_sources_rewarded(path: str | os.PathLike, rows: FileRows, key: str = "data.path") -> None:
+    """With ``data.reward_fn`` unset the reward is chosen by each row's ``data_source``: raise ``ValueError``
+    naming the file, the row and the key when a row's ``data_source`` has no built-in reward (no tokenizer
+    needed: what ``megatron-rl check`` and the trainer's start run, as ``FileTask`` does)."""
+    for r in rows.rows:
+        if r.data_source is not None and reward_name_for_source(r.data_source) is None:
+            raise ValueError(f"{key}={str(path)!r} {row_label(r.index, rows.lines[r.index])}: "
+                             f"data_source={r.data_source!r} has no built-in reward; set "
+                             "data.reward_fn to 'math', 'exact' or 'module:function'")
+
+
+def scorable_rows(path: str | os.PathLike, data, key: str = "data.path") -> FileRows:
+    """``usable_rows`` of ``path`` with the ``data:`` section's keys, and, when ``data.reward_fn`` is unset, every
+    row's ``data_source`` rewarded (``check_sources_rewarded``): the file check of ``megatron-rl check`` and of the
+    trainer's start."""
+    rows = usable_rows(path, data.prompt_key, data.answer_key, key=key)
+    if data.reward_fn is None:
+        check_sources_rewarded(path, rows, key)
+    return rows
+
+
 def exact_match_reward(prompt_text: str, response_text: str, answer: Any) -> float:
     """Exact match: 1.0 if the stripped response equals ``str(answer).strip()``, else 0.0."""
     return 1.0 if response_text.strip() == str(answer).strip() else 0.0
@@ -149,11 +170,7 @@ class FileTask(Task):
                              "the prompt is a list of chat messages but the tokenizer (actor.load_hf) has no "
                              "chat_template")
         if self.reward_spec is None:
-            for r in self.rows:
-                if r.data_source is not None and reward_name_for_source(r.data_source) is None:
-                    raise ValueError(f"{self.key}={self.path!r} {row_label(r.index, self.row_lines[r.index])}: "
-                                     f"data_source={r.data_source!r} has no built-in reward; set "
-                                     "data.reward_fn to 'math', 'exact' or 'module:function'")
+            check_sources_rewarded(self.path, rows, key)
         self.options: Optional[DataOptions] = None
         self.pool: Optional[RewardPool] = None
         self.prompts: List[Prompt] = []

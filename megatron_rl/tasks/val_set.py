@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_rl.tasks.base import Prompt, Task
-from megatron_rl.tasks.datasets import FileTask, usable_rows
+from megatron_rl.tasks.datasets import FileTask, scorable_rows
 from megatron_rl.tasks.options import DataOptions
 
 __all__ = ["ValGroup", "val_file_problems", "build_val_set", "VAL_FILES_KEY", "VAL_HELDOUT_KEY"]
@@ -51,11 +51,12 @@ class ValGroup:
 
 def val_file_problems(data) -> List[str]:
     """Each ``data.val_files`` file that cannot become validation prompts, read as the trainer reads it (no
-    tokenizer needed), as one line naming the key and the file; [] when all load."""
+    tokenizer needed; a ``data_source`` with no reward when ``data.reward_fn`` is unset included), as one line
+    naming the key and the file; [] when all load."""
     out = []
     for path in data.val_paths:
         try:
-            usable_rows(path, data.prompt_key, data.answer_key, key=VAL_FILES_KEY)
+            scorable_rows(path, data, key=VAL_FILES_KEY)
         except ValueError as exc:
             out.append(f"{VAL_FILES_KEY}: {exc}")
     return out

@@ -8,7 +8,7 @@ the job actually runs with (rank 0, one line).
 from __future__ import annotations
 
 from megatron_rl.rollout.factory import engine_class
-from megatron_rl.tasks.datasets import usable_rows
+from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
 from megatron_rl.trainer.weight_publisher import weight_sync_mode
 
@@ -19,7 +19,7 @@ def check_data(cfg) -> None:
     start, not after the model is built."""
     d = cfg.data
     if d.task == "file":
-        usable_rows(d.path, d.prompt_key, d.answer_key)
+        scorable_rows(d.path, d)
     problems = val_file_problems(d)
     if problems:
         raise ValueError("; ".join(problems))

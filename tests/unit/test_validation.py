@@ -178,3 +178,22 @@ def test_a_validation_past_val_timeout_s_ends_the_rank_naming_the_key(tmp_path):
     child.join(30)
     assert child.exitcode == EXIT_HUNG, child.exitcode
     assert "validation of step 4 did not finish within 0.3 s (trainer.val_timeout_s)" in err.read_text()
+
+
+def test_a_validation_file_whose_data_source_has_no_reward_fails_check_and_start(tmp_path, capsys):
+    # data.reward_fn unset: the reward is chosen by data_source; one with no built-in reward made the trainer fail
+    # on rank 0 after the model was built, while check and the start check passed
+    from megatron_rl.cli import main as cli_main
+    from megatron_rl.trainer.startup import check_data
+
+    bad = tmp_path / "v.jsonl"
+    bad.write_text(json.dumps({"data_source": "my org/unknown", "prompt": "1+1?", "answer": "2"}) + "\n")
+    assert cli_main(["check", os.path.join(ROOT, "configs", "math_tiny_cpu.yaml"), f"data.val_files={bad}",
+                     "data.reward_fn=null"]) == 2
+    assert "data.val_files: data.val_files=" in capsys.readouterr().err
+    cfg, problems = _cfg(f"data.val_files={bad}", "data.reward_fn=null")
+    assert problems == []
+    with pytest.raises(ValueError, match=r"data.val_files: .*data_source='my org/unknown' has no built-in reward"):
+        check_data(cfg)
+    cfg.data.reward_fn = "exact"  # a reward for every row: the file loads
+    check_data(cfg)
