@@ -475,4 +475,5 @@ class TrainerConfig:
     whenever a validation set is given."""
     val_timeout_s: float = 1800.0
     """Watchdog limit of one validation (generation and rewards); past it the rank ends with this key named
-    (0: no limit)."""
+    (0: no limit). With several ranks the others wait for it in a collective, so it is also bounded by
+    ``collective_timeout_s``, which it may not exceed."""

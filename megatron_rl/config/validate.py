@@ -186,7 +186,7 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
     for key in ("phase_timeout_s", "checkpoint_timeout_s", "stop_timeout_s"):
         if not getattr(t, key) >= 0:
             errs.append(f"trainer.{key}: must be >= 0 (0: no limit), got {getattr(t, key)}")
-    errs += _validation_errors(cfg)
+    errs += _validation_errors(cfg, world_size)
     errs += _multi_turn_errors(cfg)
     errs += _dp_errors(cfg, world_size)
     if c.device in DEVICES:
@@ -211,9 +211,11 @@ def _model_extra_errors(model) -> List[str]:
     return errs
 
 
-def _validation_errors(cfg: JobConfig) -> List[str]:
+def _validation_errors(cfg: JobConfig, world_size: int) -> List[str]:
     """The validation keys (``trainer.test_freq``, ``trainer.val_timeout_s``, ``rollout.val_kwargs``) and what
-    validation during training runs with (DataConfig.errors checks the validation set itself)."""
+    validation during training runs with (DataConfig.errors checks the validation set itself). With several ranks
+    the others wait for rank 0's validation in one collective: a ``val_timeout_s`` above
+    ``trainer.collective_timeout_s`` would end them with a collective timeout that names neither."""
     t, d = cfg.trainer, cfg.data
     errs = cfg.rollout.val_kwargs.errors() if cfg.rollout.val_kwargs is not None else []
     if t.test_freq < 0:
@@ -225,6 +227,10 @@ def _validation_errors(cfg: JobConfig) -> List[str]:
         errs.append(f"trainer.test_freq: {t.test_freq} but there is no validation set: give data.val_files or "
                     f"data.val_heldout: true (with data.task_kwargs.heldout_frac), or set test_freq: 0")
     if has_set and (t.test_freq > 0 or t.val_before_train):
+        if world_size > 1 and t.val_timeout_s > t.collective_timeout_s > 0:
+            errs.append(f"trainer.val_timeout_s: {t.val_timeout_s} exceeds trainer.collective_timeout_s "
+                        f"{t.collective_timeout_s}: ranks other than 0 wait for the validation in one collective, "
+                        f"which would time out first; raise collective_timeout_s or lower val_timeout_s")
         if cfg.rollout.mode != "sync":
             errs.append("trainer.test_freq: validation during training runs with rollout.mode 'sync' only (the "
                         "async producer owns the engine); set test_freq: 0 and val_before_train: false, or "

@@ -65,6 +65,8 @@ def test_sampling_is_greedy_unless_do_sample():
     (["rollout.val_kwargs.n=4"], "rollout.val_kwargs.n: 4 greedy responses per prompt are all the same"),
     (["rollout.val_kwargs.do_sample=true"], "rollout.val_kwargs.temperature: must be > 0 when do_sample is true"),
     (["trainer.val_timeout_s=-1"], "trainer.val_timeout_s: must be >= 0"),
+    ([f"data.val_files={MATH_DATA}", "trainer.val_timeout_s=3600", "trainer.collective_timeout_s=1800"],
+     "trainer.val_timeout_s: 3600.0 exceeds trainer.collective_timeout_s 1800.0"),
     ([f"data.val_files={MATH_DATA}", "rollout.mode=async"], "trainer.test_freq: validation during training runs "
                                                               "with rollout.mode 'sync' only"),
 ])
@@ -197,3 +199,12 @@ def test_a_validation_file_whose_data_source_has_no_reward_fails_check_and_start
         check_data(cfg)
     cfg.data.reward_fn = "exact"  # a reward for every row: the file loads
     check_data(cfg)
+
+
+def test_val_timeout_s_above_the_collective_timeout_is_allowed_on_one_rank_only():
+    from megatron_rl.config.validate import job_errors
+
+    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "trainer.val_timeout_s=3600", "trainer.collective_timeout_s=1800")
+    assert not [e for e in job_errors(cfg, 1) if e.startswith("trainer.val_timeout_s")]   # no collective to wait in
+    cfg.trainer.val_timeout_s = 1800.0
+    assert not [e for e in job_errors(cfg, 8) if e.startswith("trainer.val_timeout_s")]
