@@ -349,6 +349,13 @@ def _with_val_set(target: str, off: Tuple[Any, ...]) -> Callable[[Any, Verl], Di
     return convert
 
 
+def _val_n(value: Any, v: Verl) -> Dict[str, Any]:
+    if isinstance(value, int) and value > 1 and not v.get(f"{_R}.val_kwargs.do_sample"):
+        raise Skip(NO_MEANING, f"{_show(value)} with do_sample false: verl decodes greedily, so its {value} responses "
+                               f"per prompt are one response repeated; n: 1 here gives the same val/* metrics")
+    return {"rollout.val_kwargs.n": value}
+
+
 def _overlong_prompts(value: Any, v: Verl) -> Dict[str, Any]:
     if value:
         return {"data.overlong_prompts": "filter"}
@@ -912,7 +919,8 @@ def _rules() -> List[Rule]:
         _u("trainer.log_val_generations", "validation generations are not logged; the val/* metrics are",
            neutral=(0,)),
         *[_m(f"{_R}.val_kwargs.{k}", f"rollout.val_kwargs.{k}") for k in ("do_sample", "temperature", "top_p",
-                                                                          "top_k", "n")],
+                                                                          "top_k")],
+        _m(f"{_R}.val_kwargs.n", "rollout.val_kwargs.n", convert=_val_n),
         _m("trainer.save_freq", convert=_save_freq, target="trainer.save_interval",
            note="-1 -> 0 (at the end and on SIGTERM / SIGINT only)"),
         _m("trainer.resume_mode", convert=_resume_mode),

@@ -151,6 +151,19 @@ def test_validation_keys_map_as_verl_means_them():
                                                  "n": 1}
 
 
+def test_greedy_val_kwargs_n_repeats_one_response_and_migrates_as_n_1():
+    """verl with val_kwargs.do_sample false decodes greedily and repeats that response n times (the same val
+    metrics as n 1); n > 1 there is an error here, so it is not carried over -- unless do_sample is true."""
+    verl = {"data": {"val_files": "v.jsonl"},
+            "actor_rollout_ref": {"rollout": {"val_kwargs": {"do_sample": False, "n": 4}}}}
+    m = migrate_verl(verl)
+    assert "n" not in m.tree["rollout"]["val_kwargs"]
+    e = _entry(m, "actor_rollout_ref.rollout.val_kwargs.n")
+    assert e.kind == UNCHANGED and "one response repeated" in e.detail
+    verl["actor_rollout_ref"]["rollout"]["val_kwargs"].update(do_sample=True, temperature=0.6)
+    assert migrate_verl(verl).tree["rollout"]["val_kwargs"]["n"] == 4
+
+
 def test_full_megatron_config_maps_its_defaults():
     verl = _load("ppo_megatron_trainer.yaml")
     m = migrate_verl(verl)
