@@ -27,10 +27,13 @@ that key named.
 Metrics (``val_metrics``; rank 0, in the step's record): over the whole set ``val/reward_mean``,
 ``val/response_length_mean`` (tokens the engine returned, EOS included) and ``val/prompts``; per data source
 ``val/<source>/reward_mean``, ``val/<source>/response_length_mean``, ``val/<source>/truncated_frac`` (responses that
-hit max_new_tokens) and ``val/<source>/prompts``; ``timing/validation_s``.
+hit max_new_tokens) and ``val/<source>/prompts``; ``val/reward_failed`` / ``val/reward_timed_out`` (rewards that
+raised or timed out, scored 0, as in training; above ``data.max_reward_failure_frac`` of the responses the
+validation raises ``RewardFailureError`` on every rank); ``timing/validation_s``.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -38,6 +41,7 @@ from megatron_rl.parallel.rank0 import on_rank0
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.versions import version_tag
 from megatron_rl.tasks.val_set import ValGroup
+from megatron_rl.trainer.reward_failures import RewardFailureError
 
 __all__ = ["Validation", "val_metrics", "val_sampling", "VAL_SEED_STRIDE"]
 
@@ -110,7 +114,8 @@ class Validation:
         rewards: List[float] = []
         lengths: List[int] = []
         truncated: List[bool] = []
-        call = 0
+        failed = timed_out = call = 0
+        errors: List[str] = []
         for g in self.groups:
             eos = getattr(g.task.tokenizer, "eos_token_id", None)
             params = val_sampling(cfg, () if eos is None else (int(eos),))
@@ -125,11 +130,24 @@ class Validation:
                                             f"version {stale[0]!r}, expected {expected!r}")
                 result = g.task.score([prompts[i // n] for i in range(len(rollouts))],
                                       [r.response_ids for r in rollouts])
+                failed, timed_out = failed + result.failed, timed_out + result.timed_out
+                errors += result.errors[:1]
                 sources += [srcs[i // n] for i in range(len(rollouts))]
                 rewards += [float(x) for x in result.rewards]
                 lengths += [len(r.response_ids) for r in rollouts]
                 truncated += [r.finish_reason == "length" for r in rollouts]
-        return val_metrics(sources, rewards, lengths, truncated, n)
+        if failed or timed_out:
+            print(f"[megatron-rl] validation after step {done}: {failed} reward(s) failed and {timed_out} timed out "
+                  f"(scored 0); first: {errors[0] if errors else '-'}", file=sys.stderr, flush=True)
+        frac, limit = (failed + timed_out) / len(rewards), cfg.data.max_reward_failure_frac
+        if frac > limit:
+            raise RewardFailureError(f"validation after step {done}: {failed} reward(s) failed and {timed_out} timed "
+                                     f"out of {len(rewards)} responses ({frac:.0%} > data.max_reward_failure_frac="
+                                     f"{limit:g}): val/* would score them 0. The first failure is printed above (a "
+                                     f"missing reward dependency, a reward function that raises, or "
+                                     f"data.reward_timeout_s too short)")
+        return {**val_metrics(sources, rewards, lengths, truncated, n), "val/reward_failed": float(failed),
+                "val/reward_timed_out": float(timed_out)}
 
     def close(self) -> None:
         """Stop the reward workers of the validation files' tasks."""

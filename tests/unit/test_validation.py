@@ -208,3 +208,47 @@ def test_val_timeout_s_above_the_collective_timeout_is_allowed_on_one_rank_only(
     assert not [e for e in job_errors(cfg, 1) if e.startswith("trainer.val_timeout_s")]   # no collective to wait in
     cfg.trainer.val_timeout_s = 1800.0
     assert not [e for e in job_errors(cfg, 8) if e.startswith("trainer.val_timeout_s")]
+
+
+class _EchoEngine:
+    """Answers every prompt with its own last token, as the weight version the validation expects."""
+
+    def __init__(self, version):
+        self.version = version
+
+    def generate(self, prompt_ids, params, n=1, seed=None):
+        from megatron_rl.rollout.base import Rollout
+
+        return [Rollout(i // n, prompt_ids[i // n], [prompt_ids[i // n][-1]], [0.0], "stop", self.version)
+                for i in range(len(prompt_ids) * n)]
+
+
+def test_failed_validation_rewards_are_counted_and_over_the_limit_raise(tmp_path, monkeypatch, capsys):
+    # a reward that raises scored 0 silently: val/reward_mean fell with nothing to tell why
+    from megatron_rl.rollout.versions import version_tag
+    from megatron_rl.tasks import build_char_tokenizer
+    from megatron_rl.tasks.val_set import build_val_set
+    from megatron_rl.trainer.reward_failures import RewardFailureError
+
+    (tmp_path / "vreward.py").write_text("def r(prompt_text, response_text, answer):\n"
+                                         "    if answer == 'bad':\n        raise ValueError('broken verifier')\n"
+                                         "    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "v.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"copy:{i}=", "answer": a}) + "\n"
+                            for i, a in enumerate(["1", "bad", "1", "1"])))
+    cfg, problems = collect_job_config(None, ["data.task=copy", f"data.val_files={path}", "data.reward_fn=vreward:r",
+                                              "data.reward_workers=0", "trainer.test_freq=1"], world_size=1)
+    assert not [p for p in problems if p.startswith(("data.", "trainer."))], problems
+    groups = build_val_set(None, cfg.data, build_char_tokenizer())
+    v = Validation(cfg, groups, _EchoEngine(version_tag(2)))
+    try:
+        m = v.run(2)
+        assert (m["val/reward_failed"], m["val/reward_timed_out"], m["val/reward_mean"]) == (1.0, 0.0, 0.75)
+        assert "validation after step 2: 1 reward(s) failed and 0 timed out (scored 0)" in capsys.readouterr().err
+        cfg.data.max_reward_failure_frac = 0.2
+        with pytest.raises(RewardFailureError, match=r"validation after step 2: 1 reward\(s\) failed .*\(25% > "
+                                                     r"data.max_reward_failure_frac=0.2"):
+            v.run(2)
+    finally:
+        v.close()
