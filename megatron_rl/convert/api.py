@@ -22,7 +22,7 @@ from megatron_rl.convert import storage
 from megatron_rl.convert.checks import CheckpointFormatError
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.hf_config import model_config_from_hf
-from megatron_rl.convert.hf_slices import read_chunk_shard
+from megatron_rl.convert.slices import read_chunk_from_converted, read_chunk_shard
 from megatron_rl.convert.mapping import hf_to_mcore, mcore_to_hf
 from megatron_rl.convert.shard_files import (ShardLayout, dense_keys, dense_shard, expert_keys, expert_shard,
                                              rank_state_dict, unshard)
@@ -162,9 +162,8 @@ def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, p
     """State dict of one rank of ``layout`` (local-spec names), from a converted directory or a HF directory;
     the bytes read are added to ``count``.
 
-    A HF directory is read slice by slice: only this rank's rows / columns (``hf_slices``). A converted
-    directory saved with the same layout (and padded vocab) is read file-for-file; any other layout is
-    resharded in memory from the full state dict (every rank reads the whole checkpoint).
+    Only this rank's positions are read: a converted directory saved with the same layout (and padded
+    vocab) file-for-file, a HF directory or one converted for any other layout slice by slice (``slices``).
     """
     if not storage.is_converted_dir(ckpt_dir):
         geom = HFGeometry.from_hf_config(storage.read_hf_config(ckpt_dir))
@@ -187,5 +186,5 @@ def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, p
             sd.update(storage.read_shard(storage.expert_file(ckpt_dir, ep_rank, etp_rank, pp_rank),
                                          f"expert shard ep={ep_rank} etp={etp_rank} pp={pp_rank}", count))
         return sd
-    _, full = read_full_mcore_state_dict(ckpt_dir, count)
-    return rank_state_dict(full, geom, layout, tp_rank, pp_rank, ep_rank, etp_rank)
+    return read_chunk_from_converted(ckpt_dir, geom, saved, layout.coords(tp_rank, pp_rank, ep_rank, etp_rank),
+                                     layout.padded_vocab(geom.vocab_size), count)

@@ -12,9 +12,9 @@ reads megatron's global state::
     export_model_to_hf(chunks, model_cfg, target, "out_dir", groups)        # rank 0 writes the HF directory
 
 Loading: the checkpoint's config.json must match ``model_cfg`` (every differing shape field is named);
-each rank reads only its shard: from a HF directory the slices of its chunks (any layout, VPP and uneven
-stages included), from a converted directory saved for the same layout its files; a converted directory
-of another layout (or loaded with VPP) is read whole by every rank and cut in memory. The model's
+each rank reads only its shard: from a converted directory saved for the same layout its files, from a HF
+directory or a converted directory of another layout the slices of its chunks (any layout, VPP and uneven
+stages included). The model's
 ``vocab_size`` (padded) decides the zero padding rows.
 
 Gathering (:func:`iter_full_tensors`, collective over the TP / EP / ETP groups of each pipeline stage):
@@ -39,7 +39,7 @@ from megatron_rl.convert import api, storage
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.hf_config import infer_hf_model_type, megatron_to_hf_config
-from megatron_rl.convert.hf_slices import read_chunk_shard
+from megatron_rl.convert.slices import read_chunk_from_converted, read_chunk_shard
 from megatron_rl.convert.mapping import hf_tensors, param_rules
 from megatron_rl.convert.model_state import canonical_state_dict, load_state_dict_into_model
 from megatron_rl.convert.partition import (RankCoords, cut_state_dict, expert_index, layer_range, merge_tensors,
@@ -133,10 +133,10 @@ def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str,
     this rank read from the checkpoint files.
 
     Checks first that the checkpoint's shapes match ``model_cfg`` (error names each field), then every
-    tensor name and shape of each chunk (error names the chunk's coordinates). From a HF directory each
-    chunk reads only its slices (``hf_slices``: any TP / PP / uneven PP / VPP / EP / ETP layout); from a
-    converted directory saved for this layout, its own files; from one saved for another layout (or with
-    VPP), every rank reads the whole checkpoint and cuts its chunks from it."""
+    tensor name and shape of each chunk (error names the chunk's coordinates). Each chunk reads only its
+    positions: from a converted directory saved for this layout its own files, from a HF directory or one
+    converted for another layout (or loaded with VPP) its slices (``slices``: any TP / PP / uneven PP / VPP /
+    EP / ETP layout)."""
     check_model_config_matches(storage.read_hf_config(storage.hf_assets_dir(ckpt_dir)), model_cfg)
     count = storage.ReadCount()
     if not storage.is_converted_dir(ckpt_dir):
@@ -148,9 +148,13 @@ def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str,
             load_state_dict_into_model(chunk, sd, where=f"{ckpt_dir} -> {coords}")
             del sd
         return count
-    if len(chunks) > 1:
-        _, full = api.read_full_state_dict(ckpt_dir, count)
-        load_full_state_dict_into_model(chunks, full, model_cfg, groups)
+    if len(chunks) > 1:  # VPP: a converted directory has no VPP layout, each chunk is read slice by slice
+        geom, saved, _ = api.read_mcore_checkpoint(ckpt_dir)
+        for i, chunk in enumerate(chunks):
+            coords = _chunk_coords(groups, chunk, i)
+            sd = read_chunk_from_converted(ckpt_dir, geom, saved, coords, model_cfg.vocab_size, count)
+            load_state_dict_into_model(chunk, sd, where=f"{ckpt_dir} -> {coords}")
+            del sd
         return count
     d = groups.dims
     stages = _stage_sizes(chunks[0])

@@ -165,29 +165,39 @@ def test_load_rank_state_dict_reshards(models, tmp_path):
 
 
 SLICE_CASES = [
-    # model, (TP, PP, EP, ETP), VPP, uneven (first, last) stage layers, make_vocab_size_divisible_by
-    ("qwen2", (2, 2, 1, 2), 1, (1, None), 7),
-    ("qwen2", (1, 2, 1, 1), 2, None, 1),
-    ("qwen2_tied", (2, 2, 1, 2), 1, None, 5),
-    ("qwen3_moe", (2, 2, 2, 1), 1, (1, 3), 1),
-    ("qwen2_moe", (2, 1, 2, 2), 1, None, 1),
-    ("deepseek_v3", (2, 3, 2, 1), 1, None, 1),
+    # model, (TP, PP, EP, ETP), VPP, uneven (first, last) stage layers, make_vocab_size_divisible_by,
+    # read from: None = the HF directory, else a conversion with these ShardLayout arguments
+    ("qwen2", (2, 2, 1, 2), 1, (1, None), 7, None),
+    ("qwen2", (1, 2, 1, 1), 2, None, 1, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                                             make_vocab_size_divisible_by=3)),
+    ("qwen2_tied", (2, 2, 1, 2), 1, None, 5, None),
+    ("qwen2_tied", (1, 1, 1, 1), 1, None, 1, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    ("qwen3_moe", (2, 2, 2, 1), 1, (1, 3), 1, None),
+    ("qwen3_moe", (2, 2, 2, 1), 1, (1, 3), 1, dict(expert_model_parallel_size=4, pipeline_model_parallel_size=4)),
+    ("qwen2_moe", (2, 1, 2, 2), 1, None, 1, None),
+    ("qwen2_moe", (2, 1, 2, 2), 1, None, 1, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=4)),
+    ("deepseek_v3", (2, 3, 2, 1), 1, None, 1, None),
+    ("deepseek_v3", (1, 1, 1, 1), 1, None, 1, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=3,
+                                                   expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
 ]
 
 
-@pytest.mark.parametrize("key,sizes,vpp,uneven,divisible", SLICE_CASES, ids=[c[0] for c in SLICE_CASES])
-def test_rank_slices_equal_the_full_load_and_read_only_the_shard(models, tiny_hf_model, key, sizes, vpp, uneven,
-                                                                 divisible):
-    """Each chunk read slice by slice from the HF files equals the chunk cut from the full load (bitwise, for
-    TP / PP / VPP / uneven stages / EP / ETP / vocab padding / tied / shared experts / MLA), and the bytes read
-    for it are at most its shard's bytes."""
-    from megatron_rl.convert.hf_slices import read_chunk_shard
+@pytest.mark.parametrize("key,sizes,vpp,uneven,divisible,saved", SLICE_CASES,
+                         ids=[f"{c[0]}-{'conv' if c[5] else 'hf'}" for c in SLICE_CASES])
+def test_rank_slices_equal_the_full_load_and_read_only_the_shard(models, tiny_hf_model, tmp_path, key, sizes, vpp,
+                                                                 uneven, divisible, saved):
+    """Each chunk read slice by slice, from the HF files or from a conversion saved for another layout, equals
+    the chunk cut from the full load (bitwise, for TP / PP / VPP / uneven stages / EP / ETP / vocab padding /
+    tied / shared experts / MLA), and the bytes read for it are at most its shard's bytes."""
     from megatron_rl.convert.partition import RankCoords, cut_state_dict
+    from megatron_rl.convert.slices import read_chunk_from_converted, read_chunk_shard
 
     src = tiny_hf_model("deepseek_v3", seed=6) if key == "deepseek_v3" else models[key]
     g = HFGeometry.from_hf_config(storage.read_hf_config(src))
     full_count = storage.ReadCount()
     full = hf_to_mcore(storage.read_hf_state_dict(src, full_count), g)
+    if saved:
+        convert_hf_to_mcore(src, str(tmp_path / "mc"), ShardLayout(**saved))
     tp, pp, ep, etp = sizes
     first, last = uneven or (None, None)
     padded = ShardLayout(tp, make_vocab_size_divisible_by=divisible).padded_vocab(g.vocab_size)
@@ -196,12 +206,16 @@ def test_rank_slices_equal_the_full_load_and_read_only_the_shard(models, tiny_hf
         c = RankCoords(t, tp, p, pp, e, ep, et, etp, v, vpp, first, last)
         want = cut_state_dict(full, c, g.num_layers, g.tie_word_embeddings, E, padded_vocab_size=padded)
         count = storage.ReadCount()
-        got = read_chunk_shard(storage.SafetensorsReader.for_hf_dir(src, count), g, c, padded)
+        if saved:
+            got = read_chunk_from_converted(str(tmp_path / "mc"), g, ShardLayout(**saved), c, padded, count)
+        else:
+            got = read_chunk_shard(storage.SafetensorsReader.for_hf_dir(src, count), g, c, padded)
         assert sorted(got) == sorted(want), c
         for k in want:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (c, k)
         shard = sum(x.numel() * x.element_size() for x in want.values())
-        assert 0 < count.bytes_read <= shard < full_count.bytes_read, (c, count, shard)
+        assert 0 < count.bytes_read <= shard, (c, count, shard)
+        assert shard < full_count.bytes_read or (tp, pp, ep, vpp) == (1, 1, 1, 1), (c, shard)
 
 
 # ----------------------------------------------------------------------------------------- errors
