@@ -10,6 +10,7 @@ Modules, each with one job:
   partition    full Megatron state dict <-> per-chunk shards of a TP/PP/VPP/EP/ETP layout (RankCoords)
   shard_files  the converter's per-rank shard files: ShardLayout (+ padded vocab), cut and glue them back
   storage      HF safetensors directories and the converted shard directory format
+  slices       one chunk's shard read slice by slice (only its positions) from HF or converted files
   model_state  put a rank state dict into a live Megatron model (local or TE spec) / read it back
   torch_dist   read the model tensors of a megatron dist_checkpointing (torch_dist) checkpoint, one process
   api          the one-process conversion entry points used by ``megatron-rl convert``
