@@ -5,6 +5,7 @@
     for step in range(start, trainer.steps):
         metrics, batch = train_step(job, step)          # step.py: the same for every mode
         validate every trainer.test_freq steps and after the last (validation.py): val/* join the step's metrics
+            (not when a stop was requested: the checkpoint must come within trainer.stop_timeout_s)
         log metrics (console / metrics.jsonl / TensorBoard / W&B), dump rollouts
         checkpoint every trainer.save_interval steps, at the end, and when any rank saw SIGTERM / SIGINT
 
@@ -52,7 +53,11 @@ def train(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Dict[str, flo
             metrics, batch = train_step(job, step)
             step += 1
             if job.validation.due(step):
-                metrics = {**metrics, **_validate(job, step)}
+                if any_rank(job.stop.requested):  # a stop: the checkpoint first (within trainer.stop_timeout_s)
+                    if job.rank0:
+                        print(f"[megatron-rl] validation after step {step} skipped: stopping", flush=True)
+                else:
+                    metrics = {**metrics, **_validate(job, step)}
             with job.watchdog.phase("metrics", step):
                 job.sinks.log(step, metrics)
                 job.dump(step, batch)

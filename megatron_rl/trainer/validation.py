@@ -7,7 +7,9 @@ the current weights and scored, on every rank's schedule alike.
     if validation.due_before_train(start): ...          # trainer.val_before_train, a fresh run only (logged as step 0)
 
 When: every ``trainer.test_freq`` steps and after the last step (``test_freq`` 0: never), and before the first step
-of a fresh run with ``trainer.val_before_train`` (verl's schedule). Only a job with a validation set validates.
+of a fresh run with ``trainer.val_before_train`` (verl's schedule). Only a job with a validation set validates. A step
+after which a stop was requested (SIGTERM / SIGINT) is not validated: its checkpoint must come within
+``trainer.stop_timeout_s`` (``loop.py``).
 
 Which weights: the engine's after the step's weight sync (``rollout.mode: sync``: the engine holds version ``done``
 when step ``done`` ended); every response must carry that version (``StaleRolloutError`` otherwise).

@@ -252,3 +252,35 @@ def test_failed_validation_rewards_are_counted_and_over_the_limit_raise(tmp_path
             v.run(2)
     finally:
         v.close()
+
+
+def test_a_stop_requested_skips_the_due_validation_for_the_checkpoint(monkeypatch, capsys):
+    # a validation (up to trainer.val_timeout_s) ran between a SIGTERM and the checkpoint, which must come within
+    # trainer.stop_timeout_s: a preempted run lost its last step
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer import loop
+
+    calls = []
+    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "trainer.test_freq=1", "trainer.steps=3")
+    job = SimpleNamespace(
+        cfg=cfg, start_step=0, rank0=True, validation=Validation(cfg, None, None),
+        stop=SimpleNamespace(requested=False), watchdog=SimpleNamespace(phase=lambda *a, **k: contextlib.nullcontext()),
+        sinks=SimpleNamespace(log=lambda step, m: calls.append(("log", step, sorted(m))),
+                              log_validation=lambda step, m: calls.append(("log_validation", step))),
+        dump=lambda step, batch: None, checkpoint_due=lambda step, stopping: stopping or step == 3,
+        checkpoint=lambda step, stopping: calls.append(("checkpoint", step, stopping)), close=lambda step: None)
+    job.validation.run = lambda done: calls.append(("validate", done)) or {"val/reward_mean": 1.0}
+
+    def step_fn(j, step):
+        j.stop.requested = step == 1   # the signal arrives during the second step
+        return {"reward/mean": 0.0}, None
+
+    monkeypatch.setattr(loop, "build_job", lambda cfg, stop=None: job)
+    monkeypatch.setattr(loop, "train_step", step_fn)
+    monkeypatch.setattr(loop, "any_rank", lambda flag: flag)   # one rank
+    loop.train(cfg)
+    assert calls == [("validate", 0), ("log_validation", 0), ("validate", 1), ("log", 1, ["reward/mean",
+                     "val/reward_mean"]), ("log", 2, ["reward/mean"]), ("checkpoint", 2, True)]
+    assert "validation after step 2 skipped: stopping" in capsys.readouterr().out
