@@ -349,10 +349,24 @@ def _with_val_set(target: str, off: Tuple[Any, ...]) -> Callable[[Any, Verl], Di
     return convert
 
 
+def _val_greedy(v: Verl) -> bool:
+    """verl's validation decodes greedily: ``val_kwargs.do_sample`` false, or sampling at temperature 0 (its
+    default), which the engine turns into argmax."""
+    return not v.get(f"{_R}.val_kwargs.do_sample") or not v.get(f"{_R}.val_kwargs.temperature", 0)
+
+
+def _val_do_sample(value: Any, v: Verl) -> Dict[str, Any]:
+    if value and _val_greedy(v):
+        raise Skip(NO_MEANING, f"{_show(value)} at val_kwargs.temperature 0: verl's engine decodes greedily, "
+                               f"do_sample: false here")
+    return {"rollout.val_kwargs.do_sample": value}
+
+
 def _val_n(value: Any, v: Verl) -> Dict[str, Any]:
-    if isinstance(value, int) and value > 1 and not v.get(f"{_R}.val_kwargs.do_sample"):
-        raise Skip(NO_MEANING, f"{_show(value)} with do_sample false: verl decodes greedily, so its {value} responses "
-                               f"per prompt are one response repeated; n: 1 here gives the same val/* metrics")
+    if isinstance(value, int) and value > 1 and _val_greedy(v):
+        raise Skip(NO_MEANING, f"{_show(value)} with greedy decoding (do_sample false or temperature 0): verl's "
+                               f"{value} responses per prompt are one response repeated; n: 1 here gives the same "
+                               f"val/* metrics")
     return {"rollout.val_kwargs.n": value}
 
 
@@ -918,8 +932,8 @@ def _rules() -> List[Rule]:
            neutral=(False,)),
         _u("trainer.log_val_generations", "validation generations are not logged; the val/* metrics are",
            neutral=(0,)),
-        *[_m(f"{_R}.val_kwargs.{k}", f"rollout.val_kwargs.{k}") for k in ("do_sample", "temperature", "top_p",
-                                                                          "top_k")],
+        *[_m(f"{_R}.val_kwargs.{k}", f"rollout.val_kwargs.{k}") for k in ("temperature", "top_p", "top_k")],
+        _m(f"{_R}.val_kwargs.do_sample", "rollout.val_kwargs.do_sample", convert=_val_do_sample),
         _m(f"{_R}.val_kwargs.n", "rollout.val_kwargs.n", convert=_val_n),
         _m("trainer.save_freq", convert=_save_freq, target="trainer.save_interval",
            note="-1 -> 0 (at the end and on SIGTERM / SIGINT only)"),

@@ -160,8 +160,12 @@ def test_greedy_val_kwargs_n_repeats_one_response_and_migrates_as_n_1():
     assert "n" not in m.tree["rollout"]["val_kwargs"]
     e = _entry(m, "actor_rollout_ref.rollout.val_kwargs.n")
     assert e.kind == UNCHANGED and "one response repeated" in e.detail
-    verl["actor_rollout_ref"]["rollout"]["val_kwargs"].update(do_sample=True, temperature=0.6)
-    assert migrate_verl(verl).tree["rollout"]["val_kwargs"]["n"] == 4
+    verl["actor_rollout_ref"]["rollout"]["val_kwargs"].update(do_sample=True)   # at verl's temperature 0: greedy
+    m = migrate_verl(verl)
+    assert m.tree.get("rollout", {}).get("val_kwargs", {}) == {}
+    assert "decodes greedily" in _entry(m, "actor_rollout_ref.rollout.val_kwargs.do_sample").detail
+    verl["actor_rollout_ref"]["rollout"]["val_kwargs"].update(temperature=0.6)
+    assert migrate_verl(verl).tree["rollout"]["val_kwargs"] == {"do_sample": True, "temperature": 0.6, "n": 4}
 
 
 def test_full_megatron_config_maps_its_defaults():
