@@ -430,14 +430,19 @@ def _fmt(v: Optional[float]) -> str:
     return f"{v:.4g}"
 
 
+#: The keys of a record that holds a validation alone (with the ``val/*`` metrics).
+VALIDATION_ONLY = ("step", "time", "timing/validation_s")
+
+
 def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots: Sequence[str],
                      run_dir: str) -> str:
     """The report.md text."""
-    steps = [int(r["step"]) for r in records]
+    # a record of a validation alone (trainer.val_before_train: step 0) is no training step
+    steps = [int(r["step"]) for r in records if any(k not in VALIDATION_ONLY and not k.startswith("val/") for k in r)]
     status = "UNHEALTHY" if any(f.severity == "FAIL" for f in findings) else (
         "CHECK WARNINGS" if findings else "HEALTHY")
-    lines = [f"# Run report: {run_dir}", "",
-             f"**Status: {status}** - {len(records)} steps ({steps[0]}..{steps[-1]}).", ""]
+    span = f" ({steps[0]}..{steps[-1]})" if steps else ""
+    lines = [f"# Run report: {run_dir}", "", f"**Status: {status}** - {len(steps)} steps{span}.", ""]
     t0, t1 = series(records, "time")[1][:1], series(records, "time")[1][-1:]
     if t0 and t1 and t1[0] > t0[0]:
         lines[-2] += f" Wall time {t1[0] - t0[0]:.1f} s."

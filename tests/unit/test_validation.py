@@ -284,3 +284,13 @@ def test_a_stop_requested_skips_the_due_validation_for_the_checkpoint(monkeypatc
     assert calls == [("validate", 0), ("log_validation", 0), ("validate", 1), ("log", 1, ["reward/mean",
                      "val/reward_mean"]), ("log", 2, ["reward/mean"]), ("checkpoint", 2, True)]
     assert "validation after step 2 skipped: stopping" in capsys.readouterr().out
+
+
+def test_report_does_not_count_the_validation_before_training_as_a_step():
+    from megatron_rl.ops.report import summary_markdown
+
+    records = [{"step": 0, "time": 0.0, "val/reward_mean": 0.1, "timing/validation_s": 1.0}] + \
+        [{"step": s, "time": float(s), "reward/mean": 0.5, "val/reward_mean": 0.2} for s in (1, 2, 3)]
+    text = summary_markdown(records, [], [], "run")
+    assert "**Status: HEALTHY** - 3 steps (1..3)." in text, text.splitlines()[2]
+    assert "| `val/reward_mean` |" in text   # the validation's value is still in the table
