@@ -231,12 +231,14 @@ def _validation_errors(cfg: JobConfig, world_size: int) -> List[str]:
             errs.append(f"trainer.val_timeout_s: {t.val_timeout_s} exceeds trainer.collective_timeout_s "
                         f"{t.collective_timeout_s}: ranks other than 0 wait for the validation in one collective, "
                         f"which would time out first; raise collective_timeout_s or lower val_timeout_s")
+        # the key that turns validation on: test_freq, else val_before_train (true by default, as in verl)
+        key = "trainer.test_freq" if t.test_freq > 0 else "trainer.val_before_train"
         if cfg.rollout.mode != "sync":
-            errs.append("trainer.test_freq: validation during training runs with rollout.mode 'sync' only (the "
+            errs.append(f"{key}: validation during training runs with rollout.mode 'sync' only (the "
                         "async producer owns the engine); set test_freq: 0 and val_before_train: false, or "
                         "rollout.mode: sync")
         if cfg.multi_turn.env is not None:
-            errs.append("trainer.test_freq: validation during training evaluates single-turn prompts; with "
+            errs.append(f"{key}: validation during training evaluates single-turn prompts; with "
                         "multi_turn.env set, set test_freq: 0 and val_before_train: false")
     return errs
 

@@ -67,7 +67,9 @@ def test_sampling_is_greedy_unless_do_sample():
     (["trainer.val_timeout_s=-1"], "trainer.val_timeout_s: must be >= 0"),
     ([f"data.val_files={MATH_DATA}", "trainer.val_timeout_s=3600", "trainer.collective_timeout_s=1800"],
      "trainer.val_timeout_s: 3600.0 exceeds trainer.collective_timeout_s 1800.0"),
-    ([f"data.val_files={MATH_DATA}", "rollout.mode=async"], "trainer.test_freq: validation during training runs "
+    ([f"data.val_files={MATH_DATA}", "rollout.mode=async", "trainer.test_freq=0"],   # val_before_train's default
+     "trainer.val_before_train: validation during training runs with rollout.mode 'sync' only"),
+    ([f"data.val_files={MATH_DATA}", "rollout.mode=async", "trainer.test_freq=2"], "trainer.test_freq: validation during training runs "
                                                               "with rollout.mode 'sync' only"),
 ])
 def test_bad_validation_keys_are_named(overrides, message):
