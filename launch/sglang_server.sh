@@ -31,7 +31,8 @@
 #   DRY_RUN=1                  print the environment and command instead of running them
 #
 # CPU mode sets SGLANG_USE_CPU_ENGINE=1 (mandatory: without it the build imports vllm and the engine
-# hangs), passes --device cpu --skip-server-warmup, and prepends megatron_rl/platform/sglang_cpu (import
+# hangs), passes --device cpu --skip-server-warmup --sleep-on-idle (an idle CPU scheduler would otherwise
+# busy-poll a core), and prepends megatron_rl/platform/sglang_cpu (import
 # stand-ins for sgl_kernel and a text-only torchvision) to this server's PYTHONPATH only.
 # The server runs without the launcher's rendezvous variables (torchrun's RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_*,
 # Slurm's SLURM_*/PMI_*/PMIX_*: megatron_rl/parallel/child_env.py strips them and execs the server, same pid);
@@ -89,7 +90,7 @@ case "$DEVICE" in
     ;;
   cpu)
     [[ "$TP" == 1 ]] || die "--tp $TP: the CPU engine runs tensor parallel size 1 only"
-    CMD+=(--device cpu --skip-server-warmup --mem-fraction-static "${MEM_FRACTION:-0.05}")
+    CMD+=(--device cpu --skip-server-warmup --sleep-on-idle --mem-fraction-static "${MEM_FRACTION:-0.05}")
     ENV+=(SGLANG_USE_CPU_ENGINE=1 "PYTHONPATH=$REPO/megatron_rl/platform/sglang_cpu${PYTHONPATH:+:$PYTHONPATH}"
           "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
     ;;

@@ -234,8 +234,8 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
     Args:
         model_dir: HF checkpoint directory (config.json, safetensors, tokenizer).
         port: TCP port; default: a free one.
-        device: ``"cpu"`` (adds ``--device cpu``, ``SGLANG_USE_CPU_ENGINE=1`` and the import stand-ins) or
-            ``"cuda"``.
+        device: ``"cpu"`` (adds ``--device cpu --sleep-on-idle``, ``SGLANG_USE_CPU_ENGINE=1`` and the import
+            stand-ins) or ``"cuda"``.
         extra_args: more ``launch_server`` flags (e.g. ``["--random-seed", "0"]``).
         python: interpreter that has sglang (default ``sglang_python()``).
         host: bind address (127.0.0.1 by default).
@@ -269,7 +269,8 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
             raise ValueError(f"launch_sglang_server: max_total_tokens={max_total_tokens!r} must be >= 1")
         cmd += ["--max-total-tokens", str(int(max_total_tokens))]
     if device == "cpu":
-        cmd += ["--device", "cpu"]
+        # an idle CPU scheduler polls its sockets in a busy loop (most of a core); asleep it wakes on a request
+        cmd += ["--device", "cpu", "--sleep-on-idle"]
     if return_routed_experts is None:
         return_routed_experts = hf_config_is_moe(read_hf_config(model_dir))
     if return_routed_experts and ROUTED_EXPERTS_FLAG not in extra_args:
