@@ -6,8 +6,8 @@
 #          and the files that mark themselves (megatron only in the ranks they start).
 # Each leg prints its 25 slowest tests (--durations=25), each with its own pytest temporary directory.
 # MEGATRON_RL_TEST_SIDE_BY_SIDE=1 runs leg 2 beside leg 1 (much of leg 1 waits on servers and launchers; measured:
-# leg 2 took 9 min beside leg 1), leg 2's output after leg 1's; off by default: one gloo rendezvous of leg 1 failed
-# once while other pytest sessions ran beside it, not yet explained.
+# leg 2 took 9 min beside leg 1), leg 2's output after leg 1's; off by default: on 2 cores the legs compete for the
+# same cores (a gloo failure seen that way was a teardown race in run_ranks, since fixed).
 # Usage: bash tools/run_tests.sh [pytest args...]      (the args go to both legs)
 #   MEGATRON_RL_VENV / MEGATRON_RL_VENV_NEWEST   the two venvs (default .venv / .venv-mcore019)
 #   MEGATRON_RL_MCORE_NEWEST=0.19.x              the newest leg's release (default 0.19.2)
