@@ -1,5 +1,5 @@
-"""Shipped configs run for tests through ``launch/torchrun.sh`` (``launch_config``), and the quickstart job
-(``configs/tiny_cpu.yaml`` on 4 gloo ranks) scored by ``tools/quickstart_results.py`` (``run_quickstart``): shared by
+"""Shipped configs run for tests through ``launch/torchrun.sh`` (``launch_config``), the quickstart's step count as
+shipped (``STEPS``) and ``tools/quickstart_results.py`` as a module (``results_tool``): shared by
 test_quickstart_fresh.py, test_objectives_learn.py and test_tool_task_learns.py."""
 from __future__ import annotations
 
@@ -38,12 +38,3 @@ def launch_config(tmp_path, config: str, model: str, steps: int, nproc: int, *ov
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run
 
-
-def run_quickstart(tmp_path, task_model, steps, *overrides):
-    """configs/tiny_cpu.yaml on 4 ranks with launch/torchrun.sh for ``steps`` steps (plus ``overrides``), on the
-    model tools/quickstart.sh builds (same arguments -> identical weights); returns (run dir, results dict of
-    tools/quickstart_results.py)."""
-    model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
-    run = launch_config(tmp_path, "tiny_cpu.yaml", model, steps, 4, *overrides)
-    return run, results_tool().main([str(run), "--out", str(tmp_path / "results.md"),
-                                     "--json", str(tmp_path / "r.json")])
