@@ -10,6 +10,8 @@ Modules (one job each):
   optimizer   Megatron DDP wrapping and ``get_megatron_optimizer``
   lr_schedule warm-up / decay of the learning rate (megatron-core's ``OptimizerParamScheduler``)
   checkpoint  save / resume (model, optimizer, RNG, extra state)
+  router_replay  the hooks in megatron's MoE routers that replay / record routing
+  replay_modes   the routing-replay modes (``NoReplay``, ``R2``, ``R3``), chosen once by ``replay_mode``
   hf_io       export a saved checkpoint to a HF directory (live HF in / out: ``megatron_rl.convert.live``)
   actor       ``MegatronActor``, the facade used by the RL loop
 

@@ -30,8 +30,8 @@ from megatron_rl.actor.micro_batching import MicroBatchPlan, plan_micro_batches,
 from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import Precision
-from megatron_rl.actor.router_replay import (RoutingReplay, agree_on_error, finish_log_prob_pass, log_prob_pass,
-                                             train_routing)
+from megatron_rl.actor.replay_modes import replay_mode
+from megatron_rl.actor.router_replay import RoutingReplay, agree_on_error
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
@@ -81,14 +81,13 @@ class MegatronActor:
                                                  self.actor_cfg.sequence_packing, vpp)
         if budget_error:  # also a config error (validate.job_errors): here for actors built without it
             raise ValueError(budget_error)
-        # MoE routing replay (megatron_rl.actor.router_replay): hooks in every router of an MoE model
-        self.routing_mode = self.actor_cfg.routing_replay
+        # MoE routing replay: hooks in every router of an MoE model (router_replay), the mode (replay_modes)
+        self.replay = replay_mode(self.actor_cfg.routing_replay)
         spec = RoutingSpec.from_model_config(self.model_cfg)
-        if spec is None and self.routing_mode != "none":
-            raise RoutingError(f"actor.routing_replay={self.routing_mode!r} needs an MoE model (model.num_moe_experts)")
+        if spec is None and self.replay.needs_moe:
+            raise RoutingError(f"actor.routing_replay={self.replay.name!r} needs an MoE model (model.num_moe_experts)")
         self.routing = RoutingReplay(self.model, spec, self.groups) if spec is not None else None
         self.routing_metrics: Dict[str, float] = {}  # rollout_corr/router_* of the last log-prob pass
-        self._r2_state = None  # r2: (tokens, lengths, routing) recorded by the last log-prob pass
 
     # ------------------------------------------------------------------ groups
     @property
@@ -184,21 +183,18 @@ class MegatronActor:
         check_token_ids(batch, self.model_cfg.vocab_size)
         plan = self._plan(batch, micro_batch_size)
         ordered, _, inv = self._in_plan_order(batch, plan)
-        rp = log_prob_pass(self.routing, ordered, self.routing_mode) if self.routing is not None else None
+        rp = self.replay.log_prob_pass(self.routing, ordered) if self.routing is not None else None
         try:
             out = compute_log_probs(self.model, ordered, bounds=plan.bounds, temperature=temperature,
                                     groups=self.groups, compute_entropy=compute_entropy, trim=self._trim,
                                     packed=self.actor_cfg.sequence_packing, replay=rp)
             if rp is not None:  # router agreement with the rollout (reported by the next train_step); r2 record
-                self.routing_metrics, self._r2_state = finish_log_prob_pass(self.routing, rp, ordered,
-                                                                            self.routing_mode)
+                self.routing_metrics = self.replay.finish_log_prob_pass(self.routing, rp, ordered, batch, inv)
         finally:
             if rp is not None:
                 rp.close()
         if inv is None:
             return out
-        if self._r2_state is not None and rp is not None:  # r2 record back in the batch's row order
-            self._r2_state = (batch.tokens, batch.lengths, self._r2_state[2][inv])
         return tuple(None if x is None else x[inv.to(x.device)] for x in out)
 
     # ------------------------------------------------------------------ train step
@@ -249,7 +245,7 @@ class MegatronActor:
         loss_cfg = self.loss_cfg  # loss_type: corr.loss_type (its one owner)
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
-        replayed = train_routing(self.routing, batch, self.routing_mode, self._r2_state) if self.routing else None
+        replayed = self.replay.train_routing(self.routing, batch) if self.routing else None
         if replayed is not None:  # r3: the rollout's routing; r2: the log-prob pass's; for every train forward
             batch = dataclasses.replace(batch, routing=replayed)
         steps, lrs = [], []

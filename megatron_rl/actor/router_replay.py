@@ -41,7 +41,7 @@ from megatron_rl.actor.routing import (RoutingError, RoutingSpec, agreement_coun
 from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.parallel.groups import ActorGroups
 
-__all__ = ["RoutingReplay", "ReplayPass", "agree_on_error", "log_prob_pass", "finish_log_prob_pass", "train_routing"]
+__all__ = ["RoutingReplay", "ReplayPass", "agree_on_error"]
 
 
 def _in_backward() -> bool:
@@ -273,44 +273,3 @@ class RoutingReplay:
         """int64 routing with -1 (not recorded here) -> the compact dtype (-1 -> 0: never read)."""
         return routing.clamp(min=0).to(routing_dtype(spec.num_experts))
 
-
-def log_prob_pass(replay: RoutingReplay, batch, mode: str) -> ReplayPass:
-    """Collective: validate ``batch.routing`` on every rank, then a log-prob pass that replays it (r3) and
-    records the trainer's own choice (when routing was captured, or for r2)."""
-    need = (f"actor.routing_replay='r3' replays the rollout engine's routing: the engine must capture it "
-            f"(EmbeddedEngine capture_routing, SGLang --enable-return-routed-experts) and the loop pass it to "
-            f"RolloutBatch.from_sequences(routing=...)") if mode == "r3" else ""
-    replay.validate(batch.routing, batch.lengths, required=need)
-    return replay.begin(batch.lengths, batch.routing if mode == "r3" else None,
-                        record=batch.routing is not None or mode == "r2")
-
-
-def finish_log_prob_pass(replay: RoutingReplay, rp: ReplayPass, batch, mode: str):
-    """After the log-prob pass: (metrics, r2 state). Metrics: ``rollout_corr/router_agreement*`` (own top-k
-    vs the rollout's) when the batch carries routing; r2 state: ``(tokens, lengths, routing)`` the train
-    forwards of this batch replay. Collective (TP / CP gathers, PP / DP sums)."""
-    if not rp.record:
-        return {}, None
-    own = rp.assemble(batch.num_rows, batch.max_length - 1)
-    metrics = replay.agreement(own, batch.routing, batch.lengths) if batch.routing is not None else {}
-    r2 = (batch.tokens, batch.lengths, RoutingReplay.compact(own, replay.spec)) if mode == "r2" else None
-    return metrics, r2
-
-
-def train_routing(replay: RoutingReplay, batch, mode: str, r2_state) -> Optional[torch.Tensor]:
-    """Collective: the routing every train forward of ``batch`` replays — r3: ``batch.routing`` (validated
-    on every rank); r2: what the log-prob pass of this same batch recorded; none: None."""
-    if mode == "r3":
-        log_prob_pass(replay, batch, mode).close()  # same validation as the log-prob pass
-        return batch.routing
-    if mode != "r2":
-        return None
-    msg = None
-    if r2_state is None:
-        msg = "actor.routing_replay='r2': train_step before any compute_log_probs (r2 replays its routing)"
-    elif not (torch.equal(r2_state[0], batch.tokens) and torch.equal(r2_state[1], batch.lengths)):
-        msg = ("actor.routing_replay='r2': train_step got a batch that the last compute_log_probs did not see "
-               f"(tokens {tuple(batch.tokens.shape)} vs {tuple(r2_state[0].shape)}); call compute_log_probs on "
-               f"the same shard first")
-    agree_on_error(msg)
-    return r2_state[2]

@@ -28,14 +28,10 @@ import torch.distributed as dist
 
 from megatron_rl.actor.cp import cp_gather, cp_split
 
-__all__ = ["REPLAY_MODES", "ROUTING_DTYPES", "RoutingError", "RoutingSpec", "routing_dtype", "pack_routing",
+__all__ = ["ROUTING_DTYPES", "RoutingError", "RoutingSpec", "routing_dtype", "pack_routing",
            "routing_valid_mask", "check_routing", "row_targets", "sp_slice", "sp_gather", "micro_batch_targets",
            "gather_micro_batch_records",
            "agreement_counts", "agreement_metrics", "routing_bytes_per_token"]
-
-REPLAY_MODES = ("none", "r2", "r3")
-"""``actor.routing_replay`` values: none; r2 = replay the trainer's own log-prob-pass routing in the train
-forwards; r3 = replay the rollout engine's routing in the log-prob pass and every train forward."""
 
 ROUTING_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 """Integer dtypes a routing tensor may have (engines send uint8 / int16)."""

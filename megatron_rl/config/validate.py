@@ -15,6 +15,7 @@ from typing import List, Optional
 from megatron_rl.actor.lr_schedule import lr_schedule_errors
 from megatron_rl.actor.micro_batching import token_budget_layout_error
 from megatron_rl.actor.precision import precision_error
+from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.envs.base import env_import_error
@@ -152,12 +153,16 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
         errs.append(precision_problem)
     if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
         errs.append(f"actor.load_hf: {ac.load_hf!r} is not a directory")
-    if ac.routing_replay not in ("none", "r2", "r3"):
-        errs.append(f"actor.routing_replay: {ac.routing_replay!r} is not one of none, r2, r3")
-    elif ac.routing_replay != "none" and cfg.model is not None and not cfg.model.is_moe:
-        errs.append(f"actor.routing_replay: {ac.routing_replay!r} needs an MoE model (model.num_moe_experts is not set)")
-    elif ac.routing_replay == "r3" and cfg.model is not None and cfg.model.extra.get("moe_router_fusion"):
-        errs.append("actor.routing_replay: 'r3' needs megatron's unfused router (model.extra.moe_router_fusion)")
+    try:
+        replay = replay_mode(ac.routing_replay)
+    except ValueError as e:
+        errs.append(str(e))
+    else:
+        if replay.needs_moe and cfg.model is not None and not cfg.model.is_moe:
+            errs.append(f"actor.routing_replay: {replay.name!r} needs an MoE model (model.num_moe_experts is not set)")
+        elif replay.needs_rollout_routing and cfg.model is not None and cfg.model.extra.get("moe_router_fusion"):
+            errs.append(f"actor.routing_replay: {replay.name!r} needs megatron's unfused router "
+                        f"(model.extra.moe_router_fusion)")
     if t.resume and t.overwrite:
         errs.append("trainer.overwrite: true together with trainer.resume (--resume): choose one (resume continues "
                     "the run in trainer.run_dir, overwrite removes it)")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
@@ -55,7 +56,7 @@ def build_engine(cfg: JobConfig):
                                       log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"))
         urls.append(server.url)
     try:
-        r3 = cfg.actor.routing_replay == "r3"  # every server must capture routing: checked at construction
+        r3 = replay_mode(cfg.actor.routing_replay).needs_rollout_routing  # every server must capture routing
         layout = SGLangRoutingLayout.from_hf_dir(cfg.actor.load_hf) if r3 and cfg.actor.load_hf else None
         engine = SGLangEngine(urls, request_timeout=cfg.rollout.request_timeout_s,
                               weight_sync_timeout=cfg.rollout.weight_sync_timeout_s,

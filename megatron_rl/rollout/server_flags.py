@@ -18,7 +18,9 @@ __all__ = ["server_options", "main"]
 
 def server_options(cfg) -> List[str]:
     """The ``launch/sglang_server.sh`` options the servers of job config ``cfg`` need."""
-    return ["--routed-experts"] if cfg.actor.routing_replay == "r3" else []
+    from megatron_rl.actor.replay_modes import replay_mode
+
+    return ["--routed-experts"] if replay_mode(cfg.actor.routing_replay).needs_rollout_routing else []
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

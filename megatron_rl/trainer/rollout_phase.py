@@ -33,6 +33,7 @@ import random
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.envs.pool import EnvPool
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
@@ -123,7 +124,7 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                                 f"expected {expected_version!r}")
     routing, routing_stats = None, {}
     if rollout_routing(rollouts) is not None:  # an MoE engine captured routing (for some rows at least)
-        routing, routing_stats = step_routing(rollouts, required=cfg.actor.routing_replay == "r3", step=step)
+        routing, routing_stats = step_routing(rollouts, required=replay_mode(cfg.actor.routing_replay).needs_rollout_routing, step=step)
     prompt_rows = [prompts[i // n] for i in range(len(rollouts))]
     result = task.score(prompt_rows, [r.response_ids for r in rollouts])
     if result.failed or result.timed_out:
@@ -256,7 +257,7 @@ class MultiTurn:
         if failures:
             print(f"[megatron-rl] step {step + 1}: {len(failures)} environment call(s) failed (trajectory ended, "
                   f"reward 0); first: {failures[0][1].kind}: {failures[0][1].message}", file=sys.stderr, flush=True)
-        routing, routing_stats = trajectory_routing(trajs, required=cfg.actor.routing_replay == "r3", step=step)
+        routing, routing_stats = trajectory_routing(trajs, required=replay_mode(cfg.actor.routing_replay).needs_rollout_routing, step=step)
         prompt_rows = [prompts[b // n] for b in range(len(trajs))]
         return StepBatch(prompt_ids=[list(t.prompt_ids) for t in trajs],
                          response_ids=[t.response_ids for t in trajs],

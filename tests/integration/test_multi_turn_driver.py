@@ -556,7 +556,6 @@ def _rank_r3_multi_turn(rank, world, job, batch, temperature):
 
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
     actor = MegatronActor(job)
-    actor.routing_mode = "r3"
     lp, _ = actor.compute_log_probs(batch, temperature, compute_entropy=False)
     return {"lp": lp, "metrics": dict(actor.routing_metrics)}
 

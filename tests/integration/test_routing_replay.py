@@ -231,7 +231,7 @@ def _rank_r2(rank, world, job, data):
     shard = dataclasses.replace(batch.select(start, end), routing=None)  # r2 needs no engine routing
     W = shard.max_length - 1
     actor.compute_log_probs(shard, T, compute_entropy=False)
-    recorded = actor._r2_state[2].clone()
+    recorded = actor.replay.recorded[2].clone()
     actor.routing.begin = begin_keep
     metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], shard.response_mask, is_w[start:end, :W], T)
     return {"rows": (start, end), "recorded": recorded, "passes": passes, "layers": actor.routing.local_layers,
