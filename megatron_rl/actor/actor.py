@@ -8,7 +8,8 @@ Life cycle (every rank; after ``init_distributed()`` and
     old_lp, ent = actor.compute_log_probs(shard, temperature)          # [B, L-1] on all ranks of the MP group
     res = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, cfg,
                                      group=actor.dp_group, cp_group=None)   # old_lp holds whole rows
-    metrics = actor.train_step(shard, old_lp, advantages, res.response_mask, res.weights, temperature)
+    old, w = res.loss_inputs(old_lp, shard.rollout_log_probs)         # what the loss uses (bypass_mode, loss_type)
+    metrics = actor.train_step(shard, old, advantages, res.response_mask, w, temperature)
     actor.save_checkpoint(dir, step, {"data_cursor": 7}); step, extra = actor.load_checkpoint(dir)
     actor.export_hf(out_dir)                  # collective; rank 0 writes HF safetensors (SGLang sync)
     sd = actor.full_state_dict_hf()           # collective; rank 0 gets {hf_name: tensor}, others None
@@ -36,7 +37,7 @@ from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
-from megatron_rl.losses import select_loss_inputs, with_norm_divisor
+from megatron_rl.losses import with_norm_divisor
 from megatron_rl.losses.selection import batch_selection
 from megatron_rl.models import build_gpt_model
 from megatron_rl.parallel.groups import ActorGroups
@@ -62,6 +63,9 @@ class MegatronActor:
         self.parallel_cfg = job_cfg.parallel
         self.actor_cfg = job_cfg.actor
         self.loss_cfg = with_norm_divisor(self.actor_cfg.policy_loss, response_budget(job_cfg)[0])
+        self.loss_type = job_cfg.algorithm.rollout_correction.loss_type
+        """The policy objective (verl keeps it with the correction settings); the old log-probs and IS weights the
+        loss uses come with each step (``CorrectionResult.loss_inputs``)."""
         self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
         self.precision = Precision.from_actor_config(self.actor_cfg)
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype)
@@ -205,16 +209,15 @@ class MegatronActor:
 
         Args:
             batch: this rank's DP shard (``RolloutBatch``).
-            old_log_probs: [B, L-1] the trainer's log-probs before this step (``compute_log_probs``);
-                may be None in bypass mode (then ``batch.rollout_log_probs`` are the old policy).
+            old_log_probs: [B, L-1] the old policy of the loss's ratio: the trainer's log-probs before this step
+                (``compute_log_probs``), or the rollout's in bypass mode — ``CorrectionResult.loss_inputs``.
             advantages: [B] (broadcast over each row's tokens) or [B, L-1].
             response_mask: [B, L-1] mask after rejection sampling (the correction's ``response_mask``).
-            is_weights: [B, L-1] the correction's IS weights (detached) or None, passed as the correction
-                returned them: whether the loss applies them is decided here, once (``select_loss_inputs``).
+            is_weights: [B, L-1] the IS weights the loss applies (detached) or None — the second item of
+                ``CorrectionResult.loss_inputs``; applied as given.
             temperature: the rollout temperature (logits are divided by it).
             ref_log_probs: [B, L-1] reference-policy log-probs, needed when policy_loss.kl_loss_coef > 0.
-        Which old log-probs / weights the loss uses follows ``algorithm.rollout_correction`` (loss_type,
-        bypass_mode) through ``megatron_rl.losses.select_loss_inputs``.
+        The objective is ``algorithm.rollout_correction.loss_type``, read once when the actor is built.
         Returns ``{"actor/<metric>": float}``: means over the optimizer steps of pg_loss, pg_clipfrac,
         pg_clipfrac_lower, ppo_kl, entropy, grad_norm, num_tokens (and kl_loss) and of the learning rate each
         applied (actor/lr; the schedule advances after each applied update), plus actor/num_optimizer_steps.
@@ -222,18 +225,17 @@ class MegatronActor:
         """
         B, W = batch.num_rows, batch.max_length - 1
         check_token_ids(batch, self.model_cfg.vocab_size)
-        corr = self.job_cfg.algorithm.rollout_correction
-        if batch.rollout_log_probs is None and corr.bypass_mode:
-            raise ValueError("train_step: bypass_mode needs batch.rollout_log_probs (the rollout engine's)")
+        if old_log_probs is None:
+            raise ValueError("train_step: old_log_probs is None: pass the old log-probs the loss uses "
+                             "(CorrectionResult.loss_inputs: the recomputed ones, or the rollout's in bypass mode)")
         if advantages.dim() == 1:
             if advantages.shape[0] != B:
                 raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [{B}] or [{B}, {W}]")
             advantages = advantages.reshape(B, 1).expand(B, W)
-        old, w = select_loss_inputs(corr.loss_type, corr.bypass_mode, batch.rollout_log_probs, old_log_probs,
-                                    is_weights)
+        old, w, loss_type = old_log_probs, is_weights, self.loss_type
         # clip_cov / kl_cov / m2po: token selection over this step's whole batch (all DP ranks), before any split
         select, response_mask, select_metrics = batch_selection(
-            corr.loss_type, self.actor_cfg.policy_loss, old, None if corr.bypass_mode else batch.rollout_log_probs,
+            loss_type, self.actor_cfg.policy_loss, old, batch.rollout_log_probs,
             advantages.to(torch.float32), response_mask,
             group=self.groups.dp_group if self.groups.dp_size > 1 else None)
         per_token = {"old_log_probs": old, "advantages": advantages.to(torch.float32),
@@ -242,7 +244,7 @@ class MegatronActor:
         for k, v in per_token.items():
             if v is not None and tuple(v.shape) != (B, W):
                 raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
-        loss_cfg = self.loss_cfg  # loss_type: corr.loss_type (its one owner)
+        loss_cfg = self.loss_cfg
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
         replayed = self.replay.train_routing(self.routing, batch) if self.routing else None
@@ -259,7 +261,7 @@ class MegatronActor:
                 lrs.append(float(self.optimizer.param_groups[0]["lr"]))  # the lr this optimizer step applies
                 try:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
-                                                  corr.loss_type, temperature=temperature, bounds=plan.bounds,
+                                                  loss_type, temperature=temperature, bounds=plan.bounds,
                                                   groups=self.groups, trim=self._trim,
                                                   packed=ac.sequence_packing, replay=rp))
                 finally:

@@ -142,14 +142,6 @@ def _is_log_prob(x: torch.Tensor) -> torch.Tensor:
     return (x > float("-inf")) & (x <= LOG_PROB_TOLERANCE)
 
 
-def _bound(raw: torch.Tensor, cfg: RolloutCorrectionConfig) -> torch.Tensor:
-    """Truncate (TIS) or mask (IcePop) ratios."""
-    b = cfg.is_bounds
-    if b.mask:
-        return torch.where((raw >= b.lower) & (raw <= b.upper), raw, torch.zeros((), dtype=raw.dtype))
-    return raw.clamp(max=b.upper)
-
-
 def token_view(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                cfg: RolloutCorrectionConfig) -> TokenView:
     """Sanitised per-token values of this rank's ``[B, T]`` share."""
@@ -167,7 +159,7 @@ def token_view(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, r
     is_raw = is_weight = None
     if cfg.rollout_is == "token":
         is_raw = torch.where(mask, ratio, zero)
-        is_weight = _bound(is_raw, cfg)
+        is_weight = cfg.is_bounds.apply(is_raw)
     rs_keep = None
     for opt in cfg.rs_options:
         if opt.startswith("token_"):

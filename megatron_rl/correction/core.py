@@ -19,6 +19,10 @@ Four steps, each a module that reads on its own:
 At most 3 collectives per call, whatever the number of metrics. Precision per dtype: see ``columns``
 (per-token float32 for <= fp32 inputs, float64 sums).
 
+What the policy loss uses (``CorrectionResult.loss_inputs``), decided here from ``loss_type`` / ``bypass_mode``:
+the train log-probs and ``weights`` (decoupled), the rollout log-probs and ``weights`` (bypass + reinforce) or the
+rollout log-probs alone (bypass + ppo_clip).
+
 Semantics:
   * IS weights are computed on the pre-rejection mask (verl), then zeroed where rejection / veto /
     padding removed the token, so ``weights`` is 0 wherever ``response_mask`` is 0.
@@ -29,7 +33,7 @@ Semantics:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -40,6 +44,7 @@ from megatron_rl.correction.finalize import PREFIX, batch_norm_factor, finalize_
 from megatron_rl.correction.partials import add_partials
 from megatron_rl.correction.reduce import CollectiveCounter, Reducer, check_groups, group_rank, group_size
 from megatron_rl.correction.validation import check_structure, describe_invalid, invalid_tokens
+from megatron_rl.losses.policy import loss_input_sources
 from megatron_rl.numerics import LOG_PROB_TOLERANCE
 
 
@@ -55,6 +60,28 @@ class CorrectionResult:
     """Global metrics, keys ``rollout_corr/<name>``, identical on every rank of the group."""
     num_collectives: int = 0
     """Collectives this call issued (<= 3)."""
+    old_from_rollout: bool = False
+    """The policy loss's old policy is the rollout engine's log-probs (bypass mode), not the train log-probs the
+    correction was given (decoupled)."""
+    weights_in_loss: bool = True
+    """The policy loss applies ``weights`` (False in bypass mode with ppo_clip: its ratio pi_theta / pi_rollout
+    already is the correction, the weights feed the metrics only)."""
+
+    @property
+    def loss_weights(self) -> Optional[torch.Tensor]:
+        """[B, T] the IS weights the policy loss applies (None: none)."""
+        return self.weights if self.weights_in_loss else None
+
+    def loss_inputs(self, train_log_probs: Optional[torch.Tensor], rollout_log_probs: Optional[torch.Tensor]
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(old log-probs, IS weights) the policy loss uses, of the train / rollout log-probs this correction was
+        computed from (``losses.select_loss_inputs``); ``ValueError`` naming the missing one."""
+        old = rollout_log_probs if self.old_from_rollout else train_log_probs
+        if old is None:
+            raise ValueError("the policy loss's old log-probs are the " + (
+                "rollout log-probs (bypass_mode) but they are None" if self.old_from_rollout else
+                "trainer's recomputed log-probs (bypass_mode=False) but they are None"))
+        return old, self.loss_weights
 
 
 def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
@@ -97,8 +124,10 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
             metrics[PREFIX + "rollout_is_batch_norm_factor"] = factor
         weights = _output_weights(tok, dec, keep, factor)
     new_mask = keep if response_mask.dtype == torch.bool else keep.to(response_mask.dtype)
+    old_from_rollout, weights_in_loss = loss_input_sources(cfg.loss_type, cfg.bypass_mode)
     return CorrectionResult(weights=weights, response_mask=new_mask, metrics=metrics,
-                            num_collectives=counter.count)
+                            num_collectives=counter.count, old_from_rollout=old_from_rollout,
+                            weights_in_loss=weights_in_loss)
 
 
 def _output_weights(tok: TokenView, dec: Decisions, keep: torch.Tensor, factor: float) -> torch.Tensor:

@@ -83,13 +83,6 @@ class Decisions:
         return self.kept_tokens > 0
 
 
-def _bound_seq(raw: torch.Tensor, cfg: RolloutCorrectionConfig) -> torch.Tensor:
-    b = cfg.is_bounds
-    if b.mask:
-        return torch.where((raw >= b.lower) & (raw <= b.upper), raw, torch.zeros_like(raw))
-    return raw.clamp(max=b.upper)
-
-
 def _is_decision(cfg: RolloutCorrectionConfig, seq: SeqColumns) -> Optional[ISDecision]:
     if cfg.rollout_is is None:
         return None
@@ -98,7 +91,7 @@ def _is_decision(cfg: RolloutCorrectionConfig, seq: SeqColumns) -> Optional[ISDe
                           seq_log_ratio=None)
     log_ratio = seq.sum_log_ratio if cfg.rollout_is == "sequence" else seq.sum_log_ratio / seq.n_safe
     raw = exp_clamped(log_ratio)
-    return ISDecision(seq_weight=_bound_seq(raw, cfg), seq_raw=raw, seq_log_ratio=log_ratio)
+    return ISDecision(seq_weight=cfg.is_bounds.apply(raw), seq_raw=raw, seq_log_ratio=log_ratio)
 
 
 def _option_decision(opt: str, cfg: RolloutCorrectionConfig, seq: SeqColumns,

@@ -44,6 +44,7 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
             "mask": (tuple(result.response_mask.shape), result.response_mask.dtype),
             "weights": None if result.weights is None else (tuple(result.weights.shape), result.weights.dtype),
             "metrics": dict(result.metrics), "num_collectives": result.num_collectives,
+            "old_from_rollout": result.old_from_rollout, "weights_in_loss": result.weights_in_loss,
         }
     dist.broadcast_object_list(header, src=src, group=pp_group)
     h = header[0]
@@ -57,4 +58,5 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
     if is_src:
         return result
     return CorrectionResult(weights=weights, response_mask=mask, metrics=h["metrics"],
-                            num_collectives=h["num_collectives"])
+                            num_collectives=h["num_collectives"], old_from_rollout=h["old_from_rollout"],
+                            weights_in_loss=h["weights_in_loss"])

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
+import torch
+
 Spec = Union[str, float, int]
 
 RS_OPTIONS = (
@@ -33,8 +35,19 @@ class ISBounds:
     """Parsed IS threshold: ``upper`` C, ``lower`` lo, and whether out-of-range weights are masked."""
 
     upper: float
+    """C: weights above it are truncated to it (TIS) or masked (IcePop)."""
     lower: float
-    mask: bool  # True: "lo_hi" spec (IcePop / MIS); False: truncate at ``upper`` (TIS)
+    """Masking: weights below it are masked; truncation: 1 / C, used by the ``*_fraction_low`` metrics only."""
+    mask: bool
+    """True: "lo_hi" spec (IcePop / MIS); False: truncate at ``upper`` (TIS)."""
+
+    def apply(self, raw: torch.Tensor) -> torch.Tensor:
+        """The bounded weights of ``raw`` ratios (any shape: per token or per sequence): truncated
+        ``min(raw, C)``, or masked (``raw`` where ``lower <= raw <= upper``, else 0). 0 stays 0."""
+        if self.mask:
+            return torch.where((raw >= self.lower) & (raw <= self.upper), raw, torch.zeros((), dtype=raw.dtype,
+                                                                                            device=raw.device))
+        return raw.clamp(max=self.upper)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,18 @@ class PolicyLossOutput:
     ``entropy_coeff == 0``."""
 
 
+def loss_input_sources(loss_type: str, bypass_mode: bool) -> Tuple[bool, bool]:
+    """(the old policy is the rollout's log-probs, the loss applies the correction's IS weights) in each mode
+    (``select_loss_inputs``); ``ValueError`` for a loss type bypass mode does not run."""
+    check_loss_type(loss_type)
+    if not bypass_mode:
+        return False, True
+    if loss_type not in BYPASS_LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} with bypass_mode=True: bypass mode runs "
+                         f"{', '.join(BYPASS_LOSS_TYPES)} only (verl's bypass_mode loss replaces loss_mode)")
+    return True, loss_type == "reinforce"
+
+
 def select_loss_inputs(loss_type: str, bypass_mode: bool, rollout_log_probs: torch.Tensor,
                        old_log_probs: Optional[torch.Tensor], is_weights: Optional[torch.Tensor]
                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -88,12 +100,9 @@ def select_loss_inputs(loss_type: str, bypass_mode: bool, rollout_log_probs: tor
     * bypass + reinforce: (``rollout_log_probs``, correction weights pi_theta/pi_rollout); the old
       log-probs then only feed the ``ppo_kl`` metric.
     """
-    check_loss_type(loss_type)
-    if bypass_mode:
-        if loss_type not in BYPASS_LOSS_TYPES:
-            raise ValueError(f"loss_type {loss_type!r} with bypass_mode=True: bypass mode runs "
-                             f"{', '.join(BYPASS_LOSS_TYPES)} only (verl's bypass_mode loss replaces loss_mode)")
-        return rollout_log_probs, (is_weights if loss_type == "reinforce" else None)
+    from_rollout, weighted = loss_input_sources(loss_type, bypass_mode)
+    if from_rollout:
+        return rollout_log_probs, (is_weights if weighted else None)
     if old_log_probs is None:
         raise ValueError("old_log_probs is None but bypass_mode=False: the decoupled loss needs the "
                          "trainer's recomputed log-probs (or set bypass_mode=True to use rollout_log_probs)")

@@ -7,7 +7,8 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     old_lp    = actor.compute_log_probs(shard, T)              # fp32 recompute, vocab-parallel
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
     adv       = group advantages with the post-rejection mask
-    metrics   = actor.train_step(shard, old_lp, adv, corr.response_mask, corr.weights, T)
+    old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
+    metrics   = actor.train_step(shard, old, adv, corr.response_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
 
 Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``).
@@ -58,8 +59,9 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
                                          source.max_lag, group=actor.dp_group)
     adv = compute_advantages(shard.rewards, shard.group_index, corr.response_mask.float(),
                              estimator=cfg.algorithm.advantage_estimator, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
-    with wd.phase("train", step + 1):  # whether the loss applies corr.weights: actor.train_step decides
-        actor_metrics = actor.train_step(rows, old_lp, adv, corr.response_mask, corr.weights, T,
+    with wd.phase("train", step + 1):  # the correction decided which old log-probs and weights the loss uses
+        old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)
+        actor_metrics = actor.train_step(rows, old, adv, corr.response_mask, w, T,
                                          ref_log_probs=job.reference.log_probs(rows, T))
     with wd.phase("weight_sync", step + 1):
         sync_metrics = source.publisher.publish(version_tag(step + 1))
