@@ -18,6 +18,7 @@ import pytest
 
 from megatron_rl.config import collect_job_config
 from megatron_rl.models.attention import BACKENDS, attention_backend, attention_errors, expected_te
+from megatron_rl.testing.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
@@ -99,7 +100,7 @@ def _run(*cmd):
      "parallel.context_parallel_size: 2 needs Transformer Engine attention"),
 ])
 def test_check_names_the_refusal(overrides, flag, expected):
-    r, _ = _run("-m", "megatron_rl.cli", "check", Q7, flag, *overrides)
+    r = run_cli("check", Q7, flag, *overrides, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and expected in r.stderr, r.stderr
 
 

@@ -10,15 +10,23 @@ import sys
 
 import pytest
 
+from megatron_rl.testing.cli import run_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
 
 
-def _cli(*args):
+def _cli_process(*args):
+    """``python -m megatron_rl.cli check ARGS`` in a new interpreter (the console script as a user runs it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", *args], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def _cli(*args):
+    """The same command in this process (no second import of torch / megatron: ~10 s of CPU a call)."""
+    return run_cli("check", *args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,7 @@ def tiny_model(task_model):
 
 
 def test_tiny_cpu_plans_four_cpu_fp32_ranks_and_the_real_prompt(tiny_model):
-    r = _cli(TINY, f"actor.load_hf={tiny_model}")
+    r = _cli_process(TINY, f"actor.load_hf={tiny_model}")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "world size 4 (1 node(s) x 4 CPU rank(s))" in out

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from megatron_rl.testing.cli import run_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
 MATH = os.path.join(ROOT, "configs", "math_tiny_cpu.yaml")
@@ -27,9 +29,8 @@ MATH_DATA = os.path.join(ROOT, "examples", "math_tiny", "train.jsonl")
 
 
 def _cli(*args, cwd=ROOT):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", *args], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=300)
+    """``megatron-rl check ARGS`` in this process (tests/integration/test_check_cli.py starts the console script)."""
+    return run_cli("check", *args, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.fixture(scope="module")

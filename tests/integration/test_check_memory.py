@@ -5,14 +5,13 @@ published total parameter counts, and the CLI's exit codes / messages.
     pytest tests/integration/test_check_memory.py
 """
 import os
-import subprocess
-import sys
 
 import pytest
 
 from megatron_rl.config import load_job_config
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
+from megatron_rl.testing.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
@@ -211,9 +210,8 @@ def test_deepseek_interleaved_in_flight_matches_korthikanti():
 
 # ------------------------------------------------------------------ CLI
 def _cli(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=120)
+    """``megatron-rl check ARGS`` in this process (tests/integration/test_check_cli.py starts the console script)."""
+    return run_cli("check", *args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def test_cli_ok_prints_plan():

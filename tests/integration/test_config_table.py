@@ -8,13 +8,12 @@ and compared with the GPU memory of the file's ``cluster:`` section read straigh
 """
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 from megatron_rl.ops.config_table import config_rows, gpu_configs, markdown
+from megatron_rl.testing.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,8 +27,7 @@ def test_there_are_gpu_configs():
 def test_every_shipped_gpu_config_fits_by_check(config):
     with open(os.path.join(ROOT, config)) as fh:
         gpu_gb = yaml.safe_load(fh)["cluster"]["gpu_memory_gb"]
-    r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", config, "--strict"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = run_cli("check", config, "--strict", cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, f"{config}: exit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
     # the TOTAL column of every stage (GiB per rank) is within the file's GPU memory
     totals = [float(ln.split()[-1]) for ln in r.stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\s+[\d.]", ln)]

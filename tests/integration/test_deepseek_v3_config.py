@@ -13,8 +13,6 @@
 Run: ``pytest tests/integration/test_deepseek_v3_config.py``
 """
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -22,6 +20,7 @@ from megatron_rl.config import load_job_config
 from megatron_rl.convert.hf_config import model_config_from_hf
 from megatron_rl.ops.memory import active_parameters, total_parameters
 from megatron_rl.testing.actor_reference import hf_model_config
+from megatron_rl.testing.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "deepseek_v3_671b_64x8.yaml")
@@ -78,8 +77,7 @@ def test_parameter_formula_matches_transformers(tiny_hf_model):
 
 
 def test_check_plans_it_with_no_flags():
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", CONFIG], capture_output=True, text=True,
-                         timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    out = run_cli("check", CONFIG, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     assert "layout: world=512 TP=8 PP=8 VPP=1 CP=1 DP=8 EP=64 ETP=1 expert-DP=1" in text

@@ -6,13 +6,12 @@ PNGs, report.md and the documented health thresholds.
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from megatron_rl.ops import report as R
+from megatron_rl.testing.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -166,8 +165,7 @@ def test_malformed_metrics(tmp_path, lines, match):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "report", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_cli("report", *args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def test_cli(tmp_path):
