@@ -32,7 +32,7 @@ def _body(rank, world, job, modes, url, repeats):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     initialize_model_parallel(job.parallel, seed=0, model=job.model)

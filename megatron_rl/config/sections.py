@@ -118,7 +118,7 @@ class RolloutConfig:
     weight_sync_dir: Optional[str] = None
     """Where HF exports for /update_weights_from_disk go (default: <run_dir>/weight_sync)."""
     weight_sync: str = "auto"
-    """How weights reach the engine after each step (megatron_rl/trainer/weight_sync.py): "disk" (HF export
+    """How weights reach the engine after each step (megatron_rl/weight_sync/): "disk" (HF export
     + reload; full model on rank 0), "tensor" (buckets in memory: in process for the embedded engine,
     /update_weights_from_tensor for an SGLang server on the same host), "distributed" (SGLang: buckets
     broadcast over a gloo / NCCL group, /update_weights_from_distributed). "auto": tensor for embedded,

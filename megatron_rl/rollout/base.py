@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megatron_rl.rollout.weight_buckets import tensor_checksum
+from megatron_rl.weight_sync.buckets import tensor_checksum
 
 #: Finish reasons a ``Rollout`` can carry.
 FINISH_REASONS = ("stop", "length")
@@ -70,7 +70,7 @@ class WeightReceiver(abc.ABC):
 
     @abc.abstractmethod
     def load(self, bucket) -> None:
-        """Load one ``weight_buckets.Bucket`` (HF names) into the engine."""
+        """Load one ``weight_sync.buckets.Bucket`` (HF names) into the engine."""
 
     @abc.abstractmethod
     def commit(self) -> None:
@@ -283,7 +283,7 @@ class RolloutEngine(abc.ABC):
 
     def sync_weights(self, source, version: str, mode: str = "disk") -> None:
         """Load new weights and tag them ``version``: ``source`` is an HF directory (mode "disk") or an
-        iterable of ``weight_buckets.Bucket`` (the other modes; all-or-nothing as ``WeightReceiver`` says)."""
+        iterable of ``weight_sync.buckets.Bucket`` (the other modes; all-or-nothing as ``WeightReceiver`` says)."""
         if mode == "disk":
             self.update_weights(source, version)
             return
@@ -308,12 +308,12 @@ class RolloutEngine(abc.ABC):
 
     def weight_checksum_fn(self):
         """The function that hashes a tensor exactly as ``weight_checksums`` does (default: sha256 of its CPU
-        bytes, ``weight_buckets.tensor_checksum``), or None when this process cannot reproduce the engine's
+        bytes, ``weight_sync.buckets.tensor_checksum``), or None when this process cannot reproduce the engine's
         hash (verification is then skipped and reported as 0 verified)."""
         return tensor_checksum
 
     def weight_layout(self, hf_names, geometry) -> list:
-        """The engine tensors ``weight_checksums`` can report, as ``weight_layout.EngineTensor`` objects built
+        """The engine tensors ``weight_checksums`` can report, as ``weight_sync.layout.EngineTensor`` objects built
         from the HF tensors ``hf_names`` (model of ``geometry``: ``convert.geometry.HFGeometry``); empty: no
         verification."""
         return []

@@ -55,10 +55,10 @@ from megatron_rl.rollout.embedded_sampling import (
     sample_next_tokens,
     sampled_logprobs,
 )
-from megatron_rl.rollout.embedded_weights import BucketLoader, load_state_dict_checked, read_weight_update
+from megatron_rl.weight_sync.receivers.embedded import BucketLoader, load_state_dict_checked, read_weight_update
 from megatron_rl.rollout.finish import stop_ids
-from megatron_rl.rollout.weight_buckets import tensor_checksum
-from megatron_rl.rollout.weight_layout import transformers_layout
+from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.weight_sync.layout import transformers_layout
 from megatron_rl.rollout.routing import RouterCapture
 
 #: Engine compute dtypes by name.

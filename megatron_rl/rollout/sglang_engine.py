@@ -17,7 +17,7 @@
 * Weight sync: ``update_weights(hf_dir, version)`` POSTs ``/update_weights_from_disk`` to every server and
   checks the reported version; afterwards every response must echo ``version``. In memory
   (``begin_weight_sync``, ``rollout.weight_sync: tensor | distributed``): bucket by bucket through
-  ``/update_weights_from_tensor`` or a gloo / NCCL group (``sglang_weights`` documents what each needs);
+  ``/update_weights_from_tensor`` or a gloo / NCCL group (``weight_sync/receivers/sglang.py`` documents what each needs);
   after a failed in-memory sync the engine refuses to generate until a sync succeeds.
 * Connection errors, timeouts and HTTP 5xx are retried with exponential backoff; then
   ``EngineUnavailableError`` names the URL and the last failure. 4xx replies are not retried.
@@ -60,10 +60,11 @@ from megatron_rl.rollout.base import (
 )
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
-from megatron_rl.rollout.sglang_weights import (FP32_KEPT_SUFFIXES, SGLangDistributedReceiver, SGLangTensorReceiver,
-                                                UpdateGroup, checksums_by_name, master_address_for)
-from megatron_rl.rollout.weight_buckets import tensor_checksum
-from megatron_rl.rollout.weight_layout import sglang_layout
+from megatron_rl.weight_sync.receivers.sglang import (FP32_KEPT_SUFFIXES, SGLangDistributedReceiver,
+                                                      SGLangTensorReceiver, checksums_by_name)
+from megatron_rl.weight_sync.transport import UpdateGroup, master_address_for
+from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.weight_sync.layout import sglang_layout
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ def parse_generate_response(payload: Any, prompts: list[list[int]], n: int, sour
 class SGLangEngine(RolloutEngine):
     """Rollout engine backed by SGLang HTTP servers (see the module docstring)."""
 
-    #: Every mode: a disk export, local in-memory buckets or a broadcast group (``sglang_weights``).
+    #: Every mode: a disk export, local in-memory buckets or a broadcast group (``weight_sync.receivers.sglang``).
     weight_sync_modes = ("disk", "tensor", "distributed")
     #: Only a disk export: "tensor" and "distributed" stream from every trainer rank at sync time.
     deferred_weight_sync_modes = ("disk",)
@@ -456,7 +457,7 @@ class SGLangEngine(RolloutEngine):
         self._weight_version = version
         self._invalid = None
 
-    # ------------------------------------------------- in-memory weight sync (rollout.weight_sync; sglang_weights)
+    # ------------------------------------------------- in-memory weight sync (rollout.weight_sync; weight_sync/)
     def begin_weight_sync(self, mode: str, version: str, master_address: str | None = None,
                           timeout_s: float | None = None, **options):
         """A receiver for ``mode`` "tensor" (servers on this host) or "distributed" (gloo on CPU, NCCL on GPU;
@@ -497,7 +498,7 @@ class SGLangEngine(RolloutEngine):
         return self._reported
 
     def weight_layout(self, hf_names, geometry) -> list:
-        """SGLang's tensors (fused qkv / gate_up / experts, padded vocabulary; ``weight_layout.sglang_layout``)
+        """SGLang's tensors (fused qkv / gate_up / experts, padded vocabulary; ``weight_sync.layout.sglang_layout``)
         that the servers' ``/weights_checker`` reports; fused experts only without expert parallelism."""
         reported = self._checker_names()
         ep = max(int(self._info(u).get("ep_size") or 1) for u in self.urls)

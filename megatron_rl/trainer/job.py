@@ -48,7 +48,7 @@ from megatron_rl.tasks.val_set import build_val_set
 from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
 from megatron_rl.trainer.watchdog import Watchdog
-from megatron_rl.trainer.weight_publisher import build_weight_publisher
+from megatron_rl.weight_sync.publisher import build_weight_publisher
 
 __all__ = ["Job", "build_job", "setup_distributed", "build_task", "latest_checkpoint", "save", "KLReference",
            "NoReference"]

@@ -42,7 +42,7 @@ from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, 
 from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.reward_failures import failed_fraction
 from megatron_rl.trainer.step_batch import StepBatch, StepRows
-from megatron_rl.trainer.weight_publisher import WeightPublisher, deferred_publisher
+from megatron_rl.weight_sync.publisher import WeightPublisher, deferred_publisher
 
 __all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule",
            "RowSplit"]

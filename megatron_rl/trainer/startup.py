@@ -10,7 +10,7 @@ from __future__ import annotations
 from megatron_rl.rollout.factory import engine_class
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
-from megatron_rl.trainer.weight_publisher import weight_sync_mode
+from megatron_rl.weight_sync.publisher import weight_sync_mode
 
 
 def check_data(cfg) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import megatron_rl.correction.lag as lag_module
 import megatron_rl.trainer.step_batch as step_batch_module
-import megatron_rl.trainer.weight_sync as weight_sync_module
+import megatron_rl.weight_sync.transport as weight_sync_transport
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
@@ -178,7 +178,7 @@ def _pp_job(hf_dir):
 def _buckets_body(rank, world, job):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
-    from megatron_rl.trainer.weight_sync import stream_buckets
+    from megatron_rl.weight_sync.senders import stream_buckets
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)  # the model's own groups: gloo, CPU
     actor = MegatronActor(job)
@@ -233,7 +233,7 @@ OLD_SITES = {
                          "fakeccl all_reduce: a tensor on cpu"),
     "stop_flag_on_host": ((step_batch_module, "all_reduce_", _plain_all_reduce),
                           "fakeccl all_reduce: a tensor on cpu"),
-    "bucket_sent_from_host": ((weight_sync_module, "send_", _plain_send),
+    "bucket_sent_from_host": ((weight_sync_transport, "send_", _plain_send),
                               "fakeccl (send|recv): a tensor on cpu"),
 }
 
@@ -243,7 +243,7 @@ def test_each_old_device_site_is_caught(site, monkeypatch, request):
     (owner, attr, old), expected = OLD_SITES[site]
     monkeypatch.setattr(owner, attr, old)
     if site == "bucket_sent_from_host":
-        monkeypatch.setattr(weight_sync_module, "recv_", _plain_recv)
+        monkeypatch.setattr(weight_sync_transport, "recv_", _plain_recv)
         with pytest.raises(RankError, match=expected):
             run_ranks(_buckets_body, 2, _pp_job(request.getfixturevalue("hf_dir")), timeout=300)
         return

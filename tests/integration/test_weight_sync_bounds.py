@@ -21,7 +21,7 @@ import pytest
 
 from megatron_rl.rollout.base import SamplingParams, WeightSyncError
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
-from megatron_rl.rollout.sglang_weights import master_address_for
+from megatron_rl.weight_sync.transport import master_address_for
 
 SLEEP_S = 30.0  # how late the stub answers the slow endpoints
 

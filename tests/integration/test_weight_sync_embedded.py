@@ -31,7 +31,7 @@ from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import RankError, run_ranks
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
-from megatron_rl.trainer.weight_sync import verify_disk_sync
+from megatron_rl.weight_sync.verify import verify_disk_sync
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,7 +65,7 @@ def _reference(hf_dir):
 
 def _sync_body(rank, world, job, engine_dir, dtype, corrupt_name=None):
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -136,7 +136,7 @@ def _rss_kb() -> int:
 
 def _memory_body(rank, world, job, engine_dir):
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     # large blocks straight from / back to the kernel (glibc would otherwise keep freed buckets on its heap
     # after raising its mmap threshold, and RSS would count allocator retention instead of live tensors)

@@ -71,7 +71,7 @@ def _body(rank, world, job, url, fault=None):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -142,7 +142,7 @@ def test_corrupted_bucket_is_named_and_server_tagged_failed(models, server):
 def test_group_init_rejected(models, server):
     from megatron_rl.rollout.base import WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.rollout.sglang_weights import UpdateGroup
+    from megatron_rl.weight_sync.transport import UpdateGroup
 
     engine = SGLangEngine(server.url)
     with pytest.raises(WeightSyncError, match=r"weight-update group .* \(nccl.*could not be set up.*" + server.url):

@@ -75,7 +75,7 @@ def _body(rank, world, job, url, corrupt_name=None):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)

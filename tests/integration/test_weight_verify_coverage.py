@@ -73,7 +73,7 @@ def _classes_body(rank, world, job, make_engine, classes):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import WeightSyncError
-    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -131,7 +131,7 @@ def _async_body(rank, world, job, engine_dir, broken):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_publisher import payload_maker, weight_sync_mode
+    from megatron_rl.weight_sync.publisher import payload_maker, weight_sync_mode
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
@@ -172,7 +172,7 @@ def _disk_body(rank, world, job, engine_dir, n):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.trainer.weight_publisher import build_weight_publisher
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)

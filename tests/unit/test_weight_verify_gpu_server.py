@@ -16,9 +16,9 @@ import torch
 
 from megatron_rl.config import job_config_from_dict
 from megatron_rl.rollout.sglang_engine import SGLangEngine
-from megatron_rl.rollout.weight_buckets import tensor_checksum
-from megatron_rl.rollout.weight_layout import Replicated, sglang_layout
-from megatron_rl.trainer import weight_sync
+from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.weight_sync.layout import Replicated, sglang_layout
+from megatron_rl.weight_sync import verify as weight_verify
 
 
 def _engine(device: str) -> SGLangEngine:
@@ -47,13 +47,13 @@ def test_gpu_server_is_not_verified_and_never_fails_the_sync(capsys):
     assert eng.weight_checksum_fn() is None
     job = job_config_from_dict({"rollout": {"engine": "sglang", "sglang_urls": eng.urls,
                                             "weight_sync_verify_tensors": -1}})
-    weight_sync._UNVERIFIABLE_SAID.clear()
-    v = weight_sync._verifier(None, eng, job, ["model.norm.weight"], "step-0", torch.bfloat16, set())
+    weight_verify._UNVERIFIABLE_SAID.clear()
+    v = weight_verify.verifier_for(None, eng, job, ["model.norm.weight"], "step-0", torch.bfloat16, set())
     assert v.tensors == [] and v.hash is None
     assert v.check("weight sync to 'step-0'", "the trainer's") == [] and v.verified_frac == 0.0
     out = capsys.readouterr().out
     assert "verification skipped" in out and out.count("WARNING") == 1
-    weight_sync._verifier(None, eng, job, ["model.norm.weight"], "step-1", torch.bfloat16, set())
+    weight_verify.verifier_for(None, eng, job, ["model.norm.weight"], "step-1", torch.bfloat16, set())
     assert "verification skipped" not in capsys.readouterr().out  # once per process
 
 
@@ -90,7 +90,7 @@ def test_fp32_kept_bias_is_compared_in_fp32_as_sglang_holds_it():
     from hashlib import sha256
     from types import SimpleNamespace
 
-    from megatron_rl.trainer.weight_verify import WeightVerifier
+    from megatron_rl.weight_sync.verify import WeightVerifier
 
     bias_name = "model.layers.3.mlp.gate.e_score_correction_bias"
     bias = torch.randn(16, dtype=torch.float32) * 1e-3  # values bf16 cannot hold exactly

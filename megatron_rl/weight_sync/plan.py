@@ -1,7 +1,7 @@
 """The weight-sync part of ``megatron-rl check``: what one trainer -> engine sync moves and holds.
 
 ``weight_sync_plan(cfg, total_params)`` -> ``SyncPlan`` for the job's resolved ``rollout.weight_sync`` mode
-(megatron_rl/trainer/weight_sync.py):
+(megatron_rl/weight_sync/):
 
 * bytes per sync = every parameter once, in the engine's dtype (``rollout.dtype``);
 * host memory of the sync on rank 0: disk — the whole model in the engine's dtype (the HF export is built
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron_rl.trainer.weight_publisher import weight_sync_mode
+from megatron_rl.weight_sync.publisher import weight_sync_mode
 
 __all__ = ["SyncPlan", "weight_sync_plan", "DISK_GBPS", "LINK_GBPS"]
 

@@ -17,13 +17,13 @@ the pinned SGLang (0.5.23, CPU server):
 * Verification reads ``/weights_checker`` (``action: checksum``): sha256 checksums of the server's own
   tensors by SGLang name, one entry per scheduler rank (``parallelism_info.tp_rank``: each TP rank reports
   its shard). ``checksums_by_name`` turns that into ``{name: (rank 0's checksum, rank 1's, ...)}``; the
-  trainer builds the same fused / padded / sharded tensors (``weight_layout.sglang_layout``) to compare.
+  trainer builds the same fused / padded / sharded tensors (``layout.sglang_layout``) to compare.
   ``/get_weights_by_name`` is not implemented for Qwen2 in this version.
 * fp32-kept tensors (``FP32_KEPT_SUFFIXES``): DeepSeek-V3's ``e_score_correction_bias`` is an fp32 parameter
   of SGLang's bf16 model; it is sent and compared in fp32.
 * The update group's store is the trainer's own ``TCPStore(is_master=True)`` (never torch's rendezvous,
   which makes a client of the launcher's agent store under ``TORCHELASTIC_USE_AGENT_STORE=True``), at the
-  address of this host's interface that routes to the servers (``master_address_for``).
+  address of this host's interface that routes to the servers (``transport.master_address_for``).
 * Failure (any server): every reachable server is tagged ``sync-failed:<version>`` and the engine refuses
   to generate until a later sync succeeds — no server is left serving a mix of versions as a valid one.
 """
@@ -31,22 +31,18 @@ from __future__ import annotations
 
 import base64
 import io
-import ipaddress
-import socket
-import threading
 from datetime import timedelta
 from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.devices import collective_device
 from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
-from megatron_rl.rollout.sglang_server import find_free_port
-from megatron_rl.rollout.weight_buckets import DTYPE_NAMES
+from megatron_rl.weight_sync.buckets import DTYPE_NAMES
+from megatron_rl.weight_sync.transport import UpdateGroup, run_parallel
 
-__all__ = ["SGLangTensorReceiver", "SGLangDistributedReceiver", "UpdateGroup", "serialize_for_server",
-           "master_address_for", "checksums_by_name", "FP32_KEPT_SUFFIXES"]
+__all__ = ["SGLangTensorReceiver", "SGLangDistributedReceiver", "serialize_for_server",
+           "checksums_by_name", "FP32_KEPT_SUFFIXES"]
 
 #: Tensors SGLang keeps in fp32 in a bf16 model (its DeepSeek MoEGate allocates the bias in fp32).
 FP32_KEPT_SUFFIXES = ("e_score_correction_bias",)
@@ -65,113 +61,6 @@ def serialize_for_server(named: List) -> str:
     finally:
         torch.multiprocessing.set_sharing_strategy(old)
     return base64.b64encode(buf.getvalue()).decode()
-
-
-def _url_host_port(url: str) -> tuple:
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url if "://" in url else "http://" + url)
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def master_address_for(urls: List[str], configured: str | None) -> str:
-    """The address servers use to reach trainer rank 0: ``configured``, else the address of this host's
-    interface that routes to the servers (a UDP ``connect`` sends nothing; the kernel picks the source
-    address): 127.0.0.1 for servers on loopback, never a loopback alias such as Debian's 127.0.1.1 for a
-    remote server. Servers reached through different interfaces raise ``WeightSyncError`` (set
-    ``rollout.weight_sync_master_address``)."""
-    if configured:
-        return configured
-    found = {}
-    for url in urls:
-        host, port = _url_host_port(url)
-        try:
-            family, _, _, _, addr = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)[0]
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect(addr[:2])
-                mine = s.getsockname()[0]
-        except OSError as exc:
-            raise WeightSyncError(f"master address: no route from this host to the SGLang server {url} ({exc}); "
-                                  "set rollout.weight_sync_master_address") from exc
-        remote = not ipaddress.ip_address(addr[0]).is_loopback
-        if remote and ipaddress.ip_address(mine).is_loopback:
-            raise WeightSyncError(f"master address: the route to {url} leaves through loopback address {mine}, "
-                                  "which the server cannot reach; set rollout.weight_sync_master_address")
-        found[url] = mine
-    addrs = set(found.values())
-    if len(addrs) != 1:
-        raise WeightSyncError(f"master address: the servers are reached through different local addresses "
-                              f"{found}; set rollout.weight_sync_master_address")
-    return addrs.pop()
-
-
-def _parallel(fns: List[Callable[[], Any]]) -> List[Any]:
-    """Run ``fns`` in threads; return their results (an exception is returned in place of a result)."""
-    out: List[Any] = [None] * len(fns)
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed back
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
-class UpdateGroup:
-    """Rank 0's process group with the servers' TP ranks (``/init_weights_update_group``)."""
-
-    def __init__(self, engine, master_address: str, timeout_s: float, backend: str):
-        self.engine = engine
-        self.store = None  # the trainer's TCPStore (master) of the group
-        self.name = f"megatron_rl_weight_sync_{find_free_port()}"
-        sizes = [engine.server_tp_size(u) for u in engine.urls]
-        self.world = 1 + sum(sizes)
-        port = find_free_port()
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-
-        def init(url, offset):
-            return engine._post_ok(url, "/init_weights_update_group", {
-                "master_address": master_address, "master_port": port, "rank_offset": offset,
-                "world_size": self.world, "group_name": self.name, "backend": backend}, timeout_s)
-
-        def own():
-            from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
-            # the trainer serves this store itself: rendezvous("tcp://") would connect to the launcher's
-            # agent store instead under TORCHELASTIC_USE_AGENT_STORE=True (torchrun), which nobody serves here
-            store = dist.TCPStore(master_address, port, self.world, is_master=True,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-            self.store = store
-            store = PrefixStore(self.name, store)
-            pg, _ = _new_process_group_helper(self.world, 0, [], Backend(backend), store, group_name=self.name,
-                                              backend_options=None, timeout=timedelta(seconds=timeout_s))
-            _world.pg_group_ranks[pg] = {i: i for i in range(self.world)}
-            return pg
-
-        results = _parallel([own] + [lambda u=u, o=o: init(u, o) for u, o in zip(engine.urls, offsets)])
-        errors = [f"{u}: {r}" for u, r in zip(engine.urls, results[1:]) if isinstance(r, BaseException)]
-        if isinstance(results[0], BaseException):
-            errors.insert(0, f"trainer rank 0 ({master_address}:{port}): {results[0]}")
-        if errors:
-            raise WeightSyncError(f"weight-update group {self.name!r} ({backend}, world {self.world}) could not be "
-                                  "set up: " + "; ".join(errors))
-        self.pg = results[0]
-        self.device = collective_device(self.pg)  # the one owner of "which device for this backend"
-
-    def close(self) -> None:
-        for url in self.engine.urls:
-            try:
-                self.engine._post_ok(url, "/destroy_weights_update_group", {"group_name": self.name}, 30)
-            except Exception:  # noqa: BLE001 - best effort (the server may be gone)
-                pass
-        self.pg = None  # not destroyed: a broadcast to a dead server may still hold it (gloo times it out)
-        self.store = None
 
 
 class _SessionReceiver(WeightReceiver):
@@ -193,7 +82,7 @@ class _SessionReceiver(WeightReceiver):
             raise
 
     def _each(self, fn: Callable[[str], Any]) -> None:
-        results = _parallel([lambda u=u: fn(u) for u in self.engine.urls])
+        results = run_parallel([lambda u=u: fn(u) for u in self.engine.urls])
         errors = [f"{u}: {r}" for u, r in zip(self.engine.urls, results) if isinstance(r, BaseException)]
         if errors:
             raise WeightSyncError(f"weight sync to {self.version!r}: " + "; ".join(errors))
@@ -246,7 +135,7 @@ class SGLangDistributedReceiver(_SessionReceiver):
                 "load_format": "flattened_bucket", "flush_cache": True}
         flat = bucket.flat.to(self.group.device)
         work = dist.broadcast(flat, src=0, group=self.group.pg, async_op=True)
-        results = _parallel([lambda u=u: self.engine._post_ok(u, "/update_weights_from_distributed", meta,
+        results = run_parallel([lambda u=u: self.engine._post_ok(u, "/update_weights_from_distributed", meta,
                                                               self.timeout_s) for u in self.engine.urls])
         errors = [f"{u}: {r}" for u, r in zip(self.engine.urls, results) if isinstance(r, BaseException)]
         if not errors:  # every server received: the broadcast is complete; else do not wait on a dead peer

@@ -7,7 +7,7 @@ The mode is resolved once (``weight_sync_mode``: ``rollout.weight_sync``, or for
 default -- ``default_weight_sync_mode`` -- for sync or async rollouts) and picks one class:
 
 * ``StreamPublisher`` (tensor / distributed): buckets streamed from every rank to rank 0's engine receiver and
-  verified as they pass (``weight_sync._stream_sync``).
+  verified as they pass (``stream.stream_sync``).
 * ``DiskPublisher`` (disk): an HF export that rank 0's engine loads, then verifies; older exports are pruned.
 * ``DeferredPublisher`` (async rollouts, after the producer started): the version is turned into a
   ``WeightPayload`` now (an export, or owned buckets on rank 0) and handed to the producer, which applies it in
@@ -15,8 +15,8 @@ default -- ``default_weight_sync_mode`` -- for sync or async rollouts) and picks
 
 A ``WeightPayload`` knows how it is applied and what it holds, so nobody asks what kind of payload it is:
 ``DiskExport(path)`` (``engine.update_weights`` from the directory) and ``OwnedBuckets(buckets)`` (an in-memory
-update from buckets copied to rank 0; the embedded engine only). See ``weight_sync.py`` for the streaming,
-verification and pruning mechanics.
+update from buckets copied to rank 0; the embedded engine only). Streaming: ``stream.py``; verification:
+``verify.py``; pruning: ``exports.py``.
 """
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ from megatron_rl.parallel.rank0 import from_rank0, is_rank0
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.rollout.factory import engine_class
 from megatron_rl.rollout.versions import parse_version
-from megatron_rl.trainer.weight_sync import (SyncReport, export_report, prune_exports, stream_buckets,
-                                             stream_sync, verify_buckets, verify_export)
+from megatron_rl.weight_sync.exports import export_report, prune_exports
+from megatron_rl.weight_sync.report import SyncReport
+from megatron_rl.weight_sync.senders import stream_buckets
+from megatron_rl.weight_sync.stream import stream_sync
+from megatron_rl.weight_sync.verify import verify_buckets, verify_export
 
 __all__ = ["weight_sync_mode", "WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher",
            "DiskPublisher", "DeferredPublisher", "build_weight_publisher", "deferred_publisher", "payload_maker"]

@@ -1,5 +1,5 @@
 """How an engine holds the trainer's HF tensors: fused, padded and sharded over its TP ranks, so weight-sync
-verification can compare EVERY parameter class by checksum (``weight_sync.WeightVerifier``).
+verification can compare EVERY parameter class by checksum (``verify.WeightVerifier``).
 
 An ``EngineTensor`` is one tensor as the engine reports it (its own name) and how rank ``r`` of a TP-``n``
 server builds it from HF tensors: each ``Piece`` (one HF tensor) is cut by its ``Shard`` rule, the pieces are

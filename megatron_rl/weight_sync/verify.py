@@ -1,5 +1,5 @@
 """Weight-sync verification (rank 0): the engine's own checksums of a sample of ITS tensors — fused, padded and
-sharded as the engine holds them (``rollout.weight_layout``) — compared with the same fusion / padding /
+sharded as the engine holds them (``weight_sync.layout``) — compared with the same fusion / padding /
 sharding of the trainer's tensors, cast to the engine's dtype (tensors the engine keeps in higher precision
 stay in their own dtype).
 
@@ -13,16 +13,27 @@ Usage (one ``WeightVerifier`` per sync; ``offer`` every HF tensor of the sync in
 
 Memory: the HF pieces of a sampled engine tensor are held (cloned) until its last piece arrived — for a
 sampled fused expert tensor, the experts of one layer.
+
+Entry points per payload (each builds the verifier of a version -- nothing sampled unless
+``rollout.weight_sync_verify_interval`` makes the version due -- offers the tensors and compares):
+``verifier_for`` + ``finish_verify`` (streamed buckets, as they pass), ``verify_export`` / ``verify_disk_sync``
+(an HF export the engine loaded) and ``verify_buckets`` (owned buckets applied by the async producer).
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_rl.config import JobConfig
 from megatron_rl.rollout.base import WeightSyncError
+from megatron_rl.rollout.versions import parse_version
+from megatron_rl.weight_sync.report import SyncReport
 
-__all__ = ["WeightVerifier", "sample_spread"]
+__all__ = ["WeightVerifier", "sample_spread", "verifier_for", "finish_verify", "verify_export", "verify_buckets",
+           "verify_disk_sync"]
 
 
 def sample_spread(names: List[str], k: int, version: int) -> List[str]:
@@ -116,3 +127,90 @@ class WeightVerifier:
         done = {s for n in names for s in srcs[n]}
         self.verified_frac = sum(self._numel.get(s, 0) for s in done) / total if total else 0.0
         return names
+
+
+def _version_number(tag: str) -> int:
+    """The number of a ``step-N`` version tag (0 for any other tag: verified like version 0)."""
+    try:
+        return parse_version(tag)
+    except ValueError:
+        return 0
+
+
+def verifier_for(geometry, engine, cfg: JobConfig, names: List[str], version: str, dtype, keep) -> WeightVerifier:
+    """Rank 0: the verifier of this version (samples nothing unless a verification is due)."""
+    rc = cfg.rollout
+    v = _version_number(version)
+    due = rc.weight_sync_verify_interval > 0 and v % rc.weight_sync_verify_interval == 0
+    verifier = WeightVerifier(engine, names, geometry, rc.weight_sync_verify_tensors if due else 0, v, dtype, keep)
+    if due and verifier.hash is None and not _UNVERIFIABLE_SAID:
+        _UNVERIFIABLE_SAID.append(True)
+        print(f"[megatron-rl] WARNING: weight-sync verification skipped -- OFF for this whole run: "
+              f"{type(engine).__name__}'s checksums cannot be reproduced in this process. SGLang on a GPU hashes "
+              f"its tensors with its Triton kernel, which the trainer runs only with sglang importable in its own "
+              f"environment and a CUDA device (SGLang in a separate venv, MEGATRON_RL_SGLANG_PYTHON, cannot be "
+              f"verified); weight_sync/verified_param_frac stays 0. To verify: install sglang in the trainer's "
+              f"environment on the GPU nodes", flush=True)
+    return verifier
+
+
+_UNVERIFIABLE_SAID: List[bool] = []  # the warning above, once per process
+
+
+def finish_verify(verifier: WeightVerifier, report: SyncReport, what: str, source_text: str) -> None:
+    report.checked = verifier.check(what, source_text)
+    report.verified = bool(report.checked)
+    report.verified_frac = verifier.verified_frac
+
+
+def verify_disk_sync(engine, cfg: JobConfig, export_dir: str, version: str) -> List[str]:
+    """Rank 0, after the engine loaded ``export_dir``: compare the engine's copies of sampled engine tensors
+    with the same fusion of the export's tensors (cast to the engine's dtype as its loader casts them;
+    fp32-kept tensors in their own dtype) when due; a mismatch raises ``WeightSyncError`` naming each tensor.
+    Returns the engine tensors checked (empty: not due, or the engine cannot report checksums)."""
+    return verify_export(engine, cfg, export_dir, version).checked
+
+
+def verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> SyncReport:
+    from safetensors import safe_open
+
+    from megatron_rl.convert.geometry import HFGeometry
+
+    with open(os.path.join(export_dir, "config.json")) as fh:
+        geometry = HFGeometry.from_hf_config(json.load(fh))
+    files = sorted(f for f in os.listdir(export_dir) if f.endswith(".safetensors"))
+    names = []
+    for f in files:
+        with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
+            names += list(fh.keys())
+    verifier = verifier_for(geometry, engine, cfg, names, version, engine.weight_dtype,
+                         engine.full_precision_weight_names(names))
+    report = SyncReport()
+    if not verifier.tensors:
+        return report
+    for f in files:
+        with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
+            for name in fh.keys():
+                if verifier.needs(name):
+                    verifier.offer(name, fh.get_tensor(name))
+                else:
+                    n = 1
+                    for d in fh.get_slice(name).get_shape():
+                        n *= int(d)
+                    verifier.count(name, n)
+    finish_verify(verifier, report, f"weight sync to {version!r} (disk)", export_dir)
+    return report
+
+
+def verify_buckets(engine, cfg: JobConfig, actor, buckets, version: str) -> SyncReport:
+    """Rank 0, after the engine applied owned ``buckets`` (async tensor mode): as ``verify_disk_sync``."""
+    names = [n for b in buckets for n in b.names]
+    verifier = verifier_for(actor.hf_target.geometry, engine, cfg, names, version, engine.weight_dtype,
+                         engine.full_precision_weight_names(names))
+    report = SyncReport()
+    if verifier.tensors:
+        for bucket in buckets:
+            for name, t in bucket.tensors():
+                verifier.offer(name, t)
+        finish_verify(verifier, report, f"weight sync to {version!r}", "the trainer's tensors")
+    return report

@@ -7,7 +7,7 @@ Usage::
     load_state_dict_checked(model, sd, source="/run/hf_export/step_3")
 
 ``BucketLoader`` is the bucketed in-process receiver (``rollout.weight_sync: tensor``): the trainer streams
-``weight_buckets.Bucket`` objects and each is copied in as it arrives (never a full state dict).
+``weight_sync.buckets.Bucket`` objects and each is copied in as it arrives (never a full state dict).
 """
 from __future__ import annotations
 

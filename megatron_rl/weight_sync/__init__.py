@@ -1,0 +1,56 @@
+"""Trainer -> rollout engine weight sync (``rollout.weight_sync``), collective over every trainer rank.
+
+The path of a byte, one module per hop::
+
+    trainer shard --senders.py--> HF tensor --buckets.py--> Bucket --transport.py--> rank 0 / server group
+        --receivers/{embedded,sglang}.py--> engine tensor      (checked by verify.py against layout.py)
+
+* ``plan.py``: what a sync moves and holds (``megatron-rl check``).
+* ``senders.py``: gather each parameter's TP / EP / ETP shards into HF tensors, pack them into buckets.
+* ``buckets.py``: ``Bucket`` (tensors of one dtype back to back in one flat buffer), ``bucketize``, checksums.
+* ``transport.py``: bucket send / receive between trainer ranks; the update group with the SGLang servers.
+* ``stream.py``: the streamed sync -- senders to rank 0's receiver, verification in passing, errors shared.
+* ``receivers/``: the engine ends (``embedded.py``: copy into the in-process model; ``sglang.py``: HTTP update
+  sessions of SGLang servers).
+* ``layout.py`` + ``verify.py``: how an engine holds each tensor, and the checksum comparison built on it.
+* ``exports.py``: disk exports (bytes, pruning).
+* ``publisher.py``: the mode, chosen once when the job is built, as one publisher object.
+* ``report.py``: ``SyncReport``, the ``weight_sync/*`` metrics.
+
+Modes (``publisher.py`` chooses the mode once, from ``rollout.weight_sync`` or the engine
+class's default: tensor for the embedded engine, distributed for SGLang, disk for SGLang in ``rollout.mode: async``):
+
+* ``disk`` — rank 0 writes an HF export (``actor.export_hf``) and the engine loads the directory
+  (SGLang ``/update_weights_from_disk``). Memory: the full model on rank 0; the fallback.
+* ``tensor`` / ``distributed`` — buckets streamed from ``convert.live.iter_hf_tensors`` (the one gatherer):
+  on each pipeline stage the TP / EP / ETP shards of one parameter at a time are gathered, cast to the
+  engine's dtype and packed into ``buckets.Bucket`` buffers of ``rollout.weight_sync_bucket_mb``
+  (``senders.stream_buckets``); stage 0's leader (global rank 0) hands its buckets to the engine's
+  ``WeightReceiver`` (``receivers/``) as they fill, the leaders of the later stages send theirs to rank 0 one
+  at a time (``transport.send_bucket``), which hands them on. Peak extra host memory on a rank: one bucket
+  + the parameter being gathered (+ on rank 0 the bucket being received), never the model. tensor: the embedded engine copies each bucket into its model
+  in process; SGLang gets ``/update_weights_from_tensor`` (same host). distributed: SGLang receives each
+  bucket by broadcast in a gloo (CPU) / NCCL (GPU) group with rank 0 (``/update_weights_from_distributed``).
+* Failures: a bucket the engine rejects, a dead server or a timeout is caught on rank 0, the rest of the
+  stream is drained (so no rank waits in a send), ``WeightReceiver.abort`` makes sure no server serves the
+  partial weights, and the error is raised on every rank.
+* Verification (``verify.WeightVerifier``, every ``rollout.weight_sync_verify_interval``-th version,
+  in every mode, sync and async): ``rollout.weight_sync_verify_tensors`` of the ENGINE's tensors (-1: all),
+  spread over the model and rotated by version, are rebuilt from the trainer's HF tensors as the engine
+  holds them (fused qkv / gate_up / experts, zero-padded vocabulary rows, one shard per server TP rank:
+  ``layout.py``) and their checksums compared with the engine's (``weights_checker`` on SGLang);
+  a mismatch fails the sync naming each engine tensor, its HF sources and the TP rank. Streamed: taken from
+  the buckets as they pass; disk: from the export after the engine loaded it; async: by the producer after
+  it applied the version (a failure surfaces at the next step's rollouts).
+* Disk exports (``exports.py``): only the versions an engine may still load or holds are kept (sync: the last
+  one; async: ``RolloutProducer.versions_in_use``); older ``step-N`` exports are deleted.
+* Async rollouts (``rollout.mode: async``): the producer thread applies weights later, on rank 0 alone.
+  disk: the export directory is the payload; tensor (embedded engine): the buckets are collected on rank 0
+  (owned copies: the full model there, as before) and applied by the producer. distributed / SGLang
+  tensor need the engine's group at apply time and are rejected by config validation.
+
+Metrics: ``weight_sync/bytes``, ``weight_sync/buckets``, ``weight_sync/verified`` (1 when verified),
+``weight_sync/verified_param_frac`` (parameters inside the compared engine tensors / all parameters; in async
+mode the producer verifies later, so the step's metric is 0 and a failure surfaces at the next rollouts);
+the loop times the call as ``timing/weight_sync_s``.
+"""
