@@ -158,7 +158,7 @@ class ReplayPass:
             if self.targets is not None and reps:
                 t = mb.layout.routing_targets(self.targets, self.lengths, g, device=mb.tokens.device)
                 for rep in reps:
-                    rep.set_target_indices(t[rep.moe_index])
+                    rep.set_target_indices(t[self.owner.column[rep.moe_index]])
             out = step(mb, model)
             for rep in reps:
                 if self.record and rep.own:
@@ -227,6 +227,30 @@ class RoutingReplay:
             self._by_chunk[id(chunk)] = reps
             self.replays += reps
         self.local_layers = sorted(r.moe_index for r in self.replays)
+        """The MoE layers (indices into ``spec.moe_layers``) whose routers this rank holds (its pipeline stage's,
+        every virtual stage's with VPP)."""
+        self.column = {j: i for i, j in enumerate(self.local_layers)}
+        """MoE layer index -> its column in this rank's routing (``local``)."""
+        self.local_spec = RoutingSpec(spec.num_experts, spec.topk, tuple(spec.moe_layers[j] for j in self.local_layers))
+        """The spec of this rank's layers (a stage-local routing tensor's dim 2)."""
+
+    def local(self, routing: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``routing`` [B, W, moe_layers, k] as this rank's layers' columns (``local_layers``, in order): a tensor
+        of every MoE layer is cut to them; one that holds only them (what a rank of a job receives, the rollout
+        source sending each pipeline stage its layers' routing) is returned as it is. The two cannot be confused:
+        with as many local layers as MoE layers they are the same tensor."""
+        if routing is None or routing.shape[2] != self.spec.num_moe_layers or len(self.local_layers) == \
+                self.spec.num_moe_layers:
+            return routing
+        return routing[:, :, self.local_layers]
+
+    def spec_of(self, routing: torch.Tensor) -> RoutingSpec:
+        """The spec ``routing`` is checked against: this rank's layers' when it holds only them, else every layer's."""
+        local = len(self.local_layers)
+        if isinstance(routing, torch.Tensor) and routing.dim() == 4 and routing.shape[2] == local and \
+                local != self.spec.num_moe_layers:
+            return self.local_spec
+        return self.spec
 
     def routers_of(self, model_chunk) -> list:
         """The ``LayerReplay`` of each router in ``model_chunk`` (one of the chunks given at construction)."""
@@ -239,25 +263,33 @@ class RoutingReplay:
         if routing is None:
             msg = f"{what} is None but {required}" if required else None
         else:
-            msg = check_routing(routing, lengths, self.spec, what)
+            msg = check_routing(routing, lengths, self.spec_of(routing), what)
+            local = len(self.local_layers)
+            cut = local != self.spec.num_moe_layers
+            if msg and cut and isinstance(routing, torch.Tensor) and routing.dim() == 4 and \
+                    routing.shape[2] not in (self.spec.num_moe_layers, local):
+                msg += (f" -- or only this rank's {local} (pipeline-stage-local routing: layers "
+                        f"{list(self.local_spec.moe_layers)})")
         agree_on_error(msg, present=routing is not None)
 
     def begin(self, lengths: torch.Tensor, targets: Optional[torch.Tensor], record: bool,
               keep_used: bool = False) -> ReplayPass:
-        """A pass replaying ``targets`` ([B, L-1, NL, k] or None) and recording the own choice if ``record``."""
-        return ReplayPass(self, lengths, targets, record, keep_used)
+        """A pass replaying ``targets`` ([B, L-1, NL, k] of every MoE layer or of this rank's, or None) and
+        recording the own choice if ``record``."""
+        return ReplayPass(self, lengths, self.local(targets), record, keep_used)
 
     def agreement(self, own: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor,
                   prefix: str = "rollout_corr/router") -> Dict[str, float]:
-        """Agreement of this rank's recorded ``own`` routing with ``reference`` (both [B, W, NL, k]), summed
-        over the PP group (disjoint layers) and the DP group (disjoint rows); identical on every rank."""
+        """Agreement of this rank's recorded ``own`` routing ([B, W, NL, k], ``ReplayPass.assemble``) with
+        ``reference`` (every MoE layer or this rank's, ``local``), summed over the PP group (disjoint layers) and
+        the DP group (disjoint rows); identical on every rank."""
         g, spec = self.groups, self.spec
         dev = own.device  # the batch's routing stays on the host (RolloutBatch.to); the counts are made here
         valid = routing_valid_mask(lengths.to(dev), own.shape[1])
-        mask = torch.zeros(spec.num_moe_layers, dtype=torch.bool, device=dev)
-        mask[self.local_layers] = True
-        c = agreement_counts(own, reference.to(dev), valid, mask)
-        per_layer, per_token = c["per_layer"], c["per_token"]
+        c = agreement_counts(own[:, :, self.local_layers], self.local(reference).to(dev), valid)
+        per_layer = torch.zeros(spec.num_moe_layers, dtype=torch.float64, device=c["per_layer"].device)
+        per_layer[self.local_layers] = c["per_layer"]
+        per_token = c["per_token"]
         if g.pp_size > 1:
             all_reduce_(per_layer, group=g.pp_group)
             all_reduce_(per_token, group=g.pp_group)

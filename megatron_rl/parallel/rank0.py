@@ -6,7 +6,7 @@ written once here:
 
     engine = on_rank0(lambda: build_engine(cfg), what="setting up the rollout engine")  # rank 0: the engine; others: None
     batch = from_rank0(lambda: generator.generate(engine, step, version))           # every rank: rank 0's batch
-    part, whole = scatter_from_rank0(make, split)   # each rank: only its own piece of rank 0's result
+    part, whole = scatter_from_rank0(make, split)   # each rank: only its own piece (split -> Pieces)
     choice = share_from_rank0(value if rank0 else None)                             # a plain broadcast
 
 An exception on rank 0 is raised on every rank (``what`` given: wrapped in a ``RuntimeError`` naming it, except
@@ -16,12 +16,17 @@ group; ``fn`` runs on rank 0 alone, so it must not be a collective itself.
 """
 from __future__ import annotations
 
+import io
 import pickle
-from typing import Callable, List, Optional, Tuple, Type, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Hashable, List, Optional, Tuple, Type, TypeVar
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["share_from_rank0", "on_rank0", "from_rank0", "scatter_from_rank0", "is_rank0"]
+from megatron_rl.parallel.devices import recv_, send_
+
+__all__ = ["share_from_rank0", "on_rank0", "from_rank0", "scatter_from_rank0", "Pieces", "is_rank0"]
 
 T = TypeVar("T")
 
@@ -88,29 +93,98 @@ def from_rank0(fn: Callable[[], T], what: Optional[str] = None,
     return _finish(result, local, shared)
 
 
-def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], List[object]], what: Optional[str] = None,
+@dataclass
+class Pieces:
+    """How a result of rank 0 is cut for ``scatter_from_rank0``: which piece each global rank receives (``keys``:
+    ranks with equal keys receive the same piece) and how rank 0 makes a piece (``make``), one at a time."""
+
+    keys: List[Hashable]
+    """Per global rank: the key of its piece."""
+    make: Callable[[Hashable], object]
+    """A key's piece (picklable)."""
+
+
+class _Raised:
+    """What a rank receives instead of its piece when rank 0 could not make or pickle it."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _pickled(obj: object) -> torch.Tensor:
+    """``obj`` pickled, as a uint8 tensor over the pickle's own buffer (no copy)."""
+    buf = io.BytesIO()
+    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+
+
+def _send_pieces(pieces: Pieces, group: Optional[dist.ProcessGroup]) -> object:
+    """Rank 0: pickle each distinct piece once, send it to each rank whose key it is (its size, then its bytes),
+    drop it, go on; returns rank 0's own piece (never pickled). A piece that fails to be made or pickled
+    reaches the ranks still waiting as the failure, raised there and here."""
+    keys, failure, own = pieces.keys, None, None
+    try:
+        own = pieces.make(keys[0])
+    except Exception as exc:  # noqa: BLE001 - raised on every rank
+        failure = RuntimeError(f"rank 0: making its own piece failed: {type(exc).__name__}: {exc}")
+        failure.__cause__ = exc
+    for key in dict.fromkeys(keys[1:]):
+        dsts = [r for r in range(1, len(keys)) if keys[r] == key]
+        data = None
+        if failure is None:
+            try:
+                data = _pickled(pieces.make(key))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank that has not got its piece yet
+                failure = RuntimeError(f"rank 0: making the piece of ranks {dsts} failed: {type(exc).__name__}: "
+                                       f"{exc}")
+                failure.__cause__ = exc
+        if failure is not None:
+            data = _pickled(_Raised(_shareable(failure)))
+        for dst in dsts:
+            send_(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group)
+            send_(data, dst, group=group)
+        del data
+    if failure is not None:
+        raise failure
+    return own
+
+
+def _receive_piece(group: Optional[dist.ProcessGroup]) -> object:
+    """A rank other than 0: its piece (size, then bytes, from rank 0), or rank 0's failure raised."""
+    size = recv_(torch.zeros(1, dtype=torch.int64), 0, group=group)
+    data = recv_(torch.empty(int(size.item()), dtype=torch.uint8), 0, group=group)
+    piece = pickle.loads(memoryview(data.numpy()))
+    if isinstance(piece, _Raised):
+        raise piece.error
+    return piece
+
+
+def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], Pieces], what: Optional[str] = None,
                        passthrough: Tuple[Type[BaseException], ...] = (),
                        group: Optional[dist.ProcessGroup] = None) -> Tuple[object, Optional[T]]:
-    """Run ``fn`` on rank 0 only, cut its result into one picklable piece per global rank (``split``: a list of
-    world-size pieces) and send each rank its own piece alone (``scatter_object_list`` over ``group``: every rank,
-    default the default group; a gloo group keeps the pickled pieces in host memory). Returns ``(this rank's
-    piece, fn's result on rank 0 / None elsewhere)``; a failure of ``fn`` or ``split`` is raised on every rank."""
+    """Run ``fn`` on rank 0 only, cut its result (``split``: the ``Pieces`` of every global rank) and send each
+    rank its own piece alone, point to point over ``group`` (every rank; default the default group; a gloo group
+    keeps the bytes in host memory, ``parallel.devices`` stages them where another backend needs them). Rank 0
+    pickles each distinct piece once and holds one pickled piece at a time; a rank receives and holds only its
+    own. Returns ``(this rank's piece, fn's result on rank 0 / None elsewhere)``; a failure of ``fn`` or ``split``
+    is raised on every rank; every wait is bounded by ``group``'s timeout."""
     if not dist.is_initialized():
         result = fn()
-        return split(result)[0], result
+        pieces = split(result)
+        return pieces.make(pieces.keys[0]), result
     pieces, local, result = None, None, None
     if is_rank0():
         def run():
             out = fn()
-            parts = split(out)
-            if len(parts) != dist.get_world_size():
-                raise RuntimeError(f"scatter_from_rank0: {len(parts)} pieces for {dist.get_world_size()} ranks")
-            return out, parts
+            cut = split(out)
+            if len(cut.keys) != dist.get_world_size():
+                raise RuntimeError(f"scatter_from_rank0: {len(cut.keys)} pieces for {dist.get_world_size()} ranks")
+            return out, cut
         both, local = _run(run, what, passthrough)
         if both is not None:
             result, pieces = both
     shared = share_from_rank0(None if local is None else _shareable(local))
     _finish(None, local, shared)
-    box: List[object] = [None]
-    dist.scatter_object_list(box, pieces if is_rank0() else None, src=0, group=group)
-    return box[0], result
+    if is_rank0():
+        return _send_pieces(pieces, group), result
+    return _receive_piece(group), None

@@ -18,11 +18,12 @@ it by construction, the check proves it) and the range of the lag metrics. The r
 (``parallel.rank0``): a ``RolloutError`` as raised, any other failure of the async producer thread wrapped in a
 ``RuntimeError`` naming the step.
 
-Each rank receives only what it trains on (``RowSplit``): the rows of its DP shard with their routing, and the
-step's whole-batch metrics -- rank 0 cuts the batch and scatters the pieces (``parallel.rank0.scatter_from_rank0``),
-so a rank's share of a step's bytes, and of its host memory, is its shard's (rank 0 pickles one piece per global
-rank). On NCCL jobs the pieces travel in a gloo group of every rank (``RowSplit.group``), so none is staged in GPU
-memory.
+Each rank receives only what it trains on (``RowSplit``): the rows of its DP shard, their MoE routing of its
+pipeline stage's layers alone (the layers of its routers, every virtual stage's with VPP), and the step's
+whole-batch metrics -- rank 0 cuts the batch and sends each rank its piece point to point
+(``parallel.rank0.scatter_from_rank0``), pickling each distinct piece once and holding one at a time, so a rank's
+share of a step's bytes, and of its host memory, is its shard's. On NCCL jobs the pieces travel in a gloo group of
+every rank (``RowSplit.group``), so none is staged in GPU memory.
 """
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ import dataclasses
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
-from megatron_rl.parallel.rank0 import scatter_from_rank0, share_from_rank0
+from megatron_rl.parallel.rank0 import Pieces, scatter_from_rank0, share_from_rank0
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.versions import version_tag
 from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds
@@ -66,29 +67,41 @@ class RowSplit:
     """Groups spread over DP ranks balancing tokens (with actor.max_tokens_per_micro_batch)."""
     group: Optional[dist.ProcessGroup] = None
     """The group the pieces travel in: every rank, gloo (host memory). None: the default group, when it is gloo."""
+    layers_of: Optional[List[Optional[Tuple[int, ...]]]] = None
+    """Per global rank: the MoE layers whose routing it receives (its pipeline stage's, every virtual stage's
+    with VPP: ``RoutingReplay.local_layers``); None (for a rank, or for all): every layer."""
 
     @classmethod
-    def gather(cls, cfg: JobConfig, dp_rank: int, dp_size: int) -> "RowSplit":
-        """Collective over every rank: each rank's DP rank (one all_gather_object), and, when the default group is
-        not gloo (NCCL), a gloo group of every rank for the pieces: an object collective over NCCL stages every
-        pickled piece in GPU memory, on rank 0 one per global rank (each DP shard's rows TP x PP x CP times)."""
-        ranks: List[int] = [dp_rank]
+    def gather(cls, cfg: JobConfig, dp_rank: int, dp_size: int,
+               layers: Optional[Sequence[int]] = None) -> "RowSplit":
+        """Collective over every rank: each rank's DP rank and routing layers (``layers``, None: every layer; one
+        all_gather_object), and, when the default group is not gloo (NCCL), a gloo group of every rank for the
+        pieces, so they travel in host memory and none is staged in GPU memory."""
+        mine = (int(dp_rank), None if layers is None else tuple(int(j) for j in layers))
+        everyone = [mine]
         group = None
         if dist.is_initialized():
-            ranks = [0] * dist.get_world_size()
-            dist.all_gather_object(ranks, int(dp_rank))
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
             if dist.get_backend() != "gloo":
                 group = dist.new_group(backend="gloo",
                                        timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
-        return cls(ranks, int(dp_size), cfg.rollout.n_samples_per_prompt, cfg.actor.max_tokens_per_micro_batch is not None,
-                   group)
+        return cls([d for d, _ in everyone], int(dp_size), cfg.rollout.n_samples_per_prompt,
+                   cfg.actor.max_tokens_per_micro_batch is not None, group, [lay for _, lay in everyone])
 
-    def pieces(self, batch: StepBatch) -> List[StepRows]:
-        """One ``StepRows`` per global rank (ranks of one DP rank share theirs)."""
+    def pieces(self, batch: StepBatch) -> Pieces:
+        """Each global rank's ``StepRows``: its DP shard's rows with its stage's routing (ranks that share both
+        share the piece), made by rank 0 one at a time while they are sent."""
         failed = failed_fraction(batch.metrics, batch.num_generated)
-        by_dp = {d: batch.part(batch.dp_rows(self.n_samples, d, self.dp_size, self.balance_tokens), failed)
-                 for d in sorted(set(self.dp_rank_of))}
-        return [by_dp[d] for d in self.dp_rank_of]
+        layers_of = self.layers_of or [None] * len(self.dp_rank_of)
+        keys = list(zip(self.dp_rank_of, layers_of))
+
+        def make(key):
+            dp, layers = key
+            rows = batch.dp_rows(self.n_samples, dp, self.dp_size, self.balance_tokens)
+            return batch.part(rows, failed, layers if batch.routing else None)
+
+        return Pieces(keys, make)
 
 
 class RolloutSource:
@@ -223,7 +236,8 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
         source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0)
     else:
         source = SyncRollouts(cfg, generator, engine, immediate)
-    source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size)
+    replay = getattr(actor, "routing", None)   # an MoE actor's RoutingReplay: the layers of this rank's routers
+    source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, replay.local_layers if replay else None)
     return source
 
 

@@ -29,7 +29,7 @@ from megatron_rl.actor.micro_batching import balance_groups
 from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.trainer.async_rollout import token_lag_tensor
 
-__all__ = ["StepBatch", "StepRows", "StepShard", "shard_rows", "balanced_rows", "any_rank"]
+__all__ = ["StepBatch", "StepRows", "StepShard", "shard_rows", "balanced_rows", "stage_routing", "any_rank"]
 
 
 @dataclass
@@ -94,17 +94,19 @@ class StepBatch:
                                  dp_rank, dp_size)
         return list(shard_rows(self.num_rows, dp_rank, dp_size))
 
-    def part(self, rows: Sequence[int], failed_frac: float) -> "StepRows":
-        """What a rank that trains ``rows`` needs of this step: those rows (their routing included) and the
-        step's whole-batch metrics (``failed_frac``: the share of rewards that failed)."""
+    def part(self, rows: Sequence[int], failed_frac: float, layers: Optional[Sequence[int]] = None) -> "StepRows":
+        """What a rank that trains ``rows`` needs of this step: those rows and the step's whole-batch metrics
+        (``failed_frac``: the share of rewards that failed); their routing of the MoE layers ``layers`` alone
+        (indices into a record's dim 1: a pipeline stage's layers; None: every layer)."""
         pick = [int(i) for i in rows]
 
         def sel(values):
             return [values[i] for i in pick] if values else values
 
+        routing = [stage_routing(self.routing[i], layers) for i in pick] if self.routing else None
         sub = StepBatch(prompt_ids=sel(self.prompt_ids), response_ids=sel(self.response_ids),
                         rollout_log_probs=sel(self.rollout_log_probs), rewards=sel(self.rewards),
-                        weight_version=self.weight_version, routing=sel(self.routing) if self.routing else None,
+                        weight_version=self.weight_version, routing=routing,
                         truncated=sel(self.truncated), metrics={}, token_versions=sel(self.token_versions),
                         loss_masks=sel(self.loss_masks), scores=sel(self.scores))
         width = max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
@@ -189,6 +191,20 @@ class StepShard:
     """[b, L-1] int64 weight versions between each response token's generation and this step (0 in sync mode)."""
     rows: Sequence[int]
     """The global rows of the shard, in the shard's order (a ``range`` unless balanced by tokens)."""
+
+
+def stage_routing(record, layers: Optional[Sequence[int]]):
+    """One row's routing record ``[tokens, moe_layers, topk]`` cut to the MoE layers ``layers`` (a copy holding
+    only them); the record itself when ``layers`` is None, or every layer in order, or the record None."""
+    if record is None or layers is None:
+        return record
+    record = torch.as_tensor(record)
+    if list(layers) == list(range(record.shape[1])):
+        return record
+    if record.dim() != 3 or (layers and max(layers) >= record.shape[1]):
+        raise ValueError(f"routing record of shape {tuple(record.shape)} has no MoE layers {list(layers)} "
+                         f"([tokens, moe_layers, topk])")
+    return record[:, list(layers)]
 
 
 def shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:

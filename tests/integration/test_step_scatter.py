@@ -8,6 +8,7 @@ receives (the pickled piece, what ``scatter_object_list`` sends it) are its shar
 the tensors it trains on (``StepShard``) equal those the whole batch gives that DP rank (``StepBatch.shard`` of the
 whole batch, built locally from the same rows) -- with contiguous shards and with token-balanced ones.
 """
+import dataclasses
 import pickle
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from megatron_rl.testing.distributed import run_ranks
 
-N_SAMPLES, GROUPS, LAYERS, TOPK = 2, 8, 6, 4
+N_SAMPLES, GROUPS, LAYERS, TOPK = 2, 8, 24, 8
 
 
 def _batch():
@@ -38,14 +39,61 @@ def _batch():
                      token_versions=versions, loss_masks=masks, metrics={"reward/failed": 0.0})
 
 
-def _rank(rank, world, balance):
+#: PP2 x DP2 on the same 4 ranks: global rank r is stage r // 2 (these MoE layers), DP rank r % 2
+STAGE_LAYERS = [tuple(range(8)), tuple(range(8, 24))]
+
+
+def _count_received(counts):
+    """Count, in this process, the bytes of every tensor a torch.distributed collective or receive fills here
+    (``counts["bytes"]``): patched at torch's entry points, so what is counted is what crossed the wire."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    def nbytes(x):
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        return sum(nbytes(t) for t in x) if isinstance(x, (list, tuple)) else 0
+
+    def wrap(name, real):
+        def counted(*args, **kw):
+            out = real(*args, **kw)
+            src = kw.get("src", args[1] if len(args) > 1 and name in ("broadcast", "scatter") else None)
+            if name == "irecv" or src != dist.get_rank():
+                counts["bytes"] += nbytes(args[0] if args else kw.get("tensor", kw.get("tensor_list")))
+            return out
+        return counted
+
+    for name in ("irecv", "broadcast", "scatter", "all_gather", "all_reduce"):   # recv receives through irecv
+        fn = wrap(name, getattr(c10d, name))
+        setattr(c10d, name, fn)
+        setattr(dist, name, fn)
+
+
+def _received(counts, fn):
+    """``fn()`` and the bytes this rank received while it ran."""
     import torch.distributed as dist
 
+    dist.barrier()
+    counts["bytes"] = 0
+    out = fn()
+    n = counts["bytes"]
+    dist.barrier()
+    return out, n
+
+
+def _routing_bytes(batch, rows, layers):
+    """Bytes of the routing records of ``rows``, of ``layers`` alone (independent of the code under test)."""
+    return sum((len(batch.prompt_ids[i]) + len(batch.response_ids[i]) - 1) * len(layers) * TOPK for i in rows)
+
+
+def _rank(rank, world, balance):
     from megatron_rl.parallel.rank0 import scatter_from_rank0
     from megatron_rl.trainer.rollout_source import RowSplit
 
+    counts = {"bytes": 0}
+    _count_received(counts)
     split = RowSplit(list(range(world)), world, N_SAMPLES, balance)   # global rank r is DP rank r
-    piece, whole = scatter_from_rank0(_batch, split.pieces)
+    (piece, whole), received = _received(counts, lambda: scatter_from_rank0(_batch, split.pieces))
     full = _batch()                                            # the reference: the whole batch, sharded locally
     ref = full.shard(4, N_SAMPLES, 0, rank, world, torch.device("cpu"), balance_tokens=balance)
     got = piece.shard(4, N_SAMPLES, 0, torch.device("cpu"))
@@ -56,22 +104,42 @@ def _rank(rank, world, balance):
     assert list(got.rows) == list(ref.rows)
     assert piece.summary == full.summary(0.0) and piece.num_tokens == full.num_tokens
     assert (whole is not None) == (rank == 0)
-    dist.barrier()
+
+    # PP2 x DP2: each stage receives its DP shard's rows with the routing of its own MoE layers alone
+    stage, dp = rank // 2, rank % 2
+    pp_split = RowSplit([r % 2 for r in range(world)], 2, N_SAMPLES, balance,
+                        layers_of=[STAGE_LAYERS[r // 2] for r in range(world)])
+    (pp_piece, _), pp_received = _received(counts, lambda: scatter_from_rank0(_batch, pp_split.pieces))
+    pp_ref = full.shard(4, N_SAMPLES, 0, dp, 2, torch.device("cpu"), balance_tokens=balance)
+    pp_got = pp_piece.shard(4, N_SAMPLES, 0, torch.device("cpu"))
+    layers = list(STAGE_LAYERS[stage])
+    torch.testing.assert_close(pp_got.batch.routing, pp_ref.batch.routing[:, :, layers], rtol=0, atol=0)
+    torch.testing.assert_close(pp_got.batch.tokens, pp_ref.batch.tokens, rtol=0, atol=0)
     tokens = [len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)]
-    return {"received": len(pickle.dumps(piece)), "whole": len(pickle.dumps(full)), "rows": list(got.rows),
-            "share": sum(tokens[i] for i in got.rows) / sum(tokens)}
+    no_routing = len(pickle.dumps(dataclasses.replace(full, routing=None)))
+    print(f"rank {rank}: DP4 {received} B of {len(pickle.dumps(full))} (share {sum(tokens[i] for i in got.rows) / sum(tokens):.3f}); "
+          f"PP2xDP2 {pp_received} B, of which routing of its {len(layers)} layers {_routing_bytes(full, pp_got.rows, layers)} B")
+    return {"received": received, "whole": len(pickle.dumps(full)), "rows": list(got.rows),
+            "share": sum(tokens[i] for i in got.rows) / sum(tokens), "pp_received": pp_received,
+            "pp_routing": _routing_bytes(full, pp_got.rows, layers),
+            "pp_other": no_routing * sum(tokens[i] for i in pp_got.rows) / sum(tokens)}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("balance", [False, True], ids=["contiguous", "token-balanced"])
 def test_each_rank_receives_only_its_dp_shard(balance):
+    """Bytes counted where torch's collectives and receives fill tensors, on every rank: at DP4 each rank's are its
+    shard's share of the step (by tokens, which the routing records scale with); at PP2 x DP2 each stage's are
+    its rows' routing of its own layers (2 of 6 MoE layers on stage 0, 4 on stage 1) plus its rows' share of
+    the rest."""
     res = run_ranks(_rank, 4, balance, timeout=100)
     assert sorted(r for x in res for r in x["rows"]) == list(range(GROUPS * N_SAMPLES))
     whole = res[0]["whole"]
-    for rank, x in enumerate(res):   # proportional to the rank's share of the step's tokens (routing ~ tokens)
-        assert x["received"] < 1.2 * x["share"] * whole + 2000, (rank, x, whole)
-        assert x["received"] < 0.5 * whole, (rank, x, whole)
-    assert sum(x["received"] for x in res) < 1.1 * whole
+    assert res[0]["received"] < 100 and res[0]["pp_received"] < 100    # rank 0 keeps its piece: nothing sent to it
+    for rank, x in enumerate(res[1:], 1):   # proportional to the rank's share of the step's tokens (routing ~ tokens)
+        assert 0.9 * x["share"] * whole < x["received"] < 1.1 * x["share"] * whole + 2000, (rank, x, whole)
+        expect = x["pp_routing"] + x["pp_other"]
+        assert 0.9 * expect < x["pp_received"] < 1.1 * expect + 2000, (rank, x)
 
 
 def _rank_model_parallel(rank, world, tp, pp, cp):
