@@ -93,8 +93,9 @@ class RolloutBatch:
     """Id used for right padding (any valid id: padded positions are never scored)."""
     routing: Optional[torch.Tensor] = None
     """[B, L-1, moe_layers, topk] MoE expert ids (uint8 when experts <= 256, else int16) the rollout engine
-    routed the token at position t to, per MoE layer; read only for t < lengths - 1 (the last token's
-    output scores nothing); None when the engine captured no routing. See ``megatron_rl.actor.routing``."""
+    routed the token at position t to, per MoE layer (every MoE layer, or only the layers of this rank's
+    pipeline stage, as a job's ranks receive it); read only for t < lengths - 1 (the last token's output scores
+    nothing); None when the engine captured no routing. See ``megatron_rl.actor.routing``."""
     loss_mask: Optional[torch.Tensor] = None
     """[B, L-1] float32 0/1: 1 at column t iff token t+1 was sampled by the model (0 at environment tokens of a
     multi-turn trajectory; values outside the response are not read); None = every response token is the

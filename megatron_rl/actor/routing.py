@@ -9,6 +9,9 @@ Layout (``RolloutBatch.routing``)::
     routing[b, t, j, :] = the top-k expert ids the rollout engine routed the token at POSITION t of row b
                           to in the j-th MoE layer (``RoutingSpec.moe_layers[j]`` is its layer index)
 
+A rank of a job receives the columns of its pipeline stage's MoE layers alone (``RoutingReplay.local``
+tells the two apart: dim 2 is every MoE layer or this rank's).
+
 Only columns ``t < lengths[b] - 1`` are read: the last token's output scores nothing (an engine never
 feeds the token it sampled last), and padding never indexes an expert — at those positions (and at any
 padding a micro-batch adds for SP / CP) the trainer keeps its own top-k (``micro_batch_targets`` marks

@@ -46,7 +46,7 @@ from megatron_rl.trainer.step_batch import StepBatch, StepRows
 from megatron_rl.weight_sync.publisher import WeightPublisher, deferred_publisher
 
 __all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule",
-           "RowSplit"]
+           "RowSplit", "routing_layers"]
 
 
 class AsyncDrainError(RuntimeError):
@@ -236,9 +236,15 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
         source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0)
     else:
         source = SyncRollouts(cfg, generator, engine, immediate)
-    replay = getattr(actor, "routing", None)   # an MoE actor's RoutingReplay: the layers of this rank's routers
-    source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, replay.local_layers if replay else None)
+    source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, routing_layers(actor))
     return source
+
+
+def routing_layers(actor) -> Optional[Tuple[int, ...]]:
+    """The MoE layers whose routing this rank's actor replays (the layers of its routers: its pipeline stage's,
+    every virtual stage's with VPP; ``RoutingReplay.local_layers``); None for a dense model (every layer)."""
+    replay = actor.routing
+    return None if replay is None else tuple(replay.local_layers)
 
 
 def async_schedule(cfg: JobConfig) -> Dict[str, object]:

@@ -148,13 +148,19 @@ def _grads_hf(actor):
 
 
 def _rank_r3(rank, world, job, data):
+    from megatron_rl.trainer.rollout_source import routing_layers
+
     batch, _, old, adv, is_w = data
     actor, shard, start, end = actor_on_shard(job, batch)
+    layers = list(routing_layers(actor))
+    if rank % 2 and len(layers) < NL:   # as a job's rank receives it: its pipeline stage's layers alone
+        shard = dataclasses.replace(shard, routing=shard.routing[:, :, layers].contiguous())
     W = shard.max_length - 1
     lp, _ = actor.compute_log_probs(shard, T, compute_entropy=False)
     metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], shard.response_mask, is_w[start:end, :W], T)
     recomputed = sum(r.recomputed for r in actor.routing.replays)
-    return {"lp": lp, "rows": (start, end), "metrics": metrics, "grads": _grads_hf(actor), "recomputed": recomputed}
+    return {"lp": lp, "rows": (start, end), "metrics": metrics, "grads": _grads_hf(actor), "recomputed": recomputed,
+            "stage_local": shard.routing.shape[2] < NL}
 
 
 #: token-budget micro-batches packed into THD sequences (issue 25): the replayed experts follow the packed positions
@@ -187,6 +193,7 @@ def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
     torch.testing.assert_close(lp[valid], ref["logp"][valid], rtol=0, atol=1e-5)
     m = results[0]["metrics"]
     assert all(r["metrics"] == m for r in results)
+    assert any(r["stage_local"] for r in results) == (layout.get("pp", 1) > 1)
     # with full recompute every router runs again inside backward and pops its forward's target
     assert all((r["recomputed"] > 0) == ("recompute_granularity" in layout.get("extra", {})) for r in results)
     assert m["rollout_corr/router_agreement"] == pytest.approx(ref["agreement"]["all"], abs=1e-12)

@@ -57,7 +57,8 @@ def _count_received(counts):
     def wrap(name, real):
         def counted(*args, **kw):
             out = real(*args, **kw)
-            src = kw.get("src", args[1] if len(args) > 1 and name in ("broadcast", "scatter") else None)
+            pos = args[1] if len(args) > 1 and name in ("broadcast", "scatter") else None
+            src = kw.get("src", kw.get("group_src", pos))
             if name == "irecv" or src != dist.get_rank():
                 counts["bytes"] += nbytes(args[0] if args else kw.get("tensor", kw.get("tensor_list")))
             return out
@@ -117,8 +118,6 @@ def _rank(rank, world, balance):
     torch.testing.assert_close(pp_got.batch.tokens, pp_ref.batch.tokens, rtol=0, atol=0)
     tokens = [len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)]
     no_routing = len(pickle.dumps(dataclasses.replace(full, routing=None)))
-    print(f"rank {rank}: DP4 {received} B of {len(pickle.dumps(full))} (share {sum(tokens[i] for i in got.rows) / sum(tokens):.3f}); "
-          f"PP2xDP2 {pp_received} B, of which routing of its {len(layers)} layers {_routing_bytes(full, pp_got.rows, layers)} B")
     return {"received": received, "whole": len(pickle.dumps(full)), "rows": list(got.rows),
             "share": sum(tokens[i] for i in got.rows) / sum(tokens), "pp_received": pp_received,
             "pp_routing": _routing_bytes(full, pp_got.rows, layers),
