@@ -221,18 +221,14 @@ def gather_micro_batch_records(local: torch.Tensor, b: int, sp_group=None, sp_si
     return cp_gather(x.transpose(0, 1).contiguous(), cp_group, cp_size)
 
 
-def agreement_counts(own: torch.Tensor, reference: torch.Tensor, valid: torch.Tensor,
-                     layer_mask: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+def agreement_counts(own: torch.Tensor, reference: torch.Tensor, valid: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Counts of (token, layer, k) where an expert of ``reference`` is among ``own``'s top-k (as sets).
 
-    ``own`` / ``reference`` ``[B, W, NL, k]``, ``valid [B, W]`` bool, ``layer_mask [NL]`` bool (the layers this
-    rank holds; default all). Returns float64 ``per_layer [NL]`` (matches), ``per_token [B, W]`` (matches of
-    the token over the masked layers) and ``tokens`` (valid positions)."""
+    ``own`` / ``reference`` ``[B, W, NL, k]`` (the same NL layers: e.g. the ones this rank holds), ``valid
+    [B, W]`` bool. Returns float64 ``per_layer [NL]`` (matches), ``per_token [B, W]`` (matches of the token over
+    those layers) and ``tokens`` (valid positions)."""
     hit = (reference.long().unsqueeze(-1) == own.long().unsqueeze(-2)).any(-1)     # [B, W, NL, k]
-    m = valid[:, :, None, None]
-    if layer_mask is not None:
-        m = m & layer_mask.to(hit.device)[None, None, :, None]
-    hit = hit & m
+    hit = hit & valid[:, :, None, None]
     return {"per_layer": hit.sum(dim=(0, 1, 3)).to(torch.float64),
             "per_token": hit.sum(dim=(2, 3)).to(torch.float64),
             "tokens": valid.sum().to(torch.float64)}

@@ -104,13 +104,6 @@ class Pieces:
     """A key's piece (picklable)."""
 
 
-class _Raised:
-    """What a rank receives instead of its piece when rank 0 could not make or pickle it."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
 def _pickled(obj: object) -> torch.Tensor:
     """``obj`` pickled, as a uint8 tensor over the pickle's own buffer (no copy)."""
     buf = io.BytesIO()
@@ -118,45 +111,42 @@ def _pickled(obj: object) -> torch.Tensor:
     return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
 
 
-def _send_pieces(pieces: Pieces, group: Optional[dist.ProcessGroup]) -> object:
+def _send_pieces(pieces: Pieces, group: Optional[dist.ProcessGroup]) -> Tuple[object, Optional[BaseException]]:
     """Rank 0: pickle each distinct piece once, send it to each rank whose key it is (its size, then its bytes),
-    drop it, go on; returns rank 0's own piece (never pickled). A piece that fails to be made or pickled
-    reaches the ranks still waiting as the failure, raised there and here."""
+    drop it, go on. Returns rank 0's own piece (never pickled) and the failure to make or pickle a piece (the
+    ranks still waiting then receive size 0)."""
     keys, failure, own = pieces.keys, None, None
     try:
         own = pieces.make(keys[0])
-    except Exception as exc:  # noqa: BLE001 - raised on every rank
-        failure = RuntimeError(f"rank 0: making its own piece failed: {type(exc).__name__}: {exc}")
-        failure.__cause__ = exc
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the caller
+        failure = exc
     for key in dict.fromkeys(keys[1:]):
-        dsts = [r for r in range(1, len(keys)) if keys[r] == key]
-        data = None
+        data = torch.empty(0, dtype=torch.uint8)
         if failure is None:
             try:
                 data = _pickled(pieces.make(key))
-            except Exception as exc:  # noqa: BLE001 - raised on every rank that has not got its piece yet
-                failure = RuntimeError(f"rank 0: making the piece of ranks {dsts} failed: {type(exc).__name__}: "
-                                       f"{exc}")
-                failure.__cause__ = exc
-        if failure is not None:
-            data = _pickled(_Raised(_shareable(failure)))
-        for dst in dsts:
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the caller
+                failure = exc
+        for dst in (r for r in range(1, len(keys)) if keys[r] == key):
             send_(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group)
-            send_(data, dst, group=group)
+            if data.numel():
+                send_(data, dst, group=group)
         del data
-    if failure is not None:
-        raise failure
-    return own
+    if failure is None:
+        return own, None
+    error = RuntimeError(f"rank 0: cutting its result into each rank's piece failed: {type(failure).__name__}: "
+                         f"{failure}")
+    error.__cause__ = failure
+    return None, error
 
 
 def _receive_piece(group: Optional[dist.ProcessGroup]) -> object:
-    """A rank other than 0: its piece (size, then bytes, from rank 0), or rank 0's failure raised."""
-    size = recv_(torch.zeros(1, dtype=torch.int64), 0, group=group)
-    data = recv_(torch.empty(int(size.item()), dtype=torch.uint8), 0, group=group)
-    piece = pickle.loads(memoryview(data.numpy()))
-    if isinstance(piece, _Raised):
-        raise piece.error
-    return piece
+    """A rank other than 0: its piece (size, then bytes, from rank 0); None when rank 0 sent none (size 0)."""
+    size = int(recv_(torch.zeros(1, dtype=torch.int64), 0, group=group).item())
+    if size == 0:
+        return None
+    data = recv_(torch.empty(size, dtype=torch.uint8), 0, group=group)
+    return pickle.loads(memoryview(data.numpy()))
 
 
 def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], Pieces], what: Optional[str] = None,
@@ -166,8 +156,8 @@ def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], Pieces], what: 
     rank its own piece alone, point to point over ``group`` (every rank; default the default group; a gloo group
     keeps the bytes in host memory, ``parallel.devices`` stages them where another backend needs them). Rank 0
     pickles each distinct piece once and holds one pickled piece at a time; a rank receives and holds only its
-    own. Returns ``(this rank's piece, fn's result on rank 0 / None elsewhere)``; a failure of ``fn`` or ``split``
-    is raised on every rank; every wait is bounded by ``group``'s timeout."""
+    own. Returns ``(this rank's piece, fn's result on rank 0 / None elsewhere)``; a failure of ``fn``, ``split``
+    or of making or pickling any piece is raised on every rank; every wait is bounded by ``group``'s timeout."""
     if not dist.is_initialized():
         result = fn()
         pieces = split(result)
@@ -185,6 +175,6 @@ def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], Pieces], what: 
             result, pieces = both
     shared = share_from_rank0(None if local is None else _shareable(local))
     _finish(None, local, shared)
-    if is_rank0():
-        return _send_pieces(pieces, group), result
-    return _receive_piece(group), None
+    piece, local = _send_pieces(pieces, group) if is_rank0() else (_receive_piece(group), None)
+    shared = share_from_rank0(None if local is None else _shareable(local))   # every rank learns of a failure
+    return _finish(piece, local, shared), result

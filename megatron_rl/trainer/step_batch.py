@@ -198,13 +198,11 @@ def stage_routing(record, layers: Optional[Sequence[int]]):
     only them); the record itself when ``layers`` is None, or every layer in order, or the record None."""
     if record is None or layers is None:
         return record
-    record = torch.as_tensor(record)
-    if list(layers) == list(range(record.shape[1])):
-        return record
+    record, layers = torch.as_tensor(record), [int(j) for j in layers]
     if record.dim() != 3 or (layers and max(layers) >= record.shape[1]):
-        raise ValueError(f"routing record of shape {tuple(record.shape)} has no MoE layers {list(layers)} "
+        raise ValueError(f"routing record of shape {tuple(record.shape)} has no MoE layers {layers} "
                          f"([tokens, moe_layers, topk])")
-    return record[:, list(layers)]
+    return record if layers == list(range(record.shape[1])) else record[:, layers]
 
 
 def shard_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:

@@ -1,12 +1,13 @@
-"""Each rank receives only the rows it trains on: rank 0 cuts a step's batch by DP shard and scatters the pieces
-(``RolloutSource`` -> ``parallel.rank0.scatter_from_rank0`` with ``RowSplit``), instead of broadcasting every row and
-every routing record to every rank.
+"""Each rank receives only what it trains on: rank 0 cuts a step's batch by DP shard (and the routing records by
+pipeline stage) and sends each rank its piece (``RolloutSource`` -> ``parallel.rank0.scatter_from_rank0`` with
+``RowSplit``), instead of broadcasting every row and every routing record to every rank.
 
-4 gloo ranks at DP4 (2 prompt groups each), rows with MoE routing records. Checked on every rank: the bytes it
-receives (the pickled piece, what ``scatter_object_list`` sends it) are its shard's share of the whole batch's
-(by tokens, which the routing records scale with), not the whole batch, and
-the tensors it trains on (``StepShard``) equal those the whole batch gives that DP rank (``StepBatch.shard`` of the
-whole batch, built locally from the same rows) -- with contiguous shards and with token-balanced ones.
+4 gloo ranks at DP4 (2 prompt groups each), then PP2 x DP2, rows with MoE routing records. Checked on every rank:
+the bytes it receives, counted where torch's collectives and receives fill tensors, are its shard's share of the
+whole batch's (by tokens, which the routing records scale with; at PP2 its stage's layers' share of the routing),
+not the whole batch, and the tensors it trains on (``StepShard``) equal those the whole batch gives that DP rank
+(``StepBatch.shard`` of the whole batch, built locally from the same rows) -- with contiguous shards and with
+token-balanced ones.
 """
 import dataclasses
 import pickle
@@ -116,9 +117,20 @@ def _rank(rank, world, balance):
     layers = list(STAGE_LAYERS[stage])
     torch.testing.assert_close(pp_got.batch.routing, pp_ref.batch.routing[:, :, layers], rtol=0, atol=0)
     torch.testing.assert_close(pp_got.batch.tokens, pp_ref.batch.tokens, rtol=0, atol=0)
+    # a piece rank 0 cannot make (here: rank 2's, after rank 1 got its own) is an error on every rank, no wait
+    from megatron_rl.parallel.rank0 import Pieces
+
+    def failing(batch):
+        cut = pp_split.pieces(batch)
+        return Pieces(cut.keys, lambda key: 1 / 0 if key == cut.keys[2] else cut.make(key))
+    try:
+        scatter_from_rank0(_batch, failing)
+        failed = None
+    except RuntimeError as exc:
+        failed = str(exc)
     tokens = [len(p) + len(r) for p, r in zip(full.prompt_ids, full.response_ids)]
     no_routing = len(pickle.dumps(dataclasses.replace(full, routing=None)))
-    return {"received": received, "whole": len(pickle.dumps(full)), "rows": list(got.rows),
+    return {"failed": failed, "received": received, "whole": len(pickle.dumps(full)), "rows": list(got.rows),
             "share": sum(tokens[i] for i in got.rows) / sum(tokens), "pp_received": pp_received,
             "pp_routing": _routing_bytes(full, pp_got.rows, layers),
             "pp_other": no_routing * sum(tokens[i] for i in pp_got.rows) / sum(tokens)}
@@ -129,10 +141,11 @@ def _rank(rank, world, balance):
 def test_each_rank_receives_only_its_dp_shard(balance):
     """Bytes counted where torch's collectives and receives fill tensors, on every rank: at DP4 each rank's are its
     shard's share of the step (by tokens, which the routing records scale with); at PP2 x DP2 each stage's are
-    its rows' routing of its own layers (2 of 6 MoE layers on stage 0, 4 on stage 1) plus its rows' share of
-    the rest."""
+    its rows' routing of its own layers (8 of 24 MoE layers on stage 0, 16 on stage 1) plus its rows' share of
+    the rest. A piece rank 0 fails to make is raised on every rank (also on those that got theirs)."""
     res = run_ranks(_rank, 4, balance, timeout=100)
     assert sorted(r for x in res for r in x["rows"]) == list(range(GROUPS * N_SAMPLES))
+    assert all("ZeroDivisionError" in x["failed"] for x in res), [x["failed"] for x in res]
     whole = res[0]["whole"]
     assert res[0]["received"] < 100 and res[0]["pp_received"] < 100    # rank 0 keeps its piece: nothing sent to it
     for rank, x in enumerate(res[1:], 1):   # proportional to the rank's share of the step's tokens (routing ~ tokens)
