@@ -79,11 +79,42 @@ def imports_megatron(path: str) -> bool:
     return False
 
 
+#: Tests whose claim is a wall-clock bound (a deadline, "ends within N s", a stop that must arrive while ranks are
+#: busy): they get the ``serial`` marker, and tools/run_tests.sh runs them after the parallel pass, one at a time,
+#: so that a test running beside them on the same cores cannot stretch their clock. File paths or node ids.
+WALL_CLOCK_BOUND = (
+    "tests/integration/test_launcher_commands.py",
+    "tests/integration/test_preemption.py",
+    "tests/integration/test_sglang_server_failures.py",
+    "tests/integration/test_weight_sync_bounds.py",
+    "tests/unit/test_rollout_sglang_faults.py",
+    "tests/integration/test_failures.py::test_stop_timeout_ends_a_blocked_rank_after_one_sigterm",
+    "tests/integration/test_rewards_pool.py::test_slow_checker_times_out_and_the_batch_finishes",
+    "tests/integration/test_rewards_pool.py::test_pathological_math_answer_does_not_stall_the_step",
+    "tests/integration/test_async_drain.py::test_last_checkpoint_does_not_wait_for_rollouts_no_step_trains_on",
+    "tests/integration/test_sglang_cpu_standins.py::test_install_script_is_idempotent_fast_and_keeps_shared_versions",
+    "tests/integration/test_envs.py::test_pool_env_hangs_past_timeout",
+    "tests/integration/test_attention_backend.py::test_launcher_refuses_in_seconds",
+)
+
+
+def _wall_clock_bound(nodeid: str) -> bool:
+    return any(nodeid == k or nodeid.startswith(k + ("::" if k.endswith(".py") else "[")) for k in WALL_CLOCK_BOUND)
+
+
 def pytest_collection_modifyitems(config, items):
     mcore = pytest.mark.mcore  # tools/run_tests.sh runs these again on the newest megatron-core (-m mcore)
+    serial = pytest.mark.serial
     for item in items:
         if imports_megatron(str(item.path)):
             item.add_marker(mcore)
+        if _wall_clock_bound(item.nodeid):
+            item.add_marker(serial)
+    files = {item.nodeid.split("::")[0] for item in items}
+    for key in WALL_CLOCK_BOUND:  # a renamed test must not silently leave the serial pass
+        if key.split("::")[0] in files and not any(_wall_clock_bound(i.nodeid) and i.nodeid.startswith(key)
+                                                   for i in items):
+            raise pytest.UsageError(f"tests/conftest.py WALL_CLOCK_BOUND: {key!r} matches no collected test")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -4,14 +4,19 @@
 #   leg 2: every test marked `mcore` on megatron-core 0.19.2 in .venv-mcore019 (no SGLang): each test file that
 #          imports megatron, itself or through a project module that does (tests/conftest.py imports_megatron),
 #          and the files that mark themselves (megatron only in the ranks they start).
-# Each leg prints its 25 slowest tests (--durations=25), each with its own pytest temporary directory.
-# MEGATRON_RL_TEST_SIDE_BY_SIDE=1 runs leg 2 beside leg 1 (much of leg 1 waits on servers and launchers; measured:
-# leg 2 took 9 min beside leg 1), leg 2's output after leg 1's; off by default: on 2 cores the legs compete for the
-# same cores (a gloo failure seen that way was a teardown race in run_ranks, since fixed).
+# Each leg runs in two passes: its tests on MEGATRON_RL_TEST_WORKERS pytest-xdist workers (default 2; whole files
+# per worker, so a module's server or model is built once), then the tests marked `serial` (a wall-clock bound is
+# their claim: tests/conftest.py WALL_CLOCK_BOUND) one at a time with nothing beside them. Much of the suite waits
+# on servers, launchers, deadlines and forked ranks, so two workers overlap one test's waiting with another's work.
+# MEGATRON_RL_TEST_WORKERS=1: one pass, one process, as before. Each pass prints its 25 slowest tests
+# (--durations=25), each with its own pytest temporary directory.
+# MEGATRON_RL_TEST_SIDE_BY_SIDE=1 runs leg 2 beside leg 1, leg 2's output after leg 1's; off by default: on 2 cores
+# the legs compete for the same cores.
 # Usage: bash tools/run_tests.sh [pytest args...]      (the args go to both legs)
 #   MEGATRON_RL_VENV / MEGATRON_RL_VENV_NEWEST   the two venvs (default .venv / .venv-mcore019)
 #   MEGATRON_RL_MCORE_NEWEST=0.19.x              the newest leg's release (default 0.19.2)
 #   MEGATRON_RL_TEST_LEGS=both|oldest|newest     which legs run (default both)
+#   MEGATRON_RL_TEST_WORKERS=N                   xdist workers of each leg's first pass (default 2; 1: one pass)
 # Both legs always run; the command fails if either fails. pytest's exit code 5 (no tests collected) is a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,13 +30,39 @@ case "$LEGS" in both|oldest|newest) ;; *)
 esac
 export OMP_NUM_THREADS=1
 
-run_leg() {  # run_leg NAME PYTHON PYTEST_ARGS... ; prints and returns the leg's status (5 -> 1)
+WORKERS="${MEGATRON_RL_TEST_WORKERS:-2}"
+case "$WORKERS" in ''|*[!0-9]*|0)
+  echo "tools/run_tests.sh: MEGATRON_RL_TEST_WORKERS='$WORKERS' (expected a number >= 1)" >&2; exit 2 ;;
+esac
+
+run_pass() {  # run_pass NAME PYTHON PYTEST_ARGS... ; prints and returns pytest's status
   local name="$1" py="$2"; shift 2
-  echo "=== tools/run_tests.sh: $name: $("$py" -c 'from importlib.metadata import version as v; print("megatron-core", v("megatron-core"))')"
+  echo "=== tools/run_tests.sh: $name"
   set +e
   "$py" -m pytest --durations=25 "$@"
   local rc=$?
   set -e
+  echo "=== tools/run_tests.sh: $name: exit code $rc"
+  return "$rc"
+}
+
+run_leg() {  # run_leg NAME PYTHON MARK BASETEMP PYTEST_ARGS... ; prints and returns the leg's status (no test -> 1)
+  local name="$1" py="$2" mark="$3" base="$4"; shift 4
+  local and="${mark:+$mark and }" rc=0 rc_serial=0
+  echo "=== tools/run_tests.sh: $name: $("$py" -c 'from importlib.metadata import version as v; print("megatron-core", v("megatron-core"))')"
+  if [ "$WORKERS" -eq 1 ]; then
+    run_pass "$name" "$py" tests ${mark:+-m "$mark"} --basetemp="$base" "$@" || rc=$?
+  else
+    run_pass "$name, $WORKERS workers" "$py" tests -n "$WORKERS" --dist loadfile -m "${and}not serial" \
+      --basetemp="$base" "$@" || rc=$?
+    run_pass "$name, serial (wall-clock bounds)" "$py" tests -m "${and}serial" --basetemp="$base-serial" "$@" \
+      || rc_serial=$?
+    if [ "$rc_serial" -eq 5 ] && [ "$rc" -eq 0 ]; then   # a selection without wall-clock tests (e.g. one file)
+      echo "=== tools/run_tests.sh: $name: no serial test in this selection"
+      rc_serial=0
+    fi
+    if [ "$rc" -eq 0 ]; then rc=$rc_serial; fi
+  fi
   if [ "$rc" -eq 5 ]; then
     echo "ERROR: $name: pytest collected no tests" >&2
     rc=1
@@ -53,10 +84,8 @@ cleanup() {  # an interrupted run takes leg 2 with it
   if [ -n "$LEG2_PID" ] && kill -0 "$LEG2_PID" 2>/dev/null; then kill "$LEG2_PID" 2>/dev/null || true; fi
 }
 trap cleanup EXIT
-leg1() { run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" tests \
-           --basetemp="$TMP_ROOT/leg1" "$@"; }
-leg2() { run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" tests -m mcore \
-           --basetemp="$TMP_ROOT/leg2" "$@"; }
+leg1() { run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" "" "$TMP_ROOT/leg1" "$@"; }
+leg2() { run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" mcore "$TMP_ROOT/leg2" "$@"; }
 if [ "$LEGS" = both ] && [ "${MEGATRON_RL_TEST_SIDE_BY_SIDE:-0}" = 1 ]; then
   echo "=== tools/run_tests.sh: leg 2 runs beside leg 1; its output follows leg 1's"
   leg2 "$@" > "$LEG2_LOG" 2>&1 &
