@@ -144,19 +144,12 @@ class RolloutBatch:
                                      f"0 environment), got {bad[0]!r}")
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         L = max(max(lengths), 2, pad_to or 0)
-        tokens = torch.full((len(prompts), L), int(pad_id), dtype=torch.int64)
-        lp = None if rollout_log_probs is None else torch.zeros(len(prompts), L - 1, dtype=torch.float32)
-        lm = None if loss_masks is None else torch.zeros(len(prompts), L - 1, dtype=torch.float32)
-        for b, (p, r) in enumerate(zip(prompts, responses)):
-            seq = list(p) + list(r)
-            if seq:
-                tokens[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.int64)
-            if lp is not None and len(r):
-                lp[b, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(
-                    [float(x) for x in rollout_log_probs[b]], dtype=torch.float32)
-            if lm is not None and len(r):
-                lm[b, len(p) - 1: len(p) - 1 + len(r)] = torch.as_tensor(
-                    [float(x) for x in loss_masks[b]], dtype=torch.float32)
+        # padded host rows first, one tensor each (a tensor write per row costs more than the whole batch)
+        pad = int(pad_id)
+        tokens = torch.tensor([[*p, *r] + [pad] * (L - n) for p, r, n in zip(prompts, responses, lengths)],
+                              dtype=torch.int64).reshape(len(prompts), L)
+        lp = None if rollout_log_probs is None else _response_columns(prompts, rollout_log_probs, L - 1)
+        lm = None if loss_masks is None else _response_columns(prompts, loss_masks, L - 1)
         try:
             packed = pack_routing(routing, lengths, L - 1, what="from_sequences: routing")
         except RoutingError as e:
@@ -330,3 +323,14 @@ def fit_columns(x: torch.Tensor, width: int) -> torch.Tensor:
         return x[..., :width].contiguous()
     pad = x.new_zeros(*x.shape[:-1], width - x.shape[-1])
     return torch.cat([x, pad], dim=-1)
+
+
+def _response_columns(prompts: Sequence[Sequence[int]], values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """``[B, width]`` float32: row b holds ``values[b]`` (one per response token) at columns
+    ``len(prompts[b]) - 1 ...`` (the ``RolloutBatch`` layout of per-response-token values), 0 elsewhere."""
+    rows = []
+    for p, v in zip(prompts, values):
+        row = [0.0] * width
+        row[len(p) - 1: len(p) - 1 + len(v)] = [float(x) for x in v]
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), width)

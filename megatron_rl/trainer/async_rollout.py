@@ -276,12 +276,14 @@ def token_lag_tensor(prompt_lengths: Sequence[int], token_versions: Sequence[Seq
     """``[B, width]`` int64 lag (trainer version - token version) at the columns where the batch holds each
     response token's log-prob (column ``prompt_len - 1 + j`` for response token ``j``, the
     ``RolloutBatch`` layout); 0 elsewhere."""
-    lag = torch.zeros(len(token_versions), width, dtype=torch.int64)
-    for b, (p, versions) in enumerate(zip(prompt_lengths, token_versions)):
-        if versions:
-            cols = slice(int(p) - 1, int(p) - 1 + len(versions))
-            lag[b, cols] = trainer_version - torch.as_tensor(list(versions), dtype=torch.int64)[: width - (int(p) - 1)]
-    return lag
+    rows = []  # host rows, one tensor for the batch
+    for p, versions in zip(prompt_lengths, token_versions):
+        row, start = [0] * width, int(p) - 1
+        if versions and start < width:
+            lags = [trainer_version - int(v) for v in versions][: width - start]
+            row[start: start + len(lags)] = lags
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
 
 
 def check_staleness(token_versions: Sequence[Sequence[int]], trainer_version: int, max_staleness: int, step: int) -> None:
