@@ -56,7 +56,7 @@ import time
 
 import torch
 
-from megatron_rl.actor.micro_batching import plan_micro_batches
+from megatron_rl.actor.micro_batching import PackedCost, PaddedCost, plan_micro_batches
 
 # ---------------------------------------------------------------- memory probes (inside a rank)
 def _status_bytes(key: str) -> int:
@@ -234,7 +234,7 @@ def main(argv=None):
     lengths = batch.lengths.tolist()
     real = sum(lengths)
     mbs = a.micro_batch_size
-    padded_plan = plan_micro_batches(lengths, micro_batch_size=mbs, max_tokens=None, packed=False)
+    padded_plan = plan_micro_batches(lengths, PaddedCost(), micro_batch_size=mbs, max_tokens=None)
     budget = a.budget or max(padded_plan.tokens)
     extra = sorted({int(x) for x in a.budgets.split(",") if x.strip()} - {budget}, reverse=True)
     print(f"tiny Qwen2: hidden {a.hidden}, {a.layers} layers, {a.heads} heads, FFN {a.ffn}, vocab {a.vocab}; "
@@ -255,7 +255,7 @@ def main(argv=None):
         if packed:
             actor["sequence_packing"] = True
         job = actor_job(hf, actor)
-        plan = plan_micro_batches(lengths, micro_batch_size=mbs, max_tokens=b, packed=packed)
+        plan = plan_micro_batches(lengths, PackedCost() if packed else PaddedCost(), micro_batch_size=mbs, max_tokens=b)
         t0 = time.perf_counter()
         r = run_ranks(_rank_variant, 1, job, batch, old, adv, a.repeats, a.threads, timeout=3600)[0]
         r.update(name=name, budget=label, packed=packed, micro_batches=plan.num_micro_batches,

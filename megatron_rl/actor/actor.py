@@ -27,7 +27,8 @@ import torch
 from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
-from megatron_rl.actor.micro_batching import MicroBatchPlan, plan_micro_batches, token_budget_layout_error
+from megatron_rl.actor.batcher import MicroBatcher
+from megatron_rl.actor.micro_batching import MicroBatchPlan
 from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import Precision
@@ -78,13 +79,8 @@ class MegatronActor:
         # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
         self.scheduler = LRSchedule.from_job(job_cfg).build(self.optimizer)
         self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)
-        vpp = self.parallel_cfg.virtual_pipeline_model_parallel_size
-        # megatron-core 0.16's interleaved schedule cannot take micro-batches of different lengths
-        self._trim = not (vpp and vpp > 1)
-        budget_error = token_budget_layout_error(self.actor_cfg.max_tokens_per_micro_batch,
-                                                 self.actor_cfg.sequence_packing, vpp)
-        if budget_error:  # also a config error (validate.job_errors): here for actors built without it
-            raise ValueError(budget_error)
+        # padded / packed rows, token budget / fixed rows, interleaved or not: decided here, once
+        self.batcher = MicroBatcher.build(self.groups.dims, self.actor_cfg)
         # MoE routing replay: hooks in every router of an MoE model (router_replay), the mode (replay_modes)
         self.replay = replay_mode(self.actor_cfg.routing_replay)
         spec = RoutingSpec.from_model_config(self.model_cfg)
@@ -139,25 +135,15 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ log-prob pass
     def _plan(self, batch: RolloutBatch, micro_batch_size: Optional[int] = None) -> MicroBatchPlan:
-        """This pass's micro-batches (``actor.micro_batch_size`` rows, or ``actor.max_tokens_per_micro_batch``
-        tokens, packed or not). Collective with a token budget or an interleaved pipeline: a row that fits no
-        micro-batch, or a shard too small for the interleaved schedule, raises on every rank."""
-        ac, g = self.actor_cfg, self.groups
-        interleaved = len(self.model) > 1
+        """This pass's micro-batches (``MicroBatcher.plan``). Collective unless the plan cannot differ between DP
+        ranks (``MicroBatcher.plan_is_rank_local``): a row that fits no micro-batch, or a shard too small for the
+        interleaved schedule, raises on every rank."""
         plan, msg = None, None
         try:
-            plan = plan_micro_batches(batch.lengths.tolist(), micro_batch_size=micro_batch_size or ac.micro_batch_size,
-                                      max_tokens=ac.max_tokens_per_micro_batch, packed=ac.sequence_packing,
-                                      seq_multiple=g.seq_multiple,
-                                      row_multiple=2 * g.cp_size if ac.sequence_packing and g.cp_size > 1 else 1,
-                                      min_micro_batches=g.pp_size if interleaved else 1)
+            plan = self.batcher.plan(batch.lengths.tolist(), micro_batch_size)
         except ValueError as e:
             msg = f"micro-batches of this DP shard: {e}"
-        if plan is not None and interleaved and plan.num_micro_batches < g.pp_size:
-            msg = (f"interleaved pipeline (virtual_pipeline_model_parallel_size={len(self.model)}) needs >= "
-                   f"pipeline_model_parallel_size={g.pp_size} micro-batches per pass, this DP shard has "
-                   f"{batch.num_rows} row(s): send more rows per DP rank / mini-batch")
-        if ac.max_tokens_per_micro_batch is None and not interleaved:  # cannot differ between ranks
+        if self.batcher.plan_is_rank_local:
             if msg:
                 raise BatchError(msg)
             return plan
@@ -190,8 +176,8 @@ class MegatronActor:
         rp = self.replay.log_prob_pass(self.routing, ordered) if self.routing is not None else None
         try:
             out = compute_log_probs(self.model, ordered, bounds=plan.bounds, temperature=temperature,
-                                    groups=self.groups, compute_entropy=compute_entropy, trim=self._trim,
-                                    packed=self.actor_cfg.sequence_packing, replay=rp)
+                                    groups=self.groups, compute_entropy=compute_entropy, batcher=self.batcher,
+                                    replay=rp)
             if rp is not None:  # router agreement with the rollout (reported by the next train_step); r2 record
                 self.routing_metrics = self.replay.finish_log_prob_pass(self.routing, rp, ordered, batch, inv)
         finally:
@@ -262,8 +248,7 @@ class MegatronActor:
                 try:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
                                                   loss_type, temperature=temperature, bounds=plan.bounds,
-                                                  groups=self.groups, trim=self._trim,
-                                                  packed=ac.sequence_packing, replay=rp))
+                                                  groups=self.groups, batcher=self.batcher, replay=rp))
                 finally:
                     if rp is not None:
                         rp.close()

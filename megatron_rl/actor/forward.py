@@ -2,7 +2,7 @@
 scored token, made available on every pipeline stage.
 
 Flow (``compute_log_probs``):
-  1. micro-batches of variable length (``schedule.prepare_micro_batches``; trimmed per micro-batch);
+  1. micro-batches of variable length (``MicroBatcher.cut``; trimmed per micro-batch);
   2. ``get_forward_backward_func()(forward_only=True)``; on the last stage the model returns
      vocab-parallel logits [b, s, V/TP] and ``megatron_rl.logprobs.vocab_parallel_logprobs`` turns them
      into log-probs and entropy of softmax(logits / temperature) against ``targets`` (token t+1 at
@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, scatter_rows
-from megatron_rl.actor.schedule import MicroBatch, actor_device, prepare_micro_batches, run_schedule
+from megatron_rl.actor.batcher import MicroBatcher
+from megatron_rl.actor.schedule import MicroBatch, actor_device, run_schedule
 from megatron_rl.logprobs import vocab_parallel_logprobs
 from megatron_rl.parallel.groups import ActorGroups
 
@@ -71,29 +72,30 @@ def broadcast_from_last_stage_tensors(tensors: Sequence[torch.Tensor], groups: A
 
 def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *,
                       bounds: Sequence[Tuple[int, int]], temperature: float, groups: ActorGroups,
-                      compute_entropy: bool = True, trim: bool = True, packed: bool = False,
+                      compute_entropy: bool = True, batcher: Optional[MicroBatcher] = None,
                       replay=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropy) of every token of ``batch`` (this rank's DP shard) under
     softmax(logits / temperature).
 
     Returns fp32 ``(log_probs [B, L-1], entropy [B, L-1] or None)`` on every rank of the PP group
     (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``bounds``: the micro-batches, contiguous
-    [start, end) row blocks (``micro_batching.plan_micro_batches``); ``packed``: each packed into one sequence
-    (``schedule.PackedRows``). ``trim=False`` pads every micro-batch to one length (needed with interleaved
-    VPP, whose schedule in megatron-core 0.16 cannot take micro-batches of different lengths). ``replay``: a
+    [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs by ``batcher`` (the actor's; default:
+    padded rows on ``groups.dims``). ``replay``: a
     ``router_replay.ReplayPass`` that sets / records MoE routing around each chunk's forward (its
     ``micro_batches`` are set for ``assemble``). Collective over the model-parallel group.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    mbs = prepare_micro_batches(batch, bounds, groups, trim=trim, packed=packed)
+    batcher = batcher or MicroBatcher(groups.dims)
+    mbs = batcher.cut(batch, bounds, groups)
     for chunk in model_chunks:
         chunk.eval()
     step = functools.partial(_forward_step, groups.tp_group, float(temperature), compute_entropy)
     if replay is not None:  # MoE routing replay / recording (megatron_rl.actor.router_replay.ReplayPass)
         step = replay.wrap(step)
     with torch.no_grad():
-        results = run_schedule(model_chunks, mbs, step, forward_only=True, pp_size=groups.pp_size)
+        results = run_schedule(model_chunks, mbs, step, forward_only=True,
+                               vp_group_size=batcher.vp_group_size(len(mbs)))
     if replay is not None:
         replay.micro_batches = mbs
     B, W = batch.num_rows, batch.max_length - 1

@@ -2,12 +2,13 @@
 
 One job: decide which rows go into which micro-batch, how prompt groups spread over data-parallel ranks, and
 where every row's tokens sit in a packed sequence (and which packed positions each context-parallel rank holds).
-The actor (``schedule`` / ``forward`` / ``train_step``) turns these plans into tensors.
+The actor's ``MicroBatcher`` (``batcher.py``) picks the cost and the budget for the job; ``schedule`` turns its
+plans into tensors.
 
-* ``micro_batch_cost(lengths, packed, seq_multiple, row_multiple)``: model tokens of one micro-batch before the
-  CP split: padded = rows x longest row (rounded up to ``seq_multiple``); packed = the sum of the rows' segments
-  (each rounded up to ``row_multiple``), rounded up to ``seq_multiple``.
-* ``plan_micro_batches(lengths, micro_batch_size=..., max_tokens=..., packed=...)`` -> ``MicroBatchPlan``:
+* ``PaddedCost(seq_multiple)`` / ``PackedCost(seq_multiple, row_multiple)``: model tokens of one micro-batch
+  before the CP split: padded = rows x longest row (rounded up to ``seq_multiple``); packed = the sum of the
+  rows' segments (each rounded up to ``row_multiple``), rounded up to ``seq_multiple``.
+* ``plan_micro_batches(lengths, cost, micro_batch_size=..., max_tokens=...)`` -> ``MicroBatchPlan``:
   ``max_tokens=None`` keeps today's consecutive blocks of ``micro_batch_size`` rows; a budget
   (``actor.max_tokens_per_micro_batch``) groups rows by first-fit-decreasing so every micro-batch costs at most
   the budget.
@@ -23,8 +24,8 @@ Usage::
 
     # with context parallelism (cp > 1): rows padded to 2 x CP, the pack to the TP/SP x 2 x CP multiple
     # (ParallelDims.seq_multiple); without it row_multiple = 1
-    plan = plan_micro_batches(lengths, micro_batch_size=4, max_tokens=8192, packed=True,
-                              seq_multiple=seq_multiple, row_multiple=row_multiple)
+    plan = plan_micro_batches(lengths, PackedCost(seq_multiple, row_multiple), micro_batch_size=4,
+                              max_tokens=8192)
     for (s, e), tokens in zip(plan.bounds, plan.tokens):
         rows = plan.order[s:e]                    # row indices of this micro-batch, ascending
         layout = pack_layout([lengths[r] for r in rows], row_multiple=row_multiple, total_multiple=seq_multiple)
@@ -41,9 +42,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["MicroBatchPlan", "micro_batch_cost", "plan_micro_batches", "balance_groups", "PackedLayout",
-           "pack_layout", "packed_cp_positions", "packed_cp_gather_index", "token_budget_layout_error",
-           "interleaved_group_size"]
+__all__ = ["MicroBatchPlan", "PaddedCost", "PackedCost", "plan_micro_batches", "balance_groups", "PackedLayout",
+           "pack_layout", "packed_cp_positions", "packed_cp_gather_index", "interleaved_group_size", "BUDGET_KEY"]
 
 BUDGET_KEY = "actor.max_tokens_per_micro_batch"
 
@@ -78,7 +78,7 @@ class MicroBatchPlan:
     bounds: Tuple[Tuple[int, int], ...]
     """Contiguous, non-empty ``[start, end)`` blocks of ``order``, in order, covering it."""
     tokens: Tuple[int, ...]
-    """Model tokens of each micro-batch before the CP split (``micro_batch_cost`` of its rows)."""
+    """Model tokens of each micro-batch before the CP split (the plan's cost of its rows)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -91,38 +91,71 @@ class MicroBatchPlan:
         return self.order[s:e]
 
 
-def micro_batch_cost(lengths: Sequence[int], packed: bool, seq_multiple: int, row_multiple: int = 1) -> int:
-    """Model tokens of one micro-batch holding rows of these ``lengths`` (before the CP split).
+@dataclass(frozen=True)
+class PaddedCost:
+    """Model tokens of a padded micro-batch (before the CP split): ``len(lengths) * round_up(max(max(lengths), 2),
+    seq_multiple)`` — every row padded to the longest, at least 2 columns as ``RolloutBatch.select(trim=True)``
+    makes them."""
 
-    padded (``packed=False``): ``len(lengths) * round_up(max(max(lengths), 2), seq_multiple)`` (every row padded
-    to the longest, at least 2 columns as ``RolloutBatch.select(trim=True)`` makes them; ``row_multiple`` is not
-    used). packed: ``round_up(sum(round_up(l, row_multiple)), seq_multiple)``
-    (each row's segment padded to ``row_multiple`` — 2 x CP under context parallelism — and the packed
-    sequence to ``seq_multiple``)."""
-    _check_multiple("seq_multiple", seq_multiple)
-    _check_multiple("row_multiple", row_multiple)
+    seq_multiple: int = 1
+    """Micro-batch lengths are rounded up to this (``ParallelDims.seq_multiple``)."""
+
+    def __post_init__(self):
+        _check_multiple("seq_multiple", self.seq_multiple)
+
+    def __call__(self, lengths: Sequence[int]) -> int:
+        ls = _rows(lengths)
+        return len(ls) * _round_up(max(max(ls), 2), self.seq_multiple)   # a padded micro-batch is >= 2 wide
+
+    def describe(self) -> str:
+        """How a row's cost is rounded, for messages."""
+        return f"padded, rounded up to the sequence multiple {self.seq_multiple}"
+
+
+@dataclass(frozen=True)
+class PackedCost:
+    """Model tokens of a packed micro-batch (before the CP split): ``round_up(sum(round_up(l, row_multiple)),
+    seq_multiple)`` — each row's segment padded to ``row_multiple``, the packed sequence to ``seq_multiple``."""
+
+    seq_multiple: int = 1
+    """The packed length is rounded up to this (``ParallelDims.seq_multiple``)."""
+    row_multiple: int = 1
+    """Each row's segment is rounded up to this (``ParallelDims.cp_row_multiple``: 2 x CP with context parallel)."""
+
+    def __post_init__(self):
+        _check_multiple("seq_multiple", self.seq_multiple)
+        _check_multiple("row_multiple", self.row_multiple)
+
+    def __call__(self, lengths: Sequence[int]) -> int:
+        return _round_up(sum(_round_up(x, self.row_multiple) for x in _rows(lengths)), self.seq_multiple)
+
+    def describe(self) -> str:
+        """How a row's cost is rounded, for messages."""
+        return (f"packed, rounded up to the sequence multiple {self.seq_multiple} and row multiple "
+                f"{self.row_multiple}")
+
+
+def _rows(lengths: Sequence[int]) -> List[int]:
     ls = [int(x) for x in lengths]
     if not ls:
-        raise ValueError("micro_batch_cost: no rows (empty lengths)")
-    if packed:
-        return _round_up(sum(_round_up(x, row_multiple) for x in ls), seq_multiple)
-    return len(ls) * _round_up(max(max(ls), 2), seq_multiple)   # a padded micro-batch is >= 2 columns wide
+        raise ValueError("micro-batch cost: no rows (empty lengths)")
+    return ls
 
 
-def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tokens: Optional[int],
-                       packed: bool, seq_multiple: int = 1, row_multiple: int = 1,
-                       min_micro_batches: int = 1) -> MicroBatchPlan:
-    """Group the rows (token ``lengths``, prompt + response) into micro-batches.
+def plan_micro_batches(lengths: Sequence[int], cost: "PaddedCost | PackedCost", *, micro_batch_size: int,
+                       max_tokens: Optional[int], min_micro_batches: int = 1) -> MicroBatchPlan:
+    """Group the rows (token ``lengths``, prompt + response) into micro-batches; ``cost``: model tokens of a
+    micro-batch of rows (``PaddedCost`` or ``PackedCost``).
 
     ``max_tokens is None``: identity order, consecutive blocks of ``micro_batch_size`` rows (the last may be
     smaller), packed or not — today's behaviour (``RolloutBatch.micro_batches``).
 
-    ``max_tokens`` set (``micro_batch_size`` ignored): every micro-batch's ``micro_batch_cost`` is at most
-    ``max_tokens``, with few micro-batches: first-fit-decreasing over the rows sorted by length (descending,
-    ties by row index), a bin's cost recomputed with ``micro_batch_cost`` (padded: adding a shorter row costs
-    its padded length, the bin's longest row). For packed rows this is classical bin packing (at most
-    11/9 OPT + 6/9 micro-batches); for padded rows it is optimal. Rows inside a micro-batch ascend by index and
-    micro-batches are ordered by their smallest row index, so the plan depends on ``lengths`` only.
+    ``max_tokens`` set (``micro_batch_size`` ignored): every micro-batch's ``cost`` is at most ``max_tokens``, with
+    few micro-batches: first-fit-decreasing over the rows sorted by length (descending, ties by row index), a
+    bin's cost recomputed with ``cost`` (padded: adding a shorter row costs its padded length, the bin's longest
+    row). For packed rows this is classical bin packing (at most 11/9 OPT + 6/9 micro-batches); for padded rows
+    it is optimal. Rows inside a micro-batch ascend by index and micro-batches are ordered by their smallest row
+    index, so the plan depends on ``lengths`` only.
 
     ``min_micro_batches`` (the interleaved pipeline schedule needs >= PP micro-batches): a token-budget plan
     with fewer is split further — the micro-batch with the most tokens (then the most rows) cut in two halves
@@ -132,39 +165,35 @@ def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tok
     single row's own cost exceeds ``max_tokens`` (naming the row, its length, its cost and
     ``actor.max_tokens_per_micro_batch``)."""
     ls = _check_lengths(lengths, "plan_micro_batches")
-    _check_multiple("seq_multiple", seq_multiple)
-    _check_multiple("row_multiple", row_multiple)
     n = len(ls)
 
-    def cost(rows: Sequence[int]) -> int:
-        return micro_batch_cost([ls[r] for r in rows], packed, seq_multiple, row_multiple)
+    def bin_cost(rows: Sequence[int]) -> int:
+        return cost([ls[r] for r in rows])
 
     if max_tokens is None:
         if int(micro_batch_size) != micro_batch_size or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
         bounds = tuple((s, min(s + micro_batch_size, n)) for s in range(0, n, micro_batch_size))
         return MicroBatchPlan(order=tuple(range(n)), bounds=bounds,
-                              tokens=tuple(cost(range(s, e)) for s, e in bounds))
+                              tokens=tuple(bin_cost(range(s, e)) for s, e in bounds))
 
     if int(max_tokens) != max_tokens or max_tokens < 1:
         raise ValueError(f"{BUDGET_KEY} must be an integer >= 1 (or null), got {max_tokens!r}")
     for r in range(n):
-        c = cost([r])
+        c = bin_cost([r])
         if c > max_tokens:
-            raise ValueError(f"row {r} of length {ls[r]} costs {c} tokens ("
-                             f"{'packed' if packed else 'padded'}, rounded up to the sequence multiple "
-                             f"{seq_multiple}{f' and row multiple {row_multiple}' if packed else ''}), more than "
+            raise ValueError(f"row {r} of length {ls[r]} costs {c} tokens ({cost.describe()}), more than "
                              f"{BUDGET_KEY} = {max_tokens}: raise {BUDGET_KEY} to at least {c}")
     bins: List[List[int]] = []
     for r in sorted(range(n), key=lambda i: (-ls[i], i)):
         for b in bins:
-            if cost(b + [r]) <= max_tokens:
+            if bin_cost(b + [r]) <= max_tokens:
                 b.append(r)
                 break
         else:
             bins.append([r])
     while len(bins) < min_micro_batches and any(len(b) > 1 for b in bins):
-        big = max((b for b in bins if len(b) > 1), key=lambda b: (cost(b), len(b), -min(b)))
+        big = max((b for b in bins if len(b) > 1), key=lambda b: (bin_cost(b), len(b), -min(b)))
         bins.remove(big)
         big = sorted(big)
         bins += [big[: len(big) // 2], big[len(big) // 2:]]
@@ -174,7 +203,7 @@ def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tok
         order.extend(g)
         bounds.append((start, start + len(g)))
         start += len(g)
-    return MicroBatchPlan(order=tuple(order), bounds=tuple(bounds), tokens=tuple(cost(g) for g in groups))
+    return MicroBatchPlan(order=tuple(order), bounds=tuple(bounds), tokens=tuple(bin_cost(g) for g in groups))
 
 
 # ---------------------------------------------------------------------------------------------- DP balancing
@@ -323,18 +352,6 @@ def packed_cp_gather_index(padded: Sequence[int], cp_size: int, device=None) -> 
     """int64 ``[sum(padded)]``: the concatenation over CP ranks 0..cp_size-1 of ``packed_cp_positions`` — so
     ``full[index] = torch.cat(parts_of_ranks)`` (e.g. after an all-gather) restores the packed order."""
     return torch.cat([packed_cp_positions(padded, r, cp_size, device) for r in range(cp_size)])
-
-
-def token_budget_layout_error(max_tokens: Optional[int], packed: bool, vpp: Optional[int]) -> Optional[str]:
-    """Why a token budget cannot run on a layout with ``virtual_pipeline_model_parallel_size=vpp`` (None: it
-    can). A padded budget groups different numbers of rows per micro-batch, but megatron-core's interleaved
-    pipeline schedule takes micro-batches of one shape; packed ones are all ``[1, s]``. Checked by the config's
-    validation and by the actor (built without it in tests and tools)."""
-    if max_tokens is not None and not packed and vpp and vpp > 1:
-        return (f"{BUDGET_KEY}: with parallel.virtual_pipeline_model_parallel_size={vpp} it needs "
-                f"actor.sequence_packing=true (the interleaved schedule takes micro-batches of one shape; a padded "
-                f"token budget groups different numbers of rows)")
-    return None
 
 
 def interleaved_group_size(num_micro_batches: int, pp: int) -> int:

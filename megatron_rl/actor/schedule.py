@@ -1,13 +1,14 @@
 """Model inputs per micro-batch and one call of megatron's pipeline schedule over them.
 
-``prepare_micro_batches`` turns a (DP-shard, plan-ordered) ``RolloutBatch`` plus per-token tensors ([B, L-1],
-column t scores token t+1) into ``MicroBatch`` objects the model consumes, one per contiguous row block of
-``bounds`` (``micro_batching.plan_micro_batches``: fixed ``micro_batch_size`` rows or a token budget):
-  * padded rows (``PaddedRows``): each block cut to its own longest row (variable sequence lengths) rounded up
+``padded_micro_batches`` / ``packed_micro_batches`` (the ``MicroBatcher`` picks one for the job) turn a (DP-shard,
+plan-ordered) ``RolloutBatch`` plus per-token tensors ([B, L-1], column t scores token t+1) into ``MicroBatch``
+objects the model consumes, one per contiguous row block of ``bounds`` (``MicroBatcher.plan``: fixed
+``micro_batch_size`` rows or a token budget):
+  * padded rows (``PaddedRows``, ``padded_micro_batches``): each block cut to its own longest row (variable sequence lengths) rounded up
     to ``groups.seq_multiple`` (TP with sequence parallel, 2 x CP with CP); per-token tensors placed at the same
     positions (one zero column at the end), then every sequence-shaped tensor cut to this CP rank's zigzag part
     (``cp_split``);
-  * packed rows (``PackedRows``, ``packed=True``): each block one THD sequence ``[1, s]`` (``PackedSeqParams``,
+  * packed rows (``PackedRows``, ``packed_micro_batches``): each block one THD sequence ``[1, s]`` (``PackedSeqParams``,
     per-segment positions, megatron's per-segment CP chunks); the per-token tensors stay in row layout and the
     model's output is gathered into it (``loss_rows``);
   * ``targets`` at position t = the row's token t+1 (the pad id at each row's last token) so the log-prob at
@@ -28,13 +29,13 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch, fit_columns
 from megatron_rl.actor.cp import cp_gather, cp_split
-from megatron_rl.actor.micro_batching import (PackedLayout, interleaved_group_size, pack_layout,
-                                             packed_cp_gather_index, packed_cp_positions)
+from megatron_rl.actor.micro_batching import PackedLayout, pack_layout, packed_cp_gather_index, packed_cp_positions
 from megatron_rl.actor.routing import (gather_micro_batch_records, micro_batch_targets, row_targets, sp_gather,
                                        sp_slice)
 from megatron_rl.parallel.groups import ActorGroups
 
-__all__ = ["MicroBatch", "PaddedRows", "PackedRows", "prepare_micro_batches", "run_schedule", "actor_device"]
+__all__ = ["MicroBatch", "PaddedRows", "PackedRows", "padded_micro_batches", "packed_micro_batches", "run_schedule",
+           "actor_device"]
 
 
 def actor_device() -> torch.device:
@@ -192,24 +193,28 @@ class MicroBatch:
         return {} if self.packed_seq_params is None else {"packed_seq_params": self.packed_seq_params}
 
 
-def prepare_micro_batches(batch: RolloutBatch, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
-                          trim: bool = True, per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None,
-                          packed: bool = False) -> List[MicroBatch]:
-    """Cut ``batch`` (and ``per_token`` [B, L-1] tensors; None values stay None) into micro-batches of the
-    contiguous row blocks ``bounds`` (``micro_batching.plan_micro_batches``), padded rows or ``packed``."""
+def _check_per_token(batch: RolloutBatch, per_token: Optional[Dict[str, Optional[torch.Tensor]]]):
     per_token = per_token or {}
     B, Lm1 = batch.num_rows, batch.max_length - 1
     for name, t in per_token.items():
         if t is not None and tuple(t.shape) != (B, Lm1):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [B, L-1] = [{B}, {Lm1}] "
                              f"(column t scores token t+1 of RolloutBatch.tokens)")
-    if packed:
-        return _packed_micro_batches(batch, bounds, groups, trim, per_token)
+    return per_token
+
+
+def padded_micro_batches(batch: RolloutBatch, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
+                         per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None,
+                         uniform: bool = False) -> List[MicroBatch]:
+    """Cut ``batch`` (and ``per_token`` [B, L-1] tensors; None values stay None) into micro-batches of padded rows,
+    one per contiguous row block of ``bounds`` (``MicroBatcher.plan``): each cut to its own longest row, or, with
+    ``uniform`` (every micro-batch one shape, the interleaved schedule's need), all to the batch's length."""
+    per_token = _check_per_token(batch, per_token)
     mult = groups.seq_multiple
     dev = actor_device()
     out = []
     for start, end in bounds:
-        mb = batch.select(start, end, trim=trim, multiple_of=mult)
+        mb = batch.select(start, end, trim=not uniform, multiple_of=mult)
         s = mb.max_length
         b = end - start
         tokens = mb.tokens.to(dev)
@@ -238,17 +243,20 @@ def _per_token_rows(per_token: Dict[str, Optional[torch.Tensor]], start: int, en
     return out, svt
 
 
-def _packed_micro_batches(batch: RolloutBatch, bounds, groups: ActorGroups, trim: bool,
-                          per_token: Dict[str, Optional[torch.Tensor]]) -> List[MicroBatch]:
-    """``prepare_micro_batches`` with each block of rows packed into one sequence (see ``PackedRows``)."""
+def packed_micro_batches(batch: RolloutBatch, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
+                         per_token: Optional[Dict[str, Optional[torch.Tensor]]] = None,
+                         uniform: bool = False) -> List[MicroBatch]:
+    """``padded_micro_batches`` with each block of rows packed into one sequence (see ``PackedRows``); with
+    ``uniform`` every packed sequence has the longest one's length (a longer trailing pad segment)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    per_token = _check_per_token(batch, per_token)
     dev = actor_device()
-    row_mult = 2 * groups.cp_size if groups.cp_size > 1 else 1
+    row_mult = groups.dims.cp_row_multiple
     lengths = batch.lengths.tolist()   # one host copy for the whole pass
     layouts = [pack_layout(lengths[s:e], row_multiple=row_mult, total_multiple=groups.seq_multiple)
                for s, e in bounds]
-    if not trim:  # interleaved pipeline: every micro-batch the same shape (a longer trailing pad segment)
+    if uniform:  # every micro-batch the same shape (a longer trailing pad segment)
         longest = max(lay.total for lay in layouts)
         layouts = [dataclasses.replace(lay, total=longest) for lay in layouts]
     tokens_all = batch.tokens.to(dev)
@@ -278,25 +286,18 @@ def _packed_micro_batches(batch: RolloutBatch, bounds, groups: ActorGroups, trim
 
 def run_schedule(model_chunks: Sequence[torch.nn.Module], micro_batches: List[MicroBatch],
                  forward_step: Callable[[MicroBatch, torch.nn.Module], Tuple[torch.Tensor, Callable]],
-                 forward_only: bool, pp_size: int = 1) -> List[dict]:
+                 forward_only: bool, vp_group_size: Optional[int] = None) -> List[dict]:
     """One pass of megatron's schedule over ``micro_batches``; returns the loss_func dicts (last stage).
-    With interleaved VPP (several chunks) megatron needs at least ``pp_size`` micro-batches."""
+    ``vp_group_size``: the interleaved schedule's ``microbatch_group_size_per_vp_stage`` (``MicroBatcher``; None
+    without interleaving)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         raise ValueError("run_schedule: no micro-batches")
-    if len(model_chunks) > 1 and len(micro_batches) < pp_size:
-        rows = sum(mb.tokens.shape[0] for mb in micro_batches)
-        raise ValueError(f"interleaved pipeline (virtual_pipeline_model_parallel_size={len(model_chunks)}) needs "
-                         f">= pipeline_model_parallel_size={pp_size} micro-batches per step, got "
-                         f"{len(micro_batches)} ({rows} rows); lower actor.micro_batch_size (or "
-                         f"actor.max_tokens_per_micro_batch) or send more rows per DP rank / mini-batch")
-
-    if len(model_chunks) > 1:
+    if vp_group_size is not None:
         from megatron.core.utils import get_model_config
 
-        get_model_config(model_chunks[0]).microbatch_group_size_per_vp_stage = interleaved_group_size(
-            len(micro_batches), pp_size)
+        get_model_config(model_chunks[0]).microbatch_group_size_per_vp_stage = vp_group_size
 
     def step(data_iterator, model):
         return forward_step(next(data_iterator), model)

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch
-from megatron_rl.actor.schedule import MicroBatch, actor_device, prepare_micro_batches, run_schedule
+from megatron_rl.actor.batcher import MicroBatcher
+from megatron_rl.actor.schedule import MicroBatch, actor_device, run_schedule
 from megatron_rl.logprobs import vocab_parallel_logprobs
 from megatron_rl.losses import (PolicyLossConfig, SumCount, compute_policy_loss, global_denominators,
                                 merge_metrics, reduce_metrics)
@@ -89,13 +90,13 @@ def _broadcast_object(obj, groups: ActorGroups):
 def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
                      per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, loss_type: str, *,
                      temperature: float, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
-                     trim: bool = True, packed: bool = False, replay=None) -> Dict[str, float]:
+                     batcher: Optional[MicroBatcher] = None, replay=None) -> Dict[str, float]:
     """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
 
     ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
-    ``bounds``: the micro-batches, contiguous [start, end) row blocks (``micro_batching.plan_micro_batches``);
-    ``packed``: each packed into one sequence. Neither changes the loss: its denominators are global and the
-    loss sees each micro-batch's rows (``MicroBatch.layout.loss_rows``).
+    ``bounds``: the micro-batches, contiguous [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs
+    by ``batcher`` (the actor's; default: padded rows on ``groups.dims``). Neither changes the loss: its
+    denominators are global and the loss sees each micro-batch's rows (``MicroBatch.layout.loss_rows``).
 
     ``loss_type`` (one of ``megatron_rl.losses.LOSS_TYPES``) is ``algorithm.rollout_correction.loss_type``.
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
@@ -119,7 +120,8 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     dev = actor_device()
     inputs = {k: None if v is None else v.to(dev) for k, v in inputs.items()}
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
-    mbs = prepare_micro_batches(batch, bounds, groups, trim=trim, per_token=inputs, packed=packed)
+    batcher = batcher or MicroBatcher(groups.dims)
+    mbs = batcher.cut(batch, bounds, groups, per_token=inputs)
     scale = float(len(mbs) * groups.dp_size)
     cp_group = groups.cp_group if groups.cp_size > 1 else None   # per-sequence sums of gspo / geo_mean / opsm
     loss_func = functools.partial(_loss_func, loss_cfg, loss_type, den, float(temperature), groups.tp_group, scale,
@@ -131,7 +133,8 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     step = functools.partial(_forward_step, loss_func)
     if replay is not None:
         step = replay.wrap(step)
-    results = run_schedule(model_chunks, mbs, step, forward_only=False, pp_size=groups.pp_size)
+    results = run_schedule(model_chunks, mbs, step, forward_only=False,
+                           vp_group_size=batcher.vp_group_size(len(mbs)))
     if replay is not None:
         replay.micro_batches = mbs
     update_successful, grad_norm, _ = optimizer.step()

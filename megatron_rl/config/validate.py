@@ -13,7 +13,7 @@ import re
 from typing import List, Optional
 
 from megatron_rl.actor.lr_schedule import lr_schedule_errors
-from megatron_rl.actor.micro_batching import token_budget_layout_error
+from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.precision import precision_error
 from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.config.job import ConfigError, JobConfig
@@ -141,13 +141,7 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
     for k in ("micro_batch_size", "ppo_mini_batches", "ppo_epochs"):
         if getattr(ac, k) < 1:
             errs.append(f"actor.{k}: must be >= 1, got {getattr(ac, k)}")
-    if ac.max_tokens_per_micro_batch is not None and ac.max_tokens_per_micro_batch < 1:
-        errs.append(f"actor.max_tokens_per_micro_batch: must be >= 1 (or null: fixed micro_batch_size rows), "
-                    f"got {ac.max_tokens_per_micro_batch}")
-    budget_error = token_budget_layout_error(ac.max_tokens_per_micro_batch, ac.sequence_packing,
-                                             cfg.parallel.virtual_pipeline_model_parallel_size)
-    if budget_error:
-        errs.append(budget_error)
+    errs += MicroBatcher.config_errors(ac, cfg.parallel)  # a token budget's refusals (the actor raises the same)
     precision_problem = precision_error(ac)
     if precision_problem:
         errs.append(precision_problem)

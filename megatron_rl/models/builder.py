@@ -159,8 +159,7 @@ def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         )
     if model.moe_token_dispatcher_type == "allgather":
         kw["variable_seq_lengths"] = False
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    if vpp and vpp > 1:
+    if parallel.interleaved:
         # megatron-core 0.16's interleaved schedule is not symmetric in its shape handshake: with
         # variable_seq_lengths=True ranks wait for shapes their peer never sends (observed on gloo: hang
         # at PP4xVPP2). With fixed shapes PP4xVPP2 matches PP1 exactly; pad to the schedule's seq_length.
@@ -249,8 +248,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: 
         apply_platform_patches(Platform(has_cuda=torch.cuda.is_available(), has_te=False))
     tcfg = make_transformer_config(model, parallel, params_dtype=params_dtype,
                                    variable_seq_lengths=variable_seq_lengths, **config_overrides)
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    vp_stages = list(range(vpp)) if vpp and vpp > 1 else [None]
+    vp_stages = list(range(parallel.vpp)) if parallel.interleaved else [None]
     chunks = []
     for vp_stage in vp_stages:
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

@@ -200,7 +200,7 @@ def longest_row(cfg, prompt_length: int, world_size: int) -> LongestRow:
     ``prompt_length`` tokens."""
     p = cfg.parallel
     dims = ParallelDims(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                        vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size,
+                        vpp=p.vpp, cp=p.context_parallel_size,
                         ep=p.expert_model_parallel_size, etp=p.etp, dp=p.data_parallel_size(world_size),
                         edp=p.expert_data_parallel_size(world_size), world_size=world_size,
                         sequence_parallel=bool(p.sequence_parallel))
@@ -443,7 +443,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     if m is None:
         raise ValueError("model: missing; the memory plan needs the model shape")
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    vpp = p.virtual_pipeline_model_parallel_size or 1
+    vpp = p.vpp
     ep, etp = p.expert_model_parallel_size, p.etp
     dp = p.data_parallel_size(world_size)
     edp = p.expert_data_parallel_size(world_size)
@@ -464,7 +464,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         s = -(-budget // cp)
         b = 1
         micro = max(1, -(-per_minibatch // max(1, budget // max(1, row.padded))))
-        if vpp > 1:  # the interleaved schedule needs >= PP micro-batches: the actor splits them further
+        if p.interleaved:  # the interleaved schedule needs >= PP micro-batches: the actor splits them further
             micro = max(micro, min(pp, per_minibatch))
     pattern = m.moe_layer_pattern()
     V, h = m.vocab_size, m.hidden_size

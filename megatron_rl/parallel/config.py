@@ -74,6 +74,17 @@ class ParallelConfig:
         return counts
 
     @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (``virtual_pipeline_model_parallel_size``; 1 without interleaving)."""
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def interleaved(self) -> bool:
+        """megatron's interleaved pipeline schedule runs: more than one model chunk per pipeline rank (the rule of
+        ``ParallelDims.interleaved``, for code holding the YAML section before the layout is built)."""
+        return self.vpp > 1
+
+    @property
     def etp(self) -> int:
         """Effective expert tensor parallel size (megatron's default: ETP = TP)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size

@@ -13,7 +13,7 @@ instead of re-deriving them. Layouts follow megatron-core ``parallel_state.initi
 Usage::
 
     dims = ParallelDims.build(pcfg, world_size=8, model=model_cfg)   # raises ParallelConfigError
-    dims.dp, dims.edp, dims.seq_multiple
+    dims.dp, dims.edp, dims.seq_multiple, dims.interleaved
     dims = ParallelDims.from_parallel_state(sequence_parallel=True)  # the layout megatron built, same rules
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ class ParallelDims:
         if violations:
             raise ParallelConfigError(violations)
         return cls(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
-                   vpp=cfg.virtual_pipeline_model_parallel_size or 1, cp=cfg.context_parallel_size,
+                   vpp=cfg.vpp, cp=cfg.context_parallel_size,
                    ep=cfg.expert_model_parallel_size, etp=cfg.etp, dp=data_parallel_size(cfg, world_size),
                    edp=expert_data_parallel_size(cfg, world_size), world_size=world_size,
                    sequence_parallel=bool(cfg.sequence_parallel))
@@ -107,18 +107,27 @@ class ParallelDims:
         return self.pp * self.vpp
 
     @property
+    def interleaved(self) -> bool:
+        """megatron's interleaved pipeline schedule runs (VPP > 1: several model chunks per pipeline rank). It
+        needs >= PP micro-batches per pass and, in megatron-core 0.16, micro-batches of one shape."""
+        return self.vpp > 1
+
+    @property
+    def cp_row_multiple(self) -> int:
+        """A sequence (or a packed row's segment) split over CP is a multiple of this: 2 x CP with context
+        parallel (megatron's zigzag split cuts it into 2 x CP equal chunks), else 1."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
     def seq_multiple(self) -> int:
         """Micro-batch sequence lengths are padded to a multiple of this: TP with sequence parallel
-        (activations split over TP along time), times 2 x CP with context parallel (zigzag halves)."""
-        m = self.tp if self.sequence_parallel and self.tp > 1 else 1
-        if self.cp > 1:
-            m *= 2 * self.cp
-        return m
+        (activations split over TP along time), times ``cp_row_multiple`` (2 x CP with context parallel)."""
+        return (self.tp if self.sequence_parallel and self.tp > 1 else 1) * self.cp_row_multiple
 
     def describe(self) -> str:
         """The sizes as one line, e.g. ``TP=2 PP=2 VPP=2 CP=1 DP=2 EP=2 ETP=1`` (VPP / EP / ETP only when used)."""
         s = f"TP={self.tp} PP={self.pp}"
-        if self.vpp > 1:
+        if self.interleaved:
             s += f" VPP={self.vpp}"
         s += f" CP={self.cp} DP={self.dp}"
         if self.ep > 1 or self.etp > 1:
@@ -184,7 +193,7 @@ def _violations(cfg: ParallelConfig, world_size: int, model: Any) -> List[str]:
         v.append(f"world_size={world_size} is not divisible by expert_tensor_parallel_size x "
                  f"expert_model_parallel_size x pipeline_model_parallel_size = {etp}x{ep}x{pp} = "
                  f"{etp * ep * pp} (megatron's expert layout: world = ETP x EP x PP x expert-DP)")
-    if vpp is not None and vpp > 1 and pp < 3:
+    if cfg.interleaved and pp < 3:
         # PP=2: prev and next stage are the same peer; megatron-core 0.16's interleaved schedule then
         # pairs activations with grads in the wrong order (observed on gloo: wrong grads, hangs).
         v.append(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 2 "

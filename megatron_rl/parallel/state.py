@@ -44,7 +44,7 @@ def initialize_model_parallel(cfg: ParallelConfig, seed: int = 1234, model: Any 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.interleaved else None,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,

@@ -64,7 +64,7 @@ class RowSplit:
     n_samples: int
     """rollout.n_samples_per_prompt (prompt groups stay whole)."""
     balance_tokens: bool
-    """Groups spread over DP ranks balancing tokens (with actor.max_tokens_per_micro_batch)."""
+    """Groups spread over DP ranks balancing tokens (``MicroBatcher.balances_dp_tokens``)."""
     group: Optional[dist.ProcessGroup] = None
     """The group the pieces travel in: every rank, gloo (host memory). None: the default group, when it is gloo."""
     layers_of: Optional[List[Optional[Tuple[int, ...]]]] = None
@@ -72,11 +72,12 @@ class RowSplit:
     with VPP: ``RoutingReplay.local_layers``); None (for a rank, or for all): every layer."""
 
     @classmethod
-    def gather(cls, cfg: JobConfig, dp_rank: int, dp_size: int,
+    def gather(cls, cfg: JobConfig, dp_rank: int, dp_size: int, balance_tokens: bool,
                layers: Optional[Sequence[int]] = None) -> "RowSplit":
         """Collective over every rank: each rank's DP rank and routing layers (``layers``, None: every layer; one
         all_gather_object), and, when the default group is not gloo (NCCL), a gloo group of every rank for the
-        pieces, so they travel in host memory and none is staged in GPU memory."""
+        pieces, so they travel in host memory and none is staged in GPU memory. ``balance_tokens``: the actor's
+        ``MicroBatcher.balances_dp_tokens``."""
         mine = (int(dp_rank), None if layers is None else tuple(int(j) for j in layers))
         everyone = [mine]
         group = None
@@ -86,8 +87,8 @@ class RowSplit:
             if dist.get_backend() != "gloo":
                 group = dist.new_group(backend="gloo",
                                        timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
-        return cls([d for d, _ in everyone], int(dp_size), cfg.rollout.n_samples_per_prompt,
-                   cfg.actor.max_tokens_per_micro_batch is not None, group, [lay for _, lay in everyone])
+        return cls([d for d, _ in everyone], int(dp_size), cfg.rollout.n_samples_per_prompt, bool(balance_tokens),
+                   group, [lay for _, lay in everyone])
 
     def pieces(self, batch: StepBatch) -> Pieces:
         """Each global rank's ``StepRows``: its DP shard's rows with its stage's routing (ranks that share both
@@ -236,7 +237,8 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
         source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0)
     else:
         source = SyncRollouts(cfg, generator, engine, immediate)
-    source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, routing_layers(actor))
+    source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, actor.batcher.balances_dp_tokens,
+                                   routing_layers(actor))
     return source
 
 

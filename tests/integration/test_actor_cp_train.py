@@ -3,7 +3,7 @@
 Megatron's GPT attention cannot run with CP on CPU (TE only), so these tests use a *position-wise*
 language model (embedding -> linear -> vocab logits, no attention): its output at a position depends
 only on that position's token, so splitting sequences over CP ranks in megatron's zigzag order is
-exact. Everything else is the real actor code and megatron machinery — ``prepare_micro_batches``
+exact. Everything else is the real actor code and megatron machinery — ``MicroBatcher.cut``
 (zigzag split of tokens / targets / per-token tensors), megatron's schedule, Megatron DDP (grads
 scaled by 1/(DP x CP)), ``finalize_model_grads``, the Megatron optimizer, ``cp_gather`` of log-probs,
 metric reduction over DP x CP. CP2 (2 ranks) and DP2 x CP2 (4 ranks) must equal CP1: log-probs,

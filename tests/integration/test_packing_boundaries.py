@@ -25,7 +25,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import RolloutBatch
-from megatron_rl.actor.micro_batching import plan_micro_batches
+from megatron_rl.actor.micro_batching import PackedCost, PaddedCost, plan_micro_batches
 from megatron_rl.testing.actor_reference import TOKEN_IS, actor_job, parallel_section
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.positionwise_lm import positionwise_batch, positionwise_lm
@@ -109,8 +109,8 @@ def test_metrics_do_not_depend_on_grouping(models, agg):
     lengths = data[0].lengths.tolist()
     assert min(lengths) == 1 and 2 in lengths and lengths.count(13) == 2
     # the plans really differ: permuted rows, several rows per micro-batch, rows exactly at the budget
-    padded = plan_micro_batches(lengths, micro_batch_size=1, max_tokens=26, packed=False)
-    packed = plan_micro_batches(lengths, micro_batch_size=1, max_tokens=13, packed=True)
+    padded = plan_micro_batches(lengths, PaddedCost(), micro_batch_size=1, max_tokens=26)
+    packed = plan_micro_batches(lengths, PackedCost(), micro_batch_size=1, max_tokens=13)
     assert list(padded.order) != list(range(8)) and list(packed.order) != list(range(8))
     assert 26 in padded.tokens and 13 in packed.tokens
     assert max(e - s for s, e in packed.bounds) >= 3
@@ -132,7 +132,7 @@ def test_every_micro_batch_a_single_row_packed(models):
     rows in their own order — the same as micro_batch_size=1."""
     shapes = [(3, 5), (6, 4), (2, 7), (5, 5)]   # lengths 8, 10, 9, 10; budget 10 -> no two rows fit together
     data = _data(300, shapes, seed=1)
-    plan = plan_micro_batches(data[0].lengths.tolist(), micro_batch_size=1, max_tokens=10, packed=True)
+    plan = plan_micro_batches(data[0].lengths.tolist(), PackedCost(), micro_batch_size=1, max_tokens=10)
     assert plan.num_micro_batches == 4
     jobs = [_job(models["qwen2"], "seq-mean-token-mean", micro_batch_size=1),
             _job(models["qwen2"], "seq-mean-token-mean", max_tokens_per_micro_batch=10, sequence_packing=True)]
@@ -197,7 +197,7 @@ def test_interleaved_vpp_with_a_budget_plan_of_five_micro_batches(models):
     count depends on the data). megatron-core's interleaved schedule (microbatch_group_size_per_vp_stage = PP by
     default) refuses a count that is not a multiple of PP; the step must still match one rank."""
     data = _data(300)
-    plan = plan_micro_batches(data[0].lengths.tolist(), micro_batch_size=1, max_tokens=13, packed=True,
+    plan = plan_micro_batches(data[0].lengths.tolist(), PackedCost(), micro_batch_size=1, max_tokens=13,
                               min_micro_batches=4)
     assert plan.num_micro_batches == 5
     (ref,) = run_ranks(_rank_train_many, 1, [_job(models["deep"], "seq-mean-token-mean", micro_batch_size=1)],
@@ -227,7 +227,7 @@ def test_interleaved_vpp_with_padded_budget_is_refused_on_every_rank(models):
     actor refuses it naming actor.sequence_packing before any model collective — never a shape error deep inside
     (the config's validation refuses it too: tests/unit/test_micro_batching.py)."""
     data = _data(300)
-    plan = plan_micro_batches(data[0].lengths.tolist(), micro_batch_size=1, max_tokens=26, packed=False,
+    plan = plan_micro_batches(data[0].lengths.tolist(), PaddedCost(), micro_batch_size=1, max_tokens=26,
                               min_micro_batches=4)
     assert len({e - s for s, e in plan.bounds}) > 1, "micro-batches of different row counts"
     job = _job(models["deep"], "seq-mean-token-mean", pp=4, vpp=2, max_tokens_per_micro_batch=26)
@@ -350,8 +350,8 @@ def _cp_data():
 
 
 def _rank_cp(rank, world, cp, agg, packed, budget):
+    from megatron_rl.actor.batcher import MicroBatcher
     from megatron_rl.actor.forward import compute_log_probs
-    from megatron_rl.actor.micro_batching import plan_micro_batches as plan_mb
     from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
     from megatron_rl.actor.train_step import train_mini_batch
     from megatron_rl.config import ActorConfig
@@ -367,16 +367,16 @@ def _rank_cp(rank, world, cp, agg, packed, budget):
     shard = batch.shard(groups.dp_rank, groups.dp_size)
     start = sum(batch.shard(r, groups.dp_size).num_rows for r in range(groups.dp_rank))
     rows = slice(start, start + shard.num_rows)
-    plan = plan_mb(shard.lengths.tolist(), micro_batch_size=1, max_tokens=budget, packed=packed,
-                   seq_multiple=groups.seq_multiple, row_multiple=2 * cp if packed and cp > 1 else 1)
+    batcher = MicroBatcher(groups.dims, packed=packed, max_tokens=budget)
+    plan = batcher.plan(shard.lengths.tolist())
     order = torch.tensor(plan.order)
     inv = torch.argsort(order)
     ordered = shard.take(plan.order)
-    lp, ent = compute_log_probs(model, ordered, bounds=plan.bounds, temperature=0.9, groups=groups, packed=packed)
+    lp, ent = compute_log_probs(model, ordered, bounds=plan.bounds, temperature=0.9, groups=groups, batcher=batcher)
     per_token = {"old_log_probs": lp, "advantages": adv[rows][order], "response_mask": ordered.response_mask,
                  "is_weights": is_w[rows][order], "ref_log_probs": None}
     metrics = train_mini_batch(model, opt, ordered, per_token, PolicyLossConfig(loss_agg_mode=agg), "ppo_clip",
-                               temperature=0.9, bounds=plan.bounds, groups=groups, packed=packed)
+                               temperature=0.9, bounds=plan.bounds, groups=groups, batcher=batcher)
     return {"dp_rank": groups.dp_rank, "lp": lp[inv], "ent": ent[inv], "metrics": metrics,
             "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()},
             "weights": {n: p.detach().clone() for n, p in model[0].module.named_parameters()}}

@@ -11,12 +11,17 @@ import torch
 
 from megatron_rl.actor.batch import row_blocks
 from megatron_rl.actor.cp import cp_split
-from megatron_rl.actor.micro_batching import (balance_groups, micro_batch_cost, pack_layout, packed_cp_gather_index,
-                                              packed_cp_positions, plan_micro_batches)
+from megatron_rl.actor.micro_batching import (PackedCost, PaddedCost, balance_groups, pack_layout,
+                                              packed_cp_gather_index, packed_cp_positions, plan_micro_batches)
 
 
 def ru(x, m):
     return (x + m - 1) // m * m
+
+
+def cost_of(packed, seq_m=1, row_m=1):
+    """The planner's cost object of ``packed`` rows (padded rows have no row multiple)."""
+    return PackedCost(seq_m, row_m) if packed else PaddedCost(seq_m)
 
 
 def ref_cost(ls, packed, seq_m, row_m):
@@ -63,17 +68,17 @@ def check_plan(plan, n):
 
 # ------------------------------------------------------------------------------------------- cost / plan
 def test_cost_hand_examples():
-    assert micro_batch_cost([5, 3, 7], packed=False, seq_multiple=4) == 3 * 8
-    assert micro_batch_cost([5, 3, 7], packed=True, seq_multiple=1) == 15
-    assert micro_batch_cost([5, 3, 7], packed=True, seq_multiple=8, row_multiple=4) == ru(8 + 4 + 8, 8)  # 24
-    assert micro_batch_cost([5, 3, 7], packed=False, seq_multiple=1, row_multiple=4) == 21  # row_multiple unused
+    assert PaddedCost(4)([5, 3, 7]) == 3 * 8
+    assert PackedCost(1)([5, 3, 7]) == 15
+    assert PackedCost(8, 4)([5, 3, 7]) == ru(8 + 4 + 8, 8)  # 24
+    assert PaddedCost(1)([5, 3, 7]) == 21  # rows x longest
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_no_budget_is_row_blocks(packed):
     lengths = [7, 3, 9, 2, 5, 5, 1, 8, 4, 6, 2]
     for mbs in (1, 2, 3, 4, 11, 20):
-        plan = plan_micro_batches(lengths, micro_batch_size=mbs, max_tokens=None, packed=packed, seq_multiple=2)
+        plan = plan_micro_batches(lengths, cost_of(packed, 2), micro_batch_size=mbs, max_tokens=None)
         check_plan(plan, len(lengths))
         assert plan.order == tuple(range(len(lengths)))
         expected = [(s, min(s + mbs, len(lengths))) for s in range(0, len(lengths), mbs)]
@@ -94,8 +99,7 @@ def test_budget_random_small_vs_brute_force(packed, seq_m, row_m):
         ls = [rng.randint(1, 40) for _ in range(n)]
         lo = max(ref_cost([x], packed, seq_m, row_m) for x in ls)
         budget = rng.randint(lo, lo * 4)
-        plan = plan_micro_batches(ls, micro_batch_size=999, max_tokens=budget, packed=packed,
-                                  seq_multiple=seq_m, row_multiple=row_m)
+        plan = plan_micro_batches(ls, cost_of(packed, seq_m, row_m), micro_batch_size=999, max_tokens=budget)
         check_plan(plan, n)
         groups = [plan.order[s:e] for s, e in plan.bounds]
         for g, tok in zip(groups, plan.tokens):
@@ -115,11 +119,11 @@ def test_budget_random_small_vs_brute_force(packed, seq_m, row_m):
 
 def test_budget_hand_example():
     # padded, budget 20: sorted desc 10(0),8(3),5(1),5(2),2(4): bins {0,3} cost 20, {1,2,4} cost 15
-    plan = plan_micro_batches([10, 5, 5, 8, 2], micro_batch_size=1, max_tokens=20, packed=False)
+    plan = plan_micro_batches([10, 5, 5, 8, 2], PaddedCost(), micro_batch_size=1, max_tokens=20)
     assert [plan.rows(i) for i in range(plan.num_micro_batches)] == [(0, 3), (1, 2, 4)]
     assert plan.order == (0, 3, 1, 2, 4) and plan.bounds == ((0, 2), (2, 5)) and plan.tokens == (20, 15)
     # packed, budget 12: 10(0) | 8(3)+2(4)? first-fit: 10 -> A; 8 -> B; 5 -> C; 5 -> C (10); 2 -> A (12)
-    plan = plan_micro_batches([10, 5, 5, 8, 2], micro_batch_size=1, max_tokens=12, packed=True)
+    plan = plan_micro_batches([10, 5, 5, 8, 2], PackedCost(), micro_batch_size=1, max_tokens=12)
     assert [plan.rows(i) for i in range(plan.num_micro_batches)] == [(0, 4), (1, 2), (3,)]
     assert plan.tokens == (12, 10, 8)
 
@@ -128,8 +132,8 @@ def test_budget_deterministic_and_micro_batch_size_ignored():
     rng = random.Random(7)
     ls = [rng.randint(1, 100) for _ in range(50)]
     ls[3] = ls[10] = ls[20] = 64  # ties
-    a = plan_micro_batches(ls, micro_batch_size=1, max_tokens=300, packed=True, seq_multiple=4)
-    b = plan_micro_batches(list(ls), micro_batch_size=17, max_tokens=300, packed=True, seq_multiple=4)
+    a = plan_micro_batches(ls, PackedCost(4), micro_batch_size=1, max_tokens=300)
+    b = plan_micro_batches(list(ls), PackedCost(4), micro_batch_size=17, max_tokens=300)
     assert a == b
     check_plan(a, len(ls))
     assert all(t <= 300 for t in a.tokens)
@@ -138,20 +142,20 @@ def test_budget_deterministic_and_micro_batch_size_ignored():
 @pytest.mark.parametrize("packed", [False, True])
 def test_too_long_row_raises_naming_key(packed):
     with pytest.raises(ValueError) as e:
-        plan_micro_batches([4, 30, 5], micro_batch_size=2, max_tokens=31, packed=packed, seq_multiple=8)
+        plan_micro_batches([4, 30, 5], cost_of(packed, 8), micro_batch_size=2, max_tokens=31)
     msg = str(e.value)
     assert "actor.max_tokens_per_micro_batch" in msg and "row 1" in msg and "30" in msg and "32" in msg
 
 
 def test_bad_inputs():
     with pytest.raises(ValueError):
-        plan_micro_batches([], micro_batch_size=2, max_tokens=10, packed=True)
+        plan_micro_batches([], PackedCost(), micro_batch_size=2, max_tokens=10)
     with pytest.raises(ValueError):
-        plan_micro_batches([], micro_batch_size=2, max_tokens=None, packed=False)
+        plan_micro_batches([], PaddedCost(), micro_batch_size=2, max_tokens=None)
     with pytest.raises(ValueError):
-        plan_micro_batches([3, 0], micro_batch_size=2, max_tokens=None, packed=False)
+        plan_micro_batches([3, 0], PaddedCost(), micro_batch_size=2, max_tokens=None)
     with pytest.raises(ValueError):
-        plan_micro_batches([3], micro_batch_size=0, max_tokens=None, packed=False)
+        plan_micro_batches([3], PaddedCost(), micro_batch_size=0, max_tokens=None)
 
 
 # ------------------------------------------------------------------------------------------- balance_groups
@@ -323,11 +327,6 @@ def test_padded_budget_with_an_interleaved_pipeline_is_refused_by_the_config():
     takes one shape: `check` / the launcher refuse it naming actor.sequence_packing (packed: allowed)."""
     from megatron_rl.config import job_config_from_dict
     from megatron_rl.config.validate import job_errors
-    from megatron_rl.actor.micro_batching import token_budget_layout_error
-
-    assert "actor.sequence_packing" in token_budget_layout_error(64, False, 2)
-    for ok in ((64, True, 2), (None, False, 2), (64, False, None), (64, False, 1)):
-        assert token_budget_layout_error(*ok) is None, ok
 
     def errors(**actor):
         cfg = job_config_from_dict({"model": {"num_layers": 4, "hidden_size": 16, "num_attention_heads": 2,

@@ -11,7 +11,7 @@ packed micro-batch on the actor's device (``fake_accelerator``); ``StepBatch.sha
 
 Checked: ``positions`` / ``held``; ``place`` (inputs on this rank's positions); ``loss_rows`` (sum over CP ranks of
 value x held rebuilds the rows); ``gather_rows`` after ``place`` returns the rows on a 2-rank CP group (and at
-TP2 + SP x CP2); ``routing_targets`` and ``gather_records`` invert each other; ``prepare_micro_batches(packed=True)``
+TP2 + SP x CP2); ``routing_targets`` and ``gather_records`` invert each other; ``packed_micro_batches``
 at CP2 gives the reference's tokens / position ids / targets / cu_seqlens (int32).
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/unit/test_packed_rows.py -q``
@@ -174,7 +174,7 @@ def test_gather_rows_and_records_invert_place_and_targets(cp, tp):
 
 def _rank_prepare(rank, world, cp, lengths):
     from megatron_rl.actor.batch import RolloutBatch
-    from megatron_rl.actor.schedule import prepare_micro_batches
+    from megatron_rl.actor.schedule import packed_micro_batches
     from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
     from megatron_rl.parallel.groups import ActorGroups
 
@@ -186,7 +186,7 @@ def _rank_prepare(rank, world, cp, lengths):
     batch = RolloutBatch.from_sequences(prompts, responses, pad_id=0)
     mask = batch.response_mask
     bounds = [(0, 2), (2, len(lengths))]
-    mbs = prepare_micro_batches(batch, bounds, groups, per_token={"response_mask": mask}, packed=True)
+    mbs = packed_micro_batches(batch, bounds, groups, per_token={"response_mask": mask})
     return {"cp_rank": groups.cp_rank, "tokens": batch.tokens, "mask": mask,
             "mbs": [{"tokens": mb.tokens, "pos": mb.position_ids, "targets": mb.targets, "full": mb.full_length,
                      "cu": mb.packed_seq_params.cu_seqlens_q, "cu_pad": mb.packed_seq_params.cu_seqlens_q_padded,
@@ -240,9 +240,14 @@ def test_packed_micro_batches_at_cp2_match_reference():
 
 
 # ------------------------------------------------------------------------------------------- plan vs model input
-def _groups(seq_multiple=1):
-    return SimpleNamespace(cp_size=1, cp_rank=0, tp_size=1, tp_rank=0, sequence_parallel=False, cp_group=None,
-                           tp_group=None, seq_multiple=seq_multiple)
+def _groups(cp_size=1):
+    """Stand-in ``ActorGroups`` of CP rank 0 of ``cp_size`` (no process groups), with the layout's real sizes."""
+    from megatron_rl.parallel.dims import ParallelDims
+
+    dims = ParallelDims(tp=1, pp=1, vpp=1, cp=cp_size, ep=1, etp=1, dp=1, edp=1, world_size=cp_size,
+                        sequence_parallel=False)
+    return SimpleNamespace(cp_size=cp_size, cp_rank=0, tp_size=1, tp_rank=0, sequence_parallel=False, cp_group=None,
+                           tp_group=None, seq_multiple=dims.seq_multiple, dims=dims)
 
 
 @pytest.mark.parametrize("packed", [pytest.param(False, id="padded"),
@@ -255,13 +260,14 @@ def test_budget_bounds_the_model_input(shapes, budget, packed):
     """Every micro-batch's model input (rows x sequence positions before the CP split) holds at most
     ``actor.max_tokens_per_micro_batch`` tokens, and ``MicroBatchPlan.tokens`` is exactly that size."""
     from megatron_rl.actor.batch import RolloutBatch
-    from megatron_rl.actor.micro_batching import plan_micro_batches
-    from megatron_rl.actor.schedule import prepare_micro_batches
+    from megatron_rl.actor.batcher import MicroBatcher
 
     batch = RolloutBatch.from_sequences([[5] * p for p, _ in shapes], [[6] * r for _, r in shapes], pad_id=0)
-    plan = plan_micro_batches(batch.lengths.tolist(), micro_batch_size=1, max_tokens=budget, packed=packed)
+    groups = _groups()
+    batcher = MicroBatcher(groups.dims, packed=packed, max_tokens=budget)
+    plan = batcher.plan(batch.lengths.tolist())
     ordered = batch.take(plan.order)
-    mbs = prepare_micro_batches(ordered, plan.bounds, _groups(), packed=packed)
+    mbs = batcher.cut(ordered, plan.bounds, groups)
     for mb, tokens in zip(mbs, plan.tokens):
         assert mb.tokens.numel() == tokens, (mb.rows, tuple(mb.tokens.shape), tokens)
         assert mb.tokens.numel() <= budget
@@ -279,15 +285,14 @@ def _rank_devices(rank, world, cp_size):
     fa.install()
     dev = torch.device(fa.DEVICE)
     schedule.actor_device = lambda: dev
-    groups = _groups(seq_multiple=2 * cp_size if cp_size > 1 else 1)
-    groups.cp_size = cp_size
+    groups = _groups(cp_size)
     shapes = [(3, 4), (1, 0), (2, 5), (6, 1), (1, 1)]
     batch = RolloutBatch.from_sequences([[5] * p for p, _ in shapes], [[6] * r for _, r in shapes], pad_id=0)
     routing = torch.randint(0, 4, (batch.num_rows, batch.max_length - 1, 2, 2))
     mask = batch.response_mask
     on_dev = batch.to(dev)
     per_token = {"response_mask": mask.to(dev), "advantages": torch.ones_like(mask).to(dev), "is_weights": None}
-    mbs = schedule.prepare_micro_batches(on_dev, [(0, 2), (2, 5)], groups, per_token=per_token, packed=True)
+    mbs = schedule.packed_micro_batches(on_dev, [(0, 2), (2, 5)], groups, per_token=per_token)
     seen = []
     for mb in mbs:
         psp = mb.packed_seq_params
