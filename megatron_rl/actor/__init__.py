@@ -4,6 +4,8 @@ Modules (one job each):
   batch       ``RolloutBatch`` token layout ([B, L] tokens; per-token tensors [B, L-1], column t
               scores token t+1), micro-batch / DP splitting
   cp          context-parallel zigzag split / gather (megatron's convention)
+  batcher     ``MicroBatcher``: padded / packed, token budget / fixed rows, interleaved or not, chosen once
+              per actor (the plan, the cut, the DP token balance)
   schedule    micro-batch model inputs and one call of megatron's pipeline schedule
   forward     the log-prob pass (forward-only, vocab-parallel log-probs + entropy, PP broadcast)
   train_step  one optimizer step of the policy loss (1F1B, Megatron DDP + optimizer, clipping)

@@ -208,7 +208,7 @@ def longest_row(cfg, prompt_length: int, world_size: int) -> LongestRow:
     if dims.sequence_parallel and dims.tp > 1:
         parts.append(f"TP {dims.tp} with sequence parallel")
     if dims.cp > 1:
-        parts.append(f"2*CP {2 * dims.cp} with context parallel")
+        parts.append(f"2*CP {dims.cp_row_multiple} with context parallel")
     response, response_source = response_budget(cfg)
     return LongestRow(prompt=prompt_length, response=response, response_source=response_source,
                       multiple=dims.seq_multiple, multiple_source=" x ".join(parts) or "no SP / CP padding")

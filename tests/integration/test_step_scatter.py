@@ -166,9 +166,8 @@ def _rank_model_parallel(rank, world, tp, pp, cp):
     initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp), seed=1)
     groups = ActorGroups.from_parallel_state()
-    cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=N_SAMPLES),
-                          actor=SimpleNamespace(max_tokens_per_micro_batch=None))
-    split = RowSplit.gather(cfg, groups.dp_rank, groups.dp_size)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=N_SAMPLES))
+    split = RowSplit.gather(cfg, groups.dp_rank, groups.dp_size, False)   # contiguous blocks (no token budget)
     piece, _ = scatter_from_rank0(_batch, split.pieces)
     ref = _batch().shard(4, N_SAMPLES, 0, groups.dp_rank, groups.dp_size, torch.device("cpu"))
     got = piece.shard(4, N_SAMPLES, 0, torch.device("cpu"))
@@ -212,8 +211,8 @@ def test_nccl_job_scatters_pieces_through_host_memory():
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2), trainer=SimpleNamespace(
-            collective_timeout_s=60.0), actor=SimpleNamespace(max_tokens_per_micro_batch=None))
-        split = RowSplit.gather(cfg, 0, 1)
+            collective_timeout_s=60.0))
+        split = RowSplit.gather(cfg, 0, 1, False)
         rows, length = 16, 2000     # routing: 16 x 1999 x 48 x 8 bytes = 12 MB pickled
         batch = StepBatch(prompt_ids=[[5] * 1000] * rows, response_ids=[[7] * 1000] * rows,
                           rollout_log_probs=[[-0.5] * 1000] * rows, rewards=[1.0] * rows, weight_version="step-0",
@@ -242,8 +241,8 @@ def _rank_nccl_like(rank, world):
     fa.install()
     fa.make_default_group()
     cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=N_SAMPLES), trainer=SimpleNamespace(
-        collective_timeout_s=60.0), actor=SimpleNamespace(max_tokens_per_micro_batch=None))
-    split = RowSplit.gather(cfg, rank, world)
+        collective_timeout_s=60.0))
+    split = RowSplit.gather(cfg, rank, world, False)
     fa.TRAFFIC.clear()
     piece, _ = scatter_from_rank0(_batch, split.pieces, group=split.group)
     ref = _batch().shard(4, N_SAMPLES, 0, rank, world, torch.device("cpu"))
