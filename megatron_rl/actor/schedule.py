@@ -4,13 +4,14 @@
 plan-ordered) ``RolloutBatch`` plus per-token tensors ([B, L-1], column t scores token t+1) into ``MicroBatch``
 objects the model consumes, one per contiguous row block of ``bounds`` (``MicroBatcher.plan``: fixed
 ``micro_batch_size`` rows or a token budget):
-  * padded rows (``PaddedRows``, ``padded_micro_batches``): each block cut to its own longest row (variable sequence lengths) rounded up
-    to ``groups.seq_multiple`` (TP with sequence parallel, 2 x CP with CP); per-token tensors placed at the same
+  * padded rows (``PaddedRows``, ``padded_micro_batches``): each block cut to its own longest row (variable
+    sequence lengths; with ``uniform``, the interleaved schedule's need, the batch's length) rounded up to
+    ``groups.seq_multiple`` (TP with sequence parallel, 2 x CP with CP); per-token tensors placed at the same
     positions (one zero column at the end), then every sequence-shaped tensor cut to this CP rank's zigzag part
     (``cp_split``);
-  * packed rows (``PackedRows``, ``packed_micro_batches``): each block one THD sequence ``[1, s]`` (``PackedSeqParams``,
-    per-segment positions, megatron's per-segment CP chunks); the per-token tensors stay in row layout and the
-    model's output is gathered into it (``loss_rows``);
+  * packed rows (``PackedRows``, ``packed_micro_batches``): each block one THD sequence ``[1, s]``
+    (``PackedSeqParams``, per-segment positions, megatron's per-segment CP chunks); the per-token tensors stay
+    in row layout and the model's output is gathered into it (``loss_rows``);
   * ``targets`` at position t = the row's token t+1 (the pad id at each row's last token) so the log-prob at
     position t of the model output scores token t+1 — computed on the full logits tensor, no shifted copy.
 
