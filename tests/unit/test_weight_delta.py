@@ -1,0 +1,154 @@
+"""Delta encode / apply (``weight_sync.delta``) against an independent reference: changed positions found by a
+Python loop over the integer bits of every element, the new tensor rebuilt by hand-indexed assignment, and
+results compared by bits (an integer view), never with ``==`` (which equates -0.0 / +0.0 and no NaN)."""
+import struct
+
+import pytest
+import torch
+
+from megatron_rl.weight_sync.delta import (DeltaBucket, TensorDelta, apply_delta, changed_positions, encode_delta,
+                                           pack_deltas)
+
+
+def _bits(t):
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()]).reshape(-1).tolist()
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and _bits(a) == _bits(b)
+
+
+def _ref_positions(new, base):
+    return [i for i, (x, y) in enumerate(zip(_bits(new), _bits(base))) if x != y]
+
+
+def _bf16(bits):
+    """bf16 tensor of the given 16-bit patterns."""
+    return torch.tensor(bits, dtype=torch.int16).view(torch.bfloat16)
+
+
+def _specials():
+    """base / new with +-0.0, NaN (same and other payload), +-inf and ordinary values."""
+    pos0, neg0, nan_a, nan_b, inf, ninf = 0x0000, -0x8000, 0x7FC0, 0x7FC1, 0x7F80, -0x0080
+    one, two = 0x3F80, 0x4000
+    base = [pos0, neg0, nan_a, nan_a, inf, one, one, two, pos0, 0x1234]
+    new = [neg0, pos0, nan_a, nan_b, ninf, one, two, two, pos0, 0x1234]
+    return _bf16(new).reshape(2, 5), _bf16(base).reshape(2, 5)
+
+
+def test_positions_by_bits_match_reference():
+    new, base = _specials()
+    assert changed_positions(new, base).tolist() == _ref_positions(new, base) == [0, 1, 3, 4, 6]
+    assert not torch.equal(changed_positions(new, base), torch.nonzero((new != base).reshape(-1)).reshape(-1))
+
+
+def test_specials_sparse_apply_is_bitwise_equal():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 33, generator=g).to(torch.bfloat16)
+    new = base.clone()
+    sp_new, sp_base = _specials()
+    base.view(-1)[:10] = sp_base.reshape(-1)
+    new.view(-1)[:10] = sp_new.reshape(-1)
+    new.view(-1)[500] = float("nan")
+    new.view(-1)[2000] = new.view(-1)[2000] * 1.5
+    d = encode_delta("w", new, base)
+    assert d.kind == "sparse"
+    want = _ref_positions(new, base)
+    assert d.index.tolist() == want and d.index.dtype == torch.int32
+    target = base.clone()
+    apply_delta(target, d)
+    ref = base.clone().reshape(-1)  # by hand: the changed positions copied one by one
+    for i in want:
+        ref[i] = new.reshape(-1)[i]
+    assert _same_bits(target, ref.view(64, 33)) and _same_bits(target, new)
+    assert d.nbytes == len(want) * (4 + 2)
+
+
+def test_empty_change_sends_nothing():
+    base = torch.randn(8, 8).to(torch.bfloat16)
+    d = encode_delta("w", base.clone(), base)
+    assert d.kind == "same" and d.nbytes == 0 and d.changed == 0
+    target = base.clone()
+    apply_delta(target, d)
+    assert _same_bits(target, base)
+
+
+def test_all_changed_is_dense_and_first_version_is_dense():
+    base = torch.randn(16, 4).to(torch.bfloat16)
+    new = (base.float() + 1.0).to(torch.bfloat16)
+    assert len(_ref_positions(new, base)) == 64
+    d = encode_delta("w", new, base)
+    assert d.kind == "dense" and d.nbytes == 64 * 2 and d.changed == 64
+    target = base.clone()
+    apply_delta(target, d)
+    assert _same_bits(target, new)
+    assert encode_delta("w", new, None).kind == "dense"
+
+
+def test_cast_on_apply_equals_full_copy_and_strided_target():
+    """An engine keeping fp32 gets, from a bf16 delta, what ``copy_`` of the bf16 tensor gives it; a
+    non-contiguous target (a transposed view) is filled at the right elements."""
+    base = torch.randn(6, 10).to(torch.bfloat16)
+    new = base.clone()
+    new[1, 3] = -0.0
+    new[4, 9] = 7.0
+    d = encode_delta("w", new, base)
+    eng = base.float()
+    apply_delta(eng, d)
+    assert _same_bits(eng, new.float())
+    holder = base.t().contiguous().t()  # same values, column-major strides
+    assert not holder.is_contiguous()
+    apply_delta(holder, d)
+    assert _same_bits(holder.contiguous(), new)
+
+
+def test_bad_input_is_named():
+    base = torch.zeros(4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'w'"):
+        encode_delta("w", torch.zeros(5, dtype=torch.bfloat16), base)
+    with pytest.raises(ValueError, match="'w'.*target"):
+        apply_delta(torch.zeros(3, dtype=torch.bfloat16), encode_delta("w", base + 1, base))
+    bad = TensorDelta("w", (4,), torch.bfloat16, "sparse", index=torch.tensor([9], dtype=torch.int32),
+                      values=torch.ones(1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="outside"):
+        apply_delta(base.clone(), bad)
+
+
+def test_buckets_round_trip_through_bytes():
+    """Deltas packed into small buckets, moved as (meta, bytes) like a transport does, applied to the base:
+    every tensor equals the new one bit for bit; check entries ride after the engine's bytes."""
+    g = torch.Generator().manual_seed(1)
+    names = [f"t{i}" for i in range(7)]
+    base = {n: torch.randn(5 + i, 3, generator=g).to(torch.bfloat16) for i, n in enumerate(names)}
+    base["t6"] = torch.randn(9, generator=g)  # an fp32-kept tensor
+    new = {n: t.clone() for n, t in base.items()}
+    new["t0"][0, 0] = -new["t0"][0, 0]
+    new["t1"] += 1
+    new["t3"][2, 1] = float("inf")
+    new["t6"][4] = float("nan")
+    deltas = [encode_delta(n, new[n], base[n]) for n in names]
+    deltas.insert(3, TensorDelta("t5", (10, 3), torch.bfloat16, "check", values=new["t5"]))
+    buckets = list(pack_deltas(deltas, 64, base="step-1", version="step-2"))
+    assert len(buckets) > 2
+    target = {n: t.clone() for n, t in base.items()}
+    applied, checked = [], {}
+    for b in buckets:
+        meta = b.engine_meta()
+        moved = DeltaBucket.from_meta(meta, b.flat[:b.engine_nbytes].clone())
+        assert all(e["kind"] != "check" for e in moved.entries) and moved.base == "step-1"
+        for d in moved.deltas():
+            apply_delta(target[d.name], d)
+            applied.append(d.name)
+        checked.update(dict(b.full_tensors()))
+        received = DeltaBucket.empty(b.meta())  # the trainer-side path (checks included)
+        received.flat.copy_(b.flat)
+        assert [d.name for d in received.deltas(checks=True)] == [d.name for d in b.deltas(checks=True)]
+    assert sorted(applied) == names
+    for n in names:
+        assert _same_bits(target[n], new[n]), n
+    assert set(checked) == {"t1", "t5"} and _same_bits(checked["t5"], new["t5"])
+    kinds = [(d.name, d.kind) for d in deltas]
+    assert kinds == [("t0", "sparse"), ("t1", "dense"), ("t2", "same"), ("t5", "check"), ("t3", "sparse"),
+                     ("t4", "same"), ("t5", "same"), ("t6", "sparse")]
+    with pytest.raises(ValueError, match="bytes"):
+        DeltaBucket.from_meta(buckets[0].meta(), buckets[0].flat[:-8])
