@@ -97,6 +97,9 @@ case "$DEVICE" in
   *) die "--device must be cuda or cpu, got '$DEVICE'" ;;
 esac
 if [[ "$ROUTED" == 1 ]]; then CMD+=(--enable-return-routed-experts); fi
+# the loader of delta syncs (rollout.weight_sync_delta; megatron_rl/weight_sync/server_loader.py), imported by the
+# server only when a delta sync calls it: megatron_rl must then be importable by $PY
+CMD+=(--custom-weight-loader megatron_rl.weight_sync.server_loader.load_weight_delta)
 CMD+=("${EXTRA[@]+"${EXTRA[@]}"}")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

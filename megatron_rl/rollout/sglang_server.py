@@ -38,6 +38,7 @@ import requests
 from megatron_rl.convert.storage import read_hf_config
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, hf_config_is_moe
+from megatron_rl.weight_sync.server_loader import SERVER_FLAGS
 
 #: Directory holding the CPU-only import stand-ins (prepended to the server's PYTHONPATH on CPU).
 CPU_STANDIN_DIR = str(Path(__file__).resolve().parent.parent / "platform" / "sglang_cpu")
@@ -275,6 +276,7 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         return_routed_experts = hf_config_is_moe(read_hf_config(model_dir))
     if return_routed_experts and ROUTED_EXPERTS_FLAG not in extra_args:
         cmd.append(ROUTED_EXPERTS_FLAG)
+    cmd += list(SERVER_FLAGS)  # registers our delta-sync loader (imported only when a delta sync calls it)
     cmd += list(extra_args)
 
     server_env = child_environment()  # without torchrun's / Slurm's rendezvous variables (it hangs with them)

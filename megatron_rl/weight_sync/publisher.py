@@ -8,6 +8,8 @@ default -- ``default_weight_sync_mode`` -- for sync or async rollouts) and picks
 
 * ``StreamPublisher`` (tensor / distributed): buckets streamed from every rank to rank 0's engine receiver and
   verified as they pass (``stream.stream_sync``).
+* ``DeltaPublisher`` (tensor with ``rollout.weight_sync_delta``): the same stream, carrying per tensor only the
+  elements changed since the version the engine holds (``delta.py``, ``delta_sender.py``).
 * ``DiskPublisher`` (disk): an HF export that rank 0's engine loads, then verifies; older exports are pruned.
 * ``DeferredPublisher`` (async rollouts, after the producer started): the version is turned into a
   ``WeightPayload`` now (an export, or owned buckets on rank 0) and handed to the producer, which applies it in
@@ -29,6 +31,7 @@ from megatron_rl.parallel.rank0 import from_rank0, is_rank0
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.rollout.factory import engine_class
 from megatron_rl.rollout.versions import parse_version
+from megatron_rl.weight_sync.delta_sender import DeltaSender
 from megatron_rl.weight_sync.exports import export_report, prune_exports
 from megatron_rl.weight_sync.report import SyncReport
 from megatron_rl.weight_sync.senders import stream_buckets
@@ -36,6 +39,7 @@ from megatron_rl.weight_sync.stream import stream_sync
 from megatron_rl.weight_sync.verify import verify_buckets, verify_export
 
 __all__ = ["weight_sync_mode", "WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher",
+           "DeltaPublisher",
            "DiskPublisher", "DeferredPublisher", "build_weight_publisher", "deferred_publisher", "payload_maker"]
 
 
@@ -152,6 +156,26 @@ class StreamPublisher(WeightPublisher):
         return stream_sync(self.actor, self.engine, self.cfg, self.mode, version, is_rank0(), self.corrupt).metrics()
 
 
+class DeltaPublisher(StreamPublisher):
+    """``rollout.weight_sync_delta``: streamed like ``StreamPublisher``, but per tensor only the elements changed
+    since the version the engine holds (``delta_sender.DeltaSender``, one per rank for the whole job); a full
+    sync first and after a failed or skipped version."""
+
+    def __init__(self, actor, engine, cfg: JobConfig, mode: str, corrupt=None):
+        super().__init__(actor, engine, cfg, mode, corrupt)
+        self.sender = DeltaSender()
+
+    def publish(self, version: str) -> Dict[str, float]:
+        try:
+            report = stream_sync(self.actor, self.engine, self.cfg, self.mode, version, is_rank0(), self.corrupt,
+                                 delta=self.sender)
+        except BaseException:
+            self.sender.failed()
+            raise
+        self.sender.committed(version)
+        return report.metrics()
+
+
 class DiskPublisher(WeightPublisher):
     """Mode disk: an export the engine loads now; only the newest export is kept."""
 
@@ -199,6 +223,8 @@ def build_weight_publisher(cfg: JobConfig, actor, engine, corrupt=None) -> Weigh
     mode = weight_sync_mode(cfg)
     if mode == "disk":
         return DiskPublisher(actor, engine, cfg)
+    if cfg.rollout.weight_sync_delta:
+        return DeltaPublisher(actor, engine, cfg, mode, corrupt)
     return StreamPublisher(actor, engine, cfg, mode, corrupt)
 
 

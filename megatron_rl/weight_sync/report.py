@@ -21,9 +21,18 @@ class SyncReport:
     """The engine tensors whose checksums were compared."""
     verified_frac: float = 0.0
     """Fraction of the model's parameters (elements) inside the engine tensors compared."""
+    elements: int = 0
+    """Delta syncs: elements of the tensors synced (0: not a delta sync)."""
+    changed: int = 0
+    """Delta syncs: elements sent as changed (a dense tensor counts whole)."""
 
     def metrics(self) -> Dict[str, float]:
-        return {"weight_sync/bytes": float(self.bytes), "weight_sync/buckets": float(self.buckets),
-                "weight_sync/verified": 1.0 if self.verified else 0.0,
-                "weight_sync/verified_param_frac": float(self.verified_frac)}
+        """``weight_sync/bytes`` (= ``bytes_sent``: what the engine was sent), ``buckets``, ``verified``,
+        ``verified_param_frac``; delta syncs add ``changed_frac`` (changed / all elements)."""
+        out = {"weight_sync/bytes": float(self.bytes), "weight_sync/bytes_sent": float(self.bytes),
+               "weight_sync/buckets": float(self.buckets), "weight_sync/verified": 1.0 if self.verified else 0.0,
+               "weight_sync/verified_param_frac": float(self.verified_frac)}
+        if self.elements:
+            out["weight_sync/changed_frac"] = self.changed / self.elements
+        return out
 

@@ -5,11 +5,12 @@ parameter at a time are gathered into HF tensors (``convert.live.iter_hf_tensors
 the engine's dtype and packed into ``buckets.Bucket`` buffers; stage 0's leader (global rank 0) yields its own
 buckets, then those of each later stage, whose leader sends them to rank 0 one at a time
 (``transport.send_bucket``). Peak extra host memory on a rank: one bucket + the parameter being gathered (+ on
-rank 0 the bucket being received), never the model.
+rank 0 the bucket being received), never the model. ``pack`` replaces ``bucketize`` as the packer of every
+stage (delta syncs: ``delta_sender.DeltaSender.pack``, whose buckets travel the same way).
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,17 +24,22 @@ __all__ = ["stream_buckets"]
 
 
 def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
-                   keep_dtype: Optional[set] = None) -> Iterator[Bucket]:
+                   keep_dtype: Optional[set] = None,
+                   pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None) -> Iterator[Bucket]:
     """Collective over every trainer rank: on global rank 0, the model's HF tensors as buckets (stage 0's,
     then each later stage's, received from its leader); on other ranks nothing (they gather and send).
-    Consume it to the end on every rank."""
+    ``pack(pairs)``: the packer of a stage's ``(name, tensor)`` stream (default: ``bucketize`` with
+    ``bucket_bytes`` / ``dtype`` / ``keep_dtype``). Consume it to the end on every rank."""
+    if pack is None:
+        def pack(pairs):
+            return bucketize(pairs, bucket_bytes, dtype, keep_dtype)
     groups = actor.groups
     pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, groups)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     leader = is_stage_leader(groups)
     if world == 1:
-        yield from bucketize(pairs, bucket_bytes, dtype, keep_dtype)
+        yield from pack(pairs)
         return
     roles = [None] * world
     dist.all_gather_object(roles, (groups.pp_rank, leader))
@@ -41,7 +47,7 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
     if rank == 0:
         if not leader or groups.pp_rank != 0:
             raise WeightSyncError("weight sync: global rank 0 is not the leader of pipeline stage 0")
-        yield from bucketize(pairs, bucket_bytes, dtype, keep_dtype)
+        yield from pack(pairs)
         for _, src in senders:
             while True:
                 bucket = recv_bucket(src)
@@ -49,7 +55,7 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
                     break
                 yield bucket
     elif leader and groups.pp_rank > 0:
-        for bucket in bucketize(pairs, bucket_bytes, dtype, keep_dtype):
+        for bucket in pack(pairs):
             send_bucket(bucket, 0)
             del bucket
         send_bucket(None, 0)

@@ -3,7 +3,12 @@
 ``WeightReceiver`` and offers it to the version's ``verify.WeightVerifier`` as it passes; after the last bucket
 the receiver commits (or, on any failure, drains the stream and aborts so no server serves partial weights)
 and rank 0's outcome is raised on every rank. ``corrupt(bucket)`` (tests) alters a bucket after its
-checksums were taken, like a fault in transit."""
+checksums were taken, like a fault in transit.
+
+Delta syncs (``delta``: the rank's ``delta_sender.DeltaSender``): rank 0 picks the version to send deltas from
+(``DeltaSender.base_for``: None -> whole tensors) and the HF tensors its verifier needs whole; every stage packs
+``delta.DeltaBucket``s instead of buckets; the verifier is offered the whole tensors they carry and counts the
+others; the report adds the elements changed."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -27,7 +32,7 @@ def _expected_names(actor) -> List[str]:
 
 
 def stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: bool,
-                 corrupt=None) -> SyncReport:
+                 corrupt=None, delta=None) -> SyncReport:
     """Collective: stream buckets to rank 0's engine receiver, verify, share any error; see the module doc.
     ``corrupt(bucket)`` (tests) alters a bucket after its checksums were taken, like a fault in transit."""
     rc = cfg.rollout
@@ -45,25 +50,46 @@ def stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: b
             keep_names = engine.full_precision_weight_names(names)
             verifier = verifier_for(actor.hf_target.geometry, engine, cfg, names, version, dt, keep_names)
             plan = (DTYPE_NAMES.get(dt), None, names, sorted(keep_names))
+            if delta is not None:
+                plan = plan + (delta.base_for(engine), sorted(n for n in names if verifier.needs(n)))
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc
-    box = share_from_rank0((error, plan[0] if plan else None, plan[3] if plan else None))
+    box = share_from_rank0((error, plan[0] if plan else None, plan[3] if plan else None,
+                            plan[4:] if plan and delta is not None else None))
     if box[0] is not None:
         raise box[0]
     dtype = getattr(torch, box[1]) if box[1] else None
     keep = set(box[2] or ())
+    bucket_bytes = int(rc.weight_sync_bucket_mb * (1 << 20))
+    pack = None
+    if delta is not None:
+        base, checks = box[3]
+
+        def pack(pairs):
+            return delta.pack(pairs, bucket_bytes, dtype, keep, base, version, set(checks))
     seen: Dict[str, int] = {}
-    for bucket in stream_buckets(actor, int(rc.weight_sync_bucket_mb * (1 << 20)), dtype, keep):
+    for bucket in stream_buckets(actor, bucket_bytes, dtype, keep, pack):
         if not rank0 or error is not None:
             continue  # drain: the other ranks are still sending
         try:
-            for name, t in bucket.tensors():
+            if delta is None:
+                items = bucket.tensors()
+                names_in = [n for n, _ in items]
+            else:
+                items = bucket.full_tensors()
+                names_in = bucket.names
+                for name, numel, changed in bucket.counts():
+                    verifier.count(name, numel)
+                    report.elements += numel
+                    report.changed += changed
+            for name in names_in:
                 seen[name] = seen.get(name, 0) + 1
+            for name, t in items:
                 verifier.offer(name, t)
             if corrupt is not None:
                 corrupt(bucket)
             receiver.load(bucket)
-            report.bytes += bucket.nbytes
+            report.bytes += bucket.nbytes if delta is None else bucket.engine_nbytes
             report.buckets += 1
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc

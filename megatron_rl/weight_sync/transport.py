@@ -1,7 +1,7 @@
 """Transport: how a bucket's bytes move between processes.
 
 * Between trainer ranks: ``send_bucket`` / ``recv_bucket`` (a later pipeline stage's leader -> global rank 0): the
-  bucket's meta as an object, then its bytes, staged on the default group's device (NCCL takes CUDA tensors only).
+  bucket's meta as an object (a ``Bucket``'s or a ``delta.DeltaBucket``'s), then its bytes, staged on the default group's device (NCCL takes CUDA tensors only).
 * Trainer -> SGLang servers: ``UpdateGroup``, a process group of trainer rank 0 with every server's TP ranks
   (``/init_weights_update_group``), in which rank 0 broadcasts each bucket; ``master_address_for`` picks the
   address the servers reach rank 0 at. What the pinned SGLang needs of it: ``receivers/sglang.py``.
@@ -21,6 +21,7 @@ from megatron_rl.parallel.devices import collective_device, recv_, send_
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.delta import DeltaBucket
 
 __all__ = ["send_bucket", "recv_bucket", "UpdateGroup", "master_address_for", "run_parallel"]
 
@@ -38,7 +39,7 @@ def recv_bucket(src: int) -> Optional[Bucket]:
     dist.recv_object_list(box, src=src)
     if box[0] is None:
         return None
-    bucket = Bucket.empty(box[0])
+    bucket = (DeltaBucket if box[0].get("format") == "delta" else Bucket).empty(box[0])
     recv_(bucket.flat, src=src)
     return bucket
 

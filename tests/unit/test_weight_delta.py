@@ -54,14 +54,14 @@ def test_specials_sparse_apply_is_bitwise_equal():
     d = encode_delta("w", new, base)
     assert d.kind == "sparse"
     want = _ref_positions(new, base)
-    assert d.index.tolist() == want and d.index.dtype == torch.int32
+    assert d.index.tolist() == want
     target = base.clone()
     apply_delta(target, d)
     ref = base.clone().reshape(-1)  # by hand: the changed positions copied one by one
     for i in want:
         ref[i] = new.reshape(-1)[i]
     assert _same_bits(target, ref.view(64, 33)) and _same_bits(target, new)
-    assert d.nbytes == len(want) * (4 + 2)
+    assert d.nbytes == 4 + len(want) * (2 + 2)  # one block count, 2-byte offsets, bf16 values
 
 
 def test_empty_change_sends_nothing():
@@ -121,13 +121,17 @@ def test_buckets_round_trip_through_bytes():
     names = [f"t{i}" for i in range(7)]
     base = {n: torch.randn(5 + i, 3, generator=g).to(torch.bfloat16) for i, n in enumerate(names)}
     base["t6"] = torch.randn(9, generator=g)  # an fp32-kept tensor
+    base["t2"] = torch.randn(200_000, generator=g).to(torch.bfloat16)  # several blocks of 65536
     new = {n: t.clone() for n, t in base.items()}
     new["t0"][0, 0] = -new["t0"][0, 0]
     new["t1"] += 1
     new["t3"][2, 1] = float("inf")
     new["t6"][4] = float("nan")
+    new["t2"][[0, 65535, 65536, 98304, 131071, 199999]] = -0.0
     deltas = [encode_delta(n, new[n], base[n]) for n in names]
     deltas.insert(3, TensorDelta("t5", (10, 3), torch.bfloat16, "check", values=new["t5"]))
+    assert deltas[2].index.tolist() == _ref_positions(new["t2"], base["t2"])
+    assert len(deltas[2].index) >= 5 and deltas[2].nbytes == 4 * 4 + len(deltas[2].index) * 4
     buckets = list(pack_deltas(deltas, 64, base="step-1", version="step-2"))
     assert len(buckets) > 2
     target = {n: t.clone() for n, t in base.items()}
@@ -148,7 +152,7 @@ def test_buckets_round_trip_through_bytes():
         assert _same_bits(target[n], new[n]), n
     assert set(checked) == {"t1", "t5"} and _same_bits(checked["t5"], new["t5"])
     kinds = [(d.name, d.kind) for d in deltas]
-    assert kinds == [("t0", "sparse"), ("t1", "dense"), ("t2", "same"), ("t5", "check"), ("t3", "sparse"),
+    assert kinds == [("t0", "sparse"), ("t1", "dense"), ("t2", "sparse"), ("t5", "check"), ("t3", "sparse"),
                      ("t4", "same"), ("t5", "same"), ("t6", "sparse")]
     with pytest.raises(ValueError, match="bytes"):
         DeltaBucket.from_meta(buckets[0].meta(), buckets[0].flat[:-8])

@@ -7,10 +7,12 @@ Usage::
     load_state_dict_checked(model, sd, source="/run/hf_export/step_3")
 
 ``BucketLoader`` is the bucketed in-process receiver (``rollout.weight_sync: tensor``): the trainer streams
-``weight_sync.buckets.Bucket`` objects and each is copied in as it arrives (never a full state dict).
+``weight_sync.buckets.Bucket`` objects and each is copied in as it arrives (never a full state dict); a delta
+sync's ``delta.DeltaBucket`` is applied to the tensors of the version the engine holds.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,6 +23,7 @@ import torch
 
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
+from megatron_rl.weight_sync.delta import DeltaBucket, apply_delta
 
 
 def read_weight_update(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -103,6 +106,14 @@ def _expert_target(own: Mapping[str, torch.Tensor], name: str):
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def _copy(t: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(t)
+
+
+def _apply(d, dst: torch.Tensor) -> None:
+    apply_delta(dst, d)
+
+
 class BucketLoader(WeightReceiver):
     """In-process receiver of the embedded engine (``rollout.weight_sync: tensor``): each bucket's names and
     shapes are checked before any of it is copied; ``commit`` checks that every tensor of the model was
@@ -117,6 +128,7 @@ class BucketLoader(WeightReceiver):
                                                      k.endswith("original_inv_freq"))}
         self.seen: dict[str, int] = {}
         self.fused_rows: dict[str, int] = {}
+        self.held = engine.weight_version  # the version deltas must start from
 
     def _target(self, name: str) -> torch.Tensor | None:
         if name in self.own:
@@ -124,25 +136,33 @@ class BucketLoader(WeightReceiver):
         return _expert_target(self.own, name)
 
     def load(self, bucket) -> None:
-        pairs = bucket.tensors()
+        """A ``Bucket`` (copied in) or a ``delta.DeltaBucket`` (applied to the version the engine holds, which
+        must be the delta's base)."""
+        if isinstance(bucket, DeltaBucket):
+            if bucket.base is not None and (bucket.base != self.held or self.engine._invalid is not None):
+                raise WeightSyncError(f"weight delta to {self.version!r} is from {bucket.base!r}, but the engine "
+                                      f"holds {self.held!r}" + (" (invalid)" if self.engine._invalid else ""))
+            pairs = [(d.name, d.shape, functools.partial(_apply, d)) for d in bucket.deltas()]
+        else:
+            pairs = [(name, t.shape, functools.partial(_copy, t)) for name, t in bucket.tensors()]
         errors = []
-        for name, t in pairs:
+        for name, shape, _ in pairs:
             dst = self._target(name)
             if dst is None:
                 errors.append(f"{name!r}: not a tensor of the engine's model")
-            elif tuple(dst.shape) != tuple(t.shape):
-                errors.append(f"{name!r}: shape {tuple(t.shape)} != engine's {tuple(dst.shape)}")
+            elif tuple(dst.shape) != tuple(shape):
+                errors.append(f"{name!r}: shape {tuple(shape)} != engine's {tuple(dst.shape)}")
             elif name in self.seen:
                 errors.append(f"{name!r}: sent twice")
         if errors:
             raise WeightSyncError(f"weight bucket for version {self.version!r} does not match the engine's model: "
                                   + "; ".join(errors))
         with torch.no_grad():
-            for name, t in pairs:
+            for name, _, put in pairs:
                 self.seen[name] = 1
                 if self.tied and name == "lm_head.weight":
                     continue  # shares storage with the embedding, which is copied
-                self._target(name).copy_(t)
+                put(self._target(name))
                 m = _EXPERT.match(name)
                 if m is not None and name not in self.own:  # count the fused slices filled
                     fused = m.group(1) + ("down_proj" if m.group(3) == "down_proj" else "gate_up_proj")

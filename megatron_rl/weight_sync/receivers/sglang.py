@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from datetime import timedelta
 from typing import Any, Callable, Dict, List
 
@@ -39,6 +40,8 @@ import torch.distributed as dist
 
 from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.buckets import DTYPE_NAMES
+from megatron_rl.weight_sync.delta import DeltaBucket
+from megatron_rl.weight_sync.server_loader import LOADER, SERVER_FLAGS
 from megatron_rl.weight_sync.transport import UpdateGroup, run_parallel
 
 __all__ = ["SGLangTensorReceiver", "SGLangDistributedReceiver", "serialize_for_server",
@@ -112,14 +115,27 @@ class SGLangTensorReceiver(_SessionReceiver):
     """``/update_weights_from_tensor`` per bucket (servers on this host)."""
 
     def load(self, bucket) -> None:
-        payload = serialize_for_server(bucket.tensors())
+        """A ``Bucket`` (SGLang's own loader), or a ``delta.DeltaBucket``: its meta (JSON) and the bytes the engine
+        needs, for our loader in the server (``server_loader.py``: ``load_format`` names it)."""
+        request = {"flush_cache": True}
+        if isinstance(bucket, DeltaBucket):
+            payload = serialize_for_server([(json.dumps(bucket.engine_meta()), bucket.flat[:bucket.engine_nbytes])])
+            request["load_format"] = LOADER
+        else:
+            payload = serialize_for_server(bucket.tensors())
 
         def send(url):
             n = self.engine.server_tp_size(url)
             self.engine._post_ok(url, "/update_weights_from_tensor",
-                                 {"serialized_named_tensors": [payload] * n, "flush_cache": True}, self.timeout_s)
+                                 {"serialized_named_tensors": [payload] * n, **request}, self.timeout_s)
 
-        self._each(send)
+        try:
+            self._each(send)
+        except WeightSyncError as exc:
+            if "load_format" in request and "load_format" in str(exc):
+                raise WeightSyncError(f"{exc} -- a delta sync needs the servers started with "
+                                      f"{' '.join(SERVER_FLAGS)}") from exc
+            raise
 
 
 class SGLangDistributedReceiver(_SessionReceiver):
@@ -130,6 +146,9 @@ class SGLangDistributedReceiver(_SessionReceiver):
         self.group = group
 
     def load(self, bucket) -> None:
+        if isinstance(bucket, DeltaBucket):
+            raise WeightSyncError("a delta sync cannot go through /update_weights_from_distributed (SGLang loads "
+                                  "whole tensors there): use rollout.weight_sync: tensor")
         meta = {"names": list(bucket.names), "dtypes": [DTYPE_NAMES[bucket.dtype]] * len(bucket.names),
                 "shapes": [list(s) for s in bucket.shapes], "group_name": self.group.name,
                 "load_format": "flattened_bucket", "flush_cache": True}
