@@ -10,6 +10,8 @@ starting weights (another checkpoint).
 * a tensor perturbed in one bucket after its checksum was taken is caught by the verification (SGLang's
   checksums), named on every rank; the server is tagged ``sync-failed:<version>`` and the engine refuses to
   generate.
+* delta syncs (``rollout.weight_sync_delta``) through our loader in the server: after deltas at lr 1e-6 every
+  server tensor == the disk path; each delta <= 10 % of a full sync's bytes.
 * faults: the server killed in the middle of a sync -> a WeightSyncError naming the server on every rank;
   a group init the server rejects (NCCL on the CPU server) -> WeightSyncError naming the group and server.
 
@@ -121,6 +123,50 @@ def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
     m = out[0]["metrics"]
     assert m["weight_sync/verified"] == 1.0 and m["weight_sync/buckets"] >= 10
     assert all(o["metrics"] == m for o in out)
+
+
+def _delta_body(rank, world, job, url, export_dir):
+    from megatron_rl.actor import MegatronActor
+    from megatron_rl.parallel import initialize_model_parallel
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.testing.actor_reference import policy_data
+    from megatron_rl.weight_sync.publisher import DeltaPublisher, build_weight_publisher
+
+    initialize_model_parallel(job.parallel, seed=3, model=job.model)
+    actor = MegatronActor(job)
+    engine = SGLangEngine(url, weight_sync_timeout=120)
+    try:
+        pub = build_weight_publisher(job, actor, engine)
+        assert isinstance(pub, DeltaPublisher)
+        batch, old, adv, mask, _ = policy_data(job.model.vocab_size, 4, 7, (2, 5), (3, 7), False)
+        metrics = [pub.publish("step-1")]  # the first version: full
+        for v in (2, 3):
+            actor.train_step(batch, old, adv, mask, None, 1.0)
+            metrics.append(pub.publish(f"step-{v}"))
+        actor.export_hf(export_dir)
+        return metrics
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(900)
+def test_delta_sync_equals_disk_path(models, server, tmp_path):
+    """Delta syncs (``rollout.weight_sync_delta``, our loader inside the server) at lr 1e-6: after a full first
+    version and two deltas, every server tensor equals the same weights loaded from disk (SGLang's checksums),
+    and each delta sent <= 10 % of the first (full) version's bytes."""
+    url = server.url
+    load_from_disk(url, models["other"], "step-0")
+    job = _job(models["actor"], 1, 1, weight_sync="tensor", weight_sync_delta=True, weight_sync_bucket_mb=0.02)
+    job.actor.lr = 1e-6
+    out = run_ranks(_delta_body, 1, job, url, str(tmp_path / "export"), timeout=600)[0]
+    got, version = _checksums(url), _version(url)
+    load_from_disk(url, str(tmp_path / "export"), "disk-ref")
+    assert version == "step-3" and got == _checksums(url)
+    full = out[0]["weight_sync/bytes_sent"]
+    assert out[0]["weight_sync/changed_frac"] == 1.0 and all(m["weight_sync/verified"] == 1.0 for m in out)
+    fracs = [m["weight_sync/bytes_sent"] / full for m in out[1:]]
+    assert all(0 < f <= 0.10 for f in fracs), fracs
+    print("SGLang delta bytes / full bytes per step at lr 1e-6:", [round(f, 4) for f in fracs])
 
 
 @pytest.mark.timeout(900)
