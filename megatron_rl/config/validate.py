@@ -310,17 +310,15 @@ def _weight_sync_errors(r) -> List[str]:
                         f"sync time, but rollout.mode 'async' applies them later in rank 0's producer thread alone "
                         f"— use rollout.weight_sync: {' or '.join(engine.deferred_weight_sync_modes)} (or auto) "
                         f"with rollout.mode: async")
-    if not isinstance(r.weight_sync_delta, bool):
-        errs.append(f"rollout.weight_sync_delta: must be true or false, got {r.weight_sync_delta!r}")
-    elif r.weight_sync_delta and r.engine in ENGINE_KINDS and r.weight_sync in modes:
+    if r.weight_sync_delta and r.engine in ENGINE_KINDS and r.weight_sync in modes:
         mode = (r.weight_sync if r.weight_sync != "auto"
                 else engine_class(r.engine).default_weight_sync_mode(async_rollouts=r.mode == "async"))
         if r.mode == "async":
             errs.append("rollout.weight_sync_delta: true needs rollout.mode 'sync' (the async producer applies "
                         "whole versions later, possibly skipping some)")
         elif mode != "tensor":
-            errs.append(f"rollout.weight_sync_delta: true needs rollout.weight_sync 'tensor' (the {r.engine} engine "
-                        f"in process, or SGLang servers on the trainer's host through our loader), got {mode!r}"
+            errs.append(f"rollout.weight_sync_delta: true needs rollout.weight_sync 'tensor' (the embedded engine in "
+                        f"process; SGLang servers on the trainer's host, through our loader), got {mode!r}"
                         + (" (auto)" if r.weight_sync == "auto" else "")
                         + ("; SGLang's /update_weights_from_distributed loads whole tensors only"
                            if mode == "distributed" else ""))

@@ -156,3 +156,43 @@ def test_buckets_round_trip_through_bytes():
                      ("t4", "same"), ("t5", "same"), ("t6", "sparse")]
     with pytest.raises(ValueError, match="bytes"):
         DeltaBucket.from_meta(buckets[0].meta(), buckets[0].flat[:-8])
+
+
+def _delta_errors(**rollout):
+    from megatron_rl.config import job_config_from_dict
+    from megatron_rl.config.validate import job_errors
+
+    if rollout.get("engine") == "sglang":
+        rollout["sglang_urls"] = ["http://127.0.0.1:9"]
+    return [e for e in job_errors(job_config_from_dict({"rollout": rollout}), world_size=1) if "delta" in e]
+
+
+def test_delta_knob_is_validated():
+    assert _delta_errors(engine="embedded", weight_sync_delta=True) == []            # auto -> tensor
+    assert _delta_errors(engine="sglang", weight_sync="tensor", weight_sync_delta=True) == []
+    assert _delta_errors(engine="sglang", weight_sync="disk", weight_sync_delta=False) == []
+    (e,) = _delta_errors(engine="sglang", weight_sync_delta=True)
+    assert "'tensor'" in e and "'distributed' (auto)" in e
+    (e,) = _delta_errors(engine="embedded", weight_sync="disk", weight_sync_delta=True)
+    assert "got 'disk'" in e
+    (e,) = _delta_errors(engine="embedded", mode="async", weight_sync_delta=True)
+    assert "rollout.mode 'sync'" in e
+    from megatron_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.weight_sync_delta: expected true or false"):
+        _delta_errors(engine="embedded", weight_sync_delta="yes")
+
+
+def test_check_prints_the_expected_delta_bytes():
+    from megatron_rl.config import job_config_from_dict
+    from megatron_rl.weight_sync.plan import DELTA_CHANGED_FRAC, weight_sync_plan
+
+    model = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "ffn_hidden_size": 128}
+    cfg = job_config_from_dict({"model": model, "rollout": {"engine": "embedded", "weight_sync_delta": True}})
+    n = 10_000_000
+    line = weight_sync_plan(cfg, n).line()
+    changed = int(n * DELTA_CHANGED_FRAC)
+    want = (-(-n // 65536)) * 4 + changed * (2 + 2)  # block counts + (offset, bf16 value) per change
+    assert f"delta sync: ~{want / 1e6:.2f} MB per sync" in line, line
+    cfg.rollout.weight_sync_delta = False
+    assert "delta" not in weight_sync_plan(cfg, n).line()
