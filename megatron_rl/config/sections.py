@@ -137,8 +137,9 @@ class RolloutConfig:
     """Bound of each weight-sync request to a server, retries included (a bucket, the group set-up, a disk
     load, the weight checksums)."""
     weight_sync_delta: bool = False
-    """tensor / distributed: per HF tensor, send only the elements whose bits changed since the version the
-    engine holds (positions + values; the whole tensor when that is smaller), applied exactly (the engine's
+    """weight_sync tensor (the embedded engine; SGLang servers on the trainer's host): per HF tensor, send only
+    the elements whose bits changed since the version the engine holds (positions + values; the whole tensor
+    when that is smaller), applied exactly (the engine's
     weights equal a full sync's bit for bit). The first version, and the one after a failed or skipped version,
     is a full sync. Costs a copy of each stage's HF tensors (engine dtype) on its leader, and with SGLang a copy
     of the model in each server process's host memory (docs/weight_sync.md#delta-sync)."""

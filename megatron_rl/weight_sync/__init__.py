@@ -8,6 +8,9 @@ The path of a byte, one module per hop::
 * ``plan.py``: what a sync moves and holds (``megatron-rl check``).
 * ``senders.py``: gather each parameter's TP / EP / ETP shards into HF tensors, pack them into buckets.
 * ``buckets.py``: ``Bucket`` (tensors of one dtype back to back in one flat buffer), ``bucketize``, checksums.
+* ``delta.py`` + ``delta_sender.py``: delta syncs (``rollout.weight_sync_delta``) -- per tensor only the elements
+  whose bits changed, packed into ``DeltaBucket``s by each stage leader against its copy of what the engine
+  holds; ``server_loader.py`` applies them inside each SGLang server process (its custom weight loader).
 * ``transport.py``: bucket send / receive between trainer ranks; the update group with the SGLang servers.
 * ``stream.py``: the streamed sync -- senders to rank 0's receiver, verification in passing, errors shared.
 * ``receivers/``: the engine ends (``embedded.py``: copy into the in-process model; ``sglang.py``: HTTP update
