@@ -123,7 +123,8 @@ def test_sglang_server_cpu_and_gpu_commands():
     assert env["PYTHONPATH"].split(":")[0] == os.path.join(ROOT, "megatron_rl", "platform", "sglang_cpu")
     assert argv[3:] == ["/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
                         "--port", "31000", "--dtype", "bfloat16", "--device", "cpu", "--skip-server-warmup",
-                        "--sleep-on-idle", "--mem-fraction-static", "0.05", "--random-seed", "0"]
+                        "--sleep-on-idle", "--mem-fraction-static", "0.05", "--custom-weight-loader",
+                        "megatron_rl.weight_sync.server_loader.load_weight_delta", "--random-seed", "0"]
     r = _run("sglang_server.sh", "--model", "/m", "--tp", "8", "--host", "0.0.0.0", "--mem-fraction", "0.4",
              env={"DRY_RUN": "1"})
     argv = shlex.split(r.stdout.strip())
