@@ -1,7 +1,7 @@
 """Benchmark the trainer -> engine weight sync per mode (``rollout.weight_sync``), disk vs in memory, in one run.
 
     OMP_NUM_THREADS=1 python tools/bench_weight_sync.py [--hidden 1024] [--layers 6] [--vocab 16384] [--tp 2]
-        [--bucket-mb 64] [--sglang]
+        [--bucket-mb 64] [--sglang] [--delta-lrs 1e-6,1e-4]
 
 A random-weight Qwen2 of a real shape (hidden / layers / vocab; fp32 in the trainer, ~400 MB at the
 defaults) on ``--tp`` gloo ranks syncs into the embedded engine (bf16) by disk (HF export + reload) and by
@@ -9,6 +9,10 @@ tensor (buckets in process), and with ``--sglang`` into a CPU SGLang server by d
 tensor. Per mode: seconds of the sync (median of ``--repeats``, verification included), bytes moved, buckets,
 and the peak extra host memory of the sync on each trainer rank (the kernel's VmHWM, reset before the sync;
 large allocations forced to mmap so freed buckets leave RSS).
+
+``--delta-lrs``: full vs delta sync (``rollout.weight_sync_delta``, tensor mode, embedded bf16 engine) after real
+train steps at each learning rate: seconds and bytes of each, the elements changed, and the floor of each -- a
+same-run memcpy of the same number of bytes on rank 0.
 """
 import argparse
 import ctypes
@@ -63,6 +67,70 @@ def _body(rank, world, job, modes, url, repeats):
     return out
 
 
+def _memcpy_s(nbytes, repeats=3):
+    """Seconds of one host copy of ``nbytes`` bytes (median), the floor of moving them in process."""
+    src = torch.empty(max(int(nbytes), 1), dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _delta_body(rank, world, job, lrs, repeats):
+    from megatron_rl.actor import MegatronActor
+    from megatron_rl.parallel import initialize_model_parallel
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.testing.actor_reference import policy_data
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
+
+    initialize_model_parallel(job.parallel, seed=0, model=job.model)
+    out = {}
+    for lr in lrs:
+        cfg = dataclasses.replace(job, actor=dataclasses.replace(job.actor, lr=lr))
+        actor = MegatronActor(cfg)
+        batch, old, adv, mask, _ = policy_data(cfg.model.vocab_size, 4, 0, (4, 9), (8, 17), False)
+        rows = []
+        for delta in (False, True):
+            rc = dataclasses.replace(cfg.rollout, engine="embedded", weight_sync="tensor", weight_sync_delta=delta)
+            engine = EmbeddedEngine(cfg.actor.load_hf, dtype="bfloat16") if rank == 0 else None
+            rows.append((build_weight_publisher(dataclasses.replace(cfg, rollout=rc), actor, engine), engine))
+        for pub, _ in rows:
+            pub.publish("step-0")  # the first version: full for both
+        got = {"full": [], "delta": []}
+        for i in range(1, repeats + 1):
+            actor.train_step(batch, old, adv, mask, None, 1.0)
+            for key, (pub, _) in zip(("full", "delta"), rows):
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                m = pub.publish(f"step-{i}")
+                got[key].append((time.perf_counter() - t0, m))
+        res = {}
+        for key, runs in got.items():
+            m = runs[-1][1]
+            nbytes = m["weight_sync/bytes_sent"]
+            res[key] = {"s": statistics.median(t for t, _ in runs), "bytes": nbytes,
+                        "changed": m.get("weight_sync/changed_frac", 1.0), "floor": _memcpy_s(nbytes)}
+        out[lr] = res
+        for _, engine in rows:
+            if engine is not None:
+                engine.close()
+        del actor, rows
+    return out
+
+
+def _print_delta(out):
+    print(f"{'lr':>8s} {'sync':6s} {'sync s':>8s} {'MiB sent':>9s} {'changed':>8s} {'memcpy s':>9s} {'x floor':>8s}")
+    for lr, res in out.items():
+        for key, r in res.items():
+            print(f"{lr:8.0e} {key:6s} {r['s']:8.3f} {r['bytes'] / 2**20:9.2f} {r['changed']:8.2%} "
+                  f"{r['floor']:9.4f} {r['s'] / max(r['floor'], 1e-9):8.0f}")
+        print(f"{'':8s} delta / full: {res['delta']['bytes'] / res['full']['bytes']:.1%} of the bytes, "
+              f"{res['delta']['s'] / res['full']['s']:.2f}x the time")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -72,6 +140,8 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sglang", action="store_true", help="also a CPU SGLang server: disk / distributed / tensor")
+    p.add_argument("--delta-lrs", default="", help="comma list of learning rates: full vs delta sync after train "
+                   "steps at each (instead of the mode comparison)")
     a = p.parse_args(argv)
     from megatron_rl.config import job_config_from_dict
     from megatron_rl.convert.hf_config import model_config_from_hf
@@ -92,6 +162,10 @@ def main(argv=None):
     fp32_mb = os.path.getsize(os.path.join(hf, "model.safetensors")) / 2**20
     print(f"model: qwen2 hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}: {fp32_mb:.0f} MiB fp32 "
           f"(trainer, TP{a.tp}), engine bf16; bucket {a.bucket_mb} MiB")
+    if a.delta_lrs:
+        lrs = [float(x) for x in a.delta_lrs.split(",")]
+        _print_delta(run_ranks(_delta_body, a.tp, job, lrs, a.repeats, timeout=3000)[0])
+        return
     modes = [("embedded", "disk"), ("embedded", "tensor")]
     server = None
     try:
