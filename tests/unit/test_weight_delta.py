@@ -196,3 +196,26 @@ def test_check_prints_the_expected_delta_bytes():
     assert f"delta sync: ~{want / 1e6:.2f} MB per sync" in line, line
     cfg.rollout.weight_sync_delta = False
     assert "delta" not in weight_sync_plan(cfg, n).line()
+
+
+def test_server_store_hands_whole_tensors_and_refuses_a_foreign_base():
+    """The loader inside an SGLang server: a full version fills its copies, a delta from that version brings
+    them to the new one (whole tensors handed on, bit for bit the new ones), a delta from any other version
+    is refused."""
+    from megatron_rl.weight_sync.server_loader import DeltaStore
+
+    g = torch.Generator().manual_seed(3)
+    v1 = {"a": torch.randn(4, 6, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g)}
+    v2 = {k: t.clone() for k, t in v1.items()}
+    v2["a"][1, 2] = -0.0
+    store = DeltaStore()
+    (full,) = pack_deltas([encode_delta(k, t, None) for k, t in v1.items()], 1 << 20, None, "step-1")
+    got = store.apply(DeltaBucket.from_meta(full.engine_meta(), full.flat.clone()))
+    assert [n for n, _ in got] == ["a", "b"] and all(_same_bits(t, v1[n]) for n, t in got)
+    (delta,) = pack_deltas([encode_delta(k, v2[k], v1[k]) for k in v1], 1 << 20, "step-1", "step-2")
+    assert delta.engine_nbytes < full.engine_nbytes
+    got = dict(store.apply(DeltaBucket.from_meta(delta.engine_meta(), delta.flat.clone())))
+    assert _same_bits(got["a"], v2["a"]) and _same_bits(got["b"], v2["b"]) and store.version == "step-2"
+    (stale,) = pack_deltas([encode_delta("a", v2["a"], v1["a"])], 1 << 20, "step-1", "step-3")
+    with pytest.raises(ValueError, match="from 'step-1'.*holds 'step-2'.*full sync"):
+        store.apply(stale)
