@@ -208,7 +208,8 @@ def test_failure_fraction_counts_every_generated_row_and_the_report_warns():
 
     gen = DynamicSampling(Scripted([[ALIKE, SIGNAL, ALIKE], [SIGNAL, ALIKE, ALIKE], [ALIKE, SIGNAL, SIGNAL]]), _Cfg())
     batch = gen.generate(None, 0, "step-0")
-    piece = RowSplit([0], 1, 2, False).pieces(batch)[0]
+    pieces = RowSplit([0], 1, 2, False).pieces(batch)
+    piece = pieces.make(pieces.keys[0])
     assert piece.summary["reward/failed_frac"] == pytest.approx(3 / 18)   # 1 failure per round of 6 rows
     assert piece.summary["reward/mean"] == pytest.approx(sum(batch.rewards) / 6)
     records = [{"step": 1, "filter_groups/exhausted": 0.0}, {"step": 2, "filter_groups/exhausted": 1.0,
