@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 
-from megatron_rl.config import load_job_config
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import job
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -28,15 +28,6 @@ pytestmark = pytest.mark.timeout(400)
 def model_dir(tmp_path_factory):
     return build_task_model(str(tmp_path_factory.mktemp("m") / "m"), task="copy", seed=0, hidden_size=32,
                             num_layers=1)
-
-
-def _cfg(model_dir, run_dir, *extra):
-    return load_job_config(None, [
-        "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=3", "rollout.n_samples_per_prompt=2",
-        "data.prompts_per_step=4", "data.task=copy", "data.task_kwargs={min_digits: 1, max_digits: 1}",
-        "actor.micro_batch_size=8", f"actor.load_hf={model_dir}", "trainer.steps=4", "trainer.save_interval=2",
-        f"trainer.run_dir={run_dir}", "trainer.progress=false", "rollout.mode=async", "rollout.max_staleness=1",
-        "trainer.collective_timeout_s=120", "trainer.phase_timeout_s=120", *extra], world_size=2)
 
 
 def _train(rank, world, cfg, fault):
@@ -81,13 +72,15 @@ def _check(run_dir, results, cause):
 
 def test_producer_error_in_the_drain_is_named_on_every_rank_and_the_step_is_checkpointed(model_dir, tmp_path):
     run = str(tmp_path / "run")
-    results = run_ranks(_train, 2, _cfg(model_dir, run), "raise", timeout=300)
+    cfg = job("async_drain", hf=model_dir, run_dir=run, world_size=2)
+    results = run_ranks(_train, 2, cfg, "raise", timeout=300)
     _check(run, results, "RuntimeError: engine process died (injected)")
 
 
 def test_producer_hang_in_the_drain_ends_within_its_bound(model_dir, tmp_path):
     run = str(tmp_path / "run")
-    results = run_ranks(_train, 2, _cfg(model_dir, run, "trainer.checkpoint_timeout_s=20"), "hang", timeout=300)
+    cfg = job("async_drain", "trainer.checkpoint_timeout_s=20", hf=model_dir, run_dir=run, world_size=2)
+    results = run_ranks(_train, 2, cfg, "hang", timeout=300)
     _check(run, results, "did not hand them over within 10 s (half of trainer.checkpoint_timeout_s)")
 
 
@@ -96,8 +89,9 @@ def test_last_checkpoint_does_not_wait_for_rollouts_no_step_trains_on(model_dir,
     trains on: their generation hangs, yet the run checkpoints step 2 and ends without an error, well within the
     drain's bound (20 s here)."""
     run = str(tmp_path / "run")
-    results = run_ranks(_train, 2, _cfg(model_dir, run, "trainer.steps=2", "trainer.checkpoint_timeout_s=40"),
-                        "hang", timeout=300)
+    cfg = job("async_drain", "trainer.steps=2", "trainer.checkpoint_timeout_s=40", hf=model_dir, run_dir=run,
+              world_size=2)
+    results = run_ranks(_train, 2, cfg, "hang", timeout=300)
     assert [err for err, _ in results] == [None, None]
     assert all(seconds < 60 for _, seconds in results), results
     assert os.path.isfile(os.path.join(run, "checkpoints", "step_2", "COMPLETE"))

@@ -15,9 +15,9 @@ import os
 
 import pytest
 
-from megatron_rl.config import load_job_config
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import job
 
 pytestmark = pytest.mark.timeout(400)
 # wall-clock readings differ between any two runs; weight_sync/* describe the transport, which differs by design
@@ -29,16 +29,6 @@ TIMING = ("timing/", "perf/", "time", "weight_sync/")
 def model_dir(tmp_path_factory):
     return build_task_model(str(tmp_path_factory.mktemp("m") / "m"), task="copy", seed=0, hidden_size=64,
                             num_layers=2)
-
-
-def _cfg(model_dir, run_dir, *extra, steps=4):
-    return load_job_config(None, [
-        "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=3", "rollout.n_samples_per_prompt=4",
-        "data.prompts_per_step=4", "data.task=copy", "data.task_kwargs={min_digits: 1, max_digits: 1}",
-        "algorithm.rollout_correction={rollout_is: token, rollout_is_threshold: 2.0}",
-        "actor.lr=3e-3", "actor.micro_batch_size=8", f"actor.load_hf={model_dir}", f"trainer.steps={steps}",
-        f"trainer.run_dir={run_dir}", "trainer.dump_rollouts=true", "trainer.progress=false", *extra],
-        world_size=2)
 
 
 def _train(rank, world, cfg, fault=None):
@@ -90,9 +80,10 @@ def _same(a, b, keys_from):
 
 def test_async_k0_reproduces_sync_exactly(model_dir, tmp_path):
     sync, asy = str(tmp_path / "sync"), str(tmp_path / "async")
-    assert run_ranks(_train, 2, _cfg(model_dir, sync), timeout=300) == [None, None]
-    assert run_ranks(_train, 2, _cfg(model_dir, asy, "rollout.mode=async", "rollout.max_staleness=0"),
+    assert run_ranks(_train, 2, job("async_copy", hf=model_dir, run_dir=sync, world_size=2),
                      timeout=300) == [None, None]
+    cfg = job("async_copy", "rollout.mode=async", "rollout.max_staleness=0", hf=model_dir, run_dir=asy, world_size=2)
+    assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     ms, ma = _metrics(sync), _metrics(asy)
     assert len(ms) == len(ma) == 4
     assert any(m["actor/grad_norm"] > 0 for m in ms[:-1])   # the weights really moved between the steps
@@ -106,8 +97,8 @@ def test_async_k0_reproduces_sync_exactly(model_dir, tmp_path):
 
 def test_async_k1_versions_and_lag_metrics(model_dir, tmp_path):
     run = str(tmp_path / "run")
-    assert run_ranks(_train, 2, _cfg(model_dir, run, "rollout.mode=async", "rollout.max_staleness=1"),
-                     timeout=300) == [None, None]
+    cfg = job("async_copy", "rollout.mode=async", "rollout.max_staleness=1", hf=model_dir, run_dir=run, world_size=2)
+    assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     ms = _metrics(run)
     for m in ms:
         lagged = m["step"] >= 2                              # step t (1-based) uses version t - 2 for t >= 2
@@ -127,16 +118,19 @@ def test_async_k1_versions_and_lag_metrics(model_dir, tmp_path):
 def _interrupted_after_step_2(model_dir, run_dir, *extra):
     """A run of 3 steps whose step-3 checkpoint never completed (as if killed while writing it): ``--resume``
     continues from step 2's, which holds step 3's rollouts (made from the weights after step 1)."""
-    assert run_ranks(_train, 2, _cfg(model_dir, run_dir, *extra, steps=3), timeout=300) == [None, None]
+    cfg = job("async_copy", *extra, "trainer.steps=3", hf=model_dir, run_dir=run_dir, world_size=2)
+    assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     os.remove(os.path.join(run_dir, "checkpoints", "step_3", "COMPLETE"))
 
 
 def test_async_resume_reproduces_the_uninterrupted_run(model_dir, tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     extra = ("rollout.mode=async", "rollout.max_staleness=1", "trainer.save_interval=2")
-    assert run_ranks(_train, 2, _cfg(model_dir, full, *extra), timeout=300) == [None, None]
+    cfg = job("async_copy", *extra, hf=model_dir, run_dir=full, world_size=2)
+    assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     _interrupted_after_step_2(model_dir, part, *extra)
-    assert run_ranks(_train, 2, _cfg(model_dir, part, *extra, "trainer.resume=true"), timeout=300) == [None, None]
+    cfg = job("async_copy", *extra, "trainer.resume=true", hf=model_dir, run_dir=part, world_size=2)
+    assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     mf, mp = _metrics(full), _metrics(part)
     assert [m["step"] for m in mp] == [1, 2, 3, 4]
     for a, b in zip(mf, mp):
@@ -149,7 +143,8 @@ def test_async_resume_with_other_prompt_groups_regenerates_the_drained_rollouts(
     part = str(tmp_path / "part")
     extra = ("rollout.mode=async", "rollout.max_staleness=1", "trainer.save_interval=2")
     _interrupted_after_step_2(model_dir, part, *extra, "rollout.n_samples_per_prompt=2")
-    assert run_ranks(_train, 2, _cfg(model_dir, part, *extra, "trainer.resume=true"), timeout=300) == [None, None]
+    cfg = job("async_copy", *extra, "trainer.resume=true", hf=model_dir, run_dir=part, world_size=2)
+    assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     rows = [r for r in _rollouts(part) if r["step"] == 3]
     assert len(rows) == 16
     for g in range(4):
@@ -161,8 +156,8 @@ def test_async_resume_with_other_prompt_groups_regenerates_the_drained_rollouts(
                                             ("weights", "engine refused weights step-1 (test)")])
 def test_producer_failures_end_the_step_on_every_rank(model_dir, tmp_path, fault, message):
     run = str(tmp_path / "run")
-    errors = run_ranks(_train, 2, _cfg(model_dir, run, "rollout.mode=async", "rollout.max_staleness=1"),
-                       fault=fault, timeout=300)
+    cfg = job("async_copy", "rollout.mode=async", "rollout.max_staleness=1", hf=model_dir, run_dir=run, world_size=2)
+    errors = run_ranks(_train, 2, cfg, fault=fault, timeout=300)
     for rank, err in enumerate(errors):
         assert err is not None and message in err and "async rollouts of step 3 failed" in err, (rank, err)
     assert [m["step"] for m in _metrics(run)] == [1, 2]      # nothing of step 3 was applied
@@ -171,10 +166,11 @@ def test_producer_failures_end_the_step_on_every_rank(model_dir, tmp_path, fault
 def test_bad_async_settings_are_rejected_with_the_key(model_dir, tmp_path):
     from megatron_rl.config import ConfigError
 
+    where = dict(hf=model_dir, run_dir=str(tmp_path), world_size=2)
     with pytest.raises(ConfigError, match="rollout.segment_tokens"):
-        _cfg(model_dir, str(tmp_path), "rollout.mode=async", "rollout.partial_rollout=interrupt")
+        job("async_copy", "rollout.mode=async", "rollout.partial_rollout=interrupt", **where)
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
-        _cfg(model_dir, str(tmp_path), "rollout.mode=async", "rollout.max_staleness=-1")
+        job("async_copy", "rollout.mode=async", "rollout.max_staleness=-1", **where)
     with pytest.raises(ConfigError, match="rollout.mode"):
-        _cfg(model_dir, str(tmp_path), "rollout.mode=overlap")
+        job("async_copy", "rollout.mode=overlap", **where)
 

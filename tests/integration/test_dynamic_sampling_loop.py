@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from megatron_rl.config import load_job_config
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import job
 
 pytestmark = [pytest.mark.mcore, pytest.mark.timeout(300)]
 
@@ -32,16 +32,11 @@ def alike(prompt_text, response_text, answer):
 '''
 
 
-def _cfg(model, tmp_path, reward, world, *extra):
+def _reward_fn(tmp_path, name):
+    """The ``data.reward_fn`` override of function ``name`` of REWARDS (written to ``tmp_path``)."""
     path = tmp_path / "rewards.py"
     path.write_text(REWARDS)
-    return load_job_config(None, [
-        "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=3", "rollout.n_samples_per_prompt=4",
-        "rollout.dtype=float32", "data.prompts_per_step=4", "data.task=copy",
-        "data.task_kwargs={min_digits: 1, max_digits: 2}", f"data.reward_fn={path}:{reward}",
-        "algorithm.filter_groups.enable=true", "actor.lr=1e-3", "actor.micro_batch_size=8",
-        f"actor.load_hf={model}", "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}",
-        "trainer.dump_rollouts=true", "trainer.progress=false", *extra], world_size=world)
+    return f"data.reward_fn={path}:{name}"
 
 
 def _train(rank, world, cfg):
@@ -69,7 +64,8 @@ def test_every_trained_group_has_signal_and_the_batch_is_full(copy_model, tmp_pa
     from megatron_rl.trainer.job import build_task
     from megatron_rl.trainer.rollout_phase import sample_prompts
 
-    cfg = _cfg(copy_model, tmp_path, "half_alike", 2, "algorithm.filter_groups.max_num_gen_batches=8")
+    cfg = job("dynamic_sampling", _reward_fn(tmp_path, "half_alike"), "algorithm.filter_groups.max_num_gen_batches=8",
+              hf=copy_model, run_dir=tmp_path / "run", world_size=2)
     results = run_ranks(_train, 2, cfg, timeout=240)
     assert results == [(2, []), (2, [])]
     metrics, rows = _read(cfg.trainer.run_dir, "metrics.jsonl"), _read(cfg.trainer.run_dir, "rollouts.jsonl")
@@ -107,9 +103,9 @@ def test_groups_alike_for_max_rounds_warn_and_skip_or_train(copy_model, tmp_path
     """Skipping in async mode (one step off) also proves that a skipped step still publishes its version: the
     producer waits for it before it generates the step after next."""
     steps = 3 if rollouts == "async" else 2
-    cfg = _cfg(copy_model, tmp_path, "alike", 1, "algorithm.filter_groups.max_num_gen_batches=2",
-               f"algorithm.filter_groups.on_exhausted={mode}", f"rollout.mode={rollouts}",
-               f"trainer.steps={steps}")
+    cfg = job("dynamic_sampling", _reward_fn(tmp_path, "alike"), "algorithm.filter_groups.max_num_gen_batches=2",
+              f"algorithm.filter_groups.on_exhausted={mode}", f"rollout.mode={rollouts}", f"trainer.steps={steps}",
+              hf=copy_model, run_dir=tmp_path / "run", world_size=1)
     [(trained, warned)] = run_ranks(_train, 1, cfg, timeout=240)
     # one per generated step (the async producer also generates ahead, steps the run never trains)
     assert {w[0] for w in warned} == {"FilterGroupsExhaustedWarning"}

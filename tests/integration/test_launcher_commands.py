@@ -29,7 +29,7 @@ import time
 import psutil
 import pytest
 
-from megatron_rl.testing.jobs import copy_job, wait_for_steps, write_job
+from megatron_rl.testing.jobs import wait_for_steps, write_job
 from megatron_rl.testing.processes import kill_job, terminal_signals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -48,11 +48,6 @@ def _env(fault=None):
         env["MEGATRON_RL_FAULT"] = fault
     # CHECK=0: the config check before torchrun (one more interpreter start per job) is tested on its own below
     return dict(env, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CHECK="0")
-
-
-def _job(tmp_path, model_dir):
-    return write_job(tmp_path / "job.yaml", copy_job(model_dir, tmp_path / "run", steps=100000, progress=False,
-                                                     collective_timeout_s=120, phase_timeout_s=120))
 
 
 def _steps(run):
@@ -103,7 +98,7 @@ def _assert_clean_stop(proc, out, run, signum):
 
 
 def test_config_error_is_reported_before_torchrun_starts(tmp_path, copy_model):
-    job = _job(tmp_path, copy_model)
+    job = write_job(tmp_path / "job.yaml", "copy_tp2", hf=copy_model, run_dir=tmp_path / "run")
     t0 = time.time()
     r = subprocess.run(["bash", LAUNCH, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--config",
                         str(job), "actor.lr=abc"], cwd=ROOT, env=dict(_env(), CHECK="1"), capture_output=True,
@@ -118,7 +113,7 @@ def test_config_error_is_reported_before_torchrun_starts(tmp_path, copy_model):
 
 
 def test_ctrl_c_checkpoints_exits_0_and_resume_continues_through_the_launcher(tmp_path, copy_model):
-    job = _job(tmp_path, copy_model)
+    job = write_job(tmp_path / "job.yaml", "copy_tp2", hf=copy_model, run_dir=tmp_path / "run")
     run = tmp_path / "run"
     proc = _launch(tmp_path, job)
     # a terminal's Ctrl-C: SIGINT to the foreground process group (the launcher's)
@@ -134,7 +129,7 @@ def test_ctrl_c_checkpoints_exits_0_and_resume_continues_through_the_launcher(tm
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_0_also_without_ps(tmp_path, copy_model):
-    job = _job(tmp_path, copy_model)
+    job = write_job(tmp_path / "job.yaml", "copy_tp2", hf=copy_model, run_dir=tmp_path / "run")
     run = tmp_path / "run"
     no_ps = tmp_path / "bin"   # a slim container without procps: the launcher must find the ranks without `ps`
     no_ps.mkdir()
@@ -149,7 +144,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0_also_without_ps(tmp_pat
 
 def test_ctrl_c_while_the_ranks_start_stops_cleanly_after_the_first_step(tmp_path, copy_model):
     run = tmp_path / "run"
-    proc = _launch(tmp_path, _job(tmp_path, copy_model), fault="start_pause:1:8")
+    job = write_job(tmp_path / "job.yaml", "copy_tp2", hf=copy_model, run_dir=tmp_path / "run")
+    proc = _launch(tmp_path, job, fault="start_pause:1:8")
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # the output, as it comes
     reader.start()
@@ -171,8 +167,9 @@ def test_ctrl_c_during_the_rendezvous_exits_130_at_once(tmp_path, copy_model):
     with socket.socket() as s:  # a free port for the c10d rendezvous; the second node never comes
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _launch(tmp_path, _job(tmp_path, copy_model), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                   "--rdzv-id", "alone", stdout_file=tmp_path / "out.txt")
+    job = write_job(tmp_path / "job.yaml", "copy_tp2", hf=copy_model, run_dir=tmp_path / "run")
+    proc = _launch(tmp_path, job, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "alone",
+                   stdout_file=tmp_path / "out.txt")
     try:
         deadline = time.time() + 120
         while not any("torch.distributed.run" in _cmd(p) for p in psutil.Process(proc.pid).children(recursive=True)):
@@ -216,7 +213,7 @@ def _job_processes(launcher_pid, nranks, timeout):
 
 @pytest.mark.parametrize("when,sig", [("starting", signal.SIGHUP), ("training", signal.SIGKILL)])
 def test_a_job_never_outlives_its_launcher(tmp_path, copy_model, when, sig):
-    job = _job(tmp_path, copy_model)
+    job = write_job(tmp_path / "job.yaml", "copy_tp2", hf=copy_model, run_dir=tmp_path / "run")
     proc = _launch(tmp_path, job)
     try:
         job_procs = _job_processes(proc.pid, 2, timeout=120)

@@ -15,26 +15,15 @@ import os
 
 import pytest
 
-from megatron_rl.config import load_job_config
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.jobs import train_or_error
+from megatron_rl.testing.jobs import job, train_or_error
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 N = 4            # samples per prompt
 
 
 @pytest.fixture(scope="module")
 def moe_dir(task_model):
     return task_model(task="copy", seed=0, hidden_size=64, num_layers=2, num_experts=4, num_experts_per_tok=2)
-
-
-def _cfg(moe_dir, run_dir, replay, world):
-    return load_job_config(os.path.join(CONFIGS, "tiny_moe_cpu.yaml"), [
-        "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
-        "parallel.expert_model_parallel_size=1", f"cluster.gpus_per_node={world}", f"actor.load_hf={moe_dir}",
-        f"actor.routing_replay={replay}", f"trainer.run_dir={run_dir}", "trainer.steps=2", "trainer.save_interval=0",
-        "trainer.progress=false", "data.prompts_per_step=4", f"rollout.n_samples_per_prompt={N}",
-        "actor.micro_batch_size=8", "data.task_kwargs={min_digits: 1, max_digits: 1}"], world_size=world)
 
 
 def _train(rank, world, cfg):
@@ -58,7 +47,9 @@ def _train(rank, world, cfg):
 @pytest.mark.timeout(600)
 def test_partial_routing_is_dropped_and_counted_without_replay(moe_dir, tmp_path):
     run_dir = str(tmp_path / "run")
-    errors = run_ranks(_train, 1, _cfg(moe_dir, run_dir, "none", 1), timeout=540)
+    cfg = job("moe_routing_loop", "actor.routing_replay=none", f"rollout.n_samples_per_prompt={N}",
+              "cluster.gpus_per_node=1", hf=moe_dir, run_dir=run_dir, world_size=1)
+    errors = run_ranks(_train, 1, cfg, timeout=540)
     assert errors == [None]
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
@@ -69,7 +60,9 @@ def test_partial_routing_is_dropped_and_counted_without_replay(moe_dir, tmp_path
 @pytest.mark.timeout(600)
 def test_partial_routing_with_r3_is_a_named_error_on_every_rank(moe_dir, tmp_path):
     run_dir = str(tmp_path / "run")
-    errors = run_ranks(_train, 2, _cfg(moe_dir, run_dir, "r3", 2), timeout=540)
+    cfg = job("moe_routing_loop", "actor.routing_replay=r3", f"rollout.n_samples_per_prompt={N}",
+              "cluster.gpus_per_node=2", hf=moe_dir, run_dir=run_dir, world_size=2)
+    errors = run_ranks(_train, 2, cfg, timeout=540)
     for err in errors:
         assert err is not None and "PartialRoutingError" in err, err
         assert "step 1: actor.routing_replay='r3'" in err

@@ -11,31 +11,16 @@ import os
 import pytest
 import torch
 
-from megatron_rl.config import load_job_config
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import job, layout
 
 pytestmark = pytest.mark.mcore  # megatron runs inside the RL loop's ranks: runs on the 0.19 leg too
 
 
 @pytest.fixture(scope="module")
-def task_model(tmp_path_factory):
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    return build_task_model(str(tmp_path_factory.mktemp("task_model")), task="copy", seed=0,
-                            hidden_size=64, num_layers=2)
-
-
-def _cfg(model_dir, run_dir, world, extra=(), layout=None):
-    tp, pp = layout or ((2, 2) if world == 4 else (1, 1))
-    return load_job_config(None, [
-        f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
-        "rollout.max_new_tokens=5", "rollout.n_samples_per_prompt=4", "data.prompts_per_step=4",
-        "data.task=copy", "data.task_kwargs={min_digits: 1, max_digits: 2}",
-        "algorithm.rollout_correction={rollout_is: token, rollout_is_threshold: 2.0, rollout_rs: token_k3, "
-        "rollout_rs_threshold: 0.5}",
-        "actor.lr=1e-3", "actor.micro_batch_size=4", f"actor.load_hf={model_dir}",
-        "trainer.steps=2", f"trainer.run_dir={run_dir}", "trainer.dump_rollouts=true", "trainer.progress=false",
-        *extra], world_size=world)
+def copy_model_h64(task_model):
+    """The copy-task model these loops train: hidden 64, 2 layers, seed 0 (conftest's ``task_model`` factory)."""
+    return task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
 
 
 def _train_body(rank, world, cfg):
@@ -64,11 +49,11 @@ def _hf_log_probs(model_dir, records):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world, layout", [(4, (2, 2)), (2, (1, 1))], ids=["tp2xpp2", "dp2"])
-def test_training_logs_correct_mismatch_metrics(task_model, tmp_path, world, layout):
+@pytest.mark.parametrize("world, tp_pp", [(4, (2, 2)), (2, (1, 1))], ids=["tp2xpp2", "dp2"])
+def test_training_logs_correct_mismatch_metrics(copy_model_h64, tmp_path, world, tp_pp):
     """TP2 x PP2, and DP2 (each rank trains on its own prompt groups; the metrics are global)."""
     run_dir = str(tmp_path / "run")
-    cfg = _cfg(task_model, run_dir, world, layout=layout)
+    cfg = job("copy_loop", *layout(tp=tp_pp[0], pp=tp_pp[1]), hf=copy_model_h64, run_dir=run_dir, world_size=world)
     run_ranks(_train_body, world, cfg, timeout=240)
     metrics = _read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -81,7 +66,7 @@ def test_training_logs_correct_mismatch_metrics(task_model, tmp_path, world, lay
     # independent reference: HF fp32 forward of the initial checkpoint on step 1's recorded rollouts
     with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
         recs = [json.loads(line) for line in fh if json.loads(line)["step"] == 1]
-    train_lp = _hf_log_probs(task_model, recs)
+    train_lp = _hf_log_probs(copy_model_h64, recs)
     d = [t - r for tl, rec in zip(train_lp, recs) for t, r in zip(tl, rec["rollout_log_probs"])]
     kl = sum(-x for x in d) / len(d)
     k3 = sum(math.exp(x) - x - 1 for x in d) / len(d)
@@ -93,15 +78,15 @@ def test_training_logs_correct_mismatch_metrics(task_model, tmp_path, world, lay
 
 
 @pytest.mark.timeout(400)
-def test_resume_reproduces_uninterrupted_run(task_model, tmp_path):
-    straight = str(tmp_path / "straight")
-    run_ranks(_train_body, 2, _cfg(task_model, straight, 2, ["parallel.tensor_model_parallel_size=2"]),
+def test_resume_reproduces_uninterrupted_run(copy_model_h64, tmp_path):
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    tp2 = dict(hf=copy_model_h64, world_size=2)
+    run_ranks(_train_body, 2, job("copy_loop", "parallel.tensor_model_parallel_size=2", run_dir=straight, **tp2),
               timeout=200)
-    split = str(tmp_path / "split")
-    run_ranks(_train_body, 2, _cfg(task_model, split, 2, ["parallel.tensor_model_parallel_size=2",
-                                                           "trainer.steps=1"]), timeout=200)
-    run_ranks(_train_body, 2, _cfg(task_model, split, 2, ["parallel.tensor_model_parallel_size=2",
-                                                           "trainer.resume=true"]), timeout=200)
+    run_ranks(_train_body, 2, job("copy_loop", "parallel.tensor_model_parallel_size=2", "trainer.steps=1",
+                                  run_dir=split, **tp2), timeout=200)
+    run_ranks(_train_body, 2, job("copy_loop", "parallel.tensor_model_parallel_size=2", "trainer.resume=true",
+                                  run_dir=split, **tp2), timeout=200)
     a, b = _read_metrics(straight), _read_metrics(split)
     assert [m["step"] for m in b] == [1, 2]
     for key, v in a[1].items():
@@ -111,12 +96,12 @@ def test_resume_reproduces_uninterrupted_run(task_model, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_kl_to_reference_policy(task_model, tmp_path):
+def test_kl_to_reference_policy(copy_model_h64, tmp_path):
     """With kl_loss_coef > 0 the loop scores a frozen reference: step 1's KL loss is 0 (actor == reference)
     and step 2's is positive (the actor moved)."""
     run_dir = str(tmp_path / "kl")
-    cfg = _cfg(task_model, run_dir, 1, ["actor.policy_loss.kl_loss_coef=0.1", "actor.policy_loss.kl_loss_type=k3",
-                                        "actor.lr=5e-3", "trainer.steps=4", "data.prompts_per_step=8"])
+    cfg = job("copy_loop", "actor.policy_loss.kl_loss_coef=0.1", "actor.policy_loss.kl_loss_type=k3", "actor.lr=5e-3",
+              "trainer.steps=4", "data.prompts_per_step=8", hf=copy_model_h64, run_dir=run_dir, world_size=1)
     run_ranks(_train_body, 1, cfg, timeout=240)
     m = _read_metrics(run_dir)
     assert abs(m[0]["actor/kl_loss"]) < 1e-6
@@ -146,12 +131,13 @@ def test_dp_rows_match_batch_shards():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("preset", ["bypass_ppo_clip", "bypass_pg_is", "decoupled_geo_rs_seq_tis"])
-def test_presets_run_in_the_loop(task_model, tmp_path, preset):
+def test_presets_run_in_the_loop(copy_model_h64, tmp_path, preset):
     """Bypass (rollout log-probs as the old policy; REINFORCE with weights) and decoupled RS presets train
     for 2 steps with finite metrics; geo RS with a +-1e-6 band rejects sequences and the loop carries on."""
     run_dir = str(tmp_path / preset)
     extra = ", rs_threshold: 0.999999_1.000001" if preset == "decoupled_geo_rs_seq_tis" else ""
-    cfg = _cfg(task_model, run_dir, 1, [f"algorithm.rollout_correction={{preset: {preset}{extra}}}"])
+    cfg = job("copy_loop", f"algorithm.rollout_correction={{preset: {preset}{extra}}}", hf=copy_model_h64,
+              run_dir=run_dir, world_size=1)
     run_ranks(_train_body, 1, cfg, timeout=240)
     metrics = _read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]

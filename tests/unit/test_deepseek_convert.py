@@ -34,7 +34,7 @@ def hf_dir(tiny_hf_model):
     return tiny_hf_model("deepseek_v3", seed=5, num_hidden_layers=4)
 
 
-def _cfg(hf_dir):
+def _hf_config(hf_dir):
     with open(os.path.join(hf_dir, "config.json")) as fh:
         return json.load(fh)
 
@@ -74,7 +74,7 @@ def test_reshard_between_layouts(hf_dir, tmp_path):
     b = ShardLayout(tensor_model_parallel_size=1, pipeline_model_parallel_size=3, expert_model_parallel_size=4,
                     num_layers_in_first_pipeline_stage=2)
     convert_hf_to_mcore(hf_dir, str(tmp_path / "a"), a)
-    geom = HFGeometry.from_hf_config(_cfg(hf_dir))
+    geom = HFGeometry.from_hf_config(_hf_config(hf_dir))
     full = hf_to_mcore(storage.read_hf_state_dict(hf_dir), geom)
     for pp in range(3):
         for ep in range(4):
@@ -85,7 +85,7 @@ def test_reshard_between_layouts(hf_dir, tmp_path):
 
 
 def test_mtp_layers_dropped_and_strays_refused(hf_dir, tmp_path):
-    cfg = _cfg(hf_dir)
+    cfg = _hf_config(hf_dir)
     assert cfg["num_nextn_predict_layers"] == 1
     geom = HFGeometry.from_hf_config(cfg)
     sd = storage.read_hf_state_dict(hf_dir)
@@ -165,13 +165,13 @@ def test_uneven_61_layers_at_pp8_validates():
     (dict(architectures=["DeepseekV3ForCausalLM"], model_type="qwen2"), "does not match model_type"),
 ])
 def test_unsupported_config_keys_are_named(hf_dir, change, needle):
-    cfg = {**_cfg(hf_dir), **change}
+    cfg = {**_hf_config(hf_dir), **change}
     with pytest.raises(UnsupportedCheckpointError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         model_config_from_hf(cfg)
 
 
 def test_config_round_trip_and_kimi_alias(hf_dir):
-    cfg = _cfg(hf_dir)
+    cfg = _hf_config(hf_dir)
     mc = model_config_from_hf(cfg)
     assert (mc.multi_latent_attention, mc.rope_type, mc.moe_router_num_groups, mc.moe_router_group_topk,
             mc.first_k_dense_replace, mc.moe_router_topk_scaling_factor, mc.moe_router_bias_update_rate) == \

@@ -12,10 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.factory import build_engine
-from megatron_rl.testing.actor_reference import hf_model_section
+from megatron_rl.testing.jobs import job, setting
 
 
 class InfoServer:
@@ -51,11 +50,6 @@ class InfoServer:
         self.httpd.server_close()
 
 
-def _cfg(hf_dir, url, replay):
-    return job_config_from_dict({"model": hf_model_section(hf_dir), "actor": {"load_hf": hf_dir, "routing_replay": replay},
-                                 "rollout": {"engine": "sglang", "sglang_urls": [url], "max_retries": 0}})
-
-
 @pytest.fixture(scope="module")
 def moe_dir(tiny_hf_model):
     return tiny_hf_model("qwen3_moe", seed=3)
@@ -65,14 +59,18 @@ def test_r3_refuses_a_server_without_routed_experts_at_construction(moe_dir):
     capturing = InfoServer({"enable_return_routed_experts": True, "model_path": moe_dir})
     plain = InfoServer({"enable_return_routed_experts": False, "model_path": moe_dir})
     try:
-        engine, _ = build_engine(_cfg(moe_dir, capturing.url, "r3"))     # a server that captures: accepted
+        engine, _ = build_engine(job("sglang_actor", setting("rollout.sglang_urls", [capturing.url]),
+                                     "rollout.max_retries=0", "actor.routing_replay=r3", hf=moe_dir))  # accepted
         assert engine._routing_for(capturing.url) is not None
         with pytest.raises(RolloutError) as err:
-            build_engine(_cfg(moe_dir, plain.url, "r3"))
+            build_engine(job("sglang_actor", setting("rollout.sglang_urls", [plain.url]), "rollout.max_retries=0",
+                             "actor.routing_replay=r3", hf=moe_dir))
         msg = str(err.value)
         assert plain.url in msg and "--enable-return-routed-experts" in msg and "actor.routing_replay" in msg
         assert plain.generate_calls == 0
-        engine, _ = build_engine(_cfg(moe_dir, plain.url, "none"))        # without r3 nothing is required
+        engine, _ = build_engine(job("sglang_actor", setting("rollout.sglang_urls", [plain.url]),
+                                     "rollout.max_retries=0", "actor.routing_replay=none", hf=moe_dir))
+        # without r3 nothing is required
         assert engine.capture_routing is None
     finally:
         capturing.close()

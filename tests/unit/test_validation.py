@@ -9,16 +9,13 @@ import os
 import pytest
 
 from megatron_rl.config import collect_job_config
+from megatron_rl.testing.jobs import job_problems
 from megatron_rl.trainer.validation import Validation, val_metrics, val_sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
+#: the row of the table of jobs these tests check: configs/qwen2.5_7b_1x8.yaml
+Q7 = "qwen2.5_7b_1x8"
 MATH_DATA = os.path.join(ROOT, "examples", "math_tiny", "train.jsonl")
-
-
-def _cfg(*overrides):
-    cfg, problems = collect_job_config(Q7, list(overrides), world_size="cluster")
-    return cfg, problems
 
 
 def test_val_metrics_are_the_means_per_data_source():
@@ -35,7 +32,7 @@ def test_val_metrics_are_the_means_per_data_source():
 
 
 def test_schedule_every_test_freq_steps_the_last_and_before_training():
-    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "trainer.test_freq=2", "trainer.steps=5")
+    cfg, _ = job_problems(Q7, f"data.val_files={MATH_DATA}", "trainer.test_freq=2", "trainer.steps=5")
     v = Validation(cfg, None, None)
     assert [s for s in range(0, 6) if v.due(s)] == [2, 4, 5]
     assert v.due_before_train(0) and not v.due_before_train(3)   # --resume at step 3: not again
@@ -43,12 +40,12 @@ def test_schedule_every_test_freq_steps_the_last_and_before_training():
     assert not v.due_before_train(0)
     cfg.trainer.test_freq = 0
     assert not any(v.due(s) for s in range(6))
-    no_set, _ = _cfg("trainer.test_freq=0")
+    no_set, _ = job_problems(Q7, "trainer.test_freq=0")
     assert not Validation(no_set, None, None).enabled and not Validation(no_set, None, None).due_before_train(0)
 
 
 def test_sampling_is_greedy_unless_do_sample():
-    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "rollout.val_kwargs={temperature: 0.7, top_p: 0.5}")
+    cfg, _ = job_problems(Q7, f"data.val_files={MATH_DATA}", "rollout.val_kwargs={temperature: 0.7, top_p: 0.5}")
     greedy = val_sampling(cfg, (7,))
     assert (greedy.temperature, greedy.top_p, greedy.stop_token_ids) == (0.0, 1.0, (7,))
     cfg.rollout.val_kwargs.do_sample = True
@@ -73,7 +70,7 @@ def test_sampling_is_greedy_unless_do_sample():
                                                               "with rollout.mode 'sync' only"),
 ])
 def test_bad_validation_keys_are_named(overrides, message):
-    _, problems = _cfg(*overrides)
+    _, problems = job_problems(Q7, *overrides)
     assert any(p.startswith(message) for p in problems), problems
 
 
@@ -128,7 +125,7 @@ def test_a_validation_file_that_does_not_load_fails_check_start_and_training(tmp
                      "trainer.test_freq=5"]) == 2
     err = capsys.readouterr().err
     assert f"data.val_files: data.val_files='{bad}': no usable rows (4 malformed" in err, err
-    cfg, problems = _cfg(f"data.val_files={bad}", "trainer.test_freq=5")
+    cfg, problems = job_problems(Q7, f"data.val_files={bad}", "trainer.test_freq=5")
     assert problems == []  # the file exists: only reading it tells
     assert [p for p in start_problems(cfg) if p.startswith("data.val_files:")], start_problems(cfg)
     with pytest.raises(ValueError, match=r"data.val_files: data.val_files='.*questions.jsonl': no usable rows"):
@@ -195,7 +192,7 @@ def test_a_validation_file_whose_data_source_has_no_reward_fails_check_and_start
     assert cli_main(["check", os.path.join(ROOT, "configs", "math_tiny_cpu.yaml"), f"data.val_files={bad}",
                      "data.reward_fn=null"]) == 2
     assert "data.val_files: data.val_files=" in capsys.readouterr().err
-    cfg, problems = _cfg(f"data.val_files={bad}", "data.reward_fn=null")
+    cfg, problems = job_problems(Q7, f"data.val_files={bad}", "data.reward_fn=null")
     assert problems == []
     with pytest.raises(ValueError, match=r"data.val_files: .*data_source='my org/unknown' has no built-in reward"):
         check_data(cfg)
@@ -206,7 +203,8 @@ def test_a_validation_file_whose_data_source_has_no_reward_fails_check_and_start
 def test_val_timeout_s_above_the_collective_timeout_is_allowed_on_one_rank_only():
     from megatron_rl.config.validate import job_errors
 
-    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "trainer.val_timeout_s=3600", "trainer.collective_timeout_s=1800")
+    cfg, _ = job_problems(Q7, f"data.val_files={MATH_DATA}", "trainer.val_timeout_s=3600",
+                          "trainer.collective_timeout_s=1800")
     assert not [e for e in job_errors(cfg, 1) if e.startswith("trainer.val_timeout_s")]   # no collective to wait in
     cfg.trainer.val_timeout_s = 1800.0
     assert not [e for e in job_errors(cfg, 8) if e.startswith("trainer.val_timeout_s")]
@@ -265,7 +263,7 @@ def test_a_stop_requested_skips_the_due_validation_for_the_checkpoint(monkeypatc
     from megatron_rl.trainer import loop
 
     calls = []
-    cfg, _ = _cfg(f"data.val_files={MATH_DATA}", "trainer.test_freq=1", "trainer.steps=3")
+    cfg, _ = job_problems(Q7, f"data.val_files={MATH_DATA}", "trainer.test_freq=1", "trainer.steps=3")
     job = SimpleNamespace(
         cfg=cfg, start_step=0, rank0=True, validation=Validation(cfg, None, None),
         stop=SimpleNamespace(requested=False), watchdog=SimpleNamespace(phase=lambda *a, **k: contextlib.nullcontext()),
