@@ -3,13 +3,13 @@
 builds its job from a row by name, adding its own overrides last (they win).
 
 * ``JOBS``: the rows (``NamedJob``), by name;
-* ``job(name, *overrides, hf=..., run_dir=..., world_size=...)``: the row's ``JobConfig`` (validated for
+* ``named_job(name, *overrides, hf=..., run_dir=..., world_size=...)``: the row's ``JobConfig`` (validated for
   ``world_size`` like ``load_job_config``; without it built with no world checks, as the actor tests that fork
   their own ranks need);
 * ``job_problems``: the row's config and every problem ``collect_job_config`` finds (``megatron-rl check``'s view);
 * ``job_tree``: the row's nested dict; ``write_job`` writes it as the job YAML a launcher reads;
-* ``setting(key, value)`` / ``layout(tp=..., pp=...)``: override strings of a Python value / a parallel layout by
-  its short names.
+* ``setting(key, value)`` / ``settings(section, **values)`` / ``layout(tp=..., pp=...)``: override strings of
+  Python values / of a parallel layout by its short names.
 
 Beside the table: ``train_or_error`` is the body of a forked rank that runs the RL loop and reports how it
 ended; ``wait_for_steps`` waits until a running job has logged some steps.
@@ -37,6 +37,11 @@ def setting(key: str, value: Any) -> str:
     """The override ``key=value`` of a Python value (JSON, which the config's YAML reads back as the same value;
     a dict or list replaces the key's whole value)."""
     return f"{key}={json.dumps(value)}"
+
+
+def settings(section: str, **values: Any) -> list[str]:
+    """The overrides ``section.key=value`` of ``values`` (see ``setting``)."""
+    return [setting(f"{section}.{k}", v) for k, v in values.items()]
 
 
 #: ``layout``'s short names -> megatron's ``parallel.*`` keys
@@ -197,7 +202,7 @@ def job_tree(name: str, *overrides: str, hf: Optional[str] = None,
     return apply_overrides(tree, job_overrides(name, *overrides, hf=hf, run_dir=run_dir))
 
 
-def job(name: str, *overrides: str, hf: Optional[str] = None, run_dir: Optional[Union[str, os.PathLike]] = None,
+def named_job(name: str, *overrides: str, hf: Optional[str] = None, run_dir: Optional[Union[str, os.PathLike]] = None,
         world_size: Optional[int] = None):
     """The ``JobConfig`` of row ``name`` (see ``job_overrides``): validated for ``world_size`` as
     ``load_job_config`` does; None: built without the world checks (``job_config_from_dict``)."""

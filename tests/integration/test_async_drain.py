@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.jobs import job
+from megatron_rl.testing.jobs import named_job
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -72,14 +72,14 @@ def _check(run_dir, results, cause):
 
 def test_producer_error_in_the_drain_is_named_on_every_rank_and_the_step_is_checkpointed(model_dir, tmp_path):
     run = str(tmp_path / "run")
-    cfg = job("async_drain", hf=model_dir, run_dir=run, world_size=2)
+    cfg = named_job("async_drain", hf=model_dir, run_dir=run, world_size=2)
     results = run_ranks(_train, 2, cfg, "raise", timeout=300)
     _check(run, results, "RuntimeError: engine process died (injected)")
 
 
 def test_producer_hang_in_the_drain_ends_within_its_bound(model_dir, tmp_path):
     run = str(tmp_path / "run")
-    cfg = job("async_drain", "trainer.checkpoint_timeout_s=20", hf=model_dir, run_dir=run, world_size=2)
+    cfg = named_job("async_drain", "trainer.checkpoint_timeout_s=20", hf=model_dir, run_dir=run, world_size=2)
     results = run_ranks(_train, 2, cfg, "hang", timeout=300)
     _check(run, results, "did not hand them over within 10 s (half of trainer.checkpoint_timeout_s)")
 
@@ -89,8 +89,8 @@ def test_last_checkpoint_does_not_wait_for_rollouts_no_step_trains_on(model_dir,
     trains on: their generation hangs, yet the run checkpoints step 2 and ends without an error, well within the
     drain's bound (20 s here)."""
     run = str(tmp_path / "run")
-    cfg = job("async_drain", "trainer.steps=2", "trainer.checkpoint_timeout_s=40", hf=model_dir, run_dir=run,
-              world_size=2)
+    cfg = named_job("async_drain", "trainer.steps=2", "trainer.checkpoint_timeout_s=40", hf=model_dir, run_dir=run,
+                    world_size=2)
     results = run_ranks(_train, 2, cfg, "hang", timeout=300)
     assert [err for err, _ in results] == [None, None]
     assert all(seconds < 60 for _, seconds in results), results

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.jobs import job
+from megatron_rl.testing.jobs import named_job
 
 pytestmark = pytest.mark.timeout(400)
 # wall-clock readings differ between any two runs; weight_sync/* describe the transport, which differs by design
@@ -80,9 +80,10 @@ def _same(a, b, keys_from):
 
 def test_async_k0_reproduces_sync_exactly(model_dir, tmp_path):
     sync, asy = str(tmp_path / "sync"), str(tmp_path / "async")
-    assert run_ranks(_train, 2, job("async_copy", hf=model_dir, run_dir=sync, world_size=2),
+    assert run_ranks(_train, 2, named_job("async_copy", hf=model_dir, run_dir=sync, world_size=2),
                      timeout=300) == [None, None]
-    cfg = job("async_copy", "rollout.mode=async", "rollout.max_staleness=0", hf=model_dir, run_dir=asy, world_size=2)
+    cfg = named_job("async_copy", "rollout.mode=async", "rollout.max_staleness=0", hf=model_dir, run_dir=asy,
+                    world_size=2)
     assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     ms, ma = _metrics(sync), _metrics(asy)
     assert len(ms) == len(ma) == 4
@@ -97,7 +98,8 @@ def test_async_k0_reproduces_sync_exactly(model_dir, tmp_path):
 
 def test_async_k1_versions_and_lag_metrics(model_dir, tmp_path):
     run = str(tmp_path / "run")
-    cfg = job("async_copy", "rollout.mode=async", "rollout.max_staleness=1", hf=model_dir, run_dir=run, world_size=2)
+    cfg = named_job("async_copy", "rollout.mode=async", "rollout.max_staleness=1", hf=model_dir, run_dir=run,
+                    world_size=2)
     assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     ms = _metrics(run)
     for m in ms:
@@ -118,7 +120,7 @@ def test_async_k1_versions_and_lag_metrics(model_dir, tmp_path):
 def _interrupted_after_step_2(model_dir, run_dir, *extra):
     """A run of 3 steps whose step-3 checkpoint never completed (as if killed while writing it): ``--resume``
     continues from step 2's, which holds step 3's rollouts (made from the weights after step 1)."""
-    cfg = job("async_copy", *extra, "trainer.steps=3", hf=model_dir, run_dir=run_dir, world_size=2)
+    cfg = named_job("async_copy", *extra, "trainer.steps=3", hf=model_dir, run_dir=run_dir, world_size=2)
     assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     os.remove(os.path.join(run_dir, "checkpoints", "step_3", "COMPLETE"))
 
@@ -126,10 +128,10 @@ def _interrupted_after_step_2(model_dir, run_dir, *extra):
 def test_async_resume_reproduces_the_uninterrupted_run(model_dir, tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     extra = ("rollout.mode=async", "rollout.max_staleness=1", "trainer.save_interval=2")
-    cfg = job("async_copy", *extra, hf=model_dir, run_dir=full, world_size=2)
+    cfg = named_job("async_copy", *extra, hf=model_dir, run_dir=full, world_size=2)
     assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     _interrupted_after_step_2(model_dir, part, *extra)
-    cfg = job("async_copy", *extra, "trainer.resume=true", hf=model_dir, run_dir=part, world_size=2)
+    cfg = named_job("async_copy", *extra, "trainer.resume=true", hf=model_dir, run_dir=part, world_size=2)
     assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     mf, mp = _metrics(full), _metrics(part)
     assert [m["step"] for m in mp] == [1, 2, 3, 4]
@@ -143,7 +145,7 @@ def test_async_resume_with_other_prompt_groups_regenerates_the_drained_rollouts(
     part = str(tmp_path / "part")
     extra = ("rollout.mode=async", "rollout.max_staleness=1", "trainer.save_interval=2")
     _interrupted_after_step_2(model_dir, part, *extra, "rollout.n_samples_per_prompt=2")
-    cfg = job("async_copy", *extra, "trainer.resume=true", hf=model_dir, run_dir=part, world_size=2)
+    cfg = named_job("async_copy", *extra, "trainer.resume=true", hf=model_dir, run_dir=part, world_size=2)
     assert run_ranks(_train, 2, cfg, timeout=300) == [None, None]
     rows = [r for r in _rollouts(part) if r["step"] == 3]
     assert len(rows) == 16
@@ -156,7 +158,8 @@ def test_async_resume_with_other_prompt_groups_regenerates_the_drained_rollouts(
                                             ("weights", "engine refused weights step-1 (test)")])
 def test_producer_failures_end_the_step_on_every_rank(model_dir, tmp_path, fault, message):
     run = str(tmp_path / "run")
-    cfg = job("async_copy", "rollout.mode=async", "rollout.max_staleness=1", hf=model_dir, run_dir=run, world_size=2)
+    cfg = named_job("async_copy", "rollout.mode=async", "rollout.max_staleness=1", hf=model_dir, run_dir=run,
+                    world_size=2)
     errors = run_ranks(_train, 2, cfg, fault=fault, timeout=300)
     for rank, err in enumerate(errors):
         assert err is not None and message in err and "async rollouts of step 3 failed" in err, (rank, err)
@@ -168,9 +171,9 @@ def test_bad_async_settings_are_rejected_with_the_key(model_dir, tmp_path):
 
     where = dict(hf=model_dir, run_dir=str(tmp_path), world_size=2)
     with pytest.raises(ConfigError, match="rollout.segment_tokens"):
-        job("async_copy", "rollout.mode=async", "rollout.partial_rollout=interrupt", **where)
+        named_job("async_copy", "rollout.mode=async", "rollout.partial_rollout=interrupt", **where)
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
-        job("async_copy", "rollout.mode=async", "rollout.max_staleness=-1", **where)
+        named_job("async_copy", "rollout.mode=async", "rollout.max_staleness=-1", **where)
     with pytest.raises(ConfigError, match="rollout.mode"):
-        job("async_copy", "rollout.mode=overlap", **where)
+        named_job("async_copy", "rollout.mode=overlap", **where)
 

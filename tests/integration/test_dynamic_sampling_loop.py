@@ -16,7 +16,7 @@ import statistics
 import pytest
 
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.jobs import job
+from megatron_rl.testing.jobs import named_job
 
 pytestmark = [pytest.mark.mcore, pytest.mark.timeout(300)]
 
@@ -64,8 +64,9 @@ def test_every_trained_group_has_signal_and_the_batch_is_full(copy_model, tmp_pa
     from megatron_rl.trainer.job import build_task
     from megatron_rl.trainer.rollout_phase import sample_prompts
 
-    cfg = job("dynamic_sampling", _reward_fn(tmp_path, "half_alike"), "algorithm.filter_groups.max_num_gen_batches=8",
-              hf=copy_model, run_dir=tmp_path / "run", world_size=2)
+    cfg = named_job("dynamic_sampling", _reward_fn(tmp_path, "half_alike"),
+                    "algorithm.filter_groups.max_num_gen_batches=8", hf=copy_model, run_dir=tmp_path / "run",
+                    world_size=2)
     results = run_ranks(_train, 2, cfg, timeout=240)
     assert results == [(2, []), (2, [])]
     metrics, rows = _read(cfg.trainer.run_dir, "metrics.jsonl"), _read(cfg.trainer.run_dir, "rollouts.jsonl")
@@ -103,9 +104,9 @@ def test_groups_alike_for_max_rounds_warn_and_skip_or_train(copy_model, tmp_path
     """Skipping in async mode (one step off) also proves that a skipped step still publishes its version: the
     producer waits for it before it generates the step after next."""
     steps = 3 if rollouts == "async" else 2
-    cfg = job("dynamic_sampling", _reward_fn(tmp_path, "alike"), "algorithm.filter_groups.max_num_gen_batches=2",
-              f"algorithm.filter_groups.on_exhausted={mode}", f"rollout.mode={rollouts}", f"trainer.steps={steps}",
-              hf=copy_model, run_dir=tmp_path / "run", world_size=1)
+    cfg = named_job("dynamic_sampling", _reward_fn(tmp_path, "alike"), "algorithm.filter_groups.max_num_gen_batches=2",
+                    f"algorithm.filter_groups.on_exhausted={mode}", f"rollout.mode={rollouts}",
+                    f"trainer.steps={steps}", hf=copy_model, run_dir=tmp_path / "run", world_size=1)
     [(trained, warned)] = run_ranks(_train, 1, cfg, timeout=240)
     # one per generated step (the async producer also generates ahead, steps the run never trains)
     assert {w[0] for w in warned} == {"FilterGroupsExhaustedWarning"}

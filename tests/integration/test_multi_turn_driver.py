@@ -616,17 +616,17 @@ def test_multi_turn_loop_with_real_sglang_server(tmp_path, envs):
     from megatron_rl.rollout.sglang_server import sglang_available
     from megatron_rl.tasks.char_tokenizer import build_task_model
     from megatron_rl.testing.distributed import run_ranks
-    from megatron_rl.testing.jobs import job
+    from megatron_rl.testing.jobs import named_job
 
     ok, reason = sglang_available()
     if not ok:
         pytest.skip(reason)
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run_dir = str(tmp_path / "run")
-    cfg = job("sglang_loop", "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=12",
-              "data.prompts_per_step=2", f"multi_turn.env={envs('Echo')}", "multi_turn.env_kwargs={turns: 2}",
-              "multi_turn.env_workers=1", "multi_turn.observation_template='{observation}='",
-              "multi_turn.max_turns=3", hf=model, run_dir=run_dir, world_size=1)
+    cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=12",
+                    "data.prompts_per_step=2", f"multi_turn.env={envs('Echo')}", "multi_turn.env_kwargs={turns: 2}",
+                    "multi_turn.env_workers=1", "multi_turn.observation_template='{observation}='",
+                    "multi_turn.max_turns=3", hf=model, run_dir=run_dir, world_size=1)
     run_ranks(_train_body, 1, cfg, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]

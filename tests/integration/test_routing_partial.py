@@ -16,7 +16,7 @@ import os
 import pytest
 
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.jobs import job, train_or_error
+from megatron_rl.testing.jobs import named_job, train_or_error
 
 N = 4            # samples per prompt
 
@@ -47,8 +47,8 @@ def _train(rank, world, cfg):
 @pytest.mark.timeout(600)
 def test_partial_routing_is_dropped_and_counted_without_replay(moe_dir, tmp_path):
     run_dir = str(tmp_path / "run")
-    cfg = job("moe_routing_loop", "actor.routing_replay=none", f"rollout.n_samples_per_prompt={N}",
-              "cluster.gpus_per_node=1", hf=moe_dir, run_dir=run_dir, world_size=1)
+    cfg = named_job("moe_routing_loop", "actor.routing_replay=none", f"rollout.n_samples_per_prompt={N}",
+                    "cluster.gpus_per_node=1", hf=moe_dir, run_dir=run_dir, world_size=1)
     errors = run_ranks(_train, 1, cfg, timeout=540)
     assert errors == [None]
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
@@ -60,8 +60,8 @@ def test_partial_routing_is_dropped_and_counted_without_replay(moe_dir, tmp_path
 @pytest.mark.timeout(600)
 def test_partial_routing_with_r3_is_a_named_error_on_every_rank(moe_dir, tmp_path):
     run_dir = str(tmp_path / "run")
-    cfg = job("moe_routing_loop", "actor.routing_replay=r3", f"rollout.n_samples_per_prompt={N}",
-              "cluster.gpus_per_node=2", hf=moe_dir, run_dir=run_dir, world_size=2)
+    cfg = named_job("moe_routing_loop", "actor.routing_replay=r3", f"rollout.n_samples_per_prompt={N}",
+                    "cluster.gpus_per_node=2", hf=moe_dir, run_dir=run_dir, world_size=2)
     errors = run_ranks(_train, 2, cfg, timeout=540)
     for err in errors:
         assert err is not None and "PartialRoutingError" in err, err

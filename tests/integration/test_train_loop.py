@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.jobs import job, layout
+from megatron_rl.testing.jobs import named_job, layout
 
 pytestmark = pytest.mark.mcore  # megatron runs inside the RL loop's ranks: runs on the 0.19 leg too
 
@@ -53,7 +53,8 @@ def _hf_log_probs(model_dir, records):
 def test_training_logs_correct_mismatch_metrics(copy_model_h64, tmp_path, world, tp_pp):
     """TP2 x PP2, and DP2 (each rank trains on its own prompt groups; the metrics are global)."""
     run_dir = str(tmp_path / "run")
-    cfg = job("copy_loop", *layout(tp=tp_pp[0], pp=tp_pp[1]), hf=copy_model_h64, run_dir=run_dir, world_size=world)
+    cfg = named_job("copy_loop", *layout(tp=tp_pp[0], pp=tp_pp[1]), hf=copy_model_h64, run_dir=run_dir,
+                    world_size=world)
     run_ranks(_train_body, world, cfg, timeout=240)
     metrics = _read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -81,12 +82,12 @@ def test_training_logs_correct_mismatch_metrics(copy_model_h64, tmp_path, world,
 def test_resume_reproduces_uninterrupted_run(copy_model_h64, tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     tp2 = dict(hf=copy_model_h64, world_size=2)
-    run_ranks(_train_body, 2, job("copy_loop", "parallel.tensor_model_parallel_size=2", run_dir=straight, **tp2),
+    run_ranks(_train_body, 2, named_job("copy_loop", "parallel.tensor_model_parallel_size=2", run_dir=straight, **tp2),
               timeout=200)
-    run_ranks(_train_body, 2, job("copy_loop", "parallel.tensor_model_parallel_size=2", "trainer.steps=1",
-                                  run_dir=split, **tp2), timeout=200)
-    run_ranks(_train_body, 2, job("copy_loop", "parallel.tensor_model_parallel_size=2", "trainer.resume=true",
-                                  run_dir=split, **tp2), timeout=200)
+    run_ranks(_train_body, 2, named_job("copy_loop", "parallel.tensor_model_parallel_size=2", "trainer.steps=1",
+                                        run_dir=split, **tp2), timeout=200)
+    run_ranks(_train_body, 2, named_job("copy_loop", "parallel.tensor_model_parallel_size=2", "trainer.resume=true",
+                                        run_dir=split, **tp2), timeout=200)
     a, b = _read_metrics(straight), _read_metrics(split)
     assert [m["step"] for m in b] == [1, 2]
     for key, v in a[1].items():
@@ -100,8 +101,9 @@ def test_kl_to_reference_policy(copy_model_h64, tmp_path):
     """With kl_loss_coef > 0 the loop scores a frozen reference: step 1's KL loss is 0 (actor == reference)
     and step 2's is positive (the actor moved)."""
     run_dir = str(tmp_path / "kl")
-    cfg = job("copy_loop", "actor.policy_loss.kl_loss_coef=0.1", "actor.policy_loss.kl_loss_type=k3", "actor.lr=5e-3",
-              "trainer.steps=4", "data.prompts_per_step=8", hf=copy_model_h64, run_dir=run_dir, world_size=1)
+    cfg = named_job("copy_loop", "actor.policy_loss.kl_loss_coef=0.1", "actor.policy_loss.kl_loss_type=k3",
+                    "actor.lr=5e-3", "trainer.steps=4", "data.prompts_per_step=8", hf=copy_model_h64, run_dir=run_dir,
+                    world_size=1)
     run_ranks(_train_body, 1, cfg, timeout=240)
     m = _read_metrics(run_dir)
     assert abs(m[0]["actor/kl_loss"]) < 1e-6
@@ -136,8 +138,8 @@ def test_presets_run_in_the_loop(copy_model_h64, tmp_path, preset):
     for 2 steps with finite metrics; geo RS with a +-1e-6 band rejects sequences and the loop carries on."""
     run_dir = str(tmp_path / preset)
     extra = ", rs_threshold: 0.999999_1.000001" if preset == "decoupled_geo_rs_seq_tis" else ""
-    cfg = job("copy_loop", f"algorithm.rollout_correction={{preset: {preset}{extra}}}", hf=copy_model_h64,
-              run_dir=run_dir, world_size=1)
+    cfg = named_job("copy_loop", f"algorithm.rollout_correction={{preset: {preset}{extra}}}", hf=copy_model_h64,
+                    run_dir=run_dir, world_size=1)
     run_ranks(_train_body, 1, cfg, timeout=240)
     metrics = _read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]

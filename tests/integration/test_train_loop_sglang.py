@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.rollout.sglang_server import sglang_available
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.jobs import job
+from megatron_rl.testing.jobs import named_job
 
 _OK, _REASON = sglang_available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=_REASON), pytest.mark.slow]
@@ -48,10 +48,10 @@ def test_loop_with_real_sglang_server(tmp_path):
 
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run_dir = str(tmp_path / "run")
-    cfg = job("sglang_loop", "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=4",
-              "data.prompts_per_step=4", "data.task_kwargs={min_digits: 1, max_digits: 2, heldout_frac: 0.1}",
-              "data.val_heldout=true", "trainer.test_freq=2", "trainer.val_before_train=false", hf=model,
-              run_dir=run_dir, world_size=2)
+    cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=4",
+                    "data.prompts_per_step=4", "data.task_kwargs={min_digits: 1, max_digits: 2, heldout_frac: 0.1}",
+                    "data.val_heldout=true", "trainer.test_freq=2", "trainer.val_before_train=false", hf=model,
+                    run_dir=run_dir, world_size=2)
     run_ranks(_train_body, 2, cfg, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
@@ -100,10 +100,10 @@ def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp
 
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
     run_dir = str(tmp_path / "run")
-    cfg = job("sglang_loop", "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=8",
-              "data.prompts_per_step=4", "rollout.mode=async", "rollout.max_staleness=1",
-              "rollout.partial_rollout=interrupt", "rollout.segment_tokens=2", "trainer.steps=3", "actor.lr=1e-2",
-              hf=model, run_dir=run_dir, world_size=2)
+    cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=8",
+                    "data.prompts_per_step=4", "rollout.mode=async", "rollout.max_staleness=1",
+                    "rollout.partial_rollout=interrupt", "rollout.segment_tokens=2", "trainer.steps=3", "actor.lr=1e-2",
+                    hf=model, run_dir=run_dir, world_size=2)
     run_ranks(_async_body, 2, cfg, 1.0, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
@@ -138,9 +138,9 @@ def test_loop_with_real_sglang_server_replays_its_moe_routing(tmp_path):
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2,
                              num_experts=8, num_experts_per_tok=2)
     run_dir = str(tmp_path / "run")
-    cfg = job("sglang_loop", "parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2",
-              "actor.routing_replay=r3", "rollout.max_new_tokens=4", "data.prompts_per_step=4", hf=model,
-              run_dir=run_dir, world_size=2)
+    cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2",
+                    "actor.routing_replay=r3", "rollout.max_new_tokens=4", "data.prompts_per_step=4", hf=model,
+                    run_dir=run_dir, world_size=2)
     run_ranks(_train_body, 2, cfg, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]

@@ -11,7 +11,7 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_rl.actor.lr_schedule import LRSchedule, restore_scheduler
 from megatron_rl.config import ConfigError
-from megatron_rl.testing.jobs import job
+from megatron_rl.testing.jobs import named_job
 
 def _optimizer():
     return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=123.0)
@@ -51,7 +51,7 @@ def _verl_cosine_with_warmup(step, num_warmup_steps, num_training_steps, min_lr_
 ], ids=["cosine-fraction", "linear-init", "inverse-sqrt", "constant-warmup", "default"])
 def test_lr_per_step_equals_megatron_scheduler(overrides, megatron):
     """Past the decay too (min_lr there; constant stays at lr)."""
-    ours = LRSchedule.from_job(job("sized_model", *overrides, world_size=1)).build(_optimizer())
+    ours = LRSchedule.from_job(named_job("sized_model", *overrides, world_size=1)).build(_optimizer())
     ref = OptimizerParamScheduler(_optimizer(), start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
                                   **megatron)
     n = megatron["lr_decay_steps"] + 5
@@ -64,9 +64,9 @@ def test_cosine_with_warmup_fraction_equals_verl():
     """verl: lr_warmup_steps_ratio 0.1, min_lr_ratio 0.1, total_training_steps 50, one optimizer step per
     training step (verl steps its scheduler once per update_actor)."""
     lr, ratio, total, min_ratio = 2e-6, 0.1, 50, 0.1
-    sched = LRSchedule.from_job(job("sized_model", f"actor.lr={lr}", "actor.lr_decay_style=cosine",
-                                     f"actor.lr_warmup_fraction={ratio}", f"actor.min_lr={min_ratio * lr}",
-                                     f"trainer.steps={total}", world_size=1)).build(_optimizer())
+    sched = LRSchedule.from_job(named_job("sized_model", f"actor.lr={lr}", "actor.lr_decay_style=cosine",
+                                          f"actor.lr_warmup_fraction={ratio}", f"actor.min_lr={min_ratio * lr}",
+                                          f"trainer.steps={total}", world_size=1)).build(_optimizer())
     got = _lrs(sched, total)
     want = [lr * _verl_cosine_with_warmup(s, int(ratio * total), total, min_ratio) for s in range(total)]
     assert got[0] == 0.0 and max(got) == lr
@@ -77,8 +77,8 @@ def test_cosine_with_warmup_fraction_equals_verl():
 def test_restore_continues_the_schedule():
     """A scheduler restored from a saved state (or, for a checkpoint without one, from a step count) gives the
     same lr sequence as the uninterrupted one; this job's settings win over the saved ones."""
-    cfg = job("sized_model", "actor.lr_decay_style=cosine", "actor.lr_warmup_steps=6", "trainer.steps=20",
-              world_size=1)
+    cfg = named_job("sized_model", "actor.lr_decay_style=cosine", "actor.lr_warmup_steps=6", "trainer.steps=20",
+                    world_size=1)
     straight = _lrs(LRSchedule.from_job(cfg).build(_optimizer()), 12)
     first = LRSchedule.from_job(cfg).build(_optimizer())
     _lrs(first, 4)  # stopped mid-warm-up
@@ -87,8 +87,8 @@ def test_restore_continues_the_schedule():
         _lrs(resumed, 2)  # whatever it did before the restore is forgotten
         restore_scheduler(resumed, state, num_steps=4)
         assert _lrs(resumed, 8) == straight[4:]
-    longer = LRSchedule.from_job(job("sized_model", "actor.lr_decay_style=cosine", "actor.lr_warmup_steps=6",
-                                      "trainer.steps=40", world_size=1)).build(_optimizer())
+    longer = LRSchedule.from_job(named_job("sized_model", "actor.lr_decay_style=cosine", "actor.lr_warmup_steps=6",
+                                           "trainer.steps=40", world_size=1)).build(_optimizer())
     restore_scheduler(longer, first.state_dict(), num_steps=0)
     assert longer.lr_decay_steps == 40 and longer.num_steps == 4
 
@@ -98,8 +98,8 @@ def test_restore_uses_this_jobs_lr_over_the_loaded_optimizer_groups():
     ``min_lr`` back into its param groups (torch restores every group key; megatron's scheduler reads them first);
     the resumed lr must follow megatron-core's scheduler with this job's settings from the saved step on."""
     sched = ["actor.lr_decay_style=cosine", "actor.lr_warmup_steps=3", "actor.lr_decay_steps=8", "trainer.steps=8"]
-    old_job = job("sized_model", "actor.lr=1e-3", *sched, world_size=1)
-    new_job = job("sized_model", "actor.lr=2e-3", "actor.min_lr=1e-4", *sched, world_size=1)
+    old_job = named_job("sized_model", "actor.lr=1e-3", *sched, world_size=1)
+    new_job = named_job("sized_model", "actor.lr=2e-3", "actor.min_lr=1e-4", *sched, world_size=1)
 
     def megatron_groups(job):  # megatron's get_megatron_optimizer: each group carries max_lr / min_lr
         return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": job.actor.lr,
@@ -132,4 +132,4 @@ def test_restore_uses_this_jobs_lr_over_the_loaded_optimizer_groups():
 ])
 def test_bad_schedule_keys_are_named(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        job("sized_model", *overrides, world_size=1)
+        named_job("sized_model", *overrides, world_size=1)

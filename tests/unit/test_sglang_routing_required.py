@@ -14,7 +14,7 @@ import pytest
 
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.factory import build_engine
-from megatron_rl.testing.jobs import job, setting
+from megatron_rl.testing.jobs import named_job, setting
 
 
 class InfoServer:
@@ -59,17 +59,17 @@ def test_r3_refuses_a_server_without_routed_experts_at_construction(moe_dir):
     capturing = InfoServer({"enable_return_routed_experts": True, "model_path": moe_dir})
     plain = InfoServer({"enable_return_routed_experts": False, "model_path": moe_dir})
     try:
-        engine, _ = build_engine(job("sglang_actor", setting("rollout.sglang_urls", [capturing.url]),
-                                     "rollout.max_retries=0", "actor.routing_replay=r3", hf=moe_dir))  # accepted
+        engine, _ = build_engine(named_job("sglang_actor", setting("rollout.sglang_urls", [capturing.url]),
+                                           "rollout.max_retries=0", "actor.routing_replay=r3", hf=moe_dir))  # accepted
         assert engine._routing_for(capturing.url) is not None
         with pytest.raises(RolloutError) as err:
-            build_engine(job("sglang_actor", setting("rollout.sglang_urls", [plain.url]), "rollout.max_retries=0",
-                             "actor.routing_replay=r3", hf=moe_dir))
+            build_engine(named_job("sglang_actor", setting("rollout.sglang_urls", [plain.url]), "rollout.max_retries=0",
+                                   "actor.routing_replay=r3", hf=moe_dir))
         msg = str(err.value)
         assert plain.url in msg and "--enable-return-routed-experts" in msg and "actor.routing_replay" in msg
         assert plain.generate_calls == 0
-        engine, _ = build_engine(job("sglang_actor", setting("rollout.sglang_urls", [plain.url]),
-                                     "rollout.max_retries=0", "actor.routing_replay=none", hf=moe_dir))
+        engine, _ = build_engine(named_job("sglang_actor", setting("rollout.sglang_urls", [plain.url]),
+                                           "rollout.max_retries=0", "actor.routing_replay=none", hf=moe_dir))
         # without r3 nothing is required
         assert engine.capture_routing is None
     finally:

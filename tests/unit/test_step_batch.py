@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from megatron_rl.testing.jobs import job, setting
+from megatron_rl.testing.jobs import named_job, setting
 from megatron_rl.trainer.rollout_source import _fields, _resumed_rollouts, async_schedule
 from megatron_rl.trainer.step_batch import StepBatch
 
@@ -34,12 +34,12 @@ def test_summary_and_records_match_direct_formulas():
 
 def test_drained_rollouts_round_trip_as_plain_fields():
     b = _batch()
-    made = job("async_groups")
+    made = named_job("async_groups")
     saved = pickle.loads(pickle.dumps({"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(made)}))
     assert isinstance(saved["async_rollouts"][5], dict)  # no class reference in the checkpoint
     back = _resumed_rollouts(saved, made)
     assert back == {5: b}
-    other = _resumed_rollouts(saved, job("async_groups", "rollout.max_staleness=2"))
+    other = _resumed_rollouts(saved, named_job("async_groups", "rollout.max_staleness=2"))
     assert other == {}  # another schedule: regenerated
 
 
@@ -56,8 +56,8 @@ def test_drained_rollouts_of_other_prompt_groups_are_regenerated(change, key, ca
     with the same number of rows per step -- are not reused, and the line says which key differs. Rollouts drawn
     without dynamic sampling are not reused by a run with it (their groups were never filtered)."""
     b = _batch()                      # 2 prompts x 2 samples
-    saved = {"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(job("async_groups"))}
-    assert _resumed_rollouts(saved, job("async_groups", *change)) == {}
+    saved = {"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(named_job("async_groups"))}
+    assert _resumed_rollouts(saved, named_job("async_groups", *change)) == {}
     assert key in capsys.readouterr().out
 
 
@@ -69,17 +69,17 @@ def test_drained_rollouts_of_dynamic_sampling_are_regenerated_for_other_settings
     exhausted step): a run without it, or with another on_exhausted, regenerates them."""
     b = _batch()
     b.metrics["filter_groups/skipped"] = 1.0
-    made = job("async_groups", "algorithm.filter_groups={enable: true, on_exhausted: skip}")
+    made = named_job("async_groups", "algorithm.filter_groups={enable: true, on_exhausted: skip}")
     saved = {"async_rollouts": {5: _fields(b)}, "async_schedule": async_schedule(made)}
     assert _resumed_rollouts(saved, made) == {5: b}
-    assert _resumed_rollouts(saved, job("async_groups", setting("algorithm.filter_groups", now))) == {}
+    assert _resumed_rollouts(saved, named_job("async_groups", setting("algorithm.filter_groups", now))) == {}
     assert key in capsys.readouterr().out
 
 
 def test_checkpoint_without_recorded_groups_is_regenerated(capsys):
     """A checkpoint that recorded only (max_staleness, partial_rollout) cannot show its prompt groups."""
     saved = {"async_rollouts": {5: _fields(_batch())}, "async_schedule": (1, "finish")}
-    assert _resumed_rollouts(saved, job("async_groups")) == {}
+    assert _resumed_rollouts(saved, named_job("async_groups")) == {}
     assert "rollout.n_samples_per_prompt not recorded" in capsys.readouterr().out
 
 
@@ -93,7 +93,7 @@ def test_checkpoint_written_before_the_rename_resumes():
                                                "token_versions")}
     for name in fresh:  # fields the old class did not have
         delattr(old, name)
-    made = job("async_groups")
+    made = named_job("async_groups")
     raw = pickle.dumps({"async_rollouts": {3: old}, "async_schedule": async_schedule(made)}, protocol=2)
     assert b"megatron_rl.trainer.step_batch\nStepBatch\n" in raw
     raw = raw.replace(b"megatron_rl.trainer.step_batch\nStepBatch\n", b"megatron_rl.trainer.rollout_phase\nStepRollouts\n")
