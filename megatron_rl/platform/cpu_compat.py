@@ -327,12 +327,14 @@ def _wrap_setup_embeddings(original):
     return setup_embeddings_and_output_layer
 
 
-def _install_torch_view() -> None:
-    """Replace the module-global ``torch`` of every loaded megatron.core module by the CPU view."""
+def _install_torch_view(names: Optional[List[str]] = None) -> None:
+    """Replace the module-global ``torch`` of every loaded megatron.core module (or of the loaded modules
+    ``names`` only: what the import hook just loaded) by the CPU view."""
     global _TORCH_VIEW
     if _TORCH_VIEW is None:
         _TORCH_VIEW = _CpuTorchView()
-    for name, module in list(sys.modules.items()):
+    loaded = list(sys.modules.items()) if names is None else [(n, sys.modules.get(n)) for n in names]
+    for name, module in loaded:
         if not name.startswith("megatron.core") or module is None:
             continue
         if name in _state["patched_modules"]:
@@ -430,7 +432,17 @@ class _PatchingLoader:
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        _install_torch_view()
+        if module.__name__ == "megatron.core.jit":
+            _run_fused_functions_eagerly(module)
+        _install_torch_view([module.__name__])  # the modules it imported were patched as they loaded
+
+
+def _run_fused_functions_eagerly(jit_module) -> None:
+    """megatron's ``jit_fuser`` (``torch.compile``), set to a no-op before any module decorates with it."""
+    jit_module.disable_jit_fuser()
+    PATCHES["megatron.core.jit.jit_fuser"] = (
+        "torch.compile: decorating with it imports dynamo and inductor (~3 s of CPU per process), and a call "
+        "compiles C++ kernels; on CPU the decorated functions run eagerly")
 
 
 class _MegatronImportHook:

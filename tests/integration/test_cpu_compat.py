@@ -155,7 +155,8 @@ def test_module_docstring_lists_usage():
 
 def test_megatron_modules_imported_after_the_one_call_are_patched_as_they_load():
     """One ``apply_cpu_patches()`` covers megatron modules imported later (its import hook): in a fresh
-    interpreter, dist_checkpointing's writer module (not imported by the call) sees the CPU view of torch."""
+    interpreter, dist_checkpointing's writer module (not imported by the call) sees the CPU view of torch, and
+    megatron's jit-fused functions are left undecorated (no torch.compile, no inductor import)."""
     import subprocess
     import sys
 
@@ -169,6 +170,10 @@ def test_megatron_modules_imported_after_the_one_call_are_patched_as_they_load()
         "assert fa.torch is not torch, 'not patched'\n"
         "assert fa.torch.cuda.current_device() == torch.device('cpu')\n"
         "fa.torch.cuda.synchronize()\n"
+        # megatron's jit_fuser (torch.compile) is a no-op: fused functions are the plain ones, no inductor loaded
+        "import megatron.core.fusions.fused_bias_geglu as g\n"
+        "assert not hasattr(g.geglu, '__wrapped__'), 'geglu is wrapped by torch.compile'\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor imported'\n"
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
