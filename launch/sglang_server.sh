@@ -23,6 +23,9 @@
 #   --routed-experts       return each token's routed experts (--enable-return-routed-experts; MoE models,
 #                          needed by actor.routing_replay: r3; launch/slurm.sbatch adds it for r3 jobs)
 #                                                                                  [SGLANG_ROUTED_EXPERTS=1]
+#   --delta-loader         register megatron-rl's delta-sync loader (--custom-weight-loader; needed by
+#                          rollout.weight_sync_delta; launch/slurm.sbatch adds it for such jobs; megatron_rl must
+#                          be importable by the server's python)                   [SGLANG_DELTA_LOADER=1]
 #   --log FILE             append the server's stdout+stderr to FILE                     [SGLANG_LOG]
 #   -h, --help             this help
 # Environment:
@@ -54,6 +57,7 @@ MEM_FRACTION=${SGLANG_MEM_FRACTION:-}
 DTYPE=${SGLANG_DTYPE:-bfloat16}
 LOG=${SGLANG_LOG:-}
 ROUTED=${SGLANG_ROUTED_EXPERTS:-0}
+DELTA=${SGLANG_DELTA_LOADER:-0}
 if [[ -n "${MEGATRON_RL_SGLANG_PYTHON:-}" ]]; then PY=$MEGATRON_RL_SGLANG_PYTHON
 elif [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"  # tools/setup_env.sh's venv, as torchrun.sh
 else PY=python3; fi
@@ -72,6 +76,7 @@ while [[ $# -gt 0 ]]; do
     --dtype) need "$@"; DTYPE=$2; shift 2 ;;
     --log) need "$@"; LOG=$2; shift 2 ;;
     --routed-experts) ROUTED=1; shift ;;
+    --delta-loader) DELTA=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     *) die "unknown option '$1' (extra sglang flags go after --; see --help)" ;;
   esac
@@ -98,8 +103,9 @@ case "$DEVICE" in
 esac
 if [[ "$ROUTED" == 1 ]]; then CMD+=(--enable-return-routed-experts); fi
 # the loader of delta syncs (rollout.weight_sync_delta; megatron_rl/weight_sync/server_loader.py), imported by the
-# server only when a delta sync calls it: megatron_rl must then be importable by $PY
-CMD+=(--custom-weight-loader megatron_rl.weight_sync.server_loader.load_weight_delta)
+# server only when a delta sync calls it. Only on request: a custom loader turns off SGLang's fast start-up weight
+# load on CUDA (model_runner_components/startup_weight_load.py)
+if [[ "$DELTA" == 1 ]]; then CMD+=(--custom-weight-loader megatron_rl.weight_sync.server_loader.load_weight_delta); fi
 CMD+=("${EXTRA[@]+"${EXTRA[@]}"}")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

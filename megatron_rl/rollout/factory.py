@@ -53,7 +53,8 @@ def build_engine(cfg: JobConfig):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         server = launch_sglang_server(cfg.actor.load_hf, port=cfg.rollout.sglang_port, device=device,
-                                      log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"))
+                                      log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"),
+                                      delta_loader=cfg.rollout.weight_sync_delta)
         urls.append(server.url)
     try:
         r3 = replay_mode(cfg.actor.routing_replay).needs_rollout_routing  # every server must capture routing

@@ -6,7 +6,8 @@
 
 * ``--routed-experts`` when ``actor.routing_replay: r3``: the server returns each token's routed experts
   (SGLang's ``--enable-return-routed-experts``), which r3 replays; ``SGLangEngine`` refuses a server without it
-  when the job is built.
+  when the job is built;
+* ``--delta-loader`` when ``rollout.weight_sync_delta``: the server registers our delta-sync loader.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def server_options(cfg) -> List[str]:
     """The ``launch/sglang_server.sh`` options the servers of job config ``cfg`` need."""
     from megatron_rl.actor.replay_modes import replay_mode
 
-    return ["--routed-experts"] if replay_mode(cfg.actor.routing_replay).needs_rollout_routing else []
+    options = ["--routed-experts"] if replay_mode(cfg.actor.routing_replay).needs_rollout_routing else []
+    return options + (["--delta-loader"] if cfg.rollout.weight_sync_delta else [])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

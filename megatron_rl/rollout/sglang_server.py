@@ -229,7 +229,8 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
                          dtype: str = "bfloat16", mem_fraction_static: float = 0.05,
                          max_total_tokens: int | None = None, log_path: str | None = None,
                          ready_timeout: float = 300.0, env: dict[str, str] | None = None,
-                         wait: bool = True, return_routed_experts: bool | None = None) -> SGLangServerHandle:
+                         wait: bool = True, return_routed_experts: bool | None = None,
+                         delta_loader: bool = False) -> SGLangServerHandle:
     """Start ``python -m sglang.launch_server`` serving ``model_dir`` and (by default) wait until it is ready.
 
     Args:
@@ -250,6 +251,7 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         wait: wait for readiness before returning.
         return_routed_experts: add ``--enable-return-routed-experts`` (capture MoE routing for R3; on CPU the
             ``sitecustomize`` stand-in lets its host buffer be allocated). None: when ``config.json`` is MoE.
+        delta_loader: register the delta-sync loader (``rollout.weight_sync_delta``; ``SERVER_FLAGS``).
 
     Raises:
         FileNotFoundError: ``model_dir`` has no config.json.
@@ -276,7 +278,8 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         return_routed_experts = hf_config_is_moe(read_hf_config(model_dir))
     if return_routed_experts and ROUTED_EXPERTS_FLAG not in extra_args:
         cmd.append(ROUTED_EXPERTS_FLAG)
-    cmd += list(SERVER_FLAGS)  # registers our delta-sync loader (imported only when a delta sync calls it)
+    if delta_loader:  # our delta-sync loader (off by default: a custom loader turns off SGLang's fast CUDA load)
+        cmd += list(SERVER_FLAGS)
     cmd += list(extra_args)
 
     server_env = child_environment()  # without torchrun's / Slurm's rendezvous variables (it hangs with them)

@@ -123,8 +123,13 @@ def test_sglang_server_cpu_and_gpu_commands():
     assert env["PYTHONPATH"].split(":")[0] == os.path.join(ROOT, "megatron_rl", "platform", "sglang_cpu")
     assert argv[3:] == ["/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
                         "--port", "31000", "--dtype", "bfloat16", "--device", "cpu", "--skip-server-warmup",
-                        "--sleep-on-idle", "--mem-fraction-static", "0.05", "--custom-weight-loader",
-                        "megatron_rl.weight_sync.server_loader.load_weight_delta", "--random-seed", "0"]
+                        "--sleep-on-idle", "--mem-fraction-static", "0.05", "--random-seed", "0"]
+    # the delta-sync loader only on request (a custom loader turns off SGLang's fast CUDA start-up load)
+    r = _run("sglang_server.sh", "--model", "/m", "--delta-loader", env={"DRY_RUN": "1"})
+    argv = shlex.split(r.stdout.strip())
+    assert argv[argv.index("--custom-weight-loader") + 1] == "megatron_rl.weight_sync.server_loader.load_weight_delta"
+    r = _run("sglang_server.sh", "--model", "/m", env={"DRY_RUN": "1", "SGLANG_DELTA_LOADER": "1"})
+    assert "--custom-weight-loader" in shlex.split(r.stdout.strip())
     r = _run("sglang_server.sh", "--model", "/m", "--tp", "8", "--host", "0.0.0.0", "--mem-fraction", "0.4",
              env={"DRY_RUN": "1"})
     argv = shlex.split(r.stdout.strip())
@@ -429,7 +434,12 @@ def test_sbatch_r3_servers_capture_routes_and_take_extra_flags():
     assert server[server.index("--"):] == ["--", "--context-length", "32768", "--random-seed", "0"]
     r = _run("slurm.sbatch", "--config", q3, "actor.routing_replay=none",
              env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3", CHECK="0"))
-    assert "--routed-experts" not in _cmds(r.stdout)[0]
+    assert "--routed-experts" not in _cmds(r.stdout)[0] and "--delta-loader" not in _cmds(r.stdout)[0]
+    # a delta-sync job's servers register its loader
+    r = _run("slurm.sbatch", "--config", q3, "rollout.weight_sync_delta=true", "rollout.weight_sync=tensor",
+             env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3", CHECK="0"))
+    assert r.returncode == 0, r.stderr
+    assert "--delta-loader" in _cmds(r.stdout)[0]
     # sglang_server.sh turns the option into SGLang's flag, before the extra flags
     r = _run("sglang_server.sh", "--model", "/m", "--routed-experts", "--", "--random-seed", "0", env={"DRY_RUN": "1"})
     argv = shlex.split(r.stdout.strip())

@@ -45,7 +45,7 @@ def models(tmp_path_factory):
 def server(models, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("ws_sglang_log") / "server.log")
     h = launch_sglang_server(models["other"], port=find_free_port(), device="cpu", max_total_tokens=2048,
-                             log_path=log, ready_timeout=400)
+                             log_path=log, ready_timeout=400, delta_loader=True)  # the delta test's loader
     yield h
     h.terminate()
 
