@@ -8,8 +8,9 @@ builds its job from a row by name, adding its own overrides last (they win).
   their own ranks need);
 * ``job_problems``: the row's config and every problem ``collect_job_config`` finds (``megatron-rl check``'s view);
 * ``job_tree``: the row's nested dict; ``write_job`` writes it as the job YAML a launcher reads;
-* ``setting(key, value)`` / ``settings(section, **values)`` / ``layout(tp=..., pp=...)``: override strings of
-  Python values / of a parallel layout by its short names.
+* ``setting(key, value)`` / ``settings(section, **values)`` / ``layout(tp=..., pp=...)`` / ``knobs(tp=...,
+  mbs=..., **actor)``: override strings of Python values, of a parallel layout by its short names, and of both
+  with actor keys (the actor tests' parametrizations).
 
 Beside the table: ``train_or_error`` is the body of a forked rank that runs the RL loop and reports how it
 ended; ``wait_for_steps`` waits until a running job has logged some steps.
@@ -60,6 +61,15 @@ def layout(**short: Any) -> list[str]:
     return [setting(f"parallel.{_LAYOUT[k]}", v) for k, v in short.items()]
 
 
+def knobs(**values: Any) -> list[str]:
+    """The overrides of the actor tests' parametrizations: layout short names (see ``layout``), ``mbs``
+    (``actor.micro_batch_size``) and any other ``actor.*`` key."""
+    short = {k: values.pop(k) for k in list(values) if k in _LAYOUT}
+    if "mbs" in values:
+        values["micro_batch_size"] = values.pop("mbs")
+    return layout(**short) + settings("actor", **values)
+
+
 @dataclasses.dataclass(frozen=True)
 class NamedJob:
     """One row of the table."""
@@ -86,6 +96,9 @@ def _free_port() -> str:
 
     return f"rollout.sglang_port={find_free_port()}"
 
+
+#: the model overrides of the MoE actor tests: no load-balancing loss (nothing but the policy loss moves the router)
+NO_LOAD_BALANCING = ("model.moe_router_load_balancing_type=none", "model.moe_aux_loss_coeff=0.0")
 
 #: the copy task in the short loop runs: digits 1..1, 3 new tokens, 4 prompts, micro-batch 8, one rank of TP
 _COPY_SHORT = ("parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=3", "data.prompts_per_step=4",

@@ -22,9 +22,9 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import RolloutBatch
-from megatron_rl.testing.actor_reference import (CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, actor_on_shard,
-                                                 hf_token_log_probs, load_hf_reference, parallel_section, policy_data)
+from megatron_rl.testing.actor_reference import actor_on_shard, hf_token_log_probs, load_hf_reference, policy_data
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import NO_LOAD_BALANCING, knobs, named_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,13 +40,6 @@ E, K, NL = 8, 2, 2
 def models(tiny_hf_model):
     return {"qwen2": tiny_hf_model("qwen2", seed=21, num_hidden_layers=4),
             "moe": tiny_hf_model("qwen3_moe", seed=31, num_hidden_layers=NL, num_experts=E, num_experts_per_tok=K)}
-
-
-def _job(hf_dir, layout, moe, **actor):
-    model = {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0} if moe else None
-    return actor_job(hf_dir, {"micro_batch_size": 3, "lr": LR, "clip_grad": CLIP_GRAD, "policy_loss": PPO_LOSS,
-                              **({"routing_replay": "r3"} if moe else {}), **actor},
-                     parallel_section(**layout), model=model, correction=TOKEN_IS)
 
 
 def _data(vocab, moe, B=8, seed=0):
@@ -123,7 +116,9 @@ CASES = [("qwen2", dict(), 1), ("qwen2", dict(tp=2, pp=2), 4), ("moe", dict(ep=2
 @pytest.mark.parametrize("key,layout,world", CASES, ids=["tp1", "tp2pp2", "moe-ep2-r3"])
 def test_bf16_actor_close_to_fp32_and_hf(models, key, layout, world):
     moe = key == "moe"
-    jobs = {"fp32": _job(models[key], layout, moe), "bf16": _job(models[key], layout, moe, bf16=True)}
+    replay = (*NO_LOAD_BALANCING, "actor.routing_replay=r3") if moe else ()
+    jobs = {"fp32": named_job("actor_ppo", *replay, *knobs(**layout), hf=models[key]),
+            "bf16": named_job("actor_ppo", *replay, *knobs(bf16=True, **layout), hf=models[key])}
     data = _data(jobs["fp32"].model.vocab_size, moe)
     batch = data[0]
     results = run_ranks(_rank, world, jobs, data, timeout=250)
@@ -168,7 +163,8 @@ def _rank_output_layer(rank, world, job, data):
 
 @pytest.mark.timeout(200)
 def test_fp32_output_layer_computes_logits_in_fp32(models):
-    job = _job(models["qwen2"], {}, False, bf16=True, fp32_output_layer=True, use_distributed_optimizer=True)
+    job = named_job("actor_ppo", *knobs(bf16=True, fp32_output_layer=True, use_distributed_optimizer=True),
+                    hf=models["qwen2"])
     data = _data(job.model.vocab_size, False)
     r = run_ranks(_rank_output_layer, 1, job, data, timeout=150)[0]
     assert r["weight_dtype"] == torch.float32 and r["other"] == {torch.bfloat16}

@@ -17,8 +17,8 @@ import torch
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import actor_job
 from megatron_rl.testing.distributed import RankError, run_ranks
+from megatron_rl.testing.jobs import knobs, named_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,12 +28,6 @@ def models(tiny_hf_model):
     return {"qwen2": tiny_hf_model("qwen2", seed=31, num_hidden_layers=4),
             "tied": tiny_hf_model("qwen2", seed=32, tie_word_embeddings=True),
             "moe": tiny_hf_model("qwen3_moe", seed=33)}
-
-
-def _job(hf_dir, tp=1, pp=1, ep=1, **actor):
-    return actor_job(hf_dir, {"micro_batch_size": 2, **actor},
-                     {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                      "expert_model_parallel_size": ep})
 
 
 def _batch(vocab, seed=0):
@@ -55,7 +49,7 @@ def _rank_state(rank, world, job):
 def test_full_state_dict_roundtrip_is_bitwise(models, key, layout, world):
     from megatron_rl.convert.storage import read_hf_state_dict
 
-    outs = run_ranks(_rank_state, world, _job(models[key], **layout), timeout=100)
+    outs = run_ranks(_rank_state, world, named_job("actor", *knobs(**layout), hf=models[key]), timeout=100)
     assert all(o is None for o in outs[1:])
     ref = read_hf_state_dict(models[key])
     ref.pop("lm_head.weight", None) if key == "tied" else None
@@ -76,7 +70,7 @@ def _rank_train_export(rank, world, job, batch, out_dir):
 
 @pytest.mark.timeout(120)
 def test_export_after_training_is_the_trained_model(models, tmp_path):
-    job = _job(models["qwen2"], tp=2, pp=2, lr=1e-2)
+    job = named_job("actor", *knobs(tp=2, pp=2, lr=1e-2), hf=models["qwen2"])
     batch = _batch(job.model.vocab_size)
     out = str(tmp_path / "export")
     res = run_ranks(_rank_train_export, 4, job, batch, out, timeout=100)
@@ -123,4 +117,4 @@ def _rank_bad(rank, world, job, what):
 ])
 def test_bad_input_is_named(models, what, msg):
     with pytest.raises(RankError, match=msg):
-        run_ranks(_rank_bad, 1, _job(models["qwen2"]), what, timeout=100)
+        run_ranks(_rank_bad, 1, named_job("actor", hf=models["qwen2"]), what, timeout=100)

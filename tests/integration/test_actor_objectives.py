@@ -16,10 +16,10 @@ import torch
 import megatron.core  # noqa: F401
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.losses.selection import batch_selection
-from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, TOKEN_IS, actor_job, parallel_section
-from megatron_rl.testing.actor_reference import hf_adamw, hf_token_log_probs, load_hf_reference
+from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, hf_adamw, hf_token_log_probs, load_hf_reference
 from megatron_rl.testing.actor_reference import merge_rank_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job, setting
 from tests.integration.test_actor_cp_train import _rank, assert_ranks_match
 from tests.integration.test_actor_train import T, _data, _rank_train
 
@@ -35,13 +35,6 @@ LOSS = {"gspo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode"
 @pytest.fixture(scope="module")
 def hf_dir(tiny_hf_model):
     return tiny_hf_model("qwen2", seed=31, num_hidden_layers=4)
-
-
-def _job(hf_dir, loss_type, tp=1, pp=1, cp=1, mbs=3):
-    parallel = {**parallel_section(tp=tp, pp=pp), "context_parallel_size": cp}
-    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP_GRAD,
-                              "policy_loss": LOSS[loss_type]},
-                     parallel, correction={**TOKEN_IS, "loss_type": loss_type})
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +67,8 @@ CASES = [("gspo", dict(pp=2), 2), ("geo_mean", dict(pp=2), 2), ("clip_cov", dict
 def test_objective_train_step_matches_single_process(hf_dir, loss_type, layout, world):
     from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
 
-    job = _job(hf_dir, loss_type, **layout)
+    job = named_job("actor_ppo", setting("actor.policy_loss", LOSS[loss_type]),
+                    f"algorithm.rollout_correction.loss_type={loss_type}", *knobs(**layout), hf=hf_dir)
     data = _data(job.model.vocab_size)
     pg_loss, norm, ref_grads, selected = _reference(hf_dir, loss_type, job.model.vocab_size)
     assert selected is None or selected > 0

@@ -22,11 +22,11 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, parallel_section
-from megatron_rl.testing.actor_reference import actor_on_shard, hf_adamw, hf_token_log_probs, load_hf_reference
-from megatron_rl.testing.actor_reference import hf_token_log_probs_and_entropy
+from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, actor_on_shard, hf_adamw, hf_token_log_probs
+from megatron_rl.testing.actor_reference import hf_token_log_probs_and_entropy, load_hf_reference
 from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,12 +43,6 @@ def models(tiny_hf_model):
 
 def _data(vocab, B=8, seed=0):
     return policy_data(vocab, B, seed, prompt_len=(1, 6), response_len=(1, 10), reject_token=True)
-
-
-def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, mbs=3, vpp=None, **actor):
-    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP_GRAD, "weight_decay": 0.1,
-                              "policy_loss": PPO_LOSS, **actor},
-                     parallel_section(tp=tp, pp=pp, ep=ep, etp=etp, sp=sp, vpp=vpp), correction=TOKEN_IS)
 
 
 def _rank_train(rank, world, job, data):
@@ -131,7 +125,7 @@ CASES = [("qwen2", dict(), 1), ("qwen2", dict(tp=2, pp=2, **ENTROPY), 4), ("qwen
 @pytest.mark.parametrize("key,layout,world", CASES,
                          ids=["tp1", "tp2pp2-entropy", "dp2", "tp2sp", "moe-ep2", "tied-pp2", "pp4-vpp2"])
 def test_one_step_matches_reference(models, key, layout, world):
-    job = _job(models[key], **layout)
+    job = named_job("actor_ppo", "actor.weight_decay=0.1", *knobs(**layout), hf=models[key])
     data = _data(job.model.vocab_size)
     ref = _reference(models[key], data, [list(range(data[0].num_rows))], loss=job.actor.policy_loss)
     results = run_ranks(_rank_train, world, job, data, timeout=150)
@@ -154,7 +148,7 @@ PACKING_CASES = [("qwen2", dict(), 1, "budget"), ("qwen2", dict(), 1, "packed"),
 def test_one_step_with_token_budget_and_packing_matches_reference(models, key, layout, world, batching):
     """The same single-process reference as above (no micro-batches at all): grouping rows by tokens and packing
     them into THD sequences leaves the gradients, the loss, the grad norm and the updated weights unchanged."""
-    job = _job(models[key], **{**layout, **PACKING[batching]})
+    job = named_job("actor_ppo", "actor.weight_decay=0.1", *knobs(**layout, **PACKING[batching]), hf=models[key])
     data = _data(job.model.vocab_size)
     ref = _reference(models[key], data, [list(range(data[0].num_rows))])
     results = run_ranks(_rank_train, world, job, data, timeout=150)
@@ -163,7 +157,8 @@ def test_one_step_with_token_budget_and_packing_matches_reference(models, key, l
 
 @pytest.mark.timeout(180)
 def test_mini_batches_and_epochs_match_reference(models):
-    job = _job(models["qwen2"], tp=2, pp=2, ppo_mini_batches=2, ppo_epochs=2, mbs=2)
+    job = named_job("actor_ppo", "actor.weight_decay=0.1", *knobs(tp=2, pp=2, ppo_mini_batches=2, ppo_epochs=2, mbs=2),
+                    hf=models["qwen2"])
     data = _data(job.model.vocab_size)
     B = data[0].num_rows
     ref = _reference(models["qwen2"], data, [list(range(s, e)) for s, e in row_blocks(B, 2)], epochs=2)
@@ -193,7 +188,7 @@ def test_loop_recipe_with_correction_matches_reference(models):
     equals the single-process chain (HF log-probs, correction without groups, HF + AdamW step)."""
     from megatron_rl.correction import compute_rollout_correction
 
-    job = _job(models["qwen2"], tp=2)
+    job = named_job("actor_ppo", "actor.weight_decay=0.1", *knobs(tp=2), hf=models["qwen2"])
     job.algorithm.rollout_correction = type(job.algorithm.rollout_correction).from_dict(
         {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "token_k1",
          "rollout_rs_threshold": "0.3_3.0"})

@@ -31,9 +31,9 @@ from megatron_rl.config import load_job_config
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.testing.actor_reference import (TOKEN_IS, actor_job, load_hf_reference, parallel_section,
-                                                 unfuse_experts)
+from megatron_rl.testing.actor_reference import TOKEN_IS, load_hf_reference, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job, setting
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,12 +92,6 @@ def test_generation_and_routing_match_hf(hf_dir):
         assert torch.equal(got, want), f"prompt {p}: captured routing != HF's top-k"
 
 
-def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, first=None, last=None):
-    return actor_job(hf_dir, {"micro_batch_size": 2, "lr": 1e-2, "clip_grad": 1.0},
-                     parallel_section(tp=tp, pp=pp, ep=ep, etp=etp, sp=sp, first=first, last=last),
-                     correction=TOKEN_IS)
-
-
 def _train_and_export(rank, world, job):
     """One train step on a random batch, then the actor's HF export (rank 0; None elsewhere)."""
     from megatron_rl.actor import row_blocks
@@ -124,7 +118,9 @@ SYNC_CASES = [("tp1", dict(), 1), ("tp2sp_pp2_ep2_etp1", dict(tp=2, sp=True, pp=
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,layout,world", SYNC_CASES, ids=[c[0] for c in SYNC_CASES])
 def test_weight_sync_after_train_step_is_exact(hf_dir, tmp_path, name, layout, world):
-    exported = run_ranks(_train_and_export, world, _job(hf_dir, **layout), timeout=240)[0]
+    job = named_job("actor", "actor.lr=1e-2", "actor.clip_grad=1.0", setting("algorithm.rollout_correction", TOKEN_IS),
+                    *knobs(**layout), hf=hf_dir)
+    exported = run_ranks(_train_and_export, world, job, timeout=240)[0]
     engine = EmbeddedEngine(hf_dir, dtype="float32", seed=0)
     before = _hf(hf_dir)
     engine.update_weights_from_state_dict(exported, version="1")

@@ -21,10 +21,11 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
-from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, TOKEN_IS, actor_job, parallel_section
-from megatron_rl.testing.actor_reference import actor_on_shard, hf_adamw, hf_token_log_probs, load_hf_reference
+from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, actor_on_shard, hf_adamw, hf_token_log_probs
+from megatron_rl.testing.actor_reference import load_hf_reference
 from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,13 +39,6 @@ def hf_dir(tiny_hf_model):
 
 def _data(vocab, B=6, seed=0):
     return policy_data(vocab, B, seed, prompt_len=(2, 6), response_len=(2, 9), reject_token=False)
-
-
-def _job(hf_dir, tp=1, pp=1, ep=1, etp=None, sp=False, first=None, last=None, mbs=2):
-    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": LR, "clip_grad": CLIP_GRAD, "weight_decay": 0.1,
-                              "policy_loss": PPO_LOSS},
-                     parallel_section(tp=tp, pp=pp, ep=ep, etp=etp, sp=sp, first=first, last=last),
-                     correction=TOKEN_IS)
 
 
 def _rank(rank, world, job, data):
@@ -109,7 +103,7 @@ CASES = [("tp1", dict(), 1),
 def test_logprobs_and_train_step_match_hf(hf_dir, name, layout, world):
     from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
 
-    job = _job(hf_dir, **layout)
+    job = named_job("actor_ppo", "actor.weight_decay=0.1", *knobs(mbs=2, **layout), hf=hf_dir)
     data = _data(384)
     ref = _reference(hf_dir, data)
     results = run_ranks(_rank, world, job, data, timeout=200)

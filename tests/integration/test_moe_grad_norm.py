@@ -23,8 +23,9 @@ import megatron.core  # noqa: F401  (imported once in the parent: forked ranks s
 from megatron_rl.actor import MegatronActor
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.platform.mcore_version import MCORE
-from megatron_rl.testing.actor_reference import actor_job, load_hf_reference
+from megatron_rl.testing.actor_reference import load_hf_reference
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import layout, named_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,12 +33,6 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def hf_dir(tiny_hf_model):
     return tiny_hf_model("qwen3_moe", seed=31)
-
-
-def _job(hf_dir, tp, ep, etp):
-    return actor_job(hf_dir, {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 0.5},
-                     {"tensor_model_parallel_size": tp, "expert_model_parallel_size": ep,
-                      "expert_tensor_parallel_size": etp, "sequence_parallel": tp > 1})
 
 
 def _rank_norm_of_ones(rank, world, job):
@@ -70,7 +65,9 @@ CASES = [("tp2sp-ep1-etp1", 2, 1, 1, 2, 2.0),     # TP > ETP: experts replicated
 @pytest.mark.parametrize("name,tp,ep,etp,world,count_016", CASES, ids=[c[0] for c in CASES])
 def test_moe_grad_norm_counts_every_parameter_once(hf_dir, name, tp, ep, etp, world, count_016):
     total, experts = _counts(hf_dir)
-    norms = run_ranks(_rank_norm_of_ones, world, _job(hf_dir, tp, ep, etp), timeout=240)
+    job = named_job("actor", "actor.lr=1e-3", "actor.clip_grad=0.5", *layout(tp=tp, ep=ep, etp=etp, sp=tp > 1),
+                    hf=hf_dir)
+    norms = run_ranks(_rank_norm_of_ones, world, job, timeout=240)
     assert len(set(norms)) == 1, f"ranks disagree on the grad norm: {norms}"
     norm = norms[0]
     reference = math.sqrt(total)

@@ -26,8 +26,8 @@ import torch
 import megatron.core  # noqa: F401
 from megatron_rl.actor import RolloutBatch
 from megatron_rl.actor.micro_batching import PackedCost, PaddedCost, plan_micro_batches
-from megatron_rl.testing.actor_reference import TOKEN_IS, actor_job, parallel_section
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job
 from megatron_rl.testing.positionwise_lm import positionwise_batch, positionwise_lm
 
 pytest.importorskip("transformers")
@@ -60,10 +60,8 @@ def _data(vocab, shapes=SHAPES, seed=0):
     return batch, old, adv, mask, is_w
 
 
-def _job(hf_dir, agg="token-mean", tp=1, pp=1, vpp=None, **actor):
-    loss = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": agg}
-    return actor_job(hf_dir, {"lr": 1e-3, "clip_grad": 0.02, "weight_decay": 0.1, "policy_loss": loss, **actor},
-                     parallel_section(tp=tp, pp=pp, vpp=vpp), correction=TOKEN_IS)
+#: this file's train step on the table's actor_ppo row: weight decay 0.1, micro-batch 4 unless a case sets it
+PACKING_STEP = ("actor.weight_decay=0.1", "actor.micro_batch_size=4")
 
 
 def _rank_train_many(rank, world, jobs, data):
@@ -115,7 +113,8 @@ def test_metrics_do_not_depend_on_grouping(models, agg):
     assert 26 in padded.tokens and 13 in packed.tokens
     assert max(e - s for s, e in packed.bounds) >= 3
     names = list(BATCHINGS)
-    jobs = [_job(models["qwen2"], agg, **BATCHINGS[n]) for n in names]
+    jobs = [named_job("actor_ppo", *PACKING_STEP, f"actor.policy_loss.loss_agg_mode={agg}", *knobs(**BATCHINGS[n]),
+                      hf=models["qwen2"]) for n in names]
     (res,) = run_ranks(_rank_train_many, 1, jobs, data, timeout=280)
     ref = res[0]
     valid = torch.arange(1, data[0].max_length).unsqueeze(0) < data[0].lengths.unsqueeze(1)
@@ -134,8 +133,9 @@ def test_every_micro_batch_a_single_row_packed(models):
     data = _data(300, shapes, seed=1)
     plan = plan_micro_batches(data[0].lengths.tolist(), PackedCost(), micro_batch_size=1, max_tokens=10)
     assert plan.num_micro_batches == 4
-    jobs = [_job(models["qwen2"], "seq-mean-token-mean", micro_batch_size=1),
-            _job(models["qwen2"], "seq-mean-token-mean", max_tokens_per_micro_batch=10, sequence_packing=True)]
+    jobs = [named_job("actor_ppo", *PACKING_STEP, *knobs(micro_batch_size=1), hf=models["qwen2"]),
+            named_job("actor_ppo", *PACKING_STEP, *knobs(max_tokens_per_micro_batch=10, sequence_packing=True),
+                      hf=models["qwen2"])]
     (res,) = run_ranks(_rank_train_many, 1, jobs, data, timeout=180)
     _assert_same_metrics(res[1]["metrics"], res[0]["metrics"], "single-row packed")
     torch.testing.assert_close(res[1]["lp"], res[0]["lp"], rtol=0, atol=2e-6)
@@ -143,9 +143,10 @@ def test_every_micro_batch_a_single_row_packed(models):
 
 @pytest.mark.timeout(200)
 def test_ppo_mini_batches_with_packing(models):
-    jobs = [_job(models["qwen2"], "seq-mean-token-mean", micro_batch_size=1, ppo_mini_batches=2),
-            _job(models["qwen2"], "seq-mean-token-mean", max_tokens_per_micro_batch=13, sequence_packing=True,
-                 ppo_mini_batches=2)]
+    jobs = [named_job("actor_ppo", *PACKING_STEP, *knobs(micro_batch_size=1, ppo_mini_batches=2), hf=models["qwen2"]),
+            named_job("actor_ppo", *PACKING_STEP,
+                      *knobs(max_tokens_per_micro_batch=13, sequence_packing=True, ppo_mini_batches=2),
+                      hf=models["qwen2"])]
     (res,) = run_ranks(_rank_train_many, 1, jobs, _data(300), timeout=180)
     assert res[1]["metrics"]["actor/num_optimizer_steps"] == 2
     _assert_same_metrics(res[1]["metrics"], res[0]["metrics"], "ppo_mini_batches=2 packed")
@@ -162,10 +163,10 @@ def test_uneven_dp_shards_match_one_rank(models, shapes, batching):
     """DP2 with shards of 2 and 1 rows (the single row prompt-only: no token to train on that rank) and of 4
     and 3 rows: metrics and log-probs equal to one rank with micro_batch_size=1."""
     data = _data(300, shapes, seed=2)
-    (ref,) = run_ranks(_rank_train_many, 1, [_job(models["qwen2"], "seq-mean-token-mean", micro_batch_size=1)],
-                       data, timeout=150)
-    res = run_ranks(_rank_train_many, 2, [_job(models["qwen2"], "seq-mean-token-mean", **batching)], data,
-                    timeout=200)
+    one = named_job("actor_ppo", *PACKING_STEP, *knobs(micro_batch_size=1), hf=models["qwen2"])
+    (ref,) = run_ranks(_rank_train_many, 1, [one], data, timeout=150)
+    dp2 = named_job("actor_ppo", *PACKING_STEP, *knobs(**batching), hf=models["qwen2"])
+    res = run_ranks(_rank_train_many, 2, [dp2], data, timeout=200)
     for rank, r in enumerate(res):
         _assert_same_metrics(r[0]["metrics"], ref[0]["metrics"], f"DP2 rank {rank}")
     W = data[0].max_length - 1
@@ -179,11 +180,11 @@ def test_interleaved_vpp_with_packed_budget_matches_one_rank(models):
     """PP4 x VPP2: a packed budget that fits every row in one micro-batch is split to >= PP micro-batches; the
     interleaved schedule gets equal shapes. Same metrics / log-probs as one rank, micro_batch_size=1."""
     data = _data(300)
-    (ref,) = run_ranks(_rank_train_many, 1, [_job(models["deep"], "seq-mean-token-mean", micro_batch_size=1)],
-                       data, timeout=150)
-    res = run_ranks(_rank_train_many, 4, [_job(models["deep"], "seq-mean-token-mean", pp=4, vpp=2,
-                                               max_tokens_per_micro_batch=64, sequence_packing=True)],
-                    data, timeout=250)
+    one = named_job("actor_ppo", *PACKING_STEP, *knobs(micro_batch_size=1), hf=models["deep"])
+    (ref,) = run_ranks(_rank_train_many, 1, [one], data, timeout=150)
+    vpp = named_job("actor_ppo", *PACKING_STEP,
+                    *knobs(pp=4, vpp=2, max_tokens_per_micro_batch=64, sequence_packing=True), hf=models["deep"])
+    res = run_ranks(_rank_train_many, 4, [vpp], data, timeout=250)
     for r in res:
         _assert_same_metrics(r[0]["metrics"], ref[0]["metrics"], "pp4-vpp2")
         torch.testing.assert_close(r[0]["lp"], ref[0]["lp"], rtol=0, atol=2e-6)
@@ -200,11 +201,11 @@ def test_interleaved_vpp_with_a_budget_plan_of_five_micro_batches(models):
     plan = plan_micro_batches(data[0].lengths.tolist(), PackedCost(), micro_batch_size=1, max_tokens=13,
                               min_micro_batches=4)
     assert plan.num_micro_batches == 5
-    (ref,) = run_ranks(_rank_train_many, 1, [_job(models["deep"], "seq-mean-token-mean", micro_batch_size=1)],
-                       data, timeout=150)
-    res = run_ranks(_rank_vpp_padded, 4, _job(models["deep"], "seq-mean-token-mean", pp=4, vpp=2,
-                                              max_tokens_per_micro_batch=13, sequence_packing=True), data,
-                    timeout=250)
+    one = named_job("actor_ppo", *PACKING_STEP, *knobs(micro_batch_size=1), hf=models["deep"])
+    (ref,) = run_ranks(_rank_train_many, 1, [one], data, timeout=150)
+    vpp = named_job("actor_ppo", *PACKING_STEP,
+                    *knobs(pp=4, vpp=2, max_tokens_per_micro_batch=13, sequence_packing=True), hf=models["deep"])
+    res = run_ranks(_rank_vpp_padded, 4, vpp, data, timeout=250)
     assert all("out" in r for r in res), [r.get("error") for r in res]
     for r in res:
         _assert_same_metrics(r["out"]["metrics"], ref[0]["metrics"], "pp4-vpp2, 5 packed micro-batches")
@@ -230,7 +231,7 @@ def test_interleaved_vpp_with_padded_budget_is_refused_on_every_rank(models):
     plan = plan_micro_batches(data[0].lengths.tolist(), PaddedCost(), micro_batch_size=1, max_tokens=26,
                               min_micro_batches=4)
     assert len({e - s for s, e in plan.bounds}) > 1, "micro-batches of different row counts"
-    job = _job(models["deep"], "seq-mean-token-mean", pp=4, vpp=2, max_tokens_per_micro_batch=26)
+    job = named_job("actor_ppo", *PACKING_STEP, *knobs(pp=4, vpp=2, max_tokens_per_micro_batch=26), hf=models["deep"])
     res = run_ranks(_rank_vpp_padded, 4, job, data, timeout=250)
     errors = [r.get("error") for r in res]
     assert all(e and "actor.sequence_packing" in e for e in errors), errors
@@ -242,7 +243,8 @@ def test_interleaved_shard_too_small_on_one_dp_rank_is_refused_on_every_rank(mod
     for the interleaved schedule on that rank only. Every rank raises a BatchError naming the layout (no rank is
     left waiting in the other DP group's collectives)."""
     data = _data(300, shapes=[(2, 3), (3, 2), (1, 4), (2, 2), (1, 1), (3, 3), (2, 1)])
-    job = _job(models["deep"], "token-mean", pp=4, vpp=2, micro_batch_size=1)
+    job = named_job("actor_ppo", *PACKING_STEP, "actor.policy_loss.loss_agg_mode=token-mean",
+                    *knobs(pp=4, vpp=2, micro_batch_size=1), hf=models["deep"])
     res = run_ranks(_rank_vpp_padded, 8, job, data, timeout=250)
     errors = [r.get("error") for r in res]
     assert all(e and "BatchError" in e and "pipeline_model_parallel_size=4" in e for e in errors), errors
@@ -280,7 +282,8 @@ def _rank_over_budget(rank, world, job, data, phase):
 def test_row_over_budget_on_one_dp_rank_raises_on_every_rank(models, phase, packing):
     shapes = [(2, 1), (4, 9), (1, 1), (2, 2), (2, 1), (1, 2), (3, 1), (2, 0)]   # only rank 0 has a long row (13)
     data = _data(300, shapes, seed=3)
-    job = _job(models["qwen2"], max_tokens_per_micro_batch=8, sequence_packing=packing)
+    job = named_job("actor_ppo", *PACKING_STEP, "actor.policy_loss.loss_agg_mode=token-mean",
+                    *knobs(max_tokens_per_micro_batch=8, sequence_packing=packing), hf=models["qwen2"])
     res = run_ranks(_rank_over_budget, 2, job, data, phase, timeout=150)
     for r in res:
         assert r["error"] is not None, "every rank must raise"
