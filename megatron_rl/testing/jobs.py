@@ -63,11 +63,13 @@ def layout(**short: Any) -> list[str]:
 
 def knobs(**values: Any) -> list[str]:
     """The overrides of the actor tests' parametrizations: layout short names (see ``layout``), ``mbs``
-    (``actor.micro_batch_size``) and any other ``actor.*`` key."""
+    (``actor.micro_batch_size``), ``extra`` (``model.extra``, megatron TransformerConfig fields) and any other
+    ``actor.*`` key."""
     short = {k: values.pop(k) for k in list(values) if k in _LAYOUT}
+    model = settings("model", extra=values.pop("extra")) if "extra" in values else []
     if "mbs" in values:
         values["micro_batch_size"] = values.pop("mbs")
-    return layout(**short) + settings("actor", **values)
+    return layout(**short) + model + settings("actor", **values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,10 @@ def _free_port() -> str:
 #: the model overrides of the MoE actor tests: no load-balancing loss (nothing but the policy loss moves the router)
 NO_LOAD_BALANCING = ("model.moe_router_load_balancing_type=none", "model.moe_aux_loss_coeff=0.0")
 
+#: the model of the checkpoint tests' row: sizes alone, random init (4 layers, hidden 64, GQA 4/2, vocabulary 256)
+CHECKPOINT_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
+                        ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
+
 #: the copy task in the short loop runs: digits 1..1, 3 new tokens, 4 prompts, micro-batch 8, one rank of TP
 _COPY_SHORT = ("parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=3", "data.prompts_per_step=4",
                "data.task=copy", "data.task_kwargs={min_digits: 1, max_digits: 1}", "actor.micro_batch_size=8",
@@ -125,9 +131,7 @@ JOBS: dict[str, NamedJob] = _rows(
               "rollout.n_samples_per_prompt=2", "data.prompts_per_step=2")),
     NamedJob("checkpoint_actor", "An actor from random init of a model given by its sizes (4 layers, hidden 64, "
              "GQA 4/2, vocabulary 256), micro-batch 2, token-level IS: the checkpoint save / resume tests.",
-             (setting("model", dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                                    vocab_size=256, ffn_hidden_size=96, untie_embeddings_and_output_weights=True,
-                                    max_position_embeddings=64)),
+             (setting("model", CHECKPOINT_MODEL),
               "actor.micro_batch_size=2", "actor.lr=1e-3", "actor.clip_grad=1.0", "actor.weight_decay=0.01",
               "algorithm.rollout_correction={rollout_is: token, rollout_is_threshold: 2.0}")),
     NamedJob("copy_loop", "The RL loop on the copy task (digits 1-2, 5 new tokens, 4 prompts x 4 samples, "

@@ -20,21 +20,19 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import assert_state_dicts_close
 from megatron_rl.testing.distributed import RankError, run_ranks
+from megatron_rl.testing.jobs import CHECKPOINT_MODEL, layout, named_job, setting, settings
 
-MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
-             ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
-
-
-MOE = dict(MODEL, num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+MOE = dict(CHECKPOINT_MODEL, num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
            moe_router_load_balancing_type="none", qk_layernorm=True, kv_channels=16)
 
 
 #: a warm-up of 3 optimizer steps from 2e-4, then cosine decay: the resume below happens mid-warm-up
 SCHEDULE = {"lr_warmup_steps": 3, "lr_warmup_init": 2e-4, "lr_decay_style": "cosine", "lr_decay_steps": 8}
+#: SCHEDULE as overrides of the table's checkpoint_actor row
+SCHEDULE_KEYS = settings("actor", **SCHEDULE)
 
 
 def _megatron_lrs(n):
@@ -50,16 +48,6 @@ def _megatron_lrs(n):
         out.append(sched.optimizer.param_groups[0]["lr"])
         sched.step(increment=1)
     return out
-
-
-def _job(tp=1, pp=1, model=None, ep=1):
-    return job_config_from_dict({
-        "model": model or MODEL,
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep},
-        "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01, **SCHEDULE},
-        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
-    })
 
 
 def _batch(seed):
@@ -123,7 +111,8 @@ def _weights(results):
 @pytest.mark.parametrize("tp,pp,ep,world", [(1, 1, 1, 1), (2, 2, 1, 4), (1, 1, 2, 2)],
                          ids=["tp1", "tp2pp2", "moe-ep2"])
 def test_resume_is_exact(tmp_path, tp, pp, ep, world):
-    job = _job(tp, pp, model=MOE if ep > 1 else None, ep=ep)
+    moe = [setting("model", MOE)] if ep > 1 else []
+    job = named_job("checkpoint_actor", *SCHEDULE_KEYS, *moe, *layout(tp=tp, pp=pp, ep=ep))
     full = run_ranks(_rank, world, job, 2, None, None, 7, timeout=150)
     run_ranks(_rank, world, job, 1, str(tmp_path / "ck"), None, 7, timeout=150)
     # a different init seed: everything that matters must come from the checkpoint
@@ -149,11 +138,13 @@ def test_resume_is_exact(tmp_path, tp, pp, ep, world):
                          ids=["tp2pp2-to-tp1", "tp1-to-tp2pp2"])
 def test_load_at_other_layout_reshards(tmp_path, saved, loaded):
     (stp, spp, sw), (ltp, lpp, lw) = saved, loaded
-    saver = run_ranks(_rank, sw, _job(stp, spp), 1, str(tmp_path / "ck"), None, 7, timeout=150)
-    res = run_ranks(_rank, lw, _job(ltp, lpp), 1, None, str(tmp_path / "ck"), 99, timeout=150)
+    saver_job = named_job("checkpoint_actor", *SCHEDULE_KEYS, *layout(tp=stp, pp=spp))
+    loader_job = named_job("checkpoint_actor", *SCHEDULE_KEYS, *layout(tp=ltp, pp=lpp))
+    saver = run_ranks(_rank, sw, saver_job, 1, str(tmp_path / "ck"), None, 7, timeout=150)
+    res = run_ranks(_rank, lw, loader_job, 1, None, str(tmp_path / "ck"), 99, timeout=150)
     loaded_w = [r["loaded"]["weights"] for r in res if r["loaded"]["weights"] is not None][0]
     assert_state_dicts_close(loaded_w, _weights(saver))
-    full = run_ranks(_rank, sw, _job(stp, spp), 2, None, None, 7, timeout=150)  # uninterrupted, saver's layout
+    full = run_ranks(_rank, sw, saver_job, 2, None, None, 7, timeout=150)  # uninterrupted, saver's layout
     assert_state_dicts_close(_weights(res), _weights(full), atol=1e-6)
     assert res[0]["metrics"][0]["actor/pg_loss"] == pytest.approx(full[0]["metrics"][1]["actor/pg_loss"], abs=1e-6)
 
@@ -162,7 +153,7 @@ def test_load_at_other_layout_reshards(tmp_path, saved, loaded):
 def test_save_before_first_step_resumes_like_fresh(tmp_path):
     """A checkpoint written before any optimizer step (no Adam state yet) loads, and the next step
     equals a fresh run's first step."""
-    job = _job(2, 1)
+    job = named_job("checkpoint_actor", *SCHEDULE_KEYS, *layout(tp=2, pp=1))
     run_ranks(_rank, 2, job, 0, str(tmp_path / "ck"), None, 7, timeout=100)
     resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=100)
     fresh = run_ranks(_rank, 2, job, 1, None, None, 7, timeout=100)
@@ -172,12 +163,13 @@ def test_save_before_first_step_resumes_like_fresh(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_model_mismatch_is_a_clear_error(tmp_path):
-    run_ranks(_rank, 1, _job(), 0, str(tmp_path / "ck"), None, 7, timeout=100)
-    other = dict(MODEL, ffn_hidden_size=128)
+    job = named_job("checkpoint_actor", *SCHEDULE_KEYS)
+    run_ranks(_rank, 1, job, 0, str(tmp_path / "ck"), None, 7, timeout=100)
+    other = named_job("checkpoint_actor", *SCHEDULE_KEYS, setting("model", dict(CHECKPOINT_MODEL, ffn_hidden_size=128)))
     with pytest.raises(RankError, match=r"CheckpointLayoutError.*ffn_hidden_size \(saved 96, now 128\)"):
-        run_ranks(_rank, 1, _job(model=other), 0, None, str(tmp_path / "ck"), 7, timeout=100)
+        run_ranks(_rank, 1, other, 0, None, str(tmp_path / "ck"), 7, timeout=100)
     with pytest.raises(RankError, match="no checkpoint at"):
-        run_ranks(_rank, 1, _job(), 0, None, str(tmp_path / "nothing"), 7, timeout=100)
+        run_ranks(_rank, 1, job, 0, None, str(tmp_path / "nothing"), 7, timeout=100)
     # a damaged checkpoint: the failure names the saved and the requested layout
     dist_dir = tmp_path / "ck" / "iter_0000000" / "dist"
     for f in dist_dir.iterdir():
@@ -186,4 +178,5 @@ def test_model_mismatch_is_a_clear_error(tmp_path):
     with pytest.raises(RankError, match=r"CheckpointLayoutError: checkpoint .* loading failed \(saved layout "
                                         r"\{.*'tensor_model_parallel_size': 1.*\}, requested layout \{.*"
                                         r"'tensor_model_parallel_size': 2"):
-        run_ranks(_rank, 2, _job(tp=2), 0, None, str(tmp_path / "ck"), 7, timeout=100)
+        run_ranks(_rank, 2, named_job("checkpoint_actor", *SCHEDULE_KEYS, *layout(tp=2)), 0, None,
+                  str(tmp_path / "ck"), 7, timeout=100)

@@ -14,10 +14,10 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import MegatronActor, RolloutBatch
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import load_hf_reference
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,14 +54,6 @@ def _reference(hf_dir, prompts, responses, T):
     return lp, ent
 
 
-def _job(hf_dir, tp=1, pp=1, ep=1, mbs=2, sp=False, **actor):
-    return job_config_from_dict({
-        "actor": {"load_hf": hf_dir, "micro_batch_size": mbs, **actor},
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "sequence_parallel": sp},
-    })
-
-
 def _rank_logprobs(rank, world, job, batch, T):
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
     actor = MegatronActor(job)
@@ -89,7 +81,7 @@ def _assemble(results, B):
 @pytest.mark.parametrize("tp,pp,sp,world", [(1, 1, False, 1), (2, 2, False, 4), (1, 1, False, 2), (2, 1, True, 2)],
                          ids=["tp1", "tp2pp2", "dp2", "tp2sp"])
 def test_log_probs_match_hf(hf_dir, tp, pp, sp, world):
-    job = _job(hf_dir, tp=tp, pp=pp, sp=sp)
+    job = named_job("actor", *knobs(tp=tp, pp=pp, sp=sp), hf=hf_dir)
     prompts, responses = _sequences(job.model.vocab_size)
     batch = RolloutBatch.from_sequences(prompts, responses)
     ref_lp, ref_ent = _reference(hf_dir, prompts, responses, TEMPERATURE)
@@ -116,7 +108,7 @@ def test_packed_and_token_budget_log_probs_match_hf(hf_dir, tp, pp, sp, world, a
     """Issue 25: rows grouped by tokens (padded or packed into one THD sequence per micro-batch, attention
     within each row only) give every row's log-probs and entropy as HF on that row alone, in the batch's own
     row order (the plan permutes rows; the results are put back)."""
-    job = _job(hf_dir, tp=tp, pp=pp, sp=sp, **actor)
+    job = named_job("actor", *knobs(tp=tp, pp=pp, sp=sp, **actor), hf=hf_dir)
     prompts, responses = _sequences(job.model.vocab_size)
     batch = RolloutBatch.from_sequences(prompts, responses)
     ref_lp, ref_ent = _reference(hf_dir, prompts, responses, TEMPERATURE)
@@ -132,17 +124,13 @@ def test_log_probs_from_converted_checkpoint(hf_dir, tmp_path):
     """actor.load_hf may name a ``megatron-rl convert hf-to-mcore`` directory saved at another layout
     (TP2 here, resharded to TP1 x PP2 on load); the log-probs still equal HF's, and the HF export
     (config from the converted directory's hf_assets) returns the original tensors bit for bit."""
-    from megatron_rl.convert.storage import read_hf_state_dict
-
-    import dataclasses
-
     from megatron_rl.convert import ShardLayout, convert_hf_to_mcore
+    from megatron_rl.convert.storage import read_hf_state_dict
 
     out = str(tmp_path / "mcore")
     convert_hf_to_mcore(hf_dir, out, ShardLayout(tensor_model_parallel_size=2))
-    model = dataclasses.asdict(_job(hf_dir).model)
-    job = job_config_from_dict({"model": model, "actor": {"load_hf": out, "micro_batch_size": 2},
-                                "parallel": {"pipeline_model_parallel_size": 2}})
+    # the HF directory's model section, the converted checkpoint's weights
+    job = named_job("actor", "parallel.pipeline_model_parallel_size=2", f"actor.load_hf={out}", hf=hf_dir)
     prompts, responses = _sequences(job.model.vocab_size, seed=1)
     batch = RolloutBatch.from_sequences(prompts, responses)
     ref_lp, _ = _reference(hf_dir, prompts, responses, TEMPERATURE)

@@ -32,22 +32,13 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import assert_state_dicts_close
 from megatron_rl.testing.distributed import RankError, run_ranks
+from megatron_rl.testing.jobs import knobs, named_job, setting
 
-MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256,
-             ffn_hidden_size=96, untie_embeddings_and_output_weights=True, max_position_embeddings=64)
-
-
-def _job(dist_opt: bool = False, **actor):
-    return job_config_from_dict({
-        "model": MODEL,
-        "actor": {"micro_batch_size": 2, "lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01,
-                  "use_distributed_optimizer": dist_opt, **actor},
-        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
-    })
+#: the table's checkpoint_actor row at 2 layers (the model of these tests)
+TWO_LAYERS = "model.num_layers=2"
 
 
 def _batch(seed, rows=4):
@@ -134,8 +125,10 @@ def _weights(results, key="weights"):
 
 @pytest.mark.timeout(240)
 def test_same_training_as_without_it_and_adam_state_sharded():
-    plain = run_ranks(_rank, 2, _job(False), 3, timeout=200)
-    dist = run_ranks(_rank, 2, _job(True), 3, timeout=200)
+    plain = run_ranks(_rank, 2, named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=False)), 3,
+                      timeout=200)
+    dist = run_ranks(_rank, 2, named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=True)), 3,
+                     timeout=200)
     assert_state_dicts_close(_weights(dist), _weights(plain), atol=1e-6)
     for a, b in zip(dist[0]["metrics"], plain[0]["metrics"]):
         assert a.keys() == b.keys()
@@ -185,7 +178,7 @@ def test_checkpoint_host_memory_plan_matches_megatron(bf16):
     12 bytes per parameter of the rank on every rank when loading, on DP rank 0 only when saving."""
     from megatron_rl.ops.memory import MemoryOptions, checkpoint_host_bytes, memory_plan
 
-    job = _job(True, bf16=bf16)
+    job = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=True, bf16=bf16))
     res = run_ranks(_host_state_rank, 2, job, timeout=200)
     plan = memory_plan(job, 2, MemoryOptions(distributed_optimizer=True, params_bytes=2 if bf16 else 4))
     planned = checkpoint_host_bytes(plan)
@@ -202,7 +195,7 @@ def test_checkpoint_resume_is_exact_reshards_to_dp1_and_exports(tmp_path):
     from megatron_rl.actor.hf_io import export_checkpoint_to_hf
     from megatron_rl.convert import read_hf_checkpoint
 
-    job = _job(True)
+    job = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=True))
     full = run_ranks(_rank, 2, job, 2, timeout=200)
     saved = run_ranks(_rank, 2, job, 1, str(tmp_path / "ck"), timeout=200)
     resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
@@ -223,7 +216,7 @@ def test_checkpoint_resume_is_exact_reshards_to_dp1_and_exports(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dist_opt,world", [(False, 1), (True, 2)], ids=["bf16", "bf16-distopt-dp2"])
 def test_bf16_resume_is_exact(tmp_path, dist_opt, world):
-    job = _job(dist_opt, bf16=True)
+    job = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=dist_opt, bf16=True))
     full = run_ranks(_rank, world, job, 2, timeout=200)
     run_ranks(_rank, world, job, 1, str(tmp_path / "ck"), timeout=200)
     resumed = run_ranks(_rank, world, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
@@ -241,13 +234,17 @@ def test_fp32_output_layer_needs_the_distributed_optimizer():
     from megatron_rl.actor.precision import Precision
     from megatron_rl.config.validate import job_errors
 
-    bad = _job(False, bf16=True, fp32_output_layer=True)
+    bad = named_job("checkpoint_actor", TWO_LAYERS,
+                    *knobs(use_distributed_optimizer=False, bf16=True, fp32_output_layer=True))
     assert any(e.startswith("actor.fp32_output_layer: needs actor.use_distributed_optimizer")
                for e in job_errors(bad, 1)), job_errors(bad, 1)
     with pytest.raises(ValueError, match="actor.fp32_output_layer: needs actor.use_distributed_optimizer"):
         Precision.from_actor_config(bad.actor)
-    assert not any("fp32_output_layer" in e for e in job_errors(_job(True, bf16=True, fp32_output_layer=True), 2))
-    assert any("only with actor.bf16" in e for e in job_errors(_job(True, fp32_output_layer=True), 2))
+    good = named_job("checkpoint_actor", TWO_LAYERS,
+                     *knobs(use_distributed_optimizer=True, bf16=True, fp32_output_layer=True))
+    assert not any("fp32_output_layer" in e for e in job_errors(good, 2))
+    fp32 = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=True, fp32_output_layer=True))
+    assert any("only with actor.bf16" in e for e in job_errors(fp32, 2))
 
 
 def _resident_rank(rank, world, job):
@@ -280,11 +277,8 @@ def test_memory_plan_of_the_fp32_output_layer_matches_the_actor(tied):
     weight) equal what the built actor holds."""
     from megatron_rl.ops.memory import MemoryOptions, memory_plan
 
-    job = job_config_from_dict({
-        "model": {**MODEL, "untie_embeddings_and_output_weights": not tied},
-        "actor": {"micro_batch_size": 2, "lr": 1e-3, "bf16": True, "fp32_output_layer": True,
-                  "use_distributed_optimizer": True},
-        "algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}}})
+    job = named_job("checkpoint_actor", TWO_LAYERS, setting("model.untie_embeddings_and_output_weights", not tied),
+                    "actor.weight_decay=0.0", *knobs(bf16=True, fp32_output_layer=True, use_distributed_optimizer=True))
     got = run_ranks(_resident_rank, 1, job, timeout=150)[0]
     st = memory_plan(job, 1, MemoryOptions(params_bytes=2, fp32_output_layer=True, distributed_optimizer=True))
     assert st.stages[0].params == got["params"] and st.stages[0].optimizer == got["optimizer"], (st.stages[0], got)
@@ -297,7 +291,8 @@ def test_fp32_output_layer_with_distributed_optimizer_resumes_exactly(tmp_path):
     """bf16 + ``actor.fp32_output_layer`` + the distributed optimizer at DP2: the output layer's fp32 weight shares a
     param group with bf16 weights; megatron looks each main shard up by model order while the group holds the fp32
     shards first (``platform/distrib_optimizer``), which crashed the save (or read another parameter's state)."""
-    job = _job(True, bf16=True, fp32_output_layer=True)
+    job = named_job("checkpoint_actor", TWO_LAYERS,
+                    *knobs(use_distributed_optimizer=True, bf16=True, fp32_output_layer=True))
     full = run_ranks(_rank, 2, job, 2, timeout=200)
     run_ranks(_rank, 2, job, 1, str(tmp_path / "ck"), timeout=200)
     resumed = run_ranks(_rank, 2, job, 1, None, str(tmp_path / "ck"), 99, timeout=200)
@@ -310,9 +305,10 @@ def test_fp32_output_layer_with_distributed_optimizer_resumes_exactly(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dist_opt,world", [(False, 1), (True, 2)], ids=["to-bf16", "to-bf16-distopt-dp2"])
 def test_fp32_checkpoint_loads_into_bf16_run(tmp_path, dist_opt, world):
-    fp32 = _job()
+    fp32 = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=False))
     saved = run_ranks(_rank, world, fp32, 1, str(tmp_path / "ck"), timeout=200)
-    res = run_ranks(_rank, world, _job(dist_opt, bf16=True), 1, None, str(tmp_path / "ck"), 99, timeout=200)
+    bf16 = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=dist_opt, bf16=True))
+    res = run_ranks(_rank, world, bf16, 1, None, str(tmp_path / "ck"), 99, timeout=200)
     saved_w, loaded_w = _weights(saved), _weights(res, "loaded")
     assert sorted(saved_w) == sorted(loaded_w)
     for k, w in saved_w.items():
@@ -334,6 +330,8 @@ def test_fp32_checkpoint_loads_into_bf16_run(tmp_path, dist_opt, world):
 
 @pytest.mark.timeout(200)
 def test_bf16_checkpoint_into_fp32_run_is_refused_by_name(tmp_path):
-    run_ranks(_rank, 1, _job(bf16=True), 0, str(tmp_path / "ck"), timeout=150)
+    bf16 = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=False, bf16=True))
+    run_ranks(_rank, 1, bf16, 0, str(tmp_path / "ck"), timeout=150)
+    fp32 = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=False))
     with pytest.raises(RankError, match=re.escape("written by a bf16 actor (actor.bf16: true)")):
-        run_ranks(_rank, 1, _job(), 0, None, str(tmp_path / "ck"), timeout=150)
+        run_ranks(_rank, 1, fp32, 0, None, str(tmp_path / "ck"), timeout=150)

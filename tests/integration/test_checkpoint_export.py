@@ -22,9 +22,9 @@ import torch
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
 from megatron_rl.cli import main as cli_main
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job, setting
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +36,9 @@ def models(tiny_hf_model):
             "moe": tiny_hf_model("qwen3_moe", seed=42)}
 
 
-def _job(hf_dir, tp=1, pp=1, ep=1, vpp=None):
+def _model_by_hand(hf_dir):
+    """The ``model:`` section of ``hf_dir`` written out from its config.json here (not through the project's HF
+    reading, which test_job_model_section_matches_the_hf_reading checks against it)."""
     with open(os.path.join(hf_dir, "config.json")) as fh:
         cfg = json.load(fh)
     # the model section written out by hand from config.json (not through the project's HF reading)
@@ -53,12 +55,7 @@ def _job(hf_dir, tp=1, pp=1, ep=1, vpp=None):
                      moe_router_topk=cfg["num_experts_per_tok"],
                      moe_ffn_hidden_size=cfg["moe_intermediate_size"], moe_router_load_balancing_type="none",
                      moe_router_pre_softmax=not cfg["norm_topk_prob"])
-    return job_config_from_dict({
-        "model": model,
-        "actor": {"load_hf": hf_dir, "micro_batch_size": 1 if vpp else 2, "lr": 1e-2},
-        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                     "expert_model_parallel_size": ep, "virtual_pipeline_model_parallel_size": vpp},
-    })
+    return model
 
 
 def _batch(vocab, length=None):
@@ -98,7 +95,8 @@ CASES = [("qwen2", dict(tp=2, pp=2), 4), ("deep", dict(pp=4, vpp=2), 4), ("moe",
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("key,layout,world", CASES, ids=["tp2pp2", "pp4vpp2", "moe-ep2"])
 def test_training_checkpoint_exports_to_hf(models, tmp_path, key, layout, world):
-    job = _job(models[key], **layout)
+    job = named_job("actor", setting("model", _model_by_hand(models[key])), "actor.lr=1e-2",
+                    *knobs(mbs=1 if layout.get("vpp") else 2, **layout), hf=models[key])
     batch = _batch(job.model.vocab_size, length=12 if layout.get("vpp") else None)
     ckpt = str(tmp_path / "run" / "checkpoints" / "step_1")
     lp, old = run_ranks(_rank_train_save, world, job, batch, ckpt, timeout=200)[0]
@@ -134,7 +132,8 @@ def test_job_model_section_matches_the_hf_reading(models):
     from megatron_rl.convert import model_config_for_checkpoint
 
     for key in models:
-        got = dataclasses.asdict(_job(models[key]).model)
+        got = dataclasses.asdict(named_job("actor", setting("model", _model_by_hand(models[key])),
+                                           hf=models[key]).model)
         want = dataclasses.asdict(model_config_for_checkpoint(models[key]))
         diff = {k: (got[k], want[k]) for k in want
                 if k not in ("init_method_std", "moe_layer_freq") and got[k] != want[k]}

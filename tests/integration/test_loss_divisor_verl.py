@@ -15,11 +15,16 @@ import pytest
 import torch
 
 import megatron.core  # noqa: F401
-from megatron_rl.testing.actor_reference import TOKEN_IS, actor_on_shard, hf_model_section
+from megatron_rl.testing.actor_reference import TOKEN_IS, actor_on_shard
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import named_job, setting
 
 T = 0.8
 BUDGET = 12
+#: the response budget is the trajectory's in multi-turn (max_total_tokens, not max_new_tokens)
+BUDGET_KEYS = {False: (f"rollout.max_new_tokens={BUDGET}",),
+               True: ("rollout.max_new_tokens=4", "multi_turn.env=megatron_rl.envs.lookup:LookupEnv",
+                      "multi_turn.max_turns=2", f"multi_turn.max_total_tokens={BUDGET}")}
 
 
 def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
@@ -82,25 +87,11 @@ def _rank(rank, world, job, datasets):
     return out
 
 
-def _job(hf_dir, multi_turn):
-    from megatron_rl.config import job_config_from_dict
-
-    tree = {"model": hf_model_section(hf_dir),
-            "actor": {"load_hf": hf_dir, "lr": 1e-3, "micro_batch_size": 2,
-                      "policy_loss": {"loss_agg_mode": "seq-mean-token-sum-norm"}},
-            "algorithm": {"rollout_correction": dict(TOKEN_IS)}}
-    if multi_turn:   # the response budget is the trajectory's: max_total_tokens, not max_new_tokens
-        tree["rollout"] = {"max_new_tokens": 4}
-        tree["multi_turn"] = {"env": "megatron_rl.envs.lookup:LookupEnv", "max_turns": 2, "max_total_tokens": BUDGET}
-    else:
-        tree["rollout"] = {"max_new_tokens": BUDGET}
-    return job_config_from_dict(tree)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 def test_sum_norm_divides_by_the_response_budget_like_verl(dense_model, multi_turn):
-    job = _job(dense_model, multi_turn)
+    job = named_job("actor", "actor.lr=1e-3", "actor.policy_loss={loss_agg_mode: seq-mean-token-sum-norm}",
+                    setting("algorithm.rollout_correction", TOKEN_IS), *BUDGET_KEYS[multi_turn], hf=dense_model)
     vocab = job.model.vocab_size
     short = _data(vocab, [2, 1, 3, 2, 1, 2])
     long = _data(vocab, [9, 1, 14, 2, 6, 2])       # the same responses after longer prompts

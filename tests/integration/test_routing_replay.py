@@ -32,9 +32,10 @@ from megatron_rl.actor.batch import BatchError
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import PPO_LOSS, TOKEN_IS, actor_job, load_hf_reference, parallel_section
-from megatron_rl.testing.actor_reference import actor_on_shard, hf_token_log_probs, unfuse_experts
+from megatron_rl.testing.actor_reference import PPO_LOSS, actor_on_shard, hf_token_log_probs, load_hf_reference
+from megatron_rl.testing.actor_reference import unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import NO_LOAD_BALANCING, knobs, named_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,12 +49,8 @@ def moe_dir(tiny_hf_model):
     return tiny_hf_model("qwen3_moe", seed=31, num_hidden_layers=NL, num_experts=E, num_experts_per_tok=K)
 
 
-def _job(hf_dir, tp=1, pp=1, ep=1, sp=False, mbs=3, extra=None, lr=1e-3, etp=None, **actor):
-    return actor_job(hf_dir, {"micro_batch_size": mbs, "lr": lr, "clip_grad": 0.0, "policy_loss": PPO_LOSS, **actor},
-                     parallel_section(tp=tp, pp=pp, ep=ep, sp=sp, etp=etp or None),
-                     model={"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
-                            "extra": dict(extra or {})},
-                     correction=TOKEN_IS)
+#: this file's train step on the table's actor_ppo row: no gradient clipping, no load-balancing loss
+REPLAY_STEP = ("actor.clip_grad=0.0", *NO_LOAD_BALANCING)
 
 
 def _data(vocab, B=8, seed=0):
@@ -177,7 +174,7 @@ CASES = [(dict(), 1), (dict(extra=RECOMPUTE), 1), (dict(tp=2, ep=2, sp=True), 4)
                                                      "tp1-packed-recompute", "tp2ep2sp-packed",
                                                      "tp2sp-pp2-ep2-packed"])
 def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
-    job = _job(moe_dir, routing_replay="r3", **layout)
+    job = named_job("actor_ppo", *REPLAY_STEP, *knobs(routing_replay="r3", **layout), hf=moe_dir)
     data = _data(job.model.vocab_size)
     batch, forced = data[0], data[1]
     ref = _hf_reference(moe_dir, *data)
@@ -274,7 +271,8 @@ def _hf_train(hf_dir, batch, forced, old, adv, is_w, lr, steps_rows):
                          ids=["tp1", "pp2ep2-recompute", "pp2ep2-recompute-packed"])
 def test_r2_replays_log_prob_pass_routing_in_every_train_forward(moe_dir, layout, world):
     lr = 2e-2
-    job = _job(moe_dir, routing_replay="r2", ppo_mini_batches=2, lr=lr, mbs=2, **layout)
+    job = named_job("actor_ppo", *REPLAY_STEP, *knobs(routing_replay="r2", ppo_mini_batches=2, lr=lr, mbs=2, **layout),
+                    hf=moe_dir)
     batch, _, old, adv, is_w = _data(job.model.vocab_size, seed=1)
     B, S = batch.tokens.shape
     results = run_ranks(_rank_r2, world, job, (batch, None, old, adv, is_w), timeout=200)
@@ -353,7 +351,7 @@ def _rank_bad(rank, world, job, data):
 
 @pytest.mark.timeout(120)
 def test_bad_routing_raises_named_error_on_every_rank(moe_dir):
-    job = _job(moe_dir, routing_replay="r3", pp=2)      # DP2 x PP2 on 4 ranks
+    job = named_job("actor_ppo", *REPLAY_STEP, *knobs(routing_replay="r3", pp=2), hf=moe_dir)  # DP2 x PP2, 4 ranks
     data = _data(job.model.vocab_size)
     results = run_ranks(_rank_bad, 4, job, data, timeout=100)
     for r in results:
