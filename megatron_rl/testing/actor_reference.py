@@ -5,8 +5,9 @@ ranks that run the actor (``distributed.run_ranks``; fixtures do not reach a for
 are plain functions), and compares with an independent single-process reference: HF transformers in fp32
 plus torch's AdamW. This module holds the pieces every such test wrote again:
 
-* ``hf_model_config`` / ``hf_model_section`` / ``actor_job``: the job (model section read from the directory's
-  ``config.json`` by the project's one HF config reading, actor, parallel layout, token-level IS correction);
+* ``hf_model_config`` / ``hf_model_section``: the model section read from the directory's ``config.json`` by the
+  project's one HF config reading (the tests build their jobs from ``testing.jobs``, whose actor rows use it);
+  ``actor_job``: such a job from plain sections, for tools outside the tests;
 * ``policy_data``: a random rollout batch with old log-probs, advantages, a response mask and IS weights;
 * ``load_hf_reference``, ``hf_token_log_probs``, ``hf_adamw``, ``unfuse_experts``: the HF side;
 * ``actor_on_shard``: on a rank, the actor and its DP block of the batch;
@@ -50,20 +51,10 @@ def hf_model_section(hf_dir: str, **overrides: Any) -> dict:
     return section
 
 
-def parallel_section(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None, sp: bool = False,
-                     vpp: Optional[int] = None, first: Optional[int] = None,
-                     last: Optional[int] = None) -> dict:
-    """The ``parallel:`` section of a layout given by its short names (megatron's names in the dict)."""
-    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-            "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, "sequence_parallel": sp,
-            "virtual_pipeline_model_parallel_size": vpp, "num_layers_in_first_pipeline_stage": first,
-            "num_layers_in_last_pipeline_stage": last}
-
-
 def actor_job(hf_dir: str, actor: dict, parallel: Optional[dict] = None, model: Optional[dict] = None,
               correction: Optional[dict] = None):
-    """``JobConfig`` of an actor that loads ``hf_dir``: ``actor`` (``load_hf`` added), ``parallel`` (see
-    ``parallel_section``), ``model`` overrides of the directory's own section and the rollout ``correction``
+    """``JobConfig`` of an actor that loads ``hf_dir``: ``actor`` (``load_hf`` added), ``parallel`` (the
+    ``parallel:`` section), ``model`` overrides of the directory's own section and the rollout ``correction``
     (``algorithm.rollout_correction``; left at its default when None)."""
     from megatron_rl.config import job_config_from_dict
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.testing.actor_reference import actor_job
+from megatron_rl.testing.jobs import NO_LOAD_BALANCING, named_job
 
 
 def random_prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -35,8 +35,7 @@ def hf_own_routing(model, ids: list[int]) -> torch.Tensor:
 
 def replay_job(hf_dir: str, mode: str):
     """The job of an actor on ``hf_dir`` (micro-batch 4, no load balancing loss) with ``routing_replay: mode``."""
-    return actor_job(hf_dir, {"micro_batch_size": 4, "routing_replay": mode},
-                     model={"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0})
+    return named_job("actor", "actor.micro_batch_size=4", f"actor.routing_replay={mode}", *NO_LOAD_BALANCING, hf=hf_dir)
 
 
 def rollouts_batch(rollouts, routing) -> "RolloutBatch":

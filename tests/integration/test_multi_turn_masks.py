@@ -26,9 +26,9 @@ from megatron_rl.correction import RolloutCorrectionConfig, compute_rollout_corr
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.trajectory import Segment, Trajectory
-from megatron_rl.testing.actor_reference import (CLIP_GRAD, LR, PPO_LOSS, actor_job, hf_adamw, load_hf_reference,
-                                                 parallel_section, unfuse_experts)
+from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, hf_adamw, load_hf_reference, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import layout, named_job, setting
 from megatron_rl.trainer.step_batch import StepBatch
 from tests.correction_reference import check_against_reference
 
@@ -222,7 +222,7 @@ def _rank_logprobs(rank, world, job, batch):
 def test_model_token_log_probs_match_hf_over_the_whole_trajectory(hf_dir):
     """TP2 (2 gloo ranks): the actor's log-prob at each model token of prompt + model + env + model segments
     equals HF's fp32 forward over the whole trajectory at that token's position."""
-    job = actor_job(hf_dir, {"micro_batch_size": 3}, parallel_section(tp=2))
+    job = named_job("actor", "actor.micro_batch_size=3", *layout(tp=2), hf=hf_dir)
     trajs = _trajectories(job.model.vocab_size, seed=1)
     batch = _batch(trajs)
     res = run_ranks(_rank_logprobs, 2, job, batch, timeout=200)
@@ -418,10 +418,10 @@ def _rank_train(rank, world, job, sb, n):
 
 @pytest.mark.timeout(300)
 def test_train_step_tp2_dp2_with_env_tokens_matches_reference(hf_dir):
-    job = actor_job(hf_dir, {"micro_batch_size": 2, "lr": LR, "clip_grad": CLIP_GRAD, "weight_decay": 0.1,
-                             "policy_loss": PPO_LOSS}, parallel_section(tp=2),
-                    correction={"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "token_k1",
-                                "rollout_rs_threshold": "0.3_3.0"})
+    job = named_job("actor_ppo", "actor.micro_batch_size=2", "actor.weight_decay=0.1", *layout(tp=2),
+                    setting("algorithm.rollout_correction", {"rollout_is": "token", "rollout_is_threshold": 1.5,
+                                                             "rollout_rs": "token_k1",
+                                                             "rollout_rs_threshold": "0.3_3.0"}), hf=hf_dir)
     trajs = _trajectories(job.model.vocab_size, seed=4)
     model = load_hf_reference(hf_dir)
     batch = _batch(trajs)
