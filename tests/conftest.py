@@ -9,8 +9,7 @@ must leave a shared model directory as it found it):
   (``megatron_rl.testing.tiny_hf.build_tiny_hf_model``; ``arch`` qwen2 | llama | qwen3_moe | deepseek_v3);
 * ``task_model(task="copy", seed=0, hidden_size=128, num_layers=2, **config) -> str``: a tiny model over the
   char vocabulary of ``megatron_rl.tasks`` (``build_task_model``);
-* ``dense_model``, ``moe_model``, ``copy_model``: the most used of those (qwen2 seed 0; qwen3_moe seed 0;
-  copy task, hidden 32, 1 layer);
+* ``dense_model``, ``copy_model``: the most used of those (qwen2 seed 0; copy task, hidden 32, 1 layer);
 * ``hf_reference(path) -> HFReference``: a fresh fp32 HF model (eval mode) and tokenizer loaded from a
   directory — the independent reference of the actor/engine tests (a fresh one per call: tests train it);
 * ``tiny_job(*overrides, model=None, world_size=1) -> JobConfig``: ``configs/tiny_cpu.yaml`` with
@@ -177,12 +176,6 @@ def task_model(tmp_path_factory):
 def dense_model(tiny_hf_model):
     """The tiny dense Qwen2 (2 layers, seed 0)."""
     return tiny_hf_model("qwen2", seed=0)
-
-
-@pytest.fixture(scope="session")
-def moe_model(tiny_hf_model):
-    """The tiny Qwen3-MoE (2 layers, 4 experts, top-2, seed 0)."""
-    return tiny_hf_model("qwen3_moe", seed=0)
 
 
 @pytest.fixture(scope="session")
