@@ -7,6 +7,10 @@
 * ``trainer.overwrite=true`` removes the old outputs (and only them: a model directory inside the run
   directory is kept) and says so on one line.
 
+Edge cases, without a job: starting over must not delete the model the job loads, a torn last record (a writer
+killed mid-line) must not corrupt the first resumed record, and an elastic restart / Slurm requeue continues its
+own run instead of being refused or wiped.
+
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_run_dir.py   (~1-2 min on 2 cores)
 """
 import argparse
@@ -19,8 +23,10 @@ import pytest
 import torch.distributed as dist
 
 from megatron_rl.tasks.char_tokenizer import build_task_model
+from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+from megatron_rl.train import restart_count
+from megatron_rl.trainer.run_dir import start_over, trim_to_step
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -63,6 +69,8 @@ def first_run(tmp_path_factory):
     return run, model
 
 
+@pytest.mark.slow  # a real job
+@pytest.mark.timeout(600)
 def test_rerun_into_a_used_run_dir_is_refused_before_anything_starts(first_run):
     run, model = first_run
     before = (run / "metrics.jsonl").read_bytes()
@@ -82,6 +90,8 @@ def test_rerun_into_a_used_run_dir_is_refused_before_anything_starts(first_run):
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # a real job
+@pytest.mark.timeout(600)
 def test_resume_history_reads_1_to_n_and_stale_checkpoints_are_gone(first_run):
     run, model = first_run
     r = _train(run, model, "trainer.steps=4", "--resume")
@@ -93,6 +103,8 @@ def test_resume_history_reads_1_to_n_and_stale_checkpoints_are_gone(first_run):
     assert "1 record(s) of metrics.jsonl after step 2" in out and "stale checkpoint(s) step_3" in out, out[-3000:]
 
 
+@pytest.mark.slow  # a real job
+@pytest.mark.timeout(600)
 def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run):
     run, model = first_run
     r = _train(run, model, "trainer.steps=1", "trainer.overwrite=true")
@@ -105,3 +117,61 @@ def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run):
     # resume and overwrite exclude each other
     r = _train(run, model, "trainer.overwrite=true", "--resume", timeout=120)
     assert r.returncode == 2 and "trainer.overwrite: true together with trainer.resume" in r.stderr, r.stderr
+
+
+# -------------------------------------------------------------------------------- edge cases, without a job
+def test_overwrite_refuses_to_delete_the_model_it_loads(tmp_path):
+    run = tmp_path / "run"
+    model = run / "weight_sync" / "step-40"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="actor.load_hf.*weight_sync"):
+        start_over(str(run), keep=str(model))
+    assert (model / "config.json").is_file() and (run / "metrics.jsonl").is_file()  # nothing removed
+    other = tmp_path / "model"
+    other.mkdir()
+    start_over(str(run), keep=str(other))
+    assert not (run / "weight_sync").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_a_torn_last_record_is_dropped_on_resume(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"step": 3, "x"')
+    trim_to_step(str(run), 2)
+    with open(run / "metrics.jsonl", "a") as fh:  # what the resumed run appends
+        fh.write(json.dumps({"step": 3, "x": 3}) + "\n")
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["x"] == 3
+
+
+@pytest.mark.parametrize("var", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
+def test_restart_count(monkeypatch, var):
+    for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert restart_count() == 0
+    monkeypatch.setenv(var, "2")
+    assert restart_count() == 2
+
+
+def test_a_restarted_job_resumes_instead_of_being_refused(tmp_path, monkeypatch):
+    """The launcher's restart count turns a refused re-run into a resume (checked through train.run's own
+    pre-start validation, --check-world-size, which needs no process group)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    model = tmp_path / "model"  # its own model: a clean clone has no runs/tiny_cpu/init_model yet
+    build_tiny_hf_model(str(model))
+    cmd = [sys.executable, "-m", "megatron_rl.train", "--config", os.path.join(root, "configs", "tiny_cpu.yaml"),
+           "--check-world-size", "4", f"trainer.run_dir={run}", f"actor.load_hf={model}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert first.returncode == 2 and "holds another run's outputs" in first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, env={**env, "TORCHELASTIC_RESTART_COUNT": "1"},
+                           cwd=root, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "restart 1 of this job" in again.stdout

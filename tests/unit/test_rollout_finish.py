@@ -1,4 +1,4 @@
-"""Review of issue 20 items 1 / 7 / 8: ``ignore_eos`` means what SGLang means by it.
+"""The stop set of ``megatron_rl.rollout.finish``: ``ignore_eos`` means what SGLang means by it.
 
 ``SamplingParams.ignore_eos`` is documented as "keep generating past EOS / stop ids" and the project mirrors
 SGLang's ``sampling_params``. SGLang 0.5.23 (``Req._check_token_based_finish``) returns before it looks at
