@@ -3,6 +3,8 @@
 * torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 * ``srun --ntasks-per-node=<gpus>`` sets SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NODELIST
   (the master is the first host of the compact node list; MASTER_PORT defaults to 29500).
+* neither: one process ("single"); its store listens on any free port unless MASTER_PORT is set (two
+  single-process jobs on one machine must not meet at 29500).
 
 Usage::
 
@@ -95,7 +97,7 @@ class LaunchEnv:
     master_addr: str
     """Rendezvous host (MASTER_ADDR, else first host of SLURM_NODELIST / SLURM_JOB_NODELIST)."""
     master_port: int
-    """Rendezvous port (MASTER_PORT, default 29500)."""
+    """Rendezvous port (MASTER_PORT, default 29500; a single process without MASTER_PORT: 0, any free port)."""
     launcher: str
     """'torchrun', 'slurm' or 'single' (no launcher variables: one process)."""
 
@@ -134,6 +136,8 @@ def resolve_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     else:
         launcher, rank, world, local = "single", 0, 1, 0
         addr = env.get("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env:
+            port = 0  # nobody else joins: the store takes a free port (a fixed one collides with another job's)
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"{launcher} launch: rank={rank} is outside world_size={world}")
     if local < 0:

@@ -62,7 +62,8 @@ def test_resolve_torchrun_wins_over_slurm_and_single_default():
     env = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "7", "SLURM_NTASKS": "9", "SLURM_LOCALID": "0"}
     assert resolve_launch_env(env).launcher == "torchrun"
     e = resolve_launch_env({})
-    assert (e.launcher, e.rank, e.world_size) == ("single", 0, 1)
+    assert (e.launcher, e.rank, e.world_size, e.master_port) == ("single", 0, 1, 0)   # any free port
+    assert resolve_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
 
 
 def test_resolve_env_from_os_environ(monkeypatch):
@@ -324,3 +325,51 @@ def test_init_distributed_from_slurm_env_uses_gloo_on_cpu():
             if p.is_alive():
                 p.kill()
     assert out == [(0, 2, "gloo", 3.0), (1, 2, "gloo", 3.0)], out
+
+
+def _single_child(release, conn):
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch.distributed as dist
+
+        from megatron_rl.parallel import init_distributed
+
+        launch = init_distributed(backend="gloo", env={}, timeout_s=60)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        conn.send((launch.launcher, float(t)))
+        release.wait(45)  # both groups alive at once
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        conn.send(repr(e))
+
+
+@pytest.mark.timeout(60)
+def test_two_single_process_jobs_on_one_machine_at_once():
+    """Two jobs without launcher variables (one process each) hold their process groups at the same time: a
+    fixed default port (29500) made the second fail with EADDRINUSE."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    release = ctx.Event()
+    pipes, procs = [], []
+    try:
+        for _ in range(2):
+            a, b = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_single_child, args=(release, b), daemon=True)
+            p.start()
+            pipes.append(a)
+            procs.append(p)
+        out = []
+        for a in pipes:
+            assert a.poll(45), "init_distributed did not finish"
+            out.append(a.recv())
+    finally:
+        release.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert out == [("single", 1.0), ("single", 1.0)], out
