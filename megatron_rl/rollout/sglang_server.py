@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -72,8 +73,29 @@ def sglang_available(python: str | None = None) -> tuple[bool, str]:
                    "MEGATRON_RL_SGLANG_PYTHON at an interpreter that has it)")
 
 
+#: where ``find_free_port`` looks first: below the kernel's ephemeral range, which ``bind(port 0)`` and ``connect()``
+#: draw from (a port picked there and bound seconds later can be taken meanwhile by any process's gloo listener,
+#: store or outgoing connection), and below SGLang's own pick for its scheduler (22000-29999)
+_PORT_RANGE = (10000, 21999)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (SGLang also uses a few ports above it)."""
+    """A TCP port that is free on ``host`` right now (SGLang also uses a few ports above it), drawn at random below
+    the ephemeral range (``_PORT_RANGE``) where only an explicit bind takes a port; from the kernel (port 0) when
+    that range is unusable here."""
+    low, high = _PORT_RANGE[0], min(_PORT_RANGE[1], _ephemeral_low() - 5)
+    if high - low >= 1000:
+        for port in random.sample(range(low, high + 1), 64):
+            if all(_port_free(host, port + d) for d in range(4)):
+                return port
     for _ in range(50):
         with socket.socket() as s:
             s.bind((host, 0))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_rl.parallel.child_env import child_environment
+from megatron_rl.rollout.sglang_server import find_free_port
 
 __all__ = ["ensure_slurm_installed", "SlurmCluster", "SlurmError"]
 
@@ -53,12 +54,6 @@ def ensure_slurm_installed(timeout_s: float = 600.0) -> Optional[str]:
     return f"slurm-wlm installed but {missing} are not on PATH" if missing else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class SlurmCluster:
     """One controller and one node daemon with a private configuration under ``workdir``."""
 
@@ -82,8 +77,8 @@ class SlurmCluster:
         self.conf.write_text(f"""\
 ClusterName=mrltest
 SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={find_free_port()}
+SlurmdPort={find_free_port()}
 AuthType=auth/none
 CredType=cred/none
 SlurmUser=root

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.testing.processes import kill_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -209,12 +210,6 @@ def test_sbatch_no_servers_and_errors():
 
 
 # ------------------------------------------------------------------ slurm.sbatch, live with stand-ins
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
     """bin/srun (drops its options, runs the command), a fake SGLang interpreter serving /health on 127.0.0.1
     after 1 s (mode ok), exiting at once (mode die) or never listening (mode mute), and a fake trainer
@@ -288,7 +283,7 @@ def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
         f.chmod(0o755)
     env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "localhost,127.0.0.1",
            "LAUNCH_MODE": "srun", "GPUS_PER_NODE": "1", "SGLANG_MODE": "separate", "SGLANG_MODEL": str(tmp_path),
-           "SGLANG_PORT": str(_free_port()), "MEGATRON_RL_SGLANG_PYTHON": str(server), "PYTHON": str(trainer),
+           "SGLANG_PORT": str(find_free_port()), "MEGATRON_RL_SGLANG_PYTHON": str(server), "PYTHON": str(trainer),
            "TOOLS_PYTHON": sys.executable, "CHECK": "0", "LOG_DIR": str(tmp_path / "logs")}
     return env
 

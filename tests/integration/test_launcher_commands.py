@@ -29,6 +29,7 @@ import time
 import psutil
 import pytest
 
+from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.testing.jobs import wait_for_steps, write_job
 from megatron_rl.testing.processes import kill_job, terminal_signals
 
@@ -164,9 +165,7 @@ def test_ctrl_c_while_the_ranks_start_stops_cleanly_after_the_first_step(tmp_pat
 
 
 def test_ctrl_c_during_the_rendezvous_exits_130_at_once(tmp_path, copy_model):
-    with socket.socket() as s:  # a free port for the c10d rendezvous; the second node never comes
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = find_free_port()  # for the c10d rendezvous; the second node never comes
     job = write_job(tmp_path / "job.yaml", "copy_tp2", hf=copy_model, run_dir=tmp_path / "run")
     proc = _launch(tmp_path, job, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "alone",
                    stdout_file=tmp_path / "out.txt")

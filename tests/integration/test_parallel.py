@@ -301,11 +301,10 @@ def _init_child(rank, port, conn):
 @pytest.mark.timeout(60)
 def test_init_distributed_from_slurm_env_uses_gloo_on_cpu():
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megatron_rl.rollout.sglang_server import find_free_port
+
+    port = find_free_port()
     ctx = mp.get_context("fork")
     pipes, procs = [], []
     for r in range(2):

@@ -114,6 +114,21 @@ def test_sglang_available_reports_a_reason():
     assert not ok and "/nonexistent/python3" in reason
 
 
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """A port picked now and bound seconds later by a server must not be one the kernel hands to another
+    process's ``bind(port 0)`` or ``connect()`` meanwhile (test workers side by side): below the ephemeral range."""
+    import socket
+
+    from megatron_rl.rollout.sglang_server import _ephemeral_low, find_free_port
+
+    for _ in range(20):
+        port = find_free_port()
+        assert 1024 <= port and port + 3 < _ephemeral_low(), port
+        for d in range(4):  # SGLang's few ports above it are free too
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + d))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
                     reason="sglang is not installed in this interpreter's venv (the script would install it)")
 def test_install_script_is_idempotent_fast_and_keeps_shared_versions():
