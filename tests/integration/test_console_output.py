@@ -49,8 +49,9 @@ def test_deprecation_warnings_once_on_rank0_none_elsewhere():
 LAUNCH_TIMEOUT = 900
 
 
-def _launch(config, nproc, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, NPROC_PER_NODE=str(nproc))
+def _launch(config, nproc, logs, *overrides):
+    """``config`` on ``nproc`` ranks through the launcher, torchrun's per-rank logs under ``logs``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, NPROC_PER_NODE=str(nproc), LOG_DIR=str(logs))
     env.pop("MEGATRON_RL_SHOW_KNOWN_WARNINGS", None)
     r = subprocess.run(["bash", "launch/torchrun.sh", "--config", config, *overrides], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
@@ -77,8 +78,8 @@ def tiny_runs(tmp_path_factory, task_model):
               "parallel.pipeline_model_parallel_size=1", "data.prompts_per_step=4", "actor.ppo_mini_batches=1",
               "trainer.save_interval=1",
               "trainer.console_table_interval=2"]
-    first = _launch("configs/tiny_cpu.yaml", 2, *common, "trainer.steps=2")
-    resumed = _launch("configs/tiny_cpu.yaml", 2, *common, "trainer.steps=3", "trainer.resume=true")
+    first = _launch("configs/tiny_cpu.yaml", 2, tmp / "logs", *common, "trainer.steps=2")
+    resumed = _launch("configs/tiny_cpu.yaml", 2, tmp / "logs", *common, "trainer.steps=3", "trainer.resume=true")
     return first, resumed, run
 
 
@@ -133,7 +134,7 @@ def test_math_config_prints_one_line_per_step(tmp_path):
     from megatron_rl.tasks.chat_model import build_chat_model
 
     model = build_chat_model(str(tmp_path / "m"), seed=0)
-    lines = _launch("configs/math_tiny_cpu.yaml", 1, f"actor.load_hf={model}", f"trainer.run_dir={tmp_path / 'run'}",
-                    "trainer.steps=2")
+    lines = _launch("configs/math_tiny_cpu.yaml", 1, tmp_path / "logs", f"actor.load_hf={model}",
+                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=2")
     steps = [int(STEP_LINE.search(ln).group(1)) for ln in _rank_lines(lines, 0) if STEP_LINE.search(ln)]
     assert steps == [1, 2], lines[-40:]

@@ -28,12 +28,15 @@ import psutil
 import pytest
 
 from megatron_rl.tasks.char_tokenizer import build_task_model
+from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.testing.processes import kill_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULTS = os.path.join(ROOT, "tests", "integration", "faults")
 BOUND_S = 60
+#: marks this test process's jobs (a pytest running beside this one starts jobs with faults of its own)
+OWNER = str(os.getpid())
 
 JOB = """\
 parallel:
@@ -75,6 +78,7 @@ def _env(fault=None):
     env.pop("MEGATRON_RL_FAULT", None)
     if fault:
         env["MEGATRON_RL_FAULT"] = fault
+    env["MEGATRON_RL_FAULT_OWNER"] = OWNER
     return env
 
 
@@ -181,21 +185,13 @@ def test_stuck_phase_ends_at_phase_timeout(tmp_path, model_dir):
 def _single(tmp_path, model_dir, fault, overrides=()):
     env = _env(fault)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+               MASTER_PORT=str(find_free_port()))
     run = tmp_path / "run"
     args = [sys.executable, "-m", "megatron_rl.train", f"actor.load_hf={model_dir}", f"trainer.run_dir={run}",
             "rollout.max_new_tokens=4", "rollout.n_samples_per_prompt=2", "data.prompts_per_step=2",
             "trainer.progress=false", "actor.micro_batch_size=4", "trainer.steps=5", "trainer.save_interval=1",
             *overrides]
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_fault(proc, timeout=180):
@@ -258,10 +254,10 @@ def test_stop_timeout_ends_a_blocked_rank_after_one_sigterm(tmp_path, model_dir)
 
 
 def test_no_rank_process_is_left_behind():
-    """Runs last in this file: every job above ended all of its ranks."""
+    """Runs last in this file: every job above ended all of its ranks (jobs of other test processes aside)."""
     left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
             if p.info["cmdline"] and "megatron_rl.train" in " ".join(p.info["cmdline"])
-            and "MEGATRON_RL_FAULT" in _environ(p)]
+            and _environ(p).get("MEGATRON_RL_FAULT_OWNER") == OWNER]
     assert left == []
 
 
