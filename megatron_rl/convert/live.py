@@ -188,14 +188,20 @@ def _merge(t: Tensor, kind: str, group, size: int, name: str) -> Tensor:
 
 
 def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
-                      groups: ActorGroups) -> Iterator[Tuple[str, Tensor]]:
+                      groups: ActorGroups, owner_only: bool = False) -> Iterator[Tuple[str, Tensor]]:
     """Collective over the TP / EP / ETP groups of this rank's pipeline stage (every rank calls it): the
     (full-state-dict name, full tensor) of each parameter of this stage's chunks, on every rank of the
     first (expert-)data-parallel replica; other replicas skip what they do not send. Embedding / output
     rows keep the model's padded vocab; the tied output-layer copy of the last stage is skipped. Tensors
-    stay on the parameters' device (a gathered tensor is new memory, a replicated one the parameter)."""
+    stay on the parameters' device (a gathered tensor is new memory, a replicated one the parameter).
+
+    ``owner_only``: each tensor is yielded on its one owner alone and routed experts are not gathered over
+    EP: a dense tensor on TP rank 0 of the first replica, an expert on ETP rank 0 of the first expert replica
+    of the EP rank that holds it (its own experts only) -- the shard each weight-sync sender sends."""
     sends_dense = groups.dp_rank == 0 and groups.cp_rank == 0
     sends_experts = groups.edp_rank == 0
+    owns_dense = not owner_only or groups.tp_rank == 0
+    owns_experts = not owner_only or groups.etp_rank == 0
     per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
     for i, chunk in enumerate(chunks):
         first_layer, _ = layer_range(model_cfg.num_layers, _chunk_coords(groups, chunk, i))
@@ -204,28 +210,37 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
             in_layer = split_layer_name(name)
             if in_layer is None:
                 if sends_dense and not (name == "output_layer.weight" and _tied(model_cfg)):
-                    yield name, _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name)
+                    full = _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name)
+                    if owns_dense:
+                        yield name, full
                 continue
             layer, rest = in_layer
             prefix = f"decoder.layers.{layer + first_layer}."
             expert = expert_index(rest)
             if expert is None:
                 if sends_dense:
-                    yield prefix + rest, _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name)
+                    full = _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name)
+                    if owns_dense:
+                        yield prefix + rest, full
                 continue
             if sends_experts:
                 local, fmt = expert
                 whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name)
+                if owner_only:
+                    if owns_experts:
+                        yield prefix + fmt.format(groups.ep_rank * per_ep + local), whole
+                    continue
                 for ep_rank, piece in enumerate(_all_gather(whole, groups.ep_group, groups.ep_size)):
                     yield prefix + fmt.format(ep_rank * per_ep + local), piece
 
 
 def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
-                    groups: ActorGroups) -> Iterator[Tuple[str, Tensor]]:
+                    groups: ActorGroups, owner_only: bool = False) -> Iterator[Tuple[str, Tensor]]:
     """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
-    collective contract). A parameter without a HF counterpart in ``geometry`` raises, naming it."""
+    collective contract and ``owner_only``). A parameter without a HF counterpart in ``geometry`` raises,
+    naming it."""
     rules = {r.mcore_name: r for r in param_rules(geometry)}
-    for name, t in iter_full_tensors(chunks, model_cfg, groups):
+    for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only):
         rule = rules.get(name)
         if rule is None:
             raise CheckpointMismatchError(f"model parameter {name!r} has no HF tensor in {geometry.architecture}")

@@ -80,6 +80,11 @@ class WeightReceiver(abc.ABC):
     def abort(self, reason: str) -> None:
         """The update failed (``reason``): make sure no server serves the partial weights."""
 
+    @abc.abstractmethod
+    def channel(self):
+        """How every sender reaches this update (a picklable ``weight_sync.transport.ChannelSpec``): each
+        model-parallel shard owner sends its own buckets through it; rank 0 then commits or aborts."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:

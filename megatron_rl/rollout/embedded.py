@@ -234,7 +234,7 @@ class EmbeddedEngine(RolloutEngine):
             return super().begin_weight_sync(mode, version)
         if not isinstance(version, str) or not version:
             raise ValueError(f"begin_weight_sync: version={version!r} must be a non-empty string")
-        return BucketLoader(self, version)
+        return BucketLoader(self, version, float(options.get("timeout_s") or 600.0))
 
     def weight_layout(self, hf_names, geometry) -> list:
         """The model's own tensors built from ``hf_names`` (fused expert tensors included; rotary buffers not)."""

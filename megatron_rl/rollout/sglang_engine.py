@@ -60,9 +60,8 @@ from megatron_rl.rollout.base import (
 )
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
-from megatron_rl.weight_sync.receivers.sglang import (FP32_KEPT_SUFFIXES, SGLangDistributedReceiver,
-                                                      SGLangTensorReceiver, checksums_by_name)
-from megatron_rl.weight_sync.transport import UpdateGroup, master_address_for
+from megatron_rl.weight_sync.receivers.sglang import FP32_KEPT_SUFFIXES, SGLangReceiver, checksums_by_name
+from megatron_rl.weight_sync.transport import ServerSet, drop_update_group
 from megatron_rl.weight_sync.buckets import tensor_checksum
 from megatron_rl.weight_sync.layout import sglang_layout
 
@@ -93,6 +92,14 @@ class RetryPolicy:
 
 class _Retryable(Exception):
     """Internal: a failure worth retrying (connection error, timeout, 5xx)."""
+
+
+def gpu_checksum(t) -> str:
+    """SGLang's checksum of a tensor held on a GPU (its Triton ``gpu_tensor_hash``; a module-level function, so
+    a verifier holding it can be handed to every weight-sync sender)."""
+    from sglang.srt.managers.mm_utils import gpu_tensor_hash
+
+    return f"{gpu_tensor_hash(t.detach().contiguous().cuda()):016x}"
 
 
 def _field(obj: Any, path: str, key: str, where: str, types: tuple, allow_none: bool = False):
@@ -295,7 +302,6 @@ class SGLangEngine(RolloutEngine):
         self._sessions: dict[str, requests.Session] = {}
         self._lock = threading.Lock()
         self._invalid: str | None = None  # why no server may be used (a failed in-memory weight sync)
-        self._group: UpdateGroup | None = None  # weight_sync distributed: rank 0 + the servers' TP ranks
         self._server_info: dict[str, dict] = {}
         self._reported: set | None = None  # tensor names /weights_checker reports (fixed for a server)
         if capture_routing is True:  # required: refuse a server that cannot capture now, not at the first rollout
@@ -460,19 +466,21 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------- in-memory weight sync (rollout.weight_sync; weight_sync/)
     def begin_weight_sync(self, mode: str, version: str, master_address: str | None = None,
                           timeout_s: float | None = None, **options):
-        """A receiver for ``mode`` "tensor" (servers on this host) or "distributed" (gloo on CPU, NCCL on GPU;
-        the update group is set up on first use and kept)."""
+        """An update session on every server, which every sender reaches by "tensor" (servers on the senders'
+        hosts) or "distributed" (each sender's own update group: gloo on CPU, NCCL on GPU; kept between syncs)."""
         timeout_s = timeout_s or self.weight_sync_timeout
         if mode == "tensor":
-            return SGLangTensorReceiver(self, str(version), timeout_s)
+            return SGLangReceiver(self, str(version), timeout_s)
         if mode != "distributed":
             return super().begin_weight_sync(mode, version)
-        if self._group is None:
-            import torch
+        import torch
 
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            self._group = UpdateGroup(self, master_address_for(self.urls, master_address), timeout_s, backend)
-        return SGLangDistributedReceiver(self, str(version), timeout_s, self._group)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return SGLangReceiver(self, str(version), timeout_s, backend, master_address)
+
+    def server_set(self) -> ServerSet:
+        """The servers as any trainer rank reaches them (URLs, TP sizes)."""
+        return ServerSet(tuple(self.urls), tuple(self.server_tp_size(u) for u in self.urls))
 
     @property
     def weight_dtype(self):
@@ -523,12 +531,12 @@ class SGLangEngine(RolloutEngine):
             return tensor_checksum
         try:
             import torch
-            from sglang.srt.managers.mm_utils import gpu_tensor_hash
+            from sglang.srt.managers.mm_utils import gpu_tensor_hash  # noqa: F401 - importable: gpu_checksum works
         except Exception:  # noqa: BLE001 - SGLang not importable in the trainer's environment
             return None
         if not torch.cuda.is_available():
             return None
-        return lambda t: f"{gpu_tensor_hash(t.detach().contiguous().cuda()):016x}"
+        return gpu_checksum
 
     def weight_checksums(self, names) -> dict:
         """``{url: {name: (checksum of TP rank 0's shard, ...)}}`` of every server."""
@@ -569,9 +577,7 @@ class SGLangEngine(RolloutEngine):
         self._invalid = reason
 
     def _drop_group(self) -> None:
-        if self._group is not None:
-            group, self._group = self._group, None
-            group.close()
+        drop_update_group(self.urls)
 
     def _update_one(self, url: str, path: str, version: str) -> None:
         """``/update_weights_from_disk`` on one server. SGLang refuses to flush its prefix cache while a request

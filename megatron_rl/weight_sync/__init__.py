@@ -2,17 +2,19 @@
 
 The path of a byte, one module per hop::
 
-    trainer shard --senders.py--> HF tensor --buckets.py--> Bucket --transport.py--> rank 0 / server group
+    trainer shard --senders.py--> HF tensor --buckets.py--> Bucket --transport.py--> the sender's channel
         --receivers/{embedded,sglang}.py--> engine tensor      (checked by verify.py against layout.py)
 
 * ``plan.py``: what a sync moves and holds (``megatron-rl check``).
 * ``senders.py``: gather each parameter's TP / EP / ETP shards into HF tensors, pack them into buckets.
 * ``buckets.py``: ``Bucket`` (tensors of one dtype back to back in one flat buffer), ``bucketize``, checksums.
 * ``delta.py`` + ``delta_sender.py``: delta syncs (``rollout.weight_sync_delta``) -- per tensor only the elements
-  whose bits changed, packed into ``DeltaBucket``s by each stage leader against its copy of what the engine
+  whose bits changed, packed into ``DeltaBucket``s by each sender against its copy of what the engine
   holds; ``server_loader.py`` applies them inside each SGLang server process (its custom weight loader).
-* ``transport.py``: bucket send / receive between trainer ranks; the update group with the SGLang servers.
-* ``stream.py``: the streamed sync -- senders to rank 0's receiver, verification in passing, errors shared.
+* ``transport.py``: the channels -- bucket send / receive between trainer ranks, each sender's update group
+  with the SGLang servers.
+* ``stream.py``: the streamed sync -- every sender through its channel, verification in passing, the commit.
+* ``board.py``: the senders' outcomes and rank 0's decision, each wait bounded, a missing sender named.
 * ``receivers/``: the engine ends (``embedded.py``: copy into the in-process model; ``sglang.py``: HTTP update
   sessions of SGLang servers).
 * ``layout.py`` + ``verify.py``: how an engine holds each tensor, and the checksum comparison built on it.
@@ -25,18 +27,18 @@ class's default: tensor for the embedded engine, distributed for SGLang, disk fo
 
 * ``disk`` — rank 0 writes an HF export (``actor.export_hf``) and the engine loads the directory
   (SGLang ``/update_weights_from_disk``). Memory: the full model on rank 0; the fallback.
-* ``tensor`` / ``distributed`` — buckets streamed from ``convert.live.iter_hf_tensors`` (the one gatherer):
-  on each pipeline stage the TP / EP / ETP shards of one parameter at a time are gathered, cast to the
-  engine's dtype and packed into ``buckets.Bucket`` buffers of ``rollout.weight_sync_bucket_mb``
-  (``senders.stream_buckets``); stage 0's leader (global rank 0) hands its buckets to the engine's
-  ``WeightReceiver`` (``receivers/``) as they fill, the leaders of the later stages send theirs to rank 0 one
-  at a time (``transport.send_bucket``), which hands them on. Peak extra host memory on a rank: one bucket
-  + the parameter being gathered (+ on rank 0 the bucket being received), never the model. tensor: the embedded engine copies each bucket into its model
-  in process; SGLang gets ``/update_weights_from_tensor`` (same host). distributed: SGLang receives each
-  bucket by broadcast in a gloo (CPU) / NCCL (GPU) group with rank 0 (``/update_weights_from_distributed``).
-* Failures: a bucket the engine rejects, a dead server or a timeout is caught on rank 0, the rest of the
-  stream is drained (so no rank waits in a send), ``WeightReceiver.abort`` makes sure no server serves the
-  partial weights, and the error is raised on every rank.
+* ``tensor`` / ``distributed`` — several senders (``stream.py``): every pipeline stage's and every
+  expert-parallel rank's shard owner gathers its own tensors one parameter at a time (TP / ETP gathers,
+  ``senders.own_buckets``), packs them into ``buckets.Bucket`` buffers of ``rollout.weight_sync_bucket_mb`` and
+  sends them over its own channel (``WeightReceiver.channel()``), in parallel with the others. tensor: into the
+  embedded engine in rank 0's process (each other sender over its own gloo pair group), or to SGLang through
+  shared memory (``/update_weights_from_tensor``, same host); distributed: each sender broadcasts in its own
+  gloo (CPU) / NCCL (GPU) update group with every server TP rank (``/update_weights_from_distributed``).
+  Peak extra host memory on a sender: one bucket + the parameter being gathered, never the model.
+* Failures: every sender posts its outcome (``board.py``); rank 0 commits only when every sender is done and
+  every tensor came once; a bucket the engine rejects, a dead server, a sender that died or hangs (named, within
+  ``rollout.weight_sync_timeout_s``) aborts the version on every server (``WeightReceiver.abort``), and the
+  error is raised on every rank.
 * Verification (``verify.WeightVerifier``, every ``rollout.weight_sync_verify_interval``-th version,
   in every mode, sync and async): ``rollout.weight_sync_verify_tensors`` of the ENGINE's tensors (-1: all),
   spread over the model and rotated by version, are rebuilt from the trainer's HF tensors as the engine
@@ -52,8 +54,8 @@ class's default: tensor for the embedded engine, distributed for SGLang, disk fo
   (owned copies: the full model there, as before) and applied by the producer. distributed / SGLang
   tensor need the engine's group at apply time and are rejected by config validation.
 
-Metrics: ``weight_sync/bytes``, ``weight_sync/buckets``, ``weight_sync/verified`` (1 when verified),
-``weight_sync/verified_param_frac`` (parameters inside the compared engine tensors / all parameters; in async
+Metrics: ``weight_sync/bytes``, ``weight_sync/buckets``, ``weight_sync/senders``, ``weight_sync/verified`` (1 when
+verified), ``weight_sync/verified_param_frac`` (parameters inside the compared engine tensors / all parameters; in async
 mode the producer verifies later, so the step's metric is 0 and a failure surfaces at the next rollouts);
 the loop times the call as ``timing/weight_sync_s``.
 """

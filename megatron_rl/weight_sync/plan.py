@@ -4,11 +4,13 @@
 (megatron_rl/weight_sync/):
 
 * bytes per sync = every parameter once, in the engine's dtype (``rollout.dtype``);
+* senders (tensor / distributed): one per pipeline stage and expert-parallel rank, each sending its own
+  tensors in parallel (``sender_bytes``: bytes per sender); the estimated time is the largest sender's;
 * host memory of the sync on rank 0: disk — the whole model in the engine's dtype (the HF export is built
-  there); tensor / distributed — two buckets (a bucket holds at most the whole model) (the one being packed and, with PP, the one received from a
-  later stage's leader) plus the largest tensor being gathered (the embedding / output layer, V x h);
-  on a later stage's leader one bucket + that tensor. (Async mode with the embedded engine keeps a copy of
-  the whole model on rank 0, in the trainer's dtype, for the producer.)
+  there); tensor / distributed — one bucket (a bucket holds at most the whole model) plus the largest tensor
+  being gathered (the embedding / output layer, V x h), and with the embedded engine (in rank 0's process) one
+  bucket per other sender being received; on every other sender one bucket + that tensor. (Async mode with
+  the embedded engine keeps a copy of the whole model on rank 0, in the trainer's dtype, for the producer.)
 * estimated time at a stated, assumed bandwidth: ``DISK_GBPS`` for writing + reading the export,
   ``LINK_GBPS`` for the in-memory modes (intra-node copy / broadcast). Measure yours with
   ``tools/bench_weight_sync.py``; the numbers here are for planning only;
@@ -21,8 +23,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List, Tuple
 
+from megatron_rl.ops.memory import _layer_counts, stage_layers
 from megatron_rl.weight_sync.delta import sparse_nbytes
 from megatron_rl.weight_sync.publisher import weight_sync_mode
 
@@ -51,7 +55,7 @@ class SyncPlan:
     rank0_host_bytes: float
     """Extra host memory of a sync on global rank 0."""
     leader_host_bytes: float
-    """Extra host memory on the leader of a later pipeline stage (0 without PP or for disk)."""
+    """Extra host memory on every other sender (0 with one sender or for disk)."""
     seconds: float
     """Estimated time at the assumed bandwidth."""
     gbps: float
@@ -61,23 +65,31 @@ class SyncPlan:
     filesystem the trainer's rank 0 and every server share ("" otherwise)."""
     delta_bytes: float = 0.0
     """rollout.weight_sync_delta: expected bytes of a delta sync at ``DELTA_CHANGED_FRAC`` (0: no delta)."""
+    senders: List[Tuple[str, float]] = field(default_factory=list)
+    """In-memory modes: each sender ("stage S EP rank E") and the bytes it sends per sync."""
 
     def line(self) -> str:
         """One line for the check output."""
         mem = f"rank 0 +{_binary(self.rank0_host_bytes)} host"
         if self.leader_host_bytes:
-            mem += f", later-stage leaders +{_binary(self.leader_host_bytes)}"
+            mem += f", other senders +{_binary(self.leader_host_bytes)}"
         bucket = f", buckets of {self.bucket_bytes / 2**20:g} MiB" if self.bucket_bytes else ""
         per_sync = _decimal(self.bytes_per_sync)
         out = (f"weight sync ({self.mode}{bucket}): {per_sync} per sync, {mem}; "
                f"~{self.seconds:.1f} s at an assumed {self.gbps:g} GB/s (measure: tools/bench_weight_sync.py)")
+        if self.senders:
+            big = max(b for _, b in self.senders)
+            each = ", ".join(f"{n} {_binary(b)}" for n, b in self.senders[:8])
+            more = f", ... ({len(self.senders) - 8} more)" if len(self.senders) > 8 else ""
+            out += (f"\n  senders: {len(self.senders)}, each over its own channel in parallel ({each}{more}); "
+                    f"the largest sends {_binary(big)}")
         if self.shared_dir:
             out += (f"\n  the SGLang servers load each export from {self.shared_dir} by path: it must be on a "
                     f"filesystem shared by the trainer's rank 0 and every server node (rollout.weight_sync_dir)")
         if self.delta_bytes:
             out += (f"\n  delta sync: ~{_decimal(self.delta_bytes)} per sync when {DELTA_CHANGED_FRAC:.0%} of the "
                     f"elements change ({self.delta_bytes / self.bytes_per_sync:.1%} of a full sync; the first sync "
-                    f"and the one after a failed or skipped version are full); each stage leader keeps its stage's "
+                    f"and the one after a failed or skipped version are full); each sender keeps its own "
                     f"tensors (memory above), each SGLang server process the model ({_binary(self.bytes_per_sync)} "
                     f"host)")
         return out
@@ -99,17 +111,47 @@ def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
     dtype_bytes = DTYPE_BYTES.get(r.dtype, 2)
     total = float(total_params) * dtype_bytes
     largest = float(m.vocab_size) * m.hidden_size * dtype_bytes
-    pp = cfg.parallel.pipeline_model_parallel_size
     if mode == "disk":
         shared = (r.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")) if r.engine == "sglang" else ""
         return SyncPlan(mode, total, 0.0, total, 0.0, 2 * total / (DISK_GBPS * 1e9), DISK_GBPS, shared)
     bucket = r.weight_sync_bucket_mb * 2**20
     filled = min(bucket, total)  # a bucket never holds more than the whole model
-    rank0 = (2 if pp > 1 else 1) * filled + largest
-    leader = filled + largest if pp > 1 else 0.0
+    senders = sender_bytes(cfg, dtype_bytes)
+    in_process = r.engine != "sglang"  # the embedded engine receives every sender's bucket in rank 0's process
+    rank0 = (len(senders) if in_process else 1) * filled + largest
+    leader = filled + largest if len(senders) > 1 else 0.0
     delta = 0.0
-    if r.weight_sync_delta:  # every tensor's elements in blocks; a stage leader keeps its stage's share
+    if r.weight_sync_delta:  # every tensor's elements in blocks; each sender keeps its own tensors
         delta = sparse_nbytes(int(total_params), int(total_params * DELTA_CHANGED_FRAC), dtype_bytes)
-        rank0 += total / pp
-        leader += total / pp if pp > 1 else 0.0
-    return SyncPlan(mode, total, bucket, rank0, leader, total / (LINK_GBPS * 1e9), LINK_GBPS, delta_bytes=delta)
+        rank0 += senders[0][1]
+        leader += max(b for _, b in senders[1:]) if len(senders) > 1 else 0.0
+    slowest = max(b for _, b in senders)  # the senders run in parallel
+    return SyncPlan(mode, total, bucket, rank0, leader, slowest / (LINK_GBPS * 1e9), LINK_GBPS, delta_bytes=delta,
+                    senders=senders)
+
+
+def sender_bytes(cfg, dtype_bytes: int) -> List[Tuple[str, float]]:
+    """Each sender of a streamed sync and its bytes: per pipeline stage, EP rank 0 sends the stage's dense tensors
+    (embedding on the first stage, final norm and output layer on the last) and its own experts, every other
+    EP rank its own experts (``senders.own_buckets``)."""
+    m, p = cfg.model, cfg.parallel
+    pp, ep = p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    pattern = m.moe_layer_pattern()
+    layers = stage_layers(m.num_layers, pp, p.virtual_pipeline_model_parallel_size or 1,
+                          p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage)
+    emb = m.vocab_size * m.hidden_size
+    out = []
+    for s, ids in enumerate(layers):
+        dense = expert = 0
+        for i in ids:
+            d, e = _layer_counts(m, 1, 1, 1, bool(pattern[i]))
+            dense, expert = dense + d, expert + e
+        if s == 0:
+            dense += emb
+        if s == pp - 1:
+            dense += m.hidden_size + (emb if m.untie_embeddings_and_output_weights else 0)
+        eps = ep if expert else 1
+        for e in range(eps):
+            out.append((f"stage {s} EP rank {e}" if eps > 1 else f"stage {s}",
+                        float((dense if e == 0 else 0) + expert // eps) * dtype_bytes))
+    return out

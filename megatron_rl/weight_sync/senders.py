@@ -1,6 +1,13 @@
 """Senders: the trainer side of an in-memory sync, from the model's shards to buckets.
 
-``stream_buckets`` is collective over every trainer rank: on each pipeline stage the TP / EP / ETP shards of one
+``own_buckets`` (every rank, collectively): the buckets of the tensors THIS rank owns -- on each pipeline stage
+the dense tensors on TP rank 0 of the first data-parallel replica (gathered over TP), the routed experts of
+each expert-parallel rank on its ETP rank 0 of the first expert replica (gathered over ETP, never over EP).
+Those ranks are the senders (``sender_ranks``); each sends its own buckets to the engine, and no rank holds or
+forwards another's. Memory on a sender: one bucket + the parameter being gathered.
+
+``stream_buckets`` (every stage's buckets on global rank 0: async rollouts' ``OwnedBuckets``) is collective over
+every trainer rank: on each pipeline stage the TP / EP / ETP shards of one
 parameter at a time are gathered into HF tensors (``convert.live.iter_hf_tensors``, the one gatherer), cast to
 the engine's dtype and packed into ``buckets.Bucket`` buffers; stage 0's leader (global rank 0) yields its own
 buckets, then those of each later stage, whose leader sends them to rank 0 one at a time
@@ -10,7 +17,7 @@ stage (delta syncs: ``delta_sender.DeltaSender.pack``, whose buckets travel the 
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +27,7 @@ from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.weight_sync.buckets import Bucket, bucketize
 from megatron_rl.weight_sync.transport import recv_bucket, send_bucket
 
-__all__ = ["stream_buckets"]
+__all__ = ["stream_buckets", "own_buckets", "sender_ranks"]
 
 
 def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
@@ -63,3 +70,32 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
         for _ in pairs:  # collective partner of the stage leader's gathers
             pass
 
+
+def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dtype: Optional[set] = None,
+                pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None) -> Iterator[Bucket]:
+    """Collective over every trainer rank: the buckets of the HF tensors this rank owns (none on a rank that
+    is not a sender); ``pack`` as in ``stream_buckets``. Consume it to the end on every rank."""
+    pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True)
+    yield from (pack(pairs) if pack is not None else bucketize(pairs, bucket_bytes, dtype, keep_dtype))
+
+
+def is_sender(groups, has_experts: bool) -> bool:
+    """Whether this rank owns tensors of the sync (``own_buckets``)."""
+    dense = groups.dp_rank == 0 and groups.cp_rank == 0 and groups.tp_rank == 0
+    experts = has_experts and groups.edp_rank == 0 and groups.etp_rank == 0
+    return dense or experts
+
+
+_SENDERS: dict = {}
+
+
+def sender_ranks(actor) -> List[int]:
+    """Collective over every trainer rank (once per process): the global ranks of the senders, sorted."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [0]
+    key = id(actor.groups)
+    if key not in _SENDERS:
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, is_sender(actor.groups, bool(actor.model_cfg.num_moe_experts)))
+        _SENDERS[key] = [r for r, f in enumerate(flags) if f]
+    return _SENDERS[key]

@@ -1,10 +1,16 @@
-"""Transport: how a bucket's bytes move between processes.
+"""Transport: how a bucket's bytes move from a sender to an engine.
 
-* Between trainer ranks: ``send_bucket`` / ``recv_bucket`` (a later pipeline stage's leader -> global rank 0): the
-  bucket's meta as an object (a ``Bucket``'s or a ``delta.DeltaBucket``'s), then its bytes, staged on the default group's device (NCCL takes CUDA tensors only).
-* Trainer -> SGLang servers: ``UpdateGroup``, a process group of trainer rank 0 with every server's TP ranks
-  (``/init_weights_update_group``), in which rank 0 broadcasts each bucket; ``master_address_for`` picks the
-  address the servers reach rank 0 at. What the pinned SGLang needs of it: ``receivers/sglang.py``.
+* Channels (``ChannelSpec`` -> ``SenderChannel``): rank 0's receiver hands every rank a picklable spec; each
+  sender opens its own channel from it and ``send``s its buckets. ``InProcessSpec``: an engine in rank 0's
+  process -- rank 0 loads its own buckets, every other sender sends over its own gloo pair group
+  (``pair_groups``), received in its own thread. The SGLang specs live in ``receivers/sglang.py``.
+* Between trainer ranks: ``send_bucket`` / ``recv_bucket``: the bucket's meta as an object (a ``Bucket``'s or a
+  ``delta.DeltaBucket``'s), then its bytes -- on the default group staged on its device (NCCL takes CUDA tensors
+  only; async rollouts' owned buckets), on a gloo pair group as host bytes.
+* Trainer -> SGLang servers: ``ServerSet`` (the servers as any rank reaches them) and ``UpdateGroup``, a sender's
+  process group with every server's TP ranks (``/init_weights_update_group``), one per sender and process
+  (``update_group``), in which it broadcasts its buckets; ``master_address_for`` picks the address the servers
+  reach that process at. What the pinned SGLang needs of it: ``receivers/sglang.py``.
 * ``run_parallel``: one call per server in threads (each server's HTTP request of a step at once).
 """
 from __future__ import annotations
@@ -12,8 +18,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
+import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -23,26 +31,138 @@ from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.delta import DeltaBucket
 
-__all__ = ["send_bucket", "recv_bucket", "UpdateGroup", "master_address_for", "run_parallel"]
+__all__ = ["send_bucket", "recv_bucket", "pair_groups", "SenderChannel", "ChannelSpec", "InProcessSpec", "ServerSet", "UpdateGroup", "update_group", "drop_update_group",
+           "master_address_for", "run_parallel"]
 
 
-def send_bucket(bucket: Optional[Bucket], dst: int) -> None:
-    """A later stage's leader -> ``dst``: the bucket's meta, then its host bytes (staged on the default group's
-    device: NCCL takes CUDA tensors only)."""
-    dist.send_object_list([None if bucket is None else bucket.meta()], dst=dst)
+def send_bucket(bucket: Optional[Bucket], dst: int, group=None) -> None:
+    """-> global rank ``dst``: the bucket's meta (None: the end of this sender's stream), then its host bytes.
+    Default group: staged on its device (NCCL takes CUDA tensors only); ``group``: a gloo group, host bytes."""
+    dist.send_object_list([None if bucket is None else bucket.meta()], dst=dst, group=group)
     if bucket is not None:
-        send_(bucket.flat, dst=dst)
+        if group is None:
+            send_(bucket.flat, dst=dst)
+        else:
+            dist.send(bucket.flat, dst=dst, group=group)
 
 
-def recv_bucket(src: int) -> Optional[Bucket]:
+def recv_bucket(src: int, group=None) -> Optional[Bucket]:
+    """The next bucket from global rank ``src`` (None: its stream ended); ``group`` as in ``send_bucket``."""
     box = [None]
-    dist.recv_object_list(box, src=src)
+    dist.recv_object_list(box, src=src, group=group)
     if box[0] is None:
         return None
     bucket = (DeltaBucket if box[0].get("format") == "delta" else Bucket).empty(box[0])
-    recv_(bucket.flat, src=src)
+    if group is None:
+        recv_(bucket.flat, src=src)
+    else:
+        dist.recv(bucket.flat, src=src, group=group)
     return bucket
 
+
+_PAIR_GROUPS: Dict[tuple, Any] = {}
+
+
+def pair_groups(senders: List[int], timeout_s: float) -> Dict[int, Any]:
+    """Collective over every trainer rank (same ``senders`` everywhere; created once per process): a gloo group
+    ``[0, s]`` per sender ``s`` other than rank 0, so rank 0 receives from every sender at once, each in its own
+    thread, and no sender's transfer waits behind another's; bounded by ``timeout_s``."""
+    key = tuple(senders)
+    if key not in _PAIR_GROUPS:
+        _PAIR_GROUPS[key] = {s: dist.new_group([0, s], backend="gloo", timeout=timedelta(seconds=timeout_s))
+                             for s in senders if s != 0}
+    return _PAIR_GROUPS[key]
+
+
+class SenderChannel:
+    """One sender's end of a sync: ``send`` each of its buckets, then ``close`` (which raises what went wrong)."""
+
+    def send(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """After the sender's last bucket."""
+
+
+class ChannelSpec:
+    """How senders reach an engine: made by rank 0's receiver (``WeightReceiver.channel``), handed to every
+    rank (picklable) and opened there."""
+
+    def open(self, rank: int, senders: List[int], receiver=None) -> Optional[SenderChannel]:
+        """Every rank, collectively (same ``senders`` everywhere): this rank's channel (None when it is not a
+        sender). ``receiver``: rank 0's ``WeightReceiver``, None elsewhere."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class InProcessSpec(ChannelSpec):
+    """An engine inside global rank 0's process: rank 0 loads its own buckets directly and receives every other
+    sender's in parallel, one thread per sender, each over its own gloo pair group (``pair_groups``)."""
+
+    timeout_s: float
+    """Bound of each transfer."""
+
+    def open(self, rank, senders, receiver=None):
+        groups = pair_groups(senders, self.timeout_s)
+        if rank == 0:
+            return _Rank0Channel(receiver, groups, self.timeout_s)
+        return _ToRank0Channel(groups[rank]) if rank in senders else None
+
+
+class _ToRank0Channel(SenderChannel):
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, bucket):
+        send_bucket(bucket, 0, self.group)
+
+    def close(self):
+        send_bucket(None, 0, self.group)
+
+
+class _Rank0Channel(SenderChannel):
+    """Rank 0's own buckets and, in threads, every other sender's go into ``receiver`` (one at a time: a lock)."""
+
+    def __init__(self, receiver, groups: Dict[int, Any], timeout_s: float):
+        self.receiver, self.timeout_s = receiver, timeout_s
+        self.lock = threading.Lock()
+        self.errors: List[str] = []
+        self.threads = [threading.Thread(target=self._drain, args=(src, g), daemon=True) for src, g in groups.items()]
+        for th in self.threads:
+            th.start()
+
+    def _drain(self, src: int, group) -> None:
+        failed = False
+        while True:
+            try:
+                bucket = recv_bucket(src, group)
+            except Exception as exc:  # noqa: BLE001 - the sender died or timed out
+                self.errors.append(f"sender rank {src}: receiving its buckets failed: {type(exc).__name__}: {exc}")
+                return
+            if bucket is None:
+                return
+            if failed:
+                continue  # drain: the sender is still sending
+            try:
+                with self.lock:
+                    self.receiver.load(bucket)
+            except Exception as exc:  # noqa: BLE001 - reported at close
+                self.errors.append(f"sender rank {src}: {type(exc).__name__}: {exc}")
+                failed = True
+
+    def send(self, bucket):
+        with self.lock:
+            self.receiver.load(bucket)
+
+    def close(self):
+        deadline = time.monotonic() + self.timeout_s
+        for th in self.threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        late = [th for th in self.threads if th.is_alive()]
+        if late:
+            self.errors.append(f"{len(late)} sender(s) did not finish within {self.timeout_s:g} s")
+        if self.errors:
+            raise WeightSyncError("; ".join(self.errors))
 
 
 def _url_host_port(url: str) -> tuple:
@@ -101,20 +221,46 @@ def run_parallel(fns: List[Callable[[], Any]]) -> List[Any]:
     return out
 
 
-class UpdateGroup:
-    """Rank 0's process group with the servers' TP ranks (``/init_weights_update_group``)."""
+@dataclass(frozen=True)
+class ServerSet:
+    """The SGLang servers of an engine as any trainer rank reaches them (picklable: rank 0 hands it to every
+    sender)."""
 
-    def __init__(self, engine, master_address: str, timeout_s: float, backend: str):
-        self.engine = engine
+    urls: Tuple[str, ...]
+    """Base URL of each server."""
+    tp_sizes: Tuple[int, ...]
+    """Tensor-parallel size of each server (its ranks in an update group)."""
+
+    def post_ok(self, url: str, path: str, payload: dict, timeout: float) -> dict:
+        """POST once (no retry: an update must not be applied twice); raise WeightSyncError unless success."""
+        import requests
+
+        try:
+            resp = requests.post(url + path, json=payload, timeout=timeout)
+            reply = resp.json() if resp.content else {}
+        except Exception as exc:  # noqa: BLE001 - connection refused / reset, timeout, not JSON
+            raise WeightSyncError(f"{url}{path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400 or (isinstance(reply, dict) and reply.get("success") is False):
+            msg = reply.get("message") if isinstance(reply, dict) else reply
+            raise WeightSyncError(f"{url}{path} refused (HTTP {resp.status_code}): {str(msg)[:400]}")
+        return reply
+
+
+class UpdateGroup:
+    """A sender's process group with every server's TP ranks (``/init_weights_update_group``): the sender is
+    rank 0 of it and broadcasts its buckets there; each sender has its own group (its own name)."""
+
+    def __init__(self, servers: ServerSet, master_address: str, timeout_s: float, backend: str):
+        self.servers = servers
         self.store = None  # the trainer's TCPStore (master) of the group
         self.name = f"megatron_rl_weight_sync_{find_free_port()}"
-        sizes = [engine.server_tp_size(u) for u in engine.urls]
+        sizes = list(servers.tp_sizes)
         self.world = 1 + sum(sizes)
         port = find_free_port()
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
 
         def init(url, offset):
-            return engine._post_ok(url, "/init_weights_update_group", {
+            return servers.post_ok(url, "/init_weights_update_group", {
                 "master_address": master_address, "master_port": port, "rank_offset": offset,
                 "world_size": self.world, "group_name": self.name, "backend": backend}, timeout_s)
 
@@ -132,10 +278,10 @@ class UpdateGroup:
             _world.pg_group_ranks[pg] = {i: i for i in range(self.world)}
             return pg
 
-        results = run_parallel([own] + [lambda u=u, o=o: init(u, o) for u, o in zip(engine.urls, offsets)])
-        errors = [f"{u}: {r}" for u, r in zip(engine.urls, results[1:]) if isinstance(r, BaseException)]
+        results = run_parallel([own] + [lambda u=u, o=o: init(u, o) for u, o in zip(servers.urls, offsets)])
+        errors = [f"{u}: {r}" for u, r in zip(servers.urls, results[1:]) if isinstance(r, BaseException)]
         if isinstance(results[0], BaseException):
-            errors.insert(0, f"trainer rank 0 ({master_address}:{port}): {results[0]}")
+            errors.insert(0, f"trainer ({master_address}:{port}): {results[0]}")
         if errors:
             raise WeightSyncError(f"weight-update group {self.name!r} ({backend}, world {self.world}) could not be "
                                   "set up: " + "; ".join(errors))
@@ -143,12 +289,29 @@ class UpdateGroup:
         self.device = collective_device(self.pg)  # the one owner of "which device for this backend"
 
     def close(self) -> None:
-        for url in self.engine.urls:
+        for url in self.servers.urls:
             try:
-                self.engine._post_ok(url, "/destroy_weights_update_group", {"group_name": self.name}, 30)
+                self.servers.post_ok(url, "/destroy_weights_update_group", {"group_name": self.name}, 30)
             except Exception:  # noqa: BLE001 - best effort (the server may be gone)
                 pass
         self.pg = None  # not destroyed: a broadcast to a dead server may still hold it (gloo times it out)
         self.store = None
 
 
+_UPDATE_GROUPS: Dict[tuple, UpdateGroup] = {}
+
+
+def update_group(servers: ServerSet, master_address: Optional[str], timeout_s: float, backend: str) -> UpdateGroup:
+    """This process's update group with ``servers`` (set up on first use, then kept; ``master_address``: the
+    address the servers reach this process at, None: found by ``master_address_for``)."""
+    key = (servers.urls, backend)
+    if key not in _UPDATE_GROUPS:
+        _UPDATE_GROUPS[key] = UpdateGroup(servers, master_address_for(list(servers.urls), master_address),
+                                          timeout_s, backend)
+    return _UPDATE_GROUPS[key]
+
+
+def drop_update_group(urls) -> None:
+    """Close this process's update groups with the servers ``urls`` (a broken group is rebuilt by the next sync)."""
+    for key in [k for k in _UPDATE_GROUPS if k[0] == tuple(urls)]:
+        _UPDATE_GROUPS.pop(key).close()

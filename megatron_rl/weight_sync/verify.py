@@ -21,6 +21,7 @@ Entry points per payload (each builds the verifier of a version -- nothing sampl
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import Dict, List, Optional, Sequence
@@ -70,6 +71,29 @@ class WeightVerifier:
         self._numel: Dict[str, int] = {}
         self.expected: Dict[int, Dict[str, tuple]] = {tp: {} for tp in self.tp_sizes}
         self.verified_frac = 0.0
+
+    def for_sender(self) -> "WeightVerifier":
+        """A copy for another sender, without the engine (picklable): it hashes the sampled engine tensors whose
+        HF pieces all pass that sender; ``part`` hands back those hashes, the pieces of the sampled tensors it
+        could not complete (their other pieces are another sender's: fused experts under EP) and the sizes."""
+        other = copy.copy(self)
+        other.engine = None
+        other._need, other._held, other._numel = dict(self._need), {}, {}
+        other.expected = {tp: {} for tp in self.tp_sizes}
+        return other
+
+    def part(self) -> tuple:
+        """What this sender's copy found (``merge`` it into rank 0's verifier)."""
+        return self.expected, self._held, self._numel
+
+    def merge(self, part: tuple) -> None:
+        """Add another sender's ``part``: its hashes, sizes and left-over pieces (offered here)."""
+        expected, held, numel = part
+        for tp, sums in expected.items():
+            self.expected[tp].update(sums)
+        self._numel.update(numel)
+        for name, t in held.items():
+            self.offer(name, t)
 
     def needs(self, name: str) -> bool:
         """Whether ``offer`` must be given the values of HF tensor ``name`` (else its numel is enough)."""

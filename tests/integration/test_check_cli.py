@@ -102,19 +102,30 @@ def test_every_shipped_config_names_its_cluster():
 def test_plan_includes_the_weight_sync():
     """The plan states what one trainer -> engine sync moves and holds. Reference: Qwen3-30B-A3B's published
     30.5 B parameters in bf16 (~61 GB, what the weight-sync issue quotes), the 512 MiB buckets of the config
-    and the V x h output layer from its config (151936 x 2048 in bf16) gathered beside two buckets (PP2)."""
+    and the V x h output layer from its config (151936 x 2048 in bf16) gathered beside one bucket; PP2 x EP8:
+    16 senders whose bytes add up to the whole model, the first of each stage carrying the dense tensors."""
     import re
 
     r = _cli("configs/qwen3_30b_a3b_2x8.yaml")
     assert r.returncode == 0, r.stderr
     m = re.search(r"weight sync \((\w+), buckets of 512 MiB\): ([\d.]+) GB per sync, rank 0 \+([\d.]+) GiB host, "
-                  r"later-stage leaders \+([\d.]+) GiB; ~([\d.]+) s at an assumed 20 GB/s", r.stdout)
+                  r"other senders \+([\d.]+) GiB; ~([\d.]+) s at an assumed 20 GB/s", r.stdout)
     assert m, r.stdout[-2000:]
     assert m.group(1) == "distributed"
     assert abs(float(m.group(2)) - 30.5e9 * 2 / 1e9) / 61.0 < 0.01
     out_layer = 151936 * 2048 * 2
-    assert float(m.group(3)) == pytest.approx((2 * 512 * 2**20 + out_layer) / 2**30, abs=0.01)
+    assert float(m.group(3)) == pytest.approx((512 * 2**20 + out_layer) / 2**30, abs=0.01)
     assert float(m.group(4)) == pytest.approx((512 * 2**20 + out_layer) / 2**30, abs=0.01)
+    s = re.search(r"senders: (\d+), each over its own channel in parallel \((.*?)\); the largest sends ([\d.]+) GiB",
+                  r.stdout)
+    assert s, r.stdout[-2000:]
+    assert int(s.group(1)) == 2 * 8
+    shown = [float(x) for x in re.findall(r"stage \d EP rank \d ([\d.]+) GiB", s.group(2))]
+    assert len(shown) == 8 and shown[0] > shown[1] == shown[2]  # EP rank 0 also sends the dense tensors
+    # 16 senders: stage 0 and 1, 8 EP ranks each; the experts (48 x 128 x 3 x 2048 x 768) split evenly
+    experts = 48 * 128 * 3 * 2048 * 768 * 2 / 16 / 2**30
+    assert shown[1] == pytest.approx(experts, abs=0.01)
+    assert float(m.group(5)) == pytest.approx(float(s.group(3)) * 2**30 / 20e9, abs=0.1)
     r = _cli("configs/qwen3_30b_a3b_2x8.yaml", "rollout.weight_sync=disk")
     assert r.returncode == 0, r.stderr
     assert re.search(r"weight sync \(disk\): ([\d.]+) GB per sync, rank 0 \+56\.\d\d GiB host", r.stdout), r.stdout[-800:]

@@ -194,3 +194,50 @@ def test_disk_sync_is_verified_against_the_export(tmp_path):
         engine.model.model.layers[1].mlp.down_proj.weight[0, 0] += 0.5
     with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
         verify_disk_sync(engine, cfg, model, "step-1")
+
+
+def _dying_sender_body(rank, world, job, engine_dir, result_path):
+    """PP2: the second stage's sender stops for good after its first bucket; rank 0 reports, then kills it."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
+
+    initialize_model_parallel(job.parallel, seed=3, model=job.model)
+    actor = MegatronActor(job)
+    engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0") if rank == 0 else None
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    sent = []
+
+    def stop(bucket):
+        sent.append(bucket.nbytes)
+        if rank == 1 and len(sent) == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)  # mid-sync, never to run again
+
+    t0 = time.monotonic()
+    try:
+        build_weight_publisher(job, actor, engine, corrupt=stop).publish("step-1")
+        res = {"error": None}
+    except WeightSyncError as exc:
+        res = {"error": str(exc), "seconds": time.monotonic() - t0, "version": engine.weight_version}
+        with pytest.raises(WeightSyncError, match="will not generate"):
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    with open(result_path, "w") as fh:
+        json.dump(res, fh)
+    os.kill(pids[1], signal.SIGKILL)
+    return res
+
+
+@pytest.mark.timeout(300)
+def test_sender_dying_mid_sync_is_named_and_nothing_committed(models, tmp_path):
+    timeout_s = 8
+    job = _job(models["actor"], tp=1, pp=2, weight_sync_bucket_mb=0.02, weight_sync_timeout_s=timeout_s)
+    with pytest.raises(RankError, match="rank 1"):
+        run_ranks(_dying_sender_body, 2, job, models["other"], str(tmp_path / "rank0.json"), timeout=240)
+    res = json.load(open(tmp_path / "rank0.json"))
+    assert res["error"] and "sender rank 1" in res["error"], res
+    assert res["version"] == "step-0"  # the engine kept no part of step-1 as a version
+    assert res["seconds"] < 3 * timeout_s + 30  # bounded by rollout.weight_sync_timeout_s (pair recv + board)

@@ -5,8 +5,10 @@ Reference (independent of the code under test): the same server loading the acto
 tensor (fused qkv / gate_up included) must be equal after an in-memory sync, and differ from the server's
 starting weights (another checkpoint).
 
-* distributed (gloo group, flattened buckets) from a TP2 actor, tensor (shared memory) from a TP2 x PP2
-  actor: every server tensor == the disk path; verified; the server reports the new version.
+* distributed (gloo groups, flattened buckets) from a PP2 actor -- each stage's rank sends over its own update
+  group, and the bytes through any rank (counted at its ``torch.distributed`` calls) stay within its own shard
+  + one bucket -- and tensor (shared memory) from a TP2 x PP2 actor (one sender per stage): every server tensor
+  == the disk path; verified; the server reports the new version.
 * a tensor perturbed in one bucket after its checksum was taken is caught by the verification (SGLang's
   checksums), named on every rank; the server is tagged ``sync-failed:<version>`` and the engine refuses to
   generate.
@@ -73,6 +75,7 @@ def _body(rank, world, job, url, fault=None):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.testing.traffic import Traffic
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
@@ -91,9 +94,11 @@ def _body(rank, world, job, url, fault=None):
         if fault and fault[0] == "kill" and len(seen) == 3:
             os.killpg(fault[1], 9)  # the whole server (its scheduler processes too), as when its node dies
 
+    own = sum(p.numel() for p in actor.model[0].parameters()) * 4  # this rank's shard (fp32 >= the engine's dtype)
     try:
-        m = build_weight_publisher(job, actor, engine, corrupt=corrupt if fault else None).publish("step-1")
-        return {"metrics": m}
+        with Traffic() as traffic:
+            m = build_weight_publisher(job, actor, engine, corrupt=corrupt if fault else None).publish("step-1")
+        return {"metrics": m, "through": traffic.sent + traffic.received, "own": own}
     except WeightSyncError as exc:
         refused = None
         if rank == 0:
@@ -108,7 +113,7 @@ def _body(rank, world, job, url, fault=None):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode,tp,pp", [("distributed", 2, 1), ("tensor", 2, 2)])
+@pytest.mark.parametrize("mode,tp,pp", [("distributed", 1, 2), ("tensor", 2, 2)])
 def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
     url = server.url
     load_from_disk(url, models["actor"], "disk-ref")
@@ -122,7 +127,11 @@ def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
     assert _version(url) == "step-1"
     m = out[0]["metrics"]
     assert m["weight_sync/verified"] == 1.0 and m["weight_sync/buckets"] >= 10
+    assert m["weight_sync/senders"] == pp  # one per pipeline stage (TP rank 0)
     assert all(o["metrics"] == m for o in out)
+    if mode == "distributed":  # each stage's bytes left from its own rank: none passed through rank 0
+        for r, o in enumerate(out):
+            assert 0 < o["through"] <= o["own"] + int(0.02 * (1 << 20)), (r, o["through"], o["own"])
 
 
 def _delta_body(rank, world, job, url, export_dir):
@@ -192,7 +201,7 @@ def test_group_init_rejected(models, server):
 
     engine = SGLangEngine(server.url)
     with pytest.raises(WeightSyncError, match=r"weight-update group .* \(nccl.*could not be set up.*" + server.url):
-        UpdateGroup(engine, "127.0.0.1", 30, "nccl")
+        UpdateGroup(engine.server_set(), "127.0.0.1", 30, "nccl")
     engine.close()
 
 

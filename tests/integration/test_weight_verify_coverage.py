@@ -59,10 +59,11 @@ def models(tmp_path_factory):
             "moe_actor": _moe(root / "moe_actor", 1), "moe_other": _moe(root / "moe_other", 2)}
 
 
-def _job(hf_dir, engine, run_dir=None, **rollout):
+def _job(hf_dir, engine, run_dir=None, ep=1, **rollout):
     extra = {"sglang_urls": ["http://x:1"]} if engine == "sglang" else {}
     d = {"model": hf_model_section(hf_dir), "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
-         "rollout": {"engine": engine, "weight_sync_verify_tensors": -1, **extra, **rollout}}
+         "rollout": {"engine": engine, "weight_sync_verify_tensors": -1, **extra, **rollout},
+         "parallel": {"expert_model_parallel_size": ep}}
     if run_dir:
         d["trainer"] = {"run_dir": str(run_dir)}
     return job_config_from_dict(d)
@@ -221,3 +222,98 @@ def test_every_class_named_sglang(models, server):
     classes = {k: v for k, v in CLASSES.items() if k != "up"}
     out = run_ranks(_classes_body, 1, job, _sglang(server.url), classes, timeout=800)[0]
     _check_classes(out, classes, 1)
+
+
+# ------------------------------------------------------------- several senders: expert-parallel ranks
+
+def _senders_body(rank, world, job, make_engine, corrupt_name):
+    """EP2: a clean sync (bytes through this rank counted), then one with an expert of EP rank 1 perturbed."""
+    from megatron_rl.actor import MegatronActor
+    from megatron_rl.parallel import initialize_model_parallel
+    from megatron_rl.rollout.base import SamplingParams, WeightSyncError
+    from megatron_rl.testing.traffic import Traffic
+    from megatron_rl.weight_sync.publisher import build_weight_publisher
+
+    initialize_model_parallel(job.parallel, seed=3, model=job.model)
+    actor = MegatronActor(job)
+    engine = make_engine() if rank == 0 else None
+    # this rank's own shard: its experts, and on EP rank 0 the dense tensors (fp32: >= any engine dtype)
+    own = sum(p.numel() for n, p in actor.model[0].named_parameters() if "experts" in n or rank == 0) * 4
+    out = {"own_fp32": own}
+    try:
+        with Traffic() as t:
+            out["metrics"] = build_weight_publisher(job, actor, engine).publish("step-1")
+        out["sent"], out["received"] = t.sent, t.received
+        if rank == 0 and hasattr(engine, "model"):
+            out["state"] = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        elif rank == 0:
+            from megatron_rl.testing.sglang_script import server_checksums
+
+            out["state"] = server_checksums(engine.urls[0])[0]
+
+        def corrupt(bucket):
+            for n, x in bucket.tensors():
+                if n == corrupt_name:
+                    x.view(-1)[0] += 0.5
+
+        try:
+            build_weight_publisher(job, actor, engine, corrupt=corrupt).publish("step-2")
+            out["error"] = "no error"
+        except WeightSyncError as exc:
+            out["error"] = str(exc)
+            if rank == 0:
+                try:
+                    engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+                except WeightSyncError as e2:
+                    out["refused"] = "will not generate" in str(e2)
+    finally:
+        if engine is not None:
+            engine.close()
+    return out
+
+
+def _check_senders(out, corrupt_name, engine_tensor, bucket_bytes):
+    m = out[0]["metrics"]
+    assert m["weight_sync/senders"] == 2.0 and m["weight_sync/verified_param_frac"] == 1.0, m
+    assert all(o["metrics"] == m for o in out)
+    for r, o in enumerate(out):  # no rank carries another's tensors: its own shard (fp32 bound) + one bucket
+        assert 0 < o["sent"] + o["received"] <= o["own_fp32"] + bucket_bytes, (r, o["sent"], o["received"])
+    # the expert tensors of EP rank 1 went out from rank 1, not through rank 0
+    assert out[1]["sent"] > 0
+    for o in out:  # every rank raises, naming the fused engine tensor and the perturbed expert of rank 1
+        assert "verification failed" in o["error"] and corrupt_name in o["error"] and engine_tensor in o["error"]
+    assert out[0]["refused"]
+
+
+@pytest.mark.timeout(600)
+def test_expert_parallel_senders_embedded(models):
+    """EP2 into the embedded engine: every tensor == the engine loaded from the checkpoint itself."""
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    bucket = 0.02
+    job = _job(models["actor"], "embedded", ep=2, weight_sync="tensor", weight_sync_bucket_mb=bucket)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"  # expert 3: EP rank 1's
+    out = run_ranks(_senders_body, 2, job, _embedded(models["other"]), name, timeout=540)
+    ref = EmbeddedEngine(models["actor"], dtype="float32", seed=0).model.state_dict()
+    got = out[0]["state"]
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    _check_senders(out, name, "model.layers.1.mlp.experts.gate_up_proj", int(bucket * (1 << 20)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_parallel_senders_sglang(models, server):
+    """EP2 into a real SGLang server, each EP rank over its own update group: every server tensor == the same
+    server after ``/update_weights_from_disk`` of the actor's checkpoint."""
+    from megatron_rl.testing.sglang_script import load_from_disk, server_checksums
+
+    url = server.url
+    load_from_disk(url, models["moe_actor"], "disk-ref")
+    want = server_checksums(url)[0]
+    load_from_disk(url, models["moe_other"], "step-0")
+    bucket = 0.05
+    job = _job(models["moe_actor"], "sglang", ep=2, weight_sync="distributed", weight_sync_bucket_mb=bucket)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"  # expert 2: EP rank 1's
+    out = run_ranks(_senders_body, 2, job, _sglang(url), name, timeout=800)
+    assert out[0]["state"] == want  # every server tensor, fused qkv / gate_up / experts included
+    _check_senders(out, name, "model.layers.1.mlp.experts.w13_weight", int(bucket * (1 << 20)))

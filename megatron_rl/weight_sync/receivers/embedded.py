@@ -24,6 +24,7 @@ import torch
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.delta import DeltaBucket, apply_delta
+from megatron_rl.weight_sync.transport import InProcessSpec
 
 
 def read_weight_update(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -119,9 +120,10 @@ class BucketLoader(WeightReceiver):
     shapes are checked before any of it is copied; ``commit`` checks that every tensor of the model was
     loaded exactly once. Per-expert HF tensors go straight into the fused expert slices."""
 
-    def __init__(self, engine, version: str):
+    def __init__(self, engine, version: str, timeout_s: float = 600.0):
         self.engine = engine
         self.version = version
+        self.timeout_s = timeout_s
         self.own = engine.model.state_dict()
         self.tied = engine.tied_lm_head
         self.expected = {k for k in self.own if not (k.endswith("rotary_emb.inv_freq") or
@@ -185,3 +187,7 @@ class BucketLoader(WeightReceiver):
 
     def abort(self, reason: str) -> None:
         self.engine._mark_invalid(f"weight sync to version {self.version!r} failed: {reason}")
+
+    def channel(self) -> InProcessSpec:
+        """Every sender's buckets come to rank 0's process, where this model lives (``transport.InProcessSpec``)."""
+        return InProcessSpec(self.timeout_s)

@@ -10,10 +10,15 @@ the pinned SGLang (0.5.23, CPU server):
   same host, and torch's ``file_system`` sharing strategy is required (the default ``file_descriptor``
   one hands out fds through a socket whose authkey the server rejects — and the server process dies).
   Rejected for data-parallel servers by SGLang itself.
-* distributed: ``/init_weights_update_group`` (master = trainer rank 0, which is rank 0 of the group; each
-  server's TP ranks follow at ``rank_offset``; backend gloo works on the CPU server, NCCL on GPU) once per
-  engine; per bucket ``/update_weights_from_distributed`` with ``load_format: flattened_bucket`` while rank 0
-  broadcasts the bucket's bytes in the group — one broadcast reaches every server.
+* distributed: ``/init_weights_update_group`` once per sender (the sender is rank 0 of its own group, named
+  apart; each server's TP ranks follow at ``rank_offset``; backend gloo works on the CPU server, NCCL on GPU).
+  A server holds any number of such groups by name (SGLang's ``_model_update_group`` dict). Per bucket the
+  sender posts ``/update_weights_from_distributed`` (``load_format: flattened_bucket``, its ``group_name``)
+  while it broadcasts the bucket's bytes in its group — one broadcast reaches every server. A server runs
+  the senders' requests one at a time; each sender's broadcast waits until the server reaches its request.
+* Several senders (``SGLangChannelSpec``): rank 0 opens the session (``SGLangReceiver``) and hands the spec
+  to every sender, which sends its own buckets (tensor: from its own host; distributed: in its own group);
+  rank 0 commits only after every sender reported done, or aborts on every server.
 * Verification reads ``/weights_checker`` (``action: checksum``): sha256 checksums of the server's own
   tensors by SGLang name, one entry per scheduler rank (``parallelism_info.tp_rank``: each TP rank reports
   its shard). ``checksums_by_name`` turns that into ``{name: (rank 0's checksum, rank 1's, ...)}``; the
@@ -33,7 +38,8 @@ import base64
 import io
 import json
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,9 +48,10 @@ from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.buckets import DTYPE_NAMES
 from megatron_rl.weight_sync.delta import DeltaBucket
 from megatron_rl.weight_sync.server_loader import LOADER, SERVER_FLAGS
-from megatron_rl.weight_sync.transport import UpdateGroup, run_parallel
+from megatron_rl.weight_sync.transport import (ChannelSpec, SenderChannel, ServerSet, drop_update_group, run_parallel,
+                                               update_group)
 
-__all__ = ["SGLangTensorReceiver", "SGLangDistributedReceiver", "serialize_for_server",
+__all__ = ["SGLangReceiver", "SGLangChannelSpec", "SGLangTensorChannel", "SGLangBroadcastChannel", "serialize_for_server",
            "checksums_by_name", "FP32_KEPT_SUFFIXES"]
 
 #: Tensors SGLang keeps in fp32 in a bf16 model (its DeepSeek MoEGate allocates the bias in fp32).
@@ -66,13 +73,106 @@ def serialize_for_server(named: List) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-class _SessionReceiver(WeightReceiver):
-    """Shared session logic: begin on every server, commit / abort on every server."""
+class SGLangTensorChannel(SenderChannel):
+    """A sender's ``/update_weights_from_tensor`` per bucket to every server (servers on the sender's host)."""
 
-    def __init__(self, engine, version: str, timeout_s: float):
+    def __init__(self, servers: ServerSet, timeout_s: float):
+        self.servers, self.timeout_s = servers, timeout_s
+
+    def send(self, bucket) -> None:
+        """A ``Bucket`` (SGLang's own loader), or a ``delta.DeltaBucket``: its meta (JSON) and the bytes the engine
+        needs, for our loader in the server (``server_loader.py``: ``load_format`` names it)."""
+        request = {"flush_cache": True}
+        if isinstance(bucket, DeltaBucket):
+            payload = serialize_for_server([(json.dumps(bucket.engine_meta()), bucket.flat[:bucket.engine_nbytes])])
+            request["load_format"] = LOADER
+        else:
+            payload = serialize_for_server(bucket.tensors())
+        try:
+            _each(self.servers, lambda u, n: self.servers.post_ok(
+                u, "/update_weights_from_tensor", {"serialized_named_tensors": [payload] * n, **request},
+                self.timeout_s), f"bucket {bucket.names[0]} .. {bucket.names[-1]}")
+        except WeightSyncError as exc:
+            if "load_format" in request and "load_format" in str(exc):
+                raise WeightSyncError(f"{exc} -- a delta sync needs the servers started with "
+                                      f"{' '.join(SERVER_FLAGS)}") from exc
+            raise
+
+
+class SGLangBroadcastChannel(SenderChannel):
+    """A sender's ``/update_weights_from_distributed`` per bucket, the bytes broadcast in the sender's own
+    ``UpdateGroup`` with every server (set up on first use and kept; dropped when a bucket fails)."""
+
+    def __init__(self, servers: ServerSet, timeout_s: float, backend: str, master_address: Optional[str]):
+        self.servers, self.timeout_s = servers, timeout_s
+        self.group = update_group(servers, master_address, timeout_s, backend)
+
+    def send(self, bucket) -> None:
+        if isinstance(bucket, DeltaBucket):
+            raise WeightSyncError("a delta sync cannot go through /update_weights_from_distributed (SGLang loads "
+                                  "whole tensors there): use rollout.weight_sync: tensor")
+        meta = {"names": list(bucket.names), "dtypes": [DTYPE_NAMES[bucket.dtype]] * len(bucket.names),
+                "shapes": [list(s) for s in bucket.shapes], "group_name": self.group.name,
+                "load_format": "flattened_bucket", "flush_cache": True}
+        flat = bucket.flat.to(self.group.device)
+        work = dist.broadcast(flat, src=0, group=self.group.pg, async_op=True)
+        urls = self.servers.urls
+        results = run_parallel([lambda u=u: self.servers.post_ok(u, "/update_weights_from_distributed", meta,
+                                                                 self.timeout_s) for u in urls])
+        errors = [f"{u}: {r}" for u, r in zip(urls, results) if isinstance(r, BaseException)]
+        if not errors:  # every server received: the broadcast is complete; else do not wait on a dead peer
+            try:
+                work.wait(timedelta(seconds=self.timeout_s))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"trainer broadcast: {exc}")
+        if errors:
+            drop_update_group(urls)  # a broken group is rebuilt by the next sync
+            raise WeightSyncError(f"bucket of {len(bucket.names)} tensor(s) {bucket.names[0]} .. "
+                                  f"{bucket.names[-1]}: " + "; ".join(errors))
+
+
+@dataclass(frozen=True)
+class SGLangChannelSpec(ChannelSpec):
+    """How every sender reaches the servers: ``/update_weights_from_tensor`` (``backend`` None) or its own
+    update group (``backend`` gloo / nccl)."""
+
+    servers: ServerSet
+    """The servers."""
+    timeout_s: float
+    """Bound of each request and broadcast."""
+    backend: Optional[str] = None
+    """The update groups' backend; None: tensors through shared memory."""
+    master_address: Optional[str] = None
+    """The address the servers reach global rank 0 at (other senders find theirs: ``master_address_for``)."""
+
+    def open(self, rank: int, senders: List[int], receiver=None) -> Optional[SenderChannel]:
+        if rank not in senders:
+            return None
+        if self.backend is None:
+            return SGLangTensorChannel(self.servers, self.timeout_s)
+        return SGLangBroadcastChannel(self.servers, self.timeout_s, self.backend,
+                                      self.master_address if rank == 0 else None)
+
+
+def _each(servers: ServerSet, fn: Callable[[str, int], Any], what: str) -> None:
+    """``fn(url, tp_size)`` on every server at once; every failure raised together."""
+    results = run_parallel([lambda u=u, n=n: fn(u, n) for u, n in zip(servers.urls, servers.tp_sizes)])
+    errors = [f"{u}: {r}" for u, r in zip(servers.urls, results) if isinstance(r, BaseException)]
+    if errors:
+        raise WeightSyncError(f"{what}: " + "; ".join(errors))
+
+
+class SGLangReceiver(WeightReceiver):
+    """One update session on every server (rank 0): begin, the senders' buckets, then commit or abort on every
+    server. ``backend`` as in ``SGLangChannelSpec``."""
+
+    def __init__(self, engine, version: str, timeout_s: float, backend: Optional[str] = None,
+                 master_address: Optional[str] = None):
         self.engine = engine
         self.version = version
         self.timeout_s = timeout_s
+        self.spec = SGLangChannelSpec(engine.server_set(), timeout_s, backend, master_address)
+        self._local: Optional[SenderChannel] = None
         self.opened: List[str] = []
         try:
             for url in engine.urls:
@@ -84,18 +184,26 @@ class _SessionReceiver(WeightReceiver):
             self.abort("could not open the update session")
             raise
 
-    def _each(self, fn: Callable[[str], Any]) -> None:
-        results = run_parallel([lambda u=u: fn(u) for u in self.engine.urls])
-        errors = [f"{u}: {r}" for u, r in zip(self.engine.urls, results) if isinstance(r, BaseException)]
-        if errors:
-            raise WeightSyncError(f"weight sync to {self.version!r}: " + "; ".join(errors))
+    def channel(self) -> SGLangChannelSpec:
+        return self.spec
+
+    def load(self, bucket) -> None:
+        """Rank 0 as the one sender (buckets it owns)."""
+        if self._local is None:
+            self._local = self.spec.open(0, [0])
+        try:
+            self._local.send(bucket)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"weight sync to {self.version!r}, {exc}") from exc
 
     def commit(self) -> None:
-        self._each(lambda u: self.engine._post_ok(u, "/end_weight_update", {}, self.timeout_s))
+        what = f"weight sync to {self.version!r}"
+        post = self.engine._post_ok
+        _each(self.spec.servers, lambda u, n: post(u, "/end_weight_update", {}, self.timeout_s), what)
         self.opened = []
-        self._each(lambda u: self.engine._post_ok(u, "/update_weight_version",
-                                                  {"new_version": self.version, "abort_all_requests": False},
-                                                  self.timeout_s))
+        _each(self.spec.servers, lambda u, n: post(u, "/update_weight_version",
+                                                    {"new_version": self.version, "abort_all_requests": False},
+                                                    self.timeout_s), what)
         self.engine._check_versions(self.version)
 
     def abort(self, reason: str) -> None:
@@ -109,63 +217,6 @@ class _SessionReceiver(WeightReceiver):
             except Exception:  # noqa: BLE001 - a dead server serves nothing
                 pass
         self.opened = []
-
-
-class SGLangTensorReceiver(_SessionReceiver):
-    """``/update_weights_from_tensor`` per bucket (servers on this host)."""
-
-    def load(self, bucket) -> None:
-        """A ``Bucket`` (SGLang's own loader), or a ``delta.DeltaBucket``: its meta (JSON) and the bytes the engine
-        needs, for our loader in the server (``server_loader.py``: ``load_format`` names it)."""
-        request = {"flush_cache": True}
-        if isinstance(bucket, DeltaBucket):
-            payload = serialize_for_server([(json.dumps(bucket.engine_meta()), bucket.flat[:bucket.engine_nbytes])])
-            request["load_format"] = LOADER
-        else:
-            payload = serialize_for_server(bucket.tensors())
-
-        def send(url):
-            n = self.engine.server_tp_size(url)
-            self.engine._post_ok(url, "/update_weights_from_tensor",
-                                 {"serialized_named_tensors": [payload] * n, **request}, self.timeout_s)
-
-        try:
-            self._each(send)
-        except WeightSyncError as exc:
-            if "load_format" in request and "load_format" in str(exc):
-                raise WeightSyncError(f"{exc} -- a delta sync needs the servers started with "
-                                      f"{' '.join(SERVER_FLAGS)}") from exc
-            raise
-
-
-class SGLangDistributedReceiver(_SessionReceiver):
-    """``/update_weights_from_distributed`` per bucket, the bytes broadcast in the ``UpdateGroup``."""
-
-    def __init__(self, engine, version: str, timeout_s: float, group: UpdateGroup):
-        super().__init__(engine, version, timeout_s)
-        self.group = group
-
-    def load(self, bucket) -> None:
-        if isinstance(bucket, DeltaBucket):
-            raise WeightSyncError("a delta sync cannot go through /update_weights_from_distributed (SGLang loads "
-                                  "whole tensors there): use rollout.weight_sync: tensor")
-        meta = {"names": list(bucket.names), "dtypes": [DTYPE_NAMES[bucket.dtype]] * len(bucket.names),
-                "shapes": [list(s) for s in bucket.shapes], "group_name": self.group.name,
-                "load_format": "flattened_bucket", "flush_cache": True}
-        flat = bucket.flat.to(self.group.device)
-        work = dist.broadcast(flat, src=0, group=self.group.pg, async_op=True)
-        results = run_parallel([lambda u=u: self.engine._post_ok(u, "/update_weights_from_distributed", meta,
-                                                              self.timeout_s) for u in self.engine.urls])
-        errors = [f"{u}: {r}" for u, r in zip(self.engine.urls, results) if isinstance(r, BaseException)]
-        if not errors:  # every server received: the broadcast is complete; else do not wait on a dead peer
-            try:
-                work.wait(timedelta(seconds=self.timeout_s))
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(f"trainer broadcast: {exc}")
-        if errors:
-            self.engine._drop_group()  # a broken group is rebuilt by the next sync
-            raise WeightSyncError(f"weight sync to {self.version!r}, bucket of {len(bucket.names)} tensor(s) "
-                                  f"{bucket.names[0]} .. {bucket.names[-1]}: " + "; ".join(errors))
 
 
 def checksums_by_name(reply: Dict, url: str) -> Dict[str, tuple]:
