@@ -2,6 +2,12 @@
 
     OMP_NUM_THREADS=1 python tools/bench_weight_sync.py [--hidden 1024] [--layers 6] [--vocab 16384] [--tp 2]
         [--bucket-mb 64] [--sglang] [--delta-lrs 1e-6,1e-4]
+    OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --senders [--sglang] [--experts 8]
+
+``--senders``: one sender vs several on the same 2 ranks and model, against a same-run memcpy floor: a dense
+Qwen2 at TP2 (one sender: stage 0's TP rank 0) vs PP2 (two senders, one per stage), and a Qwen3-MoE at DP2
+without expert parallelism (one sender) vs EP2 (two senders, one per EP rank); in memory (embedded: tensor;
+``--sglang``: distributed into a CPU server). The floor: one host ``copy_`` of the same bytes in this process.
 
 A random-weight Qwen2 of a real shape (hidden / layers / vocab; fp32 in the trainer, ~400 MB at the
 defaults) on ``--tp`` gloo ranks syncs into the embedded engine (bf16) by disk (HF export + reload) and by
@@ -131,6 +137,56 @@ def _print_delta(out):
               f"{res['delta']['s'] / res['full']['s']:.2f}x the time")
 
 
+def _job(hf, parallel: dict, bucket_mb: float):
+    from megatron_rl.config import job_config_from_dict
+    from megatron_rl.convert.hf_config import model_config_from_hf
+
+    with open(os.path.join(hf, "config.json")) as fh:
+        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
+    return job_config_from_dict({"model": model, "actor": {"load_hf": hf, "micro_batch_size": 1},
+                                 "rollout": {"weight_sync_bucket_mb": bucket_mb}, "parallel": parallel})
+
+
+def senders_main(a) -> None:
+    """One sender vs several (see the module doc)."""
+    from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server
+    from megatron_rl.testing.distributed import run_ranks
+    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+
+    root = tempfile.mkdtemp(prefix="bench_ws_senders_")
+    shape = dict(hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
+                 num_key_value_heads=4, vocab_size=a.vocab)
+    dense = build_tiny_hf_model(os.path.join(root, "dense"), arch="qwen2", seed=0,
+                                intermediate_size=a.hidden * 11 // 4, **shape)
+    moe = build_tiny_hf_model(os.path.join(root, "moe"), arch="qwen3_moe", seed=0, num_experts=a.experts,
+                              num_experts_per_tok=2, moe_intermediate_size=a.hidden, tie_word_embeddings=False,
+                              **shape)
+    cases = [("dense TP2 (1 sender)", dense, {"tensor_model_parallel_size": 2}),
+             ("dense PP2 (2 senders)", dense, {"pipeline_model_parallel_size": 2}),
+             ("MoE DP2 (1 sender)", moe, {}),
+             ("MoE EP2 (2 senders)", moe, {"expert_model_parallel_size": 2})]
+    rows = []
+    for label, hf, parallel in cases:
+        server = None
+        try:
+            if a.sglang:
+                server = launch_sglang_server(hf, port=find_free_port(), device="cpu", max_total_tokens=1024,
+                                              ready_timeout=600)
+            modes = [("sglang", "distributed")] if a.sglang else [("embedded", "tensor")]
+            out = run_ranks(_body, 2, _job(hf, parallel, a.bucket_mb), modes, server.url if server else None,
+                            a.repeats, timeout=3000)
+        finally:
+            if server is not None:
+                server.terminate()
+        for key, r0 in out[0].items():
+            floor = _memcpy_s(r0["weight_sync/bytes"])
+            rows.append((label, key, r0["weight_sync/senders"], r0["s"], r0["weight_sync/bytes"], floor))
+    print(f"{'layout':24s} {'engine/mode':20s} {'senders':>7s} {'sync s':>8s} {'MiB':>8s} {'memcpy s':>9s} "
+          f"{'x floor':>8s}")
+    for label, key, n, s, nbytes, floor in rows:
+        print(f"{label:24s} {key:20s} {n:7.0f} {s:8.3f} {nbytes / 2**20:8.1f} {floor:9.4f} {s / floor:8.1f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -142,9 +198,11 @@ def main(argv=None):
     p.add_argument("--sglang", action="store_true", help="also a CPU SGLang server: disk / distributed / tensor")
     p.add_argument("--delta-lrs", default="", help="comma list of learning rates: full vs delta sync after train "
                    "steps at each (instead of the mode comparison)")
+    p.add_argument("--senders", action="store_true", help="one sender vs several (TP2 vs PP2, DP2 vs EP2)")
+    p.add_argument("--experts", type=int, default=8, help="--senders: routed experts of the MoE model")
     a = p.parse_args(argv)
-    from megatron_rl.config import job_config_from_dict
-    from megatron_rl.convert.hf_config import model_config_from_hf
+    if a.senders:
+        return senders_main(a)
     from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server
     from megatron_rl.testing.distributed import run_ranks
     from megatron_rl.testing.tiny_hf import build_tiny_hf_model
@@ -154,11 +212,7 @@ def main(argv=None):
                              intermediate_size=a.hidden * 11 // 4, num_hidden_layers=a.layers,
                              num_attention_heads=a.hidden // 64, num_key_value_heads=4,
                              vocab_size=a.vocab)
-    with open(os.path.join(hf, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    job = job_config_from_dict({"model": model, "actor": {"load_hf": hf, "micro_batch_size": 1},
-                                "rollout": {"weight_sync_bucket_mb": a.bucket_mb},
-                                "parallel": {"tensor_model_parallel_size": a.tp}})
+    job = _job(hf, {"tensor_model_parallel_size": a.tp}, a.bucket_mb)
     fp32_mb = os.path.getsize(os.path.join(hf, "model.safetensors")) / 2**20
     print(f"model: qwen2 hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}: {fp32_mb:.0f} MiB fp32 "
           f"(trainer, TP{a.tp}), engine bf16; bucket {a.bucket_mb} MiB")

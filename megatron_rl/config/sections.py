@@ -120,9 +120,10 @@ class RolloutConfig:
     weight_sync: str = "auto"
     """How weights reach the engine after each step (megatron_rl/weight_sync/): "disk" (HF export
     + reload; full model on rank 0), "tensor" (buckets in memory: in process for the embedded engine,
-    /update_weights_from_tensor for an SGLang server on the same host), "distributed" (SGLang: buckets
-    broadcast over a gloo / NCCL group, /update_weights_from_distributed). "auto": tensor for embedded,
-    distributed for SGLang, disk for SGLang in mode async."""
+    /update_weights_from_tensor for an SGLang server on the senders' host), "distributed" (SGLang: buckets
+    broadcast over a gloo / NCCL group per sender, /update_weights_from_distributed). In memory, every
+    pipeline stage's and expert-parallel rank's shard owner sends its own tensors, in parallel.
+    "auto": tensor for embedded, distributed for SGLang, disk for SGLang in mode async."""
     weight_sync_bucket_mb: float = 512.0
     """Bucket size of the in-memory modes in MiB: peak extra host memory of a sync is about one bucket plus
     the parameter being gathered (a larger parameter travels alone)."""
@@ -135,17 +136,19 @@ class RolloutConfig:
     rotated by version; -1 = every tensor the engine can report (weight_sync/verified_param_frac 1)."""
     weight_sync_timeout_s: float = 600.0
     """Bound of each weight-sync request to a server, retries included (a bucket, the group set-up, a disk
-    load, the weight checksums)."""
+    load, the weight checksums), and of rank 0's wait for every sender to finish (a sender that has not by
+    then is named and the version aborted)."""
     weight_sync_delta: bool = False
     """weight_sync tensor (the embedded engine; SGLang servers on the trainer's host): per HF tensor, send only
     the elements whose bits changed since the version the engine holds (positions + values; the whole tensor
     when that is smaller), applied exactly (the engine's
     weights equal a full sync's bit for bit). The first version, and the one after a failed or skipped version,
-    is a full sync. Costs a copy of each stage's HF tensors (engine dtype) on its leader, and with SGLang a copy
+    is a full sync. Costs a copy of each sender's own HF tensors (engine dtype) on it, and with SGLang a copy
     of the model in each server process's host memory (docs/weight_sync.md#delta-sync)."""
     weight_sync_master_address: Optional[str] = None
     """distributed: the address SGLang servers use to reach trainer rank 0 (default: the address of this
-    host's interface that routes to the servers; 127.0.0.1 when every server is on loopback)."""
+    host's interface that routes to the servers; 127.0.0.1 when every server is on loopback). Other
+    senders always use the address of their own host's interface that routes to the servers."""
     mode: str = "sync"
     """"sync": generate, then train, then sync weights, in sequence. "async": rank 0 generates the next
     steps' rollouts in a background thread while the trainer trains (megatron_rl/trainer/async_rollout.py);

@@ -1,4 +1,4 @@
-"""The trainer side of delta syncs (``rollout.weight_sync_delta``): each pipeline stage's leader keeps its HF
+"""The trainer side of delta syncs (``rollout.weight_sync_delta``): each sender keeps its own HF
 tensors as the engine holds them (cast to the engine's dtype; fp32-kept tensors in fp32) and packs, per tensor,
 only what changed since (``delta.encode_delta`` -> ``delta.pack_deltas``).
 
@@ -13,7 +13,7 @@ version: rank 0 sends a delta only while the engine serves, valid, the version t
 The copies are updated in place as the tensors pass (no second copy of the model); a failed sync leaves them
 at no known version, so the next one is full. ``checks``: HF names whose whole tensor rank 0's verifier needs;
 they ride in the bucket after the engine's bytes (``kind`` check) unless they travel dense anyway.
-Memory: the stage's HF tensors once, in the engine's dtype, on its leader.
+Memory: the sender's own HF tensors once, in the engine's dtype.
 """
 from __future__ import annotations
 

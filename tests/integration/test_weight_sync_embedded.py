@@ -233,7 +233,7 @@ def _dying_sender_body(rank, world, job, engine_dir, result_path):
 
 @pytest.mark.timeout(300)
 def test_sender_dying_mid_sync_is_named_and_nothing_committed(models, tmp_path):
-    timeout_s = 8
+    timeout_s = 4
     job = _job(models["actor"], tp=1, pp=2, weight_sync_bucket_mb=0.02, weight_sync_timeout_s=timeout_s)
     with pytest.raises(RankError, match="rank 1"):
         run_ranks(_dying_sender_body, 2, job, models["other"], str(tmp_path / "rank0.json"), timeout=240)
