@@ -91,7 +91,7 @@ class SGLangTensorChannel(SenderChannel):
         try:
             _each(self.servers, lambda u, n: self.servers.post_ok(
                 u, "/update_weights_from_tensor", {"serialized_named_tensors": [payload] * n, **request},
-                self.timeout_s), f"bucket {bucket.names[0]} .. {bucket.names[-1]}")
+                self.timeout_s), _label(bucket))
         except WeightSyncError as exc:
             if "load_format" in request and "load_format" in str(exc):
                 raise WeightSyncError(f"{exc} -- a delta sync needs the servers started with "
@@ -127,8 +127,7 @@ class SGLangBroadcastChannel(SenderChannel):
                 errors.append(f"trainer broadcast: {exc}")
         if errors:
             drop_update_group(urls)  # a broken group is rebuilt by the next sync
-            raise WeightSyncError(f"bucket of {len(bucket.names)} tensor(s) {bucket.names[0]} .. "
-                                  f"{bucket.names[-1]}: " + "; ".join(errors))
+            raise WeightSyncError(f"{_label(bucket)}: " + "; ".join(errors))
 
 
 @dataclass(frozen=True)
@@ -152,6 +151,12 @@ class SGLangChannelSpec(ChannelSpec):
             return SGLangTensorChannel(self.servers, self.timeout_s)
         return SGLangBroadcastChannel(self.servers, self.timeout_s, self.backend,
                                       self.master_address if rank == 0 else None)
+
+
+def _label(bucket) -> str:
+    """A bucket in an error message (a delta bucket may carry no tensor when none changed)."""
+    names = list(bucket.names)
+    return f"bucket of {len(names)} tensor(s)" + (f" {names[0]} .. {names[-1]}" if names else "")
 
 
 def _each(servers: ServerSet, fn: Callable[[str, int], Any], what: str) -> None:
