@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from megatron_rl.rollout.versions import parse_version
 from megatron_rl.weight_sync.buckets import tensor_checksum
 
 #: Finish reasons a ``Rollout`` can carry.
@@ -151,11 +152,13 @@ class Rollout:
     rollout_log_probs: list[float]
     #: ``"stop"`` (EOS or a stop id) or ``"length"`` (hit ``max_new_tokens``).
     finish_reason: str
-    #: The engine weight version that produced every token of this response.
+    #: The engine weight version that produced this response (its first token; every token unless
+    #: ``token_versions`` says otherwise).
     weight_version: str
     #: Which engine produced it (e.g. the server URL), for diagnostics.
     source: str = ""
-    #: Extra engine-specific information (e.g. the matched stop token), not used by training.
+    #: Extra engine-specific information (e.g. the matched stop token; ``"token_versions"``: the per-token versions
+    #: of an engine view that generates in segments, read through ``token_versions``).
     info: dict[str, Any] = field(default_factory=dict)
     #: MoE routing the engine used (``[len(prompt) + len(response) - 1, moe_layers, topk]`` expert ids, uint8 /
     #: int16: every token it fed through the model), or None when not captured. ``RolloutBatch.routing``
@@ -168,6 +171,16 @@ class Rollout:
                              f"but {len(self.rollout_log_probs)} rollout_log_probs")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Rollout.finish_reason={self.finish_reason!r} must be one of {FINISH_REASONS}")
+
+    @property
+    def token_versions(self) -> list[int]:
+        """The weight version (``parse_version``) of every response token: the tags of the engine view that
+        generated it in segments (``trainer.async_rollout.SegmentedEngine``: a response may span versions), else
+        ``weight_version`` for every token. ValueError when ``weight_version`` is not ``step-<int>``."""
+        tagged = self.info.get("token_versions")
+        if tagged is not None:
+            return [int(v) for v in tagged]
+        return [parse_version(self.weight_version)] * len(self.response_ids)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (one line of a recorded-rollouts JSONL file)."""

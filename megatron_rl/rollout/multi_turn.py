@@ -13,9 +13,9 @@ distinct token budget: an engine call has one ``max_new_tokens``):
    trajectory (the first turn: ``n`` samples of each prompt, prompt-major, as a single-turn step draws them),
    ``seed + 7919 * turn`` (ignored where the engine is not ``seeded_sampling``), ``max_new_tokens = min(
    max_tokens_per_turn, budget left)``. Its ids, log-probs and per-token weight versions become a model
-   ``Segment`` unchanged: nothing the model produced is ever decoded and re-encoded. Versions: the async
-   producer's ``SegmentedEngine`` view tags every token (``rollout.info["token_versions"]``: a turn may span
-   versions in interrupt mode), otherwise every token has the rollout's ``weight_version``. MoE routing of
+   ``Segment`` unchanged: nothing the model produced is ever decoded and re-encoded. Versions: each token's
+   ``Rollout.token_versions`` (a turn through the async producer's view may span versions in interrupt mode).
+   MoE routing of
    each call is joined onto the trajectory's (``rollout.routing.join_routing``): positions fed by earlier
    calls keep their routing, so every model token keeps the routing it was sampled with.
 2. **Limits** (``TurnLimits``), after a model turn: a turn cut by its token limit without a stop token ends
@@ -35,9 +35,9 @@ Overlong handling: a trajectory never holds more than ``max_total_tokens`` respo
 limit is marked by its finish ("max_tokens", "length", "max_turns"); its model tokens are trained like any others
 with the reward the environment gave (0 when it never said done).
 
-The driver raises ``StaleRolloutError`` (with ``expected_version``) when the engine served other weights than
-the step expects: every call's rollouts, except that with the async view (per-token versions) only the first
-turn is pinned; later turns may run on newer weights and the rollout source bounds their staleness.
+The driver raises ``StaleRolloutError`` (with ``expected_version``) when the first turn's rollouts come from other
+weights than the step expects; later turns may run on newer weights (the async producer's view in interrupt
+mode), and the rollout source bounds the staleness of every token of the step (``check_staleness``).
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ from megatron_rl.rollout.budget import TurnLimits
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.routing import join_routing
 from megatron_rl.rollout.trajectory import Segment, Trajectory
-from megatron_rl.rollout.versions import parse_version
 
 __all__ = ["TurnLimits", "ObservationEncoder", "run_trajectories", "OBSERVATION_FIELD"]
 
@@ -87,21 +86,13 @@ class _Open:
     routed: int = 0        # positions the routing so far covers (fed to the engine by earlier calls)
 
 
-def _versions(rollout) -> List[int]:
-    """The weight version of every response token of one engine rollout."""
-    tagged = rollout.info.get("token_versions") if isinstance(rollout.info, dict) else None
-    if tagged is not None:
-        return [int(v) for v in tagged]
-    return [parse_version(rollout.weight_version)] * len(rollout.response_ids)
-
-
-def _check_version(rollouts, expected: Optional[str], first_turn: bool, turn: int) -> None:
+def _check_version(rollouts, expected: Optional[str]) -> None:
+    """The first turn starts from the step's weights (``expected``; None: not checked)."""
     if expected is None:
         return
-    bad = [r.weight_version for r in rollouts if r.weight_version != expected
-           and (first_turn or "token_versions" not in r.info)]
+    bad = [r.weight_version for r in rollouts if r.weight_version != expected]
     if bad:
-        raise StaleRolloutError(f"multi-turn turn {turn + 1}: {len(bad)} rollouts from weight version {bad[0]!r}, "
+        raise StaleRolloutError(f"multi-turn turn 1: {len(bad)} rollouts from weight version {bad[0]!r}, "
                                 f"expected {expected!r}")
 
 
@@ -141,7 +132,7 @@ def run_trajectories(engine, pool, prompts: Sequence[Sequence[int]], samples: Se
             # earlier calls fed (and routed) everything up to their last sampled token; this call fed the rest
             row.traj.routing = (r.routed_experts if row.traj.turns == 0
                                 else join_routing(row.traj.routing, r.routed_experts, row.routed))
-            row.traj.segments.append(Segment("model", ids, [float(x) for x in r.rollout_log_probs], _versions(r),
+            row.traj.segments.append(Segment("model", ids, [float(x) for x in r.rollout_log_probs], r.token_versions,
                                              finish_reason=finish))
             row.used += len(ids)
             row.routed = len(row.traj.prompt_ids) + row.used - 1
@@ -206,7 +197,7 @@ def _model_turn(engine, open_rows: List[_Open], rows: List[_Open], n: int, sampl
         prompts = [rows[b].traj.prompt_ids for b in range(0, len(rows), n)]
         out = engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=budget), n=n, seed=call_seed)
         _check_length(out, len(rows))
-        _check_version(out, expected_version, True, turn)
+        _check_version(out, expected_version)
         return list(zip(rows, out))
     by_budget: Dict[int, List[_Open]] = {}
     for row in open_rows:
@@ -218,7 +209,6 @@ def _model_turn(engine, open_rows: List[_Open], rows: List[_Open], n: int, sampl
         out = engine.generate([row.traj.prompt_ids + row.traj.response_ids for row in group],
                               dataclasses.replace(sampling, max_new_tokens=budget), n=1, seed=call_seed)
         _check_length(out, len(group))
-        _check_version(out, expected_version, False, turn)
         got.update({id(row): r for row, r in zip(group, out)})
     return [(row, got[id(row)]) for row in open_rows]
 

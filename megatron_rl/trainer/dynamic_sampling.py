@@ -20,7 +20,8 @@ Rounds: round ``r`` of step ``t`` draws ``data.prompts_per_step`` fresh prompts 
 draws. Nothing about the rounds is state: a resumed run draws the same prompts in the same rounds. A round
 ends the step as soon as the groups with signal fill the batch (the first ``prompts_per_step`` of them, in the
 order drawn). Async interrupt mode may load newer weights between a round's segments; the next round then
-starts from the version the engine holds (every token keeps its version; the staleness bound still holds).
+starts from the newest version the previous round's tokens carry -- the one the engine holds, as it loads only
+before a segment that then samples on it (every token keeps its version; the staleness bound still holds).
 
 Exhausted: after ``max_num_gen_batches`` rounds with fewer groups with signal than the batch needs, rank 0
 warns (``FilterGroupsExhaustedWarning``, naming the step and the counts) and ``on_exhausted`` decides: "train"
@@ -48,7 +49,7 @@ from array import array
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_rl.rollout.base import RolloutError
-from megatron_rl.trainer.async_rollout import SegmentedEngine
+from megatron_rl.rollout.versions import parse_version, version_tag
 from megatron_rl.trainer.reward_failures import RewardFailureError, reward_failure_error
 from megatron_rl.trainer.step_batch import StepBatch
 
@@ -84,6 +85,13 @@ def groups_with_signal(values: Sequence[float], n: int) -> List[bool]:
     values = array("f", values)  # float32, as the trainer's reward tensor
     groups = [values[g * n:(g + 1) * n] for g in range(len(values) // n)]
     return [n == 1 or max(v) != min(v) for v in groups]
+
+
+def newest_version(batch: StepBatch) -> str:
+    """The tag of the newest weight version any token of ``batch`` carries (its ``weight_version`` when newer or
+    when no row carries per-token versions)."""
+    newest = max((v for row in batch.token_versions for v in row), default=parse_version(batch.weight_version))
+    return version_tag(max(newest, parse_version(batch.weight_version)))
 
 
 def metric_values(batch: StepBatch, metric: str) -> List[float]:
@@ -146,7 +154,7 @@ class DynamicSampling:
         dropped: List[Tuple[int, int]] = []
         for rnd in range(self.max_rounds):
             # interrupt mode may have loaded newer weights during the previous round: start from those
-            tag = engine.weight_version if rnd and isinstance(engine, SegmentedEngine) else version
+            tag = newest_version(rounds[-1]) if rnd else version
             batch = self.inner.generate(engine, step, tag, rnd)
             failure = reward_failure_error(batch.metrics, batch.num_rows, self.max_failed, step + 1)
             if failure is not None:  # failed rewards score alike: more rounds would only fail alike

@@ -144,7 +144,7 @@ class Job:
         """Rank 0, ``trainer.dump_rollouts``: append the step's rows to run_dir/rollouts.jsonl."""
         if self.rank0 and self.cfg.trainer.dump_rollouts:
             with open(os.path.join(self.cfg.trainer.run_dir, "rollouts.jsonl"), "a") as fh:
-                for line in batch.records(step):
+                for line in batch.records(step, versions=self.source.dump_versions):
                     fh.write(line + "\n")
 
     def checkpoint_due(self, step: int, stopping: bool) -> bool:

@@ -42,7 +42,6 @@ from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
 from megatron_rl.rollout.trajectory import COUNT_KEYS, FINISH_REASONS
 from megatron_rl.tasks.base import response_text
 from megatron_rl.tasks.options import DataOptions
-from megatron_rl.trainer.async_rollout import SegmentedEngine
 from megatron_rl.trainer.dynamic_sampling import DynamicSampling
 from megatron_rl.trainer.step_batch import StepBatch
 
@@ -142,8 +141,7 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                      truncated=[r.finish_reason == "length" for r in rollouts],
                      metrics={**step_metrics(prompt_rows, rollouts, result.rewards, penalties, result,
                                              task.stats()), **routing_stats},
-                     token_versions=[list(r.info["token_versions"]) for r in rollouts
-                                        if "token_versions" in r.info])
+                     token_versions=[r.token_versions for r in rollouts])
 
 
 class PartialRoutingError(RolloutError, RoutingError):
@@ -225,8 +223,8 @@ class MultiTurn:
     Prompts are drawn exactly as ``generate_step`` draws them (``sample_prompts``) and the first turn is sampled
     as a single-turn step samples its responses (same seed, ``n`` per prompt). Rewards are the environments'
     (0 for a trajectory that never got an answer, or whose environment failed). Rows carry ``loss_masks``
-    (environment tokens 0) and, with the async producer's view, per-token versions (an environment token has
-    the version of the model turn before it, so only model tokens decide staleness). Environment failures
+    (environment tokens 0) and per-token versions (an environment token has the version of the model turn before
+    it, so only model tokens decide staleness). Environment failures
     count as failed rewards (``reward/failed``: exceptions and garbage, ``reward/timed_out``: timeouts) under
     ``data.max_reward_failure_frac``; metrics ``multi_turn/*`` (turns, environment token share, finish reasons,
     per-trajectory counts)."""
@@ -265,8 +263,7 @@ class MultiTurn:
                          rewards=[float(t.reward) for t in trajs], weight_version=version, routing=routing,
                          truncated=[t.finish in TRUNCATED_FINISHES for t in trajs],
                          metrics={**multi_turn_metrics(prompt_rows, trajs, task.stats()), **routing_stats},
-                         token_versions=([t.token_versions for t in trajs] if isinstance(engine, SegmentedEngine)
-                                         else []),
+                         token_versions=[t.token_versions for t in trajs],
                          loss_masks=[trained_mask(t) for t in trajs])
 
     def close(self) -> None:

@@ -110,6 +110,8 @@ class RolloutSource:
 
     max_lag: int = 0
     """The staleness bound: the most weight versions a token of a batch may lag the trainer."""
+    dump_versions: bool = False
+    """``rollouts.jsonl`` records carry each token's version (``StepBatch.records``): where tokens may lag."""
     publisher: WeightPublisher
     """How each trained version reaches the engine while this source runs."""
 
@@ -152,8 +154,10 @@ class RolloutSource:
 
     def _checked(self, batch: StepBatch, step: int) -> StepBatch:
         """Rank 0: the staleness bound and the reward-failure limit, before the batch leaves."""
-        if batch.token_versions:
-            check_staleness(batch.token_versions, step, self.max_lag, step + 1)
+        if len(batch.token_versions) != batch.num_rows:
+            raise RolloutError(f"step {step + 1}: the step generator gave {batch.num_rows} rows but per-token "
+                               f"versions for {len(batch.token_versions)}")
+        check_staleness(batch.token_versions, step, self.max_lag, step + 1)
         failure = reward_failure_error(batch.metrics, batch.num_generated, self.cfg.data.max_reward_failure_frac,
                                        step + 1)
         if failure is not None:
@@ -179,6 +183,7 @@ class AsyncRollouts(RolloutSource):
         rc = cfg.rollout
         super().__init__(cfg, deferred_publisher(cfg, actor), generator)  # fails before any thread if not deferrable
         self.max_lag = rc.max_staleness
+        self.dump_versions = True
         self.producer = None
         if rank0:  # generation overlaps training from here on
             self.producer = RolloutProducer(

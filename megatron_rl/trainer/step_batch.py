@@ -54,8 +54,8 @@ class StepBatch:
     metrics: Dict[str, float] = field(default_factory=dict)
     """The step's data / reward / length metrics (``rollout_phase`` module docstring)."""
     token_versions: List[List[int]] = field(default_factory=list)
-    """Per row, per response token: the weight version (training steps done) that produced it; empty when the
-    engine reports only one version per rollout (then every token has ``weight_version``)."""
+    """Per row, per response token: the weight version (training steps done) that produced it
+    (``Rollout.token_versions``; every step generator fills it)."""
     loss_masks: List[List[int]] = field(default_factory=list)
     """Per row, per response token: 1 sampled by the model, 0 written by an environment (multi-turn
     ``Trajectory.loss_mask``); empty when every response token is the model's (single turn)."""
@@ -126,10 +126,11 @@ class StepBatch:
         """Prompt + response tokens of every row."""
         return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
 
-    def records(self, step: int) -> Iterator[str]:
-        """One JSON line per row for ``rollouts.jsonl`` (``token_versions`` per response token when the engine
-        was segmented; ``loss_mask`` per response token when the rows are multi-turn)."""
-        versions = self.token_versions or [None] * len(self.response_ids)
+    def records(self, step: int, versions: bool = True) -> Iterator[str]:
+        """One JSON line per row for ``rollouts.jsonl`` (``token_versions`` per response token with ``versions``
+        -- the rollout source says whether tokens may lag: ``RolloutSource.dump_versions`` -- and when the rows
+        carry them; ``loss_mask`` per response token when the rows are multi-turn)."""
+        versions = (self.token_versions if versions else None) or [None] * len(self.response_ids)
         masks = self.loss_masks or [None] * len(self.response_ids)
         for p, r, lp, rw, tv, lm in zip(self.prompt_ids, self.response_ids, self.rollout_log_probs, self.rewards,
                                         versions, masks):
@@ -172,8 +173,10 @@ class StepRows:
         batch = batch.to(device)
         rewards = torch.tensor(r.rewards, dtype=torch.float32).to(device)
         group_index = torch.as_tensor(self.global_rows, dtype=torch.int64, device=device) // n_samples
-        versions = r.token_versions or [[step] * len(x) for x in r.response_ids]
-        lag = token_lag_tensor([len(p) for p in r.prompt_ids], versions, step, batch.max_length - 1).to(device)
+        if len(r.token_versions) != len(r.response_ids):
+            raise ValueError(f"step {step + 1}: {len(r.response_ids)} rows but token_versions of "
+                             f"{len(r.token_versions)} (every row needs the weight version of each response token)")
+        lag = token_lag_tensor([len(p) for p in r.prompt_ids], r.token_versions, step, batch.max_length - 1).to(device)
         return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=self.global_rows)
 
 

@@ -369,7 +369,7 @@ def test_multi_turn_generator_batch(tiny_job, envs, copy_model):
     assert m["multi_turn/finish_answer_frac"] == pytest.approx(len(answered) / batch.num_rows)
     assert batch.rewards == [1.0 if b in answered else 0.0 for b in range(batch.num_rows)]
     assert m["multi_turn/turns_mean"] == pytest.approx(sum(runs) / batch.num_rows)
-    assert batch.token_versions == []          # the plain engine: one version, the step's
+    assert batch.token_versions == [[2] * len(ids) for ids in batch.response_ids]   # every token: the step's version
     # env tokens are in the forward pass but out of the response mask
     shard = batch.shard(2, n, 0, 0, 1, torch.device("cpu"))
     rb = shard.batch

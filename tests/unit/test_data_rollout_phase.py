@@ -44,7 +44,7 @@ class FixedEngine:
                     ids.append(self.tok.eos_token_id)
                 out.append(Rollout(prompt_index=i, prompt_ids=list(p), response_ids=ids,
                                    rollout_log_probs=[-0.5] * len(ids), finish_reason="length" if length else "stop",
-                                   weight_version="v0"))
+                                   weight_version="step-0"))
         return out
 
 
@@ -63,7 +63,7 @@ def test_generate_step_flags_truncation_penalises_and_counts(tmp_path):
     # responses: right answer (3 tokens incl. EOS), 5 tokens + EOS, 6 tokens (hits max_new_tokens), raises
     engine = FixedEngine(tok, ["@@", "12345", "123456", "99"])
     try:
-        out = generate_step(task, engine, cfg, step=0, expected_version="v0")
+        out = generate_step(task, engine, cfg, step=0, expected_version="step-0")
     finally:
         task.close()
     # options applied: prompts truncated to their last 3 tokens (counted)
@@ -93,7 +93,7 @@ def test_correct_answers_score_through_the_step(tmp_path):
                           trainer=SimpleNamespace(seed=0))
     task = build_task("file", tok, path=d.path)
     try:
-        out = generate_step(task, FixedEngine(tok, ["7", "8"]), cfg, step=3, expected_version="v0")
+        out = generate_step(task, FixedEngine(tok, ["7", "8"]), cfg, step=3, expected_version="step-0")
     finally:
         task.close()
     assert out.rewards == [1.0, 0.0, 1.0, 0.0] and out.truncated == [False] * 4

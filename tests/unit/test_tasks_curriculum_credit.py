@@ -187,7 +187,7 @@ class _EchoEngine:
             digits = self.tok.decode(p).split(":")[1].rstrip("=")
             ids = _ids(self.tok, digits)
             out += [Rollout(prompt_index=i, prompt_ids=list(p), response_ids=ids, rollout_log_probs=[-0.1] * len(ids),
-                            finish_reason="stop", weight_version="v0") for _ in range(n)]
+                            finish_reason="stop", weight_version="step-0") for _ in range(n)]
         return out
 
 
@@ -201,7 +201,7 @@ def test_rollout_phase_drives_the_curriculum(tok):
     task = build_task("copy", tok, task_kwargs=kw)
     lengths = {}
     for step in (0, 45):
-        out = generate_step(task, _EchoEngine(tok), cfg, step=step, expected_version="v0")
+        out = generate_step(task, _EchoEngine(tok), cfg, step=step, expected_version="step-0")
         lengths[step] = {len(r) - 1 for r in out.response_ids}
         assert out.rewards == [1.0] * 64
     assert lengths == {0: {1}, 45: {1, 2, 3}}
