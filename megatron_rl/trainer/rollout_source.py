@@ -154,9 +154,6 @@ class RolloutSource:
 
     def _checked(self, batch: StepBatch, step: int) -> StepBatch:
         """Rank 0: the staleness bound and the reward-failure limit, before the batch leaves."""
-        if len(batch.token_versions) != batch.num_rows:
-            raise RolloutError(f"step {step + 1}: the step generator gave {batch.num_rows} rows but per-token "
-                               f"versions for {len(batch.token_versions)}")
         check_staleness(batch.token_versions, step, self.max_lag, step + 1)
         failure = reward_failure_error(batch.metrics, batch.num_generated, self.cfg.data.max_reward_failure_frac,
                                        step + 1)

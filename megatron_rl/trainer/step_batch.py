@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import RolloutBatch, row_blocks
 from megatron_rl.actor.micro_batching import balance_groups
 from megatron_rl.parallel.devices import all_reduce_
+from megatron_rl.rollout.versions import parse_version
 from megatron_rl.trainer.async_rollout import token_lag_tensor
 
 __all__ = ["StepBatch", "StepRows", "StepShard", "shard_rows", "balanced_rows", "stage_routing", "any_rank"]
@@ -55,7 +56,7 @@ class StepBatch:
     """The step's data / reward / length metrics (``rollout_phase`` module docstring)."""
     token_versions: List[List[int]] = field(default_factory=list)
     """Per row, per response token: the weight version (training steps done) that produced it
-    (``Rollout.token_versions``; every step generator fills it)."""
+    (``Rollout.token_versions``); given empty, every token gets ``weight_version``'s."""
     loss_masks: List[List[int]] = field(default_factory=list)
     """Per row, per response token: 1 sampled by the model, 0 written by an environment (multi-turn
     ``Trajectory.loss_mask``); empty when every response token is the model's (single turn)."""
@@ -64,6 +65,14 @@ class StepBatch:
     rows_generated: int = 0
     """Rows generated and scored to make this batch (more than ``num_rows`` when dynamic sampling dropped prompt
     groups: the counts in ``metrics`` cover all of them); 0: ``num_rows``."""
+
+    def __post_init__(self):
+        if not self.token_versions:  # the whole step from one version
+            version = parse_version(self.weight_version)
+            self.token_versions = [[version] * len(r) for r in self.response_ids]
+        if len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"StepBatch: {len(self.response_ids)} rows but token_versions for "
+                             f"{len(self.token_versions)}")
 
     @property
     def num_rows(self) -> int:
@@ -127,10 +136,10 @@ class StepBatch:
         return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
 
     def records(self, step: int, versions: bool = True) -> Iterator[str]:
-        """One JSON line per row for ``rollouts.jsonl`` (``token_versions`` per response token with ``versions``
-        -- the rollout source says whether tokens may lag: ``RolloutSource.dump_versions`` -- and when the rows
-        carry them; ``loss_mask`` per response token when the rows are multi-turn)."""
-        versions = (self.token_versions if versions else None) or [None] * len(self.response_ids)
+        """One JSON line per row for ``rollouts.jsonl``: ``token_versions`` per response token with ``versions``
+        (the rollout source says whether tokens may lag: ``RolloutSource.dump_versions``), ``loss_mask`` per
+        response token when the rows are multi-turn."""
+        versions = self.token_versions if versions else [None] * len(self.response_ids)
         masks = self.loss_masks or [None] * len(self.response_ids)
         for p, r, lp, rw, tv, lm in zip(self.prompt_ids, self.response_ids, self.rollout_log_probs, self.rewards,
                                         versions, masks):
@@ -173,9 +182,6 @@ class StepRows:
         batch = batch.to(device)
         rewards = torch.tensor(r.rewards, dtype=torch.float32).to(device)
         group_index = torch.as_tensor(self.global_rows, dtype=torch.int64, device=device) // n_samples
-        if len(r.token_versions) != len(r.response_ids):
-            raise ValueError(f"step {step + 1}: {len(r.response_ids)} rows but token_versions of "
-                             f"{len(r.token_versions)} (every row needs the weight version of each response token)")
         lag = token_lag_tensor([len(p) for p in r.prompt_ids], r.token_versions, step, batch.max_length - 1).to(device)
         return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=self.global_rows)
 
