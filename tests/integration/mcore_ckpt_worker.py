@@ -16,11 +16,12 @@ from megatron_rl.actor import MegatronActor
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.platform.mcore_version import MCORE
 from megatron_rl.testing.distributed import run_ranks
-from test_actor_checkpoint import MOE, _batch, _job, _step
+from megatron_rl.testing.jobs import layout, named_job, setting
+from test_actor_checkpoint import MOE, SCHEDULE_KEYS, _batch, _step
 
 
 def _rank(rank, world, mode, ckpt_dir):
-    job = _job(tp=2, ep=2, model=MOE)
+    job = named_job("checkpoint_actor", *SCHEDULE_KEYS, setting("model", MOE), *layout(tp=2, ep=2))
     job.parallel.expert_tensor_parallel_size = 1
     job.parallel.sequence_parallel = True
     initialize_model_parallel(job.parallel, seed=7 if mode == "save" else 99, model=job.model)
