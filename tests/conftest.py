@@ -12,8 +12,8 @@ must leave a shared model directory as it found it):
 * ``dense_model``, ``copy_model``: the most used of those (qwen2 seed 0; copy task, hidden 32, 1 layer);
 * ``hf_reference(path) -> HFReference``: a fresh fp32 HF model (eval mode) and tokenizer loaded from a
   directory — the independent reference of the actor/engine tests (a fresh one per call: tests train it);
-* ``tiny_job(*overrides, model=None, world_size=1) -> JobConfig``: ``configs/tiny_cpu.yaml`` with
-  ``actor.load_hf`` at ``model`` (default ``copy_model``) and ``trainer.run_dir`` in the test's tmp dir.
+* ``tiny_job(*overrides, model=None, world_size=1) -> JobConfig``: the jobs table's ``tiny_cpu`` row
+  (``configs/tiny_cpu.yaml``) with ``actor.load_hf`` at ``model`` (default ``copy_model``) and ``trainer.run_dir`` in the test's tmp dir.
 
 Forked ranks (``megatron_rl.testing.distributed.run_ranks``) do not see fixtures: the actor-vs-HF pieces they
 need are functions in ``megatron_rl.testing.actor_reference``.
@@ -226,11 +226,10 @@ def hf_reference():
 def tiny_job(copy_model, tmp_path):
     """Builder ``(*overrides, model=None, world_size=1) -> JobConfig`` of ``configs/tiny_cpu.yaml`` with
     ``actor.load_hf`` at ``model`` (default: ``copy_model``) and ``trainer.run_dir`` at ``tmp_path/run``."""
-    from megatron_rl.config import load_job_config
+    from megatron_rl.testing.jobs import named_job
 
     def build(*overrides, model=None, world_size=1):
-        return load_job_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
-                               [f"actor.load_hf={model or copy_model}", f"trainer.run_dir={tmp_path / 'run'}",
-                                *overrides], world_size=world_size)
+        return named_job("tiny_cpu", *overrides, hf=model or copy_model, run_dir=tmp_path / "run",
+                         world_size=world_size)
 
     return build

@@ -298,15 +298,6 @@ def _train_body(rank, world, cfg):
     return train(cfg)
 
 
-def _loop_cfg(tiny_job, run_dir, world, extra=()):
-    return tiny_job("parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
-                    "rollout.max_new_tokens=8", "rollout.n_samples_per_prompt=4",
-                    "data.task_kwargs={min_digits: 1, max_digits: 6}", "data.prompts_per_step=4",
-                    "actor.micro_batch_size=4", "actor.ppo_mini_batches=1", "trainer.steps=2",
-                    "trainer.dump_rollouts=true", "trainer.progress=false", "trainer.save_interval=0",
-                    f"trainer.run_dir={run_dir}", *extra, world_size=world)
-
-
 def _read(run_dir, name):
     with open(os.path.join(run_dir, name)) as fh:
         return [json.loads(line) for line in fh]
@@ -314,11 +305,13 @@ def _read(run_dir, name):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [1, 2], ids=["dp1", "dp2-balanced"])
-def test_loop_step_with_budget_and_packing_matches_without(tiny_job, tmp_path, world):
+def test_loop_step_with_budget_and_packing_matches_without(copy_model, tmp_path, world):
     plain, packed = str(tmp_path / "plain"), str(tmp_path / "packed")
-    run_ranks(_train_body, world, _loop_cfg(tiny_job, plain, world), timeout=280)
-    run_ranks(_train_body, world, _loop_cfg(tiny_job, packed, world, ["actor.max_tokens_per_micro_batch=24",
-                                                                       "actor.sequence_packing=true"]), timeout=280)
+    run_ranks(_train_body, world, named_job("packing_loop", hf=copy_model, run_dir=plain, world_size=world),
+              timeout=280)
+    run_ranks(_train_body, world, named_job("packing_loop", "actor.max_tokens_per_micro_batch=24",
+                                            "actor.sequence_packing=true", hf=copy_model, run_dir=packed,
+                                            world_size=world), timeout=280)
     r_plain = [r for r in _read(plain, "rollouts.jsonl") if r["step"] == 1]
     r_packed = [r for r in _read(packed, "rollouts.jsonl") if r["step"] == 1]
     assert r_plain == r_packed and len(r_plain) == 16

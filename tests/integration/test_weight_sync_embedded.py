@@ -14,7 +14,6 @@
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_weight_sync_embedded.py -q``
 """
 import ctypes
-import dataclasses
 import json
 import os
 import re
@@ -24,12 +23,13 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
-from megatron_rl.config import job_config_from_dict, load_job_config
+from megatron_rl.config import load_job_config
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams, WeightSyncError
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.testing.distributed import RankError, run_ranks
+from megatron_rl.testing.jobs import layout, named_job, setting
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 from megatron_rl.weight_sync.verify import verify_disk_sync
 
@@ -47,14 +47,10 @@ def models(tmp_path_factory):
             "big_other": build_tiny_hf_model(root / "big_other", arch="qwen2", seed=4, **big)}
 
 
-def _job(hf_dir, tp=1, pp=1, bf16=False, **rollout):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2, "bf16": bf16},
-                                 "rollout": {"weight_sync": "tensor", **rollout},
-                                 "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
+#: the actor's weights sent tensor by tensor to the embedded engine
+TENSOR_SYNC = ("rollout.weight_sync=tensor",)
+#: buckets of 0.02 MB: many buckets per sync of a tiny model
+SMALL_BUCKETS = ("rollout.weight_sync_bucket_mb=0.02",)
 
 
 def _reference(hf_dir):
@@ -97,7 +93,8 @@ def _sync_body(rank, world, job, engine_dir, dtype, corrupt_name=None):
                          ids=["tp2-fp32", "pp2-fp32", "tp2-bf16-engine", "pp2-bf16-actor-bf16-engine"])
 def test_bucketed_sync_equals_checkpoint(models, tp, pp, dtype, bf16):
     """(the bf16 actor, ``actor.bf16``, holds the checkpoint rounded to bf16: its sync equals that exactly)"""
-    job = _job(models["actor"], tp=tp, pp=pp, bf16=bf16, weight_sync_bucket_mb=0.02, weight_sync_verify_tensors=-1)
+    job = named_job("actor", *TENSOR_SYNC, *layout(tp=tp, pp=pp), setting("actor.bf16", bf16), *SMALL_BUCKETS,
+                    "rollout.weight_sync_verify_tensors=-1", hf=models["actor"])
     out = run_ranks(_sync_body, 2, job, models["other"], dtype, timeout=540)
     ref, got = _reference(models["actor"]), out[0]["state"]
     before = _reference(models["other"])
@@ -117,7 +114,8 @@ def test_bucketed_sync_equals_checkpoint(models, tp, pp, dtype, bf16):
 
 @pytest.mark.timeout(600)
 def test_corrupted_bucket_is_caught_and_named(models):
-    job = _job(models["actor"], tp=1, pp=2, weight_sync_bucket_mb=0.02, weight_sync_verify_tensors=-1)
+    job = named_job("actor", *TENSOR_SYNC, *layout(pp=2), *SMALL_BUCKETS, "rollout.weight_sync_verify_tensors=-1",
+                    hf=models["actor"])
     name = "model.layers.3.mlp.down_proj.weight"  # on the second pipeline stage
     out = run_ranks(_sync_body, 2, job, models["other"], "float32", name, timeout=540)
     for r in out:  # every rank raises, naming the tensor
@@ -165,7 +163,8 @@ def _memory_body(rank, world, job, engine_dir):
 @pytest.mark.timeout(600)
 def test_peak_memory_is_one_bucket_not_the_model(models):
     bucket_mb = 2.0
-    job = _job(models["big"], tp=2, pp=1, weight_sync_bucket_mb=bucket_mb)
+    job = named_job("actor", *TENSOR_SYNC, *layout(tp=2), setting("rollout.weight_sync_bucket_mb", bucket_mb),
+                    hf=models["big"])
     out = run_ranks(_memory_body, 2, job, models["big_other"], timeout=540)
     model_bytes = out[0][1]
     largest = 512 * 1024 * 4  # an MLP matrix, fp32
@@ -234,7 +233,8 @@ def _dying_sender_body(rank, world, job, engine_dir, result_path):
 @pytest.mark.timeout(300)
 def test_sender_dying_mid_sync_is_named_and_nothing_committed(models, tmp_path):
     timeout_s = 4
-    job = _job(models["actor"], tp=1, pp=2, weight_sync_bucket_mb=0.02, weight_sync_timeout_s=timeout_s)
+    job = named_job("actor", *TENSOR_SYNC, *layout(pp=2), *SMALL_BUCKETS,
+                    setting("rollout.weight_sync_timeout_s", timeout_s), hf=models["actor"])
     with pytest.raises(RankError, match="rank 1"):
         run_ranks(_dying_sender_body, 2, job, models["other"], str(tmp_path / "rank0.json"), timeout=240)
     res = json.load(open(tmp_path / "rank0.json"))

@@ -19,16 +19,14 @@ starting weights (another checkpoint).
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_weight_sync_sglang.py -q``
 """
-import dataclasses
-import json
 import os
 
 import pytest
 import requests
 
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server, sglang_available
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import layout, named_job, setting
 from megatron_rl.testing.sglang_script import load_from_disk, server_checksums
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
@@ -60,14 +58,10 @@ def _version(url):
     return requests.get(url + "/get_model_info", timeout=30).json()["weight_version"]
 
 
-def _job(hf_dir, tp, pp, **rollout):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
-                                 "rollout": {"engine": "sglang", "sglang_urls": ["http://x:1"], **rollout},
-                                 "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}})
+#: the server's URL is the test's own; the job's is a placeholder
+PLACEHOLDER_URL = ("rollout.sglang_urls=[http://x:1]",)
+#: buckets of 0.02 MB: many buckets per sync of a tiny model
+SMALL_BUCKETS = ("rollout.weight_sync_bucket_mb=0.02",)
 
 
 def _body(rank, world, job, url, fault=None):
@@ -121,7 +115,8 @@ def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
     load_from_disk(url, models["other"], "step-0")
     start = _checksums(url)
     assert sum(start[k] != want[k] for k in want) > len(want) // 2
-    job = _job(models["actor"], tp, pp, weight_sync=mode, weight_sync_bucket_mb=0.02, weight_sync_verify_tensors=-1)
+    job = named_job("sglang_actor", *PLACEHOLDER_URL, *layout(tp=tp, pp=pp), setting("rollout.weight_sync", mode),
+                    *SMALL_BUCKETS, "rollout.weight_sync_verify_tensors=-1", hf=models["actor"])
     out = run_ranks(_body, tp * pp, job, url, timeout=800)
     assert _checksums(url) == want  # every server tensor, fused ones included
     assert _version(url) == "step-1"
@@ -165,7 +160,8 @@ def test_delta_sync_equals_disk_path(models, server, tmp_path):
     and each delta sent <= 10 % of the first (full) version's bytes."""
     url = server.url
     load_from_disk(url, models["other"], "step-0")
-    job = _job(models["actor"], 1, 1, weight_sync="tensor", weight_sync_delta=True, weight_sync_bucket_mb=0.02)
+    job = named_job("sglang_actor", *PLACEHOLDER_URL, "rollout.weight_sync=tensor", "rollout.weight_sync_delta=true",
+                    *SMALL_BUCKETS, hf=models["actor"])
     job.actor.lr = 1e-6
     out = run_ranks(_delta_body, 1, job, url, str(tmp_path / "export"), timeout=600)[0]
     got, version = _checksums(url), _version(url)
@@ -183,8 +179,8 @@ def test_corrupted_bucket_is_named_and_server_tagged_failed(models, server):
     url = server.url
     load_from_disk(url, models["other"], "step-0")
     name = "model.layers.2.self_attn.o_proj.weight"
-    job = _job(models["actor"], 2, 1, weight_sync="distributed", weight_sync_bucket_mb=0.02,
-               weight_sync_verify_tensors=-1)
+    job = named_job("sglang_actor", *PLACEHOLDER_URL, *layout(tp=2), "rollout.weight_sync=distributed", *SMALL_BUCKETS,
+                    "rollout.weight_sync_verify_tensors=-1", hf=models["actor"])
     out = run_ranks(_body, 2, job, url, ("perturb", name), timeout=800)
     for r in out:
         assert "verification failed" in r["error"] and name in r["error"], r
@@ -220,7 +216,8 @@ def test_server_killed_mid_sync(models, own_server):
     url = server.url
     load_from_disk(url, models["other"], "step-0")
     # a short sync timeout: whatever the trainer waits on after the kill must end within it
-    job = _job(models["actor"], 2, 1, weight_sync="distributed", weight_sync_bucket_mb=0.02, weight_sync_timeout_s=60)
+    job = named_job("sglang_actor", *PLACEHOLDER_URL, *layout(tp=2), "rollout.weight_sync=distributed", *SMALL_BUCKETS,
+                    "rollout.weight_sync_timeout_s=60", hf=models["actor"])
     out = run_ranks(_body, 2, job, url, ("kill", server.pid), timeout=300)
     for r in out:
         assert "error" in r and url in r["error"], r

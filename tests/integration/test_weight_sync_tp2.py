@@ -15,15 +15,13 @@ them; ``weight_layout.HeadSplit`` models the GPU rule.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_weight_sync_tp2.py -q``
 """
-import dataclasses
-import json
 import os
 
 import pytest
 
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server, sglang_available
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import named_job
 from megatron_rl.testing.sglang_script import load_from_disk, server_checksums
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
@@ -59,15 +57,11 @@ def _checksums(url):
     return ranks
 
 
-def _job(hf_dir, **rollout):
-    from megatron_rl.convert.hf_config import model_config_from_hf
-
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
-                                 "rollout": {"engine": "sglang", "sglang_urls": ["http://x:1"],
-                                             "weight_sync_verify_tensors": -1, "weight_sync_timeout_s": 120,
-                                             **rollout}})
+#: the row's overrides: distributed sync in buckets of 0.02 MB, every tensor verified, bounded at 120 s (the
+#: server's URL is the test's own; the job's is a placeholder)
+DISTRIBUTED_SYNC = ("rollout.sglang_urls=[http://x:1]", "rollout.weight_sync_verify_tensors=-1",
+                    "rollout.weight_sync_timeout_s=120", "rollout.weight_sync=distributed",
+                    "rollout.weight_sync_bucket_mb=0.02")
 
 
 def _body(rank, world, job, url, corrupt_name=None):
@@ -106,7 +100,7 @@ def test_distributed_sync_tp2_under_torchrun_env(models, server):
     want = _checksums(url)
     load_from_disk(url, models["other"], "step-0")
     assert _checksums(url) != want
-    job = _job(models["actor"], weight_sync="distributed", weight_sync_bucket_mb=0.02)
+    job = named_job("sglang_actor", *DISTRIBUTED_SYNC, hf=models["actor"])
     out = run_ranks(_body, 1, job, url, timeout=800)[0]
     after = _checksums(url)
     diff = [(r, n) for r in range(2) for n in want[r] if after[r].get(n) != want[r][n]]
@@ -119,7 +113,7 @@ def test_distributed_sync_tp2_under_torchrun_env(models, server):
 @pytest.mark.timeout(900)
 def test_corrupted_kv_named_with_tp_ranks(models, server):
     load_from_disk(server.url, models["other"], "step-0")
-    job = _job(models["actor"], weight_sync="distributed", weight_sync_bucket_mb=0.02)
+    job = named_job("sglang_actor", *DISTRIBUTED_SYNC, hf=models["actor"])
     name = "model.layers.1.self_attn.k_proj.weight"
     out = run_ranks(_body, 1, job, server.url, name, timeout=800)[0]
     err = out.get("error") or ""

@@ -21,10 +21,9 @@ import os
 import pytest
 import torch
 
-from megatron_rl.config import job_config_from_dict
 from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
-from megatron_rl.testing.actor_reference import hf_model_section
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import layout, named_job, setting
 from megatron_rl.testing.sglang_script import served
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
@@ -59,14 +58,10 @@ def models(tmp_path_factory):
             "moe_actor": _moe(root / "moe_actor", 1), "moe_other": _moe(root / "moe_other", 2)}
 
 
-def _job(hf_dir, engine, run_dir=None, ep=1, **rollout):
-    extra = {"sglang_urls": ["http://x:1"]} if engine == "sglang" else {}
-    d = {"model": hf_model_section(hf_dir), "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
-         "rollout": {"engine": engine, "weight_sync_verify_tensors": -1, **extra, **rollout},
-         "parallel": {"expert_model_parallel_size": ep}}
-    if run_dir:
-        d["trainer"] = {"run_dir": str(run_dir)}
-    return job_config_from_dict(d)
+#: every tensor verified after a sync
+VERIFY_ALL = ("rollout.weight_sync_verify_tensors=-1",)
+#: the SGLang rows' server URL is the test's own; the job's is a placeholder
+PLACEHOLDER_URL = ("rollout.sglang_urls=[http://x:1]",)
 
 
 def _classes_body(rank, world, job, make_engine, classes):
@@ -120,7 +115,8 @@ def _embedded(path):
 
 @pytest.mark.timeout(600)
 def test_every_class_named_embedded(models):
-    job = _job(models["actor"], "embedded", weight_sync="tensor", weight_sync_bucket_mb=0.02)
+    job = named_job("actor", *VERIFY_ALL, "rollout.weight_sync=tensor", "rollout.weight_sync_bucket_mb=0.02",
+                    hf=models["actor"])
     out = run_ranks(_classes_body, 1, job, _embedded(models["other"]), CLASSES, timeout=540)[0]
     _check_classes(out, CLASSES, 2)
 
@@ -161,7 +157,8 @@ def _async_body(rank, world, job, engine_dir, broken):
 
 @pytest.mark.timeout(600)
 def test_async_apply_is_verified_embedded(models, tmp_path):
-    job = _job(models["actor"], "embedded", run_dir=tmp_path / "run", weight_sync="disk", mode="async")
+    job = named_job("actor", *VERIFY_ALL, "rollout.weight_sync=disk", "rollout.mode=async", hf=models["actor"],
+                    run_dir=tmp_path / "run")
     broken = "model.layers.1.mlp.experts.gate_up_proj"
     out = run_ranks(_async_body, 1, job, models["other"], broken, timeout=540)[0]
     assert out["error"] and "verification failed" in out["error"] and broken in out["error"], out
@@ -188,7 +185,7 @@ def _disk_body(rank, world, job, engine_dir, n):
 
 @pytest.mark.timeout(600)
 def test_disk_sync_keeps_one_export_and_verifies(models, tmp_path):
-    job = _job(models["actor"], "embedded", run_dir=tmp_path / "run", weight_sync="disk")
+    job = named_job("actor", *VERIFY_ALL, "rollout.weight_sync=disk", hf=models["actor"], run_dir=tmp_path / "run")
     out = run_ranks(_disk_body, 1, job, models["other"], 4, timeout=540)[0]
     assert out["counts"] == [["step-1"], ["step-2"], ["step-3"], ["step-4"]]
     assert out["version"] == "step-4"
@@ -218,7 +215,8 @@ def _sglang(url):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_class_named_sglang(models, server):
-    job = _job(models["moe_actor"], "sglang", weight_sync="distributed", weight_sync_bucket_mb=0.05)
+    job = named_job("sglang_actor", *PLACEHOLDER_URL, *VERIFY_ALL, "rollout.weight_sync=distributed",
+                    "rollout.weight_sync_bucket_mb=0.05", hf=models["moe_actor"])
     classes = {k: v for k, v in CLASSES.items() if k != "up"}
     out = run_ranks(_classes_body, 1, job, _sglang(server.url), classes, timeout=800)[0]
     _check_classes(out, classes, 1)
@@ -291,7 +289,8 @@ def test_expert_parallel_senders_embedded(models):
     from megatron_rl.rollout.embedded import EmbeddedEngine
 
     bucket = 0.02
-    job = _job(models["actor"], "embedded", ep=2, weight_sync="tensor", weight_sync_bucket_mb=bucket)
+    job = named_job("actor", *VERIFY_ALL, *layout(ep=2), "rollout.weight_sync=tensor",
+                    setting("rollout.weight_sync_bucket_mb", bucket), hf=models["actor"])
     name = "model.layers.1.mlp.experts.3.up_proj.weight"  # expert 3: EP rank 1's
     out = run_ranks(_senders_body, 2, job, _embedded(models["other"]), name, timeout=540)
     ref = EmbeddedEngine(models["actor"], dtype="float32", seed=0).model.state_dict()
@@ -312,7 +311,8 @@ def test_expert_parallel_senders_sglang(models, server):
     want = server_checksums(url)[0]
     load_from_disk(url, models["moe_other"], "step-0")
     bucket = 0.05
-    job = _job(models["moe_actor"], "sglang", ep=2, weight_sync="distributed", weight_sync_bucket_mb=bucket)
+    job = named_job("sglang_actor", *PLACEHOLDER_URL, *VERIFY_ALL, *layout(ep=2), "rollout.weight_sync=distributed",
+                    setting("rollout.weight_sync_bucket_mb", bucket), hf=models["moe_actor"])
     name = "model.layers.1.mlp.experts.2.up_proj.weight"  # expert 2: EP rank 1's
     out = run_ranks(_senders_body, 2, job, _sglang(url), name, timeout=800)
     assert out[0]["state"] == want  # every server tensor, fused qkv / gate_up / experts included
