@@ -13,7 +13,8 @@ must leave a shared model directory as it found it):
 * ``hf_reference(path) -> HFReference``: a fresh fp32 HF model (eval mode) and tokenizer loaded from a
   directory — the independent reference of the actor/engine tests (a fresh one per call: tests train it);
 * ``tiny_job(*overrides, model=None, world_size=1) -> JobConfig``: the jobs table's ``tiny_cpu`` row
-  (``configs/tiny_cpu.yaml``) with ``actor.load_hf`` at ``model`` (default ``copy_model``) and ``trainer.run_dir`` in the test's tmp dir.
+  (``configs/tiny_cpu.yaml``) with ``actor.load_hf`` at ``model`` (default ``copy_model``) and ``trainer.run_dir``
+  in the test's tmp dir.
 
 Forked ranks (``megatron_rl.testing.distributed.run_ranks``) do not see fixtures: the actor-vs-HF pieces they
 need are functions in ``megatron_rl.testing.actor_reference``.

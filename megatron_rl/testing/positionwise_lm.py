@@ -7,8 +7,13 @@ loss scaling over CP) can be proved with a model whose logits at a position depe
 exact, so CP runs must equal CP1 runs. With ``use_positions`` the position id enters too: a packed sequence then
 gives each row's values only when every segment's positions restart at 0 and each CP rank gets megatron's
 per-segment chunks (tokens, positions and targets moved together).
+
+``cp_rank`` is the common start of a forked rank of those tests (groups, the model in Megatron DDP with its
+optimizer, the rank's DP shard); ``rank_result`` what the rank returns for the comparison with CP1.
 """
 from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -61,3 +66,51 @@ def positionwise_batch(prompt_lengths, response_lengths, vocab: int = 64, seed: 
     adv = torch.randn(len(prompt_lengths), generator=g)[:, None].expand(-1, W).contiguous()
     is_w = (torch.rand(len(prompt_lengths), W, generator=g) + 0.5) * batch.response_mask
     return batch, adv, is_w
+
+
+class CPRank(NamedTuple):
+    """One rank's part of a CP test (see ``cp_rank``)."""
+
+    #: the rank's ``ActorGroups``
+    groups: Any
+    #: the model chunks, in Megatron DDP
+    model: list
+    #: the Megatron optimizer of ``model``
+    opt: Any
+    #: the whole batch (every DP rank's rows)
+    batch: Any
+    #: per-token advantages of the whole batch
+    adv: torch.Tensor
+    #: per-token IS weights of the whole batch
+    is_w: torch.Tensor
+    #: this DP rank's rows of ``batch``
+    shard: Any
+    #: where ``shard``'s rows stand in ``batch``
+    rows: slice
+
+
+def cp_rank(cp: int, build: Callable[[int], Any], data) -> CPRank:
+    """Megatron's groups at context parallel ``cp`` (seed 1), then ``build(cp)`` in Megatron DDP with the
+    Megatron optimizer (lr 1e-2, clipping at 1e6, no weight decay), and this DP rank's shard of ``data``
+    (batch, advantages, IS weights as ``positionwise_batch`` returns them)."""
+    from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+    from megatron_rl.config import ActorConfig
+    from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
+    from megatron_rl.parallel.groups import ActorGroups
+
+    initialize_model_parallel(ParallelConfig(context_parallel_size=cp), seed=1)
+    groups = ActorGroups.from_parallel_state()
+    model = wrap_ddp([build(cp)])
+    opt = build_optimizer(model, ActorConfig(lr=1e-2, clip_grad=1e6, weight_decay=0.0))
+    batch, adv, is_w = data
+    shard = batch.shard(groups.dp_rank, groups.dp_size)
+    start = sum(batch.shard(r, groups.dp_size).num_rows for r in range(groups.dp_rank))
+    return CPRank(groups, model, opt, batch, adv, is_w, shard, slice(start, start + shard.num_rows))
+
+
+def rank_result(groups, model, lp: torch.Tensor, ent: torch.Tensor, metrics: dict) -> dict:
+    """What a CP test's rank returns: its DP rank, log-probs, entropies, metrics, and every parameter's
+    gradient and updated weight (copies)."""
+    return {"dp_rank": groups.dp_rank, "lp": lp, "ent": ent, "metrics": metrics,
+            "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()},
+            "weights": {n: p.detach().clone() for n, p in model[0].module.named_parameters()}}

@@ -16,7 +16,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.positionwise_lm import positionwise_batch, positionwise_lm
+from megatron_rl.testing.positionwise_lm import cp_rank, positionwise_batch, positionwise_lm, rank_result
 
 VOCAB, HIDDEN = 64, 16
 ENTROPY = {"entropy_coeff": 0.1}  # policy_loss keys: verl's entropy bonus
@@ -34,21 +34,10 @@ def _rank(rank, world, cp, agg, loss_type="ppo_clip", loss=None, old_noise=0.0):
     """One rank's log-prob pass and train step; ``loss_type`` / ``loss`` (PolicyLossConfig keys) pick the
     objective, ``old_noise`` > 0 perturbs the old log-probs (a fixed draw) so that ratios differ from 1."""
     from megatron_rl.actor.forward import compute_log_probs
-    from megatron_rl.parallel.groups import ActorGroups
-    from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
     from megatron_rl.actor.train_step import train_mini_batch
-    from megatron_rl.config import ActorConfig
     from megatron_rl.losses import PolicyLossConfig
-    from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
 
-    initialize_model_parallel(ParallelConfig(context_parallel_size=cp), seed=1)
-    groups = ActorGroups.from_parallel_state()
-    model = wrap_ddp([_build(cp)])
-    opt = build_optimizer(model, ActorConfig(lr=1e-2, clip_grad=1e6, weight_decay=0.0))
-    batch, adv, is_w = _data()
-    shard = batch.shard(groups.dp_rank, groups.dp_size)
-    start = sum(batch.shard(r, groups.dp_size).num_rows for r in range(groups.dp_rank))
-    rows = slice(start, start + shard.num_rows)
+    groups, model, opt, batch, adv, is_w, shard, rows = cp_rank(cp, _build, _data())
     bounds = [(s, min(s + 3, shard.num_rows)) for s in range(0, shard.num_rows, 3)]   # micro-batches of 3 rows
     lp, ent = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups)
     old = lp
@@ -61,9 +50,7 @@ def _rank(rank, world, cp, agg, loss_type="ppo_clip", loss=None, old_noise=0.0):
     cfg = PolicyLossConfig(**{"loss_agg_mode": agg, **(loss or {})})
     metrics = train_mini_batch(model, opt, shard, per_token, cfg, loss_type, temperature=0.9, bounds=bounds,
                                groups=groups)
-    return {"dp_rank": groups.dp_rank, "lp": lp, "ent": ent, "metrics": metrics,
-            "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()},
-            "weights": {n: p.detach().clone() for n, p in model[0].module.named_parameters()}}
+    return rank_result(groups, model, lp, ent, metrics)
 
 
 @pytest.mark.timeout(120)

@@ -28,7 +28,7 @@ from megatron_rl.actor import RolloutBatch
 from megatron_rl.actor.micro_batching import PackedCost, PaddedCost, plan_micro_batches
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import knobs, named_job
-from megatron_rl.testing.positionwise_lm import positionwise_batch, positionwise_lm
+from megatron_rl.testing.positionwise_lm import cp_rank, positionwise_batch, positionwise_lm, rank_result
 
 pytest.importorskip("transformers")
 
@@ -348,21 +348,10 @@ def _cp_data():
 def _rank_cp(rank, world, cp, agg, packed, budget):
     from megatron_rl.actor.batcher import MicroBatcher
     from megatron_rl.actor.forward import compute_log_probs
-    from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
     from megatron_rl.actor.train_step import train_mini_batch
-    from megatron_rl.config import ActorConfig
     from megatron_rl.losses import PolicyLossConfig
-    from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
-    from megatron_rl.parallel.groups import ActorGroups
 
-    initialize_model_parallel(ParallelConfig(context_parallel_size=cp), seed=1)
-    groups = ActorGroups.from_parallel_state()
-    model = wrap_ddp([_build_positionwise(cp)])
-    opt = build_optimizer(model, ActorConfig(lr=1e-2, clip_grad=1e6, weight_decay=0.0))
-    batch, adv, is_w = _cp_data()
-    shard = batch.shard(groups.dp_rank, groups.dp_size)
-    start = sum(batch.shard(r, groups.dp_size).num_rows for r in range(groups.dp_rank))
-    rows = slice(start, start + shard.num_rows)
+    groups, model, opt, _, adv, is_w, shard, rows = cp_rank(cp, _build_positionwise, _cp_data())
     batcher = MicroBatcher(groups.dims, packed=packed, max_tokens=budget)
     plan = batcher.plan(shard.lengths.tolist())
     order = torch.tensor(plan.order)
@@ -373,9 +362,7 @@ def _rank_cp(rank, world, cp, agg, packed, budget):
                  "is_weights": is_w[rows][order], "ref_log_probs": None}
     metrics = train_mini_batch(model, opt, ordered, per_token, PolicyLossConfig(loss_agg_mode=agg), "ppo_clip",
                                temperature=0.9, bounds=plan.bounds, groups=groups, batcher=batcher)
-    return {"dp_rank": groups.dp_rank, "lp": lp[inv], "ent": ent[inv], "metrics": metrics,
-            "grads": {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()},
-            "weights": {n: p.detach().clone() for n, p in model[0].module.named_parameters()}}
+    return rank_result(groups, model, lp[inv], ent[inv], metrics)
 
 
 @pytest.mark.timeout(200)

@@ -44,12 +44,17 @@ def _train(rank, world, cfg):
     return train_or_error(cfg)
 
 
+def _run(moe_dir, run_dir, replay, world):
+    """The loop with routing replay ``replay`` on ``world`` ranks (one node): every rank's error or None."""
+    cfg = named_job("moe_routing_loop", f"actor.routing_replay={replay}", f"rollout.n_samples_per_prompt={N}",
+                    f"cluster.gpus_per_node={world}", hf=moe_dir, run_dir=run_dir, world_size=world)
+    return run_ranks(_train, world, cfg, timeout=540)
+
+
 @pytest.mark.timeout(600)
 def test_partial_routing_is_dropped_and_counted_without_replay(moe_dir, tmp_path):
     run_dir = str(tmp_path / "run")
-    cfg = named_job("moe_routing_loop", "actor.routing_replay=none", f"rollout.n_samples_per_prompt={N}",
-                    "cluster.gpus_per_node=1", hf=moe_dir, run_dir=run_dir, world_size=1)
-    errors = run_ranks(_train, 1, cfg, timeout=540)
+    errors = _run(moe_dir, run_dir, "none", 1)
     assert errors == [None]
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
@@ -60,9 +65,7 @@ def test_partial_routing_is_dropped_and_counted_without_replay(moe_dir, tmp_path
 @pytest.mark.timeout(600)
 def test_partial_routing_with_r3_is_a_named_error_on_every_rank(moe_dir, tmp_path):
     run_dir = str(tmp_path / "run")
-    cfg = named_job("moe_routing_loop", "actor.routing_replay=r3", f"rollout.n_samples_per_prompt={N}",
-                    "cluster.gpus_per_node=2", hf=moe_dir, run_dir=run_dir, world_size=2)
-    errors = run_ranks(_train, 2, cfg, timeout=540)
+    errors = _run(moe_dir, run_dir, "r3", 2)
     for err in errors:
         assert err is not None and "PartialRoutingError" in err, err
         assert "step 1: actor.routing_replay='r3'" in err

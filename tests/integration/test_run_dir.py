@@ -47,6 +47,14 @@ def _train(run, model, *extra, timeout=240):
                           env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def _train_ok(run, model, *extra):
+    """``_train``, which must succeed: its stdout + stderr."""
+    r = _train(run, model, *extra)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    return out
+
+
 def _steps(run):
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -94,9 +102,7 @@ def test_rerun_into_a_used_run_dir_is_refused_before_anything_starts(first_run):
 @pytest.mark.timeout(600)
 def test_resume_history_reads_1_to_n_and_stale_checkpoints_are_gone(first_run):
     run, model = first_run
-    r = _train(run, model, "trainer.steps=4", "--resume")
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    out = _train_ok(run, model, "trainer.steps=4", "--resume")
     assert _steps(run) == [1, 2, 3, 4]                 # the old step 3 is gone, the new one follows step 2
     assert _ckpts(run) == ["step_2", "step_4"]         # the incomplete step_3 can never be picked up
     assert f"resumed from {run / 'checkpoints' / 'step_2'} at step 2" in out, out[-3000:]
@@ -107,9 +113,7 @@ def test_resume_history_reads_1_to_n_and_stale_checkpoints_are_gone(first_run):
 @pytest.mark.timeout(600)
 def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run):
     run, model = first_run
-    r = _train(run, model, "trainer.steps=1", "trainer.overwrite=true")
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    out = _train_ok(run, model, "trainer.steps=1", "trainer.overwrite=true")
     lines = [line for line in out.splitlines() if "trainer.overwrite" in line]
     assert len(lines) == 1 and "removed the previous run's metrics.jsonl, checkpoints/" in lines[0], out[-3000:]
     assert _steps(run) == [1] and _ckpts(run) == ["step_1"]

@@ -73,40 +73,39 @@ def test_sgl_kernel_standin_covers_every_cpu_op_installed_sglang_imports():
     assert needed <= provided, f"stand-in sgl_kernel lacks {sorted(needed - provided)}"
 
 
-def test_sgl_kernel_standins_import_and_raise_when_called():
+def _assert_each_refuses(prelude, each, call, error, check, module):
+    """Run ``prelude`` beside the stand-ins, then ``call`` for every ``n`` in ``each``: each must raise ``error``
+    (``e``) for which ``check`` holds; the script's ``module`` must come from the stand-in directory."""
     res = run_with_standins(
-        "import sgl_kernel\n"
-        "from sgl_kernel import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu\n"
-        "for n in sgl_kernel.CPU_OP_NAMES:\n"
+        f"{prelude}\n"
+        f"for n in {each}:\n"
         "    try:\n"
-        "        getattr(sgl_kernel, n)(1, 2)\n"
-        "    except NotImplementedError as e:\n"
-        "        assert n in str(e) and 'stand-in' in str(e)\n"
+        f"        {call}\n"
+        f"    except {error} as e:\n"
+        f"        assert {check}\n"
         "    else:\n"
-        "        raise SystemExit('no error from ' + n)\n"
-        "print(sgl_kernel.__file__)")
+        "        raise SystemExit('no error from ' + str(n))\n"
+        f"print({module}.__file__)")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().startswith(CPU_STANDIN_DIR)
+
+
+def test_sgl_kernel_standins_import_and_raise_when_called():
+    _assert_each_refuses("import sgl_kernel\n"
+                         "from sgl_kernel import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu",
+                         "sgl_kernel.CPU_OP_NAMES", "getattr(sgl_kernel, n)(1, 2)", "NotImplementedError",
+                         "n in str(e) and 'stand-in' in str(e)", "sgl_kernel")
 
 
 def test_torchvision_placeholder_imports_and_refuses_use():
-    res = run_with_standins(
-        "import torchvision, torchvision.io, torchvision.transforms as T\n"
-        "from torchvision.transforms import InterpolationMode\n"
-        "from torchvision.transforms.functional import InterpolationMode as IM2, to_tensor\n"
-        "import torchvision.transforms.v2.functional as tvF\n"
-        "from torchvision.io import decode_jpeg\n"
-        "assert InterpolationMode.BICUBIC.value == 'bicubic' and IM2 is InterpolationMode\n"
-        "for fn in (decode_jpeg, to_tensor, T.Normalize, tvF.resize):\n"
-        "    try:\n"
-        "        fn(1)\n"
-        "    except ImportError as e:\n"
-        "        assert 'text-only' in str(e)\n"
-        "    else:\n"
-        "        raise SystemExit('no error')\n"
-        "print(torchvision.__file__)")
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().startswith(CPU_STANDIN_DIR)
+    _assert_each_refuses("import torchvision, torchvision.io, torchvision.transforms as T\n"
+                         "from torchvision.transforms import InterpolationMode\n"
+                         "from torchvision.transforms.functional import InterpolationMode as IM2, to_tensor\n"
+                         "import torchvision.transforms.v2.functional as tvF\n"
+                         "from torchvision.io import decode_jpeg\n"
+                         "assert InterpolationMode.BICUBIC.value == 'bicubic' and IM2 is InterpolationMode",
+                         "(decode_jpeg, to_tensor, T.Normalize, tvF.resize)", "n(1)", "ImportError",
+                         "'text-only' in str(e)", "torchvision")
 
 
 def test_sglang_available_reports_a_reason():
