@@ -102,23 +102,6 @@ def _wall_clock_bound(nodeid: str) -> bool:
     return any(nodeid == k or nodeid.startswith(k + ("::" if k.endswith(".py") else "[")) for k in WALL_CLOCK_BOUND)
 
 
-#: The longest test file (the 200-step quickstart in its own venv, ~7 min): first of all.
-LONGEST_FILE = "tests/integration/test_quickstart_fresh.py"
-
-
-def _longest_files_first(items) -> None:
-    """Order the files: the longest, then those with ``slow`` tests, then the rest (stable: files stay whole and in
-    collection order within each class). tools/run_tests.sh hands whole files to two workers in this order, so
-    the long files start while the short ones fill the other worker, instead of one long file running alone at
-    the end of the pass."""
-    rank: dict = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        r = 0 if path == LONGEST_FILE else 1 if item.get_closest_marker("slow") else 2
-        rank[path] = min(rank.get(path, 2), r)
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
-
-
 def pytest_collection_modifyitems(config, items):
     mcore = pytest.mark.mcore  # tools/run_tests.sh runs these again on the newest megatron-core (-m mcore)
     serial = pytest.mark.serial
@@ -127,7 +110,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(mcore)
         if _wall_clock_bound(item.nodeid):
             item.add_marker(serial)
-    _longest_files_first(items)
     files = {item.nodeid.split("::")[0] for item in items}
     for key in WALL_CLOCK_BOUND:  # a renamed test must not silently leave the serial pass
         if key.split("::")[0] in files and not any(_wall_clock_bound(i.nodeid) and i.nodeid.startswith(key)
