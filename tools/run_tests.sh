@@ -4,9 +4,9 @@
 #   leg 2: every test marked `mcore` on megatron-core 0.19.2 in .venv-mcore019 (no SGLang): each test file that
 #          imports megatron, itself or through a project module that does (tests/conftest.py imports_megatron),
 #          and the files that mark themselves (megatron only in the ranks they start).
-# Each leg runs in two passes: its tests on MEGATRON_RL_TEST_WORKERS pytest-xdist workers (default 2; whole files
-# per worker, so a module's server or model is built once), then the tests marked `serial` (a wall-clock bound is
-# their claim: tests/conftest.py WALL_CLOCK_BOUND) one at a time with nothing beside them. Much of the suite waits
+# Each leg runs in two passes: the tests marked `serial` (a wall-clock bound is their claim: tests/conftest.py
+# WALL_CLOCK_BOUND) one at a time with nothing beside them, then the rest on MEGATRON_RL_TEST_WORKERS pytest-xdist
+# workers (default 2; whole files per worker, so a module's server or model is built once). Much of the suite waits
 # on servers, launchers, deadlines and forked ranks, so two workers overlap one test's waiting with another's work.
 # MEGATRON_RL_TEST_WORKERS=1: one pass, one process, as before. Each pass prints its 25 slowest tests
 # (--durations=25), each with its own pytest temporary directory.
@@ -53,10 +53,11 @@ run_leg() {  # run_leg NAME PYTHON MARK BASETEMP PYTEST_ARGS... ; prints and ret
   if [ "$WORKERS" -eq 1 ]; then
     run_pass "$name" "$py" tests ${mark:+-m "$mark"} --basetemp="$base" "$@" || rc=$?
   else
-    run_pass "$name, $WORKERS workers" "$py" tests -n "$WORKERS" --dist loadfile -m "${and}not serial" \
-      --basetemp="$base" "$@" || rc=$?
+    # the serial pass first: a selection without wall-clock tests then ends on the pass that ran tests
     run_pass "$name, serial (wall-clock bounds)" "$py" tests -m "${and}serial" --basetemp="$base-serial" "$@" \
       || rc_serial=$?
+    run_pass "$name, $WORKERS workers" "$py" tests -n "$WORKERS" --dist loadfile -m "${and}not serial" \
+      --basetemp="$base" "$@" || rc=$?
     if [ "$rc_serial" -eq 5 ] && [ "$rc" -eq 0 ]; then   # a selection without wall-clock tests (e.g. one file)
       echo "=== tools/run_tests.sh: $name: no serial test in this selection"
       rc_serial=0
