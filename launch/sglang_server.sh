@@ -17,7 +17,9 @@
 #   --device cuda|cpu      default cuda                                                  [SGLANG_DEVICE]
 #   --tp N                 tensor-parallel GPUs of this server (cuda only, default 1)    [SGLANG_TP]
 #   --mem-fraction F       --mem-fraction-static: weights + KV cache share of GPU memory
-#                          (default 0.85 on cuda -- use ~0.4 when colocated with training -- 0.05 on cpu)
+#                          (default 0.85 on cuda -- use ~0.4 when colocated with training -- 0.3 on cpu, where
+#                          SGLang measures host memory that other processes move; the CPU KV pool is capped
+#                          by --max-total-tokens 65536 instead: megatron_rl/rollout/sglang_server.py)
 #                                                                                        [SGLANG_MEM_FRACTION]
 #   --dtype D              default bfloat16                                              [SGLANG_DTYPE]
 #   --routed-experts       return each token's routed experts (--enable-return-routed-experts; MoE models,
@@ -95,7 +97,8 @@ case "$DEVICE" in
     ;;
   cpu)
     [[ "$TP" == 1 ]] || die "--tp $TP: the CPU engine runs tensor parallel size 1 only"
-    CMD+=(--device cpu --skip-server-warmup --sleep-on-idle --mem-fraction-static "${MEM_FRACTION:-0.05}")
+    CMD+=(--device cpu --skip-server-warmup --sleep-on-idle --mem-fraction-static "${MEM_FRACTION:-0.3}"
+          --max-total-tokens 65536)   # a later --max-total-tokens among the extra flags wins
     ENV+=(SGLANG_USE_CPU_ENGINE=1 "PYTHONPATH=$REPO/megatron_rl/platform/sglang_cpu${PYTHONPATH:+:$PYTHONPATH}"
           "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
     ;;

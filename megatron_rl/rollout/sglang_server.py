@@ -43,6 +43,13 @@ from megatron_rl.weight_sync.server_loader import SERVER_FLAGS
 
 #: Directory holding the CPU-only import stand-ins (prepended to the server's PYTHONPATH on CPU).
 CPU_STANDIN_DIR = str(Path(__file__).resolve().parent.parent / "platform" / "sglang_cpu")
+#: ``--mem-fraction-static`` by device (launch/sglang_server.sh has the same defaults; tests/integration/test_launch.py
+#: holds them equal). On CPU SGLang sizes the KV cache as ``available_after_load - (1 - f) * available_before_load``
+#: of *host* memory: with f = 0.05, another process allocating ~1 GB while the model loads left "no memory for the
+#: KV cache" (seen in CI with two test workers). f = 0.3 tolerates a 30 % swing; the pool itself is capped below.
+MEM_FRACTION_STATIC = {"cpu": 0.3, "cuda": 0.85}
+#: ``--max-total-tokens`` on CPU when the caller sets none: the KV pool a tiny model needs (a few MB), not 30 % of RAM
+CPU_MAX_TOTAL_TOKENS = 65536
 
 
 class ServerLaunchError(RuntimeError):
@@ -248,7 +255,7 @@ class SGLangServerHandle:
 
 def launch_sglang_server(model_dir: str, port: int | None = None, device: str = "cpu",
                          extra_args: Sequence[str] = (), *, python: str | None = None, host: str = "127.0.0.1",
-                         dtype: str = "bfloat16", mem_fraction_static: float = 0.05,
+                         dtype: str = "bfloat16", mem_fraction_static: float | None = None,
                          max_total_tokens: int | None = None, log_path: str | None = None,
                          ready_timeout: float = 300.0, env: dict[str, str] | None = None,
                          wait: bool = True, return_routed_experts: bool | None = None,
@@ -264,9 +271,10 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         python: interpreter that has sglang (default ``sglang_python()``).
         host: bind address (127.0.0.1 by default).
         dtype: ``--dtype`` (bfloat16, as served in production).
-        mem_fraction_static: ``--mem-fraction-static`` (share of memory for weights + KV cache; on CPU 0.05 of
-            the RAM, ~1.2 GB of KV cache even for a tiny model).
-        max_total_tokens: ``--max-total-tokens`` cap on the KV-cache pool (tests use a small one to save memory).
+        mem_fraction_static: ``--mem-fraction-static`` (share of memory for weights + KV cache); None:
+            ``MEM_FRACTION_STATIC[device]``.
+        max_total_tokens: ``--max-total-tokens`` cap on the KV-cache pool; None: ``CPU_MAX_TOTAL_TOKENS`` on CPU,
+            SGLang's own sizing on CUDA.
         log_path: where to write the server's output (default: a new temp file).
         ready_timeout: seconds to wait for ``/health``.
         env: extra environment variables for the server (on top of ``child_environment()``).
@@ -287,6 +295,10 @@ def launch_sglang_server(model_dir: str, port: int | None = None, device: str = 
         raise ValueError(f"launch_sglang_server: device={device!r} must be 'cpu' or 'cuda'")
     port = port or find_free_port(host)
     python = python or sglang_python()
+    if mem_fraction_static is None:
+        mem_fraction_static = MEM_FRACTION_STATIC[device]
+    if max_total_tokens is None and device == "cpu":
+        max_total_tokens = CPU_MAX_TOTAL_TOKENS
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host, "--port", str(port),
            "--skip-server-warmup", "--dtype", dtype, "--mem-fraction-static", str(mem_fraction_static)]
     if max_total_tokens is not None:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megatron_rl.rollout.sglang_server import find_free_port
+from megatron_rl.rollout.sglang_server import CPU_MAX_TOTAL_TOKENS, MEM_FRACTION_STATIC, find_free_port
 from megatron_rl.testing.processes import kill_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -124,7 +124,8 @@ def test_sglang_server_cpu_and_gpu_commands():
     assert env["PYTHONPATH"].split(":")[0] == os.path.join(ROOT, "megatron_rl", "platform", "sglang_cpu")
     assert argv[3:] == ["/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
                         "--port", "31000", "--dtype", "bfloat16", "--device", "cpu", "--skip-server-warmup",
-                        "--sleep-on-idle", "--mem-fraction-static", "0.05", "--random-seed", "0"]
+                        "--sleep-on-idle", "--mem-fraction-static", str(MEM_FRACTION_STATIC["cpu"]),
+                        "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS), "--random-seed", "0"]
     # the delta-sync loader only on request (a custom loader turns off SGLang's fast CUDA start-up load)
     r = _run("sglang_server.sh", "--model", "/m", "--delta-loader", env={"DRY_RUN": "1"})
     argv = shlex.split(r.stdout.strip())

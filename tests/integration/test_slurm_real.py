@@ -123,7 +123,7 @@ def test_sbatch_with_colocated_sglang_server(tmp_path, slurm_ready):
                              cwd=ROOT, env={"GPUS_PER_NODE": "2", "LAUNCH_MODE": "torchrun", "PYTHON": sys.executable,
                                             "LOG_DIR": str(logs), "OMP_NUM_THREADS": "1", "RDZV_PORT": str(find_free_port()),
                                             "SGLANG_MODE": "colocated", "SGLANG_MODEL": model, "SGLANG_DEVICE": "cpu",
-                                            "SGLANG_TP": "1", "SGLANG_MEM_FRACTION": "0.05",
+                                            "SGLANG_TP": "1",
                                             "SGLANG_PORT": str(find_free_port()), "SGLANG_READY_TIMEOUT": "500",
                                             "MEGATRON_RL_SGLANG_PYTHON": sglang_python()})
         state = cluster.wait_job(job, timeout=1000)
