@@ -102,6 +102,25 @@ def _wall_clock_bound(nodeid: str) -> bool:
     return any(nodeid == k or nodeid.startswith(k + ("::" if k.endswith(".py") else "[")) for k in WALL_CLOCK_BOUND)
 
 
+#: The longest test file (the 200-step quickstart in its own venv, ~8 min of the ~28 of the parallel pass)
+LONGEST_FILE = "tests/integration/test_quickstart_fresh.py"
+
+
+def _longest_files_first(items) -> None:
+    """Order whole files longest first, as a scheduler of jobs on two machines does (LPT): the quickstart, then the
+    files with the most ``slow`` tests, then the rest by number of tests; stable within a class, tests stay in
+    file order. tools/run_tests.sh hands files to its xdist workers in this order (``--no-loadscope-reorder``:
+    xdist's own order, by number of tests alone, started the one-test quickstart last, ~8 min beside an idle
+    worker)."""
+    slow: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        count[path] = count.get(path, 0) + 1
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: (lambda p: (p != LONGEST_FILE, -slow[p], -count[p]))(item.nodeid.split("::")[0]))
+
+
 def pytest_collection_modifyitems(config, items):
     mcore = pytest.mark.mcore  # tools/run_tests.sh runs these again on the newest megatron-core (-m mcore)
     serial = pytest.mark.serial
@@ -115,6 +134,7 @@ def pytest_collection_modifyitems(config, items):
         if key.split("::")[0] in files and not any(_wall_clock_bound(i.nodeid) and i.nodeid.startswith(key)
                                                    for i in items):
             raise pytest.UsageError(f"tests/conftest.py WALL_CLOCK_BOUND: {key!r} matches no collected test")
+    _longest_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

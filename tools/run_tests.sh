@@ -6,7 +6,8 @@
 #          and the files that mark themselves (megatron only in the ranks they start).
 # Each leg runs in two passes: the tests marked `serial` (a wall-clock bound is their claim: tests/conftest.py
 # WALL_CLOCK_BOUND) one at a time with nothing beside them, then the rest on MEGATRON_RL_TEST_WORKERS pytest-xdist
-# workers (default 2; whole files per worker, so a module's server or model is built once). Much of the suite waits
+# workers (default 2; whole files per worker, so a module's server or model is built once; longest files first,
+# tests/conftest.py). Much of the suite waits
 # on servers, launchers, deadlines and forked ranks, so two workers overlap one test's waiting with another's work.
 # MEGATRON_RL_TEST_WORKERS=1: one pass, one process, as before. Each pass prints its 25 slowest tests
 # (--durations=25), each with its own pytest temporary directory.
@@ -56,7 +57,7 @@ run_leg() {  # run_leg NAME PYTHON MARK BASETEMP PYTEST_ARGS... ; prints and ret
     # the serial pass first: a selection without wall-clock tests then ends on the pass that ran tests
     run_pass "$name, serial (wall-clock bounds)" "$py" tests -m "${and}serial" --basetemp="$base-serial" "$@" \
       || rc_serial=$?
-    run_pass "$name, $WORKERS workers" "$py" tests -n "$WORKERS" --dist loadfile -m "${and}not serial" \
+    run_pass "$name, $WORKERS workers" "$py" tests -n "$WORKERS" --dist loadfile --no-loadscope-reorder -m "${and}not serial" \
       --basetemp="$base" "$@" || rc=$?
     if [ "$rc_serial" -eq 5 ] && [ "$rc" -eq 0 ]; then   # a selection without wall-clock tests (e.g. one file)
       echo "=== tools/run_tests.sh: $name: no serial test in this selection"
