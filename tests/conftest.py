@@ -80,7 +80,7 @@ def imports_megatron(path: str) -> bool:
 
 
 #: Tests whose claim is a wall-clock bound (a deadline, "ends within N s", a stop that must arrive while ranks are
-#: busy): they get the ``serial`` marker, and tools/run_tests.sh runs them after the parallel pass, one at a time,
+#: busy): they get the ``serial`` marker, and tools/run_tests.sh runs them before the parallel pass, one at a time,
 #: so that a test running beside them on the same cores cannot stretch their clock. File paths or node ids.
 WALL_CLOCK_BOUND = (
     "tests/integration/test_launcher_commands.py",

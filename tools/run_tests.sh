@@ -73,9 +73,22 @@ run_leg() {  # run_leg NAME PYTHON MARK BASETEMP PYTEST_ARGS... ; prints and ret
   return "$rc"
 }
 
-# both venvs first: leg 1's cross-release checkpoint test (tests/integration/test_mcore_cross_checkpoint.py) uses both
-MEGATRON_RL_VENV="$OLD_VENV" bash tools/setup_env.sh --tests --mcore "$OLDEST"
-MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST"
+# both venvs first: leg 1's cross-release checkpoint test (tests/integration/test_mcore_cross_checkpoint.py) uses both.
+# Side by side: pip installs on one core, and each set-up is mostly pip (the editable install is serialised in
+# tools/setup_env.sh); the newest venv's output follows the oldest's.
+SETUP_LOG="$(mktemp -t megatron_rl_setup.XXXXXX)"
+MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST" > "$SETUP_LOG" 2>&1 &
+SETUP_PID=$!
+rc_setup_old=0
+MEGATRON_RL_VENV="$OLD_VENV" bash tools/setup_env.sh --tests --mcore "$OLDEST" || rc_setup_old=$?
+rc_setup_new=0
+wait "$SETUP_PID" || rc_setup_new=$?
+cat "$SETUP_LOG"
+rm -f "$SETUP_LOG"
+if [ "$rc_setup_old" -ne 0 ] || [ "$rc_setup_new" -ne 0 ]; then
+  echo "tools/run_tests.sh: venv set-up failed ($OLD_VENV: exit $rc_setup_old; $NEW_VENV: exit $rc_setup_new)" >&2
+  exit 1
+fi
 export MEGATRON_RL_VENV="$OLD_VENV" MEGATRON_RL_VENV_NEWEST="$NEW_VENV"
 rc_old=0
 rc_new=0

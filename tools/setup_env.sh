@@ -81,11 +81,19 @@ PY
   echo "megatron-core==$MCORE" > "$PIN"
   CONSTRAINTS+=(-c "$PIN")
 fi
+editable() {  # pip install -e: it writes megatron_rl.egg-info into the source tree, so one venv at a time does it
+  # (tools/run_tests.sh sets its two venvs up side by side); the lock is the tree's, not the venv's
+  if command -v flock > /dev/null; then
+    ( flock 8; "$PY" -m pip install -q -e "$@" "${CONSTRAINTS[@]}" ) 8>".megatron_rl_editable.lock"
+  else
+    "$PY" -m pip install -q -e "$@" "${CONSTRAINTS[@]}"
+  fi
+}
 case "$MODE" in
-  "") "$PY" -m pip install -q -e . "${CONSTRAINTS[@]}" ;;
-  --dev) "$PY" -m pip install -q -e ".[dev]" "${CONSTRAINTS[@]}" ;;
+  "") editable . ;;
+  --dev) editable ".[dev]" ;;
   --tests)
-    "$PY" -m pip install -q -e ".[dev]" "${CONSTRAINTS[@]}"
+    editable ".[dev]"
     # SGLang without its ~11 GB of CUDA packages (the real-server tests and rollout.engine=sglang on
     # CPU); idempotent: a stamp file makes re-runs instant. pip prints expected "sglang requires ..." lines.
     bash tools/install_sglang_cpu.sh "$VENV" ;;
