@@ -30,6 +30,9 @@ case "$LEGS" in both|oldest|newest) ;; *)
   echo "tools/run_tests.sh: MEGATRON_RL_TEST_LEGS='$LEGS' (expected both, oldest or newest)" >&2; exit 2 ;;
 esac
 export OMP_NUM_THREADS=1
+# bytecode is cached: every test starts many Python processes (ranks, launchers, servers), each importing the
+# project, and pytest rewrites the asserts of every test module at each collection unless it may cache them
+unset PYTHONDONTWRITEBYTECODE
 
 WORKERS="${MEGATRON_RL_TEST_WORKERS:-2}"
 case "$WORKERS" in ''|*[!0-9]*|0)
