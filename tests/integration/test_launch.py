@@ -411,31 +411,26 @@ def test_default_log_dir_is_git_ignored():
 
 def test_sbatch_r3_servers_capture_routes_and_take_extra_flags():
     """An r3 job's servers start with --routed-experts (-> SGLang's --enable-return-routed-experts), then the user's
-    SGLANG_EXTRA_ARGS after --; a job without r3 gets neither."""
+    SGLANG_EXTRA_ARGS after --; a job without r3 does not get it, a delta-sync job's servers (only they) get
+    --delta-loader. Two launches (each reads the config in a fresh interpreter): an r3 job without delta sync, and
+    a delta-sync job without r3."""
     q3 = "configs/qwen3_30b_a3b_2x8.yaml"
-    extra = "--context-length 32768 --chunked-prefill-size 8192"
+    # split at any whitespace, newlines included (a value written over several lines loses none of its flags)
+    extra = "--context-length 32768\n  --chunked-prefill-size 8192\n"
     r = _run("slurm.sbatch", "--config", q3, env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3",
                                                      SGLANG_EXTRA_ARGS=extra, CHECK="0"))
     assert r.returncode == 0, r.stderr
     server = _cmds(r.stdout)[0]
     script = server.index(os.path.join(ROOT, "launch", "sglang_server.sh"))
     assert server[script + 1:] == ["--model", "/ckpt/q3", "--host", "0.0.0.0", "--port", "30000", "--tp", "8",
-                                   "--routed-experts", "--", *extra.split()]
-    # split at any whitespace, newlines included (a value written over several lines loses none of its flags)
-    r = _run("slurm.sbatch", "--config", q3, env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3",
-                                                     SGLANG_EXTRA_ARGS="--context-length 32768\n  --random-seed 0\n",
-                                                     CHECK="0"))
+                                   "--routed-experts", "--", "--context-length", "32768", "--chunked-prefill-size",
+                                   "8192"]
+    # a delta-sync job's servers register its loader; without r3 they do not capture routes
+    r = _run("slurm.sbatch", "--config", q3, "actor.routing_replay=none", "rollout.weight_sync_delta=true",
+             "rollout.weight_sync=tensor", env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3", CHECK="0"))
     assert r.returncode == 0, r.stderr
     server = _cmds(r.stdout)[0]
-    assert server[server.index("--"):] == ["--", "--context-length", "32768", "--random-seed", "0"]
-    r = _run("slurm.sbatch", "--config", q3, "actor.routing_replay=none",
-             env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3", CHECK="0"))
-    assert "--routed-experts" not in _cmds(r.stdout)[0] and "--delta-loader" not in _cmds(r.stdout)[0]
-    # a delta-sync job's servers register its loader
-    r = _run("slurm.sbatch", "--config", q3, "rollout.weight_sync_delta=true", "rollout.weight_sync=tensor",
-             env=dict(SLURM, SGLANG_MODE="separate", SGLANG_MODEL="/ckpt/q3", CHECK="0"))
-    assert r.returncode == 0, r.stderr
-    assert "--delta-loader" in _cmds(r.stdout)[0]
+    assert "--delta-loader" in server and "--routed-experts" not in server
     # sglang_server.sh turns the option into SGLang's flag, before the extra flags
     r = _run("sglang_server.sh", "--model", "/m", "--routed-experts", "--", "--random-seed", "0", env={"DRY_RUN": "1"})
     argv = shlex.split(r.stdout.strip())
