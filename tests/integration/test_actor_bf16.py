@@ -180,7 +180,9 @@ def test_fp32_output_layer_computes_logits_in_fp32(models):
 @pytest.mark.timeout(900)
 def test_quickstart_three_steps_with_bf16_actor_are_finite(tmp_path, task_model):
     """``configs/tiny_cpu.yaml`` (4 gloo ranks, TP2 x PP2, the quickstart's model) with ``actor.bf16=true``: 3 RL
-    steps and the final checkpoint, every logged number finite."""
+    steps and the final checkpoint, every logged number finite. 8 prompts per step (64 rows, 4 micro-batches of 16
+    through the pipeline, the config's 2 PPO mini-batches) instead of the config's 64: finiteness needs every
+    piece of the bf16 step to run, not the rows the quickstart learns with."""
     import json
     import math
     import os
@@ -193,7 +195,8 @@ def test_quickstart_three_steps_with_bf16_actor_are_finite(tmp_path, task_model)
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     r = subprocess.run(["bash", os.path.join(root, "launch", "torchrun.sh"), "--nproc-per-node", "4", "--log-dir",
                         str(tmp_path / "logs"), "--config", "configs/tiny_cpu.yaml", f"actor.load_hf={model}",
-                        "actor.bf16=true", "trainer.steps=3", f"trainer.run_dir={run}", "trainer.progress=false"],
+                        "actor.bf16=true", "data.prompts_per_step=8", "actor.micro_batch_size=16",
+                        "trainer.steps=3", f"trainer.run_dir={run}", "trainer.progress=false"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=850)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(run / "metrics.jsonl") as fh:
