@@ -293,26 +293,13 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, hf_dir: str, version: str) -> None:
         """Load the HF-format weights in ``hf_dir`` and tag them ``version``; later rollouts must carry it."""
 
-    def begin_weight_sync(self, mode: str, version: str, **options) -> WeightReceiver:
-        """Start an in-memory update to ``version`` in ``mode`` ("tensor" / "distributed"); ``options``:
-        engine-specific settings (``master_address``, ``timeout_s``), ignored where they do not apply."""
-        raise WeightSyncError(f"{type(self).__name__} cannot receive weights in mode {mode!r} "
+    def begin_weight_sync(self, version: str, timeout_s: float, groups=None) -> WeightReceiver:
+        """Start an in-memory update to ``version`` (the one receiver interface; the job's
+        ``weight_sync.modes`` object calls it). ``groups``: None -- the buckets reach this engine on the trainer's
+        host; a ``weight_sync.transport.UpdateGroups`` -- each sender broadcasts in its own update group with
+        the engine's ranks. ``timeout_s`` bounds every wait of the update."""
+        raise WeightSyncError(f"{type(self).__name__} cannot receive in-memory weight updates "
                               f"(it supports {', '.join(self.weight_sync_modes)})")
-
-    def sync_weights(self, source, version: str, mode: str = "disk") -> None:
-        """Load new weights and tag them ``version``: ``source`` is an HF directory (mode "disk") or an
-        iterable of ``weight_sync.buckets.Bucket`` (the other modes; all-or-nothing as ``WeightReceiver`` says)."""
-        if mode == "disk":
-            self.update_weights(source, version)
-            return
-        receiver = self.begin_weight_sync(mode, version)
-        try:
-            for bucket in source:
-                receiver.load(bucket)
-            receiver.commit()
-        except BaseException as exc:
-            receiver.abort(f"{type(exc).__name__}: {exc}")
-            raise
 
     @property
     def weight_dtype(self):

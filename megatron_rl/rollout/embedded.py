@@ -227,14 +227,16 @@ class EmbeddedEngine(RolloutEngine):
         self._require_model(generating=False)
         return {n for n, t in self.model.state_dict().items() if t.is_floating_point() and t.dtype != self.dtype}
 
-    def begin_weight_sync(self, mode: str, version: str, **options) -> BucketLoader:
-        """Mode "tensor": a ``BucketLoader`` copying each bucket into the model as it arrives."""
+    def begin_weight_sync(self, version: str, timeout_s: float, groups=None) -> BucketLoader:
+        """A ``BucketLoader`` copying each bucket into the model as it arrives (every sender's buckets come to
+        this process: no update groups)."""
         self._require_model(generating=False)
-        if mode != "tensor":
-            return super().begin_weight_sync(mode, version)
+        if groups is not None:
+            raise WeightSyncError("EmbeddedEngine receives weights in the trainer's rank-0 process, not over update "
+                                  "groups (rollout.weight_sync: distributed is for SGLang servers)")
         if not isinstance(version, str) or not version:
             raise ValueError(f"begin_weight_sync: version={version!r} must be a non-empty string")
-        return BucketLoader(self, version, float(options.get("timeout_s") or 600.0))
+        return BucketLoader(self, version, float(timeout_s or 600.0))
 
     def weight_layout(self, hf_names, geometry) -> list:
         """The model's own tensors built from ``hf_names`` (fused expert tensors included; rotary buffers not)."""

@@ -464,19 +464,14 @@ class SGLangEngine(RolloutEngine):
         self._invalid = None
 
     # ------------------------------------------------- in-memory weight sync (rollout.weight_sync; weight_sync/)
-    def begin_weight_sync(self, mode: str, version: str, master_address: str | None = None,
-                          timeout_s: float | None = None, **options):
-        """An update session on every server, which every sender reaches by "tensor" (servers on the senders'
-        hosts) or "distributed" (each sender's own update group: gloo on CPU, NCCL on GPU; kept between syncs)."""
+    def begin_weight_sync(self, version: str, timeout_s: float | None = None, groups=None):
+        """An update session on every server, which every sender reaches through shared memory (``groups``
+        None: servers on the senders' hosts) or in its own update group (``groups``: gloo on CPU, NCCL on GPU;
+        kept between syncs)."""
         timeout_s = timeout_s or self.weight_sync_timeout
-        if mode == "tensor":
+        if groups is None:
             return SGLangReceiver(self, str(version), timeout_s)
-        if mode != "distributed":
-            return super().begin_weight_sync(mode, version)
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        return SGLangReceiver(self, str(version), timeout_s, backend, master_address)
+        return SGLangReceiver(self, str(version), timeout_s, groups.backend, groups.master_address)
 
     def server_set(self) -> ServerSet:
         """The servers as any trainer rank reaches them (URLs, TP sizes)."""

@@ -19,10 +19,13 @@ The path of a byte, one module per hop::
   sessions of SGLang servers).
 * ``layout.py`` + ``verify.py``: how an engine holds each tensor, and the checksum comparison built on it.
 * ``exports.py``: disk exports (bytes, pruning).
-* ``publisher.py``: the mode, chosen once when the job is built, as one publisher object.
+* ``modes.py``: the mode (``rollout.weight_sync``) as one object, chosen once when the job is built: it opens the
+  engine's one receiver interface (``begin_weight_sync(version, timeout_s, groups)``), no mode string reaches an
+  engine.
+* ``publisher.py``: the publisher object the mode picks (stream, delta, disk, deferred).
 * ``report.py``: ``SyncReport``, the ``weight_sync/*`` metrics.
 
-Modes (``publisher.py`` chooses the mode once, from ``rollout.weight_sync`` or the engine
+Modes (``modes.py`` builds the mode object once, from ``rollout.weight_sync`` or the engine
 class's default: tensor for the embedded engine, distributed for SGLang, disk for SGLang in ``rollout.mode: async``):
 
 * ``disk`` — rank 0 writes an HF export (``actor.export_hf``) and the engine loads the directory

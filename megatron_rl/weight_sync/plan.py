@@ -28,7 +28,7 @@ from typing import List, Tuple
 
 from megatron_rl.ops.memory import _layer_counts, stage_layers
 from megatron_rl.weight_sync.delta import sparse_nbytes
-from megatron_rl.weight_sync.publisher import weight_sync_mode
+from megatron_rl.weight_sync.modes import mode_name
 
 __all__ = ["SyncPlan", "weight_sync_plan", "DISK_GBPS", "LINK_GBPS", "DELTA_CHANGED_FRAC"]
 
@@ -107,7 +107,7 @@ def _binary(nbytes: float) -> str:
 def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
     """The sync plan of the validated job ``cfg`` whose model has ``total_params`` parameters."""
     r, m = cfg.rollout, cfg.model
-    mode = weight_sync_mode(cfg)
+    mode = mode_name(cfg)
     dtype_bytes = DTYPE_BYTES.get(r.dtype, 2)
     total = float(total_params) * dtype_bytes
     largest = float(m.vocab_size) * m.hidden_size * dtype_bytes

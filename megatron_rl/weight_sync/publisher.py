@@ -3,8 +3,8 @@
     publisher = build_weight_publisher(cfg, actor, engine)      # every rank (engine: rank 0's, None elsewhere)
     metrics = publisher.publish("step-7")                        # collective; the weight_sync/* metrics
 
-The mode is resolved once (``weight_sync_mode``: ``rollout.weight_sync``, or for "auto" the engine class's own
-default -- ``default_weight_sync_mode`` -- for sync or async rollouts) and picks one class:
+The mode is resolved once, as an object (``modes.weight_sync_mode``: ``rollout.weight_sync``, or for "auto" the
+engine class's own default -- ``default_weight_sync_mode`` -- for sync or async rollouts), and picks one class:
 
 * ``StreamPublisher`` (tensor / distributed): buckets streamed from every rank to rank 0's engine receiver and
   verified as they pass (``stream.stream_sync``).
@@ -33,6 +33,7 @@ from megatron_rl.rollout.factory import engine_class
 from megatron_rl.rollout.versions import parse_version
 from megatron_rl.weight_sync.delta_sender import DeltaSender
 from megatron_rl.weight_sync.exports import export_report, prune_exports
+from megatron_rl.weight_sync.modes import WeightSyncMode, weight_sync_mode
 from megatron_rl.weight_sync.report import SyncReport
 from megatron_rl.weight_sync.senders import stream_buckets
 from megatron_rl.weight_sync.stream import stream_sync
@@ -41,15 +42,6 @@ from megatron_rl.weight_sync.verify import verify_buckets, verify_export
 __all__ = ["weight_sync_mode", "WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher",
            "DeltaPublisher",
            "DiskPublisher", "DeferredPublisher", "build_weight_publisher", "deferred_publisher", "payload_maker"]
-
-
-def weight_sync_mode(cfg: JobConfig) -> str:
-    """The weight-sync mode of the job: ``rollout.weight_sync``, or for "auto" the engine class's default for
-    sync or async rollouts (embedded: tensor; SGLang: distributed, disk with async rollouts)."""
-    r = cfg.rollout
-    if r.weight_sync != "auto":
-        return r.weight_sync
-    return engine_class(r.engine).default_weight_sync_mode(async_rollouts=r.mode == "async")
 
 
 # ----------------------------------------------------------------------------------------------- payloads
@@ -77,7 +69,7 @@ class DiskExport(WeightPayload):
         self.path = path
 
     def apply(self, engine, cfg, version, actor=None) -> SyncReport:
-        engine.sync_weights(self.path, version, "disk")
+        engine.update_weights(self.path, version)
         return _verified(engine, version, lambda: verify_export(engine, cfg, self.path, version))
 
     def report(self) -> SyncReport:
@@ -91,12 +83,12 @@ class OwnedBuckets(WeightPayload):
     """The model's HF tensors as buckets owned by rank 0 (uncast: the engine casts on load, so tensors it keeps
     in higher precision than its compute dtype arrive exact)."""
 
-    def __init__(self, buckets: List, mode: str):
+    def __init__(self, buckets: List, mode: WeightSyncMode):
         self.buckets = buckets
         self.mode = mode
 
     def apply(self, engine, cfg, version, actor=None) -> SyncReport:
-        engine.sync_weights(self.buckets, version, self.mode)
+        self.mode.load(engine, self.buckets, version, cfg.rollout.weight_sync_timeout_s)
         if actor is None:
             return SyncReport()
         return _verified(engine, version, lambda: verify_buckets(engine, cfg, actor, self.buckets, version))
@@ -121,16 +113,16 @@ def export_payload(actor, cfg: JobConfig, version: str) -> DiskExport:
     return DiskExport(path)
 
 
-def bucket_payload(actor, cfg: JobConfig, version: str, mode: str) -> Optional[OwnedBuckets]:
+def bucket_payload(actor, cfg: JobConfig, version: str, mode: WeightSyncMode) -> Optional[OwnedBuckets]:
     """Collective: ``version`` as buckets owned by rank 0 (None elsewhere), applied in ``mode``."""
     buckets = list(stream_buckets(actor, int(cfg.rollout.weight_sync_bucket_mb * (1 << 20)), None))
     return OwnedBuckets(buckets, mode) if is_rank0() else None
 
 
-def payload_maker(actor, cfg: JobConfig, mode: str) -> Callable[[str], Optional[WeightPayload]]:
+def payload_maker(actor, cfg: JobConfig, mode: WeightSyncMode) -> Callable[[str], Optional[WeightPayload]]:
     """The collective ``version -> payload`` of ``mode``, chosen once (disk: an export; otherwise owned buckets on
     rank 0)."""
-    if mode == "disk":
+    if not mode.streamed:
         return functools.partial(export_payload, actor, cfg)
     return lambda version: bucket_payload(actor, cfg, version, mode)
 
@@ -149,7 +141,7 @@ class StreamPublisher(WeightPublisher):
     """Modes tensor / distributed: buckets streamed to the engine's receiver and verified in passing.
     ``corrupt(bucket)`` (tests only) alters a bucket after its checksums were taken, like a fault in transit."""
 
-    def __init__(self, actor, engine, cfg: JobConfig, mode: str, corrupt=None):
+    def __init__(self, actor, engine, cfg: JobConfig, mode: WeightSyncMode, corrupt=None):
         self.actor, self.engine, self.cfg, self.mode, self.corrupt = actor, engine, cfg, mode, corrupt
 
     def publish(self, version: str) -> Dict[str, float]:
@@ -161,7 +153,7 @@ class DeltaPublisher(StreamPublisher):
     since the version the engine holds (``delta_sender.DeltaSender``, one per rank for the whole job); a full
     sync first and after a failed or skipped version."""
 
-    def __init__(self, actor, engine, cfg: JobConfig, mode: str, corrupt=None):
+    def __init__(self, actor, engine, cfg: JobConfig, mode: WeightSyncMode, corrupt=None):
         super().__init__(actor, engine, cfg, mode, corrupt)
         self.sender = DeltaSender()
 
@@ -200,9 +192,9 @@ class DeferredPublisher(WeightPublisher):
     its schedule needs it -- a failure there surfaces at a later step's rollouts; this step's
     ``weight_sync/verified_param_frac`` is 0."""
 
-    def __init__(self, actor, cfg: JobConfig, mode: str, producer=None):
-        if mode not in engine_class(cfg.rollout.engine).deferred_weight_sync_modes:
-            raise WeightSyncError(f"rollout.weight_sync {mode!r} with rollout.engine {cfg.rollout.engine!r} cannot "
+    def __init__(self, actor, cfg: JobConfig, mode: WeightSyncMode, producer=None):
+        if mode.name not in engine_class(cfg.rollout.engine).deferred_weight_sync_modes:
+            raise WeightSyncError(f"rollout.weight_sync {mode.name!r} with rollout.engine {cfg.rollout.engine!r} cannot "
                                   f"be applied later by the async producer (use rollout.weight_sync: disk)")
         self.actor, self.cfg, self.mode, self.producer = actor, cfg, mode, producer
         self.make = payload_maker(actor, cfg, mode)
@@ -221,7 +213,7 @@ class DeferredPublisher(WeightPublisher):
 def build_weight_publisher(cfg: JobConfig, actor, engine, corrupt=None) -> WeightPublisher:
     """The publisher that loads each version into the engine right away (every rank; ``engine``: rank 0's)."""
     mode = weight_sync_mode(cfg)
-    if mode == "disk":
+    if not mode.streamed:
         return DiskPublisher(actor, engine, cfg)
     if cfg.rollout.weight_sync_delta:
         return DeltaPublisher(actor, engine, cfg, mode, corrupt)

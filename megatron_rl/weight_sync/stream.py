@@ -1,7 +1,7 @@
 """The streamed sync (``rollout.weight_sync: tensor | distributed``) with several senders, collective over
 every trainer rank.
 
-1. Rank 0 opens the update (``engine.begin_weight_sync``: a ``WeightReceiver``) and the version's
+1. Rank 0 opens the update (``mode.open``: the engine's ``WeightReceiver``) and the version's
    ``verify.WeightVerifier``, and hands every rank the receiver's ``channel()`` spec and a verifier copy.
 2. Every sender (``senders.sender_ranks``: each pipeline stage's and each expert-parallel rank's shard owner)
    sends its own buckets (``senders.own_buckets``) through its own channel, in parallel with the others,
@@ -31,6 +31,7 @@ from megatron_rl.parallel.rank0 import share_from_rank0
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.weight_sync.board import Board, world
 from megatron_rl.weight_sync.buckets import DTYPE_NAMES
+from megatron_rl.weight_sync.modes import WeightSyncMode
 from megatron_rl.weight_sync.report import SyncReport
 from megatron_rl.weight_sync.senders import own_buckets, sender_ranks
 from megatron_rl.weight_sync.verify import finish_verify, verifier_for
@@ -117,7 +118,7 @@ def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: in
     return out
 
 
-def stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: bool,
+def stream_sync(actor, engine, cfg: JobConfig, mode: WeightSyncMode, version: str, rank0: bool,
                 corrupt=None, delta=None) -> SyncReport:
     """Collective: every sender's buckets into the engine, verified, committed only when every sender is done;
     see the module doc."""
@@ -128,8 +129,7 @@ def stream_sync(actor, engine, cfg: JobConfig, mode: str, version: str, rank0: b
     receiver = verifier = plan = None
     if rank0:
         try:
-            receiver = engine.begin_weight_sync(mode, version, master_address=rc.weight_sync_master_address,
-                                                timeout_s=rc.weight_sync_timeout_s)
+            receiver = mode.open(engine, version, rc.weight_sync_timeout_s)
             names = _expected_names(actor)
             dt = engine.weight_dtype
             keep_names = engine.full_precision_weight_names(names)

@@ -7,7 +7,8 @@
 * Between trainer ranks: ``send_bucket`` / ``recv_bucket``: the bucket's meta as an object (a ``Bucket``'s or a
   ``delta.DeltaBucket``'s), then its bytes -- on the default group staged on its device (NCCL takes CUDA tensors
   only; async rollouts' owned buckets), on a gloo pair group as host bytes.
-* Trainer -> SGLang servers: ``ServerSet`` (the servers as any rank reaches them) and ``UpdateGroup``, a sender's
+* Trainer -> SGLang servers: ``ServerSet`` (the servers as any rank reaches them), ``UpdateGroups`` (the
+  distributed mode's request to an engine: each sender in its own group) and ``UpdateGroup``, a sender's
   process group with every server's TP ranks (``/init_weights_update_group``), one per sender and process
   (``update_group``), in which it broadcasts its buckets; ``master_address_for`` picks the address the servers
   reach that process at. What the pinned SGLang needs of it: ``receivers/sglang.py``.
@@ -31,7 +32,7 @@ from megatron_rl.rollout.sglang_server import find_free_port
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.delta import DeltaBucket
 
-__all__ = ["send_bucket", "recv_bucket", "pair_groups", "SenderChannel", "ChannelSpec", "InProcessSpec", "ServerSet", "UpdateGroup", "update_group", "drop_update_group",
+__all__ = ["send_bucket", "recv_bucket", "pair_groups", "SenderChannel", "ChannelSpec", "InProcessSpec", "UpdateGroups", "ServerSet", "UpdateGroup", "update_group", "drop_update_group",
            "master_address_for", "run_parallel"]
 
 
@@ -219,6 +220,17 @@ def run_parallel(fns: List[Callable[[], Any]]) -> List[Any]:
     for t in threads:
         t.join()
     return out
+
+
+@dataclass(frozen=True)
+class UpdateGroups:
+    """Each sender reaches the engine through its own update group with every server rank (``UpdateGroup``):
+    what an engine's ``begin_weight_sync`` is given for ``rollout.weight_sync: distributed``."""
+
+    backend: str
+    """The groups' backend: "nccl" (GPU) or "gloo" (CPU)."""
+    master_address: Optional[str] = None
+    """Where the servers reach trainer rank 0 (None: ``master_address_for`` finds the route)."""
 
 
 @dataclass(frozen=True)

@@ -45,14 +45,14 @@ def _train(rank, world, cfg, fault=None):
 
         EmbeddedEngine.generate = generate
     if fault == "weights" and rank == 0:
-        real_sync = EmbeddedEngine.sync_weights
+        real_begin = EmbeddedEngine.begin_weight_sync
 
-        def sync(self, source, version, *a, **k):
+        def begin(self, version, *a, **k):
             if version == "step-1":   # needed by step 3 (k = 1)
                 raise RuntimeError("engine refused weights step-1 (test)")
-            return real_sync(self, source, version, *a, **k)
+            return real_begin(self, version, *a, **k)
 
-        EmbeddedEngine.sync_weights = sync
+        EmbeddedEngine.begin_weight_sync = begin
     try:
         train(cfg)
     except Exception as exc:  # noqa: BLE001 - the test checks every rank's error

@@ -133,16 +133,16 @@ def _async_body(rank, world, job, engine_dir, broken):
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(job)
     engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0")
-    load = engine.sync_weights
+    load = engine.update_weights
 
-    def faulty_load(payload, version, mode):  # an engine-side load fault (a real loader cannot fail on demand)
-        load(payload, version, mode)
+    def faulty_load(hf_dir, version):  # an engine-side load fault (a real loader cannot fail on demand)
+        load(hf_dir, version)
         with torch.no_grad():
             engine.model.state_dict()[broken].view(-1)[0] += 0.5
 
     payload = payload_maker(actor, job, weight_sync_mode(job))("step-1")
     good = payload.apply(engine, job, "step-1")
-    engine.sync_weights = faulty_load
+    engine.update_weights = faulty_load
     try:
         payload.apply(engine, job, "step-2")
         return {"good": good.metrics() if good else {}, "error": None}

@@ -72,11 +72,11 @@ def _install(kind: str, rank: int, step: int) -> None:
 
         real_begin = EmbeddedEngine.begin_weight_sync
 
-        def begin(self, mode, version, *args, **kwargs):
+        def begin(self, version, *args, **kwargs):
             if version == f"step-{step}":
                 fire()
                 raise RuntimeError(f"engine refused weights {version} (injected by tests/integration/faults)")
-            return real_begin(self, mode, version, *args, **kwargs)
+            return real_begin(self, version, *args, **kwargs)
 
         EmbeddedEngine.begin_weight_sync = begin
         return
