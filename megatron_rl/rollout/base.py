@@ -301,6 +301,11 @@ class RolloutEngine(abc.ABC):
         raise WeightSyncError(f"{type(self).__name__} cannot receive in-memory weight updates "
                               f"(it supports {', '.join(self.weight_sync_modes)})")
 
+    def holds_weight_version(self, version: str) -> bool:
+        """Whether the engine serves ``version``, valid, right now -- what a delta sync may start from. Engines
+        whose servers can lose it on their own (a restarted SGLang server) ask them."""
+        return self.weight_version == version and getattr(self, "_invalid", None) is None
+
     @property
     def weight_dtype(self):
         """The torch dtype the engine keeps its weights in (buckets are cast to it), None if unknown."""

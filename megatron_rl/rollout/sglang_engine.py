@@ -450,8 +450,7 @@ class SGLangEngine(RolloutEngine):
         try:
             for url in self.urls:
                 self._update_one(url, path, version)
-                info = self._request("GET", url + "/get_model_info", budget=self.weight_sync_timeout)
-                got = str(info.get("weight_version")) if isinstance(info, dict) else None
+                got = self._server_version(url)
                 if got != version:
                     raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports "
                                           f"weight_version={got!r}, expected {version!r}")
@@ -556,17 +555,26 @@ class SGLangEngine(RolloutEngine):
             raise WeightSyncError(f"{url}{path} refused: {_short(reply.get('message'), 400)}")
         return reply
 
+    def _server_version(self, url: str) -> str | None:
+        """The weight version ``url`` reports now (``/get_model_info``; bounded by the sync timeout)."""
+        info = self._request("GET", url + "/get_model_info", timeout=self.weight_sync_timeout,
+                             budget=self.weight_sync_timeout)  # part of a sync: its bound
+        return str(info.get("weight_version")) if isinstance(info, dict) else None
+
     def _check_versions(self, version: str) -> None:
         """Every server reports ``version`` (``/get_model_info``); then the engine serves it."""
         for url in self.urls:
-            info = self._request("GET", url + "/get_model_info", timeout=self.weight_sync_timeout,
-                                 budget=self.weight_sync_timeout)  # part of the sync: its bound
-            got = str(info.get("weight_version")) if isinstance(info, dict) else None
+            got = self._server_version(url)
             if got != version:
                 raise WeightSyncError(f"{url}: after the weight sync the server reports weight_version={got!r}, "
                                       f"expected {version!r}")
         self._weight_version = version
         self._invalid = None
+
+    def holds_weight_version(self, version: str) -> bool:
+        """``version`` is the engine's, valid, and every server reports it now: a server restarted since (it
+        reports its launch version, its weights and delta store are gone) or tagged by someone else does not."""
+        return super().holds_weight_version(version) and all(self._server_version(u) == version for u in self.urls)
 
     def _mark_invalid(self, reason: str) -> None:
         self._invalid = reason

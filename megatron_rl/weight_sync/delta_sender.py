@@ -8,8 +8,9 @@ only what changed since (``delta.encode_delta`` -> ``delta.pack_deltas``).
         ...                                                 # DeltaBuckets, as bucketize's Buckets travel
     sender.committed("step-4")   /   sender.failed()        # every rank, after the sync's outcome is shared
 
-A version is sent whole (dense) when ``base`` is None -- the first one, and the one after a failed or skipped
-version: rank 0 sends a delta only while the engine serves, valid, the version this sender's copies are at.
+A version is sent whole (dense) when ``base`` is None -- the first one, the one after a failed or skipped
+version, and the one after a server lost its version (restarted, or loaded other weights): rank 0 sends a delta
+only while the engine -- every server, asked at the sync -- serves, valid, the version this sender's copies are at.
 The copies are updated in place as the tensors pass (no second copy of the model); a failed sync leaves them
 at no known version, so the next one is full. ``checks``: HF names whose whole tensor rank 0's verifier needs;
 they ride in the bucket after the engine's bytes (``kind`` check) unless they travel dense anyway.
@@ -35,10 +36,11 @@ class DeltaSender:
         """The version ``base`` is at (None: unknown -- the next sync is full)."""
 
     def base_for(self, engine) -> Optional[str]:
-        """Rank 0: the version to send deltas from -- this sender's, when the engine serves it and is valid."""
-        if self.version is None or getattr(engine, "_invalid", None) is not None:
+        """Rank 0: the version to send deltas from -- this sender's, when the engine serves it, valid, now
+        (``engine.holds_weight_version``: SGLang servers are asked, so a restarted one gets a full sync)."""
+        if self.version is None:
             return None
-        return self.version if engine.weight_version == self.version else None
+        return self.version if engine.holds_weight_version(self.version) else None
 
     def pack(self, pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int, dtype: Optional[torch.dtype],
              keep: Set[str], base: Optional[str], version: str, checks: Set[str]) -> Iterator[DeltaBucket]:

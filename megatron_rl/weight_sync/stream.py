@@ -129,13 +129,14 @@ def stream_sync(actor, engine, cfg: JobConfig, mode: WeightSyncMode, version: st
     receiver = verifier = plan = None
     if rank0:
         try:
+            base = delta.base_for(engine) if delta else None  # before the update session retags the servers
             receiver = mode.open(engine, version, rc.weight_sync_timeout_s)
             names = _expected_names(actor)
             dt = engine.weight_dtype
             keep_names = engine.full_precision_weight_names(names)
             verifier = verifier_for(actor.hf_target.geometry, engine, cfg, names, version, dt, keep_names)
             plan = (DTYPE_NAMES.get(dt), sorted(keep_names), receiver.channel(), verifier.for_sender(),
-                    (delta.base_for(engine), sorted(n for n in names if verifier.needs(n))) if delta else None,
+                    (base, sorted(n for n in names if verifier.needs(n))) if delta else None,
                     names)
         except Exception as exc:  # noqa: BLE001 - shared below
             error = exc

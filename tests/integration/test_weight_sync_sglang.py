@@ -13,7 +13,8 @@ starting weights (another checkpoint).
   checksums), named on every rank; the server is tagged ``sync-failed:<version>`` and the engine refuses to
   generate.
 * delta syncs (``rollout.weight_sync_delta``) through our loader in the server: after deltas at lr 1e-6 every
-  server tensor == the disk path; each delta <= 10 % of a full sync's bytes.
+  server tensor == the disk path; each delta <= 10 % of a full sync's bytes; a server that lost its version (its
+  launch weights under another tag, as after a restart) gets the next version whole, not a delta.
 * faults: the server killed in the middle of a sync -> a WeightSyncError naming the server on every rank;
   a group init the server rejects (NCCL on the CPU server) -> WeightSyncError naming the group and server.
 
@@ -129,7 +130,7 @@ def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
             assert 0 < o["through"] <= o["own"] + int(0.02 * (1 << 20)), (r, o["through"], o["own"])
 
 
-def _delta_body(rank, world, job, url, export_dir):
+def _delta_body(rank, world, job, url, export_dir, launch_dir):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.sglang_engine import SGLangEngine
@@ -147,6 +148,11 @@ def _delta_body(rank, world, job, url, export_dir):
         for v in (2, 3):
             actor.train_step(batch, old, adv, mask, None, 1.0)
             metrics.append(pub.publish(f"step-{v}"))
+        # the server comes back as a restarted one does: its launch weights under another version tag (a real
+        # restart costs a ~2 min CPU launch); the engine object still believes it serves step-3
+        load_from_disk(url, launch_dir, "restarted")
+        actor.train_step(batch, old, adv, mask, None, 1.0)
+        metrics.append(pub.publish("step-4"))  # must be full: the server holds no step-3 to apply a delta to
         actor.export_hf(export_dir)
         return metrics
     finally:
@@ -156,20 +162,23 @@ def _delta_body(rank, world, job, url, export_dir):
 @pytest.mark.timeout(900)
 def test_delta_sync_equals_disk_path(models, server, tmp_path):
     """Delta syncs (``rollout.weight_sync_delta``, our loader inside the server) at lr 1e-6: after a full first
-    version and two deltas, every server tensor equals the same weights loaded from disk (SGLang's checksums),
-    and each delta sent <= 10 % of the first (full) version's bytes."""
+    version, two deltas, the server losing its version (as on a restart) and one more version, every server
+    tensor equals the same weights loaded from disk (SGLang's checksums); each delta sent <= 10 % of the first
+    (full) version's bytes, and the version after the loss was sent whole."""
     url = server.url
     load_from_disk(url, models["other"], "step-0")
     job = named_job("sglang_actor", *PLACEHOLDER_URL, "rollout.weight_sync=tensor", "rollout.weight_sync_delta=true",
                     *SMALL_BUCKETS, hf=models["actor"])
     job.actor.lr = 1e-6
-    out = run_ranks(_delta_body, 1, job, url, str(tmp_path / "export"), timeout=600)[0]
+    out = run_ranks(_delta_body, 1, job, url, str(tmp_path / "export"), models["other"], timeout=600)[0]
     got, version = _checksums(url), _version(url)
     load_from_disk(url, str(tmp_path / "export"), "disk-ref")
-    assert version == "step-3" and got == _checksums(url)
+    assert version == "step-4" and got == _checksums(url)
     full = out[0]["weight_sync/bytes_sent"]
-    assert out[0]["weight_sync/changed_frac"] == 1.0 and all(m["weight_sync/verified"] == 1.0 for m in out)
-    fracs = [m["weight_sync/bytes_sent"] / full for m in out[1:]]
+    assert all(m["weight_sync/verified"] == 1.0 for m in out)
+    assert [m["weight_sync/changed_frac"] == 1.0 for m in out] == [True, False, False, True], out
+    assert out[3]["weight_sync/bytes_sent"] == full  # the fallback: a full sync
+    fracs = [m["weight_sync/bytes_sent"] / full for m in out[1:3]]
     assert all(0 < f <= 0.10 for f in fracs), fracs
     print("SGLang delta bytes / full bytes per step at lr 1e-6:", [round(f, 4) for f in fracs])
 
