@@ -123,7 +123,8 @@ class RolloutConfig:
     /update_weights_from_tensor for an SGLang server on the senders' host), "distributed" (SGLang: buckets
     broadcast over a gloo / NCCL group per sender, /update_weights_from_distributed). In memory, every
     pipeline stage's and expert-parallel rank's shard owner sends its own tensors, in parallel.
-    "auto": tensor for embedded, distributed for SGLang, disk for SGLang in mode async."""
+    "auto": tensor for embedded, distributed for SGLang, disk for SGLang in mode async (where tensor and
+    distributed are accepted too: the producer loads rank 0's copy of the version between segments)."""
     weight_sync_bucket_mb: float = 512.0
     """Bucket size of the in-memory modes in MiB: peak extra host memory of a sync is about one bucket plus
     the parameter being gathered (a larger parameter travels alone)."""

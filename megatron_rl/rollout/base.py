@@ -255,8 +255,8 @@ class RolloutEngine(abc.ABC):
     weight_sync_modes: tuple = ("disk",)
 
     #: The modes of ``weight_sync_modes`` whose payload rank 0 alone can apply later, after every trainer rank
-    #: prepared it (``rollout.mode: async``: the producer thread loads it between segments). A mode that
-    #: streams from every trainer rank at sync time ("distributed"; SGLang's "tensor") is not one of them.
+    #: prepared it (``rollout.mode: async``: the producer thread loads it between segments; in memory: the
+    #: version's buckets collected on rank 0, sent by the producer as the one sender).
     deferred_weight_sync_modes: tuple = ("disk",)
 
     #: True: ``generate(..., seed=s)`` reproduces a sample (the same seed, weights and call give the same

@@ -228,15 +228,16 @@ class SGLangEngine(RolloutEngine):
 
     #: Every mode: a disk export, local in-memory buckets or a broadcast group (``weight_sync.receivers.sglang``).
     weight_sync_modes = ("disk", "tensor", "distributed")
-    #: Only a disk export: "tensor" and "distributed" stream from every trainer rank at sync time.
-    deferred_weight_sync_modes = ("disk",)
+    #: Every mode: async rollouts collect the version's buckets on rank 0, and the producer, as their one sender,
+    #: loads them between generation segments (shared memory, or its own update group) -- or the disk export.
+    deferred_weight_sync_modes = ("disk", "tensor", "distributed")
     #: The servers sample on their own; ``generate`` ignores ``seed``.
     seeded_sampling = False
 
     @classmethod
     def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
-        """"distributed" (the trainer broadcasts to the servers' ranks), "disk" with async rollouts (the only
-        deferred mode)."""
+        """"distributed" (the trainer broadcasts to the servers' ranks); "disk" with async rollouts (the in-memory
+        modes are accepted there too, but hold the whole model on rank 0 for the producer)."""
         return "disk" if async_rollouts else "distributed"
 
     @classmethod

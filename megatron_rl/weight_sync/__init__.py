@@ -54,8 +54,9 @@ class's default: tensor for the embedded engine, distributed for SGLang, disk fo
   one; async: ``RolloutProducer.versions_in_use``); older ``step-N`` exports are deleted.
 * Async rollouts (``rollout.mode: async``): the producer thread applies weights later, on rank 0 alone.
   disk: the export directory is the payload; tensor (embedded engine): the buckets are collected on rank 0
-  (owned copies: the full model there, as before) and applied by the producer. distributed / SGLang
-  tensor need the engine's group at apply time and are rejected by config validation.
+  (owned copies: the full model there) and applied by the producer between generation segments, as the one
+  sender, with the sync mode's version tags, atomicity and verification (embedded engine: in process; SGLang
+  tensor: shared memory; SGLang distributed: the producer's own update group with the servers).
 
 Metrics: ``weight_sync/bytes``, ``weight_sync/buckets``, ``weight_sync/senders``, ``weight_sync/verified`` (1 when
 verified), ``weight_sync/verified_param_frac`` (parameters inside the compared engine tensors / all parameters; in async

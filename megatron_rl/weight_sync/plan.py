@@ -9,12 +9,12 @@
 * host memory of the sync on rank 0: disk — the whole model in the engine's dtype (the HF export is built
   there); tensor / distributed — one bucket (a bucket holds at most the whole model) plus the largest tensor
   being gathered (the embedding / output layer, V x h), and with the embedded engine (in rank 0's process) one
-  bucket per other sender being received; on every other sender one bucket + that tensor. (Async mode with
-  the embedded engine keeps a copy of the whole model on rank 0, in the trainer's dtype, for the producer.)
+  bucket per other sender being received; on every other sender one bucket + that tensor. (Async mode in
+  memory keeps a copy of the whole model on rank 0, in the trainer's dtype, for the producer.)
 * estimated time at a stated, assumed bandwidth: ``DISK_GBPS`` for writing + reading the export,
   ``LINK_GBPS`` for the in-memory modes (intra-node copy / broadcast). Measure yours with
   ``tools/bench_weight_sync.py``; the numbers here are for planning only;
-* disk mode with SGLang servers (also every async job with them: async syncs through disk): the export
+* disk mode with SGLang servers (also the default of async jobs with them): the export
   directory must be on a filesystem the trainer and the servers share, which the line says;
 * ``rollout.weight_sync_delta``: the expected bytes of a delta sync when ``DELTA_CHANGED_FRAC`` of the elements
   changed (``delta.sparse_nbytes``: 2-byte positions + values), and the copies it keeps (each stage leader: its

@@ -17,7 +17,8 @@ engine class's own default -- ``default_weight_sync_mode`` -- for sync or async 
 
 A ``WeightPayload`` knows how it is applied and what it holds, so nobody asks what kind of payload it is:
 ``DiskExport(path)`` (``engine.update_weights`` from the directory) and ``OwnedBuckets(buckets)`` (an in-memory
-update from buckets copied to rank 0; the embedded engine only). Streaming: ``stream.py``; verification:
+update from buckets copied to rank 0, which the async producer loads as the one sender: into the embedded
+engine, or SGLang servers through shared memory or its own update group). Streaming: ``stream.py``; verification:
 ``verify.py``; pruning: ``exports.py``.
 """
 from __future__ import annotations

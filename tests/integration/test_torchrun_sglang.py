@@ -12,8 +12,7 @@ Every mode runs under torchrun once (each mode's own exactness is proven against
 test_weight_sync_sglang.py); a launched server per mode would add two server start-ups and jobs for no
 further claim.
 
-``rollout.mode: async`` takes ``disk`` sync only (the in-memory modes stream from every trainer rank at sync time;
-the config check refuses them with async), so every mode runs in sync and ``disk`` runs in async too.
+Every mode runs in sync and ``disk`` runs in async too (async in memory: ``test_train_loop_sglang.py``).
 
 Each job: both steps logged, step 2's rollouts carry weight version ``step-1`` (the sync reached the server),
 and — on a server that holds the initial checkpoint — step 1's mismatch KL equals the one recomputed with HF

@@ -92,10 +92,12 @@ def _async_body(rank, world, cfg, delay_s):
 @pytest.mark.timeout(900)
 def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp_path):
     """rollout.mode async, max_staleness 1, partial_rollout interrupt (segments of 2 tokens) at TP2 with a
-    real server: every token's version is within the staleness bound and non-decreasing along its response,
-    at least one response continued on newer weights than it started with (the server really served the
-    new version mid-rollout: its log-probs are the ones it sampled with), the lag metrics see the lagged
-    tokens, and step 1's kl equals an HF fp32 recompute of the dumped rollouts."""
+    real server, weights in memory (``distributed``: the producer broadcasts rank 0's copy of each version in its
+    own update group between segments, no disk export; every server tensor verified against the trainer's at
+    each version, so a wrong or partial load ends the run): every token's version is within the staleness bound
+    and non-decreasing along its response, at least one response continued on newer weights than it started
+    with (the server really served the new version mid-rollout: its log-probs are the ones it sampled with), the
+    lag metrics see the lagged tokens, and step 1's kl equals an HF fp32 recompute of the dumped rollouts."""
     from megatron_rl.tasks.char_tokenizer import build_task_model
 
     model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
@@ -103,11 +105,13 @@ def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp
     cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=8",
                     "data.prompts_per_step=4", "rollout.mode=async", "rollout.max_staleness=1",
                     "rollout.partial_rollout=interrupt", "rollout.segment_tokens=2", "trainer.steps=3", "actor.lr=1e-2",
+                    "rollout.weight_sync=distributed", "rollout.weight_sync_verify_tensors=-1",
                     hf=model, run_dir=run_dir, world_size=2)
     run_ranks(_async_body, 2, cfg, 1.0, timeout=840)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         metrics = [json.loads(line) for line in fh]
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert not os.path.exists(os.path.join(run_dir, "weight_sync"))  # in memory: no disk export was written
     with open(os.path.join(run_dir, "rollouts.jsonl")) as fh:
         recs = [json.loads(line) for line in fh]
     mixed = 0

@@ -23,12 +23,13 @@ from megatron_rl.rollout.sglang_engine import SGLangEngine
 
 ENGINES = {"embedded": EmbeddedEngine, "sglang": SGLangEngine}
 
-#: (engine, rollout.mode) -> the explicit rollout.weight_sync values validation accepted before this refactor
+#: (engine, rollout.mode) -> the explicit rollout.weight_sync values validation accepts (async in-memory syncs to
+#: SGLang: rank 0's owned buckets, loaded by the producer between segments)
 ACCEPTED = {
     ("embedded", "sync"): {"disk", "tensor"},
     ("embedded", "async"): {"disk", "tensor"},
     ("sglang", "sync"): {"disk", "tensor", "distributed"},
-    ("sglang", "async"): {"disk"},
+    ("sglang", "async"): {"disk", "tensor", "distributed"},
 }
 #: (engine, rollout.mode) -> what rollout.weight_sync: auto resolved to before this refactor
 AUTO = {("embedded", "sync"): "tensor", ("embedded", "async"): "tensor",
