@@ -53,8 +53,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q "torch==2.13.0"
+PIP=("$PY" -m pip install -q)
+# --no-compile: no bytecode for the ~10k installed .py files up front (~40 CPU-seconds); Python compiles and caches
+# the modules a run imports, a fraction of them, on first import -- unless PYTHONDONTWRITEBYTECODE forbids the
+# cache: then every process would compile its imports at each start, so pip compiles everything here as usual
+if [ -z "${PYTHONDONTWRITEBYTECODE:-}" ]; then PIP+=(--no-compile); fi
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" "torch==2.13.0"
 CONSTRAINTS=(-c tools/constraints-cpu.txt)
 if [ -n "$MCORE" ]; then
   EXTRA=()
@@ -63,7 +68,7 @@ if [ -n "$MCORE" ]; then
   fi
   TRITON=()
   if [ "$MINOR" -ge 19 ]; then TRITON=("triton>=3.0"); fi
-  "$PY" -m pip install -q --no-deps "${EXTRA[@]}" "megatron-core==$MCORE"
+  "${PIP[@]}" --no-deps "${EXTRA[@]}" "megatron-core==$MCORE"
   # its own requirements, resolved for this Python (with --ignore-requires-python pip would also take
   # numpy sdists that need 3.12+); extras' requirements are left out
   REQS="$VENV/.megatron_rl_mcore_requires.txt"
@@ -75,7 +80,7 @@ for line in requires("megatron-core") or []:
     if req.marker is None or req.marker.evaluate({"extra": ""}):
         print(str(req).split(";")[0])
 PY
-  "$PY" -m pip install -q -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt
+  "${PIP[@]}" -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt
   # keep exactly this megatron-core while the project and its extras install
   PIN="$VENV/.megatron_rl_mcore_pin.txt"
   echo "megatron-core==$MCORE" > "$PIN"
@@ -84,9 +89,9 @@ fi
 editable() {  # pip install -e: it writes megatron_rl.egg-info into the source tree, so one venv at a time does it
   # (tools/run_tests.sh sets its two venvs up side by side); the lock is the tree's, not the venv's
   if command -v flock > /dev/null; then
-    ( flock 8; "$PY" -m pip install -q -e "$@" "${CONSTRAINTS[@]}" ) 8>".megatron_rl_editable.lock"
+    ( flock 8; "${PIP[@]}" -e "$@" "${CONSTRAINTS[@]}" ) 8>".megatron_rl_editable.lock"
   else
-    "$PY" -m pip install -q -e "$@" "${CONSTRAINTS[@]}"
+    "${PIP[@]}" -e "$@" "${CONSTRAINTS[@]}"
   fi
 }
 case "$MODE" in
