@@ -29,7 +29,9 @@ def launch_config(tmp_path, config: str, model: str, steps: int, nproc: int, *ov
     """``configs/<config>`` on ``nproc`` ranks through launch/torchrun.sh for ``steps`` steps with ``actor.load_hf``
     at ``model`` (plus ``overrides``), the run in ``tmp_path/run``, no checkpoints; returns the run directory."""
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE=str(nproc))
+    # CHECK=0: no config check in a separate interpreter before torchrun (the launcher's check has its own tests
+    # in test_launcher_commands.py; these runs' subject is what the job learns)
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE=str(nproc), CHECK="0")
     r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--log-dir", str(tmp_path / "logs"),
                         "--config", os.path.join(ROOT, "configs", config), f"actor.load_hf={model}",
                         f"trainer.run_dir={run}", f"trainer.steps={steps}", "trainer.save_interval=0",
