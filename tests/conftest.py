@@ -10,6 +10,10 @@ must leave a shared model directory as it found it):
 * ``task_model(task="copy", seed=0, hidden_size=128, num_layers=2, **config) -> str``: a tiny model over the
   char vocabulary of ``megatron_rl.tasks`` (``build_task_model``);
 * ``dense_model``, ``copy_model``: the most used of those (qwen2 seed 0; copy task, hidden 32, 1 layer);
+* ``copy_sglang_server -> SharedServer``: a CPU SGLang server (``--random-seed 0``) of the copy-task model with
+  hidden 64 and 2 layers (``.model_dir``), shared by the tests of one pytest process (an xdist worker) that use it:
+  ``.get()`` starts it on first use (again if a test killed it); a test loads the weights it needs first (a loop
+  publishes its own at step 0), so weights a test left behind do not matter;
 * ``hf_reference(path) -> HFReference``: a fresh fp32 HF model (eval mode) and tokenizer loaded from a
   directory — the independent reference of the actor/engine tests (a fresh one per call: tests train it);
 * ``tiny_job(*overrides, model=None, world_size=1) -> JobConfig``: the jobs table's ``tiny_cpu`` row
@@ -207,6 +211,17 @@ def dense_model(tiny_hf_model):
 def copy_model(task_model):
     """The smallest copy-task model (hidden 32, 1 layer, seed 0): what the loop/launcher tests train."""
     return task_model(task="copy", seed=0, hidden_size=32, num_layers=1)
+
+
+@pytest.fixture(scope="session")
+def copy_sglang_server(task_model, tmp_path_factory):
+    """The session's SGLang server of the copy-task model (hidden 64, 2 layers), started on first use."""
+    from megatron_rl.testing.sglang_script import SharedServer
+
+    model = task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
+    with SharedServer(model, tmp_path_factory.mktemp("copy_sglang"), extra_args=["--random-seed", "0"],
+                      ready_timeout=600) as shared:
+        yield shared
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
 """SGLang servers for tests: started the way a user does (``bash launch/sglang_server.sh``) and waited for until
-healthy, or through ``launch_sglang_server`` for the length of a module fixture (``served``).
+healthy, or through ``launch_sglang_server`` for the length of a module fixture (``served``), or shared by the
+tests of a module or session fixture and started again when a test killed it (``SharedServer``).
 
 ``group_gone`` checks, independently of a server handle, that none of a process group is left. Used by the tests of
 the launch script itself and of jobs that talk to an external server. The script execs ``python -m
@@ -15,7 +16,8 @@ from typing import Any, Iterator
 
 import requests
 
-from megatron_rl.rollout.sglang_server import group_members, launch_sglang_server, sglang_python
+from megatron_rl.rollout.sglang_server import SGLangServerHandle, group_members, launch_sglang_server, sglang_python
+from megatron_rl.testing import processes
 
 
 def start_server_script(root: str, model: str | os.PathLike, port: int, log: str | os.PathLike,
@@ -62,6 +64,55 @@ def served(model_dir: str | os.PathLike, log_dir: str | os.PathLike, **launch: A
         yield handle
     finally:
         handle.terminate()
+
+
+class SharedServer:
+    """A CPU server for ``model_dir`` shared by the tests of a fixture: started by the first test that asks for it
+    (``get``), started again when an earlier test killed it, terminated by ``close``. While open (``with``), its
+    processes belong to the fixture, not to the test that happened to start it (``processes.shared``). A test that
+    changes its weights leaves them for the next one: each user loads the weights it needs first."""
+
+    def __init__(self, model_dir: str | os.PathLike, log_dir: str | os.PathLike, **launch: Any):
+        #: the HF directory served
+        self.model_dir = str(model_dir)
+        #: where each start's log goes (``server<N>.log``)
+        self.log_dir = Path(log_dir)
+        #: ``launch_sglang_server`` keyword arguments (``device="cpu"`` always)
+        self.launch = launch
+        #: the current server (None before the first ``get``)
+        self.handle: SGLangServerHandle | None = None
+        #: how many servers were started
+        self.starts = 0
+
+    def get(self) -> SGLangServerHandle:
+        """The live server, started (again) if there is none."""
+        if self.handle is None or not self.handle.alive():
+            if self.handle is not None:
+                self.handle.terminate()
+            log = self.log_dir / f"server{self.starts}.log"
+            self.starts += 1
+            self.handle = launch_sglang_server(self.model_dir, device="cpu", log_path=str(log), **self.launch)
+        return self.handle
+
+    def job_overrides(self) -> tuple:
+        """A job's overrides that make it use this (live) server instead of launching one."""
+        return "rollout.sglang_launch=false", f'rollout.sglang_urls=["{self.get().url}"]'
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.terminate()
+            self.handle = None
+
+    def __enter__(self) -> "SharedServer":
+        self._shared = processes.shared(lambda: [self.handle.pid] if self.handle is not None else [])
+        self._shared.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.close()
+        finally:
+            self._shared.__exit__(None, None, None)
 
 
 def server_checksums(url: str) -> list:

@@ -80,25 +80,24 @@ _SGL_OK, _SGL_REASON = sglang_available()
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not _SGL_OK, reason=_SGL_REASON)
-def test_segmented_sglang_never_continues_after_eos(model_dir, tmp_path):
-    """The same with a real SGLang server (CPU, bf16) as the engine, asked for the task's EOS as a stop id
-    (as the RL loop asks): both the server's finish reason and the client's are checked."""
+def test_segmented_sglang_never_continues_after_eos(model_dir, copy_sglang_server):
+    """The same with a real SGLang server (CPU, bf16; the copy model's server this pytest process shares) as the
+    engine, asked for the task's EOS as a stop id (as the RL loop asks): both the server's finish reason and the
+    client's are checked."""
     from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
-    from megatron_rl.rollout.sglang_server import launch_sglang_server
 
     eos = _eos(model_dir)
-    server = launch_sglang_server(model_dir, device="cpu", extra_args=["--random-seed", "0"],
-                                  log_path=str(tmp_path / "server.log"), ready_timeout=600, max_total_tokens=8192)
+    assert copy_sglang_server.model_dir == model_dir
+    engine = SGLangEngine(copy_sglang_server.get().url, request_timeout=120,
+                          retry=RetryPolicy(max_attempts=2, backoff_initial=0.5))
     try:
-        engine = SGLangEngine(server.url, request_timeout=120, retry=RetryPolicy(max_attempts=2, backoff_initial=0.5))
-        engine.update_weights(model_dir, "step-0")
+        engine.update_weights(model_dir, "step-0")   # whatever an earlier test left on the server
         view = SegmentedEngine(engine, 1, lambda: None)
         for stops in ((), (eos,)):   # the model's EOS alone, and EOS also requested as a stop id
             _check_segmented(view, eos, SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=stops),
                              n=8)
-        engine.close()
     finally:
-        server.terminate()
+        engine.close()
 
 
 def test_sglang_reply_saying_length_for_an_eos_at_the_limit_is_parsed_as_stop():

@@ -612,18 +612,20 @@ def _train_body(rank, world, cfg):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_multi_turn_loop_with_real_sglang_server(tmp_path, envs):
+def test_multi_turn_loop_with_real_sglang_server(tmp_path, envs, copy_sglang_server):
+    """The multi-turn loop on the copy model's server this pytest process shares (the loop publishes its initial
+    weights as step-0 first)."""
     from megatron_rl.rollout.sglang_server import sglang_available
-    from megatron_rl.tasks.char_tokenizer import build_task_model
     from megatron_rl.testing.distributed import run_ranks
     from megatron_rl.testing.jobs import named_job
 
     ok, reason = sglang_available()
     if not ok:
         pytest.skip(reason)
-    model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
+    model = copy_sglang_server.model_dir
     run_dir = str(tmp_path / "run")
-    cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=12",
+    cfg = named_job("sglang_loop", *copy_sglang_server.job_overrides(), "parallel.tensor_model_parallel_size=1",
+                    "rollout.max_new_tokens=12",
                     "data.prompts_per_step=2", f"multi_turn.env={envs('Echo')}", "multi_turn.env_kwargs={turns: 2}",
                     "multi_turn.env_workers=1", "multi_turn.observation_template='{observation}='",
                     "multi_turn.max_turns=3", hf=model, run_dir=run_dir, world_size=1)

@@ -28,9 +28,8 @@ transformers = pytest.importorskip("transformers")
 from megatron_rl.rollout.base import (EngineUnavailableError, RolloutError, SamplingParams,  # noqa: E402
                                       StaleRolloutError, WeightSyncError)
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine  # noqa: E402
-from megatron_rl.rollout.sglang_server import launch_sglang_server, sglang_available  # noqa: E402
-from megatron_rl.testing import processes  # noqa: E402
-from megatron_rl.testing.sglang_script import group_gone  # noqa: E402
+from megatron_rl.rollout.sglang_server import sglang_available  # noqa: E402
+from megatron_rl.testing.sglang_script import SharedServer, group_gone  # noqa: E402
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model  # noqa: E402
 
 _OK, _REASON = sglang_available()
@@ -61,27 +60,16 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def _server_box(tmp_path_factory):
-    box = {"log_dir": tmp_path_factory.mktemp("sglang_log")}
-    # the server (re)starts inside whichever test needs it first: the module's, not that test's
-    with processes.shared(lambda: [box["handle"].pid] if box.get("handle") is not None else []):
-        yield box
-    if box.get("handle") is not None:
-        box["handle"].terminate()
+def _shared_server(models, tmp_path_factory):
+    with SharedServer(models["v1"], tmp_path_factory.mktemp("sglang_log"), extra_args=["--random-seed", "0"],
+                      ready_timeout=600, max_total_tokens=32768) as shared:
+        yield shared
 
 
 @pytest.fixture
-def server(_server_box, models):
+def server(_shared_server):
     """The module's server; (re)started on demand, so the kill test (last in the file) may run in any order."""
-    h = _server_box.get("handle")
-    if h is None or not h.alive():
-        if h is not None:
-            h.terminate()
-        log = str(_server_box["log_dir"] / f"server{len(list(_server_box['log_dir'].iterdir()))}.log")
-        h = _server_box["handle"] = launch_sglang_server(
-            models["v1"], device="cpu", extra_args=["--random-seed", "0"], log_path=log, ready_timeout=600,
-            max_total_tokens=32768)
-    return h
+    return _shared_server.get()
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@ that inherits them waits forever at "Init parallel begin" (issue 21). Jobs (2 ra
 
 * ``rollout.sglang_launch=true`` (rank 0 starts the server, with a clean environment whatever the sync mode):
   tensor + sync;
-* an external server started with ``launch/sglang_server.sh``, two jobs against it: distributed + sync, then
-  disk + async.
+* an external server (the copy model's server this pytest process shares, ``copy_sglang_server``; a server
+  started with ``launch/sglang_server.sh`` serves a torchrun job in test_multihost.py), two jobs against it:
+  distributed + sync, then disk + async.
 
 Every mode runs under torchrun once (each mode's own exactness is proven against a real server in
 test_weight_sync_sglang.py); a launched server per mode would add two server start-ups and jobs for no
@@ -27,7 +28,7 @@ import sys
 import pytest
 
 from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
-from megatron_rl.testing.sglang_script import start_server_script, wait_healthy
+from megatron_rl.testing.sglang_script import load_from_disk
 from megatron_rl.testing.processes import kill_job
 from tests.integration.test_train_loop_sglang import _assert_step1_kl_matches_hf_fp32
 
@@ -108,25 +109,15 @@ def test_launched_server_under_torchrun(tmp_path, model, sync, mode):
 
 
 @pytest.mark.timeout(900)
-def test_external_server_script_under_torchrun(tmp_path, model):
-    port = find_free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
-    server = start_server_script(ROOT, model, port, log, new_session=True)
-    try:
-        wait_healthy(server, url, log, timeout=300, poll=1)
-        common = [f'rollout.sglang_urls=["{url}"]']
-        (tmp_path / "a").mkdir()
-        metrics, recs = run_torchrun_job(tmp_path / "a", model, common + [
-            "rollout.weight_sync=distributed", "rollout.mode=sync"])
-        _assert_step1_kl_matches_hf_fp32(model, metrics, recs)   # the server still had the initial weights
-        (tmp_path / "b").mkdir()
-        run_torchrun_job(tmp_path / "b", model, common + ["rollout.weight_sync=disk", "rollout.mode=async"],
-                         async_lag=True)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=20)
+def test_external_server_under_torchrun(tmp_path, model, copy_sglang_server):
+    assert copy_sglang_server.model_dir == model
+    url = copy_sglang_server.get().url
+    load_from_disk(url, model, "step-0")   # the initial checkpoint, whatever an earlier test left on the server
+    common = [f'rollout.sglang_urls=["{url}"]']
+    (tmp_path / "a").mkdir()
+    metrics, recs = run_torchrun_job(tmp_path / "a", model, common + [
+        "rollout.weight_sync=distributed", "rollout.mode=sync"])
+    _assert_step1_kl_matches_hf_fp32(model, metrics, recs)   # the server had the initial weights
+    (tmp_path / "b").mkdir()
+    run_torchrun_job(tmp_path / "b", model, common + ["rollout.weight_sync=disk", "rollout.mode=async"],
+                     async_lag=True)

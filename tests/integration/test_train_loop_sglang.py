@@ -1,6 +1,8 @@
-"""The RL loop with a real SGLang server as the rollout engine (CPU, bf16): the loop starts the server
-(``rollout.sglang_launch``), trains 2 steps at TP2, syncs weights after each step through an HF export
-and ``/update_weights_from_disk`` (weight versions checked on every rollout), and stops the server.
+"""The RL loop with a real SGLang server as the rollout engine (CPU, bf16): trains 2 steps at TP2, syncs weights
+after each step through an HF export and ``/update_weights_from_disk`` (weight versions checked on every rollout).
+The MoE loop starts its server itself (``rollout.sglang_launch``) and stops it; the dense and async loops run on the
+copy model's server this pytest process shares (``copy_sglang_server``; each loop publishes its initial weights as
+``step-0`` first, so what an earlier test left on the server does not carry over).
 
 Seam check against an independent reference: step 1's mismatch metrics equal those recomputed from the
 dumped rollouts with HF transformers' fp32 forward of the initial checkpoint.
@@ -43,12 +45,11 @@ def _train_body(rank, world, cfg):
 
 
 @pytest.mark.timeout(900)
-def test_loop_with_real_sglang_server(tmp_path):
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
+def test_loop_with_real_sglang_server(tmp_path, copy_sglang_server):
+    model = copy_sglang_server.model_dir
     run_dir = str(tmp_path / "run")
-    cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=4",
+    cfg = named_job("sglang_loop", *copy_sglang_server.job_overrides(), "parallel.tensor_model_parallel_size=2",
+                    "rollout.max_new_tokens=4",
                     "data.prompts_per_step=4", "data.task_kwargs={min_digits: 1, max_digits: 2, heldout_frac: 0.1}",
                     "data.val_heldout=true", "trainer.test_freq=2", "trainer.val_before_train=false", hf=model,
                     run_dir=run_dir, world_size=2)
@@ -90,7 +91,7 @@ def _async_body(rank, world, cfg, delay_s):
 
 
 @pytest.mark.timeout(900)
-def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp_path):
+def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp_path, copy_sglang_server):
     """rollout.mode async, max_staleness 1, partial_rollout interrupt (segments of 2 tokens) at TP2 with a
     real server, weights in memory (``distributed``: the producer broadcasts rank 0's copy of each version in its
     own update group between segments, no disk export; every server tensor verified against the trainer's at
@@ -98,11 +99,10 @@ def test_async_loop_with_real_sglang_server_and_interrupted_partial_rollouts(tmp
     and non-decreasing along its response, at least one response continued on newer weights than it started
     with (the server really served the new version mid-rollout: its log-probs are the ones it sampled with), the
     lag metrics see the lagged tokens, and step 1's kl equals an HF fp32 recompute of the dumped rollouts."""
-    from megatron_rl.tasks.char_tokenizer import build_task_model
-
-    model = build_task_model(str(tmp_path / "model"), task="copy", seed=0, hidden_size=64, num_layers=2)
+    model = copy_sglang_server.model_dir
     run_dir = str(tmp_path / "run")
-    cfg = named_job("sglang_loop", "parallel.tensor_model_parallel_size=2", "rollout.max_new_tokens=8",
+    cfg = named_job("sglang_loop", *copy_sglang_server.job_overrides(), "parallel.tensor_model_parallel_size=2",
+                    "rollout.max_new_tokens=8",
                     "data.prompts_per_step=4", "rollout.mode=async", "rollout.max_staleness=1",
                     "rollout.partial_rollout=interrupt", "rollout.segment_tokens=2", "trainer.steps=3", "actor.lr=1e-2",
                     "rollout.weight_sync=distributed", "rollout.weight_sync_verify_tensors=-1",

@@ -25,10 +25,10 @@ import os
 import pytest
 import requests
 
-from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server, sglang_available
+from megatron_rl.rollout.sglang_server import find_free_port, sglang_available
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import layout, named_job, setting
-from megatron_rl.testing.sglang_script import load_from_disk, server_checksums
+from megatron_rl.testing.sglang_script import SharedServer, load_from_disk, server_checksums
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
 _OK, _REASON = sglang_available()
@@ -43,12 +43,16 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("ws_sglang_log") / "server.log")
-    h = launch_sglang_server(models["other"], port=find_free_port(), device="cpu", max_total_tokens=2048,
-                             log_path=log, ready_timeout=400, delta_loader=True)  # the delta test's loader
-    yield h
-    h.terminate()
+def _shared_server(models, tmp_path_factory):
+    with SharedServer(models["other"], tmp_path_factory.mktemp("ws_sglang_log"), max_total_tokens=2048,
+                      ready_timeout=400, delta_loader=True) as shared:  # the delta test's loader
+        yield shared
+
+
+@pytest.fixture
+def server(_shared_server):
+    """The module's server, (re)started on demand: the kill test (last in the file) may run in any order."""
+    return _shared_server.get()
 
 
 def _checksums(url):
@@ -210,18 +214,9 @@ def test_group_init_rejected(models, server):
     engine.close()
 
 
-@pytest.fixture()
-def own_server(models, tmp_path):
-    """A server of this test alone (it is killed): nothing earlier tests did to the shared one carries over."""
-    h = launch_sglang_server(models["other"], port=find_free_port(), device="cpu", max_total_tokens=2048,
-                             log_path=str(tmp_path / "server.log"), ready_timeout=400)
-    yield h
-    h.terminate()
-
-
 @pytest.mark.timeout(900)
-def test_server_killed_mid_sync(models, own_server):
-    server = own_server
+def test_server_killed_mid_sync(models, server):
+    """Runs last: kills the module's server (it is started again if a test needs it afterwards)."""
     url = server.url
     load_from_disk(url, models["other"], "step-0")
     # a short sync timeout: whatever the trainer waits on after the kill must end within it
