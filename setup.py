@@ -47,7 +47,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.3",
-            "pytest-xdist>=3.6",  # tools/run_tests.sh: each leg on two workers, --no-loadscope-reorder (3.6)
+            "pytest-xdist>=3.8",  # tools/run_tests.sh: each leg on two workers, --no-loadscope-reorder (3.8)
             "hypothesis>=6.100",
             "triton>=3.0",
             "matplotlib",

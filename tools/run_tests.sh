@@ -78,14 +78,29 @@ run_leg() {  # run_leg NAME PYTHON MARK BASETEMP PYTEST_ARGS... ; prints and ret
 
 # both venvs first: leg 1's cross-release checkpoint test (tests/integration/test_mcore_cross_checkpoint.py) uses both.
 # Side by side: pip installs on one core, and each set-up is mostly pip (the editable install is serialised in
-# tools/setup_env.sh); the newest venv's output follows the oldest's.
+# tools/setup_env.sh by flock; without flock, one after the other); the newest venv's output follows the oldest's.
+LEG2_PID=""
+SETUP_PID=""
+cleanup() {  # an interrupted run takes the background set-up and leg 2 with it
+  for pid in "$SETUP_PID" "$LEG2_PID"; do
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then kill "$pid" 2>/dev/null || true; fi
+  done
+}
+trap cleanup EXIT
 SETUP_LOG="$(mktemp -t megatron_rl_setup.XXXXXX)"
-MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST" > "$SETUP_LOG" 2>&1 &
-SETUP_PID=$!
+rc_setup_new=0
+if command -v flock > /dev/null; then
+  MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST" > "$SETUP_LOG" 2>&1 &
+  SETUP_PID=$!
+fi
 rc_setup_old=0
 MEGATRON_RL_VENV="$OLD_VENV" bash tools/setup_env.sh --tests --mcore "$OLDEST" || rc_setup_old=$?
-rc_setup_new=0
-wait "$SETUP_PID" || rc_setup_new=$?
+if [ -n "$SETUP_PID" ]; then
+  wait "$SETUP_PID" || rc_setup_new=$?
+  SETUP_PID=""
+else
+  MEGATRON_RL_VENV="$NEW_VENV" bash tools/setup_env.sh --dev --mcore "$NEWEST" > "$SETUP_LOG" 2>&1 || rc_setup_new=$?
+fi
 cat "$SETUP_LOG"
 rm -f "$SETUP_LOG"
 if [ "$rc_setup_old" -ne 0 ] || [ "$rc_setup_new" -ne 0 ]; then
@@ -97,11 +112,6 @@ rc_old=0
 rc_new=0
 TMP_ROOT="$(mktemp -d -t megatron_rl_tests.XXXXXX)"
 LEG2_LOG="$TMP_ROOT/leg2.log"
-LEG2_PID=""
-cleanup() {  # an interrupted run takes leg 2 with it
-  if [ -n "$LEG2_PID" ] && kill -0 "$LEG2_PID" 2>/dev/null; then kill "$LEG2_PID" 2>/dev/null || true; fi
-}
-trap cleanup EXIT
 leg1() { run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" "" "$TMP_ROOT/leg1" "$@"; }
 leg2() { run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" mcore "$TMP_ROOT/leg2" "$@"; }
 if [ "$LEGS" = both ] && [ "${MEGATRON_RL_TEST_SIDE_BY_SIDE:-0}" = 1 ]; then

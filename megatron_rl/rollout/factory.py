@@ -22,7 +22,7 @@ from megatron_rl.rollout.base import RolloutEngine
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.sglang_engine import RetryPolicy, SGLangEngine
 from megatron_rl.rollout.sglang_routing import SGLangRoutingLayout
-from megatron_rl.rollout.sglang_server import launch_sglang_server
+from megatron_rl.rollout.sglang_server import COLOCATED_CUDA_MEM_FRACTION, launch_sglang_server
 
 if TYPE_CHECKING:  # config.validate imports this module: a run-time import of the config package would cycle
     from megatron_rl.config.job import JobConfig
@@ -53,6 +53,7 @@ def build_engine(cfg: JobConfig):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         server = launch_sglang_server(cfg.actor.load_hf, port=cfg.rollout.sglang_port, device=device,
+                                      mem_fraction_static=COLOCATED_CUDA_MEM_FRACTION if device == "cuda" else None,
                                       log_path=os.path.join(cfg.trainer.run_dir, "sglang_server.log"),
                                       delta_loader=cfg.rollout.weight_sync_delta)
         urls.append(server.url)

@@ -48,6 +48,9 @@ CPU_STANDIN_DIR = str(Path(__file__).resolve().parent.parent / "platform" / "sgl
 #: of *host* memory: with f = 0.05, another process allocating ~1 GB while the model loads left "no memory for the
 #: KV cache" (seen in CI with two test workers). f = 0.3 tolerates a 30 % swing; the pool itself is capped below.
 MEM_FRACTION_STATIC = {"cpu": 0.3, "cuda": 0.85}
+#: ``--mem-fraction-static`` of a server sharing its GPU with a trainer rank (``rollout.sglang_launch``; the same
+#: as launch/slurm.sbatch's colocated servers): the rest is the trainer's
+COLOCATED_CUDA_MEM_FRACTION = 0.4
 #: ``--max-total-tokens`` on CPU when the caller sets none: the KV pool a tiny model needs (a few MB), not 30 % of RAM
 CPU_MAX_TOTAL_TOKENS = 65536
 

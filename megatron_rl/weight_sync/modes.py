@@ -94,7 +94,11 @@ class DistributedMode(WeightSyncMode):
 def mode_name(cfg) -> str:
     """``rollout.weight_sync``, or for "auto" the engine class's default for sync or async rollouts (embedded:
     tensor; SGLang: distributed, disk with async rollouts)."""
-    r = cfg.rollout
+    return rollout_mode_name(cfg.rollout)
+
+
+def rollout_mode_name(r) -> str:
+    """``mode_name`` of a job's ``rollout`` section."""
     if r.weight_sync != "auto":
         return r.weight_sync
     return engine_class(r.engine).default_weight_sync_mode(async_rollouts=r.mode == "async")

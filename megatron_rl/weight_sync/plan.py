@@ -125,6 +125,10 @@ def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
         delta = sparse_nbytes(int(total_params), int(total_params * DELTA_CHANGED_FRAC), dtype_bytes)
         rank0 += senders[0][1]
         leader += max(b for _, b in senders[1:]) if len(senders) > 1 else 0.0
+    if r.mode == "async":  # the producer loads versions later: rank 0 holds each published, not yet loaded
+        # version whole in the trainer's dtype (up to max_staleness + 1 of them) and builds the next one
+        trainer_bytes = 2 if cfg.actor.bf16 else 4
+        rank0 += (r.max_staleness + 2) * float(total_params) * trainer_bytes
     slowest = max(b for _, b in senders)  # the senders run in parallel
     return SyncPlan(mode, total, bucket, rank0, leader, slowest / (LINK_GBPS * 1e9), LINK_GBPS, delta_bytes=delta,
                     senders=senders)

@@ -139,6 +139,9 @@ def test_sglang_server_cpu_and_gpu_commands():
     assert argv[:3] == [venv if os.access(venv, os.X_OK) else "python3", "-m", "sglang.launch_server"]
     assert argv[argv.index("--tp-size") + 1] == "8" and argv[argv.index("--mem-fraction-static") + 1] == "0.4"
     assert "--device" not in argv and not any(a.startswith("SGLANG_USE_CPU_ENGINE") for a in argv)
+    r = _run("sglang_server.sh", "--model", "/m", env={"DRY_RUN": "1"})   # the GPU default: the Python launcher's
+    argv = shlex.split(r.stdout.strip())
+    assert argv[argv.index("--mem-fraction-static") + 1] == str(MEM_FRACTION_STATIC["cuda"])
     r = _run("sglang_server.sh", "--model", "/m", "--device", "cpu", "--tp", "2", env={"DRY_RUN": "1"})
     assert r.returncode == 2 and "tensor parallel size 1 only" in r.stderr
     r = _run("sglang_server.sh", "--model", "/nonexistent")

@@ -49,6 +49,19 @@ def test_check_says_disk_syncs_need_a_shared_filesystem(engine, shared):
     assert ("/scratch/run/weight_sync" in line) == shared
 
 
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_check_counts_the_versions_async_in_memory_sync_holds_on_rank_0(staleness):
+    """Async rollouts with a streamed sync: rank 0 keeps every published, not yet loaded version whole, in the
+    trainer's dtype (fp32 here), and builds the next one: (max_staleness + 2) copies of 7e9 x 4 bytes."""
+    over = ["rollout.engine=sglang", 'rollout.sglang_urls=["http://srv:30000"]', "rollout.weight_sync=distributed"]
+    cfg = load_job_config(os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml"), over, world_size=8)
+    sync = weight_sync_plan(cfg, 7_000_000_000).rank0_host_bytes
+    cfg = load_job_config(os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml"),
+                          over + ["rollout.mode=async", f"rollout.max_staleness={staleness}"], world_size=8)
+    held = weight_sync_plan(cfg, 7_000_000_000).rank0_host_bytes - sync
+    assert held == (staleness + 2) * 7e9 * (2 if cfg.actor.bf16 else 4), held
+
+
 def _launch(launcher, local):
     return LaunchEnv(rank=local, local_rank=local, world_size=8, master_addr="n0", master_port=1, launcher=launcher)
 
