@@ -39,6 +39,14 @@ from megatron_rl.trainer.job import latest_checkpoint
 CURVE_WINDOWS = 10
 
 
+def reward_key(records: Sequence[dict]) -> str:
+    """The metric of the mean sampled reward: ``reward/raw_mean`` (every generated sample, every round) when the
+    run used dynamic sampling (``filter_groups/rounds`` logged), whose ``reward/mean`` describes only the trained
+    groups -- those whose samples did not all score alike, so solved prompts are left out of it; else
+    ``reward/mean``."""
+    return "reward/raw_mean" if any("filter_groups/rounds" in r for r in records) else "reward/mean"
+
+
 def saved_config(ckpt: str) -> Dict:
     """The job config (as a dict) the RL loop saved with checkpoint ``ckpt``."""
     path = os.path.join(resolve_checkpoint_dir(ckpt), "extra_state.pt")
@@ -94,7 +102,7 @@ def greedy_by_length(hf_dir: str, cfg: Dict) -> Dict:
 
 def curve_summary(records: Sequence[dict], windows: int = CURVE_WINDOWS) -> List[tuple]:
     """(first step, last step, mean reward) of ``windows`` consecutive equal parts of the run."""
-    xs, ys = series(records, "reward/mean")
+    xs, ys = series(records, reward_key(records))
     n = len(ys)
     out = []
     for i in range(min(windows, n)):
@@ -105,15 +113,17 @@ def curve_summary(records: Sequence[dict], windows: int = CURVE_WINDOWS) -> List
 
 
 def run_facts(records: Sequence[dict]) -> Dict[str, float]:
-    """Reward quarters, end-of-run entropy, zero-gradient steps, seconds per step and wall time."""
-    first_q, last_q = quarter_means(records, "reward/mean")
+    """Mean sampled reward (``reward_key``) quarters, end-of-run entropy, zero-gradient steps, seconds per step
+    and wall time."""
+    key = reward_key(records)
+    first_q, last_q = quarter_means(records, key)
     _, ent = series(records, "actor/entropy")
     _, gn = series(records, "actor/grad_norm")
     _, step_s = series(records, "timing/step_s")
     _, times = series(records, "time")
     k = max(1, len(ent) // 10)
-    return {"steps": len(records), "reward_first": series(records, "reward/mean")[1][0],
-            "reward_last": series(records, "reward/mean")[1][-1], "first_quarter": first_q, "last_quarter": last_q,
+    return {"steps": len(records), "reward_first": series(records, key)[1][0],
+            "reward_last": series(records, key)[1][-1], "first_quarter": first_q, "last_quarter": last_q,
             "entropy_start": sum(ent[:k]) / k if ent else float("nan"),
             "entropy_end": sum(ent[-k:]) / k if ent else float("nan"),
             "zero_grad_steps": sum(1 for g in gn if g == 0.0),
@@ -159,8 +169,9 @@ def render(run_dir: str, cfg: Dict, facts: Dict, curve: List[tuple], ev: Dict, c
         "",
         "| metric | value |",
         "|---|---|",
-        f"| mean reward, first step -> last step | {facts['reward_first']:.3f} -> {facts['reward_last']:.3f} |",
-        f"| mean reward, first quarter / last quarter of the steps | {facts['first_quarter']:.3f} / "
+        f"| mean sampled reward (every generated sample), first step -> last step | {facts['reward_first']:.3f} "
+        f"-> {facts['reward_last']:.3f} |",
+        f"| mean sampled reward, first quarter / last quarter of the steps | {facts['first_quarter']:.3f} / "
         f"{facts['last_quarter']:.3f} |",
         f"| greedy exact answers, all held-out prompts | {100 * ev['exact']:.1f} % ({round(ev['exact'] * ev['n'])} "
         f"of {ev['n']}) |",
@@ -182,7 +193,7 @@ def render(run_dir: str, cfg: Dict, facts: Dict, curve: List[tuple], ev: Dict, c
         f"| seconds per step (mean) | {facts['s_per_step']:.2f} |",
         f"| wall time of the training steps | {facts['wall_s'] / 60:.1f} min |",
         "",
-        "Reward curve (mean reward per tenth of the run):",
+        "Reward curve (mean sampled reward per tenth of the run):",
         "",
         "| steps | " + " | ".join(f"{a}-{b}" for a, b, _ in curve) + " |",
         "|---|" + "---|" * len(curve),

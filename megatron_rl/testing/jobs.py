@@ -180,16 +180,19 @@ JOBS: dict[str, NamedJob] = _rows(
               "data.task=copy", "data.prompts_per_step=4", "data.task_kwargs={min_digits: 1, max_digits: 2}",
               "actor.lr=1.0e-3", "actor.micro_batch_size=4", "trainer.steps=100000", "trainer.progress=false",
               "trainer.collective_timeout_s=120", "trainer.phase_timeout_s=120")),
-    NamedJob("tiny_cpu", "``configs/tiny_cpu.yaml`` as shipped: the ``tiny_job`` fixture's row (it adds the HF "
-             "directory, the run directory and the test's overrides).", base="tiny_cpu.yaml"),
+    NamedJob("tiny_cpu", "``configs/tiny_cpu.yaml`` as shipped, with one generation round per step (no dynamic "
+             "sampling: the tests count the rows, rounds and engine calls of a step; those of dynamic sampling "
+             "enable it): the ``tiny_job`` fixture's row (it adds the HF directory, the run directory and the "
+             "test's overrides).", ("algorithm.filter_groups.enable=false",), base="tiny_cpu.yaml"),
     NamedJob("packing_loop", "``configs/tiny_cpu.yaml`` cut to 2 steps of 4 prompts x 4 samples of up to 8 new "
-             "tokens (copy digits 1-6), micro-batch 4, one PPO mini-batch, no checkpoint, rollouts dumped: the "
-             "tests of the loop with and without a token budget and packing.",
+             "tokens (copy digits 1-6), micro-batch 4, one PPO mini-batch, one generation round, no checkpoint, "
+             "rollouts dumped: the tests of the loop with and without a token budget and packing.",
              ("parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
               "rollout.max_new_tokens=8", "rollout.n_samples_per_prompt=4",
               "data.task_kwargs={min_digits: 1, max_digits: 6}", "data.prompts_per_step=4",
               "actor.micro_batch_size=4", "actor.ppo_mini_batches=1", "trainer.steps=2",
-              "trainer.dump_rollouts=true", "trainer.progress=false", "trainer.save_interval=0"),
+              "trainer.dump_rollouts=true", "trainer.progress=false", "trainer.save_interval=0",
+              "algorithm.filter_groups.enable=false"),
              base="tiny_cpu.yaml"),
     NamedJob("qwen2.5_7b_1x8", "``configs/qwen2.5_7b_1x8.yaml`` as shipped: the config-check tests.",
              base="qwen2.5_7b_1x8.yaml"),

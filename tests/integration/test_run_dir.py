@@ -39,7 +39,7 @@ def _env():
 def _args(run, model):
     return [f"actor.load_hf={model}", f"trainer.run_dir={run}", "rollout.max_new_tokens=4",
             "rollout.n_samples_per_prompt=2", "data.prompts_per_step=2", "trainer.progress=false",
-            "actor.micro_batch_size=4"]
+            "actor.micro_batch_size=4", "algorithm.filter_groups.enable=false"]
 
 
 def _train(run, model, *extra, timeout=240):

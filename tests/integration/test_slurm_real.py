@@ -27,7 +27,8 @@ CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 #: Overrides of configs/tiny_cpu.yaml for a 2-rank (DP=2) job of 2 small steps.
 TINY = ["cluster.gpus_per_node=2", "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
         "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "actor.micro_batch_size=8", "trainer.steps=2",
-        "trainer.save_interval=0", "trainer.progress=false", "actor.ppo_mini_batches=1"]
+        "trainer.save_interval=0", "trainer.progress=false", "actor.ppo_mini_batches=1",
+        "algorithm.filter_groups.enable=false"]
 
 
 def comparable(metrics):
