@@ -39,6 +39,13 @@ case "$WORKERS" in ''|*[!0-9]*|0)
   echo "tools/run_tests.sh: MEGATRON_RL_TEST_WORKERS='$WORKERS' (expected a number >= 1)" >&2; exit 2 ;;
 esac
 
+# the files of the serial pass (tests/conftest.py WALL_CLOCK_BOUND): it collects those alone, not the whole tree
+mapfile -t SERIAL_FILES < <(sed -n '/^WALL_CLOCK_BOUND = (/,/^)/p' tests/conftest.py | grep -o '"tests/[^":]*\.py' \
+                             | tr -d '"' | sort -u)
+if [ "${#SERIAL_FILES[@]}" -eq 0 ]; then
+  echo "tools/run_tests.sh: no file named in tests/conftest.py WALL_CLOCK_BOUND" >&2; exit 2
+fi
+
 run_pass() {  # run_pass NAME PYTHON PYTEST_ARGS... ; prints and returns pytest's status
   local name="$1" py="$2"; shift 2
   echo "=== tools/run_tests.sh: $name"
@@ -58,8 +65,8 @@ run_leg() {  # run_leg NAME PYTHON MARK BASETEMP PYTEST_ARGS... ; prints and ret
     run_pass "$name" "$py" tests ${mark:+-m "$mark"} --basetemp="$base" "$@" || rc=$?
   else
     # the serial pass first: a selection without wall-clock tests then ends on the pass that ran tests
-    run_pass "$name, serial (wall-clock bounds)" "$py" tests -m "${and}serial" --basetemp="$base-serial" "$@" \
-      || rc_serial=$?
+    run_pass "$name, serial (wall-clock bounds)" "$py" "${SERIAL_FILES[@]}" -m "${and}serial" \
+      --basetemp="$base-serial" "$@" || rc_serial=$?
     run_pass "$name, $WORKERS workers" "$py" tests -n "$WORKERS" --dist loadfile --no-loadscope-reorder -m "${and}not serial" \
       --basetemp="$base" "$@" || rc=$?
     if [ "$rc_serial" -eq 5 ] && [ "$rc" -eq 0 ]; then   # a selection without wall-clock tests (e.g. one file)
