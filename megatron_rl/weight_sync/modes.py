@@ -22,7 +22,7 @@ import torch
 from megatron_rl.rollout.factory import engine_class
 from megatron_rl.weight_sync.transport import UpdateGroups
 
-__all__ = ["WeightSyncMode", "DiskMode", "TensorMode", "DistributedMode", "weight_sync_mode", "mode_name"]
+__all__ = ["WeightSyncMode", "DiskMode", "TensorMode", "DistributedMode", "weight_sync_mode", "mode_name", "rollout_mode_name"]
 
 
 class WeightSyncMode:

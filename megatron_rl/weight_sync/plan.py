@@ -10,7 +10,8 @@
   there); tensor / distributed — one bucket (a bucket holds at most the whole model) plus the largest tensor
   being gathered (the embedding / output layer, V x h), and with the embedded engine (in rank 0's process) one
   bucket per other sender being received; on every other sender one bucket + that tensor. (Async mode in
-  memory keeps a copy of the whole model on rank 0, in the trainer's dtype, for the producer.)
+  memory keeps whole-model copies on rank 0, in the trainer's dtype, for the producer: every published, not yet
+  loaded version and the one being built, ``max_staleness + 2``.)
 * estimated time at a stated, assumed bandwidth: ``DISK_GBPS`` for writing + reading the export,
   ``LINK_GBPS`` for the in-memory modes (intra-node copy / broadcast). Measure yours with
   ``tools/bench_weight_sync.py``; the numbers here are for planning only;
