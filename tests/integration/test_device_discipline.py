@@ -25,8 +25,6 @@ and with NCCL-like groups that refuse any other device (``megatron_rl.testing.fa
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_device_discipline.py -q``
 """
-import dataclasses
-import json
 import os
 
 import pytest
@@ -173,14 +171,10 @@ def hf_dir(tmp_path_factory):
 
 
 def _pp_job(hf_dir):
-    from megatron_rl.config import job_config_from_dict
-    from megatron_rl.convert.hf_config import model_config_from_hf
+    """The table's actor row on ``hf_dir`` at PP2 with tensor weight sync."""
+    from megatron_rl.testing.jobs import layout, named_job
 
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
-    return job_config_from_dict({"model": model, "actor": {"load_hf": hf_dir, "micro_batch_size": 2},
-                                 "rollout": {"weight_sync": "tensor"},
-                                 "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}})
+    return named_job("actor", *layout(tp=1, pp=2), "rollout.weight_sync=tensor", hf=hf_dir)
 
 
 def _buckets_body(rank, world, job):

@@ -17,8 +17,9 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.testing.actor_reference import actor_job, policy_data
+from megatron_rl.testing.actor_reference import policy_data
 from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job, settings
 from megatron_rl.weight_sync.publisher import DeltaPublisher, build_weight_publisher
 
 transformers = pytest.importorskip("transformers")
@@ -87,11 +88,8 @@ def test_delta_sync_equals_full_sync_and_falls_back(tiny_hf_model):
     other_dir = tiny_hf_model("qwen2", seed=42, num_hidden_layers=4)
 
     def job(delta):
-        j = actor_job(actor_dir, {"micro_batch_size": 2, "lr": 1e-6}, {"pipeline_model_parallel_size": 2})
-        r = j.rollout
-        r.engine, r.weight_sync, r.weight_sync_delta = "embedded", "tensor", delta
-        r.weight_sync_bucket_mb = 0.02
-        return j
+        return named_job("actor", *knobs(pp=2, lr=1e-6), *settings("rollout", engine="embedded", weight_sync="tensor",
+                         weight_sync_delta=delta, weight_sync_bucket_mb=0.02), hf=actor_dir)
 
     out = run_ranks(_body, 2, job(True), job(False), other_dir, 5, timeout=280)
     log = {v: (m_d, m_f, eq) for v, m_d, m_f, eq in out[0]}
