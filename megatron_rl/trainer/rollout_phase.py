@@ -33,7 +33,7 @@ import random
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_rl.actor.replay_modes import replay_mode
+from megatron_rl.actor.replay_modes import ReplayMode, replay_mode
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.envs.pool import EnvPool
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
@@ -108,10 +108,12 @@ def sample_prompts(task, cfg, step: int, rnd: int = 0) -> list:
     return task.sample(cfg.data.prompts_per_step, rng)
 
 
-def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int = 0) -> StepBatch:
+def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int = 0,
+                  replay: Optional[ReplayMode] = None) -> StepBatch:
     """Rank 0: sample prompts, generate n responses each, score them (``rnd``: the generation round of the step,
-    ``round_seed``). Raises RolloutError on failure (the step is then not applied) or StaleRolloutError if the
-    engine serves other weights."""
+    ``round_seed``; ``replay``: the job's routing-replay mode, the step generator's, default
+    ``actor.routing_replay``'s). Raises RolloutError on failure (the step is then not applied) or
+    StaleRolloutError if the engine serves other weights."""
     prompts = sample_prompts(task, cfg, step, rnd)
     n = cfg.rollout.n_samples_per_prompt
     # the embedded engine reproduces a sample from its seed; SGLang samples server-side (engine.seeded_sampling)
@@ -123,7 +125,8 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                                 f"expected {expected_version!r}")
     routing, routing_stats = None, {}
     if rollout_routing(rollouts) is not None:  # an MoE engine captured routing (for some rows at least)
-        routing, routing_stats = step_routing(rollouts, required=replay_mode(cfg.actor.routing_replay).needs_rollout_routing, step=step)
+        replay = replay or replay_mode(cfg.actor.routing_replay)
+        routing, routing_stats = step_routing(rollouts, required=replay.needs_rollout_routing, step=step)
     prompt_rows = [prompts[i // n] for i in range(len(rollouts))]
     result = task.score(prompt_rows, [r.response_ids for r in rollouts])
     if result.failed or result.timed_out:
@@ -200,9 +203,10 @@ class SingleTurn:
 
     def __init__(self, task, cfg):
         self.task, self.cfg = task, cfg
+        self.replay = replay_mode(cfg.actor.routing_replay)
 
     def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
-        return generate_step(self.task, engine, self.cfg, step, version, rnd)
+        return generate_step(self.task, engine, self.cfg, step, version, rnd, replay=self.replay)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -231,6 +235,7 @@ class MultiTurn:
 
     def __init__(self, task, cfg, pool, tokenizer):
         self.task, self.cfg, self.pool, self.tokenizer = task, cfg, pool, tokenizer
+        self.replay = replay_mode(cfg.actor.routing_replay)
         self.limits = TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens)
         self.encode = ObservationEncoder(tokenizer, cfg.multi_turn.observation_template)
 
@@ -255,7 +260,7 @@ class MultiTurn:
         if failures:
             print(f"[megatron-rl] step {step + 1}: {len(failures)} environment call(s) failed (trajectory ended, "
                   f"reward 0); first: {failures[0][1].kind}: {failures[0][1].message}", file=sys.stderr, flush=True)
-        routing, routing_stats = trajectory_routing(trajs, required=replay_mode(cfg.actor.routing_replay).needs_rollout_routing, step=step)
+        routing, routing_stats = trajectory_routing(trajs, required=self.replay.needs_rollout_routing, step=step)
         prompt_rows = [prompts[b // n] for b in range(len(trajs))]
         return StepBatch(prompt_ids=[list(t.prompt_ids) for t in trajs],
                          response_ids=[t.response_ids for t in trajs],
