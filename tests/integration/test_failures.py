@@ -29,6 +29,7 @@ import pytest
 
 from megatron_rl.tasks.char_tokenizer import build_task_model
 from megatron_rl.rollout.sglang_server import find_free_port
+from megatron_rl.testing.jobs import write_job
 from megatron_rl.testing.processes import kill_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -38,30 +39,9 @@ BOUND_S = 60
 #: marks this test process's jobs (a pytest running beside this one starts jobs with faults of its own)
 OWNER = str(os.getpid())
 
-JOB = """\
-parallel:
-  tensor_model_parallel_size: 2
-rollout:
-  max_new_tokens: 4
-  n_samples_per_prompt: 2
-data:
-  task: copy
-  prompts_per_step: 4
-  task_kwargs: {{min_digits: 1, max_digits: 2}}
-actor:
-  lr: 1.0e-3
-  micro_batch_size: 4
-  load_hf: {model}
-trainer:
-  steps: 3
-  save_interval: 1
-  run_dir: {run}
-  progress: false
-  collective_timeout_s: 120
-  phase_timeout_s: 120
-  checkpoint_timeout_s: 120
-  stop_timeout_s: 120
-"""
+#: the table's 2-rank copy_tp2 job cut to 3 steps, a checkpoint every step, every wait bounded at 120 s
+JOB_OVERRIDES = ("trainer.steps=3", "trainer.save_interval=1", "trainer.checkpoint_timeout_s=120",
+                 "trainer.stop_timeout_s=120")
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +65,7 @@ def _env(fault=None):
 def _torchrun(tmp_path, model_dir, fault=None, overrides=(), resume=False):
     """Run the job; returns (returncode, output, end time)."""
     run = tmp_path / "run"
-    job = tmp_path / "job.yaml"
-    job.write_text(JOB.format(model=model_dir, run=run))
+    job = write_job(tmp_path / "job.yaml", "copy_tp2", *JOB_OVERRIDES, hf=model_dir, run_dir=run)
     cmd = ["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--nproc-per-node", "2", "--log-dir",
            str(tmp_path / ("logs_resume" if resume else "logs")), "--config", str(job), *overrides]
     if resume:

@@ -12,38 +12,21 @@ import sys
 
 import pytest
 
+from megatron_rl.testing.jobs import write_job
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-JOB = """\
-parallel:
-  tensor_model_parallel_size: 1
-rollout:
-  max_new_tokens: 5
-  n_samples_per_prompt: 4
-data:
-  task: copy
-  prompts_per_step: 4
-  task_kwargs: {{min_digits: 1, max_digits: 2}}
-algorithm:
-  rollout_correction: {{rollout_is: token, rollout_is_threshold: 2.0}}
-actor:
-  lr: 1.0e-3
-  micro_batch_size: 4
-  load_hf: {model}
-trainer:
-  steps: 5
-  run_dir: {run}
-  progress: false
-"""
+#: the table's copy_loop job with token IS alone, 5 steps (the command line's trainer.steps=2 wins), no rollout dump
+JOB_OVERRIDES = ("algorithm.rollout_correction={rollout_is: token, rollout_is_threshold: 2.0}", "trainer.steps=5",
+                 "trainer.dump_rollouts=false")
 
 
 def test_torchrun_two_ranks_then_report(tmp_path, task_model):
     pytest.importorskip("transformers")
     model = task_model(task="copy", seed=0, hidden_size=64, num_layers=2)
     run = tmp_path / "run"
-    job = tmp_path / "job.yaml"
-    job.write_text(JOB.format(model=model, run=run))
+    job = write_job(tmp_path / "job.yaml", "copy_loop", *JOB_OVERRIDES, hf=model, run_dir=run)
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     r = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--nproc-per-node", "2", "--log-dir",
                         str(tmp_path / "logs"), "--config", str(job), "trainer.steps=2"],
