@@ -1,28 +1,9 @@
-"""Rollout engines behind one interface (``base.RolloutEngine``).
+"""Rollout engines behind one interface; import what you need from its module.
 
-* ``base``: ``SamplingParams``, ``Rollout``, ``RolloutEngine`` and the error types.
+* ``base``: ``SamplingParams``, ``Rollout``, ``RolloutEngine`` and the error types (their one home).
+* ``factory``: the one place ``rollout.engine`` becomes an engine and a job's engine is built.
 * ``sglang_engine``: ``SGLangEngine`` — SGLang servers over HTTP (round-robin, retries, weight sync).
 * ``sglang_server``: ``launch_sglang_server`` — start/stop a local SGLang server (CPU stand-ins included).
-* the embedded in-process engine lives in its own module of this package.
+* ``embedded``: ``EmbeddedEngine`` — in-process rollouts from an HF ``transformers`` model.
+* ``multi_turn`` / ``trajectory``: multi-turn rollouts with environments, and their data model.
 """
-from megatron_rl.rollout.base import (
-    EngineUnavailableError,
-    MalformedResponseError,
-    Rollout,
-    RolloutEngine,
-    RolloutError,
-    SamplingParams,
-    StaleRolloutError,
-    WeightSyncError,
-)
-
-__all__ = [
-    "EngineUnavailableError",
-    "MalformedResponseError",
-    "Rollout",
-    "RolloutEngine",
-    "RolloutError",
-    "SamplingParams",
-    "StaleRolloutError",
-    "WeightSyncError",
-]
