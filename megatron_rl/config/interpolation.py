@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from megatron_rl.braces import closing_brace
+
 _MISSING = object()
 
 
@@ -30,16 +32,8 @@ def _spans(text: str) -> List[Tuple[int, int]]:
         start = text.find("${", i)
         if start < 0:
             return out
-        depth, j = 0, start + 1
-        while j < len(text):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    break
-            j += 1
-        if depth:
+        j = closing_brace(text, start + 1)
+        if j < 0:
             raise Unresolved(f"{text!r}: unbalanced braces")
         out.append((start, j + 1))
         i = j + 1

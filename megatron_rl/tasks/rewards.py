@@ -31,6 +31,8 @@ import logging
 import re
 from typing import Any, Optional, Sequence
 
+from megatron_rl.braces import closing_brace
+
 #: The answer extractors ``math_reward`` knows, in their default order.
 EXTRACTORS = ("boxed", "hash", "last_number")
 
@@ -68,16 +70,9 @@ def _last_braced(text: str, command: str) -> Optional[str]:
         i = start + len(command) + 1
         while i < len(text) and text[i] == " ":
             i += 1
-        if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1:j]
-                j += 1
+        j = closing_brace(text, i) if i < len(text) and text[i] == "{" else -1
+        if j >= 0:
+            return text[i + 1:j]
         start = text.rfind("\\" + command, 0, start)
     return None
 
