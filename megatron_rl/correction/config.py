@@ -275,19 +275,16 @@ class RolloutCorrectionConfig:
     def seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: float = 2.0,
                   rs_threshold_lower: Optional[float] = None):
         """Seed era: sequence TIS + sequence rejection of ratios outside [lower (1/upper), upper]."""
-        lower = 1.0 / rs_threshold if rs_threshold_lower is None else rs_threshold_lower
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
-                   rollout_rs="seq_sum_k1", rollout_rs_threshold=f"{lower}_{rs_threshold}")
+        return cls.decoupled_seq_is_rs(is_threshold, _k1_bounds(rs_threshold, rs_threshold_lower))
 
     seq_mis = seq_is_rs
 
     @classmethod
     def geo_rs(cls, rs_threshold: float = 1.001, rs_threshold_lower: Optional[float] = None,
                veto_threshold: Optional[float] = 1e-4):
-        """Seed era: geometric-mean rejection + catastrophic-token veto, no weights."""
-        lower = 1.0 / rs_threshold if rs_threshold_lower is None else rs_threshold_lower
-        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=f"{lower}_{rs_threshold}",
-                   rollout_token_veto_threshold=veto_threshold)
+        """Seed era: geometric-mean rejection + catastrophic-token veto, no weights (decoupled_geo_rs + veto)."""
+        return dataclasses.replace(cls.decoupled_geo_rs(_k1_bounds(rs_threshold, rs_threshold_lower)),
+                                   rollout_token_veto_threshold=veto_threshold)
 
     geo_mis = geo_rs
 
@@ -306,10 +303,14 @@ class RolloutCorrectionConfig:
     @classmethod
     def pg_rs(cls, rs_threshold: float = 1.001, rs_threshold_lower: Optional[float] = None,
               veto_threshold: Optional[float] = 1e-4):
-        """Seed era: REINFORCE + geometric rejection + veto (bypass mode)."""
-        lower = 1.0 / rs_threshold if rs_threshold_lower is None else rs_threshold_lower
-        return cls(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=f"{lower}_{rs_threshold}",
-                   rollout_token_veto_threshold=veto_threshold, bypass_mode=True, loss_type="reinforce")
+        """Seed era: REINFORCE + geometric rejection + veto (bypass mode; bypass_pg_geo_rs + veto)."""
+        return dataclasses.replace(cls.bypass_pg_geo_rs(_k1_bounds(rs_threshold, rs_threshold_lower)),
+                                   rollout_token_veto_threshold=veto_threshold)
+
+
+def _k1_bounds(upper: float, lower: Optional[float]) -> str:
+    """The seed-era presets' k1 rejection bounds as a "lo_hi" spec: [lower, upper], lower defaulting to 1 / upper."""
+    return f"{1.0 / upper if lower is None else lower}_{upper}"
 
 
 PRESETS = (
