@@ -209,6 +209,25 @@ def _smooth(ys: Sequence[float], w: int) -> List[float]:
     return out
 
 
+#: The checks on one ``rollout_corr/`` key's last-quarter mean (rows of the module docstring's table):
+#: (severity, check, key, is the mean unhealthy, the finding's message for that mean)
+_LAST_QUARTER_RULES = (
+    ("FAIL", "ESS", "rollout_is_eff_sample_size", lambda v: v < ESS_MIN,
+     lambda v: f"rollout_is_eff_sample_size = {v:.3f} < {ESS_MIN} (last-quarter mean): a few sequences/tokens carry "
+               "most of the IS weight"),
+    ("FAIL", "veto fraction", "rollout_is_veto_fraction", lambda v: v > VETO_MAX,
+     lambda v: f"rollout_is_veto_fraction = {v:.3f} > {VETO_MAX} (last-quarter mean): many sequences contain a "
+               "catastrophic token"),
+    ("FAIL", "mean IS weight", "rollout_is_mean", lambda v: abs(v - 1.0) > IS_MEAN_DEV_MAX,
+     lambda v: f"|rollout_is_mean - 1| = {abs(v - 1):.3f} > {IS_MEAN_DEV_MAX} (mean {v:.3f}, last quarter): rollout "
+               "and trainer disagree systematically (temperature, dtype, weight sync?)"),
+    ("WARN", "RS masked fraction", "rollout_rs_masked_fraction", lambda v: v > RS_MASKED_MAX,
+     lambda v: f"rollout_rs_masked_fraction = {v:.3f} > {RS_MASKED_MAX} (last quarter): most tokens are rejected"),
+    ("WARN", "IS ratio tail", "rollout_is_p99", lambda v: v > IS_P99_MAX,
+     lambda v: f"rollout_is_p99 = {v:.2f} > {IS_P99_MAX} (last quarter)"),
+)
+
+
 # ----------------------------------------------------------------------------- health
 def health_checks(records: Sequence[dict]) -> List[Finding]:
     """Findings for the thresholds in the module docstring (empty list = healthy)."""
@@ -228,30 +247,10 @@ def health_checks(records: Sequence[dict]) -> List[Finding]:
     out += _reward_failure_findings(records)
     out += _filter_groups_findings(records)
 
-    def last_mean(key):
-        _, ys = series(records, key)
-        return (_mean(_quarter(ys, True)), len(ys)) if ys else (None, 0)
-
-    ess, _ = last_mean(P + "rollout_is_eff_sample_size")
-    if ess is not None and ess < ESS_MIN:
-        out.append(Finding("FAIL", "ESS", f"rollout_is_eff_sample_size = {ess:.3f} < {ESS_MIN} (last-quarter mean): "
-                           "a few sequences/tokens carry most of the IS weight"))
-    veto, _ = last_mean(P + "rollout_is_veto_fraction")
-    if veto is not None and veto > VETO_MAX:
-        out.append(Finding("FAIL", "veto fraction", f"rollout_is_veto_fraction = {veto:.3f} > {VETO_MAX} "
-                           "(last-quarter mean): many sequences contain a catastrophic token"))
-    ism, _ = last_mean(P + "rollout_is_mean")
-    if ism is not None and abs(ism - 1.0) > IS_MEAN_DEV_MAX:
-        out.append(Finding("FAIL", "mean IS weight", f"|rollout_is_mean - 1| = {abs(ism - 1):.3f} > "
-                           f"{IS_MEAN_DEV_MAX} (mean {ism:.3f}, last quarter): rollout and trainer disagree "
-                           "systematically (temperature, dtype, weight sync?)"))
-    rs, _ = last_mean(P + "rollout_rs_masked_fraction")
-    if rs is not None and rs > RS_MASKED_MAX:
-        out.append(Finding("WARN", "RS masked fraction", f"rollout_rs_masked_fraction = {rs:.3f} > {RS_MASKED_MAX} "
-                           "(last quarter): most tokens are rejected"))
-    p99, _ = last_mean(P + "rollout_is_p99")
-    if p99 is not None and p99 > IS_P99_MAX:
-        out.append(Finding("WARN", "IS ratio tail", f"rollout_is_p99 = {p99:.2f} > {IS_P99_MAX} (last quarter)"))
+    for severity, check, key, unhealthy, message in _LAST_QUARTER_RULES:
+        means = quarter_means(records, P + key)
+        if means is not None and unhealthy(means[1]):
+            out.append(Finding(severity, check, message(means[1])))
     _, k3 = series(records, P + "k3_kl")
     k3 = _finite(k3)
     if len(k3) >= MIN_STEPS:
