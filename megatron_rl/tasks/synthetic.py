@@ -76,7 +76,7 @@ import itertools
 import math
 import random
 import zlib
-from typing import Dict, Sequence
+from typing import Callable, Dict, Sequence
 
 from megatron_rl.tasks.base import Prompt, RewardResult, Task, check_rng, response_text
 
@@ -137,6 +137,28 @@ def is_heldout(task: str, operands: str, heldout_frac: float) -> bool:
     """Whether ``operands`` of ``task`` belongs to the held-out split of fraction ``heldout_frac`` (module
     docstring): a fixed hash of the prompt text, the same on every machine and for every seed."""
     return zlib.crc32(f"{task}:{operands}".encode()) % 10_000 < round(heldout_frac * 10_000)
+
+
+def sample_outside_heldout(task: str, heldout_frac: float, n: int, rng: random.Random,
+                           draw: Callable[[random.Random], str], make: Callable[[str], Prompt],
+                           widen: str) -> list[Prompt]:
+    """``n`` prompts of ``task`` (its ``sample``): ``make(operands)`` for each ``operands = draw(rng)`` outside
+    the held-out split of fraction ``heldout_frac``. ValueError for a bad ``n`` or after 1000 held-out draws in a
+    row (the message says to widen ``widen``)."""
+    check_rng(rng, f"task {task!r}.sample")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"task {task!r}.sample: n={n!r} must be an int >= 1")
+    out, misses = [], 0
+    while len(out) < n:
+        operands = draw(rng)
+        if heldout_frac and is_heldout(task, operands, heldout_frac):
+            if (misses := misses + 1) >= 1000:  # e.g. 1-digit strings with a large fraction: all held out
+                raise ValueError(f"task {task!r}: 1000 draws in a row were held out; lower "
+                                 f"data.task_kwargs.heldout_frac={heldout_frac} or widen the {widen}")
+            continue
+        misses = 0
+        out.append(make(operands))
+    return out
 
 
 class DigitTask(Task):
@@ -292,19 +314,8 @@ class DigitTask(Task):
 
     def sample(self, n: int, rng: random.Random) -> list[Prompt]:
         """``n`` random prompts drawn with ``rng``."""
-        check_rng(rng, f"task {self.name!r}.sample")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"task {self.name!r}.sample: n={n!r} must be an int >= 1")
-        out, misses = [], 0
-        while len(out) < n:
-            ops = self._operands(rng)
-            if not (self.heldout_frac and is_heldout(self.name, ops, self.heldout_frac)):
-                out.append(self.make_prompt(ops))
-                misses = 0
-            elif (misses := misses + 1) >= 1000:  # e.g. 1-digit strings with a large fraction: all held out
-                raise ValueError(f"task {self.name!r}: 1000 draws in a row were held out; lower "
-                                 f"data.task_kwargs.heldout_frac={self.heldout_frac} or widen the digit range")
-        return out
+        return sample_outside_heldout(self.name, self.heldout_frac, n, rng, self._operands, self.make_prompt,
+                                      "digit range")
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> RewardResult:
         """``Task.score``; also keeps the batch's mean reward per operand length for ``stats``."""

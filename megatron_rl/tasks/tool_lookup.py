@@ -64,8 +64,8 @@ import random
 import zlib
 from typing import Sequence
 
-from megatron_rl.tasks.base import Prompt, Task, check_rng, response_text
-from megatron_rl.tasks.synthetic import is_heldout, score_text
+from megatron_rl.tasks.base import Prompt, Task, response_text
+from megatron_rl.tasks.synthetic import is_heldout, sample_outside_heldout, score_text
 
 #: The task's name (``data.task``) and its prompt word.
 LOOKUP_TASK = "lookup"
@@ -195,21 +195,13 @@ class LookupTask(Task):
 
     def sample(self, n: int, rng: random.Random) -> list[Prompt]:
         """``n`` prompts drawn with ``rng`` (a key outside the held-out split and a fresh table seed each)."""
-        check_rng(rng, f"task {LOOKUP_TASK!r}.sample")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"task {LOOKUP_TASK!r}.sample: n={n!r} must be an int >= 1")
-        out, misses = [], 0
-        while len(out) < n:
-            k = rng.randint(self.min_key_digits, self.max_key_digits)
-            key = "".join(str(rng.randint(0, 9)) for _ in range(k))
-            if self._held(key):
-                if (misses := misses + 1) >= 1000:
-                    raise ValueError(f"task {LOOKUP_TASK!r}: 1000 draws in a row were held out; lower "
-                                     f"data.task_kwargs.heldout_frac={self.heldout_frac} or widen the key range")
-                continue
-            misses = 0
-            out.append(self.make_prompt(key, rng.randrange(2 ** 31)))
-        return out
+        return sample_outside_heldout(LOOKUP_TASK, self.heldout_frac, n, rng, self._draw_key,
+                                      lambda key: self.make_prompt(key, rng.randrange(2 ** 31)), "key range")
+
+    def _draw_key(self, rng: random.Random) -> str:
+        """A key of uniform length in [min_key_digits, max_key_digits], then uniform digits."""
+        k = rng.randint(self.min_key_digits, self.max_key_digits)
+        return "".join(str(rng.randint(0, 9)) for _ in range(k))
 
     def heldout_prompts(self) -> list[Prompt]:
         """One prompt per held-out key (table seed ``crc32(key)``), in a fixed order; ValueError without a
