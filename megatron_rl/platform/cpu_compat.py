@@ -317,16 +317,6 @@ def _tensor_cuda_is_identity():
         torch.Tensor.cuda = original
 
 
-def _wrap_setup_embeddings(original):
-    def setup_embeddings_and_output_layer(self, *args: Any, **kwargs: Any):
-        with _tensor_cuda_is_identity():
-            return original(self, *args, **kwargs)
-
-    setup_embeddings_and_output_layer.__wrapped__ = original
-    setup_embeddings_and_output_layer.__doc__ = original.__doc__
-    return setup_embeddings_and_output_layer
-
-
 def _install_torch_view(names: Optional[List[str]] = None) -> None:
     """Replace the module-global ``torch`` of every loaded megatron.core module (or of the loaded modules
     ``names`` only: what the import hook just loaded) by the CPU view."""
@@ -366,7 +356,8 @@ def _apply_function_patches() -> None:
     lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
     cls = lm.LanguageModule
     if not hasattr(cls.setup_embeddings_and_output_layer, "__wrapped__"):
-        cls.setup_embeddings_and_output_layer = _wrap_setup_embeddings(cls.setup_embeddings_and_output_layer)
+        # a contextmanager is also a decorator (contextlib.ContextDecorator): each call runs in a fresh one
+        cls.setup_embeddings_and_output_layer = _tensor_cuda_is_identity()(cls.setup_embeddings_and_output_layer)
     PATCHES["megatron.core.models.common.language_module.language_module.LanguageModule."
             "setup_embeddings_and_output_layer"] = "calls weight.data.cuda() for tied embeddings with PP"
 
@@ -395,16 +386,6 @@ def _tensor_type_names_cuda():
         torch.Tensor.type = original
 
 
-def _wrap_type_checked_init(original):
-    def __init__(self, *args: Any, **kwargs: Any):
-        with _tensor_type_names_cuda():
-            return original(self, *args, **kwargs)
-
-    __init__.__wrapped__ = original
-    __init__.cpu_type_standin = True  # (platform/distrib_optimizer also wraps __init__: a marker of its own)
-    return __init__
-
-
 def _apply_optimizer_standins() -> None:
     """CPU stand-ins for the parameter type checks of megatron's mixed-precision (bf16 params, fp32 main
     params) and distributed optimizers: while they are constructed, CPU tensors report their CUDA type names."""
@@ -413,7 +394,8 @@ def _apply_optimizer_standins() -> None:
 
     for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
         if not getattr(cls.__init__, "cpu_type_standin", False):
-            cls.__init__ = _wrap_type_checked_init(cls.__init__)
+            cls.__init__ = _tensor_type_names_cuda()(cls.__init__)  # (a decorator too, as above)
+            cls.__init__.cpu_type_standin = True  # (distrib_optimizer also wraps __init__: a marker of its own)
         PATCHES[f"{cls.__module__}.{cls.__name__}.__init__"] = (
             "accepts only param.type() in torch.cuda.{Float,Half,BFloat16}Tensor (TypeError for CPU tensors)")
 
