@@ -71,6 +71,22 @@ EXTRA_OWNED = {
     "num_layers_in_last_pipeline_stage": "parallel.num_layers_in_last_pipeline_stage",
 }
 
+#: ``ModelConfig`` fields of multi-latent attention that megatron's ``MLATransformerConfig`` takes as they are,
+#: under the same name
+_MLA_SAME_NAMES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                   "rotary_base", "rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+#: ``ModelConfig`` fields of MoE models that megatron's ``TransformerConfig`` takes as they are, under the same name
+_MOE_SAME_NAMES = ("num_moe_experts", "moe_router_topk", "moe_shared_expert_intermediate_size",
+                   "moe_shared_expert_gate", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                   "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                   "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_num_groups",
+                   "moe_router_group_topk")
+
+
+def _same_names(model: ModelConfig, names) -> Dict[str, Any]:
+    """``{name: model.<name>}``: fields megatron takes under the project's (Megatron's) names."""
+    return {name: getattr(model, name) for name in names}
+
 
 def transformer_config_fields() -> frozenset:
     """Names of megatron-core's ``MLATransformerConfig`` fields (a superset of ``TransformerConfig``'s): what
@@ -146,16 +162,12 @@ def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         config_cls = MLATransformerConfig
+        kw.update(_same_names(model, _MLA_SAME_NAMES))
         kw.update(
-            multi_latent_attention=True, q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank,
-            qk_head_dim=model.qk_head_dim, qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
-            v_head_dim=model.v_head_dim, qk_layernorm=True, kv_channels=model.v_head_dim,
-            num_query_groups=model.num_attention_heads, rope_type=model.rope_type,
-            rotary_base=model.rotary_base, rotary_scaling_factor=model.rotary_scaling_factor,
+            multi_latent_attention=True, qk_layernorm=True, kv_channels=model.v_head_dim,
+            num_query_groups=model.num_attention_heads,
             original_max_position_embeddings=(model.original_max_position_embeddings
                                               or model.max_position_embeddings),
-            beta_fast=model.beta_fast, beta_slow=model.beta_slow, mscale=model.mscale,
-            mscale_all_dim=model.mscale_all_dim,
         )
     if model.moe_token_dispatcher_type == "allgather":
         kw["variable_seq_lengths"] = False
@@ -167,21 +179,9 @@ def make_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         kw["variable_seq_lengths"] = False
     if model.is_moe:
         pattern = model.moe_layer_pattern()
+        kw.update(_same_names(model, _MOE_SAME_NAMES))
         kw.update(
-            num_moe_experts=model.num_moe_experts,
-            moe_router_topk=model.moe_router_topk,
             moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.dense_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-            moe_shared_expert_gate=model.moe_shared_expert_gate,
-            moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_router_score_function=model.moe_router_score_function,
-            moe_router_pre_softmax=model.moe_router_pre_softmax,
-            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
-            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=model.moe_router_bias_update_rate,
-            moe_router_num_groups=model.moe_router_num_groups,
-            moe_router_group_topk=model.moe_router_group_topk,
             moe_grouped_gemm=model.moe_grouped_gemm and on_gpu,
             moe_layer_freq=pattern,
             moe_permute_fusion=False,
