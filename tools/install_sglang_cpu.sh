@@ -54,6 +54,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "ERROR: torch is not importable in $VENV; install torch==2.13.0 first (tools/setup_env.sh)" >&2
   exit 1
 fi
+source "$ROOT/tools/pkg_install.sh"
+pkg_install_init "$VENV"   # INSTALL: uv (pip's indexes and settings), or pip without it
 
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
@@ -63,7 +65,7 @@ start=$(date +%s)
 #    caps numpy<2.4 while the project has numpy 2.4.x; sglang uses it only for Mistral tokenizers),
 #    without dependencies; their requirement lists are filtered and installed in step 2.
 NODEPS="mistral-common==1.13.1"
-"$PY" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" $NODEPS -c "$CONSTRAINTS"
+"${INSTALL[@]}" --no-deps "sglang==$SGLANG_VERSION" $NODEPS -c "$CONSTRAINTS"
 
 # 2. Its requirement list minus torch/CUDA-only packages, shared pins relaxed; plus a freeze of
 #    the shared packages already installed.
@@ -121,7 +123,7 @@ for name in sorted(FREEZE):
         pass
 open(sys.argv[2], "w").write("\n".join(frozen) + "\n")
 PY
-"$PY" -m pip install -q -r "$TMP/req.txt" -c "$CONSTRAINTS" -c "$TMP/freeze.txt"
+"${INSTALL[@]}" -r "$TMP/req.txt" -c "$CONSTRAINTS" -c "$TMP/freeze.txt"
 
 # 3. Sanity: sglang imports with the project's torch (the stand-ins are not needed for this).
 "$PY" - <<'PY'

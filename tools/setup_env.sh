@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project virtualenv for a CPU machine and install megatron-rl into it.
 # Order matters: torch==2.13.0 (CPU build) first, then everything else under a constraint that
-# keeps it, otherwise pip resolves a multi-GB CUDA torch.
+# keeps it, otherwise the resolver picks a multi-GB CUDA torch.
+# Installs with uv (`uv pip install`, the venv's own uv, pip's indexes and settings: tools/pkg_install.sh),
+# which resolves the same packages as pip for a fraction of its CPU time; with pip where uv is unavailable
+# or MEGATRON_RL_INSTALLER=pip.
 # Usage: bash tools/setup_env.sh [--tests | --dev] [--mcore VERSION]
 #   (no flag)      what the main job needs and nothing more: the project and its install_requires
 #                  (the quickstart uses this, so CI proves the main job's dependencies on their own)
@@ -9,13 +12,13 @@
 #                  suite's real-server tests need it; the quickstart's embedded engine does not)
 #   --dev          the `dev` extra without SGLang (the megatron-core 0.19 leg of tools/run_tests.sh)
 #   --mcore V      megatron-core==V (setup.py admits 0.16.1 <= V < 0.20), installed before the project so
-#                  pip keeps it; also $MEGATRON_RL_MCORE. Without it pip picks the newest release the
-#                  Python admits (0.16.1 on Python 3.11, 0.19.x on 3.12+).
+#                  the resolver keeps it; also $MEGATRON_RL_MCORE. Without it the resolver picks the newest
+#                  release the Python admits (0.16.1 on Python 3.11, 0.19.x on 3.12+).
 # The venv is $MEGATRON_RL_VENV; by default ./.venv, or ./.venv-mcoreMMM with --mcore (0.19.2 -> .venv-mcore019,
 # 0.16.1 -> .venv-mcore016), so a second megatron-core lives next to the main venv.
 # megatron-core 0.17+ wheels say Requires-Python >=3.12, but 0.19.2's wheel is a cp311 build that imports
-# and passes the suite on Python 3.11: there it is installed with --ignore-requires-python, plus triton
-# (0.19 imports it at `import megatron.core`).
+# and passes the suite on Python 3.11: there it is installed with pip's --ignore-requires-python (uv has no
+# such switch and refuses the wheel), plus triton (0.19 imports it at `import megatron.core`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=""
@@ -40,8 +43,8 @@ else
   VENV="${MEGATRON_RL_VENV:-.venv}"
 fi
 mkdir -p "$VENV"
-# one set-up of a venv at a time: two quickstarts started together would both `pip install -e .` into it and
-# the second fails midway (a removed console script); the later one waits here, then its pip steps are no-ops.
+# one set-up of a venv at a time: two quickstarts started together would both install -e . into it and the
+# second fails midway (a removed console script); the later one waits here, then its install steps are no-ops.
 # flock is util-linux (every Linux image); where it is missing (macOS) set-ups are not serialised.
 if command -v flock > /dev/null; then
   exec 9>"$VENV/.megatron_rl_setup.lock"
@@ -52,14 +55,10 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-PY="$VENV/bin/python"
-PIP=("$PY" -m pip install -q)
-# --no-compile: no bytecode for the ~10k installed .py files up front (~40 CPU-seconds); Python compiles and caches
-# the modules a run imports, a fraction of them, on first import -- unless PYTHONDONTWRITEBYTECODE forbids the
-# cache: then every process would compile its imports at each start, so pip compiles everything here as usual
-if [ -z "${PYTHONDONTWRITEBYTECODE:-}" ]; then PIP+=(--no-compile); fi
-"${PIP[@]}" --upgrade pip
-"${PIP[@]}" "torch==2.13.0"
+source tools/pkg_install.sh
+pkg_install_init "$VENV"   # sets PY, PIP (pip) and INSTALL (uv, or pip without it)
+"${INSTALL[@]}" --upgrade pip
+"${INSTALL[@]}" "torch==2.13.0"
 CONSTRAINTS=(-c tools/constraints-cpu.txt)
 if [ -n "$MCORE" ]; then
   EXTRA=()
@@ -68,9 +67,10 @@ if [ -n "$MCORE" ]; then
   fi
   TRITON=()
   if [ "$MINOR" -ge 19 ]; then TRITON=("triton>=3.0"); fi
+  # pip, not uv: --ignore-requires-python (see above) for the one package, without its dependencies
   "${PIP[@]}" --no-deps "${EXTRA[@]}" "megatron-core==$MCORE"
-  # its own requirements, resolved for this Python (with --ignore-requires-python pip would also take
-  # numpy sdists that need 3.12+); extras' requirements are left out
+  # its own requirements, resolved for this Python (with --ignore-requires-python the resolver would also
+  # take numpy sdists that need 3.12+); extras' requirements are left out
   REQS="$VENV/.megatron_rl_mcore_requires.txt"
   "$PY" - > "$REQS" <<'PY'
 from importlib.metadata import requires
@@ -80,18 +80,18 @@ for line in requires("megatron-core") or []:
     if req.marker is None or req.marker.evaluate({"extra": ""}):
         print(str(req).split(";")[0])
 PY
-  "${PIP[@]}" -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt
+  "${INSTALL[@]}" -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt
   # keep exactly this megatron-core while the project and its extras install
   PIN="$VENV/.megatron_rl_mcore_pin.txt"
   echo "megatron-core==$MCORE" > "$PIN"
   CONSTRAINTS+=(-c "$PIN")
 fi
-editable() {  # pip install -e: it writes megatron_rl.egg-info into the source tree, so one venv at a time does it
+editable() {  # install -e: it writes megatron_rl.egg-info into the source tree, so one venv at a time does it
   # (tools/run_tests.sh sets its two venvs up side by side); the lock is the tree's, not the venv's
   if command -v flock > /dev/null; then
-    ( flock 8; "${PIP[@]}" -e "$@" "${CONSTRAINTS[@]}" ) 8>".megatron_rl_editable.lock"
+    ( flock 8; "${INSTALL[@]}" -e "$@" "${CONSTRAINTS[@]}" ) 8>".megatron_rl_editable.lock"
   else
-    "${PIP[@]}" -e "$@" "${CONSTRAINTS[@]}"
+    "${INSTALL[@]}" -e "$@" "${CONSTRAINTS[@]}"
   fi
 }
 case "$MODE" in
@@ -100,7 +100,7 @@ case "$MODE" in
   --tests)
     editable ".[dev]"
     # SGLang without its ~11 GB of CUDA packages (the real-server tests and rollout.engine=sglang on
-    # CPU); idempotent: a stamp file makes re-runs instant. pip prints expected "sglang requires ..." lines.
+    # CPU); idempotent: a stamp file makes re-runs instant.
     bash tools/install_sglang_cpu.sh "$VENV" ;;
 esac
 "$PY" - <<'PY'
