@@ -60,10 +60,26 @@ pkg_install_init "$VENV"   # sets PY, PIP (pip) and INSTALL (uv, or pip without 
 "${INSTALL[@]}" --upgrade pip
 "${INSTALL[@]}" "torch==2.13.0"
 CONSTRAINTS=(-c tools/constraints-cpu.txt)
+requirements_of() {  # DIST [EXTRA...]: DIST's installed requirements for this Python, with those EXTRAs' and no
+  # other (markers evaluated, then dropped), less megatron-core (installed on its own, pinned)
+  "$PY" - "$@" <<'PY'
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+dist, extras = sys.argv[1], [""] + sys.argv[2:]
+for line in requires(dist) or []:
+    req = Requirement(line)
+    if req.name.lower().replace("_", "-") != "megatron-core" and (req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras)):
+        req.marker = None
+        print(req)
+PY
+}
+SKIP_PY_CHECK=""
 if [ -n "$MCORE" ]; then
   EXTRA=()
   if [ "$MINOR" -ge 17 ] && ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
     EXTRA=(--ignore-requires-python)   # cp311 wheel whose metadata says >=3.12 (see above)
+    SKIP_PY_CHECK=1
   fi
   TRITON=()
   if [ "$MINOR" -ge 19 ]; then TRITON=("triton>=3.0"); fi
@@ -72,26 +88,31 @@ if [ -n "$MCORE" ]; then
   # its own requirements, resolved for this Python (with --ignore-requires-python the resolver would also
   # take numpy sdists that need 3.12+); extras' requirements are left out
   REQS="$VENV/.megatron_rl_mcore_requires.txt"
-  "$PY" - > "$REQS" <<'PY'
-from importlib.metadata import requires
-from pip._vendor.packaging.requirements import Requirement
-for line in requires("megatron-core") or []:
-    req = Requirement(line)
-    if req.marker is None or req.marker.evaluate({"extra": ""}):
-        print(str(req).split(";")[0])
-PY
+  requirements_of megatron-core > "$REQS"
   "${INSTALL[@]}" -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt
   # keep exactly this megatron-core while the project and its extras install
   PIN="$VENV/.megatron_rl_mcore_pin.txt"
   echo "megatron-core==$MCORE" > "$PIN"
   CONSTRAINTS+=(-c "$PIN")
 fi
+install_project() {  # . or .[EXTRA]
+  if [ -n "$SKIP_PY_CHECK" ] && [ "${INSTALL[0]}" != "${PIP[0]}" ]; then
+    # uv checks the installed megatron-core's Requires-Python too (pip does not): the project without
+    # dependencies, then its requirements and its extra's, megatron-core (in place, pinned) left out
+    "${INSTALL[@]}" --no-deps -e "$1" "${CONSTRAINTS[@]}"
+    local extra="${1#.}"; extra="${extra#[}"; extra="${extra%]}"
+    requirements_of megatron-rl $extra > "$VENV/.megatron_rl_requires.txt"
+    "${INSTALL[@]}" -r "$VENV/.megatron_rl_requires.txt" "${CONSTRAINTS[@]}"
+  else
+    "${INSTALL[@]}" -e "$1" "${CONSTRAINTS[@]}"
+  fi
+}
 editable() {  # install -e: it writes megatron_rl.egg-info into the source tree, so one venv at a time does it
   # (tools/run_tests.sh sets its two venvs up side by side); the lock is the tree's, not the venv's
   if command -v flock > /dev/null; then
-    ( flock 8; "${INSTALL[@]}" -e "$@" "${CONSTRAINTS[@]}" ) 8>".megatron_rl_editable.lock"
+    ( flock 8; install_project "$1" ) 8>".megatron_rl_editable.lock"
   else
-    "${INSTALL[@]}" -e "$@" "${CONSTRAINTS[@]}"
+    install_project "$1"
   fi
 }
 case "$MODE" in
