@@ -12,16 +12,17 @@
 #   3. installs the rest under tools/constraints-cpu.txt (torch==2.13.0) PLUS a constraint that
 #      freezes every shared package already installed in the venv at its current version, so this
 #      script can never change torch / numpy / transformers / tokenizers / megatron-core under
-#      the rest of the project (pip fails loudly instead).
+#      the rest of the project (the install fails loudly instead).
 # On CPU the server additionally needs two import-only stand-ins (sgl_kernel, torchvision); they
 # live in megatron_rl/platform/sglang_cpu/ and are put on PYTHONPATH only for the server process
 # by megatron_rl/rollout/sglang_server.py — nothing is installed for them here.
 #
 # Idempotent: a stamp file in the venv records the sglang version and this script's hash; when it
 # matches and sglang's package directory exists, the script exits at once (~0.03 s).
-# pip prints "ERROR: pip's dependency resolver ... sglang requires X, which is not installed" /
-# "... but you have Y": expected — those are exactly the excluded CUDA packages and relaxed pins.
-# Measured (2 busy cores, warm pip cache): ~45-215 s, ~1.0 GB added to the project venv (102 packages).
+# Installs with uv where it can (tools/pkg_install.sh), else pip; pip then prints "ERROR: pip's dependency
+# resolver ... sglang requires X": expected -- those are exactly the excluded CUDA packages and relaxed pins.
+# Measured (2 busy cores): ~20 s with uv from a cold cache (~45-215 s with pip, warm cache), ~1.0 GB added to the
+# project venv (102 packages).
 #
 # Usage: bash tools/install_sglang_cpu.sh [VENV]   (default: $MEGATRON_RL_VENV or .venv, relative to
 #        the repository root like tools/setup_env.sh; an explicit VENV argument is relative to the cwd)

@@ -84,8 +84,9 @@ run_leg() {  # run_leg NAME PYTHON MARK BASETEMP PYTEST_ARGS... ; prints and ret
 }
 
 # both venvs first: leg 1's cross-release checkpoint test (tests/integration/test_mcore_cross_checkpoint.py) uses both.
-# Side by side: pip installs on one core, and each set-up is mostly pip (the editable install is serialised in
-# tools/setup_env.sh by flock; without flock, one after the other); the newest venv's output follows the oldest's.
+# Side by side: much of a set-up is waiting on downloads and single-threaded steps (the editable install is
+# serialised in tools/setup_env.sh by flock; without flock, one after the other); the newest venv's output follows
+# the oldest's.
 LEG2_PID=""
 SETUP_PID=""
 cleanup() {  # an interrupted run takes the background set-up and leg 2 with it
