@@ -26,15 +26,25 @@ pkg_install_init() {
     echo "note: could not pip install uv into $venv; installing with pip (slower)" >&2
     return 0
   fi
-  local cfg
-  cfg="$("$PY" - <<'PY'
+  local cfg UV_ARGS=()
+  cfg="$(pip_settings_for_uv "$PY")" \
+    || { echo "note: could not read pip's configuration; installing with pip (slower)" >&2; return 0; }
+  eval "$cfg"
+  INSTALL=("$venv/bin/uv" pip install -q --python "$PY" "${UV_ARGS[@]}")
+  if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then INSTALL+=(--compile-bytecode); fi
+}
+
+pip_settings_for_uv() {  # PY: shell lines that set UV_ARGS (uv pip install's options) and export the variables
+  # uv reads for pip's effective settings of PY's pip
+  "$1" - <<'PY'
 import ast
 import shlex
 import subprocess
 import sys
 
 # pip's effective install options: env (PIP_*) over the [install] section over [global]
-listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                        check=True).stdout
 rank = {"global": 0, "install": 1, ":env:": 2}
 best = {}
 for line in listed.splitlines():
@@ -64,9 +74,4 @@ for name, var in (("cert", "SSL_CERT_FILE"), ("default-timeout", "UV_HTTP_TIMEOU
     if opt.get(name):
         print(f"export {var}=${{{var}:-{shlex.quote(opt[name])}}}")
 PY
-)" || { echo "note: could not read pip's configuration; installing with pip (slower)" >&2; return 0; }
-  local UV_ARGS=()
-  eval "$cfg"
-  INSTALL=("$venv/bin/uv" pip install -q --python "$PY" "${UV_ARGS[@]}")
-  if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then INSTALL+=(--compile-bytecode); fi
 }
