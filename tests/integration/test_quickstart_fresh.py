@@ -26,7 +26,7 @@ One run proves both (the main job in its own venv, and that it learns): the suit
 once, not twice.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_quickstart_fresh.py``   (~6-8 min on 2 idle cores with a
-warm pip cache; much longer on a busy machine)
+warm package cache; much longer on a busy machine)
 """
 import json
 import os
