@@ -8,7 +8,7 @@
 # A demo: each run starts over in runs/tiny_cpu (trainer.overwrite=true: the previous run's metrics,
 # checkpoints and report are removed; the model in runs/tiny_cpu/init_model is kept) unless --resume
 # (or trainer.resume=true) continues it, or trainer.overwrite=false is given.
-# About 7 minutes of training on 2 cores (200 steps, ~2 s each: docs/results.md), plus the set-up of .venv on a
+# About 3 minutes of training on 2 idle cores (200 steps, ~0.9 s each: docs/results.md), plus the set-up of .venv on a
 # first run. Logs per rank: runs/tiny_cpu/logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
