@@ -1,8 +1,9 @@
 # Package installs into a venv for tools/setup_env.sh and tools/install_sglang_cpu.sh (sourced, not run).
 #
-# `pkg_install_init VENV` sets two arrays:
+# `pkg_install_init VENV` sets two arrays and a name:
 #   PIP      "$PY" -m pip install -q ...  (kept for what only pip does: --ignore-requires-python)
-#   INSTALL  uv's `uv pip install --python "$PY"` with pip's settings, or PIP where uv cannot be had.
+#   INSTALL  uv's `uv pip install --python "$PY"` with pip's settings, or PIP where uv cannot be had;
+# and INSTALLER, which of the two INSTALL is (uv | pip), for the steps whose semantics differ between them.
 # uv resolves like pip (same requirements, constraints, indexes; the set-ups' package sets and versions are the
 # same) at a fraction of pip's CPU time: on 2 cores the lean venv takes ~12 CPU-s instead of ~54. uv comes from
 # `pip install uv` into the venv (once; ~2 CPU-s); where that fails (no uv wheel for the platform, no index),
@@ -21,6 +22,7 @@ pkg_install_init() {
   PIP=("$PY" -m pip install -q)
   if [ -z "${PYTHONDONTWRITEBYTECODE:-}" ]; then PIP+=(--no-compile); fi
   INSTALL=("${PIP[@]}")
+  INSTALLER=pip
   if [ "${MEGATRON_RL_INSTALLER:-uv}" = "pip" ]; then return 0; fi
   if [ ! -x "$venv/bin/uv" ] && ! "${PIP[@]}" uv > /dev/null 2>&1; then
     echo "note: could not pip install uv into $venv; installing with pip (slower)" >&2
@@ -31,6 +33,7 @@ pkg_install_init() {
     || { echo "note: could not read pip's configuration; installing with pip (slower)" >&2; return 0; }
   eval "$cfg"
   INSTALL=("$venv/bin/uv" pip install -q --python "$PY" "${UV_ARGS[@]}")
+  INSTALLER=uv
   if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then INSTALL+=(--compile-bytecode); fi
 }
 

@@ -56,7 +56,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 source tools/pkg_install.sh
-pkg_install_init "$VENV"   # sets PY, PIP (pip) and INSTALL (uv, or pip without it)
+pkg_install_init "$VENV"   # sets PY, PIP (pip), INSTALL (uv, or pip without it) and INSTALLER (which)
 "${INSTALL[@]}" --upgrade pip
 "${INSTALL[@]}" "torch==2.13.0"
 CONSTRAINTS=(-c tools/constraints-cpu.txt)
@@ -96,7 +96,7 @@ if [ -n "$MCORE" ]; then
   CONSTRAINTS+=(-c "$PIN")
 fi
 install_project() {  # . or .[EXTRA]
-  if [ -n "$SKIP_PY_CHECK" ] && [ "${INSTALL[0]}" != "${PIP[0]}" ]; then
+  if [ -n "$SKIP_PY_CHECK" ] && [ "$INSTALLER" = uv ]; then
     # uv checks the installed megatron-core's Requires-Python too (pip does not): the project without
     # dependencies, then its requirements and its extra's, megatron-core (in place, pinned) left out
     "${INSTALL[@]}" --no-deps -e "$1" "${CONSTRAINTS[@]}"
