@@ -7,12 +7,13 @@
   cause (a real single-rank ``python -m megatron_rl.train`` job whose reward function raises);
 * with the limit lifted the run trains, and ``megatron-rl report`` says UNHEALTHY with the failed rewards named.
 
-math-verify is installed in the test environment; "not installed" is staged by a ``math_verify`` package
-earlier on PYTHONPATH whose import raises ImportError (a missing package cannot be produced on demand).
+math-verify is installed in the test environment; "not installed" is staged by ``sys.modules['math_verify'] =
+None``, which makes ``import math_verify`` raise ImportError (a missing package cannot be produced on demand). The
+refused starts are the entry points run in this process (``megatron-rl train`` / ``megatron-rl check``, the same
+parsers and ``run`` as ``python -m megatron_rl.train``): they return before any process group exists.
 
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_reward_failures.py   (~1-2 min on 2 cores)
 """
-import argparse
 import json
 import os
 import subprocess
@@ -28,20 +29,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MISSING = "needs the 'math-verify' package"
 
 
-@pytest.fixture(scope="module")
-def no_math_verify(tmp_path_factory):
-    """A directory that, first on PYTHONPATH, makes ``import math_verify`` fail as if it were not installed."""
-    d = tmp_path_factory.mktemp("hide")
-    (d / "math_verify").mkdir()
-    (d / "math_verify" / "__init__.py").write_text("raise ImportError(\"No module named 'math_verify'\")\n")
-    return str(d)
-
-
-def _env(pythonpath=None):
+def _env():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID",
                                                              "SLURM_NTASKS")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, ROOT, os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return env
 
 
@@ -51,38 +43,42 @@ def _args(run, model):
             "actor.micro_batch_size=4"]
 
 
-def _train(run, model, *extra, pythonpath=None, timeout=240):
+def _train(run, model, *extra, timeout=240):
     return subprocess.run([sys.executable, "-m", "megatron_rl.train", *_args(run, model), *extra], cwd=ROOT,
-                          env=_env(pythonpath), capture_output=True, text=True, timeout=timeout)
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_math_reward_without_math_verify_is_a_config_error_before_process_groups(copy_model, no_math_verify,
-                                                                                     tmp_path, monkeypatch):
+def _cli_here(capsys, monkeypatch, *argv):
+    """``megatron-rl *argv`` in this process, outside any launcher: (exit code, stderr). Only for commands that
+    must be refused: a training start that goes on would train here."""
+    from megatron_rl.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def test_math_reward_without_math_verify_is_a_config_error_before_process_groups(copy_model, tmp_path, capsys,
+                                                                                     monkeypatch):
     run = tmp_path / "run"
-    r = _train(run, copy_model, "data.reward_fn=math", pythonpath=no_math_verify, timeout=120)
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "data.reward_fn: 'math'" in r.stderr and MISSING in r.stderr, r.stderr
-    assert not run.exists()                                  # nothing started
-    chk = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "check", os.path.join("configs", "math_tiny_cpu.yaml")],
-                         cwd=ROOT, env=_env(no_math_verify), capture_output=True, text=True, timeout=180)
-    assert chk.returncode == 2 and "data.reward_fn: 'math'" in chk.stderr and MISSING in chk.stderr, chk.stderr
-    # in process: the same error, returned before any process group exists
-    from megatron_rl.tasks.reward_fn import reward_import_error
-
     monkeypatch.setitem(sys.modules, "math_verify", None)    # `import math_verify` raises ImportError
-    assert MISSING in reward_import_error("math")
-    from megatron_rl.train import run as train_run
+    rc, err = _cli_here(capsys, monkeypatch, "train", *_args(run, copy_model), "data.reward_fn=math")
+    assert rc == 2, err[-3000:]
+    assert "data.reward_fn: 'math'" in err and MISSING in err, err
+    assert not run.exists()                                  # nothing started
+    assert not dist.is_initialized()                         # returned before any process group existed
+    rc, err = _cli_here(capsys, monkeypatch, "check", os.path.join(ROOT, "configs", "math_tiny_cpu.yaml"))
+    assert rc == 2 and "data.reward_fn: 'math'" in err and MISSING in err, err
 
-    args = argparse.Namespace(config=None, resume=False, check_only=False, check_world_size=None,
-                              overrides=_args(run, copy_model) + ["data.reward_fn=math"])
-    assert train_run(args) == 2
-    assert not dist.is_initialized()
 
-
-def test_reward_module_that_does_not_import_is_a_config_error(copy_model, tmp_path):
-    r = _train(tmp_path / "run", copy_model, "data.reward_fn=no_such_reward_module:score", timeout=120)
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "data.reward_fn='no_such_reward_module:score': module 'no_such_reward_module' not found" in r.stderr
+def test_reward_module_that_does_not_import_is_a_config_error(copy_model, tmp_path, capsys, monkeypatch):
+    rc, err = _cli_here(capsys, monkeypatch, "train", *_args(tmp_path / "run", copy_model),
+                        "data.reward_fn=no_such_reward_module:score")
+    assert rc == 2, err[-3000:]
+    assert "data.reward_fn='no_such_reward_module:score': module 'no_such_reward_module' not found" in err
 
 
 def test_failed_rewards_end_the_run_with_the_cause_and_the_report_fails(copy_model, tmp_path):

@@ -7,13 +7,16 @@
 * ``trainer.overwrite=true`` removes the old outputs (and only them: a model directory inside the run
   directory is kept) and says so on one line.
 
+A refused start is the training entry point run in this process (``megatron-rl train``, the same parser and
+``run`` as ``python -m megatron_rl.train``): it returns before any process group exists, so no job is needed
+to see it.
+
 Edge cases, without a job: starting over must not delete the model the job loads, a torn last record (a writer
 killed mid-line) must not corrupt the first resumed record, and an elastic restart / Slurm requeue continues its
 own run instead of being refused or wiped.
 
 Run: OMP_NUM_THREADS=1 pytest tests/integration/test_run_dir.py   (~1-2 min on 2 cores)
 """
-import argparse
 import json
 import os
 import subprocess
@@ -45,6 +48,22 @@ def _args(run, model):
 def _train(run, model, *extra, timeout=240):
     return subprocess.run([sys.executable, "-m", "megatron_rl.train", *_args(run, model), *extra], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _train_here(capsys, monkeypatch, *argv, **env):
+    """``megatron-rl train *argv`` in this process, outside any launcher (plus ``env``): (exit code, stdout,
+    stderr). Only for starts that must be refused or only checked: a start that goes on would train here."""
+    from megatron_rl.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RESTART_COUNT",
+              "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    rc = main(["train", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
 def _train_ok(run, model, *extra):
@@ -79,23 +98,16 @@ def first_run(tmp_path_factory):
 
 @pytest.mark.slow  # a real job
 @pytest.mark.timeout(600)
-def test_rerun_into_a_used_run_dir_is_refused_before_anything_starts(first_run):
+def test_rerun_into_a_used_run_dir_is_refused_before_anything_starts(first_run, capsys, monkeypatch):
     run, model = first_run
     before = (run / "metrics.jsonl").read_bytes()
-    r = _train(run, model, "trainer.steps=5", timeout=120)
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    msg = r.stderr
+    rc, out, msg = _train_here(capsys, monkeypatch, *_args(run, model), "trainer.steps=5")
+    assert rc == 2, out[-3000:] + msg[-3000:]
     assert f"trainer.run_dir: '{run}' holds another run's outputs: metrics.jsonl, checkpoints/" in msg, msg
     assert "--resume (trainer.resume=true)" in msg and "trainer.overwrite=true" in msg, msg
     assert "complete checkpoints up to step_2" in msg, msg
     assert (run / "metrics.jsonl").read_bytes() == before and _ckpts(run) == ["step_2", "step_3"]
-    # in process: the refusal returns before any process group exists
-    from megatron_rl.train import run as train_run
-
-    args = argparse.Namespace(config=None, resume=False, check_only=False, check_world_size=None,
-                              overrides=_args(run, model))
-    assert train_run(args) == 2
-    assert not dist.is_initialized()
+    assert not dist.is_initialized()                   # the refusal returned before any process group existed
 
 
 @pytest.mark.slow  # a real job
@@ -111,7 +123,7 @@ def test_resume_history_reads_1_to_n_and_stale_checkpoints_are_gone(first_run):
 
 @pytest.mark.slow  # a real job
 @pytest.mark.timeout(600)
-def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run):
+def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run, capsys, monkeypatch):
     run, model = first_run
     out = _train_ok(run, model, "trainer.steps=1", "trainer.overwrite=true")
     lines = [line for line in out.splitlines() if "trainer.overwrite" in line]
@@ -119,8 +131,8 @@ def test_overwrite_removes_the_old_run_and_keeps_other_files(first_run):
     assert _steps(run) == [1] and _ckpts(run) == ["step_1"]
     assert os.path.isfile(os.path.join(model, "config.json"))   # not an output: kept
     # resume and overwrite exclude each other
-    r = _train(run, model, "trainer.overwrite=true", "--resume", timeout=120)
-    assert r.returncode == 2 and "trainer.overwrite: true together with trainer.resume" in r.stderr, r.stderr
+    rc, _, err = _train_here(capsys, monkeypatch, *_args(run, model), "trainer.overwrite=true", "--resume")
+    assert rc == 2 and "trainer.overwrite: true together with trainer.resume" in err, err
 
 
 # -------------------------------------------------------------------------------- edge cases, without a job
@@ -159,23 +171,18 @@ def test_restart_count(monkeypatch, var):
     assert restart_count() == 2
 
 
-def test_a_restarted_job_resumes_instead_of_being_refused(tmp_path, monkeypatch):
+def test_a_restarted_job_resumes_instead_of_being_refused(tmp_path, capsys, monkeypatch):
     """The launcher's restart count turns a refused re-run into a resume (checked through train.run's own
     pre-start validation, --check-world-size, which needs no process group)."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     model = tmp_path / "model"  # its own model: a clean clone has no runs/tiny_cpu/init_model yet
     build_tiny_hf_model(str(model))
-    cmd = [sys.executable, "-m", "megatron_rl.train", "--config", os.path.join(root, "configs", "tiny_cpu.yaml"),
-           "--check-world-size", "4", f"trainer.run_dir={run}", f"actor.load_hf={model}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")}
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert first.returncode == 2 and "holds another run's outputs" in first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, env={**env, "TORCHELASTIC_RESTART_COUNT": "1"},
-                           cwd=root, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert "restart 1 of this job" in again.stdout
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), "--check-world-size", "4",
+            f"trainer.run_dir={run}", f"actor.load_hf={model}"]
+    rc, _, err = _train_here(capsys, monkeypatch, *argv)
+    assert rc == 2 and "holds another run's outputs" in err, err
+    rc, out, err = _train_here(capsys, monkeypatch, *argv, TORCHELASTIC_RESTART_COUNT="1")
+    assert rc == 0, err
+    assert "restart 1 of this job" in out
