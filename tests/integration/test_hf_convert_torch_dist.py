@@ -1,57 +1,40 @@
-"""Export a megatron torch_dist (dist_checkpointing) checkpoint to HF: checkpoints are saved by real
-``torchrun`` ranks (TP2 dense with padded vocab; MoE with EP2) after loading a HF model and doubling
-every weight, then read back in one process without a process group: the HF export must equal 2x the
+"""Export a megatron torch_dist (dist_checkpointing) checkpoint to HF: checkpoints are saved by 2 gloo ranks
+(``run_ranks``: forked, not daemonic, so megatron's own checkpoint writer may start its processes) with
+megatron's ``dist_checkpointing.save`` (TP2 dense with padded vocab; MoE with EP2) after loading a HF model and
+doubling every weight, then read back in this process without a process group: the HF export must equal 2x the
 source tensors bit for bit.
 
-Run: ``pytest tests/integration/test_hf_convert_torch_dist.py`` (marked slow: ~30-40 s, fresh torchrun processes —
-megatron's async checkpoint writer spawns a multiprocessing Manager, which the forked daemonic ranks
-of ``run_ranks`` cannot do).
+Run: ``pytest tests/integration/test_hf_convert_torch_dist.py`` (marked slow).
 """
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from megatron_rl.convert import CheckpointFormatError, convert_mcore_to_hf, storage
 from megatron_rl.convert.torch_dist import is_torch_dist_checkpoint
+from megatron_rl.testing.distributed import run_ranks
 
-pytestmark = pytest.mark.mcore  # megatron saves the checkpoints (torchrun ranks): runs on the 0.19 leg too
+pytestmark = pytest.mark.mcore  # megatron saves the checkpoints (forked ranks): runs on the 0.19 leg too
 
 pytest.importorskip("transformers")
 
-_SAVE_SCRIPT = textwrap.dedent('''
-    import os, sys
-    import torch
 
-    def main():
-        import torch.distributed as dist
-        dist.init_process_group("gloo")
-        from megatron.core import dist_checkpointing
-        import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
-        import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
-        from megatron_rl.platform.cpu_compat import apply_cpu_patches
-        from megatron_rl.models import build_gpt_model
-        from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
+def _save_rank(rank, world, jobs):
+    """Each job ``(hf, out, tp, ep, div)`` on this rank: the HF model loaded at that layout, every weight doubled,
+    saved with ``dist_checkpointing.save`` to ``out``."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+    from megatron_rl.convert import load_checkpoint_into_model, model_config_for_checkpoint
+    from megatron_rl.models import build_gpt_model
+    from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
+    from megatron_rl.parallel.groups import ActorGroups
+    from megatron_rl.platform.cpu_compat import apply_cpu_patches
 
-        apply_cpu_patches()  # covers the dist_checkpointing modules imported above (torch.cuda.synchronize)
-        for job in sys.argv[1:]:
-            hf, out, tp, ep, div = job.split(",")
-            save(hf, out, int(tp), int(ep), int(div))
-        dist.barrier()
-        dist.destroy_process_group()
-
-    def save(hf, out, tp, ep, div):
-        from megatron.core import dist_checkpointing
-        from megatron_rl.parallel.groups import ActorGroups
-        from megatron_rl.models import build_gpt_model
-        from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
-        from megatron_rl.convert import model_config_for_checkpoint, load_checkpoint_into_model
-
+    apply_cpu_patches()  # covers the dist_checkpointing modules imported above (torch.cuda.synchronize)
+    for hf, out, tp, ep, div in jobs:
         pc = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                             expert_tensor_parallel_size=1 if ep > 1 else None, sequence_parallel=tp > 1 and ep > 1)
         mc = model_config_for_checkpoint(hf, tp, div)
@@ -62,10 +45,7 @@ _SAVE_SCRIPT = textwrap.dedent('''
             for p in chunks[0].parameters():
                 p.mul_(2)
         dist_checkpointing.save(chunks[0].sharded_state_dict(), out)
-
-    if __name__ == "__main__":
-        main()
-''')
+    dist.barrier()
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +60,11 @@ CASES = [("qwen2", 2, 1, 100),    # dense: layers stacked on a leading axis, TP2
 
 @pytest.mark.slow
 def test_torch_dist_checkpoint_exports_to_hf(hf_models, tmp_path):
-    script = tmp_path / "save.py"
-    script.write_text(_SAVE_SCRIPT)
     jobs = []
     for key, tp, ep, div in CASES:
         (tmp_path / key).mkdir()
-        jobs.append(f"{hf_models[key]},{tmp_path / key},{tp},{ep},{div}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script), *jobs], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
+        jobs.append((hf_models[key], str(tmp_path / key), tp, ep, div))
+    run_ranks(_save_rank, 2, jobs, timeout=300)
     for key, *_ in CASES:
         ckpt = str(tmp_path / key)
         assert is_torch_dist_checkpoint(ckpt)
