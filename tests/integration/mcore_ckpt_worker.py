@@ -2,6 +2,9 @@
 
     python tests/integration/mcore_ckpt_worker.py save CKPT_DIR OUT.pt   # init (seed 7), 1 step, save, snapshot, 1 step
     python tests/integration/mcore_ckpt_worker.py load CKPT_DIR OUT.pt   # init (seed 99), load, snapshot, 1 step
+    python tests/integration/mcore_ckpt_worker.py load A A.pt save B B.pt  # several calls, in order, one interpreter
+
+Each call forks its own ranks (a fresh process group and model); calls in one interpreter share only its imports.
 
 Layout: MoE at TP2 + SP x EP2 (ETP1) on 2 forked gloo ranks (dense, TP-sharded and expert-sharded tensors,
 Adam state of both optimizers). OUT.pt (rank 0): megatron-core version, the HF state dict and log-probs of a
@@ -41,8 +44,10 @@ def _rank(rank, world, mode, ckpt_dir):
 
 
 if __name__ == "__main__":
-    mode, ckpt, out = sys.argv[1:4]
-    if mode not in ("save", "load"):
-        raise SystemExit(f"mcore_ckpt_worker: mode must be save or load, got {mode!r}")
-    results = run_ranks(_rank, 2, mode, ckpt, timeout=240)
-    torch.save(results[0], out)
+    calls = sys.argv[1:]
+    if not calls or len(calls) % 3 or any(mode not in ("save", "load") for mode in calls[::3]):
+        raise SystemExit(f"mcore_ckpt_worker: expected (save|load) CKPT_DIR OUT.pt, repeated; got {calls}")
+    for i in range(0, len(calls), 3):
+        mode, ckpt, out = calls[i:i + 3]
+        results = run_ranks(_rank, 2, mode, ckpt, timeout=240)
+        torch.save(results[0], out)

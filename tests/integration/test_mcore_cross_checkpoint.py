@@ -5,6 +5,9 @@ step from seed 7 and saves (model + both Adam optimizers, MoE at TP2 + SP x EP2,
 seed 99 and loads. Checked: the loaded weights equal the saved ones bit for bit, the log-probs of a fixed batch
 are equal, and one more train step (which reads Adam's state) gives the same weights on both sides.
 
+Three interpreters serve both directions (the module's ``crossed`` fixture): 0.16 saves A; 0.19 loads A, then
+saves B (fresh ranks and model for each); 0.16 loads B.
+
 The venvs: ``$MEGATRON_RL_VENV`` (default .venv, megatron-core 0.16.x) and ``$MEGATRON_RL_VENV_NEWEST`` (default
 .venv-mcore019, 0.19.x), both made by ``tools/run_tests.sh`` before its first leg; without both the test skips
 (``bash tools/setup_env.sh --dev --mcore 0.19.2`` makes the second).
@@ -31,20 +34,32 @@ def _python(minor):
     return py
 
 
-def _run(py, mode, ckpt, out):
+def _run(py, *calls):
+    """One interpreter of ``py`` running the worker's ``(mode, ckpt, out)`` calls in order; their outputs."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1")
     env.pop("PYTHONPATH", None)
-    r = subprocess.run([py, os.path.join(ROOT, "tests", "integration", "mcore_ckpt_worker.py"), mode, str(ckpt), str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
-    assert r.returncode == 0, f"{py} {mode}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return torch.load(out, weights_only=False)
+    args = [str(a) for call in calls for a in call]
+    r = subprocess.run([py, os.path.join(ROOT, "tests", "integration", "mcore_ckpt_worker.py"), *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=500 * len(calls))
+    assert r.returncode == 0, f"{py} {args}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return [torch.load(out, weights_only=False) for _, _, out in calls]
+
+
+@pytest.fixture(scope="module")
+def crossed(tmp_path_factory):
+    """{(writer, reader): (saved, loaded)} for both directions, from three worker interpreters."""
+    old, new = _python("0.16"), _python("0.19")
+    d = tmp_path_factory.mktemp("cross")
+    a, b = d / "ckpt_016", d / "ckpt_019"
+    [saved_a] = _run(old, ("save", a, d / "saved_016.pt"))
+    loaded_a, saved_b = _run(new, ("load", a, d / "loaded_019.pt"), ("save", b, d / "saved_019.pt"))
+    [loaded_b] = _run(old, ("load", b, d / "loaded_016.pt"))
+    return {("0.16", "0.19"): (saved_a, loaded_a), ("0.19", "0.16"): (saved_b, loaded_b)}
 
 
 @pytest.mark.parametrize("writer,reader", [("0.16", "0.19"), ("0.19", "0.16")], ids=["016-to-019", "019-to-016"])
-def test_checkpoint_written_by_one_release_loads_in_the_other(tmp_path, writer, reader):
-    wpy, rpy = _python(writer), _python(reader)
-    saved = _run(wpy, "save", tmp_path / "ckpt", tmp_path / "saved.pt")
-    loaded = _run(rpy, "load", tmp_path / "ckpt", tmp_path / "loaded.pt")
+def test_checkpoint_written_by_one_release_loads_in_the_other(crossed, writer, reader):
+    saved, loaded = crossed[(writer, reader)]
     assert saved["mcore"].startswith(writer + ".") and loaded["mcore"].startswith(reader + "."), \
         (saved["mcore"], loaded["mcore"])
     assert loaded["extra"] == {"written_by": saved["mcore"]}
