@@ -5,8 +5,9 @@ step from seed 7 and saves (model + both Adam optimizers, MoE at TP2 + SP x EP2,
 seed 99 and loads. Checked: the loaded weights equal the saved ones bit for bit, the log-probs of a fixed batch
 are equal, and one more train step (which reads Adam's state) gives the same weights on both sides.
 
-Three interpreters serve both directions (the module's ``crossed`` fixture): 0.16 saves A; 0.19 loads A, then
-saves B (fresh ranks and model for each); 0.16 loads B.
+Three worker calls serve both directions (the module's ``crossed`` fixture): 0.16 saves A; 0.19 loads A, then
+saves B (fresh ranks and model for each); 0.16 loads B. A side whose venv is the one running pytest forks its ranks
+from this process (the worker's ``_rank``, megatron already imported) instead of starting that venv's python.
 
 The venvs: ``$MEGATRON_RL_VENV`` (default .venv, megatron-core 0.16.x) and ``$MEGATRON_RL_VENV_NEWEST`` (default
 .venv-mcore019, 0.19.x), both made by ``tools/run_tests.sh`` before its first leg; without both the test skips
@@ -16,6 +17,7 @@ Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_mcore_cross_checkpoint.py
 """
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,7 +37,13 @@ def _python(minor):
 
 
 def _run(py, *calls):
-    """One interpreter of ``py`` running the worker's ``(mode, ckpt, out)`` calls in order; their outputs."""
+    """The worker's ``(mode, ckpt, out)`` calls in order, by ``py``; their outputs (rank 0's results)."""
+    if os.path.realpath(sys.prefix) == os.path.realpath(os.path.dirname(os.path.dirname(py))):
+        from mcore_ckpt_worker import _rank  # this venv's side: ranks forked from this process
+
+        from megatron_rl.testing.distributed import run_ranks
+
+        return [run_ranks(_rank, 2, mode, str(ckpt), timeout=240)[0] for mode, ckpt, _ in calls]
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1")
     env.pop("PYTHONPATH", None)
     args = [str(a) for call in calls for a in call]
