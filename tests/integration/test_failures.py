@@ -10,6 +10,9 @@ sync, a rank stuck in a step) and asserts:
 * the last COMPLETE checkpoint is intact, no partial checkpoint is marked COMPLETE, and ``--resume``
   continues from the last COMPLETE one (resumed once: past the partial checkpoint a disk error left).
 
+The resumed job is the loss test's job: it continues the disk-error run (writing step 2's checkpoint anew, COMPLETE)
+and the loss raises in its next step -- one job serves both claims instead of a resume that only finishes.
+
 The SIGTERM tests use one process (no torchrun, which would SIGKILL a stuck rank itself after 30 s) whose
 checkpoint writer hangs in a queue-like wait, exactly as the quickstart hung without psutil: the second
 signal, or ``trainer.stop_timeout_s`` after the first, must end it.
@@ -99,15 +102,16 @@ def _assert_failed_fast(rc, out, end):
     assert end - _fault_time(out) < BOUND_S, f"job took {end - _fault_time(out):.0f} s to end:\n{out[-4000:]}"
 
 
-def _assert_resume_continues(tmp_path, model_dir, last_complete):
-    rc, out, _ = _torchrun(tmp_path, model_dir, resume=True)
-    assert rc == 0, out[-4000:]
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / f'step_{last_complete}'}" in out
-    assert _complete(tmp_path / "run")[-1] == 3
+@pytest.fixture(scope="module")
+def write_error_run(tmp_path_factory, model_dir):
+    """The job whose rank 1 fails to write its step-2 checkpoint: (its directory, returncode, output, end time).
+    The loss test resumes it."""
+    tmp_path = tmp_path_factory.mktemp("write_error")
+    return (tmp_path, *_torchrun(tmp_path, model_dir, fault="ckpt_write_error:1:2"))
 
 
-def test_checkpoint_write_error_on_one_rank_fails_every_rank(tmp_path, model_dir):
-    rc, out, end = _torchrun(tmp_path, model_dir, fault="ckpt_write_error:1:2")
+def test_checkpoint_write_error_on_one_rank_fails_every_rank(write_error_run):
+    tmp_path, rc, out, end = write_error_run
     _assert_failed_fast(rc, out, end)
     # every rank raises, and every rank's error names the failing rank and the cause
     errors = [line for line in out.splitlines()
@@ -116,7 +120,6 @@ def test_checkpoint_write_error_on_one_rank_fails_every_rank(tmp_path, model_dir
     assert all("rank 1: writing" in line and "No space left on device" in line for line in errors), errors
     assert _complete(tmp_path / "run") == [1]                      # step_2 exists but is not COMPLETE
     assert (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
-    _assert_resume_continues(tmp_path, model_dir, 1)
 
 
 def test_checkpoint_writer_hang_ends_at_checkpoint_timeout(tmp_path, model_dir):
@@ -136,12 +139,18 @@ def test_rank_killed_mid_step_ends_the_job(tmp_path, model_dir):
     assert _complete(tmp_path / "run") == [1]   # (resume past a failed step: the write-error test above)
 
 
-def test_loss_raising_on_one_rank_ends_the_job(tmp_path, model_dir):
-    rc, out, end = _torchrun(tmp_path, model_dir, fault="loss_raise:1:3")
+def test_resume_past_a_partial_checkpoint_then_loss_raising_on_one_rank_ends_the_job(write_error_run, model_dir):
+    tmp_path = write_error_run[0]
+    run = tmp_path / "run"
+    assert _complete(run) == [1] and (run / "checkpoints" / "step_2").is_dir()   # the disk-error test's state
+    # the resumed job trains step 2 (its first train step), checkpoints it, and the loss raises in step 3 (its second)
+    rc, out, end = _torchrun(tmp_path, model_dir, fault="loss_raise:1:2", resume=True)
+    assert f"resumed from {run / 'checkpoints' / 'step_1'}" in out, out[-4000:]
     _assert_failed_fast(rc, out, end)
     assert "policy loss failed (injected by tests/integration/faults)" in out
     assert re.search(r"\[default1\].*RuntimeError: policy loss failed", out), out[-4000:]
-    assert _complete(tmp_path / "run") == [1, 2]
+    assert _complete(run) == [1, 2]          # the partial step_2 was written anew, COMPLETE
+    assert _steps(run) == [1, 2]             # the history continues from step 1; step 3 never finished
 
 
 def test_weight_sync_failure_is_raised_on_every_rank(tmp_path, model_dir):
