@@ -1,6 +1,8 @@
 """launch/sglang_server.sh for real: the CPU development mode serves a tiny offline model, answers /health and
 /generate with log-probs, and SIGTERM to the script's pid (the server, via exec) stops the server and its
-scheduler / detokenizer children.
+scheduler / detokenizer children. Those children are forked from the server after it imported sglang
+(``megatron_rl/platform/sglang_cpu/sitecustomize.py``): by the time the server is ready they used less CPU
+together than the server itself (spawned, each imports sglang again: ~2x the server's).
 
 Skipped (with the reason) when sglang is not importable by $MEGATRON_RL_SGLANG_PYTHON (or this interpreter);
 start-up takes 20-90 s on 2 shared cores.
@@ -34,6 +36,13 @@ def _children(pid):
     return [int(x) for x in out.split()]
 
 
+def _cpu_s(pid):
+    """User + system CPU seconds of ``pid`` so far (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -55,14 +64,17 @@ def test_cpu_server_via_launch_script(tmp_path, dense_model):
         assert b"sglang.launch_server" in cmdline and b"--device" in cmdline
         env_of_server = dict(kv.split(b"=", 1) for kv in open(f"/proc/{p.pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
         assert env_of_server[b"SGLANG_USE_CPU_ENGINE"] == b"1"
+        children = _children(p.pid)
+        assert children, "expected scheduler / detokenizer child processes"
+        server_cpu, children_cpu = _cpu_s(p.pid), sum(map(_cpu_s, children))
+        assert children_cpu < server_cpu, (f"the scheduler / detokenizer used {children_cpu:.1f} CPU-s by start-up, "
+                                           f"the server {server_cpu:.1f}: were they spawned (sglang imported again)?")
         r = requests.post(url + "/generate", json={"input_ids": [5, 6, 7], "return_logprob": True,
                                                     "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}},
                           timeout=120)
         assert r.status_code == 200, r.text
         lps = r.json()["meta_info"]["output_token_logprobs"]
         assert len(lps) == 3 and all(lp[0] <= 0.0 for lp in lps)
-        children = _children(p.pid)
-        assert children, "expected scheduler / detokenizer child processes"
     finally:
         p.send_signal(signal.SIGTERM)
         try:

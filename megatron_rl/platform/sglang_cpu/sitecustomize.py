@@ -1,8 +1,10 @@
-"""CPU server start-up hook: lets ``--enable-return-routed-experts`` allocate its host buffer on CPU.
+"""CPU server start-up hooks: ``--enable-return-routed-experts`` allocates its host buffer on CPU, and the
+server forks its scheduler / detokenizer processes instead of spawning them.
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``; this directory is on ``PYTHONPATH`` only for
-the CPU SGLang server subprocess (and the scheduler / detokenizer processes it spawns), so this file runs
-nowhere else. It changes no computation: it only registers how a host (CPU) buffer is allocated.
+the CPU SGLang server subprocess (and the scheduler / detokenizer processes it starts), so this file runs
+nowhere else. It changes no computation: it registers how a host (CPU) buffer is allocated and how the
+server's child processes are started.
 
 Why (sglang 0.5.23): ``RoutedExpertsCapturer`` keeps the captured expert ids in a ``[tokens, layers, topk]``
 int32 host buffer allocated through ``ALLOC_MEMORY_FUNCS[device]`` with ``pin_memory=True``
@@ -12,12 +14,22 @@ torch the server dies at start-up with "Torch not compiled with CUDA enabled". O
 lives in host memory, so the CPU entry allocates it with the given allocator and skips the registration
 (pinning page-locks memory for GPU copies; there is no GPU). The captured ids themselves are written by
 sglang's own ``capture_routed_experts_if_allowed`` in its own top-k code, untouched.
+
+Why fork (sglang 0.5.23): ``_set_envs_and_config`` (``srt/entrypoints/engine.py``) sets the ``spawn`` start
+method, so each scheduler and the detokenizer starts a fresh interpreter that imports sglang (torch,
+transformers, every layer) again: on 2 busy cores ~15-20 CPU-s per process, two thirds of a tiny model's
+start-up. Spawn is needed where CUDA was initialised in the parent; a CPU server has no CUDA, so its children
+are forked from the main process after it has imported sglang (the same code, the same arguments, run by the
+same functions; each child seeds itself from ``--random-seed`` as before).
 """
 import importlib.abc
+import multiprocessing
 import sys
 
 #: The sglang module whose ``ALLOC_MEMORY_FUNCS`` gets a ``"cpu"`` entry.
 _TARGET = "sglang.srt.mem_cache.pool_host.common"
+#: The sglang module whose ``_set_envs_and_config`` sets the ``spawn`` start method.
+_ENGINE = "sglang.srt.entrypoints.engine"
 
 
 def _alloc_cpu_host(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
@@ -29,8 +41,28 @@ def _alloc_cpu_host(dims, dtype, device, pin_memory, allocator, registration_gra
     return allocator.allocate(dims, dtype=dtype, device=device)
 
 
+def _add_cpu_alloc(module):
+    module.ALLOC_MEMORY_FUNCS.setdefault("cpu", _alloc_cpu_host)
+
+
+def _fork_children(module):
+    """After sglang's own ``_set_envs_and_config`` (which forces ``spawn``), the start method is ``fork``."""
+    set_envs_and_config = module._set_envs_and_config
+
+    def _set_envs_and_config_then_fork(*args, **kwargs):
+        out = set_envs_and_config(*args, **kwargs)
+        multiprocessing.set_start_method("fork", force=True)
+        return out
+
+    module._set_envs_and_config = _set_envs_and_config_then_fork
+
+
+#: what runs after each patched module is loaded
+_AFTER_LOAD = {_TARGET: _add_cpu_alloc, _ENGINE: _fork_children}
+
+
 class _Loader(importlib.abc.Loader):
-    """Runs the real loader, then adds the ``"cpu"`` allocation entry."""
+    """Runs the real loader, then the module's hook (``_AFTER_LOAD``)."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -40,14 +72,14 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        module.ALLOC_MEMORY_FUNCS.setdefault("cpu", _alloc_cpu_host)
+        _AFTER_LOAD[module.__name__](module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of ``_TARGET`` only (the spec comes from the other finders)."""
+    """Wraps the loader of the modules of ``_AFTER_LOAD`` only (the spec comes from the other finders)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _TARGET:
+        if fullname not in _AFTER_LOAD:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
