@@ -50,7 +50,7 @@ from megatron_rl.rollout.base import (
     validate_prompts,
 )
 from megatron_rl.rollout.embedded_sampling import (
-    exponential_noise,
+    NoiseBlocks,
     row_seed,
     sample_next_tokens,
     sampled_logprobs,
@@ -316,60 +316,56 @@ class EmbeddedEngine(RolloutEngine):
 
     def _generate_rows_inner(self, rows, sampling: SamplingParams, version: str,
                              cap: RouterCapture | None) -> list[Rollout]:
-        B = len(rows)
-        L = max(len(p) for _, p, _ in rows)
-        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for r, (_, p, _) in enumerate(rows):
-            input_ids[r, L - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[r, L - len(p):] = 1
+        B, T = len(rows), sampling.max_new_tokens
+        # one prefill per distinct prompt (the n samples of a prompt share it, as a prefix cache would share
+        # it), its KV cache and last logits then copied to every row of that prompt
+        distinct: dict[tuple[int, ...], int] = {}
+        of_row = [distinct.setdefault(tuple(p), len(distinct)) for _, p, _ in rows]
+        input_ids, mask = left_padded(list(distinct), self.pad_token_id)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        L = input_ids.shape[1]
         greedy = sampling.temperature == 0
-        gens = None if greedy else [torch.Generator().manual_seed(s) for _, _, s in rows]
         stop_t = torch.tensor(sorted(stop_ids(sampling, self.eos_token_ids)), dtype=torch.long)
-
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        logps: list[list[float]] = [[] for _ in range(B)]
-        reasons: list[str | None] = [None] * B
-        matched: list[int | None] = [None] * B
-        done = torch.zeros(B, dtype=torch.bool)
 
         # logits_to_keep=1: only the last position's logits (a [B, L, V] prefill tensor would not fit for real vocabularies)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
         cache = out.past_key_values
         logits = out.logits[:, -1, :]
-        last_pos = positions[:, -1]
         routed: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        if cap is not None:  # prefill: [B * L, layers, k], left padding -> the prompt is the last len(p)
+        if cap is not None:  # prefill: [prompts * L, layers, k], left padding -> the prompt is the last len(p)
             pre = cap.take()
-            pre = pre.reshape(B, L, pre.shape[-2], pre.shape[-1])
+            pre = pre.reshape(len(distinct), L, pre.shape[-2], pre.shape[-1])
             for r, (_, p, _) in enumerate(rows):
-                routed[r].append(pre[r, L - len(p):])
-        for step in range(sampling.max_new_tokens):
+                routed[r].append(pre[of_row[r], L - len(p):])
+        if len(distinct) < B:
+            index = torch.tensor(of_row, dtype=torch.long)
+            logits, mask, positions = logits[index], mask[index], positions[index]
+            cache = select_cache_rows(cache, index)
+        last_pos = positions[:, -1]
+        noise = None if greedy else NoiseBlocks([s for _, _, s in rows], logits.shape[-1], T)
+
+        tokens = torch.zeros((B, T), dtype=torch.long)
+        logps = torch.zeros((B, T), dtype=torch.float32)
+        length = torch.full((B,), T, dtype=torch.long)  # response length of each row (T: not stopped)
+        stopped = torch.zeros(B, dtype=torch.bool)
+        done = torch.zeros(B, dtype=torch.bool)
+        for step in range(T):
             if not torch.isfinite(logits[~done].float()).all():
                 bad = [r for r in range(B) if not done[r] and not torch.isfinite(logits[r].float()).all()]
                 raise RolloutError(f"EmbeddedEngine: non-finite logits at generation step {step} for rows "
                                    f"{bad[:8]} (prompt indices {[rows[r][0] for r in bad[:8]]}); "
                                    f"weight version {version!r}")
-            noise = None if greedy else exponential_noise(gens, logits.shape[-1])
-            nxt = sample_next_tokens(logits, sampling.temperature, sampling.top_k, sampling.top_p, noise)
-            lp = sampled_logprobs(logits, nxt, sampling.temperature)
-            is_stop = torch.isin(nxt, stop_t) if len(stop_t) else torch.zeros(B, dtype=torch.bool)
-            # one host copy per step (per-element tensor indexing costs microseconds per row and token)
-            nxt_l, lp_l, stop_l, done_l = nxt.tolist(), lp.tolist(), is_stop.tolist(), done.tolist()
-            for r in range(B):
-                if done_l[r]:
-                    continue
-                tokens[r].append(nxt_l[r])
-                logps[r].append(lp_l[r])
-                if stop_l[r]:  # a stop token ends the response, also when it is the last allowed one
-                    reasons[r] = "stop"
-                    matched[r] = nxt_l[r]
-                elif len(tokens[r]) >= sampling.max_new_tokens:
-                    reasons[r] = "length"
-            done |= torch.tensor([x is not None for x in reasons])
-            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+            nxt = sample_next_tokens(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                     None if greedy else noise.step(step))
+            tokens[:, step] = nxt
+            logps[:, step] = sampled_logprobs(logits, nxt, sampling.temperature)
+            # a stop token ends the response, also when it is the last allowed one
+            new_stop = torch.isin(nxt, stop_t) & ~done if len(stop_t) else torch.zeros(B, dtype=torch.bool)
+            length[new_stop] = step + 1
+            stopped |= new_stop
+            done |= new_stop
+            if bool(done.all()) or step == T - 1:
                 break
             feed = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt).unsqueeze(-1)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
@@ -384,11 +380,35 @@ class EmbeddedEngine(RolloutEngine):
             cache = out.past_key_values
             logits = out.logits[:, -1, :]
 
+        # one host copy of each tensor (per-element tensor indexing costs microseconds per row and token)
+        tok_l, lp_l, len_l, stop_l = tokens.tolist(), logps.tolist(), length.tolist(), stopped.tolist()
         result = []
         for r, (i, p, _) in enumerate(rows):
-            info = {"matched_stop": matched[r]} if matched[r] is not None else {}
-            result.append(Rollout(prompt_index=i, prompt_ids=list(p), response_ids=tokens[r],
-                                  rollout_log_probs=logps[r], finish_reason=reasons[r] or "length",
+            n_r = len_l[r]
+            info = {"matched_stop": tok_l[r][n_r - 1]} if stop_l[r] else {}
+            result.append(Rollout(prompt_index=i, prompt_ids=list(p), response_ids=tok_l[r][:n_r],
+                                  rollout_log_probs=lp_l[r][:n_r], finish_reason="stop" if stop_l[r] else "length",
                                   weight_version=version, source=self.source, info=info,
                                   routed_experts=torch.cat(routed[r]) if cap is not None else None))
         return result
+
+
+def left_padded(prompts, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[len(prompts), longest]`` of token-id sequences, left padded with
+    ``pad_id``."""
+    L = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        input_ids[r, L - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[r, L - len(p):] = 1
+    return input_ids, mask
+
+
+def select_cache_rows(cache, index: torch.Tensor):
+    """The KV cache of batch rows ``index`` (a row may repeat): an HF ``Cache`` is reordered in place
+    (``reorder_cache``), a legacy tuple of per-layer tensors is rebuilt."""
+    if hasattr(cache, "reorder_cache"):
+        cache.reorder_cache(index)
+        return cache
+    return tuple(tuple(t.index_select(0, index) for t in layer) for layer in cache)

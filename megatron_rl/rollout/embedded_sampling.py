@@ -9,6 +9,8 @@
   is renormalised for SAMPLING only; the returned log-prob is NOT renormalised (``sampled_logprobs``).
   Randomness comes from ``exp_noise`` (Exp(1) draws per row and vocabulary entry, exponential race), so a row's
   token depends only on its own logits and its own random stream — batch composition does not change it.
+* ``NoiseBlocks(seeds, vocab_size, steps)``: the same noise as ``exponential_noise`` per step, drawn several
+  steps per call (cheaper for small vocabularies).
 * ``row_seed(base_seed, prompt_ids, occurrence, sample_index)``: a deterministic 63-bit seed per rollout
   (blake2b of its identity), so a prompt's samples are the same whether it is generated alone or in a batch.
 
@@ -87,6 +89,34 @@ def sample_next_tokens(logits: torch.Tensor, temperature: float, top_k: int, top
 def exponential_noise(generators: Sequence[torch.Generator], vocab_size: int) -> torch.Tensor:
     """``[len(generators), vocab_size]`` Exp(1) draws, row ``r`` from ``generators[r]`` only."""
     return torch.stack([torch.empty(vocab_size).exponential_(generator=g) for g in generators])
+
+
+class NoiseBlocks:
+    """Per-step Exp(1) noise of a batch of rows, row ``r`` from its own generator seeded with ``seeds[r]``: the
+    draws of ``exponential_noise`` called once per step on those generators (a generator's draws form one stream,
+    so ``k`` steps drawn in one call per row equal ``k`` calls of one step), drawn ``k`` steps at a time --
+    one call per row per block instead of one per row per step -- with blocks of at most ``max_floats`` values.
+
+    ``step(t)`` (``t = 0, 1, ...`` in order, ``< steps``) returns a contiguous ``[len(seeds), vocab_size]``."""
+
+    def __init__(self, seeds: Sequence[int], vocab_size: int, steps: int, max_floats: int = 1 << 22):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.vocab_size, self.steps = int(vocab_size), int(steps)
+        self.block = max(1, min(self.steps, max_floats // max(1, len(self.generators) * self.vocab_size)))
+        self._start, self._buf = 0, None
+
+    def step(self, t: int) -> torch.Tensor:
+        end = self._start + (0 if self._buf is None else self._buf.shape[0])
+        if not self._start <= t < end:
+            if t != end or t >= self.steps:
+                raise ValueError(f"NoiseBlocks.step({t}): steps must come in order 0..{self.steps - 1} "
+                                 f"(next: {end})")
+            k = min(self.block, self.steps - t)
+            raw = torch.empty(len(self.generators), k, self.vocab_size)
+            for r, g in enumerate(self.generators):
+                raw[r].exponential_(generator=g)
+            self._start, self._buf = t, raw.transpose(0, 1).contiguous()
+        return self._buf[t - self._start]
 
 
 def row_seed(base_seed: int, prompt_ids: Sequence[int], occurrence: int, sample_index: int) -> int:

@@ -217,6 +217,10 @@ class DigitTask(Task):
         self.curriculum_steps = curriculum_steps
         self._step = None  # set by begin_step; None: no curriculum cap (e.g. sampling outside the loop)
         self._length_rewards: Dict[int, float] = {}  # mean reward per operand length of the last scored batch
+        # what the tokenizer made of each prompt text / response seen (pure functions of the input): a step
+        # draws the same strings and responses again and again (the n samples of a prompt often agree)
+        self._prompt_ids: Dict[str, tuple] = {}
+        self._texts: Dict[tuple, tuple] = {}
         probe = f"{task}:0123456789+="
         ids = tokenizer.encode(probe, add_special_tokens=False)
         unk = getattr(tokenizer, "unk_token_id", None)
@@ -309,8 +313,10 @@ class DigitTask(Task):
     def make_prompt(self, operands: str) -> Prompt:
         """The ``Prompt`` for an explicit operand string (``"123"``, or ``"12+3"`` for add)."""
         text = f"{self.name}:{operands}="
-        return Prompt(prompt_ids=list(self.tokenizer.encode(text, add_special_tokens=False)),
-                      answer=digit_answer(self.name, operands), text=text)
+        ids = self._prompt_ids.get(text)
+        if ids is None:
+            ids = _remember(self._prompt_ids, text, tuple(self.tokenizer.encode(text, add_special_tokens=False)))
+        return Prompt(prompt_ids=list(ids), answer=digit_answer(self.name, operands), text=text)
 
     def sample(self, n: int, rng: random.Random) -> list[Prompt]:
         """``n`` random prompts drawn with ``rng``."""
@@ -321,8 +327,12 @@ class DigitTask(Task):
         """``Task.score``; also keeps the batch's mean reward per operand length for ``stats``."""
         result = super().score(prompts, responses)
         by_len: Dict[int, list] = {}
+        digits: Dict[str, int] = {}
         for p, r in zip(prompts, result.rewards):
-            by_len.setdefault(self.operand_digits(p), []).append(r)
+            k = digits.get(p.text)
+            if k is None:
+                k = digits[p.text] = self.operand_digits(p)
+            by_len.setdefault(k, []).append(r)
         self._length_rewards = {k: sum(v) / len(v) for k, v in by_len.items()}
         return result
 
@@ -333,6 +343,22 @@ class DigitTask(Task):
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """Exact match 1.0; else partial credit (see module docstring)."""
-        text, terminated = response_text(self.tokenizer, response_ids, skip_special_tokens=False)
+        key = tuple(int(t) for t in response_ids)
+        decoded = self._texts.get(key)
+        if decoded is None:
+            decoded = _remember(self._texts, key, response_text(self.tokenizer, key, skip_special_tokens=False))
+        text, terminated = decoded
         return score_text(text, terminated, str(prompt.answer), self.partial_credit, self.eos_credit,
                           self.prefix_credit)
+
+
+#: Entries a task keeps of each tokenizer memo (``DigitTask``); a full memo is emptied and refilled.
+MEMO_ENTRIES = 1 << 16
+
+
+def _remember(memo: Dict, key, value):
+    """``memo[key] = value`` (``memo`` emptied first when it holds ``MEMO_ENTRIES``); returns ``value``."""
+    if len(memo) >= MEMO_ENTRIES:
+        memo.clear()
+    memo[key] = value
+    return value
