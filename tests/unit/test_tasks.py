@@ -110,6 +110,28 @@ def test_digit_reward_exact_and_partial(tok):
             assert (r(s, eos) == 1.0) == (s == "321" and eos)
 
 
+def test_digit_task_memo_gives_what_the_tokenizer_gives(tok, monkeypatch):
+    """The task remembers prompt encodings and response decodings (a step repeats them): every score and
+    prompt equals the tokenizer's own answer, also with the memo full and refilled."""
+    import megatron_rl.tasks.synthetic as synthetic
+    from megatron_rl.tasks.base import response_text
+
+    monkeypatch.setattr(synthetic, "MEMO_ENTRIES", 3)
+    task = DigitTask("copy", tok, prefix_credit=True)
+    rng = random.Random(0)
+    prompts = [task.make_prompt(s) for s in ("7", "45", "7", "123", "45", "908")]
+    assert [p.prompt_ids for p in prompts] == [tok.encode(p.text, add_special_tokens=False) for p in prompts]
+    responses = [ids_of(tok, s, eos=rng.random() < 0.7) for s in ("7", "4", "7", "124", "45", "45", "7", "9")]
+    rows = [(p, r) for p in prompts for r in responses] * 2  # every response again, the memo warm
+    got = task.score([p for p, _ in rows], [r for _, r in rows]).rewards
+    want = []
+    for p, r in rows:
+        text, terminated = response_text(tok, r, skip_special_tokens=False)
+        want.append(synthetic.score_text(text, terminated, p.answer, True, True, True))
+    assert got == want
+    assert len(task._texts) <= 3 and len(task._prompt_ids) <= 3
+
+
 def test_digit_task_with_bpe_tokenizer(tmp_path):
     """The digit tasks work with any tokenizer that encodes the prompt alphabet (here the byte-level BPE)."""
     from megatron_rl.testing.tiny_hf import build_tiny_tokenizer
