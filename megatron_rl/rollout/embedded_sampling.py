@@ -96,13 +96,15 @@ class NoiseBlocks:
     draws of ``exponential_noise`` called once per step on those generators (a generator's draws form one stream,
     so ``k`` steps drawn in one call per row equal ``k`` calls of one step), drawn ``k`` steps at a time --
     one call per row per block instead of one per row per step -- with blocks of at most ``max_floats`` values.
+    When one block holds every step, one generator is re-seeded row after row (no generator per row).
 
     ``step(t)`` (``t = 0, 1, ...`` in order, ``< steps``) returns a contiguous ``[len(seeds), vocab_size]``."""
 
     def __init__(self, seeds: Sequence[int], vocab_size: int, steps: int, max_floats: int = 1 << 22):
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.seeds = [int(s) for s in seeds]
         self.vocab_size, self.steps = int(vocab_size), int(steps)
-        self.block = max(1, min(self.steps, max_floats // max(1, len(self.generators) * self.vocab_size)))
+        self.block = max(1, min(self.steps, max_floats // max(1, len(self.seeds) * self.vocab_size)))
+        self.generators = None  # per-row generators, when the steps take several blocks
         self._start, self._buf = 0, None
 
     def step(self, t: int) -> torch.Tensor:
@@ -112,9 +114,16 @@ class NoiseBlocks:
                 raise ValueError(f"NoiseBlocks.step({t}): steps must come in order 0..{self.steps - 1} "
                                  f"(next: {end})")
             k = min(self.block, self.steps - t)
-            raw = torch.empty(len(self.generators), k, self.vocab_size)
-            for r, g in enumerate(self.generators):
-                raw[r].exponential_(generator=g)
+            raw = torch.empty(len(self.seeds), k, self.vocab_size)
+            if k == self.steps:  # every step in this one block: each row's stream is needed once
+                g = torch.Generator()
+                for row, s in zip(raw.unbind(0), self.seeds):
+                    row.exponential_(generator=g.manual_seed(s))
+            else:
+                if self.generators is None:
+                    self.generators = [torch.Generator().manual_seed(s) for s in self.seeds]
+                for row, g in zip(raw.unbind(0), self.generators):
+                    row.exponential_(generator=g)
             self._start, self._buf = t, raw.transpose(0, 1).contiguous()
         return self._buf[t - self._start]
 

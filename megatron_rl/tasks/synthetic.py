@@ -217,10 +217,10 @@ class DigitTask(Task):
         self.curriculum_steps = curriculum_steps
         self._step = None  # set by begin_step; None: no curriculum cap (e.g. sampling outside the loop)
         self._length_rewards: Dict[int, float] = {}  # mean reward per operand length of the last scored batch
-        # what the tokenizer made of each prompt text / response seen (pure functions of the input): a step
-        # draws the same strings and responses again and again (the n samples of a prompt often agree)
+        # the encoding of each prompt text and the reward of each (answer, response ids) seen -- pure functions
+        # of them: a step draws the same strings and responses again and again (a prompt's n samples often agree)
         self._prompt_ids: Dict[str, tuple] = {}
-        self._texts: Dict[tuple, tuple] = {}
+        self._rewards: Dict[tuple, float] = {}
         probe = f"{task}:0123456789+="
         ids = tokenizer.encode(probe, add_special_tokens=False)
         unk = getattr(tokenizer, "unk_token_id", None)
@@ -343,13 +343,14 @@ class DigitTask(Task):
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """Exact match 1.0; else partial credit (see module docstring)."""
-        key = tuple(int(t) for t in response_ids)
-        decoded = self._texts.get(key)
-        if decoded is None:
-            decoded = _remember(self._texts, key, response_text(self.tokenizer, key, skip_special_tokens=False))
-        text, terminated = decoded
-        return score_text(text, terminated, str(prompt.answer), self.partial_credit, self.eos_credit,
-                          self.prefix_credit)
+        answer = str(prompt.answer)
+        key = (answer, *(int(t) for t in response_ids))
+        got = self._rewards.get(key)
+        if got is None:
+            text, terminated = response_text(self.tokenizer, key[1:], skip_special_tokens=False)
+            got = _remember(self._rewards, key, score_text(text, terminated, answer, self.partial_credit,
+                                                           self.eos_credit, self.prefix_credit))
+        return got
 
 
 #: Entries a task keeps of each tokenizer memo (``DigitTask``); a full memo is emptied and refilled.

@@ -111,8 +111,9 @@ def test_digit_reward_exact_and_partial(tok):
 
 
 def test_digit_task_memo_gives_what_the_tokenizer_gives(tok, monkeypatch):
-    """The task remembers prompt encodings and response decodings (a step repeats them): every score and
-    prompt equals the tokenizer's own answer, also with the memo full and refilled."""
+    """The task remembers prompt encodings and the reward of each (answer, response) (a step repeats them):
+    every prompt and score equals what the tokenizer and ``score_text`` give, also with the memo full and
+    refilled."""
     import megatron_rl.tasks.synthetic as synthetic
     from megatron_rl.tasks.base import response_text
 
@@ -129,7 +130,7 @@ def test_digit_task_memo_gives_what_the_tokenizer_gives(tok, monkeypatch):
         text, terminated = response_text(tok, r, skip_special_tokens=False)
         want.append(synthetic.score_text(text, terminated, p.answer, True, True, True))
     assert got == want
-    assert len(task._texts) <= 3 and len(task._prompt_ids) <= 3
+    assert len(task._rewards) <= 3 and len(task._prompt_ids) <= 3
 
 
 def test_digit_task_with_bpe_tokenizer(tmp_path):
