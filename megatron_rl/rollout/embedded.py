@@ -3,11 +3,12 @@ embedded default, no server.
 
 * Generation runs in ``dtype`` (bfloat16 by default, while the trainer runs fp32: a real rollout/training
   mismatch, which the rollout correction repairs). All prompts x ``n`` samples form one batch: left padding,
-  an attention mask and explicit position ids; one prefill forward, then one cached decode step per token
-  (``use_cache=True``, ``past_key_values``); a row stops at EOS or a stop id (neither with ``ignore_eos``, as
-  SGLang), or at ``max_new_tokens``. A stop token that is also the last allowed token wins:
-  ``finish_reason == "stop"`` (``megatron_rl.rollout.finish``; async interrupt mode continues "length" rows,
-  never past an EOS).
+  an attention mask and explicit position ids; one prefill forward over the distinct prompts (a prompt's ``n``
+  samples share it, as a prefix cache would: its KV cache and last logits are copied to each of its rows), then
+  one cached decode step per token for every row (``use_cache=True``, ``past_key_values``); a row stops at EOS
+  or a stop id (neither with ``ignore_eos``, as SGLang), or at ``max_new_tokens``. A stop token that is also
+  the last allowed token wins: ``finish_reason == "stop"`` (``megatron_rl.rollout.finish``; async interrupt
+  mode continues "length" rows, never past an EOS).
 * Log-probs have SGLang's semantics (``embedded_sampling``): ``log_softmax(logits / T)`` over the full
   vocabulary at the sampled token, computed in float32 from the engine-dtype logits; top-k / top-p truncate
   sampling only; ``T == 0`` is greedy and reports ``log_softmax(logits)``.
