@@ -322,14 +322,18 @@ def _read_tree(path: Optional[str]) -> Dict[str, Any]:
 
 def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
                        world_size: Union[int, str, None] = None,
-                       has_te: Optional[bool] = None) -> Tuple[JobConfig, List[str]]:
+                       has_te: Optional[bool] = None, cross_checks: bool = True) -> Tuple[JobConfig, List[str]]:
     """(config, every problem found) -- for tools that report problems and go on (``megatron-rl check``).
     Raises ConfigError only when the file itself cannot be read. ``world_size`` as in load_job_config, or
     "cluster": the ``cluster:`` section's nodes x gpus_per_node. ``has_te``: Transformer Engine on the cluster
-    (None: ``models.attention.expected_te``)."""
+    (None: ``models.attention.expected_te``). ``cross_checks=False``: each key's own type and value only, not
+    ``config.validate``'s checks across keys and against the world size (those import megatron-core: seconds of
+    start-up for a tool that reads a few keys)."""
     tree, errors = _apply_overrides(_read_tree(path), list(overrides))
     cfg, build_errors = build_job_config(tree)
     errors += build_errors
+    if not cross_checks:
+        return cfg, errors
     if world_size == "cluster":
         ws = cfg.cluster.world_size
     else:

@@ -36,7 +36,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(__doc__)
         return 0 if args else 2
     try:
-        cfg, _ = collect_job_config(args[0], args[1:], world_size=1)
+        # the two keys read here need no checks across keys (megatron-rl check runs those before any server)
+        cfg, _ = collect_job_config(args[0], args[1:], world_size=1, cross_checks=False)
     except ConfigError as exc:
         print(f"server_flags: {exc}", file=sys.stderr)
         return 2
