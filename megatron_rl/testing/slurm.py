@@ -4,7 +4,9 @@
 that is impossible, for ``pytest.skip``). ``SlurmCluster(workdir)`` writes its own ``slurm.conf`` (no munge:
 ``auth/none``, ``cred/none``; process tracking by process group; its own ports and spool directories under
 ``workdir``), starts both daemons in the foreground as children of this process and waits until the node is
-idle; ``stop()`` ends them by pid. Client commands find the cluster through ``env()`` (``SLURM_CONF``).
+idle; ``stop()`` ends them by pid. Client commands find the cluster through ``env()`` (``SLURM_CONF``). One
+cluster runs several jobs in turn: ``wait_job`` reaps the jobs' orphans that a subreaper test process inherits
+(``reap_orphans``), which would otherwise hold each job in COMPLETING for 60 s and then drain the node.
 
 Usage::
 
@@ -27,7 +29,7 @@ from typing import Optional, Sequence
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.rollout.sglang_server import find_free_port
 
-__all__ = ["ensure_slurm_installed", "SlurmCluster", "SlurmError"]
+__all__ = ["ensure_slurm_installed", "SlurmCluster", "SlurmError", "reap_orphans"]
 
 _DAEMONS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "srun", "sinfo")
 
@@ -52,6 +54,29 @@ def ensure_slurm_installed(timeout_s: float = 600.0) -> Optional[str]:
             return f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-500:]}"
     missing = [c for c in _DAEMONS if not shutil.which(c)]
     return f"slurm-wlm installed but {missing} are not on PATH" if missing else None
+
+
+def reap_orphans() -> None:
+    """Reap this process's zombie children that belong to another session: orphans of a job's processes,
+    re-parented to this process when it is a child subreaper (the test suite makes pytest one). ``slurmstepd``
+    waits until no process of the job's process group exists, a zombie included: left unreaped, one holds the job
+    in COMPLETING for Slurm's UnkillableStepTimeout (60 s) and then drains the node ("Kill task failed")."""
+    me, my_sid = os.getpid(), os.getsid(0)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        state, ppid, _pgrp, sid = stat[stat.rfind(")") + 2:].split()[:4]
+        # a child this process started is in its session, or leads its own (start_new_session)
+        if state == "Z" and int(ppid) == me and int(sid) not in (int(name), my_sid):
+            try:
+                os.waitpid(int(name), os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 class SlurmCluster:
@@ -137,7 +162,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverS
             state = (r.stdout.strip() or r.stderr.strip())
             if r.returncode == 0 and state.rstrip("*") == "idle":
                 return
-            time.sleep(1)
+            time.sleep(0.25)
         raise SlurmError(f"node {self.node} not idle after {self.start_timeout_s:.0f} s (sinfo: {state!r}); "
                          f"slurmctld: {self.log_tail('slurmctld')}\nslurmd: {self.log_tail('slurmd')}")
 
@@ -150,7 +175,13 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverS
         return text[-chars:]
 
     def sbatch(self, args: Sequence[str], cwd=None, env: Optional[dict] = None) -> int:
-        """Submit a batch job; returns its id."""
+        """Submit a batch job; returns its id. Refused (``SlurmError``) while the node is not usable (e.g.
+        drained by an earlier job): the job would wait for it forever."""
+        r = subprocess.run(["sinfo", "-h", "-N", "-o", "%T %E"], env=self.env(), capture_output=True, text=True,
+                           timeout=30)
+        state = r.stdout.strip() or r.stderr.strip()
+        if r.returncode != 0 or state.startswith(("drain", "down", "fail", "inval")):
+            raise SlurmError(f"node {self.node} is not usable (sinfo: {state!r}); slurmd: {self.log_tail('slurmd')}")
         r = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=self.env(env), capture_output=True,
                            text=True, timeout=60)
         if r.returncode != 0:
@@ -164,17 +195,19 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverS
         m = re.search(r"JobState=(\w+)", r.stdout)
         return m.group(1) if m else f"UNKNOWN ({r.stderr.strip()})"
 
-    def wait_job(self, job_id: int, timeout: float) -> str:
-        """Wait until the job leaves PENDING/RUNNING/COMPLETING; cancel it past ``timeout`` and raise."""
+    def wait_job(self, job_id: int, timeout: float, poll_s: float = 1.0) -> str:
+        """Wait until the job leaves PENDING/RUNNING/COMPLETING (``scontrol`` every ``poll_s`` s); cancel it past
+        ``timeout`` and raise."""
         deadline = time.monotonic() + timeout
         while True:
+            reap_orphans()
             state = self.job_state(job_id)
             if state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
                 return state
             if time.monotonic() >= deadline:
                 subprocess.run(["scancel", str(job_id)], env=self.env(), timeout=30)
                 raise SlurmError(f"job {job_id} still {state} after {timeout:.0f} s (cancelled)")
-            time.sleep(2)
+            time.sleep(poll_s)
 
     def stop(self) -> None:
         """Stop the daemons by pid (slurmd first): SIGTERM, then SIGKILL after 15 s."""
