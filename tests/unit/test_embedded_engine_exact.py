@@ -1,14 +1,15 @@
-"""EmbeddedEngine's shortcuts give exactly what the straightforward computation gives.
+"""EmbeddedEngine's shortcuts compute what the straightforward computation computes.
 
 The engine prefills each distinct prompt once and copies its KV cache and logits to the prompt's ``n`` rows, and
 draws each row's sampling noise several steps per call (``NoiseBlocks``). The reference here is the
 straightforward generation loop, written out below from the public pieces: every row padded and prefilled on
 its own, one ``exponential_noise`` draw per step on per-row generators, a row ending at a stop id or at
-``max_new_tokens``. Tokens, log-probs, finish reasons and matched stops must be equal bit for bit -- in bfloat16
-on a copy-task model (the quickstart's engine dtype and prompts) and in float32 on the tiny BPE Qwen2: row
-results of these small matrix products do not depend on how many rows the batch has, so sharing the prefill
-changes no number (measured: the quickstart's metrics over 40 steps are unchanged). Larger matrices may round
-a row differently in another batch shape -- as any change of batch composition may (test_embedded_engine.py).
+``max_new_tokens``. The models run in float64 here, so that a matrix product's rounding in one batch shape or
+another (which CPU kernels do not promise to keep: a row's result may depend on how many rows the batch has)
+cannot decide the outcome: tokens, finish reasons and matched stops must be equal, log-probs equal to 1e-6 (they
+are float32). A wrong cache row, noise row or stop bookkeeping changes tokens. In bfloat16 at the quickstart's
+sizes the engine's rollouts were also equal bit for bit on the development machine (the quickstart's metrics over
+40 steps unchanged) -- a property of that CPU's kernels, not asserted here.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/unit/test_embedded_engine_exact.py -q``
 """
@@ -76,23 +77,26 @@ def engine_rows(rollouts):
     return [(r.response_ids, r.rollout_log_probs, r.finish_reason, r.info.get("matched_stop")) for r in rollouts]
 
 
-@pytest.mark.parametrize("which", ["copy_bf16", "bpe_fp32"])
+@pytest.mark.parametrize("which", ["copy", "bpe"])
 def test_shared_prefill_equals_per_row_generation(which, copy_model, dense_model):
-    if which == "copy_bf16":
-        path, dtype = copy_model, "bfloat16"
+    if which == "copy":
+        path = copy_model
         # the quickstart's prompts: "copy:<digits>=" -- a prompt drawn twice, different lengths, 8 samples each
         prompts = [[17, 13, 4, 5, 6, 14], [17, 13, 10, 14], [17, 13, 4, 5, 6, 14], [17, 13, 7, 8, 14]]
         n, stop = 8, (1, 5)  # EOS and the digit 2: rows stop at different steps
     else:
-        path, dtype = dense_model, "float32"
+        path = dense_model
         prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], [40]]
         n, stop = 3, tuple(range(100, 228))  # about a third of the vocabulary stops a row
-    engine = EmbeddedEngine(path, dtype=dtype, seed=0)
+    engine = EmbeddedEngine(path, dtype="float32", seed=0)
+    engine.model.to(torch.float64)  # see the module docstring
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (0.0, 1.0)):
         sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=6, stop_token_ids=stop)
         got = engine_rows(engine.generate(prompts, sp, n=n, seed=17))
         want = reference_generate(engine, prompts, sp, n, seed=17)
-        assert got == want, (which, temperature, top_p)
+        assert [(r[0], r[2], r[3]) for r in got] == [(r[0], r[2], r[3]) for r in want], (which, temperature, top_p)
+        for g, w in zip(got, want):
+            assert len(g[1]) == len(w[1]) and max(abs(a - b) for a, b in zip(g[1], w[1])) < 1e-6, (g, w)
         assert len({r[2] for r in got}) == 2 or temperature == 0  # both finish reasons occur
 
 
