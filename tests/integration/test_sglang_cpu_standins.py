@@ -143,3 +143,43 @@ def test_install_script_is_idempotent_fast_and_keeps_shared_versions():
                          capture_output=True, text=True, timeout=60)
     assert __import__("json").loads(res.stdout) == before
     assert before["torch"].startswith("2.13.0")
+
+
+def _load_cpu_hooks(monkeypatch):
+    """The CPU server's sitecustomize loaded here, its import hook kept out of this process's ``sys.meta_path``."""
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    spec = importlib.util.spec_from_file_location("_cpu_sitecustomize", os.path.join(CPU_STANDIN_DIR,
+                                                                                     "sitecustomize.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fork_hook_forks_after_sglangs_spawn_and_leaves_other_sglang_versions_alone(monkeypatch):
+    import multiprocessing
+    import types
+
+    import torch
+
+    hooks = _load_cpu_hooks(monkeypatch)
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        calls = []
+        engine = types.SimpleNamespace(
+            _set_envs_and_config=lambda a: calls.append(a) or multiprocessing.set_start_method("spawn", force=True))
+        hooks._fork_children(engine)
+        engine._set_envs_and_config("args")
+        assert calls == ["args"] and multiprocessing.get_start_method() == "fork"
+        # CUDA initialised in the server: sglang's spawn stays
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        engine = types.SimpleNamespace(
+            _set_envs_and_config=lambda a: multiprocessing.set_start_method("spawn", force=True))
+        hooks._fork_children(engine)
+        engine._set_envs_and_config("args")
+        assert multiprocessing.get_start_method() == "spawn"
+        # an sglang whose engine module has no _set_envs_and_config: loaded unchanged, no error
+        other = types.SimpleNamespace()
+        hooks._fork_children(other)
+        assert vars(other) == {}
+    finally:
+        multiprocessing.set_start_method(before, force=True)

@@ -46,12 +46,18 @@ def _add_cpu_alloc(module):
 
 
 def _fork_children(module):
-    """After sglang's own ``_set_envs_and_config`` (which forces ``spawn``), the start method is ``fork``."""
-    set_envs_and_config = module._set_envs_and_config
+    """After sglang's own ``_set_envs_and_config`` (which forces ``spawn``), the start method is ``fork`` -- unless
+    CUDA was initialised in the server (a forked child cannot use it). An sglang without that function (another
+    version) keeps its own start method: forking is a start-up saving, never a reason for the server to fail."""
+    set_envs_and_config = getattr(module, "_set_envs_and_config", None)
+    if set_envs_and_config is None:
+        return
 
     def _set_envs_and_config_then_fork(*args, **kwargs):
         out = set_envs_and_config(*args, **kwargs)
-        multiprocessing.set_start_method("fork", force=True)
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            multiprocessing.set_start_method("fork", force=True)
         return out
 
     module._set_envs_and_config = _set_envs_and_config_then_fork
