@@ -77,14 +77,25 @@ def process_ids(pid: Optional[int] = None) -> Set[int]:
     return {p.pid for p in _descendants(pid)}
 
 
-def _reap_zombies() -> None:
-    """Reap this process's zombie children (orphans re-parented to a subreaper, killed jobs nobody waited)."""
+def _reap_zombies(orphans_only: bool = False) -> None:
+    """Reap this process's zombie children (orphans re-parented to a subreaper, killed jobs nobody waited).
+    ``orphans_only``: only those of another session -- a child this process started is in its session or leads
+    its own (start_new_session), and its ``Popen`` must still read its exit code."""
+    my_sid = os.getsid(0)
     for p in psutil.Process().children():
         try:
-            if p.status() == psutil.STATUS_ZOMBIE:
+            if p.status() == psutil.STATUS_ZOMBIE and (not orphans_only or os.getsid(p.pid) not in (p.pid, my_sid)):
                 os.waitpid(p.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError):
+        except (psutil.Error, OSError):
             pass
+
+
+def reap_orphans() -> None:
+    """Reap this process's zombie children that belong to another session: orphans of a job's processes,
+    re-parented to this process when it is a child subreaper (the test suite makes pytest one). ``slurmstepd``
+    waits until no process of the job's process group exists, a zombie included: left unreaped, one holds the job
+    in COMPLETING for Slurm's UnkillableStepTimeout (60 s) and then drains the node ("Kill task failed")."""
+    _reap_zombies(orphans_only=True)
 
 
 def _new_job_processes(before: Set[int]) -> List[psutil.Process]:

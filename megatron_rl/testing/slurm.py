@@ -28,8 +28,9 @@ from typing import Optional, Sequence
 
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.rollout.sglang_server import find_free_port
+from megatron_rl.testing.processes import reap_orphans
 
-__all__ = ["ensure_slurm_installed", "SlurmCluster", "SlurmError", "reap_orphans"]
+__all__ = ["ensure_slurm_installed", "SlurmCluster", "SlurmError"]
 
 _DAEMONS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "srun", "sinfo")
 
@@ -54,29 +55,6 @@ def ensure_slurm_installed(timeout_s: float = 600.0) -> Optional[str]:
             return f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-500:]}"
     missing = [c for c in _DAEMONS if not shutil.which(c)]
     return f"slurm-wlm installed but {missing} are not on PATH" if missing else None
-
-
-def reap_orphans() -> None:
-    """Reap this process's zombie children that belong to another session: orphans of a job's processes,
-    re-parented to this process when it is a child subreaper (the test suite makes pytest one). ``slurmstepd``
-    waits until no process of the job's process group exists, a zombie included: left unreaped, one holds the job
-    in COMPLETING for Slurm's UnkillableStepTimeout (60 s) and then drains the node ("Kill task failed")."""
-    me, my_sid = os.getpid(), os.getsid(0)
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        state, ppid, _pgrp, sid = stat[stat.rfind(")") + 2:].split()[:4]
-        # a child this process started is in its session, or leads its own (start_new_session)
-        if state == "Z" and int(ppid) == me and int(sid) not in (int(name), my_sid):
-            try:
-                os.waitpid(int(name), os.WNOHANG)
-            except ChildProcessError:
-                pass
 
 
 class SlurmCluster:
