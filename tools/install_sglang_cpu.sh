@@ -39,7 +39,12 @@ SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
 PY="$VENV/bin/python"
 CONSTRAINTS="$ROOT/tools/constraints-cpu.txt"
 # the lock tools/setup_env.sh installs under (tools/lock/; empty: none), a constraint of every step here
-LOCKC=()
+# run on its own (no MEGATRON_RL_LOCK_FILE in the environment): the test venv's lock, as tools/setup_env.sh --tests
+if [ -z "${MEGATRON_RL_LOCK_FILE+set}" ] && [ -x "$PY" ]; then
+  SELECTED="$("$PY" "$ROOT/tools/lockfile.py" select --tests 0.16.1)"
+  MEGATRON_RL_LOCK_FILE="${SELECTED#* }"
+fi
+LOCKC=(-c /dev/null)   # never empty (bash 3.2 and set -u)
 if [ -n "${MEGATRON_RL_LOCK_FILE:-}" ]; then LOCKC=(-c "$MEGATRON_RL_LOCK_FILE"); fi
 if [ ! -x "$PY" ]; then
   echo "ERROR: no python at $PY (create the venv first, e.g. bash tools/setup_env.sh)" >&2

@@ -37,10 +37,11 @@ else
   echo "(no tools/lock/tests.txt yet)"
 fi
 rc=0
+export MEGATRON_RL_LOCK=none   # the smoke's tests know this venv is not the lock's (tests/unit/test_lockfile.py)
 if [ "$SMOKE" = 1 ]; then
   RUN=runs/latest_smoke
   echo "=== tools/latest.sh: smoke 1/3: the quickstart, 4 steps ($RUN)"
-  MEGATRON_RL_LOCK=none MEGATRON_RL_VENV="$VENV" bash tools/quickstart.sh trainer.steps=4 "trainer.run_dir=$RUN" \
+  MEGATRON_RL_VENV="$VENV" bash tools/quickstart.sh trainer.steps=4 "trainer.run_dir=$RUN" \
     || rc=$?
   echo "=== tools/latest.sh: smoke 2/3: the unit tests"
   MEGATRON_RL_VENV="$VENV" "$VENV/bin/python" -m pytest -q -n 2 tests/unit -m "not serial" -p no:cacheprovider \
@@ -52,6 +53,7 @@ if [ "$SMOKE" = 1 ]; then
 fi
 if [ "$WRITE" = 1 ]; then
   if [ "$rc" -ne 0 ]; then echo "tools/latest.sh: the smoke failed: no lock written" >&2; exit "$rc"; fi
+  unset MEGATRON_RL_LOCK
   TMP="$(mktemp -d)"
   trap 'rm -rf "$TMP"' EXIT
   "$VENV/bin/python" tools/lockfile.py write "$TMP/tests.txt" --name "tests (tools/setup_env.sh --tests --mcore 0.16.1)"

@@ -20,6 +20,8 @@ from importlib.metadata import distributions
 LOCK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lock")
 #: Distributions never locked: the project itself (installed editable from the checkout).
 UNLOCKED = {"megatron-rl"}
+#: Locked where installed, never required: uv is the installer (absent with MEGATRON_RL_INSTALLER=pip).
+OPTIONAL = {"uv"}
 #: (set-up mode, megatron-core) -> (lock name, whether the mode installs all of it). '' = setup.py's default
 #: megatron-core, which is 0.16.1 on Python 3.11 (the newest whose wheel admits it).
 SELECT = {
@@ -38,16 +40,29 @@ def python_tag() -> str:
     return f"python {sys.version_info.major}.{sys.version_info.minor} {sys.platform} {platform.machine()}"
 
 
-def installed() -> dict:
+def installed(paths=None) -> dict:
     """{normalised name: version} of the distributions installed in this Python's environment: its site-packages
     only, not whatever else is on sys.path (setuptools >= 71 appends its vendored packages to it when imported)."""
-    paths = list(dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib")))
-    out = {}
+    if paths is None:
+        paths = list(dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib")))
+    out, seen = {}, {}
     for dist in distributions(path=paths):
         name = dist.metadata["Name"]
         if name and norm(name) not in UNLOCKED:
-            out[norm(name)] = dist.version
+            key = norm(name)
+            seen.setdefault(key, []).append(dist.version)
+            out[key] = dist.version
+    twice = {key: versions for key, versions in seen.items() if len(versions) > 1}
+    if twice:
+        raise RuntimeError(f"{sys.prefix}: distributions installed twice (two dist-info folders; remove the venv and "
+                           f"set it up again): {twice}")
     return out
+
+
+def public(version: str) -> str:
+    """The version without its local label: 2.13.0+cpu -> 2.13.0 (a lock pins public versions, so a CPU and a
+    CUDA build of one release both satisfy it; which build installs is tools/setup_env.sh's torch step)."""
+    return version.split("+", 1)[0]
 
 
 def read_lock(path: str) -> tuple:
@@ -87,9 +102,9 @@ def differences(pins: dict, have: dict, complete: bool) -> list:
     for name, want in sorted(pins.items()):
         got = have.get(name)
         if got is None:
-            if complete:
+            if complete and name not in OPTIONAL:
                 out.append(f"{name}: locked {want}, not installed")
-        elif got != want:
+        elif got != want and public(got) != want:
             out.append(f"{name}: locked {want}, installed {got}")
     return out
 
@@ -111,7 +126,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "select":
         path, complete = select(a.mode, a.mcore)
-        print(f"{path} {'complete' if complete else 'subset'}" if path else "")
+        print(f"{'complete' if complete else 'subset'} {path}" if path else "")
         return 0
     if a.cmd == "write":
         have = installed()
@@ -120,7 +135,7 @@ def main(argv=None) -> int:
             fh.write(f"# The {a.name} venv's exact distributions, written by tools/lockfile.py write\n"
                      f"# (tools/latest.sh --write-lock; docs/dependencies.md). Do not edit by hand.\n"
                      f"# {python_tag()}\n")
-            fh.writelines(f"{name}=={version}\n" for name, version in sorted(have.items()))
+            fh.writelines(f"{name}=={public(version)}\n" for name, version in sorted(have.items()))
         print(f"wrote {a.lock}: {len(have)} distributions")
         return 0
     pins, _ = read_lock(a.lock)

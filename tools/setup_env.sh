@@ -24,6 +24,8 @@
 # and passes the suite on Python 3.11: there it is installed with pip's --ignore-requires-python (uv has no
 # such switch and refuses the wheel), plus triton (0.19 imports it at `import megatron.core`).
 set -euo pipefail
+# a relative MEGATRON_RL_LOCK=FILE is the caller's, not the repository root's
+case "${MEGATRON_RL_LOCK:-}" in ""|auto|none|/*) ;; *) MEGATRON_RL_LOCK="$PWD/$MEGATRON_RL_LOCK" ;; esac
 cd "$(dirname "$0")/.."
 MODE=""
 MCORE="${MEGATRON_RL_MCORE:-}"
@@ -62,15 +64,17 @@ fi
 LOCK=""
 LOCK_KIND=""
 case "${MEGATRON_RL_LOCK:-auto}" in
-  auto) read -r LOCK LOCK_KIND < <("$VENV/bin/python" tools/lockfile.py select "$MODE" "$MCORE") || true
-        if [ -z "$LOCK" ]; then
+  auto) SELECTED="$("$VENV/bin/python" tools/lockfile.py select "$MODE" "$MCORE")"   # "KIND PATH" or ""
+        LOCK_KIND="${SELECTED%% *}"
+        LOCK="${SELECTED#* }"
+        if [ -z "$SELECTED" ]; then
           echo "tools/setup_env.sh: no lock in tools/lock/ for this set-up (${MODE:-main job}, megatron-core ${MCORE:-default}, $("$VENV/bin/python" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])')): installing the newest versions setup.py admits (not what CI tested)" >&2
         fi ;;
   none) echo "tools/setup_env.sh: MEGATRON_RL_LOCK=none: the newest versions setup.py admits (not what CI tested)" >&2 ;;
   *) LOCK="$MEGATRON_RL_LOCK"; LOCK_KIND=subset
      [ -f "$LOCK" ] || { echo "tools/setup_env.sh: MEGATRON_RL_LOCK=$LOCK: no such file" >&2; exit 2; } ;;
 esac
-LOCKC=()
+LOCKC=(-c /dev/null)   # never empty: bash 3.2 (macOS) calls an empty array unbound under set -u
 if [ -n "$LOCK" ]; then LOCKC=(-c "$LOCK"); fi
 export MEGATRON_RL_LOCK_FILE="$LOCK"   # tools/pkg_install.sh (uv's version) and tools/install_sglang_cpu.sh read it
 source tools/pkg_install.sh
@@ -143,7 +147,9 @@ case "$MODE" in
     bash tools/install_sglang_cpu.sh "$VENV" ;;
 esac
 if [ -n "$LOCK" ]; then
-  "$PY" tools/lockfile.py check "$LOCK" $([ "$LOCK_KIND" = complete ] && echo --complete)
+  COMPLETE=()
+  if [ "$LOCK_KIND" = complete ]; then COMPLETE=(--complete); fi
+  "$PY" tools/lockfile.py check "$LOCK" "${COMPLETE[@]+"${COMPLETE[@]}"}"
 fi
 "$PY" - <<'PY'
 import torch, megatron.core

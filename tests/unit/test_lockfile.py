@@ -56,8 +56,9 @@ def test_every_pin_satisfies_setup_py_and_names_its_python(name):
 
 
 def test_the_venvs_agree_on_every_package_they_share():
-    """.venv serves both the quickstart (main) and leg 1 (tests): one version each; leg 2 differs only where
-    megatron-core 0.19 itself asks for another version."""
+    """.venv serves both the quickstart (main) and leg 1 (tests): one version each; leg 2 is set up under tests.txt
+    (less megatron-core) by tools/latest.sh --write-lock, so it agrees too (a megatron-core 0.19 that needed another
+    version of a shared package would stop that set-up, not slip into the lock)."""
     main, _ = lockfile.read_lock(LOCKS["main"])
     tests, _ = lockfile.read_lock(LOCKS["tests"])
     new, _ = lockfile.read_lock(LOCKS["tests-mcore019"])
@@ -90,7 +91,7 @@ def test_check_agrees_with_pip_and_names_what_differs(tmp_path):
     lock = tmp_path / "lock.txt"
     lockfile.main(["write", str(lock), "--name", "this venv"])
     pins, tag = lockfile.read_lock(str(lock))
-    assert pins == pip_view and tag == lockfile.python_tag()
+    assert pins == {k: v.split("+")[0] for k, v in pip_view.items()} and tag == lockfile.python_tag()
     assert lockfile.main(["check", str(lock), "--complete"]) == 0
     pins["torch"] = "0.0.1"
     pins["no-such-dist"] = "1.0"
@@ -103,3 +104,38 @@ def test_check_agrees_with_pip_and_names_what_differs(tmp_path):
     bad.write_text("torch>=2\n")
     with pytest.raises(ValueError, match=r"bad.txt:1: expected 'name==version'"):
         lockfile.read_lock(str(bad))
+
+
+def test_uv_is_optional_and_local_labels_are_the_builds_not_the_version():
+    pins = {"uv": "0.13.9", "torch": "2.13.0", "numpy": "2.4.6"}
+    # pip mode (MEGATRON_RL_INSTALLER=pip) has no uv; a CPU build of the locked torch is that torch
+    assert lockfile.differences(pins, {"torch": "2.13.0+cpu", "numpy": "2.4.6"}, complete=True) == []
+    assert lockfile.differences(pins, {"uv": "0.14.0", "torch": "2.13.1+cpu", "numpy": "2.4.6"}, complete=True) == [
+        "torch: locked 2.13.0, installed 2.13.1+cpu", "uv: locked 0.13.9, installed 0.14.0"]
+    assert lockfile.differences({"numpy": "2.4.6+x"}, {"numpy": "2.4.6"}, complete=True) == [
+        "numpy: locked 2.4.6+x, installed 2.4.6"]
+
+
+def test_a_distribution_installed_twice_is_an_error(tmp_path):
+    for version in ("1.0", "2.0"):
+        info = tmp_path / f"dup_pkg-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: dup-pkg\nVersion: {version}\n")
+    with pytest.raises(RuntimeError, match=r"installed twice.*dup-pkg.*1\.0.*2\.0"):
+        lockfile.installed([str(tmp_path)])
+    (tmp_path / "dup_pkg-2.0.dist-info" / "METADATA").unlink()
+    (tmp_path / "dup_pkg-2.0.dist-info").rmdir()
+    assert lockfile.installed([str(tmp_path)]) == {"dup-pkg": "1.0"}
+
+
+def test_this_venv_is_the_lock_ci_installed():
+    """The suite's own venv holds its lock's versions (leg 1: tests.txt; leg 2: tests-mcore019.txt): an install
+    that bypassed the lock cannot pass unnoticed. tools/latest.sh runs its smoke with MEGATRON_RL_LOCK=none."""
+    if os.environ.get("MEGATRON_RL_LOCK") == "none":
+        pytest.skip("MEGATRON_RL_LOCK=none: this venv is the newest set, not the lock (tools/latest.sh)")
+    from importlib.metadata import version
+    name = {"0.16.1": "tests", "0.19.2": "tests-mcore019"}.get(version("megatron-core").split("+")[0])
+    if name is None or lockfile.read_lock(LOCKS[name])[1] != lockfile.python_tag():
+        pytest.skip(f"no lock for megatron-core {version('megatron-core')} on {lockfile.python_tag()}")
+    pins, _ = lockfile.read_lock(LOCKS[name])
+    assert lockfile.differences(pins, lockfile.installed(), complete=False) == []
