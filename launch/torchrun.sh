@@ -12,7 +12,9 @@
 #   launch/torchrun.sh --nnodes 2 --node-rank 1 --master-addr node01 --master-port 29500 --config ...
 #
 # Options (each also settable by the environment variable in brackets):
-#   --nproc-per-node N    processes (GPUs) per node                   [NPROC_PER_NODE, default: GPUs visible, else 1]
+#   --nproc-per-node N    processes (GPUs) per node                   [NPROC_PER_NODE, default: the config's
+#                                                                      cluster.gpus_per_node (overrides applied);
+#                                                                      unreadable: GPUs visible, else 1]
 #   --nnodes N            number of nodes                             [NNODES, default 1]
 #   --node-rank R         this node's rank: static rendezvous         [NODE_RANK]
 #   --master-addr A       static rendezvous host                      [MASTER_ADDR]
@@ -103,11 +105,24 @@ done
 OVERRIDES=("${KEPT[@]+"${KEPT[@]}"}")
 is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
 if ! is_int "$NNODES" || (( NNODES < 1 )); then die "--nnodes must be an integer >= 1, got '$NNODES'"; fi
+NPROC_FROM="--nproc-per-node / NPROC_PER_NODE"
+if [[ -z "$NPROC_PER_NODE" ]]; then
+  # the job the config describes: its cluster.gpus_per_node (a config it cannot read: the check below names why)
+  FROM_CONFIG=$("$PYTHON" -m megatron_rl.config.cluster_ranks "$CONFIG" "${OVERRIDES[@]+"${OVERRIDES[@]}"}" \
+                2>/dev/null || true)
+  if is_int "$FROM_CONFIG" && (( FROM_CONFIG >= 1 )); then
+    NPROC_PER_NODE=$FROM_CONFIG
+    NPROC_FROM="cluster.gpus_per_node of $CONFIG"
+    echo "launch/torchrun.sh: $NPROC_PER_NODE rank(s) per node: cluster.gpus_per_node of $CONFIG" \
+         "(--nproc-per-node N or NPROC_PER_NODE=N to change)" >&2
+  fi
+fi
 if [[ -z "$NPROC_PER_NODE" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   fi
   [[ -n "$NPROC_PER_NODE" && "$NPROC_PER_NODE" != 0 ]] || NPROC_PER_NODE=1
+  NPROC_FROM="the GPUs visible (else 1), the config's cluster.gpus_per_node being unreadable"
 fi
 if ! is_int "$NPROC_PER_NODE" || (( NPROC_PER_NODE < 1 )); then die "--nproc-per-node must be an integer >= 1"; fi
 
@@ -138,7 +153,13 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 # config errors in seconds, the message alone, before any rank starts
 if [[ "${CHECK:-1}" == 1 ]]; then
-  "$PYTHON" -m megatron_rl.train --check-world-size $(( NNODES * NPROC_PER_NODE )) "${TRAIN_ARGS[@]}" || exit $?
+  "$PYTHON" -m megatron_rl.train --check-world-size $(( NNODES * NPROC_PER_NODE )) "${TRAIN_ARGS[@]}" || {
+    rc=$?
+    echo "launch/torchrun.sh: checked at world size $(( NNODES * NPROC_PER_NODE )) = $NNODES node(s) x" \
+         "$NPROC_PER_NODE rank(s) per node ($NPROC_FROM); set --nproc-per-node N / NPROC_PER_NODE=N and" \
+         "--nnodes N / NNODES=N for another size" >&2
+    exit $rc
+  }
 fi
 mkdir -p "$LOG_DIR"
 

@@ -81,6 +81,35 @@ def test_torchrun_single_node():
     assert argv[i:] == ["-m", "megatron_rl.train", "--config", Q7, "actor.lr=2e-6", "trainer.steps=3"]
 
 
+@pytest.mark.parametrize("config", ["configs/tiny_cpu.yaml", "configs/tiny_moe_cpu.yaml", Q7])
+def test_torchrun_takes_the_ranks_per_node_from_the_config(config):
+    """No --nproc-per-node / NPROC_PER_NODE: the config's cluster.gpus_per_node (read here with yaml), overrides
+    applied; the flag and the variable still win. A README line without NPROC_PER_NODE=4 ran 1 rank before."""
+    import yaml
+    with open(os.path.join(ROOT, config)) as fh:
+        want = str(yaml.safe_load(fh)["cluster"]["gpus_per_node"])
+    env = {k: v for k, v in os.environ.items() if k != "NPROC_PER_NODE"}
+    env["PATH"] = "/usr/bin:/bin"   # no nvidia-smi: the config, not the GPUs visible, decides
+    nproc = lambda r: shlex.split(r.stdout.strip())[shlex.split(r.stdout.strip()).index("--nproc-per-node") + 1]
+    r = _run("torchrun.sh", "--config", config, env=dict(env, DRY_RUN="1"))
+    assert r.returncode == 0, r.stderr
+    assert nproc(r) == want and f"cluster.gpus_per_node of {config}" in r.stderr
+    r = _run("torchrun.sh", "--config", config, "cluster.gpus_per_node=2", env=dict(env, DRY_RUN="1"))
+    assert nproc(r) == "2"
+    r = _run("torchrun.sh", "--nproc-per-node", "3", "--config", config, env=dict(env, DRY_RUN="1"))
+    assert nproc(r) == "3" and "cluster.gpus_per_node of" not in r.stderr
+    r = _run("torchrun.sh", "--config", config, env=dict(env, DRY_RUN="1", NPROC_PER_NODE="5"))
+    assert nproc(r) == "5"
+
+
+def test_torchrun_world_size_error_names_where_the_rank_count_came_from():
+    r = _run("torchrun.sh", "--config", "configs/tiny_cpu.yaml", "actor.load_hf=/nonexistent",
+             env={"NPROC_PER_NODE": "1"})
+    assert r.returncode == 2
+    assert "world size: 1 ranks are not divisible" in r.stderr
+    assert "1 node(s) x 1 rank(s) per node (--nproc-per-node / NPROC_PER_NODE)" in r.stderr
+
+
 def test_torchrun_multi_node_c10d_and_static():
     r = _run("torchrun.sh", "--nnodes", "4", "--nproc-per-node", "8", "--rdzv-endpoint", "n01:29400",
              "--config", Q7, env={"DRY_RUN": "1", "SLURM_JOB_ID": "991"})
