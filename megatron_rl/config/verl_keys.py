@@ -436,9 +436,9 @@ def _steps(value: Any, v: Verl) -> Dict[str, Any]:
 def _total_epochs(value: Any, v: Verl) -> Dict[str, Any]:
     if v.get("trainer.total_training_steps") is not None:
         raise Skip(NO_MEANING, "trainer.total_training_steps is set and wins in verl")
-    raise Skip(UNSUPPORTED, "training length is trainer.steps here (each step draws data.prompts_per_step prompts "
-                            "at random); verl's = total_epochs x rows of the data / data.train_batch_size: set "
-                            "trainer.steps")
+    raise Skip(UNSUPPORTED, "training length is trainer.steps here (each step draws data.prompts_per_step prompts, "
+                            "a data file's epoch by epoch); verl's = total_epochs x rows of the data / "
+                            "data.train_batch_size: set trainer.steps")
 
 
 def _resume_mode(value: Any, v: Verl) -> Dict[str, Any]:
@@ -850,7 +850,8 @@ def _rules() -> List[Rule]:
         _n("data.return_raw_chat", "how verl's dataset hands prompts to its workers"),
         _n("data.return_full_prompt", "how verl's dataset hands prompts to its workers"),
         _n("data.return_multi_modal_inputs", "text-only prompts"),
-        _n("data.shuffle", "every step draws its prompts at random (seeded by trainer.seed)", neutral=(True,)),
+        _n("data.shuffle", "a data file's prompts are drawn without replacement in a shuffled order per epoch "
+           "(seeded by trainer.seed; docs/datasets.md)", neutral=(True,)),
         _n("data.dataloader_num_workers", "prompts are read once at start-up"),
         _u("data.image_key", "vision-language data is not supported", neutral=("images",)),
         _u("data.video_key", "vision-language data is not supported", neutral=("videos",)),

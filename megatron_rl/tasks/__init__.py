@@ -52,6 +52,10 @@ class RewardOverrideTask(Task):
         """The inner task's curriculum."""
         self.inner.begin_step(step)
 
+    def finite_prompts(self):
+        """The inner task's."""
+        return self.inner.finite_prompts()
+
     def sample(self, n, rng):
         """The inner task's prompts."""
         return self.inner.sample(n, rng)

@@ -6,6 +6,8 @@ generated response (token ids as the engine returned them, possibly ending in EO
 ``score(prompts, responses)`` scores a step's batch and never raises for one sample's failure (reward
 0.0, counted in the ``RewardResult``); ``configure(options)`` applies ``DataOptions`` and ``stats()``
 reports dataset counts (malformed rows, filtered prompts) — no-ops for the built-in tasks.
+``finite_prompts()`` is the finite list a data file's task is drawn from (without replacement, epoch by epoch:
+``trainer.prompt_draw``), None for a task that generates its prompts.
 
 Usage::
 
@@ -114,6 +116,12 @@ class Task(abc.ABC):
                 if len(result.errors) < 5:
                     result.errors.append(f"sample {i}: {type(e).__name__}: {e}")
         return result
+
+    def finite_prompts(self) -> Optional[Sequence[Prompt]]:
+        """The finite set of prompts training draws from without replacement, epoch by epoch
+        (``trainer.prompt_draw``: file tasks), or None: the task generates its prompts (``sample``; the built-in
+        tasks)."""
+        return None
 
     def begin_step(self, step: int) -> None:
         """Called by the loop before it samples the prompts of 0-based training step ``step`` (a task with a

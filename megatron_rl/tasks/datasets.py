@@ -19,8 +19,10 @@ Rewards (``score``: in ``DataOptions.reward_workers`` worker processes, each sam
 ``"exact"`` / ``"module:function"`` for every row, or by default verl's dispatch on the row's
 ``data_source`` (``rewards.default_compute_score``) and exact match for rows without one.
 
-Sampling: each ``sample(n, rng)`` call draws ``min(n, N)`` distinct prompts (``rng.sample``), then, if
-``n > N``, the rest with replacement — deterministic given ``rng``'s state.
+Drawing: training draws the rendered prompts (``finite_prompts()``) without replacement, epoch by epoch, across
+rounds and steps (``trainer.prompt_draw``, ``tasks.epoch_order``). ``sample(n, rng)`` is a one-off draw (tests,
+tools): ``min(n, N)`` distinct prompts (``rng.sample``), then, if ``n > N``, the rest with replacement --
+deterministic given ``rng``'s state; every call on its own, so calls repeat each other's prompts.
 
 Usage::
 
@@ -237,8 +239,13 @@ class FileTask(Task):
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def finite_prompts(self) -> List[Prompt]:
+        """The rendered prompts (training draws them epoch by epoch: ``trainer.prompt_draw``)."""
+        return self.prompts
+
     def sample(self, n: int, rng: random.Random) -> list[Prompt]:
-        """``n`` prompts: distinct while ``n <= len(self)``, then with replacement."""
+        """``n`` prompts: distinct while ``n <= len(self)``, then with replacement (a one-off draw: training draws
+        through ``finite_prompts``)."""
         check_rng(rng, f"FileTask({self.path!r}).sample")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"FileTask.sample: n={n!r} must be an int >= 1")

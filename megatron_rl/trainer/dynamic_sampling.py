@@ -15,9 +15,11 @@ async producer in its thread -- for single- and multi-turn tasks alike, so the f
 rank that owns the task and the engine. Its result (the batch and the ``filter_groups/*`` metrics) reaches every
 rank in the step's scatter (``rollout_source``): every rank trains the same groups and skips the same steps.
 
-Rounds: round ``r`` of step ``t`` draws ``data.prompts_per_step`` fresh prompts and their samples with the seeds of
-(trainer.seed, t, r) (``rollout_phase.round_seed``); round 0 is exactly what a run without dynamic sampling
-draws. Nothing about the rounds is state: a resumed run draws the same prompts in the same rounds. A round
+Rounds: round ``r`` of step ``t`` draws the next ``data.prompts_per_step`` prompts of the job's prompt draw
+(``prompt_draw.PromptDraw``: a data file's order goes on without replacement across rounds and steps, so no round
+repeats a prompt of the step; a built-in task draws with the seeds of (trainer.seed, t, r)) and their samples with
+the seeds of (trainer.seed, t, r) (``round_seed``). A resumed run draws the same prompts in the same rounds (the
+file order's position is checkpoint state). A round
 ends the step as soon as the groups with signal fill the batch (the first ``prompts_per_step`` of them, in the
 order drawn). Async interrupt mode may load newer weights between a round's segments; the next round then
 starts from the newest version the previous round's tokens carry -- the one the engine holds, as it loads only

@@ -9,14 +9,17 @@
 Set-up order (``build_job``): the run directory is refused or accepted before any process group or model
 (``run_dir.py``); the data file and the validation files are checked; process groups, the actor and
 (``kl_loss_coef`` > 0) the frozen reference are built; rank 0 starts over (``trainer.overwrite``), builds the task,
-the engine (``rollout.factory``; a failure there is raised on every rank) and, when it is evaluated, the validation
-set (``tasks.val_set``); ``--resume`` loads the newest COMPLETE checkpoint rank 0 chose; the engine gets the starting weights; then the rollout source starts (async: the producer thread).
+the engine (``rollout.factory``; a failure there is raised on every rank), the prompt draw (``prompt_draw``) and,
+when it is evaluated, the validation set (``tasks.val_set``); ``--resume`` loads the newest COMPLETE checkpoint rank 0
+chose (rank 0's prompt draw continues its order); the engine gets the starting weights; then the rollout source starts
+(async: the producer thread).
 
 Checkpoints (``Job.checkpoint``): the source's drain (async rollouts a checkpoint must hold, bounded by half of
 ``trainer.checkpoint_timeout_s``; the last checkpoint, after ``trainer.steps``, waits for none and keeps those
 already made), then every rank writes its part and rank 0 marks it COMPLETE. A failed drain still writes the
 checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises ``AsyncDrainError`` on every
-rank.
+rank. Rank 0 adds the prompt order's position (``PromptDraw.state``) at the checkpoint's step and at each step whose
+rollouts it holds, so the resumed run draws on from whichever it regenerates first.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.rollout.versions import version_tag
+from megatron_rl.trainer.prompt_draw import PromptDraw
 from megatron_rl.trainer.rollout_phase import build_step_generator
 from megatron_rl.trainer.rollout_source import RolloutSource, build_rollout_source
 from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step
@@ -135,6 +139,8 @@ class Job:
     """The tokenizer's pad id (rank 0's, shared)."""
     rank0: bool
     """This is global rank 0 (it owns the task, the engine and the run directory's files)."""
+    prompts: Optional[PromptDraw] = None
+    """Rank 0: the prompt draw (its order's position goes into each checkpoint); None elsewhere."""
     validation: Optional[Validation] = None
     """Evaluates the validation set (``trainer.test_freq``; rank 0 holds its prompts and the engine)."""
     server: Optional[SGLangServerHandle] = None
@@ -159,6 +165,8 @@ class Job:
                                  config_key="trainer.checkpoint_timeout_s"):
             # the last checkpoint keeps only rollouts already made: no step of this run trains on them
             extra, drain_error = self.source.drain(step, tc.checkpoint_timeout_s / 2, last=step >= tc.steps)
+            if self.rank0 and self.prompts is not None:  # where the steps a resumed run may draw first start
+                extra = {**extra, **self.prompts.state(step, step + len(extra.get("async_rollouts") or {}))}
             path = save(self.actor, self.cfg, step, self.rank0, extra if self.rank0 else None)
         if drain_error is not None:
             raise drain_error
@@ -216,10 +224,12 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
     generator = None
     try:
         with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
-            generator, tokenizer, engine, held["server"], val_groups = on_rank0(
-                lambda: _rank0_setup(cfg), what="setting up the task / rollout engine") or (None,) * 5
+            generator, draw, tokenizer, engine, held["server"], val_groups = on_rank0(
+                lambda: _rank0_setup(cfg), what="setting up the task / rollout engine") or (None,) * 6
         held["validation"] = Validation(cfg, val_groups, engine)
         start, resumed = _resume(cfg, actor, rank0)
+        if draw is not None:  # rank 0, before the first draw (the async producer starts below)
+            draw.restore(resumed, start)
         held["sinks"] = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress,
                                     tensorboard=tc.tensorboard, wandb=tc.wandb, wandb_project=tc.wandb_project,
                                     config=cfg.to_dict(), resume=start > 0)
@@ -235,22 +245,23 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         _teardown(watchdog, 0, **held)
         raise
     return Job(cfg=cfg, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
-               rank0=rank0, **held)
+               rank0=rank0, prompts=draw, **held)
 
 
 def _rank0_setup(cfg: JobConfig) -> Tuple:
-    """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task and
-    its step generator, the engine, the validation set (when it is evaluated)."""
+    """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task, its
+    prompt draw and step generator, the engine, the validation set (when it is evaluated)."""
     if cfg.trainer.overwrite:
         print(start_over(cfg.trainer.run_dir, keep=cfg.actor.load_hf), flush=True)
     task, tokenizer = build_task(cfg)
+    draw = PromptDraw(task, cfg)  # renders the prompts with the data options: a failure before any engine starts
     val_groups = build_val_set(task, cfg.data, tokenizer) if Validation(cfg, None, None).enabled else None
     try:
         engine, server = build_engine(cfg)
     except BaseException:
         Validation(cfg, val_groups, None).close()
         raise
-    return build_step_generator(cfg, task), tokenizer, engine, server, val_groups
+    return build_step_generator(cfg, task, draw), draw, tokenizer, engine, server, val_groups
 
 
 def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:

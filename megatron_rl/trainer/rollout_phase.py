@@ -1,12 +1,13 @@
 """The rollout phase of a step on global rank 0: prompts -> engine -> rewards -> a ``StepBatch``.
 
 Rank 0 owns the task and the engine (the embedded engine, or the HTTP client of SGLang servers that do
-the heavy lifting). Prompt sampling and embedded generation are seeded by (trainer.seed, step) so a
-resumed run draws exactly what the uninterrupted run drew, with no generator state to checkpoint.
-SGLang samples server-side without a per-request seed, so with it a resumed run draws the same prompts
+the heavy lifting). Prompts come from the job's ``prompt_draw.PromptDraw`` (a data file: without replacement,
+epoch by epoch, its position checkpointed; a generated task: seeded by (trainer.seed, step, round)); embedded
+generation is seeded by (trainer.seed, step, round), so a resumed run draws exactly what the uninterrupted run
+drew. SGLang samples server-side without a per-request seed, so with it a resumed run draws the same prompts
 but different responses.
 
-Before sampling, the task gets the ``data:`` section's ``DataOptions`` (chat template arguments, prompt
+Before drawing, the task gets the ``data:`` section's ``DataOptions`` (chat template arguments, prompt
 length limit, reward workers; a no-op when unchanged). Rewards come from ``task.score`` (file tasks:
 worker processes with a per-sample timeout; a failing or timed-out sample scores 0 and is counted, the
 step goes on). A response that hit ``max_new_tokens`` (finish reason "length") is flagged ``truncated``;
@@ -22,14 +23,13 @@ otherwise dropped and counted (``routing/missing_rows``; see ``step_routing``).
 Two step generators, chosen once by ``build_step_generator``: ``SingleTurn`` (``generate_step``) and, with
 ``multi_turn.env`` set, ``MultiTurn`` (trajectories of model turns and environment replies, token in, token out:
 ``megatron_rl.rollout.multi_turn``; environments out of process in an ``envs.EnvPool`` the generator owns).
-Both draw a step's prompts with ``sample_prompts`` and have ``close()`` (the job calls it at its end). With
+Both draw a step's prompts with the job's ``PromptDraw`` and have ``close()`` (the job calls it at its end). With
 ``algorithm.filter_groups.enable`` the chosen one is wrapped in ``dynamic_sampling.DynamicSampling``, which calls
-it for more generation rounds (``rnd``: fresh prompts and samples, ``round_seed``) until the batch is full of
-prompt groups whose samples did not all score alike.
+it for more generation rounds (``rnd``: the next prompts of the draw, fresh samples by ``round_seed``) until the
+batch is full of prompt groups whose samples did not all score alike.
 """
 from __future__ import annotations
 
-import random
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -41,8 +41,8 @@ from megatron_rl.rollout.multi_turn import ObservationEncoder, TurnLimits, run_t
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
 from megatron_rl.rollout.trajectory import COUNT_KEYS, FINISH_REASONS
 from megatron_rl.tasks.base import response_text
-from megatron_rl.tasks.options import DataOptions
 from megatron_rl.trainer.dynamic_sampling import DynamicSampling
+from megatron_rl.trainer.prompt_draw import PromptDraw, round_seed, sample_prompts  # noqa: F401 (re-exported)
 from megatron_rl.trainer.step_batch import StepBatch
 
 
@@ -88,33 +88,14 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
     return m
 
 
-ROUND_SEED_STRIDE = 1_000_000_007
-"""Seed offset between generation rounds of one step (larger than any step count: no round meets another step)."""
-
-
-def round_seed(base: int, rnd: int) -> int:
-    """The seed of generation round ``rnd`` of a step whose round 0 uses ``base``: dynamic sampling's extra rounds
-    (``algorithm.filter_groups``) draw fresh prompts and samples; round 0 is what every run draws."""
-    return base + ROUND_SEED_STRIDE * rnd
-
-
-def sample_prompts(task, cfg, step: int, rnd: int = 0) -> list:
-    """Rank 0: step ``step``'s prompts (``data.prompts_per_step``) of generation round ``rnd``, seeded by
-    (trainer.seed, step, rnd), after the task got the ``data:`` options and the step (its curriculum and held-out
-    split follow it)."""
-    task.configure(DataOptions.from_config(cfg.data))
-    rng = random.Random(round_seed(cfg.trainer.seed * 1_000_003 + step, rnd))
-    task.begin_step(step)  # a task's curriculum (e.g. data.task_kwargs.curriculum_steps) follows the step
-    return task.sample(cfg.data.prompts_per_step, rng)
-
-
 def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int = 0,
-                  replay: Optional[ReplayMode] = None) -> StepBatch:
-    """Rank 0: sample prompts, generate n responses each, score them (``rnd``: the generation round of the step,
+                  replay: Optional[ReplayMode] = None, draw: Optional[PromptDraw] = None) -> StepBatch:
+    """Rank 0: draw prompts, generate n responses each, score them (``rnd``: the generation round of the step,
     ``round_seed``; ``replay``: the job's routing-replay mode, the step generator's, default
-    ``actor.routing_replay``'s). Raises RolloutError on failure (the step is then not applied) or
-    StaleRolloutError if the engine serves other weights."""
-    prompts = sample_prompts(task, cfg, step, rnd)
+    ``actor.routing_replay``'s; ``draw``: the job's prompt draw, the step generator's -- default a fresh one, for a
+    one-off call). Raises RolloutError on failure (the step is then not applied) or StaleRolloutError if the engine
+    serves other weights."""
+    prompts = (draw or PromptDraw(task, cfg))(step, rnd)
     n = cfg.rollout.n_samples_per_prompt
     # the embedded engine reproduces a sample from its seed; SGLang samples server-side (engine.seeded_sampling)
     rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout, task_eos_ids(task)),
@@ -199,14 +180,14 @@ class SingleTurn:
     A step generator is chosen once per job (``build_step_generator``) and hands the rollout source each step's
     ``StepBatch``: ``generate(engine, step, version, rnd=0)`` on rank 0, with the engine (or the async producer's
     view of it) to sample from, the weight version the rollouts must carry and the generation round of the step
-    (dynamic sampling's extra rounds draw fresh prompts: ``round_seed``)."""
+    (dynamic sampling's extra rounds draw the next prompts of ``draw``, the job's ``PromptDraw``)."""
 
-    def __init__(self, task, cfg):
-        self.task, self.cfg = task, cfg
+    def __init__(self, task, cfg, draw: PromptDraw):
+        self.task, self.cfg, self.draw = task, cfg, draw
         self.replay = replay_mode(cfg.actor.routing_replay)
 
     def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
-        return generate_step(self.task, engine, self.cfg, step, version, rnd, replay=self.replay)
+        return generate_step(self.task, engine, self.cfg, step, version, rnd, replay=self.replay, draw=self.draw)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -224,7 +205,7 @@ class MultiTurn:
     trajectories of model turns and environment replies (``rollout.multi_turn.run_trajectories``), the
     environments in ``pool`` (an ``envs.EnvPool`` this generator owns: ``close`` stops its workers).
 
-    Prompts are drawn exactly as ``generate_step`` draws them (``sample_prompts``) and the first turn is sampled
+    Prompts are drawn exactly as ``generate_step`` draws them (the job's ``PromptDraw``) and the first turn is sampled
     as a single-turn step samples its responses (same seed, ``n`` per prompt). Rewards are the environments'
     (0 for a trajectory that never got an answer, or whose environment failed). Rows carry ``loss_masks``
     (environment tokens 0) and per-token versions (an environment token has the version of the model turn before
@@ -233,8 +214,8 @@ class MultiTurn:
     ``data.max_reward_failure_frac``; metrics ``multi_turn/*`` (turns, environment token share, finish reasons,
     per-trajectory counts)."""
 
-    def __init__(self, task, cfg, pool, tokenizer):
-        self.task, self.cfg, self.pool, self.tokenizer = task, cfg, pool, tokenizer
+    def __init__(self, task, cfg, pool, tokenizer, draw: PromptDraw):
+        self.task, self.cfg, self.pool, self.tokenizer, self.draw = task, cfg, pool, tokenizer, draw
         self.replay = replay_mode(cfg.actor.routing_replay)
         self.limits = TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens)
         self.encode = ObservationEncoder(tokenizer, cfg.multi_turn.observation_template)
@@ -245,7 +226,7 @@ class MultiTurn:
 
     def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
         cfg, task = self.cfg, self.task
-        prompts = sample_prompts(task, cfg, step, rnd)
+        prompts = self.draw(step, rnd)
         n = cfg.rollout.n_samples_per_prompt
         env_seed = round_seed(cfg.trainer.seed * 1_000_003 + step, rnd)
         samples = [{"prompt": p.text, "answer": p.answer, "data_source": p.data_source, "extra_info": p.extra_info,
@@ -318,14 +299,16 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
                                        f"(rows {_head(missing)})")
 
 
-def build_step_generator(cfg, task):
+def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None):
     """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
     ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` with
-    ``algorithm.filter_groups.enable``. The job calls ``close()`` at its end."""
+    ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (default: one built here for ``task``).
+    The job calls ``close()`` at its end."""
     m = cfg.multi_turn
+    draw = draw or PromptDraw(task, cfg)
     if m.env is None:
-        gen = SingleTurn(task, cfg)
+        gen = SingleTurn(task, cfg, draw)
     else:
         pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
-        gen = MultiTurn(task, cfg, pool, task.tokenizer)
+        gen = MultiTurn(task, cfg, pool, task.tokenizer, draw)
     return DynamicSampling(gen, cfg) if cfg.algorithm.filter_groups.enable else gen
