@@ -26,7 +26,8 @@
 #                                                                      git-ignored]
 #   --max-restarts N      torchrun worker restarts                    [MAX_RESTARTS, default 0]
 #   --resume              continue the run in trainer.run_dir from its newest complete checkpoint (also
-#                         accepted after --config, among the overrides)
+#                         accepted after --config, among the overrides); none there: a new run at step 0
+#   --resume=required     the same, but a trainer.run_dir without a complete checkpoint is refused (exit 2)
 #   --config PATH         job YAML (required); everything after it is passed to megatron_rl.train as overrides
 #   -h, --help            this help
 # Environment:
@@ -88,7 +89,7 @@ while [[ $# -gt 0 ]]; do
     --rdzv-id) need "$@"; RDZV_ID=$2; shift 2 ;;
     --log-dir) need "$@"; LOG_DIR=$2; shift 2 ;;
     --max-restarts) need "$@"; MAX_RESTARTS=$2; shift 2 ;;
-    --resume) RESUME=(--resume); shift ;;
+    --resume|--resume=required) RESUME=("$1"); shift ;;
     --config) need "$@"; CONFIG=$2; shift 2; OVERRIDES=("$@"); break ;;
     *) die "unknown option '$1' (options come before --config; see --help)" ;;
   esac
@@ -98,7 +99,7 @@ done
 [[ -f "$CONFIG" ]] || die "config file '$CONFIG' does not exist"
 KEPT=()
 for ov in "${OVERRIDES[@]+"${OVERRIDES[@]}"}"; do
-  if [[ "$ov" == --resume ]]; then RESUME=(--resume); continue; fi
+  if [[ "$ov" == --resume || "$ov" == --resume=required ]]; then RESUME=("$ov"); continue; fi
   [[ "$ov" == *=* && "$ov" != -* ]] || die "override '$ov' is not key.sub=value (or --resume)"
   KEPT+=("$ov")
 done

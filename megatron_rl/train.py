@@ -37,7 +37,9 @@ from megatron_rl.trainer.signals import StopRequested  # noqa: E402
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments shared by ``python -m megatron_rl.train`` and ``megatron-rl train``."""
     p.add_argument("--config", required=False, default=None, help="YAML job config (see configs/)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in trainer.run_dir")
+    p.add_argument("--resume", nargs="?", const="true", default=None, choices=["true", "required"],
+                   help="continue from the newest complete checkpoint in trainer.run_dir (none there: a new run at "
+                        "step 0); --resume=required: refuse a run_dir without one")
     p.add_argument("--check-only", action="store_true", help="validate the config and exit")
     p.add_argument("--check-world-size", type=int, default=None, metavar="N",
                    help="validate for N ranks (config, run directory, reward imports) and exit: silent when OK, "
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     """Load + validate, then train; returns the exit code."""
     install_known_message_filter()  # megatron's known CPU notices: once, on rank 0
     watch_job_owners()  # under torchrun: exit when the agent or launch/torchrun.sh has ended
-    overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
+    overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     restart = restart_count()
     if restart > 0:  # an elastic restart / Slurm requeue continues its own run: never refused, never wiped
         overrides += ["trainer.resume=true", "trainer.overwrite=false"]

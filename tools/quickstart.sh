@@ -22,7 +22,7 @@ export OMP_NUM_THREADS=1
 START=(trainer.overwrite=true)
 for a in "$@"; do
   case "$a" in
-    --resume|trainer.resume=*|trainer.overwrite=*) START=() ;;
+    --resume|--resume=*|trainer.resume=*|trainer.overwrite=*) START=() ;;
     trainer.run_dir=*) RUN_DIR="${a#trainer.run_dir=}" ;;
   esac
 done

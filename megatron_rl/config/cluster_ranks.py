@@ -28,7 +28,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv:
         print("usage: python -m megatron_rl.config.cluster_ranks CONFIG [key.sub=value ...]", file=sys.stderr)
         return 2
-    n = ranks_per_node(argv[0], [a for a in argv[1:] if a != "--resume"])
+    n = ranks_per_node(argv[0], [a for a in argv[1:] if not a.startswith("--resume")])
     if n is None:
         return 1
     print(n)

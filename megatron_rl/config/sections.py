@@ -447,9 +447,11 @@ class TrainerConfig:
     """Output directory: metrics.jsonl, checkpoints/, rollouts, TensorBoard events."""
     save_interval: int = 0
     """Checkpoint every N steps (0: only at the end and on SIGTERM / SIGINT)."""
-    resume: bool = False
-    """Resume from the newest checkpoint in run_dir/checkpoints (``--resume``); metrics.jsonl and rollouts.jsonl
-    continue from its step, later records and stale checkpoints are removed."""
+    resume: Union[bool, str] = False
+    """Resume from the newest COMPLETE checkpoint in run_dir/checkpoints (``--resume``); metrics.jsonl and
+    rollouts.jsonl continue from its step, later records and stale checkpoints are removed. ``true``: a run_dir
+    with none starts a new run at step 0, said on one line (a Slurm requeue's first start); ``required``
+    (``--resume=required``): a run_dir with none is refused before anything starts (a mistyped path)."""
     overwrite: bool = False
     """Start over in a run_dir that holds another run's outputs (metrics.jsonl, checkpoints/, ...): they are
     removed first. Without it (or resume) such a run_dir is refused before anything starts."""

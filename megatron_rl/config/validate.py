@@ -158,6 +158,8 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
         elif replay.needs_rollout_routing and cfg.model is not None and cfg.model.extra.get("moe_router_fusion"):
             errs.append(f"actor.routing_replay: {replay.name!r} needs megatron's unfused router "
                         f"(model.extra.moe_router_fusion)")
+    if isinstance(t.resume, str) and t.resume != "required":
+        errs.append(f"trainer.resume: expected true, false or 'required', got {t.resume!r}")
     if t.resume and t.overwrite:
         errs.append("trainer.overwrite: true together with trainer.resume (--resume): choose one (resume continues "
                     "the run in trainer.run_dir, overwrite removes it)")

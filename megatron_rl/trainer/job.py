@@ -277,8 +277,8 @@ def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:
         if rank0:  # the history continues from the checkpoint's step: nothing later may mix in
             dropped = trim_to_step(tc.run_dir, start)
             print(f"[megatron-rl] resumed from {ckpt} at step {start}{dropped}" if ckpt is not None else
-                  f"[megatron-rl] --resume: no complete checkpoint in {tc.run_dir}: starting at step 0"
-                  f"{dropped}", flush=True)
+                  f"[megatron-rl] --resume: {tc.run_dir} had no complete checkpoint: a NEW run begins at step 0"
+                  f"{dropped} (--resume=required refuses such a directory instead)", flush=True)
     elif rank0 and not tc.overwrite:
         print(f"[megatron-rl] new run in {tc.run_dir}", flush=True)
     return start, resumed

@@ -63,8 +63,16 @@ def complete_steps(run_dir: str) -> List[int]:
     return [n for n, path in _step_dirs(run_dir) if os.path.isfile(os.path.join(path, "COMPLETE"))]
 
 
-def run_dir_error(run_dir: str, resume: bool, overwrite: bool) -> Optional[str]:
-    """The refusal for a run directory holding another run's outputs, or None (see the module docstring)."""
+def run_dir_error(run_dir: str, resume, overwrite: bool) -> Optional[str]:
+    """The refusal for a run directory holding another run's outputs, or for ``resume="required"`` in one with no
+    COMPLETE checkpoint; None otherwise (see the module docstring)."""
+    if resume == "required" and not complete_steps(run_dir):
+        found = run_outputs(run_dir)
+        return (f"trainer.resume=required (--resume=required): no complete checkpoint in "
+                f"{os.path.join(run_dir, 'checkpoints')!r}"
+                + (f" (the directory holds: {', '.join(found)})" if found else
+                   " (nothing of a run there: is trainer.run_dir mistyped?)")
+                + ". Without 'required', --resume would begin a new run there at step 0")
     if resume or overwrite:
         return None
     found = run_outputs(run_dir)
