@@ -3,7 +3,8 @@
 #   1. set up .venv (torch==2.13.0 CPU first, then megatron-rl),
 #   2. build the tiny task model + char tokenizer into runs/tiny_cpu/init_model (first run only),
 #   3. train on 4 gloo ranks (TP2 x PP2) with launch/torchrun.sh and configs/tiny_cpu.yaml,
-#   4. write the run report (PNG plots + report.md) into runs/tiny_cpu/report.
+#   4. write the run report (PNG plots + report.md) into runs/tiny_cpu/report,
+#   5. answer every string (held-out ones apart) greedily with the trained model: runs/tiny_cpu/results.{md,json}.
 # Usage: bash tools/quickstart.sh [key.sub=value ...] [--resume]     e.g. trainer.steps=50
 # A demo: each run starts over in runs/tiny_cpu (trainer.overwrite=true: the previous run's metrics,
 # checkpoints and report are removed; the model in runs/tiny_cpu/init_model is kept) unless --resume
@@ -29,4 +30,7 @@ done
 PYTHON="$PY" NPROC_PER_NODE=4 LOG_DIR="$RUN_DIR/logs" bash launch/torchrun.sh --config configs/tiny_cpu.yaml \
   "${START[@]+"${START[@]}"}" "$@"
 "$PY" -m megatron_rl.cli report "$RUN_DIR" --out "$RUN_DIR/report"
+# the held-out strings and every string of each length, answered greedily by the trained model
+"$PY" tools/quickstart_results.py "$RUN_DIR" > /dev/null
 echo "report: $RUN_DIR/report/report.md"
+echo "greedy answers per length, held-out strings apart: $RUN_DIR/results.md"

@@ -5,14 +5,18 @@ under ``RUN_DIR/checkpoints`` (exported to ``RUN_DIR/hf_final`` with the project
 evaluates the trained model GREEDILY (temperature 0, fp32, the project's ``EmbeddedEngine``) on every prompt of
 the task, reported per operand length: on the held-out prompts of each length that has any — operand strings
 the run never trained on (``data.task_kwargs.heldout_frac``, see ``megatron_rl.tasks.synthetic``) — and on
-every string of each length (the rate strings drawn with uniform lengths measure, length by length). Writes the markdown table to ``--out`` (default ``docs/results.md``) and
-prints it; no number in it is typed by hand. The task and its options come from the config saved in the
+every string of each length (the rate strings drawn with uniform lengths measure, length by length). Writes the
+markdown table to ``--out`` (default ``RUN_DIR/results.md``; never a tracked file unless asked: the project's
+``docs/results.md`` is refreshed with ``--out docs/results.md``) and the numbers to ``--json`` (default
+``RUN_DIR/results.json``), and prints the table; no number in it is typed by hand. tools/quickstart.sh runs it at
+the end of every quickstart. The task and its options come from the config saved in the
 checkpoint, so the evaluation matches what the run trained on.
 
 Usage::
 
     bash tools/quickstart.sh trainer.run_dir=runs/qs
-    .venv/bin/python tools/quickstart_results.py runs/qs                  # -> docs/results.md
+    .venv/bin/python tools/quickstart_results.py runs/qs                  # -> runs/qs/results.{md,json}
+    .venv/bin/python tools/quickstart_results.py runs/qs --out docs/results.md    # the project's page
     .venv/bin/python tools/quickstart_results.py runs/qs --out /tmp/r.md --json /tmp/r.json
 """
 from __future__ import annotations
@@ -211,10 +215,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     """Command-line entry point; returns the numbers it wrote."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                 "docs", "results.md"))
-    p.add_argument("--json", default=None, help="also write the numbers as JSON to this file")
+    p.add_argument("--out", default=None, help="the markdown page (default RUN_DIR/results.md)")
+    p.add_argument("--json", default=None, help="the numbers as JSON (default RUN_DIR/results.json)")
     a = p.parse_args(argv)
+    a.out = a.out or os.path.join(a.run_dir, "results.md")
+    a.json = a.json or os.path.join(a.run_dir, "results.json")
     records = read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))
     ckpt = latest_checkpoint(a.run_dir)
     if ckpt is None:
@@ -231,9 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     result = {**facts, "heldout_exact": ev["exact"], "heldout_n": ev["n"], "uniform_lengths": ev["uniform_lengths"],
               "worst_length": ev["worst_length"],
               "by_length": {str(k): v for k, v in ev["by_length"].items()}}
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    with open(a.json, "w") as fh:
+        json.dump(result, fh, indent=2)
     return result
 
 

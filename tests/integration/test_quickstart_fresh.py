@@ -96,12 +96,11 @@ def test_quickstart_from_a_fresh_copy_with_its_own_venv_learns(tmp_path):
                            capture_output=True, text=True, env=_clean_env(), timeout=120)
     assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
 
-    # it learned: scored as docs/results.md is, from the clone's root (the job's paths are relative to it)
-    score = subprocess.run([sys.executable, "tools/quickstart_results.py", "runs/tiny_cpu", "--out",
-                            str(tmp_path / "results.md"), "--json", str(tmp_path / "r.json")],
-                           cwd=clone, capture_output=True, text=True, timeout=900)
-    assert score.returncode == 0, score.stdout[-4000:] + score.stderr[-4000:]
-    with open(tmp_path / "r.json") as fh:
+    # it learned: scored by the quickstart itself (tools/quickstart_results.py, as docs/results.md is) into the
+    # run directory; the tracked docs/results.md is left as it was
+    assert (run / "results.md").is_file() and "results.md" in r.stdout, out
+    assert (clone / "docs" / "results.md").read_text() == open(os.path.join(ROOT, "docs", "results.md")).read()
+    with open(run / "results.json") as fh:
         res = json.load(fh)
     summary = json.dumps(res, indent=1)
     assert res["steps"] == STEPS, summary
