@@ -144,8 +144,9 @@ class RolloutConfig:
     the elements whose bits changed since the version the engine holds (positions + values; the whole tensor
     when that is smaller), applied exactly (the engine's
     weights equal a full sync's bit for bit). The first version, and the one after a failed or skipped version,
-    is a full sync. Costs a copy of each sender's own HF tensors (engine dtype) on it, and with SGLang a copy
-    of the model in each server process's host memory (docs/weight_sync.md#delta-sync)."""
+    is a full sync. Costs a copy of each sender's own HF tensors (engine dtype) in its host memory (none on the
+    GPU), and with SGLang a copy of the whole model in the host memory of each server TP process (TP copies per
+    server); ``megatron-rl check`` prints both (docs/weight_sync.md#delta-sync)."""
     weight_sync_master_address: Optional[str] = None
     """distributed: the address SGLang servers use to reach trainer rank 0 (default: the address of this
     host's interface that routes to the servers; 127.0.0.1 when every server is on loopback). Other
