@@ -309,7 +309,8 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 10
     """Generation rounds per step at most (each draws ``data.prompts_per_step`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
-    ``enable``, as verl's disabled default block has it)."""
+    ``enable``, as verl's disabled default block has it). The rollout phase's bounds scale with it:
+    ``trainer.phase_timeout_s`` and ``trainer.collective_timeout_s`` (the other ranks' wait) per round."""
     on_exhausted: str = "train"
     """When ``max_num_gen_batches`` rounds found fewer groups with signal than the batch needs (always with a
     ``FilterGroupsExhaustedWarning``): "train" -- train on them, the batch topped up with groups without signal
@@ -469,10 +470,13 @@ class TrainerConfig:
     reward and its change, mean length, step time, throughput (0: per-step lines only)."""
     collective_timeout_s: float = 1800.0
     """Process-group timeout (gloo / NCCL): a collective that waits longer raises on that rank. Ranks wait
-    in a broadcast while rank 0 generates rollouts, so it must exceed the longest rollout phase."""
+    in a broadcast while rank 0 generates rollouts, so it must exceed the longest generation round: with dynamic
+    sampling that wait gets it once per round (x ``algorithm.filter_groups.max_num_gen_batches``,
+    ``config/timeouts.py``), and a wait that runs out names rank 0's rollouts and these keys."""
     phase_timeout_s: float = 1800.0
     """Watchdog: one phase of a step (rollout, logprob, train, weight_sync, metrics) running longer ends
-    the rank with the phase named and its stacks printed; torchrun then stops the job (0: no limit)."""
+    the rank with the phase named and its stacks printed; torchrun then stops the job (0: no limit). The rollout
+    phase gets it per generation round: x ``algorithm.filter_groups.max_num_gen_batches`` with dynamic sampling."""
     checkpoint_timeout_s: float = 1800.0
     """Watchdog limit of one checkpoint save (0: no limit). A save that fails or times out is never marked
     COMPLETE; the previous COMPLETE checkpoint stays the one ``--resume`` loads."""
