@@ -410,8 +410,9 @@ class ActorConfig:
     without TE megatron's local attention running SDPA once per causal segment), so no compute goes to padding. Combine with ``max_tokens_per_micro_batch``."""
     bf16: bool = False
     """Megatron's ``--bf16``: bf16 parameters and compute, fp32 main parameters in the optimizer, gradients
-    accumulated and all-reduced in fp32 (Megatron's ``accumulate_allreduce_grads_in_fp32``); log-probs and
-    entropy are computed in fp32 from the logits. false: fp32 end to end (the CPU default). Weight sync hands
+    accumulated and all-reduced in fp32 (Megatron's ``accumulate_allreduce_grads_in_fp32``; each micro-batch's
+    weight gradient is bf16 before it is added, no fused fp32 wgrad accumulation); log-probs and
+    entropy are computed in fp32 from the (bf16) logits, the old log-probs too (a bf16 forward). false: fp32 end to end (the CPU default). Weight sync hands
     the bf16 parameters to the rollout engine as they are."""
     fp32_output_layer: bool = False
     """With ``bf16`` and ``use_distributed_optimizer``: keep the output layer's weight in fp32 and run the output

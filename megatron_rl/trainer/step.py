@@ -4,7 +4,8 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
     got       = job.source.next(step)                         # rank 0 generates (sync) or takes (async); each
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
-    old_lp    = actor.compute_log_probs(shard, T)              # fp32 recompute, vocab-parallel
+    old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward (bf16 with actor.bf16),
+                                                              # fp32 vocab-parallel log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
     adv       = group advantages with the post-rejection mask
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
