@@ -4,7 +4,9 @@
     optimizer = build_optimizer(ddp_chunks, actor_cfg)  # get_megatron_optimizer(OptimizerConfig(...))
 
 Choices: gradients are accumulated and reduced in fp32 (``grad_reduce_in_fp32``, Megatron-LM's
-``--accumulate-allreduce-grads-in-fp32``) whatever the parameter dtype; with ``actor.bf16`` the optimizer keeps
+``--accumulate-allreduce-grads-in-fp32``) whatever the parameter dtype (each micro-batch's own weight gradient is in
+the parameter's dtype, bf16 with ``actor.bf16``, before DDP adds it into the fp32 buffer: no fused wgrad
+accumulation, ``gradient_accumulation_fusion=False``); with ``actor.bf16`` the optimizer keeps
 fp32 main parameters (megatron's mixed-precision optimizer, no loss scaling for bf16).
 ``actor.use_distributed_optimizer`` shards the fp32 main parameters and Adam state over the data-parallel
 ranks (gradients reduce-scattered, parameters all-gathered after the step). No overlap (the RL step is small

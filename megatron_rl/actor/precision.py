@@ -6,7 +6,9 @@
 
 ``actor.bf16`` (Megatron's ``--bf16``): bf16 parameters and compute; the Megatron optimizer keeps fp32 main
 parameters (``OptimizerConfig.bf16``) and DDP accumulates and all-reduces gradients in fp32
-(``grad_reduce_in_fp32``, Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``). The loss and the log-prob
+(``grad_reduce_in_fp32``, Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``) -- each micro-batch's weight
+gradient itself is bf16 (autograd's, in the parameter's dtype; ``gradient_accumulation_fusion=False``), added into
+the fp32 ``main_grad`` buffer. The loss and the log-prob
 pass compute log-softmax / entropy in fp32 from the logits (``megatron_rl.logprobs``), whatever their dtype.
 ``actor.fp32_output_layer``: the output layer's weight stays fp32 and its matmul runs in fp32 (fp32 logits); it
 needs ``actor.use_distributed_optimizer`` (``precision_error``).

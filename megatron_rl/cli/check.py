@@ -29,6 +29,7 @@ from typing import List, Optional
 from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.load import VERL_FILE_MESSAGE
+from megatron_rl.config.timeouts import rollout_waits_line
 from megatron_rl.config.validate import world_errors
 from megatron_rl.models.attention import expected_te, job_attention_backend
 from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
@@ -150,6 +151,9 @@ def _run(args: argparse.Namespace) -> int:
     corr = cfg.algorithm.rollout_correction
     if corr is not None:
         print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
+    waits = rollout_waits_line(cfg)
+    if waits is not None and world > 1:
+        print(waits)
     build = build_command(args.config, cfg)
     if build is not None and any(p.startswith("actor.load_hf:") for p in problems):
         print(f"hint: build actor.load_hf first: {build}", file=sys.stderr)

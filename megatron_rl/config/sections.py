@@ -144,8 +144,9 @@ class RolloutConfig:
     the elements whose bits changed since the version the engine holds (positions + values; the whole tensor
     when that is smaller), applied exactly (the engine's
     weights equal a full sync's bit for bit). The first version, and the one after a failed or skipped version,
-    is a full sync. Costs a copy of each sender's own HF tensors (engine dtype) on it, and with SGLang a copy
-    of the model in each server process's host memory (docs/weight_sync.md#delta-sync)."""
+    is a full sync. Costs a copy of each sender's own HF tensors (engine dtype) in its host memory (none on the
+    GPU), and with SGLang a copy of the whole model in the host memory of each server TP process (TP copies per
+    server); ``megatron-rl check`` prints both (docs/weight_sync.md#delta-sync)."""
     weight_sync_master_address: Optional[str] = None
     """distributed: the address SGLang servers use to reach trainer rank 0 (default: the address of this
     host's interface that routes to the servers; 127.0.0.1 when every server is on loopback). Other
@@ -308,7 +309,8 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 10
     """Generation rounds per step at most (each draws ``data.prompts_per_step`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
-    ``enable``, as verl's disabled default block has it)."""
+    ``enable``, as verl's disabled default block has it). The rollout phase's bounds scale with it:
+    ``trainer.phase_timeout_s`` and ``trainer.collective_timeout_s`` (the other ranks' wait) per round."""
     on_exhausted: str = "train"
     """When ``max_num_gen_batches`` rounds found fewer groups with signal than the batch needs (always with a
     ``FilterGroupsExhaustedWarning``): "train" -- train on them, the batch topped up with groups without signal
@@ -408,8 +410,9 @@ class ActorConfig:
     without TE megatron's local attention running SDPA once per causal segment), so no compute goes to padding. Combine with ``max_tokens_per_micro_batch``."""
     bf16: bool = False
     """Megatron's ``--bf16``: bf16 parameters and compute, fp32 main parameters in the optimizer, gradients
-    accumulated and all-reduced in fp32 (Megatron's ``accumulate_allreduce_grads_in_fp32``); log-probs and
-    entropy are computed in fp32 from the logits. false: fp32 end to end (the CPU default). Weight sync hands
+    accumulated and all-reduced in fp32 (Megatron's ``accumulate_allreduce_grads_in_fp32``; each micro-batch's
+    weight gradient is bf16 before it is added, no fused fp32 wgrad accumulation); log-probs and
+    entropy are computed in fp32 from the (bf16) logits, the old log-probs too (a bf16 forward). false: fp32 end to end (the CPU default). Weight sync hands
     the bf16 parameters to the rollout engine as they are."""
     fp32_output_layer: bool = False
     """With ``bf16`` and ``use_distributed_optimizer``: keep the output layer's weight in fp32 and run the output
@@ -470,10 +473,13 @@ class TrainerConfig:
     reward and its change, mean length, step time, throughput (0: per-step lines only)."""
     collective_timeout_s: float = 1800.0
     """Process-group timeout (gloo / NCCL): a collective that waits longer raises on that rank. Ranks wait
-    in a broadcast while rank 0 generates rollouts, so it must exceed the longest rollout phase."""
+    in a broadcast while rank 0 generates rollouts, so it must exceed the longest generation round: with dynamic
+    sampling that wait gets it once per round (x ``algorithm.filter_groups.max_num_gen_batches``,
+    ``config/timeouts.py``), and a wait that runs out names rank 0's rollouts and these keys."""
     phase_timeout_s: float = 1800.0
     """Watchdog: one phase of a step (rollout, logprob, train, weight_sync, metrics) running longer ends
-    the rank with the phase named and its stacks printed; torchrun then stops the job (0: no limit)."""
+    the rank with the phase named and its stacks printed; torchrun then stops the job (0: no limit). The rollout
+    phase gets it per generation round: x ``algorithm.filter_groups.max_num_gen_batches`` with dynamic sampling."""
     checkpoint_timeout_s: float = 1800.0
     """Watchdog limit of one checkpoint save (0: no limit). A save that fails or times out is never marked
     COMPLETE; the previous COMPLETE checkpoint stays the one ``--resume`` loads."""

@@ -1,6 +1,7 @@
 """``compute_rollout_correction``: IS weights, rejection mask and metrics, exact under DP / CP.
 
-Inputs are one rank's share of the global batch: ``[B, T]`` trainer log-probs (fp32 recompute),
+Inputs are one rank's share of the global batch: ``[B, T]`` trainer log-probs (the actor's recompute: fp32
+log-softmax of its logits, a bf16 forward with ``actor.bf16``),
 rollout log-probs (e.g. SGLang bf16) and the response mask. With ``group`` (the ranks that hold
 distinct tokens of the batch: Megatron's data-parallel group *with* context parallel) every weight and
 metric equals the single-process result on the concatenated batch; with ``cp_group`` (context
@@ -90,7 +91,8 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
     """Correct the rollout-vs-training mismatch of one rank's share of the batch.
 
     Args:
-        train_log_probs: [B, T] log pi_train of the sampled tokens (fp32 recompute, or the old policy).
+        train_log_probs: [B, T] log pi_train of the sampled tokens (the actor's recompute, fp32
+                log-softmax of its logits -- bf16 ones with ``actor.bf16`` --, or the old policy).
         rollout_log_probs: [B, T] log pi_rollout of the same tokens (from the rollout engine).
         response_mask: [B, T] 1 on response tokens, 0 on padding (bool / int / float).
         cfg: the correction settings.

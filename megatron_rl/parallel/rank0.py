@@ -36,12 +36,13 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def share_from_rank0(obj: Optional[object]) -> object:
-    """Broadcast a picklable object (rollouts, or an exception to re-raise) from global rank 0."""
+def share_from_rank0(obj: Optional[object], group: Optional[dist.ProcessGroup] = None) -> object:
+    """Broadcast a picklable object (rollouts, or an exception to re-raise) from global rank 0 (over ``group``, a
+    group of every rank; default the default group)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -151,13 +152,16 @@ def _receive_piece(group: Optional[dist.ProcessGroup]) -> object:
 
 def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], Pieces], what: Optional[str] = None,
                        passthrough: Tuple[Type[BaseException], ...] = (),
-                       group: Optional[dist.ProcessGroup] = None) -> Tuple[object, Optional[T]]:
+                       group: Optional[dist.ProcessGroup] = None,
+                       waiting: Optional[str] = None) -> Tuple[object, Optional[T]]:
     """Run ``fn`` on rank 0 only, cut its result (``split``: the ``Pieces`` of every global rank) and send each
     rank its own piece alone, point to point over ``group`` (every rank; default the default group; a gloo group
     keeps the bytes in host memory, ``parallel.devices`` stages them where another backend needs them). Rank 0
     pickles each distinct piece once and holds one pickled piece at a time; a rank receives and holds only its
     own. Returns ``(this rank's piece, fn's result on rank 0 / None elsewhere)``; a failure of ``fn``, ``split``
-    or of making or pickling any piece is raised on every rank; every wait is bounded by ``group``'s timeout."""
+    or of making or pickling any piece is raised on every rank; every wait is bounded by ``group``'s timeout.
+    ``waiting``: what the other ranks wait for while ``fn`` runs; when that wait itself fails on one of them (the
+    group's timeout, rank 0 gone) it raises a ``RuntimeError`` naming it, not the bare backend error."""
     if not dist.is_initialized():
         result = fn()
         pieces = split(result)
@@ -173,8 +177,13 @@ def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], Pieces], what: 
         both, local = _run(run, what, passthrough)
         if both is not None:
             result, pieces = both
-    shared = share_from_rank0(None if local is None else _shareable(local))
+    try:
+        shared = share_from_rank0(None if local is None else _shareable(local), group)
+    except Exception as exc:  # noqa: BLE001 - the wait for rank 0 failed: say for what
+        if waiting is None or is_rank0():
+            raise
+        raise RuntimeError(f"rank {dist.get_rank()}: {waiting}: {type(exc).__name__}: {exc}") from exc
     _finish(None, local, shared)
     piece, local = _send_pieces(pieces, group) if is_rank0() else (_receive_piece(group), None)
-    shared = share_from_rank0(None if local is None else _shareable(local))   # every rank learns of a failure
+    shared = share_from_rank0(None if local is None else _shareable(local), group)  # every rank learns of a failure
     return _finish(piece, local, shared), result

@@ -24,6 +24,11 @@ whole-batch metrics -- rank 0 cuts the batch and sends each rank its piece point
 (``parallel.rank0.scatter_from_rank0``), pickling each distinct piece once and holding one at a time, so a rank's
 share of a step's bytes, and of its host memory, is its shard's. On NCCL jobs the pieces travel in a gloo group of
 every rank (``RowSplit.group``), so none is staged in GPU memory.
+
+While rank 0 makes a step's batch the other ranks wait in that scatter; the wait is bounded per generation round
+(``config.timeouts.rollout_wait_timeout_s``: ``trainer.collective_timeout_s`` x the rounds dynamic sampling may
+take, in a gloo group of that timeout when longer than the default group's), and a wait that fails names what it
+waited for on that rank (``rollout_wait_cause``), not only the backend's timeout.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
+from megatron_rl.config.timeouts import rollout_wait_cause, rollout_wait_timeout_s
 from megatron_rl.parallel.rank0 import Pieces, scatter_from_rank0, share_from_rank0
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.versions import version_tag
@@ -73,20 +79,23 @@ class RowSplit:
 
     @classmethod
     def gather(cls, cfg: JobConfig, dp_rank: int, dp_size: int, balance_tokens: bool,
-               layers: Optional[Sequence[int]] = None) -> "RowSplit":
+               layers: Optional[Sequence[int]] = None, wait_s: Optional[float] = None) -> "RowSplit":
         """Collective over every rank: each rank's DP rank and routing layers (``layers``, None: every layer; one
         all_gather_object), and, when the default group is not gloo (NCCL), a gloo group of every rank for the
         pieces, so they travel in host memory and none is staged in GPU memory. ``balance_tokens``: the actor's
-        ``MicroBatcher.balances_dp_tokens``."""
+        ``MicroBatcher.balances_dp_tokens``. ``wait_s``: how long the other ranks may wait for rank 0's rollouts
+        (``config.timeouts.rollout_wait_timeout_s``; None: ``trainer.collective_timeout_s``); when longer than
+        that, the group (gloo, every rank) is made with it, so only this wait gets the longer bound."""
         mine = (int(dp_rank), None if layers is None else tuple(int(j) for j in layers))
         everyone = [mine]
         group = None
         if dist.is_initialized():
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
-            if dist.get_backend() != "gloo":
-                group = dist.new_group(backend="gloo",
-                                       timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
+            longer = wait_s is not None and wait_s > cfg.trainer.collective_timeout_s
+            if dist.get_backend() != "gloo" or longer:
+                timeout = wait_s if longer else cfg.trainer.collective_timeout_s
+                group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         return cls([d for d, _ in everyone], int(dp_size), cfg.rollout.n_samples_per_prompt, bool(balance_tokens),
                    group, [lay for _, lay in everyone])
 
@@ -131,7 +140,8 @@ class RolloutSource:
         """Rank 0 makes the batch (``make``) and checks it; each rank receives its rows."""
         split = self.split or RowSplit([0] * (dist.get_world_size() if dist.is_initialized() else 1), 1,
                                        self.cfg.rollout.n_samples_per_prompt, False)
-        piece, whole = scatter_from_rank0(lambda: self._checked(make(), step), split.pieces, group=split.group, **kw)
+        piece, whole = scatter_from_rank0(lambda: self._checked(make(), step), split.pieces, group=split.group,
+                                          waiting=rollout_wait_cause(self.cfg, step + 1), **kw)
         piece.whole = whole
         return piece
 
@@ -240,7 +250,7 @@ def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: We
     else:
         source = SyncRollouts(cfg, generator, engine, immediate)
     source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, actor.batcher.balances_dp_tokens,
-                                   routing_layers(actor))
+                                   routing_layers(actor), wait_s=rollout_wait_timeout_s(cfg))
     return source
 
 

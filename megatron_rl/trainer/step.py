@@ -4,14 +4,17 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
     got       = job.source.next(step)                         # rank 0 generates (sync) or takes (async); each
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
-    old_lp    = actor.compute_log_probs(shard, T)              # fp32 recompute, vocab-parallel
+    old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward (bf16 with actor.bf16),
+                                                              # fp32 vocab-parallel log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
     adv       = group advantages with the post-rejection mask
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
     metrics   = actor.train_step(shard, old, adv, corr.response_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
 
-Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``).
+Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``); the rollout
+phase gets ``phase_timeout_s`` per generation round it may take (``config.timeouts``: x
+``algorithm.filter_groups.max_num_gen_batches`` with dynamic sampling), on every rank.
 
 A step that dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: skip``: the metric
 ``filter_groups/skipped`` every rank receives with its rows) trains nothing and only publishes the unchanged
@@ -27,6 +30,7 @@ import time
 from typing import Dict, Optional, Tuple
 
 from megatron_rl.actor.schedule import actor_device
+from megatron_rl.config.timeouts import rollout_phase_key, rollout_phase_timeout_s
 from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
@@ -43,7 +47,8 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     cfg, actor, wd, source = job.cfg, job.actor, job.watchdog, job.source
     T = cfg.rollout.temperature
     t_step = time.perf_counter()
-    with wd.phase("rollout", step + 1):
+    # rank 0 may generate up to max_num_gen_batches rounds (dynamic sampling): phase_timeout_s per round, every rank
+    with wd.phase("rollout", step + 1, timeout_s=rollout_phase_timeout_s(cfg), config_key=rollout_phase_key(cfg)):
         got = source.next(step)   # this rank's rows (its DP shard) and the step's whole-batch metrics
     t_rolled = time.perf_counter()
     if got.metrics.get(SKIPPED):  # dynamic sampling found too few groups with signal: every rank skips the same step

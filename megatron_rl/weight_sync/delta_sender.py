@@ -14,7 +14,14 @@ only while the engine -- every server, asked at the sync -- serves, valid, the v
 The copies are updated in place as the tensors pass (no second copy of the model); a failed sync leaves them
 at no known version, so the next one is full. ``checks``: HF names whose whole tensor rank 0's verifier needs;
 they ride in the bucket after the engine's bytes (``kind`` check) unless they travel dense anyway.
-Memory: the sender's own HF tensors once, in the engine's dtype.
+
+Where the copies live: in this process's HOST memory (CPU tensors, pageable), never on the trainer's device --
+whatever device the gathered tensors come from. Each tensor is brought to the host as it passes (the one copy a
+full sync makes too, into its bucket) and compared there, so the sync adds no device memory; the copies are
+only read at sync time, on the host, so pinning them would lock that much RAM for no transfer. They are not split
+by TP: a sender holds whole HF tensors (TP rank 0 of its stage gathers them; the bits that changed are those of
+the HF tensor the engine receives). Memory per sender: its own HF tensors once, in the engine's dtype (fp32-kept
+tensors in fp32) -- what ``megatron-rl check`` counts per sender (``weight_sync.plan``).
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ class DeltaSender:
         for name, t in pairs:
             if dtype is not None and t.is_floating_point() and name not in keep and t.dtype != dtype:
                 t = t.to(dtype)
+            t = t.detach().to("cpu")  # compared on the host, where the copy lives (a CPU tensor: itself)
             held = None if full else self.base.get(name)
             d = encode_delta(name, t, held)
             if name in checks and d.kind != "dense":
@@ -62,7 +70,7 @@ class DeltaSender:
             yield d
             # after the packer took ``d`` (its tensors never alias ``held``): bring the copy to the new version
             if held is None or tuple(held.shape) != tuple(t.shape) or held.dtype != t.dtype:
-                self.base[name] = t.detach().clone()
+                self.base[name] = t.clone()  # host memory: t is on the host
             elif d.kind == "sparse":
                 apply_delta(held, d)
             elif d.kind == "dense":

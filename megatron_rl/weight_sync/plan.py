@@ -18,8 +18,12 @@
 * disk mode with SGLang servers (also the default of async jobs with them): the export
   directory must be on a filesystem the trainer and the servers share, which the line says;
 * ``rollout.weight_sync_delta``: the expected bytes of a delta sync when ``DELTA_CHANGED_FRAC`` of the elements
-  changed (``delta.sparse_nbytes``: 2-byte positions + values), and the copies it keeps (each stage leader: its
-  stage's tensors in the engine's dtype; SGLang: the model in each server process's host memory).
+  changed (``delta.sparse_nbytes``: 2-byte positions + values), and the copies it keeps where they live: each
+  sender's own HF tensors in the engine's dtype in ITS host memory (``delta_sender.py``: never on the trainer's
+  device, so nothing of it is in the GPU plan), counted in ``rank0_host_bytes`` / ``leader_host_bytes`` per
+  sending rank (``delta_copy_bytes``: each sender's); with SGLang the whole model in the host memory of EVERY
+  server TP process (``server_loader.py``: each TP process is handed whole HF tensors and slices them itself, so
+  the store cannot be split by TP), ``engine_store_bytes`` per TP process -- TP times that per server.
 """
 from __future__ import annotations
 
@@ -68,6 +72,14 @@ class SyncPlan:
     """rollout.weight_sync_delta: expected bytes of a delta sync at ``DELTA_CHANGED_FRAC`` (0: no delta)."""
     senders: List[Tuple[str, float]] = field(default_factory=list)
     """In-memory modes: each sender ("stage S EP rank E") and the bytes it sends per sync."""
+    delta_copy_bytes: List[float] = field(default_factory=list)
+    """rollout.weight_sync_delta: each sender's copy of its own tensors (host memory of that rank; in
+    ``senders`` order), already part of ``rank0_host_bytes`` / ``leader_host_bytes``."""
+    engine_store_bytes: float = 0.0
+    """rollout.weight_sync_delta with SGLang: the model each server TP process keeps in its host memory."""
+    server_tp: int = 0
+    """The TP size of the one SGLang server this job launches (``rollout.sglang_launch`` without
+    ``sglang_urls``: 1); 0 when servers are given by URL (their TP is not in the config)."""
 
     def line(self) -> str:
         """One line for the check output."""
@@ -90,9 +102,26 @@ class SyncPlan:
         if self.delta_bytes:
             out += (f"\n  delta sync: ~{_decimal(self.delta_bytes)} per sync when {DELTA_CHANGED_FRAC:.0%} of the "
                     f"elements change ({self.delta_bytes / self.bytes_per_sync:.1%} of a full sync; the first sync "
-                    f"and the one after a failed or skipped version are full); each sender keeps its own "
-                    f"tensors (memory above), each SGLang server process the model ({_binary(self.bytes_per_sync)} "
-                    f"host)")
+                    f"and the one after a failed or skipped version are full)")
+            out += "\n  " + self.delta_memory()
+        return out
+
+    def delta_memory(self) -> str:
+        """Where a delta sync's copies live, per process (part of ``line``)."""
+        copies = self.delta_copy_bytes
+        each = ", ".join(f"{n} {_binary(b)}" for (n, _), b in zip(self.senders[:8], copies[:8]))
+        more = f", ... ({len(copies) - 8} more)" if len(copies) > 8 else ""
+        out = (f"delta copies, host memory (CPU RAM, none on the GPU), in the totals above: each sender keeps "
+               f"its own tensors ({each}{more}; {_binary(sum(copies))} over all senders)")
+        if self.engine_store_bytes:
+            per = _binary(self.engine_store_bytes)
+            if self.server_tp:
+                whole = _binary(self.server_tp * self.engine_store_bytes)
+                server = f"the launched server (TP {self.server_tp}): {whole}"
+            else:
+                server = f"a server of TP t holds t x {per}, e.g. {_binary(8 * self.engine_store_bytes)} at TP 8"
+            out += (f"; every SGLang server TP process keeps the whole model on its host: {per} per TP process "
+                    f"({server}; on the trainer's nodes, weight_sync tensor)")
         return out
 
 
@@ -121,18 +150,21 @@ def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
     in_process = r.engine != "sglang"  # the embedded engine receives every sender's bucket in rank 0's process
     rank0 = (len(senders) if in_process else 1) * filled + largest
     leader = filled + largest if len(senders) > 1 else 0.0
-    delta = 0.0
-    if r.weight_sync_delta:  # every tensor's elements in blocks; each sender keeps its own tensors
+    delta, copies, store = 0.0, [], 0.0
+    if r.weight_sync_delta:  # every tensor's elements in blocks; each sender keeps its own tensors on its host
         delta = sparse_nbytes(int(total_params), int(total_params * DELTA_CHANGED_FRAC), dtype_bytes)
-        rank0 += senders[0][1]
-        leader += max(b for _, b in senders[1:]) if len(senders) > 1 else 0.0
+        copies = [b for _, b in senders]  # a sender's copy = the bytes it sends in a full sync
+        rank0 += copies[0]
+        leader += max(copies[1:]) if len(copies) > 1 else 0.0
+        store = total if r.engine == "sglang" else 0.0  # the embedded engine applies deltas to its own weights
     if r.mode == "async":  # the producer loads versions later: rank 0 holds each published, not yet loaded
         # version whole in the trainer's dtype (up to max_staleness + 1 of them) and builds the next one
         trainer_bytes = 2 if cfg.actor.bf16 else 4
         rank0 += (r.max_staleness + 2) * float(total_params) * trainer_bytes
     slowest = max(b for _, b in senders)  # the senders run in parallel
     return SyncPlan(mode, total, bucket, rank0, leader, slowest / (LINK_GBPS * 1e9), LINK_GBPS, delta_bytes=delta,
-                    senders=senders)
+                    senders=senders, delta_copy_bytes=copies, engine_store_bytes=store,
+                    server_tp=1 if store and r.sglang_launch and not r.sglang_urls else 0)
 
 
 def sender_bytes(cfg, dtype_bytes: int) -> List[Tuple[str, float]]:

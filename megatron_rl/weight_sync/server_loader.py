@@ -8,8 +8,14 @@ The loader keeps, in this process's host memory, the HF tensors of the version t
 dtype): a dense entry replaces a tensor, a sparse one is applied to it (``delta.apply_delta``), and every tensor
 of the bucket -- changed or not -- is then handed WHOLE to the model's own ``load_weights``, exactly as a full
 sync hands it. The server's weights are therefore those of a full sync bit for bit; only the bytes that
-travel are fewer. A delta from a version other than the one this store holds is refused (the trainer then
-sends a full sync next).
+travel are fewer. A delta from a version other than the one this store holds is refused: the request fails, the
+sync fails on every trainer rank (``WeightSyncError``; every server is tagged ``sync-failed``) and that ends the
+job -- the loop retries nothing. (Rank 0 sends a delta only after every server said it serves the base version,
+``DeltaSender.base_for``, so a refusal means a server changed in between.) Only a later sync of the same
+``DeltaPublisher``, as the tests make, would be full.
+
+Memory: the whole model's HF tensors (engine dtype) in this process's host memory -- one copy per server TP
+process, since each TP process is handed whole tensors and slices them itself (``megatron-rl check`` prints it).
 """
 from __future__ import annotations
 

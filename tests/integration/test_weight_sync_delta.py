@@ -6,7 +6,9 @@ through full (bucketed) syncs -- the reference. After every version both engines
 (integer views: -0.0 / NaN-aware). The delta engine is sent <= 10 % of the full sync's bytes per training step;
 the first version, the version after a failed sync (the link lost after a first bucket was applied) and the
 version after a skipped one (the engine loaded other weights in between) are full
-syncs -- byte counts equal to the full sync's -- and still equal bit for bit.
+syncs -- byte counts equal to the full sync's -- and still equal bit for bit. At the end, the copies each sender
+rank held (measured on its real tensors: host tensors, engine dtype, the checkpoint's HF names) equal what
+``megatron-rl check`` plans for that sender (``weight_sync.plan``).
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_weight_sync_delta.py -q``
 """
@@ -79,7 +81,9 @@ def _body(rank, world, job_delta, job_full, other_dir, seed):
         eng_d.update_weights(other_dir, "elsewhere")  # the engine leaves the sequence (a version skipped)
     train()
     sync("step-6")                                  # full after the skip
-    return log
+    held = {n: (tuple(t.shape), t.dtype, t.device.type, t.numel() * t.element_size())
+            for n, t in pub_d.sender.base.items()}  # this rank's delta copies, as they are
+    return log, held
 
 
 @pytest.mark.timeout(300)
@@ -92,8 +96,9 @@ def test_delta_sync_equals_full_sync_and_falls_back(tiny_hf_model):
                          weight_sync_delta=delta, weight_sync_bucket_mb=0.02), hf=actor_dir)
 
     out = run_ranks(_body, 2, job(True), job(False), other_dir, 5, timeout=280)
-    log = {v: (m_d, m_f, eq) for v, m_d, m_f, eq in out[0]}
-    assert [v for v, *_ in out[1]] == list(log)  # every rank took part in every version
+    log = {v: (m_d, m_f, eq) for v, m_d, m_f, eq in out[0][0]}
+    assert [v for v, *_ in out[1][0]] == list(log)  # every rank took part in every version
+    _check_counts_the_copies_held(job(True), actor_dir, [held for _, held in out])
     full_kind = {"step-0", "step-4", "step-6"}
     fracs = {}
     for v, (m_d, m_f, eq) in log.items():
@@ -110,3 +115,28 @@ def test_delta_sync_equals_full_sync_and_falls_back(tiny_hf_model):
     assert set(fracs) == {"step-1", "step-2", "step-5"}
     assert max(fracs.values()) <= 0.10, fracs
     print("delta bytes / full bytes per step at lr 1e-6:", {k: round(f, 4) for k, f in fracs.items()})
+
+
+def _check_counts_the_copies_held(cfg, actor_dir, held):
+    """``megatron-rl check``'s delta copies (``weight_sync_plan``) equal the bytes each sender rank held (PP2:
+    rank r is stage r's sender), measured on its real tensors; every copy is a host tensor in the engine's dtype,
+    one per HF tensor of the checkpoint (its safetensors names: an independent list)."""
+    import dataclasses
+    import os
+
+    from megatron_rl.ops.memory import total_parameters
+    from megatron_rl.weight_sync.plan import weight_sync_plan
+
+    plan = weight_sync_plan(cfg, total_parameters(cfg.model))
+    assert [b for _, b in plan.senders] == plan.delta_copy_bytes
+    assert plan.delta_copy_bytes == [sum(x[3] for x in h.values()) for h in held], (plan.delta_copy_bytes, held)
+    assert {x[2] for h in held for x in h.values()} == {"cpu"}
+    assert {x[1] for h in held for x in h.values()} == {torch.bfloat16}
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(actor_dir, "model.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    assert sorted(n for h in held for n in h) == names
+    plain = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_sync_delta=False))
+    extra = plan.rank0_host_bytes - weight_sync_plan(plain, total_parameters(cfg.model)).rank0_host_bytes
+    assert extra == pytest.approx(sum(x[3] for x in held[0].values()), abs=1e-3)  # rank 0's host total counts it

@@ -219,3 +219,64 @@ def test_server_store_hands_whole_tensors_and_refuses_a_foreign_base():
     (stale,) = pack_deltas([encode_delta("a", v2["a"], v1["a"])], 1 << 20, "step-1", "step-3")
     with pytest.raises(ValueError, match="from 'step-1'.*holds 'step-2'.*full sync"):
         store.apply(stale)
+
+
+def test_sender_copies_live_on_the_host_whatever_device_the_tensors_come_from():
+    """``DeltaSender`` (trainer side of a delta sync) fed tensors on a stand-in accelerator (``fake_accelerator``:
+    mixing its tensors with CPU tensors raises, as CUDA does): its copies are host tensors, exactly the tensors'
+    bytes in the engine's dtype (the fp32-kept one in fp32); a delta sync from them sends exactly the changed
+    positions, and the copies follow the new version bit for bit."""
+    from megatron_rl.testing import fake_accelerator as fa
+    from megatron_rl.weight_sync.delta_sender import DeltaSender
+
+    fa.install()
+    dev = torch.device(fa.DEVICE)
+    g = torch.Generator().manual_seed(5)
+    v1 = {"a": torch.randn(40, 30, generator=g), "b": torch.randn(70, generator=g), "bias": torch.randn(9, generator=g)}
+    v2 = {k: t.clone() for k, t in v1.items()}
+    v2["a"][3, 4] += 1.0
+    v2["bias"][2] = -v2["bias"][2]
+
+    def sync(sender, version, tensors, base):
+        pairs = [(k, t.to(dev)) for k, t in tensors.items()]  # "the gathered tensors, on the GPU"
+        buckets = list(sender.pack(pairs, 1 << 20, torch.bfloat16, {"bias"}, base, version, set()))
+        sender.committed(version)
+        return [d for b in buckets for d in b.deltas()]
+
+    sender = DeltaSender()
+    sync(sender, "step-1", v1, None)
+    assert {k: t.device.type for k, t in sender.base.items()} == {"a": "cpu", "b": "cpu", "bias": "cpu"}
+    want = {"a": v1["a"].to(torch.bfloat16), "b": v1["b"].to(torch.bfloat16), "bias": v1["bias"]}
+    assert all(_same_bits(sender.base[k], want[k]) for k in want)
+    held = sum(t.numel() * t.element_size() for t in sender.base.values())
+    assert held == 40 * 30 * 2 + 70 * 2 + 9 * 4  # one copy, engine dtype (the kept tensor fp32)
+    deltas = {d.name: d for d in sync(sender, "step-2", v2, "step-1")}
+    assert [deltas[k].kind for k in ("a", "b", "bias")] == ["sparse", "same", "sparse"]
+    assert deltas["a"].index.tolist() == [3 * 30 + 4] and deltas["bias"].index.tolist() == [2]
+    assert all(t.device.type == "cpu" for t in sender.base.values())
+    assert _same_bits(sender.base["a"], v2["a"].to(torch.bfloat16)) and _same_bits(sender.base["bias"], v2["bias"])
+
+
+def test_check_counts_the_server_store_per_tp_process():
+    """With SGLang every server TP process keeps the whole model (engine dtype) in its host memory: ``check``
+    says so per TP process and per server (x TP), not one model; the trainer's copies are host memory per sender."""
+    from megatron_rl.config import job_config_from_dict
+    from megatron_rl.weight_sync.plan import weight_sync_plan
+
+    model = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "ffn_hidden_size": 128}
+    rollout = {"engine": "sglang", "weight_sync": "tensor", "weight_sync_delta": True,
+               "sglang_urls": ["http://127.0.0.1:9"]}
+    cfg = job_config_from_dict({"model": model, "rollout": rollout})
+    n = 1_000_000_000
+    plan = weight_sync_plan(cfg, n)
+    model_bytes = n * 2  # bf16 engine
+    assert plan.engine_store_bytes == model_bytes
+    line = plan.line()
+    assert f"{model_bytes / 2**30:.2f} GiB per TP process" in line, line
+    assert f"{8 * model_bytes / 2**30:.2f} GiB at TP 8" in line, line
+    assert "none on the GPU" in line
+    cfg.rollout.sglang_urls, cfg.rollout.sglang_launch = [], True
+    line = weight_sync_plan(cfg, n).line()
+    assert f"the launched server (TP 1): {model_bytes / 2**30:.2f} GiB" in line, line
+    cfg.rollout.engine = "embedded"  # deltas applied to the engine's own weights: no store
+    assert weight_sync_plan(cfg, n).engine_store_bytes == 0 and "TP process" not in weight_sync_plan(cfg, n).line()
