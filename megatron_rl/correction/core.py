@@ -39,7 +39,7 @@ import torch
 
 from megatron_rl.correction.columns import TokenView, seq_columns, token_view
 from megatron_rl.correction.config import RolloutCorrectionConfig
-from megatron_rl.correction.decisions import Decisions, decide, final_token_keep
+from megatron_rl.correction.decisions import decide, final_token_keep, output_weights
 from megatron_rl.correction.finalize import PREFIX, batch_norm_factor, finalize_metrics
 from megatron_rl.correction.partials import add_partials
 from megatron_rl.correction.reduce import CollectiveCounter, Reducer, check_groups, group_rank, group_size
@@ -122,22 +122,12 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
         factor = batch_norm_factor(cfg, sums)
         if cfg.rollout_is_batch_normalize:
             metrics[PREFIX + "rollout_is_batch_norm_factor"] = factor
-        weights = _output_weights(tok, dec, keep, factor)
+        weights = output_weights(tok, dec, keep, factor)
     new_mask = keep if response_mask.dtype == torch.bool else keep.to(response_mask.dtype)
     old_from_rollout, weights_in_loss = loss_input_sources(cfg.loss_type, cfg.bypass_mode)
     return CorrectionResult(weights=weights, response_mask=new_mask, metrics=metrics,
                             num_collectives=counter.count, old_from_rollout=old_from_rollout,
                             weights_in_loss=weights_in_loss)
-
-
-def _output_weights(tok: TokenView, dec: Decisions, keep: torch.Tensor, factor: float) -> torch.Tensor:
-    """[B, T] fp32 weights / factor on kept tokens, 0 elsewhere (detached)."""
-    zero = torch.zeros((), dtype=torch.float32, device=keep.device)
-    if tok.is_weight is not None:  # token level
-        w = tok.is_weight if factor == 1.0 else tok.is_weight / factor
-        return torch.where(keep, w.to(torch.float32), zero)
-    per_seq = (dec.is_.seq_weight / factor).to(torch.float32)
-    return torch.where(keep, per_seq[:, None], zero)
 
 
 def _raise_if_invalid(cfg: RolloutCorrectionConfig, sums, group, train_log_probs: torch.Tensor,
