@@ -57,3 +57,22 @@ def test_in_loss_correction_reads_the_log_probs_it_is_given():
     assert torch.equal(later.keep, torch.tensor(ref_mask, dtype=torch.bool))
     assert not torch.equal(later.keep, first.keep)
     torch.testing.assert_close(later.weights.double(), torch.tensor(ref_w, dtype=torch.float64), rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
+def test_bypass_result_gives_the_loss_the_mask_before_rejection(loss_type):
+    lt, lr, mask = make_batch(3, B=8, T=12, spread=0.5, empty_rows=(), pad_garbage=False, extreme=False)
+    lr[2, 0] = float("nan")   # an invalid rollout log-prob: its sequence leaves the loss (on_invalid: reject)
+    kw = dict(CFGS["seq_tis_geo_rs"], on_invalid="reject")
+    bypass = compute_rollout_correction(lt, lr, mask, RolloutCorrectionConfig(**kw, bypass_mode=True,
+                                                                               loss_type=loss_type))
+    expected = mask.clone()
+    expected[2] = 0
+    assert bypass.recomputed_in_loss and torch.equal(bypass.loss_mask, expected)
+    assert not torch.equal(bypass.response_mask, bypass.loss_mask), "the first pass rejects some sequences"
+    old, w = bypass.loss_inputs(lt, lr)
+    assert old is lr and w is None and bypass.weights is not None   # the first pass's weights: metrics only
+    decoupled = compute_rollout_correction(lt, lr, mask, RolloutCorrectionConfig(**kw))
+    assert not decoupled.recomputed_in_loss and decoupled.loss_mask is decoupled.response_mask
+    old, w = decoupled.loss_inputs(lt, lr)
+    assert old is lt and w is decoupled.weights
