@@ -9,7 +9,7 @@ Life cycle (every rank; after ``init_distributed()`` and
     res = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, cfg,
                                      group=actor.dp_group, cp_group=None)   # old_lp holds whole rows
     old, w = res.loss_inputs(old_lp, shard.rollout_log_probs)         # what the loss uses (bypass_mode, loss_type)
-    metrics = actor.train_step(shard, old, advantages, res.response_mask, w, temperature)
+    metrics = actor.train_step(shard, old, advantages, res.loss_mask, w, temperature)
     actor.save_checkpoint(dir, step, {"data_cursor": 7}); step, extra = actor.load_checkpoint(dir)
     actor.export_hf(out_dir)                  # collective; rank 0 writes HF safetensors (SGLang sync)
     sd = actor.full_state_dict_hf()           # collective; rank 0 gets {hf_name: tensor}, others None
@@ -67,6 +67,10 @@ class MegatronActor:
         self.loss_type = job_cfg.algorithm.rollout_correction.loss_type
         """The policy objective (verl keeps it with the correction settings); the old log-probs and IS weights the
         loss uses come with each step (``CorrectionResult.loss_inputs``)."""
+        corr = job_cfg.algorithm.rollout_correction
+        self.bypass_correction = corr if corr.bypass_mode else None
+        """Bypass mode: the correction settings the loss applies in every micro-batch from its current log-probs
+        (verl's bypass loss; ``actor.train_step``), else None."""
         self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
         self.precision = Precision.from_actor_config(self.actor_cfg)
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype)
@@ -198,9 +202,12 @@ class MegatronActor:
             old_log_probs: [B, L-1] the old policy of the loss's ratio: the trainer's log-probs before this step
                 (``compute_log_probs``), or the rollout's in bypass mode — ``CorrectionResult.loss_inputs``.
             advantages: [B] (broadcast over each row's tokens) or [B, L-1].
-            response_mask: [B, L-1] mask after rejection sampling (the correction's ``response_mask``).
+            response_mask: [B, L-1] ``CorrectionResult.loss_mask``: the mask after rejection sampling (decoupled), or
+                before it in bypass mode, where every micro-batch rejects from its current log-probs.
             is_weights: [B, L-1] the IS weights the loss applies (detached) or None — the second item of
-                ``CorrectionResult.loss_inputs``; applied as given.
+                ``CorrectionResult.loss_inputs``; applied as given. Bypass mode: must be None (each micro-batch of
+                each optimizer step computes pi_theta / pi_rollout of its current log-probs, verl's bypass loss;
+                ``correction.correct_in_loss``).
             temperature: the rollout temperature (logits are divided by it).
             ref_log_probs: [B, L-1] reference-policy log-probs, needed when policy_loss.kl_loss_coef > 0.
         The objective is ``algorithm.rollout_correction.loss_type``, read once when the actor is built.
@@ -214,6 +221,10 @@ class MegatronActor:
         if old_log_probs is None:
             raise ValueError("train_step: old_log_probs is None: pass the old log-probs the loss uses "
                              "(CorrectionResult.loss_inputs: the recomputed ones, or the rollout's in bypass mode)")
+        if self.bypass_correction is not None and is_weights is not None:
+            raise ValueError("train_step: is_weights given in bypass mode: the loss computes the IS weights and the "
+                             "rejection from the current log-probs in every micro-batch; pass CorrectionResult."
+                             "loss_inputs (None) and loss_mask (the mask before rejection)")
         if advantages.dim() == 1:
             if advantages.shape[0] != B:
                 raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [{B}] or [{B}, {W}]")
@@ -248,7 +259,8 @@ class MegatronActor:
                 try:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
                                                   loss_type, temperature=temperature, bounds=plan.bounds,
-                                                  groups=self.groups, batcher=self.batcher, replay=rp))
+                                                  groups=self.groups, batcher=self.batcher, replay=rp,
+                                                  bypass_correction=self.bypass_correction))
                 finally:
                     if rp is not None:
                         rp.close()

@@ -14,6 +14,11 @@
      exactly those of the global loss (proved by the TP2xPP2 / DP2 vs TP1 weight-equality tests);
   4. ``finalize_model_grads`` (DP all-reduce, tied-embedding and SP/TP norm grads) runs inside the
      schedule; the Megatron optimizer clips the global grad norm and steps (Adam).
+Bypass mode (``bypass_correction``: the job's ``algorithm.rollout_correction`` with ``bypass_mode: true``): each
+micro-batch's loss recomputes the IS weights and the rejection from its own log-probs against the rollout's
+(``correction.correct_in_loss``, sequence sums over the CP group; verl 0.9.1's bypass loss), so every optimizer step
+of a training step corrects with the current pi_theta; the rejection leaves the policy term only (the denominators,
+the entropy bonus and the KL loss keep the mask given, the one before rejection).
 Metrics are (sum, count) pairs reduced exactly over the DP x CP group on the last stage and broadcast
 to every pipeline stage, so every rank returns the same dict. A MoE load-balancing loss
 (``moe_aux_loss_coeff > 0``) keeps megatron's own scaling (mean over micro-batches and DP ranks); it is
@@ -30,10 +35,13 @@ import torch.distributed as dist
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.schedule import MicroBatch, actor_device, run_schedule
+from megatron_rl.correction.config import RolloutCorrectionConfig
+from megatron_rl.correction.in_loss import correct_in_loss
 from megatron_rl.logprobs import vocab_parallel_logprobs
 from megatron_rl.losses import (PolicyLossConfig, SumCount, compute_policy_loss, global_denominators,
                                 merge_metrics, reduce_metrics)
 from megatron_rl.losses.metrics import sum_count
+from megatron_rl.losses.policy import loss_input_sources
 from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["train_mini_batch", "PER_TOKEN_INPUTS"]
@@ -49,19 +57,26 @@ and ranks, not a mean."""
 
 
 def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, tp_group, scale: float,
-               cp_group, mb: MicroBatch, logits: torch.Tensor):
+               cp_group, bypass: Optional[RolloutCorrectionConfig], mb: MicroBatch, logits: torch.Tensor):
     """Last stage: policy loss of one micro-batch from its vocab-parallel logits, scaled for megatron
-    (see the module docstring), plus its (sum, count) metrics."""
+    (see the module docstring), plus its (sum, count) metrics. ``bypass``: the correction settings whose weights and
+    rejection this micro-batch recomputes from its log-probs (bypass mode), or None."""
     logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
                                         compute_entropy=True)
     # packed: the packed sequence's positions -> the rows the loss's inputs are laid out in (padded: as is)
     logp, ent = mb.layout.loss_rows(logp), mb.layout.loss_rows(ent)
     p = mb.per_token
+    w, pg_mask, pg_svt = p["is_weights"], None, None
+    if bypass is not None:  # verl's bypass loss: weights and rejection of the current pi_theta vs pi_rollout
+        lc = correct_in_loss(logp.detach(), p["old_log_probs"], p["response_mask"], bypass, cp_group=cp_group)
+        w = lc.weights if loss_input_sources(loss_type, True)[1] else None
+        pg_mask, pg_svt = lc.keep, lc.kept_tokens
     out = compute_policy_loss(logp, p["old_log_probs"], p["advantages"], p["response_mask"], cfg,
-                              loss_type=loss_type, is_weights=p["is_weights"], ref_log_probs=p["ref_log_probs"],
+                              loss_type=loss_type, is_weights=w, ref_log_probs=p["ref_log_probs"],
                               denominators=den,
                               seq_valid_tokens=mb.seq_valid_tokens, cp_group=cp_group,
-                              token_select=p.get("token_select"), entropy=ent)
+                              token_select=p.get("token_select"), entropy=ent, pg_mask=pg_mask,
+                              pg_seq_valid_tokens=pg_svt)
     metrics = dict(out.metrics)
     valid = p["response_mask"] != 0
     metrics["entropy"] = sum_count(ent, valid)
@@ -90,8 +105,14 @@ def _broadcast_object(obj, groups: ActorGroups):
 def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
                      per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, loss_type: str, *,
                      temperature: float, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
-                     batcher: Optional[MicroBatcher] = None, replay=None) -> Dict[str, float]:
+                     batcher: Optional[MicroBatcher] = None, replay=None,
+                     bypass_correction: Optional[RolloutCorrectionConfig] = None) -> Dict[str, float]:
     """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
+
+    ``bypass_correction`` (bypass mode; ``loss_type`` ppo_clip or reinforce): every micro-batch recomputes the IS
+    weights and the rejection from its log-probs (see the module docstring); ``per_token['old_log_probs']`` are then
+    the rollout's, ``response_mask`` the mask before rejection and ``is_weights`` must be None. num_tokens, ppo_kl
+    and the clip fractions then count the tokens the rejection kept.
 
     ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
     ``bounds``: the micro-batches, contiguous [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs
@@ -113,6 +134,14 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     if unknown:
         raise ValueError(f"train_mini_batch: unknown per-token input(s) {unknown}; valid: {PER_TOKEN_INPUTS}")
     inputs = {k: per_token.get(k) for k in PER_TOKEN_INPUTS}
+    if bypass_correction is not None:
+        if not bypass_correction.bypass_mode:
+            raise ValueError("train_mini_batch: bypass_correction has bypass_mode=False (decoupled: pass the "
+                             "correction's is_weights and response_mask instead)")
+        loss_input_sources(loss_type, True)   # a loss type bypass mode does not run: ValueError naming it
+        if inputs["is_weights"] is not None:
+            raise ValueError("train_mini_batch: is_weights given in bypass mode: the loss computes the IS weights "
+                             "from the current log-probs (CorrectionResult.loss_inputs gives None)")
     if loss_cfg.loss_agg_mode == "seq-mean-token-sum-norm" and loss_cfg.loss_scale_factor is None:
         # a micro-batch's width is not verl's response-mask width: the caller gives the response budget
         raise ValueError("train_mini_batch: seq-mean-token-sum-norm needs loss_cfg.loss_scale_factor (the job's "
@@ -125,7 +154,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     scale = float(len(mbs) * groups.dp_size)
     cp_group = groups.cp_group if groups.cp_size > 1 else None   # per-sequence sums of gspo / geo_mean / opsm
     loss_func = functools.partial(_loss_func, loss_cfg, loss_type, den, float(temperature), groups.tp_group, scale,
-                                  cp_group)
+                                  cp_group, bypass_correction)
     for chunk in model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()

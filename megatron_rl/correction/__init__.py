@@ -8,10 +8,14 @@ context and pipeline parallelism.
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)   # or a preset
     res = compute_rollout_correction(train_lp, rollout_lp, response_mask, cfg, group=None, cp_group=None)
     res.weights, res.response_mask, res.metrics
+
+Bypass mode: the policy loss recomputes weights and rejection per micro-batch from its current log-probs
+(``correct_in_loss``, verl's bypass loss); ``res.loss_mask`` is the mask it starts from.
 """
 from megatron_rl.correction.config import PRESETS, RolloutCorrectionConfig
 from megatron_rl.correction.core import CorrectionResult, compute_rollout_correction
+from megatron_rl.correction.in_loss import LossCorrection, correct_in_loss
 from megatron_rl.correction.pipeline import broadcast_from_last_stage
 
 __all__ = ["RolloutCorrectionConfig", "PRESETS", "CorrectionResult", "compute_rollout_correction",
-           "broadcast_from_last_stage"]
+           "broadcast_from_last_stage", "LossCorrection", "correct_in_loss"]

@@ -43,7 +43,8 @@ class RolloutCorrectionConfig:
     """Divide the weights by their global-batch mean after truncation: the token-weighted mean for
     "token", the mean over sequences of the per-sequence weight for "sequence"/"geometric". The mean
     is taken over the tokens / sequences that survive rejection (verl uses the pre-rejection mask),
-    so the weights the loss sees average to exactly 1. Skipped (factor reported as 1) if <= 1e-8."""
+    so the weights the loss sees average to exactly 1. Skipped (factor reported as 1) if <= 1e-8. Bypass mode
+    (weights computed in the loss): the mean over each micro-batch's kept tokens / sequences on its DP rank."""
 
     rollout_rs: Optional[str] = None
     """Rejection sampling: None or a comma list, AND-combined, of token_k1/k2/k3,
@@ -59,7 +60,9 @@ class RolloutCorrectionConfig:
     """None or a float in (0, 1): a valid token with r below it rejects its whole sequence."""
 
     bypass_mode: bool = False
-    """True: reuse the rollout log-probs as the old policy (2 policies; no old-log-prob recompute).
+    """True: reuse the rollout log-probs as the old policy (2 policies; no old-log-prob recompute); as verl's
+    bypass loss, the IS weights and the rejection are computed from the current log-probs in every micro-batch
+    (exact over several optimizer steps per training step); rollout_corr/* metrics are the step's first pass.
     False (decoupled): old log-probs are recomputed by the trainer and the IS weights correct the
     rollout -> old gap."""
 

@@ -20,9 +20,12 @@ Four steps, each a module that reads on its own:
 At most 3 collectives per call, whatever the number of metrics. Precision per dtype: see ``columns``
 (per-token float32 for <= fp32 inputs, float64 sums).
 
-What the policy loss uses (``CorrectionResult.loss_inputs``), decided here from ``loss_type`` / ``bypass_mode``:
-the train log-probs and ``weights`` (decoupled), the rollout log-probs and ``weights`` (bypass + reinforce) or the
-rollout log-probs alone (bypass + ppo_clip).
+What the policy loss uses (``CorrectionResult.loss_inputs`` / ``loss_mask``), decided here from ``loss_type`` /
+``bypass_mode``: decoupled, the train log-probs, ``weights`` and ``response_mask``; bypass, the rollout log-probs and
+the mask before rejection (``valid_mask``) with no weights: the loss recomputes weights and rejection from its
+current log-probs in every micro-batch (``correction.in_loss``, verl's bypass loss), so they stay exact over several
+optimizer steps per training step. In bypass mode this call's weights, mask and metrics describe the step's first
+log-prob pass (pi_theta before the step's updates vs pi_rollout).
 
 Semantics:
   * IS weights are computed on the pre-rejection mask (verl), then zeroed where rejection / veto /
@@ -40,7 +43,7 @@ import torch
 
 from megatron_rl.correction.columns import TokenView, seq_columns, token_view
 from megatron_rl.correction.config import RolloutCorrectionConfig
-from megatron_rl.correction.decisions import Decisions, decide, final_token_keep
+from megatron_rl.correction.decisions import decide, final_token_keep, output_weights
 from megatron_rl.correction.finalize import PREFIX, batch_norm_factor, finalize_metrics
 from megatron_rl.correction.partials import add_partials
 from megatron_rl.correction.reduce import CollectiveCounter, Reducer, check_groups, group_rank, group_size
@@ -65,18 +68,39 @@ class CorrectionResult:
     """The policy loss's old policy is the rollout engine's log-probs (bypass mode), not the train log-probs the
     correction was given (decoupled)."""
     weights_in_loss: bool = True
-    """The policy loss applies ``weights`` (False in bypass mode with ppo_clip: its ratio pi_theta / pi_rollout
+    """The policy loss applies IS weights (False in bypass mode with ppo_clip: its ratio pi_theta / pi_rollout
     already is the correction, the weights feed the metrics only)."""
+    valid_mask: Optional[torch.Tensor] = None
+    """[B, T] the response mask without the invalid sequences (``on_invalid: reject``), before rejection sampling
+    and veto (input dtype): the mask bypass mode's loss starts from (``loss_mask``)."""
+
+    @property
+    def recomputed_in_loss(self) -> bool:
+        """Bypass mode: the policy loss recomputes the IS weights and the rejection from its current log-probs in
+        every micro-batch (``correction.in_loss.correct_in_loss``); ``weights`` / ``response_mask`` here are the
+        first pass's (the metrics')."""
+        return self.old_from_rollout
 
     @property
     def loss_weights(self) -> Optional[torch.Tensor]:
-        """[B, T] the IS weights the policy loss applies (None: none)."""
-        return self.weights if self.weights_in_loss else None
+        """[B, T] the IS weights the policy loss is given (None: none, or recomputed in the loss: bypass mode)."""
+        return self.weights if self.weights_in_loss and not self.recomputed_in_loss else None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[B, T] the mask the policy loss (and the advantages) are given: ``response_mask`` (decoupled), or
+        ``valid_mask`` in bypass mode (the loss rejects in every micro-batch from its current log-probs)."""
+        if not self.recomputed_in_loss:
+            return self.response_mask
+        if self.valid_mask is None:
+            raise ValueError("CorrectionResult: bypass mode needs valid_mask (the mask before rejection)")
+        return self.valid_mask
 
     def loss_inputs(self, train_log_probs: Optional[torch.Tensor], rollout_log_probs: Optional[torch.Tensor]
                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(old log-probs, IS weights) the policy loss uses, of the train / rollout log-probs this correction was
-        computed from (``losses.select_loss_inputs``); ``ValueError`` naming the missing one."""
+        """(old log-probs, IS weights) the policy loss is given, of the train / rollout log-probs this correction was
+        computed from (``losses.select_loss_inputs``; bypass mode: no weights, the loss computes them); with
+        ``loss_mask``, what ``MegatronActor.train_step`` takes. ``ValueError`` naming the missing one."""
         old = rollout_log_probs if self.old_from_rollout else train_log_probs
         if old is None:
             raise ValueError("the policy loss's old log-probs are the " + (
@@ -124,22 +148,14 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
         factor = batch_norm_factor(cfg, sums)
         if cfg.rollout_is_batch_normalize:
             metrics[PREFIX + "rollout_is_batch_norm_factor"] = factor
-        weights = _output_weights(tok, dec, keep, factor)
+        weights = output_weights(tok, dec, keep, factor)
     new_mask = keep if response_mask.dtype == torch.bool else keep.to(response_mask.dtype)
+    valid = tok.mask & dec.valid[:, None]
     old_from_rollout, weights_in_loss = loss_input_sources(cfg.loss_type, cfg.bypass_mode)
     return CorrectionResult(weights=weights, response_mask=new_mask, metrics=metrics,
                             num_collectives=counter.count, old_from_rollout=old_from_rollout,
-                            weights_in_loss=weights_in_loss)
-
-
-def _output_weights(tok: TokenView, dec: Decisions, keep: torch.Tensor, factor: float) -> torch.Tensor:
-    """[B, T] fp32 weights / factor on kept tokens, 0 elsewhere (detached)."""
-    zero = torch.zeros((), dtype=torch.float32, device=keep.device)
-    if tok.is_weight is not None:  # token level
-        w = tok.is_weight if factor == 1.0 else tok.is_weight / factor
-        return torch.where(keep, w.to(torch.float32), zero)
-    per_seq = (dec.is_.seq_weight / factor).to(torch.float32)
-    return torch.where(keep, per_seq[:, None], zero)
+                            weights_in_loss=weights_in_loss,
+                            valid_mask=valid if response_mask.dtype == torch.bool else valid.to(response_mask.dtype))
 
 
 def _raise_if_invalid(cfg: RolloutCorrectionConfig, sums, group, train_log_probs: torch.Tensor,

@@ -136,3 +136,14 @@ def final_token_keep(tok: TokenView, dec: Decisions) -> torch.Tensor:
     """bool [B, T]: response tokens of kept sequences that every token-level option keeps."""
     keep = tok.mask & dec.row_keep[:, None]
     return keep if tok.rs_keep is None else keep & tok.rs_keep
+
+
+def output_weights(tok: TokenView, dec: Decisions, keep: torch.Tensor, factor: float) -> torch.Tensor:
+    """[B, T] fp32 IS weights / ``factor`` (batch normalisation; 1.0: none) on ``keep`` tokens, 0 elsewhere
+    (detached): each token's own weight at token level, its sequence's weight otherwise."""
+    zero = torch.zeros((), dtype=torch.float32, device=keep.device)
+    if tok.is_weight is not None:  # token level
+        w = tok.is_weight if factor == 1.0 else tok.is_weight / factor
+        return torch.where(keep, w.to(torch.float32), zero)
+    per_seq = (dec.is_.seq_weight / factor).to(torch.float32)
+    return torch.where(keep, per_seq[:, None], zero)

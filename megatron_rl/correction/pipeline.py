@@ -3,8 +3,8 @@
 Log-probs exist only on the last pipeline stage, so the correction runs there; stages that also need
 the weights / mask / metrics (e.g. for logging on rank 0 or loss bookkeeping) receive them with
 :func:`broadcast_from_last_stage` over the PP group: one small object broadcast (shapes, dtypes,
-metrics) plus one tensor broadcast per tensor, each staged for the group's backend by ``parallel.devices``
-(NCCL: CUDA, gloo: CPU), whatever device the result lives on.
+metrics) plus one tensor broadcast per tensor (mask, weights, valid mask), each staged for the group's
+backend by ``parallel.devices`` (NCCL: CUDA, gloo: CPU), whatever device the result lives on.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
         header[0] = {
             "mask": (tuple(result.response_mask.shape), result.response_mask.dtype),
             "weights": None if result.weights is None else (tuple(result.weights.shape), result.weights.dtype),
+            "valid": None if result.valid_mask is None else (tuple(result.valid_mask.shape), result.valid_mask.dtype),
             "metrics": dict(result.metrics), "num_collectives": result.num_collectives,
             "old_from_rollout": result.old_from_rollout, "weights_in_loss": result.weights_in_loss,
         }
@@ -55,8 +56,13 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
         weights = result.weights.contiguous() if is_src else torch.empty(
             h["weights"][0], dtype=h["weights"][1], device=device)
         broadcast_(weights, src=src, group=pp_group)
+    valid = None
+    if h["valid"] is not None:
+        valid = result.valid_mask.contiguous() if is_src else torch.empty(h["valid"][0], dtype=h["valid"][1],
+                                                                          device=device)
+        broadcast_(valid, src=src, group=pp_group)
     if is_src:
         return result
     return CorrectionResult(weights=weights, response_mask=mask, metrics=h["metrics"],
                             num_collectives=h["num_collectives"], old_from_rollout=h["old_from_rollout"],
-                            weights_in_loss=h["weights_in_loss"])
+                            weights_in_loss=h["weights_in_loss"], valid_mask=valid)

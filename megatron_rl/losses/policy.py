@@ -15,7 +15,11 @@ recomputed log-probs before this step's updates) and pi_theta (being optimised).
   ratio already, clipped by PPO; the correction's weights are NOT applied (that would count the IS
   ratio twice). Its rejection mask still is.
 * REINFORCE (``loss_type="reinforce"``): l = -A * w.detach() * logp (w = IS weights, 1 when None).
-  In bypass mode w = pi_theta/pi_rollout (detached) from the correction.
+  In bypass mode w = pi_theta/pi_rollout (detached) of the current log-probs.
+* Bypass mode, as verl 0.9.1's bypass loss: the weights and the rejection come from the CURRENT log-probs of each
+  micro-batch (``megatron_rl.correction.correct_in_loss``, called by the actor's loss), given here as
+  ``is_weights`` and ``pg_mask``: the rejection removes tokens from the policy term only; the denominators, the
+  entropy bonus and the KL loss keep ``response_mask`` (the mask before rejection).
 
 The loss type is an argument, not a ``PolicyLossConfig`` field: its one owner is
 ``algorithm.rollout_correction.loss_type`` (it also decides whether the IS weights apply).
@@ -98,7 +102,8 @@ def select_loss_inputs(loss_type: str, bypass_mode: bool, rollout_log_probs: tor
     * bypass + ppo_clip: (``rollout_log_probs``, None) — the PPO ratio pi_theta/pi_rollout already is
       the IS ratio, so the correction's weights are dropped (only its rejection mask is used).
     * bypass + reinforce: (``rollout_log_probs``, correction weights pi_theta/pi_rollout); the old
-      log-probs then only feed the ``ppo_kl`` metric.
+      log-probs then only feed the ``ppo_kl`` metric. The weights (and ``pg_mask``) must be those of the
+      current log-probs (``correction.correct_in_loss`` in each micro-batch, verl's bypass loss).
     """
     from_rollout, weighted = loss_input_sources(loss_type, bypass_mode)
     if from_rollout:
@@ -116,7 +121,8 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
                         denominators: Optional[LossDenominators] = None,
                         seq_valid_tokens: Optional[torch.Tensor] = None,
                         cp_group=None, token_select: Optional[torch.Tensor] = None,
-                        entropy: Optional[torch.Tensor] = None) -> PolicyLossOutput:
+                        entropy: Optional[torch.Tensor] = None, pg_mask: Optional[torch.Tensor] = None,
+                        pg_seq_valid_tokens: Optional[torch.Tensor] = None) -> PolicyLossOutput:
     """Aggregated policy loss of one micro-batch, plus metrics.
 
     Args:
@@ -139,6 +145,12 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
             None = selected inside this batch from the current log-probs (verl's per-micro-batch way).
         entropy: [B, T] entropy of pi_theta at each token (differentiable; from the same pass as
             ``log_probs``); required when ``config.entropy_coeff != 0``, unused otherwise.
+        pg_mask: [B, T] 0/1 or bool: the tokens of the policy term when a rejection inside the loss removed some of
+            ``response_mask``'s (bypass mode: ``LossCorrection.keep``); the policy term's numerator and its metrics
+            (pg_clipfrac, ppo_kl, ...) use it, the denominators, the KL loss and the entropy bonus keep
+            ``response_mask`` (verl 0.9.1). None: ``response_mask``.
+        pg_seq_valid_tokens: [B] whole-sequence tokens of ``pg_mask`` (context parallel; seq-mean-token-mean's
+            divisor); None with ``pg_mask``: counted from it.
     Raises:
         ValueError: shape mismatch, non-float dtype, mask not 0/1, NaN/inf or positive log-probs or
             negative weights at valid positions — naming the tensor, count and first position.
@@ -163,6 +175,10 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
     valid = validate_values(response_mask, floats,
                             log_prob_names=("log_probs", "old_log_probs", "ref_log_probs"),
                             nonnegative_names=("is_weights",))
+    pg_valid, pg_svt = valid, seq_valid_tokens
+    if pg_mask is not None:
+        check_shapes("log_probs", log_probs, {"pg_mask": pg_mask})
+        pg_valid, pg_svt = valid & (pg_mask != 0), pg_seq_valid_tokens
 
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
     logp = sanitize(log_probs, valid, dtype)
@@ -170,18 +186,19 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
         log_probs=logp, old_log_probs=sanitize(old_log_probs.detach(), valid, dtype),
         advantages=sanitize(advantages.detach(), valid, dtype),
         is_weights=sanitize(None if is_weights is None else is_weights.detach(), valid, dtype),
-        valid=valid, config=config, seq_valid_tokens=seq_valid_tokens, cp_group=cp_group,
+        valid=pg_valid, config=config, seq_valid_tokens=pg_svt, cp_group=cp_group,
         token_select=None if token_select is None else token_select.detach())
     terms = OBJECTIVES[loss_type](inputs)
 
     agg = dict(loss_scale_factor=config.loss_scale_factor, seq_valid_tokens=seq_valid_tokens)
-    pg_loss = aggregate_loss(terms.loss, valid, terms.agg_mode or config.loss_agg_mode, denominators, **agg)
+    pg_loss = aggregate_loss(terms.loss, pg_valid, terms.agg_mode or config.loss_agg_mode, denominators,
+                             loss_scale_factor=config.loss_scale_factor, seq_valid_tokens=pg_svt)
     metrics = {
-        "pg_clipfrac": sum_count(terms.clipfrac, valid),
-        "pg_clipfrac_lower": sum_count(terms.clipfrac_lower, valid),
-        "ppo_kl": sum_count(terms.kl, valid),
+        "pg_clipfrac": sum_count(terms.clipfrac, pg_valid),
+        "pg_clipfrac_lower": sum_count(terms.clipfrac_lower, pg_valid),
+        "ppo_kl": sum_count(terms.kl, pg_valid),
     }
-    metrics.update({k: sum_count(v, valid) for k, v in terms.extra.items()})
+    metrics.update({k: sum_count(v, pg_valid) for k, v in terms.extra.items()})
     kl_loss = None
     loss = pg_loss
     if use_kl:

@@ -7,9 +7,9 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward (bf16 with actor.bf16),
                                                               # fp32 vocab-parallel log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
-    adv       = group advantages with the post-rejection mask
+    adv       = group advantages with the loss's mask (corr.loss_mask)
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
-    metrics   = actor.train_step(shard, old, adv, corr.response_mask, w, T)
+    metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
 
 Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``); the rollout
@@ -20,9 +20,11 @@ A step that dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: sk
 ``filter_groups/skipped`` every rank receives with its rows) trains nothing and only publishes the unchanged
 weights as the next version.
 
-Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy; the
-forward-only pass still runs once per step because the correction (weights, rejection, diagnostics)
-needs pi_theta — verl computes the same quantity inside its loss.
+Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy and, as verl
+0.9.1's bypass loss, computes the IS weights and the rejection inside the loss, in every micro-batch of every
+optimizer step, from the current log-probs (``correction.correct_in_loss``): the loss gets the mask before rejection
+(``corr.loss_mask``; so do the advantages) and no weights. The forward-only pass still runs once per step: the
+``rollout_corr/*`` metrics (and the lag metrics) are those of its pi_theta, the policy before the step's updates.
 """
 from __future__ import annotations
 
@@ -62,11 +64,11 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
                                           cfg.algorithm.rollout_correction, group=actor.dp_group)
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
-    adv = compute_advantages(shard.rewards, shard.group_index, corr.response_mask.float(),
+    adv = compute_advantages(shard.rewards, shard.group_index, corr.loss_mask.float(),
                              estimator=cfg.algorithm.advantage_estimator, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
     with wd.phase("train", step + 1):  # the correction decided which old log-probs and weights the loss uses
         old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)
-        actor_metrics = actor.train_step(rows, old, adv, corr.response_mask, w, T,
+        actor_metrics = actor.train_step(rows, old, adv, corr.loss_mask, w, T,
                                          ref_log_probs=job.reference.log_probs(rows, T))
     with wd.phase("weight_sync", step + 1):
         sync_metrics = source.publisher.publish(version_tag(step + 1))

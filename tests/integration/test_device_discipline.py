@@ -36,7 +36,7 @@ import megatron_rl.trainer.step_batch as step_batch_module
 import megatron_rl.weight_sync.transport as weight_sync_transport
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.algo.advantages import compute_advantages
-from megatron_rl.correction import compute_rollout_correction
+from megatron_rl.correction import compute_rollout_correction, correct_in_loss
 from megatron_rl.correction.config import RolloutCorrectionConfig
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.testing import fake_accelerator as fa
@@ -296,6 +296,18 @@ def test_correction_every_option_on_an_accelerator(width):
         torch.testing.assert_close(got.response_mask.cpu(), ref.response_mask, rtol=0, atol=0)
         if ref.weights is not None:
             torch.testing.assert_close(got.weights.cpu(), ref.weights, rtol=0, atol=0)
+        # bypass mode's in-loss correction of the same log-probs (the loss runs where the logits are)
+        try:
+            lc = correct_in_loss(train.to(dev), rollout.to(dev), mask.to(dev), cfg)
+        except RuntimeError as exc:
+            failures.append(f"correct_in_loss {c}: {exc}")
+            continue
+        lc_ref = correct_in_loss(train, rollout, mask, cfg)
+        assert lc.keep.device == dev and lc.kept_tokens.device == dev, c
+        assert torch.equal(lc.keep.cpu(), lc_ref.keep) and torch.equal(lc.kept_tokens.cpu(), lc_ref.kept_tokens), c
+        if lc_ref.weights is not None:
+            assert lc.weights.device == dev, c
+            torch.testing.assert_close(lc.weights.cpu(), lc_ref.weights, rtol=0, atol=0)
     assert not failures, "\n".join(failures)
 
 

@@ -68,8 +68,10 @@ def test_loss_inputs_per_mode(bypass, loss_type):
     res = compute_rollout_correction(lt, lr, mask, RolloutCorrectionConfig(
         rollout_is="token", rollout_is_threshold=2.0, bypass_mode=bypass, loss_type=loss_type))
     from_rollout, weighted = MODES[(bypass, loss_type)]
+    assert (res.old_from_rollout, res.weights_in_loss) == (from_rollout, weighted)
     old, w = res.loss_inputs(lt, lr)
     assert old is (lr if from_rollout else lt)
-    assert (w is res.weights) if weighted else w is None
+    # bypass mode: the loss computes its weights from the current log-probs (correct_in_loss), none are given
+    assert (w is res.weights) if weighted and not bypass else w is None
     with pytest.raises(ValueError, match="bypass_mode"):
         res.loss_inputs(None if not from_rollout else lt, None if from_rollout else lr)
