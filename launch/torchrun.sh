@@ -154,13 +154,18 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 # config errors in seconds, the message alone, before any rank starts
 if [[ "${CHECK:-1}" == 1 ]]; then
-  "$PYTHON" -m megatron_rl.train --check-world-size $(( NNODES * NPROC_PER_NODE )) "${TRAIN_ARGS[@]}" || {
-    rc=$?
-    echo "launch/torchrun.sh: checked at world size $(( NNODES * NPROC_PER_NODE )) = $NNODES node(s) x" \
+  rc=0
+  PROBLEMS=$("$PYTHON" -m megatron_rl.train --check-world-size $(( NNODES * NPROC_PER_NODE )) "${TRAIN_ARGS[@]}" 2>&1) \
+    || rc=$?
+  if (( rc != 0 )); then
+    echo "$PROBLEMS" >&2
+    if grep -q "world size: " <<< "$PROBLEMS"; then
+      echo "launch/torchrun.sh: checked at world size $(( NNODES * NPROC_PER_NODE )) = $NNODES node(s) x" \
          "$NPROC_PER_NODE rank(s) per node ($NPROC_FROM); set --nproc-per-node N / NPROC_PER_NODE=N and" \
          "--nnodes N / NNODES=N for another size" >&2
+    fi
     exit $rc
-  }
+  fi
 fi
 mkdir -p "$LOG_DIR"
 

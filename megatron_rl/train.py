@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, set before torch is imported
 
+from megatron_rl.cli.build_hint import build_command  # noqa: E402
 from megatron_rl.cli.config_errors import config_error_exit  # noqa: E402
 from megatron_rl.cli.entry import module_main, register  # noqa: E402
-from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
+from megatron_rl.config import ConfigError, collect_job_config, load_job_config  # noqa: E402
 from megatron_rl.lifeline import watch_job_owners  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
@@ -58,18 +60,15 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[megatron-rl] restart {restart} of this job: continuing from its newest complete checkpoint",
                   flush=True)
+    if args.check_world_size is not None:  # before torchrun: every problem at once, the message alone
+        return _launch_check(args.config, overrides, args.check_world_size)
     try:
         cfg = load_job_config(args.config, overrides, world_size=args.check_world_size)
         problems = start_problems(cfg)
         if problems:
             raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     except ConfigError as exc:  # once per launch, with how to launch when torchrun was forgotten
-        if args.check_world_size is not None:  # before torchrun: the message alone
-            print(f"megatron-rl train: {exc}", file=sys.stderr, flush=True)
-            return 2
         return config_error_exit(exc, "megatron_rl.train", args.config, overrides)
-    if args.check_world_size is not None:
-        return 0
     if args.check_only:
         print("config OK")
         return 0
@@ -98,6 +97,42 @@ def start_problems(cfg) -> List[str]:
     problems = [run_dir_error(t.run_dir, t.resume, t.overwrite), reward_import_error(cfg.data.reward_fn),
                 *val_file_problems(cfg.data)]
     return [p for p in problems if p]
+
+
+def launch_problems(path: Optional[str], overrides: List[str], world_size: int) -> Tuple[List[str], Optional[str]]:
+    """(every problem that stops the job at ``world_size``, how to build a missing ``actor.load_hf``): the config's
+    own problems and the start problems (run directory, reward import, validation files) together -- a launcher
+    lists them all at once, as ``megatron-rl check`` does, not one per attempt. Raises ConfigError when the file
+    itself cannot be read."""
+    cfg, problems = collect_job_config(path, overrides, world_size=world_size)
+    keys = {_key(p) for p in problems}
+    try:
+        start = start_problems(cfg)
+    except Exception as exc:  # noqa: BLE001 - a start check on a config that is already invalid
+        start = [] if problems else [f"cannot start: {type(exc).__name__}: {exc}"]
+    problems += [p for p in start if _key(p) not in keys]
+    hint = build_command(path, cfg) if any(p.startswith("actor.load_hf:") for p in problems) else None
+    return problems, hint
+
+
+def _key(problem: str) -> str:
+    """The dotted key a problem names first (``data.reward_fn: ...`` and ``data.reward_fn='x' ...`` alike)."""
+    return re.split(r"[:= ]", problem, maxsplit=1)[0]
+
+
+def _launch_check(path: Optional[str], overrides: List[str], world_size: int) -> int:
+    try:
+        problems, hint = launch_problems(path, overrides, world_size)
+    except ConfigError as exc:
+        print(f"megatron-rl train: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if not problems:
+        return 0
+    print(f"megatron-rl train: {len(problems)} problem(s) at world size {world_size}:\n  - " + "\n  - ".join(problems),
+          file=sys.stderr, flush=True)
+    if hint:
+        print(f"hint: build actor.load_hf first: {hint}", file=sys.stderr, flush=True)
+    return 2
 
 
 def add_parser(subparsers) -> None:

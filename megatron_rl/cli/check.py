@@ -21,11 +21,10 @@ a problem naming the key and how that row was computed; the plan then sizes one 
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
 from typing import List, Optional
 
+from megatron_rl.cli.build_hint import build_command
 from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.load import VERL_FILE_MESSAGE
@@ -37,7 +36,6 @@ from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, 
 from megatron_rl.ops.run_profile import run_profile
 from megatron_rl.weight_sync.plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
-from megatron_rl.tasks import DIGIT_TASKS
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
 from megatron_rl.tasks.reward_fn import reward_import_error
@@ -66,25 +64,6 @@ def data_problems(cfg, problems: List[str]) -> List[str]:
     except ValueError as exc:
         return [f"data.path: {exc}"] + out
     return out
-
-
-def build_command(config_path: Optional[str], cfg) -> Optional[str]:
-    """How to build a missing ``actor.load_hf`` directory: the ``python -m megatron_rl...`` command the config
-    file's own comments give for that directory, else the digit-task model builder; None for other models."""
-    path = cfg.actor.load_hf
-    if not path or os.path.isdir(path):
-        return None
-    try:
-        with open(config_path) as fh:
-            text = fh.read()
-    except (OSError, TypeError):
-        text = ""
-    m = re.search(r"(python -m megatron_rl\.[\w.]+ " + re.escape(path) + r"(?: --[\w-]+(?: [\w.][\w.-]*)?)*)", text)
-    if m:
-        return m.group(1)
-    if cfg.data.task in DIGIT_TASKS:
-        return f"python -m megatron_rl.tasks {path} --task {cfg.data.task}"
-    return None
 
 
 def _flag_overrides(args: argparse.Namespace) -> List[str]:

@@ -55,3 +55,24 @@ def test_under_torchrun_the_error_is_reported_once_and_the_summary_is_short():
     assert "<NO_OTHER_FAILURES>" in out and "rank      : 0" in out, out
     assert "traceback : megatron-rl train: invalid config:" in out  # the root cause is the config error
     assert len(out.splitlines()) < 45, out
+
+
+def test_launcher_lists_every_problem_at_once_with_the_build_command(tmp_path):
+    """A missing model directory AND a reward that cannot import AND a run directory holding another run: the
+    launcher's check (launch/torchrun.sh runs ``megatron_rl.train --check-world-size N``) names all three in one
+    attempt, with the model's build command, as ``megatron-rl check`` does -- not one problem per attempt."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    model = tmp_path / "not_built"
+    r = subprocess.run(["bash", "launch/torchrun.sh", "--nproc-per-node", "4", "--config", TINY,
+                        f"actor.load_hf={model}", "data.reward_fn=no_such_module_for_this_test:compute_score", f"trainer.run_dir={run}"],
+                       capture_output=True, text=True, cwd=ROOT, env=_env(PYTHON=sys.executable), timeout=240)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr
+    assert "3 problem(s) at world size 4" in err, err[-3000:]
+    assert f"actor.load_hf: '{model}' is not a directory" in err
+    assert "no_such_module_for_this_test" in err and "data.reward_fn" in err
+    assert f"trainer.run_dir: '{run}' holds another run's outputs" in err
+    assert f"hint: build actor.load_hf first: python -m megatron_rl.tasks {model}" in err
+    assert "Traceback" not in err
