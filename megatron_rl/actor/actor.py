@@ -30,7 +30,8 @@ from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.micro_batching import MicroBatchPlan
 from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
-from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.optimizer import build_optimizer, optimizer_settings, wrap_ddp
+from megatron_rl.actor.optimizer_state import settings_changes, settings_line
 from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.actor.router_replay import RoutingReplay, agree_on_error
@@ -47,6 +48,7 @@ from megatron_rl.rollout.budget import response_budget
 __all__ = ["MegatronActor"]
 
 _SCHEDULER_KEY = "opt_param_scheduler"  # megatron's scheduler state inside a checkpoint's extra state
+_SETTINGS_KEY = "optimizer_settings"  # the actor's optimizer keys at save (optimizer.OPTIMIZER_KEYS)
 
 
 class MegatronActor:
@@ -267,22 +269,30 @@ class MegatronActor:
         """Save model, optimizer, learning-rate schedule and RNG state (+ ``extra_state``, picklable, from rank 0)
         under ``ckpt_dir``; collective. Returns the directory written."""
         extra = dict(extra_state or {})
-        if _SCHEDULER_KEY in extra:
-            raise ValueError(f"save_checkpoint: extra_state key {_SCHEDULER_KEY!r} is the actor's own")
+        for key in (_SCHEDULER_KEY, _SETTINGS_KEY):
+            if key in extra:
+                raise ValueError(f"save_checkpoint: extra_state key {key!r} is the actor's own")
         extra[_SCHEDULER_KEY] = self.scheduler.state_dict()
+        extra[_SETTINGS_KEY] = optimizer_settings(self.actor_cfg)
         return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, self.groups, self.model_cfg,
                                self.parallel_cfg, extra)
 
     def load_checkpoint(self, ckpt_dir: str) -> Tuple[int, Dict[str, Any]]:
         """Restore what ``save_checkpoint`` wrote; returns (step, extra_state). Raises
         ``CheckpointLayoutError`` naming saved vs requested layout when they differ in a way that
-        cannot be loaded."""
-        step, extra = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
-                                      self.parallel_cfg)
+        cannot be loaded. The optimizer state (main parameters, moments, step) comes from the checkpoint, its
+        settings (``optimizer.OPTIMIZER_KEYS``: betas, lr schedule, weight decay, clip_grad) from this run's
+        config; rank 0 prints one line naming each that differs from the checkpoint's."""
+        step, extra, group_diff = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups,
+                                                  self.model_cfg, self.parallel_cfg)
         # the schedule continues at the saved optimizer step (a checkpoint without one: step x optimizer steps per
         # training step); this run's lr / weight decay settings win
         restore_scheduler(self.scheduler, extra.pop(_SCHEDULER_KEY, None),
                           step * optimizer_steps_per_train_step(self.actor_cfg))
+        changes = {**group_diff, **settings_changes(extra.pop(_SETTINGS_KEY, None), optimizer_settings(self.actor_cfg))}
+        line = settings_line(changes, f"from {ckpt_dir}")
+        if line and torch.distributed.get_rank() == 0:
+            print(line, flush=True)
         return step, extra
 
     # ------------------------------------------------------------------ HF export
