@@ -29,6 +29,7 @@ from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.micro_batching import MicroBatchPlan
+from megatron_rl.actor.main_params import load_keeping_fp32, set_main_params
 from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
 from megatron_rl.actor.optimizer import build_optimizer, optimizer_settings, wrap_ddp
 from megatron_rl.actor.optimizer_state import settings_changes, settings_line
@@ -74,10 +75,13 @@ class MegatronActor:
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype)
         self.precision.apply_output_layer(chunks)
         self.hf_dir = self.actor_cfg.load_hf
+        fp32 = {}  # bf16 actor: the fp32 main parameters come from the loaded values, not their bf16 rounding
         if self.hf_dir:
-            load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg, self.groups)
+            fp32 = load_keeping_fp32(chunks, lambda: load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg,
+                                                                                self.groups))
         self.model = wrap_ddp(chunks, self.actor_cfg)
         self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
+        set_main_params(self.optimizer, fp32)
         # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
         self.scheduler = LRSchedule.from_job(job_cfg).build(self.optimizer)
         self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)

@@ -14,7 +14,10 @@ Loading (``load_checkpoint(root_or_iter_dir, ...)``): the model config must matc
 resharded by dist_checkpointing (model and Adam state); any failure there is re-raised as
 ``CheckpointLayoutError`` naming the saved and the requested layout. RNG states are restored only when
 the world size and layout are unchanged (otherwise rank-to-rank mapping is meaningless; a warning
-says so). Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
+says so). The optimizer may be of another kind than the saving one (``actor.use_distributed_optimizer`` or
+``actor.bf16`` switched): its fp32 main parameters and Adam state are converted exactly (``optimizer_state``), never
+rebuilt from bf16 weights; the param groups keep this run's settings (betas, eps, lr ...), and the ones that
+differed are returned. Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
 on CPU (``tests/integration/test_actor_checkpoint.py``).
 
 Writing: megatron's forked file writer is replaced by ``platform/checkpoint_writer`` (threads of the
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.optimizer_state import (convert_loaded_state, group_changes, group_settings,
-                                               optimizer_kind, redirect_main_params, restore_group_settings,
+                                               impose_group_settings, optimizer_kind, redirect_main_params,
                                                saved_kind)
 from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.platform import checkpoint_writer
@@ -294,6 +297,7 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
         else:
             loaded = dcp.load(sd, os.path.join(d, "dist"))
         convert_loaded_state(loaded["optimizer"], saved, now)
+        saved_settings = impose_group_settings(loaded["optimizer"], now, settings)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the layouts named
         raise CheckpointLayoutError(
             f"checkpoint {d}: loading failed (saved layout {saved_layout}, requested layout {now_layout}; "
@@ -303,7 +307,7 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
         chunk.module.load_state_dict(loaded[key])
     _restore_zero_steps(loaded["optimizer"])
     optimizer.load_state_dict(loaded["optimizer"])
-    changes = group_changes(restore_group_settings(optimizer, settings), settings)
+    changes = group_changes(saved_settings, settings)
     same = {k: v for k, v in saved_layout.items()} == now_layout
     rng_file = os.path.join(d, "rng", f"rank_{dist.get_rank():05d}.pt")
     if same and os.path.isfile(rng_file):

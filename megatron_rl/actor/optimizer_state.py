@@ -20,8 +20,8 @@ kind's key, or an fp32 model weight), ``convert_loaded_state`` moves the param g
 loading optimizer reads them. A main parameter that exists only as a bf16 model weight is never used in its place.
 
 Settings: torch's ``load_state_dict`` restores every param-group key (betas, eps, lr, weight decay, megatron's
-max_lr / min_lr ...). ``group_settings`` before loading and ``restore_group_settings`` after it put back the
-values this run's config built; what differed is reported by name (``settings_line``).
+max_lr / min_lr ...). ``group_settings`` before loading and ``impose_group_settings`` on the loaded state dict keep
+the values this run's config built; what differed is reported by name (``settings_line``).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["KINDS", "saved_kind", "optimizer_kind", "redirect_main_params", "convert_loaded_state",
-           "group_settings", "restore_group_settings", "group_changes", "settings_changes", "settings_line"]
+           "group_settings", "impose_group_settings", "group_changes", "settings_changes", "settings_line"]
 
 KINDS = ("distributed", "mixed", "fp32")
 #: a main parameter's key: (prefix, its spelling — fp32_param: mixed, param: distributed —, model weight)
@@ -40,6 +40,8 @@ _MAIN_KEY = re.compile(r"^((?:chained_\d+\.)?optimizer\.state\.)(fp32_param|para
 _OTHER = {"fp32_param": "param", "param": "fp32_param"}
 #: param-group keys the schedule sets (reported as actor.lr / actor.weight_decay by ``settings_changes``)
 _SCHEDULED = ("lr", "weight_decay")
+#: megatron's param-group identity that no actor setting changes (``param_group_identifier_keys`` of megatron-core 0.16)
+_GROUP_ID = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 #: param-group keys -> the actor keys they come from
 _GROUP_NAMES = {"max_lr": "actor.lr", "min_lr": "actor.min_lr", "eps": "adam_eps (megatron's OptimizerConfig)"}
 
@@ -168,16 +170,32 @@ def group_settings(optimizer) -> List[List[dict]]:
     return [[copy.deepcopy(_without(g, "params", "step")) for g in groups] for groups in _torch_groups(optimizer)]
 
 
-def restore_group_settings(optimizer, before: List[List[dict]]) -> List[List[dict]]:
-    """Put the settings ``group_settings`` took back into every param group after a checkpoint's were loaded over
-    them; returns the loaded (the checkpoint's) settings, for ``group_changes``."""
-    loaded = group_settings(optimizer)
-    for groups, settings in zip(_torch_groups(optimizer), before):
-        for g, s in zip(groups, settings):
-            for k in [k for k in g if k not in s and k not in ("params", "step")]:
+def _loaded_groups(sd: dict, kind: str) -> list:
+    """The param groups of one optimizer's loaded state dict of ``kind`` (``convert_loaded_state`` done)."""
+    return sd["param_groups"] if kind == "fp32" else sd["optimizer"]["param_groups"]
+
+
+def impose_group_settings(optimizer_sd, kind: str, settings: List[List[dict]]) -> List[List[dict]]:
+    """Write this run's settings (``group_settings``, taken before loading) into the param groups of a loaded
+    optimizer state dict of ``kind``, so that loading it keeps them (megatron-core 0.19 also matches groups by
+    max_lr / min_lr: a changed lr would not load otherwise). Groups pair by megatron's config-independent identity
+    (wd_mult, lr_mult, expert-parallel, decoupled lr), else by position. Returns the checkpoint's settings, in the
+    order of ``settings``, for ``group_changes``."""
+    saved = []
+    for sd, now_groups in zip(_per_optimizer(optimizer_sd), settings):
+        groups = _loaded_groups(sd, kind)
+        ids = [tuple(g.get(k) for k in _GROUP_ID) for g in groups]
+        by_id = dict(zip(ids, groups)) if len(set(ids)) == len(ids) else {}
+        pairs = []
+        for i, now in enumerate(now_groups):
+            g = by_id.get(tuple(now.get(k) for k in _GROUP_ID)) if by_id else None
+            pairs.append((g if g is not None else groups[i], now))
+        saved.append([_without(g, "params", "step") for g, _ in pairs])
+        for g, now in pairs:
+            for k in [k for k in g if k not in now and k not in ("params", "step")]:
                 del g[k]
-            g.update(copy.deepcopy(s))
-    return loaded
+            g.update(copy.deepcopy(now))
+    return saved
 
 
 def group_changes(loaded: List[List[dict]], now: List[List[dict]]) -> Dict[str, Tuple[Any, Any]]:

@@ -221,3 +221,37 @@ def test_resume_runs_with_the_configs_optimizer_settings(tmp_path):
                 "lr_warmup_init", "lr_decay_style", "lr_decay_steps"):
         assert re.search(rf"\bactor\.{key} {re.escape(repr(SAVED[key]))} -> "
                          rf"{re.escape(repr(RESUMED[key]))}", lines[0]), (key, lines[0])
+
+
+# ------------------------------------------------------------------------------------------------ item: load_hf
+
+def _save_at_once(rank, world, job, root):
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        MegatronActor(job).save_checkpoint(root, 0)
+    finally:
+        _reap_children()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("dist_opt,world", [(False, 1), (True, 2)], ids=["bf16", "bf16-distributed-dp2"])
+def test_fp32_hf_weights_are_the_bf16_actors_main_params(tmp_path, tiny_hf_model, dist_opt, world):
+    """``actor.load_hf`` of an fp32 HF checkpoint into an ``actor.bf16`` actor: the fp32 main parameters are the
+    checkpoint's fp32 values (the fp32 actor's weights, as saved), not their bf16 rounding; the bf16 weights are
+    those values rounded. Read from the saved checkpoints with torch alone."""
+    model = tiny_hf_model("qwen2", seed=21)
+    run_ranks(_save_at_once, 1, named_job("actor", hf=model), str(tmp_path / "fp32"), timeout=200)
+    bf16 = named_job("actor", *knobs(bf16=True, use_distributed_optimizer=dist_opt), hf=model)
+    run_ranks(_save_at_once, world, bf16, str(tmp_path / "bf16"), timeout=200)
+    _, want = _optimizer_state(tmp_path / "fp32" / "iter_0000000")
+    got, got_w = _optimizer_state(tmp_path / "bf16" / "iter_0000000")
+    assert sorted(want) == sorted(got_w)
+    lost = 0
+    for name, w in want.items():
+        assert w.dtype == torch.float32 and got_w[name].dtype == torch.bfloat16, name
+        assert torch.equal(got_w[name], w.to(torch.bfloat16)), name
+        main = got[("main", name)]
+        assert main.dtype == torch.float32 and torch.equal(main, w), \
+            f"{name}: main parameter off the fp32 source by {(main - w).abs().max().item():.3g}"
+        lost += not torch.equal(w.to(torch.bfloat16).float(), w)
+    assert lost > 5, "the source must hold values bf16 cannot for the comparison to mean anything"
