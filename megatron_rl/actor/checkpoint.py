@@ -281,7 +281,8 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
     try:
         saved_keys = set(dcp.load_tensors_metadata(os.path.join(d, "dist")))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the checkpoint named
-        raise CheckpointLayoutError(f"checkpoint {d}: reading its metadata failed: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointLayoutError(f"checkpoint {d}: reading its metadata failed: {type(exc).__name__}: "
+                                    f"{exc}") from exc
     saved, now = saved_kind(saved_keys), optimizer_kind(optimizer)
     to_weights, missing = redirect_main_params(sd["optimizer"], saved_keys, weights_are_fp32=not meta.get("bf16"))
     if missing:

@@ -230,4 +230,5 @@ def settings_line(changes: Mapping[str, Tuple[Any, Any]], where: str) -> Optiona
     if not changes:
         return None
     diff = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changes.items()))
-    return f"[megatron-rl] resumed {where} with this run's optimizer settings, which differ from the checkpoint's: {diff}"
+    return (f"[megatron-rl] resumed {where} with this run's optimizer settings, which differ from the checkpoint's: "
+            f"{diff}")

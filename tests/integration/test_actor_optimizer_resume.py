@@ -10,6 +10,8 @@ torch_dist checkpoints).
 * A resume with every optimizer key of ``actor`` changed (lr, min_lr, weight_decay, adam_beta1, adam_beta2,
   clip_grad and the lr schedule): the job runs with the config's values, not the checkpoint's — checked against
   AdamW's update written out here from the saved moments — and one line on rank 0 names each changed key.
+* ``actor.load_hf`` of an fp32 HF checkpoint into a bf16 actor (with and without the distributed optimizer): the
+  fp32 main parameters are the source's values bit for bit (the fp32 actor's saved weights), not their rounding.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_optimizer_resume.py -q``
 """
@@ -65,12 +67,14 @@ def _save_every_step(rank, world, job, steps, root, load_dir=None):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         actor = MegatronActor(job)
-        start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
         actor.save_checkpoint(root, start)
         for s in range(start, start + steps):
             _step(actor, 100 + s)
             actor.save_checkpoint(root, s + 1)
-        return start
+        return start, out.getvalue()
     finally:
         _reap_children()
 
@@ -113,7 +117,8 @@ def test_switching_the_distributed_optimizer_converts_exactly(tmp_path, bf16, sa
     loader = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=not saved_dist, bf16=bf16))
     a, b = tmp_path / "a", tmp_path / "b"
     run_ranks(_save_every_step, 2, saver, 2, str(a), timeout=400)
-    assert run_ranks(_save_every_step, 2, loader, 1, str(b), str(a / "iter_0000001"), timeout=400)[0] == 1
+    start, printed = run_ranks(_save_every_step, 2, loader, 1, str(b), str(a / "iter_0000001"), timeout=400)[0]
+    assert start == 1 and "optimizer settings" not in printed, printed  # the same settings: nothing to report
     saved, saved_w = _optimizer_state(a / "iter_0000001")
     again, again_w = _optimizer_state(b / "iter_0000001")
     assert sorted(saved) == sorted(again) and len(saved) == 3 * len(saved_w)
@@ -163,7 +168,8 @@ def _named_adam(actor):
     """{parameter name: {param, exp_avg, exp_avg_sq}} of an fp32 actor's non-distributed optimizer."""
     names = {id(p): n for c in actor.model for n, p in c.module.named_parameters()}
     opt = actor.optimizer.optimizer
-    return {names[id(p)]: {"param": p.detach().clone(), **{k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}}
+    return {names[id(p)]: {"param": p.detach().clone(),
+                           **{k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}}
             for g in opt.param_groups for p in g["params"]}
 
 
