@@ -29,8 +29,10 @@ from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.micro_batching import MicroBatchPlan
+from megatron_rl.actor.main_params import load_keeping_fp32, set_main_params
 from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
-from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.optimizer import build_optimizer, optimizer_settings, wrap_ddp
+from megatron_rl.actor.optimizer_state import settings_changes, settings_line
 from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.actor.router_replay import RoutingReplay, agree_on_error
@@ -47,6 +49,7 @@ from megatron_rl.rollout.budget import response_budget
 __all__ = ["MegatronActor"]
 
 _SCHEDULER_KEY = "opt_param_scheduler"  # megatron's scheduler state inside a checkpoint's extra state
+_SETTINGS_KEY = "optimizer_settings"  # the actor's optimizer keys at save (optimizer.OPTIMIZER_KEYS)
 
 
 class MegatronActor:
@@ -76,10 +79,13 @@ class MegatronActor:
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype)
         self.precision.apply_output_layer(chunks)
         self.hf_dir = self.actor_cfg.load_hf
+        fp32 = {}  # bf16 actor: the fp32 main parameters come from the loaded values, not their bf16 rounding
         if self.hf_dir:
-            load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg, self.groups)
+            fp32 = load_keeping_fp32(chunks, lambda: load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg,
+                                                                                self.groups))
         self.model = wrap_ddp(chunks, self.actor_cfg)
         self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
+        set_main_params(self.optimizer, fp32)
         # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
         self.scheduler = LRSchedule.from_job(job_cfg).build(self.optimizer)
         self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)
@@ -279,22 +285,30 @@ class MegatronActor:
         """Save model, optimizer, learning-rate schedule and RNG state (+ ``extra_state``, picklable, from rank 0)
         under ``ckpt_dir``; collective. Returns the directory written."""
         extra = dict(extra_state or {})
-        if _SCHEDULER_KEY in extra:
-            raise ValueError(f"save_checkpoint: extra_state key {_SCHEDULER_KEY!r} is the actor's own")
+        for key in (_SCHEDULER_KEY, _SETTINGS_KEY):
+            if key in extra:
+                raise ValueError(f"save_checkpoint: extra_state key {key!r} is the actor's own")
         extra[_SCHEDULER_KEY] = self.scheduler.state_dict()
+        extra[_SETTINGS_KEY] = optimizer_settings(self.actor_cfg)
         return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, self.groups, self.model_cfg,
                                self.parallel_cfg, extra)
 
     def load_checkpoint(self, ckpt_dir: str) -> Tuple[int, Dict[str, Any]]:
         """Restore what ``save_checkpoint`` wrote; returns (step, extra_state). Raises
         ``CheckpointLayoutError`` naming saved vs requested layout when they differ in a way that
-        cannot be loaded."""
-        step, extra = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
-                                      self.parallel_cfg)
+        cannot be loaded. The optimizer state (main parameters, moments, step) comes from the checkpoint, its
+        settings (``optimizer.OPTIMIZER_KEYS``: betas, lr schedule, weight decay, clip_grad) from this run's
+        config; rank 0 prints one line naming each that differs from the checkpoint's."""
+        step, extra, group_diff = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups,
+                                                  self.model_cfg, self.parallel_cfg)
         # the schedule continues at the saved optimizer step (a checkpoint without one: step x optimizer steps per
         # training step); this run's lr / weight decay settings win
         restore_scheduler(self.scheduler, extra.pop(_SCHEDULER_KEY, None),
                           step * optimizer_steps_per_train_step(self.actor_cfg))
+        changes = {**group_diff, **settings_changes(extra.pop(_SETTINGS_KEY, None), optimizer_settings(self.actor_cfg))}
+        line = settings_line(changes, f"from {ckpt_dir}")
+        if line and torch.distributed.get_rank() == 0:
+            print(line, flush=True)
         return step, extra
 
     # ------------------------------------------------------------------ HF export

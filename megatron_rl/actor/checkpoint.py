@@ -14,7 +14,10 @@ Loading (``load_checkpoint(root_or_iter_dir, ...)``): the model config must matc
 resharded by dist_checkpointing (model and Adam state); any failure there is re-raised as
 ``CheckpointLayoutError`` naming the saved and the requested layout. RNG states are restored only when
 the world size and layout are unchanged (otherwise rank-to-rank mapping is meaningless; a warning
-says so). Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
+says so). The optimizer may be of another kind than the saving one (``actor.use_distributed_optimizer`` or
+``actor.bf16`` switched): its fp32 main parameters and Adam state are converted exactly (``optimizer_state``), never
+rebuilt from bf16 weights; the param groups keep this run's settings (betas, eps, lr ...), and the ones that
+differed are returned. Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
 on CPU (``tests/integration/test_actor_checkpoint.py``).
 
 Writing: megatron's forked file writer is replaced by ``platform/checkpoint_writer`` (threads of the
@@ -31,13 +34,15 @@ import dataclasses
 import json
 import os
 import random
-import re
 import warnings
 from typing import Any, Dict, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor.optimizer_state import (convert_loaded_state, group_changes, group_settings,
+                                               impose_group_settings, optimizer_kind, redirect_main_params,
+                                               saved_kind)
 from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.platform import checkpoint_writer
 from megatron_rl.platform.mcore_version import write_legacy_common_state
@@ -160,59 +165,6 @@ def _restore_zero_steps(obj) -> None:
             _restore_zero_steps(v)
 
 
-#: the fp32 main parameter of a model weight: megatron's mixed-precision optimizer (``fp32_param``) and its
-#: distributed optimizer (``param``, fully reshardable format)
-_MAIN_PARAM_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(?:fp32_param|param)\.(.+)$")
-
-
-def _main_params_from_model_weights(optimizer_sd, saved_keys) -> int:
-    """A checkpoint of an fp32 actor (megatron's fp32 optimizer saves no fp32 main parameters) loading into a bf16
-    actor: each fp32 main parameter is read from the checkpoint's model weight it copies (fp32 there, so the main
-    parameters are the saved weights exactly). Returns the number of main parameters redirected."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    n = 0
-
-    def redirect(x):
-        nonlocal n
-        m = _MAIN_PARAM_KEY.match(x.key) if isinstance(x, (ShardedTensor, ShardedTensorFactory)) else None
-        if m and x.key not in saved_keys and m.group(1) in saved_keys:
-            x.key = m.group(1)
-            n += 1
-        return x
-
-    dict_list_map_inplace(redirect, optimizer_sd)
-    return n
-
-
-def _fp32_optimizer_state_as_mixed(optimizer_sd):
-    """The same conversion for the non-tensor part: megatron's fp32 optimizer saved its param groups and common
-    step at the top of its state dict, where the mixed-precision optimizer keeps them under ``optimizer``; move
-    them there (a chained optimizer's state dict is a list of such dicts)."""
-    if isinstance(optimizer_sd, list):
-        for sd in optimizer_sd:
-            _fp32_optimizer_state_as_mixed(sd)
-        return
-    if not isinstance(optimizer_sd, dict) or "param_groups" not in optimizer_sd:
-        return
-    inner = optimizer_sd.setdefault("optimizer", {})  # (the distributed optimizer requests none: all from disk)
-    saved_state = optimizer_sd.pop("state", {})
-    step = saved_state.get("common_step")
-    # the distributed optimizer (torch Adam) reads the step from its param groups, the mixed-precision one from
-    # the common step of its state; param ids are this run's (the distributed optimizer matches groups by their
-    # lr / wd multipliers)
-    saved_groups = optimizer_sd.pop("param_groups")
-    now_groups = inner.get("param_groups") or [{} for _ in saved_groups]
-    inner["param_groups"] = [{**saved, **({"params": now["params"]} if "params" in now else {}),
-                              "step": int(step) if step is not None else 0}
-                             for saved, now in zip(saved_groups, now_groups)]
-    if step is not None:
-        inner.setdefault("state", {})["common_step"] = step
-    if "param_state" in optimizer_sd:  # the distributed optimizer's format marker (common state, not on disk)
-        optimizer_sd.setdefault("param_state_sharding_type", OPTIMIZER_METADATA["distrib_optim_sharding_type"])
-
-
 def _iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{int(step):07d}")
 
@@ -304,9 +256,12 @@ def _check_model(saved: Dict[str, Any], model_cfg, where: str) -> None:
 
 
 def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, groups: ActorGroups, model_cfg,
-                    parallel_cfg) -> Tuple[int, Dict[str, Any]]:
+                    parallel_cfg) -> Tuple[int, Dict[str, Any], Dict[str, Tuple[Any, Any]]]:
     """Collective: restore model, optimizer and (same layout only) RNG from ``path`` (a root with
-    ``latest`` or an ``iter_*`` directory). Returns (step, extra_state)."""
+    ``latest`` or an ``iter_*`` directory). The optimizer may be of another kind than the one that saved
+    (``actor.use_distributed_optimizer`` / ``actor.bf16`` switched: converted exactly, ``optimizer_state``); the
+    param groups keep this run's settings. Returns (step, extra_state, {setting: (checkpoint's, this run's)} of the
+    param-group settings that differed)."""
     dcp = _import_dist_checkpointing()
     d = resolve_checkpoint_dir(path)
     with open(os.path.join(d, META_FILE)) as fh:
@@ -319,27 +274,41 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
     saved_layout, now_layout = meta["layout"], _layout(parallel_cfg)
     sd = _model_sharded_state_dict(model)
     ensure_adam_state(optimizer)  # the distributed optimizer describes its state from existing Adam state
+    settings = group_settings(optimizer)  # this run's config (torch's load_state_dict restores the checkpoint's)
     sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=True, metadata=OPTIMIZER_METADATA)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
     try:
         saved_keys = set(dcp.load_tensors_metadata(os.path.join(d, "dist")))
-        if _main_params_from_model_weights(sd["optimizer"], saved_keys):
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the checkpoint named
+        raise CheckpointLayoutError(f"checkpoint {d}: reading its metadata failed: {type(exc).__name__}: "
+                                    f"{exc}") from exc
+    saved, now = saved_kind(saved_keys), optimizer_kind(optimizer)
+    to_weights, missing = redirect_main_params(sd["optimizer"], saved_keys, weights_are_fp32=not meta.get("bf16"))
+    if missing:
+        raise CheckpointLayoutError(
+            f"checkpoint {d}: {len(missing)} fp32 main parameters are not in it (e.g. {missing[0]}; saved by a "
+            f"{saved!r} optimizer, loading into a {now!r} one); their bf16 model weights are no substitute "
+            f"(actor.use_distributed_optimizer / actor.bf16 as when it was saved load it as it is)")
+    try:
+        if to_weights:
             # the same saved tensors as bf16 model weights and as fp32 main parameters: one load per dtype
             loaded = dcp.load({k: v for k, v in sd.items() if k != "optimizer"}, os.path.join(d, "dist"))
             loaded.update(dcp.load({"optimizer": sd["optimizer"]}, os.path.join(d, "dist")))
-            _fp32_optimizer_state_as_mixed(loaded["optimizer"])
         else:
             loaded = dcp.load(sd, os.path.join(d, "dist"))
+        convert_loaded_state(loaded["optimizer"], saved, now)
+        saved_settings = impose_group_settings(loaded["optimizer"], now, settings)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the layouts named
         raise CheckpointLayoutError(
-            f"checkpoint {d}: loading failed (saved layout {saved_layout}, requested layout {now_layout}): "
-            f"{type(exc).__name__}: {exc}") from exc
+            f"checkpoint {d}: loading failed (saved layout {saved_layout}, requested layout {now_layout}; "
+            f"optimizer saved {saved!r}, loading {now!r}): {type(exc).__name__}: {exc}") from exc
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
         chunk.module.load_state_dict(loaded[key])
     _restore_zero_steps(loaded["optimizer"])
     optimizer.load_state_dict(loaded["optimizer"])
+    changes = group_changes(saved_settings, settings)
     same = {k: v for k, v in saved_layout.items()} == now_layout
     rng_file = os.path.join(d, "rng", f"rank_{dist.get_rank():05d}.pt")
     if same and os.path.isfile(rng_file):
@@ -348,4 +317,4 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
         warnings.warn(f"checkpoint {d}: layout changed ({saved_layout} -> {now_layout}); model and optimizer "
                       f"resharded, RNG states not restored", stacklevel=2)
     extra = torch.load(os.path.join(d, "extra_state.pt"), weights_only=False)
-    return int(meta["step"]), extra
+    return int(meta["step"]), extra, changes

@@ -23,7 +23,17 @@ from typing import List, Sequence
 
 import torch
 
-__all__ = ["wrap_ddp", "build_optimizer", "optimizer_config"]
+__all__ = ["wrap_ddp", "build_optimizer", "optimizer_config", "OPTIMIZER_KEYS", "optimizer_settings"]
+
+#: every ``actor`` key the optimizer and its learning-rate schedule are built from (what a resume takes from the
+#: config, not from the checkpoint; megatron's adam_eps is fixed at 1e-8)
+OPTIMIZER_KEYS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad", "lr_warmup_steps",
+                  "lr_warmup_fraction", "lr_warmup_init", "lr_decay_style", "lr_decay_steps")
+
+
+def optimizer_settings(actor_cfg) -> dict:
+    """{key: value} of ``OPTIMIZER_KEYS`` in ``actor_cfg`` (saved with a checkpoint, compared on resume)."""
+    return {k: getattr(actor_cfg, k) for k in OPTIMIZER_KEYS}
 
 
 def wrap_ddp(chunks: Sequence[torch.nn.Module], actor_cfg=None) -> List[torch.nn.Module]:

@@ -1,0 +1,263 @@
+"""What a resume restores of the optimizer when the optimizer or its settings change (CPU, gloo, real megatron-core
+torch_dist checkpoints).
+
+* ``actor.use_distributed_optimizer`` switched across a resume (either direction, bf16 and fp32 actors, DP2): the
+  fp32 main parameters and both Adam moments are converted exactly. Reference: the tensors of the checkpoint file
+  itself, read with ``torch.distributed.checkpoint`` (no megatron): the loaded state, saved again at once by the
+  other optimizer, holds bit for bit the same fp32 main parameters and moments; one more step equals the
+  uninterrupted run's next step (to fp32 reduction order: reduce-scatter vs all-reduce), which also checks Adam's
+  step count (bias correction).
+* A resume with every optimizer key of ``actor`` changed (lr, min_lr, weight_decay, adam_beta1, adam_beta2,
+  clip_grad and the lr schedule): the job runs with the config's values, not the checkpoint's — checked against
+  AdamW's update written out here from the saved moments — and one line on rank 0 names each changed key.
+* ``actor.load_hf`` of an fp32 HF checkpoint into a bf16 actor (with and without the distributed optimizer): the
+  fp32 main parameters are the source's values bit for bit (the fp32 actor's saved weights), not their rounding.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_optimizer_resume.py -q``
+"""
+import contextlib
+import io
+import multiprocessing
+import os
+import re
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import megatron.core  # noqa: F401
+from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job, settings
+
+TWO_LAYERS = "model.num_layers=2"
+_MAIN = re.compile(r"^optimizer\.state\.(?:fp32_param|param)\.(.+)$")
+
+
+def _batch(seed, rows=8):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(rows)]
+    responses = [torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(rows)]
+    lps = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
+    return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(rows, generator=g)
+
+
+def _step(actor, seed):
+    batch, adv = _batch(seed)
+    rows = 8 // actor.dp_size
+    lo = actor.dp_rank * rows
+    shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]
+    old, _ = actor.compute_log_probs(shard, 1.0)
+    return actor.train_step(shard, old, adv, shard.response_mask, None, 1.0)
+
+
+def _reap_children() -> None:
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
+
+
+def _save_every_step(rank, world, job, steps, root, load_dir=None):
+    """Load ``load_dir`` (if given), save at once, then save after each of ``steps`` train steps."""
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        actor = MegatronActor(job)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
+        actor.save_checkpoint(root, start)
+        for s in range(start, start + steps):
+            _step(actor, 100 + s)
+            actor.save_checkpoint(root, s + 1)
+        return start, out.getvalue()
+    finally:
+        _reap_children()
+
+
+def _read_tensors(iter_dir):
+    """Every tensor of a checkpoint's torch_dist part, read with torch.distributed.checkpoint alone."""
+    path = os.path.join(iter_dir, "dist")
+    meta = FileSystemReader(path).read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+          if isinstance(m, TensorStorageMetadata)}
+    dcp_load(sd, storage_reader=FileSystemReader(path), no_dist=True)
+    return sd
+
+
+def _optimizer_state(iter_dir):
+    """{(what, model weight): tensor} of a checkpoint: what = main (the fp32 main parameter; an fp32 actor's
+    non-distributed optimizer keeps none: its model weight is it), exp_avg, exp_avg_sq."""
+    sd = _read_tensors(iter_dir)
+    out = {}
+    for k, v in sd.items():
+        m = _MAIN.match(k)
+        if m:
+            out[("main", m.group(1))] = v
+        elif k.startswith("optimizer.state.exp_avg."):
+            out[("exp_avg", k[len("optimizer.state.exp_avg."):])] = v
+        elif k.startswith("optimizer.state.exp_avg_sq."):
+            out[("exp_avg_sq", k[len("optimizer.state.exp_avg_sq."):])] = v
+    for (what, name) in list(out):
+        if ("main", name) not in out:
+            out[("main", name)] = sd[name]
+    return out, {k: v for k, v in sd.items() if not k.startswith("optimizer.")}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("bf16,saved_dist", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["bf16-distributed-to-plain", "bf16-plain-to-distributed", "fp32-distributed-to-plain",
+                              "fp32-plain-to-distributed"])
+def test_switching_the_distributed_optimizer_converts_exactly(tmp_path, bf16, saved_dist):
+    saver = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=saved_dist, bf16=bf16))
+    loader = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=not saved_dist, bf16=bf16))
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_ranks(_save_every_step, 2, saver, 2, str(a), timeout=400)
+    start, printed = run_ranks(_save_every_step, 2, loader, 1, str(b), str(a / "iter_0000001"), timeout=400)[0]
+    assert start == 1 and "optimizer settings" not in printed, printed  # the same settings: nothing to report
+    saved, saved_w = _optimizer_state(a / "iter_0000001")
+    again, again_w = _optimizer_state(b / "iter_0000001")
+    assert sorted(saved) == sorted(again) and len(saved) == 3 * len(saved_w)
+    for key, want in saved.items():
+        assert want.dtype == torch.float32 and again[key].dtype == torch.float32, key
+        assert torch.equal(again[key], want), f"{key}: max diff {(again[key] - want).abs().max().item():.3g}"
+    for k, w in saved_w.items():
+        assert torch.equal(again_w[k], w), k
+    # the next step from the converted state == the uninterrupted run's next step (Adam's step count included)
+    full, full_w = _optimizer_state(a / "iter_0000002")
+    nxt, nxt_w = _optimizer_state(b / "iter_0000002")
+    moved = 0
+    for key, want in full.items():
+        torch.testing.assert_close(nxt[key], want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+        moved += key[0] == "main" and not torch.equal(want, saved[key])
+    assert moved > 5, "the step must move the main parameters for the comparison to mean anything"
+    for k, w in full_w.items():
+        tol = dict(rtol=0, atol=1e-2 * w.abs().max().item()) if bf16 else dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(nxt_w[k].float(), w.float(), **tol, msg=lambda m: f"{k}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------ item: settings
+
+#: every optimizer key of ``actor``: the saving run's values, and the resuming run's (each one different)
+SAVED = dict(lr=1e-3, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, clip_grad=1.0,
+             lr_warmup_steps=0, lr_warmup_init=0.0, lr_decay_style="constant", lr_decay_steps=20)
+RESUMED = dict(lr=2e-3, min_lr=1e-4, weight_decay=0.05, adam_beta1=0.8, adam_beta2=0.95, clip_grad=0.5,
+               lr_warmup_steps=2, lr_warmup_init=2e-4, lr_decay_style="cosine", lr_decay_steps=10)
+EPS = 1e-8  # megatron's adam_eps (not an actor key)
+
+
+def _expected_lr(step):
+    """The lr of optimizer step ``step`` under RESUMED's schedule: megatron-core's own scheduler, driven here."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    r = RESUMED
+    sched = OptimizerParamScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                                    init_lr=r["lr_warmup_init"], max_lr=r["lr"], min_lr=r["min_lr"],
+                                    lr_warmup_steps=r["lr_warmup_steps"], lr_decay_steps=r["lr_decay_steps"],
+                                    lr_decay_style=r["lr_decay_style"], start_wd=r["weight_decay"],
+                                    end_wd=r["weight_decay"], wd_incr_steps=10, wd_incr_style="constant")
+    sched.step(increment=step)
+    return sched.optimizer.param_groups[0]["lr"]
+
+
+def _named_adam(actor):
+    """{parameter name: {param, exp_avg, exp_avg_sq}} of an fp32 actor's non-distributed optimizer."""
+    names = {id(p): n for c in actor.model for n, p in c.module.named_parameters()}
+    opt = actor.optimizer.optimizer
+    return {names[id(p)]: {"param": p.detach().clone(),
+                           **{k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}}
+            for g in opt.param_groups for p in g["params"]}
+
+
+def _settings_rank(rank, world, job, root, load_dir):
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        actor = MegatronActor(job)
+        out = io.StringIO()
+        if load_dir is None:
+            _step(actor, 100)
+            actor.save_checkpoint(root, 1)
+            return {"state": _named_adam(actor)}
+        with contextlib.redirect_stdout(out):
+            actor.load_checkpoint(load_dir)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in actor.optimizer.param_groups]
+        metrics = _step(actor, 101)
+        return {"groups": groups, "state": _named_adam(actor), "stdout": out.getvalue(), "metrics": metrics,
+                "clip_grad": actor.optimizer.config.clip_grad}
+    finally:
+        _reap_children()
+
+
+@pytest.mark.timeout(400)
+def test_resume_runs_with_the_configs_optimizer_settings(tmp_path):
+    saver = named_job("checkpoint_actor", TWO_LAYERS, *settings("actor", **SAVED))
+    loader = named_job("checkpoint_actor", TWO_LAYERS, *settings("actor", **RESUMED))
+    before = run_ranks(_settings_rank, 1, saver, str(tmp_path / "ck"), None, timeout=200)[0]["state"]
+    res = run_ranks(_settings_rank, 1, loader, None, str(tmp_path / "ck"), timeout=200)[0]
+    r = RESUMED
+    lr = _expected_lr(1)  # the checkpoint made one optimizer step
+    assert res["metrics"]["actor/lr"] == pytest.approx(lr, rel=1e-12)
+    for g in res["groups"]:
+        assert tuple(g["betas"]) == (r["adam_beta1"], r["adam_beta2"]), g
+        assert g["eps"] == EPS and g["max_lr"] == r["lr"] and g["min_lr"] == r["min_lr"], g
+        assert g["lr"] == pytest.approx(lr, rel=1e-12), g
+    assert res["clip_grad"] == r["clip_grad"]
+    # AdamW's update at step 2 with the config's betas, lr, weight decay, from the moments the checkpoint holds
+    b1, b2, t = r["adam_beta1"], r["adam_beta2"], 2
+    checked = 0
+    for name, old in before.items():
+        new = res["state"][name]
+        g = (new["exp_avg"] - b1 * old["exp_avg"]) / (1 - b1)
+        torch.testing.assert_close(new["exp_avg_sq"], b2 * old["exp_avg_sq"] + (1 - b2) * g * g,
+                                   rtol=1e-4, atol=1e-12, msg=lambda m: f"{name} exp_avg_sq: {m}")
+        wd = 0.0 if old["param"].dim() == 1 else r["weight_decay"]
+        denom = (new["exp_avg_sq"] / (1 - b2 ** t)).sqrt() + EPS
+        want = old["param"] * (1 - lr * wd) - lr * (new["exp_avg"] / (1 - b1 ** t)) / denom
+        torch.testing.assert_close(new["param"], want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} param: {m}")
+        checked += 1
+    assert checked > 5
+    # one line on rank 0 names every changed key, saved -> now
+    lines = [ln for ln in res["stdout"].splitlines() if "optimizer settings" in ln]
+    assert len(lines) == 1, res["stdout"]
+    for key in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad", "lr_warmup_steps",
+                "lr_warmup_init", "lr_decay_style", "lr_decay_steps"):
+        assert re.search(rf"\bactor\.{key} {re.escape(repr(SAVED[key]))} -> "
+                         rf"{re.escape(repr(RESUMED[key]))}", lines[0]), (key, lines[0])
+
+
+# ------------------------------------------------------------------------------------------------ item: load_hf
+
+def _save_at_once(rank, world, job, root):
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        MegatronActor(job).save_checkpoint(root, 0)
+    finally:
+        _reap_children()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("dist_opt,world", [(False, 1), (True, 2)], ids=["bf16", "bf16-distributed-dp2"])
+def test_fp32_hf_weights_are_the_bf16_actors_main_params(tmp_path, tiny_hf_model, dist_opt, world):
+    """``actor.load_hf`` of an fp32 HF checkpoint into an ``actor.bf16`` actor: the fp32 main parameters are the
+    checkpoint's fp32 values (the fp32 actor's weights, as saved), not their bf16 rounding; the bf16 weights are
+    those values rounded. Read from the saved checkpoints with torch alone."""
+    model = tiny_hf_model("qwen2", seed=21)
+    run_ranks(_save_at_once, 1, named_job("actor", hf=model), str(tmp_path / "fp32"), timeout=200)
+    bf16 = named_job("actor", *knobs(bf16=True, use_distributed_optimizer=dist_opt), hf=model)
+    run_ranks(_save_at_once, world, bf16, str(tmp_path / "bf16"), timeout=200)
+    _, want = _optimizer_state(tmp_path / "fp32" / "iter_0000000")
+    got, got_w = _optimizer_state(tmp_path / "bf16" / "iter_0000000")
+    assert sorted(want) == sorted(got_w)
+    lost = 0
+    for name, w in want.items():
+        assert w.dtype == torch.float32 and got_w[name].dtype == torch.bfloat16, name
+        assert torch.equal(got_w[name], w.to(torch.bfloat16)), name
+        main = got[("main", name)]
+        assert main.dtype == torch.float32 and torch.equal(main, w), \
+            f"{name}: main parameter off the fp32 source by {(main - w).abs().max().item():.3g}"
+        lost += not torch.equal(w.to(torch.bfloat16).float(), w)
+    assert lost > 5, "the source must hold values bf16 cannot for the comparison to mean anything"
