@@ -48,7 +48,7 @@ from __future__ import annotations
 import sys
 import warnings
 from array import array
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.versions import parse_version, version_tag
@@ -149,6 +149,8 @@ class DynamicSampling:
         self.metric, self.max_rounds, self.on_exhausted = fg.metric, fg.max_num_gen_batches, fg.on_exhausted
         self.n, self.prompts = cfg.rollout.n_samples_per_prompt, cfg.data.prompts_per_step
         self.max_failed = cfg.data.max_reward_failure_frac
+        self._first_exhausted: Optional[int] = None   # the step of the one long warning; later ones are one line
+        self._exhausted_count = 0
 
     def generate(self, engine, step: int, version: str) -> StepBatch:
         rounds: List[StepBatch] = []
@@ -186,10 +188,18 @@ class DynamicSampling:
         what = {"train": "training on them, the batch topped up with groups without signal (advantage 0)",
                 "skip": "the step is skipped (nothing trained; the weights are published unchanged)",
                 "error": "ending the job (algorithm.filter_groups.on_exhausted: error)"}[self.on_exhausted]
-        msg = (f"step {step + 1}: dynamic sampling found {kept} of the {self.prompts} prompt groups with reward "
-               f"signal the batch needs in {rounds} round(s) ({drawn} groups drawn; algorithm.filter_groups."
-               f"max_num_gen_batches={self.max_rounds}): {what}. The samples of most groups score alike: the task "
-               f"may be too easy or too hard for the model, or the reward may not vary")
+        self._exhausted_count += 1
+        if self._first_exhausted is None or self.on_exhausted == "error":
+            self._first_exhausted = step + 1
+            msg = (f"step {step + 1}: dynamic sampling found {kept} of the {self.prompts} prompt groups with reward "
+                   f"signal the batch needs in {rounds} round(s) ({drawn} groups drawn; algorithm.filter_groups."
+                   f"max_num_gen_batches={self.max_rounds}): {what}. The samples of most groups score alike: the "
+                   f"task may be too easy or too hard for the model, or the reward may not vary (later steps: one "
+                   f"line each)")
+        else:   # the same condition again: one short line with the count (a solved task reaches it every step)
+            msg = (f"step {step + 1}: dynamic sampling found {kept} of the {self.prompts} prompt groups again "
+                   f"(max_num_gen_batches={self.max_rounds}; {self._exhausted_count} steps so far, "
+                   f"{self.on_exhausted}; why: step {self._first_exhausted}'s warning)")
         if self.on_exhausted == "error":
             raise FilterGroupsExhaustedError(msg)
         warnings.warn(msg, FilterGroupsExhaustedWarning, stacklevel=2)

@@ -218,3 +218,19 @@ def test_failure_fraction_counts_every_generated_row_and_the_report_warns():
     assert (finding.severity, finding.check) == ("WARN", "dynamic sampling exhausted")
     assert "first at step 2; 1 skipped" in finding.message
     assert health_checks(records[:1]) == []
+
+
+def test_a_repeated_exhaustion_is_one_short_line_with_its_count():
+    """A solved task exhausts dynamic sampling every late step: the first warning says why at length, every later
+    one is one short line (the quickstart printed 31 warnings of ~400 characters)."""
+    script = [[ALIKE, ALIKE, ALIKE]] * 8
+    gen = DynamicSampling(Scripted(script), _Cfg(rounds=2, on_exhausted="train"))
+    with pytest.warns(FilterGroupsExhaustedWarning) as caught:
+        for step in range(4):
+            gen.generate(None, step, f"step-{step}")
+    msgs = [str(w.message) for w in caught if w.category is FilterGroupsExhaustedWarning]
+    assert len(msgs) == 4
+    assert "too easy or too hard" in msgs[0] and msgs[0].startswith("step 1: dynamic sampling found 0 of the 3")
+    for i, m in enumerate(msgs[1:], start=2):
+        assert m.startswith(f"step {i}: dynamic sampling found 0 of the 3 prompt groups again")
+        assert f"{i} steps so far" in m and "step 1's warning" in m and len(m) < 200 and "too easy" not in m
