@@ -79,6 +79,8 @@ if [ -n "$LOCK" ]; then LOCKC=(-c "$LOCK"); fi
 export MEGATRON_RL_LOCK_FILE="$LOCK"   # tools/pkg_install.sh (uv's version) and tools/install_sglang_cpu.sh read it
 source tools/pkg_install.sh
 pkg_install_init "$VENV"   # sets PY, PIP (pip), INSTALL (uv, or pip without it) and INSTALLER (which)
+stage() { echo "tools/setup_env.sh [$VENV]: $*"; }   # one progress line per stage (a first set-up takes minutes)
+stage "pip and torch==2.13.0 (CPU)${LOCK:+, locked by $LOCK}"
 "${INSTALL[@]}" --upgrade pip "${LOCKC[@]}"
 "${INSTALL[@]}" "torch==2.13.0" "${LOCKC[@]}"
 CONSTRAINTS=(-c tools/constraints-cpu.txt "${LOCKC[@]}")
@@ -137,6 +139,7 @@ editable() {  # install -e: it writes megatron_rl.egg-info into the source tree,
     install_project "$1"
   fi
 }
+stage "megatron-rl${MODE:+ ($MODE)} and its requirements${MCORE:+, megatron-core $MCORE}"
 case "$MODE" in
   "") editable . ;;
   --dev) editable ".[dev]" ;;
@@ -144,6 +147,7 @@ case "$MODE" in
     editable ".[dev]"
     # SGLang without its ~11 GB of CUDA packages (the real-server tests and rollout.engine=sglang on
     # CPU); idempotent: a stamp file makes re-runs instant.
+    stage "SGLang, the lean CPU install"
     bash tools/install_sglang_cpu.sh "$VENV" ;;
 esac
 if [ -n "$LOCK" ]; then
@@ -151,7 +155,7 @@ if [ -n "$LOCK" ]; then
   if [ "$LOCK_KIND" = complete ]; then COMPLETE=(--complete); fi
   "$PY" tools/lockfile.py check "$LOCK" "${COMPLETE[@]+"${COMPLETE[@]}"}"
 fi
-"$PY" - <<'PY'
+"$PY" -W ignore - <<'PY'
 import torch, megatron.core
 print(f"megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}")
 PY
