@@ -118,7 +118,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {where}: {len(problems)} problem(s):", file=sys.stderr)
         for p in problems:
             print(f"  - {p}", file=sys.stderr)
-        if world_errors(cfg, world):
+        layout = sorted({q.split(":", 1)[0] for q in problems if q.startswith("parallel.")})
+        if world_errors(cfg, world) and layout:   # a node count cannot fix a size the model's shapes refuse
+            print(f"hint: fix {', '.join(layout)} first (the problems above that no node count fixes); then "
+                  f"`megatron-rl check` suggests a node count", file=sys.stderr)
+        elif world_errors(cfg, world):
             n = nodes_that_fit(cfg, c.gpus_per_node)
             if n is not None:
                 print(f"hint: --nodes {n} (world size {n * c.gpus_per_node}) fits this layout", file=sys.stderr)

@@ -320,3 +320,12 @@ def test_cli_recompute_follows_model_extra():
     r = _cli(Q7, "model.extra.recompute_granularity=full", "--recompute", "none")
     assert "recompute none" in r.stdout
     assert "recompute none" in _cli(Q7).stdout  # the trainer's default: no recompute
+
+
+def test_cli_suggests_no_node_count_when_the_model_refuses_the_parallel_size():
+    """TP=3 on a model with 4 heads: no node count fixes it, so no `--nodes` hint (it suggested --nodes 3)."""
+    r = _cli(Q7, "parallel.tensor_model_parallel_size=3")
+    assert r.returncode == 2
+    assert "is not divisible by parallel.tensor_model_parallel_size=3" in r.stderr
+    assert "hint: --nodes" not in r.stderr
+    assert "hint: fix parallel.tensor_model_parallel_size first" in r.stderr
