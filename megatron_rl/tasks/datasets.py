@@ -170,7 +170,9 @@ class FileTask(Task):
         if chat and not has_chat_template(tokenizer):
             raise ValueError(f"{self.key}={self.path!r} {row_label(chat[0].index, self.row_lines[chat[0].index])}: "
                              "the prompt is a list of chat messages but the tokenizer (actor.load_hf) has no "
-                             "chat_template")
+                             "chat_template. Use the tokenizer of a chat (instruct) model, whose tokenizer_config.json "
+                             "carries one, or build the tiny chat model (python -m megatron_rl.tasks.chat_model DIR), "
+                             "or give the prompts as plain strings (docs/datasets.md)")
         if self.reward_spec is None:
             check_sources_rewarded(self.path, rows, key)
         self.options: Optional[DataOptions] = None

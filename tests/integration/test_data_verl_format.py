@@ -182,7 +182,8 @@ def test_config_errors_name_file_row_and_key(chat_tok, tmp_path):
     rows = verl_gsm8k_rows()
     p = write_jsonl(rows, tmp_path / "g.jsonl")
     with pytest.raises(ValueError, match=r"row 0 \(line 1\): the prompt is a list of chat messages but the "
-                                         r"tokenizer \(actor.load_hf\) has no chat_template"):
+                                         r"tokenizer \(actor.load_hf\) has no chat_template. Use the tokenizer "
+                                         r".*python -m megatron_rl.tasks.chat_model DIR"):
         FileTask(p, build_char_tokenizer())
     unknown = write_jsonl([dict(rows[0], data_source="my/private_set")], tmp_path / "u.jsonl")
     with pytest.raises(ValueError, match="data_source='my/private_set' has no built-in reward; set data.reward_fn"):
