@@ -41,7 +41,7 @@ CONSTRAINTS="$ROOT/tools/constraints-cpu.txt"
 # the lock tools/setup_env.sh installs under (tools/lock/; empty: none), a constraint of every step here
 # run on its own (no MEGATRON_RL_LOCK_FILE in the environment): the test venv's lock, as tools/setup_env.sh --tests
 if [ -z "${MEGATRON_RL_LOCK_FILE+set}" ] && [ -x "$PY" ]; then
-  SELECTED="$("$PY" "$ROOT/tools/lockfile.py" select --tests 0.16.1)"
+  SELECTED="$("$PY" "$ROOT/tools/lockfile.py" select -- --tests 0.16.1)"
   MEGATRON_RL_LOCK_FILE="${SELECTED#* }"
 fi
 LOCKC=(-c /dev/null)   # never empty (bash 3.2 and set -u)

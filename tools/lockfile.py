@@ -4,7 +4,7 @@ A lock is the exact version of every distribution in a venv whose set-up passed 
 format, ``name==version``, names normalised); tools/setup_env.sh installs under it as a constraint file and then
 runs ``check``, so a venv never silently differs from what CI ran. Stdlib only: it runs in any venv's Python.
 Usage (docs/dependencies.md):
-    python tools/lockfile.py select MODE MCORE            # the lock file a set-up uses ('' = none fits)
+    python tools/lockfile.py select -- MODE MCORE         # "KIND PATH" of the lock a set-up uses (nothing: none)
     python tools/lockfile.py check LOCK [--complete]      # this Python's venv against LOCK (exit 1: differs)
     python tools/lockfile.py write LOCK --name NAME       # this venv's distributions -> LOCK
     python tools/lockfile.py diff LOCK                    # what this venv has that differs from LOCK

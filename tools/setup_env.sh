@@ -64,7 +64,7 @@ fi
 LOCK=""
 LOCK_KIND=""
 case "${MEGATRON_RL_LOCK:-auto}" in
-  auto) SELECTED="$("$VENV/bin/python" tools/lockfile.py select "$MODE" "$MCORE")"   # "KIND PATH" or ""
+  auto) SELECTED="$("$VENV/bin/python" tools/lockfile.py select -- "$MODE" "$MCORE")"   # "KIND PATH" or ""
         LOCK_KIND="${SELECTED%% *}"
         LOCK="${SELECTED#* }"
         if [ -z "$SELECTED" ]; then

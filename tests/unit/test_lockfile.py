@@ -139,3 +139,21 @@ def test_this_venv_is_the_lock_ci_installed():
         pytest.skip(f"no lock for megatron-core {version('megatron-core')} on {lockfile.python_tag()}")
     pins, _ = lockfile.read_lock(LOCKS[name])
     assert lockfile.differences(pins, lockfile.installed(), complete=False) == []
+
+
+@pytest.mark.parametrize("mode, mcore, name, kind", [("", "", "main", "complete"), ("--tests", "0.16.1", "tests", "complete"),
+                                                      ("--dev", "0.19.2", "tests-mcore019", "complete"),
+                                                      ("--dev", "", "tests", "subset")])
+def test_select_from_the_command_line_as_the_set_ups_call_it(mode, mcore, name, kind):
+    """tools/setup_env.sh calls `select -- MODE MCORE` with MODE a flag (--tests): argparse must take it as a value
+    (without `--` it refused it and the set-up silently installed unlocked)."""
+    for script, needle in (("setup_env.sh", 'tools/lockfile.py select -- "$MODE" "$MCORE"'),
+                           ("install_sglang_cpu.sh", 'tools/lockfile.py" select -- --tests 0.16.1')):
+        assert needle in open(os.path.join(ROOT, "tools", script)).read(), script
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "lockfile.py"), "select", "--", mode, mcore],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    if lockfile.read_lock(LOCKS[name])[1] == lockfile.python_tag():
+        assert r.stdout.strip() == f"{kind} {LOCKS[name]}"
+    else:
+        assert r.stdout.strip() == ""
