@@ -29,6 +29,7 @@ from megatron_rl.config import ConfigError, collect_job_config, load_job_config 
 from megatron_rl.lifeline import watch_job_owners  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
+from megatron_rl.tasks.custom import task_import_error  # noqa: E402
 from megatron_rl.tasks.reward_fn import reward_import_error  # noqa: E402
 from megatron_rl.tasks.val_set import val_file_problems  # noqa: E402
 from megatron_rl.trainer.loop import train  # noqa: E402
@@ -95,7 +96,7 @@ def start_problems(cfg) -> List[str]:
     holding another run's outputs, a reward function that cannot import, a validation file with no usable row."""
     t = cfg.trainer
     problems = [run_dir_error(t.run_dir, t.resume, t.overwrite), reward_import_error(cfg.data.reward_fn),
-                *val_file_problems(cfg.data)]
+                task_import_error(cfg.data.task), *val_file_problems(cfg.data)]
     return [p for p in problems if p]
 
 

@@ -38,6 +38,7 @@ from megatron_rl.weight_sync.plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
+from megatron_rl.tasks.custom import task_import_error
 from megatron_rl.tasks.reward_fn import reward_import_error
 
 
@@ -104,6 +105,9 @@ def _run(args: argparse.Namespace) -> int:
     reward_error = reward_import_error(cfg.data.reward_fn)  # e.g. the math reward without math-verify
     if reward_error and not any(p.startswith("data.reward_fn") for p in problems):
         problems.append(reward_error)
+    task_error = task_import_error(cfg.data.task)          # your own task (module:factory) that does not import
+    if task_error and not any(p.startswith("data.task") for p in problems):
+        problems.append(task_error)
     c = cfg.cluster
     world = c.world_size
     where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "

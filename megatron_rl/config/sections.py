@@ -173,7 +173,9 @@ class DataConfig:
     """Prompts and rewards."""
 
     task: str = "copy"
-    """Built-in verifiable task ("copy", "reverse", "sort", "add") or "file" to read ``path``."""
+    """Built-in verifiable task ("copy", "reverse", "sort", "add"), the multi-turn "lookup" tool task, "file" to
+    read ``path``, or your own task by import path, ``"module:factory"`` / ``"file.py:factory"``, called as
+    ``factory(tokenizer, **task_kwargs)`` and returning a ``megatron_rl.tasks.Task`` (docs/extending.md)."""
     path: Optional[str] = None
     """JSONL or Parquet prompt file (task: file): verl's RL format (``data_source``, ``prompt`` as chat
     messages, ``reward_model: {style, ground_truth}``, ``extra_info``) or ``prompt_key`` / ``answer_key`` rows."""

@@ -117,8 +117,9 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
         errs.append(f"rollout.dtype: {r.dtype!r} is not one of {', '.join(DTYPES)}")
     if r.engine in ENGINE_KINDS:
         errs += engine_class(r.engine).config_errors(r)  # what that engine needs (SGLang: a server)
-    if d.task not in TASKS:
-        errs.append(f"data.task: {d.task!r} is not one of {', '.join(TASKS)}")
+    if d.task not in TASKS and not (isinstance(d.task, str) and ":" in d.task):
+        errs.append(f"data.task: {d.task!r} is not one of {', '.join(TASKS)} or 'module:factory' (your own task: "
+                    f"docs/extending.md)")
     if d.task == "file":
         if not d.path:
             errs.append("data.path: required when data.task is 'file'")

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 from megatron_rl.actor.optimizer import optimizer_config
 from megatron_rl.actor.precision import Precision
 from megatron_rl.tokenizer import load_tokenizer
-from megatron_rl.tasks import FileTask, build_char_tokenizer, build_task, load_records
+from megatron_rl.tasks import FileTask, build_char_tokenizer, build_task, is_custom_task, load_records
 from megatron_rl.tasks.options import DataOptions
 
 
@@ -69,6 +69,16 @@ def task_prompt_length(cfg) -> Tuple[Optional[int], str]:
     """(longest prompt in tokens, where it comes from) of the config's ``data:`` section."""
     d = cfg.data
     tok, tok_src = _tokenizer(cfg)
+    if is_custom_task(d.task):  # your own task: its longest_prompt(), when it knows one
+        if tok is None:
+            return None, f"data.task {d.task!r}: needs its tokenizer ({tok_src})"
+        try:
+            longest = build_task(d.task, tok, task_kwargs=d.task_kwargs).longest_prompt()
+        except ValueError as exc:
+            return None, str(exc)
+        if longest is None:
+            return None, f"data.task {d.task!r}: its longest_prompt() is not known up front"
+        return len(longest.prompt_ids), f"longest {d.task!r} prompt ({tok_src})"
     if d.task != "file":  # a built-in task: its longest prompt
         if tok is None:
             tok, tok_src = build_char_tokenizer(task=d.task), f"char tokenizer ({tok_src})"

@@ -11,6 +11,7 @@
 * ``reward_pool``: rewards in worker processes with a per-sample timeout.
 * ``options``: ``DataOptions`` (chat template arguments, prompt length, reward workers).
 * ``chat_model``: a tiny chat model + tokenizer with a chat template (the math CPU config's model).
+* ``custom``: a user's task by import path (``data.task: "module:factory"``; docs/extending.md).
 
 ``build_task(task, tokenizer, ...)`` maps the ``data:`` config section onto one of these.
 
@@ -30,6 +31,7 @@ from megatron_rl.tasks.char_tokenizer import (
     ensure_task_model,
     task_model_config,
 )
+from megatron_rl.tasks.custom import build_custom_task, is_custom_task, task_import_error
 from megatron_rl.tasks.datasets import FileTask, load_records
 from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.reward_fn import RewardFunction, check_reward_spec, compute_reward, load_reward_fn
@@ -87,6 +89,9 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
     fn = None
     if reward_fn is not None:
         fn = reward_fn if ":" not in reward_fn else load_reward_fn(reward_fn)
+    if is_custom_task(task):
+        inner = build_custom_task(task, tokenizer, task_kwargs)
+        return RewardOverrideTask(inner, fn) if fn is not None else inner
     if task in DIGIT_TASKS:
         allowed = set(DIGIT_TASK_OPTIONS)
         unknown = sorted(set(task_kwargs) - allowed)
@@ -104,7 +109,8 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
             raise ValueError(f"data.reward_fn={reward_fn!r} is not used by data.task={task!r}: its environment "
                              "(multi_turn.env) scores the episode")
         return LookupTask(tokenizer, **task_kwargs)
-    raise ValueError(f"data.task={task!r} must be one of {DIGIT_TASKS + (LOOKUP_TASK, 'file')}")
+    raise ValueError(f"data.task={task!r} must be one of {DIGIT_TASKS + (LOOKUP_TASK, 'file')} or 'module:factory' "
+                     f"(your own task: docs/extending.md)")
 
 
 __all__ = [
@@ -113,4 +119,5 @@ __all__ = [
     "RewardOverrideTask", "RewardPool", "RewardResult", "Task", "build_char_tokenizer", "build_task",
     "build_task_model", "compute_reward", "default_compute_score", "ensure_task_model", "extract_answer",
     "load_records", "load_reward_fn", "math_reward", "response_text", "split_at_eos", "task_model_config",
+    "build_custom_task", "is_custom_task", "task_import_error",
 ]
