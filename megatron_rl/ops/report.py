@@ -36,12 +36,25 @@ mean IS weight              abs(rollout_corr/rollout_is_mean - 1) > IS_MEAN_DEV_
 RS masked fraction          rollout_corr/rollout_rs_masked_fraction > RS_MASKED_MAX (0.5)       WARN
 IS ratio tail               rollout_corr/rollout_is_p99 > IS_P99_MAX (10)                       WARN
 k3 KL rising                last-quarter mean of rollout_corr/k3_kl > K3_RISE_FACTOR (2) x the  WARN
-                            first-quarter mean and > K3_FLOOR (1e-4); needs >= MIN_STEPS (8)
+                            first-quarter mean and > K3_FLOOR (1e-3); needs >= MIN_STEPS (8)
 reward flat                 max - min of the reward/mean curve smoothed by a moving average     WARN
                             over max(1, n/10) steps < REWARD_FLAT_RANGE (0.01); >= MIN_STEPS
 dynamic sampling exhausted  filter_groups/exhausted = 1 at any step (too few groups with signal     WARN
-                            after max_num_gen_batches rounds: trained topped up, or skipped)
+                            after max_num_gen_batches rounds: trained topped up, or skipped);
+                            INFO instead when the sampled reward of those steps is >= SOLVED_FRAC
+                            (0.9) of the reward's ceiling: the groups score alike because they are
+                            solved, which every task that is learned reaches
+stalled                     over the last half of the run (>= 2 x MIN_STEPS steps) the smoothed     WARN
+                            sampled reward moves < STALL_RANGE (0.05) x the ceiling, its last-
+                            quarter mean is < SOLVED_FRAC x the ceiling, and the policy has
+                            collapsed: last-quarter entropy < ENTROPY_COLLAPSE (0.1 nats/token)
+                            or a step with zero gradient (actor/grad_norm = 0). Status: STALLED
 ==========================  ========
+
+The sampled reward is ``reward/raw_mean`` (every generated sample) where dynamic sampling logged it, else
+``reward/mean``; its ceiling is 1 when every logged reward lies in [0, 1] (verifiable rewards), else the highest
+sampled reward the run logged. Status: UNHEALTHY (a FAIL), STALLED, CHECK WARNINGS (a WARN), HEALTHY; INFO
+findings are listed and change nothing.
 """
 from __future__ import annotations
 
@@ -60,7 +73,10 @@ IS_MEAN_DEV_MAX = 0.2
 RS_MASKED_MAX = 0.5
 IS_P99_MAX = 10.0
 K3_RISE_FACTOR = 2.0
-K3_FLOOR = 1e-4
+K3_FLOOR = 1e-3
+SOLVED_FRAC = 0.9
+STALL_RANGE = 0.05
+ENTROPY_COLLAPSE = 0.1
 REWARD_FLAT_RANGE = 0.01
 REWARD_FAILED_FRAC_MAX = DataConfig.max_reward_failure_frac  # the trainer's default, one owner
 MIN_STEPS = 8
@@ -139,7 +155,7 @@ class Finding:
     """One health-check result."""
 
     severity: str
-    """"FAIL" (the run is unhealthy) or "WARN" (look at it)."""
+    """"FAIL" (the run is unhealthy), "WARN" (look at it) or "INFO" (expected; said so that nobody wonders)."""
     check: str
     """Short name of the check."""
     message: str
@@ -246,6 +262,7 @@ def health_checks(records: Sequence[dict]) -> List[Finding]:
 
     out += _reward_failure_findings(records)
     out += _filter_groups_findings(records)
+    out += _stall_findings(records)
 
     for severity, check, key, unhealthy, message in _LAST_QUARTER_RULES:
         means = quarter_means(records, P + key)
@@ -286,18 +303,67 @@ def _reward_failure_findings(records: Sequence[dict]) -> List[Finding]:
     return []
 
 
+def sampled_reward(records: Sequence[dict]) -> Tuple[List[float], List[float], float]:
+    """(steps, the sampled reward per step, its ceiling): ``reward/raw_mean`` (every generated sample) where
+    dynamic sampling logged it -- its ``reward/mean`` covers the trained groups only --, else ``reward/mean``;
+    the ceiling is 1 when every logged value lies in [0, 1], else the highest value."""
+    key = "reward/raw_mean" if any("reward/raw_mean" in r for r in records) else "reward/mean"
+    xs, ys = series(records, key)
+    pairs = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
+    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+    ceiling = 1.0 if all(0.0 <= y <= 1.0 for y in ys) else max(ys, default=1.0)
+    return xs, ys, ceiling
+
+
 def _filter_groups_findings(records: Sequence[dict]) -> List[Finding]:
     """WARN when dynamic sampling ran out of rounds at some step (``filter_groups/exhausted``): the step trained
-    groups without signal (advantage 0) to fill its batch, or was skipped (``filter_groups/skipped``)."""
+    groups without signal (advantage 0) to fill its batch, or was skipped (``filter_groups/skipped``); INFO when
+    those steps' sampled reward says the groups score alike because they are solved."""
     steps = [x for x, y in zip(*series(records, "filter_groups/exhausted")) if y > 0]
     if not steps:
         return []
     skipped = [x for x, y in zip(*series(records, "filter_groups/skipped")) if y > 0]
+    xs, ys, ceiling = sampled_reward(records)
+    at = [y for x, y in zip(xs, ys) if x in set(steps)]
+    if at and _mean(at) >= SOLVED_FRAC * ceiling:
+        return [Finding("INFO", "dynamic sampling exhausted",
+                        f"{len(steps)} step(s) found too few prompt groups with reward signal (first at step "
+                        f"{steps[0]}; {len(skipped)} skipped) while the sampled reward there was {_mean(at):.3f} "
+                        f"(>= {SOLVED_FRAC} x its ceiling {ceiling:g}): the groups score alike because they are "
+                        f"solved -- expected once a task is learned")]
     return [Finding("WARN", "dynamic sampling exhausted",
                     f"{len(steps)} step(s) found too few prompt groups with reward signal in "
                     f"algorithm.filter_groups.max_num_gen_batches rounds (first at step {steps[0]}; {len(skipped)} "
                     f"skipped, the others topped up with groups of advantage 0): most groups score alike -- the "
                     f"task may be too easy or too hard for the model")]
+
+
+def _stall_findings(records: Sequence[dict]) -> List[Finding]:
+    """WARN "stalled" (see the module docstring): the reward has plateaued below the ceiling and the policy has
+    collapsed (entropy near zero, or steps without gradient), so more steps will not move it."""
+    xs, ys, ceiling = sampled_reward(records)
+    if len(ys) < 2 * MIN_STEPS:
+        return []
+    half = ys[len(ys) // 2:]
+    sm = _smooth(half, max(1, len(half) // 10))
+    moved, last = max(sm) - min(sm), _mean(_quarter(ys, True))
+    if moved >= STALL_RANGE * ceiling or last >= SOLVED_FRAC * ceiling:
+        return []
+    _, ent = series(records, "actor/entropy")
+    ent = _finite(ent)
+    gx, gn = series(records, "actor/grad_norm")
+    zero = [x for x, g in zip(gx, gn) if g == 0.0 and x >= xs[len(xs) // 2]]
+    entropy = _mean(_quarter(ent, True)) if ent else None
+    if not ((entropy is not None and entropy < ENTROPY_COLLAPSE) or zero):
+        return []
+    why = ([f"last-quarter entropy {entropy:.3g} < {ENTROPY_COLLAPSE} nats/token"]
+           if entropy is not None and entropy < ENTROPY_COLLAPSE else [])
+    why += [f"{len(zero)} step(s) with zero gradient in the last half (first at step {zero[0]})"] if zero else []
+    return [Finding("WARN", "stalled",
+                    f"the sampled reward plateaued at {last:.3f} (last quarter; ceiling {ceiling:g}, it moved "
+                    f"{moved:.3f} over the last {len(half)} steps) and the policy collapsed: {'; '.join(why)}. More "
+                    f"steps will not move it: see docs/quickstart.md (a collapse) -- a higher entropy bonus, a lower "
+                    f"learning rate, or another seed")]
 
 
 # ----------------------------------------------------------------------------- plots
@@ -439,7 +505,8 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
     # a record of a validation alone (trainer.val_before_train: step 0) is no training step
     steps = [int(r["step"]) for r in records if any(k not in VALIDATION_ONLY and not k.startswith("val/") for k in r)]
     status = "UNHEALTHY" if any(f.severity == "FAIL" for f in findings) else (
-        "CHECK WARNINGS" if findings else "HEALTHY")
+        "STALLED" if any(f.check == "stalled" for f in findings) else (
+            "CHECK WARNINGS" if any(f.severity == "WARN" for f in findings) else "HEALTHY"))
     span = f" ({steps[0]}..{steps[-1]})" if steps else ""
     lines = [f"# Run report: {run_dir}", "", f"**Status: {status}** - {len(steps)} steps{span}.", ""]
     t0, t1 = series(records, "time")[1][:1], series(records, "time")[1][-1:]
@@ -465,7 +532,11 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
               f"- WARN: any failed / timed-out reward; RS masked fraction > {RS_MASKED_MAX}; "
               f"IS ratio p99 > {IS_P99_MAX}; k3 KL last-quarter mean > "
               f"{K3_RISE_FACTOR} x first-quarter mean and > {K3_FLOOR}; smoothed reward range < {REWARD_FLAT_RANGE} "
-              f"(trend checks need >= {MIN_STEPS} steps).", ""]
+              f"(trend checks need >= {MIN_STEPS} steps); dynamic sampling exhausted below {SOLVED_FRAC} x the "
+              f"reward's ceiling (INFO above it: solved).",
+              f"- STALLED: over the last half the smoothed sampled reward moved < {STALL_RANGE} x its ceiling, "
+              f"ended < {SOLVED_FRAC} x it, with last-quarter entropy < {ENTROPY_COLLAPSE} or a zero-gradient step.",
+              ""]
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p}]({p})" for p in plots]
