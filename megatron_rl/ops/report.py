@@ -44,8 +44,9 @@ dynamic sampling exhausted  filter_groups/exhausted = 1 at any step (too few gro
                             INFO instead when the sampled reward of those steps is >= SOLVED_FRAC
                             (0.9) of the reward's ceiling: the groups score alike because they are
                             solved, which every task that is learned reaches
-stalled                     over the last half of the run (>= 2 x MIN_STEPS steps) the smoothed     WARN
-                            sampled reward moves < STALL_RANGE (0.05) x the ceiling, its last-
+stalled                     over the last quarter of the run (>= 2 x MIN_STEPS steps in all) the    WARN
+                            sampled reward, smoothed over a fifth of it, moves < STALL_RANGE (0.1)
+                            x the ceiling, its last-
                             quarter mean is < SOLVED_FRAC x the ceiling, and the policy has
                             collapsed: last-quarter entropy < ENTROPY_COLLAPSE (0.1 nats/token)
                             or a step with zero gradient (actor/grad_norm = 0). Status: STALLED
@@ -75,7 +76,7 @@ IS_P99_MAX = 10.0
 K3_RISE_FACTOR = 2.0
 K3_FLOOR = 1e-3
 SOLVED_FRAC = 0.9
-STALL_RANGE = 0.05
+STALL_RANGE = 0.1
 ENTROPY_COLLAPSE = 0.1
 REWARD_FLAT_RANGE = 0.01
 REWARD_FAILED_FRAC_MAX = DataConfig.max_reward_failure_frac  # the trainer's default, one owner
@@ -344,21 +345,21 @@ def _stall_findings(records: Sequence[dict]) -> List[Finding]:
     xs, ys, ceiling = sampled_reward(records)
     if len(ys) < 2 * MIN_STEPS:
         return []
-    half = ys[len(ys) // 2:]
-    sm = _smooth(half, max(1, len(half) // 10))
+    half = ys[-max(MIN_STEPS, len(ys) // 4):]   # the last quarter
+    sm = _smooth(half, max(1, len(half) // 5))
     moved, last = max(sm) - min(sm), _mean(_quarter(ys, True))
     if moved >= STALL_RANGE * ceiling or last >= SOLVED_FRAC * ceiling:
         return []
     _, ent = series(records, "actor/entropy")
     ent = _finite(ent)
     gx, gn = series(records, "actor/grad_norm")
-    zero = [x for x, g in zip(gx, gn) if g == 0.0 and x >= xs[len(xs) // 2]]
+    zero = [x for x, g in zip(gx, gn) if g == 0.0 and x >= xs[-len(half)]]
     entropy = _mean(_quarter(ent, True)) if ent else None
     if not ((entropy is not None and entropy < ENTROPY_COLLAPSE) or zero):
         return []
     why = ([f"last-quarter entropy {entropy:.3g} < {ENTROPY_COLLAPSE} nats/token"]
            if entropy is not None and entropy < ENTROPY_COLLAPSE else [])
-    why += [f"{len(zero)} step(s) with zero gradient in the last half (first at step {zero[0]})"] if zero else []
+    why += [f"{len(zero)} step(s) with zero gradient in the last {len(half)} (first at step {zero[0]})"] if zero else []
     return [Finding("WARN", "stalled",
                     f"the sampled reward plateaued at {last:.3f} (last quarter; ceiling {ceiling:g}, it moved "
                     f"{moved:.3f} over the last {len(half)} steps) and the policy collapsed: {'; '.join(why)}. More "
@@ -534,7 +535,7 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
               f"{K3_RISE_FACTOR} x first-quarter mean and > {K3_FLOOR}; smoothed reward range < {REWARD_FLAT_RANGE} "
               f"(trend checks need >= {MIN_STEPS} steps); dynamic sampling exhausted below {SOLVED_FRAC} x the "
               f"reward's ceiling (INFO above it: solved).",
-              f"- STALLED: over the last half the smoothed sampled reward moved < {STALL_RANGE} x its ceiling, "
+              f"- STALLED: over the last quarter the smoothed sampled reward moved < {STALL_RANGE} x its ceiling, "
               f"ended < {SOLVED_FRAC} x it, with last-quarter entropy < {ENTROPY_COLLAPSE} or a zero-gradient step.",
               ""]
     if plots:

@@ -3,9 +3,10 @@ sampling running out of groups with signal there is INFO, a k3 KL of 1e-4 is no 
 plateaued below its ceiling with a collapsed policy is STALLED -- in metric series shaped like the quickstart's
 and the tiny MoE run's of issue 52 (real runs' metrics: tests/integration/test_report.py)."""
 import math
+import os
 import random
 
-from megatron_rl.ops.report import health_checks, summary_markdown
+from megatron_rl.ops.report import health_checks, read_metrics, summary_markdown
 
 
 def _run(n, reward, entropy, raw=True, exhausted=lambda s, r: False, grad=lambda s: 1.0, k3=lambda s: 1e-6):
@@ -72,3 +73,22 @@ def test_a_k3_kl_of_1e_4_is_no_alarm_and_1e_2_rising_is():
     assert "k3 KL rising" not in [f.check for f in health_checks(quiet)]
     loud = _run(40, lambda s: 0.5 + s / 100, lambda s: 0.5, raw=False, k3=lambda s: 1e-3 * s / 4)
     assert "k3 KL rising" in [f.check for f in health_checks(loud)]
+
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "runs")
+
+
+def test_real_runs_learned_quickstart_and_stalled_tiny_moe():
+    """Two real 200-step runs' metrics (trimmed to the keys the report reads): the quickstart as shipped at the
+    commit of this test (every length learned; dynamic sampling exhausted on 35 late, solved steps; k3 KL ~1e-4)
+    and configs/tiny_moe_cpu.yaml as shipped before it took the quickstart's recipe (sampled reward ~0.43 from step
+    ~130, entropy 0.013, 35 zero-gradient steps)."""
+    learned = read_metrics(os.path.join(DATA, "quickstart_learned", "metrics.jsonl"))
+    status, found = _status(learned)
+    assert status == "HEALTHY", found
+    assert {(f.severity, f.check) for f in found} == {("INFO", "dynamic sampling exhausted")}
+    stalled = read_metrics(os.path.join(DATA, "tiny_moe_stalled", "metrics.jsonl"))
+    status, found = _status(stalled)
+    assert status == "STALLED", found
+    msg = [f.message for f in found if f.check == "stalled"][0]
+    assert "plateaued at 0.425" in msg and "zero gradient" in msg
