@@ -23,7 +23,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {md} and {len(plots)} plot(s): {', '.join(plots) or '-'}")
     records = read_metrics(os.path.join(args.run_dir, "metrics.jsonl"))
-    for key in ("reward/mean", "rollout_corr/k3_kl"):
+    for key in ("reward/mean", "reward/raw_mean", "rollout_corr/k3_kl"):
         q = quarter_means(records, key)
         if q is not None:
             print(f"{key}: first-quarter mean {q[0]:.4g} -> last-quarter mean {q[1]:.4g} ({len(records)} steps)")

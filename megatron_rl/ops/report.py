@@ -482,7 +482,9 @@ def build_figures(records: Sequence[dict]):
 
 
 # ----------------------------------------------------------------------------- summary
-SUMMARY_KEYS = ["reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+#: What a summary row means where its key alone does not say it (dynamic sampling's two rewards).
+SUMMARY_NOTES = {"reward/mean": " (the trained groups)", "reward/raw_mean": " (every generated sample)"}
+SUMMARY_KEYS = ["reward/mean", "reward/raw_mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
                 P + "kl", P + "k3_kl", P + "chi2_token", P + "chi2_seq", P + "rollout_is_mean",
                 P + "rollout_is_p99", P + "rollout_is_eff_sample_size", P + "rollout_rs_masked_fraction",
                 P + "rollout_is_veto_fraction", "perf/tokens_per_s", "val/reward_mean"]
@@ -524,7 +526,7 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
     for k in SUMMARY_KEYS:
         _, ys = series(records, k)
         if ys:
-            lines.append(f"| `{k}` | {_fmt(_mean(ys[:w]))} | {_fmt(_mean(ys[-w:]))} | "
+            lines.append(f"| `{k}`{SUMMARY_NOTES.get(k, '')} | {_fmt(_mean(ys[:w]))} | {_fmt(_mean(ys[-w:]))} | "
                          f"{_fmt(_mean(_quarter(ys, True)))} |")
     lines += ["", "## Thresholds", "",
               f"- FAIL: any NaN/inf metric; failed-reward fraction > {REWARD_FAILED_FRAC_MAX} at a step; "

@@ -23,7 +23,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 CONSOLE_KEYS = (
-    ("reward/mean", "reward"), ("response_length/mean", "len"), ("actor/pg_loss", "pg_loss"),
+    ("reward/mean", "reward"), ("reward/raw_mean", "sampled"), ("response_length/mean", "len"), ("actor/pg_loss", "pg_loss"),
     ("actor/grad_norm", "gnorm"), ("rollout_corr/kl", "kl"), ("rollout_corr/rollout_is_mean", "is_mean"),
     ("rollout_corr/rollout_rs_masked_fraction", "rs_mask"), ("filter_groups/rounds", "rounds"),
     ("perf/tokens_per_s", "tok/s"),
@@ -58,6 +58,9 @@ def format_summary(rows: List[Tuple[int, Dict[str, float]]], previous_reward: Op
         if previous_reward is not None and math.isfinite(previous_reward):
             cell += f", {mean - previous_reward:+.4g} vs previous"
         cells.append(cell)
+    sampled = [m["reward/raw_mean"] for _, m in rows if "reward/raw_mean" in m]
+    if sampled:   # dynamic sampling: reward/mean is the trained groups', this one every generated sample's
+        cells.append(f"sampled reward mean {_mean(sampled):.4g} (every generated sample; reward: the trained groups)")
     for key, label, unit in (("response_length/mean", "len", ""), ("timing/step_s", "step", " s"),
                              ("perf/tokens_per_s", "tok/s", "")):
         vals = [m[key] for _, m in rows if key in m]

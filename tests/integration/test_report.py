@@ -103,7 +103,7 @@ def test_healthy_run_has_no_findings_and_all_plots(tmp_path):
         assert img[..., :3].std() > 0.01                       # not blank
     text = open(md).read()
     assert "**Status: HEALTHY**" in text and "40 steps (1..40)" in text
-    assert "| `reward/mean` |" in text and "![ess.png](ess.png)" in text
+    assert "| `reward/mean` (the trained groups) |" in text and "![ess.png](ess.png)" in text
     assert f"ESS < {R.ESS_MIN}" in text and f"veto fraction > {R.VETO_MAX}" in text
 
 

@@ -91,3 +91,14 @@ def test_console_table_interval_zero_prints_bar_only(tmp_path, capsys):
     s.log(2, {"reward/mean": 1.0})
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all(ln.startswith("[") for ln in out)
+
+
+def test_both_reward_figures_are_named_under_dynamic_sampling():
+    """reward/mean (the trained groups) and reward/raw_mean (every generated sample) differ under dynamic sampling
+    (0.87 vs 0.949 on the quickstart): the summary line names both; without dynamic sampling only the one."""
+    from megatron_rl.trainer.sinks import format_summary
+    line = format_summary([(1, {"reward/mean": 0.8, "reward/raw_mean": 0.9}), (2, {"reward/mean": 0.9,
+                                                                                    "reward/raw_mean": 1.0})])
+    assert "reward mean 0.85 (min 0.8, max 0.9)" in line
+    assert "sampled reward mean 0.95 (every generated sample; reward: the trained groups)" in line
+    assert "sampled" not in format_summary([(1, {"reward/mean": 0.8})])
