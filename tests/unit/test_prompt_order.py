@@ -257,3 +257,27 @@ def test_generated_tasks_keep_the_step_seeded_draw(tiny_job):
     got = [[p.prompt_ids for p in draw(step, rnd)] for step in (0, 3) for rnd in (0, 1)]
     assert got == [[p.prompt_ids for p in sample_prompts(task, cfg, step, rnd)] for step in (0, 3) for rnd in (0, 1)]
     assert draw.state(2, 3) == {}
+
+
+def test_one_off_generate_step_calls_draw_per_step_not_the_same_prompts(tmp_path):
+    """``generate_step`` without the job's draw (a one-off call) draws each step's own seeded sample of the file, as
+    ``random.Random(trainer.seed * 1_000_003 + step).sample(range(N), prompts_per_step)`` does -- not a fresh
+    epoch order per call (which gave every step epoch 0's first prompts)."""
+    import random
+
+    from megatron_rl.trainer.rollout_phase import generate_step
+
+    cfg = _cfg(tmp_path)
+    task, gen, engine = _job_parts(cfg)
+    gen.close()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = [generate_step(task, engine, cfg, step, "step-0").prompt_ids[::SAMPLES] for step in (0, 1, 2)]
+    finally:
+        task.close()
+    by_index = {i: list(p.prompt_ids) for i, p in ((int(p.answer), p) for p in task.prompts)}
+    ref = [[by_index[i] for i in random.Random(cfg.trainer.seed * 1_000_003 + step).sample(range(N), PER_STEP)]
+           for step in (0, 1, 2)]
+    assert got == ref
+    assert got[0] != got[1]
