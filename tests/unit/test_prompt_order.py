@@ -281,3 +281,38 @@ def test_one_off_generate_step_calls_draw_per_step_not_the_same_prompts(tmp_path
            for step in (0, 1, 2)]
     assert got == ref
     assert got[0] != got[1]
+
+
+def test_a_saved_order_of_another_file_of_the_same_size_starts_over(tmp_path, capsys):
+    """A checkpoint's order is for the prompts it was drawn from: another data file with as many prompts (here the
+    same prompts in another row order) starts over at epoch 0, saying why; the same file continues."""
+    PromptDraw = _draw_class()
+    cfg = _cfg(tmp_path)
+    task, gen, engine = _job_parts(cfg, PromptDraw)
+    try:
+        straight = _run(gen, engine, range(5))
+        state = _saved(gen.inner.draw.state(3, 3))
+    finally:
+        gen.close()
+        task.close()
+    other = tmp_path / "other"
+    other.mkdir()
+    moved = _cfg(other)
+    rows = (other / "prompts.jsonl").read_text().splitlines(keepends=True)
+    (other / "prompts.jsonl").write_text("".join(rows[1:] + rows[:1]))          # same size, other rows
+    for c, expect in ((cfg, straight[3]), (moved, None)):
+        task, gen, engine = _job_parts(c, PromptDraw)
+        try:
+            gen.inner.draw.restore(state, 3)
+            got = _run(gen, engine, [3])[0]
+        finally:
+            gen.close()
+            task.close()
+        out = capsys.readouterr().out
+        if expect is not None:                                                   # the same file: continued
+            assert got == expect and "starts over" not in out
+        else:
+            assert "the prompt order starts over at epoch 0" in out and "other prompts" in out, out
+            # file row r holds prompt (r + 1) % N: epoch 0 of the new file's rows, as prompt numbers
+            ref = [(r + 1) % N for r in reference_permutation(cfg.trainer.seed, 0)]
+            assert [i for rnd in got for i in rnd][:PER_STEP] == ref[:PER_STEP]
