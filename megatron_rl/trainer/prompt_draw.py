@@ -100,7 +100,8 @@ class PromptDraw:
                             "positions": self.order.positions(first, last)}}
 
     def restore(self, extra: Dict, start: int) -> None:
-        """``--resume`` from a checkpoint after ``start`` steps (``extra``: its extra state): continue its order;
+        """``--resume`` from a checkpoint after ``start`` steps (``extra``: its extra state, whose
+        ``async_rollouts`` are the steps the producer may skip): continue its order;
         one line and a fresh order when it has none (written before the order was saved) or one of another data
         set size, seed or prompts (``prompts_fingerprint``; a checkpoint written before the fingerprint was saved
         continues, saying that its prompts could not be compared)."""
@@ -122,6 +123,10 @@ class PromptDraw:
                   "it was saved): continuing it for the same prompt count and seed", flush=True)
         if why is not None:
             print(f"[megatron-rl] {why}: the prompt order starts over at epoch 0", flush=True)
+            # the step the producer draws first -- the checkpoint's, or the one after the async rollouts it keeps --
+            # starts the fresh order; a held step, never drawn here, is checkpointed at that start too
+            held = len((extra or {}).get("async_rollouts") or {})
+            self.order.resume({t: (0, 0, ()) for t in range(start, start + held + 1)})
             return
         self.order.resume(saved["positions"])
 

@@ -316,3 +316,33 @@ def test_a_saved_order_of_another_file_of_the_same_size_starts_over(tmp_path, ca
             # file row r holds prompt (r + 1) % N: epoch 0 of the new file's rows, as prompt numbers
             ref = [(r + 1) % N for r in reference_permutation(cfg.trainer.seed, 0)]
             assert [i for rnd in got for i in rnd][:PER_STEP] == ref[:PER_STEP]
+
+
+def test_a_fresh_order_after_an_async_resume_checkpoints_the_held_steps(tmp_path, capsys):
+    """Resumed at step 3 from a checkpoint without a prompt order that holds the async rollouts of steps 3 and 4:
+    the order starts over and the producer draws step 5 first. The next checkpoints (after steps 4 and 5) record
+    where steps 4.. start -- the held ones, never drawn here, at the fresh order's start -- instead of raising, and
+    a run resumed from them continues the first resumed run's prompts."""
+    PromptDraw = _draw_class()
+    cfg = _cfg(tmp_path)
+    task, gen, engine = _job_parts(cfg, PromptDraw)
+    try:
+        gen.inner.draw.restore({"async_rollouts": {3: "...", 4: "..."}}, 3)   # no prompt_order; 2 steps held
+        assert "starts over" in capsys.readouterr().out
+        resumed = _run(gen, engine, range(5, 9))
+        at4 = _saved(gen.inner.draw.state(4, 6))            # a checkpoint after step 4 would have raised
+        at6 = _saved(gen.inner.draw.state(6, 8))
+    finally:
+        gen.close()
+        task.close()
+    flat = [i for s in resumed for rnd in s for i in rnd]
+    assert flat[:N] == reference_permutation(cfg.trainer.seed, 0)   # step 5 starts epoch 0
+    assert at4["prompt_order"]["positions"][4] == [0, 0, []] == at4["prompt_order"]["positions"][5]
+    for state, start, held in ((at4, 4, 1), (at6, 6, 2)):  # resumed again, keeping the held rollouts
+        task, gen, engine = _job_parts(cfg, PromptDraw)
+        try:
+            gen.inner.draw.restore({**state, "async_rollouts": dict.fromkeys(range(start, start + held))}, start)
+            assert _run(gen, engine, range(start + held, 9)) == resumed[start + held - 5:]
+        finally:
+            gen.close()
+            task.close()
