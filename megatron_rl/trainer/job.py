@@ -18,9 +18,9 @@ Checkpoints (``Job.checkpoint``): the source's drain (async rollouts a checkpoin
 ``trainer.checkpoint_timeout_s`` per generation round dynamic sampling may take, ``config.timeouts``; the last
 checkpoint, after ``trainer.steps``, waits for none and keeps those already made), then every rank writes its part
 and rank 0 marks it COMPLETE. The checkpoint's watchdog (``checkpoint_phase_timeout_s``) is
-``trainer.checkpoint_timeout_s``; async, half of it to save after the other ranks' bounded wait for the drain. A failed drain still writes the
-checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises ``AsyncDrainError`` on every
-rank. Rank 0 adds the prompt order's position (``PromptDraw.state``) at the checkpoint's step and at each step whose
+``trainer.checkpoint_timeout_s``; async, half of it to save after the other ranks' bounded wait for the drain.
+A failed drain still writes the checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises
+``AsyncDrainError`` on every rank. Rank 0 adds the prompt order's position (``PromptDraw.state``) at the checkpoint's step and at each step whose
 rollouts it holds, so the resumed run draws on from whichever it regenerates first.
 """
 from __future__ import annotations
