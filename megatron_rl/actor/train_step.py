@@ -116,8 +116,10 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
 
     ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
     ``bounds``: the micro-batches, contiguous [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs
-    by ``batcher`` (the actor's; default: padded rows on ``groups.dims``). Neither changes the loss: its
-    denominators are global and the loss sees each micro-batch's rows (``MicroBatch.layout.loss_rows``).
+    by ``batcher`` (the actor's; default: padded rows on ``groups.dims``). Neither changes the loss (its
+    denominators are global and the loss sees each micro-batch's rows, ``MicroBatch.layout.loss_rows``), except
+    bypass mode's ``rollout_is_batch_normalize``: it divides by each micro-batch's mean weight on its DP rank, so
+    the loss then depends on the cut (the DP size, ``micro_batch_size`` / ``max_tokens_per_micro_batch``, packing).
 
     ``loss_type`` (one of ``megatron_rl.losses.LOSS_TYPES``) is ``algorithm.rollout_correction.loss_type``.
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token

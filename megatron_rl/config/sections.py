@@ -312,7 +312,8 @@ class FilterGroupsConfig:
     """Generation rounds per step at most (each draws ``data.prompts_per_step`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
     ``enable``, as verl's disabled default block has it). The rollout phase's bounds scale with it:
-    ``trainer.phase_timeout_s`` and ``trainer.collective_timeout_s`` (the other ranks' wait) per round."""
+    ``trainer.phase_timeout_s`` and ``trainer.collective_timeout_s`` (the other ranks' wait) per round, and an
+    async checkpoint's drain, half of ``trainer.checkpoint_timeout_s`` per round."""
     on_exhausted: str = "train"
     """When ``max_num_gen_batches`` rounds found fewer groups with signal than the batch needs (always with a
     ``FilterGroupsExhaustedWarning``): "train" -- train on them, the batch topped up with groups without signal
@@ -484,7 +485,9 @@ class TrainerConfig:
     phase gets it per generation round: x ``algorithm.filter_groups.max_num_gen_batches`` with dynamic sampling."""
     checkpoint_timeout_s: float = 1800.0
     """Watchdog limit of one checkpoint save (0: no limit). A save that fails or times out is never marked
-    COMPLETE; the previous COMPLETE checkpoint stays the one ``--resume`` loads."""
+    COMPLETE; the previous COMPLETE checkpoint stays the one ``--resume`` loads. Async: half of it bounds the drain
+    of the rollouts the checkpoint holds, per generation round with dynamic sampling, the other half the save; the
+    other ranks wait for the drain that long + ``collective_timeout_s`` (``config/timeouts.py``)."""
     stop_timeout_s: float = 900.0
     """After the first SIGTERM / SIGINT, seconds a rank may take to finish its step and checkpoint before it
     exits without one (0: no limit). A second signal exits at once."""

@@ -16,7 +16,8 @@ The same steps as :func:`~megatron_rl.correction.compute_rollout_correction` —
 over ``cp_group``: 1 all_gather) and ``decisions`` — so a decision here is the one the first pass takes on the same
 log-probs; no metric is computed (the ``rollout_corr/*`` metrics are the step's first pass). Every decision is per
 token or per sequence, so the result does not depend on the micro-batch cut, on DP, or on PP (the loss runs on the
-last stage, where the log-probs are); sequences split over CP ranks get whole-sequence sums.
+last stage, where the log-probs are), except the ``rollout_is_batch_normalize`` factor (below); sequences split over
+CP ranks get whole-sequence sums.
 
 Exceptions, decided here:
   * ``base_mask`` is the response mask the loss starts from — before rejection (verl: the trainer rejects nothing in
@@ -25,7 +26,9 @@ Exceptions, decided here:
     tokens (token level) or kept sequences (sequence / geometric level), whole sequences over ``cp_group`` (token
     level: 1 all_reduce). verl normalises per micro-batch too, but all-reduces over every rank (the world group:
     the k-th micro-batch of every rank, a hang when ranks hold different numbers of micro-batches) and over the
-    mask before rejection; here no collective leaves the CP group, so the factor is this DP rank's micro-batch's.
+    mask before rejection; here no collective leaves the CP group, so the factor is this DP rank's micro-batch's:
+    the weights depend on the DP size and the micro-batch cut (``actor.micro_batch_size`` /
+    ``max_tokens_per_micro_batch``, packing).
   * invalid current log-probs (NaN, inf, > 1e-3) on ``base_mask`` tokens reject their sequence here; the policy
     loss's own input check (``losses.validation``) then raises on them, as in every mode.
 """

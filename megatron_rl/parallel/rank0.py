@@ -8,6 +8,7 @@ written once here:
     batch = from_rank0(lambda: generator.generate(engine, step, version))           # every rank: rank 0's batch
     part, whole = scatter_from_rank0(make, split)   # each rank: only its own piece (split -> Pieces)
     choice = share_from_rank0(value if rank0 else None)                             # a plain broadcast
+    err = share_from_rank0(err, group, waiting="waiting for ...")  # a failed wait names what it waited for
 
 An exception on rank 0 is raised on every rank (``what`` given: wrapped in a ``RuntimeError`` naming it, except
 the types in ``passthrough``, which arrive as they were raised): rank 0 raises its own exception, the others a
@@ -36,13 +37,21 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def share_from_rank0(obj: Optional[object], group: Optional[dist.ProcessGroup] = None) -> object:
+def share_from_rank0(obj: Optional[object], group: Optional[dist.ProcessGroup] = None,
+                     waiting: Optional[str] = None) -> object:
     """Broadcast a picklable object (rollouts, or an exception to re-raise) from global rank 0 (over ``group``, a
-    group of every rank; default the default group)."""
+    group of every rank; default the default group). ``waiting``: what the other ranks wait for; when the wait
+    itself fails on one of them (the group's timeout, rank 0 gone) it raises a ``RuntimeError`` naming it, not the
+    bare backend error."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    except Exception as exc:  # noqa: BLE001 - the wait for rank 0 failed: say for what
+        if waiting is None or is_rank0():
+            raise
+        raise RuntimeError(f"rank {dist.get_rank()}: {waiting}: {type(exc).__name__}: {exc}") from exc
     return box[0]
 
 
@@ -177,12 +186,7 @@ def scatter_from_rank0(fn: Callable[[], T], split: Callable[[T], Pieces], what: 
         both, local = _run(run, what, passthrough)
         if both is not None:
             result, pieces = both
-    try:
-        shared = share_from_rank0(None if local is None else _shareable(local), group)
-    except Exception as exc:  # noqa: BLE001 - the wait for rank 0 failed: say for what
-        if waiting is None or is_rank0():
-            raise
-        raise RuntimeError(f"rank {dist.get_rank()}: {waiting}: {type(exc).__name__}: {exc}") from exc
+    shared = share_from_rank0(None if local is None else _shareable(local), group, waiting)
     _finish(None, local, shared)
     piece, local = _send_pieces(pieces, group) if is_rank0() else (_receive_piece(group), None)
     shared = share_from_rank0(None if local is None else _shareable(local), group)  # every rank learns of a failure

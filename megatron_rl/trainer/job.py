@@ -15,10 +15,12 @@ chose (rank 0's prompt draw continues its order); the engine gets the starting w
 (async: the producer thread).
 
 Checkpoints (``Job.checkpoint``): the source's drain (async rollouts a checkpoint must hold, bounded by half of
-``trainer.checkpoint_timeout_s``; the last checkpoint, after ``trainer.steps``, waits for none and keeps those
-already made), then every rank writes its part and rank 0 marks it COMPLETE. A failed drain still writes the
-checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises ``AsyncDrainError`` on every
-rank. Rank 0 adds the prompt order's position (``PromptDraw.state``) at the checkpoint's step and at each step whose
+``trainer.checkpoint_timeout_s`` per generation round dynamic sampling may take, ``config.timeouts``; the last
+checkpoint, after ``trainer.steps``, waits for none and keeps those already made), then every rank writes its part
+and rank 0 marks it COMPLETE. The checkpoint's watchdog (``checkpoint_phase_timeout_s``) is
+``trainer.checkpoint_timeout_s``; async, half of it to save after the other ranks' bounded wait for the drain.
+A failed drain still writes the checkpoint (without the rollouts: ``--resume`` regenerates them) and then raises
+``AsyncDrainError`` on every rank. Rank 0 adds the prompt order's position (``PromptDraw.state``) at the checkpoint's step and at each step whose
 rollouts it holds, so the resumed run draws on from whichever it regenerates first.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor import MegatronActor
 from megatron_rl.config import ConfigError, JobConfig
+from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_timeout_s
 from megatron_rl.parallel.launch import init_distributed
 from megatron_rl.parallel.rank0 import on_rank0, share_from_rank0
 from megatron_rl.parallel.state import initialize_model_parallel
@@ -161,10 +164,10 @@ class Job:
     def checkpoint(self, step: int, stopping: bool) -> None:
         """Collective: save the checkpoint after ``step`` steps (see the module docstring)."""
         tc = self.cfg.trainer
-        with self.watchdog.phase("checkpoint", step, timeout_s=tc.checkpoint_timeout_s,
-                                 config_key="trainer.checkpoint_timeout_s"):
+        with self.watchdog.phase("checkpoint", step, timeout_s=checkpoint_phase_timeout_s(self.cfg),
+                                 config_key=checkpoint_phase_key(self.cfg)):
             # the last checkpoint keeps only rollouts already made: no step of this run trains on them
-            extra, drain_error = self.source.drain(step, tc.checkpoint_timeout_s / 2, last=step >= tc.steps)
+            extra, drain_error = self.source.drain(step, last=step >= tc.steps)
             if self.rank0 and self.prompts is not None:  # where the steps a resumed run may draw first start
                 extra = {**extra, **self.prompts.state(step, step + len(extra.get("async_rollouts") or {}))}
             path = save(self.actor, self.cfg, step, self.rank0, extra if self.rank0 else None)

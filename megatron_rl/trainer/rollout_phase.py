@@ -92,10 +92,11 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                   replay: Optional[ReplayMode] = None, draw: Optional[PromptDraw] = None) -> StepBatch:
     """Rank 0: draw prompts, generate n responses each, score them (``rnd``: the generation round of the step,
     ``round_seed``; ``replay``: the job's routing-replay mode, the step generator's, default
-    ``actor.routing_replay``'s; ``draw``: the job's prompt draw, the step generator's -- default a fresh one, for a
-    one-off call). Raises RolloutError on failure (the step is then not applied) or StaleRolloutError if the engine
-    serves other weights."""
-    prompts = (draw or PromptDraw(task, cfg))(step, rnd)
+    ``actor.routing_replay``'s; ``draw``: the job's prompt draw, the step generator's -- None, for a one-off call:
+    the stateless draw seeded by (trainer.seed, step, round), ``sample_prompts``, also for a data file, whose epoch
+    order only a job's draw holds). Raises RolloutError on failure (the step is then not applied) or
+    StaleRolloutError if the engine serves other weights."""
+    prompts = draw(step, rnd) if draw is not None else sample_prompts(task, cfg, step, rnd)
     n = cfg.rollout.n_samples_per_prompt
     # the embedded engine reproduces a sample from its seed; SGLang samples server-side (engine.seeded_sampling)
     rollouts = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg.rollout, task_eos_ids(task)),

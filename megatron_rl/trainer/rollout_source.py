@@ -4,7 +4,7 @@
     got = source.next(step)                   # collective: rank 0 makes the batch, each rank receives its rows
     got.rows, got.whole                       # this rank's DP shard (StepRows); rank 0: the whole StepBatch
     publisher = source.publisher              # how trained versions reach the engine from now on
-    extra, error = source.drain(step, s, last)  # rollouts a checkpoint must hold (async), and a drain failure
+    extra, error = source.drain(step, last)     # rollouts a checkpoint must hold (async), and a drain failure
 
 * ``SyncRollouts`` (``rollout.mode: sync``): rank 0 generates step ``t`` from version ``t`` when asked; the
   publisher loads each version into the engine right away.
@@ -28,7 +28,11 @@ every rank (``RowSplit.group``), so none is staged in GPU memory.
 While rank 0 makes a step's batch the other ranks wait in that scatter; the wait is bounded per generation round
 (``config.timeouts.rollout_wait_timeout_s``: ``trainer.collective_timeout_s`` x the rounds dynamic sampling may
 take, in a gloo group of that timeout when longer than the default group's), and a wait that fails names what it
-waited for on that rank (``rollout_wait_cause``), not only the backend's timeout.
+waited for on that rank (``rollout_wait_cause``), not only the backend's timeout. The same holds for an async
+checkpoint's drain (``AsyncRollouts.drain``): rank 0 waits for the rollouts it must hold up to
+``config.timeouts.drain_timeout_s`` (half of ``trainer.checkpoint_timeout_s`` per generation round), and the other
+ranks wait for rank 0's outcome in a gloo group of every rank made for it (``drain_wait_timeout_s``: that bound
+plus ``trainer.collective_timeout_s``), their error naming the drain (``drain_wait_cause``).
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
-from megatron_rl.config.timeouts import rollout_wait_cause, rollout_wait_timeout_s
+from megatron_rl.config.timeouts import (drain_key, drain_timeout_s, drain_wait_cause, drain_wait_timeout_s,
+                                         rollout_wait_cause, rollout_wait_timeout_s)
 from megatron_rl.parallel.rank0 import Pieces, scatter_from_rank0, share_from_rank0
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.versions import version_tag
@@ -145,7 +150,7 @@ class RolloutSource:
         piece.whole = whole
         return piece
 
-    def drain(self, step: int, timeout_s: float, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
+    def drain(self, step: int, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
         """Collective, before the checkpoint after ``step`` steps: what it must hold besides the weights (rank
         0; {} elsewhere) and the failure of handing it over (on every rank; the checkpoint is written anyway).
         ``last``: the run's final checkpoint (``trainer.steps`` done): nothing is waited for."""
@@ -192,6 +197,11 @@ class AsyncRollouts(RolloutSource):
         self.max_lag = rc.max_staleness
         self.dump_versions = True
         self.producer = None
+        # every rank, in the same order (before RowSplit.gather's): the group the other ranks wait for the drain in
+        self.drain_group = None
+        if dist.is_initialized():
+            self.drain_group = dist.new_group(backend="gloo",
+                                              timeout=datetime.timedelta(seconds=drain_wait_timeout_s(cfg)))
         if rank0:  # generation overlaps training from here on
             self.producer = RolloutProducer(
                 engine, generate_fn=lambda s, view, tag: generator.generate(view, s, tag),
@@ -204,9 +214,10 @@ class AsyncRollouts(RolloutSource):
         return self._scatter(lambda: self.producer.get(step), step, what=f"async rollouts of step {step + 1}",
                              passthrough=(RolloutError,))
 
-    def drain(self, step: int, timeout_s: float, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
+    def drain(self, step: int, last: bool = False) -> Tuple[Dict, Optional[BaseException]]:
+        timeout_s = drain_timeout_s(self.cfg)
         extra, error = self._snapshot(step, timeout_s, last) if self.producer is not None else ({}, None)
-        return extra, share_from_rank0(error)
+        return extra, share_from_rank0(error, self.drain_group, waiting=drain_wait_cause(self.cfg, step))
 
     def _snapshot(self, step: int, timeout_s: float, last: bool) -> Tuple[Dict, Optional[BaseException]]:
         """Rank 0: the rollouts the producer generated from versions older than ``step`` (they cannot be
@@ -218,8 +229,7 @@ class AsyncRollouts(RolloutSource):
             rollouts = {t: _fields(batch) for t, batch in rollouts.items()}  # plain data in the checkpoint
             return {"async_rollouts": rollouts, "async_schedule": async_schedule(self.cfg)}, None
         except SnapshotTimeout:
-            cause = (f"the producer did not hand them over within {timeout_s:g} s (half of "
-                     f"trainer.checkpoint_timeout_s)")
+            cause = f"the producer did not hand them over within {timeout_s:g} s ({drain_key(self.cfg)})"
         except Exception as exc:  # noqa: BLE001 - reported to every rank by drain
             cause = f"{type(exc).__name__}: {exc}"
         return {}, AsyncDrainError(f"rank 0: draining the async rollouts for the checkpoint of step {step} failed: "

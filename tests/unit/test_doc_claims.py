@@ -68,3 +68,44 @@ def test_readme_and_cluster_doc_say_what_ran_on_a_gpu_and_what_has_not():
         for fact in ("H200", "megatron-core 0.19.2", "31399e1", "Not yet run on a GPU", "several GPUs",
                      "Transformer Engine", "SGLang on a GPU"):
             assert fact in text, (name, fact)
+
+
+def _flat(text):
+    return re.sub(r"\s+", " ", text)
+
+
+def test_bypass_batch_normalize_depends_on_the_cut_as_documented():
+    """Bypass mode's ``rollout_is_batch_normalize`` divides by the mean weight of each micro-batch's kept tokens on
+    its DP rank (``correction.in_loss``): the same rows cut into two micro-batches get other weights than as one,
+    each half equal to the independent reference on that half alone. So no doc may say the bypass weights, or
+    the loss, do not depend on the micro-batch cut / DP without naming that exception, and the batch
+    normalisation's sentence says what the factor depends on."""
+    from megatron_rl.actor import train_step
+    from megatron_rl.correction import RolloutCorrectionConfig, correct_in_loss
+    from megatron_rl.correction import in_loss
+    from tests.correction_reference import make_batch, reference
+
+    lt, lr, mask = make_batch(5, B=10, T=14, spread=0.5, empty_rows=(4,))
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
+                                  bypass_mode=True, loss_type="reinforce")
+    whole = correct_in_loss(lt, lr, mask, cfg).weights.double()
+    halves = []
+    for rows in (slice(0, 5), slice(5, 10)):
+        ref_w, _, _ = reference(lt[rows].double(), lr[rows].double(), mask[rows], **cfg.to_dict())
+        got = correct_in_loss(lt[rows], lr[rows], mask[rows], cfg).weights.double()
+        torch.testing.assert_close(got, torch.tensor(ref_w, dtype=torch.float64), rtol=2e-6, atol=1e-7)
+        halves.append(got)
+    assert not torch.allclose(torch.cat(halves), whole, rtol=1e-4, atol=0)   # the cut changes the weights
+
+    docs = {"docs/concepts.md": _flat(_read("docs", "concepts.md")),
+            "train_mini_batch": _flat(train_step.train_mini_batch.__doc__),
+            "correction/in_loss.py": _flat(in_loss.__doc__)}
+    for where, text in docs.items():
+        for s in re.split(r"(?<=[.;:])\s+", text):
+            if re.search(r"(not depend on|Neither changes)", s) and re.search(r"micro-batch|\bDP\b", s):
+                assert "rollout_is_batch_normalize" in s, f"{where}: {s!r}"
+    concepts = docs["docs/concepts.md"]
+    claim = concepts[concepts.index("`rollout_is_batch_normalize` divides by the mean weight of the micro-batch"):]
+    claim = claim[:claim.index("- **Other objectives**")]
+    for part in ("DP size", "actor.max_tokens_per_micro_batch", "packing"):
+        assert part in claim, claim

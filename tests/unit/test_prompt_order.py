@@ -257,3 +257,92 @@ def test_generated_tasks_keep_the_step_seeded_draw(tiny_job):
     got = [[p.prompt_ids for p in draw(step, rnd)] for step in (0, 3) for rnd in (0, 1)]
     assert got == [[p.prompt_ids for p in sample_prompts(task, cfg, step, rnd)] for step in (0, 3) for rnd in (0, 1)]
     assert draw.state(2, 3) == {}
+
+
+def test_one_off_generate_step_calls_draw_per_step_not_the_same_prompts(tmp_path):
+    """``generate_step`` without the job's draw (a one-off call) draws each step's own seeded sample of the file, as
+    ``random.Random(trainer.seed * 1_000_003 + step).sample(range(N), prompts_per_step)`` does -- not a fresh
+    epoch order per call (which gave every step epoch 0's first prompts)."""
+    import random
+
+    from megatron_rl.trainer.rollout_phase import generate_step
+
+    cfg = _cfg(tmp_path)
+    task, gen, engine = _job_parts(cfg)
+    gen.close()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = [generate_step(task, engine, cfg, step, "step-0").prompt_ids[::SAMPLES] for step in (0, 1, 2)]
+    finally:
+        task.close()
+    by_index = {i: list(p.prompt_ids) for i, p in ((int(p.answer), p) for p in task.prompts)}
+    ref = [[by_index[i] for i in random.Random(cfg.trainer.seed * 1_000_003 + step).sample(range(N), PER_STEP)]
+           for step in (0, 1, 2)]
+    assert got == ref
+    assert got[0] != got[1]
+
+
+def test_a_saved_order_of_another_file_of_the_same_size_starts_over(tmp_path, capsys):
+    """A checkpoint's order is for the prompts it was drawn from: another data file with as many prompts (here the
+    same prompts in another row order) starts over at epoch 0, saying why; the same file continues."""
+    PromptDraw = _draw_class()
+    cfg = _cfg(tmp_path)
+    task, gen, engine = _job_parts(cfg, PromptDraw)
+    try:
+        straight = _run(gen, engine, range(5))
+        state = _saved(gen.inner.draw.state(3, 3))
+    finally:
+        gen.close()
+        task.close()
+    other = tmp_path / "other"
+    other.mkdir()
+    moved = _cfg(other)
+    rows = (other / "prompts.jsonl").read_text().splitlines(keepends=True)
+    (other / "prompts.jsonl").write_text("".join(rows[1:] + rows[:1]))          # same size, other rows
+    for c, expect in ((cfg, straight[3]), (moved, None)):
+        task, gen, engine = _job_parts(c, PromptDraw)
+        try:
+            gen.inner.draw.restore(state, 3)
+            got = _run(gen, engine, [3])[0]
+        finally:
+            gen.close()
+            task.close()
+        out = capsys.readouterr().out
+        if expect is not None:                                                   # the same file: continued
+            assert got == expect and "starts over" not in out
+        else:
+            assert "the prompt order starts over at epoch 0" in out and "other prompts" in out, out
+            # file row r holds prompt (r + 1) % N: epoch 0 of the new file's rows, as prompt numbers
+            ref = [(r + 1) % N for r in reference_permutation(cfg.trainer.seed, 0)]
+            assert [i for rnd in got for i in rnd][:PER_STEP] == ref[:PER_STEP]
+
+
+def test_a_fresh_order_after_an_async_resume_checkpoints_the_held_steps(tmp_path, capsys):
+    """Resumed at step 3 from a checkpoint without a prompt order that holds the async rollouts of steps 3 and 4:
+    the order starts over and the producer draws step 5 first. The next checkpoints (after steps 4 and 5) record
+    where steps 4.. start -- the held ones, never drawn here, at the fresh order's start -- instead of raising, and
+    a run resumed from them continues the first resumed run's prompts."""
+    PromptDraw = _draw_class()
+    cfg = _cfg(tmp_path)
+    task, gen, engine = _job_parts(cfg, PromptDraw)
+    try:
+        gen.inner.draw.restore({"async_rollouts": {3: "...", 4: "..."}}, 3)   # no prompt_order; 2 steps held
+        assert "starts over" in capsys.readouterr().out
+        resumed = _run(gen, engine, range(5, 9))
+        at4 = _saved(gen.inner.draw.state(4, 6))            # a checkpoint after step 4 would have raised
+        at6 = _saved(gen.inner.draw.state(6, 8))
+    finally:
+        gen.close()
+        task.close()
+    flat = [i for s in resumed for rnd in s for i in rnd]
+    assert flat[:N] == reference_permutation(cfg.trainer.seed, 0)   # step 5 starts epoch 0
+    assert at4["prompt_order"]["positions"][4] == [0, 0, []] == at4["prompt_order"]["positions"][5]
+    for state, start, held in ((at4, 4, 1), (at6, 6, 2)):  # resumed again, keeping the held rollouts
+        task, gen, engine = _job_parts(cfg, PromptDraw)
+        try:
+            gen.inner.draw.restore({**state, "async_rollouts": dict.fromkeys(range(start, start + held))}, start)
+            assert _run(gen, engine, range(start + held, 9)) == resumed[start + held - 5:]
+        finally:
+            gen.close()
+            task.close()
