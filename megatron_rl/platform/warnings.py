@@ -1,4 +1,4 @@
-"""Known, harmless megatron-core messages: shown once, on rank 0, each on one line with why it is harmless.
+"""Known, harmless library messages: hidden; rank 0 says so once, on one line (``KNOWN`` below says why each is).
 
     install_known_message_filter()      # first thing in an entry point (train, score, check)
 
@@ -10,7 +10,8 @@ raise from their own code (checkpoint loading, the embedded engine's KV cache ar
 Other warnings: deprecation notices (``FutureWarning``, ``DeprecationWarning``, ``PendingDeprecationWarning``)
 concern code, which is the same on every rank, so they are shown on rank 0 only; every other warning on the
 rank that raised it. Each distinct message is shown once per process, on one line with its origin.
-``MEGATRON_RL_SHOW_KNOWN_WARNINGS=1`` turns the filter off (messages verbatim, every rank).
+``MEGATRON_RL_SHOW_KNOWN_WARNINGS=1`` turns the filter off (messages verbatim, every rank);
+``MEGATRON_RL_SHOW_KNOWN_WARNINGS=why`` shows each known one once on rank 0 with why it is harmless.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ KNOWN: List[Tuple[str, str]] = [
      "megatron-core's checkpoint format is built on ShardedTensor; a torch deprecation notice"),
     (r"`past_key_values`(/`cache_params`)? (is|are) deprecated",
      "transformers renamed the KV-cache argument the embedded engine passes; generation is unchanged"),
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     "megatron-core's sequence-parallel collectives use torch's older names; same collectives"),
 ]
 #: Deprecation notices: about code, identical on every rank -- shown on rank 0 only.
 RANK0_ONLY = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
@@ -67,7 +70,13 @@ def _show_once(message: str, why: str) -> None:
     if _rank() != 0 or first_line in _shown:
         return
     _shown.add(first_line)
-    print(f"[megatron-rl] known, harmless: {first_line} -- {why}", file=sys.stderr, flush=True)
+    if os.environ.get("MEGATRON_RL_SHOW_KNOWN_WARNINGS") == "why":
+        print(f"[megatron-rl] known, harmless: {first_line} -- {why}", file=sys.stderr, flush=True)
+    elif "known" not in _shown:
+        _shown.add("known")
+        print("[megatron-rl] known, harmless library notices are hidden (Transformer Engine / Apex missing on CPU, "
+              "megatron's rerun machine, deprecation notices; MEGATRON_RL_SHOW_KNOWN_WARNINGS=why lists them with "
+              "why)", file=sys.stderr, flush=True)
 
 
 def _show_other(message, category, filename: str, lineno: int) -> None:

@@ -22,14 +22,23 @@ logging.getLogger("megatron.core.rerun_state_machine").warning("a real rerun pro
 '''
 
 
-def _run(rank):
+def _run(rank, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID", "MEGATRON_RL_SHOW_KNOWN_WARNINGS")}
-    env.update(RANK=str(rank), PYTHONWARNINGS="always")
+    env.update(RANK=str(rank), PYTHONWARNINGS="always", **extra)
     return subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=60).stderr
 
 
-def test_rank0_shows_each_known_message_once_with_why():
+def test_rank0_says_once_that_known_messages_are_hidden():
     err = _run(0).splitlines()
+    known = [ln for ln in err if "known, harmless" in ln]
+    assert len(known) == 1 and "are hidden" in known[0] and "MEGATRON_RL_SHOW_KNOWN_WARNINGS=why" in known[0], err
+    text = "\n".join(err)
+    assert "Transformer Engine and Apex" not in text and "CUDA_DEVICE_MAX" not in text and "Rerun State" not in text
+    assert "UserWarning: something new and important" in text and "a real rerun problem" in text
+
+
+def test_rank0_shows_each_known_message_once_with_why_when_asked():
+    err = _run(0, MEGATRON_RL_SHOW_KNOWN_WARNINGS="why").splitlines()
     known = [ln for ln in err if ln.startswith("[megatron-rl] known, harmless:")]
     assert len(known) == 3, err
     assert any("Transformer Engine and Apex are not installed" in ln and "torch implementations" in ln for ln in known)
