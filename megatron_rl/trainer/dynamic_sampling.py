@@ -198,8 +198,8 @@ class DynamicSampling:
                    f"line each)")
         else:   # the same condition again: one short line with the count (a solved task reaches it every step)
             msg = (f"step {step + 1}: dynamic sampling found {kept} of the {self.prompts} prompt groups again "
-                   f"(max_num_gen_batches={self.max_rounds}; {self._exhausted_count} steps so far, "
-                   f"{self.on_exhausted}; why: step {self._first_exhausted}'s warning)")
+                   f"(algorithm.filter_groups.max_num_gen_batches={self.max_rounds}; {self._exhausted_count} steps "
+                   f"so far, {self.on_exhausted}; why: step {self._first_exhausted}'s warning)")
         if self.on_exhausted == "error":
             raise FilterGroupsExhaustedError(msg)
         warnings.warn(msg, FilterGroupsExhaustedWarning, stacklevel=2)
