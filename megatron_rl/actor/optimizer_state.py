@@ -123,29 +123,36 @@ def convert_loaded_state(optimizer_sd, saved: str, now: str) -> None:
         _convert_one(sd, saved, now)
 
 
+def _saved_step(groups: Sequence[Mapping], common_step) -> Optional[int]:
+    """Adam's step a checkpoint holds: megatron's ``common_step`` (torch's AdamW keeps the step per parameter), else
+    the param groups' (Transformer Engine / apex FusedAdam keep it there; a group without parameters is never
+    stepped and does not count). None when it holds neither (saved before the first step)."""
+    if common_step is not None:
+        return int(round(float(common_step)))
+    steps = {int(round(float(g["step"]))) for g in groups
+             if g.get("step") is not None and g.get("params", [None]) != []}
+    if len(steps) > 1:
+        raise ValueError(f"optimizer checkpoint: param groups at different steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
 def _convert_one(sd: dict, saved: str, now: str) -> None:
     # this run's param ids (non-persistent in megatron's checkpoints: where the loading optimizer requested them)
     here = sd.get("param_groups") if now == "fp32" else (sd.get("optimizer") or {}).get("param_groups")
     params = [g.get("params") for g in here or []]
     if saved == "fp32":
         groups, state = sd.pop("param_groups"), sd.pop("state", {})
-        step = state.get("common_step")
     else:
         inner = sd.pop("optimizer") if now == "fp32" else sd["optimizer"]
-        groups = inner["param_groups"]
-        if saved == "mixed":
-            step = (inner.get("state") or {}).get("common_step")
-        else:
-            steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-            if len(steps) > 1:
-                raise ValueError(f"distributed optimizer checkpoint: param groups at different steps {sorted(steps)}")
-            step = steps.pop() if steps else None
+        groups, state = inner["param_groups"], inner.get("state") or {}
+    step = _saved_step(groups, state.get("common_step") if saved != "distributed" else None)
     for k in (("param_state", "param_state_sharding_type") if now != "distributed" else ()) + (
             ("fp32_from_fp16_params",) if now != "mixed" else ()):
         sd.pop(k, None)  # (the saving kind's entries the loading one does not read)
-    groups = [_without(g, "params", "step") for g in groups]
+    # every kind gets the step in each group (FusedAdam's and the distributed optimizer's; torch's AdamW ignores it)
+    groups = [{**_without(g, "params", "step"), **({} if step is None else {"step": step})} for g in groups]
     if now == "distributed":
-        sd["optimizer"] = {"param_groups": [{**g, "step": float(step) if step is not None else 0.0} for g in groups]}
+        sd["optimizer"] = {"param_groups": [{**g, "step": g.get("step", 0)} for g in groups]}
         sd.setdefault("param_state_sharding_type", "fully_reshardable")
         return
     if len(params) != len(groups) or any(p is None for p in params):
@@ -154,7 +161,7 @@ def _convert_one(sd: dict, saved: str, now: str) -> None:
     new_groups = [{**g, "params": p} for g, p in zip(groups, params)]
     target = sd if now == "fp32" else sd.setdefault("optimizer", {})
     target["param_groups"] = new_groups
-    if step is not None:
+    if step is not None:  # (megatron puts it into each parameter's state: torch's AdamW)
         target.setdefault("state", {})["common_step"] = torch.as_tensor(float(step), dtype=torch.float32)
 
 
