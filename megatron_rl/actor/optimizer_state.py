@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rl.actor.chained import sub_optimizers, torch_optimizers
+
 __all__ = ["KINDS", "saved_kind", "optimizer_kind", "redirect_main_params", "convert_loaded_state",
            "group_settings", "impose_group_settings", "group_changes", "settings_changes", "settings_line"]
 
@@ -56,7 +58,7 @@ def saved_kind(saved_keys) -> str:
 
 def optimizer_kind(optimizer) -> str:
     """The kind of a (chained) megatron optimizer built by ``actor/optimizer.py``."""
-    inner = (getattr(optimizer, "chained_optimizers", None) or [optimizer])[0]
+    inner = sub_optimizers(optimizer)[0]
     if hasattr(inner, "shard_fp32_from_float16_groups"):
         return "distributed"
     return "mixed" if hasattr(inner, "fp32_from_float16_groups") else "fp32"
@@ -165,16 +167,11 @@ def _convert_one(sd: dict, saved: str, now: str) -> None:
         target.setdefault("state", {})["common_step"] = torch.as_tensor(float(step), dtype=torch.float32)
 
 
-def _torch_groups(optimizer) -> List[List[dict]]:
-    """The param groups of each torch optimizer inside a (chained) megatron optimizer."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    return [o.optimizer.param_groups for o in (chained if chained is not None else [optimizer])
-            if o.optimizer is not None]
-
-
 def group_settings(optimizer) -> List[List[dict]]:
-    """A copy of every param group's settings (all keys but params and step): what this run's config built."""
-    return [[copy.deepcopy(_without(g, "params", "step")) for g in groups] for groups in _torch_groups(optimizer)]
+    """A copy of every param group's settings (all keys but params and step): what this run's config built; one
+    list per sub-optimizer (``chained.sub_optimizers``, as its state dict's entries; empty without a torch one)."""
+    return [[copy.deepcopy(_without(g, "params", "step")) for g in (o.param_groups if o is not None else [])]
+            for o in torch_optimizers(optimizer)]
 
 
 def _loaded_groups(sd: dict, kind: str) -> list:
@@ -190,6 +187,9 @@ def impose_group_settings(optimizer_sd, kind: str, settings: List[List[dict]]) -
     order of ``settings``, for ``group_changes``."""
     saved = []
     for sd, now_groups in zip(_per_optimizer(optimizer_sd), settings):
+        if not now_groups:  # (a sub-optimizer without a torch optimizer on this rank)
+            saved.append([])
+            continue
         groups = _loaded_groups(sd, kind)
         ids = [tuple(g.get(k) for k in _GROUP_ID) for g in groups]
         by_id = dict(zip(ids, groups)) if len(set(ids)) == len(ids) else {}

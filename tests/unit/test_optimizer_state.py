@@ -101,3 +101,67 @@ def test_a_step_in_an_empty_group_is_not_the_optimizers():
     sd["optimizer"]["param_groups"][1]["step"] = 2
     convert_loaded_state(sd, "mixed", "distributed")
     assert [g["step"] for g in sd["optimizer"]["param_groups"]] == [9, 9]
+
+
+class _Sharded:
+    """What ``redirect_main_params`` reads of megatron's ShardedTensor: its ``key``."""
+
+    def __init__(self, key):
+        self.key = key
+
+
+def _requested_sd(prefix=""):
+    """A loading optimizer's sharded state dict: main parameters of two weights (mixed spelling) and moments."""
+    return {"optimizer": {"state": {
+        0: {"fp32_param": _Sharded(f"{prefix}optimizer.state.fp32_param.w0"),
+            "exp_avg": _Sharded(f"{prefix}optimizer.state.exp_avg.w0")},
+        1: [_Sharded(f"{prefix}optimizer.state.fp32_param.w1")]}}}
+
+
+def _keys(sd):
+    st = sd["optimizer"]["state"]
+    return st[0]["fp32_param"].key, st[1][0].key
+
+
+def test_a_main_parameter_only_a_bf16_weight_holds_is_reported_by_key():
+    """A bf16 actor's checkpoint holding the weights but not the main parameters (in either spelling): both keys
+    reported, nothing redirected to the bf16 weights."""
+    sd = _requested_sd("chained_1.")
+    saved = {"w0", "w1", "chained_1.optimizer.state.exp_avg.w0"}
+    to_weights, missing = redirect_main_params(sd, saved, weights_are_fp32=False)
+    assert to_weights == 0
+    assert missing == ["chained_1.optimizer.state.fp32_param.w0", "chained_1.optimizer.state.fp32_param.w1"]
+    assert _keys(sd) == tuple(missing)
+
+
+def test_main_parameters_are_read_from_the_other_kind_or_an_fp32_weight():
+    sd = _requested_sd()
+    saved = {"optimizer.state.param.w0", "w1"}  # w0: the distributed optimizer's key; w1: an fp32 actor's weight
+    assert redirect_main_params(sd, saved, weights_are_fp32=True) == (1, [])
+    assert _keys(sd) == ("optimizer.state.param.w0", "w1")
+    assert sd["optimizer"]["state"][0]["exp_avg"].key == "optimizer.state.exp_avg.w0"  # (moments untouched)
+
+
+class _Sub:
+    """A megatron sub-optimizer: its torch optimizer, or None where megatron built none."""
+
+    def __init__(self, groups):
+        self.optimizer = None if groups is None else type("T", (), {"param_groups": groups})()
+
+
+def test_settings_pair_with_their_own_sub_optimizer_when_one_has_no_torch_optimizer():
+    """megatron's chained state dict has one entry per sub-optimizer, also for one without a torch optimizer: the
+    settings of the third sub-optimizer go to the third entry, not the second."""
+    from megatron_rl.actor.optimizer_state import group_settings, impose_group_settings
+
+    chained = type("C", (), {})()
+    chained.chained_optimizers = [_Sub([dict(GROUP, params=[0], betas=(0.1, 0.2))]), _Sub(None),
+                                  _Sub([dict(GROUP, params=[1], betas=(0.3, 0.4), is_expert_parallel=True)])]
+    settings = group_settings(chained)
+    loaded = {i: {"param_groups": [dict(GROUP, params=[i])]} for i in (0, 2)}
+    loaded[1] = {"param_groups": []}
+    loaded[2]["param_groups"][0]["is_expert_parallel"] = True
+    impose_group_settings(loaded, "fp32", settings)
+    assert loaded[0]["param_groups"][0]["betas"] == (0.1, 0.2)
+    assert loaded[1]["param_groups"] == []
+    assert loaded[2]["param_groups"][0]["betas"] == (0.3, 0.4)
