@@ -30,7 +30,8 @@ from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.micro_batching import MicroBatchPlan
 from megatron_rl.actor.main_params import load_keeping_fp32, set_main_params
-from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
+from megatron_rl.actor.lr_schedule import (LRSchedule, optimizer_steps_per_train_step, restore_scheduler,
+                                           scheduler_changes)
 from megatron_rl.actor.optimizer import build_optimizer, optimizer_settings, wrap_ddp
 from megatron_rl.actor.optimizer_state import settings_changes, settings_line
 from megatron_rl.actor.precision import Precision
@@ -55,11 +56,13 @@ _SETTINGS_KEY = "optimizer_settings"  # the actor's optimizer keys at save (opti
 class MegatronActor:
     """The Megatron-Core policy model of this rank, its DDP wrapper and optimizer."""
 
-    def __init__(self, job_cfg) -> None:
+    def __init__(self, job_cfg, frozen: bool = False) -> None:
         """Build the model chunks for this rank (``job_cfg.model`` under ``job_cfg.parallel``, in the precision
         of ``actor.bf16`` / ``actor.fp32_output_layer``), load ``job_cfg.actor.load_hf`` if set (any TP/PP/EP
         layout), wrap in Megatron DDP and build the Megatron optimizer (``actor.use_distributed_optimizer``).
-        Requires megatron's parallel state to match ``job_cfg.parallel``."""
+        ``frozen``: an actor that is never trained (the KL reference): its main parameters are not set from an
+        fp32 ``load_hf`` (no host copy of it is held). Requires megatron's parallel state to match
+        ``job_cfg.parallel``."""
         if job_cfg.model is None:
             raise ValueError("MegatronActor: job_cfg.model is None (give a model section or actor.load_hf)")
         self.job_cfg = job_cfg
@@ -82,7 +85,8 @@ class MegatronActor:
         fp32 = {}  # bf16 actor: the fp32 main parameters come from the loaded values, not their bf16 rounding
         if self.hf_dir:
             fp32 = load_keeping_fp32(chunks, lambda: load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg,
-                                                                                self.groups))
+                                                                                self.groups),
+                                     self.hf_dir, keep=not frozen)
         self.model = wrap_ddp(chunks, self.actor_cfg)
         self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
         set_main_params(self.optimizer, fp32)
@@ -301,11 +305,13 @@ class MegatronActor:
         config; rank 0 prints one line naming each that differs from the checkpoint's."""
         step, extra, group_diff = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups,
                                                   self.model_cfg, self.parallel_cfg)
+        saved_settings, sched = extra.pop(_SETTINGS_KEY, None), extra.pop(_SCHEDULER_KEY, None)
+        # a checkpoint written before the settings were recorded: its scheduler state names the schedule's
+        old = scheduler_changes(sched, self.scheduler) if saved_settings is None else {}
         # the schedule continues at the saved optimizer step (a checkpoint without one: step x optimizer steps per
         # training step); this run's lr / weight decay settings win
-        restore_scheduler(self.scheduler, extra.pop(_SCHEDULER_KEY, None),
-                          step * optimizer_steps_per_train_step(self.actor_cfg))
-        changes = {**group_diff, **settings_changes(extra.pop(_SETTINGS_KEY, None), optimizer_settings(self.actor_cfg))}
+        restore_scheduler(self.scheduler, sched, step * optimizer_steps_per_train_step(self.actor_cfg))
+        changes = {**group_diff, **old, **settings_changes(saved_settings, optimizer_settings(self.actor_cfg))}
         line = settings_line(changes, f"from {ckpt_dir}")
         if line and torch.distributed.get_rank() == 0:
             print(line, flush=True)

@@ -40,6 +40,7 @@ from typing import Any, Dict, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor.chained import torch_optimizers
 from megatron_rl.actor.optimizer_state import (convert_loaded_state, group_changes, group_settings,
                                                impose_group_settings, optimizer_kind, redirect_main_params,
                                                saved_kind)
@@ -124,19 +125,13 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _torch_optimizers(optimizer) -> list:
-    """The torch optimizers inside a (chained) Megatron optimizer."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    return [o.optimizer for o in (chained if chained is not None else [optimizer]) if o.optimizer is not None]
-
-
 def ensure_adam_state(optimizer) -> int:
     """Give every parameter without optimizer state the state a fresh Adam starts from (zero moments,
     step 0), so a checkpoint saved before the first step has a complete optimizer entry (megatron's
     loader otherwise fails on the missing keys). Resuming from it is identical to a fresh optimizer.
     Returns the number of parameters initialised."""
     n = 0
-    for opt in _torch_optimizers(optimizer):
+    for opt in filter(None, torch_optimizers(optimizer)):
         for group in opt.param_groups:
             for p in group["params"]:
                 if len(opt.state[p]) == 0:

@@ -18,10 +18,10 @@ resume: only the step count comes from the checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["LR_DECAY_STYLES", "LRSchedule", "lr_schedule_errors", "optimizer_steps_per_train_step",
-           "restore_scheduler"]
+           "restore_scheduler", "scheduler_changes"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 """megatron-core's ``OptimizerParamScheduler`` decay styles offered as ``actor.lr_decay_style``."""
@@ -90,6 +90,27 @@ def restore_scheduler(scheduler, state: Optional[dict], num_steps: int) -> None:
         scheduler.step(increment=int(num_steps))
     else:
         scheduler.load_state_dict(state)
+
+
+#: megatron's scheduler state keys -> the settings of this run they come from (the warm-up / decay in optimizer steps)
+_SCHEDULER_NAMES = {"max_lr": "actor.lr", "min_lr": "actor.min_lr", "start_wd": "actor.weight_decay",
+                    "end_wd": "actor.weight_decay", "lr_decay_style": "actor.lr_decay_style",
+                    "lr_warmup_steps": "lr warm-up optimizer steps (actor.lr_warmup_steps / lr_warmup_fraction)",
+                    "lr_decay_steps": "lr decay optimizer steps (actor.lr_decay_steps)"}
+
+
+def scheduler_changes(saved: Optional[Mapping[str, Any]], scheduler) -> Dict[str, Tuple[Any, Any]]:
+    """{name: (checkpoint's, this run's)} of the schedule settings in a checkpoint's scheduler state (megatron's
+    ``state_dict``) that differ from ``scheduler``'s, built from this run's config: what a checkpoint written before
+    the optimizer settings were recorded tells of them. ``saved`` None: {}."""
+    if not saved:
+        return {}
+    now = scheduler.state_dict()
+    out: Dict[str, Tuple[Any, Any]] = {}
+    for key, name in _SCHEDULER_NAMES.items():
+        if key in saved and saved[key] != now.get(key):
+            out.setdefault(name, (saved[key], now.get(key)))
+    return out
 
 
 def _decay_steps(ac, trainer_steps: int) -> int:

@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rl.actor.chained import sub_optimizers, torch_optimizers
+
 __all__ = ["KINDS", "saved_kind", "optimizer_kind", "redirect_main_params", "convert_loaded_state",
            "group_settings", "impose_group_settings", "group_changes", "settings_changes", "settings_line"]
 
@@ -56,7 +58,7 @@ def saved_kind(saved_keys) -> str:
 
 def optimizer_kind(optimizer) -> str:
     """The kind of a (chained) megatron optimizer built by ``actor/optimizer.py``."""
-    inner = (getattr(optimizer, "chained_optimizers", None) or [optimizer])[0]
+    inner = sub_optimizers(optimizer)[0]
     if hasattr(inner, "shard_fp32_from_float16_groups"):
         return "distributed"
     return "mixed" if hasattr(inner, "fp32_from_float16_groups") else "fp32"
@@ -123,29 +125,36 @@ def convert_loaded_state(optimizer_sd, saved: str, now: str) -> None:
         _convert_one(sd, saved, now)
 
 
+def _saved_step(groups: Sequence[Mapping], common_step) -> Optional[int]:
+    """Adam's step a checkpoint holds: megatron's ``common_step`` (torch's AdamW keeps the step per parameter), else
+    the param groups' (Transformer Engine / apex FusedAdam keep it there; a group without parameters is never
+    stepped and does not count). None when it holds neither (saved before the first step)."""
+    if common_step is not None:
+        return int(round(float(common_step)))
+    steps = {int(round(float(g["step"]))) for g in groups
+             if g.get("step") is not None and g.get("params", [None]) != []}
+    if len(steps) > 1:
+        raise ValueError(f"optimizer checkpoint: param groups at different steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
 def _convert_one(sd: dict, saved: str, now: str) -> None:
     # this run's param ids (non-persistent in megatron's checkpoints: where the loading optimizer requested them)
     here = sd.get("param_groups") if now == "fp32" else (sd.get("optimizer") or {}).get("param_groups")
     params = [g.get("params") for g in here or []]
     if saved == "fp32":
         groups, state = sd.pop("param_groups"), sd.pop("state", {})
-        step = state.get("common_step")
     else:
         inner = sd.pop("optimizer") if now == "fp32" else sd["optimizer"]
-        groups = inner["param_groups"]
-        if saved == "mixed":
-            step = (inner.get("state") or {}).get("common_step")
-        else:
-            steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-            if len(steps) > 1:
-                raise ValueError(f"distributed optimizer checkpoint: param groups at different steps {sorted(steps)}")
-            step = steps.pop() if steps else None
+        groups, state = inner["param_groups"], inner.get("state") or {}
+    step = _saved_step(groups, state.get("common_step") if saved != "distributed" else None)
     for k in (("param_state", "param_state_sharding_type") if now != "distributed" else ()) + (
             ("fp32_from_fp16_params",) if now != "mixed" else ()):
         sd.pop(k, None)  # (the saving kind's entries the loading one does not read)
-    groups = [_without(g, "params", "step") for g in groups]
+    # every kind gets the step in each group (FusedAdam's and the distributed optimizer's; torch's AdamW ignores it)
+    groups = [{**_without(g, "params", "step"), **({} if step is None else {"step": step})} for g in groups]
     if now == "distributed":
-        sd["optimizer"] = {"param_groups": [{**g, "step": float(step) if step is not None else 0.0} for g in groups]}
+        sd["optimizer"] = {"param_groups": [{**g, "step": g.get("step", 0)} for g in groups]}
         sd.setdefault("param_state_sharding_type", "fully_reshardable")
         return
     if len(params) != len(groups) or any(p is None for p in params):
@@ -154,20 +163,15 @@ def _convert_one(sd: dict, saved: str, now: str) -> None:
     new_groups = [{**g, "params": p} for g, p in zip(groups, params)]
     target = sd if now == "fp32" else sd.setdefault("optimizer", {})
     target["param_groups"] = new_groups
-    if step is not None:
+    if step is not None:  # (megatron puts it into each parameter's state: torch's AdamW)
         target.setdefault("state", {})["common_step"] = torch.as_tensor(float(step), dtype=torch.float32)
 
 
-def _torch_groups(optimizer) -> List[List[dict]]:
-    """The param groups of each torch optimizer inside a (chained) megatron optimizer."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    return [o.optimizer.param_groups for o in (chained if chained is not None else [optimizer])
-            if o.optimizer is not None]
-
-
 def group_settings(optimizer) -> List[List[dict]]:
-    """A copy of every param group's settings (all keys but params and step): what this run's config built."""
-    return [[copy.deepcopy(_without(g, "params", "step")) for g in groups] for groups in _torch_groups(optimizer)]
+    """A copy of every param group's settings (all keys but params and step): what this run's config built; one
+    list per sub-optimizer (``chained.sub_optimizers``, as its state dict's entries; empty without a torch one)."""
+    return [[copy.deepcopy(_without(g, "params", "step")) for g in (o.param_groups if o is not None else [])]
+            for o in torch_optimizers(optimizer)]
 
 
 def _loaded_groups(sd: dict, kind: str) -> list:
@@ -183,6 +187,9 @@ def impose_group_settings(optimizer_sd, kind: str, settings: List[List[dict]]) -
     order of ``settings``, for ``group_changes``."""
     saved = []
     for sd, now_groups in zip(_per_optimizer(optimizer_sd), settings):
+        if not now_groups:  # (a sub-optimizer without a torch optimizer on this rank)
+            saved.append([])
+            continue
         groups = _loaded_groups(sd, kind)
         ids = [tuple(g.get(k) for k in _GROUP_ID) for g in groups]
         by_id = dict(zip(ids, groups)) if len(set(ids)) == len(ids) else {}

@@ -102,6 +102,24 @@ class ReadCount:
         self.largest_read = max(self.largest_read, nbytes)
 
 
+def _header_dtypes(path: str) -> set:
+    """The dtypes (``"BF16"``, ``"F32"`` ...) of a safetensors file's tensors, from its header alone."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def weight_dtypes(ckpt_dir: str) -> set:
+    """The safetensors dtypes of every weight of a HF or converted directory (file headers only, nothing read)."""
+    if is_converted_dir(ckpt_dir):
+        paths = [os.path.join(ckpt_dir, d, "model.safetensors") for d in sorted(os.listdir(ckpt_dir))
+                 if d.startswith(("mp_rank_", "expert_rank_"))]
+    else:
+        paths = hf_weight_files(ckpt_dir)
+    return set().union(*map(_header_dtypes, paths)) if paths else set()
+
+
 class SafetensorsReader:
     """Reads tensors, or slices of them, from a set of safetensors files; every byte copied out of the files
     goes through :meth:`read` and is counted in ``count`` (what a loader's host memory grows by).

@@ -218,7 +218,7 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         raise ConfigError(refusal)
     check_data(cfg)  # a data file with no usable row fails here, before any model is built
     actor = setup_distributed(cfg)
-    reference = KLReference(MegatronActor(cfg)) if cfg.actor.policy_loss.kl_loss_coef > 0 else NoReference()
+    reference = KLReference(MegatronActor(cfg, frozen=True)) if cfg.actor.policy_loss.kl_loss_coef > 0 else NoReference()
     rank0 = dist.get_rank() == 0
     if rank0:
         print(layout_line(cfg, actor.groups, dist.get_world_size()), flush=True)

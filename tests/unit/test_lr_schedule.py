@@ -133,3 +133,23 @@ def test_restore_uses_this_jobs_lr_over_the_loaded_optimizer_groups():
 def test_bad_schedule_keys_are_named(overrides, match):
     with pytest.raises(ConfigError, match=match):
         named_job("sized_model", *overrides, world_size=1)
+
+
+def test_an_old_checkpoints_schedule_is_named_where_it_differs():
+    """A checkpoint written before the optimizer settings were recorded holds megatron's scheduler state (its
+    ``state_dict``, built here by megatron-core itself): what differs from this run's schedule is named."""
+    from megatron_rl.actor.lr_schedule import scheduler_changes
+
+    saved = OptimizerParamScheduler(_optimizer(), init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=1,
+                                    lr_decay_steps=20, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
+                                    wd_incr_steps=20, wd_incr_style="constant").state_dict()
+    now = LRSchedule(max_lr=2e-3, min_lr=1e-4, init_lr=2e-4, warmup_steps=3, decay_steps=10, decay_style="cosine",
+                     weight_decay=0.05).build(_optimizer())
+    assert scheduler_changes(saved, now) == {
+        "actor.lr": (1e-3, 2e-3), "actor.min_lr": (0.0, 1e-4), "actor.weight_decay": (0.01, 0.05),
+        "actor.lr_decay_style": ("constant", "cosine"),
+        "lr warm-up optimizer steps (actor.lr_warmup_steps / lr_warmup_fraction)": (1, 3),
+        "lr decay optimizer steps (actor.lr_decay_steps)": (20, 10)}
+    same = LRSchedule(max_lr=1e-3, min_lr=0.0, init_lr=0.0, warmup_steps=1, decay_steps=20, decay_style="constant",
+                      weight_decay=0.01).build(_optimizer())
+    assert scheduler_changes(saved, same) == {} and scheduler_changes(None, now) == {}
