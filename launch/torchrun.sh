@@ -111,6 +111,14 @@ if [[ -z "$NPROC_PER_NODE" ]]; then
   # the job the config describes: its cluster.gpus_per_node (a config it cannot read: the check below names why)
   FROM_CONFIG=$("$PYTHON" -m megatron_rl.config.cluster_ranks "$CONFIG" "${OVERRIDES[@]+"${OVERRIDES[@]}"}" \
                 2>/dev/null || true)
+  VISIBLE=""
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    VISIBLE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  if is_int "$FROM_CONFIG" && is_int "$VISIBLE" && (( VISIBLE > 0 && FROM_CONFIG > VISIBLE )); then
+    die "cluster.gpus_per_node=$FROM_CONFIG in $CONFIG but this node shows $VISIBLE GPU(s): run on a node with" \
+        "$FROM_CONFIG, or set --nproc-per-node $VISIBLE (NPROC_PER_NODE) with a layout that fits it"
+  fi
   if is_int "$FROM_CONFIG" && (( FROM_CONFIG >= 1 )); then
     NPROC_PER_NODE=$FROM_CONFIG
     NPROC_FROM="cluster.gpus_per_node of $CONFIG"
@@ -157,8 +165,9 @@ if [[ "${CHECK:-1}" == 1 ]]; then
   rc=0
   PROBLEMS=$("$PYTHON" -m megatron_rl.train --check-world-size $(( NNODES * NPROC_PER_NODE )) "${TRAIN_ARGS[@]}" 2>&1) \
     || rc=$?
+  PROBLEMS=$(grep -v "known, harmless library notices are hidden" <<< "$PROBLEMS" || true)
+  if [[ -n "$PROBLEMS" ]]; then printf '%s\n' "$PROBLEMS" >&2; fi   # a user module's own output, on success too
   if (( rc != 0 )); then
-    echo "$PROBLEMS" >&2
     if grep -q "world size: " <<< "$PROBLEMS"; then
       echo "launch/torchrun.sh: checked at world size $(( NNODES * NPROC_PER_NODE )) = $NNODES node(s) x" \
          "$NPROC_PER_NODE rank(s) per node ($NPROC_FROM); set --nproc-per-node N / NPROC_PER_NODE=N and" \

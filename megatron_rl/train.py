@@ -40,9 +40,12 @@ from megatron_rl.trainer.signals import StopRequested  # noqa: E402
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments shared by ``python -m megatron_rl.train`` and ``megatron-rl train``."""
     p.add_argument("--config", required=False, default=None, help="YAML job config (see configs/)")
-    p.add_argument("--resume", nargs="?", const="true", default=None, choices=["true", "required"],
+    # two flags, not one with an optional value: `--resume key=value` must leave the override alone
+    p.add_argument("--resume", dest="resume", action="store_const", const="true", default=None,
                    help="continue from the newest complete checkpoint in trainer.run_dir (none there: a new run at "
-                        "step 0); --resume=required: refuse a run_dir without one")
+                        "step 0)")
+    p.add_argument("--resume=required", dest="resume", action="store_const", const="required",
+                   help="the same, but a run_dir without a complete checkpoint is refused")
     p.add_argument("--check-only", action="store_true", help="validate the config and exit")
     p.add_argument("--check-world-size", type=int, default=None, metavar="N",
                    help="validate for N ranks (config, run directory, reward imports) and exit: silent when OK, "
@@ -56,11 +59,12 @@ def run(args: argparse.Namespace) -> int:
     watch_job_owners()  # under torchrun: exit when the agent or launch/torchrun.sh has ended
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     restart = restart_count()
-    if restart > 0:  # an elastic restart / Slurm requeue continues its own run: never refused, never wiped
-        overrides += ["trainer.resume=true", "trainer.overwrite=false"]
+    if restart > 0:  # an elastic restart / Slurm requeue continues its own run: never wiped; `required` kept
+        overrides += [f"trainer.resume={'required' if args.resume == 'required' else 'true'}",
+                      "trainer.overwrite=false"]
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[megatron-rl] restart {restart} of this job: continuing from its newest complete checkpoint",
-                  flush=True)
+            print(f"[megatron-rl] restart {restart} of this job: continuing from its newest complete checkpoint, if "
+                  f"it has one", flush=True)
     if args.check_world_size is not None:  # before torchrun: every problem at once, the message alone
         return _launch_check(args.config, overrides, args.check_world_size)
     try:
@@ -96,7 +100,7 @@ def start_problems(cfg) -> List[str]:
     holding another run's outputs, a reward function that cannot import, a validation file with no usable row."""
     t = cfg.trainer
     problems = [run_dir_error(t.run_dir, t.resume, t.overwrite), reward_import_error(cfg.data.reward_fn),
-                task_import_error(cfg.data.task), *val_file_problems(cfg.data)]
+                task_import_error(cfg.data.task, cfg.data.task_kwargs), *val_file_problems(cfg.data)]
     return [p for p in problems if p]
 
 

@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
     reward_error = reward_import_error(cfg.data.reward_fn)  # e.g. the math reward without math-verify
     if reward_error and not any(p.startswith("data.reward_fn") for p in problems):
         problems.append(reward_error)
-    task_error = task_import_error(cfg.data.task)          # your own task (module:factory) that does not import
+    task_error = task_import_error(cfg.data.task, cfg.data.task_kwargs)          # your own task (module:factory) that does not import
     if task_error and not any(p.startswith("data.task") for p in problems):
         problems.append(task_error)
     c = cfg.cluster

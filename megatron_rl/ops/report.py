@@ -45,16 +45,18 @@ dynamic sampling exhausted  filter_groups/exhausted = 1 at any step (too few gro
                             (0.9) of the reward's ceiling: the groups score alike because they are
                             solved, which every task that is learned reaches
 stalled                     over the last quarter of the run (>= 2 x MIN_STEPS steps in all) the    WARN
-                            sampled reward, smoothed over a fifth of it, moves < STALL_RANGE (0.1)
-                            x the ceiling, its last-
-                            quarter mean is < SOLVED_FRAC x the ceiling, and the policy has
-                            collapsed: last-quarter entropy < ENTROPY_COLLAPSE (0.1 nats/token)
-                            or a step with zero gradient (actor/grad_norm = 0). Status: STALLED
+                            sampled reward's least-squares trend gains < STALL_TREND (0.05) x its
+                            smoothed span over the run, it ends short of solved (below its
+                            ceiling by more than 0.1 of its span), and the policy stayed
+                            collapsed: entropy < ENTROPY_COLLAPSE (0.1 nats/token) at every step
+                            of that quarter, or >= MIN_ZERO_GRAD_STEPS (3) steps with zero
+                            gradient (actor/grad_norm = 0). Status: STALLED
 ==========================  ========
 
 The sampled reward is ``reward/raw_mean`` (every generated sample) where dynamic sampling logged it, else
-``reward/mean``; its ceiling is 1 when every logged reward lies in [0, 1] (verifiable rewards), else the highest
-sampled reward the run logged. Status: UNHEALTHY (a FAIL), STALLED, CHECK WARNINGS (a WARN), HEALTHY; INFO
+``reward/mean``; its floor and ceiling are those of the first of [0, 1], [-1, 0], [-1, 1] holding every logged
+reward (verifiable rewards, penalties), else the lowest and highest sampled reward the run logged; "solved" is
+within 0.1 of that span of the ceiling. Status: UNHEALTHY (a FAIL), STALLED, CHECK WARNINGS (a WARN), HEALTHY; INFO
 findings are listed and change nothing.
 """
 from __future__ import annotations
@@ -76,7 +78,8 @@ IS_P99_MAX = 10.0
 K3_RISE_FACTOR = 2.0
 K3_FLOOR = 1e-3
 SOLVED_FRAC = 0.9
-STALL_RANGE = 0.1
+STALL_TREND = 0.05
+MIN_ZERO_GRAD_STEPS = 3
 ENTROPY_COLLAPSE = 0.1
 REWARD_FLAT_RANGE = 0.01
 REWARD_FAILED_FRAC_MAX = DataConfig.max_reward_failure_frac  # the trainer's default, one owner
@@ -304,16 +307,32 @@ def _reward_failure_findings(records: Sequence[dict]) -> List[Finding]:
     return []
 
 
-def sampled_reward(records: Sequence[dict]) -> Tuple[List[float], List[float], float]:
-    """(steps, the sampled reward per step, its ceiling): ``reward/raw_mean`` (every generated sample) where
-    dynamic sampling logged it -- its ``reward/mean`` covers the trained groups only --, else ``reward/mean``;
-    the ceiling is 1 when every logged value lies in [0, 1], else the highest value."""
+def sampled_reward(records: Sequence[dict]) -> Tuple[List[float], List[float], float, float]:
+    """(steps, the sampled reward per step, its floor, its ceiling): ``reward/raw_mean`` (every generated sample)
+    where dynamic sampling logged it -- its ``reward/mean`` covers the trained groups only --, else
+    ``reward/mean``; floor and ceiling are those of the first of [0, 1], [-1, 0], [-1, 1] that holds every logged
+    value, else the lowest and the highest value logged (the best possible reward is not known then)."""
     key = "reward/raw_mean" if any("reward/raw_mean" in r for r in records) else "reward/mean"
     xs, ys = series(records, key)
     pairs = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
     xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
-    ceiling = 1.0 if all(0.0 <= y <= 1.0 for y in ys) else max(ys, default=1.0)
-    return xs, ys, ceiling
+    for lo, hi in ((0.0, 1.0), (-1.0, 0.0), (-1.0, 1.0)):   # the usual verifiable ranges (penalties: [-1, 0])
+        if all(lo <= y <= hi for y in ys):
+            return xs, ys, lo, hi
+    return xs, ys, min(ys, default=0.0), max(ys, default=1.0)
+
+
+def _solved(value: float, floor: float, ceiling: float) -> bool:
+    """Within (1 - SOLVED_FRAC) of the reward's span below its ceiling (0.9 on a [0, 1] reward)."""
+    return value >= ceiling - (1.0 - SOLVED_FRAC) * (ceiling - floor)
+
+
+def _slope(ys: Sequence[float]) -> float:
+    """Least-squares slope of ``ys`` per step."""
+    n = len(ys)
+    mx, my = (n - 1) / 2, _mean(ys)
+    den = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den if den else 0.0
 
 
 def _filter_groups_findings(records: Sequence[dict]) -> List[Finding]:
@@ -324,14 +343,14 @@ def _filter_groups_findings(records: Sequence[dict]) -> List[Finding]:
     if not steps:
         return []
     skipped = [x for x, y in zip(*series(records, "filter_groups/skipped")) if y > 0]
-    xs, ys, ceiling = sampled_reward(records)
+    xs, ys, floor, ceiling = sampled_reward(records)
     at = [y for x, y in zip(xs, ys) if x in set(steps)]
-    if at and _mean(at) >= SOLVED_FRAC * ceiling:
+    if at and _solved(_mean(at), floor, ceiling):
         return [Finding("INFO", "dynamic sampling exhausted",
                         f"{len(steps)} step(s) found too few prompt groups with reward signal (first at step "
                         f"{steps[0]}; {len(skipped)} skipped) while the sampled reward there was {_mean(at):.3f} "
-                        f"(>= {SOLVED_FRAC} x its ceiling {ceiling:g}): the groups score alike because they are "
-                        f"solved -- expected once a task is learned")]
+                        f"(within {1 - SOLVED_FRAC:.1f} of its span [{floor:g}, {ceiling:g}] below the top): the "
+                        f"groups score alike because they are solved -- expected once a task is learned")]
     return [Finding("WARN", "dynamic sampling exhausted",
                     f"{len(steps)} step(s) found too few prompt groups with reward signal in "
                     f"algorithm.filter_groups.max_num_gen_batches rounds (first at step {steps[0]}; {len(skipped)} "
@@ -340,31 +359,35 @@ def _filter_groups_findings(records: Sequence[dict]) -> List[Finding]:
 
 
 def _stall_findings(records: Sequence[dict]) -> List[Finding]:
-    """WARN "stalled" (see the module docstring): the reward has plateaued below the ceiling and the policy has
-    collapsed (entropy near zero, or steps without gradient), so more steps will not move it."""
-    xs, ys, ceiling = sampled_reward(records)
+    """WARN "stalled" (see the module docstring): over the last quarter the reward has no upward trend left, below
+    its top, and the policy stayed collapsed (entropy near zero throughout, or repeated steps without gradient)."""
+    xs, ys, floor, ceiling = sampled_reward(records)
     if len(ys) < 2 * MIN_STEPS:
         return []
-    half = ys[-max(MIN_STEPS, len(ys) // 4):]   # the last quarter
-    sm = _smooth(half, max(1, len(half) // 5))
-    moved, last = max(sm) - min(sm), _mean(_quarter(ys, True))
-    if moved >= STALL_RANGE * ceiling or last >= SOLVED_FRAC * ceiling:
+    tail = ys[-max(MIN_STEPS, len(ys) // 4):]   # the last quarter
+    smooth = _smooth(ys, max(1, len(ys) // 10))
+    span = max(smooth) - min(smooth)
+    gained = _slope(tail) * len(tail)             # what the trend of the last quarter added over it
+    last = _mean(tail)
+    if _solved(last, floor, ceiling) or (span > 0 and gained >= STALL_TREND * span):
         return []
     _, ent = series(records, "actor/entropy")
     ent = _finite(ent)
+    ent_tail = ent[-len(tail):] if ent else []
     gx, gn = series(records, "actor/grad_norm")
-    zero = [x for x, g in zip(gx, gn) if g == 0.0 and x >= xs[-len(half)]]
-    entropy = _mean(_quarter(ent, True)) if ent else None
-    if not ((entropy is not None and entropy < ENTROPY_COLLAPSE) or zero):
+    zero = [x for x, g in zip(gx, gn) if g == 0.0 and x >= xs[-len(tail)]]
+    collapsed = bool(ent_tail) and max(ent_tail) < ENTROPY_COLLAPSE
+    if not (collapsed or len(zero) >= MIN_ZERO_GRAD_STEPS):
         return []
-    why = ([f"last-quarter entropy {entropy:.3g} < {ENTROPY_COLLAPSE} nats/token"]
-           if entropy is not None and entropy < ENTROPY_COLLAPSE else [])
-    why += [f"{len(zero)} step(s) with zero gradient in the last {len(half)} (first at step {zero[0]})"] if zero else []
+    why = [f"entropy below {ENTROPY_COLLAPSE} nats/token throughout (last {max(ent_tail):.3g} at most)"] if collapsed else []
+    why += ([f"{len(zero)} step(s) with zero gradient (first at step {zero[0]})"]
+            if len(zero) >= MIN_ZERO_GRAD_STEPS else [])
     return [Finding("WARN", "stalled",
-                    f"the sampled reward plateaued at {last:.3f} (last quarter; ceiling {ceiling:g}, it moved "
-                    f"{moved:.3f} over the last {len(half)} steps) and the policy collapsed: {'; '.join(why)}. More "
-                    f"steps will not move it: see docs/quickstart.md (a collapse) -- a higher entropy bonus, a lower "
-                    f"learning rate, or another seed")]
+                    f"over the last {len(tail)} steps the sampled reward sat at {last:.3f} with no upward trend (it "
+                    f"gained {gained:+.3f}, against {span:.3f} over the run; top {ceiling:g}) and the policy "
+                    f"collapsed: {'; '.join(why)}. More steps are unlikely to move it: see docs/quickstart.md (a "
+                    f"collapse) -- a higher entropy bonus or KL to the initial model, a lower learning rate, or "
+                    f"another seed")]
 
 
 # ----------------------------------------------------------------------------- plots
@@ -535,10 +558,11 @@ def summary_markdown(records: Sequence[dict], findings: Sequence[Finding], plots
               f"- WARN: any failed / timed-out reward; RS masked fraction > {RS_MASKED_MAX}; "
               f"IS ratio p99 > {IS_P99_MAX}; k3 KL last-quarter mean > "
               f"{K3_RISE_FACTOR} x first-quarter mean and > {K3_FLOOR}; smoothed reward range < {REWARD_FLAT_RANGE} "
-              f"(trend checks need >= {MIN_STEPS} steps); dynamic sampling exhausted below {SOLVED_FRAC} x the "
-              f"reward's ceiling (INFO above it: solved).",
-              f"- STALLED: over the last quarter the smoothed sampled reward moved < {STALL_RANGE} x its ceiling, "
-              f"ended < {SOLVED_FRAC} x it, with last-quarter entropy < {ENTROPY_COLLAPSE} or a zero-gradient step.",
+              f"(trend checks need >= {MIN_STEPS} steps); dynamic sampling exhausted short of solved (INFO when "
+              f"solved: within {1 - SOLVED_FRAC:.1f} of the reward's span of its ceiling).",
+              f"- STALLED: over the last quarter the sampled reward's trend gained < {STALL_TREND} x its span over "
+              f"the run, short of solved, with entropy < {ENTROPY_COLLAPSE} at every step of it or >= "
+              f"{MIN_ZERO_GRAD_STEPS} zero-gradient steps.",
               ""]
     if plots:
         lines += ["## Plots", ""]

@@ -3,11 +3,13 @@
 The object the path names is called as ``factory(tokenizer, **data.task_kwargs)`` and must return a ``Task``
 (``tasks/base.py``: ``sample(n, rng)`` and ``reward(prompt, response_ids)``; a ``Task`` subclass itself is such a
 factory). The same registry by import path as ``data.reward_fn`` and ``multi_turn.env`` have: nothing to edit in the
-project (docs/extending.md). Its one rule: an import or construction failure is a ``ValueError`` naming
-``data.task``, raised before any process group exists (``megatron-rl check`` and the launcher's check run it).
+project (docs/extending.md). Its one rule: a factory that does not import, or does not take ``data.task_kwargs``,
+is an error naming the key before any process group exists (``megatron-rl check`` and the launcher's check); the
+task itself is built on rank 0 with the model's tokenizer.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 from megatron_rl.imports import import_object
@@ -44,13 +46,21 @@ def build_custom_task(spec: str, tokenizer, task_kwargs: Mapping[str, Any]) -> T
     return task
 
 
-def task_import_error(spec: Any) -> str | None:
-    """Why a custom ``data.task`` cannot be loaded here (import or attribute), naming the key; None when it loads
-    or is not a custom task."""
+def task_import_error(spec: Any, task_kwargs: Mapping[str, Any] | None = None) -> str | None:
+    """Why a custom ``data.task`` cannot be loaded here (import, attribute, or ``data.task_kwargs`` its factory does
+    not take), naming the key; None when it loads or is not a custom task. The task itself is built on rank 0 with
+    the model's tokenizer; what its constructor does beyond its arguments shows there."""
     if not is_custom_task(spec):
         return None
     try:
-        load_task_factory(spec)
+        factory = load_task_factory(spec)
     except ValueError as e:
         return str(e)
+    try:
+        inspect.signature(factory).bind(None, **dict(task_kwargs or {}))
+    except TypeError as e:
+        return (f"data.task_kwargs: {dict(task_kwargs or {})!r} do not fit {spec.rpartition(':')[2]}(tokenizer, "
+                f"**data.task_kwargs) of data.task={spec!r}: {e}")
+    except ValueError:   # no signature (a builtin): nothing to check up front
+        pass
     return None

@@ -194,12 +194,10 @@ class DynamicSampling:
             msg = (f"step {step + 1}: dynamic sampling found {kept} of the {self.prompts} prompt groups with reward "
                    f"signal the batch needs in {rounds} round(s) ({drawn} groups drawn; algorithm.filter_groups."
                    f"max_num_gen_batches={self.max_rounds}): {what}. The samples of most groups score alike: the "
-                   f"task may be too easy or too hard for the model, or the reward may not vary (later steps: one "
-                   f"line each)")
-        else:   # the same condition again: one short line with the count (a solved task reaches it every step)
-            msg = (f"step {step + 1}: dynamic sampling found {kept} of the {self.prompts} prompt groups again "
-                   f"(algorithm.filter_groups.max_num_gen_batches={self.max_rounds}; {self._exhausted_count} steps "
-                   f"so far, {self.on_exhausted}; why: step {self._first_exhausted}'s warning)")
+                   f"task may be too easy or too hard for the model, or the reward may not vary (later steps: "
+                   f"counted in the summary lines, filter_groups/exhausted in the metrics)")
+        else:   # the same condition again (a solved task reaches it every step): counted, not repeated
+            return
         if self.on_exhausted == "error":
             raise FilterGroupsExhaustedError(msg)
         warnings.warn(msg, FilterGroupsExhaustedWarning, stacklevel=2)

@@ -58,6 +58,9 @@ def format_summary(rows: List[Tuple[int, Dict[str, float]]], previous_reward: Op
         if previous_reward is not None and math.isfinite(previous_reward):
             cell += f", {mean - previous_reward:+.4g} vs previous"
         cells.append(cell)
+    short = sum(1 for _, m in rows if m.get("filter_groups/exhausted", 0) > 0)
+    if short:     # one warning said why at the first; the rest are counted here
+        cells.append(f"dynamic sampling short of groups with signal on {short} of {len(rows)} step(s)")
     sampled = [m["reward/raw_mean"] for _, m in rows if "reward/raw_mean" in m]
     if sampled:   # dynamic sampling: reward/mean is the trained groups', this one every generated sample's
         cells.append(f"sampled reward mean {_mean(sampled):.4g} (every generated sample; reward: the trained groups)")

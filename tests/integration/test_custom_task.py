@@ -40,8 +40,8 @@ TASK_FILE = textwrap.dedent('''
             return 1.0 if len(ids) % 2 == 0 else 0.0
 
 
-    def make(tokenizer, **kwargs):
-        return EvenLength(tokenizer, **kwargs)
+    def make(tokenizer, max_digits=2):
+        return EvenLength(tokenizer, max_digits=max_digits)
 
 
     def not_a_task(tokenizer, **kwargs):
@@ -105,3 +105,18 @@ def test_the_loop_trains_your_task_and_logs_its_reward(task_model, task_file, tm
     for m in metrics:
         rows = [r["reward"] for r in recs if r["step"] == m["step"]]
         assert m["reward/mean"] == pytest.approx(sum(rows) / len(rows), abs=1e-6)
+
+
+def test_the_launchers_check_refuses_task_kwargs_the_factory_does_not_take(task_file):
+    """A config written for a digit task keeps its data.task_kwargs (min_digits, ...) when only data.task changes:
+    the launcher's check names the mismatch before torchrun starts, not rank 0 after it."""
+    r = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--check-world-size", "4", "--config",
+                        "configs/tiny_cpu.yaml", f"data.task={task_file}:make"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 2
+    assert "data.task_kwargs:" in r.stderr and "do not fit make(tokenizer, **data.task_kwargs)" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--check-world-size", "4", "--config",
+                        "configs/tiny_cpu.yaml", f"data.task={task_file}:make", "data.task_kwargs={max_digits: 2}",
+                        "actor.load_hf=" + os.path.join(ROOT, "runs", "no_model_needed_for_this_check")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert "data.task" not in r.stderr, r.stderr

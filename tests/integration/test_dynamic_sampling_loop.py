@@ -108,10 +108,10 @@ def test_groups_alike_for_max_rounds_warn_and_skip_or_train(copy_model, tmp_path
                     f"algorithm.filter_groups.on_exhausted={mode}", f"rollout.mode={rollouts}",
                     f"trainer.steps={steps}", hf=copy_model, run_dir=tmp_path / "run", world_size=1)
     [(trained, warned)] = run_ranks(_train, 1, cfg, timeout=240)
-    # one per generated step (the async producer also generates ahead, steps the run never trains)
-    assert {w[0] for w in warned} == {"FilterGroupsExhaustedWarning"}
-    assert {w[1].split(":")[0] for w in warned} >= {f"step {t}" for t in range(1, steps + 1)}
-    assert all("found 0 of the 4 prompt groups" in w[1] and "max_num_gen_batches=2" in w[1] for w in warned)
+    # one warning, at the first exhausted step; the later ones are counted (metrics, summary line)
+    assert [w[0] for w in warned] == ["FilterGroupsExhaustedWarning"]
+    assert warned[0][1].startswith("step 1:")
+    assert "found 0 of the 4 prompt groups" in warned[0][1] and "max_num_gen_batches=2" in warned[0][1]
     metrics = _read(cfg.trainer.run_dir, "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:

@@ -220,17 +220,18 @@ def test_failure_fraction_counts_every_generated_row_and_the_report_warns():
     assert health_checks(records[:1]) == []
 
 
-def test_a_repeated_exhaustion_is_one_short_line_with_its_count():
-    """A solved task exhausts dynamic sampling every late step: the first warning says why at length, every later
-    one is one short line (the quickstart printed 31 warnings of ~400 characters)."""
+def test_a_repeated_exhaustion_warns_once_and_is_counted_in_the_summary():
+    """A solved task exhausts dynamic sampling every late step: the first warning says why, later steps are counted
+    in the console's summary line (the quickstart printed 31 warnings of ~400 characters)."""
+    from megatron_rl.trainer.sinks import format_summary
     script = [[ALIKE, ALIKE, ALIKE]] * 8
     gen = DynamicSampling(Scripted(script), _Cfg(rounds=2, on_exhausted="train"))
     with pytest.warns(FilterGroupsExhaustedWarning) as caught:
         for step in range(4):
             gen.generate(None, step, f"step-{step}")
     msgs = [str(w.message) for w in caught if w.category is FilterGroupsExhaustedWarning]
-    assert len(msgs) == 4
+    assert len(msgs) == 1
     assert "too easy or too hard" in msgs[0] and msgs[0].startswith("step 1: dynamic sampling found 0 of the 3")
-    for i, m in enumerate(msgs[1:], start=2):
-        assert m.startswith(f"step {i}: dynamic sampling found 0 of the 3 prompt groups again")
-        assert f"{i} steps so far" in m and "step 1's warning" in m and len(m) < 200 and "too easy" not in m
+    rows = [(s, {"reward/mean": 0.5, "filter_groups/exhausted": float(s != 2)}) for s in range(1, 5)]
+    assert "dynamic sampling short of groups with signal on 3 of 4 step(s)" in format_summary(rows)
+    assert "dynamic sampling short" not in format_summary([(1, {"reward/mean": 0.5, "filter_groups/exhausted": 0.0})])

@@ -59,3 +59,24 @@ def test_train_and_launcher_accept_resume_required(tmp_path):
     assert r.returncode == 0, r.stderr
     argv = shlex.split(r.stdout.strip())
     assert argv[-1] == "--resume=required" and "--nproc-per-node" in argv
+
+
+def test_resume_leaves_the_next_override_alone_and_a_restart_keeps_required(tmp_path):
+    """`--resume key=value` (the documented order; slurm.sbatch's srun mode appends overrides after it) parses the
+    override as an override; a Slurm requeue / torchrun restart of a `--resume=required` job still refuses a
+    directory without a checkpoint (the restart path used to turn it into plain --resume)."""
+    import argparse
+    from megatron_rl.train import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(["--config", "c.yaml", "--resume", "trainer.steps=3"])
+    assert a.resume == "true" and a.overrides == ["trainer.steps=3"]
+    a = p.parse_args(["--config", "c.yaml", "--resume=required", "trainer.steps=3"])
+    assert a.resume == "required" and a.overrides == ["trainer.steps=3"]
+    assert p.parse_args(["--config", "c.yaml", "trainer.steps=3"]).resume is None
+    run = tmp_path / "typo"
+    env = dict(os.environ, OMP_NUM_THREADS="1", SLURM_RESTART_COUNT="1")
+    r = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--check-world-size", "4", "--config",
+                        "configs/tiny_cpu.yaml", "--resume=required", f"trainer.run_dir={run}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "trainer.resume=required" in r.stderr, r.stdout[-1000:] + r.stderr[-2000:]
