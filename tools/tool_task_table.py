@@ -53,10 +53,11 @@ def render(run_dir: str, rows: Sequence[Dict], sha: str, step_s: Optional[float]
 def main(argv: Optional[Sequence[str]] = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
+    p.add_argument("--commit", default=None, help="the commit the run was made on (default: this checkout's HEAD)")
     a = p.parse_args(argv)
     records = read_metrics(os.path.join(a.run_dir, "metrics.jsonl"))
     times = [r["timing/step_s"] for r in records if "timing/step_s" in r]
-    page = render(a.run_dir, windows(records), commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    page = render(a.run_dir, windows(records), a.commit or commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                   sum(times) / len(times) if times else None)
     print(page, end="")
     return page
