@@ -17,6 +17,10 @@ from megatron_rl.correction.core import CorrectionResult
 from megatron_rl.parallel.devices import broadcast_, collective_device
 
 
+#: The CorrectionResult tensors every pipeline stage receives (None where the last stage has none).
+_SHARED_TENSORS = ("response_mask", "weights", "valid_mask")
+
+
 def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
                               device: Optional[torch.device] = None) -> CorrectionResult:
     """Return the last stage's ``result`` on every rank of ``pp_group``.
@@ -41,28 +45,21 @@ def broadcast_from_last_stage(result: Optional[CorrectionResult], pp_group,
     header = [None]
     if is_src:
         header[0] = {
-            "mask": (tuple(result.response_mask.shape), result.response_mask.dtype),
-            "weights": None if result.weights is None else (tuple(result.weights.shape), result.weights.dtype),
-            "valid": None if result.valid_mask is None else (tuple(result.valid_mask.shape), result.valid_mask.dtype),
+            "tensors": {name: None if getattr(result, name) is None else
+                        (tuple(getattr(result, name).shape), getattr(result, name).dtype) for name in _SHARED_TENSORS},
             "metrics": dict(result.metrics), "num_collectives": result.num_collectives,
             "old_from_rollout": result.old_from_rollout, "weights_in_loss": result.weights_in_loss,
         }
     dist.broadcast_object_list(header, src=src, group=pp_group)
     h = header[0]
-    mask = result.response_mask.contiguous() if is_src else torch.empty(h["mask"][0], dtype=h["mask"][1], device=device)
-    broadcast_(mask, src=src, group=pp_group)
-    weights = None
-    if h["weights"] is not None:
-        weights = result.weights.contiguous() if is_src else torch.empty(
-            h["weights"][0], dtype=h["weights"][1], device=device)
-        broadcast_(weights, src=src, group=pp_group)
-    valid = None
-    if h["valid"] is not None:
-        valid = result.valid_mask.contiguous() if is_src else torch.empty(h["valid"][0], dtype=h["valid"][1],
-                                                                          device=device)
-        broadcast_(valid, src=src, group=pp_group)
+    got = {}
+    for name, spec in h["tensors"].items():   # the same order on every rank: the source's header
+        if spec is None:
+            got[name] = None
+            continue
+        got[name] = getattr(result, name).contiguous() if is_src else torch.empty(spec[0], dtype=spec[1], device=device)
+        broadcast_(got[name], src=src, group=pp_group)
     if is_src:
         return result
-    return CorrectionResult(weights=weights, response_mask=mask, metrics=h["metrics"],
-                            num_collectives=h["num_collectives"], old_from_rollout=h["old_from_rollout"],
-                            weights_in_loss=h["weights_in_loss"], valid_mask=valid)
+    return CorrectionResult(**got, metrics=h["metrics"], num_collectives=h["num_collectives"],
+                            old_from_rollout=h["old_from_rollout"], weights_in_loss=h["weights_in_loss"])
