@@ -65,6 +65,20 @@ def actor_job(hf_dir: str, actor: dict, parallel: Optional[dict] = None, model: 
     return job_config_from_dict(d)
 
 
+def checkpoint_batch(seed: int, rows: int):
+    """``(batch, advantages)``: ``rows`` random sequences (prompts of 1-4, responses of 1-7 tokens below id 256, their
+    rollout log-probs in (-4, 0]) -- the batch the checkpoint and resume tests train a step on."""
+    from megatron_rl.actor import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(rows)]
+    responses = [torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(rows)]
+    lps = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
+    return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(rows, generator=g)
+
+
 def policy_data(vocab: int, rows: int, seed: int, prompt_len: tuple[int, int], response_len: tuple[int, int],
                 reject_token: bool):
     """A random ``RolloutBatch`` of ``rows`` sequences (prompt/response lengths drawn in ``[lo, hi)``) and

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import megatron.core  # noqa: F401
-from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.actor import MegatronActor
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import assert_state_dicts_close
+from megatron_rl.testing.actor_reference import assert_state_dicts_close, checkpoint_batch
 from megatron_rl.testing.distributed import RankError, run_ranks
 from megatron_rl.testing.jobs import CHECKPOINT_MODEL, layout, named_job, setting, settings
 
@@ -50,18 +50,10 @@ def _megatron_lrs(n):
     return out
 
 
-def _batch(seed):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(4)]
-    responses = [torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(4)]
-    lps = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
-    return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(4, generator=g)
 
 
 def _step(actor, seed):
-    batch, adv = _batch(seed)
+    batch, adv = checkpoint_batch(seed, rows=4)
     old, _ = actor.compute_log_probs(batch, 1.0)
     return actor.train_step(batch, old, adv, batch.response_mask, None, 1.0)
 

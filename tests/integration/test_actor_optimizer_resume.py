@@ -32,8 +32,9 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import megatron.core  # noqa: F401
-from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.actor import MegatronActor
 from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.testing.actor_reference import checkpoint_batch
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import CHECKPOINT_MODEL, knobs, layout, named_job, setting, settings
 
@@ -47,18 +48,10 @@ _MAIN = re.compile(rf"^{_CHAINED}optimizer\.state\.(?:fp32_param|param)\.(.+)$")
 _MOMENT = re.compile(rf"^{_CHAINED}optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$")
 
 
-def _batch(seed, rows=8):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(rows)]
-    responses = [torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(rows)]
-    lps = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
-    return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(rows, generator=g)
 
 
 def _step(actor, seed):
-    batch, adv = _batch(seed)
+    batch, adv = checkpoint_batch(seed, rows=8)
     rows = 8 // actor.dp_size
     lo = actor.dp_rank * rows
     shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]

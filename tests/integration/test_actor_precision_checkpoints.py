@@ -31,9 +31,9 @@ import pytest
 import torch
 
 import megatron.core  # noqa: F401
-from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.actor import MegatronActor
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import assert_state_dicts_close
+from megatron_rl.testing.actor_reference import assert_state_dicts_close, checkpoint_batch
 from megatron_rl.testing.distributed import RankError, run_ranks
 from megatron_rl.testing.jobs import knobs, named_job, setting
 
@@ -41,19 +41,11 @@ from megatron_rl.testing.jobs import knobs, named_job, setting
 TWO_LAYERS = "model.num_layers=2"
 
 
-def _batch(seed, rows=4):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(rows)]
-    responses = [torch.randint(0, 256, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(rows)]
-    lps = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
-    return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(rows, generator=g)
 
 
 def _step(actor, seed):
     """One train step on this DP rank's half of an 8-row batch (the same global batch at every DP size)."""
-    batch, adv = _batch(seed, rows=8)
+    batch, adv = checkpoint_batch(seed, rows=8)
     rows = 8 // actor.dp_size
     lo = actor.dp_rank * rows
     shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]
