@@ -111,27 +111,24 @@ if [[ -z "$NPROC_PER_NODE" ]]; then
   # the job the config describes: its cluster.gpus_per_node (a config it cannot read: the check below names why)
   FROM_CONFIG=$("$PYTHON" -m megatron_rl.config.cluster_ranks "$CONFIG" "${OVERRIDES[@]+"${OVERRIDES[@]}"}" \
                 2>/dev/null || true)
-  VISIBLE=""
+  VISIBLE=0   # GPUs this node shows (counted once)
   if command -v nvidia-smi >/dev/null 2>&1; then
     VISIBLE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   fi
-  if is_int "$FROM_CONFIG" && is_int "$VISIBLE" && (( VISIBLE > 0 && FROM_CONFIG > VISIBLE )); then
-    die "cluster.gpus_per_node=$FROM_CONFIG in $CONFIG but this node shows $VISIBLE GPU(s): run on a node with" \
-        "$FROM_CONFIG, or set --nproc-per-node $VISIBLE (NPROC_PER_NODE) with a layout that fits it"
-  fi
+  is_int "$VISIBLE" || VISIBLE=0
   if is_int "$FROM_CONFIG" && (( FROM_CONFIG >= 1 )); then
+    if (( VISIBLE > 0 && FROM_CONFIG > VISIBLE )); then
+      die "cluster.gpus_per_node=$FROM_CONFIG in $CONFIG but this node shows $VISIBLE GPU(s): run on a node with" \
+          "$FROM_CONFIG, or set --nproc-per-node $VISIBLE (NPROC_PER_NODE) with a layout that fits it"
+    fi
     NPROC_PER_NODE=$FROM_CONFIG
     NPROC_FROM="cluster.gpus_per_node of $CONFIG"
     echo "launch/torchrun.sh: $NPROC_PER_NODE rank(s) per node: cluster.gpus_per_node of $CONFIG" \
          "(--nproc-per-node N or NPROC_PER_NODE=N to change)" >&2
+  else
+    NPROC_PER_NODE=$(( VISIBLE > 0 ? VISIBLE : 1 ))
+    NPROC_FROM="the GPUs visible (else 1), the config's cluster.gpus_per_node being unreadable"
   fi
-fi
-if [[ -z "$NPROC_PER_NODE" ]]; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  fi
-  [[ -n "$NPROC_PER_NODE" && "$NPROC_PER_NODE" != 0 ]] || NPROC_PER_NODE=1
-  NPROC_FROM="the GPUs visible (else 1), the config's cluster.gpus_per_node being unreadable"
 fi
 if ! is_int "$NPROC_PER_NODE" || (( NPROC_PER_NODE < 1 )); then die "--nproc-per-node must be an integer >= 1"; fi
 
