@@ -44,6 +44,7 @@ from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_d
 from megatron_rl.losses import with_norm_divisor
 from megatron_rl.losses.selection import batch_selection
 from megatron_rl.models import build_gpt_model
+from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.rollout.budget import response_budget
 
@@ -79,7 +80,9 @@ class MegatronActor:
         (verl's bypass loss; ``actor.train_step``), else None."""
         self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
         self.precision = Precision.from_actor_config(self.actor_cfg)
-        chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype)
+        # megatron-core recomputes activations in backward (actor.recompute_*): same loss and gradients
+        chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype,
+                                 **Recompute.from_actor(self.actor_cfg).transformer_config_kwargs())
         self.precision.apply_output_layer(chunks)
         self.hf_dir = self.actor_cfg.load_hf
         fp32 = {}  # bf16 actor: the fp32 main parameters come from the loaded values, not their bf16 rounding

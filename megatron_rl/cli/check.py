@@ -31,6 +31,7 @@ from megatron_rl.config.load import VERL_FILE_MESSAGE
 from megatron_rl.config.timeouts import rollout_waits_line
 from megatron_rl.config.validate import world_errors
 from megatron_rl.models.attention import expected_te, job_attention_backend
+from megatron_rl.models.recompute import Recompute
 from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
                                     token_budget_error)
 from megatron_rl.ops.run_profile import run_profile
@@ -152,9 +153,9 @@ def _run(args: argparse.Namespace) -> int:
     if blocking:
         print("memory plan: skipped until the layout / batch problems above are fixed", file=sys.stderr)
         return 2
-    recompute = args.recompute
-    if recompute is None:  # what the trainer will do: megatron's recompute_granularity passed via model.extra
-        recompute = (cfg.model.extra or {}).get("recompute_granularity") or "none"
+    job_recompute = Recompute.from_actor(cfg.actor)  # what the trainer will do (actor.recompute_*)
+    recompute = args.recompute or job_recompute.plan_mode
+    same = recompute == job_recompute.plan_mode == "full"
     params_bytes = args.params_bytes if args.params_bytes is not None else prof.params_bytes
     dist_opt = args.distributed_optimizer if args.distributed_optimizer is not None else prof.distributed_optimizer
     has_te, te_source = expected_te(c.device, args.transformer_engine)
@@ -162,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
     opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
                          fp32_output_layer=bool(cfg.actor.bf16 and cfg.actor.fp32_output_layer and params_bytes < 4),
                          distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
+                         recompute_method=job_recompute.method if same else "uniform",
+                         recompute_num_layers=job_recompute.num_layers if same else 1,
                          attention=backend.name)
     try:
         plan = memory_plan(cfg, world, opts)
@@ -214,7 +217,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                         "longest prompt of the config's task / data file)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                    help="megatron's activation recomputation assumed for the total: none, selective (core "
-                        "attention recomputed), full. Default: model.extra.recompute_granularity, else none")
+                        "attention recomputed), full (uniform, one layer per group unless the job says otherwise). Default: "
+                        "actor.recompute_granularity, else none")
     p.add_argument("--transformer-engine", action=argparse.BooleanOptionalAction, default=None,
                    help="plan (and validate) with / without Transformer Engine on the cluster; default: detected "
                         "on a CUDA machine, assumed installed when planning a CUDA job from a machine without CUDA")

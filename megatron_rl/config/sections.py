@@ -426,6 +426,19 @@ class ActorConfig:
     """Megatron's distributed optimizer: fp32 main parameters and Adam state sharded over the data-parallel
     ranks (ZeRO-1), gradients reduce-scattered and parameters all-gathered. Same updates as without it up
     to fp32 reduction order."""
+    recompute_granularity: Optional[str] = None
+    """Megatron's activation recomputation (TransformerConfig ``recompute_granularity``): null (keep every
+    activation), "full" (each layer group's forward runs again in backward; needs ``recompute_method`` and
+    ``recompute_num_layers``) or "selective" (``recompute_modules`` only). Same loss and gradients, less memory
+    (``megatron-rl check`` plans it); rules in ``megatron_rl/models/recompute.py``."""
+    recompute_method: Optional[str] = None
+    """With ``recompute_granularity: full``: "uniform" (layers in groups of ``recompute_num_layers``) or "block"
+    (the first ``recompute_num_layers`` layers of each pipeline stage / model chunk)."""
+    recompute_num_layers: Optional[int] = None
+    """With ``recompute_granularity: full``: the group size (uniform) or the layers recomputed per stage (block)."""
+    recompute_modules: Optional[List[str]] = None
+    """With ``recompute_granularity: selective``: megatron-core's submodules to recompute (core_attn, moe_act,
+    layernorm, mla_up_proj, mlp, moe, shared_experts; null: megatron's default, core_attn)."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = 1

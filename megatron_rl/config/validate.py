@@ -23,6 +23,7 @@ from megatron_rl.losses.config import mode_parameter_errors
 from megatron_rl.models.attention import attention_errors, job_attention_backend
 from megatron_rl.models.builder import EXTRA_OWNED, transformer_config_fields
 from megatron_rl.models.config import ModelConfig, ModelConfigError
+from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
@@ -195,7 +196,16 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
     if c.device in DEVICES:
         errs += attention_errors(job_attention_backend(cfg, has_te), cfg)
     errs += _model_extra_errors(cfg.model)
+    errs += _recompute_errors(cfg)
     return errs
+
+
+def _recompute_errors(cfg: JobConfig) -> List[str]:
+    """``actor.recompute_*`` under megatron-core's rules, bounded by the layers of a pipeline stage."""
+    m = cfg.model
+    stages = cfg.parallel.stage_layer_counts(m.num_layers) if m is not None else ()
+    return Recompute.from_actor(cfg.actor).errors(
+        stages, moe_grouped_gemm=bool(m and m.moe_grouped_gemm), multi_latent_attention=bool(m and m.multi_latent_attention))
 
 
 def _model_extra_errors(model) -> List[str]:

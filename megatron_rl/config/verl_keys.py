@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from megatron_rl.config.interpolation import lookup
 from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
+from megatron_rl.config.verl_tools import read_verl_tools
 
 MAPPED = "mapped"
 UNSUPPORTED = "not supported yet"
@@ -558,6 +559,113 @@ def _pending_rules() -> List[Rule]:
     return rules
 
 
+# ---- layout overrides of verl's Megatron actor (override_transformer_config: megatron TransformerConfig fields)
+def _is_full(value: Any) -> bool:
+    return value == "full"
+
+
+def _layout_rules(prefix: str) -> List[Rule]:
+    """Uneven pipeline stages and activation recomputation: megatron's names, which verl passes to megatron-core's
+    TransformerConfig as they are; here parallel.* and actor.recompute_*. megatron ignores recompute_method /
+    num_layers without full granularity and recompute_modules without selective (its default: core_attn)."""
+    gran = f"{prefix}.recompute_granularity"
+    return [
+        *[_m(f"{prefix}.num_layers_in_{s}_pipeline_stage", f"parallel.num_layers_in_{s}_pipeline_stage")
+          for s in ("first", "last")],
+        _m(gran, "actor.recompute_granularity"),
+        *[Rule(f"{prefix}.recompute_{k}", MAPPED, target=f"actor.recompute_{k}",
+               inactive=_unless(gran, _is_full, " (megatron reads it with full recomputation only)"))
+          for k in ("method", "num_layers")],
+        Rule(f"{prefix}.recompute_modules", MAPPED, target="actor.recompute_modules",
+             inactive=_unless(gran, lambda g: g == "selective", " (megatron reads it with selective recomputation "
+                                                                 "only)")),
+    ]
+
+
+def _gradient_checkpointing(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value:
+        raise Skip(NO_MEANING, "false: every activation is kept, this project's default too")
+    return {"actor.recompute_granularity": "full", "actor.recompute_method": "uniform",
+            "actor.recompute_num_layers": 1}
+
+
+# ---- multi-turn (verl's tool agent loop, verl/experimental/agent_loop/tool_agent_loop.py)
+_MT = f"{_R}.multi_turn"
+_MT_ON = _unless(f"{_MT}.enable", bool, " (single-turn rollouts)")
+
+
+def _multi_turn_enable(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's multi-turn switch: a job here needs an Environment class (multi_turn.env) that does what verl's
+    tools / interaction do, which migrate cannot write; the job is refused with what to do."""
+    if not value:
+        raise Skip(NO_MEANING, "false: single-turn rollouts, this project's default too (multi_turn.env: null)")
+    tools_path, interaction = v.get(f"{_MT}.tool_config_path"), v.get(f"{_MT}.interaction_config_path")
+    if tools_path:
+        try:
+            what = "its tools " + ", ".join(str(t) for t in read_verl_tools(tools_path))
+        except (OSError, ValueError) as exc:
+            what = f"the tools of {tools_path} (not readable here: {exc})"
+    else:
+        what = "no tools"
+    if interaction:
+        what += f" and the interaction of {interaction}"
+    raise Skip(UNSUPPORTED, f"true: verl runs multi-turn rollouts with {what}, which do not run here; without "
+                            f"multi_turn.env this file trains SINGLE-TURN. Write a megatron_rl.envs.tool_env."
+                            f"ToolEnvironment subclass (Hermes tool calls) with those tools and your reward as its "
+                            f"score(), and set multi_turn.env to it (docs/multi_turn.md); the turn and token limits "
+                            f"are mapped below")
+
+
+def _turn_limits(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl stops a trajectory after an assistant turn once max_assistant_turns assistant turns or max_user_turns
+    tool / user turns happened (null: no limit), and when response_length response tokens (model and tool) are
+    used; each turn may sample up to what is left. Here: max_turns model turns, max_total_tokens, and
+    max_tokens_per_turn = response_length (a turn's budget is min(that, what is left)). Without a turn limit the
+    token budget bounds it: response_length turns can never be reached first (each turn samples >= 1 token)."""
+    assistant, user = v.get(f"{_MT}.max_assistant_turns"), v.get(f"{_MT}.max_user_turns")
+    tokens = v.get(f"{_R}.response_length", v.get("data.max_response_length"))
+    if not isinstance(tokens, int) or tokens < 1:
+        raise Skip(UNSUPPORTED, f"needs the response budget actor_rollout_ref.rollout.response_length (or "
+                                f"data.max_response_length) as an integer, got {tokens!r}")
+    limits = [t for t in (assistant, user + 1 if isinstance(user, int) and user else None) if t]
+    return {"multi_turn.max_turns": min(limits) if limits else tokens, "multi_turn.max_total_tokens": tokens,
+            "multi_turn.max_tokens_per_turn": tokens}
+
+
+def _multi_turn_rules() -> List[Rule]:
+    """verl's ``rollout.multi_turn`` block and the agent-loop switch that also turns it on."""
+    env = "a ToolEnvironment runs every call of a turn and returns its whole result; do as verl does in your " \
+          "environment's step (multi_turn.env)"
+    return [
+        _m(f"{_MT}.enable", convert=_multi_turn_enable, hint=False),
+        # no target: a null (no limit in verl) is converted too, not left at this project's default
+        *[Rule(f"{_MT}.{k}", MAPPED, convert=_turn_limits, inactive=_MT_ON,
+               note="multi_turn.max_turns, and multi_turn.max_total_tokens / max_tokens_per_turn = the response "
+                    "budget (rollout.response_length), as verl bounds a trajectory")
+          for k in ("max_assistant_turns", "max_user_turns")],
+        _u(f"{_MT}.tool_config_path", "verl's tool classes: see multi_turn.enable", neutral=(None,),
+           inactive=_MT_ON),
+        _u(f"{_MT}.interaction_config_path", "verl's interaction (simulated user) classes: see multi_turn.enable",
+           neutral=(None,), inactive=_MT_ON),
+        _u(f"{_MT}.format", "tool calls are parsed in the Hermes format here (megatron_rl/envs/tool_calls.py)",
+           neutral=("hermes",), inactive=_MT_ON),
+        _u(f"{_MT}.max_parallel_calls", f"verl runs the first max_parallel_calls calls of a turn; {env}",
+           inactive=_MT_ON),
+        _u(f"{_MT}.max_tool_response_length", f"verl cuts a tool's response text to this many characters; {env}",
+           inactive=_MT_ON),
+        _u(f"{_MT}.tool_response_truncate_side", f"where verl cuts a long tool response; {env}", inactive=_MT_ON),
+        _n(f"{_MT}.use_inference_chat_template", "the driver never re-renders the conversation: every turn "
+           "continues from the exact token ids (docs/multi_turn.md)", inactive=_MT_ON),
+        _n(f"{_MT}.tokenization_sanity_check_mode", "the driver never re-tokenizes the model's turns "
+           "(docs/multi_turn.md)", inactive=_MT_ON),
+        _u(f"{_MT}.**", "verl's multi-turn setting; multi-turn rollouts here run an Environment class "
+           "(multi_turn.env, docs/multi_turn.md)", inactive=_MT_ON),
+        _u(f"{_R}.agent.default_agent_loop", "verl's agent loop for rows without agent_name; a tool / multi-turn "
+           "loop needs an Environment class here (multi_turn.env, docs/multi_turn.md)",
+           neutral=("single_turn_agent",)),
+    ]
+
+
 # ------------------------------------------------------------------------------------------------ the table
 _SGLANG = "give it where the servers start: launch/sglang_server.sh -- <sglang flag>, SGLANG_EXTRA_ARGS of " \
           "launch/slurm.sbatch"
@@ -655,13 +763,12 @@ def _rules() -> List[Rule]:
            "(megatron_rl.convert)"),
         _n(f"{_A}.megatron.vanilla_mbridge", "HF weights are converted by this project's own converter"),
         _n(f"{_A}.megatron.forward_only", "a flag verl sets per role (the reference model)"),
-        _u(f"{_A}.megatron.override_transformer_config.recompute_*", "write model.extra.<this name> in a model: "
-           "section (megatron TransformerConfig fields; the model section then gives the shapes too)",
-           neutral=(None, ["core_attn"])),
+        *_layout_rules(f"{_A}.megatron.override_transformer_config"),
         _u(f"{_A}.megatron.override_transformer_config.attention_backend", "the attention backend is chosen from "
            "the device and Transformer Engine (`megatron-rl check` prints it)", neutral=("flash", "auto")),
         _u(f"{_A}.megatron.override_transformer_config.**", "write model.extra.<this name> (a megatron "
-           "TransformerConfig field) or the model: key of that name, in a model: section with the shapes"),
+           "TransformerConfig field) or the model: key of that name, in a model: section with the shapes (a "
+           "field this project sets from one of its keys is refused in model.extra: use that key)"),
         _n(f"{_A}.megatron.override_transformer_config", "no overrides given", neutral=({},)),
         _u(f"{_A}.megatron.override_ddp_config.**", "megatron DDP overrides are not exposed"),
         _n(f"{_A}.megatron.override_ddp_config", "no overrides given", neutral=({},)),
@@ -775,8 +882,7 @@ def _rules() -> List[Rule]:
         _n(f"{_R}.multi_stage_wake_up", "verl's colocated engine memory management"),
         _n(f"{_R}.calculate_log_probs", "the engine always returns the sampled tokens' log-probs (the rollout "
            "correction needs them)"),
-        _u(f"{_R}.multi_turn.enable", _MULTI_TURN, neutral=(False,)),
-        _u(f"{_R}.multi_turn.**", _MULTI_TURN, inactive=_unless(f"{_R}.multi_turn.enable", bool, "")),
+        *_multi_turn_rules(),
         _n(f"{_R}.agent.**", "verl's agent-loop workers; generation requests are sent from rank 0 here"),
         _m(f"{_R}.checkpoint_engine.update_weights_bucket_megabytes", "rollout.weight_sync_bucket_mb"),
         _n(f"{_R}.checkpoint_engine.**", "how weights reach the engine is rollout.weight_sync here"),
@@ -800,8 +906,10 @@ def _rules() -> List[Rule]:
         _u(f"{_MODEL}.override_config.**", "HF config overrides: write a model: section (the shapes, "
            "max_position_embeddings, ...) instead of relying on actor.load_hf's config.json"),
         _n(f"{_MODEL}.override_config", "no overrides given", neutral=({},)),
-        _n(f"{_MODEL}.enable_gradient_checkpointing", "activation recomputation of verl's FSDP actor; for the "
-           "Megatron actor: model.extra.recompute_granularity"),
+        Rule(f"{_MODEL}.enable_gradient_checkpointing", MAPPED, target="actor.recompute_granularity",
+             convert=_gradient_checkpointing, inactive=_strategy_is("fsdp"), hint=False,
+             note="HF gradient checkpointing recomputes every decoder layer in backward: megatron's full / "
+                  "uniform / 1 layer"),
         _u(f"{_MODEL}.enable_activation_offload", "no activation offload", neutral=(False,)),
         Rule(f"{_MODEL}.use_remove_padding", MAPPED, convert=_remove_padding, inactive=_strategy_is("fsdp"),
              hint=False, note="verl's FSDP actor's packing switch (the Megatron actor's is "

@@ -69,6 +69,8 @@ EXTRA_OWNED = {
     "sequence_parallel": "parallel.sequence_parallel",
     "num_layers_in_first_pipeline_stage": "parallel.num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage": "parallel.num_layers_in_last_pipeline_stage",
+    "recompute_granularity": "actor.recompute_granularity", "recompute_method": "actor.recompute_method",
+    "recompute_num_layers": "actor.recompute_num_layers", "recompute_modules": "actor.recompute_modules",
 }
 
 #: ``ModelConfig`` fields of multi-latent attention that megatron's ``MLATransformerConfig`` takes as they are,

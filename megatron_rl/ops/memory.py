@@ -63,7 +63,9 @@ heads, g = KV heads, d = head dim, f = FFN size, k = router top-k, E = experts::
                  + n*3e*f_moe/ETP (fc1 out, fc2 in),  n = s*b*k*ETP/sp token-expert pairs on this rank after
                  the dispatch (balanced routing); megatron-core 0.16 multiplies the routing probabilities
                  inside the expert activation, so expert outputs are not kept; shared expert: + 3esb*f_shared/t
-    full recompute: per layer only its input esbh/sp is kept, plus one layer's full working set.
+    full recompute (``recompute_method`` / ``recompute_num_layers`` = N, per model chunk): uniform keeps the
+                 input esbh/sp of each group of N layers, plus one group's full working set; block keeps the
+                 input of each of the first N layers and everything of the others, plus one layer's working set.
 
 Attention backend (``models.attention``: ``MemoryOptions.attention``): Transformer Engine's flash / fused
 attention keeps only the log-sum-exp; TE's unfused attention (fp32) and megatron's local attention materialise
@@ -152,6 +154,10 @@ class MemoryOptions:
     recompute: str = "none"
     """Megatron's activation recomputation (``recompute_granularity``): "none", "selective" (core attention),
     "full"."""
+    recompute_method: str = "uniform"
+    """With full recomputation: megatron's ``recompute_method``, "uniform" or "block"."""
+    recompute_num_layers: int = 1
+    """With full recomputation: megatron's ``recompute_num_layers`` (group size, or layers per model chunk)."""
     attention: str = "te-fused"
     """The core attention the job gets (``models.attention.BACKENDS``): "te-fused" keeps no scores; "te-unfused"
     and "local" materialise the ``[b, heads, s, s]`` scores of padded rows."""
@@ -435,6 +441,9 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
     o = options or MemoryOptions()
     if o.recompute not in RECOMPUTE:
         raise ValueError(f"recompute={o.recompute!r} is not one of {RECOMPUTE}")
+    if o.recompute_method not in ("uniform", "block") or o.recompute_num_layers < 1:
+        raise ValueError(f"recompute_method={o.recompute_method!r} / recompute_num_layers={o.recompute_num_layers} "
+                         f"is not uniform / block with >= 1 layers")
     if o.attention not in BACKENDS:
         raise ValueError(f"attention={o.attention!r} is not one of {tuple(BACKENDS)}")
     if o.prompt_length < 0:
@@ -517,9 +526,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         acts = {"none": flight * sum(per_layer(keep)),
                 # selective recompute: no scores kept per layer; one layer's exist while it runs
                 "selective": flight * sum(per_layer(False)) + one_layer_scores}
-        spd = tp if sp else 1
-        kept = flight * len(layers) * act * s * b * h / spd
-        acts["full"] = kept + max(per_layer(keep), default=0.0)  # one layer's whole working set
+        acts["full"] = _full_recompute_bytes(per_layer(keep), act * s * b * h / (tp if sp else 1), vpp, flight, o)
         logits_unfused = logits_fused = 0.0
         if st == pp - 1:
             T = s * b
@@ -535,6 +542,24 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
                                      reference=reference))
     return plan
+
+
+def _full_recompute_bytes(layer_bytes: List[float], input_bytes: float, vpp: int, flight: float,
+                          o: MemoryOptions) -> float:
+    """Full recomputation on one stage (module docstring): what the micro-batches in flight keep, plus the working
+    set of the one recompute running; the stage's layers split into ``vpp`` contiguous model chunks."""
+    n, kept, work = o.recompute_num_layers, 0.0, 0.0
+    size = -(-len(layer_bytes) // vpp) if layer_bytes else 0
+    for c in range(0, len(layer_bytes), max(size, 1)):
+        chunk = layer_bytes[c:c + size]
+        if o.recompute_method == "block":
+            kept += min(n, len(chunk)) * input_bytes + sum(chunk[n:])
+            work = max(work, max(chunk[:n], default=0.0))
+        else:
+            groups = [chunk[g:g + n] for g in range(0, len(chunk), n)]
+            kept += len(groups) * input_bytes
+            work = max(work, max(sum(g) for g in groups))
+    return flight * kept + work
 
 
 def checkpoint_host_bytes(plan: MemoryPlan) -> Dict[str, float]:

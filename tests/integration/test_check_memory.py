@@ -312,12 +312,13 @@ def test_cli_prompt_length_of_a_prompt_file_without_tokenizer(tmp_path):
     assert "sequence 119 tokens" in r.stdout
 
 
-def test_cli_recompute_follows_model_extra():
-    r = _cli(Q7, "model.extra.recompute_granularity=full", "model.extra.recompute_method=uniform",
-             "model.extra.recompute_num_layers=1")
+def test_cli_recompute_follows_the_actor():
+    r = _cli(Q7, "actor.recompute_granularity=full", "actor.recompute_method=uniform",
+             "actor.recompute_num_layers=1")
     assert r.returncode == 0, r.stderr
     assert "recompute full" in r.stdout
-    r = _cli(Q7, "model.extra.recompute_granularity=full", "--recompute", "none")
+    r = _cli(Q7, "actor.recompute_granularity=full", "actor.recompute_method=uniform", "actor.recompute_num_layers=1",
+             "--recompute", "none")
     assert "recompute none" in r.stdout
     assert "recompute none" in _cli(Q7).stdout  # the trainer's default: no recompute
 

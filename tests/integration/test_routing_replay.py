@@ -162,9 +162,9 @@ def _rank_r3(rank, world, job, data):
 
 #: token-budget micro-batches packed into THD sequences (issue 25): the replayed experts follow the packed positions
 PACKED = dict(max_tokens_per_micro_batch=24, sequence_packing=True)
-CASES = [(dict(), 1), (dict(extra=RECOMPUTE), 1), (dict(tp=2, ep=2, sp=True), 4), (dict(pp=2, ep=2), 4),
-         (dict(pp=2, ep=2, extra=RECOMPUTE), 4), (dict(tp=2, pp=2, ep=2, etp=1, sp=True), 4),
-         (dict(PACKED), 1), (dict(PACKED, extra=RECOMPUTE), 1), (dict(PACKED, tp=2, ep=2, sp=True), 4),
+CASES = [(dict(), 1), (dict(**RECOMPUTE), 1), (dict(tp=2, ep=2, sp=True), 4), (dict(pp=2, ep=2), 4),
+         (dict(pp=2, ep=2, **RECOMPUTE), 4), (dict(tp=2, pp=2, ep=2, etp=1, sp=True), 4),
+         (dict(PACKED), 1), (dict(PACKED, **RECOMPUTE), 1), (dict(PACKED, tp=2, ep=2, sp=True), 4),
          (dict(PACKED, tp=2, pp=2, ep=2, etp=1, sp=True), 4)]
 
 
@@ -192,7 +192,7 @@ def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
     assert all(r["metrics"] == m for r in results)
     assert any(r["stage_local"] for r in results) == (layout.get("pp", 1) > 1)
     # with full recompute every router runs again inside backward and pops its forward's target
-    assert all((r["recomputed"] > 0) == ("recompute_granularity" in layout.get("extra", {})) for r in results)
+    assert all((r["recomputed"] > 0) == ("recompute_granularity" in layout) for r in results)
     assert m["rollout_corr/router_agreement"] == pytest.approx(ref["agreement"]["all"], abs=1e-12)
     assert m["rollout_corr/router_agreement"] < 1.0
     for j in range(NL):
@@ -266,8 +266,8 @@ def _hf_train(hf_dir, batch, forced, old, adv, is_w, lr, steps_rows):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,world", [(dict(), 1), (dict(pp=2, ep=2, extra=RECOMPUTE), 4),
-                                          (dict(PACKED, pp=2, ep=2, extra=RECOMPUTE), 4)],
+@pytest.mark.parametrize("layout,world", [(dict(), 1), (dict(pp=2, ep=2, **RECOMPUTE), 4),
+                                          (dict(PACKED, pp=2, ep=2, **RECOMPUTE), 4)],
                          ids=["tp1", "pp2ep2-recompute", "pp2ep2-recompute-packed"])
 def test_r2_replays_log_prob_pass_routing_in_every_train_forward(moe_dir, layout, world):
     lr = 2e-2

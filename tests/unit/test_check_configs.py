@@ -155,8 +155,8 @@ def test_real_configs_use_verl_correction_keys():
     ("deepseek_v3_scale_64x8.yaml", []),
     # the 32-node variant documented in the config header
     ("deepseek_v3_scale_64x8.yaml", ["parallel.expert_model_parallel_size=32", "parallel.tensor_model_parallel_size=4",
-                                     "model.extra.recompute_granularity=full", "model.extra.recompute_method=uniform",
-                                     "model.extra.recompute_num_layers=1"]),
+                                     "actor.recompute_granularity=full", "actor.recompute_method=uniform",
+                                     "actor.recompute_num_layers=1"]),
 ])
 def test_megatron_accepts_the_transformer_config(name, overrides):
     """megatron-core's own TransformerConfig validation (an independent check of the model + layout)."""
