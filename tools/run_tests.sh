@@ -49,10 +49,14 @@ fi
 run_pass() {  # run_pass NAME PYTHON PYTEST_ARGS... ; prints and returns pytest's status
   local name="$1" py="$2"; shift 2
   echo "=== tools/run_tests.sh: $name"
+  local log
+  log="$(mktemp "$TMP_ROOT/pass.XXXXXX")"
   set +e
-  "$py" -m pytest --durations=25 "$@"
-  local rc=$?
+  "$py" -m pytest --durations=25 "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
   set -e
+  # pytest's short summary lines of what failed, kept for the recap at the very end (CI shows the tail)
+  grep -E '^(FAILED|ERROR) ' "$log" | sed "s|^|[$name] |" >> "$RECAP" || true
   echo "=== tools/run_tests.sh: $name: exit code $rc"
   return "$rc"
 }
@@ -119,6 +123,8 @@ export MEGATRON_RL_VENV="$OLD_VENV" MEGATRON_RL_VENV_NEWEST="$NEW_VENV"
 rc_old=0
 rc_new=0
 TMP_ROOT="$(mktemp -d -t megatron_rl_tests.XXXXXX)"
+RECAP="$TMP_ROOT/recap.txt"
+: > "$RECAP"
 LEG2_LOG="$TMP_ROOT/leg2.log"
 leg1() { run_leg "leg 1 (full suite, megatron-core $OLDEST)" "$OLD_VENV/bin/python" "" "$TMP_ROOT/leg1" "$@"; }
 leg2() { run_leg "leg 2 (-m mcore, megatron-core $NEWEST)" "$NEW_VENV/bin/python" mcore "$TMP_ROOT/leg2" "$@"; }
@@ -133,6 +139,10 @@ if [ "$LEGS" = both ] && [ "${MEGATRON_RL_TEST_SIDE_BY_SIDE:-0}" = 1 ]; then
 else
   if [ "$LEGS" != newest ]; then leg1 "$@" || rc_old=$?; fi
   if [ "$LEGS" != oldest ]; then leg2 "$@" || rc_new=$?; fi
+fi
+if [ -s "$RECAP" ]; then
+  echo "=== tools/run_tests.sh: what failed, every pass (pytest's short summary lines):"
+  cat "$RECAP"
 fi
 rm -rf "$TMP_ROOT"
 echo "tools/run_tests.sh: megatron-core $OLDEST leg: exit $rc_old; megatron-core $NEWEST leg: exit $rc_new"
