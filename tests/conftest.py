@@ -164,10 +164,10 @@ def no_process_left_behind():
     yield
     left = processes.leftovers(before)
     if left:
-        text = processes.describe(left)
+        text = "; ".join(line.strip() for line in processes.describe(left).splitlines())
         processes.kill_processes(left)
-        pytest.fail(f"the test left {len(left)} process(es) of its job running (killed now):\n{text}",
-                    pytrace=False)
+        # one line: pytest's short summary (and the CI recap) shows a failure's first line only
+        pytest.fail(f"the test left {len(left)} process(es) of its job running (killed now): {text}", pytrace=False)
 
 
 def _cached_builder(root, build):
