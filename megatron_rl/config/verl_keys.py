@@ -426,6 +426,9 @@ def _truncation(value: Any, v: Verl) -> Dict[str, Any]:
         raise Skip(NO_MEANING, "data.filter_overlong_prompts is true: overlong prompts are dropped first")
     if value == "left":
         return {"data.overlong_prompts": "truncate"}
+    if value == "error":  # a file verl trains to the end holds no overlong prompt: filtering drops none of it
+        return {"data.overlong_prompts": "filter", NOTE: "verl stops at an overlong prompt; here one is dropped and "
+                                                         "counted (a job verl completes has none: the same prompts)"}
     raise Skip(UNSUPPORTED, f"with truncation {value!r} verl {'stops on' if value == 'error' else 'cuts'} an "
                             f"overlong prompt; here data.overlong_prompts is filter (drop it, the default) or "
                             f"truncate (keep its last tokens: verl's truncation left)")
