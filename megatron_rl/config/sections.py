@@ -308,9 +308,6 @@ class FilterGroupsConfig:
     verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
     verifier's reward before the overlong penalty). verl's "acc" has no separate value here (a reward is one
     float per sample): use "score". null (verl's default block, disabled) only without ``enable``."""
-    prompts_per_round: Optional[int] = None
-    """Prompts each generation round draws (verl's ``data.gen_batch_size``); null: ``data.prompts_per_step``.
-    Rounds go on until ``data.prompts_per_step`` groups with signal are found; the batch is the first of them."""
     max_num_gen_batches: int = 10
     """Generation rounds per step at most (each draws ``prompts_per_round`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
@@ -323,6 +320,9 @@ class FilterGroupsConfig:
     (advantage 0) to ``data.prompts_per_step`` groups; "skip" -- the step trains nothing (no optimizer step;
     the unchanged weights are published as the next version); "error" -- the job ends with
     ``FilterGroupsExhaustedError`` (verl's behaviour)."""
+    prompts_per_round: Optional[int] = None
+    """Prompts each generation round draws (verl's ``data.gen_batch_size``); null: ``data.prompts_per_step``.
+    Rounds go on until ``data.prompts_per_step`` groups with signal are found; the batch is the first of them."""
 
     @classmethod
     def from_dict(cls, d: Optional[Dict[str, Any]]) -> "FilterGroupsConfig":
