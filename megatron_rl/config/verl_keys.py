@@ -247,7 +247,7 @@ def _token_budget(value: Any, v: Verl) -> Dict[str, Any]:
     """verl's Megatron engine packs ``ppo_max_token_len_per_gpu x context_parallel_size`` tokens per micro-batch
     (its engine hands CP as ``sp_size`` to ``prepare_micro_batches``); the budget here counts the whole sequence
     before the CP split too."""
-    cp = v.get(f"{_A}.megatron.context_parallel_size") or 1 if v.strategy == "megatron" else 1
+    cp = (v.get(f"{_A}.megatron.context_parallel_size") or 1) if v.strategy == "megatron" else 1
     if not isinstance(value, int) or isinstance(value, bool):
         raise Skip(UNSUPPORTED, f"expected an integer token budget, got {value!r}")
     out: Dict[str, Any] = {"actor.max_tokens_per_micro_batch": value * cp}
