@@ -18,6 +18,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl_kernels"],
     package_dir={"megatron_rl_kernels": "kernels/megatron_rl_kernels"},
+    # verl's generated default configs (megatron_rl/config/verl_versions.py): what `migrate verl` reads a file over
+    package_data={"megatron_rl.config": ["verl_defaults/*/*.yaml"]},
     install_requires=[
         "torch>=2.4",
         # tested at both ends: 0.16.1 and 0.19.2 (docs/megatron_versions.md); 0.17+ wheels say Python >=3.12,

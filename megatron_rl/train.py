@@ -26,6 +26,7 @@ from megatron_rl.cli.build_hint import build_command  # noqa: E402
 from megatron_rl.cli.config_errors import config_error_exit  # noqa: E402
 from megatron_rl.cli.entry import module_main, register  # noqa: E402
 from megatron_rl.config import ConfigError, collect_job_config, load_job_config  # noqa: E402
+from megatron_rl.config.epochs import epochs_line  # noqa: E402
 from megatron_rl.lifeline import watch_job_owners  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402
 from megatron_rl.platform.warnings import install_known_message_filter  # noqa: E402
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
     except ConfigError as exc:  # once per launch, with how to launch when torchrun was forgotten
         return config_error_exit(exc, "megatron_rl.train", args.config, overrides)
+    if cfg.trainer.epochs is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-rl] {epochs_line(cfg)}", flush=True)
     if args.check_only:
         print("config OK")
         return 0

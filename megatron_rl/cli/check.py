@@ -27,6 +27,7 @@ from typing import List, Optional
 from megatron_rl.cli.build_hint import build_command
 from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
+from megatron_rl.config.epochs import epochs_line
 from megatron_rl.config.load import VERL_FILE_MESSAGE
 from megatron_rl.config.timeouts import rollout_waits_line
 from megatron_rl.config.validate import world_errors
@@ -139,6 +140,8 @@ def _run(args: argparse.Namespace) -> int:
     corr = cfg.algorithm.rollout_correction
     if corr is not None:
         print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
+    if cfg.trainer.epochs is not None and not any(q.startswith("trainer.epochs") for q in problems):
+        print(epochs_line(cfg))
     waits = rollout_waits_line(cfg)
     if waits is not None and world > 1:
         print(waits)

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.sections import (
@@ -286,7 +287,10 @@ def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
         model = _model_section(tree["model"], errors)
     elif built["actor"].load_hf:
         model = _model_from_hf(built["actor"].load_hf, errors)
-    return JobConfig(model=model, **built), errors
+    cfg = JobConfig(model=model, **built)
+    trainer_tree = tree.get("trainer")
+    errors += apply_epochs(cfg, trainer_tree if isinstance(trainer_tree, dict) else {})
+    return cfg, errors
 
 
 def job_config_from_dict(tree: Dict[str, Any]) -> JobConfig:

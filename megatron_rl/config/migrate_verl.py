@@ -18,7 +18,9 @@ with its key and not mapped. Each key (a leaf of the tree) then goes through the
 * not mapped: "not supported yet", "no meaning here", "the SGLang server's setting", each with the reason;
   "unresolved" (an interpolation or Hydra's ``???``) and "unknown" (a key the table does not know).
 
-Keys the verl file does not set take this project's defaults, not verl's.
+Keys the verl file does not set take verl's defaults (``with_verl_defaults``: verl's own generated config of the
+version the file is read as, :mod:`megatron_rl.config.verl_versions`). Entries of the kinds in ``DIFFERS`` are
+values whose verl behaviour this project's config does not reproduce: ``megatron-rl migrate verl`` exits 3 on them.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from megatron_rl.config.interpolation import resolve_interpolations
 from megatron_rl.config.job import SECTIONS
-from megatron_rl.config.verl_keys import MAPPED, NO_MEANING, SERVER, UNSUPPORTED, Rule, Skip, Verl, rule_for, same_value
+from megatron_rl.config.verl_keys import (
+    MAPPED, NO_MEANING, NOTE, SERVER, UNSUPPORTED, Rule, Skip, Verl, rule_for, same_value,
+)
+from megatron_rl.config.verl_versions import NEWEST, verl_defaults
 
 UNCHANGED = "unchanged"
 UNRESOLVED = "unresolved"
@@ -35,6 +40,8 @@ CONFLICT = "conflict"
 UNKNOWN = "unknown"
 #: Report order of the kinds that are not mapped.
 NOT_MAPPED = (UNSUPPORTED, SERVER, NO_MEANING, UNRESOLVED, CONFLICT, UNKNOWN)
+#: Kinds whose verl behaviour the migrated config does not carry: each needs the user's decision.
+DIFFERS = (UNSUPPORTED, UNRESOLVED, CONFLICT, UNKNOWN)
 
 
 @dataclass
@@ -63,6 +70,14 @@ class Migration:
     """This project's config, nested, sections in file order."""
     entries: List[Entry]
     """One per verl key, in file order."""
+    version: str = NEWEST
+    """The verl version the file was read as (its defaults, its objectives' behaviour)."""
+    base: str = ""
+    """What the file's unset keys were read from (verl's defaults file of ``version``, or ``--base``)."""
+
+    def differences(self) -> List[Entry]:
+        """The entries whose verl behaviour the migrated config does not carry (kinds ``DIFFERS``)."""
+        return self.of_kind(*DIFFERS)
 
     def of_kind(self, *kinds: str) -> List[Entry]:
         """The entries of the given kinds."""
@@ -76,6 +91,12 @@ class Migration:
         missing = sum(n[k] for k in NOT_MAPPED)
         lines = [f"{len(self.entries)} verl keys: {n[MAPPED]} mapped, {n[UNCHANGED]} with nothing to carry over, "
                  f"{missing} not mapped"]
+        if self.base:
+            lines.append(f"read as verl {self.version}; keys the file does not set: {self.base}")
+        differ = self.differences()
+        lines.append(f"{len(differ)} value(s) differ from verl's behaviour" + (
+            " (the kinds not supported yet / unresolved / conflict / unknown below: each needs your decision)"
+            if differ else ""))
         for kind in NOT_MAPPED + ((UNCHANGED,) if verbose else ()):
             entries = self.of_kind(kind)
             if entries:
@@ -142,10 +163,13 @@ def _decide(rule: Rule, key: str, value: Any, verl: Verl) -> Entry:
         return Entry(key, value, UNCHANGED, "not set in verl (this project's default applies)", rule=rule)
     if rule.convert is not None:
         try:
-            targets = rule.convert(value, verl)
+            targets = dict(rule.convert(value, verl))
         except Skip as skip:
             kind = UNCHANGED if skip.kind == NO_MEANING else skip.kind
             return Entry(key, value, kind, skip.reason, rule=rule)
+        note = targets.pop(NOTE, None)
+        if note:
+            return Entry(key, value, MAPPED, f"{rule.note}; {note}" if rule.note else note, targets=targets, rule=rule)
     elif rule.target is not None:
         targets = {rule.target: value}
     else:  # same name under the same block (actor.policy_loss.*, algorithm.rollout_correction.*)
@@ -156,10 +180,32 @@ def _decide(rule: Rule, key: str, value: Any, verl: Verl) -> Entry:
     return Entry(key, value, MAPPED, rule.note, targets=dict(targets), rule=rule)
 
 
-def migrate_verl(verl_tree: Dict[str, Any]) -> Migration:
-    """Map every key of ``verl_tree`` (a loaded verl YAML) -- see the module docstring."""
+def merge_overrides(base: Dict[str, Any], overrides: Dict[str, Any]) -> Dict[str, Any]:
+    """``base`` with every key of ``overrides`` put over it, level by level (what Hydra does with a run
+    script's ``key.sub=value`` overrides on its config)."""
+    out = dict(base)
+    for k, v in overrides.items():
+        out[k] = merge_overrides(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def with_verl_defaults(verl_tree: Dict[str, Any], version: str = NEWEST) -> Tuple[Dict[str, Any], str]:
+    """(``verl_tree`` over verl ``version``'s generated defaults for its actor backend, a line naming them): the
+    config verl runs for that file. A file that names no backend is read over verl's FSDP defaults, as verl's
+    ``main_ppo`` composes them."""
+    strategy = Verl(verl_tree, version).strategy
+    name = "_generated_ppo_megatron_trainer.yaml" if strategy == "megatron" else "_generated_ppo_trainer.yaml"
+    said = f"verl {version}'s {name} (bundled)" + ("" if strategy else "; the file names no actor backend: "
+                                                                       "verl's default, FSDP")
+    return merge_overrides(verl_defaults(version, strategy), verl_tree), said
+
+
+def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "") -> Migration:
+    """Map every key of ``verl_tree`` (a loaded verl YAML, already over its base: ``with_verl_defaults`` or the
+    user's ``--base``) read as verl ``version`` -- see the module docstring. ``base`` names that base for the
+    report."""
     resolved, unresolved = resolve_interpolations(verl_tree)
-    verl = Verl(resolved)
+    verl = Verl(resolved, version)
     out: Dict[str, Any] = {}
     written: Dict[str, Tuple[Any, str]] = {}  # our key -> (value, verl key that wrote it)
     entries: List[Entry] = []
@@ -185,4 +231,4 @@ def migrate_verl(verl_tree: Dict[str, Any]) -> Migration:
                     _set(out, t, v)
         entries.append(entry)
     ordered = {s: out[s] for s in SECTIONS if s in out}
-    return Migration(tree=ordered, entries=entries)
+    return Migration(tree=ordered, entries=entries, version=version, base=base)

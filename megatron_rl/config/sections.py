@@ -309,7 +309,7 @@ class FilterGroupsConfig:
     verifier's reward before the overlong penalty). verl's "acc" has no separate value here (a reward is one
     float per sample): use "score". null (verl's default block, disabled) only without ``enable``."""
     max_num_gen_batches: int = 10
-    """Generation rounds per step at most (each draws ``data.prompts_per_step`` fresh prompts); >= 1 (verl's
+    """Generation rounds per step at most (each draws ``prompts_per_round`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
     ``enable``, as verl's disabled default block has it). The rollout phase's bounds scale with it:
     ``trainer.phase_timeout_s`` and ``trainer.collective_timeout_s`` (the other ranks' wait) per round, and an
@@ -320,6 +320,9 @@ class FilterGroupsConfig:
     (advantage 0) to ``data.prompts_per_step`` groups; "skip" -- the step trains nothing (no optimizer step;
     the unchanged weights are published as the next version); "error" -- the job ends with
     ``FilterGroupsExhaustedError`` (verl's behaviour)."""
+    prompts_per_round: Optional[int] = None
+    """Prompts each generation round draws (verl's ``data.gen_batch_size``); null: ``data.prompts_per_step``.
+    Rounds go on until ``data.prompts_per_step`` groups with signal are found; the batch is the first of them."""
 
     @classmethod
     def from_dict(cls, d: Optional[Dict[str, Any]]) -> "FilterGroupsConfig":
@@ -343,10 +346,20 @@ class FilterGroupsConfig:
         if self.max_num_gen_batches < 1 and self.enable:
             errs.append(f"{key}.max_num_gen_batches: must be >= 1, got {self.max_num_gen_batches} (verl's 0 = "
                         f"unlimited is not offered: a task whose groups all score alike would generate forever)")
+        if self.prompts_per_round is not None and self.prompts_per_round < 1:
+            errs.append(f"{key}.prompts_per_round: must be >= 1 (or null: data.prompts_per_step), got "
+                        f"{self.prompts_per_round}")
         if self.on_exhausted not in FILTER_GROUPS_EXHAUSTED:
             errs.append(f"{key}.on_exhausted: {self.on_exhausted!r} is not one of "
                         f"{', '.join(FILTER_GROUPS_EXHAUSTED)}")
         return errs
+
+
+def round_prompts(algorithm: "AlgorithmConfig", data: DataConfig) -> int:
+    """Prompts one draw takes: ``algorithm.filter_groups.prompts_per_round`` with dynamic sampling when set, else
+    ``data.prompts_per_step`` (a round of a step without dynamic sampling is the step)."""
+    fg = algorithm.filter_groups
+    return fg.prompts_per_round if fg.enable and fg.prompts_per_round else data.prompts_per_step
 
 
 @dataclass
@@ -459,7 +472,12 @@ class TrainerConfig:
     """The loop: length, seeds, output, checkpoints, metric sinks."""
 
     steps: int = 20
-    """Training steps (one rollout batch each)."""
+    """Training steps (one rollout batch each). Not together with ``epochs``."""
+    epochs: Optional[int] = None
+    """Training length in passes over a data file (verl's ``total_epochs``): ``steps`` becomes
+    ``epochs x floor(rows of data.path / prompts per draw)`` when the job is built (printed), as verl counts
+    its dataloader's batches (drop_last); prompts per draw is ``data.prompts_per_step``, or
+    ``algorithm.filter_groups.prompts_per_round`` with dynamic sampling. Needs ``data.task: file``; null: ``steps``."""
     seed: int = 1234
     """Seed of data, sampling and model init (runs are reproducible on CPU)."""
     run_dir: str = "runs/default"

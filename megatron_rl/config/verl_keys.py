@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 from megatron_rl.config.interpolation import lookup
 from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
 from megatron_rl.config.verl_tools import read_verl_tools
+from megatron_rl.config.verl_versions import NEWEST, after
+from megatron_rl.losses.config import MODE_PARAMETERS, loss_type_for_loss_mode
 
 MAPPED = "mapped"
 UNSUPPORTED = "not supported yet"
@@ -46,6 +48,11 @@ VERL_ONLY_SECTIONS = ("actor_rollout_ref", "critic", "reward_model", "custom_rew
                       "global_profiler", "transfer_queue", "ray_kwargs")
 
 
+NOTE = "#note"
+"""A converter's result may carry this key: a remark on the value written (e.g. "x context_parallel_size 2"),
+reported with the key; it is not one of this project's keys."""
+
+
 class Skip(Exception):
     """Raised by a converter: the key is not mapped for the reason given (``kind``, ``reason``)."""
 
@@ -55,10 +62,10 @@ class Skip(Exception):
 
 
 class Verl:
-    """A verl config (interpolations resolved) as the rules read it."""
+    """A verl config (interpolations resolved) as the rules read it, and the verl version it is read as."""
 
-    def __init__(self, tree: Mapping[str, Any]):
-        self.tree = tree
+    def __init__(self, tree: Mapping[str, Any], version: str = NEWEST):
+        self.tree, self.version = tree, version
 
     def get(self, dotted: str, default: Any = None) -> Any:
         """The value at ``dotted`` (``default`` when absent)."""
@@ -80,6 +87,14 @@ class Verl:
         if self.has("actor_rollout_ref.actor.fsdp_config"):
             return "fsdp"
         return None
+
+    @property
+    def objective(self) -> str:
+        """The policy loss verl runs: ``rollout_correction.loss_type`` in bypass mode, else
+        ``actor.policy_loss.loss_mode`` (verl's default "vanilla")."""
+        if self.get("algorithm.rollout_correction.bypass_mode"):
+            return str(self.get("algorithm.rollout_correction.loss_type") or "ppo_clip")
+        return str(self.get("actor_rollout_ref.actor.policy_loss.loss_mode") or "vanilla")
 
 
 _ABSENT = object()
@@ -230,7 +245,16 @@ def _betas(value: Any, v: Verl) -> Dict[str, Any]:
 
 
 def _token_budget(value: Any, v: Verl) -> Dict[str, Any]:
-    return {"actor.max_tokens_per_micro_batch": value}
+    """verl's Megatron engine packs ``ppo_max_token_len_per_gpu x context_parallel_size`` tokens per micro-batch
+    (its engine hands CP as ``sp_size`` to ``prepare_micro_batches``); the budget here counts the whole sequence
+    before the CP split too."""
+    cp = (v.get(f"{_A}.megatron.context_parallel_size") or 1) if v.strategy == "megatron" else 1
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise Skip(UNSUPPORTED, f"expected an integer token budget, got {value!r}")
+    out: Dict[str, Any] = {"actor.max_tokens_per_micro_batch": value * cp}
+    if cp > 1:
+        out[NOTE] = f"x context_parallel_size {cp}, as verl's Megatron engine counts it"
+    return out
 
 
 def _remove_padding(value: Any, v: Verl) -> Dict[str, Any]:
@@ -266,16 +290,37 @@ def _clip_ratio(value: Any, v: Verl) -> Dict[str, Any]:
     return {"actor.policy_loss.clip_ratio": value}
 
 
+#: Objectives whose policy-gradient term verl main (after 0.9.1) aggregates "seq-mean-token-mean" whatever
+#: loss_agg_mode says (its core_algos.py compute_policy_loss_gspo; the KL loss keeps loss_agg_mode).
+_SEQ_MEAN_AFTER_091 = ("gspo",)
+
+
 def _loss_mode(value: Any, v: Verl) -> Dict[str, Any]:
     """verl runs actor.policy_loss.loss_mode in decoupled mode; bypass_mode replaces it by its own loss."""
-    from megatron_rl.losses.config import loss_type_for_loss_mode
     if v.get("algorithm.rollout_correction.bypass_mode"):
         raise Skip(NO_MEANING, "verl ignores loss_mode when algorithm.rollout_correction.bypass_mode is true "
                                "(its loss_type decides)")
     try:
-        return {"algorithm.rollout_correction.loss_type": loss_type_for_loss_mode(value)}
+        out: Dict[str, Any] = {"algorithm.rollout_correction.loss_type": loss_type_for_loss_mode(value)}
     except ValueError as exc:
         raise Skip(UNSUPPORTED, str(exc)) from None
+    if value in _SEQ_MEAN_AFTER_091 and after(v.version, "0.9.1"):
+        out["actor.policy_loss.pg_loss_agg_mode"] = "seq-mean-token-mean"
+        out[NOTE] = (f"verl {v.version}'s {value} aggregates its policy loss seq-mean-token-mean whatever "
+                     f"loss_agg_mode says (0.9.1 read loss_agg_mode): actor.policy_loss.pg_loss_agg_mode")
+    return out
+
+
+def _loss_key(name: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """An objective parameter verl keeps on the actor (clip_ratio_low, clip_ratio_c, tau_pos, ...): copied to
+    actor.policy_loss when verl's objective reads it, else without effect in verl (reported, not written)."""
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        readers = MODE_PARAMETERS.get(name)
+        if readers is not None and v.objective not in readers:
+            raise Skip(NO_MEANING, f"{_show(value)}: ignored by verl's {v.objective} objective (read by "
+                                   f"{', '.join(m for m in readers if m != 'ppo_clip')})")
+        return {f"actor.policy_loss.{name}": value}
+    return convert
 
 
 def _correction_loss_type(value: Any, v: Verl) -> Dict[str, Any]:
@@ -382,16 +427,25 @@ def _truncation(value: Any, v: Verl) -> Dict[str, Any]:
         raise Skip(NO_MEANING, "data.filter_overlong_prompts is true: overlong prompts are dropped first")
     if value == "left":
         return {"data.overlong_prompts": "truncate"}
+    if value == "error":  # a file verl trains to the end holds no overlong prompt: filtering drops none of it
+        return {"data.overlong_prompts": "filter", NOTE: "verl stops at an overlong prompt; here one is dropped and "
+                                                         "counted (a job verl completes has none: the same prompts)"}
     raise Skip(UNSUPPORTED, f"with truncation {value!r} verl {'stops on' if value == 'error' else 'cuts'} an "
                             f"overlong prompt; here data.overlong_prompts is filter (drop it, the default) or "
                             f"truncate (keep its last tokens: verl's truncation left)")
 
 
-def _reward_fn(value: Any, v: Verl) -> Dict[str, Any]:
-    if value is None:
-        raise Skip(NO_MEANING, "no custom reward file: verl's default_compute_score dispatch on data_source, "
-                               "which is this project's default too")
-    return {"data.reward_fn": f"{value}:{v.get('custom_reward_function.name') or 'compute_score'}"}
+def _reward_fn_at(block: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """``<block>.path`` (and ``<block>.name``) -> data.reward_fn (verl 0.9.1 moved the block under reward:)."""
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        if value is None:
+            raise Skip(NO_MEANING, "no custom reward file: verl's default_compute_score dispatch on data_source, "
+                                   "which is this project's default too")
+        return {"data.reward_fn": f"{value}:{v.get(block + '.name') or 'compute_score'}"}
+    return convert
+
+
+_reward_fn = _reward_fn_at("custom_reward_function")
 
 
 def _overlong(prefix: str, target: str) -> Callable[[Any, Verl], Dict[str, Any]]:
@@ -435,16 +489,25 @@ def _steps(value: Any, v: Verl) -> Dict[str, Any]:
 
 
 def _total_epochs(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's length without total_training_steps: len(train dataloader) x total_epochs, the dataloader batching
+    gen_batch_size (else train_batch_size) prompts with drop_last (ray_trainer._create_dataloader):
+    trainer.epochs here counts the same from the training file's rows when the job is built."""
     if v.get("trainer.total_training_steps") is not None:
         raise Skip(NO_MEANING, "trainer.total_training_steps is set and wins in verl")
-    raise Skip(UNSUPPORTED, "training length is trainer.steps here (each step draws data.prompts_per_step prompts, "
-                            "a data file's epoch by epoch); verl's = total_epochs x rows of the data / "
-                            "data.train_batch_size: set trainer.steps")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise Skip(UNSUPPORTED, f"total_epochs {value!r}: set trainer.steps (or trainer.epochs >= 1)")
+    out: Dict[str, Any] = {"trainer.epochs": value}
+    if v.get("data.filter_overlong_prompts"):
+        out[NOTE] = ("steps = total_epochs x floor(rows / prompts per draw), rows counted before "
+                     "data.overlong_prompts filtering (verl counts after its filter_overlong_prompts)")
+    return out
 
 
 def _resume_mode(value: Any, v: Verl) -> Dict[str, Any]:
     if value == "disable":
         return {"trainer.resume": False}
+    if value == "auto":  # verl: resume from the newest checkpoint in default_local_dir when there is one
+        return {"trainer.resume": True}
     raise Skip(UNSUPPORTED, f"resume_mode {value!r}: resuming is explicit here (trainer.resume: true, or --resume, "
                             f"continues the newest complete checkpoint in trainer.run_dir)")
 
@@ -526,13 +589,44 @@ def _max_rounds(value: Any) -> Any:
 PENDING: Dict[str, Pending] = {
     f"{_A}.entropy_coeff": Pending(("actor.policy_loss.entropy_coeff", "algorithm.entropy_coeff",
                                     "actor.entropy_coeff"), "no entropy bonus is implemented", (0, 0.0)),
-    "algorithm.filter_groups.enable": Pending(("algorithm.filter_groups.enable",), _NO_DYN, (False,)),
     "algorithm.filter_groups.metric": Pending(("algorithm.filter_groups.metric",), _NO_DYN, inactive=_FG_OFF,
                                               transform=lambda value, v: _filter_metric(value)),
     "algorithm.filter_groups.max_num_gen_batches": Pending(
         ("algorithm.filter_groups.max_num_gen_batches",), _NO_DYN, inactive=_FG_OFF,
         transform=lambda value, v: _max_rounds(value)),
 }
+
+
+def _filter_groups_enable(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's DAPO trainer (verl-recipe dapo/dapo_ray_trainer.py) raises ValueError when max_num_gen_batches
+    rounds did not fill the batch: on_exhausted "error" here."""
+    if not value:
+        raise Skip(NO_MEANING, f"{_show(value)}: no dynamic sampling, this project's default too")
+    return {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.on_exhausted": "error",
+            NOTE: "on_exhausted: error -- verl's DAPO trainer raises when max_num_gen_batches rounds did not "
+                  "fill the batch"}
+
+
+def _gen_batch_size(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's dataloader batches gen_batch_size prompts (else train_batch_size): with filter_groups one
+    generation round; without, what a step trains."""
+    total = v.get("data.train_batch_size")
+    if value is None or same_value(value, total):
+        raise Skip(NO_MEANING, f"{_show(value)}: each draw takes data.train_batch_size prompts, as here")
+    if not v.get("algorithm.filter_groups.enable"):
+        raise Skip(UNSUPPORTED, f"{value}: without filter_groups verl's steps train gen_batch_size prompts, not "
+                                f"data.train_batch_size {total}: set data.train_batch_size to {value}")
+    return {"algorithm.filter_groups.prompts_per_round": value}
+
+
+def _strategy(value: Any, v: Verl) -> Dict[str, Any]:
+    """The actor here is Megatron; verl's FSDP actor shards parameters, gradients and Adam state over its ranks."""
+    if value == "megatron":
+        raise Skip(NO_MEANING, "megatron: the actor here is Megatron too")
+    return {"actor.use_distributed_optimizer": True,
+            NOTE: f"verl's {value} actor shards the optimizer state; here Megatron's distributed optimizer shards "
+                  f"the fp32 main weights and Adam state over the data-parallel ranks (ZeRO-1: bf16 weights and "
+                  f"gradients are whole on each DP rank); the updates are the same"}
 
 
 def _landed(target: str, p: Pending) -> Callable[[Any, Verl], Dict[str, Any]]:
@@ -696,6 +790,7 @@ def _rules() -> List[Rule]:
            "generated one, e.g. _generated_ppo_trainer.yaml) as --base so its keys are read too"),
         _n("hydra.**", "Hydra's own settings (config search path, output directory)"),
         *_pending_rules(),
+        *_newer_verl_rules(),  # keys verl 0.9.1 / main added (before the sub-tree rows below that would take them)
         # ---- actor: optimizer
         _m(f"{_A}.optim.lr", "actor.lr"),
         _m(f"{_A}.optim.weight_decay", "actor.weight_decay"),
@@ -788,7 +883,7 @@ def _rules() -> List[Rule]:
         _n(f"{_A}.entropy_checkpointing", "a memory option of verl's FSDP entropy computation"),
         _u(f"{_A}.calculate_sum_pi_squared", "no sum-of-squared-probabilities output", neutral=(False,)),
         _n(f"{_A}.sum_pi_squared_checkpointing", "a memory option of calculate_sum_pi_squared"),
-        _n(f"{_A}.strategy", "the actor is always Megatron", neutral=("megatron",)),
+        _m(f"{_A}.strategy", convert=_strategy, hint=False),
         _n(f"{_A}.rollout_n", "verl's copy of actor_rollout_ref.rollout.n"),
         # ---- actor: batching
         _m(f"{_A}.ppo_mini_batch_size", "actor.ppo_mini_batches", convert=_mini_batches,
@@ -807,7 +902,7 @@ def _rules() -> List[Rule]:
         _n(f"{_A}.data_loader_seed", "one seed (trainer.seed) drives data, sampling and init"),
         # ---- actor: loss
         _m(f"{_A}.clip_ratio", "actor.policy_loss.clip_ratio", convert=_clip_ratio),
-        *[_m(f"{_A}.{k}", f"actor.policy_loss.{k}") for k in _LOSS_KEYS],  # verl keeps them on actor
+        *[_m(f"{_A}.{k}", f"actor.policy_loss.{k}", convert=_loss_key(k)) for k in _LOSS_KEYS],  # on actor in verl
         _m(f"{_A}.policy_loss.loss_mode", convert=_loss_mode, target="algorithm.rollout_correction.loss_type",
            note="verl's actor.policy_loss.loss_mode is moved there on load"),
         _m(f"{_A}.policy_loss.*", hint=False),  # clip_cov_ratio, kl_cov_ratio, ...: same names under actor.policy_loss
@@ -948,8 +1043,9 @@ def _rules() -> List[Rule]:
         _m("data.seed", convert=_seed),
         _u("data.tokenizer", "the tokenizer is read from actor.load_hf", neutral=(None,)),
         _n("data.use_shm", "verl's shared-memory data copy"),
-        _n("data.gen_batch_size", "each round of dynamic sampling (algorithm.filter_groups) draws "
-                                  "data.prompts_per_step fresh prompts", inactive=_FG_OFF),
+        _m("data.gen_batch_size", convert=_gen_batch_size, target="algorithm.filter_groups.prompts_per_round"),
+        _m("algorithm.filter_groups.enable", convert=_filter_groups_enable, target="algorithm.filter_groups.enable",
+           hint=False),
         _u("data.train_max_samples", "the whole file is used", neutral=(-1, None)),
         _n("data.reward_fn_key", "the reward is dispatched on each row's data_source (verl's default key)",
            neutral=("data_source",)),
@@ -1014,8 +1110,9 @@ def _rules() -> List[Rule]:
            inactive=_unless("algorithm.use_pf_ppo", bool, "")),
         # ---- trainer
         _m("trainer.total_training_steps", convert=_steps, target="trainer.steps"),
-        _m("trainer.total_epochs", convert=_total_epochs, target="trainer.steps",
-           note="training length is counted in steps"),
+        _m("trainer.total_epochs", convert=_total_epochs, target="trainer.epochs",
+           note="trainer.steps = total_epochs x floor(rows / prompts per draw), counted from data.path when the job "
+                "is built, as verl counts its dataloader"),
         _m("trainer.project_name", "trainer.wandb_project"),
         _n("trainer.experiment_name", "the run is named by its directory, trainer.run_dir"),
         _m("trainer.default_local_dir", "trainer.run_dir", note="checkpoints go to trainer.run_dir/checkpoints"),
@@ -1067,6 +1164,101 @@ def _rules() -> List[Rule]:
         _n("transfer_queue.**", "verl's data transfer queue between Ray workers"),
         _n("ray_kwargs.**", _RAY),
         _n("ray_init.**", _RAY),
+    ]
+
+
+def _off(*keys: str) -> Callable[[Verl], Optional[str]]:
+    """inactive while every one of ``keys`` is false / unset (a feature block verl leaves off by default)."""
+    def test(v: Verl) -> Optional[str]:
+        on = [k for k in keys if v.get(k)]
+        return None if on else f"no effect in verl while {' / '.join(keys)} {'is' if len(keys) == 1 else 'are'} off"
+    return test
+
+
+def _newer_verl_rules() -> List[Rule]:
+    """Rows for the keys verl 0.9.1 and main added (their generated defaults list them all)."""
+    opt, meg, qat = f"{_A}.optim", f"{_A}.megatron", "Quantization-aware training is not supported"
+    return [
+        _u(f"{opt}.muon_*", "the optimizer is Adam (no Muon)",
+           inactive=_unless(f"{opt}.optimizer", lambda o: str(o).lower() == "muon", "")),
+        _u(f"{opt}.use_precision_aware_optimizer", "fp32 main weights and Adam state (no precision-aware "
+           "optimizer)", neutral=(False,)),
+        _u(f"{opt}.main_grads_dtype", "gradients are accumulated in fp32", neutral=("fp32", "float32")),
+        _u(f"{opt}.exp_avg_dtype", "Adam state is fp32", neutral=("fp32", "float32")),
+        _u(f"{opt}.exp_avg_sq_dtype", "Adam state is fp32", neutral=("fp32", "float32")),
+        _u(f"{opt}.use_layer_wise_distributed_optimizer", "Megatron's distributed optimizer "
+           "(actor.use_distributed_optimizer) shards by buckets, not by layers", neutral=(False,)),
+        _n(f"{opt}.optimizer_impl", "the module verl's FSDP actor imports its optimizer from; the optimizer is "
+           "megatron-core's Adam here", neutral=("torch.optim",)),
+        _n(f"{opt}.zero_indexed_step", "how torch's AdamW counts its first step for bias correction; megatron-core's "
+           "Adam bias-corrects from step 1 as torch.optim.AdamW does", neutral=(True,)),
+        _u(f"{meg}.dynamic_context_parallel", "context parallelism is parallel.context_parallel_size, fixed",
+           neutral=(False,)),
+        _u(f"{meg}.max_seqlen_per_dp_cp_rank", "context parallelism is parallel.context_parallel_size, fixed",
+           neutral=(None,)),
+        _n(f"{meg}.dist_ckpt_optim_fully_reshardable", "checkpoints are megatron-core distributed checkpoints"),
+        _n(f"{meg}.distrib_optim_fully_reshardable_mem_efficient", "checkpoints are megatron-core distributed "
+           "checkpoints"),
+        _n(f"{meg}.entropy_from_logits_with_chunking", "a memory option of verl's entropy computation"),
+        _n(f"{meg}.entropy_from_logits_chunk_size", "a memory option of verl's entropy computation"),
+        _n(f"{_A}.entropy_from_logits_chunk_size", "a memory option of verl's entropy computation"),
+        _n(f"{meg}.pad_bshd_to_minibatch_max", "padding of verl's micro-batches (the loss is the same)"),
+        _n(f"{meg}.pad_to_length*", "padding of verl's micro-batches (the loss is the same)"),
+        _n(f"{_A}.pad_to_length*", "padding of verl's micro-batches (the loss is the same)"),
+        _u(f"{meg}.use_megatron_fsdp", "Megatron FSDP is not supported (actor.use_distributed_optimizer shards "
+           "the optimizer state)", neutral=(False,)),
+        _m(f"{meg}.router_replay.mode", convert=_routing_replay, hint=False),
+        _n(f"{meg}.router_replay.*", "routing is replayed in memory (actor.routing_replay), not through files",
+           neutral=(None,)),
+        _u(f"{meg}.qat.**", qat, inactive=_off(f"{meg}.qat.enable")),
+        _u(f"{_A}.qat.**", qat, inactive=_off(f"{_A}.qat.enable")),
+        _s(f"{_R}.qat.**", _SGLANG, hint=False),
+        _s(f"{_R}.nnodes", "the SGLang servers' nodes are chosen where they start (launch/slurm.sbatch)", hint=False),
+        _s(f"{_R}.n_gpus_per_node", "the SGLang servers' GPUs are chosen where they start", hint=False),
+        _s(f"{_R}.full_determinism", _SGLANG + " (--enable-deterministic-inference)", hint=False),
+        _s(f"{_R}.router_config_path", _SGLANG, hint=False),
+        _s(f"{_R}.disaggregation.**", _SGLANG + " (prefill / decode disaggregation)", hint=False),
+        _n(f"{_R}.seed", "sampling is seeded from trainer.seed, per step and round", hint=False),
+        _n(f"{_R}.moe_load_balance_metrics_interval", "a metric of verl's rollout engine"),
+        _u("data.function_tool_path", _MULTI_TURN, neutral=(None,)),
+        _u("data.audio_key", "audio data is not supported", neutral=("audios",)),
+        _u("data.mm_processor_kwargs.**", "multi-modal data is not supported"),
+        _n("data.mm_processor_kwargs", "no multi-modal processor options", neutral=({},)),
+        _u("algorithm.filter_groups.max_inflight_gen_batches", "generation rounds run one after the other",
+           neutral=(1,), inactive=_FG_OFF),
+        # verl 0.9.1 / main keep the reward settings under reward: (custom_reward_function, reward_manager, ...)
+        _m("reward.custom_reward_function.path", convert=_reward_fn_at("reward.custom_reward_function"), hint=False,
+           note="data.reward_fn: path:name, verl's compute_score signature is recognised"),
+        _m("reward.custom_reward_function.name", convert=lambda value, v: {}, hint=False,
+           note="part of data.reward_fn (reward.custom_reward_function.path:name)"),
+        _u("reward.custom_reward_function.reward_kwargs.**", "write them under data.reward_kwargs"),
+        _n("reward.reward_manager.name", "rewards are scored by data.reward_fn in worker processes "
+           "(data.reward_workers); DAPO's overlong penalty is data.overlong_buffer_len", neutral=("naive", "dapo")),
+        _u("reward.reward_manager.name", "reward managers other than naive / dapo are not supported"),
+        _n("reward.reward_manager.source", "verl's reward-manager registry", neutral=("register",)),
+        _u("reward.reward_manager.source", "custom reward-manager classes are not supported"),
+        _u("reward.reward_manager.module.**", "custom reward-manager classes are not supported",
+           inactive=_unless("reward.reward_manager.source", lambda s: s == "importlib", "")),
+        _n("reward.num_workers", "verl's reward-loop workers; data.reward_workers here"),
+        _u("reward.reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
+           "functions (data.reward_fn)", neutral=(False,)),
+        _u("reward.reward_model.**", "model-based rewards are not supported", inactive=_off("reward.reward_model.enable")),
+        _u("reward.sandbox_fusion.**", "no sandbox code execution for rewards", inactive=_off("reward.sandbox_fusion.url")),
+        _u("sandbox_fusion.**", "no sandbox code execution", inactive=_off("sandbox_fusion.url")),
+        _u("reward.**", "a reward setting this project does not have"),
+        _u("distillation.enabled", "no on-policy distillation", neutral=(False,)),
+        _u("distillation.**", "no on-policy distillation", inactive=_off("distillation.enabled")),
+        _n("trainer.use_v1", "which of verl's trainer implementations runs"),
+        _n("trainer.v1.trainer_mode", "rollouts come from rollout.mode here (sync: generate, then train)",
+           neutral=("sync",)),
+        _u("trainer.v1.trainer_mode", "verl's v1 asynchronous modes: rollout.mode async (rollout.max_staleness) "
+           "is this project's off-policy generation"),
+        _n("trainer.v1.**", "settings of verl's v1 trainer's asynchronous modes",
+           inactive=_unless("trainer.v1.trainer_mode", lambda m: m not in (None, "sync"), "")),
+        _n("trainer.checkpoint_callback_class", "no checkpoint callbacks", neutral=(None,)),
+        _u("skip.*.enable", "no replay of dumped rollouts in training", neutral=(False,)),
+        _n("skip.**", "used by verl's rollout skipping only",
+           inactive=_off("skip.rollout.enable", "skip.rollout_tq.enable", "skip.async_rollout.enable")),
     ]
 
 

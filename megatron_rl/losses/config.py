@@ -141,7 +141,9 @@ def objective_summary(loss_type: str, bypass_mode: bool, config: "PolicyLossConf
     """One line naming the objective, its mode and the parameters it reads (``megatron-rl check``)."""
     params = [f"{k}={getattr(config, k)!r}" for k, modes in MODE_PARAMETERS.items() if loss_type in modes]
     agg = "seq-mean-token-mean (sapo's own)" if loss_type == "sapo" else (
-        "seq-mean (geo_mean's own)" if loss_type == "geo_mean" else config.loss_agg_mode)
+        "seq-mean (geo_mean's own)" if loss_type == "geo_mean" else (
+            f"{config.pg_loss_agg_mode} (policy term; KL / entropy: {config.loss_agg_mode})"
+            if config.pg_loss_agg_mode and config.pg_loss_agg_mode != config.loss_agg_mode else config.loss_agg_mode))
     return (f"objective: {loss_type} ({'bypass' if bypass_mode else 'decoupled'}; "
             f"{', '.join(params) if params else 'no objective parameters'}; loss_agg_mode={agg}"
             + (f"; kl_loss {config.kl_loss_type} x {config.kl_loss_coef}" if config.kl_loss_coef > 0 else "")
@@ -153,7 +155,9 @@ class PolicyLossConfig:
     """Settings of the per-token policy loss, its aggregation, the optional KL loss and entropy bonus."""
 
     clip_ratio_low: float = 0.2
-    """PPO lower clip: the ratio is clipped below at 1 - clip_ratio_low. In [0, 1)."""
+    """Lower clip: the ratio is clipped below at 1 - clip_ratio_low (ppo_clip, gspo, cispo, clip_cov, opsm, m2po;
+    the lower divergence bound of dppo_tv / dppo_kl, the log-ratio bound of geo_mean). >= 0, as verl reads it
+    (it checks no range): with a ratio objective a value >= 1 means no lower clip -- verl's CISPO recipes set 10."""
 
     clip_ratio_high: float = 0.2
     """PPO upper clip: the ratio is clipped above at 1 + clip_ratio_high. >= 0 (DAPO's
@@ -165,6 +169,12 @@ class PolicyLossConfig:
 
     loss_agg_mode: str = "token-mean"
     """How per-token losses become a scalar: one of ``LOSS_AGG_MODES``."""
+
+    pg_loss_agg_mode: Optional[str] = None
+    """The policy-gradient term's aggregation alone, when it differs from ``loss_agg_mode`` (which the KL loss
+    and the entropy bonus keep): verl main (after 0.9.1) aggregates GSPO's "seq-mean-token-mean" whatever
+    loss_agg_mode says, and ``migrate verl`` writes that here. null: ``loss_agg_mode``. An objective with its own
+    aggregation (sapo, geo_mean) keeps it."""
 
     loss_scale_factor: Optional[float] = None
     """Only for "seq-mean-token-sum-norm": the constant the per-sequence token sums are divided by
@@ -231,8 +241,11 @@ class PolicyLossConfig:
         _choice("PolicyLossConfig.kl_loss_type", self.kl_loss_type, KL_TYPES)
         low = _finite_number("clip_ratio_low", self.clip_ratio_low)
         high = _finite_number("clip_ratio_high", self.clip_ratio_high)
-        if not 0.0 <= low < 1.0:
-            raise ValueError(f"PolicyLossConfig.clip_ratio_low must be in [0, 1), got {self.clip_ratio_low!r}")
+        if low < 0.0:
+            raise ValueError(f"PolicyLossConfig.clip_ratio_low must be >= 0 (>= 1: no lower clip), got "
+                             f"{self.clip_ratio_low!r}")
+        if self.pg_loss_agg_mode is not None:
+            _choice("PolicyLossConfig.pg_loss_agg_mode", self.pg_loss_agg_mode, LOSS_AGG_MODES)
         if high < 0.0:
             raise ValueError(f"PolicyLossConfig.clip_ratio_high must be >= 0, got {self.clip_ratio_high!r}")
         if self.clip_ratio_c is not None:

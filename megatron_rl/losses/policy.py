@@ -191,7 +191,8 @@ def compute_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
     terms = OBJECTIVES[loss_type](inputs)
 
     agg = dict(loss_scale_factor=config.loss_scale_factor, seq_valid_tokens=seq_valid_tokens)
-    pg_loss = aggregate_loss(terms.loss, pg_valid, terms.agg_mode or config.loss_agg_mode, denominators,
+    pg_mode = terms.agg_mode or config.pg_loss_agg_mode or config.loss_agg_mode  # objective's own, then the pg term's
+    pg_loss = aggregate_loss(terms.loss, pg_valid, pg_mode, denominators,
                              loss_scale_factor=config.loss_scale_factor, seq_valid_tokens=pg_svt)
     metrics = {
         "pg_clipfrac": sum_count(terms.clipfrac, pg_valid),

@@ -15,7 +15,8 @@ async producer in its thread -- for single- and multi-turn tasks alike, so the f
 rank that owns the task and the engine. Its result (the batch and the ``filter_groups/*`` metrics) reaches every
 rank in the step's scatter (``rollout_source``): every rank trains the same groups and skips the same steps.
 
-Rounds: round ``r`` of step ``t`` draws the next ``data.prompts_per_step`` prompts of the job's prompt draw
+Rounds: round ``r`` of step ``t`` draws the next ``prompts_per_round`` prompts (verl's ``data.gen_batch_size``;
+default ``data.prompts_per_step``) of the job's prompt draw
 (``prompt_draw.PromptDraw``: a data file's order goes on without replacement across rounds and steps, so no round
 repeats a prompt of the step; a built-in task draws with the seeds of (trainer.seed, t, r)) and their samples with
 the seeds of (trainer.seed, t, r) (``round_seed``). A resumed run draws the same prompts in the same rounds (the

@@ -2,7 +2,7 @@
 step generator (``rollout_phase.build_step_generator``) and the checkpoints (``job.py``).
 
     draw = PromptDraw(task, cfg)           # after the task is built (rank 0)
-    prompts = draw(step, rnd)              # data.prompts_per_step prompts of generation round rnd of step
+    prompts = draw(step, rnd)              # the prompts of generation round rnd of step (round_prompts of them)
     extra = draw.state(s, s + j)           # the checkpoint after s steps (j: the async rollouts it holds)
     draw.restore(extra, start)             # --resume, before the first draw
 
@@ -28,6 +28,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from megatron_rl.config.sections import round_prompts
 from megatron_rl.tasks.epoch_order import EpochOrder
 from megatron_rl.tasks.options import DataOptions
 
@@ -48,13 +49,14 @@ def round_seed(base: int, rnd: int) -> int:
 
 
 def sample_prompts(task, cfg, step: int, rnd: int = 0) -> list:
-    """The draw of a task that generates its prompts: step ``step``'s prompts (``data.prompts_per_step``) of
+    """The draw of a task that generates its prompts: step ``step``'s prompts (``round_prompts``: data.prompts_per_step,
+    or algorithm.filter_groups.prompts_per_round with dynamic sampling) of
     generation round ``rnd``, seeded by (trainer.seed, step, rnd), after the task got the ``data:`` options and the
     step (its curriculum and held-out split follow it)."""
     task.configure(DataOptions.from_config(cfg.data))
     rng = random.Random(round_seed(cfg.trainer.seed * 1_000_003 + step, rnd))
     task.begin_step(step)  # a task's curriculum (e.g. data.task_kwargs.curriculum_steps) follows the step
-    return task.sample(cfg.data.prompts_per_step, rng)
+    return task.sample(round_prompts(cfg.algorithm, cfg.data), rng)
 
 
 def prompts_fingerprint(prompts: Sequence) -> str:
@@ -88,7 +90,7 @@ class PromptDraw:
         if len(prompts) != self.order.size:
             raise RuntimeError(f"task {self.task.name!r}: {len(prompts)} prompts, the order was made for "
                                f"{self.order.size}")
-        return [prompts[i] for i in self.order.take(self.cfg.data.prompts_per_step, step)]
+        return [prompts[i] for i in self.order.take(round_prompts(self.cfg.algorithm, self.cfg.data), step)]
 
     def state(self, first: int, last: int) -> Dict:
         """The checkpoint extra state of the order: its start position at steps ``first .. last`` (the checkpoint's

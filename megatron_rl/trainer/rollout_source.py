@@ -283,7 +283,7 @@ def async_schedule(cfg: JobConfig) -> Dict[str, object]:
                 "data.prompts_per_step": cfg.data.prompts_per_step}
     fg = cfg.algorithm.filter_groups
     if fg.enable:
-        keys = ("metric", "max_num_gen_batches", "on_exhausted")
+        keys = ("metric", "prompts_per_round", "max_num_gen_batches", "on_exhausted")
         schedule.update({f"algorithm.filter_groups.{k}": getattr(fg, k) for k in keys})
     return schedule
 
