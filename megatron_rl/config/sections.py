@@ -289,7 +289,8 @@ class MultiTurnConfig:
 
 
 FILTER_GROUPS_METRICS = ("seq_reward", "seq_final_reward", "score")
-"""The per-row values ``algorithm.filter_groups.metric`` compares within a group (``filter_groups_errors``)."""
+"""The per-row values of the batch ``algorithm.filter_groups.metric`` compares within a group; any other name is a
+key of a dict reward (checked at the first generation round: ``trainer/dynamic_sampling.metric_values``)."""
 FILTER_GROUPS_EXHAUSTED = ("train", "skip", "error")
 """What a step does when its rounds found too few groups with signal (``algorithm.filter_groups.on_exhausted``)."""
 
@@ -306,8 +307,10 @@ class FilterGroupsConfig:
     metric: Optional[str] = "seq_reward"
     """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
     verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
-    verifier's reward before the overlong penalty). verl's "acc" has no separate value here (a reward is one
-    float per sample): use "score". null (verl's default block, disabled) only without ``enable``."""
+    verifier's reward before the overlong penalty) or a numeric key other than "score" of a reward that returns a
+    dict, as verl's do ("acc" of verl's math_dapo scorer and DAPO-style reward files): checked at the first
+    generation round (``FilterMetricError`` naming the keys the reward returned). null (verl's default block,
+    disabled) only without ``enable``."""
     max_num_gen_batches: int = 10
     """Generation rounds per step at most (each draws ``data.prompts_per_step`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
@@ -326,20 +329,23 @@ class FilterGroupsConfig:
         """Build from the (checked) keys of the YAML block; an empty or null block is the default (off)."""
         return cls(**(d or {}))
 
-    def errors(self) -> List[str]:
+    def errors(self, dict_rewards: bool = True) -> List[str]:
         """Violations, each naming its dotted key (checked whether or not ``enable`` is set, except verl's disabled
-        defaults: ``metric`` null and ``max_num_gen_batches`` <= 0 pass without ``enable``)."""
+        defaults: ``metric`` null and ``max_num_gen_batches`` <= 0 pass without ``enable``). ``dict_rewards``
+        False: the job's rewards are floats (a built-in task or reward, multi-turn), so ``metric`` must be one of
+        ``FILTER_GROUPS_METRICS``."""
         errs = []
         key = "algorithm.filter_groups"
         if self.metric is None:
             if self.enable:
                 errs.append(f"{key}.metric: null; dynamic sampling needs one of {', '.join(FILTER_GROUPS_METRICS)}")
-        elif self.metric == "acc":
-            errs.append(f"{key}.metric: 'acc' (verl's per-sample accuracy) has no separate value here: a reward "
-                        f"is one float per sample; use 'score' (alike within a group exactly when acc is, for "
-                        f"0/1 or +-1 verifiers) or 'seq_reward'")
-        elif self.metric not in FILTER_GROUPS_METRICS:
-            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}")
+        elif not isinstance(self.metric, str) or not self.metric.strip() or self.metric != self.metric.strip():
+            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)} nor the name "
+                        f"of a key a dict reward returns (e.g. acc)")
+        elif self.metric not in FILTER_GROUPS_METRICS and not dict_rewards:
+            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}; a reward "
+                        f"key such as acc needs a reward that returns a dict (data.task: file with data.reward_fn "
+                        f"unset or 'module:function', single-turn), and this job's rewards are floats")
         if self.max_num_gen_batches < 1 and self.enable:
             errs.append(f"{key}.max_num_gen_batches: must be >= 1, got {self.max_num_gen_batches} (verl's 0 = "
                         f"unlimited is not offered: a task whose groups all score alike would generate forever)")

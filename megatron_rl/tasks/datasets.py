@@ -15,7 +15,8 @@ through the tokenizer's chat template, text stays plain (``render``); ``DataOpti
 filters or truncates (counted).
 
 Rewards (``score``: in ``DataOptions.reward_workers`` worker processes, each sample under
-``reward_timeout_s``; failures and timeouts are 0.0 and counted): ``reward_fn`` = ``"math"`` /
+``reward_timeout_s``; failures and timeouts are 0.0 and counted; a dict reward's other numeric keys come back
+as ``RewardResult.extras``): ``reward_fn`` = ``"math"`` /
 ``"exact"`` / ``"module:function"`` for every row, or by default verl's dispatch on the row's
 ``data_source`` (``rewards.default_compute_score``) and exact match for rows without one.
 
@@ -216,8 +217,8 @@ class FileTask(Task):
             if not ids:
                 self.malformed.append((label, "the prompt renders to no tokens"))
                 continue
-            prompts.append(Prompt(prompt_ids=ids, answer=row.ground_truth, text=text,
-                                  data_source=row.data_source, extra_info=row.extra_info))
+            prompts.append(Prompt(prompt_ids=ids, answer=row.ground_truth, text=text, data_source=row.data_source,
+                                  extra_info=row.extra_info, row=f"{self.key}={self.path!r} {label}"))
         if not prompts:
             raise ValueError(f"{self.key}={self.path!r}: no prompt left after data.max_prompt_length="
                              f"{options.max_prompt_length} ({filtered} filtered, {len(self.malformed)} malformed)")
@@ -266,7 +267,7 @@ class FileTask(Task):
         text, _ = response_text(self.tokenizer, response_ids)
         kwargs = dict(self.options.reward_kwargs) if self.options is not None else {}
         return RewardJob(self.spec_for(prompt), prompt.text, text, prompt.answer, prompt.data_source,
-                         prompt.extra_info, kwargs)
+                         prompt.extra_info, kwargs, prompt.row)
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """One response's reward, in this process (no timeout; ``score`` is the step's path)."""
