@@ -246,7 +246,7 @@ def test_data_inspect_cli(chat_tok, tmp_path):
                                                 enable_thinking=False)
         assert rendered in out and f'--- ground truth: "{row["reward_model"]["ground_truth"]}"' in out
     assert rows[2]["extra_info"]["question"] not in out        # -n 2
-    assert "reward: math (by data_source)" in out
+    assert "reward: verl:gsm8k (by data_source)" in out
     bad = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "data", "inspect", str(tmp_path / "none.jsonl"),
                           "--tokenizer", str(tok_dir)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
