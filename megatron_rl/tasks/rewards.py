@@ -196,7 +196,8 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
                           **kwargs) -> Union[float, Dict[str, Any]]:
     """verl's ``default_compute_score``: the scorer for ``data_source`` (``reward_name_for_source``) applied to
     ``solution_str``, a float or -- ``math_dapo`` -- verl's dict; ``kwargs`` go to that scorer (e.g.
-    ``method="flexible"`` for gsm8k, ``extract=("hash",)`` for the math reward). Unknown sources raise ``ValueError``."""
+    ``method="flexible"`` for gsm8k, ``extract=("hash",)`` for the math reward). Unknown sources raise
+    ``ValueError``."""
     name = reward_name_for_source(data_source)
     if name is None:
         raise ValueError(f"data_source={data_source!r} has no built-in reward (known: {sorted(SOURCE_REWARDS)} "

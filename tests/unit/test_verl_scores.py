@@ -99,7 +99,8 @@ def test_verl_scales_and_dict(verl_scores):
     assert (v.score, v.extras, v.other_keys) == (-1.0, {"acc": 0.0}, ("pred",))
 
 
-@pytest.mark.parametrize("alias, verl_name", [("gsm8k", "openai/gsm8k"), ("BytedTsinghua-SIA/DAPO-Math-17k", "math_dapo"),
+@pytest.mark.parametrize("alias, verl_name", [("gsm8k", "openai/gsm8k"),
+                                              ("BytedTsinghua-SIA/DAPO-Math-17k", "math_dapo"),
                                               ("AI-MO/aimo-validation-aime", "math_dapo"), ("AIME2024", "aime2024")])
 def test_project_aliases_score_with_the_verl_rule_of_their_source(verl_scores, alias, verl_name):
     for resp, gt in itertools.product(RESPONSES, TRUTHS):
