@@ -45,7 +45,7 @@ from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.render import fit_length, has_chat_template, render_prompt
 from megatron_rl.tasks.reward_fn import SOURCE, RewardFunction, check_reward_spec, compute_reward
 from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
-from megatron_rl.tasks.rewards import reward_name_for_source
+from megatron_rl.tasks.rewards import UNPORTED_VERL_SOURCES, reward_name_for_source
 from megatron_rl.tasks.rows import CHAT, MalformedRow, Row, parse_row
 
 #: How many malformed rows the load-time report lists.
@@ -176,6 +176,7 @@ class FileTask(Task):
                              "or give the prompts as plain strings (docs/datasets.md)")
         if self.reward_spec is None:
             check_sources_rewarded(self.path, rows, key)
+            self._report_unported_sources()
         self.options: Optional[DataOptions] = None
         self.pool: Optional[RewardPool] = None
         self.prompts: List[Prompt] = []
@@ -223,6 +224,15 @@ class FileTask(Task):
             raise ValueError(f"{self.key}={self.path!r}: no prompt left after data.max_prompt_length="
                              f"{options.max_prompt_length} ({filtered} filtered, {len(self.malformed)} malformed)")
         self.prompts, self.filtered, self.truncated = prompts, filtered, truncated
+
+    def _report_unported_sources(self) -> None:
+        """Say once that rows whose ``data_source`` verl scores with prime_math get the math reward here."""
+        found = sorted({r.data_source for r in self.rows if r.data_source in UNPORTED_VERL_SOURCES})
+        if found and self.report is not None:
+            print(f"[megatron-rl] {self.key}={self.path!r}: data_source {', '.join(found)}: verl scores these with "
+                  f"its prime_math scorer, which is not ported; they are scored by the math reward (math-verify, "
+                  f"0 / 1 like prime_math), whose equivalence rules differ (docs/datasets.md)",
+                  file=self.report, flush=True)
 
     def _report_malformed(self) -> None:
         if not self.malformed or self.report is None:

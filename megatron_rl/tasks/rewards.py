@@ -64,6 +64,10 @@ SOURCE_REWARDS = {
     "numina_cn_k12": "math",
     "megatron_rl/arith_tiny": "math",
 }
+#: The sources verl scores with a scorer not ported here (verl's prime_math): ``SOURCE_REWARDS`` gives them the
+#: math reward, and a data file with such rows says so when it loads (``FileTask``).
+UNPORTED_VERL_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+                         "numina_olympiads", "numina_cn_k12")
 #: Prefix rules of the dispatch (checked after the exact names, case-insensitive: verl's ``aime`` rule is
 #: case-sensitive and has no ``numina_`` / ``math`` prefix rules; these are a superset of its names).
 SOURCE_PREFIXES = {"aime": "verl:math_dapo", "numina_": "math", "math": "math"}

@@ -9,13 +9,18 @@ Run: ``OMP_NUM_THREADS=1 pytest tests/unit/test_verl_scores.py -q``
 from __future__ import annotations
 
 import importlib.util
+import io
 import itertools
+import json
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from megatron_rl.tasks.char_tokenizer import build_char_tokenizer
+from megatron_rl.tasks.datasets import FileTask
+from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.reward_fn import compute_reward_value
 from megatron_rl.tasks.rewards import default_compute_score, reward_name_for_source
 from megatron_rl.tasks.verl_scores import gsm8k_score, math_dapo_score
@@ -122,3 +127,14 @@ def test_numina_sources_are_not_verls_scorer():
     assert reward_name_for_source("numina_olympiads") == "math"
     assert reward_name_for_source("openai/gsm8k") == "verl:gsm8k"
     assert reward_name_for_source("math") == "verl:math_dapo"
+
+
+def test_a_file_with_numina_rows_says_they_are_not_verls_scorer(tmp_path):
+    path = tmp_path / "n.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "copy:1=", "answer": "1", "data_source": s}) + "\n"
+                            for s in ("numina_olympiads", "math_dapo")))
+    out = io.StringIO()
+    FileTask(path, build_char_tokenizer(), options=DataOptions(reward_workers=0), report=out)
+    said = out.getvalue()
+    assert "data_source numina_olympiads: verl scores these with its prime_math scorer, which is not ported" in said
+    assert "math_dapo" not in said
