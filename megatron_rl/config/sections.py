@@ -184,8 +184,9 @@ class DataConfig:
     answer_key: str = "answer"
     """Record field holding the reference answer when the row has no ``reward_model.ground_truth``."""
     reward_fn: Optional[str] = None
-    """"math" (math-verify), "exact", or "module:function"; default: the task's own (files: verl's dispatch
-    on ``data_source``, exact match for rows without one)."""
+    """"math" (math-verify), "exact", or "module:function" (returning a float, or verl's dict whose "score" is
+    the reward and whose other numeric keys are logged and filter signals); default: the task's own (files:
+    verl's dispatch on ``data_source`` with verl's scorers, exact match for rows without one; docs/datasets.md)."""
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the reward function (e.g. {extract: [boxed, hash, last_number]} for math)."""
     reward_workers: int = 2
@@ -203,7 +204,8 @@ class DataConfig:
     """Prompts longer than ``max_prompt_length``: "filter" (dropped) or "truncate" (keep the last tokens)."""
     overlong_buffer_len: int = 0
     """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to
-    ``overlong_penalty_factor`` reward, linearly (0: off)."""
+    ``overlong_penalty_factor`` reward, linearly (0: off), added to the scorer's value on its scale (verl's
+    math_dapo: +-1; docs/datasets.md)."""
     overlong_penalty_factor: float = 1.0
     """The reward a response of exactly max_new_tokens tokens loses under the overlong penalty."""
     prompts_per_step: int = 8
