@@ -184,8 +184,9 @@ class DataConfig:
     answer_key: str = "answer"
     """Record field holding the reference answer when the row has no ``reward_model.ground_truth``."""
     reward_fn: Optional[str] = None
-    """"math" (math-verify), "exact", or "module:function"; default: the task's own (files: verl's dispatch
-    on ``data_source``, exact match for rows without one)."""
+    """"math" (math-verify), "exact", or "module:function" (returning a float, or verl's dict whose "score" is
+    the reward and whose other numeric keys are logged and filter signals); default: the task's own (files:
+    verl's dispatch on ``data_source`` with verl's scorers, exact match for rows without one; docs/datasets.md)."""
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the reward function (e.g. {extract: [boxed, hash, last_number]} for math)."""
     reward_workers: int = 2
@@ -203,7 +204,8 @@ class DataConfig:
     """Prompts longer than ``max_prompt_length``: "filter" (dropped) or "truncate" (keep the last tokens)."""
     overlong_buffer_len: int = 0
     """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to
-    ``overlong_penalty_factor`` reward, linearly (0: off)."""
+    ``overlong_penalty_factor`` reward, linearly (0: off), added to the scorer's value on its scale (verl's
+    math_dapo: +-1; docs/datasets.md)."""
     overlong_penalty_factor: float = 1.0
     """The reward a response of exactly max_new_tokens tokens loses under the overlong penalty."""
     prompts_per_step: int = 8
@@ -289,7 +291,8 @@ class MultiTurnConfig:
 
 
 FILTER_GROUPS_METRICS = ("seq_reward", "seq_final_reward", "score")
-"""The per-row values ``algorithm.filter_groups.metric`` compares within a group (``filter_groups_errors``)."""
+"""The per-row values of the batch ``algorithm.filter_groups.metric`` compares within a group; any other name is a
+key of a dict reward (checked at the first generation round: ``trainer/dynamic_sampling.metric_values``)."""
 FILTER_GROUPS_EXHAUSTED = ("train", "skip", "error")
 """What a step does when its rounds found too few groups with signal (``algorithm.filter_groups.on_exhausted``)."""
 
@@ -306,8 +309,10 @@ class FilterGroupsConfig:
     metric: Optional[str] = "seq_reward"
     """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
     verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
-    verifier's reward before the overlong penalty). verl's "acc" has no separate value here (a reward is one
-    float per sample): use "score". null (verl's default block, disabled) only without ``enable``."""
+    verifier's reward before the overlong penalty) or a numeric key other than "score" of a reward that returns a
+    dict, as verl's do ("acc" of verl's math_dapo scorer and DAPO-style reward files): checked at the first
+    generation round (``FilterMetricError`` naming the keys the reward returned). null (verl's default block,
+    disabled) only without ``enable``."""
     max_num_gen_batches: int = 10
     """Generation rounds per step at most (each draws ``prompts_per_round`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
@@ -329,20 +334,23 @@ class FilterGroupsConfig:
         """Build from the (checked) keys of the YAML block; an empty or null block is the default (off)."""
         return cls(**(d or {}))
 
-    def errors(self) -> List[str]:
+    def errors(self, dict_rewards: bool = True) -> List[str]:
         """Violations, each naming its dotted key (checked whether or not ``enable`` is set, except verl's disabled
-        defaults: ``metric`` null and ``max_num_gen_batches`` <= 0 pass without ``enable``)."""
+        defaults: ``metric`` null and ``max_num_gen_batches`` <= 0 pass without ``enable``). ``dict_rewards``
+        False: the job's rewards are floats (a built-in task or reward, multi-turn), so ``metric`` must be one of
+        ``FILTER_GROUPS_METRICS``."""
         errs = []
         key = "algorithm.filter_groups"
         if self.metric is None:
             if self.enable:
                 errs.append(f"{key}.metric: null; dynamic sampling needs one of {', '.join(FILTER_GROUPS_METRICS)}")
-        elif self.metric == "acc":
-            errs.append(f"{key}.metric: 'acc' (verl's per-sample accuracy) has no separate value here: a reward "
-                        f"is one float per sample; use 'score' (alike within a group exactly when acc is, for "
-                        f"0/1 or +-1 verifiers) or 'seq_reward'")
-        elif self.metric not in FILTER_GROUPS_METRICS:
-            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}")
+        elif not isinstance(self.metric, str) or not self.metric.strip() or self.metric != self.metric.strip():
+            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)} nor the name "
+                        f"of a key a dict reward returns (e.g. acc)")
+        elif self.metric not in FILTER_GROUPS_METRICS and not dict_rewards:
+            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}; a reward "
+                        f"key such as acc needs a reward that returns a dict (data.task: file with data.reward_fn "
+                        f"unset or 'module:function', single-turn), and this job's rewards are floats")
         if self.max_num_gen_batches < 1 and self.enable:
             errs.append(f"{key}.max_num_gen_batches: must be >= 1, got {self.max_num_gen_batches} (verl's 0 = "
                         f"unlimited is not offered: a task whose groups all score alike would generate forever)")

@@ -132,7 +132,10 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
     if a.advantage_estimator not in ADV:
         errs.append(f"algorithm.advantage_estimator: {a.advantage_estimator!r} is not one of {', '.join(ADV)}")
     if a.filter_groups is not None:
-        errs += a.filter_groups.errors()  # dynamic sampling (FilterGroupsConfig.errors)
+        # dynamic sampling (FilterGroupsConfig.errors); only a data file's reward (not math / exact) returns dicts
+        dict_rewards = (cfg.data.task == "file" and cfg.data.reward_fn not in ("math", "exact")
+                        and cfg.multi_turn.env is None)
+        errs += a.filter_groups.errors(dict_rewards)
     if a.rollout_correction is not None and ac.policy_loss is not None:
         errs += mode_parameter_errors(a.rollout_correction.loss_type, ac.policy_loss)
     if not ac.lr > 0:

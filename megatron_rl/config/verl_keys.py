@@ -568,11 +568,9 @@ _FG_OFF = _unless("algorithm.filter_groups.enable", bool, "")
 
 
 def _filter_metric(value: Any) -> Any:
-    """verl's filter_groups.metric -> this project's (``acc`` is a reward function's extra output here unknown)."""
-    if value == "acc":
-        raise Skip(UNSUPPORTED, "acc: a verl reward function's extra output; a reward here is one float per "
-                                "sample: set algorithm.filter_groups.metric to score (alike within a group exactly "
-                                "when acc is, for 0/1 or +-1 verifiers) or seq_reward")
+    """verl's filter_groups.metric -> this project's, unchanged: ``seq_reward`` / ``seq_final_reward`` / ``score``
+    and a reward's extra keys (``acc``: verl's math_dapo scorer and DAPO-style reward files return it; a key the
+    reward does not return stops the first generation round, naming the keys it did return)."""
     return value
 
 

@@ -7,7 +7,9 @@
 * ``datasets``: ``FileTask`` over JSONL / Parquet prompt files (verl's RL format or prompt/answer rows);
   ``rows`` parses and checks rows, ``render`` applies the chat template and the prompt length limit.
 * ``rewards``: ``math_reward`` (math-verify) and verl's ``default_compute_score`` dispatch on data_source.
-* ``reward_fn``: reward specs (``"math"``, ``"exact"``, ``"module:function"``) and ``compute_reward``.
+* ``verl_scores``: verl's gsm8k / MATH / math_dapo scorers, ported (the dispatch's rules for verl's sources).
+* ``reward_fn``: reward specs (``"math"``, ``"exact"``, ``"module:function"``), ``compute_reward`` and
+  ``compute_reward_value`` (a dict reward's ``score`` and its other numeric keys: ``RewardValue``).
 * ``reward_pool``: rewards in worker processes with a per-sample timeout.
 * ``options``: ``DataOptions`` (chat template arguments, prompt length, reward workers).
 * ``chat_model``: a tiny chat model + tokenizer with a chat template (the math CPU config's model).
@@ -34,7 +36,9 @@ from megatron_rl.tasks.char_tokenizer import (
 from megatron_rl.tasks.custom import build_custom_task, is_custom_task, task_import_error
 from megatron_rl.tasks.datasets import FileTask, load_records
 from megatron_rl.tasks.options import DataOptions
-from megatron_rl.tasks.reward_fn import RewardFunction, check_reward_spec, compute_reward, load_reward_fn
+from megatron_rl.tasks.reward_fn import (
+    RewardFunction, RewardValue, check_reward_spec, compute_reward, compute_reward_value, load_reward_fn,
+)
 from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
 from megatron_rl.tasks.rewards import default_compute_score, extract_answer, math_reward
 from megatron_rl.tasks.synthetic import DIGIT_TASK_OPTIONS, DIGIT_TASKS, DigitTask
@@ -115,7 +119,7 @@ def build_task(task: str, tokenizer, path: str | None = None, prompt_key: str = 
 
 __all__ = [
     "DIGIT_TASKS", "DataOptions", "DigitTask", "FileTask", "LOOKUP_TASK", "LookupTask", "Prompt", "RewardFunction",
-    "RewardJob",
+    "RewardJob", "RewardValue", "compute_reward_value",
     "RewardOverrideTask", "RewardPool", "RewardResult", "Task", "build_char_tokenizer", "build_task",
     "build_task_model", "compute_reward", "default_compute_score", "ensure_task_model", "extract_answer",
     "load_records", "load_reward_fn", "math_reward", "response_text", "split_at_eos", "task_model_config",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
 
 from megatron_rl.tasks.reward_pool import RewardResult
@@ -39,6 +39,9 @@ class Prompt:
     data_source: Optional[str] = None
     #: verl's ``extra_info`` of the row, or None.
     extra_info: Any = None
+    #: Where the prompt comes from (``"data.path='train.jsonl' row 3 (line 4)"``: reward errors name it), or None;
+    #: not part of the prompt's equality (the same prompt from a JSONL or a Parquet file is the same prompt).
+    row: Optional[str] = field(default=None, compare=False)
 
 
 def split_at_eos(response_ids: Sequence[int], eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:

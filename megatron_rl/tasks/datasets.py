@@ -15,7 +15,8 @@ through the tokenizer's chat template, text stays plain (``render``); ``DataOpti
 filters or truncates (counted).
 
 Rewards (``score``: in ``DataOptions.reward_workers`` worker processes, each sample under
-``reward_timeout_s``; failures and timeouts are 0.0 and counted): ``reward_fn`` = ``"math"`` /
+``reward_timeout_s``; failures and timeouts are 0.0 and counted; a dict reward's other numeric keys come back
+as ``RewardResult.extras``): ``reward_fn`` = ``"math"`` /
 ``"exact"`` / ``"module:function"`` for every row, or by default verl's dispatch on the row's
 ``data_source`` (``rewards.default_compute_score``) and exact match for rows without one.
 
@@ -44,7 +45,7 @@ from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.render import fit_length, has_chat_template, render_prompt
 from megatron_rl.tasks.reward_fn import SOURCE, RewardFunction, check_reward_spec, compute_reward
 from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
-from megatron_rl.tasks.rewards import reward_name_for_source
+from megatron_rl.tasks.rewards import UNPORTED_VERL_SOURCES, reward_name_for_source
 from megatron_rl.tasks.rows import CHAT, MalformedRow, Row, parse_row
 
 #: How many malformed rows the load-time report lists.
@@ -175,6 +176,7 @@ class FileTask(Task):
                              "or give the prompts as plain strings (docs/datasets.md)")
         if self.reward_spec is None:
             check_sources_rewarded(self.path, rows, key)
+            self._report_unported_sources()
         self.options: Optional[DataOptions] = None
         self.pool: Optional[RewardPool] = None
         self.prompts: List[Prompt] = []
@@ -216,12 +218,21 @@ class FileTask(Task):
             if not ids:
                 self.malformed.append((label, "the prompt renders to no tokens"))
                 continue
-            prompts.append(Prompt(prompt_ids=ids, answer=row.ground_truth, text=text,
-                                  data_source=row.data_source, extra_info=row.extra_info))
+            prompts.append(Prompt(prompt_ids=ids, answer=row.ground_truth, text=text, data_source=row.data_source,
+                                  extra_info=row.extra_info, row=f"{self.key}={self.path!r} {label}"))
         if not prompts:
             raise ValueError(f"{self.key}={self.path!r}: no prompt left after data.max_prompt_length="
                              f"{options.max_prompt_length} ({filtered} filtered, {len(self.malformed)} malformed)")
         self.prompts, self.filtered, self.truncated = prompts, filtered, truncated
+
+    def _report_unported_sources(self) -> None:
+        """Say once that rows whose ``data_source`` verl scores with prime_math get the math reward here."""
+        found = sorted({r.data_source for r in self.rows if r.data_source in UNPORTED_VERL_SOURCES})
+        if found and self.report is not None:
+            print(f"[megatron-rl] {self.key}={self.path!r}: data_source {', '.join(found)}: verl scores these with "
+                  f"its prime_math scorer, which is not ported; they are scored by the math reward (math-verify, "
+                  f"0 / 1 like prime_math), whose equivalence rules differ (docs/datasets.md)",
+                  file=self.report, flush=True)
 
     def _report_malformed(self) -> None:
         if not self.malformed or self.report is None:
@@ -266,7 +277,7 @@ class FileTask(Task):
         text, _ = response_text(self.tokenizer, response_ids)
         kwargs = dict(self.options.reward_kwargs) if self.options is not None else {}
         return RewardJob(self.spec_for(prompt), prompt.text, text, prompt.answer, prompt.data_source,
-                         prompt.extra_info, kwargs)
+                         prompt.extra_info, kwargs, prompt.row)
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """One response's reward, in this process (no timeout; ``score`` is the step's path)."""

@@ -5,16 +5,20 @@ A ``data.reward_fn`` value is one of
 * ``"math"`` / ``"exact"``: the built-in rewards of ``megatron_rl.tasks.rewards``;
 * ``"module:function"`` (or ``"path/to/file.py:function"``) with either signature
   ``fn(prompt_text, response_text, answer) -> float`` (this project's) or verl's
-  ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float`` (recognised by its first
-  parameter being named ``data_source``), so verl custom reward files work as they are;
+  ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (recognised by its first parameter
+  being named ``data_source``), so verl custom reward files work as they are;
 * unset: rows with a ``data_source`` use verl's ``default_compute_score`` dispatch (``SOURCE``), other rows
   exact match (``"exact"``).
 
-``compute_reward(spec, ...)`` evaluates one sample with a spec string (what the reward worker processes run:
+A reward returns a number or, as verl's may, a dict: its ``"score"`` is the reward, its other numeric keys
+(bools as 0 / 1) are the sample's extras (``RewardValue.extras``: logged as ``reward_extra/<key>/mean``, filter
+signals of dynamic sampling); other values (verl's ``"pred"`` string) are dropped. ``compute_reward_value(spec, ...)``
+evaluates one sample with a spec string (what the reward worker processes run:
 specs are plain strings, so they travel to workers). ``reward_import_error(spec)`` says, before anything
 starts, why a spec cannot load here (math-verify missing, a module that does not import). Loading errors
 (malformed spec, module not importable, no such attribute, not callable) and call errors (an exception, a
-non-number or non-finite return value) raise ``ValueError`` naming the spec string the user gave.
+non-number or non-finite score or extra, a dict without ``"score"``) raise ``ValueError`` naming the spec string
+the user gave and the key.
 
 Usage::
 
@@ -27,7 +31,8 @@ from __future__ import annotations
 import math
 import numbers
 import inspect
-from typing import Any, Callable, Dict, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from megatron_rl.imports import import_object
 from megatron_rl.tasks.rewards import BUILTIN_REWARDS, default_compute_score, math_verify_error
@@ -36,8 +41,59 @@ from megatron_rl.tasks.rewards import BUILTIN_REWARDS, default_compute_score, ma
 SOURCE = "source"
 
 
+@dataclass(frozen=True)
+class RewardValue:
+    """One sample's checked reward."""
+
+    #: The reward (a float return value, or a dict's ``"score"``).
+    score: float
+    #: A dict return value's other numeric keys (bools as 0.0 / 1.0), e.g. verl's ``{"acc": 1.0}``.
+    extras: Dict[str, float] = field(default_factory=dict)
+    #: A dict return value's keys whose values are not numbers (verl's ``"pred"``): not logged, not filter signals.
+    other_keys: Tuple[str, ...] = ()
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real)   # bool is a Real: True / False count as 1 / 0, as in verl's means
+
+
+def check_value(name: str, value: Any) -> RewardValue:
+    """``value`` (what the reward function ``name`` returned) as a ``RewardValue``; ``ValueError`` naming
+    ``name`` and the key for a non-number, a dict without a numeric ``"score"``, or a non-finite number."""
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise ValueError(f"reward function {name!r} returned a dict without the key 'score' (keys: "
+                             f"{', '.join(map(str, value)) or 'none'}); a dict reward's 'score' is the reward, as in "
+                             "verl's reward managers")
+        score = value["score"]
+        if isinstance(score, bool) or not _number(score):
+            raise ValueError(f"reward function {name!r} returned 'score': {type(score).__name__} {score!r}; it must "
+                             "be a float")
+        extras, other = {}, []
+        for key, v in value.items():
+            if key == "score":
+                continue
+            if _number(v):
+                extras[str(key)] = float(v)
+                if not math.isfinite(extras[str(key)]):
+                    raise ValueError(f"reward function {name!r} returned a non-finite {key!r}: {v!r}")
+            else:
+                other.append(str(key))
+        value, out = score, dict(extras=extras, other_keys=tuple(other))
+    else:
+        out = {}
+        if isinstance(value, bool) or not _number(value):
+            raise ValueError(f"reward function {name!r} returned {type(value).__name__} {value!r}; it must return "
+                             "a float or a dict with a 'score'")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"reward function {name!r} returned a non-finite score {value!r}")
+    return RewardValue(value, **out)
+
+
 class RewardFunction:
-    """A loaded ``module:function`` reward with checked calls (``__call__`` returns a finite float)."""
+    """A loaded ``module:function`` reward with checked calls (``value`` returns a ``RewardValue``, ``__call__``
+    its score)."""
 
     def __init__(self, spec: str, fn: Callable[..., Any]):
         """``spec``: the user's string (used in error messages); ``fn``: the callable."""
@@ -50,10 +106,10 @@ class RewardFunction:
         #: True for verl's signature ``(data_source, solution_str, ground_truth, extra_info)``.
         self.verl_style = bool(params) and params[0] == "data_source"
 
-    def __call__(self, prompt_text: str, response_text: str, answer: Any, data_source: Optional[str] = None,
-                 extra_info: Any = None, **kwargs) -> float:
-        """Call the function (in its own signature style, ``kwargs`` passed through) and check it returned
-        a finite real number."""
+    def value(self, prompt_text: str, response_text: str, answer: Any, data_source: Optional[str] = None,
+              extra_info: Any = None, **kwargs) -> RewardValue:
+        """Call the function (in its own signature style, ``kwargs`` passed through) and check what it returned
+        (``check_value``)."""
         try:
             if self.verl_style:
                 value = self.fn(data_source, response_text, answer, extra_info, **kwargs)
@@ -62,13 +118,12 @@ class RewardFunction:
         except Exception as e:
             raise ValueError(f"reward function {self.spec!r} raised {type(e).__name__}: {e} "
                              f"(prompt_text={prompt_text[:60]!r}, response_text={response_text[:60]!r})") from e
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"reward function {self.spec!r} returned {type(value).__name__} {value!r}; "
-                             "it must return a float")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"reward function {self.spec!r} returned a non-finite value {value!r}")
-        return value
+        return check_value(self.spec, value)
+
+    def __call__(self, prompt_text: str, response_text: str, answer: Any, data_source: Optional[str] = None,
+                 extra_info: Any = None, **kwargs) -> float:
+        """The checked score alone (see ``value``)."""
+        return self.value(prompt_text, response_text, answer, data_source, extra_info, **kwargs).score
 
     def __repr__(self):
         return f"RewardFunction({self.spec!r})"
@@ -112,18 +167,29 @@ def reward_import_error(spec: Optional[str]) -> Optional[str]:
 _LOADED: Dict[str, RewardFunction] = {}
 
 
+def _function(spec: str, data_source: Optional[str]) -> RewardFunction:
+    if spec in BUILTIN_REWARDS:
+        return RewardFunction(spec, lambda p, r, a, **kw: BUILTIN_REWARDS[spec](r, a, **kw))
+    if spec == SOURCE:
+        return RewardFunction(f"default_compute_score[{data_source}]", default_compute_score)
+    fn = _LOADED.get(spec)
+    if fn is None:
+        fn = _LOADED[spec] = load_reward_fn(spec)
+    return fn
+
+
+def compute_reward_value(spec: str, prompt_text: str, response_text: str, ground_truth: Any,
+                         data_source: Optional[str] = None, extra_info: Any = None,
+                         kwargs: Optional[Mapping[str, Any]] = None) -> RewardValue:
+    """One sample's checked reward under ``spec`` (``"math"``, ``"exact"``, ``SOURCE`` or ``"module:function"``,
+    loaded once per process), ``kwargs`` passed to the function; a ``RewardValue`` or ``ValueError``."""
+    return _function(spec, data_source).value(prompt_text, response_text, ground_truth, data_source=data_source,
+                                              extra_info=extra_info, **dict(kwargs or {}))
+
+
 def compute_reward(spec: str, prompt_text: str, response_text: str, ground_truth: Any,
                    data_source: Optional[str] = None, extra_info: Any = None,
                    kwargs: Optional[Mapping[str, Any]] = None) -> float:
-    """One sample's reward under ``spec`` (``"math"``, ``"exact"``, ``SOURCE`` or ``"module:function"``,
-    loaded once per process), ``kwargs`` passed to the function; a finite float or ``ValueError``."""
-    kwargs = dict(kwargs or {})
-    if spec in BUILTIN_REWARDS:
-        fn = RewardFunction(spec, lambda p, r, a, **kw: BUILTIN_REWARDS[spec](r, a, **kw))
-    elif spec == SOURCE:
-        fn = RewardFunction(f"default_compute_score[{data_source}]", default_compute_score)
-    else:
-        fn = _LOADED.get(spec)
-        if fn is None:
-            fn = _LOADED[spec] = load_reward_fn(spec)
-    return fn(prompt_text, response_text, ground_truth, data_source=data_source, extra_info=extra_info, **kwargs)
+    """``compute_reward_value``'s score alone."""
+    return compute_reward_value(spec, prompt_text, response_text, ground_truth, data_source, extra_info,
+                                kwargs).score

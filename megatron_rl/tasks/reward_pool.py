@@ -5,10 +5,11 @@ must not stall the training step: ``RewardPool(num_workers, timeout_s).score(job
 idle worker (``python -m megatron_rl.tasks.reward_worker``, one job at a time per worker), waits with
 ``select``, and a worker still busy ``timeout_s`` after it got its job is killed (SIGKILL); a fresh one
 starts when a job needs it.
-A timed-out or failing job (the reward raised, returned a non-number, or the worker died) gets reward 0.0
-and is counted; ``score`` never raises for a job's failure.
+A timed-out or failing job (the reward raised, returned a non-number or a dict without ``"score"``, or the
+worker died) gets reward 0.0 and no extras, and is counted; ``score`` never raises for a job's failure. A dict
+reward's other numeric keys come back per job (``RewardResult.extras``).
 
-A job is ``RewardJob(spec, prompt_text, response_text, ground_truth, data_source, extra_info, kwargs)``:
+A job is ``RewardJob(spec, prompt_text, response_text, ground_truth, data_source, extra_info, kwargs, row)``:
 plain data (``spec`` is the reward's string, see ``reward_fn.compute_reward``), pickled to the worker.
 Workers start lazily (the first ``score``), import the rewards and warm math-verify before they take a
 timed job (start-up is bounded by ``start_timeout_s`` separately), and live until ``close()`` (also at
@@ -19,6 +20,7 @@ Usage::
     pool = RewardPool(num_workers=2, timeout_s=10.0)
     result = pool.score([RewardJob("math", "q", "\\\\boxed{2}", "2")])
     result.rewards, result.failed, result.timed_out        # [1.0], 0, 0
+    result.extras                                          # [{}]: a dict reward's other numeric keys
     pool.close()
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_rl.worker_pipes import kill_worker, read_frame, write_frame
 from megatron_rl.parallel.child_env import child_environment
-from megatron_rl.tasks.reward_fn import compute_reward
+from megatron_rl.tasks.reward_fn import compute_reward_value
 
 
 
@@ -58,6 +60,8 @@ class RewardJob:
     extra_info: Any = None
     #: Keyword arguments of the reward function (``data.reward_kwargs``).
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    #: Where the prompt comes from (``"data.path='train.jsonl' row 3 (line 4)"``), for error messages; or None.
+    row: Optional[str] = None
 
 
 @dataclass
@@ -72,15 +76,26 @@ class RewardResult:
     timed_out: int = 0
     #: The first few error messages, for the log.
     errors: List[str] = field(default_factory=list)
+    #: Per job: a dict reward's other numeric keys (``RewardValue.extras``; ``{}`` for a float reward), None for
+    #: a failed or timed-out job; empty when the task does not report them (``Task.score``'s default).
+    extras: List[Optional[Dict[str, float]]] = field(default_factory=list)
+
+    def extra_means(self) -> Dict[str, float]:
+        """``reward_extra/<key>/mean``: each extra key's mean over the jobs that returned it."""
+        sums: Dict[str, List[float]] = {}
+        for e in self.extras:
+            for k, v in (e or {}).items():
+                sums.setdefault(k, []).append(v)
+        return {f"reward_extra/{k}/mean": sum(v) / len(v) for k, v in sums.items()}
 
 
 def run_job(job: RewardJob) -> tuple[bool, Any]:
-    """``(True, reward)`` or ``(False, error message)`` for one job, in this process."""
+    """``(True, RewardValue)`` or ``(False, error message naming the job's row)`` for one job, in this process."""
     try:
-        return True, compute_reward(job.spec, job.prompt_text, job.response_text, job.ground_truth,
-                                    job.data_source, job.extra_info, job.kwargs)
+        return True, compute_reward_value(job.spec, job.prompt_text, job.response_text, job.ground_truth,
+                                          job.data_source, job.extra_info, job.kwargs)
     except Exception as e:  # noqa: BLE001 - a failing reward is counted, never raised
-        return False, f"{type(e).__name__}: {e}"
+        return False, f"{type(e).__name__}: {e}" + (f" ({job.row})" if job.row else "")
 
 
 class _Worker:
@@ -148,7 +163,7 @@ class RewardPool:
 
     def score(self, jobs: Sequence[RewardJob]) -> RewardResult:
         """Rewards of ``jobs`` in order; failures and timeouts are 0.0 and counted."""
-        result = RewardResult(rewards=[0.0] * len(jobs))
+        result = RewardResult(rewards=[0.0] * len(jobs), extras=[None] * len(jobs))
 
         def fail(i: int, message: str, timed_out: bool = False) -> None:
             result.rewards[i] = 0.0
@@ -163,7 +178,7 @@ class RewardPool:
             for i, job in enumerate(jobs):
                 ok, value = run_job(job)
                 if ok:
-                    result.rewards[i] = float(value)
+                    result.rewards[i], result.extras[i] = value.score, dict(value.extras)
                 else:
                     fail(i, value)
             return result
@@ -203,7 +218,7 @@ class RewardPool:
                     continue
                 w.job_index = None
                 if ok:
-                    result.rewards[i] = float(value)
+                    result.rewards[i], result.extras[i] = value.score, dict(value.extras)
                 else:
                     fail(i, value)
             now = time.monotonic()

@@ -15,48 +15,62 @@ answer found: 0.0). math-verify is an optional extra (``pip install 'megatron-rl
 math reward without it raises an ``ImportError`` that says so. math-verify's own signal-based timeouts are
 off here (they fail outside the main thread): the reward pool (``reward_pool``) bounds every call instead.
 
-``default_compute_score(data_source, solution_str, ground_truth, extra_info)`` — verl's signature — maps a
-row's ``data_source`` onto a built-in reward (``SOURCE_REWARDS``; GSM8K / MATH / other math sources ->
-``math``); an unknown source raises ``ValueError`` naming it.
+``default_compute_score(data_source, solution_str, ground_truth, extra_info)`` -- verl's signature -- scores a
+row by its ``data_source`` with verl's own rules (``SOURCE_REWARDS``: GSM8K, MATH, DAPO-Math / AIME, ported in
+``verl_scores``; ``math_dapo`` returns verl's dict ``{"score": +-1, "acc", "pred"}``); sources verl scores with a
+scorer not ported here (``numina_*``: verl's prime_math) and this project's own use the math reward (0 / 1). An
+unknown source raises ``ValueError`` naming it. The scale per source: docs/datasets.md.
 
 Usage::
 
     math_reward("... so the answer is \\boxed{\\frac{1}{2}}", "0.5")           # -> 1.0
     math_reward("#### 72", "72", extract=("hash",))                          # -> 1.0
-    default_compute_score("openai/gsm8k", "... #### 72", "72")                # -> 1.0
+    default_compute_score("openai/gsm8k", "... #### 72", "72")                # -> 1.0 (verl's gsm8k rule)
+    default_compute_score("math_dapo", "Answer: 3", "4")["score"]            # -> -1.0
 """
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Union
 
 from megatron_rl.braces import closing_brace
+from megatron_rl.tasks.verl_scores import gsm8k_score, math_dapo_score, math_reward_score
 
 #: The answer extractors ``math_reward`` knows, in their default order.
 EXTRACTORS = ("boxed", "hash", "last_number")
 
-#: ``data_source`` -> built-in reward name (what ``default_compute_score`` dispatches on). Sources that
-#: start with one of ``SOURCE_PREFIXES``' keys map to its value.
+#: ``data_source`` -> the scorer ``default_compute_score`` uses (a key of ``SOURCE_SCORERS``): verl 0.9.1's
+#: ``verl/utils/reward_score/__init__.py`` dispatch for the names it knows; the others are this project's aliases
+#: (``gsm8k``, ``BytedTsinghua-SIA/DAPO-Math-17k``, ``AI-MO/aimo-validation-aime``) and sources. Sources that start
+#: with one of ``SOURCE_PREFIXES``' keys (case-insensitive) map to its value.
 SOURCE_REWARDS = {
-    "openai/gsm8k": "math",
-    "gsm8k": "math",
-    "lighteval/MATH": "math",
-    "DigitalLearningGmbH/MATH-lighteval": "math",
-    "HuggingFaceH4/MATH-500": "math",
-    "math": "math",
-    "math_dapo": "math",
-    "BytedTsinghua-SIA/DAPO-Math-17k": "math",
-    "AI-MO/aimo-validation-aime": "math",
+    "openai/gsm8k": "verl:gsm8k",
+    "gsm8k": "verl:gsm8k",
+    "lighteval/MATH": "verl:math_reward",
+    "DigitalLearningGmbH/MATH-lighteval": "verl:math_reward",
+    "HuggingFaceH4/MATH-500": "verl:math_reward",
+    "math": "verl:math_dapo",
+    "math_dapo": "verl:math_dapo",
+    "math_dapo_reasoning": "verl:math_dapo",
+    "BytedTsinghua-SIA/DAPO-Math-17k": "verl:math_dapo",
+    "AI-MO/aimo-validation-aime": "verl:math_dapo",
+    # verl scores these with prime_math (sympy-based, not ported): here math-verify, on the same 0 / 1 scale
     "numina_aops_forum": "math",
     "numina_synthetic_math": "math",
     "numina_amc_aime": "math",
+    "numina_synthetic_amc": "math",
     "numina_olympiads": "math",
     "numina_cn_k12": "math",
     "megatron_rl/arith_tiny": "math",
 }
-#: Prefix rules of the dispatch (checked after the exact names).
-SOURCE_PREFIXES = {"numina_": "math", "aime": "math", "math": "math"}
+#: The sources verl scores with a scorer not ported here (verl's prime_math): ``SOURCE_REWARDS`` gives them the
+#: math reward, and a data file with such rows says so when it loads (``FileTask``).
+UNPORTED_VERL_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+                         "numina_olympiads", "numina_cn_k12")
+#: Prefix rules of the dispatch (checked after the exact names, case-insensitive: verl's ``aime`` rule is
+#: case-sensitive and has no ``numina_`` / ``math`` prefix rules; these are a superset of its names).
+SOURCE_PREFIXES = {"aime": "verl:math_dapo", "numina_": "math", "math": "math"}
 
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?")
 _HASH_NUMBER = re.compile(r"\s*(?:\\?\$)?\s*(" + _NUMBER.pattern + r")(?![\w^{}\\])")
@@ -164,6 +178,10 @@ def exact_match(response_text: str, ground_truth: Any) -> float:
 #: Built-in reward names (``data.reward_fn``) -> functions of ``(response_text, ground_truth, **kwargs)``.
 BUILTIN_REWARDS = {"math": math_reward, "exact": exact_match}
 
+#: The scorers of the ``data_source`` dispatch -> functions of ``(solution_str, ground_truth, **kwargs)``.
+SOURCE_SCORERS = {"math": math_reward, "verl:gsm8k": gsm8k_score, "verl:math_reward": math_reward_score,
+                  "verl:math_dapo": math_dapo_score}
+
 
 def reward_name_for_source(data_source: Optional[str]) -> Optional[str]:
     """The built-in reward name for ``data_source`` (``SOURCE_REWARDS`` then ``SOURCE_PREFIXES``), or None."""
@@ -179,15 +197,18 @@ def reward_name_for_source(data_source: Optional[str]) -> Optional[str]:
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
-                          **kwargs) -> float:
-    """verl's ``default_compute_score``: the built-in reward for ``data_source`` applied to ``solution_str``;
-    ``kwargs`` go to that reward (e.g. ``extract=("hash",)``). Unknown sources raise ``ValueError``."""
+                          **kwargs) -> Union[float, Dict[str, Any]]:
+    """verl's ``default_compute_score``: the scorer for ``data_source`` (``reward_name_for_source``) applied to
+    ``solution_str``, a float or -- ``math_dapo`` -- verl's dict; ``kwargs`` go to that scorer (e.g.
+    ``method="flexible"`` for gsm8k, ``extract=("hash",)`` for the math reward). Unknown sources raise
+    ``ValueError``."""
     name = reward_name_for_source(data_source)
     if name is None:
         raise ValueError(f"data_source={data_source!r} has no built-in reward (known: {sorted(SOURCE_REWARDS)} "
                          f"and prefixes {sorted(SOURCE_PREFIXES)}); set data.reward_fn to 'math' or "
                          "'module:function'")
-    return float(BUILTIN_REWARDS[name](solution_str, ground_truth, **kwargs))
+    res = SOURCE_SCORERS[name](solution_str, ground_truth, **kwargs)
+    return res if isinstance(res, dict) else float(res)
 
 
 def warmup() -> None:

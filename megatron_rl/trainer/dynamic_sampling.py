@@ -7,7 +7,8 @@ samples did not all score alike, and draws more prompts until ``data.prompts_per
 
 Why: a group whose ``n`` samples all have the same reward gets advantage 0 on every sample under GRPO and RLOO,
 so it adds no policy-gradient signal and only dilutes the batch. A group has signal when its values (``metric``:
-the reward, or the score before the overlong penalty) are not all equal -- compared exactly, in float32 as the
+the reward, the score before the overlong penalty, or a numeric key of a dict reward such as verl's ``acc``) are
+not all equal -- compared exactly, in float32 as the
 trainer reads rewards: verl's ``std > 0`` on floats can keep an alike group through rounding.
 
 Where: the step generator is what every rollout mode calls on rank 0 -- the sync source when the loop asks, the
@@ -33,6 +34,9 @@ warns (``FilterGroupsExhaustedWarning``, naming the step and the counts) and ``o
 and the rollout dump but not trained (``filter_groups/skipped`` 1: ``step.train_step`` publishes the unchanged
 weights as the next version); "error" -- ``FilterGroupsExhaustedError`` (verl's behaviour) ends the job.
 
+A reward key as ``metric`` (``acc``): a row whose reward failed (scored 0) reads 0; a key that a round's rewards
+did not return is ``FilterMetricError`` at that round (the first), naming the metric and the keys they returned.
+
 Metrics (every step with dynamic sampling): ``filter_groups/rounds`` (generation rounds, verl's
 ``num_gen_batches``), ``filter_groups/groups_drawn``, ``filter_groups/groups_kept`` (drawn with signal),
 ``filter_groups/groups_dropped`` (drawn without), ``filter_groups/groups_filled`` (without signal, in the
@@ -56,8 +60,8 @@ from megatron_rl.rollout.versions import parse_version, version_tag
 from megatron_rl.trainer.reward_failures import RewardFailureError, reward_failure_error
 from megatron_rl.trainer.step_batch import StepBatch
 
-__all__ = ["DynamicSampling", "FilterGroupsExhaustedWarning", "FilterGroupsExhaustedError", "groups_with_signal",
-           "SKIPPED", "merge_round_metrics"]
+__all__ = ["DynamicSampling", "FilterGroupsExhaustedWarning", "FilterGroupsExhaustedError", "FilterMetricError",
+           "groups_with_signal", "SKIPPED", "merge_round_metrics"]
 
 SKIPPED = "filter_groups/skipped"
 """The metric every rank reads to skip a step's training (1.0: skipped)."""
@@ -67,7 +71,9 @@ COUNT_METRICS = ("reward/failed", "reward/timed_out", "response/truncated_count"
 
 #: Per-row fields of a ``StepBatch`` (lists with one entry per row, or empty / None when the batch has none).
 ROW_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "rewards", "routing", "truncated",
-              "token_versions", "loss_masks", "scores")
+              "token_versions", "loss_masks", "scores", "reward_extras")
+#: ``algorithm.filter_groups.metric`` values that are not reward keys (``metric_values``).
+BATCH_METRICS = ("seq_reward", "seq_final_reward", "score")
 
 
 class FilterGroupsExhaustedWarning(UserWarning):
@@ -76,6 +82,10 @@ class FilterGroupsExhaustedWarning(UserWarning):
 
 class FilterGroupsExhaustedError(RolloutError):
     """The same, with ``algorithm.filter_groups.on_exhausted: error`` (raised on every rank; the step is not trained)."""
+
+
+class FilterMetricError(RolloutError):
+    """``algorithm.filter_groups.metric`` names a reward key that the rewards of a round did not return."""
 
 
 def groups_with_signal(values: Sequence[float], n: int) -> List[bool]:
@@ -99,8 +109,23 @@ def newest_version(batch: StepBatch) -> str:
 
 def metric_values(batch: StepBatch, metric: str) -> List[float]:
     """The per-row values ``algorithm.filter_groups.metric`` compares: "score" -> the scores before the overlong
-    penalty (the rewards when there was none); "seq_reward" / "seq_final_reward" -> the rewards."""
-    return list(batch.scores) if metric == "score" and batch.scores else list(batch.rewards)
+    penalty (the rewards when there was none); "seq_reward" / "seq_final_reward" -> the rewards; any other name ->
+    that key of each row's dict reward (``StepBatch.reward_extras``; 0.0 where the reward failed).
+    ``FilterMetricError`` when a row whose reward succeeded did not return the key."""
+    if metric in BATCH_METRICS:
+        return list(batch.scores) if metric == "score" and batch.scores else list(batch.rewards)
+    extras = batch.reward_extras or [{}] * batch.num_rows
+    missing = [i for i, e in enumerate(extras) if e is not None and metric not in e]
+    if missing:
+        keys = sorted({k for e in extras if e for k in e})
+        returned = (f"the numeric keys it returned besides 'score': {', '.join(keys)}" if keys else
+                    "it returned a float (or a dict with no other numeric key); verl's DAPO reward manager reads a "
+                    "float reward as 'acc' -- the same values as metric 'score' here")
+        raise FilterMetricError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward of {len(missing)} of the {len(extras)} samples "
+            f"of this round returned no numeric {metric!r} (first: row {missing[0]}); {returned}. Use one of "
+            f"{', '.join(BATCH_METRICS)} or a key the reward returns in every sample")
+    return [0.0 if e is None else e[metric] for e in extras]
 
 
 def merge_round_metrics(rounds: Sequence[Tuple[Dict[str, float], int]]) -> Dict[str, float]:

@@ -13,7 +13,8 @@ worker processes with a per-sample timeout; a failing or timed-out sample scores
 step goes on). A response that hit ``max_new_tokens`` (finish reason "length") is flagged ``truncated``;
 with ``data.overlong_buffer_len`` > 0 DAPO's soft overlong penalty is added to its reward. The payload's
 ``metrics`` hold the data / reward / length counts of the step (``data/*``, ``reward/failed``,
-``reward/timed_out``, ``response/truncated_frac``, ...).
+``reward/timed_out``, ``response/truncated_frac``, ...) and, for a reward that returns a dict, each other numeric
+key's mean (``reward_extra/<key>/mean``); the keys per row go with the batch (``StepBatch.reward_extras``).
 
 The engine is asked to stop at the task tokenizer's EOS too (``task_eos_ids``), so a response ends where its
 reward is cut, on either engine. MoE routing captured by the engine is passed on only when every rollout has
@@ -85,6 +86,7 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
         "response/truncated_frac": truncated / n, "response/truncated_count": float(truncated),
         "response/overlong_penalty_mean": sum(penalties) / n,
     })
+    m.update(result.extra_means())
     return m
 
 
@@ -126,7 +128,7 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                      truncated=[r.finish_reason == "length" for r in rollouts],
                      metrics={**step_metrics(prompt_rows, rollouts, result.rewards, penalties, result,
                                              task.stats()), **routing_stats},
-                     token_versions=[r.token_versions for r in rollouts])
+                     token_versions=[r.token_versions for r in rollouts], reward_extras=list(result.extras))
 
 
 class PartialRoutingError(RolloutError, RoutingError):

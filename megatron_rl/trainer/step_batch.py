@@ -62,6 +62,10 @@ class StepBatch:
     ``Trajectory.loss_mask``); empty when every response token is the model's (single turn)."""
     scores: List[float] = field(default_factory=list)
     """Per row: the verifier's reward before the overlong penalty; empty when it equals ``rewards``."""
+    reward_extras: List[Optional[Dict[str, float]]] = field(default_factory=list)
+    """Per row: a dict reward's other numeric keys (verl's ``acc``; ``{}`` for a float reward, None where the reward
+    failed); empty when the task reports none (multi-turn, built-in tasks). Rank 0's, for dynamic sampling: not
+    sent to the other ranks (``part``)."""
     rows_generated: int = 0
     """Rows generated and scored to make this batch (more than ``num_rows`` when dynamic sampling dropped prompt
     groups: the counts in ``metrics`` cover all of them); 0: ``num_rows``."""

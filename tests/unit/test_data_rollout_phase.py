@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.config.sections import DataConfig, RolloutConfig
+from megatron_rl.config.sections import AlgorithmConfig, DataConfig, RolloutConfig
 from megatron_rl.rollout.base import Rollout
 from megatron_rl.tasks import build_task
 from megatron_rl.tasks.char_tokenizer import build_char_tokenizer
@@ -57,7 +57,7 @@ def test_generate_step_flags_truncation_penalises_and_counts(tmp_path):
                    reward_workers=1, reward_timeout_s=10.0, max_prompt_length=3, overlong_prompts="truncate",
                    overlong_buffer_len=4, overlong_penalty_factor=0.5)
     r = RolloutConfig(max_new_tokens=6, n_samples_per_prompt=4)
-    cfg = SimpleNamespace(data=d, rollout=r, trainer=SimpleNamespace(seed=0))
+    cfg = SimpleNamespace(data=d, rollout=r, trainer=SimpleNamespace(seed=0), algorithm=AlgorithmConfig())
     task = build_task("file", tok, path=d.path, reward_fn=d.reward_fn)   # built with default options, as the loop does
     assert len(task.prompts[0].prompt_ids) == 5                       # copy : 0 0 =
     # responses: right answer (3 tokens incl. EOS), 5 tokens + EOS, 6 tokens (hits max_new_tokens), raises
@@ -90,7 +90,7 @@ def test_correct_answers_score_through_the_step(tmp_path):
     data.write_text("".join(json.dumps({"prompt": "copy:7=", "answer": "7"}) + "\n" for _ in range(2)))
     d = DataConfig(task="file", path=str(data), prompts_per_step=2, reward_workers=1)
     cfg = SimpleNamespace(data=d, rollout=RolloutConfig(max_new_tokens=4, n_samples_per_prompt=2),
-                          trainer=SimpleNamespace(seed=0))
+                          trainer=SimpleNamespace(seed=0), algorithm=AlgorithmConfig())
     task = build_task("file", tok, path=d.path)
     try:
         out = generate_step(task, FixedEngine(tok, ["7", "8"]), cfg, step=3, expected_version="step-0")
