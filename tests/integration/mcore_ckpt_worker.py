@@ -18,9 +18,10 @@ import megatron.core  # noqa: F401  (imported once in the parent: forked ranks s
 from megatron_rl.actor import MegatronActor
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.platform.mcore_version import MCORE
+from megatron_rl.testing.actor_reference import checkpoint_batch
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import layout, named_job, setting
-from test_actor_checkpoint import MOE, SCHEDULE_KEYS, _batch, _step
+from test_actor_checkpoint import MOE, SCHEDULE_KEYS, _step
 
 
 def _rank(rank, world, mode, ckpt_dir):
@@ -35,7 +36,7 @@ def _rank(rank, world, mode, ckpt_dir):
         extra = None
     else:
         _, extra = actor.load_checkpoint(ckpt_dir)
-    batch, _ = _batch(200)
+    batch, _ = checkpoint_batch(200, rows=4)
     logprobs, _ = actor.compute_log_probs(batch, 1.0)
     weights = actor.full_state_dict_hf()
     _step(actor, 101)
