@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.config.sections import ActorConfig, DataConfig, RolloutConfig
+from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig
 from megatron_rl.rollout.base import Rollout
 from megatron_rl.tasks import build_char_tokenizer, build_task
 from megatron_rl.tasks.synthetic import operand_count
@@ -201,7 +201,7 @@ def test_rollout_phase_drives_the_curriculum(tok):
     kw = {"min_digits": 1, "max_digits": 3, "curriculum_steps": 60}
     cfg = SimpleNamespace(data=DataConfig(task="copy", prompts_per_step=64, task_kwargs=kw),
                           rollout=RolloutConfig(max_new_tokens=4, n_samples_per_prompt=1), trainer=SimpleNamespace(seed=0),
-                          actor=ActorConfig())
+                          actor=ActorConfig(), algorithm=AlgorithmConfig())
     task = build_task("copy", tok, task_kwargs=kw)
     lengths = {}
     for step in (0, 45):
