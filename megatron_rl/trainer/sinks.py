@@ -11,7 +11,8 @@ Only global rank 0 writes. ``metrics.jsonl`` holds one JSON object per step:
 ``{"step": int, "time": float, "<group>/<name>": float, ...}`` with groups ``reward``,
 ``response_length``, ``actor``, ``rollout_corr``, ``timing``, ``perf`` and ``val`` (validation) — the input of
 ``megatron-rl report``. TensorBoard / W&B are used when enabled in ``trainer`` and importable; when
-enabled but not installed, a warning names the missing extra and the run continues.
+enabled but not installed, a warning names the missing extra and the run continues. A resumed run continues its
+W&B run (the id in ``run_dir/wandb_id``, ``trainer/wandb_run.py``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import os
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
+
+from megatron_rl.trainer.wandb_run import wandb_init_kwargs
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward"), ("reward/raw_mean", "sampled"), ("response_length/mean", "len"), ("actor/pg_loss", "pg_loss"),
@@ -126,8 +129,9 @@ class MetricSinks:
             try:
                 import wandb as _wandb
 
-                self._wandb = _wandb.init(project=wandb_project, dir=run_dir, config=config or {},
-                                          resume="allow" if resume else None)
+                kwargs, line = wandb_init_kwargs(run_dir, resumed=resume)
+                self._wandb = _wandb.init(project=wandb_project, dir=run_dir, config=config or {}, **kwargs)
+                print(line, flush=True)
             except Exception as exc:  # noqa: BLE001 - optional extra
                 print(f"[megatron-rl] trainer.wandb: disabled ({exc}); pip install 'megatron-rl[wandb]'",
                       file=sys.stderr)
