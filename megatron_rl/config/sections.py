@@ -503,3 +503,8 @@ class TrainerConfig:
     """Watchdog limit of one validation (generation and rewards); past it the rank ends with this key named
     (0: no limit). With several ranks the others wait for it in a collective, so it is also bounded by
     ``collective_timeout_s``, which it may not exceed."""
+    val_log_samples: int = 0
+    """Validation responses logged per validation (verl's ``trainer.log_val_generations``): N (prompt, response,
+    reward, data source) rows, chosen as verl chooses them (the same prompts every time), appended to
+    run_dir/val_generations.jsonl with their step and, with ``wandb``, logged as the W&B table ``val/generations``
+    (0: none)."""
