@@ -5,7 +5,7 @@
     reward_fn: Optional[str] = path_field(None, kind=IMPORT)     # "file.py:fn" (the file part) or "module:fn"
     tree = resolve_tree_paths(tree, SECTION_CLASSES, base_dir)   # config/load.py, once per file
 
-The rule (docs/configs.md#paths): a value written in a config FILE expands ``~`` and resolves relative to the
+The rule (docs/running.md#paths-in-a-config): a value written in a config FILE expands ``~`` and resolves relative to the
 file's directory; an HF hub id (``Qwen/Qwen3-8B``) is left alone: a ``HUB`` value resolves only when it starts
 with ``/ ./ ../ ~`` or names something that exists beside the config file. Command-line overrides resolve
 against the current directory (``~`` expanded), as a shell argument would.
