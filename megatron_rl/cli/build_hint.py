@@ -21,9 +21,22 @@ def build_command(config_path: Optional[str], cfg) -> Optional[str]:
             text = fh.read()
     except (OSError, TypeError):
         text = ""
-    m = re.search(r"(python -m megatron_rl\.[\w.]+ " + re.escape(path) + r"(?: --[\w-]+(?: [\w.][\w.-]*)?)*)", text)
-    if m:
-        return m.group(1)
+    shown = _shown(path)
+    base = os.path.dirname(os.path.abspath(config_path)) if config_path else os.getcwd()
+    for m in re.finditer(r"python -m (megatron_rl\.[\w.]+) (\S+)((?: --[\w-]+(?: [\w.][\w.-]*)?)*)", text):
+        # the comment's directory, written for the repository root (the current directory) or beside the file
+        if _same(path, m.group(2)) or _same(path, os.path.join(base, m.group(2))):
+            return f"python -m {m.group(1)} {shown}{m.group(3)}"
     if cfg.data.task in DIGIT_TASKS:
-        return f"python -m megatron_rl.tasks {path} --task {cfg.data.task}"
+        return f"python -m megatron_rl.tasks {shown} --task {cfg.data.task}"
     return None
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the current directory when it lies inside it (a resolved config path is absolute)."""
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return rel if not rel.startswith("..") else path

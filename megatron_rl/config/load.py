@@ -4,7 +4,9 @@
                           world_size=4)
     cfg, errors = collect_job_config("configs/tiny_cpu.yaml", [], world_size=4)   # never raises ConfigError
 
-Values of overrides are parsed as YAML (``true``, ``1e-4``, ``[a, b]``, ``null``). Every value is checked
+Values of overrides are parsed as YAML (``true``, ``1e-4``, ``[a, b]``, ``null``). Path-valued keys
+(``path_field``, :mod:`megatron_rl.config.paths`) resolve here, once: the file's against its directory, the
+overrides' against the current directory. Every value is checked
 against its dataclass field's type (:mod:`megatron_rl.config.types`), every unknown key is reported with a
 hint (:mod:`megatron_rl.config.hints`), and all problems of a file -- bad overrides, unknown keys, wrong
 types, values (:mod:`megatron_rl.config.validate`) -- are raised together in one :class:`ConfigError`,
@@ -24,6 +26,7 @@ import yaml
 from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
+from megatron_rl.config.paths import path_kind, resolve_path, resolve_tree_paths
 from megatron_rl.config.sections import (
     ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, FilterGroupsConfig, MultiTurnConfig, RolloutConfig,
     TrainerConfig, ValKwargsConfig,
@@ -40,7 +43,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", "job_config_from_dict",
-           "launch_world_size", "load_job_config", "yaml_load"]
+           "launch_world_size", "load_job_config", "read_config_file", "yaml_load"]
 
 #: section (dotted) -> its dataclass
 SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": ParallelConfig,
@@ -116,6 +119,7 @@ def _apply_overrides(tree: Dict[str, Any], overrides: Sequence[str]) -> Tuple[Di
         except yaml.YAMLError as exc:
             errors.append(f"override {key!r}: cannot parse value {raw!r}: {exc}")
             continue
+        value = _override_path(parts, value)
         node = tree
         for i, p in enumerate(parts[:-1]):
             if node.get(p) is None:
@@ -128,6 +132,17 @@ def _apply_overrides(tree: Dict[str, Any], overrides: Sequence[str]) -> Tuple[Di
         else:
             node[parts[-1]] = value
     return tree, errors
+
+
+def _override_path(parts: Sequence[str], value: Any) -> Any:
+    """An override's value, resolved against the current directory when its key is path-valued."""
+    cls = SECTION_CLASSES.get(".".join(parts[:-1]))
+    f = next((f for f in dataclasses.fields(cls) if f.name == parts[-1]), None) if cls else None
+    kind = path_kind(f) if f is not None else None
+    if kind is None:
+        return value
+    base = os.getcwd()
+    return [resolve_path(v, kind, base) for v in value] if isinstance(value, list) else resolve_path(value, kind, base)
 
 
 def _checked_kwargs(where: str, d: Any, errors: List[str]) -> Dict[str, Any]:
@@ -312,16 +327,19 @@ def launch_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     return None
 
 
-def _read_tree(path: Optional[str]) -> Dict[str, Any]:
+def read_config_file(path: Optional[str]) -> Dict[str, Any]:
+    """The nested dict of YAML config ``path`` (None: empty) with its path-valued keys resolved against the
+    file's directory (``~`` expanded); raises ConfigError when the file cannot be read."""
     if path is None:
         return {}
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     with open(path) as fh:
         try:
-            return yaml_load(fh) or {}
+            tree = yaml_load(fh) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return resolve_tree_paths(tree, SECTION_CLASSES, os.path.dirname(os.path.abspath(path)))
 
 
 def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
@@ -333,7 +351,7 @@ def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
     (None: ``models.attention.expected_te``). ``cross_checks=False``: each key's own type and value only, not
     ``config.validate``'s checks across keys and against the world size (those import megatron-core: seconds of
     start-up for a tool that reads a few keys)."""
-    tree, errors = _apply_overrides(_read_tree(path), list(overrides))
+    tree, errors = _apply_overrides(read_config_file(path), list(overrides))
     cfg, build_errors = build_job_config(tree)
     errors += build_errors
     if not cross_checks:

@@ -12,7 +12,8 @@
 
 Every setting lives in exactly one place: the loss type is ``algorithm.rollout_correction.loss_type``
 (verl's key), the temperature is ``rollout.temperature`` (the trainer divides its logits by it too).
-Field checks are in :func:`megatron_rl.config.validate.validate_job`.
+Field checks are in :func:`megatron_rl.config.validate.validate_job`. Path-valued fields are marked with
+``path_field`` and resolved once, where the file is loaded (:mod:`megatron_rl.config.paths`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from megatron_rl.config.paths import HUB, IMPORT, path_field
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
 
@@ -115,7 +117,7 @@ class RolloutConfig:
     """Per-request HTTP timeout."""
     max_retries: int = 3
     """Retries (exponential backoff) on connection errors, timeouts and 5xx before failing the step."""
-    weight_sync_dir: Optional[str] = None
+    weight_sync_dir: Optional[str] = path_field(None)
     """Where HF exports for /update_weights_from_disk go (default: <run_dir>/weight_sync)."""
     weight_sync: str = "auto"
     """How weights reach the engine after each step (megatron_rl/weight_sync/): "disk" (HF export
@@ -172,18 +174,18 @@ class RolloutConfig:
 class DataConfig:
     """Prompts and rewards."""
 
-    task: str = "copy"
+    task: str = path_field("copy", kind=IMPORT)
     """Built-in verifiable task ("copy", "reverse", "sort", "add"), the multi-turn "lookup" tool task, "file" to
     read ``path``, or your own task by import path, ``"module:factory"`` / ``"file.py:factory"``, called as
     ``factory(tokenizer, **task_kwargs)`` and returning a ``megatron_rl.tasks.Task`` (docs/extending.md)."""
-    path: Optional[str] = None
+    path: Optional[str] = path_field(None)
     """JSONL or Parquet prompt file (task: file): verl's RL format (``data_source``, ``prompt`` as chat
     messages, ``reward_model: {style, ground_truth}``, ``extra_info``) or ``prompt_key`` / ``answer_key`` rows."""
     prompt_key: str = "prompt"
     """Record field holding the prompt: text, a list of chat messages ({role, content}), or token ids."""
     answer_key: str = "answer"
     """Record field holding the reference answer when the row has no ``reward_model.ground_truth``."""
-    reward_fn: Optional[str] = None
+    reward_fn: Optional[str] = path_field(None, kind=IMPORT)
     """"math" (math-verify), "exact", or "module:function" (returning a float, or verl's dict whose "score" is
     the reward and whose other numeric keys are logged and filter signals); default: the task's own (files:
     verl's dispatch on ``data_source`` with verl's scorers, exact match for rows without one; docs/datasets.md)."""
@@ -212,7 +214,7 @@ class DataConfig:
     """Prompts per training step (global, over all data-parallel ranks)."""
     task_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Options of the built-in task (e.g. {"min_digits": 1, "max_digits": 4})."""
-    val_files: Union[str, List[str], None] = None
+    val_files: Union[str, List[str], None] = path_field(None)
     """Validation set: JSONL / Parquet files read as ``path`` is (verl's RL format or prompt / answer rows; a
     single path is a one-file list), evaluated every ``trainer.test_freq`` steps, never trained on."""
     val_heldout: bool = False
@@ -266,7 +268,7 @@ class MultiTurnConfig:
     """Multi-turn rollouts (megatron_rl/rollout/multi_turn.py): the model and an environment take turns; only
     the model's tokens are trained on. ``env: null`` keeps single-turn prompt -> response."""
 
-    env: Optional[str] = None
+    env: Optional[str] = path_field(None, kind=IMPORT)
     """The environment class, "module:Class" or "path/to/file.py:Class" (a megatron_rl.envs.Environment
     subclass); null: single turn."""
     env_kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -464,7 +466,7 @@ class ActorConfig:
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = 1
     """Passes over the rollout batch."""
-    load_hf: Optional[str] = None
+    load_hf: Optional[str] = path_field(None, kind=HUB)
     """Initialise from this HF checkpoint directory (its config.json supplies ``model`` if omitted)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Clip ratios, dual-clip, the objectives' parameters (verl's names), aggregation mode, KL loss (the objective,
@@ -488,7 +490,7 @@ class TrainerConfig:
     ``algorithm.filter_groups.prompts_per_round`` with dynamic sampling. Needs ``data.task: file``; null: ``steps``."""
     seed: int = 1234
     """Seed of data, sampling and model init (runs are reproducible on CPU)."""
-    run_dir: str = "runs/default"
+    run_dir: str = path_field("runs/default")
     """Output directory: metrics.jsonl, checkpoints/, rollouts, TensorBoard events."""
     save_interval: int = 0
     """Checkpoint every N steps (0: only at the end and on SIGTERM / SIGINT)."""
@@ -540,3 +542,8 @@ class TrainerConfig:
     """Watchdog limit of one validation (generation and rewards); past it the rank ends with this key named
     (0: no limit). With several ranks the others wait for it in a collective, so it is also bounded by
     ``collective_timeout_s``, which it may not exceed."""
+    val_log_samples: int = 0
+    """Validation responses logged per validation (verl's ``trainer.log_val_generations``): N (prompt, response,
+    reward, data source) rows, chosen as verl chooses them (the same prompts every time), appended to
+    run_dir/val_generations.jsonl with their step and, with ``wandb``, logged as the W&B table ``val/generations``
+    (0: none)."""

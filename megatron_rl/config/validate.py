@@ -238,6 +238,8 @@ def _validation_errors(cfg: JobConfig, world_size: int) -> List[str]:
         errs.append(f"trainer.test_freq: must be >= 0 (0: never; verl's -1 is 0 here), got {t.test_freq}")
     if not t.val_timeout_s >= 0:
         errs.append(f"trainer.val_timeout_s: must be >= 0 (0: no limit), got {t.val_timeout_s}")
+    if t.val_log_samples < 0:
+        errs.append(f"trainer.val_log_samples: must be >= 0 (0: none), got {t.val_log_samples}")
     has_set = bool(d.val_paths) or d.val_heldout
     if t.test_freq > 0 and not has_set:
         errs.append(f"trainer.test_freq: {t.test_freq} but there is no validation set: give data.val_files or "

@@ -64,6 +64,8 @@ def _is_internal(value: Optional[ast.expr]) -> bool:
 def _default(value: Optional[ast.expr]) -> Optional[str]:
     if value is None:
         return None
+    if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "path_field":  # config/paths.py's marker
+        return ast.unparse(value.args[0]) if value.args else "None"
     if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "field":
         for kw in value.keywords:
             if kw.arg == "default":

@@ -227,14 +227,9 @@ def _base(name: str) -> Optional[str]:
 def job_tree(name: str, *overrides: str, hf: Optional[str] = None,
              run_dir: Optional[Union[str, os.PathLike]] = None) -> dict:
     """Row ``name`` as the nested dict of a job YAML (see ``job_overrides``)."""
-    from megatron_rl.config.load import apply_overrides, yaml_load
+    from megatron_rl.config.load import apply_overrides, read_config_file
 
-    base = _base(name)
-    tree = {}
-    if base is not None:
-        with open(base) as fh:
-            tree = yaml_load(fh) or {}
-    return apply_overrides(tree, job_overrides(name, *overrides, hf=hf, run_dir=run_dir))
+    return apply_overrides(read_config_file(_base(name)), job_overrides(name, *overrides, hf=hf, run_dir=run_dir))
 
 
 def named_job(name: str, *overrides: str, hf: Optional[str] = None, run_dir: Optional[Union[str, os.PathLike]] = None,

@@ -49,6 +49,7 @@ def train(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Dict[str, flo
     try:
         if job.validation.due_before_train(step):
             job.sinks.log_validation(step, _validate(job, step))
+            _log_samples(job, step)
         while step < cfg.trainer.steps:
             metrics, batch = train_step(job, step)
             step += 1
@@ -60,6 +61,7 @@ def train(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Dict[str, flo
                     metrics = {**metrics, **_validate(job, step)}
             with job.watchdog.phase("metrics", step):
                 job.sinks.log(step, metrics)
+                _log_samples(job, step)
                 job.dump(step, batch)
                 stopping = any_rank(job.stop.requested)  # a signal seen by any rank stops every rank
             if job.checkpoint_due(step, stopping):
@@ -69,6 +71,13 @@ def train(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Dict[str, flo
     finally:
         job.close(step)
     return metrics
+
+
+def _log_samples(job, step: int) -> None:
+    """Rank 0: the validation samples kept for ``trainer.val_log_samples``, logged once with ``step``."""
+    samples = job.validation.take_samples()
+    if samples:
+        job.sinks.log_val_samples(step, samples)
 
 
 def _validate(job, done: int) -> Dict[str, float]:

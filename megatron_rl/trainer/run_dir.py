@@ -1,7 +1,8 @@
 """A run directory belongs to one run: refuse, start over, or resume — decided once, said on one line.
 
 ``trainer.run_dir`` receives a run's outputs (``RUN_OUTPUTS``: metrics.jsonl, checkpoints/, rollouts.jsonl,
-the default weight_sync/, report/, TensorBoard / W&B files, a launched server's log). Other files there (a
+the default weight_sync/, report/, TensorBoard / W&B files and the W&B run id, logged validation generations, a
+launched server's log). Other files there (a
 model directory the config loads, launcher logs) are not outputs and are never touched.
 
 * ``run_dir_error(run_dir, resume, overwrite)``: a directory holding outputs is refused unless the run
@@ -30,9 +31,9 @@ __all__ = ["RUN_OUTPUTS", "run_outputs", "run_dir_error", "start_over", "trim_to
 
 #: What a run writes into its run directory (files and directories).
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts.jsonl", "weight_sync", "report", "tensorboard",
-               "wandb", "sglang_server.log")
+               "wandb", "wandb_id", "val_generations.jsonl", "sglang_server.log")
 #: The step-numbered JSON-lines files a resumed run continues.
-STEP_LOGS = ("metrics.jsonl", "rollouts.jsonl")
+STEP_LOGS = ("metrics.jsonl", "rollouts.jsonl", "val_generations.jsonl")
 
 
 def run_outputs(run_dir: str) -> List[str]:

@@ -11,7 +11,8 @@ Only global rank 0 writes. ``metrics.jsonl`` holds one JSON object per step:
 ``{"step": int, "time": float, "<group>/<name>": float, ...}`` with groups ``reward``,
 ``response_length``, ``actor``, ``rollout_corr``, ``timing``, ``perf`` and ``val`` (validation) — the input of
 ``megatron-rl report``. TensorBoard / W&B are used when enabled in ``trainer`` and importable; when
-enabled but not installed, a warning names the missing extra and the run continues.
+enabled but not installed, a warning names the missing extra and the run continues. A resumed run continues its
+W&B run (the id in ``run_dir/wandb_id``, ``trainer/wandb_run.py``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_rl.trainer.val_samples import ValSample
+from megatron_rl.trainer.wandb_run import wandb_init_kwargs
+
+VAL_SAMPLES_FILE = "val_generations.jsonl"
+"""Logged validation samples in the run directory (``trainer.val_log_samples``)."""
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward"), ("reward/raw_mean", "sampled"), ("response_length/mean", "len"), ("actor/pg_loss", "pg_loss"),
@@ -112,6 +119,7 @@ class MetricSinks:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._fh = open(self.path, "a" if resume else "w")
         if tensorboard:
@@ -126,8 +134,9 @@ class MetricSinks:
             try:
                 import wandb as _wandb
 
-                self._wandb = _wandb.init(project=wandb_project, dir=run_dir, config=config or {},
-                                          resume="allow" if resume else None)
+                kwargs, line = wandb_init_kwargs(run_dir, resumed=resume)
+                self._wandb = _wandb.init(project=wandb_project, dir=run_dir, config=config or {}, **kwargs)
+                print(line, flush=True)
             except Exception as exc:  # noqa: BLE001 - optional extra
                 print(f"[megatron-rl] trainer.wandb: disabled ({exc}); pip install 'megatron-rl[wandb]'",
                       file=sys.stderr)
@@ -158,6 +167,23 @@ class MetricSinks:
         clean = self._write(step, metrics)
         if self.progress:
             print(format_validation(step, clean), flush=True)
+
+    def log_val_samples(self, step: int, samples: Sequence[ValSample]) -> None:
+        """Validation ``samples`` of ``step`` (``trainer.val_log_samples``): one record each in
+        run_dir/val_generations.jsonl (``{"step", "input", "output", "score", "data_source"}``), and with W&B the
+        table ``val/generations`` (one row per sample)."""
+        if not self.enabled or not samples:
+            return
+        with open(os.path.join(self.run_dir, VAL_SAMPLES_FILE), "a") as fh:
+            for s in samples:
+                fh.write(json.dumps({"step": step, **s.to_dict()}, ensure_ascii=False) + "\n")
+        if self._wandb is not None:
+            import wandb as _wandb
+
+            columns = ["step", "input", "output", "score", "data_source"]
+            table = _wandb.Table(columns=columns, data=[[step, s.input, s.output, s.score, s.data_source]
+                                                        for s in samples])
+            self._wandb.log({"val/generations": table}, step=step)
 
     def _write(self, step: int, metrics: Dict[str, float]) -> Dict[str, float]:
         """The finite numbers of ``metrics`` as ``step``'s record in metrics.jsonl, TensorBoard and W&B."""

@@ -32,6 +32,9 @@ Metrics (``val_metrics``; rank 0, in the step's record): over the whole set ``va
 hit max_new_tokens) and ``val/<source>/prompts``; ``val/reward_failed`` / ``val/reward_timed_out`` (rewards that
 raised or timed out, scored 0, as in training; above ``data.max_reward_failure_frac`` of the responses the
 validation raises ``RewardFailureError`` on every rank); ``timing/validation_s``.
+
+Samples: with ``trainer.val_log_samples`` N > 0, rank 0 keeps N of the validation's responses in ``samples``
+(``val_samples.pick_val_samples``: verl's choice) for the sinks to log.
 """
 from __future__ import annotations
 
@@ -42,8 +45,10 @@ from typing import Dict, List, Optional, Sequence
 from megatron_rl.parallel.rank0 import on_rank0
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.versions import version_tag
+from megatron_rl.tasks.base import response_text
 from megatron_rl.tasks.val_set import ValGroup
 from megatron_rl.trainer.reward_failures import RewardFailureError
+from megatron_rl.trainer.val_samples import ValSample, pick_val_samples
 
 __all__ = ["Validation", "val_metrics", "val_sampling", "VAL_SEED_STRIDE"]
 
@@ -84,6 +89,8 @@ class Validation:
 
     def __init__(self, cfg, groups: Optional[List[ValGroup]], engine):
         self.cfg, self.groups, self.engine = cfg, groups, engine
+        self.samples: List[ValSample] = []
+        """Rank 0: the responses of the last validation to log (``trainer.val_log_samples``; else empty)."""
 
     @property
     def enabled(self) -> bool:
@@ -116,6 +123,8 @@ class Validation:
         rewards: List[float] = []
         lengths: List[int] = []
         truncated: List[bool] = []
+        samples: List[ValSample] = []
+        keep = cfg.trainer.val_log_samples > 0
         failed = timed_out = call = 0
         errors: List[str] = []
         for g in self.groups:
@@ -138,6 +147,10 @@ class Validation:
                 rewards += [float(x) for x in result.rewards]
                 lengths += [len(r.response_ids) for r in rollouts]
                 truncated += [r.finish_reason == "length" for r in rollouts]
+                if keep:
+                    samples += [ValSample(prompts[i // n].text, response_text(g.task.tokenizer, r.response_ids)[0],
+                                          float(result.rewards[i]), srcs[i // n]) for i, r in enumerate(rollouts)]
+        self.samples = pick_val_samples(samples, cfg.trainer.val_log_samples)
         if failed or timed_out:
             print(f"[megatron-rl] validation after step {done}: {failed} reward(s) failed and {timed_out} timed out "
                   f"(scored 0); first: {errors[0] if errors else '-'}", file=sys.stderr, flush=True)
@@ -150,6 +163,11 @@ class Validation:
                                      f"data.reward_timeout_s too short)")
         return {**val_metrics(sources, rewards, lengths, truncated, n), "val/reward_failed": float(failed),
                 "val/reward_timed_out": float(timed_out)}
+
+    def take_samples(self) -> List[ValSample]:
+        """Rank 0: the samples of the last validation to log, once (empty afterwards and on other ranks)."""
+        out, self.samples = self.samples, []
+        return out
 
     def close(self) -> None:
         """Stop the reward workers of the validation files' tasks."""

@@ -244,6 +244,50 @@ def test_sbatch_no_servers_and_errors():
         assert r.returncode == 2 and msg in r.stderr, (env, r.stderr)
 
 
+@pytest.mark.parametrize("mode", ["torchrun", "srun"])
+def test_sbatch_requeue_resumes_and_never_wipes(mode):
+    """Slurm restarts a requeued job's script with SLURM_RESTART_COUNT >= 1: the trainer gets --resume before
+    --config and trainer.overwrite=false after the user's overrides; a first start passes neither."""
+    env = dict(SLURM, CHECK="0", LAUNCH_MODE=mode)
+    first = _cmds(_run("slurm.sbatch", "--config", Q7, "trainer.overwrite=true", env=env).stdout)[-1]
+    assert "--resume" not in first and first[-1] == "trainer.overwrite=true"
+    r = _run("slurm.sbatch", "--config", Q7, "trainer.overwrite=true", env=dict(env, SLURM_RESTART_COUNT="2"))
+    assert r.returncode == 0, r.stderr
+    train = _cmds(r.stdout)[-1]
+    assert train[train.index("--config") - 1] == "--resume"
+    assert train[-2:] == ["trainer.overwrite=true", "trainer.overwrite=false"]
+    assert "requeue 2 of job 4242" in r.stderr
+    r = _run("slurm.sbatch", "--config", Q7, "--resume=required", env=dict(env, SLURM_RESTART_COUNT="1"))
+    train = _cmds(r.stdout)[-1]
+    assert train[train.index("--config") - 1] == "--resume=required" and "--resume" not in train
+
+
+def test_sbatch_requeue_command_passes_the_trainers_own_start_checks(tmp_path):
+    """The real trainer's parser and pre-start checks (--check-world-size: no process group) accept the command a
+    requeued srun-mode job runs, in a run_dir the first start left without a complete checkpoint -- and refuse the
+    first start's command there (another run's outputs)."""
+    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    model = tmp_path / "model"
+    build_tiny_hf_model(str(model))
+    ovs = [f"trainer.run_dir={run}", f"actor.load_hf={model}"]
+    env = dict(SLURM, CHECK="0", LAUNCH_MODE="srun", GPUS_PER_NODE="1", SLURM_JOB_NODELIST="cpu01")
+    for restarts, rc in (("0", 2), ("1", 0)):
+        train = _cmds(_run("slurm.sbatch", "--config", "configs/tiny_cpu.yaml", *ovs,
+                           env=dict(env, SLURM_RESTART_COUNT=restarts)).stdout)[-1]
+        cmd = train[train.index(sys.executable):]
+        cmd[3:3] = ["--check-world-size", "4"]          # python -m megatron_rl.train --check-world-size 4 ...
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "RANK", "WORLD_"))}
+        r = subprocess.run(cmd, cwd=ROOT, env=dict(e, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == rc, (restarts, r.stdout[-1000:] + r.stderr[-2000:])
+        if rc:
+            assert "holds another run's outputs" in r.stderr
+
+
 # ------------------------------------------------------------------ slurm.sbatch, live with stand-ins
 def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
     """bin/srun (drops its options, runs the command), a fake SGLang interpreter serving /health on 127.0.0.1

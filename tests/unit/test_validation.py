@@ -56,7 +56,8 @@ def test_sampling_is_greedy_unless_do_sample():
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.test_freq=-1"], "trainer.test_freq: must be >= 0 (0: never; verl's -1 is 0 here)"),
     (["trainer.test_freq=5"], "trainer.test_freq: 5 but there is no validation set"),
-    (["data.val_files=nowhere.jsonl"], "data.val_files: 'nowhere.jsonl' does not exist or is not a file"),
+    (["data.val_files=nowhere.jsonl"],   # an override's relative path: from the current directory
+     f"data.val_files: {os.path.abspath('nowhere.jsonl')!r} does not exist or is not a file"),
     ([f"data.val_files={MATH_DATA}", "data.val_max_samples=0"], "data.val_max_samples: must be -1 (all) or >= 1"),
     (["data.val_heldout=true"], "data.val_heldout: data.task 'file' has no held-out split"),
     (["rollout.val_kwargs.n=4"], "rollout.val_kwargs.n: 4 greedy responses per prompt are all the same"),
