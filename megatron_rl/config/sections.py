@@ -426,6 +426,14 @@ class ActorConfig:
     """Megatron's distributed optimizer: fp32 main parameters and Adam state sharded over the data-parallel
     ranks (ZeRO-1), gradients reduce-scattered and parameters all-gathered. Same updates as without it up
     to fp32 reduction order."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's ``optimizer_cpu_offload``: the fp32 main parameters and Adam moments of a fraction of the
+    parameters (``optimizer_offload_fraction``) live in host memory and their Adam step runs on the CPU
+    (megatron-core's ``HybridDeviceOptimizer``; verl's ``optim.override_optimizer_config.optimizer_cpu_offload``).
+    Needs ``use_distributed_optimizer`` and a megatron-core that has it (docs/memory.md)."""
+    optimizer_offload_fraction: float = 1.0
+    """Megatron's ``optimizer_offload_fraction``: the share of the optimizer state (by parameter count, in the
+    optimizer's order) kept on the CPU with ``optimizer_cpu_offload``, in (0, 1]."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = 1
