@@ -129,19 +129,36 @@ def test_packed_rows_on_the_local_backend_keep_no_scores():
 
 @pytest.mark.parametrize("bf16,dist_opt", [(True, True), (True, False), (False, False)])
 def test_kl_reference_model(bf16, dist_opt):
-    """kl_loss_coef > 0: the never-stepped reference actor holds its parameters, its DDP grad buffer and (bf16)
-    the optimizer's fp32 main copy (sharded over DP=4 with the distributed optimizer); no Adam moments."""
+    """kl_loss_coef > 0: the frozen reference holds its weights in the params dtype, sharded like the actor (TP=2
+    here), and nothing else: no gradient buffer, no main copy, no Adam state, whatever the optimizer."""
     n = qwen7b_rank_params()
     pb = 2 if bf16 else 4
     opts = MemoryOptions(prompt_length=1024, params_bytes=pb, distributed_optimizer=dist_opt)
     cfg = load_job_config(Q7, Q7_TP2 + ["actor.policy_loss.kl_loss_coef=0.1"], world_size=8)
     plan = memory_plan(cfg, 8, opts)
     (st,) = plan.stages
-    main = (4 * n / (4 if dist_opt else 1)) if bf16 else 0
-    assert plan.reference_model and st.reference == pytest.approx(pb * n + 4 * n + main)
+    assert plan.reference_model and st.reference == pytest.approx(pb * n)
     without = memory_plan(load_job_config(Q7, Q7_TP2, world_size=8), 8, opts).stages[0]
     assert without.reference == 0
     assert st.total("none", False) - without.total("none", False) == pytest.approx(st.reference)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_optimizer_cpu_offload_moves_the_state_to_the_host(fraction):
+    """``optimizer_offload_fraction`` f: the device keeps (1 - f) of the 12 bytes per optimizer element (bf16
+    params: fp32 main + 2 moments); the host holds f x 16 bytes (those + megatron's fp32 gradient copy); params,
+    grads and activations do not move. DP=4 with the distributed optimizer: n / 4 elements per rank."""
+    n = qwen7b_rank_params()
+    cfg = load_job_config(Q7, Q7_TP2, world_size=8)
+    base = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, params_bytes=2)).stages[0]
+    st = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, params_bytes=2,
+                                           optimizer_offload_fraction=fraction)).stages[0]
+    assert base.optimizer == pytest.approx(12 * n / 4) and base.host == 0
+    assert st.optimizer == pytest.approx((1 - fraction) * 12 * n / 4)
+    assert st.host == pytest.approx(fraction * 16 * n / 4)
+    assert (st.params, st.grads, st.activations) == (base.params, base.grads, base.activations)
+    with pytest.raises(ValueError, match="optimizer_offload_fraction"):
+        memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, optimizer_offload_fraction=1.5))
 
 
 def test_qwen7b_full_recompute_and_logits():
@@ -254,7 +271,7 @@ def test_cli_plans_the_kl_reference_model():
     r = _cli(Q7, *Q7_TP2, "actor.policy_loss.kl_loss_coef=0.05")
     assert r.returncode == 0, r.stderr
     ref = _row(r.stdout)[3]
-    assert ref == pytest.approx((2 * n + 4 * n + 4 * n / 4) / 2**30, abs=0.01)  # bf16 params, fp32 grads, main/4
+    assert ref == pytest.approx(2 * n / 2**30, abs=0.01)  # bf16 weights only
     assert "KL reference model" in r.stdout
 
 
