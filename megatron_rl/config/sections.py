@@ -434,6 +434,9 @@ class ActorConfig:
     optimizer_offload_fraction: float = 1.0
     """Megatron's ``optimizer_offload_fraction``: the share of the optimizer state (by parameter count, in the
     optimizer's order) kept on the CPU with ``optimizer_cpu_offload``, in (0, 1]."""
+    ref_param_offload: bool = False
+    """verl's ``ref.megatron.param_offload``: the KL reference's weights wait in host memory (pinned on CUDA) and are
+    on the device only during its log-prob pass, so the train step's peak does not hold them (docs/memory.md)."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = 1
