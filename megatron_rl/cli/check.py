@@ -169,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
                          fp32_output_layer=bool(cfg.actor.bf16 and cfg.actor.fp32_output_layer and params_bytes < 4),
                          distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
                          attention=backend.name,
+                         reference_offload=bool(cfg.actor.ref_param_offload),
                          optimizer_offload_fraction=(cfg.actor.optimizer_offload_fraction
                                                      if cfg.actor.optimizer_cpu_offload else 0.0))
     try:

@@ -47,7 +47,9 @@ Optimizer CPU offload (``actor.optimizer_cpu_offload``: ``MemoryOptions.optimize
 
 KL reference model (``actor.policy_loss.kl_loss_coef > 0``)
     A frozen copy of the actor, sharded like it (TP / PP / EP): its weights in the params dtype (the fp32 output
-    layer in fp32) and nothing else -- no gradients, no DDP buffers, no optimizer or main copy.
+    layer in fp32) and nothing else -- no gradients, no DDP buffers, no optimizer or main copy. Parked
+    (``actor.ref_param_offload``): on the device only during its log-prob pass, when no activation of the train step
+    exists, so the stage's total holds ``max(reference, activations)`` instead of their sum, and the host holds it.
 
 Activations per micro-batch (the formula, after Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per GPT layer
@@ -159,6 +161,8 @@ class MemoryOptions:
     attention: str = "te-fused"
     """The core attention the job gets (``models.attention.BACKENDS``): "te-fused" keeps no scores; "te-unfused"
     and "local" materialise the ``[b, heads, s, s]`` scores of padded rows."""
+    reference_offload: bool = False
+    """``actor.ref_param_offload``: the KL reference's weights are on the device only during its log-prob pass."""
     optimizer_offload_fraction: float = 0.0
     """Share of the optimizer state held in host memory (``actor.optimizer_offload_fraction`` with
     ``actor.optimizer_cpu_offload``; 0: none)."""
@@ -249,12 +253,17 @@ class StagePlan:
     reference: float = 0.0
     """The KL reference model on this rank (0 without a KL loss)."""
     host: float = 0.0
-    """Host memory (CPU RAM) of this rank: the offloaded optimizer state (not part of ``total``)."""
+    """Host memory (CPU RAM) of this rank: the offloaded optimizer state, the parked reference (not in ``total``)."""
+    reference_parked: bool = False
+    """The reference is on the device only during its log-prob pass (``actor.ref_param_offload``)."""
 
     def total(self, recompute: str, fused: bool) -> float:
-        """Sum of all components for one recompute mode / log-prob path."""
+        """Sum of all components for one recompute mode / log-prob path (a parked reference: the larger of it and
+        the train step's activations, which never exist at once)."""
         logits = self.logits_fused if fused else self.logits_unfused
-        return self.params + self.grads + self.optimizer + self.reference + self.activations[recompute] + logits
+        acts = self.activations[recompute]
+        held = max(self.reference, acts) if self.reference_parked else self.reference + acts
+        return self.params + self.grads + self.optimizer + held + logits
 
 
 @dataclass
@@ -521,6 +530,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         reference = 0.0
         if plan.reference_model:  # its weights only (module docstring)
             reference = float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w)
+            if o.reference_offload:
+                host += reference
         flight = _in_flight(st, pp, vpp, micro)
 
         def per_layer(with_scores: bool) -> List[float]:
@@ -547,7 +558,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                                      grads=float(o.grad_bytes * n),
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
-                                     reference=reference, host=host))
+                                     reference=reference, host=host,
+                                     reference_parked=plan.reference_model and o.reference_offload))
     return plan
 
 
@@ -619,6 +631,7 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"{'fused' if o.fused_logprobs else 'unfused'}, attention {o.attention} "
         f"({'[b, heads, s, s] scores materialised' if plan.keeps_scores else 'no score matrix kept'})"
         f"{', KL reference model' if plan.reference_model else ''}"
+        f"{' (parked on the host between its passes)' if plan.reference_model and o.reference_offload else ''}"
         f"{f', optimizer CPU offload {o.optimizer_offload_fraction:g}' if o.optimizer_offload_fraction else ''}",
         "",
         f"{mem} per rank, GiB (ref: KL reference model; activations: none / selective / full recompute; "
@@ -636,8 +649,12 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
     lines.append("")
     lines.append(f"peak: stage {peak.stage}, {tot / GiB:.2f} GiB (recompute={o.recompute}, "
                  f"{'fused' if o.fused_logprobs else 'unfused'} log-probs; excludes CUDA context / NCCL buffers)")
+    if plan.reference_model and o.reference_offload:
+        lines.append(f"KL reference parked (actor.ref_param_offload): on the GPU only during its log-prob pass; the "
+                     f"total holds the larger of it and the activations; host memory: up to "
+                     f"{max(st.reference for st in plan.stages) / GiB:.2f} GiB per rank")
     if o.optimizer_offload_fraction:
-        host = max(st.host for st in plan.stages)
+        host = max(st.host - (st.reference if st.reference_parked else 0.0) for st in plan.stages)
         lines.append(f"optimizer CPU offload: {100 * o.optimizer_offload_fraction:g}% of the optimizer state in host "
                      f"memory (CPU RAM, not GPU): up to {host / GiB:.2f} GiB per rank (fp32 main parameters, Adam "
                      f"moments, fp32 gradient copy)")

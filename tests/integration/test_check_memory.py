@@ -161,6 +161,20 @@ def test_optimizer_cpu_offload_moves_the_state_to_the_host(fraction):
         memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, optimizer_offload_fraction=1.5))
 
 
+def test_parked_kl_reference_is_held_when_the_activations_are_not():
+    """``actor.ref_param_offload``: the reference's weights (2 B x the rank's parameters, by hand) go to the host
+    line; the stage total holds the larger of them and the train step's activations instead of their sum."""
+    n = qwen7b_rank_params()
+    kl = Q7_TP2 + ["actor.policy_loss.kl_loss_coef=0.1"]
+    opts = dict(prompt_length=1024, params_bytes=2)
+    held = memory_plan(load_job_config(Q7, kl, world_size=8), 8, MemoryOptions(**opts)).stages[0]
+    parked = memory_plan(load_job_config(Q7, kl + ["actor.ref_param_offload=true"], world_size=8), 8,
+                         MemoryOptions(**opts, reference_offload=True)).stages[0]
+    assert parked.reference == held.reference == pytest.approx(2 * n) and parked.host == pytest.approx(2 * n)
+    acts = held.activations["none"]
+    assert held.total("none", False) - parked.total("none", False) == pytest.approx(min(2 * n, acts))
+
+
 def test_qwen7b_full_recompute_and_logits():
     cfg = load_job_config(Q7, Q7_TP2, world_size=8)
     st = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024)).stages[0]
