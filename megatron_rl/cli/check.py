@@ -29,6 +29,7 @@ from megatron_rl.cli.build_hint import build_command
 from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.load import VERL_FILE_MESSAGE
+from megatron_rl.config.sections import DEFAULT_GPU_MEMORY_GB
 from megatron_rl.config.timeouts import rollout_waits_line
 from megatron_rl.config.validate import world_errors
 from megatron_rl.models.attention import expected_te, job_attention_backend
@@ -44,8 +45,6 @@ from megatron_rl.tasks.reward_fn import reward_import_error
 
 
 DEFAULT_PROMPT_LENGTH = 1024
-#: GPU memory (GiB) a CUDA job without ``cluster.gpu_memory_gb`` is checked against (an 80 GB A100 / H100), said so
-DEFAULT_GPU_MEMORY_GB = 80.0
 
 
 def nodes_that_fit(cfg, gpus_per_node: int, limit: int = 4096) -> Optional[int]:

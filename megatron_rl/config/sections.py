@@ -25,6 +25,11 @@ from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
 
 
+#: GPU memory (GiB) ``check`` plans a CUDA job against when ``cluster.gpu_memory_gb`` is not set, and what
+#: ``migrate verl`` writes (verl has no such key): an 80 GB A100 / H100. Said so wherever it is used.
+DEFAULT_GPU_MEMORY_GB = 80.0
+
+
 @dataclass
 class ClusterConfig:
     """The machines the file is written for: ``megatron-rl check`` plans this job (flags override it) and
@@ -37,7 +42,8 @@ class ClusterConfig:
     gpus_per_node: int = 8
     """Ranks per node: GPUs per node, or processes per node when device is "cpu"."""
     gpu_memory_gb: Optional[float] = None
-    """Memory per GPU in GiB that ``megatron-rl check`` compares its plan with (None: no fit check)."""
+    """Memory per GPU in GiB that ``megatron-rl check`` compares its plan with (None: a CUDA job is checked against
+    ``DEFAULT_GPU_MEMORY_GB``, said so; a CPU job gets no fit verdict)."""
 
     @property
     def world_size(self) -> int:
