@@ -385,15 +385,15 @@ def _reference_and_actor_log_probs(rank, world, job):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lay", [{}, dict(pp=2)], ids=["dp1", "pp2"])
+@pytest.mark.parametrize("lay", [{}, dict(pp=2), dict(pp=4, vpp=2)], ids=["dp1", "pp2", "pp4-vpp2"])
 def test_the_kl_reference_holds_weights_only(tiny_hf_model, lay):
     """The KL reference (``MegatronActor(cfg, frozen=True)``) holds its bf16 weights only, sharded like the actor: no
     parameter requires a gradient, none has a DDP gradient buffer, no DDP wrapper, no optimizer (so no fp32 main
     copy, no Adam state); its log-probs equal those of a trained actor built from the same weights (DDP-wrapped, with
     an optimizer: what the reference was before), bit for bit; it refuses a train step."""
-    model = tiny_hf_model("qwen2", seed=21)
-    job = named_job("actor", *layout(**lay), *knobs(bf16=True), hf=model)
-    world = 2 if lay else 1
+    model = tiny_hf_model("qwen2", seed=21, **({"num_hidden_layers": 8} if "vpp" in lay else {}))
+    job = named_job("actor", *layout(**lay), *knobs(bf16=True, micro_batch_size=1), hf=model)
+    world = lay.get("pp", 1)
     for ref_lp, actor_lp, held in run_ranks(_reference_and_actor_log_probs, world, job, timeout=250):
         assert held["optimizer"] is None and held["scheduler"] is None
         assert held["wrapped"] and "DistributedDataParallel" not in held["wrapped"], held["wrapped"]
