@@ -19,6 +19,15 @@ Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
 Q7_TP2 = ["parallel.tensor_model_parallel_size=2"]
 Q30 = os.path.join(ROOT, "configs", "qwen3_30b_a3b_2x8.yaml")
 DS = os.path.join(ROOT, "configs", "deepseek_v3_scale_64x8.yaml")
+DS671 = os.path.join(ROOT, "configs", "deepseek_v3_671b_64x8.yaml")
+#: verl's examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh (commit b178a3cd): 32 x 8 H100, TP 1, PP 16
+#: (4 / 1 layers on the first / last stage), EP 16, full recompute, 2048 + 4096 tokens, budget 6144, KL loss
+VERL_DS_80GB = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+                "parallel.pipeline_model_parallel_size=16", "parallel.expert_model_parallel_size=16",
+                "parallel.num_layers_in_first_pipeline_stage=4", "parallel.num_layers_in_last_pipeline_stage=1",
+                "rollout.max_new_tokens=4096", "actor.max_tokens_per_micro_batch=6144",
+                "model.extra.recompute_granularity=full", "model.extra.recompute_method=uniform",
+                "model.extra.recompute_num_layers=1", "actor.policy_loss.kl_loss_coef=0.001"]
 
 
 def rel(a, b):
@@ -173,6 +182,19 @@ def test_parked_kl_reference_is_held_when_the_activations_are_not():
     assert parked.reference == held.reference == pytest.approx(2 * n) and parked.host == pytest.approx(2 * n)
     acts = held.activations["none"]
     assert held.total("none", False) - parked.total("none", False) == pytest.approx(min(2 * n, acts))
+
+
+def test_verls_deepseek_v3_80gb_job_fits_with_the_reference_as_its_weights():
+    """verl runs DeepSeek-V3 on 256 x 80 GB with a KL reference: here too, once the reference is its bf16 weights
+    (= the params column) -- planned as a second actor (+ fp32 grads + fp32 main / DP) it would not fit."""
+    cfg = load_job_config(DS671, VERL_DS_80GB, world_size=256)
+    plan = memory_plan(cfg, 256, MemoryOptions(prompt_length=2048, params_bytes=2, recompute="full"))
+    peak = plan.peak()
+    for st in plan.stages:
+        assert st.reference == st.params
+    assert peak.total("full", False) < 80 * 2**30
+    second_actor = peak.grads + 4 * (peak.dense_params / plan.dp + peak.expert_params / plan.expert_dp)
+    assert peak.total("full", False) + second_actor > 80 * 2**30
 
 
 def test_qwen7b_full_recompute_and_logits():
