@@ -137,8 +137,12 @@ def _load_dist(dcp, sd: dict, path: str, to_weights: bool) -> dict:
 
 def _optimizer_classes(optimizer) -> list:
     """The optimizer classes megatron's HybridDeviceOptimizer (``actor.optimizer_cpu_offload``) writes into its param
-    groups, hence into the checkpoint's common state: torch's weights-only loader must be allowed them."""
-    out = []
+    groups, hence into the checkpoint's common state: torch's weights-only loader must be allowed them, whether or
+    not this run offloads (megatron's choices: torch's AdamW / SGD on the CPU, its ``Adam`` / ``SGD`` on the
+    device; and those of this run's optimizer)."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    out = [torch.optim.AdamW, torch.optim.SGD, mcore_optimizer.Adam, mcore_optimizer.SGD]
     for opt in filter(None, torch_optimizers(optimizer)):
         for key in ("cpu_optimizer_cls", "gpu_optimizer_cls"):
             cls = getattr(opt, "defaults", {}).get(key)

@@ -11,6 +11,7 @@ the code path a GPU job runs, minus the device transfers.
 * DP2: within one bf16 ulp on at most 0.01% of the elements (fp32 rounding: the precision-aware path reduces the
   gradient norm and applies the clipped gradient in another order; measured: 1 element of 94528 after 3 steps).
 * save after one step, load into a fresh offloaded actor, one more step == the uninterrupted offloaded run.
+* offload switched on or off across a resume: the next step within the DP2 tolerance above.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_optimizer_offload.py -q``
 """
@@ -126,3 +127,20 @@ def test_offload_needs_what_megatron_needs():
                                           optimizer_offload_fraction=0.0)))
     old = offload_errors(ok, optimizer_fields={"lr", "optimizer"})  # a megatron-core without it
     assert len(old) == 1 and "the installed megatron-core" in old[0] and "optimizer_cpu_offload" in old[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("saved_with", [True, False], ids=["offload-to-plain", "plain-to-offload"])
+def test_offload_switched_across_a_resume(tmp_path, saved_with):
+    """A checkpoint holds megatron's distributed-optimizer state either way: saved with offload it resumes without,
+    and the reverse; the next step equals the uninterrupted run's (within the tolerance of the first test)."""
+    want, _ = run_ranks(_train, 2, _job(saved_with), 2, timeout=300)[0]
+    run_ranks(_train, 2, _job(saved_with), 1, str(tmp_path), timeout=300)
+    got, kinds = run_ranks(_train, 2, _job(not saved_with), 1, None, str(tmp_path / "iter_0000001"), timeout=300)[0]
+    assert ("HybridDeviceOptimizer" in kinds) == (not saved_with)
+    moved = 0
+    for k, w in want.items():
+        ulp = torch.finfo(torch.bfloat16).eps * w.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((got[k].float() - w.float()).abs() <= ulp).all(), k
+        moved += int((got[k] != w).sum())
+    assert moved <= 1e-4 * sum(w.numel() for w in want.values()), moved
