@@ -762,7 +762,7 @@ def _rules() -> List[Rule]:
            neutral=(None,)),
         _n(f"{_A}.load_weight", "the actor always starts from actor.load_hf", neutral=(True,)),
         # ---- reference model
-        _m(f"{_REF}.megatron.param_offload", "actor.ref_param_offload",
+        _m(f"{_REF}.megatron.param_offload", "actor.ref_param_offload", hint=False,  # not the actor's param_offload
            note="the reference's weights on the GPU only during its log-prob pass"),
         Rule(f"{_REF}.fsdp_config.param_offload", MAPPED, target="actor.ref_param_offload",
              inactive=_strategy_is("fsdp"), hint=False,
