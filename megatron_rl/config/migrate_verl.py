@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from megatron_rl.config.interpolation import resolve_interpolations
 from megatron_rl.config.job import SECTIONS
+from megatron_rl.config.sections import DEFAULT_GPU_MEMORY_GB
 from megatron_rl.config.verl_keys import (
     MAPPED, NO_MEANING, NOTE, SERVER, UNSUPPORTED, Rule, Skip, Verl, rule_for, same_value,
 )
@@ -102,6 +103,9 @@ class Migration:
             if entries:
                 lines.append(f"{kind} ({len(entries)}):")
                 lines += [f"  {line}" for line in _grouped(entries)]
+        if (self.tree.get("cluster") or {}).get("gpu_memory_gb") == DEFAULT_GPU_MEMORY_GB:
+            lines.append(f"default: cluster.gpu_memory_gb = {DEFAULT_GPU_MEMORY_GB:g} (verl has no GPU memory key; "
+                         f"`megatron-rl check` plans the job against it: set your GPUs' memory)")
         mapped = self.of_kind(MAPPED)
         if mapped:
             lines.append(f"mapped ({len(mapped)}):")
@@ -230,5 +234,6 @@ def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "
                     written.setdefault(t, (v, key))
                     _set(out, t, v)
         entries.append(entry)
+    out.setdefault("cluster", {}).setdefault("gpu_memory_gb", DEFAULT_GPU_MEMORY_GB)  # verl has no such key
     ordered = {s: out[s] for s in SECTIONS if s in out}
     return Migration(tree=ordered, entries=entries, version=version, base=base)

@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from megatron_rl.actor.lr_schedule import lr_schedule_errors
 from megatron_rl.actor.batcher import MicroBatcher
+from megatron_rl.actor.optimizer import offload_errors
 from megatron_rl.actor.precision import precision_error
 from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.config.job import ConfigError, JobConfig
@@ -151,6 +152,7 @@ def job_errors(cfg: JobConfig, world_size: int, has_te: Optional[bool] = None) -
     precision_problem = precision_error(ac)
     if precision_problem:
         errs.append(precision_problem)
+    errs += offload_errors(ac)  # actor.optimizer_cpu_offload: megatron's limits and the installed version
     if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
         errs.append(f"actor.load_hf: {ac.load_hf!r} is not a directory")
     try:

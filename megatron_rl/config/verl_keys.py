@@ -177,6 +177,24 @@ def _strategy_is(strategy: str) -> Callable[[Verl], Optional[str]]:
 _RM = "actor_rollout_ref"
 _A, _R, _REF, _MODEL = f"{_RM}.actor", f"{_RM}.rollout", f"{_RM}.ref", f"{_RM}.model"
 _DYN = _unless(f"{_A}.use_dynamic_bsz", bool, " (fixed micro-batches of ppo_micro_batch_size_per_gpu rows)")
+_OFFLOAD_KEY = f"{_A}.optim.override_optimizer_config.optimizer_cpu_offload"
+_OFFLOAD_OFF = _unless(_OFFLOAD_KEY, bool, "")
+#: verl's between-phase offloads: what they free is used by verl's colocated engine, which wakes into it
+_PHASE_OFFLOAD = ("verl parks the actor's {what} on the CPU while its colocated engine generates and loads them "
+                  "back for the train step; here a colocated SGLang server keeps the memory fraction it was "
+                  "launched with, so parking would free memory nothing takes: the train step's peak is the same "
+                  "(docs/memory.md); plan cluster.gpu_memory_gb as the GPU memory the trainer gets")
+
+
+def _cpu_offload(value: Any, v: Verl) -> Dict[str, Any]:
+    """On only where megatron offloads something: its ``optimizer_offload_fraction`` defaults to 0."""
+    return {"actor.optimizer_cpu_offload": bool(value and v.get(_OFFLOAD_KEY.replace("optimizer_cpu_offload",
+                                                                                     "optimizer_offload_fraction")))}
+
+
+def _set_with_offload(v: Verl) -> Optional[str]:
+    """megatron's precision-aware optimizer is what its CPU offload runs through: set with it."""
+    return "set here by actor.optimizer_cpu_offload, which runs through it" if v.get(_OFFLOAD_KEY) else None
 
 
 # ------------------------------------------------------------------------------------------------ converters
@@ -829,8 +847,21 @@ def _rules() -> List[Rule]:
            inactive=_unless(f"{_A}.optim.lr_decay_style", lambda s: s == "wsd", "")),
         _n(f"{_A}.optim.use_checkpoint_opt_param_scheduler", "the optimizer state is always restored from the "
            "checkpoint on resume", neutral=(False,)),
-        _u(f"{_A}.optim.override_optimizer_config.**", "Megatron optimizer overrides (CPU offload, "
-           "precision-aware optimizer) are not exposed"),
+        # megatron's optimizer CPU offload (HybridDeviceOptimizer): the same on both sides (docs/memory.md)
+        _m(f"{_A}.optim.override_optimizer_config.optimizer_cpu_offload", "actor.optimizer_cpu_offload",
+           convert=_cpu_offload, note="megatron's optimizer CPU offload (needs actor.use_distributed_optimizer and "
+           "actor.bf16); without optimizer_offload_fraction megatron's default 0 offloads nothing: written as false"),
+        Rule(f"{_A}.optim.override_optimizer_config.optimizer_offload_fraction", MAPPED,
+             target="actor.optimizer_offload_fraction", inactive=_OFFLOAD_OFF),
+        Rule(f"{_A}.optim.override_optimizer_config.use_precision_aware_optimizer", UNSUPPORTED,
+             note="megatron's precision-aware optimizer alone (Transformer Engine's FusedAdam) is not exposed",
+             neutral=(False,), inactive=_set_with_offload),
+        _n(f"{_A}.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d", "a CUDA-stream overlap of "
+           "megatron's optimizer offload: speed only, the same updates (megatron's default, off, here)"),
+        _n(f"{_A}.optim.override_optimizer_config.pin_cpu_*", "pinned host buffers of megatron's optimizer "
+           "offload: speed only (megatron's default, pinned, here)"),
+        _u(f"{_A}.optim.override_optimizer_config.**", "Megatron optimizer overrides other than CPU offload "
+           "are not exposed"),
         _n(f"{_A}.optim.override_optimizer_config", "no overrides given", neutral=({},)),
         _u(f"{_A}.optim.**", "an optimizer option the Adam optimizer here does not have"),
         # ---- actor: Megatron engine
@@ -844,9 +875,11 @@ def _rules() -> List[Rule]:
         _m(f"{_A}.megatron.dtype", convert=_dtype),
         _m(f"{_A}.megatron.use_remove_padding", "actor.sequence_packing", convert=_remove_padding,
            note="true packs each micro-batch's rows into one sequence"),
-        _u(f"{_A}.megatron.param_offload", "no CPU offload of parameters", neutral=(False,)),
-        _u(f"{_A}.megatron.grad_offload", "no CPU offload of gradients", neutral=(False,)),
-        _u(f"{_A}.megatron.optimizer_offload", "no CPU offload of the optimizer state", neutral=(False,)),
+        _n(f"{_A}.megatron.param_offload", _PHASE_OFFLOAD.format(what="parameters"), neutral=(False,)),
+        _n(f"{_A}.megatron.grad_offload", _PHASE_OFFLOAD.format(what="gradients"), neutral=(False,)),
+        _n(f"{_A}.megatron.optimizer_offload", _PHASE_OFFLOAD.format(what="optimizer state") + "; if the "
+           "train step does not fit, actor.optimizer_cpu_offload keeps it on the host for the step too",
+           neutral=(False,)),
         _n(f"{_A}.megatron.use_dist_checkpointing", "checkpoints are always megatron-core distributed "
            "checkpoints; the actor starts from actor.load_hf (or a `megatron-rl convert hf-to-mcore` output)",
            neutral=(False,)),
@@ -871,6 +904,14 @@ def _rules() -> List[Rule]:
         Rule(f"{_A}.fsdp_config.dtype", MAPPED, convert=_dtype, inactive=_strategy_is("fsdp"), hint=False,
              note="verl's FSDP actor computes in this dtype over fp32 parameters: actor.bf16 (bf16 compute, fp32 "
                   "main weights)"),
+        Rule(f"{_A}.fsdp_config.offload_policy", MAPPED, target="actor.optimizer_cpu_offload",
+             inactive=_strategy_is("fsdp"), hint=False,
+             note="FSDP2's CPUOffloadPolicy steps the optimizer on the CPU: megatron's optimizer CPU offload (the "
+                  "parameters and gradients stay on the GPU here; needs actor.use_distributed_optimizer, actor.bf16)"),
+        Rule(f"{_A}.fsdp_config.param_offload", NO_MEANING, inactive=_strategy_is("fsdp"), hint=False,
+             neutral=(False,), note=_PHASE_OFFLOAD.format(what="parameters")),
+        Rule(f"{_A}.fsdp_config.optimizer_offload", NO_MEANING, inactive=_strategy_is("fsdp"), hint=False,
+             neutral=(False,), note=_PHASE_OFFLOAD.format(what="optimizer state")),
         _n(f"{_A}.fsdp_config.**", "verl's FSDP actor; the actor here is Megatron (parallel.*, "
            "actor.use_distributed_optimizer, actor.bf16)"),
         _n(f"{_A}.ulysses_sequence_parallel_size", "DeepSpeed-Ulysses sequence parallelism of verl's FSDP actor; "
@@ -921,6 +962,11 @@ def _rules() -> List[Rule]:
            neutral=(None,)),
         _n(f"{_A}.load_weight", "the actor always starts from actor.load_hf", neutral=(True,)),
         # ---- reference model
+        _m(f"{_REF}.megatron.param_offload", "actor.ref_param_offload", hint=False,  # not the actor's param_offload
+           note="the reference's weights on the GPU only during its log-prob pass"),
+        Rule(f"{_REF}.fsdp_config.param_offload", MAPPED, target="actor.ref_param_offload",
+             inactive=_strategy_is("fsdp"), hint=False,
+             note="the reference's weights on the GPU only during its log-prob pass"),
         _n(f"{_REF}.log_prob_*", _LOGPROB_MB),
         _n(f"{_REF}.**", _REF_NOTE),
         # ---- rollout

@@ -76,7 +76,7 @@ def _find(pattern: str, text: str, config: str) -> re.Match:
 
 def parse_check(config: str, status: int, text: str) -> ConfigRow:
     """The row of ``config`` from ``check``'s printed plan (ValueError naming the missing line)."""
-    where = _find(r"^config OK: \S+ at world size (\d+) \((\d+) node\(s\) x (\d+) GPU\(s\)\)", text, config)
+    where = _find(r"^config (?:OK|valid but does NOT FIT): \S+ at world size (\d+) \((\d+) node\(s\) x (\d+) GPU\(s\)\)", text, config)
     layout = _find(r"^layout: world=\d+ (.*)$", text, config).group(1)
     model = _find(r"^model: (.*?) parameters( \((.*?) active per token\))?;", text, config)
     seq = _find(r"sequence (\d+) tokens \(prompt (\d+) \+ (?:rollout\.max_new_tokens|multi_turn\.max_total_tokens)\), "

@@ -39,11 +39,17 @@ Optimizer (Adam)
     expert-DP (experts); without it every rank holds all of it. (Megatron's docs: 18 bytes/param
     without, 6 + 12/d with the distributed optimizer.)
 
+Optimizer CPU offload (``actor.optimizer_cpu_offload``: ``MemoryOptions.optimizer_offload_fraction`` f)
+    megatron-core's HybridDeviceOptimizer (with its precision-aware path) keeps, for the offloaded share f of this
+    rank's optimizer shard, the fp32 main parameter, both moments and an fp32 copy of the gradient in host memory
+    (16 bytes per element, ``StagePlan.host``); the device keeps the other (1 - f) of the 12 bytes per element.
+    The share is taken by element count (megatron takes whole parameters in order until f is reached).
+
 KL reference model (``actor.policy_loss.kl_loss_coef > 0``)
-    The trainer builds the reference as a second actor that is never stepped: its parameters (params dtype),
-    its DDP gradient buffer (``grad_bytes``, allocated when DDP wraps the model) and, with bf16 parameters, the
-    optimizer's fp32 main copy (4 bytes/param, sharded like the Adam state); Adam's moments are created at the
-    first step, so none.
+    A frozen copy of the actor, sharded like it (TP / PP / EP): its weights in the params dtype (the fp32 output
+    layer in fp32) and nothing else -- no gradients, no DDP buffers, no optimizer or main copy. Parked
+    (``actor.ref_param_offload``): on the device only during its log-prob pass, when no activation of the train step
+    exists, so the stage's total holds ``max(reference, activations)`` instead of their sum, and the host holds it.
 
 Activations per micro-batch (the formula, after Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per GPT layer
@@ -161,6 +167,11 @@ class MemoryOptions:
     attention: str = "te-fused"
     """The core attention the job gets (``models.attention.BACKENDS``): "te-fused" keeps no scores; "te-unfused"
     and "local" materialise the ``[b, heads, s, s]`` scores of padded rows."""
+    reference_offload: bool = False
+    """``actor.ref_param_offload``: the KL reference's weights are on the device only during its log-prob pass."""
+    optimizer_offload_fraction: float = 0.0
+    """Share of the optimizer state held in host memory (``actor.optimizer_offload_fraction`` with
+    ``actor.optimizer_cpu_offload``; 0: none)."""
     fused_logprobs: bool = False
     """Plan for the fused linear log-prob path (only a chunk of logits exists at a time) instead of the
     vocab-parallel path the actor runs (the logits and their gradient in the params dtype + one chunk)."""
@@ -247,11 +258,18 @@ class StagePlan:
     logits_fused: float
     reference: float = 0.0
     """The KL reference model on this rank (0 without a KL loss)."""
+    host: float = 0.0
+    """Host memory (CPU RAM) of this rank: the offloaded optimizer state, the parked reference (not in ``total``)."""
+    reference_parked: bool = False
+    """The reference is on the device only during its log-prob pass (``actor.ref_param_offload``)."""
 
     def total(self, recompute: str, fused: bool) -> float:
-        """Sum of all components for one recompute mode / log-prob path."""
+        """Sum of all components for one recompute mode / log-prob path (a parked reference: the larger of it and
+        the train step's activations, which never exist at once)."""
         logits = self.logits_fused if fused else self.logits_unfused
-        return self.params + self.grads + self.optimizer + self.reference + self.activations[recompute] + logits
+        acts = self.activations[recompute]
+        held = max(self.reference, acts) if self.reference_parked else self.reference + acts
+        return self.params + self.grads + self.optimizer + held + logits
 
 
 @dataclass
@@ -448,6 +466,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         raise ValueError(f"attention={o.attention!r} is not one of {tuple(BACKENDS)}")
     if o.prompt_length < 0:
         raise ValueError(f"prompt_length={o.prompt_length} must be >= 0")
+    if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction={o.optimizer_offload_fraction} must be in [0, 1]")
     m, p = cfg.model, cfg.parallel
     if m is None:
         raise ValueError("model: missing; the memory plan needs the model shape")
@@ -504,18 +524,23 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         n = dense + expert
         dense_shard = dp * cp if o.distributed_optimizer else 1
         expert_shard = edp if o.distributed_optimizer else 1
-        optimizer = opt_bytes * (dense / dense_shard + expert / expert_shard)
+        shard = dense / dense_shard + expert / expert_shard  # optimizer elements of this rank
+        optimizer = opt_bytes * shard
         # fp32 output layer (bf16 actor): that weight is fp32 on its stage(s), its own main parameter
         fp32_w = 0
         if o.fp32_output_layer and o.params_bytes < 4:
             tied = not m.untie_embeddings_and_output_weights
             fp32_w = (V * h // tp) * ((st == pp - 1) + (st == 0 and tied and pp > 1))
         optimizer -= main_bytes * fp32_w / dense_shard
+        host = 0.0
+        if o.optimizer_offload_fraction:  # HybridDeviceOptimizer: the offloaded share lives on the host
+            host = 16.0 * o.optimizer_offload_fraction * shard
+            optimizer *= 1.0 - o.optimizer_offload_fraction
         reference = 0.0
-        if plan.reference_model:  # params + DDP grad buffer + fp32 main copy (module docstring)
-            reference = (o.params_bytes + o.grad_bytes) * n + main_bytes * (dense / dense_shard
-                                                                            + expert / expert_shard)
-            reference += (4 - o.params_bytes) * fp32_w - main_bytes * fp32_w / dense_shard
+        if plan.reference_model:  # its weights only (module docstring)
+            reference = float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w)
+            if o.reference_offload:
+                host += reference
         flight = _in_flight(st, pp, vpp, micro)
 
         def per_layer(with_scores: bool) -> List[float]:
@@ -540,7 +565,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                                      grads=float(o.grad_bytes * n),
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
-                                     reference=reference))
+                                     reference=reference, host=host,
+                                     reference_parked=plan.reference_model and o.reference_offload))
     return plan
 
 
@@ -629,7 +655,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"{'on' if o.distributed_optimizer else 'off'}, recompute {o.recompute}, log-prob path "
         f"{'fused' if o.fused_logprobs else 'unfused'}, attention {o.attention} "
         f"({'[b, heads, s, s] scores materialised' if plan.keeps_scores else 'no score matrix kept'})"
-        f"{', KL reference model' if plan.reference_model else ''}",
+        f"{', KL reference model' if plan.reference_model else ''}"
+        f"{' (parked on the host between its passes)' if plan.reference_model and o.reference_offload else ''}"
+        f"{f', optimizer CPU offload {o.optimizer_offload_fraction:g}' if o.optimizer_offload_fraction else ''}",
         "",
         f"{mem} per rank, GiB (ref: KL reference model; activations: none / selective / full recompute; "
         f"logits: unfused / fused)",
@@ -646,6 +674,15 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
     lines.append("")
     lines.append(f"peak: stage {peak.stage}, {tot / GiB:.2f} GiB (recompute={o.recompute}, "
                  f"{'fused' if o.fused_logprobs else 'unfused'} log-probs; excludes CUDA context / NCCL buffers)")
+    if plan.reference_model and o.reference_offload:
+        lines.append(f"KL reference parked (actor.ref_param_offload): on the GPU only during its log-prob pass; the "
+                     f"total holds the larger of it and the activations; host memory: up to "
+                     f"{max(st.reference for st in plan.stages) / GiB:.2f} GiB per rank")
+    if o.optimizer_offload_fraction:
+        host = max(st.host - (st.reference if st.reference_parked else 0.0) for st in plan.stages)
+        lines.append(f"optimizer CPU offload: {100 * o.optimizer_offload_fraction:g}% of the optimizer state in host "
+                     f"memory (CPU RAM, not GPU): up to {host / GiB:.2f} GiB per rank (fp32 main parameters, Adam "
+                     f"moments, fp32 gradient copy)")
     if gpu_memory_gb is not None:
         knob = "actor.micro_batch_size" if plan.max_tokens_per_micro_batch is None else "actor.max_tokens_per_micro_batch"
         if tot > gpu_memory_gb * GiB:
