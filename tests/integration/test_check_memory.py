@@ -26,8 +26,8 @@ VERL_DS_80GB = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_para
                 "parallel.pipeline_model_parallel_size=16", "parallel.expert_model_parallel_size=16",
                 "parallel.num_layers_in_first_pipeline_stage=4", "parallel.num_layers_in_last_pipeline_stage=1",
                 "rollout.max_new_tokens=4096", "actor.max_tokens_per_micro_batch=6144",
-                "model.extra.recompute_granularity=full", "model.extra.recompute_method=uniform",
-                "model.extra.recompute_num_layers=1", "actor.policy_loss.kl_loss_coef=0.001"]
+                "actor.recompute_granularity=full", "actor.recompute_method=uniform",
+                "actor.recompute_num_layers=1", "actor.policy_loss.kl_loss_coef=0.001"]
 
 
 def rel(a, b):
