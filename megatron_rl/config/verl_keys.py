@@ -77,9 +77,12 @@ class Verl:
 
     @property
     def strategy(self) -> Optional[str]:
-        """verl's actor backend: ``actor.strategy``, else "megatron" when the file has an ``actor.megatron``
+        """verl's actor backend: ``actor.strategy``, else the Hydra choice ``model_engine`` (verl main's run
+        scripts: ``megatron``, or ``dp`` for FSDP), else "megatron" when the file has an ``actor.megatron``
         block, "fsdp" when it has an ``actor.fsdp_config`` block, else None (unknown)."""
         s = self.get("actor_rollout_ref.actor.strategy")
+        if s is None and self.get("model_engine") in _MODEL_ENGINES:
+            s = _MODEL_ENGINES[self.get("model_engine")]
         if s is not None:
             return "megatron" if s == "megatron" else "fsdp"
         if self.has("actor_rollout_ref.actor.megatron"):
@@ -98,6 +101,8 @@ class Verl:
 
 
 _ABSENT = object()
+#: verl's ``model_engine`` Hydra choices (its ppo_trainer.yaml defaults list) whose generated config is bundled.
+_MODEL_ENGINES = {"megatron": "megatron", "dp": "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -574,8 +579,24 @@ def _filter_metric(value: Any) -> Any:
     return value
 
 
-def _max_rounds(value: Any) -> Any:
+def _v1(v: Verl) -> bool:
+    """Whether verl runs the file with main_ppo's v1 trainer (``trainer.use_v1``, true in verl 0.9.1's and main's
+    defaults): its DAPO filtering refills one prompt at a time without a round limit (v1/trainer_base.py
+    ``_init_dataloader`` / ``_resolve_filter_groups_metric``), unlike verl-recipe's DAPO trainer."""
+    return bool(v.get("trainer.use_v1"))
+
+
+_RECIPE = ("or set trainer.use_v1: false in the verl file to read it as verl-recipe's DAPO trainer (main_dapo: "
+           "gen_batch_size prompts per round, at most max_num_gen_batches rounds, then it raises)")
+
+
+def _max_rounds(value: Any, v: Verl) -> Any:
     """verl's max_num_gen_batches (0: unlimited) -> this project's (at least 1: rounds are always bounded)."""
+    if _v1(v):
+        raise Skip(UNSUPPORTED, f"{_show(value)}: verl's v1 trainer (trainer.use_v1: true) ignores "
+                                f"max_num_gen_batches (it warns) and refills filtered groups without limit; here "
+                                f"rounds are bounded: set algorithm.filter_groups.max_num_gen_batches (>= 1) and "
+                                f"on_exhausted yourself, {_RECIPE}")
     if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
         raise Skip(UNSUPPORTED, f"{value}: verl's unlimited rounds; here they are bounded (set "
                                 f"algorithm.filter_groups.max_num_gen_batches >= 1, default 10)")
@@ -591,7 +612,7 @@ PENDING: Dict[str, Pending] = {
                                               transform=lambda value, v: _filter_metric(value)),
     "algorithm.filter_groups.max_num_gen_batches": Pending(
         ("algorithm.filter_groups.max_num_gen_batches",), _NO_DYN, inactive=_FG_OFF,
-        transform=lambda value, v: _max_rounds(value)),
+        transform=_max_rounds),
 }
 
 
@@ -600,9 +621,13 @@ def _filter_groups_enable(value: Any, v: Verl) -> Dict[str, Any]:
     rounds did not fill the batch: on_exhausted "error" here."""
     if not value:
         raise Skip(NO_MEANING, f"{_show(value)}: no dynamic sampling, this project's default too")
+    if _v1(v):  # max_num_gen_batches is refused then: the user decides the bound and on_exhausted
+        return {"algorithm.filter_groups.enable": True,
+                NOTE: "verl's v1 trainer (trainer.use_v1: true) refills filtered groups without a round limit; "
+                      "here rounds are bounded (algorithm.filter_groups.max_num_gen_batches, on_exhausted)"}
     return {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.on_exhausted": "error",
-            NOTE: "on_exhausted: error -- verl's DAPO trainer raises when max_num_gen_batches rounds did not "
-                  "fill the batch"}
+            NOTE: "on_exhausted: error -- verl-recipe's DAPO trainer raises when max_num_gen_batches rounds did "
+                  "not fill the batch"}
 
 
 def _gen_batch_size(value: Any, v: Verl) -> Dict[str, Any]:
@@ -611,10 +636,29 @@ def _gen_batch_size(value: Any, v: Verl) -> Dict[str, Any]:
     total = v.get("data.train_batch_size")
     if value is None or same_value(value, total):
         raise Skip(NO_MEANING, f"{_show(value)}: each draw takes data.train_batch_size prompts, as here")
+    if _v1(v) and not v.get("algorithm.filter_groups.enable"):
+        raise Skip(NO_MEANING, f"{value}: verl's v1 trainer (trainer.use_v1: true) fetches prompts {value} at a time "
+                               f"but trains data.train_batch_size {total} per step and counts rows // "
+                               f"train_batch_size steps per epoch, as here")
+    if _v1(v):
+        raise Skip(UNSUPPORTED, f"{value}: verl's v1 trainer (trainer.use_v1: true) with filter_groups has it "
+                                f"overridden to 1 (one prompt drawn per filtered group) and counts rows // "
+                                f"data.train_batch_size {total} steps per epoch; here rounds draw "
+                                f"algorithm.filter_groups.prompts_per_round (default data.prompts_per_step) "
+                                f"prompts: drop data.gen_batch_size for that, {_RECIPE}")
     if not v.get("algorithm.filter_groups.enable"):
         raise Skip(UNSUPPORTED, f"{value}: without filter_groups verl's steps train gen_batch_size prompts, not "
                                 f"data.train_batch_size {total}: set data.train_batch_size to {value}")
     return {"algorithm.filter_groups.prompts_per_round": value}
+
+
+def _model_engine(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's Hydra choice of the actor / ref / critic configs (``model_engine=megatron`` in its run scripts)."""
+    if value in _MODEL_ENGINES:
+        raise Skip(NO_MEANING, f"{value}: verl's {_MODEL_ENGINES[value]} actor configs (the file is read over "
+                               f"them); the actor here is Megatron")
+    raise Skip(UNSUPPORTED, f"verl's {value!r} engine: its defaults are not bundled (model_engine megatron or dp); "
+                            f"give its generated config as --base")
 
 
 def _strategy(value: Any, v: Verl) -> Dict[str, Any]:
@@ -882,6 +926,7 @@ def _rules() -> List[Rule]:
         _u(f"{_A}.calculate_sum_pi_squared", "no sum-of-squared-probabilities output", neutral=(False,)),
         _n(f"{_A}.sum_pi_squared_checkpointing", "a memory option of calculate_sum_pi_squared"),
         _m(f"{_A}.strategy", convert=_strategy, hint=False),
+        _m("model_engine", convert=_model_engine, hint=False),
         _n(f"{_A}.rollout_n", "verl's copy of actor_rollout_ref.rollout.n"),
         # ---- actor: batching
         _m(f"{_A}.ppo_mini_batch_size", "actor.ppo_mini_batches", convert=_mini_batches,
