@@ -167,9 +167,12 @@ def test_gspo_aggregation_follows_the_verl_version(version):
 
 # ---------------------------------------------------------------------------------------------- 5. dynamic sampling
 def test_gen_batch_size_is_prompts_per_round_and_exhaustion_raises():
-    """verl's DAPO e2e recipe: gen_batch_size 1024 prompts per round, train_batch_size 256; verl's DAPO trainer
-    raises after max_num_gen_batches rounds (verl-recipe dapo/dapo_ray_trainer.py)."""
-    m = _migrate("dapo_minimal.yaml")
+    """verl's DAPO e2e recipe read as verl-recipe's DAPO trainer (trainer.use_v1: false; main_ppo's v1 trainer is
+    the next section's): gen_batch_size 1024 prompts per round, train_batch_size 256; that trainer raises after
+    max_num_gen_batches rounds (verl-recipe dapo/dapo_ray_trainer.py)."""
+    tree = _load("dapo_minimal.yaml")
+    tree["trainer"]["use_v1"] = False
+    m = _migrate(tree)
     fg = m.tree["algorithm"]["filter_groups"]
     assert fg["prompts_per_round"] == 1024 and m.tree["data"]["prompts_per_step"] == 256
     assert fg["on_exhausted"] == "error"
@@ -288,6 +291,7 @@ def test_relative_paths_are_resolved_where_verl_opens_them(tmp_path, monkeypatch
     assert m.tree["actor"]["load_hf"] == "Qwen/Qwen2.5-7B"
     assert "directory migrate ran in" in _entry(m, "data.train_files").detail
     out = tmp_path / "elsewhere" / "job.yaml"
+    out.parent.mkdir()
     assert cli_main(["migrate", "verl", os.path.join(DATA, "rollout_corr_multi_rs_qwen2_5_7b_fsdp.yaml"),
                      "-o", str(out)]) == 0
     cfg, _ = collect_job_config(str(out), ["actor.load_hf=null"], world_size="cluster")
