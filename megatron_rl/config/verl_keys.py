@@ -1021,6 +1021,11 @@ def _rules() -> List[Rule]:
         _n(f"{_R}.calculate_log_probs", "the engine always returns the sampled tokens' log-probs (the rollout "
            "correction needs them)"),
         *_multi_turn_rules(),
+        _u(f"{_R}.agent.agent_loop_config_path", "verl's agent loops registered from this file run for the rows "
+           "that name them (agent_name); here a row is generated single-turn, or by an Environment class "
+           "(multi_turn.env, docs/multi_turn.md)", neutral=(None,)),
+        _u(f"{_R}.agent.custom_async_server.*", "verl's own rollout server class; rollouts come from SGLang servers "
+           "here", neutral=(None,)),
         _n(f"{_R}.agent.**", "verl's agent-loop workers; generation requests are sent from rank 0 here"),
         _m(f"{_R}.checkpoint_engine.update_weights_bucket_megabytes", "rollout.weight_sync_bucket_mb"),
         _n(f"{_R}.checkpoint_engine.**", "how weights reach the engine is rollout.weight_sync here"),

@@ -297,3 +297,18 @@ def test_relative_paths_are_resolved_where_verl_opens_them(tmp_path, monkeypatch
     cfg, _ = collect_job_config(str(out), ["actor.load_hf=null"], world_size="cluster")
     assert cfg.data.path == str(tmp_path / "data" / "train.parquet")
     assert cfg.trainer.run_dir == run_dir
+
+
+def test_agent_loop_files_are_refused_not_dropped():
+    """verl main's rollout.agent.agent_loop_config_path registers agent loops that rows naming them run (its
+    agent_loop.py), and agent.custom_async_server.path replaces its rollout server: both change what a rollout is.
+    They were "no meaning here" (exit 0, single-turn training); now each is refused by name. Unset (verl's
+    defaults, null) they change nothing."""
+    tree = _load("grpo_moonlight_16b_megatron.yaml")
+    assert not _migrate(tree).differences()
+    tree["actor_rollout_ref"]["rollout"]["agent"] = {"agent_loop_config_path": "agent_loops.yaml",
+                                                     "custom_async_server": {"path": "srv.py", "name": "Srv"}}
+    differ = {e.key for e in _migrate(tree).differences()}
+    assert differ == {"actor_rollout_ref.rollout.agent.agent_loop_config_path",
+                      "actor_rollout_ref.rollout.agent.custom_async_server.path",
+                      "actor_rollout_ref.rollout.agent.custom_async_server.name"}
