@@ -961,7 +961,9 @@ def _rules() -> List[Rule]:
         _n(f"{_A}.checkpoint.**", "a checkpoint holds the model, optimizer and loop state, always "
            "(trainer.save_interval, trainer.checkpoint_timeout_s)"),
         _n(f"{_A}.profiler.**", _PROFILER),
-        _m(f"{_A}.router_replay.mode", convert=_routing_replay),
+        _n(f"{_A}.router_replay.mode", "verl 0.9.1 / main decide routing replay from actor_rollout_ref.actor.megatron."
+           "router_replay.mode alone (its engine workers; an FSDP actor: none); this key has no effect there",
+           neutral=("disabled",), hint=False),
         _n(f"{_A}.router_replay.*", "routing is replayed in memory (actor.routing_replay), not through files",
            neutral=(None,)),
         _n(f"{_A}.load_weight", "the actor always starts from actor.load_hf", neutral=(True,)),

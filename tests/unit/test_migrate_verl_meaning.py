@@ -312,3 +312,20 @@ def test_agent_loop_files_are_refused_not_dropped():
     assert differ == {"actor_rollout_ref.rollout.agent.agent_loop_config_path",
                       "actor_rollout_ref.rollout.agent.custom_async_server.path",
                       "actor_rollout_ref.rollout.agent.custom_async_server.name"}
+
+
+def test_routing_replay_is_read_where_verls_engine_reads_it():
+    """verl 0.9.1 / main decide routing replay from ``actor.megatron.router_replay.mode`` only (engine_workers.py:
+    megatron -> that key, any other actor -> disabled); ``actor.router_replay`` is not read. verl's R3 example
+    (examples/router_replay at 1dda039b) sets the Megatron key: it maps to r3 without a conflict with the unread
+    key's default. An FSDP job that sets the unread key keeps verl's none."""
+    m = _migrate("grpo_router_replay_r3_qwen3_30b_megatron.yaml")
+    assert m.tree["actor"]["routing_replay"] == "r3"
+    assert not [e for e in m.differences() if "router_replay" in e.key]
+    e = _entry(m, "actor_rollout_ref.actor.router_replay.mode")
+    assert e.kind == UNCHANGED and e.value == "disabled"
+    fsdp = _load("rollout_corr_multi_rs_qwen2_5_7b_fsdp.yaml")
+    fsdp["actor_rollout_ref"]["actor"]["router_replay"] = {"mode": "R3"}
+    m = _migrate(fsdp)
+    assert m.tree["actor"].get("routing_replay", "none") == "none"
+    assert "no effect" in _entry(m, "actor_rollout_ref.actor.router_replay.mode").detail
