@@ -77,9 +77,12 @@ class Verl:
 
     @property
     def strategy(self) -> Optional[str]:
-        """verl's actor backend: ``actor.strategy``, else "megatron" when the file has an ``actor.megatron``
+        """verl's actor backend: ``actor.strategy``, else the Hydra choice ``model_engine`` (verl main's run
+        scripts: ``megatron``, or ``dp`` for FSDP), else "megatron" when the file has an ``actor.megatron``
         block, "fsdp" when it has an ``actor.fsdp_config`` block, else None (unknown)."""
         s = self.get("actor_rollout_ref.actor.strategy")
+        if s is None and self.get("model_engine") in _MODEL_ENGINES:
+            s = _MODEL_ENGINES[self.get("model_engine")]
         if s is not None:
             return "megatron" if s == "megatron" else "fsdp"
         if self.has("actor_rollout_ref.actor.megatron"):
@@ -98,6 +101,8 @@ class Verl:
 
 
 _ABSENT = object()
+#: verl's ``model_engine`` Hydra choices (its ppo_trainer.yaml defaults list) whose generated config is bundled.
+_MODEL_ENGINES = {"megatron": "megatron", "dp": "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -592,8 +597,24 @@ def _filter_metric(value: Any) -> Any:
     return value
 
 
-def _max_rounds(value: Any) -> Any:
+def _v1(v: Verl) -> bool:
+    """Whether verl runs the file with main_ppo's v1 trainer (``trainer.use_v1``, true in verl 0.9.1's and main's
+    defaults): its DAPO filtering refills one prompt at a time without a round limit (v1/trainer_base.py
+    ``_init_dataloader`` / ``_resolve_filter_groups_metric``), unlike verl-recipe's DAPO trainer."""
+    return bool(v.get("trainer.use_v1"))
+
+
+_RECIPE = ("or set trainer.use_v1: false in the verl file to read it as verl-recipe's DAPO trainer (main_dapo: "
+           "gen_batch_size prompts per round, at most max_num_gen_batches rounds, then it raises)")
+
+
+def _max_rounds(value: Any, v: Verl) -> Any:
     """verl's max_num_gen_batches (0: unlimited) -> this project's (at least 1: rounds are always bounded)."""
+    if _v1(v):
+        raise Skip(UNSUPPORTED, f"{_show(value)}: verl's v1 trainer (trainer.use_v1: true) ignores "
+                                f"max_num_gen_batches (it warns) and refills filtered groups without limit; here "
+                                f"rounds are bounded: set algorithm.filter_groups.max_num_gen_batches (>= 1) and "
+                                f"on_exhausted yourself, {_RECIPE}")
     if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
         raise Skip(UNSUPPORTED, f"{value}: verl's unlimited rounds; here they are bounded (set "
                                 f"algorithm.filter_groups.max_num_gen_batches >= 1, default 10)")
@@ -609,7 +630,7 @@ PENDING: Dict[str, Pending] = {
                                               transform=lambda value, v: _filter_metric(value)),
     "algorithm.filter_groups.max_num_gen_batches": Pending(
         ("algorithm.filter_groups.max_num_gen_batches",), _NO_DYN, inactive=_FG_OFF,
-        transform=lambda value, v: _max_rounds(value)),
+        transform=_max_rounds),
 }
 
 
@@ -618,9 +639,13 @@ def _filter_groups_enable(value: Any, v: Verl) -> Dict[str, Any]:
     rounds did not fill the batch: on_exhausted "error" here."""
     if not value:
         raise Skip(NO_MEANING, f"{_show(value)}: no dynamic sampling, this project's default too")
+    if _v1(v):  # max_num_gen_batches is refused then: the user decides the bound and on_exhausted
+        return {"algorithm.filter_groups.enable": True,
+                NOTE: "verl's v1 trainer (trainer.use_v1: true) refills filtered groups without a round limit; "
+                      "here rounds are bounded (algorithm.filter_groups.max_num_gen_batches, on_exhausted)"}
     return {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.on_exhausted": "error",
-            NOTE: "on_exhausted: error -- verl's DAPO trainer raises when max_num_gen_batches rounds did not "
-                  "fill the batch"}
+            NOTE: "on_exhausted: error -- verl-recipe's DAPO trainer raises when max_num_gen_batches rounds did "
+                  "not fill the batch"}
 
 
 def _gen_batch_size(value: Any, v: Verl) -> Dict[str, Any]:
@@ -629,10 +654,29 @@ def _gen_batch_size(value: Any, v: Verl) -> Dict[str, Any]:
     total = v.get("data.train_batch_size")
     if value is None or same_value(value, total):
         raise Skip(NO_MEANING, f"{_show(value)}: each draw takes data.train_batch_size prompts, as here")
+    if _v1(v) and not v.get("algorithm.filter_groups.enable"):
+        raise Skip(NO_MEANING, f"{value}: verl's v1 trainer (trainer.use_v1: true) fetches prompts {value} at a time "
+                               f"but trains data.train_batch_size {total} per step and counts rows // "
+                               f"train_batch_size steps per epoch, as here")
+    if _v1(v):
+        raise Skip(UNSUPPORTED, f"{value}: verl's v1 trainer (trainer.use_v1: true) with filter_groups has it "
+                                f"overridden to 1 (one prompt drawn per filtered group) and counts rows // "
+                                f"data.train_batch_size {total} steps per epoch; here rounds draw "
+                                f"algorithm.filter_groups.prompts_per_round (default data.prompts_per_step) "
+                                f"prompts: drop data.gen_batch_size for that, {_RECIPE}")
     if not v.get("algorithm.filter_groups.enable"):
         raise Skip(UNSUPPORTED, f"{value}: without filter_groups verl's steps train gen_batch_size prompts, not "
                                 f"data.train_batch_size {total}: set data.train_batch_size to {value}")
     return {"algorithm.filter_groups.prompts_per_round": value}
+
+
+def _model_engine(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's Hydra choice of the actor / ref / critic configs (``model_engine=megatron`` in its run scripts)."""
+    if value in _MODEL_ENGINES:
+        raise Skip(NO_MEANING, f"{value}: verl's {_MODEL_ENGINES[value]} actor configs (the file is read over "
+                               f"them); the actor here is Megatron")
+    raise Skip(UNSUPPORTED, f"verl's {value!r} engine: its defaults are not bundled (model_engine megatron or dp); "
+                            f"give its generated config as --base")
 
 
 def _strategy(value: Any, v: Verl) -> Dict[str, Any]:
@@ -923,6 +967,7 @@ def _rules() -> List[Rule]:
         _u(f"{_A}.calculate_sum_pi_squared", "no sum-of-squared-probabilities output", neutral=(False,)),
         _n(f"{_A}.sum_pi_squared_checkpointing", "a memory option of calculate_sum_pi_squared"),
         _m(f"{_A}.strategy", convert=_strategy, hint=False),
+        _m("model_engine", convert=_model_engine, hint=False),
         _n(f"{_A}.rollout_n", "verl's copy of actor_rollout_ref.rollout.n"),
         # ---- actor: batching
         _m(f"{_A}.ppo_mini_batch_size", "actor.ppo_mini_batches", convert=_mini_batches,
@@ -957,7 +1002,9 @@ def _rules() -> List[Rule]:
         _n(f"{_A}.checkpoint.**", "a checkpoint holds the model, optimizer and loop state, always "
            "(trainer.save_interval, trainer.checkpoint_timeout_s)"),
         _n(f"{_A}.profiler.**", _PROFILER),
-        _m(f"{_A}.router_replay.mode", convert=_routing_replay),
+        _n(f"{_A}.router_replay.mode", "verl 0.9.1 / main decide routing replay from actor_rollout_ref.actor.megatron."
+           "router_replay.mode alone (its engine workers; an FSDP actor: none); this key has no effect there",
+           neutral=("disabled",), hint=False),
         _n(f"{_A}.router_replay.*", "routing is replayed in memory (actor.routing_replay), not through files",
            neutral=(None,)),
         _n(f"{_A}.load_weight", "the actor always starts from actor.load_hf", neutral=(True,)),
@@ -1022,6 +1069,11 @@ def _rules() -> List[Rule]:
         _n(f"{_R}.calculate_log_probs", "the engine always returns the sampled tokens' log-probs (the rollout "
            "correction needs them)"),
         *_multi_turn_rules(),
+        _u(f"{_R}.agent.agent_loop_config_path", "verl's agent loops registered from this file run for the rows "
+           "that name them (agent_name); here a row is generated single-turn, or by an Environment class "
+           "(multi_turn.env, docs/multi_turn.md)", neutral=(None,)),
+        _u(f"{_R}.agent.custom_async_server.*", "verl's own rollout server class; rollouts come from SGLang servers "
+           "here", neutral=(None,)),
         _n(f"{_R}.agent.**", "verl's agent-loop workers; generation requests are sent from rank 0 here"),
         _m(f"{_R}.checkpoint_engine.update_weights_bucket_megabytes", "rollout.weight_sync_bucket_mb"),
         _n(f"{_R}.checkpoint_engine.**", "how weights reach the engine is rollout.weight_sync here"),

@@ -210,7 +210,7 @@ def test_full_megatron_config_maps_its_defaults():
     assert all(e.kind in (NO_MEANING, UNCHANGED) for e in m.entries if e.key.startswith("critic."))
     # interpolations resolved within the file: ${oc.select:data.max_prompt_length,512}, a path with two refs
     assert _entry(m, "actor_rollout_ref.rollout.prompt_length").value == 512
-    assert t["trainer"]["run_dir"] == "checkpoints/verl_examples/gsm8k"
+    assert t["trainer"]["run_dir"] == os.path.abspath("checkpoints/verl_examples/gsm8k")  # verl's, from the cwd
 
 
 def test_fsdp_schedule_keys():
@@ -281,12 +281,16 @@ def test_check_on_a_verl_file_points_to_migrate(capsys):
     assert err.count("\n") == 1, err
 
 
-def test_migrate_writes_yaml_to_stdout_and_the_report_to_stderr(capsys):
-    assert cli_main(["migrate", "verl", os.path.join(DATA, "dapo_minimal.yaml")]) == 0
+def test_migrate_writes_yaml_to_stdout_and_the_report_to_stderr(capsys, tmp_path):
+    recipe = _load("dapo_minimal.yaml")  # read as verl-recipe's DAPO trainer (main_ppo's v1 trainer: exit 3)
+    recipe["trainer"]["use_v1"] = False
+    src = tmp_path / "dapo.yaml"
+    src.write_text(yaml.safe_dump(recipe))
+    assert cli_main(["migrate", "verl", str(src)]) == 0
     out, err = capsys.readouterr()
     assert yaml.safe_load(out)["rollout"]["n_samples_per_prompt"] == 4
     # the file's 46 keys over verl's generated FSDP defaults (the file's strategy): every key of that config
-    merged, _ = resolve_interpolations(merge_overrides(verl_defaults(NEWEST, "fsdp"), _load("dapo_minimal.yaml")))
+    merged, _ = resolve_interpolations(merge_overrides(verl_defaults(NEWEST, "fsdp"), recipe))
     assert err.startswith(f"{len(_leaves(merged))} verl keys: ")
     assert "0 value(s) differ from verl's behaviour" in err
     assert f"read as verl {NEWEST}; keys the file does not set: verl {NEWEST}'s _generated_ppo_trainer.yaml" in err
@@ -304,7 +308,7 @@ def test_cli_errors_name_the_file(tmp_path, capsys):
     the file, exit code 2, nothing written (no traceback)."""
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
-    verl = os.path.join(DATA, "dapo_minimal.yaml")
+    verl = os.path.join(DATA, "rollout_corr_rloo_qwen2_5_7b_fsdp.yaml")  # migrates with exit 0
     cases = [(["--base", str(listing)], f"--base {listing}: not a verl config"),
              ([str(listing), "--base", FSDP_BASE], f"{listing}: not a verl config"),
              ([verl, "-o", str(tmp_path / "no_dir" / "job.yaml")], f"cannot write {tmp_path / 'no_dir' / 'job.yaml'}")]
