@@ -47,7 +47,7 @@ import torch
 from megatron_rl.platform.packed_attention import packed_segments  # noqa: F401  (re-exported)
 from megatron_rl.platform.registry import PATCHES, original, replace
 
-__all__ = ["apply_cpu_patches", "apply_cpu_stand_ins", "cpu_patches_applied", "packed_segments", "PATCHES",
+__all__ = ["apply_cpu_stand_ins", "cpu_patches_applied", "packed_segments", "PATCHES",
            "CpuStream", "CpuEvent"]
 
 #: megatron-core modules imported eagerly by ``apply_cpu_patches`` so their ``torch`` global is
@@ -466,14 +466,3 @@ def apply_cpu_stand_ins() -> None:
         _apply_function_patches()
         _apply_optimizer_standins()
         _state["applied"] = True
-
-
-def apply_cpu_patches(force: bool = False) -> bool:
-    """Everything a machine without CUDA needs: the local-layer patches (no TE without CUDA) and the CPU
-    stand-ins. A no-op returning False when CUDA is available (unless ``force``); True otherwise. Idempotent."""
-    if torch.cuda.is_available() and not force:
-        return False
-    from megatron_rl.platform.select import Platform, apply_platform_patches
-
-    apply_platform_patches(Platform(has_cuda=False, has_te=False))
-    return True
