@@ -2,10 +2,11 @@
 
 Prompts are ``"<task>:<digits>="`` (``add``: ``"add:<a>+<b>="``), the expected response the answer then EOS; the
 reward is in [0, 1] (exact match with EOS: 1; else partial credit, by position, with or without EOS credit, or
-up to the first wrong position). The rule to keep: everything drawn is a function of the seed and the step
-(``begin_step``), and the held-out split of the seed-independent ``crc32`` of the prompt, so a resumed run draws
-what the uninterrupted run drew. Rewards, length sampling (``length_alpha``, ``length_floor``), the held-out
-split and the curriculum, with examples: docs/synthetic_tasks.md.
+up to the first wrong position). The rule to keep: the curriculum is a function of the step alone
+(``begin_step``), so a resumed run draws what the uninterrupted run drew, and the held-out split is a
+seed-independent ``crc32`` of the operands, the same on every machine. Rewards, length sampling
+(``length_alpha``, ``length_floor``), the held-out split and the curriculum, with examples:
+docs/synthetic_tasks.md.
 
     task = DigitTask("copy", tokenizer, min_digits=1, max_digits=3)
     prompts = task.sample(4, random.Random(0))
