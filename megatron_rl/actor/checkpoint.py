@@ -1,32 +1,12 @@
 """Actor checkpoints: megatron ``dist_checkpointing`` (torch_dist) for model + optimizer, plus RNG and
 loop state — resumable exactly, loadable at a different TP / PP / EP layout (resharding).
 
-Directory layout (``save_checkpoint(root, step, ...)``)::
-
-    root/iter_0000012/dist/              megatron dist_checkpointing (model and optimizer, sharded)
-    root/iter_0000012/megatron_rl.json   step, saved layout, model config (rank 0)
-    root/iter_0000012/extra_state.pt     the caller's extra_state dict (rank 0, torch.save)
-    root/iter_0000012/rng/rank_00003.pt  per-rank RNG: torch CPU (+CUDA), megatron's RNG tracker, random, numpy
-    root/latest                          "12", written last (a checkpoint without it is incomplete)
-
-Loading (``load_checkpoint(root_or_iter_dir, ...)``): the model config must match (else
-``CheckpointLayoutError`` listing the differing keys). A different TP / PP / EP / ETP / CP / DP layout is
-resharded by dist_checkpointing (model and Adam state); any failure there is re-raised as
-``CheckpointLayoutError`` naming the saved and the requested layout. RNG states are restored only when
-the world size and layout are unchanged (otherwise rank-to-rank mapping is meaningless; a warning
-says so). The optimizer may be of another kind than the saving one (``actor.use_distributed_optimizer`` or
-``actor.bf16`` switched): its fp32 main parameters and Adam state are converted exactly (``optimizer_state``), never
-rebuilt from bf16 weights; the param groups keep this run's settings (betas, eps, lr ...), and the ones that
-differed are returned. Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
-on CPU (``tests/integration/test_actor_checkpoint.py``).
-
-Writing: megatron's forked file writer is replaced by ``platform/checkpoint_writer`` (threads of the
-saving rank; it cannot hang on a dead child). A write that fails on any rank raises
-``CheckpointWriteError`` on **every** rank, naming each failing rank and its cause; ``latest`` is then
-not written, so the checkpoint is never taken for complete.
-
-CPU notes: dist_checkpointing's writer calls ``torch.cuda.synchronize``; its modules are imported lazily
-and patched as they load by the import hook of ``platform/cpu_compat`` (the project's single patch point).
+``save_checkpoint(root, step, ...)`` writes ``root/iter_NNNNNNN/`` (``dist/``, ``megatron_rl.json``,
+``extra_state.pt``, ``rng/``) and ``root/latest`` LAST: a checkpoint without it is incomplete, and a write that
+fails on any rank raises ``CheckpointWriteError`` on every rank with ``latest`` left unwritten.
+``load_checkpoint`` refuses another model config, reshards another layout and converts another optimizer kind
+exactly (``optimizer_state``); RNG states come back only at the same layout. The layout, the resume rules and the
+CPU notes: docs/actor.md.
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ from typing import List, Sequence
 
 import torch
 
+from megatron_rl.platform import distrib_optimizer
+
 __all__ = ["wrap_ddp", "build_optimizer", "optimizer_config", "OPTIMIZER_KEYS", "optimizer_settings", "offload_errors"]
 
 #: the megatron-core ``OptimizerConfig`` fields ``actor.optimizer_cpu_offload`` needs
@@ -135,8 +137,6 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
     from megatron.core.optimizer import get_megatron_optimizer
 
     if _distributed(actor_cfg):
-        from megatron_rl.platform import distrib_optimizer
-
         distrib_optimizer.install()  # its checkpoints load with torch's Adam (see that module)
 
     opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
