@@ -209,14 +209,33 @@ def _section(where: str, d: Any, errors: List[str]):
 def _model_section(d: Any, errors: List[str]) -> Optional[ModelConfig]:
     before = len(errors)
     kwargs = _checked_kwargs("model", d, errors)
-    required = [f.name for f in dataclasses.fields(ModelConfig)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    for name in required:
+    for name in _required_model_fields():
         if name not in kwargs and not any(e.startswith(f"model.{name}:") for e in errors[before:]):
             errors.append(f"model.{name}: required (no default)")
     if len(errors) > before:
         return None
     return ModelConfig(**kwargs)
+
+
+def _required_model_fields() -> List[str]:
+    return [f.name for f in dataclasses.fields(ModelConfig)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+def _partial_model(d: Any) -> bool:
+    """Whether a ``model:`` section lacks shapes (then, with ``actor.load_hf``, it overrides the HF config's)."""
+    return isinstance(d, dict) and any(name not in d for name in _required_model_fields())
+
+
+def _model_over_hf(path: str, d: Dict[str, Any], errors: List[str]) -> Optional[ModelConfig]:
+    """The HF config's ModelConfig with the keys of a ``model:`` section without shapes put over it (verl's
+    ``override_config`` / ``override_transformer_config``); ``model.extra`` is merged key by key."""
+    base = _model_from_hf(path, errors)
+    kwargs = _checked_kwargs("model", d, errors)
+    if base is None or any(e.startswith("model.") for e in errors):
+        return None
+    extra = {**base.extra, **(kwargs.pop("extra", None) or {})}
+    return dataclasses.replace(base, **kwargs, extra=extra)
 
 
 def _model_from_hf(path: str, errors: List[str]) -> Optional[ModelConfig]:
@@ -298,7 +317,9 @@ def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
     tree = _move_loss_mode(tree, errors)
     built = {s: _section(s, tree.get(s), errors) for s in _BUILT}
     model = None
-    if tree.get("model"):
+    if tree.get("model") and built["actor"].load_hf and _partial_model(tree["model"]):
+        model = _model_over_hf(built["actor"].load_hf, tree["model"], errors)
+    elif tree.get("model"):
         model = _model_section(tree["model"], errors)
     elif built["actor"].load_hf:
         model = _model_from_hf(built["actor"].load_hf, errors)

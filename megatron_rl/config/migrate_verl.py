@@ -181,7 +181,8 @@ def _decide(rule: Rule, key: str, value: Any, verl: Verl) -> Entry:
         targets = {rule.target: value}
     else:  # same name under the same block (actor.policy_loss.*, algorithm.rollout_correction.*)
         block = {"actor_rollout_ref.actor.policy_loss.": "actor.policy_loss.",
-                 "algorithm.rollout_correction.": "algorithm.rollout_correction."}
+                 "algorithm.rollout_correction.": "algorithm.rollout_correction.",
+                 "actor_rollout_ref.actor.megatron.override_transformer_config.": "model.extra."}
         prefix = next(p for p in block if key.startswith(p))
         targets = {block[prefix] + key[len(prefix):]: value}
     return Entry(key, value, MAPPED, rule.note, targets=dict(targets), rule=rule)

@@ -736,6 +736,11 @@ def _layout_rules(prefix: str) -> List[Rule]:
     ]
 
 
+#: HF config names verl's model.override_config.model_config may set -> the ModelConfig key of the same meaning
+_HF_MODEL_NAMES = {"max_position_embeddings": "max_position_embeddings", "rope_theta": "rotary_base",
+                   "rms_norm_eps": "norm_epsilon"}
+
+
 def _gradient_checkpointing(value: Any, v: Verl) -> Dict[str, Any]:
     if not value:
         raise Skip(NO_MEANING, "false: every activation is kept, this project's default too")
@@ -936,9 +941,9 @@ def _rules() -> List[Rule]:
         *_layout_rules(f"{_A}.megatron.override_transformer_config"),
         _u(f"{_A}.megatron.override_transformer_config.attention_backend", "the attention backend is chosen from "
            "the device and Transformer Engine (`megatron-rl check` prints it)", neutral=("flash", "auto")),
-        _u(f"{_A}.megatron.override_transformer_config.**", "write model.extra.<this name> (a megatron "
-           "TransformerConfig field) or the model: key of that name, in a model: section with the shapes (a "
-           "field this project sets from one of its keys is refused in model.extra: use that key)"),
+        _m(f"{_A}.megatron.override_transformer_config.**", note="verl passes it to megatron-core's "
+           "TransformerConfig; model.extra does the same, over actor.load_hf's shapes (`check` refuses a name "
+           "that is not a TransformerConfig field, or that a project key sets, naming that key)"),
         _n(f"{_A}.megatron.override_transformer_config", "no overrides given", neutral=({},)),
         _u(f"{_A}.megatron.override_ddp_config.**", "megatron DDP overrides are not exposed"),
         _n(f"{_A}.megatron.override_ddp_config", "no overrides given", neutral=({},)),
@@ -1094,6 +1099,8 @@ def _rules() -> List[Rule]:
         _n(f"{_MODEL}.use_shm", "verl's shared-memory model copy"),
         _n(f"{_MODEL}.trust_remote_code", "models are built by megatron-core from the config's shapes"),
         _u(f"{_MODEL}.override_config.moe_config.freeze_moe_router", "the router is trained", neutral=(False,)),
+        *[_m(f"{_MODEL}.override_config.model_config.{hf}", f"model.{ours}", note="verl puts it over the HF "
+             "config; a model: section without shapes puts it over actor.load_hf's") for hf, ours in _HF_MODEL_NAMES.items()],
         _u(f"{_MODEL}.override_config.**", "HF config overrides: write a model: section (the shapes, "
            "max_position_embeddings, ...) instead of relying on actor.load_hf's config.json"),
         _n(f"{_MODEL}.override_config", "no overrides given", neutral=({},)),
