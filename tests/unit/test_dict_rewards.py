@@ -142,13 +142,38 @@ def test_a_key_the_reward_never_returns_stops_the_first_round():
                                                 r"returned no numeric 'accuracy' .* besides 'score': acc"):
         DynamicSampling(inner, _cfg("accuracy", prompts=1)).generate(None, 0, "step-0")
     assert inner.calls == 1
-    floats = _Rounds([[([1.0, 0.0], [{}, {}])]])
-    with pytest.raises(FilterMetricError, match="returned a float .* DAPO reward manager reads a float reward as"):
-        DynamicSampling(floats, _cfg("acc", prompts=1)).generate(None, 0, "step-0")
+    no_acc = _Rounds([[([1.0, 0.0], [{"length": 3.0}, {"length": 2.0}])]])   # a dict reward without acc
+    with pytest.raises(FilterMetricError, match="returned no numeric 'acc' .* besides 'score': length"):
+        DynamicSampling(no_acc, _cfg("acc", prompts=1)).generate(None, 0, "step-0")
+
+
+def test_acc_of_a_float_reward_is_its_score_as_verls_dapo_reward_manager_records_it():
+    """verl 0.9.1's DAPO reward manager (verl/workers/reward_manager/dapo.py and the reward loop's
+    reward_manager/dapo.py): ``else: score = result; reward_extra_info["acc"] = score`` -- a float reward's acc is
+    its score (before the overlong penalty), so a DAPO job with a float reward (gsm8k, a float reward file) filters
+    by it. Selection written by hand from that rule: groups whose float scores differ are kept."""
+    script = [[([1.0, 1.0], [{}, {}]),          # (0, 0): scores alike -> dropped
+               ([0.0, 1.0], [{}, {}])],         # (0, 1): kept
+              [([0.0, 0.0], [{}, {}]),          # (1, 0): dropped
+               ([1.0, 0.0], [{}, None])]]       # (1, 1): a failed reward (acc 0, score 0) next to a 1 -> kept
+    batch = DynamicSampling(_Rounds(script), _cfg("acc")).generate(None, 0, "step-0")
+    assert [tuple(batch.prompt_ids[2 * g]) for g in range(2)] == [(0, 1), (1, 1)]
+    # the score before the overlong penalty: rewards alike after it, scores not -> kept (verl's acc is the score)
+    penalised = _Rounds([[([0.5, 0.5], [{}, {}])]])
+    orig = penalised.generate
+
+    def with_scores(*a, **k):
+        b = orig(*a, **k)
+        b.scores = [1.0, 0.5]
+        return b
+    penalised.generate = with_scores
+    kept = DynamicSampling(penalised, _cfg("acc", prompts=1, rounds=1)).generate(None, 0, "step-0")
+    assert kept.metrics["filter_groups/groups_kept"] == 1
 
 
 def test_metric_config_and_migration():
     assert FilterGroupsConfig(True, "acc").errors() == []                         # a data file's reward may return it
-    assert "needs a reward that returns a dict" in FilterGroupsConfig(True, "acc").errors(dict_rewards=False)[0]
+    assert "needs a reward that returns a dict" in FilterGroupsConfig(True, "length").errors(dict_rewards=False)[0]
+    assert FilterGroupsConfig(True, "acc").errors(dict_rewards=False) == []   # a float reward's acc: its score
     assert "is not one of" in FilterGroupsConfig(True, " acc").errors()[0]
     assert _filter_metric("acc") == "acc"                                          # verl's DAPO metric maps
