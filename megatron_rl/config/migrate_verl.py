@@ -29,6 +29,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from megatron_rl.config.interpolation import resolve_interpolations
 from megatron_rl.config.job import SECTIONS
+from megatron_rl.config.load import SECTION_CLASSES
+from megatron_rl.config.paths import resolve_tree_paths
 from megatron_rl.config.verl_keys import (
     MAPPED, NO_MEANING, NOTE, SERVER, UNSUPPORTED, Rule, Skip, Verl, rule_for, same_value,
 )
@@ -74,6 +76,11 @@ class Migration:
     """The verl version the file was read as (its defaults, its objectives' behaviour)."""
     base: str = ""
     """What the file's unset keys were read from (verl's defaults file of ``version``, or ``--base``)."""
+    workdir: Optional[str] = None
+    """The directory verl ran in: the relative paths verl opens from it are written resolved against it
+    (``anchored``); None: written as verl has them."""
+    anchored: List[str] = field(default_factory=list)
+    """The dotted keys whose relative path was resolved against ``workdir``."""
 
     def differences(self) -> List[Entry]:
         """The entries whose verl behaviour the migrated config does not carry (kinds ``DIFFERS``)."""
@@ -93,6 +100,9 @@ class Migration:
                  f"{missing} not mapped"]
         if self.base:
             lines.append(f"read as verl {self.version}; keys the file does not set: {self.base}")
+        if self.anchored:
+            lines.append(f"relative paths resolved against {self.workdir} (verl opens them from its working "
+                         f"directory; a config file's paths resolve beside the file here): {', '.join(self.anchored)}")
         differ = self.differences()
         lines.append(f"{len(differ)} value(s) differ from verl's behaviour" + (
             " (the kinds not supported yet / unresolved / conflict / unknown below: each needs your decision)"
@@ -200,10 +210,12 @@ def with_verl_defaults(verl_tree: Dict[str, Any], version: str = NEWEST) -> Tupl
     return merge_overrides(verl_defaults(version, strategy), verl_tree), said
 
 
-def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "") -> Migration:
+def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "",
+                 workdir: Optional[str] = None) -> Migration:
     """Map every key of ``verl_tree`` (a loaded verl YAML, already over its base: ``with_verl_defaults`` or the
     user's ``--base``) read as verl ``version`` -- see the module docstring. ``base`` names that base for the
-    report."""
+    report; ``workdir``: the directory verl runs in, against which relative paths are written resolved
+    (``megatron-rl migrate``: the current directory; None: as verl has them)."""
     resolved, unresolved = resolve_interpolations(verl_tree)
     verl = Verl(resolved, version)
     out: Dict[str, Any] = {}
@@ -231,4 +243,9 @@ def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "
                     _set(out, t, v)
         entries.append(entry)
     ordered = {s: out[s] for s in SECTIONS if s in out}
-    return Migration(tree=ordered, entries=entries, version=version, base=base)
+    anchored: List[str] = []
+    if workdir is not None:
+        before = dict(flatten(ordered))
+        ordered = resolve_tree_paths(ordered, SECTION_CLASSES, workdir)
+        anchored = [k for k, v in flatten(ordered) if v != before.get(k)]
+    return Migration(tree=ordered, entries=entries, version=version, base=base, workdir=workdir, anchored=anchored)

@@ -351,8 +351,8 @@ class FilterGroupsConfig:
             errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)} nor the name "
                         f"of a key a dict reward returns (e.g. acc)")
         elif self.metric not in FILTER_GROUPS_METRICS + ("acc",) and not dict_rewards:
-            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}, acc; a reward "
-                        f"key other than acc needs a reward that returns a dict (data.task: file with data.reward_fn "
+            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}, acc; a "
+                        f"reward key other than acc needs a reward that returns a dict (data.task: file with data.reward_fn "
                         f"unset or 'module:function', single-turn), and this job's rewards are floats")
         if self.max_num_gen_batches < 1 and self.enable:
             errs.append(f"{key}.max_num_gen_batches: must be >= 1, got {self.max_num_gen_batches} (verl's 0 = "

@@ -37,7 +37,7 @@ DIFFER = {"grpo_qwen2_7b_math_megatron.yaml": {"data.train_files"},
                                               "actor_rollout_ref.actor.megatron.grad_offload",
                                               "actor_rollout_ref.actor.megatron.optimizer_offload",
                                               "actor_rollout_ref.model.override_config.model_config."
-                                              "max_position_embeddings", "trainer.log_val_generations"},
+                                              "max_position_embeddings"},  # log_val_generations maps: val_log_samples
           "dapo_minimal.yaml": set()}
 #: the published HF shapes of each example's model, as model: overrides (the HF directory is on the user's cluster)
 SHAPES = {
