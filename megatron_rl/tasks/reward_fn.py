@@ -10,9 +10,9 @@ A ``data.reward_fn`` value is one of
 * unset: rows with a ``data_source`` use verl's ``default_compute_score`` dispatch (``SOURCE``), other rows
   exact match (``"exact"``).
 
-A reward returns a number or, as verl's may, a dict: its ``"score"`` is the reward, its other numeric keys
-(bools as 0 / 1) are the sample's extras (``RewardValue.extras``: logged as ``reward_extra/<key>/mean``, filter
-signals of dynamic sampling); other values (verl's ``"pred"`` string) are dropped. ``compute_reward_value(spec, ...)``
+A reward returns a number (a bool as 1 / 0: verl writes it into a float tensor) or, as verl's may, a dict: its
+``"score"`` is the reward, its other numeric keys (bools, numpy's too, as 0 / 1) are the sample's extras
+(``RewardValue.extras``: logged as ``reward_extra/<key>/mean``, filter signals of dynamic sampling); other values (verl's ``"pred"`` string) are dropped. ``compute_reward_value(spec, ...)``
 evaluates one sample with a spec string (what the reward worker processes run:
 specs are plain strings, so they travel to workers). ``reward_import_error(spec)`` says, before anything
 starts, why a spec cannot load here (math-verify missing, a module that does not import). Loading errors
@@ -34,6 +34,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+import numpy as np
+
 from megatron_rl.imports import import_object
 from megatron_rl.tasks.rewards import BUILTIN_REWARDS, default_compute_score, math_verify_error
 
@@ -54,7 +56,9 @@ class RewardValue:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, numbers.Real)   # bool is a Real: True / False count as 1 / 0, as in verl's means
+    """A real number, bools included (Python's and numpy's: 1 / 0, as verl's float32 reward tensor and its means
+    count them)."""
+    return isinstance(value, (numbers.Real, np.bool_))
 
 
 def check_value(name: str, value: Any) -> RewardValue:
@@ -66,7 +70,7 @@ def check_value(name: str, value: Any) -> RewardValue:
                              f"{', '.join(map(str, value)) or 'none'}); a dict reward's 'score' is the reward, as in "
                              "verl's reward managers")
         score = value["score"]
-        if isinstance(score, bool) or not _number(score):
+        if not _number(score):
             raise ValueError(f"reward function {name!r} returned 'score': {type(score).__name__} {score!r}; it must "
                              "be a float")
         extras, other = {}, []
@@ -82,7 +86,7 @@ def check_value(name: str, value: Any) -> RewardValue:
         value, out = score, dict(extras=extras, other_keys=tuple(other))
     else:
         out = {}
-        if isinstance(value, bool) or not _number(value):
+        if not _number(value):
             raise ValueError(f"reward function {name!r} returned {type(value).__name__} {value!r}; it must return "
                              "a float or a dict with a 'score'")
     value = float(value)

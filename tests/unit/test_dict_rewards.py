@@ -171,6 +171,23 @@ def test_acc_of_a_float_reward_is_its_score_as_verls_dapo_reward_manager_records
     assert kept.metrics["filter_groups/groups_kept"] == 1
 
 
+def test_bool_and_numpy_values_count_as_verl_counts_them():
+    """verl's reward managers write a reward into a float32 tensor (``reward_tensor[i, last] = score``: True -> 1.0)
+    and keep dict values as they are for the filter (``np.std`` of a group's ``acc``: numpy bools count as 0 / 1),
+    so a verl reward file returning ``pred == gt`` or a numpy ``acc`` works there; here too."""
+    import numpy as np
+    import torch
+
+    from megatron_rl.tasks.reward_fn import check_value
+
+    for score in (True, False, 0.5):
+        verl = torch.zeros(2, dtype=torch.float32)
+        verl[1] = score   # what verl's naive / DAPO reward manager does with a non-dict result
+        assert check_value("f", score).score == float(verl[1])
+    v = check_value("f", {"score": np.float64(1.0), "acc": np.bool_(True), "n": np.int64(3), "pred": "x"})
+    assert (v.score, v.extras, v.other_keys) == (1.0, {"acc": 1.0, "n": 3.0}, ("pred",))
+
+
 def test_metric_config_and_migration():
     assert FilterGroupsConfig(True, "acc").errors() == []                         # a data file's reward may return it
     assert "needs a reward that returns a dict" in FilterGroupsConfig(True, "length").errors(dict_rewards=False)[0]
