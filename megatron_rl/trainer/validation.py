@@ -29,8 +29,8 @@ that key named.
 Metrics (``val_metrics``; rank 0, in the step's record): over the whole set ``val/reward_mean``,
 ``val/response_length_mean`` (tokens the engine returned, EOS included) and ``val/prompts``; per data source
 ``val/<source>/reward_mean``, ``val/<source>/response_length_mean``, ``val/<source>/truncated_frac`` (responses that
-hit max_new_tokens), ``val/<source>/prompts`` and, for a dict reward, ``val/<source>/<key>_mean`` of each other
-numeric key (verl's ``acc``: its ``val-core/<source>/acc``); ``val/reward_failed`` / ``val/reward_timed_out``
+hit max_new_tokens), ``val/<source>/prompts`` and, for a dict reward, ``val/<source>/reward_extra/<key>/mean``
+of each other numeric key (verl's ``val-core/<source>/acc``); ``val/reward_failed`` / ``val/reward_timed_out``
 (rewards that raised or timed out, scored 0, as in training; above ``data.max_reward_failure_frac`` of the responses the
 validation raises ``RewardFailureError`` on every rank); ``timing/validation_s``.
 
@@ -89,7 +89,7 @@ def val_metrics(sources: Sequence[str], rewards: Sequence[float], lengths: Seque
             for k, v in ((extras[i] if extras else None) or {}).items():
                 per_key.setdefault(k, []).append(float(v))
         for k, vs in per_key.items():
-            m[f"val/{src}/{k}_mean"] = sum(vs) / len(vs)
+            m[f"val/{src}/reward_extra/{k}/mean"] = sum(vs) / len(vs)   # training: reward_extra/<key>/mean
     return m
 
 

@@ -1,7 +1,7 @@
 """Validation logs a dict reward's extras per data source, as verl's validation does (``val-core/<source>/acc/...``
 from the reward manager's ``reward_extra_info``, verl/trainer/ppo/ray_trainer.py ``_validate``): here
-``val/<source>/<key>_mean`` over the responses whose reward returned the key. Expected values written by hand
-from the reward file's rule.
+``val/<source>/reward_extra/<key>/mean`` over the responses whose reward returned the key. Expected values written
+by hand from the reward file's rule.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/unit/test_val_reward_extras.py -q``
 """
@@ -36,8 +36,9 @@ class _CopyEngine:
 def test_val_metrics_mean_each_extra_per_source():
     m = val_metrics(["a", "a", "b", "b"], [1.0, -1.0, 1.0, 1.0], [1, 1, 1, 1], [False] * 4, 1,
                     extras=[{"acc": 1.0}, {"acc": 0.0}, {"acc": 1.0, "len": 3.0}, None])
-    assert (m["val/a/acc_mean"], m["val/b/acc_mean"], m["val/b/len_mean"]) == (0.5, 1.0, 3.0)
-    assert "val/a/len_mean" not in m
+    assert m["val/a/reward_extra/acc/mean"] == 0.5 and m["val/b/reward_extra/acc/mean"] == 1.0
+    assert m["val/b/reward_extra/len/mean"] == 3.0
+    assert "val/a/reward_extra/len/mean" not in m
 
 
 def test_validation_logs_a_dict_rewards_acc_per_source(tmp_path, monkeypatch):
@@ -59,4 +60,4 @@ def test_validation_logs_a_dict_rewards_acc_per_source(tmp_path, monkeypatch):
     finally:
         v.close()
     # prompts 0, 2, 4 answered right: acc 3/5, score (3 - 2) / 5
-    assert m["val/s/acc_mean"] == 3 / 5 and m["val/s/reward_mean"] == 1 / 5
+    assert m["val/s/reward_extra/acc/mean"] == 3 / 5 and m["val/s/reward_mean"] == 1 / 5
