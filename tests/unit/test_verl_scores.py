@@ -138,3 +138,33 @@ def test_a_file_with_numina_rows_says_they_are_not_verls_scorer(tmp_path):
     said = out.getvalue()
     assert "data_source numina_olympiads: verl scores these with its prime_math scorer, which is not ported" in said
     assert "math_dapo" not in said
+
+
+def test_reward_kwargs_that_a_rows_scorer_does_not_take_are_refused_at_load(tmp_path):
+    """With data.reward_fn unset each row's data_source picks its scorer, and data.reward_kwargs reach every one of
+    them: kwargs one of them does not take (math's ``extract`` on a gsm8k row, anything on a row without a
+    data_source: exact match) would fail every such sample at run time; the file check names the key, the source
+    and what that scorer takes. Kwargs every scorer takes pass."""
+    from types import SimpleNamespace
+
+    from megatron_rl.tasks.datasets import scorable_rows
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "q1", "answer": "1", "data_source": "openai/gsm8k"},
+        {"prompt": "q2", "answer": "2", "data_source": "numina_olympiads"})))
+    data = SimpleNamespace(prompt_key="prompt", answer_key="answer", reward_fn=None,
+                           reward_kwargs={"extract": ["hash"]})
+    with pytest.raises(ValueError, match=r"data.reward_kwargs: 'extract' is not an argument of its scorer gsm8k_score "
+                                         r"\(it takes method, .*the data_source 'openai/gsm8k'"):
+        scorable_rows(path, data)
+    data.reward_kwargs = {}
+    assert len(scorable_rows(path, data).rows) == 2
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"prompt": "q", "answer": "1", "data_source": "openai/gsm8k"}) + "\n")
+    data.reward_kwargs = {"method": "flexible"}
+    assert len(scorable_rows(gsm, data).rows) == 1
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match="rows without a data_source .* exact match"):
+        scorable_rows(plain, data)
