@@ -17,6 +17,7 @@ with nothing to carry over.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Dict
 
@@ -73,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
     if not is_verl_config(tree):
         print(f"error: {args.config}: not a verl config (no actor_rollout_ref: section)", file=sys.stderr)
         return 2
-    migration = migrate_verl(tree, args.verl_version, said)
+    migration = migrate_verl(tree, args.verl_version, said, workdir=os.getcwd())
     text = render(args.config, migration, args.verbose)
     report = "\n".join(migration.report(verbose=args.verbose))
     differ = migration.differences()

@@ -26,7 +26,7 @@ import yaml
 from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
-from megatron_rl.config.paths import path_kind, resolve_path, resolve_tree_paths
+from megatron_rl.config.paths import moved_path_errors, path_kind, resolve_path, resolve_tree_paths
 from megatron_rl.config.sections import (
     ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, FilterGroupsConfig, MultiTurnConfig, RolloutConfig,
     TrainerConfig, ValKwargsConfig,
@@ -348,19 +348,24 @@ def launch_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     return None
 
 
-def read_config_file(path: Optional[str]) -> Dict[str, Any]:
-    """The nested dict of YAML config ``path`` (None: empty) with its path-valued keys resolved against the
-    file's directory (``~`` expanded); raises ConfigError when the file cannot be read."""
+def _read_yaml(path: Optional[str]) -> Dict[str, Any]:
+    """The nested dict of YAML config ``path`` as written (None: empty); ConfigError when it cannot be read."""
     if path is None:
         return {}
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     with open(path) as fh:
         try:
-            tree = yaml_load(fh) or {}
+            return yaml_load(fh) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return resolve_tree_paths(tree, SECTION_CLASSES, os.path.dirname(os.path.abspath(path)))
+
+
+def read_config_file(path: Optional[str]) -> Dict[str, Any]:
+    """The nested dict of YAML config ``path`` (None: empty) with its path-valued keys resolved against the
+    file's directory (``~`` expanded); raises ConfigError when the file cannot be read."""
+    tree = _read_yaml(path)
+    return resolve_tree_paths(tree, SECTION_CLASSES, os.path.dirname(os.path.abspath(path))) if path else tree
 
 
 def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
@@ -372,7 +377,12 @@ def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
     (None: ``models.attention.expected_te``). ``cross_checks=False``: each key's own type and value only, not
     ``config.validate``'s checks across keys and against the world size (those import megatron-core: seconds of
     start-up for a tool that reads a few keys)."""
-    tree, errors = _apply_overrides(read_config_file(path), list(overrides))
+    raw = _read_yaml(path)
+    base = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
+    overridden = [o.split("=", 1)[0].strip() for o in overrides]
+    moved = moved_path_errors(raw, SECTION_CLASSES, base, os.getcwd(), skip=overridden)
+    tree, errors = _apply_overrides(resolve_tree_paths(raw, SECTION_CLASSES, base), list(overrides))
+    errors = moved + errors
     cfg, build_errors = build_job_config(tree)
     errors += build_errors
     if not cross_checks:

@@ -78,6 +78,11 @@ class Migration:
     """The verl version the file was read as (its defaults, its objectives' behaviour)."""
     base: str = ""
     """What the file's unset keys were read from (verl's defaults file of ``version``, or ``--base``)."""
+    workdir: Optional[str] = None
+    """The directory verl ran in: the relative paths verl opens from it are written resolved against it
+    (``anchored``); None: written as verl has them."""
+    anchored: List[str] = field(default_factory=list)
+    """The dotted keys whose relative path was resolved against ``workdir``."""
 
     def differences(self) -> List[Entry]:
         """The entries whose verl behaviour the migrated config does not carry (kinds ``DIFFERS``)."""
@@ -97,6 +102,9 @@ class Migration:
                  f"{missing} not mapped"]
         if self.base:
             lines.append(f"read as verl {self.version}; keys the file does not set: {self.base}")
+        if self.anchored:
+            lines.append(f"relative paths resolved against {self.workdir} (verl opens them from its working "
+                         f"directory; a config file's paths resolve beside the file here): {', '.join(self.anchored)}")
         differ = self.differences()
         lines.append(f"{len(differ)} value(s) differ from verl's behaviour" + (
             " (the kinds not supported yet / unresolved / conflict / unknown below: each needs your decision)"
@@ -209,29 +217,32 @@ def with_verl_defaults(verl_tree: Dict[str, Any], version: str = NEWEST) -> Tupl
 
 
 def _resolve_paths(out: Dict[str, Any], written: Dict[str, Tuple[Any, str]], entries: List[Entry],
-                   cwd: str) -> None:
+                   cwd: str) -> List[str]:
     """Make the path-valued keys written (data files, the reward file, the run directory, a local model directory)
     absolute against ``cwd``: verl opens a relative path from the directory it is launched from, while a
     config file's relative paths resolve from the file's own directory (``megatron_rl.config.paths``), so a copy
     written as it is would name other files wherever the migrated file is written. HF hub ids stay."""
     resolved = resolve_tree_paths(out, SECTION_CLASSES, cwd)
     by_key = {e.key: e for e in entries}
+    anchored = []
     for target, (value, key) in written.items():
         new = lookup(resolved, target, value)
         if new == value:
             continue
         _set(out, target, new)
+        anchored.append(target)
         e = by_key[key]
         e.targets[target] = new
         said = f"{_short(value)} resolved against the directory migrate ran in ({cwd}), where verl opens it"
         e.detail = f"{e.detail}; {said}" if e.detail else said
+    return anchored
 
 
 def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "",
-                 cwd: Optional[str] = None) -> Migration:
+                 workdir: Optional[str] = None) -> Migration:
     """Map every key of ``verl_tree`` (a loaded verl YAML, already over its base: ``with_verl_defaults`` or the
     user's ``--base``) read as verl ``version`` -- see the module docstring. ``base`` names that base for the
-    report. Relative paths are resolved against ``cwd`` (default: the current directory), where verl opens them."""
+    report. Relative paths are resolved against ``workdir`` (default: the current directory), where verl opens them."""
     resolved, unresolved = resolve_interpolations(verl_tree)
     verl = Verl(resolved, version)
     out: Dict[str, Any] = {}
@@ -258,7 +269,8 @@ def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "
                     written.setdefault(t, (v, key))
                     _set(out, t, v)
         entries.append(entry)
-    _resolve_paths(out, written, entries, os.getcwd() if cwd is None else cwd)
+    workdir = os.getcwd() if workdir is None else workdir
+    anchored = _resolve_paths(out, written, entries, workdir)
     out.setdefault("cluster", {}).setdefault("gpu_memory_gb", DEFAULT_GPU_MEMORY_GB)  # verl has no such key
     ordered = {s: out[s] for s in SECTIONS if s in out}
-    return Migration(tree=ordered, entries=entries, version=version, base=base)
+    return Migration(tree=ordered, entries=entries, version=version, base=base, workdir=workdir, anchored=anchored)

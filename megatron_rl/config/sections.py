@@ -318,9 +318,10 @@ class FilterGroupsConfig:
     """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
     verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
     verifier's reward before the overlong penalty) or a numeric key other than "score" of a reward that returns a
-    dict, as verl's do ("acc" of verl's math_dapo scorer and DAPO-style reward files): checked at the first
-    generation round (``FilterMetricError`` naming the keys the reward returned). null (verl's default block,
-    disabled) only without ``enable``."""
+    dict, as verl's do ("acc" of verl's math_dapo scorer and DAPO-style reward files; a float reward's "acc" is
+    its score, as verl's DAPO reward manager records it): checked at the first generation round
+    (``FilterMetricError`` naming the keys the reward returned). null (verl's default block, disabled) only
+    without ``enable``."""
     max_num_gen_batches: int = 10
     """Generation rounds per step at most (each draws ``prompts_per_round`` fresh prompts); >= 1 (verl's
     0 = unlimited is refused: a task whose groups all score alike would generate forever; accepted only without
@@ -355,9 +356,9 @@ class FilterGroupsConfig:
         elif not isinstance(self.metric, str) or not self.metric.strip() or self.metric != self.metric.strip():
             errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)} nor the name "
                         f"of a key a dict reward returns (e.g. acc)")
-        elif self.metric not in FILTER_GROUPS_METRICS and not dict_rewards:
-            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}; a reward "
-                        f"key such as acc needs a reward that returns a dict (data.task: file with data.reward_fn "
+        elif self.metric not in FILTER_GROUPS_METRICS + ("acc",) and not dict_rewards:
+            errs.append(f"{key}.metric: {self.metric!r} is not one of {', '.join(FILTER_GROUPS_METRICS)}, acc; a "
+                        f"reward key other than acc needs a reward that returns a dict (data.task: file with data.reward_fn "
                         f"unset or 'module:function', single-turn), and this job's rewards are floats")
         if self.max_num_gen_batches < 1 and self.enable:
             errs.append(f"{key}.max_num_gen_batches: must be >= 1, got {self.max_num_gen_batches} (verl's 0 = "

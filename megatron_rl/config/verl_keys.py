@@ -471,23 +471,56 @@ def _reward_fn_at(block: str) -> Callable[[Any, Verl], Dict[str, Any]]:
 _reward_fn = _reward_fn_at("custom_reward_function")
 
 
-def _overlong(prefix: str, target: str) -> Callable[[Any, Verl], Dict[str, Any]]:
-    """DAPO's overlong buffer key -> ``target``, when ``<prefix>.enable`` is true."""
+def _dapo_manager_off(manager: Optional[str], v: Verl) -> Optional[str]:
+    """Why the DAPO overlong settings have no effect: verl's reward manager ``manager`` (a key) is not dapo (its
+    naive manager reads no overlong_buffer_cfg); None when it is, or when ``manager`` is None (not checked)."""
+    if manager is None or v.get(manager) == "dapo":
+        return None
+    return f"no effect in verl while {manager} is {_show(v.get(manager))} (only its dapo reward manager applies it)"
+
+
+def _overlong(prefix: str, target: str, manager: Optional[str] = None) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """DAPO's overlong buffer key -> ``target``, when ``<prefix>.enable`` is true (and the reward manager
+    ``manager`` is dapo)."""
     def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        off = _dapo_manager_off(manager, v)
+        if off:
+            raise Skip(NO_MEANING, off)
         if not v.get(f"{prefix}.enable"):
             raise Skip(NO_MEANING, f"no effect in verl while {prefix}.enable is {_show(v.get(f'{prefix}.enable'))}")
         return {target: value}
     return convert
 
 
-def _overlong_rules(prefix: str) -> List[Rule]:
+def _overlong_rules(prefix: str, manager: Optional[str] = None) -> List[Rule]:
     """DAPO's overlong buffer (``reward_model.overlong_buffer`` of the DAPO recipe, or the reward manager's
-    ``overlong_buffer_cfg``) -> ``data.overlong_buffer_len`` / ``data.overlong_penalty_factor``."""
-    return [_m(f"{prefix}.len", convert=_overlong(prefix, "data.overlong_buffer_len"), hint=False),
-            _m(f"{prefix}.penalty_factor", convert=_overlong(prefix, "data.overlong_penalty_factor"), hint=False),
+    ``overlong_buffer_cfg``) -> ``data.overlong_buffer_len`` / ``data.overlong_penalty_factor`` (``manager``: the
+    reward-manager key that must be dapo for verl to apply it; None: not checked)."""
+    return [_m(f"{prefix}.len", convert=_overlong(prefix, "data.overlong_buffer_len", manager), hint=False),
+            _m(f"{prefix}.penalty_factor", convert=_overlong(prefix, "data.overlong_penalty_factor", manager),
+               hint=False),
             _m(f"{prefix}.enable", convert=lambda value, v: {}, hint=False,
                note="decides whether len / penalty_factor apply (data.overlong_buffer_len)"),
             _n(f"{prefix}.log", "the penalty is in the metrics (reward/*) always")]
+
+
+def _max_resp_len(prefix: str, manager: Optional[str] = None) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """The DAPO reward manager's ``max_resp_len`` (``<prefix>`` is its ``overlong_buffer_cfg``): the length the
+    penalty counts from, here always rollout.max_new_tokens (verl's data.max_response_length)."""
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        off = _dapo_manager_off(manager, v)
+        if off:
+            raise Skip(NO_MEANING, off)
+        if not v.get(f"{prefix}.enable"):
+            raise Skip(NO_MEANING, f"no effect in verl while {prefix}.enable is {_show(v.get(f'{prefix}.enable'))}")
+        total = v.get("data.max_response_length")
+        if value is None or same_value(value, total):
+            raise Skip(NO_MEANING, f"{_show(value)}: the penalty counts from rollout.max_new_tokens "
+                                   f"(data.max_response_length {total}), as here")
+        raise Skip(UNSUPPORTED, f"{value}: verl's penalty counts from it, here from rollout.max_new_tokens "
+                                f"(data.max_response_length {total}); set data.max_response_length to {value} or "
+                                f"shift data.overlong_buffer_len by the difference")
+    return convert
 
 
 def _logger(value: Any, v: Verl) -> Dict[str, Any]:
@@ -1180,7 +1213,8 @@ def _rules() -> List[Rule]:
            "functions (data.reward_fn)", neutral=(False,)),
         *_overlong_rules("reward_model.overlong_buffer"),
         *_overlong_rules("reward_model.reward_kwargs.overlong_buffer_cfg"),
-        _n("reward_model.reward_kwargs.max_resp_len", "the DAPO penalty reads rollout.max_new_tokens"),
+        _m("reward_model.reward_kwargs.max_resp_len", hint=False,
+           convert=_max_resp_len("reward_model.reward_kwargs.overlong_buffer_cfg")),
         _u("reward_model.reward_kwargs.**", "write the reward function's arguments under data.reward_kwargs"),
         _n("reward_model.reward_manager", "rewards are scored by data.reward_fn in worker processes "
            "(data.reward_workers); DAPO's overlong penalty is data.overlong_buffer_len",
@@ -1343,6 +1377,10 @@ def _newer_verl_rules() -> List[Rule]:
         _u("reward.reward_manager.module.**", "custom reward-manager classes are not supported",
            inactive=_unless("reward.reward_manager.source", lambda s: s == "importlib", "")),
         _n("reward.num_workers", "verl's reward-loop workers; data.reward_workers here"),
+        # verl 0.9.1's reward-loop DAPO manager reads its penalty here (reward_loop/reward_manager/dapo.py)
+        *_overlong_rules("reward.reward_kwargs.overlong_buffer_cfg", "reward.reward_manager.name"),
+        _m("reward.reward_kwargs.max_resp_len", hint=False,
+           convert=_max_resp_len("reward.reward_kwargs.overlong_buffer_cfg", "reward.reward_manager.name")),
         _u("reward.reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
            "functions (data.reward_fn)", neutral=(False,)),
         _u("reward.reward_model.**", "model-based rewards are not supported", inactive=_off("reward.reward_model.enable")),

@@ -24,7 +24,7 @@ from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.render import fit_length, has_chat_template, render_prompt
 from megatron_rl.tasks.reward_fn import SOURCE, RewardFunction, check_reward_spec, compute_reward
 from megatron_rl.tasks.reward_pool import RewardJob, RewardPool, RewardResult
-from megatron_rl.tasks.rewards import UNPORTED_VERL_SOURCES, reward_name_for_source
+from megatron_rl.tasks.rewards import UNPORTED_VERL_SOURCES, kwargs_refusal, reward_name_for_source
 from megatron_rl.tasks.rows import CHAT, MalformedRow, Row, parse_row
 
 #: How many malformed rows the load-time report lists.
@@ -116,7 +116,23 @@ def scorable_rows(path: str | os.PathLike, data, key: str = "data.path") -> File
     rows = usable_rows(path, data.prompt_key, data.answer_key, key=key)
     if data.reward_fn is None:
         check_sources_rewarded(path, rows, key)
+        check_dispatch_kwargs(path, rows, dict(getattr(data, "reward_kwargs", None) or {}), key)
     return rows
+
+
+def check_dispatch_kwargs(path: str | os.PathLike, rows: FileRows, kwargs: Dict[str, Any],
+                          key: str = "data.path") -> None:
+    """With ``data.reward_fn`` unset, ``data.reward_kwargs`` reach the scorer of every row's ``data_source`` (exact
+    match for rows without one): raise ``ValueError`` naming the key, the source and what its scorer takes when one
+    of them does not take them (every such sample would fail at run time)."""
+    for source in sorted({r.data_source for r in rows.rows}, key=lambda s: (s is not None, s or "")):
+        why = kwargs_refusal(source, kwargs)
+        if why:
+            where = "rows without a data_source (scored by exact match)" if source is None else \
+                f"data_source {source!r}"
+            raise ValueError(f"data.reward_kwargs: {why}, for the {where} of {key}={str(path)!r}: with data.reward_fn "
+                             f"unset every row's scorer gets data.reward_kwargs (verl passes none to its "
+                             f"default_compute_score); drop them, or set data.reward_fn")
 
 
 def exact_match_reward(prompt_text: str, response_text: str, answer: Any) -> float:

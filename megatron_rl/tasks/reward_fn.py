@@ -3,7 +3,8 @@
 A ``data.reward_fn`` is ``"math"`` / ``"exact"``, a ``"module:function"`` (this project's signature or verl's
 ``compute_score``, told apart by its first parameter being ``data_source``), or unset (verl's dispatch by
 ``data_source``). Specs are plain strings so they travel to the reward workers (``compute_reward_value``). A dict
-reward's ``"score"`` is the reward and its other numeric keys the sample's extras. Every loading or call error is
+reward's ``"score"`` is the reward (a bool as 1 / 0) and its other numeric keys (bools, numpy's too) the sample's
+extras. Every loading or call error is
 a ``ValueError`` naming the spec the user gave. The rules in full: docs/datasets.md.
 
     fn = load_reward_fn("my_rewards:exact_match")
@@ -16,6 +17,8 @@ import numbers
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import numpy as np
 
 from megatron_rl.imports import import_object
 from megatron_rl.tasks.rewards import BUILTIN_REWARDS, default_compute_score, math_verify_error
@@ -37,7 +40,9 @@ class RewardValue:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, numbers.Real)   # bool is a Real: True / False count as 1 / 0, as in verl's means
+    """A real number, bools included (Python's and numpy's: 1 / 0, as verl's float32 reward tensor and its means
+    count them)."""
+    return isinstance(value, (numbers.Real, np.bool_))
 
 
 def check_value(name: str, value: Any) -> RewardValue:
@@ -49,7 +54,7 @@ def check_value(name: str, value: Any) -> RewardValue:
                              f"{', '.join(map(str, value)) or 'none'}); a dict reward's 'score' is the reward, as in "
                              "verl's reward managers")
         score = value["score"]
-        if isinstance(score, bool) or not _number(score):
+        if not _number(score):
             raise ValueError(f"reward function {name!r} returned 'score': {type(score).__name__} {score!r}; it must "
                              "be a float")
         extras, other = {}, []
@@ -65,7 +70,7 @@ def check_value(name: str, value: Any) -> RewardValue:
         value, out = score, dict(extras=extras, other_keys=tuple(other))
     else:
         out = {}
-        if isinstance(value, bool) or not _number(value):
+        if not _number(value):
             raise ValueError(f"reward function {name!r} returned {type(value).__name__} {value!r}; it must return "
                              "a float or a dict with a 'score'")
     value = float(value)

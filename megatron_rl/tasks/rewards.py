@@ -11,6 +11,7 @@ unknown source is a ``ValueError`` naming it. The extractors, sources and scales
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from typing import Any, Dict, Optional, Sequence, Union
@@ -175,6 +176,21 @@ def reward_name_for_source(data_source: Optional[str]) -> Optional[str]:
         if low.startswith(prefix):
             return name
     return None
+
+
+def kwargs_refusal(data_source: Optional[str], kwargs: Dict[str, Any]) -> Optional[str]:
+    """Why the scorer of ``data_source`` (None: exact match, a row without one) cannot take ``kwargs``
+    (``data.reward_kwargs`` with the dispatch), naming the first key it does not take and what it takes; None when
+    it takes them all."""
+    fn = exact_match if data_source is None else SOURCE_SCORERS.get(reward_name_for_source(data_source) or "")
+    if fn is None or not kwargs:
+        return None
+    params = [p for p in inspect.signature(fn).parameters][2:]   # after (solution / response text, ground truth)
+    bad = [k for k in kwargs if k not in params]
+    if not bad:
+        return None
+    takes = ", ".join(params) or "no keyword arguments"
+    return f"{bad[0]!r} is not an argument of its scorer {fn.__name__} (it takes {takes})"
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,

@@ -74,6 +74,9 @@ ROW_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "rewards", "rou
               "token_versions", "loss_masks", "scores", "reward_extras")
 #: ``algorithm.filter_groups.metric`` values that are not reward keys (``metric_values``).
 BATCH_METRICS = ("seq_reward", "seq_final_reward", "score")
+#: The reward key a float reward has too: its score, as verl's DAPO reward manager records it
+#: (``reward_extra_info["acc"] = score`` for a non-dict result, verl/workers/reward_manager/dapo.py).
+FLOAT_ACC = "acc"
 
 
 class FilterGroupsExhaustedWarning(UserWarning):
@@ -110,17 +113,20 @@ def newest_version(batch: StepBatch) -> str:
 def metric_values(batch: StepBatch, metric: str) -> List[float]:
     """The per-row values ``algorithm.filter_groups.metric`` compares: "score" -> the scores before the overlong
     penalty (the rewards when there was none); "seq_reward" / "seq_final_reward" -> the rewards; any other name ->
-    that key of each row's dict reward (``StepBatch.reward_extras``; 0.0 where the reward failed).
+    that key of each row's dict reward (``StepBatch.reward_extras``; 0.0 where the reward failed); "acc" of a row
+    whose reward returned no other numeric key (a float) -> its score (``FLOAT_ACC``).
     ``FilterMetricError`` when a row whose reward succeeded did not return the key."""
+    scores = list(batch.scores) if batch.scores else list(batch.rewards)
     if metric in BATCH_METRICS:
-        return list(batch.scores) if metric == "score" and batch.scores else list(batch.rewards)
+        return scores if metric == "score" else list(batch.rewards)
     extras = batch.reward_extras or [{}] * batch.num_rows
+    if metric == FLOAT_ACC:
+        extras = [{FLOAT_ACC: s} if e == {} else e for e, s in zip(extras, scores)]
     missing = [i for i, e in enumerate(extras) if e is not None and metric not in e]
     if missing:
         keys = sorted({k for e in extras if e for k in e})
         returned = (f"the numeric keys it returned besides 'score': {', '.join(keys)}" if keys else
-                    "it returned a float (or a dict with no other numeric key); verl's DAPO reward manager reads a "
-                    "float reward as 'acc' -- the same values as metric 'score' here")
+                    "it returned a float (or a dict with no other numeric key)")
         raise FilterMetricError(
             f"algorithm.filter_groups.metric={metric!r}: the reward of {len(missing)} of the {len(extras)} samples "
             f"of this round returned no numeric {metric!r} (first: row {missing[0]}); {returned}. Use one of "

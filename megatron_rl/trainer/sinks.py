@@ -122,6 +122,9 @@ class MetricSinks:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._fh = open(self.path, "a" if resume else "w")
+        samples = os.path.join(run_dir, VAL_SAMPLES_FILE)
+        if not resume and os.path.exists(samples):  # a run at step 0 (--resume without a checkpoint): starts empty
+            os.remove(samples)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

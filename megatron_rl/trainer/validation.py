@@ -29,8 +29,9 @@ that key named.
 Metrics (``val_metrics``; rank 0, in the step's record): over the whole set ``val/reward_mean``,
 ``val/response_length_mean`` (tokens the engine returned, EOS included) and ``val/prompts``; per data source
 ``val/<source>/reward_mean``, ``val/<source>/response_length_mean``, ``val/<source>/truncated_frac`` (responses that
-hit max_new_tokens) and ``val/<source>/prompts``; ``val/reward_failed`` / ``val/reward_timed_out`` (rewards that
-raised or timed out, scored 0, as in training; above ``data.max_reward_failure_frac`` of the responses the
+hit max_new_tokens), ``val/<source>/prompts`` and, for a dict reward, ``val/<source>/reward_extra/<key>/mean``
+of each other numeric key (verl's ``val-core/<source>/acc``); ``val/reward_failed`` / ``val/reward_timed_out``
+(rewards that raised or timed out, scored 0, as in training; above ``data.max_reward_failure_frac`` of the responses the
 validation raises ``RewardFailureError`` on every rank); ``timing/validation_s``.
 
 Samples: with ``trainer.val_log_samples`` N > 0, rank 0 keeps N of the validation's responses in ``samples``
@@ -66,9 +67,11 @@ def val_sampling(cfg, eos_ids: Sequence[int] = ()) -> SamplingParams:
 
 
 def val_metrics(sources: Sequence[str], rewards: Sequence[float], lengths: Sequence[int],
-                truncated: Sequence[bool], n: int) -> Dict[str, float]:
+                truncated: Sequence[bool], n: int,
+                extras: Optional[Sequence[Optional[Dict[str, float]]]] = None) -> Dict[str, float]:
     """The ``val/*`` metrics of one validation from its responses (``n`` per prompt, each with its prompt's data
-    source, reward, length in tokens and whether it hit the token limit); see the module docstring."""
+    source, reward, length in tokens and whether it hit the token limit, and -- ``extras`` -- a dict reward's other
+    numeric keys, None where the reward failed); see the module docstring."""
     if not (len(sources) == len(rewards) == len(lengths) == len(truncated)) or not sources:
         raise ValueError(f"val_metrics: {len(sources)} sources, {len(rewards)} rewards, {len(lengths)} lengths, "
                          f"{len(truncated)} truncation flags (equal and > 0 needed)")
@@ -81,6 +84,12 @@ def val_metrics(sources: Sequence[str], rewards: Sequence[float], lengths: Seque
         m[f"val/{src}/response_length_mean"] = sum(lengths[i] for i in idx) / len(idx)
         m[f"val/{src}/truncated_frac"] = sum(bool(truncated[i]) for i in idx) / len(idx)
         m[f"val/{src}/prompts"] = float(len(idx) // n)
+        per_key: Dict[str, List[float]] = {}
+        for i in idx:
+            for k, v in ((extras[i] if extras else None) or {}).items():
+                per_key.setdefault(k, []).append(float(v))
+        for k, vs in per_key.items():
+            m[f"val/{src}/reward_extra/{k}/mean"] = sum(vs) / len(vs)   # training: reward_extra/<key>/mean
     return m
 
 
@@ -123,6 +132,7 @@ class Validation:
         rewards: List[float] = []
         lengths: List[int] = []
         truncated: List[bool] = []
+        extras: List[Optional[Dict[str, float]]] = []
         samples: List[ValSample] = []
         keep = cfg.trainer.val_log_samples > 0
         failed = timed_out = call = 0
@@ -147,6 +157,7 @@ class Validation:
                 rewards += [float(x) for x in result.rewards]
                 lengths += [len(r.response_ids) for r in rollouts]
                 truncated += [r.finish_reason == "length" for r in rollouts]
+                extras += list(result.extras) if result.extras else [{}] * len(rollouts)
                 if keep:
                     samples += [ValSample(prompts[i // n].text, response_text(g.task.tokenizer, r.response_ids)[0],
                                           float(result.rewards[i]), srcs[i // n]) for i, r in enumerate(rollouts)]
@@ -161,7 +172,7 @@ class Validation:
                                      f"{limit:g}): val/* would score them 0. The first failure is printed above (a "
                                      f"missing reward dependency, a reward function that raises, or "
                                      f"data.reward_timeout_s too short)")
-        return {**val_metrics(sources, rewards, lengths, truncated, n), "val/reward_failed": float(failed),
+        return {**val_metrics(sources, rewards, lengths, truncated, n, extras), "val/reward_failed": float(failed),
                 "val/reward_timed_out": float(timed_out)}
 
     def take_samples(self) -> List[ValSample]:

@@ -354,8 +354,9 @@ def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
         signal.signal(signal.SIGTERM, term)
         urls = [a for a in sys.argv if a.startswith("rollout.sglang_urls=")]
         health = urllib.request.urlopen(json.loads(urls[0].split("=", 1)[1])[0] + "/health").status if urls else None
-        json.dump({{"argv": sys.argv[1:], "pid": os.getpid(), "health": health,
-                   "master": os.environ.get("MASTER_ADDR")}}, open(os.path.join({str(tmp_path)!r}, "trainer.json"), "w"))
+        json.dump({{"argv": sys.argv[1:], "pid": os.getpid(), "health": health, "cwd": os.getcwd(),
+                   "pythonpath": os.environ.get("PYTHONPATH", ""), "master": os.environ.get("MASTER_ADDR")}},
+                  open(os.path.join({str(tmp_path)!r}, "trainer.json"), "w"))
         time.sleep({train_sleep})
     """))
     for f in (bindir / "srun", bindir / "squeue", bindir / "scancel", server, trainer):
@@ -365,6 +366,30 @@ def _stand_ins(tmp_path, server_mode="ok", train_sleep=0.0):
            "SGLANG_PORT": str(find_free_port()), "MEGATRON_RL_SGLANG_PYTHON": str(server), "PYTHON": str(trainer),
            "TOOLS_PYTHON": sys.executable, "CHECK": "0", "LOG_DIR": str(tmp_path / "logs")}
     return env
+
+
+def test_sbatch_from_another_directory_keeps_the_submit_directory(tmp_path):
+    """sbatch from a project directory with MEGATRON_RL_HOME naming the repository: the trainer runs in the
+    directory the job was submitted from, so the relative --config and the overrides' paths (which resolve against
+    the current directory, docs/running.md#paths-in-a-config) mean what they meant where sbatch was typed; the
+    repository's package stays importable (PYTHONPATH)."""
+    import json
+
+    env = _stand_ins(tmp_path)
+    env.update(SGLANG_MODE="none", SLURM_JOB_NODELIST="localhost", MEGATRON_RL_HOME=ROOT)
+    env.pop("LOG_DIR")
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "job.yaml").write_text(open(os.path.join(ROOT, "configs", "tiny_cpu.yaml")).read())
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SGLANG_", "MASTER_", "DRY_RUN"))}
+    r = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "--config", "job.yaml", "data.path=d.jsonl"],
+                       capture_output=True, text=True, env=dict(e, **env), cwd=proj, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rec = json.load(open(tmp_path / "trainer.json"))
+    assert rec["cwd"] == str(proj)
+    assert rec["argv"][2:5] == ["--config", "job.yaml", "data.path=d.jsonl"]
+    assert ROOT in rec["pythonpath"].split(os.pathsep)
+    assert (proj / "logs" / "5").is_dir()   # LOG_DIR's default, beside the job, where the trainer's logs go
 
 
 def _pids(path):

@@ -98,3 +98,36 @@ def test_overrides_resolve_against_the_current_directory(tmp_path, monkeypatch):
     assert cfg.trainer.run_dir == f"{cwd}/runs/b"
     assert cfg.data.val_files == [f"{cwd}/v1.jsonl", f"{cwd}/v2.jsonl"]
     assert cfg.actor.load_hf == "Qwen/Qwen3-8B"
+
+
+def test_a_config_written_for_the_old_rule_is_said_not_silently_moved(tmp_path, monkeypatch):
+    """A config written before paths resolved beside the file (``run_dir: runs/my`` meaning the current directory's)
+    must not silently train elsewhere: when a relative path in the file names nothing beside the file but something
+    from the current directory, the problem names the key, both places and the fix. A path that exists beside the
+    file, an override, or one that exists in neither place is not reported."""
+    repo = tmp_path / "repo"
+    (repo / "configs").mkdir(parents=True)
+    (repo / "runs" / "my" / "checkpoints").mkdir(parents=True)          # the run the old rule continued
+    (repo / "examples").mkdir()
+    (repo / "examples" / "train.jsonl").write_text('{"prompt": "copy:1=", "answer": "1"}\n')
+    job = repo / "configs" / "job.yaml"
+    job.write_text("data:\n  task: file\n  path: examples/train.jsonl\ntrainer:\n  run_dir: runs/my\n")
+    monkeypatch.chdir(repo)
+    _, problems = collect_job_config(str(job), [], cross_checks=False)
+    said = [p for p in problems if "from the current directory" in p]
+    assert len(said) == 2, problems
+    run = next(p for p in said if p.startswith("trainer.run_dir"))
+    assert str(repo / "configs" / "runs" / "my") in run and str(repo / "runs" / "my") in run
+    assert "../runs/my" in run
+    # an override of the key: the file's value is not used
+    _, problems = collect_job_config(str(job), ["trainer.run_dir=runs/my", "data.path=examples/train.jsonl"],
+                                     cross_checks=False)
+    assert not [p for p in problems if "from the current directory" in p]
+    # an unrelated directory of the run_dir's name (no run in it) says nothing; the data file still does
+    (repo / "runs" / "my" / "checkpoints").rmdir()
+    _, problems = collect_job_config(str(job), [], cross_checks=False)
+    assert [p.split(":")[0] for p in problems if "from the current directory" in p] == ["data.path"]
+    # from another directory nothing is ambiguous
+    monkeypatch.chdir(tmp_path)
+    _, problems = collect_job_config(str(job), [], cross_checks=False)
+    assert not [p for p in problems if "from the current directory" in p]

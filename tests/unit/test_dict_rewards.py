@@ -142,13 +142,55 @@ def test_a_key_the_reward_never_returns_stops_the_first_round():
                                                 r"returned no numeric 'accuracy' .* besides 'score': acc"):
         DynamicSampling(inner, _cfg("accuracy", prompts=1)).generate(None, 0, "step-0")
     assert inner.calls == 1
-    floats = _Rounds([[([1.0, 0.0], [{}, {}])]])
-    with pytest.raises(FilterMetricError, match="returned a float .* DAPO reward manager reads a float reward as"):
-        DynamicSampling(floats, _cfg("acc", prompts=1)).generate(None, 0, "step-0")
+    no_acc = _Rounds([[([1.0, 0.0], [{"length": 3.0}, {"length": 2.0}])]])   # a dict reward without acc
+    with pytest.raises(FilterMetricError, match="returned no numeric 'acc' .* besides 'score': length"):
+        DynamicSampling(no_acc, _cfg("acc", prompts=1)).generate(None, 0, "step-0")
+
+
+def test_acc_of_a_float_reward_is_its_score_as_verls_dapo_reward_manager_records_it():
+    """verl 0.9.1's DAPO reward manager (verl/workers/reward_manager/dapo.py and the reward loop's
+    reward_manager/dapo.py): ``else: score = result; reward_extra_info["acc"] = score`` -- a float reward's acc is
+    its score (before the overlong penalty), so a DAPO job with a float reward (gsm8k, a float reward file) filters
+    by it. Selection written by hand from that rule: groups whose float scores differ are kept."""
+    script = [[([1.0, 1.0], [{}, {}]),          # (0, 0): scores alike -> dropped
+               ([0.0, 1.0], [{}, {}])],         # (0, 1): kept
+              [([0.0, 0.0], [{}, {}]),          # (1, 0): dropped
+               ([1.0, 0.0], [{}, None])]]       # (1, 1): a failed reward (acc 0, score 0) next to a 1 -> kept
+    batch = DynamicSampling(_Rounds(script), _cfg("acc")).generate(None, 0, "step-0")
+    assert [tuple(batch.prompt_ids[2 * g]) for g in range(2)] == [(0, 1), (1, 1)]
+    # the score before the overlong penalty: rewards alike after it, scores not -> kept (verl's acc is the score)
+    penalised = _Rounds([[([0.5, 0.5], [{}, {}])]])
+    orig = penalised.generate
+
+    def with_scores(*a, **k):
+        b = orig(*a, **k)
+        b.scores = [1.0, 0.5]
+        return b
+    penalised.generate = with_scores
+    kept = DynamicSampling(penalised, _cfg("acc", prompts=1, rounds=1)).generate(None, 0, "step-0")
+    assert kept.metrics["filter_groups/groups_kept"] == 1
+
+
+def test_bool_and_numpy_values_count_as_verl_counts_them():
+    """verl's reward managers write a reward into a float32 tensor (``reward_tensor[i, last] = score``: True -> 1.0)
+    and keep dict values as they are for the filter (``np.std`` of a group's ``acc``: numpy bools count as 0 / 1),
+    so a verl reward file returning ``pred == gt`` or a numpy ``acc`` works there; here too."""
+    import numpy as np
+    import torch
+
+    from megatron_rl.tasks.reward_fn import check_value
+
+    for score in (True, False, 0.5):
+        verl = torch.zeros(2, dtype=torch.float32)
+        verl[1] = score   # what verl's naive / DAPO reward manager does with a non-dict result
+        assert check_value("f", score).score == float(verl[1])
+    v = check_value("f", {"score": np.float64(1.0), "acc": np.bool_(True), "n": np.int64(3), "pred": "x"})
+    assert (v.score, v.extras, v.other_keys) == (1.0, {"acc": 1.0, "n": 3.0}, ("pred",))
 
 
 def test_metric_config_and_migration():
     assert FilterGroupsConfig(True, "acc").errors() == []                         # a data file's reward may return it
-    assert "needs a reward that returns a dict" in FilterGroupsConfig(True, "acc").errors(dict_rewards=False)[0]
+    assert "needs a reward that returns a dict" in FilterGroupsConfig(True, "length").errors(dict_rewards=False)[0]
+    assert FilterGroupsConfig(True, "acc").errors(dict_rewards=False) == []   # a float reward's acc: its score
     assert "is not one of" in FilterGroupsConfig(True, " acc").errors()[0]
     assert _filter_metric("acc") == "acc"                                          # verl's DAPO metric maps

@@ -179,6 +179,36 @@ def test_gen_batch_size_is_prompts_per_round_and_exhaustion_raises():
     assert "raises" in _entry(m, "algorithm.filter_groups.enable").detail
 
 
+@pytest.mark.parametrize("block", ["reward.reward_kwargs", "reward_model.reward_kwargs"])
+def test_verl_091_dapo_overlong_buffer_under_reward_kwargs_maps(block):
+    """verl 0.9.1's reward loop DAPO manager (verl/experimental/reward_loop/reward_manager/dapo.py) reads the penalty
+    from ``config.reward.reward_kwargs.overlong_buffer_cfg`` and ``.max_resp_len`` (the legacy manager from
+    ``reward_model.reward_kwargs``): they map to data.overlong_buffer_len / overlong_penalty_factor; a max_resp_len
+    other than data.max_response_length (what the penalty counts from here) is a decision, not a silent change."""
+    top, sub = block.split(".")
+    kwargs = {"overlong_buffer_cfg": {"enable": True, "len": 4096, "penalty_factor": 0.5, "log": False},
+              "max_resp_len": 20480}
+    verl = {"data": {"max_response_length": 20480}, "actor_rollout_ref": {"actor": {"strategy": "megatron"}},
+            top: {sub: kwargs, "reward_manager": {"name": "dapo"}} if top == "reward" else {sub: kwargs}}
+    m = migrate_verl(with_verl_defaults(verl, "0.9.1")[0], "0.9.1")
+    assert (m.tree["data"]["overlong_buffer_len"], m.tree["data"]["overlong_penalty_factor"]) == (4096, 0.5)
+    assert not [e.key for e in m.differences() if e.key.startswith(block)]
+    kwargs["max_resp_len"] = 16384
+    m = migrate_verl(with_verl_defaults(verl, "0.9.1")[0], "0.9.1")
+    (e,) = [e for e in m.differences() if e.key.startswith(block)]
+    assert e.key == f"{block}.max_resp_len" and "data.max_response_length" in e.detail
+    if top == "reward":   # verl 0.9.1's naive reward-loop manager (its default) reads no overlong_buffer_cfg
+        verl["reward"]["reward_manager"]["name"] = "naive"
+        m = migrate_verl(with_verl_defaults(verl, "0.9.1")[0], "0.9.1")
+        assert "overlong_buffer_len" not in m.tree["data"]
+        assert not [e.key for e in m.differences() if e.key.startswith(block)]
+        assert "only its dapo reward manager applies it" in _entry(m, f"{block}.overlong_buffer_cfg.len").detail
+        verl["reward"]["reward_manager"]["name"] = "dapo"
+    kwargs["overlong_buffer_cfg"]["enable"] = False   # no penalty: max_resp_len has no effect in verl
+    m = migrate_verl(with_verl_defaults(verl, "0.9.1")[0], "0.9.1")
+    assert not [e.key for e in m.differences() if e.key.startswith(block)]
+
+
 def test_each_round_draws_prompts_per_round_prompts(tmp_path):
     """The engine is asked for prompts_per_round prompts each round (not data.prompts_per_step)."""
     cfg = _cfg(tmp_path, 13, "algorithm.filter_groups.prompts_per_round=6")

@@ -92,6 +92,29 @@ def test_sinks_write_jsonl_and_a_wandb_table(tmp_path, validation, monkeypatch):
     assert "dropped 4 record(s) of val_generations.jsonl after step 1" in trim_to_step(str(tmp_path / "run"), 1)
 
 
+def test_a_run_that_starts_at_step_0_keeps_no_earlier_attempts_samples(tmp_path, validation):
+    """--resume in a run_dir without a complete checkpoint (a Slurm requeue before the first checkpoint) begins a
+    new run at step 0: like metrics.jsonl, val_generations.jsonl starts empty (the earlier attempt's step-0
+    validation is not kept next to the new one); a run resumed from a checkpoint appends."""
+    validation.run(1)
+    samples = validation.take_samples()
+    run = str(tmp_path / "run")
+    first = MetricSinks(run, 3, progress=False)
+    first.log_val_samples(0, samples)
+    first.close()
+    trim_to_step(run, 0)                       # what _resume does when there is no checkpoint
+    again = MetricSinks(run, 3, progress=False, resume=False)
+    again.log_val_samples(0, samples)
+    again.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "val_generations.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] * len(samples)
+    resumed = MetricSinks(run, 3, progress=False, resume=True)
+    resumed.log_val_samples(2, samples)
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "val_generations.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] * len(samples) + [2] * len(samples)
+
+
 def test_key_is_checked_and_migrated():
     _, problems = collect_job_config(None, ["trainer.val_log_samples=-1"], world_size=1)
     assert any(p.startswith("trainer.val_log_samples: must be >= 0") for p in problems), problems

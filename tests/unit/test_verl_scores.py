@@ -138,3 +138,77 @@ def test_a_file_with_numina_rows_says_they_are_not_verls_scorer(tmp_path):
     said = out.getvalue()
     assert "data_source numina_olympiads: verl scores these with its prime_math scorer, which is not ported" in said
     assert "math_dapo" not in said
+
+
+def test_reward_kwargs_that_a_rows_scorer_does_not_take_are_refused_at_load(tmp_path):
+    """With data.reward_fn unset each row's data_source picks its scorer, and data.reward_kwargs reach every one of
+    them: kwargs one of them does not take (math's ``extract`` on a gsm8k row, anything on a row without a
+    data_source: exact match) would fail every such sample at run time; the file check names the key, the source
+    and what that scorer takes. Kwargs every scorer takes pass."""
+    from types import SimpleNamespace
+
+    from megatron_rl.tasks.datasets import scorable_rows
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "q1", "answer": "1", "data_source": "openai/gsm8k"},
+        {"prompt": "q2", "answer": "2", "data_source": "numina_olympiads"})))
+    data = SimpleNamespace(prompt_key="prompt", answer_key="answer", reward_fn=None,
+                           reward_kwargs={"extract": ["hash"]})
+    with pytest.raises(ValueError, match=r"data.reward_kwargs: 'extract' is not an argument of its scorer gsm8k_score "
+                                         r"\(it takes method, .*the data_source 'openai/gsm8k'"):
+        scorable_rows(path, data)
+    data.reward_kwargs = {}
+    assert len(scorable_rows(path, data).rows) == 2
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"prompt": "q", "answer": "1", "data_source": "openai/gsm8k"}) + "\n")
+    data.reward_kwargs = {"method": "flexible"}
+    assert len(scorable_rows(gsm, data).rows) == 1
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match="rows without a data_source .* exact match"):
+        scorable_rows(plain, data)
+
+
+FUZZ_TOKENS = ["\\boxed{", "\\boxed ", "}", "{", "$", "\\$", "Answer:", "answer :", "####", "#### ", "1", "72", ",",
+               ".", " ", "\n", "-", "\\frac", "\\dfrac", "12", "/", "\\sqrt", "3", "=", "x", "\\text{ ", "cm",
+               "\\text{", "\\left(", "\\right)", "^\\circ", "\\%", "a ", "an ", "\\fbox{", "0.5", "(A)", "\\!", "\\\\",
+               "dollars", "[INVALID]", "\\overline{", "\\textbf{"]
+
+
+def test_seeded_random_responses_score_as_verls_files(verl_scores):
+    """Responses and ground truths drawn (seeded) from the tokens verl's rules react to -- boxes (balanced or not),
+    ``Answer:`` lines, ``####``, fractions, units, ``$``, long tails, an answer or a box near the edge of the 300- /
+    100-character windows: the dispatch equals verl's on every one, exceptions included (same type), for every
+    ported source."""
+    import contextlib
+    import random
+
+    rnd = random.Random(46)
+    truths = ["72", "1/2", "\\frac{1}{2}", "0.5", "12", "-1", "(A)", "3", "x=3", "1,2", "\\sqrt{3}", "1.", "{", "$1$",
+              ""]
+    diffs = []
+    for _ in range(4000):
+        resp = "".join(rnd.choice(FUZZ_TOKENS) for _ in range(rnd.randint(0, 14)))
+        if rnd.random() < 0.05:
+            resp = "y" * rnd.randint(250, 320) + resp
+        if rnd.random() < 0.15:   # a tail around the strict box's 100-character window
+            resp = resp + "\\boxed{72}" + "z" * rnd.randint(80, 100)
+        elif rnd.random() < 0.15:   # an answer around the 300-character tail verl's gsm8k / math_dapo read
+            resp = resp + rnd.choice(["#### 72", "Answer: 72"]) + "\n" + "z" * rnd.randint(280, 300)
+        gt = rnd.choice(truths) if rnd.random() < 0.7 else "".join(rnd.choice(FUZZ_TOKENS) for _ in range(4))
+        if resp.endswith("z") and rnd.random() < 0.5:
+            gt = "72"   # the tail's answer: found or not decides the score
+        source = rnd.choice(["openai/gsm8k", "lighteval/MATH", "math_dapo", "aime24"])
+        outcome = []
+        for fn in (default_compute_score, verl_scores.default_compute_score):
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):   # verl's math_reward prints its errors
+                    outcome.append(("ok", fn(source, resp, gt)))
+            except Exception as e:  # noqa: BLE001 - the same failure is part of the same behaviour
+                outcome.append(("raised", type(e).__name__))
+        ours, theirs = outcome
+        same = ours[0] == theirs[0] and (_same(ours[1], theirs[1]) if ours[0] == "ok" else ours[1] == theirs[1])
+        if not same:
+            diffs.append((source, resp, gt, ours, theirs))
+    assert not diffs, f"{len(diffs)} differences, first: {diffs[:3]}"
