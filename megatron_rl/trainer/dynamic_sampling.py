@@ -207,6 +207,7 @@ class DynamicSampling:
             "filter_groups/groups_filled": float(len(filled)), "filter_groups/exhausted": float(exhausted),
             SKIPPED: float(exhausted and self.on_exhausted == "skip")})
         out.rows_generated = sum(b.num_rows for b in rounds)
+        out.skipped = exhausted and self.on_exhausted == "skip"
         return out
 
     def _exhausted(self, step: int, rounds: int, kept: int, drawn: int) -> None:

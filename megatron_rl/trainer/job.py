@@ -39,7 +39,7 @@ from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_t
 from megatron_rl.parallel.launch import init_distributed
 from megatron_rl.parallel.rank0 import on_rank0, share_from_rank0
 from megatron_rl.parallel.state import initialize_model_parallel
-from megatron_rl.rollout.factory import build_engine
+from megatron_rl.plan import JobPlan
 from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tokenizer import load_tokenizer
@@ -50,7 +50,7 @@ from megatron_rl.trainer.rollout_source import RolloutSource, build_rollout_sour
 from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
-from megatron_rl.trainer.startup import check_data, layout_line
+from megatron_rl.trainer.startup import check_data
 from megatron_rl.tasks.val_set import build_val_set
 from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
@@ -61,13 +61,15 @@ __all__ = ["Job", "build_job", "setup_distributed", "build_task", "latest_checkp
            "NoReference"]
 
 
-def setup_distributed(cfg: JobConfig):
-    """Process groups, megatron's parallel state (with the CPU patches when there is no GPU), the actor."""
+def setup_distributed(cfg: JobConfig, plan: Optional[JobPlan] = None):
+    """Process groups, megatron's parallel state (with the CPU patches when there is no GPU), the actor (of
+    ``plan``; default: the plan of ``cfg`` at this world size)."""
     if not dist.is_initialized():
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model,
                               distributed_timeout_minutes=cfg.trainer.collective_timeout_s / 60)
-    return MegatronActor(cfg)
+    plan = plan or JobPlan.build(cfg, dist.get_world_size())
+    return MegatronActor(plan.actor)
 
 
 def build_task(cfg: JobConfig):
@@ -124,6 +126,8 @@ class Job:
 
     cfg: JobConfig
     """The validated job configuration."""
+    plan: JobPlan
+    """Every choice of the job, built once (the actor, the engine and the step read it)."""
     actor: MegatronActor
     """The trained policy."""
     reference: Union[KLReference, NoReference]
@@ -217,18 +221,22 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
     if refusal:
         raise ConfigError(refusal)
     check_data(cfg)  # a data file with no usable row fails here, before any model is built
-    actor = setup_distributed(cfg)
-    reference = KLReference(MegatronActor(cfg, frozen=True)) if cfg.actor.policy_loss.kl_loss_coef > 0 else NoReference()
+    plan = JobPlan.build(cfg, int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized()
+                         else dist.get_world_size())
+    actor = setup_distributed(cfg, plan)
+    reference = KLReference(MegatronActor(plan.actor, frozen=True)) if plan.objective.loss.kl_loss_coef > 0 \
+        else NoReference()
     rank0 = dist.get_rank() == 0
     if rank0:
-        print(layout_line(cfg, actor.groups, dist.get_world_size()), flush=True)
+        for line in plan.describe():
+            print(f"[megatron-rl] {line}", flush=True)
     watchdog = Watchdog(dist.get_rank(), tc.phase_timeout_s)
     held: Dict[str, object] = {}  # what exists so far, for _teardown
     generator = None
     try:
         with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
             generator, draw, tokenizer, engine, held["server"], val_groups = on_rank0(
-                lambda: _rank0_setup(cfg), what="setting up the task / rollout engine") or (None,) * 6
+                lambda: _rank0_setup(cfg, plan), what="setting up the task / rollout engine") or (None,) * 6
         held["validation"] = Validation(cfg, val_groups, engine)
         start, resumed = _resume(cfg, actor, rank0)
         if draw is not None:  # rank 0, before the first draw (the async producer starts below)
@@ -247,11 +255,11 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
             generator.close()
         _teardown(watchdog, 0, **held)
         raise
-    return Job(cfg=cfg, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
+    return Job(cfg=cfg, plan=plan, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
                rank0=rank0, prompts=draw, **held)
 
 
-def _rank0_setup(cfg: JobConfig) -> Tuple:
+def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
     """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task, its
     prompt draw and step generator, the engine, the validation set (when it is evaluated)."""
     if cfg.trainer.overwrite:
@@ -260,11 +268,11 @@ def _rank0_setup(cfg: JobConfig) -> Tuple:
     draw = PromptDraw(task, cfg)  # renders the prompts with the data options: a failure before any engine starts
     val_groups = build_val_set(task, cfg.data, tokenizer) if Validation(cfg, None, None).enabled else None
     try:
-        engine, server = build_engine(cfg)
+        engine, server = plan.build_engine()
     except BaseException:
         Validation(cfg, val_groups, None).close()
         raise
-    return build_step_generator(cfg, task, draw), draw, tokenizer, engine, server, val_groups
+    return build_step_generator(cfg, task, draw, plan.replay), draw, tokenizer, engine, server, val_groups
 
 
 def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:

@@ -50,6 +50,7 @@ from megatron_rl.config.timeouts import (drain_key, drain_timeout_s, drain_wait_
 from megatron_rl.parallel.rank0 import Pieces, scatter_from_rank0, share_from_rank0
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.versions import version_tag
+from megatron_rl.trainer.dynamic_sampling import SKIPPED
 from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds
 from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.reward_failures import failed_fraction
@@ -306,7 +307,7 @@ def _resumed_rollouts(extra: Dict, cfg: JobConfig) -> Dict:
     diff = [f"{k}={then[k]!r} (this run: {v!r})" if k in then else f"{k} not recorded (this run: {v!r})"
             for k, v in now.items() if k not in then or then[k] != v]
     diff += [f"{k}={v!r} (this run: not set)" for k, v in then.items() if k not in now]
-    batches = {int(t): StepBatch(**(b if isinstance(b, dict) else _fields(b))) for t, b in saved.items()}
+    batches = {int(t): _saved_batch(b) for t, b in saved.items()}
     rows = cfg.rollout.n_samples_per_prompt * cfg.data.prompts_per_step
     if not diff and any(b.num_rows != rows for b in batches.values()):
         diff = [f"{b.num_rows} rows per step (this run: {rows})" for b in batches.values() if b.num_rows != rows][:1]
@@ -316,6 +317,15 @@ def _resumed_rollouts(extra: Dict, cfg: JobConfig) -> Dict:
         return {}
     return batches
 
+
+
+def _saved_batch(saved) -> StepBatch:
+    """A checkpoint's drained batch (a dict of fields, or a pickled batch). One written before
+    ``StepBatch.skipped`` recorded a skipped step only in its ``filter_groups/skipped`` metric: read there once."""
+    fields = dict(saved) if isinstance(saved, dict) else _fields(saved)
+    if "skipped" not in (saved if isinstance(saved, dict) else vars(saved)):
+        fields["skipped"] = bool((fields.get("metrics") or {}).get(SKIPPED))
+    return StepBatch(**fields)
 
 
 def _fields(batch) -> Dict:

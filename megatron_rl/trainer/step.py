@@ -16,8 +16,8 @@ Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also tim
 phase gets ``phase_timeout_s`` per generation round it may take (``config.timeouts``: x
 ``algorithm.filter_groups.max_num_gen_batches`` with dynamic sampling), on every rank.
 
-A step that dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: skip``: the metric
-``filter_groups/skipped`` every rank receives with its rows) trains nothing and only publishes the unchanged
+A step that dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: skip``: ``StepRows.skipped``, which
+every rank receives with its rows; logged as ``filter_groups/skipped``) trains nothing and only publishes the unchanged
 weights as the next version.
 
 Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy and, as verl
@@ -37,7 +37,6 @@ from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.rollout.versions import version_tag
-from megatron_rl.trainer.dynamic_sampling import SKIPPED
 from megatron_rl.trainer.step_batch import StepBatch, StepRows
 
 __all__ = ["train_step"]
@@ -53,7 +52,7 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     with wd.phase("rollout", step + 1, timeout_s=rollout_phase_timeout_s(cfg), config_key=rollout_phase_key(cfg)):
         got = source.next(step)   # this rank's rows (its DP shard) and the step's whole-batch metrics
     t_rolled = time.perf_counter()
-    if got.metrics.get(SKIPPED):  # dynamic sampling found too few groups with signal: every rank skips the same step
+    if got.skipped:  # dynamic sampling found too few groups with signal: every rank skips the same step
         return _skipped(job, step, got, t_step, t_rolled)
     shard = got.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor_device())
     rows = shard.batch
