@@ -21,6 +21,7 @@ a problem naming the key and how that row was computed; the plan then sizes one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import List, Optional
 
@@ -30,12 +31,13 @@ from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.epochs import epochs_line
 from megatron_rl.config.load import VERL_FILE_MESSAGE
 from megatron_rl.config.timeouts import rollout_waits_line
-from megatron_rl.config.validate import world_errors
-from megatron_rl.models.attention import expected_te, job_attention_backend
+from megatron_rl.actor.precision import Precision
+from megatron_rl.models.attention import attention_backend, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
                                     token_budget_error)
 from megatron_rl.ops.run_profile import run_profile
+from megatron_rl.plan import JobPlan, world_errors
 from megatron_rl.weight_sync.plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks.datasets import scorable_rows
@@ -137,6 +139,9 @@ def _run(args: argparse.Namespace) -> int:
                       f"parallel sizes or --gpus-per-node", file=sys.stderr)
     else:
         print(f"config OK: {where}")
+    plan = JobPlan.collect(cfg, world, has_te=args.transformer_engine)[0] if not problems else None
+    for line in plan.describe() if plan is not None else ():  # what the trainer prints at start
+        print(line)
     corr = cfg.algorithm.rollout_correction
     if corr is not None:
         print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
@@ -162,9 +167,10 @@ def _run(args: argparse.Namespace) -> int:
     params_bytes = args.params_bytes if args.params_bytes is not None else prof.params_bytes
     dist_opt = args.distributed_optimizer if args.distributed_optimizer is not None else prof.distributed_optimizer
     has_te, te_source = expected_te(c.device, args.transformer_engine)
-    backend = job_attention_backend(cfg, has_te)
+    precision = plan.precision if plan is not None else _precision(cfg.actor)
+    backend = attention_backend(c.device, has_te, precision.bf16)
     opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
-                         fp32_output_layer=bool(cfg.actor.bf16 and cfg.actor.fp32_output_layer and params_bytes < 4),
+                         fp32_output_layer=precision.fp32_output_layer and params_bytes < 4,
                          distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
                          recompute_method=job_recompute.method if same else "uniform",
                          recompute_num_layers=job_recompute.num_layers if same else 1,
@@ -202,6 +208,17 @@ def _prompt(args: argparse.Namespace, cfg):
         prompt, prompt_src = DEFAULT_PROMPT_LENGTH, f"default {DEFAULT_PROMPT_LENGTH}: {prof.prompt_source}; " \
                                                     f"pass --prompt-length"
     return prof, prompt, prompt_src
+
+
+def _precision(actor_cfg) -> Precision:
+    """The actor's precision when the job has no plan (other problems): an fp32 output layer refused only for
+    want of the distributed optimizer is still planned as asked; one refused on an fp32 actor is fp32."""
+    for ac in (actor_cfg, dataclasses.replace(actor_cfg, use_distributed_optimizer=True)):
+        try:
+            return Precision.from_actor_config(ac)
+        except ValueError:
+            pass
+    return Precision()
 
 
 def _dtype(nbytes: int) -> str:
