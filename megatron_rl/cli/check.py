@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     for line in plan.describe() if plan is not None else ():  # what the trainer prints at start
         print(line)
     corr = cfg.algorithm.rollout_correction
-    if corr is not None:
+    if corr is not None and plan is None:  # the plan's lines hold it
         print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
     if cfg.trainer.epochs is not None and not any(q.startswith("trainer.epochs") for q in problems):
         print(epochs_line(cfg))

@@ -132,7 +132,8 @@ class JobPlan:
                  f"{ac.ppo_epochs} epoch(s) x {ac.ppo_mini_batches} mini-batch(es) per step",
                  f"response budget: {self.budget.tokens} tokens ({self.budget.key}); dynamic sampling: "
                  + (f"{fg.metric}, up to {fg.max_num_gen_batches} round(s), on_exhausted {fg.on_exhausted}"
-                    if fg is not None else "off")]
+                    if fg is not None else "off"),
+                 self.objective_line()]
         return lines
 
     def objective_line(self) -> str:
