@@ -1,14 +1,14 @@
 """Building an RL job: everything a step needs, with every mode chosen once, and its checkpoints.
 
-    job = build_job(cfg)        # every rank: process groups, actor, reference, task + engine (rank 0), resume,
-                                # the first weight sync, the rollout source (sync / async) and its publisher
+    job = build_job(cfg)        # every rank: the plan (JobPlan), process groups, actor, reference, task + engine
+                                # (rank 0), resume, the first weight sync, the rollout source and its publisher
     ... train_step(job, step) ...
     job.checkpoint(step, stopping)
     job.close(step)
 
 Set-up order (``build_job``): the run directory is refused or accepted before any process group or model
-(``run_dir.py``); the data file and the validation files are checked; process groups, the actor and
-(``kl_loss_coef`` > 0) the frozen reference are built; rank 0 starts over (``trainer.overwrite``), builds the task,
+(``run_dir.py``); the data file and the validation files are checked; the job plan is built (``megatron_rl.plan``;
+rank 0 prints it); process groups, the actor and (``kl_loss_coef`` > 0) the frozen reference are built from it; rank 0 starts over (``trainer.overwrite``), builds the task,
 the engine (``rollout.factory``; a failure there is raised on every rank), the prompt draw (``prompt_draw``) and,
 when it is evaluated, the validation set (``tasks.val_set``); ``--resume`` loads the newest COMPLETE checkpoint rank 0
 chose (rank 0's prompt draw continues its order); the engine gets the starting weights; then the rollout source starts

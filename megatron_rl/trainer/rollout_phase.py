@@ -1,33 +1,11 @@
 """The rollout phase of a step on global rank 0: prompts -> engine -> rewards -> a ``StepBatch``.
 
-Rank 0 owns the task and the engine (the embedded engine, or the HTTP client of SGLang servers that do
-the heavy lifting). Prompts come from the job's ``prompt_draw.PromptDraw`` (a data file: without replacement,
-epoch by epoch, its position checkpointed; a generated task: seeded by (trainer.seed, step, round)); embedded
-generation is seeded by (trainer.seed, step, round), so a resumed run draws exactly what the uninterrupted run
-drew. SGLang samples server-side without a per-request seed, so with it a resumed run draws the same prompts
-but different responses.
-
-Before drawing, the task gets the ``data:`` section's ``DataOptions`` (chat template arguments, prompt
-length limit, reward workers; a no-op when unchanged). Rewards come from ``task.score`` (file tasks:
-worker processes with a per-sample timeout; a failing or timed-out sample scores 0 and is counted, the
-step goes on). A response that hit ``max_new_tokens`` (finish reason "length") is flagged ``truncated``;
-with ``data.overlong_buffer_len`` > 0 DAPO's soft overlong penalty is added to its reward. The payload's
-``metrics`` hold the data / reward / length counts of the step (``data/*``, ``reward/failed``,
-``reward/timed_out``, ``response/truncated_frac``, ...) and, for a reward that returns a dict, each other numeric
-key's mean (``reward_extra/<key>/mean``); the keys per row go with the batch (``StepBatch.reward_extras``).
-
-The engine is asked to stop at the task tokenizer's EOS too (``task_eos_ids``), so a response ends where its
-reward is cut, on either engine. MoE routing captured by the engine is passed on only when every rollout has
-it; a partial capture fails the step only with ``actor.routing_replay: r3`` (which replays it), and is
-otherwise dropped and counted (``routing/missing_rows``; see ``step_routing``).
-
 Two step generators, chosen once by ``build_step_generator``: ``SingleTurn`` (``generate_step``) and, with
-``multi_turn.env`` set, ``MultiTurn`` (trajectories of model turns and environment replies, token in, token out:
-``megatron_rl.rollout.multi_turn``; environments out of process in an ``envs.EnvPool`` the generator owns).
-Both draw a step's prompts with the job's ``PromptDraw`` and have ``close()`` (the job calls it at its end). With
-``algorithm.filter_groups.enable`` the chosen one is wrapped in ``dynamic_sampling.DynamicSampling``, which calls
-it for more generation rounds (``rnd``: the next prompts of the draw, fresh samples by ``round_seed``) until the
-batch is full of prompt groups whose samples did not all score alike.
+``multi_turn.env`` set, ``MultiTurn`` (environments in an ``envs.EnvPool`` the generator owns); with
+``algorithm.filter_groups.enable`` the chosen one is wrapped in ``dynamic_sampling.DynamicSampling``. Rule:
+prompts and embedded samples are seeded by (trainer.seed, step, round), so a resumed run draws exactly what the
+uninterrupted run drew (SGLang samples server-side: the same prompts, other responses). Rewards, truncation,
+MoE routing: docs/trainer.md.
 """
 from __future__ import annotations
 

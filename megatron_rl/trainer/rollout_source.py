@@ -6,33 +6,10 @@
     publisher = source.publisher              # how trained versions reach the engine from now on
     extra, error = source.drain(step, last)     # rollouts a checkpoint must hold (async), and a drain failure
 
-* ``SyncRollouts`` (``rollout.mode: sync``): rank 0 generates step ``t`` from version ``t`` when asked; the
-  publisher loads each version into the engine right away.
-* ``AsyncRollouts`` (``rollout.mode: async``): rank 0's ``RolloutProducer`` generates ahead in its thread, at most
-  ``rollout.max_staleness`` versions behind; the publisher hands versions to the producer (``DeferredPublisher``).
-
-The staleness bound lives here, once: ``max_lag`` (0 sync, ``rollout.max_staleness`` async) is what every token of
-a batch is checked against before the batch leaves rank 0 (``check_staleness``; the producer's schedule keeps to
-it by construction, the check proves it) and the range of the lag metrics. The reward-failure limit
-(``data.max_reward_failure_frac``) is checked at the same point. A failure on rank 0 is raised on every rank
-(``parallel.rank0``): a ``RolloutError`` as raised, any other failure of the async producer thread wrapped in a
-``RuntimeError`` naming the step.
-
-Each rank receives only what it trains on (``RowSplit``): the rows of its DP shard, their MoE routing of its
-pipeline stage's layers alone (the layers of its routers, every virtual stage's with VPP), and the step's
-whole-batch metrics -- rank 0 cuts the batch and sends each rank its piece point to point
-(``parallel.rank0.scatter_from_rank0``), pickling each distinct piece once and holding one at a time, so a rank's
-share of a step's bytes, and of its host memory, is its shard's. On NCCL jobs the pieces travel in a gloo group of
-every rank (``RowSplit.group``), so none is staged in GPU memory.
-
-While rank 0 makes a step's batch the other ranks wait in that scatter; the wait is bounded per generation round
-(``config.timeouts.rollout_wait_timeout_s``: ``trainer.collective_timeout_s`` x the rounds dynamic sampling may
-take, in a gloo group of that timeout when longer than the default group's), and a wait that fails names what it
-waited for on that rank (``rollout_wait_cause``), not only the backend's timeout. The same holds for an async
-checkpoint's drain (``AsyncRollouts.drain``): rank 0 waits for the rollouts it must hold up to
-``config.timeouts.drain_timeout_s`` (half of ``trainer.checkpoint_timeout_s`` per generation round), and the other
-ranks wait for rank 0's outcome in a gloo group of every rank made for it (``drain_wait_timeout_s``: that bound
-plus ``trainer.collective_timeout_s``), their error naming the drain (``drain_wait_cause``).
+``SyncRollouts`` generates step ``t`` from version ``t`` when asked; ``AsyncRollouts`` takes it from the producer
+(``async_rollout``). Rule: the staleness bound (``max_lag``) and the reward-failure limit are checked here, once,
+before a batch leaves rank 0, and each rank receives only its rows (``RowSplit``). Waits and pieces:
+docs/trainer.md.
 """
 from __future__ import annotations
 

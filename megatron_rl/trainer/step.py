@@ -4,27 +4,16 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
     got       = job.source.next(step)                         # rank 0 generates (sync) or takes (async); each
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
-    old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward (bf16 with actor.bf16),
-                                                              # fp32 vocab-parallel log-softmax
+    old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward, fp32 log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
     adv       = group advantages with the loss's mask (corr.loss_mask)
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
 
-Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``); the rollout
-phase gets ``phase_timeout_s`` per generation round it may take (``config.timeouts``: x
-``algorithm.filter_groups.max_num_gen_batches`` with dynamic sampling), on every rank.
-
-A step that dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: skip``: ``StepRows.skipped``, which
-every rank receives with its rows; logged as ``filter_groups/skipped``) trains nothing and only publishes the unchanged
-weights as the next version.
-
-Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy and, as verl
-0.9.1's bypass loss, computes the IS weights and the rejection inside the loss, in every micro-batch of every
-optimizer step, from the current log-probs (``correction.correct_in_loss``): the loss gets the mask before rejection
-(``corr.loss_mask``; so do the advantages) and no weights. The forward-only pass still runs once per step: the
-``rollout_corr/*`` metrics (and the lag metrics) are those of its pi_theta, the policy before the step's updates.
+Rule: a step dynamic sampling skipped (``StepRows.skipped``, which every rank receives with its rows) trains
+nothing and only publishes the unchanged weights as the next version. Watchdog bounds, bypass mode:
+docs/trainer.md.
 """
 from __future__ import annotations
 
