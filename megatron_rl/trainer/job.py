@@ -39,7 +39,7 @@ from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_t
 from megatron_rl.parallel.launch import init_distributed
 from megatron_rl.parallel.rank0 import on_rank0, share_from_rank0
 from megatron_rl.parallel.state import initialize_model_parallel
-from megatron_rl.plan import JobPlan
+from megatron_rl.plan import JobPlan, actor_spec
 from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tokenizer import load_tokenizer
@@ -63,13 +63,12 @@ __all__ = ["Job", "build_job", "setup_distributed", "build_task", "latest_checkp
 
 def setup_distributed(cfg: JobConfig, plan: Optional[JobPlan] = None):
     """Process groups, megatron's parallel state (with the CPU patches when there is no GPU), the actor (of
-    ``plan``; default: the plan of ``cfg`` at this world size)."""
+    ``plan``; default: the actor's part of the plan of ``cfg`` at this world size, ``plan.actor_spec``)."""
     if not dist.is_initialized():
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model,
                               distributed_timeout_minutes=cfg.trainer.collective_timeout_s / 60)
-    plan = plan or JobPlan.build(cfg, dist.get_world_size())
-    return MegatronActor(plan.actor)
+    return MegatronActor(plan.actor if plan is not None else actor_spec(cfg, dist.get_world_size()))
 
 
 def build_task(cfg: JobConfig):
