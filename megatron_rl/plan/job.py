@@ -165,7 +165,7 @@ class JobPlan:
         engine = engine_class(r.engine) if r.engine in ENGINE_KINDS else None
         p.add(data_errors(d, a.advantage_estimator))
         dynamic = p.build(_dynamic_sampling, cfg)
-        budget = ResponseBudget.of(r, cfg.multi_turn)
+        budget = p.build(_budget, r, cfg.multi_turn)
         objective = p.build(_objective, a.rollout_correction, ac.policy_loss, budget)
         lr_schedule = p.build(_lr_schedule, ac, t.steps)
         p.add(actor_size_errors(ac))
@@ -209,7 +209,15 @@ def _dynamic_sampling(cfg) -> Optional[object]:
     return fg if fg.enable else None
 
 
-def _objective(corr, policy_loss, budget: ResponseBudget) -> Objective:
+def _budget(rollout, multi_turn) -> ResponseBudget:
+    """The response budget; its problems are the ``rollout`` / ``multi_turn`` checks' to name."""
+    try:
+        return ResponseBudget.of(rollout, multi_turn)
+    except ValueError:
+        raise Unbuilt([]) from None
+
+
+def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective:
     """The policy objective of ``algorithm.rollout_correction`` and ``actor.policy_loss``; the
     ``seq-mean-token-sum-norm`` divisor from the response budget."""
     if corr is None or policy_loss is None:
@@ -217,7 +225,7 @@ def _objective(corr, policy_loss, budget: ResponseBudget) -> Objective:
     errs = mode_parameter_errors(corr.loss_type, policy_loss)
     if errs:
         raise Unbuilt(errs)
-    if budget.tokens < 1:
+    if budget is None or budget.tokens < 1:
         raise Unbuilt([])  # rollout.max_new_tokens / multi_turn.* name it
     # the objective's row (losses) replaces these three fields once it exists: one line to swap
     return Objective(loss_type=corr.loss_type, loss=with_norm_divisor(policy_loss, budget.tokens),
@@ -271,7 +279,7 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     p = _Problems()
     dims = p.build(build_dims, cfg.parallel, cfg.model, world_size)
     corr, ac = cfg.algorithm.rollout_correction, cfg.actor
-    objective = p.build(_objective, corr, ac.policy_loss, ResponseBudget.of(cfg.rollout, cfg.multi_turn))
+    objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
     spec = dict(precision=p.build(Precision.from_actor_config, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
                 lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps))
