@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import os
 import select
 import signal
@@ -26,12 +27,51 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-__all__ = ["StopChannel", "watch_job_owners", "set_parent_death_signal", "main"]
+__all__ = ["StopChannel", "watch_job_owners", "set_parent_death_signal", "abort", "kill_children", "main"]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCHER_PID_ENV = "MEGATRON_RL_LAUNCHER_PID"
 AGENT_PID_ENV = "MEGATRON_RL_AGENT_PID"
 STOP_FILE_ENV = "MEGATRON_RL_STOP_FILE"
+
+
+def kill_children() -> int:
+    """SIGKILL every descendant process of this one (process groups of children that lead their own,
+    e.g. a launched SGLang server, included). Returns how many processes were signalled."""
+    import psutil  # only here: the torchrun agent starts through this module and never calls it
+
+    try:
+        kids = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return 0
+    n = 0
+    for kid in kids:
+        try:
+            if os.getpgid(kid.pid) == kid.pid:  # a group leader: take its whole group
+                os.killpg(kid.pid, signal.SIGKILL)
+            else:
+                kid.kill()
+            n += 1
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return n
+
+
+def abort(code: int, message: str, rank: Optional[int] = None, stacks: bool = True) -> None:
+    """End this process now: print ``message`` (prefixed with the rank), the stacks of all threads, kill
+    child processes, then ``os._exit(code)`` (no cleanup handlers run; nothing can block it)."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    try:
+        print(f"[megatron-rl] rank {rank}: {message}", file=sys.stderr, flush=True)
+        if stacks:
+            print(f"[megatron-rl] rank {rank}: stacks of all threads at exit:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        kill_children()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -115,7 +155,7 @@ def watch_job_owners(env=None, on_orphan: Optional[Callable[[str], None]] = None
                      poll_s: float = 1.0) -> Optional[threading.Thread]:
     """In a rank started by torchrun (``$TORCHELASTIC_RUN_ID``): a daemon thread that ends the process as soon
     as its agent (the parent) or the launcher (``$MEGATRON_RL_LAUNCHER_PID``) has ended. ``on_orphan(message)``
-    ends the process (default: ``watchdog.abort`` with exit 1, which also kills the rank's worker processes).
+    ends the process (default: ``abort`` with exit 1, which also kills the rank's worker processes).
     Returns the thread, or None when the process was not started by torchrun."""
     env = os.environ if env is None else env
     if not env.get("TORCHELASTIC_RUN_ID"):
@@ -125,8 +165,6 @@ def watch_job_owners(env=None, on_orphan: Optional[Callable[[str], None]] = None
     owners = [parent] + [int(p) for p in [env.get(LAUNCHER_PID_ENV, "")] if p.isdigit()]
     if on_orphan is None:
         def on_orphan(message: str) -> None:
-            from megatron_rl.trainer.watchdog import abort
-
             abort(1, message, stacks=False)
 
     def watch() -> None:

@@ -56,8 +56,9 @@ class MegatronActor:
         """Build the model chunks for this rank (``spec.model`` under ``spec.parallel``, in ``spec.precision``),
         load ``actor.load_hf`` if set (any TP/PP/EP layout), wrap in Megatron DDP and build the Megatron optimizer
         (``actor.use_distributed_optimizer``). ``frozen``: an actor that is never trained (the KL reference): its
-        main parameters are not set from an fp32 ``load_hf`` (no host copy of it is held). Requires megatron's
-        parallel state to match ``spec.parallel``; every choice comes made in ``spec`` (the job plan's)."""
+        weights only, in the params dtype (``requires_grad`` False, no DDP gradient buffer, no optimizer or main
+        parameters, no host fp32 copy); it runs ``compute_log_probs`` only. Requires megatron's parallel state to
+        match ``spec.parallel``; every choice comes made in ``spec`` (the job plan's)."""
         if spec.model is None:
             raise ValueError("MegatronActor: spec.model is None (give a model section or actor.load_hf)")
         self.spec = spec
@@ -82,11 +83,18 @@ class MegatronActor:
             fp32 = load_keeping_fp32(chunks, lambda: load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg,
                                                                                 self.groups),
                                      self.hf_dir, keep=not frozen)
-        self.model = wrap_ddp(chunks, self.actor_cfg)
-        self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
-        set_main_params(self.optimizer, fp32)
-        # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
-        self.scheduler = spec.lr_schedule.build(self.optimizer)
+        self.frozen = frozen
+        """Never trained (the KL reference): the bare model chunks, no gradients, no DDP buffers, no optimizer."""
+        if frozen:
+            for c in chunks:
+                c.requires_grad_(False)
+            self.model, self.optimizer, self.scheduler = list(chunks), None, None
+        else:
+            self.model = wrap_ddp(chunks, self.actor_cfg)
+            self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
+            set_main_params(self.optimizer, fp32)
+            # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
+            self.scheduler = spec.lr_schedule.build(self.optimizer)
         self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)
         # padded / packed rows, token budget / fixed rows, interleaved or not: decided by the plan, once
         self.batcher = spec.batcher
@@ -197,6 +205,10 @@ class MegatronActor:
         return tuple(None if x is None else x[inv.to(x.device)] for x in out)
 
     # ------------------------------------------------------------------ train step
+    def _require_trainable(self, what: str) -> None:
+        if self.frozen:
+            raise RuntimeError(f"MegatronActor.{what}: this actor is frozen (the KL reference: no optimizer)")
+
     def train_step(self, batch: RolloutBatch, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
                    response_mask: torch.Tensor, is_weights: Optional[torch.Tensor], temperature: float,
                    ref_log_probs: Optional[torch.Tensor] = None) -> Dict[str, float]:
@@ -221,6 +233,7 @@ class MegatronActor:
         applied (actor/lr; the schedule advances after each applied update), plus actor/num_optimizer_steps.
         Identical on every rank.
         """
+        self._require_trainable("train_step")
         B, W = batch.num_rows, batch.max_length - 1
         check_token_ids(batch, self.model_cfg.vocab_size)
         if old_log_probs is None:
@@ -283,6 +296,7 @@ class MegatronActor:
     def save_checkpoint(self, ckpt_dir: str, step: int, extra_state: Optional[Dict[str, Any]] = None) -> str:
         """Save model, optimizer, learning-rate schedule and RNG state (+ ``extra_state``, picklable, from rank 0)
         under ``ckpt_dir``; collective. Returns the directory written."""
+        self._require_trainable("save_checkpoint")
         extra = dict(extra_state or {})
         for key in (_SCHEDULER_KEY, _SETTINGS_KEY):
             if key in extra:
@@ -298,6 +312,7 @@ class MegatronActor:
         cannot be loaded. The optimizer state (main parameters, moments, step) comes from the checkpoint, its
         settings (``optimizer.OPTIMIZER_KEYS``: betas, lr schedule, weight decay, clip_grad) from this run's
         config; rank 0 prints one line naming each that differs from the checkpoint's."""
+        self._require_trainable("load_checkpoint")
         step, extra, group_diff = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups,
                                                   self.model_cfg, self.parallel_cfg)
         saved_settings, sched = extra.pop(_SETTINGS_KEY, None), extra.pop(_SCHEDULER_KEY, None)

@@ -1,34 +1,14 @@
 """``RolloutBatch``: the token layout every part of megatron-rl uses for rollouts, and its splitting.
 
-Layout (B sequences, padded length L):
-  * ``tokens [B, L]`` long = prompt ids followed by response ids, right-padded with ``pad_id``;
-  * ``prompt_lengths [B]`` and ``lengths [B]`` (prompt + response) long;
-  * every per-token quantity (log-probs, entropy, masks, advantages, IS weights) is ``[B, L-1]``:
-    **position t scores token t+1** (the model's logits at position t predict token t+1), so
-    ``response_mask[b, t] = 1`` iff ``prompt_lengths[b] <= t + 1 < lengths[b]``, i.e. response token
-    ``i`` (0-based) of row ``b`` sits at column ``prompt_lengths[b] - 1 + i``;
-  * ``rollout_log_probs [B, L-1]`` (float32, optional) hold the rollout engine's log-prob of each
-    response token at that same column (0 elsewhere);
-  * ``routing [B, L-1, moe_layers, topk]`` (uint8 / int16, optional) the MoE experts the rollout engine
-    routed the token AT position t to (``megatron_rl.actor.routing``; read for t < lengths - 1 only);
-  * ``loss_mask [B, L-1]`` (float32 0/1, optional; None = all ones) 1 where the token at column t+1 was
-    sampled by the model, 0 where an environment wrote it (multi-turn: tool responses, chat-template
-    wrappers; ``megatron_rl.rollout.trajectory``). ``response_mask`` multiplies it in, so the correction,
-    the losses, the advantages and every metric built on ``response_mask`` see model tokens only, while
-    environment tokens stay in ``tokens`` (the model reads them in the forward pass).
-
-Usage::
+``tokens [B, L]`` are prompt then response ids, right-padded; every per-token quantity (log-probs, masks,
+advantages, IS weights, rollout log-probs, routing, loss mask) is ``[B, L-1]``. The rule everything depends on:
+**column t scores token t+1**, so response token i of row b sits at column ``prompt_lengths[b] - 1 + i``. The
+layout of every field (and the multi-turn ``loss_mask``, which ``response_mask`` multiplies in): docs/actor.md.
 
     batch = RolloutBatch.from_sequences(prompts, responses, rollout_log_probs, pad_id=0)
-    batch = RolloutBatch.from_sequences(prompts, responses, loss_masks=[[1, 1, 0, 0, 1], ...])  # multi-turn
-    shard = batch.shard(dp_rank, dp_size)                    # contiguous rows for one DP rank
-    shard = shard.to(device)                                 # the actor's device, once per step
-    for rows, mb in shard.micro_batches(micro_batch_size=4, trim=True):   # variable lengths
-        ...                                                  # mb.tokens is [b, max(mb.lengths)]
-    full = scatter_rows([(rows, mb_values)], shard.num_rows, shard.max_length - 1)
-    per_seq = batch.response_values(log_probs)               # list of [response_len_b] tensors
-
-Tests: ``pytest tests/unit/test_actor_batch.py``.
+    shard = batch.shard(dp_rank, dp_size).to(device)         # contiguous rows for one DP rank, once per step
+    for rows, mb in shard.micro_batches(micro_batch_size=4, trim=True):   # mb.tokens is [b, max(mb.lengths)]
+        ...
 """
 from __future__ import annotations
 

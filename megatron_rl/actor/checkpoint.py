@@ -1,32 +1,12 @@
 """Actor checkpoints: megatron ``dist_checkpointing`` (torch_dist) for model + optimizer, plus RNG and
 loop state — resumable exactly, loadable at a different TP / PP / EP layout (resharding).
 
-Directory layout (``save_checkpoint(root, step, ...)``)::
-
-    root/iter_0000012/dist/              megatron dist_checkpointing (model and optimizer, sharded)
-    root/iter_0000012/megatron_rl.json   step, saved layout, model config (rank 0)
-    root/iter_0000012/extra_state.pt     the caller's extra_state dict (rank 0, torch.save)
-    root/iter_0000012/rng/rank_00003.pt  per-rank RNG: torch CPU (+CUDA), megatron's RNG tracker, random, numpy
-    root/latest                          "12", written last (a checkpoint without it is incomplete)
-
-Loading (``load_checkpoint(root_or_iter_dir, ...)``): the model config must match (else
-``CheckpointLayoutError`` listing the differing keys). A different TP / PP / EP / ETP / CP / DP layout is
-resharded by dist_checkpointing (model and Adam state); any failure there is re-raised as
-``CheckpointLayoutError`` naming the saved and the requested layout. RNG states are restored only when
-the world size and layout are unchanged (otherwise rank-to-rank mapping is meaningless; a warning
-says so). The optimizer may be of another kind than the saving one (``actor.use_distributed_optimizer`` or
-``actor.bf16`` switched): its fp32 main parameters and Adam state are converted exactly (``optimizer_state``), never
-rebuilt from bf16 weights; the param groups keep this run's settings (betas, eps, lr ...), and the ones that
-differed are returned. Model / optimizer / RNG restore makes a resumed run reproduce the uninterrupted run bitwise
-on CPU (``tests/integration/test_actor_checkpoint.py``).
-
-Writing: megatron's forked file writer is replaced by ``platform/checkpoint_writer`` (threads of the
-saving rank; it cannot hang on a dead child). A write that fails on any rank raises
-``CheckpointWriteError`` on **every** rank, naming each failing rank and its cause; ``latest`` is then
-not written, so the checkpoint is never taken for complete.
-
-CPU notes: dist_checkpointing's writer calls ``torch.cuda.synchronize``; its modules are imported lazily
-and patched as they load by the import hook of ``platform/cpu_compat`` (the project's single patch point).
+``save_checkpoint(root, step, ...)`` writes ``root/iter_NNNNNNN/`` (``dist/``, ``megatron_rl.json``,
+``extra_state.pt``, ``rng/``) and ``root/latest`` LAST: a checkpoint without it is incomplete, and a write that
+fails on any rank raises ``CheckpointWriteError`` on every rank with ``latest`` left unwritten.
+``load_checkpoint`` refuses another model config, reshards another layout and converts another optimizer kind
+exactly (``optimizer_state``); RNG states come back only at the same layout. The layout, the resume rules and the
+CPU notes: docs/actor.md.
 """
 from __future__ import annotations
 
@@ -125,6 +105,32 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _load_dist(dcp, sd: dict, path: str, to_weights: bool) -> dict:
+    """megatron's ``dist_checkpointing.load`` of ``sd``; ``to_weights``: the same saved tensors as bf16 model weights
+    and as fp32 main parameters, one load per dtype."""
+    if not to_weights:
+        return dcp.load(sd, path)
+    loaded = dcp.load({k: v for k, v in sd.items() if k != "optimizer"}, path)
+    loaded.update(dcp.load({"optimizer": sd["optimizer"]}, path))
+    return loaded
+
+
+def _optimizer_classes(optimizer) -> list:
+    """The optimizer classes megatron's HybridDeviceOptimizer (``actor.optimizer_cpu_offload``) writes into its param
+    groups, hence into the checkpoint's common state: torch's weights-only loader must be allowed them, whether or
+    not this run offloads (megatron's choices: torch's AdamW / SGD on the CPU, its ``Adam`` / ``SGD`` on the
+    device; and those of this run's optimizer)."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    out = [torch.optim.AdamW, torch.optim.SGD, mcore_optimizer.Adam, mcore_optimizer.SGD]
+    for opt in filter(None, torch_optimizers(optimizer)):
+        for key in ("cpu_optimizer_cls", "gpu_optimizer_cls"):
+            cls = getattr(opt, "defaults", {}).get(key)
+            if isinstance(cls, type) and cls not in out:
+                out.append(cls)
+    return out
+
+
 def ensure_adam_state(optimizer) -> int:
     """Give every parameter without optimizer state the state a fresh Adam starts from (zero moments,
     step 0), so a checkpoint saved before the first step has a complete optimizer entry (megatron's
@@ -132,13 +138,23 @@ def ensure_adam_state(optimizer) -> int:
     Returns the number of parameters initialised."""
     n = 0
     for opt in filter(None, torch_optimizers(optimizer)):
+        # megatron's HybridDeviceOptimizer (actor.optimizer_cpu_offload): the state is kept for its own fp32 copy of
+        # each parameter (on the host when offloaded), which its state names "master_param"
+        inner = getattr(opt, "param_to_inner_param", None)
+        fresh = 0
         for group in opt.param_groups:
             for p in group["params"]:
                 if len(opt.state[p]) == 0:
+                    main = p if inner is None else inner[p]
                     opt.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
-                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
-                    n += 1
+                    opt.state[p]["exp_avg"] = torch.zeros_like(main.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(main.data)
+                    if inner is not None:
+                        opt.state[p]["master_param"] = main
+                    fresh += 1
+        if inner is not None and fresh:
+            opt._sync_hdo_state_to_sub_optimizers()  # its CPU / device optimizers hold the state it steps
+        n += fresh
     return n
 
 
@@ -286,12 +302,8 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
             f"{saved!r} optimizer, loading into a {now!r} one); their bf16 model weights are no substitute "
             f"(actor.use_distributed_optimizer / actor.bf16 as when it was saved load it as it is)")
     try:
-        if to_weights:
-            # the same saved tensors as bf16 model weights and as fp32 main parameters: one load per dtype
-            loaded = dcp.load({k: v for k, v in sd.items() if k != "optimizer"}, os.path.join(d, "dist"))
-            loaded.update(dcp.load({"optimizer": sd["optimizer"]}, os.path.join(d, "dist")))
-        else:
-            loaded = dcp.load(sd, os.path.join(d, "dist"))
+        with torch.serialization.safe_globals(_optimizer_classes(optimizer)):
+            loaded = _load_dist(dcp, sd, os.path.join(d, "dist"), to_weights)
         convert_loaded_state(loaded["optimizer"], saved, now)
         saved_settings = impose_group_settings(loaded["optimizer"], now, settings)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the layouts named

@@ -1,39 +1,13 @@
 """Token-budget micro-batch planning and packed (THD) sequence layouts: pure functions, no model, no process group.
 
-One job: decide which rows go into which micro-batch, how prompt groups spread over data-parallel ranks, and
-where every row's tokens sit in a packed sequence (and which packed positions each context-parallel rank holds).
-The actor's ``MicroBatcher`` (``batcher.py``) picks the cost and the budget for the job; ``schedule`` turns its
-plans into tensors.
+One job: decide which rows go into which micro-batch (``plan_micro_batches`` under a ``PaddedCost`` /
+``PackedCost``: fixed rows, or first-fit-decreasing under ``actor.max_tokens_per_micro_batch``), how prompt groups
+spread over DP ranks (``balance_groups``), and where every row's tokens sit in a packed sequence
+(``pack_layout``; ``packed_cp_positions`` for each CP rank). The actor's ``MicroBatcher`` picks the cost and the
+budget; ``schedule`` turns the plans into tensors. Each function, and a worked example: docs/actor.md.
 
-* ``PaddedCost(seq_multiple)`` / ``PackedCost(seq_multiple, row_multiple)``: model tokens of one micro-batch
-  before the CP split: padded = rows x longest row (rounded up to ``seq_multiple``); packed = the sum of the
-  rows' segments (each rounded up to ``row_multiple``), rounded up to ``seq_multiple``.
-* ``plan_micro_batches(lengths, cost, micro_batch_size=..., max_tokens=...)`` -> ``MicroBatchPlan``:
-  ``max_tokens=None`` keeps today's consecutive blocks of ``micro_batch_size`` rows; a budget
-  (``actor.max_tokens_per_micro_batch``) groups rows by first-fit-decreasing so every micro-batch costs at most
-  the budget.
-* ``balance_groups(group_tokens, num_ranks)``: the same number of prompt groups on every DP rank, greedy
-  largest-first onto the lightest rank (LPT with a cardinality limit).
-* ``pack_layout(lengths, row_multiple, total_multiple)`` -> ``PackedLayout``: offsets, ``cu_seqlens`` /
-  ``cu_seqlens_padded`` / ``max_seqlen`` for ``PackedSeqParams``, per-segment ``position_ids`` and the inverse
-  map ``row_col`` (packed position -> (row, column); -1 at padding).
-* ``packed_cp_positions`` / ``packed_cp_gather_index``: megatron/TE's THD context-parallel split of a packed
-  sequence and its inverse.
-
-Usage::
-
-    # with context parallelism (cp > 1): rows padded to 2 x CP, the pack to the TP/SP x 2 x CP multiple
-    # (ParallelDims.seq_multiple); without it row_multiple = 1
-    plan = plan_micro_batches(lengths, PackedCost(seq_multiple, row_multiple), micro_batch_size=4,
-                              max_tokens=8192)
-    for (s, e), tokens in zip(plan.bounds, plan.tokens):
-        rows = plan.order[s:e]                    # row indices of this micro-batch, ascending
-        layout = pack_layout([lengths[r] for r in rows], row_multiple=row_multiple, total_multiple=seq_multiple)
-        assert layout.total == tokens
-        pos = packed_cp_positions(layout.segments, cp_rank, cp)   # this CP rank's packed positions
-    ranks = balance_groups(tokens_per_group, dp_size)            # ranks[r]: the prompt groups of DP rank r
-
-Tests: ``pytest tests/unit/test_micro_batching.py``.
+    plan = plan_micro_batches(lengths, PackedCost(seq_multiple, row_multiple), micro_batch_size=4, max_tokens=8192)
+    layout = pack_layout([lengths[r] for r in rows], row_multiple=row_multiple, total_multiple=seq_multiple)
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ the parameter's dtype, bf16 with ``actor.bf16``, before DDP adds it into the fp3
 accumulation, ``gradient_accumulation_fusion=False``); with ``actor.bf16`` the optimizer keeps
 fp32 main parameters (megatron's mixed-precision optimizer, no loss scaling for bf16).
 ``actor.use_distributed_optimizer`` shards the fp32 main parameters and Adam state over the data-parallel
-ranks (gradients reduce-scattered, parameters all-gathered after the step). No overlap (the RL step is small
+ranks (gradients reduce-scattered, parameters all-gathered after the step). ``actor.optimizer_cpu_offload`` is
+megatron's (``HybridDeviceOptimizer`` through its precision-aware path, as Megatron-LM requires); its limits are
+``offload_errors`` (docs/memory.md). No overlap (the RL step is small
 and overlap needs CUDA streams). Adam is megatron's choice of implementation (torch AdamW when neither TE nor
 apex is installed); weight decay is decoupled and — megatron's default — not applied to biases and 1-D params
 (norm weights). ``apply_constant_schedule`` writes ``actor.lr`` / weight decay into the param groups the way
@@ -23,7 +25,12 @@ from typing import List, Sequence
 
 import torch
 
-__all__ = ["wrap_ddp", "build_optimizer", "optimizer_config", "OPTIMIZER_KEYS", "optimizer_settings"]
+from megatron_rl.platform import distrib_optimizer
+
+__all__ = ["wrap_ddp", "build_optimizer", "optimizer_config", "OPTIMIZER_KEYS", "optimizer_settings", "offload_errors"]
+
+#: the megatron-core ``OptimizerConfig`` fields ``actor.optimizer_cpu_offload`` needs
+OFFLOAD_FIELDS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "use_precision_aware_optimizer")
 
 #: every ``actor`` key the optimizer and its learning-rate schedule are built from (what a resume takes from the
 #: config, not from the checkpoint; megatron's adam_eps is fixed at 1e-8)
@@ -56,17 +63,71 @@ def _distributed(actor_cfg) -> bool:
     return bool(getattr(actor_cfg, "use_distributed_optimizer", False))
 
 
+def offload_errors(actor_cfg, optimizer_fields=None) -> List[str]:
+    """The problems (each naming its key) of ``actor.optimizer_cpu_offload`` / ``optimizer_offload_fraction`` with the
+    rest of ``actor_cfg`` and the installed megatron-core (``optimizer_fields``: its ``OptimizerConfig`` field names,
+    read from it when None). megatron's ``HybridDeviceOptimizer`` runs through its precision-aware distributed
+    optimizer, whose main parameters must be copies of bf16 weights: an fp32 weight's shard is a view, which a torch
+    optimizer refuses ("can't optimize a non-leaf Tensor")."""
+    frac = getattr(actor_cfg, "optimizer_offload_fraction", 1.0)
+    errs = []
+    if not 0.0 < frac <= 1.0:
+        errs.append(f"actor.optimizer_offload_fraction: must be in (0, 1], got {frac}")
+    if not getattr(actor_cfg, "optimizer_cpu_offload", False):
+        return errs
+    if optimizer_fields is None:
+        import dataclasses
+
+        from megatron.core.optimizer import OptimizerConfig
+
+        optimizer_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    missing = [f for f in OFFLOAD_FIELDS if f not in optimizer_fields]
+    if missing:
+        from importlib.metadata import version
+
+        errs.append(f"actor.optimizer_cpu_offload: the installed megatron-core {version('megatron-core')} has no "
+                    f"OptimizerConfig.{', '.join(missing)}; it needs a megatron-core with optimizer CPU offload "
+                    f"(0.16.1 and later have it)")
+    if not _distributed(actor_cfg):
+        errs.append("actor.optimizer_cpu_offload: needs actor.use_distributed_optimizer: true (megatron offloads "
+                    "through its precision-aware distributed optimizer)")
+    if not getattr(actor_cfg, "bf16", False):
+        errs.append("actor.optimizer_cpu_offload: needs actor.bf16: true (megatron's offload keeps fp32 main copies "
+                    "of bf16 weights; an fp32 actor's weights cannot be offloaded by it)")
+    elif getattr(actor_cfg, "fp32_output_layer", False):
+        errs.append("actor.optimizer_cpu_offload: not with actor.fp32_output_layer (megatron's offload cannot take "
+                    "the fp32 output layer's weight)")
+    return errs
+
+
 def optimizer_config(actor_cfg, params_dtype: torch.dtype = torch.float32):
     """megatron ``OptimizerConfig`` from ``ActorConfig`` (lr, min_lr — each param group's ``max_lr`` / ``min_lr`` of
     megatron's scheduler —, weight_decay, adam betas, clip_grad, use_distributed_optimizer) for parameters of ``params_dtype`` (bf16: fp32 main parameters)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer="adam", lr=float(actor_cfg.lr), min_lr=float(actor_cfg.min_lr),
+    cfg = OptimizerConfig(optimizer="adam", lr=float(actor_cfg.lr), min_lr=float(actor_cfg.min_lr),
                            weight_decay=float(actor_cfg.weight_decay), adam_beta1=float(actor_cfg.adam_beta1),
                            adam_beta2=float(actor_cfg.adam_beta2), adam_eps=1e-8,
                            clip_grad=float(actor_cfg.clip_grad), bf16=params_dtype == torch.bfloat16,
                            fp16=False, params_dtype=params_dtype,
-                           use_distributed_optimizer=_distributed(actor_cfg))
+                           use_distributed_optimizer=_distributed(actor_cfg), **_offload_settings(actor_cfg))
+    if cfg.optimizer_cpu_offload:
+        # megatron's precision-aware path, set after __post_init__: its Transformer Engine version check crashes
+        # without TE (TypeError) and is skipped for CPU offload anyway; the derived flag as __post_init__ sets it
+        cfg.use_precision_aware_optimizer = True
+        cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    return cfg
+
+
+def _offload_settings(actor_cfg) -> dict:
+    """megatron's ``OptimizerConfig`` keys of ``actor.optimizer_cpu_offload`` ({} without it; the precision-aware
+    switch megatron needs with it is set by ``optimizer_config``)."""
+    if not getattr(actor_cfg, "optimizer_cpu_offload", False):
+        return {}
+    problems = offload_errors(actor_cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=float(actor_cfg.optimizer_offload_fraction))
 
 
 def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dtype: torch.dtype = torch.float32):
@@ -76,8 +137,6 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
     from megatron.core.optimizer import get_megatron_optimizer
 
     if _distributed(actor_cfg):
-        from megatron_rl.platform import distrib_optimizer
-
         distrib_optimizer.install()  # its checkpoints load with torch's Adam (see that module)
 
     opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),

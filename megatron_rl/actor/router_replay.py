@@ -1,32 +1,12 @@
 """Routing replay in the actor's megatron model: megatron-core's ``RouterReplay`` hook, plus what it lacks.
 
-megatron-core 0.16.1 gives every ``TopKRouter`` a ``router_replay`` slot (filled with a ``RouterReplay``
-when ``moe_enable_routing_replay=True``) and routes top-k selection through
-``router_replay.get_replay_topk(scores, topk, ..., default_compute_topk)`` inside
-``topk_routing_with_score_function``: a replayed choice gathers the trainer's OWN scores at the replayed
-experts, and megatron then applies its softmax / sigmoid / expert bias / scaling to them — so only the
-choice of experts is replayed, the gate weights are the trainer's and gradients reach the router. We use
-that hook and ``RouterReplay``'s target / backward-list machinery, and add (``LayerReplay``, a subclass):
-
-  * a per-model registry (``RoutingReplay``) instead of the process-global instance list, which mixes the
-    routers of every model built in a process (actor + reference) and cannot tell PP / VPP stages apart;
-    each router is keyed by its global layer number, so each (virtual) stage replays only its layers;
-  * per-micro-batch targets set right before each forward of a model chunk, in megatron's token order
-    (CP zigzag split, sequence-parallel slice, trimmed micro-batch lengths, packed sequences — the micro-batch's
-    ``layout``, ``actor.schedule``);
-  * partial replay: positions marked -1 (the last token, padding) keep the trainer's own top-k, so padding
-    never indexes a replayed expert;
-  * activation recomputation without a switch: a router call that runs inside autograd's backward is the
-    recompute of an earlier forward and pops that forward's target from ``replay_backward_list`` (FIFO per
-    router: megatron's schedules run backward in forward order), so the recomputed forward routes exactly
-    like the original one;
-  * recording the trainer's own top-k on every forward (also while replaying): the r2 routing and the
-    ``rollout_corr/router_agreement`` metric.
-
-Not covered: ``moe_router_fusion`` (TE's fused top-k bypasses the hook) and sinkhorn routing — refused.
-Token dropping (``moe_expert_capacity_factor``): the replayed experts are the choice; megatron then drops
-over-capacity tokens from the trainer's own probabilities, so with a capacity factor a replayed token can
-still be dropped where the engine (which never drops) kept it.
+Only the choice of experts is replayed: megatron gathers the trainer's OWN scores at the replayed experts, so the
+gate weights are the trainer's and gradients reach the router. Added here (``LayerReplay``, ``RoutingReplay``): a
+per-model registry keyed by global layer number (each PP / VPP stage replays its own layers), per-micro-batch
+targets in megatron's token order, partial replay (-1 keeps the trainer's top-k), recording of the trainer's own
+top-k, and activation recomputation without a switch. The rule to keep: a router call inside autograd's backward
+is a recompute and pops its forward's target (FIFO per router). What is refused and what token dropping does:
+docs/actor.md.
 """
 from __future__ import annotations
 

@@ -1,28 +1,12 @@
 """One optimizer step of the policy loss through megatron's 1F1B schedule, Megatron DDP and optimizer.
 
-``train_mini_batch`` (one optimizer step on this rank's rows of a mini-batch):
-  1. global loss denominators over the DP group (``megatron_rl.losses.global_denominators`` on the
-     whole rows, before any CP split; identical on every rank);
-  2. micro-batches of variable length; on the last stage: vocab-parallel log-probs + entropy of
-     softmax(logits / T) -> ``compute_policy_loss`` (correction weights multiplied in after clipping,
-     post-rejection mask, global denominators; the entropy bonus from the same pass's entropy);
-  3. scaling for megatron-core 0.16.1 (checked in ``schedules.forward_step_calc_loss`` and
-     ``DistributedDataParallel``): with a 2-tuple ``loss_func`` return the schedule multiplies each
-     micro-batch loss by cp_size / num_microbatches, and DDP scales the reduced gradients by
-     1 / (dp_size * cp_size). The policy loss is already normalised over the global batch, so the
-     loss_func returns ``loss * num_microbatches * dp_size`` (dp_size WITHOUT CP): gradients are then
-     exactly those of the global loss (proved by the TP2xPP2 / DP2 vs TP1 weight-equality tests);
-  4. ``finalize_model_grads`` (DP all-reduce, tied-embedding and SP/TP norm grads) runs inside the
-     schedule; the Megatron optimizer clips the global grad norm and steps (Adam).
-Bypass mode (``bypass_correction``: the job's ``algorithm.rollout_correction`` with ``bypass_mode: true``): each
-micro-batch's loss recomputes the IS weights and the rejection from its own log-probs against the rollout's
-(``correction.correct_in_loss``, sequence sums over the CP group; verl 0.9.1's bypass loss), so every optimizer step
-of a training step corrects with the current pi_theta; the rejection leaves the policy term only (the denominators,
-the entropy bonus and the KL loss keep the mask given, the one before rejection).
-Metrics are (sum, count) pairs reduced exactly over the DP x CP group on the last stage and broadcast
-to every pipeline stage, so every rank returns the same dict. A MoE load-balancing loss
-(``moe_aux_loss_coeff > 0``) keeps megatron's own scaling (mean over micro-batches and DP ranks); it is
-not part of the reported pg_loss.
+``train_mini_batch``: global loss denominators over the DP group, then micro-batches whose last stage computes
+vocab-parallel log-probs + entropy and ``compute_policy_loss``; megatron's optimizer clips and steps. The rule to
+keep: the policy loss is already normalised over the global batch, so the loss_func returns
+``loss * num_microbatches * dp_size`` (dp_size WITHOUT CP) to undo megatron-core's own scaling, and gradients are
+exactly those of the global loss. Bypass mode recomputes the correction in every micro-batch
+(``correction.correct_in_loss``); metrics are (sum, count) pairs reduced exactly over DP x CP. The steps in full:
+docs/actor.md.
 """
 from __future__ import annotations
 

@@ -1,29 +1,11 @@
 """Outcome-reward advantage estimators: GRPO (group-normalised) and RLOO (leave-one-out baseline).
 
-Every response has one scalar reward; responses to the same prompt form a group (``group_index``). The
-per-sequence advantage scalar is broadcast over the response tokens and multiplied by ``response_mask``:
-
-* ``"grpo"``: ``A_i = (r_i - mean_g) / (std_g + epsilon)`` with ``std_g`` the UNBIASED (n-1) standard
-  deviation of the group, like ``torch.std`` in verl's ``compute_grpo_outcome_advantage``; with
-  ``norm_adv_by_std=False``: ``A_i = r_i - mean_g`` (Dr. GRPO). A group whose rewards are all equal gets 0.
-* ``"rloo"``: ``A_i = r_i - mean of the other n_g - 1 rewards of the group`` (= ``n/(n-1) * (r_i - mean_g)``,
-  verl's ``compute_rloo_outcome_advantage``).
-* Groups of size 1 get advantage 0 for both (no baseline is possible; verl instead leaves ``r_i`` / ``r_i / (1 +
-  eps)``, which turns a lone sample into an un-baselined REINFORCE term — we deliberately do not).
-
-Rejection sampling: pass the response mask AFTER rejection (the correction's ``rs`` mask times the response
-mask). Rejected tokens then get zero advantage, hence zero policy-gradient weight, through that mask.
-Group statistics: ``baseline_over="all"`` (default, verl's behaviour) uses every sample's reward — the reward is
-a valid outcome measurement of a rollout-policy sample whether or not its tokens are trusted for the gradient,
-and the baseline then does not depend on the correction thresholds. ``baseline_over="kept"`` uses only samples
-with at least one kept token (fully rejected sequences leave the statistics; a group with fewer than 2 kept
-samples gets advantage 0).
-
-All math in float64 on the device of ``rewards`` (the loop makes rewards, group index and mask on the actor's
-device; inputs on different devices are an error, nothing is moved behind the caller's back); results are
-float32. Pure functions, no process group: rewards of a whole group must be on the calling rank.
-
-Usage::
+One scalar reward per response, responses to one prompt form a group; the advantage is broadcast over the
+response tokens and multiplied by the mask given. Groups of size 1 get advantage 0 (no baseline is possible; verl
+leaves an un-baselined term there — deliberately not done here). Pass the response mask AFTER rejection so
+rejected tokens get zero advantage; ``baseline_over`` says whether the group statistics use every sample
+(``"all"``, verl's) or kept ones. Math in float64 on the rewards' device, pure functions. The formulas:
+docs/advantages.md.
 
     adv = compute_advantages(rewards, group_index, response_mask, estimator="grpo")   # [B, T]
 """

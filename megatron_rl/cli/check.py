@@ -15,21 +15,23 @@ actor's params dtype and optimizer, the task's longest prompt + ``rollout.max_ne
 model shapes are known, even if other keys are wrong. With ``actor.max_tokens_per_micro_batch`` a budget below the
 longest possible row (that prompt + the response budget, rounded up to the sequence multiple of TP / SP and CP) is
 a problem naming the key and how that row was computed; the plan then sizes one micro-batch from the budget
-(:mod:`megatron_rl.ops.memory`, "Token-budget micro-batches"). Exit status: 2 when there is a problem, 3 with
-``--strict`` when the plan exceeds the GPU memory, else 0.
+(:mod:`megatron_rl.ops.memory`, "Token-budget micro-batches"). Every CUDA job gets a fit verdict: against
+``cluster.gpu_memory_gb``, else 80 GiB (a printed default); "config OK" only when it fits. Exit status: 2 when there
+is a problem, 3 with ``--strict`` when the plan exceeds the GPU memory, else 0.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megatron_rl.cli.build_hint import build_command
 from megatron_rl.losses.config import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.epochs import epochs_line
 from megatron_rl.config.load import VERL_FILE_MESSAGE
+from megatron_rl.config.sections import DEFAULT_GPU_MEMORY_GB
 from megatron_rl.config.timeouts import rollout_waits_line
 from megatron_rl.actor.precision import Precision
 from megatron_rl.models.attention import attention_backend, expected_te
@@ -137,13 +139,12 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 print(f"hint: no node count of {c.gpus_per_node} rank(s) fits this layout; change the "
                       f"parallel sizes or --gpus-per-node", file=sys.stderr)
-    else:
-        print(f"config OK: {where}")
-    plan = JobPlan.collect(cfg, world, has_te=args.transformer_engine)[0] if not problems else None
-    for line in plan.describe() if plan is not None else ():  # what the trainer prints at start
+    ok_line = None if problems else f"config OK: {where}"  # printed once the plan's fit verdict is known
+    job_plan = JobPlan.collect(cfg, world, has_te=args.transformer_engine)[0] if not problems else None
+    for line in job_plan.describe() if job_plan is not None else ():  # what the trainer prints at start
         print(line)
     corr = cfg.algorithm.rollout_correction
-    if corr is not None and plan is None:  # the plan's lines hold it
+    if corr is not None and job_plan is None:  # the plan's lines hold it
         print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
     if cfg.trainer.epochs is not None and not any(q.startswith("trainer.epochs") for q in problems):
         print(epochs_line(cfg))
@@ -154,11 +155,15 @@ def _run(args: argparse.Namespace) -> int:
     if build is not None and any(p.startswith("actor.load_hf:") for p in problems):
         print(f"hint: build actor.load_hf first: {build}", file=sys.stderr)
     if cfg.model is None:
+        if ok_line:
+            print(ok_line)
         print("memory plan: skipped (no model shapes: give a model: section, or an actor.load_hf directory with "
               "a config.json)", file=sys.stderr)
         return 2
     blocking = [p for p in problems if _blocks_plan(p)]
     if blocking:
+        if ok_line:
+            print(ok_line)
         print("memory plan: skipped until the layout / batch problems above are fixed", file=sys.stderr)
         return 2
     job_recompute = Recompute.from_actor(cfg.actor)  # what the trainer will do (actor.recompute_*)
@@ -167,17 +172,22 @@ def _run(args: argparse.Namespace) -> int:
     params_bytes = args.params_bytes if args.params_bytes is not None else prof.params_bytes
     dist_opt = args.distributed_optimizer if args.distributed_optimizer is not None else prof.distributed_optimizer
     has_te, te_source = expected_te(c.device, args.transformer_engine)
-    precision = plan.precision if plan is not None else _precision(cfg.actor)
+    precision = job_plan.precision if job_plan is not None else _precision(cfg.actor)
     backend = attention_backend(c.device, has_te, precision.bf16)
     opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
                          fp32_output_layer=precision.fp32_output_layer and params_bytes < 4,
                          distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
                          recompute_method=job_recompute.method if same else "uniform",
                          recompute_num_layers=job_recompute.num_layers if same else 1,
-                         attention=backend.name)
+                         attention=backend.name,
+                         reference_offload=bool(cfg.actor.ref_param_offload),
+                         optimizer_offload_fraction=(cfg.actor.optimizer_offload_fraction
+                                                     if cfg.actor.optimizer_cpu_offload else 0.0))
     try:
         plan = memory_plan(cfg, world, opts)
     except ValueError as exc:
+        if ok_line:
+            print(ok_line)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     params_src = "--params-bytes" if args.params_bytes is not None else f"the actor builds {_dtype(params_bytes)}"
@@ -185,17 +195,39 @@ def _run(args: argparse.Namespace) -> int:
     print(f"runs: device {c.device}; params {params_bytes} B ({params_src}); Adam state "
           f"{'sharded over DP' if dist_opt else 'on every DP rank'} ({opt_src}); prompt {prompt} tokens ({prompt_src})")
     print(f"attention: {backend.name}: {backend.description}; Transformer Engine: {te_source}")
-    print(format_plan(plan, c.gpu_memory_gb, device=c.device))
+    gpu_gb, gpu_src = gpu_memory(c)
+    print(format_plan(plan, gpu_gb, device=c.device))
     print(weight_sync_plan(cfg, plan.total_params).line())
     ckpt_line = format_checkpoint_host(plan, min(c.gpus_per_node, world))
     if ckpt_line:
         print(ckpt_line)
     peak = plan.peak().total(opts.recompute, opts.fused_logprobs)
+    fits = gpu_gb is None or peak <= gpu_gb * GiB
+    if gpu_src:
+        print(gpu_src)
+    if ok_line and fits:
+        print(ok_line)
+    elif ok_line:
+        print(f"config valid but does NOT FIT: {where}: stage {plan.peak().stage} plans {peak / GiB:.2f} GiB per GPU "
+              f"> {gpu_gb:g} GiB{' (the default)' if gpu_src else ''}" + ("" if args.strict else
+                                                                          "; --strict exits 3 on this"))
     if problems:
         return 2
-    if args.strict and c.gpu_memory_gb is not None and peak > c.gpu_memory_gb * GiB:
+    if args.strict and not fits:
         return 3
     return 0
+
+
+def gpu_memory(cluster) -> Tuple[Optional[float], Optional[str]]:
+    """(GiB per GPU the plan is checked against, the line saying it is the default or None): ``cluster.gpu_memory_gb``
+    (``--gpu-memory-gb``); else ``DEFAULT_GPU_MEMORY_GB`` for a CUDA job; a CPU job without it gets no verdict."""
+    if cluster.gpu_memory_gb is not None:
+        return cluster.gpu_memory_gb, None
+    if cluster.device != "cuda":
+        return None, ("fit: not checked (cluster.device cpu: the plan is host memory per rank; set "
+                      "cluster.gpu_memory_gb to check it against a limit)")
+    return DEFAULT_GPU_MEMORY_GB, (f"fit: checked against {DEFAULT_GPU_MEMORY_GB:g} GiB per GPU, the default: "
+                                   f"cluster.gpu_memory_gb is not set (set it, or --gpu-memory-gb)")
 
 
 def _prompt(args: argparse.Namespace, cfg):
@@ -252,7 +284,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-logprobs", action="store_true",
                    help="plan the fused linear log-prob path (a chunk of logits) instead of the actor's "
                         "vocab-parallel path (logits + their gradient in the params dtype + a chunk)")
-    p.add_argument("--strict", action="store_true", help="exit 3 when the plan exceeds the GPU memory")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 3 when the plan exceeds the GPU memory (cluster.gpu_memory_gb, default 80 GiB)")
 
 
 def _split_rest(args: argparse.Namespace) -> argparse.Namespace:

@@ -24,11 +24,15 @@ values whose verl behaviour this project's config does not reproduce: ``megatron
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from megatron_rl.config.interpolation import resolve_interpolations
+from megatron_rl.config.interpolation import lookup, resolve_interpolations
 from megatron_rl.config.job import SECTIONS
+from megatron_rl.config.load import SECTION_CLASSES
+from megatron_rl.config.paths import resolve_tree_paths
+from megatron_rl.config.sections import DEFAULT_GPU_MEMORY_GB
 from megatron_rl.config.verl_keys import (
     MAPPED, NO_MEANING, NOTE, SERVER, UNSUPPORTED, Rule, Skip, Verl, rule_for, same_value,
 )
@@ -102,6 +106,9 @@ class Migration:
             if entries:
                 lines.append(f"{kind} ({len(entries)}):")
                 lines += [f"  {line}" for line in _grouped(entries)]
+        if (self.tree.get("cluster") or {}).get("gpu_memory_gb") == DEFAULT_GPU_MEMORY_GB:
+            lines.append(f"default: cluster.gpu_memory_gb = {DEFAULT_GPU_MEMORY_GB:g} (verl has no GPU memory key; "
+                         f"`megatron-rl check` plans the job against it: set your GPUs' memory)")
         mapped = self.of_kind(MAPPED)
         if mapped:
             lines.append(f"mapped ({len(mapped)}):")
@@ -200,10 +207,30 @@ def with_verl_defaults(verl_tree: Dict[str, Any], version: str = NEWEST) -> Tupl
     return merge_overrides(verl_defaults(version, strategy), verl_tree), said
 
 
-def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "") -> Migration:
+def _resolve_paths(out: Dict[str, Any], written: Dict[str, Tuple[Any, str]], entries: List[Entry],
+                   cwd: str) -> None:
+    """Make the path-valued keys written (data files, the reward file, the run directory, a local model directory)
+    absolute against ``cwd``: verl opens a relative path from the directory it is launched from, while a
+    config file's relative paths resolve from the file's own directory (``megatron_rl.config.paths``), so a copy
+    written as it is would name other files wherever the migrated file is written. HF hub ids stay."""
+    resolved = resolve_tree_paths(out, SECTION_CLASSES, cwd)
+    by_key = {e.key: e for e in entries}
+    for target, (value, key) in written.items():
+        new = lookup(resolved, target, value)
+        if new == value:
+            continue
+        _set(out, target, new)
+        e = by_key[key]
+        e.targets[target] = new
+        said = f"{_short(value)} resolved against the directory migrate ran in ({cwd}), where verl opens it"
+        e.detail = f"{e.detail}; {said}" if e.detail else said
+
+
+def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "",
+                 cwd: Optional[str] = None) -> Migration:
     """Map every key of ``verl_tree`` (a loaded verl YAML, already over its base: ``with_verl_defaults`` or the
     user's ``--base``) read as verl ``version`` -- see the module docstring. ``base`` names that base for the
-    report."""
+    report. Relative paths are resolved against ``cwd`` (default: the current directory), where verl opens them."""
     resolved, unresolved = resolve_interpolations(verl_tree)
     verl = Verl(resolved, version)
     out: Dict[str, Any] = {}
@@ -230,5 +257,7 @@ def migrate_verl(verl_tree: Dict[str, Any], version: str = NEWEST, base: str = "
                     written.setdefault(t, (v, key))
                     _set(out, t, v)
         entries.append(entry)
+    _resolve_paths(out, written, entries, os.getcwd() if cwd is None else cwd)
+    out.setdefault("cluster", {}).setdefault("gpu_memory_gb", DEFAULT_GPU_MEMORY_GB)  # verl has no such key
     ordered = {s: out[s] for s in SECTIONS if s in out}
     return Migration(tree=ordered, entries=entries, version=version, base=base)

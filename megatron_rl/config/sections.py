@@ -27,6 +27,11 @@ from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
 
 
+#: GPU memory (GiB) ``check`` plans a CUDA job against when ``cluster.gpu_memory_gb`` is not set, and what
+#: ``migrate verl`` writes (verl has no such key): an 80 GB A100 / H100. Said so wherever it is used.
+DEFAULT_GPU_MEMORY_GB = 80.0
+
+
 @dataclass
 class ClusterConfig:
     """The machines the file is written for: ``megatron-rl check`` plans this job (flags override it) and
@@ -39,7 +44,8 @@ class ClusterConfig:
     gpus_per_node: int = 8
     """Ranks per node: GPUs per node, or processes per node when device is "cpu"."""
     gpu_memory_gb: Optional[float] = None
-    """Memory per GPU in GiB that ``megatron-rl check`` compares its plan with (None: no fit check)."""
+    """Memory per GPU in GiB that ``megatron-rl check`` compares its plan with (None: a CUDA job is checked against
+    ``DEFAULT_GPU_MEMORY_GB``, said so; a CPU job gets no fit verdict)."""
 
     @property
     def world_size(self) -> int:
@@ -462,6 +468,17 @@ class ActorConfig:
     recompute_modules: Optional[List[str]] = None
     """With ``recompute_granularity: selective``: megatron-core's submodules to recompute (core_attn, moe_act,
     layernorm, mla_up_proj, mlp, moe, shared_experts; null: megatron's default, core_attn)."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's ``optimizer_cpu_offload``: the fp32 main parameters and Adam moments of a fraction of the
+    parameters (``optimizer_offload_fraction``) live in host memory and their Adam step runs on the CPU
+    (megatron-core's ``HybridDeviceOptimizer``; verl's ``optim.override_optimizer_config.optimizer_cpu_offload``).
+    Needs ``use_distributed_optimizer`` and a megatron-core that has it (docs/memory.md)."""
+    optimizer_offload_fraction: float = 1.0
+    """Megatron's ``optimizer_offload_fraction``: the share of the optimizer state (by parameter count, in the
+    optimizer's order) kept on the CPU with ``optimizer_cpu_offload``, in (0, 1]."""
+    ref_param_offload: bool = False
+    """verl's ``ref.megatron.param_offload``: the KL reference's weights wait in host memory (pinned on CUDA) and are
+    on the device only during its log-prob pass, so the train step's peak does not hold them (docs/memory.md)."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (the batch is split into this many mini-batches)."""
     ppo_epochs: int = 1

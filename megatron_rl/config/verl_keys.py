@@ -77,9 +77,12 @@ class Verl:
 
     @property
     def strategy(self) -> Optional[str]:
-        """verl's actor backend: ``actor.strategy``, else "megatron" when the file has an ``actor.megatron``
+        """verl's actor backend: ``actor.strategy``, else the Hydra choice ``model_engine`` (verl main's run
+        scripts: ``megatron``, or ``dp`` for FSDP), else "megatron" when the file has an ``actor.megatron``
         block, "fsdp" when it has an ``actor.fsdp_config`` block, else None (unknown)."""
         s = self.get("actor_rollout_ref.actor.strategy")
+        if s is None and self.get("model_engine") in _MODEL_ENGINES:
+            s = _MODEL_ENGINES[self.get("model_engine")]
         if s is not None:
             return "megatron" if s == "megatron" else "fsdp"
         if self.has("actor_rollout_ref.actor.megatron"):
@@ -98,6 +101,8 @@ class Verl:
 
 
 _ABSENT = object()
+#: verl's ``model_engine`` Hydra choices (its ppo_trainer.yaml defaults list) whose generated config is bundled.
+_MODEL_ENGINES = {"megatron": "megatron", "dp": "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,24 @@ def _strategy_is(strategy: str) -> Callable[[Verl], Optional[str]]:
 _RM = "actor_rollout_ref"
 _A, _R, _REF, _MODEL = f"{_RM}.actor", f"{_RM}.rollout", f"{_RM}.ref", f"{_RM}.model"
 _DYN = _unless(f"{_A}.use_dynamic_bsz", bool, " (fixed micro-batches of ppo_micro_batch_size_per_gpu rows)")
+_OFFLOAD_KEY = f"{_A}.optim.override_optimizer_config.optimizer_cpu_offload"
+_OFFLOAD_OFF = _unless(_OFFLOAD_KEY, bool, "")
+#: verl's between-phase offloads: what they free is used by verl's colocated engine, which wakes into it
+_PHASE_OFFLOAD = ("verl parks the actor's {what} on the CPU while its colocated engine generates and loads them "
+                  "back for the train step; here a colocated SGLang server keeps the memory fraction it was "
+                  "launched with, so parking would free memory nothing takes: the train step's peak is the same "
+                  "(docs/memory.md); plan cluster.gpu_memory_gb as the GPU memory the trainer gets")
+
+
+def _cpu_offload(value: Any, v: Verl) -> Dict[str, Any]:
+    """On only where megatron offloads something: its ``optimizer_offload_fraction`` defaults to 0."""
+    return {"actor.optimizer_cpu_offload": bool(value and v.get(_OFFLOAD_KEY.replace("optimizer_cpu_offload",
+                                                                                     "optimizer_offload_fraction")))}
+
+
+def _set_with_offload(v: Verl) -> Optional[str]:
+    """megatron's precision-aware optimizer is what its CPU offload runs through: set with it."""
+    return "set here by actor.optimizer_cpu_offload, which runs through it" if v.get(_OFFLOAD_KEY) else None
 
 
 # ------------------------------------------------------------------------------------------------ converters
@@ -574,8 +597,24 @@ def _filter_metric(value: Any) -> Any:
     return value
 
 
-def _max_rounds(value: Any) -> Any:
+def _v1(v: Verl) -> bool:
+    """Whether verl runs the file with main_ppo's v1 trainer (``trainer.use_v1``, true in verl 0.9.1's and main's
+    defaults): its DAPO filtering refills one prompt at a time without a round limit (v1/trainer_base.py
+    ``_init_dataloader`` / ``_resolve_filter_groups_metric``), unlike verl-recipe's DAPO trainer."""
+    return bool(v.get("trainer.use_v1"))
+
+
+_RECIPE = ("or set trainer.use_v1: false in the verl file to read it as verl-recipe's DAPO trainer (main_dapo: "
+           "gen_batch_size prompts per round, at most max_num_gen_batches rounds, then it raises)")
+
+
+def _max_rounds(value: Any, v: Verl) -> Any:
     """verl's max_num_gen_batches (0: unlimited) -> this project's (at least 1: rounds are always bounded)."""
+    if _v1(v):
+        raise Skip(UNSUPPORTED, f"{_show(value)}: verl's v1 trainer (trainer.use_v1: true) ignores "
+                                f"max_num_gen_batches (it warns) and refills filtered groups without limit; here "
+                                f"rounds are bounded: set algorithm.filter_groups.max_num_gen_batches (>= 1) and "
+                                f"on_exhausted yourself, {_RECIPE}")
     if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
         raise Skip(UNSUPPORTED, f"{value}: verl's unlimited rounds; here they are bounded (set "
                                 f"algorithm.filter_groups.max_num_gen_batches >= 1, default 10)")
@@ -591,7 +630,7 @@ PENDING: Dict[str, Pending] = {
                                               transform=lambda value, v: _filter_metric(value)),
     "algorithm.filter_groups.max_num_gen_batches": Pending(
         ("algorithm.filter_groups.max_num_gen_batches",), _NO_DYN, inactive=_FG_OFF,
-        transform=lambda value, v: _max_rounds(value)),
+        transform=_max_rounds),
 }
 
 
@@ -600,9 +639,13 @@ def _filter_groups_enable(value: Any, v: Verl) -> Dict[str, Any]:
     rounds did not fill the batch: on_exhausted "error" here."""
     if not value:
         raise Skip(NO_MEANING, f"{_show(value)}: no dynamic sampling, this project's default too")
+    if _v1(v):  # max_num_gen_batches is refused then: the user decides the bound and on_exhausted
+        return {"algorithm.filter_groups.enable": True,
+                NOTE: "verl's v1 trainer (trainer.use_v1: true) refills filtered groups without a round limit; "
+                      "here rounds are bounded (algorithm.filter_groups.max_num_gen_batches, on_exhausted)"}
     return {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.on_exhausted": "error",
-            NOTE: "on_exhausted: error -- verl's DAPO trainer raises when max_num_gen_batches rounds did not "
-                  "fill the batch"}
+            NOTE: "on_exhausted: error -- verl-recipe's DAPO trainer raises when max_num_gen_batches rounds did "
+                  "not fill the batch"}
 
 
 def _gen_batch_size(value: Any, v: Verl) -> Dict[str, Any]:
@@ -611,10 +654,29 @@ def _gen_batch_size(value: Any, v: Verl) -> Dict[str, Any]:
     total = v.get("data.train_batch_size")
     if value is None or same_value(value, total):
         raise Skip(NO_MEANING, f"{_show(value)}: each draw takes data.train_batch_size prompts, as here")
+    if _v1(v) and not v.get("algorithm.filter_groups.enable"):
+        raise Skip(NO_MEANING, f"{value}: verl's v1 trainer (trainer.use_v1: true) fetches prompts {value} at a time "
+                               f"but trains data.train_batch_size {total} per step and counts rows // "
+                               f"train_batch_size steps per epoch, as here")
+    if _v1(v):
+        raise Skip(UNSUPPORTED, f"{value}: verl's v1 trainer (trainer.use_v1: true) with filter_groups has it "
+                                f"overridden to 1 (one prompt drawn per filtered group) and counts rows // "
+                                f"data.train_batch_size {total} steps per epoch; here rounds draw "
+                                f"algorithm.filter_groups.prompts_per_round (default data.prompts_per_step) "
+                                f"prompts: drop data.gen_batch_size for that, {_RECIPE}")
     if not v.get("algorithm.filter_groups.enable"):
         raise Skip(UNSUPPORTED, f"{value}: without filter_groups verl's steps train gen_batch_size prompts, not "
                                 f"data.train_batch_size {total}: set data.train_batch_size to {value}")
     return {"algorithm.filter_groups.prompts_per_round": value}
+
+
+def _model_engine(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's Hydra choice of the actor / ref / critic configs (``model_engine=megatron`` in its run scripts)."""
+    if value in _MODEL_ENGINES:
+        raise Skip(NO_MEANING, f"{value}: verl's {_MODEL_ENGINES[value]} actor configs (the file is read over "
+                               f"them); the actor here is Megatron")
+    raise Skip(UNSUPPORTED, f"verl's {value!r} engine: its defaults are not bundled (model_engine megatron or dp); "
+                            f"give its generated config as --base")
 
 
 def _strategy(value: Any, v: Verl) -> Dict[str, Any]:
@@ -829,8 +891,21 @@ def _rules() -> List[Rule]:
            inactive=_unless(f"{_A}.optim.lr_decay_style", lambda s: s == "wsd", "")),
         _n(f"{_A}.optim.use_checkpoint_opt_param_scheduler", "the optimizer state is always restored from the "
            "checkpoint on resume", neutral=(False,)),
-        _u(f"{_A}.optim.override_optimizer_config.**", "Megatron optimizer overrides (CPU offload, "
-           "precision-aware optimizer) are not exposed"),
+        # megatron's optimizer CPU offload (HybridDeviceOptimizer): the same on both sides (docs/memory.md)
+        _m(f"{_A}.optim.override_optimizer_config.optimizer_cpu_offload", "actor.optimizer_cpu_offload",
+           convert=_cpu_offload, note="megatron's optimizer CPU offload (needs actor.use_distributed_optimizer and "
+           "actor.bf16); without optimizer_offload_fraction megatron's default 0 offloads nothing: written as false"),
+        Rule(f"{_A}.optim.override_optimizer_config.optimizer_offload_fraction", MAPPED,
+             target="actor.optimizer_offload_fraction", inactive=_OFFLOAD_OFF),
+        Rule(f"{_A}.optim.override_optimizer_config.use_precision_aware_optimizer", UNSUPPORTED,
+             note="megatron's precision-aware optimizer alone (Transformer Engine's FusedAdam) is not exposed",
+             neutral=(False,), inactive=_set_with_offload),
+        _n(f"{_A}.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d", "a CUDA-stream overlap of "
+           "megatron's optimizer offload: speed only, the same updates (megatron's default, off, here)"),
+        _n(f"{_A}.optim.override_optimizer_config.pin_cpu_*", "pinned host buffers of megatron's optimizer "
+           "offload: speed only (megatron's default, pinned, here)"),
+        _u(f"{_A}.optim.override_optimizer_config.**", "Megatron optimizer overrides other than CPU offload "
+           "are not exposed"),
         _n(f"{_A}.optim.override_optimizer_config", "no overrides given", neutral=({},)),
         _u(f"{_A}.optim.**", "an optimizer option the Adam optimizer here does not have"),
         # ---- actor: Megatron engine
@@ -844,9 +919,11 @@ def _rules() -> List[Rule]:
         _m(f"{_A}.megatron.dtype", convert=_dtype),
         _m(f"{_A}.megatron.use_remove_padding", "actor.sequence_packing", convert=_remove_padding,
            note="true packs each micro-batch's rows into one sequence"),
-        _u(f"{_A}.megatron.param_offload", "no CPU offload of parameters", neutral=(False,)),
-        _u(f"{_A}.megatron.grad_offload", "no CPU offload of gradients", neutral=(False,)),
-        _u(f"{_A}.megatron.optimizer_offload", "no CPU offload of the optimizer state", neutral=(False,)),
+        _n(f"{_A}.megatron.param_offload", _PHASE_OFFLOAD.format(what="parameters"), neutral=(False,)),
+        _n(f"{_A}.megatron.grad_offload", _PHASE_OFFLOAD.format(what="gradients"), neutral=(False,)),
+        _n(f"{_A}.megatron.optimizer_offload", _PHASE_OFFLOAD.format(what="optimizer state") + "; if the "
+           "train step does not fit, actor.optimizer_cpu_offload keeps it on the host for the step too",
+           neutral=(False,)),
         _n(f"{_A}.megatron.use_dist_checkpointing", "checkpoints are always megatron-core distributed "
            "checkpoints; the actor starts from actor.load_hf (or a `megatron-rl convert hf-to-mcore` output)",
            neutral=(False,)),
@@ -871,6 +948,14 @@ def _rules() -> List[Rule]:
         Rule(f"{_A}.fsdp_config.dtype", MAPPED, convert=_dtype, inactive=_strategy_is("fsdp"), hint=False,
              note="verl's FSDP actor computes in this dtype over fp32 parameters: actor.bf16 (bf16 compute, fp32 "
                   "main weights)"),
+        Rule(f"{_A}.fsdp_config.offload_policy", MAPPED, target="actor.optimizer_cpu_offload",
+             inactive=_strategy_is("fsdp"), hint=False,
+             note="FSDP2's CPUOffloadPolicy steps the optimizer on the CPU: megatron's optimizer CPU offload (the "
+                  "parameters and gradients stay on the GPU here; needs actor.use_distributed_optimizer, actor.bf16)"),
+        Rule(f"{_A}.fsdp_config.param_offload", NO_MEANING, inactive=_strategy_is("fsdp"), hint=False,
+             neutral=(False,), note=_PHASE_OFFLOAD.format(what="parameters")),
+        Rule(f"{_A}.fsdp_config.optimizer_offload", NO_MEANING, inactive=_strategy_is("fsdp"), hint=False,
+             neutral=(False,), note=_PHASE_OFFLOAD.format(what="optimizer state")),
         _n(f"{_A}.fsdp_config.**", "verl's FSDP actor; the actor here is Megatron (parallel.*, "
            "actor.use_distributed_optimizer, actor.bf16)"),
         _n(f"{_A}.ulysses_sequence_parallel_size", "DeepSpeed-Ulysses sequence parallelism of verl's FSDP actor; "
@@ -882,6 +967,7 @@ def _rules() -> List[Rule]:
         _u(f"{_A}.calculate_sum_pi_squared", "no sum-of-squared-probabilities output", neutral=(False,)),
         _n(f"{_A}.sum_pi_squared_checkpointing", "a memory option of calculate_sum_pi_squared"),
         _m(f"{_A}.strategy", convert=_strategy, hint=False),
+        _m("model_engine", convert=_model_engine, hint=False),
         _n(f"{_A}.rollout_n", "verl's copy of actor_rollout_ref.rollout.n"),
         # ---- actor: batching
         _m(f"{_A}.ppo_mini_batch_size", "actor.ppo_mini_batches", convert=_mini_batches,
@@ -916,11 +1002,18 @@ def _rules() -> List[Rule]:
         _n(f"{_A}.checkpoint.**", "a checkpoint holds the model, optimizer and loop state, always "
            "(trainer.save_interval, trainer.checkpoint_timeout_s)"),
         _n(f"{_A}.profiler.**", _PROFILER),
-        _m(f"{_A}.router_replay.mode", convert=_routing_replay),
+        _n(f"{_A}.router_replay.mode", "verl 0.9.1 / main decide routing replay from actor_rollout_ref.actor.megatron."
+           "router_replay.mode alone (its engine workers; an FSDP actor: none); this key has no effect there",
+           neutral=("disabled",), hint=False),
         _n(f"{_A}.router_replay.*", "routing is replayed in memory (actor.routing_replay), not through files",
            neutral=(None,)),
         _n(f"{_A}.load_weight", "the actor always starts from actor.load_hf", neutral=(True,)),
         # ---- reference model
+        _m(f"{_REF}.megatron.param_offload", "actor.ref_param_offload", hint=False,  # not the actor's param_offload
+           note="the reference's weights on the GPU only during its log-prob pass"),
+        Rule(f"{_REF}.fsdp_config.param_offload", MAPPED, target="actor.ref_param_offload",
+             inactive=_strategy_is("fsdp"), hint=False,
+             note="the reference's weights on the GPU only during its log-prob pass"),
         _n(f"{_REF}.log_prob_*", _LOGPROB_MB),
         _n(f"{_REF}.**", _REF_NOTE),
         # ---- rollout
@@ -976,6 +1069,11 @@ def _rules() -> List[Rule]:
         _n(f"{_R}.calculate_log_probs", "the engine always returns the sampled tokens' log-probs (the rollout "
            "correction needs them)"),
         *_multi_turn_rules(),
+        _u(f"{_R}.agent.agent_loop_config_path", "verl's agent loops registered from this file run for the rows "
+           "that name them (agent_name); here a row is generated single-turn, or by an Environment class "
+           "(multi_turn.env, docs/multi_turn.md)", neutral=(None,)),
+        _u(f"{_R}.agent.custom_async_server.*", "verl's own rollout server class; rollouts come from SGLang servers "
+           "here", neutral=(None,)),
         _n(f"{_R}.agent.**", "verl's agent-loop workers; generation requests are sent from rank 0 here"),
         _m(f"{_R}.checkpoint_engine.update_weights_bucket_megabytes", "rollout.weight_sync_bucket_mb"),
         _n(f"{_R}.checkpoint_engine.**", "how weights reach the engine is rollout.weight_sync here"),

@@ -1,36 +1,13 @@
 """HF ``config.json`` <-> ``ModelConfig``: the one reading of a HF config in the project.
 
-Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 (``DeepseekV3ForCausalLM``; also DeepSeek-R1 and
-Kimi-K2, whose config says ``model_type: kimi_k2`` with the same architecture). Only what changes the forward
-pass or the tensor layout is mapped; anything the Megatron model here cannot reproduce is refused with ``UnsupportedCheckpointError``
-naming the config.json key (unsupported ``architectures`` / ``model_type``, RoPE scaling, sliding-window
-attention, o_proj / MLP biases, activations other than SiLU). The converter's tensor geometry
-(``HFGeometry``) is derived from this reading, never from config.json again.
-
-Router equivalence (verified against HF's routing code): HF ``norm_topk_prob=True`` (softmax over all
-experts, top-k, renormalise) == megatron softmax over the top-k logits (``moe_router_pre_softmax=False``);
-``norm_topk_prob=False`` == ``moe_router_pre_softmax=True``. HF computes the load-balancing loss only when
-``output_router_logits`` is true, so the aux loss is mapped only then (megatron's aux-loss formula is
-its own; coefficients carry over, values are not bit-identical to HF's).
-
-DeepSeek-V3 (checked against transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV3Attention`` and megatron's
-MLA and router): ``scoring_func`` sigmoid with ``e_score_correction_bias`` == megatron's sigmoid router with
-``expert_bias`` (selection only); HF always ranks groups by the sum of their top-2 scores, megatron by the
-sum of the top ``topk / group_topk`` — so ``num_experts_per_tok / topk_group`` must be 2 (true for V3, R1
-and K2) or the config is refused; megatron renormalises the top-k sigmoid scores whenever top-k > 1, so
-``norm_topk_prob`` must be true. ``rope_interleave`` (default true) is what megatron's MLA RoPE does (it
-de-interleaves the rotary dims); false is refused. YaRN: ``rope_scaling`` / ``rope_parameters`` with
-``rope_type: yarn`` map to megatron's YaRN fields; HF's attention factor equals megatron's only with both
-``mscale`` and ``mscale_all_dim`` set or both unset, an explicit ``attention_factor`` must equal the derived
-one, ``truncate: false`` is refused. FP8 checkpoints (``quantization_config``) are refused: dequantize to
-bf16 first. MTP layers (``num_nextn_predict_layers``) are not part of the model (:func:`hf_mtp_layers`).
-
-Usage::
+Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 (also R1 and Kimi-K2). Only what changes the forward
+pass or the tensor layout is mapped; anything the Megatron model cannot reproduce is refused with
+``UnsupportedCheckpointError`` naming the config.json key. The converter's tensor geometry (``HFGeometry``) is
+derived from this reading, never from config.json again. Router equivalences, DeepSeek-V3's routing / MLA / YaRN
+conditions and what is refused: docs/convert.md.
 
     mcfg = model_config_from_hf(json.load(open("hf/config.json")), padded_vocab_size=None)
-    arch = hf_architecture(cfg)                                  # e.g. "Qwen2ForCausalLM"
     cfg_json = megatron_to_hf_config(mcfg, model_type="qwen2", vocab_size=151936)
-    cfg_json = megatron_to_hf_config(mcfg, infer_hf_model_type(mcfg))   # no source checkpoint
 """
 from __future__ import annotations
 

@@ -1,30 +1,14 @@
 """Checkpoints <-> a live, parallel Megatron model: the one loader, gatherer and exporter.
 
-Every function takes this rank's ``ActorGroups`` (``megatron_rl.parallel.groups``: TP / PP / EP / ETP / VPP
-ranks and groups, DP / CP / expert-DP ranks; the sizes are its ``ParallelDims``, ``groups.dims``) and never
-reads megatron's global state::
+Every function takes this rank's ``ActorGroups`` and never reads megatron's global state. Loading checks the
+checkpoint's config.json against ``model_cfg`` and reads only this rank's shard; gathering is collective over
+the TP / EP / ETP groups of each stage, one full parameter at a time, and the exporter's full model exists only
+on global rank 0's host (no rank stages more than one tensor on its device). Details: docs/convert.md.
 
-    groups = ActorGroups.from_parallel_state()
     load_checkpoint_into_model(chunks, "hf_or_converted_dir", model_cfg, groups)     # every rank
     for hf_name, tensor in iter_hf_tensors(chunks, model_cfg, target.geometry, groups):  # stream, per stage
         ...
-    sd = gather_hf_state_dict(chunks, model_cfg, target.geometry, groups)   # {hf_name: CPU tensor} on rank 0
     export_model_to_hf(chunks, model_cfg, target, "out_dir", groups)        # rank 0 writes the HF directory
-
-Loading: the checkpoint's config.json must match ``model_cfg`` (every differing shape field is named);
-each rank reads only its shard: from a converted directory saved for the same layout its files, from a HF
-directory or a converted directory of another layout the slices of its chunks (any layout, VPP and uneven
-stages included). The model's
-``vocab_size`` (padded) decides the zero padding rows.
-
-Gathering (:func:`iter_full_tensors`, collective over the TP / EP / ETP groups of each pipeline stage):
-parameter by parameter, the first data-parallel replica (DP rank 0, CP rank 0) all-gathers each dense
-tensor over TP and the first expert-data-parallel replica gathers each routed expert over ETP then EP,
-so every rank of that replica holds the full tensor, named with global layer / expert indices. Memory:
-one full parameter at a time. :func:`iter_hf_tensors` maps each to HF names (vocab padding dropped) —
-the stream a bucketed in-memory weight sync reads; the full state dicts on global rank 0 and the HF
-export are built on it (the first rank of each stage collects, and sends its stage to rank 0 tensor by
-tensor: memory there ~ one full model on the host; no rank stages more than one tensor on its device).
 """
 from __future__ import annotations
 
@@ -46,6 +30,7 @@ from megatron_rl.convert.partition import (RankCoords, cut_state_dict, expert_in
                                            param_kind, split_layer_name)
 from megatron_rl.convert.shard_files import ShardLayout
 from megatron_rl.models.config import ModelConfig
+from megatron_rl.parallel.devices import recv_, send_
 from megatron_rl.parallel.groups import ActorGroups
 
 Tensor = torch.Tensor
@@ -264,8 +249,6 @@ def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: ActorGroups) 
     times that on its device (NCCL stages object bytes on the GPU): a full model per rank, for ranks that send
     nothing. Here only leaders send, each tensor once, staged for the default group's backend one tensor at a
     time (``parallel.devices``)."""
-    from megatron_rl.parallel.devices import recv_, send_
-
     leader = is_stage_leader(groups)
     mine: Dict[str, Tensor] = {}
     for name, t in pairs:

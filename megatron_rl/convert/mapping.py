@@ -1,31 +1,11 @@
 """Pure tensor mapping between HF state dicts and the *full* Megatron GPTModel state dict.
 
-"Full" means the state dict a TP1/PP1/EP1 Megatron ``GPTModel`` built with the **local layer spec**
-(``get_gpt_layer_local_spec``, SequentialMLP experts) has: global layer numbers, global expert numbers,
-the HF vocab size (no padding). :mod:`megatron_rl.convert.partition` cuts it into per-rank shards, and
-:mod:`megatron_rl.convert.model_state` renames it for the Transformer Engine spec.
-
-Conventions (verified against megatron-core 0.16.1 ``attention.py`` / ``mlp.py``):
-  * ``self_attention.linear_qkv.weight`` rows are grouped per query group: for each of
-    ``num_query_groups`` groups, ``heads_per_group`` query heads, then 1 key head, then 1 value head,
-    each ``kv_channels`` rows. Same for the bias (Qwen2).
-  * ``mlp.linear_fc1.weight`` (dense, shared experts, each expert) is ``[gate; up]`` (SwiGLU).
-  * Norms, q/k layernorm, router and shared-expert gate are copied unchanged.
-  * Tied embeddings: no ``output_layer.weight`` in the full state dict (and no ``lm_head.weight`` in HF).
-  * Multi-latent attention (DeepSeek-V3, megatron ``multi_latent_attention.py``) is copied tensor for tensor:
-    q_a_proj -> linear_q_down_proj, q_a_layernorm -> q_layernorm, q_b_proj -> linear_q_up_proj (or
-    q_proj -> linear_q_proj without q_lora_rank), kv_a_proj_with_mqa -> linear_kv_down_proj ([latent;
-    rope key] rows in both), kv_a_layernorm -> kv_layernorm, kv_b_proj -> linear_kv_up_proj (per head
-    [k_nope; v] rows in both), o_proj -> linear_proj. RoPE dims stay interleaved: megatron's MLA RoPE
-    de-interleaves them itself, as HF's ``rope_interleave=True`` does.
-  * DeepSeek-V3 MoE: ``mlp.gate.e_score_correction_bias`` -> ``mlp.router.expert_bias`` (fp32 buffer),
-    ``mlp.shared_experts.*`` -> ``mlp.shared_experts.*``. MTP layers of the checkpoint
-    (``model.layers.{L..L+n-1}.*``, n = ``num_mtp_layers``) are dropped by :func:`hf_to_mcore`.
-
-Every mismatch raises :class:`CheckpointMismatchError` (``checks.check_state_dict``) listing *all* missing /
-unexpected tensor names and every shape mismatch with the tensor name, before any tensor is combined.
-:func:`hf_tensors` maps one Megatron tensor at a time (what a streaming exporter needs);
-:func:`mcore_to_hf` is built on it.
+"Full" = the state dict of a TP1/PP1/EP1 ``GPTModel`` built with the local layer spec (global layer and expert
+numbers, the HF vocab size); ``partition`` cuts it into shards, ``model_state`` renames it for the TE spec. Every
+mismatch raises ``CheckpointMismatchError`` listing all missing / unexpected names and every shape mismatch
+before any tensor is combined. ``hf_tensors`` maps one Megatron tensor at a time (what a streaming exporter
+needs); ``mcore_to_hf`` is built on it. The per-tensor conventions (QKV grouping, [gate; up], MLA, DeepSeek-V3
+MoE): docs/convert.md.
 """
 from __future__ import annotations
 

@@ -1,42 +1,11 @@
 """How a full Megatron GPT state dict is partitioned over TP / PP / VPP / EP / ETP ranks, and merged back.
 
-"Full" state dict = the ``state_dict()`` of the same GPTModel built at TP1/PP1/EP1 with the local spec:
-global layer indices ``decoder.layers.{L}`` and global expert indices. A "shard" = the state dict of
-one model chunk on one rank, at its ``RankCoords``. The single implementation of these layout rules
-(``cut_state_dict`` / ``merge_state_dicts`` over ``split_tensor`` / ``merge_tensors``): the converter's
-shard files (``shard_files``), loading into a live model and gathering from it (``live``) all use it.
-Pure tensor functions: no process group, no megatron import.
-
-Layout conventions (megatron-core 0.16, local and TE specs):
-  * ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [V, H]: vocab rows split over TP
-    (VocabParallelEmbedding / ColumnParallelLinear), contiguous blocks of V / TP (optionally after
-    zero-padding V to ``padded_vocab_size``; merging can drop the padding again).
-  * ``self_attention.linear_qkv.weight`` [ng*(q_per_g+2)*d, H] (and bias): rows are grouped per KV
-    group as [q heads of the group (q_per_g*d), k (d), v (d)] for group 0, 1, ...; TP takes
-    contiguous blocks of ng/TP groups — a plain dim-0 split.
-  * ``linear_fc1`` of a gated (SwiGLU) MLP [2F, H] = [gate (F); up (F)]; each TP rank holds
-    [gate block r; up block r] (NOT a contiguous block of the full matrix).
-  * row-parallel ``linear_proj`` [H, nh*d], ``linear_fc2`` [H, F]: split along dim 1.
-  * norms (``input_layernorm``, ``pre_mlp_layernorm``, ``final_layernorm``, q/k layernorm, TE's fused
-    ``layer_norm_weight``), the MoE ``router.weight`` / ``expert_bias`` and the shared-expert
-    ``gate_weight`` are replicated.
-  * routed experts: global expert e lives on EP rank e // (E/EP) as local index e % (E/EP); inside an
-    expert, fc1/fc2 split like the dense MLP but over the *expert* TP group (ETP).
-    SequentialMLP names ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; grouped GEMM names
-    ``mlp.experts.linear_fc{1,2}.weight{j}`` — both handled.
-  * multi-latent attention: ``linear_q_proj`` / ``linear_q_up_proj`` / ``linear_kv_up_proj`` are
-    column-parallel (dim-0 blocks of whole heads), ``linear_q_down_proj`` / ``linear_kv_down_proj`` and
-    ``q_layernorm`` / ``kv_layernorm`` replicated (TE's ``TELinear`` 'duplicated'; the builder gives the
-    local spec the same layout), ``linear_proj`` row-parallel.
-  * pipeline: chunk c = vp_stage * PP + pp_rank holds layers [c*n, (c+1)*n) with n = L / (PP*VPP),
-    renumbered from 0; with uneven stages (``RankCoords.first_stage_layers`` / ``last_stage_layers`` =
-    megatron's ``num_layers_in_first/last_pipeline_stage``) :func:`chunk_layer_range` follows megatron's
-    ``get_transformer_layer_offset``: each virtual chunk of stage s holds (layers of s) / VPP layers, and the
-    chunks are ordered by (vp_stage, pp_rank). The embedding lives in the first chunk; ``final_layernorm`` and
-    ``output_layer`` in the last. With tied embeddings and PP > 1 the last chunk still has an
-    ``output_layer.weight`` (a copy of the embedding); with PP = 1 and tied embeddings it has none.
-
-Usage::
+"Full" state dict = the ``state_dict()`` of the same GPTModel built at TP1/PP1/EP1 with the local spec (global
+layer and expert indices); a "shard" = one model chunk's state dict on one rank, at its ``RankCoords``. The
+single implementation of these layout rules (``cut_state_dict`` / ``merge_state_dicts``): the shard files and
+the live loader / gatherer all use it. Pure tensor functions: no process group, no megatron import. The rule
+easiest to get wrong: a gated MLP's ``linear_fc1`` [gate; up] is cut per half (rank r holds [gate block r; up
+block r]), not as one contiguous block. Every tensor's convention: docs/convert.md.
 
     coords = RankCoords.from_groups(groups, vp_stage=0)         # this rank's chunk 0 (parallel.ActorGroups)
     local = cut_state_dict(full, coords, num_layers=L, tied=True, padded_vocab_size=V)

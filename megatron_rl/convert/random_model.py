@@ -1,7 +1,7 @@
 """Write a randomly initialised HF causal LM to a directory: the one builder of tiny models.
 
 The tiny task models (``megatron_rl.tasks.char_tokenizer.build_task_model``) and the test checkpoints
-(``megatron_rl.testing.tiny_hf.build_tiny_hf_model``) choose a ``transformers`` config and a tokenizer;
+(``megatron_rl.convert.tiny_hf.build_tiny_hf_model``) choose a ``transformers`` config and a tokenizer;
 this module turns the config into weights on disk: ``architectures`` set from ``model_type``, weights
 initialised by ``transformers`` under ``torch.manual_seed(seed)`` (the caller's RNG state is left as it
 was), fp32 (or ``dtype``) safetensors, ``config.json`` recording the ``dtype`` (readers such as SGLang's

@@ -1,38 +1,12 @@
 """``compute_rollout_correction``: IS weights, rejection mask and metrics, exact under DP / CP.
 
-Inputs are one rank's share of the global batch: ``[B, T]`` trainer log-probs (the actor's recompute: fp32
-log-softmax of its logits, a bf16 forward with ``actor.bf16``),
-rollout log-probs (e.g. SGLang bf16) and the response mask. With ``group`` (the ranks that hold
-distinct tokens of the batch: Megatron's data-parallel group *with* context parallel) every weight and
-metric equals the single-process result on the concatenated batch; with ``cp_group`` (context
-parallel, each sequence split along time over its ranks, contiguous or zigzag) every sequence-level
-weight and decision equals the unsplit one. A ``cp_group`` whose ranks are not all in ``group`` is
-refused before any collective (the metrics would silently be rank-local).
-
-Four steps, each a module that reads on its own:
-  1. :mod:`~megatron_rl.correction.columns`: sanitised per-token values and per-sequence sums / maxima,
-     completed over ``cp_group`` (1 all_gather);
-  2. :mod:`~megatron_rl.correction.decisions`: sequence validity, IS weights, RS keep decisions, veto;
-  3. :mod:`~megatron_rl.correction.partials`: every metric's partial sums / extrema -> one SUM and one
-     MAX all_reduce over ``group``;
-  4. :mod:`~megatron_rl.correction.finalize`: metric values (the reference of every metric is its
-     docstring), batch normalisation of the weights; invalid-value errors raised on all ranks together.
-At most 3 collectives per call, whatever the number of metrics. Precision per dtype: see ``columns``
-(per-token float32 for <= fp32 inputs, float64 sums).
-
-What the policy loss uses (``CorrectionResult.loss_inputs`` / ``loss_mask``), decided here from ``loss_type`` /
-``bypass_mode``: decoupled, the train log-probs, ``weights`` and ``response_mask``; bypass, the rollout log-probs and
-the mask before rejection (``valid_mask``) with no weights: the loss recomputes weights and rejection from its
-current log-probs in every micro-batch (``correction.in_loss``, verl's bypass loss), so they stay exact over several
-optimizer steps per training step. In bypass mode this call's weights, mask and metrics describe the step's first
-log-prob pass (pi_theta before the step's updates vs pi_rollout).
-
-Semantics:
-  * IS weights are computed on the pre-rejection mask (verl), then zeroed where rejection / veto /
-    padding removed the token, so ``weights`` is 0 wherever ``response_mask`` is 0.
-  * All metrics except batch normalisation use the pre-rejection mask; per-sequence metrics run over
-    valid sequences only (verl includes empty rows); every sequence fraction has the number of valid
-    sequences as its denominator; empty sets give 0.0, never NaN, with counts reported.
+Inputs are one rank's share of the batch (``[B, T]`` trainer and rollout log-probs, the response mask). With
+``group`` (the ranks holding distinct tokens: Megatron's DP group *with* CP) every weight and metric equals the
+single-process result on the concatenated batch; with ``cp_group`` every sequence-level decision equals the
+unsplit one; at most 3 collectives per call, whatever the number of metrics. Four steps, each its own module:
+``columns`` -> ``decisions`` -> ``partials`` -> ``finalize``. The rule to keep: IS weights are computed on the
+pre-rejection mask, then zeroed where rejection / veto / padding removed a token. What the loss receives in
+decoupled and bypass mode, and the full semantics: docs/correction.md.
 """
 from __future__ import annotations
 

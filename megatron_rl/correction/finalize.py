@@ -1,53 +1,10 @@
 """Step 4 of the correction: metric values from the reduced sums — and the reference of every metric.
 
-All keys are ``rollout_corr/<name>``. Notation: d_t = log pi_train - log pi_rollout of a token,
-x_t = clamp(d_t, -20, 20), r_t = exp(x_t); over the *valid* sequences (>= 1 response token, no
-invalid log-prob) and their tokens: N tokens, NS sequences, n_s tokens of sequence s, mean_tok = sum
-over tokens / N, mean_seq = sum over sequences / NS. Empty sets give 0.0 (never NaN); extrema of
-empty sets give 0.0. The pre-rejection mask is used everywhere except the batch normalisation.
-
-Counts: ``valid_token_count`` N, ``valid_seq_count`` NS, ``kept_token_count`` / ``kept_seq_count``
-(after rejection, veto and invalid sequences), ``invalid_token_count`` / ``invalid_seq_count``
-(response tokens with NaN / inf / > 1e-3 log-probs, and the sequences holding them).
-
-Off-policy diagnostics (always): with lt_s, lr_s the mean log-probs of sequence s,
-  training_log_ppl = mean_seq(-lt_s)        training_ppl = mean_seq(exp(-lt_s))
-  rollout_log_ppl  = mean_seq(-lr_s)        rollout_ppl  = mean_seq(exp(-lr_s))
-  kl = mean_tok(-d_t)                       k3_kl = mean_tok(r_t - 1 - x_t)
-  log_ppl_diff = mean_seq(lr_s - lt_s), log_ppl_abs_diff = mean_seq(|lr_s - lt_s|), log_ppl_diff_max/_min
-  ppl_ratio = mean_seq(exp(lr_s - lt_s))
-  chi2_token = mean_tok(r_t^2) - 1          chi2_seq = mean_seq(exp(2 clamp(sum_t d_t))) - 1
-(exponents clamped at +-20). ``kl``, ``log_ppl_diff`` and ``chi2_*`` may be negative: they are
-estimators of non-negative quantities, not the quantities.
-
-IS (rollout_is set): w the truncated / masked weight of each token (token level: its own r_t; sequence:
-exp(sum d), geometric: exp(mean d), broadcast to the sequence's tokens), C the upper threshold, lo the
-lower one (1/C for truncation):
-  rollout_is_mean = mean_tok(w); rollout_is_std = sqrt(mean_tok(w^2) - mean_tok(w)^2);
-  rollout_is_eff_sample_size = (mean_tok(w) + 1e-8)^2 / mean_tok(w^2)   (verl's 1 / mean((w / (mean w + 1e-8))^2));
-  rollout_is_max / _min: over tokens (token level) or exp(max / min sequence log-ratio);
-  rollout_is_ratio_fraction_high / _low: fraction of tokens (token level) or sequences with the raw
-  ratio > C / < lo; rollout_is_oob_ratio (masking only): fraction of tokens outside [lo, C];
-  rollout_is_seq_mean / _std (unbiased) / _max / _min / _max_deviation (max |w_s - 1|) of the
-  per-sequence weight w_s (token level: the sequence's mean token weight);
-  rollout_is_seq_fraction_high / _low: sequences whose raw ratio (token level: mean raw ratio) > C / < lo;
-  rollout_is_p50 / _p90 / _p99: ratio quantiles from a mergeable histogram (``histogram``: within half a
-  bin, ~0.17 % relative for ratios in [0.5, 2]);
-  rollout_is_batch_norm_factor (batch normalisation): the mean weight over the kept tokens (token
-  level) or kept sequences, or 1 when it is <= 1e-8.
-
-RS, per option ``rollout_rs_<opt>_*``, with the option's statistic k (k1 = -x, k2 = x^2 / 2,
-k3 = r - 1 - x; token options per token, sequence options: v_s = sum / mean / max of k over the
-sequence, broadcast to its tokens) and its bounds [L, U] (k1: [-log hi, -log lo]; k2 / k3: [0, U]):
-  _mean = mean_tok(k); _std = std over tokens of clamp(k, L, U); _max / _min (token options over tokens,
-  sequence options over sequences); _fraction_high / _low: fraction (of tokens / of sequences) above U
-  / below L (k2 / k3: _low is 0);
-  _seq_mean / _seq_std / _seq_max / _seq_min / _seq_max_deviation (max |v_s|) / _seq_fraction_high /
-  _seq_fraction_low (k1 only) of v_s (token options: v_s = the sequence's mean k);
-  _masked_fraction: tokens the option rejects / N; _seq_masked_fraction: sequences with a rejected
-  token / NS. Over all options: rollout_rs_masked_fraction, rollout_rs_seq_masked_fraction.
-Veto: rollout_is_veto_fraction (vetoed sequences / NS), rollout_is_catastrophic_token_fraction
-(tokens with d_t < log threshold / N).
+All keys are ``rollout_corr/<name>``, computed over the *valid* sequences (>= 1 response token, no invalid
+log-prob) and their tokens with the pre-rejection mask (only the batch normalisation uses the kept ones). Empty
+sets give 0.0, never NaN, with their counts reported. ``kl``, ``log_ppl_diff`` and ``chi2_*`` may be negative:
+they are estimators of non-negative quantities, not the quantities. The formula of every metric (counts,
+off-policy diagnostics, IS, RS, veto): docs/correction.md.
 """
 from __future__ import annotations
 

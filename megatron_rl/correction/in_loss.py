@@ -1,36 +1,13 @@
 """Bypass mode: IS weights and rejection from the CURRENT log-probs of one micro-batch (verl's bypass loss).
 
-In bypass mode (``bypass_mode: true``) the old policy of the loss is the rollout's and verl 0.9.1's loss
-(``core_algos.compute_policy_loss_bypass_mode``) computes the IS weights pi_theta / pi_rollout and the rejection
-mask from the log-probs of the forward pass it is in, in every micro-batch of every optimizer step. With several
-optimizer steps per training step (``actor.ppo_epochs`` / ``actor.ppo_mini_batches`` > 1) pi_theta moves between
-them, so weights and decisions of the step's first log-prob pass would be stale. :func:`correct_in_loss` is what the
-actor's loss calls instead (``actor/train_step.py``)::
+What the actor's loss calls in bypass mode (``actor/train_step.py``), so weights and decisions follow pi_theta
+over several optimizer steps per training step: the same ``columns`` / ``decisions`` steps as
+``compute_rollout_correction``, no metrics. Every decision is per token or per sequence, so it does not depend on
+the micro-batch cut, DP or PP, except the ``rollout_is_batch_normalize`` factor, which is this DP rank's
+micro-batch's (no collective leaves the CP group). The exceptions in full: docs/correction.md.
 
     lc = correct_in_loss(log_probs.detach(), rollout_log_probs, base_mask, cfg, cp_group=cp_group)
-    lc.keep          # the policy term's tokens (rejection and veto applied)
-    lc.weights       # [B, T] IS weights (0 where not kept) or None; reinforce applies them, ppo_clip does not
-    lc.kept_tokens   # [B] whole-sequence kept tokens (seq-mean-token-mean's per-sequence divisor)
-
-The same steps as :func:`~megatron_rl.correction.compute_rollout_correction` — ``columns`` (sequence sums completed
-over ``cp_group``: 1 all_gather) and ``decisions`` — so a decision here is the one the first pass takes on the same
-log-probs; no metric is computed (the ``rollout_corr/*`` metrics are the step's first pass). Every decision is per
-token or per sequence, so the result does not depend on the micro-batch cut, on DP, or on PP (the loss runs on the
-last stage, where the log-probs are), except the ``rollout_is_batch_normalize`` factor (below); sequences split over
-CP ranks get whole-sequence sums.
-
-Exceptions, decided here:
-  * ``base_mask`` is the response mask the loss starts from — before rejection (verl: the trainer rejects nothing in
-    bypass mode), sequences the first pass found invalid already removed (``CorrectionResult.loss_mask``);
-  * batch normalisation (``rollout_is_batch_normalize``) divides by the mean weight over this micro-batch's kept
-    tokens (token level) or kept sequences (sequence / geometric level), whole sequences over ``cp_group`` (token
-    level: 1 all_reduce). verl normalises per micro-batch too, but all-reduces over every rank (the world group:
-    the k-th micro-batch of every rank, a hang when ranks hold different numbers of micro-batches) and over the
-    mask before rejection; here no collective leaves the CP group, so the factor is this DP rank's micro-batch's:
-    the weights depend on the DP size and the micro-batch cut (``actor.micro_batch_size`` /
-    ``max_tokens_per_micro_batch``, packing).
-  * invalid current log-probs (NaN, inf, > 1e-3) on ``base_mask`` tokens reject their sequence here; the policy
-    loss's own input check (``losses.validation``) then raises on them, as in every mode.
+    lc.keep, lc.weights, lc.kept_tokens    # kept tokens; IS weights or None; per-sequence kept-token counts
 """
 from __future__ import annotations
 

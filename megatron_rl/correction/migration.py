@@ -1,32 +1,10 @@
 """Translate a user's ``rollout_correction`` dict (verl's latest block or seed-era keys) into config kwargs.
 
-Accepted, in one dict:
-  * verl's latest ``algorithm.rollout_correction`` keys, as is (``debug_rollout_actor_probs`` is
-    accepted and ignored: it is a verl diagnostic with no effect here);
-  * seed-era keys (verl PRs 2953 / 3694 / 3984 / 4070), each translated with a one-line hint:
-
-    ======================================  ===================================================
-    seed-era key                            today
-    ======================================  ===================================================
-    rollout_is_level: L                     rollout_is: L
-    rollout_is: true / false (bool)         rollout_is: <level> / null (metrics only)
-    rollout_is_mode: truncate | mask        rollout_is_threshold: C | "lo_hi"
-    rollout_is_threshold_lower: lo          the lo of "lo_hi" (mask); truncate derives 1/C
-    rollout_is_threshold: null              rollout_is: null
-    rollout_is_veto_threshold: v            rollout_token_veto_threshold: v
-    rollout_rs: token|sequence|geometric    rollout_rs: token_k1 | seq_sum_k1 | seq_mean_k1
-    rollout_rs_threshold_lower: lo          rollout_rs_threshold: "lo_hi"
-    bypass_old_logprob_for_rollout: b       bypass_mode: b
-    use_pure_rollout_correction: b          loss_type: reinforce (b true)
-    use_policy_gradient: b                  loss_type: reinforce (b true)
-    tis_imp_ratio_cap: C  (actor key)       rollout_is: token, rollout_is_threshold: C
-    ======================================  ===================================================
-
-:data:`TRANSLATORS` is the table: each entry names the keys it reads and a function from the given
-ones (only those present) to config kwargs. Entries run in table order; keys no entry reads are
-current keys and are applied last, so an explicit current key wins over a translated seed-era one.
-Presets (``preset: <name>``) are :class:`RolloutCorrectionConfig`'s business (``from_dict``); this
-module knows nothing of the config class, so there is no import circle.
+``TRANSLATORS`` is the table: each entry names the keys it reads and a function from those present to config
+kwargs, run in table order; keys no entry reads are current keys, applied last, so an explicit current key wins
+over a translated seed-era one. This module knows nothing of the config class (presets are
+``RolloutCorrectionConfig.from_dict``'s), so there is no import circle. Every seed-era key and what it
+becomes: docs/migration.md.
 """
 from __future__ import annotations
 

@@ -1,28 +1,8 @@
 """``LookupEnv``: the environment of the ``lookup`` tool task (``megatron_rl/tasks/tool_lookup.py``).
 
-Named in the config as ``multi_turn.env: megatron_rl.envs.lookup:LookupEnv`` (``env_kwargs``: ``call_format``,
-``call_weight``). Each episode's table is the prompt row's: ``reset(sample)`` reads the key asked for and the
-table seed from ``sample["extra_info"]`` (what ``LookupTask`` puts in its prompts) and the value from
-``sample["answer"]``; the value of any other key is ``table_value(table_seed, key, ...)``, so a call with the
-wrong key gets a plausible but wrong value.
-
-Two call formats, the same game:
-
-* ``call_format: compact`` (the char model): a turn starting with ``?`` is a call, the rest of the turn is the
-  key — ``?37``. A key of digits -> observation ``>`` + value (``>529``), ``info["tool_calls"] = 1``; anything
-  else after ``?`` (or nothing) is a malformed call -> observation ``>?``, ``info["malformed_tool_call"] = 1``.
-  A turn not starting with ``?`` is the final answer, scored with ``score_answer``. Every turn the environment
-  sees ended with EOS: the driver (``rollout/multi_turn.py``) decodes a turn up to its EOS and ends a
-  trajectory whose turn hit ``max_tokens_per_turn`` without one (reward 0) before asking the environment.
-* ``call_format: hermes`` (chat models): ``ToolEnvironment``'s ``<tool_call>{"name": "lookup", "arguments":
-  {"key": "37"}}</tool_call>`` calls and ``<tool_response>`` answers (its malformed-call and tool-error
-  handling); the final answer is the last digit run of the turn after any ``</think>``.
-
-Reward when the model answers (``done``): ``lookup_reward(call_credit, answer_credit, call_weight)`` — the best
-``key_credit`` of the calls made (0 without a call) and ``answer_credit`` of the answer (against the true value,
-or half against the tool's last answer); see ``tasks/tool_lookup.py``.
-
-Usage::
+Named as ``multi_turn.env: megatron_rl.envs.lookup:LookupEnv`` (``env_kwargs``: ``call_format`` compact | hermes,
+``call_weight``). Each episode's table is the prompt row's (``extra_info``: the key and the table seed), so a call
+with the wrong key gets a plausible but wrong value. The two call formats, and the reward: docs/environments.md.
 
     env = LookupEnv(call_format="compact", call_weight=0.3)
     env.reset(row)                     # row: {"answer": "529", "extra_info": {"key": "37", "table_seed": 11, ...}}

@@ -1,28 +1,10 @@
 """``EnvPool``: the environments of multi-turn trajectories, run out of process under a per-call timeout.
 
-A user environment may raise, hang or return nonsense; none of that may stall or crash the training step.
-``EnvPool(spec, env_kwargs, workers, step_timeout_s)`` runs environments in ``workers`` worker processes
-(``python -m megatron_rl.envs.env_worker``, started like the reward workers of ``tasks/reward_pool.py``, with
-its frame protocol and ``child_environment``). A trajectory key (any hashable, picklable value) is pinned to
-one worker at its first ``reset`` (the worker holding the fewest environments): its environment's state lives
-there. ``step(keys, actions)`` sends each worker its keys' requests one at a time (workers run in parallel)
-and waits with ``select``; every request is bounded by ``step_timeout_s`` from the moment it is sent:
-
-* the environment raised -> ``EnvFailure("env_exception", ...)``, the traceback's last line in the message;
-* it did not answer in time -> its worker is killed (SIGKILL, by pid) and a fresh one started in its slot,
-  ``EnvFailure("env_timeout", ...)``; the other environments that lived in that worker are lost with it: their
-  queued and later requests answer ``env_timeout`` naming the trajectory that hung (a worker that died answers
-  ``env_exception`` the same way);
-* it returned something that is not a valid ``EnvStep`` (``base.check_env_step``) -> ``env_garbage``.
-
-Every message names the env spec and the trajectory key. An environment whose step returned ``done`` or a
-failure is forgotten (its key may be ``reset`` again); ``release(keys)`` forgets environments the driver
-stopped (turn or token limits). Worker start-up (importing the environment) is bounded by ``start_timeout_s``;
-an environment class that cannot load raises ``ValueError`` naming ``multi_turn.env`` at construction.
-``close()`` kills every worker the pool started, by pid (also at interpreter exit). ``workers=0`` runs the
-environments in this process, with the same checks and no timeout (tests, debugging).
-
-Usage::
+A user environment may raise, hang or return nonsense; none of that may stall or crash the training step. A
+trajectory key is pinned to one worker process (``python -m megatron_rl.envs.env_worker``), which holds its
+environment's state; a worker that hangs is killed (by pid) and replaced, and the environments it held are lost
+with it (their next calls answer ``env_timeout`` naming the trajectory that hung). ``workers=0`` runs them in
+this process, unbounded (tests, debugging). Failure kinds, start-up and release rules: docs/environments.md.
 
     pool = EnvPool("my_envs:Calculator", {}, workers=2, step_timeout_s=10.0)
     pool.reset(["a", "b"], [row_a, row_b])                 # [None, None]

@@ -1,30 +1,10 @@
 """Tool calls in model text: parse Hermes / Qwen2.5 / Qwen3 ``<tool_call>`` blocks, format ``<tool_response>`` text.
 
-The Qwen2.5 and Qwen3 chat templates (and Hermes 2 Pro, which they follow) render an assistant's tool call as::
-
-    <tool_call>
-    {"name": "add", "arguments": {"a": 1, "b": 2}}
-    </tool_call>
-
-several per turn (separated by a newline), and a tool's result, inside a user turn, as::
-
-    <tool_response>
-    3
-    </tool_response>
-
-(consecutive tool results joined by a newline). ``parse_tool_calls(text)`` returns the well-formed calls in
-order and the number of malformed ones: a body that is not JSON, not a JSON object, without a non-empty string
-``"name"``, or with ``"arguments"`` that is not an object (missing ``"arguments"`` means ``{}``); a
-``<tool_call>`` never closed (or followed by another ``<tool_call>`` before its ``</tool_call>``); a stray
-``</tool_call>``. The body is decoded as JSON before the closing tag is looked for, so tags inside string
-arguments (which the templates render literally) do not cut a call. Text outside the tags is ignored.
-``format_tool_response(result)`` is the template's tool-message text (strings as they are, other values as
-JSON).
-
-Usage::
+``parse_tool_calls(text)`` returns the well-formed calls in order and the number of malformed ones. The rule to
+keep: a call's body is decoded as JSON before its closing tag is looked for, so tags inside string arguments
+(which the templates render literally) do not cut a call. What counts as malformed: docs/environments.md.
 
     calls, malformed = parse_tool_calls('<tool_call>\\n{"name": "add", "arguments": {"a": 1}}\\n</tool_call>')
-    calls[0].name, calls[0].arguments, malformed          # "add", {"a": 1}, 0
     format_tool_response(3)                               # "<tool_response>\\n3\\n</tool_response>"
 """
 from __future__ import annotations

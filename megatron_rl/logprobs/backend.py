@@ -51,13 +51,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if device.type != "cuda":
             return "torch"
         try:
-            import megatron_rl_kernels.logprob_kernels  # noqa: F401
+            import megatron_rl_kernels.logprob_kernels  # noqa: F401  (optional: Triton, CUDA only)
         except ImportError:
             return "torch"
         return "triton"
     if backend == "triton":
         try:
-            import megatron_rl_kernels.logprob_kernels  # noqa: F401
+            import megatron_rl_kernels.logprob_kernels  # noqa: F401  (optional: Triton, CUDA only)
         except ImportError as e:
             raise ValueError(f"backend='triton' but the Triton kernels cannot be imported: {e}") from e
     return backend
@@ -70,7 +70,7 @@ class BlockOps:
         self.backend = backend
         self.fused_final = backend == "triton"  #: ``logprobs`` (one pass, no TP) is available
         if backend == "triton":
-            from megatron_rl_kernels import logprob_kernels as k
+            from megatron_rl_kernels import logprob_kernels as k  # optional: Triton, CUDA only
             self._k = k
         else:
             self._ws = torch_path.Workspace(device)

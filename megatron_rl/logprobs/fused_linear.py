@@ -1,32 +1,13 @@
 """``fused_linear_logprobs``: output projection + vocab-parallel log-probs/entropy, never materialising
 the [tokens, V/TP] logits.
 
-Forward: per token chunk, logits_c = hidden_c @ W_r^T (in the inputs' dtype, exactly like megatron's
-unfused output layer, so results equal ``vocab_parallel_logprobs(hidden @ W_r.T)``), then the same
-one-pass partials and the same two all-reduces as ``vocab_parallel_logprobs``. Saved for backward:
-hidden, W_r (references) and three fp32 [tokens] vectors.
+Forward per token chunk equals ``vocab_parallel_logprobs(hidden @ W_r.T)``; backward recomputes the logits block
+by block (5 GEMMs of tokens x V/TP x H instead of 3: the price of never storing them). The rule to keep:
+with ``reduce_hidden_grad=True`` (default) the hidden gradient is all-reduced over ``tp_group``; pass False when
+``hidden`` comes out of megatron's ``copy_to_tensor_model_parallel_region`` / sequence-parallel gather, whose
+backward already sums over TP (reducing twice multiplies the gradient by TP). The backward's passes and memory:
+docs/logprob_kernels.md.
 
-Backward recomputes logits block by block (two passes, each bounded by the chunk budget):
-  * d hidden: token chunks; dlogits_c = d(loss)/d(logits_c) (cast to the weight dtype, as autograd
-    does for bf16 logits) and dh_c = dlogits_c @ W_r, written straight into the returned gradient;
-  * d W_r: vocab-column blocks over ALL tokens; dW_r[v0:v1] = dlogits[:, v0:v1]^T @ hidden, written
-    straight into the returned gradient (one matmul per block: fp32 accumulation inside the GEMM,
-    no bf16 accumulation across chunks and no fp32 [V/TP, H] accumulator).
-The FLOP cost is 5 GEMMs of size tokens x V/TP x H (forward 1, backward 2 recomputes + 2 grads)
-instead of 3 for the unfused layer - the price of never storing logits.
-
-TP and the hidden gradient: each rank computes logits_r = hidden @ W_r^T for its vocab slice, so the
-full d hidden = sum_r dlogits_r @ W_r. With ``reduce_hidden_grad=True`` (default) the backward
-all-reduces (SUM) the hidden gradient over ``tp_group``, so ``hidden.grad`` is the full gradient on
-every rank. Pass ``reduce_hidden_grad=False`` when ``hidden`` comes out of megatron's
-``copy_to_tensor_model_parallel_region`` (ColumnParallelLinear's input path) or
-``gather_from_sequence_parallel_region`` (sequence parallel): their backward already sums over TP,
-and reducing twice would multiply the gradient by TP. ``hidden`` must be the full (not
-sequence-sharded) activations, identical on every TP rank.
-
-Usage::
-
-    from megatron_rl.logprobs import fused_linear_logprobs
     logp, ent = fused_linear_logprobs(hidden, output_layer.weight, target_ids, tp_group=tp_group)
 """
 from __future__ import annotations

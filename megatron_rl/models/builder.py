@@ -1,45 +1,13 @@
 """Build megatron-core ``GPTModel`` chunks for this rank from ``ModelConfig`` + ``ParallelConfig``.
 
-Usage (megatron's parallel state must exist: ``megatron_rl.parallel.initialize_model_parallel``)::
+Megatron's parallel state must exist first (``megatron_rl.parallel.initialize_model_parallel``). Always a list
+of chunks (VPP or 1), the Transformer Engine spec when TE and CUDA are there and megatron's local spec otherwise,
+dropout 0 (the log-prob recompute must be deterministic). The rule to keep: MLA's q / kv down-projections are
+replicated over TP in both specs (a column-parallel one loses half the RoPE-key gradient at TP2 in
+megatron-core 0.16-0.19, Megatron-LM #1699). Every design decision with its reason: docs/models.md.
 
-    tcfg = make_transformer_config(model_cfg, parallel_cfg)
     chunks = build_gpt_model(model_cfg, parallel_cfg)       # list: one chunk, or VPP chunks
     logits = chunks[0](input_ids, position_ids, attention_mask=None)  # [b, s, vocab/TP] on last stage
-
-Design decisions:
-  * Transformer Engine layer spec when TE is installed and CUDA is there, megatron's local spec otherwise
-    (CPU, or CUDA without TE; ``platform.local_layers`` supplies what that spec lacks, and its final norm is
-    megatron's torch norm, as apex's fused norm is LayerNorm only). ``use_transformer_engine`` overrides the
-    detection. Which attention that gives a job, and what it refuses, is ``models.attention``.
-  * Always returns a list of model chunks (length VPP or 1) — what megatron's schedules and DDP take.
-    ``pre_process`` / ``post_process`` follow the (virtual) pipeline stage.
-  * ``params_dtype`` (the actor's ``actor.bf16``): fp32 by default; with bf16 every parameter (norm weights
-    included) is cast to bf16 after building, as megatron's ``Float16Module`` does, without that wrapper
-    (the logits stay bf16; the project's log-prob code computes in fp32 from them).
-  * ``variable_seq_lengths=True`` (micro-batches of different lengths through the pipeline schedules);
-    megatron then needs ``moe_token_dispatcher_type='alltoall'`` even for dense models, so it is set for
-    every model unless the config asks for allgather (which then disables variable_seq_lengths).
-  * No linear biases (``add_bias_linear=False``, required by MoE experts); QKV bias via add_qkv_bias.
-  * Dropout 0 (RL log-prob recompute must be deterministic); no fusions that need CUDA kernels on CPU.
-  * Context parallel needs TE attention (GPU): the local spec's DotProductAttention asserts CP == 1, so
-    CP > 1 without TE is refused with a clear error before building.
-  * ``sequence_parallel`` is forced off at TP=1 (megatron refuses SP without TP).
-  * With VPP (interleaved schedule) shapes are fixed (``variable_seq_lengths=False``): every micro-batch
-    must be padded to the ``seq_length`` given to the schedule (see the comment in the code).
-  * Uneven pipeline stages: ``ParallelConfig.num_layers_in_first_pipeline_stage`` /
-    ``num_layers_in_last_pipeline_stage`` go to megatron's TransformerConfig fields of the same name.
-  * Multi-latent attention (DeepSeek-V3): ``MLATransformerConfig`` with the q / kv latent RMSNorms
-    (megatron's ``qk_layernorm`` switch builds them for MLA). The q / kv down-projections are replicated
-    over TP in both specs: TE's spec uses ``TELinear`` 'duplicated'; the local spec's column-parallel
-    down-projections are swapped for megatron's replicated ``Linear`` (modelopt layers). Reason: with a
-    column-parallel kv down-projection megatron-core 0.16.1's MLA gathers ``[kv latent; rope key]`` over TP
-    and each rank back-propagates only its own heads' share of the RoPE-key gradient (measured: ~50 %
-    error on those rows at TP2); the replicated path gathers the RoPE key over the sequence-parallel
-    region, whose backward reduce-scatters the full gradient. That path needs sequence parallelism at
-    TP > 1 (``validate_parallel_config`` requires it for MLA). The bug is still open in megatron-core 0.19
-    (Megatron-LM #1699), so the replicated path stays; 0.19 recognises that ``Linear`` only when Transformer
-    Engine imports, and ``platform/local_layers`` restores the binding without TE.
-  * megatron-core 0.16.1 through 0.19.x (``platform/mcore_version``): anything else is refused before building.
 """
 from __future__ import annotations
 

@@ -1,123 +1,13 @@
 """Per-rank GPU memory plan of a megatron-rl job (what ``megatron-rl check`` prints).
 
-Usage::
-
-    cfg = load_job_config("configs/qwen2.5_7b_1x8.yaml", world_size=8)
     plan = memory_plan(cfg, world_size=8, options=MemoryOptions(prompt_length=1024))
     print(format_plan(plan, gpu_memory_gb=80))
 
-Everything is an estimate from the shapes; numbers are bytes per rank, one row per pipeline stage
-(all ranks of a stage hold the same amount; TP / CP / DP / EP ranks are symmetric).
-
-Parameters (per TP / PP / EP shard)
-    Layers are placed on stages like megatron-core (``get_transformer_layer_offset``): with P stages
-    and V virtual chunks, chunk c of stage s holds layers ``[(c*P + s) * L/(P*V), ...)``; with uneven
-    first / last stages (``parallel.num_layers_in_first/last_pipeline_stage``) as
-    ``convert.partition.chunk_layer_range``.
-    Multi-latent attention (DeepSeek-V3) instead of QKV: q down-projection ``h*r_q`` + norm ``r_q`` and kv
-    down-projection ``h*(r_kv + d_rope)`` + norm ``r_kv`` (replicated over TP), q up-projection
-    ``r_q*a*(d_nope + d_rope) / TP``, kv up-projection ``r_kv*a*(d_nope + d_v) / TP``, output ``a*d_v*h / TP``.
-    Per layer: RMSNorm weights 2h (+ 2d with qk_layernorm; replicated over TP);
-    QKV ``h*(a + 2g)*d / TP`` (+ bias ``(a + 2g)*d / TP``); output projection ``a*d*h / TP``;
-    dense SwiGLU MLP ``3*h*f / TP``; MoE layer: router ``E*h`` (replicated), ``E/EP`` local experts of
-    ``3*h*f_moe / ETP`` each, shared expert ``3*h*f_shared / TP`` (+ gate ``h``).
-    First stage: word embeddings ``V*h / TP``. Last stage: final norm ``h`` and the output layer
-    ``V*h / TP`` (untied), or with tied embeddings and PP > 1 megatron's copy of the embedding on the
-    last stage (same size). Expert weights are "expert parameters": their gradients are reduced and
-    their optimizer state sharded over the expert-data-parallel group (world / (ETP * EP * PP)); all
-    other parameters over the data-parallel group (DP * CP).
-
-Gradients
-    ``grad_bytes`` per parameter (4: megatron DDP fp32 main-grad buffer, the default with bf16;
-    2: bf16 grads, ``grad_reduce_in_fp32=False`` and no fp32 accumulation).
-
-Optimizer (Adam)
-    bf16 params: fp32 master copy + exp_avg + exp_avg_sq = 12 bytes/param; fp32 params: 8 (no
-    master copy). ``actor.fp32_output_layer`` (``MemoryOptions.fp32_output_layer``): the output layer's weight
-    (the shared embedding, on the first and the last stage, when tied) is an fp32 parameter, 4 bytes, its own main
-    copy (Adam 8 bytes), and the log-prob logits buffer is fp32. With the distributed optimizer this state is sharded over DP*CP (dense) or
-    expert-DP (experts); without it every rank holds all of it. (Megatron's docs: 18 bytes/param
-    without, 6 + 12/d with the distributed optimizer.)
-
-KL reference model (``actor.policy_loss.kl_loss_coef > 0``)
-    The trainer builds the reference as a second actor that is never stepped: its parameters (params dtype),
-    its DDP gradient buffer (``grad_bytes``, allocated when DDP wraps the model) and, with bf16 parameters, the
-    optimizer's fp32 main copy (4 bytes/param, sharded like the Adam state); Adam's moments are created at the
-    first step, so none.
-
-Activations per micro-batch (the formula, after Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per GPT layer
-with dropout and a 4h GeLU MLP; re-derived here the same way for this project's layer: RMSNorm, GQA,
-RoPE, SwiGLU, no dropout). e = bytes per activation element (2 for bf16), s = tokens per sequence on
-this rank (seq / CP), b = micro-batch size, t = TP, sp = t if sequence_parallel else 1, a = query
-heads, g = KV heads, d = head dim, f = FFN size, k = router top-k, E = experts::
-
-    attention  = 2esbh/sp (input norm: in, out = QKV input) + esb(a+2g)d/t (QKV output; V is a view of it)
-                 + esb(a+g)d/t (Q, K after RoPE) + esbad/t (core-attention output = projection input)
-                 + core: the scores are kept (no recompute, attention that materialises them: below):
-                              e*a*s*s*b/t (probabilities) + 4*a*s*s*b/t if e < 4 (fp32 softmax)
-                          else 4*a*s*b/t (flash attention's fp32 log-sum-exp; with selective recompute the
-                              core keeps at most that)
-    dense MLP  = 2esbh/sp (pre-MLP norm: in, out = fc1 input) + 2esbf/t (fc1 out: gate, up) + esbf/t (fc2 in)
-    MoE MLP    = 2esbh/sp + 4sbE/sp (fp32 router logits) + n*e*h (permuted tokens = expert fc1 input)
-                 + n*3e*f_moe/ETP (fc1 out, fc2 in),  n = s*b*k*ETP/sp token-expert pairs on this rank after
-                 the dispatch (balanced routing); megatron-core 0.16 multiplies the routing probabilities
-                 inside the expert activation, so expert outputs are not kept; shared expert: + 3esb*f_shared/t
-    full recompute (``recompute_method`` / ``recompute_num_layers`` = N, per model chunk): uniform keeps the
-                 input esbh/sp of each group of N layers, plus one group's full working set; block keeps the
-                 input of each of the first N layers and everything of the others, plus one layer's working set.
-
-Attention backend (``models.attention``: ``MemoryOptions.attention``): Transformer Engine's flash / fused
-attention keeps only the log-sum-exp; TE's unfused attention (fp32) and megatron's local attention materialise
-the ``[b, a/t, s, s]`` scores of padded rows (packed rows on the local backend run through varlen flash
-attention or SDPA per segment, which do not). With such a backend the scores are kept per layer without
-recompute; with selective recompute (megatron's ``core_attn``) one layer's scores exist at a time (added once to
-the stage); with full recompute they are part of the working layer.
-
-Checked against megatron-core itself (tests/integration/test_check_activation_measure.py): the bytes a GPTModel layer
-saves for backward (``torch.autograd.graph.saved_tensors_hooks``, fp32 on CPU, local layer spec) equal
-this formula plus CPU-only extras of the unfused local path (SwiGLU's silu output and product, the
-composite RMSNorm's normalised copy, RoPE cos/sin, the causal mask, rstd) -- exactly, byte for byte.
-
-The number of micro-batches in flight on stage s follows the 1F1B schedule: ``min(P - s, M)`` (M =
-micro-batches per mini-batch); interleaved (V > 1): ``min(2*(P - s - 1) + (V - 1)*G + 1, M*V)``
-model chunks, each holding L/(P*V) layers, with the micro-batch group G = P (G = M when M is not a multiple of
-P: the actor then runs all of them as one group) -- on stage 0 that is Korthikanti's ``L*(1 + (P-1)/(P*V))``.
-
-Token-budget micro-batches (``actor.max_tokens_per_micro_batch`` = B tokens before the CP split)
-    A micro-batch holds at most B tokens (rows x longest row without ``actor.sequence_packing``, the packed
-    length with it), so its activations and logits are planned as one row of B tokens: b = 1,
-    s = ceil(B / CP). Every term above is linear in the token count s*b, so for those this is exact for a
-    full micro-batch; the quadratic attention-score term of ``recompute="none"`` (the unfused local path) is
-    an upper bound: r rows of L tokens hold r*L^2 <= B*L <= B^2 scores (a packed micro-batch on the local
-    path runs one row's segment at a time: the sum of its rows' squares, also <= B^2); with flash /
-    Transformer Engine attention (``selective``) the core keeps only its fp32 log-sum-exp, linear in B.
-    Micro-batches per mini-batch (for the pipeline's in-flight count) are estimated with every row at the
-    longest padded row R (prompt + response rounded up to the sequence multiple: TP with sequence
-    parallel, x 2*CP with context parallel, ``ParallelDims.seq_multiple``): ``floor(B / R)`` rows per
-    micro-batch, ``M = ceil(rows / floor(B / R))`` -- the most micro-batches a mini-batch splits into when
-    all rows are at R, so the in-flight count ``min(P - s, M)`` is not underestimated; interleaved (V > 1):
-    at least ``min(P, rows)``, as the actor splits micro-batches for that schedule. A budget below R can
-    hold no row: the plan refuses it (``token_budget_error``, a ``check`` error). ``actor.sequence_packing``
-    without a budget packs ``micro_batch_size`` rows: planned as the padded rows (an upper bound).
-
-Log-prob logits buffer (last stage, one micro-batch of T = s*b tokens), with one fp32 chunk of
-``rows = min(T, C // (V/TP))`` tokens (C = ``megatron_rl.logprobs.backend.CUDA_CHUNK_ELEMENTS``):
-    vocab-parallel path (what the actor runs; the default): the output layer's logits and, in training,
-    their gradient, both in the params dtype, plus one fp32 chunk: ``2*P*T*V/TP + 4*rows*V/TP`` bytes
-    (P = params_bytes; no fp32 copy of the logits is made — peers' fp32-copy path adds ``4*T*V/TP``);
-    fused linear path (``--fused-logprobs``; the logits never exist): ``4*rows*V/TP``.
-
-Not counted: CUDA context / NCCL buffers (~1-3 GB), allocator fragmentation, the SGLang engine when
-colocated, checkpoint staging, MTP layers.
-
-Checkpoint host memory of the distributed optimizer (``checkpoint_host_bytes``; a separate line of ``check``)
-    megatron's ``fully_reshardable`` format (what ``actor/checkpoint`` writes) builds, per gradient buffer, one
-    fp32 CPU tensor per state key (main parameter, exp_avg, exp_avg_sq) of the whole buffer, i.e. of the
-    rank's model-parallel shard: 12 bytes per parameter of the rank. Loading allocates them on EVERY rank;
-    saving on each data-parallel rank 0, plus, while gathering one key of one buffer over gloo, the received
-    pieces and their concatenation (2 x 4 bytes per parameter of the buffer) and the rank's own shards
-    (12 bytes per parameter / DP). Without the distributed optimizer nothing is gathered on the host.
+Everything is an estimate from the shapes: bytes per rank, one row per pipeline stage (TP / CP / DP / EP ranks
+are symmetric). The rule to keep: the activation formula equals, byte for byte, what a megatron-core layer saves
+for backward (tests/integration/test_check_activation_measure.py), so change the formula and that test together.
+Every formula (parameters, optimizer, activations, token budgets, logits, checkpoint host memory) and what is not
+counted: docs/memory_plan.md.
 """
 from __future__ import annotations
 
@@ -161,6 +51,11 @@ class MemoryOptions:
     attention: str = "te-fused"
     """The core attention the job gets (``models.attention.BACKENDS``): "te-fused" keeps no scores; "te-unfused"
     and "local" materialise the ``[b, heads, s, s]`` scores of padded rows."""
+    reference_offload: bool = False
+    """``actor.ref_param_offload``: the KL reference's weights are on the device only during its log-prob pass."""
+    optimizer_offload_fraction: float = 0.0
+    """Share of the optimizer state held in host memory (``actor.optimizer_offload_fraction`` with
+    ``actor.optimizer_cpu_offload``; 0: none)."""
     fused_logprobs: bool = False
     """Plan for the fused linear log-prob path (only a chunk of logits exists at a time) instead of the
     vocab-parallel path the actor runs (the logits and their gradient in the params dtype + one chunk)."""
@@ -247,11 +142,18 @@ class StagePlan:
     logits_fused: float
     reference: float = 0.0
     """The KL reference model on this rank (0 without a KL loss)."""
+    host: float = 0.0
+    """Host memory (CPU RAM) of this rank: the offloaded optimizer state, the parked reference (not in ``total``)."""
+    reference_parked: bool = False
+    """The reference is on the device only during its log-prob pass (``actor.ref_param_offload``)."""
 
     def total(self, recompute: str, fused: bool) -> float:
-        """Sum of all components for one recompute mode / log-prob path."""
+        """Sum of all components for one recompute mode / log-prob path (a parked reference: the larger of it and
+        the train step's activations, which never exist at once)."""
         logits = self.logits_fused if fused else self.logits_unfused
-        return self.params + self.grads + self.optimizer + self.reference + self.activations[recompute] + logits
+        acts = self.activations[recompute]
+        held = max(self.reference, acts) if self.reference_parked else self.reference + acts
+        return self.params + self.grads + self.optimizer + held + logits
 
 
 @dataclass
@@ -448,6 +350,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         raise ValueError(f"attention={o.attention!r} is not one of {tuple(BACKENDS)}")
     if o.prompt_length < 0:
         raise ValueError(f"prompt_length={o.prompt_length} must be >= 0")
+    if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"optimizer_offload_fraction={o.optimizer_offload_fraction} must be in [0, 1]")
     m, p = cfg.model, cfg.parallel
     if m is None:
         raise ValueError("model: missing; the memory plan needs the model shape")
@@ -504,18 +408,23 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         n = dense + expert
         dense_shard = dp * cp if o.distributed_optimizer else 1
         expert_shard = edp if o.distributed_optimizer else 1
-        optimizer = opt_bytes * (dense / dense_shard + expert / expert_shard)
+        shard = dense / dense_shard + expert / expert_shard  # optimizer elements of this rank
+        optimizer = opt_bytes * shard
         # fp32 output layer (bf16 actor): that weight is fp32 on its stage(s), its own main parameter
         fp32_w = 0
         if o.fp32_output_layer and o.params_bytes < 4:
             tied = not m.untie_embeddings_and_output_weights
             fp32_w = (V * h // tp) * ((st == pp - 1) + (st == 0 and tied and pp > 1))
         optimizer -= main_bytes * fp32_w / dense_shard
+        host = 0.0
+        if o.optimizer_offload_fraction:  # HybridDeviceOptimizer: the offloaded share lives on the host
+            host = 16.0 * o.optimizer_offload_fraction * shard
+            optimizer *= 1.0 - o.optimizer_offload_fraction
         reference = 0.0
-        if plan.reference_model:  # params + DDP grad buffer + fp32 main copy (module docstring)
-            reference = (o.params_bytes + o.grad_bytes) * n + main_bytes * (dense / dense_shard
-                                                                            + expert / expert_shard)
-            reference += (4 - o.params_bytes) * fp32_w - main_bytes * fp32_w / dense_shard
+        if plan.reference_model:  # its weights only (module docstring)
+            reference = float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w)
+            if o.reference_offload:
+                host += reference
         flight = _in_flight(st, pp, vpp, micro)
 
         def per_layer(with_scores: bool) -> List[float]:
@@ -540,7 +449,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                                      grads=float(o.grad_bytes * n),
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
-                                     reference=reference))
+                                     reference=reference, host=host,
+                                     reference_parked=plan.reference_model and o.reference_offload))
     return plan
 
 
@@ -629,7 +539,9 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"{'on' if o.distributed_optimizer else 'off'}, recompute {o.recompute}, log-prob path "
         f"{'fused' if o.fused_logprobs else 'unfused'}, attention {o.attention} "
         f"({'[b, heads, s, s] scores materialised' if plan.keeps_scores else 'no score matrix kept'})"
-        f"{', KL reference model' if plan.reference_model else ''}",
+        f"{', KL reference model' if plan.reference_model else ''}"
+        f"{' (parked on the host between its passes)' if plan.reference_model and o.reference_offload else ''}"
+        f"{f', optimizer CPU offload {o.optimizer_offload_fraction:g}' if o.optimizer_offload_fraction else ''}",
         "",
         f"{mem} per rank, GiB (ref: KL reference model; activations: none / selective / full recompute; "
         f"logits: unfused / fused)",
@@ -646,6 +558,15 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
     lines.append("")
     lines.append(f"peak: stage {peak.stage}, {tot / GiB:.2f} GiB (recompute={o.recompute}, "
                  f"{'fused' if o.fused_logprobs else 'unfused'} log-probs; excludes CUDA context / NCCL buffers)")
+    if plan.reference_model and o.reference_offload:
+        lines.append(f"KL reference parked (actor.ref_param_offload): on the GPU only during its log-prob pass; the "
+                     f"total holds the larger of it and the activations; host memory: up to "
+                     f"{max(st.reference for st in plan.stages) / GiB:.2f} GiB per rank")
+    if o.optimizer_offload_fraction:
+        host = max(st.host - (st.reference if st.reference_parked else 0.0) for st in plan.stages)
+        lines.append(f"optimizer CPU offload: {100 * o.optimizer_offload_fraction:g}% of the optimizer state in host "
+                     f"memory (CPU RAM, not GPU): up to {host / GiB:.2f} GiB per rank (fp32 main parameters, Adam "
+                     f"moments, fp32 gradient copy)")
     if gpu_memory_gb is not None:
         knob = "actor.micro_batch_size" if plan.max_tokens_per_micro_batch is None else "actor.max_tokens_per_micro_batch"
         if tot > gpu_memory_gb * GiB:

@@ -1,63 +1,11 @@
 """Run report: PNG plots and a Markdown health summary from ``RUN_DIR/metrics.jsonl``.
 
     megatron-rl report runs/qwen2.5_7b            # writes runs/qwen2.5_7b/report/{report.md,*.png}
-    python -c "from megatron_rl.ops.report import write_report; write_report('runs/x')"
 
-Input: one JSON object per line, ``{"step": int, "time": float, "<metric>": number, ...}`` with flat
-metric keys (``reward/mean``, ``rollout_corr/k3_kl``, ``perf/tokens_per_s`` ...). Any key may be
-missing; a plot is drawn when at least one of its keys exists. A step logged twice (a resumed run)
-keeps its last record. Non-numeric values are ignored; NaN / inf are kept and flagged.
-
-Plots (matplotlib, Agg backend): ``reward_length.png`` (reward and response length),
-``mismatch_kl.png`` (rollout_corr kl; k3_kl; chi2_token and chi2_seq; a footnote says why kl / chi2 may be
-negative), ``is_ratio.png`` (IS weight mean with its healthy band; token-ratio p50 / p90 / p99), ``ess.png`` (effective sample size), ``masked_fractions.png`` (RS
-masked fraction and veto fraction), ``throughput.png`` (tokens/s and per-phase time), ``actor.png``
-(policy loss, grad norm, entropy, learning rate), ``async.png`` (async runs only: token staleness, the k3 KL of current vs lagged tokens
-and the share of step time in which generation overlapped training), ``routing.png`` (MoE router
-agreement, when routing was captured), ``validation.png`` (``val/*``: the validation set's mean reward and
-response length, overall and per data source, at the steps it was evaluated). Every panel has a y label with its unit (``YLABELS``); panels of
-fractions (``FRACTIONS``) are drawn on [0, 1]. report.md's
-table gives means over the first / last ``LAST_WINDOW`` steps (a single step is noisy) and the
-last-quarter mean.
-
-Health thresholds (each check uses the mean over the LAST QUARTER of the run, at least one step, unless
-said otherwise; thresholds are module constants and are printed in report.md):
-
-==========================  ==================================================================  ========
-check                       rule                                                                severity
-==========================  ==================================================================  ========
-non-finite metrics          any NaN / inf in any metric at any step                             FAIL
-failed rewards              reward/failed_frac > REWARD_FAILED_FRAC_MAX (0.5) at any step       FAIL
-                            (failed + timed-out rewards / samples); any reward/failed or
-                            reward/timed_out > 0 otherwise                                      WARN
-ESS                         rollout_corr/rollout_is_eff_sample_size < ESS_MIN (0.5)             FAIL
-veto fraction               rollout_corr/rollout_is_veto_fraction > VETO_MAX (0.05)             FAIL
-mean IS weight              abs(rollout_corr/rollout_is_mean - 1) > IS_MEAN_DEV_MAX (0.2)       FAIL
-RS masked fraction          rollout_corr/rollout_rs_masked_fraction > RS_MASKED_MAX (0.5)       WARN
-IS ratio tail               rollout_corr/rollout_is_p99 > IS_P99_MAX (10)                       WARN
-k3 KL rising                last-quarter mean of rollout_corr/k3_kl > K3_RISE_FACTOR (2) x the  WARN
-                            first-quarter mean and > K3_FLOOR (1e-3); needs >= MIN_STEPS (8)
-reward flat                 max - min of the reward/mean curve smoothed by a moving average     WARN
-                            over max(1, n/10) steps < REWARD_FLAT_RANGE (0.01); >= MIN_STEPS
-dynamic sampling exhausted  filter_groups/exhausted = 1 at any step (too few groups with signal     WARN
-                            after max_num_gen_batches rounds: trained topped up, or skipped);
-                            INFO instead when the sampled reward of those steps is >= SOLVED_FRAC
-                            (0.9) of the reward's ceiling: the groups score alike because they are
-                            solved, which every task that is learned reaches
-stalled                     over the last quarter of the run (>= 2 x MIN_STEPS steps in all) the    WARN
-                            sampled reward's least-squares trend gains < STALL_TREND (0.05) x its
-                            smoothed span over the run, it ends short of solved (below its
-                            ceiling by more than 0.1 of its span), and the policy stayed
-                            collapsed: entropy < ENTROPY_COLLAPSE (0.1 nats/token) at every step
-                            of that quarter, or >= MIN_ZERO_GRAD_STEPS (3) steps with zero
-                            gradient (actor/grad_norm = 0). Status: STALLED
-==========================  ========
-
-The sampled reward is ``reward/raw_mean`` (every generated sample) where dynamic sampling logged it, else
-``reward/mean``; its floor and ceiling are those of the first of [0, 1], [-1, 0], [-1, 1] holding every logged
-reward (verifiable rewards, penalties), else the lowest and highest sampled reward the run logged; "solved" is
-within 0.1 of that span of the ceiling. Status: UNHEALTHY (a FAIL), STALLED, CHECK WARNINGS (a WARN), HEALTHY; INFO
-findings are listed and change nothing.
+Any metric may be missing (a plot is drawn when one of its keys exists); a step logged twice (a resumed run) keeps
+its last record. Each health check judges the mean over the last quarter of the run unless it says otherwise;
+the thresholds are module constants and report.md prints them. The plots, every check with its rule and
+severity, and how the statuses are decided: docs/report.md.
 """
 from __future__ import annotations
 

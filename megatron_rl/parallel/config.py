@@ -90,17 +90,16 @@ class ParallelConfig:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> Optional[int]:
-        """DP at ``world_size`` ranks (``parallel.dims.data_parallel_size``; None when it is not an integer)."""
-        from megatron_rl.parallel.dims import data_parallel_size  # dims imports this module
-
-        return data_parallel_size(self, world_size)
+        """DP = world / (TP x PP x CP): ranks holding different rows of the batch; None when TP x PP x CP does not
+        divide the world."""
+        span = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        return world_size // span if span >= 1 and world_size % span == 0 else None
 
     def expert_data_parallel_size(self, world_size: int) -> Optional[int]:
-        """expert-DP at ``world_size`` ranks (``parallel.dims.expert_data_parallel_size``; None when it is not
-        an integer)."""
-        from megatron_rl.parallel.dims import expert_data_parallel_size  # dims imports this module
-
-        return expert_data_parallel_size(self, world_size)
+        """expert-DP = world / (ETP x EP x PP): replicas of each routed expert; None when ETP x EP x PP does not
+        divide the world."""
+        span = self.etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+        return world_size // span if span >= 1 and world_size % span == 0 else None
 
     def to_dict(self) -> dict:
         """Plain dict with Megatron's key names."""

@@ -27,17 +27,14 @@ __all__ = ["ParallelDims", "validate_parallel_config", "data_parallel_size", "ex
 
 
 def data_parallel_size(cfg: ParallelConfig, world_size: int) -> Optional[int]:
-    """DP = world / (TP x PP x CP): ranks holding different rows of the batch; None when TP x PP x CP does not
-    divide the world."""
-    span = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * cfg.context_parallel_size
-    return world_size // span if span >= 1 and world_size % span == 0 else None
+    """DP at ``world_size`` ranks (``ParallelConfig.data_parallel_size``; None when it is not an integer)."""
+    return cfg.data_parallel_size(world_size)
 
 
 def expert_data_parallel_size(cfg: ParallelConfig, world_size: int) -> Optional[int]:
-    """expert-DP = world / (ETP x EP x PP): replicas of each routed expert; None when ETP x EP x PP does not
-    divide the world."""
-    span = cfg.etp * cfg.expert_model_parallel_size * cfg.pipeline_model_parallel_size
-    return world_size // span if span >= 1 and world_size % span == 0 else None
+    """expert-DP at ``world_size`` ranks (``ParallelConfig.expert_data_parallel_size``; None when it is not an
+    integer)."""
+    return cfg.expert_data_parallel_size(world_size)
 
 
 @dataclass(frozen=True)

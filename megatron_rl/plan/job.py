@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.lr_schedule import LRSchedule, lr_schedule_errors
+from megatron_rl.actor.optimizer import offload_errors
 from megatron_rl.actor.precision import Precision, precision_error
 from megatron_rl.actor.replay_modes import ReplayMode, replay_mode
 from megatron_rl.actor.spec import ActorSpec, Objective
@@ -171,6 +172,7 @@ class JobPlan:
         p.add(actor_size_errors(ac))
         batcher = p.build(_batcher, dims, ac, cfg.parallel)
         precision = p.build(Precision.from_actor_config, ac)
+        p.add(offload_errors(ac))  # actor.optimizer_cpu_offload: megatron's limits and the installed version
         if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
             p.add([f"actor.load_hf: {ac.load_hf!r} is not a directory"])
         replay = p.build(_replay, ac.routing_replay, cfg.model)

@@ -1,38 +1,13 @@
 """What a CPU lacks for megatron-core: CUDA API stand-ins, applied when CUDA is absent (``platform.select``
 decides; what megatron's local, non-TE layers lack is ``platform.local_layers``, applied whenever TE is absent).
 
-megatron-core assumes a CUDA device in many places (``PATCHES`` lists each one patched, with why).
-Without CUDA, ``apply_cpu_stand_ins()`` makes megatron run on CPU tensors with gloo:
-
-  * every loaded ``megatron.core.*`` module sees a *CPU view of torch* (``module.torch`` is replaced
-    by ``_CpuTorchView``): ``torch.cuda.current_device()`` returns ``torch.device("cpu")``,
-    ``torch.cuda.synchronize``/streams/events/nvtx are no-ops, ``torch.cuda.get_rng_state`` /
-    ``manual_seed`` act on the CPU generator, and tensor factories called with ``device="cuda"``
-    allocate on CPU. Tensors and classes are the real torch objects; only the module-global name
-    ``torch`` inside megatron modules changes, so nothing outside megatron is affected;
-  * a few functions that cannot be fixed through that view are replaced one by one (listed in
-    ``PATCHES`` with the megatron-core symbol each replaces and why): the CUDA RNG state, gradient clipping's
-    CUDA type check, and the collectives gloo cannot run as megatron calls them (uneven all-gather /
-    reduce-scatter, tensor split sizes).
-
-Consequences worth knowing: megatron's "CUDA" RNG is the CPU default generator, so
-``model_parallel_cuda_manual_seed(seed)`` reseeds ``torch``'s CPU generator with ``seed`` (megatron's
-tracked streams use seed + 2718 + tp_rank etc. as on GPU); while megatron's
-``LanguageModule.setup_embeddings_and_output_layer`` runs, ``torch.Tensor.cuda`` is the identity (the
-only patch visible outside megatron, for the duration of that call).
-
-Usage: the project applies the patches once, in ``megatron_rl.parallel.initialize_model_parallel`` (every
-megatron model needs megatron's parallel state first); code that sets up megatron's parallel state by itself
-calls ``apply_cpu_patches()`` (both sets, as a CPU needs) before building models. The first call also installs
-an import hook (``_MegatronImportHook``), so megatron modules imported later — dist_checkpointing when a
-checkpoint is first saved, MoE modules, ... — get the CPU view as they load; nothing has to call it again::
-
-    from megatron_rl.platform.cpu_compat import apply_cpu_patches
-    apply_cpu_patches()          # no-op when torch.cuda.is_available(); idempotent
-
-With CUDA available nothing is patched. bf16 params with megatron's mixed-precision optimizer and the
-distributed optimizer run on CPU through ``_apply_optimizer_standins`` (their ``torch.cuda.*Tensor`` type
-checks). Not covered (do not work on CPU): CUDA graphs, fused kernels (TE / apex) — use the local layer spec.
+Without CUDA every loaded ``megatron.core.*`` module sees a *CPU view of torch* (its module-global ``torch``
+replaced: ``torch.cuda.*`` on the CPU, ``device="cuda"`` allocating on CPU), and the few functions that view
+cannot fix are replaced one by one (``PATCHES`` lists each, with why). The rule to keep: nothing outside megatron
+is affected (tensors and classes stay torch's own), and the first call installs an import hook, so megatron
+modules imported later are patched as they load. The project applies the patches in
+``parallel.initialize_model_parallel``; code that sets up megatron itself calls ``apply_cpu_patches()``
+(``platform.select``, both sets) before building models. What is covered and what is not: docs/platform.md.
 """
 from __future__ import annotations
 
@@ -47,7 +22,7 @@ import torch
 from megatron_rl.platform.packed_attention import packed_segments  # noqa: F401  (re-exported)
 from megatron_rl.platform.registry import PATCHES, original, replace
 
-__all__ = ["apply_cpu_patches", "apply_cpu_stand_ins", "cpu_patches_applied", "packed_segments", "PATCHES",
+__all__ = ["apply_cpu_stand_ins", "cpu_patches_applied", "packed_segments", "PATCHES",
            "CpuStream", "CpuEvent"]
 
 #: megatron-core modules imported eagerly by ``apply_cpu_patches`` so their ``torch`` global is
@@ -466,14 +441,3 @@ def apply_cpu_stand_ins() -> None:
         _apply_function_patches()
         _apply_optimizer_standins()
         _state["applied"] = True
-
-
-def apply_cpu_patches(force: bool = False) -> bool:
-    """Everything a machine without CUDA needs: the local-layer patches (no TE without CUDA) and the CPU
-    stand-ins. A no-op returning False when CUDA is available (unless ``force``); True otherwise. Idempotent."""
-    if torch.cuda.is_available() and not force:
-        return False
-    from megatron_rl.platform.select import Platform, apply_platform_patches
-
-    apply_platform_patches(Platform(has_cuda=False, has_te=False))
-    return True

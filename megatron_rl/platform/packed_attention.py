@@ -1,30 +1,12 @@
 """Causal attention over packed (THD) sequences without Transformer Engine: pure functions of tensors.
 
-A packed sequence is ``t`` tokens holding several independent rows back to back; ``cu_seqlens`` (int
-``[n + 1]``, 0 first, ``t`` last) marks where each starts. Every token attends causally to the earlier tokens
-of its own segment only. Two kernels, same result (``PACKED_ATTENTION_KERNELS``):
+A packed sequence holds several rows back to back (``cu_seqlens`` marks where each starts); every token attends
+causally to the earlier tokens of its own segment only. Kernels (``PACKED_ATTENTION_KERNELS``), same result:
+``"sdpa"`` per segment, ``"flex"`` (forward only on CPU), ``"varlen"`` (CUDA sm80+, bf16 / fp16), and ``"auto"``
+(what the local layers use): ``"varlen"`` where it can run, else ``"sdpa"``, chosen per call from the tensors.
+Each kernel's conditions: docs/platform.md.
 
-* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` once per segment, ``is_causal``.
-  On CUDA that runs the flash (bf16 / fp16) or memory-efficient (fp32) kernel, so no ``[len, len]`` score
-  matrix is kept and the work is the sum of the segments' squares; forward and backward on every device.
-* ``"flex"``: one ``torch.nn.attention.flex_attention`` call over the whole packed sequence with a
-  document-causal block mask (blocks of other segments are skipped). On CUDA the kernel is compiled once
-  (``torch.compile``) and has a backward; on CPU torch runs it eagerly and forward only (torch raises for
-  a backward on CPU), so on CPU it serves log-prob passes, not training.
-
-* ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over ``cu_seqlens``, one call, forward
-  and backward) -- CUDA sm80+, bf16 / fp16, equal query and value head dims (<= 256, multiples of 8), a torch
-  that has it (2.10+) (``varlen_eligible``). Not available elsewhere: ``"auto"`` falls back to ``"sdpa"`` there.
-* ``"auto"`` (what the local layers use): ``"varlen"`` where it can run, else ``"sdpa"`` -- chosen per call from the
-  tensors (device, dtype, head dims), so one job on CPU and on a GPU gets the kernel each can run.
-
-Usage::
-
-    out = packed_causal_attention(q, k, v, cu_seqlens, scale, kernel="sdpa")   # [t, heads, v_dim]
-
-``q`` is ``[t, heads, d]``, ``k`` ``[t, groups, d]``, ``v`` ``[t, groups, dv]`` (grouped-query attention:
-``heads`` a multiple of ``groups``, each key / value head serves ``heads / groups`` query heads, as
-megatron's ``repeat_interleave``).
+    out = packed_causal_attention(q, k, v, cu_seqlens, scale, kernel="sdpa")   # [t, heads, v_dim]; GQA
 """
 from __future__ import annotations
 

@@ -22,8 +22,11 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["Platform", "select_patches", "apply_platform_patches", "applied_patch_sets", "te_installed",
-           "PATCH_SETS"]
+from megatron_rl.platform.cpu_compat import apply_cpu_stand_ins
+from megatron_rl.platform.local_layers import apply_local_layer_patches
+
+__all__ = ["Platform", "select_patches", "apply_platform_patches", "apply_cpu_patches", "applied_patch_sets",
+           "te_installed", "PATCH_SETS"]
 
 #: patch set name -> what it supplies
 PATCH_SETS = {"local_layers": "what megatron's local (non-TE) layer spec lacks",
@@ -68,15 +71,21 @@ def select_patches(has_cuda: bool, has_te: bool) -> Tuple[str, ...]:
 
 def apply_platform_patches(platform: Optional[Platform] = None) -> Tuple[str, ...]:
     """Apply the patch sets ``platform`` (default: this machine) needs; idempotent. Returns their names."""
-    from megatron_rl.platform.cpu_compat import apply_cpu_stand_ins
-    from megatron_rl.platform.local_layers import apply_local_layer_patches
-
     p = platform or Platform.detect()
     chosen = select_patches(p.has_cuda, p.has_te)
     for name in chosen:
         {"local_layers": apply_local_layer_patches, "cpu": apply_cpu_stand_ins}[name]()
         _applied.add(name)
     return chosen
+
+
+def apply_cpu_patches(force: bool = False) -> bool:
+    """Everything a machine without CUDA needs: the local-layer patches (no TE without CUDA) and the CPU
+    stand-ins. A no-op returning False when CUDA is available (unless ``force``); True otherwise. Idempotent."""
+    if torch.cuda.is_available() and not force:
+        return False
+    apply_platform_patches(Platform(has_cuda=False, has_te=False))
+    return True
 
 
 def applied_patch_sets() -> Tuple[str, ...]:

@@ -1,37 +1,12 @@
 """The tiny character-level tokenizer of the synthetic digit tasks, and a builder for a task model directory.
 
-Vocabulary (ids in this order): ``<pad>`` (0), ``<eos>`` (1), ``<unk>`` (2), digits ``0``-``9`` (3-12),
-``:`` ``=`` ``+`` `` `` (space), the task names ``copy`` ``reverse`` ``sort`` ``add`` as single tokens — so
-``"copy:123="`` is 6 tokens; the ``lookup`` tool task's tokenizer adds ``lookup`` ``?`` ``>`` (ids 21-23;
-``task_vocabulary``). It is a ``tokenizers`` WordLevel model behind a regex split (task names, else
-one character) wrapped in ``PreTrainedTokenizerFast``; built offline, deterministic.
+A ``tokenizers`` WordLevel vocabulary (pad, eos, unk, digits, ``:`` ``=`` ``+`` space, the task names as single
+tokens; the ``lookup`` task adds ``lookup`` ``?`` ``>``), built offline and deterministic. The rule to keep: every
+id the padded model vocabulary can emit has a visible token (``RESERVED``), and every token is also saved as an
+added token, so ``transformers.AutoTokenizer`` on the exported directory encodes and decodes exactly as this
+tokenizer does. Why both rules exist, and the model sizes ``build_task_model`` defaults to:
+docs/synthetic_tasks.md.
 
-Reserved tokens: the model's vocabulary is padded to a multiple of ``VOCAB_MULTIPLE`` (``MODEL_VOCAB_SIZE``,
-24), and every id the model can emit has a token, as real tokenizers reserve their padded ids (Llama-3's
-``<|reserved_special_token_N|>``): the digit tasks' tokenizer names ids 21-23 ``<r21>`` ``<r22>`` ``<r23>``
-(``RESERVED``). They are never in a prompt or an answer; a sampled one decodes to visible text that the digit
-reward scores as wrong characters. (Before, ids 21-23 decoded to nothing: ``4<id22>0<eos>`` scored like
-``40<eos>``, free noise the reward could not see.) They are ordinary added tokens, not special ones, so
-``decode(..., skip_special_tokens=True)`` keeps them too.
-
-Standard loading: ``transformers.AutoTokenizer`` on a Qwen2 directory ignores the declared generic class and
-builds a byte-level BPE ``Qwen2Tokenizer`` from the vocabulary, which dropped the task word ("copy:12=" ->
-":12="), so an exported trained model looked untrained. The special tokens, the task words, the reserved
-tokens and the space are therefore also saved as added tokens (same ids; matched before any pre-tokenizer):
-``AutoTokenizer`` then encodes and decodes every string over the vocabulary exactly as this tokenizer does.
-(Characters outside the vocabulary still differ: ``<unk>`` here, dropped by a BPE loader; task prompts never
-contain any.) ``ensure_task_model`` rewrites the tokenizer files of a task model built before either fix (a
-saved vocabulary or added tokens other than ``task_vocabulary`` of the task in its ``task_model.json``); the
-ids of the existing tokens, and the weights, are unchanged.
-
-``build_task_model(out_dir, task, seed, hidden_size, num_layers)`` writes a randomly initialised tiny HF
-Qwen2 causal LM (fp32 safetensors) plus this tokenizer to ``out_dir`` — the model the embedded default config
-trains from scratch. Defaults (hidden 128, 2 layers, 4 heads / 2 KV heads, FFN 256, 64 positions) are the
-size measured to learn copy with 1-3 digits from scratch in ~200 GRPO steps (tools/embedded_grpo_demo.py).
-
-Usage::
-
-    tok = build_char_tokenizer()                        # in memory; or build_char_tokenizer("/tmp/tok")
     path = build_task_model("runs/tiny/model", task="copy", seed=0, hidden_size=128, num_layers=2)
     path = ensure_task_model("runs/tiny/model")         # builds only if missing (repairs an old tokenizer)
 

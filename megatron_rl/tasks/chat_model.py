@@ -1,4 +1,4 @@
-"""A tiny chat model for the reasoning-task path on CPU: the tiny HF Qwen2 of ``megatron_rl.testing.tiny_hf``
+"""A tiny chat model for the reasoning-task path on CPU: the tiny HF Qwen2 of ``megatron_rl.convert.tiny_hf``
 (random weights, byte-level BPE with ``<|im_start|>`` / ``<|im_end|>``) plus a ChatML chat template.
 
 The template is Qwen's ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, and with
@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+from megatron_rl.convert.tiny_hf import build_tiny_hf_model
 from megatron_rl.tokenizer import load_tokenizer
 
 #: Qwen-style ChatML template (``enable_thinking=False`` adds an empty think block, as Qwen3's does).

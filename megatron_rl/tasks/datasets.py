@@ -1,31 +1,10 @@
 """Prompt datasets from JSONL or Parquet files, as a ``Task``: verl's RL format or the simple form.
 
-``load_records(path)`` reads a ``.jsonl`` file (one JSON object per line; blank lines skipped) or a
-``.parquet`` file (needs ``pyarrow``; a clear ImportError-style ``ValueError`` names the package otherwise).
-A line that is not JSON is a broken file (``ValueError`` naming file:line).
-
-``FileTask`` turns records into prompts (``rows.parse_row``): verl's RL format (``data_source``,
-``prompt`` as chat messages, ``reward_model: {style, ground_truth}``, ``extra_info``), or the simple form
-``{prompt_key: text | token ids, answer_key: answer}``. Rows that cannot become prompts (missing or empty
-prompt, missing ground truth, wrong types) are skipped, counted (``stats()["data/malformed_rows"]``) and
-reported once with their row numbers; a file with no usable row raises ``ValueError``. ``usable_rows``
-does that parsing alone, without a tokenizer (``megatron-rl check`` and the trainer's first step run it
-before any model is built). Chat prompts go
-through the tokenizer's chat template, text stays plain (``render``); ``DataOptions.max_prompt_length``
-filters or truncates (counted).
-
-Rewards (``score``: in ``DataOptions.reward_workers`` worker processes, each sample under
-``reward_timeout_s``; failures and timeouts are 0.0 and counted; a dict reward's other numeric keys come back
-as ``RewardResult.extras``): ``reward_fn`` = ``"math"`` /
-``"exact"`` / ``"module:function"`` for every row, or by default verl's dispatch on the row's
-``data_source`` (``rewards.default_compute_score``) and exact match for rows without one.
-
-Drawing: training draws the rendered prompts (``finite_prompts()``) without replacement, epoch by epoch, across
-rounds and steps (``trainer.prompt_draw``, ``tasks.epoch_order``). ``sample(n, rng)`` is a one-off draw (tests,
-tools): ``min(n, N)`` distinct prompts (``rng.sample``), then, if ``n > N``, the rest with replacement --
-deterministic given ``rng``'s state; every call on its own, so calls repeat each other's prompts.
-
-Usage::
+``load_records(path)`` reads ``.jsonl`` or ``.parquet``; ``FileTask`` turns records into prompts
+(``rows.parse_row``) and scores responses in reward worker processes. The rule to keep: a row that cannot become a
+prompt is skipped, counted and reported once with its row number, never silently used, and a file without one
+usable row is an error; ``usable_rows`` does that parsing alone, without a tokenizer, so ``check`` and the
+trainer's first step run it before any model is built. Rendering, rewards and drawing: docs/datasets.md.
 
     task = FileTask("gsm8k/train.parquet", tokenizer, reward_fn="math",
                     options=DataOptions(max_prompt_length=512, chat_template_kwargs={"enable_thinking": False}))

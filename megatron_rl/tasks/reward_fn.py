@@ -1,30 +1,13 @@
 """Reward specs: built-in names, verl's ``data_source`` dispatch, and ``"module:function"`` functions.
 
-A ``data.reward_fn`` value is one of
-
-* ``"math"`` / ``"exact"``: the built-in rewards of ``megatron_rl.tasks.rewards``;
-* ``"module:function"`` (or ``"path/to/file.py:function"``) with either signature
-  ``fn(prompt_text, response_text, answer) -> float`` (this project's) or verl's
-  ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (recognised by its first parameter
-  being named ``data_source``), so verl custom reward files work as they are;
-* unset: rows with a ``data_source`` use verl's ``default_compute_score`` dispatch (``SOURCE``), other rows
-  exact match (``"exact"``).
-
-A reward returns a number or, as verl's may, a dict: its ``"score"`` is the reward, its other numeric keys
-(bools as 0 / 1) are the sample's extras (``RewardValue.extras``: logged as ``reward_extra/<key>/mean``, filter
-signals of dynamic sampling); other values (verl's ``"pred"`` string) are dropped. ``compute_reward_value(spec, ...)``
-evaluates one sample with a spec string (what the reward worker processes run:
-specs are plain strings, so they travel to workers). ``reward_import_error(spec)`` says, before anything
-starts, why a spec cannot load here (math-verify missing, a module that does not import). Loading errors
-(malformed spec, module not importable, no such attribute, not callable) and call errors (an exception, a
-non-number or non-finite score or extra, a dict without ``"score"``) raise ``ValueError`` naming the spec string
-the user gave and the key.
-
-Usage::
+A ``data.reward_fn`` is ``"math"`` / ``"exact"``, a ``"module:function"`` (this project's signature or verl's
+``compute_score``, told apart by its first parameter being ``data_source``), or unset (verl's dispatch by
+``data_source``). Specs are plain strings so they travel to the reward workers (``compute_reward_value``). A dict
+reward's ``"score"`` is the reward and its other numeric keys the sample's extras. Every loading or call error is
+a ``ValueError`` naming the spec the user gave. The rules in full: docs/datasets.md.
 
     fn = load_reward_fn("my_rewards:exact_match")
     fn("copy:12=", "12", "12")   # -> 1.0 (checked float)
-    compute_reward("math", "q", "so \\boxed{2}", "2")   # -> 1.0
 """
 from __future__ import annotations
 

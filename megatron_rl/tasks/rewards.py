@@ -1,32 +1,13 @@
 """Verifiable rewards for reasoning datasets: the ``math`` reward (checked with math-verify) and the
 dispatch by ``data_source`` that verl's ``default_compute_score`` does.
 
-``math_reward(response_text, ground_truth)`` extracts the response's final answer with the first extractor
-of ``extract`` that finds one —
+``math_reward(response_text, ground_truth)`` extracts the final answer (``extract``: boxed, ``####``, last number)
+and compares it with math-verify: 1.0 when equivalent, else 0.0. math-verify is an optional extra; without it the
+call raises an ``ImportError`` that says so, and its own signal-based timeouts are off (the reward pool bounds
+every call). ``default_compute_score`` (verl's signature) scores by ``data_source`` with verl's own rules; an
+unknown source is a ``ValueError`` naming it. The extractors, sources and scales: docs/datasets.md.
 
-* ``"boxed"``: the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces allowed;
-* ``"hash"``: after the last ``####``, the number it starts with (``#### $18 dollars`` -> ``18``, as verl's
-  GSM8K scorer reads it), else the text up to the end of its line (GSM8K's convention);
-* ``"last_number"``: the last number of the text (``-3``, ``1,234.5``, ``3/4``);
-
-— and compares it with the ground truth using math-verify (``parse`` + ``verify``: ``1/2`` == ``0.5`` ==
-``\\frac{1}{2}``, ``5\\text{ cm}`` == ``5``, ``1,000`` == ``1000``). 1.0 when equivalent, else 0.0 (no
-answer found: 0.0). math-verify is an optional extra (``pip install 'megatron-rl[math]'``); calling the
-math reward without it raises an ``ImportError`` that says so. math-verify's own signal-based timeouts are
-off here (they fail outside the main thread): the reward pool (``reward_pool``) bounds every call instead.
-
-``default_compute_score(data_source, solution_str, ground_truth, extra_info)`` -- verl's signature -- scores a
-row by its ``data_source`` with verl's own rules (``SOURCE_REWARDS``: GSM8K, MATH, DAPO-Math / AIME, ported in
-``verl_scores``; ``math_dapo`` returns verl's dict ``{"score": +-1, "acc", "pred"}``); sources verl scores with a
-scorer not ported here (``numina_*``: verl's prime_math) and this project's own use the math reward (0 / 1). An
-unknown source raises ``ValueError`` naming it. The scale per source: docs/datasets.md.
-
-Usage::
-
-    math_reward("... so the answer is \\boxed{\\frac{1}{2}}", "0.5")           # -> 1.0
-    math_reward("#### 72", "72", extract=("hash",))                          # -> 1.0
     default_compute_score("openai/gsm8k", "... #### 72", "72")                # -> 1.0 (verl's gsm8k rule)
-    default_compute_score("math_dapo", "Answer: 3", "4")["score"]            # -> -1.0
 """
 from __future__ import annotations
 

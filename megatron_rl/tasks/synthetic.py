@@ -1,70 +1,12 @@
 """Built-in verifiable synthetic tasks on digit strings: ``copy``, ``reverse``, ``sort``, ``add``.
 
-Prompts are ``"<task>:<digits>="`` (``add``: ``"add:<a>+<b>="``); the expected response is the answer string
-followed by EOS:
-
-    copy:3141=   -> 3141<eos>        reverse:3141= -> 1413<eos>
-    sort:3141=   -> 1134<eos>        add:12+345=   -> 357<eos>
-
-Digit strings have a length in ``[min_digits, max_digits]`` (each length equally likely by default; see
-``length_alpha`` below) and uniform digits (leading zeros allowed); ``add`` operands are integers with that
-many digits each (no leading zeros).
-
-Reward in [0, 1] (the response is decoded up to its first EOS; other special tokens such as PAD are NOT
-skipped — they decode to their text, e.g. "<pad>", and count as wrong characters, so they cannot be used to
-pad an answer):
-  * 1.0 — exact match: the decoded text equals the answer AND the response ended with EOS;
-  * otherwise, with ``partial_credit`` (default True): per-position credit against the target sequence
-    ``answer characters + [EOS]``: ``matches / max(len(target), len(got))`` where ``got`` is the decoded
-    characters plus ``[EOS]`` if the response ended with one, and ``matches`` counts positions ``i`` with
-    ``got[i] == target[i]``. Extra or missing characters dilute the credit; it is 1 only for an exact match
-    (e.g. answer "12": "12<eos>" -> 1, "12" (no EOS) -> 2/3, "13<eos>" -> 2/3, "1<eos>" -> 1/3, "" -> 0);
-  * otherwise 0.0.
-
-With ``eos_credit: false`` the partial credit counts answer characters only — ending at the right place earns
-nothing by itself: ``matches / (max(len(answer), len(text)) + (0 if terminated else 1))`` over the decoded
-characters (a missing EOS still costs one position). Answer "8": "8<eos>" -> 1, "4<eos>" -> 0 (it is 1/2 with
-EOS credit), "84<eos>" -> 1/2, "8" (no EOS) -> 1/2. Why it matters for learning from scratch: with EOS credit,
-every response of the right length is worth 1/(len+1) whatever its digits, the policy-gradient push toward
-the right length carries whatever digits were sampled with it, and the policy collapses onto one constant
-digit string (reward plateau ~0.5 on 1-3 digit copy); without it, only correct digits pay.
-
-With ``prefix_credit: true`` only the positions before the first wrong one count (same denominators): answer
-"254": "244<eos>" -> 1/4 (3/4 per position), "253<eos>" -> 2/4, "154<eos>" -> 0. A right digit after a wrong one
-earns nothing, so a response is paid for the digits it gets right in order — which is what separates a copy
-from a response that only has the right length and the right last digit.
-
-Operand lengths (``length_alpha``, mT5's temperature sampling across groups): a length ``k`` in ``[min_digits,
-max_digits]`` is drawn with probability proportional to ``count(k) ** length_alpha``, ``count(k)`` the number
-of operand strings of that length (10, 100, 1000 digit strings of 1, 2, 3 digits). 0 (the default): every
-length equally often — 1-3 digit copy trains a third of the time on the 10 one-digit strings; 1: every string
-equally often, the distribution the held-out split is drawn from — and 1 % one-digit prompts; in between
-(0.5: 7 / 22 / 71 %) the long strings dominate and the short ones are still seen.
-``length_floor`` (in [0, 1]) mixes uniform lengths in: a share ``length_floor`` of the probability is spread
-evenly over the lengths, the rest follows ``length_alpha`` — 1-3 digits with ``length_alpha: 1,
-length_floor: 0.5``: 17 / 21 / 62 %, so every length is drawn at least ``length_floor / 3`` of the time while
-the long strings stay the majority.
-
-Per-length rewards: ``stats()`` reports ``reward/digits_<k>``, the mean reward of the last scored batch's
-samples with a ``k``-digit operand (the loop adds it to the step metrics).
-
-Held-out split (``heldout_frac`` > 0): an operand string is HELD OUT when ``crc32("<task>:<operands>") %
-10_000 < heldout_frac * 10_000`` — a fixed, seed-independent subset of about that fraction of all strings.
-``sample`` never draws a held-out string (it redraws); ``heldout_prompts()`` enumerates every held-out
-prompt in ``[min_digits, max_digits]``; ``every_prompt()`` every prompt, held out or not (``is_heldout(prompt)``
-tells which) — the evaluation sets of a trained model, per length (``operand_digits``), in
-``tools/quickstart_results.py``.
-
-Curriculum (``curriculum_steps`` > 0): the longest operand drawn grows with the training step (the loop calls
-``begin_step(step)`` before sampling): at 0-based step ``s`` it is ``min_digits + (max_digits - min_digits + 1) *
-s // curriculum_steps`` (capped at ``max_digits``), lengths drawn up to it as ``length_alpha`` says — e.g. 1-3
-digits over 60 steps: 1 digit for steps 0-19, 1-2 digits for 20-39, 1-3 digits from step 40 on. A function of
-the step alone, so a resumed run draws what the uninterrupted run drew.
-
-Works with any tokenizer that can encode the prompt text (the char tokenizer of ``char_tokenizer`` is the
-tiny one used for learning from scratch).
-
-Usage::
+Prompts are ``"<task>:<digits>="`` (``add``: ``"add:<a>+<b>="``), the expected response the answer then EOS; the
+reward is in [0, 1] (exact match with EOS: 1; else partial credit, by position, with or without EOS credit, or
+up to the first wrong position). The rule to keep: the curriculum is a function of the step alone
+(``begin_step``), so a resumed run draws what the uninterrupted run drew, and the held-out split is a
+seed-independent ``crc32`` of the operands, the same on every machine. Rewards, length sampling
+(``length_alpha``, ``length_floor``), the held-out split and the curriculum, with examples:
+docs/synthetic_tasks.md.
 
     task = DigitTask("copy", tokenizer, min_digits=1, max_digits=3)
     prompts = task.sample(4, random.Random(0))

@@ -1,58 +1,9 @@
 """The ``lookup`` tool task: the answer is a value only a tool knows, so the model must call it, read it, answer.
 
-A multi-turn task small enough for a from-scratch char model on CPU (``configs/tool_tiny_cpu.yaml``); the
-environment that answers the calls and scores the episode is ``megatron_rl/envs/lookup.py:LookupEnv``.
-
-Episode (compact call syntax of the char tokenizer, ``?`` and ``>`` are single tokens)::
-
-    prompt            lookup:37=                 "what is the value of key 37 in your table?"
-    model turn 1      ?37<eos>                   a tool call: look up key 37
-    environment       >529=                      the tool's answer (">" + value, then "=": "answer now")
-    model turn 2      529<eos>                   the final answer (a turn that is not a call)
-
-The table is RANDOM PER PROMPT: each prompt draws a ``table_seed`` and the value of any key is
-``table_value(table_seed, key, ...)`` (a fixed hash, 1-2 digits by default), so nothing in the prompt or in
-the model's weights can predict it — only the call can. Both behaviours are copies (the key from the prompt into
-the call, the value from the observation into the answer), the kind of skill the tiny model learns in ~100
-steps on the copy task.
-
-Compact syntax vs Hermes: ``?37`` stands for ``<tool_call>{"name": "lookup", "arguments": {"key": "37"}}
-</tool_call>`` and ``>529`` for ``<tool_response>529</tool_response>``; the char model has neither braces nor
-quotes in its vocabulary and would need ~50 sampled tokens per call. ``LookupEnv(call_format="hermes")`` plays
-the same game in the Hermes format (``megatron_rl.envs.tool_calls``) for chat models.
-
-Rewards (``LookupEnv``; ``score_answer`` and ``key_credit`` here), read when the model answers:
-
-    reward = call_weight * call_credit + (1 - call_weight) * answer_credit
-    call_credit   = best ``key_credit`` over the well-formed calls made: 1.0 for the right key, else 0.5 plus
-                    half the fraction of its positions right, 0 without a call;
-    answer_credit = ``answer_credit``: ``score_answer`` against the true value — 1.0 for the exact value ended
-                    with EOS, else the fraction of correct value characters (``score_text`` with
-                    ``eos_credit=False``: a right-length guess earns nothing by itself, so a constant answer is
-                    worth chance only) — or HALF the ``score_answer`` against what the tool last said, if more.
-
-The call credit is the shaping: a well-formed call pays even before the answer is copied right (half of it
-for any call: a from-scratch model that only guesses must find calling worth more than guessing; the other half
-for the right key), but only in an episode that ends with an answer (an episode cut by ``multi_turn.max_turns``
-or a token limit scores 0). The half credit for repeating the tool's answer breaks a chicken-and-egg: copying
-the observation pays only once the key is right, and a constant key is right ~5 % of the time; without it the
-tiny model learned to call but not to use the answer (reward flat at ~0.22 over steps 40-100). Each rung was
-measured on the from-scratch model (the table in docs/multi_turn.md).
-
-Chat models (``prompt_format: chat``): the prompt is a user message asking for the key's value, rendered with
-the tokenizer's chat template and the ``lookup`` tool's JSON schema (``LOOKUP_TOOL``, passed as
-``apply_chat_template(..., tools=[LOOKUP_TOOL])`` plus ``data.chat_template_kwargs``: the Qwen / Hermes templates
-then describe the tool and the ``<tool_call>`` format in the system turn); use it with
-``LookupEnv(call_format="hermes")`` (``configs/qwen3_30b_a3b_tools_2x8.yaml``).
-
-Prompt rows carry what the environment needs: ``Prompt.answer`` is the value, ``Prompt.extra_info`` is
-``{"key", "table_seed", "min_value_digits", "max_value_digits"}``.
-
-Held-out split (``heldout_frac`` > 0): a KEY is held out when ``crc32("lookup:<key>") % 10_000 < heldout_frac *
-10_000`` (the digit tasks' rule); ``sample`` never draws one; ``heldout_prompts()`` gives one prompt per held-out
-key, each with a fixed table seed (``crc32`` of the key), so an evaluation is the same on every machine.
-
-Usage::
+A multi-turn task small enough for a from-scratch char model on CPU (``configs/tool_tiny_cpu.yaml``); its
+environment is ``megatron_rl/envs/lookup.py:LookupEnv``. The table is random per prompt (a ``table_seed`` per
+prompt, values from a fixed hash), so only the call can predict a value. The episode, the compact vs Hermes
+syntax, the reward's rungs (and why each exists) and the held-out split: docs/environments.md.
 
     task = LookupTask(tokenizer, min_key_digits=1, max_key_digits=2, heldout_frac=0.1)
     prompts = task.sample(4, random.Random(0))     # Prompt(text="lookup:37=", answer="529", extra_info={...})

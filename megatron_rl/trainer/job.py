@@ -25,6 +25,7 @@ rollouts it holds, so the resumed run draws on from whichever it regenerates fir
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor import MegatronActor
+from megatron_rl.actor.offload import ParkedParams
+from megatron_rl.actor.schedule import actor_device
 from megatron_rl.config import ConfigError, JobConfig
 from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_timeout_s
 from megatron_rl.parallel.launch import init_distributed
@@ -102,14 +105,16 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = 
 
 
 class KLReference:
-    """The frozen initial policy of the KL loss: a second ``MegatronActor`` from ``actor.load_hf`` whose optimizer
-    is never stepped (memory for tiny / mid-size models only)."""
+    """The frozen initial policy of the KL loss: a frozen ``MegatronActor`` from ``actor.load_hf`` (its weights only);
+    with ``offload`` (``actor.ref_param_offload``) they are on the device only during its log-prob pass."""
 
-    def __init__(self, actor):
+    def __init__(self, actor, offload: bool = False):
         self.actor = actor
+        self.parked = ParkedParams(actor.model, actor_device()) if offload else None
 
     def log_probs(self, batch, temperature: float) -> Optional[torch.Tensor]:
-        return self.actor.compute_log_probs(batch, temperature, compute_entropy=False)[0]
+        with self.parked.on_device() if self.parked is not None else contextlib.nullcontext():
+            return self.actor.compute_log_probs(batch, temperature, compute_entropy=False)[0]
 
 
 class NoReference:
@@ -223,8 +228,8 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
     plan = JobPlan.build(cfg, int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized()
                          else dist.get_world_size())
     actor = setup_distributed(cfg, plan)
-    reference = KLReference(MegatronActor(plan.actor, frozen=True)) if plan.objective.loss.kl_loss_coef > 0 \
-        else NoReference()
+    reference = (KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
+                 if plan.objective.loss.kl_loss_coef > 0 else NoReference())
     rank0 = dist.get_rank() == 0
     if rank0:
         for line in plan.describe():

@@ -20,58 +20,17 @@ be delivered. torchrun then sees a failed rank and stops the others (SIGTERM, th
 """
 from __future__ import annotations
 
-import faulthandler
-import os
-import signal
-import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional
 
+from megatron_rl.lifeline import abort, kill_children  # noqa: F401  (re-exported: the loop's names)
+
 __all__ = ["Watchdog", "abort", "kill_children", "EXIT_HUNG"]
 
 EXIT_HUNG = 124
 """Exit code of a rank ended by the watchdog (the code ``timeout(1)`` uses)."""
-
-
-def kill_children() -> int:
-    """SIGKILL every descendant process of this one (process groups of children that lead their own,
-    e.g. a launched SGLang server, included). Returns how many processes were signalled."""
-    import psutil
-
-    try:
-        kids = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return 0
-    n = 0
-    for kid in kids:
-        try:
-            if os.getpgid(kid.pid) == kid.pid:  # a group leader: take its whole group
-                os.killpg(kid.pid, signal.SIGKILL)
-            else:
-                kid.kill()
-            n += 1
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            pass
-    return n
-
-
-def abort(code: int, message: str, rank: Optional[int] = None, stacks: bool = True) -> None:
-    """End this process now: print ``message`` (prefixed with the rank), the stacks of all threads, kill
-    child processes, then ``os._exit(code)`` (no cleanup handlers run; nothing can block it)."""
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    try:
-        print(f"[megatron-rl] rank {rank}: {message}", file=sys.stderr, flush=True)
-        if stacks:
-            print(f"[megatron-rl] rank {rank}: stacks of all threads at exit:", file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        kill_children()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
 
 
 class Watchdog:

@@ -15,7 +15,8 @@ torch_dist checkpoints).
   param group holds the config's values.
 * ``actor.load_hf`` of an fp32 HF checkpoint into a bf16 actor (DP1, DP2 with the distributed optimizer, and
   qwen3_moe at EP2, TP2, PP2): the fp32 main parameters are the source's values bit for bit (the fp32 actor's saved
-  weights), not their rounding; an actor that is never trained (the KL reference) keeps no fp32 copy.
+  weights), not their rounding; the KL reference holds its bf16 weights only (no
+  gradients, DDP buffers or optimizer) and gives the same log-probs.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_optimizer_resume.py -q``
 """
@@ -361,18 +362,43 @@ def test_fp32_hf_weights_are_the_bf16_actors_main_params(tmp_path, tiny_hf_model
     assert lost > 5, "the source must hold values bf16 cannot for the comparison to mean anything"
 
 
+def _reference_and_actor_log_probs(rank, world, job):
+    """(the frozen actor's log-probs, the trained actor's log-probs of the same weights, what the frozen one holds)."""
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        batch, _ = checkpoint_batch(5, rows=4)
+        ref = MegatronActor(job, frozen=True)
+        held = {"optimizer": ref.optimizer, "scheduler": ref.scheduler,
+                "wrapped": [type(c).__name__ for c in ref.model],
+                "requires_grad": [n for c in ref.model for n, p in c.named_parameters() if p.requires_grad],
+                "grad_buffers": [n for c in ref.model for n, p in c.named_parameters()
+                                 if getattr(p, "main_grad", None) is not None or p.grad is not None],
+                "dtypes": sorted({str(p.dtype) for c in ref.model for p in c.parameters()})}
+        ref_lp, _ = ref.compute_log_probs(batch, 1.0)
+        try:
+            ref.train_step(batch, ref_lp, torch.zeros(4), batch.response_mask, None, 1.0)
+        except RuntimeError as e:
+            held["train_step"] = str(e)
+        actor_lp, _ = MegatronActor(job).compute_log_probs(batch, 1.0)
+        return ref_lp, actor_lp, held
+    finally:
+        _reap_children()
+
+
 @pytest.mark.timeout(300)
-def test_an_actor_that_is_never_trained_keeps_no_fp32_copy(tmp_path, tiny_hf_model):
-    """The KL reference (``MegatronActor(cfg, frozen=True)``): its main parameters are the bf16 weights (megatron's
-    own), no fp32 copy of the source is held for them."""
-    model = tiny_hf_model("qwen2", seed=21)
-    run_ranks(_save_at_once, 1, named_job("actor", hf=model), str(tmp_path / "fp32"), timeout=200)
-    bf16 = named_job("actor", *knobs(bf16=True), hf=model)
-    run_ranks(_save_at_once, 1, bf16, str(tmp_path / "bf16"), True, timeout=200)
-    _, want = _optimizer_state(tmp_path / "fp32" / "iter_0000000")
-    got, got_w = _optimizer_state(tmp_path / "bf16" / "iter_0000000")
-    lost = 0
-    for name, w in want.items():
-        assert torch.equal(got[("main", name)], w.to(torch.bfloat16).float()), name
-        lost += not torch.equal(w.to(torch.bfloat16).float(), w)
-    assert lost > 5
+@pytest.mark.parametrize("lay", [{}, dict(pp=2), dict(pp=4, vpp=2)], ids=["dp1", "pp2", "pp4-vpp2"])
+def test_the_kl_reference_holds_weights_only(tiny_hf_model, lay):
+    """The KL reference (``MegatronActor(cfg, frozen=True)``) holds its bf16 weights only, sharded like the actor: no
+    parameter requires a gradient, none has a DDP gradient buffer, no DDP wrapper, no optimizer (so no fp32 main
+    copy, no Adam state); its log-probs equal those of a trained actor built from the same weights (DDP-wrapped, with
+    an optimizer: what the reference was before), bit for bit; it refuses a train step."""
+    model = tiny_hf_model("qwen2", seed=21, **({"num_hidden_layers": 8} if "vpp" in lay else {}))
+    job = named_job("actor", *layout(**lay), *knobs(bf16=True, micro_batch_size=1), hf=model)
+    world = lay.get("pp", 1)
+    for ref_lp, actor_lp, held in run_ranks(_reference_and_actor_log_probs, world, job, timeout=250):
+        assert held["optimizer"] is None and held["scheduler"] is None
+        assert held["wrapped"] and "DistributedDataParallel" not in held["wrapped"], held["wrapped"]
+        assert held["requires_grad"] == [] and held["grad_buffers"] == [], held
+        assert held["dtypes"] == ["torch.bfloat16"], held["dtypes"]
+        assert "frozen" in held.get("train_step", ""), held
+        assert ref_lp.abs().sum() > 0 and torch.equal(ref_lp, actor_lp)

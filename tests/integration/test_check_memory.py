@@ -19,6 +19,15 @@ Q7 = os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml")
 Q7_TP2 = ["parallel.tensor_model_parallel_size=2"]
 Q30 = os.path.join(ROOT, "configs", "qwen3_30b_a3b_2x8.yaml")
 DS = os.path.join(ROOT, "configs", "deepseek_v3_scale_64x8.yaml")
+DS671 = os.path.join(ROOT, "configs", "deepseek_v3_671b_64x8.yaml")
+#: verl's examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh (commit b178a3cd): 32 x 8 H100, TP 1, PP 16
+#: (4 / 1 layers on the first / last stage), EP 16, full recompute, 2048 + 4096 tokens, budget 6144, KL loss
+VERL_DS_80GB = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+                "parallel.pipeline_model_parallel_size=16", "parallel.expert_model_parallel_size=16",
+                "parallel.num_layers_in_first_pipeline_stage=4", "parallel.num_layers_in_last_pipeline_stage=1",
+                "rollout.max_new_tokens=4096", "actor.max_tokens_per_micro_batch=6144",
+                "actor.recompute_granularity=full", "actor.recompute_method=uniform",
+                "actor.recompute_num_layers=1", "actor.policy_loss.kl_loss_coef=0.001"]
 
 
 def rel(a, b):
@@ -129,19 +138,63 @@ def test_packed_rows_on_the_local_backend_keep_no_scores():
 
 @pytest.mark.parametrize("bf16,dist_opt", [(True, True), (True, False), (False, False)])
 def test_kl_reference_model(bf16, dist_opt):
-    """kl_loss_coef > 0: the never-stepped reference actor holds its parameters, its DDP grad buffer and (bf16)
-    the optimizer's fp32 main copy (sharded over DP=4 with the distributed optimizer); no Adam moments."""
+    """kl_loss_coef > 0: the frozen reference holds its weights in the params dtype, sharded like the actor (TP=2
+    here), and nothing else: no gradient buffer, no main copy, no Adam state, whatever the optimizer."""
     n = qwen7b_rank_params()
     pb = 2 if bf16 else 4
     opts = MemoryOptions(prompt_length=1024, params_bytes=pb, distributed_optimizer=dist_opt)
     cfg = load_job_config(Q7, Q7_TP2 + ["actor.policy_loss.kl_loss_coef=0.1"], world_size=8)
     plan = memory_plan(cfg, 8, opts)
     (st,) = plan.stages
-    main = (4 * n / (4 if dist_opt else 1)) if bf16 else 0
-    assert plan.reference_model and st.reference == pytest.approx(pb * n + 4 * n + main)
+    assert plan.reference_model and st.reference == pytest.approx(pb * n)
     without = memory_plan(load_job_config(Q7, Q7_TP2, world_size=8), 8, opts).stages[0]
     assert without.reference == 0
     assert st.total("none", False) - without.total("none", False) == pytest.approx(st.reference)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_optimizer_cpu_offload_moves_the_state_to_the_host(fraction):
+    """``optimizer_offload_fraction`` f: the device keeps (1 - f) of the 12 bytes per optimizer element (bf16
+    params: fp32 main + 2 moments); the host holds f x 16 bytes (those + megatron's fp32 gradient copy); params,
+    grads and activations do not move. DP=4 with the distributed optimizer: n / 4 elements per rank."""
+    n = qwen7b_rank_params()
+    cfg = load_job_config(Q7, Q7_TP2, world_size=8)
+    base = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, params_bytes=2)).stages[0]
+    st = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, params_bytes=2,
+                                           optimizer_offload_fraction=fraction)).stages[0]
+    assert base.optimizer == pytest.approx(12 * n / 4) and base.host == 0
+    assert st.optimizer == pytest.approx((1 - fraction) * 12 * n / 4)
+    assert st.host == pytest.approx(fraction * 16 * n / 4)
+    assert (st.params, st.grads, st.activations) == (base.params, base.grads, base.activations)
+    with pytest.raises(ValueError, match="optimizer_offload_fraction"):
+        memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, optimizer_offload_fraction=1.5))
+
+
+def test_parked_kl_reference_is_held_when_the_activations_are_not():
+    """``actor.ref_param_offload``: the reference's weights (2 B x the rank's parameters, by hand) go to the host
+    line; the stage total holds the larger of them and the train step's activations instead of their sum."""
+    n = qwen7b_rank_params()
+    kl = Q7_TP2 + ["actor.policy_loss.kl_loss_coef=0.1"]
+    opts = dict(prompt_length=1024, params_bytes=2)
+    held = memory_plan(load_job_config(Q7, kl, world_size=8), 8, MemoryOptions(**opts)).stages[0]
+    parked = memory_plan(load_job_config(Q7, kl + ["actor.ref_param_offload=true"], world_size=8), 8,
+                         MemoryOptions(**opts, reference_offload=True)).stages[0]
+    assert parked.reference == held.reference == pytest.approx(2 * n) and parked.host == pytest.approx(2 * n)
+    acts = held.activations["none"]
+    assert held.total("none", False) - parked.total("none", False) == pytest.approx(min(2 * n, acts))
+
+
+def test_verls_deepseek_v3_80gb_job_fits_with_the_reference_as_its_weights():
+    """verl runs DeepSeek-V3 on 256 x 80 GB with a KL reference: here too, once the reference is its bf16 weights
+    (= the params column) -- planned as a second actor (+ fp32 grads + fp32 main / DP) it would not fit."""
+    cfg = load_job_config(DS671, VERL_DS_80GB, world_size=256)
+    plan = memory_plan(cfg, 256, MemoryOptions(prompt_length=2048, params_bytes=2, recompute="full"))
+    peak = plan.peak()
+    for st in plan.stages:
+        assert st.reference == st.params
+    assert peak.total("full", False) < 80 * 2**30
+    second_actor = peak.grads + 4 * (peak.dense_params / plan.dp + peak.expert_params / plan.expert_dp)
+    assert peak.total("full", False) + second_actor > 80 * 2**30
 
 
 def test_qwen7b_full_recompute_and_logits():
@@ -254,7 +307,7 @@ def test_cli_plans_the_kl_reference_model():
     r = _cli(Q7, *Q7_TP2, "actor.policy_loss.kl_loss_coef=0.05")
     assert r.returncode == 0, r.stderr
     ref = _row(r.stdout)[3]
-    assert ref == pytest.approx((2 * n + 4 * n + 4 * n / 4) / 2**30, abs=0.01)  # bf16 params, fp32 grads, main/4
+    assert ref == pytest.approx(2 * n / 2**30, abs=0.01)  # bf16 weights only
     assert "KL reference model" in r.stdout
 
 

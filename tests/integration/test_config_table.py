@@ -12,7 +12,7 @@ import re
 import pytest
 import yaml
 
-from megatron_rl.ops.config_table import config_rows, gpu_configs, markdown
+from megatron_rl.cli.config_table import config_rows, gpu_configs, markdown
 from megatron_rl.testing.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,5 +43,5 @@ def test_docs_configs_md_is_the_generators_output():
     with open(os.path.join(ROOT, "docs", "configs.md")) as fh:
         on_disk = fh.read()
     rows = config_rows()
-    assert on_disk == markdown(rows), "regenerate: python -m megatron_rl.ops.config_table > docs/configs.md"
+    assert on_disk == markdown(rows), "regenerate: python -m megatron_rl.cli.config_table > docs/configs.md"
     assert all(r.status == 0 and r.fits for r in rows), [(r.config, r.peak_gib) for r in rows if not r.fits]

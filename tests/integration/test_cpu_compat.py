@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_rl.platform import cpu_compat
-from megatron_rl.platform.cpu_compat import PATCHES, apply_cpu_patches, cpu_patches_applied
+from megatron_rl.platform.cpu_compat import PATCHES, cpu_patches_applied
+from megatron_rl.platform.select import apply_cpu_patches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are inactive with CUDA")
 
@@ -163,7 +164,7 @@ def test_megatron_modules_imported_after_the_one_call_are_patched_as_they_load()
 
     code = (
         "import sys, torch\n"
-        "from megatron_rl.platform.cpu_compat import apply_cpu_patches\n"
+        "from megatron_rl.platform.select import apply_cpu_patches\n"
         "apply_cpu_patches()\n"
         "name = 'megatron.core.dist_checkpointing.strategies.filesystem_async'\n"
         "assert name not in sys.modules, 'imported too early: the test would prove nothing'\n"

@@ -31,7 +31,7 @@ def _save_rank(rank, world, jobs):
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
     from megatron_rl.parallel.groups import ActorGroups
-    from megatron_rl.platform.cpu_compat import apply_cpu_patches
+    from megatron_rl.platform.select import apply_cpu_patches
 
     apply_cpu_patches()  # covers the dist_checkpointing modules imported above (torch.cuda.synchronize)
     for hf, out, tp, ep, div in jobs:

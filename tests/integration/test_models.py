@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_rl.platform.cpu_compat import apply_cpu_patches
+from megatron_rl.platform.select import apply_cpu_patches
 
 apply_cpu_patches()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel.groups import ActorGroups  # noqa: E402
-from megatron_rl.platform.cpu_compat import apply_cpu_patches
+from megatron_rl.platform.select import apply_cpu_patches
 
 apply_cpu_patches()
 

@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from megatron_rl.platform.cpu_compat import apply_cpu_patches
+from megatron_rl.platform.select import apply_cpu_patches
 from megatron_rl.platform.packed_attention import packed_segments
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU attention patch is inactive with CUDA")

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_rl.platform.cpu_compat import apply_cpu_patches
+from megatron_rl.platform.select import apply_cpu_patches
 
 apply_cpu_patches()  # imports megatron in the parent: forked ranks start in ~0.3 s
 

@@ -97,11 +97,14 @@ def test_resume_reproduces_uninterrupted_run(copy_model_h64, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_kl_to_reference_policy(copy_model_h64, tmp_path):
+@pytest.mark.parametrize("ref_offload", [False, True], ids=["held", "parked"])
+def test_kl_to_reference_policy(copy_model_h64, tmp_path, ref_offload):
     """With kl_loss_coef > 0 the loop scores a frozen reference: step 1's KL loss is 0 (actor == reference)
-    and step 2's is positive (the actor moved)."""
+    and step 2's is positive (the actor moved); the same with its weights parked between passes
+    (actor.ref_param_offload)."""
     run_dir = str(tmp_path / "kl")
     cfg = named_job("copy_loop", "actor.policy_loss.kl_loss_coef=0.1", "actor.policy_loss.kl_loss_type=k3",
+                    f"actor.ref_param_offload={str(ref_offload).lower()}",
                     "actor.lr=5e-3", "trainer.steps=4", "data.prompts_per_step=8", hf=copy_model_h64, run_dir=run_dir,
                     world_size=1)
     run_ranks(_train_body, 1, cfg, timeout=240)

@@ -167,9 +167,12 @@ def test_gspo_aggregation_follows_the_verl_version(version):
 
 # ---------------------------------------------------------------------------------------------- 5. dynamic sampling
 def test_gen_batch_size_is_prompts_per_round_and_exhaustion_raises():
-    """verl's DAPO e2e recipe: gen_batch_size 1024 prompts per round, train_batch_size 256; verl's DAPO trainer
-    raises after max_num_gen_batches rounds (verl-recipe dapo/dapo_ray_trainer.py)."""
-    m = _migrate("dapo_minimal.yaml")
+    """verl's DAPO e2e recipe read as verl-recipe's DAPO trainer (trainer.use_v1: false; main_ppo's v1 trainer is
+    the next section's): gen_batch_size 1024 prompts per round, train_batch_size 256; that trainer raises after
+    max_num_gen_batches rounds (verl-recipe dapo/dapo_ray_trainer.py)."""
+    tree = _load("dapo_minimal.yaml")
+    tree["trainer"]["use_v1"] = False
+    m = _migrate(tree)
     fg = m.tree["algorithm"]["filter_groups"]
     assert fg["prompts_per_round"] == 1024 and m.tree["data"]["prompts_per_step"] == 256
     assert fg["on_exhausted"] == "error"
@@ -206,3 +209,123 @@ def test_an_fsdp_job_gets_the_distributed_optimizer_and_says_so():
     e = _entry(m, "actor_rollout_ref.actor.strategy")
     assert e.value == "fsdp" and "distributed optimizer" in e.detail
     assert "distributed optimizer" in "\n".join(m.report())
+
+
+# ---------------------------------------------------------------------------------------------- 8. review (rv-mig)
+@pytest.mark.parametrize("version", VERL_VERSIONS)
+def test_v1_trainer_dynamic_sampling_is_not_read_as_the_dapo_recipes(version):
+    """verl 0.9.1 / main run main_ppo's v1 trainer by default (trainer.use_v1: true in both generated configs). Its
+    DAPO filtering (v1/trainer_base.py ``_init_dataloader`` / ``_resolve_filter_groups_metric``) overrides
+    data.gen_batch_size to 1, ignores max_num_gen_batches (it warns) and refills without limit, and counts
+    ``len(train_dataset) // train_batch_size`` steps per epoch. The DAPO e2e job's gen_batch_size 1024 and
+    max_num_gen_batches 10 therefore do not mean prompts per round / a bound there: migrate must not write them as
+    such (4x fewer steps per epoch, a job that stops where verl goes on) but ask. With trainer.use_v1: false
+    (verl-recipe's DAPO trainer, which draws gen_batch_size prompts per round and raises after
+    max_num_gen_batches rounds) they map as before."""
+    assert verl_defaults(version, "fsdp")["trainer"]["use_v1"] is True
+    m = _migrate("dapo_minimal.yaml", version)
+    differ = {e.key: e.detail for e in m.differences()}
+    assert "overridden to 1" in differ["data.gen_batch_size"]
+    assert "ignores" in differ["algorithm.filter_groups.max_num_gen_batches"]
+    assert "prompts_per_round" not in m.tree["algorithm"]["filter_groups"]
+    assert "max_num_gen_batches" not in m.tree["algorithm"]["filter_groups"]
+    tree = _load("dapo_minimal.yaml")
+    tree["trainer"]["use_v1"] = False
+    m = _migrate(tree, version)
+    fg = m.tree["algorithm"]["filter_groups"]
+    assert fg["prompts_per_round"] == 1024 and fg["max_num_gen_batches"] == 10 and fg["on_exhausted"] == "error"
+    assert not [e for e in m.differences() if "gen_batch" in e.key]
+
+
+def test_v1_gen_batch_size_without_filtering_keeps_verls_steps_per_epoch(tmp_path):
+    """Without filter_groups verl's v1 trainer fetches gen_batch_size prompts at a time but trains
+    train_batch_size per step, ``steps_per_epoch = len(train_dataset) // train_batch_size``: gen_batch_size changes
+    nothing a step means (it was refused with the advice to set train_batch_size to it, which would)."""
+    tree = _load("grpo_hy3_megatron_cp8.yaml")
+    tree["data"]["gen_batch_size"] = 64
+    m = _migrate(tree)
+    e = _entry(m, "data.gen_batch_size")
+    assert e.kind == UNCHANGED and "train_batch_size" in e.detail
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(300)))
+    job = {"data": {"task": "file", "path": str(rows), "prompts_per_step": m.tree["data"]["prompts_per_step"]},
+           "trainer": {"epochs": m.tree["trainer"]["epochs"]}, "algorithm": m.tree.get("algorithm", {})}
+    cfg, errors = build_job_config(job)
+    assert errors == [] and cfg.trainer.steps == (300 // 128) * 1000
+
+
+def test_model_engine_picks_verls_megatron_defaults():
+    """verl main's run scripts choose the Megatron actor with the Hydra choice ``model_engine=megatron``
+    (examples/grpo_trainer/run_moonlight_16b_a3b_megatron.sh at 1dda039b, tests/data/verl): the file is read over
+    verl's Megatron defaults and the key is no unknown. A file that says only ``model_engine: megatron`` is not
+    read as an FSDP job (distributed optimizer "from FSDP", verl's FSDP defaults)."""
+    m = _migrate("grpo_moonlight_16b_megatron.yaml")
+    assert "_generated_ppo_megatron_trainer.yaml" in m.base
+    assert m.differences() == [], [(e.key, e.detail) for e in m.differences()]
+    assert _entry(m, "model_engine").kind == UNCHANGED
+    assert m.tree["parallel"]["pipeline_model_parallel_size"] == 3
+    bare = {"model_engine": "megatron", "actor_rollout_ref": {"model": {"path": "/m"}}}
+    m = _migrate(bare)
+    assert "_generated_ppo_megatron_trainer.yaml" in m.base
+    assert _entry(m, "actor_rollout_ref.actor.strategy").value == "megatron"
+    assert "use_distributed_optimizer" in m.tree["actor"]  # verl's Megatron default (true), not FSDP's note
+    assert _entry(m, "actor_rollout_ref.actor.megatron.use_distributed_optimizer").kind == "mapped"
+    other = _migrate({"model_engine": "veomni", "actor_rollout_ref": {"model": {"path": "/m"}}})
+    assert _entry(other, "model_engine").kind == "not supported yet"
+    assert "not bundled" in _entry(other, "model_engine").detail
+
+
+def test_relative_paths_are_resolved_where_verl_opens_them(tmp_path, monkeypatch):
+    """verl opens data.train_files / val_files, its reward file and default_local_dir relative to the directory it
+    is launched from (verl's rollout-correction multi-RS example: data/train.parquet, checkpoints/...); a migrated
+    file's paths resolve from the file's own directory (docs/running.md). Written as they are, -o elsewhere moves
+    every one of them (the checkpoints silently). migrate resolves them against the directory it runs in and says
+    so; HF hub ids stay."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    m = _migrate("rollout_corr_multi_rs_qwen2_5_7b_fsdp.yaml")
+    assert m.tree["data"]["path"] == str(tmp_path / "data" / "train.parquet")
+    assert m.tree["data"]["val_files"] == str(tmp_path / "data" / "test.parquet")
+    run_dir = m.tree["trainer"]["run_dir"]
+    assert os.path.isabs(run_dir) and run_dir.startswith(str(tmp_path / "checkpoints"))
+    assert m.tree["actor"]["load_hf"] == "Qwen/Qwen2.5-7B"
+    assert "directory migrate ran in" in _entry(m, "data.train_files").detail
+    out = tmp_path / "elsewhere" / "job.yaml"
+    out.parent.mkdir()
+    assert cli_main(["migrate", "verl", os.path.join(DATA, "rollout_corr_multi_rs_qwen2_5_7b_fsdp.yaml"),
+                     "-o", str(out)]) == 0
+    cfg, _ = collect_job_config(str(out), ["actor.load_hf=null"], world_size="cluster")
+    assert cfg.data.path == str(tmp_path / "data" / "train.parquet")
+    assert cfg.trainer.run_dir == run_dir
+
+
+def test_agent_loop_files_are_refused_not_dropped():
+    """verl main's rollout.agent.agent_loop_config_path registers agent loops that rows naming them run (its
+    agent_loop.py), and agent.custom_async_server.path replaces its rollout server: both change what a rollout is.
+    They were "no meaning here" (exit 0, single-turn training); now each is refused by name. Unset (verl's
+    defaults, null) they change nothing."""
+    tree = _load("grpo_moonlight_16b_megatron.yaml")
+    assert not _migrate(tree).differences()
+    tree["actor_rollout_ref"]["rollout"]["agent"] = {"agent_loop_config_path": "agent_loops.yaml",
+                                                     "custom_async_server": {"path": "srv.py", "name": "Srv"}}
+    differ = {e.key for e in _migrate(tree).differences()}
+    assert differ == {"actor_rollout_ref.rollout.agent.agent_loop_config_path",
+                      "actor_rollout_ref.rollout.agent.custom_async_server.path",
+                      "actor_rollout_ref.rollout.agent.custom_async_server.name"}
+
+
+def test_routing_replay_is_read_where_verls_engine_reads_it():
+    """verl 0.9.1 / main decide routing replay from ``actor.megatron.router_replay.mode`` only (engine_workers.py:
+    megatron -> that key, any other actor -> disabled); ``actor.router_replay`` is not read. verl's R3 example
+    (examples/router_replay at 1dda039b) sets the Megatron key: it maps to r3 without a conflict with the unread
+    key's default. An FSDP job that sets the unread key keeps verl's none."""
+    m = _migrate("grpo_router_replay_r3_qwen3_30b_megatron.yaml")
+    assert m.tree["actor"]["routing_replay"] == "r3"
+    assert not [e for e in m.differences() if "router_replay" in e.key]
+    e = _entry(m, "actor_rollout_ref.actor.router_replay.mode")
+    assert e.kind == UNCHANGED and e.value == "disabled"
+    fsdp = _load("rollout_corr_multi_rs_qwen2_5_7b_fsdp.yaml")
+    fsdp["actor_rollout_ref"]["actor"]["router_replay"] = {"mode": "R3"}
+    m = _migrate(fsdp)
+    assert m.tree["actor"].get("routing_replay", "none") == "none"
+    assert "no effect" in _entry(m, "actor_rollout_ref.actor.router_replay.mode").detail
