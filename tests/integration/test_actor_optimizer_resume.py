@@ -367,7 +367,7 @@ def _reference_and_actor_log_probs(rank, world, job):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         batch, _ = checkpoint_batch(5, rows=4)
-        ref = MegatronActor(job, frozen=True)
+        ref = MegatronActor(actor_spec(job), frozen=True)
         held = {"optimizer": ref.optimizer, "scheduler": ref.scheduler,
                 "wrapped": [type(c).__name__ for c in ref.model],
                 "requires_grad": [n for c in ref.model for n, p in c.named_parameters() if p.requires_grad],
@@ -379,7 +379,7 @@ def _reference_and_actor_log_probs(rank, world, job):
             ref.train_step(batch, ref_lp, torch.zeros(4), batch.response_mask, None, 1.0)
         except RuntimeError as e:
             held["train_step"] = str(e)
-        actor_lp, _ = MegatronActor(job).compute_log_probs(batch, 1.0)
+        actor_lp, _ = MegatronActor(actor_spec(job)).compute_log_probs(batch, 1.0)
         return ref_lp, actor_lp, held
     finally:
         _reap_children()
