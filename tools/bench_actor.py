@@ -138,8 +138,9 @@ def _timed(fn, device: str, repeats: int):
 def bench_precision(s: Dict[str, int], bf16: bool, device: str, repeats: int, lr: float = 1e-5) -> Dict[str, dict]:
     """Build the actor in this precision and time its log-prob pass and train step."""
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
 
-    actor = MegatronActor(_job(s, bf16, lr))
+    actor = MegatronActor(actor_spec(_job(s, bf16, lr)))
     batch, adv = _batch(s)
     out: Dict[str, dict] = {}
     state = {}

@@ -107,11 +107,12 @@ def _sync():
 # ---------------------------------------------------------------- one variant on one rank
 def _rank_variant(rank, world, job, batch, old, adv, repeats, threads):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
 
     torch.set_num_threads(threads)
     initialize_model_parallel(job.parallel, seed=0, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     mask = batch.response_mask
     T = 1.0
 

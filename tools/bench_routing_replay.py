@@ -28,6 +28,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     from megatron_rl.actor import MegatronActor, RolloutBatch
+    from megatron_rl.plan import actor_spec
     from megatron_rl.actor.routing import routing_bytes_per_token
     from megatron_rl.config import job_config_from_dict
     from megatron_rl.convert.hf_config import model_config_from_hf
@@ -55,7 +56,7 @@ def main(argv=None):
             job = job_config_from_dict({"model": m, "actor": {"load_hf": hf, "micro_batch_size": 8, "lr": 1e-6,
                                                               "routing_replay": mode}})
             initialize_model_parallel(job.parallel, seed=0, model=job.model)
-            actor = MegatronActor(job)
+            actor = MegatronActor(actor_spec(job))
             lp_t, tr_t = [], []
             for _ in range(a.repeats):
                 t0 = time.perf_counter()

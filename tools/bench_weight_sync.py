@@ -39,6 +39,7 @@ def _rss_kb(field):
 
 def _body(rank, world, job, modes, url, repeats):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.sglang_engine import SGLangEngine
@@ -46,7 +47,7 @@ def _body(rank, world, job, modes, url, repeats):
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     initialize_model_parallel(job.parallel, seed=0, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     out = {}
     for engine_kind, mode in modes:
         rc = dataclasses.replace(job.rollout, engine=engine_kind, weight_sync=mode,
@@ -87,6 +88,7 @@ def _memcpy_s(nbytes, repeats=3):
 
 def _delta_body(rank, world, job, lrs, repeats):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.testing.actor_reference import policy_data
@@ -96,7 +98,7 @@ def _delta_body(rank, world, job, lrs, repeats):
     out = {}
     for lr in lrs:
         cfg = dataclasses.replace(job, actor=dataclasses.replace(job.actor, lr=lr))
-        actor = MegatronActor(cfg)
+        actor = MegatronActor(actor_spec(cfg))
         batch, old, adv, mask, _ = policy_data(cfg.model.vocab_size, 4, 0, (4, 9), (8, 17), False)
         rows = []
         for delta in (False, True):

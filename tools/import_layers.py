@@ -34,7 +34,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("actor",),                                  # the Megatron actor: log-probs, train step, checkpoints
     ("weight_sync",),                            # trainer -> engine weight transfer
     ("rollout", "envs"),                         # rollout engines; multi-turn environments
-    ("ops",),                                    # memory plan, run report, config reference
+    ("ops", "plan"),                             # memory plan, run report, config reference; the job plan
     ("trainer",),                                # the RL loop
     ("cli", "score", "train"),                   # entry points
     ("testing",),                                # test helpers shipped with the package

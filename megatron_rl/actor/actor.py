@@ -1,9 +1,9 @@
 """``MegatronActor``: the facade the RL loop uses — log-prob pass, train step, checkpoints, HF export.
 
 Life cycle (every rank; after ``init_distributed()`` and
-``initialize_model_parallel(job_cfg.parallel, seed=job_cfg.trainer.seed, model=job_cfg.model)``)::
+``initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model)``)::
 
-    actor = MegatronActor(job_cfg)                         # builds, loads actor.load_hf, DDP, optimizer
+    actor = MegatronActor(plan.actor)                      # ActorSpec; builds, loads actor.load_hf, DDP, optimizer
     shard = batch.shard(actor.dp_rank, actor.dp_size)      # this DP rank's rows of the RolloutBatch
     old_lp, ent = actor.compute_log_probs(shard, temperature)          # [B, L-1] on all ranks of the MP group
     res = compute_rollout_correction(old_lp, shard.rollout_log_probs, shard.response_mask, cfg,
@@ -27,26 +27,21 @@ import torch
 from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
-from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.micro_batching import MicroBatchPlan
 from megatron_rl.actor.main_params import load_keeping_fp32, set_main_params
-from megatron_rl.actor.lr_schedule import (LRSchedule, optimizer_steps_per_train_step, restore_scheduler,
-                                           scheduler_changes)
+from megatron_rl.actor.lr_schedule import optimizer_steps_per_train_step, restore_scheduler, scheduler_changes
 from megatron_rl.actor.optimizer import build_optimizer, optimizer_settings, wrap_ddp
 from megatron_rl.actor.optimizer_state import settings_changes, settings_line
-from megatron_rl.actor.precision import Precision
-from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.actor.router_replay import RoutingReplay, agree_on_error
 from megatron_rl.actor.routing import RoutingError, RoutingSpec
+from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
-from megatron_rl.losses import with_norm_divisor
 from megatron_rl.losses.selection import batch_selection
 from megatron_rl.models import build_gpt_model
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
-from megatron_rl.rollout.budget import response_budget
 
 __all__ = ["MegatronActor"]
 
@@ -57,30 +52,27 @@ _SETTINGS_KEY = "optimizer_settings"  # the actor's optimizer keys at save (opti
 class MegatronActor:
     """The Megatron-Core policy model of this rank, its DDP wrapper and optimizer."""
 
-    def __init__(self, job_cfg, frozen: bool = False) -> None:
-        """Build the model chunks for this rank (``job_cfg.model`` under ``job_cfg.parallel``, in the precision
-        of ``actor.bf16`` / ``actor.fp32_output_layer``), load ``job_cfg.actor.load_hf`` if set (any TP/PP/EP
-        layout), wrap in Megatron DDP and build the Megatron optimizer (``actor.use_distributed_optimizer``).
-        ``frozen``: an actor that is never trained (the KL reference): its weights only, in the params dtype
-        (``requires_grad`` False, no DDP gradient buffer, no optimizer or main parameters, no host fp32 copy); it
-        runs ``compute_log_probs`` only. Requires megatron's parallel state to match
-        ``job_cfg.parallel``."""
-        if job_cfg.model is None:
-            raise ValueError("MegatronActor: job_cfg.model is None (give a model section or actor.load_hf)")
-        self.job_cfg = job_cfg
-        self.model_cfg = job_cfg.model
-        self.parallel_cfg = job_cfg.parallel
-        self.actor_cfg = job_cfg.actor
-        self.loss_cfg = with_norm_divisor(self.actor_cfg.policy_loss, response_budget(job_cfg)[0])
-        self.loss_type = job_cfg.algorithm.rollout_correction.loss_type
-        """The policy objective (verl keeps it with the correction settings); the old log-probs and IS weights the
+    def __init__(self, spec: ActorSpec, frozen: bool = False) -> None:
+        """Build the model chunks for this rank (``spec.model`` under ``spec.parallel``, in ``spec.precision``),
+        load ``actor.load_hf`` if set (any TP/PP/EP layout), wrap in Megatron DDP and build the Megatron optimizer
+        (``actor.use_distributed_optimizer``). ``frozen``: an actor that is never trained (the KL reference): its
+        weights only, in the params dtype (``requires_grad`` False, no DDP gradient buffer, no optimizer or main
+        parameters, no host fp32 copy); it runs ``compute_log_probs`` only. Requires megatron's parallel state to
+        match ``spec.parallel``; every choice comes made in ``spec`` (the job plan's)."""
+        if spec.model is None:
+            raise ValueError("MegatronActor: spec.model is None (give a model section or actor.load_hf)")
+        self.spec = spec
+        self.model_cfg = spec.model
+        self.parallel_cfg = spec.parallel
+        self.actor_cfg = spec.actor
+        self.objective = spec.objective
+        """The policy objective: its loss type and settings, bypass or not; the old log-probs and IS weights the
         loss uses come with each step (``CorrectionResult.loss_inputs``)."""
-        corr = job_cfg.algorithm.rollout_correction
-        self.bypass_correction = corr if corr.bypass_mode else None
-        """Bypass mode: the correction settings the loss applies in every micro-batch from its current log-probs
-        (verl's bypass loss; ``actor.train_step``), else None."""
         self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
-        self.precision = Precision.from_actor_config(self.actor_cfg)
+        if spec.batcher.dims != self.groups.dims:
+            raise ValueError(f"MegatronActor: the plan's layout {spec.batcher.dims} is not the one megatron's "
+                             f"parallel state holds {self.groups.dims}")
+        self.precision = spec.precision
         # megatron-core recomputes activations in backward (actor.recompute_*): same loss and gradients
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype,
                                  **Recompute.from_actor(self.actor_cfg).transformer_config_kwargs())
@@ -102,16 +94,16 @@ class MegatronActor:
             self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
             set_main_params(self.optimizer, fp32)
             # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
-            self.scheduler = LRSchedule.from_job(job_cfg).build(self.optimizer)
+            self.scheduler = spec.lr_schedule.build(self.optimizer)
         self._hf_target: Optional[HFTarget] = None  # built on first export (may need a HF model_type)
-        # padded / packed rows, token budget / fixed rows, interleaved or not: decided here, once
-        self.batcher = MicroBatcher.build(self.groups.dims, self.actor_cfg)
+        # padded / packed rows, token budget / fixed rows, interleaved or not: decided by the plan, once
+        self.batcher = spec.batcher
         # MoE routing replay: hooks in every router of an MoE model (router_replay), the mode (replay_modes)
-        self.replay = replay_mode(self.actor_cfg.routing_replay)
-        spec = RoutingSpec.from_model_config(self.model_cfg)
-        if spec is None and self.replay.needs_moe:
+        self.replay = spec.replay
+        spec_r = RoutingSpec.from_model_config(self.model_cfg)
+        if spec_r is None and self.replay.needs_moe:
             raise RoutingError(f"actor.routing_replay={self.replay.name!r} needs an MoE model (model.num_moe_experts)")
-        self.routing = RoutingReplay(self.model, spec, self.groups) if spec is not None else None
+        self.routing = RoutingReplay(self.model, spec_r, self.groups) if spec_r is not None else None
         self.routing_metrics: Dict[str, float] = {}  # rollout_corr/router_* of the last log-prob pass
 
     # ------------------------------------------------------------------ groups
@@ -235,7 +227,7 @@ class MegatronActor:
                 ``correction.correct_in_loss``).
             temperature: the rollout temperature (logits are divided by it).
             ref_log_probs: [B, L-1] reference-policy log-probs, needed when policy_loss.kl_loss_coef > 0.
-        The objective is ``algorithm.rollout_correction.loss_type``, read once when the actor is built.
+        The objective is the spec's (``ActorSpec.objective``: ``algorithm.rollout_correction.loss_type``).
         Returns ``{"actor/<metric>": float}``: means over the optimizer steps of pg_loss, pg_clipfrac,
         pg_clipfrac_lower, ppo_kl, entropy, grad_norm, num_tokens (and kl_loss) and of the learning rate each
         applied (actor/lr; the schedule advances after each applied update), plus actor/num_optimizer_steps.
@@ -247,7 +239,7 @@ class MegatronActor:
         if old_log_probs is None:
             raise ValueError("train_step: old_log_probs is None: pass the old log-probs the loss uses "
                              "(CorrectionResult.loss_inputs: the recomputed ones, or the rollout's in bypass mode)")
-        if self.bypass_correction is not None and is_weights is not None:
+        if self.objective.bypass_correction is not None and is_weights is not None:
             raise ValueError("train_step: is_weights given in bypass mode: the loss computes the IS weights and the "
                              "rejection from the current log-probs in every micro-batch; pass CorrectionResult."
                              "loss_inputs (None) and loss_mask (the mask before rejection)")
@@ -255,7 +247,7 @@ class MegatronActor:
             if advantages.shape[0] != B:
                 raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [{B}] or [{B}, {W}]")
             advantages = advantages.reshape(B, 1).expand(B, W)
-        old, w, loss_type = old_log_probs, is_weights, self.loss_type
+        old, w, loss_type = old_log_probs, is_weights, self.objective.loss_type
         # clip_cov / kl_cov / m2po: token selection over this step's whole batch (all DP ranks), before any split
         select, response_mask, select_metrics = batch_selection(
             loss_type, self.actor_cfg.policy_loss, old, batch.rollout_log_probs,
@@ -267,7 +259,7 @@ class MegatronActor:
         for k, v in per_token.items():
             if v is not None and tuple(v.shape) != (B, W):
                 raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
-        loss_cfg = self.loss_cfg
+        loss_cfg = self.objective.loss
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
         replayed = self.replay.train_routing(self.routing, batch) if self.routing else None
@@ -286,7 +278,7 @@ class MegatronActor:
                     steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
                                                   loss_type, temperature=temperature, bounds=plan.bounds,
                                                   groups=self.groups, batcher=self.batcher, replay=rp,
-                                                  bypass_correction=self.bypass_correction))
+                                                  bypass_correction=self.objective.bypass_correction))
                 finally:
                     if rp is not None:
                         rp.close()

@@ -1,6 +1,6 @@
 """The learning-rate schedule of the actor: megatron-core's ``OptimizerParamScheduler`` with Megatron-LM's keys.
 
-    steps = LRSchedule.from_job(job_cfg)                  # warm-up / decay lengths in optimizer steps
+    steps = LRSchedule.from_actor(cfg.actor, cfg.trainer.steps)   # warm-up / decay lengths in optimizer steps
     scheduler = steps.build(optimizer)                    # sets every param group's lr and weight decay
     ... optimizer.step(); scheduler.step(increment=1)     # once per successful optimizer step
     state = scheduler.state_dict(); restore_scheduler(scheduler, state)   # checkpoint / resume
@@ -52,14 +52,13 @@ class LRSchedule:
     """``actor.weight_decay`` (constant)."""
 
     @classmethod
-    def from_job(cls, job_cfg) -> "LRSchedule":
-        """The schedule of ``job_cfg`` (validated by ``lr_schedule_errors``; raises ValueError naming the key
-        when it is not valid)."""
-        errs = lr_schedule_errors(job_cfg.actor, job_cfg.trainer.steps)
+    def from_actor(cls, ac, steps: int) -> "LRSchedule":
+        """The schedule of ``actor:`` section ``ac`` over ``trainer.steps`` = ``steps`` (validated by
+        ``lr_schedule_errors``; raises ValueError naming the key when it is not valid)."""
+        errs = lr_schedule_errors(ac, steps)
         if errs:
             raise ValueError("; ".join(errs))
-        ac = job_cfg.actor
-        decay = _decay_steps(ac, job_cfg.trainer.steps)
+        decay = _decay_steps(ac, steps)
         return cls(max_lr=float(ac.lr), min_lr=float(ac.min_lr), init_lr=float(ac.lr_warmup_init),
                    warmup_steps=_warmup_steps(ac, decay), decay_steps=decay, decay_style=ac.lr_decay_style,
                    weight_decay=float(ac.weight_decay))

@@ -1,6 +1,6 @@
 """The MoE routing-replay modes as objects (``actor.routing_replay``), chosen once by ``replay_mode``.
 
-    mode = replay_mode(cfg.actor.routing_replay)      # NoReplay | R2 | R3
+    mode = replay_mode(cfg.actor.routing_replay)      # NoReplay | R2 | R3 (the job plan builds it, once)
     mode.needs_rollout_routing        # r3: every rollout must carry the engine's routing (engines capture it)
     rp = mode.log_prob_pass(routing, batch)            # actor: the log-prob pass (validates, replays, records)
     metrics = mode.finish_log_prob_pass(routing, rp, ordered, batch, inv)
@@ -8,7 +8,8 @@
 
 * ``NoReplay`` (``none``): the trainer routes on its own; when the rollouts carry the engine's routing the log-prob
   pass records the trainer's own choice for ``rollout_corr/router_agreement*``.
-* ``R2``: the train forwards replay the routing the log-prob pass of the same batch chose (kept by the mode).
+* ``R2``: the train forwards replay the routing the log-prob pass of the same batch chose (kept by the actor's
+  ``RoutingReplay``: a mode holds no state, so one mode object serves every actor of a job).
 * ``R3``: the log-prob pass and every train forward replay the rollout engine's routing, which every rollout
   must carry.
 
@@ -84,24 +85,20 @@ class R2(ReplayMode):
     needs_moe = True
     records_own = True
 
-    def __init__(self) -> None:
-        self.recorded: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-        """(tokens, lengths, routing) of the last log-prob pass, rows in the batch's order."""
-
     def _keep(self, own, ordered, batch, inv, routing) -> None:
         r = RoutingReplay.compact(own, routing.spec)
-        self.recorded = (batch.tokens, batch.lengths, r if inv is None else r[inv])
+        routing.recorded = (batch.tokens, batch.lengths, r if inv is None else r[inv])
 
     def train_routing(self, routing: RoutingReplay, batch) -> Optional[torch.Tensor]:
-        msg = None
-        if self.recorded is None:
+        msg, recorded = None, routing.recorded
+        if recorded is None:
             msg = "actor.routing_replay='r2': train_step before any compute_log_probs (r2 replays its routing)"
-        elif not (torch.equal(self.recorded[0], batch.tokens) and torch.equal(self.recorded[1], batch.lengths)):
+        elif not (torch.equal(recorded[0], batch.tokens) and torch.equal(recorded[1], batch.lengths)):
             msg = ("actor.routing_replay='r2': train_step got a batch that the last compute_log_probs did not see "
-                   f"(tokens {tuple(batch.tokens.shape)} vs {tuple(self.recorded[0].shape)}); call compute_log_probs "
+                   f"(tokens {tuple(batch.tokens.shape)} vs {tuple(recorded[0].shape)}); call compute_log_probs "
                    f"on the same shard first")
         agree_on_error(msg)
-        return self.recorded[2]
+        return recorded[2]
 
 
 class R3(ReplayMode):
@@ -129,7 +126,7 @@ REPLAY_MODES = {m.name: m for m in (NoReplay, R2, R3)}
 
 
 def replay_mode(name: str) -> ReplayMode:
-    """The mode object of ``actor.routing_replay`` value ``name`` (a new one: R2 keeps per-actor state);
+    """The mode object of ``actor.routing_replay`` value ``name`` (built once per job, by its plan);
     ``ValueError`` naming the key otherwise."""
     try:
         return REPLAY_MODES[name]()

@@ -187,6 +187,8 @@ class RoutingReplay:
 
         cls = _layer_replay_class()
         self.spec, self.groups = spec, groups
+        self.recorded: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        """R2: (tokens, lengths, routing) of this actor's last log-prob pass, rows in the batch's order."""
         self._by_chunk: Dict[int, list] = {}
         self.replays: list = []
         for chunk in model_chunks:

@@ -22,6 +22,7 @@ is a problem, 3 with ``--strict`` when the plan exceeds the GPU memory, else 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import List, Optional, Tuple
 
@@ -32,12 +33,13 @@ from megatron_rl.config.epochs import epochs_line
 from megatron_rl.config.load import VERL_FILE_MESSAGE
 from megatron_rl.config.sections import DEFAULT_GPU_MEMORY_GB
 from megatron_rl.config.timeouts import rollout_waits_line
-from megatron_rl.config.validate import world_errors
-from megatron_rl.models.attention import expected_te, job_attention_backend
+from megatron_rl.actor.precision import Precision
+from megatron_rl.models.attention import attention_backend, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
                                     token_budget_error)
 from megatron_rl.ops.run_profile import run_profile
+from megatron_rl.plan import JobPlan, world_errors
 from megatron_rl.weight_sync.plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks.datasets import scorable_rows
@@ -138,8 +140,11 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"hint: no node count of {c.gpus_per_node} rank(s) fits this layout; change the "
                       f"parallel sizes or --gpus-per-node", file=sys.stderr)
     ok_line = None if problems else f"config OK: {where}"  # printed once the plan's fit verdict is known
+    job_plan = JobPlan.collect(cfg, world, has_te=args.transformer_engine)[0] if not problems else None
+    for line in job_plan.describe() if job_plan is not None else ():  # what the trainer prints at start
+        print(line)
     corr = cfg.algorithm.rollout_correction
-    if corr is not None:
+    if corr is not None and job_plan is None:  # the plan's lines hold it
         print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
     if cfg.trainer.epochs is not None and not any(q.startswith("trainer.epochs") for q in problems):
         print(epochs_line(cfg))
@@ -167,9 +172,10 @@ def _run(args: argparse.Namespace) -> int:
     params_bytes = args.params_bytes if args.params_bytes is not None else prof.params_bytes
     dist_opt = args.distributed_optimizer if args.distributed_optimizer is not None else prof.distributed_optimizer
     has_te, te_source = expected_te(c.device, args.transformer_engine)
-    backend = job_attention_backend(cfg, has_te)
+    precision = job_plan.precision if job_plan is not None else _precision(cfg.actor)
+    backend = attention_backend(c.device, has_te, precision.bf16)
     opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
-                         fp32_output_layer=bool(cfg.actor.bf16 and cfg.actor.fp32_output_layer and params_bytes < 4),
+                         fp32_output_layer=precision.fp32_output_layer and params_bytes < 4,
                          distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
                          recompute_method=job_recompute.method if same else "uniform",
                          recompute_num_layers=job_recompute.num_layers if same else 1,
@@ -234,6 +240,17 @@ def _prompt(args: argparse.Namespace, cfg):
         prompt, prompt_src = DEFAULT_PROMPT_LENGTH, f"default {DEFAULT_PROMPT_LENGTH}: {prof.prompt_source}; " \
                                                     f"pass --prompt-length"
     return prof, prompt, prompt_src
+
+
+def _precision(actor_cfg) -> Precision:
+    """The actor's precision when the job has no plan (other problems): an fp32 output layer refused only for
+    want of the distributed optimizer is still planned as asked; one refused on an fp32 actor is fp32."""
+    for ac in (actor_cfg, dataclasses.replace(actor_cfg, use_distributed_optimizer=True)):
+        try:
+            return Precision.from_actor_config(ac)
+        except ValueError:
+            pass
+    return Precision()
 
 
 def _dtype(nbytes: int) -> str:

@@ -17,7 +17,7 @@ backend        when                                   what it can do
 
 Usage::
 
-    backend = job_attention_backend(cfg)                  # device, TE on this machine, actor.bf16
+    backend = attention_backend(device, has_te, precision.bf16)   # the job plan's (megatron_rl.plan)
     errors = attention_errors(backend, cfg)               # ["actor.sequence_packing: ... set actor.bf16: true"]
     backend.keeps_scores(packed=False)                    # True: plan [b, heads, s, s] scores
 """
@@ -28,8 +28,7 @@ from typing import List, Optional, Tuple
 
 from megatron_rl.platform.select import te_installed
 
-__all__ = ["AttentionBackend", "attention_backend", "job_attention_backend", "attention_errors", "expected_te",
-           "BACKENDS"]
+__all__ = ["AttentionBackend", "attention_backend", "attention_errors", "expected_te", "BACKENDS"]
 
 
 @dataclass(frozen=True)
@@ -87,12 +86,6 @@ def expected_te(device: str, has_te: Optional[bool] = None) -> Tuple[bool, str]:
         found = te_installed()
         return found, f"Transformer Engine {'found' if found else 'not installed'} on this machine"
     return True, "assumed installed (this machine has no CUDA to check; --no-transformer-engine plans without)"
-
-
-def job_attention_backend(cfg, has_te: Optional[bool] = None) -> AttentionBackend:
-    """The backend of a job config: ``cluster.device``, TE (``expected_te``), ``actor.bf16``."""
-    te, _ = expected_te(cfg.cluster.device, has_te)
-    return attention_backend(cfg.cluster.device, te, bool(cfg.actor.bf16))
 
 
 def attention_errors(backend: AttentionBackend, cfg) -> List[str]:

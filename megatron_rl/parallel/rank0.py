@@ -4,7 +4,7 @@ Rank 0 owns the task, the rollout engine and the file system side of a run; the 
 whether that work failed, or they would wait in their next collective until its timeout. The pattern is
 written once here:
 
-    engine = on_rank0(lambda: build_engine(cfg), what="setting up the rollout engine")  # rank 0: the engine; others: None
+    engine = on_rank0(lambda: plan.build_engine(), what="setting up the rollout engine")  # rank 0: the engine; others: None
     batch = from_rank0(lambda: generator.generate(engine, step, version))           # every rank: rank 0's batch
     part, whole = scatter_from_rank0(make, split)   # each rank: only its own piece (split -> Pieces)
     choice = share_from_rank0(value if rank0 else None)                             # a plain broadcast

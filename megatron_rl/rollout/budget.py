@@ -1,5 +1,5 @@
 """How many response-side tokens a row of a job may hold: ``TurnLimits`` (a multi-turn trajectory's limits) and
-``response_budget`` (that number for any job, with the config key it comes from).
+``ResponseBudget`` (that number for any job, with the config key it comes from).
 
 One owner for the budget that the multi-turn driver enforces, ``check`` plans memory for and the
 ``seq-mean-token-sum-norm`` loss divides by; a leaf module (no project imports), so the actor and the memory plan
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-__all__ = ["TurnLimits", "response_budget"]
+__all__ = ["TurnLimits", "ResponseBudget", "response_budget"]
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,26 @@ class TurnLimits:
                    max_tokens_per_turn=int(multi_turn.max_tokens_per_turn) or int(max_new_tokens))
 
 
+@dataclass(frozen=True)
+class ResponseBudget:
+    """The most response-side tokens a row of a job holds, and the config key it comes from."""
+
+    tokens: int
+    """A multi-turn trajectory's ``max_total_tokens`` (model and environment segments), else
+    ``rollout.max_new_tokens``."""
+    key: str
+    """``multi_turn.max_total_tokens`` or ``rollout.max_new_tokens``."""
+
+    @classmethod
+    def of(cls, rollout, multi_turn) -> "ResponseBudget":
+        """The budget of a job's ``rollout`` and ``multi_turn`` sections."""
+        if multi_turn.env is None:
+            return cls(int(rollout.max_new_tokens), "rollout.max_new_tokens")
+        return cls(TurnLimits.from_config(multi_turn, rollout.max_new_tokens).max_total_tokens,
+                   "multi_turn.max_total_tokens")
+
+
 def response_budget(cfg) -> Tuple[int, str]:
-    """(the most response-side tokens a row of the job holds, the config key it comes from): a multi-turn
-    trajectory's ``max_total_tokens`` (model and environment segments), else ``rollout.max_new_tokens``."""
-    if cfg.multi_turn.env is None:
-        return int(cfg.rollout.max_new_tokens), "rollout.max_new_tokens"
-    return TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens).max_total_tokens, \
-        "multi_turn.max_total_tokens"
+    """(``ResponseBudget.tokens``, ``ResponseBudget.key``) of a job config."""
+    b = ResponseBudget.of(cfg.rollout, cfg.multi_turn)
+    return b.tokens, b.key

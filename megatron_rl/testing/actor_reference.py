@@ -159,10 +159,11 @@ def actor_on_shard(job, batch):
     """On one rank: initialise model parallelism (seed 5), build ``MegatronActor(job)`` and select this DP rank's
     block of ``batch`` (``row_blocks``); returns ``(actor, shard, start, end)``."""
     from megatron_rl.actor import MegatronActor, row_blocks
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
 
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
     return actor, batch.select(start, end), start, end
 

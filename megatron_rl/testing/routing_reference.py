@@ -50,11 +50,12 @@ def rank_replay_mismatch(rank, world, job, batch, temperature):
     """On one rank: for routing mode ``none`` then ``r3``, the k3 KL of the batch's rollout log-probs to the
     actor's and the actor's routing metrics."""
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.actor.replay_modes import replay_mode
     from megatron_rl.parallel import initialize_model_parallel
 
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     out = {}
     for mode in ("none", "r3"):
         actor.replay = replay_mode(mode)

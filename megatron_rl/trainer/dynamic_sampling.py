@@ -5,48 +5,9 @@ samples did not all score alike, and draws more prompts until ``data.prompts_per
     batch = gen.generate(engine, step, version)     # rank 0: rounds of inner.generate(engine, step, version, rnd)
     keep = groups_with_signal(values, n)            # the selection rule, a pure function
 
-Why: a group whose ``n`` samples all have the same reward gets advantage 0 on every sample under GRPO and RLOO,
-so it adds no policy-gradient signal and only dilutes the batch. A group has signal when its values (``metric``:
-the reward, the score before the overlong penalty, or a numeric key of a dict reward such as verl's ``acc``) are
-not all equal -- compared exactly, in float32 as the
-trainer reads rewards: verl's ``std > 0`` on floats can keep an alike group through rounding.
-
-Where: the step generator is what every rollout mode calls on rank 0 -- the sync source when the loop asks, the
-async producer in its thread -- for single- and multi-turn tasks alike, so the filter runs there, once, on the
-rank that owns the task and the engine. Its result (the batch and the ``filter_groups/*`` metrics) reaches every
-rank in the step's scatter (``rollout_source``): every rank trains the same groups and skips the same steps.
-
-Rounds: round ``r`` of step ``t`` draws the next ``prompts_per_round`` prompts (verl's ``data.gen_batch_size``;
-default ``data.prompts_per_step``) of the job's prompt draw
-(``prompt_draw.PromptDraw``: a data file's order goes on without replacement across rounds and steps, so no round
-repeats a prompt of the step; a built-in task draws with the seeds of (trainer.seed, t, r)) and their samples with
-the seeds of (trainer.seed, t, r) (``round_seed``). A resumed run draws the same prompts in the same rounds (the
-file order's position is checkpoint state). A round
-ends the step as soon as the groups with signal fill the batch (the first ``prompts_per_step`` of them, in the
-order drawn). Async interrupt mode may load newer weights between a round's segments; the next round then
-starts from the newest version the previous round's tokens carry -- the one the engine holds, as it loads only
-before a segment that then samples on it (every token keeps its version; the staleness bound still holds).
-
-Exhausted: after ``max_num_gen_batches`` rounds with fewer groups with signal than the batch needs, rank 0
-warns (``FilterGroupsExhaustedWarning``, naming the step and the counts) and ``on_exhausted`` decides: "train"
--- the batch is those groups topped up, in the order drawn, with groups without signal (advantage 0) to
-``prompts_per_step`` groups (DP shards stay whole and equal); "skip" -- the same batch is shipped for the metrics
-and the rollout dump but not trained (``filter_groups/skipped`` 1: ``step.train_step`` publishes the unchanged
-weights as the next version); "error" -- ``FilterGroupsExhaustedError`` (verl's behaviour) ends the job.
-
-A reward key as ``metric`` (``acc``): a row whose reward failed (scored 0) reads 0; a key that a round's rewards
-did not return is ``FilterMetricError`` at that round (the first), naming the metric and the keys they returned.
-
-Metrics (every step with dynamic sampling): ``filter_groups/rounds`` (generation rounds, verl's
-``num_gen_batches``), ``filter_groups/groups_drawn``, ``filter_groups/groups_kept`` (drawn with signal),
-``filter_groups/groups_dropped`` (drawn without), ``filter_groups/groups_filled`` (without signal, in the
-batch), ``filter_groups/exhausted`` and ``filter_groups/skipped`` (0 / 1). The step's data metrics (``data/*``,
-``reward/raw_mean``, ``reward/failed``, ``response/*``, ...) cover every generated row of every round (counts
-summed, ``*_max`` / ``*_min`` over the rounds, other values row-weighted means); ``reward/mean`` and
-``response_length/*`` describe the trained batch; the reward-failure limit is checked against every generated
-row (``StepBatch.rows_generated``), and against each round as it arrives: a round in which more than
-``data.max_reward_failure_frac`` of the rewards failed ends the step with ``RewardFailureError`` at once (failed
-rewards all score 0, so a broken reward would otherwise draw every round and end as an exhausted step).
+Rule: values are compared exactly, in float32 as the trainer reads rewards (verl's ``std > 0`` on floats can keep
+an alike group through rounding); a step exhausted with ``on_exhausted: skip`` is ``StepBatch.skipped``. Rounds,
+exhaustion and the ``filter_groups/*`` metrics: docs/trainer.md.
 """
 from __future__ import annotations
 
@@ -213,6 +174,7 @@ class DynamicSampling:
             "filter_groups/groups_filled": float(len(filled)), "filter_groups/exhausted": float(exhausted),
             SKIPPED: float(exhausted and self.on_exhausted == "skip")})
         out.rows_generated = sum(b.num_rows for b in rounds)
+        out.skipped = exhausted and self.on_exhausted == "skip"
         return out
 
     def _exhausted(self, step: int, rounds: int, kept: int, drawn: int) -> None:

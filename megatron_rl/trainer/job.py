@@ -1,14 +1,14 @@
 """Building an RL job: everything a step needs, with every mode chosen once, and its checkpoints.
 
-    job = build_job(cfg)        # every rank: process groups, actor, reference, task + engine (rank 0), resume,
-                                # the first weight sync, the rollout source (sync / async) and its publisher
+    job = build_job(cfg)        # every rank: the plan (JobPlan), process groups, actor, reference, task + engine
+                                # (rank 0), resume, the first weight sync, the rollout source and its publisher
     ... train_step(job, step) ...
     job.checkpoint(step, stopping)
     job.close(step)
 
 Set-up order (``build_job``): the run directory is refused or accepted before any process group or model
-(``run_dir.py``); the data file and the validation files are checked; process groups, the actor and
-(``kl_loss_coef`` > 0) the frozen reference are built; rank 0 starts over (``trainer.overwrite``), builds the task,
+(``run_dir.py``); the data file and the validation files are checked; the job plan is built (``megatron_rl.plan``;
+rank 0 prints it); process groups, the actor and (``kl_loss_coef`` > 0) the frozen reference are built from it; rank 0 starts over (``trainer.overwrite``), builds the task,
 the engine (``rollout.factory``; a failure there is raised on every rank), the prompt draw (``prompt_draw``) and,
 when it is evaluated, the validation set (``tasks.val_set``); ``--resume`` loads the newest COMPLETE checkpoint rank 0
 chose (rank 0's prompt draw continues its order); the engine gets the starting weights; then the rollout source starts
@@ -42,7 +42,7 @@ from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_t
 from megatron_rl.parallel.launch import init_distributed
 from megatron_rl.parallel.rank0 import on_rank0, share_from_rank0
 from megatron_rl.parallel.state import initialize_model_parallel
-from megatron_rl.rollout.factory import build_engine
+from megatron_rl.plan import JobPlan, actor_spec
 from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tokenizer import load_tokenizer
@@ -53,7 +53,7 @@ from megatron_rl.trainer.rollout_source import RolloutSource, build_rollout_sour
 from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_over, trim_to_step
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
-from megatron_rl.trainer.startup import check_data, layout_line
+from megatron_rl.trainer.startup import check_data
 from megatron_rl.tasks.val_set import build_val_set
 from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
@@ -64,13 +64,14 @@ __all__ = ["Job", "build_job", "setup_distributed", "build_task", "latest_checkp
            "NoReference"]
 
 
-def setup_distributed(cfg: JobConfig):
-    """Process groups, megatron's parallel state (with the CPU patches when there is no GPU), the actor."""
+def setup_distributed(cfg: JobConfig, plan: Optional[JobPlan] = None):
+    """Process groups, megatron's parallel state (with the CPU patches when there is no GPU), the actor (of
+    ``plan``; default: the actor's part of the plan of ``cfg`` at this world size, ``plan.actor_spec``)."""
     if not dist.is_initialized():
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     initialize_model_parallel(cfg.parallel, seed=cfg.trainer.seed, model=cfg.model,
                               distributed_timeout_minutes=cfg.trainer.collective_timeout_s / 60)
-    return MegatronActor(cfg)
+    return MegatronActor(plan.actor if plan is not None else actor_spec(cfg, dist.get_world_size()))
 
 
 def build_task(cfg: JobConfig):
@@ -129,6 +130,8 @@ class Job:
 
     cfg: JobConfig
     """The validated job configuration."""
+    plan: JobPlan
+    """Every choice of the job, built once (the actor, the engine and the step read it)."""
     actor: MegatronActor
     """The trained policy."""
     reference: Union[KLReference, NoReference]
@@ -222,19 +225,22 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
     if refusal:
         raise ConfigError(refusal)
     check_data(cfg)  # a data file with no usable row fails here, before any model is built
-    actor = setup_distributed(cfg)
-    reference = (KLReference(MegatronActor(cfg, frozen=True), offload=cfg.actor.ref_param_offload)
-                 if cfg.actor.policy_loss.kl_loss_coef > 0 else NoReference())
+    plan = JobPlan.build(cfg, int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized()
+                         else dist.get_world_size())
+    actor = setup_distributed(cfg, plan)
+    reference = (KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
+                 if plan.objective.loss.kl_loss_coef > 0 else NoReference())
     rank0 = dist.get_rank() == 0
     if rank0:
-        print(layout_line(cfg, actor.groups, dist.get_world_size()), flush=True)
+        for line in plan.describe():
+            print(f"[megatron-rl] {line}", flush=True)
     watchdog = Watchdog(dist.get_rank(), tc.phase_timeout_s)
     held: Dict[str, object] = {}  # what exists so far, for _teardown
     generator = None
     try:
         with watchdog.phase("setup", 0):  # e.g. a launched SGLang server that never becomes ready
             generator, draw, tokenizer, engine, held["server"], val_groups = on_rank0(
-                lambda: _rank0_setup(cfg), what="setting up the task / rollout engine") or (None,) * 6
+                lambda: _rank0_setup(cfg, plan), what="setting up the task / rollout engine") or (None,) * 6
         held["validation"] = Validation(cfg, val_groups, engine)
         start, resumed = _resume(cfg, actor, rank0)
         if draw is not None:  # rank 0, before the first draw (the async producer starts below)
@@ -253,11 +259,11 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
             generator.close()
         _teardown(watchdog, 0, **held)
         raise
-    return Job(cfg=cfg, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
+    return Job(cfg=cfg, plan=plan, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
                rank0=rank0, prompts=draw, **held)
 
 
-def _rank0_setup(cfg: JobConfig) -> Tuple:
+def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
     """Rank 0: start over (before anything, e.g. a launched server's log, is written into run_dir), the task, its
     prompt draw and step generator, the engine, the validation set (when it is evaluated)."""
     if cfg.trainer.overwrite:
@@ -266,11 +272,11 @@ def _rank0_setup(cfg: JobConfig) -> Tuple:
     draw = PromptDraw(task, cfg)  # renders the prompts with the data options: a failure before any engine starts
     val_groups = build_val_set(task, cfg.data, tokenizer) if Validation(cfg, None, None).enabled else None
     try:
-        engine, server = build_engine(cfg)
+        engine, server = plan.build_engine()
     except BaseException:
         Validation(cfg, val_groups, None).close()
         raise
-    return build_step_generator(cfg, task, draw), draw, tokenizer, engine, server, val_groups
+    return build_step_generator(cfg, task, draw, plan.replay), draw, tokenizer, engine, server, val_groups
 
 
 def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:

@@ -1,30 +1,15 @@
 """The RL training loop -- what ``megatron-rl train`` runs: ``train(cfg)``.
 
-    job = build_job(cfg)                      # job.py: every mode chosen once (source, publisher, reference)
+    job = build_job(cfg)                      # job.py: the job plan and every object built from it, once
     validate before training (trainer.val_before_train, a fresh run: logged as step 0)
     for step in range(start, trainer.steps):
         metrics, batch = train_step(job, step)          # step.py: the same for every mode
-        validate every trainer.test_freq steps and after the last (validation.py): val/* join the step's metrics
-            (not when a stop was requested: the checkpoint must come within trainer.stop_timeout_s)
+        validate every trainer.test_freq steps and after the last (not when a stop was requested)
         log metrics (console / metrics.jsonl / TensorBoard / W&B), dump rollouts
         checkpoint every trainer.save_interval steps, at the end, and when any rank saw SIGTERM / SIGINT
 
-Bounded waits: every collective has the process-group timeout ``trainer.collective_timeout_s``; each phase
-of a step runs under the watchdog (``trainer.phase_timeout_s``, ``trainer.checkpoint_timeout_s``), which
-ends a rank that is stuck with the phase named; an exception on any rank ends that rank, and torchrun
-stops the rest (a failure on rank 0, which owns the task and the engine, is raised on every rank). A
-checkpoint is marked COMPLETE only after every rank wrote it.
-
-Run directory (``run_dir.py``): one run per ``trainer.run_dir`` -- a directory holding another run's outputs is
-refused before any process group exists unless the run resumes (metrics and rollouts then continue from the
-checkpoint's step; later records and stale checkpoints are dropped) or starts over (``trainer.overwrite``:
-they are removed). Rank 0 says which on one line.
-
-Rewards: a step where more than ``data.max_reward_failure_frac`` of the rewards failed or timed out raises
-``RewardFailureError`` on every rank before it trains (``rollout_source.py``).
-
-Async checkpoints: see ``job.py`` (the drain of the producer's rollouts is bounded; when it fails the trained step
-is still checkpointed, then ``AsyncDrainError`` is raised on every rank).
+Rule: every wait is bounded (collectives by ``trainer.collective_timeout_s``, each phase by the watchdog) and a
+checkpoint is COMPLETE only after every rank wrote it. Run directory, rewards, async checkpoints: docs/trainer.md.
 """
 from __future__ import annotations
 

@@ -1,42 +1,21 @@
 """The rollout phase of a step on global rank 0: prompts -> engine -> rewards -> a ``StepBatch``.
 
-Rank 0 owns the task and the engine (the embedded engine, or the HTTP client of SGLang servers that do
-the heavy lifting). Prompts come from the job's ``prompt_draw.PromptDraw`` (a data file: without replacement,
-epoch by epoch, its position checkpointed; a generated task: seeded by (trainer.seed, step, round)); embedded
-generation is seeded by (trainer.seed, step, round), so a resumed run draws exactly what the uninterrupted run
-drew. SGLang samples server-side without a per-request seed, so with it a resumed run draws the same prompts
-but different responses.
-
-Before drawing, the task gets the ``data:`` section's ``DataOptions`` (chat template arguments, prompt
-length limit, reward workers; a no-op when unchanged). Rewards come from ``task.score`` (file tasks:
-worker processes with a per-sample timeout; a failing or timed-out sample scores 0 and is counted, the
-step goes on). A response that hit ``max_new_tokens`` (finish reason "length") is flagged ``truncated``;
-with ``data.overlong_buffer_len`` > 0 DAPO's soft overlong penalty is added to its reward. The payload's
-``metrics`` hold the data / reward / length counts of the step (``data/*``, ``reward/failed``,
-``reward/timed_out``, ``response/truncated_frac``, ...) and, for a reward that returns a dict, each other numeric
-key's mean (``reward_extra/<key>/mean``); the keys per row go with the batch (``StepBatch.reward_extras``).
-
-The engine is asked to stop at the task tokenizer's EOS too (``task_eos_ids``), so a response ends where its
-reward is cut, on either engine. MoE routing captured by the engine is passed on only when every rollout has
-it; a partial capture fails the step only with ``actor.routing_replay: r3`` (which replays it), and is
-otherwise dropped and counted (``routing/missing_rows``; see ``step_routing``).
-
 Two step generators, chosen once by ``build_step_generator``: ``SingleTurn`` (``generate_step``) and, with
-``multi_turn.env`` set, ``MultiTurn`` (trajectories of model turns and environment replies, token in, token out:
-``megatron_rl.rollout.multi_turn``; environments out of process in an ``envs.EnvPool`` the generator owns).
-Both draw a step's prompts with the job's ``PromptDraw`` and have ``close()`` (the job calls it at its end). With
-``algorithm.filter_groups.enable`` the chosen one is wrapped in ``dynamic_sampling.DynamicSampling``, which calls
-it for more generation rounds (``rnd``: the next prompts of the draw, fresh samples by ``round_seed``) until the
-batch is full of prompt groups whose samples did not all score alike.
+``multi_turn.env`` set, ``MultiTurn`` (environments in an ``envs.EnvPool`` the generator owns); with
+``algorithm.filter_groups.enable`` the chosen one is wrapped in ``dynamic_sampling.DynamicSampling``. Rule:
+prompts and embedded samples are seeded by (trainer.seed, step, round), so a resumed run draws exactly what the
+uninterrupted run drew (SGLang samples server-side: the same prompts, other responses). Rewards, truncation,
+MoE routing: docs/trainer.md.
 """
 from __future__ import annotations
 
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_rl.actor.replay_modes import ReplayMode, replay_mode
+from megatron_rl.actor.replay_modes import ReplayMode
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.envs.pool import EnvPool
+from megatron_rl.plan import replay_of
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.multi_turn import ObservationEncoder, TurnLimits, run_trajectories
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
@@ -109,7 +88,7 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                                 f"expected {expected_version!r}")
     routing, routing_stats = None, {}
     if rollout_routing(rollouts) is not None:  # an MoE engine captured routing (for some rows at least)
-        replay = replay or replay_mode(cfg.actor.routing_replay)
+        replay = replay or replay_of(cfg)
         routing, routing_stats = step_routing(rollouts, required=replay.needs_rollout_routing, step=step)
     prompt_rows = [prompts[i // n] for i in range(len(rollouts))]
     result = task.score(prompt_rows, [r.response_ids for r in rollouts])
@@ -185,9 +164,9 @@ class SingleTurn:
     view of it) to sample from, the weight version the rollouts must carry and the generation round of the step
     (dynamic sampling's extra rounds draw the next prompts of ``draw``, the job's ``PromptDraw``)."""
 
-    def __init__(self, task, cfg, draw: PromptDraw):
+    def __init__(self, task, cfg, draw: PromptDraw, replay: Optional[ReplayMode] = None):
         self.task, self.cfg, self.draw = task, cfg, draw
-        self.replay = replay_mode(cfg.actor.routing_replay)
+        self.replay = replay or replay_of(cfg)
 
     def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
         return generate_step(self.task, engine, self.cfg, step, version, rnd, replay=self.replay, draw=self.draw)
@@ -217,9 +196,9 @@ class MultiTurn:
     ``data.max_reward_failure_frac``; metrics ``multi_turn/*`` (turns, environment token share, finish reasons,
     per-trajectory counts)."""
 
-    def __init__(self, task, cfg, pool, tokenizer, draw: PromptDraw):
+    def __init__(self, task, cfg, pool, tokenizer, draw: PromptDraw, replay: Optional[ReplayMode] = None):
         self.task, self.cfg, self.pool, self.tokenizer, self.draw = task, cfg, pool, tokenizer, draw
-        self.replay = replay_mode(cfg.actor.routing_replay)
+        self.replay = replay or replay_of(cfg)
         self.limits = TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens)
         self.encode = ObservationEncoder(tokenizer, cfg.multi_turn.observation_template)
 
@@ -302,16 +281,17 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
                                        f"(rows {_head(missing)})")
 
 
-def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None):
+def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None, replay: Optional[ReplayMode] = None):
     """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
     ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` with
-    ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (default: one built here for ``task``).
+    ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (default: one built here for ``task``);
+    ``replay``: the job plan's routing-replay mode (default: the config's, ``plan.replay_of``).
     The job calls ``close()`` at its end."""
     m = cfg.multi_turn
     draw = draw or PromptDraw(task, cfg)
     if m.env is None:
-        gen = SingleTurn(task, cfg, draw)
+        gen = SingleTurn(task, cfg, draw, replay)
     else:
         pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
-        gen = MultiTurn(task, cfg, pool, task.tokenizer, draw)
+        gen = MultiTurn(task, cfg, pool, task.tokenizer, draw, replay)
     return DynamicSampling(gen, cfg) if cfg.algorithm.filter_groups.enable else gen

@@ -6,33 +6,10 @@
     publisher = source.publisher              # how trained versions reach the engine from now on
     extra, error = source.drain(step, last)     # rollouts a checkpoint must hold (async), and a drain failure
 
-* ``SyncRollouts`` (``rollout.mode: sync``): rank 0 generates step ``t`` from version ``t`` when asked; the
-  publisher loads each version into the engine right away.
-* ``AsyncRollouts`` (``rollout.mode: async``): rank 0's ``RolloutProducer`` generates ahead in its thread, at most
-  ``rollout.max_staleness`` versions behind; the publisher hands versions to the producer (``DeferredPublisher``).
-
-The staleness bound lives here, once: ``max_lag`` (0 sync, ``rollout.max_staleness`` async) is what every token of
-a batch is checked against before the batch leaves rank 0 (``check_staleness``; the producer's schedule keeps to
-it by construction, the check proves it) and the range of the lag metrics. The reward-failure limit
-(``data.max_reward_failure_frac``) is checked at the same point. A failure on rank 0 is raised on every rank
-(``parallel.rank0``): a ``RolloutError`` as raised, any other failure of the async producer thread wrapped in a
-``RuntimeError`` naming the step.
-
-Each rank receives only what it trains on (``RowSplit``): the rows of its DP shard, their MoE routing of its
-pipeline stage's layers alone (the layers of its routers, every virtual stage's with VPP), and the step's
-whole-batch metrics -- rank 0 cuts the batch and sends each rank its piece point to point
-(``parallel.rank0.scatter_from_rank0``), pickling each distinct piece once and holding one at a time, so a rank's
-share of a step's bytes, and of its host memory, is its shard's. On NCCL jobs the pieces travel in a gloo group of
-every rank (``RowSplit.group``), so none is staged in GPU memory.
-
-While rank 0 makes a step's batch the other ranks wait in that scatter; the wait is bounded per generation round
-(``config.timeouts.rollout_wait_timeout_s``: ``trainer.collective_timeout_s`` x the rounds dynamic sampling may
-take, in a gloo group of that timeout when longer than the default group's), and a wait that fails names what it
-waited for on that rank (``rollout_wait_cause``), not only the backend's timeout. The same holds for an async
-checkpoint's drain (``AsyncRollouts.drain``): rank 0 waits for the rollouts it must hold up to
-``config.timeouts.drain_timeout_s`` (half of ``trainer.checkpoint_timeout_s`` per generation round), and the other
-ranks wait for rank 0's outcome in a gloo group of every rank made for it (``drain_wait_timeout_s``: that bound
-plus ``trainer.collective_timeout_s``), their error naming the drain (``drain_wait_cause``).
+``SyncRollouts`` generates step ``t`` from version ``t`` when asked; ``AsyncRollouts`` takes it from the producer
+(``async_rollout``). Rule: the staleness bound (``max_lag``) and the reward-failure limit are checked here, once,
+before a batch leaves rank 0, and each rank receives only its rows (``RowSplit``). Waits and pieces:
+docs/trainer.md.
 """
 from __future__ import annotations
 
@@ -50,6 +27,7 @@ from megatron_rl.config.timeouts import (drain_key, drain_timeout_s, drain_wait_
 from megatron_rl.parallel.rank0 import Pieces, scatter_from_rank0, share_from_rank0
 from megatron_rl.rollout.base import RolloutError
 from megatron_rl.rollout.versions import version_tag
+from megatron_rl.trainer.dynamic_sampling import SKIPPED
 from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, check_staleness, overlap_seconds
 from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.reward_failures import failed_fraction
@@ -306,7 +284,7 @@ def _resumed_rollouts(extra: Dict, cfg: JobConfig) -> Dict:
     diff = [f"{k}={then[k]!r} (this run: {v!r})" if k in then else f"{k} not recorded (this run: {v!r})"
             for k, v in now.items() if k not in then or then[k] != v]
     diff += [f"{k}={v!r} (this run: not set)" for k, v in then.items() if k not in now]
-    batches = {int(t): StepBatch(**(b if isinstance(b, dict) else _fields(b))) for t, b in saved.items()}
+    batches = {int(t): _saved_batch(b) for t, b in saved.items()}
     rows = cfg.rollout.n_samples_per_prompt * cfg.data.prompts_per_step
     if not diff and any(b.num_rows != rows for b in batches.values()):
         diff = [f"{b.num_rows} rows per step (this run: {rows})" for b in batches.values() if b.num_rows != rows][:1]
@@ -316,6 +294,15 @@ def _resumed_rollouts(extra: Dict, cfg: JobConfig) -> Dict:
         return {}
     return batches
 
+
+
+def _saved_batch(saved) -> StepBatch:
+    """A checkpoint's drained batch (a dict of fields, or a pickled batch). One written before
+    ``StepBatch.skipped`` recorded a skipped step only in its ``filter_groups/skipped`` metric: read there once."""
+    fields = dict(saved) if isinstance(saved, dict) else _fields(saved)
+    if "skipped" not in (saved if isinstance(saved, dict) else vars(saved)):
+        fields["skipped"] = bool((fields.get("metrics") or {}).get(SKIPPED))
+    return StepBatch(**fields)
 
 
 def _fields(batch) -> Dict:

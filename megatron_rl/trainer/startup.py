@@ -1,16 +1,13 @@
-"""What the trainer checks and says once at start: the data file before any model is built, then the layout
-the job actually runs with (rank 0, one line).
+"""What the trainer checks at start: the data file before any model is built (the plan it runs with is printed by
+``job.build_job``: ``JobPlan.describe``).
 
     check_data(cfg)                         # every rank, first thing in ``train``: ValueError naming data.path /
                                             # data.val_files
-    print(layout_line(cfg, actor.groups, world_size))   # rank 0, after the process groups exist
 """
 from __future__ import annotations
 
-from megatron_rl.rollout.factory import engine_class
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
-from megatron_rl.weight_sync.modes import mode_name
 
 
 def check_data(cfg) -> None:
@@ -23,13 +20,3 @@ def check_data(cfg) -> None:
     problems = val_file_problems(d)
     if problems:
         raise ValueError("; ".join(problems))
-
-
-def layout_line(cfg, groups, world_size: int) -> str:
-    """The parallel layout megatron built (``groups``: the actor's ``ActorGroups``), the rollout engine and
-    the weight-sync mode, as one line."""
-    r = cfg.rollout
-    engine = engine_class(r.engine).describe(r)
-    return (f"[megatron-rl] layout: world size {world_size}, {groups.dims.describe()}; rollout engine {engine}, "
-            f"{r.mode} rollouts; "
-            f"weight sync {mode_name(cfg)}")

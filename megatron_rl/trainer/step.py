@@ -4,27 +4,16 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
     got       = job.source.next(step)                         # rank 0 generates (sync) or takes (async); each
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
-    old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward (bf16 with actor.bf16),
-                                                              # fp32 vocab-parallel log-softmax
+    old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward, fp32 log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
     adv       = group advantages with the loss's mask (corr.loss_mask)
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
 
-Each phase runs under the watchdog (``trainer.phase_timeout_s``), which also times it (``timing/*``); the rollout
-phase gets ``phase_timeout_s`` per generation round it may take (``config.timeouts``: x
-``algorithm.filter_groups.max_num_gen_batches`` with dynamic sampling), on every rank.
-
-A step that dynamic sampling skipped (``algorithm.filter_groups.on_exhausted: skip``: the metric
-``filter_groups/skipped`` every rank receives with its rows) trains nothing and only publishes the unchanged
-weights as the next version.
-
-Bypass mode (``rollout_correction.bypass_mode``) uses the rollout log-probs as the PPO old policy and, as verl
-0.9.1's bypass loss, computes the IS weights and the rejection inside the loss, in every micro-batch of every
-optimizer step, from the current log-probs (``correction.correct_in_loss``): the loss gets the mask before rejection
-(``corr.loss_mask``; so do the advantages) and no weights. The forward-only pass still runs once per step: the
-``rollout_corr/*`` metrics (and the lag metrics) are those of its pi_theta, the policy before the step's updates.
+Rule: a step dynamic sampling skipped (``StepRows.skipped``, which every rank receives with its rows) trains
+nothing and only publishes the unchanged weights as the next version. Watchdog bounds, bypass mode:
+docs/trainer.md.
 """
 from __future__ import annotations
 
@@ -37,7 +26,6 @@ from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.rollout.versions import version_tag
-from megatron_rl.trainer.dynamic_sampling import SKIPPED
 from megatron_rl.trainer.step_batch import StepBatch, StepRows
 
 __all__ = ["train_step"]
@@ -53,7 +41,7 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     with wd.phase("rollout", step + 1, timeout_s=rollout_phase_timeout_s(cfg), config_key=rollout_phase_key(cfg)):
         got = source.next(step)   # this rank's rows (its DP shard) and the step's whole-batch metrics
     t_rolled = time.perf_counter()
-    if got.metrics.get(SKIPPED):  # dynamic sampling found too few groups with signal: every rank skips the same step
+    if got.skipped:  # dynamic sampling found too few groups with signal: every rank skips the same step
         return _skipped(job, step, got, t_step, t_rolled)
     shard = got.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor_device())
     rows = shard.batch

@@ -69,6 +69,9 @@ class StepBatch:
     rows_generated: int = 0
     """Rows generated and scored to make this batch (more than ``num_rows`` when dynamic sampling dropped prompt
     groups: the counts in ``metrics`` cover all of them); 0: ``num_rows``."""
+    skipped: bool = False
+    """The step trains nothing (dynamic sampling found too few groups with signal, ``on_exhausted: skip``): its
+    rows are logged and dumped, the unchanged weights published as the next version."""
 
     def __post_init__(self):
         if not self.token_versions:  # the whole step from one version
@@ -124,7 +127,7 @@ class StepBatch:
                         loss_masks=sel(self.loss_masks), scores=sel(self.scores))
         width = max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
         return StepRows(rows=sub, global_rows=pick, width=width, summary=self.summary(failed_frac),
-                        metrics=dict(self.metrics), num_tokens=self.num_tokens)
+                        metrics=dict(self.metrics), num_tokens=self.num_tokens, skipped=self.skipped)
 
     def summary(self, failed_frac: float) -> Dict[str, float]:
         """The step's reward and length metrics (``failed_frac``: the share of rewards that failed)."""
@@ -173,6 +176,8 @@ class StepRows:
     """The whole step's data / reward metrics (``StepBatch.metrics``)."""
     num_tokens: int
     """Prompt + response tokens of the whole step."""
+    skipped: bool = False
+    """The step trains nothing (``StepBatch.skipped``): every rank receives it with its rows."""
     whole: Optional[StepBatch] = None
     """Rank 0: the whole batch (rollouts.jsonl); None elsewhere."""
 

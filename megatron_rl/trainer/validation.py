@@ -6,36 +6,8 @@ the current weights and scored, on every rank's schedule alike.
         metrics.update(validation.run(done))            # collective; the metrics on rank 0, {} elsewhere
     if validation.due_before_train(start): ...          # trainer.val_before_train, a fresh run only (logged as step 0)
 
-When: every ``trainer.test_freq`` steps and after the last step (``test_freq`` 0: never), and before the first step
-of a fresh run with ``trainer.val_before_train`` (verl's schedule). Only a job with a validation set validates. A step
-after which a stop was requested (SIGTERM / SIGINT) is not validated: its checkpoint must come within
-``trainer.stop_timeout_s`` (``loop.py``).
-
-Which weights: the engine's after the step's weight sync (``rollout.mode: sync``: the engine holds version ``done``
-when step ``done`` ended); every response must carry that version (``StaleRolloutError`` otherwise).
-
-How: ``rollout.val_kwargs`` -- greedy (temperature 0) unless ``do_sample``, ``n`` responses per prompt,
-``rollout.max_new_tokens`` at most, stopping at the task's EOS; as many rows per engine call as a training step
-generates. The embedded engine's samples are seeded by (``trainer.seed``, the step, the call), so they repeat.
-
-Never trained on: the rows are generated here, outside the rollout source and dynamic sampling, and go nowhere but
-into these metrics; held-out prompts are those the task's ``sample`` never draws.
-
-Ranks: rank 0 generates and scores as the rollout phase does; the others wait for its outcome
-(``parallel.rank0.on_rank0``: a failure on rank 0 is raised on every rank). Bounded: at most
-``data.val_max_samples`` prompts, and the watchdog ends a validation that runs past ``trainer.val_timeout_s`` with
-that key named.
-
-Metrics (``val_metrics``; rank 0, in the step's record): over the whole set ``val/reward_mean``,
-``val/response_length_mean`` (tokens the engine returned, EOS included) and ``val/prompts``; per data source
-``val/<source>/reward_mean``, ``val/<source>/response_length_mean``, ``val/<source>/truncated_frac`` (responses that
-hit max_new_tokens), ``val/<source>/prompts`` and, for a dict reward, ``val/<source>/reward_extra/<key>/mean``
-of each other numeric key (verl's ``val-core/<source>/acc``); ``val/reward_failed`` / ``val/reward_timed_out``
-(rewards that raised or timed out, scored 0, as in training; above ``data.max_reward_failure_frac`` of the responses the
-validation raises ``RewardFailureError`` on every rank); ``timing/validation_s``.
-
-Samples: with ``trainer.val_log_samples`` N > 0, rank 0 keeps N of the validation's responses in ``samples``
-(``val_samples.pick_val_samples``: verl's choice) for the sinks to log.
+Rule: its rows are never trained on (generated here, outside the rollout source and dynamic sampling). When, with
+which weights, how, and its ``val/*`` metrics: docs/trainer.md.
 """
 from __future__ import annotations
 

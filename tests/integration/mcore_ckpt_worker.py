@@ -16,6 +16,7 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.platform.mcore_version import MCORE
 from megatron_rl.testing.actor_reference import checkpoint_batch
@@ -29,7 +30,7 @@ def _rank(rank, world, mode, ckpt_dir):
     job.parallel.expert_tensor_parallel_size = 1
     job.parallel.sequence_parallel = True
     initialize_model_parallel(job.parallel, seed=7 if mode == "save" else 99, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     if mode == "save":
         _step(actor, 100)
         actor.save_checkpoint(ckpt_dir, 1, {"written_by": MCORE.text})

@@ -20,6 +20,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import assert_state_dicts_close, checkpoint_batch
 from megatron_rl.testing.distributed import RankError, run_ranks
@@ -67,7 +68,7 @@ def _snapshot(actor):
 def _rank(rank, world, job, steps, save_dir, load_dir, init_seed):
     try:
         initialize_model_parallel(job.parallel, seed=init_seed, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         start = 0
         extra = None
         if load_dir:

@@ -16,6 +16,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.distributed import RankError, run_ranks
 from megatron_rl.testing.jobs import knobs, named_job
@@ -40,7 +41,7 @@ def _batch(vocab, seed=0):
 
 def _rank_state(rank, world, job):
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    return MegatronActor(job).full_state_dict_hf()
+    return MegatronActor(actor_spec(job)).full_state_dict_hf()
 
 
 @pytest.mark.timeout(120)
@@ -60,7 +61,7 @@ def test_full_state_dict_roundtrip_is_bitwise(models, key, layout, world):
 
 def _rank_train_export(rank, world, job, batch, out_dir):
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     old, _ = actor.compute_log_probs(batch, 1.0)
     actor.train_step(batch, old, torch.tensor([1.0, -1.0, 0.5, -0.5]), batch.response_mask, None, 1.0)
     actor.export_hf(out_dir)
@@ -89,7 +90,7 @@ def test_export_after_training_is_the_trained_model(models, tmp_path):
 
 def _rank_bad(rank, world, job, what):
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     b = _batch(job.model.vocab_size)
     W = b.max_length - 1
     mask, adv = b.response_mask, torch.ones(4)

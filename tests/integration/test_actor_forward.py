@@ -14,6 +14,7 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import load_hf_reference
 from megatron_rl.testing.distributed import run_ranks
@@ -56,7 +57,7 @@ def _reference(hf_dir, prompts, responses, T):
 
 def _rank_logprobs(rank, world, job, batch, T):
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     shard = batch.shard(actor.dp_rank, actor.dp_size)
     lp, ent = actor.compute_log_probs(shard, T)
     return {"dp_rank": actor.dp_rank, "dp_size": actor.dp_size, "lp": lp, "ent": ent}
@@ -144,4 +145,4 @@ def test_log_probs_from_converted_checkpoint(hf_dir, tmp_path):
 
 def _rank_export(rank, world, job):
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    return MegatronActor(job).full_state_dict_hf()
+    return MegatronActor(actor_spec(job)).full_state_dict_hf()

@@ -24,6 +24,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.actor.optimizer import offload_errors
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import checkpoint_batch
@@ -69,7 +70,7 @@ def _train(rank, world, job, steps, save=None, load=None, first=0):
     try:
         _device_is_the_cpu()
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         kinds = {type(o).__name__ for o in [getattr(actor.optimizer, "optimizer", None)]
                  + [getattr(c, "optimizer", None) for c in getattr(actor.optimizer, "chained_optimizers", [])]}
         if load:

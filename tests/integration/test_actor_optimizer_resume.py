@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import checkpoint_batch
 from megatron_rl.testing.distributed import run_ranks
@@ -70,7 +71,7 @@ def _save_every_step(rank, world, job, steps, root, load_dir=None):
     """Load ``load_dir`` (if given), save at once, then save after each of ``steps`` train steps."""
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
@@ -217,7 +218,7 @@ def _named_adam(actor):
 def _settings_rank(rank, world, job, root, load_dir, old=False):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         out = io.StringIO()
         if load_dir is None:
             _step(actor, 100)
@@ -288,7 +289,7 @@ def _groups_rank(rank, world, job, root, load_dir):
     """Save after one step, or load and return every param group's settings (chained optimizers: all of them)."""
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         if load_dir is None:
             _step(actor, 100)
             actor.save_checkpoint(root, 1)
@@ -324,7 +325,7 @@ def test_resume_at_moe_ep2_runs_with_the_configs_settings(tmp_path, saved_dist):
 def _save_at_once(rank, world, job, root, frozen=False):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
-        MegatronActor(job, frozen=frozen).save_checkpoint(root, 0)
+        MegatronActor(actor_spec(job), frozen=frozen).save_checkpoint(root, 0)
     finally:
         _reap_children()
 
@@ -366,7 +367,7 @@ def _reference_and_actor_log_probs(rank, world, job):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         batch, _ = checkpoint_batch(5, rows=4)
-        ref = MegatronActor(job, frozen=True)
+        ref = MegatronActor(actor_spec(job), frozen=True)
         held = {"optimizer": ref.optimizer, "scheduler": ref.scheduler,
                 "wrapped": [type(c).__name__ for c in ref.model],
                 "requires_grad": [n for c in ref.model for n, p in c.named_parameters() if p.requires_grad],
@@ -378,7 +379,7 @@ def _reference_and_actor_log_probs(rank, world, job):
             ref.train_step(batch, ref_lp, torch.zeros(4), batch.response_mask, None, 1.0)
         except RuntimeError as e:
             held["train_step"] = str(e)
-        actor_lp, _ = MegatronActor(job).compute_log_probs(batch, 1.0)
+        actor_lp, _ = MegatronActor(actor_spec(job)).compute_log_probs(batch, 1.0)
         return ref_lp, actor_lp, held
     finally:
         _reap_children()

@@ -32,6 +32,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import assert_state_dicts_close, checkpoint_batch
 from megatron_rl.testing.distributed import RankError, run_ranks
@@ -94,7 +95,7 @@ def _reap_children() -> None:
 def _rank(rank, world, job, steps, save_dir=None, load_dir=None, init_seed=7):
     try:
         initialize_model_parallel(job.parallel, seed=init_seed, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
         loaded = actor.full_state_dict_hf()
         distributed = job.actor.use_distributed_optimizer
@@ -141,7 +142,7 @@ def _host_state_rank(rank, world, job):
     rank's parameter count."""
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         _step(actor, 100)
         opts = _optimizers(actor)
 
@@ -244,7 +245,7 @@ def _resident_rank(rank, world, job):
     are not the model parameters themselves, Adam's moments)."""
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         _step(actor, 100)
         model_ptrs = {p.untyped_storage().data_ptr() for c in actor.model for p in c.module.parameters()}
         opt = 0

@@ -20,6 +20,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
+from megatron_rl.plan import actor_spec
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, actor_on_shard, hf_adamw, hf_token_log_probs
@@ -172,7 +173,7 @@ def _rank_recipe(rank, world, job, batch, adv):
     from megatron_rl.correction import compute_rollout_correction
 
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     shard = batch.shard(actor.dp_rank, actor.dp_size)
     start = sum(batch.shard(r, actor.dp_size).num_rows for r in range(actor.dp_rank))
     old, _ = actor.compute_log_probs(shard, T)

@@ -21,6 +21,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.plan import actor_spec
 from megatron_rl.cli import main as cli_main
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.distributed import run_ranks
@@ -70,7 +71,7 @@ def _batch(vocab, length=None):
 def _rank_train_save(rank, world, job, batch, ckpt):
     try:
         initialize_model_parallel(job.parallel, seed=3, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         old, _ = actor.compute_log_probs(batch, 1.0)
         actor.train_step(batch, old, torch.tensor([1.0, -1.0, 0.5, -0.5]), batch.response_mask, None, 1.0)
         actor.save_checkpoint(ckpt, 1, {"config": job.to_dict()})

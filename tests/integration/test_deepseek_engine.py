@@ -27,6 +27,7 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import MegatronActor, RolloutBatch
+from megatron_rl.plan import actor_spec
 from megatron_rl.config import load_job_config
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams
@@ -102,7 +103,7 @@ def _train_and_export(rank, world, job):
     responses = [torch.randint(0, 384, (6,), generator=g).tolist() for _ in range(B)]
     batch = RolloutBatch.from_sequences(prompts, responses, [[-2.0] * 6 for _ in range(B)])
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     s, e = row_blocks(B, actor.dp_size)[actor.dp_rank]
     shard = batch.select(s, e)
     lp, _ = actor.compute_log_probs(shard, T)

@@ -179,11 +179,12 @@ def _pp_job(hf_dir):
 
 def _buckets_body(rank, world, job):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.weight_sync.senders import stream_buckets
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)  # the model's own groups: gloo, CPU
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     fa.install()
     fa.make_default_group()  # stage leaders send to rank 0 over the default group: "NCCL"
     got = {}

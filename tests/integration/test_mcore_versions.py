@@ -62,6 +62,7 @@ def _rank_save(rank, world, root):
     import multiprocessing
 
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.config import job_config_from_dict
     from megatron_rl.parallel import initialize_model_parallel
 
@@ -70,7 +71,7 @@ def _rank_save(rank, world, root):
                                 "actor": {"micro_batch_size": 1}})
     try:
         initialize_model_parallel(job.parallel, seed=1, model=job.model)
-        return MegatronActor(job).save_checkpoint(root, 1)
+        return MegatronActor(actor_spec(job)).save_checkpoint(root, 1)
     finally:
         for child in multiprocessing.active_children():
             child.terminate()

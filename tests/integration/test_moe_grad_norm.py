@@ -21,6 +21,7 @@ import pytest
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.platform.mcore_version import MCORE
 from megatron_rl.testing.actor_reference import load_hf_reference
@@ -37,7 +38,7 @@ def hf_dir(tiny_hf_model):
 
 def _rank_norm_of_ones(rank, world, job):
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     for chunk in actor.model:
         chunk.zero_grad_buffer()
         for p in chunk.module.parameters():

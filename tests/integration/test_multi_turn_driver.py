@@ -552,10 +552,11 @@ def test_joined_routing_is_the_routing_each_token_was_sampled_with(moe_dir, envs
 
 def _rank_r3_multi_turn(rank, world, job, batch, temperature):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
 
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     lp, _ = actor.compute_log_probs(batch, temperature, compute_entropy=False)
     return {"lp": lp, "metrics": dict(actor.routing_metrics)}
 

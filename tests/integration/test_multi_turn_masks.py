@@ -21,6 +21,7 @@ import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
 from megatron_rl.actor import BatchError, MegatronActor, RolloutBatch
+from megatron_rl.plan import actor_spec
 from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import RolloutCorrectionConfig, compute_rollout_correction
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
@@ -212,7 +213,7 @@ def hf_dir(tiny_hf_model):
 
 def _rank_logprobs(rank, world, job, batch):
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     shard = batch.shard(actor.dp_rank, actor.dp_size)
     lp, _ = actor.compute_log_probs(shard, T)
     return {"dp_rank": actor.dp_rank, "dp_size": actor.dp_size, "lp": lp, "mask": shard.response_mask}
@@ -404,7 +405,7 @@ def test_rollout_log_probs_at_env_tokens_change_nothing(i):
 def _rank_train(rank, world, job, sb, n):
     """The loop's recipe on this rank's StepBatch shard: log-probs, correction over DP, advantages, train."""
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     shard = sb.shard(3, n, 0, actor.dp_rank, actor.dp_size, torch.device("cpu"))
     rows = shard.batch
     old, _ = actor.compute_log_probs(rows, T, compute_entropy=False)

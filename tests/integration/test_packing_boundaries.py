@@ -67,13 +67,14 @@ PACKING_STEP = ("actor.weight_decay=0.1", "actor.micro_batch_size=4")
 def _rank_train_many(rank, world, jobs, data):
     """For each job: a fresh actor on this DP rank's block, its log-probs and one train_step."""
     from megatron_rl.actor import MegatronActor, row_blocks
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
 
     batch, old, adv, mask, is_w = data
     out = []
     for job in jobs:
         initialize_model_parallel(job.parallel, seed=5, model=job.model)
-        actor = MegatronActor(job)
+        actor = MegatronActor(actor_spec(job))
         start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
         shard = batch.select(start, end)
         W = shard.max_length - 1
@@ -253,11 +254,12 @@ def test_interleaved_shard_too_small_on_one_dp_rank_is_refused_on_every_rank(mod
 # -------------------------------------------------------------------------------- a row over the budget
 def _rank_over_budget(rank, world, job, data, phase):
     from megatron_rl.actor import BatchError, MegatronActor, row_blocks
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
 
     batch, old, adv, mask, is_w = data
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     start, end = row_blocks(batch.num_rows, actor.dp_size)[actor.dp_rank]
     shard = batch.select(start, end)
     W = shard.max_length - 1

@@ -16,6 +16,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.actor.offload import ParkedParams
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import checkpoint_batch
@@ -28,7 +29,7 @@ def _parked_reference(rank, world, job):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         batch, _ = checkpoint_batch(5, rows=4)
-        ref = MegatronActor(job, frozen=True)
+        ref = MegatronActor(actor_spec(job), frozen=True)
         want = KLReference(ref).log_probs(batch, 1.0)
         params = [p for c in ref.model for p in c.parameters()]
         before = [p.data_ptr() for p in params]
@@ -55,7 +56,7 @@ def _parked_reference(rank, world, job):
         except RuntimeError:
             out["parked_after_error"] = kl.parked.parked
         try:
-            ParkedParams(MegatronActor(job).model, torch.device("cpu"))
+            ParkedParams(MegatronActor(actor_spec(job)).model, torch.device("cpu"))
         except ValueError as e:
             out["ddp_refused"] = str(e)
         return want, got, out

@@ -28,6 +28,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
+from megatron_rl.plan import actor_spec
 from megatron_rl.actor.batch import BatchError
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
@@ -213,7 +214,7 @@ def test_r3_matches_hf_forced_routing(moe_dir, layout, world):
 def _rank_r2(rank, world, job, data):
     batch, _, old, adv, is_w = data
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     passes = []
     begin = actor.routing.begin
 
@@ -235,7 +236,7 @@ def _rank_r2(rank, world, job, data):
     shard = dataclasses.replace(batch.select(start, end), routing=None)  # r2 needs no engine routing
     W = shard.max_length - 1
     actor.compute_log_probs(shard, T, compute_entropy=False)
-    recorded = actor.replay.recorded[2].clone()
+    recorded = actor.routing.recorded[2].clone()
     actor.routing.begin = begin_keep
     metrics = actor.train_step(shard, old[start:end, :W], adv[start:end], shard.response_mask, is_w[start:end, :W], T)
     return {"rows": (start, end), "recorded": recorded, "passes": passes, "layers": actor.routing.local_layers,

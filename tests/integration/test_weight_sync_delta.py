@@ -17,6 +17,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import WeightSyncError
 from megatron_rl.testing.actor_reference import policy_data
@@ -35,7 +36,7 @@ def _bits(sd):
 
 def _body(rank, world, job_delta, job_full, other_dir, seed):
     initialize_model_parallel(job_delta.parallel, seed=3, model=job_delta.model)
-    actor = MegatronActor(job_delta)
+    actor = MegatronActor(actor_spec(job_delta))
     eng_d = EmbeddedEngine(other_dir, dtype="bfloat16", seed=0, weight_version="init") if rank == 0 else None
     eng_f = EmbeddedEngine(other_dir, dtype="bfloat16", seed=0, weight_version="init") if rank == 0 else None
     pub_d = build_weight_publisher(job_delta, actor, eng_d)

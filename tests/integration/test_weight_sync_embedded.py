@@ -23,6 +23,7 @@ import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
+from megatron_rl.plan import actor_spec
 from megatron_rl.config import load_job_config
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams, WeightSyncError
@@ -64,7 +65,7 @@ def _sync_body(rank, world, job, engine_dir, dtype, corrupt_name=None):
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = EmbeddedEngine(engine_dir, dtype=dtype, seed=0, weight_version="step-0") if rank == 0 else None
 
     def corrupt(bucket):
@@ -140,7 +141,7 @@ def _memory_body(rank, world, job, engine_dir):
     # after raising its mmap threshold, and RSS would count allocator retention instead of live tensors)
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0") if rank == 0 else None
     build_weight_publisher(job, actor, engine).publish("step-1")  # warm-up: first-call imports / buffers
     out = {}
@@ -205,7 +206,7 @@ def _dying_sender_body(rank, world, job, engine_dir, result_path):
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0") if rank == 0 else None
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())

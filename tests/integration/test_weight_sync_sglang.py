@@ -71,6 +71,7 @@ SMALL_BUCKETS = ("rollout.weight_sync_bucket_mb=0.02",)
 
 def _body(rank, world, job, url, fault=None):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
@@ -78,7 +79,7 @@ def _body(rank, world, job, url, fault=None):
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     # the kill fault: HTTP waits on the dead server are bounded by this timeout (x retries)
     sync_timeout = 30 if fault and fault[0] == "kill" else 120
     engine = SGLangEngine(url, weight_sync_timeout=sync_timeout) if rank == 0 else None
@@ -136,13 +137,14 @@ def test_in_memory_sync_equals_disk_path(models, server, mode, tp, pp):
 
 def _delta_body(rank, world, job, url, export_dir, launch_dir):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.testing.actor_reference import policy_data
     from megatron_rl.weight_sync.publisher import DeltaPublisher, build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = SGLangEngine(url, weight_sync_timeout=120)
     try:
         pub = build_weight_publisher(job, actor, engine)

@@ -66,13 +66,14 @@ DISTRIBUTED_SYNC = ("rollout.sglang_urls=[http://x:1]", "rollout.weight_sync_ver
 
 def _body(rank, world, job, url, corrupt_name=None):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     # torchrun's rendezvous variables, its agent store at a port nobody serves
     os.environ.update({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "RANK": "0",

@@ -67,12 +67,13 @@ PLACEHOLDER_URL = ("rollout.sglang_urls=[http://x:1]",)
 def _classes_body(rank, world, job, make_engine, classes):
     """Sync once per class with that class's tensor perturbed in transit, then once clean."""
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import WeightSyncError
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = make_engine()
     out = {}
     try:
@@ -125,13 +126,14 @@ def _async_body(rank, world, job, engine_dir, broken):
     """Async apply (the producer's path, as the loop calls it): a disk export loaded, then the same with a load
     fault in the engine."""
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.weight_sync.publisher import payload_maker, weight_sync_mode
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0")
     load = engine.update_weights
 
@@ -168,12 +170,13 @@ def test_async_apply_is_verified_embedded(models, tmp_path):
 
 def _disk_body(rank, world, job, engine_dir, n):
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = EmbeddedEngine(engine_dir, dtype="bfloat16", seed=0, weight_version="step-0")
     out_dir = os.path.join(job.trainer.run_dir, "weight_sync")
     counts, metrics = [], []
@@ -227,13 +230,14 @@ def test_every_class_named_sglang(models, server):
 def _senders_body(rank, world, job, make_engine, corrupt_name):
     """EP2: a clean sync (bytes through this rank counted), then one with an expert of EP rank 1 perturbed."""
     from megatron_rl.actor import MegatronActor
+    from megatron_rl.plan import actor_spec
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.testing.traffic import Traffic
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
-    actor = MegatronActor(job)
+    actor = MegatronActor(actor_spec(job))
     engine = make_engine() if rank == 0 else None
     # this rank's own shard: its experts, and on EP rank 0 the dense tensors (fp32: >= any engine dtype)
     own = sum(p.numel() for n, p in actor.model[0].named_parameters() if "experts" in n or rank == 0) * 4

@@ -18,7 +18,8 @@ from test_rollout_sglang_faults import FaultServer, ok
 from megatron_rl.config import job_config_from_dict, job_errors
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES, RolloutEngine, SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
+from megatron_rl.plan import job_engine as build_engine
+from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
 from megatron_rl.rollout.sglang_engine import SGLangEngine
 
 ENGINES = {"embedded": EmbeddedEngine, "sglang": SGLangEngine}

@@ -13,6 +13,11 @@ from megatron_rl.actor.lr_schedule import LRSchedule, restore_scheduler
 from megatron_rl.config import ConfigError
 from megatron_rl.testing.jobs import named_job
 
+def _schedule(job):
+    """The job's schedule, as its plan builds it."""
+    return LRSchedule.from_actor(job.actor, job.trainer.steps)
+
+
 def _optimizer():
     return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=123.0)
 
@@ -51,7 +56,7 @@ def _verl_cosine_with_warmup(step, num_warmup_steps, num_training_steps, min_lr_
 ], ids=["cosine-fraction", "linear-init", "inverse-sqrt", "constant-warmup", "default"])
 def test_lr_per_step_equals_megatron_scheduler(overrides, megatron):
     """Past the decay too (min_lr there; constant stays at lr)."""
-    ours = LRSchedule.from_job(named_job("sized_model", *overrides, world_size=1)).build(_optimizer())
+    ours = _schedule(named_job("sized_model", *overrides, world_size=1)).build(_optimizer())
     ref = OptimizerParamScheduler(_optimizer(), start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
                                   **megatron)
     n = megatron["lr_decay_steps"] + 5
@@ -64,7 +69,7 @@ def test_cosine_with_warmup_fraction_equals_verl():
     """verl: lr_warmup_steps_ratio 0.1, min_lr_ratio 0.1, total_training_steps 50, one optimizer step per
     training step (verl steps its scheduler once per update_actor)."""
     lr, ratio, total, min_ratio = 2e-6, 0.1, 50, 0.1
-    sched = LRSchedule.from_job(named_job("sized_model", f"actor.lr={lr}", "actor.lr_decay_style=cosine",
+    sched = _schedule(named_job("sized_model", f"actor.lr={lr}", "actor.lr_decay_style=cosine",
                                           f"actor.lr_warmup_fraction={ratio}", f"actor.min_lr={min_ratio * lr}",
                                           f"trainer.steps={total}", world_size=1)).build(_optimizer())
     got = _lrs(sched, total)
@@ -79,15 +84,15 @@ def test_restore_continues_the_schedule():
     same lr sequence as the uninterrupted one; this job's settings win over the saved ones."""
     cfg = named_job("sized_model", "actor.lr_decay_style=cosine", "actor.lr_warmup_steps=6", "trainer.steps=20",
                     world_size=1)
-    straight = _lrs(LRSchedule.from_job(cfg).build(_optimizer()), 12)
-    first = LRSchedule.from_job(cfg).build(_optimizer())
+    straight = _lrs(_schedule(cfg).build(_optimizer()), 12)
+    first = _schedule(cfg).build(_optimizer())
     _lrs(first, 4)  # stopped mid-warm-up
     for state in (first.state_dict(), None):
-        resumed = LRSchedule.from_job(cfg).build(_optimizer())
+        resumed = _schedule(cfg).build(_optimizer())
         _lrs(resumed, 2)  # whatever it did before the restore is forgotten
         restore_scheduler(resumed, state, num_steps=4)
         assert _lrs(resumed, 8) == straight[4:]
-    longer = LRSchedule.from_job(named_job("sized_model", "actor.lr_decay_style=cosine", "actor.lr_warmup_steps=6",
+    longer = _schedule(named_job("sized_model", "actor.lr_decay_style=cosine", "actor.lr_warmup_steps=6",
                                            "trainer.steps=40", world_size=1)).build(_optimizer())
     restore_scheduler(longer, first.state_dict(), num_steps=0)
     assert longer.lr_decay_steps == 40 and longer.num_steps == 4
@@ -105,9 +110,9 @@ def test_restore_uses_this_jobs_lr_over_the_loaded_optimizer_groups():
         return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": job.actor.lr,
                                  "min_lr": job.actor.min_lr}], lr=123.0)
 
-    first = LRSchedule.from_job(old_job).build(megatron_groups(old_job))
+    first = _schedule(old_job).build(megatron_groups(old_job))
     _lrs(first, 4)
-    resumed = LRSchedule.from_job(new_job).build(megatron_groups(new_job))
+    resumed = _schedule(new_job).build(megatron_groups(new_job))
     resumed.optimizer.load_state_dict(first.optimizer.state_dict())
     restore_scheduler(resumed, first.state_dict(), num_steps=0)
     ref = OptimizerParamScheduler(_optimizer(), init_lr=0.0, max_lr=2e-3, min_lr=1e-4, lr_warmup_steps=3,

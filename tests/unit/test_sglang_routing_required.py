@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from megatron_rl.rollout.base import RolloutError
-from megatron_rl.rollout.factory import build_engine
+from megatron_rl.plan import job_engine as build_engine
 from megatron_rl.testing.jobs import named_job, setting
 
 
