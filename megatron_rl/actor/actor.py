@@ -41,8 +41,7 @@ from megatron_rl.actor.routing import RoutingError, RoutingSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
-from megatron_rl.losses import with_norm_divisor
-from megatron_rl.losses.selection import batch_selection
+from megatron_rl.losses import build_policy_loss
 from megatron_rl.models import build_gpt_model
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
@@ -70,11 +69,11 @@ class MegatronActor:
         self.model_cfg = job_cfg.model
         self.parallel_cfg = job_cfg.parallel
         self.actor_cfg = job_cfg.actor
-        self.loss_cfg = with_norm_divisor(self.actor_cfg.policy_loss, response_budget(job_cfg)[0])
-        self.loss_type = job_cfg.algorithm.rollout_correction.loss_type
-        """The policy objective (verl keeps it with the correction settings); the old log-probs and IS weights the
-        loss uses come with each step (``CorrectionResult.loss_inputs``)."""
         corr = job_cfg.algorithm.rollout_correction
+        self.loss = build_policy_loss(self.actor_cfg.policy_loss, corr.loss_type, corr.bypass_mode,
+                                      response_budget(job_cfg)[0])
+        """The job's policy loss (its objective's row, ``actor.policy_loss``, the mode), built once here; the old
+        log-probs and IS weights it uses come with each step (``CorrectionResult.loss_inputs``)."""
         self.bypass_correction = corr if corr.bypass_mode else None
         """Bypass mode: the correction settings the loss applies in every micro-batch from its current log-probs
         (verl's bypass loss; ``actor.train_step``), else None."""
@@ -223,7 +222,7 @@ class MegatronActor:
                 ``correction.correct_in_loss``).
             temperature: the rollout temperature (logits are divided by it).
             ref_log_probs: [B, L-1] reference-policy log-probs, needed when policy_loss.kl_loss_coef > 0.
-        The objective is ``algorithm.rollout_correction.loss_type``, read once when the actor is built.
+        The objective is ``self.loss`` (``algorithm.rollout_correction.loss_type``), built with the actor.
         Returns ``{"actor/<metric>": float}``: means over the optimizer steps of pg_loss, pg_clipfrac,
         pg_clipfrac_lower, ppo_kl, entropy, grad_norm, num_tokens (and kl_loss) and of the learning rate each
         applied (actor/lr; the schedule advances after each applied update), plus actor/num_optimizer_steps.
@@ -242,11 +241,10 @@ class MegatronActor:
             if advantages.shape[0] != B:
                 raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [{B}] or [{B}, {W}]")
             advantages = advantages.reshape(B, 1).expand(B, W)
-        old, w, loss_type = old_log_probs, is_weights, self.loss_type
+        old, w = old_log_probs, is_weights
         # clip_cov / kl_cov / m2po: token selection over this step's whole batch (all DP ranks), before any split
-        select, response_mask, select_metrics = batch_selection(
-            loss_type, self.actor_cfg.policy_loss, old, batch.rollout_log_probs,
-            advantages.to(torch.float32), response_mask,
+        select, response_mask, select_metrics = self.loss.select(
+            old, batch.rollout_log_probs, advantages.to(torch.float32), response_mask,
             group=self.groups.dp_group if self.groups.dp_size > 1 else None)
         per_token = {"old_log_probs": old, "advantages": advantages.to(torch.float32),
                      "response_mask": response_mask, "is_weights": w, "ref_log_probs": ref_log_probs,
@@ -254,7 +252,6 @@ class MegatronActor:
         for k, v in per_token.items():
             if v is not None and tuple(v.shape) != (B, W):
                 raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
-        loss_cfg = self.loss_cfg
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
         replayed = self.replay.train_routing(self.routing, batch) if self.routing else None
@@ -270,8 +267,8 @@ class MegatronActor:
                 rp = self.routing.begin(sub.lengths, sub.routing, record=False) if replayed is not None else None
                 lrs.append(float(self.optimizer.param_groups[0]["lr"]))  # the lr this optimizer step applies
                 try:
-                    steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
-                                                  loss_type, temperature=temperature, bounds=plan.bounds,
+                    steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, self.loss,
+                                                  temperature=temperature, bounds=plan.bounds,
                                                   groups=self.groups, batcher=self.batcher, replay=rp,
                                                   bypass_correction=self.bypass_correction))
                 finally:

@@ -19,7 +19,7 @@ from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.config.job import ConfigError, JobConfig
 from megatron_rl.config.types import field_types
 from megatron_rl.envs.base import env_import_error
-from megatron_rl.losses.config import mode_parameter_errors
+from megatron_rl.losses.registry import mode_parameter_errors
 from megatron_rl.models.attention import attention_errors, job_attention_backend
 from megatron_rl.models.builder import EXTRA_OWNED, transformer_config_fields
 from megatron_rl.models.config import ModelConfig, ModelConfigError

@@ -42,6 +42,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from megatron_rl.parallel.devices import all_reduce_
+
 from .config import LOSS_AGG_MODES, PolicyLossConfig
 
 Number = Union[int, float, torch.Tensor]
@@ -65,7 +67,6 @@ def sequence_token_counts(response_mask: torch.Tensor, cp_group=None) -> torch.T
     counts. ``cp_group=None`` means no communication."""
     counts = (response_mask != 0).sum(dim=-1).to(torch.float64)
     if cp_group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(counts, group=cp_group)
     return counts
 
@@ -101,11 +102,9 @@ def global_denominators(response_masks: Union[torch.Tensor, Sequence[torch.Tenso
                              f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
     counts = torch.cat([(m != 0).sum(dim=-1).to(torch.float64) for m in masks])
     if cp_group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(counts, group=cp_group)
     packed = torch.stack([counts.sum(), (counts > 0).sum().to(torch.float64)])
     if group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(packed, group=group)  # staged for the group's backend
     return LossDenominators(num_tokens=packed[0], num_seqs=packed[1])
 
