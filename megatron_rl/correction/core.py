@@ -20,8 +20,8 @@ Four steps, each a module that reads on its own:
 At most 3 collectives per call, whatever the number of metrics. Precision per dtype: see ``columns``
 (per-token float32 for <= fp32 inputs, float64 sums).
 
-What the policy loss uses (``CorrectionResult.loss_inputs`` / ``loss_mask``), decided here from ``loss_type`` /
-``bypass_mode``: decoupled, the train log-probs, ``weights`` and ``response_mask``; bypass, the rollout log-probs and
+What the policy loss uses (``CorrectionResult.loss_inputs`` / ``loss_mask``), as the objective's row says for
+``bypass_mode`` (``Objective.old_from_rollout`` / ``applies_is_weights``): decoupled, the train log-probs, ``weights`` and ``response_mask``; bypass, the rollout log-probs and
 the mask before rejection (``valid_mask``) with no weights: the loss recomputes weights and rejection from its
 current log-probs in every micro-batch (``correction.in_loss``, verl's bypass loss), so they stay exact over several
 optimizer steps per training step. In bypass mode this call's weights, mask and metrics describe the step's first

@@ -18,7 +18,7 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -99,6 +99,11 @@ class PolicyLoss:
         """The training step's batch selection (``Objective.select``)."""
         return self.objective.select(self.config, old_log_probs, rollout_log_probs, advantages, response_mask, group)
 
+    def parameter_errors(self) -> List[str]:
+        """Parameters set that the objective does not read, required ones unset (``Objective.parameter_errors``),
+        each naming its ``actor.policy_loss`` key: what the job's validation reports."""
+        return self.objective.parameter_errors(self.config)
+
     def summary(self) -> str:
         """One line naming the objective, its mode and its parameters (``Objective.summary``)."""
         return self.objective.summary(self.bypass_mode, self.config)
@@ -108,13 +113,10 @@ def build_policy_loss(config: PolicyLossConfig, loss_type: str, bypass_mode: boo
                       response_budget: Optional[int] = None) -> PolicyLoss:
     """The job's ``PolicyLoss`` from ``actor.policy_loss`` and ``algorithm.rollout_correction``'s ``loss_type`` /
     ``bypass_mode``; ``response_budget`` (the most response tokens a row holds) sets the seq-mean-token-sum-norm
-    divisor when it is not configured (``with_norm_divisor``). ValueError naming every problem: an unknown loss
-    type, one bypass mode does not run, a parameter it does not read set, a required one unset."""
+    divisor when it is not configured (``with_norm_divisor``). ValueError for an unknown loss type (nearest name),
+    one bypass mode does not run, a required parameter unset. A parameter set that the objective does not read is
+    not refused here (it changes nothing): validation reports it (``PolicyLoss.parameter_errors``)."""
     row = objective(loss_type)
-    row.check_bypass(bypass_mode)
-    errors = row.parameter_errors(config)
-    if errors:
-        raise ValueError("; ".join(errors))
     if response_budget is not None:
         config = with_norm_divisor(config, response_budget)
     return PolicyLoss(row, config, bypass_mode)

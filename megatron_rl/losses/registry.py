@@ -231,3 +231,20 @@ def batch_selection(loss_type: str, config: PolicyLossConfig, old_log_probs: tor
                     response_mask: torch.Tensor, group=None) -> sel.Selected:
     """``Objective.select`` of ``loss_type``'s row."""
     return objective(loss_type).select(config, old_log_probs, rollout_log_probs, advantages, response_mask, group)
+
+
+def objectives_markdown() -> str:
+    """The table of ``OBJECTIVES`` as markdown (docs/objectives.md holds it; a test keeps the two equal)."""
+    lines = ["| loss_type | follows | reads | parameters (range) | bypass mode | IS weights in bypass | batch selection "
+             "| own aggregation |", "|---|---|---|---|---|---|---|---|"]
+    for row in OBJECTIVES.values():
+        params = ", ".join(f"`{p.name}` {p.rule}" + (" (required)" if p in row.required else
+                                                     f" (or {p.unset})" if p.unset else "")
+                           for p in row.parameters) or "none"
+        name = f"`{row.name}`" + (f" (= `{row.alias_of}`)" if row.alias_of else "")
+        selection = f"`{row.selection.__name__}`" if row.selection else "-"
+        lines.append(f"| {name} | {row.reference} | {row.reads}{' + ' + ', '.join(row.inputs) if row.inputs else ''} "
+                     f"| {params} | {'yes' if row.bypass else 'no'} | "
+                     f"{('yes' if row.bypass_is_weights else 'no') if row.bypass else '-'} | {selection} | "
+                     f"{row.aggregation or '-'} |")
+    return "\n".join(lines) + "\n"
