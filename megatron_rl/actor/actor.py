@@ -70,7 +70,7 @@ class MegatronActor:
         self.parallel_cfg = job_cfg.parallel
         self.actor_cfg = job_cfg.actor
         corr = job_cfg.algorithm.rollout_correction
-        self.loss = build_policy_loss(self.actor_cfg.policy_loss, corr.loss_type, corr.bypass_mode,
+        self.loss = build_policy_loss(self.actor_cfg.policy_loss, corr.objective, corr.bypass_mode,
                                       response_budget(job_cfg)[0])
         """The job's policy loss (its objective's row, ``actor.policy_loss``, the mode), built once here; the old
         log-probs and IS weights it uses come with each step (``CorrectionResult.loss_inputs``)."""

@@ -1,6 +1,6 @@
 """The job's policy loss (``PolicyLoss``: an objective's row, its settings, the mode) and ``compute_policy_loss``.
 
-``build_policy_loss`` builds it once from the job's sections (the one lookup of the loss type);
+``build_policy_loss`` builds it once from the job's sections and the objective's row;
 ``compute_policy_loss(loss, batch)`` validates one micro-batch's tensors (``LossBatch``), runs the objective's term
 function, composes it with the correction's IS weights and masks, aggregates with global denominators and adds
 the optional KL loss and entropy bonus. The one rule: the rejection inside the loss (``pg_mask``, bypass mode)
@@ -10,7 +10,7 @@ removes tokens from the policy term only; the denominators, the KL loss and the 
 
 Usage::
 
-    loss = build_policy_loss(cfg.actor.policy_loss, corr.loss_type, corr.bypass_mode, response_budget)
+    loss = build_policy_loss(cfg.actor.policy_loss, corr.objective, corr.bypass_mode, response_budget)
     old, w = loss.loss_inputs(rollout_log_probs, old_log_probs, res.weights)
     out = compute_policy_loss(loss, LossBatch(logp, old, advantages, mask, is_weights=w, denominators=den))
     out.loss.backward()
@@ -109,14 +109,14 @@ class PolicyLoss:
         return self.objective.summary(self.bypass_mode, self.config)
 
 
-def build_policy_loss(config: PolicyLossConfig, loss_type: str, bypass_mode: bool = False,
+def build_policy_loss(config: PolicyLossConfig, row: Objective, bypass_mode: bool = False,
                       response_budget: Optional[int] = None) -> PolicyLoss:
-    """The job's ``PolicyLoss`` from ``actor.policy_loss`` and ``algorithm.rollout_correction``'s ``loss_type`` /
+    """The job's ``PolicyLoss`` from ``actor.policy_loss`` and ``algorithm.rollout_correction``'s objective row (its
+    ``loss_type``, looked up once when that section is read: ``RolloutCorrectionConfig.objective``) and
     ``bypass_mode``; ``response_budget`` (the most response tokens a row holds) sets the seq-mean-token-sum-norm
-    divisor when it is not configured (``with_norm_divisor``). ValueError for an unknown loss type (nearest name),
-    one bypass mode does not run, a required parameter unset. A parameter set that the objective does not read is
-    not refused here (it changes nothing): validation reports it (``PolicyLoss.parameter_errors``)."""
-    row = objective(loss_type)
+    divisor when it is not configured (``with_norm_divisor``). ValueError for an objective bypass mode does not run
+    or a required parameter unset. A parameter set that the objective does not read is not refused here (it changes
+    nothing): validation reports it (``PolicyLoss.parameter_errors``)."""
     if response_budget is not None:
         config = with_norm_divisor(config, response_budget)
     return PolicyLoss(row, config, bypass_mode)

@@ -3,7 +3,8 @@
 A row says what the loss needs to know about an objective: its term function, what it reads, the inputs and
 parameters it needs, whether bypass mode runs it and whether the IS weights apply there, its batch selection
 and its own aggregation. Adding an objective = one row here + its term function + tests (docs/objectives.md).
-The loss type is looked up once, where the job's ``PolicyLoss`` is built (``policy.build_policy_loss``).
+A loss type is looked up once, where its section is read (``RolloutCorrectionConfig.objective``); the job's
+``PolicyLoss`` is built from the row (``policy.build_policy_loss``) and everything after asks the row.
 """
 from __future__ import annotations
 
