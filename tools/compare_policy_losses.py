@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_rl.losses import LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss  # noqa: E402
+from megatron_rl.losses import (LOSS_AGG_MODES, LossBatch, PolicyLoss, PolicyLossConfig,  # noqa: E402
+                                compute_policy_loss)
 from tools.bench_correction import DEFAULT_VERL_PATH, add_verl_path, install_verl  # noqa: E402
 
 MODES = ("vanilla", "gspo", "geo_mean", "cispo", "sapo", "dppo_tv", "dppo_kl", "gpg", "clip_cov", "kl_cov", "dro",
@@ -84,7 +85,8 @@ def our_side(mode, agg, params, logp, old, adv, mask, w, device="cpu"):
                            **params)
     lp = logp.to(device).requires_grad_(True)
     old, adv, mask = old.to(device), adv.to(device), mask.to(device)
-    out = compute_policy_loss(lp, old, adv, mask, cfg, loss_type=mode, is_weights=None if w is None else w.to(device))
+    out = compute_policy_loss(PolicyLoss.of(mode, cfg),
+                              LossBatch(lp, old, adv, mask, is_weights=None if w is None else w.to(device)))
     grad, = torch.autograd.grad(out.loss, lp)
     return float(out.loss.detach()), grad.cpu(), {k: v.mean() for k, v in out.metrics.items()}
 

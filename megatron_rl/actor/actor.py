@@ -38,7 +38,6 @@ from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
-from megatron_rl.losses.selection import batch_selection
 from megatron_rl.models import build_gpt_model
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
@@ -68,6 +67,8 @@ class MegatronActor:
         self.objective = spec.objective
         """The policy objective: its loss type and settings, bypass or not; the old log-probs and IS weights the
         loss uses come with each step (``CorrectionResult.loss_inputs``)."""
+        self.loss = spec.objective.loss
+        """The job's ``PolicyLoss`` (its objective's row, ``actor.policy_loss``, the mode), built once by the plan."""
         self.groups = ActorGroups.from_parallel_state(sequence_parallel=self.parallel_cfg.sequence_parallel)
         if spec.batcher.dims != self.groups.dims:
             raise ValueError(f"MegatronActor: the plan's layout {spec.batcher.dims} is not the one megatron's "
@@ -227,7 +228,7 @@ class MegatronActor:
                 ``correction.correct_in_loss``).
             temperature: the rollout temperature (logits are divided by it).
             ref_log_probs: [B, L-1] reference-policy log-probs, needed when policy_loss.kl_loss_coef > 0.
-        The objective is the spec's (``ActorSpec.objective``: ``algorithm.rollout_correction.loss_type``).
+        The objective is ``self.loss`` (the spec's: ``algorithm.rollout_correction.loss_type``).
         Returns ``{"actor/<metric>": float}``: means over the optimizer steps of pg_loss, pg_clipfrac,
         pg_clipfrac_lower, ppo_kl, entropy, grad_norm, num_tokens (and kl_loss) and of the learning rate each
         applied (actor/lr; the schedule advances after each applied update), plus actor/num_optimizer_steps.
@@ -247,11 +248,10 @@ class MegatronActor:
             if advantages.shape[0] != B:
                 raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [{B}] or [{B}, {W}]")
             advantages = advantages.reshape(B, 1).expand(B, W)
-        old, w, loss_type = old_log_probs, is_weights, self.objective.loss_type
+        old, w = old_log_probs, is_weights
         # clip_cov / kl_cov / m2po: token selection over this step's whole batch (all DP ranks), before any split
-        select, response_mask, select_metrics = batch_selection(
-            loss_type, self.actor_cfg.policy_loss, old, batch.rollout_log_probs,
-            advantages.to(torch.float32), response_mask,
+        select, response_mask, select_metrics = self.loss.select(
+            old, batch.rollout_log_probs, advantages.to(torch.float32), response_mask,
             group=self.groups.dp_group if self.groups.dp_size > 1 else None)
         per_token = {"old_log_probs": old, "advantages": advantages.to(torch.float32),
                      "response_mask": response_mask, "is_weights": w, "ref_log_probs": ref_log_probs,
@@ -259,7 +259,6 @@ class MegatronActor:
         for k, v in per_token.items():
             if v is not None and tuple(v.shape) != (B, W):
                 raise ValueError(f"train_step: {k} has shape {tuple(v.shape)}, expected [B, L-1] = [{B}, {W}]")
-        loss_cfg = self.objective.loss
         ac = self.actor_cfg
         blocks = row_blocks(B, ac.ppo_mini_batches, "rows of this DP shard over actor.ppo_mini_batches")
         replayed = self.replay.train_routing(self.routing, batch) if self.routing else None
@@ -275,8 +274,8 @@ class MegatronActor:
                 rp = self.routing.begin(sub.lengths, sub.routing, record=False) if replayed is not None else None
                 lrs.append(float(self.optimizer.param_groups[0]["lr"]))  # the lr this optimizer step applies
                 try:
-                    steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, loss_cfg,
-                                                  loss_type, temperature=temperature, bounds=plan.bounds,
+                    steps.append(train_mini_batch(self.model, self.optimizer, sub, sub_tok, self.loss,
+                                                  temperature=temperature, bounds=plan.bounds,
                                                   groups=self.groups, batcher=self.batcher, replay=rp,
                                                   bypass_correction=self.objective.bypass_correction))
                 finally:

@@ -25,8 +25,8 @@ class Objective:
     loss_type: str
     """``algorithm.rollout_correction.loss_type`` (verl keeps the objective with the correction settings)."""
     loss: Any
-    """``actor.policy_loss`` (a ``PolicyLossConfig``) with the ``seq-mean-token-sum-norm`` divisor set from the
-    job's response budget (``losses.with_norm_divisor``)."""
+    """The ``PolicyLoss`` (``losses.build_policy_loss``): the objective's row, ``actor.policy_loss`` with the
+    ``seq-mean-token-sum-norm`` divisor set from the job's response budget, and the mode."""
     bypass_correction: Optional[Any] = None
     """Bypass mode: the ``RolloutCorrectionConfig`` the loss applies in every micro-batch from its current
     log-probs (verl's bypass loss), else None."""

@@ -11,6 +11,7 @@ docs/actor.md.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -22,17 +23,16 @@ from megatron_rl.actor.schedule import MicroBatch, actor_device, run_schedule
 from megatron_rl.correction.config import RolloutCorrectionConfig
 from megatron_rl.correction.in_loss import correct_in_loss
 from megatron_rl.logprobs import vocab_parallel_logprobs
-from megatron_rl.losses import (PolicyLossConfig, SumCount, compute_policy_loss, global_denominators,
-                                merge_metrics, reduce_metrics)
+from megatron_rl.losses import (LossBatch, LossDenominators, PolicyLoss, SumCount, compute_policy_loss,
+                                global_denominators, merge_metrics, reduce_metrics)
 from megatron_rl.losses.metrics import sum_count
-from megatron_rl.losses.policy import loss_input_sources
 from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["train_mini_batch", "PER_TOKEN_INPUTS"]
 
 PER_TOKEN_INPUTS = ("old_log_probs", "advantages", "response_mask", "is_weights", "ref_log_probs", "token_select")
 """Per-token [B, L-1] inputs of the loss (is_weights / ref_log_probs / token_select may be None;
-token_select: the clip_cov / kl_cov batch selection, ``megatron_rl.losses.selection.batch_selection``)."""
+token_select: the clip_cov / kl_cov batch selection, ``PolicyLoss.select``)."""
 
 
 _GLOBAL_LOSSES = ("pg_loss", "entropy_loss")
@@ -40,36 +40,53 @@ _GLOBAL_LOSSES = ("pg_loss", "entropy_loss")
 and ranks, not a mean."""
 
 
-def _loss_func(cfg: PolicyLossConfig, loss_type: str, den, temperature: float, tp_group, scale: float,
-               cp_group, bypass: Optional[RolloutCorrectionConfig], mb: MicroBatch, logits: torch.Tensor):
-    """Last stage: policy loss of one micro-batch from its vocab-parallel logits, scaled for megatron
-    (see the module docstring), plus its (sum, count) metrics. ``bypass``: the correction settings whose weights and
-    rejection this micro-batch recomputes from its log-probs (bypass mode), or None."""
-    logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
-                                        compute_entropy=True)
-    # packed: the packed sequence's positions -> the rows the loss's inputs are laid out in (padded: as is)
-    logp, ent = mb.layout.loss_rows(logp), mb.layout.loss_rows(ent)
-    p = mb.per_token
-    w, pg_mask, pg_svt = p["is_weights"], None, None
-    if bypass is not None:  # verl's bypass loss: weights and rejection of the current pi_theta vs pi_rollout
-        lc = correct_in_loss(logp.detach(), p["old_log_probs"], p["response_mask"], bypass, cp_group=cp_group)
-        w = lc.weights if loss_input_sources(loss_type, True)[1] else None
-        pg_mask, pg_svt = lc.keep, lc.kept_tokens
-    out = compute_policy_loss(logp, p["old_log_probs"], p["advantages"], p["response_mask"], cfg,
-                              loss_type=loss_type, is_weights=w, ref_log_probs=p["ref_log_probs"],
-                              denominators=den,
-                              seq_valid_tokens=mb.seq_valid_tokens, cp_group=cp_group,
-                              token_select=p.get("token_select"), entropy=ent, pg_mask=pg_mask,
-                              pg_seq_valid_tokens=pg_svt)
-    metrics = dict(out.metrics)
-    valid = p["response_mask"] != 0
-    metrics["entropy"] = sum_count(ent, valid)
-    # metrics stay on the logits' device: they are all-reduced (NCCL needs CUDA tensors on GPU)
-    one = torch.ones((), dtype=torch.float64, device=logits.device)
-    metrics["pg_loss"] = SumCount(out.pg_loss.detach().to(torch.float64).reshape(()), one)
-    if out.entropy_loss is not None:  # the entropy bonus's aggregated entropy (global denominators: summed)
-        metrics["entropy_loss"] = SumCount(out.entropy_loss.detach().to(torch.float64).reshape(()), one)
-    return out.loss * scale, {"metrics": metrics}
+@dataclass(frozen=True)
+class _MicroBatchLoss:
+    """Last stage: the policy loss of one micro-batch from its vocab-parallel logits, scaled for megatron (see the
+    module docstring), plus its (sum, count) metrics."""
+
+    loss: PolicyLoss
+    """The job's policy loss."""
+    denominators: LossDenominators
+    """The optimizer step's global denominators."""
+    temperature: float
+    """Logits are divided by it."""
+    tp_group: object
+    """Tensor-parallel group (vocab-parallel log-probs)."""
+    scale: float
+    """num_microbatches * dp_size (megatron's loss scaling undone)."""
+    cp_group: object
+    """Context-parallel group of the per-sequence sums, or None."""
+    bypass: Optional[RolloutCorrectionConfig]
+    """Bypass mode: the correction settings whose weights and rejection each micro-batch recomputes from its
+    log-probs; None otherwise."""
+
+    def __call__(self, mb: MicroBatch, logits: torch.Tensor):
+        logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=self.tp_group, temperature=self.temperature,
+                                            compute_entropy=True)
+        # packed: the packed sequence's positions -> the rows the loss's inputs are laid out in (padded: as is)
+        logp, ent = mb.layout.loss_rows(logp), mb.layout.loss_rows(ent)
+        p = mb.per_token
+        w, pg_mask, pg_svt = p["is_weights"], None, None
+        if self.bypass is not None:  # verl's bypass loss: weights and rejection of the current pi_theta vs pi_rollout
+            lc = correct_in_loss(logp.detach(), p["old_log_probs"], p["response_mask"], self.bypass,
+                                 cp_group=self.cp_group)
+            w = lc.weights if self.loss.applies_is_weights else None
+            pg_mask, pg_svt = lc.keep, lc.kept_tokens
+        out = compute_policy_loss(self.loss, LossBatch(
+            logp, p["old_log_probs"], p["advantages"], p["response_mask"], is_weights=w,
+            ref_log_probs=p["ref_log_probs"], denominators=self.denominators, seq_valid_tokens=mb.seq_valid_tokens,
+            cp_group=self.cp_group, token_select=p.get("token_select"), entropy=ent, pg_mask=pg_mask,
+            pg_seq_valid_tokens=pg_svt))
+        metrics = dict(out.metrics)
+        valid = p["response_mask"] != 0
+        metrics["entropy"] = sum_count(ent, valid)
+        # metrics stay on the logits' device: they are all-reduced (NCCL needs CUDA tensors on GPU)
+        one = torch.ones((), dtype=torch.float64, device=logits.device)
+        metrics["pg_loss"] = SumCount(out.pg_loss.detach().to(torch.float64).reshape(()), one)
+        if out.entropy_loss is not None:  # the entropy bonus's aggregated entropy (global denominators: summed)
+            metrics["entropy_loss"] = SumCount(out.entropy_loss.detach().to(torch.float64).reshape(()), one)
+        return out.loss * self.scale, {"metrics": metrics}
 
 
 def _forward_step(loss_func, mb: MicroBatch, model):
@@ -87,16 +104,16 @@ def _broadcast_object(obj, groups: ActorGroups):
 
 
 def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
-                     per_token: Dict[str, Optional[torch.Tensor]], loss_cfg: PolicyLossConfig, loss_type: str, *,
+                     per_token: Dict[str, Optional[torch.Tensor]], loss: PolicyLoss, *,
                      temperature: float, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
                      batcher: Optional[MicroBatcher] = None, replay=None,
                      bypass_correction: Optional[RolloutCorrectionConfig] = None) -> Dict[str, float]:
     """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
 
-    ``bypass_correction`` (bypass mode; ``loss_type`` ppo_clip or reinforce): every micro-batch recomputes the IS
-    weights and the rejection from its log-probs (see the module docstring); ``per_token['old_log_probs']`` are then
-    the rollout's, ``response_mask`` the mask before rejection and ``is_weights`` must be None. num_tokens, ppo_kl
-    and the clip fractions then count the tokens the rejection kept.
+    ``bypass_correction`` (bypass mode, ``loss.bypass_mode``; ppo_clip or reinforce): every micro-batch recomputes
+    the IS weights and the rejection from its log-probs (see the module docstring); ``per_token['old_log_probs']``
+    are then the rollout's, ``response_mask`` the mask before rejection and ``is_weights`` must be None. num_tokens,
+    ppo_kl and the clip fractions then count the tokens the rejection kept.
 
     ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
     ``bounds``: the micro-batches, contiguous [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs
@@ -105,7 +122,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     bypass mode's ``rollout_is_batch_normalize``: it divides by each micro-batch's mean weight on its DP rank, so
     the loss then depends on the cut (the DP size, ``micro_batch_size`` / ``max_tokens_per_micro_batch``, packing).
 
-    ``loss_type`` (one of ``megatron_rl.losses.LOSS_TYPES``) is ``algorithm.rollout_correction.loss_type``.
+    ``loss``: the job's ``PolicyLoss`` (``megatron_rl.losses.build_policy_loss``).
     ``per_token`` maps each name of ``PER_TOKEN_INPUTS`` to a [B, L-1] tensor (column t scores token
     t+1) or None (is_weights, ref_log_probs). Returns floats: pg_loss (the global batch's aggregated
     policy loss), entropy_loss (with an entropy bonus: the global batch's aggregated entropy), pg_clipfrac,
@@ -120,17 +137,19 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     if unknown:
         raise ValueError(f"train_mini_batch: unknown per-token input(s) {unknown}; valid: {PER_TOKEN_INPUTS}")
     inputs = {k: per_token.get(k) for k in PER_TOKEN_INPUTS}
+    if (bypass_correction is not None) != loss.bypass_mode:
+        raise ValueError(f"train_mini_batch: loss.bypass_mode={loss.bypass_mode} but bypass_correction is "
+                         f"{'given' if bypass_correction is not None else 'None'}: bypass mode needs both")
     if bypass_correction is not None:
         if not bypass_correction.bypass_mode:
             raise ValueError("train_mini_batch: bypass_correction has bypass_mode=False (decoupled: pass the "
                              "correction's is_weights and response_mask instead)")
-        loss_input_sources(loss_type, True)   # a loss type bypass mode does not run: ValueError naming it
         if inputs["is_weights"] is not None:
             raise ValueError("train_mini_batch: is_weights given in bypass mode: the loss computes the IS weights "
                              "from the current log-probs (CorrectionResult.loss_inputs gives None)")
-    if loss_cfg.loss_agg_mode == "seq-mean-token-sum-norm" and loss_cfg.loss_scale_factor is None:
+    if loss.config.loss_agg_mode == "seq-mean-token-sum-norm" and loss.config.loss_scale_factor is None:
         # a micro-batch's width is not verl's response-mask width: the caller gives the response budget
-        raise ValueError("train_mini_batch: seq-mean-token-sum-norm needs loss_cfg.loss_scale_factor (the job's "
+        raise ValueError("train_mini_batch: seq-mean-token-sum-norm needs loss.config.loss_scale_factor (the job's "
                          "response budget, losses.with_norm_divisor); rows here hold prompt + response")
     dev = actor_device()
     inputs = {k: None if v is None else v.to(dev) for k, v in inputs.items()}
@@ -139,8 +158,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     mbs = batcher.cut(batch, bounds, groups, per_token=inputs)
     scale = float(len(mbs) * groups.dp_size)
     cp_group = groups.cp_group if groups.cp_size > 1 else None   # per-sequence sums of gspo / geo_mean / opsm
-    loss_func = functools.partial(_loss_func, loss_cfg, loss_type, den, float(temperature), groups.tp_group, scale,
-                                  cp_group, bypass_correction)
+    loss_func = _MicroBatchLoss(loss, den, float(temperature), groups.tp_group, scale, cp_group, bypass_correction)
     for chunk in model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()

@@ -27,7 +27,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from megatron_rl.cli.build_hint import build_command
-from megatron_rl.losses.config import objective_summary
+from megatron_rl.losses.registry import objective_summary
 from megatron_rl.config import ConfigError, collect_job_config
 from megatron_rl.config.epochs import epochs_line
 from megatron_rl.config.load import VERL_FILE_MESSAGE

@@ -38,7 +38,7 @@ from megatron_rl.convert import model_config_for_checkpoint
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
-from megatron_rl.losses.config import loss_type_for_loss_mode
+from megatron_rl.losses.registry import loss_type_for_loss_mode
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 

@@ -36,7 +36,7 @@ from megatron_rl.config.interpolation import lookup
 from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
 from megatron_rl.config.verl_tools import read_verl_tools
 from megatron_rl.config.verl_versions import NEWEST, after
-from megatron_rl.losses.config import MODE_PARAMETERS, loss_type_for_loss_mode
+from megatron_rl.losses.registry import MODE_PARAMETERS, loss_type_for_loss_mode
 
 MAPPED = "mapped"
 UNSUPPORTED = "not supported yet"

@@ -20,7 +20,7 @@ from megatron_rl.correction.migration import translate
 from megatron_rl.correction.thresholds import (
     ISBounds, RSBound, parse_is_threshold, parse_rs_options, parse_rs_thresholds,
 )
-from megatron_rl.losses.config import BYPASS_LOSS_TYPES, check_loss_type
+from megatron_rl.losses.registry import BYPASS_LOSS_TYPES, Objective, objective
 
 IS_LEVELS = ("token", "sequence", "geometric")
 ON_INVALID = ("raise", "reject")
@@ -84,6 +84,7 @@ class RolloutCorrectionConfig:
     is_bounds: Optional[ISBounds] = field(default=None, init=False, repr=False, compare=False)
     rs_options: List[str] = field(default_factory=list, init=False, repr=False, compare=False)
     rs_bounds: Dict[str, RSBound] = field(default_factory=dict, init=False, repr=False, compare=False)
+    objective: Optional[Objective] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,8 +108,8 @@ class RolloutCorrectionConfig:
         for key in ("bypass_mode",):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: expected a bool, got {getattr(self, key)!r}")
-        check_loss_type(self.loss_type)
-        if self.bypass_mode and self.loss_type not in BYPASS_LOSS_TYPES:
+        self.objective = objective(self.loss_type)
+        if self.bypass_mode and not self.objective.bypass:
             raise ValueError(f"loss_type: {self.loss_type!r} cannot run with bypass_mode: true (bypass mode "
                              f"takes {', '.join(BYPASS_LOSS_TYPES)}; verl's bypass_mode loss replaces any "
                              f"loss_mode); set bypass_mode: false to use {self.loss_type!r}")

@@ -22,7 +22,6 @@ from megatron_rl.correction.finalize import PREFIX, batch_norm_factor, finalize_
 from megatron_rl.correction.partials import add_partials
 from megatron_rl.correction.reduce import CollectiveCounter, Reducer, check_groups, group_rank, group_size
 from megatron_rl.correction.validation import check_structure, describe_invalid, invalid_tokens
-from megatron_rl.losses.policy import loss_input_sources
 from megatron_rl.numerics import LOG_PROB_TOLERANCE
 
 
@@ -73,7 +72,7 @@ class CorrectionResult:
     def loss_inputs(self, train_log_probs: Optional[torch.Tensor], rollout_log_probs: Optional[torch.Tensor]
                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(old log-probs, IS weights) the policy loss is given, of the train / rollout log-probs this correction was
-        computed from (``losses.select_loss_inputs``; bypass mode: no weights, the loss computes them); with
+        computed from (``Objective.loss_inputs``; bypass mode: no weights, the loss computes them); with
         ``loss_mask``, what ``MegatronActor.train_step`` takes. ``ValueError`` naming the missing one."""
         old = rollout_log_probs if self.old_from_rollout else train_log_probs
         if old is None:
@@ -125,7 +124,8 @@ def compute_rollout_correction(train_log_probs: torch.Tensor, rollout_log_probs:
         weights = output_weights(tok, dec, keep, factor)
     new_mask = keep if response_mask.dtype == torch.bool else keep.to(response_mask.dtype)
     valid = tok.mask & dec.valid[:, None]
-    old_from_rollout, weights_in_loss = loss_input_sources(cfg.loss_type, cfg.bypass_mode)
+    old_from_rollout = cfg.objective.old_from_rollout(cfg.bypass_mode)      # the objective's row says
+    weights_in_loss = cfg.objective.applies_is_weights(cfg.bypass_mode)
     return CorrectionResult(weights=weights, response_mask=new_mask, metrics=metrics,
                             num_collectives=counter.count, old_from_rollout=old_from_rollout,
                             weights_in_loss=weights_in_loss,

@@ -1,37 +1,10 @@
-"""Loss aggregation ([B, T] per-token losses -> scalar) with GLOBAL denominators.
+"""Loss aggregation ([B, T] per-token losses -> scalar) in verl's five modes, with GLOBAL denominators.
 
-Modes (verl's names and definitions; m = response mask after rejection sampling, L = per-token loss,
-N_tok = valid tokens in the global batch, N_seq = sequences with >= 1 valid token in the global batch):
-
-* ``token-mean``:              sum_{i,t} m*L / N_tok
-* ``token-sum``:               sum_{i,t} m*L                        (no denominator)
-* ``seq-mean-token-sum``:      sum_i (sum_t m*L) / N_seq
-* ``seq-mean-token-mean``:     sum_i (sum_t m*L / n_i) / N_seq     (n_i = valid tokens of sequence i)
-* ``seq-mean-token-sum-norm``: sum_{i,t} m*L / (N_seq * loss_scale_factor)  (Dr. GRPO; verl 0.9's
-  ``agg_loss``: the seq-mean-token-sum loss divided by ``loss_scale_factor``, by default verl's
-  ``loss_mask.shape[-1]``, the width of its response tensors = the configured response budget, a constant
-  of the config. Here rows hold prompt + response, so the actor passes the job's response budget
-  (``with_norm_divisor``: ``rollout.max_new_tokens``, multi-turn ``multi_turn.max_total_tokens``);
-  ``aggregate_loss`` alone falls back to the tensor's width T, verl's default for response-only tensors)
-
-Every mode is a SUM of per-sequence terms divided by a global constant, so when each micro-batch on
-each data-parallel rank is aggregated with the global ``LossDenominators`` (``global_denominators``),
-the sum of the per-micro-batch losses over micro-batches and DP ranks equals the full-batch loss
-exactly (and so do the summed gradients). Without denominators the local batch's counts are used
-(single-process semantics). Sequences with no valid token contribute 0 and are not counted; a batch
-with no valid token at all gives a loss of exactly 0 with a zero gradient (never NaN).
-
-Note for megatron-core's schedules (checked in 0.16.1): with a 2-tuple ``loss_func`` return the
-schedule multiplies each micro-batch loss by ``cp_size / num_microbatches`` and Megatron DDP scales
-gradients by ``1 / (dp_size * cp_size)``; since these losses are already globally normalised, return
-``loss * num_microbatches * dp_size`` (dp_size = data-parallel size WITHOUT context parallel) so the
-gradients are exactly those of the global loss — verl applies the same ``dp_size`` factor.
-
-Context parallel (each sequence split along time over a CP group): compute the denominators with
-``global_denominators(masks, group=dp_group, cp_group=cp_group)`` and pass
-``seq_valid_tokens=sequence_token_counts(mask, cp_group)`` (whole-sequence valid-token counts) so
-``seq-mean-token-mean`` divides by the full length; the other modes are linear in tokens and need
-nothing more than the global denominators. Summing the losses over CP ranks then gives the loss.
+The one rule: every mode is a sum of per-sequence terms divided by a global constant (``LossDenominators``: valid
+tokens / sequences of the whole optimizer step over micro-batches, DP and CP ranks), so the per-micro-batch losses
+summed over micro-batches and ranks equal the full-batch loss exactly, gradients included. Without denominators
+the local batch's counts are used. Empty sequences count 0; a batch without a valid token gives 0, never NaN.
+The formulas, the seq-mean-token-sum-norm divisor and megatron's loss scaling: docs/objectives.md, "Aggregation".
 """
 from __future__ import annotations
 
@@ -41,6 +14,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
+
+from megatron_rl.parallel.devices import all_reduce_
 
 from .config import LOSS_AGG_MODES, PolicyLossConfig
 
@@ -65,7 +40,6 @@ def sequence_token_counts(response_mask: torch.Tensor, cp_group=None) -> torch.T
     counts. ``cp_group=None`` means no communication."""
     counts = (response_mask != 0).sum(dim=-1).to(torch.float64)
     if cp_group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(counts, group=cp_group)
     return counts
 
@@ -101,11 +75,9 @@ def global_denominators(response_masks: Union[torch.Tensor, Sequence[torch.Tenso
                              f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
     counts = torch.cat([(m != 0).sum(dim=-1).to(torch.float64) for m in masks])
     if cp_group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(counts, group=cp_group)
     packed = torch.stack([counts.sum(), (counts > 0).sum().to(torch.float64)])
     if group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(packed, group=group)  # staged for the group's backend
     return LossDenominators(num_tokens=packed[0], num_seqs=packed[1])
 

@@ -1,24 +1,13 @@
 """Typed configuration of the policy loss (``PolicyLossConfig``), validated on construction.
 
-Names and defaults follow verl 0.9.1's actor config (``clip_ratio_low`` / ``clip_ratio_high`` /
-``clip_ratio_c`` / ``tau_pos`` / ``tau_neg`` / ``loss_agg_mode`` / ``kl_loss_coef`` / ``kl_loss_type``) and
-its ``actor.policy_loss`` block (``clip_cov_ratio`` / ``clip_cov_lb`` / ``clip_cov_ub`` / ``kl_cov_ratio`` /
-``ppo_kl_coef`` / ``dro_beta``), plus slime's ``opsm_delta`` and AReaL's ``m2_threshold``; all live under
-``actor.policy_loss`` here. One addition: ``clip_ratio_c=None`` disables dual-clip (verl always applies it).
+Names and defaults follow verl 0.9.1's actor config and its ``actor.policy_loss`` block, plus slime's
+``opsm_delta`` and AReaL's ``m2_threshold``; all live under ``actor.policy_loss`` here. One addition:
+``clip_ratio_c=None`` disables dual-clip (verl always applies it). The objective parameters' ranges are the
+rows of ``params.py``.
 
-The loss type is not a field here: it has one owner, ``algorithm.rollout_correction.loss_type``
-(``RolloutCorrectionConfig.loss_type``), because it also decides which IS weights apply; the loss
-functions take it as an argument. It accepts verl's ``actor.policy_loss.loss_mode`` names (``vanilla`` =
-``ppo_clip``, ``gspo``, ``geo_mean``, ...); a verl config's ``loss_mode`` is moved there when the job config
-is loaded (``loss_type_for_loss_mode``). ``LOSS_TYPES`` below is its one list of valid values and
-``MODE_PARAMETERS`` says which parameters each loss type reads (``mode_parameter_errors`` names a parameter
-set for a loss type that ignores it).
-
-Usage::
-
-    from megatron_rl.losses import PolicyLossConfig
-    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-mean")
-    cfg = PolicyLossConfig.from_dict({"clip_ratio": 0.2, "loss_agg_mode": "token-mean"})
+The loss type is not a field here: its one owner is ``algorithm.rollout_correction.loss_type``, because it
+also decides which IS weights apply; which objective reads which parameter is said by the objective's row
+(``megatron_rl.losses.registry``). See docs/objectives.md.
 """
 from __future__ import annotations
 
@@ -28,45 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-VERL_LOSS_MODES = ("vanilla", "gspo", "geo_mean", "cispo", "sapo", "dppo_tv", "dppo_kl", "gpg", "clip_cov",
-                   "kl_cov", "dro")
-"""verl 0.9.1's ``actor.policy_loss.loss_mode`` objectives (its ``bypass_mode`` loss mode is this project's
-``algorithm.rollout_correction.bypass_mode: true`` with loss_type ppo_clip or reinforce)."""
-
-PEER_LOSS_TYPES = ("opsm", "m2po")
-"""Objectives from other systems: OPSM (slime / Miles ``--use-opsm``), M2PO (AReaL ``m2_threshold``)."""
-
-LOSS_TYPES = ("ppo_clip", "reinforce") + VERL_LOSS_MODES + PEER_LOSS_TYPES
-"""Valid loss types (``algorithm.rollout_correction.loss_type``): "ppo_clip" (= verl's "vanilla") is the
-clipped surrogate with ratio pi_theta/pi_old; "reinforce" is -A * w * log pi_theta with detached IS weights
-w; the others are documented in ``megatron_rl.losses.objectives`` / ``sequence`` / ``selection``."""
-
-BYPASS_LOSS_TYPES = ("ppo_clip", "vanilla", "reinforce")
-"""Loss types bypass mode runs (verl's ``bypass_mode`` loss replaces any other ``loss_mode``)."""
-
-SEQUENCE_LOSS_TYPES = ("gspo", "geo_mean", "opsm")
-"""Objectives that need per-sequence sums (reduced over the context-parallel group)."""
-
-BATCH_LOSS_TYPES = ("clip_cov", "kl_cov", "m2po")
-"""Objectives whose token selection needs batch statistics (``megatron_rl.losses.selection``)."""
-
-MODE_PARAMETERS = {
-    "clip_ratio_low": ("ppo_clip", "vanilla", "gspo", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "clip_cov",
-                       "opsm", "m2po"),
-    "clip_ratio_high": ("ppo_clip", "vanilla", "gspo", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "clip_cov",
-                        "opsm", "m2po"),
-    "clip_ratio_c": ("ppo_clip", "vanilla", "dppo_tv", "dppo_kl", "opsm", "m2po"),
-    "tau_pos": ("sapo",), "tau_neg": ("sapo",),
-    "clip_cov_ratio": ("clip_cov",), "clip_cov_lb": ("clip_cov",), "clip_cov_ub": ("clip_cov",),
-    "clip_cov_seed": ("clip_cov",),
-    "kl_cov_ratio": ("kl_cov",), "ppo_kl_coef": ("kl_cov",),
-    "dro_beta": ("dro",), "opsm_delta": ("opsm",), "m2_threshold": ("m2po",),
-}
-"""Which loss types read each objective parameter; a parameter set to a non-default value for a loss
-type that ignores it is an error (``mode_parameter_errors``)."""
-
-REQUIRED_PARAMETERS = {"dro": "dro_beta", "m2po": "m2_threshold"}
-"""Parameters without a default that a loss type needs."""
+from .params import PARAMETERS
 
 MOVED_KEYS = {"loss_type": "algorithm.rollout_correction.loss_type",
               "loss_mode": "algorithm.rollout_correction.loss_type"}
@@ -87,67 +38,13 @@ def _finite_number(key: str, value: Any) -> float:
     return float(value)
 
 
-def _choice(key: str, value: Any, choices) -> None:
+def choice(key: str, value: Any, choices) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices``, naming ``key`` and the nearest choice."""
     if value not in choices:
         prefixed = [c for c in choices if str(c).startswith(str(value))] if str(value) else []
         near = prefixed[:1] or difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.4)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}{hint}")
-
-
-def check_loss_type(loss_type: Any) -> None:
-    """Raise ValueError unless ``loss_type`` is one of ``LOSS_TYPES`` (with the nearest name)."""
-    if loss_type == "bypass_mode":
-        raise ValueError("loss_type: 'bypass_mode' is verl's loss mode for algorithm.rollout_correction."
-                         "bypass_mode: true; set that and loss_type 'ppo_clip' or 'reinforce'")
-    _choice("loss_type", loss_type, LOSS_TYPES)
-
-
-def loss_type_for_loss_mode(loss_mode: Any) -> str:
-    """This project's loss type for verl's ``actor.policy_loss.loss_mode`` (the same name; ``vanilla`` is
-    kept as an alias of ``ppo_clip``). Raises ValueError for unknown names (nearest name) and for
-    ``bypass_mode`` (use ``algorithm.rollout_correction.bypass_mode: true``)."""
-    if loss_mode == "bypass_mode":
-        raise ValueError("actor.policy_loss.loss_mode: 'bypass_mode' is set by verl itself when "
-                         "algorithm.rollout_correction.bypass_mode is true; set that (loss_type 'ppo_clip' or "
-                         "'reinforce') instead of loss_mode")
-    _choice("actor.policy_loss.loss_mode", loss_mode, LOSS_TYPES)
-    return str(loss_mode)
-
-
-def is_ppo_clip(loss_type: str) -> bool:
-    """True for the clipped surrogate under either of its names ("ppo_clip", verl's "vanilla")."""
-    return loss_type in ("ppo_clip", "vanilla")
-
-
-def mode_parameter_errors(loss_type: str, config: "PolicyLossConfig") -> list:
-    """Problems of ``config`` for ``loss_type``: a parameter set (to a value other than its default) that
-    ``loss_type`` does not read, or a required parameter left unset. Messages name the dotted key."""
-    errors = []
-    defaults = {f.name: f.default for f in dataclasses.fields(PolicyLossConfig)}
-    for key, modes in MODE_PARAMETERS.items():
-        value = getattr(config, key)
-        if loss_type not in modes and value != defaults[key]:
-            errors.append(f"actor.policy_loss.{key}: set to {value!r} but loss_type {loss_type!r} "
-                          f"(algorithm.rollout_correction.loss_type) does not use it; it is read by "
-                          f"{', '.join(m for m in modes if m != 'vanilla')}")
-    required = REQUIRED_PARAMETERS.get(loss_type)
-    if required and getattr(config, required) is None:
-        errors.append(f"actor.policy_loss.{required}: required by loss_type {loss_type!r} (no default)")
-    return errors
-
-
-def objective_summary(loss_type: str, bypass_mode: bool, config: "PolicyLossConfig") -> str:
-    """One line naming the objective, its mode and the parameters it reads (``megatron-rl check``)."""
-    params = [f"{k}={getattr(config, k)!r}" for k, modes in MODE_PARAMETERS.items() if loss_type in modes]
-    agg = "seq-mean-token-mean (sapo's own)" if loss_type == "sapo" else (
-        "seq-mean (geo_mean's own)" if loss_type == "geo_mean" else (
-            f"{config.pg_loss_agg_mode} (policy term; KL / entropy: {config.loss_agg_mode})"
-            if config.pg_loss_agg_mode and config.pg_loss_agg_mode != config.loss_agg_mode else config.loss_agg_mode))
-    return (f"objective: {loss_type} ({'bypass' if bypass_mode else 'decoupled'}; "
-            f"{', '.join(params) if params else 'no objective parameters'}; loss_agg_mode={agg}"
-            + (f"; kl_loss {config.kl_loss_type} x {config.kl_loss_coef}" if config.kl_loss_coef > 0 else "")
-            + (f"; entropy bonus x {config.entropy_coeff}" if config.entropy_coeff != 0 else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -237,43 +134,19 @@ class PolicyLossConfig:
     like the policy loss (metric ``actor/entropy_loss``). 0 disables it; a negative value penalises entropy."""
 
     def __post_init__(self) -> None:
-        _choice("PolicyLossConfig.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _choice("PolicyLossConfig.kl_loss_type", self.kl_loss_type, KL_TYPES)
-        low = _finite_number("clip_ratio_low", self.clip_ratio_low)
-        high = _finite_number("clip_ratio_high", self.clip_ratio_high)
-        if low < 0.0:
-            raise ValueError(f"PolicyLossConfig.clip_ratio_low must be >= 0 (>= 1: no lower clip), got "
-                             f"{self.clip_ratio_low!r}")
+        choice("PolicyLossConfig.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        choice("PolicyLossConfig.kl_loss_type", self.kl_loss_type, KL_TYPES)
         if self.pg_loss_agg_mode is not None:
-            _choice("PolicyLossConfig.pg_loss_agg_mode", self.pg_loss_agg_mode, LOSS_AGG_MODES)
-        if high < 0.0:
-            raise ValueError(f"PolicyLossConfig.clip_ratio_high must be >= 0, got {self.clip_ratio_high!r}")
-        if self.clip_ratio_c is not None:
-            c = _finite_number("clip_ratio_c", self.clip_ratio_c)
-            if c <= 1.0:
-                raise ValueError(f"PolicyLossConfig.clip_ratio_c must be > 1 (or None to disable "
-                                 f"dual-clip), got {self.clip_ratio_c!r}")
+            choice("PolicyLossConfig.pg_loss_agg_mode", self.pg_loss_agg_mode, LOSS_AGG_MODES)
+        for param in PARAMETERS:
+            param.check(getattr(self, param.name))
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"PolicyLossConfig.clip_cov_lb ({self.clip_cov_lb!r}) must be < clip_cov_ub "
+                             f"({self.clip_cov_ub!r})")
         if self.loss_scale_factor is not None:
             f = _finite_number("loss_scale_factor", self.loss_scale_factor)
             if f <= 0:
                 raise ValueError(f"PolicyLossConfig.loss_scale_factor must be > 0, got {self.loss_scale_factor!r}")
-        for key in ("tau_pos", "tau_neg"):
-            if _finite_number(key, getattr(self, key)) <= 0:
-                raise ValueError(f"PolicyLossConfig.{key} must be > 0, got {getattr(self, key)!r}")
-        for key in ("clip_cov_ratio", "kl_cov_ratio"):
-            if not 0.0 < _finite_number(key, getattr(self, key)) <= 1.0:
-                raise ValueError(f"PolicyLossConfig.{key} must be in (0, 1], got {getattr(self, key)!r}")
-        if _finite_number("clip_cov_lb", self.clip_cov_lb) >= _finite_number("clip_cov_ub", self.clip_cov_ub):
-            raise ValueError(f"PolicyLossConfig.clip_cov_lb ({self.clip_cov_lb!r}) must be < clip_cov_ub "
-                             f"({self.clip_cov_ub!r})")
-        if isinstance(self.clip_cov_seed, bool) or not isinstance(self.clip_cov_seed, int) or self.clip_cov_seed < 0:
-            raise ValueError(f"PolicyLossConfig.clip_cov_seed must be an integer >= 0, got {self.clip_cov_seed!r}")
-        for key in ("ppo_kl_coef", "opsm_delta"):
-            if _finite_number(key, getattr(self, key)) < 0:
-                raise ValueError(f"PolicyLossConfig.{key} must be >= 0, got {getattr(self, key)!r}")
-        for key in ("dro_beta", "m2_threshold"):
-            if getattr(self, key) is not None and _finite_number(key, getattr(self, key)) <= 0:
-                raise ValueError(f"PolicyLossConfig.{key} must be > 0 (or unset), got {getattr(self, key)!r}")
         _finite_number("entropy_coeff", self.entropy_coeff)
         coef = _finite_number("kl_loss_coef", self.kl_loss_coef)
         if coef < 0:

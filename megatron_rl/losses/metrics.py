@@ -17,6 +17,8 @@ from typing import Dict, Iterable, Mapping
 
 import torch
 
+from megatron_rl.parallel.devices import all_reduce_
+
 
 @dataclass(frozen=True)
 class SumCount:
@@ -58,7 +60,6 @@ def reduce_metrics(metrics: Mapping[str, SumCount], group=None) -> Dict[str, Sum
     metrics unchanged (no communication). All ranks must pass the same keys."""
     if group is None or not metrics:
         return dict(metrics)
-    from megatron_rl.parallel.devices import all_reduce_
     keys = sorted(metrics)
     packed = torch.stack([t for k in keys for t in (metrics[k].sum, metrics[k].count)]).to(torch.float64)
     all_reduce_(packed, group=group)  # staged for the group's backend

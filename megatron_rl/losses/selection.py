@@ -1,52 +1,31 @@
 """Batch-level token selections (Clip-Cov, KL-Cov, M2PO), exact over a process group without gathering tokens.
 
-Each selection reads statistics of the whole batch (means, a top-k, a suffix mean of sorted values). With
-the batch split over the ranks of ``group``, they are computed from all-reduced sums and histograms only:
-means from (sum, count); the k largest values by a radix select on the values' order-preserving 64-bit
-keys (8 rounds of one 256-bin histogram all_reduce); M2PO's cut-off by bisection on the same keys (one
-(count, sum) all_reduce per step). The result equals the single-process selection on the concatenated
-batch; tokens tied with the k-th value are all selected, so a selection can exceed its k. Ties are not rare:
-responses to one prompt that share a prefix and an advantage have equal log-probs, covariances and Clip-Cov
-hashes at the same column (verl's ``topk`` / ``randperm`` pick among such tokens arbitrarily).
-
-* ``covariance_selection("clip_cov", ...)`` — verl 0.9.1 ``compute_policy_loss_clip_cov``
-  (verl/trainer/ppo/core_algos.py): cov_t = (A_t - mean A)(log pi_t - mean log pi) over the batch's valid
-  tokens; candidates: lb < cov < ub, not already clipped by PPO; max(int(clip_cov_ratio * N), 1) of them
-  are chosen at random. verl draws ``torch.randperm`` (unseeded, different per rank); here each token gets
-  a 31-bit hash of (``clip_cov_seed``, its column, the bits of its old log-prob and advantage) and the
-  smallest hashes win: the same choice on every rank and for every split of the batch.
-* ``covariance_selection("kl_cov", ...)`` — verl 0.9.1 ``compute_policy_loss_kl_cov``: the
-  max(1, int(kl_cov_ratio * N)) valid tokens with the largest cov.
-* ``m2po_keep_mask`` — AReaL ``_apply_m2po_masking`` / ``_get_m2po_loss_mask``
-  (areal/trainer/ppo/actor.py): m2 = (log pi_rollout - log pi_old)^2; the largest m2 are masked until the
-  mean of the rest is below ``m2_threshold`` (if no such set, all but the smallest are masked). Difference:
-  tokens with equal m2 are kept or masked together (AReaL's sort order splits such ties arbitrarily; they are
-  common, as the responses to one prompt share prefixes and so log-probs).
-
-Scope: the actor calls ``batch_selection`` once per training step on its whole batch, before the
-micro-batches are cut, over the DP group (rows are whole there), so the selection does not depend on
-micro-batching, CP or PP. verl and AReaL select per micro-batch and rank, from the current log-probs; here
-the covariances use the log-probs the step starts from (log pi_old; equal to verl's on the first update of
-on-policy data, where pi_theta = pi_old), which also makes PPO's clipped-by-origin set empty.
-``compute_policy_loss`` called without a selection selects inside its own batch from the current
-log-probs (verl's per-micro-batch behaviour).
+Each selection reads statistics of the whole batch (means, a top-k, a suffix mean of sorted values). With the
+batch split over the ranks of ``group`` they are computed from all-reduced sums and histograms only: the k
+largest values by a radix select on order-preserving 64-bit keys (8 rounds of one 256-bin all_reduce), M2PO's
+cut-off by bisection on the same keys. The result equals the single-process selection on the concatenated
+batch. The one rule: tokens tied with the k-th value are all selected (so a selection can exceed its k) -- ties
+are common, responses to one prompt share prefixes -- where verl's ``topk`` / ``randperm`` and AReaL's sort
+pick among them arbitrarily. The actor selects once per training step on its whole batch, from log pi_old,
+before the micro-batches are cut; the references and differences are in docs/objectives.md.
 """
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.numerics import clamp_log_ratio
+from megatron_rl.parallel.devices import all_reduce_
 
-from .config import BATCH_LOSS_TYPES, PolicyLossConfig
+from .config import PolicyLossConfig
 
 M31 = (1 << 31) - 1
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(t, group=group)
     return t
 
@@ -164,40 +143,43 @@ def m2po_keep_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
 
 
 def _min_reduce(t: torch.Tensor, group) -> None:
-    import torch.distributed as dist
-    from megatron_rl.parallel.devices import all_reduce_
     all_reduce_(t, op=dist.ReduceOp.MIN, group=group)
 
 
-def batch_selection(loss_type: str, config: PolicyLossConfig, old_log_probs: torch.Tensor,
-                    rollout_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
-                    response_mask: torch.Tensor, group=None
-                    ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Dict[str, float]]:
-    """The training step's batch selection for ``loss_type`` (collective over ``group`` for clip_cov,
-    kl_cov and m2po; nothing to do, and no communication, for the others).
+Selected = Tuple[Optional[torch.Tensor], torch.Tensor, Dict[str, float]]
+"""(token_select, response_mask, metrics): a [B, T] float 0/1 selection for ``compute_policy_loss`` (or None),
+the response mask with the tokens the selection removes dropped (same dtype), the selection's metrics."""
 
-    Returns (token_select, response_mask, metrics): ``token_select`` is a [B, T] float 0/1 tensor for
-    clip_cov / kl_cov (pass it to ``compute_policy_loss``), else None; ``response_mask`` is the mask with
-    M2PO's masked tokens removed (unchanged otherwise, same dtype); ``metrics`` holds ``m2po_maskfrac``
-    (masked fraction of the batch's valid tokens) for m2po."""
-    if loss_type not in BATCH_LOSS_TYPES:
-        return None, response_mask, {}
-    dev = old_log_probs.device                      # the inputs may come from different places (host / device)
-    advantages = advantages.to(dev)
+
+def clip_cov_selection(config: PolicyLossConfig, old_log_probs: torch.Tensor,
+                       rollout_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
+                       response_mask: torch.Tensor, group=None) -> Selected:
+    """Clip-Cov's tokens whose gradient is cut, chosen over the whole batch across ``group``."""
+    valid = response_mask.to(old_log_probs.device) != 0
+    sel = covariance_selection("clip_cov", config, old_log_probs, old_log_probs, advantages, valid, group)
+    return sel.to(torch.float32), response_mask, {}
+
+
+def kl_cov_selection(config: PolicyLossConfig, old_log_probs: torch.Tensor,
+                     rollout_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
+                     response_mask: torch.Tensor, group=None) -> Selected:
+    """KL-Cov's tokens that get the |log ratio| penalty, chosen over the whole batch across ``group``."""
+    valid = response_mask.to(old_log_probs.device) != 0
+    sel = covariance_selection("kl_cov", config, old_log_probs, old_log_probs, advantages, valid, group)
+    return sel.to(torch.float32), response_mask, {}
+
+
+def m2po_selection(config: PolicyLossConfig, old_log_probs: torch.Tensor,
+                   rollout_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
+                   response_mask: torch.Tensor, group=None) -> Selected:
+    """The response mask without the tokens M2PO masks, and ``m2po_maskfrac`` (masked fraction of the batch's
+    valid tokens). Needs ``rollout_log_probs`` and ``config.m2_threshold``."""
+    dev = old_log_probs.device
     valid = response_mask.to(dev) != 0
-    if loss_type in ("clip_cov", "kl_cov"):
-        sel = covariance_selection(loss_type, config, old_log_probs, old_log_probs, advantages, valid, group)
-        return sel.to(torch.float32), response_mask, {}
-    if loss_type == "m2po":
-        if config.m2_threshold is None:
-            raise ValueError("actor.policy_loss.m2_threshold must be set (> 0) with loss_type 'm2po'")
-        if rollout_log_probs is None:
-            raise ValueError("loss_type 'm2po' needs the rollout engine's log-probs (its second moment is of "
-                             "log pi_rollout - log pi_old); the batch has none")
-        keep = m2po_keep_mask(old_log_probs, rollout_log_probs.to(dev), valid, config.m2_threshold, group)
-        counts = torch.stack([valid.sum(), (valid & ~keep).sum()]).to(torch.float64)
-        _all_reduce(counts, group)
-        frac = float(counts[1] / counts[0]) if float(counts[0]) > 0 else 0.0
-        keep = keep.to(response_mask.device)
-        mask = torch.where(keep, response_mask, torch.zeros_like(response_mask))
-        return None, mask, {"m2po_maskfrac": frac}
+    keep = m2po_keep_mask(old_log_probs, rollout_log_probs.to(dev), valid, config.m2_threshold, group)
+    counts = torch.stack([valid.sum(), (valid & ~keep).sum()]).to(torch.float64)
+    _all_reduce(counts, group)
+    frac = float(counts[1] / counts[0]) if float(counts[0]) > 0 else 0.0
+    keep = keep.to(response_mask.device)
+    mask = torch.where(keep, response_mask, torch.zeros_like(response_mask))
+    return None, mask, {"m2po_maskfrac": frac}

@@ -1,34 +1,20 @@
-"""Sequence-level objectives (GSPO, GMPO, OPSM) from per-sequence sums reduced over the CP group.
+"""Sequence-level objectives' term functions (GSPO, GMPO ``geo_mean``, OPSM) from per-sequence sums.
 
-Under context parallelism each rank holds a time slice of every sequence; the per-sequence sums these
-objectives need are summed locally and all-reduced over ``cp_group`` (detached [B] float64 tensors, one
-collective per sum), and ``seq_valid_tokens`` gives the whole sequences' token counts. No token is
-gathered. The loss of a whole sequence is written as a per-token loss whose sum over the sequence's tokens
-(on all CP ranks) equals it in value and gradient, so the usual aggregation and megatron's CP gradient
-reduction give the single-process result.
-
-* ``gspo`` — verl 0.9.1 ``compute_policy_loss_gspo`` (verl/trainer/ppo/core_algos.py): token ratio
-  s_t = exp(min(log pi_theta_t - sg(log pi_theta_t) + sg(mean_seq(lr)), 10)), then PPO-clip of s_t (no
-  dual-clip), times w; pg_clipfrac token-level, pg_clipfrac_lower 0; aggregated with loss_agg_mode.
-* ``geo_mean`` (GMPO) — verl 0.9.1 ``compute_policy_loss_geo_mean``: per sequence
-  -mean_seq(A) exp(mean_seq(sgn(A) min(sgn(A) lr, sgn(A) clip(lr, -eps_lo, eps_hi)))) times the
-  geometric mean of the IS weights exp(mean_seq(log(w + 1e-10))); the batch loss is the mean over
-  sequences. Differences: the mean is over the global batch's sequences that have a valid token (verl:
-  ``torch.mean`` over the micro-batch's rows, counting rows the rejection emptied, so it depends on the
-  micro-batch split); per-sequence means divide by the exact count (verl adds 1e-8). loss_agg_mode is
-  ignored, as in verl.
-* ``opsm`` — slime ``compute_opsm_mask`` (slime/utils/ppo_utils.py, applied in
-  slime/backends/megatron_utils/loss.py): PPO-clip (with this config's dual-clip) whose tokens with A < 0
-  in a sequence with mean_seq(log pi_old - log pi_theta) > opsm_delta are masked (loss 0, still counted
-  in the denominators, as slime multiplies the loss); metric ``opsm_clipfrac`` = fraction of valid tokens
-  masked (slime: the sum over sequences of each one's masked fraction). The sequence mean is over the tokens
-  the rejection kept (slime averages over its loss mask before rejection sampling).
+The one rule: under context parallelism each rank holds a time slice of every sequence, so the per-sequence
+sums are summed locally and all-reduced over ``cp_group`` (detached [B] float64, one collective per sum) and
+``seq_valid_tokens`` gives the whole sequences' token counts; no token is gathered. A whole sequence's loss is
+written as a per-token loss whose sum over the sequence's tokens (on all CP ranks) equals it in value and
+gradient, so the usual aggregation and megatron's CP gradient reduction give the single-process result.
+The formulas and their differences from verl / slime are in docs/objectives.md.
 """
 from __future__ import annotations
 
 import torch
 
-from .objectives import ObjectiveInputs, ObjectiveTerms, vanilla
+from megatron_rl.parallel.devices import all_reduce_
+
+from .objectives import vanilla
+from .terms import ObjectiveInputs, ObjectiveTerms
 
 
 def sequence_sums(values: torch.Tensor, valid: torch.Tensor, cp_group=None) -> torch.Tensor:
@@ -38,7 +24,6 @@ def sequence_sums(values: torch.Tensor, valid: torch.Tensor, cp_group=None) -> t
                                                                           device=values.device))
     sums = v.sum(dim=-1)
     if cp_group is not None:
-        from megatron_rl.parallel.devices import all_reduce_
         all_reduce_(sums, group=cp_group)
     return sums
 
@@ -81,8 +66,7 @@ def geo_mean(x: ObjectiveInputs) -> ObjectiveTerms:
     per_token = (seq_loss / n.to(lr.dtype)).unsqueeze(-1) + grad_scale.unsqueeze(-1) * (lr_min - lr_min.detach())
     clipped = (lr != lr_clamped).detach()
     pos, neg = (x.advantages > 0), (x.advantages < 0)
-    return ObjectiveTerms(per_token, (clipped & pos).double(), (clipped & neg).double(), -lr.detach(),
-                          agg_mode="seq-mean-token-sum")
+    return ObjectiveTerms(per_token, (clipped & pos).double(), (clipped & neg).double(), -lr.detach())
 
 
 def opsm(x: ObjectiveInputs) -> ObjectiveTerms:

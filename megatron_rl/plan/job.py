@@ -23,8 +23,8 @@ from megatron_rl.actor.optimizer import offload_errors
 from megatron_rl.actor.precision import Precision, precision_error
 from megatron_rl.actor.replay_modes import ReplayMode, replay_mode
 from megatron_rl.actor.spec import ActorSpec, Objective
-from megatron_rl.losses import with_norm_divisor
-from megatron_rl.losses.config import mode_parameter_errors, objective_summary
+from megatron_rl.losses import build_policy_loss
+from megatron_rl.losses.registry import mode_parameter_errors, objective_summary
 from megatron_rl.models.attention import AttentionBackend, attention_backend, attention_errors, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
@@ -138,7 +138,7 @@ class JobPlan:
         return lines
 
     def objective_line(self) -> str:
-        """The objective, its mode and the parameters it reads (``losses.config.objective_summary``)."""
+        """The objective, its mode and the parameters it reads (``losses.registry.objective_summary``)."""
         o = self.objective
         return objective_summary(o.loss_type, o.bypass_correction is not None, self.cfg.actor.policy_loss)
 
@@ -229,9 +229,11 @@ def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective
         raise Unbuilt(errs)
     if budget is None or budget.tokens < 1:
         raise Unbuilt([])  # rollout.max_new_tokens / multi_turn.* name it
-    # the objective's row (losses) replaces these three fields once it exists: one line to swap
-    return Objective(loss_type=corr.loss_type, loss=with_norm_divisor(policy_loss, budget.tokens),
-                     bypass_correction=corr if corr.bypass_mode else None)
+    try:  # the objective's row (looked up when the section was read) with its settings, built once
+        loss = build_policy_loss(policy_loss, corr.objective, corr.bypass_mode, budget.tokens)
+    except ValueError as exc:
+        raise Unbuilt([str(exc)]) from exc
+    return Objective(loss_type=corr.loss_type, loss=loss, bypass_correction=corr if corr.bypass_mode else None)
 
 
 def _lr_schedule(ac, steps: int) -> LRSchedule:

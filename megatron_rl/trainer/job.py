@@ -229,7 +229,7 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
                          else dist.get_world_size())
     actor = setup_distributed(cfg, plan)
     reference = (KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
-                 if plan.objective.loss.kl_loss_coef > 0 else NoReference())
+                 if plan.objective.loss.config.kl_loss_coef > 0 else NoReference())
     rank0 = dist.get_rank() == 0
     if rank0:
         for line in plan.describe():

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import megatron.core  # noqa: F401
-from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
-from megatron_rl.losses.selection import batch_selection
+from megatron_rl.losses import LossBatch, PolicyLoss, PolicyLossConfig, batch_selection, compute_policy_loss
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, hf_adamw, hf_token_log_probs, load_hf_reference
 from megatron_rl.testing.actor_reference import merge_rank_grads, unfuse_experts
 from megatron_rl.testing.distributed import run_ranks
@@ -49,7 +48,8 @@ def _reference(hf_dir, loss_type, vocab_size):
     adv = adv[:, None].expand(-1, W).to(torch.float32)
     select, mask, _ = batch_selection(loss_type, cfg, old, None, adv, mask)
     logp = hf_token_log_probs(model, batch.tokens, T)
-    out = compute_policy_loss(logp, old, adv, mask, cfg, loss_type=loss_type, is_weights=is_w, token_select=select)
+    out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                              LossBatch(logp, old, adv, mask, is_weights=is_w, token_select=select))
     out.loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
     grads = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})

@@ -21,7 +21,7 @@ import torch
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
 from megatron_rl.plan import actor_spec
-from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
+from megatron_rl.losses import LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, actor_on_shard, hf_adamw, hf_token_log_probs
 from megatron_rl.testing.actor_reference import hf_token_log_probs_and_entropy, load_hf_reference
@@ -70,8 +70,9 @@ def _reference(hf_dir, data, steps_rows, epochs=1, loss=None):
             rows = torch.tensor(rows)
             opt.zero_grad()
             logp, ent = hf_token_log_probs_and_entropy(model, batch.tokens[rows], T)
-            loss = compute_policy_loss(logp, old[rows], adv[rows, None].expand(-1, W), mask[rows], cfg,
-                                       loss_type="ppo_clip", is_weights=is_w[rows], entropy=ent)
+            loss = compute_policy_loss(PolicyLoss.of("ppo_clip", cfg),
+                                       LossBatch(logp, old[rows], adv[rows, None].expand(-1, W), mask[rows],
+                                                 is_weights=is_w[rows], entropy=ent))
             loss.loss.backward()
             out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)))
             out["pg_loss"].append(float(loss.pg_loss.detach()))

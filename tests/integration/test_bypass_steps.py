@@ -192,7 +192,7 @@ def _cp_train_rank(rank, world, cp, case):
     from megatron_rl.actor.forward import compute_log_probs
     from megatron_rl.actor.train_step import train_mini_batch
     from megatron_rl.correction import RolloutCorrectionConfig
-    from megatron_rl.losses import PolicyLossConfig
+    from megatron_rl.losses import PolicyLoss, PolicyLossConfig
     from megatron_rl.testing.positionwise_lm import cp_rank, rank_result
     from tests.integration.test_actor_cp_train import _build, _data as _cp_data
 
@@ -204,9 +204,9 @@ def _cp_train_rank(rank, world, cp, case):
     corr, loss = CASES[case]
     per_token = {"old_log_probs": rollout, "advantages": adv[rows], "response_mask": shard.response_mask,
                  "is_weights": None, "ref_log_probs": None}
-    metrics = train_mini_batch(model, opt, shard, per_token, PolicyLossConfig(**loss), corr["loss_type"],
-                               temperature=0.9, bounds=bounds, groups=groups,
-                               bypass_correction=RolloutCorrectionConfig(**corr))
+    policy_loss = PolicyLoss.of(corr["loss_type"], PolicyLossConfig(**loss), bypass_mode=True)
+    metrics = train_mini_batch(model, opt, shard, per_token, policy_loss, temperature=0.9, bounds=bounds,
+                               groups=groups, bypass_correction=RolloutCorrectionConfig(**corr))
     out = rank_result(groups, model, lp, ent, metrics)
     out["num_response_tokens"] = float(batch.response_mask.sum())
     return out

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import megatron.core  # noqa: F401  (imported once in the parent: forked ranks start fast)
-from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
+from megatron_rl.losses import LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, actor_on_shard, hf_adamw, hf_token_log_probs
 from megatron_rl.testing.actor_reference import load_hf_reference
 from megatron_rl.testing.actor_reference import merge_rank_grads, policy_data, rank_main_grads, unfuse_experts
@@ -66,8 +66,8 @@ def _reference(hf_dir, data):
     opt = hf_adamw(model, LR, weight_decay=0.1)
     W = batch.max_length - 1
     logp = hf_token_log_probs(model, batch.tokens, T)
-    loss = compute_policy_loss(logp, old, adv[:, None].expand(-1, W), mask, PolicyLossConfig(**PPO_LOSS),
-                               loss_type="ppo_clip", is_weights=is_w)
+    loss = compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig(**PPO_LOSS)),
+                               LossBatch(logp, old, adv[:, None].expand(-1, W), mask, is_weights=is_w))
     loss.loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD))
     grads = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as Fnn
 
-from megatron_rl.losses import (LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss, global_denominators,
-                                merge_metrics, metrics_to_floats, reduce_metrics, sequence_token_counts)
+from megatron_rl.losses import (LOSS_AGG_MODES, LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss,
+                                global_denominators, merge_metrics, metrics_to_floats, reduce_metrics,
+                                sequence_token_counts)
 from megatron_rl.testing.distributed import run_ranks
 from tests.unit.test_losses_reference import make_batch
 
@@ -58,10 +59,10 @@ def micro_loss(d, cfg, theta, sel, den, seq_valid_tokens=None):
     """Loss of the micro-batch given by index ``sel`` into every [N, T] tensor (policy, KL and entropy terms)."""
     part = {k: d[k][sel] for k in ("old", "adv", "mask", "weights", "ref")}
     loss_type, cfg = cfg
-    return compute_policy_loss(model_log_probs(d["X"][sel], theta), part["old"], part["adv"], part["mask"],
-                               cfg, loss_type=loss_type, is_weights=part["weights"], ref_log_probs=part["ref"],
-                               denominators=den, seq_valid_tokens=seq_valid_tokens,
-                               entropy=model_entropy(d["X"][sel], theta))
+    return compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                               LossBatch(model_log_probs(d["X"][sel], theta), part["old"], part["adv"], part["mask"],
+                                         is_weights=part["weights"], ref_log_probs=part["ref"], denominators=den,
+                                         seq_valid_tokens=seq_valid_tokens, entropy=model_entropy(d["X"][sel], theta)))
 
 
 def full_batch(d, cfg):

@@ -11,10 +11,9 @@ gathered. Run: ``pytest tests/integration/test_losses_objectives_distributed.py`
 import pytest
 import torch
 
-from megatron_rl.losses import (LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss, global_denominators,
-                                merge_metrics, metrics_to_floats, reduce_metrics, sequence_token_counts)
-from megatron_rl.losses.config import LOSS_TYPES
-from megatron_rl.losses.selection import batch_selection
+from megatron_rl.losses import (LOSS_AGG_MODES, LOSS_TYPES, LossBatch, PolicyLoss, PolicyLossConfig,
+                                batch_selection, compute_policy_loss, global_denominators, merge_metrics,
+                                metrics_to_floats, reduce_metrics, sequence_token_counts)
 from megatron_rl.testing.distributed import run_ranks
 from tests.integration.test_losses_distributed import make_problem, model_log_probs
 
@@ -52,10 +51,11 @@ def _run(d, loss_type, cfg, rows, cols, dp_group, cp_group):
     local_mask = mask[:, cols]
     den = global_denominators(local_mask, group=dp_group, cp_group=cp_group)
     seq_n = sequence_token_counts(local_mask, cp_group=cp_group)
-    out = compute_policy_loss(model_log_probs(d["X"][c], theta), d["old"][c], d["adv"][c], local_mask, cfg,
-                              loss_type=loss_type, is_weights=d["weights"][c], ref_log_probs=d["ref"][c],
-                              denominators=den, seq_valid_tokens=seq_n, cp_group=cp_group,
-                              token_select=None if select is None else select[:, cols])
+    out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                              LossBatch(model_log_probs(d["X"][c], theta), d["old"][c], d["adv"][c], local_mask,
+                                        is_weights=d["weights"][c], ref_log_probs=d["ref"][c], denominators=den,
+                                        seq_valid_tokens=seq_n, cp_group=cp_group,
+                                        token_select=None if select is None else select[:, cols]))
     out.loss.backward()
     return out, theta.grad, sel_metrics
 
@@ -153,11 +153,12 @@ def test_selections_and_sequence_sums_on_a_nccl_group_equal_cpu(tmp_path):
                 sel, mask, sel_metrics = batch_selection(loss_type, cfg, t["old"], t["rollout"], t["adv"], t["mask"],
                                                          group=g)
                 theta = t["theta"].clone().requires_grad_()
-                out = compute_policy_loss(model_log_probs(t["X"], theta), t["old"], t["adv"], mask, cfg,
-                                          loss_type=loss_type, is_weights=t["weights"], ref_log_probs=t["ref"],
-                                          denominators=global_denominators(mask, group=g),
-                                          seq_valid_tokens=sequence_token_counts(mask, cp_group=g), cp_group=g,
-                                          token_select=sel)
+                out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                                          LossBatch(model_log_probs(t["X"], theta), t["old"], t["adv"], mask,
+                                                    is_weights=t["weights"], ref_log_probs=t["ref"],
+                                                    denominators=global_denominators(mask, group=g),
+                                                    seq_valid_tokens=sequence_token_counts(mask, cp_group=g),
+                                                    cp_group=g, token_select=sel))
                 out.loss.backward()
                 m = metrics_to_floats(reduce_metrics(out.metrics, group=g), prefix="")
                 res = (out.loss.detach().cpu(), theta.grad.cpu(), m, sel_metrics,

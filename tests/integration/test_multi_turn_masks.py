@@ -24,7 +24,7 @@ from megatron_rl.actor import BatchError, MegatronActor, RolloutBatch
 from megatron_rl.plan import actor_spec
 from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import RolloutCorrectionConfig, compute_rollout_correction
-from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
+from megatron_rl.losses import LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.trajectory import Segment, Trajectory
 from megatron_rl.testing.actor_reference import CLIP_GRAD, LR, PPO_LOSS, hf_adamw, load_hf_reference, unfuse_experts
@@ -367,8 +367,8 @@ def test_advantages_and_policy_loss_equal_reference_without_env_tokens(mode):
     g = torch.Generator().manual_seed(5)
     logp = (lt.double() + 0.3 * torch.randn(lt.shape, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
-    out = compute_policy_loss(logp, lt.double(), adv.double(), final, cfg, loss_type="ppo_clip",
-                              is_weights=res.weights.double())
+    out = compute_policy_loss(PolicyLoss.of("ppo_clip", cfg),
+                              LossBatch(logp, lt.double(), adv.double(), final, is_weights=res.weights.double()))
     cols = [_model_columns(t) for t in trajs]
     Tm = max(len(c) for c in cols)
     c = lambda x: _compact(x.double(), cols, Tm).tolist()  # noqa: E731
@@ -395,8 +395,8 @@ def test_rollout_log_probs_at_env_tokens_change_nothing(i):
     logp = (lt + 0.2).clamp(max=-1e-4)
     adv = torch.randn(lt.shape, generator=g) * a.response_mask
     cfg_l = PolicyLossConfig(**PPO_LOSS)
-    la = compute_policy_loss(logp, lr, adv, a.response_mask, cfg_l, loss_type="ppo_clip")
-    lb = compute_policy_loss(logp, lr2, adv, b.response_mask, cfg_l, loss_type="ppo_clip")
+    la = compute_policy_loss(PolicyLoss.of("ppo_clip", cfg_l), LossBatch(logp, lr, adv, a.response_mask))
+    lb = compute_policy_loss(PolicyLoss.of("ppo_clip", cfg_l), LossBatch(logp, lr2, adv, b.response_mask))
     assert float(la.pg_loss) == float(lb.pg_loss)
     assert {k: v.mean() for k, v in la.metrics.items()} == {k: v.mean() for k, v in lb.metrics.items()}
 
@@ -452,16 +452,17 @@ def test_train_step_tp2_dp2_with_env_tokens_matches_reference(hf_dir):
     opt = hf_adamw(model, LR, weight_decay=0.1)
     logp = torch.log_softmax(model(input_ids=batch.tokens).logits[:, :-1] / T, -1).gather(
         -1, batch.tokens[:, 1:, None]).squeeze(-1)
-    loss = compute_policy_loss(logp, old, adv, ref_corr.response_mask, PolicyLossConfig(**PPO_LOSS),
-                               loss_type="ppo_clip", is_weights=ref_corr.weights)
+    loss = compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig(**PPO_LOSS)),
+                               LossBatch(logp, old, adv, ref_corr.response_mask, is_weights=ref_corr.weights))
     loss.loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD))
     opt.step()
     weights = unfuse_experts({k: v.detach().clone() for k, v in model.state_dict().items()})
     # the loss with env tokens left in differs: the test can see a leak
     plain = RolloutBatch.from_sequences(sb.prompt_ids, sb.response_ids).response_mask  # env tokens included
-    leak = compute_policy_loss(logp.detach(), old, compute_advantages(rewards, torch.arange(8) // n, plain), plain,
-                               PolicyLossConfig(**PPO_LOSS), loss_type="ppo_clip")
+    leak = compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig(**PPO_LOSS)),
+                               LossBatch(logp.detach(), old, compute_advantages(rewards, torch.arange(8) // n, plain),
+                                         plain))
     assert abs(float(leak.pg_loss) - float(loss.pg_loss.detach())) > 1e-3
 
     results = run_ranks(_rank_train, 4, job, sb, n, timeout=260)

@@ -351,7 +351,7 @@ def _rank_cp(rank, world, cp, agg, packed, budget):
     from megatron_rl.actor.batcher import MicroBatcher
     from megatron_rl.actor.forward import compute_log_probs
     from megatron_rl.actor.train_step import train_mini_batch
-    from megatron_rl.losses import PolicyLossConfig
+    from megatron_rl.losses import PolicyLoss, PolicyLossConfig
 
     groups, model, opt, _, adv, is_w, shard, rows = cp_rank(cp, _build_positionwise, _cp_data())
     batcher = MicroBatcher(groups.dims, packed=packed, max_tokens=budget)
@@ -362,8 +362,9 @@ def _rank_cp(rank, world, cp, agg, packed, budget):
     lp, ent = compute_log_probs(model, ordered, bounds=plan.bounds, temperature=0.9, groups=groups, batcher=batcher)
     per_token = {"old_log_probs": lp, "advantages": adv[rows][order], "response_mask": ordered.response_mask,
                  "is_weights": is_w[rows][order], "ref_log_probs": None}
-    metrics = train_mini_batch(model, opt, ordered, per_token, PolicyLossConfig(loss_agg_mode=agg), "ppo_clip",
-                               temperature=0.9, bounds=plan.bounds, groups=groups, batcher=batcher)
+    loss = PolicyLoss.of("ppo_clip", PolicyLossConfig(loss_agg_mode=agg))
+    metrics = train_mini_batch(model, opt, ordered, per_token, loss, temperature=0.9, bounds=plan.bounds,
+                               groups=groups, batcher=batcher)
     return rank_result(groups, model, lp[inv], ent[inv], metrics)
 
 

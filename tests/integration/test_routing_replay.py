@@ -31,7 +31,7 @@ from megatron_rl.actor import MegatronActor, RolloutBatch, row_blocks
 from megatron_rl.plan import actor_spec
 from megatron_rl.actor.batch import BatchError
 from megatron_rl.actor.routing import RoutingError
-from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
+from megatron_rl.losses import LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.testing.actor_reference import PPO_LOSS, actor_on_shard, hf_token_log_probs, load_hf_reference
 from megatron_rl.testing.actor_reference import unfuse_experts
@@ -74,10 +74,8 @@ def _data(vocab, B=8, seed=0):
 
 
 # ----------------------------------------------------------------------------- HF reference
-def _loss_type():
-    import inspect
-
-    return {"loss_type": "ppo_clip"} if "loss_type" in inspect.signature(compute_policy_loss).parameters else {}
+def _ppo_loss():
+    return PolicyLoss.of("ppo_clip", PolicyLossConfig(**PPO_LOSS))
 
 
 def _moe_gates(model):
@@ -123,8 +121,8 @@ def _hf_reference(hf_dir, batch, forced, old, adv, is_w):
     own = torch.stack([o.reshape(B, S, K) for o in own], dim=2)[:, : S - 1]      # [B, S-1, NL, k]
     model.train()
     W = S - 1
-    out = compute_policy_loss(_hf_logp(model, batch.tokens), old, adv[:, None].expand(-1, W), batch.response_mask,
-                              PolicyLossConfig(**PPO_LOSS), is_weights=is_w, **_loss_type())
+    out = compute_policy_loss(_ppo_loss(), LossBatch(_hf_logp(model, batch.tokens), old, adv[:, None].expand(-1, W),
+                                                     batch.response_mask, is_weights=is_w))
     out.loss.backward()
     grads = unfuse_experts({n: p.grad.detach().clone() for n, p in model.named_parameters()})
     valid = torch.arange(W)[None] < (batch.lengths[:, None] - 1)
@@ -257,9 +255,9 @@ def _hf_train(hf_dir, batch, forced, old, adv, is_w, lr, steps_rows):
         own = []
         _force(model, None if forced is None else forced[rows], own)
         opt.zero_grad()
-        out = compute_policy_loss(_hf_logp(model, batch.tokens[rows]), old[rows], adv[rows, None].expand(-1, W),
-                                  batch.response_mask[rows], PolicyLossConfig(**PPO_LOSS), is_weights=is_w[rows],
-                                  **_loss_type())
+        out = compute_policy_loss(_ppo_loss(), LossBatch(_hf_logp(model, batch.tokens[rows]), old[rows],
+                                                         adv[rows, None].expand(-1, W), batch.response_mask[rows],
+                                                         is_weights=is_w[rows]))
         out.loss.backward()
         opt.step()
         own_per_step.append(torch.stack([o.reshape(len(rows), S, K) for o in own], dim=2))

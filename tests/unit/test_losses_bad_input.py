@@ -4,15 +4,16 @@ import pytest
 import torch
 
 from megatron_rl.config.load import ConfigError, job_config_from_dict
-from megatron_rl.losses import (LossDenominators, PolicyLossConfig, aggregate_loss, compute_policy_loss,
-                                global_denominators, kl_penalty, select_loss_inputs)
+from megatron_rl.losses import (LossBatch, LossDenominators, PolicyLoss, PolicyLossConfig, aggregate_loss,
+                                compute_policy_loss, global_denominators, kl_penalty, objective)
 from test_losses_reference import make_batch
 
 
 def call(d, cfg=None, **kw):
     args = dict(is_weights=d["weights"], loss_type="ppo_clip")
     args.update(kw)
-    return compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], cfg or PolicyLossConfig(), **args)
+    loss = PolicyLoss.of(args.pop("loss_type"), cfg or PolicyLossConfig())
+    return compute_policy_loss(loss, LossBatch(d["logp"], d["old"], d["adv"], d["mask"], **args))
 
 
 @pytest.fixture
@@ -37,8 +38,9 @@ def test_ref_shape_mismatch(d):
 
 def test_not_2d(d):
     with pytest.raises(ValueError, match=r"log_probs must be 2-D.*\(24,\)"):
-        compute_policy_loss(d["logp"].flatten(), d["old"].flatten(), d["adv"].flatten(),
-                            d["mask"].flatten(), PolicyLossConfig(), loss_type="ppo_clip")
+        compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig()),
+                            LossBatch(d["logp"].flatten(), d["old"].flatten(), d["adv"].flatten(),
+                                      d["mask"].flatten()))
 
 
 @pytest.mark.parametrize("name,arg", [("logp", "log_probs"), ("old", "old_log_probs"),
@@ -57,8 +59,8 @@ def test_nan_in_masked_position_is_allowed(d):
     d["old"][2, 4] = float("nan")
     d["weights"][2, 4] = float("inf")
     lp = d["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLossConfig(), loss_type="ppo_clip",
-                              is_weights=d["weights"])
+    out = compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig()),
+                              LossBatch(lp, d["old"], d["adv"], d["mask"], is_weights=d["weights"]))
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all() and lp.grad[2, 4] == 0
 
@@ -86,7 +88,8 @@ def test_negative_weights(d):
 
 def test_integer_dtype(d):
     with pytest.raises(ValueError, match=r"advantages must be a floating-point tensor, got dtype torch.int64"):
-        compute_policy_loss(d["logp"], d["old"], d["adv"].long(), d["mask"], PolicyLossConfig(), loss_type="ppo_clip")
+        compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig()),
+                            LossBatch(d["logp"], d["old"], d["adv"].long(), d["mask"]))
 
 
 def test_kl_without_ref(d):
@@ -96,7 +99,8 @@ def test_kl_without_ref(d):
 
 def test_config_type(d):
     with pytest.raises(ValueError, match="config must be a PolicyLossConfig"):
-        compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], {"clip_ratio_low": 0.2}, loss_type="ppo_clip")
+        compute_policy_loss(PolicyLoss.of("ppo_clip", {"clip_ratio_low": 0.2}),
+                            LossBatch(d["logp"], d["old"], d["adv"], d["mask"]))
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -155,9 +159,9 @@ def test_kl_penalty_bad_type_and_shape():
 
 def test_select_loss_inputs_errors(d):
     with pytest.raises(ValueError, match="old_log_probs is None but bypass_mode=False"):
-        select_loss_inputs("ppo_clip", False, d["old"], None, None)
+        objective("ppo_clip").loss_inputs(False, d["old"], None, None)
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        select_loss_inputs("grpo", True, d["old"], None, None)
+        objective("grpo").loss_inputs(True, d["old"], None, None)
 
 
 def test_denominator_and_aggregation_errors(d):

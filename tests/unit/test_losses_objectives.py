@@ -8,8 +8,9 @@ Run: ``pytest tests/unit/test_losses_objectives.py``.
 import pytest
 import torch
 
-from megatron_rl.losses import LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss, metrics_to_floats
-from megatron_rl.losses.selection import batch_selection, covariance_selection, m2po_keep_mask
+from megatron_rl.losses import (LOSS_AGG_MODES, LossBatch, PolicyLoss, PolicyLossConfig, batch_selection,
+                                compute_policy_loss, metrics_to_floats)
+from megatron_rl.losses.selection import covariance_selection, m2po_keep_mask
 from tests import policy_objectives_reference as ref
 from tests.unit.test_losses_reference import make_batch
 
@@ -32,8 +33,8 @@ def batch(seed, empty_rows=(1,), **kw):
 def run_ours(d, loss_type, cfg, weights, dtype=F64):
     lp = d["logp"].to(dtype).clone().requires_grad_(True)
     w = d["weights"].to(dtype) if weights else None
-    out = compute_policy_loss(lp, d["old"].to(dtype), d["adv"].to(dtype), d["mask"].to(dtype), cfg,
-                              loss_type=loss_type, is_weights=w)
+    out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                              LossBatch(lp, d["old"].to(dtype), d["adv"].to(dtype), d["mask"].to(dtype), is_weights=w))
     grad, = torch.autograd.grad(out.loss, lp)
     return out.loss.detach(), grad, metrics_to_floats(out.metrics, prefix="")
 
@@ -165,7 +166,7 @@ def test_kl_cov_selection_is_the_top_k_covariances():
 @pytest.mark.gpu
 def test_every_objective_on_cuda_equals_cpu():
     """The same float32 inputs on CUDA and on CPU: loss, gradient, metrics and batch selections agree."""
-    from megatron_rl.losses.config import LOSS_TYPES
+    from megatron_rl.losses import LOSS_TYPES
     d = batch(9, empty_rows=(), per_token_adv=True)
     rollout = d["old"] + 0.2 * torch.randn(d["old"].shape, generator=torch.Generator().manual_seed(2), dtype=F64)
     params = {**PARAMS, "m2po": dict(m2_threshold=0.01),
@@ -178,8 +179,9 @@ def test_every_objective_on_cuda_equals_cpu():
             sel, mask, sel_metrics = batch_selection(loss_type, cfg, t["old"], rollout.to(dev, torch.float32),
                                                      t["adv"], t["mask"])
             lp = t["logp"].clone().requires_grad_(True)
-            out = compute_policy_loss(lp, t["old"], t["adv"], mask, cfg, loss_type=loss_type, is_weights=t["weights"],
-                                      token_select=sel)
+            out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                                      LossBatch(lp, t["old"], t["adv"], mask, is_weights=t["weights"],
+                                                token_select=sel))
             grad, = torch.autograd.grad(out.loss, lp)
             results.append((out.loss.detach().cpu(), grad.cpu(), metrics_to_floats(out.metrics, prefix=""),
                             None if sel is None else sel.cpu(), mask.cpu(), sel_metrics))

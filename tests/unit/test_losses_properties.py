@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.losses import (LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss, global_denominators,
-                                merge_metrics, metrics_to_floats)
+from megatron_rl.losses import (LOSS_AGG_MODES, LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss,
+                                global_denominators, merge_metrics, metrics_to_floats)
 from test_losses_reference import make_batch
 
 F64 = torch.float64
@@ -29,9 +29,9 @@ configs = st.tuples(st.sampled_from(["ppo_clip", "reinforce"]), st.builds(
 def loss_and_grad(d, cfg, use_w, denominators=None):
     loss_type, cfg = cfg
     lp = d["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, loss_type=loss_type,
-                              is_weights=d["weights"] if use_w else None, ref_log_probs=d["ref"],
-                              denominators=denominators)
+    out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                              LossBatch(lp, d["old"], d["adv"], d["mask"], is_weights=d["weights"] if use_w else None,
+                                        ref_log_probs=d["ref"], denominators=denominators))
     (g,) = torch.autograd.grad(out.loss, lp)
     return out.loss.detach(), g, out.metrics
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from megatron_rl.losses import (LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss, kl_penalty,
-                                metrics_to_floats, select_loss_inputs)
+from megatron_rl.losses import (LOSS_AGG_MODES, LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss,
+                                kl_penalty, metrics_to_floats, objective)
 
 F64 = torch.float64
 
@@ -166,9 +166,10 @@ def ref_policy_loss(data, cfg, use_weights, logp_leaf, loss_type="ppo_clip", ent
 def run_both(data, cfg, use_weights, loss_type="ppo_clip"):
     """(ours, reference) as (loss, grad wrt logp, metrics)."""
     lp1 = data["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp1, data["old"], data["adv"], data["mask"], cfg, loss_type=loss_type,
-                              is_weights=data["weights"] if use_weights else None,
-                              ref_log_probs=data["ref"] if cfg.kl_loss_coef > 0 else None)
+    out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                              LossBatch(lp1, data["old"], data["adv"], data["mask"],
+                                        is_weights=data["weights"] if use_weights else None,
+                                        ref_log_probs=data["ref"] if cfg.kl_loss_coef > 0 else None))
     (g1,) = torch.autograd.grad(out.loss, lp1)
     lp2 = data["logp"].clone().requires_grad_()
     ref_loss, ref_metrics = ref_policy_loss(data, cfg, use_weights, lp2, loss_type)
@@ -235,8 +236,9 @@ def test_entropy_bonus_matches_reference(loss_type, mode):
     cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.013, kl_loss_coef=0.2, loss_scale_factor=5.0)
     data = make_batch(5, per_token_adv=True)
     lp1, e1 = data["logp"].clone().requires_grad_(), data["ent"].clone().requires_grad_()
-    out = compute_policy_loss(lp1, data["old"], data["adv"], data["mask"], cfg, loss_type=loss_type,
-                              is_weights=data["weights"], ref_log_probs=data["ref"], entropy=e1)
+    out = compute_policy_loss(PolicyLoss.of(loss_type, cfg),
+                              LossBatch(lp1, data["old"], data["adv"], data["mask"], is_weights=data["weights"],
+                                        ref_log_probs=data["ref"], entropy=e1))
     g_lp1, g_e1 = torch.autograd.grad(out.loss, (lp1, e1))
     lp2, e2 = data["logp"].clone().requires_grad_(), data["ent"].clone().requires_grad_()
     ref_loss, _ = ref_policy_loss(data, cfg, True, lp2, loss_type, ent_leaf=e2)
@@ -246,9 +248,10 @@ def test_entropy_bonus_matches_reference(loss_type, mode):
     torch.testing.assert_close(g_e1, g_e2, rtol=1e-12, atol=1e-12)
     valid = data["mask"] == 1
     assert torch.all(g_e1[valid] < 0) and torch.all(g_e1[~valid] == 0)  # more entropy lowers the loss
-    no_bonus = compute_policy_loss(data["logp"], data["old"], data["adv"], data["mask"],
-                                   PolicyLossConfig(loss_agg_mode=mode, kl_loss_coef=0.2, loss_scale_factor=5.0),
-                                   loss_type=loss_type, is_weights=data["weights"], ref_log_probs=data["ref"])
+    no_bonus_cfg = PolicyLossConfig(loss_agg_mode=mode, kl_loss_coef=0.2, loss_scale_factor=5.0)
+    no_bonus = compute_policy_loss(PolicyLoss.of(loss_type, no_bonus_cfg),
+                                   LossBatch(data["logp"], data["old"], data["adv"], data["mask"],
+                                             is_weights=data["weights"], ref_log_probs=data["ref"]))
     assert no_bonus.entropy_loss is None
     torch.testing.assert_close(out.loss.detach(), no_bonus.loss - 0.013 * out.entropy_loss.detach(), rtol=1e-12,
                                atol=1e-12)
@@ -257,14 +260,14 @@ def test_entropy_bonus_matches_reference(loss_type, mode):
 def test_entropy_bonus_needs_the_entropy():
     with pytest.raises(ValueError, match=r"entropy is required because PolicyLossConfig.entropy_coeff=0.1"):
         d = make_batch(0)
-        compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], PolicyLossConfig(entropy_coeff=0.1),
-                            loss_type="ppo_clip")
+        compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig(entropy_coeff=0.1)),
+                            LossBatch(d["logp"], d["old"], d["adv"], d["mask"]))
     d = make_batch(0)
     d["ent"][0, 0] = float("nan")
     d["mask"][0, 0] = 1.0
     with pytest.raises(ValueError, match=r"entropy has NaN/inf values at valid \(mask=1\) positions"):
-        compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], PolicyLossConfig(entropy_coeff=0.1),
-                            loss_type="ppo_clip", entropy=d["ent"])
+        compute_policy_loss(PolicyLoss.of("ppo_clip", PolicyLossConfig(entropy_coeff=0.1)),
+                            LossBatch(d["logp"], d["old"], d["adv"], d["mask"], entropy=d["ent"]))
 
 
 KL_CLOSED_FORM = {
@@ -315,15 +318,15 @@ def test_bypass_mode_input_selection(loss_type):
     """Bypass: old := rollout; PPO-clip drops the correction weights, REINFORCE keeps them."""
     d = make_batch(3)
     rollout = d["old"]
-    old, w = select_loss_inputs(loss_type, True, rollout, None, d["weights"])
+    old, w = objective(loss_type).loss_inputs(True, rollout, None, d["weights"])
     assert old is rollout
     assert (w is None) if loss_type == "ppo_clip" else (w is d["weights"])
-    old2, w2 = select_loss_inputs(loss_type, False, rollout, d["ref"], d["weights"])
+    old2, w2 = objective(loss_type).loss_inputs(False, rollout, d["ref"], d["weights"])
     assert old2 is d["ref"] and w2 is d["weights"]
     # bypass PPO-clip == plain PPO on pi_theta / pi_rollout (reference with no weights)
     cfg = PolicyLossConfig()
     lp = d["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, old, d["adv"], d["mask"], cfg, loss_type=loss_type, is_weights=w)
+    out = compute_policy_loss(PolicyLoss.of(loss_type, cfg), LossBatch(lp, old, d["adv"], d["mask"], is_weights=w))
     ref_loss, _ = ref_policy_loss(d, cfg, loss_type == "reinforce", d["logp"].clone().requires_grad_(), loss_type)
     torch.testing.assert_close(out.loss.detach(), ref_loss.detach(), rtol=1e-12, atol=1e-12)
 
@@ -335,8 +338,9 @@ def test_all_tokens_rejected_gives_zero_loss_and_zero_grad():
         for lt in ("ppo_clip", "reinforce"):
             cfg = PolicyLossConfig(loss_agg_mode=mode, kl_loss_coef=0.1)
             lp = d["logp"].clone().requires_grad_()
-            out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, loss_type=lt, is_weights=d["weights"],
-                                      ref_log_probs=d["ref"])
+            out = compute_policy_loss(PolicyLoss.of(lt, cfg),
+                                      LossBatch(lp, d["old"], d["adv"], d["mask"], is_weights=d["weights"],
+                                                ref_log_probs=d["ref"]))
             (g,) = torch.autograd.grad(out.loss, lp)
             assert float(out.loss.detach()) == 0.0 and torch.all(g == 0)
             assert all(v == 0.0 for v in metrics_to_floats(out.metrics).values())
@@ -349,8 +353,8 @@ def test_float32_inputs_match_float64_reference():
     cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-mean", clip_ratio_c=3.0)
     d32 = {k: v.float() for k, v in d.items()}
     lp = d32["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, d32["old"], d32["adv"], d32["mask"], cfg, loss_type="ppo_clip",
-                              is_weights=d32["weights"])
+    out = compute_policy_loss(PolicyLoss.of("ppo_clip", cfg),
+                              LossBatch(lp, d32["old"], d32["adv"], d32["mask"], is_weights=d32["weights"]))
     assert out.loss.dtype == torch.float32
     (g,) = torch.autograd.grad(out.loss, lp)
     d64 = {k: v.double() for k, v in d32.items()}
@@ -367,7 +371,8 @@ def test_bfloat16_inputs_computed_in_float32():
     d = {k: v.to(torch.bfloat16) for k, v in make_batch(4).items()}
     cfg = PolicyLossConfig(loss_agg_mode="token-mean")
     lp = d["logp"].clone().requires_grad_()
-    out = compute_policy_loss(lp, d["old"], d["adv"], d["mask"], cfg, loss_type="ppo_clip", is_weights=d["weights"])
+    out = compute_policy_loss(PolicyLoss.of("ppo_clip", cfg),
+                              LossBatch(lp, d["old"], d["adv"], d["mask"], is_weights=d["weights"]))
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     d64 = {k: v.double() for k, v in d.items()}
     ref_loss, _ = ref_policy_loss(d64, cfg, True, d64["logp"].clone().requires_grad_())

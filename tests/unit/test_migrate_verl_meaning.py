@@ -21,7 +21,7 @@ from megatron_rl.config import collect_job_config
 from megatron_rl.config.load import build_job_config, yaml_load
 from megatron_rl.config.migrate_verl import UNCHANGED, migrate_verl, with_verl_defaults
 from megatron_rl.config.verl_versions import NEWEST, VERL_VERSIONS, defaults_path, verl_defaults
-from megatron_rl.losses import PolicyLossConfig, compute_policy_loss
+from megatron_rl.losses import LossBatch, PolicyLoss, PolicyLossConfig, compute_policy_loss
 from tests import policy_objectives_reference as ref
 from tests.unit.test_losses_reference import make_batch
 from tests.unit.test_prompt_order import PER_STEP, _cfg, _job_parts
@@ -129,7 +129,8 @@ def test_cispo_clip_ratio_low_10_is_accepted_and_means_no_lower_clip(tmp_path):
     assert not [p for p in problems if "policy_loss" in p], problems
     cfg_loss = PolicyLossConfig(clip_ratio_low=10, clip_ratio_high=0.2)
     d = make_batch(3)
-    ours = compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], cfg_loss, loss_type="cispo").pg_loss
+    ours = compute_policy_loss(PolicyLoss.of("cispo", cfg_loss),
+                               LossBatch(d["logp"], d["old"], d["adv"], d["mask"])).pg_loss
     theirs, _ = ref.cispo(d["old"], d["logp"], d["adv"], d["mask"], "token-mean",
                           ref.Cfg(clip_ratio_low=10, clip_ratio_high=0.2))
     torch.testing.assert_close(ours, theirs)
@@ -159,7 +160,7 @@ def test_gspo_aggregation_follows_the_verl_version(version):
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean",
                            pg_loss_agg_mode=pl.get("pg_loss_agg_mode"))
     d = make_batch(5)
-    ours = compute_policy_loss(d["logp"], d["old"], d["adv"], d["mask"], cfg, loss_type="gspo").pg_loss
+    ours = compute_policy_loss(PolicyLoss.of("gspo", cfg), LossBatch(d["logp"], d["old"], d["adv"], d["mask"])).pg_loss
     theirs, _ = ref.gspo(d["old"], d["logp"], d["adv"], d["mask"], pg_mode,
                          ref.Cfg(clip_ratio_low=0.2, clip_ratio_high=0.28))
     torch.testing.assert_close(ours, theirs)

@@ -10,7 +10,7 @@ from megatron_rl.config.load import build_job_config
 from megatron_rl.config.validate import job_errors
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
-from megatron_rl.losses.config import LOSS_TYPES, MODE_PARAMETERS, mode_parameter_errors, objective_summary
+from megatron_rl.losses.registry import LOSS_TYPES, MODE_PARAMETERS, mode_parameter_errors, objective_summary
 
 VERL_GSPO = {"algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
                                                   "rollout_rs": "token_k3", "rollout_rs_threshold": 0.01}},
