@@ -175,7 +175,6 @@ def test_each_round_draws_fresh_prompts_round_zero_unchanged(tiny_job):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("algorithm.filter_groups.metric=acc", "algorithm.filter_groups.metric: 'acc'"),
     ("algorithm.filter_groups.metric=seq", "algorithm.filter_groups.metric: 'seq' is not one of"),
     ("algorithm.filter_groups.max_num_gen_batches=0", "algorithm.filter_groups.max_num_gen_batches: must be >= 1"),
     ("algorithm.filter_groups.on_exhausted=drop", "algorithm.filter_groups.on_exhausted: 'drop' is not one of"),

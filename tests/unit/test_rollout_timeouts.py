@@ -117,7 +117,7 @@ def test_async_checkpoint_drain_and_watchdog_cover_every_round(monkeypatch, caps
                                     "rollout": {"mode": "async", "max_staleness": 2},
                                     "algorithm": {"filter_groups": {"enable": enable, "max_num_gen_batches": 7}}})
         source = rollout_source.AsyncRollouts(cfg, None, None, None, 0, {}, True)
-        job = job_mod.Job(cfg=cfg, actor=None, reference=None, source=source, watchdog=Watchdog(), sinks=None,
+        job = job_mod.Job(cfg=cfg, plan=None, actor=None, reference=None, source=source, watchdog=Watchdog(), sinks=None,
                           stop=SimpleNamespace(signum=None), start_step=0, pad_id=0, rank0=True)
         job.checkpoint(2, stopping=False)
         assert _Producer.instances[-1].bounds == [drain]
