@@ -26,6 +26,8 @@ from typing import List, Sequence
 import torch
 
 from megatron_rl.platform import distrib_optimizer
+from megatron_rl.platform.cpu_compat import cpu_patches_applied
+from megatron_rl.platform.cpu_hybrid_optimizer import apply_cpu_hybrid_optimizer
 
 __all__ = ["wrap_ddp", "build_optimizer", "optimizer_config", "OPTIMIZER_KEYS", "optimizer_settings", "offload_errors"]
 
@@ -138,6 +140,8 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
 
     if _distributed(actor_cfg):
         distrib_optimizer.install()  # its checkpoints load with torch's Adam (see that module)
+    if getattr(actor_cfg, "optimizer_cpu_offload", False) and cpu_patches_applied():
+        apply_cpu_hybrid_optimizer()  # on a CPU the CPU is megatron's offload device (see that module)
 
     opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
                                  use_gloo_process_groups=True)  # the distributed optimizer saves over gloo

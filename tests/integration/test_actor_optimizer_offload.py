@@ -2,10 +2,10 @@
 checkpoint saved with it resumes exactly.
 
 On a GPU megatron offloads the optimizer state of CUDA parameters to the host. On this CPU run every tensor is in
-host memory already, and megatron's class only offloads ``param.is_cuda`` tensors (and pins memory, a CUDA call), so
-``_device_is_the_cpu`` makes it treat the CPU as the device: its own source with those tests removed, every
-offloaded parameter still copied to a separate host tensor, stepped by its CPU AdamW and copied back by its hooks --
-the code path a GPU job runs, minus the device transfers.
+host memory already; megatron's class only offloads ``param.is_cuda`` tensors, so a CPU job's actor makes the CPU
+its device (``platform/cpu_hybrid_optimizer``: every offloaded parameter still copied to a separate host tensor,
+stepped by its CPU AdamW and copied back by its hooks -- the code path a GPU job runs, minus the device transfers).
+The tests run the actor as a CPU job does: nothing of megatron's is patched here.
 
 * DP1: bit-identical bf16 weights to megatron's distributed optimizer without offload after 3 steps.
 * DP2: within one bf16 ulp on at most 0.01% of the elements (fp32 rounding: the precision-aware path reduces the
@@ -15,9 +15,7 @@ the code path a GPU job runs, minus the device transfers.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_optimizer_offload.py -q``
 """
-import inspect
 import multiprocessing
-import textwrap
 
 import pytest
 import torch
@@ -31,26 +29,6 @@ from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import knobs, named_job
 
 TWO_LAYERS = "model.num_layers=2"
-#: (method, [(text of megatron's source, replacement)]): what makes the CPU the device for HybridDeviceOptimizer
-_CPU_AS_DEVICE = (("_get_sub_optimizer_param_groups", (("if param.is_cuda])", "])"), ("and param.is_cuda:", ":"),
-                                                      ("if param.is_cuda:", "if not cpu_copy:"),
-                                                      (".pin_memory()", ""))),
-                  ("_move_new_state_to_right_device", (('v.to("cuda")', 'v.to("cpu")'),)))
-
-
-def _device_is_the_cpu():
-    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as H
-
-    for name, edits in _CPU_AS_DEVICE:
-        src = textwrap.dedent(inspect.getsource(getattr(H.HybridDeviceOptimizer, name)))
-        for old, new in edits:
-            assert old in src, f"megatron's HybridDeviceOptimizer.{name} changed: {old!r} not found"
-            src = src.replace(old, new)
-        scope = {}
-        exec(src, H.__dict__, scope)
-        setattr(H.HybridDeviceOptimizer, name, scope[name])
-
-
 def _job(offload, *extra):
     return named_job("checkpoint_actor", TWO_LAYERS, *extra,
                      *knobs(use_distributed_optimizer=True, bf16=True, optimizer_cpu_offload=offload))
@@ -67,7 +45,6 @@ def _step(actor, seed):
 
 def _train(rank, world, job, steps, save=None, load=None, first=0):
     try:
-        _device_is_the_cpu()
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         actor = MegatronActor(job)
         kinds = {type(o).__name__ for o in [getattr(actor.optimizer, "optimizer", None)]
