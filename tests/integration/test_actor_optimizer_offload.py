@@ -121,3 +121,42 @@ def test_offload_switched_across_a_resume(tmp_path, saved_with):
         assert ((got[k].float() - w.float()).abs() <= ulp).all(), k
         moved += int((got[k] != w).sum())
     assert moved <= 1e-4 * sum(w.numel() for w in want.values()), moved
+
+
+def _main_params(rank, world, job):
+    """Each bf16 parameter's fp32 main shard, in the optimizer's order (the distributed optimizer's own copy, or
+    with offload the HybridDeviceOptimizer's fp32 copy it steps), and the bf16 weights."""
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        actor = MegatronActor(job)
+        out = []
+        for o in getattr(actor.optimizer, "chained_optimizers", None) or [actor.optimizer]:
+            fp32 = getattr(o.optimizer, "param_to_fp32_param", None)
+            for shard_group, main_group in zip(o.shard_float16_groups, o.shard_fp32_from_float16_groups):
+                for shard, main in zip(shard_group, main_group):
+                    out.append((fp32[shard] if fp32 is not None else main).detach().clone())
+        return out, [p.detach().clone() for c in actor.model for p in c.parameters()]
+    finally:
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(5)
+
+
+@pytest.mark.timeout(600)
+def test_offloaded_main_params_are_the_loaded_fp32_values(tiny_hf_model):
+    """An fp32 HF checkpoint loaded into a bf16 actor: the fp32 main parameters the offloaded optimizer steps are
+    the loaded values (as without offload: actor/main_params.py), not their bf16 rounding (DP2: each rank's
+    slice)."""
+    hf = tiny_hf_model("qwen2", seed=21)
+
+    def job(offload):
+        return named_job("actor", *knobs(use_distributed_optimizer=True, bf16=True, optimizer_cpu_offload=offload),
+                         hf=hf)
+
+    want = run_ranks(_main_params, 2, job(False), timeout=300)
+    got = run_ranks(_main_params, 2, job(True), timeout=300)
+    for (w, weights), (g, _) in zip(want, got):
+        assert len(g) == len(w) > 0
+        assert any(not torch.equal(m, m.bfloat16().float()) for m in w), "the source's weights are all bf16"
+        for a, b in zip(g, w):
+            assert torch.equal(a.float(), b), (a - b).abs().max()
