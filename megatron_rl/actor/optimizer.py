@@ -21,6 +21,7 @@ distributed optimizers are met by ``platform/cpu_compat`` (CPU stand-ins).
 """
 from __future__ import annotations
 
+import gc
 from typing import List, Sequence
 
 import torch
@@ -145,6 +146,11 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
 
     opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
                                  use_gloo_process_groups=True)  # the distributed optimizer saves over gloo
+    if getattr(actor_cfg, "optimizer_cpu_offload", False):
+        # megatron's first HybridDeviceOptimizer (over the unsharded parameters, replaced by the distributed
+        # optimizer's over its shards) holds fp32 copies of every parameter -- on the device for the share not
+        # offloaded -- and is in a reference cycle (its step hooks): freed now, not whenever Python collects
+        gc.collect()
     ddp_chunks[0].config.grad_scale_func = opt.scale_loss
     apply_constant_schedule(opt, actor_cfg)
     return opt

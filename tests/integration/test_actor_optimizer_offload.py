@@ -15,12 +15,15 @@ The tests run the actor as a CPU job does: nothing of megatron's is patched here
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_optimizer_offload.py -q``
 """
+import gc
 import multiprocessing
+import weakref
 
 import pytest
 import torch
 
 import megatron.core  # noqa: F401
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron_rl.actor import MegatronActor
 from megatron_rl.actor.optimizer import offload_errors
 from megatron_rl.parallel import initialize_model_parallel
@@ -200,3 +203,29 @@ def test_offload_fraction_changed_across_a_resume(tmp_path, saved, loaded):
     got, _ = run_ranks(_train, 2, _job(True, frac.format(loaded)), 1, None, str(tmp_path / "iter_0000001"),
                        timeout=300)[0]
     _within_one_ulp(got, want)
+
+
+def _hybrid_optimizers_alive(rank, world, job):
+    try:
+        initialize_model_parallel(job.parallel, seed=7, model=job.model)
+        gc.disable()  # whether Python's own collector ran during the build is chance: here it does not
+        actor = MegatronActor(job)
+        alive = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, HybridDeviceOptimizer)]  # no collection
+        used = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", None) or [actor.optimizer]]
+        return [r() is not None and any(r() is u for u in used) for r in alive]
+    finally:
+        gc.enable()
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(5)
+
+
+@pytest.mark.timeout(300)
+def test_no_second_offload_optimizer_lingers():
+    """megatron builds a HybridDeviceOptimizer over the whole (unsharded) parameters, then its distributed optimizer
+    replaces it by one over the rank's shards; the first -- fp32 copies of every parameter, on the device for the
+    share not offloaded -- is in a reference cycle (its step hooks), freed only by Python's cyclic collector. The
+    actor frees it when it builds the optimizer: only the optimizers in use are alive."""
+    job = _job(True, "actor.optimizer_offload_fraction=0.5")
+    [alive] = run_ranks(_hybrid_optimizers_alive, 1, job, timeout=250)
+    assert alive and all(alive), alive
