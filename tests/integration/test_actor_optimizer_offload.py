@@ -108,6 +108,9 @@ def test_offload_needs_what_megatron_needs():
                offload_errors(ActorConfig(bf16=True, optimizer_cpu_offload=True)))
     assert any("needs actor.bf16" in e for e in
                offload_errors(ActorConfig(use_distributed_optimizer=True, optimizer_cpu_offload=True)))
+    assert any("not with actor.fp32_output_layer" in e for e in  # megatron: "can't optimize a non-leaf Tensor"
+               offload_errors(ActorConfig(bf16=True, use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                                          fp32_output_layer=True)))
     assert any("actor.optimizer_offload_fraction: must be in (0, 1]" in e for e in
                offload_errors(ActorConfig(bf16=True, use_distributed_optimizer=True, optimizer_cpu_offload=True,
                                           optimizer_offload_fraction=0.0)))
