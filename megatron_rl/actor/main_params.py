@@ -63,14 +63,19 @@ def load_keeping_fp32(chunks: Sequence[torch.nn.Module], load: Callable[[], obje
 @torch.no_grad()
 def set_main_params(optimizer, fp32: Dict[int, torch.Tensor]) -> int:
     """Copy the ``load_keeping_fp32`` values into the fp32 main parameter of each bf16 parameter (megatron's
-    mixed-precision optimizer: the whole parameter; its distributed optimizer: this rank's shard of it); empties
+    mixed-precision optimizer: the whole parameter; its distributed optimizer: this rank's shard of it, with
+    ``actor.optimizer_cpu_offload`` the HybridDeviceOptimizer's fp32 copy of that shard); empties
     ``fp32``. Returns the number of main parameters set."""
     n = 0
     for o in sub_optimizers(optimizer):
         if hasattr(o, "shard_fp32_from_float16_groups"):  # distributed: shard = the parameter's range on this rank
-            pairs = zip(o.model_float16_groups, o.shard_fp32_from_float16_groups)
-            for model_group, main_group in pairs:
-                for p, main in zip(model_group, main_group):
+            # actor.optimizer_cpu_offload (megatron's precision-aware path): no main shard of its own; the fp32 copy
+            # is the HybridDeviceOptimizer's, of the bf16 shard (on the host where offloaded)
+            hybrid = getattr(o.optimizer, "param_to_fp32_param", {})
+            for model_group, shard_group, main_group in zip(o.model_float16_groups, o.shard_float16_groups,
+                                                            o.shard_fp32_from_float16_groups):
+                for p, shard, main in zip(model_group, shard_group, main_group):
+                    main = hybrid.get(shard) if main is None else main
                     if main is None or id(p) not in fp32:
                         continue
                     r = o._get_model_param_range_map(p)["param"]

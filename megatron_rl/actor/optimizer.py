@@ -21,11 +21,14 @@ distributed optimizers are met by ``platform/cpu_compat`` (CPU stand-ins).
 """
 from __future__ import annotations
 
+import gc
 from typing import List, Sequence
 
 import torch
 
 from megatron_rl.platform import distrib_optimizer
+from megatron_rl.platform.cpu_compat import cpu_patches_applied
+from megatron_rl.platform.cpu_hybrid_optimizer import apply_cpu_hybrid_optimizer
 
 __all__ = ["wrap_ddp", "build_optimizer", "optimizer_config", "OPTIMIZER_KEYS", "optimizer_settings", "offload_errors"]
 
@@ -138,9 +141,16 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
 
     if _distributed(actor_cfg):
         distrib_optimizer.install()  # its checkpoints load with torch's Adam (see that module)
+    if getattr(actor_cfg, "optimizer_cpu_offload", False) and cpu_patches_applied():
+        apply_cpu_hybrid_optimizer()  # on a CPU the CPU is megatron's offload device (see that module)
 
     opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
                                  use_gloo_process_groups=True)  # the distributed optimizer saves over gloo
+    if getattr(actor_cfg, "optimizer_cpu_offload", False):
+        # megatron's first HybridDeviceOptimizer (over the unsharded parameters, replaced by the distributed
+        # optimizer's over its shards) holds fp32 copies of every parameter -- on the device for the share not
+        # offloaded -- and is in a reference cycle (its step hooks): freed now, not whenever Python collects
+        gc.collect()
     ddp_chunks[0].config.grad_scale_func = opt.scale_loss
     apply_constant_schedule(opt, actor_cfg)
     return opt

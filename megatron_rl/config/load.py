@@ -34,7 +34,8 @@ from megatron_rl.config.sections import (
 from megatron_rl.config.types import check_value, field_types
 from megatron_rl.config.verl_keys import is_verl_config
 from megatron_rl.config.validate import job_errors
-from megatron_rl.convert import model_config_for_checkpoint
+from megatron_rl.convert import CheckpointMismatchError, check_model_config_matches, model_config_for_checkpoint
+from megatron_rl.convert.storage import hf_assets_dir, read_hf_config
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
@@ -229,12 +230,23 @@ def _partial_model(d: Any) -> bool:
 
 def _model_over_hf(path: str, d: Dict[str, Any], errors: List[str]) -> Optional[ModelConfig]:
     """The HF config's ModelConfig with the keys of a ``model:`` section without shapes put over it (verl's
-    ``override_config`` / ``override_transformer_config``); ``model.extra`` is merged key by key."""
+    ``override_config`` / ``override_transformer_config``); ``model.extra`` is merged key by key. A key that would
+    change a tensor shape of the checkpoint is an error naming it (the loader refuses such a model when it builds)."""
     base = _model_from_hf(path, errors)
     kwargs = _checked_kwargs("model", d, errors)
     if base is None or any(e.startswith("model.") for e in errors):
         return None
     extra = {**base.extra, **(kwargs.pop("extra", None) or {})}
+    hf_cfg = read_hf_config(hf_assets_dir(path))
+    for key, value in kwargs.items():
+        try:
+            check_model_config_matches(hf_cfg, dataclasses.replace(base, **{key: value}))
+        except CheckpointMismatchError as exc:
+            errors.append(f"model.{key}: {value!r} over actor.load_hf ({path}, {key} {getattr(base, key)!r}) changes "
+                          f"the shape of its weights ({exc}); a model: section over actor.load_hf may set only "
+                          f"what keeps them")
+    if any(e.startswith("model.") for e in errors):
+        return None
     return dataclasses.replace(base, **kwargs, extra=extra)
 
 

@@ -41,6 +41,13 @@ EXTRA_OWNED = {
     "recompute_num_layers": "actor.recompute_num_layers", "recompute_modules": "actor.recompute_modules",
 }
 
+#: TransformerConfig fields the builder sets from the ``model:`` key of the same name that fix a tensor shape: the
+#: model: key is what ``check`` plans and the checkpoint loader / exporter read, so ``model.extra`` may not set them
+EXTRA_SHAPES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                "kv_channels", "add_qkv_bias", "qk_layernorm", "multi_latent_attention", "q_lora_rank", "kv_lora_rank",
+                "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq")
+
 #: ``ModelConfig`` fields of multi-latent attention that megatron's ``MLATransformerConfig`` takes as they are,
 #: under the same name
 _MLA_SAME_NAMES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",

@@ -13,7 +13,7 @@ import re
 from typing import List, Optional
 
 from megatron_rl.envs.base import env_import_error
-from megatron_rl.models.builder import EXTRA_OWNED, transformer_config_fields
+from megatron_rl.models.builder import EXTRA_OWNED, EXTRA_SHAPES, transformer_config_fields
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
@@ -325,6 +325,9 @@ def model_extra_errors(model: Optional[ModelConfig]) -> List[str]:
     for key in model.extra:
         if key in EXTRA_OWNED:
             errs.append(f"model.extra.{key}: set from {EXTRA_OWNED[key]}; use that key instead")
+        elif key in EXTRA_SHAPES:
+            errs.append(f"model.extra.{key}: a tensor shape, set from model.{key} (what check plans and the "
+                        f"checkpoint loader reads); use that key instead")
         elif key not in fields:
             close = difflib.get_close_matches(key, sorted(fields), n=1)
             errs.append(f"model.extra.{key}: not a megatron-core TransformerConfig field"

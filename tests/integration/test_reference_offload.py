@@ -4,8 +4,9 @@
 On this CPU run the device is the CPU, so a park is a copy into new host storage and an unpark a copy back into new
 storage: what is checked is what a GPU run relies on -- every parameter really moves each time (a new storage, never
 an alias of the old one), the Parameter objects stay those the modules hold, the log-probs are bit-identical to the
-never-parked reference, the weights are parked again after the pass (also when it raises), and a DDP-wrapped model
-(whose parameters are views of its buffers: parking would free nothing) is refused.
+never-parked reference, the weights are parked again after the pass (also when it raises) into the host copy made at
+the first park (the weights are frozen: nothing is copied back), and a DDP-wrapped model (whose parameters are views
+of its buffers: parking would free nothing) or a parameter that requires grad is refused.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_reference_offload.py -q``
 """
@@ -50,6 +51,8 @@ def _parked_reference(rank, world, job):
         got = kl.log_probs(batch, 1.0)
         out["moved_at_unpark"] = all(d != q for d, q in zip(during[0], parked_ptrs))
         out["parked_after"] = kl.parked.parked and all(p.data_ptr() != d for p, d in zip(params, during[0]))
+        # frozen weights: parked again into the host copy kept from the first park (nothing copied back)
+        out["host_copy_kept"] = [p.data_ptr() for p in params] == parked_ptrs
         ref.compute_log_probs = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("pass failed"))
         try:
             kl.log_probs(batch, 1.0)
@@ -59,6 +62,11 @@ def _parked_reference(rank, world, job):
             ParkedParams(MegatronActor(actor_spec(job)).model, torch.device("cpu"))
         except ValueError as e:
             out["ddp_refused"] = str(e)
+        ref.model[0].requires_grad_(True)
+        try:
+            ParkedParams(ref.model, torch.device("cpu"))
+        except ValueError as e:
+            out["trainable_refused"] = str(e)
         return want, got, out
     finally:
         for child in multiprocessing.active_children():
@@ -76,3 +84,4 @@ def test_parked_reference_gives_the_same_log_probs(tiny_hf_model, lay):
         assert out["parked"] and out["parked_after"] and out["parked_after_error"], out
         assert out["bytes"] == out["expected_bytes"], out   # bf16 weights: 2 bytes per element
         assert "DDP-wrapped" in out.get("ddp_refused", ""), out
+        assert out["host_copy_kept"] and "requires grad" in out.get("trainable_refused", ""), out

@@ -101,3 +101,30 @@ def test_the_worked_example_of_docs_migration(tmp_path):
     assert r.returncode == 3 and "does NOT FIT" in r.stdout + r.stderr, r.stdout + r.stderr
     r = run_cli(*args, "cluster.gpu_memory_gb=96", cwd=str(tmp_path))
     assert r.returncode == 0 and "config OK" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("key, value", [("num_layers", 2), ("ffn_hidden_size", 32), ("num_moe_experts", 8)])
+def test_a_partial_model_section_cannot_change_load_hf_tensor_shapes(tmp_path, key, value):
+    """A ``model:`` section put over ``actor.load_hf``'s config may not change a tensor shape of the checkpoint:
+    the actor's loader refuses that job only when it builds (megatron_rl.convert.check_model_config_matches),
+    while ``check`` planned its memory for the overridden shapes and passed. Refused at config load, naming the key
+    and the checkpoint's value; a non-shape override still passes."""
+    hf = _qwen3_moe_hf(tmp_path / "hf")
+    _, errors = build_job_config({"model": {key: value}, "actor": {"load_hf": hf}})
+    hits = [e for e in errors if e.startswith(f"model.{key}:")]
+    assert hits and "actor.load_hf" in hits[0], errors
+    cfg, errors = build_job_config({"model": {"rotary_base": 5e5}, "actor": {"load_hf": hf}})
+    assert not [e for e in errors if e.startswith("model.")] and cfg.model.rotary_base == 5e5, errors
+
+
+@pytest.mark.parametrize("key", ["num_layers", "ffn_hidden_size", "num_moe_experts", "kv_channels"])
+def test_model_extra_cannot_change_a_tensor_shape(tmp_path, key):
+    """``model.extra`` (verl's override_transformer_config) went into megatron's TransformerConfig over the model:
+    keys, so ``extra.num_layers`` built another model than the one ``check`` planned (and, with actor.load_hf, than
+    the checkpoint's: refused only by the loader). A shape in model.extra is an error naming the model: key."""
+    hf = _qwen3_moe_hf(tmp_path / "hf")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": {"extra": {key: 2}}, "actor": {"load_hf": hf}}))
+    _, problems = collect_job_config(str(job), [], world_size=1)
+    hits = [p for p in problems if p.startswith(f"model.extra.{key}:")]
+    assert hits and f"model.{key}" in hits[0], problems
