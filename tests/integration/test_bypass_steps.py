@@ -68,6 +68,8 @@ def _data(hf_dir):
 
 def _job(hf_dir, case, layout):
     corr, loss = CASES[case]
+    if corr["loss_type"] == "reinforce":  # REINFORCE reads no clip ratio (the reference ignores them too): a job
+        loss = {k: v for k, v in loss.items() if not k.startswith("clip_ratio")}  # that sets one is refused
     return named_job("actor_ppo", setting("actor.lr", LR), "actor.weight_decay=0.1", setting("actor.policy_loss", loss),
                      setting("algorithm.rollout_correction", corr), *knobs(**layout, **STEPS), hf=hf_dir)
 
