@@ -6,38 +6,10 @@ token in, token out.
                              encode_observation=ObservationEncoder(tokenizer, template),
                              decode_action=lambda ids: response_text(tokenizer, ids)[0], seed=s)
 
-Every open trajectory advances one turn at a time, all of them in one engine call per turn (one call per
-distinct token budget: an engine call has one ``max_new_tokens``):
-
-1. **Model turn.** The engine continues from the exact ids so far (prompt + every segment), ``n=1`` per
-   trajectory (the first turn: ``n`` samples of each prompt, prompt-major, as a single-turn step draws them),
-   ``seed + 7919 * turn`` (ignored where the engine is not ``seeded_sampling``), ``max_new_tokens = min(
-   max_tokens_per_turn, budget left)``. Its ids, log-probs and per-token weight versions become a model
-   ``Segment`` unchanged: nothing the model produced is ever decoded and re-encoded. Versions: each token's
-   ``Rollout.token_versions`` (a turn through the async producer's view may span versions in interrupt mode).
-   MoE routing of
-   each call is joined onto the trajectory's (``rollout.routing.join_routing``): positions fed by earlier
-   calls keep their routing, so every model token keeps the routing it was sampled with.
-2. **Limits** (``TurnLimits``), after a model turn: a turn cut by its token limit without a stop token ends
-   the trajectory, "max_tokens" when the response budget (``max_total_tokens``, every segment) is used up,
-   else "length" (``max_tokens_per_turn``); a stop token exactly at the limit is a finished turn.
-3. **Environment.** ``pool.step`` gets the decoded text of the turn (``decode_action``). ``done`` -> finish
-   "answer" with the step's reward. A failure (``EnvFailure``) -> finish "env_error", reward 0, counted under
-   its kind (only that trajectory ends). ``info`` counts are added to ``Trajectory.counts``. Otherwise the
-   observation is tokenized once (``encode_observation``: the chat-template wrapper of the tool response and
-   the next assistant header) and appended as an environment ``Segment``. After the last allowed turn
-   (``max_turns``) the observation is not appended (finish "max_turns"); an observation that leaves no room
-   for a model token ends the trajectory "max_tokens" and is not appended either (nothing after it would be
-   trained; ``truncated_observation`` counts the ones longer than the budget left). The environments of
-   trajectories ended by a limit are released from the pool.
-
-Overlong handling: a trajectory never holds more than ``max_total_tokens`` response tokens; one that ran into a
-limit is marked by its finish ("max_tokens", "length", "max_turns"); its model tokens are trained like any others
-with the reward the environment gave (0 when it never said done).
-
-The driver raises ``StaleRolloutError`` (with ``expected_version``) when the first turn's rollouts come from other
-weights than the step expects; later turns may run on newer weights (the async producer's view in interrupt
-mode), and the rollout source bounds the staleness of every token of the step (``check_staleness``).
+Rule: nothing the model produced is ever decoded and re-encoded -- its ids, log-probs and versions become a model
+``Segment`` as the engine returned them. Every open trajectory advances one turn per engine call (one call per
+distinct token budget). The turn loop (model turn, limits, environment), overlong handling and staleness:
+docs/multi_turn.md, "The driver's turn loop".
 """
 from __future__ import annotations
 
