@@ -28,7 +28,7 @@ from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
-from megatron_rl.weight_sync.modes import rollout_mode_name
+from megatron_rl.weight_sync.modes import resolve_mode
 
 TASKS = ("copy", "reverse", "sort", "add", "lookup", "file")
 ADV = ("grpo", "rloo")
@@ -330,7 +330,7 @@ def _weight_sync_errors(r) -> List[str]:
                         f"— use rollout.weight_sync: {' or '.join(engine.deferred_weight_sync_modes)} (or auto) "
                         f"with rollout.mode: async")
     if r.weight_sync_delta and r.engine in ENGINE_KINDS and r.weight_sync in modes:
-        mode = rollout_mode_name(r)
+        mode = resolve_mode(r, engine_class(r.engine)).name
         if r.mode == "async":
             errs.append("rollout.weight_sync_delta: true needs rollout.mode 'sync' (the async producer applies "
                         "whole versions later, possibly skipping some)")

@@ -58,7 +58,7 @@ from megatron_rl.rollout.embedded_sampling import (
 )
 from megatron_rl.weight_sync.receivers.embedded import BucketLoader, load_state_dict_checked, read_weight_update
 from megatron_rl.rollout.finish import stop_ids
-from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.weight_sync.endpoint import tensor_checksum
 from megatron_rl.weight_sync.layout import transformers_layout
 from megatron_rl.rollout.routing import RouterCapture
 
@@ -256,9 +256,6 @@ class EmbeddedEngine(RolloutEngine):
     def _mark_synced(self, version: str) -> None:
         self._version = version
         self._invalid = None
-
-    def _mark_invalid(self, reason: str) -> None:
-        self._invalid = reason
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1,
                  seed: int | None = None) -> list[Rollout]:

@@ -62,7 +62,7 @@ from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
 from megatron_rl.weight_sync.receivers.sglang import FP32_KEPT_SUFFIXES, SGLangReceiver, checksums_by_name
 from megatron_rl.weight_sync.transport import ServerSet, drop_update_group
-from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.weight_sync.endpoint import tensor_checksum
 from megatron_rl.weight_sync.layout import sglang_layout
 
 
@@ -456,7 +456,7 @@ class SGLangEngine(RolloutEngine):
                     raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports "
                                           f"weight_version={got!r}, expected {version!r}")
         except BaseException as exc:
-            self._mark_invalid(f"weight sync to {version!r} from disk failed: {type(exc).__name__}: {exc}")
+            self.invalidate_weights(f"weight sync to {version!r} from disk failed: {type(exc).__name__}: {exc}")
             if isinstance(exc, RolloutError) and not isinstance(exc, WeightSyncError):
                 raise WeightSyncError(f"weight sync to {version!r} from disk: {exc}") from exc
             raise
@@ -576,9 +576,6 @@ class SGLangEngine(RolloutEngine):
         """``version`` is the engine's, valid, and every server reports it now: a server restarted since (it
         reports its launch version, its weights and delta store are gone) or tagged by someone else does not."""
         return super().holds_weight_version(version) and all(self._server_version(u) == version for u in self.urls)
-
-    def _mark_invalid(self, reason: str) -> None:
-        self._invalid = reason
 
     def _drop_group(self) -> None:
         drop_update_group(self.urls)

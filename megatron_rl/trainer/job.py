@@ -51,6 +51,7 @@ from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_ove
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
 from megatron_rl.trainer.startup import check_data, layout_line
+from megatron_rl.trainer.sync_settings import weight_sync_settings
 from megatron_rl.tasks.val_set import build_val_set
 from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
@@ -236,7 +237,7 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         held["sinks"] = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress,
                                     tensorboard=tc.tensorboard, wandb=tc.wandb, wandb_project=tc.wandb_project,
                                     config=cfg.to_dict(), resume=start > 0)
-        immediate = build_weight_publisher(cfg, actor, engine)
+        immediate = build_weight_publisher(weight_sync_settings(cfg), actor, engine)
         with watchdog.phase("weight_sync", start):
             immediate.publish(version_tag(start))
         held["stop"] = stop or StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())

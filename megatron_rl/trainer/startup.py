@@ -10,7 +10,7 @@ from __future__ import annotations
 from megatron_rl.rollout.factory import engine_class
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
-from megatron_rl.weight_sync.modes import mode_name
+from megatron_rl.trainer.sync_settings import weight_sync_settings
 
 
 def check_data(cfg) -> None:
@@ -32,4 +32,4 @@ def layout_line(cfg, groups, world_size: int) -> str:
     engine = engine_class(r.engine).describe(r)
     return (f"[megatron-rl] layout: world size {world_size}, {groups.dims.describe()}; rollout engine {engine}, "
             f"{r.mode} rollouts; "
-            f"weight sync {mode_name(cfg)}")
+            f"weight sync {weight_sync_settings(cfg).mode}")

@@ -5,8 +5,7 @@ padding: the layout of SGLang's ``FlattenedTensorBucket``, so the buffer can be 
 ``/update_weights_from_distributed`` with ``load_format: flattened_bucket``) plus their names and shapes.
 ``bucketize`` fills buffers of ``bucket_bytes`` from a ``(name, tensor)`` stream, copying (and casting)
 each tensor straight into the buffer, so a sender holds one bucket + the tensor being copied, never the
-model. ``tensor_checksum`` is SGLang's ``/weights_checker`` checksum (sha256 of the bytes, first 8 bytes
-as 16 hex digits), so the trainer and the engine can compare a tensor without moving it.
+model. ``tensor_checksum`` (``endpoint.py``) is SGLang's ``/weights_checker`` checksum.
 
 Usage::
 
@@ -15,24 +14,18 @@ Usage::
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
+
+from megatron_rl.weight_sync.endpoint import tensor_checksum
 
 __all__ = ["Bucket", "bucketize", "tensor_checksum", "DTYPE_NAMES"]
 
 #: torch dtype -> the name SGLang's HTTP API uses (``getattr(torch, name)``).
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """SGLang's weight checksum of ``t``: sha256 of its contiguous CPU bytes, first 8 bytes in hex."""
-    t = t.detach().cpu().contiguous()
-    digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
-    return f"{int.from_bytes(digest[:8], 'big'):016x}"
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.convert.live import is_stage_leader, iter_hf_tensors
-from megatron_rl.rollout.base import WeightSyncError
+from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.buckets import Bucket, bucketize
 from megatron_rl.weight_sync.transport import recv_bucket, send_bucket
 

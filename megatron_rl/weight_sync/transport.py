@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from megatron_rl.parallel.devices import collective_device, recv_, send_
-from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.rollout.sglang_server import find_free_port
+from megatron_rl.weight_sync.endpoint import WeightSyncError
+from megatron_rl.parallel.ports import find_free_port
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.delta import DeltaBucket
 

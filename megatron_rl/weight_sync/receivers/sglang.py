@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
+from megatron_rl.weight_sync.endpoint import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.buckets import DTYPE_NAMES
 from megatron_rl.weight_sync.delta import DeltaBucket
 from megatron_rl.weight_sync.server_loader import LOADER, SERVER_FLAGS
@@ -212,7 +212,7 @@ class SGLangReceiver(WeightReceiver):
         self.engine._check_versions(self.version)
 
     def abort(self, reason: str) -> None:
-        self.engine._mark_invalid(f"weight sync to {self.version!r} failed: {reason}")
+        self.engine.invalidate_weights(f"weight sync to {self.version!r} failed: {reason}")
         for url in self.engine.urls:
             try:
                 if url in self.opened:
