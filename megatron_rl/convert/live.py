@@ -180,9 +180,10 @@ def _all_gather(t: Tensor, group, size: int) -> List[Tensor]:
     return parts
 
 
-def _merge(t: Tensor, kind: str, group, size: int, name: str) -> Tensor:
-    """The full tensor of the TP (or ETP) split ``t`` of parameter ``name``."""
-    if kind == "replicated":
+def _merge(t: Tensor, kind: str, group, size: int, name: str, copy: bool = True) -> Tensor:
+    """The full tensor of the TP (or ETP) split ``t`` of parameter ``name`` (``copy`` False: an unsplit one is
+    ``t`` itself, not a copy)."""
+    if kind == "replicated" or (size == 1 and not copy):
         return t
     return merge_tensors(_all_gather(t, group, size), kind, name)
 
@@ -197,7 +198,8 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
 
     ``owner_only``: each tensor is yielded on its one owner alone and routed experts are not gathered over
     EP: a dense tensor on TP rank 0 of the first replica, an expert on ETP rank 0 of the first expert replica
-    of the EP rank that holds it (its own experts only) -- the shard each weight-sync sender sends."""
+    of the EP rank that holds it (its own experts only) -- the shard each weight-sync sender sends; a tensor
+    that is not split is then the parameter itself (the sender copies it into its buckets), not a copy."""
     sends_dense = groups.dp_rank == 0 and groups.cp_rank == 0
     sends_experts = groups.edp_rank == 0
     owns_dense = not owner_only or groups.tp_rank == 0
@@ -210,7 +212,7 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
             in_layer = split_layer_name(name)
             if in_layer is None:
                 if sends_dense and not (name == "output_layer.weight" and _tied(model_cfg)):
-                    full = _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name)
+                    full = _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name, not owner_only)
                     if owns_dense:
                         yield name, full
                 continue
@@ -219,13 +221,13 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
             expert = expert_index(rest)
             if expert is None:
                 if sends_dense:
-                    full = _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name)
+                    full = _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name, not owner_only)
                     if owns_dense:
                         yield prefix + rest, full
                 continue
             if sends_experts:
                 local, fmt = expert
-                whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name)
+                whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name, not owner_only)
                 if owner_only:
                     if owns_experts:
                         yield prefix + fmt.format(groups.ep_rank * per_ep + local), whole

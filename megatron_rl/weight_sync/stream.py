@@ -83,7 +83,8 @@ def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: in
     takes part in the gathers). ``pack``: a delta sync's packer. After a failure the rest of the stream is
     gathered but not sent."""
     out = SenderOutcome(rank)
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack):
+    hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
+    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold):
         if channel is None or out.error is not None:
             continue
         try:

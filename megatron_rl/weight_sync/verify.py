@@ -108,9 +108,10 @@ class WeightVerifier:
         self._numel[name] = t.numel()
         if name not in self._need:
             return
+        given = t
         if self.dtype is not None and t.is_floating_point() and name not in self.keep:
             t = t.to(self.dtype)
-        self._held[name] = t.detach().clone()
+        self._held[name] = t.detach()  # may be the caller's buffer: copied below if kept past this call
         for et in self.tensors:
             if name in et.sources and all(s in self._held for s in et.sources):
                 for tp in self.tp_sizes:
@@ -120,6 +121,8 @@ class WeightVerifier:
                     self._need[s] -= 1
                     if self._need[s] == 0:
                         del self._need[s], self._held[s]
+        if name in self._held and t is given:  # another engine tensor still needs it: own a copy
+            self._held[name] = self._held[name].clone()
 
     def check(self, what: str, source_text: str) -> List[str]:
         """Compare with the engine's checksums (every server, every TP rank); a mismatch raises
