@@ -78,7 +78,11 @@ def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dty
     is not a sender), each sent before the next is packed (one buffer serves them all); ``pack`` as in
     ``stream_buckets``; ``hold``: ``buckets.HeldBucket``s (the engine is in this process). Consume it to the end
     on every rank."""
-    pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True)
+    # the gathers move the engine's dtype (every rank has the same dtype and keep set: rank 0's plan); not when
+    # some tensors stay in a higher precision, whose mcore names are not known before the mapping
+    gather = dtype if not keep_dtype else None
+    pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True,
+                            gather_dtype=gather)
     if pack is not None:
         yield from pack(pairs)
     elif hold:
