@@ -8,8 +8,10 @@
 ``--senders``: the fixed cost of a sync and its cost per byte, against a same-run memcpy: every layout below runs
 at two model sizes (``--sizes``: layers; hidden / vocab fixed) and a line through the two points gives the fixed
 seconds per sync (intercept) and the seconds per byte (slope), the slope also as a multiple of a host ``copy_``'s
-(the memcpy floor: a host ``copy_`` of the sync's bytes on rank 0 right after each sync, under the same load).
-Each point is the fastest of ``--repeats`` syncs (the one least disturbed by other load on the machine). Layouts: a dense Qwen2 on 1 rank (the engine in the
+(the memcpy floor: a host ``copy_`` of the sync's bytes on rank 0 right after each sync, under the same load),
+for the wall time of rank 0 and for the CPU seconds of every rank together (what the sync costs the machine, not
+the time it waited for a CPU: the figure to read on a shared machine). Each point is the fastest of
+``--repeats`` syncs. Layouts: a dense Qwen2 on 1 rank (the engine in the
 sender's process), at TP2 (one sender: stage 0's TP rank 0) and PP2 (two senders, one per stage); a Qwen3-MoE at
 DP2 without expert parallelism (one sender) and EP2 (two senders); in memory (embedded: tensor; ``--sglang``:
 distributed into a CPU server). ``--verify-interval 0`` leaves verification (sha256 of sampled tensors on both
@@ -59,36 +61,41 @@ def _body(rank, world, job, modes, url, repeats):
         if rank == 0:
             engine = (EmbeddedEngine(job.actor.load_hf, dtype="bfloat16") if engine_kind == "embedded"
                       else SGLangEngine(url, weight_sync_timeout=600))
-        times, peaks, copies, m = [], [], [], {}
+        times, cpus, peaks, copies, m = [], [], [], [], {}
         for i in range(repeats + 1):  # the first is a warm-up
             torch.distributed.barrier()
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")
             base = _rss_kb("VmRSS")
+            c0 = time.process_time()
             t0 = time.perf_counter()
             m = build_weight_publisher(weight_sync_settings(cfg), actor, engine).publish(f"step-{i + 1}")
             if i:
                 times.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)  # every thread of this rank, not the time it waited for a CPU
                 peaks.append((_rss_kb("VmHWM") - base) * 1024)
-                copies.append(_memcpy_s(m["weight_sync/bytes"], 1))  # the floor, under the same load
+                copies.append(_memcpy_s(m["weight_sync/bytes"], 1, cpu=True))  # the floor, under the same load
         if engine is not None:
             engine.close()
         out[f"{engine_kind}/{mode}"] = {"s": statistics.median(times), "min_s": min(times), "peak": max(peaks),
-                                        "copy_s": min(copies), **m}
+                                        "cpus": cpus, "copy_s": min(c for c, _ in copies),
+                                        "copy_cpu": min(c for _, c in copies), **m}
     return out
 
 
-def _memcpy_s(nbytes, repeats=5, best=False):
-    """Seconds of one host copy of ``nbytes`` bytes (median; ``best``: the fastest), the floor of moving them in
-    process."""
+def _memcpy_s(nbytes, repeats=5, cpu=False):
+    """Seconds of one host copy of ``nbytes`` bytes (median), the floor of moving them in process; ``cpu``: the
+    fastest copy's (wall seconds, CPU seconds)."""
     src = torch.empty(max(int(nbytes), 1), dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src).fill_(0)  # its pages touched: the copy alone is timed
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return min(times) if best else statistics.median(times)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
+    if cpu:
+        return min(times)
+    return statistics.median(t for t, _ in times)
 
 
 def _delta_body(rank, world, job, lrs, repeats):
@@ -194,19 +201,21 @@ def senders_main(a) -> None:
                 if server is not None:
                     server.terminate()
             for key, r0 in out[0].items():
+                cpu = min(sum(o[key]["cpus"][i] for o in out) for i in range(a.repeats))  # all ranks' CPU seconds
                 points.setdefault(label, []).append((r0["weight_sync/bytes"], r0["min_s"], r0["weight_sync/senders"],
-                                                     key, r0["copy_s"]))
+                                                     key, r0["copy_s"], cpu, r0["copy_cpu"]))
     print(f"verification: {'every version' if a.verify_interval == 1 else 'off' if a.verify_interval == 0 else f'every {a.verify_interval}th version'}; sizes: {sizes[0]} and {sizes[1]} layers")
-    print(f"{'layout':24s} {'engine/mode':18s} {'senders':>7s} {'MiB':>13s} {'sync s':>15s} {'fixed ms':>9s} "
-          f"{'ns/B':>7s} {'memcpy ns/B':>11s} {'x memcpy/B':>10s} {'x floor':>13s}")
+    print("wall: rank 0's seconds per sync (fastest of --repeats); cpu: the CPU seconds of every rank together "
+          "(fastest); per byte: the slope between the two sizes, as a multiple of a memcpy's")
+    print(f"{'layout':24s} {'senders':>7s} {'MiB':>13s} {'wall s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} "
+          f"{'cpu s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} {'x floor':>13s}")
     for label, pts in points.items():
-        (b1, t1, n, key, m1), (b2, t2, _, _, m2) = pts
-        per_byte = (t2 - t1) / (b2 - b1)
-        copy_per_byte = min(m1 / b1, m2 / b2)  # a memcpy has no fixed cost to speak of
-        fixed = t1 - per_byte * b1
-        print(f"{label:24s} {key:18s} {n:7.0f} {b1 / 2**20:6.1f}/{b2 / 2**20:6.1f} {t1:7.3f}/{t2:7.3f} "
-              f"{fixed * 1e3:9.1f} {per_byte * 1e9:7.3f} {copy_per_byte * 1e9:11.3f} {per_byte / copy_per_byte:10.2f} "
-              f"{t1 / m1:6.1f}/{t2 / m2:6.1f}")
+        (b1, t1, n, key, m1, c1, k1), (b2, t2, _, _, m2, c2, k2) = pts
+        wall_b, cpu_b = (t2 - t1) / (b2 - b1), (c2 - c1) / (b2 - b1)
+        copy_b, copy_cpu_b = min(m1 / b1, m2 / b2), min(k1 / b1, k2 / b2)  # a memcpy has no fixed cost to speak of
+        print(f"{label:24s} {n:7.0f} {b1 / 2**20:6.1f}/{b2 / 2**20:6.1f} {t1:7.3f}/{t2:7.3f} "
+              f"{(t1 - wall_b * b1) * 1e3:8.1f} {wall_b / copy_b:10.2f} {c1:7.3f}/{c2:7.3f} "
+              f"{(c1 - cpu_b * b1) * 1e3:8.1f} {cpu_b / copy_cpu_b:10.2f} {t1 / m1:6.1f}/{t2 / m2:6.1f}")
 
 
 def main(argv=None):
