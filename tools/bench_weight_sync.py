@@ -1,28 +1,22 @@
-"""Benchmark the trainer -> engine weight sync per mode (``rollout.weight_sync``), disk vs in memory, in one run.
+"""Benchmark the trainer -> engine weight sync: the fixed and per-byte cost of a sync (``--senders``), the modes.
 
+    OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --senders [--sglang] [--experts 8] [--sizes 256,768]
+        [--verify-interval 1] [--layers 6] [--vocab 16384] [--repeats 2]
     OMP_NUM_THREADS=1 python tools/bench_weight_sync.py [--hidden 1024] [--layers 6] [--vocab 16384] [--tp 2]
         [--bucket-mb 64] [--sglang] [--delta-lrs 1e-6,1e-4]
-    OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --senders [--sglang] [--experts 8] [--sizes 4,8]
-        [--verify-interval 1]
 
-``--senders``: the fixed cost of a sync and its cost per byte, against a same-run memcpy: every layout below runs
-at two model sizes (``--sizes``: layers; hidden / vocab fixed) and a line through the two points gives the fixed
-seconds per sync (intercept) and the seconds per byte (slope), the slope also as a multiple of a host ``copy_``'s
-(the memcpy floor: a host ``copy_`` of the sync's bytes on rank 0 right after each sync, under the same load),
-for the wall time of rank 0 and for the CPU seconds of every rank together (what the sync costs the machine, not
-the time it waited for a CPU: the figure to read on a shared machine). Each point is the fastest of
-``--repeats`` syncs. Layouts: a dense Qwen2 on 1 rank (the engine in the
-sender's process), at TP2 (one sender: stage 0's TP rank 0) and PP2 (two senders, one per stage); a Qwen3-MoE at
-DP2 without expert parallelism (one sender) and EP2 (two senders); in memory (embedded: tensor; ``--sglang``:
-distributed into a CPU server). ``--verify-interval 0`` leaves verification (sha256 of sampled tensors on both
-sides, ``rollout.weight_sync_verify_interval``) out of the cost.
+``--senders``: every layout runs at two model sizes (``--sizes``: hidden; the same tensors, each larger) and the line
+through the two points gives the fixed cost of a sync (intercept) and its cost per byte (slope) vs a memcpy's (a host ``copy_`` of
+the sync's bytes on rank 0 after each sync, under the same load): for rank 0's wall time and for the CPU seconds of
+every rank together (what the sync costs the machine, not the time it waited for a CPU: the figure to read on a
+shared machine); each point is the fastest of ``--repeats`` syncs. Layouts: a dense Qwen2 on 1 rank, at TP2 (one
+sender) and PP2 (two senders); a Qwen3-MoE at DP2 (one sender) and EP2 (two senders); in memory (embedded engine:
+tensor; ``--sglang``: distributed into a CPU server). ``--verify-interval 0`` leaves verification out.
 
-The mode comparison: a random-weight Qwen2 of a real shape (fp32 in the trainer) on ``--tp`` gloo ranks syncs into
-the embedded engine (bf16) by disk and by tensor, and with ``--sglang`` into a CPU SGLang server by disk,
-distributed (gloo) and tensor: seconds (median of ``--repeats``, verification included), bytes, buckets and the
-peak extra host memory on each rank. ``--delta-lrs``: full vs delta sync (tensor mode, embedded bf16 engine) after
-real train steps at each learning rate, each against a same-run memcpy of its bytes. docs/weight_sync.md has
-measured numbers.
+The mode comparison: a Qwen2 (fp32 trainer) on ``--tp`` gloo ranks syncs into the embedded engine (bf16) by disk
+and tensor (``--sglang``: a CPU SGLang server by disk, distributed and tensor): seconds, bytes, buckets, peak extra
+host memory per rank. ``--delta-lrs``: full vs delta sync after real train steps at each learning rate, each
+against a same-run memcpy of its bytes. Measured numbers: docs/weight_sync.md.
 """
 import argparse
 import ctypes
@@ -172,22 +166,22 @@ def senders_main(a) -> None:
 
     root = tempfile.mkdtemp(prefix="bench_ws_senders_")
     sizes = [int(x) for x in a.sizes.split(",")]
-    if len(sizes) != 2 or sizes[0] >= sizes[1]:
-        raise SystemExit(f"--sizes {a.sizes!r}: two layer counts, the smaller first")
+    if len(sizes) != 2 or sizes[0] >= sizes[1] or any(h % 256 for h in sizes):
+        raise SystemExit(f"--sizes {a.sizes!r}: two hidden sizes (multiples of 256), the smaller first")
     cases = [("dense 1 rank (1 sender)", "dense", 1, {}),
              ("dense TP2 (1 sender)", "dense", 2, {"tensor_model_parallel_size": 2}),
              ("dense PP2 (2 senders)", "dense", 2, {"pipeline_model_parallel_size": 2}),
              ("MoE DP2 (1 sender)", "moe", 2, {}),
              ("MoE EP2 (2 senders)", "moe", 2, {"expert_model_parallel_size": 2})]
     points = {}  # label -> [(bytes, seconds, senders, key)] per size
-    for layers in sizes:
-        shape = dict(hidden_size=a.hidden, num_hidden_layers=layers, num_attention_heads=a.hidden // 64,
+    for hidden in sizes:  # the same tensors, each larger: the fixed cost stays fixed, the bytes grow
+        shape = dict(hidden_size=hidden, num_hidden_layers=a.layers, num_attention_heads=hidden // 64,
                      num_key_value_heads=4, vocab_size=a.vocab)
-        models = {"dense": build_tiny_hf_model(os.path.join(root, f"dense{layers}"), arch="qwen2", seed=0,
-                                               intermediate_size=a.hidden * 11 // 4, **shape),
-                  "moe": build_tiny_hf_model(os.path.join(root, f"moe{layers}"), arch="qwen3_moe", seed=0,
+        models = {"dense": build_tiny_hf_model(os.path.join(root, f"dense{hidden}"), arch="qwen2", seed=0,
+                                               intermediate_size=hidden * 11 // 4, **shape),
+                  "moe": build_tiny_hf_model(os.path.join(root, f"moe{hidden}"), arch="qwen3_moe", seed=0,
                                              num_experts=a.experts, num_experts_per_tok=2,
-                                             moe_intermediate_size=a.hidden, tie_word_embeddings=False, **shape)}
+                                             moe_intermediate_size=hidden, tie_word_embeddings=False, **shape)}
         for label, kind, world, parallel in cases:
             server = None
             try:
@@ -204,7 +198,7 @@ def senders_main(a) -> None:
                 cpu = min(sum(o[key]["cpus"][i] for o in out) for i in range(a.repeats))  # all ranks' CPU seconds
                 points.setdefault(label, []).append((r0["weight_sync/bytes"], r0["min_s"], r0["weight_sync/senders"],
                                                      key, r0["copy_s"], cpu, r0["copy_cpu"]))
-    print(f"verification: {'every version' if a.verify_interval == 1 else 'off' if a.verify_interval == 0 else f'every {a.verify_interval}th version'}; sizes: {sizes[0]} and {sizes[1]} layers")
+    print(f"verification: {'every version' if a.verify_interval == 1 else 'off' if a.verify_interval == 0 else f'every {a.verify_interval}th version'}; hidden {sizes[0]} and {sizes[1]}, {a.layers} layers, vocab {a.vocab}")
     print("wall: rank 0's seconds per sync (fastest of --repeats); cpu: the CPU seconds of every rank together "
           "(fastest); per byte: the slope between the two sizes, as a multiple of a memcpy's")
     print(f"{'layout':24s} {'senders':>7s} {'MiB':>13s} {'wall s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} "
@@ -231,7 +225,7 @@ def main(argv=None):
                    "steps at each (instead of the mode comparison)")
     p.add_argument("--senders", action="store_true", help="one sender vs several (TP2 vs PP2, DP2 vs EP2)")
     p.add_argument("--experts", type=int, default=8, help="--senders: routed experts of the MoE model")
-    p.add_argument("--sizes", default="2,12", help="--senders: the two model sizes (layers) of the linear fit")
+    p.add_argument("--sizes", default="256,768", help="--senders: the two model sizes (hidden) of the linear fit")
     p.add_argument("--verify-interval", type=int, default=1, help="--senders: rollout.weight_sync_verify_interval "
                    "(0: no verification)")
     a = p.parse_args(argv)
