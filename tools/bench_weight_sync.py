@@ -1,24 +1,22 @@
-"""Benchmark the trainer -> engine weight sync per mode (``rollout.weight_sync``), disk vs in memory, in one run.
+"""Benchmark the trainer -> engine weight sync: the fixed and per-byte cost of a sync (``--senders``), the modes.
 
+    OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --senders [--sglang] [--experts 8] [--sizes 256,768]
+        [--verify-interval 1] [--layers 6] [--vocab 16384] [--repeats 2]
     OMP_NUM_THREADS=1 python tools/bench_weight_sync.py [--hidden 1024] [--layers 6] [--vocab 16384] [--tp 2]
         [--bucket-mb 64] [--sglang] [--delta-lrs 1e-6,1e-4]
-    OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --senders [--sglang] [--experts 8]
 
-``--senders``: one sender vs several on the same 2 ranks and model, against a same-run memcpy floor: a dense
-Qwen2 at TP2 (one sender: stage 0's TP rank 0) vs PP2 (two senders, one per stage), and a Qwen3-MoE at DP2
-without expert parallelism (one sender) vs EP2 (two senders, one per EP rank); in memory (embedded: tensor;
-``--sglang``: distributed into a CPU server). The floor: one host ``copy_`` of the same bytes in this process.
+``--senders``: every layout runs at two model sizes (``--sizes``: hidden; the same tensors, each larger) and the line
+through the two points gives the fixed cost of a sync (intercept) and its cost per byte (slope) vs a memcpy's (a host ``copy_`` of
+the sync's bytes on rank 0 after each sync, under the same load): for rank 0's wall time and for the CPU seconds of
+every rank together (what the sync costs the machine, not the time it waited for a CPU: the figure to read on a
+shared machine); each point is the fastest of ``--repeats`` syncs. Layouts: a dense Qwen2 on 1 rank, at TP2 (one
+sender) and PP2 (two senders); a Qwen3-MoE at DP2 (one sender) and EP2 (two senders); in memory (embedded engine:
+tensor; ``--sglang``: distributed into a CPU server). ``--verify-interval 0`` leaves verification out.
 
-A random-weight Qwen2 of a real shape (hidden / layers / vocab; fp32 in the trainer, ~400 MB at the
-defaults) on ``--tp`` gloo ranks syncs into the embedded engine (bf16) by disk (HF export + reload) and by
-tensor (buckets in process), and with ``--sglang`` into a CPU SGLang server by disk, distributed (gloo) and
-tensor. Per mode: seconds of the sync (median of ``--repeats``, verification included), bytes moved, buckets,
-and the peak extra host memory of the sync on each trainer rank (the kernel's VmHWM, reset before the sync;
-large allocations forced to mmap so freed buckets leave RSS).
-
-``--delta-lrs``: full vs delta sync (``rollout.weight_sync_delta``, tensor mode, embedded bf16 engine) after real
-train steps at each learning rate: seconds and bytes of each, the elements changed, and the floor of each -- a
-same-run memcpy of the same number of bytes on rank 0.
+The mode comparison: a Qwen2 (fp32 trainer) on ``--tp`` gloo ranks syncs into the embedded engine (bf16) by disk
+and tensor (``--sglang``: a CPU SGLang server by disk, distributed and tensor): seconds, bytes, buckets, peak extra
+host memory per rank. ``--delta-lrs``: full vs delta sync after real train steps at each learning rate, each
+against a same-run memcpy of its bytes. Measured numbers: docs/weight_sync.md.
 """
 import argparse
 import ctypes
@@ -43,6 +41,7 @@ def _body(rank, world, job, modes, url, repeats):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
@@ -57,33 +56,41 @@ def _body(rank, world, job, modes, url, repeats):
         if rank == 0:
             engine = (EmbeddedEngine(job.actor.load_hf, dtype="bfloat16") if engine_kind == "embedded"
                       else SGLangEngine(url, weight_sync_timeout=600))
-        times, peaks, m = [], [], {}
+        times, cpus, peaks, copies, m = [], [], [], [], {}
         for i in range(repeats + 1):  # the first is a warm-up
             torch.distributed.barrier()
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")
             base = _rss_kb("VmRSS")
+            c0 = time.process_time()
             t0 = time.perf_counter()
-            m = build_weight_publisher(cfg, actor, engine).publish(f"step-{i + 1}")
+            m = build_weight_publisher(weight_sync_settings(cfg), actor, engine).publish(f"step-{i + 1}")
             if i:
                 times.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)  # every thread of this rank, not the time it waited for a CPU
                 peaks.append((_rss_kb("VmHWM") - base) * 1024)
+                copies.append(_memcpy_s(m["weight_sync/bytes"], 1, cpu=True))  # the floor, under the same load
         if engine is not None:
             engine.close()
-        out[f"{engine_kind}/{mode}"] = {"s": statistics.median(times), "peak": max(peaks), **m}
+        out[f"{engine_kind}/{mode}"] = {"s": statistics.median(times), "min_s": min(times), "peak": max(peaks),
+                                        "cpus": cpus, "copy_s": min(c for c, _ in copies),
+                                        "copy_cpu": min(c for _, c in copies), **m}
     return out
 
 
-def _memcpy_s(nbytes, repeats=3):
-    """Seconds of one host copy of ``nbytes`` bytes (median), the floor of moving them in process."""
+def _memcpy_s(nbytes, repeats=5, cpu=False):
+    """Seconds of one host copy of ``nbytes`` bytes (median), the floor of moving them in process; ``cpu``: the
+    fastest copy's (wall seconds, CPU seconds)."""
     src = torch.empty(max(int(nbytes), 1), dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
+    dst = torch.empty_like(src).fill_(0)  # its pages touched: the copy alone is timed
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
+    if cpu:
+        return min(times)
+    return statistics.median(t for t, _ in times)
 
 
 def _delta_body(rank, world, job, lrs, repeats):
@@ -92,6 +99,7 @@ def _delta_body(rank, world, job, lrs, repeats):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.testing.actor_reference import policy_data
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
     from megatron_rl.weight_sync.publisher import build_weight_publisher
 
     initialize_model_parallel(job.parallel, seed=0, model=job.model)
@@ -104,7 +112,8 @@ def _delta_body(rank, world, job, lrs, repeats):
         for delta in (False, True):
             rc = dataclasses.replace(cfg.rollout, engine="embedded", weight_sync="tensor", weight_sync_delta=delta)
             engine = EmbeddedEngine(cfg.actor.load_hf, dtype="bfloat16") if rank == 0 else None
-            rows.append((build_weight_publisher(dataclasses.replace(cfg, rollout=rc), actor, engine), engine))
+            rows.append((build_weight_publisher(weight_sync_settings(dataclasses.replace(cfg, rollout=rc)), actor,
+                                                engine), engine))
         for pub, _ in rows:
             pub.publish("step-0")  # the first version: full for both
         got = {"full": [], "delta": []}
@@ -139,54 +148,70 @@ def _print_delta(out):
               f"{res['delta']['s'] / res['full']['s']:.2f}x the time")
 
 
-def _job(hf, parallel: dict, bucket_mb: float):
+def _job(hf, parallel: dict, bucket_mb: float, verify_interval: int = 1):
     from megatron_rl.config import job_config_from_dict
     from megatron_rl.convert.hf_config import model_config_from_hf
 
     with open(os.path.join(hf, "config.json")) as fh:
         model = dataclasses.asdict(model_config_from_hf(json.load(fh)))
     return job_config_from_dict({"model": model, "actor": {"load_hf": hf, "micro_batch_size": 1},
-                                 "rollout": {"weight_sync_bucket_mb": bucket_mb}, "parallel": parallel})
+                                 "rollout": {"weight_sync_bucket_mb": bucket_mb,
+                                             "weight_sync_verify_interval": verify_interval},
+                                 "parallel": parallel})
 
 
 def senders_main(a) -> None:
-    """One sender vs several (see the module doc)."""
+    """Fixed cost and cost per byte of each layout (see the module doc)."""
     from megatron_rl.rollout.sglang_server import find_free_port, launch_sglang_server
     from megatron_rl.testing.distributed import run_ranks
     from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
     root = tempfile.mkdtemp(prefix="bench_ws_senders_")
-    shape = dict(hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
-                 num_key_value_heads=4, vocab_size=a.vocab)
-    dense = build_tiny_hf_model(os.path.join(root, "dense"), arch="qwen2", seed=0,
-                                intermediate_size=a.hidden * 11 // 4, **shape)
-    moe = build_tiny_hf_model(os.path.join(root, "moe"), arch="qwen3_moe", seed=0, num_experts=a.experts,
-                              num_experts_per_tok=2, moe_intermediate_size=a.hidden, tie_word_embeddings=False,
-                              **shape)
-    cases = [("dense TP2 (1 sender)", dense, {"tensor_model_parallel_size": 2}),
-             ("dense PP2 (2 senders)", dense, {"pipeline_model_parallel_size": 2}),
-             ("MoE DP2 (1 sender)", moe, {}),
-             ("MoE EP2 (2 senders)", moe, {"expert_model_parallel_size": 2})]
-    rows = []
-    for label, hf, parallel in cases:
-        server = None
-        try:
-            if a.sglang:
-                server = launch_sglang_server(hf, port=find_free_port(), device="cpu", max_total_tokens=1024,
-                                              ready_timeout=600)
-            modes = [("sglang", "distributed")] if a.sglang else [("embedded", "tensor")]
-            out = run_ranks(_body, 2, _job(hf, parallel, a.bucket_mb), modes, server.url if server else None,
-                            a.repeats, timeout=3000)
-        finally:
-            if server is not None:
-                server.terminate()
-        for key, r0 in out[0].items():
-            floor = _memcpy_s(r0["weight_sync/bytes"])
-            rows.append((label, key, r0["weight_sync/senders"], r0["s"], r0["weight_sync/bytes"], floor))
-    print(f"{'layout':24s} {'engine/mode':20s} {'senders':>7s} {'sync s':>8s} {'MiB':>8s} {'memcpy s':>9s} "
-          f"{'x floor':>8s}")
-    for label, key, n, s, nbytes, floor in rows:
-        print(f"{label:24s} {key:20s} {n:7.0f} {s:8.3f} {nbytes / 2**20:8.1f} {floor:9.4f} {s / floor:8.1f}")
+    sizes = [int(x) for x in a.sizes.split(",")]
+    if len(sizes) != 2 or sizes[0] >= sizes[1] or any(h % 256 for h in sizes):
+        raise SystemExit(f"--sizes {a.sizes!r}: two hidden sizes (multiples of 256), the smaller first")
+    cases = [("dense 1 rank (1 sender)", "dense", 1, {}),
+             ("dense TP2 (1 sender)", "dense", 2, {"tensor_model_parallel_size": 2}),
+             ("dense PP2 (2 senders)", "dense", 2, {"pipeline_model_parallel_size": 2}),
+             ("MoE DP2 (1 sender)", "moe", 2, {}),
+             ("MoE EP2 (2 senders)", "moe", 2, {"expert_model_parallel_size": 2})]
+    points = {}  # label -> [(bytes, seconds, senders, key)] per size
+    for hidden in sizes:  # the same tensors, each larger: the fixed cost stays fixed, the bytes grow
+        shape = dict(hidden_size=hidden, num_hidden_layers=a.layers, num_attention_heads=hidden // 64,
+                     num_key_value_heads=4, vocab_size=a.vocab)
+        models = {"dense": build_tiny_hf_model(os.path.join(root, f"dense{hidden}"), arch="qwen2", seed=0,
+                                               intermediate_size=hidden * 11 // 4, **shape),
+                  "moe": build_tiny_hf_model(os.path.join(root, f"moe{hidden}"), arch="qwen3_moe", seed=0,
+                                             num_experts=a.experts, num_experts_per_tok=2,
+                                             moe_intermediate_size=hidden, tie_word_embeddings=False, **shape)}
+        for label, kind, world, parallel in cases:
+            server = None
+            try:
+                if a.sglang:
+                    server = launch_sglang_server(models[kind], port=find_free_port(), device="cpu",
+                                                  max_total_tokens=1024, ready_timeout=600)
+                modes = [("sglang", "distributed")] if a.sglang else [("embedded", "tensor")]
+                job = _job(models[kind], parallel, a.bucket_mb, a.verify_interval)
+                out = run_ranks(_body, world, job, modes, server.url if server else None, a.repeats, timeout=3000)
+            finally:
+                if server is not None:
+                    server.terminate()
+            for key, r0 in out[0].items():
+                cpu = min(sum(o[key]["cpus"][i] for o in out) for i in range(a.repeats))  # all ranks' CPU seconds
+                points.setdefault(label, []).append((r0["weight_sync/bytes"], r0["min_s"], r0["weight_sync/senders"],
+                                                     key, r0["copy_s"], cpu, r0["copy_cpu"]))
+    print(f"verification: {'every version' if a.verify_interval == 1 else 'off' if a.verify_interval == 0 else f'every {a.verify_interval}th version'}; hidden {sizes[0]} and {sizes[1]}, {a.layers} layers, vocab {a.vocab}")
+    print("wall: rank 0's seconds per sync (fastest of --repeats); cpu: the CPU seconds of every rank together "
+          "(fastest); per byte: the slope between the two sizes, as a multiple of a memcpy's")
+    print(f"{'layout':24s} {'senders':>7s} {'MiB':>13s} {'wall s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} "
+          f"{'cpu s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} {'x floor':>13s}")
+    for label, pts in points.items():
+        (b1, t1, n, key, m1, c1, k1), (b2, t2, _, _, m2, c2, k2) = pts
+        wall_b, cpu_b = (t2 - t1) / (b2 - b1), (c2 - c1) / (b2 - b1)
+        copy_b, copy_cpu_b = min(m1 / b1, m2 / b2), min(k1 / b1, k2 / b2)  # a memcpy has no fixed cost to speak of
+        print(f"{label:24s} {n:7.0f} {b1 / 2**20:6.1f}/{b2 / 2**20:6.1f} {t1:7.3f}/{t2:7.3f} "
+              f"{(t1 - wall_b * b1) * 1e3:8.1f} {wall_b / copy_b:10.2f} {c1:7.3f}/{c2:7.3f} "
+              f"{(c1 - cpu_b * b1) * 1e3:8.1f} {cpu_b / copy_cpu_b:10.2f} {t1 / m1:6.1f}/{t2 / m2:6.1f}")
 
 
 def main(argv=None):
@@ -202,6 +227,9 @@ def main(argv=None):
                    "steps at each (instead of the mode comparison)")
     p.add_argument("--senders", action="store_true", help="one sender vs several (TP2 vs PP2, DP2 vs EP2)")
     p.add_argument("--experts", type=int, default=8, help="--senders: routed experts of the MoE model")
+    p.add_argument("--sizes", default="256,768", help="--senders: the two model sizes (hidden) of the linear fit")
+    p.add_argument("--verify-interval", type=int, default=1, help="--senders: rollout.weight_sync_verify_interval "
+                   "(0: no verification)")
     a = p.parse_args(argv)
     if a.senders:
         return senders_main(a)

@@ -39,8 +39,8 @@ from megatron_rl.models.recompute import Recompute
 from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
                                     token_budget_error)
 from megatron_rl.ops.run_profile import run_profile
+from megatron_rl.ops.weight_sync_plan import weight_sync_plan
 from megatron_rl.plan import JobPlan, world_errors
-from megatron_rl.weight_sync.plan import weight_sync_plan
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems

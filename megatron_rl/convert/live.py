@@ -165,15 +165,19 @@ def _all_gather(t: Tensor, group, size: int) -> List[Tensor]:
     return parts
 
 
-def _merge(t: Tensor, kind: str, group, size: int, name: str) -> Tensor:
-    """The full tensor of the TP (or ETP) split ``t`` of parameter ``name``."""
-    if kind == "replicated":
+def _merge(t: Tensor, kind: str, group, size: int, name: str, copy: bool = True, dtype=None) -> Tensor:
+    """The full tensor of the TP (or ETP) split ``t`` of parameter ``name`` (``copy`` False: an unsplit one is
+    ``t`` itself, not a copy; ``dtype``: a split floating tensor is cast to it before the gather)."""
+    if kind == "replicated" or (size == 1 and not copy):
         return t
+    if dtype is not None and size > 1 and t.is_floating_point():
+        t = t.to(dtype)
     return merge_tensors(_all_gather(t, group, size), kind, name)
 
 
 def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
-                      groups: ActorGroups, owner_only: bool = False) -> Iterator[Tuple[str, Tensor]]:
+                      groups: ActorGroups, owner_only: bool = False,
+                      gather_dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, Tensor]]:
     """Collective over the TP / EP / ETP groups of this rank's pipeline stage (every rank calls it): the
     (full-state-dict name, full tensor) of each parameter of this stage's chunks, on every rank of the
     first (expert-)data-parallel replica; other replicas skip what they do not send. Embedding / output
@@ -182,7 +186,10 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
 
     ``owner_only``: each tensor is yielded on its one owner alone and routed experts are not gathered over
     EP: a dense tensor on TP rank 0 of the first replica, an expert on ETP rank 0 of the first expert replica
-    of the EP rank that holds it (its own experts only) -- the shard each weight-sync sender sends."""
+    of the EP rank that holds it (its own experts only) -- the shard each weight-sync sender sends; a tensor
+    that is not split is then the parameter itself (the sender copies it into its buckets), not a copy.
+    ``gather_dtype``: split floating tensors are cast to it before they are gathered (half the bytes of an fp32
+    gather for a bf16 engine; the HF mapping only moves data, so the values are those of a cast after it)."""
     sends_dense = groups.dp_rank == 0 and groups.cp_rank == 0
     sends_experts = groups.edp_rank == 0
     owns_dense = not owner_only or groups.tp_rank == 0
@@ -195,7 +202,8 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
             in_layer = split_layer_name(name)
             if in_layer is None:
                 if sends_dense and not (name == "output_layer.weight" and _tied(model_cfg)):
-                    full = _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name)
+                    full = _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name, not owner_only,
+                                  gather_dtype)
                     if owns_dense:
                         yield name, full
                 continue
@@ -204,13 +212,15 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
             expert = expert_index(rest)
             if expert is None:
                 if sends_dense:
-                    full = _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name)
+                    full = _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name, not owner_only,
+                                  gather_dtype)
                     if owns_dense:
                         yield prefix + rest, full
                 continue
             if sends_experts:
                 local, fmt = expert
-                whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name)
+                whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name, not owner_only,
+                               gather_dtype)
                 if owner_only:
                     if owns_experts:
                         yield prefix + fmt.format(groups.ep_rank * per_ep + local), whole
@@ -220,12 +230,13 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
 
 
 def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
-                    groups: ActorGroups, owner_only: bool = False) -> Iterator[Tuple[str, Tensor]]:
+                    groups: ActorGroups, owner_only: bool = False,
+                    gather_dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, Tensor]]:
     """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
-    collective contract and ``owner_only``). A parameter without a HF counterpart in ``geometry`` raises,
+    collective contract, ``owner_only`` and ``gather_dtype``). A parameter without a HF counterpart in ``geometry`` raises,
     naming it."""
     rules = {r.mcore_name: r for r in param_rules(geometry)}
-    for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only):
+    for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only, gather_dtype):
         rule = rules.get(name)
         if rule is None:
             raise CheckpointMismatchError(f"model parameter {name!r} has no HF tensor in {geometry.architecture}")

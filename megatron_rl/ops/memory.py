@@ -201,7 +201,7 @@ class MemoryPlan:
 
 
 # ----------------------------------------------------------------------------- parameter counts
-def _layer_counts(m, tp: int, ep: int, etp: int, is_moe: bool):
+def layer_counts(m, tp: int, ep: int, etp: int, is_moe: bool):
     """(dense params, expert params) of one layer on one rank."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim
     dense = 2 * h  # input + pre-MLP RMSNorm weights
@@ -262,7 +262,7 @@ def active_parameters(m) -> int:
     pattern = m.moe_layer_pattern()
     n = 0
     for i in range(m.num_layers):
-        d, e = _layer_counts(m, 1, 1, 1, bool(pattern[i]))
+        d, e = layer_counts(m, 1, 1, 1, bool(pattern[i]))
         n += d + (e * m.moe_router_topk // m.num_moe_experts if pattern[i] else 0)
     n += m.vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1) + m.hidden_size
     return n
@@ -273,7 +273,7 @@ def total_parameters(m) -> int:
     pattern = m.moe_layer_pattern()
     n = 0
     for i in range(m.num_layers):
-        d, e = _layer_counts(m, 1, 1, 1, bool(pattern[i]))
+        d, e = layer_counts(m, 1, 1, 1, bool(pattern[i]))
         n += d + e
     n += m.vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1) + m.hidden_size
     return n
@@ -396,7 +396,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                                              p.num_layers_in_last_pipeline_stage)):
         dense = expert = 0
         for i in layers:
-            d_, e_ = _layer_counts(m, tp, ep, etp, bool(pattern[i]))
+            d_, e_ = layer_counts(m, tp, ep, etp, bool(pattern[i]))
             dense += d_
             expert += e_
         if st == 0:

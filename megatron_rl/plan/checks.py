@@ -19,11 +19,11 @@ from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
-from megatron_rl.weight_sync.modes import rollout_mode_name
+from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["TASKS", "ADV", "DTYPES", "DEVICES", "Unbuilt", "build_dims", "cluster_errors", "rollout_errors",
            "data_errors", "actor_size_errors", "trainer_errors", "rollout_mode_errors", "staleness_errors",
-           "weight_sync_mode", "validation_errors_of_job", "multi_turn_errors_of_job", "dp_errors",
+           "weight_sync_settings", "validation_errors_of_job", "multi_turn_errors_of_job", "dp_errors",
            "model_extra_errors"]
 
 TASKS = ("copy", "reverse", "sort", "add", "lookup", "file")
@@ -197,9 +197,9 @@ def staleness_errors(r, t) -> List[str]:
     return errs
 
 
-def weight_sync_mode(r) -> str:
-    """The weight-sync mode of ``rollout`` resolved once (``auto``: the engine's default); ``Unbuilt`` with the
-    ``rollout.weight_sync*`` problems against the engine and ``rollout.mode``."""
+def weight_sync_settings(r, run_dir: str) -> WeightSyncSettings:
+    """The job's ``WeightSyncSettings``, built once (the mode resolved here: ``auto`` is the engine's default);
+    ``Unbuilt`` with the ``rollout.weight_sync*`` problems against the engine and ``rollout.mode``."""
     errs: List[str] = []
     modes = ("auto",) + WEIGHT_SYNC_MODES
     if r.weight_sync not in modes:
@@ -216,7 +216,19 @@ def weight_sync_mode(r) -> str:
                         f"sync time, but rollout.mode 'async' applies them later in rank 0's producer thread alone "
                         f"— use rollout.weight_sync: {' or '.join(engine.deferred_weight_sync_modes)} (or auto) "
                         f"with rollout.mode: async")
-    mode = rollout_mode_name(r) if r.engine in ENGINE_KINDS and r.weight_sync in modes else None
+    if not r.weight_sync_bucket_mb > 0:
+        errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")
+    if r.weight_sync_verify_interval < 0:
+        errs.append(f"rollout.weight_sync_verify_interval: must be >= 0 (0: never), got {r.weight_sync_verify_interval}")
+    if r.weight_sync_verify_tensors < -1:
+        errs.append(f"rollout.weight_sync_verify_tensors: must be >= 0 or -1 (all), got {r.weight_sync_verify_tensors}")
+    if not r.weight_sync_timeout_s > 0:
+        errs.append(f"rollout.weight_sync_timeout_s: must be > 0, got {r.weight_sync_timeout_s}")
+    settings = None
+    mode_accepted = not any(e.startswith("rollout.weight_sync:") for e in errs)  # by the engine and rollout.mode
+    if r.engine in ENGINE_KINDS and mode_accepted:
+        settings = WeightSyncSettings.build(r, run_dir, engine_class(r.engine))  # the one place a mode is built
+    mode = settings.mode.name if settings is not None else None
     if r.weight_sync_delta and mode is not None:
         if r.mode == "async":
             errs.append("rollout.weight_sync_delta: true needs rollout.mode 'sync' (the async producer applies "
@@ -227,17 +239,9 @@ def weight_sync_mode(r) -> str:
                         + (" (auto)" if r.weight_sync == "auto" else "")
                         + ("; SGLang's /update_weights_from_distributed loads whole tensors only"
                            if mode == "distributed" else ""))
-    if not r.weight_sync_bucket_mb > 0:
-        errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")
-    if r.weight_sync_verify_interval < 0:
-        errs.append(f"rollout.weight_sync_verify_interval: must be >= 0 (0: never), got {r.weight_sync_verify_interval}")
-    if r.weight_sync_verify_tensors < -1:
-        errs.append(f"rollout.weight_sync_verify_tensors: must be >= 0 or -1 (all), got {r.weight_sync_verify_tensors}")
-    if not r.weight_sync_timeout_s > 0:
-        errs.append(f"rollout.weight_sync_timeout_s: must be > 0, got {r.weight_sync_timeout_s}")
-    if errs or mode is None:
+    if errs or settings is None:
         raise Unbuilt(errs)
-    return mode
+    return settings
 
 
 def validation_errors_of_job(cfg, world_size: int) -> List[str]:

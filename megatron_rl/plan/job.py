@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.lr_schedule import LRSchedule, lr_schedule_errors
 from megatron_rl.actor.optimizer import offload_errors
-from megatron_rl.actor.precision import Precision, precision_error
+from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.replay_modes import ReplayMode, replay_mode
 from megatron_rl.actor.spec import ActorSpec, Objective
 from megatron_rl.losses import build_policy_loss
@@ -31,12 +31,14 @@ from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
-                                     weight_sync_mode)
+                                     weight_sync_settings)
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
 
 if TYPE_CHECKING:  # the config package validates through this module: only its type is named here
     from megatron_rl.config.job import JobConfig
+
+from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["JobPlan", "PlanError", "actor_spec", "replay_of", "job_engine", "world_errors"]
 
@@ -82,8 +84,9 @@ class JobPlan:
     """The parallel layout."""
     engine: type
     """The rollout engine class (``rollout.engine``)."""
-    weight_sync: str
-    """The weight-sync mode (``rollout.weight_sync``, ``auto`` resolved for the engine and ``rollout.mode``)."""
+    weight_sync: WeightSyncSettings
+    """The weight-sync settings: the mode (``rollout.weight_sync``, ``auto`` resolved for the engine and
+    ``rollout.mode``), buckets, bounds, verification."""
     budget: ResponseBudget
     """The most response-side tokens a row holds."""
     dynamic_sampling: Optional[object]
@@ -127,7 +130,7 @@ class JobPlan:
         prec = "bf16" if self.precision.bf16 else "fp32"
         fg = self.dynamic_sampling
         lines = [f"layout: world size {self.world_size}, {self.dims.describe()}; rollout engine "
-                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync}",
+                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}",
                  f"actor: {prec} params{', fp32 output layer' if self.precision.fp32_output_layer else ''}; "
                  f"micro-batches of {rows}, {'packed' if b.packed else 'padded'}; routing replay {self.replay.name}; "
                  f"{ac.ppo_epochs} epoch(s) x {ac.ppo_mini_batches} mini-batch(es) per step",
@@ -178,7 +181,7 @@ class JobPlan:
         replay = p.build(_replay, ac.routing_replay, cfg.model)
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
-        ws = p.build(weight_sync_mode, r)
+        ws = p.build(weight_sync_settings, r, t.run_dir)
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))

@@ -1,26 +1,14 @@
 """The rollout-engine interface shared by every engine (SGLang over HTTP, the embedded in-process engine).
 
-An engine turns prompts (token ids) into sampled responses with the log-probability of each sampled
-token under the engine's weights, with SGLang's semantics: ``log_softmax(logits / T)`` over the FULL
-vocabulary at the sampled token (temperature applied; top-k / top-p truncation NOT renormalised). The
-trainer recomputes log-probs with the same temperature and compares (rollout correction).
+An engine turns prompts (token ids) into sampled responses with the log-probability of each sampled token under
+the engine's weights, with SGLang's semantics: ``log_softmax(logits / T)`` over the FULL vocabulary at the sampled
+token (temperature applied; top-k / top-p truncation NOT renormalised); the trainer recomputes and compares.
 
-Contract of ``RolloutEngine.generate``: all-or-nothing. It either returns ``len(prompt_ids) * n``
-rollouts, prompt-major (``[p0 s0, p0 s1, ..., p1 s0, ...]``), all produced by the same weight version,
-or it raises a ``RolloutError`` subclass — the caller must then not apply the training step. Every engine
-has the same signature ``generate(prompt_ids, sampling, n=1, seed=None)``.
-
-Capabilities are class attributes, readable before an engine is built (``rollout.factory.engine_class``
-maps ``rollout.engine`` to the class): ``weight_sync_modes`` (what it can receive),
-``deferred_weight_sync_modes`` (what rank 0 can apply later, alone: async rollouts),
-``default_weight_sync_mode(async_rollouts)`` (what ``rollout.weight_sync: auto`` means) and
-``seeded_sampling`` (whether ``seed`` reproduces a sample).
-
-Usage::
-
-    engine = SGLangEngine(["http://127.0.0.1:30000"])          # or EmbeddedEngine(...)
-    rollouts = engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=16), n=4)
-    engine.update_weights("/ckpt/hf_step_10", version="step-10")
+Contract of ``RolloutEngine.generate(prompt_ids, sampling, n=1, seed=None)``: all-or-nothing -- it returns
+``len(prompt_ids) * n`` rollouts, prompt-major, all from the same weight version, or raises a ``RolloutError``
+(the caller must then not apply the step). The weight side of an engine is ``weight_sync.endpoint.WeightEndpoint``
+(receive a version, commit it, report checksums); capabilities are class attributes readable before an engine
+is built (``rollout.factory.engine_class``).
 """
 from __future__ import annotations
 
@@ -29,15 +17,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megatron_rl.rollout.versions import parse_version
-from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.errors import RolloutError
+from megatron_rl.weight_sync.endpoint import WEIGHT_SYNC_MODES, WeightEndpoint, WeightSyncError
+from megatron_rl.weight_sync.versions import parse_version
+
+__all__ = ["FINISH_REASONS", "RolloutError", "MalformedResponseError", "StaleRolloutError", "EngineUnavailableError",
+           "WeightSyncError", "WEIGHT_SYNC_MODES", "SamplingParams", "Rollout", "validate_prompts", "validate_n",
+           "RolloutEngine"]
 
 #: Finish reasons a ``Rollout`` can carry.
 FINISH_REASONS = ("stop", "length")
-
-
-class RolloutError(RuntimeError):
-    """A rollout step failed; the caller must not apply the step."""
 
 
 class MalformedResponseError(RolloutError):
@@ -51,40 +40,6 @@ class StaleRolloutError(RolloutError):
 class EngineUnavailableError(RolloutError):
     """The engine could not be reached / did not answer after retries (the message names the URL and the
     last failure)."""
-
-
-class WeightSyncError(RolloutError):
-    """Loading new weights into the engine failed."""
-
-
-#: How weights reach an engine (``rollout.weight_sync``): an HF export directory, in-memory buckets handed
-#: over in the same host / process, or buckets broadcast over a process group to the engine's ranks.
-WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
-
-
-class WeightReceiver(abc.ABC):
-    """One in-memory weight update of an engine, bucket by bucket (``RolloutEngine.begin_weight_sync``).
-
-    Until ``commit`` the engine serves no version the trainer expects (a request answered in between is
-    rejected as stale); ``abort`` — allowed before or after ``commit`` — leaves the engine refusing to
-    generate until a later sync succeeds, so partially updated weights are never served."""
-
-    @abc.abstractmethod
-    def load(self, bucket) -> None:
-        """Load one ``weight_sync.buckets.Bucket`` (HF names) into the engine."""
-
-    @abc.abstractmethod
-    def commit(self) -> None:
-        """Every bucket was loaded: tag the engine with the update's version (checked on every server)."""
-
-    @abc.abstractmethod
-    def abort(self, reason: str) -> None:
-        """The update failed (``reason``): make sure no server serves the partial weights."""
-
-    @abc.abstractmethod
-    def channel(self):
-        """How every sender reaches this update (a picklable ``weight_sync.transport.ChannelSpec``): each
-        model-parallel shard owner sends its own buckets through it; rank 0 then commits or aborts."""
 
 
 @dataclass(frozen=True)
@@ -247,28 +202,14 @@ def validate_n(n: int) -> int:
     return n
 
 
-class RolloutEngine(abc.ABC):
-    """Generates rollouts and loads new weights. Implementations: ``SGLangEngine`` (HTTP), the embedded engine."""
-
-    # ------------------------------------------------------------ capabilities (read before building one)
-    #: The ``rollout.weight_sync`` modes this engine can receive (see ``WEIGHT_SYNC_MODES``).
-    weight_sync_modes: tuple = ("disk",)
-
-    #: The modes of ``weight_sync_modes`` whose payload rank 0 alone can apply later, after every trainer rank
-    #: prepared it (``rollout.mode: async``: the producer thread loads it between segments; in memory: the
-    #: version's buckets collected on rank 0, sent by the producer as the one sender).
-    deferred_weight_sync_modes: tuple = ("disk",)
+class RolloutEngine(WeightEndpoint):
+    """Generates rollouts; receives weights as a ``WeightEndpoint``. Implementations: ``SGLangEngine`` (HTTP),
+    the embedded engine."""
 
     #: True: ``generate(..., seed=s)`` reproduces a sample (the same seed, weights and call give the same
     #: rollouts; a different seed draws others). False: the engine samples on its own (SGLang samples
     #: server-side) and ignores ``seed``.
     seeded_sampling: bool = False
-
-    @classmethod
-    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
-        """The mode ``rollout.weight_sync: auto`` means for this engine: one of ``weight_sync_modes``, and of
-        ``deferred_weight_sync_modes`` when ``async_rollouts`` (``rollout.mode: async``)."""
-        return "disk"
 
     @classmethod
     def config_errors(cls, rollout) -> list[str]:
@@ -281,7 +222,6 @@ class RolloutEngine(abc.ABC):
         """The engine of the ``rollout`` config section in a few words (the trainer's start-up line)."""
         return cls.__name__
 
-    # ------------------------------------------------------------------------------------------ interface
     @abc.abstractmethod
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1,
                  seed: int | None = None) -> list[Rollout]:
@@ -290,60 +230,8 @@ class RolloutEngine(abc.ABC):
         this call's randomness where ``seeded_sampling``; other engines accept and ignore it."""
 
     @abc.abstractmethod
-    def update_weights(self, hf_dir: str, version: str) -> None:
-        """Load the HF-format weights in ``hf_dir`` and tag them ``version``; later rollouts must carry it."""
-
-    def begin_weight_sync(self, version: str, timeout_s: float, groups=None) -> WeightReceiver:
-        """Start an in-memory update to ``version`` (the one receiver interface; the job's
-        ``weight_sync.modes`` object calls it). ``groups``: None -- the buckets reach this engine on the trainer's
-        host; a ``weight_sync.transport.UpdateGroups`` -- each sender broadcasts in its own update group with
-        the engine's ranks. ``timeout_s`` bounds every wait of the update."""
-        raise WeightSyncError(f"{type(self).__name__} cannot receive in-memory weight updates "
-                              f"(it supports {', '.join(self.weight_sync_modes)})")
-
-    def holds_weight_version(self, version: str) -> bool:
-        """Whether the engine serves ``version``, valid, right now -- what a delta sync may start from. Engines
-        whose servers can lose it on their own (a restarted SGLang server) ask them."""
-        return self.weight_version == version and getattr(self, "_invalid", None) is None
-
-    @property
-    def weight_dtype(self):
-        """The torch dtype the engine keeps its weights in (buckets are cast to it), None if unknown."""
-        return None
-
-    def full_precision_weight_names(self, hf_names=()) -> set:
-        """HF names (of ``hf_names``, the tensors of the sync) the engine keeps in a higher precision than
-        ``weight_dtype`` (sent uncast)."""
-        return set()
-
-    def weight_checksum_fn(self):
-        """The function that hashes a tensor exactly as ``weight_checksums`` does (default: sha256 of its CPU
-        bytes, ``weight_sync.buckets.tensor_checksum``), or None when this process cannot reproduce the engine's
-        hash (verification is then skipped and reported as 0 verified)."""
-        return tensor_checksum
-
-    def weight_layout(self, hf_names, geometry) -> list:
-        """The engine tensors ``weight_checksums`` can report, as ``weight_sync.layout.EngineTensor`` objects built
-        from the HF tensors ``hf_names`` (model of ``geometry``: ``convert.geometry.HFGeometry``); empty: no
-        verification."""
-        return []
-
-    def weight_tp_sizes(self) -> tuple:
-        """The TP sizes of the engine's servers (one checksum per TP rank and tensor)."""
-        return (1,)
-
-    def weight_checksums(self, names) -> dict:
-        """``{server: {engine tensor name: (tensor_checksum of TP rank 0's copy, rank 1's, ...)}}`` for ``names``."""
-        raise WeightSyncError(f"{type(self).__name__} cannot report weight checksums")
-
-    @abc.abstractmethod
     def health(self) -> dict[str, bool]:
         """Cheap liveness check: a map from engine/server name to whether it is healthy."""
-
-    @property
-    @abc.abstractmethod
-    def weight_version(self) -> str | None:
-        """The weight version the engine is expected to serve (None until known)."""
 
     def close(self) -> None:
         """Release resources (connections, models). Default: nothing."""

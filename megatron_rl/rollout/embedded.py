@@ -17,10 +17,8 @@ embedded default, no server.
   The call seed is ``generate(..., seed=...)`` or else drawn from the engine's ``torch.Generator`` (seeded
   with ``seed`` at construction): the same engine seed and the same calls give the same rollouts. For
   resumable runs pass ``seed`` per step, or checkpoint ``get_rng_state()`` / ``set_rng_state()``.
-* Weights: ``update_weights(hf_dir, version)`` (an HF export directory) or
-  ``update_weights_from_state_dict(state_dict, version)`` (in-process, HF names). Both check every name and
-  shape before copying anything (``WeightSyncError`` otherwise, weights and version unchanged). Every
-  ``Rollout`` carries the version its tokens were produced with.
+* Weights (``weight_sync.endpoint.WeightEndpoint``): an HF directory, a state dict or buckets in this process
+  (``weight_sync/receivers/embedded.py``), each checked name by name before anything is copied.
 * MoE routing (R3): with ``capture_routing`` (default: on for MoE models) forward hooks on the HF routers
   record the top-k experts of every token fed through the model — the prompt in the prefill, then each
   sampled token but the last — and each ``Rollout.routed_experts`` holds them (``[prompt + response - 1,
@@ -58,7 +56,7 @@ from megatron_rl.rollout.embedded_sampling import (
 )
 from megatron_rl.weight_sync.receivers.embedded import BucketLoader, load_state_dict_checked, read_weight_update
 from megatron_rl.rollout.finish import stop_ids
-from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.weight_sync.endpoint import tensor_checksum
 from megatron_rl.weight_sync.layout import transformers_layout
 from megatron_rl.rollout.routing import RouterCapture
 
@@ -256,9 +254,6 @@ class EmbeddedEngine(RolloutEngine):
     def _mark_synced(self, version: str) -> None:
         self._version = version
         self._invalid = None
-
-    def _mark_invalid(self, reason: str) -> None:
-        self._invalid = reason
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, n: int = 1,
                  seed: int | None = None) -> list[Rollout]:

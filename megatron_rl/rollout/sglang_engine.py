@@ -14,11 +14,8 @@
   ``Rollout.routed_experts`` ``[prompt + response - 1, moe_layers, topk]`` uint8/int16
   (``megatron_rl.rollout.sglang_routing``). ``capture_routing`` forces it on (a server without the flag is
   then an error) or off.
-* Weight sync: ``update_weights(hf_dir, version)`` POSTs ``/update_weights_from_disk`` to every server and
-  checks the reported version; afterwards every response must echo ``version``. In memory
-  (``begin_weight_sync``, ``rollout.weight_sync: tensor | distributed``): bucket by bucket through
-  ``/update_weights_from_tensor`` or a gloo / NCCL group (``weight_sync/receivers/sglang.py`` documents what each needs);
-  after a failed in-memory sync the engine refuses to generate until a sync succeeds.
+* Weights (``weight_sync.endpoint.WeightEndpoint``): ``/update_weights_from_disk`` on every server, or an in-memory
+  update session (``weight_sync/receivers/sglang.py``); every later response must echo the new version.
 * Connection errors, timeouts and HTTP 5xx are retried with exponential backoff; then
   ``EngineUnavailableError`` names the URL and the last failure. 4xx replies are not retried.
 * ``generate`` is all-or-nothing: on any failure it raises and returns nothing (the step is not applied).
@@ -60,9 +57,9 @@ from megatron_rl.rollout.base import (
 )
 from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
-from megatron_rl.weight_sync.receivers.sglang import FP32_KEPT_SUFFIXES, SGLangReceiver, checksums_by_name
-from megatron_rl.weight_sync.transport import ServerSet, drop_update_group
-from megatron_rl.weight_sync.buckets import tensor_checksum
+from megatron_rl.weight_sync.receivers.sglang import (FP32_KEPT_SUFFIXES, SGLangReceiver, ServerSet, checksums_by_name,
+                                                     drop_update_group)
+from megatron_rl.weight_sync.endpoint import tensor_checksum
 from megatron_rl.weight_sync.layout import sglang_layout
 
 
@@ -456,7 +453,7 @@ class SGLangEngine(RolloutEngine):
                     raise WeightSyncError(f"{url}: after /update_weights_from_disk the server reports "
                                           f"weight_version={got!r}, expected {version!r}")
         except BaseException as exc:
-            self._mark_invalid(f"weight sync to {version!r} from disk failed: {type(exc).__name__}: {exc}")
+            self.invalidate_weights(f"weight sync to {version!r} from disk failed: {type(exc).__name__}: {exc}")
             if isinstance(exc, RolloutError) and not isinstance(exc, WeightSyncError):
                 raise WeightSyncError(f"weight sync to {version!r} from disk: {exc}") from exc
             raise
@@ -576,9 +573,6 @@ class SGLangEngine(RolloutEngine):
         """``version`` is the engine's, valid, and every server reports it now: a server restarted since (it
         reports its launch version, its weights and delta store are gone) or tagged by someone else does not."""
         return super().holds_weight_version(version) and all(self._server_version(u) == version for u in self.urls)
-
-    def _mark_invalid(self, reason: str) -> None:
-        self._invalid = reason
 
     def _drop_group(self) -> None:
         drop_update_group(self.urls)

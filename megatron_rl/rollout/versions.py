@@ -1,19 +1,6 @@
-"""Weight-version tags: how a rollout engine names the weights it serves (``step-N``: the actor's weights after N
-training steps). Rollouts carry the tag of the weights that produced them; the trainer, the async producer and
-the multi-turn driver read it back with ``parse_version``.
-"""
+"""Weight-version tags of the engines: ``weight_sync.versions`` (their one home), named here for the rollout side."""
 from __future__ import annotations
 
+from megatron_rl.weight_sync.versions import parse_version, version_tag
+
 __all__ = ["version_tag", "parse_version"]
-
-
-def version_tag(v: int) -> str:
-    """The engine weight-version tag of version ``v``."""
-    return f"step-{int(v)}"
-
-
-def parse_version(tag: str) -> int:
-    """Inverse of ``version_tag`` (``"step-7"`` -> 7); ValueError naming the tag otherwise."""
-    if not isinstance(tag, str) or not tag.startswith("step-") or not tag[5:].isdigit():
-        raise ValueError(f"weight version {tag!r} is not of the form 'step-<int>'")
-    return int(tag[5:])

@@ -248,7 +248,7 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         held["sinks"] = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress,
                                     tensorboard=tc.tensorboard, wandb=tc.wandb, wandb_project=tc.wandb_project,
                                     config=cfg.to_dict(), resume=start > 0)
-        immediate = build_weight_publisher(cfg, actor, engine)
+        immediate = build_weight_publisher(plan.weight_sync, actor, engine)
         with watchdog.phase("weight_sync", start):
             immediate.publish(version_tag(start))
         held["stop"] = stop or StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())

@@ -32,6 +32,7 @@ from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, 
 from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.reward_failures import failed_fraction
 from megatron_rl.trainer.step_batch import StepBatch, StepRows
+from megatron_rl.trainer.sync_settings import weight_sync_settings
 from megatron_rl.weight_sync.publisher import WeightPublisher, deferred_publisher
 
 __all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule",
@@ -171,7 +172,8 @@ class AsyncRollouts(RolloutSource):
 
     def __init__(self, cfg: JobConfig, generator, engine, actor, start: int, resumed: Dict, rank0: bool):
         rc = cfg.rollout
-        super().__init__(cfg, deferred_publisher(cfg, actor), generator)  # fails before any thread if not deferrable
+        sync = weight_sync_settings(cfg)
+        super().__init__(cfg, deferred_publisher(sync, actor), generator)  # fails before any thread if not deferrable
         self.max_lag = rc.max_staleness
         self.dump_versions = True
         self.producer = None
@@ -183,7 +185,7 @@ class AsyncRollouts(RolloutSource):
         if rank0:  # generation overlaps training from here on
             self.producer = RolloutProducer(
                 engine, generate_fn=lambda s, view, tag: generator.generate(view, s, tag),
-                apply_fn=lambda payload, tag: payload.apply(engine, cfg, tag, actor), start_step=start,
+                apply_fn=lambda payload, tag: payload.apply(engine, sync, tag, actor), start_step=start,
                 max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
                 segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, cfg)).start_thread()
         self.publisher.producer = self.producer

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.base import WeightSyncError
+from megatron_rl.weight_sync.endpoint import WeightSyncError
 
 __all__ = ["Board"]
 

@@ -5,8 +5,7 @@ padding: the layout of SGLang's ``FlattenedTensorBucket``, so the buffer can be 
 ``/update_weights_from_distributed`` with ``load_format: flattened_bucket``) plus their names and shapes.
 ``bucketize`` fills buffers of ``bucket_bytes`` from a ``(name, tensor)`` stream, copying (and casting)
 each tensor straight into the buffer, so a sender holds one bucket + the tensor being copied, never the
-model. ``tensor_checksum`` is SGLang's ``/weights_checker`` checksum (sha256 of the bytes, first 8 bytes
-as 16 hex digits), so the trainer and the engine can compare a tensor without moving it.
+model. ``tensor_checksum`` (``endpoint.py``) is SGLang's ``/weights_checker`` checksum.
 
 Usage::
 
@@ -15,24 +14,18 @@ Usage::
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-__all__ = ["Bucket", "bucketize", "tensor_checksum", "DTYPE_NAMES"]
+from megatron_rl.weight_sync.endpoint import tensor_checksum
+
+__all__ = ["Bucket", "HeldBucket", "bucketize", "hold_buckets", "tensor_checksum", "DTYPE_NAMES"]
 
 #: torch dtype -> the name SGLang's HTTP API uses (``getattr(torch, name)``).
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """SGLang's weight checksum of ``t``: sha256 of its contiguous CPU bytes, first 8 bytes in hex."""
-    t = t.detach().cpu().contiguous()
-    digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
-    return f"{int.from_bytes(digest[:8], 'big'):016x}"
 
 
 @dataclass
@@ -59,10 +52,12 @@ class Bucket:
                 "nbytes": self.nbytes}
 
     @classmethod
-    def empty(cls, meta: dict, device="cpu") -> "Bucket":
-        """A bucket for ``meta`` with an uninitialised buffer (to receive into)."""
-        return cls(list(meta["names"]), [tuple(s) for s in meta["shapes"]], getattr(torch, meta["dtype"]),
-                   torch.empty(int(meta["nbytes"]), dtype=torch.uint8, device=device))
+    def empty(cls, meta: dict, device="cpu", buffer: Optional[torch.Tensor] = None) -> "Bucket":
+        """A bucket for ``meta`` with an uninitialised buffer to receive into (``buffer``: the start of a uint8
+        buffer of at least ``meta["nbytes"]``, reused)."""
+        n = int(meta["nbytes"])
+        flat = buffer[:n] if buffer is not None else torch.empty(n, dtype=torch.uint8, device=device)
+        return cls(list(meta["names"]), [tuple(s) for s in meta["shapes"]], getattr(torch, meta["dtype"]), flat)
 
     def tensors(self) -> List[Tuple[str, torch.Tensor]]:
         """``(name, tensor)`` views into ``flat`` (no copy)."""
@@ -77,17 +72,43 @@ class Bucket:
         return out
 
 
+@dataclass
+class HeldBucket(Bucket):
+    """A bucket that holds its tensors instead of copying them (``flat`` is None): for an engine in this process,
+    which copies each tensor into its own weights (casting to its dtype) when the bucket is loaded -- one pass over
+    the bytes instead of two. ``tensors()`` gives the held tensors, uncast; ``nbytes`` counts them in ``dtype``."""
+
+    held: List[torch.Tensor] = None
+    """The tensors, in ``names`` order (not copied, not cast)."""
+
+    @property
+    def nbytes(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return sum(t.numel() for t in self.held) * item
+
+    def tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        return list(zip(self.names, self.held))
+
+
+def _target_dtype(name: str, t: torch.Tensor, dtype, keep_dtype) -> torch.dtype:
+    return dtype if (dtype is not None and t.is_floating_point() and name not in keep_dtype) else t.dtype
+
+
 def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
-              dtype: Optional[torch.dtype] = None, keep_dtype: Optional[Set[str]] = None) -> Iterator[Bucket]:
+              dtype: Optional[torch.dtype] = None, keep_dtype: Optional[Set[str]] = None,
+              reuse: bool = False) -> Iterator[Bucket]:
     """Pack a ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` (a tensor larger than that
     gets a bucket of its own). Floating tensors are cast to ``dtype`` (None: kept), except those named in
     ``keep_dtype`` (tensors the engine keeps in higher precision than its compute dtype, e.g. DeepSeek-V3's
     fp32 ``e_score_correction_bias`` in a bf16 model); a dtype change starts a new bucket. Each tensor is
-    copied into the buffer as it arrives and not kept."""
+    copied into the buffer as it arrives and not kept. ``reuse``: the consumer is done with a bucket when it asks
+    for the next one (a streamed sync sends each before the next), so one buffer serves them all (no fresh pages
+    to fault in per bucket)."""
     keep_dtype = keep_dtype or set()
     if bucket_bytes < 1:
         raise ValueError(f"bucketize: bucket_bytes={bucket_bytes} must be >= 1")
     buf: Optional[torch.Tensor] = None
+    spare: Optional[torch.Tensor] = None
     names: List[str] = []
     shapes: List[Tuple[int, ...]] = []
     cur_dtype = None
@@ -99,14 +120,17 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
         return Bucket(list(names), list(shapes), cur_dtype, buf[:used])
 
     for name, t in pairs:
-        want = dtype if (dtype is not None and t.is_floating_point() and name not in keep_dtype) else t.dtype
+        want = _target_dtype(name, t, dtype, keep_dtype)
         n = t.numel() * torch.empty((), dtype=want).element_size()
         if names and (want != cur_dtype or used + n > buf.numel()):
             yield flush()
+            if reuse and buf.numel() == bucket_bytes:
+                spare = buf
             names, shapes, used = [], [], 0
         if not names:
             cur_dtype = want
-            buf = torch.empty(max(bucket_bytes, n), dtype=torch.uint8)
+            buf = spare if (spare is not None and n <= bucket_bytes) else torch.empty(max(bucket_bytes, n),
+                                                                                       dtype=torch.uint8)
         buf[used:used + n].view(want).view(t.shape).copy_(t.detach())
         names.append(name)
         shapes.append(tuple(t.shape))
@@ -114,3 +138,28 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
     last = flush()
     if last is not None:
         yield last
+
+
+def hold_buckets(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
+                 dtype: Optional[torch.dtype] = None, keep_dtype: Optional[Set[str]] = None) -> Iterator[HeldBucket]:
+    """As ``bucketize``, but each bucket holds its tensors (``HeldBucket``): at most ``bucket_bytes`` of them as they
+    are (the memory of one bucket), for an engine in this process that copies them in at once."""
+    keep_dtype = keep_dtype or set()
+    if bucket_bytes < 1:
+        raise ValueError(f"hold_buckets: bucket_bytes={bucket_bytes} must be >= 1")
+    names: List[str] = []
+    held: List[torch.Tensor] = []
+    cur_dtype = None
+    used = 0
+    for name, t in pairs:
+        want = _target_dtype(name, t, dtype, keep_dtype)
+        n = t.numel() * t.element_size()
+        if names and (want != cur_dtype or used + n > bucket_bytes):
+            yield HeldBucket(names, [tuple(x.shape) for x in held], cur_dtype, None, held)
+            names, held, used = [], [], 0
+        cur_dtype = want
+        names.append(name)
+        held.append(t.detach())
+        used += n
+    if names:
+        yield HeldBucket(names, [tuple(x.shape) for x in held], cur_dtype, None, held)

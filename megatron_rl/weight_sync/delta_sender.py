@@ -21,7 +21,7 @@ full sync makes too, into its bucket) and compared there, so the sync adds no de
 only read at sync time, on the host, so pinning them would lock that much RAM for no transfer. They are not split
 by TP: a sender holds whole HF tensors (TP rank 0 of its stage gathers them; the bits that changed are those of
 the HF tensor the engine receives). Memory per sender: its own HF tensors once, in the engine's dtype (fp32-kept
-tensors in fp32) -- what ``megatron-rl check`` counts per sender (``weight_sync.plan``).
+tensors in fp32) -- what ``megatron-rl check`` counts per sender (``ops.weight_sync_plan``).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import List
 
-from megatron_rl.rollout.versions import parse_version
+from megatron_rl.weight_sync.versions import parse_version
 from megatron_rl.weight_sync.report import SyncReport
 
 __all__ = ["export_report", "prune_exports"]

@@ -1,16 +1,11 @@
-"""The weight-sync mode of a job (``rollout.weight_sync``) as one object, chosen once where the job is built.
+"""The weight-sync mode of a job (``rollout.weight_sync``) as one object, built once by ``resolve_mode``.
 
-    mode = weight_sync_mode(cfg)                  # DiskMode | TensorMode | DistributedMode
+    mode = resolve_mode(cfg.rollout, engine_class(cfg.rollout.engine))   # "auto" resolved here, nowhere else
     receiver = mode.open(engine, "step-3", 600)   # streamed modes: the engine's WeightReceiver
     mode.load(engine, source, "step-3", 600)      # a whole payload: an HF directory (disk) or rank 0's buckets
 
-The mode decides how the bytes reach the engine; the engine only receives. Every engine exposes one receiver
-interface, ``RolloutEngine.begin_weight_sync(version, timeout_s, groups=None)``: ``groups`` None means the
-buckets reach the engine on this host (the embedded engine's own process; SGLang's shared-memory
-``/update_weights_from_tensor``), a ``transport.UpdateGroups`` that each sender broadcasts in its own update
-group with the engine's ranks (SGLang's ``/update_weights_from_distributed``). No mode string travels into an
-engine; the engine classes declare the ``rollout.weight_sync`` values they accept (``weight_sync_modes``,
-``deferred_weight_sync_modes``), which config validation checks before a mode object is built.
+The mode decides how the bytes reach the engine; the engine only receives (``endpoint.WeightEndpoint``). The engine
+class is handed in (its declared ``default_weight_sync_mode``): this package never imports an engine.
 """
 from __future__ import annotations
 
@@ -19,10 +14,9 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.rollout.factory import engine_class
 from megatron_rl.weight_sync.transport import UpdateGroups
 
-__all__ = ["WeightSyncMode", "DiskMode", "TensorMode", "DistributedMode", "weight_sync_mode", "mode_name", "rollout_mode_name"]
+__all__ = ["WeightSyncMode", "DiskMode", "TensorMode", "DistributedMode", "resolve_mode"]
 
 
 class WeightSyncMode:
@@ -91,24 +85,15 @@ class DistributedMode(WeightSyncMode):
         return engine.begin_weight_sync(version, timeout_s, UpdateGroups(self.backend, self.master_address))
 
 
-def mode_name(cfg) -> str:
-    """``rollout.weight_sync``, or for "auto" the engine class's default for sync or async rollouts (embedded:
-    tensor; SGLang: distributed, disk with async rollouts)."""
-    return rollout_mode_name(cfg.rollout)
-
-
-def rollout_mode_name(r) -> str:
-    """``mode_name`` of a job's ``rollout`` section."""
-    if r.weight_sync != "auto":
-        return r.weight_sync
-    return engine_class(r.engine).default_weight_sync_mode(async_rollouts=r.mode == "async")
-
-
-def weight_sync_mode(cfg) -> WeightSyncMode:
-    """The job's mode object (``cfg`` validated: the engine accepts the mode)."""
-    name = mode_name(cfg)
+def resolve_mode(rollout, engine) -> WeightSyncMode:
+    """The mode object of a ``rollout`` config section: ``rollout.weight_sync``, or for "auto" the ``engine``
+    class's default for sync or async rollouts (embedded: tensor; SGLang: distributed, disk with async rollouts).
+    ``rollout`` is validated (the engine accepts the mode)."""
+    name = rollout.weight_sync
+    if name == "auto":
+        name = engine.default_weight_sync_mode(async_rollouts=rollout.mode == "async")
     if name == "disk":
         return DiskMode()
     if name == "tensor":
         return TensorMode()
-    return DistributedMode(cfg.rollout.weight_sync_master_address)
+    return DistributedMode(rollout.weight_sync_master_address)

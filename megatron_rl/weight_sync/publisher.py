@@ -1,25 +1,13 @@
 """The weight publisher: how a trained version reaches the rollout engine, chosen once when the job is built.
 
-    publisher = build_weight_publisher(cfg, actor, engine)      # every rank (engine: rank 0's, None elsewhere)
+    publisher = build_weight_publisher(settings, actor, engine)  # every rank (engine: rank 0's, None elsewhere)
     metrics = publisher.publish("step-7")                        # collective; the weight_sync/* metrics
 
-The mode is resolved once, as an object (``modes.weight_sync_mode``: ``rollout.weight_sync``, or for "auto" the
-engine class's own default -- ``default_weight_sync_mode`` -- for sync or async rollouts), and picks one class:
-
-* ``StreamPublisher`` (tensor / distributed): buckets streamed from every rank to rank 0's engine receiver and
-  verified as they pass (``stream.stream_sync``).
-* ``DeltaPublisher`` (tensor with ``rollout.weight_sync_delta``): the same stream, carrying per tensor only the
-  elements changed since the version the engine holds (``delta.py``, ``delta_sender.py``).
-* ``DiskPublisher`` (disk): an HF export that rank 0's engine loads, then verifies; older exports are pruned.
-* ``DeferredPublisher`` (async rollouts, after the producer started): the version is turned into a
-  ``WeightPayload`` now (an export, or owned buckets on rank 0) and handed to the producer, which applies it in
-  its own thread when its schedule needs it (``payload.apply``, verification included).
-
-A ``WeightPayload`` knows how it is applied and what it holds, so nobody asks what kind of payload it is:
-``DiskExport(path)`` (``engine.update_weights`` from the directory) and ``OwnedBuckets(buckets)`` (an in-memory
-update from buckets copied to rank 0, which the async producer loads as the one sender: into the embedded
-engine, or SGLang servers through shared memory or its own update group). Streaming: ``stream.py``; verification:
-``verify.py``; pruning: ``exports.py``.
+``settings.mode`` (resolved once: ``settings.WeightSyncSettings``) picks one class: ``StreamPublisher`` (tensor /
+distributed: ``stream.stream_sync``), ``DeltaPublisher`` (tensor with ``rollout.weight_sync_delta``),
+``DiskPublisher`` (an HF export the engine loads), ``DeferredPublisher`` (async rollouts: a ``WeightPayload`` handed
+to the producer, which applies it later). A payload knows how it is applied (``DiskExport``, ``OwnedBuckets``), so
+nobody asks what kind it is. docs/weight_sync.md has the whole story.
 """
 from __future__ import annotations
 
@@ -27,21 +15,19 @@ import functools
 import os
 from typing import Callable, Dict, List, Optional
 
-from megatron_rl.config import JobConfig
 from megatron_rl.parallel.rank0 import from_rank0, is_rank0
-from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.rollout.factory import engine_class
-from megatron_rl.rollout.versions import parse_version
 from megatron_rl.weight_sync.delta_sender import DeltaSender
+from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.exports import export_report, prune_exports
-from megatron_rl.weight_sync.modes import WeightSyncMode, weight_sync_mode
+from megatron_rl.weight_sync.modes import WeightSyncMode
 from megatron_rl.weight_sync.report import SyncReport
 from megatron_rl.weight_sync.senders import stream_buckets
+from megatron_rl.weight_sync.settings import WeightSyncSettings
 from megatron_rl.weight_sync.stream import stream_sync
 from megatron_rl.weight_sync.verify import verify_buckets, verify_export
+from megatron_rl.weight_sync.versions import parse_version
 
-__all__ = ["weight_sync_mode", "WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher",
-           "DeltaPublisher",
+__all__ = ["WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher", "DeltaPublisher",
            "DiskPublisher", "DeferredPublisher", "build_weight_publisher", "deferred_publisher", "payload_maker"]
 
 
@@ -50,7 +36,7 @@ __all__ = ["weight_sync_mode", "WeightPayload", "DiskExport", "OwnedBuckets", "W
 class WeightPayload:
     """A version's weights, made now and applied to the engine now or later (rank 0)."""
 
-    def apply(self, engine, cfg: JobConfig, version: str, actor=None) -> SyncReport:
+    def apply(self, engine, settings: WeightSyncSettings, version: str, actor=None) -> SyncReport:
         """Load into ``engine``, tag ``version`` and verify when due (``actor``: the model's geometry for owned
         buckets; None: not verified). A failed verification marks the engine invalid."""
         raise NotImplementedError
@@ -69,9 +55,9 @@ class DiskExport(WeightPayload):
     def __init__(self, path: str):
         self.path = path
 
-    def apply(self, engine, cfg, version, actor=None) -> SyncReport:
+    def apply(self, engine, settings, version, actor=None) -> SyncReport:
         engine.update_weights(self.path, version)
-        return _verified(engine, version, lambda: verify_export(engine, cfg, self.path, version))
+        return _verified(engine, version, lambda: verify_export(engine, settings, self.path, version))
 
     def report(self) -> SyncReport:
         return export_report(self.path)
@@ -88,11 +74,11 @@ class OwnedBuckets(WeightPayload):
         self.buckets = buckets
         self.mode = mode
 
-    def apply(self, engine, cfg, version, actor=None) -> SyncReport:
-        self.mode.load(engine, self.buckets, version, cfg.rollout.weight_sync_timeout_s)
+    def apply(self, engine, settings, version, actor=None) -> SyncReport:
+        self.mode.load(engine, self.buckets, version, settings.timeout_s)
         if actor is None:
             return SyncReport()
-        return _verified(engine, version, lambda: verify_buckets(engine, cfg, actor, self.buckets, version))
+        return _verified(engine, version, lambda: verify_buckets(engine, settings, actor, self.buckets, version))
 
     def report(self) -> SyncReport:
         return SyncReport(bytes=sum(b.nbytes for b in self.buckets), buckets=len(self.buckets))
@@ -102,30 +88,29 @@ def _verified(engine, version: str, verify: Callable[[], SyncReport]) -> SyncRep
     try:
         return verify()
     except Exception as exc:
-        engine._mark_invalid(f"weight sync to {version!r}: {type(exc).__name__}: {exc}")
+        engine.invalidate_weights(f"weight sync to {version!r}: {type(exc).__name__}: {exc}")
         raise
 
 
-def export_payload(actor, cfg: JobConfig, version: str) -> DiskExport:
-    """Collective: ``version`` as an HF export (``rollout.weight_sync_dir`` or ``run_dir/weight_sync``)."""
-    out = cfg.rollout.weight_sync_dir or os.path.join(cfg.trainer.run_dir, "weight_sync")
-    path = os.path.join(out, version)
+def export_payload(actor, settings: WeightSyncSettings, version: str) -> DiskExport:
+    """Collective: ``version`` as an HF export in ``settings.export_dir``."""
+    path = os.path.join(settings.export_dir, version)
     actor.export_hf(path)
     return DiskExport(path)
 
 
-def bucket_payload(actor, cfg: JobConfig, version: str, mode: WeightSyncMode) -> Optional[OwnedBuckets]:
-    """Collective: ``version`` as buckets owned by rank 0 (None elsewhere), applied in ``mode``."""
-    buckets = list(stream_buckets(actor, int(cfg.rollout.weight_sync_bucket_mb * (1 << 20)), None))
-    return OwnedBuckets(buckets, mode) if is_rank0() else None
+def bucket_payload(actor, settings: WeightSyncSettings, version: str) -> Optional[OwnedBuckets]:
+    """Collective: ``version`` as buckets owned by rank 0 (None elsewhere), applied in ``settings.mode``."""
+    buckets = list(stream_buckets(actor, settings.bucket_bytes, None))
+    return OwnedBuckets(buckets, settings.mode) if is_rank0() else None
 
 
-def payload_maker(actor, cfg: JobConfig, mode: WeightSyncMode) -> Callable[[str], Optional[WeightPayload]]:
-    """The collective ``version -> payload`` of ``mode``, chosen once (disk: an export; otherwise owned buckets on
-    rank 0)."""
-    if not mode.streamed:
-        return functools.partial(export_payload, actor, cfg)
-    return lambda version: bucket_payload(actor, cfg, version, mode)
+def payload_maker(actor, settings: WeightSyncSettings) -> Callable[[str], Optional[WeightPayload]]:
+    """The collective ``version -> payload`` of ``settings.mode``, chosen once (disk: an export; otherwise owned
+    buckets on rank 0)."""
+    if not settings.mode.streamed:
+        return functools.partial(export_payload, actor, settings)
+    return functools.partial(bucket_payload, actor, settings)
 
 
 # --------------------------------------------------------------------------------------------- publishers
@@ -142,11 +127,11 @@ class StreamPublisher(WeightPublisher):
     """Modes tensor / distributed: buckets streamed to the engine's receiver and verified in passing.
     ``corrupt(bucket)`` (tests only) alters a bucket after its checksums were taken, like a fault in transit."""
 
-    def __init__(self, actor, engine, cfg: JobConfig, mode: WeightSyncMode, corrupt=None):
-        self.actor, self.engine, self.cfg, self.mode, self.corrupt = actor, engine, cfg, mode, corrupt
+    def __init__(self, actor, engine, settings: WeightSyncSettings, corrupt=None):
+        self.actor, self.engine, self.settings, self.corrupt = actor, engine, settings, corrupt
 
     def publish(self, version: str) -> Dict[str, float]:
-        return stream_sync(self.actor, self.engine, self.cfg, self.mode, version, is_rank0(), self.corrupt).metrics()
+        return stream_sync(self.actor, self.engine, self.settings, version, is_rank0(), self.corrupt).metrics()
 
 
 class DeltaPublisher(StreamPublisher):
@@ -154,13 +139,13 @@ class DeltaPublisher(StreamPublisher):
     since the version the engine holds (``delta_sender.DeltaSender``, one per rank for the whole job); a full
     sync first and after a failed or skipped version."""
 
-    def __init__(self, actor, engine, cfg: JobConfig, mode: WeightSyncMode, corrupt=None):
-        super().__init__(actor, engine, cfg, mode, corrupt)
+    def __init__(self, actor, engine, settings: WeightSyncSettings, corrupt=None):
+        super().__init__(actor, engine, settings, corrupt)
         self.sender = DeltaSender()
 
     def publish(self, version: str) -> Dict[str, float]:
         try:
-            report = stream_sync(self.actor, self.engine, self.cfg, self.mode, version, is_rank0(), self.corrupt,
+            report = stream_sync(self.actor, self.engine, self.settings, version, is_rank0(), self.corrupt,
                                  delta=self.sender)
         except BaseException:
             self.sender.failed()
@@ -172,14 +157,14 @@ class DeltaPublisher(StreamPublisher):
 class DiskPublisher(WeightPublisher):
     """Mode disk: an export the engine loads now; only the newest export is kept."""
 
-    def __init__(self, actor, engine, cfg: JobConfig):
-        self.actor, self.engine, self.cfg = actor, engine, cfg
+    def __init__(self, actor, engine, settings: WeightSyncSettings):
+        self.actor, self.engine, self.settings = actor, engine, settings
 
     def publish(self, version: str) -> Dict[str, float]:
-        payload = export_payload(self.actor, self.cfg, version)
+        payload = export_payload(self.actor, self.settings, version)
 
         def apply() -> SyncReport:
-            moved, done = payload.report(), payload.apply(self.engine, self.cfg, version, self.actor)
+            moved, done = payload.report(), payload.apply(self.engine, self.settings, version, self.actor)
             moved.checked, moved.verified, moved.verified_frac = done.checked, done.verified, done.verified_frac
             if version.startswith("step-"):  # a training version: older exports are no longer needed
                 payload.release({parse_version(version)})
@@ -193,12 +178,12 @@ class DeferredPublisher(WeightPublisher):
     its schedule needs it -- a failure there surfaces at a later step's rollouts; this step's
     ``weight_sync/verified_param_frac`` is 0."""
 
-    def __init__(self, actor, cfg: JobConfig, mode: WeightSyncMode, producer=None):
-        if mode.name not in engine_class(cfg.rollout.engine).deferred_weight_sync_modes:
-            raise WeightSyncError(f"rollout.weight_sync {mode.name!r} with rollout.engine {cfg.rollout.engine!r} cannot "
-                                  f"be applied later by the async producer (use rollout.weight_sync: disk)")
-        self.actor, self.cfg, self.mode, self.producer = actor, cfg, mode, producer
-        self.make = payload_maker(actor, cfg, mode)
+    def __init__(self, actor, settings: WeightSyncSettings, producer=None):
+        if settings.mode.name not in settings.deferred_modes:
+            raise WeightSyncError(f"rollout.weight_sync {settings.mode.name!r} with rollout.engine {settings.engine!r} "
+                                  f"cannot be applied later by the async producer (use rollout.weight_sync: disk)")
+        self.actor, self.settings, self.producer = actor, settings, producer
+        self.make = payload_maker(actor, settings)
 
     def publish(self, version: str) -> Dict[str, float]:
         payload = self.make(version)
@@ -211,17 +196,16 @@ class DeferredPublisher(WeightPublisher):
         return from_rank0(hand_over).metrics()
 
 
-def build_weight_publisher(cfg: JobConfig, actor, engine, corrupt=None) -> WeightPublisher:
+def build_weight_publisher(settings: WeightSyncSettings, actor, engine, corrupt=None) -> WeightPublisher:
     """The publisher that loads each version into the engine right away (every rank; ``engine``: rank 0's)."""
-    mode = weight_sync_mode(cfg)
-    if not mode.streamed:
-        return DiskPublisher(actor, engine, cfg)
-    if cfg.rollout.weight_sync_delta:
-        return DeltaPublisher(actor, engine, cfg, mode, corrupt)
-    return StreamPublisher(actor, engine, cfg, mode, corrupt)
+    if not settings.mode.streamed:
+        return DiskPublisher(actor, engine, settings)
+    if settings.delta:
+        return DeltaPublisher(actor, engine, settings, corrupt)
+    return StreamPublisher(actor, engine, settings, corrupt)
 
 
-def deferred_publisher(cfg: JobConfig, actor) -> DeferredPublisher:
+def deferred_publisher(settings: WeightSyncSettings, actor) -> DeferredPublisher:
     """The publisher of async rollouts (its ``producer``, rank 0's, is set once it runs; None elsewhere). Raises
     ``WeightSyncError`` when the mode cannot be applied later -- before any producer exists."""
-    return DeferredPublisher(actor, cfg, weight_sync_mode(cfg))
+    return DeferredPublisher(actor, settings)

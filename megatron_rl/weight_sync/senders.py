@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.convert.live import is_stage_leader, iter_hf_tensors
-from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.weight_sync.buckets import Bucket, bucketize
+from megatron_rl.weight_sync.endpoint import WeightSyncError
+from megatron_rl.weight_sync.buckets import Bucket, bucketize, hold_buckets
 from megatron_rl.weight_sync.transport import recv_bucket, send_bucket
 
 __all__ = ["stream_buckets", "own_buckets", "sender_ranks"]
@@ -72,11 +72,23 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
 
 
 def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dtype: Optional[set] = None,
-                pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None) -> Iterator[Bucket]:
+                pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None,
+                hold: bool = False) -> Iterator[Bucket]:
     """Collective over every trainer rank: the buckets of the HF tensors this rank owns (none on a rank that
-    is not a sender); ``pack`` as in ``stream_buckets``. Consume it to the end on every rank."""
-    pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True)
-    yield from (pack(pairs) if pack is not None else bucketize(pairs, bucket_bytes, dtype, keep_dtype))
+    is not a sender), each sent before the next is packed (one buffer serves them all); ``pack`` as in
+    ``stream_buckets``; ``hold``: ``buckets.HeldBucket``s (the engine is in this process). Consume it to the end
+    on every rank."""
+    # the gathers move the engine's dtype (every rank has the same dtype and keep set: rank 0's plan); not when
+    # some tensors stay in a higher precision, whose mcore names are not known before the mapping
+    gather = dtype if not keep_dtype else None
+    pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True,
+                            gather_dtype=gather)
+    if pack is not None:
+        yield from pack(pairs)
+    elif hold:
+        yield from hold_buckets(pairs, bucket_bytes, dtype, keep_dtype)
+    else:
+        yield from bucketize(pairs, bucket_bytes, dtype, keep_dtype, reuse=True)
 
 
 def is_sender(groups, has_experts: bool) -> bool:

@@ -25,15 +25,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_rl.config import JobConfig
 from megatron_rl.convert.mapping import param_rules
 from megatron_rl.parallel.rank0 import share_from_rank0
-from megatron_rl.rollout.base import WeightSyncError
+from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.board import Board, world
 from megatron_rl.weight_sync.buckets import DTYPE_NAMES
-from megatron_rl.weight_sync.modes import WeightSyncMode
 from megatron_rl.weight_sync.report import SyncReport
 from megatron_rl.weight_sync.senders import own_buckets, sender_ranks
+from megatron_rl.weight_sync.settings import WeightSyncSettings
 from megatron_rl.weight_sync.verify import finish_verify, verifier_for
 
 __all__ = ["stream_sync", "SenderOutcome"]
@@ -84,7 +83,8 @@ def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: in
     takes part in the gathers). ``pack``: a delta sync's packer. After a failure the rest of the stream is
     gathered but not sent."""
     out = SenderOutcome(rank)
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack):
+    hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
+    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold):
         if channel is None or out.error is not None:
             continue
         try:
@@ -118,11 +118,11 @@ def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: in
     return out
 
 
-def stream_sync(actor, engine, cfg: JobConfig, mode: WeightSyncMode, version: str, rank0: bool,
+def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0: bool,
                 corrupt=None, delta=None) -> SyncReport:
     """Collective: every sender's buckets into the engine, verified, committed only when every sender is done;
     see the module doc."""
-    rc = cfg.rollout
+    timeout_s = settings.timeout_s
     rank, size = world()
     _SEQ[0] += 1
     error: Optional[BaseException] = None
@@ -130,11 +130,11 @@ def stream_sync(actor, engine, cfg: JobConfig, mode: WeightSyncMode, version: st
     if rank0:
         try:
             base = delta.base_for(engine) if delta else None  # before the update session retags the servers
-            receiver = mode.open(engine, version, rc.weight_sync_timeout_s)
+            receiver = settings.mode.open(engine, version, timeout_s)
             names = _expected_names(actor)
             dt = engine.weight_dtype
             keep_names = engine.full_precision_weight_names(names)
-            verifier = verifier_for(actor.hf_target.geometry, engine, cfg, names, version, dt, keep_names)
+            verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version, dt, keep_names)
             plan = (DTYPE_NAMES.get(dt), sorted(keep_names), receiver.channel(), verifier.for_sender(),
                     (base, sorted(n for n in names if verifier.needs(n))) if delta else None,
                     names)
@@ -147,7 +147,7 @@ def stream_sync(actor, engine, cfg: JobConfig, mode: WeightSyncMode, version: st
         raise box[0]
     dtype_name, keep, spec, copy, delta_plan = box[1]
     dtype = getattr(torch, dtype_name) if dtype_name else None
-    bucket_bytes = int(rc.weight_sync_bucket_mb * (1 << 20))
+    bucket_bytes = settings.bucket_bytes
     pack = None
     if delta is not None:
         base, checks = delta_plan
@@ -174,17 +174,17 @@ def stream_sync(actor, engine, cfg: JobConfig, mode: WeightSyncMode, version: st
             mine.verify = copy.part()
             board.post(rank, mine)
         if not rank0:
-            error = board.decision(2 * rc.weight_sync_timeout_s + 60)
+            error = board.decision(2 * timeout_s + 60)
             if error is not None:
                 raise error
             return board_report(board)
-        outcomes, missing = board.collect([s for s in senders if s != 0], rc.weight_sync_timeout_s)
+        outcomes, missing = board.collect([s for s in senders if s != 0], timeout_s)
         outcomes[0] = mine
     report = SyncReport(senders=len(senders))
     try:
         errors = [o.error for o in outcomes.values() if o.error]
         errors += [f"sender rank {r} posted no outcome within rollout.weight_sync_timeout_s="
-                   f"{rc.weight_sync_timeout_s:g} s (it died or hangs)" for r in missing]
+                   f"{timeout_s:g} s (it died or hangs)" for r in missing]
         if errors:
             raise WeightSyncError(f"weight sync to {version!r}: " + "; ".join(errors))
         seen: Dict[str, int] = {}

@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from megatron_rl.parallel.devices import collective_device, recv_, send_
-from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.rollout.sglang_server import find_free_port
+from megatron_rl.weight_sync.endpoint import WeightSyncError
+from megatron_rl.parallel.ports import find_free_port
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.delta import DeltaBucket
 
@@ -47,13 +47,18 @@ def send_bucket(bucket: Optional[Bucket], dst: int, group=None) -> None:
             dist.send(bucket.flat, dst=dst, group=group)
 
 
-def recv_bucket(src: int, group=None) -> Optional[Bucket]:
-    """The next bucket from global rank ``src`` (None: its stream ended); ``group`` as in ``send_bucket``."""
+def recv_bucket(src: int, group=None, into=None) -> Optional[Bucket]:
+    """The next bucket from global rank ``src`` (None: its stream ended); ``group`` as in ``send_bucket``.
+    ``into``: a uint8 host buffer the caller is done with, received into when a (non-delta) bucket fits."""
     box = [None]
     dist.recv_object_list(box, src=src, group=group)
     if box[0] is None:
         return None
-    bucket = (DeltaBucket if box[0].get("format") == "delta" else Bucket).empty(box[0])
+    delta = box[0].get("format") == "delta"
+    if not delta and group is not None and into is not None and int(box[0]["nbytes"]) <= into.numel():
+        bucket = Bucket.empty(box[0], buffer=into)
+    else:
+        bucket = (DeltaBucket if delta else Bucket).empty(box[0])
     if group is None:
         recv_(bucket.flat, src=src)
     else:
@@ -122,7 +127,10 @@ class _ToRank0Channel(SenderChannel):
 
 
 class _Rank0Channel(SenderChannel):
-    """Rank 0's own buckets and, in threads, every other sender's go into ``receiver`` (one at a time: a lock)."""
+    """Rank 0's own buckets and, in threads, every other sender's go into ``receiver`` (one at a time: a lock).
+    ``local``: the receiver copies rank 0's buckets in as they are sent, so they may hold the tensors uncopied."""
+
+    local = True
 
     def __init__(self, receiver, groups: Dict[int, Any], timeout_s: float):
         self.receiver, self.timeout_s = receiver, timeout_s
@@ -134,14 +142,17 @@ class _Rank0Channel(SenderChannel):
 
     def _drain(self, src: int, group) -> None:
         failed = False
+        into = None  # one receive buffer per sender: each bucket is loaded before the next arrives
         while True:
             try:
-                bucket = recv_bucket(src, group)
+                bucket = recv_bucket(src, group, into)
             except Exception as exc:  # noqa: BLE001 - the sender died or timed out
                 self.errors.append(f"sender rank {src}: receiving its buckets failed: {type(exc).__name__}: {exc}")
                 return
             if bucket is None:
                 return
+            if isinstance(bucket, Bucket) and bucket.flat is not None:
+                into = bucket.flat if into is None or bucket.flat.numel() > into.numel() else into
             if failed:
                 continue  # drain: the sender is still sending
             try:

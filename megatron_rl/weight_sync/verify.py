@@ -28,10 +28,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_rl.config import JobConfig
-from megatron_rl.rollout.base import WeightSyncError
-from megatron_rl.rollout.versions import parse_version
+from megatron_rl.weight_sync.endpoint import WeightSyncError
+from megatron_rl.weight_sync.versions import parse_version
 from megatron_rl.weight_sync.report import SyncReport
+from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["WeightVerifier", "sample_spread", "verifier_for", "finish_verify", "verify_export", "verify_buckets",
            "verify_disk_sync"]
@@ -108,9 +108,10 @@ class WeightVerifier:
         self._numel[name] = t.numel()
         if name not in self._need:
             return
+        given = t
         if self.dtype is not None and t.is_floating_point() and name not in self.keep:
             t = t.to(self.dtype)
-        self._held[name] = t.detach().clone()
+        self._held[name] = t.detach()  # may be the caller's buffer: copied below if kept past this call
         for et in self.tensors:
             if name in et.sources and all(s in self._held for s in et.sources):
                 for tp in self.tp_sizes:
@@ -120,6 +121,8 @@ class WeightVerifier:
                     self._need[s] -= 1
                     if self._need[s] == 0:
                         del self._need[s], self._held[s]
+        if name in self._held and t is given:  # another engine tensor still needs it: own a copy
+            self._held[name] = self._held[name].clone()
 
     def check(self, what: str, source_text: str) -> List[str]:
         """Compare with the engine's checksums (every server, every TP rank); a mismatch raises
@@ -161,12 +164,12 @@ def _version_number(tag: str) -> int:
         return 0
 
 
-def verifier_for(geometry, engine, cfg: JobConfig, names: List[str], version: str, dtype, keep) -> WeightVerifier:
+def verifier_for(geometry, engine, settings: WeightSyncSettings, names: List[str], version: str, dtype,
+                 keep) -> WeightVerifier:
     """Rank 0: the verifier of this version (samples nothing unless a verification is due)."""
-    rc = cfg.rollout
     v = _version_number(version)
-    due = rc.weight_sync_verify_interval > 0 and v % rc.weight_sync_verify_interval == 0
-    verifier = WeightVerifier(engine, names, geometry, rc.weight_sync_verify_tensors if due else 0, v, dtype, keep)
+    due = settings.due(v)
+    verifier = WeightVerifier(engine, names, geometry, settings.verify_tensors if due else 0, v, dtype, keep)
     if due and verifier.hash is None and not _UNVERIFIABLE_SAID:
         _UNVERIFIABLE_SAID.append(True)
         print(f"[megatron-rl] WARNING: weight-sync verification skipped -- OFF for this whole run: "
@@ -187,15 +190,15 @@ def finish_verify(verifier: WeightVerifier, report: SyncReport, what: str, sourc
     report.verified_frac = verifier.verified_frac
 
 
-def verify_disk_sync(engine, cfg: JobConfig, export_dir: str, version: str) -> List[str]:
+def verify_disk_sync(engine, settings: WeightSyncSettings, export_dir: str, version: str) -> List[str]:
     """Rank 0, after the engine loaded ``export_dir``: compare the engine's copies of sampled engine tensors
     with the same fusion of the export's tensors (cast to the engine's dtype as its loader casts them;
     fp32-kept tensors in their own dtype) when due; a mismatch raises ``WeightSyncError`` naming each tensor.
     Returns the engine tensors checked (empty: not due, or the engine cannot report checksums)."""
-    return verify_export(engine, cfg, export_dir, version).checked
+    return verify_export(engine, settings, export_dir, version).checked
 
 
-def verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> SyncReport:
+def verify_export(engine, settings: WeightSyncSettings, export_dir: str, version: str) -> SyncReport:
     from safetensors import safe_open
 
     from megatron_rl.convert.geometry import HFGeometry
@@ -207,7 +210,7 @@ def verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> Sync
     for f in files:
         with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
             names += list(fh.keys())
-    verifier = verifier_for(geometry, engine, cfg, names, version, engine.weight_dtype,
+    verifier = verifier_for(geometry, engine, settings, names, version, engine.weight_dtype,
                          engine.full_precision_weight_names(names))
     report = SyncReport()
     if not verifier.tensors:
@@ -226,10 +229,10 @@ def verify_export(engine, cfg: JobConfig, export_dir: str, version: str) -> Sync
     return report
 
 
-def verify_buckets(engine, cfg: JobConfig, actor, buckets, version: str) -> SyncReport:
+def verify_buckets(engine, settings: WeightSyncSettings, actor, buckets, version: str) -> SyncReport:
     """Rank 0, after the engine applied owned ``buckets`` (async tensor mode): as ``verify_disk_sync``."""
     names = [n for b in buckets for n in b.names]
-    verifier = verifier_for(actor.hf_target.geometry, engine, cfg, names, version, engine.weight_dtype,
+    verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version, engine.weight_dtype,
                          engine.full_precision_weight_names(names))
     report = SyncReport()
     if verifier.tensors:

@@ -8,7 +8,7 @@ the first version, the version after a failed sync (the link lost after a first 
 version after a skipped one (the engine loaded other weights in between) are full
 syncs -- byte counts equal to the full sync's -- and still equal bit for bit. At the end, the copies each sender
 rank held (measured on its real tensors: host tensors, engine dtype, the checkpoint's HF names) equal what
-``megatron-rl check`` plans for that sender (``weight_sync.plan``).
+``megatron-rl check`` plans for that sender (``ops.weight_sync_plan``).
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_weight_sync_delta.py -q``
 """
@@ -24,6 +24,7 @@ from megatron_rl.testing.actor_reference import policy_data
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import knobs, named_job, settings
 from megatron_rl.weight_sync.publisher import DeltaPublisher, build_weight_publisher
+from megatron_rl.trainer.sync_settings import weight_sync_settings
 
 transformers = pytest.importorskip("transformers")
 from megatron_rl.rollout.embedded import EmbeddedEngine  # noqa: E402  (imported here: the forked ranks share it)
@@ -39,8 +40,8 @@ def _body(rank, world, job_delta, job_full, other_dir, seed):
     actor = MegatronActor(actor_spec(job_delta))
     eng_d = EmbeddedEngine(other_dir, dtype="bfloat16", seed=0, weight_version="init") if rank == 0 else None
     eng_f = EmbeddedEngine(other_dir, dtype="bfloat16", seed=0, weight_version="init") if rank == 0 else None
-    pub_d = build_weight_publisher(job_delta, actor, eng_d)
-    pub_f = build_weight_publisher(job_full, actor, eng_f)
+    pub_d = build_weight_publisher(weight_sync_settings(job_delta), actor, eng_d)
+    pub_f = build_weight_publisher(weight_sync_settings(job_full), actor, eng_f)
     assert isinstance(pub_d, DeltaPublisher) and not isinstance(pub_f, DeltaPublisher)
     batch, old, adv, mask, _ = policy_data(job_delta.model.vocab_size, 4, seed, (2, 5), (3, 7), False)
     log = []
@@ -126,7 +127,7 @@ def _check_counts_the_copies_held(cfg, actor_dir, held):
     import os
 
     from megatron_rl.ops.memory import total_parameters
-    from megatron_rl.weight_sync.plan import weight_sync_plan
+    from megatron_rl.ops.weight_sync_plan import weight_sync_plan
 
     plan = weight_sync_plan(cfg, total_parameters(cfg.model))
     assert [b for _, b in plan.senders] == plan.delta_copy_bytes

@@ -33,6 +33,7 @@ from megatron_rl.testing.distributed import RankError, run_ranks
 from megatron_rl.testing.jobs import layout, named_job, setting
 from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 from megatron_rl.weight_sync.verify import verify_disk_sync
+from megatron_rl.trainer.sync_settings import weight_sync_settings
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +75,7 @@ def _sync_body(rank, world, job, engine_dir, dtype, corrupt_name=None):
                 t.add_(1e-2)
 
     try:
-        metrics = build_weight_publisher(job, actor, engine, corrupt=corrupt if corrupt_name else None).publish("step-1")
+        metrics = build_weight_publisher(weight_sync_settings(job), actor, engine, corrupt=corrupt if corrupt_name else None).publish("step-1")
     except WeightSyncError as exc:
         refused = None
         if rank == 0:
@@ -143,7 +144,7 @@ def _memory_body(rank, world, job, engine_dir):
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
     engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0") if rank == 0 else None
-    build_weight_publisher(job, actor, engine).publish("step-1")  # warm-up: first-call imports / buffers
+    build_weight_publisher(weight_sync_settings(job), actor, engine).publish("step-1")  # warm-up: first-call imports / buffers
     out = {}
     for label in ("bucketed", "full"):
         torch.distributed.barrier()
@@ -151,7 +152,7 @@ def _memory_body(rank, world, job, engine_dir):
             fh.write("5")  # reset the peak-RSS high-water mark to the current RSS
         base = _rss_kb()
         if label == "bucketed":
-            build_weight_publisher(job, actor, engine).publish("step-2")
+            build_weight_publisher(weight_sync_settings(job), actor, engine).publish("step-2")
             sd = None
         else:
             sd = actor.full_state_dict_hf()
@@ -188,12 +189,12 @@ def test_disk_sync_is_verified_against_the_export(tmp_path):
                           world_size=1)
     engine = EmbeddedEngine(model, dtype="bfloat16", seed=0, weight_version="step-0")
     engine.update_weights(model, "step-1")
-    checked = verify_disk_sync(engine, cfg, model, "step-1")
+    checked = verify_disk_sync(engine, weight_sync_settings(cfg), model, "step-1")
     assert "model.layers.1.mlp.down_proj.weight" in checked and len(checked) >= 10
     with torch.no_grad():
         engine.model.model.layers[1].mlp.down_proj.weight[0, 0] += 0.5
     with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
-        verify_disk_sync(engine, cfg, model, "step-1")
+        verify_disk_sync(engine, weight_sync_settings(cfg), model, "step-1")
 
 
 def _dying_sender_body(rank, world, job, engine_dir, result_path):
@@ -219,7 +220,7 @@ def _dying_sender_body(rank, world, job, engine_dir, result_path):
 
     t0 = time.monotonic()
     try:
-        build_weight_publisher(job, actor, engine, corrupt=stop).publish("step-1")
+        build_weight_publisher(weight_sync_settings(job), actor, engine, corrupt=stop).publish("step-1")
         res = {"error": None}
     except WeightSyncError as exc:
         res = {"error": str(exc), "seconds": time.monotonic() - t0, "version": engine.weight_version}

@@ -77,6 +77,7 @@ def _body(rank, world, job, url, fault=None):
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.testing.traffic import Traffic
     from megatron_rl.weight_sync.publisher import build_weight_publisher
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
@@ -97,7 +98,7 @@ def _body(rank, world, job, url, fault=None):
     own = sum(p.numel() for p in actor.model[0].parameters()) * 4  # this rank's shard (fp32 >= the engine's dtype)
     try:
         with Traffic() as traffic:
-            m = build_weight_publisher(job, actor, engine, corrupt=corrupt if fault else None).publish("step-1")
+            m = build_weight_publisher(weight_sync_settings(job), actor, engine, corrupt=corrupt if fault else None).publish("step-1")
         return {"metrics": m, "through": traffic.sent + traffic.received, "own": own}
     except WeightSyncError as exc:
         refused = None
@@ -142,12 +143,13 @@ def _delta_body(rank, world, job, url, export_dir, launch_dir):
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.testing.actor_reference import policy_data
     from megatron_rl.weight_sync.publisher import DeltaPublisher, build_weight_publisher
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
     engine = SGLangEngine(url, weight_sync_timeout=120)
     try:
-        pub = build_weight_publisher(job, actor, engine)
+        pub = build_weight_publisher(weight_sync_settings(job), actor, engine)
         assert isinstance(pub, DeltaPublisher)
         batch, old, adv, mask, _ = policy_data(job.model.vocab_size, 4, 7, (2, 5), (3, 7), False)
         metrics = [pub.publish("step-1")]  # the first version: full

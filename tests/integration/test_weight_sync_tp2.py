@@ -71,6 +71,7 @@ def _body(rank, world, job, url, corrupt_name=None):
     from megatron_rl.rollout.base import WeightSyncError
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.weight_sync.publisher import build_weight_publisher
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
@@ -86,7 +87,7 @@ def _body(rank, world, job, url, corrupt_name=None):
                 t.view(-1)[0] += 0.5
 
     try:
-        publisher = build_weight_publisher(job, actor, engine, corrupt=corrupt if corrupt_name else None)
+        publisher = build_weight_publisher(weight_sync_settings(job), actor, engine, corrupt=corrupt if corrupt_name else None)
         return {"metrics": publisher.publish("step-1")}
     except WeightSyncError as exc:
         return {"error": str(exc)}

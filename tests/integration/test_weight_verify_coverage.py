@@ -71,6 +71,7 @@ def _classes_body(rank, world, job, make_engine, classes):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import WeightSyncError
     from megatron_rl.weight_sync.publisher import build_weight_publisher
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
@@ -84,11 +85,11 @@ def _classes_body(rank, world, job, make_engine, classes):
                         t.view(-1)[0] += 0.5
 
             try:
-                build_weight_publisher(job, actor, engine, corrupt=corrupt).publish(f"step-{i + 1}")
+                build_weight_publisher(weight_sync_settings(job), actor, engine, corrupt=corrupt).publish(f"step-{i + 1}")
                 out[cls] = "no error"
             except WeightSyncError as exc:
                 out[cls] = str(exc)
-        out["clean"] = build_weight_publisher(job, actor, engine).publish("step-20")
+        out["clean"] = build_weight_publisher(weight_sync_settings(job), actor, engine).publish("step-20")
     finally:
         engine.close()
     return out
@@ -130,7 +131,8 @@ def _async_body(rank, world, job, engine_dir, broken):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.weight_sync.publisher import payload_maker, weight_sync_mode
+    from megatron_rl.weight_sync.publisher import payload_maker
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
@@ -142,11 +144,11 @@ def _async_body(rank, world, job, engine_dir, broken):
         with torch.no_grad():
             engine.model.state_dict()[broken].view(-1)[0] += 0.5
 
-    payload = payload_maker(actor, job, weight_sync_mode(job))("step-1")
-    good = payload.apply(engine, job, "step-1")
+    payload = payload_maker(actor, weight_sync_settings(job))("step-1")
+    good = payload.apply(engine, weight_sync_settings(job), "step-1")
     engine.update_weights = faulty_load
     try:
-        payload.apply(engine, job, "step-2")
+        payload.apply(engine, weight_sync_settings(job), "step-2")
         return {"good": good.metrics() if good else {}, "error": None}
     except WeightSyncError as exc:
         try:
@@ -174,6 +176,7 @@ def _disk_body(rank, world, job, engine_dir, n):
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.weight_sync.publisher import build_weight_publisher
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
@@ -181,7 +184,7 @@ def _disk_body(rank, world, job, engine_dir, n):
     out_dir = os.path.join(job.trainer.run_dir, "weight_sync")
     counts, metrics = [], []
     for v in range(1, n + 1):
-        metrics.append(build_weight_publisher(job, actor, engine).publish(f"step-{v}"))
+        metrics.append(build_weight_publisher(weight_sync_settings(job), actor, engine).publish(f"step-{v}"))
         counts.append(sorted(os.listdir(out_dir)))
     return {"counts": counts, "metrics": metrics, "version": engine.weight_version}
 
@@ -235,6 +238,7 @@ def _senders_body(rank, world, job, make_engine, corrupt_name):
     from megatron_rl.rollout.base import SamplingParams, WeightSyncError
     from megatron_rl.testing.traffic import Traffic
     from megatron_rl.weight_sync.publisher import build_weight_publisher
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     initialize_model_parallel(job.parallel, seed=3, model=job.model)
     actor = MegatronActor(actor_spec(job))
@@ -244,7 +248,7 @@ def _senders_body(rank, world, job, make_engine, corrupt_name):
     out = {"own_fp32": own}
     try:
         with Traffic() as t:
-            out["metrics"] = build_weight_publisher(job, actor, engine).publish("step-1")
+            out["metrics"] = build_weight_publisher(weight_sync_settings(job), actor, engine).publish("step-1")
         out["sent"], out["received"] = t.sent, t.received
         if rank == 0 and hasattr(engine, "model"):
             out["state"] = {k: v.clone() for k, v in engine.model.state_dict().items()}
@@ -259,7 +263,7 @@ def _senders_body(rank, world, job, make_engine, corrupt_name):
                     x.view(-1)[0] += 0.5
 
         try:
-            build_weight_publisher(job, actor, engine, corrupt=corrupt).publish("step-2")
+            build_weight_publisher(weight_sync_settings(job), actor, engine, corrupt=corrupt).publish("step-2")
             out["error"] = "no error"
         except WeightSyncError as exc:
             out["error"] = str(exc)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from megatron_rl.config import ConfigError, job_config_from_dict, load_job_config
-from megatron_rl.weight_sync.plan import weight_sync_plan
+from megatron_rl.ops.weight_sync_plan import weight_sync_plan
 from megatron_rl.parallel.launch import LaunchEnv, cuda_device_index
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -185,7 +185,7 @@ def test_delta_knob_is_validated():
 
 def test_check_prints_the_expected_delta_bytes():
     from megatron_rl.config import job_config_from_dict
-    from megatron_rl.weight_sync.plan import DELTA_CHANGED_FRAC, weight_sync_plan
+    from megatron_rl.ops.weight_sync_plan import DELTA_CHANGED_FRAC, weight_sync_plan
 
     model = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "ffn_hidden_size": 128}
     cfg = job_config_from_dict({"model": model, "rollout": {"engine": "embedded", "weight_sync_delta": True}})
@@ -261,7 +261,7 @@ def test_check_counts_the_server_store_per_tp_process():
     """With SGLang every server TP process keeps the whole model (engine dtype) in its host memory: ``check``
     says so per TP process and per server (x TP), not one model; the trainer's copies are host memory per sender."""
     from megatron_rl.config import job_config_from_dict
-    from megatron_rl.weight_sync.plan import weight_sync_plan
+    from megatron_rl.ops.weight_sync_plan import weight_sync_plan
 
     model = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "ffn_hidden_size": 128}
     rollout = {"engine": "sglang", "weight_sync": "tensor", "weight_sync_delta": True,

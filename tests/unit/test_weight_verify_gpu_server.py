@@ -19,6 +19,7 @@ from megatron_rl.rollout.sglang_engine import SGLangEngine
 from megatron_rl.weight_sync.buckets import tensor_checksum
 from megatron_rl.weight_sync.layout import Replicated, sglang_layout
 from megatron_rl.weight_sync import verify as weight_verify
+from megatron_rl.trainer.sync_settings import weight_sync_settings
 
 
 def _engine(device: str) -> SGLangEngine:
@@ -48,12 +49,12 @@ def test_gpu_server_is_not_verified_and_never_fails_the_sync(capsys):
     job = job_config_from_dict({"rollout": {"engine": "sglang", "sglang_urls": eng.urls,
                                             "weight_sync_verify_tensors": -1}})
     weight_verify._UNVERIFIABLE_SAID.clear()
-    v = weight_verify.verifier_for(None, eng, job, ["model.norm.weight"], "step-0", torch.bfloat16, set())
+    v = weight_verify.verifier_for(None, eng, weight_sync_settings(job), ["model.norm.weight"], "step-0", torch.bfloat16, set())
     assert v.tensors == [] and v.hash is None
     assert v.check("weight sync to 'step-0'", "the trainer's") == [] and v.verified_frac == 0.0
     out = capsys.readouterr().out
     assert "verification skipped" in out and out.count("WARNING") == 1
-    weight_verify.verifier_for(None, eng, job, ["model.norm.weight"], "step-1", torch.bfloat16, set())
+    weight_verify.verifier_for(None, eng, weight_sync_settings(job), ["model.norm.weight"], "step-1", torch.bfloat16, set())
     assert "verification skipped" not in capsys.readouterr().out  # once per process
 
 

@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
-from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
+from megatron_rl.weight_sync.endpoint import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.delta import DeltaBucket, apply_delta
 from megatron_rl.weight_sync.transport import InProcessSpec
 
@@ -186,7 +186,7 @@ class BucketLoader(WeightReceiver):
         self.engine._mark_synced(self.version)
 
     def abort(self, reason: str) -> None:
-        self.engine._mark_invalid(f"weight sync to version {self.version!r} failed: {reason}")
+        self.engine.invalidate_weights(f"weight sync to version {self.version!r} failed: {reason}")
 
     def channel(self) -> InProcessSpec:
         """Every sender's buckets come to rank 0's process, where this model lives (``transport.InProcessSpec``)."""

@@ -1,36 +1,14 @@
-"""In-memory weight updates of SGLang servers (``rollout.weight_sync: tensor | distributed``), measured on
-the pinned SGLang (0.5.23, CPU server):
+"""In-memory weight updates of SGLang servers (``rollout.weight_sync: tensor | distributed``): rank 0's update
+session (``SGLangReceiver``) and each sender's channel to the servers.
 
-* Every in-memory update is a session: ``/begin_weight_update`` -> one update call per bucket ->
-  ``/end_weight_update`` (an update outside a session is refused). The session first tags the server
-  ``updating:<version>`` (``/update_weight_version``), so a reply produced on partial weights never carries a
-  version the trainer expects; the new version is set only after ``/end_weight_update`` on every server.
-* tensor: ``/update_weights_from_tensor`` with ``serialized_named_tensors`` = one base64 ForkingPickler
-  payload per server TP rank. CPU tensors travel as shared-memory handles, so the server must be on the
-  same host, and torch's ``file_system`` sharing strategy is required (the default ``file_descriptor``
-  one hands out fds through a socket whose authkey the server rejects — and the server process dies).
-  Rejected for data-parallel servers by SGLang itself.
-* distributed: ``/init_weights_update_group`` once per sender (the sender is rank 0 of its own group, named
-  apart; each server's TP ranks follow at ``rank_offset``; backend gloo works on the CPU server, NCCL on GPU).
-  A server holds any number of such groups by name (SGLang's ``_model_update_group`` dict). Per bucket the
-  sender posts ``/update_weights_from_distributed`` (``load_format: flattened_bucket``, its ``group_name``)
-  while it broadcasts the bucket's bytes in its group — one broadcast reaches every server. A server runs
-  the senders' requests one at a time; each sender's broadcast waits until the server reaches its request.
-* Several senders (``SGLangChannelSpec``): rank 0 opens the session (``SGLangReceiver``) and hands the spec
-  to every sender, which sends its own buckets (tensor: from its own host; distributed: in its own group);
-  rank 0 commits only after every sender reported done, or aborts on every server.
-* Verification reads ``/weights_checker`` (``action: checksum``): sha256 checksums of the server's own
-  tensors by SGLang name, one entry per scheduler rank (``parallelism_info.tp_rank``: each TP rank reports
-  its shard). ``checksums_by_name`` turns that into ``{name: (rank 0's checksum, rank 1's, ...)}``; the
-  trainer builds the same fused / padded / sharded tensors (``layout.sglang_layout``) to compare.
-  ``/get_weights_by_name`` is not implemented for Qwen2 in this version.
-* fp32-kept tensors (``FP32_KEPT_SUFFIXES``): DeepSeek-V3's ``e_score_correction_bias`` is an fp32 parameter
-  of SGLang's bf16 model; it is sent and compared in fp32.
-* The update group's store is the trainer's own ``TCPStore(is_master=True)`` (never torch's rendezvous,
-  which makes a client of the launcher's agent store under ``TORCHELASTIC_USE_AGENT_STORE=True``), at the
-  address of this host's interface that routes to the servers (``transport.master_address_for``).
-* Failure (any server): every reachable server is tagged ``sync-failed:<version>`` and the engine refuses
-  to generate until a later sync succeeds — no server is left serving a mix of versions as a valid one.
+Every update is a session on every server -- ``updating:<version>`` tag, ``/begin_weight_update``, one update
+call per bucket, ``/end_weight_update``, the new version tag -- so a reply produced on partial weights never carries
+a version the trainer expects; a failure tags every reachable server ``sync-failed:<version>`` and the engine
+refuses to generate until a later sync succeeds. tensor: ``/update_weights_from_tensor`` with CPU tensors as
+shared-memory handles (same host; torch's ``file_system`` sharing strategy, the default one kills the server);
+distributed: each sender's own update group (``/init_weights_update_group``; gloo on CPU, NCCL on GPU), a bucket
+broadcast there per ``/update_weights_from_distributed``. docs/weight_sync.md ("What the pinned SGLang needs")
+has what was measured on SGLang 0.5.23: the checker's checksums, fp32-kept tensors, the group's store.
 """
 from __future__ import annotations
 
@@ -44,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.base import WeightReceiver, WeightSyncError
+from megatron_rl.weight_sync.endpoint import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.buckets import DTYPE_NAMES
 from megatron_rl.weight_sync.delta import DeltaBucket
 from megatron_rl.weight_sync.server_loader import LOADER, SERVER_FLAGS
@@ -52,7 +30,7 @@ from megatron_rl.weight_sync.transport import (ChannelSpec, SenderChannel, Serve
                                                update_group)
 
 __all__ = ["SGLangReceiver", "SGLangChannelSpec", "SGLangTensorChannel", "SGLangBroadcastChannel", "serialize_for_server",
-           "checksums_by_name", "FP32_KEPT_SUFFIXES"]
+           "checksums_by_name", "FP32_KEPT_SUFFIXES", "ServerSet", "drop_update_group"]
 
 #: Tensors SGLang keeps in fp32 in a bf16 model (its DeepSeek MoEGate allocates the bias in fp32).
 FP32_KEPT_SUFFIXES = ("e_score_correction_bias",)
@@ -212,7 +190,7 @@ class SGLangReceiver(WeightReceiver):
         self.engine._check_versions(self.version)
 
     def abort(self, reason: str) -> None:
-        self.engine._mark_invalid(f"weight sync to {self.version!r} failed: {reason}")
+        self.engine.invalidate_weights(f"weight sync to {self.version!r} failed: {reason}")
         for url in self.engine.urls:
             try:
                 if url in self.opened:

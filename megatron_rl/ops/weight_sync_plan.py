@@ -1,29 +1,10 @@
-"""The weight-sync part of ``megatron-rl check``: what one trainer -> engine sync moves and holds.
+"""The weight-sync part of ``megatron-rl check``: what one trainer -> engine sync moves and holds (``SyncPlan``).
 
-``weight_sync_plan(cfg, total_params)`` -> ``SyncPlan`` for the job's resolved ``rollout.weight_sync`` mode
-(megatron_rl/weight_sync/):
-
-* bytes per sync = every parameter once, in the engine's dtype (``rollout.dtype``);
-* senders (tensor / distributed): one per pipeline stage and expert-parallel rank, each sending its own
-  tensors in parallel (``sender_bytes``: bytes per sender); the estimated time is the largest sender's;
-* host memory of the sync on rank 0: disk — the whole model in the engine's dtype (the HF export is built
-  there); tensor / distributed — one bucket (a bucket holds at most the whole model) plus the largest tensor
-  being gathered (the embedding / output layer, V x h), and with the embedded engine (in rank 0's process) one
-  bucket per other sender being received; on every other sender one bucket + that tensor. (Async mode in
-  memory keeps whole-model copies on rank 0, in the trainer's dtype, for the producer: every published, not yet
-  loaded version and the one being built, ``max_staleness + 2``.)
-* estimated time at a stated, assumed bandwidth: ``DISK_GBPS`` for writing + reading the export,
-  ``LINK_GBPS`` for the in-memory modes (intra-node copy / broadcast). Measure yours with
-  ``tools/bench_weight_sync.py``; the numbers here are for planning only;
-* disk mode with SGLang servers (also the default of async jobs with them): the export
-  directory must be on a filesystem the trainer and the servers share, which the line says;
-* ``rollout.weight_sync_delta``: the expected bytes of a delta sync when ``DELTA_CHANGED_FRAC`` of the elements
-  changed (``delta.sparse_nbytes``: 2-byte positions + values), and the copies it keeps where they live: each
-  sender's own HF tensors in the engine's dtype in ITS host memory (``delta_sender.py``: never on the trainer's
-  device, so nothing of it is in the GPU plan), counted in ``rank0_host_bytes`` / ``leader_host_bytes`` per
-  sending rank (``delta_copy_bytes``: each sender's); with SGLang the whole model in the host memory of EVERY
-  server TP process (``server_loader.py``: each TP process is handed whole HF tensors and slices them itself, so
-  the store cannot be split by TP), ``engine_store_bytes`` per TP process -- TP times that per server.
+``weight_sync_plan(cfg, total_params)`` plans the job's resolved ``rollout.weight_sync`` mode: bytes per sync (every
+parameter once in ``rollout.dtype``), the senders and their bytes, host memory on rank 0 and on the other senders,
+an estimated time at an ASSUMED bandwidth (``DISK_GBPS`` / ``LINK_GBPS``: planning only; measure with
+``tools/bench_weight_sync.py``), and for ``rollout.weight_sync_delta`` the expected delta bytes and the copies it
+keeps. docs/weight_sync.md ("What check plans") says what each number counts.
 """
 from __future__ import annotations
 
@@ -31,9 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
-from megatron_rl.ops.memory import _layer_counts, stage_layers
+from megatron_rl.ops.memory import layer_counts, stage_layers
+from megatron_rl.rollout.factory import engine_class
 from megatron_rl.weight_sync.delta import sparse_nbytes
-from megatron_rl.weight_sync.modes import mode_name
+from megatron_rl.weight_sync.modes import resolve_mode
 
 __all__ = ["SyncPlan", "weight_sync_plan", "DISK_GBPS", "LINK_GBPS", "DELTA_CHANGED_FRAC"]
 
@@ -137,7 +119,7 @@ def _binary(nbytes: float) -> str:
 def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
     """The sync plan of the validated job ``cfg`` whose model has ``total_params`` parameters."""
     r, m = cfg.rollout, cfg.model
-    mode = mode_name(cfg)
+    mode = resolve_mode(r, engine_class(r.engine)).name
     dtype_bytes = DTYPE_BYTES.get(r.dtype, 2)
     total = float(total_params) * dtype_bytes
     largest = float(m.vocab_size) * m.hidden_size * dtype_bytes
@@ -181,7 +163,7 @@ def sender_bytes(cfg, dtype_bytes: int) -> List[Tuple[str, float]]:
     for s, ids in enumerate(layers):
         dense = expert = 0
         for i in ids:
-            d, e = _layer_counts(m, 1, 1, 1, bool(pattern[i]))
+            d, e = layer_counts(m, 1, 1, 1, bool(pattern[i]))
             dense, expert = dense + d, expert + e
         if s == 0:
             dense += emb

@@ -1,0 +1,51 @@
+"""``WeightSyncSettings``: every choice of a job's weight sync, built once from its ``rollout`` section (the mode
+resolved there, ``auto`` included); every function of the sync takes it, never the job config.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron_rl.weight_sync.modes import WeightSyncMode, resolve_mode
+
+__all__ = ["WeightSyncSettings"]
+
+
+@dataclass(frozen=True)
+class WeightSyncSettings:
+    """How a job's trained versions reach its engine."""
+
+    mode: WeightSyncMode
+    """The resolved ``rollout.weight_sync`` (``modes.resolve_mode``: "auto" is the engine class's default)."""
+    engine: str
+    """``rollout.engine`` (named in errors)."""
+    deferred_modes: tuple
+    """The modes the engine can apply later, on rank 0 alone (its ``deferred_weight_sync_modes``; async rollouts)."""
+    bucket_bytes: int
+    """``rollout.weight_sync_bucket_mb`` in bytes: the size of one bucket."""
+    timeout_s: float
+    """``rollout.weight_sync_timeout_s``: the bound of every wait of a sync."""
+    verify_interval: int
+    """``rollout.weight_sync_verify_interval``: verify every N-th version (0: never)."""
+    verify_tensors: int
+    """``rollout.weight_sync_verify_tensors``: engine tensors compared per verified version (-1: all)."""
+    delta: bool
+    """``rollout.weight_sync_delta``: send only the elements changed since the version the engine holds."""
+    export_dir: str
+    """Where disk exports go: ``rollout.weight_sync_dir``, else ``<trainer.run_dir>/weight_sync``."""
+
+    @classmethod
+    def build(cls, rollout, run_dir: str, engine) -> "WeightSyncSettings":
+        """The settings of a validated ``rollout`` config section (``run_dir``: ``trainer.run_dir``; ``engine``:
+        the engine class, ``rollout.factory.engine_class(rollout.engine)``)."""
+        return cls(mode=resolve_mode(rollout, engine), engine=rollout.engine,
+                   deferred_modes=tuple(engine.deferred_weight_sync_modes),
+                   bucket_bytes=int(rollout.weight_sync_bucket_mb * (1 << 20)),
+                   timeout_s=float(rollout.weight_sync_timeout_s),
+                   verify_interval=int(rollout.weight_sync_verify_interval),
+                   verify_tensors=int(rollout.weight_sync_verify_tensors), delta=bool(rollout.weight_sync_delta),
+                   export_dir=rollout.weight_sync_dir or os.path.join(run_dir, "weight_sync"))
+
+    def due(self, version: int) -> bool:
+        """Whether version number ``version`` is verified."""
+        return self.verify_interval > 0 and version % self.verify_interval == 0
