@@ -1,30 +1,9 @@
 """``EmbeddedEngine``: in-process rollouts from an HF ``transformers`` causal LM (Qwen2, Llama, ...) — the
 embedded default, no server.
 
-* Generation runs in ``dtype`` (bfloat16 by default, while the trainer runs fp32: a real rollout/training
-  mismatch, which the rollout correction repairs). All prompts x ``n`` samples form one batch: left padding,
-  an attention mask and explicit position ids; one prefill forward over the distinct prompts (a prompt's ``n``
-  samples share it, as a prefix cache would: its KV cache and last logits are copied to each of its rows), then
-  one cached decode step per token for every row (``use_cache=True``, ``past_key_values``); a row stops at EOS
-  or a stop id (neither with ``ignore_eos``, as SGLang), or at ``max_new_tokens``. A stop token that is also
-  the last allowed token wins: ``finish_reason == "stop"`` (``megatron_rl.rollout.finish``; async interrupt
-  mode continues "length" rows, never past an EOS).
-* Log-probs have SGLang's semantics (``embedded_sampling``): ``log_softmax(logits / T)`` over the full
-  vocabulary at the sampled token, computed in float32 from the engine-dtype logits; top-k / top-p truncate
-  sampling only; ``T == 0`` is greedy and reports ``log_softmax(logits)``.
-* Determinism: every rollout has its own random stream seeded by (call seed, prompt ids, occurrence, sample
-  index) — so results do not depend on batch composition, only on bf16 arithmetic of the padded batch.
-  The call seed is ``generate(..., seed=...)`` or else drawn from the engine's ``torch.Generator`` (seeded
-  with ``seed`` at construction): the same engine seed and the same calls give the same rollouts. For
-  resumable runs pass ``seed`` per step, or checkpoint ``get_rng_state()`` / ``set_rng_state()``.
-* Weights (``weight_sync.endpoint.WeightEndpoint``): an HF directory, a state dict or buckets in this process
-  (``weight_sync/receivers/embedded.py``), each checked name by name before anything is copied.
-* MoE routing (R3): with ``capture_routing`` (default: on for MoE models) forward hooks on the HF routers
-  record the top-k experts of every token fed through the model — the prompt in the prefill, then each
-  sampled token but the last — and each ``Rollout.routed_experts`` holds them (``[prompt + response - 1,
-  moe_layers, topk]``, uint8 / int16; ``megatron_rl.rollout.routing``).
-* All-or-nothing: ``generate`` returns ``len(prompts) * n`` rollouts prompt-major, or raises a
-  ``RolloutError`` (bad input raises ``ValueError`` before any work).
+Rule: every rollout has its own random stream seeded by (call seed, prompt ids, occurrence, sample index), so
+results do not depend on the batch they ran in; log-probs have SGLang's semantics (``embedded_sampling``). What a
+call does, weights, MoE routing: docs/engines.md.
 
 Usage::
 

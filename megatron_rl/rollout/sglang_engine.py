@@ -1,27 +1,8 @@
 """``SGLangEngine``: rollouts from one or more SGLang servers (or an SGLang router) over HTTP.
 
-* ``/generate`` with ``input_ids``, ``sampling_params`` (temperature, top_p, top_k, max_new_tokens,
-  stop_token_ids, n) and ``return_logprob``; the prompts of a step are split into contiguous chunks, one per
-  server, sent concurrently; server choice rotates round-robin between calls.
-* Every reply is validated (``parse_generate_response``): the count, ``output_ids``,
-  ``meta_info.output_token_logprobs`` (``[[logprob, token_id, text|null], ...]``, token ids must equal
-  ``output_ids``), ``finish_reason``, ``prompt_tokens`` and ``weight_version``. A malformed reply raises
-  ``MalformedResponseError`` naming the field and the server; a reply from another weight version than
-  expected raises ``StaleRolloutError``.
-* MoE routing (R3): when a server was started with ``--enable-return-routed-experts`` (``launch_sglang_server``
-  adds it for MoE checkpoints) and serves an MoE model, every request asks ``return_routed_experts`` and each
-  reply's ``meta_info.routed_experts`` (base64 int32 ``[prompt + response - 1, layers, topk]``) becomes
-  ``Rollout.routed_experts`` ``[prompt + response - 1, moe_layers, topk]`` uint8/int16
-  (``megatron_rl.rollout.sglang_routing``). ``capture_routing`` forces it on (a server without the flag is
-  then an error) or off.
-* Weights (``weight_sync.endpoint.WeightEndpoint``): ``/update_weights_from_disk`` on every server, or an in-memory
-  update session (``weight_sync/receivers/sglang.py``); every later response must echo the new version.
-* Connection errors, timeouts and HTTP 5xx are retried with exponential backoff; then
-  ``EngineUnavailableError`` names the URL and the last failure. 4xx replies are not retried.
-* ``generate`` is all-or-nothing: on any failure it raises and returns nothing (the step is not applied).
-
-Log-prob semantics (SGLang default): ``log_softmax(logits / T)`` over the full vocabulary at the sampled
-token. A server started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` returns raw (T=1) log-probs instead.
+Rule: ``generate`` is all-or-nothing (on any failure it raises and returns nothing), and every reply is validated
+field by field (``parse_generate_response``) before a rollout is built from it. Requests, retries, MoE routing,
+weights and log-prob semantics: docs/engines.md.
 
 Usage::
 
