@@ -26,7 +26,8 @@ PACKAGE = "megatron_rl"
 
 #: the layers, lowest first: each entry names the top-level packages / modules of megatron_rl on that layer
 LAYERS: List[Tuple[str, ...]] = [
-    ("numerics", "braces", "jsonl", "imports", "tokenizer", "worker_pipes", "lifeline", "platform", "algo"),
+    ("numerics", "braces", "jsonl", "imports", "tokenizer", "worker_pipes", "lifeline", "platform", "algo",
+     "errors"),                                   # errors shared by the engines and weight sync
     ("parallel", "logprobs"),                    # layouts and process groups; vocab-parallel log-probs
     ("models", "losses", "correction"),          # model build; the loss and correction math
     ("convert", "tasks"),                        # HF <-> Megatron weights and checkpoints; prompts and rewards

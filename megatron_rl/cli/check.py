@@ -41,6 +41,7 @@ from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, 
 from megatron_rl.ops.run_profile import run_profile
 from megatron_rl.ops.weight_sync_plan import weight_sync_plan
 from megatron_rl.plan import JobPlan, world_errors
+from megatron_rl.plan.checks import Unbuilt, weight_sync_settings
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
@@ -197,7 +198,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"attention: {backend.name}: {backend.description}; Transformer Engine: {te_source}")
     gpu_gb, gpu_src = gpu_memory(c)
     print(format_plan(plan, gpu_gb, device=c.device))
-    print(weight_sync_plan(cfg, plan.total_params).line())
+    sync_mode = _sync_mode(cfg, job_plan)
+    if sync_mode is not None:
+        print(weight_sync_plan(cfg, plan.total_params, sync_mode).line())
     ckpt_line = format_checkpoint_host(plan, min(c.gpus_per_node, world))
     if ckpt_line:
         print(ckpt_line)
@@ -251,6 +254,17 @@ def _precision(actor_cfg) -> Precision:
         except ValueError:
             pass
     return Precision()
+
+
+def _sync_mode(cfg, job_plan) -> Optional[str]:
+    """The job's resolved weight-sync mode: its plan's, else built from the rollout section (None: invalid there,
+    which the problems above name)."""
+    if job_plan is not None:
+        return job_plan.weight_sync.mode.name
+    try:
+        return weight_sync_settings(cfg.rollout, cfg.trainer.run_dir).mode.name
+    except Unbuilt:
+        return None
 
 
 def _dtype(nbytes: int) -> str:

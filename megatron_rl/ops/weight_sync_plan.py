@@ -1,6 +1,6 @@
 """The weight-sync part of ``megatron-rl check``: what one trainer -> engine sync moves and holds (``SyncPlan``).
 
-``weight_sync_plan(cfg, total_params)`` plans the job's resolved ``rollout.weight_sync`` mode: bytes per sync (every
+``weight_sync_plan(cfg, total_params, mode)`` plans the job's resolved ``rollout.weight_sync`` mode: bytes per sync (every
 parameter once in ``rollout.dtype``), the senders and their bytes, host memory on rank 0 and on the other senders,
 an estimated time at an ASSUMED bandwidth (``DISK_GBPS`` / ``LINK_GBPS``: planning only; measure with
 ``tools/bench_weight_sync.py``), and for ``rollout.weight_sync_delta`` the expected delta bytes and the copies it
@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Tuple
 
 from megatron_rl.ops.memory import layer_counts, stage_layers
-from megatron_rl.rollout.factory import engine_class
 from megatron_rl.weight_sync.delta import sparse_nbytes
-from megatron_rl.weight_sync.modes import resolve_mode
 
 __all__ = ["SyncPlan", "weight_sync_plan", "DISK_GBPS", "LINK_GBPS", "DELTA_CHANGED_FRAC"]
 
@@ -116,10 +114,10 @@ def _binary(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 0.1 * 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def weight_sync_plan(cfg, total_params: int) -> SyncPlan:
-    """The sync plan of the validated job ``cfg`` whose model has ``total_params`` parameters."""
+def weight_sync_plan(cfg, total_params: int, mode: str) -> SyncPlan:
+    """The sync plan of the validated job ``cfg`` whose model has ``total_params`` parameters; ``mode``: the job's
+    resolved weight-sync mode (its plan's ``WeightSyncSettings.mode.name``)."""
     r, m = cfg.rollout, cfg.model
-    mode = resolve_mode(r, engine_class(r.engine)).name
     dtype_bytes = DTYPE_BYTES.get(r.dtype, 2)
     total = float(total_params) * dtype_bytes
     largest = float(m.vocab_size) * m.hidden_size * dtype_bytes
