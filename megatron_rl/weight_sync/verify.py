@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.versions import parse_version
 from megatron_rl.weight_sync.report import SyncReport
@@ -199,9 +200,7 @@ def verify_disk_sync(engine, settings: WeightSyncSettings, export_dir: str, vers
 
 
 def verify_export(engine, settings: WeightSyncSettings, export_dir: str, version: str) -> SyncReport:
-    from safetensors import safe_open
-
-    from megatron_rl.convert.geometry import HFGeometry
+    from safetensors import safe_open  # only a disk sync reads safetensors files
 
     with open(os.path.join(export_dir, "config.json")) as fh:
         geometry = HFGeometry.from_hf_config(json.load(fh))

@@ -1,6 +1,6 @@
 """The ``launch/sglang_server.sh`` options a job's SGLang servers need, read from the job's config.
 
-    python -m megatron_rl.rollout.server_flags CONFIG [key.sub=value ...]    # one option per line
+    python -m megatron_rl.cli.server_flags CONFIG [key.sub=value ...]    # one option per line
 
 ``launch/slurm.sbatch`` starts its servers with these (then ``SGLANG_EXTRA_ARGS``):
 
@@ -14,13 +14,15 @@ from __future__ import annotations
 import sys
 from typing import List, Optional, Sequence
 
+from megatron_rl.actor.replay_modes import replay_mode
+from megatron_rl.config import ConfigError
+from megatron_rl.config.load import collect_job_config
+
 __all__ = ["server_options", "main"]
 
 
 def server_options(cfg) -> List[str]:
     """The ``launch/sglang_server.sh`` options the servers of job config ``cfg`` need."""
-    from megatron_rl.actor.replay_modes import replay_mode
-
     options = ["--routed-experts"] if replay_mode(cfg.actor.routing_replay).needs_rollout_routing else []
     return options + (["--delta-loader"] if cfg.rollout.weight_sync_delta else [])
 
@@ -28,9 +30,6 @@ def server_options(cfg) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print ``server_options`` of ``CONFIG [overrides]``; exit 2 naming the problem when the file cannot be read
     (other config problems are ``megatron-rl check``'s to report)."""
-    from megatron_rl.config import ConfigError
-    from megatron_rl.config.load import collect_job_config
-
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
