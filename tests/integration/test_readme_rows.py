@@ -53,7 +53,7 @@ def test_each_cpu_row_runs_as_written(tmp_path, config, command):
     import yaml
     with open(clone / config) as fh:
         cfg = yaml.safe_load(fh)
-    run_dir = clone / cfg["trainer"]["run_dir"]
+    run_dir = (clone / config).parent / cfg["trainer"]["run_dir"]  # a config's paths are relative to the file
     with open(run_dir / "metrics.jsonl") as fh:
         steps = [json.loads(line)["step"] for line in fh if line.strip()]
     assert steps == [1, 2]
