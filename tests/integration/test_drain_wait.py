@@ -66,7 +66,7 @@ def _checkpoint(rank, world, snapshot_s, honour_bound):
     actor = SimpleNamespace(dp_rank=rank, dp_size=world, batcher=SimpleNamespace(balances_dp_tokens=False),
                             routing=None)
     source = rollout_source.build_rollout_source(cfg, None, None, actor, None, 0, {}, rank == 0)
-    job = job_mod.Job(cfg=cfg, actor=None, reference=None, source=source, watchdog=Watchdog(), sinks=None,
+    job = job_mod.Job(cfg=cfg, plan=None, actor=None, reference=None, source=source, watchdog=Watchdog(), sinks=None,
                       stop=SimpleNamespace(signum=None), start_step=0, pad_id=0, rank0=rank == 0)
     t0 = time.monotonic()
     try:

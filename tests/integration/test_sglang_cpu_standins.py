@@ -118,7 +118,7 @@ def test_free_ports_come_from_below_the_ephemeral_range():
     process's ``bind(port 0)`` or ``connect()`` meanwhile (test workers side by side): below the ephemeral range."""
     import socket
 
-    from megatron_rl.rollout.sglang_server import _ephemeral_low, find_free_port
+    from megatron_rl.parallel.ports import _ephemeral_low, find_free_port
 
     for _ in range(20):
         port = find_free_port()
