@@ -1,0 +1,80 @@
+"""The trainer's advantage estimator, built once (``plan/advantage.py``) and called by the step:
+``Estimator.advantages(rewards, group_index, mask, group)`` -> ``[B, T]`` float32.
+
+The rule: the call is verl's trainer's (``ray_trainer.compute_advantage``): ``grpo`` / ``rloo`` run this project's
+group estimators (``advantages.py``: single-sample groups get 0), every other name runs ``advantage_fn(name)`` with
+the keywords verl passes it -- token-level rewards (the scalar reward on each row's last token of ``mask``),
+``response_mask``, ``index``, ``config`` (``AlgoParams``) -- plus ``group`` (the DP group) where its statistics span
+the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_rl.algo.advantages import compute_advantages
+from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
+
+
+@dataclass(frozen=True)
+class AlgoParams:
+    """verl's ``AlgoConfig`` as its estimators read it (``config.gamma``, ``config.get(key, default)``)."""
+
+    gamma: float = 1.0
+    """Discount (``algorithm.gamma``)."""
+    lam: float = 1.0
+    """GAE's lambda (``algorithm.lam``)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO-style std division (``algorithm.norm_adv_by_std_in_grpo``)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``getattr`` with a default, as verl's ``DictConfig.get``."""
+        return getattr(self, key, default)
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: ``rewards[b]`` on row b's last token with ``mask`` 1 (a row without one: nowhere)."""
+    m = mask > 0
+    T = m.shape[-1]
+    pos = torch.where(m, torch.arange(T, device=m.device), -1).amax(dim=-1) if T else torch.full_like(rewards, -1)
+    out = torch.zeros(m.shape, dtype=torch.float32, device=rewards.device)
+    rows = torch.nonzero(pos >= 0).flatten()
+    out[rows, pos[rows]] = rewards[rows].to(torch.float32)
+    return out
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """``algorithm.adv_estimator`` with its parameters (built once by the job plan)."""
+
+    name: str
+    """verl's estimator name."""
+    params: AlgoParams
+    """What verl's estimators read from ``config``."""
+
+    @property
+    def spec(self) -> EstimatorSpec:
+        """What the estimator needs (``registry.ESTIMATOR_SPECS``)."""
+        return estimator_spec(self.name)
+
+    def advantages(self, rewards: torch.Tensor, group_index, mask: torch.Tensor, group: Optional[Any] = None,
+                   **inputs) -> torch.Tensor:
+        """Token-level advantages ``[B, T]`` (float32) from the scalar ``rewards`` ``[B]`` and the loss's ``mask``
+        ``[B, T]`` (after rejection). ``group``: the DP group (whole-batch statistics); ``inputs``: the extra
+        tensors the spec needs (``values``, ...). Collective over ``group`` for ``spec.global_stats``."""
+        if self.name in ("grpo", "rloo"):
+            return compute_advantages(rewards, group_index, mask, estimator=self.name,
+                                      norm_adv_by_std=self.params.norm_adv_by_std_in_grpo)
+        missing = [k for k in self.spec.needs if k not in inputs]
+        if missing:
+            raise ValueError(f"algorithm.adv_estimator={self.name!r} needs {missing} for the step")
+        kw = dict(token_level_rewards=last_token_rewards(rewards, mask), response_mask=mask.to(torch.float32),
+                  index=group_index, config=self.params, **inputs)
+        if self.name == "gae":
+            kw = dict(token_level_rewards=kw["token_level_rewards"], values=inputs["values"],
+                      response_mask=kw["response_mask"], gamma=self.params.gamma, lam=self.params.lam)
+        if self.spec.global_stats:
+            kw["group"] = group
+        adv, _ = self.spec.fn(**kw)
+        return adv.to(torch.float32)

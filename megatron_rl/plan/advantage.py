@@ -1,0 +1,70 @@
+"""The job's advantage estimator, built once from ``algorithm:`` (``build_estimator``) and called by the step.
+
+Rule: an estimator the trainer cannot feed is refused here, naming the key -- ``gae`` (needs a critic:
+``critic.enable``), ``remax`` (needs a greedy baseline rollout per prompt, which the rollout engines do not
+generate), ``gdpo`` (needs per-component rewards, ``algorithm.gdpo_reward_keys``, not carried by the step batch),
+``optimal_token_baseline`` / ``tir_optimal_token_baseline`` (need sum pi^2 from the log-prob pass); and so is
+what verl would silently ignore (``norm_adv_by_std_in_grpo: false`` where verl's trainer does not pass it on)."""
+from __future__ import annotations
+
+from typing import List
+
+from megatron_rl.algo.estimator import AlgoParams, Estimator
+from megatron_rl.algo.registry import VERL_ESTIMATORS
+from megatron_rl.plan.checks import Unbuilt
+
+KEY = "algorithm.adv_estimator"
+#: Estimators the trainer runs.
+TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg")
+#: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
+                    "rloo_vectorized", "opo", "gpg")
+#: Estimators whose whitening shifts every row (a group of alike rewards does not get advantage 0).
+WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+_REFUSED = {
+    "gae": "needs a critic (critic.enable: true; the critic section is not built yet)",
+    "remax": "needs a greedy baseline rollout per prompt in the same round, which the rollout engines "
+             "(rollout.engine) do not generate; use rloo or grpo",
+    "gdpo": "needs per-component rewards (algorithm.gdpo_reward_keys), which the step batch does not carry; "
+            "megatron_rl.algo.advantage_fn('gdpo') computes it as a library",
+    "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
+                              "actor.calculate_sum_pi_squared), which the actor does not compute",
+    "tir_optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
+                                  "actor.calculate_sum_pi_squared), which the actor does not compute",
+}
+#: verl's trainer calls these without norm_adv_by_std_in_grpo: they always divide by the std there.
+_STD_ALWAYS = ("grpo_vectorized",)
+
+
+def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: bool) -> List[str]:
+    """Problems of ``algorithm.adv_estimator`` and its parameters (each naming its key)."""
+    name, errs = algorithm.advantage_estimator, []
+    if name not in VERL_ESTIMATORS:
+        return [f"{KEY}: {name!r} is not one of {', '.join(VERL_ESTIMATORS)}"]
+    if name in _REFUSED:
+        errs.append(f"{KEY}: {name!r} {_REFUSED[name]}")
+    if not (0 <= algorithm.gamma <= 1):
+        errs.append(f"algorithm.gamma: must be in [0, 1], got {algorithm.gamma}")
+    if not (0 <= algorithm.lam <= 1):
+        errs.append(f"algorithm.lam: must be in [0, 1], got {algorithm.lam}")
+    if name in _STD_ALWAYS and not algorithm.norm_adv_by_std:
+        errs.append(f"algorithm.norm_adv_by_std_in_grpo: false has no effect on {name!r} in verl (its trainer "
+                    f"does not pass it; the std division always applies); use grpo for Dr.GRPO")
+    if name in GROUP_ESTIMATORS and n_samples_per_prompt < 2:
+        errs.append(f"rollout.n_samples_per_prompt: {name} needs >= 2 samples per prompt, got {n_samples_per_prompt}")
+    if name in WHITENED and filter_groups_train:
+        errs.append(f"algorithm.filter_groups.on_exhausted: 'train' tops a batch up with groups of advantage 0, "
+                    f"but {KEY}={name!r} whitens over the batch (those rows would train); use 'skip' or 'error'")
+    return errs
+
+
+def build_estimator(cfg) -> Estimator:
+    """The job's ``Estimator``; ``Unbuilt`` listing its problems."""
+    a, fg = cfg.algorithm, cfg.algorithm.filter_groups
+    errs = estimator_errors(a, cfg.rollout.n_samples_per_prompt,
+                            fg is not None and fg.enable and fg.on_exhausted == "train")
+    if errs:
+        raise Unbuilt(errs)
+    return Estimator(a.advantage_estimator, AlgoParams(gamma=a.gamma, lam=a.lam,
+                                                       norm_adv_by_std_in_grpo=a.norm_adv_by_std))
