@@ -17,6 +17,32 @@ from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
 
 
+KEY = "algorithm.adv_estimator"
+#: Estimators the trainer runs (``plan/advantage.py`` refuses the rest with ``NOT_IN_TRAINER``'s reason).
+TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg")
+#: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
+                    "rloo_vectorized", "opo", "gpg")
+#: Estimators whose whitening shifts every row (a group of alike rewards does not get advantage 0).
+WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+#: verl's estimators the trainer cannot feed yet, with the reason (``plan/advantage.py``, ``migrate verl``).
+NOT_IN_TRAINER = {
+    "gae": "needs a critic (critic.enable: true; the critic section is not built yet)",
+    "remax": "needs a greedy baseline rollout per prompt in the same round, which the rollout engines "
+             "(rollout.engine) do not generate; use rloo or grpo",
+    "gdpo": "needs per-component rewards (algorithm.gdpo_reward_keys), which the step batch does not carry; "
+            "megatron_rl.algo.advantage_fn('gdpo') computes it as a library",
+    "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
+                              "actor.calculate_sum_pi_squared), which the actor does not compute",
+    "tir_optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
+                                  "actor.calculate_sum_pi_squared), which the actor does not compute",
+}
+
+#: verl's trainer calls these without norm_adv_by_std_in_grpo: they always divide by the std there.
+STD_ALWAYS = ("grpo_vectorized",)
+
+
 @dataclass(frozen=True)
 class AlgoParams:
     """verl's ``AlgoConfig`` as its estimators read it (``config.gamma``, ``config.get(key, default)``)."""

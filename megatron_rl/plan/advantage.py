@@ -9,46 +9,23 @@ from __future__ import annotations
 
 from typing import List
 
-from megatron_rl.algo.estimator import AlgoParams, Estimator
+from megatron_rl.algo.estimator import (GROUP_ESTIMATORS, KEY, NOT_IN_TRAINER, STD_ALWAYS, WHITENED,
+                                        AlgoParams, Estimator)
 from megatron_rl.algo.registry import VERL_ESTIMATORS
 from megatron_rl.plan.checks import Unbuilt
-
-KEY = "algorithm.adv_estimator"
-#: Estimators the trainer runs.
-TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
-                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg")
-#: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
-GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
-                    "rloo_vectorized", "opo", "gpg")
-#: Estimators whose whitening shifts every row (a group of alike rewards does not get advantage 0).
-WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-_REFUSED = {
-    "gae": "needs a critic (critic.enable: true; the critic section is not built yet)",
-    "remax": "needs a greedy baseline rollout per prompt in the same round, which the rollout engines "
-             "(rollout.engine) do not generate; use rloo or grpo",
-    "gdpo": "needs per-component rewards (algorithm.gdpo_reward_keys), which the step batch does not carry; "
-            "megatron_rl.algo.advantage_fn('gdpo') computes it as a library",
-    "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
-                              "actor.calculate_sum_pi_squared), which the actor does not compute",
-    "tir_optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
-                                  "actor.calculate_sum_pi_squared), which the actor does not compute",
-}
-#: verl's trainer calls these without norm_adv_by_std_in_grpo: they always divide by the std there.
-_STD_ALWAYS = ("grpo_vectorized",)
-
 
 def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: bool) -> List[str]:
     """Problems of ``algorithm.adv_estimator`` and its parameters (each naming its key)."""
     name, errs = algorithm.advantage_estimator, []
     if name not in VERL_ESTIMATORS:
         return [f"{KEY}: {name!r} is not one of {', '.join(VERL_ESTIMATORS)}"]
-    if name in _REFUSED:
-        errs.append(f"{KEY}: {name!r} {_REFUSED[name]}")
+    if name in NOT_IN_TRAINER:
+        errs.append(f"{KEY}: {name!r} {NOT_IN_TRAINER[name]}")
     if not (0 <= algorithm.gamma <= 1):
         errs.append(f"algorithm.gamma: must be in [0, 1], got {algorithm.gamma}")
     if not (0 <= algorithm.lam <= 1):
         errs.append(f"algorithm.lam: must be in [0, 1], got {algorithm.lam}")
-    if name in _STD_ALWAYS and not algorithm.norm_adv_by_std:
+    if name in STD_ALWAYS and not algorithm.norm_adv_by_std:
         errs.append(f"algorithm.norm_adv_by_std_in_grpo: false has no effect on {name!r} in verl (its trainer "
                     f"does not pass it; the std division always applies); use grpo for Dr.GRPO")
     if name in GROUP_ESTIMATORS and n_samples_per_prompt < 2:
