@@ -63,7 +63,8 @@ def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     """``[B, T]``: ``rewards[b]`` on row b's last token with ``mask`` 1 (a row without one: nowhere)."""
     m = mask > 0
     T = m.shape[-1]
-    pos = torch.where(m, torch.arange(T, device=m.device), -1).amax(dim=-1) if T else torch.full_like(rewards, -1)
+    pos = (torch.where(m, torch.arange(T, device=m.device), -1).amax(dim=-1) if T
+           else torch.full(rewards.shape, -1, dtype=torch.long, device=m.device))
     out = torch.zeros(m.shape, dtype=torch.float32, device=rewards.device)
     rows = torch.nonzero(pos >= 0).flatten()
     out[rows, pos[rows]] = rewards[rows].to(torch.float32)

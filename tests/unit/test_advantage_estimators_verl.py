@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_rl.algo import VERL_ESTIMATORS, advantage_fn
 from megatron_rl.algo.gae import compute_gae_advantage_return
 from tests.verl_core_algos import AlgoCfg, verl_core_algos
 
@@ -94,7 +95,6 @@ def _compare(got, want):
 @pytest.mark.parametrize("seed,holes", [(0, False), (1, True), (2, False), (3, True)])
 @pytest.mark.parametrize("norm", [True, False])
 def test_outcome_estimators(verl, name, seed, holes, norm):
-    from megatron_rl.algo import advantage_fn
     rewards, _, _, mask, index = _case(seed, holes, name)
     kw = dict(response_mask=mask, index=index, epsilon=1e-6, norm_adv_by_std_in_grpo=norm,
               config=AlgoCfg(gamma=1.0, norm_adv_by_std_in_grpo=norm))
@@ -106,7 +106,6 @@ def test_outcome_estimators(verl, name, seed, holes, norm):
 def test_gdpo_components(verl):
     """GDPO with per-component rewards (``gdpo_reward_keys`` / weights read from the batch, as verl's trainer
     passes them)."""
-    from megatron_rl.algo import advantage_fn
     rewards, _, _, mask, index = _case(5, True, "gdpo")
     B, T = mask.shape
     g = torch.Generator().manual_seed(5)
@@ -124,7 +123,6 @@ def test_gdpo_components(verl):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_reinforce_plus_plus(verl, seed, gamma):
-    from megatron_rl.algo import advantage_fn
     rewards, dense, _, mask = make(seed)
     r = rewards + dense
     kw = dict(response_mask=mask, config=AlgoCfg(gamma=gamma))
@@ -134,7 +132,6 @@ def test_reinforce_plus_plus(verl, seed, gamma):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_remax(verl, seed):
-    from megatron_rl.algo import advantage_fn
     rewards, dense, _, mask = make(seed)
     base = torch.randint(0, 3, (rewards.shape[0],), generator=torch.Generator().manual_seed(seed)).float()
     kw = dict(response_mask=mask, reward_baselines=base, config=AlgoCfg(gamma=1.0))
@@ -146,7 +143,6 @@ def test_remax(verl, seed):
 @pytest.mark.parametrize("seed,holes", [(0, False), (1, True), (2, True)])
 @pytest.mark.parametrize("is_w,zero_tail", [(False, True), (True, True), (True, False)])
 def test_optimal_token_baseline(verl, name, seed, holes, is_w, zero_tail):
-    from megatron_rl.algo import advantage_fn
     rewards, dense, _, mask, index = _case(seed, holes, name)
     B, T = mask.shape
     g = torch.Generator().manual_seed(100 + seed)
@@ -160,5 +156,4 @@ def test_optimal_token_baseline(verl, name, seed, holes, is_w, zero_tail):
 
 
 def test_every_verl_name_is_served(verl):
-    from megatron_rl.algo import VERL_ESTIMATORS
     assert sorted(VERL_ESTIMATORS) == sorted(verl.ADV_ESTIMATOR_REGISTRY)
