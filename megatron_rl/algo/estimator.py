@@ -5,7 +5,8 @@ The rule: the call is verl's trainer's (``ray_trainer.compute_advantage``): ``gr
 group estimators (``advantages.py``: single-sample groups get 0), every other name runs ``advantage_fn(name)`` with
 the keywords verl passes it -- token-level rewards (the scalar reward on each row's last token of ``mask``),
 ``response_mask``, ``index``, ``config`` (``AlgoParams``) -- plus ``group`` (the DP group) where its statistics span
-the batch."""
+the batch; the result is multiplied by ``mask`` (verl leaves GAE's and ReMax's off-mask entries, which no loss
+reads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
 KEY = "algorithm.adv_estimator"
 #: Estimators the trainer runs (``plan/advantage.py`` refuses the rest with ``NOT_IN_TRAINER``'s reason).
 TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
-                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg")
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax")
 #: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
                     "rloo_vectorized", "opo", "gpg")
@@ -29,8 +30,6 @@ WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 #: verl's estimators the trainer cannot feed yet, with the reason (``plan/advantage.py``, ``migrate verl``).
 NOT_IN_TRAINER = {
     "gae": "needs a critic (critic.enable: true; the critic section is not built yet)",
-    "remax": "needs a greedy baseline rollout per prompt in the same round, which the rollout engines "
-             "(rollout.engine) do not generate; use rloo or grpo",
     "gdpo": "needs per-component rewards (algorithm.gdpo_reward_keys), which the step batch does not carry; "
             "megatron_rl.algo.advantage_fn('gdpo') computes it as a library",
     "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
@@ -104,4 +103,4 @@ class Estimator:
         if self.spec.global_stats:
             kw["group"] = group
         adv, _ = self.spec.fn(**kw)
-        return adv.to(torch.float32)
+        return adv.to(torch.float32) * kw["response_mask"]   # 0 off the loss's tokens (verl's gae / remax are not)

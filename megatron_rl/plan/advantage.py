@@ -1,8 +1,8 @@
 """The job's advantage estimator, built once from ``algorithm:`` (``build_estimator``) and called by the step.
 
 Rule: an estimator the trainer cannot feed is refused here, naming the key -- ``gae`` (needs a critic:
-``critic.enable``), ``remax`` (needs a greedy baseline rollout per prompt, which the rollout engines do not
-generate), ``gdpo`` (needs per-component rewards, ``algorithm.gdpo_reward_keys``, not carried by the step batch),
+``critic.enable``), ``remax`` with multi-turn rollouts (its greedy baseline response is generated single-turn
+only), ``gdpo`` (needs per-component rewards, ``algorithm.gdpo_reward_keys``, not carried by the step batch),
 ``optimal_token_baseline`` / ``tir_optimal_token_baseline`` (need sum pi^2 from the log-prob pass); and so is
 what verl would silently ignore (``norm_adv_by_std_in_grpo: false`` where verl's trainer does not pass it on)."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ from megatron_rl.algo.estimator import (GROUP_ESTIMATORS, KEY, NOT_IN_TRAINER, S
 from megatron_rl.algo.registry import VERL_ESTIMATORS
 from megatron_rl.plan.checks import Unbuilt
 
-def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: bool) -> List[str]:
+def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: bool,
+                     multi_turn: bool = False) -> List[str]:
     """Problems of ``algorithm.adv_estimator`` and its parameters (each naming its key)."""
     name, errs = algorithm.advantage_estimator, []
     if name not in VERL_ESTIMATORS:
@@ -30,6 +31,9 @@ def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: 
                     f"does not pass it; the std division always applies); use grpo for Dr.GRPO")
     if name in GROUP_ESTIMATORS and n_samples_per_prompt < 2:
         errs.append(f"rollout.n_samples_per_prompt: {name} needs >= 2 samples per prompt, got {n_samples_per_prompt}")
+    if name == "remax" and multi_turn:
+        errs.append(f"{KEY}: 'remax' with multi_turn.env: the greedy baseline response is generated for "
+                    f"single-turn rollouts only")
     if name in WHITENED and filter_groups_train:
         errs.append(f"algorithm.filter_groups.on_exhausted: 'train' tops a batch up with groups of advantage 0, "
                     f"but {KEY}={name!r} whitens over the batch (those rows would train); use 'skip' or 'error'")
@@ -40,7 +44,8 @@ def build_estimator(cfg) -> Estimator:
     """The job's ``Estimator``; ``Unbuilt`` listing its problems."""
     a, fg = cfg.algorithm, cfg.algorithm.filter_groups
     errs = estimator_errors(a, cfg.rollout.n_samples_per_prompt,
-                            fg is not None and fg.enable and fg.on_exhausted == "train")
+                            fg is not None and fg.enable and fg.on_exhausted == "train",
+                            cfg.multi_turn.env is not None)
     if errs:
         raise Unbuilt(errs)
     return Estimator(a.advantage_estimator, AlgoParams(gamma=a.gamma, lam=a.lam,

@@ -52,7 +52,8 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
     # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over the DP group
-    adv = job.plan.estimator.advantages(shard.rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group)
+    adv = job.plan.estimator.advantages(shard.rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
+                                        **shard.estimator_inputs)
     with wd.phase("train", step + 1):  # the correction decided which old log-probs and weights the loss uses
         old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)
         actor_metrics = actor.train_step(rows, old, adv, corr.loss_mask, w, T,

@@ -41,3 +41,18 @@ def test_quickstart_learns_with_reinforce_plus_plus(tmp_path, task_model):
     print(summary)
     assert out["steps"] == STEPS, summary
     assert out["last_quarter"] - out["first_quarter"] >= MIN_RISE, summary
+
+
+def test_quickstart_runs_remax_end_to_end(tmp_path, task_model):
+    """ReMax through the whole job on 2 ranks (DP2): the greedy baseline is generated each step and logged, every
+    metric finite."""
+    model = task_model(task="copy", seed=0, hidden_size=128, num_layers=2)
+    run = launch_config(tmp_path, "tiny_cpu.yaml", model, 3, 2, "algorithm.adv_estimator=remax",
+                        "algorithm.advantage_estimator=remax", *SMALLER_STEP,
+                        "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1")
+    records = results_tool().read_metrics(str(run / "metrics.jsonl"))
+    steps = [r for r in records if "reward/greedy_baseline_mean" in r]
+    assert len(steps) == 3, records[-1]
+    for rec in records:
+        bad = {k: v for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, (rec.get("step"), bad)

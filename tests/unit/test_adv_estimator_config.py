@@ -39,7 +39,8 @@ def test_verl_spellings_and_gamma_lam():
     (["algorithm.norm_adv_by_std_in_grpo=false", "algorithm.norm_adv_by_std=true"],
      r"algorithm\.norm_adv_by_std_in_grpo: False conflicts with algorithm\.norm_adv_by_std: True"),
     (["algorithm.adv_estimator=gae"], r"algorithm\.adv_estimator: 'gae' needs a critic \(critic\.enable"),
-    (["algorithm.adv_estimator=remax"], r"algorithm\.adv_estimator: 'remax' needs a greedy baseline rollout"),
+    (["algorithm.adv_estimator=remax", "multi_turn.env=megatron_rl.envs.tool_env:ToolEnvironment"],
+     r"algorithm\.adv_estimator: 'remax' with multi_turn\.env"),
     (["algorithm.adv_estimator=gdpo"], r"algorithm\.adv_estimator: 'gdpo' needs per-component rewards"),
     (["algorithm.adv_estimator=optimal_token_baseline"], r"'optimal_token_baseline' needs sum pi\^2"),
     (["algorithm.adv_estimator=ppo"], r"algorithm\.adv_estimator: 'ppo' is not one of gae, grpo"),
@@ -76,7 +77,8 @@ def test_migrate_maps_estimators_and_parameters():
     assert (a["advantage_estimator"], a["gamma"], a["lam"], a["norm_adv_by_std"]) == \
         ("reinforce_plus_plus", 0.95, 0.9, False)
     assert _entry(m, "algorithm.adv_estimator").kind == MAPPED
-    for name in ("gae", "remax", "gdpo", "tir_optimal_token_baseline"):
+    assert _entry(migrate_verl(_verl_job({"adv_estimator": "remax"})), "algorithm.adv_estimator").kind == MAPPED
+    for name in ("gae", "gdpo", "tir_optimal_token_baseline"):
         e = _entry(migrate_verl(_verl_job({"adv_estimator": name})), "algorithm.adv_estimator")
         assert e.kind == UNSUPPORTED and name in e.detail
     e = _entry(migrate_verl(_verl_job({"adv_estimator": "grpo_vectorized", "norm_adv_by_std_in_grpo": False})),
