@@ -10,7 +10,7 @@ reads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -21,17 +21,15 @@ from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
 KEY = "algorithm.adv_estimator"
 #: Estimators the trainer runs (``plan/advantage.py`` refuses the rest with ``NOT_IN_TRAINER``'s reason).
 TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
-                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax")
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo")
 #: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
-                    "rloo_vectorized", "opo", "gpg")
+                    "rloo_vectorized", "opo", "gpg", "gdpo")
 #: Estimators whose whitening shifts every row (a group of alike rewards does not get advantage 0).
-WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo")
 #: verl's estimators the trainer cannot feed yet, with the reason (``plan/advantage.py``, ``migrate verl``).
 NOT_IN_TRAINER = {
     "gae": "needs a critic (critic.enable: true; the critic section is not built yet)",
-    "gdpo": "needs per-component rewards (algorithm.gdpo_reward_keys), which the step batch does not carry; "
-            "megatron_rl.algo.advantage_fn('gdpo') computes it as a library",
     "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
                               "actor.calculate_sum_pi_squared), which the actor does not compute",
     "tir_optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
@@ -39,7 +37,7 @@ NOT_IN_TRAINER = {
 }
 
 #: verl's trainer calls these without norm_adv_by_std_in_grpo: they always divide by the std there.
-STD_ALWAYS = ("grpo_vectorized",)
+STD_ALWAYS = ("grpo_vectorized", "gdpo")
 
 
 @dataclass(frozen=True)
@@ -52,6 +50,10 @@ class AlgoParams:
     """GAE's lambda (``algorithm.lam``)."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO-style std division (``algorithm.norm_adv_by_std_in_grpo``)."""
+    gdpo_reward_keys: Optional[Tuple[str, ...]] = None
+    """GDPO's reward components (``algorithm.gdpo_reward_keys``)."""
+    gdpo_reward_weights: Optional[Tuple[float, ...]] = None
+    """GDPO's component weights (``algorithm.gdpo_reward_weights``; None: 1 each)."""
 
     def get(self, key: str, default: Any = None) -> Any:
         """``getattr`` with a default, as verl's ``DictConfig.get``."""
@@ -80,6 +82,11 @@ class Estimator:
     """What verl's estimators read from ``config``."""
 
     @property
+    def reward_keys(self) -> Tuple[str, ...]:
+        """The reward components each row must carry (GDPO's ``gdpo_reward_keys``; empty otherwise)."""
+        return tuple(self.params.gdpo_reward_keys or ()) if self.name == "gdpo" else ()
+
+    @property
     def spec(self) -> EstimatorSpec:
         """What the estimator needs (``registry.ESTIMATOR_SPECS``)."""
         return estimator_spec(self.name)
@@ -92,11 +99,15 @@ class Estimator:
         if self.name in ("grpo", "rloo"):
             return compute_advantages(rewards, group_index, mask, estimator=self.name,
                                       norm_adv_by_std=self.params.norm_adv_by_std_in_grpo)
-        missing = [k for k in self.spec.needs if k not in inputs]
+        needs = self.spec.needs + (("reward_components",) if self.name == "gdpo" else ())
+        missing = [k for k in needs if k not in inputs]
         if missing:
             raise ValueError(f"algorithm.adv_estimator={self.name!r} needs {missing} for the step")
         kw = dict(token_level_rewards=last_token_rewards(rewards, mask), response_mask=mask.to(torch.float32),
                   index=group_index, config=self.params, **inputs)
+        if self.name == "gdpo":   # verl passes the components in non_tensor_batch (``batch``: positions only)
+            comps = kw.pop("reward_components")
+            kw.update(non_tensor_batch={k: comps[:, i] for i, k in enumerate(self.reward_keys)}, batch={})
         if self.name == "gae":
             kw = dict(token_level_rewards=kw["token_level_rewards"], values=inputs["values"],
                       response_mask=kw["response_mask"], gamma=self.params.gamma, lam=self.params.lam)

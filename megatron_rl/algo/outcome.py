@@ -7,6 +7,7 @@ verl's quirks kept: a single-sample group gets mean 0 / std 1 (GRPO, GPG), no ba
 advantage 0 (``rloo_vectorized``)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from megatron_rl.algo.groups import dense_group_ids, group_sum
@@ -69,8 +70,9 @@ def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, ep
         if missing:
             raise ValueError(f"gdpo: reward component(s) {missing} (algorithm.gdpo_reward_keys) are not in the batch; "
                              f"it has {sorted(non_tensor_batch)}")
-        comps = [torch.as_tensor(list(non_tensor_batch[k]), dtype=torch.float32, device=token_level_rewards.device)
-                 for k in keys]
+        comps = [torch.as_tensor(np.asarray(non_tensor_batch[k], dtype=np.float32)
+                                 if not isinstance(non_tensor_batch[k], torch.Tensor) else non_tensor_batch[k],
+                                 dtype=torch.float32, device=token_level_rewards.device) for k in keys]
         if config.get("gdpo_reward_weights", None) is not None:
             weights = [float(w) for w in config.get("gdpo_reward_weights")]
             if len(weights) != len(comps):

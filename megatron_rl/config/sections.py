@@ -398,6 +398,11 @@ class AlgorithmConfig:
     """Discount of the token-level return (verl's ``algorithm.gamma``): REINFORCE++ and GAE read it."""
     lam: float = 1.0
     """GAE's lambda (verl's ``algorithm.lam``)."""
+    gdpo_reward_keys: Optional[List[str]] = None
+    """GDPO: the reward components (keys of the reward function's returned dict) normalised one by one (verl's
+    ``algorithm.gdpo_reward_keys``; required with ``adv_estimator: gdpo``)."""
+    gdpo_reward_weights: Optional[List[float]] = None
+    """GDPO: a weight per ``gdpo_reward_keys`` entry (null: 1 each; verl's ``algorithm.gdpo_reward_weights``)."""
 
 
 @dataclass

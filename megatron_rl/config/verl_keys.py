@@ -1246,6 +1246,8 @@ def _rules() -> List[Rule]:
         _m("algorithm.norm_adv_by_std_in_grpo", convert=_norm_adv, target="algorithm.norm_adv_by_std"),
         _m("algorithm.gamma", "algorithm.gamma"),
         _m("algorithm.lam", "algorithm.lam"),
+        _m("algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_keys"),
+        _m("algorithm.gdpo_reward_weights", "algorithm.gdpo_reward_weights"),
         _u("algorithm.use_kl_in_reward", "no KL penalty in the reward; use the KL loss "
            "(actor.policy_loss.kl_loss_coef)", neutral=(False,)),
         _u("algorithm.kl_penalty", "no KL penalty in the reward (the KL loss's estimator is "

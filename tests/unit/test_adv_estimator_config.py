@@ -41,7 +41,13 @@ def test_verl_spellings_and_gamma_lam():
     (["algorithm.adv_estimator=gae"], r"algorithm\.adv_estimator: 'gae' needs a critic \(critic\.enable"),
     (["algorithm.adv_estimator=remax", "multi_turn.env=megatron_rl.envs.tool_env:ToolEnvironment"],
      r"algorithm\.adv_estimator: 'remax' with multi_turn\.env"),
-    (["algorithm.adv_estimator=gdpo"], r"algorithm\.adv_estimator: 'gdpo' needs per-component rewards"),
+    (["algorithm.adv_estimator=gdpo"], r"algorithm\.gdpo_reward_keys: required with adv_estimator gdpo"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a, b]", "algorithm.gdpo_reward_weights=[1.0]"],
+     r"algorithm\.gdpo_reward_weights: 1 weights for 2 gdpo_reward_keys"),
+    (["algorithm.gdpo_reward_keys=[a]"], r"algorithm\.gdpo_reward_keys / gdpo_reward_weights: read by adv_estimator "
+                                         r"gdpo only, not 'grpo'"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a]", "algorithm.norm_adv_by_std_in_grpo=false"],
+     r"false has no effect on 'gdpo'"),
     (["algorithm.adv_estimator=optimal_token_baseline"], r"'optimal_token_baseline' needs sum pi\^2"),
     (["algorithm.adv_estimator=ppo"], r"algorithm\.adv_estimator: 'ppo' is not one of gae, grpo"),
     (["algorithm.adv_estimator=grpo_vectorized", "algorithm.norm_adv_by_std_in_grpo=false"],
@@ -78,7 +84,13 @@ def test_migrate_maps_estimators_and_parameters():
         ("reinforce_plus_plus", 0.95, 0.9, False)
     assert _entry(m, "algorithm.adv_estimator").kind == MAPPED
     assert _entry(migrate_verl(_verl_job({"adv_estimator": "remax"})), "algorithm.adv_estimator").kind == MAPPED
-    for name in ("gae", "gdpo", "tir_optimal_token_baseline"):
+    g = migrate_verl(_verl_job({"adv_estimator": "gdpo", "gdpo_reward_keys": ["fmt", "acc"],
+                                "gdpo_reward_weights": [0.5, 1.0]}))
+    assert g.tree["algorithm"]["gdpo_reward_keys"] == ["fmt", "acc"]
+    assert g.tree["algorithm"]["gdpo_reward_weights"] == [0.5, 1.0]
+    cfg = _cfg(*[f"algorithm.{k}={v}" for k, v in g.tree["algorithm"].items() if k != "rollout_correction"])
+    assert cfg.algorithm.advantage_estimator == "gdpo"
+    for name in ("gae", "optimal_token_baseline", "tir_optimal_token_baseline"):
         e = _entry(migrate_verl(_verl_job({"adv_estimator": name})), "algorithm.adv_estimator")
         assert e.kind == UNSUPPORTED and name in e.detail
     e = _entry(migrate_verl(_verl_job({"adv_estimator": "grpo_vectorized", "norm_adv_by_std_in_grpo": False})),
