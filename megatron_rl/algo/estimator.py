@@ -102,7 +102,8 @@ class Estimator:
         needs = self.spec.needs + (("reward_components",) if self.name == "gdpo" else ())
         missing = [k for k in needs if k not in inputs]
         if missing:
-            raise ValueError(f"algorithm.adv_estimator={self.name!r} needs {missing} for the step")
+            raise ValueError(f"algorithm.adv_estimator={self.name!r} needs {missing} with the step's rows, which "
+                             f"carry none (rows generated for another estimator?)")
         kw = dict(token_level_rewards=last_token_rewards(rewards, mask), response_mask=mask.to(torch.float32),
                   index=group_index, config=self.params, **inputs)
         if self.name == "gdpo":   # verl passes the components in non_tensor_batch (``batch``: positions only)
