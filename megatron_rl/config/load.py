@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from megatron_rl.config.algorithm_spellings import merge_verl_spellings
 from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
@@ -327,6 +328,7 @@ def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
         if k not in SECTIONS:
             errors.append(_unknown_section(str(k)))
     tree = _move_loss_mode(tree, errors)
+    tree = merge_verl_spellings(tree, errors)
     built = {s: _section(s, tree.get(s), errors) for s in _BUILT}
     model = None
     if tree.get("model") and built["actor"].load_hf and _partial_model(tree["model"]):

@@ -384,14 +384,25 @@ class AlgorithmConfig:
     """Advantage estimation and the rollout correction."""
 
     advantage_estimator: str = "grpo"
-    """"grpo": (r - group mean) [/ group std]; "rloo": r - mean of the other samples of the group."""
+    """verl's ``algorithm.adv_estimator`` (either spelling; both given differently is an error): "grpo", "rloo"
+    and verl 0.9.1's other estimators (docs/advantages.md lists which the trainer runs)."""
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group's standard deviation (+1e-6)."""
+    """GRPO: divide by the group's standard deviation (+1e-6); verl's ``norm_adv_by_std_in_grpo`` (either
+    spelling)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig.decoupled_token_is)
     """verl's ``algorithm.rollout_correction`` block (or ``{preset: name, ...}``); see README."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): groups whose samples all scored alike are
     dropped and more prompts generated until the batch is full."""
+    gamma: float = 1.0
+    """Discount of the token-level return (verl's ``algorithm.gamma``): REINFORCE++ and GAE read it."""
+    lam: float = 1.0
+    """GAE's lambda (verl's ``algorithm.lam``)."""
+    gdpo_reward_keys: Optional[List[str]] = None
+    """GDPO: the reward components (keys of the reward function's returned dict) normalised one by one (verl's
+    ``algorithm.gdpo_reward_keys``; required with ``adv_estimator: gdpo``)."""
+    gdpo_reward_weights: Optional[List[float]] = None
+    """GDPO: a weight per ``gdpo_reward_keys`` entry (null: 1 each; verl's ``algorithm.gdpo_reward_weights``)."""
 
 
 @dataclass

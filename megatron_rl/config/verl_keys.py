@@ -32,6 +32,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
+from megatron_rl.algo.estimator import NOT_IN_TRAINER, STD_ALWAYS, TRAINER_ESTIMATORS
 from megatron_rl.config.interpolation import lookup
 from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
 from megatron_rl.config.verl_tools import read_verl_tools
@@ -354,10 +355,19 @@ def _correction_loss_type(value: Any, v: Verl) -> Dict[str, Any]:
 
 
 def _adv_estimator(value: Any, v: Verl) -> Dict[str, Any]:
-    if value not in ("grpo", "rloo"):
-        raise Skip(UNSUPPORTED, f"advantage estimator {value!r}: algorithm.advantage_estimator is grpo or rloo "
-                                f"(no critic, so no gae)")
+    if value in NOT_IN_TRAINER:
+        raise Skip(UNSUPPORTED, f"advantage estimator {value!r} {NOT_IN_TRAINER[value]}")
+    if value not in TRAINER_ESTIMATORS:
+        raise Skip(UNSUPPORTED, f"advantage estimator {value!r}: algorithm.adv_estimator is one of "
+                                f"{', '.join(TRAINER_ESTIMATORS)}")
     return {"algorithm.advantage_estimator": value}
+
+
+def _norm_adv(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value and v.get("algorithm.adv_estimator") in STD_ALWAYS:
+        raise Skip(NO_MEANING, f"false: verl's trainer does not pass it to {v.get('algorithm.adv_estimator')!r}, "
+                               f"which always divides by the std")
+    return {"algorithm.norm_adv_by_std": value}
 
 
 def _engine(value: Any, v: Verl) -> Dict[str, Any]:
@@ -863,7 +873,7 @@ _SGLANG = "give it where the servers start: launch/sglang_server.sh -- <sglang f
           "launch/slurm.sbatch"
 _TRAINER_ONLY = "the actor's own layout is parallel.*"
 _PROFILER = "verl's profiler; profile with your own tools (nsys, torch.profiler) around launch/torchrun.sh"
-_NO_CRITIC = "verl's critic: the advantage estimators here (grpo, rloo) need no critic"
+_NO_CRITIC = "verl's critic: the trainer's advantage estimators here need no critic (gae is refused)"
 _LOGPROB_MB = "one micro-batch setting serves the log-prob and the train pass here (actor.micro_batch_size / " \
               "actor.max_tokens_per_micro_batch)"
 _REF_NOTE = "the reference model (KL loss) runs with the actor's layout and micro-batches here"
@@ -1233,9 +1243,11 @@ def _rules() -> List[Rule]:
            convert=_correction_loss_type),
         _m("algorithm.rollout_correction.*", hint=False),  # verl's keys, pasted as they are
         _m("algorithm.adv_estimator", convert=_adv_estimator, target="algorithm.advantage_estimator"),
-        _m("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
-        _n("algorithm.gamma", "GAE's discount; grpo / rloo do not use it", neutral=(1, 1.0)),
-        _n("algorithm.lam", "GAE's lambda; grpo / rloo do not use it", neutral=(1, 1.0)),
+        _m("algorithm.norm_adv_by_std_in_grpo", convert=_norm_adv, target="algorithm.norm_adv_by_std"),
+        _m("algorithm.gamma", "algorithm.gamma"),
+        _m("algorithm.lam", "algorithm.lam"),
+        _m("algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_keys"),
+        _m("algorithm.gdpo_reward_weights", "algorithm.gdpo_reward_weights"),
         _u("algorithm.use_kl_in_reward", "no KL penalty in the reward; use the KL loss "
            "(actor.policy_loss.kl_loss_coef)", neutral=(False,)),
         _u("algorithm.kl_penalty", "no KL penalty in the reward (the KL loss's estimator is "

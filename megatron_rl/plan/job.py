@@ -28,6 +28,8 @@ from megatron_rl.losses.registry import mode_parameter_errors, objective_summary
 from megatron_rl.models.attention import AttentionBackend, attention_backend, attention_errors, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.algo.estimator import Estimator
+from megatron_rl.plan.advantage import build_estimator
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
@@ -107,6 +109,8 @@ class JobPlan:
     """The core-attention backend the job gets (None: ``cluster.device`` unknown)."""
     cfg: "JobConfig" = dataclasses.field(repr=False, compare=False, default=None)
     """The config the plan was built from (its sections travel into the specs)."""
+    estimator: Optional[Estimator] = None
+    """The advantage estimator (``algorithm.adv_estimator`` and its parameters; ``plan/advantage.py``)."""
 
     @property
     def actor(self) -> ActorSpec:
@@ -169,6 +173,7 @@ class JobPlan:
         engine = engine_class(r.engine) if r.engine in ENGINE_KINDS else None
         p.add(data_errors(d, a.advantage_estimator))
         dynamic = p.build(_dynamic_sampling, cfg)
+        estimator = p.build(build_estimator, cfg)
         budget = p.build(_budget, r, cfg.multi_turn)
         objective = p.build(_objective, a.rollout_correction, ac.policy_loss, budget)
         lr_schedule = p.build(_lr_schedule, ac, t.steps)
@@ -198,7 +203,7 @@ class JobPlan:
         return cls(world_size=world_size, dims=dims, engine=engine, weight_sync=ws, budget=budget,
                    dynamic_sampling=dynamic, precision=precision, batcher=batcher, replay=replay,
                    objective=objective, lr_schedule=lr_schedule, recompute=recompute, attention=attention,
-                   cfg=cfg), []
+                   cfg=cfg, estimator=estimator), []
 
 
 def _dynamic_sampling(cfg) -> Optional[object]:

@@ -32,7 +32,8 @@ COUNT_METRICS = ("reward/failed", "reward/timed_out", "response/truncated_count"
 
 #: Per-row fields of a ``StepBatch`` (lists with one entry per row, or empty / None when the batch has none).
 ROW_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "rewards", "routing", "truncated",
-              "token_versions", "loss_masks", "scores", "reward_extras")
+              "token_versions", "loss_masks", "scores", "reward_extras", "reward_baselines",
+              "reward_components")
 #: ``algorithm.filter_groups.metric`` values that are not reward keys (``metric_values``).
 BATCH_METRICS = ("seq_reward", "seq_final_reward", "score")
 #: The reward key a float reward has too: its score, as verl's DAPO reward manager records it

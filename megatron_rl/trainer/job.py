@@ -276,7 +276,9 @@ def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
     except BaseException:
         Validation(cfg, val_groups, None).close()
         raise
-    return build_step_generator(cfg, task, draw, plan.replay), draw, tokenizer, engine, server, val_groups
+    greedy = "reward_baselines" in plan.estimator.spec.needs   # ReMax: a greedy response per prompt
+    return (build_step_generator(cfg, task, draw, plan.replay, greedy, plan.estimator.reward_keys), draw, tokenizer,
+            engine, server, val_groups)
 
 
 def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:

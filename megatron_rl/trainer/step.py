@@ -1,4 +1,4 @@
-"""One RL step (GRPO / RLOO with rollout correction), the same for every mode: ``train_step(job, step)``.
+"""One RL step (the plan's advantage estimator, rollout correction), the same for every mode: ``train_step(job, step)``.
 
 Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
@@ -6,7 +6,7 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
     old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward, fp32 log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
-    adv       = group advantages with the loss's mask (corr.loss_mask)
+    adv       = job.plan.estimator.advantages(...)                # with the loss's mask (corr.loss_mask)
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
@@ -22,7 +22,6 @@ from typing import Dict, Optional, Tuple
 
 from megatron_rl.actor.schedule import actor_device
 from megatron_rl.config.timeouts import rollout_phase_key, rollout_phase_timeout_s
-from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.rollout.versions import version_tag
@@ -52,8 +51,9 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
                                           cfg.algorithm.rollout_correction, group=actor.dp_group)
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
-    adv = compute_advantages(shard.rewards, shard.group_index, corr.loss_mask.float(),
-                             estimator=cfg.algorithm.advantage_estimator, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
+    # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over the DP group
+    adv = job.plan.estimator.advantages(shard.rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
+                                        **shard.estimator_inputs)
     with wd.phase("train", step + 1):  # the correction decided which old log-probs and weights the loss uses
         old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)
         actor_metrics = actor.train_step(rows, old, adv, corr.loss_mask, w, T,
