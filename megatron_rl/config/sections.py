@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.config.paths import HUB, IMPORT, path_field
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
@@ -392,6 +393,15 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): groups whose samples all scored alike are
     dropped and more prompts generated until the batch is full."""
+    use_kl_in_reward: bool = False
+    """verl's KL penalty in the reward: each token's reward is score - beta x kld(old || reference), beta from
+    ``kl_ctrl`` (megatron_rl/algo/kl_reward.py, docs/kl_reward.md); builds the frozen reference model."""
+    kl_penalty: str = "kl"
+    """The per-token estimator of the KL in the reward, verl's names: "kl" (k1), "abs", "mse" (k2), "low_var_kl"
+    (k3), also "k1" / "k2" / "k3" and the "+" forms (same values); verl's "full" is refused (verl raises
+    NotImplementedError for it)."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """verl's ``algorithm.kl_ctrl``: ``type`` fixed | adaptive, ``kl_coef``, ``target_kl``, ``horizon``."""
 
 
 @dataclass
