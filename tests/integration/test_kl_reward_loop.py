@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import named_job
@@ -28,6 +29,30 @@ def _train(rank, world, cfg):
     return None
 
 
+def _train_recording(rank, world, cfg):
+    """The loop, recording per step what the KL in the reward received and what the advantages received."""
+    from megatron_rl.algo.kl_reward import KLInReward
+    from megatron_rl.trainer import step as step_mod
+    from megatron_rl.trainer.loop import train
+
+    seen, adv_rewards = [], []
+    inner_seq, inner_adv = KLInReward.sequence_rewards, step_mod.compute_advantages
+
+    def sequence_rewards(self, rewards, old, ref, mask, group=None):
+        beta = self.controller.value
+        out, m = inner_seq(self, rewards, old, ref, mask, group)
+        seen.append(dict(rewards=rewards.clone(), old=old.clone(), ref=ref.clone(), mask=mask.clone(), beta=beta))
+        return out, m
+
+    def compute_advantages(rewards, *a, **k):
+        adv_rewards.append(rewards.clone())
+        return inner_adv(rewards, *a, **k)
+
+    KLInReward.sequence_rewards, step_mod.compute_advantages = sequence_rewards, compute_advantages
+    train(cfg)
+    return seen, adv_rewards
+
+
 def _metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
@@ -36,8 +61,15 @@ def _metrics(run_dir):
 def test_adaptive_beta_is_verls_and_resumes(copy_model, tmp_path):
     full = named_job("copy_loop", *KL, "trainer.steps=3", "trainer.dump_rollouts=false", hf=copy_model,
                      run_dir=tmp_path / "full", world_size=1)
-    assert run_ranks(_train, 1, full, timeout=300) == [None]
+    [(seen, adv_rewards)] = run_ranks(_train_recording, 1, full, timeout=300)
     steps = _metrics(full.trainer.run_dir)
+    # the advantages get score - beta x sum_t k3(old, ref) over the response (float64 here)
+    assert len(seen) == len(adv_rewards) == 3
+    for s, r in zip(seen, adv_rewards):
+        x = (s["ref"] - s["old"]).double().clamp(-20, 20)
+        k3 = (x.exp() - x - 1).clamp(-10, 10) * s["mask"].double()
+        torch.testing.assert_close(r.double(), s["rewards"].double() - s["beta"] * k3.sum(-1), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(adv_rewards[2], seen[2]["rewards"])  # the penalty is there
     assert len(steps) == 3
     with verl_core_algos() as ca:
         ctrl = ca.get_kl_controller(type("C", (), dict(type="adaptive", kl_coef=0.05, target_kl=0.0005,
