@@ -317,7 +317,7 @@ class FilterGroupsConfig:
     """Drop the groups whose samples all have the same ``metric`` and generate more prompts to fill the batch."""
     metric: Optional[str] = "seq_reward"
     """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
-    verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
+    verl's "seq_final_reward" is the same here: ``use_kl_in_reward`` is refused with dynamic sampling) or "score" (the
     verifier's reward before the overlong penalty) or a numeric key other than "score" of a reward that returns a
     dict, as verl's do ("acc" of verl's math_dapo scorer and DAPO-style reward files; a float reward's "acc" is
     its score, as verl's DAPO reward manager records it): checked at the first generation round
