@@ -119,14 +119,18 @@ def token_level_scores(rewards: torch.Tensor, response_mask: torch.Tensor) -> to
 class KLInReward:
     """The step's KL penalty in the reward: a controller (its state: beta) and the per-token estimator.
 
-    ``estimator(old_log_probs, ref_log_probs, kl_penalty) -> kld [B, T]`` is verl's ``kl_penalty`` (the trainer
-    passes ``megatron_rl.losses.kl.kl_penalty``: this layer does not import the losses)."""
+    ``estimator(old_log_probs, ref_log_probs, kl_penalty) -> kld [B, T]`` is verl's ``kl_penalty`` and
+    ``all_reduce(t, group=...)`` an in-place SUM all-reduce; the job plan passes ``megatron_rl.losses.kl.kl_penalty``
+    and ``megatron_rl.parallel.devices.all_reduce_`` (staged on the device the group's backend takes): this layer
+    imports neither."""
 
-    def __init__(self, kl_penalty: str, ctrl: KLControlConfig, estimator: Callable[..., torch.Tensor]):
+    def __init__(self, kl_penalty: str, ctrl: KLControlConfig, estimator: Callable[..., torch.Tensor],
+                 all_reduce: Optional[Callable[..., Any]] = None):
         self.kl_penalty = kl_penalty
         self.ctrl_cfg = ctrl
         self.controller = build_kl_controller(ctrl)
         self.estimator = estimator
+        self.all_reduce = all_reduce or (lambda t, group=None: dist.all_reduce(t, group=group))
 
     def apply(self, token_level_scores: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
               response_mask: torch.Tensor, group=None) -> Tuple[torch.Tensor, Dict[str, float]]:
@@ -156,7 +160,7 @@ class KLInReward:
         stats = torch.stack([per_row.sum(), torch.tensor(float(per_row.shape[0]), dtype=torch.float64,
                                                          device=per_row.device)])
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(stats, group=group)
+            self.all_reduce(stats, group=group)
         total, rows = stats.tolist()
         current_kl = total / rows if rows > 0 else 0.0
         self.controller.update(current_kl=current_kl, n_steps=int(rows))

@@ -11,6 +11,7 @@ from typing import Optional
 from megatron_rl.algo.kl_reward import KLInReward
 from megatron_rl.losses.config import KL_TYPES
 from megatron_rl.losses.kl import kl_penalty
+from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.plan.checks import Unbuilt
 
 __all__ = ["build_kl_in_reward", "describe_kl_in_reward"]
@@ -34,7 +35,7 @@ def build_kl_in_reward(algorithm) -> Optional[KLInReward]:
                     "filters groups on rank 0 before the log-probs the penalty needs exist)")
     if errs:
         raise Unbuilt(errs)
-    return KLInReward(a.kl_penalty, a.kl_ctrl, kl_penalty)
+    return KLInReward(a.kl_penalty, a.kl_ctrl, kl_penalty, all_reduce_)
 
 
 def describe_kl_in_reward(k: Optional[KLInReward]) -> str:

@@ -178,3 +178,39 @@ def test_refusals_name_the_key(change, key):
         build_kl_in_reward(AlgorithmConfig(use_kl_in_reward=True, **change))
     assert any(p.startswith(key) for p in e.value.problems), e.value.problems
     assert build_kl_in_reward(AlgorithmConfig(use_kl_in_reward=False, **change)) is None  # off: verl ignores them
+
+
+def _fake_dp_rank(rank, world, old, ref, mask, scores, backend):
+    import torch.distributed as dist
+
+    from megatron_rl.testing import fake_accelerator as fa
+
+    fa.install()
+    # an NCCL-like DP group (its device only) or gloo (host tensors only)
+    group = dist.new_group(list(range(world)), backend=fa.BACKEND if backend == "fakeccl" else "gloo")
+    dev = torch.device(fa.DEVICE, 0)
+    k = build_kl_in_reward(AlgorithmConfig(use_kl_in_reward=True, kl_penalty="kl", kl_ctrl=KLControlConfig(
+        type="adaptive", kl_coef=0.05, target_kl=0.02, horizon=40)))
+    rows = slice(0, 3) if rank == 0 else slice(3, None)
+    r, m = k.sequence_rewards(scores.sum(-1)[rows].to(dev), old[rows].to(dev), ref[rows].to(dev),
+                              mask[rows].to(dev), group=group)
+    return str(r.device), r.cpu(), m, k.controller.value
+
+
+@pytest.mark.parametrize("backend", ["fakeccl", "gloo"])
+def test_on_an_accelerator(backend):
+    """The step's tensors on a device that is not the CPU, the DP group NCCL-like (refusing host tensors) or gloo
+    (refusing device tensors): the rewards stay on the device and equal the CPU's single-process result (the
+    plan's KLInReward stages its all-reduce on the group's device)."""
+    gen = torch.Generator().manual_seed(5)
+    old, ref, mask, rewards = _batch(gen, drift=0.3)
+    scores = token_level_scores(rewards, mask)
+    single = KLInReward("kl", KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.02, horizon=40),
+                        our_kl_penalty)
+    want, want_m = single.sequence_rewards(rewards, old, ref, mask)
+    out = run_ranks(_fake_dp_rank, 2, old, ref, mask, scores, backend, timeout=60)
+    assert {o[0] for o in out} == {"fakegpu:0"}
+    torch.testing.assert_close(torch.cat([o[1] for o in out]), want)
+    for o in out:
+        assert o[2]["actor/reward_kl_penalty"] == pytest.approx(want_m["actor/reward_kl_penalty"], rel=1e-12)
+        assert o[3] == pytest.approx(single.controller.value, rel=1e-12)
