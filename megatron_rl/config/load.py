@@ -38,6 +38,7 @@ from megatron_rl.config.validate import job_errors
 from megatron_rl.convert import CheckpointMismatchError, check_model_config_matches, model_config_for_checkpoint
 from megatron_rl.convert.storage import hf_assets_dir, read_hf_config
 from megatron_rl.correction import RolloutCorrectionConfig
+from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
 from megatron_rl.losses.registry import loss_type_for_loss_mode
@@ -53,7 +54,8 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "data": DataConfig, "multi_turn": MultiTurnConfig,
                    "algorithm": AlgorithmConfig,
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
-                   "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,
+                   "algorithm.filter_groups": FilterGroupsConfig, "algorithm.kl_ctrl": KLControlConfig,
+                   "actor": ActorConfig,
                    "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),

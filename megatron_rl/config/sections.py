@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.config.paths import HUB, IMPORT, path_field
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
@@ -316,7 +317,7 @@ class FilterGroupsConfig:
     """Drop the groups whose samples all have the same ``metric`` and generate more prompts to fill the batch."""
     metric: Optional[str] = "seq_reward"
     """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
-    verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
+    verl's "seq_final_reward" is the same here: ``use_kl_in_reward`` is refused with dynamic sampling) or "score" (the
     verifier's reward before the overlong penalty) or a numeric key other than "score" of a reward that returns a
     dict, as verl's do ("acc" of verl's math_dapo scorer and DAPO-style reward files; a float reward's "acc" is
     its score, as verl's DAPO reward manager records it): checked at the first generation round
@@ -403,6 +404,15 @@ class AlgorithmConfig:
     ``algorithm.gdpo_reward_keys``; required with ``adv_estimator: gdpo``)."""
     gdpo_reward_weights: Optional[List[float]] = None
     """GDPO: a weight per ``gdpo_reward_keys`` entry (null: 1 each; verl's ``algorithm.gdpo_reward_weights``)."""
+    use_kl_in_reward: bool = False
+    """verl's KL penalty in the reward: each token's reward is score - beta x kld(old || reference), beta from
+    ``kl_ctrl`` (megatron_rl/algo/kl_reward.py, docs/kl_reward.md); builds the frozen reference model."""
+    kl_penalty: str = "kl"
+    """The per-token estimator of the KL in the reward, verl's names: "kl" (k1), "abs", "mse" (k2), "low_var_kl"
+    (k3), also "k1" / "k2" / "k3" and the "+" forms (same values); verl's "full" is refused (verl raises
+    NotImplementedError for it)."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """verl's ``algorithm.kl_ctrl``: ``type`` fixed | adaptive, ``kl_coef``, ``target_kl``, ``horizon``."""
 
 
 @dataclass

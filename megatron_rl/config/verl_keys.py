@@ -370,6 +370,22 @@ def _norm_adv(value: Any, v: Verl) -> Dict[str, Any]:
     return {"algorithm.norm_adv_by_std": value}
 
 
+_KL_IN_REWARD_OFF = _unless("algorithm.use_kl_in_reward", bool, "")
+
+
+def _use_kl_in_reward(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value:
+        raise Skip(NO_MEANING, "false is this project's default too (no KL in the reward)")
+    return {"algorithm.use_kl_in_reward": True}
+
+
+def _kl_penalty_in_reward(value: Any, v: Verl) -> Dict[str, Any]:
+    if value == "full":
+        raise Skip(UNSUPPORTED, "kl_penalty 'full' (the KL over the whole vocabulary): verl 0.9.1 raises "
+                                "NotImplementedError for it too")
+    return {"algorithm.kl_penalty": value}
+
+
 def _engine(value: Any, v: Verl) -> Dict[str, Any]:
     if value not in ("sglang", "vllm"):
         raise Skip(UNSUPPORTED, f"rollout engine {value!r}: rollouts come from SGLang servers (rollout.engine: "
@@ -1248,12 +1264,12 @@ def _rules() -> List[Rule]:
         _m("algorithm.lam", "algorithm.lam"),
         _m("algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_keys"),
         _m("algorithm.gdpo_reward_weights", "algorithm.gdpo_reward_weights"),
-        _u("algorithm.use_kl_in_reward", "no KL penalty in the reward; use the KL loss "
-           "(actor.policy_loss.kl_loss_coef)", neutral=(False,)),
-        _u("algorithm.kl_penalty", "no KL penalty in the reward (the KL loss's estimator is "
-           "actor.policy_loss.kl_loss_type)", inactive=_unless("algorithm.use_kl_in_reward", bool, "")),
-        _u("algorithm.kl_ctrl.**", "no KL penalty in the reward",
-           inactive=_unless("algorithm.use_kl_in_reward", bool, "")),
+        _m("algorithm.use_kl_in_reward", convert=_use_kl_in_reward, target="algorithm.use_kl_in_reward"),
+        Rule("algorithm.kl_penalty", MAPPED, target="algorithm.kl_penalty", convert=_kl_penalty_in_reward,
+             inactive=_KL_IN_REWARD_OFF),
+        *(Rule(f"algorithm.kl_ctrl.{k}", MAPPED, target=f"algorithm.kl_ctrl.{k}", inactive=_KL_IN_REWARD_OFF)
+          for k in ("type", "kl_coef", "horizon", "target_kl")),
+        _u("algorithm.kl_ctrl.**", "not a key of verl 0.9.1's KLControlConfig", inactive=_KL_IN_REWARD_OFF),
         _u("algorithm.use_pf_ppo", "no preference-feedback PPO reweighting", neutral=(False,)),
         _u("algorithm.pf_ppo.**", "no preference-feedback PPO reweighting",
            inactive=_unless("algorithm.use_pf_ppo", bool, "")),
