@@ -84,7 +84,8 @@ def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: in
     gathered but not sent."""
     out = SenderOutcome(rank)
     hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold):
+    alloc = getattr(channel, "alloc", None)  # a channel whose own memory the buckets are packed into
+    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc):
         if channel is None or out.error is not None:
             continue
         try:
@@ -156,7 +157,7 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
             return delta.pack(pairs, bucket_bytes, dtype, set(keep), base, version, set(checks))
     senders = sender_ranks(actor)
     try:
-        channel = spec.open(rank, senders, receiver)
+        channel = spec.open(rank, senders, receiver, settings.sender_transport)
     except Exception as exc:  # noqa: BLE001 - posted: rank 0 aborts
         channel, failed = None, SenderOutcome(rank, f"sender rank {rank}: opening its channel: "
                                                      f"{type(exc).__name__}: {exc}")
