@@ -53,8 +53,9 @@ def _body(rank, world, job, modes, url, repeats):
                                  sglang_urls=[url] if url else [], weight_sync_dir=tempfile.mkdtemp())
         cfg = dataclasses.replace(job, rollout=rc)
         settings = weight_sync_settings(cfg)
-        if transport:  # --transports: the sender transport forced (the job's own choice otherwise)
-            settings = dataclasses.replace(settings, sender_transport=transport[0])
+        if transport:  # --transports: forced (the job's own choice otherwise); flat: all_gather_into_tensor for TP
+            settings = dataclasses.replace(settings, sender_transport="gloo" if transport[0] == "gloo" else "shm",
+                                           tp_gather=transport[0])
         engine = None
         if rank == 0:
             engine = (EmbeddedEngine(job.actor.load_hf, dtype="bfloat16") if engine_kind == "embedded"
@@ -235,8 +236,8 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=8, help="--senders: routed experts of the MoE model")
     p.add_argument("--sizes", default="256,768", help="--senders: the two model sizes (hidden) of the linear fit")
     p.add_argument("--layouts", default="", help="--senders: a comma list of 1,tp2,pp2,dp2,ep2 (default: all)")
-    p.add_argument("--transports", default="", help="--senders: a comma list of sender transports (shm,gloo) "
-                   "to compare in one run (default: the job's own)")
+    p.add_argument("--transports", default="", help="--senders: a comma list of shm,gloo,flat to compare in one run "
+                   "(the sender transport and TP gather; flat: shm senders, all_gather_into_tensor; default: the job's)")
     p.add_argument("--verify-interval", type=int, default=1, help="--senders: rollout.weight_sync_verify_interval "
                    "(0: no verification)")
     a = p.parse_args(argv)

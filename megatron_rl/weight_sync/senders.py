@@ -73,16 +73,18 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
 
 def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dtype: Optional[set] = None,
                 pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None,
-                hold: bool = False, alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Iterator[Bucket]:
+                hold: bool = False, alloc: Optional[Callable[[int], torch.Tensor]] = None,
+                gather=None) -> Iterator[Bucket]:
     """Collective over every trainer rank: the buckets of the HF tensors this rank owns (none on a rank that
     is not a sender), each sent before the next is packed (one buffer serves them all); ``pack`` as in
     ``stream_buckets``; ``hold``: ``buckets.HeldBucket``s (the engine is in this process); ``alloc``: the channel's
-    buffer to pack each bucket into (``bucketize``). Consume it to the end on every rank."""
+    buffer to pack each bucket into (``bucketize``); ``gather``: how split tensors reach their owner
+    (``gather.piece_gather``). Consume it to the end on every rank."""
     # the gathers move the engine's dtype (every rank has the same dtype and keep set: rank 0's plan); not when
     # some tensors stay in a higher precision, whose mcore names are not known before the mapping
-    gather = dtype if not keep_dtype else None
+    gather_dtype = dtype if not keep_dtype else None
     pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True,
-                            gather_dtype=gather)
+                            gather_dtype=gather_dtype, gather=gather)
     if pack is not None:
         yield from pack(pairs)
     elif hold:

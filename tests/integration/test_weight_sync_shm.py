@@ -1,8 +1,11 @@
-"""The same-host shared-memory transport between weight-sync senders and an engine in rank 0's process.
+"""The same-host shared-memory transports of the weight sync: senders -> an engine in rank 0's process, TP pieces -> their
+sender.
 
 * PP2 into the embedded engine with ``sender_transport`` "shm" and "gloo": every engine tensor equals the actor's
   checkpoint read by safetensors (independent reference) both ways; with shm rank 1's ``torch.distributed`` calls
   carry only the buckets' meta (a few KiB), with gloo its whole stage (so the traffic measure can fail).
+* TP2 with each ``tp_gather`` (shm, flat, gloo): the engine equals the checkpoint; with shm rank 1's
+  ``torch.distributed`` calls carry none of its pieces.
 * Nothing is left in ``/dev/shm`` after a sync, a failed one (a bucket perturbed in transit, named on every rank) or
   one whose sender is killed with its first bucket packed into a fresh segment (segments are anonymous memory files).
 
@@ -34,7 +37,7 @@ def models(tmp_path_factory):
             "other": build_tiny_hf_model(root / "other", arch="qwen2", seed=2, num_hidden_layers=4)}
 
 
-def _body(rank, world, job, engine_dir, transport, corrupt_name=None, kill_first=False):
+def _body(rank, world, job, engine_dir, transport, corrupt_name=None, kill_first=False, tp_gather="shm"):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.plan import actor_spec
@@ -48,8 +51,8 @@ def _body(rank, world, job, engine_dir, transport, corrupt_name=None, kill_first
     actor = MegatronActor(actor_spec(job))
     engine = EmbeddedEngine(engine_dir, dtype="float32", seed=0, weight_version="step-0") if rank == 0 else None
     settings = weight_sync_settings(job)
-    assert settings.sender_transport == "shm"  # the job's choice where /dev/shm exists
-    settings = dataclasses.replace(settings, sender_transport=transport)
+    assert settings.sender_transport == "shm" and settings.tp_gather == "shm"  # the job's choice on a CPU host
+    settings = dataclasses.replace(settings, sender_transport=transport, tp_gather=tp_gather)
 
     def corrupt(bucket):
         if kill_first and rank == 1:
@@ -113,3 +116,23 @@ def test_no_shared_memory_is_left_after_failed_syncs(models):
     with pytest.raises(RankError, match="rank 1"):  # killed with a fresh segment rank 0 has not mapped
         run_ranks(_body, 2, job, models["other"], "shm", None, True, timeout=300)
     assert shm.leftovers() == before
+
+
+@pytest.mark.timeout(600)
+def test_tp2_gathers_equal_checkpoint_and_shm_moves_no_bytes_through_gloo(models):
+    """TP2 into the embedded engine with each ``tp_gather`` (shm: pieces through shared memory; flat: one
+    all_gather_into_tensor per parameter; gloo: the per-rank all_gather): every engine tensor equals the checkpoint;
+    with shm rank 1 passes (almost) nothing through ``torch.distributed``, with gloo its half of the model."""
+    job = named_job("actor", *JOB, *layout(tp=2), hf=models["actor"])
+    ref = _reference(models["actor"])
+    sent = {}
+    for how in ("shm", "flat", "gloo"):
+        out = run_ranks(_body, 2, job, models["other"], "shm", tp_gather=how, timeout=300)
+        got = out[0]["state"]
+        assert set(got) == set(ref)
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (how, k)
+        sent[how] = out[1]["sent"]
+    half = out[1]["own"] // 2 // 2  # rank 1's pieces in a 2-byte dtype, at the least (fp32 here)
+    assert sent["gloo"] >= half, sent  # (testing.traffic does not count all_gather_single: flat is not compared)
+    assert sent["shm"] < 64 * 1024, sent  # only the plan's and the board's small messages
