@@ -136,3 +136,23 @@ def test_tp2_gathers_equal_checkpoint_and_shm_moves_no_bytes_through_gloo(models
     half = out[1]["own"] // 2 // 2  # rank 1's pieces in a 2-byte dtype, at the least (fp32 here)
     assert sent["gloo"] >= half, sent  # (testing.traffic does not count all_gather_single: flat is not compared)
     assert sent["shm"] < 64 * 1024, sent  # only the plan's and the board's small messages
+
+
+@pytest.mark.timeout(600)
+def test_moe_tp2_etp2_shm_gather_equals_checkpoint(tmp_path):
+    """The expert kinds (``expert_glu_column``, ``expert_row``) through the shared-memory gather: a Qwen3-MoE at TP2 /
+    ETP2 syncs into the embedded engine; every tensor equals that engine's own load of the checkpoint."""
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    def moe(path, seed):
+        return build_tiny_hf_model(path, arch="qwen3_moe", seed=seed, num_hidden_layers=2, num_experts=4,
+                                   num_experts_per_tok=2, tie_word_embeddings=False)
+
+    actor, other = moe(tmp_path / "actor", 1), moe(tmp_path / "other", 2)
+    job = named_job("actor", *JOB, *layout(tp=2, etp=2, sp=True), hf=actor)
+    out = run_ranks(_body, 2, job, other, "shm", timeout=300)
+    ref = EmbeddedEngine(actor, dtype="float32", seed=0).model.state_dict()
+    got = out[0]["state"]
+    assert set(got) == {k for k in ref if not k.endswith("inv_freq")}
+    assert [k for k in got if not torch.equal(got[k], ref[k])] == []
+    assert out[1]["sent"] < 64 * 1024, out[1]["sent"]
