@@ -2,9 +2,10 @@
 
 Rank 0 loads its own buckets directly; every other sender's are received in their own thread. A sender on rank 0's
 host (``sender_transport: shm``) packs each bucket straight into its shared-memory segment (``shm.Segment``, kept for
-the process's life, mapped once by rank 0) and sends only the bucket's meta over its gloo pair group; rank 0 loads the bucket from its mapping of that
-segment and acknowledges, and only then may the sender refill it. Elsewhere (or ``gloo``) the bytes travel over the
-pair group. The one rule: a segment's bytes belong to rank 0 from the meta until the acknowledgement.
+the process's life, mapped once by rank 0) and sends only the bucket's meta over its gloo pair group; rank 0 loads
+the bucket from its mapping of that segment and acknowledges, and only then may the sender refill it. Elsewhere (or
+``gloo``) the bytes travel over the pair group. The one rule: a segment's bytes belong to rank 0 from the meta until
+the acknowledgement.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ _READERS: Dict[int, shm.Segment] = {}  # rank 0: each sender's segment, mapped
 
 def _host_id() -> str:
     try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
