@@ -47,6 +47,7 @@ from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
 from megatron_rl.tasks.custom import task_import_error
 from megatron_rl.tasks.reward_fn import reward_import_error
+from megatron_rl.tasks.rm_check import check_reward_model, first_prompt
 
 
 DEFAULT_PROMPT_LENGTH = 1024
@@ -115,6 +116,10 @@ def _run(args: argparse.Namespace) -> int:
     task_error = task_import_error(cfg.data.task, cfg.data.task_kwargs)          # your own task (module:factory) that does not import
     if task_error and not any(p.startswith("data.task") for p in problems):
         problems.append(task_error)
+    if cfg.reward.model.enable and not any(p.startswith("reward.") for p in problems):  # the RM, one row, servers
+        rm_problems, rm_lines = check_reward_model(cfg.reward.model, first_prompt(cfg.data, cfg.actor.load_hf))
+        problems += rm_problems
+        print("\n".join(rm_lines))
     c = cfg.cluster
     world = c.world_size
     where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "

@@ -82,3 +82,21 @@ def test_rm_rewards_in_sync_and_async_runs_equal_hf_and_repeat(copy_model, rm, t
                                 "rollout.max_staleness=1")
     assert len(ametrics) == 2 and all("reward/rm_latency_s" in m for m in ametrics)
     assert [r["reward"] for r in arows] == pytest.approx(_hf_scores(rm, copy_model, arows), abs=1e-5)
+
+
+def test_check_reports_the_rm_and_its_template_on_a_row(copy_model, rm, capsys, monkeypatch):
+    from megatron_rl.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(ROOT)
+    args = ["check", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), f"actor.load_hf={copy_model}",
+            "parallel.pipeline_model_parallel_size=1", "reward.model.enable=true", f"reward.model.path={rm}"]
+    rc = main(args)
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    assert "reward model: reward = 1 * (1 * rm + 0)" in out
+    assert "reward model: the RM template renders" in out and "[assistant]" in out
+    rc = main(args + ["reward.model.backend=sglang"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "reward.model.urls: backend 'sglang' needs at least one server URL" in err

@@ -141,6 +141,13 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
 
     mode = "ok"
 
+    def do_GET(self):  # noqa: N802
+        data = json.dumps({"model_path": "tiny-rm", "is_generation": self.mode == "generation"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         n = len(body["input_ids"])
@@ -249,3 +256,29 @@ def test_config_errors_name_the_keys(copy_model):
                                         "reward.model.rule_weight=1"], world_size=1)
     assert cfg.reward.model.describe().startswith("reward = 1 * rule + 1 * (1 * rm + 0)")
     assert cfg.to_dict()["reward"]["model"]["rule_weight"] == 1.0
+
+
+def test_check_renders_one_row_and_probes_the_servers(rm_path, copy_task, scripted, tmp_path):
+    from megatron_rl.tasks.rm_check import check_reward_model
+
+    _Scripted.mode = "ok"
+    prompt = copy_task.sample(1, random.Random(0))[0]
+    live, dead = _url(scripted), "http://127.0.0.1:9"
+    problems, lines = check_reward_model(_rm(rm_path, backend="sglang", urls=[live, dead]), prompt)
+    text = "\n".join(lines)
+    assert problems == [], problems
+    assert f"'[user] {prompt.text}\\n[assistant] {prompt.answer}\\n<|endoftext|>'" in text, text
+    assert f"{live} (tiny-rm) scores the row" in text and f"{dead} not reachable now" in text
+    _Scripted.mode = "generation"
+    problems, _ = check_reward_model(_rm(rm_path, backend="sglang", urls=[live]), prompt)
+    assert problems and "serves a generation model" in problems[0] and live in problems[0]
+    _Scripted.mode = "garbage"
+    problems, _ = check_reward_model(_rm(rm_path, backend="sglang", urls=[live]), prompt)
+    assert problems and "does not score the row" in problems[0]
+    problems, _ = check_reward_model(_rm(rm_path, chat_template="{{ messages[5]['content'] }}"), prompt)
+    assert problems and problems[0].startswith("reward.model.chat_template: the RM's chat template fails")
+    policy_dir = tmp_path / "not_an_rm"
+    from megatron_rl.testing.tiny_hf import build_tiny_hf_model
+    build_tiny_hf_model(policy_dir)
+    problems, _ = check_reward_model(_rm(str(policy_dir)), prompt)
+    assert problems and "is not a *ForSequenceClassification" in problems[0]
