@@ -282,3 +282,35 @@ def test_check_renders_one_row_and_probes_the_servers(rm_path, copy_task, script
     build_tiny_hf_model(policy_dir)
     problems, _ = check_reward_model(_rm(str(policy_dir)), prompt)
     assert problems and "is not a *ForSequenceClassification" in problems[0]
+
+
+class _HalfFailingRule(DigitTask):
+    """The copy task whose rule reward fails on the prompts listed in ``bad`` (counted, extras None, as the
+    reward pool reports a failed job)."""
+
+    def __init__(self, bad):
+        super().__init__("copy", build_char_tokenizer())
+        self.bad = bad
+
+    def score(self, prompts, responses):
+        from megatron_rl.tasks.reward_pool import RewardResult
+        out = RewardResult(rewards=[0.0] * len(prompts), extras=[None] * len(prompts))
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            if i in self.bad:
+                out.failed += 1
+                out.errors.append(f"sample {i}: rule failed")
+            else:
+                out.rewards[i], out.extras[i] = self.reward(p, r), {}
+        return out
+
+
+def test_rule_failures_and_rm_failures_count_each_sample_once(rm_path, scripted):
+    task = _HalfFailingRule(bad={1})
+    prompts, responses = _rows(task, n=4)
+    result = RewardModelTask(task, _rm(rm_path, rule_weight=1.0)).score(prompts, responses)
+    assert result.failed == 1 and result.rewards[1] == 0.0 and result.extras[1] is None
+    assert all(result.extras[i] is not None for i in (0, 2, 3))
+    _Scripted.mode = "garbage"                                  # the RM fails every sample, the rule one of them
+    cfg = _rm(rm_path, rule_weight=1.0, backend="sglang", urls=[_url(scripted)], retries=0)
+    result = RewardModelTask(task, cfg).score(prompts, responses)
+    assert result.failed == 4 and result.timed_out == 0
