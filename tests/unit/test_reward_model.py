@@ -314,3 +314,15 @@ def test_rule_failures_and_rm_failures_count_each_sample_once(rm_path, scripted)
     cfg = _rm(rm_path, rule_weight=1.0, backend="sglang", urls=[_url(scripted)], retries=0)
     result = RewardModelTask(task, cfg).score(prompts, responses)
     assert result.failed == 4 and result.timed_out == 0
+
+
+def test_dynamic_sampling_rounds_sum_the_rm_counts_and_time():
+    from megatron_rl.trainer.dynamic_sampling import merge_round_metrics
+
+    rounds = [({"reward/rm_failures": 1.0, "reward/rm_latency_s": 0.5, "reward/rm_batches": 2.0,
+                "reward/rm_score_max": 3.0, "reward/rm_score_mean": 1.0}, 4),
+              ({"reward/rm_failures": 2.0, "reward/rm_latency_s": 0.25, "reward/rm_batches": 1.0,
+                "reward/rm_score_max": 2.0, "reward/rm_score_mean": 2.0}, 4)]
+    m = merge_round_metrics(rounds)
+    assert (m["reward/rm_failures"], m["reward/rm_latency_s"], m["reward/rm_batches"]) == (3.0, 0.75, 3.0)
+    assert m["reward/rm_score_max"] == 3.0 and m["reward/rm_score_mean"] == 1.5
