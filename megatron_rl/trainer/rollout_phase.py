@@ -66,6 +66,7 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
         "response/overlong_penalty_mean": sum(penalties) / n,
     })
     m.update(result.extra_means())
+    m.update(getattr(result, "metrics", {}))  # the judge's reward/judge_* (tasks/judge.py)
     return m
 
 
