@@ -90,7 +90,7 @@ def test_judged_task_rewards_and_rule_combination(shared, tmp_path):
     prompts = [Prompt(tok.encode(r.question), r.ground_truth, r.question) for r in ROWS]
     responses = [tok.encode(r.response) + [tok.eos_token_id] for r in ROWS]
     want = direct_scores(url, ROWS)
-    rule = [1.0 if r.response == r.ground_truth else 0.0 for r in ROWS]
+    rule = task.rewards(prompts, responses)                        # the copy task's own (partial-credit) reward
     judged = JudgedTask(task, judge_cfg(url), samples_path=str(tmp_path / "s.jsonl"))
     res = judged.score(prompts, responses)
     assert res.rewards == want and res.failed == res.timed_out == 0
