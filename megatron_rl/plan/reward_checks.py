@@ -11,10 +11,7 @@ def reward_errors_of_job(cfg) -> List[str]:
     """Every problem of ``cfg.reward`` (dotted keys)."""
     errs = list(cfg.reward.errors())
     j = cfg.reward.judge
-    if j.enable and cfg.multi_turn.env is not None:
-        errs.append("reward.judge.enable: the judge scores single-turn responses only for now; multi-turn rewards come "
-                    "from the environment (multi_turn.env): score there, or set reward.judge.enable: false")
-    elif j.enable and j.judge_sees != "final_answer":
+    if j.enable and cfg.multi_turn.env is None and j.judge_sees != "final_answer":
         errs.append(f"reward.judge.judge_sees: {j.judge_sees!r} applies to multi-turn trajectories (multi_turn.env); "
                     "a single-turn response is its final answer: leave it at final_answer")
     return errs
