@@ -220,6 +220,59 @@ def test_training_job_scores_with_the_judge_and_repeats(shared, copy_model, tmp_
         assert curves[0] == curves[1]
 
 
+def test_check_renders_one_row_and_asks_the_endpoint(shared):
+    from megatron_rl.tasks import build_char_tokenizer, build_task
+    from megatron_rl.tasks.judge_check import judge_check
+    url = shared.get().url
+    task = build_task("copy", build_char_tokenizer())
+    first = task.sample(1, __import__("random").Random(0))[0]
+    problems, lines = judge_check(judge_cfg(url), task)
+    prompt = TEMPLATE.replace("{question}", first.text).replace("{ground_truth}", first.answer) \
+        .replace("{response}", first.answer)
+    assert problems == [] and repr(prompt)[1:-1] in lines[0] and "-> score" in lines[1]
+    problems, _ = judge_check(judge_cfg(url, sampling_kwargs={"regex": "[0-9]"}), task)
+    assert len(problems) == 1 and problems[0].startswith("reward.judge.parser:")
+    problems, lines = judge_check(judge_cfg("http://127.0.0.1:9"), task)
+    assert problems == [] and "note: unreachable" in lines[-1]
+
+
+@pytest.mark.parametrize("sees", ["trajectory", "final_answer"])
+def test_multi_turn_job_judges_what_judge_sees_says(shared, task_model, tmp_path, sees):
+    """A one-step lookup-tool job (model turn, tool reply, model turn): each row's reward is the judge's score of
+    a prompt whose response part is, decoded here with the HF tokenizer from rollouts.jsonl, the whole trajectory or
+    the last model turn; the score equals the server's answer to that prompt called directly."""
+    import transformers
+    model = task_model(task="lookup", seed=0, hidden_size=32, num_layers=1)
+    url = shared.get().url
+    run = tmp_path / "run"
+    r = _train(run, model, url, "trainer.steps=1", "data.task=lookup", "multi_turn.env=megatron_rl.envs.lookup:LookupEnv",
+               'multi_turn.env_kwargs={"call_format": "compact"}', "multi_turn.max_turns=2",
+               "multi_turn.max_total_tokens=10", "multi_turn.max_tokens_per_turn=4", "multi_turn.env_workers=0",
+               'multi_turn.observation_template="{observation}="', "trainer.dump_rollouts=true",
+               "rollout.max_new_tokens=10", f"reward.judge.judge_sees={sees}", "reward.judge.raw_samples_per_step=100",
+               'reward.judge.prompt_template="{response}|"')
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (run / "judge_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == len(samples) == 4
+    assert any(0 in row["loss_mask"] for row in rows)       # some trajectory holds a tool reply: the modes differ
+    for row, smp in zip(rows, samples):
+        ids = row["response_ids"]
+        if sees == "trajectory":
+            want = tok.decode(ids, skip_special_tokens=True)
+        else:   # the last model turn: after the last env token (loss mask 0), up to its EOS
+            mask = row["loss_mask"]
+            start = max([i + 1 for i, m in enumerate(mask) if m == 0], default=0)
+            last = ids[start:]
+            last = last[:last.index(tok.eos_token_id)] if tok.eos_token_id in last else last
+            want = tok.decode(last, skip_special_tokens=True)
+        assert smp["judge_prompt"] == want + "|"
+        body = requests.post(url + "/v1/completions", json={"model": "default", "prompt": want + "|", "max_tokens": 16,
+                                                           "temperature": 0.0, "regex": REGEX}, timeout=120).json()
+        assert row["reward"] == float(body["choices"][0]["text"][7])
+
+
 def test_judge_killed_mid_run_fails_the_run_with_the_cause(shared, copy_model, tmp_path):
     """Last in the file: kills the shared server after the first step (the fixture restarts it if needed)."""
     handle = shared.get()
