@@ -185,13 +185,15 @@ class Judge:
         if errs:
             raise ValueError("; ".join(errs))
         self.cfg = cfg
-        self.client = client or EndpointClient(cfg.urls, timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
-                                               max_concurrent=cfg.max_concurrent, where="reward.judge")
+        headers = {}
         if cfg.api_key_env:
             key = os.environ.get(cfg.api_key_env)
             if not key:
                 raise ValueError(f"reward.judge.api_key_env: the environment variable {cfg.api_key_env!r} is not set")
-            self.client._session.headers["Authorization"] = f"Bearer {key}"
+            headers["Authorization"] = f"Bearer {key}"
+        self.client = client or EndpointClient(cfg.urls, timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
+                                               max_concurrent=cfg.max_concurrent, where="reward.judge",
+                                               headers=headers)
         self.path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
 
     def render(self, row: JudgeRow) -> str:

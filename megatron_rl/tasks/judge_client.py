@@ -4,18 +4,20 @@
 with at most ``max_concurrent`` requests in flight, the servers taken round-robin (a retry goes to the next
 one), and returns one ``CallResult`` per payload in order. Rule: a call never raises for a server's fault; it
 ends ``ok`` or with a named ``kind`` (``timeout``, ``unreachable``, ``http``, ``garbage``) and its message, and
-each attempt is bounded by ``timeout_s`` (a call by ``(max_retries + 1) * (timeout_s + backoff_s)``).
+each attempt's connect and reads by ``timeout_s``; ``post_many`` returns by its wall-clock bound (``batch_bound_s``)
+even if a server trickles bytes (a call still running then is a ``timeout``; its thread is left to end).
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import requests
+from requests.adapters import HTTPAdapter
 
 __all__ = ["CallResult", "EndpointClient", "FAILURE_KINDS"]
 
@@ -48,8 +50,10 @@ class EndpointClient:
     """JSON POSTs to ``urls`` round-robin, bounded concurrency, per-attempt timeout, retries (module docstring)."""
 
     def __init__(self, urls: Sequence[str], timeout_s: float = 60.0, max_retries: int = 2,
-                 max_concurrent: int = 8, backoff_s: float = 0.5, where: str = "endpoint"):
-        """``where``: the config key the settings come from (error messages name it)."""
+                 max_concurrent: int = 8, backoff_s: float = 0.5, where: str = "endpoint",
+                 headers: Optional[Dict[str, str]] = None):
+        """``where``: the config key the settings come from (error messages name it); ``headers``: sent with every
+        request (``Authorization``)."""
         urls = [str(u).rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not urls:
             raise ValueError(f"{where}: no URL given")
@@ -61,6 +65,10 @@ class EndpointClient:
         self._next = itertools.count()
         self._lock = threading.Lock()
         self._session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=len(urls), pool_maxsize=self.max_concurrent)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        self._session.headers.update(headers or {})
 
     def _url(self) -> str:
         with self._lock:
@@ -98,12 +106,29 @@ class EndpointClient:
         res.latency_s = time.monotonic() - t0
         return res
 
+    def call_bound_s(self) -> float:
+        """The longest one ``post`` may take when each read answers within ``timeout_s``, plus 1 s of slack."""
+        attempts = self.max_retries + 1
+        return attempts * self.timeout_s + self.backoff_s * attempts * (attempts - 1) / 2 + 1.0
+
+    def batch_bound_s(self, n: int) -> float:
+        """The wall-clock bound of ``post_many`` of ``n`` payloads: one call bound per round of ``max_concurrent``."""
+        return -(-n // self.max_concurrent) * self.call_bound_s()
+
     def post_many(self, path: str, payloads: Sequence[Any]) -> List[CallResult]:
-        """``post`` of each payload, ``max_concurrent`` at a time; results in payload order."""
+        """``post`` of each payload, ``max_concurrent`` at a time; results in payload order; returns within
+        ``batch_bound_s`` (a call not done by then is a ``timeout``)."""
         if not payloads:
             return []
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrent, len(payloads))) as pool:
-            return list(pool.map(lambda p: self.post(path, p), payloads))
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrent, len(payloads)))
+        futures = [pool.submit(self.post, path, p) for p in payloads]
+        bound = self.batch_bound_s(len(payloads))
+        wait(futures, timeout=bound)
+        pool.shutdown(wait=False, cancel_futures=True)
+        return [f.result() if f.done() and not f.cancelled() else
+                CallResult(error_kind="timeout", error=f"{self.where}: no answer within the batch's bound {bound:g} s "
+                                                       f"(a server that answers too slowly)", latency_s=bound)
+                for f in futures]
 
     def get(self, path: str, timeout_s: Optional[float] = None) -> CallResult:
         """One GET of ``<first url><path>`` (health probes), no retry."""

@@ -143,3 +143,20 @@ def test_raw_answers_sampled_failures_first(tmp_path):
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["failure"] == "no_score" and rows[0]["judge_answer"] == "garbled"
     assert rows[0]["row"] == "row 1" and rows[1]["score"] == 1.0
+
+
+def test_the_reward_section_loads_and_its_problems_name_keys():
+    from megatron_rl.testing.jobs import job_problems
+    cfg, problems = job_problems("sized_model", "reward.judge.enable=true", 'reward.judge.urls=["http://j:1"]',
+                                 "reward.judge.parser=tag:verdict", 'reward.judge.score_map={"yes": 1, "no": 0}',
+                                 world_size=1)
+    assert not [p for p in problems if p.startswith("reward")], problems
+    assert cfg.reward.judge.urls == ["http://j:1"] and cfg.reward.judge.score_map == {"yes": 1, "no": 0}
+    assert cfg.to_dict()["reward"]["judge"]["parser"] == "tag:verdict"
+    _, problems = job_problems("sized_model", "reward.judge.enable=true", "reward.judge.temprature=0.5",
+                               "reward.judge.judge_sees=trajectory", world_size=1)
+    text = "\n".join(problems)
+    assert "reward.judge.temprature" in text and "did you mean 'temperature'" in text
+    assert "reward.judge.urls:" in text and "reward.judge.judge_sees:" in text
+    _, problems = job_problems("sized_model", world_size=1)
+    assert not [p for p in problems if p.startswith("reward")]           # off by default: nothing asked

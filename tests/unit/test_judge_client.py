@@ -107,3 +107,51 @@ def test_bad_settings_name_the_key():
         EndpointClient([], where="reward.judge")
     with pytest.raises(ValueError, match="max_concurrent=0"):
         EndpointClient(["http://x"], max_concurrent=0, where="reward.judge")
+
+
+def test_trickling_server_is_cut_at_the_batch_bound():
+    """A server that sends one byte per 0.2 s never trips a read timeout of 0.5 s; the batch still returns."""
+    import socket
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            c.recv(65536)
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            while not stop.is_set():
+                try:
+                    c.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.2)
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        c = EndpointClient([f"http://127.0.0.1:{srv.getsockname()[1]}"], timeout_s=0.5, max_retries=0)
+        t0 = time.monotonic()
+        r = c.post_many("/x", [{}])
+        assert time.monotonic() - t0 < c.batch_bound_s(1) + 1.0 and c.batch_bound_s(1) == 1.5
+        assert r[0].error_kind == "timeout" and "bound" in r[0].error
+    finally:
+        stop.set(); srv.close()
+
+
+def test_headers_are_sent(servers):
+    seen = {}
+
+    s = servers()
+    orig = s.httpd.RequestHandlerClass.do_POST
+
+    def do_post(self):
+        seen["auth"] = self.headers.get("Authorization")
+        orig(self)
+    s.httpd.RequestHandlerClass.do_POST = do_post
+    assert EndpointClient([s.url], headers={"Authorization": "Bearer k"}).post("/x", {}).ok
+    assert seen["auth"] == "Bearer k"
