@@ -243,6 +243,7 @@ class JudgedTask(Task):
         self.name = inner.name
         self.judge = judge or Judge(cfg)
         self.calls = 0
+        self.step: Optional[int] = None   # the 0-based training step being scored (begin_step), for the samples
 
     def __getattr__(self, name):
         # the inner task's own attributes (DigitTask.kind, FileTask.options, ...)
@@ -260,6 +261,7 @@ class JudgedTask(Task):
         return self.inner.finite_prompts()
 
     def begin_step(self, step: int) -> None:
+        self.step = step
         self.inner.begin_step(step)
 
     def configure(self, options) -> None:
@@ -323,7 +325,8 @@ class JudgedTask(Task):
         with open(self.samples_path, "a") as fh:
             for i in order:
                 f = batch.failures[i]
-                fh.write(json.dumps({"call": self.calls, "time": time.time(), "row": prompts[i].row,
+                fh.write(json.dumps({"step": None if self.step is None else self.step + 1, "call": self.calls,
+                                     "time": time.time(), "row": prompts[i].row,
                                      "judge_prompt": batch.prompts[i], "judge_answer": batch.answers[i],
                                      "score": batch.scores[i], "failure": None if f is None else f[0],
                                      "error": None if f is None else f[1],

@@ -215,6 +215,7 @@ def test_training_job_scores_with_the_judge_and_repeats(shared, copy_model, tmp_
         assert all(0 <= m["reward/judge_score_min"] <= m["reward/judge_score_max"] <= 9 for m in recs)
         samples = [json.loads(x) for x in (run / "judge_samples.jsonl").read_text().splitlines()]
         assert samples and all(s["judge_answer"].startswith("\\boxed{") for s in samples)
+        assert {s["step"] for s in samples} == {1, 2}                  # sampled per training step
         curves.append([m["reward/raw_mean"] for m in recs])
     if mode == "sync":   # the embedded engine samples from its seed: the same rollouts, the same judge rewards
         assert curves[0] == curves[1]
@@ -237,25 +238,24 @@ def test_check_renders_one_row_and_asks_the_endpoint(shared):
 
 
 @pytest.mark.parametrize("sees", ["trajectory", "final_answer"])
-def test_multi_turn_job_judges_what_judge_sees_says(shared, task_model, tmp_path, sees):
-    """A one-step lookup-tool job (model turn, tool reply, model turn): each row's reward is the judge's score of
-    a prompt whose response part is, decoded here with the HF tokenizer from rollouts.jsonl, the whole trajectory or
-    the last model turn; the score equals the server's answer to that prompt called directly."""
+def test_multi_turn_job_judges_what_judge_sees_says(shared, copy_model, tmp_path, sees):
+    """A one-step multi-turn job (model turn, the environment's reply "7", model turn): each row's reward is the
+    judge's score of a prompt whose response part is, decoded here with the HF tokenizer from rollouts.jsonl, the
+    whole trajectory or the last model turn; the score equals the server's answer to that prompt called directly."""
     import transformers
-    model = task_model(task="lookup", seed=0, hidden_size=32, num_layers=1)
-    url = shared.get().url
-    run = tmp_path / "run"
-    r = _train(run, model, url, "trainer.steps=1", "data.task=lookup", "multi_turn.env=megatron_rl.envs.lookup:LookupEnv",
-               'multi_turn.env_kwargs={"call_format": "compact"}', "multi_turn.max_turns=2",
-               "multi_turn.max_total_tokens=10", "multi_turn.max_tokens_per_turn=4", "multi_turn.env_workers=0",
+    model, url, run = copy_model, shared.get().url, tmp_path / "run"
+    env = os.path.join(os.path.dirname(os.path.abspath(__file__)), "judge_reply_env.py") + ":ReplyOnce"
+    r = _train(run, model, url, "trainer.steps=1", f"multi_turn.env={env}", "multi_turn.max_turns=2",
+               "multi_turn.max_total_tokens=20", "multi_turn.max_tokens_per_turn=8", "multi_turn.env_workers=0",
                'multi_turn.observation_template="{observation}="', "trainer.dump_rollouts=true",
-               "rollout.max_new_tokens=10", f"reward.judge.judge_sees={sees}", "reward.judge.raw_samples_per_step=100",
+               "rollout.max_new_tokens=20", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+               "actor.micro_batch_size=16", f"reward.judge.judge_sees={sees}", "reward.judge.raw_samples_per_step=100",
                'reward.judge.prompt_template="{response}|"')
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     tok = transformers.AutoTokenizer.from_pretrained(model)
     rows = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     samples = [json.loads(x) for x in (run / "judge_samples.jsonl").read_text().splitlines()]
-    assert len(rows) == len(samples) == 4
+    assert len(rows) == len(samples) == 16
     assert any(0 in row["loss_mask"] for row in rows)       # some trajectory holds a tool reply: the modes differ
     for row, smp in zip(rows, samples):
         ids = row["response_ids"]
