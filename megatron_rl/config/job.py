@@ -18,7 +18,8 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 #: YAML sections in file order.
-SECTIONS = ("cluster", "model", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "reward")
+SECTIONS = ("cluster", "model", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer",
+            "reward")
 
 
 class ConfigError(ValueError):

@@ -43,6 +43,7 @@ from megatron_rl.losses.registry import loss_type_for_loss_mode
 from megatron_rl.config.reward_section import RewardConfig, RewardModelConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
+from megatron_rl.tasks.judge_config import JudgeConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", "job_config_from_dict",
            "launch_world_size", "load_job_config", "read_config_file", "yaml_load"]
@@ -55,7 +56,7 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
                    "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,
                    "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig,
-                   "reward": RewardConfig, "reward.model": RewardModelConfig}
+                   "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional
 
 from megatron_rl.config.paths import HUB, path_field
+from megatron_rl.tasks.judge_config import JudgeConfig
 
 #: Where the reward model runs: "local" (HF forward on CPU in rank 0's process) or "sglang" (SGLang servers
 #: started with ``--is-embedding``, their ``/classify`` endpoint).
@@ -108,25 +109,17 @@ class RewardModelConfig:
 
 @dataclass
 class RewardConfig:
-    """The ``reward:`` section: rewards computed by models (the rule rewards stay in ``data.reward_fn``)."""
+    """``reward:``: rewards computed by models (the rule rewards are ``data.reward_fn``)."""
 
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM judge behind an OpenAI-compatible endpoint (``reward.judge.*``)."""
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A scalar reward model (``reward.model.*``)."""
 
     def errors(self) -> List[str]:
-        """Violations of every part, each naming its dotted key."""
-        return self.model.errors()
-
-
-def reward_errors_of_job(cfg) -> List[str]:
-    """The ``reward`` section's own problems and the combinations it refuses, for the job ``cfg`` (a
-    ``JobConfig``): multi-turn (the environment scores the episode) and validation files (scored by the rule
-    reward: their numbers would mean something else than the training reward's)."""
-    rm, errs = cfg.reward.model, cfg.reward.errors()
-    if rm.enable and cfg.multi_turn.env is not None:
-        errs.append("reward.model.enable: a reward model scores single-turn responses; multi-turn rewards come from "
-                    "the environment (multi_turn.env)")
-    if rm.enable and cfg.data.val_paths:
-        errs.append("data.val_files: validation files are scored by the rule reward only, not by reward.model; use "
-                    "data.val_heldout (scored like training) or leave data.val_files unset")
-    return errs
+        """The subsections' violations, and the pair not built together."""
+        errs = self.judge.errors() + self.model.errors()
+        if self.judge.enable and self.model.enable:
+            errs.append("reward.model.enable: a reward model and a judge (reward.judge.enable) in one job are not "
+                        "built; enable one of them")
+        return errs

@@ -45,6 +45,7 @@ from megatron_rl.parallel.state import initialize_model_parallel
 from megatron_rl.plan import JobPlan, actor_spec
 from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
+from megatron_rl.tasks.judge import JudgedTask
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.rollout.versions import version_tag
 from megatron_rl.trainer.prompt_draw import PromptDraw
@@ -81,6 +82,8 @@ def build_task(cfg: JobConfig):
     d = cfg.data
     task = build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
                           reward_fn=d.reward_fn, task_kwargs=d.task_kwargs)
+    if cfg.reward.judge.enable:  # the LLM judge scores (tasks/judge.py); raw answers sampled into the run dir
+        task = JudgedTask(task, cfg.reward.judge, os.path.join(cfg.trainer.run_dir, "judge_samples.jsonl"))
     if cfg.reward.model.enable:   # the rule task's prompts, scored by the reward model
         print(f"[megatron-rl] {cfg.reward.model.describe()}", flush=True)
         task = RewardModelTask(task, cfg.reward.model)

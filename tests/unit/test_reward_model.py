@@ -250,6 +250,9 @@ def test_config_errors_name_the_keys(copy_model):
         load_job_config(None, base + ["reward.model.enable=true", "reward.model.path=/x",
                                       "multi_turn.env=megatron_rl.envs.lookup:LookupEnv", "data.task=lookup"],
                         world_size=1)
+    with pytest.raises(ConfigError, match="a reward model and a judge .reward.judge.enable. in one job are not built"):
+        load_job_config(None, base + ["reward.model.enable=true", "reward.model.path=/x", "reward.judge.enable=true",
+                                      'reward.judge.urls=["http://127.0.0.1:1"]'], world_size=1)
     with pytest.raises(ConfigError, match="reward.model.nope: unknown key"):
         load_job_config(None, base + ["reward.model.nope=1"], world_size=1)
     cfg = load_job_config(None, base + ["reward.model.enable=true", "reward.model.path=/x",
