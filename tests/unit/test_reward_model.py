@@ -329,3 +329,13 @@ def test_dynamic_sampling_rounds_sum_the_rm_counts_and_time():
     m = merge_round_metrics(rounds)
     assert (m["reward/rm_failures"], m["reward/rm_latency_s"], m["reward/rm_batches"]) == (3.0, 0.75, 3.0)
     assert m["reward/rm_score_max"] == 3.0 and m["reward/rm_score_mean"] == 1.5
+
+
+def test_a_relative_rm_path_is_read_beside_the_config_file(rm_path, copy_model, tmp_path):
+    import shutil
+
+    shutil.copytree(rm_path, tmp_path / "rms" / "tiny")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"actor: {{load_hf: {copy_model}}}\nreward:\n  model: {{enable: true, path: rms/tiny}}\n")
+    cfg = load_job_config(str(job), world_size=1)
+    assert cfg.reward.model.path == str(tmp_path / "rms" / "tiny")
