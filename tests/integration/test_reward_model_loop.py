@@ -100,3 +100,20 @@ def test_check_reports_the_rm_and_its_template_on_a_row(copy_model, rm, capsys, 
     rc = main(args + ["reward.model.backend=sglang"])
     out, err = capsys.readouterr()
     assert rc == 2 and "reward.model.urls: backend 'sglang' needs at least one server URL" in err
+
+
+def test_an_rm_server_that_is_down_ends_the_run_loudly(copy_model, rm, tmp_path):
+    """Nothing listens at the RM's URL: every sample of step 1 fails, counted; past data.max_reward_failure_frac the
+    run ends with RewardFailureError naming the server, before the step trains."""
+    run = tmp_path / "down"
+    args = [f"actor.load_hf={copy_model}", f"trainer.run_dir={run}", "rollout.max_new_tokens=4",
+            "rollout.n_samples_per_prompt=2", "data.prompts_per_step=2", "trainer.progress=false",
+            "actor.micro_batch_size=4", "trainer.steps=2", "reward.model.enable=true", f"reward.model.path={rm}",
+            "reward.model.backend=sglang", 'reward.model.urls=["http://127.0.0.1:9"]', "reward.model.retries=1"]
+    r = subprocess.run([sys.executable, "-m", "megatron_rl.train", *args], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "RewardFailureError: step 1: 4 reward(s) failed and 0 timed out of 4 samples" in out, out[-3000:]
+    assert "http://127.0.0.1:9" in out and "after 2 tries" in out
+    assert not (run / "checkpoints").exists()
