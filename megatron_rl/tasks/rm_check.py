@@ -47,6 +47,8 @@ def check_reward_model(rm, prompt: Optional[Prompt]) -> Tuple[List[str], List[st
     except ValueError as e:
         return [str(e).replace("reward.model.path=", "reward.model.path: ", 1)], lines
     if prompt is None:
+        lines.append("reward model: no data row to render its template on (the problems of data.* / actor.load_hf "
+                     "say why)")
         return problems, lines
     try:
         ids = render_rm_input(tok, prompt.text, prompt.messages, str(prompt.answer))

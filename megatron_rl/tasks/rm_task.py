@@ -126,6 +126,9 @@ class RewardModelTask(Task):
             except RMError as e:
                 for i in idx:
                     bad[i] = (str(e), e.timed_out)
+            except Exception as e:  # noqa: BLE001 - a batch the backend could not score is counted, not raised
+                for i in idx:
+                    bad[i] = (f"reward.model: {type(e).__name__}: {e}", False)
         latency = time.monotonic() - t0
         mapped = map_scores(raw, rm)
         rule_bad: Optional[Set[int]] = None

@@ -339,3 +339,14 @@ def test_a_relative_rm_path_is_read_beside_the_config_file(rm_path, copy_model, 
     job.write_text(f"actor: {{load_hf: {copy_model}}}\nreward:\n  model: {{enable: true, path: rms/tiny}}\n")
     cfg = load_job_config(str(job), world_size=1)
     assert cfg.reward.model.path == str(tmp_path / "rms" / "tiny")
+
+
+def test_a_backend_that_raises_counts_its_batch_as_failed(rm_path, copy_task):
+    class Broken:
+        def scores(self, batch):
+            raise IndexError("index out of range in self")
+
+    prompts, responses = _rows(copy_task, n=3)
+    result = RewardModelTask(copy_task, _rm(rm_path), backend=Broken()).score(prompts, responses)
+    assert result.failed == 3 and result.rewards == [0.0] * 3
+    assert "reward.model: IndexError: index out of range in self" in result.errors[0]
