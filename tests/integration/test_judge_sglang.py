@@ -215,7 +215,8 @@ def test_training_job_scores_with_the_judge_and_repeats(shared, copy_model, tmp_
         assert all(0 <= m["reward/judge_score_min"] <= m["reward/judge_score_max"] <= 9 for m in recs)
         samples = [json.loads(x) for x in (run / "judge_samples.jsonl").read_text().splitlines()]
         assert samples and all(s["judge_answer"].startswith("\\boxed{") for s in samples)
-        assert {s["step"] for s in samples} == {1, 2}                  # sampled per training step
+        steps = {s["step"] for s in samples}                          # sampled per training step (async: the
+        assert steps == {1, 2} if mode == "sync" else {1, 2} <= steps  # producer also scored steps drawn ahead)
         curves.append([m["reward/raw_mean"] for m in recs])
     if mode == "sync":   # the embedded engine samples from its seed: the same rollouts, the same judge rewards
         assert curves[0] == curves[1]
