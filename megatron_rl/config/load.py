@@ -42,8 +42,10 @@ from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
 from megatron_rl.losses.registry import loss_type_for_loss_mode
+from megatron_rl.config.reward_section import RewardConfig, RewardModelConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
+from megatron_rl.tasks.judge_config import JudgeConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", "job_config_from_dict",
            "launch_world_size", "load_job_config", "read_config_file", "yaml_load"]
@@ -56,7 +58,8 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
                    "algorithm.filter_groups": FilterGroupsConfig, "algorithm.kl_ctrl": KLControlConfig,
                    "actor": ActorConfig,
-                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig}
+                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig,
+                   "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}
@@ -307,7 +310,7 @@ def _move_loss_mode(tree: Dict[str, Any], errors: List[str]) -> Dict[str, Any]:
     return tree
 
 
-_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer")
+_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "reward")
 #: The one problem reported for a verl config (its keys are not this project's).
 VERL_FILE_MESSAGE = ("actor_rollout_ref: this is a verl config (its actor_rollout_ref: section), not a megatron-rl "
                      "one; convert it with `megatron-rl migrate verl FILE -o JOB.yaml`, which maps every key to "

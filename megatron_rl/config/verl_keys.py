@@ -898,6 +898,30 @@ _TARGET = "Hydra's class name of a verl config block"
 _MULTI_TURN = "multi-turn rollouts here run an Environment class (multi_turn.env, docs/multi_turn.md); verl's " \
               "tool / interaction configs do not carry over"
 _RM_OFF = _unless("reward_model.enable", bool, " (rewards come from functions: data.reward_fn)")
+_RM_SERVER = "the reward model's SGLang server (--is-embedding): give it where that server starts; reward.model.urls " \
+             "names it (docs/reward_models.md)"
+
+
+def _rm_enable(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's reward-model switch -> ``reward.model.enable`` with backend sglang (verl serves its RM on GPUs)."""
+    if not value:
+        raise Skip(NO_MEANING, "the reward model is off (rewards come from functions: data.reward_fn)")
+    return {"reward.model.enable": True, "reward.model.backend": "sglang",
+            NOTE: "the RM is served by an SGLang server started with --is-embedding: set reward.model.urls "
+                  "(backend local runs tiny RMs on CPU); its reward is the RM score alone (reward.model.rule_weight "
+                  "0, as verl's reward manager adds no rule score when a reward model scores)"}
+
+
+def _rm_mapped(pattern: str, target: str, enable: str, note: str = "", convert=None) -> Rule:
+    """A reward-model key mapped to ``target``, with no effect while ``enable`` is off."""
+    return Rule(pattern, MAPPED, target=target, note=note, convert=convert, hint=False,
+                inactive=_unless(enable, bool, " (no reward model)"))
+
+
+def _rm_token_budget(value: Any, v: Verl) -> Dict[str, Any]:
+    if not v.get("reward_model.use_dynamic_bsz"):
+        raise Skip(NO_MEANING, "no effect in verl while reward_model.use_dynamic_bsz is off")
+    return {"reward.model.max_tokens_per_batch": value}
 
 
 _PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -1235,8 +1259,24 @@ def _rules() -> List[Rule]:
         _m("custom_reward_function.name", convert=lambda value, v: {}, hint=False,
            note="part of data.reward_fn (custom_reward_function.path:name)"),
         _u("custom_reward_function.reward_kwargs.**", "write them under data.reward_kwargs"),
-        _u("reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
-           "functions (data.reward_fn)", neutral=(False,)),
+        _m("reward_model.enable", convert=_rm_enable, target="reward.model.enable", hint=False),
+        _rm_mapped("reward_model.model.path", "reward.model.path", "reward_model.enable"),
+        _rm_mapped("reward_model.micro_batch_size_per_gpu", "reward.model.max_rows_per_batch", "reward_model.enable",
+                   note="rows per RM batch (one request / forward); reward.model.max_tokens_per_batch bounds its tokens"),
+        _rm_mapped("reward_model.forward_max_token_len_per_gpu", "reward.model.max_tokens_per_batch",
+                   "reward_model.enable", convert=_rm_token_budget),
+        _n("reward_model.use_dynamic_bsz", "RM batches are always cut by tokens (reward.model.max_tokens_per_batch) "
+           "and rows (reward.model.max_rows_per_batch)", inactive=_RM_OFF),
+        _n("reward_model.model.input_tokenizer", "the RM always reads (prompt, response) rendered with its own "
+           "tokenizer's chat template (reward.model.chat_template replaces it)", inactive=_RM_OFF),
+        _n("reward_model.strategy", "the RM runs on an SGLang server (or on CPU), not in verl's FSDP / Megatron "
+           "workers", inactive=_RM_OFF),
+        _u("reward_model.model.trust_remote_code", "remote-code reward models are not supported", neutral=(False,),
+           inactive=_RM_OFF),
+        Rule("reward_model.rollout.**", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
+        Rule("reward_model.enable_resource_pool", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
+        Rule("reward_model.n_gpus_per_node", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
+        Rule("reward_model.nnodes", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
         *_overlong_rules("reward_model.overlong_buffer"),
         *_overlong_rules("reward_model.reward_kwargs.overlong_buffer_cfg"),
         _m("reward_model.reward_kwargs.max_resp_len", hint=False,
@@ -1409,8 +1449,14 @@ def _newer_verl_rules() -> List[Rule]:
         *_overlong_rules("reward.reward_kwargs.overlong_buffer_cfg", "reward.reward_manager.name"),
         _m("reward.reward_kwargs.max_resp_len", hint=False,
            convert=_max_resp_len("reward.reward_kwargs.overlong_buffer_cfg", "reward.reward_manager.name")),
-        _u("reward.reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
-           "functions (data.reward_fn)", neutral=(False,)),
+        _m("reward.reward_model.enable", convert=_rm_enable, target="reward.model.enable", hint=False),
+        _rm_mapped("reward.reward_model.model_path", "reward.model.path", "reward.reward_model.enable"),
+        _u("reward.reward_model.rollout.name", "RM servers here are SGLang's (--is-embedding)", neutral=("sglang",),
+           inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.rollout.**", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.enable_resource_pool", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.n_gpus_per_node", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.nnodes", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
         _u("reward.reward_model.**", "model-based rewards are not supported", inactive=_off("reward.reward_model.enable")),
         _u("reward.sandbox_fusion.**", "no sandbox code execution for rewards", inactive=_off("reward.sandbox_fusion.url")),
         _u("sandbox_fusion.**", "no sandbox code execution", inactive=_off("sandbox_fusion.url")),

@@ -29,6 +29,9 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("actor", "megatron_rl.config.sections", "ActorConfig"),
     ("actor.policy_loss", "megatron_rl.losses.config", "PolicyLossConfig"),
     ("trainer", "megatron_rl.config.sections", "TrainerConfig"),
+    ("reward", "megatron_rl.config.reward_section", "RewardConfig"),
+    ("reward.judge", "megatron_rl.tasks.judge_config", "JudgeConfig"),
+    ("reward.model", "megatron_rl.config.reward_section", "RewardModelConfig"),
 )
 
 

@@ -35,6 +35,7 @@ from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
                                      weight_sync_settings)
 from megatron_rl.plan.kl_reward import build_kl_in_reward, describe_kl_in_reward
+from megatron_rl.plan.reward_checks import reward_errors_of_job
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
 
@@ -196,6 +197,7 @@ class JobPlan:
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))
+        p.add(reward_errors_of_job(cfg))  # reward.judge / reward.model (plan/reward_checks.py)
         p.add(dp_errors(cfg.parallel, d.prompts_per_step, ac.ppo_mini_batches, world_size))
         attention = None
         if c.device in DEVICES:  # bf16 through Precision (the fp32_output_layer problem does not change it)

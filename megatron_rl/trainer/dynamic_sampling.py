@@ -27,8 +27,10 @@ __all__ = ["DynamicSampling", "FilterGroupsExhaustedWarning", "FilterGroupsExhau
 SKIPPED = "filter_groups/skipped"
 """The metric every rank reads to skip a step's training (1.0: skipped)."""
 
-#: Step metrics that are counts: summed over the rounds (every other one is a row-weighted mean, or max / min).
-COUNT_METRICS = ("reward/failed", "reward/timed_out", "response/truncated_count", "routing/missing_rows")
+#: Step metrics that are counts (and the reward model's time): summed over the rounds (every other one is a
+#: row-weighted mean, or max / min).
+COUNT_METRICS = ("reward/failed", "reward/timed_out", "response/truncated_count", "routing/missing_rows",
+                 "reward/judge_failures", "reward/rm_failures", "reward/rm_batches", "reward/rm_latency_s")
 
 #: Per-row fields of a ``StepBatch`` (lists with one entry per row, or empty / None when the batch has none).
 ROW_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "rewards", "routing", "truncated",

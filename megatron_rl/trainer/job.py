@@ -47,6 +47,7 @@ from megatron_rl.parallel.state import initialize_model_parallel
 from megatron_rl.plan import JobPlan, actor_spec
 from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
+from megatron_rl.tasks.judge import JudgedTask
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.rollout.versions import version_tag
 from megatron_rl.trainer.prompt_draw import PromptDraw
@@ -56,6 +57,7 @@ from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_ove
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
 from megatron_rl.trainer.startup import check_data
+from megatron_rl.tasks.rm_task import RewardModelTask
 from megatron_rl.tasks.val_set import build_val_set
 from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
@@ -84,8 +86,14 @@ def build_task(cfg: JobConfig):
     """Rank 0's task (prompts + reward) with the checkpoint's tokenizer."""
     tok = load_tokenizer(cfg.actor.load_hf)
     d = cfg.data
-    return build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                          reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
+    task = build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                          reward_fn=d.reward_fn, task_kwargs=d.task_kwargs)
+    if cfg.reward.judge.enable:  # the LLM judge scores (tasks/judge.py); raw answers sampled into the run dir
+        task = JudgedTask(task, cfg.reward.judge, os.path.join(cfg.trainer.run_dir, "judge_samples.jsonl"))
+    if cfg.reward.model.enable:   # the rule task's prompts, scored by the reward model
+        print(f"[megatron-rl] {cfg.reward.model.describe()}", flush=True)
+        task = RewardModelTask(task, cfg.reward.model)
+    return task, tok
 
 
 def latest_checkpoint(run_dir: str) -> Optional[str]:

@@ -23,8 +23,9 @@ from megatron_rl.rollout.trajectory import COUNT_KEYS, FINISH_REASONS
 from megatron_rl.tasks.base import response_text
 from megatron_rl.trainer.dynamic_sampling import DynamicSampling
 from megatron_rl.trainer.greedy_baseline import greedy_rewards
-from megatron_rl.trainer.reward_components import reward_components
+from megatron_rl.trainer.judge_trajectories import judge_trajectories
 from megatron_rl.trainer.prompt_draw import PromptDraw, round_seed, sample_prompts  # noqa: F401 (re-exported)
+from megatron_rl.trainer.reward_components import reward_components
 from megatron_rl.trainer.step_batch import StepBatch
 
 
@@ -68,6 +69,7 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
         "response/overlong_penalty_mean": sum(penalties) / n,
     })
     m.update(result.extra_means())
+    m.update(getattr(result, "metrics", {}))  # the judge's reward/judge_*, the reward model's reward/rm_*
     return m
 
 
@@ -243,12 +245,15 @@ class MultiTurn:
                   f"reward 0); first: {failures[0][1].kind}: {failures[0][1].message}", file=sys.stderr, flush=True)
         routing, routing_stats = trajectory_routing(trajs, required=self.replay.needs_rollout_routing, step=step)
         prompt_rows = [prompts[b // n] for b in range(len(trajs))]
+        rewards, metrics = [float(t.reward) for t in trajs], multi_turn_metrics(prompt_rows, trajs, task.stats())
+        if hasattr(task, "score_texts"):  # reward.judge (tasks/judge.py JudgedTask): the judge reads the trajectories
+            rewards, metrics = judge_trajectories(task, prompt_rows, trajs, self.tokenizer, self.decode, metrics)
         return StepBatch(prompt_ids=[list(t.prompt_ids) for t in trajs],
                          response_ids=[t.response_ids for t in trajs],
                          rollout_log_probs=[t.rollout_log_probs for t in trajs],
-                         rewards=[float(t.reward) for t in trajs], weight_version=version, routing=routing,
+                         rewards=rewards, weight_version=version, routing=routing,
                          truncated=[t.finish in TRUNCATED_FINISHES for t in trajs],
-                         metrics={**multi_turn_metrics(prompt_rows, trajs, task.stats()), **routing_stats},
+                         metrics={**metrics, **routing_stats},
                          token_versions=[t.token_versions for t in trajs],
                          loss_masks=[trained_mask(t) for t in trajs])
 
