@@ -81,7 +81,10 @@ def _train_rank(rank, world, job):
     with actor.adapters_off():
         off1 = _probe(actor)
     on1 = _probe(actor)
-    return {"trainable": trainable, "in_opt": in_opt, "base0": base0, "base1": _params(actor, False), "ad0": ad0,
+    from megatron_rl.trainer.job import KLReference
+
+    ref = KLReference(actor, adapters_off=True).log_probs(checkpoint_batch(999, rows=4)[0], 1.0)
+    return {"ref": ref, "trainable": trainable, "in_opt": in_opt, "base0": base0, "base1": _params(actor, False), "ad0": ad0,
             "ad1": _params(actor, True), "on0": on0, "off0": off0, "off1": off1, "on1": on1}
 
 
@@ -99,6 +102,7 @@ def test_only_adapters_train_and_the_reference_is_the_base(dense_dir):
     assert all(r["ad1"][k].any() for k in r["ad0"] if k.endswith("lora_B.weight")), "B did not move"
     assert torch.equal(r["on0"], r["off0"])  # B = 0: the adapted policy is the base
     assert torch.equal(r["off1"], r["off0"])  # adapters off after training: still the base
+    assert torch.equal(r["ref"], r["off0"])  # the trainer's KL reference of a LoRA actor
     assert not torch.allclose(r["on1"], r["off1"])  # the trained adapters change the policy
 
 
