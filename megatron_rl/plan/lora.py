@@ -64,10 +64,10 @@ def lora_errors(cfg, with_sync: bool = True) -> List[str]:
     if model is not None and model.is_moe and par.etp > 1:
         errs.append(f"actor.lora: not with parallel.expert_tensor_parallel_size {par.etp} > 1 (expert adapters are "
                     f"built for unsplit experts: set parallel.expert_tensor_parallel_size: 1)")
-    if ac.routing_replay != "none" and ac.policy_loss.kl_loss_coef > 0:
-        errs.append(f"actor.lora: not with actor.routing_replay {ac.routing_replay!r} and a KL loss "
-                    f"(actor.policy_loss.kl_loss_coef > 0): the KL reference is the policy itself with its adapters "
-                    f"off, and its log-prob pass would replace the policy's routing record")
+    if ac.routing_replay != "none" and (ac.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward):
+        errs.append(f"actor.lora: not with actor.routing_replay {ac.routing_replay!r} and a KL reference "
+                    f"(actor.policy_loss.kl_loss_coef > 0 or algorithm.use_kl_in_reward): the reference is the policy "
+                    f"itself with its adapters off, and its log-prob pass would replace the policy's routing record")
     if ac.fp32_output_layer:
         errs.append("actor.lora: not with actor.fp32_output_layer (the output layer is frozen under LoRA)")
     if ac.optimizer_cpu_offload:
