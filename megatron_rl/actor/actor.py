@@ -332,10 +332,11 @@ class MegatronActor:
         ranks return None. For the embedded engine's in-process weight sync."""
         return gather_hf_state_dict(self.model, self.model_cfg, self.hf_target.geometry, self.groups)
 
-    def export_hf(self, out_dir: str) -> Optional[list]:
+    def export_hf(self, out_dir: str, view=None) -> Optional[list]:
         """Collective: rank 0 writes a HF safetensors directory (weights + config/tokenizer from
-        actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files."""
-        return export_model_to_hf(self.model, self.model_cfg, self.hf_target, out_dir, self.groups)
+        actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files (``view``: how
+        the model is read, ``convert.live.TensorView``: e.g. LoRA adapters merged)."""
+        return export_model_to_hf(self.model, self.model_cfg, self.hf_target, out_dir, self.groups, view=view)
 
     @property
     def hf_target(self) -> HFTarget:

@@ -95,13 +95,13 @@ def _verified(engine, version: str, verify: Callable[[], SyncReport]) -> SyncRep
 def export_payload(actor, settings: WeightSyncSettings, version: str) -> DiskExport:
     """Collective: ``version`` as an HF export in ``settings.export_dir``."""
     path = os.path.join(settings.export_dir, version)
-    actor.export_hf(path)
+    actor.export_hf(path, view=settings.view)
     return DiskExport(path)
 
 
 def bucket_payload(actor, settings: WeightSyncSettings, version: str) -> Optional[OwnedBuckets]:
     """Collective: ``version`` as buckets owned by rank 0 (None elsewhere), applied in ``settings.mode``."""
-    buckets = list(stream_buckets(actor, settings.bucket_bytes, None))
+    buckets = list(stream_buckets(actor, settings.bucket_bytes, None, view=settings.view))
     return OwnedBuckets(buckets, settings.mode) if is_rank0() else None
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
+from megatron_rl.weight_sync.lora_sync import LoraSync
 from megatron_rl.weight_sync.modes import WeightSyncMode, resolve_mode
 
 __all__ = ["WeightSyncSettings"]
@@ -33,18 +35,26 @@ class WeightSyncSettings:
     """``rollout.weight_sync_delta``: send only the elements changed since the version the engine holds."""
     export_dir: str
     """Where disk exports go: ``rollout.weight_sync_dir``, else ``<trainer.run_dir>/weight_sync``."""
+    lora: Optional[LoraSync] = None
+    """A LoRA job's adapter sync (``actor.lora`` with ``rollout.lora_sync``); None: no adapters."""
+
+    @property
+    def view(self):
+        """How the sender reads the model (``convert.live.TensorView``): LoRA merged, or None (as it is)."""
+        return self.lora.view() if self.lora is not None and self.lora.mode == "merged" else None
 
     @classmethod
-    def build(cls, rollout, run_dir: str, engine) -> "WeightSyncSettings":
+    def build(cls, rollout, run_dir: str, engine, lora=None) -> "WeightSyncSettings":
         """The settings of a validated ``rollout`` config section (``run_dir``: ``trainer.run_dir``; ``engine``:
-        the engine class, ``rollout.factory.engine_class(rollout.engine)``)."""
+        the engine class, ``rollout.factory.engine_class(rollout.engine)``; ``lora``: ``actor.lora``)."""
         return cls(mode=resolve_mode(rollout, engine), engine=rollout.engine,
                    deferred_modes=tuple(engine.deferred_weight_sync_modes),
                    bucket_bytes=int(rollout.weight_sync_bucket_mb * (1 << 20)),
                    timeout_s=float(rollout.weight_sync_timeout_s),
                    verify_interval=int(rollout.weight_sync_verify_interval),
                    verify_tensors=int(rollout.weight_sync_verify_tensors), delta=bool(rollout.weight_sync_delta),
-                   export_dir=rollout.weight_sync_dir or os.path.join(run_dir, "weight_sync"))
+                   export_dir=rollout.weight_sync_dir or os.path.join(run_dir, "weight_sync"),
+                   lora=LoraSync.of(lora, rollout))
 
     def due(self, version: int) -> bool:
         """Whether version number ``version`` is verified."""

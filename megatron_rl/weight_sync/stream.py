@@ -78,13 +78,13 @@ def _shareable(exc: Optional[BaseException]) -> Optional[BaseException]:
 
 
 def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: int, corrupt,
-              pack=None) -> SenderOutcome:
+              pack=None, view=None) -> SenderOutcome:
     """Every rank: gather and send this rank's own buckets through ``channel`` (None: not a sender; it still
-    takes part in the gathers). ``pack``: a delta sync's packer. After a failure the rest of the stream is
+    takes part in the gathers). ``pack``: a delta sync's packer; ``view``: how the model is read (LoRA merged). After a failure the rest of the stream is
     gathered but not sent."""
     out = SenderOutcome(rank)
     hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold):
+    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, view):
         if channel is None or out.error is not None:
             continue
         try:
@@ -163,7 +163,7 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
     else:
         failed = None
     mine = _send_own(actor, channel, verifier if rank0 else copy, bucket_bytes, dtype, set(keep), rank, corrupt,
-                     pack)
+                     pack, settings.view)
     if failed is not None:
         mine = failed
     if size == 1:

@@ -1,0 +1,1 @@
+"""LoRA adapters on megatron-core linear layers (docs/lora.md)."""
