@@ -1,0 +1,108 @@
+"""LoRA adapters of a full Megatron state dict -> a PEFT adapter directory, or merged into the HF model.
+
+Rule: a fused megatron-core module's adapter becomes one PEFT adapter per HF module it holds -- B's rows are
+split exactly as the base weight's rows (``mapping.hf_row_sources``: qkv's grouped rows to q / k / v, fc1's
+[gate; up]) and the shared A is copied to each -- so PEFT's ``base + scale * B_part @ A`` is the fused layer's
+delta row for row. Experts are written per expert under the HF checkpoint's names (``mlp.experts.E.gate_proj``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_rl.convert.checks import CheckpointMismatchError
+from megatron_rl.convert.geometry import HFGeometry
+from megatron_rl.convert.mapping import hf_row_sources, mcore_to_hf, param_rules
+from megatron_rl.lora.merge import LORA_A, LORA_B, adapted_modules, merged_items
+
+Tensor = torch.Tensor
+
+__all__ = ["LORA_CONFIG_FILE", "split_adapters", "peft_adapter_tensors", "peft_adapter_config",
+           "write_peft_adapter", "merged_hf_state_dict", "read_lora_config"]
+
+#: The LoRA section (``actor.lora``: rank, alpha, dropout, target_modules, init) saved beside a checkpoint.
+LORA_CONFIG_FILE = "lora_config.json"
+#: PEFT's key prefix of a causal LM's adapter tensors (``PeftModelForCausalLM.base_model.model``).
+PEFT_PREFIX = "base_model.model."
+
+
+def split_adapters(full: Mapping[str, Tensor]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    """(base tensors, adapter tensors) of a full state dict."""
+    base = {n: t for n, t in full.items() if not n.endswith((LORA_A, LORA_B))}
+    return base, {n: t for n, t in full.items() if n.endswith((LORA_A, LORA_B))}
+
+
+def peft_adapter_tensors(adapters: Mapping[str, Tensor], geom: HFGeometry) -> Dict[str, Tensor]:
+    """PEFT's ``{base_model.model.<HF module>.lora_A|B.weight: tensor}`` of full (unsharded, global-index)
+    Megatron adapters; an adapter of a module without a HF counterpart raises, naming it."""
+    rules = {r.mcore_name: r for r in param_rules(geom)}
+    out: Dict[str, Tensor] = {}
+    for path, (a_name, b_name) in sorted(adapted_modules(adapters).items()):
+        rule = rules.get(path + ".weight")
+        if rule is None:
+            raise CheckpointMismatchError(f"LoRA adapter {path!r}: no HF tensor {path + '.weight'!r} in "
+                                          f"{geom.architecture}")
+        a, b = adapters[a_name], adapters[b_name]
+        if b.shape[0] != rule.mcore_shape[0] or a.shape[1] != rule.mcore_shape[1] or a.shape[0] != b.shape[1]:
+            raise CheckpointMismatchError(f"LoRA adapter {path!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not "
+                                          f"fit the weight {tuple(rule.mcore_shape)}")
+        parts, rows = hf_row_sources(rule, geom)
+        for i, hf_name in enumerate(rule.hf_names):
+            module = PEFT_PREFIX + hf_name[: -len(".weight")]
+            sel = (parts == i).nonzero().flatten()
+            order = rows[sel].argsort()
+            out[module + ".lora_A.weight"] = a.clone().contiguous()
+            out[module + ".lora_B.weight"] = b.index_select(0, sel[order]).contiguous()
+    return out
+
+
+def peft_adapter_config(peft_tensors: Mapping[str, Tensor], rank: int, alpha: float, dropout: float = 0.0,
+                        base_model: Optional[str] = None) -> dict:
+    """PEFT's ``adapter_config.json`` for ``peft_tensors`` (target modules: the HF module leaf names)."""
+    targets = sorted({k[: -len(".lora_A.weight")].rsplit(".", 1)[-1] for k in peft_tensors
+                      if k.endswith(".lora_A.weight")})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha,
+            "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+
+
+def write_peft_adapter(out_dir: str, adapters: Mapping[str, Tensor], geom: HFGeometry, lora: Mapping,
+                       base_model: Optional[str] = None) -> List[str]:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``lora``: rank / alpha / dropout, the
+    ``actor.lora`` section); returns the files written."""
+    tensors = peft_adapter_tensors(adapters, geom)
+    rank = {t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")}
+    if rank != {int(lora["rank"])}:
+        raise CheckpointMismatchError(f"LoRA adapters of rank {sorted(rank)} but the saved actor.lora.rank is "
+                                      f"{lora['rank']}")
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = peft_adapter_config(tensors, lora["rank"], lora["alpha"], lora.get("dropout", 0.0), base_model)
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    path = os.path.join(out_dir, "adapter_model.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    return [os.path.join(out_dir, "adapter_config.json"), path]
+
+
+def merged_hf_state_dict(full: Mapping[str, Tensor], geom: HFGeometry, lora: Mapping) -> Dict[str, Tensor]:
+    """The HF state dict of ``full`` with its adapters merged (``lora.merge``: fp32, cast once to the base
+    weight's dtype)."""
+    scale = float(lora["alpha"]) / int(lora["rank"])
+    merged = {n: t.to(full[n].dtype) for n, t in merged_items(full, scale)}
+    return mcore_to_hf(merged, geom)
+
+
+def read_lora_config(ckpt_dir: str) -> Optional[dict]:
+    """The ``actor.lora`` section saved beside a checkpoint (``LORA_CONFIG_FILE``), None when there is none."""
+    path = os.path.join(ckpt_dir, LORA_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
