@@ -29,8 +29,8 @@ LAYERS: List[Tuple[str, ...]] = [
     ("numerics", "braces", "jsonl", "imports", "tokenizer", "worker_pipes", "lifeline", "platform", "algo",
      "errors"),                                   # errors shared by the engines and weight sync
     ("parallel", "logprobs"),                    # layouts and process groups; vocab-parallel log-probs
-    ("models", "losses", "correction", "lora"),  # model build; the loss and correction math; LoRA adapters
-    ("convert", "tasks"),                        # HF <-> Megatron weights and checkpoints; prompts and rewards
+    ("models", "losses", "correction"),          # model build; the loss and correction math
+    ("convert", "tasks", "lora"),                # HF <-> Megatron weights and checkpoints; prompts and rewards; LoRA
     ("config",),                                 # the job's YAML as typed sections
     ("actor",),                                  # the Megatron actor: log-probs, train step, checkpoints
     ("weight_sync",),                            # trainer -> engine weight transfer

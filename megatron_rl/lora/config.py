@@ -19,6 +19,8 @@ ALL_LINEAR = "all-linear"
 HF_ALIASES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
               "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
               "w1": "linear_fc1", "w3": "linear_fc1", "w2": "linear_fc2"}
+#: HF names that share one megatron-core module: all of a group or none
+_TOGETHER = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 #: ``init`` values: PEFT's defaults (B zeros; A kaiming-uniform(a=sqrt(5)) as nn.Linear, or normal(0, 1/r))
 INITS = ("kaiming", "gaussian")
 
@@ -87,6 +89,13 @@ class LoraConfig:
             if bad:
                 errs.append(f"{key}.target_modules: unknown {', '.join(map(repr, bad))}; known: "
                             f"{', '.join(MCORE_TARGETS)}, {', '.join(HF_ALIASES)}, {ALL_LINEAR}")
+            for group in _TOGETHER:
+                given = [t for t in group if t in self.target_modules]
+                if given and len(given) < len(group):
+                    errs.append(f"actor.lora.target_modules: {', '.join(given)} without "
+                                f"{', '.join(t for t in group if t not in given)}: megatron-core holds "
+                                f"{' / '.join(group)} in one module ({HF_ALIASES[group[0]]}), whose adapter adapts all "
+                                f"of them; list them together (or write {HF_ALIASES[group[0]]})")
         return errs
 
     def mcore_targets(self) -> Tuple[Tuple[str, str], ...]:

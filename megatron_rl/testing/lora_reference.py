@@ -1,82 +1,127 @@
-"""Reference pieces of the LoRA merge / export tests: random full adapters, the single-process fp32 merge, and
-one rank of an adapted live model (``run_ranks``)."""
+"""The LoRA-vs-PEFT proof set-up: random layout-free adapters for a tiny HF model, the same adapters put into
+PEFT's LoRA on the HF model (``peft_model``), and PEFT's gradients read back in megatron-core's layout.
+
+The mapping is the converter's (``convert.mapping.param_rules``): a megatron-core module's adapter is PEFT's
+adapters of the HF modules it is made of, with ONE A shared by q / k / v (gate / up) and B's rows split like the
+weight's rows. Routed experts, fused in memory by transformers, go through PEFT's ``target_parameters`` (one
+rank-r adapter per expert, PEFT's stacked layout).
+"""
 from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_rl.convert import storage
-from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.live import iter_hf_tensors, load_full_state_dict_into_model
-from megatron_rl.convert.mapping import param_rules
-from megatron_rl.lora.layers import COLUMN, ROW, lora_class
-from megatron_rl.models import build_gpt_model
-from megatron_rl.parallel import ParallelConfig, initialize_model_parallel
-from megatron_rl.parallel.groups import ActorGroups
-from megatron_rl.testing.actor_reference import hf_model_config
-from megatron_rl.weight_sync.lora_sync import LoraSync
+from megatron_rl.convert.api import read_hf_checkpoint
+from megatron_rl.convert.mapping import _qkv_merge, _qkv_split, param_rules
 
-__all__ = ["TARGETS", "RANK", "ALPHA", "full_adapters", "reference_merge", "adapted_model_outputs"]
+__all__ = ["adapted_rules", "random_full_adapters", "peft_model", "peft_grads"]
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-RANK, ALPHA = 4, 8.0
+_PEFT_NAME = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 
 
-def full_adapters(geom: HFGeometry, seed: int) -> dict:
-    """Random full (TP1 / EP1) A and B of every targeted module of ``geom`` (B non-zero)."""
-    g = torch.Generator().manual_seed(seed)
+def adapted_rules(hf_dir: str, modules: Sequence[str]):
+    """(geometry, [ParamRule of every ``<module>.weight`` the megatron-core module names in ``modules`` adapt])."""
+    g, _, _ = read_hf_checkpoint(hf_dir)
+    rules = [r for r in param_rules(g) if r.mcore_name.endswith(".weight")
+             and r.mcore_name.rsplit(".", 2)[-2] in modules]
+    return g, rules
+
+
+def random_full_adapters(rules, rank: int, seed: int = 0, scale: float = 0.3) -> Dict[str, torch.Tensor]:
+    """{``<module>.lora_A.weight`` / ``lora_B.weight``: random fp32} for every rule (B non-zero, so the delta is)."""
+    gen = torch.Generator().manual_seed(seed)
     out = {}
-    for r in param_rules(geom):
-        name = r.mcore_name
-        if name.endswith(".weight") and name[:-len(".weight")].rsplit(".", 1)[-1] in TARGETS:
-            o, i = r.mcore_shape
-            out[name[:-len(".weight")] + ".lora_A.weight"] = torch.randn(RANK, i, generator=g) / i ** 0.5
-            out[name[:-len(".weight")] + ".lora_B.weight"] = torch.randn(o, RANK, generator=g) * 0.2
+    for r in rules:
+        pre = r.mcore_name[:-len("weight")]
+        out_f, in_f = r.mcore_shape
+        out[pre + "lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * scale
+        out[pre + "lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * scale
     return out
 
 
-def reference_merge(full: dict, adapters: dict, scale: float) -> dict:
-    """Single process, fp32: W + scale * sum_k B[:, k] A[k, :] in k order for every adapted W."""
-    out = dict(full)
-    for name, a in adapters.items():
-        if name.endswith(".lora_A.weight"):
-            p = name[:-len(".lora_A.weight")]
-            b = adapters[p + ".lora_B.weight"]
-            delta = torch.zeros(b.shape[0], a.shape[1])
-            for k in range(a.shape[0]):
-                delta = delta + torch.outer(b[:, k], a[k])
-            out[p + ".weight"] = full[p + ".weight"].float() + scale * delta
+def _experts_wrappers(model) -> Dict[Tuple[str, str], torch.nn.Module]:
+    """{(HF path of the experts module, parameter name): PEFT ParamWrapper}."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ParamWrapper):
+            path = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
+            out[(path, m.parameter_name)] = m
     return out
 
 
-def adapted_model_outputs(rank, world, hf_dir, full, pcfg_kw, tokens):
-    """One rank (``run_ranks``): build the model of ``hf_dir`` at ``pcfg_kw``, adapt every ``TARGETS`` module
-    (``lora.layers``), load ``full`` (base + adapters, cut by ``convert.partition``) and return (the HF tensors
-    this rank owns in a sync, bf16 via the merged view; the whole merged fp32 HF state dict on rank 0; the
-    logits ``[B, S, vocab]`` of ``tokens``)."""
-    pcfg = ParallelConfig(**pcfg_kw)
-    mcfg = hf_model_config(hf_dir)
-    initialize_model_parallel(pcfg, seed=3, model=mcfg)
-    chunks = build_gpt_model(mcfg, pcfg)
-    groups = ActorGroups.from_parallel_state(sequence_parallel=pcfg.sequence_parallel)
-    for name, m in chunks[0].named_modules():
-        if name.rsplit(".", 1)[-1] in TARGETS:
-            kind = ROW if name.endswith(("linear_proj", "linear_fc2")) else COLUMN
-            tp = 1 if m.tp_group is None else torch.distributed.get_world_size(m.tp_group)
-            o, i = m.weight.shape
-            m.__class__ = lora_class(type(m), kind)
-            m.attach(RANK, ALPHA / RANK, 0.0, torch.zeros(RANK, i * (tp if kind == ROW else 1)), 0)
-    load_full_state_dict_into_model(chunks, full, mcfg, groups)  # cuts A / B like their base (param_kind)
-    geom = HFGeometry.from_hf_config(storage.read_hf_config(hf_dir))
-    view = LoraSync("merged", RANK, ALPHA).view()
-    owned = {n: t.to(torch.bfloat16) for n, t in iter_hf_tensors(chunks, mcfg, geom, groups, owner_only=True,
-                                                                  gather_dtype=torch.bfloat16, view=view)}
-    fp32 = {n: t.clone() for n, t in iter_hf_tensors(chunks, mcfg, geom, groups, view=view)}
+def _linear_lora(model, hf_module: str):
+    m = model.get_submodule("base_model.model." + hf_module)
+    return m.lora_A["default"].weight, m.lora_B["default"].weight
+
+
+def peft_model(hf_model, rules, g, full: Dict[str, torch.Tensor], rank: int, alpha: float):
+    """``hf_model`` under PEFT's LoRA (every HF module / expert parameter the rules adapt) with the adapters of
+    ``full`` copied in; fp32, eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    linear, params = set(), set()
+    for r in rules:
+        for n in r.hf_names:
+            if r.expert is not None:
+                params.add("mlp.experts.down_proj" if n.endswith("down_proj.weight") else "mlp.experts.gate_up_proj")
+            else:
+                linear.add(n.rsplit(".", 2)[-2])
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=sorted(linear) or None,
+                     target_parameters=sorted(params) or None, init_lora_weights=False)
+    model = get_peft_model(hf_model, cfg)
+    wrappers = _experts_wrappers(model)
     with torch.no_grad():
-        chunks[0].eval()
-        pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
-        logits = chunks[0](tokens, pos, None)
-        if groups.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(groups.tp_size)]
-            torch.distributed.all_gather(parts, logits.contiguous(), group=groups.tp_group)
-            logits = torch.cat(parts, -1)
-    return owned, (fp32 if rank == 0 else None), logits[..., :geom.vocab_size]
+        for r in rules:
+            pre = r.mcore_name[:-len("weight")]
+            a, b = full[pre + "lora_A.weight"], full[pre + "lora_B.weight"]
+            for hf_name, part in _b_parts(r, b, g):
+                if r.expert is None:
+                    pa, pb = _linear_lora(model, hf_name.rsplit(".", 1)[0])
+                    pa.copy_(a)
+                    pb.copy_(part)
+            if r.expert is not None:
+                w, e, n_exp = _expert_wrapper(wrappers, r)
+                w.lora_A["default"].weight[e * rank:(e + 1) * rank] = a
+                w.lora_B["default"].weight.view(b.shape[0], rank, n_exp)[:, :, e] = b
+    return model.eval()
+
+
+def _b_parts(rule, b: torch.Tensor, g) -> List[Tuple[str, torch.Tensor]]:
+    if rule.combine == "qkv":
+        return list(zip(rule.hf_names, _qkv_split(b, g)))
+    if rule.combine == "gated":
+        return list(zip(rule.hf_names, b.chunk(2, 0)))
+    return [(rule.hf_names[0], b)]
+
+
+def _expert_wrapper(wrappers, rule):
+    hf = rule.hf_names[0]  # model.layers.<i>.mlp.experts.<e>.<gate|down>_proj.weight
+    path = hf.split(".experts.")[0] + ".experts"
+    pname = "down_proj" if rule.mcore_name.endswith("linear_fc2.weight") else "gate_up_proj"
+    w = wrappers[(path, pname)]
+    return w, rule.expert, w.num_experts
+
+
+def peft_grads(model, rules, g, rank: int) -> Dict[str, torch.Tensor]:
+    """PEFT's gradients of every adapter, in megatron-core's layout and names (q / k / v's A gradients summed:
+    megatron-core's module has one A)."""
+    wrappers = _experts_wrappers(model)
+    out = {}
+    for r in rules:
+        pre = r.mcore_name[:-len("weight")]
+        if r.expert is not None:
+            w, e, n_exp = _expert_wrapper(wrappers, r)
+            ga = w.lora_A["default"].weight.grad[e * rank:(e + 1) * rank]
+            gb_all = w.lora_B["default"].weight.grad
+            gb = gb_all.view(gb_all.shape[0], rank, n_exp)[:, :, e]
+        else:
+            mods = [_linear_lora(model, n.rsplit(".", 1)[0]) for n in r.hf_names]
+            ga = sum(a.grad for a, _ in mods)
+            bs = [b.grad for _, b in mods]
+            gb = _qkv_merge(*bs, g) if r.combine == "qkv" else torch.cat(bs, 0)
+        out[pre + "lora_A.weight"], out[pre + "lora_B.weight"] = ga.clone(), gb.clone()
+    return out

@@ -15,7 +15,7 @@ from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.lora_export import merged_hf_state_dict, split_adapters, write_peft_adapter
 from megatron_rl.convert.mapping import hf_to_mcore
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.lora_reference import ALPHA, RANK, adapted_model_outputs, full_adapters
+from megatron_rl.testing.lora_sync_reference import ALPHA, RANK, adapted_model_outputs, full_adapters
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ from megatron_rl.convert import storage
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.mapping import hf_to_mcore, mcore_to_hf
 from megatron_rl.testing.distributed import run_ranks
-from megatron_rl.testing.lora_reference import ALPHA, RANK, adapted_model_outputs, full_adapters, reference_merge
+from megatron_rl.testing.lora_sync_reference import ALPHA, RANK, adapted_model_outputs, full_adapters, reference_merge
 
 pytest.importorskip("transformers")
 
