@@ -294,10 +294,10 @@ def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: ActorGroups) 
 
 
 def gather_full_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
-                           groups: ActorGroups) -> Optional[Dict[str, Tensor]]:
+                           groups: ActorGroups, view: TensorView = None) -> Optional[Dict[str, Tensor]]:
     """Collective over all ranks: the full Megatron state dict (local-spec names, padded vocab, CPU) on
-    global rank 0, None elsewhere."""
-    return _collect_on_rank0(iter_full_tensors(chunks, model_cfg, groups), groups)
+    global rank 0, None elsewhere (``view``: as in :func:`iter_full_tensors`, e.g. the LoRA adapters alone)."""
+    return _collect_on_rank0(iter_full_tensors(chunks, model_cfg, groups, view=view), groups)
 
 
 def gather_hf_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,

@@ -19,6 +19,7 @@ from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
+from megatron_rl.weight_sync.lora_sync import LORA_SYNC_MODES
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["TASKS", "ADV", "DTYPES", "DEVICES", "Unbuilt", "build_dims", "cluster_errors", "rollout_errors",
@@ -197,10 +198,11 @@ def staleness_errors(r, t) -> List[str]:
     return errs
 
 
-def weight_sync_settings(r, run_dir: str) -> WeightSyncSettings:
+def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
     """The job's ``WeightSyncSettings``, built once (the mode resolved here: ``auto`` is the engine's default);
-    ``Unbuilt`` with the ``rollout.weight_sync*`` problems against the engine and ``rollout.mode``."""
-    errs: List[str] = []
+    ``Unbuilt`` with the ``rollout.weight_sync*`` / ``rollout.lora_sync`` problems against the engine and
+    ``rollout.mode`` (``lora``: ``actor.lora``, None when the job has none)."""
+    errs: List[str] = lora_sync_errors(r, lora)
     modes = ("auto",) + WEIGHT_SYNC_MODES
     if r.weight_sync not in modes:
         errs.append(f"rollout.weight_sync: {r.weight_sync!r} is not one of {', '.join(modes)}")
@@ -227,7 +229,7 @@ def weight_sync_settings(r, run_dir: str) -> WeightSyncSettings:
     settings = None
     mode_accepted = not any(e.startswith("rollout.weight_sync:") for e in errs)  # by the engine and rollout.mode
     if r.engine in ENGINE_KINDS and mode_accepted:
-        settings = WeightSyncSettings.build(r, run_dir, engine_class(r.engine))  # the one place a mode is built
+        settings = WeightSyncSettings.build(r, run_dir, engine_class(r.engine), lora)  # the one place a mode is built
     mode = settings.mode.name if settings is not None else None
     if r.weight_sync_delta and mode is not None:
         if r.mode == "async":
@@ -242,6 +244,24 @@ def weight_sync_settings(r, run_dir: str) -> WeightSyncSettings:
     if errs or settings is None:
         raise Unbuilt(errs)
     return settings
+
+
+def lora_sync_errors(r, lora) -> List[str]:
+    """``rollout.lora_sync`` against ``actor.lora`` (``lora``) and the engine: a value it is not, adapter-only
+    sync with an engine that cannot apply adapters, or a non-default value without adapters."""
+    mode = getattr(r, "lora_sync", "merged")
+    if mode not in LORA_SYNC_MODES:
+        return [f"rollout.lora_sync: {mode!r} is not one of {', '.join(LORA_SYNC_MODES)}"]
+    on = lora is not None and bool(getattr(lora, "rank", 0))
+    if mode != "merged" and not on:
+        return [f"rollout.lora_sync: {mode!r} needs actor.lora (rank > 0); without adapters the whole model syncs"]
+    if mode == "adapter" and r.weight_sync_delta:
+        return ["rollout.weight_sync_delta: true with rollout.lora_sync 'adapter': the adapters travel whole (a few "
+                "MB); use one or the other"]
+    if mode == "adapter" and r.engine in ENGINE_KINDS and not engine_class(r.engine).lora_adapter_sync:
+        return [f"rollout.lora_sync: 'adapter' is not built for rollout.engine {r.engine!r} (its engine cannot "
+                f"apply adapters sent alone): use rollout.lora_sync: merged"]
+    return []
 
 
 def validation_errors_of_job(cfg, world_size: int) -> List[str]:

@@ -181,7 +181,7 @@ class JobPlan:
         replay = p.build(_replay, ac.routing_replay, cfg.model)
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
-        ws = p.build(weight_sync_settings, r, t.run_dir)
+        ws = p.build(weight_sync_settings, r, t.run_dir, getattr(ac, "lora", None))  # actor.lora: docs/lora.md
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))
