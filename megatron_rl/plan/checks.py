@@ -202,7 +202,8 @@ def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
     """The job's ``WeightSyncSettings``, built once (the mode resolved here: ``auto`` is the engine's default);
     ``Unbuilt`` with the ``rollout.weight_sync*`` / ``rollout.lora_sync`` problems against the engine and
     ``rollout.mode`` (``lora``: ``actor.lora``, None when the job has none)."""
-    errs: List[str] = lora_sync_errors(r, lora)
+    errs: List[str] = []
+    lora_errs = lora_sync_errors(r, lora)
     modes = ("auto",) + WEIGHT_SYNC_MODES
     if r.weight_sync not in modes:
         errs.append(f"rollout.weight_sync: {r.weight_sync!r} is not one of {', '.join(modes)}")
@@ -228,7 +229,7 @@ def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
         errs.append(f"rollout.weight_sync_timeout_s: must be > 0, got {r.weight_sync_timeout_s}")
     settings = None
     mode_accepted = not any(e.startswith("rollout.weight_sync:") for e in errs)  # by the engine and rollout.mode
-    if r.engine in ENGINE_KINDS and mode_accepted:
+    if r.engine in ENGINE_KINDS and mode_accepted and not lora_errs:
         settings = WeightSyncSettings.build(r, run_dir, engine_class(r.engine), lora)  # the one place a mode is built
     mode = settings.mode.name if settings is not None else None
     if r.weight_sync_delta and mode is not None:
@@ -241,6 +242,7 @@ def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
                         + (" (auto)" if r.weight_sync == "auto" else "")
                         + ("; SGLang's /update_weights_from_distributed loads whole tensors only"
                            if mode == "distributed" else ""))
+    errs += lora_errs
     if errs or settings is None:
         raise Unbuilt(errs)
     return settings
