@@ -50,10 +50,22 @@ def _run_hf_dir(iter_dir: str) -> Optional[str]:
     return None
 
 
-def export_checkpoint_to_hf(path: str, out_dir: str, assets_dir: Optional[str] = None) -> List[str]:
+def _run_lora(iter_dir: str) -> Optional[dict]:
+    """The run's ``actor.lora`` section, from the checkpoint's extra state (None: none saved)."""
+    path = os.path.join(iter_dir, _EXTRA_STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    extra = torch.load(path, weights_only=False)
+    lora = ((extra.get("config") or {}).get("actor") or {}).get("lora") if isinstance(extra, dict) else None
+    return lora if isinstance(lora, dict) and lora.get("rank") else None
+
+
+def export_checkpoint_to_hf(path: str, out_dir: str, assets_dir: Optional[str] = None,
+                            merge: bool = False) -> List[str]:
     """Write the model of the actor checkpoint ``path`` (a root with ``latest`` or an ``iter_*``
     directory) as a HF directory ``out_dir``; returns the weight files. ``assets_dir``: HF (or converted)
-    directory whose config / tokenizer files go beside the weights; it must match the saved model."""
+    directory whose config / tokenizer files go beside the weights; it must match the saved model. A LoRA run
+    is written as a PEFT adapter, or with ``merge`` as the merged model (``convert.lora_export.export_full``)."""
     iter_dir = resolve_checkpoint_dir(path)
     with open(os.path.join(iter_dir, META_FILE)) as fh:
         model_cfg: ModelConfig = model_config_from_dict(json.load(fh)["model"])
@@ -63,4 +75,5 @@ def export_checkpoint_to_hf(path: str, out_dir: str, assets_dir: Optional[str] =
                       f"writing a config.json generated from the saved model config, without tokenizer files",
                       stacklevel=2)
     target = hf_target(model_cfg, source)
-    return export_torch_dist_to_hf(os.path.join(iter_dir, _DIST_DIR), out_dir, target.config, target.assets_dir)
+    return export_torch_dist_to_hf(os.path.join(iter_dir, _DIST_DIR), out_dir, target.config, target.assets_dir,
+                                   merge=merge, lora=_run_lora(iter_dir))

@@ -16,12 +16,13 @@ from safetensors.torch import save_file
 
 from megatron_rl.convert.checks import CheckpointMismatchError
 from megatron_rl.convert.geometry import HFGeometry
+from megatron_rl.convert import storage
 from megatron_rl.convert.mapping import hf_row_sources, mcore_to_hf, param_rules
 from megatron_rl.lora.merge import LORA_A, LORA_B, adapted_modules, merged_items
 
 Tensor = torch.Tensor
 
-__all__ = ["LORA_CONFIG_FILE", "split_adapters", "peft_adapter_tensors", "peft_adapter_config",
+__all__ = ["LORA_CONFIG_FILE", "export_full", "split_adapters", "peft_adapter_tensors", "peft_adapter_config",
            "write_peft_adapter", "merged_hf_state_dict", "read_lora_config"]
 
 #: The LoRA section (``actor.lora``: rank, alpha, dropout, target_modules, init) saved beside a checkpoint.
@@ -106,3 +107,23 @@ def read_lora_config(ckpt_dir: str) -> Optional[dict]:
         return json.load(fh)
 
 
+
+
+def export_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: str, lora: Optional[Mapping] = None,
+                merge: bool = False, assets_dir: Optional[str] = None, config: Optional[dict] = None,
+                max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES) -> List[str]:
+    """Write a full state dict: without adapters the HF model; with adapters a PEFT adapter (``merge`` False)
+    or the merged HF model (``merge``). ``lora``: the ``actor.lora`` section the adapters were trained with
+    (rank / alpha / dropout); required when there are adapters. Returns the files written."""
+    base, adapters = split_adapters(full)
+    if not adapters:
+        if merge:
+            raise CheckpointMismatchError("--merge: the checkpoint has no LoRA adapters (lora_A / lora_B tensors)")
+        return storage.write_hf_model_dir(out_dir, mcore_to_hf(base, geom), assets_dir, config, max_shard_bytes)
+    if not lora or not lora.get("rank"):
+        raise CheckpointMismatchError(f"the checkpoint has {len(adapters)} LoRA tensors but no actor.lora section "
+                                      f"(rank / alpha) was saved with it ({LORA_CONFIG_FILE} or the run's config)")
+    if merge:
+        return storage.write_hf_model_dir(out_dir, merged_hf_state_dict(full, geom, lora), assets_dir, config,
+                                          max_shard_bytes)
+    return write_peft_adapter(out_dir, adapters, geom, lora, base_model=assets_dir)
