@@ -39,6 +39,7 @@ from megatron_rl.convert.storage import hf_assets_dir, read_hf_config
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
+from megatron_rl.lora.config import LoraConfig
 from megatron_rl.losses.registry import loss_type_for_loss_mode
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
@@ -53,7 +54,7 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "algorithm": AlgorithmConfig,
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
                    "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,
-                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig}
+                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig, "actor.lora": LoraConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Union
 from megatron_rl.config.paths import HUB, IMPORT, path_field
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
+from megatron_rl.lora.config import LoraConfig
 
 
 #: GPU memory (GiB) ``check`` plans a CUDA job against when ``cluster.gpu_memory_gb`` is not set, and what
@@ -497,6 +498,9 @@ class ActorConfig:
     """MoE routing replay: none | r2 (train forwards replay the routing the log-prob pass chose) | r3
     (log-prob pass and train forwards replay the rollout engine's routing; needs an MoE model and an engine
     that captures routing). Only the choice of experts is replayed; gate weights are the trainer's."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (``rank``, ``alpha``, ``dropout``, ``target_modules``, ``init``; verl / PEFT names): the base
+    frozen, only the adapters trained; ``rank: 0`` (the default) trains every weight (docs/lora.md)."""
 
 
 @dataclass

@@ -57,7 +57,8 @@ def apply_lora(chunks: Sequence[torch.nn.Module], spec: LoraSpec) -> List[LoraTa
         tp_rank = 0 if m.tp_group is None else torch.distributed.get_rank(m.tp_group)
         full_A = init_full_A(cfg.rank, m.input_size, cfg.init, _generator(spec.seed, t.canonical))
         m.__class__ = lora_class(type(m), t.kind)
-        m.attach(cfg.rank, cfg.scaling, cfg.dropout, full_A, tp_rank)
+        glu = t.path.endswith("linear_fc1") and bool(getattr(m.config, "gated_linear_unit", False))
+        m.attach(cfg.rank, cfg.scaling, cfg.dropout, full_A, tp_rank, glu=glu)
     return targets
 
 

@@ -45,9 +45,11 @@ class LoraLinear:
     lora_kind: str = COLUMN
     """``column`` or ``row``: which side of the base weight is split over TP."""
 
-    def attach(self, rank: int, scaling: float, dropout: float, full_A: torch.Tensor, tp_rank: int) -> None:
+    def attach(self, rank: int, scaling: float, dropout: float, full_A: torch.Tensor, tp_rank: int,
+               glu: bool = False) -> None:
         """Add ``lora_A`` / ``lora_B`` (the base weight's dtype and device; B zeros, A this rank's slice of
-        ``full_A``) and mark their TP sharding as megatron does for its own parameters."""
+        ``full_A``) and mark their TP sharding as megatron does for its own parameters. ``glu``: the base is a gated
+        fc1 (each TP shard holds [gate block; up block]), and so is B's checkpoint layout."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         w = self.weight
@@ -71,6 +73,7 @@ class LoraLinear:
         self.lora_scaling = float(scaling)
         self.lora_dropout = float(dropout)
         self.lora_enabled = True
+        self.lora_glu = bool(glu)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = super()._forward_impl(input, weight, *args, **kwargs)
@@ -117,8 +120,28 @@ class LoraLinear:
         kw = {"tp_group": self.tp_group}
         if metadata is not None and "dp_cp_group" in metadata:
             kw["dp_cp_group"] = metadata["dp_cp_group"]
-        sd.update(make_sharded_tensors_for_checkpoint(lora, prefix, axis, sharded_offsets, **kw))
+        lora_sd = make_sharded_tensors_for_checkpoint(lora, prefix, axis, sharded_offsets, **kw)
+        if self.lora_glu:  # B's rows are [gate; up] per shard, as the base weight's: saved as two halves
+            key = f"{prefix}lora_B.weight"
+            lora_sd[key] = _swiglu_factory(lora_sd[key], sharded_offsets, metadata, self.tp_group)
+        sd.update(lora_sd)
         return sd
+
+
+def _swiglu_factory(sh_ten, sharded_offsets, metadata, tp_group):
+    """megatron-core's ``apply_swiglu_sharded_factory`` (its keyword arguments differ between versions)."""
+    import inspect
+
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    metadata = metadata or {}
+    params = inspect.signature(apply_swiglu_sharded_factory).parameters
+    kw = {"singleton_local_shards": metadata.get("singleton_local_shards", False)}
+    if "tp_group" in params:
+        kw["tp_group"] = tp_group
+    if "dp_group" in params and "dp_cp_group" in metadata:
+        kw["dp_group"] = metadata["dp_cp_group"]
+    return apply_swiglu_sharded_factory(sh_ten, sharded_offsets, **kw)
 
 
 def lora_class(base_cls: type, kind: str) -> type:

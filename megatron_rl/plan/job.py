@@ -28,6 +28,7 @@ from megatron_rl.losses.registry import mode_parameter_errors, objective_summary
 from megatron_rl.models.attention import AttentionBackend, attention_backend, attention_errors, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.plan.lora import lora_spec
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
@@ -107,6 +108,8 @@ class JobPlan:
     """The core-attention backend the job gets (None: ``cluster.device`` unknown)."""
     cfg: "JobConfig" = dataclasses.field(repr=False, compare=False, default=None)
     """The config the plan was built from (its sections travel into the specs)."""
+    lora: Optional[object] = None
+    """``LoraSpec`` of ``actor.lora`` (adapters, base frozen), or None."""
 
     @property
     def actor(self) -> ActorSpec:
@@ -114,7 +117,7 @@ class JobPlan:
         c = self.cfg
         return ActorSpec(model=c.model, parallel=c.parallel, actor=c.actor, precision=self.precision,
                          batcher=self.batcher, replay=self.replay, objective=self.objective,
-                         lr_schedule=self.lr_schedule)
+                         lr_schedule=self.lr_schedule, lora=self.lora)
 
     def build_engine(self):
         """Rank 0: the rollout engine and the SGLang server it launched, or None (``rollout.factory``)."""
@@ -181,7 +184,7 @@ class JobPlan:
         replay = p.build(_replay, ac.routing_replay, cfg.model)
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
-        ws = p.build(weight_sync_settings, r, t.run_dir, getattr(ac, "lora", None))  # actor.lora: docs/lora.md
+        ws = p.build(weight_sync_settings, r, t.run_dir, ac.lora)
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))
@@ -193,12 +196,13 @@ class JobPlan:
             p.add(attention_errors(attention, cfg))
         p.add(model_extra_errors(cfg.model))
         recompute = p.build(_recompute, ac, cfg.model, cfg.parallel)
+        lora = p.build(lora_spec, cfg)
         if p.found or p.unbuilt or engine is None or cfg.model is None:
             return None, p.found
         return cls(world_size=world_size, dims=dims, engine=engine, weight_sync=ws, budget=budget,
                    dynamic_sampling=dynamic, precision=precision, batcher=batcher, replay=replay,
                    objective=objective, lr_schedule=lr_schedule, recompute=recompute, attention=attention,
-                   cfg=cfg), []
+                   cfg=cfg, lora=lora), []
 
 
 def _dynamic_sampling(cfg) -> Optional[object]:
@@ -289,10 +293,15 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
     spec = dict(precision=p.build(Precision.from_actor_config, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
-                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps))
+                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg))
     if p.found or p.unbuilt:
         raise PlanError(p.found or ["actor: the plan could not be built"])
     return ActorSpec(model=cfg.model, parallel=cfg.parallel, actor=ac, **spec)
+
+
+def _actor_lora(cfg):
+    """``lora_spec`` of an actor alone (it syncs no weights: the rollout side's refusal does not apply)."""
+    return lora_spec(cfg, with_sync=False)
 
 
 def replay_of(cfg: "JobConfig") -> ReplayMode:

@@ -9,6 +9,7 @@ rank-r adapter per expert, PEFT's stacked layout).
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
+from unittest import mock
 
 import torch
 
@@ -72,7 +73,12 @@ def peft_model(hf_model, rules, g, full: Dict[str, torch.Tensor], rank: int, alp
                 linear.add(n.rsplit(".", 2)[-2])
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=sorted(linear) or None,
                      target_parameters=sorted(params) or None, init_lora_weights=False)
-    model = get_peft_model(hf_model, cfg)
+    # PEFT renames transformers-v4 MoE targets (gate_proj / up_proj / down_proj) to the fused v5 expert parameters,
+    # which would take the dense and shared-expert modules of those names away: the experts are targeted by their
+    # parameters here, so that renaming of the config is switched off (the LoRA math is PEFT's, untouched)
+    with mock.patch("peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers",
+                    lambda *a, **k: None):
+        model = get_peft_model(hf_model, cfg)
     wrappers = _experts_wrappers(model)
     with torch.no_grad():
         for r in rules:
