@@ -17,12 +17,14 @@ from safetensors.torch import save_file
 from megatron_rl.convert.checks import CheckpointMismatchError
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert import storage
-from megatron_rl.convert.mapping import hf_row_sources, mcore_to_hf, param_rules
+from megatron_rl.convert.mapping import hf_row_sources, hf_to_mcore, mcore_to_hf, param_rules
+from megatron_rl.convert.torch_dist import read_torch_dist_model_state_dict
+from megatron_rl.lora.base import base_fingerprint
 from megatron_rl.lora.merge import LORA_A, LORA_B, adapted_modules, merged_items
 
 Tensor = torch.Tensor
 
-__all__ = ["LORA_CONFIG_FILE", "export_full", "split_adapters", "peft_adapter_tensors", "peft_adapter_config",
+__all__ = ["LORA_CONFIG_FILE", "export_full", "export_adapter_checkpoint", "split_adapters", "peft_adapter_tensors", "peft_adapter_config",
            "write_peft_adapter", "merged_hf_state_dict", "read_lora_config"]
 
 #: The LoRA section (``actor.lora``: rank, alpha, dropout, target_modules, init) saved beside a checkpoint.
@@ -127,3 +129,26 @@ def export_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: str, lora
         return storage.write_hf_model_dir(out_dir, merged_hf_state_dict(full, geom, lora), assets_dir, config,
                                           max_shard_bytes)
     return write_peft_adapter(out_dir, adapters, geom, lora, base_model=assets_dir)
+
+
+def export_adapter_checkpoint(dist_dir: str, geom: HFGeometry, out_dir: str, record: Mapping, merge: bool = False,
+                              base_dir: Optional[str] = None, assets_dir: Optional[str] = None,
+                              config: Optional[dict] = None,
+                              max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES) -> List[str]:
+    """Export a LoRA actor's checkpoint, which holds the adapters alone (``dist_dir``, torch_dist) and names its
+    base (``record``: {"config": actor.lora, "base": {"path", "sha256"}}): the PEFT adapter, or with ``merge`` the
+    base (``base_dir``, default the recorded path, its fingerprint checked) with the adapters merged."""
+    adapters = read_torch_dist_model_state_dict(dist_dir, geom, prefix="")
+    base = None
+    if merge:
+        path = base_dir or record["base"]["path"]
+        if not os.path.isdir(path):
+            raise CheckpointMismatchError(f"--merge: the LoRA run's base {path!r} is not a directory (pass the base "
+                                          f"HF directory as --hf-assets-dir)")
+        sha = base_fingerprint(path)
+        if sha != record["base"]["sha256"]:
+            raise CheckpointMismatchError(f"--merge: {path!r} is not the base the adapters were trained on (sha256 "
+                                          f"{sha}, the run's {record['base']['sha256']} of {record['base']['path']!r})")
+        base = hf_to_mcore(storage.read_hf_state_dict(path), geom)
+    return export_full({**(base or {}), **adapters}, geom, out_dir, record["config"], merge,
+                       assets_dir or base_dir, config, max_shard_bytes)

@@ -1,4 +1,4 @@
-"""LoRA sync into the embedded engine from a TP2 actor with adapters (``lora.apply``): adapter-only sync
+"""LoRA sync into the embedded engine from a TP2 actor with ``actor.lora`` (random non-zero B): adapter-only sync
 (``rollout.lora_sync: adapter``: A / B alone, applied in the engine's forward) and merged sync (``merged``: the
 bucketed tensor path, checksums verified) both leave the engine giving the trainer's log-probs of a probe batch
 (fp32) -- at version 1 and after the adapters change; adapter-only moves a small fraction of the model's bytes;
@@ -20,9 +20,10 @@ pytest.importorskip("transformers")
 
 def _rank(rank, world, hf_dir):
     from megatron_rl.actor import MegatronActor
-    from megatron_rl.lora.apply import LoraSpec, apply_lora, lora_modules
+    from megatron_rl.lora.apply import lora_modules
     from megatron_rl.lora.config import LoraConfig
     from megatron_rl.lora.layout import set_full_adapters
+    from megatron_rl.lora.names import find_targets
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.plan import actor_spec
     from megatron_rl.rollout.embedded import EmbeddedEngine
@@ -33,13 +34,12 @@ def _rank(rank, world, hf_dir):
     from megatron_rl.weight_sync.publisher import AdapterPublisher, StreamPublisher, build_weight_publisher
     from megatron_rl.weight_sync.settings import WeightSyncSettings
 
-    job = actor_job(hf_dir, {"bf16": False}, parallel={"tensor_model_parallel_size": 2})
-    initialize_model_parallel(job.parallel, seed=5, model=job.model)
-    actor = MegatronActor(actor_spec(job), frozen=True)
     lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
-    targets = apply_lora(actor.model, LoraSpec(lora, seed=0))
+    job = actor_job(hf_dir, {"bf16": False, "lora": lora.to_dict()}, parallel={"tensor_model_parallel_size": 2})
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    actor = MegatronActor(actor_spec(job))  # applies actor.lora: the base frozen
     geom = HFGeometry.from_hf_config(storage.read_hf_config(hf_dir))
-    set_full_adapters(targets, full_adapters(geom, seed=5))
+    set_full_adapters(find_targets([m.module for m in actor.model], lora), full_adapters(geom, seed=5))
 
     def settings(mode, alpha=ALPHA):
         r = dataclasses.replace(job.rollout, lora_sync=mode, weight_sync="tensor")
