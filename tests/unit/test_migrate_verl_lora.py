@@ -8,12 +8,10 @@ from __future__ import annotations
 import copy
 import os
 
-import pytest
-
-from megatron_rl.config import verl_keys
 from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import UNCHANGED, migrate_verl
 from megatron_rl.config.verl_keys import MAPPED, UNSUPPORTED
+from megatron_rl.lora.config import LoraConfig
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "verl")
 M = "actor_rollout_ref.model"
@@ -29,15 +27,7 @@ def _entry(m, key):
     return e
 
 
-@pytest.fixture
-def landed(monkeypatch):
-    """The table as it is once ``actor.lora`` and ``rollout.lora_sync`` are config keys (both builders' work)."""
-    real = verl_keys._field
-    monkeypatch.setattr(verl_keys, "_field", lambda k: k in ("actor.lora.rank", "rollout.lora_sync") or real(k))
-    monkeypatch.setattr(verl_keys, "VERL_KEYS", verl_keys._rules())
-
-
-def test_megatron_lora_keys_map(landed):
+def test_megatron_lora_keys_map():
     verl = copy.deepcopy(_load("grpo_qwen2_7b_math_megatron.yaml"))
     lora = verl["actor_rollout_ref"].setdefault("model", {}).setdefault("lora", {})
     lora.update(rank=16, alpha=32, dropout=0.05, target_modules=["linear_qkv", "linear_fc2"], merge=False,
@@ -46,6 +36,7 @@ def test_megatron_lora_keys_map(landed):
     assert m.tree["actor"]["lora"] == {"rank": 16, "alpha": 32, "dropout": 0.05,
                                        "target_modules": ["linear_qkv", "linear_fc2"]}
     assert m.tree["rollout"]["lora_sync"] == "adapter"  # merge: false -> separate adapters
+    assert LoraConfig.from_dict(m.tree["actor"]["lora"]).mcore_targets()  # a valid actor.lora section
     assert _entry(m, f"{M}.lora.type").kind == UNCHANGED and _entry(m, f"{M}.lora.lora_A_init_method").kind == UNCHANGED
     lora.update(merge=True, lora_A_init_method="xavier", type="dora")
     m = migrate_verl(verl)
@@ -54,7 +45,7 @@ def test_megatron_lora_keys_map(landed):
     assert _entry(m, f"{M}.lora.type").kind == UNSUPPORTED
 
 
-def test_fsdp_lora_keys_map(landed):
+def test_fsdp_lora_keys_map():
     verl = copy.deepcopy(_load("dapo_minimal.yaml"))
     verl["actor_rollout_ref"].setdefault("model", {}).update(lora_rank=8, lora_alpha=16, target_modules="all-linear")
     m = migrate_verl(verl)
@@ -64,15 +55,7 @@ def test_fsdp_lora_keys_map(landed):
     assert _entry(migrate_verl(verl), f"{M}.exclude_modules").kind == UNSUPPORTED
 
 
-def test_rank_zero_sets_nothing(landed):
+def test_rank_zero_sets_nothing():
     m = migrate_verl(_load("ppo_megatron_trainer.yaml"))  # verl's generated defaults: rank 0, alpha, merge ...
     assert "lora" not in m.tree.get("actor", {}) and "lora_sync" not in m.tree.get("rollout", {})
     assert _entry(m, f"{M}.lora_alpha").kind == UNCHANGED and _entry(m, f"{M}.lora.merge").kind == UNCHANGED
-
-
-def test_before_actor_lora_exists_lora_is_refused():
-    if verl_keys._field("actor.lora.rank"):
-        pytest.skip("actor.lora is a config key: the landed table is the one in use")
-    verl = copy.deepcopy(_load("dapo_minimal.yaml"))
-    verl["actor_rollout_ref"].setdefault("model", {}).update(lora_rank=8)
-    assert _entry(migrate_verl(verl), f"{M}.lora_rank").kind == UNSUPPORTED
