@@ -359,3 +359,18 @@ def model_extra_errors(model: Optional[ModelConfig]) -> List[str]:
             errs.append(f"model.extra.{key}: not a megatron-core TransformerConfig field"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     return errs
+
+
+def lora_adapter_expert_errors(cfg) -> List[str]:
+    """Adapter-only sync of expert adapters: the embedded engine's transformers model fuses a MoE layer's experts
+    (no per-expert linear to apply an adapter to) -- refused, naming the keys, before anything runs."""
+    lora, model = cfg.actor.lora, cfg.model
+    if not (lora.enabled and getattr(cfg.rollout, "lora_sync", "merged") == "adapter" and model is not None
+            and model.num_moe_experts):
+        return []
+    experts = [entry for entry, name in lora.mcore_targets() if name in ("linear_fc1", "linear_fc2")]
+    if not experts:
+        return []
+    return [f"rollout.lora_sync: 'adapter' with actor.lora.target_modules {sorted(set(experts))} on a MoE model: "
+            f"the engine keeps the experts fused and cannot apply per-expert adapters; use rollout.lora_sync: merged "
+            f"(or leave the MLP out of the targets)"]

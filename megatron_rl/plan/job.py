@@ -33,6 +33,7 @@ from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
                                      weight_sync_settings)
+from megatron_rl.plan.checks import lora_adapter_expert_errors
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
 
@@ -185,6 +186,7 @@ class JobPlan:
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
         ws = p.build(weight_sync_settings, r, t.run_dir, ac.lora)
+        p.add(lora_adapter_expert_errors(cfg))
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))

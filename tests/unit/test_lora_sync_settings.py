@@ -48,3 +48,22 @@ def test_refused_combinations_name_the_key(kw, lora, needle):
 def test_adapter_mode_on_the_embedded_engine():
     s = weight_sync_settings(_r(lora_sync="adapter"), "/tmp/run", LORA)
     assert s.lora.mode == "adapter" and s.view is None
+
+
+def test_adapter_sync_of_expert_adapters_is_refused():
+    from megatron_rl.config import job_config_from_dict
+    from megatron_rl.plan.checks import lora_adapter_expert_errors
+
+    model = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64, "vocab_size": 64,
+             "num_moe_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2}
+
+    def job(targets, sync, experts=4):
+        return job_config_from_dict({"model": {**model, "num_moe_experts": experts},
+                                     "actor": {"lora": {"rank": 4, "target_modules": targets}},
+                                     "rollout": {"lora_sync": sync}})
+
+    [p] = lora_adapter_expert_errors(job(["linear_fc1", "linear_qkv"], "adapter"))
+    assert "rollout.lora_sync: 'adapter' with actor.lora.target_modules ['linear_fc1'] on a MoE model" in p
+    assert lora_adapter_expert_errors(job(["linear_fc1"], "merged")) == []
+    assert lora_adapter_expert_errors(job(["linear_qkv"], "adapter")) == []
+    assert lora_adapter_expert_errors(job(["linear_fc1"], "adapter", experts=None)) == []
