@@ -27,6 +27,7 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("algorithm.filter_groups", "megatron_rl.config.sections", "FilterGroupsConfig"),
     ("actor", "megatron_rl.config.sections", "ActorConfig"),
     ("actor.policy_loss", "megatron_rl.losses.config", "PolicyLossConfig"),
+    ("actor.lora", "megatron_rl.lora.config", "LoraConfig"),
     ("trainer", "megatron_rl.config.sections", "TrainerConfig"),
 )
 

@@ -68,6 +68,8 @@ def lora_errors(cfg, with_sync: bool = True) -> List[str]:
         errs.append(f"actor.lora: not with actor.routing_replay {ac.routing_replay!r} and a KL loss "
                     f"(actor.policy_loss.kl_loss_coef > 0): the KL reference is the policy itself with its adapters "
                     f"off, and its log-prob pass would replace the policy's routing record")
+    if ac.fp32_output_layer:
+        errs.append("actor.lora: not with actor.fp32_output_layer (the output layer is frozen under LoRA)")
     if ac.optimizer_cpu_offload:
         errs.append("actor.lora: not with actor.optimizer_cpu_offload (the optimizer holds only the adapters)")
     errs += sync_errors(cfg) if with_sync else []
