@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from safetensors.torch import save_file
@@ -24,7 +24,8 @@ from megatron_rl.lora.merge import LORA_A, LORA_B, adapted_modules, merged_items
 
 Tensor = torch.Tensor
 
-__all__ = ["LORA_CONFIG_FILE", "export_full", "export_adapter_checkpoint", "split_adapters", "peft_adapter_tensors", "peft_adapter_config",
+__all__ = ["LORA_CONFIG_FILE", "export_full", "export_adapter_checkpoint", "split_adapters", "peft_adapter_tensors",
+           "fused_expert_tensors", "expert_params", "peft_adapter_config",
            "write_peft_adapter", "merged_hf_state_dict", "read_lora_config"]
 
 #: The LoRA section (``actor.lora``: rank, alpha, dropout, target_modules, init) saved beside a checkpoint.
@@ -41,9 +42,11 @@ def split_adapters(full: Mapping[str, Tensor]) -> Tuple[Dict[str, Tensor], Dict[
 
 def peft_adapter_tensors(adapters: Mapping[str, Tensor], geom: HFGeometry) -> Dict[str, Tensor]:
     """PEFT's ``{base_model.model.<HF module>.lora_A|B.weight: tensor}`` of full (unsharded, global-index)
-    Megatron adapters; an adapter of a module without a HF counterpart raises, naming it."""
+    Megatron adapters; an adapter of a module without a HF counterpart raises, naming it. Routed experts take
+    PEFT's ``target_parameters`` form on transformers' fused expert weights (``fused_expert_tensors``)."""
     rules = {r.mcore_name: r for r in param_rules(geom)}
     out: Dict[str, Tensor] = {}
+    experts: Dict[Tuple[int, str], Dict[int, Tuple[Tensor, Tensor]]] = {}
     for path, (a_name, b_name) in sorted(adapted_modules(adapters).items()):
         rule = rules.get(path + ".weight")
         if rule is None:
@@ -53,6 +56,10 @@ def peft_adapter_tensors(adapters: Mapping[str, Tensor], geom: HFGeometry) -> Di
         if b.shape[0] != rule.mcore_shape[0] or a.shape[1] != rule.mcore_shape[1] or a.shape[0] != b.shape[1]:
             raise CheckpointMismatchError(f"LoRA adapter {path!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not "
                                           f"fit the weight {tuple(rule.mcore_shape)}")
+        if rule.expert is not None:
+            kind = "gate_up_proj" if path.endswith("linear_fc1") else "down_proj"
+            experts.setdefault((rule.layer, kind), {})[rule.expert] = (a, b)
+            continue
         parts, rows = hf_row_sources(rule, geom)
         for i, hf_name in enumerate(rule.hf_names):
             module = PEFT_PREFIX + hf_name[: -len(".weight")]
@@ -60,18 +67,57 @@ def peft_adapter_tensors(adapters: Mapping[str, Tensor], geom: HFGeometry) -> Di
             order = rows[sel].argsort()
             out[module + ".lora_A.weight"] = a.clone().contiguous()
             out[module + ".lora_B.weight"] = b.index_select(0, sel[order]).contiguous()
+    out.update(fused_expert_tensors(experts, geom))
     return out
 
 
+#: transformers' fused expert parameters, in the order PEFT wraps them (the first is the innermost wrapper)
+FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def fused_expert_tensors(experts: Mapping[Tuple[int, str], Mapping[int, Tuple[Tensor, Tensor]]],
+                         geom: HFGeometry) -> Dict[str, Tensor]:
+    """Per-expert adapters ``{(layer, "gate_up_proj" | "down_proj"): {expert: (A, B)}}`` as PEFT's
+    ``target_parameters`` adapters on ``mlp.experts.<param>`` (transformers' ``[E, out, in]`` weights: fc1's
+    rows are already [gate; up] per expert): A ``[E*r, in]`` (expert e's rows e*r..), B ``[out, r*E]`` (column
+    k*E + e); with both parameters adapted, gate_up's keys carry the ``base_layer.`` of the wrapper around it."""
+    out: Dict[str, Tensor] = {}
+    for (layer, kind), by_e in sorted(experts.items()):
+        ids = sorted(by_e)
+        if ids != list(range(geom.num_moe_experts)):
+            raise CheckpointMismatchError(f"LoRA adapters of layer {layer}'s {kind}: experts {ids} of "
+                                          f"{geom.num_moe_experts} (a PEFT expert adapter needs every expert)")
+        a = torch.cat([by_e[e][0] for e in ids], 0)
+        r = by_e[0][0].shape[0]
+        b = torch.stack([by_e[e][1] for e in ids], -1).reshape(by_e[0][1].shape[0], r * len(ids))
+        both = all((layer, k) in experts for k in FUSED_EXPERT_PARAMS)
+        pre = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts." + ("base_layer." if both and kind == "gate_up_proj"
+                                                                 else "")
+        out[pre + "lora_A.weight"], out[pre + "lora_B.weight"] = a.contiguous(), b.contiguous()
+    return out
+
+
+def expert_params(adapters: Mapping[str, Tensor]) -> List[str]:
+    """The ``target_parameters`` of the routed-expert adapters among ``adapters`` (``FUSED_EXPERT_PARAMS`` order)."""
+    kinds = {"gate_up_proj" if n.split(".lora_")[0].endswith("linear_fc1") else "down_proj"
+             for n in adapters if ".mlp.experts.local_experts." in n}
+    return [f"mlp.experts.{k}" for k in FUSED_EXPERT_PARAMS if k in kinds]
+
+
 def peft_adapter_config(peft_tensors: Mapping[str, Tensor], rank: int, alpha: float, dropout: float = 0.0,
-                        base_model: Optional[str] = None) -> dict:
-    """PEFT's ``adapter_config.json`` for ``peft_tensors`` (target modules: the HF module leaf names)."""
+                        base_model: Optional[str] = None, target_parameters: Sequence[str] = ()) -> dict:
+    """PEFT's ``adapter_config.json`` for ``peft_tensors`` (target modules: the HF module leaf names; routed
+    experts: ``target_parameters``, from ``expert_params``)."""
     targets = sorted({k[: -len(".lora_A.weight")].rsplit(".", 1)[-1] for k in peft_tensors
-                      if k.endswith(".lora_A.weight")})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha,
-            "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "base_model_name_or_path": base_model}
+                      if k.endswith(".lora_A.weight") and ".mlp.experts.lora_" not in k
+                      and ".mlp.experts.base_layer." not in k})
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha,
+           "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+           "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+           "base_model_name_or_path": base_model}
+    if target_parameters:
+        cfg["target_parameters"] = list(target_parameters)
+    return cfg
 
 
 def write_peft_adapter(out_dir: str, adapters: Mapping[str, Tensor], geom: HFGeometry, lora: Mapping,
@@ -79,12 +125,13 @@ def write_peft_adapter(out_dir: str, adapters: Mapping[str, Tensor], geom: HFGeo
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``lora``: rank / alpha / dropout, the
     ``actor.lora`` section); returns the files written."""
     tensors = peft_adapter_tensors(adapters, geom)
-    rank = {t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")}
+    rank = {t.shape[0] for k, t in adapters.items() if k.endswith(LORA_A)}
     if rank != {int(lora["rank"])}:
         raise CheckpointMismatchError(f"LoRA adapters of rank {sorted(rank)} but the saved actor.lora.rank is "
                                       f"{lora['rank']}")
     os.makedirs(out_dir, exist_ok=True)
-    cfg = peft_adapter_config(tensors, lora["rank"], lora["alpha"], lora.get("dropout", 0.0), base_model)
+    cfg = peft_adapter_config(tensors, lora["rank"], lora["alpha"], lora.get("dropout", 0.0), base_model,
+                              expert_params(adapters))
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
     path = os.path.join(out_dir, "adapter_model.safetensors")

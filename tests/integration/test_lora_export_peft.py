@@ -49,3 +49,23 @@ def test_peft_loads_the_export_and_gives_the_mcore_logits(tiny_hf_model, tmp_pat
     assert set(merged) <= set(ref)
     for name, t in merged.items():
         torch.testing.assert_close(t, ref[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_peft_loads_the_moe_export_with_fused_experts(tiny_hf_model, tmp_path):
+    """Qwen3-MoE, attention and every routed expert adapted: the experts go to PEFT's ``target_parameters``
+    adapters on transformers' fused ``gate_up_proj`` / ``down_proj``; PEFT gives the mcore model's logits."""
+    hf_dir = tiny_hf_model("qwen3_moe", seed=29)
+    geom = HFGeometry.from_hf_config(storage.read_hf_config(hf_dir))
+    base = {n: t.float() for n, t in hf_to_mcore(storage.read_hf_state_dict(hf_dir), geom).items()}
+    full = {**base, **full_adapters(geom, seed=11)}
+    tokens = torch.randint(0, geom.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))
+    [(_, _, mcore_logits)] = run_ranks(adapted_model_outputs, 1, hf_dir, full, {}, tokens, timeout=180)
+    _, adapters = split_adapters(full)
+    write_peft_adapter(str(tmp_path / "adapter"), adapters, geom, {"rank": RANK, "alpha": ALPHA, "dropout": 0.0})
+    cfg = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        peft_logits = pm(input_ids=tokens).logits
+    torch.testing.assert_close(peft_logits, mcore_logits, atol=2e-4, rtol=1e-4)
