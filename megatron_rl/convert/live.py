@@ -240,8 +240,8 @@ def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, g
                     gather_dtype: Optional[torch.dtype] = None, view: TensorView = None
                     ) -> Iterator[Tuple[str, Tensor]]:
     """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
-    collective contract, ``owner_only``, ``gather_dtype`` and ``view``). A parameter without a HF counterpart in ``geometry`` raises,
-    naming it."""
+    collective contract, ``owner_only``, ``gather_dtype`` and ``view``). A parameter without a HF counterpart in
+    ``geometry`` raises, naming it."""
     rules = {r.mcore_name: r for r in param_rules(geometry)}
     for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only, gather_dtype, view):
         rule = rules.get(name)

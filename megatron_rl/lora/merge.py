@@ -14,7 +14,8 @@ import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["LORA_A", "LORA_B", "lora_scale", "low_rank_product", "merged_weight", "adapted_modules", "merged_items", "adapter_items"]
+__all__ = ["LORA_A", "LORA_B", "lora_scale", "low_rank_product", "merged_weight", "adapted_modules", "merged_items",
+           "adapter_items"]
 
 #: Suffixes of an adapted module ``P``'s parameters (``P.lora_A.weight [r, in]``, ``P.lora_B.weight [out, r]``).
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"

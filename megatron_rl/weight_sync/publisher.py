@@ -29,7 +29,8 @@ from megatron_rl.weight_sync.verify import verify_buckets, verify_export
 from megatron_rl.weight_sync.versions import parse_version
 
 __all__ = ["WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher", "DeltaPublisher",
-           "DiskPublisher", "DeferredPublisher", "AdapterPublisher", "build_weight_publisher", "deferred_publisher", "payload_maker"]
+           "DiskPublisher", "DeferredPublisher", "AdapterPublisher", "build_weight_publisher", "deferred_publisher",
+           "payload_maker"]
 
 
 # ----------------------------------------------------------------------------------------------- payloads

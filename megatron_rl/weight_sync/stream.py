@@ -80,8 +80,8 @@ def _shareable(exc: Optional[BaseException]) -> Optional[BaseException]:
 def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: int, corrupt,
               pack=None, view=None) -> SenderOutcome:
     """Every rank: gather and send this rank's own buckets through ``channel`` (None: not a sender; it still
-    takes part in the gathers). ``pack``: a delta sync's packer; ``view``: how the model is read (LoRA merged). After a failure the rest of the stream is
-    gathered but not sent."""
+    takes part in the gathers). ``pack``: a delta sync's packer; ``view``: how the model is read (LoRA merged).
+    After a failure the rest of the stream is gathered but not sent."""
     out = SenderOutcome(rank)
     hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
     for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, view):
