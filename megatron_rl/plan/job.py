@@ -134,7 +134,8 @@ class JobPlan:
         prec = "bf16" if self.precision.bf16 else "fp32"
         fg = self.dynamic_sampling
         lines = [f"layout: world size {self.world_size}, {self.dims.describe()}; rollout engine "
-                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}",
+                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}"
+                 + (f" (LoRA {self.weight_sync.lora.mode})" if self.weight_sync.lora is not None else ""),
                  f"actor: {prec} params{', fp32 output layer' if self.precision.fp32_output_layer else ''}; "
                  f"micro-batches of {rows}, {'packed' if b.packed else 'padded'}; routing replay {self.replay.name}; "
                  f"{ac.ppo_epochs} epoch(s) x {ac.ppo_mini_batches} mini-batch(es) per step",
