@@ -70,8 +70,8 @@ def _wrappable(module: torch.nn.Module) -> bool:
 
 
 def find_targets(chunks: Sequence[torch.nn.Module], cfg: LoraConfig) -> List[LoraTarget]:
-    """Every module of ``chunks`` (bare megatron-core ``GPTModel`` chunks) the config targets; a written entry that
-    matches nothing in the whole model -- over every pipeline stage -- is left to ``check_all_matched``."""
+    """Every module of ``chunks`` (bare megatron-core ``GPTModel`` chunks) the config targets (``apply_lora`` names
+    an entry that matches none; ``LoraTargetError`` for a matched module the adapter layer cannot wrap)."""
     wanted = {name for _, name in cfg.mcore_targets()}
     out: List[LoraTarget] = []
     for ci, chunk in enumerate(chunks):

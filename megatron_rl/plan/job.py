@@ -143,6 +143,10 @@ class JobPlan:
                  + (f"{fg.metric}, up to {fg.max_num_gen_batches} round(s), on_exhausted {fg.on_exhausted}"
                     if fg is not None else "off"),
                  self.objective_line()]
+        if self.lora is not None:
+            lc = self.lora.config
+            lines.append(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g}, on {', '.join(lc.target_modules)}; base frozen, "
+                         f"KL reference = base (adapters off)")
         return lines
 
     def objective_line(self) -> str:

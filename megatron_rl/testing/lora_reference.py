@@ -18,10 +18,6 @@ from megatron_rl.convert.mapping import _qkv_merge, _qkv_split, param_rules
 
 __all__ = ["adapted_rules", "random_full_adapters", "peft_model", "peft_grads"]
 
-_PEFT_NAME = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-
-
 def adapted_rules(hf_dir: str, modules: Sequence[str]):
     """(geometry, [ParamRule of every ``<module>.weight`` the megatron-core module names in ``modules`` adapt])."""
     g, _, _ = read_hf_checkpoint(hf_dir)

@@ -81,7 +81,10 @@ def _train_rank(rank, world, job):
     with actor.adapters_off():
         off1 = _probe(actor)
     on1 = _probe(actor)
-    return {"trainable": trainable, "in_opt": in_opt, "base0": base0, "base1": _params(actor, False), "ad0": ad0,
+    from megatron_rl.trainer.job import KLReference
+
+    ref = KLReference(actor, adapters_off=True).log_probs(checkpoint_batch(999, rows=4)[0], 1.0)
+    return {"ref": ref, "trainable": trainable, "in_opt": in_opt, "base0": base0, "base1": _params(actor, False), "ad0": ad0,
             "ad1": _params(actor, True), "on0": on0, "off0": off0, "off1": off1, "on1": on1}
 
 
@@ -99,6 +102,7 @@ def test_only_adapters_train_and_the_reference_is_the_base(dense_dir):
     assert all(r["ad1"][k].any() for k in r["ad0"] if k.endswith("lora_B.weight")), "B did not move"
     assert torch.equal(r["on0"], r["off0"])  # B = 0: the adapted policy is the base
     assert torch.equal(r["off1"], r["off0"])  # adapters off after training: still the base
+    assert torch.equal(r["ref"], r["off0"])  # the trainer's KL reference of a LoRA actor
     assert not torch.allclose(r["on1"], r["off1"])  # the trained adapters change the policy
 
 
@@ -151,3 +155,29 @@ def test_dense_adapters_load_at_another_tp(dense_dir, tmp_path):
                       None, timeout=150)
     (loaded,) = run_ranks(_ckpt_rank, 1, _job(dense_dir), 0, None, str(tmp_path / "d"), timeout=100)
     torch.testing.assert_close(loaded["probe"], saved[0]["probe"], rtol=0, atol=2e-5)
+
+
+def _bf16_rank(rank, world, job):
+    from megatron_rl.actor.chained import sub_optimizers
+
+    actor = _actor(job)
+    base0 = _params(actor, False)
+    _step(actor, 1)
+    mains = [m for o in sub_optimizers(actor.optimizer) for g in o.shard_fp32_from_float16_groups for m in g]
+    models = [p for o in sub_optimizers(actor.optimizer) for g in o.model_float16_groups for p in g]
+    names = {id(p): n for c in actor.model for n, p in c.module.named_parameters()}
+    adapters = {n for n in names.values() if "lora_" in n}
+    return {"main_dtypes": {str(m.dtype) for m in mains if m is not None}, "in_opt": {names[id(p)] for p in models},
+            "adapters": adapters,
+            "base_same": all(torch.equal(v, _params(actor, False)[k]) for k, v in base0.items()),
+            "base_dtypes": {str(v.dtype) for v in base0.values()}}
+
+
+@pytest.mark.timeout(150)
+def test_bf16_distributed_optimizer_holds_fp32_main_adapters_only(dense_dir):
+    res = run_ranks(_bf16_rank, 2, _job(dense_dir, bf16=True, use_distributed_optimizer=True), timeout=140)
+    for r in res:
+        assert r["main_dtypes"] == {"torch.float32"}, r
+        assert r["in_opt"] <= r["adapters"] and len(r["adapters"]) == 16  # this rank's share of the adapters only
+        assert r["base_same"] and r["base_dtypes"] == {"torch.bfloat16"}
+    assert set().union(*(r["in_opt"] for r in res)) == res[0]["adapters"]  # every adapter has a main copy somewhere

@@ -47,3 +47,27 @@ def test_plan_counts_adapters_only_for_grads_and_adam(tiny_hf_model, arch, kw):
                                                                                                    rank=0)))
     (fst,) = memory_plan(full, 1, opts).stages
     assert fst.grads == 4 * base and fst.reference == 4 * base and fst.adapter_params == 0
+
+
+def _apply_unmatched(rank, world, job):
+    from megatron_rl.lora.apply import LoraSpec, apply_lora
+    from megatron_rl.lora.config import LoraConfig
+    from megatron_rl.lora.names import LoraTargetError
+    from megatron_rl.models import build_gpt_model
+    from megatron_rl.parallel import initialize_model_parallel
+
+    initialize_model_parallel(job.parallel, seed=1, model=job.model)
+    chunks = build_gpt_model(job.model, job.parallel, use_transformer_engine=False)
+    try:
+        apply_lora(chunks, LoraSpec(LoraConfig(rank=2, target_modules=["linear_fc1", "linear_q_proj"]), 1))
+    except LoraTargetError as exc:
+        return str(exc), [n for c in chunks for n, _ in c.named_parameters() if "lora_" in n]
+    return None, []
+
+
+@pytest.mark.timeout(60)
+def test_a_target_that_matches_nothing_is_an_error_naming_it(tiny_hf_model):
+    job = actor_job(tiny_hf_model("qwen2", seed=5, num_hidden_layers=2), {})
+    (msg, attached), = run_ranks(_apply_unmatched, 1, job, timeout=50)
+    assert msg is not None and "'linear_q_proj' matches no module" in msg, msg
+    assert attached == []  # refused before any adapter was attached

@@ -195,6 +195,6 @@ def test_qwen3_moe_experts_match_peft(qwen3_moe_dir, name, pc, world, dp):
                     "expert_tensor_parallel_size": 1}, 2, 1),
 ])
 def test_deepseek_shared_experts_match_peft(deepseek_dir, name, pc, world, dp):
-    """Dense MLP (layer 0), routed experts and the shared expert (TP-sharded: its delta reduced once), MLA's output
-    projection."""
-    _check(deepseek_dir, ("linear_proj",) + MLP_TARGETS, pc, world, dp)
+    """Dense MLP (layer 0), routed experts and the shared expert (TP-sharded: its delta reduced once), MLA's
+    up-projections and output projection."""
+    _check(deepseek_dir, ("linear_q_up_proj", "linear_kv_up_proj", "linear_proj") + MLP_TARGETS, pc, world, dp)
