@@ -20,6 +20,7 @@ model-parallel group pass the same shard). Per-token tensors are [B, L-1]: colum
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
@@ -41,6 +42,7 @@ from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_d
                                  load_checkpoint_into_model)
 from megatron_rl.lora.apply import adapters_disabled, apply_lora
 from megatron_rl.lora.base import base_record
+from megatron_rl.lora.merge import merged_items
 from megatron_rl.models import build_gpt_model
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
@@ -353,23 +355,26 @@ class MegatronActor:
             self._lora_base = box[0]
         return {"config": self.lora.config.to_dict(), "base": dict(self._lora_base)}
 
-    def _require_merged_export(self, what: str) -> None:
-        if self.lora is not None:
-            raise NotImplementedError(f"{what}: a LoRA actor (actor.lora) exports / syncs through the adapter "
-                                      f"merge, which is not built here yet")
+    def _export_view(self, view):
+        """How the model is exported: ``view``, else for a LoRA actor its adapters merged into the base weights
+        (``lora.merge``: fp32, cast once by whoever reads it), else the parameters as they are."""
+        if view is None and self.lora is not None:
+            return functools.partial(merged_items, scale=self.lora.config.scaling)
+        return view
 
     # ------------------------------------------------------------------ HF export
     def full_state_dict_hf(self) -> Optional[Dict[str, torch.Tensor]]:
         """Collective: rank 0 returns the full model as a HF state dict (CPU tensors, HF names); other
         ranks return None. For the embedded engine's in-process weight sync."""
-        self._require_merged_export("full_state_dict_hf")
-        return gather_hf_state_dict(self.model, self.model_cfg, self.hf_target.geometry, self.groups)
+        return gather_hf_state_dict(self.model, self.model_cfg, self.hf_target.geometry, self.groups,
+                                    self._export_view(None))
 
-    def export_hf(self, out_dir: str) -> Optional[list]:
+    def export_hf(self, out_dir: str, view=None) -> Optional[list]:
         """Collective: rank 0 writes a HF safetensors directory (weights + config/tokenizer from
-        actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files."""
-        self._require_merged_export("export_hf")
-        return export_model_to_hf(self.model, self.model_cfg, self.hf_target, out_dir, self.groups)
+        actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files (``view``: how
+        the model is read, ``convert.live.TensorView``; a LoRA actor's default: its adapters merged)."""
+        return export_model_to_hf(self.model, self.model_cfg, self.hf_target, out_dir, self.groups,
+                                  view=self._export_view(view))
 
     @property
     def hf_target(self) -> HFTarget:

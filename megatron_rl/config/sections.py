@@ -161,6 +161,10 @@ class RolloutConfig:
     """distributed: the address SGLang servers use to reach trainer rank 0 (default: the address of this
     host's interface that routes to the servers; 127.0.0.1 when every server is on loopback). Other
     senders always use the address of their own host's interface that routes to the servers."""
+    lora_sync: str = "merged"
+    """With ``actor.lora``: "merged" -- the sender merges W + (alpha/rank)·B·A (fp32, cast once to the engine
+    dtype) and the weight_sync mode carries it (delta sync and verification as without LoRA); "adapter" -- only
+    A and B travel (verl's ``lora.merge: false``); docs/lora.md#weight-sync."""
     mode: str = "sync"
     """"sync": generate, then train, then sync weights, in sequence. "async": rank 0 generates the next
     steps' rollouts in a background thread while the trainer trains (megatron_rl/trainer/async_rollout.py);

@@ -37,6 +37,7 @@ from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_
                                      weight_sync_settings)
 from megatron_rl.plan.kl_reward import build_kl_in_reward, describe_kl_in_reward
 from megatron_rl.plan.reward_checks import reward_errors_of_job
+from megatron_rl.plan.checks import lora_adapter_expert_errors
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
 
@@ -141,7 +142,8 @@ class JobPlan:
         prec = "bf16" if self.precision.bf16 else "fp32"
         fg = self.dynamic_sampling
         lines = [f"layout: world size {self.world_size}, {self.dims.describe()}; rollout engine "
-                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}",
+                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}"
+                 + (f" (LoRA {self.weight_sync.lora.mode})" if self.weight_sync.lora is not None else ""),
                  f"actor: {prec} params{', fp32 output layer' if self.precision.fp32_output_layer else ''}; "
                  f"micro-batches of {rows}, {'packed' if b.packed else 'padded'}; routing replay {self.replay.name}; "
                  f"{ac.ppo_epochs} epoch(s) x {ac.ppo_mini_batches} mini-batch(es) per step",
@@ -200,7 +202,8 @@ class JobPlan:
         replay = p.build(_replay, ac.routing_replay, cfg.model)
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
-        ws = p.build(weight_sync_settings, r, t.run_dir)
+        ws = p.build(weight_sync_settings, r, t.run_dir, ac.lora)
+        p.add(lora_adapter_expert_errors(cfg))
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))

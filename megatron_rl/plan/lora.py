@@ -80,10 +80,9 @@ def lora_errors(cfg, with_sync: bool = True) -> List[str]:
 
 
 def sync_errors(cfg) -> List[str]:
-    """Until the rollout side carries adapters (merged or adapter-only weight sync, issue 48's sync part), a LoRA
-    actor's rollout engine would generate from the base alone: refused rather than run wrongly."""
-    return ["actor.lora: the rollout engine cannot receive adapters yet (weight sync of a LoRA actor is not "
-            "built); LoRA runs only through the actor API (MegatronActor) for now"]
+    """The rollout side of a LoRA job: its weight sync carries the adapters (``rollout.lora_sync``, checked with
+    the weight-sync settings: ``plan.checks.lora_sync_errors``), so nothing more is refused here."""
+    return []
 
 
 def lora_spec(cfg, with_sync: bool = True) -> Optional[LoraSpec]:
