@@ -274,6 +274,36 @@ def test_multi_turn_job_judges_what_judge_sees_says(shared, copy_model, tmp_path
         assert row["reward"] == float(body["choices"][0]["text"][7])
 
 
+def test_a_job_rewarded_only_by_the_judge_learns_what_the_judge_prefers(shared, copy_model, tmp_path):
+    """40 steps of the copy-task policy with the judge as its only reward, the judge reading the response alone
+    (its digit, 0-9 normalized to [0, 1], varies with the response: the random judge "prefers" some digit strings).
+    The mean judge reward of the last 10 steps exceeds that of the first 10 (measured 0.25 -> 0.42 at seed 0,
+    0.26 -> 0.40 at seed 1); the last step's rewards equal the server's answers called directly on its decoded
+    responses. What is learned is the judge's arbitrary preference, not the copy task (docs/reward_models.md)."""
+    import transformers
+    url, run = shared.get().url, tmp_path / "run"
+    r = _train(run, copy_model, url, "trainer.steps=40", "rollout.n_samples_per_prompt=8", "data.prompts_per_step=4",
+               "actor.micro_batch_size=32", "actor.lr=1e-3", 'reward.judge.prompt_template="{response}"',
+               "reward.judge.score_range=[0, 9]", "reward.judge.normalize=true", "reward.judge.max_concurrent=8",
+               "trainer.dump_rollouts=true")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    curve = [m["reward/raw_mean"] for m in _records(run)]
+    first, last = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
+    assert last > first + 0.08, curve
+    tok = transformers.AutoTokenizer.from_pretrained(copy_model)
+    rows = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    for row in [x for x in rows if x["step"] == max(y["step"] for y in rows)]:
+        ids = row["response_ids"]
+        text = tok.decode(ids[:ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids,
+                          skip_special_tokens=True)
+        body = requests.post(url + "/v1/completions", json={"model": "default", "prompt": text, "max_tokens": 16,
+                                                           "temperature": 0.0, "regex": REGEX}, timeout=120).json()
+        if "choices" not in body:    # an empty response is an empty prompt, which the server refuses: a failed reward
+            assert text == "" and row["reward"] == 0.0
+            continue
+        assert row["reward"] == pytest.approx(float(body["choices"][0]["text"][7]) / 9)
+
+
 def test_judge_killed_mid_run_fails_the_run_with_the_cause(shared, copy_model, tmp_path):
     """Last in the file: kills the shared server after the first step (the fixture restarts it if needed)."""
     handle = shared.get()
