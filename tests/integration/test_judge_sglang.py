@@ -6,11 +6,12 @@ with a digit d that depends on the prompt. That is enough to prove the plumbing:
 server called directly (requests + re here, not our client) on the same rows; two runs give identical rewards at
 temperature 0; and the faults -- an answer without a score (the regex without \\boxed), a slow judge (a proxy that
 delays: a real server cannot be slowed on demand), the judge killed mid-run -- each end as counted failures that the
-reward-failure policy turns into a named error past ``data.max_reward_failure_frac``. A training job
-(``python -m megatron_rl.train``, sync and async) scores with it and logs ``reward/judge_*``.
-Whether a tiny model can judge the copy task well enough to teach it: not claimed here (docs/reward_models.md).
+reward-failure policy turns into a named error past ``data.max_reward_failure_frac``. Training jobs
+(``python -m megatron_rl.train``: sync, async, multi-turn) score with it and log ``reward/judge_*``; a job rewarded by
+the judge alone learns what the judge prefers. Whether a tiny model can judge the copy task well enough to teach
+it: not claimed (docs/reward_models.md).
 
-Run: OMP_NUM_THREADS=1 pytest tests/integration/test_judge_sglang.py   (server start 16-110 s, then ~1-2 min)
+Run: OMP_NUM_THREADS=1 pytest tests/integration/test_judge_sglang.py   (server start 16-110 s, then ~6 min on 2 cores)
 """
 import json
 import os
