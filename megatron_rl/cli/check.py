@@ -49,6 +49,7 @@ from megatron_rl.tasks.custom import task_import_error
 from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tasks.judge_check import judge_check
 from megatron_rl.tasks.reward_fn import reward_import_error
+from megatron_rl.tasks.rm_check import check_reward_model, first_prompt
 from megatron_rl.tokenizer import load_tokenizer
 
 
@@ -119,6 +120,10 @@ def _run(args: argparse.Namespace) -> int:
     if task_error and not any(p.startswith("data.task") for p in problems):
         problems.append(task_error)
     judge_lines = _judge_lines(cfg, problems)  # reward.judge: the template on one row, one request to the endpoint
+    if cfg.reward.model.enable and not any(p.startswith("reward.") for p in problems):  # the RM, one row, servers
+        rm_problems, rm_lines = check_reward_model(cfg.reward.model, first_prompt(cfg.data, cfg.actor.load_hf))
+        problems += rm_problems
+        judge_lines += rm_lines
     c = cfg.cluster
     world = c.world_size
     where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "

@@ -13,8 +13,8 @@ from typing import Any, Dict, Optional
 from megatron_rl.config.sections import (
     ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, MultiTurnConfig, RolloutConfig, TrainerConfig,
 )
+from megatron_rl.config.reward_section import RewardConfig
 from megatron_rl.models.config import ModelConfig
-from megatron_rl.tasks.judge_config import RewardConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 #: YAML sections in file order.

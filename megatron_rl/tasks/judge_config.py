@@ -140,15 +140,3 @@ class JudgeConfig:
         if clash:
             errs.append(f"{k}.sampling_kwargs: {clash} have their own keys (reward.judge.<key>)")
         return errs
-
-
-@dataclass
-class RewardConfig:
-    """``reward:``: rewards computed by models (the rule rewards are ``data.reward_fn``)."""
-
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    """An LLM judge behind an OpenAI-compatible endpoint (``reward.judge.*``)."""
-
-    def errors(self) -> List[str]:
-        """The subsections' violations."""
-        return self.judge.errors()
