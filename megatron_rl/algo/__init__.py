@@ -1,9 +1,12 @@
-"""RL algorithm pieces that are not losses: advantage estimators (``advantages``)."""
+"""RL algorithm pieces that are not losses: advantage estimators (``advantages``; verl's estimators by name:
+``advantage_fn``)."""
 from megatron_rl.algo.advantages import (
     BASELINE_OVER,
     ESTIMATORS,
     compute_advantages,
     group_advantage_scalars,
 )
+from megatron_rl.algo.gae import compute_gae_advantage_return
+from megatron_rl.algo.whiten import masked_whiten
 
-__all__ = ["BASELINE_OVER", "ESTIMATORS", "compute_advantages", "group_advantage_scalars"]
+__all__ = ["compute_gae_advantage_return", "masked_whiten", "BASELINE_OVER", "ESTIMATORS", "compute_advantages", "group_advantage_scalars"]
