@@ -45,7 +45,7 @@ class CriticSpec:
     parallel: Any
     """The ``parallel:`` section: the actor's layout."""
     optim: Any
-    """An ``ActorConfig`` whose optimizer keys are the critic's (``config.critic.OPTIMIZER_KEYS``) and every other
+    """An ``ActorConfig`` whose optimizer keys are the critic's (``plan.critic.OPTIMIZER_KEYS``) and every other
     key the actor's (micro-batching, precision, distributed optimizer, recompute, ``load_hf``)."""
     precision: Precision
     """Parameter dtype (the actor's; the value head never runs in a fp32 output layer)."""

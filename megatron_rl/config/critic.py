@@ -12,12 +12,7 @@ from typing import List, Optional
 
 from megatron_rl.losses.config import LOSS_AGG_MODES
 
-__all__ = ["CriticConfig", "OPTIMIZER_KEYS"]
-
-#: The critic's own optimizer / schedule keys: each replaces the actor key of the same name for the critic.
-OPTIMIZER_KEYS = ("lr", "lr_warmup_steps", "lr_warmup_fraction", "lr_warmup_init", "lr_decay_style",
-                  "lr_decay_steps", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
-                  "ppo_mini_batches", "ppo_epochs")
+__all__ = ["CriticConfig"]
 
 
 @dataclass

@@ -25,6 +25,7 @@ import yaml
 
 from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
+from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.paths import moved_path_errors, path_kind, resolve_path, resolve_tree_paths
 from megatron_rl.config.sections import (
@@ -53,7 +54,7 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "algorithm": AlgorithmConfig,
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
                    "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,
-                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig}
+                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig, "critic": CriticConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}
@@ -304,7 +305,7 @@ def _move_loss_mode(tree: Dict[str, Any], errors: List[str]) -> Dict[str, Any]:
     return tree
 
 
-_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer")
+_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "critic")
 #: The one problem reported for a verl config (its keys are not this project's).
 VERL_FILE_MESSAGE = ("actor_rollout_ref: this is a verl config (its actor_rollout_ref: section), not a megatron-rl "
                      "one; convert it with `megatron-rl migrate verl FILE -o JOB.yaml`, which maps every key to "

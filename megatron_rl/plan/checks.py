@@ -134,7 +134,7 @@ def data_errors(d, advantage_estimator: str) -> List[str]:
     errs += d.errors()  # reward, prompt-length and overlong settings (DataConfig.errors)
     if d.prompts_per_step < 1:
         errs.append(f"data.prompts_per_step: must be >= 1, got {d.prompts_per_step}")
-    if advantage_estimator not in ADV:
+    if advantage_estimator not in ADV + ("gae",):
         errs.append(f"algorithm.advantage_estimator: {advantage_estimator!r} is not one of {', '.join(ADV)}")
     return errs
 

@@ -28,6 +28,8 @@ from megatron_rl.losses.registry import mode_parameter_errors, objective_summary
 from megatron_rl.models.attention import AttentionBackend, attention_backend, attention_errors, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.actor.critic import CriticSpec
+from megatron_rl.plan.critic import critic_plan
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
@@ -40,7 +42,7 @@ if TYPE_CHECKING:  # the config package validates through this module: only its 
 
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
-__all__ = ["JobPlan", "PlanError", "actor_spec", "replay_of", "job_engine", "world_errors"]
+__all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "job_engine", "world_errors"]
 
 T = TypeVar("T")
 
@@ -107,6 +109,8 @@ class JobPlan:
     """The core-attention backend the job gets (None: ``cluster.device`` unknown)."""
     cfg: "JobConfig" = dataclasses.field(repr=False, compare=False, default=None)
     """The config the plan was built from (its sections travel into the specs)."""
+    critic: Optional[CriticSpec] = None
+    """PPO's value model (``critic:``; ``plan.critic``), or None: the job trains no critic."""
 
     @property
     def actor(self) -> ActorSpec:
@@ -138,6 +142,11 @@ class JobPlan:
                  + (f"{fg.metric}, up to {fg.max_num_gen_batches} round(s), on_exhausted {fg.on_exhausted}"
                     if fg is not None else "off"),
                  self.objective_line()]
+        if self.critic is not None:
+            cc = self.cfg.critic
+            lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {cc.ppo_epochs} epoch(s) x "
+                         f"{cc.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
+                         f"{cc.loss_agg_mode}, critic_warmup {cc.critic_warmup} step(s)")
         return lines
 
     def objective_line(self) -> str:
@@ -193,12 +202,13 @@ class JobPlan:
             p.add(attention_errors(attention, cfg))
         p.add(model_extra_errors(cfg.model))
         recompute = p.build(_recompute, ac, cfg.model, cfg.parallel)
+        critic = p.build(critic_plan, cfg, precision, batcher, budget)
         if p.found or p.unbuilt or engine is None or cfg.model is None:
             return None, p.found
         return cls(world_size=world_size, dims=dims, engine=engine, weight_sync=ws, budget=budget,
                    dynamic_sampling=dynamic, precision=precision, batcher=batcher, replay=replay,
                    objective=objective, lr_schedule=lr_schedule, recompute=recompute, attention=attention,
-                   cfg=cfg), []
+                   cfg=cfg, critic=critic), []
 
 
 def _dynamic_sampling(cfg) -> Optional[object]:
@@ -293,6 +303,19 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     if p.found or p.unbuilt:
         raise PlanError(p.found or ["actor: the plan could not be built"])
     return ActorSpec(model=cfg.model, parallel=cfg.parallel, actor=ac, **spec)
+
+
+def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpec:
+    """The critic's part of the plan alone (tests and tools): the actor's layout, precision and micro-batcher with
+    the critic's keys; ``PlanError`` naming what failed, or when the job trains no critic."""
+    a = actor_spec(cfg, world_size)
+    try:
+        spec = critic_plan(cfg, a.precision, a.batcher, ResponseBudget.of(cfg.rollout, cfg.multi_turn))
+    except Unbuilt as exc:
+        raise PlanError(exc.problems or ["critic: the plan could not be built"]) from None
+    if spec is None:
+        raise PlanError(["critic.enable: the job trains no critic (set critic.enable: true or advantage_estimator: gae)"])
+    return spec
 
 
 def replay_of(cfg: "JobConfig") -> ReplayMode:

@@ -1,0 +1,114 @@
+"""``MegatronCritic`` against a single-process reference (``tests/critic_reference.py``): HF transformers' body in
+fp32 with the critic's head, verl 0.9.1's own ``compute_value_loss`` on the whole batch.
+
+At TP1, TP2, PP2 and DP2 the critic loads the same HF checkpoint, computes the values of a batch (micro-batches of
+different lengths) and takes one optimizer step of the clipped value loss (clipping active on some tokens).
+Checked: the values (<= 1e-5), vf_loss, vf_clipfrac, vpred_mean, the grad norm and every gradient (the body's,
+unsharded from each rank's ``main_grad``, and the value head's) <= 1e-6 abs / 1e-4 rel.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_critic_train.py -q``
+"""
+import pytest
+import torch
+
+import megatron.core  # noqa: F401
+from megatron_rl.actor import row_blocks
+from megatron_rl.actor.critic import MegatronCritic
+from megatron_rl.parallel import initialize_model_parallel
+from megatron_rl.plan.job import critic_spec
+from megatron_rl.testing.actor_reference import load_hf_reference, merge_rank_grads, policy_data, rank_main_grads
+from megatron_rl.testing.distributed import run_ranks
+from megatron_rl.testing.jobs import knobs, named_job
+from tests.critic_reference import reference_step, reference_values
+from tests.verl_core_algos import verl_core_algos
+
+transformers = pytest.importorskip("transformers")
+
+CLIP_V = 0.2
+CRITIC = ("algorithm.advantage_estimator=gae", "critic.enable=true", "critic.clip_grad=1000000.0", "critic.lr=0.001",
+          "critic.weight_decay=0.0", f"critic.cliprange_value={CLIP_V}")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_model):
+    return tiny_hf_model("qwen2", seed=31, num_hidden_layers=4)
+
+
+def _head(critic):
+    chunk = critic.model[-1].module
+    if not chunk.post_process:
+        return None
+    return chunk.output_layer.weight.detach().clone(), chunk.output_layer.bias.detach().clone()
+
+
+def _rank(rank, world, job, data):
+    batch, values, returns, mask = data
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    critic = MegatronCritic(critic_spec(job))
+    start, end = row_blocks(batch.num_rows, critic.dp_size)[critic.dp_rank]
+    shard = batch.select(start, end)
+    W = shard.max_length - 1
+    v = critic.compute_values(shard)
+    head = _head(critic)
+    metrics = critic.train_step(shard, values[start:end, :W], returns[start:end, :W], mask[start:end, :W])
+    grads = rank_main_grads(critic, job.parallel)
+    head_grads = None
+    for coords, g in grads:
+        if "output_layer.weight" in g:
+            head_grads = (g.pop("output_layer.weight"), g.pop("output_layer.bias"))
+    return {"values": (start, v), "head": head, "metrics": metrics, "grads": grads, "head_grads": head_grads}
+
+
+def _data(vocab, seed=0, B=8):
+    batch, _, _, mask, _ = policy_data(vocab, B, seed, prompt_len=(1, 6), response_len=(1, 10), reject_token=False)
+    g = torch.Generator().manual_seed(seed + 100)
+    W = batch.max_length - 1
+    returns = torch.randn(B, W, generator=g) * mask
+    return batch, mask, returns, g
+
+
+CASES = [(dict(), 1), (dict(tp=2), 2), (dict(pp=2), 2), (dict(), 2), (dict(tp=2, sp=True), 2)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,world", CASES, ids=["tp1", "tp2", "pp2", "dp2", "tp2sp"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_value_step_matches_reference(model, layout, world, agg):
+    from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
+
+    job = named_job("actor_ppo", *CRITIC, f"critic.loss_agg_mode={agg}", *knobs(**layout), hf=model)
+    batch, mask, returns, g = _data(job.model.vocab_size)
+    ref_model = load_hf_reference(model)
+    # the old values: the reference's at the critic's initial head, moved so that the clip is active on some tokens
+    probe = run_ranks(_rank, world, job, (batch, torch.zeros_like(returns), returns, mask), timeout=200)
+    head_w, head_b = next(r["head"] for r in probe if r["head"] is not None)
+    with torch.no_grad():
+        v0 = reference_values(ref_model, batch.tokens, head_w, head_b)
+    for r in probe:  # the critic's values before any step equal the reference's
+        start, v = r["values"]
+        W = v.shape[1]
+        torch.testing.assert_close(v * mask[start:start + v.shape[0], :W],
+                                   v0[start:start + v.shape[0], :W] * mask[start:start + v.shape[0], :W],
+                                   rtol=1e-4, atol=1e-5)
+    old = (v0 + 0.4 * torch.randn(v0.shape, generator=g)) * mask
+    results = run_ranks(_rank, world, job, (batch, old, returns, mask), timeout=200)
+    with verl_core_algos() as verl:
+        loss, clipfrac, ref_grads, (gw, gb), norm, vmean = reference_step(
+            verl, ref_model, batch.tokens, head_w, head_b, old, returns, mask, CLIP_V, agg)
+    m = results[0]["metrics"]
+    assert all(r["metrics"] == m for r in results), "metrics differ between ranks"
+    assert 0.05 < clipfrac < 0.95, "the value clip must be active on some tokens and not all"
+    assert m["critic/vf_loss"] == pytest.approx(loss, rel=1e-5)
+    assert m["critic/vf_clipfrac"] == pytest.approx(clipfrac, rel=1e-6)
+    assert m["critic/vpred_mean"] == pytest.approx(vmean, rel=1e-5, abs=1e-6)
+    assert m["critic/grad_norm"] == pytest.approx(norm, rel=1e-5)
+    hg = next(r["head_grads"] for r in results if r["head_grads"] is not None)
+    torch.testing.assert_close(hg[0], gw, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(hg[1], gb, rtol=1e-4, atol=1e-6)
+    grads = merge_rank_grads([r["grads"] for r in results], job)
+    geom, _, _ = read_hf_checkpoint(model)
+    want = hf_to_mcore(ref_grads, geom)
+    want.pop("output_layer.weight", None)
+    assert sorted(grads) == sorted(want)
+    for k, gr in want.items():
+        torch.testing.assert_close(grads[k], gr, rtol=1e-4, atol=1e-6, msg=lambda s: f"grad {k}: {s}")
