@@ -52,12 +52,21 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
                                           cfg.algorithm.rollout_correction, group=actor.dp_group)
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
-    adv = compute_advantages(shard.rewards, shard.group_index, corr.loss_mask.float(),
-                             estimator=cfg.algorithm.advantage_estimator, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
+    critic, critic_metrics = job.critic, {}
+    if critic.enabled:  # GAE over the critic's values (trainer/critic_step.py)
+        with wd.phase("values", step + 1):
+            adv, returns, values = critic.advantages(rows, shard.rewards, group=actor.dp_group)
+    else:
+        adv = compute_advantages(shard.rewards, shard.group_index, corr.loss_mask.float(),
+                                 estimator=cfg.algorithm.advantage_estimator,
+                                 norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
     with wd.phase("train", step + 1):  # the correction decided which old log-probs and weights the loss uses
+        if critic.enabled:
+            critic_metrics = critic.train(rows, values, returns, group=actor.dp_group)
         old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)
-        actor_metrics = actor.train_step(rows, old, adv, corr.loss_mask, w, T,
-                                         ref_log_probs=job.reference.log_probs(rows, T))
+        actor_metrics = (actor.train_step(rows, old, adv, corr.loss_mask, w, T,
+                                          ref_log_probs=job.reference.log_probs(rows, T))
+                         if critic.actor_trains(step) else {})
     with wd.phase("weight_sync", step + 1):
         sync_metrics = source.publisher.publish(version_tag(step + 1))
     t_end = time.perf_counter()
@@ -66,7 +75,7 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
                                                                  "weight_sync")}
     metrics = {
         **got.summary,
-        **actor_metrics, **corr.metrics, **lag_metrics, **got.metrics,
+        **actor_metrics, **critic_metrics, **corr.metrics, **lag_metrics, **got.metrics,
         # the share of this step's wall time in which the producer generated while the trainer worked
         "perf/rollout_overlap_frac": source.overlap_s(t_rolled, t_end) / dt,
         **timing, "timing/step_s": dt, **sync_metrics,
