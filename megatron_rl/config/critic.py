@@ -53,7 +53,8 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     """Aggregation of the value loss (verl's ``critic.loss_agg_mode``; same modes as the policy loss)."""
     critic_warmup: int = 0
-    """The first N steps train the critic only; the actor does not update (verl's ``trainer.critic_warmup``)."""
+    """verl's ``trainer.critic_warmup``: the actor does not update while this exceeds the 1-based step (verl's
+    comparison), so the first ``critic_warmup - 1`` steps train the critic only (0 and 1: none)."""
 
     def errors(self) -> List[str]:
         """This section's own problems, each naming its key."""

@@ -28,6 +28,7 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("actor", "megatron_rl.config.sections", "ActorConfig"),
     ("actor.policy_loss", "megatron_rl.losses.config", "PolicyLossConfig"),
     ("trainer", "megatron_rl.config.sections", "TrainerConfig"),
+    ("critic", "megatron_rl.config.critic", "CriticConfig"),
 )
 
 
