@@ -11,6 +11,7 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
 
+With a critic (``gae``) the advantages are GAE over its values and it trains before the actor (docs/critic.md).
 Rule: a step dynamic sampling skipped (``StepRows.skipped``, which every rank receives with its rows) trains
 nothing and only publishes the unchanged weights as the next version. Watchdog bounds, bypass mode:
 docs/trainer.md.

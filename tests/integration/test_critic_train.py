@@ -1,7 +1,7 @@
 """``MegatronCritic`` against a single-process reference (``tests/critic_reference.py``): HF transformers' body in
 fp32 with the critic's head, verl 0.9.1's own ``compute_value_loss`` on the whole batch.
 
-At TP1, TP2, PP2 and DP2 the critic loads the same HF checkpoint, computes the values of a batch (micro-batches of
+At TP1, TP2, PP2, DP2, TP2 + SP and with packed token-budget micro-batches the critic loads the same HF checkpoint, computes the values of a batch (micro-batches of
 different lengths) and takes one optimizer step of the clipped value loss (clipping active on some tokens).
 Checked: the values (<= 1e-5), vf_loss, vf_clipfrac, vpred_mean, the grad norm and every gradient (the body's,
 unsharded from each rank's ``main_grad``, and the value head's) <= 1e-6 abs / 1e-4 rel.
@@ -67,11 +67,14 @@ def _data(vocab, seed=0, B=8):
     return batch, mask, returns, g
 
 
-CASES = [(dict(), 1), (dict(tp=2), 2), (dict(pp=2), 2), (dict(), 2), (dict(tp=2, sp=True), 2)]
+#: token-budget micro-batches packed into THD sequences (rows of 2..15 tokens: 1-5 rows per micro-batch)
+PACKED = dict(max_tokens_per_micro_batch=24, sequence_packing=True)
+CASES = [(dict(), 1), (dict(tp=2), 2), (dict(pp=2), 2), (dict(), 2), (dict(tp=2, sp=True), 2), (PACKED, 1),
+         (dict(pp=2, **PACKED), 2)]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,world", CASES, ids=["tp1", "tp2", "pp2", "dp2", "tp2sp"])
+@pytest.mark.parametrize("layout,world", CASES, ids=["tp1", "tp2", "pp2", "dp2", "tp2sp", "packed", "pp2-packed"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_value_step_matches_reference(model, layout, world, agg):
     from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
