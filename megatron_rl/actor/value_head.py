@@ -45,7 +45,7 @@ def attach_value_heads(chunks: Sequence[torch.nn.Module], init_std: float, seed:
         if not chunk.post_process:
             continue
         old = chunk.output_layer
-        ref = next(chunk.decoder.parameters())
+        ref = next(chunk.parameters())  # the dtype and device of this chunk's weights
         chunk.output_layer = ValueHead(chunk.config.hidden_size, init_std, seed, ref.dtype, ref.device,
                                        sequence_parallel, tp_group)
         del old
