@@ -42,7 +42,9 @@ def _head(critic):
 
 
 def _rank(rank, world, job, data):
-    batch, values, returns, mask = data
+    """The trainer's order: the critic's values, the old values = them + ``noise`` (so the clip is active on some
+    tokens), one train step."""
+    batch, noise, returns, mask = data
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
     critic = MegatronCritic(critic_spec(job))
     start, end = row_blocks(batch.num_rows, critic.dp_size)[critic.dp_rank]
@@ -50,13 +52,15 @@ def _rank(rank, world, job, data):
     W = shard.max_length - 1
     v = critic.compute_values(shard)
     head = _head(critic)
-    metrics = critic.train_step(shard, values[start:end, :W], returns[start:end, :W], mask[start:end, :W])
+    old = (v + noise[start:end, :W]) * mask[start:end, :W]
+    metrics = critic.train_step(shard, old, returns[start:end, :W], mask[start:end, :W])
     grads = rank_main_grads(critic, job.parallel)
     head_grads = None
     for coords, g in grads:
         if "output_layer.weight" in g:
             head_grads = (g.pop("output_layer.weight"), g.pop("output_layer.bias"))
-    return {"values": (start, v), "head": head, "metrics": metrics, "grads": grads, "head_grads": head_grads}
+    return {"values": (start, v), "old": (start, old), "head": head, "metrics": metrics, "grads": grads,
+            "head_grads": head_grads}
 
 
 def _data(vocab, seed=0, B=8):
@@ -69,32 +73,34 @@ def _data(vocab, seed=0, B=8):
 
 #: token-budget micro-batches packed into THD sequences (rows of 2..15 tokens: 1-5 rows per micro-batch)
 PACKED = dict(max_tokens_per_micro_batch=24, sequence_packing=True)
-CASES = [(dict(), 1), (dict(tp=2), 2), (dict(pp=2), 2), (dict(), 2), (dict(tp=2, sp=True), 2), (PACKED, 1),
-         (dict(pp=2, **PACKED), 2)]
+TM, SM = "token-mean", "seq-mean-token-mean"
+CASES = [(dict(), 1, TM), (dict(tp=2), 2, TM), (dict(pp=2), 2, TM), (dict(), 2, TM), (dict(), 2, SM),
+         (dict(tp=2, sp=True), 2, TM), (PACKED, 1, SM), (dict(pp=2, **PACKED), 2, TM)]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,world", CASES, ids=["tp1", "tp2", "pp2", "dp2", "tp2sp", "packed", "pp2-packed"])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("layout,world,agg", CASES, ids=["tp1", "tp2", "pp2", "dp2", "dp2-seq-mean", "tp2sp",
+                                                          "packed-seq-mean", "pp2-packed"])
 def test_value_step_matches_reference(model, layout, world, agg):
     from megatron_rl.convert import hf_to_mcore, read_hf_checkpoint
 
     job = named_job("actor_ppo", *CRITIC, f"critic.loss_agg_mode={agg}", *knobs(**layout), hf=model)
     batch, mask, returns, g = _data(job.model.vocab_size)
     ref_model = load_hf_reference(model)
-    # the old values: the reference's at the critic's initial head, moved so that the clip is active on some tokens
-    probe = run_ranks(_rank, world, job, (batch, torch.zeros_like(returns), returns, mask), timeout=200)
-    head_w, head_b = next(r["head"] for r in probe if r["head"] is not None)
+    noise = 0.4 * torch.randn(returns.shape, generator=g)
+    results = run_ranks(_rank, world, job, (batch, noise, returns, mask), timeout=200)
+    head_w, head_b = next(r["head"] for r in results if r["head"] is not None)
     with torch.no_grad():
         v0 = reference_values(ref_model, batch.tokens, head_w, head_b)
-    for r in probe:  # the critic's values before any step equal the reference's
+    old = torch.zeros_like(returns)
+    for r in results:  # the critic's values before any step equal the reference's
         start, v = r["values"]
         W = v.shape[1]
         torch.testing.assert_close(v * mask[start:start + v.shape[0], :W],
                                    v0[start:start + v.shape[0], :W] * mask[start:start + v.shape[0], :W],
                                    rtol=1e-4, atol=1e-5)
-    old = (v0 + 0.4 * torch.randn(v0.shape, generator=g)) * mask
-    results = run_ranks(_rank, world, job, (batch, old, returns, mask), timeout=200)
+        start, o = r["old"]
+        old[start:start + o.shape[0], : o.shape[1]] = o
     with verl_core_algos() as verl:
         loss, clipfrac, ref_grads, (gw, gb), norm, vmean = reference_step(
             verl, ref_model, batch.tokens, head_w, head_b, old, returns, mask, CLIP_V, agg)
@@ -121,11 +127,12 @@ def _rank_epochs(rank, world, job, data):
     from megatron_rl.convert import canonical_state_dict
     from megatron_rl.convert.partition import RankCoords
 
-    batch, values, returns, mask = data
+    batch, noise, returns, mask = data
     initialize_model_parallel(job.parallel, seed=5, model=job.model)
     critic = MegatronCritic(critic_spec(job))
     head = _head(critic)
-    metrics = critic.train_step(batch, values, returns, mask)
+    old = (critic.compute_values(batch) + noise) * mask
+    metrics = critic.train_step(batch, old, returns, mask)
     weights = []
     for i, chunk in enumerate(critic.model):
         named = {n: p.detach().clone() for n, p in chunk.module.named_parameters()}
@@ -133,7 +140,7 @@ def _rank_epochs(rank, world, job, data):
         coords = RankCoords.from_groups(critic.groups, vp_stage=i)
         weights.append((coords, canonical_state_dict(named)))
     return {"head": head, "head_after": head_after if head is not None else None, "weights": weights,
-            "metrics": metrics}
+            "metrics": metrics, "old": old}
 
 
 @pytest.mark.timeout(240)
@@ -146,14 +153,11 @@ def test_mini_batches_and_epochs_match_reference(model):
     job = named_job("actor_ppo", *CRITIC, "critic.ppo_mini_batches=2", "critic.ppo_epochs=2",
                     *knobs(tp=2, mbs=2), hf=model)
     batch, mask, returns, g = _data(job.model.vocab_size)
-    probe = run_ranks(_rank, 1, named_job("actor_ppo", *CRITIC, hf=model),
-                      (batch, torch.zeros_like(returns), returns, mask), timeout=200)
-    head_w, head_b = probe[0]["head"]
+    noise = 0.4 * torch.randn(returns.shape, generator=g)
+    results = run_ranks(_rank_epochs, 2, job, (batch, noise, returns, mask), timeout=200)
+    head_w, head_b = next(r["head"] for r in results if r["head"] is not None)
+    old = results[0]["old"]
     ref_model = load_hf_reference(model)
-    with torch.no_grad():
-        v0 = reference_values(ref_model, batch.tokens, head_w, head_b)
-    old = (v0 + 0.4 * torch.randn(v0.shape, generator=g)) * mask
-    results = run_ranks(_rank_epochs, 2, job, (batch, old, returns, mask), timeout=200)
     w = head_w.clone().requires_grad_(True)
     b = head_b.clone().requires_grad_(True)
     params = [p for n, p in ref_model.named_parameters() if n != "lm_head.weight"] + [w, b]
@@ -187,3 +191,32 @@ def test_mini_batches_and_epochs_match_reference(model):
     hw, hb = next(r["head_after"] for r in results if r["head_after"] is not None)
     torch.testing.assert_close(hw, w.detach(), rtol=0, atol=1e-5)
     torch.testing.assert_close(hb, b.detach(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_bf16_critic_values_and_step(model):
+    """actor.bf16 (the critic takes the actor's precision): bf16 weights from the HF fp32 values, values within bf16
+    rounding of the fp32 reference, and one step of the value loss moves the values toward the returns."""
+    job = named_job("actor_ppo", *CRITIC, "actor.bf16=true", hf=model)
+    batch, mask, returns, g = _data(job.model.vocab_size)
+    res = run_ranks(_rank_bf16, 1, job, (batch, returns, mask), timeout=200)[0]
+    head_w, head_b = (t.float() for t in res["head"])
+    with torch.no_grad():
+        v0 = reference_values(load_hf_reference(model), batch.tokens, head_w, head_b)
+    W = res["before"].shape[1]
+    torch.testing.assert_close(res["before"] * mask[:, :W], v0[:, :W] * mask[:, :W], rtol=0.05, atol=0.05)
+    err = lambda v: float((((v - returns[:, :W]) * mask[:, :W]) ** 2).sum())  # noqa: E731
+    assert err(res["after"]) < err(res["before"])
+
+
+def _rank_bf16(rank, world, job, data):
+    batch, returns, mask = data
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    critic = MegatronCritic(critic_spec(job))
+    assert next(critic.model[0].module.parameters()).dtype == torch.bfloat16
+    W = batch.max_length - 1
+    before = critic.compute_values(batch)
+    head = _head(critic)
+    for _ in range(3):
+        critic.train_step(batch, before, returns[:, :W], mask[:, :W])
+    return {"before": before, "after": critic.compute_values(batch), "head": head}
