@@ -63,6 +63,8 @@ setup(
             # Hugging Face's hub-kernels package, whatever transformers asks: the suite proves the checkout's own
             # kernels/ folder never hides it (tests/integration/test_no_shadowing.py)
             "kernels>=0.10",
+            # actor.lora's proofs: the adapters' logits, gradients, export and merge against PEFT's LoRA
+            "peft>=0.17",
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -4,7 +4,10 @@ batch generator / comparison helpers of the ``tests/*/test_correction_*.py`` fil
 Written from the metric reference in ``megatron_rl/correction/finalize.py`` (module docstring) and the
 documented decisions of ``megatron_rl.correction`` (per-sequence metrics over valid sequences, batch
 normalisation over the tokens / sequences kept after rejection, k1 bounds on r = pi_train / pi_rollout,
-empty sets -> 0.0). It shares no code with the implementation: thresholds are parsed again here.
+empty sets -> 0.0). It shares no code with the implementation: thresholds are parsed again here. KPop's
+``binary_kl`` statistic is ``areal_binary_kl`` below: AReaL's ``compute_binary_kl_divergence`` and the
+``binary_kl`` branch of ``apply_rejection_sampling`` (areal/utils/functional/functional.py at commit
+13353cc6767b7e47d45eed5fd87a0a6e669a246c, PR #1405) transcribed in float64.
 
 Tolerances, per input dtype (``check_against_reference``): the implementation keeps per-token values
 in float32 for float32 log-probs (sums in float64), so a metric that is a difference of O(1) values
@@ -65,6 +68,19 @@ def parse_rs(options, spec):
     return out
 
 
+def areal_binary_kl(log_p, log_q, eps=1e-8):
+    """AReaL's ``compute_binary_kl_divergence`` (commit 13353cc6), one token, float64."""
+    p = min(max(math.exp(log_p), eps), 1.0 - eps)
+    q = min(max(math.exp(log_q), eps), 1.0 - eps)
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def areal_kpop_metric(log_prox, log_behave):
+    """The ``binary_kl`` metric of AReaL's ``apply_rejection_sampling``: max of forward and reverse; a token is
+    kept iff it is <= upper (``_check_bounds`` without lower)."""
+    return max(areal_binary_kl(log_prox, log_behave), areal_binary_kl(log_behave, log_prox))
+
+
 def bad_value(x):
     return not math.isfinite(x) or x > 1e-3
 
@@ -102,6 +118,7 @@ def reference(lt, lr, mask, rollout_is=None, rollout_is_threshold=2.0, rollout_i
         "k1": {k: -v for k, v in dc.items()},
         "k2": {k: 0.5 * v * v for k, v in dc.items()},
         "k3": {k: math.exp(v) - 1.0 - v for k, v in dc.items()},
+        "kl": {(b, t): areal_kpop_metric(lt[b][t], lr[b][t]) for b, t in all_tok},  # binary_kl (KPop)
     }
     S = {b: sum(d[(b, t)] for t in toks) for b, toks in seqs}
     Gm = {b: S[b] / len(toks) for b, toks in seqs}
@@ -185,7 +202,7 @@ def reference(lt, lr, mask, rollout_is=None, rollout_is_threshold=2.0, rollout_i
             Ls, Us = 0.0, hi_r
         st = stat[est]
         p = f"rollout_rs_{opt}"
-        if opt.startswith("token_"):
+        if opt.startswith("token_") or opt == "binary_kl":
             tok_stat = dict(st)
             v = {b: avg(st[(b, t)] for t in toks) for b, toks in seqs}
             okeep = {k: (Ls <= st[k] <= Us) if est == "k1" else (st[k] <= Us) for k in all_tok}

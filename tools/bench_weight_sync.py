@@ -1,7 +1,7 @@
 """Benchmark the trainer -> engine weight sync: the fixed and per-byte cost of a sync (``--senders``), the modes.
 
     OMP_NUM_THREADS=1 python tools/bench_weight_sync.py --senders [--sglang] [--experts 8] [--sizes 256,768]
-        [--verify-interval 1] [--layers 6] [--vocab 16384] [--repeats 2]
+        [--verify-interval 1] [--layers 6] [--vocab 16384] [--repeats 2] [--layouts pp2,ep2] [--transports shm,gloo]
     OMP_NUM_THREADS=1 python tools/bench_weight_sync.py [--hidden 1024] [--layers 6] [--vocab 16384] [--tp 2]
         [--bucket-mb 64] [--sglang] [--delta-lrs 1e-6,1e-4]
 
@@ -48,10 +48,14 @@ def _body(rank, world, job, modes, url, repeats):
     initialize_model_parallel(job.parallel, seed=0, model=job.model)
     actor = MegatronActor(actor_spec(job))
     out = {}
-    for engine_kind, mode in modes:
+    for engine_kind, mode, *transport in modes:
         rc = dataclasses.replace(job.rollout, engine=engine_kind, weight_sync=mode,
                                  sglang_urls=[url] if url else [], weight_sync_dir=tempfile.mkdtemp())
         cfg = dataclasses.replace(job, rollout=rc)
+        settings = weight_sync_settings(cfg)
+        if transport:  # --transports: forced (the job's own choice otherwise); flat: all_gather_into_tensor for TP
+            settings = dataclasses.replace(settings, sender_transport="gloo" if transport[0] == "gloo" else "shm",
+                                           tp_gather=transport[0])
         engine = None
         if rank == 0:
             engine = (EmbeddedEngine(job.actor.load_hf, dtype="bfloat16") if engine_kind == "embedded"
@@ -64,7 +68,7 @@ def _body(rank, world, job, modes, url, repeats):
             base = _rss_kb("VmRSS")
             c0 = time.process_time()
             t0 = time.perf_counter()
-            m = build_weight_publisher(weight_sync_settings(cfg), actor, engine).publish(f"step-{i + 1}")
+            m = build_weight_publisher(settings, actor, engine).publish(f"step-{i + 1}")
             if i:
                 times.append(time.perf_counter() - t0)
                 cpus.append(time.process_time() - c0)  # every thread of this rank, not the time it waited for a CPU
@@ -72,7 +76,7 @@ def _body(rank, world, job, modes, url, repeats):
                 copies.append(_memcpy_s(m["weight_sync/bytes"], 1, cpu=True))  # the floor, under the same load
         if engine is not None:
             engine.close()
-        out[f"{engine_kind}/{mode}"] = {"s": statistics.median(times), "min_s": min(times), "peak": max(peaks),
+        out["/".join([engine_kind, mode, *transport])] = {"s": statistics.median(times), "min_s": min(times), "peak": max(peaks),
                                         "cpus": cpus, "copy_s": min(c for c, _ in copies),
                                         "copy_cpu": min(c for _, c in copies), **m}
     return out
@@ -170,12 +174,15 @@ def senders_main(a) -> None:
     sizes = [int(x) for x in a.sizes.split(",")]
     if len(sizes) != 2 or sizes[0] >= sizes[1] or any(h % 256 for h in sizes):
         raise SystemExit(f"--sizes {a.sizes!r}: two hidden sizes (multiples of 256), the smaller first")
-    cases = [("dense 1 rank (1 sender)", "dense", 1, {}),
-             ("dense TP2 (1 sender)", "dense", 2, {"tensor_model_parallel_size": 2}),
-             ("dense PP2 (2 senders)", "dense", 2, {"pipeline_model_parallel_size": 2}),
-             ("MoE DP2 (1 sender)", "moe", 2, {}),
-             ("MoE EP2 (2 senders)", "moe", 2, {"expert_model_parallel_size": 2})]
-    points = {}  # label -> [(bytes, seconds, senders, key)] per size
+    cases = [("dense 1 rank (1 sender)", "dense", 1, {}, "1"),
+             ("dense TP2 (1 sender)", "dense", 2, {"tensor_model_parallel_size": 2}, "tp2"),
+             ("dense PP2 (2 senders)", "dense", 2, {"pipeline_model_parallel_size": 2}, "pp2"),
+             ("MoE DP2 (1 sender)", "moe", 2, {}, "dp2"),
+             ("MoE EP2 (2 senders)", "moe", 2, {"expert_model_parallel_size": 2}, "ep2")]
+    if a.layouts:
+        cases = [c for c in cases if c[4] in a.layouts.split(",")]
+    points = {}  # (label, key) -> [(bytes, seconds, senders, key)] per size
+    transports = [[t] for t in a.transports.split(",")] if a.transports else [[]]
     for hidden in sizes:  # the same tensors, each larger: the fixed cost stays fixed, the bytes grow
         shape = dict(hidden_size=hidden, num_hidden_layers=a.layers, num_attention_heads=hidden // 64,
                      num_key_value_heads=4, vocab_size=a.vocab)
@@ -184,13 +191,13 @@ def senders_main(a) -> None:
                   "moe": build_tiny_hf_model(os.path.join(root, f"moe{hidden}"), arch="qwen3_moe", seed=0,
                                              num_experts=a.experts, num_experts_per_tok=2,
                                              moe_intermediate_size=hidden, tie_word_embeddings=False, **shape)}
-        for label, kind, world, parallel in cases:
+        for label, kind, world, parallel, _ in cases:
             server = None
             try:
                 if a.sglang:
                     server = launch_sglang_server(models[kind], port=find_free_port(), device="cpu",
                                                   max_total_tokens=1024, ready_timeout=600)
-                modes = [("sglang", "distributed")] if a.sglang else [("embedded", "tensor")]
+                modes = [("sglang", "distributed")] if a.sglang else [("embedded", "tensor", *t) for t in transports]
                 job = _job(models[kind], parallel, a.bucket_mb, a.verify_interval)
                 out = run_ranks(_body, world, job, modes, server.url if server else None, a.repeats, timeout=3000)
             finally:
@@ -198,18 +205,18 @@ def senders_main(a) -> None:
                     server.terminate()
             for key, r0 in out[0].items():
                 cpu = min(sum(o[key]["cpus"][i] for o in out) for i in range(a.repeats))  # all ranks' CPU seconds
-                points.setdefault(label, []).append((r0["weight_sync/bytes"], r0["min_s"], r0["weight_sync/senders"],
+                points.setdefault((label, key), []).append((r0["weight_sync/bytes"], r0["min_s"], r0["weight_sync/senders"],
                                                      key, r0["copy_s"], cpu, r0["copy_cpu"]))
     print(f"verification: {'every version' if a.verify_interval == 1 else 'off' if a.verify_interval == 0 else f'every {a.verify_interval}th version'}; hidden {sizes[0]} and {sizes[1]}, {a.layers} layers, vocab {a.vocab}")
     print("wall: rank 0's seconds per sync (fastest of --repeats); cpu: the CPU seconds of every rank together "
           "(fastest); per byte: the slope between the two sizes, as a multiple of a memcpy's")
-    print(f"{'layout':24s} {'senders':>7s} {'MiB':>13s} {'wall s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} "
+    print(f"{'layout':24s} {'transport':>9s} {'senders':>7s} {'MiB':>13s} {'wall s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} "
           f"{'cpu s':>15s} {'fixed ms':>8s} {'x memcpy/B':>10s} {'x floor':>13s}")
-    for label, pts in points.items():
+    for (label, key), pts in points.items():
         (b1, t1, n, key, m1, c1, k1), (b2, t2, _, _, m2, c2, k2) = pts
         wall_b, cpu_b = (t2 - t1) / (b2 - b1), (c2 - c1) / (b2 - b1)
         copy_b, copy_cpu_b = min(m1 / b1, m2 / b2), min(k1 / b1, k2 / b2)  # a memcpy has no fixed cost to speak of
-        print(f"{label:24s} {n:7.0f} {b1 / 2**20:6.1f}/{b2 / 2**20:6.1f} {t1:7.3f}/{t2:7.3f} "
+        print(f"{label:24s} {key.split('/')[2] if key.count('/') == 2 else 'job':>9s} {n:7.0f} {b1 / 2**20:6.1f}/{b2 / 2**20:6.1f} {t1:7.3f}/{t2:7.3f} "
               f"{(t1 - wall_b * b1) * 1e3:8.1f} {wall_b / copy_b:10.2f} {c1:7.3f}/{c2:7.3f} "
               f"{(c1 - cpu_b * b1) * 1e3:8.1f} {cpu_b / copy_cpu_b:10.2f} {t1 / m1:6.1f}/{t2 / m2:6.1f}")
 
@@ -228,6 +235,9 @@ def main(argv=None):
     p.add_argument("--senders", action="store_true", help="one sender vs several (TP2 vs PP2, DP2 vs EP2)")
     p.add_argument("--experts", type=int, default=8, help="--senders: routed experts of the MoE model")
     p.add_argument("--sizes", default="256,768", help="--senders: the two model sizes (hidden) of the linear fit")
+    p.add_argument("--layouts", default="", help="--senders: a comma list of 1,tp2,pp2,dp2,ep2 (default: all)")
+    p.add_argument("--transports", default="", help="--senders: a comma list of shm,gloo,flat to compare in one run "
+                   "(the sender transport and TP gather; flat: shm senders, all_gather_into_tensor; default: the job's)")
     p.add_argument("--verify-interval", type=int, default=1, help="--senders: rollout.weight_sync_verify_interval "
                    "(0: no verification)")
     a = p.parse_args(argv)

@@ -46,7 +46,11 @@ from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
 from megatron_rl.tasks.custom import task_import_error
+from megatron_rl.tasks import build_task as build_task_for
+from megatron_rl.tasks.judge_check import judge_check
 from megatron_rl.tasks.reward_fn import reward_import_error
+from megatron_rl.tasks.rm_check import check_reward_model, first_prompt
+from megatron_rl.tokenizer import load_tokenizer
 
 
 DEFAULT_PROMPT_LENGTH = 1024
@@ -115,6 +119,11 @@ def _run(args: argparse.Namespace) -> int:
     task_error = task_import_error(cfg.data.task, cfg.data.task_kwargs)          # your own task (module:factory) that does not import
     if task_error and not any(p.startswith("data.task") for p in problems):
         problems.append(task_error)
+    judge_lines = _judge_lines(cfg, problems)  # reward.judge: the template on one row, one request to the endpoint
+    if cfg.reward.model.enable and not any(p.startswith("reward.") for p in problems):  # the RM, one row, servers
+        rm_problems, rm_lines = check_reward_model(cfg.reward.model, first_prompt(cfg.data, cfg.actor.load_hf))
+        problems += rm_problems
+        judge_lines += rm_lines
     c = cfg.cluster
     world = c.world_size
     where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "
@@ -140,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 print(f"hint: no node count of {c.gpus_per_node} rank(s) fits this layout; change the "
                       f"parallel sizes or --gpus-per-node", file=sys.stderr)
+    for line in judge_lines:
+        print(line)
     ok_line = None if problems else f"config OK: {where}"  # printed once the plan's fit verdict is known
     job_plan = JobPlan.collect(cfg, world, has_te=args.transformer_engine)[0] if not problems else None
     for line in job_plan.describe() if job_plan is not None else ():  # what the trainer prints at start
@@ -329,3 +340,20 @@ def add_parser(subparsers) -> None:
                    help="dotted overrides (as for training), options may be mixed in")
     _add_options(p)
     p.set_defaults(func=_main)
+
+
+def _judge_lines(cfg, problems: list) -> list:
+    """``reward.judge``'s check lines; its problems appended to ``problems`` (nothing when off, or when the data /
+    task / tokenizer already failed)."""
+    if not cfg.reward.judge.enable or any(p.startswith(("reward.", "data.", "actor.load_hf")) for p in problems):
+        return []
+    try:
+        task = build_task_for(cfg.data.task, load_tokenizer(cfg.actor.load_hf), path=cfg.data.path,
+                              prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                              task_kwargs=cfg.data.task_kwargs)
+    except (OSError, ValueError) as e:
+        problems.append(f"reward.judge: the task to render the template on did not build: {e}")
+        return []
+    more, lines = judge_check(cfg.reward.judge, task)
+    problems += more
+    return lines

@@ -14,11 +14,13 @@ from megatron_rl.config.sections import (
     ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, MultiTurnConfig, RolloutConfig, TrainerConfig,
 )
 from megatron_rl.config.critic import CriticConfig
+from megatron_rl.config.reward_section import RewardConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 #: YAML sections in file order.
-SECTIONS = ("cluster", "model", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "critic")
+SECTIONS = ("cluster", "model", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer",
+            "reward", "critic")
 
 
 class ConfigError(ValueError):
@@ -38,6 +40,7 @@ class JobConfig:
     trainer: TrainerConfig
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
 
     def to_dict(self) -> Dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from megatron_rl.config.algorithm_spellings import merge_verl_spellings
 from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.critic import CriticConfig
@@ -38,11 +39,14 @@ from megatron_rl.config.validate import job_errors
 from megatron_rl.convert import CheckpointMismatchError, check_model_config_matches, model_config_for_checkpoint
 from megatron_rl.convert.storage import hf_assets_dir, read_hf_config
 from megatron_rl.correction import RolloutCorrectionConfig
+from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
 from megatron_rl.losses.registry import loss_type_for_loss_mode
+from megatron_rl.config.reward_section import RewardConfig, RewardModelConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
+from megatron_rl.tasks.judge_config import JudgeConfig
 
 __all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", "job_config_from_dict",
            "launch_world_size", "load_job_config", "read_config_file", "yaml_load"]
@@ -53,8 +57,11 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "data": DataConfig, "multi_turn": MultiTurnConfig,
                    "algorithm": AlgorithmConfig,
                    "algorithm.rollout_correction": RolloutCorrectionConfig,
-                   "algorithm.filter_groups": FilterGroupsConfig, "actor": ActorConfig,
-                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig, "critic": CriticConfig}
+                   "algorithm.filter_groups": FilterGroupsConfig, "algorithm.kl_ctrl": KLControlConfig,
+                   "actor": ActorConfig,
+                   "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig,
+                   "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig,
+                   "critic": CriticConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}
@@ -305,7 +312,8 @@ def _move_loss_mode(tree: Dict[str, Any], errors: List[str]) -> Dict[str, Any]:
     return tree
 
 
-_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "critic")
+_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "reward",
+          "critic")
 #: The one problem reported for a verl config (its keys are not this project's).
 VERL_FILE_MESSAGE = ("actor_rollout_ref: this is a verl config (its actor_rollout_ref: section), not a megatron-rl "
                      "one; convert it with `megatron-rl migrate verl FILE -o JOB.yaml`, which maps every key to "
@@ -328,6 +336,7 @@ def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
         if k not in SECTIONS:
             errors.append(_unknown_section(str(k)))
     tree = _move_loss_mode(tree, errors)
+    tree = merge_verl_spellings(tree, errors)
     built = {s: _section(s, tree.get(s), errors) for s in _BUILT}
     model = None
     if tree.get("model") and built["actor"].load_hf and _partial_model(tree["model"]):

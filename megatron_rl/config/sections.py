@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.config.paths import HUB, IMPORT, path_field
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
@@ -316,7 +317,7 @@ class FilterGroupsConfig:
     """Drop the groups whose samples all have the same ``metric`` and generate more prompts to fill the batch."""
     metric: Optional[str] = "seq_reward"
     """What must differ within a group: "seq_reward" (the reward the advantages use, overlong penalty included;
-    verl's "seq_final_reward" is the same here: no KL penalty is folded into rewards) or "score" (the
+    verl's "seq_final_reward" is the same here: ``use_kl_in_reward`` is refused with dynamic sampling) or "score" (the
     verifier's reward before the overlong penalty) or a numeric key other than "score" of a reward that returns a
     dict, as verl's do ("acc" of verl's math_dapo scorer and DAPO-style reward files; a float reward's "acc" is
     its score, as verl's DAPO reward manager records it): checked at the first generation round
@@ -384,14 +385,34 @@ class AlgorithmConfig:
     """Advantage estimation and the rollout correction."""
 
     advantage_estimator: str = "grpo"
-    """"grpo": (r - group mean) [/ group std]; "rloo": r - mean of the other samples of the group."""
+    """verl's ``algorithm.adv_estimator`` (either spelling; both given differently is an error): "grpo", "rloo"
+    and verl 0.9.1's other estimators (docs/advantages.md lists which the trainer runs)."""
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group's standard deviation (+1e-6)."""
+    """GRPO: divide by the group's standard deviation (+1e-6); verl's ``norm_adv_by_std_in_grpo`` (either
+    spelling)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig.decoupled_token_is)
     """verl's ``algorithm.rollout_correction`` block (or ``{preset: name, ...}``); see README."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): groups whose samples all scored alike are
     dropped and more prompts generated until the batch is full."""
+    gamma: float = 1.0
+    """Discount of the token-level return (verl's ``algorithm.gamma``): REINFORCE++ and GAE read it."""
+    lam: float = 1.0
+    """GAE's lambda (verl's ``algorithm.lam``)."""
+    gdpo_reward_keys: Optional[List[str]] = None
+    """GDPO: the reward components (keys of the reward function's returned dict) normalised one by one (verl's
+    ``algorithm.gdpo_reward_keys``; required with ``adv_estimator: gdpo``)."""
+    gdpo_reward_weights: Optional[List[float]] = None
+    """GDPO: a weight per ``gdpo_reward_keys`` entry (null: 1 each; verl's ``algorithm.gdpo_reward_weights``)."""
+    use_kl_in_reward: bool = False
+    """verl's KL penalty in the reward: each token's reward is score - beta x kld(old || reference), beta from
+    ``kl_ctrl`` (megatron_rl/algo/kl_reward.py, docs/kl_reward.md); builds the frozen reference model."""
+    kl_penalty: str = "kl"
+    """The per-token estimator of the KL in the reward, verl's names: "kl" (k1), "abs", "mse" (k2), "low_var_kl"
+    (k3), also "k1" / "k2" / "k3" and the "+" forms (same values); verl's "full" is refused (verl raises
+    NotImplementedError for it)."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """verl's ``algorithm.kl_ctrl``: ``type`` fixed | adaptive, ``kl_coef``, ``target_kl``, ``horizon``."""
 
 
 @dataclass

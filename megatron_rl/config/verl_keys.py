@@ -32,6 +32,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
+from megatron_rl.algo.estimator import NOT_IN_TRAINER, STD_ALWAYS, TRAINER_ESTIMATORS
 from megatron_rl.config.interpolation import lookup
 from megatron_rl.config.sections import ActorConfig, AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
 from megatron_rl.config.verl_tools import read_verl_tools
@@ -354,10 +355,35 @@ def _correction_loss_type(value: Any, v: Verl) -> Dict[str, Any]:
 
 
 def _adv_estimator(value: Any, v: Verl) -> Dict[str, Any]:
-    if value not in ("grpo", "rloo"):
-        raise Skip(UNSUPPORTED, f"advantage estimator {value!r}: algorithm.advantage_estimator is grpo or rloo "
-                                f"(no critic, so no gae)")
+    if value in NOT_IN_TRAINER:
+        raise Skip(UNSUPPORTED, f"advantage estimator {value!r} {NOT_IN_TRAINER[value]}")
+    if value not in TRAINER_ESTIMATORS:
+        raise Skip(UNSUPPORTED, f"advantage estimator {value!r}: algorithm.adv_estimator is one of "
+                                f"{', '.join(TRAINER_ESTIMATORS)}")
     return {"algorithm.advantage_estimator": value}
+
+
+def _norm_adv(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value and v.get("algorithm.adv_estimator") in STD_ALWAYS:
+        raise Skip(NO_MEANING, f"false: verl's trainer does not pass it to {v.get('algorithm.adv_estimator')!r}, "
+                               f"which always divides by the std")
+    return {"algorithm.norm_adv_by_std": value}
+
+
+_KL_IN_REWARD_OFF = _unless("algorithm.use_kl_in_reward", bool, "")
+
+
+def _use_kl_in_reward(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value:
+        raise Skip(NO_MEANING, "false is this project's default too (no KL in the reward)")
+    return {"algorithm.use_kl_in_reward": True}
+
+
+def _kl_penalty_in_reward(value: Any, v: Verl) -> Dict[str, Any]:
+    if value == "full":
+        raise Skip(UNSUPPORTED, "kl_penalty 'full' (the KL over the whole vocabulary): verl 0.9.1 raises "
+                                "NotImplementedError for it too")
+    return {"algorithm.kl_penalty": value}
 
 
 def _engine(value: Any, v: Verl) -> Dict[str, Any]:
@@ -873,6 +899,30 @@ _TARGET = "Hydra's class name of a verl config block"
 _MULTI_TURN = "multi-turn rollouts here run an Environment class (multi_turn.env, docs/multi_turn.md); verl's " \
               "tool / interaction configs do not carry over"
 _RM_OFF = _unless("reward_model.enable", bool, " (rewards come from functions: data.reward_fn)")
+_RM_SERVER = "the reward model's SGLang server (--is-embedding): give it where that server starts; reward.model.urls " \
+             "names it (docs/reward_models.md)"
+
+
+def _rm_enable(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's reward-model switch -> ``reward.model.enable`` with backend sglang (verl serves its RM on GPUs)."""
+    if not value:
+        raise Skip(NO_MEANING, "the reward model is off (rewards come from functions: data.reward_fn)")
+    return {"reward.model.enable": True, "reward.model.backend": "sglang",
+            NOTE: "the RM is served by an SGLang server started with --is-embedding: set reward.model.urls "
+                  "(backend local runs tiny RMs on CPU); its reward is the RM score alone (reward.model.rule_weight "
+                  "0, as verl's reward manager adds no rule score when a reward model scores)"}
+
+
+def _rm_mapped(pattern: str, target: str, enable: str, note: str = "", convert=None) -> Rule:
+    """A reward-model key mapped to ``target``, with no effect while ``enable`` is off."""
+    return Rule(pattern, MAPPED, target=target, note=note, convert=convert, hint=False,
+                inactive=_unless(enable, bool, " (no reward model)"))
+
+
+def _rm_token_budget(value: Any, v: Verl) -> Dict[str, Any]:
+    if not v.get("reward_model.use_dynamic_bsz"):
+        raise Skip(NO_MEANING, "no effect in verl while reward_model.use_dynamic_bsz is off")
+    return {"reward.model.max_tokens_per_batch": value}
 
 
 _PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -1217,8 +1267,24 @@ def _rules() -> List[Rule]:
         _m("custom_reward_function.name", convert=lambda value, v: {}, hint=False,
            note="part of data.reward_fn (custom_reward_function.path:name)"),
         _u("custom_reward_function.reward_kwargs.**", "write them under data.reward_kwargs"),
-        _u("reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
-           "functions (data.reward_fn)", neutral=(False,)),
+        _m("reward_model.enable", convert=_rm_enable, target="reward.model.enable", hint=False),
+        _rm_mapped("reward_model.model.path", "reward.model.path", "reward_model.enable"),
+        _rm_mapped("reward_model.micro_batch_size_per_gpu", "reward.model.max_rows_per_batch", "reward_model.enable",
+                   note="rows per RM batch (one request / forward); reward.model.max_tokens_per_batch bounds its tokens"),
+        _rm_mapped("reward_model.forward_max_token_len_per_gpu", "reward.model.max_tokens_per_batch",
+                   "reward_model.enable", convert=_rm_token_budget),
+        _n("reward_model.use_dynamic_bsz", "RM batches are always cut by tokens (reward.model.max_tokens_per_batch) "
+           "and rows (reward.model.max_rows_per_batch)", inactive=_RM_OFF),
+        _n("reward_model.model.input_tokenizer", "the RM always reads (prompt, response) rendered with its own "
+           "tokenizer's chat template (reward.model.chat_template replaces it)", inactive=_RM_OFF),
+        _n("reward_model.strategy", "the RM runs on an SGLang server (or on CPU), not in verl's FSDP / Megatron "
+           "workers", inactive=_RM_OFF),
+        _u("reward_model.model.trust_remote_code", "remote-code reward models are not supported", neutral=(False,),
+           inactive=_RM_OFF),
+        Rule("reward_model.rollout.**", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
+        Rule("reward_model.enable_resource_pool", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
+        Rule("reward_model.n_gpus_per_node", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
+        Rule("reward_model.nnodes", SERVER, note=_RM_SERVER, inactive=_RM_OFF),
         *_overlong_rules("reward_model.overlong_buffer"),
         *_overlong_rules("reward_model.reward_kwargs.overlong_buffer_cfg"),
         _m("reward_model.reward_kwargs.max_resp_len", hint=False,
@@ -1241,15 +1307,17 @@ def _rules() -> List[Rule]:
            convert=_correction_loss_type),
         _m("algorithm.rollout_correction.*", hint=False),  # verl's keys, pasted as they are
         _m("algorithm.adv_estimator", convert=_adv_estimator, target="algorithm.advantage_estimator"),
-        _m("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
-        _n("algorithm.gamma", "GAE's discount; grpo / rloo do not use it", neutral=(1, 1.0)),
-        _n("algorithm.lam", "GAE's lambda; grpo / rloo do not use it", neutral=(1, 1.0)),
-        _u("algorithm.use_kl_in_reward", "no KL penalty in the reward; use the KL loss "
-           "(actor.policy_loss.kl_loss_coef)", neutral=(False,)),
-        _u("algorithm.kl_penalty", "no KL penalty in the reward (the KL loss's estimator is "
-           "actor.policy_loss.kl_loss_type)", inactive=_unless("algorithm.use_kl_in_reward", bool, "")),
-        _u("algorithm.kl_ctrl.**", "no KL penalty in the reward",
-           inactive=_unless("algorithm.use_kl_in_reward", bool, "")),
+        _m("algorithm.norm_adv_by_std_in_grpo", convert=_norm_adv, target="algorithm.norm_adv_by_std"),
+        _m("algorithm.gamma", "algorithm.gamma"),
+        _m("algorithm.lam", "algorithm.lam"),
+        _m("algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_keys"),
+        _m("algorithm.gdpo_reward_weights", "algorithm.gdpo_reward_weights"),
+        _m("algorithm.use_kl_in_reward", convert=_use_kl_in_reward, target="algorithm.use_kl_in_reward"),
+        Rule("algorithm.kl_penalty", MAPPED, target="algorithm.kl_penalty", convert=_kl_penalty_in_reward,
+             inactive=_KL_IN_REWARD_OFF),
+        *(Rule(f"algorithm.kl_ctrl.{k}", MAPPED, target=f"algorithm.kl_ctrl.{k}", inactive=_KL_IN_REWARD_OFF)
+          for k in ("type", "kl_coef", "horizon", "target_kl")),
+        _u("algorithm.kl_ctrl.**", "not a key of verl 0.9.1's KLControlConfig", inactive=_KL_IN_REWARD_OFF),
         _u("algorithm.use_pf_ppo", "no preference-feedback PPO reweighting", neutral=(False,)),
         _u("algorithm.pf_ppo.**", "no preference-feedback PPO reweighting",
            inactive=_unless("algorithm.use_pf_ppo", bool, "")),
@@ -1389,8 +1457,14 @@ def _newer_verl_rules() -> List[Rule]:
         *_overlong_rules("reward.reward_kwargs.overlong_buffer_cfg", "reward.reward_manager.name"),
         _m("reward.reward_kwargs.max_resp_len", hint=False,
            convert=_max_resp_len("reward.reward_kwargs.overlong_buffer_cfg", "reward.reward_manager.name")),
-        _u("reward.reward_model.enable", "model-based rewards (a reward model) are not supported; rewards are "
-           "functions (data.reward_fn)", neutral=(False,)),
+        _m("reward.reward_model.enable", convert=_rm_enable, target="reward.model.enable", hint=False),
+        _rm_mapped("reward.reward_model.model_path", "reward.model.path", "reward.reward_model.enable"),
+        _u("reward.reward_model.rollout.name", "RM servers here are SGLang's (--is-embedding)", neutral=("sglang",),
+           inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.rollout.**", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.enable_resource_pool", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.n_gpus_per_node", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
+        Rule("reward.reward_model.nnodes", SERVER, note=_RM_SERVER, inactive=_off("reward.reward_model.enable")),
         _u("reward.reward_model.**", "model-based rewards are not supported", inactive=_off("reward.reward_model.enable")),
         _u("reward.sandbox_fusion.**", "no sandbox code execution for rewards", inactive=_off("reward.sandbox_fusion.url")),
         _u("sandbox_fusion.**", "no sandbox code execution", inactive=_off("sandbox_fusion.url")),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -165,11 +165,20 @@ def _all_gather(t: Tensor, group, size: int) -> List[Tensor]:
     return parts
 
 
-def _merge(t: Tensor, kind: str, group, size: int, name: str, copy: bool = True, dtype=None) -> Tensor:
+#: ``gather(t, kind, group, size, name, dtype)``: the full tensor of a split parameter on the group's rank 0 (None
+#: on the others), collective over ``group`` -- how a caller that needs it on rank 0 alone gathers (weight sync).
+PieceGather = Callable[[Tensor, str, object, int, str, Optional[torch.dtype]], Optional[Tensor]]
+
+
+def _merge(t: Tensor, kind: str, group, size: int, name: str, copy: bool = True, dtype=None,
+           gather: Optional[PieceGather] = None) -> Tensor:
     """The full tensor of the TP (or ETP) split ``t`` of parameter ``name`` (``copy`` False: an unsplit one is
-    ``t`` itself, not a copy; ``dtype``: a split floating tensor is cast to it before the gather)."""
+    ``t`` itself, not a copy; ``dtype``: a split floating tensor is cast to it before the gather; ``gather``: the
+    gatherer of a split one, see ``PieceGather``)."""
     if kind == "replicated" or (size == 1 and not copy):
         return t
+    if gather is not None and size > 1:
+        return gather(t, kind, group, size, name, dtype)
     if dtype is not None and size > 1 and t.is_floating_point():
         t = t.to(dtype)
     return merge_tensors(_all_gather(t, group, size), kind, name)
@@ -177,7 +186,8 @@ def _merge(t: Tensor, kind: str, group, size: int, name: str, copy: bool = True,
 
 def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
                       groups: ActorGroups, owner_only: bool = False,
-                      gather_dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, Tensor]]:
+                      gather_dtype: Optional[torch.dtype] = None,
+                      gather: Optional[PieceGather] = None) -> Iterator[Tuple[str, Tensor]]:
     """Collective over the TP / EP / ETP groups of this rank's pipeline stage (every rank calls it): the
     (full-state-dict name, full tensor) of each parameter of this stage's chunks, on every rank of the
     first (expert-)data-parallel replica; other replicas skip what they do not send. Embedding / output
@@ -189,7 +199,10 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
     of the EP rank that holds it (its own experts only) -- the shard each weight-sync sender sends; a tensor
     that is not split is then the parameter itself (the sender copies it into its buckets), not a copy.
     ``gather_dtype``: split floating tensors are cast to it before they are gathered (half the bytes of an fp32
-    gather for a bf16 engine; the HF mapping only moves data, so the values are those of a cast after it)."""
+    gather for a bf16 engine; the HF mapping only moves data, so the values are those of a cast after it).
+    ``gather`` (with ``owner_only``): how split tensors reach their owner (``PieceGather``; default ``all_gather``)."""
+    if gather is not None and not owner_only:
+        raise ValueError("iter_full_tensors: a gather to the owner needs owner_only")
     sends_dense = groups.dp_rank == 0 and groups.cp_rank == 0
     sends_experts = groups.edp_rank == 0
     owns_dense = not owner_only or groups.tp_rank == 0
@@ -203,7 +216,7 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
             if in_layer is None:
                 if sends_dense and not (name == "output_layer.weight" and _tied(model_cfg)):
                     full = _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name, not owner_only,
-                                  gather_dtype)
+                                  gather_dtype, gather)
                     if owns_dense:
                         yield name, full
                 continue
@@ -213,14 +226,14 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
             if expert is None:
                 if sends_dense:
                     full = _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name, not owner_only,
-                                  gather_dtype)
+                                  gather_dtype, gather)
                     if owns_dense:
                         yield prefix + rest, full
                 continue
             if sends_experts:
                 local, fmt = expert
                 whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name, not owner_only,
-                               gather_dtype)
+                               gather_dtype, gather)
                 if owner_only:
                     if owns_experts:
                         yield prefix + fmt.format(groups.ep_rank * per_ep + local), whole
@@ -231,12 +244,13 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
 
 def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
                     groups: ActorGroups, owner_only: bool = False,
-                    gather_dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, Tensor]]:
+                    gather_dtype: Optional[torch.dtype] = None,
+                    gather: Optional[PieceGather] = None) -> Iterator[Tuple[str, Tensor]]:
     """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
-    collective contract, ``owner_only`` and ``gather_dtype``). A parameter without a HF counterpart in ``geometry`` raises,
+    collective contract, ``owner_only``, ``gather_dtype`` and ``gather``). A parameter without a HF counterpart in ``geometry`` raises,
     naming it."""
     rules = {r.mcore_name: r for r in param_rules(geometry)}
-    for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only, gather_dtype):
+    for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only, gather_dtype, gather):
         rule = rules.get(name)
         if rule is None:
             raise CheckpointMismatchError(f"model parameter {name!r} has no HF tensor in {geometry.architecture}")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # only the type: this module stays free of process groups
     from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["RankCoords", "CutEntry", "param_kind", "cut_plan", "cut_state_dict", "split_selection", "take_positions",
-           "merge_state_dicts", "split_tensor", "merge_tensors", "layer_range", "chunk_layer_range", "split_layer_name",
+           "merge_state_dicts", "split_tensor", "merge_tensors", "piece_views", "layer_range", "chunk_layer_range", "split_layer_name",
            "expert_index"]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -191,6 +191,19 @@ def merge_tensors(parts: List[torch.Tensor], kind: str, name: str,
         return torch.cat(parts, 1)
     halves = [p.chunk(2, 0) for p in parts]
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+
+
+def piece_views(full: torch.Tensor, kind: str, size: int) -> List[Tuple[torch.Tensor, ...]]:
+    """Per rank (of ``size``), the views of ``full`` its piece fills when split as ``kind`` (not replicated), in the
+    piece's order: one view, or two for the GLU kinds (the piece's halves): ``merge_tensors`` written in place."""
+    if kind in ("row", "expert_row"):
+        return [(v,) for v in full.chunk(size, 1)]
+    if kind in ("vocab", "column"):
+        return [(v,) for v in full.chunk(size, 0)]
+    if kind in ("glu_column", "expert_glu_column"):
+        first, second = (h.chunk(size, 0) for h in full.chunk(2, 0))
+        return list(zip(first, second))
+    raise ValueError(f"piece_views: kind {kind!r} is not split")
 
 
 def chunk_layer_range(num_layers: int, pp_rank: int, pp_size: int, vp_stage: int = 0, vpp_size: int = 1,

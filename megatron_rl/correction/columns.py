@@ -26,8 +26,10 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_rl.correction.binary_kl import kpop_statistic
 from megatron_rl.correction.config import RolloutCorrectionConfig
 from megatron_rl.correction.reduce import CollectiveCounter, complete_over_cp
+from megatron_rl.correction.thresholds import is_token_option
 from megatron_rl.numerics import LOG_PROB_TOLERANCE, LOG_RATIO_CLAMP, clamp_log_ratio
 
 F64 = torch.float64
@@ -75,6 +77,8 @@ class TokenOptionColumns:
     """Largest statistic (-inf without tokens)."""
     min: torch.Tensor
     """Smallest statistic (+inf without tokens)."""
+    sum: Optional[torch.Tensor] = None
+    """Sum of the statistic (``binary_kl`` only: the k's sums are ``SeqColumns.sum_k*``)."""
 
     @property
     def n_rejected(self) -> torch.Tensor:
@@ -113,7 +117,7 @@ class SeqColumns:
     n_rs_rejected: torch.Tensor
     """Tokens rejected by at least one token-level RS option (0 without such options)."""
     token_options: Dict[str, TokenOptionColumns]
-    """Per token-level RS option (``token_k1`` / ``token_k2`` / ``token_k3``)."""
+    """Per token-level RS option (``token_k1`` / ``token_k2`` / ``token_k3`` / ``binary_kl``)."""
     is_sum_w: Optional[torch.Tensor] = None
     """Token IS: sum of the truncated / masked weights."""
     is_sum_w_sq: Optional[torch.Tensor] = None
@@ -130,6 +134,12 @@ class SeqColumns:
     """Token IS: largest weight."""
     is_min: Optional[torch.Tensor] = None
     """Token IS: smallest weight (+inf without tokens)."""
+
+    def stat_sum(self, opt: str) -> torch.Tensor:
+        """Per-sequence sum of RS option ``opt``'s per-token statistic (k1 / k2 / k3 / binary_kl)."""
+        if opt == "binary_kl":
+            return self.token_options[opt].sum
+        return {"k1": self.sum_k1, "k2": self.sum_k2, "k3": self.sum_k3}[opt[-2:]]
 
     @property
     def n_safe(self) -> torch.Tensor:
@@ -162,8 +172,8 @@ def token_view(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, r
         is_weight = cfg.is_bounds.apply(is_raw)
     rs_keep = None
     for opt in cfg.rs_options:
-        if opt.startswith("token_"):
-            keep = _token_stat_keep(opt, clamped, cfg)
+        if is_token_option(opt):
+            keep = _token_stat_keep(opt, clamped, cfg, lp_t, lp_r)
             rs_keep = keep if rs_keep is None else rs_keep & keep
     return TokenView(mask=mask, ok=ok, lp_train=lp_t, lp_rollout=lp_r, log_ratio=log_ratio, clamped=clamped,
                      ratio=ratio, is_raw=is_raw, is_weight=is_weight, rs_keep=rs_keep)
@@ -175,8 +185,11 @@ def _k3(clamped: torch.Tensor) -> torch.Tensor:
     return torch.expm1(x) - x
 
 
-def _token_stat(opt: str, clamped: torch.Tensor) -> torch.Tensor:
-    """The per-token statistic of a token-level option: k1 = -x, k2 = x^2 / 2, k3 (float64)."""
+def _token_stat(opt: str, clamped: torch.Tensor, lp_t: torch.Tensor, lp_r: torch.Tensor) -> torch.Tensor:
+    """The per-token statistic of a token-level option: k1 = -x, k2 = x^2 / 2, k3 (float64); binary_kl: KPop's
+    max of the two binary KLs of pi_train and pi_rollout (float64, ``correction.binary_kl``)."""
+    if opt == "binary_kl":
+        return kpop_statistic(lp_t, lp_r)
     est = opt[-2:]
     if est == "k1":
         return -clamped
@@ -185,10 +198,11 @@ def _token_stat(opt: str, clamped: torch.Tensor) -> torch.Tensor:
     return _k3(clamped)
 
 
-def _token_stat_keep(opt: str, clamped: torch.Tensor, cfg: RolloutCorrectionConfig) -> torch.Tensor:
-    """bool [B, T]: tokens the token-level option keeps (k1: L <= k1 <= U; k2 / k3: stat <= U)."""
+def _token_stat_keep(opt: str, clamped: torch.Tensor, cfg: RolloutCorrectionConfig, lp_t: torch.Tensor,
+                     lp_r: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: tokens the token-level option keeps (k1: L <= k1 <= U; k2 / k3 / binary_kl: stat <= U)."""
     lo, hi = cfg.rs_bounds[opt].stat_bounds
-    stat = _token_stat(opt, clamped)
+    stat = _token_stat(opt, clamped, lp_t, lp_r)
     return (stat >= lo) & (stat <= hi) if opt.endswith("k1") else stat <= hi
 
 
@@ -244,10 +258,12 @@ def seq_columns(tok: TokenView, cfg: RolloutCorrectionConfig, cp_group,
         sums["n_catastrophic"] = (tok.log_ratio < math.log(cfg.rollout_token_veto_threshold)).sum(1, dtype=F64)
     sums["n_rs_rejected"] = ((mask & ~tok.rs_keep).sum(1, dtype=F64) if tok.rs_keep is not None
                              else torch.zeros_like(n_local))
-    token_opts = [o for o in cfg.rs_options if o.startswith("token_")]
+    token_opts = [o for o in cfg.rs_options if is_token_option(o)]
     for opt in token_opts:
         lo, hi = cfg.rs_bounds[opt].stat_bounds
-        stat = k3 if opt.endswith("k3") else _token_stat(opt, tok.clamped)
+        stat = k3 if opt.endswith("k3") else _token_stat(opt, tok.clamped, tok.lp_train, tok.lp_rollout)
+        if opt == "binary_kl":
+            sums[f"{opt}/sum"] = _masked_sum(stat, mask)
         sums[f"{opt}/n_high"] = ((stat > hi) & mask).sum(1, dtype=F64)
         sums[f"{opt}/n_low"] = (((stat < lo) & mask).sum(1, dtype=F64) if opt.endswith("k1")
                                 else torch.zeros_like(n_local))
@@ -277,7 +293,8 @@ def seq_columns(tok: TokenView, cfg: RolloutCorrectionConfig, cp_group,
         n_catastrophic=sums.get("n_catastrophic"), n_rs_rejected=sums["n_rs_rejected"],
         token_options={opt: TokenOptionColumns(
             n_high=sums[f"{opt}/n_high"], n_low=sums[f"{opt}/n_low"], sum_clamped=sums[f"{opt}/sum_clamped"],
-            sum_clamped_sq=sums[f"{opt}/sum_clamped_sq"], max=maxes[f"{opt}/max"], min=-maxes[f"{opt}/neg_min"])
+            sum_clamped_sq=sums[f"{opt}/sum_clamped_sq"], max=maxes[f"{opt}/max"], min=-maxes[f"{opt}/neg_min"],
+            sum=sums.get(f"{opt}/sum"))
             for opt in token_opts},
         is_sum_w=sums.get("is_sum_w"), is_sum_w_sq=sums.get("is_sum_w_sq"),
         is_sum_w_rs_kept=sums.get("is_sum_w_rs_kept"), is_sum_raw=sums.get("is_sum_raw"),

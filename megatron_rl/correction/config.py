@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from megatron_rl.correction.migration import translate
 from megatron_rl.correction.thresholds import (
-    ISBounds, RSBound, parse_is_threshold, parse_rs_options, parse_rs_thresholds,
+    KPOP_PHI_DEFAULT, ISBounds, RSBound, parse_is_threshold, parse_rs_options, parse_rs_thresholds,
 )
 from megatron_rl.losses.registry import BYPASS_LOSS_TYPES, Objective, objective
+from megatron_rl.numerics import LOG_RATIO_CLAMP
 
 IS_LEVELS = ("token", "sequence", "geometric")
 ON_INVALID = ("raise", "reject")
@@ -48,13 +50,15 @@ class RolloutCorrectionConfig:
 
     rollout_rs: Optional[str] = None
     """Rejection sampling: None or a comma list, AND-combined, of token_k1/k2/k3,
-    seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3. k1 = -log r, k2 = (log r)^2 / 2,
+    seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3, binary_kl. k1 = -log r, k2 = (log r)^2 / 2,
     k3 = r - 1 - log r (log r clamped at +-20); seq_* options reduce over the sequence and reject
-    (or keep) the whole sequence."""
+    (or keep) the whole sequence; binary_kl (KPop, token level) rejects a token whose
+    max(D(p||q), D(q||p)) exceeds its threshold, D the binary KL of p = pi_train, q = pi_rollout."""
 
     rollout_rs_threshold: Optional[Union[float, str]] = None
     """One spec shared by all RS options or a comma list with one per option. k1: "lo_hi" bounds on
-    the ratio r (a number U means [1/U, U]); k2/k3: a positive upper bound on the statistic."""
+    the ratio r (a number U means [1/U, U]); k2/k3/binary_kl: a positive upper bound on the statistic
+    (binary_kl alone with null: phi = 2.0, AReaL's default; docs/correction.md)."""
 
     rollout_token_veto_threshold: Optional[float] = None
     """None or a float in (0, 1): a valid token with r below it rejects its whole sequence."""
@@ -209,6 +213,14 @@ class RolloutCorrectionConfig:
                    rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
 
     @classmethod
+    def decoupled_token_kpop(cls, threshold: float = KPOP_PHI_DEFAULT):
+        """Decoupled, KPop (AReaL PR #1405): a token is kept iff max(D(p||q), D(q||p)) <= threshold (phi) with D
+        the binary KL of pi_old and pi_rollout; kept tokens keep the untruncated token ratio (the IS threshold
+        exp(20) never truncates: every ratio is clamped there)."""
+        return cls(rollout_is="token", rollout_is_threshold=math.exp(LOG_RATIO_CLAMP), rollout_rs="binary_kl",
+                   rollout_rs_threshold=threshold)
+
+    @classmethod
     def bypass_ppo_clip(cls):
         """Bypass (old := rollout), PPO-clip; the PPO ratio is the IS correction."""
         return cls(rollout_is=None, bypass_mode=True, loss_type="ppo_clip")
@@ -324,6 +336,8 @@ PRESETS = (
     "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs",
     "bypass_ppo_clip_k3_rs", "bypass_pg_is", "bypass_pg_token_icepop", "bypass_pg_geo_rs",
     "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis", "disabled",
+    # AReaL's KPop
+    "decoupled_token_kpop",
     # seed era
     "token_is", "token_tis", "seq_is", "seq_is_rs", "seq_mis", "geo_rs", "geo_mis", "ppo_is_bypass",
     "pure_is", "pg_is", "pg_rs",

@@ -20,6 +20,7 @@ import torch
 
 from megatron_rl.correction.columns import F64, SeqColumns, TokenView
 from megatron_rl.correction.config import RolloutCorrectionConfig
+from megatron_rl.correction.thresholds import is_token_option
 from megatron_rl.numerics import exp_clamped
 
 
@@ -98,8 +99,8 @@ def _option_decision(opt: str, cfg: RolloutCorrectionConfig, seq: SeqColumns,
                      valid: torch.Tensor) -> OptionDecision:
     est = opt[-2:]
     lo, hi = cfg.rs_bounds[opt].stat_bounds
-    total = {"k1": seq.sum_k1, "k2": seq.sum_k2, "k3": seq.sum_k3}[est]
-    if opt.startswith("token_"):
+    total = seq.stat_sum(opt)
+    if is_token_option(opt):
         return OptionDecision(lower=lo, upper=hi, value=total / seq.n_safe, keep=None,
                               n_rejected=seq.token_options[opt].n_rejected)
     if opt.startswith("seq_sum_"):

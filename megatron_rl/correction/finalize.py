@@ -14,6 +14,7 @@ from typing import Dict, Mapping
 from megatron_rl.correction import histogram
 from megatron_rl.correction.config import RolloutCorrectionConfig
 from megatron_rl.correction.reduce import div, finite_or_zero, seq_std
+from megatron_rl.correction.thresholds import is_token_option
 from megatron_rl.numerics import LOG_RATIO_CLAMP
 
 PREFIX = "rollout_corr/"
@@ -70,7 +71,7 @@ def _importance_sampling(cfg: RolloutCorrectionConfig, s: Mapping, e: Mapping, N
 
 def _rejection_option(opt: str, s: Mapping, e: Mapping, N: float, NS: float) -> Dict[str, float]:
     p, k = f"rs/{opt}/", f"rollout_rs_{opt}"
-    token_level = opt.startswith("token_")
+    token_level = is_token_option(opt)
     den = N if token_level else NS
     mean_sc, mean_sc2 = div(s[p + "sc"], N), div(s[p + "sc2"], N)
     out = {

@@ -117,7 +117,7 @@ def _rejection_option(red: Reducer, opt: str, o: OptionDecision, seq: SeqColumns
     n, v, lo, hi = seq.n_tokens, o.value, o.lower, o.upper
     if o.token_level:
         cols = seq.token_options[opt]
-        red.add_seq_sum(p + "mean", {"k1": seq.sum_k1, "k2": seq.sum_k2, "k3": seq.sum_k3}[opt[-2:]])
+        red.add_seq_sum(p + "mean", seq.stat_sum(opt))
         red.add_seq_sum(p + "sc", cols.sum_clamped)
         red.add_seq_sum(p + "sc2", cols.sum_clamped_sq)
         red.add_seq_max(p + "max", cols.max)

@@ -6,7 +6,7 @@ Spec grammar (verl's):
     weights outside ``[lo, hi]`` become 0.
   * RS ``rollout_rs_threshold``: one spec shared by all options or a comma list with one spec per
     option. k1 options take ``"lo_hi"`` ratio bounds or a number ``U`` meaning ``[1/U, U]``; k2/k3
-    options take one positive upper bound on the divergence statistic.
+    options and ``binary_kl`` (KPop, ``correction.binary_kl``) take one positive upper bound on the statistic.
 
 k1 convention: our k1 bounds always apply to ``r = pi_train / pi_rollout`` (keep iff
 ``lo <= r <= hi``). verl applies ``log lo <= k1 <= log hi`` with ``k1 = -log r``, i.e. to the inverse
@@ -27,7 +27,17 @@ RS_OPTIONS = (
     "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
+    "binary_kl",
 )
+
+KPOP_PHI_DEFAULT = 2.0
+"""``binary_kl``'s threshold phi when ``rollout_rs_threshold`` is null and binary_kl is the only option: AReaL's
+documented default and its KPop example (PR #1405); prime-rl's port defaults to the much tighter 0.1."""
+
+
+def is_token_option(opt: str) -> bool:
+    """Whether the RS option decides per token (``token_*`` and KPop's ``binary_kl``)."""
+    return opt.startswith("token_") or opt == "binary_kl"
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,8 @@ def parse_rs_thresholds(options: List[str], spec: Optional[Spec],
     """Parse ``rollout_rs_threshold`` for the given options (one shared spec or one per option)."""
     if not options:
         return {}
+    if spec is None and set(options) == {"binary_kl"}:
+        spec = KPOP_PHI_DEFAULT
     if spec is None:
         raise ValueError(f"{key}: required when rollout_rs is set (options: {', '.join(options)})")
     if isinstance(spec, bool):
@@ -156,6 +168,6 @@ def parse_rs_thresholds(options: List[str], spec: Optional[Spec],
             bounds[opt] = RSBound(opt, upper=hi, lower=lo)
         else:
             if isinstance(part, str) and "_" in part:
-                raise ValueError(f"{where}: k2/k3 options take one upper bound, got {part!r}")
+                raise ValueError(f"{where}: k2/k3/binary_kl options take one upper bound, got {part!r}")
             bounds[opt] = RSBound(opt, upper=_positive_float(part, where), lower=None)
     return bounds

@@ -151,22 +151,16 @@ Selected = Tuple[Optional[torch.Tensor], torch.Tensor, Dict[str, float]]
 the response mask with the tokens the selection removes dropped (same dtype), the selection's metrics."""
 
 
-def clip_cov_selection(config: PolicyLossConfig, old_log_probs: torch.Tensor,
-                       rollout_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
-                       response_mask: torch.Tensor, group=None) -> Selected:
-    """Clip-Cov's tokens whose gradient is cut, chosen over the whole batch across ``group``."""
-    valid = response_mask.to(old_log_probs.device) != 0
-    sel = covariance_selection("clip_cov", config, old_log_probs, old_log_probs, advantages, valid, group)
-    return sel.to(torch.float32), response_mask, {}
-
-
-def kl_cov_selection(config: PolicyLossConfig, old_log_probs: torch.Tensor,
-                     rollout_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
-                     response_mask: torch.Tensor, group=None) -> Selected:
-    """KL-Cov's tokens that get the |log ratio| penalty, chosen over the whole batch across ``group``."""
-    valid = response_mask.to(old_log_probs.device) != 0
-    sel = covariance_selection("kl_cov", config, old_log_probs, old_log_probs, advantages, valid, group)
-    return sel.to(torch.float32), response_mask, {}
+def covariance_selection_of(loss_type: str):
+    """The selection of a covariance objective (``clip_cov``: the tokens whose gradient is cut; ``kl_cov``: the
+    tokens that get the |log ratio| penalty), chosen over the whole batch across ``group``."""
+    def select(config: PolicyLossConfig, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
+               advantages: torch.Tensor, response_mask: torch.Tensor, group=None) -> Selected:
+        valid = response_mask.to(old_log_probs.device) != 0
+        sel = covariance_selection(loss_type, config, old_log_probs, old_log_probs, advantages, valid, group)
+        return sel.to(torch.float32), response_mask, {}
+    select.__name__ = f"{loss_type}_selection"
+    return select
 
 
 def m2po_selection(config: PolicyLossConfig, old_log_probs: torch.Tensor,

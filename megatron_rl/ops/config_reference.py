@@ -25,9 +25,13 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("algorithm", "megatron_rl.config.sections", "AlgorithmConfig"),
     ("algorithm.rollout_correction", "megatron_rl.correction.config", "RolloutCorrectionConfig"),
     ("algorithm.filter_groups", "megatron_rl.config.sections", "FilterGroupsConfig"),
+    ("algorithm.kl_ctrl", "megatron_rl.algo.kl_reward", "KLControlConfig"),
     ("actor", "megatron_rl.config.sections", "ActorConfig"),
     ("actor.policy_loss", "megatron_rl.losses.config", "PolicyLossConfig"),
     ("trainer", "megatron_rl.config.sections", "TrainerConfig"),
+    ("reward", "megatron_rl.config.reward_section", "RewardConfig"),
+    ("reward.judge", "megatron_rl.tasks.judge_config", "JudgeConfig"),
+    ("reward.model", "megatron_rl.config.reward_section", "RewardModelConfig"),
     ("critic", "megatron_rl.config.critic", "CriticConfig"),
 )
 

@@ -194,7 +194,7 @@ class MemoryPlan:
     keeps_scores: bool = False
     """The attention backend materialises the ``[b, heads, s, s]`` scores of this job's micro-batches."""
     reference_model: bool = False
-    """A KL reference model is held (``actor.policy_loss.kl_loss_coef > 0``)."""
+    """A KL reference model is held (``actor.policy_loss.kl_loss_coef > 0`` or ``algorithm.use_kl_in_reward``)."""
     critic_model: bool = False
     """PPO's critic is trained (``critic:``): the actor's body with a value head, its own gradients and Adam state."""
     stages: List[StagePlan] = field(default_factory=list)
@@ -396,7 +396,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                       active_params=active_parameters(m) if m.is_moe else total_parameters(m),
                       max_tokens_per_micro_batch=budget, sequence_packing=bool(cfg.actor.sequence_packing),
                       longest_row=row, keeps_scores=keep,
-                      reference_model=cfg.actor.policy_loss.kl_loss_coef > 0,
+                      reference_model=cfg.actor.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward,
                       critic_model=cfg.critic.enabled(cfg.algorithm.advantage_estimator))
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
                                              p.num_layers_in_last_pipeline_stage)):

@@ -28,12 +28,16 @@ from megatron_rl.losses.registry import mode_parameter_errors, objective_summary
 from megatron_rl.models.attention import AttentionBackend, attention_backend, attention_errors, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.algo.estimator import Estimator
+from megatron_rl.plan.advantage import build_estimator
 from megatron_rl.actor.critic import CriticSpec
 from megatron_rl.plan.critic import critic_plan
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
                                      weight_sync_settings)
+from megatron_rl.plan.kl_reward import build_kl_in_reward, describe_kl_in_reward
+from megatron_rl.plan.reward_checks import reward_errors_of_job
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
 
@@ -109,6 +113,10 @@ class JobPlan:
     """The core-attention backend the job gets (None: ``cluster.device`` unknown)."""
     cfg: "JobConfig" = dataclasses.field(repr=False, compare=False, default=None)
     """The config the plan was built from (its sections travel into the specs)."""
+    estimator: Optional[Estimator] = None
+    """The advantage estimator (``algorithm.adv_estimator`` and its parameters; ``plan/advantage.py``)."""
+    kl_in_reward: Optional[object] = dataclasses.field(repr=False, compare=False, default=None)
+    """``algo.kl_reward.KLInReward`` (its controller holds beta) with ``algorithm.use_kl_in_reward``, else None."""
     critic: Optional[CriticSpec] = None
     """PPO's value model (``critic:``; ``plan.critic``), or None: the job trains no critic."""
 
@@ -142,6 +150,8 @@ class JobPlan:
                  + (f"{fg.metric}, up to {fg.max_num_gen_batches} round(s), on_exhausted {fg.on_exhausted}"
                     if fg is not None else "off"),
                  self.objective_line()]
+        if self.kl_in_reward is not None:
+            lines.append(describe_kl_in_reward(self.kl_in_reward))
         if self.critic is not None:
             cc = self.cfg.critic
             lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {cc.ppo_epochs} epoch(s) x "
@@ -178,6 +188,8 @@ class JobPlan:
         engine = engine_class(r.engine) if r.engine in ENGINE_KINDS else None
         p.add(data_errors(d, a.advantage_estimator))
         dynamic = p.build(_dynamic_sampling, cfg)
+        estimator = p.build(build_estimator, cfg)
+        kl_in_reward = p.build(build_kl_in_reward, a)
         budget = p.build(_budget, r, cfg.multi_turn)
         objective = p.build(_objective, a.rollout_correction, ac.policy_loss, budget)
         lr_schedule = p.build(_lr_schedule, ac, t.steps)
@@ -194,6 +206,7 @@ class JobPlan:
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))
+        p.add(reward_errors_of_job(cfg))  # reward.judge / reward.model (plan/reward_checks.py)
         p.add(dp_errors(cfg.parallel, d.prompts_per_step, ac.ppo_mini_batches, world_size))
         attention = None
         if c.device in DEVICES:  # bf16 through Precision (the fp32_output_layer problem does not change it)
@@ -208,7 +221,7 @@ class JobPlan:
         return cls(world_size=world_size, dims=dims, engine=engine, weight_sync=ws, budget=budget,
                    dynamic_sampling=dynamic, precision=precision, batcher=batcher, replay=replay,
                    objective=objective, lr_schedule=lr_schedule, recompute=recompute, attention=attention,
-                   cfg=cfg, critic=critic), []
+                   cfg=cfg, estimator=estimator, kl_in_reward=kl_in_reward, critic=critic), []
 
 
 def _dynamic_sampling(cfg) -> Optional[object]:

@@ -11,6 +11,8 @@
 * ``reward_fn``: reward specs (``"math"``, ``"exact"``, ``"module:function"``), ``compute_reward`` and
   ``compute_reward_value`` (a dict reward's ``score`` and its other numeric keys: ``RewardValue``).
 * ``reward_pool``: rewards in worker processes with a per-sample timeout.
+* ``rm_task`` / ``rm_backends`` / ``rm_render`` / ``rm_check``: a scalar reward model (``reward.model``): the task
+  wrapper, where it runs (CPU / SGLang ``/classify``), what it reads (its own chat template), ``check``'s probe.
 * ``options``: ``DataOptions`` (chat template arguments, prompt length, reward workers).
 * ``chat_model``: a tiny chat model + tokenizer with a chat template (the math CPU config's model).
 * ``custom``: a user's task by import path (``data.task: "module:factory"``; docs/extending.md).

@@ -42,6 +42,8 @@ class Prompt:
     #: Where the prompt comes from (``"data.path='train.jsonl' row 3 (line 4)"``: reward errors name it), or None;
     #: not part of the prompt's equality (the same prompt from a JSONL or a Parquet file is the same prompt).
     row: Optional[str] = field(default=None, compare=False)
+    #: A chat row's messages before the policy's template (what a reward model renders with its own), or None.
+    messages: Optional[list] = field(default=None, compare=False)
 
 
 def split_at_eos(response_ids: Sequence[int], eos_token_ids: Sequence[int]) -> tuple[list[int], bool]:

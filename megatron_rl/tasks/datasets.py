@@ -214,7 +214,8 @@ class FileTask(Task):
                 self.malformed.append((label, "the prompt renders to no tokens"))
                 continue
             prompts.append(Prompt(prompt_ids=ids, answer=row.ground_truth, text=text, data_source=row.data_source,
-                                  extra_info=row.extra_info, row=f"{self.key}={self.path!r} {label}"))
+                                  extra_info=row.extra_info, row=f"{self.key}={self.path!r} {label}",
+                                  messages=list(row.prompt) if row.kind == CHAT else None))
         if not prompts:
             raise ValueError(f"{self.key}={self.path!r}: no prompt left after data.max_prompt_length="
                              f"{options.max_prompt_length} ({filtered} filtered, {len(self.malformed)} malformed)")

@@ -79,6 +79,9 @@ class RewardResult:
     #: Per job: a dict reward's other numeric keys (``RewardValue.extras``; ``{}`` for a float reward), None for
     #: a failed or timed-out job; empty when the task does not report them (``Task.score``'s default).
     extras: List[Optional[Dict[str, float]]] = field(default_factory=list)
+    #: Step metrics of the scorer itself (the judge's ``reward/judge_*``, a reward model's ``reward/rm_*``); empty
+    #: for the rule rewards.
+    metrics: Dict[str, float] = field(default_factory=dict)
 
     def extra_means(self) -> Dict[str, float]:
         """``reward_extra/<key>/mean``: each extra key's mean over the jobs that returned it."""

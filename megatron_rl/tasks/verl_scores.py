@@ -76,17 +76,22 @@ def _math_last_boxed_only_string(string: str) -> Optional[str]:
         idx = string.rfind("\\fbox")
         if idx < 0:
             return None
-    i, right_brace_idx, depth = idx, None, 0
-    while i < len(string):
+    end = _closing_brace(string, idx)
+    return None if end is None else string[idx:end + 1]
+
+
+def _closing_brace(string: str, start: int) -> Optional[int]:
+    """Index of the brace that closes the first ``{`` at or after ``start`` (verl's scan: braces counted from
+    ``start``, the first return to depth 0 after an opening), or None."""
+    depth = 0
+    for i in range(start, len(string)):
         if string[i] == "{":
             depth += 1
         if string[i] == "}":
             depth -= 1
             if depth == 0:
-                right_brace_idx = i
-                break
-        i += 1
-    return None if right_brace_idx is None else string[idx:right_brace_idx + 1]
+                return i
+    return None
 
 
 def _fix_fracs(string: str) -> str:
@@ -197,17 +202,8 @@ def _dapo_last_boxed_only_string(string: str) -> Optional[str]:
     idx = string.rfind("\\boxed{")
     if idx < 0:
         return None
-    i, right_brace_idx, depth = idx, None, 0
-    while i < len(string):
-        if string[i] == "{":
-            depth += 1
-        if string[i] == "}":
-            depth -= 1
-            if depth == 0:
-                right_brace_idx = i
-                break
-        i += 1
-    return string[idx:right_brace_idx + 1] if right_brace_idx is not None else None
+    end = _closing_brace(string, idx)
+    return None if end is None else string[idx:end + 1]
 
 
 def _dapo_remove_boxed(s: str) -> str:

@@ -79,6 +79,17 @@ def checkpoint_batch(seed: int, rows: int):
     return RolloutBatch.from_sequences(prompts, responses, lps), torch.randn(rows, generator=g)
 
 
+def checkpoint_step(actor, seed: int):
+    """One train step on this DP rank's share of ``checkpoint_batch(seed, rows=8)`` (the same global batch at every
+    DP size); returns the step's metrics."""
+    batch, adv = checkpoint_batch(seed, rows=8)
+    rows = 8 // actor.dp_size
+    lo = actor.dp_rank * rows
+    shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]
+    old, _ = actor.compute_log_probs(shard, 1.0)
+    return actor.train_step(shard, old, adv, shard.response_mask, None, 1.0)
+
+
 def policy_data(vocab: int, rows: int, seed: int, prompt_len: tuple[int, int], response_len: tuple[int, int],
                 reject_token: bool):
     """A random ``RolloutBatch`` of ``rows`` sequences (prompt/response lengths drawn in ``[lo, hi)``) and

@@ -63,8 +63,8 @@ class CriticPhase:
 
     def __init__(self, critic, cfg) -> None:
         self.critic = critic
-        self.gamma = float(getattr(cfg.algorithm, "gamma", 1.0))
-        self.lam = float(getattr(cfg.algorithm, "lam", 1.0))
+        self.gamma = float(cfg.algorithm.gamma)
+        self.lam = float(cfg.algorithm.lam)
         self.warmup = int(cfg.critic.critic_warmup)
 
     def actor_trains(self, step: int) -> bool:

@@ -27,12 +27,15 @@ __all__ = ["DynamicSampling", "FilterGroupsExhaustedWarning", "FilterGroupsExhau
 SKIPPED = "filter_groups/skipped"
 """The metric every rank reads to skip a step's training (1.0: skipped)."""
 
-#: Step metrics that are counts: summed over the rounds (every other one is a row-weighted mean, or max / min).
-COUNT_METRICS = ("reward/failed", "reward/timed_out", "response/truncated_count", "routing/missing_rows")
+#: Step metrics that are counts (and the reward model's time): summed over the rounds (every other one is a
+#: row-weighted mean, or max / min).
+COUNT_METRICS = ("reward/failed", "reward/timed_out", "response/truncated_count", "routing/missing_rows",
+                 "reward/judge_failures", "reward/rm_failures", "reward/rm_batches", "reward/rm_latency_s")
 
 #: Per-row fields of a ``StepBatch`` (lists with one entry per row, or empty / None when the batch has none).
 ROW_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "rewards", "routing", "truncated",
-              "token_versions", "loss_masks", "scores", "reward_extras")
+              "token_versions", "loss_masks", "scores", "reward_extras", "reward_baselines",
+              "reward_components")
 #: ``algorithm.filter_groups.metric`` values that are not reward keys (``metric_values``).
 BATCH_METRICS = ("seq_reward", "seq_final_reward", "score")
 #: The reward key a float reward has too: its score, as verl's DAPO reward manager records it

@@ -8,7 +8,7 @@
 
 Set-up order (``build_job``): the run directory is refused or accepted before any process group or model
 (``run_dir.py``); the data file and the validation files are checked; the job plan is built (``megatron_rl.plan``;
-rank 0 prints it); process groups, the actor and (``kl_loss_coef`` > 0) the frozen reference are built from it; rank 0 starts over (``trainer.overwrite``), builds the task,
+rank 0 prints it); process groups, the actor and (``kl_loss_coef`` > 0 or ``use_kl_in_reward``) the frozen reference are built from it; rank 0 starts over (``trainer.overwrite``), builds the task,
 the engine (``rollout.factory``; a failure there is raised on every rank), the prompt draw (``prompt_draw``) and,
 when it is evaluated, the validation set (``tasks.val_set``); ``--resume`` loads the newest COMPLETE checkpoint rank 0
 chose (rank 0's prompt draw continues its order); the engine gets the starting weights; then the rollout source starts
@@ -26,9 +26,10 @@ rollouts it holds, so the resumed run draws on from whichever it regenerates fir
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -38,6 +39,7 @@ from megatron_rl.actor import MegatronActor
 from megatron_rl.actor.critic import MegatronCritic
 from megatron_rl.actor.offload import ParkedParams
 from megatron_rl.actor.schedule import actor_device
+from megatron_rl.algo.kl_reward import KLInReward, NoKLInReward
 from megatron_rl.config import ConfigError, JobConfig
 from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_timeout_s
 from megatron_rl.parallel.launch import init_distributed
@@ -46,6 +48,7 @@ from megatron_rl.parallel.state import initialize_model_parallel
 from megatron_rl.plan import JobPlan, actor_spec
 from megatron_rl.rollout.sglang_server import SGLangServerHandle
 from megatron_rl.tasks import build_task as build_task_for
+from megatron_rl.tasks.judge import JudgedTask
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.rollout.versions import version_tag
 from megatron_rl.trainer.critic_step import CriticPhase, NoCritic
@@ -56,6 +59,7 @@ from megatron_rl.trainer.run_dir import complete_steps, run_dir_error, start_ove
 from megatron_rl.trainer.signals import StopRequested
 from megatron_rl.trainer.sinks import MetricSinks
 from megatron_rl.trainer.startup import check_data
+from megatron_rl.tasks.rm_task import RewardModelTask
 from megatron_rl.tasks.val_set import build_val_set
 from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
@@ -64,6 +68,10 @@ from megatron_rl.weight_sync.publisher import build_weight_publisher
 
 __all__ = ["Job", "build_job", "setup_distributed", "build_task", "latest_checkpoint", "save", "KLReference",
            "NoReference"]
+
+
+KL_CTRL_STATE_KEY = "kl_ctrl_in_reward"
+"""The checkpoint's extra-state key of the KL-in-reward controller (``KLInReward.state_dict``)."""
 
 
 def setup_distributed(cfg: JobConfig, plan: Optional[JobPlan] = None):
@@ -80,8 +88,14 @@ def build_task(cfg: JobConfig):
     """Rank 0's task (prompts + reward) with the checkpoint's tokenizer."""
     tok = load_tokenizer(cfg.actor.load_hf)
     d = cfg.data
-    return build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                          reward_fn=d.reward_fn, task_kwargs=d.task_kwargs), tok
+    task = build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                          reward_fn=d.reward_fn, task_kwargs=d.task_kwargs)
+    if cfg.reward.judge.enable:  # the LLM judge scores (tasks/judge.py); raw answers sampled into the run dir
+        task = JudgedTask(task, cfg.reward.judge, os.path.join(cfg.trainer.run_dir, "judge_samples.jsonl"))
+    if cfg.reward.model.enable:   # the rule task's prompts, scored by the reward model
+        print(f"[megatron-rl] {cfg.reward.model.describe()}", flush=True)
+        task = RewardModelTask(task, cfg.reward.model)
+    return task, tok
 
 
 def latest_checkpoint(run_dir: str) -> Optional[str]:
@@ -122,7 +136,7 @@ class KLReference:
 
 
 class NoReference:
-    """No KL loss (``kl_loss_coef`` 0): no reference log-probs."""
+    """No KL loss (``kl_loss_coef`` 0) and no KL in the reward: no reference log-probs."""
 
     def log_probs(self, batch, temperature: float) -> Optional[torch.Tensor]:
         return None
@@ -164,7 +178,9 @@ class Job:
     """Evaluates the validation set (``trainer.test_freq``; rank 0 holds its prompts and the engine)."""
     server: Optional[SGLangServerHandle] = None
     """The SGLang server this job launched (``rollout.sglang_launch``; rank 0), terminated by ``close``."""
-    critic: Union[CriticPhase, NoCritic] = field(default_factory=NoCritic)
+    kl_reward: Union[KLInReward, NoKLInReward] = dataclasses.field(default_factory=NoKLInReward)
+    """The KL penalty in the reward (``algorithm.use_kl_in_reward``; its controller's beta is checkpointed)."""
+    critic: Union[CriticPhase, NoCritic] = dataclasses.field(default_factory=NoCritic)
     """PPO's value model and GAE (``plan.critic``), or ``NoCritic``."""
 
     def dump(self, step: int, batch: StepBatch) -> None:
@@ -188,6 +204,8 @@ class Job:
             extra, drain_error = self.source.drain(step, last=step >= tc.steps)
             if self.rank0 and self.prompts is not None:  # where the steps a resumed run may draw first start
                 extra = {**extra, **self.prompts.state(step, step + len(extra.get("async_rollouts") or {}))}
+            if self.kl_reward.state_dict() is not None:  # beta after ``step`` steps (the same on every rank)
+                extra = {**extra, KL_CTRL_STATE_KEY: self.kl_reward.state_dict()}
             path = save(self.actor, self.cfg, step, self.rank0, extra if self.rank0 else None,
                         critic=self.critic.critic if self.critic.enabled else None)
         if drain_error is not None:
@@ -240,7 +258,8 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
                          else dist.get_world_size())
     actor = setup_distributed(cfg, plan)
     reference = (KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
-                 if plan.objective.loss.config.kl_loss_coef > 0 else NoReference())
+                 if plan.objective.loss.config.kl_loss_coef > 0 or plan.kl_in_reward is not None else NoReference())
+    kl_reward = plan.kl_in_reward or NoKLInReward()
     critic = CriticPhase(MegatronCritic(plan.critic), cfg) if plan.critic is not None else NoCritic()
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -255,6 +274,10 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
                 lambda: _rank0_setup(cfg, plan), what="setting up the task / rollout engine") or (None,) * 6
         held["validation"] = Validation(cfg, val_groups, engine)
         start, resumed = _resume(cfg, actor, rank0, critic)
+        if start > 0:  # the controller's beta continues from the checkpoint (what changed is said)
+            said = kl_reward.load_state_dict(resumed.get(KL_CTRL_STATE_KEY))
+            if said and rank0:
+                print(f"[megatron-rl] {said}", flush=True)
         if draw is not None:  # rank 0, before the first draw (the async producer starts below)
             draw.restore(resumed, start)
         held["sinks"] = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress,
@@ -272,7 +295,7 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         _teardown(watchdog, 0, **held)
         raise
     return Job(cfg=cfg, plan=plan, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
-               rank0=rank0, prompts=draw, critic=critic, **held)
+               rank0=rank0, prompts=draw, kl_reward=kl_reward, critic=critic, **held)
 
 
 def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
@@ -288,7 +311,9 @@ def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
     except BaseException:
         Validation(cfg, val_groups, None).close()
         raise
-    return build_step_generator(cfg, task, draw, plan.replay), draw, tokenizer, engine, server, val_groups
+    greedy = "reward_baselines" in plan.estimator.spec.needs   # ReMax: a greedy response per prompt
+    return (build_step_generator(cfg, task, draw, plan.replay, greedy, plan.estimator.reward_keys), draw, tokenizer,
+            engine, server, val_groups)
 
 
 def _resume(cfg: JobConfig, actor, rank0: bool, critic=None) -> Tuple[int, Dict]:

@@ -22,7 +22,10 @@ from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
 from megatron_rl.rollout.trajectory import COUNT_KEYS, FINISH_REASONS
 from megatron_rl.tasks.base import response_text
 from megatron_rl.trainer.dynamic_sampling import DynamicSampling
+from megatron_rl.trainer.greedy_baseline import greedy_rewards
+from megatron_rl.trainer.judge_trajectories import judge_trajectories
 from megatron_rl.trainer.prompt_draw import PromptDraw, round_seed, sample_prompts  # noqa: F401 (re-exported)
+from megatron_rl.trainer.reward_components import reward_components
 from megatron_rl.trainer.step_batch import StepBatch
 
 
@@ -66,16 +69,20 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
         "response/overlong_penalty_mean": sum(penalties) / n,
     })
     m.update(result.extra_means())
+    m.update(getattr(result, "metrics", {}))  # the judge's reward/judge_*, the reward model's reward/rm_*
     return m
 
 
 def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int = 0,
-                  replay: Optional[ReplayMode] = None, draw: Optional[PromptDraw] = None) -> StepBatch:
+                  replay: Optional[ReplayMode] = None, draw: Optional[PromptDraw] = None,
+                  greedy_baseline: bool = False, reward_keys: Sequence[str] = ()) -> StepBatch:
     """Rank 0: draw prompts, generate n responses each, score them (``rnd``: the generation round of the step,
     ``round_seed``; ``replay``: the job's routing-replay mode, the step generator's, default
     ``actor.routing_replay``'s; ``draw``: the job's prompt draw, the step generator's -- None, for a one-off call:
     the stateless draw seeded by (trainer.seed, step, round), ``sample_prompts``, also for a data file, whose epoch
-    order only a job's draw holds). Raises RolloutError on failure (the step is then not applied) or
+    order only a job's draw holds; ``greedy_baseline``: also each prompt's greedy response's reward, ReMax's
+    ``reward_baselines``, ``greedy_baseline.py``; ``reward_keys``: GDPO's components of each row's dict reward,
+    ``reward_components.py``). Raises RolloutError on failure (the step is then not applied) or
     StaleRolloutError if the engine serves other weights."""
     prompts = draw(step, rnd) if draw is not None else sample_prompts(task, cfg, step, rnd)
     n = cfg.rollout.n_samples_per_prompt
@@ -99,6 +106,15 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
     penalties = overlong_penalty([len(r.response_ids) for r in rollouts], cfg.rollout.max_new_tokens,
                                  d.overlong_buffer_len, d.overlong_penalty_factor)
     rewards = [float(x) + p for x, p in zip(result.rewards, penalties)]
+    baselines, greedy_metrics = [], {}
+    if greedy_baseline:
+        per_prompt, greedy_metrics = greedy_rewards(
+            task, engine, prompts, sampling_params(cfg.rollout, task_eos_ids(task)),
+            round_seed(cfg.trainer.seed * 7919 + step, rnd), expected_version,
+            lambda lengths: overlong_penalty(lengths, cfg.rollout.max_new_tokens, d.overlong_buffer_len,
+                                             d.overlong_penalty_factor))
+        baselines = [per_prompt[i // n] for i in range(len(rollouts))]
+    components = reward_components(result.extras, result.rewards, reward_keys) if reward_keys else []
     return StepBatch(prompt_ids=[list(p.prompt_ids) for p in prompt_rows],
                         response_ids=[list(r.response_ids) for r in rollouts],
                         rollout_log_probs=[list(r.rollout_log_probs) for r in rollouts],
@@ -106,7 +122,8 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                      weight_version=expected_version, routing=routing,
                      truncated=[r.finish_reason == "length" for r in rollouts],
                      metrics={**step_metrics(prompt_rows, rollouts, result.rewards, penalties, result,
-                                             task.stats()), **routing_stats},
+                                             task.stats()), **routing_stats, **greedy_metrics},
+                     reward_baselines=baselines, reward_components=components,
                      token_versions=[r.token_versions for r in rollouts], reward_extras=list(result.extras))
 
 
@@ -164,12 +181,15 @@ class SingleTurn:
     view of it) to sample from, the weight version the rollouts must carry and the generation round of the step
     (dynamic sampling's extra rounds draw the next prompts of ``draw``, the job's ``PromptDraw``)."""
 
-    def __init__(self, task, cfg, draw: PromptDraw, replay: Optional[ReplayMode] = None):
+    def __init__(self, task, cfg, draw: PromptDraw, replay: Optional[ReplayMode] = None,
+                 greedy_baseline: bool = False, reward_keys: Sequence[str] = ()):
         self.task, self.cfg, self.draw = task, cfg, draw
         self.replay = replay or replay_of(cfg)
+        self.greedy_baseline, self.reward_keys = greedy_baseline, tuple(reward_keys)
 
     def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
-        return generate_step(self.task, engine, self.cfg, step, version, rnd, replay=self.replay, draw=self.draw)
+        return generate_step(self.task, engine, self.cfg, step, version, rnd, replay=self.replay, draw=self.draw,
+                             greedy_baseline=self.greedy_baseline, reward_keys=self.reward_keys)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -225,12 +245,15 @@ class MultiTurn:
                   f"reward 0); first: {failures[0][1].kind}: {failures[0][1].message}", file=sys.stderr, flush=True)
         routing, routing_stats = trajectory_routing(trajs, required=self.replay.needs_rollout_routing, step=step)
         prompt_rows = [prompts[b // n] for b in range(len(trajs))]
+        rewards, metrics = [float(t.reward) for t in trajs], multi_turn_metrics(prompt_rows, trajs, task.stats())
+        if hasattr(task, "score_texts"):  # reward.judge (tasks/judge.py JudgedTask): the judge reads the trajectories
+            rewards, metrics = judge_trajectories(task, prompt_rows, trajs, self.tokenizer, self.decode, metrics)
         return StepBatch(prompt_ids=[list(t.prompt_ids) for t in trajs],
                          response_ids=[t.response_ids for t in trajs],
                          rollout_log_probs=[t.rollout_log_probs for t in trajs],
-                         rewards=[float(t.reward) for t in trajs], weight_version=version, routing=routing,
+                         rewards=rewards, weight_version=version, routing=routing,
                          truncated=[t.finish in TRUNCATED_FINISHES for t in trajs],
-                         metrics={**multi_turn_metrics(prompt_rows, trajs, task.stats()), **routing_stats},
+                         metrics={**metrics, **routing_stats},
                          token_versions=[t.token_versions for t in trajs],
                          loss_masks=[trained_mask(t) for t in trajs])
 
@@ -281,16 +304,19 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
                                        f"(rows {_head(missing)})")
 
 
-def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None, replay: Optional[ReplayMode] = None):
+def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None, replay: Optional[ReplayMode] = None,
+                         greedy_baseline: bool = False, reward_keys: Sequence[str] = ()):
     """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
     ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` with
     ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (default: one built here for ``task``);
-    ``replay``: the job plan's routing-replay mode (default: the config's, ``plan.replay_of``).
+    ``replay``: the job plan's routing-replay mode (default: the config's, ``plan.replay_of``);
+    ``greedy_baseline`` / ``reward_keys``: single-turn rows also carry ReMax's greedy baselines / GDPO's reward
+    components (the plan refuses both multi-turn).
     The job calls ``close()`` at its end."""
     m = cfg.multi_turn
     draw = draw or PromptDraw(task, cfg)
     if m.env is None:
-        gen = SingleTurn(task, cfg, draw, replay)
+        gen = SingleTurn(task, cfg, draw, replay, greedy_baseline, reward_keys)
     else:
         pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
         gen = MultiTurn(task, cfg, pool, task.tokenizer, draw, replay)

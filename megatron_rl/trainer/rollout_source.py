@@ -256,7 +256,8 @@ def async_schedule(cfg: JobConfig) -> Dict[str, object]:
     prompt groups (``StepBatch.shard`` groups rows by the current ``rollout.n_samples_per_prompt``) and, when
     enabled, dynamic sampling's settings (rollouts drawn without it are regenerated for a run with it, and those
     drawn with it for a run without it or with other settings: their steps were filtered, and skipped or not by
-    ``on_exhausted``)."""
+    ``on_exhausted``); with ``remax`` / ``gdpo`` the estimator (its rows carry its extra inputs: rollouts drawn for
+    another estimator lack them)."""
     rc = cfg.rollout
     schedule = {"rollout.max_staleness": rc.max_staleness, "rollout.partial_rollout": rc.partial_rollout,
                 "rollout.n_samples_per_prompt": rc.n_samples_per_prompt,
@@ -265,6 +266,10 @@ def async_schedule(cfg: JobConfig) -> Dict[str, object]:
     if fg.enable:
         keys = ("metric", "prompts_per_round", "max_num_gen_batches", "on_exhausted")
         schedule.update({f"algorithm.filter_groups.{k}": getattr(fg, k) for k in keys})
+    a = cfg.algorithm
+    if a.advantage_estimator in ("remax", "gdpo"):   # its rows carry greedy baselines / reward components
+        schedule["algorithm.adv_estimator"] = a.advantage_estimator
+        schedule["algorithm.gdpo_reward_keys"] = list(a.gdpo_reward_keys or [])
     return schedule
 
 

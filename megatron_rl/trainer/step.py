@@ -1,4 +1,4 @@
-"""One RL step (GRPO / RLOO with rollout correction), the same for every mode: ``train_step(job, step)``.
+"""One RL step (the plan's advantage estimator, rollout correction), the same for every mode: ``train_step(job, step)``.
 
 Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
 
@@ -6,7 +6,8 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
     old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward, fp32 log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
-    adv       = group advantages with the loss's mask (corr.loss_mask)
+    rewards   = job.kl_reward.sequence_rewards(...)            # verl's KL in the reward (algorithm.use_kl_in_reward)
+    adv       = job.plan.estimator.advantages(rewards, ...)    # with the loss's mask (corr.loss_mask)
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
@@ -23,7 +24,6 @@ from typing import Dict, Optional, Tuple
 
 from megatron_rl.actor.schedule import actor_device
 from megatron_rl.config.timeouts import rollout_phase_key, rollout_phase_timeout_s
-from megatron_rl.algo.advantages import compute_advantages
 from megatron_rl.correction import compute_rollout_correction
 from megatron_rl.correction.lag import policy_lag_metrics
 from megatron_rl.rollout.versions import version_tag
@@ -48,25 +48,27 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     rows = shard.batch
     with wd.phase("logprob", step + 1):
         old_lp, _ = actor.compute_log_probs(rows, T, compute_entropy=False)  # train_step reports entropy
+        ref_lp = job.reference.log_probs(rows, T)  # one pass for the KL loss and the KL in the reward (or None)
     with wd.phase("correction", step + 1):
         corr = compute_rollout_correction(old_lp, rows.rollout_log_probs, rows.response_mask,
                                           cfg.algorithm.rollout_correction, group=actor.dp_group)
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
+    old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)  # the correction decided the loss's old policy
+    # verl's apply_kl_penalty: score - beta x kld(old || ref) per token, summed per row for the summing estimators
+    rewards, kl_metrics = job.kl_reward.sequence_rewards(shard.rewards, old, ref_lp, rows.response_mask,
+                                                         group=actor.dp_group)
     critic, critic_metrics = job.critic, {}
-    if critic.enabled:  # GAE over the critic's values (trainer/critic_step.py)
+    if critic.enabled:  # gae: GAE over the critic's values and the response mask, as verl (trainer/critic_step.py)
         with wd.phase("values", step + 1):
-            adv, returns, values = critic.advantages(rows, shard.rewards, group=actor.dp_group)
-    else:
-        adv = compute_advantages(shard.rewards, shard.group_index, corr.loss_mask.float(),
-                                 estimator=cfg.algorithm.advantage_estimator,
-                                 norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
-    with wd.phase("train", step + 1):  # the correction decided which old log-probs and weights the loss uses
+            adv, returns, values = critic.advantages(rows, rewards, group=actor.dp_group)
+    else:  # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over DP
+        adv = job.plan.estimator.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
+                                            **shard.estimator_inputs)
+    with wd.phase("train", step + 1):
         if critic.enabled:
             critic_metrics = critic.train(rows, values, returns, group=actor.dp_group)
-        old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)
-        actor_metrics = (actor.train_step(rows, old, adv, corr.loss_mask, w, T,
-                                          ref_log_probs=job.reference.log_probs(rows, T))
+        actor_metrics = (actor.train_step(rows, old, adv, corr.loss_mask, w, T, ref_log_probs=ref_lp)
                          if critic.actor_trains(step) else {})
     with wd.phase("weight_sync", step + 1):
         sync_metrics = source.publisher.publish(version_tag(step + 1))
@@ -76,7 +78,7 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
                                                                  "weight_sync")}
     metrics = {
         **got.summary,
-        **actor_metrics, **critic_metrics, **corr.metrics, **lag_metrics, **got.metrics,
+        **actor_metrics, **critic_metrics, **kl_metrics, **corr.metrics, **lag_metrics, **got.metrics,
         # the share of this step's wall time in which the producer generated while the trainer worked
         "perf/rollout_overlap_frac": source.overlap_s(t_rolled, t_end) / dt,
         **timing, "timing/step_s": dt, **sync_metrics,

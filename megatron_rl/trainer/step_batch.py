@@ -66,6 +66,11 @@ class StepBatch:
     """Per row: a dict reward's other numeric keys (verl's ``acc``; ``{}`` for a float reward, None where the reward
     failed); empty when the task reports none (multi-turn, built-in tasks). Rank 0's, for dynamic sampling: not
     sent to the other ranks (``part``)."""
+    reward_baselines: List[float] = field(default_factory=list)
+    """Per row: its prompt's greedy response's reward (ReMax's baseline, ``greedy_baseline.py``); empty otherwise."""
+    reward_components: List[List[float]] = field(default_factory=list)
+    """Per row: GDPO's reward components (``algorithm.gdpo_reward_keys``, ``reward_components.py``); empty
+    otherwise."""
     rows_generated: int = 0
     """Rows generated and scored to make this batch (more than ``num_rows`` when dynamic sampling dropped prompt
     groups: the counts in ``metrics`` cover all of them); 0: ``num_rows``."""
@@ -124,7 +129,9 @@ class StepBatch:
                         rollout_log_probs=sel(self.rollout_log_probs), rewards=sel(self.rewards),
                         weight_version=self.weight_version, routing=routing,
                         truncated=sel(self.truncated), metrics={}, token_versions=sel(self.token_versions),
-                        loss_masks=sel(self.loss_masks), scores=sel(self.scores))
+                        loss_masks=sel(self.loss_masks), scores=sel(self.scores),
+                        reward_baselines=sel(self.reward_baselines),
+                        reward_components=sel(self.reward_components))
         width = max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
         return StepRows(rows=sub, global_rows=pick, width=width, summary=self.summary(failed_frac),
                         metrics=dict(self.metrics), num_tokens=self.num_tokens, skipped=self.skipped)
@@ -192,7 +199,10 @@ class StepRows:
         rewards = torch.tensor(r.rewards, dtype=torch.float32).to(device)
         group_index = torch.as_tensor(self.global_rows, dtype=torch.int64, device=device) // n_samples
         lag = token_lag_tensor([len(p) for p in r.prompt_ids], r.token_versions, step, batch.max_length - 1).to(device)
-        return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=self.global_rows)
+        extra = {name: torch.tensor(getattr(r, name), dtype=torch.float32).to(device)
+                 for name in ("reward_baselines", "reward_components") if getattr(r, name)}
+        return StepShard(batch=batch, rewards=rewards, group_index=group_index, token_lag=lag, rows=self.global_rows,
+                         estimator_inputs=extra)
 
 
 @dataclass
@@ -209,6 +219,9 @@ class StepShard:
     """[b, L-1] int64 weight versions between each response token's generation and this step (0 in sync mode)."""
     rows: Sequence[int]
     """The global rows of the shard, in the shard's order (a ``range`` unless balanced by tokens)."""
+    estimator_inputs: Dict[str, torch.Tensor] = field(default_factory=dict)
+    """The advantage estimator's extra per-row tensors (``reward_baselines`` [b] for ReMax, ``reward_components``
+    [b, K] for GDPO), on the device."""
 
 
 def stage_routing(record, layers: Optional[Sequence[int]]):

@@ -15,7 +15,7 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -96,14 +96,15 @@ def _target_dtype(name: str, t: torch.Tensor, dtype, keep_dtype) -> torch.dtype:
 
 def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
               dtype: Optional[torch.dtype] = None, keep_dtype: Optional[Set[str]] = None,
-              reuse: bool = False) -> Iterator[Bucket]:
+              reuse: bool = False, alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Iterator[Bucket]:
     """Pack a ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` (a tensor larger than that
     gets a bucket of its own). Floating tensors are cast to ``dtype`` (None: kept), except those named in
     ``keep_dtype`` (tensors the engine keeps in higher precision than its compute dtype, e.g. DeepSeek-V3's
     fp32 ``e_score_correction_bias`` in a bf16 model); a dtype change starts a new bucket. Each tensor is
     copied into the buffer as it arrives and not kept. ``reuse``: the consumer is done with a bucket when it asks
     for the next one (a streamed sync sends each before the next), so one buffer serves them all (no fresh pages
-    to fault in per bucket)."""
+    to fault in per bucket). ``alloc(n)``: the uint8 buffer (at least ``n`` bytes) each bucket is packed into,
+    asked for when a bucket starts (the consumer is done with the previous one: a channel's shared memory)."""
     keep_dtype = keep_dtype or set()
     if bucket_bytes < 1:
         raise ValueError(f"bucketize: bucket_bytes={bucket_bytes} must be >= 1")
@@ -127,7 +128,9 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
             if reuse and buf.numel() == bucket_bytes:
                 spare = buf
             names, shapes, used = [], [], 0
-        if not names:
+        if not names and alloc is not None:
+            cur_dtype, buf = want, alloc(max(bucket_bytes, n))
+        elif not names:
             cur_dtype = want
             buf = spare if (spare is not None and n <= bucket_bytes) else torch.empty(max(bucket_bytes, n),
                                                                                        dtype=torch.uint8)

@@ -73,22 +73,24 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
 
 def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dtype: Optional[set] = None,
                 pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None,
-                hold: bool = False) -> Iterator[Bucket]:
+                hold: bool = False, alloc: Optional[Callable[[int], torch.Tensor]] = None,
+                gather=None) -> Iterator[Bucket]:
     """Collective over every trainer rank: the buckets of the HF tensors this rank owns (none on a rank that
     is not a sender), each sent before the next is packed (one buffer serves them all); ``pack`` as in
-    ``stream_buckets``; ``hold``: ``buckets.HeldBucket``s (the engine is in this process). Consume it to the end
-    on every rank."""
+    ``stream_buckets``; ``hold``: ``buckets.HeldBucket``s (the engine is in this process); ``alloc``: the channel's
+    buffer to pack each bucket into (``bucketize``); ``gather``: how split tensors reach their owner
+    (``gather.piece_gather``). Consume it to the end on every rank."""
     # the gathers move the engine's dtype (every rank has the same dtype and keep set: rank 0's plan); not when
     # some tensors stay in a higher precision, whose mcore names are not known before the mapping
-    gather = dtype if not keep_dtype else None
+    gather_dtype = dtype if not keep_dtype else None
     pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True,
-                            gather_dtype=gather)
+                            gather_dtype=gather_dtype, gather=gather)
     if pack is not None:
         yield from pack(pairs)
     elif hold:
         yield from hold_buckets(pairs, bucket_bytes, dtype, keep_dtype)
     else:
-        yield from bucketize(pairs, bucket_bytes, dtype, keep_dtype, reuse=True)
+        yield from bucketize(pairs, bucket_bytes, dtype, keep_dtype, reuse=True, alloc=alloc)
 
 
 def is_sender(groups, has_experts: bool) -> bool:

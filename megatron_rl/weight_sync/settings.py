@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
+from megatron_rl.weight_sync import shm
 from megatron_rl.weight_sync.modes import WeightSyncMode, resolve_mode
 
 __all__ = ["WeightSyncSettings"]
@@ -33,6 +36,12 @@ class WeightSyncSettings:
     """``rollout.weight_sync_delta``: send only the elements changed since the version the engine holds."""
     export_dir: str
     """Where disk exports go: ``rollout.weight_sync_dir``, else ``<trainer.run_dir>/weight_sync``."""
+    sender_transport: str = "gloo"
+    """How the other senders' buckets reach an engine in rank 0's process (``in_process.SENDER_TRANSPORTS``): "shm"
+    (shared memory for the senders on rank 0's host; ``build`` picks it where the host offers it) or "gloo"."""
+    tp_gather: str = "gloo"
+    """How a sender gathers its split parameters' TP / ETP pieces (``gather.TP_GATHERS``); ``build`` picks "flat"
+    (one ``all_gather_into_tensor`` per parameter) with a GPU, else "shm" where the host offers it, else "gloo"."""
 
     @classmethod
     def build(cls, rollout, run_dir: str, engine) -> "WeightSyncSettings":
@@ -44,7 +53,9 @@ class WeightSyncSettings:
                    timeout_s=float(rollout.weight_sync_timeout_s),
                    verify_interval=int(rollout.weight_sync_verify_interval),
                    verify_tensors=int(rollout.weight_sync_verify_tensors), delta=bool(rollout.weight_sync_delta),
-                   export_dir=rollout.weight_sync_dir or os.path.join(run_dir, "weight_sync"))
+                   export_dir=rollout.weight_sync_dir or os.path.join(run_dir, "weight_sync"),
+                   sender_transport="shm" if shm.available() else "gloo",
+                   tp_gather="flat" if torch.cuda.is_available() else "shm" if shm.available() else "gloo")
 
     def due(self, version: int) -> bool:
         """Whether version number ``version`` is verified."""

@@ -30,6 +30,7 @@ from megatron_rl.parallel.rank0 import share_from_rank0
 from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.board import Board, world
 from megatron_rl.weight_sync.buckets import DTYPE_NAMES
+from megatron_rl.weight_sync.gather import piece_gather
 from megatron_rl.weight_sync.report import SyncReport
 from megatron_rl.weight_sync.senders import own_buckets, sender_ranks
 from megatron_rl.weight_sync.settings import WeightSyncSettings
@@ -78,13 +79,14 @@ def _shareable(exc: Optional[BaseException]) -> Optional[BaseException]:
 
 
 def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: int, corrupt,
-              pack=None) -> SenderOutcome:
+              pack=None, gather=None) -> SenderOutcome:
     """Every rank: gather and send this rank's own buckets through ``channel`` (None: not a sender; it still
-    takes part in the gathers). ``pack``: a delta sync's packer. After a failure the rest of the stream is
+    takes part in the gathers). ``pack``: a delta sync's packer; ``gather``: the TP / ETP gatherer. After a failure the rest of the stream is
     gathered but not sent."""
     out = SenderOutcome(rank)
     hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold):
+    alloc = getattr(channel, "alloc", None)  # a channel whose own memory the buckets are packed into
+    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc, gather):
         if channel is None or out.error is not None:
             continue
         try:
@@ -156,14 +158,14 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
             return delta.pack(pairs, bucket_bytes, dtype, set(keep), base, version, set(checks))
     senders = sender_ranks(actor)
     try:
-        channel = spec.open(rank, senders, receiver)
+        channel = spec.open(rank, senders, receiver, settings.sender_transport)
     except Exception as exc:  # noqa: BLE001 - posted: rank 0 aborts
         channel, failed = None, SenderOutcome(rank, f"sender rank {rank}: opening its channel: "
                                                      f"{type(exc).__name__}: {exc}")
     else:
         failed = None
     mine = _send_own(actor, channel, verifier if rank0 else copy, bucket_bytes, dtype, set(keep), rank, corrupt,
-                     pack)
+                     pack, piece_gather(settings.tp_gather))
     if failed is not None:
         mine = failed
     if size == 1:

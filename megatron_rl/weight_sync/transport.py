@@ -1,9 +1,8 @@
 """Transport: how a bucket's bytes move from a sender to an engine.
 
 * Channels (``ChannelSpec`` -> ``SenderChannel``): rank 0's receiver hands every rank a picklable spec; each
-  sender opens its own channel from it and ``send``s its buckets. ``InProcessSpec``: an engine in rank 0's
-  process -- rank 0 loads its own buckets, every other sender sends over its own gloo pair group
-  (``pair_groups``), received in its own thread. The SGLang specs live in ``receivers/sglang.py``.
+  sender opens its own channel from it and ``send``s its buckets. The embedded engine's spec (rank 0's process)
+  lives in ``in_process.py``, the SGLang specs in ``receivers/sglang.py``.
 * Between trainer ranks: ``send_bucket`` / ``recv_bucket``: the bucket's meta as an object (a ``Bucket``'s or a
   ``delta.DeltaBucket``'s), then its bytes -- on the default group staged on its device (NCCL takes CUDA tensors
   only; async rollouts' owned buckets), on a gloo pair group as host bytes.
@@ -19,7 +18,6 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -32,7 +30,7 @@ from megatron_rl.parallel.ports import find_free_port
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.delta import DeltaBucket
 
-__all__ = ["send_bucket", "recv_bucket", "pair_groups", "SenderChannel", "ChannelSpec", "InProcessSpec", "UpdateGroups", "ServerSet", "UpdateGroup", "update_group", "drop_update_group",
+__all__ = ["send_bucket", "recv_bucket", "recv_bucket_bytes", "pair_groups", "SenderChannel", "ChannelSpec", "UpdateGroups", "ServerSet", "UpdateGroup", "update_group", "drop_update_group",
            "master_address_for", "run_parallel"]
 
 
@@ -52,13 +50,16 @@ def recv_bucket(src: int, group=None, into=None) -> Optional[Bucket]:
     ``into``: a uint8 host buffer the caller is done with, received into when a (non-delta) bucket fits."""
     box = [None]
     dist.recv_object_list(box, src=src, group=group)
-    if box[0] is None:
-        return None
-    delta = box[0].get("format") == "delta"
-    if not delta and group is not None and into is not None and int(box[0]["nbytes"]) <= into.numel():
-        bucket = Bucket.empty(box[0], buffer=into)
+    return None if box[0] is None else recv_bucket_bytes(box[0], src, group, into)
+
+
+def recv_bucket_bytes(meta: dict, src: int, group=None, into=None):
+    """The bucket whose ``meta`` came from ``src``: its bytes, received (``recv_bucket``'s second half)."""
+    delta = meta.get("format") == "delta"
+    if not delta and group is not None and into is not None and int(meta["nbytes"]) <= into.numel():
+        bucket = Bucket.empty(meta, buffer=into)
     else:
-        bucket = (DeltaBucket if delta else Bucket).empty(box[0])
+        bucket = (DeltaBucket if delta else Bucket).empty(meta)
     if group is None:
         recv_(bucket.flat, src=src)
     else:
@@ -94,87 +95,11 @@ class ChannelSpec:
     """How senders reach an engine: made by rank 0's receiver (``WeightReceiver.channel``), handed to every
     rank (picklable) and opened there."""
 
-    def open(self, rank: int, senders: List[int], receiver=None) -> Optional[SenderChannel]:
+    def open(self, rank: int, senders: List[int], receiver=None, transport: str = "gloo") -> Optional[SenderChannel]:
         """Every rank, collectively (same ``senders`` everywhere): this rank's channel (None when it is not a
-        sender). ``receiver``: rank 0's ``WeightReceiver``, None elsewhere."""
+        sender). ``receiver``: rank 0's ``WeightReceiver``, None elsewhere. ``transport``: the job's
+        ``WeightSyncSettings.sender_transport`` (how senders on rank 0's host reach a receiver in rank 0's process)."""
         raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class InProcessSpec(ChannelSpec):
-    """An engine inside global rank 0's process: rank 0 loads its own buckets directly and receives every other
-    sender's in parallel, one thread per sender, each over its own gloo pair group (``pair_groups``)."""
-
-    timeout_s: float
-    """Bound of each transfer."""
-
-    def open(self, rank, senders, receiver=None):
-        groups = pair_groups(senders, self.timeout_s)
-        if rank == 0:
-            return _Rank0Channel(receiver, groups, self.timeout_s)
-        return _ToRank0Channel(groups[rank]) if rank in senders else None
-
-
-class _ToRank0Channel(SenderChannel):
-    def __init__(self, group):
-        self.group = group
-
-    def send(self, bucket):
-        send_bucket(bucket, 0, self.group)
-
-    def close(self):
-        send_bucket(None, 0, self.group)
-
-
-class _Rank0Channel(SenderChannel):
-    """Rank 0's own buckets and, in threads, every other sender's go into ``receiver`` (one at a time: a lock).
-    ``local``: the receiver copies rank 0's buckets in as they are sent, so they may hold the tensors uncopied."""
-
-    local = True
-
-    def __init__(self, receiver, groups: Dict[int, Any], timeout_s: float):
-        self.receiver, self.timeout_s = receiver, timeout_s
-        self.lock = threading.Lock()
-        self.errors: List[str] = []
-        self.threads = [threading.Thread(target=self._drain, args=(src, g), daemon=True) for src, g in groups.items()]
-        for th in self.threads:
-            th.start()
-
-    def _drain(self, src: int, group) -> None:
-        failed = False
-        into = None  # one receive buffer per sender: each bucket is loaded before the next arrives
-        while True:
-            try:
-                bucket = recv_bucket(src, group, into)
-            except Exception as exc:  # noqa: BLE001 - the sender died or timed out
-                self.errors.append(f"sender rank {src}: receiving its buckets failed: {type(exc).__name__}: {exc}")
-                return
-            if bucket is None:
-                return
-            if isinstance(bucket, Bucket) and bucket.flat is not None:
-                into = bucket.flat if into is None or bucket.flat.numel() > into.numel() else into
-            if failed:
-                continue  # drain: the sender is still sending
-            try:
-                with self.lock:
-                    self.receiver.load(bucket)
-            except Exception as exc:  # noqa: BLE001 - reported at close
-                self.errors.append(f"sender rank {src}: {type(exc).__name__}: {exc}")
-                failed = True
-
-    def send(self, bucket):
-        with self.lock:
-            self.receiver.load(bucket)
-
-    def close(self):
-        deadline = time.monotonic() + self.timeout_s
-        for th in self.threads:
-            th.join(max(0.0, deadline - time.monotonic()))
-        late = [th for th in self.threads if th.is_alive()]
-        if late:
-            self.errors.append(f"{len(late)} sender(s) did not finish within {self.timeout_s:g} s")
-        if self.errors:
-            raise WeightSyncError("; ".join(self.errors))
 
 
 def _url_host_port(url: str) -> tuple:

@@ -28,7 +28,7 @@ from megatron_rl.actor import MegatronActor
 from megatron_rl.plan import actor_spec
 from megatron_rl.actor.optimizer import offload_errors
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import checkpoint_batch
+from megatron_rl.testing.actor_reference import checkpoint_step
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import CHECKPOINT_MODEL, knobs, layout, named_job, setting
 
@@ -44,14 +44,6 @@ def _job(offload, *extra):
                      *knobs(use_distributed_optimizer=True, bf16=True, optimizer_cpu_offload=offload))
 
 
-def _step(actor, seed):
-    batch, adv = checkpoint_batch(seed, rows=8)
-    rows = 8 // actor.dp_size
-    lo = actor.dp_rank * rows
-    shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]
-    old, _ = actor.compute_log_probs(shard, 1.0)
-    return actor.train_step(shard, old, adv, shard.response_mask, None, 1.0)
-
 
 def _train(rank, world, job, steps, save=None, load=None, first=0):
     try:
@@ -62,7 +54,7 @@ def _train(rank, world, job, steps, save=None, load=None, first=0):
         if load:
             first = actor.load_checkpoint(load)[0]
         for s in range(first, first + steps):
-            _step(actor, 100 + s)
+            checkpoint_step(actor, 100 + s)
         if save:
             actor.save_checkpoint(save, first + steps)
         return {n: p.detach().clone() for c in actor.model for n, p in c.named_parameters()}, kinds

@@ -36,7 +36,7 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
 from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import checkpoint_batch
+from megatron_rl.testing.actor_reference import checkpoint_batch, checkpoint_step
 from megatron_rl.testing.distributed import run_ranks
 from megatron_rl.testing.jobs import CHECKPOINT_MODEL, knobs, layout, named_job, setting, settings
 
@@ -51,14 +51,6 @@ _MOMENT = re.compile(rf"^{_CHAINED}optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$
 
 
 
-
-def _step(actor, seed):
-    batch, adv = checkpoint_batch(seed, rows=8)
-    rows = 8 // actor.dp_size
-    lo = actor.dp_rank * rows
-    shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]
-    old, _ = actor.compute_log_probs(shard, 1.0)
-    return actor.train_step(shard, old, adv, shard.response_mask, None, 1.0)
 
 
 def _reap_children() -> None:
@@ -77,7 +69,7 @@ def _save_every_step(rank, world, job, steps, root, load_dir=None):
             start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
         actor.save_checkpoint(root, start)
         for s in range(start, start + steps):
-            _step(actor, 100 + s)
+            checkpoint_step(actor, 100 + s)
             actor.save_checkpoint(root, s + 1)
         return start, out.getvalue()
     finally:
@@ -221,7 +213,7 @@ def _settings_rank(rank, world, job, root, load_dir, old=False):
         actor = MegatronActor(actor_spec(job))
         out = io.StringIO()
         if load_dir is None:
-            _step(actor, 100)
+            checkpoint_step(actor, 100)
             d = actor.save_checkpoint(root, 1)
             if old:  # a checkpoint written before the optimizer settings were recorded
                 extra = torch.load(os.path.join(d, "extra_state.pt"), weights_only=False)
@@ -231,7 +223,7 @@ def _settings_rank(rank, world, job, root, load_dir, old=False):
         with contextlib.redirect_stdout(out):
             actor.load_checkpoint(load_dir)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in actor.optimizer.param_groups]
-        metrics = _step(actor, 101)
+        metrics = checkpoint_step(actor, 101)
         return {"groups": groups, "state": _named_adam(actor), "stdout": out.getvalue(), "metrics": metrics}
     finally:
         _reap_children()
@@ -291,7 +283,7 @@ def _groups_rank(rank, world, job, root, load_dir):
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         actor = MegatronActor(actor_spec(job))
         if load_dir is None:
-            _step(actor, 100)
+            checkpoint_step(actor, 100)
             actor.save_checkpoint(root, 1)
             return None
         with contextlib.redirect_stdout(io.StringIO()):

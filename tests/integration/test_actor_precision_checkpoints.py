@@ -34,7 +34,7 @@ import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
 from megatron_rl.plan import actor_spec
 from megatron_rl.parallel import initialize_model_parallel
-from megatron_rl.testing.actor_reference import assert_state_dicts_close, checkpoint_batch
+from megatron_rl.testing.actor_reference import assert_state_dicts_close, checkpoint_step
 from megatron_rl.testing.distributed import RankError, run_ranks
 from megatron_rl.testing.jobs import knobs, named_job, setting
 
@@ -43,15 +43,6 @@ TWO_LAYERS = "model.num_layers=2"
 
 
 
-
-def _step(actor, seed):
-    """One train step on this DP rank's half of an 8-row batch (the same global batch at every DP size)."""
-    batch, adv = checkpoint_batch(seed, rows=8)
-    rows = 8 // actor.dp_size
-    lo = actor.dp_rank * rows
-    shard, adv = batch.select(lo, lo + rows), adv[lo:lo + rows]
-    old, _ = actor.compute_log_probs(shard, 1.0)
-    return actor.train_step(shard, old, adv, shard.response_mask, None, 1.0)
 
 
 def _adam_numel(actor) -> int:
@@ -100,7 +91,7 @@ def _rank(rank, world, job, steps, save_dir=None, load_dir=None, init_seed=7):
         loaded = actor.full_state_dict_hf()
         distributed = job.actor.use_distributed_optimizer
         loaded_main = None if distributed else _named_main_state(actor)
-        metrics = [_step(actor, 100 + s) for s in range(start, start + steps)]
+        metrics = [checkpoint_step(actor, 100 + s) for s in range(start, start + steps)]
         ckpt = actor.save_checkpoint(save_dir, start + steps) if save_dir else None
         return {"metrics": metrics, "weights": actor.full_state_dict_hf(), "loaded": loaded, "ckpt": ckpt,
                 "adam_numel": _adam_numel(actor), "start": start, "main": _main_params(actor),
@@ -143,7 +134,7 @@ def _host_state_rank(rank, world, job):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         actor = MegatronActor(actor_spec(job))
-        _step(actor, 100)
+        checkpoint_step(actor, 100)
         opts = _optimizers(actor)
 
         def world_bytes(**kw):
@@ -246,7 +237,7 @@ def _resident_rank(rank, world, job):
     try:
         initialize_model_parallel(job.parallel, seed=7, model=job.model)
         actor = MegatronActor(actor_spec(job))
-        _step(actor, 100)
+        checkpoint_step(actor, 100)
         model_ptrs = {p.untyped_storage().data_ptr() for c in actor.model for p in c.module.parameters()}
         opt = 0
         for o in _optimizers(actor):

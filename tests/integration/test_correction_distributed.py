@@ -23,6 +23,8 @@ CFGS = {
                      rollout_rs="token_k2,seq_sum_k3", rollout_rs_threshold="0.5,1.5"),
     "geo": dict(rollout_is="geometric", rollout_is_threshold=1.2, rollout_is_batch_normalize=True,
                 rollout_rs="seq_mean_k1", rollout_rs_threshold="0.8_1.1", rollout_token_veto_threshold=1e-3),
+    "kpop": dict(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
+                 rollout_rs="binary_kl,seq_mean_k3", rollout_rs_threshold="0.05,0.2"),
 }
 EXTREMA = ("_max", "_min", "_max_deviation")
 
@@ -98,7 +100,7 @@ def _cp_body(rank, world, lt, lr, mask, cfg_kwargs, dp, cp, zigzag):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("zigzag", [False, True], ids=["contiguous", "zigzag"])
-@pytest.mark.parametrize("name", ["token_all", "seq_mask", "geo"])
+@pytest.mark.parametrize("name", ["token_all", "seq_mask", "geo", "kpop"])
 def test_cp_split_equals_unsplit(name, zigzag):
     dp, cp = 2, 2
     lt, lr, mask = make_batch(11, B=8, T=16, spread=0.5, empty_rows=(2,))

@@ -135,7 +135,7 @@ def test_dp_rows_match_batch_shards():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", ["bypass_ppo_clip", "bypass_pg_is", "decoupled_geo_rs_seq_tis"])
+@pytest.mark.parametrize("preset", ["bypass_ppo_clip", "bypass_pg_is", "decoupled_geo_rs_seq_tis", "decoupled_token_kpop"])
 def test_presets_run_in_the_loop(copy_model_h64, tmp_path, preset):
     """Bypass (rollout log-probs as the old policy; REINFORCE with weights) and decoupled RS presets train
     for 2 steps with finite metrics; geo RS with a +-1e-6 band rejects sequences and the loop carries on."""
@@ -148,6 +148,8 @@ def test_presets_run_in_the_loop(copy_model_h64, tmp_path, preset):
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["rollout_corr/kl"])
+    if preset == "decoupled_token_kpop":  # AReaL's default phi 2.0: the binary KL metrics are reported
+        assert all(math.isfinite(m["rollout_corr/rollout_rs_binary_kl_max"]) for m in metrics)
     if preset == "decoupled_geo_rs_seq_tis":
         m = metrics[0]
         assert m["rollout_corr/rollout_rs_seq_masked_fraction"] > 0

@@ -23,6 +23,7 @@ CFGS = {
     "geo_bn": dict(rollout_is="geometric", rollout_is_threshold=1.2, rollout_is_batch_normalize=True,
                    rollout_rs="seq_mean_k1", rollout_rs_threshold="0.8_1.1", rollout_token_veto_threshold=1e-3),
     "rs_only": dict(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.3_3"),
+    "kpop": dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="binary_kl", rollout_rs_threshold=0.05),
 }
 
 

@@ -205,7 +205,7 @@ def test_full_megatron_config_maps_its_defaults():
     block.pop("loss_type")
     corr = dict(t["algorithm"]["rollout_correction"])
     assert corr.pop("loss_type") == "vanilla" and corr == block
-    assert _entry(m, "algorithm.adv_estimator").kind == UNSUPPORTED  # gae needs a critic
+    assert _entry(m, "algorithm.adv_estimator").kind == MAPPED and t["algorithm"]["advantage_estimator"] == "gae"
     # verl's critic keys the critic here reads are carried onto critic.*; the worker settings have no meaning here
     carried = {"critic.optim.lr": "lr", "critic.optim.weight_decay": "weight_decay", "critic.optim.clip_grad":
                "clip_grad", "critic.ppo_epochs": "ppo_epochs", "critic.cliprange_value": "cliprange_value",

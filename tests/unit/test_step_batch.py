@@ -50,7 +50,11 @@ def test_drained_rollouts_round_trip_as_plain_fields():
                                          (("data.prompts_per_step=3",), "data.prompts_per_step=2 (this run: 3)"),
                                          (("rollout.partial_rollout=interrupt",), "rollout.partial_rollout='finish'"),
                                          (("algorithm.filter_groups={enable: true}",),
-                                          "algorithm.filter_groups.metric not recorded")])
+                                          "algorithm.filter_groups.metric not recorded"),
+                                         (("algorithm.advantage_estimator=remax",),
+                                          "algorithm.adv_estimator not recorded"),
+                                         (("algorithm.advantage_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]"),
+                                          "algorithm.adv_estimator not recorded")])
 def test_drained_rollouts_of_other_prompt_groups_are_regenerated(change, key, capsys):
     """Rows are grouped by the current n_samples_per_prompt (row // n): rollouts made with other groups -- even
     with the same number of rows per step -- are not reused, and the line says which key differs. Rollouts drawn

@@ -24,7 +24,7 @@ import torch
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
 from megatron_rl.weight_sync.endpoint import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.delta import DeltaBucket, apply_delta
-from megatron_rl.weight_sync.transport import InProcessSpec
+from megatron_rl.weight_sync.in_process import InProcessSpec
 
 
 def read_weight_update(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -189,5 +189,5 @@ class BucketLoader(WeightReceiver):
         self.engine.invalidate_weights(f"weight sync to version {self.version!r} failed: {reason}")
 
     def channel(self) -> InProcessSpec:
-        """Every sender's buckets come to rank 0's process, where this model lives (``transport.InProcessSpec``)."""
+        """Every sender's buckets come to rank 0's process, where this model lives (``in_process.InProcessSpec``)."""
         return InProcessSpec(self.timeout_s)

@@ -122,8 +122,8 @@ class SGLangChannelSpec(ChannelSpec):
     master_address: Optional[str] = None
     """The address the servers reach global rank 0 at (other senders find theirs: ``master_address_for``)."""
 
-    def open(self, rank: int, senders: List[int], receiver=None) -> Optional[SenderChannel]:
-        if rank not in senders:
+    def open(self, rank: int, senders: List[int], receiver=None, transport: str = "gloo") -> Optional[SenderChannel]:
+        if rank not in senders:  # ``transport``: unused (each sender reaches the servers itself)
             return None
         if self.backend is None:
             return SGLangTensorChannel(self.servers, self.timeout_s)

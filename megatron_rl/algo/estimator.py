@@ -1,0 +1,117 @@
+"""The trainer's advantage estimator, built once (``plan/advantage.py``) and called by the step:
+``Estimator.advantages(rewards, group_index, mask, group)`` -> ``[B, T]`` float32.
+
+The rule: the call is verl's trainer's (``ray_trainer.compute_advantage``): ``grpo`` / ``rloo`` run this project's
+group estimators (``advantages.py``: single-sample groups get 0), every other name runs ``advantage_fn(name)`` with
+the keywords verl passes it -- token-level rewards (the scalar reward on each row's last token of ``mask``),
+``response_mask``, ``index``, ``config`` (``AlgoParams``) -- plus ``group`` (the DP group) where its statistics span
+the batch; the result is multiplied by ``mask`` (verl leaves GAE's and ReMax's off-mask entries, which no loss
+reads)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from megatron_rl.algo.advantages import compute_advantages
+from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
+
+
+KEY = "algorithm.adv_estimator"
+#: Estimators the trainer runs (``plan/advantage.py`` refuses the rest with ``NOT_IN_TRAINER``'s reason).
+TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo", "gae")
+#: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
+                    "rloo_vectorized", "opo", "gpg", "gdpo")
+#: Estimators whose whitening shifts every row (a group of alike rewards does not get advantage 0).
+WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo")
+#: verl's estimators the trainer cannot feed yet, with the reason (``plan/advantage.py``, ``migrate verl``).
+NOT_IN_TRAINER = {
+    "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
+                              "actor.calculate_sum_pi_squared), which the actor does not compute",
+    "tir_optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
+                                  "actor.calculate_sum_pi_squared), which the actor does not compute",
+}
+
+#: verl's trainer calls these without norm_adv_by_std_in_grpo: they always divide by the std there.
+STD_ALWAYS = ("grpo_vectorized", "gdpo")
+
+
+@dataclass(frozen=True)
+class AlgoParams:
+    """verl's ``AlgoConfig`` as its estimators read it (``config.gamma``, ``config.get(key, default)``)."""
+
+    gamma: float = 1.0
+    """Discount (``algorithm.gamma``)."""
+    lam: float = 1.0
+    """GAE's lambda (``algorithm.lam``)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO-style std division (``algorithm.norm_adv_by_std_in_grpo``)."""
+    gdpo_reward_keys: Optional[Tuple[str, ...]] = None
+    """GDPO's reward components (``algorithm.gdpo_reward_keys``)."""
+    gdpo_reward_weights: Optional[Tuple[float, ...]] = None
+    """GDPO's component weights (``algorithm.gdpo_reward_weights``; None: 1 each)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``getattr`` with a default, as verl's ``DictConfig.get``."""
+        return getattr(self, key, default)
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: ``rewards[b]`` on row b's last token with ``mask`` 1 (a row without one: nowhere)."""
+    m = mask > 0
+    T = m.shape[-1]
+    pos = (torch.where(m, torch.arange(T, device=m.device), -1).amax(dim=-1) if T
+           else torch.full(rewards.shape, -1, dtype=torch.long, device=m.device))
+    out = torch.zeros(m.shape, dtype=torch.float32, device=rewards.device)
+    rows = torch.nonzero(pos >= 0).flatten()
+    out[rows, pos[rows]] = rewards[rows].to(torch.float32)
+    return out
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """``algorithm.adv_estimator`` with its parameters (built once by the job plan)."""
+
+    name: str
+    """verl's estimator name."""
+    params: AlgoParams
+    """What verl's estimators read from ``config``."""
+
+    @property
+    def reward_keys(self) -> Tuple[str, ...]:
+        """The reward components each row must carry (GDPO's ``gdpo_reward_keys``; empty otherwise)."""
+        return tuple(self.params.gdpo_reward_keys or ()) if self.name == "gdpo" else ()
+
+    @property
+    def spec(self) -> EstimatorSpec:
+        """What the estimator needs (``registry.ESTIMATOR_SPECS``)."""
+        return estimator_spec(self.name)
+
+    def advantages(self, rewards: torch.Tensor, group_index, mask: torch.Tensor, group: Optional[Any] = None,
+                   **inputs) -> torch.Tensor:
+        """Token-level advantages ``[B, T]`` (float32) from the scalar ``rewards`` ``[B]`` and the loss's ``mask``
+        ``[B, T]`` (after rejection). ``group``: the DP group (whole-batch statistics); ``inputs``: the extra
+        tensors the spec needs (``values``, ...). Collective over ``group`` for ``spec.global_stats``."""
+        if self.name in ("grpo", "rloo"):
+            return compute_advantages(rewards, group_index, mask, estimator=self.name,
+                                      norm_adv_by_std=self.params.norm_adv_by_std_in_grpo)
+        needs = self.spec.needs + (("reward_components",) if self.name == "gdpo" else ())
+        missing = [k for k in needs if k not in inputs]
+        if missing:
+            raise ValueError(f"algorithm.adv_estimator={self.name!r} needs {missing} with the step's rows, which "
+                             f"carry none (rows generated for another estimator?)")
+        kw = dict(token_level_rewards=last_token_rewards(rewards, mask), response_mask=mask.to(torch.float32),
+                  index=group_index, config=self.params, **inputs)
+        if self.name == "gdpo":   # verl passes the components in non_tensor_batch (``batch``: positions only)
+            comps = kw.pop("reward_components")
+            kw.update(non_tensor_batch={k: comps[:, i] for i, k in enumerate(self.reward_keys)}, batch={})
+        if self.name == "gae":
+            kw = dict(token_level_rewards=kw["token_level_rewards"], values=inputs["values"],
+                      response_mask=kw["response_mask"], gamma=self.params.gamma, lam=self.params.lam)
+        if self.spec.global_stats:
+            kw["group"] = group
+        adv, _ = self.spec.fn(**kw)
+        return adv.to(torch.float32) * kw["response_mask"]   # 0 off the loss's tokens (verl's gae / remax are not)

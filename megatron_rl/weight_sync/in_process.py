@@ -1,0 +1,198 @@
+"""The channel into an engine inside global rank 0's process (the embedded engine): ``InProcessSpec``.
+
+Rank 0 loads its own buckets directly; every other sender's are received in their own thread. A sender on rank 0's
+host (``sender_transport: shm``) packs each bucket straight into its shared-memory segment (``shm.Segment``, kept for
+the process's life, mapped once by rank 0) and sends only the bucket's meta over its gloo pair group; rank 0 loads
+the bucket from its mapping of that segment and acknowledges, and only then may the sender refill it. Elsewhere (or
+``gloo``) the bytes travel over the pair group. The one rule: a segment's bytes belong to rank 0 from the meta until
+the acknowledgement.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.weight_sync import shm
+from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.delta import DeltaBucket
+from megatron_rl.weight_sync.endpoint import WeightSyncError
+from megatron_rl.weight_sync.transport import ChannelSpec, SenderChannel, pair_groups, recv_bucket_bytes, send_bucket
+
+__all__ = ["InProcessSpec", "SENDER_TRANSPORTS"]
+
+#: ``WeightSyncSettings.sender_transport`` values: shared memory for the senders on rank 0's host, or gloo for all.
+SENDER_TRANSPORTS = ("shm", "gloo")
+
+_HOSTS: Dict[int, bool] = {}  # per process: global rank -> on rank 0's host (asked once, collectively)
+_WRITER: List[Optional[shm.Segment]] = [None]  # this sender's segment (kept across syncs)
+_READERS: Dict[int, shm.Segment] = {}  # rank 0: each sender's segment, mapped
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _on_rank0_host() -> Dict[int, bool]:
+    """Collective over every trainer rank, once per process: which global ranks share rank 0's host."""
+    if not _HOSTS:
+        ids = [None] * dist.get_world_size()
+        dist.all_gather_object(ids, _host_id())
+        _HOSTS.update({r: h == ids[0] for r, h in enumerate(ids)})
+    return _HOSTS
+
+
+@dataclass(frozen=True)
+class InProcessSpec(ChannelSpec):
+    """An engine inside global rank 0's process: rank 0 loads its own buckets directly and receives every other
+    sender's in parallel, one thread per sender, each over its own gloo pair group (``pair_groups``); bytes through
+    shared memory from the senders on rank 0's host when the transport is ``shm``."""
+
+    timeout_s: float
+    """Bound of each transfer."""
+
+    def open(self, rank, senders, receiver=None, transport: str = "gloo"):
+        if transport not in SENDER_TRANSPORTS:
+            raise ValueError(f"sender transport {transport!r} is not one of {SENDER_TRANSPORTS}")
+        groups = pair_groups(senders, self.timeout_s)
+        near = _on_rank0_host() if transport == "shm" and len(senders) > 1 else {}
+        if rank == 0:
+            return _Rank0Channel(receiver, groups, self.timeout_s)
+        if rank not in senders:
+            return None
+        return _ShmToRank0Channel(groups[rank], rank) if near.get(rank) else _ToRank0Channel(groups[rank])
+
+
+class _ToRank0Channel(SenderChannel):
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, bucket):
+        send_bucket(bucket, 0, self.group)
+
+    def close(self):
+        send_bucket(None, 0, self.group)
+
+
+class _ShmToRank0Channel(SenderChannel):
+    """A sender on rank 0's host: bytes in its segment, meta + acknowledgement over its pair group."""
+
+    def __init__(self, group, rank: int):
+        self.group, self.rank = group, rank
+        self.ack = torch.zeros(1, dtype=torch.int64)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` to pack the next bucket into: this sender's segment (a larger one replaces
+        it when it does not fit)."""
+        seg = _WRITER[0]
+        if seg is None or seg.nbytes < nbytes:
+            if seg is not None:
+                seg.close()
+            seg = _WRITER[0] = shm.Segment.create(f"sender{self.rank}", nbytes)
+        return seg.tensor[:int(nbytes)]
+
+    def send(self, bucket):
+        flat, seg = bucket.flat, _WRITER[0]
+        base = seg.tensor.data_ptr() if seg is not None else 0
+        if seg is not None and base <= flat.data_ptr() and flat.data_ptr() + flat.numel() <= base + seg.nbytes:
+            offset = flat.data_ptr() - base  # packed in the segment (``alloc``)
+        else:
+            self.alloc(flat.numel()).copy_(flat)  # packed elsewhere (a delta bucket): one more copy
+            seg, offset = _WRITER[0], 0
+        meta = dict(bucket.meta(), shm=seg.path, shm_key=seg.key, shm_nbytes=seg.nbytes, shm_offset=int(offset))
+        dist.send_object_list([meta], dst=0, group=self.group)
+        dist.recv(self.ack, src=0, group=self.group)  # rank 0 loaded it (or failed): the segment is ours again
+
+    def close(self):
+        send_bucket(None, 0, self.group)
+
+
+def _from_segment(meta: dict, src: int) -> object:
+    """Rank 0: the bucket ``meta`` describes, over its sender's segment (mapped once, kept)."""
+    seg = _READERS.get(src)
+    if seg is None or seg.key != meta["shm_key"]:
+        try:
+            seg = _READERS[src] = shm.Segment.attach(meta["shm"], meta["shm_key"], int(meta["shm_nbytes"]))
+        except OSError as exc:
+            raise WeightSyncError(f"sender rank {src}: its shared-memory segment {meta['shm']} cannot be mapped on "
+                                  f"rank 0's host ({exc})") from exc
+    off, n = int(meta["shm_offset"]), int(meta["nbytes"])
+    flat = seg.tensor[off:off + n]
+    if meta.get("format") == "delta":
+        return DeltaBucket.from_meta(meta, flat)
+    return Bucket.empty(meta, buffer=flat)
+
+
+class _Rank0Channel(SenderChannel):
+    """Rank 0's own buckets and, in threads, every other sender's go into ``receiver`` (one at a time: a lock).
+    ``local``: the receiver copies rank 0's buckets in as they are sent, so they may hold the tensors uncopied."""
+
+    local = True
+
+    def __init__(self, receiver, groups: Dict[int, Any], timeout_s: float):
+        self.receiver, self.timeout_s = receiver, timeout_s
+        self.lock = threading.Lock()
+        self.errors: List[str] = []
+        self.threads = [threading.Thread(target=self._drain, args=(src, g), daemon=True) for src, g in groups.items()]
+        for th in self.threads:
+            th.start()
+
+    def _drain(self, src: int, group) -> None:
+        failed = False
+        into = None  # one receive buffer per sender (gloo): each bucket is loaded before the next arrives
+        ack = torch.ones(1, dtype=torch.int64)
+        while True:
+            box = [None]
+            try:
+                dist.recv_object_list(box, src=src, group=group)
+                meta = box[0]
+                shared = meta is not None and "shm" in meta
+                bucket = None if meta is None or shared else recv_bucket_bytes(meta, src, group, into)
+            except Exception as exc:  # noqa: BLE001 - the sender died or timed out
+                self.errors.append(f"sender rank {src}: receiving its buckets failed: {type(exc).__name__}: {exc}")
+                return
+            if meta is None:
+                return
+            try:
+                if shared:
+                    bucket = _from_segment(meta, src)
+                elif isinstance(bucket, Bucket):
+                    into = bucket.flat if into is None or bucket.flat.numel() > into.numel() else into
+                if not failed:  # after a failure: drain, the sender is still sending
+                    with self.lock:
+                        self.receiver.load(bucket)
+            except Exception as exc:  # noqa: BLE001 - reported at close
+                self.errors.append(f"sender rank {src}: {type(exc).__name__}: {exc}")
+                failed = True
+            del bucket
+            if shared:
+                try:
+                    dist.send(ack, dst=src, group=group)  # the segment is the sender's again
+                except Exception as exc:  # noqa: BLE001 - the sender died
+                    self.errors.append(f"sender rank {src}: acknowledging its bucket failed: {exc}")
+                    return
+
+    def send(self, bucket):
+        with self.lock:
+            self.receiver.load(bucket)
+
+    def close(self):
+        deadline = time.monotonic() + self.timeout_s
+        for th in self.threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        late = [th for th in self.threads if th.is_alive()]
+        if late:
+            self.errors.append(f"{len(late)} sender(s) did not finish within {self.timeout_s:g} s")
+        if self.errors:
+            raise WeightSyncError("; ".join(self.errors))
+

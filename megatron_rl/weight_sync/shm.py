@@ -1,0 +1,79 @@
+"""Same-host shared memory for the weight sync: byte buffers one process writes and another maps.
+
+A ``Segment`` is an anonymous memory file (``memfd_create``): the writer creates it and keeps its descriptor, the
+reader maps it through ``/proc/<writer pid>/fd/<fd>`` and drops the descriptor at once. The one rule: nothing is ever
+named in ``/dev/shm``, so no exit path -- a failed sync, a killed rank, a killed job -- can leave a segment behind;
+the memory is freed when the last process that maps it lets go or exits.
+"""
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+
+import torch
+
+__all__ = ["available", "Segment", "leftovers"]
+
+_GEN = [0]
+
+
+def available() -> bool:
+    """Whether this host offers anonymous shared memory files a peer can map (Linux: ``memfd_create`` + ``/proc``)."""
+    return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+
+
+class Segment:
+    """``nbytes`` of shared memory as a uint8 tensor (``tensor``): ``Segment.create`` (writer) or ``Segment.attach``
+    (reader, by the writer's ``path``)."""
+
+    def __init__(self, path: str, key: str, nbytes: int, fd: int, owner: bool):
+        # path: where a reader opens it; key: unique per segment of a host (a fd number, so a path, may be reused)
+        self.path, self.key, self.nbytes = path, key, int(nbytes)
+        self._fd = fd if owner else None
+        try:
+            self._mm = mmap.mmap(fd, self.nbytes)
+        finally:
+            if not owner:
+                os.close(fd)
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        """The bytes (1-D uint8 over the mapping)."""
+
+    @classmethod
+    def create(cls, label: str, nbytes: int) -> "Segment":
+        """A new segment of ``max(nbytes, 1)`` bytes (``label``: its name in ``/proc/<pid>/fd``, for people)."""
+        nbytes = max(int(nbytes), 1)
+        fd = os.memfd_create(f"megatron_rl_ws_{label}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            _GEN[0] += 1
+            return cls(f"/proc/{os.getpid()}/fd/{fd}", f"{os.getpid()}_{_GEN[0]}", nbytes, fd, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, path: str, key: str, nbytes: int) -> "Segment":
+        """Map the writer's segment ``path`` (``OSError`` when it is gone or on another host)."""
+        fd = os.open(path, os.O_RDWR)
+        if os.fstat(fd).st_size < int(nbytes):
+            os.close(fd)
+            raise OSError(f"shared-memory segment {path} holds fewer than {nbytes} bytes (not the writer's)")
+        return cls(path, key, nbytes, fd, owner=False)
+
+    def close(self) -> None:
+        """The writer's descriptor (the memory lives while a process maps it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def leftovers() -> list:
+    """Weight-sync names in ``/dev/shm`` (tests: always none)."""
+    return sorted(glob.glob("/dev/shm/megatron_rl_ws_*"))
