@@ -1,13 +1,14 @@
 """PPO with a critic inside a step: values, GAE advantages and returns, the critic's update, verl's critic metrics.
 
     phase = CriticPhase(critic, cfg)              # the job's critic (plan.critic built it); NoCritic without one
-    adv, returns, values = phase.advantages(rows, rewards, group=actor.dp_group)   # [B, L-1] each
-    metrics = phase.train(rows, values, returns, step)                            # critic/* (verl's names)
+    adv, returns, values = phase.advantages(rows, rewards, corr.loss_mask, group=actor.dp_group)   # [B, L-1] each
+    metrics = phase.train(rows, values, returns, corr.loss_mask, group=actor.dp_group)   # critic/* (verl's names)
     if phase.actor_trains(step): actor.train_step(...)
 
-Rule: the outcome reward sits on each row's last token (column length - 2; verl's ``token_level_rewards``), GAE runs
-over ``rows.response_mask`` (multi-turn environment tokens 0: skipped by the recursion, as verl's) and whitens over
-the whole batch (the DP group); the actor skips its update while ``critic_warmup > step + 1`` (verl's comparison
+Rule: the outcome reward sits on each row's last token (column length - 2; verl's ``token_level_rewards``); GAE and
+the value loss run over the loss's mask -- verl's ``response_mask`` after the rollout correction's rejection
+(decoupled mode replaces it before ``compute_advantage``), multi-turn environment tokens 0: skipped by the
+recursion, as verl's -- and GAE whitens over the whole batch (the DP group); the actor skips its update while ``critic_warmup > step + 1`` (verl's comparison
 with its 1-based global step).
 """
 from __future__ import annotations
@@ -71,18 +72,21 @@ class CriticPhase:
         """verl: ``critic_warmup > global_steps`` skips the actor (global_steps = step + 1)."""
         return not self.warmup > step + 1
 
-    def advantages(self, rows, rewards: torch.Tensor, group=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(advantages, returns, values) [B, L-1] of this DP shard; collective over the model-parallel group and
-        ``group`` (the DP group: the whitening's)."""
+    def advantages(self, rows, rewards: torch.Tensor, mask: torch.Tensor,
+                   group=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(advantages, returns, values) [B, L-1] of this DP shard over ``mask`` (the loss's: after rejection);
+        collective over the model-parallel group and ``group`` (the DP group: the whitening's)."""
         values = self.critic.compute_values(rows)
-        mask = rows.response_mask.to(values.device)
+        mask = mask.to(device=values.device, dtype=torch.float32)
         adv, returns = compute_gae_advantage_return(token_level_rewards(rows, rewards.to(values.device)), values,
                                                     mask, gamma=self.gamma, lam=self.lam, group=group)
         return adv * mask, returns * mask, values
 
-    def train(self, rows, values: torch.Tensor, returns: torch.Tensor, group=None) -> Dict[str, float]:
-        """The critic's update on this shard, with verl's critic metrics (identical on every rank)."""
-        mask = rows.response_mask.to(values.device)
+    def train(self, rows, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+              group=None) -> Dict[str, float]:
+        """The critic's update on this shard over ``mask`` (the loss's), with verl's critic metrics (identical on
+        every rank)."""
+        mask = mask.to(device=values.device, dtype=torch.float32)
         out = self.critic.train_step(rows, values, returns, mask)
         out["critic/vf_explained_var"] = explained_variance(returns, values, mask, group)
         sums = global_sum(torch.stack([mask.to(torch.float64).sum(), (values.to(torch.float64) * mask).sum(),

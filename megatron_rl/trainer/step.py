@@ -59,15 +59,15 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     rewards, kl_metrics = job.kl_reward.sequence_rewards(shard.rewards, old, ref_lp, rows.response_mask,
                                                          group=actor.dp_group)
     critic, critic_metrics = job.critic, {}
-    if critic.enabled:  # gae: GAE over the critic's values and the response mask, as verl (trainer/critic_step.py)
+    if critic.enabled:  # gae: GAE over the critic's values and the loss's mask, as verl (trainer/critic_step.py)
         with wd.phase("values", step + 1):
-            adv, returns, values = critic.advantages(rows, rewards, group=actor.dp_group)
+            adv, returns, values = critic.advantages(rows, rewards, corr.loss_mask, group=actor.dp_group)
     else:  # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over DP
         adv = job.plan.estimator.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
                                             **shard.estimator_inputs)
     with wd.phase("train", step + 1):
         if critic.enabled:
-            critic_metrics = critic.train(rows, values, returns, group=actor.dp_group)
+            critic_metrics = critic.train(rows, values, returns, corr.loss_mask, group=actor.dp_group)
         actor_metrics = (actor.train_step(rows, old, adv, corr.loss_mask, w, T, ref_log_probs=ref_lp)
                          if critic.actor_trains(step) else {})
     with wd.phase("weight_sync", step + 1):

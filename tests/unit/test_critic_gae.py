@@ -1,7 +1,8 @@
 """The trainer's GAE with a critic (``trainer/critic_step.py``) in the actor's [B, L-1] row layout equals verl 0.9.1's
 own ``compute_gae_advantage_return`` (vendored core_algos) in verl's response layout: the reward on each row's last
-response token, values of the state before each response token, multi-turn environment tokens masked, prompts of
-different lengths. Also ``critic/vf_explained_var`` against verl's ``metric_utils`` formula, and the critic's config
+response token, values of the state before each response token, multi-turn environment tokens masked, tokens the
+rollout correction rejected masked too (verl replaces ``response_mask`` with the rejected one before
+``compute_advantage``; a rejected last token loses the row's reward there as here), prompts of different lengths. Also ``critic/vf_explained_var`` against verl's ``metric_utils`` formula, and the critic's config
 refusals (each naming its key)."""
 from __future__ import annotations
 
@@ -51,7 +52,17 @@ def _rows(seed, B=6):
 @pytest.mark.parametrize("seed", range(3))
 def test_gae_in_row_layout_matches_verl_in_response_layout(seed):
     rows, rewards, values, plens, rlens, masks = _rows(seed)
-    adv, returns, got_v = CriticPhase(_Values(values), _Cfg).advantages(rows, rewards)
+    # rejection: a few more tokens out, row 2's last token among them
+    g = torch.Generator().manual_seed(seed + 50)
+    for b in range(rows.num_rows):
+        for j in range(rlens[b]):
+            if torch.rand(1, generator=g).item() < 0.15 or (b == 2 and j == rlens[b] - 1):
+                masks[b][j] = 0
+    loss_mask = torch.zeros(rows.num_rows, rows.max_length - 1)
+    for b in range(rows.num_rows):
+        loss_mask[b, plens[b] - 1: plens[b] - 1 + rlens[b]] = torch.tensor(masks[b], dtype=torch.float32)
+    assert torch.equal(loss_mask * rows.response_mask, loss_mask)
+    adv, returns, got_v = CriticPhase(_Values(values), _Cfg).advantages(rows, rewards, loss_mask)
     B, R = rows.num_rows, max(rlens)
     v_r, r_r, m_r = torch.zeros(B, R), torch.zeros(B, R), torch.zeros(B, R)
     for b in range(B):
@@ -66,7 +77,7 @@ def test_gae_in_row_layout_matches_verl_in_response_layout(seed):
         keep = m_r[b, : rlens[b]] > 0
         torch.testing.assert_close(adv[b, cols][keep], want_a[b, : rlens[b]][keep], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(returns[b, cols][keep], want_r[b, : rlens[b]][keep], rtol=1e-5, atol=1e-5)
-    assert torch.equal(adv * (1 - rows.response_mask), torch.zeros_like(adv))  # nothing outside the mask
+    assert torch.equal(adv * (1 - loss_mask), torch.zeros_like(adv))  # nothing outside the mask
 
 
 def test_explained_variance_matches_verl_metric():
