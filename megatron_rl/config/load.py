@@ -26,6 +26,7 @@ import yaml
 from megatron_rl.config.algorithm_spellings import merge_verl_spellings
 from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
+from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.paths import moved_path_errors, path_kind, resolve_path, resolve_tree_paths
 from megatron_rl.config.sections import (
@@ -61,7 +62,7 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "actor": ActorConfig,
                    "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig,
                    "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig,
-                   "actor.lora": LoraConfig}
+                   "actor.lora": LoraConfig, "critic": CriticConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}
@@ -312,7 +313,8 @@ def _move_loss_mode(tree: Dict[str, Any], errors: List[str]) -> Dict[str, Any]:
     return tree
 
 
-_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "reward")
+_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "reward",
+          "critic")
 #: The one problem reported for a verl config (its keys are not this project's).
 VERL_FILE_MESSAGE = ("actor_rollout_ref: this is a verl config (its actor_rollout_ref: section), not a megatron-rl "
                      "one; convert it with `megatron-rl migrate verl FILE -o JOB.yaml`, which maps every key to "

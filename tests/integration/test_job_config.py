@@ -98,7 +98,7 @@ def test_all_unknown_keys_are_reported_with_hints_for_verl_and_megatron_names():
     assert any(e.startswith("actor.lr_warmup_steps_ratio: unknown key (this project's key is actor.lr_warmup_fraction")
                for e in errs)
     assert "trainer.ppo_epochs: unknown key (this project's key is actor.ppo_epochs)" in errs
-    assert "parallel.adam_beta1: unknown key (it belongs to actor.adam_beta1)" in errs
+    assert "parallel.adam_beta1: unknown key (it belongs to actor.adam_beta1 / critic.adam_beta1)" in errs
     assert any(e.startswith("actor.zzz: unknown key (valid keys: lr, ") for e in errs)
     assert "trainer.stepz: unknown key (did you mean 'steps'?)" in errs
     assert len(errs) == 6
@@ -112,7 +112,7 @@ def test_unknown_sections_and_bad_overrides_all_reported(tmp_path):
         load_job_config(str(p), ["trainr.steps=1", "novalue"], world_size=1)
     msg = str(ei.value)
     assert "trainr" in msg and "'novalue': expected key.sub=value" in msg
-    assert "lr: unknown section (it is a key of actor.lr)" in msg
+    assert "lr: unknown section (it is a key of actor.lr / critic.lr)" in msg
     assert "actor_rollou_ref: unknown section" in msg
     p.write_text("actor_rollout_ref: {actor: {optim: {lr: 1.0e-6}}}\ndata: {train_batch_size: 8}\n")
     with pytest.raises(ConfigError) as ei:   # a verl file: one problem, pointing to the migration
