@@ -119,12 +119,13 @@ def _weight_sync_errors(kind, mode, sync):
 @pytest.mark.parametrize("kind, mode", sorted(ACCEPTED))
 def test_declared_modes_are_what_validation_accepts(kind, mode):
     cls = engine_class(kind)
-    default = cls.default_weight_sync_mode(async_rollouts=mode == "async")
+    caps = cls.sync_capabilities
+    default = caps.default(async_rollouts=mode == "async")
     assert default == AUTO[kind, mode]
-    assert default in cls.weight_sync_modes and (mode == "sync" or default in cls.deferred_weight_sync_modes)
+    assert default in caps.modes and (mode == "sync" or default in caps.deferred)
     assert _weight_sync_errors(kind, mode, "auto") == [] and _weight_sync_errors(kind, mode, default) == []
     for sync in WEIGHT_SYNC_MODES:
         errs = _weight_sync_errors(kind, mode, sync)
         assert (errs == []) == (sync in ACCEPTED[kind, mode]), (sync, errs)
-    accepted = {m for m in cls.weight_sync_modes if mode == "sync" or m in cls.deferred_weight_sync_modes}
+    accepted = {m for m in caps.modes if mode == "sync" or m in caps.deferred}
     assert accepted == ACCEPTED[kind, mode]
