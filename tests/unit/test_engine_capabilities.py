@@ -15,7 +15,8 @@ import inspect
 import pytest
 from test_rollout_sglang_faults import FaultServer, ok
 
-from megatron_rl.config import job_config_from_dict, job_errors
+from megatron_rl.config import job_config_from_dict
+from megatron_rl.plan import job_errors
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES, RolloutEngine, SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.plan import job_engine as build_engine
