@@ -130,3 +130,14 @@ def test_declared_modes_are_what_validation_accepts(kind, mode):
         assert (errs == []) == (sync in ACCEPTED[kind, mode]), (sync, errs)
     accepted = {m for m in caps.modes if mode == "sync" or m in caps.deferred}
     assert accepted == ACCEPTED[kind, mode]
+
+
+@pytest.mark.parametrize("kwargs", [dict(modes=("disk", "rdma")), dict(modes=("disk",), deferred=("tensor",)),
+                                    dict(modes=("disk",), default_sync="tensor"),
+                                    dict(modes=("disk", "tensor"), deferred=("disk",), default_async="tensor")])
+def test_an_inconsistent_capability_declaration_is_refused(kwargs):
+    """An engine class cannot declare an ``auto`` default it does not accept (or a deferred mode it cannot receive)."""
+    from megatron_rl.weight_sync.endpoint import SyncCapabilities
+
+    with pytest.raises(ValueError, match="SyncCapabilities: inconsistent"):
+        SyncCapabilities(**kwargs)
