@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron_rl.algo.estimator import AlgoParams, Estimator
-from megatron_rl.config import ConfigError, load_job_config
+from megatron_rl.config import ConfigError
+from megatron_rl.plan import load_job_config
 from megatron_rl.config.migrate_verl import UNCHANGED, migrate_verl
 from megatron_rl.config.verl_keys import MAPPED, UNSUPPORTED
 from tests.verl_core_algos import AlgoCfg, verl_core_algos

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from megatron_rl.cli import main as cli_main
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.interpolation import resolve_interpolations
 from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import CONFLICT, UNCHANGED, UNKNOWN, UNRESOLVED, merge_overrides, migrate_verl
