@@ -43,12 +43,16 @@ def unreachable(reader: int, group=None) -> Dict[int, str]:
     """Collective over ``group`` (None: every rank): the group ranks whose segments group rank ``reader`` cannot
     map, each with why (same-host ranks only are tried; every rank gets the same answer)."""
     me, size = dist.get_rank(group), dist.get_world_size(group)
-    token = secrets.token_bytes(16)
-    seg = shm.Segment.create("probe", len(token)) if shm.available() else None
-    if seg is not None:
-        seg.tensor[:len(token)].copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
+    token, seg, spec = secrets.token_bytes(16), None, "no anonymous shared memory on this host"
+    if shm.available():
+        try:  # memfd_create may be refused (seccomp): this rank then keeps gloo, the collective goes on
+            seg = shm.Segment.create("probe", len(token))
+            seg.tensor[:len(token)].copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
+            spec = (seg.path, seg.key, token)
+        except OSError as exc:
+            spec = f"its shared memory cannot be created ({type(exc).__name__}: {exc})"
     specs = [None] * size
-    dist.all_gather_object(specs, (host_id(), (seg.path, seg.key, token) if seg else None), group=group)
+    dist.all_gather_object(specs, (host_id(), spec), group=group)
     box = [None]
     if me == reader:
         host = specs[reader][0]
@@ -58,8 +62,10 @@ def unreachable(reader: int, group=None) -> Dict[int, str]:
                 continue
             if h != host:
                 why[r] = "on another host"
-            elif spec is None or not shm.available():
-                why[r] = "no anonymous shared memory on this host"
+            elif isinstance(spec, str):
+                why[r] = spec
+            elif not shm.available():
+                why[r] = "no anonymous shared memory on the reader's host"
             else:
                 err = _probe(spec)
                 if err is not None:

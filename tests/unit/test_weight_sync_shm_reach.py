@@ -28,11 +28,16 @@ def test_attach_refuses_a_file_that_is_not_the_writers_segment():
             shm.Segment.attach(f"/proc/{os.getpid()}/fd/{fh.fileno()}", a.key, 0)
 
 
-def _refuse_proc_on_rank0(rank):
-    if rank == 0:
+def _refuse(rank, what):
+    """``proc``: rank 0 may not open another process's ``/proc/<pid>/fd``; ``memfd``: rank 1 may not create one."""
+    if what == "proc" and rank == 0:
         def refused(cls, path, key, nbytes):
             raise PermissionError(1, "Operation not permitted", path)
         shm.Segment.attach = classmethod(refused)
+    if what == "memfd" and rank == 1:
+        def no_memfd(*args):
+            raise PermissionError(1, "Operation not permitted")
+        os.memfd_create = no_memfd
 
 
 def _gather_body(rank, world, refuse):
@@ -41,8 +46,7 @@ def _gather_body(rank, world, refuse):
     from megatron_rl.convert.partition import split_tensor
     from megatron_rl.weight_sync.gather import piece_gather
 
-    if refuse:
-        _refuse_proc_on_rank0(rank)
+    _refuse(rank, refuse)
     group = dist.new_group([0, 1], backend="gloo")
     gather = piece_gather("shm")
     out = {}
@@ -53,7 +57,7 @@ def _gather_body(rank, world, refuse):
     return out
 
 
-@pytest.mark.parametrize("refuse", [False, True])
+@pytest.mark.parametrize("refuse", [None, "proc", "memfd"])
 def test_tp_gather_falls_back_to_gloo_when_the_sender_cannot_map_pieces(refuse):
     out = run_ranks(_gather_body, 2, refuse, timeout=60)
     for kind, (full, got) in out[0].items():
@@ -73,8 +77,7 @@ def _sender_body(rank, world, refuse):
     from megatron_rl.weight_sync import in_process
     from megatron_rl.weight_sync.buckets import bucketize
 
-    if refuse:
-        _refuse_proc_on_rank0(rank)
+    _refuse(rank, refuse)
     receiver = _Keep() if rank == 0 else None
     channel = in_process.InProcessSpec(30.0).open(rank, [0, 1], receiver, "shm")
     sent = {}
@@ -87,7 +90,7 @@ def _sender_body(rank, world, refuse):
     return {"got": receiver.got if receiver else None, "sent": sent, "channel": type(channel).__name__}
 
 
-@pytest.mark.parametrize("refuse", [False, True])
+@pytest.mark.parametrize("refuse", [None, "proc", "memfd"])
 def test_sender_falls_back_to_gloo_when_rank0_cannot_map_its_segment(refuse):
     out = run_ranks(_sender_body, 2, refuse, timeout=60)
     assert out[1]["channel"] == ("_ToRank0Channel" if refuse else "_ShmToRank0Channel")
