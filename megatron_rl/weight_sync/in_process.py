@@ -122,6 +122,9 @@ def _from_segment(meta: dict, src: int) -> object:
             raise WeightSyncError(f"sender rank {src}: its shared-memory segment {meta['shm']} cannot be mapped on "
                                   f"rank 0's host ({exc})") from exc
     off, n = int(meta["shm_offset"]), int(meta["nbytes"])
+    if off < 0 or n < 0 or off + n > seg.nbytes:
+        raise WeightSyncError(f"sender rank {src}: bucket bytes [{off}, {off + n}) lie outside its shared-memory "
+                              f"segment of {seg.nbytes} bytes")
     flat = seg.tensor[off:off + n]
     if meta.get("format") == "delta":
         return DeltaBucket.from_meta(meta, flat)
@@ -155,6 +158,7 @@ class _Rank0Channel(SenderChannel):
                 bucket = None if meta is None or shared else recv_bucket_bytes(meta, src, group, into)
             except Exception as exc:  # noqa: BLE001 - the sender died or timed out
                 self.errors.append(f"sender rank {src}: receiving its buckets failed: {type(exc).__name__}: {exc}")
+                _READERS.pop(src, None)  # a dead sender's segment is not kept mapped
                 return
             if meta is None:
                 return
@@ -170,11 +174,14 @@ class _Rank0Channel(SenderChannel):
                 self.errors.append(f"sender rank {src}: {type(exc).__name__}: {exc}")
                 failed = True
             del bucket
+            if failed:
+                _READERS.pop(src, None)  # mapped again (by its key) if the sender lives on
             if shared:
                 try:
                     dist.send(ack, dst=src, group=group)  # the segment is the sender's again
                 except Exception as exc:  # noqa: BLE001 - the sender died
                     self.errors.append(f"sender rank {src}: acknowledging its bucket failed: {exc}")
+                    _READERS.pop(src, None)
                     return
 
     def send(self, bucket):

@@ -125,3 +125,32 @@ def test_flat_gather_on_an_nccl_like_group():
     for kind, (full, got) in out[0].items():
         assert got[0] == "fakegpu" and torch.equal(got[1], full.to(torch.bfloat16)), kind
     assert all(got is None for _, got in out[1].values())
+
+
+def _bad_meta_body(rank, world):
+    import torch.distributed as dist
+
+    from megatron_rl.weight_sync import in_process
+    from megatron_rl.weight_sync.buckets import bucketize
+
+    receiver = _Keep() if rank == 0 else None
+    channel = in_process.InProcessSpec(30.0).open(rank, [0, 1], receiver, "shm")
+    if rank == 1:
+        pairs = [("w", torch.randn(64, 32))]
+        for bucket in bucketize(pairs, 16 << 10, reuse=True, alloc=channel.alloc):
+            channel.send(bucket)  # a good one: rank 0 maps the segment
+            seg = in_process._WRITER[0]
+            meta = dict(bucket.meta(), shm=seg.path, shm_key=seg.key, shm_nbytes=seg.nbytes, shm_offset=seg.nbytes)
+            dist.send_object_list([meta], dst=0, group=channel.group)  # a corrupted one: bytes past the segment
+            dist.recv(channel.ack, src=0, group=channel.group)  # acknowledged all the same: the sender goes on
+    try:
+        channel.close()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": str(exc), "mapped": 1 in in_process._READERS}
+    return {"error": None}
+
+
+def test_a_corrupted_bucket_meta_is_named_and_its_segment_unmapped():
+    out = run_ranks(_bad_meta_body, 2, timeout=60)
+    assert "sender rank 1" in out[0]["error"] and "outside its shared-memory segment" in out[0]["error"]
+    assert out[0]["mapped"] is False and out[1]["error"] is None
