@@ -82,11 +82,20 @@ def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: in
               pack=None, gather=None, view=None) -> SenderOutcome:
     """Every rank: gather and send this rank's own buckets through ``channel`` (None: not a sender; it still
     takes part in the gathers). ``pack``: a delta sync's packer; ``gather``: the TP / ETP gatherer; ``view``: how
-    the model is read (LoRA merged). After a failure the rest of the stream is gathered but not sent."""
+    the model is read (LoRA merged). After a failure to send, the rest of the stream is gathered but not sent; a
+    failure to gather ends it (posted like any other)."""
     out = SenderOutcome(rank)
     hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
     alloc = getattr(channel, "alloc", None)  # a channel whose own memory the buckets are packed into
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc, gather, view):
+    stream = own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc, gather, view)
+    while True:
+        try:
+            bucket = next(stream)
+        except StopIteration:
+            break
+        except Exception as exc:  # noqa: BLE001 - a gather or pack failed: posted (rank 0 aborts the update)
+            out.error = out.error or f"sender rank {rank}: gathering its tensors failed: {type(exc).__name__}: {exc}"
+            break
         if channel is None or out.error is not None:
             continue
         try:
