@@ -29,7 +29,12 @@ def test_attach_refuses_a_file_that_is_not_the_writers_segment():
 
 
 def _refuse(rank, what):
-    """``proc``: rank 0 may not open another process's ``/proc/<pid>/fd``; ``memfd``: rank 1 may not create one."""
+    """``proc``: rank 0 may not open another process's ``/proc/<pid>/fd``; ``memfd``: rank 1 may not create one;
+    ``host``: rank 1 is on another host (whose ``/proc`` paths name this host's processes' files)."""
+    if what == "host" and rank == 1:
+        from megatron_rl.weight_sync import shm_reach
+
+        shm_reach.host_id = lambda: "another-host/boot"
     if what == "proc" and rank == 0:
         def refused(cls, path, key, nbytes):
             raise PermissionError(1, "Operation not permitted", path)
@@ -57,7 +62,7 @@ def _gather_body(rank, world, refuse):
     return out
 
 
-@pytest.mark.parametrize("refuse", [None, "proc", "memfd"])
+@pytest.mark.parametrize("refuse", [None, "proc", "memfd", "host"])
 def test_tp_gather_falls_back_to_gloo_when_the_sender_cannot_map_pieces(refuse):
     out = run_ranks(_gather_body, 2, refuse, timeout=60)
     for kind, (full, got) in out[0].items():
@@ -90,7 +95,7 @@ def _sender_body(rank, world, refuse):
     return {"got": receiver.got if receiver else None, "sent": sent, "channel": type(channel).__name__}
 
 
-@pytest.mark.parametrize("refuse", [None, "proc", "memfd"])
+@pytest.mark.parametrize("refuse", [None, "proc", "memfd", "host"])
 def test_sender_falls_back_to_gloo_when_rank0_cannot_map_its_segment(refuse):
     out = run_ranks(_sender_body, 2, refuse, timeout=60)
     assert out[1]["channel"] == ("_ToRank0Channel" if refuse else "_ShmToRank0Channel")
