@@ -1,6 +1,7 @@
 """The actor's log-prob pass with ``compute_sum_pi_squared``: sum_j p_j^2 of softmax(logits / T) at every scored
-column vs HF transformers (fp32 model, float64 softmax of each unpadded sequence alone) at TP1 and TP2 (with
-sequence parallel: micro-batches padded beyond the batch), identical on the ranks of a model-parallel group, 0 at
+column vs HF transformers (fp32 model, float64 softmax of each unpadded sequence alone) at TP1, TP2 (with
+sequence parallel: micro-batches padded beyond the batch) and PP2 (broadcast from the last stage), identical on
+the ranks of a model-parallel group, 0 at
 padding; the log-probs unchanged by the flag.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_actor_sum_pi_squared.py -q``
@@ -52,9 +53,10 @@ def _rank(rank, world, job, batch):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("tp,sp,world", [(1, False, 1), (2, True, 2)], ids=["tp1", "tp2sp"])
-def test_sum_pi_squared_matches_hf(hf_dir, tp, sp, world):
-    job = named_job("actor", *knobs(tp=tp, pp=1, sp=sp), hf=hf_dir)
+@pytest.mark.parametrize("tp,pp,sp,world", [(1, 1, False, 1), (2, 1, True, 2), (1, 2, False, 2)],
+                         ids=["tp1", "tp2sp", "pp2"])
+def test_sum_pi_squared_matches_hf(hf_dir, tp, pp, sp, world):
+    job = named_job("actor", *knobs(tp=tp, pp=pp, sp=sp), hf=hf_dir)
     prompts, responses = _sequences(job.model.vocab_size)
     batch = RolloutBatch.from_sequences(prompts, responses)
     ref = _reference(hf_dir, prompts, responses)
@@ -62,7 +64,7 @@ def test_sum_pi_squared_matches_hf(hf_dir, tp, sp, world):
     valid = torch.arange(1, batch.max_length).unsqueeze(0) < batch.lengths.unsqueeze(1)
     for lp, ent, spp, lp0 in res:
         assert ent is None and spp.shape == ref.shape and spp.dtype == torch.float32
-        torch.testing.assert_close(spp, res[0][2], rtol=0, atol=0)   # the same on every TP rank
+        torch.testing.assert_close(spp, res[0][2], rtol=0, atol=0)   # the same on every TP / PP rank
         assert torch.equal(lp, lp0)
         err = ((spp.double() - ref) / ref.clamp(min=1e-12))[valid].abs().max().item()
         assert err <= 1e-4, f"sum pi^2 max relative error {err:.3e}"
