@@ -94,6 +94,10 @@ def test_migrate_maps_estimators_and_parameters():
     for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):   # sum pi^2 from the log-prob pass
         assert _entry(migrate_verl(_verl_job({"adv_estimator": name})), "algorithm.adv_estimator").kind == MAPPED
         assert _cfg(f"algorithm.adv_estimator={name}").algorithm.advantage_estimator == name
+    j = _verl_job({"adv_estimator": "optimal_token_baseline"})
+    j["actor_rollout_ref"]["actor"]["calculate_sum_pi_squared"] = True   # verl asserts it with these estimators
+    e = _entry(migrate_verl(j), "actor_rollout_ref.actor.calculate_sum_pi_squared")
+    assert e.kind != UNSUPPORTED and "whenever algorithm.adv_estimator needs it" in e.detail
     e = _entry(migrate_verl(_verl_job({"adv_estimator": "grpo_vectorized", "norm_adv_by_std_in_grpo": False})),
                "algorithm.norm_adv_by_std_in_grpo")
     assert e.kind == UNCHANGED and "always divides by the std" in e.detail   # no meaning in verl: not carried
