@@ -273,7 +273,7 @@ def _sync_mode(cfg, job_plan) -> Optional[str]:
     if job_plan is not None:
         return job_plan.weight_sync.mode.name
     try:
-        return weight_sync_settings(cfg.rollout, cfg.trainer.run_dir).mode.name
+        return weight_sync_settings(cfg.rollout, cfg.trainer.run_dir, cfg.actor.lora).mode.name
     except Unbuilt:
         return None
 

@@ -41,6 +41,7 @@ from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
+from megatron_rl.lora.config import LoraConfig
 from megatron_rl.losses.registry import loss_type_for_loss_mode
 from megatron_rl.config.reward_section import RewardConfig, RewardModelConfig
 from megatron_rl.models.config import ModelConfig
@@ -59,7 +60,8 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "algorithm.filter_groups": FilterGroupsConfig, "algorithm.kl_ctrl": KLControlConfig,
                    "actor": ActorConfig,
                    "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig,
-                   "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig}
+                   "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig,
+                   "actor.lora": LoraConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}

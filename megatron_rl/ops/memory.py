@@ -18,6 +18,7 @@ from megatron_rl.actor.micro_batching import interleaved_group_size
 from megatron_rl.convert.partition import chunk_layer_range
 
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
+from megatron_rl.lora.counts import adapter_counts
 from megatron_rl.models.attention import BACKENDS
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.rollout.budget import response_budget
@@ -142,6 +143,9 @@ class StagePlan:
     logits_fused: float
     reference: float = 0.0
     """The KL reference model on this rank (0 without a KL loss)."""
+    adapter_params: int = 0
+    """LoRA adapter parameters of this rank (``actor.lora``; included in ``params``): the only ones with gradients
+    and optimizer state then."""
     host: float = 0.0
     """Host memory (CPU RAM) of this rank: the offloaded optimizer state, the parked reference (not in ``total``)."""
     reference_parked: bool = False
@@ -380,6 +384,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         if p.interleaved:  # the interleaved schedule needs >= PP micro-batches: the actor splits them further
             micro = max(micro, min(pp, per_minibatch))
     pattern = m.moe_layer_pattern()
+    lora = cfg.actor.lora  # adapters: the base has no gradient, no main parameter, no Adam state; no 2nd reference
     V, h = m.vocab_size, m.hidden_size
     opt_bytes = 12 if o.params_bytes < 4 else 8
     main_bytes = 4 if o.params_bytes < 4 else 0  # fp32 main copy of bf16 parameters (part of opt_bytes)
@@ -391,14 +396,19 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                       active_params=active_parameters(m) if m.is_moe else total_parameters(m),
                       max_tokens_per_micro_batch=budget, sequence_packing=bool(cfg.actor.sequence_packing),
                       longest_row=row, keeps_scores=keep,
-                      reference_model=cfg.actor.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward)
+                      reference_model=(cfg.actor.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward)
+                      and not lora.enabled)
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
                                              p.num_layers_in_last_pipeline_stage)):
-        dense = expert = 0
+        dense = expert = ad = ae = 0
         for i in layers:
             d_, e_ = layer_counts(m, tp, ep, etp, bool(pattern[i]))
             dense += d_
             expert += e_
+            if lora.enabled:
+                a_, b_ = adapter_counts(m, lora, tp, ep, bool(pattern[i]))
+                ad += a_
+                ae += b_
         if st == 0:
             dense += V * h // tp
         if st == pp - 1:
@@ -406,16 +416,19 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
             if m.untie_embeddings_and_output_weights or pp > 1:
                 dense += V * h // tp
         n = dense + expert
+        trained = ad + ae if lora.enabled else n  # parameters with gradients and optimizer state
         dense_shard = dp * cp if o.distributed_optimizer else 1
         expert_shard = edp if o.distributed_optimizer else 1
-        shard = dense / dense_shard + expert / expert_shard  # optimizer elements of this rank
+        shard = (ad / dense_shard + ae / expert_shard if lora.enabled
+                 else dense / dense_shard + expert / expert_shard)  # optimizer elements of this rank
         optimizer = opt_bytes * shard
         # fp32 output layer (bf16 actor): that weight is fp32 on its stage(s), its own main parameter
         fp32_w = 0
         if o.fp32_output_layer and o.params_bytes < 4:
             tied = not m.untie_embeddings_and_output_weights
             fp32_w = (V * h // tp) * ((st == pp - 1) + (st == 0 and tied and pp > 1))
-        optimizer -= main_bytes * fp32_w / dense_shard
+        if not lora.enabled:  # (a LoRA actor's output layer is frozen: no main parameter)
+            optimizer -= main_bytes * fp32_w / dense_shard
         host = 0.0
         if o.optimizer_offload_fraction:  # HybridDeviceOptimizer: the offloaded share lives on the host
             host = 16.0 * o.optimizer_offload_fraction * shard
@@ -445,8 +458,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
             logit_bytes = 4 if o.fp32_output_layer else o.params_bytes
             logits_unfused = 2.0 * logit_bytes * T * vloc + logits_fused
         plan.stages.append(StagePlan(stage=st, layers=layers, dense_params=dense, expert_params=expert,
-                                     params=float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w),
-                                     grads=float(o.grad_bytes * n),
+                                     params=float(o.params_bytes * (n + ad + ae) + (4 - o.params_bytes) * fp32_w),
+                                     grads=float(o.grad_bytes * trained), adapter_params=ad + ae,
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
                                      reference=reference, host=host,

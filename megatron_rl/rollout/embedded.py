@@ -34,6 +34,7 @@ from megatron_rl.rollout.embedded_sampling import (
     sampled_logprobs,
 )
 from megatron_rl.weight_sync.receivers.embedded import BucketLoader, load_state_dict_checked, read_weight_update
+from megatron_rl.rollout.embedded_lora import EmbeddedAdapters
 from megatron_rl.rollout.finish import stop_ids
 from megatron_rl.weight_sync.endpoint import tensor_checksum
 from megatron_rl.weight_sync.layout import transformers_layout
@@ -84,6 +85,8 @@ class EmbeddedEngine(RolloutEngine):
     deferred_weight_sync_modes = ("disk", "tensor")
     #: Every rollout's random stream is seeded by the call's ``seed`` (see the module docstring).
     seeded_sampling = True
+    #: LoRA adapters sent alone are applied in the forward (``embedded_lora``; rollout.lora_sync: adapter).
+    lora_adapter_sync = True
 
     @classmethod
     def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
@@ -149,6 +152,7 @@ class EmbeddedEngine(RolloutEngine):
         self._generator = torch.Generator().manual_seed(int(seed))
         self._version = str(weight_version)
         self._invalid: str | None = None  # why the weights must not be served (a failed bucketed sync)
+        self._adapters = EmbeddedAdapters(self.model, self.dtype)  # adapter-only LoRA sync (none installed)
 
     # ------------------------------------------------------------------ interface
     @property
@@ -229,6 +233,26 @@ class EmbeddedEngine(RolloutEngine):
         if missing:
             raise WeightSyncError(f"EmbeddedEngine has no tensor(s) {missing[:8]}")
         return {"embedded": {n: (tensor_checksum(own[n]),) for n in names}}
+
+    # ------------------------------------------------------------------ adapter-only sync (rollout.lora_sync)
+    def load_lora_adapter(self, tensors: Mapping[str, torch.Tensor], scale: float, version: str) -> None:
+        """Apply the LoRA adapter ``tensors`` (PEFT names; ``scale`` = alpha / rank) over the base weights and tag
+        ``version`` (all-or-nothing: ``embedded_lora.EmbeddedAdapters``)."""
+        self._require_model(generating=False)
+        self._adapters.load(tensors, scale, version)
+        self._mark_synced(version)
+
+    def token_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) at temperature 1 for t >= 1 of each sequence, as the engine (adapter
+        included) computes it: the probe of adapter-only sync verification."""
+        self._require_model(generating=False)
+        out = []
+        with torch.no_grad():
+            for seq in sequences:
+                ids = torch.tensor([seq], dtype=torch.long, device=next(self.model.parameters()).device)
+                logits = self.model(input_ids=ids).logits[0, :-1].float()
+                out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().tolist())
+        return out
 
     def _mark_synced(self, version: str) -> None:
         self._version = version

@@ -120,15 +120,18 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = 
 
 class KLReference:
     """The frozen initial policy of the KL loss: a frozen ``MegatronActor`` from ``actor.load_hf`` (its weights only);
-    with ``offload`` (``actor.ref_param_offload``) they are on the device only during its log-prob pass."""
+    with ``offload`` (``actor.ref_param_offload``) they are on the device only during its log-prob pass. With
+    ``adapters_off`` (``actor.lora``): the policy actor itself with its adapters switched off (its frozen base)."""
 
-    def __init__(self, actor, offload: bool = False):
+    def __init__(self, actor, offload: bool = False, adapters_off: bool = False):
         self.actor = actor
         self.parked = ParkedParams(actor.model, actor_device()) if offload else None
+        self.adapters_off = adapters_off
 
     def log_probs(self, batch, temperature: float) -> Optional[torch.Tensor]:
         with self.parked.on_device() if self.parked is not None else contextlib.nullcontext():
-            return self.actor.compute_log_probs(batch, temperature, compute_entropy=False)[0]
+            with self.actor.adapters_off() if self.adapters_off else contextlib.nullcontext():
+                return self.actor.compute_log_probs(batch, temperature, compute_entropy=False)[0]
 
 
 class NoReference:
@@ -246,8 +249,12 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
     plan = JobPlan.build(cfg, int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized()
                          else dist.get_world_size())
     actor = setup_distributed(cfg, plan)
-    reference = (KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
-                 if plan.objective.loss.config.kl_loss_coef > 0 or plan.kl_in_reward is not None else NoReference())
+    if plan.objective.loss.config.kl_loss_coef <= 0 and plan.kl_in_reward is None:
+        reference = NoReference()
+    elif plan.lora is not None:  # the base with its adapters off: no second model
+        reference = KLReference(actor, adapters_off=True)
+    else:
+        reference = KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
     kl_reward = plan.kl_in_reward or NoKLInReward()
     rank0 = dist.get_rank() == 0
     if rank0:

@@ -70,6 +70,9 @@ class WeightEndpoint(abc.ABC):
     #: version's buckets collected on rank 0, sent by the producer as the one sender).
     deferred_weight_sync_modes: tuple = ("disk",)
 
+    #: Whether the engine applies LoRA adapters sent alone (``rollout.lora_sync: adapter``: only A and B travel).
+    lora_adapter_sync: bool = False
+
     #: Why the weights must not be served (a failed sync); None while they are valid.
     _invalid: str | None = None
 

@@ -79,14 +79,14 @@ def _shareable(exc: Optional[BaseException]) -> Optional[BaseException]:
 
 
 def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: int, corrupt,
-              pack=None, gather=None) -> SenderOutcome:
+              pack=None, gather=None, view=None) -> SenderOutcome:
     """Every rank: gather and send this rank's own buckets through ``channel`` (None: not a sender; it still
-    takes part in the gathers). ``pack``: a delta sync's packer; ``gather``: the TP / ETP gatherer. After a failure the rest of the stream is
-    gathered but not sent."""
+    takes part in the gathers). ``pack``: a delta sync's packer; ``gather``: the TP / ETP gatherer; ``view``: how
+    the model is read (LoRA merged). After a failure the rest of the stream is gathered but not sent."""
     out = SenderOutcome(rank)
     hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
     alloc = getattr(channel, "alloc", None)  # a channel whose own memory the buckets are packed into
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc, gather):
+    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc, gather, view):
         if channel is None or out.error is not None:
             continue
         try:
@@ -165,7 +165,7 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
     else:
         failed = None
     mine = _send_own(actor, channel, verifier if rank0 else copy, bucket_bytes, dtype, set(keep), rank, corrupt,
-                     pack, piece_gather(settings.tp_gather))
+                     pack, piece_gather(settings.tp_gather), settings.view)
     if failed is not None:
         mine = failed
     if size == 1:
