@@ -23,7 +23,7 @@ Usage::
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

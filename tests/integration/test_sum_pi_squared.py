@@ -2,7 +2,8 @@
 ``actor.calculate_sum_pi_squared``) against single-process float64 torch ``softmax(logits / T) ** 2`` summed over
 the vocabulary: fp32 / bf16, temperatures, chunked, a near-one-hot and a uniform row, no tokens; at TP1, TP2 and
 TP4 over gloo (each rank holds its vocab slice) with exactly one more all-reduce, of [tokens]; the log-probs,
-entropy and gradient unchanged by it; the Triton kernels' statistics under the Triton interpreter.
+entropy and gradient unchanged by it; the fused linear path (hidden @ W^T never stored) the same way; the Triton
+kernels' statistics under the Triton interpreter.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_sum_pi_squared.py -q``
 """
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.logprobs import vocab_parallel_logprobs
+from megatron_rl.logprobs import fused_linear_logprobs, vocab_parallel_logprobs
 from megatron_rl.testing.distributed import run_ranks
 
 TOL = 2e-6
@@ -59,6 +60,43 @@ def test_no_tokens_and_gradient_unchanged():
         (out[0].sum() + 0.5 * out[1].sum()).backward()
         grads.append(xin.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+def _fused_data(n=(3, 5), hidden=16, vocab=64, dtype=torch.float32):
+    g = torch.Generator().manual_seed(4)
+    h = (torch.randn(*n, hidden, generator=g) * 2).to(dtype)
+    w = torch.randn(vocab, hidden, generator=g).to(dtype)
+    return h, w, torch.randint(0, vocab, n, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_vs_torch_softmax(dtype):
+    h, w, t = _fused_data(dtype=dtype)
+    ref = _ref((h @ w.t()), 0.7)   # the logits in the inputs' dtype, as the fused path computes them
+    hin = h.clone().requires_grad_()
+    lp, ent, spp = fused_linear_logprobs(hin, w, t, temperature=0.7, chunk_size=4, compute_sum_pi_squared=True)
+    assert (spp.double() - ref).abs().max() <= TOL and not spp.requires_grad
+    lp.sum().backward()
+    h0 = h.clone().requires_grad_()
+    lp0, _ = fused_linear_logprobs(h0, w, t, temperature=0.7, chunk_size=4)
+    lp0.sum().backward()
+    assert torch.equal(lp, lp0) and torch.equal(hin.grad, h0.grad)
+
+
+def _fused_rank(rank, world, h, w, t):
+    import torch.distributed as dist
+
+    vp = w.shape[0] // world
+    _, _, spp = fused_linear_logprobs(h, w[rank * vp:(rank + 1) * vp].contiguous(), t, tp_group=dist.group.WORLD,
+                                      temperature=0.7, chunk_size=4, compute_sum_pi_squared=True)
+    return spp
+
+
+def test_fused_linear_tensor_parallel():
+    h, w, t = _fused_data()
+    ref = _ref(h @ w.t(), 0.7)
+    for spp in run_ranks(_fused_rank, 2, h, w, t, timeout=120):
+        assert (spp.double() - ref).abs().max() <= TOL
 
 
 def _rank(rank, world, x, t, temperature, chunk):
