@@ -47,10 +47,28 @@ from megatron_rl.models import build_gpt_model
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
 
-__all__ = ["MegatronActor"]
+__all__ = ["MegatronActor", "plan_pass"]
 
 _SCHEDULER_KEY = "opt_param_scheduler"  # megatron's scheduler state inside a checkpoint's extra state
 _SETTINGS_KEY = "optimizer_settings"  # the actor's optimizer keys at save (optimizer.OPTIMIZER_KEYS)
+
+
+def plan_pass(batcher, batch: RolloutBatch, micro_batch_size: Optional[int] = None) -> MicroBatchPlan:
+    """A pass's micro-batches (``MicroBatcher.plan``; the actor's and the critic's). Collective unless the plan
+    cannot differ between DP ranks (``MicroBatcher.plan_is_rank_local``): a row that fits no micro-batch, or a shard
+    too small for the interleaved schedule, raises on every rank."""
+    plan, msg = None, None
+    try:
+        plan = batcher.plan(batch.lengths.tolist(), micro_batch_size)
+    except ValueError as e:
+        msg = f"micro-batches of this DP shard: {e}"
+    if batcher.plan_is_rank_local:
+        if msg:
+            raise BatchError(msg)
+        return plan
+    # a row over the budget, or too few rows for the interleaved schedule, on one DP rank ends the pass on all
+    agree_on_error(msg, error=BatchError)
+    return plan
 
 
 class MegatronActor:
@@ -168,18 +186,7 @@ class MegatronActor:
         """This pass's micro-batches (``MicroBatcher.plan``). Collective unless the plan cannot differ between DP
         ranks (``MicroBatcher.plan_is_rank_local``): a row that fits no micro-batch, or a shard too small for the
         interleaved schedule, raises on every rank."""
-        plan, msg = None, None
-        try:
-            plan = self.batcher.plan(batch.lengths.tolist(), micro_batch_size)
-        except ValueError as e:
-            msg = f"micro-batches of this DP shard: {e}"
-        if self.batcher.plan_is_rank_local:
-            if msg:
-                raise BatchError(msg)
-            return plan
-        # a row over the budget, or too few rows for the interleaved schedule, on one DP rank ends the pass on all
-        agree_on_error(msg, error=BatchError)
-        return plan
+        return plan_pass(self.batcher, batch, micro_batch_size)
 
     @staticmethod
     def _in_plan_order(batch: RolloutBatch, plan: MicroBatchPlan, per_token: Optional[Dict] = None):

@@ -21,7 +21,7 @@ from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
 KEY = "algorithm.adv_estimator"
 #: Estimators the trainer runs (``plan/advantage.py`` refuses the rest with ``NOT_IN_TRAINER``'s reason).
 TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
-                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo",
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo", "gae",
                       "optimal_token_baseline", "tir_optimal_token_baseline")
 #: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
@@ -29,9 +29,7 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_
 #: Estimators whose whitening shifts every row (a group of alike rewards does not get advantage 0).
 WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo")
 #: verl's estimators the trainer cannot feed yet, with the reason (``plan/advantage.py``, ``migrate verl``).
-NOT_IN_TRAINER = {
-    "gae": "needs a critic (critic.enable: true; the critic section is not built yet)",
-}
+NOT_IN_TRAINER: Dict[str, str] = {}
 #: verl's estimators that read ``token_level_rewards`` token by token (the others read ``.sum(-1)`` per row): with
 #: KL in the reward the step passes them ``KLInReward.apply``'s per-token rewards.
 TOKEN_LEVEL = ("gae", "reinforce_plus_plus", "remax", "optimal_token_baseline", "tir_optimal_token_baseline")

@@ -12,7 +12,7 @@
 
 Every setting lives in exactly one place: the loss type is ``algorithm.rollout_correction.loss_type``
 (verl's key), the temperature is ``rollout.temperature`` (the trainer divides its logits by it too).
-Field checks are in :func:`megatron_rl.config.validate.validate_job`. Path-valued fields are marked with
+Field checks are in :func:`megatron_rl.plan.validate_job`. Path-valued fields are marked with
 ``path_field`` and resolved once, where the file is loaded (:mod:`megatron_rl.config.paths`).
 """
 from __future__ import annotations

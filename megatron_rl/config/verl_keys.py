@@ -951,7 +951,8 @@ _SGLANG = "give it where the servers start: launch/sglang_server.sh -- <sglang f
           "launch/slurm.sbatch"
 _TRAINER_ONLY = "the actor's own layout is parallel.*"
 _PROFILER = "verl's profiler; profile with your own tools (nsys, torch.profiler) around launch/torchrun.sh"
-_NO_CRITIC = "verl's critic: the trainer's advantage estimators here need no critic (gae is refused)"
+_NO_CRITIC = ("verl's critic worker settings: the critic here has the actor's model, layout, micro-batches and "
+              "the other optimizer keys of critic: (docs/critic.md)")
 _LOGPROB_MB = "one micro-batch setting serves the log-prob and the train pass here (actor.micro_batch_size / " \
               "actor.max_tokens_per_micro_batch)"
 _REF_NOTE = "the reference model (KL loss) runs with the actor's layout and micro-batches here"
@@ -1270,7 +1271,14 @@ def _rules() -> List[Rule]:
            "(launch/slurm.sbatch SGLANG_MODE=colocated / separate)"),
         _n(f"{_RM}.nccl_timeout", "verl's worker NCCL timeout; trainer.collective_timeout_s here must also cover "
            "the rollout phase (ranks wait in a collective while rank 0 generates)"),
-        # ---- critic (none here)
+        # ---- critic (megatron_rl/config/critic.py: the actor's layout, micro-batches and model)
+        _m("critic.enable", "critic.enable"),
+        _m("critic.optim.lr", "critic.lr"),
+        _m("critic.optim.weight_decay", "critic.weight_decay"),
+        _m("critic.optim.clip_grad", "critic.clip_grad"),
+        _m("critic.ppo_epochs", "critic.ppo_epochs"),
+        _m("critic.cliprange_value", "critic.cliprange_value"),
+        _m("critic.loss_agg_mode", "critic.loss_agg_mode"),
         _n("critic.**", _NO_CRITIC),
         # ---- data
         _m("data.train_files", "data.path", convert=_train_files, note="with data.task: file; ~ expanded as verl does"),
@@ -1412,7 +1420,7 @@ def _rules() -> List[Rule]:
            note="trainer.dump_rollouts writes run_dir/rollouts.jsonl"),
         _n("trainer.balance_batch", "with actor.max_tokens_per_micro_batch the prompt groups of a step are spread "
            "over the DP ranks balancing their tokens"),
-        _n("trainer.critic_warmup", _NO_CRITIC, neutral=(0,)),
+        _m("trainer.critic_warmup", "critic.critic_warmup"),
         _n("trainer.esi_redundant_time", "verl's elastic-server checkpoint timing; a SIGTERM checkpoints "
            "(trainer.stop_timeout_s)"),
         _n("trainer.del_local_ckpt_after_load", "verl's checkpoint housekeeping", neutral=(False,)),

@@ -33,6 +33,7 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("reward", "megatron_rl.config.reward_section", "RewardConfig"),
     ("reward.judge", "megatron_rl.tasks.judge_config", "JudgeConfig"),
     ("reward.model", "megatron_rl.config.reward_section", "RewardModelConfig"),
+    ("critic", "megatron_rl.config.critic", "CriticConfig"),
 )
 
 

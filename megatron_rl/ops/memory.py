@@ -150,6 +150,9 @@ class StagePlan:
     """Host memory (CPU RAM) of this rank: the offloaded optimizer state, the parked reference (not in ``total``)."""
     reference_parked: bool = False
     """The reference is on the device only during its log-prob pass (``actor.ref_param_offload``)."""
+    critic: float = 0.0
+    """PPO's critic on this rank: its weights, gradients and Adam state, held through the whole step (its
+    activations come while the actor's do not, and are at most the actor's: not added)."""
 
     def total(self, recompute: str, fused: bool) -> float:
         """Sum of all components for one recompute mode / log-prob path (a parked reference: the larger of it and
@@ -157,7 +160,7 @@ class StagePlan:
         logits = self.logits_fused if fused else self.logits_unfused
         acts = self.activations[recompute]
         held = max(self.reference, acts) if self.reference_parked else self.reference + acts
-        return self.params + self.grads + self.optimizer + held + logits
+        return self.params + self.grads + self.optimizer + held + logits + self.critic
 
 
 @dataclass
@@ -196,6 +199,8 @@ class MemoryPlan:
     """The attention backend materialises the ``[b, heads, s, s]`` scores of this job's micro-batches."""
     reference_model: bool = False
     """A KL reference model is held (``actor.policy_loss.kl_loss_coef > 0`` or ``algorithm.use_kl_in_reward``)."""
+    critic_model: bool = False
+    """PPO's critic is trained (``critic:``): the actor's body with a value head, its own gradients and Adam state."""
     stages: List[StagePlan] = field(default_factory=list)
 
     def peak(self) -> StagePlan:
@@ -397,7 +402,8 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                       max_tokens_per_micro_batch=budget, sequence_packing=bool(cfg.actor.sequence_packing),
                       longest_row=row, keeps_scores=keep,
                       reference_model=(cfg.actor.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward)
-                      and not lora.enabled)
+                      and not lora.enabled,
+                      critic_model=cfg.critic.enabled(cfg.algorithm.advantage_estimator))
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
                                              p.num_layers_in_last_pipeline_stage)):
         dense = expert = ad = ae = 0
@@ -438,6 +444,13 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
             reference = float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w)
             if o.reference_offload:
                 host += reference
+        critic = 0.0
+        if plan.critic_model:  # the actor's parameters, the output layer replaced by the [h -> 1] value head
+            out = V * h // tp if st == pp - 1 and (m.untie_embeddings_and_output_weights or pp > 1) else 0
+            n_c = n - out + (h + 1 if st == pp - 1 else 0)
+            c_opt = opt_bytes * n_c / dense_shard
+            host += 16.0 * o.optimizer_offload_fraction * n_c / dense_shard
+            critic = float((o.params_bytes + o.grad_bytes) * n_c + c_opt * (1.0 - o.optimizer_offload_fraction))
         flight = _in_flight(st, pp, vpp, micro)
 
         def per_layer(with_scores: bool) -> List[float]:
@@ -463,7 +476,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
                                      reference=reference, host=host,
-                                     reference_parked=plan.reference_model and o.reference_offload))
+                                     reference_parked=plan.reference_model and o.reference_offload, critic=critic))
     return plan
 
 
@@ -554,6 +567,7 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"({'[b, heads, s, s] scores materialised' if plan.keeps_scores else 'no score matrix kept'})"
         f"{', KL reference model' if plan.reference_model else ''}"
         f"{' (parked on the host between its passes)' if plan.reference_model and o.reference_offload else ''}"
+        f"{', PPO critic (its weights, grads and Adam state are in TOTAL)' if plan.critic_model else ''}"
         f"{f', optimizer CPU offload {o.optimizer_offload_fraction:g}' if o.optimizer_offload_fraction else ''}",
         "",
         f"{mem} per rank, GiB (ref: KL reference model; activations: none / selective / full recompute; "

@@ -204,15 +204,16 @@ def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
         errs.append(f"rollout.weight_sync: {r.weight_sync!r} is not one of {', '.join(modes)}")
     elif r.weight_sync != "auto" and r.engine in ENGINE_KINDS:
         engine = engine_class(r.engine)
-        if r.weight_sync not in engine.weight_sync_modes:
-            able = [k for k in ENGINE_KINDS if r.weight_sync in engine_class(k).weight_sync_modes]
+        caps = engine.sync_capabilities
+        if r.weight_sync not in caps.modes:
+            able = [k for k in ENGINE_KINDS if r.weight_sync in engine_class(k).sync_capabilities.modes]
             errs.append(f"rollout.weight_sync: {r.weight_sync!r} needs rollout.engine "
                         f"{' or '.join(repr(k) for k in able)} (the {r.engine} engine takes "
-                        f"{' or '.join(engine.weight_sync_modes)})")
-        elif r.mode == "async" and r.weight_sync not in engine.deferred_weight_sync_modes:
+                        f"{' or '.join(caps.modes)})")
+        elif r.mode == "async" and r.weight_sync not in caps.deferred:
             errs.append(f"rollout.weight_sync: {r.weight_sync!r} streams the weights from every trainer rank at "
                         f"sync time, but rollout.mode 'async' applies them later in rank 0's producer thread alone "
-                        f"— use rollout.weight_sync: {' or '.join(engine.deferred_weight_sync_modes)} (or auto) "
+                        f"— use rollout.weight_sync: {' or '.join(caps.deferred)} (or auto) "
                         f"with rollout.mode: async")
     if not r.weight_sync_bucket_mb > 0:
         errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")

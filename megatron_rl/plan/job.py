@@ -31,6 +31,8 @@ from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.algo.estimator import Estimator
 from megatron_rl.plan.advantage import build_estimator
 from megatron_rl.plan.lora import lora_spec
+from megatron_rl.actor.critic import CriticSpec
+from megatron_rl.plan.critic import critic_plan
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
@@ -46,7 +48,7 @@ if TYPE_CHECKING:  # the config package validates through this module: only its 
 
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
-__all__ = ["JobPlan", "PlanError", "actor_spec", "replay_of", "job_engine", "world_errors"]
+__all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "job_engine", "world_errors"]
 
 T = TypeVar("T")
 
@@ -119,6 +121,8 @@ class JobPlan:
     """``algo.kl_reward.KLInReward`` (its controller holds beta) with ``algorithm.use_kl_in_reward``, else None."""
     lora: Optional[object] = None
     """``LoraSpec`` of ``actor.lora`` (adapters, base frozen), or None."""
+    critic: Optional[CriticSpec] = None
+    """PPO's value model (``critic:``; ``plan.critic``), or None: the job trains no critic."""
 
     @property
     def actor(self) -> ActorSpec:
@@ -157,6 +161,11 @@ class JobPlan:
             lc = self.lora.config
             lines.append(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g}, on {', '.join(lc.target_modules)}; base frozen, "
                          f"KL reference = base (adapters off)")
+        if self.critic is not None:
+            cc = self.cfg.critic
+            lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {cc.ppo_epochs} epoch(s) x "
+                         f"{cc.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
+                         f"{cc.loss_agg_mode}, critic_warmup {cc.critic_warmup} step(s)")
         return lines
 
     def objective_line(self) -> str:
@@ -217,12 +226,16 @@ class JobPlan:
         p.add(model_extra_errors(cfg.model))
         recompute = p.build(_recompute, ac, cfg.model, cfg.parallel)
         lora = p.build(lora_spec, cfg)
+        critic = p.build(critic_plan, cfg, precision, batcher, budget)
+        if lora is not None and critic is not None:
+            p.add(["critic.enable: a critic beside actor.lora is not built (the critic would train its whole body "
+                   "next to a frozen, adapted actor); train the critic without LoRA or use a critic-free estimator"])
         if p.found or p.unbuilt or engine is None or cfg.model is None:
             return None, p.found
         return cls(world_size=world_size, dims=dims, engine=engine, weight_sync=ws, budget=budget,
                    dynamic_sampling=dynamic, precision=precision, batcher=batcher, replay=replay,
                    objective=objective, lr_schedule=lr_schedule, recompute=recompute, attention=attention,
-                   cfg=cfg, estimator=estimator, kl_in_reward=kl_in_reward, lora=lora), []
+                   cfg=cfg, estimator=estimator, kl_in_reward=kl_in_reward, lora=lora, critic=critic), []
 
 
 def _dynamic_sampling(cfg) -> Optional[object]:
@@ -322,6 +335,19 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
 def _actor_lora(cfg):
     """``lora_spec`` of an actor alone (it syncs no weights: the rollout side's refusal does not apply)."""
     return lora_spec(cfg, with_sync=False)
+
+
+def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpec:
+    """The critic's part of the plan alone (tests and tools): the actor's layout, precision and micro-batcher with
+    the critic's keys; ``PlanError`` naming what failed, or when the job trains no critic."""
+    a = actor_spec(cfg, world_size)
+    try:
+        spec = critic_plan(cfg, a.precision, a.batcher, ResponseBudget.of(cfg.rollout, cfg.multi_turn))
+    except Unbuilt as exc:
+        raise PlanError(exc.problems or ["critic: the plan could not be built"]) from None
+    if spec is None:
+        raise PlanError(["critic.enable: the job trains no critic (set critic.enable: true or advantage_estimator: gae)"])
+    return spec
 
 
 def replay_of(cfg: "JobConfig") -> ReplayMode:

@@ -36,7 +36,7 @@ from megatron_rl.rollout.embedded_sampling import (
 from megatron_rl.weight_sync.receivers.embedded import BucketLoader, load_state_dict_checked, read_weight_update
 from megatron_rl.rollout.embedded_lora import EmbeddedAdapters
 from megatron_rl.rollout.finish import stop_ids
-from megatron_rl.weight_sync.endpoint import tensor_checksum
+from megatron_rl.weight_sync.endpoint import SyncCapabilities, WeightHolding, tensor_checksum
 from megatron_rl.weight_sync.layout import transformers_layout
 from megatron_rl.rollout.routing import RouterCapture
 
@@ -79,19 +79,14 @@ def fuse_expert_tensors(state_dict: Mapping[str, torch.Tensor], model_keys) -> M
 class EmbeddedEngine(RolloutEngine):
     """In-process generation with an HF ``transformers`` causal LM (see the module docstring)."""
 
-    #: Disk exports or in-process buckets ("distributed" has no servers to reach).
-    weight_sync_modes = ("disk", "tensor")
-    #: Both arrive whole on rank 0 (the export path; the model's buckets), so the async producer can load them later.
-    deferred_weight_sync_modes = ("disk", "tensor")
+    #: Disk exports or in-process buckets ("distributed" has no servers to reach); both arrive whole on rank 0 (the
+    #: export path; the model's buckets), so the async producer can load them later; auto: "tensor", sync or async.
+    sync_capabilities = SyncCapabilities(modes=("disk", "tensor"), deferred=("disk", "tensor"),
+                                         default_sync="tensor", default_async="tensor")
     #: Every rollout's random stream is seeded by the call's ``seed`` (see the module docstring).
     seeded_sampling = True
     #: LoRA adapters sent alone are applied in the forward (``embedded_lora``; rollout.lora_sync: adapter).
     lora_adapter_sync = True
-
-    @classmethod
-    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
-        """"tensor": in-process buckets, sync or async."""
-        return "tensor"
 
     @classmethod
     def describe(cls, rollout) -> str:
@@ -198,16 +193,18 @@ class EmbeddedEngine(RolloutEngine):
         self._mark_synced(version)
 
     # ------------------------------------------------------------------ bucketed sync (rollout.weight_sync)
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The engine's compute dtype (buckets arrive cast to it)."""
-        return self.dtype
-
-    def full_precision_weight_names(self, hf_names=()) -> set:
-        """Floating parameters / buffers transformers keeps in another dtype than the engine's (e.g. fp32
-        ``e_score_correction_bias`` of DeepSeek-V3 in a bf16 model)."""
+    def weight_holding(self, hf_names, geometry=None, verify: bool = False) -> WeightHolding:
+        """The engine's compute dtype (buckets arrive cast to it); full precision: floating parameters / buffers
+        transformers keeps in another dtype (e.g. fp32 ``e_score_correction_bias`` of DeepSeek-V3 in a bf16 model);
+        verified: the model's own tensors built from ``hf_names`` (fused experts included; rotary buffers not),
+        hashed with ``tensor_checksum``."""
         self._require_model(generating=False)
-        return {n for n, t in self.model.state_dict().items() if t.is_floating_point() and t.dtype != self.dtype}
+        own = self.model.state_dict()
+        keep = frozenset(n for n, t in own.items() if t.is_floating_point() and t.dtype != self.dtype)
+        if not verify:
+            return WeightHolding(dtype=self.dtype, full_precision=keep)
+        layout = transformers_layout(hf_names, {k for k in own if not k.endswith("inv_freq")})
+        return WeightHolding(dtype=self.dtype, full_precision=keep, checksum=tensor_checksum, layout=tuple(layout))
 
     def begin_weight_sync(self, version: str, timeout_s: float, groups=None) -> BucketLoader:
         """A ``BucketLoader`` copying each bucket into the model as it arrives (every sender's buckets come to
@@ -219,11 +216,6 @@ class EmbeddedEngine(RolloutEngine):
         if not isinstance(version, str) or not version:
             raise ValueError(f"begin_weight_sync: version={version!r} must be a non-empty string")
         return BucketLoader(self, version, float(timeout_s or 600.0))
-
-    def weight_layout(self, hf_names, geometry) -> list:
-        """The model's own tensors built from ``hf_names`` (fused expert tensors included; rotary buffers not)."""
-        self._require_model(generating=False)
-        return transformers_layout(hf_names, {k for k in self.model.state_dict() if not k.endswith("inv_freq")})
 
     def weight_checksums(self, names) -> dict:
         """``{"embedded": {name: (tensor_checksum of the engine's copy,)}}``."""

@@ -25,7 +25,7 @@ class WeightSyncSettings:
     engine: str
     """``rollout.engine`` (named in errors)."""
     deferred_modes: tuple
-    """The modes the engine can apply later, on rank 0 alone (its ``deferred_weight_sync_modes``; async rollouts)."""
+    """The modes the engine can apply later, on rank 0 alone (its ``sync_capabilities.deferred``; async rollouts)."""
     bucket_bytes: int
     """``rollout.weight_sync_bucket_mb`` in bytes: the size of one bucket."""
     timeout_s: float
@@ -57,7 +57,7 @@ class WeightSyncSettings:
         """The settings of a validated ``rollout`` config section (``run_dir``: ``trainer.run_dir``; ``engine``:
         the engine class, ``rollout.factory.engine_class(rollout.engine)``; ``lora``: ``actor.lora``)."""
         return cls(mode=resolve_mode(rollout, engine), engine=rollout.engine,
-                   deferred_modes=tuple(engine.deferred_weight_sync_modes),
+                   deferred_modes=tuple(engine.sync_capabilities.deferred),
                    bucket_bytes=int(rollout.weight_sync_bucket_mb * (1 << 20)),
                    timeout_s=float(rollout.weight_sync_timeout_s),
                    verify_interval=int(rollout.weight_sync_verify_interval),

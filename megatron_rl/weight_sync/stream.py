@@ -134,9 +134,8 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
             base = delta.base_for(engine) if delta else None  # before the update session retags the servers
             receiver = settings.mode.open(engine, version, timeout_s)
             names = _expected_names(actor)
-            dt = engine.weight_dtype
-            keep_names = engine.full_precision_weight_names(names)
-            verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version, dt, keep_names)
+            verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version)
+            dt, keep_names = verifier.dtype, verifier.keep
             plan = (DTYPE_NAMES.get(dt), sorted(keep_names), receiver.channel(), verifier.for_sender(),
                     (base, sorted(n for n in names if verifier.needs(n))) if delta else None,
                     names)

@@ -103,3 +103,54 @@ def test_beta_zero_is_the_run_without_kl(name):
     groups = torch.arange(B) // 4
     torch.testing.assert_close(est.advantages(r, groups, loss_mask, token_level_rewards=tlr, **inputs),
                                est.advantages(r0, groups, loss_mask, **inputs), rtol=0, atol=1e-7)
+
+
+class _Values:
+    """A critic whose values are given (the critic's own value pass is tested in the critic's tests)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def compute_values(self, rows):
+        return self.values
+
+
+def test_gae_with_the_critic_gets_verls_kl_penalised_rewards():
+    """The critic's GAE (``trainer/critic_step.CriticPhase``) with KL in the reward, as the step wires it: the scores
+    where GAE puts them (each row's last token), the penalty over the response mask; vs verl's apply_kl_penalty then
+    verl's compute_gae_advantage_return, over 3 steps of an adaptive controller."""
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.critic_step import CriticPhase
+
+    g = torch.Generator().manual_seed(11)
+    plen = torch.tensor([2, 3, 1, 4, 2, 3, 2, 1])
+    lengths = plen + torch.tensor([5, 2, 7, 3, 6, 4, 1, 8])   # prompt + response tokens
+    W = int(lengths.max()) - 1
+    cols = torch.arange(W)[None]
+    mask = ((cols >= (plen - 1)[:, None]) & (cols <= (lengths - 2)[:, None])).float()
+    rows = SimpleNamespace(num_rows=B, max_length=W + 1, lengths=lengths)
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(gamma=0.95, lam=0.9), critic=SimpleNamespace(critic_warmup=0))
+    ctrl = KLControlConfig(type="adaptive", kl_coef=0.1, target_kl=0.01, horizon=30)
+    ours = build_kl_in_reward(AlgorithmConfig(use_kl_in_reward=True, kl_penalty="low_var_kl", kl_ctrl=ctrl,
+                                              advantage_estimator="gae"))
+    with verl_core_algos() as ca:
+        from verl.utils import torch_functional as verl_F
+        vctrl = ca.get_kl_controller(AlgoCfg(type="adaptive", kl_coef=0.1, target_kl=0.01, horizon=30))
+        for _ in range(3):
+            rewards = torch.randint(0, 2, (B,), generator=g).float()
+            old = -2.0 * torch.rand(B, W, generator=g)
+            ref = old + 0.3 * torch.randn(B, W, generator=g)
+            values = torch.randn(B, W, generator=g)
+            scores = torch.zeros(B, W)
+            scores[torch.arange(B), lengths - 2] = rewards
+            tlr_v, _ = _verl_apply_kl_penalty(ca, verl_F.masked_mean, mask, scores, old, ref, vctrl, "low_var_kl")
+            want, want_ret = ca.compute_gae_advantage_return(tlr_v, values, mask, gamma=0.95, lam=0.9)
+            phase = CriticPhase(_Values(values), cfg)
+            r, tlr, _ = ours.estimator_rewards(rewards, old, ref, mask, mask, True,
+                                               scores=phase.token_level_scores(rows, rewards))
+            adv, ret, _ = phase.advantages(rows, r, mask, token_level_rewards=tlr)
+            torch.testing.assert_close(adv, (want * mask).float(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ret, (want_ret * mask).float(), rtol=1e-5, atol=1e-5)
+            adv0, _, _ = phase.advantages(rows, rewards, mask)   # the same rows without KL: different
+            assert not torch.allclose(adv0, adv)
