@@ -174,6 +174,24 @@ class KLInReward:
                                   response_mask, group)
         return tlr.sum(-1), metrics
 
+    def estimator_rewards(self, rewards: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+                          response_mask: torch.Tensor, loss_mask: torch.Tensor, token_level: bool, group=None,
+                          scores: Optional[torch.Tensor] = None
+                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, float]]:
+        """What the step hands the advantage estimator: ``(rewards [B], token_level_rewards [B, T] or None,
+        metrics)``. Summing estimators (``token_level`` False): ``sequence_rewards`` and None. Token-level ones
+        (gae, reinforce_plus_plus, remax, the optimal token baselines): ``apply`` with the scores on each row's
+        last token of ``loss_mask`` (where the estimator puts them without KL) and the kld over
+        ``response_mask`` (before rejection), so beta = 0 gives the rewards without KL exactly. ``scores``: the
+        token-level scores where the estimator puts them instead (the critic's GAE: each row's last token)."""
+        if not token_level:
+            r, metrics = self.sequence_rewards(rewards, old_log_probs, ref_log_probs, response_mask, group)
+            return r, None, metrics
+        if scores is None:
+            scores = token_level_scores(rewards, loss_mask)
+        tlr, metrics = self.apply(scores, old_log_probs, ref_log_probs, response_mask, group)
+        return rewards, tlr, metrics
+
     # ---- checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint keeps: the settings and the current beta."""
@@ -207,6 +225,11 @@ class NoKLInReward:
     def sequence_rewards(self, rewards, old_log_probs, ref_log_probs, response_mask, group=None):
         """``(rewards, {})``."""
         return rewards, {}
+
+    def estimator_rewards(self, rewards, old_log_probs, ref_log_probs, response_mask, loss_mask, token_level,
+                          group=None, scores=None):
+        """``(rewards, None, {})``: the estimator places the scores itself."""
+        return rewards, None, {}
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """Nothing to keep."""

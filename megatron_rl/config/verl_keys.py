@@ -1115,7 +1115,8 @@ def _rules() -> List[Rule]:
              hint=False, note="verl's FSDP actor's packing switch"),
         _n(f"{_A}.entropy_from_logits_with_chunking", "a memory option of verl's FSDP entropy computation"),
         _n(f"{_A}.entropy_checkpointing", "a memory option of verl's FSDP entropy computation"),
-        _u(f"{_A}.calculate_sum_pi_squared", "no sum-of-squared-probabilities output", neutral=(False,)),
+        _n(f"{_A}.calculate_sum_pi_squared", "the log-prob pass computes sum pi^2 whenever algorithm.adv_estimator "
+           "needs it (the optimal token baselines), never otherwise", neutral=(False,)),
         _n(f"{_A}.sum_pi_squared_checkpointing", "a memory option of calculate_sum_pi_squared"),
         _m(f"{_A}.strategy", convert=_strategy, hint=False),
         _m("model_engine", convert=_model_engine, hint=False),

@@ -2,8 +2,7 @@
 
 Rule: an estimator the trainer cannot feed is refused here, naming the key -- ``gae`` (needs a critic:
 ``critic.enable``), ``remax`` / ``gdpo`` with multi-turn rollouts (the greedy baseline and the reward components
-are built single-turn only), ``gdpo`` without ``algorithm.gdpo_reward_keys``, ``optimal_token_baseline`` /
-``tir_optimal_token_baseline`` (need sum pi^2 from the log-prob pass); and so is what verl would silently ignore (``norm_adv_by_std_in_grpo: false`` where verl's trainer does not pass it on)."""
+are built single-turn only), ``gdpo`` without ``algorithm.gdpo_reward_keys``; and so is what verl would silently ignore (``norm_adv_by_std_in_grpo: false`` where verl's trainer does not pass it on)."""
 from __future__ import annotations
 
 from typing import List

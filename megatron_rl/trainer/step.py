@@ -6,7 +6,7 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
     old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward, fp32 log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
-    rewards   = job.kl_reward.sequence_rewards(...)            # verl's KL in the reward (algorithm.use_kl_in_reward)
+    rewards   = job.kl_reward.estimator_rewards(...)           # verl's KL in the reward (algorithm.use_kl_in_reward)
     adv       = job.plan.estimator.advantages(rewards, ...)    # with the loss's mask (corr.loss_mask)
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
@@ -46,8 +46,10 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
         return _skipped(job, step, got, t_step, t_rolled)
     shard = got.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor_device())
     rows = shard.batch
-    with wd.phase("logprob", step + 1):
-        old_lp, _ = actor.compute_log_probs(rows, T, compute_entropy=False)  # train_step reports entropy
+    est = job.plan.estimator
+    with wd.phase("logprob", step + 1):  # train_step reports entropy; sum pi^2 for the optimal token baselines
+        old_lp, _, *spp = actor.compute_log_probs(rows, T, compute_entropy=False,
+                                                  compute_sum_pi_squared=est.needs_sum_pi_squared)
         ref_lp = job.reference.log_probs(rows, T)  # one pass for the KL loss and the KL in the reward (or None)
     with wd.phase("correction", step + 1):
         corr = compute_rollout_correction(old_lp, rows.rollout_log_probs, rows.response_mask,
@@ -55,16 +57,19 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
     old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)  # the correction decided the loss's old policy
-    # verl's apply_kl_penalty: score - beta x kld(old || ref) per token, summed per row for the summing estimators
-    rewards, kl_metrics = job.kl_reward.sequence_rewards(shard.rewards, old, ref_lp, rows.response_mask,
-                                                         group=actor.dp_group)
+    # verl's apply_kl_penalty: score - beta x kld(old || ref) per token (summed per row for the summing estimators)
     critic, critic_metrics = job.critic, {}
+    rewards, tlr, kl_metrics = job.kl_reward.estimator_rewards(
+        shard.rewards, old, ref_lp, rows.response_mask, corr.loss_mask, est.reads_token_rewards, group=actor.dp_group,
+        scores=critic.token_level_scores(rows, shard.rewards) if critic.enabled else None)
     if critic.enabled:  # gae: GAE over the critic's values and the loss's mask, as verl (trainer/critic_step.py)
         with wd.phase("values", step + 1):
-            adv, returns, values = critic.advantages(rows, rewards, corr.loss_mask, group=actor.dp_group)
+            adv, returns, values = critic.advantages(rows, rewards, corr.loss_mask, group=actor.dp_group,
+                                                     token_level_rewards=tlr)
     else:  # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over DP
-        adv = job.plan.estimator.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
-                                            **shard.estimator_inputs)
+        adv = est.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
+                             token_level_rewards=tlr, **shard.estimator_inputs,
+                             **est.policy_inputs(old, spp[0] if spp else None, w))
     with wd.phase("train", step + 1):
         if critic.enabled:
             critic_metrics = critic.train(rows, values, returns, corr.loss_mask, group=actor.dp_group)
