@@ -73,7 +73,7 @@ class AdapterPayload:
             diff = (got - self.trainer_logp[:, : got.shape[1]]).abs()
             if not bool(diff.max() <= tol):
                 row, col = divmod(int(diff.argmax()), diff.shape[1])
-                reason = (f"adapter-only sync to {version!r}: the log-probs of the probe of {source} differ from "
+                reason = (f"adapter-only sync to {version!r}: {source}: the log-probs of the probe differ from "
                           f"the trainer's by {float(diff.max()):.3g} > {tol} (row {row}, token {col + 1})")
                 engine.invalidate_weights(reason)
                 raise WeightSyncError(reason)
