@@ -1,5 +1,5 @@
-"""CPU server start-up hooks: ``--enable-return-routed-experts`` allocates its host buffer on CPU, and the
-server forks its scheduler / detokenizer processes instead of spawning them.
+"""CPU server start-up hooks: ``--enable-return-routed-experts`` allocates its host buffer on CPU, the server
+forks its scheduler / detokenizer processes instead of spawning them, and ``--enable-lora`` allocates unpinned.
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``; this directory is on ``PYTHONPATH`` only for
 the CPU SGLang server subprocess (and the scheduler / detokenizer processes it starts), so this file runs
