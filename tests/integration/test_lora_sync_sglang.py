@@ -108,19 +108,11 @@ def _rank(rank, world, hf_dir, url, adapter_dir):
                 res["old_refused"] = old.status_code >= 400 or "error" in old.text.lower()
             res["rollout"] = (ro.prompt_ids, ro.response_ids, ro.rollout_log_probs)
         out["steps"][step] = res
-    # the trainer's log-probs of the responses the server sampled (collective: every rank the same rows)
-    rows = [out["steps"][s].get("rollout") for s in range(4)] if rank == 0 else None
-    obj = [rows]
-    torch.distributed.broadcast_object_list(obj, src=0)
-    out["sampled_vs_trainer"] = None
-    if rank == 0:
-        diffs = []
-        # the last version's sample, scored by the trainer at that version (the adapters are unchanged since)
-        p, r, lp = obj[0][3]
-        batch = RolloutBatch.from_sequences([p], [r])
-        logp, _ = actor.compute_log_probs(batch, temperature=1.0, compute_entropy=False)
-        diffs.append(float((logp[0, -len(r):].float() - torch.tensor(lp)).abs().max()))
-        out["sampled_vs_trainer"] = max(diffs)
+    # the trainer's log-probs of the response the server sampled at the last version (one rank: no collective
+    # mismatch; the adapters are unchanged since that publish)
+    p, r, lp = out["steps"][3]["rollout"]
+    logp, _ = actor.compute_log_probs(RolloutBatch.from_sequences([p], [r]), temperature=1.0, compute_entropy=False)
+    out["sampled_vs_trainer"] = float((logp[0, -len(r):].float() - torch.tensor(lp)).abs().max())
     wrong = build_weight_publisher(settings(alpha=ALPHA * 0.3), actor, engine)
     try:
         wrong.publish("step-4")

@@ -8,6 +8,7 @@ directory must be readable by the servers at the same path (same host or a share
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from megatron_rl.weight_sync.endpoint import WeightSyncError
 __all__ = ["adapter_config", "write_adapter_dir", "SGLangAdapters"]
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
+_LOG = logging.getLogger(__name__)
 
 
 def adapter_config(tensors: Mapping[str, torch.Tensor], scale: float) -> dict:
@@ -72,9 +74,11 @@ class SGLangAdapters:
     def load(self, urls, post: Post, tensors: Mapping[str, torch.Tensor], scale: float, version: str) -> None:
         """Write the version's directory, load it on every server as ``version``, then unload the previous one
         and delete its directory. On a failure the servers that loaded it unload it again and the previous
-        adapter stays the one served; ``WeightSyncError`` names the server."""
+        adapter stays the one served; ``WeightSyncError`` names the server. Before this engine's first load (and
+        when ``version`` is the one served: a retried sync) a server's adapter of that name -- left by an earlier
+        run of the job -- is unloaded first, so the name is free."""
         name = str(version)
-        if name == self.name:  # the same version again (a retried sync): serve the new tensors under its name
+        if self.name is None or name == self.name:
             self._unload(urls, post, name, self._dir)
             self.name = self._dir = None
         path = write_adapter_dir(self.root, tensors, scale, name)
@@ -84,14 +88,20 @@ class SGLangAdapters:
                 post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
                 loaded.append(url)
         except BaseException:
-            self._unload(loaded, post, name, path, quiet=True)
+            self._unload(loaded, post, name, path)
             raise
         old, old_dir = self.name, self._dir
         self.name, self._dir = name, path
         if old is not None:
-            self._unload(urls, post, old, old_dir)
+            missed = self._unload(urls, post, old, old_dir)
+            if missed:  # the new adapter is served; the old one only holds server memory (e.g. a restarted server)
+                _LOG.warning("adapter-only sync to %r: unloading the previous adapter %r failed: %s", name, old,
+                             "; ".join(missed))
 
-    def _unload(self, urls, post: Post, name: str, path: Optional[str], quiet: bool = False) -> None:
+    @staticmethod
+    def _unload(urls, post: Post, name: str, path: Optional[str]) -> list:
+        """Unload ``name`` from ``urls`` and delete ``path``; returns the failures (a server that has no such
+        adapter answers with one)."""
         errors = []
         for url in urls:
             try:
@@ -100,5 +110,4 @@ class SGLangAdapters:
                 errors.append(str(exc))
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
-        if errors and not quiet:
-            raise WeightSyncError(f"adapter-only sync: unloading adapter {name!r} failed: {'; '.join(errors)}")
+        return errors
