@@ -47,3 +47,31 @@ def test_server_flags_of_an_adapter_job_start_a_lora_server():
                          check=True).stdout
     assert ("--enable-lora --max-lora-rank 8 --lora-target-modules q_proj k_proj v_proj o_proj "
             "--lora-backend torch_native") in cmd
+
+
+def test_a_launched_server_gets_the_flags_and_the_engine_its_adapter_dir(monkeypatch, tmp_path):
+    from megatron_rl.rollout import factory
+
+    seen = {}
+
+    class _Handle:
+        url = "http://127.0.0.1:1"
+
+        def terminate(self):
+            pass
+
+    def launch(model_dir, **kw):
+        seen.update(kw)
+        return _Handle()
+
+    monkeypatch.setattr(factory, "launch_sglang_server", launch)
+    cfg = job_config_from_dict({"actor": {"lora": {"rank": 8, "target_modules": ["all-linear"]}},
+                                "rollout": {"engine": "sglang", "sglang_launch": True, "lora_sync": "adapter"}})
+    engine, server = factory.build_engine(cfg.rollout, "/hf", 0, str(tmp_path), lora=cfg.actor.lora)
+    device = "cuda" if factory.torch.cuda.is_available() else "cpu"
+    assert list(seen["extra_args"]) == sglang_lora_args(cfg.actor.lora, device)
+    assert engine._adapters.root == os.path.join(str(tmp_path), "weight_sync", "lora_adapters")
+    merged = job_config_from_dict({"actor": {"lora": {"rank": 8}}, "rollout": {"engine": "sglang",
+                                                                                "sglang_launch": True}})
+    engine, _ = factory.build_engine(merged.rollout, "/hf", 0, str(tmp_path), lora=merged.actor.lora)
+    assert list(seen["extra_args"]) == [] and engine._adapters is None
