@@ -47,7 +47,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"server_flags: {exc}", file=sys.stderr)
         return 2
-    for option in server_options(cfg):
+    try:
+        options = server_options(cfg)
+    except ValueError as exc:  # a LoRA target SGLang has no module for (megatron-rl check refuses it too)
+        print(f"server_flags: {exc}", file=sys.stderr)
+        return 2
+    for option in options:
         print(option)
     return 0
 

@@ -75,3 +75,13 @@ def test_a_launched_server_gets_the_flags_and_the_engine_its_adapter_dir(monkeyp
                                                                                 "sglang_launch": True}})
     engine, _ = factory.build_engine(merged.rollout, "/hf", 0, str(tmp_path), lora=merged.actor.lora)
     assert list(seen["extra_args"]) == [] and engine._adapters is None
+
+
+def test_server_flags_cli_refuses_a_target_sglang_cannot_serve(tmp_path, capsys):
+    from megatron_rl.cli.server_flags import main
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("actor:\n  lora:\n    rank: 4\n    target_modules: [linear_qkv, linear_kv_down_proj]\n"
+                   "rollout:\n  engine: sglang\n  sglang_urls: ['http://x:1']\n  lora_sync: adapter\n")
+    assert main([str(cfg)]) == 2
+    assert "actor.lora.target_modules: 'linear_kv_down_proj'" in capsys.readouterr().err
