@@ -792,6 +792,14 @@ def _lora_merge(value: Any, v: Verl) -> Dict[str, Any]:
     return {"rollout.lora_sync": "merged" if value else "adapter"}
 
 
+def _ref_param_offload(value: Any, v: Verl) -> Dict[str, Any]:
+    """With LoRA the reference is the policy with its adapters off (no separate weights to offload)."""
+    if v.get(f"{_MODEL}.lora_rank") or v.get(f"{_MODEL}.lora.rank"):
+        raise Skip(NO_MEANING, f"{_show(value)}: with LoRA the KL reference is the policy with its adapters off "
+                               f"(no separate reference weights to offload)")
+    return {"actor.ref_param_offload": value}
+
+
 def _lora_rules() -> List[Rule]:
     """Mapped once ``actor.lora`` exists (until then: not supported); each key counts only while its rank is on."""
     fsdp, mcore = _unless(f"{_MODEL}.lora_rank", bool, ""), _unless(f"{_MODEL}.lora.rank", bool, "")
@@ -1162,9 +1170,9 @@ def _rules() -> List[Rule]:
         _n(f"{_A}.load_weight", "the actor always starts from actor.load_hf", neutral=(True,)),
         # ---- reference model
         _m(f"{_REF}.megatron.param_offload", "actor.ref_param_offload", hint=False,  # not the actor's param_offload
-           note="the reference's weights on the GPU only during its log-prob pass"),
+           note="the reference's weights on the GPU only during its log-prob pass", convert=_ref_param_offload),
         Rule(f"{_REF}.fsdp_config.param_offload", MAPPED, target="actor.ref_param_offload",
-             inactive=_strategy_is("fsdp"), hint=False,
+             inactive=_strategy_is("fsdp"), hint=False, convert=_ref_param_offload,
              note="the reference's weights on the GPU only during its log-prob pass"),
         _n(f"{_REF}.log_prob_*", _LOGPROB_MB),
         _n(f"{_REF}.**", _REF_NOTE),

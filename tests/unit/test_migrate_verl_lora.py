@@ -59,3 +59,25 @@ def test_rank_zero_sets_nothing():
     m = migrate_verl(_load("ppo_megatron_trainer.yaml"))  # verl's generated defaults: rank 0, alpha, merge ...
     assert "lora" not in m.tree.get("actor", {}) and "lora_sync" not in m.tree.get("rollout", {})
     assert _entry(m, f"{M}.lora_alpha").kind == UNCHANGED and _entry(m, f"{M}.lora.merge").kind == UNCHANGED
+
+
+def test_verl_megatron_lora_example_migrates_to_a_config_the_plan_takes():
+    """verl's own Megatron LoRA example (lora.merge left at verl's default, false; the reference offloaded): the
+    migrated LoRA and sync settings are ones the plan takes (adapter-only sync to SGLang; the routed experts it
+    adapts are refused there, naming the key to change), and with LoRA verl's reference offload has no meaning (the
+    reference is the policy itself) instead of becoming a refused actor.ref_param_offload."""
+    from megatron_rl.config.load import build_job_config
+    from megatron_rl.config.migrate_verl import with_verl_defaults
+    from megatron_rl.plan.checks import lora_sync_errors
+    from megatron_rl.plan.lora import lora_errors
+
+    tree, _ = with_verl_defaults(_load("grpo_qwen3moe_30b_megatron_lora.yaml"))
+    m = migrate_verl(tree)
+    assert m.tree["actor"]["lora"]["rank"] == 32 and m.tree["actor"]["lora"]["alpha"] == 64
+    assert m.tree["rollout"]["lora_sync"] == "adapter" and m.tree["rollout"]["engine"] == "sglang"
+    job, _ = build_job_config(m.tree)
+    assert lora_sync_errors(job.rollout, job.actor.lora) == []
+    assert not job.actor.ref_param_offload
+    assert not any("ref_param_offload" in e for e in lora_errors(job)), lora_errors(job)
+    ref = _entry(m, "actor_rollout_ref.ref.megatron.param_offload")
+    assert ref.kind != MAPPED and "adapters off" in ref.detail and "ref_param_offload" not in m.tree["actor"]
