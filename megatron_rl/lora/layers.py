@@ -85,8 +85,7 @@ class LoraLinear:
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             gather_from_sequence_parallel_region)
 
-        if self.lora_dropout and self.training:
-            x = F.dropout(x, p=self.lora_dropout, training=True)
+        x = self._lora_dropout_input(x, kwargs)
         a, b = self.lora_A.weight, self.lora_B.weight
         group = self.tp_group
         tp = _tp_size(group)
@@ -108,6 +107,24 @@ class LoraLinear:
         else:
             h = F.linear(x, a)
         return F.linear(h, b) * self.lora_scaling
+
+    def _lora_dropout_input(self, x: torch.Tensor, kwargs) -> torch.Tensor:
+        """``x`` with the adapter's dropout applied (training forwards only). Where the TP ranks hold different
+        parts of the input (row-parallel: input columns; column-parallel under SP: sequence chunks) the mask comes
+        from megatron's tensor-parallel RNG (one stream per TP rank, as megatron's own dropout in TP regions), else
+        from the default generator, the same on the TP ranks for the same replicated input; experts: megatron's
+        expert-parallel RNG."""
+        if not (self.lora_dropout and self.training):
+            return x
+        split = (self.lora_kind == ROW and _tp_size(self.tp_group) > 1) or bool(kwargs.get("sequence_parallel"))
+        if not (split or getattr(self, "is_expert", False)):
+            return F.dropout(x, p=self.lora_dropout, training=True)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        tracker = get_cuda_rng_tracker()
+        with tracker.fork(get_expert_parallel_rng_tracker_name()) if getattr(self, "is_expert", False) \
+                else tracker.fork():
+            return F.dropout(x, p=self.lora_dropout, training=True)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
         """The base's entries plus ``lora_A.weight`` / ``lora_B.weight``, sharded over TP like the base weight's
