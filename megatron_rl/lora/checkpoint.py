@@ -1,12 +1,14 @@
 """What a LoRA checkpoint records (its ``actor.lora`` and base) and when a resume must refuse it.
 
-Rule: the settings that change what the adapters mean -- ``rank``, ``alpha``, ``target_modules`` -- and the base
-fingerprint must be the checkpoint's; ``dropout`` / ``init`` may change on resume (training-only / first-step
-settings).
+Rule: the settings that change what the adapters mean -- ``rank``, ``alpha``, ``target_modules`` (the modules it
+adapts, however spelled) -- and the base fingerprint must be the checkpoint's; ``dropout`` / ``init`` may change on
+resume (training-only / first-step settings).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
+
+from megatron_rl.lora.config import ALL_LINEAR, HF_ALIASES, MCORE_TARGETS
 
 __all__ = ["is_adapter_key", "lora_meta_problem", "MEANING_KEYS"]
 
@@ -19,6 +21,17 @@ def is_adapter_key(key: str) -> bool:
     return key.endswith((".lora_A.weight", ".lora_B.weight"))
 
 
+def _meaning(key: str, value: Any) -> Any:
+    """What a saved ``actor.lora`` value means: ``target_modules`` as the set of megatron-core modules it adapts
+    (order and HF aliases do not matter), the others as they are."""
+    if key != "target_modules" or not isinstance(value, (list, tuple)):
+        return value
+    names = set()
+    for t in value:
+        names.update(MCORE_TARGETS if t == ALL_LINEAR else (HF_ALIASES.get(t, t),))
+    return sorted(names)
+
+
 def lora_meta_problem(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, Any]]) -> Optional[str]:
     """Why a checkpoint with LoRA record ``saved`` cannot resume an actor with record ``now`` (None: it can). A
     record is {"config": actor.lora as a dict, "base": {"path", "sha256"}}."""
@@ -29,7 +42,7 @@ def lora_meta_problem(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, A
                 "exported (megatron-rl convert mcore-to-hf) as actor.load_hf")
     if now is None:
         return "written by a LoRA actor (actor.lora.rank > 0); set the same actor.lora to resume it"
-    diff = [k for k in MEANING_KEYS if saved["config"].get(k) != now["config"].get(k)]
+    diff = [k for k in MEANING_KEYS if _meaning(k, saved["config"].get(k)) != _meaning(k, now["config"].get(k))]
     if diff:
         return "actor.lora differs from the checkpoint's in " + ", ".join(
             f"{k} (saved {saved['config'].get(k)!r}, now {now['config'].get(k)!r})" for k in diff)

@@ -62,3 +62,23 @@ def test_plan_refuses_what_is_not_built():
     probs = _problems(DENSE, *on, "actor.ref_param_offload=true")
     assert any(p.startswith("actor.ref_param_offload") for p in probs), probs
     assert not [p for p in _problems(DENSE) if "lora" in p]  # off: nothing said
+
+
+def test_resume_compares_what_the_targets_adapt_not_their_spelling():
+    """A resume refuses another rank / alpha / set of adapted modules, not the same modules written in another order
+    or with their HF names (q_proj / k_proj / v_proj is linear_qkv)."""
+    from megatron_rl.lora.checkpoint import lora_meta_problem
+
+    base = {"path": "/b", "sha256": "x"}
+
+    def rec(targets, rank=4, alpha=8):
+        return {"config": {"rank": rank, "alpha": alpha, "target_modules": targets}, "base": base}
+
+    saved = rec(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    assert lora_meta_problem(saved, rec(["linear_fc2", "linear_fc1", "linear_proj", "linear_qkv"])) is None
+    assert lora_meta_problem(saved, rec(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                         "down_proj"])) is None
+    assert "target_modules" in lora_meta_problem(saved, rec(["linear_qkv", "linear_proj"]))
+    assert "target_modules" in lora_meta_problem(saved, rec(["all-linear"]))  # more modules on an MLA model
+    assert "rank" in lora_meta_problem(saved, rec(saved["config"]["target_modules"], rank=8))
+    assert "alpha" in lora_meta_problem(saved, rec(saved["config"]["target_modules"], alpha=16))
