@@ -106,9 +106,17 @@ GAE = ("algorithm.advantage_estimator=gae",)
     (GAE + ("critic.loss_agg_mode=mean",), "critic.loss_agg_mode: 'mean' must be one of"),
     (GAE + ("critic.ppo_epochs=0",), "critic.ppo_epochs: must be an int >= 1"),
     (GAE + ("critic.lr_decay_style=zigzag",), "critic.lr_decay_style"),
+    (GAE + ("parallel.context_parallel_size=2",), "critic.enable: not built with parallel.context_parallel_size: 2"),
+    (GAE + ("parallel.expert_model_parallel_size=2",),
+     "critic.enable: not built with parallel.expert_model_parallel_size: 2"),
+    (GAE + ("parallel.virtual_pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"),
+     "critic.enable: not built with parallel.virtual_pipeline_model_parallel_size"),
+    (GAE + ("actor.routing_replay=r3",), "critic.enable: not built with actor.routing_replay: 'r3'"),
+    (GAE + ("model.num_moe_experts=2",), "critic.enable: not built for an MoE model"),
+    (GAE + ("algorithm.use_kl_in_reward=true",), "algorithm.use_kl_in_reward: not built with algorithm.adv_estimator 'gae'"),
 ])
 def test_refusals_name_the_key(overrides, needle):
-    _, problems = job_problems("sized_model", *overrides, world_size=1)
+    _, problems = job_problems("sized_model", *overrides, world_size=2 if any("_size=2" in o for o in overrides) else 1)
     assert any(needle in p for p in problems), problems
 
 
