@@ -70,7 +70,10 @@ def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
     if precision is None or batcher is None or budget is None:
         raise Unbuilt([])  # the actor's keys name it
     optim = critic_optim_config(cfg)
-    norm = float(budget.tokens) if c.loss_agg_mode == "seq-mean-token-sum-norm" else None
+    # verl: critic.loss_scale_factor defaults to the actor's; null: the width of the response mask (the budget)
+    factor = cfg.actor.policy_loss.loss_scale_factor
+    norm = (float(factor if factor is not None else budget.tokens) if c.loss_agg_mode == "seq-mean-token-sum-norm"
+            else None)
     return CriticSpec(model=cfg.model, parallel=cfg.parallel, optim=optim, precision=precision, batcher=batcher,
                       lr_schedule=LRSchedule.from_actor(optim, cfg.trainer.steps), cliprange_value=float(c.cliprange_value),
                       loss_agg_mode=c.loss_agg_mode, loss_scale_factor=norm, seed=int(cfg.trainer.seed))

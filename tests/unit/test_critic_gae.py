@@ -126,3 +126,26 @@ def test_gae_alone_turns_the_critic_on():
     assert cfg.critic.enabled(cfg.algorithm.advantage_estimator)
     cfg, _ = job_problems("sized_model", world_size=1)
     assert not cfg.critic.enabled(cfg.algorithm.advantage_estimator)
+
+
+def test_critic_seq_mean_token_sum_norm_divisor_follows_the_actors_loss_scale_factor():
+    """verl 0.9.1's critic.loss_scale_factor is ``${oc.select:actor_rollout_ref.actor.loss_scale_factor,null}`` (its
+    generated config): the critic's seq-mean-token-sum-norm divides by the actor's factor when one is set, else by
+    the response budget (the width of verl's response mask)."""
+    import os
+
+    import yaml
+
+    import megatron_rl.config as config_pkg
+    from megatron_rl.plan.job import critic_spec
+
+    path = os.path.join(os.path.dirname(config_pkg.__file__), "verl_defaults", "0.9.1", "_generated_ppo_trainer.yaml")
+    with open(path) as fh:
+        assert yaml.safe_load(fh)["critic"]["loss_scale_factor"] == \
+            "${oc.select:actor_rollout_ref.actor.loss_scale_factor,null}"
+    mode = ("critic.loss_agg_mode=seq-mean-token-sum-norm",)
+    cfg, problems = job_problems("sized_model", *GAE, *mode, "actor.policy_loss.loss_scale_factor=777", world_size=1)
+    assert not problems, problems
+    assert critic_spec(cfg, world_size=1).loss_scale_factor == 777.0
+    cfg, _ = job_problems("sized_model", *GAE, *mode, world_size=1)
+    assert critic_spec(cfg, world_size=1).loss_scale_factor == float(cfg.rollout.max_new_tokens)
