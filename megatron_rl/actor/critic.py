@@ -60,8 +60,8 @@ class CriticSpec:
     loss_agg_mode: str
     """``critic.loss_agg_mode``."""
     loss_scale_factor: Optional[float]
-    """The ``seq-mean-token-sum-norm`` divisor (``actor.policy_loss.loss_scale_factor`` as verl's critic takes it, else the
-    job's response budget), else None."""
+    """The ``seq-mean-token-sum-norm`` divisor (``actor.policy_loss.loss_scale_factor`` as verl's critic takes
+    it, else the job's response budget), else None."""
     seed: int
     """Seed of the value head's initialisation (``trainer.seed``)."""
 
