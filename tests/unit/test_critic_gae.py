@@ -113,7 +113,8 @@ GAE = ("algorithm.advantage_estimator=gae",)
      "critic.enable: not built with parallel.virtual_pipeline_model_parallel_size"),
     (GAE + ("actor.routing_replay=r3",), "critic.enable: not built with actor.routing_replay: 'r3'"),
     (GAE + ("model.num_moe_experts=2",), "critic.enable: not built for an MoE model"),
-    (GAE + ("algorithm.use_kl_in_reward=true",), "algorithm.use_kl_in_reward: not built with algorithm.adv_estimator 'gae'"),
+    (GAE + ("algorithm.use_kl_in_reward=true",),
+     "algorithm.use_kl_in_reward: not built with algorithm.adv_estimator 'gae'"),
 ])
 def test_refusals_name_the_key(overrides, needle):
     _, problems = job_problems("sized_model", *overrides, world_size=2 if any("_size=2" in o for o in overrides) else 1)
