@@ -10,9 +10,9 @@ from typing import List, Optional
 
 from megatron_rl.actor.critic import CriticSpec
 from megatron_rl.actor.lr_schedule import LRSchedule, lr_schedule_errors
-from megatron_rl.plan.checks import Unbuilt
+from megatron_rl.plan.checks import Unbuilt, dp_errors
 
-__all__ = ["critic_plan", "critic_errors", "critic_optim_config", "OPTIMIZER_KEYS"]
+__all__ = ["critic_plan", "critic_errors", "critic_dp_errors", "critic_optim_config", "OPTIMIZER_KEYS"]
 
 #: The critic's own optimizer / schedule keys (``critic.*``): each replaces the actor key of the same name.
 OPTIMIZER_KEYS = ("lr", "lr_warmup_steps", "lr_warmup_fraction", "lr_warmup_init", "lr_decay_style",
@@ -57,6 +57,16 @@ def critic_errors(cfg) -> List[str]:
     errs += [e.replace("actor.", "critic.", 1) for e in lr_schedule_errors(critic_optim_config(cfg),
                                                                            cfg.trainer.steps)]
     return errs
+
+
+def critic_dp_errors(cfg, world_size: int) -> List[str]:
+    """``critic.ppo_mini_batches`` must divide the prompts of each DP rank, as ``actor.ppo_mini_batches``."""
+    c = cfg.critic
+    if c.errors() or not c.enabled(cfg.algorithm.advantage_estimator):
+        return []
+    return [e.replace("actor.ppo_mini_batches", "critic.ppo_mini_batches", 1)
+            for e in dp_errors(cfg.parallel, cfg.data.prompts_per_step, c.ppo_mini_batches, world_size)
+            if e.startswith("actor.ppo_mini_batches")]
 
 
 def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:

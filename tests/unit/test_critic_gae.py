@@ -150,3 +150,15 @@ def test_critic_seq_mean_token_sum_norm_divisor_follows_the_actors_loss_scale_fa
     assert critic_spec(cfg, world_size=1).loss_scale_factor == 777.0
     cfg, _ = job_problems("sized_model", *GAE, *mode, world_size=1)
     assert critic_spec(cfg, world_size=1).loss_scale_factor == float(cfg.rollout.max_new_tokens)
+
+
+def test_critic_mini_batches_must_divide_the_prompts_per_dp_rank():
+    """As actor.ppo_mini_batches: a critic mini-batch is whole prompt groups of each DP rank (verl asserts its
+    mini-batch size divides the batch); refused in the plan, not found after the first rollout."""
+    cfg, _ = job_problems("sized_model", world_size=2)
+    per_rank = cfg.data.prompts_per_step // 2
+    bad = per_rank + 1 if per_rank > 1 else 2
+    _, problems = job_problems("sized_model", *GAE, f"critic.ppo_mini_batches={bad}", world_size=2)
+    assert any(p.startswith(f"critic.ppo_mini_batches: {bad} does not divide") for p in problems), problems
+    _, problems = job_problems("sized_model", *GAE, f"critic.ppo_mini_batches={per_rank}", world_size=2)
+    assert not [p for p in problems if "critic.ppo_mini_batches" in p], problems
