@@ -165,7 +165,8 @@ class JobPlan:
             cc = self.cfg.critic
             lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {cc.ppo_epochs} epoch(s) x "
                          f"{cc.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
-                         f"{cc.loss_agg_mode}, critic_warmup {cc.critic_warmup} step(s)")
+                         f"{cc.loss_agg_mode}, critic_warmup {cc.critic_warmup}: the first "
+                         f"{max(cc.critic_warmup - 1, 0)} step(s) train the critic alone (verl's comparison)")
         return lines
 
     def objective_line(self) -> str:

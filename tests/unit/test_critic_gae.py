@@ -162,3 +162,16 @@ def test_critic_mini_batches_must_divide_the_prompts_per_dp_rank():
     assert any(p.startswith(f"critic.ppo_mini_batches: {bad} does not divide") for p in problems), problems
     _, problems = job_problems("sized_model", *GAE, f"critic.ppo_mini_batches={per_rank}", world_size=2)
     assert not [p for p in problems if "critic.ppo_mini_batches" in p], problems
+
+
+@pytest.mark.parametrize("warmup,critic_only", [(0, 0), (1, 0), (3, 2)])
+def test_describe_says_how_many_steps_train_the_critic_alone(warmup, critic_only):
+    """The plan's line counts the critic-only steps as verl's comparison gives them (``CriticPhase.actor_trains``),
+    not the raw key (critic_warmup: 1 trains the actor from the first step)."""
+    from megatron_rl.plan.job import JobPlan
+
+    cfg, problems = job_problems("sized_model", *GAE, f"critic.critic_warmup={warmup}", world_size=1)
+    phase = CriticPhase(_Values(None), cfg)
+    assert sum(not phase.actor_trains(s) for s in range(10)) == critic_only
+    [line] = [ln for ln in JobPlan.build(cfg, 1).describe() if ln.startswith("critic:")]
+    assert f"critic_warmup {warmup}: the first {critic_only} step(s) train the critic alone" in line, line
