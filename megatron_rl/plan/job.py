@@ -162,10 +162,10 @@ class JobPlan:
             lines.append(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g}, on {', '.join(lc.target_modules)}; base frozen, "
                          f"KL reference = base (adapters off)")
         if self.critic is not None:
-            cc = self.cfg.critic
-            lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {cc.ppo_epochs} epoch(s) x "
-                         f"{cc.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
-                         f"{cc.loss_agg_mode}, critic_warmup {cc.critic_warmup}: the first "
+            cc, co = self.cfg.critic, self.critic.optim  # co: the critic's resolved optimizer keys
+            lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {co.ppo_epochs} epoch(s) x "
+                         f"{co.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
+                         f"{self.critic.loss_agg_mode}, critic_warmup {cc.critic_warmup}: the first "
                          f"{max(cc.critic_warmup - 1, 0)} step(s) train the critic alone (verl's comparison)")
         return lines
 

@@ -175,3 +175,31 @@ def test_describe_says_how_many_steps_train_the_critic_alone(warmup, critic_only
     assert sum(not phase.actor_trains(s) for s in range(10)) == critic_only
     [line] = [ln for ln in JobPlan.build(cfg, 1).describe() if ln.startswith("critic:")]
     assert f"critic_warmup {warmup}: the first {critic_only} step(s) train the critic alone" in line, line
+
+
+def test_critic_epochs_mini_batches_and_aggregation_default_to_the_actors_as_verl():
+    """verl 0.9.1 (its generated config): critic.ppo_epochs / ppo_mini_batch_size / loss_agg_mode default to the
+    actor's (``${oc.select:actor_rollout_ref.actor.<key>,...}``); here the unset critic keys take the actor's
+    ppo_epochs, ppo_mini_batches and policy_loss.loss_agg_mode, and a critic key set wins."""
+    import os
+
+    import yaml
+
+    import megatron_rl.config as config_pkg
+    from megatron_rl.plan.job import critic_spec
+
+    path = os.path.join(os.path.dirname(config_pkg.__file__), "verl_defaults", "0.9.1", "_generated_ppo_trainer.yaml")
+    with open(path) as fh:
+        c = yaml.safe_load(fh)["critic"]
+    assert c["ppo_epochs"] == "${oc.select:actor_rollout_ref.actor.ppo_epochs,1}"
+    assert c["ppo_mini_batch_size"] == "${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}"
+    assert c["loss_agg_mode"] == "${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}"
+    actor = ("actor.ppo_epochs=2", "actor.ppo_mini_batches=2", "actor.policy_loss.loss_agg_mode=seq-mean-token-mean")
+    cfg, problems = job_problems("sized_model", *GAE, *actor, world_size=1)
+    assert not problems, problems
+    spec = critic_spec(cfg, world_size=1)
+    assert (spec.optim.ppo_epochs, spec.optim.ppo_mini_batches, spec.loss_agg_mode) == (2, 2, "seq-mean-token-mean")
+    cfg, _ = job_problems("sized_model", *GAE, *actor, "critic.ppo_epochs=1", "critic.ppo_mini_batches=1",
+                          "critic.loss_agg_mode=token-mean", world_size=1)
+    spec = critic_spec(cfg, world_size=1)
+    assert (spec.optim.ppo_epochs, spec.optim.ppo_mini_batches, spec.loss_agg_mode) == (1, 1, "token-mean")
