@@ -1,6 +1,6 @@
 """Critic resume with changed settings is said, as the actor's is: a critic checkpoint records the critic's
 optimizer / schedule / loss keys and rank 0 prints one line naming each ``critic.<key>`` that differs (nothing when
-none does). One rank, the tiny checkpoint model.
+none does); a critic checkpoint saved at PP2 loads on one rank with the same values. The tiny checkpoint model.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_critic_resume_settings.py -q``
 """
@@ -9,6 +9,7 @@ import io
 import multiprocessing
 
 import pytest
+import torch
 
 import megatron.core  # noqa: F401
 from megatron_rl.actor.critic import MegatronCritic
@@ -55,3 +56,40 @@ def test_changed_critic_settings_are_said_on_resume(tmp_path):
     for key in ("critic.lr 0.001 -> 0.002", "critic.ppo_epochs 1 -> 2", "critic.cliprange_value 0.5 -> 0.2"):
         assert key in changed, changed
     assert "actor." not in changed, changed
+
+
+def _values_rank(rank, world, job, save_dir, load_dir):
+    import warnings
+
+    try:
+        initialize_model_parallel(job.parallel, seed=5 if save_dir else 9, model=job.model)
+        critic = MegatronCritic(critic_spec(job))
+        batch, _ = checkpoint_batch(2, rows=2)
+        if load_dir:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "layout changed": said, and loaded
+                critic.load_checkpoint(load_dir)
+        if save_dir:
+            values = critic.compute_values(batch)
+            critic.train_step(batch, values, values + batch.response_mask, batch.response_mask)
+            critic.save_checkpoint(save_dir, 1)
+        return critic.compute_values(batch)
+    finally:
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(5)
+
+
+@pytest.mark.timeout(150)
+def test_critic_checkpoint_loads_at_another_layout(tmp_path):
+    """Saved at PP2 (the value head on the last stage), loaded on one rank: the same values (the head's and the
+    body's weights found by their global names), not the fresh init of another seed."""
+    from megatron_rl.testing.jobs import layout
+
+    ck = str(tmp_path / "ck")
+    saved = run_ranks(_values_rank, 2, named_job("checkpoint_actor", *CRITIC, *layout(pp=2)), ck, None,
+                      timeout=120)[0]
+    loaded = run_ranks(_values_rank, 1, named_job("checkpoint_actor", *CRITIC), None, ck, timeout=100)[0]
+    fresh = run_ranks(_values_rank, 1, named_job("checkpoint_actor", *CRITIC), None, None, timeout=100)[0]
+    assert torch.equal(loaded, saved)
+    assert not torch.equal(fresh, saved)
