@@ -1341,6 +1341,12 @@ def _rules() -> List[Rule]:
              inactive=_unless("critic.optim.warmup_style", lambda s: s is None, " (verl then takes warmup_style)")),
         _m("critic.optim.warmup_style", "critic.lr_decay_style"),
         Rule("critic.model.path", MAPPED, convert=_critic_model_path, inactive=_no_critic),
+        _u("critic.model.lora_rank", "a LoRA critic is not built (the critic trains all its weights)", neutral=(0,),
+           inactive=_no_critic),
+        _u("critic.model.lora.rank", "a LoRA critic is not built (the critic trains all its weights)",
+           neutral=(0, None), inactive=_no_critic),
+        _u("critic.shuffle", "critic mini-batches are taken in order from the step's rows", neutral=(False,),
+           inactive=_no_critic),
         _n("critic.**", _NO_CRITIC),
         # ---- data
         _m("data.train_files", "data.path", convert=_train_files, note="with data.task: file; ~ expanded as verl does"),

@@ -66,3 +66,21 @@ def test_critic_model_path_same_as_actor_is_unchanged_other_is_said():
     other = _migrate(_with(model={"path": "Qwen/Qwen2.5-0.5B-Instruct"}))
     e = _entry(other, "critic.model.path")
     assert e.kind == UNSUPPORTED and "actor.load_hf" in e.detail
+
+
+@pytest.mark.parametrize("critic,key", [({"model": {"path": "Qwen/Qwen2-7B-Instruct", "lora_rank": 8}},
+                                         "critic.model.lora_rank"),
+                                        ({"shuffle": True}, "critic.shuffle")])
+def test_critic_keys_that_change_its_training_are_said(critic, key):
+    """A LoRA critic and shuffled critic mini-batches are not built: said (not carried), never dropped."""
+    m = _migrate(_with(**critic))
+    assert _entry(m, key).kind == UNSUPPORTED
+
+
+def test_critic_keys_without_a_critic_say_nothing():
+    """A GRPO recipe's critic block (verl's defaults, e.g. shuffle = the actor's) trains nothing in verl either."""
+    grpo = _with(shuffle=True, model={"path": "other/model", "lora_rank": 8})
+    grpo["algorithm"] = {"adv_estimator": "grpo"}
+    m = _migrate(grpo)
+    for key in ("critic.shuffle", "critic.model.lora_rank", "critic.model.path"):
+        assert _entry(m, key).kind == UNCHANGED, key
