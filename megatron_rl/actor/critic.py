@@ -22,7 +22,8 @@ from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids
 from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
 from megatron_rl.actor.main_params import load_keeping_fp32, set_main_params
-from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.optimizer import build_optimizer, optimizer_settings, wrap_ddp
+from megatron_rl.actor.optimizer_state import settings_changes, settings_line
 from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.value_head import attach_value_heads
 from megatron_rl.actor.value_pass import compute_values, train_value_mini_batch
@@ -34,6 +35,7 @@ from megatron_rl.parallel.groups import ActorGroups
 __all__ = ["CriticSpec", "MegatronCritic"]
 
 _SCHEDULER_KEY = "opt_param_scheduler"
+_SETTINGS_KEY = "critic_settings"  # the critic's keys at save (``settings``), compared on resume
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class CriticSpec:
     loss_agg_mode: str
     """``critic.loss_agg_mode``."""
     loss_scale_factor: Optional[float]
-    """The ``seq-mean-token-sum-norm`` divisor (the job's response budget), else None."""
+    """The ``seq-mean-token-sum-norm`` divisor (``actor.policy_loss.loss_scale_factor`` as verl's critic takes
+    it, else the job's response budget), else None."""
     seed: int
     """Seed of the value head's initialisation (``trainer.seed``)."""
 
@@ -146,15 +149,29 @@ class MegatronCritic:
         out["critic/num_optimizer_steps"] = float(len(steps))
         return out
 
+    def settings(self) -> Dict[str, Any]:
+        """The critic's keys that decide its updates (optimizer, schedule, mini-batches, epochs, value loss)."""
+        oc = self.optim_cfg
+        return {**optimizer_settings(oc), "ppo_mini_batches": oc.ppo_mini_batches, "ppo_epochs": oc.ppo_epochs,
+                "cliprange_value": self.spec.cliprange_value, "loss_agg_mode": self.spec.loss_agg_mode}
+
     def save_checkpoint(self, ckpt_dir: str, step: int) -> str:
-        """Model, optimizer, schedule (and RNG) under ``ckpt_dir``; collective."""
+        """Model, optimizer, schedule, the critic's settings (and RNG) under ``ckpt_dir``; collective."""
         return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, self.groups, self.model_cfg,
-                               self.parallel_cfg, {_SCHEDULER_KEY: self.scheduler.state_dict()})
+                               self.parallel_cfg, {_SCHEDULER_KEY: self.scheduler.state_dict(),
+                                                   _SETTINGS_KEY: self.settings()})
 
     def load_checkpoint(self, ckpt_dir: str) -> Tuple[int, Dict[str, Any]]:
-        """Restore what ``save_checkpoint`` wrote; returns (step, extra state)."""
-        step, extra, _ = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups, self.model_cfg,
-                                         self.parallel_cfg)
+        """Restore what ``save_checkpoint`` wrote; returns (step, extra state). This run's settings win; rank 0
+        prints one line naming each ``critic.<key>`` that differs from the checkpoint's."""
+        step, extra, group_diff = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups,
+                                                  self.model_cfg, self.parallel_cfg)
         restore_scheduler(self.scheduler, extra.pop(_SCHEDULER_KEY, None),
                           step * optimizer_steps_per_train_step(self.optim_cfg))
+        changes = {**{k.replace("actor.", "critic.", 1): v for k, v in group_diff.items()},
+                   **{k.replace("actor.", "critic.", 1): v
+                      for k, v in settings_changes(extra.pop(_SETTINGS_KEY, None), self.settings()).items()}}
+        line = settings_line(changes, f"the critic from {ckpt_dir}")
+        if line and torch.distributed.get_rank() == 0:
+            print(line, flush=True)
         return step, extra

@@ -44,14 +44,17 @@ class CriticConfig:
     """Adam beta2."""
     clip_grad: float = 1.0
     """Gradient-norm clipping of the critic (verl's ``critic.optim.clip_grad``)."""
-    ppo_mini_batches: int = 1
-    """Critic optimizer steps per rollout batch and epoch."""
-    ppo_epochs: int = 1
-    """Passes of the critic over the rollout batch (verl's ``critic.ppo_epochs``)."""
+    ppo_mini_batches: Optional[int] = None
+    """Critic optimizer steps per rollout batch and epoch; null: ``actor.ppo_mini_batches`` (verl's
+    ``critic.ppo_mini_batch_size`` defaults to the actor's)."""
+    ppo_epochs: Optional[int] = None
+    """Passes of the critic over the rollout batch (verl's ``critic.ppo_epochs``); null: ``actor.ppo_epochs``
+    (verl's default)."""
     cliprange_value: float = 0.5
     """Value clip: predictions are clipped to old values +- this (verl's ``critic.cliprange_value``)."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of the value loss (verl's ``critic.loss_agg_mode``; same modes as the policy loss)."""
+    loss_agg_mode: Optional[str] = None
+    """Aggregation of the value loss (verl's ``critic.loss_agg_mode``; same modes as the policy loss); null:
+    ``actor.policy_loss.loss_agg_mode`` (verl's default)."""
     critic_warmup: int = 0
     """verl's ``trainer.critic_warmup``: the actor does not update while this exceeds the 1-based step (verl's
     comparison), so the first ``critic_warmup - 1`` steps train the critic only (0 and 1: none)."""
@@ -65,12 +68,12 @@ class CriticConfig:
             out.append(f"critic.lr: must be > 0, got {self.lr!r}")
         if not (isinstance(self.cliprange_value, (int, float)) and self.cliprange_value > 0):
             out.append(f"critic.cliprange_value: must be > 0, got {self.cliprange_value!r}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
             out.append(f"critic.loss_agg_mode: {self.loss_agg_mode!r} must be one of {list(LOSS_AGG_MODES)}")
         for key in ("ppo_epochs", "ppo_mini_batches"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                out.append(f"critic.{key}: must be an int >= 1, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                out.append(f"critic.{key}: must be an int >= 1 (or null: the actor's), got {v!r}")
         if isinstance(self.critic_warmup, bool) or not isinstance(self.critic_warmup, int) or self.critic_warmup < 0:
             out.append(f"critic.critic_warmup: must be an int >= 0, got {self.critic_warmup!r}")
         return out

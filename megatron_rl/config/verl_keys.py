@@ -961,6 +961,56 @@ _TRAINER_ONLY = "the actor's own layout is parallel.*"
 _PROFILER = "verl's profiler; profile with your own tools (nsys, torch.profiler) around launch/torchrun.sh"
 _NO_CRITIC = ("verl's critic worker settings: the critic here has the actor's model, layout, micro-batches and "
               "the other optimizer keys of critic: (docs/critic.md)")
+def _critic_mini_batches(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl's critic.ppo_mini_batch_size (default: the actor's) counts prompts per critic optimizer step."""
+    try:
+        return {"critic.ppo_mini_batches": _mini_batches(value, v)["actor.ppo_mini_batches"]}
+    except Skip as skip:
+        raise Skip(skip.kind, skip.reason.replace("actor.ppo_mini_batches", "critic.ppo_mini_batches"))
+
+
+def _critic_optimizer_steps(target: str) -> Callable[[Any, Verl], Dict[str, Any]]:
+    """A critic schedule length in critic optimizer steps (verl: training steps)."""
+    def convert(value: Any, v: Verl) -> Dict[str, Any]:
+        if target == "critic.lr_warmup_steps" and _ratio_decides_warmup(value, v):
+            raise Skip(NO_MEANING, f"{_show(value)}: verl then warms up for critic.optim.lr_warmup_steps_ratio")
+        total, mini = v.get("data.train_batch_size", 1024), v.get("critic.ppo_mini_batch_size", 256)
+        epochs = v.get("critic.ppo_epochs", 1)
+        if not all(isinstance(x, int) and x > 0 for x in (total, mini, epochs)) or total % mini:
+            raise Skip(UNSUPPORTED, f"cannot count critic optimizer steps per training step from "
+                                    f"data.train_batch_size {total!r}, critic.ppo_mini_batch_size {mini!r}, "
+                                    f"critic.ppo_epochs {epochs!r}")
+        return {target: value * epochs * (total // mini)}
+    return convert
+
+
+def _critic_warmup_ratio(value: Any, v: Verl) -> Dict[str, Any]:
+    if _ratio_decides_warmup(v.get("critic.optim.lr_warmup_steps"), v) is False:
+        raise Skip(NO_MEANING, "no effect in verl while critic.optim.lr_warmup_steps is set (verl then warms up "
+                               "for that many steps)")
+    if not value:
+        raise Skip(NO_MEANING, f"{_show(value)}: no warm-up, this project's default too")
+    return {"critic.lr_warmup_fraction": value}
+
+
+def _no_critic(v: Verl) -> Optional[str]:
+    """Inactive unless verl trains a critic (its ``need_critic``: critic.enable, or null and gae)."""
+    enable = v.get("critic.enable")
+    if enable or (enable is None and v.get("algorithm.adv_estimator") == "gae"):
+        return None
+    return f"no effect in verl: it trains no critic (critic.enable {_show(enable)}, algorithm.adv_estimator " \
+           f"{_show(v.get('algorithm.adv_estimator'))})"
+
+
+def _critic_model_path(value: Any, v: Verl) -> Dict[str, Any]:
+    """The critic's body is ``actor.load_hf`` here: verl's critic.model.path must be the actor's model."""
+    actor = v.get("actor_rollout_ref.model.path")
+    if value == actor:
+        raise Skip(NO_MEANING, "the actor's model: the critic's body starts from actor.load_hf here too")
+    raise Skip(UNSUPPORTED, f"a critic model other than the actor's ({actor!r}) is not built: the critic's body "
+                            f"starts from actor.load_hf here (docs/critic.md)")
+
+
 _LOGPROB_MB = "one micro-batch setting serves the log-prob and the train pass here (actor.micro_batch_size / " \
               "actor.max_tokens_per_micro_batch)"
 _REF_NOTE = "the reference model (KL loss) runs with the actor's layout and micro-batches here"
@@ -1287,6 +1337,25 @@ def _rules() -> List[Rule]:
         _m("critic.ppo_epochs", "critic.ppo_epochs"),
         _m("critic.cliprange_value", "critic.cliprange_value"),
         _m("critic.loss_agg_mode", "critic.loss_agg_mode"),
+        _m("critic.ppo_mini_batch_size", "critic.ppo_mini_batches", convert=_critic_mini_batches,
+           note="verl counts prompts per critic mini-batch (default: the actor's); here a count per step"),
+        _m("critic.optim.lr_warmup_steps_ratio", "critic.lr_warmup_fraction", convert=_critic_warmup_ratio),
+        _m("critic.optim.lr_warmup_steps", "critic.lr_warmup_steps",
+           convert=_critic_optimizer_steps("critic.lr_warmup_steps"), note="counted in critic optimizer steps"),
+        _m("critic.optim.betas", "critic.adam_beta1", convert=lambda value, v: {
+            k.replace("actor.", "critic."): x for k, x in _betas(value, v).items()}),
+        _m("critic.optim.min_lr_ratio", "critic.min_lr", convert=lambda value, v: {
+            "critic.min_lr": value * v.get("critic.optim.lr", 1e-5)}, note="min_lr_ratio x critic.lr"),
+        Rule("critic.optim.lr_scheduler_type", MAPPED, target="critic.lr_decay_style",
+             inactive=_unless("critic.optim.warmup_style", lambda s: s is None, " (verl then takes warmup_style)")),
+        _m("critic.optim.warmup_style", "critic.lr_decay_style"),
+        Rule("critic.model.path", MAPPED, convert=_critic_model_path, inactive=_no_critic),
+        _u("critic.model.lora_rank", "a LoRA critic is not built (the critic trains all its weights)", neutral=(0,),
+           inactive=_no_critic),
+        _u("critic.model.lora.rank", "a LoRA critic is not built (the critic trains all its weights)",
+           neutral=(0, None), inactive=_no_critic),
+        _u("critic.shuffle", "critic mini-batches are taken in order from the step's rows", neutral=(False,),
+           inactive=_no_critic),
         _n("critic.**", _NO_CRITIC),
         # ---- data
         _m("data.train_files", "data.path", convert=_train_files, note="with data.task: file; ~ expanded as verl does"),

@@ -10,9 +10,10 @@ from typing import List, Optional
 
 from megatron_rl.actor.critic import CriticSpec
 from megatron_rl.actor.lr_schedule import LRSchedule, lr_schedule_errors
-from megatron_rl.plan.checks import Unbuilt
+from megatron_rl.plan.checks import Unbuilt, dp_errors
 
-__all__ = ["critic_plan", "critic_errors", "critic_optim_config", "OPTIMIZER_KEYS"]
+__all__ = ["critic_plan", "critic_errors", "critic_dp_errors", "critic_optim_config", "critic_value", "OPTIMIZER_KEYS",
+           "ACTOR_DEFAULTS"]
 
 #: The critic's own optimizer / schedule keys (``critic.*``): each replaces the actor key of the same name.
 OPTIMIZER_KEYS = ("lr", "lr_warmup_steps", "lr_warmup_fraction", "lr_warmup_init", "lr_decay_style",
@@ -20,10 +21,21 @@ OPTIMIZER_KEYS = ("lr", "lr_warmup_steps", "lr_warmup_fraction", "lr_warmup_init
                   "ppo_mini_batches", "ppo_epochs")
 
 
+#: critic keys whose null means the actor's value, as verl's interpolations (critic key -> actor's value)
+ACTOR_DEFAULTS = {"ppo_mini_batches": lambda a: a.ppo_mini_batches, "ppo_epochs": lambda a: a.ppo_epochs,
+                  "loss_agg_mode": lambda a: a.policy_loss.loss_agg_mode}
+
+
+def critic_value(cfg, key: str):
+    """``critic.<key>``, or for a null one of ``ACTOR_DEFAULTS`` the actor's value (verl's default)."""
+    v = getattr(cfg.critic, key)
+    return ACTOR_DEFAULTS[key](cfg.actor) if v is None and key in ACTOR_DEFAULTS else v
+
+
 def critic_optim_config(cfg):
     """The actor section with the critic's optimizer keys (``config.critic.OPTIMIZER_KEYS``)."""
     return dataclasses.replace(cfg.actor, fp32_output_layer=False, routing_replay="none",
-                               **{k: getattr(cfg.critic, k) for k in OPTIMIZER_KEYS})
+                               **{k: critic_value(cfg, k) for k in OPTIMIZER_KEYS})
 
 
 def critic_errors(cfg) -> List[str]:
@@ -59,6 +71,17 @@ def critic_errors(cfg) -> List[str]:
     return errs
 
 
+def critic_dp_errors(cfg, world_size: int) -> List[str]:
+    """``critic.ppo_mini_batches`` must divide the prompts of each DP rank, as ``actor.ppo_mini_batches``."""
+    c = cfg.critic
+    if c.errors() or not c.enabled(cfg.algorithm.advantage_estimator) or c.ppo_mini_batches is None:
+        return []  # null: the actor's, which actor.ppo_mini_batches' check names
+    return [e.replace("actor.ppo_mini_batches", "critic.ppo_mini_batches", 1)
+            for e in dp_errors(cfg.parallel, cfg.data.prompts_per_step, critic_value(cfg, "ppo_mini_batches"),
+                               world_size)
+            if e.startswith("actor.ppo_mini_batches")]
+
+
 def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
     """The critic's spec (None when the job trains no critic); ``Unbuilt`` with its problems."""
     errs = critic_errors(cfg)
@@ -70,7 +93,10 @@ def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
     if precision is None or batcher is None or budget is None:
         raise Unbuilt([])  # the actor's keys name it
     optim = critic_optim_config(cfg)
-    norm = float(budget.tokens) if c.loss_agg_mode == "seq-mean-token-sum-norm" else None
+    # verl: critic.loss_scale_factor defaults to the actor's; null: the width of the response mask (the budget)
+    factor = cfg.actor.policy_loss.loss_scale_factor
+    mode = critic_value(cfg, "loss_agg_mode")
+    norm = float(factor if factor is not None else budget.tokens) if mode == "seq-mean-token-sum-norm" else None
     return CriticSpec(model=cfg.model, parallel=cfg.parallel, optim=optim, precision=precision, batcher=batcher,
                       lr_schedule=LRSchedule.from_actor(optim, cfg.trainer.steps), cliprange_value=float(c.cliprange_value),
-                      loss_agg_mode=c.loss_agg_mode, loss_scale_factor=norm, seed=int(cfg.trainer.seed))
+                      loss_agg_mode=mode, loss_scale_factor=norm, seed=int(cfg.trainer.seed))

@@ -32,7 +32,7 @@ from megatron_rl.algo.estimator import Estimator
 from megatron_rl.plan.advantage import build_estimator
 from megatron_rl.plan.lora import lora_spec
 from megatron_rl.actor.critic import CriticSpec
-from megatron_rl.plan.critic import critic_plan
+from megatron_rl.plan.critic import critic_dp_errors, critic_plan
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
@@ -162,10 +162,11 @@ class JobPlan:
             lines.append(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g}, on {', '.join(lc.target_modules)}; base frozen, "
                          f"KL reference = base (adapters off)")
         if self.critic is not None:
-            cc = self.cfg.critic
-            lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {cc.ppo_epochs} epoch(s) x "
-                         f"{cc.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
-                         f"{cc.loss_agg_mode}, critic_warmup {cc.critic_warmup} step(s)")
+            cc, co = self.cfg.critic, self.critic.optim  # co: the critic's resolved optimizer keys
+            lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {co.ppo_epochs} epoch(s) x "
+                         f"{co.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
+                         f"{self.critic.loss_agg_mode}, critic_warmup {cc.critic_warmup}: the first "
+                         f"{max(cc.critic_warmup - 1, 0)} step(s) train the critic alone (verl's comparison)")
         return lines
 
     def objective_line(self) -> str:
@@ -218,6 +219,7 @@ class JobPlan:
         p.add(multi_turn_errors_of_job(cfg))
         p.add(reward_errors_of_job(cfg))  # reward.judge / reward.model (plan/reward_checks.py)
         p.add(dp_errors(cfg.parallel, d.prompts_per_step, ac.ppo_mini_batches, world_size))
+        p.add(critic_dp_errors(cfg, world_size))
         attention = None
         if c.device in DEVICES:  # bf16 through Precision (the fp32_output_layer problem does not change it)
             prec = precision or Precision.from_actor_config(dataclasses.replace(ac, fp32_output_layer=False))
@@ -368,4 +370,5 @@ def world_errors(cfg: "JobConfig", world_size: int) -> List[str]:
         layout: List[str] = []
     except Unbuilt as exc:
         layout = [e for e in exc.problems if e.startswith("world size:")]
-    return layout + dp_errors(cfg.parallel, cfg.data.prompts_per_step, cfg.actor.ppo_mini_batches, world_size)
+    return (layout + dp_errors(cfg.parallel, cfg.data.prompts_per_step, cfg.actor.ppo_mini_batches, world_size)
+            + critic_dp_errors(cfg, world_size))

@@ -106,9 +106,18 @@ GAE = ("algorithm.advantage_estimator=gae",)
     (GAE + ("critic.loss_agg_mode=mean",), "critic.loss_agg_mode: 'mean' must be one of"),
     (GAE + ("critic.ppo_epochs=0",), "critic.ppo_epochs: must be an int >= 1"),
     (GAE + ("critic.lr_decay_style=zigzag",), "critic.lr_decay_style"),
+    (GAE + ("parallel.context_parallel_size=2",), "critic.enable: not built with parallel.context_parallel_size: 2"),
+    (GAE + ("parallel.expert_model_parallel_size=2",),
+     "critic.enable: not built with parallel.expert_model_parallel_size: 2"),
+    (GAE + ("parallel.virtual_pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"),
+     "critic.enable: not built with parallel.virtual_pipeline_model_parallel_size"),
+    (GAE + ("actor.routing_replay=r3",), "critic.enable: not built with actor.routing_replay: 'r3'"),
+    (GAE + ("model.num_moe_experts=2",), "critic.enable: not built for an MoE model"),
+    (GAE + ("algorithm.use_kl_in_reward=true",),
+     "algorithm.use_kl_in_reward: not built with algorithm.adv_estimator 'gae'"),
 ])
 def test_refusals_name_the_key(overrides, needle):
-    _, problems = job_problems("sized_model", *overrides, world_size=1)
+    _, problems = job_problems("sized_model", *overrides, world_size=2 if any("_size=2" in o for o in overrides) else 1)
     assert any(needle in p for p in problems), problems
 
 
@@ -118,3 +127,79 @@ def test_gae_alone_turns_the_critic_on():
     assert cfg.critic.enabled(cfg.algorithm.advantage_estimator)
     cfg, _ = job_problems("sized_model", world_size=1)
     assert not cfg.critic.enabled(cfg.algorithm.advantage_estimator)
+
+
+def test_critic_seq_mean_token_sum_norm_divisor_follows_the_actors_loss_scale_factor():
+    """verl 0.9.1's critic.loss_scale_factor is ``${oc.select:actor_rollout_ref.actor.loss_scale_factor,null}`` (its
+    generated config): the critic's seq-mean-token-sum-norm divides by the actor's factor when one is set, else by
+    the response budget (the width of verl's response mask)."""
+    import os
+
+    import yaml
+
+    import megatron_rl.config as config_pkg
+    from megatron_rl.plan.job import critic_spec
+
+    path = os.path.join(os.path.dirname(config_pkg.__file__), "verl_defaults", "0.9.1", "_generated_ppo_trainer.yaml")
+    with open(path) as fh:
+        assert yaml.safe_load(fh)["critic"]["loss_scale_factor"] == \
+            "${oc.select:actor_rollout_ref.actor.loss_scale_factor,null}"
+    mode = ("critic.loss_agg_mode=seq-mean-token-sum-norm",)
+    cfg, problems = job_problems("sized_model", *GAE, *mode, "actor.policy_loss.loss_scale_factor=777", world_size=1)
+    assert not problems, problems
+    assert critic_spec(cfg, world_size=1).loss_scale_factor == 777.0
+    cfg, _ = job_problems("sized_model", *GAE, *mode, world_size=1)
+    assert critic_spec(cfg, world_size=1).loss_scale_factor == float(cfg.rollout.max_new_tokens)
+
+
+def test_critic_mini_batches_must_divide_the_prompts_per_dp_rank():
+    """As actor.ppo_mini_batches: a critic mini-batch is whole prompt groups of each DP rank (verl asserts its
+    mini-batch size divides the batch); refused in the plan, not found after the first rollout."""
+    cfg, _ = job_problems("sized_model", world_size=2)
+    per_rank = cfg.data.prompts_per_step // 2
+    bad = per_rank + 1 if per_rank > 1 else 2
+    _, problems = job_problems("sized_model", *GAE, f"critic.ppo_mini_batches={bad}", world_size=2)
+    assert any(p.startswith(f"critic.ppo_mini_batches: {bad} does not divide") for p in problems), problems
+    _, problems = job_problems("sized_model", *GAE, f"critic.ppo_mini_batches={per_rank}", world_size=2)
+    assert not [p for p in problems if "critic.ppo_mini_batches" in p], problems
+
+
+@pytest.mark.parametrize("warmup,critic_only", [(0, 0), (1, 0), (3, 2)])
+def test_describe_says_how_many_steps_train_the_critic_alone(warmup, critic_only):
+    """The plan's line counts the critic-only steps as verl's comparison gives them (``CriticPhase.actor_trains``),
+    not the raw key (critic_warmup: 1 trains the actor from the first step)."""
+    from megatron_rl.plan.job import JobPlan
+
+    cfg, problems = job_problems("sized_model", *GAE, f"critic.critic_warmup={warmup}", world_size=1)
+    phase = CriticPhase(_Values(None), cfg)
+    assert sum(not phase.actor_trains(s) for s in range(10)) == critic_only
+    [line] = [ln for ln in JobPlan.build(cfg, 1).describe() if ln.startswith("critic:")]
+    assert f"critic_warmup {warmup}: the first {critic_only} step(s) train the critic alone" in line, line
+
+
+def test_critic_epochs_mini_batches_and_aggregation_default_to_the_actors_as_verl():
+    """verl 0.9.1 (its generated config): critic.ppo_epochs / ppo_mini_batch_size / loss_agg_mode default to the
+    actor's (``${oc.select:actor_rollout_ref.actor.<key>,...}``); here the unset critic keys take the actor's
+    ppo_epochs, ppo_mini_batches and policy_loss.loss_agg_mode, and a critic key set wins."""
+    import os
+
+    import yaml
+
+    import megatron_rl.config as config_pkg
+    from megatron_rl.plan.job import critic_spec
+
+    path = os.path.join(os.path.dirname(config_pkg.__file__), "verl_defaults", "0.9.1", "_generated_ppo_trainer.yaml")
+    with open(path) as fh:
+        c = yaml.safe_load(fh)["critic"]
+    assert c["ppo_epochs"] == "${oc.select:actor_rollout_ref.actor.ppo_epochs,1}"
+    assert c["ppo_mini_batch_size"] == "${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}"
+    assert c["loss_agg_mode"] == "${oc.select:actor_rollout_ref.actor.loss_agg_mode,token-mean}"
+    actor = ("actor.ppo_epochs=2", "actor.ppo_mini_batches=2", "actor.policy_loss.loss_agg_mode=seq-mean-token-mean")
+    cfg, problems = job_problems("sized_model", *GAE, *actor, world_size=1)
+    assert not problems, problems
+    spec = critic_spec(cfg, world_size=1)
+    assert (spec.optim.ppo_epochs, spec.optim.ppo_mini_batches, spec.loss_agg_mode) == (2, 2, "seq-mean-token-mean")
+    cfg, _ = job_problems("sized_model", *GAE, *actor, "critic.ppo_epochs=1", "critic.ppo_mini_batches=1",
+                          "critic.loss_agg_mode=token-mean", world_size=1)
+    spec = critic_spec(cfg, world_size=1)
+    assert (spec.optim.ppo_epochs, spec.optim.ppo_mini_batches, spec.loss_agg_mode) == (1, 1, "token-mean")
