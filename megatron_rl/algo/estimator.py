@@ -36,6 +36,11 @@ NOT_IN_TRAINER = {
                                   "actor.calculate_sum_pi_squared), which the actor does not compute",
 }
 
+#: Estimators that read the token-level rewards token by token (the others read only each row's sum): with
+#: ``algorithm.use_kl_in_reward`` the step hands them verl's ``token_level_rewards`` ``[B, T]``.
+TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax", "optimal_token_baseline",
+                           "tir_optimal_token_baseline")
+
 #: verl's trainer calls these without norm_adv_by_std_in_grpo: they always divide by the std there.
 STD_ALWAYS = ("grpo_vectorized", "gdpo")
 
@@ -87,15 +92,28 @@ class Estimator:
         return tuple(self.params.gdpo_reward_keys or ()) if self.name == "gdpo" else ()
 
     @property
+    def reads_token_rewards(self) -> bool:
+        """Whether the estimator reads the rewards token by token (``TOKEN_REWARD_ESTIMATORS``), not their sum."""
+        return self.name in TOKEN_REWARD_ESTIMATORS
+
+    @property
     def spec(self) -> EstimatorSpec:
         """What the estimator needs (``registry.ESTIMATOR_SPECS``)."""
         return estimator_spec(self.name)
 
     def advantages(self, rewards: torch.Tensor, group_index, mask: torch.Tensor, group: Optional[Any] = None,
-                   **inputs) -> torch.Tensor:
+                   token_level_rewards: Optional[torch.Tensor] = None, **inputs) -> torch.Tensor:
         """Token-level advantages ``[B, T]`` (float32) from the scalar ``rewards`` ``[B]`` and the loss's ``mask``
-        ``[B, T]`` (after rejection). ``group``: the DP group (whole-batch statistics); ``inputs``: the extra
-        tensors the spec needs (``values``, ...). Collective over ``group`` for ``spec.global_stats``."""
+        ``[B, T]`` (after rejection). ``token_level_rewards`` ``[B, T]`` (KL in the reward, for an estimator that
+        ``reads_token_rewards``): taken instead of the scalar reward on each row's last token. ``group``: the DP
+        group (whole-batch statistics); ``inputs``: the extra tensors the spec needs (``values``, ...).
+        Collective over ``group`` for ``spec.global_stats``."""
+        if token_level_rewards is not None and not self.reads_token_rewards:
+            raise ValueError(f"{KEY}={self.name!r} reads each row's summed reward: pass the sums as rewards, not "
+                             f"token_level_rewards")
+        if token_level_rewards is not None and tuple(token_level_rewards.shape) != tuple(mask.shape):
+            raise ValueError(f"token_level_rewards has shape {tuple(token_level_rewards.shape)}, the mask "
+                             f"{tuple(mask.shape)}")
         if self.name in ("grpo", "rloo"):
             return compute_advantages(rewards, group_index, mask, estimator=self.name,
                                       norm_adv_by_std=self.params.norm_adv_by_std_in_grpo)
@@ -104,7 +122,9 @@ class Estimator:
         if missing:
             raise ValueError(f"algorithm.adv_estimator={self.name!r} needs {missing} with the step's rows, which "
                              f"carry none (rows generated for another estimator?)")
-        kw = dict(token_level_rewards=last_token_rewards(rewards, mask), response_mask=mask.to(torch.float32),
+        tlr = (last_token_rewards(rewards, mask) if token_level_rewards is None
+               else token_level_rewards.to(torch.float32))
+        kw = dict(token_level_rewards=tlr, response_mask=mask.to(torch.float32),
                   index=group_index, config=self.params, **inputs)
         if self.name == "gdpo":   # verl passes the components in non_tensor_batch (``batch``: positions only)
             comps = kw.pop("reward_components")

@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_rl.algo.estimator import last_token_rewards
+
 __all__ = ["KL_CTRL_TYPES", "KLControlConfig", "KLInReward", "NoKLInReward", "AdaptiveKLController",
            "FixedKLController", "build_kl_controller", "token_level_scores"]
 
@@ -174,6 +176,21 @@ class KLInReward:
                                   response_mask, group)
         return tlr.sum(-1), metrics
 
+    def estimator_rewards(self, rewards: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+                          response_mask: torch.Tensor, loss_mask: torch.Tensor, token_level: bool, group=None
+                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, float]]:
+        """What the step's estimator takes: ``(rewards [B], token_level_rewards [B, T] or None, metrics)``. An
+        estimator that reads the sums (``token_level`` false) gets ``sequence_rewards``; one that reads the rewards
+        token by token (reinforce_plus_plus, remax, ...) gets verl's ``token_level_rewards``: the score on the
+        row's last token of ``loss_mask`` (where the estimator puts it without the penalty) minus beta x kld
+        (over ``response_mask``, verl's apply_kl_penalty)."""
+        if not token_level:
+            seq, metrics = self.sequence_rewards(rewards, old_log_probs, ref_log_probs, response_mask, group)
+            return seq, None, metrics
+        scores = last_token_rewards(rewards, loss_mask)  # float32 [B, T]
+        tlr, metrics = self.apply(scores, old_log_probs, ref_log_probs, response_mask, group)
+        return rewards, tlr, metrics
+
     # ---- checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint keeps: the settings and the current beta."""
@@ -207,6 +224,11 @@ class NoKLInReward:
     def sequence_rewards(self, rewards, old_log_probs, ref_log_probs, response_mask, group=None):
         """``(rewards, {})``."""
         return rewards, {}
+
+    def estimator_rewards(self, rewards, old_log_probs, ref_log_probs, response_mask, loss_mask, token_level,
+                          group=None):
+        """``(rewards, None, {})``: the estimator places the scores itself."""
+        return rewards, None, {}
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """Nothing to keep."""

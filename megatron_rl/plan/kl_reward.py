@@ -19,9 +19,10 @@ __all__ = ["SUMMING_ESTIMATORS", "build_kl_in_reward", "describe_kl_in_reward"]
 SUMMING_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
                       "reinforce_plus_plus_baseline")
 """verl 0.9.1's estimators that read ``token_level_rewards.sum(-1)`` per row: the step hands them the summed
-rewards (``KLInReward.sequence_rewards``). The others (gae, reinforce_plus_plus, remax, the optimal token
-baselines) read the rewards token by token: refused until the step passes ``KLInReward.apply``'s
-``token_level_rewards`` to them."""
+rewards (``KLInReward.sequence_rewards``). The others (``algo.estimator.TOKEN_REWARD_ESTIMATORS``: gae,
+reinforce_plus_plus, remax, the optimal token baselines) get verl's ``token_level_rewards`` [B, T]
+(``KLInReward.estimator_rewards``). ``gdpo`` is refused: verl's gdpo normalises the reward components
+(``gdpo_reward_keys``) and never reads ``token_level_rewards``, so the penalty would change nothing."""
 
 
 def build_kl_in_reward(algorithm) -> Optional[KLInReward]:
@@ -37,10 +38,10 @@ def build_kl_in_reward(algorithm) -> Optional[KLInReward]:
     elif a.kl_penalty not in KL_TYPES:
         errs.append(f"algorithm.kl_penalty: {a.kl_penalty!r} is not one of {', '.join(KL_TYPES)}")
     errs += a.kl_ctrl.errors()
-    if a.advantage_estimator not in SUMMING_ESTIMATORS:
-        errs.append(f"algorithm.use_kl_in_reward: not built with algorithm.adv_estimator {a.advantage_estimator!r} "
-                    f"(it reads the rewards token by token; the step hands estimators the per-row sum): use one of "
-                    f"{', '.join(SUMMING_ESTIMATORS)}")
+    if a.advantage_estimator == "gdpo":
+        errs.append("algorithm.use_kl_in_reward: no effect with algorithm.adv_estimator 'gdpo' (verl's gdpo "
+                    "normalises the reward components of algorithm.gdpo_reward_keys and never reads the penalised "
+                    "token_level_rewards); set use_kl_in_reward: false, or use the KL loss (actor.use_kl_loss)")
     if a.filter_groups is not None and a.filter_groups.enable:
         errs.append("algorithm.use_kl_in_reward: not built with algorithm.filter_groups.enable (dynamic sampling "
                     "filters groups on rank 0 before the log-probs the penalty needs exist)")

@@ -6,7 +6,7 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     shard     = got.shard(...)                                # rank gets its DP shard's whole prompt groups
     old_lp    = actor.compute_log_probs(shard, T)              # recompute: the actor's forward, fp32 log-softmax
     corr      = compute_rollout_correction(old_lp, rollout_lp, mask, ...)   # IS / RS / veto, exact over DP
-    rewards   = job.kl_reward.sequence_rewards(...)            # verl's KL in the reward (algorithm.use_kl_in_reward)
+    rewards   = job.kl_reward.estimator_rewards(...)           # verl's KL in the reward (algorithm.use_kl_in_reward)
     adv       = job.plan.estimator.advantages(rewards, ...)    # with the loss's mask (corr.loss_mask)
     old, w    = corr.loss_inputs(old_lp, rollout_lp)          # the loss's old policy and IS weights (bypass_mode)
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
@@ -54,12 +54,15 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
     old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)  # the correction decided the loss's old policy
-    # verl's apply_kl_penalty: score - beta x kld(old || ref) per token, summed per row for the summing estimators
-    rewards, kl_metrics = job.kl_reward.sequence_rewards(shard.rewards, old, ref_lp, rows.response_mask,
-                                                         group=actor.dp_group)
+    # verl's apply_kl_penalty: score - beta x kld(old || ref) per token, summed per row for the summing estimators,
+    # token by token (tlr) for those that read them so (reinforce_plus_plus, remax)
+    est = job.plan.estimator
+    rewards, tlr, kl_metrics = job.kl_reward.estimator_rewards(shard.rewards, old, ref_lp, rows.response_mask,
+                                                               corr.loss_mask.float(), est.reads_token_rewards,
+                                                               group=actor.dp_group)
     # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over the DP group
-    adv = job.plan.estimator.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
-                                        **shard.estimator_inputs)
+    adv = est.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
+                         token_level_rewards=tlr, **shard.estimator_inputs)
     with wd.phase("train", step + 1):
         actor_metrics = actor.train_step(rows, old, adv, corr.loss_mask, w, T, ref_log_probs=ref_lp)
     with wd.phase("weight_sync", step + 1):

@@ -31,12 +31,12 @@ def _train(rank, world, cfg):
 
 def _train_recording(rank, world, cfg):
     """The loop, recording per step what the KL in the reward received and what the advantages received."""
+    from megatron_rl.algo.estimator import Estimator
     from megatron_rl.algo.kl_reward import KLInReward
-    from megatron_rl.trainer import step as step_mod
     from megatron_rl.trainer.loop import train
 
     seen, adv_rewards = [], []
-    inner_seq, inner_adv = KLInReward.sequence_rewards, step_mod.compute_advantages
+    inner_seq, inner_adv = KLInReward.sequence_rewards, Estimator.advantages
 
     def sequence_rewards(self, rewards, old, ref, mask, group=None):
         beta = self.controller.value
@@ -44,11 +44,11 @@ def _train_recording(rank, world, cfg):
         seen.append(dict(rewards=rewards.clone(), old=old.clone(), ref=ref.clone(), mask=mask.clone(), beta=beta))
         return out, m
 
-    def compute_advantages(rewards, *a, **k):
+    def advantages(self, rewards, *a, **k):
         adv_rewards.append(rewards.clone())
-        return inner_adv(rewards, *a, **k)
+        return inner_adv(self, rewards, *a, **k)
 
-    KLInReward.sequence_rewards, step_mod.compute_advantages = sequence_rewards, compute_advantages
+    KLInReward.sequence_rewards, Estimator.advantages = sequence_rewards, advantages
     train(cfg)
     return seen, adv_rewards
 

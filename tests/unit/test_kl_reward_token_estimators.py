@@ -1,0 +1,142 @@
+"""KL in the reward with the estimators that read the rewards token by token (``reinforce_plus_plus``, ``remax``):
+verl's own run scripts for both (``examples/reinforce_plus_plus_trainer/run_qwen2-7b_math_rf.sh``,
+``examples/remax_trainer/run_qwen2.5-3b_seq_balance.sh``) set ``algorithm.use_kl_in_reward=True``.
+
+The reference is verl 0.9.1: ``apply_kl_penalty`` (transcribed in ``tests/unit/test_kl_reward.py``, its file
+imports Ray) then the estimator of the unchanged vendored ``core_algos.py`` on the penalised token-level rewards,
+step after step with an adaptive controller, in one process and split over 2 uneven DP ranks (the whitening and
+current_kl over the whole batch). Also: gdpo with the penalty is refused (verl's gdpo never reads it) and
+``migrate verl`` does not carry it there.
+
+Run: ``OMP_NUM_THREADS=1 pytest tests/unit/test_kl_reward_token_estimators.py -q``
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.algo.estimator import AlgoParams, Estimator
+from megatron_rl.algo.kl_reward import KLControlConfig, KLInReward, NoKLInReward, token_level_scores
+from megatron_rl.config import ConfigError, load_job_config
+from megatron_rl.config.migrate_verl import migrate_verl
+from megatron_rl.losses.kl import kl_penalty as our_kl_penalty
+from megatron_rl.plan.advantage import build_estimator
+from megatron_rl.plan.kl_reward import build_kl_in_reward
+from megatron_rl.testing.distributed import run_ranks
+from tests.unit.test_kl_reward import _verl_apply_kl_penalty
+from tests.verl_core_algos import AlgoCfg, verl_core_algos
+
+MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.vocab_size=64"]
+CTRL = dict(type="adaptive", kl_coef=0.2, target_kl=0.02, horizon=40)
+GAMMA = 0.9
+
+
+def _batch(seed, B=8, T=9):
+    g = torch.Generator().manual_seed(seed)
+    ref = -torch.rand(B, T, generator=g) * 3
+    old = (ref + 0.4 * torch.randn(B, T, generator=g)).clamp(max=0.0)
+    lengths = torch.randint(2, T + 1, (B,), generator=g)
+    lengths[5] = 1
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    rewards = torch.randint(0, 2, (B,), generator=g).float() + 0.1 * torch.randn(B, generator=g)
+    baselines = torch.rand(B, generator=g)
+    return old, ref, mask, rewards, baselines
+
+
+def _ours(name, k, old, ref, mask, rewards, baselines, group=None):
+    est = Estimator(name, AlgoParams(gamma=GAMMA))
+    r, tlr, m = k.estimator_rewards(rewards, old, ref, mask, mask, est.reads_token_rewards, group=group)
+    extra = {"reward_baselines": baselines} if name == "remax" else {}
+    return est.advantages(r, torch.arange(rewards.shape[0]), mask, group=group, token_level_rewards=tlr,
+                          **extra), m
+
+
+def _verl(ca, masked_mean, name, ctrl, old, ref, mask, rewards, baselines):
+    scores = token_level_scores(rewards, mask)   # verl's reward manager: the score on the last response token
+    tlr, m = _verl_apply_kl_penalty(ca, masked_mean, mask, scores, old, ref, ctrl, "low_var_kl")
+    kw = dict(token_level_rewards=tlr, response_mask=mask, config=AlgoCfg(gamma=GAMMA))
+    if name == "remax":
+        kw["reward_baselines"] = baselines
+    adv, _ = ca.get_adv_estimator_fn(name)(**kw)
+    return adv * mask, m
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "remax"])
+def test_penalised_token_rewards_reach_the_estimator_as_in_verl(name):
+    k = KLInReward("low_var_kl", KLControlConfig(**CTRL), our_kl_penalty)
+    with verl_core_algos() as ca:
+        import verl.utils.torch_functional as verl_F
+
+        ctrl = ca.get_kl_controller(AlgoCfg(**CTRL))
+        for step in range(4):
+            old, ref, mask, rewards, baselines = _batch(step)
+            got, got_m = _ours(name, k, old, ref, mask, rewards, baselines)
+            want, want_m = _verl(ca, verl_F.masked_mean, name, ctrl, old, ref, mask, rewards, baselines)
+            torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+            assert got_m["actor/reward_kl_penalty_coeff"] == pytest.approx(want_m["actor/reward_kl_penalty_coeff"])
+            # the penalty matters: without it the advantages differ
+            plain = Estimator(name, AlgoParams(gamma=GAMMA)).advantages(
+                rewards, torch.arange(8), mask, **({"reward_baselines": baselines} if name == "remax" else {}))
+            assert not torch.allclose(plain, got, atol=1e-4)
+
+
+def _dp_rank(rank, world, name, batches):
+    import torch.distributed as dist
+
+    k = KLInReward("low_var_kl", KLControlConfig(**CTRL), our_kl_penalty)
+    rows = slice(0, 3) if rank == 0 else slice(3, None)   # 3 and 5 rows
+    return [_ours(name, k, *(t[rows] for t in b), group=dist.group.WORLD)[0] for b in batches]
+
+
+def test_reinforce_plus_plus_over_uneven_dp_ranks_is_the_whole_batch():
+    batches = [_batch(10 + s) for s in range(3)]
+    r0, r1 = run_ranks(_dp_rank, 2, "reinforce_plus_plus", batches, timeout=60)
+    with verl_core_algos() as ca:
+        import verl.utils.torch_functional as verl_F
+
+        ctrl = ca.get_kl_controller(AlgoCfg(**CTRL))
+        for a0, a1, b in zip(r0, r1, batches):
+            want, _ = _verl(ca, verl_F.masked_mean, "reinforce_plus_plus", ctrl, *b)
+            torch.testing.assert_close(torch.cat([a0, a1]), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_summing_estimators_keep_scalar_rewards_and_no_kl_is_unchanged():
+    old, ref, mask, rewards, _ = _batch(0)
+    k = KLInReward("kl", KLControlConfig(kl_coef=0.1), our_kl_penalty)
+    r, tlr, _ = k.estimator_rewards(rewards, old, ref, mask, mask, False)
+    assert tlr is None and r.shape == rewards.shape
+    r, tlr, m = NoKLInReward().estimator_rewards(rewards, old, ref, mask, mask, True)
+    assert tlr is None and r is rewards and m == {}
+    with pytest.raises(ValueError, match="reads each row's summed reward"):
+        Estimator("grpo", AlgoParams()).advantages(rewards, torch.arange(8) // 4, mask,
+                                                   token_level_rewards=torch.zeros_like(mask))
+
+
+def _cfg(*overrides):
+    return load_job_config(None, MODEL + list(overrides), world_size=1)
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "remax", "reinforce_plus_plus_baseline", "rloo"])
+def test_verl_recipes_settings_build(name):
+    """The algorithm block of verl's own run scripts for these estimators (use_kl_in_reward=True, kl_penalty kl,
+    kl_ctrl.kl_coef 0.001) migrates and the job plan builds it."""
+    verl = {"algorithm": {"adv_estimator": name, "use_kl_in_reward": True, "kl_penalty": "kl",
+                          "kl_ctrl": {"kl_coef": 0.001}},
+            "actor_rollout_ref": {"actor": {}, "rollout": {"n": 4}}}
+    a = migrate_verl(verl).tree["algorithm"]
+    assert a["advantage_estimator"] == name and a["use_kl_in_reward"] is True
+    cfg = _cfg(f"algorithm.adv_estimator={name}", "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl",
+               "algorithm.kl_ctrl={kl_coef: 0.001}", "rollout.n_samples_per_prompt=4")
+    assert build_kl_in_reward(cfg.algorithm) is not None and build_estimator(cfg).name == name
+
+
+def test_gdpo_with_kl_in_reward_is_refused_and_not_migrated():
+    with pytest.raises(ConfigError, match=r"algorithm\.use_kl_in_reward: no effect with algorithm\.adv_estimator "
+                                          r"'gdpo'"):
+        _cfg("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a, b]", "algorithm.use_kl_in_reward=true",
+             "rollout.n_samples_per_prompt=4")
+    m = migrate_verl({"algorithm": {"adv_estimator": "gdpo", "gdpo_reward_keys": ["a", "b"], "use_kl_in_reward": True},
+                      "actor_rollout_ref": {"actor": {}, "rollout": {"n": 4}}})
+    assert not m.tree["algorithm"].get("use_kl_in_reward", False)
+    [e] = [e for e in m.entries if e.key == "algorithm.use_kl_in_reward"]
+    assert "no effect on adv_estimator gdpo" in e.detail
