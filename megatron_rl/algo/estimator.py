@@ -135,4 +135,5 @@ class Estimator:
         if self.spec.global_stats:
             kw["group"] = group
         adv, _ = self.spec.fn(**kw)
-        return adv.to(torch.float32) * kw["response_mask"]   # 0 off the loss's tokens (verl's gae / remax are not)
+        # 0 off the loss's tokens (verl's gae / remax are not; OPO's baseline of a group with no kept token is 0/0)
+        return torch.where(kw["response_mask"] > 0, adv.to(torch.float32), torch.zeros((), device=adv.device))

@@ -140,3 +140,14 @@ def test_gdpo_with_kl_in_reward_is_refused_and_not_migrated():
     assert not m.tree["algorithm"].get("use_kl_in_reward", False)
     [e] = [e for e in m.entries if e.key == "algorithm.use_kl_in_reward"]
     assert "no effect on adv_estimator gdpo" in e.detail
+
+
+@pytest.mark.parametrize("name", ["opo", "gpg", "reinforce_plus_plus", "rloo_vectorized"])
+def test_a_group_with_every_token_rejected_gets_zero_not_nan(name):
+    """Rejection (rollout_rs) can mask a whole group; OPO's length-weighted baseline is then 0 / 0 in verl. The
+    trainer's advantages are 0 off the loss's mask, finite everywhere."""
+    mask = torch.ones(4, 3)
+    mask[2:] = 0.0
+    adv = Estimator(name, AlgoParams()).advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1]),
+                                                   mask)
+    assert torch.isfinite(adv).all() and (adv[2:] == 0).all() and (adv[:2] != 0).all()
