@@ -11,6 +11,7 @@ from typing import List
 from megatron_rl.algo.estimator import (GROUP_ESTIMATORS, KEY, NOT_IN_TRAINER, STD_ALWAYS, WHITENED,
                                         AlgoParams, Estimator)
 from megatron_rl.algo.registry import VERL_ESTIMATORS
+from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.plan.checks import Unbuilt
 
 def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: bool,
@@ -58,4 +59,5 @@ def build_estimator(cfg) -> Estimator:
     return Estimator(a.advantage_estimator, AlgoParams(
         gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std,
         gdpo_reward_keys=tuple(a.gdpo_reward_keys) if a.gdpo_reward_keys else None,
-        gdpo_reward_weights=tuple(a.gdpo_reward_weights) if a.gdpo_reward_weights is not None else None))
+        gdpo_reward_weights=tuple(a.gdpo_reward_weights) if a.gdpo_reward_weights is not None else None),
+        all_reduce=all_reduce_)

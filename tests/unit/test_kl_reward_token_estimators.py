@@ -151,3 +151,36 @@ def test_a_group_with_every_token_rejected_gets_zero_not_nan(name):
     adv = Estimator(name, AlgoParams()).advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1]),
                                                    mask)
     assert torch.isfinite(adv).all() and (adv[2:] == 0).all() and (adv[:2] != 0).all()
+
+
+def _fake_estimator_rank(rank, world, name, rewards, groups, mask, backend):
+    import torch.distributed as dist
+
+    from megatron_rl.testing import fake_accelerator as fa
+
+    fa.install()
+    # an NCCL-like DP group (its device only) or gloo (host tensors only)
+    group = dist.new_group(list(range(world)), backend=fa.BACKEND if backend == "fakeccl" else "gloo")
+    dev = torch.device(fa.DEVICE, 0)
+    cfg = _cfg(f"algorithm.adv_estimator={name}", "rollout.n_samples_per_prompt=4")
+    rows = slice(0, 4) if rank == 0 else slice(4, None)   # whole groups: 4 and 8 rows
+    adv = build_estimator(cfg).advantages(rewards[rows].to(dev), groups[rows].to(dev), mask[rows].to(dev),
+                                          group=group)
+    return str(adv.device), adv.cpu()
+
+
+@pytest.mark.parametrize("backend", ["fakeccl", "gloo"])
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg"])
+def test_whole_batch_statistics_on_an_accelerator(name, backend):
+    """The estimators whose statistics span the batch (whitening, GPG's count) with the step's tensors on a device
+    that is not the CPU and the DP group NCCL-like (refusing host tensors) or gloo (refusing device tensors):
+    the plan's estimator stages its all-reduces on the group's device (``parallel.devices``) and gives the
+    single-process CPU result."""
+    g = torch.Generator().manual_seed(4)
+    mask = (torch.arange(7)[None] < torch.randint(1, 8, (12,), generator=g)[:, None]).float()
+    rewards = torch.randint(0, 2, (12,), generator=g).float()
+    groups = torch.arange(12) // 4
+    want = Estimator(name, AlgoParams()).advantages(rewards, groups, mask)
+    out = run_ranks(_fake_estimator_rank, 2, name, rewards, groups, mask, backend, timeout=60)
+    assert {o[0] for o in out} == {"fakegpu:0"}
+    torch.testing.assert_close(torch.cat([o[1] for o in out]), want)
