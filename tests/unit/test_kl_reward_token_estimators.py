@@ -184,3 +184,22 @@ def test_whole_batch_statistics_on_an_accelerator(name, backend):
     out = run_ranks(_fake_estimator_rank, 2, name, rewards, groups, mask, backend, timeout=60)
     assert {o[0] for o in out} == {"fakegpu:0"}
     torch.testing.assert_close(torch.cat([o[1] for o in out]), want)
+
+
+def test_a_rejected_last_token_moves_the_score_where_verl_drops_it():
+    """docs/advantages.md: token-level rejection of a row's last token -- verl's reinforce_plus_plus (score on the
+    last response token, rejected mask) gives that row returns 0; here the score sits on the last kept token."""
+    resp = torch.ones(4, 4)
+    kept = resp.clone()
+    kept[0, 3] = 0.0   # row 0's last token rejected
+    rewards = torch.tensor([2.0, 0.0, 1.0, 0.5])
+    with verl_core_algos() as ca:
+        _, verl_ret = ca.get_adv_estimator_fn("reinforce_plus_plus")(
+            token_level_rewards=token_level_scores(rewards, resp), response_mask=kept, config=AlgoCfg(gamma=1.0))
+        _, ours_ret = ca.get_adv_estimator_fn("reinforce_plus_plus")(
+            token_level_rewards=token_level_scores(rewards, kept), response_mask=kept, config=AlgoCfg(gamma=1.0))
+        want, _ = ca.get_adv_estimator_fn("reinforce_plus_plus")(
+            token_level_rewards=token_level_scores(rewards, kept), response_mask=kept, config=AlgoCfg(gamma=1.0))
+    assert (verl_ret[0] == 0).all() and torch.equal(ours_ret[0, :3], torch.full((3,), 2.0))
+    got = Estimator("reinforce_plus_plus", AlgoParams()).advantages(rewards, torch.arange(4), kept)
+    torch.testing.assert_close(got, want.float())
