@@ -45,6 +45,10 @@ def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: 
     if name in WHITENED and filter_groups_train:
         errs.append(f"algorithm.filter_groups.on_exhausted: 'train' tops a batch up with groups of advantage 0, "
                     f"but {KEY}={name!r} whitens over the batch (those rows would train); use 'skip' or 'error'")
+    if name == "remax" and filter_groups_train:
+        errs.append(f"algorithm.filter_groups.on_exhausted: 'train' tops a batch up with groups of advantage 0, "
+                    f"but {KEY}='remax' subtracts the greedy response's reward, not the group's mean (those rows "
+                    f"would train); use 'skip' or 'error'")
     return errs
 
 
