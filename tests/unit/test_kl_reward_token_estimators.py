@@ -19,6 +19,7 @@ from megatron_rl.algo.estimator import AlgoParams, Estimator
 from megatron_rl.algo.kl_reward import KLControlConfig, KLInReward, NoKLInReward, token_level_scores
 from megatron_rl.config import ConfigError, load_job_config
 from megatron_rl.config.migrate_verl import migrate_verl
+from megatron_rl.config.verl_keys import UNSUPPORTED
 from megatron_rl.losses.kl import kl_penalty as our_kl_penalty
 from megatron_rl.plan.advantage import build_estimator
 from megatron_rl.plan.kl_reward import build_kl_in_reward
@@ -203,3 +204,14 @@ def test_a_rejected_last_token_moves_the_score_where_verl_drops_it():
     assert (verl_ret[0] == 0).all() and torch.equal(ours_ret[0, :3], torch.full((3,), 2.0))
     got = Estimator("reinforce_plus_plus", AlgoParams()).advantages(rewards, torch.arange(4), kept)
     torch.testing.assert_close(got, want.float())
+
+
+def test_migrate_says_kl_in_reward_with_dynamic_sampling_is_not_built():
+    """The job plan refuses use_kl_in_reward with filter_groups.enable: migrate lists it as a difference (it wrote
+    it as mapped, and the migrated config then failed to load)."""
+    m = migrate_verl({"algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True,
+                                    "filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 4}},
+                      "actor_rollout_ref": {"actor": {}, "rollout": {"n": 4}}})
+    [e] = [e for e in m.entries if e.key == "algorithm.use_kl_in_reward"]
+    assert e.kind == UNSUPPORTED and "filter_groups.enable" in e.detail
+    assert not m.tree["algorithm"].get("use_kl_in_reward", False)
