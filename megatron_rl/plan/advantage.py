@@ -15,7 +15,7 @@ from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.plan.checks import Unbuilt
 
 def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: bool,
-                     multi_turn: bool = False) -> List[str]:
+                     multi_turn: bool = False, interrupt: bool = False) -> List[str]:
     """Problems of ``algorithm.adv_estimator`` and its parameters (each naming its key)."""
     name, errs = algorithm.advantage_estimator, []
     if name not in VERL_ESTIMATORS:
@@ -34,6 +34,10 @@ def estimator_errors(algorithm, n_samples_per_prompt: int, filter_groups_train: 
     if name in ("remax", "gdpo") and multi_turn:
         errs.append(f"{KEY}: {name!r} with multi_turn.env: its extra inputs (remax's greedy baseline, gdpo's reward "
                     f"components) are built for single-turn rollouts only")
+    if name == "remax" and interrupt:
+        errs.append(f"{KEY}: 'remax' with rollout.partial_rollout 'interrupt': the greedy baseline must come from the "
+                    f"round's weights, but the producer may load newer ones between the segments of the sampled "
+                    f"responses (StaleRolloutError); use partial_rollout 'finish'")
     keys, weights = algorithm.gdpo_reward_keys, algorithm.gdpo_reward_weights
     if name == "gdpo" and not keys:
         errs.append("algorithm.gdpo_reward_keys: required with adv_estimator gdpo (the keys of the reward "
@@ -57,7 +61,8 @@ def build_estimator(cfg) -> Estimator:
     a, fg = cfg.algorithm, cfg.algorithm.filter_groups
     errs = estimator_errors(a, cfg.rollout.n_samples_per_prompt,
                             fg is not None and fg.enable and fg.on_exhausted == "train",
-                            cfg.multi_turn.env is not None)
+                            cfg.multi_turn.env is not None,
+                            cfg.rollout.mode == "async" and cfg.rollout.partial_rollout == "interrupt")
     if errs:
         raise Unbuilt(errs)
     return Estimator(a.advantage_estimator, AlgoParams(
