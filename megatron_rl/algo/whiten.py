@@ -31,7 +31,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, group=None, all_redu
     sq = _all_sum(((v - mean) ** 2 * m).sum().reshape(1), group, all_reduce)[0]
     if float(n) < 2:
         raise ValueError(f"whitening the advantages needs >= 2 response tokens in the batch (response_mask sums to "
-                         f"{float(n):g}{' over the DP group' if group is not None else ''})")
+                         f"{float(n):g}{' over the DP group' if group is not None else ''}; in the trainer: the "
+                         f"tokens left after algorithm.rollout_correction's rejection)")
     var = sq / (n + 1e-8) * (n / (n - 1))
     return ((values.to(torch.float64) - mean) * torch.rsqrt(var + 1e-8)).to(values.dtype)
 

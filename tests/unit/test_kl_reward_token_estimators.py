@@ -215,3 +215,18 @@ def test_migrate_says_kl_in_reward_with_dynamic_sampling_is_not_built():
     [e] = [e for e in m.entries if e.key == "algorithm.use_kl_in_reward"]
     assert e.kind == UNSUPPORTED and "filter_groups.enable" in e.detail
     assert not m.tree["algorithm"].get("use_kl_in_reward", False)
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+def test_whitening_with_fewer_than_two_kept_tokens_raises_as_verl_naming_the_rejection(kept):
+    """Every token rejected (or all but one): verl's masked_whiten raises; so does the trainer's estimator, on
+    every rank alike (the count is all-reduced first), naming the rejection that emptied the batch."""
+    mask = torch.zeros(4, 3)
+    mask[0, :kept] = 1.0
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    with verl_core_algos() as ca:
+        with pytest.raises(ValueError):
+            ca.get_adv_estimator_fn("reinforce_plus_plus")(token_level_rewards=token_level_scores(rewards, mask),
+                                                           response_mask=mask, config=AlgoCfg(gamma=1.0))
+    with pytest.raises(ValueError, match=r"needs >= 2 response tokens.*algorithm\.rollout_correction"):
+        Estimator("reinforce_plus_plus", AlgoParams()).advantages(rewards, torch.arange(4), mask)
