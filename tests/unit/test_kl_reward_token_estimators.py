@@ -230,3 +230,31 @@ def test_whitening_with_fewer_than_two_kept_tokens_raises_as_verl_naming_the_rej
                                                            response_mask=mask, config=AlgoCfg(gamma=1.0))
     with pytest.raises(ValueError, match=r"needs >= 2 response tokens.*algorithm\.rollout_correction"):
         Estimator("reinforce_plus_plus", AlgoParams()).advantages(rewards, torch.arange(4), mask)
+
+
+def test_the_summing_estimators_read_only_each_rows_sum_in_verl():
+    """plan/kl_reward.SUMMING_ESTIMATORS get the summed penalised reward: verl's own functions give the same
+    advantages for any spread of a row's token rewards with that sum; the token-by-token ones do not. Every
+    estimator the trainer runs is one or the other (gdpo: refused with the penalty)."""
+    from megatron_rl.algo.estimator import TOKEN_REWARD_ESTIMATORS, TRAINER_ESTIMATORS
+    from megatron_rl.plan.kl_reward import SUMMING_ESTIMATORS
+
+    assert set(TRAINER_ESTIMATORS) <= set(SUMMING_ESTIMATORS) | set(TOKEN_REWARD_ESTIMATORS) | {"gdpo"}
+    assert not set(SUMMING_ESTIMATORS) & set(TOKEN_REWARD_ESTIMATORS)
+    g = torch.Generator().manual_seed(2)
+    mask = torch.ones(8, 5)
+    spread = torch.randn(8, 5, generator=g)
+    last = torch.zeros(8, 5)
+    last[:, -1] = spread.sum(-1)
+    index = (torch.arange(8) // 4).numpy()
+    with verl_core_algos() as ca:
+        def run(name, tlr):
+            kw = dict(token_level_rewards=tlr, response_mask=mask, index=index,
+                      config=AlgoCfg(gamma=0.9, lam=1.0, norm_adv_by_std_in_grpo=True))
+            if name == "remax":
+                kw = dict(kw, reward_baselines=torch.zeros(8))
+            return ca.get_adv_estimator_fn(name)(**kw)[0]
+        for name in SUMMING_ESTIMATORS:
+            torch.testing.assert_close(run(name, spread), run(name, last), rtol=1e-5, atol=1e-5, msg=name)
+        for name in ("reinforce_plus_plus", "remax"):
+            assert not torch.allclose(run(name, spread), run(name, last), atol=1e-3), name
