@@ -73,3 +73,24 @@ def build_estimator(cfg) -> Estimator:
         gdpo_reward_keys=tuple(a.gdpo_reward_keys) if a.gdpo_reward_keys else None,
         gdpo_reward_weights=tuple(a.gdpo_reward_weights) if a.gdpo_reward_weights is not None else None),
         all_reduce=all_reduce_)
+
+
+def describe_advantages(est: Estimator, corr) -> str:
+    """One line for ``describe``: the estimator and the rejection its mask comes from (a defaulted KPop phi is
+    said: ``rollout_rs_threshold`` null takes 2.0)."""
+    p = est.params
+    if est.name == "gpg":
+        how = "GPG's alpha over DP"
+    elif est.spec.global_stats:
+        how = "whitened over DP"
+    else:
+        how = "per prompt group" if est.name in GROUP_ESTIMATORS else "per row"
+    line = f"advantages: {est.name} (gamma {p.gamma:g}; {how})"
+    bounds = getattr(corr, "rs_bounds", None) or {}
+    if bounds:
+        parts = [f"{o} <= {b.upper:g}" if b.lower is None else f"{o} in [{b.lower:g}, {b.upper:g}]"
+                 for o, b in bounds.items()]
+        line += "; rejection: " + ", ".join(parts)
+        if "binary_kl" in bounds and corr.rollout_rs_threshold is None:
+            line += " (binary_kl's phi defaulted: algorithm.rollout_correction.rollout_rs_threshold is null)"
+    return line

@@ -29,7 +29,7 @@ from megatron_rl.models.attention import AttentionBackend, attention_backend, at
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.algo.estimator import Estimator
-from megatron_rl.plan.advantage import build_estimator
+from megatron_rl.plan.advantage import build_estimator, describe_advantages
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
@@ -146,6 +146,8 @@ class JobPlan:
                  + (f"{fg.metric}, up to {fg.max_num_gen_batches} round(s), on_exhausted {fg.on_exhausted}"
                     if fg is not None else "off"),
                  self.objective_line()]
+        if self.estimator is not None:
+            lines.append(describe_advantages(self.estimator, self.cfg.algorithm.rollout_correction))
         if self.kl_in_reward is not None:
             lines.append(describe_kl_in_reward(self.kl_in_reward))
         return lines

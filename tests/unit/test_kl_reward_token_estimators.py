@@ -258,3 +258,18 @@ def test_the_summing_estimators_read_only_each_rows_sum_in_verl():
             torch.testing.assert_close(run(name, spread), run(name, last), rtol=1e-5, atol=1e-5, msg=name)
         for name in ("reinforce_plus_plus", "remax"):
             assert not torch.allclose(run(name, spread), run(name, last), atol=1e-3), name
+
+
+def test_describe_says_the_estimator_and_a_defaulted_kpop_phi():
+    """``check`` / the trainer's start print the estimator and the rejection; binary_kl's phi taken by default
+    (rollout_rs_threshold null -> 2.0) is said."""
+    from megatron_rl.plan.job import JobPlan
+
+    cfg = _cfg("algorithm.adv_estimator=reinforce_plus_plus", "algorithm.rollout_correction.rollout_rs=binary_kl")
+    line = JobPlan.build(cfg, 1).describe()[-1]
+    assert line.startswith("advantages: reinforce_plus_plus (gamma 1; whitened over DP); rejection: binary_kl <= 2")
+    assert "phi defaulted" in line
+    cfg = _cfg("algorithm.rollout_correction.rollout_rs=binary_kl",
+               "algorithm.rollout_correction.rollout_rs_threshold=0.1")
+    assert JobPlan.build(cfg, 1).describe()[-1] == \
+        "advantages: grpo (gamma 1; per prompt group); rejection: binary_kl <= 0.1"
