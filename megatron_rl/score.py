@@ -40,7 +40,8 @@ from megatron_rl.actor import RolloutBatch  # noqa: E402
 from megatron_rl.actor.schedule import actor_device  # noqa: E402
 from megatron_rl.cli.config_errors import config_error_exit, launch_rank  # noqa: E402
 from megatron_rl.cli.entry import module_main, register  # noqa: E402
-from megatron_rl.config import ConfigError, load_job_config  # noqa: E402
+from megatron_rl.config import ConfigError  # noqa: E402
+from megatron_rl.plan import load_job_config  # noqa: E402
 from megatron_rl.correction import compute_rollout_correction  # noqa: E402
 from megatron_rl.jsonl import read_json_objects  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402

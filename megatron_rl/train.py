@@ -25,7 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, set before
 from megatron_rl.cli.build_hint import build_command  # noqa: E402
 from megatron_rl.cli.config_errors import config_error_exit  # noqa: E402
 from megatron_rl.cli.entry import module_main, register  # noqa: E402
-from megatron_rl.config import ConfigError, collect_job_config, load_job_config  # noqa: E402
+from megatron_rl.config import ConfigError  # noqa: E402
+from megatron_rl.plan import collect_job_config, load_job_config  # noqa: E402
 from megatron_rl.config.epochs import epochs_line  # noqa: E402
 from megatron_rl.lifeline import watch_job_owners  # noqa: E402
 from megatron_rl.parallel.state import shutdown_distributed  # noqa: E402

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 VENDORED = Path(__file__).resolve().parent / "data" / "verl" / "core_algos"
-_TF_FUNCS = ("masked_sum", "masked_mean", "masked_var", "masked_whiten")
+_TF_FUNCS = ("masked_sum", "masked_mean", "masked_var", "masked_whiten", "clip_by_value")
 
 
 class AlgoCfg(dict):
@@ -31,7 +31,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 
 def _torch_functional() -> types.ModuleType:
-    """The four masked-statistics functions of the vendored ``torch_functional.py``, their source unchanged."""
+    """The masked-statistics functions and clip_by_value of the vendored ``torch_functional.py``, their source unchanged."""
     import torch
     src = (VENDORED / "torch_functional.py").read_text()
     tree = ast.parse(src)

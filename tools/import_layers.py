@@ -30,7 +30,7 @@ LAYERS: List[Tuple[str, ...]] = [
      "errors"),                                   # errors shared by the engines and weight sync
     ("parallel", "logprobs"),                    # layouts and process groups; vocab-parallel log-probs
     ("models", "losses", "correction"),          # model build; the loss and correction math
-    ("convert", "tasks"),                        # HF <-> Megatron weights and checkpoints; prompts and rewards
+    ("convert", "tasks", "lora"),                # HF <-> Megatron weights and checkpoints; prompts and rewards; LoRA
     ("config",),                                 # the job's YAML as typed sections
     ("actor",),                                  # the Megatron actor: log-probs, train step, checkpoints
     ("weight_sync",),                            # trainer -> engine weight transfer

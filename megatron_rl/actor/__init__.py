@@ -16,6 +16,8 @@ Modules (one job each):
   replay_modes   the routing-replay modes (``NoReplay``, ``R2``, ``R3``), chosen once by ``replay_mode``
   hf_io       export a saved checkpoint to a HF directory (live HF in / out: ``megatron_rl.convert.live``)
   actor       ``MegatronActor``, the facade used by the RL loop
+  critic      ``MegatronCritic``: PPO's value model on the actor's machinery (value_head: the [h -> 1] output
+              layer; value_pass: values and the value-loss step)
 
 Tests: ``pytest tests/*/test_actor*.py``.
 """

@@ -19,6 +19,8 @@ model-parallel group pass the same shard). Per-token tensors are [B, L-1]: colum
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
@@ -38,14 +40,35 @@ from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.train_step import train_mini_batch
 from megatron_rl.convert import (HFTarget, export_model_to_hf, gather_hf_state_dict, hf_target,
                                  load_checkpoint_into_model)
+from megatron_rl.lora.apply import adapters_disabled, apply_lora
+from megatron_rl.lora.base import base_record
+from megatron_rl.lora.merge import merged_items
 from megatron_rl.models import build_gpt_model
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
 
-__all__ = ["MegatronActor"]
+__all__ = ["MegatronActor", "plan_pass"]
 
 _SCHEDULER_KEY = "opt_param_scheduler"  # megatron's scheduler state inside a checkpoint's extra state
 _SETTINGS_KEY = "optimizer_settings"  # the actor's optimizer keys at save (optimizer.OPTIMIZER_KEYS)
+
+
+def plan_pass(batcher, batch: RolloutBatch, micro_batch_size: Optional[int] = None) -> MicroBatchPlan:
+    """A pass's micro-batches (``MicroBatcher.plan``; the actor's and the critic's). Collective unless the plan
+    cannot differ between DP ranks (``MicroBatcher.plan_is_rank_local``): a row that fits no micro-batch, or a shard
+    too small for the interleaved schedule, raises on every rank."""
+    plan, msg = None, None
+    try:
+        plan = batcher.plan(batch.lengths.tolist(), micro_batch_size)
+    except ValueError as e:
+        msg = f"micro-batches of this DP shard: {e}"
+    if batcher.plan_is_rank_local:
+        if msg:
+            raise BatchError(msg)
+        return plan
+    # a row over the budget, or too few rows for the interleaved schedule, on one DP rank ends the pass on all
+    agree_on_error(msg, error=BatchError)
+    return plan
 
 
 class MegatronActor:
@@ -74,8 +97,13 @@ class MegatronActor:
             raise ValueError(f"MegatronActor: the plan's layout {spec.batcher.dims} is not the one megatron's "
                              f"parallel state holds {self.groups.dims}")
         self.precision = spec.precision
-        # megatron-core recomputes activations in backward (actor.recompute_*): same loss and gradients
+        self.lora = None if frozen else spec.lora
+        """``LoraSpec``: adapters on the frozen base (docs/lora.md), or None."""
+        self._lora_base: Optional[Dict[str, str]] = None  # the base's record, computed on first use
+        # megatron-core recomputes activations in backward (actor.recompute_*): same loss and gradients; a LoRA
+        # actor is megatron's local spec (the layers its adapters are built on)
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype,
+                                 use_transformer_engine=False if self.lora is not None else None,
                                  **Recompute.from_actor(self.actor_cfg).transformer_config_kwargs())
         self.precision.apply_output_layer(chunks)
         self.hf_dir = self.actor_cfg.load_hf
@@ -83,7 +111,9 @@ class MegatronActor:
         if self.hf_dir:
             fp32 = load_keeping_fp32(chunks, lambda: load_checkpoint_into_model(chunks, self.hf_dir, self.model_cfg,
                                                                                 self.groups),
-                                     self.hf_dir, keep=not frozen)
+                                     self.hf_dir, keep=not frozen and self.lora is None)
+        if self.lora is not None:  # the base frozen (no gradient buffer, no main parameters, no Adam state)
+            apply_lora(chunks, self.lora)
         self.frozen = frozen
         """Never trained (the KL reference): the bare model chunks, no gradients, no DDP buffers, no optimizer."""
         if frozen:
@@ -156,18 +186,7 @@ class MegatronActor:
         """This pass's micro-batches (``MicroBatcher.plan``). Collective unless the plan cannot differ between DP
         ranks (``MicroBatcher.plan_is_rank_local``): a row that fits no micro-batch, or a shard too small for the
         interleaved schedule, raises on every rank."""
-        plan, msg = None, None
-        try:
-            plan = self.batcher.plan(batch.lengths.tolist(), micro_batch_size)
-        except ValueError as e:
-            msg = f"micro-batches of this DP shard: {e}"
-        if self.batcher.plan_is_rank_local:
-            if msg:
-                raise BatchError(msg)
-            return plan
-        # a row over the budget, or too few rows for the interleaved schedule, on one DP rank ends the pass on all
-        agree_on_error(msg, error=BatchError)
-        return plan
+        return plan_pass(self.batcher, batch, micro_batch_size)
 
     @staticmethod
     def _in_plan_order(batch: RolloutBatch, plan: MicroBatchPlan, per_token: Optional[Dict] = None):
@@ -303,7 +322,7 @@ class MegatronActor:
         extra[_SCHEDULER_KEY] = self.scheduler.state_dict()
         extra[_SETTINGS_KEY] = optimizer_settings(self.actor_cfg)
         return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, self.groups, self.model_cfg,
-                               self.parallel_cfg, extra)
+                               self.parallel_cfg, extra, lora=self._lora_record())
 
     def load_checkpoint(self, ckpt_dir: str) -> Tuple[int, Dict[str, Any]]:
         """Restore what ``save_checkpoint`` wrote; returns (step, extra_state). Raises
@@ -313,7 +332,7 @@ class MegatronActor:
         config; rank 0 prints one line naming each that differs from the checkpoint's."""
         self._require_trainable("load_checkpoint")
         step, extra, group_diff = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.groups,
-                                                  self.model_cfg, self.parallel_cfg)
+                                                  self.model_cfg, self.parallel_cfg, lora=self._lora_record())
         saved_settings, sched = extra.pop(_SETTINGS_KEY, None), extra.pop(_SCHEDULER_KEY, None)
         # a checkpoint written before the settings were recorded: its scheduler state names the schedule's
         old = scheduler_changes(sched, self.scheduler) if saved_settings is None else {}
@@ -326,16 +345,43 @@ class MegatronActor:
             print(line, flush=True)
         return step, extra
 
+    # ------------------------------------------------------------------ LoRA
+    def adapters_off(self):
+        """Context manager: inside it the policy is its frozen base (every adapter off) -- the KL reference of a LoRA
+        actor; without adapters, no change."""
+        return adapters_disabled(self.model) if self.lora is not None else contextlib.nullcontext()
+
+    def _lora_record(self) -> Optional[Dict[str, Any]]:
+        """Collective (first call): {"config": actor.lora, "base": {"path", "sha256"}} of a LoRA actor (rank 0 reads
+        the base, every rank gets its record), None without adapters."""
+        if self.lora is None:
+            return None
+        if self._lora_base is None:
+            box = [base_record(self.hf_dir) if torch.distributed.get_rank() == 0 else None]
+            torch.distributed.broadcast_object_list(box, src=0)
+            self._lora_base = box[0]
+        return {"config": self.lora.config.to_dict(), "base": dict(self._lora_base)}
+
+    def _export_view(self, view):
+        """How the model is exported: ``view``, else for a LoRA actor its adapters merged into the base weights
+        (``lora.merge``: fp32, cast once by whoever reads it), else the parameters as they are."""
+        if view is None and self.lora is not None:
+            return functools.partial(merged_items, scale=self.lora.config.scaling)
+        return view
+
     # ------------------------------------------------------------------ HF export
     def full_state_dict_hf(self) -> Optional[Dict[str, torch.Tensor]]:
         """Collective: rank 0 returns the full model as a HF state dict (CPU tensors, HF names); other
         ranks return None. For the embedded engine's in-process weight sync."""
-        return gather_hf_state_dict(self.model, self.model_cfg, self.hf_target.geometry, self.groups)
+        return gather_hf_state_dict(self.model, self.model_cfg, self.hf_target.geometry, self.groups,
+                                    self._export_view(None))
 
-    def export_hf(self, out_dir: str) -> Optional[list]:
+    def export_hf(self, out_dir: str, view=None) -> Optional[list]:
         """Collective: rank 0 writes a HF safetensors directory (weights + config/tokenizer from
-        actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files."""
-        return export_model_to_hf(self.model, self.model_cfg, self.hf_target, out_dir, self.groups)
+        actor.load_hf, or a generated config.json) to ``out_dir`` and returns the weight files (``view``: how
+        the model is read, ``convert.live.TensorView``; a LoRA actor's default: its adapters merged)."""
+        return export_model_to_hf(self.model, self.model_cfg, self.hf_target, out_dir, self.groups,
+                                  view=self._export_view(view))
 
     @property
     def hf_target(self) -> HFTarget:

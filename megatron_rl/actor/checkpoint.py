@@ -15,7 +15,7 @@ import json
 import os
 import random
 import warnings
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from megatron_rl.actor.chained import torch_optimizers
 from megatron_rl.actor.optimizer_state import (convert_loaded_state, group_changes, group_settings,
                                                impose_group_settings, optimizer_kind, redirect_main_params,
                                                saved_kind)
+from megatron_rl.lora.checkpoint import is_adapter_key, lora_meta_problem
 from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.platform import checkpoint_writer
 from megatron_rl.platform.mcore_version import write_legacy_common_state
@@ -69,10 +70,16 @@ def _layout(parallel_cfg) -> Dict[str, Any]:
     return d
 
 
-def _model_sharded_state_dict(model: Sequence[torch.nn.Module]) -> Dict[str, Any]:
+def _model_sharded_state_dict(model: Sequence[torch.nn.Module], adapters_only: bool = False) -> Dict[str, Any]:
+    """Each chunk's megatron sharded state dict; ``adapters_only`` (a LoRA actor): the adapters' entries alone (the
+    frozen base is named and fingerprinted in the metadata instead)."""
+    def one(chunk):
+        sd = chunk.module.sharded_state_dict()
+        return {k: v for k, v in sd.items() if is_adapter_key(k)} if adapters_only else sd
+
     if len(model) == 1:
-        return {"model": model[0].module.sharded_state_dict()}
-    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
+        return {"model": one(model[0])}
+    return {f"model{i}": one(chunk) for i, chunk in enumerate(model)}
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -197,10 +204,11 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 
 def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], optimizer, groups: ActorGroups,
-                    model_cfg, parallel_cfg, extra_state: Dict[str, Any]) -> str:
+                    model_cfg, parallel_cfg, extra_state: Dict[str, Any], lora: Optional[Dict[str, Any]] = None) -> str:
     """Collective: write model + optimizer (dist_checkpointing), RNG (per rank), metadata and
     ``extra_state`` (rank 0) for ``step`` under ``root``; ``root/latest`` is updated last. Returns the
-    iteration directory."""
+    iteration directory. ``lora`` (a LoRA actor: its ``actor.lora`` and base record): only the adapters of the
+    model are written, ``lora`` goes into the metadata."""
     dcp = _import_dist_checkpointing()
     rank = dist.get_rank()
     d = _iter_dir(root, step)
@@ -209,7 +217,7 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
         os.makedirs(os.path.join(d, "rng"), exist_ok=True)
     dist.barrier()
     ensure_adam_state(optimizer)
-    sd = _model_sharded_state_dict(model)
+    sd = _model_sharded_state_dict(model, adapters_only=lora is not None)
     sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), metadata=OPTIMIZER_METADATA)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
@@ -232,6 +240,8 @@ def save_checkpoint(root: str, step: int, model: Sequence[torch.nn.Module], opti
         torch.save(dict(extra_state), os.path.join(d, "extra_state.pt"))
         meta = {"format_version": FORMAT_VERSION, "step": int(step), "layout": _layout(parallel_cfg),
                 "model": dataclasses.asdict(model_cfg), "bf16": _is_bf16(model)}
+        if lora is not None:
+            meta["lora"] = lora
         with open(os.path.join(d, META_FILE), "w") as fh:
             json.dump(meta, fh, indent=2, sort_keys=True, default=str)
     dist.barrier()
@@ -267,12 +277,14 @@ def _check_model(saved: Dict[str, Any], model_cfg, where: str) -> None:
 
 
 def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, groups: ActorGroups, model_cfg,
-                    parallel_cfg) -> Tuple[int, Dict[str, Any], Dict[str, Tuple[Any, Any]]]:
+                    parallel_cfg, lora: Optional[Dict[str, Any]] = None
+                    ) -> Tuple[int, Dict[str, Any], Dict[str, Tuple[Any, Any]]]:
     """Collective: restore model, optimizer and (same layout only) RNG from ``path`` (a root with
     ``latest`` or an ``iter_*`` directory). The optimizer may be of another kind than the one that saved
     (``actor.use_distributed_optimizer`` / ``actor.bf16`` switched: converted exactly, ``optimizer_state``); the
     param groups keep this run's settings. Returns (step, extra_state, {setting: (checkpoint's, this run's)} of the
-    param-group settings that differed)."""
+    param-group settings that differed). ``lora``: as ``save_checkpoint``'s; the checkpoint must be a LoRA one of the
+    same adapters on the same base (``lora.checkpoint.lora_meta_problem``), and only the adapters are loaded."""
     dcp = _import_dist_checkpointing()
     d = resolve_checkpoint_dir(path)
     with open(os.path.join(d, META_FILE)) as fh:
@@ -282,8 +294,11 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
                                     f"this code reads {FORMAT_VERSION}")
     _check_model(meta["model"], model_cfg, d)
     _check_precision(meta, model, d)
+    problem = lora_meta_problem(meta.get("lora"), lora)
+    if problem:
+        raise CheckpointLayoutError(f"checkpoint {d}: {problem}")
     saved_layout, now_layout = meta["layout"], _layout(parallel_cfg)
-    sd = _model_sharded_state_dict(model)
+    sd = _model_sharded_state_dict(model, adapters_only=lora is not None)
     ensure_adam_state(optimizer)  # the distributed optimizer describes its state from existing Adam state
     settings = group_settings(optimizer)  # this run's config (torch's load_state_dict restores the checkpoint's)
     sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=True, metadata=OPTIMIZER_METADATA)
@@ -312,7 +327,13 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
             f"optimizer saved {saved!r}, loading {now!r}): {type(exc).__name__}: {exc}") from exc
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
-        chunk.module.load_state_dict(loaded[key])
+        if lora is None:
+            chunk.module.load_state_dict(loaded[key])
+            continue
+        res = chunk.module.load_state_dict(loaded[key], strict=False)  # the frozen base stays as loaded
+        lost = [k for k in res.missing_keys if is_adapter_key(k)] + list(res.unexpected_keys)
+        if lost:
+            raise CheckpointLayoutError(f"checkpoint {d}: adapters not loaded: {lost[:5]}")
     _restore_zero_steps(loaded["optimizer"])
     optimizer.load_state_dict(loaded["optimizer"])
     changes = group_changes(saved_settings, settings)

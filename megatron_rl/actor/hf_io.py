@@ -24,6 +24,8 @@ import torch
 
 from megatron_rl.actor.checkpoint import LATEST_FILE, META_FILE, resolve_checkpoint_dir
 from megatron_rl.convert import export_torch_dist_to_hf, hf_target
+from megatron_rl.convert.checks import CheckpointMismatchError
+from megatron_rl.convert.lora_export import export_adapter_checkpoint
 from megatron_rl.convert.storage import hf_assets_dir
 from megatron_rl.models.config import ModelConfig, model_config_from_dict
 
@@ -50,17 +52,26 @@ def _run_hf_dir(iter_dir: str) -> Optional[str]:
     return None
 
 
-def export_checkpoint_to_hf(path: str, out_dir: str, assets_dir: Optional[str] = None) -> List[str]:
+def export_checkpoint_to_hf(path: str, out_dir: str, assets_dir: Optional[str] = None,
+                            merge: bool = False) -> List[str]:
     """Write the model of the actor checkpoint ``path`` (a root with ``latest`` or an ``iter_*``
     directory) as a HF directory ``out_dir``; returns the weight files. ``assets_dir``: HF (or converted)
-    directory whose config / tokenizer files go beside the weights; it must match the saved model."""
+    directory whose config / tokenizer files go beside the weights; it must match the saved model. A LoRA run
+    is written as a PEFT adapter, or with ``merge`` as the merged model (``convert.lora_export.export_full``)."""
     iter_dir = resolve_checkpoint_dir(path)
     with open(os.path.join(iter_dir, META_FILE)) as fh:
-        model_cfg: ModelConfig = model_config_from_dict(json.load(fh)["model"])
-    source = assets_dir or _run_hf_dir(iter_dir)
+        meta = json.load(fh)
+    model_cfg: ModelConfig = model_config_from_dict(meta["model"])
+    lora = meta.get("lora")  # a LoRA actor's checkpoint: the adapters alone, its base named
+    source = assets_dir or (lora["base"]["path"] if lora else None) or _run_hf_dir(iter_dir)
     if source is None:
         warnings.warn(f"{iter_dir}: no HF directory to take config / tokenizer files from (pass --hf-assets-dir); "
                       f"writing a config.json generated from the saved model config, without tokenizer files",
                       stacklevel=2)
     target = hf_target(model_cfg, source)
+    if lora:
+        return export_adapter_checkpoint(os.path.join(iter_dir, _DIST_DIR), target.geometry, out_dir, lora, merge,
+                                         base_dir=source, assets_dir=target.assets_dir, config=target.config)
+    if merge:
+        raise CheckpointMismatchError(f"--merge: {iter_dir} is not a LoRA run's checkpoint (no actor.lora recorded)")
     return export_torch_dist_to_hf(os.path.join(iter_dir, _DIST_DIR), out_dir, target.config, target.assets_dir)

@@ -49,7 +49,7 @@ class Precision:
 
     @classmethod
     def from_actor_config(cls, actor_cfg) -> "Precision":
-        """``actor.bf16`` / ``actor.fp32_output_layer`` (checked by ``config.validate``; ValueError here as well, for
+        """``actor.bf16`` / ``actor.fp32_output_layer`` (checked by ``plan.validate_job``; ValueError here as well, for
         actors built without it)."""
         problem = precision_error(actor_cfg)
         if problem is not None:

@@ -14,6 +14,7 @@ from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.lr_schedule import LRSchedule
 from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.replay_modes import ReplayMode
+from megatron_rl.lora.apply import LoraSpec
 
 __all__ = ["ActorSpec", "Objective"]
 
@@ -52,3 +53,5 @@ class ActorSpec:
     """The policy objective."""
     lr_schedule: LRSchedule
     """Warm-up / decay of ``actor.lr`` in optimizer steps."""
+    lora: Optional[LoraSpec] = None
+    """LoRA adapters (``actor.lora`` with ``trainer.seed``), or None: every weight trained."""

@@ -94,7 +94,8 @@ def _forward_step(loss_func, mb: MicroBatch, model):
     return output, functools.partial(loss_func, mb)
 
 
-def _broadcast_object(obj, groups: ActorGroups):
+def broadcast_object(obj, groups: ActorGroups):
+    """The last pipeline stage's picklable ``obj`` on every rank of the PP group."""
     if groups.pp_size == 1:
         return obj
     box = [obj]
@@ -178,7 +179,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
         metrics = {k: v.mean() for k, v in merged.items() if k not in _GLOBAL_LOSSES}
         metrics.update({k: float(merged[k].sum) for k in _GLOBAL_LOSSES if k in merged})
         metrics["num_tokens"] = float(merged["ppo_kl"].count)
-    metrics = _broadcast_object(metrics, groups)
+    metrics = broadcast_object(metrics, groups)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["update_successful"] = float(bool(update_successful))
     return metrics

@@ -21,7 +21,7 @@ from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
 KEY = "algorithm.adv_estimator"
 #: Estimators the trainer runs (``plan/advantage.py`` refuses the rest with ``NOT_IN_TRAINER``'s reason).
 TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
-                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo")
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo", "gae")
 #: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
                     "rloo_vectorized", "opo", "gpg", "gdpo")
@@ -29,7 +29,6 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_
 WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo")
 #: verl's estimators the trainer cannot feed yet, with the reason (``plan/advantage.py``, ``migrate verl``).
 NOT_IN_TRAINER = {
-    "gae": "needs a critic (critic.enable: true; the critic section is not built yet)",
     "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
                               "actor.calculate_sum_pi_squared), which the actor does not compute",
     "tir_optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "

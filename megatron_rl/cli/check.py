@@ -28,7 +28,8 @@ from typing import List, Optional, Tuple
 
 from megatron_rl.cli.build_hint import build_command
 from megatron_rl.losses.registry import objective_summary
-from megatron_rl.config import ConfigError, collect_job_config
+from megatron_rl.config import ConfigError
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.epochs import epochs_line
 from megatron_rl.config.load import VERL_FILE_MESSAGE
 from megatron_rl.config.sections import DEFAULT_GPU_MEMORY_GB
@@ -273,7 +274,7 @@ def _sync_mode(cfg, job_plan) -> Optional[str]:
     if job_plan is not None:
         return job_plan.weight_sync.mode.name
     try:
-        return weight_sync_settings(cfg.rollout, cfg.trainer.run_dir).mode.name
+        return weight_sync_settings(cfg.rollout, cfg.trainer.run_dir, cfg.actor.lora).mode.name
     except Unbuilt:
         return None
 

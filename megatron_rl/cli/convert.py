@@ -5,11 +5,12 @@ process group — pure tensor slicing).
         --pipeline-model-parallel-size P [--expert-model-parallel-size E] [--expert-tensor-parallel-size ET] \\
         [--num-layers-in-first-pipeline-stage F] [--num-layers-in-last-pipeline-stage L] \\
         [--make-vocab-size-divisible-by 1] [--overwrite]
-    megatron-rl convert mcore-to-hf --mcore-dir O --out D2 [--hf-assets-dir HF] [--overwrite]
+    megatron-rl convert mcore-to-hf --mcore-dir O --out D2 [--hf-assets-dir HF] [--merge] [--overwrite]
 
 ``--mcore-dir`` may also be a training checkpoint of the RL loop (``trainer.run_dir/checkpoints/step_N``,
 any TP/PP/EP layout; config and tokenizer files from ``--hf-assets-dir`` or the run's ``actor.load_hf``) or
-a megatron torch_dist (dist_checkpointing) checkpoint of the model.
+a megatron torch_dist (dist_checkpointing) checkpoint of the model. A LoRA run (``actor.lora``) is written as a
+PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``), with ``--merge`` as the merged HF model.
 
 Bad input (unsupported ``architectures``, a layout that does not divide heads / KV heads / FFN / experts /
 layers, missing or unexpected tensors, shape mismatches, a non-empty output directory) prints one
@@ -49,10 +50,10 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
         raise CheckpointFormatError(f"output directory {args.out} is not empty; pass --overwrite to write into it")
     t0 = time.time()
     if is_actor_checkpoint(args.mcore_dir):
-        files = export_checkpoint_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir)
+        files = export_checkpoint_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir, merge=args.merge)
     else:
-        files = convert_mcore_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir)
-    print(f"exported {args.mcore_dir} to HF safetensors in {args.out} ({len(files)} weight file(s), "
+        files = convert_mcore_to_hf(args.mcore_dir, args.out, assets_dir=args.hf_assets_dir, merge=args.merge)
+    print(f"exported {args.mcore_dir} to HF safetensors in {args.out} ({len(files)} file(s), "
           f"{time.time() - t0:.1f}s)")
     return 0
 
@@ -103,5 +104,7 @@ def add_parser(subparsers) -> None:
                         "copy in --mcore-dir/hf_assets, or a training run's actor.load_hf; required for other "
                         "torch_dist checkpoints)")
     b.add_argument("--out", required=True, help="output HF model directory")
+    b.add_argument("--merge", action="store_true",
+                   help="a LoRA run: write the model with its adapters merged (default: the PEFT adapter alone)")
     b.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     b.set_defaults(func=_run(_mcore_to_hf))

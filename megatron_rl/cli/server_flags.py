@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.config import ConfigError
-from megatron_rl.config.load import collect_job_config
+from megatron_rl.config.load import read_job_config
 
 __all__ = ["server_options", "main"]
 
@@ -36,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if args else 2
     try:
         # the two keys read here need no checks across keys (megatron-rl check runs those before any server)
-        cfg, _ = collect_job_config(args[0], args[1:], world_size=1, cross_checks=False)
+        cfg, _ = read_job_config(args[0], args[1:])
     except ConfigError as exc:
         print(f"server_flags: {exc}", file=sys.stderr)
         return 2

@@ -9,13 +9,13 @@ import sys
 from typing import List, Optional
 
 from megatron_rl.config.job import ConfigError
-from megatron_rl.config.load import collect_job_config
+from megatron_rl.config.load import read_job_config
 
 
 def ranks_per_node(path: str, overrides: List[str]) -> Optional[int]:
     """``cluster.gpus_per_node`` of the job (overrides applied); None when the file or that key cannot be read."""
     try:
-        cfg, errors = collect_job_config(path, overrides, cross_checks=False)
+        cfg, errors = read_job_config(path, overrides)
     except ConfigError:
         return None
     if any(e.startswith("cluster.gpus_per_node") for e in errors):

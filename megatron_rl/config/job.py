@@ -13,13 +13,14 @@ from typing import Any, Dict, Optional
 from megatron_rl.config.sections import (
     ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, MultiTurnConfig, RolloutConfig, TrainerConfig,
 )
+from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.reward_section import RewardConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 
 #: YAML sections in file order.
 SECTIONS = ("cluster", "model", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer",
-            "reward")
+            "reward", "critic")
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain nested dict (YAML-dumpable; the checkpoint stores it)."""

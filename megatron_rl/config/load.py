@@ -1,16 +1,13 @@
-"""Load a job config: YAML file -> dotted ``key.sub=value`` overrides -> typed sections -> validation.
+"""Load a job config, plainly: YAML file -> dotted ``key.sub=value`` overrides -> typed sections.
 
-    cfg = load_job_config("configs/tiny_cpu.yaml", ["actor.lr=3e-4", "parallel.tensor_model_parallel_size=1"],
-                          world_size=4)
-    cfg, errors = collect_job_config("configs/tiny_cpu.yaml", [], world_size=4)   # never raises ConfigError
+    cfg, errors = read_job_config("configs/tiny_cpu.yaml", ["actor.lr=3e-4"])   # never raises ConfigError
 
 Values of overrides are parsed as YAML (``true``, ``1e-4``, ``[a, b]``, ``null``). Path-valued keys
 (``path_field``, :mod:`megatron_rl.config.paths`) resolve here, once: the file's against its directory, the
-overrides' against the current directory. Every value is checked
-against its dataclass field's type (:mod:`megatron_rl.config.types`), every unknown key is reported with a
-hint (:mod:`megatron_rl.config.hints`), and all problems of a file -- bad overrides, unknown keys, wrong
-types, values (:mod:`megatron_rl.config.validate`) -- are raised together in one :class:`ConfigError`,
-each line naming its dotted key, before any process group exists.
+overrides' against the current directory. Every value is checked against its dataclass field's type
+(:mod:`megatron_rl.config.types`) and every unknown key is reported with a hint (:mod:`megatron_rl.config.hints`).
+The one rule: nothing here validates across keys -- the validating loader (``load_job_config``,
+``collect_job_config``) is ``megatron_rl.plan.load``, one layer up, which adds what fails to build of the job plan.
 """
 from __future__ import annotations
 
@@ -19,13 +16,14 @@ import dataclasses
 import difflib
 import os
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
 from megatron_rl.config.algorithm_spellings import merge_verl_spellings
 from megatron_rl.config.epochs import apply_epochs
 from megatron_rl.config.hints import unknown_key_message
+from megatron_rl.config.critic import CriticConfig
 from megatron_rl.config.job import SECTIONS, ConfigError, JobConfig
 from megatron_rl.config.paths import moved_path_errors, path_kind, resolve_path, resolve_tree_paths
 from megatron_rl.config.sections import (
@@ -34,21 +32,21 @@ from megatron_rl.config.sections import (
 )
 from megatron_rl.config.types import check_value, field_types
 from megatron_rl.config.verl_keys import is_verl_config
-from megatron_rl.config.validate import job_errors
 from megatron_rl.convert import CheckpointMismatchError, check_model_config_matches, model_config_for_checkpoint
 from megatron_rl.convert.storage import hf_assets_dir, read_hf_config
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.correction.migration import IGNORED_VERL_KEYS, LEGACY_KEYS
 from megatron_rl.losses import PolicyLossConfig
+from megatron_rl.lora.config import LoraConfig
 from megatron_rl.losses.registry import loss_type_for_loss_mode
 from megatron_rl.config.reward_section import RewardConfig, RewardModelConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.parallel.config import ParallelConfig
 from megatron_rl.tasks.judge_config import JudgeConfig
 
-__all__ = ["ConfigError", "JobConfig", "apply_overrides", "collect_job_config", "job_config_from_dict",
-           "launch_world_size", "load_job_config", "read_config_file", "yaml_load"]
+__all__ = ["ConfigError", "JobConfig", "apply_overrides", "job_config_from_dict", "launch_world_size",
+           "read_config_file", "read_job_config", "format_errors", "yaml_load"]
 
 #: section (dotted) -> its dataclass
 SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": ParallelConfig,
@@ -59,7 +57,8 @@ SECTION_CLASSES = {"cluster": ClusterConfig, "model": ModelConfig, "parallel": P
                    "algorithm.filter_groups": FilterGroupsConfig, "algorithm.kl_ctrl": KLControlConfig,
                    "actor": ActorConfig,
                    "actor.policy_loss": PolicyLossConfig, "trainer": TrainerConfig,
-                   "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig}
+                   "reward": RewardConfig, "reward.judge": JudgeConfig, "reward.model": RewardModelConfig,
+                   "actor.lora": LoraConfig, "critic": CriticConfig}
 #: extra keys the nested sections' from_dict accepts besides their fields
 _EXTRA_KEYS = {"actor.policy_loss": ("clip_ratio", "use_kl_loss"),
                "algorithm.rollout_correction": tuple(LEGACY_KEYS) + tuple(IGNORED_VERL_KEYS) + ("preset",)}
@@ -104,7 +103,7 @@ def apply_overrides(tree: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
     naming every bad override."""
     tree, errors = _apply_overrides(tree, overrides)
     if errors:
-        raise ConfigError(_format(errors))
+        raise ConfigError(format_errors(errors))
     return tree
 
 
@@ -310,7 +309,8 @@ def _move_loss_mode(tree: Dict[str, Any], errors: List[str]) -> Dict[str, Any]:
     return tree
 
 
-_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "reward")
+_BUILT = ("cluster", "parallel", "rollout", "data", "multi_turn", "algorithm", "actor", "trainer", "reward",
+          "critic")
 #: The one problem reported for a verl config (its keys are not this project's).
 VERL_FILE_MESSAGE = ("actor_rollout_ref: this is a verl config (its actor_rollout_ref: section), not a megatron-rl "
                      "one; convert it with `megatron-rl migrate verl FILE -o JOB.yaml`, which maps every key to "
@@ -349,11 +349,11 @@ def build_job_config(tree: Any) -> Tuple[JobConfig, List[str]]:
 
 
 def job_config_from_dict(tree: Dict[str, Any]) -> JobConfig:
-    """Typed JobConfig from a nested dict (no world-size checks; see validate_job); raises one
+    """Typed JobConfig from a nested dict (no world-size checks; see ``megatron_rl.plan.validate_job``); raises one
     ConfigError listing every problem."""
     cfg, errors = build_job_config(tree)
     if errors:
-        raise ConfigError(_format(errors))
+        raise ConfigError(format_errors(errors))
     return cfg
 
 
@@ -387,15 +387,10 @@ def read_config_file(path: Optional[str]) -> Dict[str, Any]:
     return resolve_tree_paths(tree, SECTION_CLASSES, os.path.dirname(os.path.abspath(path))) if path else tree
 
 
-def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
-                       world_size: Union[int, str, None] = None,
-                       has_te: Optional[bool] = None, cross_checks: bool = True) -> Tuple[JobConfig, List[str]]:
-    """(config, every problem found) -- for tools that report problems and go on (``megatron-rl check``).
-    Raises ConfigError only when the file itself cannot be read. ``world_size`` as in load_job_config, or
-    "cluster": the ``cluster:`` section's nodes x gpus_per_node. ``has_te``: Transformer Engine on the cluster
-    (None: ``models.attention.expected_te``). ``cross_checks=False``: each key's own type and value only, not
-    ``config.validate``'s checks across keys and against the world size (those import megatron-core: seconds of
-    start-up for a tool that reads a few keys)."""
+def read_job_config(path: Optional[str], overrides: Sequence[str] = ()) -> Tuple[JobConfig, List[str]]:
+    """(config, problems) of YAML ``path`` (None: all defaults) with ``overrides`` applied: each key's own type and
+    value, no checks across keys or against the world size (``megatron_rl.plan.collect_job_config`` adds those).
+    Raises ConfigError only when the file itself cannot be read."""
     raw = _read_yaml(path)
     base = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
     overridden = [o.split("=", 1)[0].strip() for o in overrides]
@@ -403,35 +398,9 @@ def collect_job_config(path: Optional[str], overrides: Sequence[str] = (),
     tree, errors = _apply_overrides(resolve_tree_paths(raw, SECTION_CLASSES, base), list(overrides))
     errors = moved + errors
     cfg, build_errors = build_job_config(tree)
-    errors += build_errors
-    if not cross_checks:
-        return cfg, errors
-    if world_size == "cluster":
-        ws = cfg.cluster.world_size
-    else:
-        ws = world_size if world_size is not None else (launch_world_size() or 1)
-    if VERL_FILE_MESSAGE in errors:
-        return cfg, errors  # nothing else of a verl file is this project's config
-    bad_keys = {e.split(":", 1)[0] for e in errors}
-    for e in job_errors(cfg, ws, has_te=has_te):  # a key (or section) whose value was rejected above is not reported twice
-        key = e.split(":", 1)[0]
-        if not any(b == key or b.startswith(key + ".") for b in bad_keys) and e not in errors:
-            errors.append(e)
-    return cfg, errors
+    return cfg, errors + build_errors
 
 
-def load_job_config(path: Optional[str], overrides: Sequence[str] = (), world_size: Optional[int] = None) -> JobConfig:
-    """Read YAML ``path`` (None: all defaults), apply overrides, build and validate; raises one
-    ConfigError listing every problem.
-
-    ``world_size`` (default: the launcher's, $WORLD_SIZE or $SLURM_NTASKS, else 1) is checked against the
-    parallel layout.
-    """
-    cfg, errors = collect_job_config(path, overrides, world_size)
-    if errors:
-        raise ConfigError(_format(errors))
-    return cfg
-
-
-def _format(errors: Sequence[str]) -> str:
+def format_errors(errors: Sequence[str]) -> str:
+    """The one ``ConfigError`` message listing ``errors``."""
     return "invalid config:\n  - " + "\n  - ".join(errors)

@@ -12,7 +12,7 @@
 
 Every setting lives in exactly one place: the loss type is ``algorithm.rollout_correction.loss_type``
 (verl's key), the temperature is ``rollout.temperature`` (the trainer divides its logits by it too).
-Field checks are in :func:`megatron_rl.config.validate.validate_job`. Path-valued fields are marked with
+Field checks are in :func:`megatron_rl.plan.validate_job`. Path-valued fields are marked with
 ``path_field`` and resolved once, where the file is loaded (:mod:`megatron_rl.config.paths`).
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megatron_rl.algo.kl_reward import KLControlConfig
 from megatron_rl.config.paths import HUB, IMPORT, path_field
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
+from megatron_rl.lora.config import LoraConfig
 
 
 #: GPU memory (GiB) ``check`` plans a CUDA job against when ``cluster.gpu_memory_gb`` is not set, and what
@@ -160,6 +161,10 @@ class RolloutConfig:
     """distributed: the address SGLang servers use to reach trainer rank 0 (default: the address of this
     host's interface that routes to the servers; 127.0.0.1 when every server is on loopback). Other
     senders always use the address of their own host's interface that routes to the servers."""
+    lora_sync: str = "merged"
+    """With ``actor.lora``: "merged" -- the sender merges W + (alpha/rank)·B·A (fp32, cast once to the engine
+    dtype) and the weight_sync mode carries it (delta sync and verification as without LoRA); "adapter" -- only
+    A and B travel (verl's ``lora.merge: false``); docs/lora.md#weight-sync."""
     mode: str = "sync"
     """"sync": generate, then train, then sync weights, in sequence. "async": rank 0 generates the next
     steps' rollouts in a background thread while the trainer trains (megatron_rl/trainer/async_rollout.py);
@@ -514,6 +519,9 @@ class ActorConfig:
     """MoE routing replay: none | r2 (train forwards replay the routing the log-prob pass chose) | r3
     (log-prob pass and train forwards replay the rollout engine's routing; needs an MoE model and an engine
     that captures routing). Only the choice of experts is replayed; gate weights are the trainer's."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (``rank``, ``alpha``, ``dropout``, ``target_modules``, ``init``; verl / PEFT names): the base
+    frozen, only the adapters trained; ``rank: 0`` (the default) trains every weight (docs/lora.md)."""
 
 
 @dataclass

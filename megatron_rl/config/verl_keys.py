@@ -379,6 +379,8 @@ def _use_kl_in_reward(value: Any, v: Verl) -> Dict[str, Any]:
     if v.get("algorithm.filter_groups.enable"):
         raise Skip(UNSUPPORTED, "KL in the reward with algorithm.filter_groups.enable (dynamic sampling) is not "
                                 "built: groups are filtered on rank 0 before the log-probs the penalty needs exist")
+    if v.get("algorithm.adv_estimator") == "gae":
+        raise Skip(UNSUPPORTED, "KL in the reward with adv_estimator gae (the critic's GAE) is not built yet")
     if v.get("algorithm.adv_estimator") == "gdpo":
         raise Skip(NO_MEANING, "true has no effect on adv_estimator gdpo in verl (its gdpo reads the reward "
                                "components, never the penalised token_level_rewards): not carried")
@@ -778,6 +780,68 @@ def _pending_rules() -> List[Rule]:
     return rules
 
 
+# ---- LoRA: verl's FSDP keys (model.lora_rank / lora_alpha / target_modules) and its Megatron ones (model.lora.*)
+_NO_LORA = "LoRA is not supported: the whole model trains"
+
+
+def _lora_rank(value: Any, v: Verl) -> Dict[str, Any]:
+    if not value:
+        raise Skip(NO_MEANING, f"{_show(value)}: no adapters, as here (actor.lora.rank 0)")
+    return {"actor.lora.rank": value}
+
+
+def _lora_targets(value: Any, v: Verl) -> Dict[str, Any]:
+    """verl / PEFT write ``all-linear`` as a string; HF and megatron-core names pass as they are (actor.lora
+    validates them)."""
+    return {"actor.lora.target_modules": [value] if isinstance(value, str) else list(value)}
+
+
+def _lora_merge(value: Any, v: Verl) -> Dict[str, Any]:
+    return {"rollout.lora_sync": "merged" if value else "adapter"}
+
+
+def _lora_rules() -> List[Rule]:
+    """Mapped once ``actor.lora`` exists (until then: not supported); each key counts only while its rank is on."""
+    fsdp, mcore = _unless(f"{_MODEL}.lora_rank", bool, ""), _unless(f"{_MODEL}.lora.rank", bool, "")
+    if not (_field("actor.lora.rank") and _field("rollout.lora_sync")):
+        return [_u(f"{_MODEL}.lora_rank", _NO_LORA, neutral=(0,)),
+                _u(f"{_MODEL}.lora.**", _NO_LORA, inactive=mcore), _u(f"{_MODEL}.lora_*", _NO_LORA, inactive=fsdp),
+                _u(f"{_MODEL}.target_modules", _NO_LORA, inactive=fsdp),
+                _u(f"{_MODEL}.exclude_modules", _NO_LORA, inactive=fsdp)]
+    init = "A is initialised as PEFT does (actor.lora.init: kaiming, or gaussian)"
+    return [
+        _m(f"{_MODEL}.lora_rank", "actor.lora.rank", convert=_lora_rank),
+        Rule(f"{_MODEL}.lora_alpha", MAPPED, target="actor.lora.alpha", inactive=fsdp),
+        Rule(f"{_MODEL}.target_modules", MAPPED, convert=_lora_targets, inactive=fsdp),
+        _u(f"{_MODEL}.exclude_modules", "no exclude list: name the targets in actor.lora.target_modules",
+           neutral=(None, []), inactive=fsdp),
+        _u(f"{_MODEL}.lora_adapter_path", "training cannot start from a saved adapter yet", neutral=(None,)),
+        _u(f"{_MODEL}.target_parameters", "adapters on bare nn.Parameters (fused experts) are not built; "
+           "linear_fc1 / linear_fc2 adapt every expert", neutral=(None, [])),
+        _m(f"{_MODEL}.lora.rank", "actor.lora.rank", convert=_lora_rank),
+        Rule(f"{_MODEL}.lora.alpha", MAPPED, target="actor.lora.alpha", inactive=mcore),
+        Rule(f"{_MODEL}.lora.dropout", MAPPED, target="actor.lora.dropout", inactive=mcore),
+        Rule(f"{_MODEL}.lora.target_modules", MAPPED, convert=_lora_targets, inactive=mcore),
+        Rule(f"{_MODEL}.lora.merge", MAPPED, convert=_lora_merge, inactive=mcore,
+             note="verl's merge: true syncs merged weights, false the adapters"),
+        _u(f"{_MODEL}.lora.type", "only plain LoRA (no DoRA, canonical or VLM LoRA)", neutral=("lora",),
+           inactive=mcore),
+        _u(f"{_MODEL}.lora.dropout_position", "dropout is on the adapter's input (PEFT's)", neutral=("pre",),
+           inactive=mcore),
+        _u(f"{_MODEL}.lora.lora_A_init_method", init, neutral=("kaiming",), inactive=mcore),
+        _u(f"{_MODEL}.lora.lora_B_init_method", "B starts at zero", neutral=("zero",), inactive=mcore),
+        _u(f"{_MODEL}.lora.exclude_modules", "no exclude list: name the targets in actor.lora.target_modules",
+           neutral=(None, []), inactive=mcore),
+        _u(f"{_MODEL}.lora.adapter_path", "training cannot start from a saved adapter yet", neutral=(None,),
+           inactive=mcore),
+        _u(f"{_MODEL}.lora.dtype", "adapters are kept in the base's dtype with fp32 main params", neutral=(None,),
+           inactive=mcore),
+        _n(f"{_MODEL}.lora.a2a_experimental", "Megatron-Bridge's experimental expert all-to-all", inactive=mcore),
+        _u(f"{_MODEL}.lora.**", "a Megatron-Bridge LoRA option without a counterpart here", inactive=mcore),
+        _u(f"{_MODEL}.lora_*", _NO_LORA, inactive=fsdp),
+    ]
+
+
 # ---- layout overrides of verl's Megatron actor (override_transformer_config: megatron TransformerConfig fields)
 def _is_full(value: Any) -> bool:
     return value == "full"
@@ -895,7 +959,8 @@ _SGLANG = "give it where the servers start: launch/sglang_server.sh -- <sglang f
           "launch/slurm.sbatch"
 _TRAINER_ONLY = "the actor's own layout is parallel.*"
 _PROFILER = "verl's profiler; profile with your own tools (nsys, torch.profiler) around launch/torchrun.sh"
-_NO_CRITIC = "verl's critic: the trainer's advantage estimators here need no critic (gae is refused)"
+_NO_CRITIC = ("verl's critic worker settings: the critic here has the actor's model, layout, micro-batches and "
+              "the other optimizer keys of critic: (docs/critic.md)")
 _LOGPROB_MB = "one micro-batch setting serves the log-prob and the train pass here (actor.micro_batch_size / " \
               "actor.max_tokens_per_micro_batch)"
 _REF_NOTE = "the reference model (KL loss) runs with the actor's layout and micro-batches here"
@@ -1201,13 +1266,7 @@ def _rules() -> List[Rule]:
         Rule(f"{_MODEL}.use_remove_padding", MAPPED, convert=_remove_padding, inactive=_strategy_is("fsdp"),
              hint=False, note="verl's FSDP actor's packing switch (the Megatron actor's is "
                               "actor.megatron.use_remove_padding)"),
-        _u(f"{_MODEL}.lora_rank", "LoRA is not supported: the whole model trains", neutral=(0,)),
-        _u(f"{_MODEL}.lora.**", "LoRA is not supported: the whole model trains",
-           inactive=_unless(f"{_MODEL}.lora.rank", lambda r: bool(r), "")),
-        _u(f"{_MODEL}.lora_*", "LoRA is not supported: the whole model trains",
-           inactive=_unless(f"{_MODEL}.lora_rank", lambda r: bool(r), "")),
-        _u(f"{_MODEL}.target_modules", "LoRA is not supported", inactive=_unless(f"{_MODEL}.lora_rank", bool, "")),
-        _u(f"{_MODEL}.exclude_modules", "LoRA is not supported", inactive=_unless(f"{_MODEL}.lora_rank", bool, "")),
+        *_lora_rules(),
         _n(f"{_MODEL}.use_liger", "Liger kernels of verl's FSDP actor"),
         _n(f"{_MODEL}.use_fused_kernels", "this project picks its log-prob kernel itself "
            "(docs/logprob_kernels.md)"),
@@ -1219,7 +1278,14 @@ def _rules() -> List[Rule]:
            "(launch/slurm.sbatch SGLANG_MODE=colocated / separate)"),
         _n(f"{_RM}.nccl_timeout", "verl's worker NCCL timeout; trainer.collective_timeout_s here must also cover "
            "the rollout phase (ranks wait in a collective while rank 0 generates)"),
-        # ---- critic (none here)
+        # ---- critic (megatron_rl/config/critic.py: the actor's layout, micro-batches and model)
+        _m("critic.enable", "critic.enable"),
+        _m("critic.optim.lr", "critic.lr"),
+        _m("critic.optim.weight_decay", "critic.weight_decay"),
+        _m("critic.optim.clip_grad", "critic.clip_grad"),
+        _m("critic.ppo_epochs", "critic.ppo_epochs"),
+        _m("critic.cliprange_value", "critic.cliprange_value"),
+        _m("critic.loss_agg_mode", "critic.loss_agg_mode"),
         _n("critic.**", _NO_CRITIC),
         # ---- data
         _m("data.train_files", "data.path", convert=_train_files, note="with data.task: file; ~ expanded as verl does"),
@@ -1361,7 +1427,7 @@ def _rules() -> List[Rule]:
            note="trainer.dump_rollouts writes run_dir/rollouts.jsonl"),
         _n("trainer.balance_batch", "with actor.max_tokens_per_micro_batch the prompt groups of a step are spread "
            "over the DP ranks balancing their tokens"),
-        _n("trainer.critic_warmup", _NO_CRITIC, neutral=(0,)),
+        _m("trainer.critic_warmup", "critic.critic_warmup"),
         _n("trainer.esi_redundant_time", "verl's elastic-server checkpoint timing; a SIGTERM checkpoints "
            "(trainer.stop_timeout_s)"),
         _n("trainer.del_local_ckpt_after_load", "verl's checkpoint housekeeping", neutral=(False,)),

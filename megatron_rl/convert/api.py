@@ -22,6 +22,7 @@ from megatron_rl.convert import storage
 from megatron_rl.convert.checks import CheckpointFormatError
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.hf_config import model_config_from_hf
+from megatron_rl.convert.lora_export import export_full, read_lora_config
 from megatron_rl.convert.slices import read_chunk_from_converted, read_chunk_shard
 from megatron_rl.convert.mapping import hf_to_mcore, mcore_to_hf
 from megatron_rl.convert.shard_files import (ShardLayout, dense_keys, dense_shard, expert_keys, expert_shard,
@@ -128,11 +129,13 @@ def export_hf_from_full(full: Mapping[str, Tensor], geom: HFGeometry, out_dir: s
 
 
 def convert_mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES,
-                        assets_dir: Optional[str] = None) -> list:
+                        assets_dir: Optional[str] = None, merge: bool = False, lora: Optional[dict] = None) -> list:
     """Export a converted shard directory — or a megatron torch_dist (dist_checkpointing) checkpoint —
     to a HF safetensors directory. Config and tokenizer files come from ``assets_dir`` (default: the
-    ``hf_assets`` copy kept at import time; required for torch_dist checkpoints without one).
-    Returns the weight files written."""
+    ``hf_assets`` copy kept at import time; required for torch_dist checkpoints without one). A checkpoint with
+    LoRA adapters is written as a PEFT adapter, or with ``merge`` as the merged model (``lora_export.export_full``;
+    ``lora``: its ``actor.lora`` section, default ``lora_config.json`` beside it). Returns the files written."""
+    lora = lora or read_lora_config(mcore_dir)
     if assets_dir is None and os.path.isdir(os.path.join(mcore_dir, storage.ASSETS_DIR)):
         assets_dir = os.path.join(mcore_dir, storage.ASSETS_DIR)
     if is_torch_dist_checkpoint(mcore_dir):
@@ -141,19 +144,20 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = sto
                 f"{mcore_dir} is a torch_dist checkpoint without {storage.ASSETS_DIR}/: pass the original HF "
                 f"directory as assets_dir / --hf-assets-dir (config.json + tokenizer)")
         return export_torch_dist_to_hf(mcore_dir, out_dir, storage.read_hf_config(assets_dir), assets_dir,
-                                       max_shard_bytes)
+                                       max_shard_bytes, merge=merge, lora=lora)
     geom, full = read_full_mcore_state_dict(mcore_dir)
-    return export_hf_from_full(full, geom, out_dir, assets_dir, max_shard_bytes)
+    return export_full(full, geom, out_dir, lora, merge, assets_dir, None, max_shard_bytes)
 
 
 def export_torch_dist_to_hf(dist_dir: str, out_dir: str, hf_cfg: dict, assets_dir: Optional[str] = None,
-                            max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES) -> list:
+                            max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES, merge: bool = False,
+                            lora: Optional[dict] = None) -> list:
     """Export the model tensors of a torch_dist checkpoint (any TP / PP / EP layout it was saved with) as
     the HF model ``hf_cfg`` describes: config / tokenizer files from ``assets_dir`` when given, else
-    ``hf_cfg`` as config.json. Returns the weight files written."""
+    ``hf_cfg`` as config.json; LoRA adapters as in ``convert_mcore_to_hf``. Returns the files written."""
     geom = HFGeometry.from_hf_config(hf_cfg)
     full = read_torch_dist_model_state_dict(dist_dir, geom)
-    return export_hf_from_full(full, geom, out_dir, assets_dir, max_shard_bytes, config=hf_cfg)
+    return export_full(full, geom, out_dir, lora, merge, assets_dir, hf_cfg, max_shard_bytes)
 
 
 def load_rank_state_dict(ckpt_dir: str, layout: ShardLayout, tp_rank: int = 0, pp_rank: int = 0,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,10 @@ __all__ = ["HFTarget", "hf_target", "check_model_config_matches", "load_checkpoi
            "gather_full_state_dict", "gather_hf_state_dict", "export_model_to_hf"]
 
 _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+#: How a chunk's tensors are read (``view``): its canonical state dict -> the (name, tensor) pairs to export
+#: (e.g. ``lora.merge.merged_items``: adapters merged into their base weights). None: the state dict as it is.
+TensorView = Optional[Callable[[Mapping[str, Tensor]], Iterable[Tuple[str, Tensor]]]]
 
 # geometry fields that may differ between a checkpoint and the model it is loaded into (not a tensor shape)
 _FREE_FIELDS = ("architecture", "family", "vocab_size", "moe_router_topk", "num_mtp_layers")
@@ -187,7 +191,8 @@ def _merge(t: Tensor, kind: str, group, size: int, name: str, copy: bool = True,
 def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
                       groups: ActorGroups, owner_only: bool = False,
                       gather_dtype: Optional[torch.dtype] = None,
-                      gather: Optional[PieceGather] = None) -> Iterator[Tuple[str, Tensor]]:
+                      gather: Optional[PieceGather] = None, view: TensorView = None
+                      ) -> Iterator[Tuple[str, Tensor]]:
     """Collective over the TP / EP / ETP groups of this rank's pipeline stage (every rank calls it): the
     (full-state-dict name, full tensor) of each parameter of this stage's chunks, on every rank of the
     first (expert-)data-parallel replica; other replicas skip what they do not send. Embedding / output
@@ -210,7 +215,8 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
     per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
     for i, chunk in enumerate(chunks):
         first_layer, _ = layer_range(model_cfg.num_layers, _chunk_coords(groups, chunk, i))
-        for name, t in canonical_state_dict(chunk.state_dict()).items():
+        sd = canonical_state_dict(chunk.state_dict())
+        for name, t in (sd.items() if view is None else view(sd)):
             t = t.detach()
             in_layer = split_layer_name(name)
             if in_layer is None:
@@ -245,12 +251,13 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
 def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
                     groups: ActorGroups, owner_only: bool = False,
                     gather_dtype: Optional[torch.dtype] = None,
-                    gather: Optional[PieceGather] = None) -> Iterator[Tuple[str, Tensor]]:
+                    gather: Optional[PieceGather] = None, view: TensorView = None
+                    ) -> Iterator[Tuple[str, Tensor]]:
     """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
-    collective contract, ``owner_only``, ``gather_dtype`` and ``gather``). A parameter without a HF counterpart in ``geometry`` raises,
-    naming it."""
+    collective contract, ``owner_only``, ``gather_dtype``, ``gather`` and ``view``). A parameter without a HF
+    counterpart in ``geometry`` raises, naming it."""
     rules = {r.mcore_name: r for r in param_rules(geometry)}
-    for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only, gather_dtype, gather):
+    for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only, gather_dtype, gather=gather, view=view):
         rule = rules.get(name)
         if rule is None:
             raise CheckpointMismatchError(f"model parameter {name!r} has no HF tensor in {geometry.architecture}")
@@ -301,17 +308,17 @@ def _collect_on_rank0(pairs: Iterator[Tuple[str, Tensor]], groups: ActorGroups) 
 
 
 def gather_full_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
-                           groups: ActorGroups) -> Optional[Dict[str, Tensor]]:
+                           groups: ActorGroups, view: TensorView = None) -> Optional[Dict[str, Tensor]]:
     """Collective over all ranks: the full Megatron state dict (local-spec names, padded vocab, CPU) on
-    global rank 0, None elsewhere."""
-    return _collect_on_rank0(iter_full_tensors(chunks, model_cfg, groups), groups)
+    global rank 0, None elsewhere (``view``: as in :func:`iter_full_tensors`, e.g. the LoRA adapters alone)."""
+    return _collect_on_rank0(iter_full_tensors(chunks, model_cfg, groups, view=view), groups)
 
 
 def gather_hf_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
-                         groups: ActorGroups) -> Optional[Dict[str, Tensor]]:
+                         groups: ActorGroups, view: TensorView = None) -> Optional[Dict[str, Tensor]]:
     """Collective over all ranks: {HF name: CPU tensor} on global rank 0 (every HF tensor of ``geometry``
     checked present, with its shape), None elsewhere."""
-    sd = _collect_on_rank0(iter_hf_tensors(chunks, model_cfg, geometry, groups), groups)
+    sd = _collect_on_rank0(iter_hf_tensors(chunks, model_cfg, geometry, groups, view=view), groups)
     if sd is not None:
         check_state_dict(sd, {n: s for r in param_rules(geometry) for n, s in zip(r.hf_names, r.hf_shapes)},
                          f"HF export of the live model ({geometry.architecture})")
@@ -319,12 +326,13 @@ def gather_hf_state_dict(chunks: Sequence[torch.nn.Module], model_cfg: ModelConf
 
 
 def export_model_to_hf(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, target: HFTarget, out_dir: str,
-                       groups: ActorGroups, max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES
-                       ) -> Optional[List[str]]:
+                       groups: ActorGroups, max_shard_bytes: int = storage.DEFAULT_MAX_SHARD_BYTES,
+                       view: TensorView = None) -> Optional[List[str]]:
     """Collective over all ranks: global rank 0 writes the live model as the HF directory ``out_dir``
     (safetensors in the model's dtype + the target's config / tokenizer files); returns the weight files
-    there, None elsewhere. Ends with a barrier, so the directory is complete when any rank returns."""
-    sd = gather_hf_state_dict(chunks, model_cfg, target.geometry, groups)
+    there, None elsewhere (``view``: as in :func:`iter_full_tensors`). Ends with a barrier, so the directory is
+    complete when any rank returns."""
+    sd = gather_hf_state_dict(chunks, model_cfg, target.geometry, groups, view)
     files = None
     if sd is not None:
         files = storage.write_hf_model_dir(out_dir, sd, target.assets_dir, target.config, max_shard_bytes)

@@ -34,6 +34,8 @@ _GROUPED_EXPERT_RE = re.compile(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias)
 _COLUMN_ATTENTION = tuple(f"self_attention.{x}." for x in (
     "linear_qkv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"))
 _REPLICATED_ATTENTION = ("self_attention.linear_q_down_proj.", "self_attention.linear_kv_down_proj.")
+#: A LoRA adapter of module ``P``: ``P.lora_A.weight`` / ``P.lora_B.weight`` (docs/lora.md)
+_LORA_RE = re.compile(r"^(.*)\.lora_(A|B)\.weight(\d*)$")
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,14 @@ class RankCoords:
 
 def param_kind(local_name: str) -> str:
     """How a (layer-local) parameter is split: 'vocab', 'column', 'glu_column', 'row', 'replicated',
-    'expert_glu_column', 'expert_row'. Raises KeyError for names this module does not know."""
+    'expert_glu_column', 'expert_row'. Raises KeyError for names this module does not know. A LoRA adapter
+    follows its base weight: a column-parallel base splits B like itself (A whole), a row-parallel one A."""
     name = local_name
+    lora = _LORA_RE.match(name)
+    if lora is not None:
+        base = param_kind(lora.group(1) + ".weight" + lora.group(3))
+        split = lora.group(2) == ("B" if base in ("column", "glu_column", "expert_glu_column") else "A")
+        return base if split and base != "vocab" else "replicated"
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return "vocab"
     if name.startswith("decoder.final_layernorm.") or name.endswith("layernorm.weight") \

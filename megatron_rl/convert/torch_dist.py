@@ -36,7 +36,7 @@ from megatron_rl.convert.model_state import canonical_state_dict
 Tensor = torch.Tensor
 
 _EMBED = "embedding.word_embeddings.weight"
-_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.weight)$")
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.(?:lora_[AB]\.)?weight)$")
 
 
 def is_torch_dist_checkpoint(path: str) -> bool:

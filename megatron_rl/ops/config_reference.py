@@ -28,10 +28,12 @@ SECTIONS: Sequence[Tuple[str, str, str]] = (
     ("algorithm.kl_ctrl", "megatron_rl.algo.kl_reward", "KLControlConfig"),
     ("actor", "megatron_rl.config.sections", "ActorConfig"),
     ("actor.policy_loss", "megatron_rl.losses.config", "PolicyLossConfig"),
+    ("actor.lora", "megatron_rl.lora.config", "LoraConfig"),
     ("trainer", "megatron_rl.config.sections", "TrainerConfig"),
     ("reward", "megatron_rl.config.reward_section", "RewardConfig"),
     ("reward.judge", "megatron_rl.tasks.judge_config", "JudgeConfig"),
     ("reward.model", "megatron_rl.config.reward_section", "RewardModelConfig"),
+    ("critic", "megatron_rl.config.critic", "CriticConfig"),
 )
 
 

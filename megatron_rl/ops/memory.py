@@ -18,6 +18,7 @@ from megatron_rl.actor.micro_batching import interleaved_group_size
 from megatron_rl.convert.partition import chunk_layer_range
 
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
+from megatron_rl.lora.counts import adapter_counts
 from megatron_rl.models.attention import BACKENDS
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.rollout.budget import response_budget
@@ -142,10 +143,16 @@ class StagePlan:
     logits_fused: float
     reference: float = 0.0
     """The KL reference model on this rank (0 without a KL loss)."""
+    adapter_params: int = 0
+    """LoRA adapter parameters of this rank (``actor.lora``; included in ``params``): the only ones with gradients
+    and optimizer state then."""
     host: float = 0.0
     """Host memory (CPU RAM) of this rank: the offloaded optimizer state, the parked reference (not in ``total``)."""
     reference_parked: bool = False
     """The reference is on the device only during its log-prob pass (``actor.ref_param_offload``)."""
+    critic: float = 0.0
+    """PPO's critic on this rank: its weights, gradients and Adam state, held through the whole step (its
+    activations come while the actor's do not, and are at most the actor's: not added)."""
 
     def total(self, recompute: str, fused: bool) -> float:
         """Sum of all components for one recompute mode / log-prob path (a parked reference: the larger of it and
@@ -153,7 +160,7 @@ class StagePlan:
         logits = self.logits_fused if fused else self.logits_unfused
         acts = self.activations[recompute]
         held = max(self.reference, acts) if self.reference_parked else self.reference + acts
-        return self.params + self.grads + self.optimizer + held + logits
+        return self.params + self.grads + self.optimizer + held + logits + self.critic
 
 
 @dataclass
@@ -192,6 +199,8 @@ class MemoryPlan:
     """The attention backend materialises the ``[b, heads, s, s]`` scores of this job's micro-batches."""
     reference_model: bool = False
     """A KL reference model is held (``actor.policy_loss.kl_loss_coef > 0`` or ``algorithm.use_kl_in_reward``)."""
+    critic_model: bool = False
+    """PPO's critic is trained (``critic:``): the actor's body with a value head, its own gradients and Adam state."""
     stages: List[StagePlan] = field(default_factory=list)
 
     def peak(self) -> StagePlan:
@@ -380,6 +389,7 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         if p.interleaved:  # the interleaved schedule needs >= PP micro-batches: the actor splits them further
             micro = max(micro, min(pp, per_minibatch))
     pattern = m.moe_layer_pattern()
+    lora = cfg.actor.lora  # adapters: the base has no gradient, no main parameter, no Adam state; no 2nd reference
     V, h = m.vocab_size, m.hidden_size
     opt_bytes = 12 if o.params_bytes < 4 else 8
     main_bytes = 4 if o.params_bytes < 4 else 0  # fp32 main copy of bf16 parameters (part of opt_bytes)
@@ -391,14 +401,20 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
                       active_params=active_parameters(m) if m.is_moe else total_parameters(m),
                       max_tokens_per_micro_batch=budget, sequence_packing=bool(cfg.actor.sequence_packing),
                       longest_row=row, keeps_scores=keep,
-                      reference_model=cfg.actor.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward)
+                      reference_model=(cfg.actor.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward)
+                      and not lora.enabled,
+                      critic_model=cfg.critic.enabled(cfg.algorithm.advantage_estimator))
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
                                              p.num_layers_in_last_pipeline_stage)):
-        dense = expert = 0
+        dense = expert = ad = ae = 0
         for i in layers:
             d_, e_ = layer_counts(m, tp, ep, etp, bool(pattern[i]))
             dense += d_
             expert += e_
+            if lora.enabled:
+                a_, b_ = adapter_counts(m, lora, tp, ep, bool(pattern[i]))
+                ad += a_
+                ae += b_
         if st == 0:
             dense += V * h // tp
         if st == pp - 1:
@@ -406,16 +422,19 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
             if m.untie_embeddings_and_output_weights or pp > 1:
                 dense += V * h // tp
         n = dense + expert
+        trained = ad + ae if lora.enabled else n  # parameters with gradients and optimizer state
         dense_shard = dp * cp if o.distributed_optimizer else 1
         expert_shard = edp if o.distributed_optimizer else 1
-        shard = dense / dense_shard + expert / expert_shard  # optimizer elements of this rank
+        shard = (ad / dense_shard + ae / expert_shard if lora.enabled
+                 else dense / dense_shard + expert / expert_shard)  # optimizer elements of this rank
         optimizer = opt_bytes * shard
         # fp32 output layer (bf16 actor): that weight is fp32 on its stage(s), its own main parameter
         fp32_w = 0
         if o.fp32_output_layer and o.params_bytes < 4:
             tied = not m.untie_embeddings_and_output_weights
             fp32_w = (V * h // tp) * ((st == pp - 1) + (st == 0 and tied and pp > 1))
-        optimizer -= main_bytes * fp32_w / dense_shard
+        if not lora.enabled:  # (a LoRA actor's output layer is frozen: no main parameter)
+            optimizer -= main_bytes * fp32_w / dense_shard
         host = 0.0
         if o.optimizer_offload_fraction:  # HybridDeviceOptimizer: the offloaded share lives on the host
             host = 16.0 * o.optimizer_offload_fraction * shard
@@ -425,6 +444,13 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
             reference = float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w)
             if o.reference_offload:
                 host += reference
+        critic = 0.0
+        if plan.critic_model:  # the actor's parameters, the output layer replaced by the [h -> 1] value head
+            out = V * h // tp if st == pp - 1 and (m.untie_embeddings_and_output_weights or pp > 1) else 0
+            n_c = n - out + (h + 1 if st == pp - 1 else 0)
+            c_opt = opt_bytes * n_c / dense_shard
+            host += 16.0 * o.optimizer_offload_fraction * n_c / dense_shard
+            critic = float((o.params_bytes + o.grad_bytes) * n_c + c_opt * (1.0 - o.optimizer_offload_fraction))
         flight = _in_flight(st, pp, vpp, micro)
 
         def per_layer(with_scores: bool) -> List[float]:
@@ -445,12 +471,12 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
             logit_bytes = 4 if o.fp32_output_layer else o.params_bytes
             logits_unfused = 2.0 * logit_bytes * T * vloc + logits_fused
         plan.stages.append(StagePlan(stage=st, layers=layers, dense_params=dense, expert_params=expert,
-                                     params=float(o.params_bytes * n + (4 - o.params_bytes) * fp32_w),
-                                     grads=float(o.grad_bytes * n),
+                                     params=float(o.params_bytes * (n + ad + ae) + (4 - o.params_bytes) * fp32_w),
+                                     grads=float(o.grad_bytes * trained), adapter_params=ad + ae,
                                      optimizer=optimizer, activations=acts, microbatches_in_flight=flight,
                                      logits_unfused=logits_unfused, logits_fused=logits_fused,
                                      reference=reference, host=host,
-                                     reference_parked=plan.reference_model and o.reference_offload))
+                                     reference_parked=plan.reference_model and o.reference_offload, critic=critic))
     return plan
 
 
@@ -541,6 +567,7 @@ def format_plan(plan: MemoryPlan, gpu_memory_gb: Optional[float] = None, device:
         f"({'[b, heads, s, s] scores materialised' if plan.keeps_scores else 'no score matrix kept'})"
         f"{', KL reference model' if plan.reference_model else ''}"
         f"{' (parked on the host between its passes)' if plan.reference_model and o.reference_offload else ''}"
+        f"{', PPO critic (its weights, grads and Adam state are in TOTAL)' if plan.critic_model else ''}"
         f"{f', optimizer CPU offload {o.optimizer_offload_fraction:g}' if o.optimizer_offload_fraction else ''}",
         "",
         f"{mem} per rank, GiB (ref: KL reference model; activations: none / selective / full recompute; "

@@ -19,6 +19,7 @@ from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
+from megatron_rl.weight_sync.lora_sync import LORA_SYNC_MODES
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["TASKS", "ADV", "DTYPES", "DEVICES", "Unbuilt", "build_dims", "cluster_errors", "rollout_errors",
@@ -192,24 +193,27 @@ def staleness_errors(r, t) -> List[str]:
     return errs
 
 
-def weight_sync_settings(r, run_dir: str) -> WeightSyncSettings:
+def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
     """The job's ``WeightSyncSettings``, built once (the mode resolved here: ``auto`` is the engine's default);
-    ``Unbuilt`` with the ``rollout.weight_sync*`` problems against the engine and ``rollout.mode``."""
+    ``Unbuilt`` with the ``rollout.weight_sync*`` / ``rollout.lora_sync`` problems against the engine and
+    ``rollout.mode`` (``lora``: ``actor.lora``, None when the job has none)."""
     errs: List[str] = []
+    lora_errs = lora_sync_errors(r, lora)
     modes = ("auto",) + WEIGHT_SYNC_MODES
     if r.weight_sync not in modes:
         errs.append(f"rollout.weight_sync: {r.weight_sync!r} is not one of {', '.join(modes)}")
     elif r.weight_sync != "auto" and r.engine in ENGINE_KINDS:
         engine = engine_class(r.engine)
-        if r.weight_sync not in engine.weight_sync_modes:
-            able = [k for k in ENGINE_KINDS if r.weight_sync in engine_class(k).weight_sync_modes]
+        caps = engine.sync_capabilities
+        if r.weight_sync not in caps.modes:
+            able = [k for k in ENGINE_KINDS if r.weight_sync in engine_class(k).sync_capabilities.modes]
             errs.append(f"rollout.weight_sync: {r.weight_sync!r} needs rollout.engine "
                         f"{' or '.join(repr(k) for k in able)} (the {r.engine} engine takes "
-                        f"{' or '.join(engine.weight_sync_modes)})")
-        elif r.mode == "async" and r.weight_sync not in engine.deferred_weight_sync_modes:
+                        f"{' or '.join(caps.modes)})")
+        elif r.mode == "async" and r.weight_sync not in caps.deferred:
             errs.append(f"rollout.weight_sync: {r.weight_sync!r} streams the weights from every trainer rank at "
                         f"sync time, but rollout.mode 'async' applies them later in rank 0's producer thread alone "
-                        f"— use rollout.weight_sync: {' or '.join(engine.deferred_weight_sync_modes)} (or auto) "
+                        f"— use rollout.weight_sync: {' or '.join(caps.deferred)} (or auto) "
                         f"with rollout.mode: async")
     if not r.weight_sync_bucket_mb > 0:
         errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")
@@ -221,8 +225,8 @@ def weight_sync_settings(r, run_dir: str) -> WeightSyncSettings:
         errs.append(f"rollout.weight_sync_timeout_s: must be > 0, got {r.weight_sync_timeout_s}")
     settings = None
     mode_accepted = not any(e.startswith("rollout.weight_sync:") for e in errs)  # by the engine and rollout.mode
-    if r.engine in ENGINE_KINDS and mode_accepted:
-        settings = WeightSyncSettings.build(r, run_dir, engine_class(r.engine))  # the one place a mode is built
+    if r.engine in ENGINE_KINDS and mode_accepted and not lora_errs:
+        settings = WeightSyncSettings.build(r, run_dir, engine_class(r.engine), lora)  # the one place a mode is built
     mode = settings.mode.name if settings is not None else None
     if r.weight_sync_delta and mode is not None:
         if r.mode == "async":
@@ -234,9 +238,28 @@ def weight_sync_settings(r, run_dir: str) -> WeightSyncSettings:
                         + (" (auto)" if r.weight_sync == "auto" else "")
                         + ("; SGLang's /update_weights_from_distributed loads whole tensors only"
                            if mode == "distributed" else ""))
+    errs += lora_errs
     if errs or settings is None:
         raise Unbuilt(errs)
     return settings
+
+
+def lora_sync_errors(r, lora) -> List[str]:
+    """``rollout.lora_sync`` against ``actor.lora`` (``lora``) and the engine: a value it is not, adapter-only
+    sync with an engine that cannot apply adapters, or a non-default value without adapters."""
+    mode = getattr(r, "lora_sync", "merged")
+    if mode not in LORA_SYNC_MODES:
+        return [f"rollout.lora_sync: {mode!r} is not one of {', '.join(LORA_SYNC_MODES)}"]
+    on = lora is not None and bool(getattr(lora, "rank", 0))
+    if mode != "merged" and not on:
+        return [f"rollout.lora_sync: {mode!r} needs actor.lora (rank > 0); without adapters the whole model syncs"]
+    if mode == "adapter" and r.weight_sync_delta:
+        return ["rollout.weight_sync_delta: true with rollout.lora_sync 'adapter': the adapters travel whole (a few "
+                "MB); use one or the other"]
+    if mode == "adapter" and r.engine in ENGINE_KINDS and not engine_class(r.engine).lora_adapter_sync:
+        return [f"rollout.lora_sync: 'adapter' is not built for rollout.engine {r.engine!r} (its engine cannot "
+                f"apply adapters sent alone): use rollout.lora_sync: merged"]
+    return []
 
 
 def validation_errors_of_job(cfg, world_size: int) -> List[str]:
@@ -332,3 +355,18 @@ def model_extra_errors(model: Optional[ModelConfig]) -> List[str]:
             errs.append(f"model.extra.{key}: not a megatron-core TransformerConfig field"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     return errs
+
+
+def lora_adapter_expert_errors(cfg) -> List[str]:
+    """Adapter-only sync of expert adapters: the embedded engine's transformers model fuses a MoE layer's experts
+    (no per-expert linear to apply an adapter to) -- refused, naming the keys, before anything runs."""
+    lora, model = cfg.actor.lora, cfg.model
+    if not (lora.enabled and getattr(cfg.rollout, "lora_sync", "merged") == "adapter" and model is not None
+            and model.num_moe_experts):
+        return []
+    experts = [entry for entry, name in lora.mcore_targets() if name in ("linear_fc1", "linear_fc2")]
+    if not experts:
+        return []
+    return [f"rollout.lora_sync: 'adapter' with actor.lora.target_modules {sorted(set(experts))} on a MoE model: "
+            f"the engine keeps the experts fused and cannot apply per-expert adapters; use rollout.lora_sync: merged "
+            f"(or leave the MLP out of the targets)"]

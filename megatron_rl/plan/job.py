@@ -30,12 +30,16 @@ from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.algo.estimator import Estimator
 from megatron_rl.plan.advantage import build_estimator, describe_advantages
+from megatron_rl.plan.lora import lora_spec
+from megatron_rl.actor.critic import CriticSpec
+from megatron_rl.plan.critic import critic_plan
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
                                      dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
                                      rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
                                      weight_sync_settings)
 from megatron_rl.plan.kl_reward import build_kl_in_reward, describe_kl_in_reward
 from megatron_rl.plan.reward_checks import reward_errors_of_job
+from megatron_rl.plan.checks import lora_adapter_expert_errors
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
 
@@ -44,7 +48,7 @@ if TYPE_CHECKING:  # the config package validates through this module: only its 
 
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
-__all__ = ["JobPlan", "PlanError", "actor_spec", "replay_of", "job_engine", "world_errors"]
+__all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "job_engine", "world_errors"]
 
 T = TypeVar("T")
 
@@ -115,6 +119,10 @@ class JobPlan:
     """The advantage estimator (``algorithm.adv_estimator`` and its parameters; ``plan/advantage.py``)."""
     kl_in_reward: Optional[object] = dataclasses.field(repr=False, compare=False, default=None)
     """``algo.kl_reward.KLInReward`` (its controller holds beta) with ``algorithm.use_kl_in_reward``, else None."""
+    lora: Optional[object] = None
+    """``LoraSpec`` of ``actor.lora`` (adapters, base frozen), or None."""
+    critic: Optional[CriticSpec] = None
+    """PPO's value model (``critic:``; ``plan.critic``), or None: the job trains no critic."""
 
     @property
     def actor(self) -> ActorSpec:
@@ -122,7 +130,7 @@ class JobPlan:
         c = self.cfg
         return ActorSpec(model=c.model, parallel=c.parallel, actor=c.actor, precision=self.precision,
                          batcher=self.batcher, replay=self.replay, objective=self.objective,
-                         lr_schedule=self.lr_schedule)
+                         lr_schedule=self.lr_schedule, lora=self.lora)
 
     def build_engine(self):
         """Rank 0: the rollout engine and the SGLang server it launched, or None (``rollout.factory``)."""
@@ -138,7 +146,8 @@ class JobPlan:
         prec = "bf16" if self.precision.bf16 else "fp32"
         fg = self.dynamic_sampling
         lines = [f"layout: world size {self.world_size}, {self.dims.describe()}; rollout engine "
-                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}",
+                 f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}"
+                 + (f" (LoRA {self.weight_sync.lora.mode})" if self.weight_sync.lora is not None else ""),
                  f"actor: {prec} params{', fp32 output layer' if self.precision.fp32_output_layer else ''}; "
                  f"micro-batches of {rows}, {'packed' if b.packed else 'padded'}; routing replay {self.replay.name}; "
                  f"{ac.ppo_epochs} epoch(s) x {ac.ppo_mini_batches} mini-batch(es) per step",
@@ -150,6 +159,15 @@ class JobPlan:
             lines.append(describe_advantages(self.estimator, self.cfg.algorithm.rollout_correction))
         if self.kl_in_reward is not None:
             lines.append(describe_kl_in_reward(self.kl_in_reward))
+        if self.lora is not None:
+            lc = self.lora.config
+            lines.append(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g}, on {', '.join(lc.target_modules)}; base frozen, "
+                         f"KL reference = base (adapters off)")
+        if self.critic is not None:
+            cc = self.cfg.critic
+            lines.append(f"critic: value head on the actor's layout; lr {cc.lr}, {cc.ppo_epochs} epoch(s) x "
+                         f"{cc.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
+                         f"{cc.loss_agg_mode}, critic_warmup {cc.critic_warmup} step(s)")
         return lines
 
     def objective_line(self) -> str:
@@ -195,7 +213,8 @@ class JobPlan:
         replay = p.build(_replay, ac.routing_replay, cfg.model)
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
-        ws = p.build(weight_sync_settings, r, t.run_dir)
+        ws = p.build(weight_sync_settings, r, t.run_dir, ac.lora)
+        p.add(lora_adapter_expert_errors(cfg))
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
         p.add(multi_turn_errors_of_job(cfg))
@@ -208,12 +227,17 @@ class JobPlan:
             p.add(attention_errors(attention, cfg))
         p.add(model_extra_errors(cfg.model))
         recompute = p.build(_recompute, ac, cfg.model, cfg.parallel)
+        lora = p.build(lora_spec, cfg)
+        critic = p.build(critic_plan, cfg, precision, batcher, budget)
+        if lora is not None and critic is not None:
+            p.add(["critic.enable: a critic beside actor.lora is not built (the critic would train its whole body "
+                   "next to a frozen, adapted actor); train the critic without LoRA or use a critic-free estimator"])
         if p.found or p.unbuilt or engine is None or cfg.model is None:
             return None, p.found
         return cls(world_size=world_size, dims=dims, engine=engine, weight_sync=ws, budget=budget,
                    dynamic_sampling=dynamic, precision=precision, batcher=batcher, replay=replay,
                    objective=objective, lr_schedule=lr_schedule, recompute=recompute, attention=attention,
-                   cfg=cfg, estimator=estimator, kl_in_reward=kl_in_reward), []
+                   cfg=cfg, estimator=estimator, kl_in_reward=kl_in_reward, lora=lora, critic=critic), []
 
 
 def _dynamic_sampling(cfg) -> Optional[object]:
@@ -304,10 +328,28 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
     spec = dict(precision=p.build(Precision.from_actor_config, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
-                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps))
+                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg))
     if p.found or p.unbuilt:
         raise PlanError(p.found or ["actor: the plan could not be built"])
     return ActorSpec(model=cfg.model, parallel=cfg.parallel, actor=ac, **spec)
+
+
+def _actor_lora(cfg):
+    """``lora_spec`` of an actor alone (it syncs no weights: the rollout side's refusal does not apply)."""
+    return lora_spec(cfg, with_sync=False)
+
+
+def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpec:
+    """The critic's part of the plan alone (tests and tools): the actor's layout, precision and micro-batcher with
+    the critic's keys; ``PlanError`` naming what failed, or when the job trains no critic."""
+    a = actor_spec(cfg, world_size)
+    try:
+        spec = critic_plan(cfg, a.precision, a.batcher, ResponseBudget.of(cfg.rollout, cfg.multi_turn))
+    except Unbuilt as exc:
+        raise PlanError(exc.problems or ["critic: the plan could not be built"]) from None
+    if spec is None:
+        raise PlanError(["critic.enable: the job trains no critic (set critic.enable: true or advantage_estimator: gae)"])
+    return spec
 
 
 def replay_of(cfg: "JobConfig") -> ReplayMode:

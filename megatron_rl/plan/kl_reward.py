@@ -38,6 +38,10 @@ def build_kl_in_reward(algorithm) -> Optional[KLInReward]:
     elif a.kl_penalty not in KL_TYPES:
         errs.append(f"algorithm.kl_penalty: {a.kl_penalty!r} is not one of {', '.join(KL_TYPES)}")
     errs += a.kl_ctrl.errors()
+    if a.advantage_estimator == "gae":
+        errs.append("algorithm.use_kl_in_reward: not built with algorithm.adv_estimator 'gae' (the critic's GAE "
+                    "places each row's scalar reward itself and does not take the penalised token_level_rewards "
+                    "yet); use the KL loss (actor.use_kl_loss) or another estimator")
     if a.advantage_estimator == "gdpo":
         errs.append("algorithm.use_kl_in_reward: no effect with algorithm.adv_estimator 'gdpo' (verl's gdpo "
                     "normalises the reward components of algorithm.gdpo_reward_keys and never reads the penalised "

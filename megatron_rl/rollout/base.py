@@ -214,7 +214,7 @@ class RolloutEngine(WeightEndpoint):
     @classmethod
     def config_errors(cls, rollout) -> list[str]:
         """What this engine needs of the ``rollout`` config section that is missing (one message per
-        problem, naming its dotted key); checked by ``config.validate`` before anything is built."""
+        problem, naming its dotted key); checked by ``plan.validate_job`` before anything is built."""
         return []
 
     @classmethod

@@ -34,8 +34,9 @@ from megatron_rl.rollout.embedded_sampling import (
     sampled_logprobs,
 )
 from megatron_rl.weight_sync.receivers.embedded import BucketLoader, load_state_dict_checked, read_weight_update
+from megatron_rl.rollout.embedded_lora import EmbeddedAdapters
 from megatron_rl.rollout.finish import stop_ids
-from megatron_rl.weight_sync.endpoint import tensor_checksum
+from megatron_rl.weight_sync.endpoint import SyncCapabilities, WeightHolding, tensor_checksum
 from megatron_rl.weight_sync.layout import transformers_layout
 from megatron_rl.rollout.routing import RouterCapture
 
@@ -78,17 +79,14 @@ def fuse_expert_tensors(state_dict: Mapping[str, torch.Tensor], model_keys) -> M
 class EmbeddedEngine(RolloutEngine):
     """In-process generation with an HF ``transformers`` causal LM (see the module docstring)."""
 
-    #: Disk exports or in-process buckets ("distributed" has no servers to reach).
-    weight_sync_modes = ("disk", "tensor")
-    #: Both arrive whole on rank 0 (the export path; the model's buckets), so the async producer can load them later.
-    deferred_weight_sync_modes = ("disk", "tensor")
+    #: Disk exports or in-process buckets ("distributed" has no servers to reach); both arrive whole on rank 0 (the
+    #: export path; the model's buckets), so the async producer can load them later; auto: "tensor", sync or async.
+    sync_capabilities = SyncCapabilities(modes=("disk", "tensor"), deferred=("disk", "tensor"),
+                                         default_sync="tensor", default_async="tensor")
     #: Every rollout's random stream is seeded by the call's ``seed`` (see the module docstring).
     seeded_sampling = True
-
-    @classmethod
-    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
-        """"tensor": in-process buckets, sync or async."""
-        return "tensor"
+    #: LoRA adapters sent alone are applied in the forward (``embedded_lora``; rollout.lora_sync: adapter).
+    lora_adapter_sync = True
 
     @classmethod
     def describe(cls, rollout) -> str:
@@ -149,6 +147,7 @@ class EmbeddedEngine(RolloutEngine):
         self._generator = torch.Generator().manual_seed(int(seed))
         self._version = str(weight_version)
         self._invalid: str | None = None  # why the weights must not be served (a failed bucketed sync)
+        self._adapters = EmbeddedAdapters(self.model, self.dtype)  # adapter-only LoRA sync (none installed)
 
     # ------------------------------------------------------------------ interface
     @property
@@ -194,16 +193,18 @@ class EmbeddedEngine(RolloutEngine):
         self._mark_synced(version)
 
     # ------------------------------------------------------------------ bucketed sync (rollout.weight_sync)
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The engine's compute dtype (buckets arrive cast to it)."""
-        return self.dtype
-
-    def full_precision_weight_names(self, hf_names=()) -> set:
-        """Floating parameters / buffers transformers keeps in another dtype than the engine's (e.g. fp32
-        ``e_score_correction_bias`` of DeepSeek-V3 in a bf16 model)."""
+    def weight_holding(self, hf_names, geometry=None, verify: bool = False) -> WeightHolding:
+        """The engine's compute dtype (buckets arrive cast to it); full precision: floating parameters / buffers
+        transformers keeps in another dtype (e.g. fp32 ``e_score_correction_bias`` of DeepSeek-V3 in a bf16 model);
+        verified: the model's own tensors built from ``hf_names`` (fused experts included; rotary buffers not),
+        hashed with ``tensor_checksum``."""
         self._require_model(generating=False)
-        return {n for n, t in self.model.state_dict().items() if t.is_floating_point() and t.dtype != self.dtype}
+        own = self.model.state_dict()
+        keep = frozenset(n for n, t in own.items() if t.is_floating_point() and t.dtype != self.dtype)
+        if not verify:
+            return WeightHolding(dtype=self.dtype, full_precision=keep)
+        layout = transformers_layout(hf_names, {k for k in own if not k.endswith("inv_freq")})
+        return WeightHolding(dtype=self.dtype, full_precision=keep, checksum=tensor_checksum, layout=tuple(layout))
 
     def begin_weight_sync(self, version: str, timeout_s: float, groups=None) -> BucketLoader:
         """A ``BucketLoader`` copying each bucket into the model as it arrives (every sender's buckets come to
@@ -216,11 +217,6 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"begin_weight_sync: version={version!r} must be a non-empty string")
         return BucketLoader(self, version, float(timeout_s or 600.0))
 
-    def weight_layout(self, hf_names, geometry) -> list:
-        """The model's own tensors built from ``hf_names`` (fused expert tensors included; rotary buffers not)."""
-        self._require_model(generating=False)
-        return transformers_layout(hf_names, {k for k in self.model.state_dict() if not k.endswith("inv_freq")})
-
     def weight_checksums(self, names) -> dict:
         """``{"embedded": {name: (tensor_checksum of the engine's copy,)}}``."""
         self._require_model(generating=False)
@@ -229,6 +225,26 @@ class EmbeddedEngine(RolloutEngine):
         if missing:
             raise WeightSyncError(f"EmbeddedEngine has no tensor(s) {missing[:8]}")
         return {"embedded": {n: (tensor_checksum(own[n]),) for n in names}}
+
+    # ------------------------------------------------------------------ adapter-only sync (rollout.lora_sync)
+    def load_lora_adapter(self, tensors: Mapping[str, torch.Tensor], scale: float, version: str) -> None:
+        """Apply the LoRA adapter ``tensors`` (PEFT names; ``scale`` = alpha / rank) over the base weights and tag
+        ``version`` (all-or-nothing: ``embedded_lora.EmbeddedAdapters``)."""
+        self._require_model(generating=False)
+        self._adapters.load(tensors, scale, version)
+        self._mark_synced(version)
+
+    def token_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) at temperature 1 for t >= 1 of each sequence, as the engine (adapter
+        included) computes it: the probe of adapter-only sync verification."""
+        self._require_model(generating=False)
+        out = []
+        with torch.no_grad():
+            for seq in sequences:
+                ids = torch.tensor([seq], dtype=torch.long, device=next(self.model.parameters()).device)
+                logits = self.model(input_ids=ids).logits[0, :-1].float()
+                out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().tolist())
+        return out
 
     def _mark_synced(self, version: str) -> None:
         self._version = version

@@ -1,13 +1,13 @@
 """The one place ``rollout.engine`` (a config string) becomes an engine class, and a job's engine is built.
 
 ``engine_class(kind)`` works before anything is built: config validation and the trainer's start-up read an
-engine's declared capabilities from it (``weight_sync_modes``, ``deferred_weight_sync_modes``,
-``default_weight_sync_mode``, ``seeded_sampling``; ``base.RolloutEngine``) instead of comparing strings.
+engine's declared capabilities from it (``sync_capabilities``: a ``weight_sync.endpoint.SyncCapabilities``;
+``seeded_sampling``; ``base.RolloutEngine``) instead of comparing strings.
 
 Usage::
 
     cls = engine_class(cfg.rollout.engine)               # ValueError naming rollout.engine if unknown
-    mode = cls.default_weight_sync_mode(async_rollouts=cfg.rollout.mode == "async")
+    mode = cls.sync_capabilities.default(async_rollouts=cfg.rollout.mode == "async")
     engine, server = plan.build_engine()                  # rank 0 (the job plan passes the sections); + server
 """
 from __future__ import annotations

@@ -40,7 +40,7 @@ from megatron_rl.rollout.finish import normalised_finish, stop_ids
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutingLayout, decode_routed_experts
 from megatron_rl.weight_sync.receivers.sglang import (FP32_KEPT_SUFFIXES, SGLangReceiver, ServerSet, checksums_by_name,
                                                      drop_update_group)
-from megatron_rl.weight_sync.endpoint import tensor_checksum
+from megatron_rl.weight_sync.endpoint import SyncCapabilities, WeightHolding, tensor_checksum
 from megatron_rl.weight_sync.layout import sglang_layout
 
 
@@ -205,18 +205,15 @@ class SGLangEngine(RolloutEngine):
     """Rollout engine backed by SGLang HTTP servers (see the module docstring)."""
 
     #: Every mode: a disk export, local in-memory buckets or a broadcast group (``weight_sync.receivers.sglang``).
-    weight_sync_modes = ("disk", "tensor", "distributed")
-    #: Every mode: async rollouts collect the version's buckets on rank 0, and the producer, as their one sender,
-    #: loads them between generation segments (shared memory, or its own update group) -- or the disk export.
-    deferred_weight_sync_modes = ("disk", "tensor", "distributed")
+    #: Every mode deferred: async rollouts collect the version's buckets on rank 0, and the producer, as their one
+    #: sender, loads them between generation segments (shared memory, or its own update group) -- or the disk export.
+    #: auto: "distributed" (the trainer broadcasts to the servers' ranks); "disk" with async rollouts (the in-memory
+    #: modes are accepted there too, but hold the whole model on rank 0 for the producer).
+    sync_capabilities = SyncCapabilities(modes=("disk", "tensor", "distributed"),
+                                         deferred=("disk", "tensor", "distributed"),
+                                         default_sync="distributed", default_async="disk")
     #: The servers sample on their own; ``generate`` ignores ``seed``.
     seeded_sampling = False
-
-    @classmethod
-    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
-        """"distributed" (the trainer broadcasts to the servers' ranks); "disk" with async rollouts (the in-memory
-        modes are accepted there too, but hold the whole model on rank 0 for the producer)."""
-        return "disk" if async_rollouts else "distributed"
 
     @classmethod
     def config_errors(cls, rollout) -> list[str]:
@@ -455,8 +452,7 @@ class SGLangEngine(RolloutEngine):
         """The servers as any trainer rank reaches them (URLs, TP sizes)."""
         return ServerSet(tuple(self.urls), tuple(self.server_tp_size(u) for u in self.urls))
 
-    @property
-    def weight_dtype(self):
+    def _weight_dtype(self):
         """The dtype the servers run in (``/get_server_info`` ``dtype``; None for "auto")."""
         import torch
 
@@ -478,24 +474,26 @@ class SGLangEngine(RolloutEngine):
             self._reported = set(self._checker(self.urls[0]))
         return self._reported
 
-    def weight_layout(self, hf_names, geometry) -> list:
-        """SGLang's tensors (fused qkv / gate_up / experts, padded vocabulary; ``weight_sync.layout.sglang_layout``)
-        that the servers' ``/weights_checker`` reports; fused experts only without expert parallelism."""
+    def weight_holding(self, hf_names, geometry=None, verify: bool = False) -> WeightHolding:
+        """The servers' dtype; full precision: what SGLang keeps in fp32 in a bf16 model (DeepSeek-V3's
+        ``e_score_correction_bias``: ``noaux_tc`` routing, SGLang's ``MoEGate`` allocates it fp32), decided from the
+        HF names, so a sync that does not verify never needs ``/weights_checker``. Verified: SGLang's tensors
+        (fused qkv / gate_up / experts, padded vocabulary; ``weight_sync.layout.sglang_layout``) that the servers'
+        ``/weights_checker`` reports -- fused experts only without expert parallelism -- asked only when this
+        process can reproduce their hash (``_checksum_fn``) and there are names to verify."""
+        dtype = self._weight_dtype()
+        keep = frozenset(n for n in hf_names if n.endswith(FP32_KEPT_SUFFIXES))
+        checksum = self._checksum_fn() if verify else None
+        if checksum is None or not hf_names:
+            return WeightHolding(dtype=dtype, full_precision=keep, checksum=checksum)
         reported = self._checker_names()
         ep = max(int(self._info(u).get("ep_size") or 1) for u in self.urls)
-        return [t for t in sglang_layout(hf_names, geometry.num_query_groups)
-                if t.name in reported and not (ep > 1 and t.experts)]
+        layout = tuple(t for t in sglang_layout(hf_names, geometry.num_query_groups)
+                       if t.name in reported and not (ep > 1 and t.experts))
+        return WeightHolding(dtype=dtype, full_precision=keep, checksum=checksum, layout=layout,
+                             tp_sizes=tuple(sorted({self.server_tp_size(u) for u in self.urls})))
 
-    def weight_tp_sizes(self) -> tuple:
-        return tuple(sorted({self.server_tp_size(u) for u in self.urls}))
-
-    def full_precision_weight_names(self, hf_names=()) -> set:
-        """Tensors SGLang keeps in fp32 in a bf16 model: DeepSeek-V3's ``e_score_correction_bias``
-        (``noaux_tc`` routing; SGLang's ``MoEGate`` allocates it fp32). Decided from the HF names, so a sync
-        that does not verify never needs ``/weights_checker``."""
-        return {n for n in hf_names if n.endswith(FP32_KEPT_SUFFIXES)}
-
-    def weight_checksum_fn(self):
+    def _checksum_fn(self):
         """SGLang's ``/weights_checker`` hashes CPU tensors with sha256 (``tensor_checksum``) but CUDA tensors
         with its Triton ``gpu_tensor_hash`` (``sglang.srt.managers.mm_utils.tensor_hash``): for servers on a
         GPU the trainer needs that kernel (SGLang importable here and a CUDA device), else None."""

@@ -174,6 +174,12 @@ class FakeCCLGroup(dist.ProcessGroup):
         outs = [self._raw(lst, "all_gather") for lst in output_lists]
         return self._done(self._gloo.allgather(outs, self._raw(tensors, "all_gather"), opts))
 
+    def all_gather_single(self, output, tensor, opts):  # all_gather_into_tensor (torch < 2.13: _allgather_base)
+        out, = self._raw([output], "all_gather_single")
+        return self._done(self._gloo._allgather_base(out, self._raw([tensor], "all_gather_single")[0], opts))
+
+    _allgather_base = all_gather_single
+
     def gather(self, output_lists, tensors, opts):
         outs = [self._raw(lst, "gather") for lst in output_lists]
         return self._done(self._gloo.gather(outs, self._raw(tensors, "gather"), opts))

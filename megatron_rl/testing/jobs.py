@@ -236,7 +236,8 @@ def named_job(name: str, *overrides: str, hf: Optional[str] = None, run_dir: Opt
         world_size: Optional[int] = None):
     """The ``JobConfig`` of row ``name`` (see ``job_overrides``): validated for ``world_size`` as
     ``load_job_config`` does; None: built without the world checks (``job_config_from_dict``)."""
-    from megatron_rl.config import job_config_from_dict, load_job_config
+    from megatron_rl.config import job_config_from_dict
+    from megatron_rl.plan import load_job_config
 
     if world_size is None:
         return job_config_from_dict(job_tree(name, *overrides, hf=hf, run_dir=run_dir))
@@ -248,7 +249,7 @@ def job_problems(name: str, *overrides: str, hf: Optional[str] = None,
                  world_size: Union[int, str, None] = "cluster"):
     """(config, every problem) of row ``name`` as ``collect_job_config`` finds them (default world: the
     ``cluster:`` section's)."""
-    from megatron_rl.config import collect_job_config
+    from megatron_rl.plan import collect_job_config
 
     return collect_job_config(_base(name), job_overrides(name, *overrides, hf=hf), world_size=world_size)
 

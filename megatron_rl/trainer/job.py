@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor import MegatronActor
+from megatron_rl.actor.critic import MegatronCritic
 from megatron_rl.actor.offload import ParkedParams
 from megatron_rl.actor.schedule import actor_device
 from megatron_rl.algo.kl_reward import KLInReward, NoKLInReward
@@ -50,6 +51,7 @@ from megatron_rl.tasks import build_task as build_task_for
 from megatron_rl.tasks.judge import JudgedTask
 from megatron_rl.tokenizer import load_tokenizer
 from megatron_rl.rollout.versions import version_tag
+from megatron_rl.trainer.critic_step import CriticPhase, NoCritic
 from megatron_rl.trainer.prompt_draw import PromptDraw
 from megatron_rl.trainer.rollout_phase import build_step_generator
 from megatron_rl.trainer.rollout_source import RolloutSource, build_rollout_source
@@ -102,7 +104,7 @@ def latest_checkpoint(run_dir: str) -> Optional[str]:
     return os.path.join(run_dir, "checkpoints", f"step_{steps[-1]}") if steps else None
 
 
-def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = None) -> str:
+def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = None, critic=None) -> str:
     """Checkpoint after ``step`` completed steps; a COMPLETE marker, written after every rank wrote its
     part, makes it eligible for resume. What an earlier, failed save of the same step left is removed
     first (it was never COMPLETE)."""
@@ -111,6 +113,8 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = 
         shutil.rmtree(path)
     dist.barrier()
     actor.save_checkpoint(path, step, {"config": cfg.to_dict(), **(extra or {})})
+    if critic is not None:  # the critic beside the actor, in path/critic (docs/critic.md)
+        critic.save_checkpoint(os.path.join(path, CRITIC_DIR), step)
     dist.barrier()
     if rank0:
         open(os.path.join(path, "COMPLETE"), "w").close()
@@ -120,15 +124,18 @@ def save(actor, cfg: JobConfig, step: int, rank0: bool, extra: Optional[Dict] = 
 
 class KLReference:
     """The frozen initial policy of the KL loss: a frozen ``MegatronActor`` from ``actor.load_hf`` (its weights only);
-    with ``offload`` (``actor.ref_param_offload``) they are on the device only during its log-prob pass."""
+    with ``offload`` (``actor.ref_param_offload``) they are on the device only during its log-prob pass. With
+    ``adapters_off`` (``actor.lora``): the policy actor itself with its adapters switched off (its frozen base)."""
 
-    def __init__(self, actor, offload: bool = False):
+    def __init__(self, actor, offload: bool = False, adapters_off: bool = False):
         self.actor = actor
         self.parked = ParkedParams(actor.model, actor_device()) if offload else None
+        self.adapters_off = adapters_off
 
     def log_probs(self, batch, temperature: float) -> Optional[torch.Tensor]:
         with self.parked.on_device() if self.parked is not None else contextlib.nullcontext():
-            return self.actor.compute_log_probs(batch, temperature, compute_entropy=False)[0]
+            with self.actor.adapters_off() if self.adapters_off else contextlib.nullcontext():
+                return self.actor.compute_log_probs(batch, temperature, compute_entropy=False)[0]
 
 
 class NoReference:
@@ -136,6 +143,10 @@ class NoReference:
 
     def log_probs(self, batch, temperature: float) -> Optional[torch.Tensor]:
         return None
+
+
+CRITIC_DIR = "critic"
+"""The critic's checkpoint inside a step's checkpoint directory."""
 
 
 @dataclass
@@ -172,6 +183,8 @@ class Job:
     """The SGLang server this job launched (``rollout.sglang_launch``; rank 0), terminated by ``close``."""
     kl_reward: Union[KLInReward, NoKLInReward] = dataclasses.field(default_factory=NoKLInReward)
     """The KL penalty in the reward (``algorithm.use_kl_in_reward``; its controller's beta is checkpointed)."""
+    critic: Union[CriticPhase, NoCritic] = dataclasses.field(default_factory=NoCritic)
+    """PPO's value model and GAE (``plan.critic``), or ``NoCritic``."""
 
     def dump(self, step: int, batch: StepBatch) -> None:
         """Rank 0, ``trainer.dump_rollouts``: append the step's rows to run_dir/rollouts.jsonl."""
@@ -196,7 +209,8 @@ class Job:
                 extra = {**extra, **self.prompts.state(step, step + len(extra.get("async_rollouts") or {}))}
             if self.kl_reward.state_dict() is not None:  # beta after ``step`` steps (the same on every rank)
                 extra = {**extra, KL_CTRL_STATE_KEY: self.kl_reward.state_dict()}
-            path = save(self.actor, self.cfg, step, self.rank0, extra if self.rank0 else None)
+            path = save(self.actor, self.cfg, step, self.rank0, extra if self.rank0 else None,
+                        critic=self.critic.critic if self.critic.enabled else None)
         if drain_error is not None:
             raise drain_error
         if self.rank0:
@@ -246,9 +260,14 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
     plan = JobPlan.build(cfg, int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized()
                          else dist.get_world_size())
     actor = setup_distributed(cfg, plan)
-    reference = (KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
-                 if plan.objective.loss.config.kl_loss_coef > 0 or plan.kl_in_reward is not None else NoReference())
+    if plan.objective.loss.config.kl_loss_coef <= 0 and plan.kl_in_reward is None:
+        reference = NoReference()
+    elif plan.lora is not None:  # the base with its adapters off: no second model
+        reference = KLReference(actor, adapters_off=True)
+    else:
+        reference = KLReference(MegatronActor(plan.actor, frozen=True), offload=cfg.actor.ref_param_offload)
     kl_reward = plan.kl_in_reward or NoKLInReward()
+    critic = CriticPhase(MegatronCritic(plan.critic), cfg) if plan.critic is not None else NoCritic()
     rank0 = dist.get_rank() == 0
     if rank0:
         for line in plan.describe():
@@ -261,7 +280,7 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
             generator, draw, tokenizer, engine, held["server"], val_groups = on_rank0(
                 lambda: _rank0_setup(cfg, plan), what="setting up the task / rollout engine") or (None,) * 6
         held["validation"] = Validation(cfg, val_groups, engine)
-        start, resumed = _resume(cfg, actor, rank0)
+        start, resumed = _resume(cfg, actor, rank0, critic)
         if start > 0:  # the controller's beta continues from the checkpoint (what changed is said)
             said = kl_reward.load_state_dict(resumed.get(KL_CTRL_STATE_KEY))
             if said and rank0:
@@ -283,7 +302,7 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         _teardown(watchdog, 0, **held)
         raise
     return Job(cfg=cfg, plan=plan, actor=actor, reference=reference, watchdog=watchdog, start_step=start, pad_id=pad_id,
-               rank0=rank0, prompts=draw, kl_reward=kl_reward, **held)
+               rank0=rank0, prompts=draw, kl_reward=kl_reward, critic=critic, **held)
 
 
 def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
@@ -304,7 +323,7 @@ def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
             engine, server, val_groups)
 
 
-def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:
+def _resume(cfg: JobConfig, actor, rank0: bool, critic=None) -> Tuple[int, Dict]:
     """``(start step, the checkpoint's extra state)``: with ``--resume`` the newest COMPLETE checkpoint rank 0
     chose (a shared file system may show ranks different sets), loaded on every rank; later history is
     trimmed."""
@@ -314,6 +333,15 @@ def _resume(cfg: JobConfig, actor, rank0: bool) -> Tuple[int, Dict]:
         ckpt = share_from_rank0(latest_checkpoint(tc.run_dir) if rank0 else None)
         if ckpt is not None:
             start, resumed = actor.load_checkpoint(ckpt)
+            if critic is not None and critic.enabled:
+                critic_dir = os.path.join(ckpt, CRITIC_DIR)
+                if not os.path.isdir(critic_dir):  # a checkpoint of a run without a critic
+                    raise ConfigError(f"critic.enable: the checkpoint {ckpt} holds no critic ({CRITIC_DIR}/); resume "
+                                      f"it without a critic, or start a new run")
+                critic.critic.load_checkpoint(critic_dir)
+            elif rank0 and os.path.isdir(os.path.join(ckpt, CRITIC_DIR)):
+                print(f"[megatron-rl] --resume: {ckpt} holds a critic; this run trains none (it is not loaded)",
+                      flush=True)
         if rank0:  # the history continues from the checkpoint's step: nothing later may mix in
             dropped = trim_to_step(tc.run_dir, start)
             print(f"[megatron-rl] resumed from {ckpt} at step {start}{dropped}" if ckpt is not None else

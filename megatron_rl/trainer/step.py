@@ -12,6 +12,7 @@ Per step, on every rank (torchrun / srun; gloo on CPU, NCCL on GPU)::
     metrics   = actor.train_step(shard, old, adv, corr.loss_mask, w, T)
     weights   -> job.source.publisher.publish(step-N)          # to the engine now (sync) or to the producer (async)
 
+With a critic (``gae``) the advantages are GAE over its values and it trains before the actor (docs/critic.md).
 Rule: a step dynamic sampling skipped (``StepRows.skipped``, which every rank receives with its rows) trains
 nothing and only publishes the unchanged weights as the next version. Watchdog bounds, bypass mode:
 docs/trainer.md.
@@ -60,11 +61,18 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
     rewards, tlr, kl_metrics = job.kl_reward.estimator_rewards(shard.rewards, old, ref_lp, rows.response_mask,
                                                                corr.loss_mask.float(), est.reads_token_rewards,
                                                                group=actor.dp_group)
-    # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over the DP group
-    adv = est.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
-                         token_level_rewards=tlr, **shard.estimator_inputs)
+    critic, critic_metrics = job.critic, {}
+    if critic.enabled:  # gae: GAE over the critic's values and the loss's mask, as verl (trainer/critic_step.py)
+        with wd.phase("values", step + 1):
+            adv, returns, values = critic.advantages(rows, rewards, corr.loss_mask, group=actor.dp_group)
+    else:  # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over DP
+        adv = est.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
+                             token_level_rewards=tlr, **shard.estimator_inputs)
     with wd.phase("train", step + 1):
-        actor_metrics = actor.train_step(rows, old, adv, corr.loss_mask, w, T, ref_log_probs=ref_lp)
+        if critic.enabled:
+            critic_metrics = critic.train(rows, values, returns, corr.loss_mask, group=actor.dp_group)
+        actor_metrics = (actor.train_step(rows, old, adv, corr.loss_mask, w, T, ref_log_probs=ref_lp)
+                         if critic.actor_trains(step) else {})
     with wd.phase("weight_sync", step + 1):
         sync_metrics = source.publisher.publish(version_tag(step + 1))
     t_end = time.perf_counter()
@@ -73,7 +81,7 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
                                                                  "weight_sync")}
     metrics = {
         **got.summary,
-        **actor_metrics, **kl_metrics, **corr.metrics, **lag_metrics, **got.metrics,
+        **actor_metrics, **critic_metrics, **kl_metrics, **corr.metrics, **lag_metrics, **got.metrics,
         # the share of this step's wall time in which the producer generated while the trainer worked
         "perf/rollout_overlap_frac": source.overlap_s(t_rolled, t_end) / dt,
         **timing, "timing/step_s": dt, **sync_metrics,

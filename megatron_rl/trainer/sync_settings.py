@@ -12,4 +12,4 @@ __all__ = ["weight_sync_settings"]
 
 def weight_sync_settings(cfg: JobConfig) -> WeightSyncSettings:
     """The weight-sync settings of the validated job ``cfg``."""
-    return _build(cfg.rollout, cfg.trainer.run_dir)
+    return _build(cfg.rollout, cfg.trainer.run_dir, cfg.actor.lora)

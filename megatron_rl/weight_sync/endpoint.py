@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import abc
 import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
 from megatron_rl.errors import RolloutError
 
-__all__ = ["WeightSyncError", "WEIGHT_SYNC_MODES", "WeightReceiver", "WeightEndpoint", "tensor_checksum"]
+__all__ = ["WeightSyncError", "WEIGHT_SYNC_MODES", "SyncCapabilities", "WeightHolding", "WeightReceiver",
+           "WeightEndpoint", "tensor_checksum"]
 
 #: How weights reach an engine (``rollout.weight_sync``): an HF export directory, in-memory buckets handed
 #: over in the same host / process, or buckets broadcast over a process group to the engine's ranks.
@@ -58,26 +61,63 @@ class WeightReceiver(abc.ABC):
         model-parallel shard owner sends its own buckets through it; rank 0 then commits or aborts."""
 
 
+@dataclass(frozen=True)
+class SyncCapabilities:
+    """The ``rollout.weight_sync`` modes an engine class can receive, declared before one is built."""
+
+    modes: tuple = ("disk",)
+    """The modes this engine can receive (of ``WEIGHT_SYNC_MODES``)."""
+    deferred: tuple = ("disk",)
+    """The modes of ``modes`` whose payload rank 0 alone can apply later, after every trainer rank prepared it
+    (``rollout.mode: async``: the producer thread loads it between segments; in memory: the version's buckets
+    collected on rank 0, sent by the producer as the one sender)."""
+    default_sync: str = "disk"
+    """What ``rollout.weight_sync: auto`` means with ``rollout.mode: sync`` (one of ``modes``)."""
+    default_async: str = "disk"
+    """What ``rollout.weight_sync: auto`` means with ``rollout.mode: async`` (one of ``deferred``)."""
+
+    def __post_init__(self):
+        unknown = [m for m in self.modes if m not in WEIGHT_SYNC_MODES]
+        if unknown or not set(self.deferred) <= set(self.modes) or self.default_sync not in self.modes \
+                or self.default_async not in self.deferred:
+            raise ValueError(f"SyncCapabilities: inconsistent declaration {self!r} (modes of {WEIGHT_SYNC_MODES}; "
+                             f"deferred within modes; default_sync in modes; default_async in deferred)")
+
+    def default(self, async_rollouts: bool) -> str:
+        """The mode ``rollout.weight_sync: auto`` means (``async_rollouts``: ``rollout.mode: async``)."""
+        return self.default_async if async_rollouts else self.default_sync
+
+
+@dataclass(frozen=True)
+class WeightHolding:
+    """How an engine holds the tensors of one sync (``WeightEndpoint.weight_holding``): what the sender casts to and
+    what verification rebuilds and hashes."""
+
+    dtype: Optional[torch.dtype] = None
+    """The dtype the engine keeps its weights in (buckets are cast to it); None if unknown."""
+    full_precision: frozenset = frozenset()
+    """HF names of the sync the engine keeps in a higher precision than ``dtype`` (sent uncast)."""
+    checksum: Optional[Callable] = None
+    """The function that hashes a tensor exactly as ``weight_checksums`` does; None: this process cannot reproduce
+    the engine's hash, or verification was not asked for (nothing is then compared)."""
+    layout: tuple = ()
+    """The engine tensors ``weight_checksums`` can report (``weight_sync.layout.EngineTensor``), built from the HF
+    names; empty: no verification."""
+    tp_sizes: tuple = field(default=(1,))
+    """The TP sizes of the engine's servers (one checksum per TP rank and tensor)."""
+
+
 class WeightEndpoint(abc.ABC):
     """The weight side of an engine: what it accepts, how it receives a version, how it holds and hashes it."""
 
-    # ------------------------------------------------------------ capabilities (read before building one)
-    #: The ``rollout.weight_sync`` modes this engine can receive (see ``WEIGHT_SYNC_MODES``).
-    weight_sync_modes: tuple = ("disk",)
+    #: The ``rollout.weight_sync`` modes this engine class can receive (read before building one).
+    sync_capabilities: SyncCapabilities = SyncCapabilities()
 
-    #: The modes of ``weight_sync_modes`` whose payload rank 0 alone can apply later, after every trainer rank
-    #: prepared it (``rollout.mode: async``: the producer thread loads it between segments; in memory: the
-    #: version's buckets collected on rank 0, sent by the producer as the one sender).
-    deferred_weight_sync_modes: tuple = ("disk",)
+    #: Whether the engine applies LoRA adapters sent alone (``rollout.lora_sync: adapter``: only A and B travel).
+    lora_adapter_sync: bool = False
 
     #: Why the weights must not be served (a failed sync); None while they are valid.
     _invalid: str | None = None
-
-    @classmethod
-    def default_weight_sync_mode(cls, async_rollouts: bool) -> str:
-        """The mode ``rollout.weight_sync: auto`` means for this engine: one of ``weight_sync_modes``, and of
-        ``deferred_weight_sync_modes`` when ``async_rollouts`` (``rollout.mode: async``)."""
-        return "disk"
 
     # ----------------------------------------------------------------------------------------- receiving
     @property
@@ -94,7 +134,7 @@ class WeightEndpoint(abc.ABC):
         trainer's host; a ``weight_sync.transport.UpdateGroups`` -- each sender broadcasts in its own update group
         with the engine's ranks. ``timeout_s`` bounds every wait of the update."""
         raise WeightSyncError(f"{type(self).__name__} cannot receive in-memory weight updates "
-                              f"(it supports {', '.join(self.weight_sync_modes)})")
+                              f"(it supports {', '.join(self.sync_capabilities.modes)})")
 
     def holds_weight_version(self, version: str) -> bool:
         """Whether the engine serves ``version``, valid, right now -- what a delta sync may start from. Engines
@@ -106,30 +146,11 @@ class WeightEndpoint(abc.ABC):
         self._invalid = reason
 
     # ------------------------------------------------------------------------- holding (verification)
-    @property
-    def weight_dtype(self):
-        """The torch dtype the engine keeps its weights in (buckets are cast to it), None if unknown."""
-        return None
-
-    def full_precision_weight_names(self, hf_names=()) -> set:
-        """HF names (of ``hf_names``, the tensors of the sync) the engine keeps in a higher precision than
-        ``weight_dtype`` (sent uncast)."""
-        return set()
-
-    def weight_checksum_fn(self):
-        """The function that hashes a tensor exactly as ``weight_checksums`` does (default: ``tensor_checksum``),
-        or None when this process cannot reproduce the engine's hash (verification is then skipped)."""
-        return tensor_checksum
-
-    def weight_layout(self, hf_names, geometry) -> list:
-        """The engine tensors ``weight_checksums`` can report, as ``weight_sync.layout.EngineTensor`` objects built
-        from the HF tensors ``hf_names`` (model of ``geometry``: ``convert.geometry.HFGeometry``); empty: no
-        verification."""
-        return []
-
-    def weight_tp_sizes(self) -> tuple:
-        """The TP sizes of the engine's servers (one checksum per TP rank and tensor)."""
-        return (1,)
+    def weight_holding(self, hf_names, geometry=None, verify: bool = False) -> WeightHolding:
+        """How the engine holds the HF tensors ``hf_names``: ``dtype`` and ``full_precision`` always; with
+        ``verify`` also ``checksum``, ``layout`` (from ``geometry``: ``convert.geometry.HFGeometry``) and
+        ``tp_sizes`` -- an engine asks its servers only for what it is asked (default: no layout, nothing verified)."""
+        return WeightHolding(checksum=tensor_checksum if verify else None)
 
     def weight_checksums(self, names) -> dict:
         """``{server: {engine tensor name: (tensor_checksum of TP rank 0's copy, rank 1's, ...)}}`` for ``names``."""

@@ -1,9 +1,10 @@
 """How a sender gathers the TP / ETP pieces of a split parameter (``WeightSyncSettings.tp_gather``): a
 ``convert.live.PieceGather`` that leaves the full tensor on the group's rank 0 (the sender) alone.
 
-* ``shm`` (CPU, gloo groups): each other rank writes its piece, cast to the engine's dtype, into its own
-  shared-memory segment (``shm.Segment``, two slots, kept for the process's life); one barrier of the group; the
-  sender writes every piece straight into its place in the full tensor (``partition.piece_views``).
+* ``shm`` (CPU, gloo groups whose sender maps every other rank's shared memory, ``shm_reach``; else ``gloo``):
+  each other rank writes its piece, cast to the engine's dtype, into its own shared-memory segment
+  (``shm.Segment``, two slots, kept for the process's life); one barrier of the group; the sender writes every
+  piece straight into its place in the full tensor (``partition.piece_views``).
 * ``flat`` (NCCL): one ``all_gather_into_tensor`` into one flat buffer per parameter, then ``merge_tensors``.
 * ``gloo``: ``convert.live``'s own per-rank ``all_gather`` (no gatherer).
 
@@ -12,13 +13,14 @@ The one rule (``shm``): a rank writes slot ``i % 2`` for the ``i``-th piece, and
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.convert.partition import merge_tensors, piece_views
 from megatron_rl.weight_sync import shm
+from megatron_rl.weight_sync.shm_reach import unreachable
 
 __all__ = ["TP_GATHERS", "piece_gather"]
 
@@ -55,18 +57,40 @@ class _Slots:
                       if me == 0 and r != 0}
 
 
+def _gloo_gather(t, kind, group, size, name, dtype):
+    """The per-rank ``all_gather`` (a group whose sender cannot map its other ranks' shared memory)."""
+    piece = t.to(_want(t, dtype)).contiguous()
+    parts = [torch.empty_like(piece) for _ in range(size)]
+    dist.all_gather(parts, piece, group=group)
+    return merge_tensors(parts, kind, name) if dist.get_rank(group) == 0 else None
+
+
 class _ShmGather:
-    """The ``shm`` gatherer of one process (its slots per group, grown together when a piece does not fit)."""
+    """The ``shm`` gatherer of one process (its slots per group, grown together when a piece does not fit). A group
+    whose sender cannot map every other rank's shared memory (``shm_reach``: another host, a refused ``/proc``)
+    gathers over gloo, said once on the sender."""
 
     def __init__(self):
-        self.groups: Dict[int, _Slots] = {}
+        self.groups: Dict[int, Tuple[object, Optional[_Slots]]] = {}  # id -> (the group, held: ids are reused)
 
     def __call__(self, t, kind, group, size, name, dtype) -> Optional[torch.Tensor]:
+        entry = self.groups.get(id(group))
+        if entry is None or entry[0] is not group:
+            why = unreachable(0, group)
+            if why and dist.get_rank(group) == 0:
+                ranks = dist.get_process_group_ranks(group)
+                print(f"[megatron-rl] WARNING: weight sync: the TP / ETP pieces of ranks {ranks} reach their sender "
+                      f"over gloo, not shared memory: "
+                      + "; ".join(f"group rank {r}: {w}" for r, w in sorted(why.items())), flush=True)
+            entry = self.groups[id(group)] = (group, None if not why else False)
+        if entry[1] is False:
+            return _gloo_gather(t, kind, group, size, name, dtype)
         want = _want(t, dtype)
         nbytes = t.numel() * torch.empty((), dtype=want).element_size()
-        slots = self.groups.get(id(group))
+        slots = entry[1]
         if slots is None or nbytes > slots.slot:  # every rank sees the same piece shapes: all grow together
-            self.groups[id(group)] = slots = _Slots(group, size, max(nbytes, 2 * slots.slot if slots else 0))
+            slots = _Slots(group, size, max(nbytes, 2 * slots.slot if slots else 0))
+            self.groups[id(group)] = (group, slots)
         off = (slots.count % 2) * slots.slot
         slots.count += 1
         if slots.mine is not None:

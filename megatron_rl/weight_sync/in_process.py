@@ -1,15 +1,14 @@
 """The channel into an engine inside global rank 0's process (the embedded engine): ``InProcessSpec``.
 
-Rank 0 loads its own buckets directly; every other sender's are received in their own thread. A sender on rank 0's
-host (``sender_transport: shm``) packs each bucket straight into its shared-memory segment (``shm.Segment``, kept for
-the process's life, mapped once by rank 0) and sends only the bucket's meta over its gloo pair group; rank 0 loads
-the bucket from its mapping of that segment and acknowledges, and only then may the sender refill it. Elsewhere (or
-``gloo``) the bytes travel over the pair group. The one rule: a segment's bytes belong to rank 0 from the meta until
-the acknowledgement.
+Rank 0 loads its own buckets directly; every other sender's are received in their own thread. A sender whose
+shared memory rank 0 maps (``sender_transport: shm``; ``shm_reach``) packs each bucket straight into its segment
+(``shm.Segment``, kept for the process's life, mapped once by rank 0) and sends only the bucket's meta over its gloo
+pair group; rank 0 loads the bucket from its mapping of that segment and acknowledges, and only then may the sender
+refill it. Elsewhere (or ``gloo``) the bytes travel over the pair group. The one rule: a segment's bytes belong to
+rank 0 from the meta until the acknowledgement.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from megatron_rl.weight_sync import shm
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.delta import DeltaBucket
 from megatron_rl.weight_sync.endpoint import WeightSyncError
+from megatron_rl.weight_sync.shm_reach import unreachable
 from megatron_rl.weight_sync.transport import ChannelSpec, SenderChannel, pair_groups, recv_bucket_bytes, send_bucket
 
 __all__ = ["InProcessSpec", "SENDER_TRANSPORTS"]
@@ -29,34 +29,29 @@ __all__ = ["InProcessSpec", "SENDER_TRANSPORTS"]
 #: ``WeightSyncSettings.sender_transport`` values: shared memory for the senders on rank 0's host, or gloo for all.
 SENDER_TRANSPORTS = ("shm", "gloo")
 
-_HOSTS: Dict[int, bool] = {}  # per process: global rank -> on rank 0's host (asked once, collectively)
+_NEAR: Dict[int, bool] = {}  # per process: global rank -> rank 0 maps its shared memory (asked once, collectively)
 _WRITER: List[Optional[shm.Segment]] = [None]  # this sender's segment (kept across syncs)
 _READERS: Dict[int, shm.Segment] = {}  # rank 0: each sender's segment, mapped
 
 
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _on_rank0_host() -> Dict[int, bool]:
-    """Collective over every trainer rank, once per process: which global ranks share rank 0's host."""
-    if not _HOSTS:
-        ids = [None] * dist.get_world_size()
-        dist.all_gather_object(ids, _host_id())
-        _HOSTS.update({r: h == ids[0] for r, h in enumerate(ids)})
-    return _HOSTS
+def _near_rank0() -> Dict[int, bool]:
+    """Collective over every trainer rank, once per process: which global ranks rank 0 can map the shared memory
+    of (``shm_reach``); a rank on rank 0's host that it cannot is said, once, on that rank."""
+    if not _NEAR:
+        why = unreachable(0)
+        _NEAR.update({r: r not in why for r in range(dist.get_world_size())})
+        me = dist.get_rank()
+        if me in why and why[me] != "on another host":
+            print(f"[megatron-rl] WARNING: weight sync: rank {me}'s buckets reach rank 0 over gloo, not shared "
+                  f"memory: {why[me]}", flush=True)
+    return _NEAR
 
 
 @dataclass(frozen=True)
 class InProcessSpec(ChannelSpec):
     """An engine inside global rank 0's process: rank 0 loads its own buckets directly and receives every other
     sender's in parallel, one thread per sender, each over its own gloo pair group (``pair_groups``); bytes through
-    shared memory from the senders on rank 0's host when the transport is ``shm``."""
+    shared memory from the senders whose segments rank 0 maps (``shm_reach``) when the transport is ``shm``."""
 
     timeout_s: float
     """Bound of each transfer."""
@@ -65,7 +60,7 @@ class InProcessSpec(ChannelSpec):
         if transport not in SENDER_TRANSPORTS:
             raise ValueError(f"sender transport {transport!r} is not one of {SENDER_TRANSPORTS}")
         groups = pair_groups(senders, self.timeout_s)
-        near = _on_rank0_host() if transport == "shm" and len(senders) > 1 else {}
+        near = _near_rank0() if transport == "shm" and len(senders) > 1 else {}
         if rank == 0:
             return _Rank0Channel(receiver, groups, self.timeout_s)
         if rank not in senders:
@@ -127,6 +122,9 @@ def _from_segment(meta: dict, src: int) -> object:
             raise WeightSyncError(f"sender rank {src}: its shared-memory segment {meta['shm']} cannot be mapped on "
                                   f"rank 0's host ({exc})") from exc
     off, n = int(meta["shm_offset"]), int(meta["nbytes"])
+    if off < 0 or n < 0 or off + n > seg.nbytes:
+        raise WeightSyncError(f"sender rank {src}: bucket bytes [{off}, {off + n}) lie outside its shared-memory "
+                              f"segment of {seg.nbytes} bytes")
     flat = seg.tensor[off:off + n]
     if meta.get("format") == "delta":
         return DeltaBucket.from_meta(meta, flat)
@@ -160,6 +158,7 @@ class _Rank0Channel(SenderChannel):
                 bucket = None if meta is None or shared else recv_bucket_bytes(meta, src, group, into)
             except Exception as exc:  # noqa: BLE001 - the sender died or timed out
                 self.errors.append(f"sender rank {src}: receiving its buckets failed: {type(exc).__name__}: {exc}")
+                _READERS.pop(src, None)  # a dead sender's segment is not kept mapped
                 return
             if meta is None:
                 return
@@ -175,11 +174,14 @@ class _Rank0Channel(SenderChannel):
                 self.errors.append(f"sender rank {src}: {type(exc).__name__}: {exc}")
                 failed = True
             del bucket
+            if failed:
+                _READERS.pop(src, None)  # mapped again (by its key) if the sender lives on
             if shared:
                 try:
                     dist.send(ack, dst=src, group=group)  # the segment is the sender's again
                 except Exception as exc:  # noqa: BLE001 - the sender died
                     self.errors.append(f"sender rank {src}: acknowledging its bucket failed: {exc}")
+                    _READERS.pop(src, None)
                     return
 
     def send(self, bucket):

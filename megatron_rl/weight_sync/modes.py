@@ -5,7 +5,7 @@
     mode.load(engine, source, "step-3", 600)      # a whole payload: an HF directory (disk) or rank 0's buckets
 
 The mode decides how the bytes reach the engine; the engine only receives (``endpoint.WeightEndpoint``). The engine
-class is handed in (its declared ``default_weight_sync_mode``): this package never imports an engine.
+class is handed in (its declared ``sync_capabilities``): this package never imports an engine.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def resolve_mode(rollout, engine) -> WeightSyncMode:
     ``rollout`` is validated (the engine accepts the mode)."""
     name = rollout.weight_sync
     if name == "auto":
-        name = engine.default_weight_sync_mode(async_rollouts=rollout.mode == "async")
+        name = engine.sync_capabilities.default(async_rollouts=rollout.mode == "async")
     if name == "disk":
         return DiskMode()
     if name == "tensor":

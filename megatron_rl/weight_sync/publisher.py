@@ -16,6 +16,7 @@ import os
 from typing import Callable, Dict, List, Optional
 
 from megatron_rl.parallel.rank0 import from_rank0, is_rank0
+from megatron_rl.weight_sync.adapter_sync import adapter_payload
 from megatron_rl.weight_sync.delta_sender import DeltaSender
 from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.exports import export_report, prune_exports
@@ -28,7 +29,8 @@ from megatron_rl.weight_sync.verify import verify_buckets, verify_export
 from megatron_rl.weight_sync.versions import parse_version
 
 __all__ = ["WeightPayload", "DiskExport", "OwnedBuckets", "WeightPublisher", "StreamPublisher", "DeltaPublisher",
-           "DiskPublisher", "DeferredPublisher", "build_weight_publisher", "deferred_publisher", "payload_maker"]
+           "DiskPublisher", "DeferredPublisher", "AdapterPublisher", "build_weight_publisher", "deferred_publisher",
+           "payload_maker"]
 
 
 # ----------------------------------------------------------------------------------------------- payloads
@@ -95,19 +97,21 @@ def _verified(engine, version: str, verify: Callable[[], SyncReport]) -> SyncRep
 def export_payload(actor, settings: WeightSyncSettings, version: str) -> DiskExport:
     """Collective: ``version`` as an HF export in ``settings.export_dir``."""
     path = os.path.join(settings.export_dir, version)
-    actor.export_hf(path)
+    actor.export_hf(path, view=settings.view)
     return DiskExport(path)
 
 
 def bucket_payload(actor, settings: WeightSyncSettings, version: str) -> Optional[OwnedBuckets]:
     """Collective: ``version`` as buckets owned by rank 0 (None elsewhere), applied in ``settings.mode``."""
-    buckets = list(stream_buckets(actor, settings.bucket_bytes, None))
+    buckets = list(stream_buckets(actor, settings.bucket_bytes, None, view=settings.view))
     return OwnedBuckets(buckets, settings.mode) if is_rank0() else None
 
 
 def payload_maker(actor, settings: WeightSyncSettings) -> Callable[[str], Optional[WeightPayload]]:
     """The collective ``version -> payload`` of ``settings.mode``, chosen once (disk: an export; otherwise owned
-    buckets on rank 0)."""
+    buckets on rank 0; ``rollout.lora_sync: adapter``: the adapters alone, ``adapter_sync.AdapterPayload``)."""
+    if settings.lora is not None and settings.lora.mode == "adapter":
+        return functools.partial(adapter_payload, actor, settings)
     if not settings.mode.streamed:
         return functools.partial(export_payload, actor, settings)
     return functools.partial(bucket_payload, actor, settings)
@@ -196,8 +200,28 @@ class DeferredPublisher(WeightPublisher):
         return from_rank0(hand_over).metrics()
 
 
+class AdapterPublisher(WeightPublisher):
+    """``rollout.lora_sync: adapter``: each version's LoRA adapters alone, loaded into the engine right away and
+    verified by the probe's log-probs when due (``adapter_sync``)."""
+
+    def __init__(self, actor, engine, settings: WeightSyncSettings):
+        self.actor, self.engine, self.settings = actor, engine, settings
+
+    def publish(self, version: str) -> Dict[str, float]:
+        payload = adapter_payload(self.actor, self.settings, version)
+
+        def apply() -> SyncReport:
+            moved, done = payload.report(), payload.apply(self.engine, self.settings, version)
+            moved.verified, moved.verified_frac = done.verified, done.verified_frac
+            return moved
+
+        return from_rank0(apply).metrics()
+
+
 def build_weight_publisher(settings: WeightSyncSettings, actor, engine, corrupt=None) -> WeightPublisher:
     """The publisher that loads each version into the engine right away (every rank; ``engine``: rank 0's)."""
+    if settings.lora is not None and settings.lora.mode == "adapter":
+        return AdapterPublisher(actor, engine, settings)
     if not settings.mode.streamed:
         return DiskPublisher(actor, engine, settings)
     if settings.delta:

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.convert.live import is_stage_leader, iter_hf_tensors
+from megatron_rl.convert.live import TensorView, is_stage_leader, iter_hf_tensors
 from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.buckets import Bucket, bucketize, hold_buckets
 from megatron_rl.weight_sync.transport import recv_bucket, send_bucket
@@ -32,16 +32,18 @@ __all__ = ["stream_buckets", "own_buckets", "sender_ranks"]
 
 def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
                    keep_dtype: Optional[set] = None,
-                   pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None) -> Iterator[Bucket]:
+                   pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None,
+                   view: TensorView = None) -> Iterator[Bucket]:
     """Collective over every trainer rank: on global rank 0, the model's HF tensors as buckets (stage 0's,
     then each later stage's, received from its leader); on other ranks nothing (they gather and send).
     ``pack(pairs)``: the packer of a stage's ``(name, tensor)`` stream (default: ``bucketize`` with
-    ``bucket_bytes`` / ``dtype`` / ``keep_dtype``). Consume it to the end on every rank."""
+    ``bucket_bytes`` / ``dtype`` / ``keep_dtype``); ``view``: how the model is read (``settings.view``: LoRA
+    merged). Consume it to the end on every rank."""
     if pack is None:
         def pack(pairs):
             return bucketize(pairs, bucket_bytes, dtype, keep_dtype)
     groups = actor.groups
-    pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, groups)
+    pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, groups, view=view)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     leader = is_stage_leader(groups)
@@ -74,9 +76,9 @@ def stream_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype],
 def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dtype: Optional[set] = None,
                 pack: Optional[Callable[[Iterable[Tuple[str, torch.Tensor]]], Iterator]] = None,
                 hold: bool = False, alloc: Optional[Callable[[int], torch.Tensor]] = None,
-                gather=None) -> Iterator[Bucket]:
+                gather=None, view: TensorView = None) -> Iterator[Bucket]:
     """Collective over every trainer rank: the buckets of the HF tensors this rank owns (none on a rank that
-    is not a sender), each sent before the next is packed (one buffer serves them all); ``pack`` as in
+    is not a sender), each sent before the next is packed (one buffer serves them all); ``pack`` and ``view`` as in
     ``stream_buckets``; ``hold``: ``buckets.HeldBucket``s (the engine is in this process); ``alloc``: the channel's
     buffer to pack each bucket into (``bucketize``); ``gather``: how split tensors reach their owner
     (``gather.piece_gather``). Consume it to the end on every rank."""
@@ -84,7 +86,7 @@ def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dty
     # some tensors stay in a higher precision, whose mcore names are not known before the mapping
     gather_dtype = dtype if not keep_dtype else None
     pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True,
-                            gather_dtype=gather_dtype, gather=gather)
+                            gather_dtype=gather_dtype, gather=gather, view=view)
     if pack is not None:
         yield from pack(pairs)
     elif hold:

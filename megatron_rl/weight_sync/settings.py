@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from megatron_rl.weight_sync import shm
+from megatron_rl.weight_sync.lora_sync import LoraSync
 from megatron_rl.weight_sync.modes import WeightSyncMode, resolve_mode
 
 __all__ = ["WeightSyncSettings"]
@@ -23,7 +25,7 @@ class WeightSyncSettings:
     engine: str
     """``rollout.engine`` (named in errors)."""
     deferred_modes: tuple
-    """The modes the engine can apply later, on rank 0 alone (its ``deferred_weight_sync_modes``; async rollouts)."""
+    """The modes the engine can apply later, on rank 0 alone (its ``sync_capabilities.deferred``; async rollouts)."""
     bucket_bytes: int
     """``rollout.weight_sync_bucket_mb`` in bytes: the size of one bucket."""
     timeout_s: float
@@ -42,20 +44,28 @@ class WeightSyncSettings:
     tp_gather: str = "gloo"
     """How a sender gathers its split parameters' TP / ETP pieces (``gather.TP_GATHERS``); ``build`` picks "flat"
     (one ``all_gather_into_tensor`` per parameter) with a GPU, else "shm" where the host offers it, else "gloo"."""
+    lora: Optional[LoraSync] = None
+    """A LoRA job's adapter sync (``actor.lora`` with ``rollout.lora_sync``); None: no adapters."""
+
+    @property
+    def view(self):
+        """How the sender reads the model (``convert.live.TensorView``): LoRA merged, or None (as it is)."""
+        return self.lora.view() if self.lora is not None and self.lora.mode == "merged" else None
 
     @classmethod
-    def build(cls, rollout, run_dir: str, engine) -> "WeightSyncSettings":
+    def build(cls, rollout, run_dir: str, engine, lora=None) -> "WeightSyncSettings":
         """The settings of a validated ``rollout`` config section (``run_dir``: ``trainer.run_dir``; ``engine``:
-        the engine class, ``rollout.factory.engine_class(rollout.engine)``)."""
+        the engine class, ``rollout.factory.engine_class(rollout.engine)``; ``lora``: ``actor.lora``)."""
         return cls(mode=resolve_mode(rollout, engine), engine=rollout.engine,
-                   deferred_modes=tuple(engine.deferred_weight_sync_modes),
+                   deferred_modes=tuple(engine.sync_capabilities.deferred),
                    bucket_bytes=int(rollout.weight_sync_bucket_mb * (1 << 20)),
                    timeout_s=float(rollout.weight_sync_timeout_s),
                    verify_interval=int(rollout.weight_sync_verify_interval),
                    verify_tensors=int(rollout.weight_sync_verify_tensors), delta=bool(rollout.weight_sync_delta),
                    export_dir=rollout.weight_sync_dir or os.path.join(run_dir, "weight_sync"),
                    sender_transport="shm" if shm.available() else "gloo",
-                   tp_gather="flat" if torch.cuda.is_available() else "shm" if shm.available() else "gloo")
+                   tp_gather="flat" if torch.cuda.is_available() else "shm" if shm.available() else "gloo",
+                   lora=LoraSync.of(lora, rollout))
 
     def due(self, version: int) -> bool:
         """Whether version number ``version`` is verified."""

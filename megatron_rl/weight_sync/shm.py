@@ -3,19 +3,22 @@
 A ``Segment`` is an anonymous memory file (``memfd_create``): the writer creates it and keeps its descriptor, the
 reader maps it through ``/proc/<writer pid>/fd/<fd>`` and drops the descriptor at once. The one rule: nothing is ever
 named in ``/dev/shm``, so no exit path -- a failed sync, a killed rank, a killed job -- can leave a segment behind;
-the memory is freed when the last process that maps it lets go or exits.
+the memory is freed when the last process that maps it lets go or exits. A reader checks that the file it opened is
+the writer's segment (its key is in the memory file's name): the same ``/proc`` path names another process's file
+in another pid namespace or on another host.
 """
 from __future__ import annotations
 
 import glob
 import mmap
 import os
+import secrets
 
 import torch
 
 __all__ = ["available", "Segment", "leftovers"]
 
-_GEN = [0]
+_PREFIX = "megatron_rl_ws_"
 
 
 def available() -> bool:
@@ -43,22 +46,30 @@ class Segment:
     def create(cls, label: str, nbytes: int) -> "Segment":
         """A new segment of ``max(nbytes, 1)`` bytes (``label``: its name in ``/proc/<pid>/fd``, for people)."""
         nbytes = max(int(nbytes), 1)
-        fd = os.memfd_create(f"megatron_rl_ws_{label}", os.MFD_CLOEXEC)
+        key = f"{os.getpid()}_{secrets.token_hex(8)}"  # random: pids repeat across pid namespaces and hosts
+        fd = os.memfd_create(f"{_PREFIX}{label}_{key}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            _GEN[0] += 1
-            return cls(f"/proc/{os.getpid()}/fd/{fd}", f"{os.getpid()}_{_GEN[0]}", nbytes, fd, owner=True)
+            return cls(f"/proc/{os.getpid()}/fd/{fd}", key, nbytes, fd, owner=True)
         except BaseException:
             os.close(fd)
             raise
 
     @classmethod
     def attach(cls, path: str, key: str, nbytes: int) -> "Segment":
-        """Map the writer's segment ``path`` (``OSError`` when it is gone or on another host)."""
+        """Map the writer's segment ``path`` whose key is ``key`` (``OSError`` when it is gone, cannot be opened
+        here -- ``/proc`` access refused -- or ``path`` names another file: another host or pid namespace)."""
         fd = os.open(path, os.O_RDWR)
-        if os.fstat(fd).st_size < int(nbytes):
+        try:
+            opened = os.readlink(f"/proc/self/fd/{fd}")
+            if not (opened.startswith(f"/memfd:{_PREFIX}") and f"_{key} " in f"{opened} "):
+                raise OSError(f"{path} is {opened!r}, not the weight-sync segment {key} (another host or pid "
+                              f"namespace)")
+            if os.fstat(fd).st_size < int(nbytes):
+                raise OSError(f"shared-memory segment {path} holds fewer than {nbytes} bytes (not the writer's)")
+        except BaseException:
             os.close(fd)
-            raise OSError(f"shared-memory segment {path} holds fewer than {nbytes} bytes (not the writer's)")
+            raise
         return cls(path, key, nbytes, fd, owner=False)
 
     def close(self) -> None:

@@ -79,14 +79,23 @@ def _shareable(exc: Optional[BaseException]) -> Optional[BaseException]:
 
 
 def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: int, corrupt,
-              pack=None, gather=None) -> SenderOutcome:
+              pack=None, gather=None, view=None) -> SenderOutcome:
     """Every rank: gather and send this rank's own buckets through ``channel`` (None: not a sender; it still
-    takes part in the gathers). ``pack``: a delta sync's packer; ``gather``: the TP / ETP gatherer. After a failure the rest of the stream is
-    gathered but not sent."""
+    takes part in the gathers). ``pack``: a delta sync's packer; ``gather``: the TP / ETP gatherer; ``view``: how
+    the model is read (LoRA merged). After a failure to send, the rest of the stream is gathered but not sent; a
+    failure to gather ends it (posted like any other)."""
     out = SenderOutcome(rank)
     hold = getattr(channel, "local", False) and corrupt is None  # corrupt() alters a bucket: a copy, not the model
     alloc = getattr(channel, "alloc", None)  # a channel whose own memory the buckets are packed into
-    for bucket in own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc, gather):
+    stream = own_buckets(actor, bucket_bytes, dtype, keep, pack, hold, alloc, gather, view)
+    while True:
+        try:
+            bucket = next(stream)
+        except StopIteration:
+            break
+        except Exception as exc:  # noqa: BLE001 - a gather or pack failed: posted (rank 0 aborts the update)
+            out.error = out.error or f"sender rank {rank}: gathering its tensors failed: {type(exc).__name__}: {exc}"
+            break
         if channel is None or out.error is not None:
             continue
         try:
@@ -134,9 +143,8 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
             base = delta.base_for(engine) if delta else None  # before the update session retags the servers
             receiver = settings.mode.open(engine, version, timeout_s)
             names = _expected_names(actor)
-            dt = engine.weight_dtype
-            keep_names = engine.full_precision_weight_names(names)
-            verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version, dt, keep_names)
+            verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version)
+            dt, keep_names = verifier.dtype, verifier.keep
             plan = (DTYPE_NAMES.get(dt), sorted(keep_names), receiver.channel(), verifier.for_sender(),
                     (base, sorted(n for n in names if verifier.needs(n))) if delta else None,
                     names)
@@ -165,7 +173,7 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
     else:
         failed = None
     mine = _send_own(actor, channel, verifier if rank0 else copy, bucket_bytes, dtype, set(keep), rank, corrupt,
-                     pack, piece_gather(settings.tp_gather))
+                     pack, piece_gather(settings.tp_gather), settings.view)
     if failed is not None:
         mine = failed
     if size == 1:

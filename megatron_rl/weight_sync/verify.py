@@ -5,7 +5,7 @@ stay in their own dtype).
 
 Usage (one ``WeightVerifier`` per sync; ``offer`` every HF tensor of the sync in any order)::
 
-    v = WeightVerifier(engine, hf_names, geometry, k=16, version=3, dtype=torch.bfloat16, keep=set())
+    v = WeightVerifier(engine, hf_names, engine.weight_holding(hf_names, geometry, verify=True), k=16, version=3)
     for name, t in stream:
         v.offer(name, t)
     v.check("weight sync to 'step-3'", "the trainer's")   # WeightSyncError naming every tensor that differs
@@ -24,12 +24,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.weight_sync.endpoint import WeightSyncError
+from megatron_rl.weight_sync.endpoint import WeightHolding, WeightSyncError
 from megatron_rl.weight_sync.versions import parse_version
 from megatron_rl.weight_sync.report import SyncReport
 from megatron_rl.weight_sync.settings import WeightSyncSettings
@@ -51,19 +51,18 @@ def sample_spread(names: List[str], k: int, version: int) -> List[str]:
 class WeightVerifier:
     """See the module doc. ``k`` < 0: every engine tensor the layout maps; 0: none (nothing is checked)."""
 
-    def __init__(self, engine, hf_names: Sequence[str], geometry, k: int, version: int,
-                 dtype: Optional[torch.dtype], keep: set):
+    def __init__(self, engine, hf_names: Sequence[str], holding: WeightHolding, k: int, version: int):
         self.engine = engine
-        self.dtype = dtype
-        self.keep = set(keep)
+        self.dtype = holding.dtype
+        self.keep = set(holding.full_precision)
         self.hf_names = set(hf_names)
         # the engine's own hash (SGLang on a GPU: its Triton hash); None: this process cannot reproduce it,
         # so nothing is compared and verified_frac stays 0 (said once per job by ``unverifiable_notice``)
-        self.hash = engine.weight_checksum_fn() if k != 0 else None
-        layout = engine.weight_layout(list(hf_names), geometry) if self.hash is not None else []
+        self.hash = holding.checksum if k != 0 else None
+        layout = list(holding.layout) if self.hash is not None else []
         chosen = set(sample_spread([t.name for t in layout], k, version))
         self.tensors = [t for t in layout if t.name in chosen]
-        self.tp_sizes = sorted(set(engine.weight_tp_sizes())) if self.tensors else []
+        self.tp_sizes = sorted(set(holding.tp_sizes)) if self.tensors else []
         self._need: Dict[str, int] = {}
         for t in self.tensors:
             for s in t.sources:
@@ -165,12 +164,14 @@ def _version_number(tag: str) -> int:
         return 0
 
 
-def verifier_for(geometry, engine, settings: WeightSyncSettings, names: List[str], version: str, dtype,
-                 keep) -> WeightVerifier:
-    """Rank 0: the verifier of this version (samples nothing unless a verification is due)."""
+def verifier_for(geometry, engine, settings: WeightSyncSettings, names: List[str], version: str) -> WeightVerifier:
+    """Rank 0: the verifier of this version (samples nothing unless a verification is due); its ``dtype`` and
+    ``keep`` are the engine's (``WeightEndpoint.weight_holding``), which the sender casts to."""
     v = _version_number(version)
     due = settings.due(v)
-    verifier = WeightVerifier(engine, names, geometry, settings.verify_tensors if due else 0, v, dtype, keep)
+    k = settings.verify_tensors if due else 0
+    holding = engine.weight_holding(list(names), geometry, verify=k != 0)
+    verifier = WeightVerifier(engine, names, holding, k, v)
     if due and verifier.hash is None and not _UNVERIFIABLE_SAID:
         _UNVERIFIABLE_SAID.append(True)
         print(f"[megatron-rl] WARNING: weight-sync verification skipped -- OFF for this whole run: "
@@ -209,8 +210,7 @@ def verify_export(engine, settings: WeightSyncSettings, export_dir: str, version
     for f in files:
         with safe_open(os.path.join(export_dir, f), framework="pt") as fh:
             names += list(fh.keys())
-    verifier = verifier_for(geometry, engine, settings, names, version, engine.weight_dtype,
-                         engine.full_precision_weight_names(names))
+    verifier = verifier_for(geometry, engine, settings, names, version)
     report = SyncReport()
     if not verifier.tensors:
         return report
@@ -231,8 +231,7 @@ def verify_export(engine, settings: WeightSyncSettings, export_dir: str, version
 def verify_buckets(engine, settings: WeightSyncSettings, actor, buckets, version: str) -> SyncReport:
     """Rank 0, after the engine applied owned ``buckets`` (async tensor mode): as ``verify_disk_sync``."""
     names = [n for b in buckets for n in b.names]
-    verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version, engine.weight_dtype,
-                         engine.full_precision_weight_names(names))
+    verifier = verifier_for(actor.hf_target.geometry, engine, settings, names, version)
     report = SyncReport()
     if verifier.tensors:
         for bucket in buckets:

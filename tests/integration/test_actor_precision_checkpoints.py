@@ -216,7 +216,7 @@ def test_fp32_output_layer_needs_the_distributed_optimizer():
     dict (KeyError saving a group that holds the fp32 output layer too): the config and the actor refuse the
     combination by name, before any process group or model."""
     from megatron_rl.actor.precision import Precision
-    from megatron_rl.config.validate import job_errors
+    from megatron_rl.plan import job_errors
 
     bad = named_job("checkpoint_actor", TWO_LAYERS,
                     *knobs(use_distributed_optimizer=False, bf16=True, fp32_output_layer=True))

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.models.attention import BACKENDS, attention_backend, attention_errors, expected_te
 from megatron_rl.testing.cli import run_cli
 

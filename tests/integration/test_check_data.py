@@ -60,7 +60,7 @@ def test_check_fails_on_a_data_file_without_usable_rows(question_file):
 def test_training_fails_on_it_before_building_the_model(question_file, chat_model):
     import torch.distributed as dist
 
-    from megatron_rl.config import load_job_config
+    from megatron_rl.plan import load_job_config
     from megatron_rl.trainer.loop import train
 
     cfg = load_job_config(MATH, [f"data.path={question_file}", f"actor.load_hf={chat_model}"], world_size=1)

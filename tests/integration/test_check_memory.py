@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
 from megatron_rl.testing.cli import run_cli

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.convert.hf_config import model_config_from_hf
 from megatron_rl.ops.memory import active_parameters, total_parameters
 from megatron_rl.testing.actor_reference import hf_model_config

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from megatron_rl.config import ConfigError, apply_overrides, load_job_config
+from megatron_rl.config import ConfigError, apply_overrides
+from megatron_rl.plan import load_job_config
 from megatron_rl.correction import RolloutCorrectionConfig
 
 MODEL = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.vocab_size=256"]
@@ -98,7 +99,7 @@ def test_all_unknown_keys_are_reported_with_hints_for_verl_and_megatron_names():
     assert any(e.startswith("actor.lr_warmup_steps_ratio: unknown key (this project's key is actor.lr_warmup_fraction")
                for e in errs)
     assert "trainer.ppo_epochs: unknown key (this project's key is actor.ppo_epochs)" in errs
-    assert "parallel.adam_beta1: unknown key (it belongs to actor.adam_beta1)" in errs
+    assert "parallel.adam_beta1: unknown key (it belongs to actor.adam_beta1 / critic.adam_beta1)" in errs
     assert any(e.startswith("actor.zzz: unknown key (valid keys: lr, ") for e in errs)
     assert "trainer.stepz: unknown key (did you mean 'steps'?)" in errs
     assert len(errs) == 6
@@ -112,7 +113,7 @@ def test_unknown_sections_and_bad_overrides_all_reported(tmp_path):
         load_job_config(str(p), ["trainr.steps=1", "novalue"], world_size=1)
     msg = str(ei.value)
     assert "trainr" in msg and "'novalue': expected key.sub=value" in msg
-    assert "lr: unknown section (it is a key of actor.lr)" in msg
+    assert "lr: unknown section (it is a key of actor.lr / critic.lr)" in msg
     assert "actor_rollou_ref: unknown section" in msg
     p.write_text("actor_rollout_ref: {actor: {optim: {lr: 1.0e-6}}}\ndata: {train_batch_size: 8}\n")
     with pytest.raises(ConfigError) as ei:   # a verl file: one problem, pointing to the migration
@@ -154,23 +155,24 @@ def test_missing_model_dir_does_not_hide_other_problems():
 
 
 def test_config_load_and_validate_import_no_circle():
-    """validate does not import load (both import job); load imports validate at module level."""
+    """The plain loader (config/load.py) imports nothing of the plan, not even inside a function; the validating
+    loader (plan/load.py) imports it and the job file at module level (imports point down, no loop)."""
     import ast
     import os
 
-    import megatron_rl.config as pkg
+    import megatron_rl as pkg
 
-    def imports(name):
-        tree = ast.parse(open(os.path.join(os.path.dirname(pkg.__file__), name)).read())
+    def imports(rel):
+        tree = ast.parse(open(os.path.join(os.path.dirname(pkg.__file__), rel)).read())
         top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
         every = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         return top, every
 
-    _, validate_all = imports("validate.py")
-    load_top, load_all = imports("load.py")
-    assert "megatron_rl.config.load" not in validate_all and "megatron_rl.config.job" in validate_all
-    assert "megatron_rl.config.validate" in load_top and "megatron_rl.config.job" in load_top
+    validate_top, validate_all = imports(os.path.join("plan", "load.py"))
+    load_top, load_all = imports(os.path.join("config", "load.py"))
+    assert not any(m.startswith("megatron_rl.plan") for m in load_all)
+    assert "megatron_rl.config.load" in validate_top and "megatron_rl.config.job" in validate_top
     assert load_all - load_top <= {"megatron_rl.convert"}
-    r = subprocess.run([sys.executable, "-c", "import megatron_rl.config.validate"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import megatron_rl.plan.load"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr

@@ -6,11 +6,12 @@ with a digit d that depends on the prompt. That is enough to prove the plumbing:
 server called directly (requests + re here, not our client) on the same rows; two runs give identical rewards at
 temperature 0; and the faults -- an answer without a score (the regex without \\boxed), a slow judge (a proxy that
 delays: a real server cannot be slowed on demand), the judge killed mid-run -- each end as counted failures that the
-reward-failure policy turns into a named error past ``data.max_reward_failure_frac``. A training job
-(``python -m megatron_rl.train``, sync and async) scores with it and logs ``reward/judge_*``.
-Whether a tiny model can judge the copy task well enough to teach it: not claimed here (docs/reward_models.md).
+reward-failure policy turns into a named error past ``data.max_reward_failure_frac``. Training jobs
+(``python -m megatron_rl.train``: sync, async, multi-turn) score with it and log ``reward/judge_*``; a job rewarded by
+the judge alone learns what the judge prefers. Whether a tiny model can judge the copy task well enough to teach
+it: not claimed (docs/reward_models.md).
 
-Run: OMP_NUM_THREADS=1 pytest tests/integration/test_judge_sglang.py   (server start 16-110 s, then ~1-2 min)
+Run: OMP_NUM_THREADS=1 pytest tests/integration/test_judge_sglang.py   (server start 16-110 s, then ~6 min on 2 cores)
 """
 import json
 import os
@@ -272,6 +273,36 @@ def test_multi_turn_job_judges_what_judge_sees_says(shared, copy_model, tmp_path
         body = requests.post(url + "/v1/completions", json={"model": "default", "prompt": want + "|", "max_tokens": 16,
                                                            "temperature": 0.0, "regex": REGEX}, timeout=120).json()
         assert row["reward"] == float(body["choices"][0]["text"][7])
+
+
+def test_a_job_rewarded_only_by_the_judge_learns_what_the_judge_prefers(shared, copy_model, tmp_path):
+    """40 steps of the copy-task policy with the judge as its only reward, the judge reading the response alone
+    (its digit, 0-9 normalized to [0, 1], varies with the response: the random judge "prefers" some digit strings).
+    The mean judge reward of the last 10 steps exceeds that of the first 10 (measured 0.25 -> 0.42 at seed 0,
+    0.26 -> 0.40 at seed 1); the last step's rewards equal the server's answers called directly on its decoded
+    responses. What is learned is the judge's arbitrary preference, not the copy task (docs/reward_models.md)."""
+    import transformers
+    url, run = shared.get().url, tmp_path / "run"
+    r = _train(run, copy_model, url, "trainer.steps=40", "rollout.n_samples_per_prompt=8", "data.prompts_per_step=4",
+               "actor.micro_batch_size=32", "actor.lr=1e-3", 'reward.judge.prompt_template="{response}"',
+               "reward.judge.score_range=[0, 9]", "reward.judge.normalize=true", "reward.judge.max_concurrent=8",
+               "trainer.dump_rollouts=true")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    curve = [m["reward/raw_mean"] for m in _records(run)]
+    first, last = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
+    assert last > first + 0.08, curve
+    tok = transformers.AutoTokenizer.from_pretrained(copy_model)
+    rows = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    for row in [x for x in rows if x["step"] == max(y["step"] for y in rows)]:
+        ids = row["response_ids"]
+        text = tok.decode(ids[:ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids,
+                          skip_special_tokens=True)
+        body = requests.post(url + "/v1/completions", json={"model": "default", "prompt": text, "max_tokens": 16,
+                                                           "temperature": 0.0, "regex": REGEX}, timeout=120).json()
+        if "choices" not in body:    # an empty response is an empty prompt, which the server refuses: a failed reward
+            assert text == "" and row["reward"] == 0.0
+            continue
+        assert row["reward"] == pytest.approx(float(body["choices"][0]["text"][7]) / 9)
 
 
 def test_judge_killed_mid_run_fails_the_run_with_the_cause(shared, copy_model, tmp_path):

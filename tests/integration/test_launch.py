@@ -220,7 +220,7 @@ def test_sbatch_srun_per_gpu_with_colocated_servers():
 
 
 def test_sbatch_url_override_round_trips_through_the_config_loader():
-    from megatron_rl.config import load_job_config
+    from megatron_rl.plan import load_job_config
 
     r = _run("slurm.sbatch", "--config", Q7, env=dict(SLURM, SLURM_JOB_NODELIST="gpu[07-09]", SGLANG_MODE="separate",
                                                      SGLANG_NODES="2", SGLANG_MODEL="/m", GPUS_PER_NODE="8"))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.score import read_rollouts
 from megatron_rl.testing.distributed import run_ranks
 

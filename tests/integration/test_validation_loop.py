@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.testing.distributed import run_ranks
 
 pytestmark = [pytest.mark.mcore, pytest.mark.timeout(300)]

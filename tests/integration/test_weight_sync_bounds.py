@@ -102,7 +102,7 @@ def test_weights_checker_ends_within_the_bound(late_server):
 
 
 def test_loop_engine_gets_the_configured_bound():
-    from megatron_rl.config import load_job_config
+    from megatron_rl.plan import load_job_config
     from megatron_rl.plan import job_engine as build_engine
 
     import os

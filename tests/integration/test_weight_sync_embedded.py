@@ -24,7 +24,7 @@ import torch
 import megatron.core  # noqa: F401
 from megatron_rl.actor import MegatronActor
 from megatron_rl.plan import actor_spec
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.rollout.base import SamplingParams, WeightSyncError
 from megatron_rl.rollout.embedded import EmbeddedEngine

@@ -6,6 +6,8 @@ sender.
   carry only the buckets' meta (a few KiB), with gloo its whole stage (so the traffic measure can fail).
 * TP2 with each ``tp_gather`` (shm, flat, gloo): the engine equals the checkpoint; with shm rank 1's
   ``torch.distributed`` calls carry none of its pieces.
+* A gather that fails on rank 0 (its own stream raises) fails the sync on every rank, named, and the engine refuses to
+  generate.
 * Nothing is left in ``/dev/shm`` after a sync, a failed one (a bucket perturbed in transit, named on every rank) or
   one whose sender is killed with its first bucket packed into a fresh segment (segments are anonymous memory files).
 
@@ -37,7 +39,8 @@ def models(tmp_path_factory):
             "other": build_tiny_hf_model(root / "other", arch="qwen2", seed=2, num_hidden_layers=4)}
 
 
-def _body(rank, world, job, engine_dir, transport, corrupt_name=None, kill_first=False, tp_gather="shm"):
+def _body(rank, world, job, engine_dir, transport, corrupt_name=None, kill_first=False, tp_gather="shm",
+          fail_gather=False):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.plan import actor_spec
@@ -64,6 +67,18 @@ def _body(rank, world, job, engine_dir, transport, corrupt_name=None, kill_first
             if name == corrupt_name:
                 t.add_(1e-2)
 
+    if fail_gather and rank == 0:  # rank 0's own stream fails after its first bucket (a gather that raised)
+        from megatron_rl.weight_sync import stream
+
+        own = stream.own_buckets
+
+        def failing(*args, **kwargs):
+            it = own(*args, **kwargs)
+            yield next(it)
+            it.close()
+            raise RuntimeError("a gather failed")
+
+        stream.own_buckets = failing
     out = {"own": sum(p.numel() * 4 for p in actor.model[0].parameters())}
     hook = corrupt if corrupt_name or kill_first else None
     try:
@@ -72,6 +87,8 @@ def _body(rank, world, job, engine_dir, transport, corrupt_name=None, kill_first
         out["sent"] = t.sent
     except WeightSyncError as exc:
         out["error"] = str(exc)
+    if rank == 0:
+        out["invalid"] = engine._invalid
     if rank == 0 and "metrics" in out:
         out["state"] = {k: v.clone() for k, v in engine.model.state_dict().items() if not k.endswith("inv_freq")}
     return out
@@ -156,3 +173,14 @@ def test_moe_tp2_etp2_shm_gather_equals_checkpoint(tmp_path):
     assert set(got) == {k for k in ref if not k.endswith("inv_freq")}
     assert [k for k in got if not torch.equal(got[k], ref[k])] == []
     assert out[1]["sent"] < 64 * 1024, out[1]["sent"]
+
+
+@pytest.mark.timeout(600)
+def test_a_failed_gather_on_rank0_aborts_the_update_on_every_rank(models):
+    """Rank 0's own stream raises after its first bucket (its gather failed): the sync fails on every rank with the
+    cause named, at once (not after rank 1's wait for a decision), and the engine refuses to generate."""
+    job = named_job("actor", *JOB, *layout(pp=2), "rollout.weight_sync_timeout_s=60", hf=models["actor"])
+    out = run_ranks(_body, 2, job, models["other"], "shm", fail_gather=True, timeout=120)
+    for r in out:
+        assert "sender rank 0: gathering its tensors failed" in r["error"] and "a gather failed" in r["error"], r
+    assert "a gather failed" in (out[0]["invalid"] or "")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron_rl.algo.estimator import AlgoParams, Estimator
-from megatron_rl.config import ConfigError, load_job_config
+from megatron_rl.config import ConfigError
+from megatron_rl.plan import load_job_config
 from megatron_rl.config.migrate_verl import UNCHANGED, migrate_verl
 from megatron_rl.config.verl_keys import MAPPED, UNSUPPORTED
 from tests.verl_core_algos import AlgoCfg, verl_core_algos
@@ -38,7 +39,8 @@ def test_verl_spellings_and_gamma_lam():
      r"algorithm\.adv_estimator: 'rloo' conflicts with algorithm\.advantage_estimator: 'grpo'"),
     (["algorithm.norm_adv_by_std_in_grpo=false", "algorithm.norm_adv_by_std=true"],
      r"algorithm\.norm_adv_by_std_in_grpo: False conflicts with algorithm\.norm_adv_by_std: True"),
-    (["algorithm.adv_estimator=gae"], r"algorithm\.adv_estimator: 'gae' needs a critic \(critic\.enable"),
+    (["algorithm.adv_estimator=gae", "critic.enable=false"],
+     r"critic\.enable: false, but algorithm\.advantage_estimator: gae needs the critic's values"),
     (["algorithm.adv_estimator=remax", "multi_turn.env=megatron_rl.envs.tool_env:ToolEnvironment"],
      r"algorithm\.adv_estimator: 'remax' with multi_turn\.env"),
     (["algorithm.adv_estimator=gdpo"], r"algorithm\.gdpo_reward_keys: required with adv_estimator gdpo"),
@@ -92,7 +94,8 @@ def test_migrate_maps_estimators_and_parameters():
     assert g.tree["algorithm"]["gdpo_reward_weights"] == [0.5, 1.0]
     cfg = _cfg(*[f"algorithm.{k}={v}" for k, v in g.tree["algorithm"].items() if k != "rollout_correction"])
     assert cfg.algorithm.advantage_estimator == "gdpo"
-    for name in ("gae", "optimal_token_baseline", "tir_optimal_token_baseline"):
+    assert _entry(migrate_verl(_verl_job({"adv_estimator": "gae"})), "algorithm.adv_estimator").kind == MAPPED
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         e = _entry(migrate_verl(_verl_job({"adv_estimator": name})), "algorithm.adv_estimator")
         assert e.kind == UNSUPPORTED and name in e.detail
     e = _entry(migrate_verl(_verl_job({"adv_estimator": "grpo_vectorized", "norm_adv_by_std_in_grpo": False})),

@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from megatron_rl.cli import main as cli_main
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
 

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.config import read_job_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(path, *overrides):
-    cfg, _ = collect_job_config(str(path), list(overrides), cross_checks=False)
+    cfg, _ = read_job_config(str(path), list(overrides))
     return cfg
 
 
@@ -74,7 +74,7 @@ def test_tilde_expands_in_every_path_key(tmp_path, monkeypatch):
 def test_hub_id_is_left_alone(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("actor:\n  load_hf: Qwen/Qwen3-8B\n")
-    cfg, errors = collect_job_config(str(job), [], cross_checks=False)
+    cfg, errors = read_job_config(str(job), [])
     assert cfg.actor.load_hf == "Qwen/Qwen3-8B"
     assert any("'Qwen/Qwen3-8B'" in e for e in errors), errors   # named as written
 
@@ -113,21 +113,20 @@ def test_a_config_written_for_the_old_rule_is_said_not_silently_moved(tmp_path, 
     job = repo / "configs" / "job.yaml"
     job.write_text("data:\n  task: file\n  path: examples/train.jsonl\ntrainer:\n  run_dir: runs/my\n")
     monkeypatch.chdir(repo)
-    _, problems = collect_job_config(str(job), [], cross_checks=False)
+    _, problems = read_job_config(str(job), [])
     said = [p for p in problems if "from the current directory" in p]
     assert len(said) == 2, problems
     run = next(p for p in said if p.startswith("trainer.run_dir"))
     assert str(repo / "configs" / "runs" / "my") in run and str(repo / "runs" / "my") in run
     assert "../runs/my" in run
     # an override of the key: the file's value is not used
-    _, problems = collect_job_config(str(job), ["trainer.run_dir=runs/my", "data.path=examples/train.jsonl"],
-                                     cross_checks=False)
+    _, problems = read_job_config(str(job), ["trainer.run_dir=runs/my", "data.path=examples/train.jsonl"])
     assert not [p for p in problems if "from the current directory" in p]
     # an unrelated directory of the run_dir's name (no run in it) says nothing; the data file still does
     (repo / "runs" / "my" / "checkpoints").rmdir()
-    _, problems = collect_job_config(str(job), [], cross_checks=False)
+    _, problems = read_job_config(str(job), [])
     assert [p.split(":")[0] for p in problems if "from the current directory" in p] == ["data.path"]
     # from another directory nothing is ambiguous
     monkeypatch.chdir(tmp_path)
-    _, problems = collect_job_config(str(job), [], cross_checks=False)
+    _, problems = read_job_config(str(job), [])
     assert not [p for p in problems if "from the current directory" in p]

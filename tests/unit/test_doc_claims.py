@@ -12,7 +12,7 @@ import re
 import torch
 
 from megatron_rl.actor.routing import agreement_counts, routing_valid_mask
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.ops.memory import longest_row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -15,7 +15,8 @@ import inspect
 import pytest
 from test_rollout_sglang_faults import FaultServer, ok
 
-from megatron_rl.config import job_config_from_dict, job_errors
+from megatron_rl.config import job_config_from_dict
+from megatron_rl.plan import job_errors
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES, RolloutEngine, SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.plan import job_engine as build_engine
@@ -119,12 +120,24 @@ def _weight_sync_errors(kind, mode, sync):
 @pytest.mark.parametrize("kind, mode", sorted(ACCEPTED))
 def test_declared_modes_are_what_validation_accepts(kind, mode):
     cls = engine_class(kind)
-    default = cls.default_weight_sync_mode(async_rollouts=mode == "async")
+    caps = cls.sync_capabilities
+    default = caps.default(async_rollouts=mode == "async")
     assert default == AUTO[kind, mode]
-    assert default in cls.weight_sync_modes and (mode == "sync" or default in cls.deferred_weight_sync_modes)
+    assert default in caps.modes and (mode == "sync" or default in caps.deferred)
     assert _weight_sync_errors(kind, mode, "auto") == [] and _weight_sync_errors(kind, mode, default) == []
     for sync in WEIGHT_SYNC_MODES:
         errs = _weight_sync_errors(kind, mode, sync)
         assert (errs == []) == (sync in ACCEPTED[kind, mode]), (sync, errs)
-    accepted = {m for m in cls.weight_sync_modes if mode == "sync" or m in cls.deferred_weight_sync_modes}
+    accepted = {m for m in caps.modes if mode == "sync" or m in caps.deferred}
     assert accepted == ACCEPTED[kind, mode]
+
+
+@pytest.mark.parametrize("kwargs", [dict(modes=("disk", "rdma")), dict(modes=("disk",), deferred=("tensor",)),
+                                    dict(modes=("disk",), default_sync="tensor"),
+                                    dict(modes=("disk", "tensor"), deferred=("disk",), default_async="tensor")])
+def test_an_inconsistent_capability_declaration_is_refused(kwargs):
+    """An engine class cannot declare an ``auto`` default it does not accept (or a deferred mode it cannot receive)."""
+    from megatron_rl.weight_sync.endpoint import SyncCapabilities
+
+    with pytest.raises(ValueError, match="SyncCapabilities: inconsistent"):
+        SyncCapabilities(**kwargs)

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from megatron_rl.config import ConfigError, job_config_from_dict, load_job_config
+from megatron_rl.config import ConfigError, job_config_from_dict
+from megatron_rl.plan import load_job_config
 from megatron_rl.ops.weight_sync_plan import weight_sync_plan
 from megatron_rl.trainer.sync_settings import weight_sync_settings
 from megatron_rl.parallel.launch import LaunchEnv, cuda_device_index

@@ -18,10 +18,12 @@ import torch
 from megatron_rl.algo.estimator import AlgoParams, Estimator
 from megatron_rl.algo.kl_reward import KLControlConfig, KLInReward, NoKLInReward, token_level_scores
 from megatron_rl.config import ConfigError, load_job_config
+from megatron_rl.config.sections import AlgorithmConfig
 from megatron_rl.config.migrate_verl import migrate_verl
 from megatron_rl.config.verl_keys import UNSUPPORTED
 from megatron_rl.losses.kl import kl_penalty as our_kl_penalty
 from megatron_rl.plan.advantage import build_estimator
+from megatron_rl.plan.checks import Unbuilt
 from megatron_rl.plan.kl_reward import build_kl_in_reward
 from megatron_rl.testing.distributed import run_ranks
 from tests.unit.test_kl_reward import _verl_apply_kl_penalty
@@ -273,3 +275,13 @@ def test_describe_says_the_estimator_and_a_defaulted_kpop_phi():
                "algorithm.rollout_correction.rollout_rs_threshold=0.1")
     assert JobPlan.build(cfg, 1).describe()[-1] == \
         "advantages: grpo (gamma 1; per prompt group); rejection: binary_kl <= 0.1"
+
+
+def test_gae_with_kl_in_reward_is_refused_and_migrate_says_so():
+    """The critic's GAE places the scalar reward itself: KL in the reward is refused with it (it would be dropped)."""
+    with pytest.raises(Unbuilt, match=r"algorithm\.use_kl_in_reward: not built with algorithm\.adv_estimator 'gae'"):
+        build_kl_in_reward(AlgorithmConfig(advantage_estimator="gae", use_kl_in_reward=True))
+    m = migrate_verl({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True},
+                      "actor_rollout_ref": {"actor": {}, "rollout": {"n": 4}}})
+    [e] = [e for e in m.entries if e.key == "algorithm.use_kl_in_reward"]
+    assert e.kind == UNSUPPORTED and "gae" in e.detail

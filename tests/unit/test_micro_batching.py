@@ -326,7 +326,7 @@ def test_padded_budget_with_an_interleaved_pipeline_is_refused_by_the_config():
     """A padded token budget groups different numbers of rows per micro-batch; megatron's interleaved schedule
     takes one shape: `check` / the launcher refuse it naming actor.sequence_packing (packed: allowed)."""
     from megatron_rl.config import job_config_from_dict
-    from megatron_rl.config.validate import job_errors
+    from megatron_rl.plan import job_errors
 
     def errors(**actor):
         cfg = job_config_from_dict({"model": {"num_layers": 4, "hidden_size": 16, "num_attention_heads": 2,

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from megatron_rl.cli import main as cli_main
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.interpolation import resolve_interpolations
 from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import CONFLICT, UNCHANGED, UNKNOWN, UNRESOLVED, merge_overrides, migrate_verl
@@ -205,8 +205,16 @@ def test_full_megatron_config_maps_its_defaults():
     block.pop("loss_type")
     corr = dict(t["algorithm"]["rollout_correction"])
     assert corr.pop("loss_type") == "vanilla" and corr == block
-    assert _entry(m, "algorithm.adv_estimator").kind == UNSUPPORTED  # gae needs a critic
-    assert all(e.kind in (NO_MEANING, UNCHANGED) for e in m.entries if e.key.startswith("critic."))
+    assert _entry(m, "algorithm.adv_estimator").kind == MAPPED and t["algorithm"]["advantage_estimator"] == "gae"
+    # verl's critic keys the critic here reads are carried onto critic.*; the worker settings have no meaning here
+    carried = {"critic.optim.lr": "lr", "critic.optim.weight_decay": "weight_decay", "critic.optim.clip_grad":
+               "clip_grad", "critic.ppo_epochs": "ppo_epochs", "critic.cliprange_value": "cliprange_value",
+               "critic.loss_agg_mode": "loss_agg_mode"}
+    bad = [(e.key, e.kind) for e in m.entries if e.key.startswith("critic.") and e.key not in carried
+           and e.kind not in (NO_MEANING, UNCHANGED)]
+    assert not bad, bad
+    for key, ours in carried.items():
+        assert _entry(m, key).kind == MAPPED and t["critic"][ours] == _entry(m, key).value, key
     # interpolations resolved within the file: ${oc.select:data.max_prompt_length,512}, a path with two refs
     assert _entry(m, "actor_rollout_ref.rollout.prompt_length").value == 512
     assert t["trainer"]["run_dir"] == os.path.abspath("checkpoints/verl_examples/gsm8k")  # verl's, from the cwd

@@ -11,7 +11,7 @@ import os
 
 import yaml
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import UNCHANGED, merge_overrides, migrate_verl
 from megatron_rl.config.verl_keys import MAPPED, UNSUPPORTED

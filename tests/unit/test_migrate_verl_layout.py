@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from megatron_rl.cli.migrate import merge_overrides
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.hints import unknown_key_message
 from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import UNCHANGED, migrate_verl

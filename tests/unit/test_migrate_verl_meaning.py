@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from megatron_rl.cli import main as cli_main
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.load import build_job_config, yaml_load
 from megatron_rl.config.migrate_verl import UNCHANGED, migrate_verl, with_verl_defaults
 from megatron_rl.config.verl_versions import NEWEST, VERL_VERSIONS, defaults_path, verl_defaults

@@ -12,7 +12,7 @@ import os
 
 import yaml
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.cli.migrate import merge_overrides
 from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import migrate_verl

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megatron_rl.cli.migrate import merge_overrides
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.load import build_job_config, yaml_load
 from megatron_rl.config.migrate_verl import migrate_verl
 from megatron_rl.config.verl_keys import MAPPED

@@ -7,7 +7,7 @@ and the launcher run before any process starts) with its dotted key. Run:
 import pytest
 
 from megatron_rl.config.load import build_job_config
-from megatron_rl.config.validate import job_errors
+from megatron_rl.plan import job_errors
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.losses import PolicyLossConfig
 from megatron_rl.losses.registry import LOSS_TYPES, MODE_PARAMETERS, mode_parameter_errors, objective_summary

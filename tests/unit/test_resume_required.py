@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.trainer.run_dir import run_dir_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from megatron_rl.config import ConfigError, load_job_config
+from megatron_rl.config import ConfigError
+from megatron_rl.plan import load_job_config
 from megatron_rl.config.reward_section import RewardModelConfig
 from megatron_rl.tasks import DigitTask, build_char_tokenizer
 from megatron_rl.tasks.rm_backends import SGLangRM, parse_classify

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron_rl.config import load_job_config
+from megatron_rl.plan import load_job_config
 from megatron_rl.config.job import ConfigError
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")

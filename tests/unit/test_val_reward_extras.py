@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.rollout.base import Rollout
 from megatron_rl.rollout.versions import version_tag
 from megatron_rl.tasks.char_tokenizer import build_char_tokenizer

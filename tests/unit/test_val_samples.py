@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.config.migrate_verl import migrate_verl
 from megatron_rl.rollout.base import Rollout
 from megatron_rl.rollout.versions import version_tag

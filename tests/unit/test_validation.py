@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from megatron_rl.config import collect_job_config
+from megatron_rl.plan import collect_job_config
 from megatron_rl.testing.jobs import job_problems
 from megatron_rl.trainer.validation import Validation, val_metrics, val_sampling
 
@@ -202,7 +202,7 @@ def test_a_validation_file_whose_data_source_has_no_reward_fails_check_and_start
 
 
 def test_val_timeout_s_above_the_collective_timeout_is_allowed_on_one_rank_only():
-    from megatron_rl.config.validate import job_errors
+    from megatron_rl.plan import job_errors
 
     cfg, _ = job_problems(Q7, f"data.val_files={MATH_DATA}", "trainer.val_timeout_s=3600",
                           "trainer.collective_timeout_s=1800")

@@ -160,7 +160,7 @@ def test_buckets_round_trip_through_bytes():
 
 def _delta_errors(**rollout):
     from megatron_rl.config import job_config_from_dict
-    from megatron_rl.config.validate import job_errors
+    from megatron_rl.plan import job_errors
 
     if rollout.get("engine") == "sglang":
         rollout["sglang_urls"] = ["http://127.0.0.1:9"]

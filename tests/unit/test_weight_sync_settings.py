@@ -15,8 +15,8 @@ from megatron_rl.trainer.sync_settings import weight_sync_settings
 def test_auto_is_the_engine_class_default(engine, mode, cls):
     job = job_config_from_dict({"rollout": {"engine": engine, "mode": mode, "sglang_urls": ["http://h:1"]}})
     s = weight_sync_settings(job)
-    assert s.mode.name == cls.default_weight_sync_mode(async_rollouts=mode == "async")
-    assert s.deferred_modes == cls.deferred_weight_sync_modes and s.engine == engine
+    assert s.mode.name == cls.sync_capabilities.default(async_rollouts=mode == "async")
+    assert s.deferred_modes == cls.sync_capabilities.deferred and s.engine == engine
 
 
 def test_every_other_value_as_written(tmp_path):

@@ -39,29 +39,29 @@ def test_cpu_server_uses_sglangs_cpu_hash():
     eng = _engine("cpu")
     t = torch.randn(5, 3).t()  # non-contiguous, as a row-parallel shard is
     ref = sha256(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())).digest()[:8]
-    assert eng.weight_checksum_fn()(t) == f"{int.from_bytes(ref, 'big'):016x}"
+    assert eng.weight_holding([], verify=True).checksum(t) == f"{int.from_bytes(ref, 'big'):016x}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU with SGLang importable the Triton hash is used")
 def test_gpu_server_is_not_verified_and_never_fails_the_sync(capsys):
     eng = _engine("cuda")
-    assert eng.weight_checksum_fn() is None
+    assert eng.weight_holding([], verify=True).checksum is None
     job = job_config_from_dict({"rollout": {"engine": "sglang", "sglang_urls": eng.urls,
                                             "weight_sync_verify_tensors": -1}})
     weight_verify._UNVERIFIABLE_SAID.clear()
-    v = weight_verify.verifier_for(None, eng, weight_sync_settings(job), ["model.norm.weight"], "step-0", torch.bfloat16, set())
+    v = weight_verify.verifier_for(None, eng, weight_sync_settings(job), ["model.norm.weight"], "step-0")
     assert v.tensors == [] and v.hash is None
     assert v.check("weight sync to 'step-0'", "the trainer's") == [] and v.verified_frac == 0.0
     out = capsys.readouterr().out
     assert "verification skipped" in out and out.count("WARNING") == 1
-    weight_verify.verifier_for(None, eng, weight_sync_settings(job), ["model.norm.weight"], "step-1", torch.bfloat16, set())
+    weight_verify.verifier_for(None, eng, weight_sync_settings(job), ["model.norm.weight"], "step-1")
     assert "verification skipped" not in capsys.readouterr().out  # once per process
 
 
 def test_fp32_kept_names_come_from_the_hf_names_without_the_checker():
     eng = _engine("cuda")
     names = ["model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias"]
-    assert eng.full_precision_weight_names(names) == {"model.layers.3.mlp.gate.e_score_correction_bias"}
+    assert eng.weight_holding(names).full_precision == {"model.layers.3.mlp.gate.e_score_correction_bias"}
 
 
 def test_unknown_tensors_are_left_out_not_assumed_replicated():
@@ -80,15 +80,16 @@ def test_unknown_tensors_are_left_out_not_assumed_replicated():
               "mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
         assert isinstance(layout[pre + n].pieces[0].shard, Replicated)
     assert pre + "self_attn.o_proj.weight" in layout
-    assert tensor_checksum(torch.zeros(2)) == _engine("cpu").weight_checksum_fn()(torch.zeros(2))
+    assert tensor_checksum(torch.zeros(2)) == _engine("cpu").weight_holding([], verify=True).checksum(torch.zeros(2))
 
 
 def test_fp32_kept_bias_is_compared_in_fp32_as_sglang_holds_it():
     """Stand-in for a real DeepSeek-V3 SGLang server (the CPU backend cannot serve MLA, docs/limits.md): SGLang's
     MoEGate keeps ``e_score_correction_bias`` fp32 in a bf16 model and its checker hashes those fp32 bytes
-    (sha256 on CPU). The verifier, given the names ``full_precision_weight_names`` picks, expects exactly that;
+    (sha256 on CPU). The verifier, given the names ``weight_holding(...).full_precision`` picks, expects exactly that;
     cast to bf16 (the old behaviour) the same sync would be reported as corrupted."""
     from hashlib import sha256
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from megatron_rl.weight_sync.verify import WeightVerifier
@@ -98,13 +99,13 @@ def test_fp32_kept_bias_is_compared_in_fp32_as_sglang_holds_it():
     eng = _engine("cpu")
     sglang_hash = f"{int.from_bytes(sha256(memoryview(bias.view(torch.uint8).numpy())).digest()[:8], 'big'):016x}"
     eng._checker_names = lambda: {bias_name}
-    eng.weight_tp_sizes = lambda: (1,)
     eng._info = lambda url: {"device": "cpu", "ep_size": 1}
     eng.weight_checksums = lambda names: {eng.urls[0]: {bias_name: (sglang_hash,)}}
     geometry = SimpleNamespace(num_query_groups=1)
-    keep = eng.full_precision_weight_names([bias_name])
+    holding = eng.weight_holding([bias_name], geometry, verify=True)
+    keep = holding.full_precision
     for kept, ok in ((keep, True), (set(), False)):
-        v = WeightVerifier(eng, [bias_name], geometry, -1, 0, torch.bfloat16, kept)
+        v = WeightVerifier(eng, [bias_name], replace(holding, dtype=torch.bfloat16, full_precision=kept), -1, 0)
         v.offer(bias_name, bias)
         if ok:
             assert v.check("sync", "the trainer's") == [bias_name] and v.verified_frac == 1.0
