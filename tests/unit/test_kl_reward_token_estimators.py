@@ -17,7 +17,8 @@ import torch
 
 from megatron_rl.algo.estimator import AlgoParams, Estimator
 from megatron_rl.algo.kl_reward import KLControlConfig, KLInReward, NoKLInReward, token_level_scores
-from megatron_rl.config import ConfigError, load_job_config
+from megatron_rl.config import ConfigError
+from megatron_rl.plan import load_job_config
 from megatron_rl.config.sections import AlgorithmConfig
 from megatron_rl.config.migrate_verl import migrate_verl
 from megatron_rl.config.verl_keys import UNSUPPORTED

@@ -140,7 +140,8 @@ def test_interrupt_mode_refused_as_the_producer_loads_newer_weights_between_segm
     """Async partial_rollout 'interrupt': the producer may load a newer version between the sampled responses'
     segments, so the greedy call that follows runs on other weights than the round's -- it is refused at config
     time, naming the keys."""
-    from megatron_rl.config import ConfigError, load_job_config
+    from megatron_rl.config import ConfigError
+    from megatron_rl.plan import load_job_config
     from megatron_rl.trainer.async_rollout import SegmentedEngine
 
     tok, cfg, task = _job(tmp_path, ["1", "2"])
