@@ -286,3 +286,37 @@ def test_gae_with_kl_in_reward_is_refused_and_migrate_says_so():
                       "actor_rollout_ref": {"actor": {}, "rollout": {"n": 4}}})
     [e] = [e for e in m.entries if e.key == "algorithm.use_kl_in_reward"]
     assert e.kind == UNSUPPORTED and "gae" in e.detail
+
+
+def _fake_critic_rank(rank, world, returns, values, mask, backend):
+    import torch.distributed as dist
+
+    from megatron_rl.testing import fake_accelerator as fa
+    from megatron_rl.trainer import critic_step
+
+    fa.install()
+    group = dist.new_group(list(range(world)), backend=fa.BACKEND if backend == "fakeccl" else "gloo")
+    dev = torch.device(fa.DEVICE, 0)
+    rows = slice(0, 3) if rank == 0 else slice(3, None)
+    r, v, m = returns[rows].to(dev), values[rows].to(dev), mask[rows].to(dev)
+    adv, _ = critic_step.compute_gae_advantage_return(r, v, m, gamma=1.0, lam=0.95, group=group,
+                                                      all_reduce=critic_step.all_reduce_)
+    return critic_step.explained_variance(r, v, m, group), adv.cpu()
+
+
+@pytest.mark.parametrize("backend", ["fakeccl", "gloo"])
+def test_critic_statistics_on_an_accelerator(backend):
+    """The critic's GAE whitening and explained variance with the step's tensors on an accelerator and an
+    NCCL-like or gloo DP group: staged reductions, the single-process CPU result."""
+    from megatron_rl.algo.gae import compute_gae_advantage_return
+    from megatron_rl.trainer.critic_step import explained_variance
+
+    g = torch.Generator().manual_seed(6)
+    returns, values = torch.randn(8, 5, generator=g), torch.randn(8, 5, generator=g)
+    mask = (torch.arange(5)[None] < torch.randint(1, 6, (8,), generator=g)[:, None]).float()
+    want_ev = explained_variance(returns, values, mask)
+    want_adv, _ = compute_gae_advantage_return(returns, values, mask, gamma=1.0, lam=0.95)
+    out = run_ranks(_fake_critic_rank, 2, returns, values, mask, backend, timeout=60)
+    for ev, _ in out:
+        assert ev == pytest.approx(want_ev, rel=1e-9)
+    torch.testing.assert_close(torch.cat([a for _, a in out]), want_adv)
