@@ -28,6 +28,11 @@
 #   --delta-loader         register megatron-rl's delta-sync loader (--custom-weight-loader; needed by
 #                          rollout.weight_sync_delta; launch/slurm.sbatch adds it for such jobs; megatron_rl must
 #                          be importable by the server's python)                   [SGLANG_DELTA_LOADER=1]
+#   --lora-rank R          serve LoRA adapters up to rank R (--enable-lora --max-lora-rank R; on cpu also
+#                          --lora-backend torch_native); needed by rollout.lora_sync: adapter (launch/slurm.sbatch
+#                          adds it for such jobs)                                       [SGLANG_LORA_RANK]
+#   --lora-targets LIST    --lora-target-modules, comma-separated SGLang names or 'all' (default all)
+#                                                                                        [SGLANG_LORA_TARGETS]
 #   --log FILE             append the server's stdout+stderr to FILE                     [SGLANG_LOG]
 #   -h, --help             this help
 # Environment:
@@ -60,6 +65,8 @@ DTYPE=${SGLANG_DTYPE:-bfloat16}
 LOG=${SGLANG_LOG:-}
 ROUTED=${SGLANG_ROUTED_EXPERTS:-0}
 DELTA=${SGLANG_DELTA_LOADER:-0}
+LORA_RANK=${SGLANG_LORA_RANK:-}
+LORA_TARGETS=${SGLANG_LORA_TARGETS:-all}
 if [[ -n "${MEGATRON_RL_SGLANG_PYTHON:-}" ]]; then PY=$MEGATRON_RL_SGLANG_PYTHON
 elif [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"  # tools/setup_env.sh's venv, as torchrun.sh
 else PY=python3; fi
@@ -79,6 +86,8 @@ while [[ $# -gt 0 ]]; do
     --log) need "$@"; LOG=$2; shift 2 ;;
     --routed-experts) ROUTED=1; shift ;;
     --delta-loader) DELTA=1; shift ;;
+    --lora-rank) need "$@"; LORA_RANK=$2; shift 2 ;;
+    --lora-targets) need "$@"; LORA_TARGETS=$2; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) die "unknown option '$1' (extra sglang flags go after --; see --help)" ;;
   esac
@@ -109,6 +118,12 @@ if [[ "$ROUTED" == 1 ]]; then CMD+=(--enable-return-routed-experts); fi
 # server only when a delta sync calls it. Only on request: a custom loader turns off SGLang's fast start-up weight
 # load on CUDA (model_runner_components/startup_weight_load.py)
 if [[ "$DELTA" == 1 ]]; then CMD+=(--custom-weight-loader megatron_rl.weight_sync.server_loader.load_weight_delta); fi
+# LoRA adapters loaded by path per version (rollout.lora_sync: adapter; megatron_rl/rollout/sglang_lora_flags.py)
+if [[ -n "$LORA_RANK" ]]; then
+  [[ "$LORA_RANK" =~ ^[0-9]+$ && "$LORA_RANK" -ge 1 ]] || die "--lora-rank must be an integer >= 1, got '$LORA_RANK'"
+  CMD+=(--enable-lora --max-lora-rank "$LORA_RANK" --lora-target-modules ${LORA_TARGETS//,/ })
+  if [[ "$DEVICE" == cpu ]]; then CMD+=(--lora-backend torch_native); fi
+fi
 CMD+=("${EXTRA[@]+"${EXTRA[@]}"}")
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

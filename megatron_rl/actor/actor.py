@@ -202,9 +202,12 @@ class MegatronActor:
         return batch.take(plan.order), per_token, inv
 
     def compute_log_probs(self, batch: RolloutBatch, temperature: float, compute_entropy: bool = True,
-                          micro_batch_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          micro_batch_size: Optional[int] = None, compute_sum_pi_squared: bool = False,
+                          ) -> Tuple[Optional[torch.Tensor], ...]:
         """(log_probs [B, L-1], entropy [B, L-1]) of this rank's DP shard under softmax(logits / T), on
-        every rank of the model-parallel group; 0 at padding columns. fp32, no grad.
+        every rank of the model-parallel group; 0 at padding columns. fp32, no grad. With
+        ``compute_sum_pi_squared`` a third [B, L-1] tensor: sum_j p_j^2 of that softmax per column (the optimal
+        token baseline's input; one more all-reduce of [tokens] over TP).
         ``micro_batch_size`` defaults to ``actor.micro_batch_size`` (forward-only can afford more; not used with
         ``actor.max_tokens_per_micro_batch``)."""
         check_token_ids(batch, self.model_cfg.vocab_size)
@@ -214,7 +217,7 @@ class MegatronActor:
         try:
             out = compute_log_probs(self.model, ordered, bounds=plan.bounds, temperature=temperature,
                                     groups=self.groups, compute_entropy=compute_entropy, batcher=self.batcher,
-                                    replay=rp)
+                                    replay=rp, compute_sum_pi_squared=compute_sum_pi_squared)
             if rp is not None:  # router agreement with the rollout (reported by the next train_step); r2 record
                 self.routing_metrics = self.replay.finish_log_prob_pass(self.routing, rp, ordered, batch, inv)
         finally:

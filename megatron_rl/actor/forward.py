@@ -46,18 +46,21 @@ def check_token_ids(batch: RolloutBatch, vocab_size: int) -> None:
 
 
 def _logprob_loss_func(mb: MicroBatch, tp_group, temperature: float, compute_entropy: bool,
-                       logits: torch.Tensor):
-    logp, ent = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
-                                        compute_entropy=compute_entropy)
-    out = {"log_probs": logp.detach()}
+                       logits: torch.Tensor, compute_sum_pi_squared: bool = False):
+    res = vocab_parallel_logprobs(logits, mb.targets, tp_group=tp_group, temperature=temperature,
+                                  compute_entropy=compute_entropy, compute_sum_pi_squared=compute_sum_pi_squared)
+    out = {"log_probs": res[0].detach()}
     if compute_entropy:
-        out["entropy"] = ent.detach()
+        out["entropy"] = res[1].detach()
+    if compute_sum_pi_squared:
+        out["sum_pi_squared"] = res[2].detach()
     return logits.new_zeros(()), out
 
 
-def _forward_step(tp_group, temperature, compute_entropy, mb: MicroBatch, model):
+def _forward_step(tp_group, temperature, compute_entropy, compute_sum_pi_squared, mb: MicroBatch, model):
     output = model(mb.tokens, mb.position_ids, attention_mask=None, **mb.model_kwargs)
-    return output, functools.partial(_logprob_loss_func, mb, tp_group, temperature, compute_entropy)
+    return output, functools.partial(_logprob_loss_func, mb, tp_group, temperature, compute_entropy,
+                                     compute_sum_pi_squared=compute_sum_pi_squared)
 
 
 def broadcast_from_last_stage_tensors(tensors: Sequence[torch.Tensor], groups: ActorGroups) -> None:
@@ -73,9 +76,10 @@ def broadcast_from_last_stage_tensors(tensors: Sequence[torch.Tensor], groups: A
 def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *,
                       bounds: Sequence[Tuple[int, int]], temperature: float, groups: ActorGroups,
                       compute_entropy: bool = True, batcher: Optional[MicroBatcher] = None,
-                      replay=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      replay=None, compute_sum_pi_squared: bool = False) -> Tuple[Optional[torch.Tensor], ...]:
     """Log-probs (and entropy) of every token of ``batch`` (this rank's DP shard) under
-    softmax(logits / temperature).
+    softmax(logits / temperature); with ``compute_sum_pi_squared`` a third tensor, sum_j p_j^2 of that softmax
+    at every column (verl's ``calculate_sum_pi_squared``; 0 at padding), the same way.
 
     Returns fp32 ``(log_probs [B, L-1], entropy [B, L-1] or None)`` on every rank of the PP group
     (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``bounds``: the micro-batches, contiguous
@@ -90,7 +94,8 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
     mbs = batcher.cut(batch, bounds, groups)
     for chunk in model_chunks:
         chunk.eval()
-    step = functools.partial(_forward_step, groups.tp_group, float(temperature), compute_entropy)
+    step = functools.partial(_forward_step, groups.tp_group, float(temperature), compute_entropy,
+                             bool(compute_sum_pi_squared))
     if replay is not None:  # MoE routing replay / recording (megatron_rl.actor.router_replay.ReplayPass)
         step = replay.wrap(step)
     with torch.no_grad():
@@ -99,7 +104,8 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
     if replay is not None:
         replay.micro_batches = mbs
     B, W = batch.num_rows, batch.max_length - 1
-    keys = ["log_probs"] + (["entropy"] if compute_entropy else [])
+    keys = ["log_probs"] + (["entropy"] if compute_entropy else []) + (
+        ["sum_pi_squared"] if compute_sum_pi_squared else [])
     if groups.is_last_stage:
         if len(results) != len(mbs):
             raise RuntimeError(f"log-prob pass: {len(results)} results for {len(mbs)} micro-batches")
@@ -117,4 +123,6 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
     else:
         out = {k: torch.empty(B, W, dtype=torch.float32, device=actor_device()) for k in keys}
     broadcast_from_last_stage_tensors([out[k] for k in keys], groups)
+    if compute_sum_pi_squared:
+        return out["log_probs"], out.get("entropy"), out["sum_pi_squared"]
     return out["log_probs"], out.get("entropy")

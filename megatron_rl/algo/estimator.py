@@ -6,11 +6,11 @@ group estimators (``advantages.py``: single-sample groups get 0), every other na
 the keywords verl passes it -- token-level rewards (the scalar reward on each row's last token of ``mask``),
 ``response_mask``, ``index``, ``config`` (``AlgoParams``) -- plus ``group`` (the DP group) where its statistics span
 the batch; the result is multiplied by ``mask`` (verl leaves GAE's and ReMax's off-mask entries, which no loss
-reads)."""
+reads). With KL in the reward the step passes verl's ``token_level_rewards`` [B, T] instead (``TOKEN_LEVEL``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -21,24 +21,18 @@ from megatron_rl.algo.registry import EstimatorSpec, estimator_spec
 KEY = "algorithm.adv_estimator"
 #: Estimators the trainer runs (``plan/advantage.py`` refuses the rest with ``NOT_IN_TRAINER``'s reason).
 TRAINER_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus",
-                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo", "gae")
+                      "reinforce_plus_plus_baseline", "rloo_vectorized", "opo", "gpg", "remax", "gdpo", "gae",
+                      "optimal_token_baseline", "tir_optimal_token_baseline")
 #: Estimators whose advantage is a difference within a prompt's group (>= 2 samples per prompt for a signal).
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus_baseline",
                     "rloo_vectorized", "opo", "gpg", "gdpo")
 #: Estimators whose whitening shifts every row (a group of alike rewards does not get advantage 0).
 WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo")
 #: verl's estimators the trainer cannot feed yet, with the reason (``plan/advantage.py``, ``migrate verl``).
-NOT_IN_TRAINER = {
-    "optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
-                              "actor.calculate_sum_pi_squared), which the actor does not compute",
-    "tir_optimal_token_baseline": "needs sum pi^2 per token from the log-prob pass (verl's "
-                                  "actor.calculate_sum_pi_squared), which the actor does not compute",
-}
-
-#: Estimators that read the token-level rewards token by token (the others read only each row's sum): with
-#: ``algorithm.use_kl_in_reward`` the step hands them verl's ``token_level_rewards`` ``[B, T]``.
-TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax", "optimal_token_baseline",
-                           "tir_optimal_token_baseline")
+NOT_IN_TRAINER: Dict[str, str] = {}
+#: verl's estimators that read ``token_level_rewards`` token by token (the others read ``.sum(-1)`` per row): with
+#: KL in the reward the step passes them ``KLInReward.apply``'s per-token rewards.
+TOKEN_LEVEL = ("gae", "reinforce_plus_plus", "remax", "optimal_token_baseline", "tir_optimal_token_baseline")
 
 #: verl's trainer calls these without norm_adv_by_std_in_grpo: they always divide by the std there.
 STD_ALWAYS = ("grpo_vectorized", "gdpo")
@@ -94,28 +88,39 @@ class Estimator:
         return tuple(self.params.gdpo_reward_keys or ()) if self.name == "gdpo" else ()
 
     @property
-    def reads_token_rewards(self) -> bool:
-        """Whether the estimator reads the rewards token by token (``TOKEN_REWARD_ESTIMATORS``), not their sum."""
-        return self.name in TOKEN_REWARD_ESTIMATORS
-
-    @property
     def spec(self) -> EstimatorSpec:
         """What the estimator needs (``registry.ESTIMATOR_SPECS``)."""
         return estimator_spec(self.name)
 
+    @property
+    def reads_token_rewards(self) -> bool:
+        """verl's function reads the rewards token by token (``TOKEN_LEVEL``), not their per-row sum."""
+        return self.name in TOKEN_LEVEL
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """The log-prob pass must return sum pi^2 per token (the optimal token baselines)."""
+        return "sum_pi_squared" in self.spec.needs
+
+    def policy_inputs(self, old_log_probs: torch.Tensor, sum_pi_squared: Optional[torch.Tensor],
+                      is_weights: Optional[torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
+        """What verl's ``compute_advantage`` hands the optimal token baselines from the policy: the loss's old
+        log-probs (the rollout's in bypass mode), the log-prob pass's sum pi^2 and the correction's IS weights
+        (``rollout_is_weights``; None without token / sequence IS). ``{}`` for the other estimators."""
+        if not self.needs_sum_pi_squared:
+            return {}
+        if sum_pi_squared is None:
+            raise ValueError(f"{KEY}={self.name!r}: the log-prob pass returned no sum_pi_squared (call "
+                             f"compute_log_probs with compute_sum_pi_squared=True)")
+        return dict(old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared, rollout_is_weights=is_weights)
+
     def advantages(self, rewards: torch.Tensor, group_index, mask: torch.Tensor, group: Optional[Any] = None,
                    token_level_rewards: Optional[torch.Tensor] = None, **inputs) -> torch.Tensor:
         """Token-level advantages ``[B, T]`` (float32) from the scalar ``rewards`` ``[B]`` and the loss's ``mask``
-        ``[B, T]`` (after rejection). ``token_level_rewards`` ``[B, T]`` (KL in the reward, for an estimator that
-        ``reads_token_rewards``): taken instead of the scalar reward on each row's last token. ``group``: the DP
-        group (whole-batch statistics); ``inputs``: the extra tensors the spec needs (``values``, ...).
-        Collective over ``group`` for ``spec.global_stats``."""
-        if token_level_rewards is not None and not self.reads_token_rewards:
-            raise ValueError(f"{KEY}={self.name!r} reads each row's summed reward: pass the sums as rewards, not "
-                             f"token_level_rewards")
-        if token_level_rewards is not None and tuple(token_level_rewards.shape) != tuple(mask.shape):
-            raise ValueError(f"token_level_rewards has shape {tuple(token_level_rewards.shape)}, the mask "
-                             f"{tuple(mask.shape)}")
+        ``[B, T]`` (after rejection). ``group``: the DP group (whole-batch statistics); ``token_level_rewards``:
+        verl's per-token rewards ``[B, T]`` (KL in the reward) given to verl's function instead of ``rewards`` on
+        each row's last token (``grpo`` / ``rloo`` read ``rewards``); ``inputs``: the extra tensors the spec
+        needs (``values``, ...). Collective over ``group`` for ``spec.global_stats``."""
         if self.name in ("grpo", "rloo"):
             return compute_advantages(rewards, group_index, mask, estimator=self.name,
                                       norm_adv_by_std=self.params.norm_adv_by_std_in_grpo)
@@ -124,9 +129,11 @@ class Estimator:
         if missing:
             raise ValueError(f"algorithm.adv_estimator={self.name!r} needs {missing} with the step's rows, which "
                              f"carry none (rows generated for another estimator?)")
-        tlr = (last_token_rewards(rewards, mask) if token_level_rewards is None
-               else token_level_rewards.to(torch.float32))
-        kw = dict(token_level_rewards=tlr, response_mask=mask.to(torch.float32),
+        if token_level_rewards is not None and tuple(token_level_rewards.shape) != tuple(mask.shape):
+            raise ValueError(f"{KEY}={self.name!r}: token_level_rewards has shape "
+                             f"{tuple(token_level_rewards.shape)}, the mask {tuple(mask.shape)}")
+        tlr = last_token_rewards(rewards, mask) if token_level_rewards is None else token_level_rewards
+        kw = dict(token_level_rewards=tlr.to(torch.float32), response_mask=mask.to(torch.float32),
                   index=group_index, config=self.params, **inputs)
         if self.name == "gdpo":   # verl passes the components in non_tensor_batch (``batch``: positions only)
             comps = kw.pop("reward_components")

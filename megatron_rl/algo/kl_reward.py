@@ -16,8 +16,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algo.estimator import last_token_rewards
-
 __all__ = ["KL_CTRL_TYPES", "KLControlConfig", "KLInReward", "NoKLInReward", "AdaptiveKLController",
            "FixedKLController", "build_kl_controller", "token_level_scores"]
 
@@ -177,17 +175,20 @@ class KLInReward:
         return tlr.sum(-1), metrics
 
     def estimator_rewards(self, rewards: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
-                          response_mask: torch.Tensor, loss_mask: torch.Tensor, token_level: bool, group=None
+                          response_mask: torch.Tensor, loss_mask: torch.Tensor, token_level: bool, group=None,
+                          scores: Optional[torch.Tensor] = None
                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, float]]:
-        """What the step's estimator takes: ``(rewards [B], token_level_rewards [B, T] or None, metrics)``. An
-        estimator that reads the sums (``token_level`` false) gets ``sequence_rewards``; one that reads the rewards
-        token by token (reinforce_plus_plus, remax, ...) gets verl's ``token_level_rewards``: the score on the
-        row's last token of ``loss_mask`` (where the estimator puts it without the penalty) minus beta x kld
-        (over ``response_mask``, verl's apply_kl_penalty)."""
+        """What the step hands the advantage estimator: ``(rewards [B], token_level_rewards [B, T] or None,
+        metrics)``. Summing estimators (``token_level`` False): ``sequence_rewards`` and None. Token-level ones
+        (gae, reinforce_plus_plus, remax, the optimal token baselines): ``apply`` with the scores on each row's
+        last token of ``loss_mask`` (where the estimator puts them without KL) and the kld over
+        ``response_mask`` (before rejection), so beta = 0 gives the rewards without KL exactly. ``scores``: the
+        token-level scores where the estimator puts them instead (the critic's GAE: each row's last token)."""
         if not token_level:
-            seq, metrics = self.sequence_rewards(rewards, old_log_probs, ref_log_probs, response_mask, group)
-            return seq, None, metrics
-        scores = last_token_rewards(rewards, loss_mask)  # float32 [B, T]
+            r, metrics = self.sequence_rewards(rewards, old_log_probs, ref_log_probs, response_mask, group)
+            return r, None, metrics
+        if scores is None:
+            scores = token_level_scores(rewards, loss_mask)
         tlr, metrics = self.apply(scores, old_log_probs, ref_log_probs, response_mask, group)
         return rewards, tlr, metrics
 
@@ -226,7 +227,7 @@ class NoKLInReward:
         return rewards, {}
 
     def estimator_rewards(self, rewards, old_log_probs, ref_log_probs, response_mask, loss_mask, token_level,
-                          group=None):
+                          group=None, scores=None):
         """``(rewards, None, {})``: the estimator places the scores itself."""
         return rewards, None, {}
 

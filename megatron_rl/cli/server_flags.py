@@ -7,7 +7,9 @@
 * ``--routed-experts`` when ``actor.routing_replay: r3``: the server returns each token's routed experts
   (SGLang's ``--enable-return-routed-experts``), which r3 replays; ``SGLangEngine`` refuses a server without it
   when the job is built;
-* ``--delta-loader`` when ``rollout.weight_sync_delta``: the server registers our delta-sync loader.
+* ``--delta-loader`` when ``rollout.weight_sync_delta``: the server registers our delta-sync loader;
+* ``--lora-rank R`` / ``--lora-targets LIST`` when ``rollout.lora_sync: adapter`` with ``rollout.engine: sglang``:
+  the server serves ``actor.lora``'s adapters (``--enable-lora``, ``rollout.sglang_lora_flags``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import List, Optional, Sequence
 from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.config import ConfigError
 from megatron_rl.config.load import read_job_config
+from megatron_rl.rollout.sglang_lora_flags import adapter_lora, sglang_lora_targets
 
 __all__ = ["server_options", "main"]
 
@@ -24,7 +27,11 @@ __all__ = ["server_options", "main"]
 def server_options(cfg) -> List[str]:
     """The ``launch/sglang_server.sh`` options the servers of job config ``cfg`` need."""
     options = ["--routed-experts"] if replay_mode(cfg.actor.routing_replay).needs_rollout_routing else []
-    return options + (["--delta-loader"] if cfg.rollout.weight_sync_delta else [])
+    options += ["--delta-loader"] if cfg.rollout.weight_sync_delta else []
+    lora = adapter_lora(cfg.actor.lora, cfg.rollout)
+    if lora is not None:
+        options += ["--lora-rank", str(int(lora.rank)), "--lora-targets", ",".join(sglang_lora_targets(lora))]
+    return options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -40,7 +47,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"server_flags: {exc}", file=sys.stderr)
         return 2
-    for option in server_options(cfg):
+    try:
+        options = server_options(cfg)
+    except ValueError as exc:  # a LoRA target SGLang has no module for (megatron-rl check refuses it too)
+        print(f"server_flags: {exc}", file=sys.stderr)
+        return 2
+    for option in options:
         print(option)
     return 0
 

@@ -379,8 +379,6 @@ def _use_kl_in_reward(value: Any, v: Verl) -> Dict[str, Any]:
     if v.get("algorithm.filter_groups.enable"):
         raise Skip(UNSUPPORTED, "KL in the reward with algorithm.filter_groups.enable (dynamic sampling) is not "
                                 "built: groups are filtered on rank 0 before the log-probs the penalty needs exist")
-    if v.get("algorithm.adv_estimator") == "gae":
-        raise Skip(UNSUPPORTED, "KL in the reward with adv_estimator gae (the critic's GAE) is not built yet")
     if v.get("algorithm.adv_estimator") == "gdpo":
         raise Skip(NO_MEANING, "true has no effect on adv_estimator gdpo in verl (its gdpo reads the reward "
                                "components, never the penalised token_level_rewards): not carried")
@@ -1123,7 +1121,8 @@ def _rules() -> List[Rule]:
              hint=False, note="verl's FSDP actor's packing switch"),
         _n(f"{_A}.entropy_from_logits_with_chunking", "a memory option of verl's FSDP entropy computation"),
         _n(f"{_A}.entropy_checkpointing", "a memory option of verl's FSDP entropy computation"),
-        _u(f"{_A}.calculate_sum_pi_squared", "no sum-of-squared-probabilities output", neutral=(False,)),
+        _n(f"{_A}.calculate_sum_pi_squared", "the log-prob pass computes sum pi^2 whenever algorithm.adv_estimator "
+           "needs it (the optimal token baselines), never otherwise", neutral=(False,)),
         _n(f"{_A}.sum_pi_squared_checkpointing", "a memory option of calculate_sum_pi_squared"),
         _m(f"{_A}.strategy", convert=_strategy, hint=False),
         _m("model_engine", convert=_model_engine, hint=False),

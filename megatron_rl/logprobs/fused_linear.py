@@ -12,13 +12,14 @@ docs/logprob_kernels.md.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .backend import BlockOps, default_chunk_rows, resolve_backend
 from .combine import combine_partials
+from .sum_pi_squared import chunk_rows_for, chunk_sum_pi_squared
 from .validation import (check_chunk_size, check_float_tensor, check_partition, check_targets,
                          check_temperature)
 from .vocab_parallel import flatten_rows
@@ -48,11 +49,12 @@ def _nonfinite_message(h2d, weight, bad, token_shape, rank) -> str:
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
-    """Inputs (hidden2d [N, H], weight [Vp, H], local target columns [N]); outputs fp32 (logp, ent)."""
+    """Inputs (hidden2d [N, H], weight [Vp, H], local target columns [N]); outputs fp32 (logp, ent, sum p^2)
+    (sum p^2: an empty tensor unless ``want_spp``; never differentiable)."""
 
     @staticmethod
     def forward(ctx, h2d, weight, t_local, inv_temp, chunk_rows, tp_group, world_size, rank,
-                backend, token_shape, reduce_hidden_grad):
+                backend, token_shape, reduce_hidden_grad, want_spp=False):
         ops = BlockOps(backend, h2d.device)
         n, vp = h2d.shape[0], weight.shape[0]
         stats = torch.empty(4, n, dtype=torch.float32, device=h2d.device)
@@ -69,20 +71,23 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                                                         world_size)
         if bool(bad.any()):
             raise ValueError(_nonfinite_message(h2d, weight, bad, token_shape, rank))
+        spp = _sum_pi_squared(h2d, weight, mx, log_s, inv_temp, chunk_rows, tp_group, world_size) if want_spp \
+            else h2d.new_empty(0, dtype=torch.float32)
         ctx.save_for_backward(h2d, weight, t_local, mx, log_s, ent)
         ctx.cfg = (inv_temp, chunk_rows, tp_group, world_size, backend, reduce_hidden_grad)
         ctx.set_materialize_grads(False)
-        return logp, ent
+        ctx.mark_non_differentiable(spp)
+        return logp, ent, spp
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, g_spp=None):
         h2d, weight, t_local, mx, log_s, ent = ctx.saved_tensors
         inv_temp, chunk_rows, tp_group, world_size, backend, reduce_hidden_grad = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros_like(h2d) if need_h else None
         dw = torch.zeros_like(weight) if need_w else None
         if g_logp is None and g_ent is None:
-            return dh, dw, *([None] * 9)
+            return dh, dw, *([None] * 10)
         g_logp = None if g_logp is None else g_logp.float()
         g_ent = None if g_ent is None else g_ent.float()
         ops = BlockOps(backend, h2d.device)
@@ -114,14 +119,31 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 torch.matmul(h2d, weight[v0:v1].t(), out=x)
                 ops.grad(x, t_local - v0, inv_temp, mx, log_s, ent, g_logp, g_ent, g)
                 torch.matmul(g.t(), h2d, out=dw[v0:v1])
-        return dh, dw, *([None] * 9)
+        return dh, dw, *([None] * 10)
+
+
+@torch.no_grad()
+def _sum_pi_squared(h2d, weight, mx, log_s, inv_temp, chunk_rows, tp_group, world_size) -> torch.Tensor:
+    """sum p^2 per token: the logits recomputed chunk by chunk (one more GEMM), then one SUM all-reduce of [N]."""
+    n, vp = h2d.shape[0], weight.shape[0]
+    out = torch.zeros(n, dtype=torch.float32, device=h2d.device)
+    step = chunk_rows_for(chunk_rows, vp, h2d.device)
+    xbuf = _buffer(min(n, step) * vp, h2d.dtype, h2d.device)
+    buf = _buffer(min(n, step) * vp, torch.float32, h2d.device)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        x = xbuf[:(j - i) * vp].view(j - i, vp)
+        torch.matmul(h2d[i:j], weight.t(), out=x)
+        out[i:j] = chunk_sum_pi_squared(x, mx[i:j], log_s[i:j], inv_temp, buf)
+    if world_size > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=tp_group)
+    return out
 
 
 def fused_linear_logprobs(hidden: torch.Tensor, output_weight_shard: torch.Tensor, target_ids: torch.Tensor,
                           tp_group=None, temperature: float = 1.0, compute_entropy: bool = True,
                           chunk_size: Optional[int] = None, backend: str = "auto",
-                          reduce_hidden_grad: bool = True,
-                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          reduce_hidden_grad: bool = True, compute_sum_pi_squared: bool = False):
     """Log-probs / entropy of softmax((hidden @ W^T) / T) with W vocab-sharded, without storing logits.
 
     Args:
@@ -130,9 +152,11 @@ def fused_linear_logprobs(hidden: torch.Tensor, output_weight_shard: torch.Tenso
         target_ids: [...] global token ids in [0, V), identical on every TP rank.
         tp_group, temperature, compute_entropy, chunk_size, backend: as ``vocab_parallel_logprobs``.
         reduce_hidden_grad: all-reduce (SUM) d hidden over ``tp_group`` in backward (see module doc).
+        compute_sum_pi_squared: also return sum_j p_j^2 per token (one more GEMM, chunked, and one more
+            all-reduce of [tokens]; ``sum_pi_squared.py``).
     Returns:
         (logp, entropy) fp32 [...] (entropy None if not requested), differentiable w.r.t. ``hidden`` and
-        ``output_weight_shard``.
+        ``output_weight_shard``; with ``compute_sum_pi_squared`` a third fp32 [...] tensor (no gradient).
     """
     check_float_tensor(hidden, "hidden")
     check_float_tensor(output_weight_shard, "output_weight_shard", min_dim=2)
@@ -155,8 +179,9 @@ def fused_linear_logprobs(hidden: torch.Tensor, output_weight_shard: torch.Tenso
     h2d = flatten_rows(hidden, "hidden")
     if chunk_size is None:
         chunk_size = default_chunk_rows(vp, hidden.device)
-    logp, ent = _FusedLinearLogprobs.apply(h2d, output_weight_shard, targets - info.vocab_start, 1.0 / temperature,
-                                           chunk_size, tp_group, info.world_size, info.rank, backend,
-                                           token_shape, bool(reduce_hidden_grad))
-    logp = logp.view(token_shape)
-    return logp, (ent.view(token_shape) if compute_entropy else None)
+    logp, ent, spp = _FusedLinearLogprobs.apply(h2d, output_weight_shard, targets - info.vocab_start,
+                                                1.0 / temperature, chunk_size, tp_group, info.world_size, info.rank,
+                                                backend, token_shape, bool(reduce_hidden_grad),
+                                                bool(compute_sum_pi_squared))
+    out = (logp.view(token_shape), ent.view(token_shape) if compute_entropy else None)
+    return out + (spp.view(token_shape),) if compute_sum_pi_squared else out

@@ -23,12 +23,13 @@ Usage::
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from .backend import BlockOps, default_chunk_rows, resolve_backend
 from .combine import combine_partials
+from .sum_pi_squared import sum_pi_squared_from_stats
 from .validation import (check_chunk_size, check_float_tensor, check_partition, check_targets,
                          check_temperature, locate_nonfinite, target_range_error)
 
@@ -46,11 +47,12 @@ def flatten_rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
-    """Autograd wrapper: inputs (logits2d [N, Vp], local target columns [N]); outputs fp32 (logp, ent)."""
+    """Autograd wrapper: inputs (logits2d [N, Vp], local target columns [N]); outputs fp32 (logp, ent, sum p^2)
+    (sum p^2: an empty tensor unless ``want_spp``; never differentiable)."""
 
     @staticmethod
     def forward(ctx, logits2d, t_local, inv_temp, chunk_rows, tp_group, world_size, rank,
-                backend, token_shape, defer_check):
+                backend, token_shape, defer_check, want_spp=False):
         ops = BlockOps(backend, logits2d.device)
         n, vp = logits2d.shape
         if ops.fused_final and world_size == 1 and chunk_rows >= n:
@@ -72,6 +74,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 if world_size == 1:  # the target range check was left to this device-side flag
                     flags = flags + 2 * ((t_local < 0) | (t_local >= vp)).any().to(torch.int32)
         del ops
+        # sum p^2 from the combined statistics: one more SUM all-reduce of [N] (sum_pi_squared.py)
+        spp = (sum_pi_squared_from_stats(logits2d, mx, log_s, inv_temp, chunk_rows, tp_group, world_size)
+               if want_spp else logits2d.new_empty(0, dtype=torch.float32))
         check = ErrorFlags(flags, (logits2d, t_local, bad, token_shape, rank), asynchronous=defer_check)
         if not defer_check:
             check.raise_if_set()  # the forward's only host synchronisation
@@ -79,10 +84,11 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         ctx.inv_temp, ctx.chunk_rows, ctx.backend = inv_temp, chunk_rows, backend
         ctx.check = check if defer_check else None
         ctx.set_materialize_grads(False)
-        return logp, ent
+        ctx.mark_non_differentiable(spp)
+        return logp, ent, spp
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, g_spp=None):
         logits2d, t_local, mx, log_s, ent = ctx.saved_tensors
         grad = None
         if ctx.needs_input_grad[0]:
@@ -105,7 +111,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             # the gradient is returned
             check, ctx.check = ctx.check, None
             check.raise_if_set()
-        return grad, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None
 
 
 class ErrorFlags:
@@ -146,7 +152,7 @@ class ErrorFlags:
 def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor, tp_group=None,
                             temperature: float = 1.0, compute_entropy: bool = True,
                             chunk_size: Optional[int] = None, backend: str = "auto",
-                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                            compute_sum_pi_squared: bool = False):
     """Log-probs of ``target_ids`` and entropy under softmax(logits / temperature), vocab-parallel.
 
     Args:
@@ -159,9 +165,11 @@ def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor
         compute_entropy: return the entropy of softmax(logits / T) (else None; costs nothing extra).
         chunk_size: tokens per chunk (None: ``backend.default_chunk_rows``; memory ~ 8 B x chunk x V/TP).
         backend: "auto" | "torch" | "triton" (see ``megatron_rl.logprobs.backend``).
+        compute_sum_pi_squared: also return sum_j p_j^2 per token (verl's ``calculate_sum_pi_squared``; one
+            more chunked read of the logits and one more all-reduce of [tokens]; ``sum_pi_squared.py``).
     Returns:
         (logp, entropy): fp32 tensors of shape [...] (entropy None if not requested), differentiable
-        w.r.t. ``logits_shard``.
+        w.r.t. ``logits_shard``; with ``compute_sum_pi_squared`` a third fp32 [...] tensor (no gradient).
     Raises:
         ValueError naming the problem: bad dtype/shape, target ids outside [0, V), temperature <= 0,
         token count / partition size / target ids differing across TP ranks (raised on every rank),
@@ -189,7 +197,9 @@ def vocab_parallel_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor
     # training (a gradient will be taken): the error check waits for the backward, so the forward never
     # blocks the host; otherwise (no_grad, inference) it is read before returning
     defer_check = torch.is_grad_enabled() and logits_shard.requires_grad
-    logp, ent = _VocabParallelLogprobs.apply(logits2d, t_local, 1.0 / temperature, chunk_size, tp_group,
-                                             info.world_size, info.rank, backend, token_shape, defer_check)
+    logp, ent, spp = _VocabParallelLogprobs.apply(logits2d, t_local, 1.0 / temperature, chunk_size, tp_group,
+                                                  info.world_size, info.rank, backend, token_shape, defer_check,
+                                                  bool(compute_sum_pi_squared))
     logp = logp.view(token_shape)
-    return logp, (ent.view(token_shape) if compute_entropy else None)
+    out = (logp, ent.view(token_shape) if compute_entropy else None)
+    return out + (spp.view(token_shape),) if compute_sum_pi_squared else out

@@ -2,11 +2,10 @@
 
 Rule: an estimator the trainer cannot feed is refused here, naming the key -- ``gae`` (needs a critic:
 ``critic.enable``), ``remax`` / ``gdpo`` with multi-turn rollouts (the greedy baseline and the reward components
-are built single-turn only), ``gdpo`` without ``algorithm.gdpo_reward_keys``, ``optimal_token_baseline`` /
-``tir_optimal_token_baseline`` (need sum pi^2 from the log-prob pass), ``remax`` with async interrupted rollouts
-(newer weights between segments) or a dynamic-sampling top-up (its baseline is not the group's); and so is what
-verl would silently ignore (``norm_adv_by_std_in_grpo: false`` where verl's trainer does not pass it on). The
-estimator's whole-batch reductions go through ``parallel.devices.all_reduce_``."""
+are built single-turn only), ``gdpo`` without ``algorithm.gdpo_reward_keys``, ``remax`` with async interrupted
+rollouts (newer weights between segments) or a dynamic-sampling top-up (its baseline is not the group's); and so
+is what verl would silently ignore (``norm_adv_by_std_in_grpo: false`` where verl's trainer does not pass it on).
+The estimator's whole-batch reductions go through ``parallel.devices.all_reduce_``."""
 from __future__ import annotations
 
 from typing import List

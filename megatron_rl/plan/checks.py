@@ -19,6 +19,7 @@ from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
+from megatron_rl.rollout.sglang_lora_flags import adapter_lora, sglang_lora_targets
 from megatron_rl.weight_sync.lora_sync import LORA_SYNC_MODES
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
@@ -259,6 +260,11 @@ def lora_sync_errors(r, lora) -> List[str]:
     if mode == "adapter" and r.engine in ENGINE_KINDS and not engine_class(r.engine).lora_adapter_sync:
         return [f"rollout.lora_sync: 'adapter' is not built for rollout.engine {r.engine!r} (its engine cannot "
                 f"apply adapters sent alone): use rollout.lora_sync: merged"]
+    if adapter_lora(lora, r) is not None:
+        try:
+            sglang_lora_targets(lora)  # the servers' --lora-target-modules
+        except ValueError as exc:
+            return [str(exc)]
     return []
 
 

@@ -136,7 +136,7 @@ class JobPlan:
         """Rank 0: the rollout engine and the SGLang server it launched, or None (``rollout.factory``)."""
         c = self.cfg
         return build_engine(c.rollout, c.actor.load_hf, c.trainer.seed, c.trainer.run_dir,
-                            capture_routing=self.replay.needs_rollout_routing)
+                            capture_routing=self.replay.needs_rollout_routing, lora=c.actor.lora)
 
     def describe(self) -> List[str]:
         """The plan in a few lines (``megatron-rl check``; the trainer's start, rank 0)."""
@@ -360,7 +360,7 @@ def replay_of(cfg: "JobConfig") -> ReplayMode:
 def job_engine(cfg: "JobConfig"):
     """The rollout engine of a validated config alone (tests and tools without a whole job's plan)."""
     return build_engine(cfg.rollout, cfg.actor.load_hf, cfg.trainer.seed, cfg.trainer.run_dir,
-                        capture_routing=replay_of(cfg).needs_rollout_routing)
+                        capture_routing=replay_of(cfg).needs_rollout_routing, lora=cfg.actor.lora)
 
 
 def world_errors(cfg: "JobConfig", world_size: int) -> List[str]:

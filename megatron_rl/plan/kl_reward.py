@@ -14,15 +14,7 @@ from megatron_rl.losses.kl import kl_penalty
 from megatron_rl.parallel.devices import all_reduce_
 from megatron_rl.plan.checks import Unbuilt
 
-__all__ = ["SUMMING_ESTIMATORS", "build_kl_in_reward", "describe_kl_in_reward"]
-
-SUMMING_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
-                      "reinforce_plus_plus_baseline")
-"""verl 0.9.1's estimators that read ``token_level_rewards.sum(-1)`` per row: the step hands them the summed
-rewards (``KLInReward.sequence_rewards``). The others (``algo.estimator.TOKEN_REWARD_ESTIMATORS``: gae,
-reinforce_plus_plus, remax, the optimal token baselines) get verl's ``token_level_rewards`` [B, T]
-(``KLInReward.estimator_rewards``). ``gdpo`` is refused: verl's gdpo normalises the reward components
-(``gdpo_reward_keys``) and never reads ``token_level_rewards``, so the penalty would change nothing."""
+__all__ = ["build_kl_in_reward", "describe_kl_in_reward"]
 
 
 def build_kl_in_reward(algorithm) -> Optional[KLInReward]:
@@ -38,10 +30,6 @@ def build_kl_in_reward(algorithm) -> Optional[KLInReward]:
     elif a.kl_penalty not in KL_TYPES:
         errs.append(f"algorithm.kl_penalty: {a.kl_penalty!r} is not one of {', '.join(KL_TYPES)}")
     errs += a.kl_ctrl.errors()
-    if a.advantage_estimator == "gae":
-        errs.append("algorithm.use_kl_in_reward: not built with algorithm.adv_estimator 'gae' (the critic's GAE "
-                    "places each row's scalar reward itself and does not take the penalised token_level_rewards "
-                    "yet); use the KL loss (actor.use_kl_loss) or another estimator")
     if a.advantage_estimator == "gdpo":
         errs.append("algorithm.use_kl_in_reward: no effect with algorithm.adv_estimator 'gdpo' (verl's gdpo "
                     "normalises the reward components of algorithm.gdpo_reward_keys and never reads the penalised "

@@ -41,6 +41,7 @@ from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG, SGLangRoutin
 from megatron_rl.weight_sync.receivers.sglang import (FP32_KEPT_SUFFIXES, SGLangReceiver, ServerSet, checksums_by_name,
                                                      drop_update_group)
 from megatron_rl.weight_sync.endpoint import SyncCapabilities, WeightHolding, tensor_checksum
+from megatron_rl.weight_sync.receivers.sglang_lora import SGLangAdapters
 from megatron_rl.weight_sync.layout import sglang_layout
 
 
@@ -214,6 +215,9 @@ class SGLangEngine(RolloutEngine):
                                          default_sync="distributed", default_async="disk")
     #: The servers sample on their own; ``generate`` ignores ``seed``.
     seeded_sampling = False
+    #: ``rollout.lora_sync: adapter``: servers started with ``--enable-lora`` load each version's adapter by path
+    #: (``weight_sync.receivers.sglang_lora``) and generate requests name it.
+    lora_adapter_sync = True
 
     @classmethod
     def config_errors(cls, rollout) -> list[str]:
@@ -231,7 +235,7 @@ class SGLangEngine(RolloutEngine):
                  weight_sync_timeout: float = 600.0, retry: RetryPolicy | None = None,
                  vocab_size: int | None = None, weight_version: str | None = None,
                  check_local_paths: bool = True, capture_routing: bool | None = None,
-                 routing_layout: SGLangRoutingLayout | None = None):
+                 routing_layout: SGLangRoutingLayout | None = None, lora_adapter_dir: str | None = None):
         """
         Args:
             urls: one base URL (``http://127.0.0.1:30000``) or several (servers used round-robin; a router
@@ -250,6 +254,8 @@ class SGLangEngine(RolloutEngine):
                 False: never asked for.
             routing_layout: the served model's routing layout; default: read from the ``config.json`` of the
                 ``model_path`` the server reports (a directory on this host).
+            lora_adapter_dir: where adapter-only LoRA sync writes each version's PEFT directory (read by the
+                servers at the same path); None: adapter-only sync is refused.
         """
         if isinstance(urls, str):
             urls = [urls]
@@ -280,6 +286,7 @@ class SGLangEngine(RolloutEngine):
         self._invalid: str | None = None  # why no server may be used (a failed in-memory weight sync)
         self._server_info: dict[str, dict] = {}
         self._reported: set | None = None  # tensor names /weights_checker reports (fixed for a server)
+        self._adapters = None if lora_adapter_dir is None else SGLangAdapters(lora_adapter_dir)
         if capture_routing is True:  # required: refuse a server that cannot capture now, not at the first rollout
             for url in self.urls:
                 self._routing_for(url)
@@ -357,7 +364,7 @@ class SGLangEngine(RolloutEngine):
         def run(job):
             url, offset, chunk = job
             payload = {"input_ids": chunk if len(chunk) > 1 or n > 1 else chunk[0],
-                       "sampling_params": sampling.to_sglang(n), "return_logprob": True}
+                       "sampling_params": sampling.to_sglang(n), "return_logprob": True, **self._lora_field()}
             layout = self._routing_for(url)
             if layout is not None:
                 payload["return_routed_experts"] = True
@@ -552,6 +559,73 @@ class SGLangEngine(RolloutEngine):
         """``version`` is the engine's, valid, and every server reports it now: a server restarted since (it
         reports its launch version, its weights and delta store are gone) or tagged by someone else does not."""
         return super().holds_weight_version(version) and all(self._server_version(u) == version for u in self.urls)
+
+    # ------------------------------------------------ adapter-only LoRA sync (rollout.lora_sync: adapter)
+    def _lora_field(self) -> dict:
+        """``{"lora_path": <adapter name>}`` while an adapter is served, else nothing."""
+        name = None if self._adapters is None else self._adapters.name
+        return {} if name is None else {"lora_path": name}
+
+    def _check_lora_servers(self, rank: int) -> None:
+        """Every server was started with ``--enable-lora`` and a ``--max-lora-rank`` >= ``rank``."""
+        for url in self.urls:
+            info = self._info(url)
+            if info.get("enable_lora") is not True:
+                raise WeightSyncError(f"{url}: rollout.lora_sync: adapter needs servers started with --enable-lora "
+                                      f"(/get_server_info enable_lora={_short(info.get('enable_lora'))}); "
+                                      f"megatron_rl.cli.server_flags prints the job's LoRA server options")
+            cap = info.get("max_lora_rank")
+            if isinstance(cap, int) and cap < rank:
+                raise WeightSyncError(f"{url}: the server's --max-lora-rank {cap} < actor.lora.rank {rank}")
+
+    def load_lora_adapter(self, tensors, scale: float, version: str) -> None:
+        """Serve the LoRA adapter ``tensors`` (PEFT names; ``scale`` = alpha / rank) on every server as
+        ``version`` (``weight_sync.receivers.sglang_lora``: loaded everywhere before the previous one goes), and
+        tag the servers' weight version with it. A failure leaves the engine refusing to generate."""
+        version = str(version)
+        if self._adapters is None:
+            raise WeightSyncError("SGLangEngine was built without lora_adapter_dir: adapter-only sync has nowhere to "
+                                  "write the adapter")
+        timeout = self.weight_sync_timeout
+        try:
+            ranks = {int(t.shape[0]) for k, t in tensors.items() if k.endswith(".lora_A.weight")}
+            self._check_lora_servers(max(ranks, default=0))
+            self._adapters.load(self.urls, lambda url, path, body: self._post_ok(url, path, body, timeout),
+                                tensors, scale, version)
+            for url in self.urls:
+                self._post_ok(url, "/update_weight_version", {"new_version": version, "abort_all_requests": False},
+                              timeout)
+            self._check_versions(version)
+        except BaseException as exc:
+            self.invalidate_weights(f"adapter-only sync to {version!r} failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def token_log_probs_by_server(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
+        """``{url: log p(token t | tokens < t) for t >= 1 of each sequence}`` at temperature 1, with the served
+        adapter: the probe of adapter-only sync verification, from every server."""
+        out = {}
+        for url in self.urls:
+            payload = {"input_ids": [list(map(int, s)) for s in sequences], "return_logprob": True,
+                       "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                       **self._lora_field()}
+            reply = self._request("POST", url + "/generate", payload, timeout=self.weight_sync_timeout,
+                                  budget=self.weight_sync_timeout)
+            if not isinstance(reply, list) or len(reply) != len(sequences):
+                raise MalformedResponseError(f"{url}/generate (probe): expected {len(sequences)} replies, got "
+                                             f"{_short(reply)}")
+            rows = []
+            for seq, item in zip(sequences, reply):
+                got = (item.get("meta_info") or {}).get("input_token_logprobs") if isinstance(item, dict) else None
+                if not isinstance(got, list) or len(got) != len(seq):
+                    raise MalformedResponseError(f"{url}/generate (probe): input_token_logprobs of a {len(seq)}-token "
+                                                 f"row: {_short(got)}")
+                rows.append([float(x[0]) for x in got[1:]])
+            out[url] = rows
+        return out
+
+    def token_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The first server's ``token_log_probs_by_server``."""
+        return next(iter(self.token_log_probs_by_server(sequences).values()))
 
     def _drop_group(self) -> None:
         drop_update_group(self.urls)

@@ -13,7 +13,7 @@ with its 1-based global step).
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -49,6 +49,9 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.
     return 1.0 - var_d / (var_r + 1e-5)
 
 
+_token_level_rewards = token_level_rewards   # the advantages' keyword shadows the function
+
+
 class NoCritic:
     """A job without a critic: the actor trains every step."""
 
@@ -73,14 +76,21 @@ class CriticPhase:
         """verl: ``critic_warmup > global_steps`` skips the actor (global_steps = step + 1)."""
         return not self.warmup > step + 1
 
-    def advantages(self, rows, rewards: torch.Tensor, mask: torch.Tensor,
-                   group=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def token_level_scores(self, rows, rewards: torch.Tensor) -> torch.Tensor:
+        """[B, L-1]: where GAE puts each row's reward (``token_level_rewards``), for the KL in the reward."""
+        return token_level_rewards(rows, rewards)
+
+    def advantages(self, rows, rewards: torch.Tensor, mask: torch.Tensor, group=None,
+                   token_level_rewards: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(advantages, returns, values) [B, L-1] of this DP shard over ``mask`` (the loss's: after rejection);
-        collective over the model-parallel group and ``group`` (the DP group: the whitening's)."""
+        ``token_level_rewards``: the per-token rewards with the KL penalty (else ``rewards`` on each row's last
+        token). Collective over the model-parallel group and ``group`` (the DP group: the whitening's)."""
         values = self.critic.compute_values(rows)
         mask = mask.to(device=values.device, dtype=torch.float32)
-        adv, returns = compute_gae_advantage_return(token_level_rewards(rows, rewards.to(values.device)), values,
-                                                    mask, gamma=self.gamma, lam=self.lam, group=group,
+        tlr = (_token_level_rewards(rows, rewards.to(values.device)) if token_level_rewards is None
+               else token_level_rewards.to(device=values.device, dtype=torch.float32))
+        adv, returns = compute_gae_advantage_return(tlr, values, mask, gamma=self.gamma, lam=self.lam, group=group,
                                                     all_reduce=all_reduce_)
         return adv * mask, returns * mask, values
 

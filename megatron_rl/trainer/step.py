@@ -46,8 +46,10 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
         return _skipped(job, step, got, t_step, t_rolled)
     shard = got.shard(step, cfg.rollout.n_samples_per_prompt, job.pad_id, actor_device())
     rows = shard.batch
-    with wd.phase("logprob", step + 1):
-        old_lp, _ = actor.compute_log_probs(rows, T, compute_entropy=False)  # train_step reports entropy
+    est = job.plan.estimator
+    with wd.phase("logprob", step + 1):  # train_step reports entropy; sum pi^2 for the optimal token baselines
+        old_lp, _, *spp = actor.compute_log_probs(rows, T, compute_entropy=False,
+                                                  compute_sum_pi_squared=est.needs_sum_pi_squared)
         ref_lp = job.reference.log_probs(rows, T)  # one pass for the KL loss and the KL in the reward (or None)
     with wd.phase("correction", step + 1):
         corr = compute_rollout_correction(old_lp, rows.rollout_log_probs, rows.response_mask,
@@ -55,19 +57,19 @@ def train_step(job, step: int) -> Tuple[Dict[str, float], Optional[StepBatch]]:
         lag_metrics = policy_lag_metrics(old_lp, rows.rollout_log_probs, rows.response_mask, shard.token_lag,
                                          source.max_lag, group=actor.dp_group)
     old, w = corr.loss_inputs(old_lp, rows.rollout_log_probs)  # the correction decided the loss's old policy
-    # verl's apply_kl_penalty: score - beta x kld(old || ref) per token, summed per row for the summing estimators,
-    # token by token (tlr) for those that read them so (reinforce_plus_plus, remax)
-    est = job.plan.estimator
-    rewards, tlr, kl_metrics = job.kl_reward.estimator_rewards(shard.rewards, old, ref_lp, rows.response_mask,
-                                                               corr.loss_mask.float(), est.reads_token_rewards,
-                                                               group=actor.dp_group)
+    # verl's apply_kl_penalty: score - beta x kld(old || ref) per token (summed per row for the summing estimators)
     critic, critic_metrics = job.critic, {}
+    rewards, tlr, kl_metrics = job.kl_reward.estimator_rewards(
+        shard.rewards, old, ref_lp, rows.response_mask, corr.loss_mask, est.reads_token_rewards, group=actor.dp_group,
+        scores=critic.token_level_scores(rows, shard.rewards) if critic.enabled else None)
     if critic.enabled:  # gae: GAE over the critic's values and the loss's mask, as verl (trainer/critic_step.py)
         with wd.phase("values", step + 1):
-            adv, returns, values = critic.advantages(rows, rewards, corr.loss_mask, group=actor.dp_group)
+            adv, returns, values = critic.advantages(rows, rewards, corr.loss_mask, group=actor.dp_group,
+                                                     token_level_rewards=tlr)
     else:  # the plan's estimator; whole-batch statistics (REINFORCE++ whitening, GPG's alpha) reduced over DP
         adv = est.advantages(rewards, shard.group_index, corr.loss_mask.float(), group=actor.dp_group,
-                             token_level_rewards=tlr, **shard.estimator_inputs)
+                             token_level_rewards=tlr, **shard.estimator_inputs,
+                             **est.policy_inputs(old, spp[0] if spp else None, w))
     with wd.phase("train", step + 1):
         if critic.enabled:
             critic_metrics = critic.train(rows, values, returns, corr.loss_mask, group=actor.dp_group)

@@ -48,6 +48,12 @@ def _trainer_probe(actor, sequences: List[List[int]]) -> torch.Tensor:
     return logp.detach().float().cpu()
 
 
+def _engine_probes(engine, probe: List[List[int]]) -> Dict[str, List[List[float]]]:
+    """{source: the engine's probe log-probs}: every server of an engine with several, else the engine's own."""
+    by_server = getattr(engine, "token_log_probs_by_server", None)
+    return by_server(probe) if by_server is not None else {"the engine": engine.token_log_probs(probe)}
+
+
 class AdapterPayload:
     """A version's adapters under PEFT's names (rank 0), their scale, and the trainer's probe when due."""
 
@@ -61,15 +67,16 @@ class AdapterPayload:
         engine.load_lora_adapter(self.tensors, self.scale, version)
         if self.probe is None:
             return SyncReport()
-        got = torch.tensor(engine.token_log_probs(self.probe), dtype=torch.float32)
-        diff = (got - self.trainer_logp[:, : got.shape[1]]).abs()
         tol = probe_tolerance(getattr(engine, "weight_dtype", None))
-        if not bool(diff.max() <= tol):
-            row, col = divmod(int(diff.argmax()), diff.shape[1])
-            reason = (f"adapter-only sync to {version!r}: the engine's log-probs of the probe differ from the "
-                      f"trainer's by {float(diff.max()):.3g} > {tol} (row {row}, token {col + 1})")
-            engine.invalidate_weights(reason)
-            raise WeightSyncError(reason)
+        for source, logp in _engine_probes(engine, self.probe).items():
+            got = torch.tensor(logp, dtype=torch.float32)
+            diff = (got - self.trainer_logp[:, : got.shape[1]]).abs()
+            if not bool(diff.max() <= tol):
+                row, col = divmod(int(diff.argmax()), diff.shape[1])
+                reason = (f"adapter-only sync to {version!r}: {source}: the log-probs of the probe differ from "
+                          f"the trainer's by {float(diff.max()):.3g} > {tol} (row {row}, token {col + 1})")
+                engine.invalidate_weights(reason)
+                raise WeightSyncError(reason)
         return SyncReport(verified=True, verified_frac=1.0)  # the probe sees the whole model's output
 
     def report(self) -> SyncReport:

@@ -50,7 +50,6 @@ def test_verl_spellings_and_gamma_lam():
                                          r"gdpo only, not 'grpo'"),
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a]", "algorithm.norm_adv_by_std_in_grpo=false"],
      r"false has no effect on 'gdpo'"),
-    (["algorithm.adv_estimator=optimal_token_baseline"], r"'optimal_token_baseline' needs sum pi\^2"),
     (["algorithm.adv_estimator=ppo"], r"algorithm\.adv_estimator: 'ppo' is not one of gae, grpo"),
     (["algorithm.adv_estimator=grpo_vectorized", "algorithm.norm_adv_by_std_in_grpo=false"],
      r"algorithm\.norm_adv_by_std_in_grpo: false has no effect on 'grpo_vectorized'"),
@@ -95,9 +94,13 @@ def test_migrate_maps_estimators_and_parameters():
     cfg = _cfg(*[f"algorithm.{k}={v}" for k, v in g.tree["algorithm"].items() if k != "rollout_correction"])
     assert cfg.algorithm.advantage_estimator == "gdpo"
     assert _entry(migrate_verl(_verl_job({"adv_estimator": "gae"})), "algorithm.adv_estimator").kind == MAPPED
-    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-        e = _entry(migrate_verl(_verl_job({"adv_estimator": name})), "algorithm.adv_estimator")
-        assert e.kind == UNSUPPORTED and name in e.detail
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):   # sum pi^2 from the log-prob pass
+        assert _entry(migrate_verl(_verl_job({"adv_estimator": name})), "algorithm.adv_estimator").kind == MAPPED
+        assert _cfg(f"algorithm.adv_estimator={name}").algorithm.advantage_estimator == name
+    j = _verl_job({"adv_estimator": "optimal_token_baseline"})
+    j["actor_rollout_ref"]["actor"]["calculate_sum_pi_squared"] = True   # verl asserts it with these estimators
+    e = _entry(migrate_verl(j), "actor_rollout_ref.actor.calculate_sum_pi_squared")
+    assert e.kind != UNSUPPORTED and "whenever algorithm.adv_estimator needs it" in e.detail
     e = _entry(migrate_verl(_verl_job({"adv_estimator": "grpo_vectorized", "norm_adv_by_std_in_grpo": False})),
                "algorithm.norm_adv_by_std_in_grpo")
     assert e.kind == UNCHANGED and "always divides by the std" in e.detail   # no meaning in verl: not carried
@@ -133,3 +136,32 @@ def test_trainer_estimator_is_verls_on_last_token_rewards(name, gamma):
     got = Estimator(name, AlgoParams(gamma=gamma)).advantages(rewards, groups, mask)
     assert got.dtype == torch.float32 and got.shape == (B, T)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+@pytest.mark.parametrize("with_is", [False, True])
+def test_trainer_optimal_token_baseline_is_verls(name, with_is):
+    """The step's call (``policy_inputs``: the loss's old log-probs, the pass's sum pi^2, the IS weights) is verl's
+    ``compute_advantage`` call of the same estimator."""
+    rewards, groups, mask = _rows(5)
+    B, T = mask.shape
+    g = torch.Generator().manual_seed(7)
+    old = -2.0 * torch.rand(B, T, generator=g)
+    spp = 0.1 + 0.8 * torch.rand(B, T, generator=g)
+    w = 0.5 + torch.rand(B, T, generator=g) if with_is else None
+    tlr = torch.zeros(B, T)
+    for b in range(B):
+        idx = torch.nonzero(mask[b]).flatten()
+        if idx.numel():
+            tlr[b, idx[-1]] = rewards[b]
+    with verl_core_algos() as verl:
+        want, _ = verl.get_adv_estimator_fn(name)(
+            token_level_rewards=tlr, response_mask=mask.clone(), index=groups.numpy(), config=AlgoCfg(gamma=1.0),
+            old_log_probs=old, sum_pi_squared=spp, rollout_is_weights=w)
+    est = Estimator(name, AlgoParams())
+    assert est.needs_sum_pi_squared and est.reads_token_rewards
+    got = est.advantages(rewards, groups, mask, **est.policy_inputs(old, spp, w))
+    torch.testing.assert_close(got, (want * mask).float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="compute_sum_pi_squared=True"):
+        est.policy_inputs(old, None, w)
+    assert Estimator("grpo", AlgoParams()).policy_inputs(old, spp, w) == {}

@@ -236,14 +236,12 @@ def test_whitening_with_fewer_than_two_kept_tokens_raises_as_verl_naming_the_rej
 
 
 def test_the_summing_estimators_read_only_each_rows_sum_in_verl():
-    """plan/kl_reward.SUMMING_ESTIMATORS get the summed penalised reward: verl's own functions give the same
-    advantages for any spread of a row's token rewards with that sum; the token-by-token ones do not. Every
-    estimator the trainer runs is one or the other (gdpo: refused with the penalty)."""
-    from megatron_rl.algo.estimator import TOKEN_REWARD_ESTIMATORS, TRAINER_ESTIMATORS
-    from megatron_rl.plan.kl_reward import SUMMING_ESTIMATORS
+    """The estimators outside ``algo.estimator.TOKEN_LEVEL`` get the summed penalised reward: verl's own functions
+    give the same advantages for any spread of a row's token rewards with that sum; the token-by-token ones do
+    not (gdpo: refused with the penalty)."""
+    from megatron_rl.algo.estimator import TOKEN_LEVEL, TRAINER_ESTIMATORS
 
-    assert set(TRAINER_ESTIMATORS) <= set(SUMMING_ESTIMATORS) | set(TOKEN_REWARD_ESTIMATORS) | {"gdpo"}
-    assert not set(SUMMING_ESTIMATORS) & set(TOKEN_REWARD_ESTIMATORS)
+    summing = [n for n in TRAINER_ESTIMATORS if n not in TOKEN_LEVEL and n != "gdpo"]
     g = torch.Generator().manual_seed(2)
     mask = torch.ones(8, 5)
     spread = torch.randn(8, 5, generator=g)
@@ -257,7 +255,7 @@ def test_the_summing_estimators_read_only_each_rows_sum_in_verl():
             if name == "remax":
                 kw = dict(kw, reward_baselines=torch.zeros(8))
             return ca.get_adv_estimator_fn(name)(**kw)[0]
-        for name in SUMMING_ESTIMATORS:
+        for name in summing:
             torch.testing.assert_close(run(name, spread), run(name, last), rtol=1e-5, atol=1e-5, msg=name)
         for name in ("reinforce_plus_plus", "remax"):
             assert not torch.allclose(run(name, spread), run(name, last), atol=1e-3), name
@@ -276,16 +274,6 @@ def test_describe_says_the_estimator_and_a_defaulted_kpop_phi():
                "algorithm.rollout_correction.rollout_rs_threshold=0.1")
     assert JobPlan.build(cfg, 1).describe()[-1] == \
         "advantages: grpo (gamma 1; per prompt group); rejection: binary_kl <= 0.1"
-
-
-def test_gae_with_kl_in_reward_is_refused_and_migrate_says_so():
-    """The critic's GAE places the scalar reward itself: KL in the reward is refused with it (it would be dropped)."""
-    with pytest.raises(Unbuilt, match=r"algorithm\.use_kl_in_reward: not built with algorithm\.adv_estimator 'gae'"):
-        build_kl_in_reward(AlgorithmConfig(advantage_estimator="gae", use_kl_in_reward=True))
-    m = migrate_verl({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True},
-                      "actor_rollout_ref": {"actor": {}, "rollout": {"n": 4}}})
-    [e] = [e for e in m.entries if e.key == "algorithm.use_kl_in_reward"]
-    assert e.kind == UNSUPPORTED and "gae" in e.detail
 
 
 def _fake_critic_rank(rank, world, returns, values, mask, backend):

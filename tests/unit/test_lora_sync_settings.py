@@ -1,6 +1,6 @@
 """``rollout.lora_sync`` is built once with the job's weight-sync settings: merged LoRA jobs read the model through
-the merged view (every weight_sync mode, delta included), adapter-only jobs are refused -- naming the key -- where
-the engine cannot apply adapters, with delta sync, or without adapters; a job without adapters is unchanged."""
+the merged view (every weight_sync mode, delta included), adapter-only jobs are refused -- naming the key -- with
+delta sync, without adapters, or (SGLang) with a target SGLang cannot serve; a job without adapters is unchanged."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +36,9 @@ def test_without_adapters_nothing_changes():
     (dict(lora_sync="both"), LORA, "rollout.lora_sync: 'both' is not one of merged, adapter"),
     (dict(lora_sync="adapter"), None, "rollout.lora_sync: 'adapter' needs actor.lora"),
     (dict(lora_sync="adapter", weight_sync_delta=True), LORA, "rollout.weight_sync_delta: true with rollout.lora_sync"),
-    (dict(lora_sync="adapter", engine="sglang"), LORA,
-     "rollout.lora_sync: 'adapter' is not built for rollout.engine 'sglang'"),
+    (dict(lora_sync="adapter", engine="sglang", sglang_urls=["http://x:1"]),
+     LoraConfig(rank=8, target_modules=["linear_qkv", "linear_kv_down_proj"]),
+     "actor.lora.target_modules: 'linear_kv_down_proj' (linear_kv_down_proj) has no SGLang LoRA module"),
 ])
 def test_refused_combinations_name_the_key(kw, lora, needle):
     with pytest.raises(Unbuilt) as exc:
@@ -47,6 +48,11 @@ def test_refused_combinations_name_the_key(kw, lora, needle):
 
 def test_adapter_mode_on_the_embedded_engine():
     s = weight_sync_settings(_r(lora_sync="adapter"), "/tmp/run", LORA)
+    assert s.lora.mode == "adapter" and s.view is None
+
+
+def test_adapter_mode_on_sglang_servers():
+    s = weight_sync_settings(_r(lora_sync="adapter", engine="sglang", sglang_urls=["http://x:1"]), "/tmp/run", LORA)
     assert s.lora.mode == "adapter" and s.view is None
 
 

@@ -1,5 +1,5 @@
-"""CPU server start-up hooks: ``--enable-return-routed-experts`` allocates its host buffer on CPU, and the
-server forks its scheduler / detokenizer processes instead of spawning them.
+"""CPU server start-up hooks: ``--enable-return-routed-experts`` allocates its host buffer on CPU, the server
+forks its scheduler / detokenizer processes instead of spawning them, and ``--enable-lora`` allocates unpinned.
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``; this directory is on ``PYTHONPATH`` only for
 the CPU SGLang server subprocess (and the scheduler / detokenizer processes it starts), so this file runs
@@ -21,6 +21,12 @@ transformers, every layer) again: on 2 busy cores ~15-20 CPU-s per process, two 
 start-up. Spawn is needed where CUDA was initialised in the parent; a CPU server has no CUDA, so its children
 are forked from the main process after it has imported sglang (the same code, the same arguments, run by the
 same functions; each child seeds itself from ``--random-seed`` as before).
+
+Why unpinned LoRA buffers (sglang 0.5.23): ``--enable-lora`` builds its layers and batch info with
+``pin_memory=True`` / ``.pin_memory()`` (``srt/lora/layers.py``, ``srt/lora/backend/*.py``), which raises without
+an accelerator ("no pinned memory allocator"). Only where pinning is impossible (``torch.accelerator`` reports
+none), the ``sglang.srt.lora`` modules see a ``torch`` whose factories drop ``pin_memory=True`` and whose
+tensors' ``pin_memory()`` returns the tensor: the same values in host memory (pinning only speeds GPU copies).
 """
 import importlib.abc
 import multiprocessing
@@ -63,8 +69,55 @@ def _fork_children(module):
     module._set_envs_and_config = _set_envs_and_config_then_fork
 
 
+#: The sglang package whose modules get the unpinned ``torch`` (``_unpin_lora``).
+_LORA = "sglang.srt.lora."
+
+
+def _pinning_missing(torch) -> bool:
+    """Whether this process cannot pin memory: no accelerator."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator is not None and not accelerator.is_available()
+
+
+class _UnpinnedTorch:
+    """``torch`` for a module of ``sglang.srt.lora`` where pinning is missing: every attribute is torch's own,
+    except that a callable's ``pin_memory=True`` is dropped (``torch.empty(..., pin_memory=True)``)."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name[:1].islower() and callable(attr) and not isinstance(attr, type):
+            def unpinned(*args, __f=attr, **kwargs):
+                kwargs.pop("pin_memory", None)
+                return __f(*args, **kwargs)
+            return unpinned
+        return attr
+
+
+def _unpin_tensor(self, *args, **kwargs):
+    """``Tensor.pin_memory`` where pinning is missing: the tensor itself (it already lives in host memory)."""
+    return self
+
+
+def _unpin_lora(module):
+    torch = sys.modules.get("torch")
+    if torch is None or not _pinning_missing(torch):
+        return
+    if getattr(module, "torch", None) is torch:
+        module.torch = _UnpinnedTorch(torch)
+    if getattr(torch.Tensor.pin_memory, "__name__", "") != _unpin_tensor.__name__:
+        torch.Tensor.pin_memory = _unpin_tensor
+
+
 #: what runs after each patched module is loaded
 _AFTER_LOAD = {_TARGET: _add_cpu_alloc, _ENGINE: _fork_children}
+
+
+def _after_load(name):
+    """The hook of module ``name`` (None: not patched)."""
+    return _AFTER_LOAD.get(name) or (_unpin_lora if name.startswith(_LORA) else None)
 
 
 class _Loader(importlib.abc.Loader):
@@ -78,14 +131,14 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        _AFTER_LOAD[module.__name__](module)
+        _after_load(module.__name__)(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Wraps the loader of the modules of ``_AFTER_LOAD`` only (the spec comes from the other finders)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _AFTER_LOAD:
+        if _after_load(fullname) is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
