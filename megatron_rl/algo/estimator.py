@@ -9,8 +9,8 @@ the batch; the result is multiplied by ``mask`` (verl leaves GAE's and ReMax's o
 reads). With KL in the reward the step passes verl's ``token_level_rewards`` [B, T] instead (``TOKEN_LEVEL``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -78,6 +78,9 @@ class Estimator:
     """verl's estimator name."""
     params: AlgoParams
     """What verl's estimators read from ``config``."""
+    all_reduce: Optional[Callable[..., Any]] = field(default=None, compare=False, repr=False)
+    """``all_reduce(t, group=...)``, an in-place SUM that stages ``t`` on the device the group's backend takes (the
+    plan passes ``parallel.devices.all_reduce_``); None: ``dist.all_reduce`` as is."""
 
     @property
     def reward_keys(self) -> Tuple[str, ...]:
@@ -139,6 +142,7 @@ class Estimator:
             kw = dict(token_level_rewards=kw["token_level_rewards"], values=inputs["values"],
                       response_mask=kw["response_mask"], gamma=self.params.gamma, lam=self.params.lam)
         if self.spec.global_stats:
-            kw["group"] = group
+            kw.update(group=group, all_reduce=self.all_reduce)
         adv, _ = self.spec.fn(**kw)
-        return adv.to(torch.float32) * kw["response_mask"]   # 0 off the loss's tokens (verl's gae / remax are not)
+        # 0 off the loss's tokens (verl's gae / remax are not; OPO's baseline of a group with no kept token is 0/0)
+        return torch.where(kw["response_mask"] > 0, adv.to(torch.float32), torch.zeros((), device=adv.device))

@@ -12,7 +12,7 @@ from megatron_rl.algo.whiten import masked_whiten
 
 @torch.no_grad()
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-                                 gamma: float, lam: float, group=None, **kwargs):
+                                 gamma: float, lam: float, group=None, all_reduce=None, **kwargs):
     """GAE: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1} over the masked tokens; returns
     = A + V (before whitening); advantages whitened over the (global) batch. ``[B, T]`` each."""
     m = response_mask.to(torch.float64)
@@ -28,12 +28,12 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
         last = torch.where(m[:, t] > 0, cand, last)
         adv[:, t] = last
     returns = (adv + v).to(token_level_rewards.dtype)
-    return masked_whiten(adv, response_mask, group).to(token_level_rewards.dtype), returns
+    return masked_whiten(adv, response_mask, group, all_reduce).to(token_level_rewards.dtype), returns
 
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                                  config=None, group=None, **kwargs):
+                                                  config=None, group=None, all_reduce=None, **kwargs):
     """REINFORCE++: discounted return G_t = r_t + gamma G_{t+1} over the masked tokens (``config.gamma``),
     advantages = whitened G (global batch) x mask; returns = G x mask."""
     if config is None:
@@ -47,7 +47,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
         new = r[:, t] + gamma * running
         ret[:, t] = new * m[:, t]
         running = torch.where(m[:, t] > 0, new, running)
-    adv = masked_whiten(ret, response_mask, group) * m
+    adv = masked_whiten(ret, response_mask, group, all_reduce) * m
     return adv.to(token_level_rewards.dtype), ret.to(token_level_rewards.dtype)
 
 

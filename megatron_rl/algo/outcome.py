@@ -56,7 +56,7 @@ compute_grpo_vectorized_outcome_advantage = compute_grpo_outcome_advantage
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
                                    norm_adv_by_std_in_grpo: bool = True, config=None, non_tensor_batch=None,
-                                   batch=None, group=None, **kwargs):
+                                   batch=None, group=None, all_reduce=None, **kwargs):
     """GDPO: GRPO per reward component (``config.gdpo_reward_keys`` read from ``non_tensor_batch``; without
     them the one summed reward), weighted by ``config.gdpo_reward_weights`` and summed, then whitened over the
     whole batch x mask."""
@@ -83,7 +83,8 @@ def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, ep
         a, _ = compute_grpo_outcome_advantage(c.to(F64).unsqueeze(-1), response_mask, index, epsilon,
                                               norm_adv_by_std_in_grpo)
         total = total + (1.0 if weights is None else weights[i]) * a.to(F64)
-    adv = (masked_whiten(total, response_mask, group) * response_mask.to(F64)).to(token_level_rewards.dtype)
+    adv = masked_whiten(total, response_mask, group, all_reduce) * response_mask.to(F64)
+    adv = adv.to(token_level_rewards.dtype)
     return adv, adv
 
 
@@ -113,14 +114,15 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
-                                                           epsilon: float = 1e-6, config=None, group=None, **kwargs):
+                                                           epsilon: float = 1e-6, config=None, group=None,
+                                                           all_reduce=None, **kwargs):
     """REINFORCE++-baseline: (s - group mean; single-sample groups: s) over the tokens, whitened over the whole
     batch, x mask."""
     scores, gid, G, count = _setup(token_level_rewards, index)
     mean, _ = _mean_std(scores, gid, G, count)
     m = response_mask.to(F64)
     a = (scores - mean[gid]).unsqueeze(-1) * m
-    adv = (masked_whiten(a, response_mask, group) * m).to(token_level_rewards.dtype)
+    adv = (masked_whiten(a, response_mask, group, all_reduce) * m).to(token_level_rewards.dtype)
     return adv, adv
 
 
@@ -158,12 +160,13 @@ def compute_opo_outcome_advantage(token_level_rewards, response_mask, index, eps
 
 @torch.no_grad()
 def compute_gpg_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
-                                  f_norm: float = 1.0, alpha: float = 1.0, config=None, group=None, **kwargs):
+                                  f_norm: float = 1.0, alpha: float = 1.0, config=None, group=None, all_reduce=None,
+                                  **kwargs):
     """GPG: alpha (s - group mean) / f_norm with alpha = batch size / number of non-zero scores, both counted over
     the whole batch (the keyword ``alpha`` is ignored, as in verl)."""
     scores, gid, G, count = _setup(token_level_rewards, index)
     mean, _ = _mean_std(scores, gid, G, count)
     c = global_sum(torch.stack([torch.tensor(float(scores.shape[0]), dtype=F64, device=scores.device),
-                                (scores != 0).sum().to(F64)]), group)
+                                (scores != 0).sum().to(F64)]), group, all_reduce)
     a = c[0] / c[1].clamp(min=1) * (scores - mean[gid]) / f_norm
     return _out(a, response_mask, token_level_rewards)

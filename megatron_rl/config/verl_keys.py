@@ -376,6 +376,12 @@ _KL_IN_REWARD_OFF = _unless("algorithm.use_kl_in_reward", bool, "")
 def _use_kl_in_reward(value: Any, v: Verl) -> Dict[str, Any]:
     if not value:
         raise Skip(NO_MEANING, "false is this project's default too (no KL in the reward)")
+    if v.get("algorithm.filter_groups.enable"):
+        raise Skip(UNSUPPORTED, "KL in the reward with algorithm.filter_groups.enable (dynamic sampling) is not "
+                                "built: groups are filtered on rank 0 before the log-probs the penalty needs exist")
+    if v.get("algorithm.adv_estimator") == "gdpo":
+        raise Skip(NO_MEANING, "true has no effect on adv_estimator gdpo in verl (its gdpo reads the reward "
+                               "components, never the penalised token_level_rewards): not carried")
     return {"algorithm.use_kl_in_reward": True}
 
 

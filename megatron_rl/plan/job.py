@@ -29,7 +29,7 @@ from megatron_rl.models.attention import AttentionBackend, attention_backend, at
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.algo.estimator import Estimator
-from megatron_rl.plan.advantage import build_estimator
+from megatron_rl.plan.advantage import build_estimator, describe_advantages
 from megatron_rl.plan.lora import lora_spec
 from megatron_rl.actor.critic import CriticSpec
 from megatron_rl.plan.critic import critic_dp_errors, critic_plan
@@ -155,6 +155,8 @@ class JobPlan:
                  + (f"{fg.metric}, up to {fg.max_num_gen_batches} round(s), on_exhausted {fg.on_exhausted}"
                     if fg is not None else "off"),
                  self.objective_line()]
+        if self.estimator is not None:
+            lines.append(describe_advantages(self.estimator, self.cfg.algorithm.rollout_correction))
         if self.kl_in_reward is not None:
             lines.append(describe_kl_in_reward(self.kl_in_reward))
         if self.lora is not None:

@@ -30,6 +30,10 @@ def build_kl_in_reward(algorithm) -> Optional[KLInReward]:
     elif a.kl_penalty not in KL_TYPES:
         errs.append(f"algorithm.kl_penalty: {a.kl_penalty!r} is not one of {', '.join(KL_TYPES)}")
     errs += a.kl_ctrl.errors()
+    if a.advantage_estimator == "gdpo":
+        errs.append("algorithm.use_kl_in_reward: no effect with algorithm.adv_estimator 'gdpo' (verl's gdpo "
+                    "normalises the reward components of algorithm.gdpo_reward_keys and never reads the penalised "
+                    "token_level_rewards); set use_kl_in_reward: false, or use the KL loss (actor.use_kl_loss)")
     if a.filter_groups is not None and a.filter_groups.enable:
         errs.append("algorithm.use_kl_in_reward: not built with algorithm.filter_groups.enable (dynamic sampling "
                     "filters groups on rank 0 before the log-probs the penalty needs exist)")

@@ -19,6 +19,7 @@ import torch
 
 from megatron_rl.algo.gae import compute_gae_advantage_return
 from megatron_rl.algo.whiten import global_sum
+from megatron_rl.parallel.devices import all_reduce_
 
 __all__ = ["CriticPhase", "NoCritic", "token_level_rewards", "explained_variance"]
 
@@ -39,7 +40,7 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.
     m = mask.to(torch.float64)
     r = returns.to(torch.float64) * m
     d = (returns.to(torch.float64) - values.to(torch.float64)) * m
-    s = global_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()]), group)
+    s = global_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()]), group, all_reduce_)
     n = float(s[0])
     if n < 2:
         return float("nan")
@@ -89,7 +90,8 @@ class CriticPhase:
         mask = mask.to(device=values.device, dtype=torch.float32)
         tlr = (_token_level_rewards(rows, rewards.to(values.device)) if token_level_rewards is None
                else token_level_rewards.to(device=values.device, dtype=torch.float32))
-        adv, returns = compute_gae_advantage_return(tlr, values, mask, gamma=self.gamma, lam=self.lam, group=group)
+        adv, returns = compute_gae_advantage_return(tlr, values, mask, gamma=self.gamma, lam=self.lam, group=group,
+                                                    all_reduce=all_reduce_)
         return adv * mask, returns * mask, values
 
     def train(self, rows, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -100,7 +102,7 @@ class CriticPhase:
         out = self.critic.train_step(rows, values, returns, mask)
         out["critic/vf_explained_var"] = explained_variance(returns, values, mask, group)
         sums = global_sum(torch.stack([mask.to(torch.float64).sum(), (values.to(torch.float64) * mask).sum(),
-                                       (returns.to(torch.float64) * mask).sum()]), group)
+                                       (returns.to(torch.float64) * mask).sum()]), group, all_reduce_)
         n = max(float(sums[0]), 1.0)
         out["critic/values/mean"] = float(sums[1]) / n
         out["critic/returns/mean"] = float(sums[2]) / n

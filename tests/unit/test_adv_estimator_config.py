@@ -56,6 +56,8 @@ def test_verl_spellings_and_gamma_lam():
     (["algorithm.adv_estimator=opo", "rollout.n_samples_per_prompt=1"], r"opo needs >= 2 samples per prompt"),
     (["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.filter_groups.enable=true"],
      r"algorithm\.filter_groups\.on_exhausted: 'train' .* whitens over the batch"),
+    (["algorithm.adv_estimator=remax", "algorithm.filter_groups.enable=true"],
+     r"algorithm\.filter_groups\.on_exhausted: 'train' .*='remax' subtracts the greedy response's reward"),
     (["algorithm.gamma=1.5"], r"algorithm\.gamma: must be in \[0, 1\]"),
 ])
 def test_refused_before_any_process_group(overrides, match):

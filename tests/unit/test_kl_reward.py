@@ -172,6 +172,7 @@ def test_adaptive_controller_is_verls_arithmetic():
     (dict(kl_ctrl=KLControlConfig(type="adaptive", target_kl=0.0)), "algorithm.kl_ctrl.target_kl"),
     (dict(kl_ctrl=KLControlConfig(kl_coef=-1.0)), "algorithm.kl_ctrl.kl_coef"),
     (dict(filter_groups=FilterGroupsConfig(enable=True)), "algorithm.use_kl_in_reward: not built with"),
+    (dict(advantage_estimator="gdpo"), "algorithm.use_kl_in_reward: no effect with algorithm.adv_estimator 'gdpo'"),
 ])
 def test_refusals_name_the_key(change, key):
     with pytest.raises(Unbuilt) as e:

@@ -114,3 +114,50 @@ def test_baselines_follow_the_rows_to_the_estimator_and_match_verl(tmp_path):
                                                      response_mask=mask, config=AlgoCfg(gamma=1.0))
     torch.testing.assert_close(got, want * mask)
     assert (got != 0).any()
+
+
+class _VersionedEngine:
+    """Each response: "1" then EOS, one token per call, from the engine's current weight version."""
+
+    def __init__(self, tok):
+        self.tok, self.weight_version = tok, "step-0"
+        self.eos_token_ids = [tok.eos_token_id]
+        self.one = tok.encode("1", add_special_tokens=False)[0]
+
+    def generate(self, prompt_ids, sampling, n=1, seed=None):
+        out = []
+        for i, p in enumerate(prompt_ids):
+            cont = p[-1] == self.one   # a continuation segment
+            for _ in range(n):
+                out.append(Rollout(prompt_index=i, prompt_ids=list(p),
+                                   response_ids=[self.tok.eos_token_id] if cont else [self.one],
+                                   rollout_log_probs=[-0.5], finish_reason="stop" if cont else "length",
+                                   weight_version=self.weight_version))
+        return out
+
+
+def test_interrupt_mode_refused_as_the_producer_loads_newer_weights_between_segments(tmp_path):
+    """Async partial_rollout 'interrupt': the producer may load a newer version between the sampled responses'
+    segments, so the greedy call that follows runs on other weights than the round's -- it is refused at config
+    time, naming the keys."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.plan import load_job_config
+    from megatron_rl.trainer.async_rollout import SegmentedEngine
+
+    tok, cfg, task = _job(tmp_path, ["1", "2"])
+    eng = _VersionedEngine(tok)
+
+    def newer():   # what RolloutProducer._load_newest does between segments when a version was published
+        eng.weight_version = "step-1"
+    try:
+        with pytest.raises(StaleRolloutError, match="greedy baseline responses from weight version 'step-1'"):
+            generate_step(task, SegmentedEngine(eng, 1, newer), cfg, step=0, expected_version="step-0",
+                          greedy_baseline=True)
+    finally:
+        task.close()
+    model = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.vocab_size=64"]
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator: 'remax' with rollout\.partial_rollout "
+                                          r"'interrupt'"):
+        load_job_config(None, model + ["algorithm.adv_estimator=remax", "rollout.mode=async",
+                                       "rollout.partial_rollout=interrupt", "rollout.segment_tokens=4"],
+                        world_size=1)
