@@ -138,3 +138,43 @@ class Task(abc.ABC):
     def stats(self) -> Dict[str, float]:
         """Dataset counts for the step metrics (file tasks: rows, malformed rows, filtered prompts)."""
         return {}
+
+
+class WrappedTask(Task):
+    """A task that keeps ``inner``'s prompts, curriculum, options, statistics and attributes and changes only how
+    responses are scored (the judge, the reward model)."""
+
+    def __init__(self, inner: Task):
+        self.name = inner.name
+        super().__init__(inner.tokenizer)
+        self.inner = inner
+
+    def __getattr__(self, name):
+        # the inner task's own attributes (DigitTask.kind, FileTask.options, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def longest_prompt(self):
+        return self.inner.longest_prompt()
+
+    def sample(self, n, rng):
+        return self.inner.sample(n, rng)
+
+    def finite_prompts(self):
+        return self.inner.finite_prompts()
+
+    def begin_step(self, step: int) -> None:
+        self.inner.begin_step(step)
+
+    def configure(self, options) -> None:
+        self.inner.configure(options)
+
+    def stats(self) -> Dict[str, float]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        """The inner task's reward workers, where it has them."""
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()

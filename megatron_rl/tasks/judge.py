@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_rl.tasks.base import Prompt, Task, response_text
+from megatron_rl.tasks.base import Prompt, Task, WrappedTask, response_text
 from megatron_rl.tasks.judge_client import CallResult, EndpointClient
 from megatron_rl.tasks.judge_config import JudgeConfig
 from megatron_rl.tasks.reward_pool import RewardResult
@@ -231,44 +231,22 @@ def combine(cfg: JudgeConfig, rule: float, judge: float) -> float:
     return cfg.rule_weight * rule + cfg.judge_weight * judge
 
 
-class JudgedTask(Task):
+class JudgedTask(WrappedTask):
     """A task whose ``score`` asks the judge (combined with the inner task's rule reward by
     ``reward.judge.combine``); prompts and everything else are the inner task's. ``samples_path``: the JSONL file
     the raw answers are sampled into (None: not written)."""
 
     def __init__(self, inner: Task, cfg: JudgeConfig, samples_path: Optional[str] = None,
                  judge: Optional[Judge] = None):
-        super().__init__(inner.tokenizer)
-        self.inner, self.cfg, self.samples_path = inner, cfg, samples_path
-        self.name = inner.name
+        super().__init__(inner)
+        self.cfg, self.samples_path = cfg, samples_path
         self.judge = judge or Judge(cfg)
         self.calls = 0
         self.step: Optional[int] = None   # the 0-based training step being scored (begin_step), for the samples
 
-    def __getattr__(self, name):
-        # the inner task's own attributes (DigitTask.kind, FileTask.options, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def longest_prompt(self):
-        return self.inner.longest_prompt()
-
-    def sample(self, n, rng):
-        return self.inner.sample(n, rng)
-
-    def finite_prompts(self):
-        return self.inner.finite_prompts()
-
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.inner.begin_step(step)
-
-    def configure(self, options) -> None:
-        self.inner.configure(options)
-
-    def stats(self) -> Dict[str, float]:
-        return self.inner.stats()
+        super().begin_step(step)
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> float:
         """One sample through ``score`` (a failed judge call raises: there is no silent 0)."""
@@ -333,8 +311,9 @@ class JudgedTask(Task):
                                      "latency_s": round(batch.latencies[i], 4)}) + "\n")
 
     def close(self) -> None:
-        """Close the judge's connections."""
+        """Close the judge's connections and the inner task's reward workers."""
         self.judge.close()
+        super().close()
 
 
 def _rule_failures(rule: Optional[RewardResult], n: int) -> List[bool]:

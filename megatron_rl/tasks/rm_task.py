@@ -13,7 +13,7 @@ import math
 import time
 from typing import Dict, List, Optional, Sequence, Set
 
-from megatron_rl.tasks.base import Prompt, Task, response_text
+from megatron_rl.tasks.base import Prompt, Task, WrappedTask, response_text
 from megatron_rl.tasks.reward_pool import RewardResult
 from megatron_rl.tasks.rm_backends import LocalRM, RMError, SGLangRM
 from megatron_rl.tasks.rm_render import render_rm_input, rm_tokenizer, token_batches
@@ -48,41 +48,15 @@ def _distribution(raw: Sequence[float]) -> Dict[str, float]:
             "reward/rm_score_max": max(raw)}
 
 
-class RewardModelTask(Task):
+class RewardModelTask(WrappedTask):
     """``inner``'s prompts, scored by the reward model of ``rm`` (a ``RewardModelConfig``; ``backend``: its
     ``LocalRM`` / ``SGLangRM``, built from ``rm`` when None)."""
 
     def __init__(self, inner: Task, rm, backend=None):
-        self.name = inner.name
-        super().__init__(inner.tokenizer)
-        self.inner, self.rm = inner, rm
+        super().__init__(inner)
+        self.rm = rm
         self.rm_tokenizer = rm_tokenizer(rm.path, rm.chat_template)
         self.backend = backend if backend is not None else build_rm_backend(rm)
-
-    # ---- the inner task's prompts and settings
-    def begin_step(self, step):
-        self.inner.begin_step(step)
-
-    def finite_prompts(self):
-        return self.inner.finite_prompts()
-
-    def sample(self, n, rng):
-        return self.inner.sample(n, rng)
-
-    def longest_prompt(self):
-        return self.inner.longest_prompt()
-
-    def configure(self, options) -> None:
-        self.inner.configure(options)
-
-    def stats(self) -> Dict[str, float]:
-        return self.inner.stats()
-
-    def close(self) -> None:
-        """The inner task's reward workers."""
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
 
     # ---- rewards
     def rm_input(self, prompt: Prompt, response_ids: Sequence[int]) -> List[int]:
