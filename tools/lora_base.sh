@@ -10,10 +10,11 @@ STEPS="${LORA_BASE_STEPS:-80}"
 PY="${PYTHON:-${MEGATRON_RL_VENV:-.venv}/bin/python}"
 if [ -f "$OUT/config.json" ]; then echo "lora_base: $OUT exists (kept)"; exit 0; fi
 FULL="$(dirname "$OUT")/full"
+case "$FULL" in /*) ;; *) FULL="$PWD/$FULL" ;; esac   # the config's paths are relative to configs/
 "$PY" -m megatron_rl.tasks runs/tiny_cpu/init_model --task copy --hidden-size 128 --num-layers 2 --seed 0
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 PYTHON="$PY" NPROC_PER_NODE=4 LOG_DIR="$FULL/logs" bash launch/torchrun.sh --config configs/tiny_cpu.yaml \
-  trainer.run_dir="$PWD/$FULL" trainer.steps="$STEPS" trainer.save_interval="$STEPS" trainer.overwrite=true \
+  trainer.run_dir="$FULL" trainer.steps="$STEPS" trainer.save_interval="$STEPS" trainer.overwrite=true \
   trainer.progress=false
 "$PY" -c 'import sys; from megatron_rl.actor.hf_io import export_checkpoint_to_hf as e
 from megatron_rl.trainer.job import latest_checkpoint as l; e(l(sys.argv[1]), sys.argv[2])' "$FULL" "$OUT"

@@ -2,7 +2,7 @@
 move. Bounds: the bf16-engine-vs-fp32-trainer mismatch of a 2-step run (measured, steps 1-3: k3 KL <= 2e-6 and
 mean |log-ratio| <= 8e-4 per token on the MoE row; a whole 240-step dense LoRA run stays <= 8e-4 / 0.0103, the
 full-parameter MoE recipe's 200 steps <= 3.6e-3 / 0.0107); a merged sync that drops B·A (the base alone) gives
-0.015 / 0.071 at step 2 on the MoE row (docs/lora.md#the-configs-in-the-readme)."""
+0.015 / 0.071 at step 2 on the MoE row, 0.057 / 0.11 on the dense one (docs/lora.md#the-configs-in-the-readme)."""
 import json
 import os
 
