@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 OUT="${1:-runs/tiny_lora_cpu/base_model}"
 STEPS="${LORA_BASE_STEPS:-80}"
 PY="${PYTHON:-${MEGATRON_RL_VENV:-.venv}/bin/python}"
-if [ -f "$OUT/config.json" ]; then echo "lora_base: $OUT exists (kept)"; exit 0; fi
+if [ -f "$OUT/config.json" ]; then
+  echo "lora_base: $OUT exists (kept; remove it to build another, e.g. with LORA_BASE_STEPS)"; exit 0
+fi
 FULL="$(dirname "$OUT")/full"
 case "$FULL" in /*) ;; *) FULL="$PWD/$FULL" ;; esac   # the config's paths are relative to configs/
 "$PY" -m megatron_rl.tasks runs/tiny_cpu/init_model --task copy --hidden-size 128 --num-layers 2 --seed 0
