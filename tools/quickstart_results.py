@@ -1,7 +1,8 @@
 """The quickstart's results table, generated from a finished run: ``python tools/quickstart_results.py RUN_DIR``.
 
 Reads ``RUN_DIR/metrics.jsonl`` (the reward curve, entropy, step times) and the newest COMPLETE checkpoint
-under ``RUN_DIR/checkpoints`` (exported to ``RUN_DIR/hf_final`` with the project's own exporter), then
+under ``RUN_DIR/checkpoints`` (exported to ``RUN_DIR/hf_final`` with the project's own exporter; a LoRA run's
+adapters merged into its base), then
 evaluates the trained model GREEDILY (temperature 0, fp32, the project's ``EmbeddedEngine``) on every prompt of
 the task, reported per operand length: on the held-out prompts of each length that has any — operand strings
 the run never trained on (``data.task_kwargs.heldout_frac``, see ``megatron_rl.tasks.synthetic``) — and on
@@ -30,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_rl.actor.checkpoint import resolve_checkpoint_dir
+from megatron_rl.actor.checkpoint import META_FILE, resolve_checkpoint_dir
 from megatron_rl.actor.hf_io import export_checkpoint_to_hf
 from megatron_rl.ops.report import quarter_means, read_metrics, series
 from megatron_rl.rollout.base import SamplingParams
@@ -59,6 +60,12 @@ def saved_config(ckpt: str) -> Dict:
     if not isinstance(cfg, dict):
         raise SystemExit(f"quickstart_results: {path} holds no saved job config (not written by the RL loop?)")
     return cfg
+
+
+def is_lora_checkpoint(ckpt: str) -> bool:
+    """Whether ``ckpt`` is a LoRA actor's checkpoint (adapters alone, its base named): it is evaluated merged."""
+    with open(os.path.join(resolve_checkpoint_dir(ckpt), META_FILE)) as fh:
+        return bool(json.load(fh).get("lora"))
 
 
 def greedy_by_length(hf_dir: str, cfg: Dict) -> Dict:
@@ -226,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         raise SystemExit(f"quickstart_results: {a.run_dir}/checkpoints has no COMPLETE checkpoint")
     cfg = saved_config(ckpt)
     hf_dir = os.path.join(a.run_dir, "hf_final")
-    export_checkpoint_to_hf(ckpt, hf_dir)
+    export_checkpoint_to_hf(ckpt, hf_dir, merge=is_lora_checkpoint(ckpt))   # a LoRA run: base + adapters, merged
     ev = greedy_by_length(hf_dir, cfg)
     facts = run_facts(records)
     page = render(a.run_dir, cfg, facts, curve_summary(records), ev, os.path.relpath(ckpt, a.run_dir))

@@ -25,6 +25,8 @@ WORLD = {
     "math_tiny_cpu.yaml": None,  # the math-task CPU config: its model is built first (tests/integration/test_data_math_e2e.py)
     "tiny_moe_cpu.yaml": None,  # MoE routing replay default; its model is built first (tests/unit/test_routing_config.py)
     "tool_tiny_cpu.yaml": None,  # the multi-turn tool task; its model is built first (tests/integration/test_tool_task_learns.py)
+    "tiny_lora_cpu.yaml": None,  # LoRA on the quickstart's model; its base is trained first (test_readme_rows.py)
+    "tiny_moe_lora_cpu.yaml": None,  # LoRA + r3 on EP2; its model is built first (test_readme_rows.py)
 }
 
 # Published HF config.json values.
