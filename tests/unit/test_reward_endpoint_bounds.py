@@ -1,0 +1,68 @@
+"""Bounded waits of the reward endpoints against a server that trickles one byte per 0.2 s (never tripping a
+per-read timeout): the RM's /classify client gives up within its timeout, and the judge client leaves no thread
+that would keep the process from exiting."""
+import socket
+import threading
+import time
+
+import pytest
+
+from megatron_rl.tasks.judge_client import EndpointClient
+from megatron_rl.tasks.rm_backends import RMError, SGLangRM
+
+
+@pytest.fixture
+def trickling_url():
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def handle(c):
+        try:
+            c.recv(65536)
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            while not stop.is_set():
+                c.sendall(b" ")
+                time.sleep(0.2)
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            threading.Thread(target=handle, args=(c,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    srv.close()
+
+
+def test_rm_server_that_trickles_times_out_within_the_bound(trickling_url):
+    rm, out = SGLangRM([trickling_url], timeout_s=0.5, retries=1), []
+
+    def call():
+        try:
+            rm.scores([[1, 2, 3]])
+        except RMError as e:
+            out.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(2 * 0.5 + 1.5)   # two tries of timeout_s, the backoff-free retry, slack
+    assert not t.is_alive(), "SGLangRM.scores still waits on a server that trickles bytes"
+    assert out and out[0].timed_out and "after 2 tries" in str(out[0]) and trickling_url in str(out[0])
+
+
+def test_judge_client_leaves_no_thread_that_blocks_exit(trickling_url):
+    before = set(threading.enumerate())
+    c = EndpointClient([trickling_url], timeout_s=0.5, max_retries=0, max_concurrent=2)
+    res = c.post_many("/x", [{}, {}, {}])
+    assert [r.error_kind for r in res] == ["timeout"] * 3
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left and all(t.daemon for t in left), [(t.name, t.daemon) for t in left]
