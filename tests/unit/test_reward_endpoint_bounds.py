@@ -66,3 +66,20 @@ def test_judge_client_leaves_no_thread_that_blocks_exit(trickling_url):
     assert [r.error_kind for r in res] == ["timeout"] * 3
     left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
     assert left and all(t.daemon for t in left), [(t.name, t.daemon) for t in left]
+
+
+def test_check_names_an_unset_api_key_variable(monkeypatch):
+    """``check`` on a judge whose key variable is not set here: a problem naming reward.judge.api_key_env (the job
+    fails at start with the same), not a traceback; the key's value is never printed."""
+    from megatron_rl.tasks import build_char_tokenizer, build_task
+    from megatron_rl.tasks.judge_check import judge_check
+    from megatron_rl.tasks.judge_config import JudgeConfig
+    task = build_task("copy", build_char_tokenizer())
+    monkeypatch.delenv("RV_JUDGE_KEY", raising=False)
+    cfg = JudgeConfig(enable=True, urls=["http://127.0.0.1:9"], api_key_env="RV_JUDGE_KEY")
+    problems, _ = judge_check(cfg, task)
+    assert len(problems) == 1 and problems[0].startswith("reward.judge.api_key_env:") and "RV_JUDGE_KEY" in problems[0]
+    monkeypatch.setenv("RV_JUDGE_KEY", "s3cr3t-value")
+    problems, lines = judge_check(cfg, task)
+    assert problems == [] and "note: unreachable" in lines[-1]
+    assert not any("s3cr3t-value" in x for x in problems + lines)
