@@ -23,7 +23,7 @@ from megatron_rl.tasks.reward_pool import RewardResult
 from megatron_rl.tasks.rewards import extract_answer
 
 __all__ = ["JudgeRow", "JudgeBatch", "Judge", "JudgedTask", "JudgeParseError", "render_prompt", "parse_score",
-           "judge_payload", "answer_text"]
+           "judge_payload", "answer_text", "question_text"]
 
 _PLACEHOLDER = re.compile(r"\{(question|response|ground_truth)\}")
 
@@ -42,6 +42,22 @@ def render_prompt(template: str, question: str, response: str, ground_truth: Any
     values = {"question": str(question), "response": str(response),
               "ground_truth": "" if ground_truth is None else str(ground_truth)}
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, list):   # content parts: their text
+        return "".join(str(c.get("text", "")) if isinstance(c, dict) else str(c) for c in content)
+    return "" if content is None else str(content)
+
+
+def question_text(prompt: Prompt) -> str:
+    """``{question}`` of ``prompt``: a chat row's messages without the policy's template (one user message: its
+    content; several: ``role: content`` paragraphs), else the prompt text."""
+    if not prompt.messages:
+        return prompt.text
+    if len(prompt.messages) == 1:
+        return _content(prompt.messages[0].get("content"))
+    return "\n\n".join(f"{m.get('role', '')}: {_content(m.get('content'))}" for m in prompt.messages)
 
 
 def _last_json_value(text: str, key: str) -> Any:
@@ -289,7 +305,7 @@ class JudgedTask(Task):
                     rule: Optional[RewardResult] = None) -> RewardResult:
         """``score`` for responses given as text (multi-turn: what ``judge_sees`` picked), ``rule`` the rule rewards
         (None: ``combine`` is "judge")."""
-        batch = self.judge.judge([JudgeRow(p.text, t, p.answer) for p, t in zip(prompts, texts)])
+        batch = self.judge.judge([JudgeRow(question_text(p), t, p.answer) for p, t in zip(prompts, texts)])
         self.calls += 1
         n = len(prompts)
         result = RewardResult(rewards=[0.0] * n, extras=[None] * n)

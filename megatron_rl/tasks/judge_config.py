@@ -51,7 +51,8 @@ class JudgeConfig:
     api_key_env: Optional[str] = None
     """Name of the environment variable holding the endpoint's API key (sent as ``Authorization: Bearer``)."""
     prompt_template: str = DEFAULT_TEMPLATE
-    """The judge's prompt; ``{question}`` (the prompt as text), ``{response}``, ``{ground_truth}`` are replaced."""
+    """The judge's prompt; ``{question}`` (the prompt; a chat row's messages as text), ``{response}``,
+    ``{ground_truth}`` are replaced."""
     parser: str = "boxed"
     """Where the score is in the judge's answer: "boxed" (the last ``\\boxed{...}``), "tag:<name>" (the last
     ``<name>...</name>``) or "json:<key>" (the key of the last JSON object); an answer without it is a failed
