@@ -196,7 +196,9 @@ class JudgeBatch:
 class Judge:
     """A judge endpoint and its prompt / parser (module docstring)."""
 
-    def __init__(self, cfg: JudgeConfig, client: Optional[EndpointClient] = None):
+    def __init__(self, cfg: JudgeConfig, client: Optional[EndpointClient] = None,
+                 batch_budget_s: Optional[float] = None):
+        """``batch_budget_s``: the most one ``judge`` call may take (None: the client's own bound)."""
         errs = cfg.errors() if cfg.enable else ["reward.judge.enable: false"]
         if errs:
             raise ValueError("; ".join(errs))
@@ -211,6 +213,7 @@ class Judge:
                                                max_concurrent=cfg.max_concurrent, where="reward.judge",
                                                headers=headers)
         self.path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
+        self.batch_budget_s = batch_budget_s
 
     def render(self, row: JudgeRow) -> str:
         """The judge's prompt for ``row``."""
@@ -219,7 +222,9 @@ class Judge:
     def judge(self, rows: Sequence[JudgeRow]) -> JudgeBatch:
         """Score ``rows`` (one request each, ``max_concurrent`` in flight); never raises for a row's failure."""
         prompts = [self.render(r) for r in rows]
-        calls: List[CallResult] = self.client.post_many(self.path, [judge_payload(self.cfg, p) for p in prompts])
+        payloads = [judge_payload(self.cfg, p) for p in prompts]
+        calls: List[CallResult] = (self.client.post_many(self.path, payloads) if self.batch_budget_s is None else
+                                   self.client.post_many(self.path, payloads, bound_s=self.batch_budget_s))
         out = JudgeBatch(scores=[None] * len(rows), failures=[None] * len(rows), answers=[""] * len(rows),
                          latencies=[c.latency_s for c in calls], prompts=prompts)
         for i, c in enumerate(calls):
@@ -250,14 +255,15 @@ def combine(cfg: JudgeConfig, rule: float, judge: float) -> float:
 class JudgedTask(Task):
     """A task whose ``score`` asks the judge (combined with the inner task's rule reward by
     ``reward.judge.combine``); prompts and everything else are the inner task's. ``samples_path``: the JSONL file
-    the raw answers are sampled into (None: not written)."""
+    the raw answers are sampled into (None: not written); ``batch_budget_s``: the most one ``score`` call waits for
+    the judge (``config.timeouts.judge_batch_budget_s``; None: the client's own bound)."""
 
     def __init__(self, inner: Task, cfg: JudgeConfig, samples_path: Optional[str] = None,
-                 judge: Optional[Judge] = None):
+                 judge: Optional[Judge] = None, batch_budget_s: Optional[float] = None):
         super().__init__(inner.tokenizer)
         self.inner, self.cfg, self.samples_path = inner, cfg, samples_path
         self.name = inner.name
-        self.judge = judge or Judge(cfg)
+        self.judge = judge or Judge(cfg, batch_budget_s=batch_budget_s)
         self.calls = 0
         self.step: Optional[int] = None   # the 0-based training step being scored (begin_step), for the samples
 

@@ -114,13 +114,15 @@ class EndpointClient:
         """The wall-clock bound of ``post_many`` of ``n`` payloads: one call bound per round of ``max_concurrent``."""
         return -(-n // self.max_concurrent) * self.call_bound_s()
 
-    def post_many(self, path: str, payloads: Sequence[Any]) -> List[CallResult]:
+    def post_many(self, path: str, payloads: Sequence[Any], bound_s: Optional[float] = None) -> List[CallResult]:
         """``post`` of each payload, ``max_concurrent`` at a time; results in payload order; returns within
-        ``batch_bound_s`` (a call not done by then is a ``timeout``). The calls run on daemon threads: one still
-        held by a server past the bound cannot keep the process from exiting."""
+        ``batch_bound_s`` or ``bound_s`` when shorter (a call not done by then is a ``timeout``). The calls run on
+        daemon threads: one still held by a server past the bound cannot keep the process from exiting."""
         if not payloads:
             return []
         n, bound = len(payloads), self.batch_bound_s(len(payloads))
+        if bound_s is not None:
+            bound = min(bound, float(bound_s))
         results: List[Optional[CallResult]] = [None] * n
         todo = iter(range(n))
         lock, over = threading.Lock(), threading.Event()

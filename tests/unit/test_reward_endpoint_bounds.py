@@ -83,3 +83,40 @@ def test_check_names_an_unset_api_key_variable(monkeypatch):
     problems, lines = judge_check(cfg, task)
     assert problems == [] and "note: unreachable" in lines[-1]
     assert not any("s3cr3t-value" in x for x in problems + lines)
+
+
+def test_judge_batch_ends_within_its_step_budget(trickling_url):
+    """A judge that holds every call (bytes trickle, so no read times out) with timeout_s=5, 2 retries, one call at a
+    time: the batch's own bound is 3 x (3 x 5 s + backoff) = 52.5 s, past which the rollout phase's watchdog could
+    fire first. With the step's budget (half of trainer.phase_timeout_s, trainer/job.py) the batch ends in it, every
+    row a counted timeout -- the reward-failure policy, not the watchdog, ends the step."""
+    from megatron_rl.tasks.base import Prompt
+    from megatron_rl.tasks.judge import JudgedTask
+    from megatron_rl.tasks.judge_config import JudgeConfig
+
+    class _Inner:
+        name, tokenizer = "t", None
+
+    class _Tok:
+        eos_token_id = 1
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x"
+
+    inner = _Inner()
+    inner.tokenizer = _Tok()
+    cfg = JudgeConfig(enable=True, urls=[trickling_url], timeout_s=5, max_retries=2, max_concurrent=1)
+    task = JudgedTask(inner, cfg, batch_budget_s=1.0)
+    t0 = time.monotonic()
+    res = task.score([Prompt([0], "1", "q")] * 3, [[2]] * 3)
+    assert time.monotonic() - t0 < 2.5
+    assert res.timed_out == 3 and res.failed == 0 and "1 s" in res.errors[0]
+
+
+def test_judge_budget_is_half_the_phase_watchdog():
+    from megatron_rl.config.load import build_job_config
+    from megatron_rl.config.timeouts import judge_batch_budget_s
+    cfg, _ = build_job_config({"trainer": {"phase_timeout_s": 600}})
+    assert judge_batch_budget_s(cfg) == 300
+    cfg, _ = build_job_config({"trainer": {"phase_timeout_s": 0}})
+    assert judge_batch_budget_s(cfg) is None
