@@ -152,8 +152,9 @@ def checkpoint_phase_key(cfg) -> str:
 
 
 def judge_batch_budget_s(cfg) -> "float | None":
-    """The most one generation round's judge calls (``reward.judge``) may take: half of ``trainer.phase_timeout_s``
-    (None when the watchdog is off), so a judge that holds its calls ends the step through the reward-failure
-    policy (counted timeouts) before the rollout phase's watchdog ends the rank."""
+    """The most one generation round's calls to a reward from a model (``reward.judge``; ``reward.model`` starts no
+    batch past it) may take: half of ``trainer.phase_timeout_s`` (None when the watchdog is off), so a server that
+    holds its calls ends the step through the reward-failure policy (counted timeouts) before the rollout phase's
+    watchdog ends the rank."""
     phase = float(cfg.trainer.phase_timeout_s)
     return phase / 2 if phase > 0 else None

@@ -95,7 +95,7 @@ def build_task(cfg: JobConfig):
                           batch_budget_s=judge_batch_budget_s(cfg))
     if cfg.reward.model.enable:   # the rule task's prompts, scored by the reward model
         print(f"[megatron-rl] {cfg.reward.model.describe()}", flush=True)
-        task = RewardModelTask(task, cfg.reward.model)
+        task = RewardModelTask(task, cfg.reward.model, batch_budget_s=judge_batch_budget_s(cfg))
     return task, tok
 
 

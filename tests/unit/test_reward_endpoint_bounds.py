@@ -120,3 +120,33 @@ def test_judge_budget_is_half_the_phase_watchdog():
     assert judge_batch_budget_s(cfg) == 300
     cfg, _ = build_job_config({"trainer": {"phase_timeout_s": 0}})
     assert judge_batch_budget_s(cfg) is None
+
+
+def test_rm_stops_starting_batches_past_its_step_budget(tmp_path):
+    """reward.model scores batch after batch; with the step's budget spent (a slow server), the batches not started
+    are counted timeouts, not waited for: 6 batches of 0.4 s each under a 1 s budget end in about 1.2 s."""
+    import random
+
+    from megatron_rl.config.reward_section import RewardModelConfig
+    from megatron_rl.tasks import DigitTask, build_char_tokenizer
+    from megatron_rl.tasks.rm_task import RewardModelTask
+    from megatron_rl.testing.tiny_rm import build_tiny_rm
+
+    class _Slow:
+        calls = 0
+
+        def scores(self, batch):
+            _Slow.calls += 1
+            time.sleep(0.4)
+            return [0.5] * len(batch)
+
+    task = DigitTask("copy", build_char_tokenizer())
+    prompts = task.sample(6, random.Random(0))
+    responses = [task.tokenizer.encode(p.answer, add_special_tokens=False) for p in prompts]
+    cfg = RewardModelConfig(enable=True, path=build_tiny_rm(tmp_path / "rm"), backend="sglang",
+                            urls=["http://127.0.0.1:9"], max_rows_per_batch=1)
+    t0 = time.monotonic()
+    res = RewardModelTask(task, cfg, backend=_Slow(), batch_budget_s=1.0).score(prompts, responses)
+    assert time.monotonic() - t0 < 2.0 and _Slow.calls == 3
+    assert res.timed_out == 3 and res.failed == 0 and res.rewards[:3] == [0.5] * 3
+    assert "budget" in res.errors[0]
