@@ -13,6 +13,8 @@ import random
 import urllib.error
 from typing import List, Optional, Tuple
 
+from safetensors import safe_open
+
 from megatron_rl.tasks import build_task
 from megatron_rl.tasks.base import Prompt
 from megatron_rl.tasks.options import DataOptions
@@ -35,8 +37,6 @@ def checkpoint_keys(path: str) -> Optional[set]:
     files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")] if os.path.isdir(path) else []
     if not files:
         return None
-    from safetensors import safe_open  # only a check of an SGLang-served RM reads it
-
     keys: set = set()
     for f in files:
         with safe_open(os.path.join(path, f), framework="pt") as fh:
@@ -48,9 +48,8 @@ def score_bias_finding(rm) -> Tuple[List[str], List[str]]:
     """``(problems, lines)``: an SGLang-served Qwen2 / Qwen3 RM whose checkpoint has no ``score.bias`` gets each
     server's random bias added to every score -- a problem with several servers (one group's rows, scored on
     different servers, differ by it), a note with one."""
-    from transformers import AutoConfig  # heavy: only a check with a reward model reads it
-
-    archs = set(getattr(AutoConfig.from_pretrained(rm.path), "architectures", None) or [])
+    with open(os.path.join(rm.path, "config.json")) as fh:   # read by _config_problem before
+        archs = set(json.load(fh).get("architectures") or [])
     keys = checkpoint_keys(rm.path) if rm.backend == "sglang" and archs & set(SGLANG_BIASED_HEADS) else None
     if keys is None or "score.bias" in keys:
         return [], []
