@@ -75,7 +75,8 @@ class JudgeConfig:
     max_concurrent: int = 8
     """Requests in flight at most (over all URLs)."""
     timeout_s: float = 60.0
-    """Wall-clock limit of one request attempt; past it the attempt is a timeout."""
+    """Limit of one request attempt's connect and of each read (past it the attempt is a timeout); a server that
+    trickles bytes is cut by the round's bound (half of ``trainer.phase_timeout_s``)."""
     max_retries: int = 2
     """Retries of a failed request (each on the next URL)."""
     combine: str = "judge"
