@@ -48,8 +48,11 @@ def score_bias_finding(rm) -> Tuple[List[str], List[str]]:
     """``(problems, lines)``: an SGLang-served Qwen2 / Qwen3 RM whose checkpoint has no ``score.bias`` gets each
     server's random bias added to every score -- a problem with several servers (one group's rows, scored on
     different servers, differ by it), a note with one."""
-    with open(os.path.join(rm.path, "config.json")) as fh:   # read by _config_problem before
-        archs = set(json.load(fh).get("architectures") or [])
+    try:   # a local checkpoint (a hub name is not inspected)
+        with open(os.path.join(rm.path, "config.json")) as fh:
+            archs = set(json.load(fh).get("architectures") or [])
+    except (OSError, ValueError):
+        return [], []
     keys = checkpoint_keys(rm.path) if rm.backend == "sglang" and archs & set(SGLANG_BIASED_HEADS) else None
     if keys is None or "score.bias" in keys:
         return [], []

@@ -28,3 +28,8 @@ def test_missing_score_bias_is_named(tmp_path):
     save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
     problems, lines = check_reward_model(_cfg(path, DEAD), None)
     assert problems == [] and not any("score.bias" in x for x in lines)
+
+
+def test_a_checkpoint_not_on_disk_is_not_inspected(tmp_path):
+    from megatron_rl.tasks.rm_check import score_bias_finding
+    assert score_bias_finding(_cfg(str(tmp_path / "hub-org/rm-name"), DEAD)) == ([], [])
