@@ -27,7 +27,7 @@ from __future__ import annotations
 
 __all__ = ["generation_rounds", "rollout_phase_timeout_s", "rollout_wait_timeout_s", "rollout_phase_key",
            "rollout_wait_cause", "rollout_waits_line", "drain_timeout_s", "drain_key", "drain_wait_timeout_s",
-           "drain_wait_cause", "checkpoint_phase_timeout_s", "checkpoint_phase_key"]
+           "drain_wait_cause", "checkpoint_phase_timeout_s", "checkpoint_phase_key", "judge_batch_budget_s"]
 
 
 def generation_rounds(cfg) -> int:
@@ -149,3 +149,12 @@ def checkpoint_phase_key(cfg) -> str:
     return (f"trainer.checkpoint_timeout_s={cfg.trainer.checkpoint_timeout_s:g}: half to save, half per generation "
             f"round x {generation_rounds(cfg)} to drain the async rollouts, + trainer.collective_timeout_s="
             f"{cfg.trainer.collective_timeout_s:g} for rank 0 to arrive")
+
+
+def judge_batch_budget_s(cfg) -> "float | None":
+    """The most one generation round's calls to a reward from a model (``reward.judge``; ``reward.model`` starts no
+    batch past it) may take: half of ``trainer.phase_timeout_s`` (None when the watchdog is off), so a server that
+    holds its calls ends the step through the reward-failure policy (counted timeouts) before the rollout phase's
+    watchdog ends the rank."""
+    phase = float(cfg.trainer.phase_timeout_s)
+    return phase / 2 if phase > 0 else None

@@ -1033,6 +1033,12 @@ def _rm_enable(value: Any, v: Verl) -> Dict[str, Any]:
     """verl's reward-model switch -> ``reward.model.enable`` with backend sglang (verl serves its RM on GPUs)."""
     if not value:
         raise Skip(NO_MEANING, "the reward model is off (rewards come from functions: data.reward_fn)")
+    fn = next((k for k in ("custom_reward_function.path", "reward.custom_reward_function.path") if v.get(k)), None)
+    if fn is not None:  # verl's reward loop scores with that function alone (it may call the RM itself)
+        raise Skip(UNSUPPORTED, f"with {fn} set, verl's reward loop scores with that function alone (a GenRM or "
+                                "hybrid reward calls the RM from it through reward_router_address), not with the RM's "
+                                "score: choose here reward.model (rule_weight > 0 adds data.reward_fn) or "
+                                "reward.judge (a generative RM) by hand (docs/reward_models.md)")
     return {"reward.model.enable": True, "reward.model.backend": "sglang",
             NOTE: "the RM is served by an SGLang server started with --is-embedding: set reward.model.urls "
                   "(backend local runs tiny RMs on CPU); its reward is the RM score alone (reward.model.rule_weight "

@@ -23,7 +23,7 @@ from megatron_rl.tasks.reward_pool import RewardResult
 from megatron_rl.tasks.rewards import extract_answer
 
 __all__ = ["JudgeRow", "JudgeBatch", "Judge", "JudgedTask", "JudgeParseError", "render_prompt", "parse_score",
-           "judge_payload", "answer_text"]
+           "judge_payload", "answer_text", "question_text"]
 
 _PLACEHOLDER = re.compile(r"\{(question|response|ground_truth)\}")
 
@@ -42,6 +42,22 @@ def render_prompt(template: str, question: str, response: str, ground_truth: Any
     values = {"question": str(question), "response": str(response),
               "ground_truth": "" if ground_truth is None else str(ground_truth)}
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, list):   # content parts: their text
+        return "".join(str(c.get("text", "")) if isinstance(c, dict) else str(c) for c in content)
+    return "" if content is None else str(content)
+
+
+def question_text(prompt: Prompt) -> str:
+    """``{question}`` of ``prompt``: a chat row's messages without the policy's template (one user message: its
+    content; several: ``role: content`` paragraphs), else the prompt text."""
+    if not prompt.messages:
+        return prompt.text
+    if len(prompt.messages) == 1:
+        return _content(prompt.messages[0].get("content"))
+    return "\n\n".join(f"{m.get('role', '')}: {_content(m.get('content'))}" for m in prompt.messages)
 
 
 def _last_json_value(text: str, key: str) -> Any:
@@ -180,7 +196,9 @@ class JudgeBatch:
 class Judge:
     """A judge endpoint and its prompt / parser (module docstring)."""
 
-    def __init__(self, cfg: JudgeConfig, client: Optional[EndpointClient] = None):
+    def __init__(self, cfg: JudgeConfig, client: Optional[EndpointClient] = None,
+                 batch_budget_s: Optional[float] = None):
+        """``batch_budget_s``: the most one ``judge`` call may take (None: the client's own bound)."""
         errs = cfg.errors() if cfg.enable else ["reward.judge.enable: false"]
         if errs:
             raise ValueError("; ".join(errs))
@@ -195,6 +213,7 @@ class Judge:
                                                max_concurrent=cfg.max_concurrent, where="reward.judge",
                                                headers=headers)
         self.path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
+        self.batch_budget_s = batch_budget_s
 
     def render(self, row: JudgeRow) -> str:
         """The judge's prompt for ``row``."""
@@ -203,7 +222,9 @@ class Judge:
     def judge(self, rows: Sequence[JudgeRow]) -> JudgeBatch:
         """Score ``rows`` (one request each, ``max_concurrent`` in flight); never raises for a row's failure."""
         prompts = [self.render(r) for r in rows]
-        calls: List[CallResult] = self.client.post_many(self.path, [judge_payload(self.cfg, p) for p in prompts])
+        payloads = [judge_payload(self.cfg, p) for p in prompts]
+        calls: List[CallResult] = (self.client.post_many(self.path, payloads) if self.batch_budget_s is None else
+                                   self.client.post_many(self.path, payloads, bound_s=self.batch_budget_s))
         out = JudgeBatch(scores=[None] * len(rows), failures=[None] * len(rows), answers=[""] * len(rows),
                          latencies=[c.latency_s for c in calls], prompts=prompts)
         for i, c in enumerate(calls):
@@ -234,13 +255,14 @@ def combine(cfg: JudgeConfig, rule: float, judge: float) -> float:
 class JudgedTask(WrappedTask):
     """A task whose ``score`` asks the judge (combined with the inner task's rule reward by
     ``reward.judge.combine``); prompts and everything else are the inner task's. ``samples_path``: the JSONL file
-    the raw answers are sampled into (None: not written)."""
+    the raw answers are sampled into (None: not written); ``batch_budget_s``: the most one ``score`` call waits for
+    the judge (``config.timeouts.judge_batch_budget_s``; None: the client's own bound)."""
 
     def __init__(self, inner: Task, cfg: JudgeConfig, samples_path: Optional[str] = None,
-                 judge: Optional[Judge] = None):
+                 judge: Optional[Judge] = None, batch_budget_s: Optional[float] = None):
         super().__init__(inner)
         self.cfg, self.samples_path = cfg, samples_path
-        self.judge = judge or Judge(cfg)
+        self.judge = judge or Judge(cfg, batch_budget_s=batch_budget_s)
         self.calls = 0
         self.step: Optional[int] = None   # the 0-based training step being scored (begin_step), for the samples
 
@@ -267,7 +289,7 @@ class JudgedTask(WrappedTask):
                     rule: Optional[RewardResult] = None) -> RewardResult:
         """``score`` for responses given as text (multi-turn: what ``judge_sees`` picked), ``rule`` the rule rewards
         (None: ``combine`` is "judge")."""
-        batch = self.judge.judge([JudgeRow(p.text, t, p.answer) for p, t in zip(prompts, texts)])
+        batch = self.judge.judge([JudgeRow(question_text(p), t, p.answer) for p, t in zip(prompts, texts)])
         self.calls += 1
         n = len(prompts)
         result = RewardResult(rewards=[0.0] * n, extras=[None] * n)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import List, Tuple
 
-from megatron_rl.tasks.judge import Judge, JudgeRow
+from megatron_rl.tasks.judge import Judge, JudgeRow, question_text
 from megatron_rl.tasks.judge_config import JudgeConfig
 
 __all__ = ["judge_check"]
@@ -20,9 +20,12 @@ def judge_check(cfg: JudgeConfig, task, probe_timeout_s: float = 10.0) -> Tuple[
     if not prompts:
         return ["reward.judge.prompt_template: the task has no prompt to render it on"], []
     p = prompts[0]
-    row = JudgeRow(p.text, "" if p.answer is None else str(p.answer), p.answer)
+    row = JudgeRow(question_text(p), "" if p.answer is None else str(p.answer), p.answer)
     probe = JudgeConfig(**{**cfg.__dict__, "timeout_s": min(cfg.timeout_s, probe_timeout_s), "max_retries": 0})
-    judge = Judge(probe)
+    try:
+        judge = Judge(probe)
+    except ValueError as e:   # the key's variable unset here: the job fails at start with the same
+        return [str(e)], []
     try:
         prompt = judge.render(row)
         lines = [f"judge: {len(cfg.urls)} endpoint(s), model {cfg.model!r}, parser {cfg.parser!r}, combine "

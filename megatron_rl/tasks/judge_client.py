@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -115,20 +114,39 @@ class EndpointClient:
         """The wall-clock bound of ``post_many`` of ``n`` payloads: one call bound per round of ``max_concurrent``."""
         return -(-n // self.max_concurrent) * self.call_bound_s()
 
-    def post_many(self, path: str, payloads: Sequence[Any]) -> List[CallResult]:
+    def post_many(self, path: str, payloads: Sequence[Any], bound_s: Optional[float] = None) -> List[CallResult]:
         """``post`` of each payload, ``max_concurrent`` at a time; results in payload order; returns within
-        ``batch_bound_s`` (a call not done by then is a ``timeout``)."""
+        ``batch_bound_s`` or ``bound_s`` when shorter (a call not done by then is a ``timeout``). The calls run on
+        daemon threads: one still held by a server past the bound cannot keep the process from exiting."""
         if not payloads:
             return []
-        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrent, len(payloads)))
-        futures = [pool.submit(self.post, path, p) for p in payloads]
-        bound = self.batch_bound_s(len(payloads))
-        wait(futures, timeout=bound)
-        pool.shutdown(wait=False, cancel_futures=True)
-        return [f.result() if f.done() and not f.cancelled() else
+        n, bound = len(payloads), self.batch_bound_s(len(payloads))
+        if bound_s is not None:
+            bound = min(bound, float(bound_s))
+        results: List[Optional[CallResult]] = [None] * n
+        todo = iter(range(n))
+        lock, over = threading.Lock(), threading.Event()
+
+        def work():
+            while not over.is_set():
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                results[i] = self.post(path, payloads[i])
+
+        threads = [threading.Thread(target=work, daemon=True, name=f"{self.where}-call-{k}")
+                   for k in range(min(self.max_concurrent, n))]
+        deadline = time.monotonic() + bound
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        over.set()   # a thread still in a call starts no other
+        return [r if r is not None else
                 CallResult(error_kind="timeout", error=f"{self.where}: no answer within the batch's bound {bound:g} s "
                                                        f"(a server that answers too slowly)", latency_s=bound)
-                for f in futures]
+                for r in list(results)]
 
     def get(self, path: str, timeout_s: Optional[float] = None) -> CallResult:
         """One GET of ``<first url><path>`` (health probes), no retry."""

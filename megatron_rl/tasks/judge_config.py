@@ -51,7 +51,8 @@ class JudgeConfig:
     api_key_env: Optional[str] = None
     """Name of the environment variable holding the endpoint's API key (sent as ``Authorization: Bearer``)."""
     prompt_template: str = DEFAULT_TEMPLATE
-    """The judge's prompt; ``{question}`` (the prompt as text), ``{response}``, ``{ground_truth}`` are replaced."""
+    """The judge's prompt; ``{question}`` (the prompt; a chat row's messages as text), ``{response}``,
+    ``{ground_truth}`` are replaced."""
     parser: str = "boxed"
     """Where the score is in the judge's answer: "boxed" (the last ``\\boxed{...}``), "tag:<name>" (the last
     ``<name>...</name>``) or "json:<key>" (the key of the last JSON object); an answer without it is a failed
@@ -74,7 +75,8 @@ class JudgeConfig:
     max_concurrent: int = 8
     """Requests in flight at most (over all URLs)."""
     timeout_s: float = 60.0
-    """Wall-clock limit of one request attempt; past it the attempt is a timeout."""
+    """Limit of one request attempt's connect and of each read (past it the attempt is a timeout); a server that
+    trickles bytes is cut by the round's bound (half of ``trainer.phase_timeout_s``)."""
     max_retries: int = 2
     """Retries of a failed request (each on the next URL)."""
     combine: str = "judge"

@@ -74,11 +74,33 @@ class LocalRM:
         return [float(x) for x in out[:, 0]]
 
 
-def _post(url: str, body: Any, timeout_s: float) -> Any:
+def _post_once(url: str, body: Any, timeout_s: float) -> Any:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read().decode())
+
+
+def _post(url: str, body: Any, timeout_s: float) -> Any:
+    """``_post_once`` with a wall-clock bound of ``timeout_s`` (a socket timeout bounds each read only: a server
+    that trickles bytes would hold it forever); the call runs on a daemon thread, left behind when it overruns."""
+    out: List[Any] = []
+
+    def call():
+        try:
+            out.append((True, _post_once(url, body, timeout_s)))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=call, daemon=True, name="reward.model-call")
+    t.start()
+    t.join(timeout_s)
+    if not out:
+        raise TimeoutError(f"no complete answer within {timeout_s:g} s")
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def parse_classify(answer: Any, n: int) -> List[float]:

@@ -7,9 +7,13 @@ answers wrongly is a problem naming its URL.
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import urllib.error
 from typing import List, Optional, Tuple
+
+from safetensors import safe_open
 
 from megatron_rl.tasks import build_task
 from megatron_rl.tasks.base import Prompt
@@ -17,6 +21,48 @@ from megatron_rl.tasks.options import DataOptions
 from megatron_rl.tasks.rm_backends import RMError, SGLangRM
 from megatron_rl.tasks.rm_render import render_rm_input, rm_tokenizer
 from megatron_rl.tokenizer import load_tokenizer
+
+
+#: Heads SGLang 0.5.23 builds as ``nn.Linear(hidden, num_labels)`` WITH a bias, where HF's have none: a checkpoint
+#: without ``score.bias`` leaves the server's bias at its random init (a constant per server start and seed).
+SGLANG_BIASED_HEADS = ("Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+
+
+def checkpoint_keys(path: str) -> Optional[set]:
+    """The tensor names of the safetensors checkpoint at ``path`` (headers only); None when there is none."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            return set(json.load(fh).get("weight_map", {}))
+    files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")] if os.path.isdir(path) else []
+    if not files:
+        return None
+    keys: set = set()
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as fh:
+            keys.update(fh.keys())
+    return keys
+
+
+def score_bias_finding(rm) -> Tuple[List[str], List[str]]:
+    """``(problems, lines)``: an SGLang-served Qwen2 / Qwen3 RM whose checkpoint has no ``score.bias`` gets each
+    server's random bias added to every score -- a problem with several servers (one group's rows, scored on
+    different servers, differ by it), a note with one."""
+    try:   # a local checkpoint (a hub name is not inspected)
+        with open(os.path.join(rm.path, "config.json")) as fh:
+            archs = set(json.load(fh).get("architectures") or [])
+    except (OSError, ValueError):
+        return [], []
+    keys = checkpoint_keys(rm.path) if rm.backend == "sglang" and archs & set(SGLANG_BIASED_HEADS) else None
+    if keys is None or "score.bias" in keys:
+        return [], []
+    what = (f"{rm.path!r} ({', '.join(sorted(archs))}) has no score.bias; SGLang builds that head with a bias, so "
+            "each server adds its own random constant to every score (it changes with the server's --random-seed "
+            "and restarts): write a zero score.bias into the checkpoint (docs/reward_models.md)")
+    if len(rm.urls) > 1:
+        return [f"reward.model.urls: {len(rm.urls)} servers on {what}; rows of one group scored on different servers "
+                "would differ by their biases"], []
+    return [], [f"reward model: note: {what}"]
 
 
 def _config_problem(path: str) -> Optional[str]:
@@ -42,6 +88,8 @@ def check_reward_model(rm, prompt: Optional[Prompt]) -> Tuple[List[str], List[st
     cfg_problem = _config_problem(rm.path)
     if cfg_problem:
         return [cfg_problem], lines
+    problems, notes = score_bias_finding(rm)
+    lines += notes
     try:
         tok = rm_tokenizer(rm.path, rm.chat_template)
     except ValueError as e:

@@ -50,13 +50,15 @@ def _distribution(raw: Sequence[float]) -> Dict[str, float]:
 
 class RewardModelTask(WrappedTask):
     """``inner``'s prompts, scored by the reward model of ``rm`` (a ``RewardModelConfig``; ``backend``: its
-    ``LocalRM`` / ``SGLangRM``, built from ``rm`` when None)."""
+    ``LocalRM`` / ``SGLangRM``, built from ``rm`` when None; ``batch_budget_s``: past it a ``score`` call starts no
+    further batch, their samples are timeouts -- ``config.timeouts.judge_batch_budget_s``; None: no budget)."""
 
-    def __init__(self, inner: Task, rm, backend=None):
+    def __init__(self, inner: Task, rm, backend=None, batch_budget_s=None):
         super().__init__(inner)
         self.rm = rm
         self.rm_tokenizer = rm_tokenizer(rm.path, rm.chat_template)
         self.backend = backend if backend is not None else build_rm_backend(rm)
+        self.batch_budget_s = batch_budget_s
 
     # ---- rewards
     def rm_input(self, prompt: Prompt, response_ids: Sequence[int]) -> List[int]:
@@ -92,6 +94,11 @@ class RewardModelTask(WrappedTask):
         batches = token_batches([len(inputs[i]) for i in order], rm.max_tokens_per_batch, rm.max_rows_per_batch)
         for b in batches:
             idx = [order[j] for j in b]
+            if self.batch_budget_s is not None and time.monotonic() - t0 > self.batch_budget_s:
+                for i in idx:
+                    bad[i] = (f"reward.model: not scored: the step's budget of {self.batch_budget_s:g} s for the RM "
+                              "(half of trainer.phase_timeout_s) was spent", True)
+                continue
             try:
                 scores = self.backend.scores([inputs[i] for i in idx])
                 if len(scores) != len(idx) or not all(math.isfinite(s) for s in scores):

@@ -41,7 +41,7 @@ from megatron_rl.actor.offload import ParkedParams
 from megatron_rl.actor.schedule import actor_device
 from megatron_rl.algo.kl_reward import KLInReward, NoKLInReward
 from megatron_rl.config import ConfigError, JobConfig
-from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_timeout_s
+from megatron_rl.config.timeouts import checkpoint_phase_key, checkpoint_phase_timeout_s, judge_batch_budget_s
 from megatron_rl.parallel.launch import init_distributed
 from megatron_rl.parallel.rank0 import on_rank0, share_from_rank0
 from megatron_rl.parallel.state import initialize_model_parallel
@@ -91,10 +91,11 @@ def build_task(cfg: JobConfig):
     task = build_task_for(d.task, tok, path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key,
                           reward_fn=d.reward_fn, task_kwargs=d.task_kwargs)
     if cfg.reward.judge.enable:  # the LLM judge scores (tasks/judge.py); raw answers sampled into the run dir
-        task = JudgedTask(task, cfg.reward.judge, os.path.join(cfg.trainer.run_dir, "judge_samples.jsonl"))
+        task = JudgedTask(task, cfg.reward.judge, os.path.join(cfg.trainer.run_dir, "judge_samples.jsonl"),
+                          batch_budget_s=judge_batch_budget_s(cfg))
     if cfg.reward.model.enable:   # the rule task's prompts, scored by the reward model
         print(f"[megatron-rl] {cfg.reward.model.describe()}", flush=True)
-        task = RewardModelTask(task, cfg.reward.model)
+        task = RewardModelTask(task, cfg.reward.model, batch_budget_s=judge_batch_budget_s(cfg))
     return task, tok
 
 

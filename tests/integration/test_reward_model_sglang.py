@@ -7,6 +7,8 @@ Qwen2 sequence-classification RM (issue 50):
 * against HF transformers' forward of the same checkpoint they differ by ONE constant shared by every row: SGLang
   0.5.23's ``Qwen2ForSequenceClassification`` builds its ``score`` head with a bias that HF's checkpoint does not
   have, so the server keeps that bias at its random init (docs/reward_models.md says so);
+* with a zero ``score.bias`` written into the checkpoint (the remedy ``check`` asks for) the server gives HF's
+  scores;
 * the server killed mid-run: the next step's samples are counted as failed, naming the URL (the failure policy).
 
 Skipped (with the reason) only if sglang is not importable by the server interpreter. ~1 min on 2 cores (the
@@ -85,6 +87,35 @@ def test_server_rewards_equal_direct_calls_and_hf_up_to_the_servers_bias(rm_path
     assert max(ref) - min(ref) > 1e-2                                     # the rows score differently
     gaps = [d - r for d, r in zip(direct, ref)]
     assert max(gaps) - min(gaps) < 1e-3, gaps                            # one constant: the server's own bias
+
+
+def test_a_zero_score_bias_in_the_checkpoint_gives_hfs_scores(rm_path, server, tmp_path):
+    """The remedy docs/reward_models.md gives (and ``check`` asks for): the checkpoint with a zero ``score.bias``,
+    loaded by the same server (``/update_weights_from_disk``), scores every row as HF's forward does."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from megatron_rl.tasks.rm_check import check_reward_model
+
+    fixed = tmp_path / "rm_zero_bias"
+    shutil.copytree(rm_path, fixed)
+    sd = load_file(str(fixed / "model.safetensors"))
+    sd["score.bias"] = torch.zeros(1)
+    save_file(sd, str(fixed / "model.safetensors"), metadata={"format": "pt"})
+    url = server.get().url
+    req = urllib.request.Request(url + "/update_weights_from_disk", data=json.dumps({"model_path": str(fixed)}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        assert json.loads(resp.read())["success"]
+    task, prompts, responses = _rows()
+    texts = _texts(rm_path, task, prompts, responses)
+    direct = [_classify(url, t) for t in texts]
+    hf = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32).eval()
+    tok = rm_tokenizer(rm_path)
+    with torch.no_grad():
+        ref = [float(hf(torch.tensor([tok.encode(t, add_special_tokens=False)])).logits[0, 0]) for t in texts]
+    assert direct == pytest.approx(ref, abs=1e-4)
+    cfg = RewardModelConfig(enable=True, path=str(fixed), backend="sglang", urls=[url, url])
+    assert check_reward_model(cfg, None)[0] == []                          # check no longer asks for it
 
 
 def test_server_killed_mid_run_counts_the_failures(rm_path, server):

@@ -160,3 +160,22 @@ def test_the_reward_section_loads_and_its_problems_name_keys():
     assert "reward.judge.urls:" in text and "reward.judge.judge_sees:" in text
     _, problems = job_problems("sized_model", world_size=1)
     assert not [p for p in problems if p.startswith("reward")]           # off by default: nothing asked
+
+
+def test_a_chat_rows_question_is_its_messages_not_the_policys_template():
+    """A chat data row's Prompt.text is the POLICY's chat template rendered (its control tokens: a chat judge's own
+    template would read them as turns); {question} is the row's messages as text, as verl's GenRM example reads the
+    raw question (extra_info["question"])."""
+    policy = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    one = Prompt([0], "4", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+                 messages=[{"role": "user", "content": "What is 2+2?"}])
+    two = Prompt([0], "4", policy, messages=[{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "What is 2+2?"}])
+    plain = Prompt([0], "4", "copy:12=")
+    task, client = _task(["\\boxed{1}"] * 3, [0.0] * 3, prompt_template="Q[{question}] A[{response}]")
+    task.score([one, two, plain], [[2], [2], [2]])
+    got = [p["prompt"] for p in client.payloads]
+    assert got[0] == "Q[What is 2+2?] A[c]"
+    assert got[1] == "Q[system: Be brief.\n\nuser: What is 2+2?] A[c]"
+    assert got[2] == "Q[copy:12=] A[c]"
+    assert not any("<|im_start|>" in g for g in got)
