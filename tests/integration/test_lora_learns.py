@@ -5,7 +5,7 @@ into its base, greedy answers on every string by the embedded engine) against th
 >= 80 % greedy exact on every string of the length and on its held-out strings. The base alone is scored too and
 must be below the bar at some length (else LoRA proved nothing). Measured numbers: docs/lora.md#a-config-that-learns.
 
-Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_lora_learns.py``   (~4-6 min on 2 idle cores)
+Run: ``MEGATRON_RL_LEARNING_TESTS=1 OMP_NUM_THREADS=1 pytest tests/integration/test_lora_learns.py``   (~4-6 min on 2 idle cores)
 """
 import json
 import os
@@ -16,7 +16,11 @@ import pytest
 
 from tests.integration.test_quickstart_fresh import MIN_EXACT_BY_LENGTH, _copy_tree
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+#: ~5 CPU-min of 4 ranks on 2 cores: CI checks the committed measurements (tests/unit/test_lora_results.py) instead;
+#: run it with MEGATRON_RL_LEARNING_TESTS=1 on the commit that changes the LoRA row or its numbers (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700),
+              pytest.mark.skipif(os.environ.get("MEGATRON_RL_LEARNING_TESTS") != "1",
+                                 reason="the LoRA row's learning run: set MEGATRON_RL_LEARNING_TESTS=1")]
 
 
 def _meets_bar(res) -> bool:
