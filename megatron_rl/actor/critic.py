@@ -19,6 +19,7 @@ from megatron_rl.actor.actor import MegatronActor, plan_pass
 from megatron_rl.actor.batch import RolloutBatch, row_blocks
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.actor.critic_hf import ValueSource, load_value_model
 from megatron_rl.actor.forward import check_token_ids
 from megatron_rl.actor.lr_schedule import LRSchedule, optimizer_steps_per_train_step, restore_scheduler
 from megatron_rl.actor.main_params import load_keeping_fp32, set_main_params
@@ -64,6 +65,9 @@ class CriticSpec:
     it, else the job's response budget), else None."""
     seed: int
     """Seed of the value head's initialisation (``trainer.seed``)."""
+    weights: Optional[ValueSource] = None
+    """Where the body (and, from a classifier, the head) is loaded from (``critic.load_hf``, else
+    ``actor.load_hf``); None: random weights."""
 
 
 class MegatronCritic:
@@ -79,9 +83,10 @@ class MegatronCritic:
         self.batcher = spec.batcher
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=spec.precision.params_dtype,
                                  **Recompute.from_actor(self.optim_cfg).transformer_config_kwargs())
-        hf = self.optim_cfg.load_hf
+        src = spec.weights
+        hf = src.path if src is not None and src.head is None else None
         fp32 = {}
-        if hf:  # the body of actor.load_hf (verl's default critic.model.path); the head starts fresh
+        if hf:  # a CausalLM's (or converted directory's) body; the head starts fresh
             fp32 = load_keeping_fp32(chunks, lambda: load_checkpoint_into_model(chunks, hf, self.model_cfg,
                                                                                 self.groups), hf, keep=True)
             dropped = {id(p) for c in chunks if c.post_process for p in c.output_layer.parameters()}
@@ -90,6 +95,9 @@ class MegatronCritic:
         attach_value_heads(chunks, self.model_cfg.init_method_std, spec.seed,
                            sequence_parallel=self.parallel_cfg.sequence_parallel and tp > 1,
                            tp_group=self.groups.tp_group)
+        if src is not None and src.head is not None:  # a value / reward model: body and head (its score)
+            fp32 = load_keeping_fp32(chunks, lambda: load_value_model(chunks, src, self.model_cfg, self.groups),
+                                     src.path, keep=True)
         self.model = wrap_ddp(chunks, self.optim_cfg)
         self.optimizer = build_optimizer(self.model, self.optim_cfg, spec.precision.params_dtype)
         set_main_params(self.optimizer, fp32)

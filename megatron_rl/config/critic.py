@@ -55,6 +55,10 @@ class CriticConfig:
     loss_agg_mode: Optional[str] = None
     """Aggregation of the value loss (verl's ``critic.loss_agg_mode``; same modes as the policy loss); null:
     ``actor.policy_loss.loss_agg_mode`` (verl's default)."""
+    load_hf: Optional[str] = None
+    """HF directory of the critic's weights (verl's ``critic.model.path``), of the actor's model's shapes: a
+    ``*ForTokenClassification`` / ``*ForSequenceClassification`` with num_labels 1 gives the body and the value head
+    (its ``score``), a ``*ForCausalLM`` the body with a fresh head; null: ``actor.load_hf`` (verl's default)."""
     critic_warmup: int = 0
     """verl's ``trainer.critic_warmup``: the actor does not update while this exceeds the 1-based step (verl's
     comparison), so the first ``critic_warmup - 1`` steps train the critic only (0 and 1: none)."""

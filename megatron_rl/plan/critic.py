@@ -9,11 +9,12 @@ import dataclasses
 from typing import List, Optional
 
 from megatron_rl.actor.critic import CriticSpec
+from megatron_rl.actor.critic_hf import ValueSource, value_source
 from megatron_rl.actor.lr_schedule import LRSchedule, lr_schedule_errors
 from megatron_rl.plan.checks import Unbuilt, dp_errors
 
-__all__ = ["critic_plan", "critic_errors", "critic_dp_errors", "critic_optim_config", "critic_value", "OPTIMIZER_KEYS",
-           "ACTOR_DEFAULTS"]
+__all__ = ["critic_plan", "critic_errors", "critic_dp_errors", "critic_optim_config", "critic_value", "critic_weights",
+           "OPTIMIZER_KEYS", "ACTOR_DEFAULTS"]
 
 #: The critic's own optimizer / schedule keys (``critic.*``): each replaces the actor key of the same name.
 OPTIMIZER_KEYS = ("lr", "lr_warmup_steps", "lr_warmup_fraction", "lr_warmup_init", "lr_decay_style",
@@ -82,6 +83,19 @@ def critic_dp_errors(cfg, world_size: int) -> List[str]:
             if e.startswith("actor.ppo_mini_batches")]
 
 
+def critic_weights(cfg) -> Optional[ValueSource]:
+    """The checked source of the critic's weights (``critic.load_hf``, null: ``actor.load_hf``), None: random;
+    ``Unbuilt`` naming the key when its config.json cannot give the actor's model with a value head."""
+    key = "critic.load_hf" if cfg.critic.load_hf else "actor.load_hf"
+    path = cfg.critic.load_hf or cfg.actor.load_hf
+    if not path:
+        return None
+    try:
+        return value_source(key, path, cfg.model)
+    except ValueError as exc:
+        raise Unbuilt([str(exc)]) from None
+
+
 def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
     """The critic's spec (None when the job trains no critic); ``Unbuilt`` with its problems."""
     errs = critic_errors(cfg)
@@ -92,6 +106,7 @@ def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
         return None
     if precision is None or batcher is None or budget is None:
         raise Unbuilt([])  # the actor's keys name it
+    weights = critic_weights(cfg)
     optim = critic_optim_config(cfg)
     # verl: critic.loss_scale_factor defaults to the actor's; null: the width of the response mask (the budget)
     factor = cfg.actor.policy_loss.loss_scale_factor
@@ -99,4 +114,5 @@ def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
     norm = float(factor if factor is not None else budget.tokens) if mode == "seq-mean-token-sum-norm" else None
     return CriticSpec(model=cfg.model, parallel=cfg.parallel, optim=optim, precision=precision, batcher=batcher,
                       lr_schedule=LRSchedule.from_actor(optim, cfg.trainer.steps), cliprange_value=float(c.cliprange_value),
-                      loss_agg_mode=mode, loss_scale_factor=norm, seed=int(cfg.trainer.seed))
+                      loss_agg_mode=mode, loss_scale_factor=norm, seed=int(cfg.trainer.seed),
+                      weights=weights)

@@ -169,6 +169,8 @@ class JobPlan:
                          f"{co.ppo_mini_batches} mini-batch(es), cliprange_value {cc.cliprange_value}, "
                          f"{self.critic.loss_agg_mode}, critic_warmup {cc.critic_warmup}: the first "
                          f"{max(cc.critic_warmup - 1, 0)} step(s) train the critic alone (verl's comparison)")
+            if self.critic.weights is not None:
+                lines.append(self.critic.weights.line())
         return lines
 
     def objective_line(self) -> str:
