@@ -1009,12 +1009,10 @@ def _no_critic(v: Verl) -> Optional[str]:
 
 
 def _critic_model_path(value: Any, v: Verl) -> Dict[str, Any]:
-    """The critic's body is ``actor.load_hf`` here: verl's critic.model.path must be the actor's model."""
-    actor = v.get("actor_rollout_ref.model.path")
-    if value == actor:
-        raise Skip(NO_MEANING, "the actor's model: the critic's body starts from actor.load_hf here too")
-    raise Skip(UNSUPPORTED, f"a critic model other than the actor's ({actor!r}) is not built: the critic's body "
-                            f"starts from actor.load_hf here (docs/critic.md)")
+    """verl's critic.model.path is critic.load_hf here (null: the actor's, verl's default)."""
+    if value == v.get("actor_rollout_ref.model.path"):
+        raise Skip(NO_MEANING, "the actor's model: critic.load_hf null starts the critic from actor.load_hf too")
+    return {"critic.load_hf": value}
 
 
 _LOGPROB_MB = "one micro-batch setting serves the log-prob and the train pass here (actor.micro_batch_size / " \
@@ -1361,7 +1359,9 @@ def _rules() -> List[Rule]:
         Rule("critic.optim.lr_scheduler_type", MAPPED, target="critic.lr_decay_style",
              inactive=_unless("critic.optim.warmup_style", lambda s: s is None, " (verl then takes warmup_style)")),
         _m("critic.optim.warmup_style", "critic.lr_decay_style"),
-        Rule("critic.model.path", MAPPED, convert=_critic_model_path, inactive=_no_critic),
+        Rule("critic.model.path", MAPPED, target="critic.load_hf", convert=_critic_model_path, inactive=_no_critic,
+             note="a value / reward model (*ForTokenClassification / *ForSequenceClassification, num_labels 1) gives "
+                  "the body and the value head, a CausalLM the body (docs/critic.md)"),
         _u("critic.model.lora_rank", "a LoRA critic is not built (the critic trains all its weights)", neutral=(0,),
            inactive=_no_critic),
         _u("critic.model.lora.rank", "a LoRA critic is not built (the critic trains all its weights)",

@@ -1,7 +1,7 @@
 """``migrate verl`` of verl's own PPO run scripts (examples/ppo_trainer/run_qwen2-7b_rm.sh,
 run_deepseek7b_llm.sh at verl 0.9.1): the critic keys that change what a step does are carried or said, never
 dropped as "worker settings" -- the critic's mini-batches (verl's critic.ppo_mini_batch_size defaults to the
-actor's), its learning-rate warm-up and schedule, and a critic model other than the actor's."""
+actor's), its learning-rate warm-up and schedule; a critic model other than the actor's is critic.load_hf."""
 from __future__ import annotations
 
 import pytest
@@ -60,12 +60,13 @@ def test_critic_warmup_ratio_and_schedule_are_carried():
     assert "lr_warmup_fraction" not in m.tree.get("actor", {}) or m.tree["actor"]["lr_warmup_fraction"] == 0.1
 
 
-def test_critic_model_path_same_as_actor_is_unchanged_other_is_said():
+def test_critic_model_path_same_as_actor_is_unchanged_other_is_critic_load_hf():
     same = _migrate(QWEN2_RM)
     assert _entry(same, "critic.model.path").kind == UNCHANGED
-    other = _migrate(_with(model={"path": "Qwen/Qwen2.5-0.5B-Instruct"}))
-    e = _entry(other, "critic.model.path")
-    assert e.kind == UNSUPPORTED and "actor.load_hf" in e.detail
+    assert "load_hf" not in same.tree.get("critic", {})
+    other = _migrate(_with(model={"path": "/models/qwen2-rm-value"}))
+    assert _entry(other, "critic.model.path").kind == MAPPED
+    assert other.tree["critic"]["load_hf"] == "/models/qwen2-rm-value"
 
 
 @pytest.mark.parametrize("critic,key", [({"model": {"path": "Qwen/Qwen2-7B-Instruct", "lora_rank": 8}},
