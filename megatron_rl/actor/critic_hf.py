@@ -20,7 +20,7 @@ import torch
 
 from megatron_rl.convert import storage
 from megatron_rl.convert.geometry import HFGeometry
-from megatron_rl.convert.live import _chunk_coords, check_model_config_matches
+from megatron_rl.convert.live import check_model_config_matches, chunk_coords
 from megatron_rl.convert.model_state import load_state_dict_into_model
 from megatron_rl.convert.slices import read_chunk_shard
 from megatron_rl.models.config import ModelConfig
@@ -108,11 +108,11 @@ def load_value_model(chunks: Sequence[torch.nn.Module], source: ValueSource, mod
         raise ValueError(f"{source.key}: {source.path}: score tensors {shapes}, expected score.weight "
                          f"(1, {model_cfg.hidden_size}) and optionally score.bias (1,)")
     for i, chunk in enumerate(chunks):
-        sd = {k: v for k, v in read_chunk_shard(reader, geom, _chunk_coords(groups, chunk, i),
+        sd = {k: v for k, v in read_chunk_shard(reader, geom, chunk_coords(groups, chunk, i),
                                                 padded_vocab_size=model_cfg.vocab_size).items()
               if not k.startswith("output_layer.")}
         if chunk.post_process:
             sd["output_layer.weight"] = reader.read("score.weight")
             sd["output_layer.bias"] = (reader.read("score.bias") if "score.bias" in shapes
                                        else torch.zeros(1, dtype=sd["output_layer.weight"].dtype))
-        load_state_dict_into_model(chunk, sd, where=f"{source.key} {source.path} -> {_chunk_coords(groups, chunk, i)}")
+        load_state_dict_into_model(chunk, sd, where=f"{source.key} {source.path} -> {chunk_coords(groups, chunk, i)}")

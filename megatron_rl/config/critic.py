@@ -2,7 +2,7 @@
 ``trainer.critic_warmup``).
 
 Rule: the critic is the actor's architecture with a scalar value head, on the actor's ranks and layout, initialised
-from ``actor.load_hf``'s body; its optimizer keys are its own and every other actor key (micro-batching, precision,
+from ``critic.load_hf`` (null: ``actor.load_hf``'s body); its optimizer keys are its own and every other actor key (micro-batching, precision,
 distributed optimizer, recompute) is the actor's. docs/critic.md.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ from megatron_rl.parallel.groups import ActorGroups
 
 Tensor = torch.Tensor
 
-__all__ = ["HFTarget", "hf_target", "check_model_config_matches", "load_checkpoint_into_model",
+__all__ = ["HFTarget", "hf_target", "check_model_config_matches", "chunk_coords", "load_checkpoint_into_model",
            "load_full_state_dict_into_model", "iter_full_tensors", "iter_hf_tensors", "is_stage_leader",
            "gather_full_state_dict", "gather_hf_state_dict", "export_model_to_hf"]
 
@@ -103,6 +103,9 @@ def _stage_sizes(chunk: torch.nn.Module) -> Dict[str, Optional[int]]:
 def _chunk_coords(groups: ActorGroups, chunk: torch.nn.Module, vp_stage: int) -> RankCoords:
     """This rank's coordinates of model chunk ``vp_stage`` (uneven stages read from the chunk's config)."""
     return RankCoords.from_groups(groups, vp_stage=vp_stage, **_stage_sizes(chunk))
+
+
+chunk_coords = _chunk_coords  # (public name: loaders of other checkpoints, e.g. actor.critic_hf)
 
 
 def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dict[str, Tensor],

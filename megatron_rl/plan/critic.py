@@ -6,6 +6,7 @@ starts: bypass mode, async rollouts, context / expert parallelism (MoE), interle
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import List, Optional
 
 from megatron_rl.actor.critic import CriticSpec
@@ -88,11 +89,11 @@ def critic_weights(cfg) -> Optional[ValueSource]:
     ``Unbuilt`` naming the key when its config.json cannot give the actor's model with a value head."""
     key = "critic.load_hf" if cfg.critic.load_hf else "actor.load_hf"
     path = cfg.critic.load_hf or cfg.actor.load_hf
-    if not path:
-        return None
+    if not path or (key == "actor.load_hf" and not os.path.isdir(path)):
+        return None  # (a missing actor.load_hf is the actor's problem, named there)
     try:
         return value_source(key, path, cfg.model)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise Unbuilt([str(exc)]) from None
 
 
