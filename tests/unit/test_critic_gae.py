@@ -113,12 +113,16 @@ GAE = ("algorithm.advantage_estimator=gae",)
      "critic.enable: not built with parallel.virtual_pipeline_model_parallel_size"),
     (GAE + ("actor.routing_replay=r3",), "critic.enable: not built with actor.routing_replay: 'r3'"),
     (GAE + ("model.num_moe_experts=2",), "critic.enable: not built for an MoE model"),
-    (GAE + ("algorithm.use_kl_in_reward=true",),
-     "algorithm.use_kl_in_reward: not built with algorithm.adv_estimator 'gae'"),
 ])
 def test_refusals_name_the_key(overrides, needle):
     _, problems = job_problems("sized_model", *overrides, world_size=2 if any("_size=2" in o for o in overrides) else 1)
     assert any(needle in p for p in problems), problems
+
+
+def test_kl_in_the_reward_reaches_the_critics_gae():
+    """Built since the token-level path (tests/integration/test_kl_reward_critic_loop.py proves it against verl)."""
+    _, problems = job_problems("sized_model", *GAE, "algorithm.use_kl_in_reward=true", world_size=1)
+    assert not [p for p in problems if "use_kl_in_reward" in p or "critic" in p], problems
 
 
 def test_gae_alone_turns_the_critic_on():
