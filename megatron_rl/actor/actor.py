@@ -349,11 +349,15 @@ class MegatronActor:
         return step, extra
 
     def load_model_state(self, ckpt_dir: str) -> int:
-        """The model part alone of a ``save_checkpoint`` checkpoint (a LoRA actor: the adapters), at any layout --
+        """The model part alone of a ``save_checkpoint`` checkpoint (the adapters of a LoRA actor), at any layout --
         also across expert_model_parallel_size 1 <-> > 1, which ``load_checkpoint`` refuses; the optimizer state
         (Adam's moments, step), the scheduler, RNG and loop state are not read. fp32 actors and checkpoints only
-        (``checkpoint.load_model_state``). Returns the checkpoint's step."""
+        (``checkpoint.load_model_state``); LoRA actors only (the adapters: what the tests prove). Returns the
+        checkpoint's step."""
         self._require_trainable("load_model_state")
+        if self._lora_record() is None:
+            raise ValueError("MegatronActor.load_model_state: built for a LoRA actor (actor.lora.rank > 0) only; "
+                             "a full model resumes with load_checkpoint")
         return load_model_state(ckpt_dir, self.model, self.model_cfg, lora=self._lora_record())
 
     # ------------------------------------------------------------------ LoRA

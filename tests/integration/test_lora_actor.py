@@ -146,6 +146,8 @@ def test_adapters_load_at_another_layout(moe_dir, tmp_path):
     loaded2 = run_ranks(_ckpt_rank, 2, a, 0, None, ("model", str(tmp_path / "e")), timeout=150)
     torch.testing.assert_close(loaded2[0]["probe"], saved2["probe"], rtol=0, atol=2e-5)
     assert not torch.allclose(saved2["probe"], saved[0]["probe"])  # not the adapters of "a"
+    with pytest.raises(RankError, match=r"model-only load needs an fp32 checkpoint and actor.*actor bf16=True"):
+        run_ranks(_ckpt_rank, 1, _job(moe_dir, bf16=True), 0, None, ("model", str(tmp_path / "e")), timeout=100)
 
 
 @pytest.mark.timeout(200)
