@@ -312,6 +312,9 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
                                     f"{exc}") from exc
     problem = chain_problem(requested_keys(sd["optimizer"]), saved_keys, saved_layout.get("expert_model_parallel_size"),
                             now_layout.get("expert_model_parallel_size"))
+    problems = [None] * dist.get_world_size()  # agreed: a rank that sees none (a stage without experts) must not
+    dist.all_gather_object(problems, problem)  # enter the collective load alone
+    problem = next((p for p in problems if p), None)
     if problem:
         raise CheckpointLayoutError(f"checkpoint {d}: {problem}")
     saved, now = saved_kind(saved_keys), optimizer_kind(optimizer)
