@@ -146,6 +146,13 @@ def test_adapters_load_at_another_layout(moe_dir, tmp_path):
     loaded2 = run_ranks(_ckpt_rank, 2, a, 0, None, ("model", str(tmp_path / "e")), timeout=150)
     torch.testing.assert_close(loaded2[0]["probe"], saved2["probe"], rtol=0, atol=2e-5)
     assert not torch.allclose(saved2["probe"], saved[0]["probe"])  # not the adapters of "a"
+    # training continues from the loaded adapters (the optimizer's main parameters are them): one Adam step moves
+    # each element by at most lr (stale main parameters -- B at zero -- would land lr from zero instead)
+    for dist_opt in (False, True):
+        (cont,) = run_ranks(_ckpt_rank, 1, _job(moe_dir, use_distributed_optimizer=dist_opt), 1, None,
+                            ("model", str(tmp_path / "e")), timeout=100)
+        moved = max(float((cont["adapters"][k] - v).abs().max()) for k, v in saved2["adapters"].items())
+        assert 0 < moved <= 1.01 * ACTOR["lr"], (dist_opt, moved)
     with pytest.raises(RankError, match=r"model-only load needs an fp32 checkpoint and actor.*actor bf16=True"):
         run_ranks(_ckpt_rank, 1, _job(moe_dir, bf16=True), 0, None, ("model", str(tmp_path / "e")), timeout=100)
 
