@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron_rl.actor.batch import BatchError, RolloutBatch, row_blocks
-from megatron_rl.actor.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.actor.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from megatron_rl.actor.forward import check_token_ids, compute_log_probs
 from megatron_rl.actor.micro_batching import MicroBatchPlan
 from megatron_rl.actor.main_params import load_keeping_fp32, set_main_params
@@ -347,6 +347,18 @@ class MegatronActor:
         if line and torch.distributed.get_rank() == 0:
             print(line, flush=True)
         return step, extra
+
+    def load_model_state(self, ckpt_dir: str) -> int:
+        """The model part alone of a ``save_checkpoint`` checkpoint (the adapters of a LoRA actor), at any layout --
+        also across expert_model_parallel_size 1 <-> > 1, which ``load_checkpoint`` refuses; the optimizer state
+        (Adam's moments, step), the scheduler, RNG and loop state are not read. fp32 actors and checkpoints only
+        (``checkpoint.load_model_state``); LoRA actors only (the adapters: what the tests prove). Returns the
+        checkpoint's step."""
+        self._require_trainable("load_model_state")
+        if self._lora_record() is None:
+            raise ValueError("MegatronActor.load_model_state: built for a LoRA actor (actor.lora.rank > 0) only; "
+                             "a full model resumes with load_checkpoint")
+        return load_model_state(ckpt_dir, self.model, self.model_cfg, lora=self._lora_record())
 
     # ------------------------------------------------------------------ LoRA
     def adapters_off(self):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.chained import torch_optimizers
+from megatron_rl.actor.optimizer_chain import chain_problem, requested_keys
 from megatron_rl.actor.optimizer_state import (convert_loaded_state, group_changes, group_settings,
                                                impose_group_settings, optimizer_kind, redirect_main_params,
                                                saved_kind)
@@ -29,7 +30,7 @@ from megatron_rl.parallel.groups import ActorGroups
 from megatron_rl.platform import checkpoint_writer
 from megatron_rl.platform.mcore_version import write_legacy_common_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointLayoutError", "CheckpointWriteError",
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "CheckpointLayoutError", "CheckpointWriteError",
            "resolve_checkpoint_dir", "ensure_adam_state", "LATEST_FILE"]
 
 LATEST_FILE = "latest"
@@ -309,6 +310,13 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the checkpoint named
         raise CheckpointLayoutError(f"checkpoint {d}: reading its metadata failed: {type(exc).__name__}: "
                                     f"{exc}") from exc
+    problem = chain_problem(requested_keys(sd["optimizer"]), saved_keys, saved_layout.get("expert_model_parallel_size"),
+                            now_layout.get("expert_model_parallel_size"))
+    problems = [None] * dist.get_world_size()  # agreed: a rank that sees none (a stage without experts) must not
+    dist.all_gather_object(problems, problem)  # enter the collective load alone
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointLayoutError(f"checkpoint {d}: {problem}")
     saved, now = saved_kind(saved_keys), optimizer_kind(optimizer)
     to_weights, missing = redirect_main_params(sd["optimizer"], saved_keys, weights_are_fp32=not meta.get("bf16"))
     if missing:
@@ -346,3 +354,43 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
                       f"resharded, RNG states not restored", stacklevel=2)
     extra = torch.load(os.path.join(d, "extra_state.pt"), weights_only=False)
     return int(meta["step"]), extra, changes
+
+
+def load_model_state(path: str, model: Sequence[torch.nn.Module], model_cfg, lora: Optional[Dict[str, Any]] = None
+                     ) -> int:
+    """Collective: the model part alone of ``path`` (a LoRA checkpoint: its adapters, checked as by
+    ``load_checkpoint``), at any TP / PP / EP layout -- also across expert_model_parallel_size 1 <-> > 1, whose
+    optimizer layouts differ (``optimizer_chain``). The optimizer state, RNG and loop state are not read. fp32 only:
+    a bf16 checkpoint's exact values are its optimizer's fp32 main parameters, and a bf16 actor's main parameters
+    would keep their old values. Returns the checkpoint's step."""
+    dcp = _import_dist_checkpointing()
+    d = resolve_checkpoint_dir(path)
+    with open(os.path.join(d, META_FILE)) as fh:
+        meta = json.load(fh)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointLayoutError(f"checkpoint {d}: format_version {meta.get('format_version')!r}, "
+                                    f"this code reads {FORMAT_VERSION}")
+    _check_model(meta["model"], model_cfg, d)
+    if meta.get("bf16", False) or _is_bf16(model):
+        raise CheckpointLayoutError(f"checkpoint {d}: a model-only load needs an fp32 checkpoint and actor "
+                                    f"(actor.bf16 false; saved bf16={bool(meta.get('bf16', False))}, actor "
+                                    f"bf16={_is_bf16(model)}): the exact bf16-run values are the optimizer's main "
+                                    f"parameters")
+    problem = lora_meta_problem(meta.get("lora"), lora)
+    if problem:
+        raise CheckpointLayoutError(f"checkpoint {d}: {problem}")
+    sd = _model_sharded_state_dict(model, adapters_only=lora is not None)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
+
+    try:
+        loaded = dcp.load(sd, os.path.join(d, "dist"))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the layouts named
+        raise CheckpointLayoutError(f"checkpoint {d}: loading its model state failed (saved layout {meta['layout']}): "
+                                    f"{type(exc).__name__}: {exc}") from exc
+    for i, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{i}"
+        res = chunk.module.load_state_dict(loaded[key], strict=lora is None)
+        lost = [k for k in res.missing_keys if is_adapter_key(k)] + list(res.unexpected_keys)
+        if lora is not None and lost:
+            raise CheckpointLayoutError(f"checkpoint {d}: adapters not loaded: {lost[:5]}")
+    return int(meta["step"])

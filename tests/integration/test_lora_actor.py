@@ -5,8 +5,10 @@ checkpoints hold the adapters (layout-free) with the base fingerprinted.
   weight bitwise unchanged and moves B off zero; with the adapters off the log-probs are the untouched base's
   (bitwise), with them on they differ (B = 0 at init: on == off bitwise before the step);
 * layout independence: adapters saved at TP2+SP x EP2 (Qwen3-MoE, experts keyed by global index) load at TP1 x EP4
-  with the same log-probs, and the reverse (EP1 <-> EP > 1 is not tested: megatron chains a separate expert
-  optimizer only at EP > 1, and the actor's checkpoints do not convert between the two; docs/lora.md);
+  with the same log-probs, and the reverse; TP2+SP x EP2 -> TP1 x EP1 is refused naming both expert-parallel sizes
+  (megatron chains a separate expert optimizer only at EP > 1, and the actor's checkpoints do not convert between
+  the two; docs/lora.md), while the model part alone (``load_model_state``: the adapters) loads TP2+SP x EP2 <->
+  TP1 x EP1 with the saver's log-probs;
 * resume is bit-exact: 2 steps == 1 step, save, a fresh process loads, 1 step (adapters and log-probs bitwise);
 * a resume on another base is refused naming both fingerprints; another ``actor.lora.rank`` naming the key.
 
@@ -108,7 +110,10 @@ def test_only_adapters_train_and_the_reference_is_the_base(dense_dir):
 
 def _ckpt_rank(rank, world, job, steps, save_dir, load_dir):
     actor = _actor(job)
-    start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
+    if isinstance(load_dir, tuple):  # ("model", dir): the model part alone
+        start = actor.load_model_state(load_dir[1])
+    else:
+        start = actor.load_checkpoint(load_dir)[0] if load_dir else 0
     for s in range(start, start + steps):
         _step(actor, 100 + s)
     if save_dir:
@@ -127,6 +132,29 @@ def test_adapters_load_at_another_layout(moe_dir, tmp_path):
     loaded1 = run_ranks(_ckpt_rank, 2, a, 0, None, str(tmp_path / "b"), timeout=150)
     torch.testing.assert_close(loaded1[0]["probe"], saved1[0]["probe"], rtol=0, atol=2e-5)
     assert not torch.allclose(saved1[0]["probe"], saved[0]["probe"])  # two different trained adapters
+    # EP2 -> EP1: megatron's optimizer is chained (a separate expert optimizer) only at EP > 1; refused by name
+    # before the load, not failed inside it
+    from megatron_rl.testing.distributed import RankError
+
+    with pytest.raises(RankError, match=r"another chaining of megatron's optimizers \('chained_\d\.optimizer\.state\..*"
+                                        r"expert_model_parallel_size saved 2, now 1"):
+        run_ranks(_ckpt_rank, 1, _job(moe_dir), 0, None, str(tmp_path / "a"), timeout=100)
+    # ... while the model part alone (the adapters) loads across it, both ways, with the saver's log-probs
+    (ep1,) = run_ranks(_ckpt_rank, 1, _job(moe_dir), 0, None, ("model", str(tmp_path / "a")), timeout=100)
+    torch.testing.assert_close(ep1["probe"], saved[0]["probe"], rtol=0, atol=2e-5)
+    (saved2,) = run_ranks(_ckpt_rank, 1, _job(moe_dir), 3, str(tmp_path / "e"), None, timeout=100)
+    loaded2 = run_ranks(_ckpt_rank, 2, a, 0, None, ("model", str(tmp_path / "e")), timeout=150)
+    torch.testing.assert_close(loaded2[0]["probe"], saved2["probe"], rtol=0, atol=2e-5)
+    assert not torch.allclose(saved2["probe"], saved[0]["probe"])  # not the adapters of "a"
+    # training continues from the loaded adapters (the optimizer's main parameters are them): one Adam step moves
+    # each element by at most lr (stale main parameters -- B at zero -- would land lr from zero instead)
+    for dist_opt in (False, True):
+        (cont,) = run_ranks(_ckpt_rank, 1, _job(moe_dir, use_distributed_optimizer=dist_opt), 1, None,
+                            ("model", str(tmp_path / "e")), timeout=100)
+        moved = max(float((cont["adapters"][k] - v).abs().max()) for k, v in saved2["adapters"].items())
+        assert 0 < moved <= 1.01 * ACTOR["lr"], (dist_opt, moved)
+    with pytest.raises(RankError, match=r"model-only load needs an fp32 checkpoint and actor.*actor bf16=True"):
+        run_ranks(_ckpt_rank, 1, _job(moe_dir, bf16=True), 0, None, ("model", str(tmp_path / "e")), timeout=100)
 
 
 @pytest.mark.timeout(200)

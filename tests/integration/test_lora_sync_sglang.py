@@ -11,6 +11,11 @@ equal to PEFT's LoRA in ``test_lora_peft.py``) of the probe batch and of the ser
   only the adapters' bytes move.
 * an adapter applied with a wrong scale is caught by the probe verification on every rank and the engine then
   refuses to generate.
+* merged sync (``rollout.lora_sync: merged``, bucketed tensor mode, the same server): versions step-0 .. step-3,
+  the adapters changed between versions, the server's log-probs of the probe (no adapter named: the merged base)
+  equal the trainer's (adapters on) within the bf16 tolerance and moved away from the base model's by more than it
+  (a sync that bypasses the merged view -- the base sent without B @ A -- fails there); verified by SGLang's
+  checksums. The server gets its launch weights back afterwards.
 
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_lora_sync_sglang.py -q``
 """
@@ -146,3 +151,70 @@ def test_adapter_sync_to_a_real_sglang_server_gives_the_trainers_log_probs(model
     assert r0["sampled_vs_trainer"] < 0.1, r0["sampled_vs_trainer"]
     assert r0["wrong"] is not None and "log-probs of the probe differ" in r0["wrong"], r0["wrong"]
     assert r0["wrong_refuses"]
+
+
+def _merged_rank(rank, world, hf_dir, url):
+    import dataclasses
+
+    import torch
+
+    from megatron_rl.actor import MegatronActor
+    from megatron_rl.convert import storage
+    from megatron_rl.convert.geometry import HFGeometry
+    from megatron_rl.lora.apply import lora_modules
+    from megatron_rl.lora.config import LoraConfig
+    from megatron_rl.lora.layout import set_full_adapters
+    from megatron_rl.lora.names import find_targets
+    from megatron_rl.parallel import initialize_model_parallel
+    from megatron_rl.plan import actor_spec
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.testing.actor_reference import actor_job
+    from megatron_rl.testing.lora_sync_reference import ALPHA, RANK, full_adapters
+    from megatron_rl.weight_sync.adapter_sync import _trainer_probe, probe_sequences
+    from megatron_rl.weight_sync.publisher import StreamPublisher, build_weight_publisher
+    from megatron_rl.weight_sync.settings import WeightSyncSettings
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
+    job = actor_job(hf_dir, {"bf16": False, "lora": lora.to_dict()})
+    initialize_model_parallel(job.parallel, seed=5, model=job.model)
+    actor = MegatronActor(actor_spec(job))
+    geom = HFGeometry.from_hf_config(storage.read_hf_config(hf_dir))
+    set_full_adapters(find_targets([m.module for m in actor.model], lora), full_adapters(geom, seed=6))
+    r = dataclasses.replace(job.rollout, engine="sglang", sglang_urls=[url], lora_sync="merged",
+                            weight_sync="tensor", weight_sync_verify_interval=1, weight_sync_verify_tensors=-1)
+    engine = SGLangEngine([url], weight_version="start", weight_sync_timeout=120) if rank == 0 else None
+    probe = probe_sequences(geom.vocab_size)
+    base = torch.tensor(engine.token_log_probs(probe)) if rank == 0 else None
+    pub = build_weight_publisher(WeightSyncSettings.build(r, "/tmp/unused", SGLangEngine, lora), actor, engine)
+    out = {"class": type(pub) is StreamPublisher, "steps": {}}
+    try:
+        for step in range(4):
+            if step:  # the adapters change between versions
+                with torch.no_grad():
+                    for m in lora_modules(actor.model):
+                        m.lora_B.weight.mul_(-1.3).add_(0.05 * torch.randn_like(m.lora_B.weight))
+            trainer = _trainer_probe(actor, probe)
+            res = {"metrics": pub.publish(f"step-{step}")}
+            if rank == 0:
+                got = torch.tensor(engine.token_log_probs(probe))
+                res["diff"] = float((got - trainer).abs().max())
+                res["moved"] = float((got - base).abs().max())
+            out["steps"][step] = res
+    finally:
+        if engine is not None:
+            engine.close()
+    return out
+
+
+def test_merged_sync_to_a_real_sglang_server_gives_the_trainers_log_probs(model_dir, server):
+    from megatron_rl.testing.sglang_script import load_from_disk
+
+    try:
+        [r0] = run_ranks(_merged_rank, 1, model_dir, server.url, timeout=400)
+    finally:  # the server's launch weights back (the adapter-only test above serves adapters over them)
+        load_from_disk(server.url, model_dir, "start")
+    assert r0["class"]
+    for step, res in r0["steps"].items():
+        assert res["diff"] < 0.1, (step, res["diff"])  # bf16 server vs fp32 trainer
+        assert res["moved"] > 0.3, (step, res["moved"])  # B @ A is in the served weights (far beyond the tolerance)
+        assert res["metrics"]["weight_sync/verified"] == 1.0
