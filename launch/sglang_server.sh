@@ -121,7 +121,8 @@ if [[ "$DELTA" == 1 ]]; then CMD+=(--custom-weight-loader megatron_rl.weight_syn
 # LoRA adapters loaded by path per version (rollout.lora_sync: adapter; megatron_rl/rollout/sglang_lora_flags.py)
 if [[ -n "$LORA_RANK" ]]; then
   [[ "$LORA_RANK" =~ ^[0-9]+$ && "$LORA_RANK" -ge 1 ]] || die "--lora-rank must be an integer >= 1, got '$LORA_RANK'"
-  CMD+=(--enable-lora --max-lora-rank "$LORA_RANK" --lora-target-modules ${LORA_TARGETS//,/ })
+  read -r -a LORA_TARGET_LIST <<< "${LORA_TARGETS//,/ }"
+  CMD+=(--enable-lora --max-lora-rank "$LORA_RANK" --lora-target-modules "${LORA_TARGET_LIST[@]}")
   if [[ "$DEVICE" == cpu ]]; then CMD+=(--lora-backend torch_native); fi
 fi
 CMD+=("${EXTRA[@]+"${EXTRA[@]}"}")

@@ -151,7 +151,7 @@ def test_mini_batches_and_epochs_match_reference(model):
     from megatron_rl.testing.actor_reference import merge_rank_grads
 
     job = named_job("actor_ppo", *CRITIC, "critic.ppo_mini_batches=2", "critic.ppo_epochs=2",
-                    *knobs(tp=2, mbs=2), hf=model)
+                    "critic.loss_agg_mode=token-mean", *knobs(tp=2, mbs=2), hf=model)  # the actor's is seq-mean-token-mean
     batch, mask, returns, g = _data(job.model.vocab_size)
     noise = 0.4 * torch.randn(returns.shape, generator=g)
     results = run_ranks(_rank_epochs, 2, job, (batch, noise, returns, mask), timeout=200)
