@@ -277,6 +277,18 @@ def _check_model(saved: Dict[str, Any], model_cfg, where: str) -> None:
                                     + ", ".join(f"{k} (saved {saved.get(k)!r}, now {current.get(k)!r})" for k in diff))
 
 
+def _read_meta(path: str, model_cfg) -> Tuple[str, Dict[str, Any]]:
+    """The checkpoint directory of ``path`` and its meta file, checked: this code's format, ``model_cfg``'s shapes."""
+    d = resolve_checkpoint_dir(path)
+    with open(os.path.join(d, META_FILE)) as fh:
+        meta = json.load(fh)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointLayoutError(f"checkpoint {d}: format_version {meta.get('format_version')!r}, "
+                                    f"this code reads {FORMAT_VERSION}")
+    _check_model(meta["model"], model_cfg, d)
+    return d, meta
+
+
 def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, groups: ActorGroups, model_cfg,
                     parallel_cfg, lora: Optional[Dict[str, Any]] = None
                     ) -> Tuple[int, Dict[str, Any], Dict[str, Tuple[Any, Any]]]:
@@ -287,13 +299,7 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
     param-group settings that differed). ``lora``: as ``save_checkpoint``'s; the checkpoint must be a LoRA one of the
     same adapters on the same base (``lora.checkpoint.lora_meta_problem``), and only the adapters are loaded."""
     dcp = _import_dist_checkpointing()
-    d = resolve_checkpoint_dir(path)
-    with open(os.path.join(d, META_FILE)) as fh:
-        meta = json.load(fh)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointLayoutError(f"checkpoint {d}: format_version {meta.get('format_version')!r}, "
-                                    f"this code reads {FORMAT_VERSION}")
-    _check_model(meta["model"], model_cfg, d)
+    d, meta = _read_meta(path, model_cfg)
     _check_precision(meta, model, d)
     problem = lora_meta_problem(meta.get("lora"), lora)
     if problem:
@@ -364,13 +370,7 @@ def load_model_state(path: str, model: Sequence[torch.nn.Module], model_cfg, lor
     a bf16 checkpoint's exact values are its optimizer's fp32 main parameters, and a bf16 actor's main parameters
     would keep their old values. Returns the checkpoint's step."""
     dcp = _import_dist_checkpointing()
-    d = resolve_checkpoint_dir(path)
-    with open(os.path.join(d, META_FILE)) as fh:
-        meta = json.load(fh)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointLayoutError(f"checkpoint {d}: format_version {meta.get('format_version')!r}, "
-                                    f"this code reads {FORMAT_VERSION}")
-    _check_model(meta["model"], model_cfg, d)
+    d, meta = _read_meta(path, model_cfg)
     if meta.get("bf16", False) or _is_bf16(model):
         raise CheckpointLayoutError(f"checkpoint {d}: a model-only load needs an fp32 checkpoint and actor "
                                     f"(actor.bf16 false; saved bf16={bool(meta.get('bf16', False))}, actor "

@@ -114,5 +114,6 @@ def load_value_model(chunks: Sequence[torch.nn.Module], source: ValueSource, mod
         if chunk.post_process:
             sd["output_layer.weight"] = reader.read("score.weight")
             sd["output_layer.bias"] = (reader.read("score.bias") if "score.bias" in shapes
-                                       else torch.zeros(1, dtype=sd["output_layer.weight"].dtype))
+                                       else torch.zeros(1, dtype=sd["output_layer.weight"].dtype,
+                                                    device=sd["output_layer.weight"].device))
         load_state_dict_into_model(chunk, sd, where=f"{source.key} {source.path} -> {chunk_coords(groups, chunk, i)}")
