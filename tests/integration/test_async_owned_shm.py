@@ -84,7 +84,7 @@ def _body(rank, world, job, engine_dir, transports, refuse=None, fail=None):
             with Traffic() as t:
                 payload = deferred_publisher(s, actor).make("step-1")  # the trainer's side, every rank
             if rank == 0:  # the producer's side, later, rank 0 alone
-                payload.apply(engine, s, "step-1", actor)
+                out[transport + "_verified"] = payload.apply(engine, s, "step-1", actor).verified_frac
                 out[transport] = {k: v.clone() for k, v in engine.model.state_dict().items()
                                   if not k.endswith("inv_freq")}
                 out[transport + "_buckets"] = payload.report().buckets
@@ -111,6 +111,7 @@ def test_async_pp2_owned_buckets_through_shm_and_gloo_equal_checkpoint(models):
     out = run_ranks(_body, 2, job, models["other"], ("shm", "gloo"), timeout=300)
     _check(out, load_file(os.path.join(models["actor"], "model.safetensors")), ("shm", "gloo"))
     assert out[0]["shm_buckets"] > 8  # many buckets passed rank 1's one segment
+    assert out[0]["shm_verified"] == out[0]["gloo_verified"] == 1.0  # the producer's verification passed too
     stage = out[1]["own"] // 2  # rank 1's stage in bytes of a 2-byte dtype at the least (fp32 here)
     assert out[1]["gloo_sent"] >= stage, out[1]  # the bytes crossed the pair group ...
     assert out[1]["shm_sent"] * 20 < out[1]["gloo_sent"], out[1]  # ... and with shm only their meta
@@ -151,3 +152,19 @@ def test_a_failing_sender_ends_the_collection_on_every_rank(models):
     with pytest.raises(RankError, match="rank 1"):
         run_ranks(_body, 2, job, models["other"], ("shm",), None, "kill", timeout=200)
     assert shm.leftovers() == before
+
+
+def _choice_body(rank, world):
+    from megatron_rl.testing import fake_accelerator as fa
+    from megatron_rl.weight_sync import shm_owned
+
+    on_host = shm_owned.owned_collector(None)
+    fa.install()
+    fa.make_default_group()  # the default group becomes "NCCL": device tensors only
+    return on_host.__name__, shm_owned.owned_collector(None).__name__
+
+
+def test_an_nccl_default_group_keeps_the_device_path():
+    """The choice is the default group's device: the senders' channels (shm / gloo) on the host, the stages over the
+    default group (staged on its device) with an NCCL-like one (``testing.fake_accelerator``)."""
+    assert run_ranks(_choice_body, 2, timeout=60)[0] == ("collect_from_senders", "collect_from_stages")
