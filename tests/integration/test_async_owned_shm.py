@@ -5,6 +5,7 @@ the senders' shared memory (``weight_sync/shm_owned.py``), applied later as the 
   weights equal the actor's HF checkpoint (safetensors, or transformers' own load of it for the MoE) bit for bit both
   ways -- many small buckets pass one segment, so a bucket rank 0 did not copy out would be overwritten; with shm rank
   1's ``torch.distributed`` calls carry only the buckets' meta, with gloo its whole share.
+* TP2 (one sender, its pieces through the job's TP gather): equal to the checkpoint.
 * Rank 0 cannot map rank 1's shared memory (``/proc`` refused): the collection falls back to gloo, still exact.
 * A sender failing mid-collection ends it on every rank with the cause, well within the bound; one killed mid-way
   leaves nothing in ``/dev/shm``.
@@ -129,6 +130,17 @@ def test_async_ep2_owned_buckets_through_shm_and_gloo_equal_transformers_load(tm
            if not k.endswith("inv_freq")}
     _check(out, ref, ("shm", "gloo"))
     assert out[1]["gloo_sent"] > 20 * out[1]["shm_sent"], out[1]  # rank 1's experts crossed by gloo only there
+
+
+@pytest.mark.timeout(600)
+def test_async_tp2_owned_buckets_gathered_through_shm_equal_checkpoint(models):
+    """TP2: one sender; its pieces come through the TP gather of the job (``tp_gather``), as in a streamed sync."""
+    from safetensors.torch import load_file
+
+    job = named_job("actor", *JOB, *layout(tp=2), hf=models["actor"])
+    out = run_ranks(_body, 2, job, models["other"], ("shm",), timeout=300)
+    _check(out, load_file(os.path.join(models["actor"], "model.safetensors")), ("shm",))
+    assert out[0]["shm_verified"] == 1.0
 
 
 @pytest.mark.timeout(600)
