@@ -20,7 +20,6 @@ from megatron_rl.parallel.rank0 import is_rank0
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.endpoint import WeightEndpoint, WeightReceiver
 from megatron_rl.weight_sync.in_process import InProcessSpec
-from megatron_rl.weight_sync.modes import TensorMode
 from megatron_rl.weight_sync.senders import stream_buckets
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 from megatron_rl.weight_sync.stream import stream_sync
@@ -28,7 +27,7 @@ from megatron_rl.weight_sync.stream import stream_sync
 __all__ = ["Collector", "owned_collector", "collect_from_senders", "collect_from_stages"]
 
 
-def owned(bucket) -> Bucket:
+def _owned(bucket) -> Bucket:
     """A copy of ``bucket`` in fresh memory (one copy of its bytes; a ``HeldBucket``'s tensors packed uncast)."""
     flat = getattr(bucket, "flat", None)
     if flat is not None:
@@ -51,7 +50,7 @@ class _Receiver(WeightReceiver):
         self.done = False
 
     def load(self, bucket) -> None:
-        self.buckets.append(owned(bucket))
+        self.buckets.append(_owned(bucket))
 
     def commit(self) -> None:
         self.done = True
@@ -79,6 +78,7 @@ class Collector(WeightEndpoint):
         raise NotImplementedError
 
     def begin_weight_sync(self, version, timeout_s, groups=None) -> WeightReceiver:
+        # any streamed mode opens it (``groups``: distributed's update groups, not needed in rank 0's process)
         self.receiver = _Receiver(timeout_s)
         return self.receiver
 
@@ -87,7 +87,7 @@ def collect_from_senders(actor, settings: WeightSyncSettings, version: str) -> O
     """Collective over every trainer rank: ``version``'s buckets owned by rank 0 (None elsewhere), each sender's
     through its channel of ``settings.sender_transport``; a failed sender ends it on every rank (``stream_sync``:
     named, bounded by ``settings.timeout_s``)."""
-    collect = dataclasses.replace(settings, mode=TensorMode(), verify_interval=0, delta=False)
+    collect = dataclasses.replace(settings, verify_interval=0, delta=False)  # verified when the producer applies it
     collector = Collector() if is_rank0() else None
     stream_sync(actor, collector, collect, version, is_rank0())
     return collector.receiver.buckets if collector is not None else None
