@@ -115,7 +115,7 @@ def payload_maker(actor, settings: WeightSyncSettings) -> Callable[[str], Option
         return functools.partial(adapter_payload, actor, settings)
     if not settings.mode.streamed:
         return functools.partial(export_payload, actor, settings)
-    return functools.partial(bucket_payload, actor, settings, owned_collector(settings))
+    return functools.partial(bucket_payload, actor, settings, owned_collector())
 
 
 # --------------------------------------------------------------------------------------------- publishers

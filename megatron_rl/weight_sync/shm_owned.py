@@ -2,7 +2,8 @@
 ``Collector``): every sender sends its own buckets as in a streamed sync -- through its shared-memory segment when
 ``settings.sender_transport`` is "shm" and rank 0 maps it (``in_process``, ``shm_reach``), else over its gloo pair
 group -- and rank 0 copies each into memory it owns, then acknowledges. The one rule: rank 0 copies every bucket
-before the acknowledgement, since a sender's segment (and rank 0's own packing buffer) is refilled after it.
+before the acknowledgement, since a sender's segment is refilled after it (and rank 0's own buckets hold the model's
+tensors, which the next step changes).
 
 A job whose default group is not on the host (NCCL) keeps ``senders.stream_buckets`` (its device path); chosen once
 by ``owned_collector``. docs/async_rollouts.md has the measurements.
@@ -99,7 +100,7 @@ def collect_from_stages(actor, settings: WeightSyncSettings, version: str) -> Op
     return buckets if is_rank0() else None
 
 
-def owned_collector(settings: WeightSyncSettings) -> Callable[..., Optional[List[Bucket]]]:
+def owned_collector() -> Callable[..., Optional[List[Bucket]]]:
     """How this job's owned buckets reach rank 0, chosen once: the senders' channels (``sender_transport``: shm /
     gloo) when the default group is on the host; else (NCCL) the stages over the default group's device."""
     on_host = not dist.is_initialized() or collective_device(None).type == "cpu"

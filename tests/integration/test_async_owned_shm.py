@@ -170,10 +170,10 @@ def _choice_body(rank, world):
     from megatron_rl.testing import fake_accelerator as fa
     from megatron_rl.weight_sync import shm_owned
 
-    on_host = shm_owned.owned_collector(None)
+    on_host = shm_owned.owned_collector()
     fa.install()
     fa.make_default_group()  # the default group becomes "NCCL": device tensors only
-    return on_host.__name__, shm_owned.owned_collector(None).__name__
+    return on_host.__name__, shm_owned.owned_collector().__name__
 
 
 def test_an_nccl_default_group_keeps_the_device_path():
