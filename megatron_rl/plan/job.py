@@ -24,7 +24,6 @@ from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.replay_modes import ReplayMode, replay_mode
 from megatron_rl.actor.spec import ActorSpec, Objective
 from megatron_rl.losses import build_policy_loss
-from megatron_rl.losses.registry import mode_parameter_errors, objective_summary
 from megatron_rl.models.attention import AttentionBackend, attention_backend, attention_errors, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
@@ -174,9 +173,8 @@ class JobPlan:
         return lines
 
     def objective_line(self) -> str:
-        """The objective, its mode and the parameters it reads (``losses.registry.objective_summary``)."""
-        o = self.objective
-        return objective_summary(o.loss_type, o.bypass_correction is not None, self.cfg.actor.policy_loss)
+        """The objective, its mode and the parameters it reads (``PolicyLoss.summary``)."""
+        return self.objective.loss.summary()
 
     @classmethod
     def build(cls, cfg: "JobConfig", world_size: int, has_te: Optional[bool] = None) -> "JobPlan":
@@ -270,7 +268,7 @@ def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective
     ``seq-mean-token-sum-norm`` divisor from the response budget."""
     if corr is None or policy_loss is None:
         raise Unbuilt(["algorithm.rollout_correction: missing" if corr is None else "actor.policy_loss: missing"])
-    errs = mode_parameter_errors(corr.loss_type, policy_loss)
+    errs = corr.objective.parameter_errors(policy_loss)  # the row looked up when the section was read
     if errs:
         raise Unbuilt(errs)
     if budget is None or budget.tokens < 1:
@@ -279,7 +277,7 @@ def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective
         loss = build_policy_loss(policy_loss, corr.objective, corr.bypass_mode, budget.tokens)
     except ValueError as exc:
         raise Unbuilt([str(exc)]) from exc
-    return Objective(loss_type=corr.loss_type, loss=loss, bypass_correction=corr if corr.bypass_mode else None)
+    return Objective(loss=loss, bypass_correction=corr if corr.bypass_mode else None)
 
 
 def _lr_schedule(ac, steps: int) -> LRSchedule:
