@@ -54,6 +54,12 @@ class Precision:
         problem = precision_error(actor_cfg)
         if problem is not None:
             raise ValueError(problem)
+        return cls.requested(actor_cfg)
+
+    @classmethod
+    def requested(cls, actor_cfg) -> "Precision":
+        """What ``actor.bf16`` / ``actor.fp32_output_layer`` ask for, unchecked (for the checks of other keys when
+        ``from_actor_config`` refused the pair): an fp32 output layer only on a bf16 actor."""
         bf16 = bool(getattr(actor_cfg, "bf16", False))
         return cls(params_dtype=torch.bfloat16 if bf16 else torch.float32,
                    fp32_output_layer=bool(getattr(actor_cfg, "fp32_output_layer", False)) and bf16)

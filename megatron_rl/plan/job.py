@@ -208,7 +208,8 @@ class JobPlan:
         p.add(actor_size_errors(ac))
         batcher = p.build(_batcher, dims, ac, cfg.parallel)
         precision = p.build(Precision.from_actor_config, ac)
-        p.add(offload_errors(ac))  # actor.optimizer_cpu_offload: megatron's limits and the installed version
+        # actor.optimizer_cpu_offload: megatron's limits and the installed version, with the precision asked for
+        p.add(offload_errors(ac, precision=precision or Precision.requested(ac)))
         if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
             p.add([f"actor.load_hf: {ac.load_hf!r} is not a directory"])
         replay = p.build(_replay, ac.routing_replay, cfg.model)
@@ -224,7 +225,7 @@ class JobPlan:
         p.add(critic_dp_errors(cfg, world_size))
         attention = None
         if c.device in DEVICES:  # bf16 through Precision (the fp32_output_layer problem does not change it)
-            prec = precision or Precision.from_actor_config(dataclasses.replace(ac, fp32_output_layer=False))
+            prec = precision or Precision.requested(ac)
             attention = attention_backend(c.device, expected_te(c.device, has_te)[0], prec.bf16)
             p.add(attention_errors(attention, cfg))
         p.add(model_extra_errors(cfg.model))
