@@ -69,6 +69,10 @@ class Precision:
         """bf16 parameters (Megatron's ``bf16``)."""
         return self.params_dtype == torch.bfloat16
 
+    def describe(self) -> str:
+        """``"bf16 params, fp32 output layer"`` / ``"fp32 params"`` (the job plan's actor line)."""
+        return f"{'bf16' if self.bf16 else 'fp32'} params" + (", fp32 output layer" if self.fp32_output_layer else "")
+
     @property
     def params_bytes(self) -> int:
         """Bytes per model parameter."""

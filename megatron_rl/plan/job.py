@@ -142,12 +142,11 @@ class JobPlan:
         r, ac = self.cfg.rollout, self.cfg.actor
         b = self.batcher
         rows = (f"token budget {b.max_tokens}" if b.max_tokens is not None else f"{b.micro_batch_size} row(s)")
-        prec = "bf16" if self.precision.bf16 else "fp32"
         fg = self.dynamic_sampling
         lines = [f"layout: world size {self.world_size}, {self.dims.describe()}; rollout engine "
                  f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}"
                  + (f" (LoRA {self.weight_sync.lora.mode})" if self.weight_sync.lora is not None else ""),
-                 f"actor: {prec} params{', fp32 output layer' if self.precision.fp32_output_layer else ''}; "
+                 f"actor: {self.precision.describe()}; "
                  f"micro-batches of {rows}, {'packed' if b.packed else 'padded'}; routing replay {self.replay.name}; "
                  f"{ac.ppo_epochs} epoch(s) x {ac.ppo_mini_batches} mini-batch(es) per step",
                  f"response budget: {self.budget.tokens} tokens ({self.budget.key}); dynamic sampling: "

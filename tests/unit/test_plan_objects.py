@@ -63,3 +63,16 @@ def test_objective_line_is_the_rows_summary(overrides, loss_type, bypass):
     loss = plan.objective.loss
     assert (loss.objective.name, loss.bypass_mode) == (loss_type, bypass)
     assert plan.objective_line() == objective_summary(loss_type, bypass, cfg.actor.policy_loss)
+
+
+@pytest.mark.parametrize("overrides,want", [
+    ((), "actor: fp32 params;"),
+    (("actor.bf16=true",), "actor: bf16 params;"),
+    (("actor.bf16=true", "actor.fp32_output_layer=true", "actor.use_distributed_optimizer=true"),
+     "actor: bf16 params, fp32 output layer;")])
+def test_actor_line_says_the_precision_asked_for(overrides, want):
+    """``check`` / the trainer's start print the actor's precision as the keys ask for it (``Precision.describe``)."""
+    cfg, problems = job_problems("sized_model", *overrides, world_size=1)
+    assert problems == []
+    [line] = [ln for ln in JobPlan.build(cfg, 1).describe() if ln.startswith("actor: ")]
+    assert line.startswith(want), line
