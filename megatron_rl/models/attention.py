@@ -18,7 +18,7 @@ backend        when                                   what it can do
 Usage::
 
     backend = attention_backend(device, has_te, precision.bf16)   # the job plan's (megatron_rl.plan)
-    errors = attention_errors(backend, cfg)               # ["actor.sequence_packing: ... set actor.bf16: true"]
+    errors = attention_errors(backend, packed, cp)        # ["actor.sequence_packing: ... set actor.bf16: true"]
     backend.keeps_scores(packed=False)                    # True: plan [b, heads, s, s] scores
 """
 from __future__ import annotations
@@ -88,14 +88,14 @@ def expected_te(device: str, has_te: Optional[bool] = None) -> Tuple[bool, str]:
     return True, "assumed installed (this machine has no CUDA to check; --no-transformer-engine plans without)"
 
 
-def attention_errors(backend: AttentionBackend, cfg) -> List[str]:
-    """The job settings ``backend`` cannot run, each naming its key and the fix."""
+def attention_errors(backend: AttentionBackend, packed: bool, cp: int) -> List[str]:
+    """The job settings ``backend`` cannot run, each naming its key and the fix: ``packed`` rows
+    (``actor.sequence_packing``) and ``cp`` (``parallel.context_parallel_size``)."""
     errs: List[str] = []
-    cp = cfg.parallel.context_parallel_size
     if backend.name == "te-unfused":
         why = ("Transformer Engine's flash / fused attention takes bf16 / fp16 only, and its unfused backend "
                "refuses")
-        if cfg.actor.sequence_packing:
+        if packed:
             errs.append(f"actor.sequence_packing: {why} packed (THD) sequences: set actor.bf16: true (or "
                         f"actor.sequence_packing: false)")
         if cp > 1:
