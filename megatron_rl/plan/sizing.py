@@ -26,10 +26,11 @@ def memory_job(cfg: "JobConfig", world_size: int, parts: Optional[PlanParts] = N
     if missing:
         raise PlanError([f"{m} did not build (the memory plan needs it)" for m in missing])
     ac, a = cfg.actor, cfg.algorithm
+    kl = ac.policy_loss.kl_loss_coef > 0 or a.use_kl_in_reward  # a LoRA actor's reference is its base: no 2nd copy
     return MemoryJob(model=cfg.model, parallel=cfg.parallel, dims=parts.dims, batcher=parts.batcher,
                      budget=parts.budget, rows_per_step=cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt,
                      ppo_mini_batches=ac.ppo_mini_batches, lora=ac.lora,
-                     reference_model=bool(ac.policy_loss.kl_loss_coef > 0 or a.use_kl_in_reward) and not ac.lora.enabled,
+                     reference_model=bool(kl) and not ac.lora.enabled,
                      critic_model=cfg.critic.enabled(a.advantage_estimator))
 
 
