@@ -114,12 +114,21 @@ class SyncPlan:
 
 def segments_line(segments: List["Segment"]) -> str:
     """The ``check`` line of the shared-memory segments (part of ``SyncPlan.line``)."""
-    near = [g for g in segments if g.rank0_host]
     each = ", ".join(f"{g.holder} {_binary(g.nbytes)}" for g in segments[:8])
     more = f", ... ({len(segments) - 8} more)" if len(segments) > 8 else ""
-    return (f"shared memory (memfd segments, host RAM, kept across syncs): {len(segments)} segment(s) ({each}{more}); "
-            f"on rank 0's host {len(near)} of {_binary(sum(g.nbytes for g in near))}, of which up to "
-            f"{_binary(sum(g.resident for g in near))} written (pages are taken as written)")
+    out = (f"shared memory (memfd segments, host RAM, kept across syncs; a page is taken once written): "
+           f"{len(segments)} segment(s) ({each}{more})")
+    gather = [g for g in segments if g.rank0_host and not g.is_sender]
+    sender = [g for g in segments if g.rank0_host and g.is_sender]
+    if gather:
+        out += (f"; on rank 0's host the TP / ETP gather slots of {len(gather)} rank(s): "
+                f"{_binary(sum(g.nbytes for g in gather))}, written up to {_binary(sum(g.resident for g in gather))} "
+                f"(besides rank 0's total above)")
+    if sender:
+        out += (f"; {len(sender)} sender segment(s) of {_binary(sum(g.nbytes for g in sender))} on rank 0's host, "
+                f"written up to {_binary(sum(g.resident for g in sender))}: the buckets rank 0 receives in place "
+                f"(in its total above)")
+    return out
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,11 @@ class Segment:
     """The most of it ever written (host RAM taken: a memfd's pages exist once written)."""
     rank0_host: bool
     """On global rank 0's host."""
+
+    @property
+    def is_sender(self) -> bool:
+        """A sender's bucket segment (else a TP / ETP gather slot pair)."""
+        return self.holder.startswith("sender")
 
 
 def sync_segments(settings: WeightSyncSettings, model, parallel, dtype_bytes: int, device: str,
@@ -163,12 +177,12 @@ def sync_segments(settings: WeightSyncSettings, model, parallel, dtype_bytes: in
                                            float(min(nbytes, 2 * size * piece_bytes)),
                                            near(st * block + e * etp + r)))
     if settings.engine != "sglang" and len(senders) > 1:  # an engine in rank 0's process
-        for i, (name, nbytes) in enumerate(senders[1:], 1):
+        for name, nbytes in senders[1:]:
             st = int(name.split()[1])
             e = int(name.split()[-1]) if "EP rank" in name else 0
             size = shm.segment_bytes(settings, 0, largest_tensor(m, layers[st], st, pp) * dtype_bytes)[1]
-            if size:
-                out.append(Segment(f"sender {name}", float(size), float(min(size, nbytes)), near(st * block + e * etp)))
+            if size and near(st * block + e * etp):  # a sender on another host sends over gloo (``shm_reach``)
+                out.append(Segment(f"sender {name}", float(size), float(min(size, nbytes)), True))
     return out
 
 
@@ -234,9 +248,8 @@ def weight_sync_plan(settings: WeightSyncSettings, rollout, model, parallel, pre
     filled = min(bucket, total)  # a bucket never holds more than the whole model
     senders = sender_bytes(m, parallel, dtype_bytes)
     in_process = settings.engine != "sglang"  # the embedded engine receives every sender's bucket in rank 0's process
+    rank0 = (len(senders) if in_process else 1) * filled + largest  # with shm: other senders' buckets in place
     segments = sync_segments(settings, m, parallel, dtype_bytes, device, senders, world_size, ranks_per_node)
-    mapped = sum(1 for g in segments if g.holder.startswith("sender") and g.rank0_host)  # received in place
-    rank0 = ((len(senders) - mapped) if in_process else 1) * filled + largest
     leader = filled + largest if len(senders) > 1 else 0.0
     delta, copies, store = 0.0, [], 0.0
     if settings.delta:  # every tensor's elements in blocks; each sender keeps its own tensors on its host
