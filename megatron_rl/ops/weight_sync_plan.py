@@ -151,18 +151,23 @@ class Segment:
 
 
 def sync_segments(settings: WeightSyncSettings, model, parallel, dtype_bytes: int, device: str,
-                  senders: List[Tuple[str, float]], world_size: int = 0, ranks_per_node: int = 0) -> List[Segment]:
-    """The segments of a sync: the ``shm`` TP / ETP gather slots of every non-owner rank of a sender's group (CPU
-    jobs: a CUDA job gathers with NCCL), and the segment of every sender but rank 0 that reaches an engine in
-    rank 0's process through shared memory. ``world_size`` / ``ranks_per_node`` place ranks on hosts (megatron's
-    order, TP innermost; 0: one host)."""
+                  senders: List[Tuple[str, float]], world_size: int = 0, ranks_per_node: int = 0,
+                  piece_bytes: int = 0) -> List[Segment]:
+    """The segments of a sync: the ``shm`` TP / ETP gather slots of every non-owner rank of a sender's group on its
+    sender's host (CPU jobs: a CUDA job gathers with NCCL), and the segment of every sender but rank 0 on rank 0's
+    host that reaches an engine in rank 0's process (elsewhere gloo: ``shm_reach``). ``world_size`` /
+    ``ranks_per_node`` place ranks on hosts (megatron's order, TP innermost; 0: one host); ``piece_bytes``: bytes
+    per gathered element (default ``dtype_bytes``, the engine's)."""
     m, p = model, parallel
     pp, tp, ep, etp = (p.pipeline_model_parallel_size, p.tensor_model_parallel_size, p.expert_model_parallel_size,
                        p.etp)
     block = world_size // pp if world_size else 0  # ranks of one pipeline stage
-    near = (lambda rank: not ranks_per_node or not world_size or rank < ranks_per_node)
+
+    def host(rank: int) -> int:
+        return rank // ranks_per_node if ranks_per_node and world_size else 0
+
     out: List[Segment] = []
-    piece_bytes = dtype_bytes
+    piece_bytes = piece_bytes or dtype_bytes
     layers = stage_layers(m.num_layers, pp, p.virtual_pipeline_model_parallel_size or 1,
                           p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage)
     if device != "cuda":
@@ -171,17 +176,19 @@ def sync_segments(settings: WeightSyncSettings, model, parallel, dtype_bytes: in
             for size, n, what, experts in ((dense, tp, "TP", 1), (expert, etp, "ETP", ep)):
                 nbytes = shm.segment_bytes(settings, size * piece_bytes)[0] if n > 1 else 0
                 for e in range(experts if nbytes else 0):
+                    sender = st * block + e * etp
                     for r in range(1, n):
+                        if host(sender + r) != host(sender):  # its sender cannot map it: gloo (``shm_reach``)
+                            continue
                         ep_name = f" EP rank {e}" if what == "ETP" and ep > 1 else ""
                         out.append(Segment(f"stage {st}{ep_name} {what} rank {r}", float(nbytes),
-                                           float(min(nbytes, 2 * size * piece_bytes)),
-                                           near(st * block + e * etp + r)))
+                                           float(min(nbytes, 2 * size * piece_bytes)), host(sender + r) == 0))
     if settings.engine != "sglang" and len(senders) > 1:  # an engine in rank 0's process
         for name, nbytes in senders[1:]:
             st = int(name.split()[1])
             e = int(name.split()[-1]) if "EP rank" in name else 0
-            size = shm.segment_bytes(settings, 0, largest_tensor(m, layers[st], st, pp) * dtype_bytes)[1]
-            if size and near(st * block + e * etp):  # a sender on another host sends over gloo (``shm_reach``)
+            size = shm.segment_bytes(settings, 0, largest_tensor(m, layers[st], st, pp, e > 0) * dtype_bytes)[1]
+            if size and host(st * block + e * etp) == 0:  # a sender on another host sends over gloo
                 out.append(Segment(f"sender {name}", float(size), float(min(size, nbytes)), True))
     return out
 
@@ -209,16 +216,22 @@ def largest_pieces(m, layer_ids, stage: int, pp: int, tp: int, etp: int) -> Tupl
     return max(dense), max(expert)
 
 
-def largest_tensor(m, layer_ids, stage: int, pp: int) -> int:
-    """Elements of the largest HF tensor a sender of ``stage`` packs (q / k / v and gate / up are separate)."""
-    h, pattern, out = m.hidden_size, m.moe_layer_pattern(), [m.hidden_size]
+def largest_tensor(m, layer_ids, stage: int, pp: int, experts_only: bool = False) -> int:
+    """Elements of the largest HF tensor a sender of ``stage`` packs (q / k / v and gate / up are separate;
+    ``experts_only``: an EP rank but 0, which sends its own experts alone)."""
+    h, pattern, out = m.hidden_size, m.moe_layer_pattern(), [0]
+    for i in layer_ids:
+        if pattern[i]:
+            out.append((m.moe_ffn_hidden_size or m.dense_ffn_hidden_size) * h)
+    if experts_only:
+        return max(out)
+    out.append(h)
     if stage == 0 or (stage == pp - 1 and m.untie_embeddings_and_output_weights):
         out.append(m.vocab_size * h)
     for i in layer_ids:
         out.append(m.num_attention_heads * m.head_dim * h if not m.multi_latent_attention
                    else (m.q_lora_rank or h) * m.num_attention_heads * m.q_head_dim)
-        out.append((m.moe_ffn_hidden_size or m.dense_ffn_hidden_size) * h if pattern[i]
-                   else m.dense_ffn_hidden_size * h)
+        out.append(m.dense_ffn_hidden_size * h if not pattern[i] else (m.moe_shared_expert_intermediate_size or 0) * h)
     return max(out)
 
 
@@ -249,7 +262,10 @@ def weight_sync_plan(settings: WeightSyncSettings, rollout, model, parallel, pre
     senders = sender_bytes(m, parallel, dtype_bytes)
     in_process = settings.engine != "sglang"  # the embedded engine receives every sender's bucket in rank 0's process
     rank0 = (len(senders) if in_process else 1) * filled + largest  # with shm: other senders' buckets in place
-    segments = sync_segments(settings, m, parallel, dtype_bytes, device, senders, world_size, ranks_per_node)
+    # the gathers move the engine's dtype, but the trainer's when the engine keeps a tensor in higher precision
+    # (DeepSeek-V3's fp32 expert bias: ``senders.own_buckets``)
+    piece = precision.params_bytes if m.moe_router_enable_expert_bias else dtype_bytes
+    segments = sync_segments(settings, m, parallel, dtype_bytes, device, senders, world_size, ranks_per_node, piece)
     leader = filled + largest if len(senders) > 1 else 0.0
     delta, copies, store = 0.0, [], 0.0
     if settings.delta:  # every tensor's elements in blocks; each sender keeps its own tensors on its host

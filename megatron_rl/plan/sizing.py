@@ -20,9 +20,10 @@ def memory_job(cfg: "JobConfig", world_size: int, parts: Optional[PlanParts] = N
     """What ``ops.memory.memory_plan`` reads of ``cfg`` at ``world_size`` ranks (``parts``: the plan's, when the
     caller built them); ``PlanError`` naming what did not build."""
     parts = parts or plan_parts(cfg, world_size)
-    missing = [k for k, v in (("parallel: the layout", parts.dims), ("rollout.max_new_tokens: the response budget",
-                                                                    parts.budget),
-                              ("actor.micro_batch_size: the micro-batcher", parts.batcher)) if v is None]
+    needed = (("parallel: the layout", parts.dims),
+              ("rollout.max_new_tokens / multi_turn.*: the response budget", parts.budget),
+              ("actor.micro_batch_size: the micro-batcher", parts.batcher))
+    missing = [k for k, v in needed if v is None]
     if missing:
         raise PlanError([f"{m} did not build (the memory plan needs it)" for m in missing])
     ac, a = cfg.actor, cfg.algorithm

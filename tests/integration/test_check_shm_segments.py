@@ -29,25 +29,28 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _segments():
-    """{label: [size, resident bytes]} of the weight-sync memfd files this process created (its own segments)."""
+    """[[label, size, resident bytes]] of the weight-sync memfd files this process created (its own segments; the
+    key in a memfd's name tells them apart, and its pid who created it: ``mmap`` keeps a dup of a mapped peer's
+    descriptor too)."""
+    name = re.compile(r"/memfd:megatron_rl_ws_(\w+?)_(\d+)_([0-9a-f]+)")
     out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        mine = re.match(r"/memfd:megatron_rl_ws_(\w+?)_(\d+)_", target)  # label, the creator's pid
-        if mine and mine.group(1) != "probe" and int(mine.group(2)) == os.getpid():  # (mmap keeps a dup of a
-            out[mine.group(1)] = [os.fstat(int(fd)).st_size, 0]                       # mapped peer's fd too)
+        mine = name.match(target)
+        if mine and mine.group(1) != "probe" and int(mine.group(2)) == os.getpid():
+            out[mine.group(3)] = [mine.group(1), os.fstat(int(fd)).st_size, 0]
     cur = None
-    with open("/proc/self/smaps") as f:  # the mappings' resident pages, by the memfd's label
+    with open("/proc/self/smaps") as f:  # the mappings' resident pages
         for line in f:
             if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header line
-                mine = re.search(r"/memfd:megatron_rl_ws_(\w+?)_(\d+)_", line)
-                cur = mine.group(1) if mine and int(mine.group(2)) == os.getpid() else None
+                mine = name.search(line)
+                cur = mine.group(3) if mine else None
             elif cur in out and line.startswith("Rss:"):
-                out[cur][1] = max(out[cur][1], int(line.split()[1]) * 1024)
-    return out
+                out[cur][2] = max(out[cur][2], int(line.split()[1]) * 1024)
+    return sorted(out.values())
 
 
 def _body(rank, world, job, engine_dir):
@@ -67,26 +70,40 @@ def _body(rank, world, job, engine_dir):
     return {"segments": _segments(), "senders": metrics.get("weight_sync/senders") if rank == 0 else None}
 
 
+# (name, layout, HF model kwargs, the plan's holders -> the global rank holding each: TP innermost, stage s of a
+# PP2 job is ranks 2s, 2s + 1; an MoE's EP rank e is ranks 2e, 2e + 1 of its stage)
+CASES = [
+    ("tp2_pp2", dict(tp=2, pp=2), dict(arch="qwen2", num_hidden_layers=2),
+     {"stage 0 TP rank 1": 1, "stage 1 TP rank 1": 3, "sender stage 1": 2}),
+    ("moe_tp2_ep2_etp2", dict(tp=2, ep=2, etp=2, sp=True),
+     dict(arch="qwen3_moe", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+     {"stage 0 TP rank 1": 1, "stage 0 EP rank 0 ETP rank 1": 1, "stage 0 EP rank 1 ETP rank 1": 3,
+      "sender stage 0 EP rank 1": 2}),
+]
+
+
 @pytest.mark.timeout(600)
-def test_check_counts_the_segments_a_tp2_pp2_sync_creates(tmp_path):
+@pytest.mark.parametrize("name, shape, hf, rank_of", CASES, ids=[c[0] for c in CASES])
+def test_check_counts_the_segments_a_sync_creates(tmp_path, name, shape, hf, rank_of):
     from megatron_rl.plan.sizing import job_sync_plan
 
-    actor = build_tiny_hf_model(tmp_path / "actor", arch="qwen2", seed=1, num_hidden_layers=2)
-    other = build_tiny_hf_model(tmp_path / "other", arch="qwen2", seed=2, num_hidden_layers=2)
-    job = named_job("actor", *JOB, *layout(tp=2, pp=2), hf=actor)
+    actor = build_tiny_hf_model(tmp_path / "actor", seed=1, **hf)
+    other = build_tiny_hf_model(tmp_path / "other", seed=2, **hf)
+    job = named_job("actor", *JOB, *layout(**shape), hf=actor)
     out = run_ranks(_body, 4, job, other, timeout=300)
     assert out[0]["senders"] == 2.0
     plan = job_sync_plan(job, world_size=4)
-    # the plan's holders -> the global rank that holds each (TP innermost: stage s is ranks 2s, 2s + 1)
-    rank_of = {"stage 0 TP rank 1": 1, "stage 1 TP rank 1": 3, "sender stage 1": 2}
-    planned = {rank_of[g.holder]: g for g in plan.segments}
-    measured = {r: o["segments"] for r, o in enumerate(out) if o["segments"]}
-    assert sorted(planned) == sorted(measured), (plan.segments, measured)
-    for r, g in planned.items():
-        ((label, (size, rss)),) = measured[r].items()
-        assert label == ("sender2" if g.holder.startswith("sender") else f"tp{r}"), (r, label)
-        assert size == g.nbytes, (g, size)
-        assert rss <= g.resident + 2 * PAGE, (g, rss)  # pages are taken as written (two slots: a page each)
-        assert rss >= g.resident / 2, (g, rss)  # and the plan's "written" is not a loose bound either
+    assert sorted(g.holder for g in plan.segments) == sorted(rank_of), plan.segments
+    for r, o in enumerate(out):
+        # this rank's segments, planned and measured, as (kind, size, written bytes), in the same order
+        planned = sorted(("sender" if g.is_sender else "tp", g.nbytes, g.resident) for g in plan.segments
+                         if rank_of[g.holder] == r)
+        measured = sorted(("sender" if label.startswith("sender") else "tp", size, rss)
+                          for label, size, rss in o["segments"])
+        assert [p[:2] for p in planned] == [m[:2] for m in measured], (r, planned, measured)
+        assert all(label in (f"tp{r}", f"sender{r}") for label, _, _ in o["segments"]), o["segments"]
+        for (_, _, resident), (_, _, rss) in zip(planned, measured):
+            assert rss <= resident + 2 * PAGE, (r, planned, measured)  # pages are taken as written (a page per slot)
+            assert rss >= resident / 4, (r, planned, measured)  # and the plan's "written" is not a loose bound either
     assert all(g.rank0_host for g in plan.segments)
-    assert "shared memory (memfd segments" in plan.line() and "3 segment(s)" in plan.line()
+    assert f"{len(rank_of)} segment(s)" in plan.line()
