@@ -4,20 +4,12 @@
     megatron-rl check configs/deepseek_v3_scale_64x8.yaml --nodes 32 --recompute full \\
         rollout.max_new_tokens=8192
 
-The config is loaded as the trainer loads it, at the world size of its ``cluster:`` section (nodes x
-gpus_per_node; ``--nodes`` / ``--gpus-per-node`` / ``--gpu-memory-gb`` / ``--device`` override it). Every
-problem is listed at once, each naming its dotted key; when the world size does not fit the layout, the
-node counts that would are named. A ``data.task: file`` data file, or a validation file (``data.val_files``),
-with no usable row is a problem (read as the trainer reads it); a missing ``actor.load_hf`` comes with the command that builds it when the config's
-comments or the built-in digit tasks name one. The memory plan of :mod:`megatron_rl.ops.memory` (formulas in that
-module's docstring) is printed for what the file runs (:mod:`megatron_rl.ops.run_profile`: device, the
-actor's params dtype and optimizer, the task's longest prompt + ``rollout.max_new_tokens``) whenever the
-model shapes are known, even if other keys are wrong. With ``actor.max_tokens_per_micro_batch`` a budget below the
-longest possible row (that prompt + the response budget, rounded up to the sequence multiple of TP / SP and CP) is
-a problem naming the key and how that row was computed; the plan then sizes one micro-batch from the budget
-(:mod:`megatron_rl.ops.memory`, "Token-budget micro-batches"). Every CUDA job gets a fit verdict: against
-``cluster.gpu_memory_gb``, else 80 GiB (a printed default); "config OK" only when it fits. Exit status: 2 when there
-is a problem, 3 with ``--strict`` when the plan exceeds the GPU memory, else 0.
+The config is loaded as the trainer loads it, at the world size of its ``cluster:`` section (``--nodes`` /
+``--gpus-per-node`` / ``--gpu-memory-gb`` / ``--device`` override it); every problem is listed at once, each
+naming its dotted key. Rule: the memory and weight-sync plans are computed from the job plan's own objects
+(``plan.job.plan_parts``, built once here and handed down), whenever the model shapes are known, even if other
+keys are wrong. What it checks and prints, and its exit status (2: a problem; 3 with ``--strict``: the plan does
+not fit): docs/check.md.
 """
 from __future__ import annotations
 

@@ -2,19 +2,12 @@
 sharding, and the task's real prompt length.
 
     prof = run_profile(precision, cfg.actor, cfg.data, cfg.cluster.device)   # precision: the job plan's
-    # RunProfile(device="cpu", params_bytes=4, distributed_optimizer=False, prompt_length=7, prompt_source=...)
 
-* device: ``cluster.device`` of the config.
-* params dtype and optimizer: taken from the actor's own objects -- the job plan's ``Precision`` (what ``train``
-  builds from ``actor.bf16``) and ``actor.optimizer.optimizer_config`` (Megatron's
-  ``use_distributed_optimizer``) -- so the plan follows the actor when it changes.
-* prompt length: the longest prompt of a built-in digit task (its longest operands, encoded with the
-  checkpoint's tokenizer, or with the char tokenizer those tasks are built for when ``actor.load_hf`` is
-  not there yet), or the longest prompt of ``data.path`` rendered as the trainer renders it (the
-  checkpoint's tokenizer and chat template with ``data.chat_template_kwargs``, ``data.max_prompt_length``;
-  without
-  it: the prompt's UTF-8 bytes, an upper bound for byte-level BPE tokenizers). When neither can be read,
-  ``None`` (the caller falls back to a flag).
+Rule: the dtype and optimizer come from the actor's own objects (the plan's ``Precision``,
+``actor.optimizer.optimizer_config``), so the plan follows the actor when it changes. The prompt length is the
+longest prompt of a built-in or custom task, or of ``data.path`` rendered as the trainer renders it (the
+checkpoint's tokenizer and chat template; without the tokenizer: the prompt's UTF-8 bytes, an upper bound for
+byte-level BPE); None when neither can be read (the caller falls back to a flag).
 """
 from __future__ import annotations
 
