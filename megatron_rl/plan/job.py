@@ -324,13 +324,18 @@ def _replay(name, model) -> ReplayMode:
 
 def _recompute(ac, model, parallel) -> Recompute:
     """``actor.recompute_*`` under megatron-core's rules, bounded by the layers of a pipeline stage."""
-    rc = Recompute.from_actor(ac)
-    stages = parallel.stage_layer_counts(model.num_layers) if model is not None else ()
-    errs = rc.errors(stages, moe_grouped_gemm=bool(model and model.moe_grouped_gemm),
-                     multi_latent_attention=bool(model and model.multi_latent_attention))
+    rc, errs = _recompute_asked(ac, model, parallel)
     if errs:
         raise Unbuilt(errs)
     return rc
+
+
+def _recompute_asked(ac, model, parallel) -> Tuple[Recompute, List[str]]:
+    """(the recomputation ``actor.recompute_*`` asks for -- the one site that builds it --, its problems)."""
+    rc = Recompute.from_actor(ac)
+    stages = parallel.stage_layer_counts(model.num_layers) if model is not None else ()
+    return rc, rc.errors(stages, moe_grouped_gemm=bool(model and model.moe_grouped_gemm),
+                         multi_latent_attention=bool(model and model.multi_latent_attention))
 
 
 def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
@@ -402,5 +407,5 @@ def plan_parts(cfg: "JobConfig", world_size: int, has_te: Optional[bool] = None)
                      batcher=p.build(_batcher, dims, ac, cfg.parallel), precision=precision,
                      attention=_attention(cfg.cluster.device, has_te, precision),
                      weight_sync=p.build(weight_sync_settings, cfg.rollout, cfg.trainer.run_dir, ac.lora),
-                     recompute=p.build(_recompute, ac, cfg.model, cfg.parallel),
+                     recompute=(p.build(_recompute_asked, ac, cfg.model, cfg.parallel) or (None,))[0],
                      replay=p.build(_replay, ac.routing_replay, cfg.model))

@@ -32,7 +32,7 @@ class PlanParts:
     weight_sync: Optional[WeightSyncSettings]
     """The weight-sync settings (None: ``rollout.weight_sync*`` refused)."""
     recompute: Optional[Recompute]
-    """The activation recomputation (None: ``actor.recompute_*`` refused)."""
+    """The activation recomputation the job asks for, even when its combination is refused (None: unreadable)."""
     replay: Optional[ReplayMode]
     """The routing-replay mode (None: ``actor.routing_replay`` refused)."""
     attention: AttentionBackend
