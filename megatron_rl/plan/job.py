@@ -208,7 +208,7 @@ class JobPlan:
         lr_schedule = p.build(_lr_schedule, ac, t.steps)
         p.add(actor_size_errors(ac))
         batcher = p.build(_batcher, dims, ac, cfg.parallel)
-        precision = p.build(Precision.from_actor_config, ac)
+        precision = p.build(_precision, ac)
         # actor.optimizer_cpu_offload: megatron's limits and the installed version, with the precision asked for
         p.add(offload_errors(ac, precision=precision or Precision.requested(ac)))
         if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
@@ -286,11 +286,16 @@ def _attention(device: str, has_te: Optional[bool], precision: Precision) -> Att
     return attention_backend(device, expected_te(device, has_te)[0], precision.bf16)
 
 
+def _precision(ac) -> Precision:
+    """The actor's checked ``Precision`` (``actor.bf16``, ``actor.fp32_output_layer``): the one site that builds it."""
+    return Precision.from_actor_config(ac)
+
+
 def planning_precision(ac) -> Precision:
     """The precision to plan memory with: the actor's, or when refused what ``actor.bf16`` /
     ``actor.fp32_output_layer`` ask for (``Precision.requested``)."""
     try:
-        return Precision.from_actor_config(ac)
+        return _precision(ac)
     except ValueError:
         return Precision.requested(ac)
 
@@ -348,7 +353,7 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     dims = p.build(build_dims, cfg.parallel, cfg.model, world_size)
     corr, ac = cfg.algorithm.rollout_correction, cfg.actor
     objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
-    spec = dict(precision=p.build(Precision.from_actor_config, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
+    spec = dict(precision=p.build(_precision, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
                 lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg))
     if p.found or p.unbuilt:
