@@ -44,7 +44,6 @@ from megatron_rl.lora.apply import adapters_disabled, apply_lora
 from megatron_rl.lora.base import base_record
 from megatron_rl.lora.merge import merged_items
 from megatron_rl.models import build_gpt_model
-from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.groups import ActorGroups
 
 __all__ = ["MegatronActor", "plan_pass"]
@@ -104,7 +103,7 @@ class MegatronActor:
         # actor is megatron's local spec (the layers its adapters are built on)
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=self.precision.params_dtype,
                                  use_transformer_engine=False if self.lora is not None else None,
-                                 **Recompute.from_actor(self.actor_cfg).transformer_config_kwargs())
+                                 **spec.recompute.transformer_config_kwargs())
         self.precision.apply_output_layer(chunks)
         self.hf_dir = self.actor_cfg.load_hf
         fp32 = {}  # bf16 actor: the fp32 main parameters come from the loaded values, not their bf16 rounding

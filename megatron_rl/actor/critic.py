@@ -58,6 +58,8 @@ class CriticSpec:
     """Warm-up / decay of ``critic.lr`` in critic optimizer steps."""
     cliprange_value: float
     """``critic.cliprange_value``."""
+    recompute: Recompute
+    """megatron-core's activation recomputation: the actor's (``actor.recompute_*``), the plan's object."""
     loss_agg_mode: str
     """``critic.loss_agg_mode``."""
     loss_scale_factor: Optional[float]
@@ -82,7 +84,7 @@ class MegatronCritic:
                              f"parallel state holds {self.groups.dims}")
         self.batcher = spec.batcher
         chunks = build_gpt_model(self.model_cfg, self.parallel_cfg, params_dtype=spec.precision.params_dtype,
-                                 **Recompute.from_actor(self.optim_cfg).transformer_config_kwargs())
+                                 **spec.recompute.transformer_config_kwargs())
         src = spec.weights
         hf = src.path if src is not None and src.head is None else None
         fp32 = {}

@@ -1,9 +1,9 @@
 """What an actor is built from: ``ActorSpec``, every choice of the actor already made (by the job plan).
 
 The actor reads no job config: its sections (model, parallel, actor) and the objects built from them once --
-precision, micro-batcher, routing-replay mode, objective, learning-rate schedule -- come in one spec. Rule: the
-spec's objects are shared by every actor of a job (the policy and the frozen KL reference), so none of them holds
-per-actor state (R2's recorded routing lives in the actor's ``RoutingReplay``).
+precision, micro-batcher, routing-replay mode, objective, learning-rate schedule, recomputation -- come in one
+spec. Rule: the spec's objects are shared by every actor of a job (the policy and the frozen KL reference), so none
+of them holds per-actor state (R2's recorded routing lives in the actor's ``RoutingReplay``).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from megatron_rl.actor.lr_schedule import LRSchedule
 from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.replay_modes import ReplayMode
 from megatron_rl.lora.apply import LoraSpec
+from megatron_rl.models.recompute import Recompute
 
 __all__ = ["ActorSpec", "Objective"]
 
@@ -52,5 +53,7 @@ class ActorSpec:
     """The policy objective."""
     lr_schedule: LRSchedule
     """Warm-up / decay of ``actor.lr`` in optimizer steps."""
+    recompute: Recompute
+    """megatron-core's activation recomputation (``actor.recompute_*``), checked by the plan."""
     lora: Optional[LoraSpec] = None
     """LoRA adapters (``actor.lora`` with ``trainer.seed``), or None: every weight trained."""

@@ -97,15 +97,16 @@ def critic_weights(cfg) -> Optional[ValueSource]:
         raise Unbuilt([str(exc)]) from None
 
 
-def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
-    """The critic's spec (None when the job trains no critic); ``Unbuilt`` with its problems."""
+def critic_plan(cfg, precision, batcher, budget, recompute) -> Optional[CriticSpec]:
+    """The critic's spec (None when the job trains no critic); ``Unbuilt`` with its problems. ``precision``,
+    ``batcher``, ``recompute``: the actor's (the plan's objects)."""
     errs = critic_errors(cfg)
     if errs:
         raise Unbuilt(errs)
     c = cfg.critic
     if not c.enabled(cfg.algorithm.advantage_estimator):
         return None
-    if precision is None or batcher is None or budget is None:
+    if precision is None or batcher is None or budget is None or recompute is None:
         raise Unbuilt([])  # the actor's keys name it
     weights = critic_weights(cfg)
     optim = critic_optim_config(cfg)
@@ -115,5 +116,6 @@ def critic_plan(cfg, precision, batcher, budget) -> Optional[CriticSpec]:
     norm = float(factor if factor is not None else budget.tokens) if mode == "seq-mean-token-sum-norm" else None
     return CriticSpec(model=cfg.model, parallel=cfg.parallel, optim=optim, precision=precision, batcher=batcher,
                       lr_schedule=LRSchedule.from_actor(optim, cfg.trainer.steps), cliprange_value=float(c.cliprange_value),
+                      recompute=recompute,
                       loss_agg_mode=mode, loss_scale_factor=norm, seed=int(cfg.trainer.seed),
                       weights=weights)

@@ -48,8 +48,8 @@ if TYPE_CHECKING:  # the config package validates through this module: only its 
 
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
-__all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "job_engine", "world_errors",
-           "plan_parts", "planning_precision"]
+__all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "budget_of", "job_engine",
+           "world_errors", "plan_parts", "planning_precision"]
 
 T = TypeVar("T")
 
@@ -131,7 +131,7 @@ class JobPlan:
         c = self.cfg
         return ActorSpec(model=c.model, parallel=c.parallel, actor=c.actor, precision=self.precision,
                          batcher=self.batcher, replay=self.replay, objective=self.objective,
-                         lr_schedule=self.lr_schedule, lora=self.lora)
+                         lr_schedule=self.lr_schedule, recompute=self.recompute, lora=self.lora)
 
     def build_engine(self):
         """Rank 0: the rollout engine and the SGLang server it launched, or None (``rollout.factory``)."""
@@ -231,7 +231,7 @@ class JobPlan:
         p.add(model_extra_errors(cfg.model))
         recompute = p.build(_recompute, ac, cfg.model, cfg.parallel)
         lora = p.build(lora_spec, cfg)
-        critic = p.build(critic_plan, cfg, precision, batcher, budget)
+        critic = p.build(critic_plan, cfg, precision, batcher, budget, recompute)
         if lora is not None and critic is not None:
             p.add(["critic.enable: a critic beside actor.lora is not built (the critic would train its whole body "
                    "next to a frozen, adapted actor); train the critic without LoRA or use a critic-free estimator"])
@@ -345,7 +345,7 @@ def _recompute_asked(ac, model, parallel) -> Tuple[Recompute, List[str]]:
 
 def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     """The actor's part of the plan alone (tests and tools that build an actor without a whole job): the layout,
-    precision, micro-batcher, replay mode, objective and schedule; ``PlanError`` naming what failed.
+    precision, micro-batcher, replay mode, objective, schedule and recomputation; ``PlanError`` naming what failed.
     ``world_size``: default the process group's (1 without one)."""
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -355,7 +355,8 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
     spec = dict(precision=p.build(_precision, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
-                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg))
+                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg),
+                recompute=p.build(_recompute, ac, cfg.model, cfg.parallel))
     if p.found or p.unbuilt:
         raise PlanError(p.found or ["actor: the plan could not be built"])
     return ActorSpec(model=cfg.model, parallel=cfg.parallel, actor=ac, **spec)
@@ -371,7 +372,7 @@ def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpe
     the critic's keys; ``PlanError`` naming what failed, or when the job trains no critic."""
     a = actor_spec(cfg, world_size)
     try:
-        spec = critic_plan(cfg, a.precision, a.batcher, _budget(cfg.rollout, cfg.multi_turn))
+        spec = critic_plan(cfg, a.precision, a.batcher, _budget(cfg.rollout, cfg.multi_turn), a.recompute)
     except Unbuilt as exc:
         raise PlanError(exc.problems or ["critic: the plan could not be built"]) from None
     if spec is None:
@@ -382,6 +383,12 @@ def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpe
 def replay_of(cfg: "JobConfig") -> ReplayMode:
     """The routing-replay mode of a validated config alone (a step generator built without a job's plan)."""
     return _replay(cfg.actor.routing_replay, cfg.model)
+
+
+def budget_of(cfg: "JobConfig") -> ResponseBudget:
+    """The response budget (with a multi-turn job's ``TurnLimits``) of a validated config alone (a step generator
+    built without a job's plan)."""
+    return ResponseBudget.of(cfg.rollout, cfg.multi_turn)
 
 
 def job_engine(cfg: "JobConfig"):

@@ -8,6 +8,8 @@ can read it without importing the rollout machinery.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
 __all__ = ["TurnLimits", "ResponseBudget"]
 
 
@@ -47,12 +49,14 @@ class ResponseBudget:
     ``rollout.max_new_tokens``."""
     key: str
     """``multi_turn.max_total_tokens`` or ``rollout.max_new_tokens``."""
+    limits: Optional[TurnLimits] = None
+    """A multi-turn job's ``TurnLimits`` (the ones its step generator enforces; built here, once), else None."""
 
     @classmethod
     def of(cls, rollout, multi_turn) -> "ResponseBudget":
         """The budget of a job's ``rollout`` and ``multi_turn`` sections (the job plan builds it, once)."""
         if multi_turn.env is None:
             return cls(int(rollout.max_new_tokens), "rollout.max_new_tokens")
-        return cls(TurnLimits.from_config(multi_turn, rollout.max_new_tokens).max_total_tokens,
-                   "multi_turn.max_total_tokens")
+        limits = TurnLimits.from_config(multi_turn, rollout.max_new_tokens)
+        return cls(limits.max_total_tokens, "multi_turn.max_total_tokens", limits)
 

@@ -1,7 +1,7 @@
 """The multi-turn driver: prompts -> ``Trajectory`` objects, alternating model turns and environment replies,
 token in, token out.
 
-    limits = TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens)
+    limits = plan.budget.limits   # TurnLimits, built once by the job plan (ResponseBudget.of)
     trajs = run_trajectories(engine, pool, prompt_ids, samples, n, sampling, limits,
                              encode_observation=ObservationEncoder(tokenizer, template),
                              decode_action=lambda ids: response_text(tokenizer, ids)[0], seed=s)

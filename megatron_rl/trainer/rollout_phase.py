@@ -15,8 +15,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_rl.actor.replay_modes import ReplayMode
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.envs.pool import EnvPool
-from megatron_rl.plan import replay_of
+from megatron_rl.plan import budget_of, replay_of
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
+from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.multi_turn import ObservationEncoder, TurnLimits, run_trajectories
 from megatron_rl.rollout.sglang_routing import ROUTED_EXPERTS_FLAG
 from megatron_rl.rollout.trajectory import COUNT_KEYS, FINISH_REASONS
@@ -216,10 +217,12 @@ class MultiTurn:
     ``data.max_reward_failure_frac``; metrics ``multi_turn/*`` (turns, environment token share, finish reasons,
     per-trajectory counts)."""
 
-    def __init__(self, task, cfg, pool, tokenizer, draw: PromptDraw, replay: Optional[ReplayMode] = None):
+    def __init__(self, task, cfg, pool, tokenizer, draw: PromptDraw, limits: TurnLimits,
+                 replay: Optional[ReplayMode] = None):
         self.task, self.cfg, self.pool, self.tokenizer, self.draw = task, cfg, pool, tokenizer, draw
         self.replay = replay or replay_of(cfg)
-        self.limits = TurnLimits.from_config(cfg.multi_turn, cfg.rollout.max_new_tokens)
+        self.limits = limits
+        """The job plan's ``TurnLimits`` (``ResponseBudget.limits``), enforced on every trajectory."""
         self.encode = ObservationEncoder(tokenizer, cfg.multi_turn.observation_template)
 
     def decode(self, ids: List[int]) -> str:
@@ -305,13 +308,15 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
 
 
 def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None, replay: Optional[ReplayMode] = None,
-                         greedy_baseline: bool = False, reward_keys: Sequence[str] = ()):
+                         greedy_baseline: bool = False, reward_keys: Sequence[str] = (),
+                         budget: Optional[ResponseBudget] = None):
     """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
     ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` with
     ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (default: one built here for ``task``);
     ``replay``: the job plan's routing-replay mode (default: the config's, ``plan.replay_of``);
     ``greedy_baseline`` / ``reward_keys``: single-turn rows also carry ReMax's greedy baselines / GDPO's reward
-    components (the plan refuses both multi-turn).
+    components (the plan refuses both multi-turn); ``budget``: the job plan's response budget, whose ``limits``
+    the multi-turn generator enforces (default: the config's, ``plan.budget_of``).
     The job calls ``close()`` at its end."""
     m = cfg.multi_turn
     draw = draw or PromptDraw(task, cfg)
@@ -319,5 +324,5 @@ def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None, replay: O
         gen = SingleTurn(task, cfg, draw, replay, greedy_baseline, reward_keys)
     else:
         pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
-        gen = MultiTurn(task, cfg, pool, task.tokenizer, draw, replay)
+        gen = MultiTurn(task, cfg, pool, task.tokenizer, draw, (budget or budget_of(cfg)).limits, replay)
     return DynamicSampling(gen, cfg) if cfg.algorithm.filter_groups.enable else gen
