@@ -460,6 +460,29 @@ def test_config_section_errors_name_keys(tiny_job, envs):
     assert _one_rank(tiny_job).multi_turn.env is None
 
 
+def test_multi_turn_generator_enforces_the_plans_limits(tiny_job, envs):
+    """The job plan builds the turn limits once (its response budget carries them) and the multi-turn generator
+    receives that object; the limits are the ``multi_turn`` section's, its zeros meaning ``rollout.max_new_tokens``
+    per turn and ``max_turns`` times that in all (the keys' documented meaning)."""
+    from megatron_rl.plan import JobPlan
+    from megatron_rl.trainer.job import build_task
+
+    cfg = _mt_cfg(tiny_job, envs, "rollout.max_new_tokens=5")
+    plan = JobPlan.build(cfg, 1)
+    assert plan.budget.limits == TurnLimits(max_turns=3, max_total_tokens=15, max_tokens_per_turn=5)
+    assert plan.budget.tokens == 15
+    task, _ = build_task(cfg)
+    for budget in (plan.budget, None):  # None: a generator built without a plan reads the same limits
+        gen = build_step_generator(cfg, task, budget=budget)
+        try:
+            assert isinstance(gen, MultiTurn) and gen.limits == plan.budget.limits
+            if budget is not None:
+                assert gen.limits is plan.budget.limits
+        finally:
+            gen.close()
+    assert JobPlan.build(_one_rank(tiny_job), 1).budget.limits is None  # single-turn: no turn limits
+
+
 # ---------------------------------------------------------------------------------------------- routing
 E, K, NL = 8, 2, 2
 
