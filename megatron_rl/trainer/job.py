@@ -320,7 +320,8 @@ def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
         Validation(cfg, val_groups, None).close()
         raise
     greedy = "reward_baselines" in plan.estimator.spec.needs   # ReMax: a greedy response per prompt
-    return (build_step_generator(cfg, task, draw, plan.replay, greedy, plan.estimator.reward_keys), draw, tokenizer,
+    return (build_step_generator(cfg, task, draw, plan.replay, greedy, plan.estimator.reward_keys,
+                                 budget=plan.budget), draw, tokenizer,
             engine, server, val_groups)
 
 
