@@ -86,7 +86,7 @@ def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dty
     # some tensors stay in a higher precision, whose mcore names are not known before the mapping
     gather_dtype = dtype if not keep_dtype else None
     pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True,
-                            gather_dtype=gather_dtype, gather=gather, view=view)
+                            gather_dtype=gather_dtype, gather=gather, view=view, lazy=pack is None)
     if pack is not None:
         yield from pack(pairs)
     elif hold:
