@@ -130,9 +130,11 @@ class _ShmGather:
                 for (t, _, _), n in zip(items, sizes):
                     slots.mine.tensor[at:at + n].view(_want(t, dtype)).view(t.shape).copy_(t)
                     at += n
-            except Exception as exc:  # noqa: BLE001 - told to the group: the cause, in this rank's slot
-                why = f"{type(exc).__name__}: {exc}".encode()[: slots.slot]
-                slots.mine.tensor[off:off + len(why)].copy_(torch.frombuffer(bytearray(why), dtype=torch.uint8))
+            except Exception as exc:  # noqa: BLE001 - told to the group: the cause, in this rank's slot if it can be
+                room = slots.mine.tensor[off:off + min(slots.slot, 4096)]
+                why = f"{type(exc).__name__}: {exc}".encode()[: room.numel()]
+                if why:
+                    room[:len(why)].copy_(torch.frombuffer(bytearray(why), dtype=torch.uint8))
                 status[0] = len(why) + 1
         every = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
         try:
@@ -143,6 +145,7 @@ class _ShmGather:
         else:
             cause = ""
         if done is False:
+            self.groups.pop(id(group), None)  # its segments unmapped (the group is in an unknown state)
             raise WeightSyncError(f"weight sync: the TP / ETP group {dist.get_process_group_ranks(group)} did not "
                                   f"exchange its pieces' status within {self.timeout_s:g} s{cause}")
         failed = {r: int(s[0]) for r, s in enumerate(every) if int(s[0])}
@@ -150,6 +153,7 @@ class _ShmGather:
             ranks = dist.get_process_group_ranks(group)
             why = {r: (bytes(slots.peers[r].tensor[off:off + n - 1].tolist()).decode(errors="replace")
                        if r in slots.peers else "") for r, n in failed.items()}
+            self.groups.pop(id(group), None)  # on every rank: the next sync maps fresh segments
             raise WeightSyncError("weight sync: writing the TP / ETP pieces failed on "
                                   + "; ".join(f"rank {ranks[r]}" + (f" ({w})" if w else "") for r, w in why.items()))
         if slots.mine is not None:
