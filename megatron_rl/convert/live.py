@@ -175,6 +175,9 @@ def _all_gather(t: Tensor, group, size: int) -> List[Tensor]:
 
 #: ``gather(t, kind, group, size, name, dtype)``: the full tensor of a split parameter on the group's rank 0 (None
 #: on the others), collective over ``group`` -- how a caller that needs it on rank 0 alone gathers (weight sync).
+#: A batching one also has ``batch_bytes`` (the bytes of pieces a batch may hold) and ``gather_many(items, group,
+#: size, dtype)`` (``items``: ``(t, kind, name)`` of one group) -> per item its full tensor, a ``pieces.Pieces``
+#: allowed, on the group's rank 0 (None on the others).
 PieceGather = Callable[[Tensor, str, object, int, str, Optional[torch.dtype]], Optional[Tensor]]
 
 
@@ -221,21 +224,18 @@ def _entries(chunks, model_cfg: ModelConfig, groups: ActorGroups, owner_only: bo
                 continue
             if sends_experts:
                 local, fmt = expert
-                out = (prefix, fmt, local) if not owner_only else \
-                    prefix + fmt.format(groups.ep_rank * per_ep + local) if owns_experts else None
+                if not owner_only:
+                    out = (prefix, fmt, local)
+                else:
+                    out = prefix + fmt.format(groups.ep_rank * per_ep + local) if owns_experts else None
                 yield name, t, param_kind(rest), groups.etp_group, groups.etp_size, out
-
-
-#: A ``PieceGather`` that gathers several parameters of one group at once: ``gather.batch_bytes`` (the bytes of
-#: pieces a batch may hold) and ``gather.gather_many(items, group, size, dtype)`` (``items``: ``(t, kind, name)``)
-#: -> per item its full tensor (a ``pieces.Pieces`` is allowed) on the group's rank 0, None on the others.
 
 
 def _batched(entries, gather, dtype) -> Iterator[Tuple[str, object]]:
     """``owner_only`` with a batching ``gather``: the unsplit tensors as they come, the split ones per batch of one
     group (batches end on each group's own bytes, so every rank of a group cuts the same batches), each batch
     followed by ``pieces.FENCE``."""
-    pending: Dict[int, list] = {}  # id(group) -> [group, size, used, [(name, t, kind, out)]], by first appearance
+    pending: Dict[int, list] = {}  # id(group) -> [group, size, bytes so far, [(name, t, kind, out)]]
 
     def flush(key):
         group, size, _, items = pending.pop(key)
