@@ -5,6 +5,8 @@ batches and a fused qkv's q / k / v go straight into a bf16 engine's weights.
   batches and fences): after each of two syncs -- the second after the trainer's parameters are doubled, on every
   rank -- every engine tensor equals the checkpoint (x2) cast to bf16, bit for bit: read by safetensors (dense), or
   as transformers loads it into the same model in fp32 (MoE: its fused expert tensors).
+* TP2 with one batch per sync: the rank that only writes pieces waits for its group a couple of times per sync,
+  not once per split parameter (main before this change: 27 waits in two syncs of the 2-layer model).
 * A rank whose pieces cannot be written in the middle of a sync (its slot cut short: the second batch fails) ends the
   sync on every rank, naming that rank and the cause, before ``rollout.weight_sync_timeout_s`` (a wait for the
   lost batch would outlast the test's bound); the engine refuses to generate, and no segment of the failed group
@@ -35,7 +37,7 @@ def _mapped_segments():
                        for line in fh if "megatron_rl_ws_tp" in line})
 
 
-def _body(rank, world, job, engine_dir, cut_slot=False):
+def _body(rank, world, job, engine_dir, cut_slot=False, count=False):
     import gc
 
     from megatron_rl.actor import MegatronActor
@@ -60,7 +62,15 @@ def _body(rank, world, job, engine_dir, cut_slot=False):
             self.mine.tensor = self.mine.tensor[: self.slot + 64]
         gather._Slots.__init__ = cut
     pub = build_weight_publisher(settings, actor, engine)
-    out = {"states": []}
+    out = {"states": [], "group_calls": 0}
+    if count:  # every barrier / all_gather of a TP rank that is not a sender: its pieces' waits
+        import torch.distributed as dist
+
+        for fn in ("barrier", "all_gather", "all_gather_object"):
+            def counted(*args, _fn=getattr(dist, fn), **kwargs):
+                out["group_calls"] += 1
+                return _fn(*args, **kwargs)
+            setattr(dist, fn, counted)
     for version in ("step-1", "step-2"):
         try:
             out["metrics"] = pub.publish(version)
@@ -130,6 +140,17 @@ def test_moe_tp2_ep2_engine_equals_checkpoint_after_each_sync(tmp_path):
     assert out[0]["metrics"]["weight_sync/senders"] == 2.0
     ref = EmbeddedEngine(actor, dtype="float32", seed=0).model.state_dict()  # transformers' own load (fused experts)
     _check(out[0]["states"], {k: v for k, v in ref.items() if not k.endswith("inv_freq")})
+
+
+@pytest.mark.timeout(600)
+def test_tp2_pieces_wait_once_per_batch_not_per_parameter(dense):
+    """Buckets of 64 MiB: the tiny model's pieces make one batch per sync, so the rank that only writes pieces
+    waits for its group a couple of times per sync -- not once per split parameter (dozens)."""
+    actor, other = dense
+    job = named_job("actor", *JOB, *layout(tp=2), "rollout.weight_sync_bucket_mb=64", hf=actor)
+    out = run_ranks(_body, 2, job, other, False, True, timeout=300)
+    _check(out[0]["states"], _reference(actor))
+    assert out[1]["group_calls"] <= 2 * 3, out[1]["group_calls"]  # two syncs: one batch each, + the setup
 
 
 @pytest.mark.timeout(600)
