@@ -7,6 +7,8 @@ batches and a fused qkv's q / k / v go straight into a bf16 engine's weights.
   as transformers loads it into the same model in fp32 (MoE: its fused expert tensors).
 * TP2 with one batch per sync: the rank that only writes pieces waits for its group a couple of times per sync,
   not once per split parameter (main before this change: 27 waits in two syncs of the 2-layer model).
+* A rank that stalls before a batch: the sender gives up at ``rollout.weight_sync_timeout_s`` and every rank
+  raises it.
 * A rank whose pieces cannot be written in the middle of a sync (its slot cut short: the second batch fails) ends the
   sync on every rank, naming that rank and the cause, before ``rollout.weight_sync_timeout_s`` (a wait for the
   lost batch would outlast the test's bound); the engine refuses to generate, and no segment of the failed group
@@ -15,6 +17,7 @@ batches and a fused qkv's q / k / v go straight into a bf16 engine's weights.
 Run: ``OMP_NUM_THREADS=1 pytest tests/integration/test_weight_sync_pieces.py -q``
 """
 import os
+import time
 
 import pytest
 import torch
@@ -37,7 +40,7 @@ def _mapped_segments():
                        for line in fh if "megatron_rl_ws_tp" in line})
 
 
-def _body(rank, world, job, engine_dir, cut_slot=False, count=False):
+def _body(rank, world, job, engine_dir, cut_slot=False, count=False, stall_s=0.0):
     import gc
 
     from megatron_rl.actor import MegatronActor
@@ -61,6 +64,16 @@ def _body(rank, world, job, engine_dir, cut_slot=False, count=False):
             made(self, *args)
             self.mine.tensor = self.mine.tensor[: self.slot + 64]
         gather._Slots.__init__ = cut
+    if stall_s and rank == 1:  # this rank stalls before its second batch (a hung rank)
+        many = gather._ShmGather.gather_many
+        calls = [0]
+
+        def stalled(self, *args):
+            calls[0] += 1
+            if calls[0] == 2:
+                time.sleep(stall_s)
+            return many(self, *args)
+        gather._ShmGather.gather_many = stalled
     pub = build_weight_publisher(settings, actor, engine)
     out = {"states": [], "group_calls": 0}
     if count:  # every barrier / all_gather of a TP rank that is not a sender: its pieces' waits
@@ -163,3 +176,15 @@ def test_a_rank_failing_to_write_its_pieces_ends_the_sync_on_every_rank(dense):
         assert "RuntimeError" in r["error"], r["error"]  # rank 1's own cause, told through its slot
         assert r["mapped"] == [], r["mapped"]
     assert "writing the TP / ETP pieces failed" in (out[0]["invalid"] or "")
+
+
+@pytest.mark.timeout(600)
+def test_a_stalled_rank_ends_the_sync_on_every_rank_within_the_bound(dense):
+    """The rank that writes pieces stalls 3x ``rollout.weight_sync_timeout_s`` before a batch: the sender stops
+    waiting at the bound and every rank raises it (the test's own bound is far below the group's default)."""
+    actor, other = dense
+    job = named_job("actor", *JOB, *layout(tp=2), "rollout.weight_sync_timeout_s=4", hf=actor)
+    out = run_ranks(_body, 2, job, other, False, False, 12.0, timeout=120)
+    for r in out:
+        assert "did not exchange its pieces' status within 4 s" in r["error"], r.get("error")
+    assert "within 4 s" in (out[0]["invalid"] or "")
