@@ -22,10 +22,11 @@ distributed optimizers are met by ``platform/cpu_compat`` (CPU stand-ins).
 from __future__ import annotations
 
 import gc
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
+from megatron_rl.actor.precision import Precision
 from megatron_rl.platform import distrib_optimizer
 from megatron_rl.platform.cpu_compat import cpu_patches_applied
 from megatron_rl.platform.cpu_hybrid_optimizer import apply_cpu_hybrid_optimizer
@@ -66,10 +67,10 @@ def _distributed(actor_cfg) -> bool:
     return bool(getattr(actor_cfg, "use_distributed_optimizer", False))
 
 
-def offload_errors(actor_cfg, optimizer_fields=None) -> List[str]:
+def offload_errors(actor_cfg, optimizer_fields=None, precision: Optional[Precision] = None) -> List[str]:
     """The problems (each naming its key) of ``actor.optimizer_cpu_offload`` / ``optimizer_offload_fraction`` with the
-    rest of ``actor_cfg`` and the installed megatron-core (``optimizer_fields``: its ``OptimizerConfig`` field names,
-    read from it when None). megatron's ``HybridDeviceOptimizer`` runs through its precision-aware distributed
+    rest of ``actor_cfg``, the actor's ``precision`` (default: the one ``actor_cfg`` asks for) and the installed
+    megatron-core (``optimizer_fields``: its ``OptimizerConfig`` field names, read from it when None). megatron's ``HybridDeviceOptimizer`` runs through its precision-aware distributed
     optimizer, whose main parameters must be copies of bf16 weights: an fp32 weight's shard is a view, which a torch
     optimizer refuses ("can't optimize a non-leaf Tensor")."""
     frac = getattr(actor_cfg, "optimizer_offload_fraction", 1.0)
@@ -94,10 +95,11 @@ def offload_errors(actor_cfg, optimizer_fields=None) -> List[str]:
     if not _distributed(actor_cfg):
         errs.append("actor.optimizer_cpu_offload: needs actor.use_distributed_optimizer: true (megatron offloads "
                     "through its precision-aware distributed optimizer)")
-    if not getattr(actor_cfg, "bf16", False):
+    precision = precision or Precision.requested(actor_cfg)
+    if not precision.bf16:
         errs.append("actor.optimizer_cpu_offload: needs actor.bf16: true (megatron's offload keeps fp32 main copies "
                     "of bf16 weights; an fp32 actor's weights cannot be offloaded by it)")
-    elif getattr(actor_cfg, "fp32_output_layer", False):
+    elif precision.fp32_output_layer:
         errs.append("actor.optimizer_cpu_offload: not with actor.fp32_output_layer (megatron's offload cannot take "
                     "the fp32 output layer's weight)")
     return errs

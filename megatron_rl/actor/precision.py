@@ -54,6 +54,12 @@ class Precision:
         problem = precision_error(actor_cfg)
         if problem is not None:
             raise ValueError(problem)
+        return cls.requested(actor_cfg)
+
+    @classmethod
+    def requested(cls, actor_cfg) -> "Precision":
+        """What ``actor.bf16`` / ``actor.fp32_output_layer`` ask for, unchecked (for the checks of other keys when
+        ``from_actor_config`` refused the pair): an fp32 output layer only on a bf16 actor."""
         bf16 = bool(getattr(actor_cfg, "bf16", False))
         return cls(params_dtype=torch.bfloat16 if bf16 else torch.float32,
                    fp32_output_layer=bool(getattr(actor_cfg, "fp32_output_layer", False)) and bf16)
@@ -62,6 +68,10 @@ class Precision:
     def bf16(self) -> bool:
         """bf16 parameters (Megatron's ``bf16``)."""
         return self.params_dtype == torch.bfloat16
+
+    def describe(self) -> str:
+        """``"bf16 params, fp32 output layer"`` / ``"fp32 params"`` (the job plan's actor line)."""
+        return f"{'bf16' if self.bf16 else 'fp32'} params" + (", fp32 output layer" if self.fp32_output_layer else "")
 
     @property
     def params_bytes(self) -> int:

@@ -23,11 +23,10 @@ __all__ = ["ActorSpec", "Objective"]
 class Objective:
     """The policy objective of a job as the actor applies it."""
 
-    loss_type: str
-    """``algorithm.rollout_correction.loss_type`` (verl keeps the objective with the correction settings)."""
     loss: Any
-    """The ``PolicyLoss`` (``losses.build_policy_loss``): the objective's row, ``actor.policy_loss`` with the
-    ``seq-mean-token-sum-norm`` divisor set from the job's response budget, and the mode."""
+    """The ``PolicyLoss`` (``losses.build_policy_loss``): the objective's row (its name is the loss type),
+    ``actor.policy_loss`` with the ``seq-mean-token-sum-norm`` divisor set from the job's response budget, and
+    the mode."""
     bypass_correction: Optional[Any] = None
     """Bypass mode: the ``RolloutCorrectionConfig`` the loss applies in every micro-batch from its current
     log-probs (verl's bypass loss), else None."""

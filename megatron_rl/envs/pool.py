@@ -27,7 +27,7 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Union
 
 from megatron_rl.envs.base import EnvFailure, EnvStep, load_env_class
 from megatron_rl.envs.env_worker import EnvHost
-from megatron_rl.rollout.base import RolloutError
+from megatron_rl.errors import RolloutError
 from megatron_rl.parallel.child_env import child_environment
 from megatron_rl.worker_pipes import kill_worker, read_frame, write_frame
 

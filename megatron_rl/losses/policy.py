@@ -89,6 +89,10 @@ class PolicyLoss:
         """The loss multiplies the correction's IS weights into its per-token loss."""
         return self.objective.applies_is_weights(self.bypass_mode)
 
+    def summary(self) -> str:
+        """One line naming the objective, its mode and the parameters it reads (``Objective.summary``)."""
+        return self.objective.summary(self.bypass_mode, self.config)
+
     def loss_inputs(self, rollout_log_probs: torch.Tensor, old_log_probs: Optional[torch.Tensor],
                     is_weights: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(old log-probs, IS weights) the loss uses in its mode (``Objective.loss_inputs``)."""

@@ -24,7 +24,6 @@ from megatron_rl.actor.precision import Precision
 from megatron_rl.actor.replay_modes import ReplayMode, replay_mode
 from megatron_rl.actor.spec import ActorSpec, Objective
 from megatron_rl.losses import build_policy_loss
-from megatron_rl.losses.registry import mode_parameter_errors, objective_summary
 from megatron_rl.models.attention import AttentionBackend, attention_backend, attention_errors, expected_te
 from megatron_rl.models.recompute import Recompute
 from megatron_rl.parallel.dims import ParallelDims
@@ -143,12 +142,11 @@ class JobPlan:
         r, ac = self.cfg.rollout, self.cfg.actor
         b = self.batcher
         rows = (f"token budget {b.max_tokens}" if b.max_tokens is not None else f"{b.micro_batch_size} row(s)")
-        prec = "bf16" if self.precision.bf16 else "fp32"
         fg = self.dynamic_sampling
         lines = [f"layout: world size {self.world_size}, {self.dims.describe()}; rollout engine "
                  f"{self.engine.describe(r)}, {r.mode} rollouts; weight sync {self.weight_sync.mode.name}"
                  + (f" (LoRA {self.weight_sync.lora.mode})" if self.weight_sync.lora is not None else ""),
-                 f"actor: {prec} params{', fp32 output layer' if self.precision.fp32_output_layer else ''}; "
+                 f"actor: {self.precision.describe()}; "
                  f"micro-batches of {rows}, {'packed' if b.packed else 'padded'}; routing replay {self.replay.name}; "
                  f"{ac.ppo_epochs} epoch(s) x {ac.ppo_mini_batches} mini-batch(es) per step",
                  f"response budget: {self.budget.tokens} tokens ({self.budget.key}); dynamic sampling: "
@@ -174,9 +172,8 @@ class JobPlan:
         return lines
 
     def objective_line(self) -> str:
-        """The objective, its mode and the parameters it reads (``losses.registry.objective_summary``)."""
-        o = self.objective
-        return objective_summary(o.loss_type, o.bypass_correction is not None, self.cfg.actor.policy_loss)
+        """The objective, its mode and the parameters it reads (``PolicyLoss.summary``)."""
+        return self.objective.loss.summary()
 
     @classmethod
     def build(cls, cfg: "JobConfig", world_size: int, has_te: Optional[bool] = None) -> "JobPlan":
@@ -210,7 +207,8 @@ class JobPlan:
         p.add(actor_size_errors(ac))
         batcher = p.build(_batcher, dims, ac, cfg.parallel)
         precision = p.build(Precision.from_actor_config, ac)
-        p.add(offload_errors(ac))  # actor.optimizer_cpu_offload: megatron's limits and the installed version
+        # actor.optimizer_cpu_offload: megatron's limits and the installed version, with the precision asked for
+        p.add(offload_errors(ac, precision=precision or Precision.requested(ac)))
         if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
             p.add([f"actor.load_hf: {ac.load_hf!r} is not a directory"])
         replay = p.build(_replay, ac.routing_replay, cfg.model)
@@ -226,7 +224,7 @@ class JobPlan:
         p.add(critic_dp_errors(cfg, world_size))
         attention = None
         if c.device in DEVICES:  # bf16 through Precision (the fp32_output_layer problem does not change it)
-            prec = precision or Precision.from_actor_config(dataclasses.replace(ac, fp32_output_layer=False))
+            prec = precision or Precision.requested(ac)
             attention = attention_backend(c.device, expected_te(c.device, has_te)[0], prec.bf16)
             p.add(attention_errors(attention, cfg))
         p.add(model_extra_errors(cfg.model))
@@ -270,7 +268,7 @@ def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective
     ``seq-mean-token-sum-norm`` divisor from the response budget."""
     if corr is None or policy_loss is None:
         raise Unbuilt(["algorithm.rollout_correction: missing" if corr is None else "actor.policy_loss: missing"])
-    errs = mode_parameter_errors(corr.loss_type, policy_loss)
+    errs = corr.objective.parameter_errors(policy_loss)  # the row looked up when the section was read
     if errs:
         raise Unbuilt(errs)
     if budget is None or budget.tokens < 1:
@@ -279,7 +277,7 @@ def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective
         loss = build_policy_loss(policy_loss, corr.objective, corr.bypass_mode, budget.tokens)
     except ValueError as exc:
         raise Unbuilt([str(exc)]) from exc
-    return Objective(loss_type=corr.loss_type, loss=loss, bypass_correction=corr if corr.bypass_mode else None)
+    return Objective(loss=loss, bypass_correction=corr if corr.bypass_mode else None)
 
 
 def _lr_schedule(ac, steps: int) -> LRSchedule:

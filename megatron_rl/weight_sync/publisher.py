@@ -22,8 +22,8 @@ from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.exports import export_report, prune_exports
 from megatron_rl.weight_sync.modes import WeightSyncMode
 from megatron_rl.weight_sync.report import SyncReport
-from megatron_rl.weight_sync.senders import stream_buckets
 from megatron_rl.weight_sync.settings import WeightSyncSettings
+from megatron_rl.weight_sync.shm_owned import owned_collector
 from megatron_rl.weight_sync.stream import stream_sync
 from megatron_rl.weight_sync.verify import verify_buckets, verify_export
 from megatron_rl.weight_sync.versions import parse_version
@@ -101,9 +101,10 @@ def export_payload(actor, settings: WeightSyncSettings, version: str) -> DiskExp
     return DiskExport(path)
 
 
-def bucket_payload(actor, settings: WeightSyncSettings, version: str) -> Optional[OwnedBuckets]:
-    """Collective: ``version`` as buckets owned by rank 0 (None elsewhere), applied in ``settings.mode``."""
-    buckets = list(stream_buckets(actor, settings.bucket_bytes, None, view=settings.view))
+def bucket_payload(actor, settings: WeightSyncSettings, collect: Callable, version: str) -> Optional[OwnedBuckets]:
+    """Collective: ``version`` as buckets owned by rank 0 (None elsewhere), applied in ``settings.mode``;
+    ``collect``: how they reach rank 0 (``shm_owned.owned_collector``, chosen once by ``payload_maker``)."""
+    buckets = collect(actor, settings, version)
     return OwnedBuckets(buckets, settings.mode) if is_rank0() else None
 
 
@@ -114,7 +115,7 @@ def payload_maker(actor, settings: WeightSyncSettings) -> Callable[[str], Option
         return functools.partial(adapter_payload, actor, settings)
     if not settings.mode.streamed:
         return functools.partial(export_payload, actor, settings)
-    return functools.partial(bucket_payload, actor, settings)
+    return functools.partial(bucket_payload, actor, settings, owned_collector())
 
 
 # --------------------------------------------------------------------------------------------- publishers

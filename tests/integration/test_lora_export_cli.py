@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 def _save(rank, world, hf_dir, out, lora, tp=1):
     from megatron_rl.actor import MegatronActor
     from megatron_rl.lora.config import LoraConfig
-    from megatron_rl.lora.layout import set_full_adapters
+    from megatron_rl.convert.lora_layout import set_full_adapters
     from megatron_rl.lora.names import find_targets
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.plan import actor_spec

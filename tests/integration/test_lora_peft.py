@@ -53,7 +53,7 @@ def _rank(rank, world, pc_kwargs, hf_dir, targets, full, batches):
     from megatron_rl.convert import load_checkpoint_into_model
     from megatron_rl.lora.apply import LoraSpec, apply_lora
     from megatron_rl.lora.config import LoraConfig
-    from megatron_rl.lora.layout import adapter_key, adapter_kinds, set_full_adapters, tp_coords
+    from megatron_rl.convert.lora_layout import adapter_key, adapter_kinds, set_full_adapters, tp_coords
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ParallelConfig, destroy_model_parallel, initialize_model_parallel
     from megatron_rl.parallel.groups import ActorGroups
@@ -93,7 +93,7 @@ def _rank(rank, world, pc_kwargs, hf_dir, targets, full, batches):
 
 def _merge_grads(results):
     """{key: unsharded grad}: each TP shard summed over its data-parallel replicas (ranks with different rows)."""
-    from megatron_rl.lora.layout import merge_adapter_shards
+    from megatron_rl.convert.lora_layout import merge_adapter_shards
 
     parts, kinds = {}, {}
     for r in results:

@@ -61,7 +61,7 @@ def _rank(rank, world, hf_dir, url, adapter_dir):
     from megatron_rl.convert.geometry import HFGeometry
     from megatron_rl.lora.apply import lora_modules
     from megatron_rl.lora.config import LoraConfig
-    from megatron_rl.lora.layout import set_full_adapters
+    from megatron_rl.convert.lora_layout import set_full_adapters
     from megatron_rl.lora.names import find_targets
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.plan import actor_spec
@@ -163,7 +163,7 @@ def _merged_rank(rank, world, hf_dir, url):
     from megatron_rl.convert.geometry import HFGeometry
     from megatron_rl.lora.apply import lora_modules
     from megatron_rl.lora.config import LoraConfig
-    from megatron_rl.lora.layout import set_full_adapters
+    from megatron_rl.convert.lora_layout import set_full_adapters
     from megatron_rl.lora.names import find_targets
     from megatron_rl.parallel import initialize_model_parallel
     from megatron_rl.plan import actor_spec
