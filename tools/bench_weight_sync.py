@@ -171,6 +171,7 @@ def senders_main(a) -> None:
     from megatron_rl.testing.tiny_hf import build_tiny_hf_model
 
     root = tempfile.mkdtemp(prefix="bench_ws_senders_")
+    load0 = os.getloadavg()
     sizes = [int(x) for x in a.sizes.split(",")]
     if len(sizes) != 2 or sizes[0] >= sizes[1] or any(h % 256 for h in sizes):
         raise SystemExit(f"--sizes {a.sizes!r}: two hidden sizes (multiples of 256), the smaller first")
@@ -207,6 +208,10 @@ def senders_main(a) -> None:
                 cpu = min(sum(o[key]["cpus"][i] for o in out) for i in range(a.repeats))  # all ranks' CPU seconds
                 points.setdefault((label, key), []).append((r0["weight_sync/bytes"], r0["min_s"], r0["weight_sync/senders"],
                                                      key, r0["copy_s"], cpu, r0["copy_cpu"]))
+    load1 = os.getloadavg()
+    print(f"load average (1 / 5 / 15 min) at the start {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}, at the end "
+          f"{load1[0]:.2f} / {load1[1]:.2f} / {load1[2]:.2f} (this host has {os.cpu_count()} CPUs: above ~1, read the cpu "
+          f"columns)")
     print(f"verification: {'every version' if a.verify_interval == 1 else 'off' if a.verify_interval == 0 else f'every {a.verify_interval}th version'}; hidden {sizes[0]} and {sizes[1]}, {a.layers} layers, vocab {a.vocab}")
     print("wall: rank 0's seconds per sync (fastest of --repeats); cpu: the CPU seconds of every rank together "
           "(fastest); per byte: the slope between the two sizes, as a multiple of a memcpy's")

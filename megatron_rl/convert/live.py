@@ -26,6 +26,7 @@ from megatron_rl.convert.hf_config import infer_hf_model_type, megatron_to_hf_co
 from megatron_rl.convert.slices import read_chunk_from_converted, read_chunk_shard
 from megatron_rl.convert.mapping import hf_tensors, param_rules
 from megatron_rl.convert.model_state import canonical_state_dict, load_state_dict_into_model
+from megatron_rl.convert.pieces import FENCE, hf_pieces, materialize
 from megatron_rl.convert.partition import (RankCoords, cut_state_dict, expert_index, layer_range, merge_tensors,
                                            param_kind, split_layer_name)
 from megatron_rl.convert.shard_files import ShardLayout
@@ -174,6 +175,9 @@ def _all_gather(t: Tensor, group, size: int) -> List[Tensor]:
 
 #: ``gather(t, kind, group, size, name, dtype)``: the full tensor of a split parameter on the group's rank 0 (None
 #: on the others), collective over ``group`` -- how a caller that needs it on rank 0 alone gathers (weight sync).
+#: A batching one also has ``batch_bytes`` (the bytes of pieces a batch may hold) and ``gather_many(items, group,
+#: size, dtype)`` (``items``: ``(t, kind, name)`` of one group) -> per item its full tensor, a ``pieces.Pieces``
+#: allowed, on the group's rank 0 (None on the others).
 PieceGather = Callable[[Tensor, str, object, int, str, Optional[torch.dtype]], Optional[Tensor]]
 
 
@@ -189,6 +193,75 @@ def _merge(t: Tensor, kind: str, group, size: int, name: str, copy: bool = True,
     if dtype is not None and size > 1 and t.is_floating_point():
         t = t.to(dtype)
     return merge_tensors(_all_gather(t, group, size), kind, name)
+
+
+def _entries(chunks, model_cfg: ModelConfig, groups: ActorGroups, owner_only: bool, view: TensorView):
+    """``iter_full_tensors``' walk: per parameter this rank takes part in, ``(name, t, kind, group, size, out)``;
+    ``out``: the full-state-dict name to yield it as on its owner (None on a rank that only takes part), or
+    ``(prefix, fmt, local)`` for a routed expert gathered over EP as well (not ``owner_only``)."""
+    sends_dense = groups.dp_rank == 0 and groups.cp_rank == 0
+    sends_experts = groups.edp_rank == 0
+    owns_dense = not owner_only or groups.tp_rank == 0
+    owns_experts = not owner_only or groups.etp_rank == 0
+    per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
+    for i, chunk in enumerate(chunks):
+        first_layer, _ = layer_range(model_cfg.num_layers, _chunk_coords(groups, chunk, i))
+        sd = canonical_state_dict(chunk.state_dict())
+        for name, t in (sd.items() if view is None else view(sd)):
+            t = t.detach()
+            in_layer = split_layer_name(name)
+            if in_layer is None:
+                if sends_dense and not (name == "output_layer.weight" and _tied(model_cfg)):
+                    yield name, t, param_kind(name), groups.tp_group, groups.tp_size, name if owns_dense else None
+                continue
+            layer, rest = in_layer
+            prefix = f"decoder.layers.{layer + first_layer}."
+            expert = expert_index(rest)
+            if expert is None:
+                if sends_dense:
+                    yield name, t, param_kind(rest), groups.tp_group, groups.tp_size, \
+                        prefix + rest if owns_dense else None
+                continue
+            if sends_experts:
+                local, fmt = expert
+                if not owner_only:
+                    out = (prefix, fmt, local)
+                else:
+                    out = prefix + fmt.format(groups.ep_rank * per_ep + local) if owns_experts else None
+                yield name, t, param_kind(rest), groups.etp_group, groups.etp_size, out
+
+
+def _batched(entries, gather, dtype) -> Iterator[Tuple[str, object]]:
+    """``owner_only`` with a batching ``gather``: the unsplit tensors as they come, the split ones per batch of one
+    group (batches end on each group's own bytes, so every rank of a group cuts the same batches), each batch
+    followed by ``pieces.FENCE``."""
+    pending: Dict[int, list] = {}  # id(group) -> [group, size, bytes so far, [(name, t, kind, out)]]
+
+    def flush(key):
+        group, size, _, items = pending.pop(key)
+        fulls = gather.gather_many([(t, kind, name) for name, t, kind, _ in items], group, size, dtype)
+        for (_, _, _, out), full in zip(items, fulls):
+            if out is not None:
+                yield out, full
+        yield FENCE, None
+
+    for name, t, kind, group, size, out in entries:
+        if kind == "replicated" or size == 1:
+            if out is not None:
+                yield out, t
+            continue
+        want = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        n = t.numel() * torch.empty((), dtype=want).element_size()
+        entry = pending.get(id(group))
+        if entry is not None and entry[3] and entry[2] + n > gather.batch_bytes:
+            yield from flush(id(group))
+            entry = None
+        if entry is None:
+            entry = pending[id(group)] = [group, size, 0, []]
+        entry[2] += n
+        entry[3].append((name, t, kind, out))
+    for key in list(pending):
+        yield from flush(key)
 
 
 def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
@@ -208,65 +281,50 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
     that is not split is then the parameter itself (the sender copies it into its buckets), not a copy.
     ``gather_dtype``: split floating tensors are cast to it before they are gathered (half the bytes of an fp32
     gather for a bf16 engine; the HF mapping only moves data, so the values are those of a cast after it).
-    ``gather`` (with ``owner_only``): how split tensors reach their owner (``PieceGather``; default ``all_gather``)."""
+    ``gather`` (with ``owner_only``): how split tensors reach their owner (``PieceGather``; default ``all_gather``);
+    a batching one (``gather_many``) may yield ``pieces.Pieces`` and ``pieces.FENCE`` markers (see ``pieces``)."""
     if gather is not None and not owner_only:
         raise ValueError("iter_full_tensors: a gather to the owner needs owner_only")
-    sends_dense = groups.dp_rank == 0 and groups.cp_rank == 0
-    sends_experts = groups.edp_rank == 0
-    owns_dense = not owner_only or groups.tp_rank == 0
-    owns_experts = not owner_only or groups.etp_rank == 0
-    per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
-    for i, chunk in enumerate(chunks):
-        first_layer, _ = layer_range(model_cfg.num_layers, _chunk_coords(groups, chunk, i))
-        sd = canonical_state_dict(chunk.state_dict())
-        for name, t in (sd.items() if view is None else view(sd)):
-            t = t.detach()
-            in_layer = split_layer_name(name)
-            if in_layer is None:
-                if sends_dense and not (name == "output_layer.weight" and _tied(model_cfg)):
-                    full = _merge(t, param_kind(name), groups.tp_group, groups.tp_size, name, not owner_only,
-                                  gather_dtype, gather)
-                    if owns_dense:
-                        yield name, full
-                continue
-            layer, rest = in_layer
-            prefix = f"decoder.layers.{layer + first_layer}."
-            expert = expert_index(rest)
-            if expert is None:
-                if sends_dense:
-                    full = _merge(t, param_kind(rest), groups.tp_group, groups.tp_size, name, not owner_only,
-                                  gather_dtype, gather)
-                    if owns_dense:
-                        yield prefix + rest, full
-                continue
-            if sends_experts:
-                local, fmt = expert
-                whole = _merge(t, param_kind(rest), groups.etp_group, groups.etp_size, name, not owner_only,
-                               gather_dtype, gather)
-                if owner_only:
-                    if owns_experts:
-                        yield prefix + fmt.format(groups.ep_rank * per_ep + local), whole
-                    continue
-                for ep_rank, piece in enumerate(_all_gather(whole, groups.ep_group, groups.ep_size)):
-                    yield prefix + fmt.format(ep_rank * per_ep + local), piece
+    entries = _entries(chunks, model_cfg, groups, owner_only, view)
+    if getattr(gather, "gather_many", None) is not None:
+        yield from _batched(entries, gather, gather_dtype)
+        return
+    for name, t, kind, group, size, out in entries:
+        full = _merge(t, kind, group, size, name, not owner_only, gather_dtype, gather)
+        if isinstance(out, tuple):
+            prefix, fmt, local = out
+            per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
+            for ep_rank, piece in enumerate(_all_gather(full, groups.ep_group, groups.ep_size)):
+                yield prefix + fmt.format(ep_rank * per_ep + local), piece
+        elif out is not None:
+            yield out, full
 
 
 def iter_hf_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, geometry: HFGeometry,
                     groups: ActorGroups, owner_only: bool = False,
                     gather_dtype: Optional[torch.dtype] = None,
-                    gather: Optional[PieceGather] = None, view: TensorView = None
+                    gather: Optional[PieceGather] = None, view: TensorView = None, lazy: bool = False
                     ) -> Iterator[Tuple[str, Tensor]]:
     """:func:`iter_full_tensors` mapped to HF: (HF name, tensor) pairs, vocab padding rows dropped (same
     collective contract, ``owner_only``, ``gather_dtype``, ``gather`` and ``view``). A parameter without a HF
-    counterpart in ``geometry`` raises, naming it."""
+    counterpart in ``geometry`` raises, naming it. ``lazy``: tensors may be ``pieces.Pieces`` (a fused qkv's
+    q / k / v, a batching gather's pieces: nothing copied) and the stream carries ``(pieces.FENCE, None)`` markers;
+    else every tensor is a tensor and there are no markers."""
     rules = {r.mcore_name: r for r in param_rules(geometry)}
     for name, t in iter_full_tensors(chunks, model_cfg, groups, owner_only, gather_dtype, gather=gather, view=view):
+        if name is FENCE:
+            if lazy:
+                yield FENCE, None
+            continue
         rule = rules.get(name)
         if rule is None:
             raise CheckpointMismatchError(f"model parameter {name!r} has no HF tensor in {geometry.architecture}")
-        if name in _VOCAB_TENSORS:
-            t = t[: geometry.vocab_size]
-        yield from hf_tensors(rule, t, geometry)
+        rows = geometry.vocab_size if name in _VOCAB_TENSORS else None
+        if lazy:
+            yield from hf_pieces(rule, t, geometry, rows)
+            continue
+        t = materialize(t)
+        yield from hf_tensors(rule, t if rows is None else t[:rows], geometry)
 
 
 def is_stage_leader(groups: ActorGroups) -> bool:

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
+from megatron_rl.convert.pieces import FENCE, Pieces
 from megatron_rl.weight_sync.endpoint import tensor_checksum
 
 __all__ = ["Bucket", "HeldBucket", "bucketize", "hold_buckets", "tensor_checksum", "DTYPE_NAMES"]
@@ -76,10 +77,11 @@ class Bucket:
 class HeldBucket(Bucket):
     """A bucket that holds its tensors instead of copying them (``flat`` is None): for an engine in this process,
     which copies each tensor into its own weights (casting to its dtype) when the bucket is loaded -- one pass over
-    the bytes instead of two. ``tensors()`` gives the held tensors, uncast; ``nbytes`` counts them in ``dtype``."""
+    the bytes instead of two. ``tensors()`` gives the held tensors, uncast (a ``pieces.Pieces`` copies itself into
+    place: ``copy_into``); ``nbytes`` counts them in ``dtype``."""
 
     held: List[torch.Tensor] = None
-    """The tensors, in ``names`` order (not copied, not cast)."""
+    """The tensors (or ``Pieces``), in ``names`` order (not copied, not cast)."""
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +123,8 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
         return Bucket(list(names), list(shapes), cur_dtype, buf[:used])
 
     for name, t in pairs:
+        if name is FENCE:  # (a lazy stream) pieces are copied in as they come
+            continue
         want = _target_dtype(name, t, dtype, keep_dtype)
         n = t.numel() * torch.empty((), dtype=want).element_size()
         if names and (want != cur_dtype or used + n > buf.numel()):
@@ -134,7 +138,11 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
             cur_dtype = want
             buf = spare if (spare is not None and n <= bucket_bytes) else torch.empty(max(bucket_bytes, n),
                                                                                        dtype=torch.uint8)
-        buf[used:used + n].view(want).view(t.shape).copy_(t.detach())
+        dst = buf[used:used + n].view(want).view(t.shape)
+        if isinstance(t, Pieces):
+            t.copy_into(dst)
+        else:
+            dst.copy_(t.detach())
         names.append(name)
         shapes.append(tuple(t.shape))
         used += n
@@ -146,7 +154,8 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
 def hold_buckets(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
                  dtype: Optional[torch.dtype] = None, keep_dtype: Optional[Set[str]] = None) -> Iterator[HeldBucket]:
     """As ``bucketize``, but each bucket holds its tensors (``HeldBucket``): at most ``bucket_bytes`` of them as they
-    are (the memory of one bucket), for an engine in this process that copies them in at once."""
+    are (the memory of one bucket), for an engine in this process that copies them in at once; a bucket also ends
+    at each ``pieces.FENCE`` of a lazy stream (``convert.live.iter_hf_tensors(lazy=True)``)."""
     keep_dtype = keep_dtype or set()
     if bucket_bytes < 1:
         raise ValueError(f"hold_buckets: bucket_bytes={bucket_bytes} must be >= 1")
@@ -155,6 +164,11 @@ def hold_buckets(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
     cur_dtype = None
     used = 0
     for name, t in pairs:
+        if name is FENCE:  # the pieces held so far are valid until the stream is asked past it: loaded now
+            if names:
+                yield HeldBucket(names, [tuple(x.shape) for x in held], cur_dtype, None, held)
+                names, held, used = [], [], 0
+            continue
         want = _target_dtype(name, t, dtype, keep_dtype)
         n = t.numel() * t.element_size()
         if names and (want != cur_dtype or used + n > bucket_bytes):

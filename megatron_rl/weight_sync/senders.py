@@ -81,12 +81,14 @@ def own_buckets(actor, bucket_bytes: int, dtype: Optional[torch.dtype], keep_dty
     is not a sender), each sent before the next is packed (one buffer serves them all); ``pack`` and ``view`` as in
     ``stream_buckets``; ``hold``: ``buckets.HeldBucket``s (the engine is in this process); ``alloc``: the channel's
     buffer to pack each bucket into (``bucketize``); ``gather``: how split tensors reach their owner
-    (``gather.piece_gather``). Consume it to the end on every rank."""
+    (``gather.piece_gather``). Tensors travel as ``convert.pieces.Pieces`` where they can (a fused qkv, the shm
+    gather's pieces; not into ``pack``): the engine or the bucket copies them into place. Consume it to the end on
+    every rank."""
     # the gathers move the engine's dtype (every rank has the same dtype and keep set: rank 0's plan); not when
     # some tensors stay in a higher precision, whose mcore names are not known before the mapping
     gather_dtype = dtype if not keep_dtype else None
     pairs = iter_hf_tensors(actor.model, actor.model_cfg, actor.hf_target.geometry, actor.groups, owner_only=True,
-                            gather_dtype=gather_dtype, gather=gather, view=view)
+                            gather_dtype=gather_dtype, gather=gather, view=view, lazy=pack is None)
     if pack is not None:
         yield from pack(pairs)
     elif hold:

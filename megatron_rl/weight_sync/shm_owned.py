@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl.convert.pieces import Pieces
 from megatron_rl.parallel.devices import collective_device
 from megatron_rl.parallel.rank0 import is_rank0
 from megatron_rl.weight_sync.buckets import Bucket
@@ -37,7 +38,11 @@ def _owned(bucket) -> Bucket:
     off = 0
     for _, t in bucket.tensors():
         n = t.numel() * t.element_size()
-        out[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+        dst = out[off:off + n].view(t.dtype).view(t.shape)
+        if isinstance(t, Pieces):  # a fused qkv's q / k / v, a TP gather's pieces (valid until the next bucket)
+            t.copy_into(dst)
+        else:
+            dst.copy_(t)
         off += n
     return Bucket(list(bucket.names), list(bucket.shapes), bucket.dtype, out)
 

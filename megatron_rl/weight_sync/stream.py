@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron_rl.convert.mapping import param_rules
+from megatron_rl.convert.pieces import materialize
 from megatron_rl.parallel.rank0 import share_from_rank0
 from megatron_rl.weight_sync.endpoint import WeightSyncError
 from megatron_rl.weight_sync.board import Board, world
@@ -111,8 +112,8 @@ def _send_own(actor, channel, verifier, bucket_bytes: int, dtype, keep, rank: in
                     out.changed += changed
             for name in names_in:
                 out.names[name] = out.names.get(name, 0) + 1
-            for name, t in items:
-                verifier.offer(name, t)
+            for name, t in items:  # a ``Pieces`` assembled only when its values are hashed
+                verifier.offer(name, materialize(t) if verifier.needs(name) else t)
             if corrupt is not None:
                 corrupt(bucket)
             channel.send(bucket)
@@ -173,7 +174,7 @@ def stream_sync(actor, engine, settings: WeightSyncSettings, version: str, rank0
     else:
         failed = None
     mine = _send_own(actor, channel, verifier if rank0 else copy, bucket_bytes, dtype, set(keep), rank, corrupt,
-                     pack, piece_gather(settings.tp_gather), settings.view)
+                     pack, piece_gather(settings.tp_gather, bucket_bytes, timeout_s), settings.view)
     if failed is not None:
         mine = failed
     if size == 1:

@@ -22,6 +22,7 @@ from typing import Mapping
 import torch
 
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
+from megatron_rl.convert.pieces import Pieces
 from megatron_rl.weight_sync.endpoint import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.delta import DeltaBucket, apply_delta
 from megatron_rl.weight_sync.in_process import InProcessSpec
@@ -107,8 +108,11 @@ def _expert_target(own: Mapping[str, torch.Tensor], name: str):
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _copy(t: torch.Tensor, dst: torch.Tensor) -> None:
-    dst.copy_(t)
+def _copy(t, dst: torch.Tensor) -> None:
+    if isinstance(t, Pieces):  # a tensor in pieces (a TP gather's, a fused qkv's q / k / v): each put in place
+        t.copy_into(dst)
+    else:
+        dst.copy_(t)
 
 
 def _apply(d, dst: torch.Tensor) -> None:
