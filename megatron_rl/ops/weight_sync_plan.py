@@ -140,7 +140,8 @@ class Segment:
     nbytes: float
     """Its size (``/proc/<pid>/fd``'s ``memfd:megatron_rl_ws_*`` file; ``shm.segment_bytes``)."""
     resident: float
-    """The most of it ever written (host RAM taken: a memfd's pages exist once written)."""
+    """The most of it ever written (host RAM taken: a memfd's pages exist once written). A TP / ETP gather slot pair:
+    each slot holds at most all the pieces a rank writes per sync, so ``min(size, 2 x those bytes)``."""
     rank0_host: bool
     """On global rank 0's host."""
 
@@ -182,7 +183,8 @@ def sync_segments(settings: WeightSyncSettings, model, parallel, dtype_bytes: in
                             continue
                         ep_name = f" EP rank {e}" if what == "ETP" and ep > 1 else ""
                         out.append(Segment(f"stage {st}{ep_name} {what} rank {r}", float(nbytes),
-                                           float(min(nbytes, 2 * size * piece_bytes)), host(sender + r) == 0))
+                                           float(_written(nbytes, m, ids, st, pp, n, ep, what, piece_bytes)),
+                                           host(sender + r) == 0))
     if settings.engine != "sglang" and len(senders) > 1:  # an engine in rank 0's process
         for name, nbytes in senders[1:]:
             st = int(name.split()[1])
@@ -191,6 +193,33 @@ def sync_segments(settings: WeightSyncSettings, model, parallel, dtype_bytes: in
             if size and host(st * block + e * etp) == 0:  # a sender on another host sends over gloo
                 out.append(Segment(f"sender {name}", float(size), float(min(size, nbytes)), True))
     return out
+
+
+def _written(nbytes: int, m, layer_ids, stage: int, pp: int, n: int, ep: int, what: str, piece_bytes: int = 0) -> int:
+    """Bytes ever written of a TP / ETP gather slot pair of ``nbytes`` (see ``Segment.resident``)."""
+    if m.multi_latent_attention:  # its down / up projections' splits are not modelled here: the whole pair
+        return nbytes
+    dense, expert = piece_totals(m, layer_ids, stage, pp, n if what == "TP" else 1, n if what == "ETP" else 1, ep)
+    return min(nbytes, 2 * (dense if what == "TP" else expert) * (piece_bytes or 1))
+
+
+def piece_totals(m, layer_ids, stage: int, pp: int, tp: int, etp: int, ep: int) -> Tuple[int, int]:
+    """(elements of every TP piece of the dense parameters, of every ETP piece of one EP rank's experts) that a
+    non-owner rank of ``stage`` writes per sync (``convert.live``: the tied output copy skipped). Not for MLA."""
+    h, pattern, dense, expert = m.hidden_size, m.moe_layer_pattern(), 0, 0
+    untied = m.untie_embeddings_and_output_weights
+    dense += (m.vocab_size * h // tp) * ((stage == 0) + (stage == pp - 1 and untied))
+    a, g, d = m.num_attention_heads, m.query_groups, m.head_dim
+    for i in layer_ids:
+        dense += h * (a + 2 * g) * d // tp + a * d * h // tp
+        if pattern[i]:
+            fs = m.moe_shared_expert_intermediate_size or 0
+            dense += 3 * fs * h // tp
+            f = m.moe_ffn_hidden_size or m.dense_ffn_hidden_size
+            expert += (m.num_moe_experts // ep) * 3 * f * h // etp
+        else:
+            dense += 3 * m.dense_ffn_hidden_size * h // tp
+    return dense, expert
 
 
 def largest_pieces(m, layer_ids, stage: int, pp: int, tp: int, etp: int) -> Tuple[int, int]:

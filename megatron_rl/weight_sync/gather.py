@@ -33,9 +33,8 @@ __all__ = ["TP_GATHERS", "piece_gather"]
 #: ``WeightSyncSettings.tp_gather`` values (see the module doc).
 TP_GATHERS = ("shm", "flat", "gloo")
 
-#: Most bytes of pieces per rank in one ``shm`` batch: the sender copies a batch in while the others write the next
-#: one (smaller batches overlap more, each costs one exchange of the group: ~0.3 ms, a memcpy of ~3 MiB).
-BATCH_CAP = 16 << 20
+#: Most bytes of pieces per rank in one ``shm`` batch (``shm.BATCH_CAP``).
+BATCH_CAP = shm.BATCH_CAP
 
 
 def _want(t: torch.Tensor, dtype) -> torch.dtype:

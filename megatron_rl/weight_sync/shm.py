@@ -17,6 +17,11 @@ from typing import Tuple
 
 import torch
 
+#: Most bytes of pieces per rank in one ``shm`` TP / ETP gather batch (``gather``): the sender copies a batch in
+#: while the others write the next one (smaller batches overlap more, each costs one exchange of the group: ~0.3 ms,
+#: a memcpy of ~3 MiB).
+BATCH_CAP = 16 << 20
+
 __all__ = ["available", "Segment", "leftovers", "segment_bytes"]
 
 _PREFIX = "megatron_rl_ws_"
@@ -96,14 +101,17 @@ def segment_bytes(settings, largest_piece: int = 0, largest_tensor: int = 0) -> 
     ``settings`` (``WeightSyncSettings``) -- what ``megatron-rl check`` counts; change it with the segments.
 
     * ``tp_gather``: held by each non-owner rank of a sender's TP (or ETP) group, one per group, when
-      ``settings.tp_gather`` is "shm" (``gather._Slots``: two slots, each at least 1 MiB and grown -- doubling --
-      to hold the largest piece): at most ``2 * max(2 * largest_piece, 1 MiB)``; 0 without a split piece.
+      ``settings.tp_gather`` is "shm" (``gather._Slots``: two slots of a batch, ``B = max(min(bucket_bytes,
+      gather.BATCH_CAP), 1 MiB)``; a piece larger than ``B`` gets a batch of its own and the slots grow to
+      ``max(piece, 2 B)``): ``2 B``, or at most ``2 max(largest_piece, 2 B)``; 0 without a split piece.
     * ``sender``: held by each sender other than rank 0 whose buckets reach an engine in rank 0's process through
       shared memory (``settings.sender_transport`` "shm"; ``in_process``): a bucket, or the largest tensor when that
       is larger (``buckets.bucketize`` asks its ``alloc`` for ``max(bucket_bytes, n)``).
 
     ``largest_piece``: bytes of the largest piece of a split parameter the rank writes; ``largest_tensor``: of the
     largest tensor a sender packs; both in the engine's dtype."""
-    gather = 2 * max(2 * int(largest_piece), 1 << 20) if settings.tp_gather == "shm" and largest_piece > 0 else 0
+    batch = max(min(int(settings.bucket_bytes), BATCH_CAP), 1 << 20)
+    slot = batch if largest_piece <= batch else max(int(largest_piece), 2 * batch)
+    gather = 2 * slot if settings.tp_gather == "shm" and largest_piece > 0 else 0
     sender = max(int(settings.bucket_bytes), int(largest_tensor)) if settings.sender_transport == "shm" else 0
     return gather, sender
