@@ -75,7 +75,7 @@ def broadcast_from_last_stage_tensors(tensors: Sequence[torch.Tensor], groups: A
 
 def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *,
                       bounds: Sequence[Tuple[int, int]], temperature: float, groups: ActorGroups,
-                      compute_entropy: bool = True, batcher: Optional[MicroBatcher] = None,
+                      batcher: MicroBatcher, compute_entropy: bool = True,
                       replay=None, compute_sum_pi_squared: bool = False) -> Tuple[Optional[torch.Tensor], ...]:
     """Log-probs (and entropy) of every token of ``batch`` (this rank's DP shard) under
     softmax(logits / temperature); with ``compute_sum_pi_squared`` a third tensor, sum_j p_j^2 of that softmax
@@ -83,14 +83,12 @@ def compute_log_probs(model_chunks: Sequence[torch.nn.Module], batch: RolloutBat
 
     Returns fp32 ``(log_probs [B, L-1], entropy [B, L-1] or None)`` on every rank of the PP group
     (column t scores token t+1; 0 where t + 1 >= lengths[b]). ``bounds``: the micro-batches, contiguous
-    [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs by ``batcher`` (the actor's; default:
-    padded rows on ``groups.dims``). ``replay``: a
-    ``router_replay.ReplayPass`` that sets / records MoE routing around each chunk's forward (its
-    ``micro_batches`` are set for ``assemble``). Collective over the model-parallel group.
+    [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs by ``batcher`` (the actor's: the job
+    plan's). ``replay``: a ``router_replay.ReplayPass`` that sets / records MoE routing around each chunk's
+    forward (its ``micro_batches`` are set for ``assemble``). Collective over the model-parallel group.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    batcher = batcher or MicroBatcher(groups.dims)
     mbs = batcher.cut(batch, bounds, groups)
     for chunk in model_chunks:
         chunk.eval()

@@ -107,7 +107,7 @@ def broadcast_object(obj, groups: ActorGroups):
 def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
                      per_token: Dict[str, Optional[torch.Tensor]], loss: PolicyLoss, *,
                      temperature: float, bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
-                     batcher: Optional[MicroBatcher] = None, replay=None,
+                     batcher: MicroBatcher, replay=None,
                      bypass_correction: Optional[RolloutCorrectionConfig] = None) -> Dict[str, float]:
     """Forward/backward over this rank's rows of one mini-batch and one optimizer step.
 
@@ -118,7 +118,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
 
     ``replay``: a ``router_replay.ReplayPass`` replaying MoE routing in every forward (and recompute).
     ``bounds``: the micro-batches, contiguous [start, end) row blocks (``MicroBatcher.plan``), cut into model inputs
-    by ``batcher`` (the actor's; default: padded rows on ``groups.dims``). Neither changes the loss (its
+    by ``batcher`` (the actor's: the job plan's). Neither changes the loss (its
     denominators are global and the loss sees each micro-batch's rows, ``MicroBatch.layout.loss_rows``), except
     bypass mode's ``rollout_is_batch_normalize``: it divides by each micro-batch's mean weight on its DP rank, so
     the loss then depends on the cut (the DP size, ``micro_batch_size`` / ``max_tokens_per_micro_batch``, packing).
@@ -155,7 +155,6 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
     dev = actor_device()
     inputs = {k: None if v is None else v.to(dev) for k, v in inputs.items()}
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
-    batcher = batcher or MicroBatcher(groups.dims)
     mbs = batcher.cut(batch, bounds, groups, per_token=inputs)
     scale = float(len(mbs) * groups.dp_size)
     cp_group = groups.cp_group if groups.cp_size > 1 else None   # per-sequence sums of gspo / geo_mean / opsm

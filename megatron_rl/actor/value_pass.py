@@ -44,10 +44,9 @@ def _forward_step(loss_func, mb: MicroBatch, model):
 
 def compute_values(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *,
                    bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
-                   batcher: Optional[MicroBatcher] = None) -> torch.Tensor:
+                   batcher: MicroBatcher) -> torch.Tensor:
     """fp32 [B, L-1] values of ``batch`` (this rank's DP shard) on every rank of the PP group; 0 where
     t + 1 >= lengths[b]. Collective over the model-parallel group."""
-    batcher = batcher or MicroBatcher(groups.dims)
     mbs = batcher.cut(batch, bounds, groups)
     for chunk in model_chunks:
         chunk.eval()
@@ -94,7 +93,7 @@ class _ValueMicroBatchLoss:
 def train_value_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: RolloutBatch,
                            per_token: Dict[str, torch.Tensor], *, cliprange_value: float, loss_agg_mode: str,
                            bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
-                           batcher: Optional[MicroBatcher] = None,
+                           batcher: MicroBatcher,
                            loss_scale_factor: Optional[float] = None) -> Dict[str, float]:
     """Forward/backward of the value loss over this rank's rows of one mini-batch and one optimizer step.
     ``per_token``: each of ``VALUE_INPUTS`` as [B, L-1]. Returns vf_loss (the global batch's aggregated loss),
@@ -107,7 +106,6 @@ def train_value_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, b
     dev = actor_device()
     inputs = {k: per_token[k].to(dev) for k in VALUE_INPUTS}
     den = global_denominators(inputs["response_mask"], group=groups.dp_group if groups.dp_size > 1 else None)
-    batcher = batcher or MicroBatcher(groups.dims)
     mbs = batcher.cut(batch, bounds, groups, per_token=inputs)
     loss_func = _ValueMicroBatchLoss(float(cliprange_value), loss_agg_mode, den, float(len(mbs) * groups.dp_size),
                                      loss_scale_factor)

@@ -4,25 +4,16 @@
     megatron-rl check configs/deepseek_v3_scale_64x8.yaml --nodes 32 --recompute full \\
         rollout.max_new_tokens=8192
 
-The config is loaded as the trainer loads it, at the world size of its ``cluster:`` section (nodes x
-gpus_per_node; ``--nodes`` / ``--gpus-per-node`` / ``--gpu-memory-gb`` / ``--device`` override it). Every
-problem is listed at once, each naming its dotted key; when the world size does not fit the layout, the
-node counts that would are named. A ``data.task: file`` data file, or a validation file (``data.val_files``),
-with no usable row is a problem (read as the trainer reads it); a missing ``actor.load_hf`` comes with the command that builds it when the config's
-comments or the built-in digit tasks name one. The memory plan of :mod:`megatron_rl.ops.memory` (formulas in that
-module's docstring) is printed for what the file runs (:mod:`megatron_rl.ops.run_profile`: device, the
-actor's params dtype and optimizer, the task's longest prompt + ``rollout.max_new_tokens``) whenever the
-model shapes are known, even if other keys are wrong. With ``actor.max_tokens_per_micro_batch`` a budget below the
-longest possible row (that prompt + the response budget, rounded up to the sequence multiple of TP / SP and CP) is
-a problem naming the key and how that row was computed; the plan then sizes one micro-batch from the budget
-(:mod:`megatron_rl.ops.memory`, "Token-budget micro-batches"). Every CUDA job gets a fit verdict: against
-``cluster.gpu_memory_gb``, else 80 GiB (a printed default); "config OK" only when it fits. Exit status: 2 when there
-is a problem, 3 with ``--strict`` when the plan exceeds the GPU memory, else 0.
+The config is loaded as the trainer loads it, at the world size of its ``cluster:`` section (``--nodes`` /
+``--gpus-per-node`` / ``--gpu-memory-gb`` / ``--device`` override it); every problem is listed at once, each
+naming its dotted key. Rule: the memory and weight-sync plans are computed from the job plan's own objects
+(``plan.job.plan_parts``, built once here and handed down), whenever the model shapes are known, even if other
+keys are wrong. What it checks and prints, and its exit status (2: a problem; 3 with ``--strict``: the plan does
+not fit): docs/check.md.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import List, Optional, Tuple
 
@@ -34,15 +25,13 @@ from megatron_rl.config.epochs import epochs_line
 from megatron_rl.config.load import VERL_FILE_MESSAGE
 from megatron_rl.config.sections import DEFAULT_GPU_MEMORY_GB
 from megatron_rl.config.timeouts import rollout_waits_line
-from megatron_rl.actor.precision import Precision
-from megatron_rl.models.attention import attention_backend, expected_te
-from megatron_rl.models.recompute import Recompute
+from megatron_rl.models.attention import expected_te
 from megatron_rl.ops.memory import (GiB, MemoryOptions, format_checkpoint_host, format_plan, longest_row, memory_plan,
                                     token_budget_error)
 from megatron_rl.ops.run_profile import run_profile
-from megatron_rl.ops.weight_sync_plan import weight_sync_plan
 from megatron_rl.plan import JobPlan, world_errors
-from megatron_rl.plan.checks import Unbuilt, weight_sync_settings
+from megatron_rl.plan.job import plan_parts
+from megatron_rl.plan.sizing import job_sync_plan, memory_job
 from megatron_rl.platform.warnings import install_known_message_filter
 from megatron_rl.tasks.datasets import scorable_rows
 from megatron_rl.tasks.val_set import val_file_problems
@@ -130,9 +119,12 @@ def _run(args: argparse.Namespace) -> int:
     where = (f"{args.config} at world size {world} ({c.nodes} node(s) x {c.gpus_per_node} "
              f"{'GPU' if c.device == 'cuda' else 'CPU rank'}(s))")
     prof = prompt = prompt_src = None
+    parts = plan_parts(cfg, world, has_te=args.transformer_engine)  # the plan's objects check sizes the job with
+    sized = parts.dims is not None and parts.budget is not None and parts.batcher is not None
     if cfg.model is not None and not any(_blocks_plan(p) for p in problems):  # the longest row needs the layout
-        prof, prompt, prompt_src = _prompt(args, cfg)
-        budget_problem = token_budget_error(cfg, longest_row(cfg, prompt, world), prompt_src)
+        prof, prompt, prompt_src = _prompt(args, cfg, parts)
+        row = longest_row(parts.dims, parts.budget, prompt) if sized else None
+        budget_problem = token_budget_error(parts.batcher, row, prompt_src) if sized else None
         if budget_problem is not None:
             problems.append(budget_problem)
     if problems:
@@ -179,14 +171,14 @@ def _run(args: argparse.Namespace) -> int:
             print(ok_line)
         print("memory plan: skipped until the layout / batch problems above are fixed", file=sys.stderr)
         return 2
-    job_recompute = Recompute.from_actor(cfg.actor)  # what the trainer will do (actor.recompute_*)
-    recompute = args.recompute or job_recompute.plan_mode
-    same = recompute == job_recompute.plan_mode == "full"
+    job_recompute = parts.recompute  # what the trainer will do (actor.recompute_*; None: refused, planned as none)
+    job_mode = job_recompute.plan_mode if job_recompute is not None else "none"
+    recompute = args.recompute or job_mode
+    same = recompute == job_mode == "full"
     params_bytes = args.params_bytes if args.params_bytes is not None else prof.params_bytes
     dist_opt = args.distributed_optimizer if args.distributed_optimizer is not None else prof.distributed_optimizer
-    has_te, te_source = expected_te(c.device, args.transformer_engine)
-    precision = job_plan.precision if job_plan is not None else _precision(cfg.actor)
-    backend = attention_backend(c.device, has_te, precision.bf16)
+    te_source = expected_te(c.device, args.transformer_engine)[1]
+    precision, backend = parts.precision, parts.attention
     opts = MemoryOptions(prompt_length=prompt, params_bytes=params_bytes, grad_bytes=args.grad_bytes,
                          fp32_output_layer=precision.fp32_output_layer and params_bytes < 4,
                          distributed_optimizer=dist_opt, recompute=recompute, fused_logprobs=args.fused_logprobs,
@@ -197,8 +189,8 @@ def _run(args: argparse.Namespace) -> int:
                          optimizer_offload_fraction=(cfg.actor.optimizer_offload_fraction
                                                      if cfg.actor.optimizer_cpu_offload else 0.0))
     try:
-        plan = memory_plan(cfg, world, opts)
-    except ValueError as exc:
+        plan = memory_plan(memory_job(cfg, world, parts), opts)
+    except ValueError as exc:  # PlanError too: a sizing object that did not build
         if ok_line:
             print(ok_line)
         print(f"error: {exc}", file=sys.stderr)
@@ -210,9 +202,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"attention: {backend.name}: {backend.description}; Transformer Engine: {te_source}")
     gpu_gb, gpu_src = gpu_memory(c)
     print(format_plan(plan, gpu_gb, device=c.device))
-    sync_mode = _sync_mode(cfg, job_plan)
-    if sync_mode is not None:
-        print(weight_sync_plan(cfg, plan.total_params, sync_mode).line())
+    sync = job_sync_plan(cfg, plan.total_params, world, parts)  # None: rollout.weight_sync* refused (named above)
+    if sync is not None:
+        print(sync.line())
     ckpt_line = format_checkpoint_host(plan, min(c.gpus_per_node, world))
     if ckpt_line:
         print(ckpt_line)
@@ -245,38 +237,16 @@ def gpu_memory(cluster) -> Tuple[Optional[float], Optional[str]]:
                                    f"cluster.gpu_memory_gb is not set (set it, or --gpu-memory-gb)")
 
 
-def _prompt(args: argparse.Namespace, cfg):
+def _prompt(args: argparse.Namespace, cfg, parts):
     """(run profile, prompt tokens the plan assumes, where they come from): ``--prompt-length``, else the
-    task's longest prompt, else the default."""
-    prof = run_profile(cfg)
+    task's longest prompt, else the default (``parts``: the plan's ``PlanParts``)."""
+    prof = run_profile(parts.precision, cfg.actor, cfg.data, cfg.cluster.device)
     prompt = args.prompt_length if args.prompt_length is not None else prof.prompt_length
     prompt_src = "--prompt-length" if args.prompt_length is not None else prof.prompt_source
     if prompt is None:
         prompt, prompt_src = DEFAULT_PROMPT_LENGTH, f"default {DEFAULT_PROMPT_LENGTH}: {prof.prompt_source}; " \
                                                     f"pass --prompt-length"
     return prof, prompt, prompt_src
-
-
-def _precision(actor_cfg) -> Precision:
-    """The actor's precision when the job has no plan (other problems): an fp32 output layer refused only for
-    want of the distributed optimizer is still planned as asked; one refused on an fp32 actor is fp32."""
-    for ac in (actor_cfg, dataclasses.replace(actor_cfg, use_distributed_optimizer=True)):
-        try:
-            return Precision.from_actor_config(ac)
-        except ValueError:
-            pass
-    return Precision()
-
-
-def _sync_mode(cfg, job_plan) -> Optional[str]:
-    """The job's resolved weight-sync mode: its plan's, else built from the rollout section (None: invalid there,
-    which the problems above name)."""
-    if job_plan is not None:
-        return job_plan.weight_sync.mode.name
-    try:
-        return weight_sync_settings(cfg.rollout, cfg.trainer.run_dir, cfg.actor.lora).mode.name
-    except Unbuilt:
-        return None
 
 
 def _dtype(nbytes: int) -> str:

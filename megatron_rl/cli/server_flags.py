@@ -16,9 +16,10 @@ from __future__ import annotations
 import sys
 from typing import List, Optional, Sequence
 
-from megatron_rl.actor.replay_modes import replay_mode
 from megatron_rl.config import ConfigError
 from megatron_rl.config.load import read_job_config
+from megatron_rl.plan import replay_of
+from megatron_rl.plan.checks import Unbuilt
 from megatron_rl.rollout.sglang_lora_flags import adapter_lora, sglang_lora_targets
 
 __all__ = ["server_options", "main"]
@@ -26,7 +27,7 @@ __all__ = ["server_options", "main"]
 
 def server_options(cfg) -> List[str]:
     """The ``launch/sglang_server.sh`` options the servers of job config ``cfg`` need."""
-    options = ["--routed-experts"] if replay_mode(cfg.actor.routing_replay).needs_rollout_routing else []
+    options = ["--routed-experts"] if replay_of(cfg).needs_rollout_routing else []  # the plan's replay mode
     options += ["--delta-loader"] if cfg.rollout.weight_sync_delta else []
     lora = adapter_lora(cfg.actor.lora, cfg.rollout)
     if lora is not None:
@@ -51,6 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options = server_options(cfg)
     except ValueError as exc:  # a LoRA target SGLang has no module for (megatron-rl check refuses it too)
         print(f"server_flags: {exc}", file=sys.stderr)
+        return 2
+    except Unbuilt as exc:  # actor.routing_replay refused for this model (megatron-rl check names it too)
+        print(f"server_flags: {'; '.join(exc.problems)}", file=sys.stderr)
         return 2
     for option in options:
         print(option)

@@ -1,25 +1,12 @@
 """Which core attention a job gets, decided before any process group from the device, Transformer Engine
 and the actor's precision -- and which jobs that attention cannot run.
 
-=============  =====================================  =========================================================
-backend        when                                   what it can do
-=============  =====================================  =========================================================
-``te-fused``   CUDA, TE, ``actor.bf16``               TE's flash / cuDNN fused attention: packed (THD) rows and
-                                                      context parallelism; keeps only a log-sum-exp per query
-``te-unfused`` CUDA, TE, fp32                         TE's unfused backend (flash / fused take bf16 / fp16
-                                                      only): refuses THD and context parallelism; materialises
-                                                      the ``[b, heads, s, s]`` scores
-``local``      no TE (CPU, or CUDA without TE)        megatron's local ``DotProductAttention``: materialises the
-                                                      scores of padded rows; packed rows run through varlen
-                                                      flash / SDPA per segment (``platform.local_layers``);
-                                                      no context parallelism (megatron asserts it)
-=============  =====================================  =========================================================
-
-Usage::
-
     backend = attention_backend(device, has_te, precision.bf16)   # the job plan's (megatron_rl.plan)
-    errors = attention_errors(backend, cfg)               # ["actor.sequence_packing: ... set actor.bf16: true"]
+    errors = attention_errors(backend, packed, cp)        # ["actor.sequence_packing: ... set actor.bf16: true"]
     backend.keeps_scores(packed=False)                    # True: plan [b, heads, s, s] scores
+
+Rule: ``te-fused`` (CUDA, TE, bf16), ``te-unfused`` (CUDA, TE, fp32) or ``local`` (no TE); what each can run and
+keeps: the table in docs/check.md ("Which core attention").
 """
 from __future__ import annotations
 
@@ -88,14 +75,14 @@ def expected_te(device: str, has_te: Optional[bool] = None) -> Tuple[bool, str]:
     return True, "assumed installed (this machine has no CUDA to check; --no-transformer-engine plans without)"
 
 
-def attention_errors(backend: AttentionBackend, cfg) -> List[str]:
-    """The job settings ``backend`` cannot run, each naming its key and the fix."""
+def attention_errors(backend: AttentionBackend, packed: bool, cp: int) -> List[str]:
+    """The job settings ``backend`` cannot run, each naming its key and the fix: ``packed`` rows
+    (``actor.sequence_packing``) and ``cp`` (``parallel.context_parallel_size``)."""
     errs: List[str] = []
-    cp = cfg.parallel.context_parallel_size
     if backend.name == "te-unfused":
         why = ("Transformer Engine's flash / fused attention takes bf16 / fp16 only, and its unfused backend "
                "refuses")
-        if cfg.actor.sequence_packing:
+        if packed:
             errs.append(f"actor.sequence_packing: {why} packed (THD) sequences: set actor.bf16: true (or "
                         f"actor.sequence_packing: false)")
         if cp > 1:

@@ -1,6 +1,6 @@
 """Per-rank GPU memory plan of a megatron-rl job (what ``megatron-rl check`` prints).
 
-    plan = memory_plan(cfg, world_size=8, options=MemoryOptions(prompt_length=1024))
+    plan = memory_plan(job, MemoryOptions(prompt_length=1024))   # job: a MemoryJob (plan.memory_job builds it)
     print(format_plan(plan, gpu_memory_gb=80))
 
 Everything is an estimate from the shapes: bytes per rank, one row per pipeline stage (TP / CP / DP / EP ranks
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.micro_batching import interleaved_group_size
 from megatron_rl.convert.partition import chunk_layer_range
 
@@ -21,7 +22,7 @@ from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.lora.counts import adapter_counts
 from megatron_rl.models.attention import BACKENDS
 from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.rollout.budget import response_budget
+from megatron_rl.rollout.budget import ResponseBudget
 
 GiB = float(1 << 30)
 RECOMPUTE = ("none", "selective", "full")
@@ -97,33 +98,53 @@ class LongestRow:
         return out
 
 
-def longest_row(cfg, prompt_length: int, world_size: int) -> LongestRow:
-    """The longest row of the validated job config ``cfg`` at ``world_size`` ranks with prompts of at most
-    ``prompt_length`` tokens."""
-    p = cfg.parallel
-    dims = ParallelDims(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                        vpp=p.vpp, cp=p.context_parallel_size,
-                        ep=p.expert_model_parallel_size, etp=p.etp, dp=p.data_parallel_size(world_size),
-                        edp=p.expert_data_parallel_size(world_size), world_size=world_size,
-                        sequence_parallel=bool(p.sequence_parallel))
+def longest_row(dims: ParallelDims, budget: ResponseBudget, prompt_length: int) -> LongestRow:
+    """The longest row of a job with layout ``dims`` and response budget ``budget`` (the job plan's) with prompts of
+    at most ``prompt_length`` tokens."""
     parts = []
     if dims.sequence_parallel and dims.tp > 1:
         parts.append(f"TP {dims.tp} with sequence parallel")
     if dims.cp > 1:
         parts.append(f"2*CP {dims.cp_row_multiple} with context parallel")
-    response, response_source = response_budget(cfg)
-    return LongestRow(prompt=prompt_length, response=response, response_source=response_source,
+    return LongestRow(prompt=prompt_length, response=budget.tokens, response_source=budget.key,
                       multiple=dims.seq_multiple, multiple_source=" x ".join(parts) or "no SP / CP padding")
 
 
-def token_budget_error(cfg, row: LongestRow, prompt_source: Optional[str] = None) -> Optional[str]:
-    """The problem (naming ``actor.max_tokens_per_micro_batch``) when the job's token budget cannot hold
+def token_budget_error(batcher: MicroBatcher, row: LongestRow, prompt_source: Optional[str] = None) -> Optional[str]:
+    """The problem (naming ``actor.max_tokens_per_micro_batch``) when ``batcher``'s token budget cannot hold
     ``row``; None without a budget or when it fits."""
-    budget = cfg.actor.max_tokens_per_micro_batch
+    budget = batcher.max_tokens
     if budget is None or budget >= row.padded:
         return None
     return (f"actor.max_tokens_per_micro_batch: {budget} tokens cannot hold the longest possible row, "
             f"{row.describe(prompt_source)}; set it to at least {row.padded}")
+
+
+@dataclass(frozen=True)
+class MemoryJob:
+    """What the memory plan reads of a job: the job plan's objects and the sections they leave out
+    (``plan.memory_job`` builds it)."""
+
+    model: object
+    """The ``model:`` section (``ModelConfig``): the shapes."""
+    parallel: object
+    """The ``parallel:`` section: uneven first / last pipeline stages."""
+    dims: ParallelDims
+    """The plan's layout (its world size is the plan's)."""
+    batcher: MicroBatcher
+    """The plan's micro-batcher: fixed rows or a token budget, packed or padded."""
+    budget: ResponseBudget
+    """The plan's response budget (the longest response side of a row)."""
+    rows_per_step: int
+    """Rows a step trains: ``data.prompts_per_step`` x ``rollout.n_samples_per_prompt``."""
+    ppo_mini_batches: int
+    """``actor.ppo_mini_batches``."""
+    lora: object
+    """``actor.lora`` (its ``enabled`` says whether adapters train on a frozen base)."""
+    reference_model: bool = False
+    """A KL reference model is held (a KL loss or KL in the reward, without LoRA)."""
+    critic_model: bool = False
+    """PPO's critic is trained."""
 
 
 @dataclass
@@ -347,8 +368,8 @@ def _in_flight(stage: int, pp: int, vpp: int, microbatches: int) -> float:
 
 
 # ----------------------------------------------------------------------------- the plan
-def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -> MemoryPlan:
-    """Per-stage memory plan of the validated job config ``cfg`` at ``world_size`` ranks."""
+def memory_plan(job: MemoryJob, options: Optional[MemoryOptions] = None) -> MemoryPlan:
+    """Per-stage memory plan of ``job`` at its plan's world size."""
     o = options or MemoryOptions()
     if o.recompute not in RECOMPUTE:
         raise ValueError(f"recompute={o.recompute!r} is not one of {RECOMPUTE}")
@@ -361,49 +382,43 @@ def memory_plan(cfg, world_size: int, options: Optional[MemoryOptions] = None) -
         raise ValueError(f"prompt_length={o.prompt_length} must be >= 0")
     if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
         raise ValueError(f"optimizer_offload_fraction={o.optimizer_offload_fraction} must be in [0, 1]")
-    m, p = cfg.model, cfg.parallel
+    m, p, d = job.model, job.parallel, job.dims
     if m is None:
         raise ValueError("model: missing; the memory plan needs the model shape")
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    vpp = p.vpp
-    ep, etp = p.expert_model_parallel_size, p.etp
-    dp = p.data_parallel_size(world_size)
-    edp = p.expert_data_parallel_size(world_size)
-    sp = bool(p.sequence_parallel and tp > 1)
-    row = longest_row(cfg, o.prompt_length, world_size)
-    problem = token_budget_error(cfg, row)
+    world_size, tp, pp, cp, vpp, ep, etp, dp, edp = d.world_size, d.tp, d.pp, d.cp, d.vpp, d.ep, d.etp, d.dp, d.edp
+    sp = bool(d.sequence_parallel and tp > 1)
+    row = longest_row(d, job.budget, o.prompt_length)
+    problem = token_budget_error(job.batcher, row)
     if problem is not None:
         raise ValueError(problem)
     response_source, seq = row.response_source, row.tokens
-    seqs_per_dp = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt // max(dp, 1)
-    per_minibatch = max(1, seqs_per_dp // max(1, cfg.actor.ppo_mini_batches))
-    budget = cfg.actor.max_tokens_per_micro_batch
+    seqs_per_dp = job.rows_per_step // max(dp, 1)
+    per_minibatch = max(1, seqs_per_dp // max(1, job.ppo_mini_batches))
+    budget = job.batcher.max_tokens
     if budget is None:  # fixed rows of the longest sequence
         s = -(-seq // cp)
-        b = cfg.actor.micro_batch_size
+        b = job.batcher.micro_batch_size
         micro = max(1, -(-per_minibatch // b))
     else:  # one row of the whole budget (module docstring); at most floor(B / R) longest rows per micro-batch
         s = -(-budget // cp)
         b = 1
         micro = max(1, -(-per_minibatch // max(1, budget // max(1, row.padded))))
-        if p.interleaved:  # the interleaved schedule needs >= PP micro-batches: the actor splits them further
+        if d.interleaved:  # the interleaved schedule needs >= PP micro-batches: the actor splits them further
             micro = max(micro, min(pp, per_minibatch))
     pattern = m.moe_layer_pattern()
-    lora = cfg.actor.lora  # adapters: the base has no gradient, no main parameter, no Adam state; no 2nd reference
+    lora = job.lora  # adapters: the base has no gradient, no main parameter, no Adam state; no 2nd reference
     V, h = m.vocab_size, m.hidden_size
     opt_bytes = 12 if o.params_bytes < 4 else 8
     main_bytes = 4 if o.params_bytes < 4 else 0  # fp32 main copy of bf16 parameters (part of opt_bytes)
     act = o.params_bytes  # activations are in the compute dtype = the parameter dtype
-    keep = BACKENDS[o.attention].keeps_scores(packed=bool(cfg.actor.sequence_packing))
+    keep = BACKENDS[o.attention].keeps_scores(packed=job.batcher.packed)
     plan = MemoryPlan(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, ep=ep, etp=etp,
                       expert_dp=edp, seq_length=seq, response_source=response_source, micro_batch_size=b, microbatches=micro,
                       total_params=total_parameters(m), options=o, is_moe=m.is_moe,
                       active_params=active_parameters(m) if m.is_moe else total_parameters(m),
-                      max_tokens_per_micro_batch=budget, sequence_packing=bool(cfg.actor.sequence_packing),
-                      longest_row=row, keeps_scores=keep,
-                      reference_model=(cfg.actor.policy_loss.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward)
-                      and not lora.enabled,
-                      critic_model=cfg.critic.enabled(cfg.algorithm.advantage_estimator))
+                      max_tokens_per_micro_batch=budget, sequence_packing=job.batcher.packed,
+                      longest_row=row, keeps_scores=keep, reference_model=job.reference_model,
+                      critic_model=job.critic_model)
     for st, layers in enumerate(stage_layers(m.num_layers, pp, vpp, p.num_layers_in_first_pipeline_stage,
                                              p.num_layers_in_last_pipeline_stage)):
         dense = expert = ad = ae = 0

@@ -1,20 +1,13 @@
 """What a job config really runs, as ``megatron-rl check`` plans it: device, parameter dtype, optimizer
 sharding, and the task's real prompt length.
 
-    prof = run_profile(cfg)           # RunProfile(device="cpu", params_bytes=4, distributed_optimizer=False,
-                                      #            prompt_length=7, prompt_source="longest 'copy' prompt ...")
+    prof = run_profile(precision, cfg.actor, cfg.data, cfg.cluster.device)   # precision: the job plan's
 
-* device: ``cluster.device`` of the config.
-* params dtype and optimizer: taken from the actor's own code -- ``actor.precision.Precision`` (what
-  ``train`` builds from ``actor.bf16``) and ``actor.optimizer.optimizer_config`` (Megatron's
-  ``use_distributed_optimizer``) -- so the plan follows the actor when it changes.
-* prompt length: the longest prompt of a built-in digit task (its longest operands, encoded with the
-  checkpoint's tokenizer, or with the char tokenizer those tasks are built for when ``actor.load_hf`` is
-  not there yet), or the longest prompt of ``data.path`` rendered as the trainer renders it (the
-  checkpoint's tokenizer and chat template with ``data.chat_template_kwargs``, ``data.max_prompt_length``;
-  without
-  it: the prompt's UTF-8 bytes, an upper bound for byte-level BPE tokenizers). When neither can be read,
-  ``None`` (the caller falls back to a flag).
+Rule: the dtype and optimizer come from the actor's own objects (the plan's ``Precision``,
+``actor.optimizer.optimizer_config``), so the plan follows the actor when it changes. The prompt length is the
+longest prompt of a built-in or custom task, or of ``data.path`` rendered as the trainer renders it (the
+checkpoint's tokenizer and chat template; without the tokenizer: the prompt's UTF-8 bytes, an upper bound for
+byte-level BPE); None when neither can be read (the caller falls back to a flag).
 """
 from __future__ import annotations
 
@@ -45,16 +38,15 @@ class RunProfile:
     """Where ``prompt_length`` comes from (printed by ``check``)."""
 
 
-def actor_precision(cfg) -> Tuple[int, bool]:
-    """(bytes per parameter, distributed optimizer) of the actor ``train`` builds for ``cfg``."""
-    prec = Precision.from_actor_config(cfg.actor)
-    ocfg = optimizer_config(cfg.actor, prec.params_dtype)
-    return prec.params_bytes, bool(ocfg.use_distributed_optimizer)
+def actor_precision(precision: Precision, actor) -> Tuple[int, bool]:
+    """(bytes per parameter, distributed optimizer) of the actor ``train`` builds with ``precision`` (the job plan's)
+    and the ``actor:`` section ``actor``."""
+    ocfg = optimizer_config(actor, precision.params_dtype)
+    return precision.params_bytes, bool(ocfg.use_distributed_optimizer)
 
 
-def _tokenizer(cfg):
-    """(tokenizer, description) of actor.load_hf, or (None, why not)."""
-    path = cfg.actor.load_hf
+def _tokenizer(path: Optional[str]):
+    """(tokenizer, description) of ``actor.load_hf`` ``path``, or (None, why not)."""
     if not path or not os.path.isdir(path):
         return None, f"actor.load_hf {path!r} is not there yet" if path else "no actor.load_hf"
     for d in (path, os.path.join(path, "hf_assets")):  # an HF dir, or a converted (hf-to-mcore) dir
@@ -65,10 +57,11 @@ def _tokenizer(cfg):
     return None, f"no tokenizer in {path}"
 
 
-def task_prompt_length(cfg) -> Tuple[Optional[int], str]:
-    """(longest prompt in tokens, where it comes from) of the config's ``data:`` section."""
-    d = cfg.data
-    tok, tok_src = _tokenizer(cfg)
+def task_prompt_length(data, load_hf: Optional[str]) -> Tuple[Optional[int], str]:
+    """(longest prompt in tokens, where it comes from) of the ``data:`` section ``data`` (``load_hf``:
+    ``actor.load_hf``, whose tokenizer encodes the prompts)."""
+    d = data
+    tok, tok_src = _tokenizer(load_hf)
     if is_custom_task(d.task):  # your own task: its longest_prompt(), when it knows one
         if tok is None:
             return None, f"data.task {d.task!r}: needs its tokenizer ({tok_src})"
@@ -141,9 +134,10 @@ def _prompt_bytes(prompt) -> Optional[int]:
     return None
 
 
-def run_profile(cfg) -> RunProfile:
-    """The :class:`RunProfile` of a (possibly invalid) job config."""
-    params_bytes, dist_opt = actor_precision(cfg)
-    n, src = task_prompt_length(cfg)
-    return RunProfile(device=cfg.cluster.device, params_bytes=params_bytes, distributed_optimizer=dist_opt,
+def run_profile(precision: Precision, actor, data, device: str) -> RunProfile:
+    """The :class:`RunProfile` of a (possibly invalid) job: ``precision`` the one its plan builds (or plans with),
+    ``actor`` / ``data`` its sections, ``device`` its ``cluster.device``."""
+    params_bytes, dist_opt = actor_precision(precision, actor)
+    n, src = task_prompt_length(data, actor.load_hf)
+    return RunProfile(device=device, params_bytes=params_bytes, distributed_optimizer=dist_opt,
                       prompt_length=n, prompt_source=src)

@@ -30,6 +30,7 @@ from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.algo.estimator import Estimator
 from megatron_rl.plan.advantage import build_estimator, describe_advantages
 from megatron_rl.plan.lora import lora_spec
+from megatron_rl.plan.parts import PlanParts
 from megatron_rl.actor.critic import CriticSpec
 from megatron_rl.plan.critic import critic_dp_errors, critic_plan
 from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
@@ -47,7 +48,8 @@ if TYPE_CHECKING:  # the config package validates through this module: only its 
 
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
-__all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "job_engine", "world_errors"]
+__all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "job_engine", "world_errors",
+           "plan_parts", "planning_precision"]
 
 T = TypeVar("T")
 
@@ -206,7 +208,7 @@ class JobPlan:
         lr_schedule = p.build(_lr_schedule, ac, t.steps)
         p.add(actor_size_errors(ac))
         batcher = p.build(_batcher, dims, ac, cfg.parallel)
-        precision = p.build(Precision.from_actor_config, ac)
+        precision = p.build(_precision, ac)
         # actor.optimizer_cpu_offload: megatron's limits and the installed version, with the precision asked for
         p.add(offload_errors(ac, precision=precision or Precision.requested(ac)))
         if ac.load_hf is not None and not os.path.isdir(ac.load_hf):
@@ -224,9 +226,8 @@ class JobPlan:
         p.add(critic_dp_errors(cfg, world_size))
         attention = None
         if c.device in DEVICES:  # bf16 through Precision (the fp32_output_layer problem does not change it)
-            prec = precision or Precision.requested(ac)
-            attention = attention_backend(c.device, expected_te(c.device, has_te)[0], prec.bf16)
-            p.add(attention_errors(attention, cfg))
+            attention = _attention(c.device, has_te, precision or Precision.requested(ac))
+            p.add(attention_errors(attention, bool(ac.sequence_packing), cfg.parallel.context_parallel_size))
         p.add(model_extra_errors(cfg.model))
         recompute = p.build(_recompute, ac, cfg.model, cfg.parallel)
         lora = p.build(lora_spec, cfg)
@@ -280,6 +281,25 @@ def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective
     return Objective(loss=loss, bypass_correction=corr if corr.bypass_mode else None)
 
 
+def _attention(device: str, has_te: Optional[bool], precision: Precision) -> AttentionBackend:
+    """The core-attention backend on ``device`` (``has_te``: see ``JobPlan.collect``): the one site that picks it."""
+    return attention_backend(device, expected_te(device, has_te)[0], precision.bf16)
+
+
+def _precision(ac) -> Precision:
+    """The actor's checked ``Precision`` (``actor.bf16``, ``actor.fp32_output_layer``): the one site that builds it."""
+    return Precision.from_actor_config(ac)
+
+
+def planning_precision(ac) -> Precision:
+    """The precision to plan memory with: the actor's, or when refused what ``actor.bf16`` /
+    ``actor.fp32_output_layer`` ask for (``Precision.requested``)."""
+    try:
+        return _precision(ac)
+    except ValueError:
+        return Precision.requested(ac)
+
+
 def _lr_schedule(ac, steps: int) -> LRSchedule:
     if not ac.lr > 0:
         raise Unbuilt([f"actor.lr: must be > 0, got {ac.lr}"])
@@ -309,13 +329,18 @@ def _replay(name, model) -> ReplayMode:
 
 def _recompute(ac, model, parallel) -> Recompute:
     """``actor.recompute_*`` under megatron-core's rules, bounded by the layers of a pipeline stage."""
-    rc = Recompute.from_actor(ac)
-    stages = parallel.stage_layer_counts(model.num_layers) if model is not None else ()
-    errs = rc.errors(stages, moe_grouped_gemm=bool(model and model.moe_grouped_gemm),
-                     multi_latent_attention=bool(model and model.multi_latent_attention))
+    rc, errs = _recompute_asked(ac, model, parallel)
     if errs:
         raise Unbuilt(errs)
     return rc
+
+
+def _recompute_asked(ac, model, parallel) -> Tuple[Recompute, List[str]]:
+    """(the recomputation ``actor.recompute_*`` asks for -- the one site that builds it --, its problems)."""
+    rc = Recompute.from_actor(ac)
+    stages = parallel.stage_layer_counts(model.num_layers) if model is not None else ()
+    return rc, rc.errors(stages, moe_grouped_gemm=bool(model and model.moe_grouped_gemm),
+                         multi_latent_attention=bool(model and model.multi_latent_attention))
 
 
 def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
@@ -328,7 +353,7 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     dims = p.build(build_dims, cfg.parallel, cfg.model, world_size)
     corr, ac = cfg.algorithm.rollout_correction, cfg.actor
     objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
-    spec = dict(precision=p.build(Precision.from_actor_config, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
+    spec = dict(precision=p.build(_precision, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
                 lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg))
     if p.found or p.unbuilt:
@@ -346,7 +371,7 @@ def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpe
     the critic's keys; ``PlanError`` naming what failed, or when the job trains no critic."""
     a = actor_spec(cfg, world_size)
     try:
-        spec = critic_plan(cfg, a.precision, a.batcher, ResponseBudget.of(cfg.rollout, cfg.multi_turn))
+        spec = critic_plan(cfg, a.precision, a.batcher, _budget(cfg.rollout, cfg.multi_turn))
     except Unbuilt as exc:
         raise PlanError(exc.problems or ["critic: the plan could not be built"]) from None
     if spec is None:
@@ -374,3 +399,18 @@ def world_errors(cfg: "JobConfig", world_size: int) -> List[str]:
         layout = [e for e in exc.problems if e.startswith("world size:")]
     return (layout + dp_errors(cfg.parallel, cfg.data.prompts_per_step, cfg.actor.ppo_mini_batches, world_size)
             + critic_dp_errors(cfg, world_size))
+
+
+def plan_parts(cfg: "JobConfig", world_size: int, has_te: Optional[bool] = None) -> PlanParts:
+    """The plan's sizing objects alone, each None where it did not build (``megatron-rl check`` plans memory and
+    the weight sync from them even when other keys are wrong; the problems are ``JobPlan.collect``'s to name)."""
+    p = _Problems()
+    dims = p.build(build_dims, cfg.parallel, cfg.model, world_size)
+    ac = cfg.actor
+    precision = planning_precision(ac)
+    return PlanParts(dims=dims, budget=p.build(_budget, cfg.rollout, cfg.multi_turn),
+                     batcher=p.build(_batcher, dims, ac, cfg.parallel), precision=precision,
+                     attention=_attention(cfg.cluster.device, has_te, precision),
+                     weight_sync=p.build(weight_sync_settings, cfg.rollout, cfg.trainer.run_dir, ac.lora),
+                     recompute=(p.build(_recompute_asked, ac, cfg.model, cfg.parallel) or (None,))[0],
+                     replay=p.build(_replay, ac.routing_replay, cfg.model))

@@ -8,9 +8,7 @@ can read it without importing the rollout machinery.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
-
-__all__ = ["TurnLimits", "ResponseBudget", "response_budget"]
+__all__ = ["TurnLimits", "ResponseBudget"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +50,9 @@ class ResponseBudget:
 
     @classmethod
     def of(cls, rollout, multi_turn) -> "ResponseBudget":
-        """The budget of a job's ``rollout`` and ``multi_turn`` sections."""
+        """The budget of a job's ``rollout`` and ``multi_turn`` sections (the job plan builds it, once)."""
         if multi_turn.env is None:
             return cls(int(rollout.max_new_tokens), "rollout.max_new_tokens")
         return cls(TurnLimits.from_config(multi_turn, rollout.max_new_tokens).max_total_tokens,
                    "multi_turn.max_total_tokens")
 
-
-def response_budget(cfg) -> Tuple[int, str]:
-    """(``ResponseBudget.tokens``, ``ResponseBudget.key``) of a job config."""
-    b = ResponseBudget.of(cfg.rollout, cfg.multi_turn)
-    return b.tokens, b.key

@@ -13,10 +13,11 @@ import glob
 import mmap
 import os
 import secrets
+from typing import Tuple
 
 import torch
 
-__all__ = ["available", "Segment", "leftovers"]
+__all__ = ["available", "Segment", "leftovers", "segment_bytes"]
 
 _PREFIX = "megatron_rl_ws_"
 
@@ -88,3 +89,21 @@ class Segment:
 def leftovers() -> list:
     """Weight-sync names in ``/dev/shm`` (tests: always none)."""
     return sorted(glob.glob("/dev/shm/megatron_rl_ws_*"))
+
+
+def segment_bytes(settings, largest_piece: int = 0, largest_tensor: int = 0) -> Tuple[int, int]:
+    """(``tp_gather``, ``sender``): the bytes of one shared-memory segment a rank keeps for the syncs of a job with
+    ``settings`` (``WeightSyncSettings``) -- what ``megatron-rl check`` counts; change it with the segments.
+
+    * ``tp_gather``: held by each non-owner rank of a sender's TP (or ETP) group, one per group, when
+      ``settings.tp_gather`` is "shm" (``gather._Slots``: two slots, each at least 1 MiB and grown -- doubling --
+      to hold the largest piece): at most ``2 * max(2 * largest_piece, 1 MiB)``; 0 without a split piece.
+    * ``sender``: held by each sender other than rank 0 whose buckets reach an engine in rank 0's process through
+      shared memory (``settings.sender_transport`` "shm"; ``in_process``): a bucket, or the largest tensor when that
+      is larger (``buckets.bucketize`` asks its ``alloc`` for ``max(bucket_bytes, n)``).
+
+    ``largest_piece``: bytes of the largest piece of a split parameter the rank writes; ``largest_tensor``: of the
+    largest tensor a sender packs; both in the engine's dtype."""
+    gather = 2 * max(2 * int(largest_piece), 1 << 20) if settings.tp_gather == "shm" and largest_piece > 0 else 0
+    sender = max(int(settings.bucket_bytes), int(largest_tensor)) if settings.sender_transport == "shm" else 0
+    return gather, sender

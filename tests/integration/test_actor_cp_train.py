@@ -33,13 +33,15 @@ def _data():
 def _rank(rank, world, cp, agg, loss_type="ppo_clip", loss=None, old_noise=0.0):
     """One rank's log-prob pass and train step; ``loss_type`` / ``loss`` (PolicyLossConfig keys) pick the
     objective, ``old_noise`` > 0 perturbs the old log-probs (a fixed draw) so that ratios differ from 1."""
+    from megatron_rl.actor.batcher import MicroBatcher
     from megatron_rl.actor.forward import compute_log_probs
     from megatron_rl.actor.train_step import train_mini_batch
     from megatron_rl.losses import PolicyLoss, PolicyLossConfig
 
     groups, model, opt, batch, adv, is_w, shard, rows = cp_rank(cp, _build, _data())
     bounds = [(s, min(s + 3, shard.num_rows)) for s in range(0, shard.num_rows, 3)]   # micro-batches of 3 rows
-    lp, ent = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups)
+    lp, ent = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups,
+                                batcher=MicroBatcher(groups.dims))
     old = lp
     if old_noise:
         g = torch.Generator().manual_seed(3)
@@ -49,7 +51,7 @@ def _rank(rank, world, cp, agg, loss_type="ppo_clip", loss=None, old_noise=0.0):
                  "is_weights": is_w[rows], "ref_log_probs": None}
     cfg = PolicyLossConfig(**{"loss_agg_mode": agg, **(loss or {})})
     metrics = train_mini_batch(model, opt, shard, per_token, PolicyLoss.of(loss_type, cfg), temperature=0.9,
-                               bounds=bounds, groups=groups)
+                               bounds=bounds, groups=groups, batcher=MicroBatcher(groups.dims))
     return rank_result(groups, model, lp, ent, metrics)
 
 

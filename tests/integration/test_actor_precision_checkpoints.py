@@ -161,16 +161,17 @@ def test_checkpoint_host_memory_plan_matches_megatron(bf16):
     """``ops.memory.checkpoint_host_bytes`` (what ``check`` prints) against the CPU tensors megatron allocates:
     12 bytes per parameter of the rank on every rank when loading, on DP rank 0 only when saving."""
     from megatron_rl.ops.memory import MemoryOptions, checkpoint_host_bytes, memory_plan
+    from megatron_rl.plan.sizing import memory_job
 
     job = named_job("checkpoint_actor", TWO_LAYERS, *knobs(use_distributed_optimizer=True, bf16=bf16))
     res = run_ranks(_host_state_rank, 2, job, timeout=200)
-    plan = memory_plan(job, 2, MemoryOptions(distributed_optimizer=True, params_bytes=2 if bf16 else 4))
+    plan = memory_plan(memory_job(job, 2), MemoryOptions(distributed_optimizer=True, params_bytes=2 if bf16 else 4))
     planned = checkpoint_host_bytes(plan)
     for r in res:
         assert r["load"] == 12 * r["params"] == planned["load"], (r, planned)
     assert res[0]["save"] == res[0]["load"] and res[1]["save"] == 0  # gathered on DP rank 0 only
     assert planned["save"] > planned["load"]  # + the gather's buffers
-    off = memory_plan(job, 2, MemoryOptions(distributed_optimizer=False))
+    off = memory_plan(memory_job(job, 2), MemoryOptions(distributed_optimizer=False))
     assert checkpoint_host_bytes(off) == {"load": 0.0, "save": 0.0}
 
 
@@ -260,13 +261,14 @@ def test_memory_plan_of_the_fp32_output_layer_matches_the_actor(tied):
     (the output layer's / shared embedding's weight at 4 bytes) and optimizer bytes (no separate main copy of that
     weight) equal what the built actor holds."""
     from megatron_rl.ops.memory import MemoryOptions, memory_plan
+    from megatron_rl.plan.sizing import memory_job
 
     job = named_job("checkpoint_actor", TWO_LAYERS, setting("model.untie_embeddings_and_output_weights", not tied),
                     "actor.weight_decay=0.0", *knobs(bf16=True, fp32_output_layer=True, use_distributed_optimizer=True))
     got = run_ranks(_resident_rank, 1, job, timeout=150)[0]
-    st = memory_plan(job, 1, MemoryOptions(params_bytes=2, fp32_output_layer=True, distributed_optimizer=True))
+    st = memory_plan(memory_job(job, 1), MemoryOptions(params_bytes=2, fp32_output_layer=True, distributed_optimizer=True))
     assert st.stages[0].params == got["params"] and st.stages[0].optimizer == got["optimizer"], (st.stages[0], got)
-    plain = memory_plan(job, 1, MemoryOptions(params_bytes=2, distributed_optimizer=True))
+    plain = memory_plan(memory_job(job, 1), MemoryOptions(params_bytes=2, distributed_optimizer=True))
     assert plain.stages[0].params < got["params"]  # without the option the plan is short of the fp32 weight
 
 

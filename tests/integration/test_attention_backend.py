@@ -66,7 +66,8 @@ def test_impossible_combinations_are_named(overrides, has_te, key, fix):
     assert len(errs) == 1 and fix in errs[0], problems
     # the same job with bf16 on TE runs flash / fused attention: nothing to refuse
     ok, _ = _problems([o for o in overrides if not o.startswith("actor.bf16")] + ["actor.bf16=true"], True)
-    assert not attention_errors(attention_backend("cuda", True, True), ok)
+    assert not attention_errors(attention_backend("cuda", True, True), bool(ok.actor.sequence_packing),
+                                ok.parallel.context_parallel_size)
 
 
 def test_packing_without_te_is_accepted():

@@ -191,6 +191,7 @@ def test_in_loss_correction_under_context_parallel_equals_unsplit(name):
 def _cp_train_rank(rank, world, cp, case):
     """``train_mini_batch`` in bypass mode on the position-wise model (``test_actor_cp_train``): the rollout
     log-probs are the model's plus a fixed noise, the loss corrects from its own log-probs in every micro-batch."""
+    from megatron_rl.actor.batcher import MicroBatcher
     from megatron_rl.actor.forward import compute_log_probs
     from megatron_rl.actor.train_step import train_mini_batch
     from megatron_rl.correction import RolloutCorrectionConfig
@@ -200,7 +201,8 @@ def _cp_train_rank(rank, world, cp, case):
 
     groups, model, opt, batch, adv, _, shard, rows = cp_rank(cp, _build, _cp_data())
     bounds = [(s, min(s + 3, shard.num_rows)) for s in range(0, shard.num_rows, 3)]
-    lp, ent = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups)
+    lp, ent = compute_log_probs(model, shard, bounds=bounds, temperature=0.9, groups=groups,
+                                batcher=MicroBatcher(groups.dims))
     noise = 0.15 * torch.randn(batch.num_rows, batch.max_length - 1, generator=torch.Generator().manual_seed(3))
     rollout = torch.clamp(lp + noise[rows, : lp.shape[1]], max=-1e-4) * shard.response_mask
     corr, loss = CASES[case]
@@ -208,7 +210,8 @@ def _cp_train_rank(rank, world, cp, case):
                  "is_weights": None, "ref_log_probs": None}
     policy_loss = PolicyLoss.of(corr["loss_type"], PolicyLossConfig(**loss), bypass_mode=True)
     metrics = train_mini_batch(model, opt, shard, per_token, policy_loss, temperature=0.9, bounds=bounds,
-                               groups=groups, bypass_correction=RolloutCorrectionConfig(**corr))
+                               groups=groups, batcher=MicroBatcher(groups.dims),
+                               bypass_correction=RolloutCorrectionConfig(**corr))
     out = rank_result(groups, model, lp, ent, metrics)
     out["num_response_tokens"] = float(batch.response_mask.sum())
     return out

@@ -11,6 +11,7 @@ import pytest
 from megatron_rl.plan import load_job_config
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
+from megatron_rl.plan.sizing import memory_job
 from megatron_rl.testing.cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,16 +66,16 @@ def qwen7b_rank_params(tp=2):
 
 def test_qwen7b_params_grads_optimizer():
     cfg = load_job_config(Q7, Q7_TP2, world_size=8)
-    plan = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024))
+    plan = memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024))
     (st,) = plan.stages
     n = qwen7b_rank_params()
     assert st.dense_params + st.expert_params == n
     assert st.params == 2 * n                   # bf16
     assert st.grads == 4 * n                    # fp32 main grads
     assert st.optimizer == pytest.approx(12 * n / 4)   # fp32 master + 2 moments, sharded over DP=4
-    no_dist = memory_plan(cfg, 8, MemoryOptions(distributed_optimizer=False)).stages[0]
+    no_dist = memory_plan(memory_job(cfg, 8), MemoryOptions(distributed_optimizer=False)).stages[0]
     assert no_dist.optimizer == pytest.approx(12 * n)
-    fp32 = memory_plan(cfg, 8, MemoryOptions(params_bytes=4)).stages[0]
+    fp32 = memory_plan(memory_job(cfg, 8), MemoryOptions(params_bytes=4)).stages[0]
     assert fp32.params == 4 * n and fp32.optimizer == pytest.approx(8 * n / 4)   # no master copy
 
 
@@ -112,7 +113,7 @@ def test_qwen7b_activations(attention):
     kept per layer without recompute, one layer's at a time with selective recompute, part of the working
     layer with full recompute."""
     cfg = load_job_config(Q7, Q7_TP2, world_size=8)
-    plan = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, attention=attention))
+    plan = memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024, attention=attention))
     (st,) = plan.stages
     s, b, h, tp = 1024 + 4096, 2, 3584, 2
     # 64 prompts x 8 samples / DP 4 = 128 sequences per DP rank, 4 mini-batches -> 32 -> 16 micro-batches of 2;
@@ -132,8 +133,8 @@ def test_packed_rows_on_the_local_backend_keep_no_scores():
     refuses packing (validation) and would materialise them."""
     cfg = load_job_config(Q7, Q7_TP2 + ["actor.sequence_packing=true", "actor.max_tokens_per_micro_batch=16384"],
                           world_size=8)
-    assert not memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, attention="local")).keeps_scores
-    assert memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, attention="te-unfused")).keeps_scores
+    assert not memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024, attention="local")).keeps_scores
+    assert memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024, attention="te-unfused")).keeps_scores
 
 
 @pytest.mark.parametrize("bf16,dist_opt", [(True, True), (True, False), (False, False)])
@@ -144,10 +145,10 @@ def test_kl_reference_model(bf16, dist_opt):
     pb = 2 if bf16 else 4
     opts = MemoryOptions(prompt_length=1024, params_bytes=pb, distributed_optimizer=dist_opt)
     cfg = load_job_config(Q7, Q7_TP2 + ["actor.policy_loss.kl_loss_coef=0.1"], world_size=8)
-    plan = memory_plan(cfg, 8, opts)
+    plan = memory_plan(memory_job(cfg, 8), opts)
     (st,) = plan.stages
     assert plan.reference_model and st.reference == pytest.approx(pb * n)
-    without = memory_plan(load_job_config(Q7, Q7_TP2, world_size=8), 8, opts).stages[0]
+    without = memory_plan(memory_job(load_job_config(Q7, Q7_TP2, world_size=8), 8), opts).stages[0]
     assert without.reference == 0
     assert st.total("none", False) - without.total("none", False) == pytest.approx(st.reference)
 
@@ -159,15 +160,15 @@ def test_optimizer_cpu_offload_moves_the_state_to_the_host(fraction):
     grads and activations do not move. DP=4 with the distributed optimizer: n / 4 elements per rank."""
     n = qwen7b_rank_params()
     cfg = load_job_config(Q7, Q7_TP2, world_size=8)
-    base = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, params_bytes=2)).stages[0]
-    st = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, params_bytes=2,
+    base = memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024, params_bytes=2)).stages[0]
+    st = memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024, params_bytes=2,
                                            optimizer_offload_fraction=fraction)).stages[0]
     assert base.optimizer == pytest.approx(12 * n / 4) and base.host == 0
     assert st.optimizer == pytest.approx((1 - fraction) * 12 * n / 4)
     assert st.host == pytest.approx(fraction * 16 * n / 4)
     assert (st.params, st.grads, st.activations) == (base.params, base.grads, base.activations)
     with pytest.raises(ValueError, match="optimizer_offload_fraction"):
-        memory_plan(cfg, 8, MemoryOptions(prompt_length=1024, optimizer_offload_fraction=1.5))
+        memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024, optimizer_offload_fraction=1.5))
 
 
 def test_parked_kl_reference_is_held_when_the_activations_are_not():
@@ -176,8 +177,8 @@ def test_parked_kl_reference_is_held_when_the_activations_are_not():
     n = qwen7b_rank_params()
     kl = Q7_TP2 + ["actor.policy_loss.kl_loss_coef=0.1"]
     opts = dict(prompt_length=1024, params_bytes=2)
-    held = memory_plan(load_job_config(Q7, kl, world_size=8), 8, MemoryOptions(**opts)).stages[0]
-    parked = memory_plan(load_job_config(Q7, kl + ["actor.ref_param_offload=true"], world_size=8), 8,
+    held = memory_plan(memory_job(load_job_config(Q7, kl, world_size=8), 8), MemoryOptions(**opts)).stages[0]
+    parked = memory_plan(memory_job(load_job_config(Q7, kl + ["actor.ref_param_offload=true"], world_size=8), 8),
                          MemoryOptions(**opts, reference_offload=True)).stages[0]
     assert parked.reference == held.reference == pytest.approx(2 * n) and parked.host == pytest.approx(2 * n)
     acts = held.activations["none"]
@@ -188,7 +189,7 @@ def test_verls_deepseek_v3_80gb_job_fits_with_the_reference_as_its_weights():
     """verl runs DeepSeek-V3 on 256 x 80 GB with a KL reference: here too, once the reference is its bf16 weights
     (= the params column) -- planned as a second actor (+ fp32 grads + fp32 main / DP) it would not fit."""
     cfg = load_job_config(DS671, VERL_DS_80GB, world_size=256)
-    plan = memory_plan(cfg, 256, MemoryOptions(prompt_length=2048, params_bytes=2, recompute="full"))
+    plan = memory_plan(memory_job(cfg, 256), MemoryOptions(prompt_length=2048, params_bytes=2, recompute="full"))
     peak = plan.peak()
     for st in plan.stages:
         assert st.reference == st.params
@@ -199,7 +200,7 @@ def test_verls_deepseek_v3_80gb_job_fits_with_the_reference_as_its_weights():
 
 def test_qwen7b_full_recompute_and_logits():
     cfg = load_job_config(Q7, Q7_TP2, world_size=8)
-    st = memory_plan(cfg, 8, MemoryOptions(prompt_length=1024)).stages[0]
+    st = memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=1024)).stages[0]
     s, b, h, V, tp = 5120, 2, 3584, 152064, 2
     kept = 28 * s * b * h * 2 / tp
     assert st.activations["full"] == pytest.approx(kept + qwen7b_layer_acts(s, b, False))
@@ -214,7 +215,7 @@ def test_qwen7b_full_recompute_and_logits():
 # ------------------------------------------------------------------ Qwen3-30B-A3B, TP2 PP2 EP8 ETP1 on 16
 def test_qwen3_moe_per_stage():
     cfg = load_job_config(Q30, world_size=16)
-    plan = memory_plan(cfg, 16, MemoryOptions(prompt_length=1024))
+    plan = memory_plan(memory_job(cfg, 16), MemoryOptions(prompt_length=1024))
     assert (plan.dp, plan.expert_dp) == (4, 1)
     h, heads, kv, d, E, fm, V, tp, ep = 2048, 32, 4, 128, 128, 768, 151936, 2, 8
     attn = h * heads * d / tp + 2 * h * kv * d / tp + heads * d * h / tp
@@ -250,7 +251,7 @@ def test_qwen3_moe_per_stage():
 
 def test_deepseek_interleaved_in_flight_matches_korthikanti():
     cfg = load_job_config(DS, world_size=512)
-    plan = memory_plan(cfg, 512)
+    plan = memory_plan(memory_job(cfg, 512))
     p, v = 8, 4
     # stage 0 of the interleaved schedule holds L*(1 + (p-1)/(p*v)) layers' activations (Korthikanti eq. 5)
     layers_per_stage = 64 / p

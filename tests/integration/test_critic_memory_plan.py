@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor.critic import MegatronCritic
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
+from megatron_rl.plan.sizing import memory_job
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.plan.job import critic_spec
 from megatron_rl.testing.distributed import run_ranks
@@ -32,9 +33,9 @@ def test_plan_counts_the_critics_parameters(tied):
                     f"model.untie_embeddings_and_output_weights={str(not tied).lower()}")
     built = dict(run_ranks(_rank, 2, job, timeout=150))
     opts = MemoryOptions(prompt_length=8, params_bytes=4, grad_bytes=4, distributed_optimizer=False)
-    plan = memory_plan(job, 2, opts)
+    plan = memory_plan(memory_job(job, 2), opts)
     assert plan.critic_model
     for st in plan.stages:  # fp32: 4 B weight + 4 B gradient + 8 B Adam moments per parameter
         assert st.critic == 16 * built[st.stage], (st.stage, st.critic / 16, built[st.stage])
-    without = memory_plan(named_job("checkpoint_actor", *layout(pp=2)), 2, opts)
+    without = memory_plan(memory_job(named_job("checkpoint_actor", *layout(pp=2)), 2), opts)
     assert not without.critic_model and all(st.critic == 0 for st in without.stages)

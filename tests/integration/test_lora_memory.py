@@ -9,6 +9,7 @@ import pytest
 
 import megatron.core  # noqa: F401
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
+from megatron_rl.plan.sizing import memory_job
 from megatron_rl.testing.actor_reference import actor_job
 from megatron_rl.testing.distributed import run_ranks
 
@@ -37,7 +38,7 @@ def test_plan_counts_adapters_only_for_grads_and_adam(tiny_hf_model, arch, kw):
     job = actor_job(hf_dir, {"lora": LORA, "policy_loss": {"kl_loss_coef": 0.01}})
     (adapters, base), = run_ranks(_built_counts, 1, job, timeout=100)
     opts = MemoryOptions(params_bytes=4, distributed_optimizer=False)
-    (st,) = memory_plan(job, 1, opts).stages
+    (st,) = memory_plan(memory_job(job, 1), opts).stages
     assert st.adapter_params == adapters
     assert st.params == 4 * (base + adapters)
     assert st.grads == 4 * adapters
@@ -45,7 +46,7 @@ def test_plan_counts_adapters_only_for_grads_and_adam(tiny_hf_model, arch, kw):
     assert st.reference == 0  # the reference is the policy with its adapters off
     full = dataclasses.replace(job, actor=dataclasses.replace(job.actor, lora=dataclasses.replace(job.actor.lora,
                                                                                                    rank=0)))
-    (fst,) = memory_plan(full, 1, opts).stages
+    (fst,) = memory_plan(memory_job(full, 1), opts).stages
     assert fst.grads == 4 * base and fst.reference == 4 * base and fst.adapter_params == 0
 
 

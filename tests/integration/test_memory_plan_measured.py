@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor import MegatronActor
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
+from megatron_rl.plan.sizing import memory_job
 from megatron_rl.parallel import initialize_model_parallel
 from megatron_rl.plan import actor_spec
 from megatron_rl.testing.actor_reference import checkpoint_batch
@@ -87,7 +88,7 @@ def test_plan_matches_megatrons_allocations(case):
     offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction) if fraction else {}
     job = named_job("checkpoint_actor", "model.num_layers=2", *extra,
                     *knobs(use_distributed_optimizer=True, bf16=True, **offload))
-    plan = memory_plan(job, 2, MemoryOptions(params_bytes=2, optimizer_offload_fraction=fraction))
+    plan = memory_plan(memory_job(job, 2), MemoryOptions(params_bytes=2, optimizer_offload_fraction=fraction))
     got = run_ranks(_measure, 2, job, timeout=400)
     for g in got:
         st = plan.stages[g["stage"]]

@@ -127,9 +127,9 @@ def _check_counts_the_copies_held(cfg, actor_dir, held):
     import os
 
     from megatron_rl.ops.memory import total_parameters
-    from megatron_rl.ops.weight_sync_plan import weight_sync_plan
+    from megatron_rl.plan.sizing import job_sync_plan
 
-    plan = weight_sync_plan(cfg, total_parameters(cfg.model), weight_sync_settings(cfg).mode.name)
+    plan = job_sync_plan(cfg, total_parameters(cfg.model))
     assert [b for _, b in plan.senders] == plan.delta_copy_bytes
     assert plan.delta_copy_bytes == [sum(x[3] for x in h.values()) for h in held], (plan.delta_copy_bytes, held)
     assert {x[2] for h in held for x in h.values()} == {"cpu"}
@@ -140,5 +140,5 @@ def _check_counts_the_copies_held(cfg, actor_dir, held):
         names = sorted(f.keys())
     assert sorted(n for h in held for n in h) == names
     plain = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_sync_delta=False))
-    extra = plan.rank0_host_bytes - weight_sync_plan(plain, total_parameters(cfg.model), weight_sync_settings(plain).mode.name).rank0_host_bytes
+    extra = plan.rank0_host_bytes - job_sync_plan(plain, total_parameters(cfg.model)).rank0_host_bytes
     assert extra == pytest.approx(sum(x[3] for x in held[0].values()), abs=1e-3)  # rank 0's host total counts it

@@ -15,6 +15,7 @@ from megatron_rl.cli import main as cli_main
 from megatron_rl.plan import load_job_config
 from megatron_rl.logprobs.backend import CUDA_CHUNK_ELEMENTS
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
+from megatron_rl.plan.sizing import memory_job
 
 WORLD = 16
 H, F, HEADS, GROUPS, D, V, LAYERS = 64, 128, 4, 2, 16, 256, 4
@@ -45,7 +46,7 @@ def job(tmp_path):
 
 def _plan(job, *overrides, recompute="selective", world=WORLD, attention="te-fused"):
     cfg = load_job_config(job, list(overrides), world_size=world)
-    return memory_plan(cfg, world, MemoryOptions(prompt_length=PROMPT, params_bytes=2, recompute=recompute,
+    return memory_plan(memory_job(cfg, world), MemoryOptions(prompt_length=PROMPT, params_bytes=2, recompute=recompute,
                                                  attention=attention))
 
 

@@ -14,6 +14,7 @@ import torch
 from megatron_rl.actor.routing import agreement_counts, routing_valid_mask
 from megatron_rl.plan import load_job_config
 from megatron_rl.ops.memory import longest_row
+from megatron_rl.plan.job import plan_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS = os.path.join(ROOT, "configs", "qwen3_30b_a3b_tools_2x8.yaml")
@@ -33,7 +34,8 @@ def _sentences_about_check(text):
 
 def test_check_plans_multi_turn_rows_with_the_key_the_docs_name():
     cfg = load_job_config(TOOLS, world_size=16)
-    row = longest_row(cfg, prompt_length=100, world_size=16)
+    parts = plan_parts(cfg, 16)
+    row = longest_row(parts.dims, parts.budget, prompt_length=100)
     assert row.response_source == "multi_turn.max_total_tokens"
     assert row.response == cfg.multi_turn.max_total_tokens
     for where, text in (("docs/multi_turn.md", _read("docs", "multi_turn.md")), ("the tools config", _read(TOOLS))):

@@ -10,8 +10,7 @@ import pytest
 
 from megatron_rl.config import ConfigError, job_config_from_dict
 from megatron_rl.plan import load_job_config
-from megatron_rl.ops.weight_sync_plan import weight_sync_plan
-from megatron_rl.trainer.sync_settings import weight_sync_settings
+from megatron_rl.plan.sizing import job_sync_plan
 from megatron_rl.parallel.launch import LaunchEnv, cuda_device_index
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +44,7 @@ def test_check_says_disk_syncs_need_a_shared_filesystem(engine, shared):
     else:                    # the embedded engine loads the export in the trainer's own process
         over.append("rollout.weight_sync=disk")
     cfg = load_job_config(os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml"), over, world_size=8)
-    line = weight_sync_plan(cfg, 7_000_000_000, weight_sync_settings(cfg).mode.name).line()
+    line = job_sync_plan(cfg, 7_000_000_000).line()
     assert line.startswith("weight sync (disk)")
     assert ("filesystem shared by the trainer's rank 0 and every server node" in line) == shared
     assert ("/scratch/run/weight_sync" in line) == shared
@@ -57,10 +56,10 @@ def test_check_counts_the_versions_async_in_memory_sync_holds_on_rank_0(stalenes
     trainer's dtype (fp32 here), and builds the next one: (max_staleness + 2) copies of 7e9 x 4 bytes."""
     over = ["rollout.engine=sglang", 'rollout.sglang_urls=["http://srv:30000"]', "rollout.weight_sync=distributed"]
     cfg = load_job_config(os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml"), over, world_size=8)
-    sync = weight_sync_plan(cfg, 7_000_000_000, weight_sync_settings(cfg).mode.name).rank0_host_bytes
+    sync = job_sync_plan(cfg, 7_000_000_000).rank0_host_bytes
     cfg = load_job_config(os.path.join(ROOT, "configs", "qwen2.5_7b_1x8.yaml"),
                           over + ["rollout.mode=async", f"rollout.max_staleness={staleness}"], world_size=8)
-    held = weight_sync_plan(cfg, 7_000_000_000, weight_sync_settings(cfg).mode.name).rank0_host_bytes - sync
+    held = job_sync_plan(cfg, 7_000_000_000).rank0_host_bytes - sync
     assert held == (staleness + 2) * 7e9 * (2 if cfg.actor.bf16 else 4), held
 
 

@@ -58,6 +58,7 @@ def test_deepseek_uneven_stages_and_recompute_map_and_pass_check(tmp_path):
 
     from megatron_rl.models.builder import make_transformer_config
     from megatron_rl.ops.memory import MemoryOptions, memory_plan
+    from megatron_rl.plan.sizing import memory_job
 
     m = migrate_verl(_with_base(DSV3))
     for key, target in ((f"{OTC}.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_first_pipeline_stage"),
@@ -92,7 +93,7 @@ def test_deepseek_uneven_stages_and_recompute_map_and_pass_check(tmp_path):
     assert [get_num_layers_to_build(ours, pp_rank=r) for r in range(pp)] == expected
     assert ours.recompute_granularity is None  # the actor passes actor.recompute_* (tests/integration)
     assert cfg.parallel.stage_layer_counts(61) == expected
-    plan = memory_plan(cfg, 256, MemoryOptions(recompute=cfg.actor.recompute_granularity))
+    plan = memory_plan(memory_job(cfg, 256), MemoryOptions(recompute=cfg.actor.recompute_granularity))
     assert [len(s.layers) for s in plan.stages] == expected
 
 

@@ -18,6 +18,7 @@ from megatron_rl.config.load import yaml_load
 from megatron_rl.config.migrate_verl import migrate_verl
 from megatron_rl.config.verl_keys import MAPPED, NO_MEANING
 from megatron_rl.ops.memory import MemoryOptions, memory_plan
+from megatron_rl.plan.sizing import memory_job
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "verl")
 QWEN3_MOE = dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
@@ -50,8 +51,8 @@ def test_the_qwen3_moe_recipe_keeps_megatrons_optimizer_offload_and_plans_it_on_
     cfg, problems = collect_job_config(str(path), local, world_size="cluster")
     assert problems == [], problems
     assert cfg.actor.bf16 and cfg.actor.use_distributed_optimizer  # what megatron's offload needs
-    on = memory_plan(cfg, 8, MemoryOptions(prompt_length=2048, params_bytes=2, optimizer_offload_fraction=1.0))
-    off = memory_plan(cfg, 8, MemoryOptions(prompt_length=2048, params_bytes=2))
+    on = memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=2048, params_bytes=2, optimizer_offload_fraction=1.0))
+    off = memory_plan(memory_job(cfg, 8), MemoryOptions(prompt_length=2048, params_bytes=2))
     for a, b in zip(on.stages, off.stages):
         # megatron's HybridDeviceOptimizer: fp32 main + 2 moments (12 B) leave the GPU; the host holds them and an
         # fp32 gradient copy (16 B) per optimizer element

@@ -185,18 +185,18 @@ def test_delta_knob_is_validated():
 
 def test_check_prints_the_expected_delta_bytes():
     from megatron_rl.config import job_config_from_dict
-    from megatron_rl.ops.weight_sync_plan import DELTA_CHANGED_FRAC, weight_sync_plan
-    from megatron_rl.trainer.sync_settings import weight_sync_settings
+    from megatron_rl.ops.weight_sync_plan import DELTA_CHANGED_FRAC
+    from megatron_rl.plan.sizing import job_sync_plan
 
     model = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "ffn_hidden_size": 128}
     cfg = job_config_from_dict({"model": model, "rollout": {"engine": "embedded", "weight_sync_delta": True}})
     n = 10_000_000
-    line = weight_sync_plan(cfg, n, weight_sync_settings(cfg).mode.name).line()
+    line = job_sync_plan(cfg, n).line()
     changed = int(n * DELTA_CHANGED_FRAC)
     want = (-(-n // 65536)) * 4 + changed * (2 + 2)  # block counts + (offset, bf16 value) per change
     assert f"delta sync: ~{want / 1e6:.2f} MB per sync" in line, line
     cfg.rollout.weight_sync_delta = False
-    assert "delta" not in weight_sync_plan(cfg, n, weight_sync_settings(cfg).mode.name).line()
+    assert "delta" not in job_sync_plan(cfg, n).line()
 
 
 def test_server_store_hands_whole_tensors_and_refuses_a_foreign_base():
@@ -262,15 +262,14 @@ def test_check_counts_the_server_store_per_tp_process():
     """With SGLang every server TP process keeps the whole model (engine dtype) in its host memory: ``check``
     says so per TP process and per server (x TP), not one model; the trainer's copies are host memory per sender."""
     from megatron_rl.config import job_config_from_dict
-    from megatron_rl.ops.weight_sync_plan import weight_sync_plan
-    from megatron_rl.trainer.sync_settings import weight_sync_settings
+    from megatron_rl.plan.sizing import job_sync_plan
 
     model = {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "ffn_hidden_size": 128}
     rollout = {"engine": "sglang", "weight_sync": "tensor", "weight_sync_delta": True,
                "sglang_urls": ["http://127.0.0.1:9"]}
     cfg = job_config_from_dict({"model": model, "rollout": rollout})
     n = 1_000_000_000
-    plan = weight_sync_plan(cfg, n, weight_sync_settings(cfg).mode.name)
+    plan = job_sync_plan(cfg, n)
     model_bytes = n * 2  # bf16 engine
     assert plan.engine_store_bytes == model_bytes
     line = plan.line()
@@ -278,7 +277,7 @@ def test_check_counts_the_server_store_per_tp_process():
     assert f"{8 * model_bytes / 2**30:.2f} GiB at TP 8" in line, line
     assert "none on the GPU" in line
     cfg.rollout.sglang_urls, cfg.rollout.sglang_launch = [], True
-    line = weight_sync_plan(cfg, n, weight_sync_settings(cfg).mode.name).line()
+    line = job_sync_plan(cfg, n).line()
     assert f"the launched server (TP 1): {model_bytes / 2**30:.2f} GiB" in line, line
     cfg.rollout.engine = "embedded"  # deltas applied to the engine's own weights: no store
-    assert weight_sync_plan(cfg, n, weight_sync_settings(cfg).mode.name).engine_store_bytes == 0 and "TP process" not in weight_sync_plan(cfg, n, weight_sync_settings(cfg).mode.name).line()
+    assert job_sync_plan(cfg, n).engine_store_bytes == 0 and "TP process" not in job_sync_plan(cfg, n).line()

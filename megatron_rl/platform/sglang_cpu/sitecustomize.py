@@ -3,30 +3,9 @@ forks its scheduler / detokenizer processes instead of spawning them, and ``--en
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``; this directory is on ``PYTHONPATH`` only for
 the CPU SGLang server subprocess (and the scheduler / detokenizer processes it starts), so this file runs
-nowhere else. It changes no computation: it registers how a host (CPU) buffer is allocated and how the
-server's child processes are started.
-
-Why (sglang 0.5.23): ``RoutedExpertsCapturer`` keeps the captured expert ids in a ``[tokens, layers, topk]``
-int32 host buffer allocated through ``ALLOC_MEMORY_FUNCS[device]`` with ``pin_memory=True``
-(``srt/state_capturer/base.py``). That table (``srt/mem_cache/pool_host/common.py``) has entries for npu /
-musa / xpu and defaults to ``alloc_with_host_register``, which calls ``cudaHostRegister``: on CPU-only
-torch the server dies at start-up with "Torch not compiled with CUDA enabled". On CPU the buffer already
-lives in host memory, so the CPU entry allocates it with the given allocator and skips the registration
-(pinning page-locks memory for GPU copies; there is no GPU). The captured ids themselves are written by
-sglang's own ``capture_routed_experts_if_allowed`` in its own top-k code, untouched.
-
-Why fork (sglang 0.5.23): ``_set_envs_and_config`` (``srt/entrypoints/engine.py``) sets the ``spawn`` start
-method, so each scheduler and the detokenizer starts a fresh interpreter that imports sglang (torch,
-transformers, every layer) again: on 2 busy cores ~15-20 CPU-s per process, two thirds of a tiny model's
-start-up. Spawn is needed where CUDA was initialised in the parent; a CPU server has no CUDA, so its children
-are forked from the main process after it has imported sglang (the same code, the same arguments, run by the
-same functions; each child seeds itself from ``--random-seed`` as before).
-
-Why unpinned LoRA buffers (sglang 0.5.23): ``--enable-lora`` builds its layers and batch info with
-``pin_memory=True`` / ``.pin_memory()`` (``srt/lora/layers.py``, ``srt/lora/backend/*.py``), which raises without
-an accelerator ("no pinned memory allocator"). Only where pinning is impossible (``torch.accelerator`` reports
-none), the ``sglang.srt.lora`` modules see a ``torch`` whose factories drop ``pin_memory=True`` and whose
-tensors' ``pin_memory()`` returns the tensor: the same values in host memory (pinning only speeds GPU copies).
+nowhere else. Rule: it changes no computation -- it registers how a host (CPU) buffer is allocated and how the
+server's child processes are started. Why each hook is needed (sglang 0.5.23): docs/platform.md ("The CPU SGLang
+server").
 """
 import importlib.abc
 import multiprocessing
