@@ -17,10 +17,10 @@ from megatron_rl.models.builder import EXTRA_OWNED, EXTRA_SHAPES, transformer_co
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
-from megatron_rl.rollout.base import WEIGHT_SYNC_MODES
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
 from megatron_rl.rollout.sglang_lora_flags import adapter_lora, sglang_lora_targets
 from megatron_rl.weight_sync.lora_sync import LORA_SYNC_MODES
+from megatron_rl.weight_sync.modes import resolve_mode
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["TASKS", "ADV", "DTYPES", "DEVICES", "Unbuilt", "build_dims", "cluster_errors", "rollout_errors",
@@ -195,27 +195,16 @@ def staleness_errors(r, t) -> List[str]:
 
 
 def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
-    """The job's ``WeightSyncSettings``, built once (the mode resolved here: ``auto`` is the engine's default);
-    ``Unbuilt`` with the ``rollout.weight_sync*`` / ``rollout.lora_sync`` problems against the engine and
-    ``rollout.mode`` (``lora``: ``actor.lora``, None when the job has none)."""
+    """The job's ``WeightSyncSettings``, built once (the mode resolved by ``modes.resolve_mode``: ``auto`` is the
+    engine's default); ``Unbuilt`` with the ``rollout.weight_sync*`` / ``rollout.lora_sync`` problems against the
+    engine and ``rollout.mode`` (``lora``: ``actor.lora``, None when the job has none)."""
     errs: List[str] = []
     lora_errs = lora_sync_errors(r, lora)
-    modes = ("auto",) + WEIGHT_SYNC_MODES
-    if r.weight_sync not in modes:
-        errs.append(f"rollout.weight_sync: {r.weight_sync!r} is not one of {', '.join(modes)}")
-    elif r.weight_sync != "auto" and r.engine in ENGINE_KINDS:
-        engine = engine_class(r.engine)
-        caps = engine.sync_capabilities
-        if r.weight_sync not in caps.modes:
-            able = [k for k in ENGINE_KINDS if r.weight_sync in engine_class(k).sync_capabilities.modes]
-            errs.append(f"rollout.weight_sync: {r.weight_sync!r} needs rollout.engine "
-                        f"{' or '.join(repr(k) for k in able)} (the {r.engine} engine takes "
-                        f"{' or '.join(caps.modes)})")
-        elif r.mode == "async" and r.weight_sync not in caps.deferred:
-            errs.append(f"rollout.weight_sync: {r.weight_sync!r} streams the weights from every trainer rank at "
-                        f"sync time, but rollout.mode 'async' applies them later in rank 0's producer thread alone "
-                        f"— use rollout.weight_sync: {' or '.join(caps.deferred)} (or auto) "
-                        f"with rollout.mode: async")
+    mode = None
+    try:
+        mode = resolve_mode(r, {k: engine_class(k) for k in ENGINE_KINDS})  # the one place a mode is built
+    except ValueError as exc:
+        errs.append(str(exc))
     if not r.weight_sync_bucket_mb > 0:
         errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")
     if r.weight_sync_verify_interval < 0:
@@ -224,25 +213,20 @@ def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
         errs.append(f"rollout.weight_sync_verify_tensors: must be >= 0 or -1 (all), got {r.weight_sync_verify_tensors}")
     if not r.weight_sync_timeout_s > 0:
         errs.append(f"rollout.weight_sync_timeout_s: must be > 0, got {r.weight_sync_timeout_s}")
-    settings = None
-    mode_accepted = not any(e.startswith("rollout.weight_sync:") for e in errs)  # by the engine and rollout.mode
-    if r.engine in ENGINE_KINDS and mode_accepted and not lora_errs:
-        settings = WeightSyncSettings.build(r, run_dir, engine_class(r.engine), lora)  # the one place a mode is built
-    mode = settings.mode.name if settings is not None else None
-    if r.weight_sync_delta and mode is not None:
+    if r.weight_sync_delta and mode is not None and not lora_errs:
         if r.mode == "async":
             errs.append("rollout.weight_sync_delta: true needs rollout.mode 'sync' (the async producer applies "
                         "whole versions later, possibly skipping some)")
-        elif mode != "tensor":
+        elif not mode.delta_ok:
             errs.append(f"rollout.weight_sync_delta: true needs rollout.weight_sync 'tensor' (the embedded engine in "
-                        f"process; SGLang servers on the trainer's host, through our loader), got {mode!r}"
-                        + (" (auto)" if r.weight_sync == "auto" else "")
+                        f"process; SGLang servers on the trainer's host, through our loader), got {mode.name!r}"
+                        + (" (auto)" if mode.auto else "")
                         + ("; SGLang's /update_weights_from_distributed loads whole tensors only"
-                           if mode == "distributed" else ""))
+                           if mode.name == "distributed" else ""))
     errs += lora_errs
-    if errs or settings is None:
+    if errs or mode is None:
         raise Unbuilt(errs)
-    return settings
+    return WeightSyncSettings.build(r, run_dir, engine_class(r.engine), lora, mode=mode)
 
 
 def lora_sync_errors(r, lora) -> List[str]:

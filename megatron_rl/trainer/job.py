@@ -295,7 +295,8 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         with watchdog.phase("weight_sync", start):
             immediate.publish(version_tag(start))
         held["stop"] = stop or StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
-        held["source"] = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0)
+        held["source"] = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0,
+                                              sync=plan.weight_sync)
         pad_id = share_from_rank0(int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0)
     except BaseException:
         if "source" not in held and generator is not None:  # the source did not take it over

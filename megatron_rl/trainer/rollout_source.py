@@ -1,6 +1,7 @@
 """The rollout source: where each step's ``StepBatch`` comes from, chosen once when the job is built.
 
-    source = build_rollout_source(cfg, generator, engine, actor, immediate_publisher, start, resumed, rank0)
+    source = build_rollout_source(cfg, generator, engine, actor, immediate_publisher, start, resumed, rank0,
+                                  sync=plan.weight_sync)
     got = source.next(step)                   # collective: rank 0 makes the batch, each rank receives its rows
     got.rows, got.whole                       # this rank's DP shard (StepRows); rank 0: the whole StepBatch
     publisher = source.publisher              # how trained versions reach the engine from now on
@@ -32,8 +33,8 @@ from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, 
 from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.reward_failures import failed_fraction
 from megatron_rl.trainer.step_batch import StepBatch, StepRows
-from megatron_rl.trainer.sync_settings import weight_sync_settings
 from megatron_rl.weight_sync.publisher import WeightPublisher, deferred_publisher
+from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule",
            "RowSplit", "routing_layers"]
@@ -168,11 +169,13 @@ class SyncRollouts(RolloutSource):
 
 
 class AsyncRollouts(RolloutSource):
-    """Rank 0's producer thread generates ahead (``async_rollout.RolloutProducer``)."""
+    """Rank 0's producer thread generates ahead (``async_rollout.RolloutProducer``); ``sync``: the job plan's
+    weight-sync settings (the versions it applies later)."""
 
-    def __init__(self, cfg: JobConfig, generator, engine, actor, start: int, resumed: Dict, rank0: bool):
+    def __init__(self, cfg: JobConfig, generator, engine, actor, start: int, resumed: Dict, rank0: bool, *,
+                 sync: WeightSyncSettings):
         rc = cfg.rollout
-        sync = weight_sync_settings(cfg)
+        self.sync = sync
         super().__init__(cfg, deferred_publisher(sync, actor), generator)  # fails before any thread if not deferrable
         self.max_lag = rc.max_staleness
         self.dump_versions = True
@@ -230,13 +233,13 @@ class AsyncRollouts(RolloutSource):
 
 
 def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: WeightPublisher, start: int,
-                         resumed: Dict, rank0: bool) -> RolloutSource:
+                         resumed: Dict, rank0: bool, *, sync: WeightSyncSettings) -> RolloutSource:
     """The job's source for ``rollout.mode`` (``generator`` / ``engine``: rank 0's step generator
     (``rollout_phase.build_step_generator``) and engine, None elsewhere; ``immediate``: the
-    publisher that loads a version right away; ``resumed``: the resumed checkpoint's extra state). Call after the
-    engine holds version ``start``."""
+    publisher that loads a version right away; ``resumed``: the resumed checkpoint's extra state; ``sync``: the job
+    plan's ``WeightSyncSettings``, never rebuilt here). Call after the engine holds version ``start``."""
     if cfg.rollout.mode == "async":
-        source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0)
+        source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0, sync=sync)
     else:
         source = SyncRollouts(cfg, generator, engine, immediate)
     source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, actor.batcher.balances_dp_tokens,

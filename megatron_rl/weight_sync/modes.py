@@ -1,19 +1,21 @@
 """The weight-sync mode of a job (``rollout.weight_sync``) as one object, built once by ``resolve_mode``.
 
-    mode = resolve_mode(cfg.rollout, engine_class(cfg.rollout.engine))   # "auto" resolved here, nowhere else
+    mode = resolve_mode(rollout, {k: engine_class(k) for k in ENGINE_KINDS})  # "auto" resolved here, nowhere else
     receiver = mode.open(engine, "step-3", 600)   # streamed modes: the engine's WeightReceiver
     mode.load(engine, source, "step-3", 600)      # a whole payload: an HF directory (disk) or rank 0's buckets
 
 The mode decides how the bytes reach the engine; the engine only receives (``endpoint.WeightEndpoint``). The engine
-class is handed in (its declared ``sync_capabilities``): this package never imports an engine.
+classes are handed in (their declared ``sync_capabilities``): this package never imports an engine. Rule: this is
+the one module that reads ``rollout.weight_sync``; everything else asks the mode object.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
+from megatron_rl.weight_sync.endpoint import WEIGHT_SYNC_MODES
 from megatron_rl.weight_sync.transport import UpdateGroups
 
 __all__ = ["WeightSyncMode", "DiskMode", "TensorMode", "DistributedMode", "resolve_mode"]
@@ -26,6 +28,12 @@ class WeightSyncMode:
     name: str = ""
     #: True: every sender streams its own buckets at sync time (``stream.stream_sync``); False: a disk export.
     streamed: bool = True
+    #: Whether ``rollout.weight_sync_delta`` can ride on this mode (only the changed elements sent).
+    delta_ok: bool = False
+
+    def __init__(self, auto: bool = False):
+        self.auto = auto
+        """True: ``rollout.weight_sync: auto`` chose this mode (the engine class's default)."""
 
     def open(self, engine, version: str, timeout_s: float):
         """An in-memory update of ``engine`` to ``version`` (its ``WeightReceiver``)."""
@@ -65,6 +73,7 @@ class TensorMode(WeightSyncMode):
     shared memory)."""
 
     name = "tensor"
+    delta_ok = True
 
     def open(self, engine, version, timeout_s):
         return engine.begin_weight_sync(version, timeout_s)
@@ -78,6 +87,8 @@ class DistributedMode(WeightSyncMode):
     """``rollout.weight_sync_master_address``: where the servers reach trainer rank 0 (None: found by route)."""
     backend: str = field(default_factory=lambda: "nccl" if torch.cuda.is_available() else "gloo")
     """The update groups' backend: NCCL when the trainer has a GPU, gloo on CPU."""
+    auto: bool = False
+    """True: ``rollout.weight_sync: auto`` chose this mode (the engine class's default)."""
 
     name = "distributed"
 
@@ -85,15 +96,33 @@ class DistributedMode(WeightSyncMode):
         return engine.begin_weight_sync(version, timeout_s, UpdateGroups(self.backend, self.master_address))
 
 
-def resolve_mode(rollout, engine) -> WeightSyncMode:
-    """The mode object of a ``rollout`` config section: ``rollout.weight_sync``, or for "auto" the ``engine``
-    class's default for sync or async rollouts (embedded: tensor; SGLang: distributed, disk with async rollouts).
-    ``rollout`` is validated (the engine accepts the mode)."""
-    name = rollout.weight_sync
-    if name == "auto":
-        name = engine.sync_capabilities.default(async_rollouts=rollout.mode == "async")
+def resolve_mode(rollout, engines: Mapping[str, type]) -> Optional[WeightSyncMode]:
+    """The mode object of a ``rollout`` config section: ``rollout.weight_sync``, or for "auto" the engine class's
+    default for sync or async rollouts (embedded: tensor; SGLang: distributed, disk with async rollouts).
+    ``engines``: every ``rollout.engine`` value's class (an error names those that take the mode). ``ValueError``
+    naming ``rollout.weight_sync`` when it is not a mode, its engine does not take it, or async rollouts cannot
+    apply it later; None when ``rollout.engine`` is not one of ``engines`` (that key's own check names it)."""
+    name, auto = rollout.weight_sync, rollout.weight_sync == "auto"
+    known = ("auto",) + WEIGHT_SYNC_MODES
+    if name not in known:
+        raise ValueError(f"rollout.weight_sync: {name!r} is not one of {', '.join(known)}")
+    engine = engines.get(rollout.engine) if isinstance(rollout.engine, str) else None
+    if engine is None:
+        return None
+    caps = engine.sync_capabilities
+    if auto:
+        name = caps.default(async_rollouts=rollout.mode == "async")
+    elif name not in caps.modes:
+        able = [k for k, cls in engines.items() if name in cls.sync_capabilities.modes]
+        raise ValueError(f"rollout.weight_sync: {name!r} needs rollout.engine "
+                         f"{' or '.join(repr(k) for k in able)} (the {rollout.engine} engine takes "
+                         f"{' or '.join(caps.modes)})")
+    elif rollout.mode == "async" and name not in caps.deferred:
+        raise ValueError(f"rollout.weight_sync: {name!r} streams the weights from every trainer rank at sync time, "
+                         f"but rollout.mode 'async' applies them later in rank 0's producer thread alone — use "
+                         f"rollout.weight_sync: {' or '.join(caps.deferred)} (or auto) with rollout.mode: async")
     if name == "disk":
-        return DiskMode()
+        return DiskMode(auto=auto)
     if name == "tensor":
-        return TensorMode()
-    return DistributedMode(rollout.weight_sync_master_address)
+        return TensorMode(auto=auto)
+    return DistributedMode(rollout.weight_sync_master_address, auto=auto)

@@ -53,10 +53,14 @@ class WeightSyncSettings:
         return self.lora.view() if self.lora is not None and self.lora.mode == "merged" else None
 
     @classmethod
-    def build(cls, rollout, run_dir: str, engine, lora=None) -> "WeightSyncSettings":
+    def build(cls, rollout, run_dir: str, engine, lora=None,
+              mode: Optional[WeightSyncMode] = None) -> "WeightSyncSettings":
         """The settings of a validated ``rollout`` config section (``run_dir``: ``trainer.run_dir``; ``engine``:
-        the engine class, ``rollout.factory.engine_class(rollout.engine)``; ``lora``: ``actor.lora``)."""
-        return cls(mode=resolve_mode(rollout, engine), engine=rollout.engine,
+        the engine class, ``rollout.factory.engine_class(rollout.engine)``; ``lora``: ``actor.lora``; ``mode``: the
+        job plan's ``resolve_mode`` result, resolved here when None: tests and tools)."""
+        if mode is None:
+            mode = resolve_mode(rollout, {rollout.engine: engine})
+        return cls(mode=mode, engine=rollout.engine,
                    deferred_modes=tuple(engine.sync_capabilities.deferred),
                    bucket_bytes=int(rollout.weight_sync_bucket_mb * (1 << 20)),
                    timeout_s=float(rollout.weight_sync_timeout_s),

@@ -31,6 +31,7 @@ def _checkpoint(rank, world, snapshot_s, honour_bound):
     from megatron_rl.trainer import job as job_mod
     from megatron_rl.trainer import rollout_source
     from megatron_rl.trainer.async_rollout import SnapshotTimeout
+    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     class Producer:
         def __init__(self, *args, **kwargs):
@@ -65,7 +66,8 @@ def _checkpoint(rank, world, snapshot_s, honour_bound):
         "data": {"prompts_per_step": 2}})
     actor = SimpleNamespace(dp_rank=rank, dp_size=world, batcher=SimpleNamespace(balances_dp_tokens=False),
                             routing=None)
-    source = rollout_source.build_rollout_source(cfg, None, None, actor, None, 0, {}, rank == 0)
+    source = rollout_source.build_rollout_source(cfg, None, None, actor, None, 0, {}, rank == 0,
+                                                 sync=weight_sync_settings(cfg))
     job = job_mod.Job(cfg=cfg, plan=None, actor=None, reference=None, source=source, watchdog=Watchdog(), sinks=None,
                       stop=SimpleNamespace(signum=None), start_step=0, pad_id=0, rank0=rank == 0)
     t0 = time.monotonic()
