@@ -13,19 +13,17 @@ import re
 from typing import List, Optional
 
 from megatron_rl.envs.base import env_import_error
+from megatron_rl.errors import Unbuilt
 from megatron_rl.models.builder import EXTRA_OWNED, EXTRA_SHAPES, transformer_config_fields
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 from megatron_rl.parallel.config import ParallelConfig, ParallelConfigError
 from megatron_rl.parallel.dims import ParallelDims, data_parallel_size
 from megatron_rl.rollout.factory import ENGINE_KINDS, engine_class
 from megatron_rl.rollout.sglang_lora_flags import adapter_lora, sglang_lora_targets
-from megatron_rl.weight_sync.lora_sync import LORA_SYNC_MODES
-from megatron_rl.weight_sync.modes import resolve_mode
-from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["TASKS", "ADV", "DTYPES", "DEVICES", "Unbuilt", "build_dims", "cluster_errors", "rollout_errors",
            "data_errors", "actor_size_errors", "trainer_errors", "rollout_mode_errors", "staleness_errors",
-           "weight_sync_settings", "validation_errors_of_job", "multi_turn_errors_of_job", "dp_errors",
+           "ENGINES", "lora_target_errors", "validation_errors_of_job", "multi_turn_errors_of_job", "dp_errors",
            "model_extra_errors"]
 
 TASKS = ("copy", "reverse", "sort", "add", "lookup", "file")
@@ -37,12 +35,8 @@ _PARALLEL_KEYS = [f.name for f in dataclasses.fields(ParallelConfig) if f.init]
 _MODEL_KEYS = [f.name for f in dataclasses.fields(ModelConfig) if f.init]
 
 
-class Unbuilt(Exception):
-    """A choice of the job that could not be built: its problems, each naming its dotted key."""
-
-    def __init__(self, problems: List[str]):
-        super().__init__("; ".join(problems))
-        self.problems = list(problems)
+#: Every ``rollout.engine`` value's class (``WeightSyncSettings.checked`` asks them which modes they take).
+ENGINES = {kind: engine_class(kind) for kind in ENGINE_KINDS}
 
 
 def _dotted(violation: str) -> str:
@@ -194,56 +188,9 @@ def staleness_errors(r, t) -> List[str]:
     return errs
 
 
-def weight_sync_settings(r, run_dir: str, lora=None) -> WeightSyncSettings:
-    """The job's ``WeightSyncSettings``, built once (the mode resolved by ``modes.resolve_mode``: ``auto`` is the
-    engine's default); ``Unbuilt`` with the ``rollout.weight_sync*`` / ``rollout.lora_sync`` problems against the
-    engine and ``rollout.mode`` (``lora``: ``actor.lora``, None when the job has none)."""
-    errs: List[str] = []
-    lora_errs = lora_sync_errors(r, lora)
-    mode = None
-    try:
-        mode = resolve_mode(r, {k: engine_class(k) for k in ENGINE_KINDS})  # the one place a mode is built
-    except ValueError as exc:
-        errs.append(str(exc))
-    if not r.weight_sync_bucket_mb > 0:
-        errs.append(f"rollout.weight_sync_bucket_mb: must be > 0, got {r.weight_sync_bucket_mb}")
-    if r.weight_sync_verify_interval < 0:
-        errs.append(f"rollout.weight_sync_verify_interval: must be >= 0 (0: never), got {r.weight_sync_verify_interval}")
-    if r.weight_sync_verify_tensors < -1:
-        errs.append(f"rollout.weight_sync_verify_tensors: must be >= 0 or -1 (all), got {r.weight_sync_verify_tensors}")
-    if not r.weight_sync_timeout_s > 0:
-        errs.append(f"rollout.weight_sync_timeout_s: must be > 0, got {r.weight_sync_timeout_s}")
-    if r.weight_sync_delta and mode is not None and not lora_errs:
-        if r.mode == "async":
-            errs.append("rollout.weight_sync_delta: true needs rollout.mode 'sync' (the async producer applies "
-                        "whole versions later, possibly skipping some)")
-        elif not mode.delta_ok:
-            errs.append(f"rollout.weight_sync_delta: true needs rollout.weight_sync 'tensor' (the embedded engine in "
-                        f"process; SGLang servers on the trainer's host, through our loader), got {mode.name!r}"
-                        + (" (auto)" if mode.auto else "")
-                        + ("; SGLang's /update_weights_from_distributed loads whole tensors only"
-                           if mode.name == "distributed" else ""))
-    errs += lora_errs
-    if errs or mode is None:
-        raise Unbuilt(errs)
-    return WeightSyncSettings.build(r, run_dir, engine_class(r.engine), lora, mode=mode)
-
-
-def lora_sync_errors(r, lora) -> List[str]:
-    """``rollout.lora_sync`` against ``actor.lora`` (``lora``) and the engine: a value it is not, adapter-only
-    sync with an engine that cannot apply adapters, or a non-default value without adapters."""
-    mode = getattr(r, "lora_sync", "merged")
-    if mode not in LORA_SYNC_MODES:
-        return [f"rollout.lora_sync: {mode!r} is not one of {', '.join(LORA_SYNC_MODES)}"]
-    on = lora is not None and bool(getattr(lora, "rank", 0))
-    if mode != "merged" and not on:
-        return [f"rollout.lora_sync: {mode!r} needs actor.lora (rank > 0); without adapters the whole model syncs"]
-    if mode == "adapter" and r.weight_sync_delta:
-        return ["rollout.weight_sync_delta: true with rollout.lora_sync 'adapter': the adapters travel whole (a few "
-                "MB); use one or the other"]
-    if mode == "adapter" and r.engine in ENGINE_KINDS and not engine_class(r.engine).lora_adapter_sync:
-        return [f"rollout.lora_sync: 'adapter' is not built for rollout.engine {r.engine!r} (its engine cannot "
-                f"apply adapters sent alone): use rollout.lora_sync: merged"]
+def lora_target_errors(r, lora) -> List[str]:
+    """``actor.lora.target_modules`` against the SGLang servers' LoRA modules when the job syncs its adapters alone
+    to them (``WeightSyncSettings.checked`` reports it when ``rollout.lora_sync`` has no other problem)."""
     if adapter_lora(lora, r) is not None:
         try:
             sglang_lora_targets(lora)  # the servers' --lora-target-modules

@@ -33,10 +33,10 @@ from megatron_rl.plan.lora import lora_spec
 from megatron_rl.plan.parts import PlanParts
 from megatron_rl.actor.critic import CriticSpec
 from megatron_rl.plan.critic import critic_dp_errors, critic_plan
-from megatron_rl.plan.checks import (DEVICES, Unbuilt, actor_size_errors, build_dims, cluster_errors, data_errors,
-                                     dp_errors, model_extra_errors, multi_turn_errors_of_job, rollout_errors,
-                                     rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job,
-                                     weight_sync_settings)
+from megatron_rl.plan.checks import (DEVICES, ENGINES, Unbuilt, actor_size_errors, build_dims, cluster_errors,
+                                     data_errors, dp_errors, lora_target_errors, model_extra_errors,
+                                     multi_turn_errors_of_job, rollout_errors, rollout_mode_errors, staleness_errors,
+                                     trainer_errors, validation_errors_of_job)
 from megatron_rl.plan.kl_reward import build_kl_in_reward, describe_kl_in_reward
 from megatron_rl.plan.reward_checks import reward_errors_of_job
 from megatron_rl.plan.checks import lora_adapter_expert_errors
@@ -216,7 +216,7 @@ class JobPlan:
         replay = p.build(_replay, ac.routing_replay, cfg.model)
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
-        ws = p.build(weight_sync_settings, r, t.run_dir, ac.lora)
+        ws = p.build(WeightSyncSettings.checked, r, t.run_dir, ENGINES, ac.lora, lora_target_errors(r, ac.lora))
         p.add(lora_adapter_expert_errors(cfg))
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
@@ -418,6 +418,7 @@ def plan_parts(cfg: "JobConfig", world_size: int, has_te: Optional[bool] = None)
     return PlanParts(dims=dims, budget=p.build(_budget, cfg.rollout, cfg.multi_turn),
                      batcher=p.build(_batcher, dims, ac, cfg.parallel), precision=precision,
                      attention=_attention(cfg.cluster.device, has_te, precision),
-                     weight_sync=p.build(weight_sync_settings, cfg.rollout, cfg.trainer.run_dir, ac.lora),
+                     weight_sync=p.build(WeightSyncSettings.checked, cfg.rollout, cfg.trainer.run_dir, ENGINES,
+                                         ac.lora, lora_target_errors(cfg.rollout, ac.lora)),
                      recompute=(p.build(_recompute_asked, ac, cfg.model, cfg.parallel) or (None,))[0],
                      replay=p.build(_replay, ac.routing_replay, cfg.model))

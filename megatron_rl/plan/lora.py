@@ -81,7 +81,7 @@ def lora_errors(cfg, with_sync: bool = True) -> List[str]:
 
 def sync_errors(cfg) -> List[str]:
     """The rollout side of a LoRA job: its weight sync carries the adapters (``rollout.lora_sync``, checked with
-    the weight-sync settings: ``plan.checks.lora_sync_errors``), so nothing more is refused here."""
+    the weight-sync settings: ``WeightSyncSettings.checked``), so nothing more is refused here."""
     return []
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from megatron_rl.config.sections import RolloutConfig
 from megatron_rl.lora.config import LoraConfig
-from megatron_rl.plan.checks import Unbuilt, weight_sync_settings
+from megatron_rl.plan.checks import Unbuilt
+from megatron_rl.trainer.sync_settings import settings_of as weight_sync_settings
 
 LORA = LoraConfig(rank=8, alpha=32)
 
