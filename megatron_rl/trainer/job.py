@@ -64,7 +64,7 @@ from megatron_rl.tasks.val_set import build_val_set
 from megatron_rl.trainer.validation import Validation
 from megatron_rl.trainer.step_batch import StepBatch
 from megatron_rl.trainer.watchdog import Watchdog
-from megatron_rl.weight_sync.publisher import build_weight_publisher
+from megatron_rl.weight_sync.publisher import build_weight_publisher, deferred_publisher
 
 __all__ = ["Job", "build_job", "setup_distributed", "build_task", "latest_checkpoint", "save", "KLReference",
            "NoReference"]
@@ -291,12 +291,15 @@ def build_job(cfg: JobConfig, stop: Optional[StopRequested] = None) -> Job:
         held["sinks"] = MetricSinks(tc.run_dir, tc.steps, enabled=rank0, progress=tc.progress,
                                     tensorboard=tc.tensorboard, wandb=tc.wandb, wandb_project=tc.wandb_project,
                                     config=cfg.to_dict(), resume=start > 0)
+        # the job's publishers, built once from the plan's settings (async: the deferred one fails here, before
+        # the first sync, when the mode cannot be applied later)
         immediate = build_weight_publisher(plan.weight_sync, actor, engine)
+        deferred = deferred_publisher(plan.weight_sync, actor) if cfg.rollout.mode == "async" else None
         with watchdog.phase("weight_sync", start):
             immediate.publish(version_tag(start))
         held["stop"] = stop or StopRequested(stop_timeout_s=tc.stop_timeout_s, rank=dist.get_rank())
         held["source"] = build_rollout_source(cfg, generator, engine, actor, immediate, start, resumed, rank0,
-                                              sync=plan.weight_sync)
+                                              deferred=deferred)
         pad_id = share_from_rank0(int(getattr(tokenizer, "pad_token_id", 0) or 0) if rank0 else 0)
     except BaseException:
         if "source" not in held and generator is not None:  # the source did not take it over

@@ -1,7 +1,7 @@
 """The rollout source: where each step's ``StepBatch`` comes from, chosen once when the job is built.
 
     source = build_rollout_source(cfg, generator, engine, actor, immediate_publisher, start, resumed, rank0,
-                                  sync=plan.weight_sync)
+                                  deferred=deferred_publisher)   # async: the job's DeferredPublisher
     got = source.next(step)                   # collective: rank 0 makes the batch, each rank receives its rows
     got.rows, got.whole                       # this rank's DP shard (StepRows); rank 0: the whole StepBatch
     publisher = source.publisher              # how trained versions reach the engine from now on
@@ -33,8 +33,7 @@ from megatron_rl.trainer.async_rollout import RolloutProducer, SnapshotTimeout, 
 from megatron_rl.trainer.reward_failures import reward_failure_error
 from megatron_rl.trainer.reward_failures import failed_fraction
 from megatron_rl.trainer.step_batch import StepBatch, StepRows
-from megatron_rl.weight_sync.publisher import WeightPublisher, deferred_publisher
-from megatron_rl.weight_sync.settings import WeightSyncSettings
+from megatron_rl.weight_sync.publisher import DeferredPublisher, WeightPublisher
 
 __all__ = ["RolloutSource", "SyncRollouts", "AsyncRollouts", "AsyncDrainError", "build_rollout_source", "async_schedule",
            "RowSplit", "routing_layers"]
@@ -169,14 +168,13 @@ class SyncRollouts(RolloutSource):
 
 
 class AsyncRollouts(RolloutSource):
-    """Rank 0's producer thread generates ahead (``async_rollout.RolloutProducer``); ``sync``: the job plan's
-    weight-sync settings (the versions it applies later)."""
+    """Rank 0's producer thread generates ahead (``async_rollout.RolloutProducer``); ``publisher``: the job's
+    ``DeferredPublisher`` (its payloads are the versions the producer applies later)."""
 
     def __init__(self, cfg: JobConfig, generator, engine, actor, start: int, resumed: Dict, rank0: bool, *,
-                 sync: WeightSyncSettings):
+                 publisher: DeferredPublisher):
         rc = cfg.rollout
-        self.sync = sync
-        super().__init__(cfg, deferred_publisher(sync, actor), generator)  # fails before any thread if not deferrable
+        super().__init__(cfg, publisher, generator)
         self.max_lag = rc.max_staleness
         self.dump_versions = True
         self.producer = None
@@ -188,7 +186,7 @@ class AsyncRollouts(RolloutSource):
         if rank0:  # generation overlaps training from here on
             self.producer = RolloutProducer(
                 engine, generate_fn=lambda s, view, tag: generator.generate(view, s, tag),
-                apply_fn=lambda payload, tag: payload.apply(engine, sync, tag, actor), start_step=start,
+                apply_fn=lambda payload, tag: payload.apply(engine, publisher.settings, tag, actor), start_step=start,
                 max_staleness=rc.max_staleness, interrupt=rc.partial_rollout == "interrupt",
                 segment_tokens=rc.segment_tokens, preloaded=_resumed_rollouts(resumed, cfg)).start_thread()
         self.publisher.producer = self.producer
@@ -233,13 +231,16 @@ class AsyncRollouts(RolloutSource):
 
 
 def build_rollout_source(cfg: JobConfig, generator, engine, actor, immediate: WeightPublisher, start: int,
-                         resumed: Dict, rank0: bool, *, sync: WeightSyncSettings) -> RolloutSource:
+                         resumed: Dict, rank0: bool, *, deferred: Optional[DeferredPublisher] = None) -> RolloutSource:
     """The job's source for ``rollout.mode`` (``generator`` / ``engine``: rank 0's step generator
     (``rollout_phase.build_step_generator``) and engine, None elsewhere; ``immediate``: the
-    publisher that loads a version right away; ``resumed``: the resumed checkpoint's extra state; ``sync``: the job
-    plan's ``WeightSyncSettings``, never rebuilt here). Call after the engine holds version ``start``."""
+    publisher that loads a version right away; ``resumed``: the resumed checkpoint's extra state; ``deferred``: the
+    job's ``DeferredPublisher``, built by the caller with ``immediate``, for async rollouts). Call after the engine
+    holds version ``start``."""
     if cfg.rollout.mode == "async":
-        source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0, sync=sync)
+        if deferred is None:
+            raise ValueError("rollout.mode 'async' needs the job's DeferredPublisher (build_rollout_source(deferred=))")
+        source = AsyncRollouts(cfg, generator, engine, actor, start, resumed, rank0, publisher=deferred)
     else:
         source = SyncRollouts(cfg, generator, engine, immediate)
     source.split = RowSplit.gather(cfg, actor.dp_rank, actor.dp_size, actor.batcher.balances_dp_tokens,

@@ -31,7 +31,6 @@ def _checkpoint(rank, world, snapshot_s, honour_bound):
     from megatron_rl.trainer import job as job_mod
     from megatron_rl.trainer import rollout_source
     from megatron_rl.trainer.async_rollout import SnapshotTimeout
-    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     class Producer:
         def __init__(self, *args, **kwargs):
@@ -57,7 +56,6 @@ def _checkpoint(rank, world, snapshot_s, honour_bound):
 
     _set_pg_timeout(datetime.timedelta(seconds=1.5), None)  # init_distributed's: collective_timeout_s
     rollout_source.RolloutProducer = Producer
-    rollout_source.deferred_publisher = lambda cfg, actor: SimpleNamespace(producer=None)
     job_mod.save = lambda *args, **kwargs: dist.barrier() or "ckpt"
     cfg = job_config_from_dict({
         "trainer": {"collective_timeout_s": 1.5, "phase_timeout_s": 1.5, "checkpoint_timeout_s": 4.0, "steps": 10},
@@ -67,7 +65,7 @@ def _checkpoint(rank, world, snapshot_s, honour_bound):
     actor = SimpleNamespace(dp_rank=rank, dp_size=world, batcher=SimpleNamespace(balances_dp_tokens=False),
                             routing=None)
     source = rollout_source.build_rollout_source(cfg, None, None, actor, None, 0, {}, rank == 0,
-                                                 sync=weight_sync_settings(cfg))
+                                                 deferred=SimpleNamespace(producer=None))
     job = job_mod.Job(cfg=cfg, plan=None, actor=None, reference=None, source=source, watchdog=Watchdog(), sinks=None,
                       stop=SimpleNamespace(signum=None), start_step=0, pad_id=0, rank0=rank == 0)
     t0 = time.monotonic()

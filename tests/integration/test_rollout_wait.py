@@ -50,7 +50,6 @@ def _wait(rank, world, collective_s, rounds, round_s):
     from megatron_rl.config import job_config_from_dict
     from megatron_rl.trainer.dynamic_sampling import DynamicSampling
     from megatron_rl.trainer.rollout_source import build_rollout_source
-    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     _set_pg_timeout(datetime.timedelta(seconds=collective_s), None)  # init_distributed's: collective_timeout_s
     cfg = job_config_from_dict({
@@ -60,7 +59,7 @@ def _wait(rank, world, collective_s, rounds, round_s):
     gen = DynamicSampling(_Slow(round_s), cfg) if rank == 0 else None
     actor = SimpleNamespace(dp_rank=rank, dp_size=world, batcher=SimpleNamespace(balances_dp_tokens=False),
                             routing=None)
-    source = build_rollout_source(cfg, gen, None, actor, None, 0, {}, rank == 0, sync=weight_sync_settings(cfg))
+    source = build_rollout_source(cfg, gen, None, actor, None, 0, {}, rank == 0)
     t0 = time.monotonic()
     try:
         with warnings.catch_warnings():

@@ -99,10 +99,8 @@ def test_async_checkpoint_drain_and_watchdog_cover_every_round(monkeypatch, caps
     the checkpoint's watchdog covers the other ranks' wait for it (350 + collective 60) and the save (100 / 2)."""
     from megatron_rl.trainer import job as job_mod
     from megatron_rl.trainer import rollout_source
-    from megatron_rl.trainer.sync_settings import weight_sync_settings
 
     monkeypatch.setattr(rollout_source, "RolloutProducer", _Producer)
-    monkeypatch.setattr(rollout_source, "deferred_publisher", lambda cfg, actor: SimpleNamespace(producer=None))
     monkeypatch.setattr(job_mod, "save", lambda *args, **kwargs: "ckpt")
     seen = {}
 
@@ -117,7 +115,8 @@ def test_async_checkpoint_drain_and_watchdog_cover_every_round(monkeypatch, caps
                                                 "checkpoint_timeout_s": 100.0, "steps": 10},
                                     "rollout": {"mode": "async", "max_staleness": 2},
                                     "algorithm": {"filter_groups": {"enable": enable, "max_num_gen_batches": 7}}})
-        source = rollout_source.AsyncRollouts(cfg, None, None, None, 0, {}, True, sync=weight_sync_settings(cfg))
+        source = rollout_source.AsyncRollouts(cfg, None, None, None, 0, {}, True,
+                                              publisher=SimpleNamespace(producer=None))
         job = job_mod.Job(cfg=cfg, plan=None, actor=None, reference=None, source=source, watchdog=Watchdog(), sinks=None,
                           stop=SimpleNamespace(signum=None), start_step=0, pad_id=0, rank0=True)
         job.checkpoint(2, stopping=False)
