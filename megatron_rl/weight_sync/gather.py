@@ -103,7 +103,8 @@ class _ShmGather:
             entry = self.groups[id(group)] = (group, None if not why else False)
         slots = entry[1]
         if slots is not False and (slots is None or nbytes > slots.slot):  # every rank sees the same sizes
-            slots = _Slots(group, size, max(nbytes, self.batch_bytes, 2 * slots.slot if slots else 0))
+            # a piece beyond the current slot: max(piece, 2 batches), what ``shm.segment_bytes`` counts
+            slots = _Slots(group, size, max(nbytes, 2 * self.batch_bytes if slots else self.batch_bytes))
             self.groups[id(group)] = (group, slots)
         return slots
 
