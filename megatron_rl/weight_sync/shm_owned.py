@@ -30,15 +30,16 @@ __all__ = ["Collector", "owned_collector", "collect_from_senders", "collect_from
 
 
 def _owned(bucket) -> Bucket:
-    """A copy of ``bucket`` in fresh memory (one copy of its bytes; a ``HeldBucket``'s tensors packed uncast)."""
+    """A copy of ``bucket`` in fresh memory (one copy of its bytes; a ``HeldBucket``'s tensors packed in its
+    ``dtype``, cast as an engine casts them: ``nbytes`` counts them so)."""
     flat = getattr(bucket, "flat", None)
     if flat is not None:
         return Bucket(list(bucket.names), list(bucket.shapes), bucket.dtype, flat.clone())
     out = torch.empty(bucket.nbytes, dtype=torch.uint8)
-    off = 0
+    off, item = 0, torch.empty((), dtype=bucket.dtype).element_size()
     for _, t in bucket.tensors():
-        n = t.numel() * t.element_size()
-        dst = out[off:off + n].view(t.dtype).view(t.shape)
+        n = t.numel() * item
+        dst = out[off:off + n].view(bucket.dtype).view(t.shape)
         if isinstance(t, Pieces):  # a fused qkv's q / k / v, a TP gather's pieces (valid until the next bucket)
             t.copy_into(dst)
         else:

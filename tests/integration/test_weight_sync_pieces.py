@@ -5,6 +5,8 @@ batches and a fused qkv's q / k / v go straight into a bf16 engine's weights.
   batches and fences): after each of two syncs -- the second after the trainer's parameters are doubled, on every
   rank -- every engine tensor equals the checkpoint (x2) cast to bf16, bit for bit: read by safetensors (dense), or
   as transformers loads it into the same model in fp32 (MoE: its fused expert tensors).
+* TP2 x ETP2 (MoE: the experts' pieces over their own group, batches interleaved with the dense ones) and a TP2
+  delta sync (``rollout.weight_sync_delta``: the packer reads the gathered tensors assembled): the same equality.
 * TP2 with one batch per sync: the rank that only writes pieces waits for its group a couple of times per sync,
   not once per split parameter (main before this change: 27 waits in two syncs of the 2-layer model).
 * A rank that stalls before a batch: the sender gives up at ``rollout.weight_sync_timeout_s`` and every rank
@@ -188,3 +190,33 @@ def test_a_stalled_rank_ends_the_sync_on_every_rank_within_the_bound(dense):
     for r in out:
         assert "did not exchange its pieces' status within 4 s" in r["error"], r.get("error")
     assert "within 4 s" in (out[0]["invalid"] or "")
+
+
+@pytest.mark.timeout(600)
+def test_moe_etp2_experts_gathered_over_their_own_group_equal_checkpoint(tmp_path):
+    """TP2 x ETP2: the dense pieces and the experts' pieces travel in two groups of the same ranks, their batches
+    interleaved (each its own slots); after each of two syncs the engine equals transformers' own load x2, cast."""
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    def moe(path, seed):
+        return build_tiny_hf_model(path, arch="qwen3_moe", seed=seed, num_hidden_layers=2, num_experts=4,
+                                   num_experts_per_tok=2, tie_word_embeddings=False)
+
+    actor, other = moe(tmp_path / "actor", 1), moe(tmp_path / "other", 2)
+    job = named_job("actor", *JOB, *layout(tp=2, ep=1, etp=2, sp=True), hf=actor)
+    out = run_ranks(_body, 2, job, other, timeout=300)
+    assert "error" not in out[0], out[0].get("error")
+    ref = EmbeddedEngine(actor, dtype="float32", seed=0).model.state_dict()
+    _check(out[0]["states"], {k: v for k, v in ref.items() if not k.endswith("inv_freq")})
+
+
+@pytest.mark.timeout(600)
+def test_tp2_delta_sync_through_the_batched_gather_equals_checkpoint(dense):
+    """``rollout.weight_sync_delta`` at TP2: the delta packer reads the batched gather's tensors assembled (no
+    fences); the second sync is a delta from the first, and the engine equals the checkpoint x2, cast."""
+    actor, other = dense
+    job = named_job("actor", *JOB, *layout(tp=2), "rollout.weight_sync_delta=true", hf=actor)
+    out = run_ranks(_body, 2, job, other, timeout=300)
+    assert "error" not in out[0], out[0].get("error")
+    assert "weight_sync/changed_frac" in out[0]["metrics"], out[0]["metrics"]
+    _check(out[0]["states"], _reference(actor))
