@@ -121,7 +121,7 @@ class MegatronActor:
             self.model, self.optimizer, self.scheduler = list(chunks), None, None
         else:
             self.model = wrap_ddp(chunks, self.actor_cfg)
-            self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision.params_dtype)
+            self.optimizer = build_optimizer(self.model, self.actor_cfg, self.precision)
             set_main_params(self.optimizer, fp32)
             # megatron-core's OptimizerParamScheduler: warm-up / decay of actor.lr, one step per optimizer step
             self.scheduler = spec.lr_schedule.build(self.optimizer)

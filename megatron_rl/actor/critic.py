@@ -101,7 +101,7 @@ class MegatronCritic:
             fp32 = load_keeping_fp32(chunks, lambda: load_value_model(chunks, src, self.model_cfg, self.groups),
                                      src.path, keep=True)
         self.model = wrap_ddp(chunks, self.optim_cfg)
-        self.optimizer = build_optimizer(self.model, self.optim_cfg, spec.precision.params_dtype)
+        self.optimizer = build_optimizer(self.model, self.optim_cfg, spec.precision)
         set_main_params(self.optimizer, fp32)
         self.scheduler = spec.lr_schedule.build(self.optimizer)
 

@@ -1,7 +1,7 @@
 """Megatron DDP wrapping and the Megatron optimizer for the actor's model chunks.
 
     ddp_chunks = wrap_ddp(chunks, actor_cfg)            # megatron DistributedDataParallel per chunk
-    optimizer = build_optimizer(ddp_chunks, actor_cfg)  # get_megatron_optimizer(OptimizerConfig(...))
+    optimizer = build_optimizer(ddp_chunks, actor_cfg, precision)  # get_megatron_optimizer(OptimizerConfig(...))
 
 Choices: gradients are accumulated and reduced in fp32 (``grad_reduce_in_fp32``, Megatron-LM's
 ``--accumulate-allreduce-grads-in-fp32``) whatever the parameter dtype (each micro-batch's own weight gradient is in
@@ -105,17 +105,19 @@ def offload_errors(actor_cfg, optimizer_fields=None, precision: Optional[Precisi
     return errs
 
 
-def optimizer_config(actor_cfg, params_dtype: torch.dtype = torch.float32):
+def optimizer_config(actor_cfg, precision: Precision = Precision()):
     """megatron ``OptimizerConfig`` from ``ActorConfig`` (lr, min_lr — each param group's ``max_lr`` / ``min_lr`` of
-    megatron's scheduler —, weight_decay, adam betas, clip_grad, use_distributed_optimizer) for parameters of ``params_dtype`` (bf16: fp32 main parameters)."""
+    megatron's scheduler —, weight_decay, adam betas, clip_grad, use_distributed_optimizer) for the actor's
+    ``precision`` (the job plan's; bf16: fp32 main parameters)."""
     from megatron.core.optimizer import OptimizerConfig
 
     cfg = OptimizerConfig(optimizer="adam", lr=float(actor_cfg.lr), min_lr=float(actor_cfg.min_lr),
                            weight_decay=float(actor_cfg.weight_decay), adam_beta1=float(actor_cfg.adam_beta1),
                            adam_beta2=float(actor_cfg.adam_beta2), adam_eps=1e-8,
-                           clip_grad=float(actor_cfg.clip_grad), bf16=params_dtype == torch.bfloat16,
-                           fp16=False, params_dtype=params_dtype,
-                           use_distributed_optimizer=_distributed(actor_cfg), **_offload_settings(actor_cfg))
+                           clip_grad=float(actor_cfg.clip_grad), bf16=precision.bf16,
+                           fp16=False, params_dtype=precision.params_dtype,
+                           use_distributed_optimizer=_distributed(actor_cfg),
+                           **_offload_settings(actor_cfg, precision))
     if cfg.optimizer_cpu_offload:
         # megatron's precision-aware path, set after __post_init__: its Transformer Engine version check crashes
         # without TE (TypeError) and is skipped for CPU offload anyway; the derived flag as __post_init__ sets it
@@ -124,18 +126,18 @@ def optimizer_config(actor_cfg, params_dtype: torch.dtype = torch.float32):
     return cfg
 
 
-def _offload_settings(actor_cfg) -> dict:
+def _offload_settings(actor_cfg, precision: Precision) -> dict:
     """megatron's ``OptimizerConfig`` keys of ``actor.optimizer_cpu_offload`` ({} without it; the precision-aware
-    switch megatron needs with it is set by ``optimizer_config``)."""
+    switch megatron needs with it is set by ``optimizer_config``), checked with the actor's ``precision``."""
     if not getattr(actor_cfg, "optimizer_cpu_offload", False):
         return {}
-    problems = offload_errors(actor_cfg)
+    problems = offload_errors(actor_cfg, precision=precision)
     if problems:
         raise ValueError("; ".join(problems))
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=float(actor_cfg.optimizer_offload_fraction))
 
 
-def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dtype: torch.dtype = torch.float32):
+def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, precision: Precision = Precision()):
     """``get_megatron_optimizer`` over the DDP-wrapped chunks (separate dense / expert param groups,
     chained by megatron). The model config's ``grad_scale_func`` is set to the optimizer's loss scaling
     (identity for fp32)."""
@@ -146,7 +148,7 @@ def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], actor_cfg, params_dty
     if getattr(actor_cfg, "optimizer_cpu_offload", False) and cpu_patches_applied():
         apply_cpu_hybrid_optimizer()  # on a CPU the CPU is megatron's offload device (see that module)
 
-    opt = get_megatron_optimizer(optimizer_config(actor_cfg, params_dtype), list(ddp_chunks),
+    opt = get_megatron_optimizer(optimizer_config(actor_cfg, precision), list(ddp_chunks),
                                  use_gloo_process_groups=True)  # the distributed optimizer saves over gloo
     if getattr(actor_cfg, "optimizer_cpu_offload", False):
         # megatron's first HybridDeviceOptimizer (over the unsharded parameters, replaced by the distributed

@@ -18,7 +18,6 @@ import sys
 from typing import List, Optional, Tuple
 
 from megatron_rl.cli.build_hint import build_command
-from megatron_rl.losses.registry import objective_summary
 from megatron_rl.config import ConfigError
 from megatron_rl.plan import collect_job_config
 from megatron_rl.config.epochs import epochs_line
@@ -75,6 +74,10 @@ def _flag_overrides(args: argparse.Namespace) -> List[str]:
         if getattr(args, flag) is not None:
             out.append(f"cluster.{key}={getattr(args, flag)}")
     return out
+
+
+#: the sections the objective line is read from: a problem in one leaves it at its defaults in the config read
+_OBJECTIVE_SECTIONS = ("algorithm.rollout_correction", "actor.policy_loss")
 
 
 def _blocks_plan(problem: str) -> bool:
@@ -149,8 +152,9 @@ def _run(args: argparse.Namespace) -> int:
     for line in job_plan.describe() if job_plan is not None else ():  # what the trainer prints at start
         print(line)
     corr = cfg.algorithm.rollout_correction
-    if corr is not None and job_plan is None:  # the plan's lines hold it
-        print(objective_summary(corr.loss_type, corr.bypass_mode, cfg.actor.policy_loss))
+    refused = any(p.startswith(_OBJECTIVE_SECTIONS) for p in problems)  # read at its defaults: not the job's
+    if corr is not None and job_plan is None and not refused:  # the plan's lines hold it
+        print(corr.objective.summary(corr.bypass_mode, cfg.actor.policy_loss))  # the row the section looked up
     if cfg.trainer.epochs is not None and not any(q.startswith("trainer.epochs") for q in problems):
         print(epochs_line(cfg))
     waits = rollout_waits_line(cfg)

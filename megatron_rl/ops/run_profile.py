@@ -41,7 +41,7 @@ class RunProfile:
 def actor_precision(precision: Precision, actor) -> Tuple[int, bool]:
     """(bytes per parameter, distributed optimizer) of the actor ``train`` builds with ``precision`` (the job plan's)
     and the ``actor:`` section ``actor``."""
-    ocfg = optimizer_config(actor, precision.params_dtype)
+    ocfg = optimizer_config(actor, precision)
     return precision.params_bytes, bool(ocfg.use_distributed_optimizer)
 
 

@@ -17,9 +17,7 @@
 * ``chat_model``: a tiny chat model + tokenizer with a chat template (the math CPU config's model).
 * ``custom``: a user's task by import path (``data.task: "module:factory"``; docs/extending.md).
 
-``build_task(task, tokenizer, ...)`` maps the ``data:`` config section onto one of these.
-
-Usage::
+``build_task(task, tokenizer, ...)`` maps the ``data:`` config section onto one of these::
 
     tok = build_char_tokenizer()
     task = build_task("copy", tok, task_kwargs={"min_digits": 1, "max_digits": 3})

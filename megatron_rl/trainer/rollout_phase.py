@@ -15,7 +15,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_rl.actor.replay_modes import ReplayMode
 from megatron_rl.actor.routing import RoutingError
 from megatron_rl.envs.pool import EnvPool
-from megatron_rl.plan import budget_of, replay_of
 from megatron_rl.rollout.base import RolloutError, SamplingParams, StaleRolloutError
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.multi_turn import ObservationEncoder, TurnLimits, run_trajectories
@@ -74,15 +73,15 @@ def step_metrics(prompt_rows, rollouts, raw_rewards: Sequence[float], penalties:
     return m
 
 
-def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int = 0,
-                  replay: Optional[ReplayMode] = None, draw: Optional[PromptDraw] = None,
+def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int = 0, *,
+                  replay: ReplayMode, draw: Optional[PromptDraw] = None,
                   greedy_baseline: bool = False, reward_keys: Sequence[str] = ()) -> StepBatch:
     """Rank 0: draw prompts, generate n responses each, score them (``rnd``: the generation round of the step,
-    ``round_seed``; ``replay``: the job's routing-replay mode, the step generator's, default
-    ``actor.routing_replay``'s; ``draw``: the job's prompt draw, the step generator's -- None, for a one-off call:
-    the stateless draw seeded by (trainer.seed, step, round), ``sample_prompts``, also for a data file, whose epoch
-    order only a job's draw holds; ``greedy_baseline``: also each prompt's greedy response's reward, ReMax's
-    ``reward_baselines``, ``greedy_baseline.py``; ``reward_keys``: GDPO's components of each row's dict reward,
+    ``round_seed``; ``replay``: the job plan's routing-replay mode, the step generator's; ``draw``: the job's
+    prompt draw, the step generator's -- None, for a one-off call: the stateless draw seeded by (trainer.seed,
+    step, round), ``sample_prompts``, also for a data file, whose epoch order only a job's draw holds;
+    ``greedy_baseline``: also each prompt's greedy response's reward, ReMax's ``reward_baselines``,
+    ``greedy_baseline.py``; ``reward_keys``: GDPO's components of each row's dict reward,
     ``reward_components.py``). Raises RolloutError on failure (the step is then not applied) or
     StaleRolloutError if the engine serves other weights."""
     prompts = draw(step, rnd) if draw is not None else sample_prompts(task, cfg, step, rnd)
@@ -96,7 +95,6 @@ def generate_step(task, engine, cfg, step: int, expected_version: str, rnd: int 
                                 f"expected {expected_version!r}")
     routing, routing_stats = None, {}
     if rollout_routing(rollouts) is not None:  # an MoE engine captured routing (for some rows at least)
-        replay = replay or replay_of(cfg)
         routing, routing_stats = step_routing(rollouts, required=replay.needs_rollout_routing, step=step)
     prompt_rows = [prompts[i // n] for i in range(len(rollouts))]
     result = task.score(prompt_rows, [r.response_ids for r in rollouts])
@@ -182,10 +180,10 @@ class SingleTurn:
     view of it) to sample from, the weight version the rollouts must carry and the generation round of the step
     (dynamic sampling's extra rounds draw the next prompts of ``draw``, the job's ``PromptDraw``)."""
 
-    def __init__(self, task, cfg, draw: PromptDraw, replay: Optional[ReplayMode] = None,
+    def __init__(self, task, cfg, draw: PromptDraw, replay: ReplayMode,
                  greedy_baseline: bool = False, reward_keys: Sequence[str] = ()):
         self.task, self.cfg, self.draw = task, cfg, draw
-        self.replay = replay or replay_of(cfg)
+        self.replay = replay
         self.greedy_baseline, self.reward_keys = greedy_baseline, tuple(reward_keys)
 
     def generate(self, engine, step: int, version: str, rnd: int = 0) -> StepBatch:
@@ -217,10 +215,9 @@ class MultiTurn:
     ``data.max_reward_failure_frac``; metrics ``multi_turn/*`` (turns, environment token share, finish reasons,
     per-trajectory counts)."""
 
-    def __init__(self, task, cfg, pool, tokenizer, draw: PromptDraw, limits: TurnLimits,
-                 replay: Optional[ReplayMode] = None):
+    def __init__(self, task, cfg, pool, tokenizer, draw: PromptDraw, limits: TurnLimits, replay: ReplayMode):
         self.task, self.cfg, self.pool, self.tokenizer, self.draw = task, cfg, pool, tokenizer, draw
-        self.replay = replay or replay_of(cfg)
+        self.replay = replay
         self.limits = limits
         """The job plan's ``TurnLimits`` (``ResponseBudget.limits``), enforced on every trajectory."""
         self.encode = ObservationEncoder(tokenizer, cfg.multi_turn.observation_template)
@@ -307,16 +304,16 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
                                        f"(rows {_head(missing)})")
 
 
-def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None, replay: Optional[ReplayMode] = None,
-                         greedy_baseline: bool = False, reward_keys: Sequence[str] = (),
-                         budget: Optional[ResponseBudget] = None):
+def build_step_generator(cfg, task, draw: Optional[PromptDraw], replay: ReplayMode,
+                         greedy_baseline: bool = False, reward_keys: Sequence[str] = (), *,
+                         budget: ResponseBudget):
     """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
     ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` with
-    ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (default: one built here for ``task``);
-    ``replay``: the job plan's routing-replay mode (default: the config's, ``plan.replay_of``);
+    ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (None: one built here for ``task``);
+    ``replay``: the job plan's routing-replay mode;
     ``greedy_baseline`` / ``reward_keys``: single-turn rows also carry ReMax's greedy baselines / GDPO's reward
     components (the plan refuses both multi-turn); ``budget``: the job plan's response budget, whose ``limits``
-    the multi-turn generator enforces (default: the config's, ``plan.budget_of``).
+    the multi-turn generator enforces.
     The job calls ``close()`` at its end."""
     m = cfg.multi_turn
     draw = draw or PromptDraw(task, cfg)
@@ -324,5 +321,5 @@ def build_step_generator(cfg, task, draw: Optional[PromptDraw] = None, replay: O
         gen = SingleTurn(task, cfg, draw, replay, greedy_baseline, reward_keys)
     else:
         pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
-        gen = MultiTurn(task, cfg, pool, task.tokenizer, draw, (budget or budget_of(cfg)).limits, replay)
+        gen = MultiTurn(task, cfg, pool, task.tokenizer, draw, budget.limits, replay)
     return DynamicSampling(gen, cfg) if cfg.algorithm.filter_groups.enable else gen

@@ -129,3 +129,15 @@ def test_plan_includes_the_weight_sync():
     r = _cli("configs/qwen3_30b_a3b_2x8.yaml", "rollout.weight_sync=disk")
     assert r.returncode == 0, r.stderr
     assert re.search(r"weight sync \(disk\): ([\d.]+) GB per sync, rank 0 \+56\.\d\d GiB host", r.stdout), r.stdout[-800:]
+
+
+def test_a_refused_correction_section_is_not_described_as_the_default_objective(tmp_path):
+    # the section that failed to read stands at its defaults in the config check received: describing its
+    # objective would name one the job does not ask for (gspo asked, ppo_clip described)
+    r = _cli(TINY, f"actor.load_hf={tmp_path / 'not_built'}", "algorithm.rollout_correction.loss_type=gspo",
+             "algorithm.rollout_correction.rollout_is_threshold=-1")
+    assert r.returncode == 2
+    assert "rollout_is_threshold: must be a finite positive number, got -1.0" in r.stderr
+    assert "objective: ppo_clip" not in r.stdout + r.stderr
+    r = _cli(TINY, f"actor.load_hf={tmp_path / 'not_built'}", "algorithm.rollout_correction.loss_type=gspo")
+    assert "objective: gspo" in r.stdout    # a valid section is still described while the plan is not built

@@ -17,6 +17,7 @@ from megatron_rl.rollout.base import Rollout
 from megatron_rl.tasks import build_task
 from megatron_rl.tasks.char_tokenizer import build_char_tokenizer
 from megatron_rl.trainer.rollout_phase import generate_step, overlong_penalty
+from megatron_rl.actor.replay_modes import NoReplay
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,7 +64,7 @@ def test_generate_step_flags_truncation_penalises_and_counts(tmp_path):
     # responses: right answer (3 tokens incl. EOS), 5 tokens + EOS, 6 tokens (hits max_new_tokens), raises
     engine = FixedEngine(tok, ["@@", "12345", "123456", "99"])
     try:
-        out = generate_step(task, engine, cfg, step=0, expected_version="step-0")
+        out = generate_step(task, engine, cfg, step=0, expected_version="step-0", replay=NoReplay())
     finally:
         task.close()
     # options applied: prompts truncated to their last 3 tokens (counted)
@@ -93,7 +94,8 @@ def test_correct_answers_score_through_the_step(tmp_path):
                           trainer=SimpleNamespace(seed=0), algorithm=AlgorithmConfig())
     task = build_task("file", tok, path=d.path)
     try:
-        out = generate_step(task, FixedEngine(tok, ["7", "8"]), cfg, step=3, expected_version="step-0")
+        out = generate_step(task, FixedEngine(tok, ["7", "8"]), cfg, step=3, expected_version="step-0",
+                            replay=NoReplay())
     finally:
         task.close()
     assert out.rewards == [1.0, 0.0, 1.0, 0.0] and out.truncated == [False] * 4

@@ -23,6 +23,7 @@ from megatron_rl.tasks.datasets import FileTask
 from megatron_rl.tasks.options import DataOptions
 from megatron_rl.trainer.dynamic_sampling import DynamicSampling, FilterMetricError
 from megatron_rl.trainer.rollout_phase import generate_step
+from megatron_rl.actor.replay_modes import NoReplay
 from megatron_rl.trainer.step_batch import StepBatch
 
 from tests.unit.test_data_rollout_phase import FixedEngine
@@ -61,7 +62,7 @@ def test_verl_dict_reward_file_runs_unchanged_through_the_step(tmp_path):
     # per prompt: "7", "8", "777" (3 tokens + EOS = 4 = max_new_tokens -> truncated, no EOS: 4 tokens)
     engine = FixedEngine(tok, ["7", "8", "7777"])
     try:
-        out = generate_step(task, engine, cfg, step=0, expected_version="step-0")
+        out = generate_step(task, engine, cfg, step=0, expected_version="step-0", replay=NoReplay())
     finally:
         task.close()
     answers = [p[-2] for p in out.prompt_ids]          # the digit before "=" (row order: prompt-major)

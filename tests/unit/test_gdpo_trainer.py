@@ -14,6 +14,7 @@ import torch
 from megatron_rl.algo.estimator import AlgoParams, Estimator
 from megatron_rl.trainer.reward_components import reward_components
 from megatron_rl.trainer.rollout_phase import generate_step
+from megatron_rl.actor.replay_modes import NoReplay
 from tests.unit.test_data_rollout_phase import FixedEngine
 from tests.unit.test_dict_rewards import _setup
 from tests.verl_core_algos import AlgoCfg, verl_core_algos
@@ -34,7 +35,7 @@ def test_gdpo_step_matches_verl(tmp_path, weights):
     tok, cfg, task = _setup(tmp_path)
     try:
         out = generate_step(task, FixedEngine(tok, ["7", "8", "777"]), cfg, step=0, expected_version="step-0",
-                            reward_keys=KEYS)
+                            reward_keys=KEYS, replay=NoReplay())
     finally:
         task.close()
     comps = np.array(out.reward_components, dtype=np.float32)

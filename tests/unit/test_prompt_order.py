@@ -28,6 +28,7 @@ from megatron_rl.tasks import build_task
 from megatron_rl.tasks.char_tokenizer import build_char_tokenizer
 from megatron_rl.testing.jobs import named_job
 from megatron_rl.trainer.rollout_phase import build_step_generator
+from megatron_rl.plan import budget_of, replay_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,8 +68,8 @@ def _job_parts(cfg, draw=None):
     """The task, the step generator (built as the job builds it) and the recording engine."""
     tok = build_char_tokenizer()
     task = build_task("file", tok, path=cfg.data.path, reward_fn=cfg.data.reward_fn)
-    args = () if draw is None else (draw(task, cfg),)
-    gen = build_step_generator(cfg, task, *args)
+    gen = build_step_generator(cfg, task, None if draw is None else draw(task, cfg), replay_of(cfg),
+                               budget=budget_of(cfg))
     index_of = {tuple(p.prompt_ids): int(p.answer) for p in task.prompts}
     return task, gen, AnswerEngine(tok, index_of)
 
@@ -273,7 +274,8 @@ def test_one_off_generate_step_calls_draw_per_step_not_the_same_prompts(tmp_path
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = [generate_step(task, engine, cfg, step, "step-0").prompt_ids[::SAMPLES] for step in (0, 1, 2)]
+            got = [generate_step(task, engine, cfg, step, "step-0", replay=replay_of(cfg)).prompt_ids[::SAMPLES]
+                   for step in (0, 1, 2)]
     finally:
         task.close()
     by_index = {i: list(p.prompt_ids) for i, p in ((int(p.answer), p) for p in task.prompts)}

@@ -20,6 +20,7 @@ from megatron_rl.tasks import build_task
 from megatron_rl.tasks.char_tokenizer import build_char_tokenizer
 from megatron_rl.trainer.dynamic_sampling import take_groups
 from megatron_rl.trainer.rollout_phase import generate_step
+from megatron_rl.actor.replay_modes import NoReplay
 from tests.verl_core_algos import AlgoCfg, verl_core_algos
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,8 +64,9 @@ def test_rows_carry_their_prompts_greedy_reward(tmp_path):
     tok, cfg, task = _job(tmp_path, answers)
     engine = Engine(tok)
     try:
-        out = generate_step(task, engine, cfg, step=0, expected_version="step-0", greedy_baseline=True)
-        plain = generate_step(task, Engine(tok), cfg, step=0, expected_version="step-0")
+        out = generate_step(task, engine, cfg, step=0, expected_version="step-0", greedy_baseline=True,
+                            replay=NoReplay())
+        plain = generate_step(task, Engine(tok), cfg, step=0, expected_version="step-0", replay=NoReplay())
     finally:
         task.close()
     (sampled, n_sampled), (greedy, n_greedy) = engine.calls
@@ -83,7 +85,7 @@ def test_greedy_responses_from_other_weights_are_refused(tmp_path):
     try:
         with pytest.raises(StaleRolloutError, match="greedy baseline responses from weight version 'step-1'"):
             generate_step(task, Engine(tok, greedy_version="step-1"), cfg, step=0,
-                          expected_version="step-0", greedy_baseline=True)
+                          expected_version="step-0", greedy_baseline=True, replay=NoReplay())
     finally:
         task.close()
 
@@ -93,7 +95,7 @@ def test_baselines_follow_the_rows_to_the_estimator_and_match_verl(tmp_path):
     tok, cfg, task = _job(tmp_path, answers)
     try:
         batch = generate_step(task, Engine(tok), cfg, step=0, expected_version="step-0",
-                              greedy_baseline=True)
+                              greedy_baseline=True, replay=NoReplay())
     finally:
         task.close()
     batch.rewards = [float(i % 4) * 0.5 for i in range(batch.num_rows)]   # distinct rewards per row
@@ -152,7 +154,7 @@ def test_interrupt_mode_refused_as_the_producer_loads_newer_weights_between_segm
     try:
         with pytest.raises(StaleRolloutError, match="greedy baseline responses from weight version 'step-1'"):
             generate_step(task, SegmentedEngine(eng, 1, newer), cfg, step=0, expected_version="step-0",
-                          greedy_baseline=True)
+                          greedy_baseline=True, replay=NoReplay())
     finally:
         task.close()
     model = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.vocab_size=64"]

@@ -15,6 +15,7 @@ from megatron_rl.rollout.base import Rollout
 from megatron_rl.tasks import build_char_tokenizer, build_task
 from megatron_rl.tasks.synthetic import operand_count
 from megatron_rl.trainer.rollout_phase import generate_step
+from megatron_rl.actor.replay_modes import NoReplay
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_rollout_phase_drives_the_curriculum(tok):
     task = build_task("copy", tok, task_kwargs=kw)
     lengths = {}
     for step in (0, 45):
-        out = generate_step(task, _EchoEngine(tok), cfg, step=step, expected_version="step-0")
+        out = generate_step(task, _EchoEngine(tok), cfg, step=step, expected_version="step-0", replay=NoReplay())
         lengths[step] = {len(r) - 1 for r in out.response_ids}
         assert out.rewards == [1.0] * 64
     assert lengths == {0: {1}, 45: {1, 2, 3}}
