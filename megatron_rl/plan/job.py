@@ -391,6 +391,12 @@ def budget_of(cfg: "JobConfig") -> ResponseBudget:
     return ResponseBudget.of(cfg.rollout, cfg.multi_turn)
 
 
+def dynamic_sampling_of(cfg: "JobConfig"):
+    """The dynamic-sampling choice of a validated config alone (``algorithm.filter_groups`` when enabled, else None;
+    a step generator built without a job's plan)."""
+    return _dynamic_sampling(cfg)
+
+
 def job_engine(cfg: "JobConfig"):
     """The rollout engine of a validated config alone (tests and tools without a whole job's plan)."""
     return build_engine(cfg.rollout, cfg.actor.load_hf, cfg.trainer.seed, cfg.trainer.run_dir,

@@ -325,7 +325,7 @@ def _rank0_setup(cfg: JobConfig, plan: JobPlan) -> Tuple:
         raise
     greedy = "reward_baselines" in plan.estimator.spec.needs   # ReMax: a greedy response per prompt
     return (build_step_generator(cfg, task, draw, plan.replay, greedy, plan.estimator.reward_keys,
-                                 budget=plan.budget), draw, tokenizer,
+                                 budget=plan.budget, dynamic=plan.dynamic_sampling), draw, tokenizer,
             engine, server, val_groups)
 
 

@@ -306,10 +306,10 @@ def trajectory_routing(trajs, required: bool, step: int = 0) -> Tuple[Optional[L
 
 def build_step_generator(cfg, task, draw: Optional[PromptDraw], replay: ReplayMode,
                          greedy_baseline: bool = False, reward_keys: Sequence[str] = (), *,
-                         budget: ResponseBudget):
+                         budget: ResponseBudget, dynamic):
     """Rank 0: the job's step generator, chosen once: ``MultiTurn`` with the environment pool it owns when
-    ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` with
-    ``algorithm.filter_groups.enable``. ``draw``: the job's ``PromptDraw`` (None: one built here for ``task``);
+    ``multi_turn.env`` is set, else ``SingleTurn`` (prompt -> response); wrapped in ``DynamicSampling`` when
+    ``dynamic``, the job plan's dynamic-sampling choice (``algorithm.filter_groups`` when enabled), is not None. ``draw``: the job's ``PromptDraw`` (None: one built here for ``task``);
     ``replay``: the job plan's routing-replay mode;
     ``greedy_baseline`` / ``reward_keys``: single-turn rows also carry ReMax's greedy baselines / GDPO's reward
     components (the plan refuses both multi-turn); ``budget``: the job plan's response budget, whose ``limits``
@@ -322,4 +322,4 @@ def build_step_generator(cfg, task, draw: Optional[PromptDraw], replay: ReplayMo
     else:
         pool = EnvPool(m.env, m.env_kwargs, workers=m.env_workers, step_timeout_s=m.env_step_timeout_s)
         gen = MultiTurn(task, cfg, pool, task.tokenizer, draw, budget.limits, replay)
-    return DynamicSampling(gen, cfg) if cfg.algorithm.filter_groups.enable else gen
+    return DynamicSampling(gen, cfg) if dynamic is not None else gen

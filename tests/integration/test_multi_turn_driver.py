@@ -36,7 +36,7 @@ from megatron_rl.tasks.base import response_text
 from megatron_rl.rollout.versions import parse_version, version_tag
 from megatron_rl.trainer.async_rollout import SegmentedEngine, check_staleness
 from megatron_rl.trainer.rollout_phase import MultiTurn, SingleTurn, build_step_generator, generate_step
-from megatron_rl.plan import budget_of, replay_of
+from megatron_rl.plan import budget_of, dynamic_sampling_of, replay_of
 
 EOS, MARK, OBS = 1, 20, 21
 
@@ -338,7 +338,7 @@ def test_multi_turn_generator_batch(tiny_job, envs, copy_model):
     cfg = _mt_cfg(tiny_job, envs, "rollout.max_new_tokens=12", "data.prompts_per_step=4",
                   "actor.ppo_mini_batches=1", "rollout.n_samples_per_prompt=4")
     task, tok = build_task(cfg)
-    gen = build_step_generator(cfg, task, None, replay_of(cfg), budget=budget_of(cfg))
+    gen = build_step_generator(cfg, task, None, replay_of(cfg), budget=budget_of(cfg), dynamic=dynamic_sampling_of(cfg))
     assert isinstance(gen, MultiTurn)
     engine = EmbeddedEngine(copy_model, dtype="float32", seed=1, weight_version="step-2")
     calls = []
@@ -380,7 +380,7 @@ def test_multi_turn_generator_batch(tiny_job, envs, copy_model):
         assert rb.response_mask[b, p - 1:p - 1 + r].tolist() == [float(x) for x in batch.loss_masks[b]]
     assert two_turn, "some trajectory must have had an environment turn"
     one = _one_rank(tiny_job)
-    assert isinstance(build_step_generator(one, task, None, replay_of(one), budget=budget_of(one)), SingleTurn)
+    assert isinstance(build_step_generator(one, task, None, replay_of(one), budget=budget_of(one), dynamic=dynamic_sampling_of(one)), SingleTurn)
 
 
 def test_multi_turn_generator_through_the_async_view_tags_every_token(tiny_job, envs):
@@ -392,7 +392,7 @@ def test_multi_turn_generator_through_the_async_view_tags_every_token(tiny_job, 
     one, two, eq = tok.convert_tokens_to_ids(["1", "2", "="])
     engine = ScriptedEngine([one, two, one, two, EOS], version=2, mark=eq)
     view = SegmentedEngine(engine, 2, lambda: setattr(engine, "version", 3))   # newer weights after a segment
-    gen = build_step_generator(cfg, task, None, replay_of(cfg), budget=budget_of(cfg))
+    gen = build_step_generator(cfg, task, None, replay_of(cfg), budget=budget_of(cfg), dynamic=dynamic_sampling_of(cfg))
     try:
         batch = gen.generate(view, 3, "step-2")
     finally:
@@ -424,7 +424,7 @@ def test_dynamic_sampling_over_multi_turn_through_the_async_view(tiny_job, envs)
     one, two, eq = tok.convert_tokens_to_ids(["1", "2", "="])
     engine = ScriptedEngine([one, two, one, two, EOS], version=2, mark=eq)
     view = SegmentedEngine(engine, 2, lambda: setattr(engine, "version", 3))   # newer weights after a segment
-    gen = build_step_generator(cfg, task, None, replay_of(cfg), budget=budget_of(cfg))
+    gen = build_step_generator(cfg, task, None, replay_of(cfg), budget=budget_of(cfg), dynamic=dynamic_sampling_of(cfg))
     assert isinstance(gen, DynamicSampling) and isinstance(gen.inner, MultiTurn)
     try:
         with pytest.warns(FilterGroupsExhaustedWarning, match="found 0 of the 2 prompt groups"):
@@ -475,7 +475,7 @@ def test_multi_turn_generator_enforces_the_plans_limits(tiny_job, envs):
     assert plan.budget.tokens == 15
     task, _ = build_task(cfg)
     for budget in (plan.budget, budget_of(cfg)):  # budget_of: the config alone (tools) reads the same limits
-        gen = build_step_generator(cfg, task, None, plan.replay, budget=budget)
+        gen = build_step_generator(cfg, task, None, plan.replay, budget=budget, dynamic=plan.dynamic_sampling)
         try:
             assert isinstance(gen, MultiTurn) and gen.limits == plan.budget.limits
             if budget is plan.budget:  # the plan's object itself, not a copy

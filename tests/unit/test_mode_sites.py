@@ -5,7 +5,7 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILDERS = {"replay_of", "budget_of", "replay_mode", "_replay", "_budget"}
+BUILDERS = {"replay_of", "budget_of", "replay_mode", "_replay", "_budget", "dynamic_sampling_of", "_dynamic_sampling"}
 
 
 def _calls(path: str):
@@ -27,6 +27,24 @@ def test_no_trainer_module_builds_the_replay_mode_or_the_budget():
             if fn.endswith(".py"):
                 found += list(_calls(os.path.join(dirpath, fn)))
     assert not found, f"the trainer builds a choice the job plan builds (take the plan's object): {found}"
+
+
+def _enable_reads(path: str):
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "enable" and "filter_groups" in ast.unparse(node.value):
+            yield f"{os.path.relpath(path, ROOT)}:{node.lineno}"
+
+
+def test_no_trainer_module_decides_dynamic_sampling_again():
+    # the plan decides (plan.dynamic_sampling: the section when enabled, else None); the trainer wraps on that
+    found = []
+    for dirpath, _dirs, files in os.walk(os.path.join(ROOT, "megatron_rl", "trainer")):
+        for fn in files:
+            if fn.endswith(".py"):
+                found += list(_enable_reads(os.path.join(dirpath, fn)))
+    assert not found, f"the trainer reads algorithm.filter_groups.enable (take plan.dynamic_sampling): {found}"
 
 
 def test_the_scan_sees_a_fallback(tmp_path):

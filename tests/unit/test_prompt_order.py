@@ -28,7 +28,7 @@ from megatron_rl.tasks import build_task
 from megatron_rl.tasks.char_tokenizer import build_char_tokenizer
 from megatron_rl.testing.jobs import named_job
 from megatron_rl.trainer.rollout_phase import build_step_generator
-from megatron_rl.plan import budget_of, replay_of
+from megatron_rl.plan import budget_of, dynamic_sampling_of, replay_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,7 +69,7 @@ def _job_parts(cfg, draw=None):
     tok = build_char_tokenizer()
     task = build_task("file", tok, path=cfg.data.path, reward_fn=cfg.data.reward_fn)
     gen = build_step_generator(cfg, task, None if draw is None else draw(task, cfg), replay_of(cfg),
-                               budget=budget_of(cfg))
+                               budget=budget_of(cfg), dynamic=dynamic_sampling_of(cfg))
     index_of = {tuple(p.prompt_ids): int(p.answer) for p in task.prompts}
     return task, gen, AnswerEngine(tok, index_of)
 
