@@ -843,6 +843,12 @@ def _lora_rules() -> List[Rule]:
         _u(f"{_MODEL}.lora.dtype", "adapters are kept in the base's dtype with fp32 main params", neutral=(None,),
            inactive=mcore),
         _n(f"{_MODEL}.lora.a2a_experimental", "Megatron-Bridge's experimental expert all-to-all", inactive=mcore),
+        _u(f"{_MODEL}.lora.freeze_language_model", "the base model is frozen: only the adapters train",
+           neutral=(True,), inactive=mcore),
+        _u(f"{_MODEL}.lora.freeze_vision_model", "vision-language models are not supported", neutral=(True,),
+           inactive=mcore),
+        _u(f"{_MODEL}.lora.freeze_vision_projection", "vision-language models are not supported", neutral=(True,),
+           inactive=mcore),
         _u(f"{_MODEL}.lora.**", "a Megatron-Bridge LoRA option without a counterpart here", inactive=mcore),
         _u(f"{_MODEL}.lora_*", _NO_LORA, inactive=fsdp),
     ]

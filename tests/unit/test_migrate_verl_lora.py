@@ -81,3 +81,20 @@ def test_verl_megatron_lora_example_migrates_to_a_config_the_plan_takes():
     assert not any("ref_param_offload" in e for e in lora_errors(job)), lora_errors(job)
     ref = _entry(m, "actor_rollout_ref.ref.megatron.param_offload")
     assert ref.kind != MAPPED and "adapters off" in ref.detail and "ref_param_offload" not in m.tree["actor"]
+
+
+def test_verl_lora_freeze_defaults_migrate_and_unfreezing_is_refused():
+    """verl's Megatron-Bridge LoRA defaults (freeze_language_model / freeze_vision_model / freeze_vision_projection:
+    true) are what a LoRA job here does -- the base frozen, no vision tower -- so verl's own LoRA example migrates
+    without a refusal on them; false (training the base or a vision tower beside the adapters) is refused."""
+    from megatron_rl.config.migrate_verl import with_verl_defaults
+
+    tree, _ = with_verl_defaults(_load("grpo_qwen3moe_30b_megatron_lora.yaml"))
+    keys = [f"{M}.lora.freeze_language_model", f"{M}.lora.freeze_vision_model", f"{M}.lora.freeze_vision_projection"]
+    m = migrate_verl(tree)
+    for key in keys:
+        assert _entry(m, key).kind == UNCHANGED, (key, _entry(m, key))
+    for key in keys:
+        bad = copy.deepcopy(tree)
+        bad["actor_rollout_ref"]["model"]["lora"][key.rsplit(".", 1)[1]] = False
+        assert _entry(migrate_verl(bad), key).kind == UNSUPPORTED, key
