@@ -141,7 +141,11 @@ def test_dense_engine_equals_checkpoint_after_each_sync(dense, world, parallel):
 
 
 @pytest.mark.timeout(600)
-def test_moe_tp2_ep2_engine_equals_checkpoint_after_each_sync(tmp_path):
+@pytest.mark.parametrize("ep,etp,senders", [(2, 1, 2.0), (1, 2, 1.0)], ids=["tp2_ep2", "tp2_etp2"])
+def test_moe_engine_equals_checkpoint_after_each_sync(tmp_path, ep, etp, senders):
+    """MoE at TP2 x EP2 (two senders) and TP2 x ETP2 (the dense pieces and the experts' pieces travel in two groups
+    of the same ranks, their batches interleaved, each its own slots): after each of two syncs the engine equals
+    transformers' own load (fused experts), cast."""
     from megatron_rl.rollout.embedded import EmbeddedEngine
 
     def moe(path, seed):
@@ -149,11 +153,11 @@ def test_moe_tp2_ep2_engine_equals_checkpoint_after_each_sync(tmp_path):
                                    num_experts_per_tok=2, tie_word_embeddings=False)
 
     actor, other = moe(tmp_path / "actor", 1), moe(tmp_path / "other", 2)
-    job = named_job("actor", *JOB, *layout(tp=2, ep=2, etp=1, sp=True), hf=actor)
+    job = named_job("actor", *JOB, *layout(tp=2, ep=ep, etp=etp, sp=True), hf=actor)
     out = run_ranks(_body, 2, job, other, timeout=300)
     assert "error" not in out[0], out[0].get("error")
-    assert out[0]["metrics"]["weight_sync/senders"] == 2.0
-    ref = EmbeddedEngine(actor, dtype="float32", seed=0).model.state_dict()  # transformers' own load (fused experts)
+    assert out[0]["metrics"]["weight_sync/senders"] == senders
+    ref = EmbeddedEngine(actor, dtype="float32", seed=0).model.state_dict()
     _check(out[0]["states"], {k: v for k, v in ref.items() if not k.endswith("inv_freq")})
 
 
@@ -190,24 +194,6 @@ def test_a_stalled_rank_ends_the_sync_on_every_rank_within_the_bound(dense):
     for r in out:
         assert "did not exchange its pieces' status within 4 s" in r["error"], r.get("error")
     assert "within 4 s" in (out[0]["invalid"] or "")
-
-
-@pytest.mark.timeout(600)
-def test_moe_etp2_experts_gathered_over_their_own_group_equal_checkpoint(tmp_path):
-    """TP2 x ETP2: the dense pieces and the experts' pieces travel in two groups of the same ranks, their batches
-    interleaved (each its own slots); after each of two syncs the engine equals transformers' own load x2, cast."""
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-
-    def moe(path, seed):
-        return build_tiny_hf_model(path, arch="qwen3_moe", seed=seed, num_hidden_layers=2, num_experts=4,
-                                   num_experts_per_tok=2, tie_word_embeddings=False)
-
-    actor, other = moe(tmp_path / "actor", 1), moe(tmp_path / "other", 2)
-    job = named_job("actor", *JOB, *layout(tp=2, ep=1, etp=2, sp=True), hf=actor)
-    out = run_ranks(_body, 2, job, other, timeout=300)
-    assert "error" not in out[0], out[0].get("error")
-    ref = EmbeddedEngine(actor, dtype="float32", seed=0).model.state_dict()
-    _check(out[0]["states"], {k: v for k, v in ref.items() if not k.endswith("inv_freq")})
 
 
 @pytest.mark.timeout(600)

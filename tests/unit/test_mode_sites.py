@@ -8,10 +8,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILDERS = {"replay_of", "budget_of", "replay_mode", "_replay", "_budget", "dynamic_sampling_of", "_dynamic_sampling"}
 
 
-def _calls(path: str):
+def _nodes(path: str):
     with open(path, encoding="utf-8") as fh:
-        tree = ast.parse(fh.read(), path)
-    for node in ast.walk(tree):
+        return list(ast.walk(ast.parse(fh.read(), path)))
+
+
+def _scan(package: str, found_in, skip_testing: bool = False):
+    """Every ``found_in(path)`` hit of the modules under ``megatron_rl/<package>``."""
+    found = []
+    for dirpath, _dirs, files in os.walk(os.path.join(ROOT, "megatron_rl", package)):
+        if skip_testing and os.sep + "testing" in dirpath:
+            continue
+        found += [hit for fn in files if fn.endswith(".py") for hit in found_in(os.path.join(dirpath, fn))]
+    return found
+
+
+def _calls(path: str):
+    for node in _nodes(path):
         if isinstance(node, ast.Call):
             f = node.func
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
@@ -21,29 +34,19 @@ def _calls(path: str):
 
 
 def test_no_trainer_module_builds_the_replay_mode_or_the_budget():
-    found = []
-    for dirpath, _dirs, files in os.walk(os.path.join(ROOT, "megatron_rl", "trainer")):
-        for fn in files:
-            if fn.endswith(".py"):
-                found += list(_calls(os.path.join(dirpath, fn)))
+    found = _scan("trainer", _calls)
     assert not found, f"the trainer builds a choice the job plan builds (take the plan's object): {found}"
 
 
 def _enable_reads(path: str):
-    with open(path, encoding="utf-8") as fh:
-        tree = ast.parse(fh.read(), path)
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, ast.Attribute) and node.attr == "enable" and "filter_groups" in ast.unparse(node.value):
             yield f"{os.path.relpath(path, ROOT)}:{node.lineno}"
 
 
 def test_no_trainer_module_decides_dynamic_sampling_again():
     # the plan decides (plan.dynamic_sampling: the section when enabled, else None); the trainer wraps on that
-    found = []
-    for dirpath, _dirs, files in os.walk(os.path.join(ROOT, "megatron_rl", "trainer")):
-        for fn in files:
-            if fn.endswith(".py"):
-                found += list(_enable_reads(os.path.join(dirpath, fn)))
+    found = _scan("trainer", _enable_reads)
     assert not found, f"the trainer reads algorithm.filter_groups.enable (take plan.dynamic_sampling): {found}"
 
 
@@ -55,9 +58,7 @@ def test_the_scan_sees_a_fallback(tmp_path):
 
 
 def _offload_checks_without_precision(path: str):
-    with open(path, encoding="utf-8") as fh:
-        tree = ast.parse(fh.read(), path)
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "offload_errors":
             if not any(k.arg == "precision" for k in node.keywords):
                 yield f"{os.path.relpath(path, ROOT)}:{node.lineno}"
@@ -66,11 +67,5 @@ def _offload_checks_without_precision(path: str):
 def test_the_optimizer_offload_check_is_asked_with_the_jobs_precision():
     # without precision= offload_errors falls back to what actor.bf16 asks (Precision.requested): a second
     # Precision beside the plan's; the actor's optimizer and the plan pass theirs
-    found = []
-    for dirpath, _dirs, files in os.walk(os.path.join(ROOT, "megatron_rl")):
-        if os.sep + "testing" in dirpath:
-            continue
-        for fn in files:
-            if fn.endswith(".py"):
-                found += list(_offload_checks_without_precision(os.path.join(dirpath, fn)))
+    found = _scan("", _offload_checks_without_precision, skip_testing=True)
     assert not found, f"offload_errors without the job's precision: {found}"
