@@ -16,7 +16,7 @@ import torch
 from megatron_rl.convert.geometry import HFGeometry
 from megatron_rl.convert.mapping import ParamRule, hf_tensors
 
-__all__ = ["Pieces", "FENCE", "from_parts", "hf_pieces", "materialize"]
+__all__ = ["Pieces", "FENCE", "from_parts", "hf_pieces", "materialize", "copy_into"]
 
 #: Name of the marker a lazy stream yields (with None) where the pieces yielded before it are no longer valid once
 #: the consumer asks for the next pair (see the module doc).
@@ -89,6 +89,14 @@ def _simplify(p: Pieces) -> Union[Pieces, torch.Tensor]:
 def materialize(t) -> torch.Tensor:
     """``t`` as a tensor (a ``Pieces`` assembled)."""
     return t.materialize() if isinstance(t, Pieces) else t
+
+
+def copy_into(t, dst: torch.Tensor) -> None:
+    """Copy ``t`` (a tensor, or a ``Pieces`` block by block) into ``dst``, casting to its dtype."""
+    if isinstance(t, Pieces):
+        t.copy_into(dst)
+    else:
+        dst.copy_(t)
 
 
 def from_parts(parts: Sequence[torch.Tensor], kind: str, full_shape: Sequence[int], dtype: torch.dtype) -> Pieces:

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from megatron_rl.convert.pieces import FENCE, Pieces
+from megatron_rl.convert.pieces import FENCE, copy_into
 from megatron_rl.weight_sync.endpoint import tensor_checksum
 
 __all__ = ["Bucket", "HeldBucket", "bucketize", "hold_buckets", "tensor_checksum", "DTYPE_NAMES"]
@@ -138,11 +138,7 @@ def bucketize(pairs: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
             cur_dtype = want
             buf = spare if (spare is not None and n <= bucket_bytes) else torch.empty(max(bucket_bytes, n),
                                                                                        dtype=torch.uint8)
-        dst = buf[used:used + n].view(want).view(t.shape)
-        if isinstance(t, Pieces):
-            t.copy_into(dst)
-        else:
-            dst.copy_(t.detach())
+        copy_into(t.detach(), buf[used:used + n].view(want).view(t.shape))
         names.append(name)
         shapes.append(tuple(t.shape))
         used += n

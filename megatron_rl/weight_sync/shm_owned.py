@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.convert.pieces import Pieces
+from megatron_rl.convert.pieces import copy_into
 from megatron_rl.parallel.devices import collective_device
 from megatron_rl.parallel.rank0 import is_rank0
 from megatron_rl.weight_sync.buckets import Bucket
@@ -39,11 +39,8 @@ def _owned(bucket) -> Bucket:
     off, item = 0, torch.empty((), dtype=bucket.dtype).element_size()
     for _, t in bucket.tensors():
         n = t.numel() * item
-        dst = out[off:off + n].view(bucket.dtype).view(t.shape)
-        if isinstance(t, Pieces):  # a fused qkv's q / k / v, a TP gather's pieces (valid until the next bucket)
-            t.copy_into(dst)
-        else:
-            dst.copy_(t)
+        # a ``Pieces`` (a fused qkv's q / k / v, a TP gather's pieces) is valid until the next bucket
+        copy_into(t, out[off:off + n].view(bucket.dtype).view(t.shape))
         off += n
     return Bucket(list(bucket.names), list(bucket.shapes), bucket.dtype, out)
 

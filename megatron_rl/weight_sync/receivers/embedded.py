@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 
 from megatron_rl.convert.checks import CheckpointMismatchError, check_state_dict
-from megatron_rl.convert.pieces import Pieces
+from megatron_rl.convert.pieces import copy_into
 from megatron_rl.weight_sync.endpoint import WeightReceiver, WeightSyncError
 from megatron_rl.weight_sync.delta import DeltaBucket, apply_delta
 from megatron_rl.weight_sync.in_process import InProcessSpec
@@ -108,13 +108,6 @@ def _expert_target(own: Mapping[str, torch.Tensor], name: str):
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _copy(t, dst: torch.Tensor) -> None:
-    if isinstance(t, Pieces):  # a tensor in pieces (a TP gather's, a fused qkv's q / k / v): each put in place
-        t.copy_into(dst)
-    else:
-        dst.copy_(t)
-
-
 def _apply(d, dst: torch.Tensor) -> None:
     apply_delta(dst, d)
 
@@ -150,7 +143,8 @@ class BucketLoader(WeightReceiver):
                                       f"holds {self.held!r}" + (" (invalid)" if self.engine._invalid else ""))
             pairs = [(d.name, d.shape, functools.partial(_apply, d)) for d in bucket.deltas()]
         else:
-            pairs = [(name, t.shape, functools.partial(_copy, t)) for name, t in bucket.tensors()]
+            # (a ``Pieces``: each piece put in place)
+            pairs = [(name, t.shape, functools.partial(copy_into, t)) for name, t in bucket.tensors()]
         errors = []
         for name, shape, _ in pairs:
             dst = self._target(name)
