@@ -35,7 +35,6 @@ TP_GATHERS = ("shm", "flat", "gloo")
 
 #: Most bytes of pieces per rank in one ``shm`` batch (``shm.BATCH_CAP``).
 BATCH_CAP = shm.BATCH_CAP
-_MIN_SLOT = 1 << 20  # the smallest slot (``shm.segment_bytes``' floor of a batch)
 
 
 def _want(t: torch.Tensor, dtype) -> torch.dtype:
@@ -56,7 +55,7 @@ class _Slots:
     """One group's segments: this rank's (a non-sender) or every other rank's mapping (the sender)."""
 
     def __init__(self, group, size: int, nbytes: int):
-        self.slot = max(int(nbytes), _MIN_SLOT)
+        self.slot = max(int(nbytes), shm.MIN_SLOT)
         self.count = 0
         me = dist.get_rank(group)
         mine = shm.Segment.create(f"tp{dist.get_rank()}", 2 * self.slot) if me != 0 else None
@@ -105,7 +104,7 @@ class _ShmGather:
         slots = entry[1]
         if slots is not False and (slots is None or nbytes > slots.slot):  # every rank sees the same sizes
             # a piece beyond the current slot: max(piece, 2 batches), what ``shm.segment_bytes`` counts
-            batch = max(self.batch_bytes, _MIN_SLOT)
+            batch = max(self.batch_bytes, shm.MIN_SLOT)
             slots = _Slots(group, size, max(nbytes, 2 * batch if slots else batch))
             self.groups[id(group)] = (group, slots)
         return slots

@@ -21,6 +21,8 @@ import torch
 #: while the others write the next one (smaller batches overlap more, each costs one exchange of the group: ~0.3 ms,
 #: a memcpy of ~3 MiB).
 BATCH_CAP = 16 << 20
+#: The smallest ``shm`` gather slot (the floor of a batch; ``gather._Slots``).
+MIN_SLOT = 1 << 20
 
 __all__ = ["available", "Segment", "leftovers", "segment_bytes"]
 
@@ -110,7 +112,7 @@ def segment_bytes(settings, largest_piece: int = 0, largest_tensor: int = 0) -> 
 
     ``largest_piece``: bytes of the largest piece of a split parameter the rank writes; ``largest_tensor``: of the
     largest tensor a sender packs; both in the engine's dtype."""
-    batch = max(min(int(settings.bucket_bytes), BATCH_CAP), 1 << 20)
+    batch = max(min(int(settings.bucket_bytes), BATCH_CAP), MIN_SLOT)
     slot = batch if largest_piece <= batch else max(int(largest_piece), 2 * batch)
     gather = 2 * slot if settings.tp_gather == "shm" and largest_piece > 0 else 0
     sender = max(int(settings.bucket_bytes), int(largest_tensor)) if settings.sender_transport == "shm" else 0
