@@ -20,7 +20,7 @@ from megatron_rl.convert import storage
 from megatron_rl.convert.mapping import hf_row_sources, hf_to_mcore, mcore_to_hf, param_rules
 from megatron_rl.convert.torch_dist import read_torch_dist_model_state_dict
 from megatron_rl.lora.base import base_fingerprint
-from megatron_rl.lora.merge import LORA_A, LORA_B, adapted_modules, merged_items
+from megatron_rl.lora.merge import LORA_A, LORA_B, adapted_modules, lora_scale, merged_items
 
 Tensor = torch.Tensor
 
@@ -142,7 +142,7 @@ def write_peft_adapter(out_dir: str, adapters: Mapping[str, Tensor], geom: HFGeo
 def merged_hf_state_dict(full: Mapping[str, Tensor], geom: HFGeometry, lora: Mapping) -> Dict[str, Tensor]:
     """The HF state dict of ``full`` with its adapters merged (``lora.merge``: fp32, cast once to the base
     weight's dtype)."""
-    scale = float(lora["alpha"]) / int(lora["rank"])
+    scale = lora_scale(int(lora["rank"]), lora["alpha"])
     merged = {n: t.to(full[n].dtype) for n, t in merged_items(full, scale)}
     return mcore_to_hf(merged, geom)
 
