@@ -101,12 +101,9 @@ def _stage_sizes(chunk: torch.nn.Module) -> Dict[str, Optional[int]]:
             "last_stage_layers": getattr(cfg, "num_layers_in_last_pipeline_stage", None)}
 
 
-def _chunk_coords(groups: ActorGroups, chunk: torch.nn.Module, vp_stage: int) -> RankCoords:
+def chunk_coords(groups: ActorGroups, chunk: torch.nn.Module, vp_stage: int) -> RankCoords:
     """This rank's coordinates of model chunk ``vp_stage`` (uneven stages read from the chunk's config)."""
     return RankCoords.from_groups(groups, vp_stage=vp_stage, **_stage_sizes(chunk))
-
-
-chunk_coords = _chunk_coords  # (public name: loaders of other checkpoints, e.g. actor.critic_hf)
 
 
 def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dict[str, Tensor],
@@ -114,7 +111,7 @@ def load_full_state_dict_into_model(chunks: Sequence[torch.nn.Module], full: Dic
     """Cut this rank's chunk(s) from the full (TP1/PP1/EP1) Megatron state dict — embedding / output rows
     zero-padded to ``model_cfg.vocab_size`` — and load them strictly (names and shapes checked)."""
     for i, chunk in enumerate(chunks):
-        coords = _chunk_coords(groups, chunk, i)
+        coords = chunk_coords(groups, chunk, i)
         sd = cut_state_dict(full, coords, model_cfg.num_layers, _tied(model_cfg), model_cfg.num_moe_experts or 0,
                             padded_vocab_size=model_cfg.vocab_size)
         load_state_dict_into_model(chunk, sd, where=str(coords))
@@ -136,7 +133,7 @@ def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str,
         geom = HFGeometry.from_hf_config(storage.read_hf_config(ckpt_dir))
         reader = storage.SafetensorsReader.for_hf_dir(ckpt_dir, count)
         for i, chunk in enumerate(chunks):
-            coords = _chunk_coords(groups, chunk, i)
+            coords = chunk_coords(groups, chunk, i)
             sd = read_chunk_shard(reader, geom, coords, padded_vocab_size=model_cfg.vocab_size)
             load_state_dict_into_model(chunk, sd, where=f"{ckpt_dir} -> {coords}")
             del sd
@@ -144,7 +141,7 @@ def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str,
     if len(chunks) > 1:  # VPP: a converted directory has no VPP layout, each chunk is read slice by slice
         geom, saved, _ = api.read_mcore_checkpoint(ckpt_dir)
         for i, chunk in enumerate(chunks):
-            coords = _chunk_coords(groups, chunk, i)
+            coords = chunk_coords(groups, chunk, i)
             sd = read_chunk_from_converted(ckpt_dir, geom, saved, coords, model_cfg.vocab_size, count)
             load_state_dict_into_model(chunk, sd, where=f"{ckpt_dir} -> {coords}")
             del sd
@@ -156,7 +153,7 @@ def load_checkpoint_into_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str,
                          padded_vocab_size=model_cfg.vocab_size,
                          num_layers_in_first_pipeline_stage=stages["first_stage_layers"],
                          num_layers_in_last_pipeline_stage=stages["last_stage_layers"])
-    coords = _chunk_coords(groups, chunks[0], 0)
+    coords = chunk_coords(groups, chunks[0], 0)
     sd = api.load_rank_state_dict(ckpt_dir, layout, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                                   ep_rank=groups.ep_rank, etp_rank=groups.etp_rank, count=count)
     load_state_dict_into_model(chunks[0], sd, where=f"{ckpt_dir} -> {coords}")
@@ -205,7 +202,7 @@ def _entries(chunks, model_cfg: ModelConfig, groups: ActorGroups, owner_only: bo
     owns_experts = not owner_only or groups.etp_rank == 0
     per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
     for i, chunk in enumerate(chunks):
-        first_layer, _ = layer_range(model_cfg.num_layers, _chunk_coords(groups, chunk, i))
+        first_layer, _ = layer_range(model_cfg.num_layers, chunk_coords(groups, chunk, i))
         sd = canonical_state_dict(chunk.state_dict())
         for name, t in (sd.items() if view is None else view(sd)):
             t = t.detach()
