@@ -286,11 +286,11 @@ def iter_full_tensors(chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig,
     if getattr(gather, "gather_many", None) is not None:
         yield from _batched(entries, gather, gather_dtype)
         return
+    per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
     for name, t, kind, group, size, out in entries:
         full = _merge(t, kind, group, size, name, not owner_only, gather_dtype, gather)
         if isinstance(out, tuple):
             prefix, fmt, local = out
-            per_ep = (model_cfg.num_moe_experts or 0) // groups.ep_size
             for ep_rank, piece in enumerate(_all_gather(full, groups.ep_group, groups.ep_size)):
                 yield prefix + fmt.format(ep_rank * per_ep + local), piece
         elif out is not None:
