@@ -361,16 +361,11 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
     spec = dict(precision=p.build(_precision, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
-                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg),
+                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(lora_spec, cfg),
                 recompute=p.build(_recompute, ac, cfg.model, cfg.parallel))
     if p.found or p.unbuilt:
         raise PlanError(p.found or ["actor: the plan could not be built"])
     return ActorSpec(model=cfg.model, parallel=cfg.parallel, actor=ac, **spec)
-
-
-def _actor_lora(cfg):
-    """``lora_spec`` of an actor alone (it syncs no weights: the rollout side's refusal does not apply)."""
-    return lora_spec(cfg, with_sync=False)
 
 
 def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpec:
