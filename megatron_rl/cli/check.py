@@ -126,8 +126,8 @@ def _run(args: argparse.Namespace) -> int:
     sized = parts.dims is not None and parts.budget is not None and parts.batcher is not None
     if cfg.model is not None and not any(_blocks_plan(p) for p in problems):  # the longest row needs the layout
         prof, prompt, prompt_src = _prompt(args, cfg, parts)
-        row = longest_row(parts.dims, parts.budget, prompt) if sized else None
-        budget_problem = token_budget_error(parts.batcher, row, prompt_src) if sized else None
+        budget_problem = (token_budget_error(parts.batcher, longest_row(parts.dims, parts.budget, prompt), prompt_src)
+                          if sized else None)
         if budget_problem is not None:
             problems.append(budget_problem)
     if problems:

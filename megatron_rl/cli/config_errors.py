@@ -28,8 +28,7 @@ import time
 from typing import List, Optional, Sequence
 
 from megatron_rl.config import ConfigError, launch_world_size
-from megatron_rl.plan import collect_job_config
-from megatron_rl.plan import world_errors
+from megatron_rl.plan import collect_job_config, world_errors
 
 #: Seconds the reporting rank waits before it exits 2, so that the quiet ranks have exited 0 by then.
 REPORTER_DELAY_S = 3.0

@@ -807,13 +807,8 @@ def _ref_param_offload(value: Any, v: Verl) -> Dict[str, Any]:
 
 
 def _lora_rules() -> List[Rule]:
-    """Mapped once ``actor.lora`` exists (until then: not supported); each key counts only while its rank is on."""
+    """verl's LoRA keys onto ``actor.lora`` / ``rollout.lora_sync``; each key counts only while its rank is on."""
     fsdp, mcore = _unless(f"{_MODEL}.lora_rank", bool, ""), _unless(f"{_MODEL}.lora.rank", bool, "")
-    if not (_field("actor.lora.rank") and _field("rollout.lora_sync")):
-        return [_u(f"{_MODEL}.lora_rank", _NO_LORA, neutral=(0,)),
-                _u(f"{_MODEL}.lora.**", _NO_LORA, inactive=mcore), _u(f"{_MODEL}.lora_*", _NO_LORA, inactive=fsdp),
-                _u(f"{_MODEL}.target_modules", _NO_LORA, inactive=fsdp),
-                _u(f"{_MODEL}.exclude_modules", _NO_LORA, inactive=fsdp)]
     init = "A is initialised as PEFT does (actor.lora.init: kaiming, or gaussian)"
     return [
         _m(f"{_MODEL}.lora_rank", "actor.lora.rank", convert=_lora_rank),

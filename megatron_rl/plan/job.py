@@ -34,12 +34,11 @@ from megatron_rl.plan.parts import PlanParts
 from megatron_rl.actor.critic import CriticSpec
 from megatron_rl.plan.critic import critic_dp_errors, critic_plan
 from megatron_rl.plan.checks import (DEVICES, ENGINES, Unbuilt, actor_size_errors, build_dims, cluster_errors,
-                                     data_errors, dp_errors, lora_target_errors, model_extra_errors,
-                                     multi_turn_errors_of_job, rollout_errors, rollout_mode_errors, staleness_errors,
-                                     trainer_errors, validation_errors_of_job)
+                                     data_errors, dp_errors, lora_adapter_expert_errors, lora_target_errors,
+                                     model_extra_errors, multi_turn_errors_of_job, rollout_errors,
+                                     rollout_mode_errors, staleness_errors, trainer_errors, validation_errors_of_job)
 from megatron_rl.plan.kl_reward import build_kl_in_reward, describe_kl_in_reward
 from megatron_rl.plan.reward_checks import reward_errors_of_job
-from megatron_rl.plan.checks import lora_adapter_expert_errors
 from megatron_rl.rollout.budget import ResponseBudget
 from megatron_rl.rollout.factory import ENGINE_KINDS, build_engine, engine_class
 
@@ -49,7 +48,7 @@ if TYPE_CHECKING:  # the config package validates through this module: only its 
 from megatron_rl.weight_sync.settings import WeightSyncSettings
 
 __all__ = ["JobPlan", "PlanError", "actor_spec", "critic_spec", "replay_of", "budget_of", "job_engine",
-           "world_errors", "plan_parts", "planning_precision"]
+           "world_errors", "plan_parts", "planning_precision", "weight_sync_of"]
 
 T = TypeVar("T")
 
@@ -216,7 +215,7 @@ class JobPlan:
         replay = p.build(_replay, ac.routing_replay, cfg.model)
         p.add(trainer_errors(t, d.max_reward_failure_frac))
         p.add(rollout_mode_errors(r))
-        ws = p.build(WeightSyncSettings.checked, r, t.run_dir, ENGINES, ac.lora, lora_target_errors(r, ac.lora))
+        ws = p.build(weight_sync_of, r, t.run_dir, ac.lora)
         p.add(lora_adapter_expert_errors(cfg))
         p.add(staleness_errors(r, t))
         p.add(validation_errors_of_job(cfg, world_size))
@@ -284,6 +283,13 @@ def _objective(corr, policy_loss, budget: Optional[ResponseBudget]) -> Objective
 def _attention(device: str, has_te: Optional[bool], precision: Precision) -> AttentionBackend:
     """The core-attention backend on ``device`` (``has_te``: see ``JobPlan.collect``): the one site that picks it."""
     return attention_backend(device, expected_te(device, has_te)[0], precision.bf16)
+
+
+def weight_sync_of(rollout, run_dir: str, lora=None) -> WeightSyncSettings:
+    """The weight-sync settings of a ``rollout`` section (``run_dir``: ``trainer.run_dir``; ``lora``: ``actor.lora``),
+    the one site that builds them (``WeightSyncSettings.checked`` with every engine class and the LoRA target
+    check); ``Unbuilt`` with every ``rollout.weight_sync*`` / ``rollout.lora_sync`` problem."""
+    return WeightSyncSettings.checked(rollout, run_dir, ENGINES, lora, lora_target_errors(rollout, lora))
 
 
 def _precision(ac) -> Precision:
@@ -355,16 +361,11 @@ def actor_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> ActorSpec:
     objective = p.build(_objective, corr, ac.policy_loss, p.build(_budget, cfg.rollout, cfg.multi_turn))
     spec = dict(precision=p.build(_precision, ac), batcher=p.build(_batcher, dims, ac, cfg.parallel),
                 replay=p.build(_replay, ac.routing_replay, cfg.model), objective=objective,
-                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(_actor_lora, cfg),
+                lr_schedule=p.build(_lr_schedule, ac, cfg.trainer.steps), lora=p.build(lora_spec, cfg),
                 recompute=p.build(_recompute, ac, cfg.model, cfg.parallel))
     if p.found or p.unbuilt:
         raise PlanError(p.found or ["actor: the plan could not be built"])
     return ActorSpec(model=cfg.model, parallel=cfg.parallel, actor=ac, **spec)
-
-
-def _actor_lora(cfg):
-    """``lora_spec`` of an actor alone (it syncs no weights: the rollout side's refusal does not apply)."""
-    return lora_spec(cfg, with_sync=False)
 
 
 def critic_spec(cfg: "JobConfig", world_size: Optional[int] = None) -> CriticSpec:
@@ -424,7 +425,6 @@ def plan_parts(cfg: "JobConfig", world_size: int, has_te: Optional[bool] = None)
     return PlanParts(dims=dims, budget=p.build(_budget, cfg.rollout, cfg.multi_turn),
                      batcher=p.build(_batcher, dims, ac, cfg.parallel), precision=precision,
                      attention=_attention(cfg.cluster.device, has_te, precision),
-                     weight_sync=p.build(WeightSyncSettings.checked, cfg.rollout, cfg.trainer.run_dir, ENGINES,
-                                         ac.lora, lora_target_errors(cfg.rollout, ac.lora)),
+                     weight_sync=p.build(weight_sync_of, cfg.rollout, cfg.trainer.run_dir, ac.lora),
                      recompute=(p.build(_recompute_asked, ac, cfg.model, cfg.parallel) or (None,))[0],
                      replay=p.build(_replay, ac.routing_replay, cfg.model))

@@ -11,7 +11,7 @@ from megatron_rl.lora.apply import LoraSpec
 from megatron_rl.lora.config import ALL_LINEAR
 from megatron_rl.plan.checks import Unbuilt
 
-__all__ = ["lora_spec", "lora_errors", "model_linear_names", "sync_errors"]
+__all__ = ["lora_spec", "lora_errors", "model_linear_names"]
 
 #: the MLA projections the adapter layer cannot wrap yet (megatron's local spec builds them as replicated Linear)
 _UNSUPPORTED = ("linear_q_down_proj", "linear_kv_down_proj")
@@ -28,9 +28,10 @@ def model_linear_names(model) -> List[str]:
     return attn + ["linear_fc1", "linear_fc2"]
 
 
-def lora_errors(cfg, with_sync: bool = True) -> List[str]:
-    """Problems of ``actor.lora`` with the rest of the job, each naming its key (none when LoRA is off);
-    ``with_sync``: the job syncs weights to a rollout engine (a whole job; an actor alone does not)."""
+def lora_errors(cfg) -> List[str]:
+    """Problems of ``actor.lora`` with the rest of the job, each naming its key (none when LoRA is off). The rollout
+    side of a LoRA job (``rollout.lora_sync``) is checked with the weight-sync settings
+    (``WeightSyncSettings.checked``), not here."""
     lc, ac, model, par = cfg.actor.lora, cfg.actor, cfg.model, cfg.parallel
     if not lc.enabled:
         return []
@@ -72,22 +73,15 @@ def lora_errors(cfg, with_sync: bool = True) -> List[str]:
         errs.append("actor.lora: not with actor.fp32_output_layer (the output layer is frozen under LoRA)")
     if ac.optimizer_cpu_offload:
         errs.append("actor.lora: not with actor.optimizer_cpu_offload (the optimizer holds only the adapters)")
-    errs += sync_errors(cfg) if with_sync else []
     if ac.ref_param_offload:
         errs.append("actor.ref_param_offload: with actor.lora the KL reference is the policy with its adapters off "
                     "(no separate weights to offload); remove it")
     return errs
 
 
-def sync_errors(cfg) -> List[str]:
-    """The rollout side of a LoRA job: its weight sync carries the adapters (``rollout.lora_sync``, checked with
-    the weight-sync settings: ``WeightSyncSettings.checked``), so nothing more is refused here."""
-    return []
-
-
-def lora_spec(cfg, with_sync: bool = True) -> Optional[LoraSpec]:
+def lora_spec(cfg) -> Optional[LoraSpec]:
     """``LoraSpec`` of ``actor.lora`` (seeded by ``trainer.seed``), None when off; ``Unbuilt`` with its problems."""
-    errs = lora_errors(cfg, with_sync)
+    errs = lora_errors(cfg)
     if errs:
         raise Unbuilt(errs)
     return LoraSpec(cfg.actor.lora, cfg.trainer.seed) if cfg.actor.lora.enabled else None
