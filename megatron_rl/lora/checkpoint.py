@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from megatron_rl.lora.config import ALL_LINEAR, HF_ALIASES, MCORE_TARGETS
+from megatron_rl.lora.merge import LORA_A, LORA_B
 
 __all__ = ["is_adapter_key", "lora_meta_problem", "MEANING_KEYS"]
 
@@ -18,7 +19,7 @@ MEANING_KEYS = ("rank", "alpha", "target_modules")
 
 def is_adapter_key(key: str) -> bool:
     """A state-dict key of an adapter parameter (``...lora_A.weight`` / ``...lora_B.weight``)."""
-    return key.endswith((".lora_A.weight", ".lora_B.weight"))
+    return key.endswith((LORA_A, LORA_B))
 
 
 def _meaning(key: str, value: Any) -> Any:
