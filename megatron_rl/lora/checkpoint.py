@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from megatron_rl.lora.config import ALL_LINEAR, HF_ALIASES, MCORE_TARGETS
+from megatron_rl.lora.config import mcore_targets
 from megatron_rl.lora.merge import LORA_A, LORA_B
 
 __all__ = ["is_adapter_key", "lora_meta_problem", "MEANING_KEYS"]
@@ -27,10 +27,7 @@ def _meaning(key: str, value: Any) -> Any:
     (order and HF aliases do not matter), the others as they are."""
     if key != "target_modules" or not isinstance(value, (list, tuple)):
         return value
-    names = set()
-    for t in value:
-        names.update(MCORE_TARGETS if t == ALL_LINEAR else (HF_ALIASES.get(t, t),))
-    return sorted(names)
+    return sorted({name for _, name in mcore_targets(value)})
 
 
 def lora_meta_problem(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, Any]]) -> Optional[str]:
