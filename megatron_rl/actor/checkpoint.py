@@ -83,6 +83,17 @@ def _model_sharded_state_dict(model: Sequence[torch.nn.Module], adapters_only: b
     return {f"model{i}": one(chunk) for i, chunk in enumerate(model)}
 
 
+def _load_model_chunks(model: Sequence[torch.nn.Module], loaded: Dict[str, Any], adapters_only: bool, d: str) -> None:
+    """Each chunk's part of ``loaded`` (keyed as ``_model_sharded_state_dict``), strictly; ``adapters_only``: the
+    frozen base stays as loaded and a missing adapter or unexpected key raises, naming the checkpoint ``d``."""
+    for i, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{i}"
+        res = chunk.module.load_state_dict(loaded[key], strict=not adapters_only)
+        lost = [k for k in res.missing_keys if is_adapter_key(k)] + list(res.unexpected_keys)
+        if adapters_only and lost:
+            raise CheckpointLayoutError(f"checkpoint {d}: adapters not loaded: {lost[:5]}")
+
+
 def _rng_state() -> Dict[str, Any]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -339,15 +350,7 @@ def load_checkpoint(path: str, model: Sequence[torch.nn.Module], optimizer, grou
         raise CheckpointLayoutError(
             f"checkpoint {d}: loading failed (saved layout {saved_layout}, requested layout {now_layout}; "
             f"optimizer saved {saved!r}, loading {now!r}): {type(exc).__name__}: {exc}") from exc
-    for i, chunk in enumerate(model):
-        key = "model" if len(model) == 1 else f"model{i}"
-        if lora is None:
-            chunk.module.load_state_dict(loaded[key])
-            continue
-        res = chunk.module.load_state_dict(loaded[key], strict=False)  # the frozen base stays as loaded
-        lost = [k for k in res.missing_keys if is_adapter_key(k)] + list(res.unexpected_keys)
-        if lost:
-            raise CheckpointLayoutError(f"checkpoint {d}: adapters not loaded: {lost[:5]}")
+    _load_model_chunks(model, loaded, lora is not None, d)
     _restore_zero_steps(loaded["optimizer"])
     optimizer.load_state_dict(loaded["optimizer"])
     changes = group_changes(saved_settings, settings)
@@ -387,10 +390,5 @@ def load_model_state(path: str, model: Sequence[torch.nn.Module], model_cfg, lor
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the layouts named
         raise CheckpointLayoutError(f"checkpoint {d}: loading its model state failed (saved layout {meta['layout']}): "
                                     f"{type(exc).__name__}: {exc}") from exc
-    for i, chunk in enumerate(model):
-        key = "model" if len(model) == 1 else f"model{i}"
-        res = chunk.module.load_state_dict(loaded[key], strict=lora is None)
-        lost = [k for k in res.missing_keys if is_adapter_key(k)] + list(res.unexpected_keys)
-        if lora is not None and lost:
-            raise CheckpointLayoutError(f"checkpoint {d}: adapters not loaded: {lost[:5]}")
+    _load_model_chunks(model, loaded, lora is not None, d)
     return int(meta["step"])

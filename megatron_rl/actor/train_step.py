@@ -89,7 +89,8 @@ class _MicroBatchLoss:
         return out.loss * self.scale, {"metrics": metrics}
 
 
-def _forward_step(loss_func, mb: MicroBatch, model):
+def forward_step(loss_func, mb: MicroBatch, model):
+    """megatron's forward step: the model's output on ``mb`` and ``loss_func`` bound to ``mb``."""
     output = model(mb.tokens, mb.position_ids, attention_mask=None, **mb.model_kwargs)
     return output, functools.partial(loss_func, mb)
 
@@ -163,7 +164,7 @@ def train_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, batch: 
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    step = functools.partial(_forward_step, loss_func)
+    step = functools.partial(forward_step, loss_func)
     if replay is not None:
         step = replay.wrap(step)
     results = run_schedule(model_chunks, mbs, step, forward_only=False,

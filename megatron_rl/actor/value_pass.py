@@ -17,7 +17,7 @@ from megatron_rl.actor.batch import RolloutBatch, scatter_rows
 from megatron_rl.actor.batcher import MicroBatcher
 from megatron_rl.actor.forward import broadcast_from_last_stage_tensors
 from megatron_rl.actor.schedule import MicroBatch, actor_device, run_schedule
-from megatron_rl.actor.train_step import broadcast_object
+from megatron_rl.actor.train_step import broadcast_object, forward_step
 from megatron_rl.losses import global_denominators, merge_metrics, reduce_metrics
 from megatron_rl.losses.metrics import SumCount
 from megatron_rl.losses.value import compute_value_loss
@@ -37,11 +37,6 @@ def _values_loss_func(mb: MicroBatch, output: torch.Tensor):
     return output.new_zeros(()), {"values": _values_of(output).detach()}
 
 
-def _forward_step(loss_func, mb: MicroBatch, model):
-    output = model(mb.tokens, mb.position_ids, attention_mask=None, **mb.model_kwargs)
-    return output, functools.partial(loss_func, mb)
-
-
 def compute_values(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch, *,
                    bounds: Sequence[Tuple[int, int]], groups: ActorGroups,
                    batcher: MicroBatcher) -> torch.Tensor:
@@ -50,7 +45,7 @@ def compute_values(model_chunks: Sequence[torch.nn.Module], batch: RolloutBatch,
     mbs = batcher.cut(batch, bounds, groups)
     for chunk in model_chunks:
         chunk.eval()
-    step = functools.partial(_forward_step, _values_loss_func)
+    step = functools.partial(forward_step, _values_loss_func)
     with torch.no_grad():
         results = run_schedule(model_chunks, mbs, step, forward_only=True,
                                vp_group_size=batcher.vp_group_size(len(mbs)))
@@ -113,7 +108,7 @@ def train_value_mini_batch(model_chunks: Sequence[torch.nn.Module], optimizer, b
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    results = run_schedule(model_chunks, mbs, functools.partial(_forward_step, loss_func), forward_only=False,
+    results = run_schedule(model_chunks, mbs, functools.partial(forward_step, loss_func), forward_only=False,
                            vp_group_size=batcher.vp_group_size(len(mbs)))
     update_successful, grad_norm, _ = optimizer.step()
     metrics = None

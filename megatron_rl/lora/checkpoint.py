@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from megatron_rl.lora.config import ALL_LINEAR, HF_ALIASES, MCORE_TARGETS
+from megatron_rl.lora.config import mcore_targets
+from megatron_rl.lora.merge import LORA_A, LORA_B
 
 __all__ = ["is_adapter_key", "lora_meta_problem", "MEANING_KEYS"]
 
@@ -18,7 +19,7 @@ MEANING_KEYS = ("rank", "alpha", "target_modules")
 
 def is_adapter_key(key: str) -> bool:
     """A state-dict key of an adapter parameter (``...lora_A.weight`` / ``...lora_B.weight``)."""
-    return key.endswith((".lora_A.weight", ".lora_B.weight"))
+    return key.endswith((LORA_A, LORA_B))
 
 
 def _meaning(key: str, value: Any) -> Any:
@@ -26,10 +27,7 @@ def _meaning(key: str, value: Any) -> Any:
     (order and HF aliases do not matter), the others as they are."""
     if key != "target_modules" or not isinstance(value, (list, tuple)):
         return value
-    names = set()
-    for t in value:
-        names.update(MCORE_TARGETS if t == ALL_LINEAR else (HF_ALIASES.get(t, t),))
-    return sorted(names)
+    return sorted({name for _, name in mcore_targets(value)})
 
 
 def lora_meta_problem(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, Any]]) -> Optional[str]:

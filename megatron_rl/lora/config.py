@@ -6,9 +6,9 @@ here, once (``names.py`` finds the modules), so every later reader sees megatron
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["LoraConfig", "MCORE_TARGETS", "HF_ALIASES", "ALL_LINEAR", "INITS"]
+__all__ = ["LoraConfig", "mcore_targets", "MCORE_TARGETS", "HF_ALIASES", "ALL_LINEAR", "INITS"]
 
 #: megatron-core module names an adapter can target
 MCORE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
@@ -23,6 +23,18 @@ HF_ALIASES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_
 _TOGETHER = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 #: ``init`` values: PEFT's defaults (B zeros; A kaiming-uniform(a=sqrt(5)) as nn.Linear, or normal(0, 1/r))
 INITS = ("kaiming", "gaussian")
+
+
+def mcore_targets(entries: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
+    """((entry as written, megatron-core module name), ...) for every ``target_modules`` entry of ``entries``
+    (``all-linear``: every name; an HF name: the module that holds it)."""
+    out = []
+    for t in entries:
+        if t == ALL_LINEAR:
+            out += [(t, m) for m in MCORE_TARGETS]
+        else:
+            out.append((t, HF_ALIASES.get(t, t)))
+    return tuple(out)
 
 
 @dataclass
@@ -100,13 +112,7 @@ class LoraConfig:
 
     def mcore_targets(self) -> Tuple[Tuple[str, str], ...]:
         """((entry as written, megatron-core module name), ...) for every entry (``all-linear``: every name)."""
-        out = []
-        for t in self.target_modules:
-            if t == ALL_LINEAR:
-                out += [(t, m) for m in MCORE_TARGETS]
-            else:
-                out.append((t, HF_ALIASES.get(t, t)))
-        return tuple(out)
+        return mcore_targets(self.target_modules)
 
     def to_dict(self) -> Dict[str, Any]:
         """The section as the YAML writes it (saved with checkpoints and adapters)."""
