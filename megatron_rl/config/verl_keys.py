@@ -779,7 +779,7 @@ def _pending_rules() -> List[Rule]:
 
 
 # ---- LoRA: verl's FSDP keys (model.lora_rank / lora_alpha / target_modules) and its Megatron ones (model.lora.*)
-_NO_LORA = "LoRA is not supported: the whole model trains"
+_NO_LORA = "a verl LoRA option (FSDP spelling) without a counterpart here"
 
 
 def _lora_rank(value: Any, v: Verl) -> Dict[str, Any]:

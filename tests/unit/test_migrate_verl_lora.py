@@ -98,3 +98,10 @@ def test_verl_lora_freeze_defaults_migrate_and_unfreezing_is_refused():
         bad = copy.deepcopy(tree)
         bad["actor_rollout_ref"]["model"]["lora"][key.rsplit(".", 1)[1]] = False
         assert _entry(migrate_verl(bad), key).kind == UNSUPPORTED, key
+
+
+def test_an_unknown_fsdp_lora_key_is_refused_without_saying_lora_is_unsupported():
+    verl = copy.deepcopy(_load("dapo_minimal.yaml"))
+    verl["actor_rollout_ref"].setdefault("model", {}).update(lora_rank=8, lora_alpha=16, lora_unknown_option=1)
+    e = _entry(migrate_verl(verl), f"{M}.lora_unknown_option")
+    assert e.kind == UNSUPPORTED and "not supported" not in e.detail and "without a counterpart" in e.detail, e
